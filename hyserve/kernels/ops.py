@@ -1,0 +1,40 @@
+"""The ops the model calls. Each name dispatches to the best implementation for the tensors' device:
+the plain-torch references here; Triton kernels register themselves in `_CUDA_IMPLS` (see `use_cuda_impl`)
+once they exist and pass their tests. One place decides, so the model never special-cases devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hyserve.kernels.attention import paged_attention_ref, write_kv_ref
+from hyserve.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
+from hyserve.kernels.rmsnorm import rms_norm_ref, rmsnorm_gated_ref
+from hyserve.kernels.ssd import ssd_chunked_ref
+from hyserve.kernels.ssm_update import selective_state_update_ref
+
+_REF: dict[str, Callable[..., Any]] = {
+    "rms_norm": rms_norm_ref,
+    "rmsnorm_gated": rmsnorm_gated_ref,
+    "ssd": ssd_chunked_ref,
+    "conv1d_varlen": causal_conv1d_varlen_ref,
+    "conv1d_update": causal_conv1d_update_ref,
+    "ssm_update": selective_state_update_ref,
+    "write_kv": write_kv_ref,
+    "paged_attention": paged_attention_ref,
+}
+_CUDA_IMPLS: dict[str, Callable[..., Any]] = {}
+
+
+def use_cuda_impl(name: str, fn: Callable[..., Any]) -> None:
+    """Register a GPU implementation of op `name` (same signature as its reference)."""
+    if name not in _REF:
+        raise KeyError(f"unknown op {name!r}")
+    _CUDA_IMPLS[name] = fn
+
+
+def get(name: str, on_cuda: bool) -> Callable[..., Any]:
+    if on_cuda and name in _CUDA_IMPLS:
+        return _CUDA_IMPLS[name]
+    return _REF[name]

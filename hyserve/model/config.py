@@ -1,0 +1,457 @@
+"""`HybridModelConfig`: the NemotronH architecture as hyserve needs it, read from a HF `config.json`.
+
+Accepts both spellings of the layer list (the legacy `hybrid_override_pattern` string and the newer
+`layers_block_type` list) and the legacy `mamba_*` key aliases. Everything is validated here, once, with
+messages that name the offending field, so the model and cache code can trust the numbers.
+
+It also derives the per-layer cache specs (the only place that knows what each layer kind stores):
+
+    attention layer -> K + V bytes per token  = 2 * num_kv_heads * head_dim * kv_dtype_bytes
+    mamba layer     -> bytes per sequence     = conv state  (conv_dim * (conv_kernel - 1) * dtype)
+                                              + ssm state   (num_heads * head_dim * state_size * ssm_dtype)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LAYER_MAMBA = "mamba"
+LAYER_ATTENTION = "attention"
+LAYER_MLP = "mlp"
+LAYER_MOE = "moe"
+
+_PATTERN_CHARS = {"M": LAYER_MAMBA, "*": LAYER_ATTENTION, "-": LAYER_MLP, "E": LAYER_MOE}
+_BLOCK_TYPE_NAMES = {
+    "mamba": LAYER_MAMBA,
+    "linear_attention": LAYER_MAMBA,
+    "attention": LAYER_ATTENTION,
+    "full_attention": LAYER_ATTENTION,
+    "mlp": LAYER_MLP,
+    "moe": LAYER_MOE,
+}
+
+# legacy key -> current key (same meaning)
+_ALIASES = {
+    "mamba_n_groups": "n_groups",
+    "mamba_d_conv": "conv_kernel",
+    "mamba_expand": "expand",
+    "mamba_dt_min": "time_step_min",
+    "mamba_dt_max": "time_step_max",
+    "mamba_dt_limit": "time_step_limit",
+    "mamba_dt_init_floor": "time_step_floor",
+    "mamba_conv_bias": "use_conv_bias",
+    "mamba_chunk_size": "chunk_size",
+    "mamba_d_state": "ssm_state_size",
+    "attention_head_dim": "head_dim",
+    "rms_norm_eps": "layer_norm_epsilon",
+    "norm_eps": "layer_norm_epsilon",
+}
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "float64": torch.float64,
+}
+SSM_CACHE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def parse_dtype(name: str | torch.dtype, *, field: str, allowed: tuple[str, ...] | None = None) -> torch.dtype:
+    """Map a dtype name to torch; `field` names the config knob in the error."""
+    if isinstance(name, torch.dtype):
+        return name
+    key = str(name).lower().removeprefix("torch.")
+    if key not in DTYPES or (allowed is not None and key not in allowed):
+        options = allowed if allowed is not None else tuple(sorted(set(DTYPES)))
+        raise ValueError(f"{field}: unsupported dtype {name!r}; allowed: {', '.join(options)}")
+    return DTYPES[key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionCacheSpec:
+    """What one attention layer stores per token."""
+
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+
+@dataclass(frozen=True, kw_only=True)
+class MambaCacheSpec:
+    """What one Mamba2 layer stores per sequence (independent of its length)."""
+
+    conv_dim: int
+    conv_width: int  # conv_kernel - 1 columns of history
+    conv_dtype: torch.dtype
+    num_heads: int
+    head_dim: int
+    state_size: int
+    ssm_dtype: torch.dtype
+
+    @property
+    def conv_bytes(self) -> int:
+        return self.conv_dim * self.conv_width * self.conv_dtype.itemsize
+
+    @property
+    def ssm_bytes(self) -> int:
+        return self.num_heads * self.head_dim * self.state_size * self.ssm_dtype.itemsize
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        return self.conv_bytes + self.ssm_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class HybridModelConfig:
+    """The architecture of one NemotronH checkpoint (immutable; change with `dataclasses.replace`)."""
+
+    layer_types: tuple[str, ...]
+    vocab_size: int
+    hidden_size: int
+    layer_norm_epsilon: float
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+    max_position_embeddings: int
+    dtype: torch.dtype  # checkpoint dtype ("torch_dtype"/"dtype"), bf16 when absent
+    # mamba2
+    mamba_num_heads: int
+    mamba_head_dim: int
+    ssm_state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int
+    use_conv_bias: bool
+    mamba_proj_bias: bool
+    time_step_limit: tuple[float, float]
+    time_step_min: float
+    mamba_hidden_act: str
+    # attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    attention_bias: bool
+    # mlp
+    intermediate_size: int
+    mlp_bias: bool
+    mlp_hidden_act: str
+    # moe
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    moe_shared_expert_intermediate_size: int
+    n_shared_experts: int
+    moe_latent_size: int | None
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    # cache dtypes (engine options folded in by `with_cache_dtypes`)
+    ssm_cache_dtype: torch.dtype = torch.float32
+    kv_cache_dtype: torch.dtype | None = None  # None -> model dtype
+    name: str = ""
+
+    # ---- derived -------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def mamba_intermediate_size(self) -> int:
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.mamba_intermediate_size + 2 * self.n_groups * self.ssm_state_size
+
+    @property
+    def in_proj_size(self) -> int:
+        return self.mamba_intermediate_size + self.conv_dim + self.mamba_num_heads
+
+    @property
+    def mamba_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LAYER_MAMBA)
+
+    @property
+    def attention_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LAYER_ATTENTION)
+
+    def attention_cache_spec(self) -> AttentionCacheSpec:
+        return AttentionCacheSpec(
+            num_kv_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            dtype=self.kv_cache_dtype or self.dtype,
+        )
+
+    def mamba_cache_spec(self) -> MambaCacheSpec:
+        return MambaCacheSpec(
+            conv_dim=self.conv_dim,
+            conv_width=self.conv_kernel - 1,
+            conv_dtype=self.dtype,
+            num_heads=self.mamba_num_heads,
+            head_dim=self.mamba_head_dim,
+            state_size=self.ssm_state_size,
+            ssm_dtype=self.ssm_cache_dtype,
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K+V bytes for one token across every attention layer."""
+        return len(self.attention_layer_ids) * self.attention_cache_spec().bytes_per_token
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """Conv + SSM state bytes for one sequence across every Mamba layer."""
+        return len(self.mamba_layer_ids) * self.mamba_cache_spec().bytes_per_sequence
+
+    def with_cache_dtypes(
+        self, *, ssm_cache_dtype: str | torch.dtype | None = None, kv_cache_dtype: torch.dtype | None = None
+    ) -> HybridModelConfig:
+        changes: dict[str, Any] = {}
+        if ssm_cache_dtype is not None:
+            changes["ssm_cache_dtype"] = parse_dtype(
+                ssm_cache_dtype, field="kv_cache_config.mamba_ssm_cache_dtype", allowed=SSM_CACHE_DTYPES
+            )
+        if kv_cache_dtype is not None:
+            changes["kv_cache_dtype"] = kv_cache_dtype
+        return dataclasses.replace(self, **changes)
+
+    def num_parameters(self) -> int:
+        """Parameter count (for rooflines and the start-up report)."""
+        h = self.hidden_size
+        n = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        for t in self.layer_types:
+            n += h  # pre-norm
+            if t == LAYER_MAMBA:
+                n += h * self.in_proj_size + self.conv_dim * self.conv_kernel
+                n += self.conv_dim if self.use_conv_bias else 0
+                n += 3 * self.mamba_num_heads + self.mamba_intermediate_size
+                n += self.mamba_intermediate_size * h
+            elif t == LAYER_ATTENTION:
+                n += h * self.head_dim * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
+            elif t == LAYER_MLP:
+                n += 2 * h * self.intermediate_size
+            else:
+                d = self.moe_latent_size or h
+                n += self.n_routed_experts * (h + 1)
+                n += self.n_routed_experts * 2 * d * self.moe_intermediate_size
+                n += 2 * h * self.moe_shared_expert_intermediate_size
+                if self.moe_latent_size is not None:
+                    n += 2 * h * self.moe_latent_size
+        return n
+
+    # ---- loading -------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, path: str | Path) -> HybridModelConfig:
+        """Read a checkpoint directory (or a config.json path) of a NemotronH model."""
+        p = Path(path)
+        cfg_path = p / "config.json" if p.is_dir() else p
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"no config.json found at {cfg_path}")
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_path}: not valid JSON ({e})") from e
+        return cls.from_dict(raw, name=p.name if p.is_dir() else p.parent.name)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], *, name: str = "") -> HybridModelConfig:
+        d = dict(raw)
+        for old, new in _ALIASES.items():
+            if old in d and new not in d:
+                d[new] = d[old]
+        model_type = d.get("model_type")
+        if model_type not in (None, "nemotron_h"):
+            raise ValueError(f"model_type: {model_type!r} is not supported; hyserve serves 'nemotron_h' models")
+
+        layer_types = _parse_layer_types(d)
+
+        def req(key: str) -> Any:
+            if key not in d or d[key] is None:
+                raise ValueError(f"config.json: required field {key!r} is missing")
+            return d[key]
+
+        def get(key: str, default: Any) -> Any:
+            v = d.get(key)
+            return default if v is None else v
+
+        hidden = int(req("hidden_size"))
+        n_heads = int(get("num_attention_heads", 1))
+        head_dim = int(get("head_dim", hidden // n_heads if n_heads else 0))
+        expand = get("expand", None)
+        mamba_heads = int(get("mamba_num_heads", 0))
+        mamba_head_dim = int(get("mamba_head_dim", 0))
+        if LAYER_MAMBA in layer_types and (mamba_heads <= 0 or mamba_head_dim <= 0):
+            if expand is not None and mamba_head_dim > 0:
+                mamba_heads = int(expand) * hidden // mamba_head_dim
+            else:
+                raise ValueError("config.json: mamba_num_heads and mamba_head_dim must be positive")
+
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(int(x) for x in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        limit = get("time_step_limit", (0.0, float("inf")))
+        if not (isinstance(limit, list | tuple) and len(limit) == 2):
+            raise ValueError(f"time_step_limit: expected [min, max], got {limit!r}")
+        dtype_raw = d.get("torch_dtype") or d.get("dtype") or "bfloat16"
+        n_experts = int(get("n_routed_experts", 0))
+        cfg = cls(
+            layer_types=layer_types,
+            vocab_size=int(req("vocab_size")),
+            hidden_size=hidden,
+            layer_norm_epsilon=float(get("layer_norm_epsilon", 1e-5)),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            pad_token_id=d.get("pad_token_id"),
+            max_position_embeddings=int(get("max_position_embeddings", 4096)),
+            dtype=parse_dtype(dtype_raw, field="torch_dtype", allowed=("float32", "bfloat16", "float16")),
+            mamba_num_heads=mamba_heads,
+            mamba_head_dim=mamba_head_dim,
+            ssm_state_size=int(get("ssm_state_size", 128)),
+            n_groups=int(get("n_groups", 1)),
+            conv_kernel=int(get("conv_kernel", 4)),
+            chunk_size=int(get("chunk_size", 128)),
+            use_conv_bias=bool(get("use_conv_bias", True)),
+            mamba_proj_bias=bool(get("use_bias", get("mamba_proj_bias", False))),
+            time_step_limit=(float(limit[0]), float(limit[1])),
+            time_step_min=float(get("time_step_min", 0.001)),
+            mamba_hidden_act=str(get("mamba_hidden_act", "silu")),
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(get("num_key_value_heads", n_heads)),
+            head_dim=head_dim,
+            attention_bias=bool(get("attention_bias", False)),
+            intermediate_size=int(get("intermediate_size", 0)),
+            mlp_bias=bool(get("mlp_bias", False)),
+            mlp_hidden_act=str(get("mlp_hidden_act", "relu2")),
+            n_routed_experts=n_experts,
+            num_experts_per_tok=int(get("num_experts_per_tok", 0)),
+            moe_intermediate_size=int(get("moe_intermediate_size", 0)),
+            moe_shared_expert_intermediate_size=int(get("moe_shared_expert_intermediate_size", 0)),
+            n_shared_experts=int(get("n_shared_experts", 1)),
+            moe_latent_size=None if d.get("moe_latent_size") is None else int(d["moe_latent_size"]),
+            n_group=int(get("n_group", 1)),
+            topk_group=int(get("topk_group", 1)),
+            norm_topk_prob=bool(get("norm_topk_prob", True)),
+            routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
+            ssm_cache_dtype=parse_dtype(
+                get("mamba_ssm_cache_dtype", "float32"), field="mamba_ssm_cache_dtype", allowed=SSM_CACHE_DTYPES
+            ),
+            name=name,
+        )
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field for anything the model code could not run."""
+
+        def positive(field: str, value: int) -> None:
+            if value <= 0:
+                raise ValueError(f"{field} must be positive, got {value}")
+
+        positive("hidden_size", self.hidden_size)
+        positive("vocab_size", self.vocab_size)
+        if not self.layer_types:
+            raise ValueError("layers_block_type / hybrid_override_pattern: the model has no layers")
+        kinds = set(self.layer_types)
+        if LAYER_MAMBA in kinds:
+            for f in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "chunk_size"):
+                positive(f, getattr(self, f))
+            if self.conv_kernel < 2:
+                raise ValueError(f"conv_kernel must be >= 2, got {self.conv_kernel}")
+            if self.mamba_num_heads % self.n_groups:
+                raise ValueError(
+                    f"mamba_num_heads ({self.mamba_num_heads}) must be divisible by n_groups ({self.n_groups})"
+                )
+            if self.mamba_hidden_act != "silu":
+                raise ValueError(f"mamba_hidden_act: only 'silu' is supported, got {self.mamba_hidden_act!r}")
+            lo, hi = self.time_step_limit
+            if not (0.0 <= lo < hi):
+                raise ValueError(f"time_step_limit: need 0 <= min < max, got {self.time_step_limit}")
+        if LAYER_ATTENTION in kinds:
+            positive("num_attention_heads", self.num_attention_heads)
+            positive("num_key_value_heads", self.num_key_value_heads)
+            positive("head_dim", self.head_dim)
+            if self.num_attention_heads % self.num_key_value_heads:
+                raise ValueError(
+                    f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                    f"num_key_value_heads ({self.num_key_value_heads})"
+                )
+        if LAYER_MLP in kinds:
+            positive("intermediate_size", self.intermediate_size)
+        for act_field in ("mlp_hidden_act",):
+            if LAYER_MLP in kinds or LAYER_MOE in kinds:
+                if getattr(self, act_field) != "relu2":
+                    raise ValueError(f"{act_field}: only 'relu2' is supported, got {getattr(self, act_field)!r}")
+        if LAYER_MOE in kinds:
+            positive("n_routed_experts", self.n_routed_experts)
+            positive("num_experts_per_tok", self.num_experts_per_tok)
+            positive("moe_intermediate_size", self.moe_intermediate_size)
+            positive("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)
+            if self.num_experts_per_tok > self.n_routed_experts:
+                raise ValueError(
+                    f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts "
+                    f"({self.n_routed_experts})"
+                )
+            if self.n_routed_experts % self.n_group:
+                raise ValueError(f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group")
+            if not (1 <= self.topk_group <= self.n_group):
+                raise ValueError(f"topk_group ({self.topk_group}) must be in [1, n_group={self.n_group}]")
+            if self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
+                raise ValueError("n_group: each expert group needs at least 2 experts")
+            if self.moe_latent_size is not None:
+                positive("moe_latent_size", self.moe_latent_size)
+        if not math.isfinite(self.layer_norm_epsilon) or self.layer_norm_epsilon <= 0:
+            raise ValueError(f"layer_norm_epsilon must be positive, got {self.layer_norm_epsilon}")
+
+
+def _parse_layer_types(d: dict[str, Any]) -> tuple[str, ...]:
+    lbt = d.get("layers_block_type")
+    pattern = d.get("hybrid_override_pattern")
+    if lbt is not None:
+        if not isinstance(lbt, list) or not all(isinstance(x, str) for x in lbt):
+            raise ValueError(f"layers_block_type: expected a list of strings, got {lbt!r}")
+        bad = sorted({x for x in lbt if x not in _BLOCK_TYPE_NAMES})
+        if bad:
+            raise ValueError(
+                f"layers_block_type: unknown layer types {bad}; allowed: {sorted(_BLOCK_TYPE_NAMES)}"
+            )
+        types = tuple(_BLOCK_TYPE_NAMES[x] for x in lbt)
+    elif pattern is not None:
+        if not isinstance(pattern, str):
+            raise ValueError(f"hybrid_override_pattern: expected a string, got {pattern!r}")
+        bad = sorted({c for c in pattern if c not in _PATTERN_CHARS})
+        if bad:
+            raise ValueError(
+                f"hybrid_override_pattern: unknown characters {bad}; allowed: 'M' (Mamba2), '*' (attention), "
+                "'-' (MLP), 'E' (MoE)"
+            )
+        types = tuple(_PATTERN_CHARS[c] for c in pattern)
+    else:
+        raise ValueError("config.json: needs either 'layers_block_type' or 'hybrid_override_pattern'")
+    n = d.get("num_hidden_layers")
+    if n is not None and lbt is None and int(n) != len(types):
+        raise ValueError(
+            f"num_hidden_layers ({n}) does not match hybrid_override_pattern length ({len(types)})"
+        )
+    return types

@@ -1,0 +1,54 @@
+"""`ForwardMeta`: everything one forward pass needs to find its sequences' caches.
+
+The engine's model runner builds one per step from the scheduler's `ScheduledBatch`; the model reads
+it explicitly (passed as an argument; no globals). Sequence order within a step: the `num_decodes`
+single-token decode sequences first, then prefill/extend sequences.
+
+    input_ids  | d0 | d1 | p0 p0 p0 p0 p0 | p1 p1 p1 |
+    cu_seqlens   0    1    2              7          10
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SnapshotWrite:
+    """Copy sequence `seq`'s Mamba state after its first `num_tokens` new tokens into state slot `slot`.
+
+    `num_tokens` must be a multiple of the model's chunk_size or equal the sequence's new-token count,
+    because only those states come out of the SSD scan."""
+
+    seq: int
+    num_tokens: int
+    slot: int
+
+
+@dataclass
+class ForwardMeta:
+    num_decodes: int
+    cu_seqlens: list[int]  # host copy, [S+1]
+    seq_lens: list[int]  # host copy, [S]: tokens in cache after this step (cached + new)
+    cu_seqlens_t: torch.Tensor  # [S+1] int32, device
+    seq_lens_t: torch.Tensor  # [S] int32, device
+    block_tables: torch.Tensor  # [S, max_blocks] int32, device (unused rows/cols are 0)
+    slot_mapping: torch.Tensor  # [T] int64: KV write position per new token (block * bs + row), -1 = skip
+    state_src: torch.Tensor  # [S] int64: state slot each sequence reads its initial state from
+    state_dst: torch.Tensor  # [S] int64: state slot each sequence writes its final state to
+    has_initial_state: list[bool]  # host, [S]; False -> start from zeros (src is ignored)
+    logits_indices: torch.Tensor  # [n] int64: tokens whose logits the caller wants
+    snapshots: list[SnapshotWrite] = field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.cu_seqlens) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cu_seqlens[-1]
+
+    def new_tokens(self, s: int) -> int:
+        return self.cu_seqlens[s + 1] - self.cu_seqlens[s]

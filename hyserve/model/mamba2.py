@@ -1,0 +1,147 @@
+"""Mamba2 mixer of NemotronH over the state-slot pool.
+
+    x --in_proj--> [ z | xBC | dt ]
+    xBC --causal depthwise conv1d + SiLU--> [ x | B | C ]
+    (x, dt, B, C) --SSD scan (dt bias, softplus, dt limit, D skip)--> y
+    y --grouped RMSNorm gated by z--> --out_proj--> out
+
+Decode sequences (the first `meta.num_decodes`, one token each) use the single-step conv and state
+update kernels; prefill/extend sequences use the packed varlen conv and the chunked SSD scan. Both
+read their starting state from `state_src` slots and write the final state to `state_dst` slots.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyserve.kernels import ops
+from hyserve.kernels.conv1d import conv_state_at
+from hyserve.model.config import HybridModelConfig
+from hyserve.model.forward_meta import ForwardMeta
+
+
+class GatedRMSNorm(nn.Module):
+    def __init__(self, size: int, group_size: int, eps: float, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype))
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return ops.get("rmsnorm_gated", x.is_cuda)(x, z, self.weight, self.eps, self.group_size)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, cfg: HybridModelConfig, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.num_heads = cfg.mamba_num_heads
+        self.head_dim = cfg.mamba_head_dim
+        self.state_size = cfg.ssm_state_size
+        self.n_groups = cfg.n_groups
+        self.chunk_size = cfg.chunk_size
+        self.conv_kernel = cfg.conv_kernel
+        self.d_inner = cfg.mamba_intermediate_size
+        self.conv_dim = cfg.conv_dim
+        self.dt_limit = cfg.time_step_limit
+        h = cfg.hidden_size
+        self.in_proj = nn.Linear(h, cfg.in_proj_size, bias=cfg.mamba_proj_bias, device=device, dtype=dtype)
+        # [conv_dim, 1, K] to match checkpoints (nn.Conv1d layout); used as [conv_dim, K]
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim,
+            bias=cfg.use_conv_bias, device=device, dtype=dtype,
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.num_heads, device=device, dtype=dtype))
+        self.A_log = nn.Parameter(torch.zeros(self.num_heads, device=device, dtype=dtype))
+        self.D = nn.Parameter(torch.ones(self.num_heads, device=device, dtype=dtype))
+        self.norm = GatedRMSNorm(
+            self.d_inner, self.d_inner // self.n_groups, cfg.layer_norm_epsilon, device=device, dtype=dtype
+        )
+        self.out_proj = nn.Linear(self.d_inner, h, bias=cfg.mamba_proj_bias, device=device, dtype=dtype)
+
+    def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        gn = self.n_groups * self.state_size
+        x, b, c = torch.split(xbc, [self.d_inner, gn, gn], dim=-1)
+        n = xbc.shape[0]
+        return (
+            x.reshape(n, self.num_heads, self.head_dim),
+            b.reshape(n, self.n_groups, self.state_size),
+            c.reshape(n, self.n_groups, self.state_size),
+        )
+
+    def forward(
+        self, hidden: torch.Tensor, meta: ForwardMeta, conv_pool: torch.Tensor, ssm_pool: torch.Tensor
+    ) -> torch.Tensor:
+        T = hidden.shape[0]
+        cuda = hidden.is_cuda
+        zxbcdt = self.in_proj(hidden)
+        z, xbc, dt = torch.split(zxbcdt, [self.d_inner, self.conv_dim, self.num_heads], dim=-1)
+        A = -torch.exp(self.A_log.float())
+        w = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
+        bias = self.conv1d.bias
+        y = torch.empty(T, self.num_heads, self.head_dim, dtype=hidden.dtype, device=hidden.device)
+        nd = meta.num_decodes
+
+        if nd > 0:
+            src, dst = meta.state_src[:nd], meta.state_dst[:nd]
+            xbc_d = ops.get("conv1d_update", cuda)(xbc[:nd], conv_pool, w, bias, src, dst)
+            x, b, c = self._split_xbc(xbc_d)
+            y[:nd] = ops.get("ssm_update", cuda)(
+                ssm_pool, x, dt[:nd], A, b, c, src, dst,
+                D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit,
+            )
+
+        if T > nd:
+            self._prefill(xbc[nd:], dt[nd:], A, w, bias, meta, conv_pool, ssm_pool, y[nd:])
+
+        out = self.norm(y.view(T, self.d_inner), z)
+        return self.out_proj(out)
+
+    def _prefill(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        w: torch.Tensor,
+        bias: torch.Tensor | None,
+        meta: ForwardMeta,
+        conv_pool: torch.Tensor,
+        ssm_pool: torch.Tensor,
+        y_out: torch.Tensor,
+    ) -> None:
+        nd = meta.num_decodes
+        cuda = xbc.is_cuda
+        cu = [v - meta.cu_seqlens[nd] for v in meta.cu_seqlens[nd:]]
+        src, dst = meta.state_src[nd:], meta.state_dst[nd:]
+        has_init = torch.tensor(meta.has_initial_state[nd:], device=xbc.device)
+        init_conv = conv_pool[src] * has_init[:, None, None]
+        init_ssm = ssm_pool[src].float() * has_init[:, None, None, None]
+
+        xbc_c, conv_final = ops.get("conv1d_varlen", cuda)(xbc, w, bias, cu, init_conv)
+        x, b, c = self._split_xbc(xbc_c)
+        snaps = [s for s in meta.snapshots if s.seq >= nd]
+        res = ops.get("ssd", cuda)(
+            x, dt, A, b, c, self.chunk_size, cu,
+            D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit,
+            initial_states=init_ssm, return_chunk_states=bool(snaps),
+        )
+        y_out.copy_(res.y)
+        conv_pool[dst] = conv_final.to(conv_pool.dtype)
+        ssm_pool[dst] = res.final_states.to(ssm_pool.dtype)
+        for sw in snaps:
+            s = sw.seq - nd
+            n_new = cu[s + 1] - cu[s]
+            if sw.num_tokens == n_new:
+                state = res.final_states[s]
+            elif sw.num_tokens % self.chunk_size == 0 and 0 < sw.num_tokens < n_new:
+                assert res.chunk_states is not None
+                state = res.chunk_states[res.chunk_offsets[s] + sw.num_tokens // self.chunk_size - 1]
+            else:
+                raise ValueError(
+                    f"snapshot after {sw.num_tokens} of {n_new} new tokens is not at a chunk boundary "
+                    f"(chunk_size {self.chunk_size})"
+                )
+            ssm_pool[sw.slot] = state.to(ssm_pool.dtype)
+            conv_pool[sw.slot] = conv_state_at(
+                xbc, cu[s], sw.num_tokens, init_conv[s], self.conv_kernel - 1
+            ).to(conv_pool.dtype)

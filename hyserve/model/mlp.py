@@ -1,0 +1,21 @@
+"""Dense relu^2 MLP of NemotronH: down(relu(up(x))^2). No gate projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias, device=device, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(relu2(self.up_proj(x)))

@@ -1,0 +1,89 @@
+"""The NemotronH causal LM, built from the config's layer list, running on packed variable-length
+batches over the paged KV pool and the Mamba state-slot pool.
+
+Each block is pre-norm + mixer + residual; the mixer is one of Mamba2, attention, MLP or MoE:
+
+    h = embed(ids);  for block: h = h + mixer(rmsnorm(h));  logits = lm_head(rmsnorm_f(h))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from hyserve.model.attention import Attention
+from hyserve.model.cache_tensors import CacheTensors
+from hyserve.model.config import LAYER_ATTENTION, LAYER_MAMBA, LAYER_MLP, LAYER_MOE, HybridModelConfig
+from hyserve.model.forward_meta import ForwardMeta
+from hyserve.model.mamba2 import Mamba2Mixer
+from hyserve.model.mlp import MLP
+from hyserve.model.moe import MoE
+from hyserve.model.norm import RMSNorm
+
+
+class HybridBlock(nn.Module):
+    def __init__(self, cfg: HybridModelConfig, layer_id: int, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.kind = cfg.layer_types[layer_id]
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, device=device, dtype=dtype)
+        self.mixer: nn.Module
+        if self.kind == LAYER_MAMBA:
+            self.mixer = Mamba2Mixer(cfg, device=device, dtype=dtype)
+        elif self.kind == LAYER_ATTENTION:
+            self.mixer = Attention(cfg, device=device, dtype=dtype)
+        elif self.kind == LAYER_MLP:
+            self.mixer = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, device=device, dtype=dtype)
+        elif self.kind == LAYER_MOE:
+            self.mixer = MoE(cfg, device=device, dtype=dtype)
+        else:  # HybridModelConfig.validate rejects anything else
+            raise ValueError(f"unknown layer type {self.kind!r}")
+
+    def forward(self, h: torch.Tensor, meta: ForwardMeta, cache: CacheTensors) -> torch.Tensor:
+        x = self.norm(h)
+        i = self.layer_id
+        if self.kind == LAYER_MAMBA:
+            x = self.mixer(x, meta, cache.conv[i], cache.ssm[i])
+        elif self.kind == LAYER_ATTENTION:
+            x = self.mixer(x, meta, cache.k[i], cache.v[i])
+        else:
+            x = self.mixer(x)
+        return h + x
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: HybridModelConfig, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(
+            HybridBlock(cfg, i, device=device, dtype=dtype) for i in range(cfg.num_layers)
+        )
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, device=device, dtype=dtype)
+
+
+class NemotronHForCausalLM(nn.Module):
+    def __init__(self, cfg: HybridModelConfig, *, device=None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        dtype = dtype or cfg.dtype
+        # the config records the dtype the model actually runs in (cache sizing reads it)
+        self.config = cfg if dtype == cfg.dtype else dataclasses.replace(cfg, dtype=dtype)
+        self.backbone = Backbone(cfg, device=device, dtype=dtype)
+        self.lm_head: nn.Linear | None = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: ForwardMeta, cache: CacheTensors) -> torch.Tensor:
+        """input_ids: [T] packed new tokens -> final-normed hidden states [T, hidden]."""
+        h = self.backbone.embeddings(input_ids)
+        for layer in self.backbone.layers:
+            h = layer(h, meta, cache)
+        return self.backbone.norm_f(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, H] -> logits [n, vocab] in float32."""
+        w = self.backbone.embeddings.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, w).float()

@@ -1,0 +1,18 @@
+"""RMSNorm module (fp32 statistics and weight multiply, as NemotronH's reference)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyserve.kernels import ops
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.get("rms_norm", x.is_cuda)(x, self.weight, self.eps)
