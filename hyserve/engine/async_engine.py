@@ -1,0 +1,183 @@
+"""`AsyncEngine`: the engine loop on a background thread, with an asyncio streaming API for the server.
+
+    asyncio side                          engine thread
+    generate() --submit--> inbox  ----->  add_request / abort
+                                          step()  (schedule -> run -> update -> emit)
+    per-request asyncio.Queue <--------   deltas, via loop.call_soon_threadsafe
+
+A consumer that stops iterating (client disconnected, task cancelled) aborts its request, so its blocks
+and state slot are freed at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from hyserve.config import EngineConfig
+from hyserve.engine.engine import LLMEngine
+from hyserve.engine.outputs import StreamDelta
+from hyserve.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("hyserve")
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, *, log: Callable[[str], None] | None = None) -> None:
+        self.engine = LLMEngine(config, log=log)
+        self.config = config
+        self.model_name = self.engine.loaded.name
+        self.tokenizer = self.engine.tokenizer
+        self.max_seq_len = self.engine.max_seq_len
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[StreamDelta]]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stats: dict[str, float] = dict(self.engine.stats())
+        self.healthy = True
+        self.dead_reason: str | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="hyserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, *, abort_inflight: bool = True) -> None:
+        if abort_inflight:
+            with self._lock:
+                ids = list(self._streams)
+            for rid in ids:
+                self.abort(rid)
+            # let the loop process the aborts so clients get their final delta
+            self._wake.set()
+            if self._thread is not None:
+                for _ in range(50):
+                    with self._lock:
+                        if not self._streams:
+                            break
+                    self._stop.wait(0.02)
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    # ---- API --------------------------------------------------------------------------------------
+    def capacity_report(self) -> str:
+        return self.engine.capacity_report()
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.engine.validate_request(prompt_token_ids, params)
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            s = dict(self._stats)
+        s["healthy"] = 1 if self.healthy else 0
+        return s
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prompt: str | None = None
+    ) -> AsyncIterator[StreamDelta]:
+        """Stream a request's deltas. Raises RequestRejected / ValueError before the first yield."""
+        if not self.healthy:
+            raise RuntimeError(f"the engine is not running: {self.dead_reason}")
+        self.engine.validate_request(prompt_token_ids, params)
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[StreamDelta] = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = (loop, q)
+        self._inbox.put(("add", (request_id, list(prompt_token_ids), params, prompt)))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                d = await q.get()
+                if d.finished:
+                    finished = True
+                yield d
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    # ---- engine thread ----------------------------------------------------------------------------
+    def _deliver(self, d: StreamDelta) -> None:
+        with self._lock:
+            entry = self._streams.get(d.request_id)
+            if d.finished:
+                self._streams.pop(d.request_id, None)
+        if entry is not None:
+            loop, q = entry
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, d)
+            except RuntimeError:  # the client's loop is gone
+                pass
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                rid, ids, params, prompt = arg
+                try:
+                    self.engine.add_request(rid, ids, params, prompt=prompt)
+                except Exception as e:  # validated already; a race (e.g. duplicate id) fails just this one
+                    self._deliver(
+                        StreamDelta(
+                            request_id=rid, token_ids=[], text="", logprobs=None, finished=True,
+                            finish_reason="error", num_prompt_tokens=len(ids), num_cached_tokens=0,
+                            num_output_tokens=0, error=str(e),
+                        )
+                    )
+            elif kind == "abort":
+                self.engine.abort(arg)
+
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if not eng.has_unfinished():
+                    self._publish_stats()
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                for d in eng.step():
+                    self._deliver(d)
+                self._publish_stats()
+        except BaseException as e:  # the loop itself broke: fail everyone, report unhealthy
+            logger.exception("engine loop died")
+            self.healthy = False
+            self.dead_reason = f"{type(e).__name__}: {e}"
+            with self._lock:
+                ids = list(self._streams)
+            for rid in ids:
+                self._deliver(
+                    StreamDelta(
+                        request_id=rid, token_ids=[], text="", logprobs=None, finished=True,
+                        finish_reason="error", num_prompt_tokens=0, num_cached_tokens=0,
+                        num_output_tokens=0, error=f"engine failure: {self.dead_reason}",
+                    )
+                )
+
+    def _publish_stats(self) -> None:
+        s = self.engine.stats()
+        with self._lock:
+            self._stats = s

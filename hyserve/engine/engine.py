@@ -1,0 +1,363 @@
+"""`LLMEngine`: the synchronous core. One `step()` reads like its description:
+
+    schedule -> run -> update -> emit
+
+Everything else (threads, asyncio, HTTP) sits on top of `add_request` / `abort` / `step`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hyserve.cache.capacity import CapacityInputs, CapacityPlan, plan_capacity
+from hyserve.cache.manager import HybridCacheManager
+from hyserve.config import EngineConfig
+from hyserve.engine.errors import RequestRejected
+from hyserve.engine.model_loader import LoadedModel, load_model
+from hyserve.engine.outputs import StreamDelta, TokenLogprob
+from hyserve.engine.request import Request
+from hyserve.engine.runner import ModelRunner
+from hyserve.engine.sampler import Sampler
+from hyserve.engine.sampling_params import SamplingParams
+from hyserve.engine.scheduler import ScheduledBatch, Scheduler
+from hyserve.model.cache_tensors import CacheTensors
+from hyserve.model.config import LAYER_MAMBA
+from hyserve.model.tokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger("hyserve")
+
+DEFAULT_CPU_CACHE_BYTES = 512 * 2**20
+
+
+@dataclass
+class _OutputState:
+    """Per-request text state: incremental detokenizer and the stop-string hold-back."""
+
+    detok: IncrementalDetokenizer | None
+    text: str = ""  # all text so far (stop strings trimmed at finish)
+    emitted: int = 0  # characters of `text` already handed out
+    tokens_emitted: int = 0
+    logprobs_emitted: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, log: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self._log = log or logger.info
+        t0 = time.monotonic()
+        self._log("hyserve: loading model ...")
+        self.loaded: LoadedModel = load_model(config)
+        lm = self.loaded
+        self.model_config = lm.config
+        self.tokenizer = lm.tokenizer
+        self.device = lm.device
+        if lm.device.type == "cpu":
+            torch.set_num_threads(1 if (torch.get_num_threads() <= 2) else torch.get_num_threads())
+        self._log(
+            f"hyserve: {lm.name}: {len(lm.config.layer_types)} layers "
+            f"({len(lm.config.mamba_layer_ids)} Mamba2, {len(lm.config.attention_layer_ids)} attention), "
+            f"{lm.config.num_parameters() / 1e6:.1f}M params, {str(lm.dtype).removeprefix('torch.')} on "
+            f"{lm.device} ({time.monotonic() - t0:.1f}s)"
+        )
+        sc = config.scheduler
+        self.max_seq_len = sc.max_seq_len or lm.config.max_position_embeddings
+        self.plan: CapacityPlan = plan_capacity(self._capacity_inputs())
+        self.cache_tensors = CacheTensors.allocate(
+            lm.config,
+            num_blocks=self.plan.num_kv_blocks,
+            tokens_per_block=config.cache.tokens_per_block,
+            num_slots=self.plan.num_live_slots + self.plan.num_pad_slots + self.plan.num_snapshot_slots,
+            device=lm.device,
+        )
+        ms = config.cache.mamba_state_config
+        self.cache = HybridCacheManager(
+            self.plan,
+            has_mamba=LAYER_MAMBA in lm.config.layer_types,
+            enable_block_reuse=config.cache.enable_block_reuse,
+            snapshot_interval=ms.periodic_snapshot_interval,
+            snapshot_offsets_from_end=ms.additional_snapshot_offsets_from_end,
+        )
+        self.scheduler = Scheduler(
+            self.cache,
+            max_batch_size=sc.max_batch_size,
+            max_num_tokens=sc.max_num_tokens,
+            enable_chunked_prefill=sc.enable_chunked_prefill,
+            chunk_size=lm.config.chunk_size,
+        )
+        self.runner = ModelRunner(lm.model, self.cache_tensors, lm.device)
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, Request] = {}
+        self._outputs: dict[str, _OutputState] = {}
+        self._tickets = itertools.count()
+        self.counters = {
+            "prompt_tokens_total": 0,
+            "generation_tokens_total": 0,
+            "requests_finished_total": 0,
+            "num_preemptions": 0,
+            "step_failures_total": 0,
+        }
+        self._log(self.plan.report())
+
+    # ---- set-up -----------------------------------------------------------------------------------
+    def _capacity_inputs(self) -> CapacityInputs:
+        c = self.config.cache
+        cfg = self.model_config
+        return CapacityInputs(
+            budget_bytes=self._cache_budget_bytes(),
+            kv_bytes_per_token=cfg.kv_bytes_per_token,
+            state_bytes_per_slot=cfg.state_bytes_per_sequence,
+            max_batch_size=self.config.scheduler.max_batch_size,
+            max_seq_len=self.max_seq_len,
+            max_num_tokens=self.config.scheduler.max_num_tokens,
+            tokens_per_block=c.tokens_per_block,
+            enable_block_reuse=c.enable_block_reuse,
+            periodic_snapshot_interval=c.mamba_state_config.periodic_snapshot_interval,
+            num_snapshot_offsets=len(c.mamba_state_config.additional_snapshot_offsets_from_end),
+            avg_seq_len=c.avg_seq_len,
+            num_pad_slots=0,
+            max_kv_tokens=c.max_tokens,
+            allow_oversized_max_seq_len=c.allow_oversized_max_seq_len,
+        )
+
+    def _cache_budget_bytes(self) -> int:
+        c = self.config.cache
+        if self.device.type == "cpu":
+            return c.max_gpu_total_bytes or DEFAULT_CPU_CACHE_BYTES
+        free, _total = torch.cuda.mem_get_info(self.device)
+        budget = int(free * c.free_gpu_memory_fraction) - self._activation_reserve_bytes()
+        if c.max_gpu_total_bytes is not None:
+            budget = min(budget, c.max_gpu_total_bytes)
+        return max(budget, 0)
+
+    def _activation_reserve_bytes(self) -> int:
+        """Peak activation memory of a `max_num_tokens` forward (an estimate from the layer widths,
+        with a 2x margin: in_proj output, MLP/MoE intermediates, logits of the sampled rows)."""
+        cfg = self.model_config
+        t = self.config.scheduler.max_num_tokens
+        width = max(cfg.in_proj_size, cfg.intermediate_size, cfg.moe_intermediate_size * 2, cfg.hidden_size * 4)
+        per_token = width * 4 * 4
+        logits = self.config.scheduler.max_batch_size * cfg.vocab_size * 4 * 2
+        return 2 * (t * per_token + logits) + 512 * 2**20
+
+    def capacity_report(self) -> str:
+        return self.plan.report()
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestRejected / ValueError for a request that must not enter the engine."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestRejected("the prompt is empty; send at least one token", param="prompt", code="empty_prompt")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or t < 0 or t >= vocab]
+        if bad:
+            raise RequestRejected(
+                f"prompt token ids must be integers in [0, {vocab - 1}] (the model's vocabulary); got {bad[:5]}",
+                param="prompt",
+                code="invalid_token_id",
+            )
+        total = n + params.max_tokens
+        if total > self.max_seq_len:
+            raise RequestRejected(
+                f"this request needs {total} tokens ({n} prompt + {params.max_tokens} max_tokens), more than "
+                f"max_seq_len = {self.max_seq_len}; shorten the prompt or lower max_tokens",
+                param="max_tokens" if n < self.max_seq_len else "prompt",
+                code="context_length_exceeded",
+            )
+        fit = self.plan.max_request_tokens
+        if total > fit:
+            raise RequestRejected(
+                f"this request needs {total} tokens ({n} prompt + {params.max_tokens} max_tokens), but the KV "
+                f"cache holds at most {fit} tokens for one request even when the engine is empty "
+                f"(max_seq_len = {self.max_seq_len}); shorten it or give the cache more memory",
+                param="prompt",
+                code="request_too_large",
+            )
+        sc = self.config.scheduler
+        if not sc.enable_chunked_prefill and n > sc.max_num_tokens:
+            raise RequestRejected(
+                f"the prompt has {n} tokens, more than max_num_tokens = {sc.max_num_tokens} with chunked "
+                "prefill disabled; enable_chunked_prefill or raise max_num_tokens",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prompt: str | None = None
+    ) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate_request(prompt_token_ids, params)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            arrival=next(self._tickets),
+            prompt=prompt,
+        )
+        self.requests[request_id] = req
+        detok = (
+            self.tokenizer.incremental_detokenizer(
+                prompt_ids=prompt_token_ids, skip_special_tokens=params.skip_special_tokens
+            )
+            if self.tokenizer is not None
+            else None
+        )
+        self._outputs[request_id] = _OutputState(detok=detok)
+        self.scheduler.add(req)
+        self.counters["prompt_tokens_total"] += len(prompt_token_ids)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.requests:
+            self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[StreamDelta]:
+        """schedule -> run -> update -> emit. Returns the deltas of every request that progressed."""
+        batch, aborted = self.scheduler.schedule()
+        deltas = [self._finish_delta(r) for r in aborted]
+        self.counters["num_preemptions"] = self.scheduler.stats.num_preemptions
+        if batch.empty:
+            return deltas
+        try:
+            logits = self.runner.execute(batch)
+        except Exception as e:  # one bad batch must not take the engine down
+            logger.exception("model step failed; failing the %d requests of this batch", len(batch.seqs))
+            self.counters["step_failures_total"] += 1
+            return deltas + self._fail_batch(batch, e)
+        self.scheduler.update(batch, self.requests)
+        sampling = [s for s in batch.seqs if s.sample]
+        tokens, lps = self.sampler.sample(
+            logits, [s.params for s in sampling], [s.num_output_tokens for s in sampling]
+        )
+        for seq, tok, lp in zip(sampling, tokens, lps):
+            req = self.requests.get(seq.request_id)
+            if req is None or req.finished:
+                continue
+            deltas.append(self._append_token(req, tok, lp))
+        return deltas
+
+    def _fail_batch(self, batch: ScheduledBatch, err: Exception) -> list[StreamDelta]:
+        self.scheduler.discard_step(batch)
+        out = []
+        for seq in batch.seqs:
+            req = self.requests.get(seq.request_id)
+            if req is None or req.finished:
+                continue
+            req.error = f"internal error while running the model: {type(err).__name__}: {err}"
+            self.scheduler.finish(req, "error")
+            out.append(self._finish_delta(req))
+        return out
+
+    def _append_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> StreamDelta:
+        p = req.params
+        st = self._outputs[req.request_id]
+        if req.t_first_token is None:
+            req.t_first_token = time.monotonic()
+        req.output_token_ids.append(tok)
+        if lp is not None:
+            req.output_logprobs.append(lp)
+        self.counters["generation_tokens_total"] += 1
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model_config.eos_token_ids
+        reason: str | None = None
+        stop_reason: int | str | None = None
+        if tok in p.stop_token_ids:
+            reason, stop_reason = "stop", tok
+        elif not p.ignore_eos and tok in eos:
+            reason, stop_reason = "stop", tok
+        else:
+            if st.detok is not None:
+                st.text += st.detok.feed(tok)
+            hit = self._find_stop(st.text, st.emitted, p)
+            if hit is not None:
+                idx, s = hit
+                st.text = st.text[: idx + (len(s) if p.include_stop_str_in_output else 0)]
+                reason, stop_reason = "stop", s
+        if reason is None and len(req.output_token_ids) >= p.max_tokens:
+            reason = "length"
+        if reason is None and req.num_tokens >= self.max_seq_len:
+            reason = "length"
+        if reason is not None:
+            if reason == "length" and st.detok is not None:
+                st.text += st.detok.flush()
+            self.scheduler.finish(req, reason, stop_reason)
+            return self._finish_delta(req)
+        return self._delta(req, finished=False)
+
+    @staticmethod
+    def _find_stop(text: str, emitted: int, p: SamplingParams) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
+        for s in p.stop:
+            i = text.find(s, max(0, emitted - len(s) + 1))
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        return best
+
+    def _delta(self, req: Request, *, finished: bool) -> StreamDelta:
+        st = self._outputs[req.request_id]
+        p = req.params
+        if finished:
+            upto = len(st.text)
+        else:
+            # hold back a possible stop-string prefix so it never reaches the client
+            hold = max((len(s) - 1 for s in p.stop), default=0)
+            upto = max(st.emitted, len(st.text) - hold)
+        text = st.text[st.emitted : upto]
+        st.emitted = upto
+        toks = req.output_token_ids[st.tokens_emitted :]
+        st.tokens_emitted = len(req.output_token_ids)
+        lps = None
+        if p.logprobs is not None:
+            lps = req.output_logprobs[st.logprobs_emitted :]
+            st.logprobs_emitted = len(req.output_logprobs)
+        return StreamDelta(
+            request_id=req.request_id,
+            token_ids=toks,
+            text=text,
+            logprobs=lps,
+            finished=finished,
+            finish_reason=req.finish_reason if finished else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            num_output_tokens=len(req.output_token_ids),
+            stop_reason=req.stop_reason if finished else None,
+            error=req.error if finished else None,
+        )
+
+    def _finish_delta(self, req: Request) -> StreamDelta:
+        req.t_finished = time.monotonic()
+        self.counters["requests_finished_total"] += 1
+        d = self._delta(req, finished=True)
+        self.requests.pop(req.request_id, None)
+        self._outputs.pop(req.request_id, None)
+        return d
+
+    # ---- introspection ----------------------------------------------------------------------------
+    def cache_usage(self) -> dict[str, int]:
+        return self.cache.usage()
+
+    def reset_prefix_cache(self) -> int:
+        return self.cache.reset_prefix_cache()
+
+    def stats(self) -> dict[str, float]:
+        u = self.cache.usage()
+        s = self.scheduler.stats
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            **u,
+            "prefix_cache_queries": self.cache.prefix_queries,
+            "prefix_cache_hits": self.cache.prefix_hits,
+            "tokens_scheduled_last_step": s.tokens_scheduled,
+            **self.counters,
+        }

@@ -1,0 +1,128 @@
+"""`LLM`: the offline API. All prompts of one `generate` call run concurrently through the engine loop.
+
+    llm = LLM()                                  # built-in tiny model
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from hyserve.config import build_engine_config
+from hyserve.engine.engine import LLMEngine
+from hyserve.engine.outputs import RequestOutput, TokenLogprob
+from hyserve.engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        load_format: str = "auto",
+        log: Any = None,
+        **options: Any,
+    ) -> None:
+        """`options` take the server YAML's names: max_batch_size, max_num_tokens, max_seq_len,
+        enable_chunked_prefill, kv_cache_config={...}, cuda_graph_config={...}, seed, ..."""
+        self.config = build_engine_config(
+            options, model=model, dtype=dtype, device=device, load_format=load_format
+        )
+        self.engine = LLMEngine(self.config, log=log)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - Tokenizer | None
+        return self.engine.tokenizer
+
+    def _encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.engine.tokenizer is None:
+                raise ValueError(
+                    "this model directory has no tokenizer (load_format='dummy' on a config-only model): "
+                    "pass prompts as lists of token ids"
+                )
+            ids = self.engine.tokenizer.encode(prompt)
+            bos = self.engine.tokenizer.bos_token_id
+            if bos is not None and (not ids or ids[0] != bos):
+                ids = [bos, *ids]
+            return ids, prompt
+        return [int(t) for t in prompt], None
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; returns one RequestOutput per prompt, in order. Any invalid
+        prompt raises (RequestRejected / ValueError) before anything runs."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = list(prompts)  # type: ignore[arg-type]
+        if params is None:
+            params = SamplingParams()
+        plist_params = [params] * len(plist) if isinstance(params, SamplingParams) else list(params)
+        if len(plist_params) != len(plist):
+            raise ValueError(f"got {len(plist)} prompts but {len(plist_params)} SamplingParams")
+        encoded = [self._encode(p) for p in plist]
+        for (ids, _), sp in zip(encoded, plist_params):
+            self.engine.validate_request(ids, sp)
+        eng = self.engine
+        order: list[str] = []
+        texts: dict[str, list[str]] = {}
+        tokens: dict[str, list[int]] = {}
+        lps: dict[str, list[TokenLogprob]] = {}
+        final: dict[str, Any] = {}
+        for (ids, text), sp in zip(encoded, plist_params):
+            rid = f"llm-{next(self._ids)}"
+            eng.add_request(rid, ids, sp, prompt=text)
+            order.append(rid)
+            texts[rid], tokens[rid], lps[rid] = [], [], []
+        pending = set(order)
+        while pending:
+            for d in eng.step():
+                if d.request_id not in pending:
+                    continue
+                texts[d.request_id].append(d.text)
+                tokens[d.request_id].extend(d.token_ids)
+                if d.logprobs:
+                    lps[d.request_id].extend(d.logprobs)
+                if d.finished:
+                    final[d.request_id] = d
+                    pending.discard(d.request_id)
+        outs = []
+        for rid, (ids, text), sp in zip(order, encoded, plist_params):
+            d = final[rid]
+            if d.finish_reason == "error":
+                raise RuntimeError(d.error or "request failed")
+            outs.append(
+                RequestOutput(
+                    request_id=rid,
+                    prompt=text,
+                    prompt_token_ids=ids,
+                    token_ids=tokens[rid],
+                    text="".join(texts[rid]),
+                    finish_reason=d.finish_reason,
+                    logprobs=lps[rid] if sp.logprobs is not None else None,
+                    num_cached_tokens=d.num_cached_tokens,
+                    stop_reason=d.stop_reason,
+                )
+            )
+        return outs
+
+    def cache_usage(self) -> dict[str, int]:
+        return self.engine.cache_usage()
+
+    def reset_prefix_cache(self) -> int:
+        return self.engine.reset_prefix_cache()
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()

@@ -1,0 +1,118 @@
+"""Resolve the model directory, device and dtype, build the model and fill its weights.
+
+`model=None` means the built-in tiny model. `load_format="dummy"` gives random weights, so a directory
+holding only config.json (the real architectures in shared/configs) runs with token-id prompts.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hyserve.config import EngineConfig
+from hyserve.model.config import HybridModelConfig, parse_dtype
+from hyserve.model.nemotron_h import NemotronHForCausalLM
+from hyserve.model.tiny import BUILTIN_MODEL_NAME, builtin_model_dir
+from hyserve.model.tokenizer import Tokenizer, TokenizerNotFoundError
+from hyserve.model.weights import init_random_weights, load_checkpoint
+
+logger = logging.getLogger("hyserve")
+
+
+@dataclass
+class LoadedModel:
+    model: NemotronHForCausalLM
+    config: HybridModelConfig  # with the run dtype and cache dtypes folded in
+    tokenizer: Tokenizer | None
+    device: torch.device
+    dtype: torch.dtype
+    model_dir: Path
+    name: str
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was requested but no CUDA device is available; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, cfg: HybridModelConfig, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # CPU: float32 (bf16 matmuls are slow and imprecise there); GPU: the checkpoint's dtype
+        return torch.float32 if device.type == "cpu" else cfg.dtype
+    return parse_dtype(name, field="dtype", allowed=("bfloat16", "float16", "float32"))
+
+
+def resolve_kv_dtype(name: str, run_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return run_dtype
+    if name == "fp8":
+        if device.type != "cuda":
+            raise ValueError("kv_cache_config.dtype: fp8 KV cache needs a CUDA device; use 'auto' on CPU")
+        raise ValueError(
+            "kv_cache_config.dtype: fp8 KV cache is not available in this build (the FP8 paged-attention "
+            "kernels are not implemented yet); use 'auto' or 'bfloat16'"
+        )
+    return parse_dtype(name, field="kv_cache_config.dtype", allowed=("bfloat16", "float16", "float32"))
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    if config.model is None:
+        model_dir = builtin_model_dir()
+        name = BUILTIN_MODEL_NAME
+    else:
+        model_dir = Path(config.model).expanduser()
+        if not model_dir.exists():
+            raise ValueError(
+                f"model: {config.model!r} is not a local directory (hyserve loads checkpoints from disk; "
+                "download the model first, or omit MODEL to use the built-in tiny model)"
+            )
+        name = model_dir.name
+    cfg = HybridModelConfig.from_hf(model_dir)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, cfg, device)
+    kv_dtype = resolve_kv_dtype(config.cache.dtype, dtype, device)
+    if config.cache.mamba_ssm_stochastic_rounding:
+        raise ValueError(
+            "kv_cache_config.mamba_ssm_stochastic_rounding: stochastic rounding of the float16 SSM state is "
+            "not available in this build; use mamba_ssm_cache_dtype float32 or bfloat16 without it"
+        )
+    cfg = cfg.with_cache_dtypes(ssm_cache_dtype=config.cache.mamba_ssm_cache_dtype, kv_cache_dtype=kv_dtype)
+
+    with torch.device("meta"):
+        model = NemotronHForCausalLM(cfg, dtype=dtype)
+    model = model.to_empty(device=device)
+    fmt = config.load_format
+    if fmt == "auto":
+        has_weights = any(model_dir.glob("*.safetensors"))
+        if not has_weights:
+            raise ValueError(
+                f"model: {model_dir} has no *.safetensors weights; pass load_format='dummy' "
+                "(--load-format dummy) to run it with random weights"
+            )
+        fmt = "safetensors"
+    if fmt == "dummy":
+        init_random_weights(model, cfg, seed=config.seed)
+    else:
+        load_checkpoint(model, model_dir)
+    model.eval()
+
+    try:
+        tokenizer: Tokenizer | None = Tokenizer.from_dir(model_dir)
+    except TokenizerNotFoundError:
+        logger.info("no tokenizer in %s: prompts must be token ids", model_dir)
+        tokenizer = None
+    return LoadedModel(
+        model=model,
+        config=model.config,
+        tokenizer=tokenizer,
+        device=device,
+        dtype=dtype,
+        model_dir=model_dir,
+        name=config.served_model_name or name,
+    )

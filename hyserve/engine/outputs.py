@@ -1,0 +1,45 @@
+"""What the engine hands back: per-token logprobs, streaming deltas, and finished request outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float]  # the requested top-k alternatives: token id -> logprob
+
+
+@dataclass
+class StreamDelta:
+    """New output of one request since its previous delta (the async engine yields these)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A finished request (what `LLM.generate` returns, one per prompt, in prompt order)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None
+    num_cached_tokens: int
+    stop_reason: int | str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)

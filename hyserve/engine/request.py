@@ -1,0 +1,68 @@
+"""`Request`: one generation request as the engine tracks it, from arrival to finish."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from hyserve.engine.outputs import TokenLogprob
+from hyserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int  # monotonically increasing admission ticket: FCFS order and preemption priority
+    prompt: str | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # cache state (owned by the scheduler / cache manager)
+    num_computed: int = 0  # tokens whose KV + Mamba state are in the cache
+    block_ids: list[int] = field(default_factory=list)
+    live_slot: int | None = None
+    init_snapshot_slot: int | None = None  # prefix hit: read the first chunk's state from here (pinned)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    aborted: bool = False
+    # timing
+    t_arrival: float = field(default_factory=time.monotonic)
+    t_first_token: float | None = None
+    t_finished: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        """Still feeding known tokens (prompt, or prompt + outputs after a preemption)."""
+        return self.num_computed < self.num_tokens - 1 or self.num_computed == 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,75 @@
+"""`ModelRunner`: turns a `ScheduledBatch` into tensors (`ForwardMeta`), runs the model, returns the
+logits of the sequences that sample this step.
+
+Index arithmetic for the KV writes (bs = tokens_per_block):
+
+    new token j of a sequence sits at position p = start_pos + j
+    slot_mapping = block_ids[p // bs] * bs + p % bs
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyserve.engine.scheduler import ScheduledBatch
+from hyserve.model.cache_tensors import CacheTensors
+from hyserve.model.forward_meta import ForwardMeta, SnapshotWrite
+from hyserve.model.nemotron_h import NemotronHForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: NemotronHForCausalLM, cache: CacheTensors, device: torch.device) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self.tokens_per_block = cache.tokens_per_block
+
+    def build_meta(self, batch: ScheduledBatch) -> tuple[torch.Tensor, ForwardMeta]:
+        bs = self.tokens_per_block
+        ids: list[int] = []
+        cu = [0]
+        seq_lens, slot_mapping, src, dst, has_init, logits_idx = [], [], [], [], [], []
+        snaps: list[SnapshotWrite] = []
+        max_blocks = max((len(s.block_ids) for s in batch.seqs), default=1) or 1
+        tables = torch.zeros(len(batch.seqs), max_blocks, dtype=torch.int32)
+        for i, s in enumerate(batch.seqs):
+            ids.extend(s.token_ids)
+            cu.append(len(ids))
+            for p in range(s.start_pos, s.start_pos + len(s.token_ids)):
+                slot_mapping.append(s.block_ids[p // bs] * bs + p % bs)
+            seq_lens.append(s.start_pos + len(s.token_ids))
+            if s.block_ids:
+                tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+            src.append(s.state_dst if s.state_src is None else s.state_src)
+            dst.append(s.state_dst)
+            has_init.append(s.state_src is not None)
+            if s.sample:
+                logits_idx.append(cu[-1] - 1)
+            snaps.extend(SnapshotWrite(seq=i, num_tokens=n, slot=slot) for n, slot in s.snapshots)
+        dev = self.device
+
+        def t(x: list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+
+        meta = ForwardMeta(
+            num_decodes=batch.num_decodes,
+            cu_seqlens=cu,
+            seq_lens=seq_lens,
+            cu_seqlens_t=t(cu, torch.int32),
+            seq_lens_t=t(seq_lens, torch.int32),
+            block_tables=tables.to(dev, non_blocking=True),
+            slot_mapping=t(slot_mapping, torch.int64),
+            state_src=t(src, torch.int64),
+            state_dst=t(dst, torch.int64),
+            has_initial_state=has_init,
+            logits_indices=t(logits_idx, torch.int64),
+            snapshots=snaps,
+        )
+        return t(ids, torch.long), meta
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Run one step; returns float32 logits [num sampling seqs, vocab] in batch order."""
+        input_ids, meta = self.build_meta(batch)
+        hidden = self.model(input_ids, meta, self.cache)
+        return self.model.compute_logits(hidden[meta.logits_indices])

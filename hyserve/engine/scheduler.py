@@ -1,0 +1,340 @@
+"""Continuous-batching scheduler with chunked prefill, hybrid prefix caching and recompute preemption.
+
+Each step, under a budget of `max_num_tokens` tokens and `max_batch_size` running requests:
+
+  1. decodes: every running request past its prefill gets one token (admission order);
+  2. prefill continuations: running requests still feeding known tokens get a chunk;
+  3. admissions: waiting requests, strictly first-come-first-served, get a prefix-cache lookup, a live
+     state slot and their first chunk, while budget, slots and blocks last.
+
+A request that needs a block when none is free preempts the youngest running request not yet scheduled
+this step (its blocks and slot are freed and it goes back to the front of the queue, to be recomputed);
+if there is none younger, it yields itself. The oldest request never yields, and admission guarantees
+that any single request fits an empty pool, so a request alone always progresses: no deadlock.
+
+Prefill chunks end early at a snapshot boundary that the SSD scan cannot produce mid-chunk (a boundary
+is producible when it is a multiple of chunk_size tokens into the chunk, or is the chunk's end):
+
+    start=64          boundary 256            boundary 300 (prompt end - offset, unaligned)
+      |--- chunk_size 128 ---|--- 128 ---|-44-|   <- chunk cut here; the next chunk starts at 300
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from hyserve.cache.manager import HybridCacheManager
+from hyserve.engine.request import Request, RequestStatus
+from hyserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledSeq:
+    request_id: str
+    token_ids: list[int]  # new tokens fed this step
+    start_pos: int  # tokens already in the cache before this step
+    block_ids: list[int]  # the request's block table (covers start_pos + len(token_ids))
+    state_src: int | None  # slot to read the initial Mamba state from; None = start from zeros
+    state_dst: int  # the request's live slot
+    sample: bool  # this step produces the request's next token
+    snapshots: list[tuple[int, int]]  # (tokens into this step's new tokens, snapshot slot)
+    params: SamplingParams
+    num_output_tokens: int  # outputs so far (seeded sampling keys on it)
+    snapshot_positions: list[int] = field(default_factory=list)  # absolute prompt positions to snapshot
+    snapshot_keys: list[int] = field(default_factory=list)  # prefix-cache keys of `snapshots`
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1 and self.state_src is not None and self.start_pos > 0
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[ScheduledSeq]  # decodes first, then prefills
+    num_decodes: int
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    tokens_scheduled: int = 0
+    prefix_hit_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cache: HybridCacheManager,
+        *,
+        max_batch_size: int,
+        max_num_tokens: int,
+        enable_chunked_prefill: bool,
+        chunk_size: int,
+    ) -> None:
+        self.cache = cache
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.chunked = enable_chunked_prefill
+        self.chunk_size = chunk_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+        self.stats = SchedulerStats()
+        self._pending_aborts: set[str] = set()
+
+    # ---- queue management -------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> None:
+        """Takes effect at the start of the next `schedule()`."""
+        self._pending_aborts.add(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._pending_aborts)
+
+    def _apply_aborts(self) -> list[Request]:
+        if not self._pending_aborts:
+            return []
+        ids = self._pending_aborts
+        self._pending_aborts = set()
+        done = []
+        for req in [r for r in self.running if r.request_id in ids] + [
+            r for r in self.waiting if r.request_id in ids
+        ]:
+            req.aborted = True
+            self.finish(req, "abort")
+            done.append(req)
+        return done
+
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """Release everything the request holds; publish its prompt blocks to the prefix cache."""
+        if req.status is RequestStatus.FINISHED:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self._release(req, publish=True)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+
+    def _release(self, req: Request, *, publish: bool) -> None:
+        if publish and req.block_ids:
+            self.cache.register_full_blocks(req.prompt_token_ids, req.block_ids, req.num_computed)
+        self.cache.free_blocks(req.block_ids)
+        if req.live_slot is not None:
+            self.cache.free_live_slot(req.live_slot)
+            req.live_slot = None
+        if req.init_snapshot_slot is not None:
+            self.cache.release_snapshot(req.init_snapshot_slot)
+            req.init_snapshot_slot = None
+
+    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
+        self.running.remove(req)
+        self._release(req, publish=True)
+        req.num_computed = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.stats.num_preemptions += 1
+        batch.preempted.append(req.request_id)
+
+    def _victim(self, scheduled: set[str], me: Request) -> Request | None:
+        for r in reversed(self.running):
+            if r is me:
+                return None  # nobody younger than me is left
+            if r.request_id not in scheduled:
+                return r
+        return None
+
+    def _grow_or_preempt(self, req: Request, num_tokens: int, scheduled: set[str], batch: ScheduledBatch) -> bool:
+        """Cover `num_tokens` tokens for a running request, preempting younger ones if needed. False:
+        the request itself was preempted."""
+        while not self.cache.grow(req.block_ids, num_tokens):
+            victim = self._victim(scheduled, req)
+            if victim is None:
+                self._preempt(req, batch)
+                return False
+            self._preempt(victim, batch)
+        return True
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def schedule(self) -> tuple[ScheduledBatch, list[Request]]:
+        """Plan one step. Returns the batch and the requests aborted since the last step."""
+        aborted = self._apply_aborts()
+        batch = ScheduledBatch(seqs=[], num_decodes=0)
+        budget = self.max_num_tokens
+        scheduled: set[str] = set()
+        prefills: list[ScheduledSeq] = []
+
+        # 1. decodes
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING or req.in_prefill:
+                continue
+            if not self._grow_or_preempt(req, req.num_computed + 1, scheduled, batch):
+                continue
+            assert req.live_slot is not None
+            batch.seqs.append(
+                ScheduledSeq(
+                    request_id=req.request_id,
+                    token_ids=[req.all_token_ids[req.num_computed]],
+                    start_pos=req.num_computed,
+                    block_ids=list(req.block_ids),
+                    state_src=req.live_slot,
+                    state_dst=req.live_slot,
+                    sample=True,
+                    snapshots=[],
+                    params=req.params,
+                    num_output_tokens=len(req.output_token_ids),
+                )
+            )
+            scheduled.add(req.request_id)
+            budget -= 1
+        batch.num_decodes = len(batch.seqs)
+
+        # 2. running prefills
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING or req.request_id in scheduled or not req.in_prefill:
+                continue
+            seq = self._plan_chunk(req, budget)
+            if seq is None:
+                continue
+            if not self._grow_or_preempt(req, seq.start_pos + len(seq.token_ids), scheduled, batch):
+                continue
+            self._attach_snapshots(req, seq)
+            seq.block_ids = list(req.block_ids)
+            prefills.append(seq)
+            scheduled.add(req.request_id)
+            budget -= len(seq.token_ids)
+
+        # 3. admissions (FCFS: stop at the first request that cannot start)
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            req = self.waiting[0]
+            seq = self._admit(req, budget)
+            if seq is None:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            prefills.append(seq)
+            scheduled.add(req.request_id)
+            budget -= len(seq.token_ids)
+
+        batch.seqs.extend(prefills)
+        self.stats.num_running = len(self.running)
+        self.stats.num_waiting = len(self.waiting)
+        self.stats.tokens_scheduled = batch.num_tokens
+        return batch, aborted
+
+    def _plan_chunk(self, req: Request, budget: int) -> ScheduledSeq | None:
+        """The next prefill chunk of `req` within `budget` tokens, cut at a snapshot boundary the scan
+        cannot produce mid-chunk. Snapshot positions are recorded; slots are attached only once the
+        chunk's blocks are secured (`_attach_snapshots`). None if nothing can be scheduled."""
+        start = req.num_computed
+        total = req.num_tokens
+        n = min(total - start, budget)
+        if n <= 0 or (not self.chunked and n < total - start):
+            return None
+        positions: list[int] = []
+        for b in self.cache.snapshot_boundaries(req.num_prompt_tokens):
+            if b <= start:
+                continue
+            if b > start + n:
+                break
+            positions.append(b)
+            if (b - start) % self.chunk_size != 0 and b != start + n:
+                n = b - start
+                break
+        assert req.live_slot is not None
+        if req.init_snapshot_slot is not None:
+            src: int | None = req.init_snapshot_slot
+        else:
+            src = None if start == 0 else req.live_slot
+        return ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=req.all_token_ids[start : start + n],
+            start_pos=start,
+            block_ids=[],
+            state_src=src,
+            state_dst=req.live_slot,
+            sample=start + n == total,
+            snapshots=[],
+            params=req.params,
+            num_output_tokens=len(req.output_token_ids),
+            snapshot_positions=positions,
+        )
+
+    def _attach_snapshots(self, req: Request, seq: ScheduledSeq) -> None:
+        for b in seq.snapshot_positions:
+            got = self.cache.allocate_snapshot(req.prompt_token_ids, b)
+            if got is not None:
+                slot, key = got
+                seq.snapshots.append((b - seq.start_pos, slot))
+                seq.snapshot_keys.append(key)
+
+    def _admit(self, req: Request, budget: int) -> ScheduledSeq | None:
+        slot = self.cache.allocate_live_slot()
+        if slot is None:
+            return None
+        hit = self.cache.match_prefix(req.all_token_ids if req.num_preemptions else req.prompt_token_ids)
+        req.live_slot = slot
+        req.block_ids = list(hit.blocks)
+        req.num_computed = hit.num_tokens
+        req.init_snapshot_slot = hit.snapshot_slot
+        req.status = RequestStatus.RUNNING
+        seq = self._plan_chunk(req, budget)
+        if seq is None or not self.cache.grow(req.block_ids, seq.start_pos + len(seq.token_ids)):
+            # undo: nothing of this attempt stays allocated
+            self._release(req, publish=False)
+            req.num_computed = 0
+            req.status = RequestStatus.WAITING
+            return None
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = hit.num_tokens
+        self.stats.prefix_hit_tokens += hit.num_tokens
+        self._attach_snapshots(req, seq)
+        seq.block_ids = list(req.block_ids)
+        return seq
+
+    def update(self, batch: ScheduledBatch, requests: dict[str, Request]) -> None:
+        """After the model ran `batch`: advance computed counts, release step pins, publish blocks."""
+        for seq in batch.seqs:
+            req = requests.get(seq.request_id)
+            for _, slot in seq.snapshots:
+                self.cache.release_snapshot(slot)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            req.num_computed = seq.start_pos + len(seq.token_ids)
+            if req.init_snapshot_slot is not None and seq.state_src == req.init_snapshot_slot:
+                self.cache.release_snapshot(req.init_snapshot_slot)
+                req.init_snapshot_slot = None
+            if seq.snapshots or seq.sample:
+                self.cache.register_full_blocks(req.prompt_token_ids, req.block_ids, req.num_computed)
+
+    def discard_step(self, batch: ScheduledBatch) -> None:
+        """The model failed on `batch`: its snapshots hold garbage, so drop them from the prefix cache."""
+        for seq in batch.seqs:
+            for (_, slot), key in zip(seq.snapshots, seq.snapshot_keys):
+                self.cache.release_snapshot(slot)
+                self.cache.drop_snapshot(key)
+            seq.snapshots = []
