@@ -134,10 +134,9 @@ class HybridCacheManager:
         h = chain_hashes(prompt, self.tokens_per_block, limit=position)[-1]
         if self.states.lookup_snapshot(h) is not None:
             return None
-        slot = self.states.allocate_snapshot(h)
+        slot = self.states.allocate_snapshot(h, pin=True)
         if slot is None:
             return None
-        self.states.pin_snapshot(slot)
         return slot, h
 
     def drop_snapshot(self, key: int) -> None:

@@ -288,8 +288,8 @@ class LLMEngine:
         if reason is None and req.num_tokens >= self.max_seq_len:
             reason = "length"
         if reason is not None:
-            if reason == "length" and st.detok is not None:
-                st.text += st.detok.flush()
+            if not isinstance(stop_reason, str) and st.detok is not None:
+                st.text += st.detok.flush()  # release a held-back partial character
             self.scheduler.finish(req, reason, stop_reason)
             return self._finish_delta(req)
         return self._delta(req, finished=False)
