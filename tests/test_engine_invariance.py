@@ -1,0 +1,88 @@
+"""Greedy outputs must not depend on how the engine batches, chunks, caches or preempts them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hyserve import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(1234)
+    shared = [rng.randrange(3, 300) for _ in range(40)]
+    out = [[1] + [rng.randrange(3, 300) for _ in range(n)] for n in (5, 17, 33, 64, 90)]
+    out += [[1] + shared + [rng.randrange(3, 300) for _ in range(n)] for n in (3, 11, 26)]
+    return out
+
+
+def make_llm(**kw) -> LLM:
+    opts = dict(
+        max_batch_size=8,
+        max_num_tokens=256,
+        kv_cache_config={
+            "tokens_per_block": 8,
+            "enable_block_reuse": False,
+            "max_gpu_total_bytes": 64 * 2**20,
+            "mamba_state_config": {"periodic_snapshot_interval": 16, "additional_snapshot_offsets_from_end": [0]},
+        },
+    )
+    opts.update(kw)
+    return LLM(**opts)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    llm = make_llm()
+    return [llm.generate([p], GREEDY)[0].token_ids for p in prompts()]
+
+
+def test_together_equals_alone(reference: list[list[int]]) -> None:
+    outs = make_llm().generate(prompts(), GREEDY)
+    assert [o.token_ids for o in outs] == reference
+
+
+@pytest.mark.parametrize("budget", [8, 13, 40])
+def test_chunk_budget_does_not_matter(reference: list[list[int]], budget: int) -> None:
+    outs = make_llm(max_num_tokens=budget).generate(prompts(), GREEDY)
+    assert [o.token_ids for o in outs] == reference
+
+
+def test_prefix_cache_hits_give_the_same_tokens(reference: list[list[int]]) -> None:
+    kv = {
+        "tokens_per_block": 8,
+        "enable_block_reuse": True,
+        "max_gpu_total_bytes": 64 * 2**20,
+        "mamba_state_config": {"periodic_snapshot_interval": 16, "additional_snapshot_offsets_from_end": [0, 5]},
+    }
+    llm = make_llm(kv_cache_config=kv)
+    first = llm.generate(prompts(), GREEDY)
+    assert [o.token_ids for o in first] == reference
+    second = llm.generate(prompts(), GREEDY)
+    assert [o.token_ids for o in second] == reference
+    assert sum(o.num_cached_tokens for o in second) > 0, "the second pass should hit the prefix cache"
+    # hits on the shared 40-token prefix in the first pass too (requests 6..8 share it)
+    assert llm.stats()["prefix_cache_hits"] > 0
+    assert llm.reset_prefix_cache() > 0
+    u = llm.cache_usage()
+    assert u["kv_blocks_free"] == u["kv_blocks_total"] and u["snapshot_slots_used"] == 0
+
+
+def test_preemption_gives_the_same_tokens(reference: list[list[int]]) -> None:
+    # a KV pool that holds one long request but not all of them at once: decode must preempt
+    kv = {
+        "tokens_per_block": 8,
+        "enable_block_reuse": False,
+        "max_tokens": 112,
+        "max_gpu_total_bytes": 64 * 2**20,
+        "mamba_state_config": {"periodic_snapshot_interval": None},
+    }
+    llm = make_llm(kv_cache_config=kv, max_seq_len=112)
+    outs = llm.generate(prompts(), GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert llm.stats()["num_preemptions"] > 0
+    u = llm.cache_usage()
+    assert u["kv_blocks_free"] == u["kv_blocks_total"] and u["live_slots_used"] == 0
