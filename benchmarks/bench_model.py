@@ -1,0 +1,167 @@
+"""Model-level benchmark on one GPU: Nemotron Nano 9B v2 architecture, random weights, bf16.
+
+Measures hyserve's engine (batch-1 decode tok/s, 8k-token prefill tok/s, batch-64 decode step time)
+and, in the same run, transformers' own NemotronH (torch path) as the peer reference. Each number is
+quoted against its roofline from the ceilings measured on the H200 (DESIGN.md): 3.79 TB/s weight
+read, 783 TFLOP/s bf16 matmul. Writes benchmarks/results/model_<date>.json and a markdown table.
+
+    python3 benchmarks/bench_model.py [--skip-transformers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hyserve import LLM, SamplingParams  # noqa: E402
+from hyserve.model.config import HybridModelConfig  # noqa: E402
+
+CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
+BW = 3.79e12  # bf16 GEMV weight-read ceiling, B/s
+FLOPS = 783e12  # bf16 dense matmul ceiling, FLOP/s
+
+
+def rec(name, value, unit, reference, reference_value):
+    ratio = None
+    if reference_value:
+        ratio = value / reference_value
+    return {"name": name, "value": value, "unit": unit, "reference": reference,
+            "reference_value": reference_value, "ratio": ratio}
+
+
+def sync() -> None:
+    torch.cuda.synchronize()
+
+
+def bench_hyserve(cfg: HybridModelConfig, records: list, notes: list) -> None:
+    llm = LLM(str(CFG_DIR), load_format="dummy", max_seq_len=16384, max_batch_size=64, max_num_tokens=8192,
+              kv_cache_config={"enable_block_reuse": False, "free_gpu_memory_fraction": 0.5}, log=print)
+    eng = llm.engine
+    weight_bytes = (cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size) * 2
+    decode_roof = BW / weight_bytes
+    prefill_roof = FLOPS / (2 * (cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size))
+    g = torch.Generator().manual_seed(0)
+
+    def ids(n):
+        return [1] + torch.randint(3, cfg.vocab_size, (n - 1,), generator=g).tolist()
+
+    # warm-up
+    llm.generate([ids(256)], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    # batch-1 decode
+    eng.add_request("d1", ids(512), SamplingParams(max_tokens=65, temperature=0, ignore_eos=True))
+    eng.step()  # prefill + first token
+    sync()
+    t = time.perf_counter()
+    n = 0
+    while eng.has_unfinished():
+        n += sum(len(d.token_ids) for d in eng.step())
+    sync()
+    tps = n / (time.perf_counter() - t)
+    records.append(rec("hyserve decode batch 1 (tok/s)", tps, "tok/s", "weight-bandwidth roofline", decode_roof))
+    # 8k prefill
+    eng.add_request("p8k", ids(8192), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    sync()
+    t = time.perf_counter()
+    while eng.has_unfinished():
+        eng.step()
+    sync()
+    ptps = 8192 / (time.perf_counter() - t)
+    records.append(rec("hyserve prefill 8k tokens (tok/s)", ptps, "tok/s", "matmul roofline", prefill_roof))
+    # batch-64 decode step
+    for i in range(64):
+        eng.add_request(f"b{i}", ids(256), SamplingParams(max_tokens=9, temperature=0, ignore_eos=True))
+    while eng.requests and any(r.num_computed < r.num_prompt_tokens for r in eng.requests.values()):
+        eng.step()
+    sync()
+    t = time.perf_counter()
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+    sync()
+    step_ms = (time.perf_counter() - t) / max(steps, 1) * 1e3
+    state_bytes = 64 * cfg.state_bytes_per_sequence * 2  # read + write
+    kv_bytes = 64 * 264 * cfg.kv_bytes_per_token
+    roof_ms = (weight_bytes + state_bytes + kv_bytes) / BW * 1e3
+    records.append(rec("hyserve decode step batch 64 (ms)", step_ms, "ms", "roofline step time (weights+state+KV)",
+                       roof_ms))
+    notes.append(f"hyserve ran its plain-torch reference kernels on CUDA ({steps} batch-64 steps)")
+    del llm, eng
+    torch.cuda.empty_cache()
+
+
+def bench_transformers(cfg_raw: dict, records: list) -> None:
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    raw = dict(cfg_raw)
+    raw.pop("auto_map", None)
+    with torch.device("cuda"):
+        model = NemotronHForCausalLM(NemotronHConfig(**raw)).to(torch.bfloat16).eval()
+    ids = torch.randint(3, raw["vocab_size"], (1, 2048), device="cuda")
+    with torch.no_grad():
+        model(ids[:, :128])
+        sync()
+        t = time.perf_counter()
+        model(ids)
+        sync()
+        records.append(rec("transformers prefill 2k tokens (tok/s)", 2048 / (time.perf_counter() - t), "tok/s",
+                           "DESIGN.md figure", 1070.0))
+        out = model.generate(ids[:, :128], max_new_tokens=4, do_sample=False)
+        sync()
+        t = time.perf_counter()
+        out = model.generate(ids[:, :128], max_new_tokens=33, min_new_tokens=33, do_sample=False)
+        sync()
+        n = out.shape[1] - 128
+        records.append(rec("transformers decode batch 1 (tok/s)", (n - 1) / (time.perf_counter() - t), "tok/s",
+                           "DESIGN.md figure", 27.0))
+    del model
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--skip-transformers", action="store_true")
+    args = ap.parse_args()
+    raw = json.loads((CFG_DIR / "config.json").read_text())
+    cfg = HybridModelConfig.from_dict(raw)
+    records: list = []
+    notes: list = []
+    bench_hyserve(cfg, records, notes)
+    if not args.skip_transformers:
+        bench_transformers(raw, records)
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    result = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "git_sha": sha or "unknown",
+        "gpu": torch.cuda.get_device_name(),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "model": "NVIDIA-Nemotron-Nano-9B-v2 architecture, random weights, bf16",
+        "notes": notes,
+        "records": records,
+    }
+    out = ROOT / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = dt.date.today().isoformat()
+    (out / f"model_{stamp}.json").write_text(json.dumps(result, indent=2))
+    lines = ["| name | value | unit | reference | reference value | ratio |", "|---|---|---|---|---|---|"]
+    for r in records:
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        lines.append(f"| {r['name']} | {r['value']:.2f} | {r['unit']} | {r['reference']} | "
+                     f"{r['reference_value']:.2f} | {ratio} |")
+    table = "\n".join(lines)
+    (out / f"model_{stamp}.md").write_text(f"# model benchmark {stamp} ({result['gpu']}, {sha})\n\n{table}\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, then the kernel and model benchmarks. Results land in
+# benchmarks/results/ and, when $OUT is set (the lent-GPU tool), are copied there too.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p benchmarks/results
+log=benchmarks/results/gpu_check.log
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
+  echo "== GPU tests"
+  python3 -m pytest -q -x -m gpu tests/ -p no:cacheprovider 2>&1 | tail -30
+  echo "== kernel benchmarks"
+  if [ -f benchmarks/bench_kernels.py ]; then python3 benchmarks/bench_kernels.py 2>&1 | tail -40; fi
+  echo "== model benchmarks"
+  python3 benchmarks/bench_model.py 2>&1 | tail -40
+} 2>&1 | tee "$log"
+if [ -n "${OUT:-}" ]; then cp benchmarks/results/*.json benchmarks/results/*.md "$log" "$OUT"/ 2>/dev/null; fi
+exit 0
