@@ -34,6 +34,7 @@ class Harness:
              all_logits: bool = False) -> torch.Tensor:
         """items: [(seq id, new tokens)]. Returns logits of each item's last token ([S, V]), or of
         every token with all_logits."""
+        caller_order = list(items)
         if decode_first:
             dec = [it for it in items if len(it[1]) == 1 and self.lens.get(it[0], 0) > 0]
             rest = [it for it in items if it not in dec]
@@ -81,7 +82,7 @@ class Harness:
         h = self.model(torch.tensor(ids, dtype=torch.long, device=dev), meta, self.cache)
         logits = self.model.compute_logits(h[meta.logits_indices])
         if decode_first and not all_logits:
-            # restore the caller's order
-            order = {id(it): k for k, it in enumerate(items)}
-            del order
+            # rows back in the caller's order
+            pos = {id(it): k for k, it in enumerate(items)}
+            logits = logits[torch.tensor([pos[id(it)] for it in caller_order], device=logits.device)]
         return logits

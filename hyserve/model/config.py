@@ -71,7 +71,7 @@ SSM_CACHE_DTYPES = ("float32", "bfloat16", "float16")
 def parse_dtype(name: str | torch.dtype, *, field: str, allowed: tuple[str, ...] | None = None) -> torch.dtype:
     """Map a dtype name to torch; `field` names the config knob in the error."""
     if isinstance(name, torch.dtype):
-        return name
+        name = dtype_name(name)
     key = str(name).lower().removeprefix("torch.")
     if key not in DTYPES or (allowed is not None and key not in allowed):
         options = allowed if allowed is not None else tuple(sorted(set(DTYPES)))
@@ -287,26 +287,35 @@ class HybridModelConfig:
 
         layer_types = _parse_layer_types(d)
 
-        def req(key: str) -> Any:
+        def num(key: str, v: Any, kind: type) -> Any:
+            if isinstance(v, bool) or not isinstance(v, int | float | str):
+                raise ValueError(f"{key}: expected a number, got {v!r}")
+            try:
+                return kind(v)
+            except (TypeError, ValueError):
+                raise ValueError(f"{key}: expected {'an integer' if kind is int else 'a number'}, got {v!r}") from None
+
+        def req(key: str, kind: type = int) -> Any:
             if key not in d or d[key] is None:
                 raise ValueError(f"config.json: required field {key!r} is missing")
-            return d[key]
+            return num(key, d[key], kind)
 
-        def get(key: str, default: Any) -> Any:
+        def get(key: str, default: Any, kind: type | None = None) -> Any:
             v = d.get(key)
-            return default if v is None else v
+            if v is None:
+                return default
+            return num(key, v, kind) if kind is not None else v
 
-        hidden = int(req("hidden_size"))
-        n_heads = int(get("num_attention_heads", 1))
-        head_dim = int(get("head_dim", hidden // n_heads if n_heads else 0))
+        hidden = req("hidden_size")
+        n_heads = get("num_attention_heads", 1, int)
+        head_dim = get("head_dim", hidden // n_heads if n_heads else 0, int)
         expand = get("expand", None)
-        mamba_heads = int(get("mamba_num_heads", 0))
-        mamba_head_dim = int(get("mamba_head_dim", 0))
-        if LAYER_MAMBA in layer_types and (mamba_heads <= 0 or mamba_head_dim <= 0):
-            if expand is not None and mamba_head_dim > 0:
-                mamba_heads = int(expand) * hidden // mamba_head_dim
-            else:
-                raise ValueError("config.json: mamba_num_heads and mamba_head_dim must be positive")
+        mamba_head_dim = get("mamba_head_dim", 0, int)
+        if d.get("mamba_num_heads") is None and expand is not None and mamba_head_dim > 0:
+            # older configs give expand instead of the head count
+            mamba_heads = num("expand", expand, int) * hidden // mamba_head_dim
+        else:
+            mamba_heads = get("mamba_num_heads", 0, int)
 
         eos = d.get("eos_token_id")
         eos_ids = tuple(int(x) for x in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -314,46 +323,46 @@ class HybridModelConfig:
         if not (isinstance(limit, list | tuple) and len(limit) == 2):
             raise ValueError(f"time_step_limit: expected [min, max], got {limit!r}")
         dtype_raw = d.get("torch_dtype") or d.get("dtype") or "bfloat16"
-        n_experts = int(get("n_routed_experts", 0))
+        n_experts = get("n_routed_experts", 0, int)
         cfg = cls(
             layer_types=layer_types,
-            vocab_size=int(req("vocab_size")),
+            vocab_size=req("vocab_size"),
             hidden_size=hidden,
-            layer_norm_epsilon=float(get("layer_norm_epsilon", 1e-5)),
+            layer_norm_epsilon=get("layer_norm_epsilon", 1e-5, float),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             pad_token_id=d.get("pad_token_id"),
-            max_position_embeddings=int(get("max_position_embeddings", 4096)),
+            max_position_embeddings=get("max_position_embeddings", 4096, int),
             dtype=parse_dtype(dtype_raw, field="torch_dtype", allowed=("float32", "bfloat16", "float16")),
             mamba_num_heads=mamba_heads,
             mamba_head_dim=mamba_head_dim,
-            ssm_state_size=int(get("ssm_state_size", 128)),
-            n_groups=int(get("n_groups", 1)),
-            conv_kernel=int(get("conv_kernel", 4)),
-            chunk_size=int(get("chunk_size", 128)),
+            ssm_state_size=get("ssm_state_size", 128, int),
+            n_groups=get("n_groups", 1, int),
+            conv_kernel=get("conv_kernel", 4, int),
+            chunk_size=get("chunk_size", 128, int),
             use_conv_bias=bool(get("use_conv_bias", True)),
             mamba_proj_bias=bool(get("use_bias", get("mamba_proj_bias", False))),
             time_step_limit=(float(limit[0]), float(limit[1])),
-            time_step_min=float(get("time_step_min", 0.001)),
+            time_step_min=get("time_step_min", 0.001, float),
             mamba_hidden_act=str(get("mamba_hidden_act", "silu")),
             num_attention_heads=n_heads,
-            num_key_value_heads=int(get("num_key_value_heads", n_heads)),
+            num_key_value_heads=get("num_key_value_heads", n_heads, int),
             head_dim=head_dim,
             attention_bias=bool(get("attention_bias", False)),
-            intermediate_size=int(get("intermediate_size", 0)),
+            intermediate_size=get("intermediate_size", 0, int),
             mlp_bias=bool(get("mlp_bias", False)),
             mlp_hidden_act=str(get("mlp_hidden_act", "relu2")),
             n_routed_experts=n_experts,
-            num_experts_per_tok=int(get("num_experts_per_tok", 0)),
-            moe_intermediate_size=int(get("moe_intermediate_size", 0)),
-            moe_shared_expert_intermediate_size=int(get("moe_shared_expert_intermediate_size", 0)),
-            n_shared_experts=int(get("n_shared_experts", 1)),
+            num_experts_per_tok=get("num_experts_per_tok", 0, int),
+            moe_intermediate_size=get("moe_intermediate_size", 0, int),
+            moe_shared_expert_intermediate_size=get("moe_shared_expert_intermediate_size", 0, int),
+            n_shared_experts=get("n_shared_experts", 1, int),
             moe_latent_size=None if d.get("moe_latent_size") is None else int(d["moe_latent_size"]),
-            n_group=int(get("n_group", 1)),
-            topk_group=int(get("topk_group", 1)),
+            n_group=get("n_group", 1, int),
+            topk_group=get("topk_group", 1, int),
             norm_topk_prob=bool(get("norm_topk_prob", True)),
-            routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
+            routed_scaling_factor=get("routed_scaling_factor", 1.0, float),
             ssm_cache_dtype=parse_dtype(
                 get("mamba_ssm_cache_dtype", "float32"), field="mamba_ssm_cache_dtype", allowed=SSM_CACHE_DTYPES
             ),

@@ -114,8 +114,9 @@ class Mamba2Mixer(nn.Module):
         cu = [v - meta.cu_seqlens[nd] for v in meta.cu_seqlens[nd:]]
         src, dst = meta.state_src[nd:], meta.state_dst[nd:]
         has_init = torch.tensor(meta.has_initial_state[nd:], device=xbc.device)
-        init_conv = conv_pool[src] * has_init[:, None, None]
-        init_ssm = ssm_pool[src].float() * has_init[:, None, None, None]
+        # where() rather than a multiply: a reused slot may hold NaN/Inf, and 0 * NaN is NaN
+        init_conv = torch.where(has_init[:, None, None], conv_pool[src], 0)
+        init_ssm = torch.where(has_init[:, None, None, None], ssm_pool[src].float(), 0)
 
         xbc_c, conv_final = ops.get("conv1d_varlen", cuda)(xbc, w, bias, cu, init_conv)
         x, b, c = self._split_xbc(xbc_c)
