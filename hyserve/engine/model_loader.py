@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from hyserve.config import EngineConfig
+from hyserve.kernels.triton_registry import register_triton_kernels
 from hyserve.model.config import HybridModelConfig, parse_dtype
 from hyserve.model.nemotron_h import NemotronHForCausalLM
 from hyserve.model.tiny import BUILTIN_MODEL_NAME, builtin_model_dir
@@ -83,6 +84,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
             "not available in this build; use mamba_ssm_cache_dtype float32 or bfloat16 without it"
         )
     cfg = cfg.with_cache_dtypes(ssm_cache_dtype=config.cache.mamba_ssm_cache_dtype, kv_cache_dtype=kv_dtype)
+
+    if device.type == "cuda":
+        names = register_triton_kernels()
+        logger.info("Triton kernels in use on %s: %s", device, ", ".join(names))
 
     with torch.device("meta"):
         model = NemotronHForCausalLM(cfg, dtype=dtype)

@@ -1,0 +1,363 @@
+# ruff: noqa: B023  (the timed lambdas run inside the loop iteration that defines them)
+"""Kernel benchmarks at Nemotron Nano 9B v2 shapes: every Triton kernel is first checked against its
+plain-torch reference, then timed with `triton.testing.do_bench` and quoted against a roofline from the
+measured H200 ceilings (DESIGN.md) or a peer measured in the same run (torch SDPA).
+
+    python benchmarks/bench_kernels.py                       # on the GPU: writes benchmarks/results/kernels_<date>.json
+    python benchmarks/bench_kernels.py --only ssm,attn       # a subset
+    python benchmarks/bench_kernels.py --dry-run --out /tmp/k.json   # CPU: tiny shapes, Triton interpreter,
+                                                                     # wall-clock timing (checks the script only)
+
+Shapes (one layer of Nano 9B v2): Mamba 128 heads x 80, state 128, 8 groups, conv kernel 4 over
+conv_dim 12288, d_inner 10240 (gated norm groups of 1280), hidden 4480; attention 40 q / 8 kv heads,
+head_dim 128.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if "--dry-run" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hyserve.kernels.attention import paged_attention_ref, write_kv_ref  # noqa: E402
+from hyserve.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref  # noqa: E402
+from hyserve.kernels.rmsnorm import rms_norm_ref, rmsnorm_gated_ref  # noqa: E402
+from hyserve.kernels.ssm_update import selective_state_update_ref  # noqa: E402
+
+# Measured on the lent H200 (DESIGN.md, 2026-11-30).
+COPY_BW = 4.27e12  # device copy, read + write bytes per second
+READ_BW = 3.79e12  # bf16 GEMV weight read
+MATMUL_FLOPS = 783e12  # bf16 8192^3
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+class Bench:
+    def __init__(self, dry: bool) -> None:
+        self.dry = dry
+        self.dev = torch.device("cpu" if dry else "cuda")
+        self.records: list[dict] = []
+        self.failures: list[str] = []
+
+    def time_ms(self, fn) -> float:
+        if self.dry:
+            fn()
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+    def check(self, name: str, actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> bool:
+        try:
+            assert torch.isfinite(actual).all(), "non-finite values"
+            torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol)
+        except AssertionError as e:
+            msg = f"{name}: kernel disagrees with its reference: {str(e).splitlines()[0]}"
+            print("FAIL", msg)
+            self.failures.append(msg)
+            return False
+        print(f"ok   {name}: matches its reference")
+        return True
+
+    def record(self, name: str, value: float, unit: str, reference: str, reference_value: float, **extra) -> None:
+        ratio = value / reference_value if reference_value else float("nan")
+        rec = dict(name=name, value=value, unit=unit, reference=reference, reference_value=reference_value,
+                   ratio=ratio, **extra)
+        self.records.append(rec)
+        print(f"     {name}: {value:.4g} {unit} ({ratio:.1%} of {reference})")
+
+    def rnd(self, *shape, dtype=BF16, scale=1.0):
+        return (torch.randn(*shape, device=self.dev) * scale).to(dtype)
+
+
+# --------------------------------------------------------------------------- Mamba decode kernels
+
+
+def bench_ssm(b: Bench) -> None:
+    from hyserve.kernels.triton_ssm_update import selective_state_update_triton
+
+    H, P, N, G = (128, 80, 128, 8) if not b.dry else (4, 16, 16, 2)
+    for batch, sdt in ((64, F32), (1, F32), (64, BF16)) if not b.dry else ((4, F32), (1, BF16)):
+        slots = batch + 8
+        pool = b.rnd(slots, H, P, N, dtype=sdt)
+        x, dt = b.rnd(batch, H, P), b.rnd(batch, H)
+        A = -torch.rand(H, device=b.dev) * 4 - 0.1
+        B, C = b.rnd(batch, G, N), b.rnd(batch, G, N)
+        D, dt_bias = b.rnd(H), b.rnd(H)
+        idx = torch.randperm(slots, device=b.dev)[:batch]
+        kw = dict(D=D, dt_bias=dt_bias, dt_softplus=True, dt_limit=(0.0, float("inf")))
+        p_ref, p_tri = pool.clone(), pool.clone()
+        y_ref = selective_state_update_ref(p_ref, x, dt, A, B, C, idx, idx, **kw)
+        y_tri = selective_state_update_triton(p_tri, x, dt, A, B, C, idx, idx, **kw)
+        tol = 1e-3 if sdt == F32 else 2e-2
+        name = f"ssm_update batch {batch} {str(sdt).removeprefix('torch.')} state"
+        ok = b.check(name, y_tri, y_ref, 2e-2, 2e-2) and b.check(name + " (states)", p_tri[idx], p_ref[idx], tol, tol)
+        if not ok:
+            continue
+        ms = b.time_ms(lambda: selective_state_update_triton(pool, x, dt, A, B, C, idx, idx, **kw))
+        state_bytes = 2 * batch * H * P * N * pool.element_size()
+        io_bytes = (x.numel() * 2 + B.numel() * 2 + C.numel() * 2 + dt.numel()) * 2  # in + y out (bf16)
+        b.record(name, (state_bytes + io_bytes) / (ms * 1e-3), "B/s", "device copy ceiling (DESIGN.md)", COPY_BW,
+                 time_ms=ms)
+        if batch == 64 and sdt == F32 and not b.dry:
+            _bench_mamba_ssm_peer(b, pool, x, dt, A, B, C, D, dt_bias, idx, state_bytes + io_bytes, ms)
+
+
+def _bench_mamba_ssm_peer(b, pool, x, dt, A, B, C, D, dt_bias, idx, nbytes, our_ms) -> None:
+    """mamba_ssm's selective_state_update on the same input, when the package is importable."""
+    try:
+        import types
+
+        sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
+        from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+    except Exception as e:  # noqa: BLE001 - optional peer
+        print(f"     (mamba_ssm peer skipped: {type(e).__name__}: {e})")
+        return
+    Bt, H, P = x.shape
+    N = pool.shape[-1]
+    state = pool[idx].contiguous()
+    try:
+        def run():
+            selective_state_update(
+                state, x, dt[:, :, None].expand(Bt, H, P), A[:, None, None].expand(H, P, N), B, C,
+                D=D[:, None].expand(H, P), dt_bias=dt_bias[:, None].expand(H, P), dt_softplus=True,
+            )
+
+        run()
+        ms = b.time_ms(run)
+    except Exception as e:  # noqa: BLE001 - optional peer
+        print(f"     (mamba_ssm peer failed: {type(e).__name__}: {e})")
+        return
+    b.record("ssm_update batch 64 fp32 state: hyserve vs mamba_ssm selective_state_update", ms / our_ms, "x speedup",
+             "mamba_ssm time / hyserve time (1.0 = parity)", 1.0, time_ms=our_ms, peer_ms=ms)
+
+
+def bench_conv(b: Bench) -> None:
+    from hyserve.kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
+
+    Dm, K = (12288, 4) if not b.dry else (64, 4)
+    batch = 64 if not b.dry else 4
+    pool = b.rnd(batch + 4, Dm, K - 1)
+    x, w, bias = b.rnd(batch, Dm), b.rnd(Dm, K, scale=0.5), b.rnd(Dm)
+    idx = torch.randperm(batch + 4, device=b.dev)[:batch]
+    p_ref, p_tri = pool.clone(), pool.clone()
+    o_ref = causal_conv1d_update_ref(x, p_ref, w, bias, idx, idx)
+    o_tri = causal_conv1d_update_triton(x, p_tri, w, bias, idx, idx)
+    name = f"conv1d_update batch {batch}"
+    if b.check(name, o_tri, o_ref, 2e-2, 2e-2) and b.check(name + " (states)", p_tri[idx], p_ref[idx], 0, 0):
+        ms = b.time_ms(lambda: causal_conv1d_update_triton(x, pool, w, bias, idx, idx))
+        nbytes = (2 * batch * Dm * (K - 1) + 2 * batch * Dm + Dm * K) * 2
+        b.record(name, nbytes / (ms * 1e-3), "B/s", "device copy ceiling (DESIGN.md)", COPY_BW, time_ms=ms)
+
+    T = 8192 if not b.dry else 70
+    cu = [0, T // 4 + 3, T] if not b.dry else [0, 1, 33, T]
+    S = len(cu) - 1
+    xv = b.rnd(T, Dm)
+    init = b.rnd(S, Dm, K - 1)
+    o_ref, f_ref = causal_conv1d_varlen_ref(xv, w, bias, cu, init)
+    o_tri, f_tri = causal_conv1d_varlen_triton(xv, w, bias, cu, init)
+    name = f"conv1d_varlen {T} tokens"
+    if b.check(name, o_tri, o_ref, 2e-2, 2e-2) and b.check(name + " (states)", f_tri, f_ref, 0, 0):
+        ms = b.time_ms(lambda: causal_conv1d_varlen_triton(xv, w, bias, cu, init))
+        nbytes = 2 * T * Dm * 2
+        b.record(name, nbytes / (ms * 1e-3), "B/s", "device copy ceiling (DESIGN.md)", COPY_BW, time_ms=ms)
+
+
+def bench_norms(b: Bench) -> None:
+    from hyserve.kernels.triton_rmsnorm import rms_norm_triton, rmsnorm_gated_triton
+
+    d_inner, group, hidden = (10240, 1280, 4480) if not b.dry else (64, 16, 48)
+    for T in (64, 8192) if not b.dry else (5,):
+        x, z, w = b.rnd(T, d_inner), b.rnd(T, d_inner), b.rnd(d_inner)
+        name = f"rmsnorm_gated {T} tokens"
+        if b.check(name, rmsnorm_gated_triton(x, z, w, 1e-5, group), rmsnorm_gated_ref(x, z, w, 1e-5, group),
+                   2e-2, 2e-2):
+            ms = b.time_ms(lambda: rmsnorm_gated_triton(x, z, w, 1e-5, group))
+            b.record(name, 3 * T * d_inner * 2 / (ms * 1e-3), "B/s", "device copy ceiling (DESIGN.md)", COPY_BW,
+                     time_ms=ms)
+        h, wh = b.rnd(T, hidden), b.rnd(hidden)
+        name = f"rms_norm {T} tokens"
+        if b.check(name, rms_norm_triton(h, wh, 1e-5), rms_norm_ref(h, wh, 1e-5), 2e-2, 2e-2):
+            ms = b.time_ms(lambda: rms_norm_triton(h, wh, 1e-5))
+            b.record(name, 2 * T * hidden * 2 / (ms * 1e-3), "B/s", "device copy ceiling (DESIGN.md)", COPY_BW,
+                     time_ms=ms)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _paged_pool(b: Bench, lens: list[int], Hkv: int, D: int, bs: int, dtype):
+    """A pool holding every sequence's KV in shuffled blocks, and the block tables."""
+    per = [(L + bs - 1) // bs for L in lens]
+    nblocks = sum(per) + 1
+    order = torch.randperm(nblocks, device=b.dev).int()
+    tables = torch.zeros(len(lens), max(per), dtype=torch.int32, device=b.dev)
+    used = 0
+    for s, n in enumerate(per):
+        tables[s, :n] = order[used : used + n]
+        used += n
+    k_cache, v_cache = b.rnd(nblocks, bs, Hkv, D, dtype=dtype), b.rnd(nblocks, bs, Hkv, D, dtype=dtype)
+    return k_cache, v_cache, tables
+
+
+def bench_attn(b: Bench) -> None:
+    from hyserve.kernels.triton_attention import attention_flops, paged_attention_triton, write_kv_triton
+
+    Hq, Hkv, D, bs = (40, 8, 128, 64) if not b.dry else (4, 2, 32, 16)
+    dtype = BF16 if not b.dry else torch.float16  # bf16 tl.dot is wrong in the interpreter
+    tol = 2e-2
+    scale = D**-0.5
+
+    # KV write: 8k new tokens
+    T = 8192 if not b.dry else 40
+    k_cache, v_cache, tables = _paged_pool(b, [T], Hkv, D, bs, dtype)
+    k, v = b.rnd(T, Hkv, D, dtype=dtype), b.rnd(T, Hkv, D, dtype=dtype)
+    pos = torch.arange(T, device=b.dev)
+    slots = (tables[0, pos // bs].long() * bs + pos % bs).contiguous()
+    kr, vr = k_cache.clone(), v_cache.clone()
+    write_kv_ref(k, v, kr, vr, slots)
+    write_kv_triton(k, v, k_cache, v_cache, slots)
+    name = f"write_kv {T} tokens"
+    if b.check(name, k_cache, kr, 0, 0) and b.check(name + " (V)", v_cache, vr, 0, 0):
+        ms = b.time_ms(lambda: write_kv_triton(k, v, k_cache, v_cache, slots))
+        b.record(name, 2 * 2 * k.numel() * k.element_size() / (ms * 1e-3), "B/s", "device copy ceiling (DESIGN.md)",
+                 COPY_BW, time_ms=ms)
+
+    # decode: one sequence at 128k context, and batch 64 at 8k
+    for batch, L in ((1, 131072), (64, 8192)) if not b.dry else ((1, 700), (3, 100)):
+        lens = [L] * batch
+        kc, vc, tb = _paged_pool(b, lens, Hkv, D, bs, dtype)
+        q = b.rnd(batch, Hq, D, dtype=dtype)
+        cu = list(range(batch + 1))
+        name = f"paged decode attention batch {batch} x {L} context"
+        if b.check(name, paged_attention_triton(q, kc, vc, tb, lens, cu, scale),
+                   paged_attention_ref(q, kc, vc, tb, lens, cu, scale), tol, tol):
+            ms = b.time_ms(lambda: paged_attention_triton(q, kc, vc, tb, lens, cu, scale))
+            kv_bytes = 2 * batch * L * Hkv * D * kc.element_size()
+            b.record(name, kv_bytes / (ms * 1e-3), "B/s", "KV-read roofline: bf16 GEMV read ceiling (DESIGN.md)",
+                     READ_BW, time_ms=ms)
+
+    # prefill: one 8k sequence (no cache) and an extend of 2k new tokens over 6k cached
+    for n_new, L in ((8192, 8192), (2048, 8192)) if not b.dry else ((37, 37), (20, 50)):
+        kc, vc, tb = _paged_pool(b, [L], Hkv, D, bs, dtype)
+        q = b.rnd(n_new, Hq, D, dtype=dtype)
+        cu = [0, n_new]
+        flops = attention_flops([n_new], [L], Hq, D)
+        name = f"paged prefill attention {n_new} new / {L} total tokens"
+        if not b.check(name, paged_attention_triton(q, kc, vc, tb, [L], cu, scale),
+                       paged_attention_ref(q, kc, vc, tb, [L], cu, scale), tol, tol):
+            continue
+        ms = b.time_ms(lambda: paged_attention_triton(q, kc, vc, tb, [L], cu, scale))
+        ours = flops / (ms * 1e-3)
+        if n_new == L and not b.dry:
+            best_name, best_ms = _sdpa_best(b, q, kc, vc, tb, L)
+            peer = flops / (best_ms * 1e-3)
+            b.record(name, ours, "FLOP/s", f"torch SDPA ({best_name}) on the same shapes, same run", peer,
+                     time_ms=ms, peer_ms=best_ms)
+        else:
+            b.record(name, ours, "FLOP/s", "bf16 matmul ceiling (DESIGN.md)", MATMUL_FLOPS, time_ms=ms)
+
+
+def _sdpa_best(b: Bench, q, kc, vc, tables, L: int) -> tuple[str, float]:
+    """Fastest torch SDPA backend for causal GQA over contiguous K/V of the same tokens."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from hyserve.kernels.attention import gather_kv
+
+    k = gather_kv(kc, tables[0], L).transpose(0, 1)[None].contiguous()  # [1, Hkv, L, D]
+    v = gather_kv(vc, tables[0], L).transpose(0, 1)[None].contiguous()
+    qq = q.transpose(0, 1)[None].contiguous()  # [1, Hq, L, D]
+    best = ("none", float("inf"))
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        try:
+            with sdpa_kernel(backend):
+                fn = lambda: F.scaled_dot_product_attention(qq, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
+                fn()
+                ms = b.time_ms(fn)
+        except Exception as e:  # noqa: BLE001 - a backend may not support the shape
+            print(f"     (SDPA {backend.name} unavailable: {type(e).__name__})")
+            continue
+        print(f"     SDPA {backend.name}: {ms:.3f} ms")
+        if ms < best[1]:
+            best = (backend.name, ms)
+    return best
+
+
+# --------------------------------------------------------------------------- main
+
+SUITES = {"ssm": bench_ssm, "conv": bench_conv, "norm": bench_norms, "attn": bench_attn}
+
+
+def _git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    except Exception:  # noqa: BLE001 - a copy without .git
+        return "unknown"
+
+
+def _table(records: list[dict]) -> str:
+    lines = ["| kernel | value | unit | reference | reference value | ratio |", "|---|---|---|---|---|---|"]
+    for r in records:
+        lines.append(f"| {r['name']} | {r['value']:.4g} | {r['unit']} | {r['reference']} | "
+                     f"{r['reference_value']:.4g} | {r['ratio']:.1%} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default=",".join(SUITES), help=f"comma-separated subset of {sorted(SUITES)}")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_<date>.json)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton interpreter")
+    args = ap.parse_args()
+    if not args.dry_run and not torch.cuda.is_available():
+        print("bench_kernels: needs a CUDA device (or --dry-run)", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    b = Bench(args.dry_run)
+    for name in args.only.split(","):
+        SUITES[name.strip()](b)
+        if not args.dry_run:
+            torch.cuda.empty_cache()
+    date = _dt.date.today().isoformat()
+    out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / f"kernels_{date}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = dict(
+        date=date,
+        git_sha=_git_sha(),
+        gpu=torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run else "cpu (interpreter)",
+        command=" ".join([Path(sys.executable).name, *sys.argv]),
+        torch=torch.__version__,
+        triton=__import__("triton").__version__,
+        failures=b.failures,
+        records=b.records,
+    )
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    table = _table(b.records)
+    out.with_suffix(".md").write_text(table + "\n")
+    print()
+    print(table)
+    print(f"\nwrote {out}")
+    if b.failures:
+        print(f"{len(b.failures)} kernel(s) disagree with their references:", *b.failures, sep="\n  ")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,394 @@
+"""Paged attention over the block pool as Triton kernels: KV write, split-KV decode, prefill/extend.
+
+Same contracts as `attention.write_kv_ref` and `attention.paged_attention_ref` (see attention.py for the
+pool layout). Token t of sequence s lives in row t % bs of block block_tables[s][t // bs]; the kernels
+gather K/V rows through the block table, so any block size works:
+
+    k_cache: [num_blocks, bs, kv_heads, head_dim]
+    kv position pos  ->  k_cache[block_tables[s, pos // bs], pos % bs, kv_head, :]
+
+Step layout (ForwardMeta): the single-token decode sequences come first, then prefill/extend ones.
+
+    decode seqs  [0, nd):   _decode_kernel, grid (nd, kv_heads, splits): one program reads one split of
+                            one sequence's KV once for all q heads of its GQA group (q rows padded to
+                            16 for tl.dot), writes a partial output + log-sum-exp; _combine_kernel
+                            merges the splits. Splits give long contexts enough parallelism.
+    prefill seqs [nd, S):   _prefill_kernel, grid (q-blocks, q_heads, S - nd): flash-attention style
+                            online softmax over the cached + new tokens, causal on absolute positions
+                            (new token j of a sequence with n new tokens sits at seq_len - n + j).
+
+Softmax in float32 with exp2 (scale folded with log2(e)). P is cast to the V dtype for the PV product,
+as flash attention does. A float8 cache is upcast to q's dtype after the load (scale 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+# --------------------------------------------------------------------------- KV write
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _write_kv_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, num_tokens,
+    s_k_t, s_k_h, s_v_t, s_v_h,
+    s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h,
+    BS: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // BS
+    row = slot % BS
+    offs_h = tl.arange(0, H_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    m = (offs_h < HKV)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k = tl.load(k_ptr + t * s_k_t + offs_h[:, None] * s_k_h + offs_d[None, :], mask=m)
+    v = tl.load(v_ptr + t * s_v_t + offs_h[:, None] * s_v_h + offs_d[None, :], mask=m)
+    tl.store(
+        kc_ptr + blk * s_kc_b + row * s_kc_r + offs_h[:, None] * s_kc_h + offs_d[None, :],
+        k.to(kc_ptr.dtype.element_ty), mask=m,
+    )
+    tl.store(
+        vc_ptr + blk * s_vc_b + row * s_vc_r + offs_h[:, None] * s_vc_h + offs_d[None, :],
+        v.to(vc_ptr.dtype.element_ty), mask=m,
+    )
+
+
+def write_kv_triton(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """k, v: [T, kv_heads, head_dim]; writes them at slot_mapping ([T], -1 = skip) into the caches."""
+    assert k.dim() == 3 and v.shape == k.shape and k_cache.dim() == 4 and v_cache.shape == k_cache.shape
+    T, Hkv, Dh = k.shape
+    assert k_cache.shape[2:] == (Hkv, Dh), f"k {tuple(k.shape)} vs cache {tuple(k_cache.shape)}"
+    assert slot_mapping.shape == (T,) and not slot_mapping.dtype.is_floating_point
+    assert slot_mapping.is_contiguous()
+    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    if T == 0:
+        return
+    _write_kv_kernel[(T,)](
+        k, v, k_cache, v_cache, slot_mapping, T,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        BS=k_cache.shape[1], HKV=Hkv, HEAD_DIM=Dh,
+        H_PAD=triton.next_power_of_2(Hkv), D_PAD=triton.next_power_of_2(Dh),
+        num_warps=4,
+    )
+
+
+# --------------------------------------------------------------------------- decode (split-KV)
+
+
+@triton.jit(do_not_specialize=["seq_offset", "tokens_per_split"])
+def _decode_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, cu_ptr, po_ptr, plse_ptr,
+    seq_offset, tokens_per_split, qk_scale,
+    s_q_t, s_q_h,
+    s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h,
+    s_bt_s,
+    s_po_sp, s_po_s, s_po_h,  # partial out [splits, nd, Hq, D] fp32, last stride 1
+    s_pl_sp, s_pl_s,  # partial lse [splits, nd, Hq] fp32, last stride 1
+    BS: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    s = tl.program_id(0).to(tl.int64)  # index among the decode sequences
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    seq = seq_offset + s
+    L = tl.load(lens_ptr + seq).to(tl.int64)
+    row = tl.load(cu_ptr + seq).to(tl.int64)
+    lo = sp.to(tl.int64) * tokens_per_split
+    hi = tl.minimum(lo + tokens_per_split, L)
+
+    offs_r = tl.arange(0, REP_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    mr = offs_r < REP
+    md = offs_d < HEAD_DIM
+    heads = kvh * REP + offs_r
+    q = tl.load(q_ptr + row * s_q_t + heads[:, None] * s_q_h + offs_d[None, :], mask=mr[:, None] & md[None, :],
+                other=0.0)
+
+    m_i = tl.full((REP_PAD,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((REP_PAD,), dtype=tl.float32)
+    acc = tl.zeros((REP_PAD, D_PAD), dtype=tl.float32)
+    bt_row = bt_ptr + seq * s_bt_s
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        mn = pos < hi
+        blk = tl.load(bt_row + pos // BS, mask=mn, other=0).to(tl.int64)
+        r = pos % BS
+        mkv = mn[:, None] & md[None, :]
+        k = tl.load(kc_ptr + blk[:, None] * s_kc_b + r[:, None] * s_kc_r + kvh * s_kc_h + offs_d[None, :],
+                    mask=mkv, other=0.0).to(q.dtype)
+        v = tl.load(vc_ptr + blk[:, None] * s_vc_b + r[:, None] * s_vc_r + kvh * s_vc_h + offs_d[None, :],
+                    mask=mkv, other=0.0).to(q.dtype)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(mn[None, :], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: every chunk holds >= 1 valid position
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    has = l_i > 0.0  # an empty split (lo >= L) contributes weight 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(po_ptr + sp * s_po_sp + s * s_po_s + heads[:, None] * s_po_h + offs_d[None, :], out,
+             mask=mr[:, None] & md[None, :])
+    tl.store(plse_ptr + sp * s_pl_sp + s * s_pl_s + heads, lse, mask=mr)
+
+
+@triton.jit(do_not_specialize=["seq_offset", "num_splits"])
+def _combine_kernel(
+    po_ptr, plse_ptr, cu_ptr, out_ptr, seq_offset, num_splits,
+    s_po_sp, s_po_s, s_po_h, s_pl_sp, s_pl_s, s_o_t, s_o_h,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+):
+    s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row = tl.load(cu_ptr + seq_offset + s).to(tl.int64)
+    offs_d = tl.arange(0, D_PAD)
+    md = offs_d < HEAD_DIM
+    m = tl.full((), float("-inf"), dtype=tl.float32)
+    den = tl.zeros((), dtype=tl.float32)
+    acc = tl.zeros((D_PAD,), dtype=tl.float32)
+    for sp in range(num_splits):
+        lse = tl.load(plse_ptr + sp * s_pl_sp + s * s_pl_s + h)
+        if lse > float("-inf"):
+            o = tl.load(po_ptr + sp * s_po_sp + s * s_po_s + h * s_po_h + offs_d, mask=md, other=0.0)
+            m_new = tl.maximum(m, lse)
+            alpha = tl.exp2(m - m_new)
+            w = tl.exp2(lse - m_new)
+            acc = acc * alpha + w * o
+            den = den * alpha + w
+            m = m_new
+    tl.store(out_ptr + row * s_o_t + h * s_o_h + offs_d, (acc / den).to(out_ptr.dtype.element_ty), mask=md)
+
+
+# --------------------------------------------------------------------------- prefill / extend
+
+
+@triton.jit(do_not_specialize=["seq_offset"])
+def _prefill_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, cu_ptr, out_ptr,
+    seq_offset, qk_scale,
+    s_q_t, s_q_h,
+    s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h,
+    s_bt_s, s_o_t, s_o_h,
+    BS: tl.constexpr, REP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    mb = tl.program_id(0)
+    h = tl.program_id(1)
+    seq = seq_offset + tl.program_id(2).to(tl.int64)
+    q0 = tl.load(cu_ptr + seq).to(tl.int64)
+    n = tl.load(cu_ptr + seq + 1).to(tl.int64) - q0
+    m0 = mb * BLOCK_M
+    if m0 >= n:
+        return
+    L = tl.load(lens_ptr + seq).to(tl.int64)
+    ctx = L - n  # cached tokens before this step's new ones
+    kvh = h // REP
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    mm = offs_m < n
+    md = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + (q0 + offs_m)[:, None] * s_q_t + h * s_q_h + offs_d[None, :],
+                mask=mm[:, None] & md[None, :], other=0.0)
+    qpos = ctx + offs_m
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, D_PAD), dtype=tl.float32)
+    bt_row = bt_ptr + seq * s_bt_s
+    kv_end = tl.minimum(L, ctx + m0 + BLOCK_M)  # causal: nothing past this block's last query
+    for start in range(0, kv_end, BLOCK_N):
+        pos = start + offs_n
+        mn = pos < kv_end
+        blk = tl.load(bt_row + pos // BS, mask=mn, other=0).to(tl.int64)
+        r = pos % BS
+        mkv = mn[:, None] & md[None, :]
+        k = tl.load(kc_ptr + blk[:, None] * s_kc_b + r[:, None] * s_kc_r + kvh * s_kc_h + offs_d[None, :],
+                    mask=mkv, other=0.0).to(q.dtype)
+        v = tl.load(vc_ptr + blk[:, None] * s_vc_b + r[:, None] * s_vc_r + kvh * s_vc_h + offs_d[None, :],
+                    mask=mkv, other=0.0).to(q.dtype)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        # Position 0 is visible to every query, so m_i is finite after the first chunk and a row
+        # whose chunk is fully masked later just gets p = 0.
+        ok = mn[None, :] & (pos[None, :] <= qpos[:, None])
+        qk = tl.where(ok, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (q0 + offs_m)[:, None] * s_o_t + h * s_o_h + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mm[:, None] & md[None, :])
+
+
+# --------------------------------------------------------------------------- launcher
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+# Enough programs to fill an H200 (132 SMs) a few times over; splits never shorter than this.
+_TARGET_PROGRAMS = 132 * 4
+_MIN_SPLIT_TOKENS = 256
+_MAX_SPLITS = 128
+
+
+def _host_list(v: torch.Tensor | list[int]) -> list[int]:
+    return v.tolist() if isinstance(v, torch.Tensor) else [int(t) for t in v]
+
+
+def _device_index(v: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
+    if isinstance(v, torch.Tensor):
+        assert v.dim() == 1 and not v.dtype.is_floating_point
+        if v.device == device and v.is_contiguous():
+            return v
+        return v.to(device=device).contiguous()
+    return torch.tensor(v, dtype=torch.int32, device=device)
+
+
+def num_decode_splits(num_seqs: int, kv_heads: int, max_len: int, block_n: int) -> tuple[int, int]:
+    """(splits, tokens_per_split) for the decode kernel: enough programs to fill the GPU, splits of
+    whole BLOCK_N chunks, none shorter than _MIN_SPLIT_TOKENS."""
+    max_len = max(1, max_len)
+    want = max(1, _TARGET_PROGRAMS // max(1, num_seqs * kv_heads))
+    splits = max(1, min(want, _MAX_SPLITS, triton.cdiv(max_len, _MIN_SPLIT_TOKENS)))
+    per = triton.cdiv(triton.cdiv(max_len, splits), block_n) * block_n
+    return triton.cdiv(max_len, per), per
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor | list[int],
+    cu_q: torch.Tensor | list[int],
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, q_heads, head_dim] -> out [T, q_heads, head_dim] in q.dtype.
+
+    seq_lens / cu_q: host lists (preferred: no device sync; the launcher reads the step's shape from
+    them) or int tensors. With tensors and T == S the step is taken to be pure decode (one new token
+    per sequence) and the split count comes from block_tables' width, so nothing syncs and the call
+    can be captured in a CUDA graph; otherwise tensors are copied to the host once.
+    """
+    assert q.dim() == 3 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape and block_tables.dim() == 2
+    T, Hq, Dh = q.shape
+    _, BS, Hkv, Dk = k_cache.shape
+    assert Dk == Dh and Hq % Hkv == 0, f"q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}"
+    assert q.dtype in _FLOATS, "float64 runs on the reference path"
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert block_tables.stride(1) == 1 and not block_tables.dtype.is_floating_point
+    S = (cu_q.shape[0] if isinstance(cu_q, torch.Tensor) else len(cu_q)) - 1
+    assert S >= 0 and block_tables.shape[0] >= S
+    dev = q.device
+    out = torch.empty_like(q)
+    if T == 0 or S == 0:
+        return out
+    rep = Hq // Hkv
+    ieee = q.dtype == torch.float32
+    qk_scale = float(scale) * _LOG2E
+    D_PAD = triton.next_power_of_2(Dh)
+    on_gpu = q.is_cuda
+    max_blocks = block_tables.shape[1]
+
+    if isinstance(cu_q, torch.Tensor) and isinstance(seq_lens, torch.Tensor) and T == S:
+        nd, max_len = S, max_blocks * BS  # graph-safe: no host values needed
+    else:
+        cu_h, lens_h = _host_list(cu_q), _host_list(seq_lens)
+        assert len(lens_h) == S and cu_h[0] == 0 and cu_h[-1] == T, f"cu_q {cu_h} vs {T} tokens"
+        for s in range(S):
+            if cu_h[s + 1] - cu_h[s] > lens_h[s]:
+                raise ValueError(
+                    f"paged_attention: sequence {s} has {cu_h[s + 1] - cu_h[s]} new tokens but seq_len {lens_h[s]}"
+                )
+        nd = 0
+        while nd < S and cu_h[nd + 1] - cu_h[nd] == 1:
+            nd += 1
+        max_len = max(lens_h[:nd], default=0)
+        max_new = max((cu_h[s + 1] - cu_h[s] for s in range(nd, S)), default=0)
+    cu_t = _device_index(cu_q, dev)
+    lens_t = _device_index(seq_lens, dev)
+    strides_kv = (
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+    )
+
+    if nd > 0:
+        BLOCK_N = 64 if on_gpu else 16
+        splits, per = num_decode_splits(nd, Hkv, max_len, BLOCK_N)
+        po = torch.empty(splits, nd, Hq, Dh, dtype=torch.float32, device=dev)
+        plse = torch.empty(splits, nd, Hq, dtype=torch.float32, device=dev)
+        _decode_kernel[(nd, Hkv, splits)](
+            q, k_cache, v_cache, block_tables, lens_t, cu_t, po, plse,
+            0, per, qk_scale,
+            q.stride(0), q.stride(1), *strides_kv, block_tables.stride(0),
+            po.stride(0), po.stride(1), po.stride(2), plse.stride(0), plse.stride(1),
+            BS=BS, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)),
+            HEAD_DIM=Dh, D_PAD=D_PAD, BLOCK_N=BLOCK_N, IEEE=ieee,
+            num_warps=4, num_stages=2,
+        )
+        _combine_kernel[(nd, Hq)](
+            po, plse, cu_t, out, 0, splits,
+            po.stride(0), po.stride(1), po.stride(2), plse.stride(0), plse.stride(1),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=Dh, D_PAD=D_PAD, num_warps=1,
+        )
+
+    if nd < S and max_new > 0:
+        if on_gpu:
+            BLOCK_M, BLOCK_N, warps, stages = (128, 64, 8, 2) if D_PAD <= 128 else (64, 32, 4, 2)
+        else:
+            BLOCK_M, BLOCK_N, warps, stages = 16, 16, 4, 1
+        _prefill_kernel[(triton.cdiv(max_new, BLOCK_M), Hq, S - nd)](
+            q, k_cache, v_cache, block_tables, lens_t, cu_t, out,
+            nd, qk_scale,
+            q.stride(0), q.stride(1), *strides_kv, block_tables.stride(0), out.stride(0), out.stride(1),
+            BS=BS, REP=rep, HEAD_DIM=Dh, D_PAD=D_PAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IEEE=ieee,
+            num_warps=warps, num_stages=stages,
+        )
+    return out
+
+
+def attention_flops(new_tokens: list[int], seq_lens: list[int], q_heads: int, head_dim: int) -> float:
+    """Causal attention FLOPs of one step (QK^T and PV, 2 FLOPs per MAC), for benchmarks."""
+    total = 0.0
+    for n, L in zip(new_tokens, seq_lens):
+        ctx = L - n
+        # query j attends to ctx + j + 1 keys
+        total += n * ctx + n * (n + 1) / 2
+    return 4.0 * total * q_heads * head_dim
+
+
+__all__ = ["write_kv_triton", "paged_attention_triton", "num_decode_splits", "attention_flops"]

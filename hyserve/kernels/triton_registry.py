@@ -1,0 +1,42 @@
+"""Registers the Triton kernels as the CUDA implementations of the ops in `ops.py`.
+
+Triton is imported here, lazily, only when CUDA is available: importing `hyserve.kernels` never
+imports it, and a CPU-only install never needs it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyserve.kernels import ops
+
+
+def register_triton_kernels() -> list[str]:
+    """Make `ops.get(name, on_cuda=True)` return the Triton kernels. Returns the op names registered
+    (empty without CUDA). Raises ImportError with an install hint when CUDA is there but triton is not."""
+    if not torch.cuda.is_available():
+        return []
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ImportError(
+            "CUDA is available but triton is not installed: pip install triton (it ships with the "
+            "CUDA builds of torch)"
+        ) from e
+    from hyserve.kernels.triton_attention import paged_attention_triton, write_kv_triton
+    from hyserve.kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
+    from hyserve.kernels.triton_rmsnorm import rms_norm_triton, rmsnorm_gated_triton
+    from hyserve.kernels.triton_ssm_update import selective_state_update_triton
+
+    impls = {
+        "rms_norm": rms_norm_triton,
+        "rmsnorm_gated": rmsnorm_gated_triton,
+        "conv1d_update": causal_conv1d_update_triton,
+        "conv1d_varlen": causal_conv1d_varlen_triton,
+        "ssm_update": selective_state_update_triton,
+        "write_kv": write_kv_triton,
+        "paged_attention": paged_attention_triton,
+    }
+    for name, fn in impls.items():
+        ops.use_cuda_impl(name, fn)
+    return list(impls)
