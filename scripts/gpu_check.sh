@@ -10,7 +10,7 @@ log=benchmarks/results/gpu_check.log
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
   echo "== GPU tests"
-  python3 -m pytest -q -x -m gpu tests/ -p no:cacheprovider 2>&1 | tail -30
+  python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_kernels.py tests/test_gpu_model.py 2>&1 | tail -40
   echo "== kernel benchmarks"
   if [ -f benchmarks/bench_kernels.py ]; then python3 benchmarks/bench_kernels.py 2>&1 | tail -40; fi
   echo "== model benchmarks"

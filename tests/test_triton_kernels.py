@@ -52,8 +52,11 @@ TOL = {F32: dict(rtol=1e-4, atol=1e-4), F16: dict(rtol=2e-3, atol=2e-3), BF16: d
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
     torch.manual_seed(1234)
+    threads = torch.get_num_threads()
     if not CUDA:
         torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -167,19 +167,19 @@ def _conv1d_varlen_kernel(
     # The program holding the sequence's last token writes its final state: xs[n .. n+K-2].
     if t0 + BLOCK_T >= n:
         for c in tl.static_range(K - 1):
-            i = n + c
-            if i >= K - 1:
-                v = tl.load(x_ptr + (start + i - (K - 1)) * s_x_t + offs_d, mask=md, other=0.0).to(tl.float32)
+            xi = n + c  # a fresh name: `i` above is a block tensor of another type
+            if xi >= K - 1:
+                fv = tl.load(x_ptr + (start + xi - (K - 1)) * s_x_t + offs_d, mask=md, other=0.0).to(tl.float32)
             else:
                 if HAS_INIT:
-                    v = tl.load(
-                        init_ptr + s * s_init_s + offs_d * s_init_d + i * s_init_k, mask=md, other=0.0
+                    fv = tl.load(
+                        init_ptr + s * s_init_s + offs_d * s_init_d + xi * s_init_k, mask=md, other=0.0
                     ).to(tl.float32)
                 else:
-                    v = tl.zeros((BLOCK_D,), dtype=tl.float32)
+                    fv = tl.zeros((BLOCK_D,), dtype=tl.float32)
             tl.store(
                 final_ptr + s * s_fin_s + offs_d * s_fin_d + c * s_fin_k,
-                v.to(final_ptr.dtype.element_ty),
+                fv.to(final_ptr.dtype.element_ty),
                 mask=md,
             )
 
