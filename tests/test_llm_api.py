@@ -103,11 +103,10 @@ def test_cache_usage_keys(llm: LLM) -> None:
 
 
 def test_dummy_config_only_model(tmp_path) -> None:
+    import json
     import shutil
 
     from hyserve.model.tiny import tiny_config
-
-    import json
     (tmp_path / "config.json").write_text(json.dumps(tiny_config("moe")))
     with pytest.raises(ValueError, match="dummy"):
         LLM(str(tmp_path))

@@ -19,6 +19,7 @@ from hyserve.cache.capacity import CapacityInputs, CapacityPlan, plan_capacity
 from hyserve.cache.manager import HybridCacheManager
 from hyserve.config import EngineConfig
 from hyserve.engine.errors import RequestRejected
+from hyserve.engine.jit_sentinel import JitSentinel
 from hyserve.engine.model_loader import LoadedModel, load_model
 from hyserve.engine.outputs import StreamDelta, TokenLogprob
 from hyserve.engine.request import Request
@@ -51,6 +52,8 @@ class LLMEngine:
         self.config = config
         self._log = log or logger.info
         t0 = time.monotonic()
+        self.jit = JitSentinel()
+        self.jit.install()
         self._log("hyserve: loading model ...")
         self.loaded: LoadedModel = load_model(config)
         lm = self.loaded
@@ -359,5 +362,6 @@ class LLMEngine:
             "prefix_cache_queries": self.cache.prefix_queries,
             "prefix_cache_hits": self.cache.prefix_hits,
             "tokens_scheduled_last_step": s.tokens_scheduled,
+            "jit_compiles_after_ready": self.jit.compiles_after_ready,
             **self.counters,
         }

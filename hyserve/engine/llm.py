@@ -62,11 +62,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; returns one RequestOutput per prompt, in order. Any invalid
         prompt raises (RequestRejected / ValueError) before anything runs."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        plist = list(prompts)  # type: ignore[arg-type]
+        plist: list[Prompt]
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            plist = [prompts]  # type: ignore[list-item]  # one prompt (text or token ids)
+        else:
+            plist = list(prompts)  # type: ignore[arg-type]
         if params is None:
             params = SamplingParams()
         plist_params = [params] * len(plist) if isinstance(params, SamplingParams) else list(params)

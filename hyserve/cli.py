@@ -1,0 +1,342 @@
+"""The `hyserve` command line.
+
+    hyserve serve [MODEL] [--config extra-llm-api-config.yml] [--host H] [--port P] [--max_seq_len N] ...
+    hyserve generate [MODEL] (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N] [--json] ...
+    hyserve make-tiny DIR [--variant dense|moe|latent-moe] [--seed N]
+    hyserve bench ...        (registered by hyserve.bench.cli when that module exists)
+
+The serve flags are the ones `trtllm-serve` users already type (`--max_batch_size`, `--tp_size`,
+`--kv_cache_free_gpu_memory_fraction`, `--reasoning_parser`, `--config FILE.yml`, ...); each is also
+accepted with hyphens (`--max-batch-size`) as vLLM users write them. Precedence: built-in defaults <
+YAML file < command-line flags. Everything is validated by `build_engine_config` before the model
+loads, and a bad setting exits with status 2 and one line naming the key, not a traceback.
+
+Heavy imports (torch, the engine, FastAPI) happen inside the subcommands so `hyserve --help` and
+config errors are instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# YAML keys that configure the HTTP server rather than the engine (vLLM's --config takes any flag).
+_SERVER_YAML_KEYS = ("host", "port", "reasoning_parser", "tool_parser", "api_key", "log_level")
+# Accepted for drop-in compatibility with trtllm-serve / vLLM command lines; no effect here.
+_IGNORED_FLAGS = ("trust_remote_code",)
+
+EXIT_CONFIG_ERROR = 2
+
+
+class ConfigError(ValueError):
+    """A user-fixable configuration problem (exit status 2, one line)."""
+
+
+def _flag(parser: argparse.ArgumentParser | Any, name: str, **kw: Any) -> None:
+    """Add `--name_with_underscores` and its hyphenated spelling as one option."""
+    spellings = [f"--{name}"]
+    hyphen = f"--{name.replace('_', '-')}"
+    if hyphen not in spellings:
+        spellings.append(hyphen)
+    under = f"--{name.replace('-', '_')}"
+    if under not in spellings:
+        spellings.append(under)
+    parser.add_argument(*spellings, dest=name.replace("-", "_"), **kw)
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="model directory (Hugging Face layout); omitted -> the built-in tiny model")
+    _flag(p, "config", metavar="FILE.yml", default=None,
+          help="YAML options (the keys of trtllm-serve's extra-llm-api-config.yml); flags override it")
+    _flag(p, "dtype", default=None, help="weights/activations dtype: auto, bfloat16, float16, float32")
+    _flag(p, "device", default=None, help="auto, cpu or cuda")
+    _flag(p, "load_format", default=None, help="auto, safetensors, or dummy (random weights)")
+    _flag(p, "max_batch_size", type=int, default=None, help="most requests running at once")
+    _flag(p, "max_num_tokens", type=int, default=None, help="most tokens in one forward step")
+    _flag(p, "max_seq_len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    _flag(p, "tp_size", type=int, default=None, help="tensor parallel size (this build: 1)")
+    _flag(p, "ep_size", type=int, default=None, help="expert parallel size (this build: 1)")
+    _flag(p, "kv_cache_free_gpu_memory_fraction", type=float, default=None,
+          help="fraction of free GPU memory for the KV cache and Mamba state pools")
+    _flag(p, "seed", type=int, default=None, help="engine seed for sampling")
+    _flag(p, "trust_remote_code", action="store_true", default=False,
+          help="accepted for compatibility; hyserve runs no remote code")
+
+
+def _add_serve_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run the OpenAI-compatible server",
+                       description="Run the OpenAI-compatible HTTP server.")
+    _add_engine_flags(p)
+    _flag(p, "host", default=None, help="bind address (default 127.0.0.1; 0.0.0.0 for all interfaces)")
+    _flag(p, "port", type=int, default=None, help="port (default 8000)")
+    _flag(p, "served_model_name", default=None, help="name clients use in `model` (default: the dir name)")
+    _flag(p, "api_key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    _flag(p, "reasoning_parser", default=None,
+          help="split <think> output into reasoning_content: nemotron-v3 (aliases: deepseek-r1, qwen3)")
+    _flag(p, "tool_parser", default=None, help="parse tool calls: qwen3_coder")
+    _flag(p, "default_max_tokens", type=int, default=None,
+          help="max_tokens for requests that omit it: the room left in max_seq_len, capped at this (8192)")
+    _flag(p, "log_level", default=None, help="uvicorn log level (default info)")
+    _flag(p, "disable_log_requests", action="store_true", default=False, help="no per-request access log")
+    p.set_defaults(func=cmd_serve)
+
+
+def _add_generate_parser(sub: Any) -> None:
+    p = sub.add_parser("generate", help="generate text offline (no server)",
+                       description="Generate from a prompt with the offline LLM API.")
+    _add_engine_flags(p)
+    p.add_argument("-p", "--prompt", action="append", default=None, metavar="TEXT",
+                   help="prompt text (repeat for several prompts)")
+    _flag(p, "prompt_ids", action="append", default=None, metavar="1,2,3",
+          help="a prompt as comma-separated token ids (repeatable)")
+    _flag(p, "max_tokens", type=int, default=32, help="tokens to generate (default 32)")
+    _flag(p, "temperature", type=float, default=0.0, help="0 = greedy (default)")
+    _flag(p, "top_p", type=float, default=1.0)
+    _flag(p, "top_k", type=int, default=0)
+    _flag(p, "min_p", type=float, default=0.0)
+    _flag(p, "stop", action="append", default=None, metavar="STRING", help="stop string (repeatable)")
+    _flag(p, "ignore_eos", action="store_true", default=False)
+    _flag(p, "logprobs", type=int, default=None, metavar="K", help="return top-K logprobs per token")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.set_defaults(func=cmd_generate)
+
+
+def _add_make_tiny_parser(sub: Any) -> None:
+    p = sub.add_parser("make-tiny", help="write a deterministic tiny checkpoint",
+                       description="Write a tiny NemotronH checkpoint (config, safetensors, tokenizer).")
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--variant", choices=("dense", "moe", "latent-moe"), default="dense")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_tiny)
+
+
+def _register_optional_subcommands(sub: Any) -> None:
+    """Extension point: `hyserve bench` (issue: benchmarks) lives in hyserve/bench/cli.py and registers
+    itself with `add_parser(subparsers)`, setting `func=` on its parser. Not implemented here."""
+    import importlib
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("hyserve.bench.cli")
+    except ModuleNotFoundError:
+        spec = None
+    if spec is None:
+        return
+    importlib.import_module("hyserve.bench.cli").add_parser(sub)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hyserve", description="Serving engine for hybrid Mamba2 + attention LLMs")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_serve_parser(sub)
+    _add_generate_parser(sub)
+    _add_make_tiny_parser(sub)
+    _register_optional_subcommands(sub)
+    return parser
+
+
+# ---- options: YAML + flags -> engine options dict -----------------------------------------------------------
+
+
+def engine_options_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """(engine options dict, server options from the YAML, ignored flag names) from parsed arguments.
+
+    Raises ConfigError for a YAML that can't be read."""
+    from hyserve.config import load_yaml_options
+
+    opts: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        try:
+            opts = dict(load_yaml_options(args.config))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    server_yaml = {k: opts.pop(k) for k in _SERVER_YAML_KEYS if k in opts}
+    if args.model is not None:
+        opts["model"] = args.model
+    for name in ("dtype", "device", "load_format", "max_batch_size", "max_num_tokens", "max_seq_len",
+                 "tp_size", "ep_size", "seed", "served_model_name"):
+        v = getattr(args, name, None)
+        if v is not None:
+            opts[name] = v
+    if args.kv_cache_free_gpu_memory_fraction is not None:
+        kv = opts.get("kv_cache_config")
+        kv = dict(kv) if isinstance(kv, dict) else ({} if kv is None else kv)
+        if not isinstance(kv, dict):
+            raise ConfigError(f"kv_cache_config: expected a mapping, got {kv!r}")
+        kv["free_gpu_memory_fraction"] = args.kv_cache_free_gpu_memory_fraction
+        opts["kv_cache_config"] = kv
+    ignored = [f"--{n}" for n in _IGNORED_FLAGS if getattr(args, n, False)]
+    return opts, server_yaml, ignored
+
+
+def _build_config(opts: dict[str, Any]) -> Any:
+    from hyserve.config import build_engine_config
+
+    try:
+        return build_engine_config(opts)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _warn_ignored(config: Any, ignored_flags: list[str], err: Callable[[str], None]) -> None:
+    keys = list(getattr(config, "ignored_keys", ())) + ignored_flags
+    if keys:
+        err(f"hyserve: warning: accepted for compatibility but without effect in hyserve: {', '.join(keys)}")
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _stdout(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ---- subcommands ---------------------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    opts, server_yaml, ignored = engine_options_from_args(args)
+    config = _build_config(opts)
+
+    def pick(name: str, default: Any) -> Any:
+        v = getattr(args, name, None)
+        if v is not None:
+            return v
+        return server_yaml.get(name, default)
+
+    from hyserve.server.app import ServerOptions
+
+    host = str(pick("host", "127.0.0.1"))
+    port = pick("port", 8000)
+    if isinstance(port, bool) or not isinstance(port, int) or not (0 <= port <= 65535):
+        raise ConfigError(f"port: expected an integer in [0, 65535], got {port!r}")
+    aliases = tuple(a for a in (config.model, (config.model or "").rstrip("/").rsplit("/", 1)[-1]) if a)
+    try:
+        server_options = ServerOptions(
+            api_key=pick("api_key", None),
+            reasoning_parser=pick("reasoning_parser", None),
+            tool_parser=pick("tool_parser", None),
+            model_aliases=aliases,
+            default_max_tokens=pick("default_max_tokens", 8192),
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _warn_ignored(config, ignored, _stdout)
+    from hyserve.server.serve import run_server
+
+    try:
+        return run_server(
+            config, server_options, host=host, port=port, log_level=str(pick("log_level", "info")).lower(),
+            access_log=not args.disable_log_requests, log=_stdout,
+        )
+    except (ValueError, FileNotFoundError) as e:  # engine start-up: bad model dir, inconsistent capacity settings
+        raise ConfigError(str(e)) from None
+
+
+def _parse_ids(s: str) -> list[int]:
+    try:
+        ids = [int(x) for x in s.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise ConfigError(f"--prompt-ids: expected comma-separated integers, got {s!r}") from None
+    if not ids:
+        raise ConfigError("--prompt-ids: no token ids given")
+    return ids
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    opts, _server_yaml, ignored = engine_options_from_args(args)
+    config = _build_config(opts)  # validate everything before loading anything
+    prompts: list[str | list[int]] = list(args.prompt or []) + [_parse_ids(s) for s in (args.prompt_ids or [])]
+    if not prompts:
+        prompts = ["Hello, my name is"]
+    _warn_ignored(config, ignored, _stderr)
+    from hyserve.engine.errors import RequestRejected
+    from hyserve.engine.llm import LLM
+    from hyserve.engine.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            min_p=args.min_p, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+            seed=opts.get("seed"),
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    llm_opts = dict(opts)
+    model = llm_opts.pop("model", None)
+    dtype = llm_opts.pop("dtype", "auto")
+    device = llm_opts.pop("device", "auto")
+    load_format = llm_opts.pop("load_format", "auto")
+    try:
+        llm = LLM(model, dtype=dtype, device=device, load_format=load_format, log=_stderr, **llm_opts)
+        outputs = llm.generate(prompts, params)
+    except RequestRejected as e:
+        raise ConfigError(str(e)) from None
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from None
+    for out in outputs:
+        if args.json:
+            rec: dict[str, Any] = {
+                "prompt": out.prompt,
+                "prompt_token_ids": out.prompt_token_ids,
+                "text": out.text,
+                "token_ids": out.token_ids,
+                "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason,
+                "num_cached_tokens": out.num_cached_tokens,
+                "metrics": out.metrics,
+            }
+            if out.logprobs is not None:
+                rec["logprobs"] = [
+                    {"token_id": lp.token_id, "logprob": lp.logprob, "top": {str(k): v for k, v in lp.top.items()}}
+                    for lp in out.logprobs
+                ]
+            print(json.dumps(rec), flush=True)
+        else:
+            print(out.text if out.text else " ".join(map(str, out.token_ids)), flush=True)
+    return 0
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from hyserve.model.tiny import make_tiny
+
+    try:
+        path = make_tiny(args.dir, variant=args.variant, seed=args.seed)
+    except (ValueError, OSError) as e:
+        raise ConfigError(str(e)) from None
+    print(path, flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from importlib import metadata
+
+        try:
+            print(metadata.version("hyserve"))
+        except metadata.PackageNotFoundError:
+            print("unknown")
+        return 0
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_CONFIG_ERROR
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        one_line = " ".join(str(e).split())  # e.g. YAML parser errors span several lines
+        print(f"hyserve {args.command}: error: {one_line}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

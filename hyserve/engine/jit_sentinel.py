@@ -1,0 +1,67 @@
+"""JIT sentinel: counts Triton compilations that happen after the engine said it was ready.
+
+Every call into Triton's compiler after ready means a kernel variant the warm-up did not cover (a
+stall in the middle of serving; DESIGN.md failure 2). Triton reports each one to
+`triton.knobs.compilation.listener`, including ones served from its on-disk cache (`cache_hit`),
+which still cost a load; both are counted and logged with the kernel name and specialisation.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("hyserve")
+
+
+@dataclass(frozen=True)
+class CompileEvent:
+    kernel: str
+    specialization: str
+    cache_hit: bool
+    after_ready: bool
+
+
+class JitSentinel:
+    def __init__(self) -> None:
+        self.ready = False
+        self.events: list[CompileEvent] = []
+        self.compiles_after_ready = 0
+        self._lock = threading.Lock()
+        self._installed = False
+        self._previous: Any = None
+
+    def install(self) -> bool:
+        """Hook Triton's compilation listener (chaining any existing one). False without triton."""
+        try:
+            import triton
+        except ImportError:
+            return False
+        knobs = triton.knobs.compilation
+        self._previous = knobs.listener
+        knobs.listener = self.on_compile
+        self._installed = True
+        return True
+
+    def mark_ready(self) -> None:
+        self.ready = True
+
+    def on_compile(self, *, src: Any, metadata: dict[str, Any], metadata_group: Any, times: Any,
+                   cache_hit: bool) -> None:
+        name = str(getattr(getattr(src, "fn", None), "__name__", None) or metadata.get("name", "?"))
+        spec = str(getattr(src, "constants", "")) + " " + str(getattr(src, "signature", ""))
+        ev = CompileEvent(kernel=name, specialization=spec.strip(), cache_hit=cache_hit, after_ready=self.ready)
+        with self._lock:
+            self.events.append(ev)
+            if self.ready:
+                self.compiles_after_ready += 1
+        if self.ready:
+            logger.warning(
+                "JIT after ready: Triton %s kernel %s (%s); warm-up did not cover this variant",
+                "loaded" if cache_hit else "compiled", name, ev.specialization,
+            )
+        if self._previous is not None:
+            self._previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
+                           cache_hit=cache_hit)

@@ -1,0 +1,164 @@
+"""Prometheus metrics for `GET /metrics`, all prefixed `hyserve_`.
+
+Two sources:
+- per-request latency histograms (TTFT, TPOT, end-to-end) and request counters, observed by the server
+  where the client's clock is (the HTTP handler), so they include queueing and detokenisation;
+- engine state (running/waiting, KV blocks, Mamba state slots, snapshot slots, prefix-cache hits,
+  preemptions, token totals, JIT compiles after ready) read from `engine.stats()` at scrape time by a
+  custom collector, so the numbers are never stale and the engine needs no Prometheus dependency.
+
+Each app gets its own `CollectorRegistry` so several apps in one process (tests) don't collide.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger("hyserve.server")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0, 1920.0, 7680.0)
+_LEN_BUCKETS = tuple(float(2**i) for i in range(0, 21))
+
+# engine.stats() key -> (metric name without prefix, help, kind)
+_ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("num_running", "num_requests_running", "Requests currently scheduled (prefill or decode).", "gauge"),
+    ("num_waiting", "num_requests_waiting", "Requests waiting for admission.", "gauge"),
+    ("kv_blocks_total", "kv_cache_blocks_total", "Paged attention KV blocks in the pool.", "gauge"),
+    ("kv_blocks_free", "kv_cache_blocks_free", "KV blocks free (not held by a request; may hold reusable prefix).",
+     "gauge"),
+    ("live_slots_total", "state_slots_total", "Mamba state slots for running requests.", "gauge"),
+    ("live_slots_used", "state_slots_used", "Mamba state slots in use.", "gauge"),
+    ("snapshot_slots_total", "snapshot_slots_total", "Mamba snapshot slots for the prefix cache.", "gauge"),
+    ("snapshot_slots_used", "snapshot_slots_used", "Mamba snapshot slots holding a cached prefix state.", "gauge"),
+    ("prefix_cache_entries", "prefix_cache_entries", "Prefix-cache entries.", "gauge"),
+    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "counter"),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens served from the prefix cache.", "counter"),
+    ("num_preemptions", "num_preemptions", "Requests preempted (recomputed) because the pools ran out.", "counter"),
+    ("prompt_tokens_total", "prompt_tokens", "Prompt tokens processed.", "counter"),
+    ("generation_tokens_total", "generation_tokens", "Tokens generated.", "counter"),
+    ("requests_finished_total", "engine_requests_finished", "Requests the engine finished (any reason).", "counter"),
+    ("jit_compiles_after_ready", "jit_compiles_after_ready",
+     "Kernel compilations after the engine reported ready (should stay 0).", "counter"),
+    ("healthy", "healthy", "1 when the engine loop is alive and serving.", "gauge"),
+)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = stats
+
+    def describe(self) -> list[Metric]:
+        return []  # collected lazily at scrape time; nothing to pre-register
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            s = self._stats()
+        except Exception:
+            logger.exception("engine.stats() failed during a metrics scrape")
+            g = GaugeMetricFamily("hyserve_healthy", "1 when the engine loop is alive and serving.")
+            g.add_metric([], 0.0)
+            yield g
+            return
+        for key, name, doc, kind in _ENGINE_METRICS:
+            if key not in s:
+                continue
+            fam = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            m = fam(f"hyserve_{name}", doc)
+            m.add_metric([], float(s[key]))
+            yield m
+        # Derived ratios dashboards want directly.
+        tot, free = s.get("kv_blocks_total"), s.get("kv_blocks_free")
+        if tot:
+            m = GaugeMetricFamily("hyserve_kv_cache_usage_ratio", "Fraction of KV blocks held by requests.")
+            m.add_metric([], 1.0 - float(free or 0) / float(tot))
+            yield m
+        tot, used = s.get("live_slots_total"), s.get("live_slots_used")
+        if tot:
+            m = GaugeMetricFamily("hyserve_state_slot_usage_ratio", "Fraction of Mamba state slots in use.")
+            m.add_metric([], float(used or 0) / float(tot))
+            yield m
+        q, h = s.get("prefix_cache_queries"), s.get("prefix_cache_hits")
+        if q is not None:
+            m = GaugeMetricFamily("hyserve_prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens).")
+            m.add_metric([], float(h or 0) / float(q) if q else 0.0)
+            yield m
+
+
+class ServerMetrics:
+    """The app's metrics registry: request-level histograms + the engine collector."""
+
+    def __init__(self, engine_stats: Callable[[], dict[str, Any]]) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "hyserve_requests", "HTTP requests to the API routes by route and status code.",
+            ["route", "status"], registry=r,
+        )
+        self.request_success = Counter(
+            "hyserve_request_success", "Generation requests finished, by finish reason.", ["finish_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "hyserve_time_to_first_token_seconds", "Request arrival to first generated token.",
+            buckets=_TTFT_BUCKETS, registry=r,
+        )
+        self.tpot = Histogram(
+            "hyserve_time_per_output_token_seconds", "Mean time between generated tokens of a request.",
+            buckets=_TPOT_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "hyserve_e2e_request_latency_seconds", "Request arrival to last token.",
+            buckets=_E2E_BUCKETS, registry=r,
+        )
+        self.prompt_len = Histogram(
+            "hyserve_request_prompt_tokens", "Prompt length of finished requests.", buckets=_LEN_BUCKETS,
+            registry=r,
+        )
+        self.gen_len = Histogram(
+            "hyserve_request_generation_tokens", "Generated tokens of finished requests.", buckets=_LEN_BUCKETS,
+            registry=r,
+        )
+        r.register(_EngineCollector(engine_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Per-request clock: call `token()` when output arrives and `finish()` once at the end."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._m = metrics
+        self.t0 = time.perf_counter()
+        self.t_first: float | None = None
+        self._done = False
+
+    def token(self) -> None:
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+            self._m.ttft.observe(self.t_first - self.t0)
+
+    def finish(self, *, finish_reason: str | None, prompt_tokens: int, output_tokens: int) -> None:
+        if self._done:
+            return
+        self._done = True
+        t = time.perf_counter()
+        self._m.e2e.observe(t - self.t0)
+        self._m.request_success.labels(finish_reason=finish_reason or "unknown").inc()
+        self._m.prompt_len.observe(prompt_tokens)
+        self._m.gen_len.observe(output_tokens)
+        if self.t_first is not None and output_tokens > 1:
+            self._m.tpot.observe((t - self.t_first) / (output_tokens - 1))

@@ -1,0 +1,345 @@
+"""Request and response models of the OpenAI-compatible API (the subset hyserve serves, plus the
+extensions vLLM / trtllm-serve users already send: `top_k`, `min_p`, `ignore_eos`,
+`chat_template_kwargs`, `stop_token_ids`, ...).
+
+Why pydantic models rather than raw dicts: FastAPI turns them into the OpenAPI schema (which the
+schemathesis fuzz test drives) and validation errors carry the field path, which the error handler
+turns into the `param` of a 400. Range checks that depend on the engine (max_seq_len, vocab size) are
+not here; they happen in the route and in `SamplingParams`, whose messages name the limit.
+
+Unknown request fields are accepted and ignored (`extra="allow"`), as vLLM does, so clients that send
+OpenAI fields hyserve doesn't implement (`user`, `store`, `metadata`, ...) keep working.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hyserve.engine.sampling_params import MAX_LOGPROBS
+
+# torch generators take 64-bit seeds; bounding them here turns an absurd seed into a 400, not a 500.
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**63 - 1
+# Token ids are int32 everywhere in the engine; the vocabulary bound is checked by the engine.
+_TOKEN_ID_MAX = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=_TOKEN_ID_MAX)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+# ---- shared pieces -------------------------------------------------------------------------------
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _SamplingFields(_Request):
+    """Fields common to chat and text completions (what becomes `SamplingParams`)."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = None
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: int | None = Field(default=None, ge=_SEED_MIN, le=_SEED_MAX)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+# ---- chat ----------------------------------------------------------------------------------------
+
+
+class ContentPart(_Request):
+    """One part of a message's content; only `{"type": "text", "text": ...}` is served (text models)."""
+
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoiceFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedToolChoiceFunction
+
+
+class ResponseFormat(_Request):
+    type: str = "text"
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+class ChatLogprobTop(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[ChatLogprobTop] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(_Response):
+    content: list[ChatLogprobToken] | None = None
+
+
+class ResponseFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ResponseToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
+class DeltaToolCall(_Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ResponseFunctionCall | None = None
+
+
+class ChatResponseMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
+
+
+class ChatCompletionChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class ChatDelta(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatStreamChoice(_Response):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- text completions ----------------------------------------------------------------------------
+
+class CompletionRequest(_SamplingFields):
+    # A string, a batch of strings, one token-id prompt, or a batch of token-id prompts.
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool = True
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Response):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionChunk(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- models, tokenizer, misc ---------------------------------------------------------------------
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "hyserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: either `prompt` (text) or `messages` (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[TokenId] = Field(max_length=1_000_000)
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class VersionResponse(_Response):
+    version: str
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo

@@ -1,0 +1,355 @@
+"""The HTTP layer over a scripted fake engine (real uvicorn, loopback): parsers end to end, every error
+path (bad input -> 4xx naming the field, engine failure -> 500 / SSE error event, disconnects -> abort),
+API key, health, metrics. The real-engine end-to-end tests are in test_server_e2e.py."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from server_fixtures import FakeEngine, parse_metrics, serve_app_in_thread, wait_until
+
+from hyserve.engine.sampling_params import SamplingParams
+from hyserve.model.tokenizer import TINY_CHAT_TEMPLATE, Tokenizer, build_tiny_tokenizer
+from hyserve.server.app import ServerOptions, build_app
+
+
+def tiny_tokenizer() -> Tokenizer:
+    return Tokenizer(
+        build_tiny_tokenizer(),
+        config={"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"},
+        chat_template=TINY_CHAT_TEMPLATE,
+    )
+
+
+@pytest.fixture(scope="module")
+def engine() -> FakeEngine:
+    return FakeEngine(tokenizer=tiny_tokenizer(), max_seq_len=1024)
+
+
+@pytest.fixture(scope="module")
+def url(engine: FakeEngine) -> Iterator[str]:
+    app = build_app(engine, ServerOptions(reasoning_parser="nemotron-v3", tool_parser="qwen3_coder",
+                                          model_aliases=("nvidia/Some-Model",), default_max_tokens=100))
+    with serve_app_in_thread(app) as u:
+        yield u
+
+
+@pytest.fixture(autouse=True)
+def _reset(engine: FakeEngine) -> Iterator[None]:
+    engine.script = lambda ids, p: ["Hello", " world"]
+    engine.healthy = True
+    engine.aborted.clear()
+    yield
+
+
+def chat(url: str, **body: Any) -> httpx.Response:
+    body.setdefault("messages", [{"role": "user", "content": "hi"}])
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+
+
+def sse_events(resp: httpx.Response) -> list[Any]:
+    out = []
+    for line in resp.text.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = None, *words: str) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    if param is not None:
+        assert err["param"] == param, err
+    for w in words:
+        assert w in err["message"], err
+    return err
+
+
+# ---- reasoning + tool calls --------------------------------------------------------------------------------
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}}}},
+}
+TOOL_OUTPUT = ["I should call", " the tool.</th", "ink>\n\n", "<tool_call>\n<function=get_weather>\n",
+               "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n",
+               "</function>\n</tool_call>"]
+
+
+def test_reasoning_and_tool_call_non_streaming(url: str, engine: FakeEngine) -> None:
+    engine.script = lambda ids, p: TOOL_OUTPUT
+    r = chat(url, tools=[WEATHER_TOOL], max_tokens=50)
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    assert ch["finish_reason"] == "tool_calls"
+    msg = ch["message"]
+    assert msg["reasoning_content"] == "I should call the tool."
+    assert msg["content"] is None
+    (call,) = msg["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}
+
+
+def test_reasoning_and_tool_call_streaming(url: str, engine: FakeEngine) -> None:
+    engine.script = lambda ids, p: TOOL_OUTPUT
+    r = chat(url, tools=[WEATHER_TOOL], max_tokens=50, stream=True)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    reasoning = "".join(c["choices"][0]["delta"].get("reasoning_content") or "" for c in chunks if c["choices"])
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    calls = [tc for c in chunks if c["choices"] for tc in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert reasoning == "I should call the tool."
+    assert content == ""
+    assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "days": 3}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_enable_thinking_false_gives_plain_content(url: str, engine: FakeEngine) -> None:
+    seen: list[list[int]] = []
+    engine.script = lambda ids, p: seen.append(ids) or ["ORANGE-", "MANGO-42"]
+    r = chat(url, chat_template_kwargs={"enable_thinking": False}, max_tokens=10)
+    msg = r.json()["choices"][0]["message"]
+    assert msg["content"] == "ORANGE-MANGO-42" and msg["reasoning_content"] is None
+    # the template got the flag: the generation prompt ends with an empty think block
+    assert engine.tokenizer.decode(seen[0], skip_special_tokens=False).endswith("<think></think>")
+
+
+def test_tool_choice_none_does_not_parse(url: str, engine: FakeEngine) -> None:
+    engine.script = lambda ids, p: ["</think>", "<tool_call>\n<function=f>\n</function>\n</tool_call>"]
+    r = chat(url, tools=[WEATHER_TOOL], tool_choice="none")
+    msg = r.json()["choices"][0]["message"]
+    assert msg["tool_calls"] == [] and "<tool_call>" in msg["content"]
+
+
+# ---- sampling parameters reach the engine -----------------------------------------------------------------
+
+
+def test_sampling_params_mapping_and_default_max_tokens(url: str, engine: FakeEngine) -> None:
+    got: list[tuple[list[int], SamplingParams]] = []
+    engine.script = lambda ids, p: got.append((ids, p)) or ["x"]
+    r = chat(url, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=7, stop="END", ignore_eos=True,
+             max_completion_tokens=9, logprobs=True, top_logprobs=2)
+    assert r.status_code == 200, r.text
+    p = got[-1][1]
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.stop, p.ignore_eos, p.max_tokens, p.logprobs) == (
+        0.5, 0.9, 5, 0.1, 7, ("END",), True, 9, 2)
+    lp = r.json()["choices"][0]["logprobs"]["content"][0]
+    assert lp["logprob"] == -0.5 and len(lp["top_logprobs"]) == 2
+    # max_tokens omitted: the room left in max_seq_len (1024), capped at default_max_tokens (100)
+    chat(url)
+    assert got[-1][1].max_tokens == 100
+    base = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": ""}]}).json()["count"]
+    chat(url, messages=[{"role": "user", "content": "z" * (1024 - base - 40)}])  # one token per "z"
+    ids, p = got[-1]
+    assert p.max_tokens == 1024 - len(ids) == 40
+
+
+def test_logprobs_minus_inf_is_valid_json(url: str, engine: FakeEngine) -> None:
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 1, "logprobs": 3}, timeout=10)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == [-0.5]
+    assert min(lp["top_logprobs"][0].values()) == -9999.0
+
+
+def test_completions_batch_and_echo(url: str, engine: FakeEngine) -> None:
+    engine.script = lambda ids, p: ["A", "B"]
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": ["one", "two"], "max_tokens": 5, "echo": True},
+                   timeout=10)
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert [c["text"] for c in body["choices"]] == ["oneAB", "twoAB"]
+    assert body["usage"]["completion_tokens"] == 4
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": [[5, 6], [7]], "max_tokens": 5, "stream": True,
+                                                 "stream_options": {"include_usage": True}}, timeout=10)
+    events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    usage = events[-2]["usage"]
+    assert usage["prompt_tokens"] == 3 and usage["completion_tokens"] == 4
+    texts: dict[int, str] = {}
+    for e in events[:-2]:
+        for c in e["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert texts == {0: "AB", 1: "AB"}
+
+
+def test_model_alias_and_models_routes(url: str) -> None:
+    assert chat(url, model="nvidia/Some-Model").status_code == 200
+    assert chat(url, model="fake-model").status_code == 200
+    models = httpx.get(f"{url}/v1/models").json()
+    assert models["data"][0]["id"] == "fake-model" and models["data"][0]["max_model_len"] == 1024
+    assert httpx.get(f"{url}/v1/models/fake-model").status_code == 200
+    assert_error(httpx.get(f"{url}/v1/models/other"), 404, "model")
+
+
+# ---- bad input -> 4xx naming the field -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"n": 2}, "n", ["n must be 1"]),
+        ({"temperature": -1}, "temperature", ["temperature"]),
+        ({"top_p": 0}, "top_p", ["top_p"]),
+        ({"top_k": -5}, "top_k", []),
+        ({"max_tokens": 0}, "max_tokens", []),
+        ({"max_tokens": 5000}, "messages", ["max_seq_len = 1024"]),
+        ({"messages": []}, "messages", []),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", []),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type",
+         ["image_url"]),
+        ({"top_logprobs": 3}, "top_logprobs", ["logprobs"]),
+        ({"logprobs": True, "top_logprobs": 99}, "top_logprobs", []),
+        ({"tool_choice": "required", "tools": [WEATHER_TOOL]}, "tool_choice", []),
+        ({"response_format": {"type": "json_object"}}, "response_format.type", []),
+        ({"presence_penalty": 0.5}, "presence_penalty", []),
+        ({"seed": 2**70}, "seed", []),
+        ({"stop": [""]}, "stop", []),
+    ],
+)
+def test_chat_bad_input_is_400(url: str, body: dict[str, Any], param: str, words: list[str]) -> None:
+    assert_error(chat(url, **body), 400, param, *words)
+
+
+def test_unknown_model_is_404(url: str) -> None:
+    err = assert_error(chat(url, model="gpt-5"), 404, "model", "gpt-5", "fake-model")
+    assert err["code"] == "model_not_found"
+
+
+def test_malformed_and_missing_bodies(url: str) -> None:
+    r = httpx.post(f"{url}/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
+    assert_error(r, 400, None, "JSON")
+    r = httpx.post(f"{url}/v1/completions", content=b"", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    r = httpx.post(f"{url}/v1/completions", json=[1, 2])
+    assert r.status_code == 400
+    assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": []}), 400, "prompt")
+    assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": [1, 999]}), 400, "prompt", "320")
+    assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": [-1]}), 400)
+    assert_error(httpx.get(f"{url}/no/such/route"), 404)
+    assert_error(httpx.get(f"{url}/v1/chat/completions"), 405)
+
+
+# ---- engine failures, disconnects ---------------------------------------------------------------------------
+
+
+def test_engine_failure_non_streaming_is_500_and_server_keeps_serving(url: str, engine: FakeEngine) -> None:
+    engine.script = lambda ids, p: ["a", FakeEngine.FAIL]
+    assert_error(chat(url), 500, None, "injected failure")
+    engine.script = lambda ids, p: ["ok"]
+    msg = chat(url).json()["choices"][0]["message"]
+    assert msg["reasoning_content"] == "ok"  # thinking on, no </think> (yet): all reasoning
+
+
+def test_engine_failure_streaming_sends_error_event_then_done(url: str, engine: FakeEngine) -> None:
+    engine.script = lambda ids, p: ["a", FakeEngine.FAIL]
+    r = chat(url, stream=True)
+    assert r.status_code == 200
+    events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    err = events[-2]["error"]
+    assert err["status_code"] == 500 and "injected failure" in err["message"]
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "stream": True}, timeout=10)
+    events = sse_events(r)
+    assert events[-1] == "[DONE]" and "error" in events[-2]
+
+
+def test_disconnect_mid_stream_aborts(url: str, engine: FakeEngine) -> None:
+    engine.script = lambda ids, p: ["first", FakeEngine.HANG]
+    with httpx.Client(timeout=10) as client:
+        with client.stream("POST", f"{url}/v1/chat/completions",
+                           json={"messages": [{"role": "user", "content": "x"}], "stream": True}) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if "first" in line:
+                    break
+    assert wait_until(lambda: not engine.running and engine.aborted, 10)
+
+
+def test_disconnect_non_streaming_aborts(url: str, engine: FakeEngine) -> None:
+    engine.script = lambda ids, p: [FakeEngine.HANG]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=0.5)
+    assert wait_until(lambda: not engine.running and engine.aborted, 10)
+
+
+# ---- metrics, health, API key ---------------------------------------------------------------------------------
+
+
+def test_metrics(url: str) -> None:
+    chat(url)
+    m = parse_metrics(httpx.get(f"{url}/metrics").text)
+    assert m['hyserve_requests_total{route="/v1/chat/completions",status="200"}'] >= 1
+    assert m["hyserve_time_to_first_token_seconds_count"] >= 1
+    assert m["hyserve_e2e_request_latency_seconds_count"] >= 1
+    assert "hyserve_time_per_output_token_seconds_count" in m
+    assert m["hyserve_jit_compiles_after_ready_total"] == 0
+    assert m["hyserve_num_requests_running"] == 0
+    assert m["hyserve_kv_cache_usage_ratio"] == 0
+
+
+def test_health_unhealthy_is_503(url: str, engine: FakeEngine) -> None:
+    assert httpx.get(f"{url}/health").status_code == 200
+    engine.healthy = False
+    assert_error(httpx.get(f"{url}/health"), 503)
+    assert_error(chat(url), 503)
+
+
+def test_version(url: str) -> None:
+    assert httpx.get(f"{url}/version").json()["version"]
+
+
+def test_tokenize_detokenize(url: str) -> None:
+    r = httpx.post(f"{url}/tokenize", json={"prompt": "hello world"}).json()
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 1024
+    text = httpx.post(f"{url}/detokenize", json={"tokens": r["tokens"]}).json()["prompt"]
+    assert text == "hello world"
+    chat_tokens = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat_tokens["count"] > 3
+    assert_error(httpx.post(f"{url}/tokenize", json={}), 400, "prompt")
+    assert_error(httpx.post(f"{url}/detokenize", json={"tokens": [100000]}), 400, "tokens")
+
+
+def test_api_key() -> None:
+    eng = FakeEngine(tokenizer=tiny_tokenizer())
+    with serve_app_in_thread(build_app(eng, ServerOptions(api_key="sekret"))) as u:
+        body = {"messages": [{"role": "user", "content": "x"}]}
+        err = assert_error(httpx.post(f"{u}/v1/chat/completions", json=body), 401)
+        assert err["code"] == "invalid_api_key"
+        assert_error(httpx.post(f"{u}/v1/chat/completions", json=body, headers={"Authorization": "Bearer no"}), 401)
+        assert_error(httpx.get(f"{u}/v1/models"), 401)
+        ok = httpx.post(f"{u}/v1/chat/completions", json=body, headers={"Authorization": "Bearer sekret"})
+        assert ok.status_code == 200
+        assert httpx.get(f"{u}/health").status_code == 200  # probes need no key
+        assert httpx.get(f"{u}/metrics").status_code == 200
+
+
+def test_no_tokenizer_model_needs_token_ids() -> None:
+    eng = FakeEngine(tokenizer=None)
+    with serve_app_in_thread(build_app(eng)) as u:
+        r = httpx.post(f"{u}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2, "logprobs": 1})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["logprobs"]["tokens"] == ["token_id:7", "token_id:7"]
+        assert_error(httpx.post(f"{u}/v1/completions", json={"prompt": "text"}), 400, "prompt", "token ids")
+        assert_error(httpx.post(f"{u}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}),
+                     400, "messages", "tokenizer")
+
+
+def test_timing_sanity(url: str) -> None:
+    t0 = time.monotonic()
+    for _ in range(20):
+        assert chat(url, max_tokens=2).status_code == 200
+    assert time.monotonic() - t0 < 10

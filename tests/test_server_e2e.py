@@ -1,0 +1,319 @@
+"""End to end through a real `hyserve serve` process (built-in tiny model, CPU, loopback), driven by the
+official `openai` client, plain HTTP for error cases, and the user report's needle client.
+
+One server for the module, started the way the report's user starts trtllm-serve: a YAML in the
+report's shape (TRT-LLM-only keys included) plus `--reasoning_parser nemotron-v3 --tool_parser
+qwen3_coder --trust_remote_code`. The tiny model has random weights, so tests check protocol behaviour
+(shapes, token counts, finish reasons, resource accounting), never the meaning of the text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from server_fixtures import KV_TOKEN_CAP, REPORT_STYLE_YAML, ServerProcess, wait_until
+
+MAX_SEQ_LEN = 4096
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    cfg: Path = tmp_path_factory.mktemp("cfg") / "extra-llm-api-config.yml"
+    cfg.write_text(REPORT_STYLE_YAML)
+    s = ServerProcess(args=[
+        "--config", str(cfg), "--max_seq_len", str(MAX_SEQ_LEN), "--reasoning_parser", "nemotron-v3",
+        "--tool_parser", "qwen3_coder", "--trust_remote_code", "--disable-log-requests",
+    ]).start()
+    yield s
+    rc = s.stop()
+    assert rc == 0, s.log()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def count_chat_tokens(server: ServerProcess, messages: list[dict[str, Any]], **kw: Any) -> int:
+    r = httpx.post(f"{server.url}/tokenize", json={"messages": messages, **kw}, timeout=30)
+    assert r.status_code == 200, r.text
+    return int(r.json()["count"])
+
+
+def test_startup_log(server: ServerProcess) -> None:
+    log = server.log()
+    assert "capacity plan" in log
+    # one warning listing every compatibility-only key of the report's YAML, plus the CLI flag
+    (warning,) = [line for line in log.splitlines() if "without effect" in line]
+    for key in ("backend", "disable_overlap_scheduler", "enable_attention_dp", "moe_config", "trust_remote_code"):
+        assert key in warning
+    assert "ready" in log
+
+
+def test_models_health_version(client: openai.OpenAI, server: ServerProcess, model: str) -> None:
+    assert model == "hyserve-tiny"
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_chat_sync_streaming_matches_non_streaming(client: openai.OpenAI, server: ServerProcess, model: str) -> None:
+    messages = [{"role": "user", "content": "Say something."}]
+    resp = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                          extra_body=NO_THINK)
+    choice = resp.choices[0]
+    assert choice.finish_reason in ("stop", "length")
+    assert resp.usage.prompt_tokens == count_chat_tokens(server, messages, **NO_THINK)
+    assert 1 <= resp.usage.completion_tokens <= 8
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    assert resp.usage.prompt_tokens_details is not None
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}, extra_body=NO_THINK)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == (choice.message.content or "")
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        choice.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
+
+
+def test_chat_logprobs(client: openai.OpenAI, model: str) -> None:
+    resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3, extra_body=NO_THINK)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens
+    for tok in content:
+        assert len(tok.top_logprobs) == 3
+        assert tok.logprob <= 0 and tok.top_logprobs[0].logprob >= tok.top_logprobs[-1].logprob
+        # greedy: the chosen token is the most likely one
+        assert tok.logprob == pytest.approx(tok.top_logprobs[0].logprob, abs=1e-5)
+
+
+def test_completions_token_ids_echo_logprobs(client: openai.OpenAI, model: str) -> None:
+    resp = client.completions.create(model=model, prompt=[1, 300, 301, 302], max_tokens=5, temperature=0,
+                                     logprobs=2, echo=True)
+    c = resp.choices[0]
+    assert resp.usage.prompt_tokens == 4
+    n_out = resp.usage.completion_tokens
+    assert len(c.logprobs.tokens) == 4 + n_out
+    assert c.logprobs.token_logprobs[:4] == [None] * 4
+    assert all(len(t) <= 2 for t in c.logprobs.top_logprobs[4:])
+
+
+def test_seed_reproducible_and_stop_string(client: openai.OpenAI, model: str) -> None:
+    kw: dict[str, Any] = {"model": model, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0,
+                          "extra_body": {"ignore_eos": True}}
+    a = client.completions.create(seed=1234, **kw).choices[0].text
+    b = client.completions.create(seed=1234, **kw).choices[0].text
+    assert a == b
+    greedy = client.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0]
+    text = greedy.text
+    candidates = [ch for ch in text[1:] if ch.isprintable() and ch != "\ufffd" and not ch.isspace()]
+    if not candidates:
+        pytest.skip(f"greedy output has no printable character to stop on: {text!r}")
+    stop = candidates[0]
+    stopped = client.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                        stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == text[: text.index(stop)]
+
+
+def test_needle_client_from_the_report(server: ServerProcess, model: str) -> None:
+    """repro_needle.py from the report, verbatim except URL/MODEL and a size the tiny model handles."""
+    url = f"{server.base_url}/chat/completions"
+    needle = "The secret code is ORANGE-MANGO-42."
+    filler = "alphabet "
+    results: list[tuple[Any, ...]] = []
+
+    def prompt(n_words: int) -> str:
+        left, right = n_words // 2, n_words - n_words // 2
+        hay = filler * left + needle + " " + filler * right
+        return ("Find the secret code in the document. "
+                "Reply with ONLY the code string, nothing else.\n\nDOCUMENT:\n" + hay)
+
+    def once(n_words: int) -> None:
+        body = {"model": model, "messages": [{"role": "user", "content": prompt(n_words)}], "max_tokens": 64,
+                "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}}
+        t0 = time.time()
+        req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=1800) as r:
+                d = json.loads(r.read())
+                c = d["choices"][0]["message"].get("content")
+                u = d.get("usage") or {}
+                results.append((n_words, "OK", u.get("prompt_tokens"), c, round(time.time() - t0, 1)))
+        except urllib.error.HTTPError as e:
+            results.append((n_words, "HTTP", e.code, e.read()[:400]))
+
+    once(100)
+    once(200)  # ~1.7k prompt tokens, well inside this server's 3,072-token KV pool
+    for n_words, res in zip((100, 200), results):
+        assert res[1] == "OK", res
+        expected = count_chat_tokens(server, [{"role": "user", "content": prompt(n_words)}], **NO_THINK)
+        assert res[2] == expected
+        assert isinstance(res[3], str)  # enable_thinking=False: everything is content
+    assert results[1][2] > 1500
+
+
+def test_prefix_cache_reports_cached_tokens(client: openai.OpenAI, model: str) -> None:
+    prompt = "The same long shared prefix. " * 40
+    kw: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    first = client.completions.create(**kw)
+    second = client.completions.create(**kw)
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens > 256
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_64_concurrent_streams_then_pools_free(server: ServerProcess, model: str) -> None:
+    async def main() -> list[tuple[str, int, str | None]]:
+        aclient = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+        async def one(i: int) -> tuple[str, int, str | None]:
+            stream = await aclient.completions.create(
+                model=model, prompt=f"Request number {i}:", max_tokens=8, temperature=0.7, seed=i, stream=True,
+                stream_options={"include_usage": True},
+            )
+            text, usage, reason = "", 0, None
+            async for ch in stream:
+                if ch.choices:
+                    text += ch.choices[0].text
+                    reason = ch.choices[0].finish_reason or reason
+                if ch.usage:
+                    usage = ch.usage.completion_tokens
+            return text, usage, reason
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(main())
+    assert len(results) == 64
+    for _text, n, reason in results:
+        assert reason in ("stop", "length") and 1 <= n <= 8
+    assert wait_until(server.idle, 15), server.metrics()
+
+
+def test_disconnect_mid_stream_frees_resources(server: ServerProcess, model: str) -> None:
+    aborted0 = server.metrics().get('hyserve_request_success_total{finish_reason="abort"}', 0)
+    body = {"model": model, "prompt": "Go on forever:", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as c, c.stream("POST", f"{server.base_url}/completions", json=body) as r:
+        assert r.status_code == 200
+        n = 0
+        lines = r.iter_lines()  # keep a reference: dropping the iterator would close the connection
+        for line in lines:
+            n += line.startswith("data: ")
+            if n >= 3:
+                break
+        assert server.metrics()["hyserve_num_requests_running"] == 1
+    assert wait_until(server.idle, 15), server.metrics()
+    m = server.metrics()
+    assert m.get('hyserve_request_success_total{finish_reason="abort"}', 0) == aborted0 + 1
+
+
+def test_disconnect_non_streaming_frees_resources(server: ServerProcess, model: str) -> None:
+    aborted0 = server.metrics().get('hyserve_request_success_total{finish_reason="abort"}', 0)
+    body = {"model": model, "prompt": "Go on forever:", "max_tokens": 3000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+    assert wait_until(server.idle, 15), server.metrics()
+    assert server.metrics().get('hyserve_request_success_total{finish_reason="abort"}', 0) == aborted0 + 1
+
+
+def _post(server: ServerProcess, path: str, body: Any) -> httpx.Response:
+    return httpx.post(f"{server.base_url}{path}", json=body, timeout=30)
+
+
+def _err(r: httpx.Response, status: int) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    e = r.json()["error"]
+    assert set(e) >= {"message", "type", "param", "code"}
+    return e
+
+
+def test_too_long_prompt_is_400_naming_max_seq_len(server: ServerProcess, model: str) -> None:
+    e = _err(_post(server, "/completions", {"model": model, "prompt": "z" * 5000, "max_tokens": 8}), 400)
+    assert e["code"] == "context_length_exceeded" and f"max_seq_len = {MAX_SEQ_LEN}" in e["message"]
+    e = _err(_post(server, "/completions", {"model": model, "prompt": "hi", "max_tokens": MAX_SEQ_LEN}), 400)
+    assert e["param"] == "max_tokens" and str(MAX_SEQ_LEN) in e["message"]
+
+
+def test_huge_needle_prompt_is_a_clean_400(server: ServerProcess, model: str) -> None:
+    """The report's 256k-word request against a 4k-token server: a 400 naming the limit, no crash."""
+    hay = "alphabet " * 128_000 + "The secret code is ORANGE-MANGO-42. " + "alphabet " * 128_000
+    body = {"model": model, "messages": [{"role": "user", "content": hay}], "max_tokens": 64, "temperature": 0,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    e = _err(_post(server, "/chat/completions", body), 400)
+    assert e["code"] == "context_length_exceeded" and f"max_seq_len = {MAX_SEQ_LEN}" in e["message"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert _post(server, "/completions", {"model": model, "prompt": "ok", "max_tokens": 2}).status_code == 200
+
+
+def test_prompt_that_never_fits_the_pools_is_400(server: ServerProcess, model: str) -> None:
+    e = _err(_post(server, "/completions", {"model": model, "prompt": "z" * 3500, "max_tokens": 8}), 400)
+    assert e["code"] == "request_too_large" and str(KV_TOKEN_CAP) in e["message"]
+    # ... and the server is still fine afterwards
+    assert _post(server, "/completions", {"model": model, "prompt": "ok", "max_tokens": 2}).status_code == 200
+
+
+def test_openai_client_sees_error_messages(client: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "z" * 5000}], max_tokens=8)
+    assert "max_seq_len" in ei.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], n=2)
+    assert ei.value.body["param"] == "n"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": [1, 2, 100000]}, "prompt"),
+        ({"prompt": "x", "temperature": -0.5}, "temperature"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p"),
+        ({"prompt": "x", "logprobs": 50}, "logprobs"),
+        ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ({"prompt": ""}, "prompt"),
+        ({}, "prompt"),
+    ],
+)
+def test_bad_completion_inputs(server: ServerProcess, body: dict[str, Any], param: str) -> None:
+    assert _err(_post(server, "/completions", body), 400)["param"] == param
+
+
+def test_malformed_json(server: ServerProcess) -> None:
+    r = httpx.post(f"{server.base_url}/chat/completions", content=b"{nope", headers={"content-type": "application/json"})
+    assert "JSON" in _err(r, 400)["message"]
+
+
+def test_metrics_exposed(server: ServerProcess) -> None:
+    m = server.metrics()
+    for name in (
+        "hyserve_num_requests_running", "hyserve_num_requests_waiting", "hyserve_kv_cache_blocks_total",
+        "hyserve_kv_cache_blocks_free", "hyserve_kv_cache_usage_ratio", "hyserve_state_slots_used",
+        "hyserve_snapshot_slots_used", "hyserve_prefix_cache_hit_rate", "hyserve_num_preemptions_total",
+        "hyserve_prompt_tokens_total", "hyserve_generation_tokens_total", "hyserve_time_to_first_token_seconds_count",
+        "hyserve_time_per_output_token_seconds_count", "hyserve_e2e_request_latency_seconds_count",
+        "hyserve_jit_compiles_after_ready_total",
+    ):
+        assert name in m, name
+    assert m["hyserve_jit_compiles_after_ready_total"] == 0
+    assert m["hyserve_kv_cache_blocks_total"] == KV_TOKEN_CAP // 64
