@@ -74,13 +74,6 @@ class HybridCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.tokens_per_block - 1) // self.tokens_per_block
 
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.blocks.num_blocks
-
-    def can_allocate(self, num_blocks: int) -> bool:
-        return self.blocks.num_free() >= num_blocks
-
     # ---- prefix cache -----------------------------------------------------------------------------
     def match_prefix(self, prompt: list[int]) -> PrefixHit:
         """Find the longest reusable prefix of `prompt` (leaving at least one token to compute), take

@@ -60,8 +60,8 @@ class LLMEngine:
         self.model_config = lm.config
         self.tokenizer = lm.tokenizer
         self.device = lm.device
-        if lm.device.type == "cpu":
-            torch.set_num_threads(1 if (torch.get_num_threads() <= 2) else torch.get_num_threads())
+        if lm.device.type == "cpu" and torch.get_num_threads() <= 2:
+            torch.set_num_threads(1)  # 2 threads on 2-core machines were 2-50x slower (DESIGN.md)
         self._log(
             f"hyserve: {lm.name}: {len(lm.config.layer_types)} layers "
             f"({len(lm.config.mamba_layer_ids)} Mamba2, {len(lm.config.attention_layer_ids)} attention), "
@@ -102,7 +102,6 @@ class LLMEngine:
             "prompt_tokens_total": 0,
             "generation_tokens_total": 0,
             "requests_finished_total": 0,
-            "num_preemptions": 0,
             "step_failures_total": 0,
         }
         self._log(self.plan.report())
@@ -229,7 +228,6 @@ class LLMEngine:
         """schedule -> run -> update -> emit. Returns the deltas of every request that progressed."""
         batch, aborted = self.scheduler.schedule()
         deltas = [self._finish_delta(r) for r in aborted]
-        self.counters["num_preemptions"] = self.scheduler.stats.num_preemptions
         if batch.empty:
             return deltas
         try:
@@ -362,6 +360,7 @@ class LLMEngine:
             "prefix_cache_queries": self.cache.prefix_queries,
             "prefix_cache_hits": self.cache.prefix_hits,
             "tokens_scheduled_last_step": s.tokens_scheduled,
+            "num_preemptions": s.num_preemptions,
             "jit_compiles_after_ready": self.jit.compiles_after_ready,
             **self.counters,
         }

@@ -48,11 +48,8 @@ class LLM:
                     "this model directory has no tokenizer (load_format='dummy' on a config-only model): "
                     "pass prompts as lists of token ids"
                 )
-            ids = self.engine.tokenizer.encode(prompt)
-            bos = self.engine.tokenizer.bos_token_id
-            if bos is not None and (not ids or ids[0] != bos):
-                ids = [bos, *ids]
-            return ids, prompt
+            # the tokenizer's post-processor adds BOS where the checkpoint wants one
+            return self.engine.tokenizer.encode(prompt, add_special_tokens=True), prompt
         return [int(t) for t in prompt], None
 
     def generate(

@@ -55,10 +55,6 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
-    def max_total_tokens(self) -> int:
-        return len(self.prompt_token_ids) + self.params.max_tokens
-
-    @property
     def in_prefill(self) -> bool:
         """Still feeding known tokens (prompt, or prompt + outputs after a preemption)."""
         return self.num_computed < self.num_tokens - 1 or self.num_computed == 0

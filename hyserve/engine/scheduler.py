@@ -44,10 +44,6 @@ class ScheduledSeq:
     snapshot_positions: list[int] = field(default_factory=list)  # absolute prompt positions to snapshot
     snapshot_keys: list[int] = field(default_factory=list)  # prefix-cache keys of `snapshots`
 
-    @property
-    def is_decode(self) -> bool:
-        return len(self.token_ids) == 1 and self.state_src is not None and self.start_pos > 0
-
 
 @dataclass
 class ScheduledBatch:
@@ -70,7 +66,6 @@ class SchedulerStats:
     num_waiting: int = 0
     num_preemptions: int = 0
     tokens_scheduled: int = 0
-    prefix_hit_tokens: int = 0
 
 
 class Scheduler:
@@ -311,7 +306,6 @@ class Scheduler:
             return None
         if req.num_preemptions == 0:
             req.num_cached_tokens = hit.num_tokens
-        self.stats.prefix_hit_tokens += hit.num_tokens
         self._attach_snapshots(req, seq)
         seq.block_ids = list(req.block_ids)
         return seq

@@ -47,12 +47,3 @@ class CacheTensors:
                 (num_slots, m.num_heads, m.head_dim, m.state_size), dtype=m.ssm_dtype, device=device
             )
         return cls(k=k, v=v, conv=conv, ssm=ssm, tokens_per_block=tokens_per_block)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.k, self.v, self.conv, self.ssm) for t in d.values())
-
-    def copy_state(self, src: int, dst: int) -> None:
-        """Copy one state slot to another across every Mamba layer."""
-        for d in (self.conv, self.ssm):
-            for t in d.values():
-                t[dst].copy_(t[src])

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from hyserve.config import SSM_CACHE_DTYPES
+
 LAYER_MAMBA = "mamba"
 LAYER_ATTENTION = "attention"
 LAYER_MLP = "mlp"
@@ -65,7 +67,6 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "float64": torch.float64,
 }
-SSM_CACHE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def parse_dtype(name: str | torch.dtype, *, field: str, allowed: tuple[str, ...] | None = None) -> torch.dtype:

@@ -41,14 +41,3 @@ class ForwardMeta:
     has_initial_state: list[bool]  # host, [S]; False -> start from zeros (src is ignored)
     logits_indices: torch.Tensor  # [n] int64: tokens whose logits the caller wants
     snapshots: list[SnapshotWrite] = field(default_factory=list)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.cu_seqlens) - 1
-
-    @property
-    def num_tokens(self) -> int:
-        return self.cu_seqlens[-1]
-
-    def new_tokens(self, s: int) -> int:
-        return self.cu_seqlens[s + 1] - self.cu_seqlens[s]
