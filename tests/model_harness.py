@@ -73,7 +73,7 @@ class Harness:
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
             state_src=torch.tensor(src, dtype=torch.int64, device=dev),
             state_dst=torch.tensor(dst, dtype=torch.int64, device=dev),
-            has_initial_state=has_init,
+            has_initial_state=torch.tensor(has_init, dtype=torch.bool, device=dev),
             logits_indices=torch.tensor(
                 list(range(len(ids))) if all_logits else last, dtype=torch.int64, device=dev
             ),

@@ -165,7 +165,7 @@ class Driver:
             slot_mapping=torch.tensor(sm, dtype=torch.int64),
             state_src=torch.tensor(src, dtype=torch.int64),
             state_dst=torch.tensor(dst, dtype=torch.int64),
-            has_initial_state=has_init,
+            has_initial_state=torch.tensor(has_init, dtype=torch.bool),
             logits_indices=torch.arange(len(ids), dtype=torch.int64),
             snapshots=[SnapshotWrite(seq=pos[sid], num_tokens=n, slot=slot) for sid, n, slot in snapshots],
         )

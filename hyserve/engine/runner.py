@@ -48,7 +48,7 @@ class ModelRunner:
             snaps.extend(SnapshotWrite(seq=i, num_tokens=n, slot=slot) for n, slot in s.snapshots)
         dev = self.device
 
-        def t(x: list[int], dtype: torch.dtype) -> torch.Tensor:
+        def t(x: list[int] | list[bool], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
 
         meta = ForwardMeta(
@@ -61,7 +61,7 @@ class ModelRunner:
             slot_mapping=t(slot_mapping, torch.int64),
             state_src=t(src, torch.int64),
             state_dst=t(dst, torch.int64),
-            has_initial_state=has_init,
+            has_initial_state=t(has_init, torch.bool),
             logits_indices=t(logits_idx, torch.int64),
             snapshots=snaps,
         )

@@ -38,6 +38,6 @@ class ForwardMeta:
     slot_mapping: torch.Tensor  # [T] int64: KV write position per new token (block * bs + row), -1 = skip
     state_src: torch.Tensor  # [S] int64: state slot each sequence reads its initial state from
     state_dst: torch.Tensor  # [S] int64: state slot each sequence writes its final state to
-    has_initial_state: list[bool]  # host, [S]; False -> start from zeros (src is ignored)
+    has_initial_state: torch.Tensor  # [S] bool, device; False -> start from zeros (src is ignored)
     logits_indices: torch.Tensor  # [n] int64: tokens whose logits the caller wants
     snapshots: list[SnapshotWrite] = field(default_factory=list)

@@ -113,7 +113,7 @@ class Mamba2Mixer(nn.Module):
         cuda = xbc.is_cuda
         cu = [v - meta.cu_seqlens[nd] for v in meta.cu_seqlens[nd:]]
         src, dst = meta.state_src[nd:], meta.state_dst[nd:]
-        has_init = torch.tensor(meta.has_initial_state[nd:], device=xbc.device)
+        has_init = meta.has_initial_state[nd:]
         # where() rather than a multiply: a reused slot may hold NaN/Inf, and 0 * NaN is NaN
         init_conv = torch.where(has_init[:, None, None], conv_pool[src], 0)
         init_ssm = torch.where(has_init[:, None, None, None], ssm_pool[src].float(), 0)
