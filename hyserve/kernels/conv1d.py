@@ -18,12 +18,17 @@ def _cd(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _act(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+def uses_silu(activation: str | None) -> bool:
+    """The conv's activation: None (identity) or SiLU; anything else is an error."""
     if activation is None:
-        return y
+        return False
     if activation in ("silu", "swish"):
-        return F.silu(y)
+        return True
     raise ValueError(f"conv1d: unsupported activation {activation!r}")
+
+
+def _act(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    return F.silu(y) if uses_silu(activation) else y
 
 
 def causal_conv1d_varlen_ref(

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hyserve.kernels.conv1d import uses_silu
+
 
 @triton.jit
 def _silu(v):
@@ -62,14 +64,6 @@ def _conv1d_update_kernel(
     tl.store(out_ptr + b * s_out_b + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def _check_activation(activation: str | None) -> bool:
-    if activation is None:
-        return False
-    if activation in ("silu", "swish"):
-        return True
-    raise ValueError(f"conv1d: unsupported activation {activation!r}")
-
-
 def causal_conv1d_update_triton(
     x: torch.Tensor,
     conv_pool: torch.Tensor,
@@ -81,7 +75,7 @@ def causal_conv1d_update_triton(
 ) -> torch.Tensor:
     """x: [B, D]; conv_pool: [num_slots, D, K-1] (conv_pool[dst] = shifted conv_pool[src]);
     weight: [D, K]; bias: [D]; src/dst_slots: [B]. Returns out [B, D] in x.dtype."""
-    silu = _check_activation(activation)
+    silu = uses_silu(activation)
     assert x.dim() == 2 and conv_pool.dim() == 3 and weight.dim() == 2
     Bt, Dm = x.shape
     K = weight.shape[1]
@@ -201,7 +195,7 @@ def causal_conv1d_varlen_triton(
     """x: [T, D]; weight: [D, K]; bias: [D]; cu_seqlens: [S+1] (host list preferred: the grid needs
     the longest sequence); initial_states: [S, D, K-1] or None (zeros).
     Returns (out [T, D] in x.dtype, final_states [S, D, K-1] in x.dtype)."""
-    silu = _check_activation(activation)
+    silu = uses_silu(activation)
     assert x.dim() == 2 and weight.dim() == 2
     T, Dm = x.shape
     K = weight.shape[1]
