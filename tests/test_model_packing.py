@@ -14,42 +14,19 @@ and gives it a random state slot, and can start from NaN-poisoned pools.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from model_harness import Harness
+from model_harness import Harness, strong_random_weights
 
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.config import HybridModelConfig
 from hyserve.model.forward_meta import ForwardMeta, SnapshotWrite
 from hyserve.model.nemotron_h import NemotronHForCausalLM
 from hyserve.model.tiny import tiny_config
-from hyserve.model.weights import init_random_weights
 
 torch.set_num_threads(1)
 
 ATOL = 2e-5  # float32; logits are O(1)-O(10), and packing only changes summation order
-
-
-def strong_random_weights(model: NemotronHForCausalLM, cfg: HybridModelConfig, seed: int) -> None:
-    """O(1) activations so that a wrong state or KV shows up far above float32 noise."""
-    init_random_weights(model, cfg, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("A_log", "dt_bias")):
-                continue
-            if name.endswith((".D", "norm.weight", "norm_f.weight")):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith("e_score_correction_bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith("conv1d.weight"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            elif name.endswith(".bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
 
 
 def build_model(variant: str) -> NemotronHForCausalLM:

@@ -22,20 +22,19 @@ shows at the kernel level that the clamp changes outputs only at and after a tok
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from model_harness import Harness
+from model_harness import Harness, strong_random_weights
 
 from hyserve.kernels.ssd import ssd_chunked_ref, ssd_naive_ref
 from hyserve.model.config import LAYER_ATTENTION, HybridModelConfig
 from hyserve.model.nemotron_h import NemotronHForCausalLM
 from hyserve.model.tiny import make_tiny
-from hyserve.model.weights import init_random_weights, load_checkpoint, save_checkpoint
+from hyserve.model.weights import load_checkpoint, save_checkpoint
 
 torch.set_num_threads(1)
 transformers = pytest.importorskip("transformers")
@@ -43,28 +42,6 @@ transformers = pytest.importorskip("transformers")
 CONFIGS = Path("/work/shared/configs")
 ATOL = 1e-4
 NEW_TOKENS = 6
-
-
-def strong_random_weights(model: NemotronHForCausalLM, cfg: HybridModelConfig, seed: int) -> None:
-    """Random weights with O(1) activations and logits (the default 0.02 init gives near-uniform logits, against
-    which a 1e-4 tolerance proves little). A_log and dt_bias keep `init_random_weights`' realistic values
-    (dt spread over [time_step_min, 0.1]), so dt crosses time_step_min and the HF clamp matters."""
-    init_random_weights(model, cfg, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("A_log", "dt_bias")):
-                continue
-            if name.endswith((".D", "norm.weight", "norm_f.weight")):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith("e_score_correction_bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith("conv1d.weight"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            elif name.endswith(".bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            else:  # linear / embedding / expert weights: unit-variance outputs
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
 
 
 def build_checkpoint(case: str, out: Path) -> Path:
