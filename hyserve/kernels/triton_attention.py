@@ -84,6 +84,45 @@ def write_kv_triton(
     )
 
 
+# --------------------------------------------------------------------------- shared tile steps
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        r = tl.dot(a, b, input_precision="ieee")
+    else:
+        r = tl.dot(a, b)
+    return r
+
+
+@triton.jit
+def _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, mn, offs_d, md, kvh, q,
+                  s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS: tl.constexpr):
+    """K and V rows of one head for token positions `pos` (masked by `mn`), found through the block
+    table: position p lives in block bt_row[p // BS], row p % BS. Cast to q's dtype."""
+    blk = tl.load(bt_row + pos // BS, mask=mn, other=0).to(tl.int64)
+    r = pos % BS
+    mkv = mn[:, None] & md[None, :]
+    k = tl.load(kc_ptr + blk[:, None] * s_kc_b + r[:, None] * s_kc_r + kvh * s_kc_h + offs_d[None, :],
+                mask=mkv, other=0.0).to(q.dtype)
+    v = tl.load(vc_ptr + blk[:, None] * s_vc_b + r[:, None] * s_vc_r + kvh * s_vc_h + offs_d[None, :],
+                mask=mkv, other=0.0).to(q.dtype)
+    return k, v
+
+
+@triton.jit
+def _online_softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr):
+    """Fold one tile of (already scaled, masked, log2-domain) scores and its V rows into the running
+    max m_i, denominator l_i and output accumulator acc."""
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return m_new, l_i, acc
+
+
 # --------------------------------------------------------------------------- decode (split-KV)
 
 
@@ -124,28 +163,11 @@ def _decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         mn = pos < hi
-        blk = tl.load(bt_row + pos // BS, mask=mn, other=0).to(tl.int64)
-        r = pos % BS
-        mkv = mn[:, None] & md[None, :]
-        k = tl.load(kc_ptr + blk[:, None] * s_kc_b + r[:, None] * s_kc_r + kvh * s_kc_h + offs_d[None, :],
-                    mask=mkv, other=0.0).to(q.dtype)
-        v = tl.load(vc_ptr + blk[:, None] * s_vc_b + r[:, None] * s_vc_r + kvh * s_vc_h + offs_d[None, :],
-                    mask=mkv, other=0.0).to(q.dtype)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(mn[None, :], qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: every chunk holds >= 1 valid position
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, mn, offs_d, md, kvh, q,
+                             s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS)
+        qk = tl.where(mn[None, :], _dot(q, tl.trans(k), IEEE) * qk_scale, float("-inf"))
+        # the running max stays finite: every chunk holds >= 1 valid position
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
 
     has = l_i > 0.0  # an empty split (lo >= L) contributes weight 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -224,31 +246,13 @@ def _prefill_kernel(
     for start in range(0, kv_end, BLOCK_N):
         pos = start + offs_n
         mn = pos < kv_end
-        blk = tl.load(bt_row + pos // BS, mask=mn, other=0).to(tl.int64)
-        r = pos % BS
-        mkv = mn[:, None] & md[None, :]
-        k = tl.load(kc_ptr + blk[:, None] * s_kc_b + r[:, None] * s_kc_r + kvh * s_kc_h + offs_d[None, :],
-                    mask=mkv, other=0.0).to(q.dtype)
-        v = tl.load(vc_ptr + blk[:, None] * s_vc_b + r[:, None] * s_vc_r + kvh * s_vc_h + offs_d[None, :],
-                    mask=mkv, other=0.0).to(q.dtype)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
+        k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, mn, offs_d, md, kvh, q,
+                             s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS)
         # Position 0 is visible to every query, so m_i is finite after the first chunk and a row
         # whose chunk is fully masked later just gets p = 0.
         ok = mn[None, :] & (pos[None, :] <= qpos[:, None])
-        qk = tl.where(ok, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        qk = tl.where(ok, _dot(q, tl.trans(k), IEEE) * qk_scale, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q0 + offs_m)[:, None] * s_o_t + h * s_o_h + offs_d[None, :],
