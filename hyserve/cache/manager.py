@@ -30,12 +30,11 @@ from hyserve.cache.state_pool import NoFreeSlots, StatePool
 _ROOT_HASH = 0x9E3779B97F4A7C15
 
 
-def chain_hashes(tokens: list[int], tokens_per_block: int, limit: int | None = None) -> list[int]:
-    """Hash chain over the full blocks of `tokens` (at most `limit` tokens considered)."""
-    n = len(tokens) if limit is None else min(limit, len(tokens))
+def chain_hashes(tokens: list[int], tokens_per_block: int) -> list[int]:
+    """Hash chain over the full blocks of `tokens`; computed once per prompt by the scheduler."""
     out: list[int] = []
     h = _ROOT_HASH
-    for b in range(n // tokens_per_block):
+    for b in range(len(tokens) // tokens_per_block):
         h = hash((h, tuple(tokens[b * tokens_per_block : (b + 1) * tokens_per_block])))
         out.append(h)
     return out
@@ -75,14 +74,15 @@ class HybridCacheManager:
         return (num_tokens + self.tokens_per_block - 1) // self.tokens_per_block
 
     # ---- prefix cache -----------------------------------------------------------------------------
-    def match_prefix(self, prompt: list[int]) -> PrefixHit:
-        """Find the longest reusable prefix of `prompt` (leaving at least one token to compute), take
-        references on its blocks and pin its snapshot. Always returns a hit (possibly empty)."""
+    def match_prefix(self, hashes: list[int], num_tokens: int) -> PrefixHit:
+        """Find the longest reusable prefix of a `num_tokens`-token sequence whose full prompt blocks
+        hash to `hashes` (`chain_hashes`), leaving at least one token to compute; take references on
+        its blocks and pin its snapshot. Always returns a hit (possibly empty)."""
         if not self.reuse:
             return PrefixHit(0, [], None)
         bs = self.tokens_per_block
-        hashes = chain_hashes(prompt, bs, limit=len(prompt) - 1)
-        self.prefix_queries += len(prompt)
+        hashes = hashes[: (num_tokens - 1) // bs]
+        self.prefix_queries += num_tokens
         chain: list[int] = []
         best_blocks, best_slot = 0, None
         for i, h in enumerate(hashes):
@@ -120,11 +120,11 @@ class HybridCacheManager:
                 out.add(p)
         return sorted(out)
 
-    def allocate_snapshot(self, prompt: list[int], position: int) -> tuple[int, int] | None:
-        """A pinned snapshot slot and its key (the chain hash at `position`). None when that snapshot
-        already exists or no slot can be had: the snapshot is then skipped; correctness never depends
-        on it."""
-        h = chain_hashes(prompt, self.tokens_per_block, limit=position)[-1]
+    def allocate_snapshot(self, hashes: list[int], position: int) -> tuple[int, int] | None:
+        """A pinned snapshot slot and its key (the chain hash at block boundary `position`). None when
+        that snapshot already exists or no slot can be had: the snapshot is then skipped; correctness
+        never depends on it."""
+        h = hashes[position // self.tokens_per_block - 1]
         if self.states.lookup_snapshot(h) is not None:
             return None
         slot = self.states.allocate_snapshot(h, pin=True)
@@ -138,14 +138,13 @@ class HybridCacheManager:
     def release_snapshot(self, slot: int) -> None:
         self.states.unpin_snapshot(slot)
 
-    def register_full_blocks(self, prompt: list[int], block_ids: list[int], num_computed: int) -> None:
-        """Publish the request's computed full prompt blocks in the prefix index."""
+    def register_blocks(self, block_ids: list[int], hashes: list[int], start: int, end: int) -> None:
+        """Publish blocks [start, end) of a request (computed, full, prompt blocks) in the prefix index."""
         if not self.reuse:
             return
-        limit = min(num_computed, len(prompt))
-        for i, h in enumerate(chain_hashes(prompt, self.tokens_per_block, limit=limit)):
+        for i in range(start, end):
             if self.blocks.block_hash(block_ids[i]) is None:
-                self.blocks.register(block_ids[i], h)
+                self.blocks.register(block_ids[i], hashes[i])
 
     def _on_block_evicted(self, block: int, block_hash: int) -> None:
         # the snapshot at this block's end can no longer be used (its KV prefix is gone)

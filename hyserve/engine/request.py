@@ -32,6 +32,8 @@ class Request:
     live_slot: int | None = None
     init_snapshot_slot: int | None = None  # prefix hit: read the first chunk's state from here (pinned)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    block_hashes: list[int] | None = None  # chain hashes of the full prompt blocks, computed once
+    num_published_blocks: int = 0  # leading blocks already in the prefix index
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from hyserve.cache.manager import HybridCacheManager
+from hyserve.cache.manager import HybridCacheManager, chain_hashes
 from hyserve.engine.request import Request, RequestStatus
 from hyserve.engine.sampling_params import SamplingParams
 
@@ -130,10 +130,23 @@ class Scheduler:
         req.finish_reason = reason
         req.stop_reason = stop_reason
 
+    def _hashes(self, req: Request) -> list[int]:
+        if req.block_hashes is None:
+            req.block_hashes = chain_hashes(req.prompt_token_ids, self.cache.tokens_per_block)
+        return req.block_hashes
+
+    def _publish(self, req: Request) -> None:
+        """Put the request's newly computed full prompt blocks in the prefix index (each block once)."""
+        full = min(req.num_computed, req.num_prompt_tokens) // self.cache.tokens_per_block
+        if full > req.num_published_blocks:
+            self.cache.register_blocks(req.block_ids, self._hashes(req), req.num_published_blocks, full)
+            req.num_published_blocks = full
+
     def _release(self, req: Request, *, publish: bool) -> None:
         if publish and req.block_ids:
-            self.cache.register_full_blocks(req.prompt_token_ids, req.block_ids, req.num_computed)
+            self._publish(req)
         self.cache.free_blocks(req.block_ids)
+        req.num_published_blocks = 0
         if req.live_slot is not None:
             self.cache.free_live_slot(req.live_slot)
             req.live_slot = None
@@ -281,7 +294,7 @@ class Scheduler:
 
     def _attach_snapshots(self, req: Request, seq: ScheduledSeq) -> None:
         for b in seq.snapshot_positions:
-            got = self.cache.allocate_snapshot(req.prompt_token_ids, b)
+            got = self.cache.allocate_snapshot(self._hashes(req), b)
             if got is not None:
                 slot, key = got
                 seq.snapshots.append((b - seq.start_pos, slot))
@@ -291,10 +304,12 @@ class Scheduler:
         slot = self.cache.allocate_live_slot()
         if slot is None:
             return None
-        hit = self.cache.match_prefix(req.all_token_ids if req.num_preemptions else req.prompt_token_ids)
+        # only prompt blocks are ever indexed, so the prompt's hashes cover a recomputed request too
+        hit = self.cache.match_prefix(self._hashes(req), req.num_tokens)
         req.live_slot = slot
         req.block_ids = list(hit.blocks)
         req.num_computed = hit.num_tokens
+        req.num_published_blocks = len(hit.blocks)
         req.init_snapshot_slot = hit.snapshot_slot
         req.status = RequestStatus.RUNNING
         seq = self._plan_chunk(req, budget)
@@ -322,8 +337,7 @@ class Scheduler:
             if req.init_snapshot_slot is not None and seq.state_src == req.init_snapshot_slot:
                 self.cache.release_snapshot(req.init_snapshot_slot)
                 req.init_snapshot_slot = None
-            if seq.snapshots or seq.sample:
-                self.cache.register_full_blocks(req.prompt_token_ids, req.block_ids, req.num_computed)
+            self._publish(req)
 
     def discard_step(self, batch: ScheduledBatch) -> None:
         """The model failed on `batch`: its snapshots hold garbage, so drop them from the prefix cache."""
