@@ -17,6 +17,9 @@ from __future__ import annotations
 import torch
 
 
+_MAX_SCORE_ELEMENTS = 1 << 25  # 128 MiB of float32 scores per tile
+
+
 def write_kv_ref(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -62,11 +65,15 @@ def paged_attention_ref(
             raise ValueError(f"paged_attention: sequence {s} has {n_new} new tokens but seq_len {total}")
         k = gather_kv(k_cache, block_tables[s], total).to(cd).repeat_interleave(rep, dim=1)  # [L, Hq, D]
         v = gather_kv(v_cache, block_tables[s], total).to(cd).repeat_interleave(rep, dim=1)
-        qs = q[cu[s] : cu[s + 1]].to(cd)  # [n, Hq, D]
-        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
-        qpos = torch.arange(total - n_new, total, device=q.device)
         kpos = torch.arange(total, device=q.device)
-        scores = scores.masked_fill((kpos[None, :] > qpos[:, None])[None], float("-inf"))
-        p = torch.softmax(scores, dim=-1)
-        out[cu[s] : cu[s + 1]] = torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
+        # query tiles keep the [heads, tile, total] score matrix bounded on long prompts
+        tile = max(1, _MAX_SCORE_ELEMENTS // (Hq * total))
+        for a in range(0, n_new, tile):
+            b = min(a + tile, n_new)
+            qs = q[cu[s] + a : cu[s] + b].to(cd)  # [tile, Hq, D]
+            scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+            qpos = torch.arange(total - n_new + a, total - n_new + b, device=q.device)
+            scores = scores.masked_fill((kpos[None, :] > qpos[:, None])[None], float("-inf"))
+            p = torch.softmax(scores, dim=-1)
+            out[cu[s] + a : cu[s] + b] = torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
     return out
