@@ -157,7 +157,13 @@ class LLMEngine:
         if n == 0:
             raise RequestRejected("the prompt is empty; send at least one token", param="prompt", code="empty_prompt")
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or t < 0 or t >= vocab]
+        # C-speed checks first: this sees every token of million-token prompts, twice per server request
+        in_range = set(map(type, prompt_token_ids)) == {int} and (
+            0 <= min(prompt_token_ids) and max(prompt_token_ids) < vocab
+        )
+        bad = [] if in_range else [
+            t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
+        ]
         if bad:
             raise RequestRejected(
                 f"prompt token ids must be integers in [0, {vocab - 1}] (the model's vocabulary); got {bad[:5]}",
