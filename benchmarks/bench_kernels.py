@@ -324,6 +324,7 @@ def main() -> int:
     ap.add_argument("--only", default=",".join(SUITES), help=f"comma-separated subset of {sorted(SUITES)}")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_<date>.json)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton interpreter")
+    ap.add_argument("--git-sha", default="", help="commit of the tree, when it is run without .git")
     args = ap.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA device (or --dry-run)", file=sys.stderr)
@@ -339,7 +340,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = dict(
         date=date,
-        git_sha=_git_sha(),
+        git_sha=args.git_sha or _git_sha(),
         gpu=torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run else "cpu (interpreter)",
         command=" ".join([Path(sys.executable).name, *sys.argv]),
         torch=torch.__version__,

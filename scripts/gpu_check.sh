@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the kernel and model benchmarks. Results land in
 # benchmarks/results/ and, when $OUT is set (the lent-GPU tool), are copied there too.
+# usage: scripts/gpu_check.sh [GIT_SHA]   (the lent GPU gets the work tree without .git)
 set -uo pipefail
+sha=${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p benchmarks/results
@@ -12,9 +14,9 @@ log=benchmarks/results/gpu_check.log
   echo "== GPU tests"
   python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_kernels.py tests/test_gpu_model.py 2>&1 | tail -40
   echo "== kernel benchmarks"
-  if [ -f benchmarks/bench_kernels.py ]; then python3 benchmarks/bench_kernels.py 2>&1 | tail -40; fi
+  if [ -f benchmarks/bench_kernels.py ]; then python3 benchmarks/bench_kernels.py --git-sha "$sha" 2>&1 | tail -40; fi
   echo "== model benchmarks"
-  python3 benchmarks/bench_model.py 2>&1 | tail -40
+  python3 benchmarks/bench_model.py --git-sha "$sha" 2>&1 | tail -40
 } 2>&1 | tee "$log"
 if [ -n "${OUT:-}" ]; then cp benchmarks/results/*.json benchmarks/results/*.md "$log" "$OUT"/ 2>/dev/null; fi
 exit 0
