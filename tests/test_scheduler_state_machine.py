@@ -82,7 +82,7 @@ class EngineMachine(RuleBasedStateMachine):
             return
         rid = f"r{self.n}"
         self.n += 1
-        req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), arrival=self.n)
+        req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens))
         self.requests[rid] = req
         self.sched.add(req)
 
@@ -177,7 +177,7 @@ def test_lone_request_always_progresses_under_pressure() -> None:
     plan, cache, sched = make(num_blocks=10, max_batch=4, budget_tokens=8, snapshots=2, max_seq_len=40)
     reqs = {}
     for i in range(4):
-        r = Request(f"r{i}", list(range(i, i + 10)), SamplingParams(max_tokens=30 - 10), arrival=i)
+        r = Request(f"r{i}", list(range(i, i + 10)), SamplingParams(max_tokens=30 - 10))
         reqs[r.request_id] = r
         sched.add(r)
     for _ in range(2000):

@@ -7,7 +7,6 @@ Everything else (threads, asyncio, HTTP) sits on top of `add_request` / `abort` 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -97,7 +96,6 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
         self._outputs: dict[str, _OutputState] = {}
-        self._tickets = itertools.count()
         self.counters = {
             "prompt_tokens_total": 0,
             "generation_tokens_total": 0,
@@ -206,7 +204,6 @@ class LLMEngine:
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
-            arrival=next(self._tickets),
             prompt=prompt,
         )
         self.requests[request_id] = req
@@ -269,8 +266,6 @@ class LLMEngine:
     def _append_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> StreamDelta:
         p = req.params
         st = self._outputs[req.request_id]
-        if req.t_first_token is None:
-            req.t_first_token = time.monotonic()
         req.output_token_ids.append(tok)
         if lp is not None:
             req.output_logprobs.append(lp)
@@ -342,7 +337,6 @@ class LLMEngine:
         )
 
     def _finish_delta(self, req: Request) -> StreamDelta:
-        req.t_finished = time.monotonic()
         self.counters["requests_finished_total"] += 1
         d = self._delta(req, finished=True)
         self.requests.pop(req.request_id, None)

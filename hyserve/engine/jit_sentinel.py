@@ -30,7 +30,6 @@ class JitSentinel:
         self.events: list[CompileEvent] = []
         self.compiles_after_ready = 0
         self._lock = threading.Lock()
-        self._installed = False
         self._previous: Any = None
 
     def install(self) -> bool:
@@ -42,7 +41,6 @@ class JitSentinel:
         knobs = triton.knobs.compilation
         self._previous = knobs.listener
         knobs.listener = self.on_compile
-        self._installed = True
         return True
 
     def mark_ready(self) -> None:

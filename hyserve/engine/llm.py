@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -78,6 +79,9 @@ class LLM:
         tokens: dict[str, list[int]] = {}
         lps: dict[str, list[TokenLogprob]] = {}
         final: dict[str, Any] = {}
+        t0 = time.monotonic()
+        first_token: dict[str, float] = {}
+        finished_at: dict[str, float] = {}
         for (ids, text), sp in zip(encoded, plist_params):
             rid = f"llm-{next(self._ids)}"
             eng.add_request(rid, ids, sp, prompt=text)
@@ -92,7 +96,10 @@ class LLM:
                 tokens[d.request_id].extend(d.token_ids)
                 if d.logprobs:
                     lps[d.request_id].extend(d.logprobs)
+                if d.token_ids and d.request_id not in first_token:
+                    first_token[d.request_id] = time.monotonic()
                 if d.finished:
+                    finished_at[d.request_id] = time.monotonic()
                     final[d.request_id] = d
                     pending.discard(d.request_id)
         outs = []
@@ -111,6 +118,10 @@ class LLM:
                     logprobs=lps[rid] if sp.logprobs is not None else None,
                     num_cached_tokens=d.num_cached_tokens,
                     stop_reason=d.stop_reason,
+                    metrics={
+                        "time_to_first_token_s": first_token.get(rid, finished_at[rid]) - t0,
+                        "e2e_latency_s": finished_at[rid] - t0,
+                    },
                 )
             )
         return outs

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from hyserve.engine.outputs import TokenLogprob
@@ -21,7 +20,6 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival: int  # monotonically increasing admission ticket: FCFS order and preemption priority
     prompt: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -39,10 +37,6 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None
     aborted: bool = False
-    # timing
-    t_arrival: float = field(default_factory=time.monotonic)
-    t_first_token: float | None = None
-    t_finished: float | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

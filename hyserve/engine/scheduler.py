@@ -62,8 +62,6 @@ class ScheduledBatch:
 
 @dataclass
 class SchedulerStats:
-    num_running: int = 0
-    num_waiting: int = 0
     num_preemptions: int = 0
     tokens_scheduled: int = 0
 
@@ -249,8 +247,6 @@ class Scheduler:
             budget -= len(seq.token_ids)
 
         batch.seqs.extend(prefills)
-        self.stats.num_running = len(self.running)
-        self.stats.num_waiting = len(self.waiting)
         self.stats.tokens_scheduled = batch.num_tokens
         return batch, aborted
 

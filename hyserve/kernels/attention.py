@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-
 _MAX_SCORE_ELEMENTS = 1 << 25  # 128 MiB of float32 scores per tile
 
 
