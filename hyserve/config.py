@@ -180,6 +180,10 @@ def build_engine_config(options: dict[str, Any] | None = None, **kwargs: Any) ->
     elif not isinstance(cg, dict):
         raise ValueError(f"cuda_graph_config: expected a mapping, got {cg!r}")
     _check_keys(cg, _GRAPH, "cuda_graph_config", ignored)
+    # validated now, but without effect until the features land (CUDA graphs; stochastic rounding)
+    ignored += [f"cuda_graph_config.{k}" for k in cg]
+    if "mamba_ssm_philox_rounds" in kv:
+        ignored.append("kv_cache_config.mamba_ssm_philox_rounds")
 
     p = "kv_cache_config.mamba_state_config"
     interval = _int(ms.get("periodic_snapshot_interval", 256), f"{p}.periodic_snapshot_interval", lo=1, none_ok=True)

@@ -80,3 +80,11 @@ def test_bad_yaml_file(tmp_path) -> None:
     p.write_text("- 1\n- 2\n")
     with pytest.raises(ValueError, match="mapping"):
         load_yaml_options(p)
+
+
+def test_options_without_effect_yet_are_reported() -> None:
+    cfg = build_engine_config({"cuda_graph_config": {"max_batch_size": 8},
+                               "kv_cache_config": {"mamba_ssm_philox_rounds": 5}})
+    assert "cuda_graph_config.max_batch_size" in cfg.ignored_keys
+    assert "kv_cache_config.mamba_ssm_philox_rounds" in cfg.ignored_keys
+    assert build_engine_config({}).ignored_keys == ()
