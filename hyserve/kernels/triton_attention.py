@@ -126,17 +126,18 @@ def _online_softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr):
 # --------------------------------------------------------------------------- decode (split-KV)
 
 
-@triton.jit(do_not_specialize=["seq_offset", "tokens_per_split"])
+@triton.jit(do_not_specialize=["seq_offset", "num_splits"])
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, cu_ptr, po_ptr, plse_ptr,
-    seq_offset, tokens_per_split, qk_scale,
+    seq_offset, num_splits, qk_scale,
     s_q_t, s_q_h,
     s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h,
     s_bt_s,
     s_po_sp, s_po_s, s_po_h,  # partial out [splits, nd, Hq, D] fp32, last stride 1
     s_pl_sp, s_pl_s,  # partial lse [splits, nd, Hq] fp32, last stride 1
     BS: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     s = tl.program_id(0).to(tl.int64)  # index among the decode sequences
     kvh = tl.program_id(1)
@@ -144,8 +145,12 @@ def _decode_kernel(
     seq = seq_offset + s
     L = tl.load(lens_ptr + seq).to(tl.int64)
     row = tl.load(cu_ptr + seq).to(tl.int64)
-    lo = sp.to(tl.int64) * tokens_per_split
-    hi = tl.minimum(lo + tokens_per_split, L)
+    # Each sequence cuts its own length into num_splits whole-BLOCK_N pieces (none shorter than
+    # MIN_SPLIT), so the grid depends only on the batch shape: a short sequence leaves its trailing
+    # splits empty, a long one spreads over all of them, and the launch is graph-capturable.
+    per = tl.maximum(tl.cdiv(tl.cdiv(L, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+    lo = sp.to(tl.int64) * per
+    hi = tl.minimum(lo + per, L)
 
     offs_r = tl.arange(0, REP_PAD)
     offs_d = tl.arange(0, D_PAD)
@@ -281,14 +286,13 @@ def _device_index(v: torch.Tensor | list[int], device: torch.device) -> torch.Te
     return torch.tensor(v, dtype=torch.int32, device=device)
 
 
-def num_decode_splits(num_seqs: int, kv_heads: int, max_len: int, block_n: int) -> tuple[int, int]:
-    """(splits, tokens_per_split) for the decode kernel: enough programs to fill the GPU, splits of
-    whole BLOCK_N chunks, none shorter than _MIN_SPLIT_TOKENS."""
-    max_len = max(1, max_len)
-    want = max(1, _TARGET_PROGRAMS // max(1, num_seqs * kv_heads))
-    splits = max(1, min(want, _MAX_SPLITS, triton.cdiv(max_len, _MIN_SPLIT_TOKENS)))
-    per = triton.cdiv(triton.cdiv(max_len, splits), block_n) * block_n
-    return triton.cdiv(max_len, per), per
+def num_decode_splits(num_seqs: int, kv_heads: int, max_len: int | None = None) -> int:
+    """Splits per decode sequence: enough programs to fill the GPU; when the longest context is
+    known (eager steps), no more splits than it has _MIN_SPLIT_TOKENS pieces."""
+    splits = max(1, min(_TARGET_PROGRAMS // max(1, num_seqs * kv_heads), _MAX_SPLITS))
+    if max_len is not None:
+        splits = min(splits, triton.cdiv(max(1, max_len), _MIN_SPLIT_TOKENS))
+    return splits
 
 
 def paged_attention_triton(
@@ -304,8 +308,9 @@ def paged_attention_triton(
 
     seq_lens / cu_q: host lists (preferred: no device sync; the launcher reads the step's shape from
     them) or int tensors. With tensors and T == S the step is taken to be pure decode (one new token
-    per sequence) and the split count comes from block_tables' width, so nothing syncs and the call
-    can be captured in a CUDA graph; otherwise tensors are copied to the host once.
+    per sequence) and the split count comes from the batch shape alone (each sequence divides its own
+    length among the splits inside the kernel), so nothing syncs and the call can be captured in a
+    CUDA graph; otherwise tensors are copied to the host once.
     """
     assert q.dim() == 3 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape and block_tables.dim() == 2
     T, Hq, Dh = q.shape
@@ -325,10 +330,10 @@ def paged_attention_triton(
     qk_scale = float(scale) * _LOG2E
     D_PAD = triton.next_power_of_2(Dh)
     on_gpu = q.is_cuda
-    max_blocks = block_tables.shape[1]
 
+    max_len: int | None
     if isinstance(cu_q, torch.Tensor) and isinstance(seq_lens, torch.Tensor) and T == S:
-        nd, max_len = S, max_blocks * BS  # graph-safe: no host values needed
+        nd, max_len = S, None  # graph-safe: no host values needed
     else:
         cu_h, lens_h = _host_list(cu_q), _host_list(seq_lens)
         assert len(lens_h) == S and cu_h[0] == 0 and cu_h[-1] == T, f"cu_q {cu_h} vs {T} tokens"
@@ -351,17 +356,17 @@ def paged_attention_triton(
 
     if nd > 0:
         BLOCK_N = 64 if on_gpu else 16
-        splits, per = num_decode_splits(nd, Hkv, max_len, BLOCK_N)
+        splits = num_decode_splits(nd, Hkv, max_len)
         po = torch.empty(splits, nd, Hq, Dh, dtype=torch.float32, device=dev)
         plse = torch.empty(splits, nd, Hq, dtype=torch.float32, device=dev)
         _decode_kernel[(nd, Hkv, splits)](
             q, k_cache, v_cache, block_tables, lens_t, cu_t, po, plse,
-            0, per, qk_scale,
+            0, splits, qk_scale,
             q.stride(0), q.stride(1), *strides_kv, block_tables.stride(0),
             po.stride(0), po.stride(1), po.stride(2), plse.stride(0), plse.stride(1),
             BS=BS, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)),
-            HEAD_DIM=Dh, D_PAD=D_PAD, BLOCK_N=BLOCK_N, IEEE=ieee,
-            num_warps=4, num_stages=2,
+            HEAD_DIM=Dh, D_PAD=D_PAD, BLOCK_N=BLOCK_N, MIN_SPLIT=triton.cdiv(_MIN_SPLIT_TOKENS, BLOCK_N) * BLOCK_N,
+            IEEE=ieee, num_warps=4, num_stages=2,
         )
         _combine_kernel[(nd, Hq)](
             po, plse, cu_t, out, 0, splits,

@@ -34,7 +34,13 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         cuda = x.is_cuda
         ops.get("write_kv", cuda)(k, v, k_cache, v_cache, meta.slot_mapping)
+        # A pure decode step hands the kernels device tensors only (graph-capturable, no host reads);
+        # other steps pass the host lists the launcher sizes its grid from.
+        decode_only = meta.num_decodes == T
         o = ops.get("paged_attention", cuda)(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens, self.scale
+            q, k_cache, v_cache, meta.block_tables,
+            meta.seq_lens_t if decode_only else meta.seq_lens,
+            meta.cu_seqlens_t if decode_only else meta.cu_seqlens,
+            self.scale,
         )
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
