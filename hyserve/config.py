@@ -180,8 +180,7 @@ def build_engine_config(options: dict[str, Any] | None = None, **kwargs: Any) ->
     elif not isinstance(cg, dict):
         raise ValueError(f"cuda_graph_config: expected a mapping, got {cg!r}")
     _check_keys(cg, _GRAPH, "cuda_graph_config", ignored)
-    # validated now, but without effect until the features land (CUDA graphs; stochastic rounding)
-    ignored += [f"cuda_graph_config.{k}" for k in cg]
+    # validated now, but without effect until stochastic rounding lands
     if "mamba_ssm_philox_rounds" in kv:
         ignored.append("kv_cache_config.mamba_ssm_philox_rounds")
 
