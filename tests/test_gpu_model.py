@@ -70,3 +70,36 @@ def test_nano9b_matches_transformers_bf16() -> None:
     assert (p - q).abs().sum() < 0.1, (p - q).abs().sum()
     cos = torch.nn.functional.cosine_similarity(ref, out, dim=0)
     assert cos > 0.99, cos
+
+
+def test_tiny_graph_decode_matches_eager(tmp_path: Path) -> None:
+    """Replayed CUDA graphs (with padding rows: 3 and 5 sequences run in the 4 and 8 graphs) give the
+    eager path's greedy tokens."""
+    d = make_tiny(tmp_path / "dense", variant="dense")
+    p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = [[1, 5, 9, 13, 200, 17, 4], [1, 77] * 20, [1, 3], [1] + list(range(4, 90)), [1, 8, 8]]
+    opts = dict(device="cuda", dtype="float32", max_seq_len=256)
+    eager = LLM(str(d), cuda_graph_config={"enabled": False}, **opts)
+    assert eager.engine.runner.graphs is None
+    graphs = LLM(str(d), **opts)
+    assert graphs.engine.runner.graphs is not None
+    for n in (1, 3, 5):
+        a = eager.generate(prompts[:n], p)
+        b = graphs.generate(prompts[:n], p)
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+@pytest.mark.skipif(not (SHARED / "NVIDIA-Nemotron-Nano-9B-v2").exists(), reason="needs shared/configs")
+def test_nano9b_graph_decode_matches_eager_bf16() -> None:
+    """Nano 9B v2 bf16: decode from graphs of the exact batch size gives the eager tokens."""
+    d = str(SHARED / "NVIDIA-Nemotron-Nano-9B-v2")
+    g = torch.Generator().manual_seed(3)
+    prompts = [[1] + torch.randint(3, 100_000, (n,), generator=g).tolist() for n in (17, 300, 64, 1000)]
+    p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    opts = dict(load_format="dummy", max_seq_len=4096, max_batch_size=8,
+                kv_cache_config={"free_gpu_memory_fraction": 0.3})
+    llm = LLM(d, cuda_graph_config={"batch_sizes": [4], "enable_padding": False}, **opts)
+    with_graphs = [o.token_ids for o in llm.generate(prompts, p)]
+    llm.engine.runner.graphs = None
+    eager = [o.token_ids for o in llm.generate(prompts, p)]
+    assert with_graphs == eager

@@ -17,8 +17,10 @@ import torch
 from hyserve.cache.capacity import CapacityInputs, CapacityPlan, plan_capacity
 from hyserve.cache.manager import HybridCacheManager
 from hyserve.config import EngineConfig
+from hyserve.engine.cuda_graphs import DecodeGraphs, default_capture_sizes
 from hyserve.engine.errors import RequestRejected
 from hyserve.engine.jit_sentinel import JitSentinel
+from hyserve.engine.memory_profile import ActivationProfile, profile_activations
 from hyserve.engine.model_loader import LoadedModel, load_model
 from hyserve.engine.outputs import StreamDelta, TokenLogprob
 from hyserve.engine.request import Request
@@ -27,7 +29,7 @@ from hyserve.engine.sampler import Sampler
 from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.scheduler import ScheduledBatch, Scheduler
 from hyserve.model.cache_tensors import CacheTensors
-from hyserve.model.config import LAYER_MAMBA
+from hyserve.model.config import LAYER_MAMBA, LAYER_MOE
 from hyserve.model.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("hyserve")
@@ -69,6 +71,19 @@ class LLMEngine:
         )
         sc = config.scheduler
         self.max_seq_len = sc.max_seq_len or lm.config.max_position_embeddings
+        self.graph_sizes = self._graph_sizes()
+        self.activations: ActivationProfile | None = None
+        if lm.device.type == "cuda":
+            self.activations = profile_activations(
+                lm.model, lm.device, max_num_tokens=sc.max_num_tokens, max_batch_size=sc.max_batch_size,
+                graph_batch_size=max(self.graph_sizes, default=0) or sc.max_batch_size,
+                tokens_per_block=config.cache.tokens_per_block,
+            )
+            self._log(
+                f"hyserve: activation peak (profiled): {self.activations.prefill_peak_bytes / 2**20:,.0f} MiB for "
+                f"a {sc.max_num_tokens}-token step, {self.activations.decode_peak_bytes / 2**20:,.0f} MiB for a "
+                "decode step"
+            )
         self.plan: CapacityPlan = plan_capacity(self._capacity_inputs())
         self.cache_tensors = CacheTensors.allocate(
             lm.config,
@@ -93,6 +108,19 @@ class LLMEngine:
             chunk_size=lm.config.chunk_size,
         )
         self.runner = ModelRunner(lm.model, self.cache_tensors, lm.device)
+        if self.graph_sizes:
+            g = DecodeGraphs(
+                lm.model, self.cache_tensors, lm.device, sizes=self.graph_sizes,
+                max_blocks_per_seq=min(self.plan.num_kv_blocks, -(-self.max_seq_len // config.cache.tokens_per_block)),
+                pad_slot=self.cache.states.pad_slots[0],
+                enable_padding=config.cuda_graph.enable_padding,
+                capture=lm.device.type == "cuda",  # elsewhere the same static-buffer steps run eagerly
+            )
+            self.runner.graphs = g
+            self._log(
+                f"hyserve: captured {len(g.sizes)} decode CUDA graphs (batch sizes {g.sizes[0]}..{g.sizes[-1]}) in "
+                f"{g.capture_seconds:.1f}s, {g.graph_bytes / 2**20:,.0f} MiB"
+            )
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
         self._outputs: dict[str, _OutputState] = {}
@@ -120,7 +148,7 @@ class LLMEngine:
             periodic_snapshot_interval=c.mamba_state_config.periodic_snapshot_interval,
             num_snapshot_offsets=len(c.mamba_state_config.additional_snapshot_offsets_from_end),
             avg_seq_len=c.avg_seq_len,
-            num_pad_slots=0,
+            num_pad_slots=1 if self.graph_sizes else 0,
             max_kv_tokens=c.max_tokens,
             allow_oversized_max_seq_len=c.allow_oversized_max_seq_len,
         )
@@ -130,20 +158,30 @@ class LLMEngine:
         if self.device.type == "cpu":
             return c.max_gpu_total_bytes or DEFAULT_CPU_CACHE_BYTES
         free, _total = torch.cuda.mem_get_info(self.device)
-        budget = int(free * c.free_gpu_memory_fraction) - self._activation_reserve_bytes()
+        assert self.activations is not None
+        # the allocator's reserve above the profiled peaks (fragmentation, cuBLAS workspaces)
+        slack = 256 * 2**20
+        budget = int(free * c.free_gpu_memory_fraction) - self.activations.total_bytes - slack
         if c.max_gpu_total_bytes is not None:
             budget = min(budget, c.max_gpu_total_bytes)
         return max(budget, 0)
 
-    def _activation_reserve_bytes(self) -> int:
-        """Peak activation memory of a `max_num_tokens` forward (an estimate from the layer widths,
-        with a 2x margin: in_proj output, MLP/MoE intermediates, logits of the sampled rows)."""
-        cfg = self.model_config
-        t = self.config.scheduler.max_num_tokens
-        width = max(cfg.in_proj_size, cfg.intermediate_size, cfg.moe_intermediate_size * 2, cfg.hidden_size * 4)
-        per_token = width * 4 * 4
-        logits = self.config.scheduler.max_batch_size * cfg.vocab_size * 4 * 2
-        return 2 * (t * per_token + logits) + 512 * 2**20
+    def _graph_sizes(self) -> list[int]:
+        """Decode batch sizes to capture as CUDA graphs (empty: decode runs eagerly)."""
+        cg = self.config.cuda_graph
+        sc = self.config.scheduler
+        if self.device.type != "cuda" or not cg.enabled:
+            return []
+        if LAYER_MOE in self.model_config.layer_types:
+            self._log("hyserve: CUDA graphs off: the MoE layers dispatch experts by host-side token counts")
+            return []
+        limit = min(cg.max_batch_size or sc.max_batch_size, sc.max_batch_size)
+        if cg.batch_sizes is None:
+            return default_capture_sizes(limit)
+        sizes = [b for b in cg.batch_sizes if b <= limit]
+        if len(sizes) < len(cg.batch_sizes):
+            self._log(f"hyserve: cuda_graph_config.batch_sizes above {limit} (max batch size) are not captured")
+        return sizes
 
     def capacity_report(self) -> str:
         return self.plan.report()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from hyserve.engine.cuda_graphs import DecodeGraphs
 from hyserve.engine.scheduler import ScheduledBatch
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.forward_meta import ForwardMeta, SnapshotWrite
@@ -23,6 +24,8 @@ class ModelRunner:
         self.cache = cache
         self.device = device
         self.tokens_per_block = cache.tokens_per_block
+        # decode-only steps replay captured graphs when set (hyserve.engine.cuda_graphs.DecodeGraphs)
+        self.graphs: DecodeGraphs | None = None
 
     def build_meta(self, batch: ScheduledBatch) -> tuple[torch.Tensor, ForwardMeta]:
         bs = self.tokens_per_block
@@ -70,6 +73,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run one step; returns float32 logits [num sampling seqs, vocab] in batch order."""
+        if self.graphs is not None and batch.num_decodes == len(batch.seqs):
+            logits = self.graphs.execute(batch.seqs)  # every decode sequence samples
+            if logits is not None:
+                return logits
         input_ids, meta = self.build_meta(batch)
         hidden = self.model(input_ids, meta, self.cache)
         return self.model.compute_logits(hidden[meta.logits_indices])
