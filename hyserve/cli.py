@@ -63,6 +63,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "kv_cache_free_gpu_memory_fraction", type=float, default=None,
           help="fraction of free GPU memory for the KV cache and Mamba state pools")
     _flag(p, "seed", type=int, default=None, help="engine seed for sampling")
+    _flag(p, "warmup", choices=("auto", "on", "off"), default=None,
+          help="compile every kernel variant before ready: auto (on CUDA), on, off")
+    _flag(p, "strict_warmup", action="store_true", default=None,
+          help="fail any step that makes Triton compile after ready (a warm-up gap)")
+    _flag(p, "cache_dir", default=None, metavar="DIR",
+          help="persistent kernel cache (Triton variants and autotune results; default ~/.cache/hyserve)")
     _flag(p, "trust_remote_code", action="store_true", default=False,
           help="accepted for compatibility; hyserve runs no remote code")
 
@@ -159,7 +165,7 @@ def engine_options_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], 
     if args.model is not None:
         opts["model"] = args.model
     for name in ("dtype", "device", "load_format", "max_batch_size", "max_num_tokens", "max_seq_len",
-                 "tp_size", "ep_size", "seed", "served_model_name"):
+                 "tp_size", "ep_size", "seed", "served_model_name", "warmup", "strict_warmup", "cache_dir"):
         v = getattr(args, name, None)
         if v is not None:
             opts[name] = v

@@ -3,7 +3,7 @@
 The option names are those of the server's YAML (`extra-llm-api-config.yml` style) and of `LLM(...)`:
 
     EngineConfig
-      model, dtype, device, load_format, served_model_name, seed
+      model, dtype, device, load_format, served_model_name, seed, warmup, strict_warmup, cache_dir
       scheduler: SchedulerConfig   max_batch_size, max_num_tokens, max_seq_len, enable_chunked_prefill
       cache:     CacheConfig       kv_cache_config.* (tokens_per_block, enable_block_reuse, avg_seq_len, ...)
       cuda_graph: CudaGraphConfig  cuda_graph_config.* (enable_padding, max_batch_size, batch_sizes)
@@ -26,6 +26,8 @@ import yaml
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8")
 SSM_CACHE_DTYPES = ("float32", "bfloat16", "float16")
 MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
+MAX_PHILOX_ROUNDS = 32  # kv_cache_config.mamba_ssm_philox_rounds: each round is unrolled in the kernels
+WARMUP_MODES = ("auto", "on", "off")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -102,6 +104,10 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # warm-up before ready: "auto" = on CUDA (the CPU path has nothing to compile), "on", "off"
+    warmup: str = "auto"
+    strict_warmup: bool = False  # a Triton compilation after ready fails the step that caused it
+    cache_dir: str | None = None  # persistent kernel cache root (default: envs.HYSERVE_CACHE_DIR)
     ignored_keys: tuple[str, ...] = ()
 
     def replace(self, **changes: Any) -> EngineConfig:
@@ -114,7 +120,7 @@ _TOP = {
     "model", "dtype", "device", "load_format", "served_model_name", "seed",
     "max_batch_size", "max_num_tokens", "max_seq_len", "enable_chunked_prefill",
     "kv_cache_config", "cuda_graph_config", "tp_size", "ep_size",
-    "tensor_parallel_size", "moe_expert_parallel_size",
+    "tensor_parallel_size", "moe_expert_parallel_size", "warmup", "strict_warmup", "cache_dir",
 }
 _KV = {
     "tokens_per_block", "enable_block_reuse", "avg_seq_len", "free_gpu_memory_fraction", "max_tokens",
@@ -180,9 +186,6 @@ def build_engine_config(options: dict[str, Any] | None = None, **kwargs: Any) ->
     elif not isinstance(cg, dict):
         raise ValueError(f"cuda_graph_config: expected a mapping, got {cg!r}")
     _check_keys(cg, _GRAPH, "cuda_graph_config", ignored)
-    # validated now, but without effect until stochastic rounding lands
-    if "mamba_ssm_philox_rounds" in kv:
-        ignored.append("kv_cache_config.mamba_ssm_philox_rounds")
 
     p = "kv_cache_config.mamba_state_config"
     interval = _int(ms.get("periodic_snapshot_interval", 256), f"{p}.periodic_snapshot_interval", lo=1, none_ok=True)
@@ -226,6 +229,11 @@ def build_engine_config(options: dict[str, Any] | None = None, **kwargs: Any) ->
             kv.get("allow_oversized_max_seq_len", False), "kv_cache_config.allow_oversized_max_seq_len"
         ),
     )
+    if cache.mamba_ssm_philox_rounds > MAX_PHILOX_ROUNDS:
+        raise ValueError(
+            f"kv_cache_config.mamba_ssm_philox_rounds: must be <= {MAX_PHILOX_ROUNDS}, got "
+            f"{cache.mamba_ssm_philox_rounds} (10 is Philox's usual count)"
+        )
     if cache.mamba_ssm_stochastic_rounding and cache.mamba_ssm_cache_dtype != "float16":
         raise ValueError(
             "kv_cache_config.mamba_ssm_stochastic_rounding needs kv_cache_config.mamba_ssm_cache_dtype: float16 "
@@ -278,6 +286,9 @@ def build_engine_config(options: dict[str, Any] | None = None, **kwargs: Any) ->
         cache=cache,
         cuda_graph=graphs,
         parallel=ParallelConfig(tp_size=tp, ep_size=ep),
+        warmup=_choice(opts.get("warmup", "auto"), "warmup", WARMUP_MODES),
+        strict_warmup=_bool(opts.get("strict_warmup", False), "strict_warmup"),
+        cache_dir=None if opts.get("cache_dir") is None else str(opts["cache_dir"]),
         ignored_keys=tuple(ignored),
     )
 

@@ -49,8 +49,6 @@ class AsyncEngine:
             return
         self._thread = threading.Thread(target=self._run, name="hyserve-engine", daemon=True)
         self._thread.start()
-        # from here on, any Triton compilation is a variant the start-up did not cover
-        self.engine.jit.mark_ready()
 
     def shutdown(self, *, abort_inflight: bool = True) -> None:
         if abort_inflight:

@@ -11,14 +11,16 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from hyserve import envs
 from hyserve.cache.capacity import CapacityInputs, CapacityPlan, plan_capacity
 from hyserve.cache.manager import HybridCacheManager
 from hyserve.config import EngineConfig
 from hyserve.engine.cuda_graphs import DecodeGraphs, default_capture_sizes
-from hyserve.engine.errors import RequestRejected
+from hyserve.engine.errors import JitAfterReadyError, RequestRejected
 from hyserve.engine.jit_sentinel import JitSentinel
 from hyserve.engine.memory_profile import ActivationProfile, profile_activations
 from hyserve.engine.model_loader import LoadedModel, load_model
@@ -27,7 +29,8 @@ from hyserve.engine.request import Request
 from hyserve.engine.runner import ModelRunner
 from hyserve.engine.sampler import Sampler
 from hyserve.engine.sampling_params import SamplingParams
-from hyserve.engine.scheduler import ScheduledBatch, Scheduler
+from hyserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
+from hyserve.engine.warmup import Warmup, WarmupReport, use_kernel_cache_dir
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.config import LAYER_MAMBA, LAYER_MOE
 from hyserve.model.tokenizer import IncrementalDetokenizer
@@ -55,12 +58,16 @@ class LLMEngine:
         t0 = time.monotonic()
         self.jit = JitSentinel()
         self.jit.install()
+        self._jit_seen = 0  # compilations after ready already reported (strict_warmup)
         self._log("hyserve: loading model ...")
         self.loaded: LoadedModel = load_model(config)
         lm = self.loaded
         self.model_config = lm.config
         self.tokenizer = lm.tokenizer
         self.device = lm.device
+        if lm.device.type == "cuda":
+            d = use_kernel_cache_dir(Path(config.cache_dir) if config.cache_dir else envs.HYSERVE_CACHE_DIR)
+            self._log(f"hyserve: kernel cache: {d}")
         if lm.device.type == "cpu" and torch.get_num_threads() <= 2:
             torch.set_num_threads(1)  # 2 threads on 2-core machines were 2-50x slower (DESIGN.md)
         self._log(
@@ -131,6 +138,12 @@ class LLMEngine:
             "step_failures_total": 0,
         }
         self._log(self.plan.report())
+        self.warmup_report: WarmupReport | None = None
+        if config.warmup == "on" or (config.warmup == "auto" and lm.device.type == "cuda"):
+            self.warmup_report = Warmup(self, log=self._log).run()
+            self._log(self.warmup_report.summary())
+        # from here on, any Triton compilation is a variant the warm-up did not cover
+        self.jit.mark_ready()
 
     # ---- set-up -----------------------------------------------------------------------------------
     def _capacity_inputs(self) -> CapacityInputs:
@@ -273,6 +286,7 @@ class LLMEngine:
             return deltas
         try:
             logits = self.runner.execute(batch)
+            self._check_strict_warmup()
         except Exception as e:  # one bad batch must not take the engine down
             logger.exception("model step failed; failing the %d requests of this batch", len(batch.seqs))
             self.counters["step_failures_total"] += 1
@@ -288,6 +302,25 @@ class LLMEngine:
                 continue
             deltas.append(self._append_token(req, tok, lp))
         return deltas
+
+    def _check_strict_warmup(self) -> None:
+        n = self.jit.compiles_after_ready
+        if n > self._jit_seen:
+            new = [ev.kernel for ev in self.jit.events if ev.after_ready][self._jit_seen :]
+            self._jit_seen = n
+            if self.config.strict_warmup:
+                raise JitAfterReadyError(
+                    f"strict_warmup: Triton compiled {', '.join(new)} after ready (a kernel variant the "
+                    "warm-up did not cover)"
+                )
+
+    def reset_after_warmup(self) -> None:
+        """Forget the warm-up: prefix cache, counters, statistics and the sampler's random stream."""
+        self.reset_prefix_cache()
+        self.cache.prefix_queries = self.cache.prefix_hits = 0
+        self.scheduler.stats = SchedulerStats()
+        self.counters = dict.fromkeys(self.counters, 0)
+        self.sampler = Sampler(self.config.seed)
 
     def _fail_batch(self, batch: ScheduledBatch, err: Exception) -> list[StreamDelta]:
         self.scheduler.discard_step(batch)

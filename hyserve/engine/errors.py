@@ -12,3 +12,7 @@ class RequestRejected(ValueError):
         super().__init__(message)
         self.param = param
         self.code = code
+
+
+class JitAfterReadyError(RuntimeError):
+    """With strict_warmup: a step made Triton compile a kernel variant after the engine reported ready."""

@@ -1,0 +1,217 @@
+"""`Warmup`: before the engine reports ready, drive it through every kind of step serving can produce,
+so every Triton kernel variant is compiled (or loaded from the persistent cache) up front.
+
+Triton compiles one variant per combination of constexprs (fixed by the model shape and the cache
+dtypes), integer specialisations (token counts and batch sizes are `do_not_specialize`) and pointer
+alignment (16 bytes). Within a step the kernels see slices of packed buffers: the prefill part starts
+after the `num_decodes` decode rows, so its alignment depends on num_decodes modulo 8. The cases:
+
+    prefill, 1 sequence     1 token | chunk_size | chunk_size + 3 | the full token budget
+    chunked continuation    a prompt longer than max_num_tokens (second chunk starts from a state)
+    prefix-cache hits       a repeated prompt (initial state from a snapshot, snapshot writes)
+    multi-sequence prefill  several lengths in one step, with and without initial states
+    mixed steps             d decodes + 1 prefill for d = 1 .. 16 (every alignment residue)
+    decode                  eager decode (graphs cover their own sizes at capture)
+    sampling                greedy, temperature, top-k, top-p, min-p, seeded, logprobs, and all mixed
+
+Each case runs through the real scheduler and runner with throwaway requests, so it exercises exactly
+the code serving runs. A case that fails (e.g. out of memory for a shape) is reported and skipped;
+the rest still run. Afterwards the prefix cache, counters and the sampler's generator are reset, so the
+warm-up leaves no trace in results.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from hyserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine owns the warm-up; this module only drives it
+    from hyserve.engine.engine import LLMEngine
+
+logger = logging.getLogger("hyserve")
+
+GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+SAMPLING_CASES: tuple[tuple[str, SamplingParams], ...] = (
+    ("greedy", SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)),
+    ("temperature", SamplingParams(max_tokens=2, temperature=0.8, ignore_eos=True)),
+    ("top-k", SamplingParams(max_tokens=2, temperature=0.8, top_k=20, ignore_eos=True)),
+    ("top-p", SamplingParams(max_tokens=2, temperature=0.8, top_p=0.9, ignore_eos=True)),
+    ("min-p", SamplingParams(max_tokens=2, temperature=0.8, min_p=0.05, ignore_eos=True)),
+    ("seeded", SamplingParams(max_tokens=2, temperature=0.8, seed=1, ignore_eos=True)),
+    ("logprobs", SamplingParams(max_tokens=2, temperature=0.0, logprobs=5, ignore_eos=True)),
+)
+MAX_MIXED_DECODES = 16
+
+
+def use_kernel_cache_dir(path: Path) -> Path:
+    """Point Triton's kernel cache (and its autotune results) at `path`/triton, so a restart loads
+    the compiled variants instead of compiling them again. Returns the directory used."""
+    import triton
+
+    d = path.expanduser() / "triton"
+    d.mkdir(parents=True, exist_ok=True)
+    triton.knobs.cache.dir = str(d)
+    triton.knobs.autotuning.cache = True
+    return d
+
+
+@dataclass
+class WarmupReport:
+    seconds: float = 0.0
+    cases: list[str] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (case, why)
+    compiled: int = 0  # Triton compilations during the warm-up
+    loaded: int = 0  # variants served from the persistent cache
+
+    def summary(self) -> str:
+        s = (f"hyserve: warm-up: {len(self.cases)} cases in {self.seconds:.1f}s; Triton variants: "
+             f"{self.compiled} compiled, {self.loaded} loaded from the cache")
+        if self.failed:
+            s += "; failed: " + "; ".join(f"{c} ({why})" for c, why in self.failed)
+        return s
+
+
+class Warmup:
+    def __init__(self, engine: LLMEngine, *, log: Callable[[str], None] | None = None) -> None:
+        self.engine = engine
+        self._log = log or logger.info
+        self._n = 0
+        cfg = engine.model_config
+        self._gen = torch.Generator().manual_seed(0)
+        self._vocab = cfg.vocab_size
+        self._low = min(3, cfg.vocab_size - 1)
+
+    # ---- the cases ------------------------------------------------------------------------------------
+    def cases(self) -> list[tuple[str, Callable[[], None]]]:
+        e = self.engine
+        sc = e.config.scheduler
+        C = e.model_config.chunk_size
+        fit = e.plan.max_request_tokens - 2  # room for the generated tokens
+        budget = min(sc.max_num_tokens, fit)
+        out: list[tuple[str, Callable[[], None]]] = []
+
+        def add(name: str, fn: Callable[[], None]) -> None:
+            out.append((name, fn))
+
+        for n in sorted({1, C, C + 3, budget}):
+            if 1 <= n <= fit:
+                add(f"prefill 1 x {n} tokens", lambda n=n: self._run([n]))
+        if sc.enable_chunked_prefill and sc.max_num_tokens + C + 7 <= fit:
+            n = sc.max_num_tokens + C + 7
+            add(f"chunked prefill of {n} tokens", lambda n=n: self._run([n]))
+        if e.config.cache.enable_block_reuse:
+            add("prefix-cache hit", self._prefix_hit)
+        lens = [n for n in (1, C, C + 5, 2 * C + 1) if n <= fit]
+        if sum(lens) <= sc.max_num_tokens and len(lens) <= sc.max_batch_size:
+            add(f"prefill {len(lens)} sequences", lambda: self._run(lens))
+        for d in range(1, min(MAX_MIXED_DECODES, sc.max_batch_size - 1) + 1):
+            add(f"mixed step: {d} decodes + 1 prefill", lambda d=d: self._mixed(d))
+        add("eager decode", self._eager_decode)
+        for name, p in SAMPLING_CASES:
+            add(f"sampling: {name}", lambda p=p: self._run([8], params=p))
+        mix = [p for _, p in SAMPLING_CASES][: sc.max_batch_size]
+        add("sampling: mixed batch", lambda: self._run([8] * len(mix), params=mix))
+        return out
+
+    def run(self) -> WarmupReport:
+        rep = WarmupReport()
+        jit = self.engine.jit
+        first_event = len(jit.events)
+        t0 = time.monotonic()
+        cases = self.cases()
+        for i, (name, fn) in enumerate(cases, 1):
+            t = time.monotonic()
+            before = len(jit.events)
+            why = self._guarded(fn)
+            new = len(jit.events) - before
+            status = "ok" if why is None else f"FAILED: {why}"
+            self._log(f"hyserve: warm-up [{i}/{len(cases)}] {name}: {status} ({time.monotonic() - t:.2f}s, "
+                      f"{new} kernel variants)")
+            if why is None:
+                rep.cases.append(name)
+            else:
+                rep.failed.append((name, why))
+        self.engine.reset_after_warmup()
+        events = jit.events[first_event:]
+        rep.compiled = sum(not ev.cache_hit for ev in events)
+        rep.loaded = sum(ev.cache_hit for ev in events)
+        rep.seconds = time.monotonic() - t0
+        return rep
+
+    # ---- driving the engine -----------------------------------------------------------------------------
+    def _ids(self, n: int) -> list[int]:
+        return torch.randint(self._low, self._vocab, (n,), generator=self._gen).tolist()
+
+    def _add(self, prompt: list[int], params: SamplingParams) -> str:
+        self._n += 1
+        rid = f"warmup-{self._n}"
+        self.engine.add_request(rid, prompt, params)
+        return rid
+
+    def _drain(self, ids: set[str]) -> None:
+        """Step until every request in `ids` finished; raise if one failed."""
+        errors = []
+        while ids:
+            for d in self.engine.step():
+                if d.finished and d.request_id in ids:
+                    ids.discard(d.request_id)
+                    if d.error:
+                        errors.append(d.error)
+        if errors:
+            raise RuntimeError(errors[0])
+
+    def _run(self, lengths: list[int], params: SamplingParams | list[SamplingParams] = GREEDY) -> None:
+        ps = params if isinstance(params, list) else [params] * len(lengths)
+        self._drain({self._add(self._ids(n), p) for n, p in zip(lengths, ps)})
+
+    def _prefix_hit(self) -> None:
+        e = self.engine
+        ms = e.config.cache.mamba_state_config
+        C = e.model_config.chunk_size
+        n = min(2 * (ms.periodic_snapshot_interval or 2 * C) + 5, e.plan.max_request_tokens - 40)
+        shared = self._ids(n)
+        self._drain({self._add(shared, GREEDY)})
+        # one sequence resuming from a snapshot alone, then two (one hit, one cold) in the same step
+        self._drain({self._add(shared + self._ids(9), GREEDY)})
+        self._drain({self._add(shared + self._ids(C + 3), GREEDY), self._add(self._ids(C + 1), GREEDY)})
+
+    def _mixed(self, decodes: int) -> None:
+        e = self.engine
+        long = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        running = {self._add(self._ids(2), long) for _ in range(decodes)}
+        e.step()  # their prefill; from the next step on they decode
+        new = self._add(self._ids(e.model_config.chunk_size + 3), GREEDY)
+        self._drain(running | {new})
+
+    def _eager_decode(self) -> None:
+        runner = self.engine.runner
+        graphs, runner.graphs = runner.graphs, None
+        try:
+            self._run([4, 4], params=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        finally:
+            runner.graphs = graphs
+
+    def _guarded(self, fn: Callable[[], None]) -> str | None:
+        try:
+            fn()
+            return None
+        except Exception as err:  # noqa: BLE001 - a case that fails is reported and skipped
+            self._abort_all()
+            if isinstance(err, torch.OutOfMemoryError) and torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return f"{type(err).__name__}: {err}"
+
+    def _abort_all(self) -> None:
+        e = self.engine
+        for rid in [r for r in list(e.requests) if r.startswith("warmup-")]:
+            e.abort(rid)
+        while e.has_unfinished():
+            e.step()
