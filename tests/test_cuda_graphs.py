@@ -50,9 +50,9 @@ def _run(llm: LLM) -> list[list[int]]:
 
 
 def test_graph_decode_equals_eager_with_padding(graphs_on_cpu) -> None:
-    eager = _run(make_llm())
+    eager = _run(make_llm(device="cpu"))
     graphs_on_cpu([1, 2, 4, 8])
-    llm = make_llm()
+    llm = make_llm(device="cpu")
     runner = llm.engine.runner
     assert runner.graphs is not None and llm.engine.plan.num_pad_slots == 1
     used: list[int] = []
@@ -65,9 +65,9 @@ def test_graph_decode_equals_eager_with_padding(graphs_on_cpu) -> None:
 
 
 def test_without_padding_other_sizes_run_eagerly(graphs_on_cpu) -> None:
-    eager = _run(make_llm())
+    eager = _run(make_llm(device="cpu"))
     graphs_on_cpu([2])
-    llm = make_llm(cuda_graph_config={"enable_padding": False})
+    llm = make_llm(device="cpu", cuda_graph_config={"enable_padding": False})
     g = llm.engine.runner.graphs
     assert g is not None and g.size_for(1) is None and g.size_for(3) is None and g.size_for(2) == 2
     assert _run(llm) == eager
@@ -78,7 +78,7 @@ def test_graph_decode_with_long_block_tables(graphs_on_cpu) -> None:
     graphs_on_cpu([4])
     long_p = [1] + [5 + i % 200 for i in range(150)]
     short_p = [1, 9, 9, 9]
-    eager = [o.token_ids for o in make_llm().generate([long_p, short_p], GREEDY)]
-    llm = make_llm()
+    eager = [o.token_ids for o in make_llm(device="cpu").generate([long_p, short_p], GREEDY)]
+    llm = make_llm(device="cpu")
     assert [o.token_ids for o in llm.generate([long_p, short_p], GREEDY)] == eager
     assert [o.token_ids for o in llm.generate([short_p], GREEDY)] == eager[1:]

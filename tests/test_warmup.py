@@ -13,7 +13,7 @@ from tests.test_jit_sentinel import fake_event
 
 KV = {"tokens_per_block": 8, "max_gpu_total_bytes": 64 * 2**20,
       "mamba_state_config": {"periodic_snapshot_interval": 16, "additional_snapshot_offsets_from_end": [0]}}
-OPTS = dict(max_batch_size=32, max_num_tokens=96, kv_cache_config=KV)
+OPTS = dict(device="cpu", max_batch_size=32, max_num_tokens=96, kv_cache_config=KV)
 PROMPTS = [[1, 5, 9, 13, 200, 17, 4], [1, 77] * 20]
 
 

@@ -1,0 +1,75 @@
+"""On CUDA: after the warm-up, a mixed workload compiles no Triton kernel (skipped without CUDA).
+
+A fresh kernel-cache directory makes the warm-up compile everything itself; the workload then mixes
+what serving sees: random lengths (1 token to several chunks), shared prefixes (prefix-cache hits),
+prompts longer than the token budget (chunked prefill), decode batches of many sizes (graphs with
+padding and eager), and every sampling path."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hyserve import LLM, SamplingParams
+from hyserve.model.tiny import make_tiny
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mixed_workload(llm: LLM, vocab: int, *, n: int = 48, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, vocab) for _ in range(300)]
+    budget = llm.engine.config.scheduler.max_num_tokens
+    params = [
+        SamplingParams(max_tokens=rng.randrange(1, 24), temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.7, top_p=0.9, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=1.0, top_k=5, seed=3, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0.5, min_p=0.1, logprobs=3, ignore_eos=True),
+    ]
+    e = llm.engine
+    for i in range(n):
+        kind = i % 4
+        if kind == 0:
+            prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 400))]
+        elif kind == 1:
+            prompt = shared[: rng.randrange(100, 300)] + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 50))]
+        elif kind == 2:
+            prompt = [rng.randrange(3, vocab) for _ in range(budget + rng.randrange(1, 200))]
+        else:
+            prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 9))]
+        e.add_request(f"w{i}", prompt, params[rng.randrange(len(params))])
+        for _ in range(rng.randrange(0, 3)):  # arrivals interleave with steps: mixed prefill + decode
+            e.step()
+    while e.has_unfinished():
+        e.step()
+
+
+def test_no_jit_after_warmup_tiny(tmp_path: Path) -> None:
+    d = make_tiny(tmp_path / "tiny", variant="dense")
+    opts = dict(device="cuda", dtype="bfloat16", max_seq_len=4096, max_batch_size=40, max_num_tokens=512,
+                cache_dir=str(tmp_path / "cache"),
+                kv_cache_config={"tokens_per_block": 16, "free_gpu_memory_fraction": 0.2})
+    llm = LLM(str(d), **opts)
+    rep = llm.engine.warmup_report
+    assert rep is not None and not rep.failed and rep.compiled > 0
+    mixed_workload(llm, llm.engine.model_config.vocab_size)
+    late = [ev for ev in llm.engine.jit.events if ev.after_ready]
+    assert not late, [f"{ev.kernel}: {ev.specialization}" for ev in late]
+    # a restart (new process) with the same cache directory loads every variant instead of compiling it
+    script = (
+        "import json, sys; from hyserve import LLM\n"
+        f"llm = LLM({str(d)!r}, **json.loads(sys.argv[1]))\n"
+        "r = llm.engine.warmup_report\n"
+        "print(json.dumps({'compiled': r.compiled, 'loaded': r.loaded, 'failed': r.failed}))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script, json.dumps(opts)], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rep2 = json.loads(res.stdout.strip().splitlines()[-1])
+    assert rep2["compiled"] == 0 and rep2["loaded"] > 0 and not rep2["failed"], rep2
