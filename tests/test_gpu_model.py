@@ -96,8 +96,9 @@ def test_nano9b_graph_decode_matches_eager_bf16() -> None:
     g = torch.Generator().manual_seed(3)
     prompts = [[1] + torch.randint(3, 100_000, (n,), generator=g).tolist() for n in (17, 300, 64, 1000)]
     p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    # no prefix cache: the second run must recompute, not resume from the first run's snapshots
     opts = dict(load_format="dummy", max_seq_len=4096, max_batch_size=8,
-                kv_cache_config={"free_gpu_memory_fraction": 0.3})
+                kv_cache_config={"free_gpu_memory_fraction": 0.3, "enable_block_reuse": False})
     llm = LLM(d, cuda_graph_config={"batch_sizes": [4], "enable_padding": False}, **opts)
     with_graphs = [o.token_ids for o in llm.generate(prompts, p)]
     llm.engine.runner.graphs = None

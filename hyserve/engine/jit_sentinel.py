@@ -49,7 +49,8 @@ class JitSentinel:
     def on_compile(self, *, src: Any, metadata: dict[str, Any], metadata_group: Any, times: Any,
                    cache_hit: bool) -> None:
         name = str(getattr(getattr(src, "fn", None), "__name__", None) or metadata.get("name", "?"))
-        spec = str(getattr(src, "constants", "")) + " " + str(getattr(src, "signature", ""))
+        # constants (incl. ints specialised to 1), argument types, and attrs (16-divisible ints/pointers)
+        spec = " ".join(str(getattr(src, a, "")) for a in ("constants", "signature", "attrs"))
         ev = CompileEvent(kernel=name, specialization=spec.strip(), cache_hit=cache_hit, after_ready=self.ready)
         with self._lock:
             self.events.append(ev)
