@@ -4,14 +4,12 @@ the offline bench on the tiny model, and the error paths a user meets first (ser
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from server_fixtures import REPO_ROOT, ServerProcess, free_port
+from server_fixtures import ServerProcess, free_port
 
 from hyserve.bench import cli
 
@@ -129,10 +127,12 @@ def test_unreachable_server_is_a_clear_error(capsys: pytest.CaptureFixture[str])
         assert "Traceback" not in err
 
 
-def test_hyserve_cli_registers_bench() -> None:
-    """Through the real entry point: `hyserve bench serve` against nothing exits 1 with one line."""
+def test_hyserve_cli_registers_bench(capsys: pytest.CaptureFixture[str]) -> None:
+    """Through hyserve's own entry point: `hyserve bench serve` against nothing exits 1 with one line."""
+    from hyserve.cli import main
+
     url = f"http://127.0.0.1:{free_port()}"
-    r = subprocess.run([sys.executable, "-m", "hyserve.cli", "bench", "serve", "--base-url", url, "--model", "m"],
-                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1, r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith("hyserve bench serve: error: cannot reach the server")
+    assert main(["bench", "serve", "--base-url", url, "--model", "m"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hyserve bench serve: error: cannot reach the server")
+    assert main(["bench"]) == 2  # no subcommand: help, usage status
