@@ -30,3 +30,20 @@ def test_chains_a_previous_listener() -> None:
     s._previous = lambda **kw: seen.append(kw["cache_hit"])
     fake_event(s, "k", cache_hit=True)
     assert seen == [True]
+
+
+def test_a_new_sentinel_takes_over_from_an_old_one() -> None:
+    triton = __import__("pytest").importorskip("triton")
+    knobs = triton.knobs.compilation
+    saved = knobs.listener
+    seen = []
+    try:
+        knobs.listener = lambda **kw: seen.append(kw["cache_hit"])  # a foreign listener stays chained
+        old, new = JitSentinel(), JitSentinel()
+        assert old.install() and new.install()
+        old.mark_ready()
+        knobs.listener(src=None, metadata={"name": "k"}, metadata_group={}, times=None, cache_hit=False)
+        assert len(new.events) == 1 and not old.events and old.compiles_after_ready == 0
+        assert seen == [False]
+    finally:
+        knobs.listener = saved

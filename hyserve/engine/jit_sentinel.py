@@ -39,7 +39,13 @@ class JitSentinel:
         except ImportError:
             return False
         knobs = triton.knobs.compilation
-        self._previous = knobs.listener
+        prev = knobs.listener
+        owner = getattr(prev, "__self__", None)
+        if isinstance(owner, JitSentinel):
+            # compilations are process-wide and cannot be told apart per engine: the newest engine's
+            # sentinel takes over (an engine that is gone must not count the next one's warm-up)
+            prev = owner._previous
+        self._previous = prev
         knobs.listener = self.on_compile
         return True
 
