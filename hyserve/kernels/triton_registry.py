@@ -26,6 +26,7 @@ def register_triton_kernels() -> list[str]:
     from hyserve.kernels.triton_attention import paged_attention_triton, write_kv_triton
     from hyserve.kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
     from hyserve.kernels.triton_rmsnorm import rms_norm_triton, rmsnorm_gated_triton
+    from hyserve.kernels.triton_ssd import ssd_triton
     from hyserve.kernels.triton_ssm_update import selective_state_update_triton
 
     impls = {
@@ -34,6 +35,7 @@ def register_triton_kernels() -> list[str]:
         "conv1d_update": causal_conv1d_update_triton,
         "conv1d_varlen": causal_conv1d_varlen_triton,
         "ssm_update": selective_state_update_triton,
+        "ssd": ssd_triton,
         "write_kv": write_kv_triton,
         "paged_attention": paged_attention_triton,
     }
