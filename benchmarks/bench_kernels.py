@@ -1,10 +1,12 @@
 # ruff: noqa: B023  (the timed lambdas run inside the loop iteration that defines them)
 """Kernel benchmarks at Nemotron Nano 9B v2 shapes: every Triton kernel is first checked against its
 plain-torch reference, then timed with `triton.testing.do_bench` and quoted against a roofline from the
-measured H200 ceilings (DESIGN.md) or a peer measured in the same run (torch SDPA).
+measured H200 ceilings (DESIGN.md) or a peer measured in the same run (torch SDPA; mamba_ssm's SSD scan
+when the package is installed).
 
     python benchmarks/bench_kernels.py                       # on the GPU: writes benchmarks/results/kernels_<date>.json
     python benchmarks/bench_kernels.py --only ssm,attn       # a subset
+    python benchmarks/bench_kernels.py --only ssd_sweep      # SSD block-size alternatives (not in the default run)
     python benchmarks/bench_kernels.py --dry-run --out /tmp/k.json   # CPU: tiny shapes, Triton interpreter,
                                                                      # wall-clock timing (checks the script only)
 
@@ -298,9 +300,201 @@ def _sdpa_best(b: Bench, q, kc, vc, tables, L: int) -> tuple[str, float]:
     return best
 
 
+# --------------------------------------------------------------------------- Mamba prefill: SSD chunked scan
+
+
+def _ssd_inputs(b: Bench, lens: list[int], H: int, P: int, N: int, G: int, dtype, with_init: bool):
+    """x, B, C are views of one packed row, as the model splits its conv output; dt, A, D, dt_bias in
+    float32 (mamba_ssm's convention); realistic dt: softplus(dt + bias) ~ 0.02 .. 0.3, A in -[0.05, 1.5]."""
+    T = sum(lens)
+    xbc = b.rnd(T, H * P + 2 * G * N, dtype=dtype)
+    x = xbc[:, : H * P].view(T, H, P)
+    B = xbc[:, H * P : H * P + G * N].view(T, G, N)
+    C = xbc[:, H * P + G * N :].view(T, G, N)
+    dt = b.rnd(T, H, dtype=F32) * 0.7 - 2.5
+    A = -(torch.rand(H, device=b.dev) * 1.45 + 0.05)
+    D, dt_bias = b.rnd(H, dtype=F32), b.rnd(H, dtype=F32, scale=0.5)
+    init = b.rnd(len(lens), H, P, N, dtype=F32) if with_init else None
+    return x, dt, A, B, C, D, dt_bias, init
+
+
+def _ssd_floor_s(T: int, S: int, H: int, P: int, N: int, G: int, L: int, xbytes: int, with_init: bool) -> float:
+    """Byte/FLOP floor of one scan without chunk states: max(bytes at the copy ceiling, FLOPs at the
+    matmul ceiling). Bytes: x in, y out, B and C in, dt in, final states out (+ initial states in).
+    FLOPs per token: chunk-state contribution and carried-state output (2 x 2HPN), causal within-chunk
+    C.B (G N L/2 MACs) and scores @ x (H P L/2 MACs)."""
+    nbytes = 2 * T * H * P * xbytes + 2 * T * G * N * xbytes + T * H * 4 + S * H * P * N * 4 * (2 if with_init else 1)
+    flops = T * (4 * H * P * N + G * N * L + H * P * L)
+    return max(nbytes / COPY_BW, flops / MATMUL_FLOPS)
+
+
+def _ssd_kernel_times(fn) -> dict[str, float]:
+    """Mean device time (ms) of each SSD kernel over 10 calls, from the torch profiler."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+        out: dict[str, float] = {}
+        for e in prof.key_averages():
+            us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+            if e.count and "_ssd_" in e.key:
+                out[e.key] = us / e.count / 1e3
+        return out
+    except Exception as e:  # noqa: BLE001 - profiling is a diagnostic only
+        print(f"     (kernel breakdown unavailable: {type(e).__name__}: {e})")
+        return {}
+
+
+def _ssd_cases(b: Bench) -> tuple[tuple[int, int, int, int, int], object, list[list[int]]]:
+    shape = (128, 80, 128, 8, 128) if not b.dry else (4, 24, 16, 2, 16)  # H, P, N, G, chunk
+    dtype = BF16 if not b.dry else torch.float16  # bf16 tl.dot is wrong in the interpreter
+    cases = [[2048], [8192], [1024] * 8] if not b.dry else [[40], [70], [9] * 4]
+    return shape, dtype, cases
+
+
+def _ssd_check_and_time(b: Bench, lens: list[int], shape, dtype, label: str = "") -> tuple[float, tuple] | None:
+    """Checks ssd_triton against the float32 reference on fresh inputs, then times it (without chunk
+    states, as a prefill without snapshots runs). Returns (ms, inputs) or None when it disagrees."""
+    from hyserve.kernels.ssd import ssd_chunked_ref
+    from hyserve.kernels.triton_ssd import ssd_triton
+
+    H, P, N, G, L = shape
+    S, T = len(lens), sum(lens)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    inp = _ssd_inputs(b, lens, H, P, N, G, dtype, with_init=S > 1)
+    x, dt, A, B, C, D, dt_bias, init = inp
+    kw = dict(D=D, dt_bias=dt_bias, dt_softplus=True, initial_states=init)
+    name = (f"ssd {T} tokens" if S == 1 else f"ssd {S} x {lens[0]} tokens, initial states") + label
+    got = ssd_triton(x, dt, A, B, C, L, cu, **kw, return_chunk_states=True)
+    ref = ssd_chunked_ref(x, dt, A, B, C, L, cu, **kw, return_chunk_states=True)
+    tol = 2e-2  # bf16 matmul operands; relative to the largest magnitude
+    ok = True
+    for what, a, r in (("y", got.y, ref.y), ("final states", got.final_states, ref.final_states),
+                       ("chunk states", got.chunk_states, ref.chunk_states)):
+        ok = ok and b.check(f"{name} ({what})", a, r, tol, tol * max(1.0, float(r.abs().max())))
+    del got, ref
+    if not ok:
+        return None
+    ms = b.time_ms(lambda: ssd_triton(x, dt, A, B, C, L, cu, **kw, return_chunk_states=False))
+    return ms, inp
+
+
+def bench_ssd(b: Bench) -> None:
+    from hyserve.kernels.triton_ssd import ssd_triton
+
+    shape, dtype, cases = _ssd_cases(b)
+    H, P, N, G, L = shape
+    for lens in cases:
+        res = _ssd_check_and_time(b, lens, shape, dtype)
+        if res is None:
+            continue
+        ms, (x, dt, A, B, C, D, dt_bias, init) = res
+        S, T = len(lens), sum(lens)
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        name = f"ssd {T} tokens" if S == 1 else f"ssd {S} x {lens[0]} tokens, initial states"
+        floor = _ssd_floor_s(T, S, H, P, N, G, L, x.element_size(), init is not None)
+        kernels = {}
+        if not b.dry:
+            kernels = _ssd_kernel_times(lambda: ssd_triton(x, dt, A, B, C, L, cu, D=D, dt_bias=dt_bias,
+                                                           initial_states=init, return_chunk_states=False))
+            print("     kernels (ms): " + ", ".join(f"{k} {v:.4f}" for k, v in kernels.items()))
+        b.record(name, T / (ms * 1e-3), "tok/s",
+                 "byte/FLOP floor: max(min bytes at the copy ceiling, FLOPs at the matmul ceiling) (DESIGN.md)",
+                 T / floor, time_ms=ms, floor_ms=floor * 1e3, kernels_ms=kernels)
+        if S == 1 and not b.dry:
+            _bench_mamba_ssm_ssd_peer(b, name, x, dt, A, B, C, L, D, dt_bias, ms)
+
+
+def _bench_mamba_ssm_ssd_peer(b: Bench, name: str, x, dt, A, B, C, L: int, D, dt_bias, our_ms: float) -> None:
+    """mamba_ssm's mamba_chunk_scan_combined (batch 1, no initial state) on the same input, when importable."""
+    try:
+        import types
+
+        sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except Exception as e:  # noqa: BLE001 - optional peer
+        print(f"     (mamba_ssm peer skipped: {type(e).__name__}: {e})")
+        return
+    from hyserve.kernels.ssd import ssd_chunked_ref
+
+    xs, dts, Bs, Cs = x[None], dt[None], B[None], C[None]
+
+    def run():
+        with torch.inference_mode():
+            return mamba_chunk_scan_combined(xs, dts, A, Bs, Cs, L, D=D, dt_bias=dt_bias, dt_softplus=True,
+                                             return_final_states=True)
+
+    try:
+        y_peer, _ = run()
+        ref = ssd_chunked_ref(x, dt, A, B, C, L, [0, x.shape[0]], D=D, dt_bias=dt_bias, return_chunk_states=False)
+        err = float((y_peer[0].float() - ref.y.float()).abs().max()) / max(1.0, float(ref.y.abs().max()))
+        print(f"     mamba_ssm output vs reference: max error {err:.2e} of the largest magnitude")
+        del ref, y_peer
+        ms = b.time_ms(run)
+    except Exception as e:  # noqa: BLE001 - optional peer
+        print(f"     (mamba_ssm peer failed: {type(e).__name__}: {e})")
+        return
+    b.record(f"{name}: hyserve vs mamba_ssm mamba_chunk_scan_combined", ms / our_ms, "x speedup",
+             "mamba_ssm mamba_chunk_scan_combined, same run", 1.0, time_ms=our_ms, peer_ms=ms)
+
+
+# Alternative block sizes for the two heavy SSD kernels (one kernel changed per entry), timed against
+# the default by `--only ssd_sweep`: the data to retune `triton_ssd._gpu_config` from.
+_SSD_SWEEP: list[tuple[str, dict, dict]] = [
+    ("default", {}, {}),
+    ("state P64 N64 w4 s3", dict(BLOCK_P=64, BLOCK_N=64, num_warps=4, num_stages=3), {}),
+    ("state P128 N32 w4 s3", dict(BLOCK_P=128, BLOCK_N=32, num_warps=4, num_stages=3), {}),
+    ("state P32 N128 w4 s2", dict(BLOCK_P=32, BLOCK_N=128, num_warps=4, num_stages=2), {}),
+    ("out M128 K64 w8", {}, dict(BLOCK_M=128, BLOCK_K=64, num_warps=8)),
+    ("out M64 K32 KN32 s3", {}, dict(BLOCK_M=64, BLOCK_K=32, BLOCK_KN=32, num_stages=3)),
+    ("out M32 K32 w4", {}, dict(BLOCK_M=32, BLOCK_K=32, num_warps=4)),
+    ("out M64 K64 KN128 w8", {}, dict(BLOCK_M=64, BLOCK_K=64, BLOCK_KN=128, num_warps=8)),
+]
+
+
+def bench_ssd_sweep(b: Bench) -> None:
+    import hyserve.kernels.triton_ssd as ts
+
+    shape, dtype, cases = _ssd_cases(b)
+    attr = "_cpu_config" if b.dry else "_gpu_config"
+    base = getattr(ts, attr)
+    default_ms: dict[int, float] = {}
+    for label, state, out in _SSD_SWEEP:
+        def cfg(L: int, P: int, N: int, state=state, out=out) -> dict:
+            c = base(L, P, N)
+            c["state"].update(state)
+            c["out"].update(out)
+            c["out"]["BLOCK_M"] = min(c["out"]["BLOCK_M"], L)  # tiny dry-run chunks
+            c["out"]["BLOCK_K"] = min(c["out"]["BLOCK_K"], c["out"]["BLOCK_M"])
+            return c
+
+        setattr(ts, attr, cfg)
+        try:
+            for lens in cases[:2]:
+                res = _ssd_check_and_time(b, lens, shape, dtype, label=f" [{label}]")
+                if res is not None:
+                    T = sum(lens)
+                    default_ms.setdefault(T, res[0])  # the first entry is the default
+                    b.record(f"ssd {T} tokens [{label}]", res[0], "ms", "default config, same sweep",
+                             default_ms[T], time_ms=res[0])
+        except Exception as e:  # noqa: BLE001 - a config may not compile; report and go on
+            print(f"     (ssd config {label} failed: {type(e).__name__}: {e})")
+        finally:
+            setattr(ts, attr, base)
+
+
 # --------------------------------------------------------------------------- main
 
-SUITES = {"ssm": bench_ssm, "conv": bench_conv, "norm": bench_norms, "attn": bench_attn}
+SUITES = {"ssm": bench_ssm, "conv": bench_conv, "norm": bench_norms, "attn": bench_attn, "ssd": bench_ssd,
+          "ssd_sweep": bench_ssd_sweep}
+DEFAULT_SUITES = [k for k in SUITES if k != "ssd_sweep"]  # the sweep retunes block sizes: on request
 
 
 def _git_sha() -> str:
@@ -321,7 +515,7 @@ def _table(records: list[dict]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default=",".join(SUITES), help=f"comma-separated subset of {sorted(SUITES)}")
+    ap.add_argument("--only", default=",".join(DEFAULT_SUITES), help=f"comma-separated subset of {sorted(SUITES)}")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_<date>.json)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton interpreter")
     ap.add_argument("--git-sha", default="", help="commit of the tree, when it is run without .git")
