@@ -13,6 +13,7 @@ from hyserve.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varle
 from hyserve.kernels.rmsnorm import rms_norm_ref, rmsnorm_gated_ref
 from hyserve.kernels.ssd import ssd_chunked_ref
 from hyserve.kernels.ssm_update import selective_state_update_ref
+from hyserve.kernels.stochastic_rounding import store_ssm_state_ref
 
 _REF: dict[str, Callable[..., Any]] = {
     "rms_norm": rms_norm_ref,
@@ -21,6 +22,7 @@ _REF: dict[str, Callable[..., Any]] = {
     "conv1d_varlen": causal_conv1d_varlen_ref,
     "conv1d_update": causal_conv1d_update_ref,
     "ssm_update": selective_state_update_ref,
+    "store_ssm_state": store_ssm_state_ref,
     "write_kv": write_kv_ref,
     "paged_attention": paged_attention_ref,
 }

@@ -2,7 +2,10 @@
 
 Same contract as `ssm_update.selective_state_update_ref`: read the state of batch row b from
 `ssm_pool[src_slots[b]]`, advance it by one token in float32, store it in the pool's dtype at
-`ssm_pool[dst_slots[b]]`, and return y in x.dtype.
+`ssm_pool[dst_slots[b]]`, and return y in x.dtype. With `rounding` the new state goes into a float16 pool
+by stochastic rounding at `positions[b]` (`triton_stochastic_rounding.stochastic_round_tile`, bit for bit
+the reference's); that branch is a constexpr, so the round-to-nearest variants are unchanged. The
+position is read from device memory, so a captured CUDA graph replays with each step's positions.
 
 One program owns a [BLOCK_P, N] tile of one (row, head) state: the kernel is bound by reading and
 writing the state (fp32 state: 2 x 4 B per element), so every element is touched exactly once and the
@@ -21,6 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from hyserve.kernels.stochastic_rounding import StochasticRounding
+from hyserve.kernels.triton_stochastic_rounding import sr_block_sizes, stochastic_round_tile
+
 
 @triton.jit
 def _softplus(v):
@@ -31,10 +37,10 @@ def _softplus(v):
     return tl.where(v > 20.0, v, tl.maximum(v, 0.0) + l1p)
 
 
-@triton.jit(do_not_specialize=["batch"])
+@triton.jit(do_not_specialize=["batch", "sr_seed", "sr_layer"], do_not_specialize_on_alignment=["pos_ptr"])
 def _ssm_update_kernel(
-    pool_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, src_ptr, dst_ptr, y_ptr,
-    batch, dt_lo, dt_hi,
+    pool_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, src_ptr, dst_ptr, y_ptr, pos_ptr,
+    batch, dt_lo, dt_hi, sr_seed, sr_layer,
     s_pool_slot, s_pool_h, s_pool_p,  # pool stride along N is 1
     s_x_b, s_x_h,  # x stride along P is 1
     s_dt_b, s_dt_h,
@@ -44,6 +50,7 @@ def _ssm_update_kernel(
     P: tl.constexpr, N: tl.constexpr, HEADS_PER_GROUP: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    STOCHASTIC_ROUNDING: tl.constexpr, PHILOX_ROUNDS: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
@@ -76,11 +83,12 @@ def _ssm_update_kernel(
     tile = offs_p[:, None] * s_pool_p + offs_n[None, :]
     state = tl.load(pool_ptr + src * s_pool_slot + h * s_pool_h + tile, mask=mask, other=0.0).to(tl.float32)
     state = state * decay + (d * x)[:, None] * Bv[None, :]
-    tl.store(
-        pool_ptr + dst * s_pool_slot + h * s_pool_h + tile,
-        state.to(pool_ptr.dtype.element_ty),
-        mask=mask,
-    )
+    if STOCHASTIC_ROUNDING:
+        pos = tl.load(pos_ptr + b)
+        new = stochastic_round_tile(state, h * P + offs_p, pos, sr_layer, sr_seed, N, BLOCK_N, PHILOX_ROUNDS)
+    else:
+        new = state.to(pool_ptr.dtype.element_ty)
+    tl.store(pool_ptr + dst * s_pool_slot + h * s_pool_h + tile, new, mask=mask)
     y = tl.sum(state * Cv[None, :], axis=1)
     if HAS_D:
         y += tl.load(D_ptr + h).to(tl.float32) * x
@@ -104,8 +112,11 @@ def selective_state_update_triton(
     dt_bias: torch.Tensor | None = None,
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
+    rounding: StochasticRounding | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """ssm_pool: [num_slots, H, P, N]; x: [Bt, H, P]; dt: [Bt, H]; A, D, dt_bias: [H]; B, C: [Bt, G, N].
+    """ssm_pool: [num_slots, H, P, N]; x: [Bt, H, P]; dt: [Bt, H]; A, D, dt_bias: [H]; B, C: [Bt, G, N];
+    positions: [Bt] integer (with `rounding` only).
     Returns y [Bt, H, P] in x.dtype; writes the new states into ssm_pool[dst_slots]."""
     assert ssm_pool.dim() == 4 and x.dim() == 3 and dt.dim() == 2 and B.dim() == 3 and C.dim() == 3
     _, H, P, N = ssm_pool.shape
@@ -123,21 +134,30 @@ def selective_state_update_triton(
     assert A.is_contiguous() and src_slots.is_contiguous() and dst_slots.is_contiguous()
     dev = x.device
     assert all(t.device == dev for t in (ssm_pool, dt, A, B, C, src_slots, dst_slots))
+    sr = rounding is not None
+    if sr:
+        assert ssm_pool.dtype == torch.float16, f"stochastic rounding needs a float16 pool, got {ssm_pool.dtype}"
+        assert positions is not None and positions.shape == (Bt,) and not positions.dtype.is_floating_point
+        assert positions.is_contiguous() and positions.device == dev
 
     y = torch.empty(Bt, H, P, dtype=x.dtype, device=dev)
     if Bt == 0:
         return y
     lo, hi = float(dt_limit[0]), float(dt_limit[1])
     has_limit = lo > 0.0 or hi != float("inf")
-    BLOCK_N = triton.next_power_of_2(N)
-    # ~2k elements per program: 8 KiB of fp32 state read and written, enough in flight per SM.
-    BLOCK_P = max(1, min(triton.next_power_of_2(P), 2048 // BLOCK_N))
+    if sr:
+        BLOCK_P, BLOCK_N = sr_block_sizes(P, N)
+    else:
+        BLOCK_N = triton.next_power_of_2(N)
+        # ~2k elements per program: 8 KiB of fp32 state read and written, enough in flight per SM.
+        BLOCK_P = max(1, min(triton.next_power_of_2(P), 2048 // BLOCK_N))
     grid = (triton.cdiv(P, BLOCK_P), H, Bt)
     _ssm_update_kernel[grid](
         ssm_pool, x, dt, A, B, C,
         D if D is not None else A, dt_bias if dt_bias is not None else A,
-        src_slots, dst_slots, y,
+        src_slots, dst_slots, y, positions if sr else dst_slots,
         Bt, lo, hi if hi != float("inf") else 3.0e38,
+        0 if rounding is None else rounding.key, 0 if rounding is None else rounding.layer,
         ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2),
         x.stride(0), x.stride(1),
         dt.stride(0), dt.stride(1),
@@ -146,7 +166,7 @@ def selective_state_update_triton(
         y.stride(0), y.stride(1),
         P=P, N=N, HEADS_PER_GROUP=H // G, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
         HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
-        HAS_LIMIT=has_limit,
+        HAS_LIMIT=has_limit, STOCHASTIC_ROUNDING=sr, PHILOX_ROUNDS=0 if rounding is None else rounding.rounds,
         num_warps=4,
     )
     return y

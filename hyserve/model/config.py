@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hyserve.config import SSM_CACHE_DTYPES
+from hyserve.config import MAX_PHILOX_ROUNDS, SSM_CACHE_DTYPES
 
 LAYER_MAMBA = "mamba"
 LAYER_ATTENTION = "attention"
@@ -108,6 +108,8 @@ class MambaCacheSpec:
     head_dim: int
     state_size: int
     ssm_dtype: torch.dtype
+    # float16 SSM state written with stochastic rounding instead of round-to-nearest (same bytes)
+    ssm_stochastic_rounding: bool = False
 
     @property
     def conv_bytes(self) -> int:
@@ -171,6 +173,11 @@ class HybridModelConfig:
     # cache dtypes (engine options folded in by `with_cache_dtypes`)
     ssm_cache_dtype: torch.dtype = torch.float32
     kv_cache_dtype: torch.dtype | None = None  # None -> model dtype
+    # stochastic rounding of the float16 SSM state (kernels/stochastic_rounding.py): on/off, Philox rounds,
+    # and the seed of its random stream (the engine's seed)
+    ssm_stochastic_rounding: bool = False
+    ssm_philox_rounds: int = 10
+    ssm_rounding_seed: int = 0
     name: str = ""
 
     # ---- derived -------------------------------------------------------------------------------
@@ -214,6 +221,7 @@ class HybridModelConfig:
             head_dim=self.mamba_head_dim,
             state_size=self.ssm_state_size,
             ssm_dtype=self.ssm_cache_dtype,
+            ssm_stochastic_rounding=self.ssm_stochastic_rounding,
         )
 
     @property
@@ -227,8 +235,15 @@ class HybridModelConfig:
         return len(self.mamba_layer_ids) * self.mamba_cache_spec().bytes_per_sequence
 
     def with_cache_dtypes(
-        self, *, ssm_cache_dtype: str | torch.dtype | None = None, kv_cache_dtype: torch.dtype | None = None
+        self,
+        *,
+        ssm_cache_dtype: str | torch.dtype | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
+        ssm_stochastic_rounding: bool | None = None,
+        ssm_philox_rounds: int | None = None,
+        ssm_rounding_seed: int | None = None,
     ) -> HybridModelConfig:
+        """Fold the engine's cache options in (None keeps the current value)."""
         changes: dict[str, Any] = {}
         if ssm_cache_dtype is not None:
             changes["ssm_cache_dtype"] = parse_dtype(
@@ -236,7 +251,27 @@ class HybridModelConfig:
             )
         if kv_cache_dtype is not None:
             changes["kv_cache_dtype"] = kv_cache_dtype
-        return dataclasses.replace(self, **changes)
+        if ssm_stochastic_rounding is not None:
+            changes["ssm_stochastic_rounding"] = bool(ssm_stochastic_rounding)
+        if ssm_philox_rounds is not None:
+            changes["ssm_philox_rounds"] = int(ssm_philox_rounds)
+        if ssm_rounding_seed is not None:
+            changes["ssm_rounding_seed"] = int(ssm_rounding_seed)
+        cfg = dataclasses.replace(self, **changes)
+        cfg._validate_ssm_rounding()
+        return cfg
+
+    def _validate_ssm_rounding(self) -> None:
+        if self.ssm_stochastic_rounding and self.ssm_cache_dtype != torch.float16:
+            raise ValueError(
+                "kv_cache_config.mamba_ssm_stochastic_rounding needs kv_cache_config.mamba_ssm_cache_dtype: "
+                f"float16 (got {dtype_name(self.ssm_cache_dtype)})"
+            )
+        if not 1 <= self.ssm_philox_rounds <= MAX_PHILOX_ROUNDS:
+            raise ValueError(
+                f"kv_cache_config.mamba_ssm_philox_rounds must be in [1, {MAX_PHILOX_ROUNDS}], "
+                f"got {self.ssm_philox_rounds}"
+            )
 
     def num_parameters(self) -> int:
         """Parameter count (for rooflines and the start-up report)."""
@@ -433,6 +468,7 @@ class HybridModelConfig:
                 positive("moe_latent_size", self.moe_latent_size)
         if not math.isfinite(self.layer_norm_epsilon) or self.layer_norm_epsilon <= 0:
             raise ValueError(f"layer_norm_epsilon must be positive, got {self.layer_norm_epsilon}")
+        self._validate_ssm_rounding()
 
 
 def _parse_layer_types(d: dict[str, Any]) -> tuple[str, ...]:

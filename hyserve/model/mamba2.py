@@ -8,6 +8,12 @@
 Decode sequences (the first `meta.num_decodes`, one token each) use the single-step conv and state
 update kernels; prefill/extend sequences use the packed varlen conv and the chunked SSD scan. Both
 read their starting state from `state_src` slots and write the final state to `state_dst` slots.
+
+States are computed in float32 and stored in the SSM pool's dtype by round-to-nearest, or, when the config
+asks for it, by stochastic rounding into a float16 pool (`kernels/stochastic_rounding.py`). Its random
+stream is keyed by the engine seed and counts on (layer, position): decode rows use `seq_lens_t` (tokens
+in cache after the step, a device tensor, so the decode step stays graph-capturable), a prefill's final
+state the same, and a snapshot the tokens up to it.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from torch import nn
 
 from hyserve.kernels import ops
 from hyserve.kernels.conv1d import conv_state_at
+from hyserve.kernels.stochastic_rounding import StochasticRounding
 from hyserve.model.config import HybridModelConfig
 from hyserve.model.forward_meta import ForwardMeta
 
@@ -33,8 +40,14 @@ class GatedRMSNorm(nn.Module):
 
 
 class Mamba2Mixer(nn.Module):
-    def __init__(self, cfg: HybridModelConfig, *, device=None, dtype=None) -> None:
+    def __init__(self, cfg: HybridModelConfig, *, layer_id: int = 0, device=None, dtype=None) -> None:
         super().__init__()
+        # the stochastic-rounding stream of this layer's SSM pool (None: round-to-nearest)
+        self.ssm_rounding: StochasticRounding | None = None
+        if cfg.ssm_stochastic_rounding:
+            self.ssm_rounding = StochasticRounding(
+                seed=cfg.ssm_rounding_seed, layer=layer_id, rounds=cfg.ssm_philox_rounds
+            )
         self.num_heads = cfg.mamba_num_heads
         self.head_dim = cfg.mamba_head_dim
         self.state_size = cfg.ssm_state_size
@@ -89,6 +102,8 @@ class Mamba2Mixer(nn.Module):
             y[:nd] = ops.get("ssm_update", cuda)(
                 ssm_pool, x, dt[:nd], A, b, c, src, dst,
                 D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit,
+                rounding=self.ssm_rounding,
+                positions=None if self.ssm_rounding is None else meta.seq_lens_t[:nd],
             )
 
         if T > nd:
@@ -128,7 +143,12 @@ class Mamba2Mixer(nn.Module):
         )
         y_out.copy_(res.y)
         conv_pool[dst] = conv_final.to(conv_pool.dtype)
-        ssm_pool[dst] = res.final_states.to(ssm_pool.dtype)
+        store = ops.get("store_ssm_state", cuda)
+        sr = self.ssm_rounding
+        store(ssm_pool, res.final_states, dst, rounding=sr, positions=None if sr is None else meta.seq_lens_t[nd:])
+        snap_states: list[torch.Tensor] = []
+        snap_slots: list[int] = []
+        snap_pos: list[int] = []
         for sw in snaps:
             s = sw.seq - nd
             n_new = cu[s + 1] - cu[s]
@@ -142,7 +162,18 @@ class Mamba2Mixer(nn.Module):
                     f"snapshot after {sw.num_tokens} of {n_new} new tokens is not at a chunk boundary "
                     f"(chunk_size {self.chunk_size})"
                 )
-            ssm_pool[sw.slot] = state.to(ssm_pool.dtype)
+            if sr is None:
+                ssm_pool[sw.slot] = state.to(ssm_pool.dtype)
+            else:  # one store launch for all of them, below
+                snap_states.append(state)
+                snap_slots.append(sw.slot)
+                snap_pos.append(meta.seq_lens[sw.seq] - n_new + sw.num_tokens)  # tokens the snapshot covers
             conv_pool[sw.slot] = conv_state_at(
                 xbc, cu[s], sw.num_tokens, init_conv[s], self.conv_kernel - 1
             ).to(conv_pool.dtype)
+        if snap_states:
+            dev = ssm_pool.device
+            # the same index dtypes as the final-state store above, so both use one kernel variant
+            slots_t = torch.tensor(snap_slots, dtype=dst.dtype, device=dev)
+            pos_t = torch.tensor(snap_pos, dtype=meta.seq_lens_t.dtype, device=dev)
+            store(ssm_pool, torch.stack(snap_states), slots_t, rounding=sr, positions=pos_t)
