@@ -575,7 +575,6 @@ def test_llm_with_fp16_stochastic_rounding_is_deterministic(monkeypatch) -> None
     assert calls["ssm_update"] > 0 and calls["store_ssm_state"] > 0
 
 
-@pytest.mark.xfail(reason="hyserve/model/nemotron_h.py does not pass layer_id to Mamba2Mixer yet", strict=False)
 def test_each_mamba_layer_has_its_own_stream() -> None:
     model = _tiny_model(ssm_cache_dtype="float16", ssm_stochastic_rounding=True)
     pairs = [(blk.layer_id, blk.mixer.ssm_rounding.layer) for blk in model.backbone.layers if blk.kind == "mamba"]

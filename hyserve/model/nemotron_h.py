@@ -31,7 +31,7 @@ class HybridBlock(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, device=device, dtype=dtype)
         self.mixer: nn.Module
         if self.kind == LAYER_MAMBA:
-            self.mixer = Mamba2Mixer(cfg, device=device, dtype=dtype)
+            self.mixer = Mamba2Mixer(cfg, layer_id=layer_id, device=device, dtype=dtype)
         elif self.kind == LAYER_ATTENTION:
             self.mixer = Attention(cfg, device=device, dtype=dtype)
         elif self.kind == LAYER_MLP:
