@@ -1,75 +1,228 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, and logprobs.
 
+`Sampler.sample` works on the whole batch at once, on the logits' device, with no host sync until the
+final `.tolist()` (one device->host copy for the tokens, one more when any row wants logprobs):
+
+    greedy rows      argmax of the raw logits, nothing else
+    sampled rows     gathered into x [m, V] float32, then
+      temperature    x / t, t a per-row [m, 1] tensor (skipped when every t is 1)
+      filters        each of top-k, min-p and top-p keeps a prefix of the row sorted by logit, so
+                     together they reduce to one per-row threshold: tokens with x < thr are excluded
+                       no top-p row:  top-k from one `topk` at the batch's largest k, each row's
+                                      threshold gathered at its own k; min-p as x_max + log(min_p)
+                                      (p_i / p_max = exp(x_i - x_max), so no softmax is needed)
+                       any top-p row: one descending sort; top-k and min-p masked in sorted order,
+                                      then softmax + cumsum give how many tokens each row keeps
+      draw           exponential race (Gumbel-max in disguise): token = argmax(w / E) with
+                     w = exp(x - x_max) masked to 0 where excluded and E ~ Exp(1) per token, which
+                     picks token i with probability w_i / sum(w) -- no multinomial, no sync
+
+Noise: rows without a seed draw E from one generator on the logits' device, seeded with the engine
+seed (a fresh `Sampler` restarts that stream). A row with a seed draws its [V] noise, in vocabulary
+order, from a generator on the same device re-seeded from (seed, output index), one small kernel per
+seeded row; so its token depends only on its own logits, never on the other rows of the batch or
+their order. The same seed gives the same tokens on the same kind of device (CPU and CUDA generators
+produce different streams).
+
 Logprobs are reported from the model's raw distribution (log_softmax of the logits, before temperature
-and filtering), as vLLM does by default. A request with a seed draws from its own generator keyed by
-(seed, output index), so its tokens do not depend on what else is in the batch.
+and filtering), as vLLM does by default, with the requested top alternatives sorted by logprob.
+Host-side per-row parameters (and the sampled rows' indices) travel in one small pinned, non-blocking
+copy; the logprob rows' indices in one more when only some rows want logprobs.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from hyserve.engine.outputs import TokenLogprob
 from hyserve.engine.sampling_params import SamplingParams
 
+_SEED_MULT = 1_000_003
+_SEED_MASK = 0x7FFF_FFFF_FFFF_FFFF
+# E == 0 would turn an excluded token's 0 / E into NaN, which argmax treats as the largest value
+_MIN_NOISE = 1e-30
 
-def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """logits: [V] float32 -> temperature-scaled, filtered logits (-inf where excluded)."""
-    x = logits / p.temperature
-    if p.top_k and p.top_k < x.shape[-1]:
-        kth = torch.topk(x, p.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if p.min_p > 0.0:
-        probs = torch.softmax(x, dim=-1)
-        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-    if p.top_p < 1.0:
-        sorted_x, idx = torch.sort(x, descending=True)
-        cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_x, dim=-1) >= p.top_p  # keep the smallest set reaching top_p
-        drop[0] = False
-        x = x.scatter(0, idx, sorted_x.masked_fill(drop, float("-inf")))
-    return x
+
+def _seed_key(seed: int, output_index: int) -> int:
+    return (seed * _SEED_MULT + output_index) & _SEED_MASK
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor -> `device` without waiting for the device (pinned + non-blocking on CUDA)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _rows(idx: list[int], n: int, device: torch.device) -> torch.Tensor | None:
+    """Row indices as a device tensor, or None when they are simply 0..n-1 (no gather needed)."""
+    if len(idx) == n:
+        return None
+    return _to_device(torch.tensor(idx, dtype=torch.long), device)
 
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
-        self._gen = torch.Generator(device="cpu")
-        self._gen.manual_seed(seed)
+        self._seed = seed
+        self._gens: dict[torch.device, torch.Generator] = {}  # unseeded rows: one stream per device
+        self._seeded: dict[torch.device, torch.Generator] = {}  # re-seeded for every seeded row
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        g = self._gens.get(device)
+        if g is None:
+            g = torch.Generator(device=device)
+            g.manual_seed(self._seed)
+            self._gens[device] = g
+        return g
+
+    def _seeded_generator(self, device: torch.device) -> torch.Generator:
+        # Reusing one generator is safe: a launch takes the generator's (seed, offset) by value.
+        g = self._seeded.get(device)
+        if g is None:
+            g = self._seeded[device] = torch.Generator(device=device)
+        return g
 
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits: [n, V] float32 (any device) -> n token ids and, where requested, their logprobs."""
+        """logits: [n, V] float32 (any device) -> n token ids and, where requested, their logprobs.
+
+        `params[i]` and `output_index[i]` (how many tokens row i's request has already produced) belong to
+        row i. `logits` is not modified.
+        """
         n = logits.shape[0]
         if n == 0:
             return [], []
-        tokens: list[int] = [0] * n
-        greedy = [i for i, p in enumerate(params) if p.greedy]
-        if greedy:
-            am = logits[greedy].argmax(dim=-1).tolist()
-            for i, t in zip(greedy, am):
-                tokens[i] = int(t)
         rest = [i for i, p in enumerate(params) if not p.greedy]
-        if rest:
-            cpu = logits[rest].float().cpu()
-            for j, i in enumerate(rest):
-                p = params[i]
-                probs = torch.softmax(_filter(cpu[j], p), dim=-1)
-                if p.seed is not None:
-                    g = torch.Generator(device="cpu")
-                    g.manual_seed((p.seed * 1_000_003 + output_index[i]) & 0x7FFF_FFFF_FFFF_FFFF)
-                else:
-                    g = self._gen
-                tokens[i] = int(torch.multinomial(probs, 1, generator=g).item())
+        if not rest:
+            tokens = logits.argmax(dim=-1)  # [n]
+        else:
+            sampled, rows = self._sample_rows(logits, params, output_index, rest)
+            if rows is None:
+                tokens = sampled
+            else:  # greedy rows: a pure argmax; the sampled rows are overwritten
+                tokens = logits.argmax(dim=-1)
+                tokens[rows] = sampled
+        token_list = [int(t) for t in tokens.tolist()]
         lps: list[TokenLogprob | None] = [None] * n
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
-            lp = torch.log_softmax(logits[want].float(), dim=-1).cpu()
-            for j, i in enumerate(want):
-                k = params[i].logprobs or 0
-                top: dict[int, float] = {}
-                if k > 0:
-                    v, ids = torch.topk(lp[j], k)
-                    top = {int(t): float(x) for t, x in zip(ids.tolist(), v.tolist())}
-                lps[i] = TokenLogprob(token_id=tokens[i], logprob=float(lp[j, tokens[i]]), top=top)
-        return tokens, lps
+            self._logprobs(logits, tokens, token_list, params, want, lps)
+        return token_list, lps
+
+    def _sample_rows(
+        self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int], rest: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The non-greedy rows `rest` -> their sampled token ids [m] (long, on the logits' device) and
+        their row indices there (None when `rest` is every row)."""
+        n, vocab = logits.shape
+        dev = logits.device
+        m = len(rest)
+        ps = [params[i] for i in rest]
+        # top_k >= vocab keeps everything, so it counts as off (k = vocab below)
+        ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
+        any_temp = any(p.temperature != 1.0 for p in ps)
+        any_top_k = any(k < vocab for k in ks)
+        any_min_p = any(p.min_p > 0.0 for p in ps)
+        any_top_p = any(p.top_p < 1.0 for p in ps)
+
+        # one host->device copy of the per-row parameters: [5, m] = row, temperature, k, top_p, min_p
+        host = torch.tensor(
+            [
+                [float(i) for i in rest],
+                [p.temperature for p in ps],
+                [float(k) for k in ks],
+                [p.top_p if p.top_p < 1.0 else math.inf for p in ps],  # inf: top-p off for that row
+                [p.min_p for p in ps],
+            ],
+            dtype=torch.float32,
+        )
+        prm = _to_device(host, dev)
+
+        rows = prm[0].long() if m < n else None
+        x = (logits if rows is None else logits[rows]).float()  # [m, V]
+        if any_temp:
+            x = x / prm[1].unsqueeze(1)  # temperatures are > 0 for sampled rows
+        k = prm[2].long().unsqueeze(1)  # [m, 1]
+        top_p = prm[3].unsqueeze(1)  # [m, 1]
+        log_min_p = prm[4].log().unsqueeze(1)  # [m, 1]; log(0) = -inf keeps everything
+
+        x_max: torch.Tensor | None = None  # [m, 1]
+        thr: torch.Tensor | None = None  # [m, 1]; tokens with x < thr are excluded
+        if any_top_p:
+            s = torch.sort(x, dim=-1, descending=True).values  # [m, V]
+            x_max = s[:, :1]
+            if any_top_k:
+                pos = torch.arange(vocab, device=dev).unsqueeze(0)  # [1, V]
+                s = s.masked_fill(pos >= k, float("-inf"))
+            if any_min_p:
+                s = s.masked_fill(s < x_max + log_min_p, float("-inf"))
+            probs = torch.softmax(s, dim=-1)
+            before = probs.cumsum(dim=-1) - probs  # mass strictly before each sorted position
+            # keep the smallest prefix whose mass reaches top_p (and nothing already excluded)
+            keep = (before < top_p) & (s > float("-inf"))
+            kept = keep.sum(dim=-1, keepdim=True).clamp_min(1)  # [m, 1]
+            thr = s.gather(1, kept - 1)
+        else:
+            if any_top_k:
+                kmax = max(kk for kk in ks if kk < vocab)
+                top = torch.topk(x, kmax, dim=-1).values  # [m, kmax], descending
+                x_max = top[:, :1]
+                kth = top.gather(1, (k.clamp_max(kmax) - 1))
+                thr = torch.where(k < vocab, kth, float("-inf"))
+            if any_min_p:
+                if x_max is None:
+                    x_max = x.amax(dim=-1, keepdim=True)
+                mp = x_max + log_min_p
+                thr = mp if thr is None else torch.maximum(thr, mp)
+        if x_max is None:
+            x_max = x.amax(dim=-1, keepdim=True)
+
+        w = (x - x_max).exp_()  # [m, V]: unnormalised probabilities (normalising does not move argmax)
+        if thr is not None:
+            w.masked_fill_(x < thr, 0.0)
+        w.div_(self._noise(m, vocab, dev, ps, [output_index[i] for i in rest]))
+        return w.argmax(dim=-1), rows
+
+    def _noise(
+        self, m: int, vocab: int, dev: torch.device, ps: list[SamplingParams], out_idx: list[int]
+    ) -> torch.Tensor:
+        """Exp(1) noise [m, V]: unseeded rows from the engine's stream, seeded rows from their own key."""
+        q = torch.empty(m, vocab, dtype=torch.float32, device=dev)
+        seeded = [j for j, p in enumerate(ps) if p.seed is not None]
+        if len(seeded) < m:  # one kernel for every row; the seeded rows are then overwritten
+            q.exponential_(generator=self._generator(dev))
+        if seeded:
+            g = self._seeded_generator(dev)
+            for j in seeded:
+                g.manual_seed(_seed_key(ps[j].seed or 0, out_idx[j]))
+                q[j].exponential_(generator=g)  # a contiguous [V] row: same values as a fresh tensor
+        return q.clamp_min_(_MIN_NOISE)
+
+    def _logprobs(
+        self,
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        token_list: list[int],
+        params: list[SamplingParams],
+        want: list[int],
+        out: list[TokenLogprob | None],
+    ) -> None:
+        """Fill `out[i]` for the rows `want` from log_softmax of the raw logits (one device->host copy)."""
+        n = logits.shape[0]
+        rows = _rows(want, n, logits.device)
+        raw = logits if rows is None else logits[rows]
+        lp = torch.log_softmax(raw.float(), dim=-1)  # [w, V]
+        chosen_ids = tokens if rows is None else tokens[rows]
+        cols = [lp.gather(1, chosen_ids.unsqueeze(1)).double()]  # [w, 1]
+        kmax = min(max(params[i].logprobs or 0 for i in want), lp.shape[1])
+        if kmax > 0:
+            vals, ids = torch.topk(lp, kmax, dim=-1)  # [w, kmax], sorted descending
+            cols += [vals.double(), ids.double()]  # ids < 2**53: exact in float64
+        table = torch.cat(cols, dim=1).tolist()  # [w, 1 + 2 * kmax]
+        for row, i in zip(table, want):
+            k = min(params[i].logprobs or 0, kmax)
+            top = {int(row[1 + kmax + j]): row[1 + j] for j in range(k)}
+            out[i] = TokenLogprob(token_id=token_list[i], logprob=row[0], top=top)
