@@ -123,6 +123,8 @@ SMALL = [
     pytest.param([1], 16, id="1seq-1tok"),
     pytest.param([1, 0, 33, 16, 5], 16, id="5seq-1tok-empty-mixed"),
     pytest.param([20, 1, 47], 32, id="3seq-chunk32"),
+    pytest.param([21, 1, 16], 8, id="3seq-chunk8-tiny-models"),  # chunk_size < the 16-row tiles
+    pytest.param([13, 0, 31], 5, id="3seq-chunk5-not-power-of-2"),
 ]
 
 

@@ -14,13 +14,14 @@ Three launches, one chunk table:
 
     1. _ssd_prep_kernel    grid (num_chunks * G)
          per (chunk, group): dt -> softplus(dt + bias) clamped, for the H/G heads of the group, and
-         its running sum cs = cumsum(dt * A) along the chunk             -> dtc, cs   [chunks, H, L]
-         CB = C @ B^T of the group's tokens (the heads of a group share it) -> cb    [chunks, G, L, L]
-         Padded positions of a partial chunk get dt = 0, so cs stays flat and cs[L-1] is the chunk's
-         total decay exponent.
+         its running sum cs = cumsum(dt * A) along the chunk            -> dtc, cs   [chunks, H, LP]
+         CB = C @ B^T of the group's tokens (the heads of a group share it) -> cb   [chunks, G, LP, LP]
+         LP = chunk_size padded to a power of 2 >= 16 (the tile length; chunk_size itself may be
+         anything, e.g. 8 in the tiny test models). Positions past a chunk's tokens get dt = 0, so cs
+         stays flat and cs[LP-1] is the chunk's total decay exponent.
     2. _ssd_state_kernel   grid (P-blocks * N-blocks, H, S)
          per (sequence, head, state tile): walks the sequence's chunks in order, from its initial state,
-             h <- exp(cs[L-1]) * h + x^T (B * dt * exp(cs[L-1] - cs))        ([P, L] @ [L, N])
+             h <- exp(cs[LP-1]) * h + x^T (B * dt * exp(cs[LP-1] - cs))      ([P, LP] @ [LP, N])
          and stores h after every chunk: that buffer is `chunk_states` (the last one per sequence is
          also written to `final_states`). The chunk contributions never round-trip through memory.
     3. _ssd_out_kernel     grid (num_chunks * H * M-blocks * P-blocks)
@@ -101,9 +102,9 @@ def _ssd_prep_kernel(
     num_seqs, dt_lo, dt_hi,
     s_dt_t, s_dt_h,
     s_B_t, s_B_g, s_C_t, s_C_g,  # B/C stride along N is 1
-    s_w_c, s_w_h,  # dtc and cs: [chunks, H, L], stride along L is 1
-    s_cb_c, s_cb_g, s_cb_m,  # cb: [chunks, G, L, L], last stride 1
-    G: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr, L: tl.constexpr, N: tl.constexpr,
+    s_w_c, s_w_h,  # dtc and cs: [chunks, H, LP], last stride 1
+    s_cb_c, s_cb_g, s_cb_m,  # cb: [chunks, G, LP, LP], last stride 1
+    G: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, N: tl.constexpr,
     BLOCK_CB: tl.constexpr, BLOCK_KN: tl.constexpr,
     HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -114,9 +115,9 @@ def _ssd_prep_kernel(
     t0 = t0.to(tl.int64)
     c64 = c.to(tl.int64)
 
-    # dt of the group's heads over the chunk: [REP_PAD, L]
+    # dt of the group's heads over the chunk: [REP_PAD, LP]
     offs_r = tl.arange(0, REP_PAD)
-    offs_l = tl.arange(0, L)
+    offs_l = tl.arange(0, LP)
     heads = g * REP + offs_r
     mr = offs_r < REP
     m2 = mr[:, None] & (offs_l < n_valid)[None, :]
@@ -136,13 +137,13 @@ def _ssd_prep_kernel(
     tl.store(cs_ptr + w_offs, cs, mask=mr[:, None])
 
     # CB[i, j] = C[i] . B[j] over the chunk's tokens (zero rows/columns past n_valid)
-    offs_j = tl.arange(0, L)
+    offs_j = tl.arange(0, LP)
     mj = offs_j < n_valid
     cb_base = cb_ptr + c64 * s_cb_c + g * s_cb_g
-    for mb in tl.static_range(L // BLOCK_CB):
+    for mb in tl.static_range(LP // BLOCK_CB):
         offs_i = mb * BLOCK_CB + tl.arange(0, BLOCK_CB)
         mi = offs_i < n_valid
-        acc = tl.zeros((BLOCK_CB, L), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_CB, LP), dtype=tl.float32)
         for k in tl.static_range(0, N, BLOCK_KN):
             offs_k = k + tl.arange(0, BLOCK_KN)
             mk = offs_k < N
@@ -167,7 +168,7 @@ def _ssd_state_kernel(
     s_init_s, s_init_h, s_init_p,  # initial_states stride along N is 1
     s_st_c, s_st_h, s_st_p,  # chunk states [chunks, H, P, N], last stride 1
     s_fin_s, s_fin_h, s_fin_p,
-    REP: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    REP: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NUM_NB: tl.constexpr,
     HAS_INIT: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -184,7 +185,7 @@ def _ssd_state_kernel(
 
     offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_l = tl.arange(0, L)
+    offs_l = tl.arange(0, LP)
     mp = offs_p < P
     mn = offs_n < N
     m_pn = mp[:, None] & mn[None, :]
@@ -202,12 +203,12 @@ def _ssd_state_kernel(
     for c in tl.range(c_begin, c_end):
         c64 = c_begin64 + (c - c_begin)  # (the interpreter's loop index is a Python int)
         t0 = t_begin + (c64 - c_begin64) * L
-        ml = offs_l < t_end - t0
+        ml = offs_l < tl.minimum(t_end - t0, L)
         w_row = c64 * s_w_c + h * s_w_h
         d = tl.load(dtc_ptr + w_row + offs_l)
         cs = tl.load(cs_ptr + w_row + offs_l)
-        cs_last = tl.load(cs_ptr + w_row + (L - 1))  # padded positions keep cs flat
-        wgt = d * tl.exp(cs_last - cs)  # [L]: dt times the decay from token l to the chunk's end
+        cs_last = tl.load(cs_ptr + w_row + (LP - 1))  # padded positions keep cs flat
+        wgt = d * tl.exp(cs_last - cs)  # [LP]: dt times the decay from token l to the chunk's end
         xt = tl.load(x_base + (t0 + offs_l)[:, None] * s_x_t, mask=ml[:, None] & mp[None, :], other=0.0)
         bt = tl.load(b_base + (t0 + offs_l)[:, None] * s_B_t, mask=ml[:, None] & mn[None, :], other=0.0)
         bs = (bt.to(tl.float32) * wgt[:, None]).to(bt.dtype)
@@ -245,7 +246,7 @@ def _ssd_out_kernel(
     s_init_s, s_init_h, s_init_p,
     s_st_c, s_st_h, s_st_p,
     s_y_t, s_y_h,  # y stride along P is 1
-    H: tl.constexpr, REP: tl.constexpr, L: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    H: tl.constexpr, REP: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_KN: tl.constexpr,
     NUM_MB: tl.constexpr, NUM_PB: tl.constexpr,
     HAS_INIT: tl.constexpr, HAS_D: tl.constexpr, IEEE: tl.constexpr,
@@ -317,18 +318,19 @@ def _pad(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def _gpu_config(L: int, P: int, N: int) -> dict[str, dict[str, int]]:
-    """Fixed block sizes and launch settings on a GPU, from the model shape only."""
+def _gpu_config(LP: int, P: int, N: int) -> dict[str, dict[str, int]]:
+    """Fixed block sizes and launch settings on a GPU, from the model shape only (LP: the chunk's tile
+    length, chunk_size padded to a power of 2 >= 16)."""
     return dict(
-        prep=dict(BLOCK_CB=min(L, 64), BLOCK_KN=min(_pad(N), 64), num_warps=4 if L <= 128 else 8, num_stages=2),
+        prep=dict(BLOCK_CB=min(LP, 64), BLOCK_KN=min(_pad(N), 64), num_warps=4 if LP <= 128 else 8, num_stages=2),
         # a whole (padded) head dim per program: B is re-read once per P block, x once per N block
         state=dict(BLOCK_P=min(_pad(P), 128), BLOCK_N=min(_pad(N), 64), num_warps=8, num_stages=2),
-        out=dict(BLOCK_M=min(L, 64), BLOCK_K=min(L, 64), BLOCK_P=min(_pad(P), 128), BLOCK_KN=min(_pad(N), 64),
+        out=dict(BLOCK_M=min(LP, 64), BLOCK_K=min(LP, 64), BLOCK_P=min(_pad(P), 128), BLOCK_KN=min(_pad(N), 64),
                  num_warps=4, num_stages=2),
     )
 
 
-def _cpu_config(L: int, P: int, N: int) -> dict[str, dict[str, int]]:
+def _cpu_config(LP: int, P: int, N: int) -> dict[str, dict[str, int]]:
     """Interpreter: small tiles so the tests cover several row/key/state blocks per chunk."""
     return dict(
         prep=dict(BLOCK_CB=16, BLOCK_KN=16, num_warps=4, num_stages=1),
@@ -383,7 +385,7 @@ def ssd_triton(
     assert H % G == 0, f"{H} heads not divisible into {G} groups"
     assert dt.shape == (T, H) and A.shape == (H,), f"dt {tuple(dt.shape)}, A {tuple(A.shape)} vs x {tuple(x.shape)}"
     assert B.shape == (T, G, N) and C.shape == (T, G, N), f"B {tuple(B.shape)}, C {tuple(C.shape)}"
-    assert L >= 16 and L & (L - 1) == 0, f"chunk_size {L} must be a power of 2 >= 16"
+    assert L >= 1, f"chunk_size {L}"
     assert x.dtype in _FLOATS and B.dtype == x.dtype and C.dtype == x.dtype, "float64 runs on the reference path"
     assert dt.dtype in _FLOATS and A.dtype in _FLOATS
     assert x.stride(2) == 1 and B.stride(2) == 1 and C.stride(2) == 1
@@ -416,11 +418,12 @@ def ssd_triton(
     ieee = x.dtype == torch.float32
     lo, hi = float(dt_limit[0]), float(dt_limit[1])
     has_limit = lo > 0.0 or hi != float("inf")
-    cfg = _gpu_config(L, P, N) if x.is_cuda else _cpu_config(L, P, N)
+    LP = _pad(L)  # positions in a chunk's tiles; those past chunk_size are masked
+    cfg = _gpu_config(LP, P, N) if x.is_cuda else _cpu_config(LP, P, N)
     meta = _chunk_table(cu, offsets, dev)
-    dtc = torch.empty(num_chunks, H, L, dtype=f32, device=dev)
-    cs = torch.empty(num_chunks, H, L, dtype=f32, device=dev)
-    cb = torch.empty(num_chunks, G, L, L, dtype=f32, device=dev)
+    dtc = torch.empty(num_chunks, H, LP, dtype=f32, device=dev)
+    cs = torch.empty(num_chunks, H, LP, dtype=f32, device=dev)
+    cb = torch.empty(num_chunks, G, LP, LP, dtype=f32, device=dev)
 
     _ssd_prep_kernel[(num_chunks * G,)](
         dt, A, dt_bias if dt_bias is not None else A, B, C, meta, dtc, cs, cb,
@@ -429,7 +432,7 @@ def ssd_triton(
         B.stride(0), B.stride(1), C.stride(0), C.stride(1),
         dtc.stride(0), dtc.stride(1),
         cb.stride(0), cb.stride(1), cb.stride(2),
-        G=G, REP=rep, REP_PAD=max(2, triton.next_power_of_2(rep)), L=L, N=N,
+        G=G, REP=rep, REP_PAD=max(2, triton.next_power_of_2(rep)), L=L, LP=LP, N=N,
         HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), HAS_LIMIT=has_limit, IEEE=ieee,
         **cfg["prep"],
     )
@@ -445,13 +448,13 @@ def ssd_triton(
         init.stride(0), init.stride(1), init.stride(2),
         states.stride(0), states.stride(1), states.stride(2),
         final.stride(0), final.stride(1), final.stride(2),
-        REP=rep, L=L, P=P, N=N, NUM_NB=num_nb, HAS_INIT=initial_states is not None, IEEE=ieee,
+        REP=rep, L=L, LP=LP, P=P, N=N, NUM_NB=num_nb, HAS_INIT=initial_states is not None, IEEE=ieee,
         **st,
     )
 
     oc = cfg["out"]
-    assert L % oc["BLOCK_M"] == 0 and oc["BLOCK_M"] % oc["BLOCK_K"] == 0
-    num_mb, num_pb = L // oc["BLOCK_M"], triton.cdiv(P, oc["BLOCK_P"])
+    assert LP % oc["BLOCK_M"] == 0 and oc["BLOCK_M"] % oc["BLOCK_K"] == 0
+    num_mb, num_pb = LP // oc["BLOCK_M"], triton.cdiv(P, oc["BLOCK_P"])
     _ssd_out_kernel[(num_chunks * H * num_mb * num_pb,)](
         x, C, D if D is not None else A, dtc, cs, cb, init, states, meta, y,
         S,
@@ -461,7 +464,7 @@ def ssd_triton(
         init.stride(0), init.stride(1), init.stride(2),
         states.stride(0), states.stride(1), states.stride(2),
         y.stride(0), y.stride(1),
-        H=H, REP=rep, L=L, P=P, N=N, NUM_MB=num_mb, NUM_PB=num_pb,
+        H=H, REP=rep, L=L, LP=LP, P=P, N=N, NUM_MB=num_mb, NUM_PB=num_pb,
         HAS_INIT=initial_states is not None, HAS_D=D is not None, IEEE=ieee,
         **oc,
     )
