@@ -6,13 +6,19 @@ set -uo pipefail
 sha=${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# benchmark peers carried as wheels (mamba_ssm's Triton kernels + einops; see DESIGN.md), when present
+if ls .whl/mamba_ssm-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peers .whl/mamba_ssm-*.whl .whl/einops-*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/peers"
+fi
 mkdir -p benchmarks/results
 log=benchmarks/results/gpu_check.log
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
   echo "== GPU tests"
-  python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_kernels.py tests/test_gpu_model.py 2>&1 | tail -40
+  python3 -m pytest -q -p no:cacheprovider -rs --show-capture=no tests/test_triton_kernels.py tests/test_triton_ssd.py \
+    tests/test_fp8_kv.py tests/test_ssm_rounding.py tests/test_gpu_model.py tests/test_gpu_warmup.py 2>&1 | tail -40
   echo "== kernel benchmarks"
   if [ -f benchmarks/bench_kernels.py ]; then python3 benchmarks/bench_kernels.py --git-sha "$sha" 2>&1 | tail -40; fi
   echo "== model benchmarks"

@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# One device call: the serving checks of issue #6 on the Nemotron Nano 9B v2 architecture (random
+# weights, bf16) through the real HTTP server and `hyserve bench`. Results: benchmarks/results/serve_*.
+#
+#   scripts/gpu_serve_check.sh GIT_SHA [mixed|sweep|needle]...
+#
+#   mixed   fresh server + empty kernel cache dir: time to ready (cold); a mixed workload (random,
+#           shared-prefix, prompts longer than max_num_tokens, greedy/top-p/top-k/seeded/logprobs) run
+#           twice back to back (run2/run1); first-request TTFT vs the same request at steady state;
+#           JIT compilations after ready from /metrics; then a restart on the same cache dir (warm).
+#   sweep   throughput vs concurrency (1 8 32 64 128 256) for in/out 1000/1000 and 8000/1000.
+#   needle  max_seq_len 1,048,576: needle prompts up to 1M tokens, then a normal request.
+#
+# Needs the server wheels in .whl (../shared/tools/gpu_wheels.sh) carried with the call.
+set -uo pipefail
+sha=${1:-unknown}
+shift || true
+parts=${*:-mixed sweep needle}
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+MODEL=${MODEL:-benchmarks/configs/NVIDIA-Nemotron-Nano-9B-v2}
+R=benchmarks/results
+mkdir -p "$R"
+URL=http://127.0.0.1:8000
+VOCAB=${VOCAB:-131072}
+BENCH=(python3 -m hyserve.cli bench serve --base-url $URL --vocab-size $VOCAB --min-token-id ${MIN_ID:-1000} --ignore-eos
+       --save-result --result-dir "$R" --git-sha "$sha")
+PID=
+
+READY_S=
+start_server() {  # $1 = log file, rest = serve flags; sets PID and READY_S (seconds to ready)
+  local log=$1; shift
+  local t0; t0=$(date +%s.%N)
+  if curl -sf $URL/health >/dev/null 2>&1; then echo "port 8000 is already serving"; return 1; fi
+  python3 -m hyserve.cli serve "${MODEL}" --load-format dummy --port 8000 "$@" >"$log" 2>&1 &
+  PID=$!
+  until curl -sf $URL/health >/dev/null 2>&1; do
+    sleep 0.5
+    if ! kill -0 $PID 2>/dev/null; then echo "server died:"; tail -40 "$log"; return 1; fi
+  done
+  READY_S=$(python3 -c "print(f'{$(date +%s.%N) - $t0:.1f}')")
+}
+
+stop_server() { [ -n "$PID" ] && kill -INT $PID && wait $PID; PID=; }
+
+jit_after_ready() { curl -s $URL/metrics | awk '/^hyserve_jit_compiles_after_ready_total/ {print $2}'; }
+
+if [[ " $parts " == *" mixed "* ]]; then
+  echo "== mixed workload on a fresh server (empty kernel cache)"
+  cache=/tmp/hyserve-cache-$$
+  rm -rf "$cache"
+  flags=(--cache-dir "$cache" --max-batch-size 128 --max-num-tokens 8192 --max-seq-len 32768)
+  start_server /tmp/serve_cold.log "${flags[@]}" || exit 1
+  cold=$READY_S
+  grep -E "warm-up:|captured|activation peak" /tmp/serve_cold.log
+  echo "time to ready, empty cache: ${cold}s"
+  "${BENCH[@]}" --num-prompts 1 --max-concurrency 1 --random-input-len 2000 --random-output-len 64 \
+    --temperature 0 --result-filename serve_first_request.json | tail -4
+  "${BENCH[@]}" --num-prompts 96 --max-concurrency 32 --random-input-len 1000 --random-output-len 200 \
+    --random-range-ratio 0.9 --temperature 0 --reps 2 --result-filename serve_mixed_random.json | tail -14
+  "${BENCH[@]}" --dataset-name shared-prefix --shared-prefix-len 3000 --num-prefixes 4 --num-prompts 64 \
+    --max-concurrency 32 --random-input-len 300 --random-output-len 100 --temperature 0.8 \
+    --extra-body '{"top_p": 0.9, "logprobs": 2}' --reps 2 --result-filename serve_mixed_prefix.json | tail -14
+  "${BENCH[@]}" --num-prompts 8 --max-concurrency 8 --random-input-len 20000 --random-range-ratio 0.5 \
+    --random-output-len 32 --temperature 1.0 --extra-body '{"top_k": 20, "seed": 7}' \
+    --result-filename serve_mixed_long.json | tail -8
+  "${BENCH[@]}" --num-prompts 1 --max-concurrency 1 --random-input-len 2000 --random-output-len 64 \
+    --temperature 0 --seed 99 --result-filename serve_steady_request.json | tail -4
+  echo "JIT compilations after ready: $(jit_after_ready)"
+  grep -c "JIT after ready" /tmp/serve_cold.log | sed 's/^/late-compile log lines: /'
+  grep "JIT after ready" /tmp/serve_cold.log | cut -c1-400 | head -5
+  stop_server
+  start_server /tmp/serve_warm.log "${flags[@]}" || exit 1
+  warm=$READY_S
+  grep -E "warm-up:" /tmp/serve_warm.log
+  echo "time to ready, warm cache: ${warm}s"
+  stop_server
+  python3 - "$R" "$cold" "$warm" "$sha" <<'EOF'
+import json, sys, datetime
+r, cold, warm, sha = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+json.dump({"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "git_sha": sha,
+           "gpu": __import__("subprocess").run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                               capture_output=True, text=True).stdout.strip(),
+           "command": "scripts/gpu_serve_check.sh mixed",
+           "records": [{"name": "time to ready, empty kernel cache (s)", "value": cold, "unit": "s",
+                        "reference": "warm restart, same run", "reference_value": warm, "ratio": cold / warm}]},
+          open(f"{r}/serve_startup.json", "w"), indent=2)
+EOF
+fi
+
+if [[ " $parts " == *" sweep "* ]]; then
+  echo "== throughput sweep"
+  start_server /tmp/serve_sweep.log --max-batch-size 256 --max-num-tokens 8192 --max-seq-len 9216 || exit 1
+  for io in "1000 1000" "8000 1000"; do
+    set -- $io
+    for c in 1 8 32 64 128 256; do
+      n=$(( c < 4 ? 2 : c ))
+      "${BENCH[@]}" --num-prompts $n --max-concurrency $c --random-input-len $1 --random-output-len $2 \
+        --temperature 0 --result-filename "serve_sweep_in$1_out$2_c$c.json" | grep -E "Output token throughput|Mean TPOT|Mean TTFT" | sed "s/^/in=$1 c=$c /"
+    done
+  done
+  stop_server
+fi
+
+if [[ " $parts " == *" needle "* ]]; then
+  echo "== needle up to 1M tokens (max_seq_len 1,048,576)"
+  # the architecture dir has no tokenizer: pair its config with the built-in byte-level tokenizer
+  # (one token per byte) so the chat endpoint and the needle text work
+  nd=/tmp/nano9b-bytes
+  mkdir -p $nd && cp "$MODEL/config.json" $nd/
+  python3 -c "from hyserve.model.tiny import builtin_model_dir as b; import shutil, sys
+for f in ('tokenizer.json', 'tokenizer_config.json'): shutil.copy(b() / f, sys.argv[1])" $nd
+  MODEL=$nd start_server /tmp/serve_needle.log --max-batch-size 8 --max-num-tokens 16384 --max-seq-len 1048576 \
+    || exit 1
+  sed -n '/capacity plan/,/concurrency at/p' /tmp/serve_needle.log
+  python3 -m hyserve.cli bench needle --base-url $URL --sizes 8k,128k,1M --max-tokens 16 --timeout 900 \
+    --save-result --result-dir "$R" --git-sha "$sha" --result-filename serve_needle.json | tail -12
+  "${BENCH[@]}" --num-prompts 1 --max-concurrency 1 --random-input-len 500 --random-output-len 32 \
+    --temperature 0 --result-filename serve_after_needle.json | grep -E "Successful|Failed|TTFT"
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+  stop_server
+fi
+if [ -n "${OUT:-}" ]; then cp "$R"/serve_*.json /tmp/serve_*.log "$OUT"/ 2>/dev/null; fi
+exit 0
