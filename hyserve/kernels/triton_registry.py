@@ -28,6 +28,7 @@ def register_triton_kernels() -> list[str]:
     from hyserve.kernels.triton_rmsnorm import rms_norm_triton, rmsnorm_gated_triton
     from hyserve.kernels.triton_ssd import ssd_triton
     from hyserve.kernels.triton_ssm_update import selective_state_update_triton
+    from hyserve.kernels.triton_stochastic_rounding import store_ssm_state_triton
 
     impls = {
         "rms_norm": rms_norm_triton,
@@ -36,6 +37,7 @@ def register_triton_kernels() -> list[str]:
         "conv1d_varlen": causal_conv1d_varlen_triton,
         "ssm_update": selective_state_update_triton,
         "ssd": ssd_triton,
+        "store_ssm_state": store_ssm_state_triton,
         "write_kv": write_kv_triton,
         "paged_attention": paged_attention_triton,
     }
