@@ -174,7 +174,9 @@ class LLMEngine:
         assert self.activations is not None
         # the allocator's reserve above the profiled peaks (fragmentation, cuBLAS workspaces)
         slack = 256 * 2**20
-        budget = int(free * c.free_gpu_memory_fraction) - self.activations.total_bytes - slack
+        # each captured graph keeps its float32 logits alive in the shared graph pool
+        graph_logits = sum(self.graph_sizes) * self.model_config.vocab_size * 4
+        budget = int(free * c.free_gpu_memory_fraction) - self.activations.total_bytes - graph_logits - slack
         if c.max_gpu_total_bytes is not None:
             budget = min(budget, c.max_gpu_total_bytes)
         return max(budget, 0)
