@@ -273,6 +273,37 @@ def bench_attn(b: Bench) -> None:
         else:
             b.record(name, ours, "FLOP/s", "bf16 matmul ceiling (DESIGN.md)", MATMUL_FLOPS, time_ms=ms)
 
+    _bench_decode_fp8(b, Hq, Hkv, D, bs, dtype, tol, scale)
+
+
+def _bench_decode_fp8(b: Bench, Hq: int, Hkv: int, D: int, bs: int, dtype, tol: float, scale: float) -> None:
+    """Decode over a float8 e4m3 KV pool with per-layer scales: half the bytes of bf16, so the roofline
+    time halves too; the bf16 kernel on the same (dequantised) values is timed beside it."""
+    from hyserve.kernels.attention import quantize_kv
+    from hyserve.kernels.triton_attention import paged_attention_triton
+
+    fp8 = torch.float8_e4m3fn
+    ks = torch.tensor(1 / 64, device=b.dev)  # unit-variance K/V land on e4m3 codes of std 64 (max 448)
+    vs = torch.tensor(1 / 48, device=b.dev)
+    for batch, L in ((64, 8192), (1, 131072)) if not b.dry else ((3, 100), (1, 700)):
+        lens = [L] * batch
+        k16, v16, tb = _paged_pool(b, lens, Hkv, D, bs, dtype)
+        kc, vc = quantize_kv(k16, ks, fp8), quantize_kv(v16, vs, fp8)
+        del k16, v16
+        q = b.rnd(batch, Hq, D, dtype=dtype)
+        cu = list(range(batch + 1))
+        kw = dict(k_scale=ks, v_scale=vs)
+        name = f"paged decode attention fp8 KV batch {batch} x {L} context"
+        if not b.check(name, paged_attention_triton(q, kc, vc, tb, lens, cu, scale, **kw),
+                       paged_attention_ref(q, kc, vc, tb, lens, cu, scale, **kw), tol, tol):
+            continue
+        ms = b.time_ms(lambda: paged_attention_triton(q, kc, vc, tb, lens, cu, scale, **kw))
+        kd, vd = (kc.float() * ks).to(dtype), (vc.float() * vs).to(dtype)  # the same values in 16 bits
+        ms16 = b.time_ms(lambda: paged_attention_triton(q, kd, vd, tb, lens, cu, scale))
+        kv_bytes = 2 * batch * L * Hkv * D * kc.element_size()  # 1 byte per element
+        b.record(name, kv_bytes / (ms * 1e-3), "B/s", "KV-read roofline (1-byte KV): GEMV read ceiling (DESIGN.md)",
+                 READ_BW, time_ms=ms, bf16_kv_ms=ms16, speedup_vs_bf16_kv=ms16 / ms)
+
 
 def _sdpa_best(b: Bench, q, kc, vc, tables, L: int) -> tuple[str, float]:
     """Fastest torch SDPA backend for causal GQA over contiguous K/V of the same tokens."""

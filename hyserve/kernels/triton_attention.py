@@ -18,7 +18,17 @@ Step layout (ForwardMeta): the single-token decode sequences come first, then pr
                             (new token j of a sequence with n new tokens sits at seq_len - n + j).
 
 Softmax in float32 with exp2 (scale folded with log2(e)). P is cast to the V dtype for the PV product,
-as flash attention does. A float8 cache is upcast to q's dtype after the load (scale 1).
+as flash attention does.
+
+Float8 (e4m3) caches with per-layer scales (see attention.py): the write kernel stores
+clamp(k / k_scale, -448, 448) as e4m3. The readers upcast the raw e4m3 tile to q's dtype (exact: every
+e4m3 value is a bf16/fp16 value) and fold the scales into scalars instead of touching every element:
+
+    scores = (q . k8) * (softmax_scale * k_scale)      out = (sum_j p_j v8_j / l) * v_scale
+
+which is the dequantised attention up to float32 rounding order. KV_SCALED is a constexpr, so the
+unscaled (bf16/fp16/fp32 cache) kernels are unchanged; the scales are read from device memory, so a
+decode step with them can still be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -27,18 +37,31 @@ import torch
 import triton
 import triton.language as tl
 
+from hyserve.kernels.attention import FP8_KV_DTYPES, check_kv_scales
+
 _LOG2E = 1.4426950408889634
 
 
 # --------------------------------------------------------------------------- KV write
 
 
+@triton.jit
+def _quantize(x, scale_ptr, SCALED: tl.constexpr, FP8: tl.constexpr):
+    """x / scale in float32 (correctly rounded, like torch), clamped to the e4m3 range for a float8 cache."""
+    if SCALED:
+        x = tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr).to(tl.float32))
+    if FP8:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)  # attention.FP8_E4M3_MAX
+    return x
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _write_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, num_tokens,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, num_tokens,
     s_k_t, s_k_h, s_v_t, s_v_h,
     s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h,
     BS: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    KV_SCALED: tl.constexpr, FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -51,6 +74,8 @@ def _write_kv_kernel(
     m = (offs_h < HKV)[:, None] & (offs_d < HEAD_DIM)[None, :]
     k = tl.load(k_ptr + t * s_k_t + offs_h[:, None] * s_k_h + offs_d[None, :], mask=m)
     v = tl.load(v_ptr + t * s_v_t + offs_h[:, None] * s_v_h + offs_d[None, :], mask=m)
+    k = _quantize(k, ks_ptr, KV_SCALED, FP8)
+    v = _quantize(v, vs_ptr, KV_SCALED, FP8)
     tl.store(
         kc_ptr + blk * s_kc_b + row * s_kc_r + offs_h[:, None] * s_kc_h + offs_d[None, :],
         k.to(kc_ptr.dtype.element_ty), mask=m,
@@ -62,10 +87,20 @@ def _write_kv_kernel(
 
 
 def write_kv_triton(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """k, v: [T, kv_heads, head_dim]; writes them at slot_mapping ([T], -1 = skip) into the caches."""
+    """k, v: [T, kv_heads, head_dim]; writes them at slot_mapping ([T], -1 = skip) into the caches,
+    quantised with the device scalars k_scale / v_scale when given (as `write_kv_ref`)."""
     assert k.dim() == 3 and v.shape == k.shape and k_cache.dim() == 4 and v_cache.shape == k_cache.shape
+    assert v_cache.dtype == k_cache.dtype
+    scaled = check_kv_scales(k_scale, v_scale, k.device)
     T, Hkv, Dh = k.shape
     assert k_cache.shape[2:] == (Hkv, Dh), f"k {tuple(k.shape)} vs cache {tuple(k_cache.shape)}"
     assert slot_mapping.shape == (T,) and not slot_mapping.dtype.is_floating_point
@@ -74,12 +109,15 @@ def write_kv_triton(
     if T == 0:
         return
     _write_kv_kernel[(T,)](
-        k, v, k_cache, v_cache, slot_mapping, T,
+        k, v, k_cache, v_cache, slot_mapping,
+        k_scale if scaled else slot_mapping, v_scale if scaled else slot_mapping,  # unread when unscaled
+        T,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         BS=k_cache.shape[1], HKV=Hkv, HEAD_DIM=Dh,
         H_PAD=triton.next_power_of_2(Hkv), D_PAD=triton.next_power_of_2(Dh),
+        KV_SCALED=scaled, FP8=k_cache.dtype in FP8_KV_DTYPES,
         num_warps=4,
     )
 
@@ -100,7 +138,8 @@ def _dot(a, b, IEEE: tl.constexpr):
 def _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, mn, offs_d, md, kvh, q,
                   s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS: tl.constexpr):
     """K and V rows of one head for token positions `pos` (masked by `mn`), found through the block
-    table: position p lives in block bt_row[p // BS], row p % BS. Cast to q's dtype."""
+    table: position p lives in block bt_row[p // BS], row p % BS. Cast to q's dtype (a float8 tile
+    exactly; its scales are applied by the caller to the scores and the output)."""
     blk = tl.load(bt_row + pos // BS, mask=mn, other=0).to(tl.int64)
     r = pos % BS
     mkv = mn[:, None] & md[None, :]
@@ -126,9 +165,10 @@ def _online_softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr):
 # --------------------------------------------------------------------------- decode (split-KV)
 
 
-@triton.jit(do_not_specialize=["seq_offset", "num_splits"])
+# block-table width and the partial buffers' split stride change from step to step: not specialised
+@triton.jit(do_not_specialize=["seq_offset", "num_splits", "s_bt_s", "s_po_sp", "s_pl_sp"])
 def _decode_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, cu_ptr, po_ptr, plse_ptr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, cu_ptr, po_ptr, plse_ptr, ks_ptr, vs_ptr,
     seq_offset, num_splits, qk_scale,
     s_q_t, s_q_h,
     s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h,
@@ -137,7 +177,7 @@ def _decode_kernel(
     s_pl_sp, s_pl_s,  # partial lse [splits, nd, Hq] fp32, last stride 1
     BS: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, KV_SCALED: tl.constexpr,
 ):
     s = tl.program_id(0).to(tl.int64)  # index among the decode sequences
     kvh = tl.program_id(1)
@@ -160,6 +200,9 @@ def _decode_kernel(
     q = tl.load(q_ptr + row * s_q_t + heads[:, None] * s_q_h + offs_d[None, :], mask=mr[:, None] & md[None, :],
                 other=0.0)
 
+    if KV_SCALED:
+        qk_scale = qk_scale * tl.load(ks_ptr).to(tl.float32)
+
     m_i = tl.full((REP_PAD,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((REP_PAD,), dtype=tl.float32)
     acc = tl.zeros((REP_PAD, D_PAD), dtype=tl.float32)
@@ -176,13 +219,15 @@ def _decode_kernel(
 
     has = l_i > 0.0  # an empty split (lo >= L) contributes weight 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if KV_SCALED:
+        out = out * tl.load(vs_ptr).to(tl.float32)  # the combine is linear in the partial outputs
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     tl.store(po_ptr + sp * s_po_sp + s * s_po_s + heads[:, None] * s_po_h + offs_d[None, :], out,
              mask=mr[:, None] & md[None, :])
     tl.store(plse_ptr + sp * s_pl_sp + s * s_pl_s + heads, lse, mask=mr)
 
 
-@triton.jit(do_not_specialize=["seq_offset", "num_splits"])
+@triton.jit(do_not_specialize=["seq_offset", "num_splits", "s_po_sp", "s_pl_sp"])
 def _combine_kernel(
     po_ptr, plse_ptr, cu_ptr, out_ptr, seq_offset, num_splits,
     s_po_sp, s_po_s, s_po_h, s_pl_sp, s_pl_s, s_o_t, s_o_h,
@@ -212,15 +257,15 @@ def _combine_kernel(
 # --------------------------------------------------------------------------- prefill / extend
 
 
-@triton.jit(do_not_specialize=["seq_offset"])
+@triton.jit(do_not_specialize=["seq_offset", "s_bt_s"])
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, cu_ptr, out_ptr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, cu_ptr, out_ptr, ks_ptr, vs_ptr,
     seq_offset, qk_scale,
     s_q_t, s_q_h,
     s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h,
     s_bt_s, s_o_t, s_o_h,
     BS: tl.constexpr, REP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, KV_SCALED: tl.constexpr,
 ):
     mb = tl.program_id(0)
     h = tl.program_id(1)
@@ -242,6 +287,8 @@ def _prefill_kernel(
     q = tl.load(q_ptr + (q0 + offs_m)[:, None] * s_q_t + h * s_q_h + offs_d[None, :],
                 mask=mm[:, None] & md[None, :], other=0.0)
     qpos = ctx + offs_m
+    if KV_SCALED:
+        qk_scale = qk_scale * tl.load(ks_ptr).to(tl.float32)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -260,6 +307,8 @@ def _prefill_kernel(
         m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
 
     out = acc / l_i[:, None]
+    if KV_SCALED:
+        out = out * tl.load(vs_ptr).to(tl.float32)
     tl.store(out_ptr + (q0 + offs_m)[:, None] * s_o_t + h * s_o_h + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mm[:, None] & md[None, :])
 
@@ -303,8 +352,13 @@ def paged_attention_triton(
     seq_lens: torch.Tensor | list[int],
     cu_q: torch.Tensor | list[int],
     scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, q_heads, head_dim] -> out [T, q_heads, head_dim] in q.dtype.
+
+    k_scale / v_scale: the cache's dequantisation scales (device scalars, as `paged_attention_ref`).
 
     seq_lens / cu_q: host lists (preferred: no device sync; the launcher reads the step's shape from
     them) or int tensors. With tensors and T == S the step is taken to be pure decode (one new token
@@ -319,6 +373,7 @@ def paged_attention_triton(
     assert q.dtype in _FLOATS, "float64 runs on the reference path"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert block_tables.stride(1) == 1 and not block_tables.dtype.is_floating_point
+    scaled = check_kv_scales(k_scale, v_scale, q.device)
     S = (cu_q.shape[0] if isinstance(cu_q, torch.Tensor) else len(cu_q)) - 1
     assert S >= 0 and block_tables.shape[0] >= S
     dev = q.device
@@ -349,6 +404,7 @@ def paged_attention_triton(
         max_new = max((cu_h[s + 1] - cu_h[s] for s in range(nd, S)), default=0)
     cu_t = _device_index(cu_q, dev)
     lens_t = _device_index(seq_lens, dev)
+    ks, vs = (k_scale, v_scale) if scaled else (q, q)  # unread when unscaled
     strides_kv = (
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -360,13 +416,13 @@ def paged_attention_triton(
         po = torch.empty(splits, nd, Hq, Dh, dtype=torch.float32, device=dev)
         plse = torch.empty(splits, nd, Hq, dtype=torch.float32, device=dev)
         _decode_kernel[(nd, Hkv, splits)](
-            q, k_cache, v_cache, block_tables, lens_t, cu_t, po, plse,
+            q, k_cache, v_cache, block_tables, lens_t, cu_t, po, plse, ks, vs,
             0, splits, qk_scale,
             q.stride(0), q.stride(1), *strides_kv, block_tables.stride(0),
             po.stride(0), po.stride(1), po.stride(2), plse.stride(0), plse.stride(1),
             BS=BS, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)),
             HEAD_DIM=Dh, D_PAD=D_PAD, BLOCK_N=BLOCK_N, MIN_SPLIT=triton.cdiv(_MIN_SPLIT_TOKENS, BLOCK_N) * BLOCK_N,
-            IEEE=ieee, num_warps=4, num_stages=2,
+            IEEE=ieee, KV_SCALED=scaled, num_warps=4, num_stages=2,
         )
         _combine_kernel[(nd, Hq)](
             po, plse, cu_t, out, 0, splits,
@@ -381,11 +437,11 @@ def paged_attention_triton(
         else:
             BLOCK_M, BLOCK_N, warps, stages = 16, 16, 4, 1
         _prefill_kernel[(triton.cdiv(max_new, BLOCK_M), Hq, S - nd)](
-            q, k_cache, v_cache, block_tables, lens_t, cu_t, out,
+            q, k_cache, v_cache, block_tables, lens_t, cu_t, out, ks, vs,
             nd, qk_scale,
             q.stride(0), q.stride(1), *strides_kv, block_tables.stride(0), out.stride(0), out.stride(1),
             BS=BS, REP=rep, HEAD_DIM=Dh, D_PAD=D_PAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IEEE=ieee,
-            num_warps=warps, num_stages=stages,
+            KV_SCALED=scaled, num_warps=warps, num_stages=stages,
         )
     return out
 

@@ -1,17 +1,46 @@
 """GQA self-attention of NemotronH over the paged KV pool. No positional encoding (the Mamba layers
-carry position), so a token's K/V never depends on where its block sits."""
+carry position), so a token's K/V never depends on where its block sits.
+
+With a float8 KV pool the layer quantises K and V with its two float32 scalars `k_scale` / `v_scale`
+(vLLM's per-tensor scheme; see kernels/attention.py): cache = clamp(k / k_scale, +-448) as e4m3, read
+back as cache * k_scale. The scales are non-persistent buffers: they are not weights (random init and
+checkpoint saving skip them); the model loader fills them from the checkpoint's k_scale / v_scale
+tensors, or with 1.0. They reach the kernels as device tensors, never host floats, so a decode step
+stays capturable in a CUDA graph.
+"""
 
 from __future__ import annotations
+
+import re
 
 import torch
 from torch import nn
 
 from hyserve.kernels import ops
+from hyserve.kernels.attention import FP8_KV_DTYPES
 from hyserve.model.config import HybridModelConfig
 from hyserve.model.forward_meta import ForwardMeta
 
+# KV-scale tensor names in FP8-KV checkpoints, after weights.canonical_name (model. -> backbone.):
+#   backbone.layers.N.mixer.k_scale / .v_scale          (vLLM's layout)
+#   backbone.layers.N.mixer.attn.k_scale                 (vLLM's module path)
+#   backbone.layers.N.mixer.k_proj.k_scale / v_proj...   (ModelOpt, llm-compressor)
+#   backbone.layers.N.mixer.qkv_proj.k_scale             (fused-QKV exporters)
+#   backbone.layers.N.mixer.kv_scale                     (deprecated: one scale for K and V)
+#   ...q_scale                                           (query quantisation: hyserve keeps q 16-bit, ignored)
+_KV_SCALE_RE = re.compile(r"^backbone\.layers\.(\d+)\.mixer\.(?:(?:attn|k_proj|v_proj|qkv_proj)\.)?(k|v|kv|q)_scale$")
+
+
+def parse_kv_scale_name(name: str) -> tuple[int, str] | None:
+    """(layer index, 'k' | 'v' | 'kv' | 'q') for a canonical KV-scale tensor name, else None."""
+    m = _KV_SCALE_RE.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
 
 class Attention(nn.Module):
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
     def __init__(self, cfg: HybridModelConfig, *, device=None, dtype=None) -> None:
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
@@ -24,6 +53,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=b, device=device, dtype=dtype)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=b, device=device, dtype=dtype)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=b, device=device, dtype=dtype)
+        # float32 whatever the model dtype; used only with a float8 KV pool
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32, device=device), persistent=False)
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32, device=device), persistent=False)
+
+    @torch.no_grad()
+    def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
+        """Set the float8 KV quantisation scales (positive, finite). A model built on the meta device
+        and moved with `to_empty` has undefined scales until this is called (the loader always does)."""
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not (0.0 < float(s) < float("inf")):
+                raise ValueError(f"{name} must be positive and finite, got {s}")
+        self.k_scale.fill_(float(k_scale))
+        self.v_scale.fill_(float(v_scale))
 
     def forward(
         self, x: torch.Tensor, meta: ForwardMeta, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -33,7 +75,9 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         cuda = x.is_cuda
-        ops.get("write_kv", cuda)(k, v, k_cache, v_cache, meta.slot_mapping)
+        # the scales only mean something for a quantised pool; 16/32-bit pools hold K/V as they are
+        kv_scales = {"k_scale": self.k_scale, "v_scale": self.v_scale} if k_cache.dtype in FP8_KV_DTYPES else {}
+        ops.get("write_kv", cuda)(k, v, k_cache, v_cache, meta.slot_mapping, **kv_scales)
         # A pure decode step hands the kernels device tensors only (graph-capturable, no host reads);
         # other steps pass the host lists the launcher sizes its grid from.
         decode_only = meta.num_decodes == T
@@ -42,5 +86,6 @@ class Attention(nn.Module):
             meta.seq_lens_t if decode_only else meta.seq_lens,
             meta.cu_seqlens_t if decode_only else meta.cu_seqlens,
             self.scale,
+            **kv_scales,
         )
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
