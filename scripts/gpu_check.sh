@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the kernel and model benchmarks. Results land in
 # benchmarks/results/ and, when $OUT is set (the lent-GPU tool), are copied there too.
-# usage: scripts/gpu_check.sh [GIT_SHA]   (the lent GPU gets the work tree without .git)
+# usage: scripts/gpu_check.sh [GIT_SHA [tests|kernels|model ...]]   (the lent GPU gets the tree without .git)
 set -uo pipefail
 sha=${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+shift || true
+parts=" ${*:-tests kernels model} "
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # benchmark peers carried as wheels (mamba_ssm's Triton kernels + einops; see DESIGN.md), when present
@@ -16,13 +18,10 @@ log=benchmarks/results/gpu_check.log
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
-  echo "== GPU tests"
-  python3 -m pytest -q -p no:cacheprovider -rs --show-capture=no tests/test_triton_kernels.py tests/test_triton_ssd.py \
+  [[ $parts == *" tests "* ]] && echo "== GPU tests" && python3 -m pytest -q -p no:cacheprovider -rs --show-capture=no tests/test_triton_kernels.py tests/test_triton_ssd.py \
     tests/test_fp8_kv.py tests/test_ssm_rounding.py tests/test_gpu_model.py tests/test_gpu_warmup.py 2>&1 | tail -40
-  echo "== kernel benchmarks"
-  if [ -f benchmarks/bench_kernels.py ]; then python3 benchmarks/bench_kernels.py --git-sha "$sha" 2>&1 | tail -40; fi
-  echo "== model benchmarks"
-  python3 benchmarks/bench_model.py --git-sha "$sha" 2>&1 | tail -40
+  [[ $parts == *" kernels "* ]] && echo "== kernel benchmarks" && python3 benchmarks/bench_kernels.py --git-sha "$sha" 2>&1 | tail -60
+  [[ $parts == *" model "* ]] && echo "== model benchmarks" && python3 benchmarks/bench_model.py --git-sha "$sha" 2>&1 | grep -v "warm-up \[" | tail -40
 } 2>&1 | tee "$log"
 if [ -n "${OUT:-}" ]; then cp benchmarks/results/*.json benchmarks/results/*.md "$log" "$OUT"/ 2>/dev/null; fi
 exit 0
