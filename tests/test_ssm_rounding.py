@@ -566,7 +566,7 @@ def test_llm_with_fp16_stochastic_rounding_is_deterministic(monkeypatch) -> None
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     runs = []
     for _ in range(2):
-        llm = LLM(max_batch_size=4, max_num_tokens=32, seed=11, kv_cache_config=SR_KV)
+        llm = LLM(device="cpu", max_batch_size=4, max_num_tokens=32, seed=11, kv_cache_config=SR_KV)
         assert llm.engine.model_config.ssm_stochastic_rounding
         assert all(t.dtype == F16 for t in llm.engine.cache_tensors.ssm.values())
         runs.append([o.token_ids for o in llm.generate(prompts, greedy)])
