@@ -42,7 +42,8 @@ start_server() {  # $1 = log file, rest = serve flags; sets PID and READY_S (sec
   READY_S=$(python3 -c "print(f'{$(date +%s.%N) - $t0:.1f}')")
 }
 
-stop_server() { [ -n "$PID" ] && kill -INT $PID && wait $PID; PID=; }
+stop_server() { [ -n "$PID" ] && kill -INT $PID && wait $PID; PID=; save; }
+save() { if [ -n "${OUT:-}" ]; then cp "$R"/serve_*.json /tmp/serve_*.log "$OUT"/ 2>/dev/null; fi; }
 
 jit_after_ready() { curl -s $URL/metrics | awk '/^hyserve_jit_compiles_after_ready_total/ {print $2}'; }
 
@@ -114,8 +115,9 @@ for f in ('tokenizer.json', 'tokenizer_config.json'): shutil.copy(b() / f, sys.a
   MODEL=$nd start_server /tmp/serve_needle.log --max-batch-size 8 --max-num-tokens 16384 --max-seq-len 1048576 \
     || exit 1
   sed -n '/capacity plan/,/concurrency at/p' /tmp/serve_needle.log
-  python3 -m hyserve.cli bench needle --base-url $URL --sizes 8k,128k,1M --max-tokens 16 --timeout 900 \
+  python3 -m hyserve.cli bench needle --base-url $URL --sizes ${NEEDLE_SIZES:-8k,128k,1M} --max-tokens 16 --timeout 900 \
     --save-result --result-dir "$R" --git-sha "$sha" --result-filename serve_needle.json | tail -12
+  save
   "${BENCH[@]}" --num-prompts 1 --max-concurrency 1 --random-input-len 500 --random-output-len 32 \
     --temperature 0 --result-filename serve_after_needle.json | grep -E "Successful|Failed|TTFT"
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv
