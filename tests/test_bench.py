@@ -218,12 +218,22 @@ def test_client_times_chunks_and_reads_usage() -> None:
                 {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3,
                                           "prompt_tokens_details": {"cached_tokens": 2}}}, "[DONE]")
     r = asyncio.run(_send(body, COMPLETIONS))
-    # clock: 0 send, 1 "a", 2 "" (no output), 3 "b", 4 usage, 5 end
+    # clock: 0 send, 1 "a", 2 "" (a token that detokenizes to nothing yet: still a step), 3 "b", 4 usage, 5 end
     assert r.ok and r.status == 200
-    assert r.ttft_s == 1.0 and r.itl_s == [2.0] and r.e2el_s == 5.0
+    assert r.ttft_s == 1.0 and r.itl_s == [1.0, 1.0] and r.e2el_s == 5.0
     assert (r.output_tokens, r.output_tokens_from_usage) == (3, True)
     assert (r.usage_prompt_tokens, r.cached_tokens) == (3, 2)
     assert r.text == "ab"
+
+
+def test_client_times_token_chunks_without_text() -> None:
+    """A server without a tokenizer streams token-id completions as chunks with empty text: each chunk is
+    still a step (TTFT at the first, one ITL per later one); a bare finish chunk is not a token."""
+    body = _sse({"choices": [{"text": ""}]}, {"choices": [{"text": ""}]}, {"choices": [{"text": ""}]},
+                {"choices": [{"text": "", "finish_reason": "length"}]},
+                {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}}, "[DONE]")
+    r = asyncio.run(_send(body, COMPLETIONS))
+    assert r.ok and r.ttft_s == 1.0 and r.itl_s == [1.0, 1.0] and r.output_tokens == 3
 
 
 def test_client_counts_chunks_without_usage_chat() -> None:

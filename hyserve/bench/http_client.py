@@ -102,8 +102,13 @@ def _chunk_output(kind: str, choice: dict[str, Any]) -> str | None:
             if v:
                 return str(v)
         return "" if delta.get("tool_calls") else None
+    # A completion chunk is one engine step's output even when its text is empty (a token that
+    # detokenizes to nothing yet, or a server without a tokenizer streaming token-id prompts): count
+    # it, as vLLM's benchmark does. Only a chunk that just closes the stream carries no token.
     t = choice.get("text")
-    return str(t) if t else None
+    if not isinstance(t, str) or (not t and choice.get("finish_reason") and choice.get("logprobs") is None):
+        return None
+    return t
 
 
 async def send_streaming(client: httpx.AsyncClient, url: str, payload: dict[str, Any], *, kind: str,
