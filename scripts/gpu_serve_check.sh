@@ -94,9 +94,11 @@ if [[ " $parts " == *" ttft "* ]]; then
   echo "== first request vs steady state, fixed shapes, fresh server and kernel cache"
   start_server /tmp/serve_ttft.log --cache-dir /tmp/hyserve-ttft-$$ --max-batch-size 64 --max-seq-len 8192 || exit 1
   echo "time to ready, empty cache: ${READY_S}s"
+  seed=100
   for tag in first warm1 warm2 steady; do
+    seed=$((seed + 1))  # a new prompt each time: no prefix-cache hit
     "${BENCH[@]}" --num-prompts 1 --max-concurrency 1 --random-input-len 2000 --random-output-len 64 \
-      --temperature 0 --seed 5 --result-filename "serve_ttft_$tag.json" | grep -E "Mean TTFT|Mean TPOT" | sed "s/^/$tag /"
+      --temperature 0 --seed $seed --result-filename "serve_ttft_$tag.json" | grep -E "Mean TTFT|Mean TPOT" | sed "s/^/$tag /"
     [ $tag = warm1 ] && "${BENCH[@]}" --num-prompts 64 --max-concurrency 32 --random-input-len 1000 \
       --random-output-len 100 --temperature 0 --reps 2 --result-filename serve_ttft_fixed_reps.json \
       | grep -E "run2/run1|rep [12]/2"
