@@ -183,7 +183,7 @@ def main() -> None:
     if not args.skip_transformers:
         bench_transformers(raw, records)
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    sha = sha or args.git_sha  # the lent GPU gets the work tree without .git
+    sha = args.git_sha or sha  # the lent GPU's copy may hold a stale .git: an explicit sha wins
     result = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "git_sha": sha or "unknown",
