@@ -51,39 +51,7 @@ ATTN_DTYPES = [F32, F16, BF16] if CUDA else [F32, F16]
 TOL = {F32: dict(rtol=1e-4, atol=1e-4), F16: dict(rtol=2e-3, atol=2e-3), BF16: dict(rtol=1.6e-2, atol=1.6e-2)}
 
 
-@pytest.fixture(autouse=True)
-def _seed_and_threads():
-    torch.manual_seed(4321)
-    threads = torch.get_num_threads()
-    if not CUDA:
-        torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def poison(monkeypatch):
-    """While active, every floating torch.empty / empty_like comes back filled with NaN."""
-    real_empty, real_like = torch.empty, torch.empty_like
-
-    def nan_empty(*a, **k):
-        t = real_empty(*a, **k)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    def nan_like(*a, **k):
-        t = real_like(*a, **k)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    class _Ctx:
-        def __enter__(self):
-            monkeypatch.setattr(torch, "empty", nan_empty)
-            monkeypatch.setattr(torch, "empty_like", nan_like)
-
-        def __exit__(self, *exc):
-            monkeypatch.setattr(torch, "empty", real_empty)
-            monkeypatch.setattr(torch, "empty_like", real_like)
-
-    return _Ctx()
+TORCH_SEED = 4321  # conftest seeds torch before each test
 
 
 @pytest.fixture

@@ -54,14 +54,7 @@ F16 = torch.float16
 U32 = 2**32
 
 
-@pytest.fixture(autouse=True)
-def _seed_and_threads():
-    torch.manual_seed(1234)
-    threads = torch.get_num_threads()
-    if not CUDA:
-        torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+TORCH_SEED = 1234  # conftest seeds torch before each test
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

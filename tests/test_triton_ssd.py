@@ -22,9 +22,7 @@ import torch
 from hyserve.kernels.ssd import chunk_offsets_for, ssd_chunked_ref, ssd_naive_ref
 from hyserve.kernels.triton_ssd import ssd_triton
 
-# the shared fixtures (pytest finds them as module attributes)
-poison = tk.poison
-_seed_and_threads = tk._seed_and_threads
+TORCH_SEED = 1234  # conftest seeds torch before each test
 pytestmark = tk.pytestmark
 
 CUDA, DEV, F32, F16, BF16 = tk.CUDA, tk.DEV, tk.F32, tk.F16, tk.BF16

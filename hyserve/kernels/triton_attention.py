@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from hyserve.kernels.attention import FP8_KV_DTYPES, check_kv_scales
+from hyserve.kernels.triton_common import dot
 
 _LOG2E = 1.4426950408889634
 
@@ -126,15 +127,6 @@ def write_kv_triton(
 
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        r = tl.dot(a, b, input_precision="ieee")
-    else:
-        r = tl.dot(a, b)
-    return r
-
-
-@triton.jit
 def _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, mn, offs_d, md, kvh, q,
                   s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS: tl.constexpr):
     """K and V rows of one head for token positions `pos` (masked by `mn`), found through the block
@@ -158,7 +150,7 @@ def _online_softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr):
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
     return m_new, l_i, acc
 
 
@@ -213,7 +205,7 @@ def _decode_kernel(
         mn = pos < hi
         k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, mn, offs_d, md, kvh, q,
                              s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS)
-        qk = tl.where(mn[None, :], _dot(q, tl.trans(k), IEEE) * qk_scale, float("-inf"))
+        qk = tl.where(mn[None, :], dot(q, tl.trans(k), IEEE) * qk_scale, float("-inf"))
         # the running max stays finite: every chunk holds >= 1 valid position
         m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
 
@@ -303,7 +295,7 @@ def _prefill_kernel(
         # Position 0 is visible to every query, so m_i is finite after the first chunk and a row
         # whose chunk is fully masked later just gets p = 0.
         ok = mn[None, :] & (pos[None, :] <= qpos[:, None])
-        qk = tl.where(ok, _dot(q, tl.trans(k), IEEE) * qk_scale, float("-inf"))
+        qk = tl.where(ok, dot(q, tl.trans(k), IEEE) * qk_scale, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
 
     out = acc / l_i[:, None]

@@ -66,18 +66,9 @@ import triton
 import triton.language as tl
 
 from hyserve.kernels.ssd import SSDOutput, chunk_offsets_for
-from hyserve.kernels.triton_ssm_update import _softplus
+from hyserve.kernels.triton_common import dot, softplus
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        r = tl.dot(a, b, input_precision="ieee")
-    else:
-        r = tl.dot(a, b)
-    return r
 
 
 @triton.jit
@@ -126,7 +117,7 @@ def _ssd_prep_kernel(
     if HAS_BIAS:
         d += tl.load(dt_bias_ptr + heads, mask=mr, other=0.0).to(tl.float32)[:, None]
     if SOFTPLUS:
-        d = _softplus(d)
+        d = softplus(d)
     if HAS_LIMIT:
         d = tl.minimum(tl.maximum(d, dt_lo), dt_hi)
     d = tl.where(m2, d, 0.0)  # padded positions: no decay, no input
@@ -151,7 +142,7 @@ def _ssd_prep_kernel(
                          mask=mi[:, None] & mk[None, :], other=0.0)
             bt = tl.load(B_ptr + (t0 + offs_j)[:, None] * s_B_t + g * s_B_g + offs_k[None, :],
                          mask=mj[:, None] & mk[None, :], other=0.0)
-            acc += _dot(ct, tl.trans(bt), IEEE)
+            acc += dot(ct, tl.trans(bt), IEEE)
         tl.store(cb_base + offs_i[:, None] * s_cb_m + offs_j[None, :], acc)
 
 
@@ -212,7 +203,7 @@ def _ssd_state_kernel(
         xt = tl.load(x_base + (t0 + offs_l)[:, None] * s_x_t, mask=ml[:, None] & mp[None, :], other=0.0)
         bt = tl.load(b_base + (t0 + offs_l)[:, None] * s_B_t, mask=ml[:, None] & mn[None, :], other=0.0)
         bs = (bt.to(tl.float32) * wgt[:, None]).to(bt.dtype)
-        hs = hs * tl.exp(cs_last) + _dot(tl.trans(xt), bs, IEEE)  # [BLOCK_P, BLOCK_N]
+        hs = hs * tl.exp(cs_last) + dot(tl.trans(xt), bs, IEEE)  # [BLOCK_P, BLOCK_N]
         tl.store(st_ptr + c64 * s_st_c + h * s_st_h + tile, hs, mask=m_pn)
 
     tl.store(fin_ptr + s.to(tl.int64) * s_fin_s + h * s_fin_h + offs_p[:, None] * s_fin_p + offs_n[None, :],
@@ -232,7 +223,7 @@ def _add_carried_state(acc, c_rows, mm, src, s_src_p, offs_p, mp,
         ct = tl.load(c_rows + offs_k[None, :], mask=mm[:, None] & mk[None, :], other=0.0)  # [BLOCK_M, BLOCK_KN]
         hs = tl.load(src + offs_p[None, :] * s_src_p + offs_k[:, None], mask=mk[:, None] & mp[None, :],
                      other=0.0)  # [BLOCK_KN, BLOCK_P]
-        acc += _dot(ct, hs.to(ct.dtype), IEEE)
+        acc += dot(ct, hs.to(ct.dtype), IEEE)
     return acc
 
 
@@ -301,7 +292,7 @@ def _ssd_out_kernel(
         decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
         wgt = cb * decay * d_k[None, :]
         xk = tl.load(x_head + (t0 + offs_k)[:, None] * s_x_t, mask=mk[:, None] & mp[None, :], other=0.0)
-        acc += _dot(wgt.to(xk.dtype), xk, IEEE)
+        acc += dot(wgt.to(xk.dtype), xk, IEEE)
 
     m_out = mm[:, None] & mp[None, :]
     if HAS_D:

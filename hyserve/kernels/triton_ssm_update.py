@@ -25,16 +25,8 @@ import triton
 import triton.language as tl
 
 from hyserve.kernels.stochastic_rounding import StochasticRounding
+from hyserve.kernels.triton_common import softplus
 from hyserve.kernels.triton_stochastic_rounding import sr_block_sizes, stochastic_round_tile
-
-
-@triton.jit
-def _softplus(v):
-    # F.softplus(v) with torch's threshold of 20; the small-exp branch keeps relative precision
-    # where log(1 + e) would round to 0.
-    e = tl.exp(-tl.abs(v))
-    l1p = tl.where(e < 1e-4, e * (1.0 - 0.5 * e), tl.log(1.0 + e))
-    return tl.where(v > 20.0, v, tl.maximum(v, 0.0) + l1p)
 
 
 @triton.jit(do_not_specialize=["batch", "sr_seed", "sr_layer"], do_not_specialize_on_alignment=["pos_ptr"])
@@ -70,7 +62,7 @@ def _ssm_update_kernel(
     if HAS_DT_BIAS:
         d += tl.load(dt_bias_ptr + h).to(tl.float32)
     if DT_SOFTPLUS:
-        d = _softplus(d)
+        d = softplus(d)
     if HAS_LIMIT:
         d = tl.minimum(tl.maximum(d, dt_lo), dt_hi)
     a = tl.load(A_ptr + h).to(tl.float32)
