@@ -93,6 +93,25 @@ def test_seed_scenario_user_avg_only_moves_the_split() -> None:
     assert any("snapshot" in w for w in plan.warnings)
 
 
+def test_kv_for_the_batch_at_avg_seq_len_comes_before_snapshots() -> None:
+    """Nano 9B v2 serving 128 requests (the H200 run that prompted this): snapshots wanted 4,224 slots
+    of 137 MiB and used to squeeze KV to the floor (44k tokens: 5.4 requests at avg_seq_len). KV for
+    max_batch_size requests of avg_seq_len is now reserved first; snapshots get what is left."""
+    inp = dataclasses.replace(SEED, budget_bytes=106 * GiB, max_batch_size=128, max_seq_len=32_768,
+                              max_num_tokens=8192, num_pad_slots=1)
+    plan = plan_capacity(inp)
+    _check_plan(plan)
+    assert plan.avg_seq_len == 8192 and plan.concurrency_at_avg == 128.0
+    assert plan.kv_tokens >= 128 * 8192
+    assert 0 < plan.num_snapshot_slots < plan.desired_snapshot_slots
+    # the rest of the budget is still used: snapshots, then KV, leave less than a slot unused
+    assert inp.budget_bytes - plan.total_bytes < inp.state_bytes_per_slot
+    # a budget that cannot hold the batch's KV at avg_seq_len leaves nothing for snapshots
+    small = plan_capacity(dataclasses.replace(inp, budget_bytes=30 * GiB))
+    _check_plan(small)
+    assert small.num_snapshot_slots == 0 and small.concurrency_at_avg < 128
+
+
 def test_seed_scenario_budget_too_small_names_max_seq_len() -> None:
     with pytest.raises(ValueError) as exc:
         plan_capacity(dataclasses.replace(SEED, budget_bytes=10 * GiB))

@@ -24,7 +24,10 @@ tokens_per_block``, ``S = state_bytes_per_slot``, ``B = max_batch_size``)::
     4. snapshots (only if enable_block_reuse and S > 0):
        avg     = avg_seq_len, else min(max_seq_len, max(max_num_tokens, 8192))
        desired = max(B, B * ceil(avg / interval) [0 if no interval] + B * num_snapshot_offsets)
-       snapshot_slots = min(desired, (avail - floor * block_bytes) // S)
+       kv_want = max(floor, B * ceil(avg / tokens_per_block)), at most the max_tokens cap
+                 (KV for max_batch_size requests of avg_seq_len comes before snapshots: a Mamba
+                 snapshot of a 9B model costs as much as ~8,000 tokens of KV)
+       snapshot_slots = min(desired, (avail - min(kv_want, avail // block_bytes) * block_bytes) // S)
     5. kv_blocks = (avail - snapshot_slots * S) // block_bytes      everything else goes to KV
        if max_kv_tokens: kv_blocks = min(kv_blocks, ceil(max_kv_tokens / tokens_per_block)),
                          then back up to the floor unless oversize is allowed
@@ -307,7 +310,13 @@ def plan_capacity(inp: CapacityInputs) -> CapacityPlan:
         interval = inp.periodic_snapshot_interval
         per_request = _ceil_div(avg, interval) if interval else 0
         desired = max(bsz, bsz * per_request + bsz * inp.num_snapshot_offsets)
-        snap_slots = min(desired, (avail - floor * block_bytes) // state)
+        # KV for max_batch_size requests of avg_seq_len first (never less than the floor)
+        kv_want = max(floor, bsz * _ceil_div(avg, tpb))
+        if cap_blocks is not None:
+            kv_want = max(floor if not allow else 0, min(kv_want, cap_blocks))
+        if block_bytes:
+            kv_want = min(kv_want, avail // block_bytes)
+        snap_slots = min(desired, (avail - max(kv_want, floor) * block_bytes) // state)
 
     # 5./6. KV takes everything else (or just the floor when blocks cost nothing).
     if block_bytes == 0:
