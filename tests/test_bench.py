@@ -418,3 +418,19 @@ def test_serve_bench_counts_chunks_when_the_server_reports_no_usage(tmp_path: Pa
     assert m["prompt_tokens_usage"] is None and m["cached_tokens"] is None
     assert m["total_input_tokens"] == 40  # the sent lengths
     assert all(r["num_chunks"] == 6 for r in m["requests"])
+
+
+def test_parse_counters_reads_hyserve_counters_only() -> None:
+    from hyserve.bench.http_client import parse_counters
+
+    text = ("# HELP hyserve_num_preemptions_total Requests preempted\n"
+            "# TYPE hyserve_num_preemptions_total counter\n"
+            "hyserve_num_preemptions_total 3.0\n"
+            "hyserve_prefix_cache_hits_total 128.0\n"
+            "hyserve_jit_compiles_after_ready_total 0.0\n"
+            "hyserve_kv_cache_usage_ratio 0.5\n"
+            "vllm:num_preemptions_total 9.0\n"
+            "hyserve_generation_tokens_total not-a-number\n")
+    assert parse_counters(text) == {"num_preemptions": 3.0, "prefix_cache_hits": 128.0,
+                                    "jit_compiles_after_ready": 0.0}
+    assert parse_counters("") == {}

@@ -56,6 +56,10 @@ def test_bench_serve_sweep_with_reps(server: ServerProcess, tmp_path: Path, caps
             assert m["output_tokens_source"] == "usage" and m["cached_tokens"] == 0
             assert m["mean_ttft_ms"] > 0 and m["p90_ttft_ms"] is not None and m["mean_tpot_ms"] > 0
             assert len(m["requests"]) == 6
+            # the server's own counters over the run, scraped from /metrics before and after
+            sc = m["server_counters"]
+            assert sc["generation_tokens"] == 30 and sc["num_preemptions"] == 0
+            assert sc["jit_compiles_after_ready"] == 0
     assert d["points"][0]["reps"][0]["seed"] == 0 and d["points"][0]["reps"][1]["seed"] == 1
     assert server.idle()
 

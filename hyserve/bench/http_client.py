@@ -213,3 +213,33 @@ async def first_model_id(client: httpx.AsyncClient, base_url: str, headers: dict
     if status != 200 or not isinstance(body, dict) or not body.get("data"):
         raise BenchError(f"GET {url} answered HTTP {status} without a model list; pass --model")
     return str(body["data"][0]["id"])
+
+
+# hyserve's engine counters worth reporting per run (other servers simply do not export them)
+SERVER_COUNTERS = ("num_preemptions", "prefix_cache_hits", "prefix_cache_queries", "jit_compiles_after_ready",
+                   "generation_tokens")
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    """`hyserve_<name>[_total] value` lines of a Prometheus exposition, for the names in SERVER_COUNTERS."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("hyserve_"):
+            continue
+        name, _, value = line.partition(" ")
+        name = name.removeprefix("hyserve_").removesuffix("_total")
+        if name in SERVER_COUNTERS:
+            try:
+                out[name] = float(value.split()[0])
+            except (ValueError, IndexError):
+                continue
+    return out
+
+
+async def scrape_counters(client: httpx.AsyncClient, base_url: str, headers: dict[str, str]) -> dict[str, float]:
+    """The server's engine counters from GET /metrics; empty when it has none (any server but hyserve)."""
+    try:
+        resp = await client.get(server_root(base_url) + "/metrics", headers=headers, timeout=10.0)
+    except httpx.HTTPError:
+        return {}
+    return parse_counters(resp.text) if resp.status_code == 200 else {}

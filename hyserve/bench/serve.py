@@ -29,6 +29,7 @@ from hyserve.bench.http_client import (
     first_model_id,
     get_json,
     join_url,
+    scrape_counters,
     send_streaming,
 )
 from hyserve.bench.metrics import RequestResult, compute_metrics, rep_ratio, run_to_run_spread
@@ -145,16 +146,23 @@ async def _run(opts: ServeBenchOptions, log: Callable[[str], None]) -> dict[str,
             for rep in range(opts.reps):
                 seed = opts.seed + rep
                 requests = build_requests(opts.dataset, seed=seed, text=kind == CHAT)
+                before = await scrape_counters(client, opts.base_url, headers)
                 results, duration = await run_once(client, url, kind, model, requests, opts=opts,
                                                    max_concurrency=conc, seed=seed, headers=headers)
+                after = await scrape_counters(client, opts.base_url, headers)
                 m = compute_metrics(results, duration, opts.percentiles)
                 m["rep"] = rep + 1
                 m["seed"] = seed
+                # the server's own counters over the run (hyserve: preemptions, prefix hits, late JIT)
+                m["server_counters"] = {k: after[k] - before.get(k, 0.0) for k in after}
                 m["requests"] = [r.to_json(with_itl=opts.save_detailed, with_text=opts.save_detailed)
                                  for r in results]
                 reps.append(m)
+                sc = m["server_counters"]
+                extra = "".join(f", {k} {sc[k]:.0f}" for k in ("num_preemptions", "jit_compiles_after_ready")
+                                if k in sc)
                 log(f"concurrency {conc or 'unlimited'}, rep {rep + 1}/{opts.reps}: {m['completed']} ok, "
-                    f"{m['failed']} failed in {duration:.2f} s, {m['output_throughput']:.1f} output tok/s")
+                    f"{m['failed']} failed in {duration:.2f} s, {m['output_throughput']:.1f} output tok/s{extra}")
             points.append({
                 "max_concurrency": conc,
                 "reps": reps,
