@@ -174,8 +174,10 @@ class LLMEngine:
         assert self.activations is not None
         # the allocator's reserve above the profiled peaks (fragmentation, cuBLAS workspaces)
         slack = 256 * 2**20
-        # each captured graph keeps its float32 logits alive in the shared graph pool
-        graph_logits = sum(self.graph_sizes) * self.model_config.vocab_size * 4
+        # each captured graph keeps its float32 logits alive in the shared graph pool, and the 16-bit
+        # logits they were cast from fragment it: 6 bytes per logit matched the 1,188 MiB measured for
+        # Nano 9B v2's 19 graphs (batch 1..128) on the H200 to within 2% together with the peaks below
+        graph_logits = sum(self.graph_sizes) * self.model_config.vocab_size * 6
         budget = int(free * c.free_gpu_memory_fraction) - self.activations.total_bytes - graph_logits - slack
         if c.max_gpu_total_bytes is not None:
             budget = min(budget, c.max_gpu_total_bytes)
