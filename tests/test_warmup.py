@@ -52,6 +52,18 @@ def test_warmup_runs_every_case_and_leaves_no_trace(warm: LLM) -> None:
     assert _outputs(warm) == _outputs(LLM(warmup="off", **OPTS))
 
 
+@pytest.mark.parametrize("opts", [
+    dict(enable_chunked_prefill=False, max_num_tokens=12, max_batch_size=4),  # prompts must fit one step
+    dict(max_batch_size=1, max_num_tokens=24),
+    dict(kv_cache_config={"enable_block_reuse": False, "max_gpu_total_bytes": 64 * 2**20}),
+])
+def test_warmup_adapts_to_tight_configs(opts: dict) -> None:
+    llm = LLM(device="cpu", warmup="on", **opts)
+    rep = llm.engine.warmup_report
+    assert rep is not None and not rep.failed, rep.summary()
+    assert not llm.engine.requests and llm.engine.cache_usage()["live_slots_used"] == 0
+
+
 def test_cpu_default_is_no_warmup() -> None:
     assert LLM(**OPTS).engine.warmup_report is None
 

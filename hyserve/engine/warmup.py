@@ -88,6 +88,7 @@ class Warmup:
         self._gen = torch.Generator().manual_seed(0)
         self._vocab = cfg.vocab_size
         self._low = min(3, cfg.vocab_size - 1)
+        self._longest = 1  # the longest prompt a case may send (set by cases())
 
     # ---- the cases ------------------------------------------------------------------------------------
     def cases(self) -> list[tuple[str, Callable[[], None]]]:
@@ -95,6 +96,9 @@ class Warmup:
         sc = e.config.scheduler
         C = e.model_config.chunk_size
         fit = e.plan.max_request_tokens - 2  # room for the generated tokens
+        if not sc.enable_chunked_prefill:  # a prompt must then fit one step
+            fit = min(fit, sc.max_num_tokens)
+        self._longest = fit
         budget = min(sc.max_num_tokens, fit)
         out: list[tuple[str, Callable[[], None]]] = []
 
@@ -176,19 +180,20 @@ class Warmup:
         e = self.engine
         ms = e.config.cache.mamba_state_config
         C = e.model_config.chunk_size
-        n = min(2 * (ms.periodic_snapshot_interval or 2 * C) + 5, e.plan.max_request_tokens - 40)
+        tail = min(C + 3, max(1, self._longest // 4))
+        n = max(1, min(2 * (ms.periodic_snapshot_interval or 2 * C) + 5, self._longest - tail))
         shared = self._ids(n)
         self._drain({self._add(shared, GREEDY)})
         # one sequence resuming from a snapshot alone, then two (one hit, one cold) in the same step
-        self._drain({self._add(shared + self._ids(9), GREEDY)})
-        self._drain({self._add(shared + self._ids(C + 3), GREEDY), self._add(self._ids(C + 1), GREEDY)})
+        self._drain({self._add(shared + self._ids(min(9, tail)), GREEDY)})
+        self._drain({self._add(shared + self._ids(tail), GREEDY), self._add(self._ids(tail), GREEDY)})
 
     def _mixed(self, decodes: int) -> None:
         e = self.engine
         long = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
         running = {self._add(self._ids(2), long) for _ in range(decodes)}
         e.step()  # their prefill; from the next step on they decode
-        new = self._add(self._ids(e.model_config.chunk_size + 3), GREEDY)
+        new = self._add(self._ids(min(e.model_config.chunk_size + 3, self._longest)), GREEDY)
         self._drain(running | {new})
 
     def _eager_decode(self) -> None:
