@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import test_triton_kernels as tk
 import torch
 
 if not torch.cuda.is_available() and "triton" not in sys.modules:
@@ -286,13 +287,7 @@ def test_triton_fp8_unscaled_cache_matches_reference(poison, exact_fp8_downcast)
     close(out, paged_attention_ref(q, k_cache, v_cache, tables, [30, 8], cu, 0.25), F16, "unscaled fp8")
 
 
-ATTN_NANO = [
-    ([1], [131072]),  # 128k decode
-    ([1] * 8, [1, 100, 4096, 4097, 20000, 65, 777, 31]),
-    ([1] * 64, [2048 + 37 * i for i in range(64)]),
-    ([4096], [4096]),
-    ([1, 1, 3000, 517, 129, 1], [77, 12000, 3000, 1517, 129, 2]),
-]
+ATTN_NANO = tk.ATTN_NANO  # the bf16 kernel tests' Nano 9B v2 step mixes
 
 
 @gpu
