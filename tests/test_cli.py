@@ -64,6 +64,18 @@ def test_flags_override_yaml_and_nested_merge(tmp_path: Path) -> None:
         config.ignored_keys)
 
 
+def test_warmup_flags_reach_the_engine_config(tmp_path: Path) -> None:
+    from hyserve.config import build_engine_config
+
+    args = parse("serve", "--warmup", "on", "--strict-warmup", "--cache-dir", str(tmp_path / "kc"))
+    config = build_engine_config(engine_options_from_args(args)[0])
+    assert (config.warmup, config.strict_warmup, config.cache_dir) == ("on", True, str(tmp_path / "kc"))
+    default = build_engine_config(engine_options_from_args(parse("serve"))[0])
+    assert (default.warmup, default.strict_warmup, default.cache_dir) == ("auto", False, None)
+    with pytest.raises(SystemExit):
+        parse("serve", "--warmup", "sometimes")
+
+
 # ---- config errors: exit 2, one line naming the key ----------------------------------------------------------
 
 
