@@ -332,3 +332,21 @@ def test_fresh_sequence_ignores_its_src_slot_contents(dense):
     for sid in (0, 1):
         assert torch.isfinite(out[sid]).all(), f"seq {sid}: NaN from an ignored state slot leaked into the output"
         torch.testing.assert_close(out[sid], full_logits(dense, seqs[sid]), atol=ATOL, rtol=0)
+
+
+def test_new_a_log_values_reach_the_scan() -> None:
+    """The mixer caches A = -exp(A_log); loading new weights (an in-place copy) must invalidate it."""
+    model = build_model("dense")
+    toks = tokens(20, seed=11)
+    before = full_logits(model, toks)
+    mixers = [blk.mixer for blk in model.backbone.layers if blk.kind == "mamba"]
+    assert all(m._A_cache is not None for m in mixers)
+    with torch.no_grad():
+        for m in mixers:
+            m.A_log.copy_(m.A_log * 0.5 - 1.0)
+    after = full_logits(model, toks)
+    fresh = build_model("dense")
+    with torch.no_grad():
+        fresh.load_state_dict(model.state_dict())
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, full_logits(fresh, toks), rtol=0, atol=0)

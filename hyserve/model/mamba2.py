@@ -71,6 +71,18 @@ class Mamba2Mixer(nn.Module):
             self.d_inner, self.d_inner // self.n_groups, cfg.layer_norm_epsilon, device=device, dtype=dtype
         )
         self.out_proj = nn.Linear(self.d_inner, h, bias=cfg.mamba_proj_bias, device=device, dtype=dtype)
+        self._A_cache: torch.Tensor | None = None
+        self._A_version: tuple | None = None
+
+    def _A(self) -> torch.Tensor:
+        """A = -exp(A_log) in float32, computed once per value of A_log (its in-place version counter
+        changes when weights load), so a decode step does not spend three kernels per layer on it."""
+        version = (self.A_log._version, self.A_log.device, self.A_log.data_ptr())
+        if self._A_cache is None or self._A_version != version:
+            with torch.no_grad(), torch.inference_mode(False):
+                self._A_cache = -torch.exp(self.A_log.detach().float())
+            self._A_version = version
+        return self._A_cache
 
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         gn = self.n_groups * self.state_size
@@ -89,22 +101,28 @@ class Mamba2Mixer(nn.Module):
         cuda = hidden.is_cuda
         zxbcdt = self.in_proj(hidden)
         z, xbc, dt = torch.split(zxbcdt, [self.d_inner, self.conv_dim, self.num_heads], dim=-1)
-        A = -torch.exp(self.A_log.float())
+        A = self._A()
         w = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
         bias = self.conv1d.bias
-        y = torch.empty(T, self.num_heads, self.head_dim, dtype=hidden.dtype, device=hidden.device)
         nd = meta.num_decodes
+        y_d: torch.Tensor | None = None
 
         if nd > 0:
             src, dst = meta.state_src[:nd], meta.state_dst[:nd]
             xbc_d = ops.get("conv1d_update", cuda)(xbc[:nd], conv_pool, w, bias, src, dst)
             x, b, c = self._split_xbc(xbc_d)
-            y[:nd] = ops.get("ssm_update", cuda)(
+            y_d = ops.get("ssm_update", cuda)(
                 ssm_pool, x, dt[:nd], A, b, c, src, dst,
                 D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit,
                 rounding=self.ssm_rounding,
                 positions=None if self.ssm_rounding is None else meta.seq_lens_t[:nd],
             )
+        if y_d is not None and T == nd:
+            y = y_d  # a pure decode step: no packing copy
+        else:
+            y = torch.empty(T, self.num_heads, self.head_dim, dtype=hidden.dtype, device=hidden.device)
+            if y_d is not None:
+                y[:nd] = y_d
 
         if T > nd:
             self._prefill(xbc[nd:], dt[nd:], A, w, bias, meta, conv_pool, ssm_pool, y[nd:])
