@@ -350,3 +350,11 @@ def test_new_a_log_values_reach_the_scan() -> None:
         fresh.load_state_dict(model.state_dict())
     assert not torch.allclose(before, after)
     torch.testing.assert_close(after, full_logits(fresh, toks), rtol=0, atol=0)
+
+
+def test_a_model_built_under_inference_mode_still_runs() -> None:
+    with torch.inference_mode():
+        model = build_model("dense")
+        assert next(model.parameters()).is_inference()
+    torch.testing.assert_close(full_logits(model, tokens(9, seed=2)), full_logits(build_model("dense"), tokens(9, seed=2)),
+                               rtol=0, atol=0)

@@ -77,6 +77,8 @@ class Mamba2Mixer(nn.Module):
     def _A(self) -> torch.Tensor:
         """A = -exp(A_log) in float32, computed once per value of A_log (its in-place version counter
         changes when weights load), so a decode step does not spend three kernels per layer on it."""
+        if self.A_log.is_inference():  # built under inference_mode: no version counter to key on
+            return -torch.exp(self.A_log.float())
         version = (self.A_log._version, self.A_log.device, self.A_log.data_ptr())
         if self._A_cache is None or self._A_version != version:
             with torch.no_grad(), torch.inference_mode(False):
