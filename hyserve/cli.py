@@ -23,8 +23,6 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-# YAML keys that configure the HTTP server rather than the engine (vLLM's --config takes any flag).
-_SERVER_YAML_KEYS = ("host", "port", "reasoning_parser", "tool_parser", "api_key", "log_level")
 # Accepted for drop-in compatibility with trtllm-serve / vLLM command lines; no effect here.
 _IGNORED_FLAGS = ("trust_remote_code",)
 
@@ -153,7 +151,7 @@ def engine_options_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], 
     """(engine options dict, server options from the YAML, ignored flag names) from parsed arguments.
 
     Raises ConfigError for a YAML that can't be read."""
-    from hyserve.config import load_yaml_options
+    from hyserve.config import SERVER_YAML_KEYS, load_yaml_options
 
     opts: dict[str, Any] = {}
     if getattr(args, "config", None):
@@ -161,7 +159,7 @@ def engine_options_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], 
             opts = dict(load_yaml_options(args.config))
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    server_yaml = {k: opts.pop(k) for k in _SERVER_YAML_KEYS if k in opts}
+    server_yaml = {k: opts.pop(k) for k in SERVER_YAML_KEYS if k in opts}
     if args.model is not None:
         opts["model"] = args.model
     for name in ("dtype", "device", "load_format", "max_batch_size", "max_num_tokens", "max_seq_len",

@@ -28,6 +28,9 @@ SSM_CACHE_DTYPES = ("float32", "bfloat16", "float16")
 MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
 MAX_PHILOX_ROUNDS = 32  # kv_cache_config.mamba_ssm_philox_rounds: each round is unrolled in the kernels
 WARMUP_MODES = ("auto", "on", "off")
+# Keys of a serve YAML that configure the HTTP server rather than the engine (vLLM's --config takes any
+# flag); whoever builds an engine from such a YAML drops them first.
+SERVER_YAML_KEYS = ("host", "port", "reasoning_parser", "tool_parser", "api_key", "log_level")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 

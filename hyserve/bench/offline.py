@@ -17,8 +17,6 @@ from hyserve.bench.datasets import random_dataset
 from hyserve.bench.http_client import BenchError
 from hyserve.bench.metrics import rep_ratio, run_to_run_spread, summarize
 
-# Keys of a trtllm-serve YAML that configure the HTTP server, not the engine (hyserve serve drops them too).
-_SERVER_YAML_KEYS = ("host", "port", "reasoning_parser", "tool_parser", "api_key", "log_level")
 OFFLINE_SPREAD_KEYS = ("elapsed_s", "request_throughput", "input_throughput", "output_throughput",
                        "total_token_throughput")
 
@@ -46,13 +44,13 @@ def engine_options(opts: OfflineOptions) -> dict[str, Any]:
     """YAML (trtllm-serve's extra-llm-api-config.yml keys) < flags."""
     merged: dict[str, Any] = {}
     if opts.config_file:
-        from hyserve.config import load_yaml_options
+        from hyserve.config import SERVER_YAML_KEYS, load_yaml_options
 
         try:
             merged = dict(load_yaml_options(opts.config_file))
         except ValueError as e:
             raise BenchError(str(e)) from None
-        for k in _SERVER_YAML_KEYS:
+        for k in SERVER_YAML_KEYS:
             merged.pop(k, None)
     merged.update({k: v for k, v in opts.engine_options.items() if v is not None})
     return merged

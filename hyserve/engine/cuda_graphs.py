@@ -193,4 +193,8 @@ class DecodeGraphs:
         for i, s in enumerate(seqs):
             tables[i, : len(s.block_ids)] = torch.as_tensor(s.block_ids, dtype=torch.int32)
         self._tables[:b, :width].copy_(tables, non_blocking=True)
-        return self._run[B]()[:b]
+        return self.replay(B)[:b]
+
+    def replay(self, batch_size: int) -> torch.Tensor:
+        """Replay the graph of a captured size on whatever the buffers hold; its logits [B, vocab]."""
+        return self._run[batch_size]()
