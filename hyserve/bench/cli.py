@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from hyserve.bench.datasets import DATASETS
 from hyserve.bench.http_client import BenchError, endpoint_kind
 
 EXIT_FAILED = 1
@@ -180,7 +181,7 @@ def _add_serve_parser(sub: Any) -> None:
     p.add_argument("--endpoint", type=ENDPOINT, default="/v1/completions",
                    help="/v1/completions (default) or /v1/chat/completions")
     d = p.add_argument_group("dataset")
-    d.add_argument("--dataset-name", choices=("random", "shared-prefix"), default="random",
+    d.add_argument("--dataset-name", choices=DATASETS, default="random",
                    help="random: --random-prefix-len common ids + random ids; shared-prefix: --num-prefixes "
                         "prefixes of --shared-prefix-len ids, each shared by a group of prompts, + random ids")
     d.add_argument("--num-prompts", type=POS_INT, default=1000, help="requests per run (default 1000)")
