@@ -323,7 +323,14 @@ def test_triton_fp8_decode_graph_reads_scales_from_device():
     g.replay()
     torch.cuda.synchronize()
     ref = paged_attention_ref(q, k_cache, v_cache, tables, lens.tolist(), cu.tolist(), D**-0.5, k_scale=ks, v_scale=vs)
-    close(out, ref, BF16, "graph replay with new scales")
+    assert torch.isfinite(out).all()
+    # the kernel rounds the probabilities to bf16 before P @ V (flash-attention style): each output may be
+    # off by up to 2^-9 of the largest dequantised value (here |v| * 2.0 reaches ~40); a stale scale
+    # (0.5 instead of 2.0) would be off by 3/4 of every output
+    v_max = float(v_cache.float().abs().max()) * 2.0
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1.6e-2, atol=v_max * 2**-9,
+                               msg=lambda m: f"graph replay with new scales: {m}")
+    assert (out.float() - ref.float()).abs().mean() < 1e-3 * v_max
 
 
 # --------------------------------------------------------------------------- model and engine

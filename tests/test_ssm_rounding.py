@@ -379,7 +379,10 @@ def _update_case(tri, *, Bt, H, P, N, G, n_pad=0, x_dtype=torch.float32, seed=3,
     real = dst[:n_real]
     want = stochastic_round_state(f32[real], pos[:n_real], sr)
     assert torch.equal(bits(out[real]), bits(want)), f"{(bits(out[real]) != bits(want)).sum().item()} differ"
-    torch.testing.assert_close(y[:n_real], y32[:n_real], rtol=1e-6, atol=1e-6)
+    # y sums over N in the kernel: the float16-pool variant is a different compiled program and may sum in
+    # another order, so a bf16 y may land one bf16 step away; a float32 y agrees to float32 rounding
+    ytol = dict(rtol=1e-5, atol=1e-5) if y.dtype == torch.float32 else dict(rtol=2**-7, atol=1e-5)
+    torch.testing.assert_close(y[:n_real], y32[:n_real], **ytol)
     untouched = torch.ones(slots_n, dtype=torch.bool, device=DEV)
     untouched[real] = False
     untouched[pad_slot] = False
@@ -389,9 +392,14 @@ def _update_case(tri, *, Bt, H, P, N, G, n_pad=0, x_dtype=torch.float32, seed=3,
     selective_state_update_ref(ref, x, dt, A, B, C, src, dst, **kw, rounding=sr, positions=pos)
     diff = bits(out[real]) != bits(ref[real])
     assert diff.float().mean() < 0.01
+    # the two float32 states differ by float32 rounding of the update's terms (exp, FMA); where the terms
+    # cancel, that is more than a float16 step of the small result, so the bound is one float16 step of
+    # the value plus float32 rounding of the largest term (|state * dA| or |dt * B * x|)
+    terms = torch.maximum(pool[src[:n_real]].float().abs().amax(), (f32[real].abs().amax()))
     lo, hi = neighbours(ref[real].float().clamp(-65504, 65504))
-    ok = (out[real].float() >= lo - (hi - lo)) & (out[real].float() <= hi + (hi - lo))
-    assert ok.all()
+    slack = (hi - lo) + 2**-20 * terms
+    ok = (out[real].float() >= lo - slack) & (out[real].float() <= hi + slack)
+    assert ok.all(), f"{(~ok).sum().item()} elements beyond one float16 step"
 
 
 @pytest.mark.parametrize("Bt,n_pad", [(1, 0), (5, 2)])
@@ -509,6 +517,8 @@ def test_model_snapshot_and_slot_invariance_with_rounding() -> None:
     assert mid < len(toks)
     h.step([(0, toks), (2, toks)], snapshots=[SnapshotWrite(seq=0, num_tokens=len(toks), slot=snap_slot),
                                               SnapshotWrite(seq=1, num_tokens=mid, slot=mid_slot)])
+    for i in cfg.mamba_layer_ids:  # the end-of-prefill snapshot holds the live state's bits
+        assert torch.equal(bits(h.cache.ssm[i][snap_slot]), bits(h.cache.ssm[i][0]))
     h.step([(0, [50]), (2, [50])])  # a decode step
     for i in cfg.mamba_layer_ids:
         ssm = h.cache.ssm[i]
@@ -519,7 +529,11 @@ def test_model_snapshot_and_slot_invariance_with_rounding() -> None:
     h2.step([(1, toks)])
     h2.step([(3, toks[:mid])])
     for i in cfg.mamba_layer_ids:
-        assert torch.equal(bits(h.cache.ssm[i][snap_slot]), bits(h2.cache.ssm[i][1]))
+        # the same prompt alone in a batch: float32 matmuls over a different batch may differ in the last
+        # bits (seen with torch 2.11's CPU kernels), so a rare element sits on the other float16 neighbour
+        alone = h2.cache.ssm[i][1]
+        assert (bits(h.cache.ssm[i][snap_slot]) != bits(alone)).float().mean() < 0.02
+        torch.testing.assert_close(h.cache.ssm[i][snap_slot].float(), alone.float(), rtol=2e-3, atol=1e-5)
         # a chunk-boundary state of an 11-token pass and the final state of an 8-token pass differ in the
         # last float32 bits after the first layer, so a rare element lands on the other float16 neighbour
         # (a wrong position would redraw every element: about a third of them would differ)
