@@ -28,8 +28,7 @@ from hyserve import LLM, SamplingParams  # noqa: E402
 from hyserve.model.config import HybridModelConfig  # noqa: E402
 
 CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
-BW = 3.79e12  # bf16 GEMV weight-read ceiling, B/s
-FLOPS = 783e12  # bf16 dense matmul ceiling, FLOP/s
+from benchmarks.roofline import BW, decode_step_ms, prefill_tokens_per_s, weight_bytes  # noqa: E402
 
 
 def rec(name, value, unit, reference, reference_value):
@@ -48,9 +47,8 @@ def bench_hyserve(cfg: HybridModelConfig, records: list, notes: list) -> None:
     llm = LLM(str(CFG_DIR), load_format="dummy", max_seq_len=16384, max_batch_size=64, max_num_tokens=8192,
               kv_cache_config={"enable_block_reuse": False, "free_gpu_memory_fraction": 0.5}, log=print)
     eng = llm.engine
-    weight_bytes = (cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size) * 2
-    decode_roof = BW / weight_bytes
-    prefill_roof = FLOPS / (2 * (cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size))
+    decode_roof = BW / weight_bytes(cfg)
+    prefill_roof = prefill_tokens_per_s(cfg)
     g = torch.Generator().manual_seed(0)
 
     def ids(n):
@@ -121,9 +119,7 @@ def bench_hyserve(cfg: HybridModelConfig, records: list, notes: list) -> None:
         return (time.perf_counter() - t) / max(steps, 1) * 1e3, steps
 
     step_ms, steps = step_b64("g")
-    state_bytes = 64 * cfg.state_bytes_per_sequence * 2  # read + write
-    kv_bytes = 64 * 264 * cfg.kv_bytes_per_token
-    roof_ms = (weight_bytes + state_bytes + kv_bytes) / BW * 1e3
+    roof_ms = decode_step_ms(cfg, 64, 264)  # 256-token prompts, 8 decoded tokens: ~264 K/V per step
     records.append(rec("hyserve decode step batch 64 (ms)", step_ms, "ms", "roofline step time (weights+state+KV)",
                        roof_ms))
     # ratio = roofline / measured, so 1.0 means at the roofline
@@ -201,6 +197,7 @@ def main() -> None:
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     stamp = dt.date.today().isoformat()
+    stamp = f"{stamp}_{result['git_sha']}"
     (out / f"model_{stamp}.json").write_text(json.dumps(result, indent=2))
     lines = ["| name | value | unit | reference | reference value | ratio |", "|---|---|---|---|---|---|"]
     for r in records:

@@ -2,13 +2,16 @@
 # One device call: the serving checks of issue #6 on the Nemotron Nano 9B v2 architecture (random
 # weights, bf16) through the real HTTP server and `hyserve bench`. Results: benchmarks/results/serve_*.
 #
-#   scripts/gpu_serve_check.sh GIT_SHA [mixed|sweep|needle]...
+#   scripts/gpu_serve_check.sh GIT_SHA [mixed|ttft|sweep|needle]...
 #
 #   mixed   fresh server + empty kernel cache dir: time to ready (cold); a mixed workload (random,
 #           shared-prefix, prompts longer than max_num_tokens, greedy/top-p/top-k/seeded/logprobs) run
 #           twice back to back (run2/run1); first-request TTFT vs the same request at steady state;
 #           JIT compilations after ready from /metrics; then a restart on the same cache dir (warm).
-#   sweep   throughput vs concurrency (1 8 32 64 128 256) for in/out 1000/1000 and 8000/1000.
+#   ttft    fixed shapes on a fresh server and kernel cache: first request vs steady state, and 64
+#           requests run twice back to back (run2/run1).
+#   sweep   throughput vs concurrency (1 8 32 64 128 256) for in/out 1000/1000 and 8000/1000, each point
+#           quoted against its decode-step roofline (benchmarks/sweep_roofline.py).
 #   needle  max_seq_len 1,048,576: needle prompts up to 1M tokens, then a normal request.
 #
 # Needs the server wheels in .whl (../shared/tools/gpu_wheels.sh) carried with the call.
@@ -119,6 +122,8 @@ if [[ " $parts " == *" sweep "* ]]; then
     done
   done
   stop_server
+  python3 benchmarks/sweep_roofline.py --results "$R" --git-sha "$sha"
+  if [ -n "${OUT:-}" ]; then cp "$R"/serve_sweep_roofline.* "$OUT"/ 2>/dev/null; fi
 fi
 
 if [[ " $parts " == *" needle "* ]]; then

@@ -1,0 +1,111 @@
+"""Throughput sweep against the decode-step roofline: reads the `hyserve bench serve` results of
+scripts/gpu_serve_check.sh sweep (serve_sweep_in<I>_out<O>_c<C>.json), and for each point quotes
+
+  * the median TPOT against the roofline step time of a batch of min(C, prompts) sequences at the mean
+    decode context (I + O/2 tokens): weights + Mamba states + K/V read (benchmarks/roofline.py);
+  * output throughput against that batch's roofline decode throughput (this one also pays for prefill).
+
+Writes benchmarks/results/serve_sweep_roofline.json (+ .md, and a PNG when matplotlib is present).
+
+    python3 benchmarks/sweep_roofline.py [--results benchmarks/results] [--git-sha SHA]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.roofline import decode_step_ms  # noqa: E402
+from hyserve.model.config import HybridModelConfig  # noqa: E402
+
+CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
+NAME = re.compile(r"serve_sweep_in(\d+)_out(\d+)_c(\d+)\.json$")
+
+
+def rec(name: str, value: float, unit: str, reference: str, reference_value: float, ratio: float) -> dict:
+    return {"name": name, "value": value, "unit": unit, "reference": reference,
+            "reference_value": reference_value, "ratio": ratio}
+
+
+def point_records(cfg: HybridModelConfig, path: Path) -> list[dict] | None:
+    m = NAME.search(path.name)
+    if m is None:
+        return None
+    i, o, c = (int(v) for v in m.groups())
+    res = json.loads(path.read_text())
+    run = res["points"][0]["reps"][0]
+    if run["completed"] == 0 or run.get("median_tpot_ms") is None:
+        return []
+    batch = min(c, res["config"]["dataset"]["num_prompts"])
+    roof_ms = decode_step_ms(cfg, batch, i + o / 2)
+    tpot = run["median_tpot_ms"]
+    roof_tps = batch / roof_ms * 1e3
+    tag = f"in {i} out {o} concurrency {c}"
+    return [
+        rec(f"{tag}: median TPOT (ms)", tpot, "ms", f"roofline decode step, batch {batch}", roof_ms, roof_ms / tpot),
+        rec(f"{tag}: output throughput (tok/s)", run["output_throughput"], "tok/s",
+            f"roofline decode throughput, batch {batch}", roof_tps, run["output_throughput"] / roof_tps),
+        rec(f"{tag}: mean TTFT (ms)", run["mean_ttft_ms"], "ms", "none", None, None),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--git-sha", default="unknown")
+    args = ap.parse_args()
+    cfg = HybridModelConfig.from_dict(json.loads((CFG_DIR / "config.json").read_text()))
+    files = sorted(args.results.glob("serve_sweep_in*_out*_c*.json"),
+                   key=lambda p: tuple(int(v) for v in NAME.search(p.name).groups()))  # type: ignore[union-attr]
+    if not files:
+        raise SystemExit(f"no serve_sweep_in*_out*_c*.json under {args.results}")
+    records: list[dict] = []
+    gpu = "unknown"
+    for f in files:
+        records += point_records(cfg, f) or []
+        gpu = json.loads(f.read_text()).get("gpu", gpu)
+    result = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "git_sha": args.git_sha, "gpu": gpu,
+              "command": " ".join([sys.executable, *sys.argv]),
+              "model": "NVIDIA-Nemotron-Nano-9B-v2 architecture, random weights, bf16",
+              "records": records}
+    (args.results / "serve_sweep_roofline.json").write_text(json.dumps(result, indent=2))
+    lines = ["| point | value | unit | reference | reference value | ratio |", "|---|---|---|---|---|---|"]
+    for r in records:
+        ref = "" if r["reference_value"] is None else f"{r['reference_value']:.2f}"
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        lines.append(f"| {r['name']} | {r['value']:.2f} | {r['unit']} | {r['reference']} | {ref} | {ratio} |")
+    table = "\n".join(lines)
+    (args.results / "serve_sweep_roofline.md").write_text(f"# throughput sweep vs roofline ({gpu}, {args.git_sha})\n\n"
+                                                          f"{table}\n")
+    print(table)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for shape in sorted({r["name"].split(" concurrency")[0] for r in records}):
+        pts = [(int(r["name"].split("concurrency ")[1].split(":")[0]), r["ratio"]) for r in records
+               if r["name"].startswith(shape + " ") and "TPOT" in r["name"]]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=shape)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("roofline step / median TPOT")
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.results / "serve_sweep_roofline.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
