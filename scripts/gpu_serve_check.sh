@@ -11,7 +11,8 @@
 #   ttft    fixed shapes on a fresh server and kernel cache: first request vs steady state, and 64
 #           requests run twice back to back (run2/run1).
 #   sweep   throughput vs concurrency (1 8 32 64 128 256) for in/out 1000/1000 and 8000/1000, each point
-#           quoted against its decode-step roofline (benchmarks/sweep_roofline.py).
+#           quoted against its decode-step roofline (benchmarks/sweep_roofline.py); SWEEP_SHAPES="1000 1000"
+#           runs one shape.
 #   needle  max_seq_len 1,048,576: needle prompts up to 1M tokens, then a normal request.
 #
 # Needs the server wheels in .whl (../shared/tools/gpu_wheels.sh) carried with the call.
@@ -113,12 +114,14 @@ fi
 if [[ " $parts " == *" sweep "* ]]; then
   echo "== throughput sweep"
   start_server /tmp/serve_sweep.log --max-batch-size 256 --max-num-tokens 8192 --max-seq-len 9216 || exit 1
-  for io in "1000 1000" "8000 1000"; do
+  IFS=, read -ra shapes <<< "${SWEEP_SHAPES:-1000 1000,8000 1000}"  # "in out" pairs
+  for io in "${shapes[@]}"; do
     set -- $io
     for c in 1 8 32 64 128 256; do
       n=$(( c < 4 ? 2 : c ))
       "${BENCH[@]}" --num-prompts $n --max-concurrency $c --random-input-len $1 --random-output-len $2 \
         --temperature 0 --result-filename "serve_sweep_in$1_out$2_c$c.json" | grep -E "Output token throughput|Mean TPOT|Mean TTFT" | sed "s/^/in=$1 c=$c /"
+      save
     done
   done
   stop_server
