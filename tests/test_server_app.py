@@ -348,6 +348,23 @@ def test_no_tokenizer_model_needs_token_ids() -> None:
                      400, "messages", "tokenizer")
 
 
+def test_completion_stream_sends_a_chunk_per_step_without_text() -> None:
+    """Tokens that decode to no text yet (token ids without a tokenizer, partial UTF-8) still stream one
+    chunk per engine step, as vLLM does: benchmark clients time tokens by chunks (TTFT, ITL, TPOT)."""
+    eng = FakeEngine(tokenizer=None, script=lambda ids, p: ["", "", ""])
+    with serve_app_in_thread(build_app(eng)) as u:
+        r = httpx.post(f"{u}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3, "stream": True,
+                                                   "stream_options": {"include_usage": True}}, timeout=10)
+        assert r.status_code == 200, r.text
+        events = sse_events(r)
+        assert events[-1] == "[DONE]"
+        token_chunks = [e for e in events[:-1] if e["choices"]]
+        steps = [c for c in token_chunks if c["choices"][0]["finish_reason"] is None]
+        assert [c["choices"][0]["text"] for c in steps] == ["", "", ""]
+        assert token_chunks[-1]["choices"][0]["finish_reason"] is not None
+        assert events[-2]["usage"]["completion_tokens"] == 3
+
+
 def test_timing_sanity(url: str) -> None:
     t0 = time.monotonic()
     for _ in range(20):

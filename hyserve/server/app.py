@@ -911,7 +911,10 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
                 if req.logprobs is not None and d.logprobs:
                     lp = completion_logprobs(d.logprobs, top_n, offsets[i])
                 offsets[i] += len(d.text)
-                if d.text or lp is not None or d.finished:
+                # one chunk per engine step that produced tokens, even when they decode to no text yet (a
+                # partial UTF-8 sequence, or token ids without a tokenizer), as vLLM streams: clients time
+                # tokens by chunks
+                if d.text or d.token_ids or lp is not None or d.finished:
                     yield chunk(i, d.text, lp, d.finish_reason if d.finished else None,
                                 d.stop_reason if d.finished else None)
             else:
