@@ -87,6 +87,17 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def reset_stats(self, timeout: float = 60.0) -> None:
+        """Forget everything served so far (counters, prefix cache, the sampler's stream), on the engine
+        thread once it is idle; used after the server's own warm-up requests. Blocks until done."""
+        done = threading.Event()
+        self._inbox.put(("reset", done))
+        self._wake.set()
+        if self._thread is None:
+            self._drain_inbox()
+        elif not done.wait(timeout):
+            raise TimeoutError(f"the engine did not reset within {timeout:.0f}s")
+
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prompt: str | None = None
     ) -> AsyncIterator[StreamDelta]:
@@ -148,6 +159,13 @@ class AsyncEngine:
                     )
             elif kind == "abort":
                 self.engine.abort(arg)
+            elif kind == "reset":
+                if self.engine.has_unfinished():  # not idle yet: try again after the next step
+                    self._inbox.put((kind, arg))
+                    return
+                self.engine.reset_after_warmup()
+                self._publish_stats()
+                arg.set()
 
     def _run(self) -> None:
         eng = self.engine

@@ -97,11 +97,14 @@ def run_server(
 
     from hyserve.engine.async_engine import AsyncEngine
     from hyserve.server.app import build_app, hyserve_version
+    from hyserve.server.http_warmup import warm_http_path
 
     out = log or (lambda s: print(s, flush=True))
     out(f"hyserve {hyserve_version()}: starting (model: {config.model or 'built-in tiny model'})")
     engine = AsyncEngine(config, log=out)
     engine.start()
+    if config.warmup != "off":
+        warm_http_path(engine, server_options, log=out)
     app = build_app(engine, server_options)
     app.state.accepting = True
 
