@@ -1,8 +1,9 @@
 """Throughput sweep against the decode-step roofline: reads the `hyserve bench serve` results of
 scripts/gpu_serve_check.sh sweep (serve_sweep_in<I>_out<O>_c<C>.json), and for each point quotes
 
-  * the median TPOT against the roofline step time of a batch of min(C, prompts) sequences at the mean
-    decode context (I + O/2 tokens): weights + Mamba states + K/V read (benchmarks/roofline.py);
+  * the median inter-token latency (a typical decode step; TPOT means also carry the steps where other
+    requests' prefill chunks ran) against the roofline step time of a batch of min(C, prompts) sequences
+    at the mean decode context (I + O/2 tokens): weights + Mamba states + K/V read (benchmarks/roofline.py);
   * output throughput against that batch's roofline decode throughput (this one also pays for prefill).
 
 Writes benchmarks/results/serve_sweep_roofline.json (+ .md, and a PNG when matplotlib is present).
@@ -29,7 +30,8 @@ CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
 NAME = re.compile(r"serve_sweep_in(\d+)_out(\d+)_c(\d+)\.json$")
 
 
-def rec(name: str, value: float, unit: str, reference: str, reference_value: float, ratio: float) -> dict:
+def rec(name: str, value: float, unit: str, reference: str, reference_value: float | None,
+        ratio: float | None) -> dict:
     return {"name": name, "value": value, "unit": unit, "reference": reference,
             "reference_value": reference_value, "ratio": ratio}
 
@@ -41,15 +43,16 @@ def point_records(cfg: HybridModelConfig, path: Path) -> list[dict] | None:
     i, o, c = (int(v) for v in m.groups())
     res = json.loads(path.read_text())
     run = res["points"][0]["reps"][0]
-    if run["completed"] == 0 or run.get("median_tpot_ms") is None:
+    if run["completed"] == 0 or run.get("median_itl_ms") is None:
         return []
     batch = min(c, res["config"]["dataset"]["num_prompts"])
     roof_ms = decode_step_ms(cfg, batch, i + o / 2)
-    tpot = run["median_tpot_ms"]
+    itl = run["median_itl_ms"]
     roof_tps = batch / roof_ms * 1e3
     tag = f"in {i} out {o} concurrency {c}"
     return [
-        rec(f"{tag}: median TPOT (ms)", tpot, "ms", f"roofline decode step, batch {batch}", roof_ms, roof_ms / tpot),
+        rec(f"{tag}: median ITL (ms)", itl, "ms", f"roofline decode step, batch {batch}", roof_ms, roof_ms / itl),
+        rec(f"{tag}: mean TPOT (ms)", run["mean_tpot_ms"], "ms", "none", None, None),
         rec(f"{tag}: output throughput (tok/s)", run["output_throughput"], "tok/s",
             f"roofline decode throughput, batch {batch}", roof_tps, run["output_throughput"] / roof_tps),
         rec(f"{tag}: mean TTFT (ms)", run["mean_ttft_ms"], "ms", "none", None, None),
@@ -95,11 +98,11 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for shape in sorted({r["name"].split(" concurrency")[0] for r in records}):
         pts = [(int(r["name"].split("concurrency ")[1].split(":")[0]), r["ratio"]) for r in records
-               if r["name"].startswith(shape + " ") and "TPOT" in r["name"]]
+               if r["name"].startswith(shape + " ") and "ITL" in r["name"]]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=shape)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrency")
-    ax.set_ylabel("roofline step / median TPOT")
+    ax.set_ylabel("roofline step / median ITL")
     ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
     ax.legend()

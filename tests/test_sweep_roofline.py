@@ -15,7 +15,8 @@ from hyserve.model.config import HybridModelConfig  # noqa: E402
 
 
 def _point(path: Path, *, prompts: int, tpot: float, out_tps: float) -> None:
-    run = {"completed": prompts, "median_tpot_ms": tpot, "output_throughput": out_tps, "mean_ttft_ms": 100.0}
+    run = {"completed": prompts, "median_itl_ms": tpot, "mean_tpot_ms": tpot + 1, "output_throughput": out_tps,
+           "mean_ttft_ms": 100.0}
     path.write_text(json.dumps({"gpu": "NVIDIA H200", "config": {"dataset": {"num_prompts": prompts}},
                                 "points": [{"reps": [run]}]}))
 
@@ -36,14 +37,14 @@ def test_sweep_roofline_ratios(tmp_path: Path) -> None:
     by = {x["name"]: x for x in res["records"]}
     # concurrency 8 with 2 prompts runs a batch of 2, sorted before concurrency 64
     assert list(by)[0].startswith("in 1000 out 1000 concurrency 8:")
-    t8 = by["in 1000 out 1000 concurrency 8: median TPOT (ms)"]
+    t8 = by["in 1000 out 1000 concurrency 8: median ITL (ms)"]
     assert t8["reference"] == "roofline decode step, batch 2"
     assert abs(t8["reference_value"] - decode_step_ms(cfg, 2, 1500)) < 1e-9
-    t64 = by["in 1000 out 1000 concurrency 64: median TPOT (ms)"]
+    t64 = by["in 1000 out 1000 concurrency 64: median ITL (ms)"]
     assert abs(t64["ratio"] - decode_step_ms(cfg, 64, 1500) / 20.0) < 1e-9
     o64 = by["in 1000 out 1000 concurrency 64: output throughput (tok/s)"]
     assert abs(o64["ratio"] - 2000.0 / (64 / decode_step_ms(cfg, 64, 1500) * 1e3)) < 1e-9
-    assert "| in 1000 out 1000 concurrency 64: median TPOT (ms) | 20.00 |" in r.stdout
+    assert "| in 1000 out 1000 concurrency 64: median ITL (ms) | 20.00 |" in r.stdout
 
 
 def test_sweep_roofline_without_results_says_so(tmp_path: Path) -> None:
