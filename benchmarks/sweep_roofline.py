@@ -95,17 +95,30 @@ def main() -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(11, 4))
+
+    def series(shape: str, what: str) -> tuple[list[int], list[dict]]:
+        rows = [r for r in records if r["name"].startswith(shape + " ") and what in r["name"]]
+        return [int(r["name"].split("concurrency ")[1].split(":")[0]) for r in rows], rows
+
     for shape in sorted({r["name"].split(" concurrency")[0] for r in records}):
-        pts = [(int(r["name"].split("concurrency ")[1].split(":")[0]), r["ratio"]) for r in records
-               if r["name"].startswith(shape + " ") and "ITL" in r["name"]]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=shape)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrency")
-    ax.set_ylabel("roofline step / median ITL")
-    ax.set_ylim(0, 1.05)
-    ax.grid(alpha=0.3)
-    ax.legend()
+        c, rows = series(shape, "output throughput")
+        line = ax_t.plot(c, [r["value"] for r in rows], marker="o", label=f"{shape}: measured")[0]
+        ax_t.plot(c, [r["reference_value"] for r in rows], ls="--", color=line.get_color(),
+                  label=f"{shape}: decode roofline")
+        c, rows = series(shape, "median ITL")
+        ax_r.plot(c, [r["ratio"] for r in rows], marker="o", label=shape)
+    for ax in (ax_t, ax_r):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax_t.set_ylabel("output tokens/s")
+    ax_t.set_title("output throughput")
+    ax_r.set_ylabel("roofline step / median ITL")
+    ax_r.set_ylim(0, 1.05)
+    ax_r.set_title("decode step vs its roofline")
+    fig.suptitle(f"Nemotron Nano 9B v2 arch, bf16, {gpu} ({args.git_sha})", fontsize=9)
     fig.tight_layout()
     fig.savefig(args.results / "serve_sweep_roofline.png", dpi=120)
 
