@@ -26,6 +26,11 @@ from hyserve.engine.sampling_params import SamplingParams
 logger = logging.getLogger("hyserve")
 
 
+def _put_all(items: list[tuple[asyncio.Queue[StreamDelta], StreamDelta]]) -> None:
+    for q, d in items:
+        q.put_nowait(d)
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig, *, log: Callable[[str], None] | None = None) -> None:
         self.engine = LLMEngine(config, log=log)
@@ -128,14 +133,22 @@ class AsyncEngine:
 
     # ---- engine thread ----------------------------------------------------------------------------
     def _deliver(self, d: StreamDelta) -> None:
+        self._deliver_all([d])
+
+    def _deliver_all(self, deltas: list[StreamDelta]) -> None:
+        """Hand one step's deltas to their streams: one wake-up per event loop per step (each
+        call_soon_threadsafe writes to the loop's self-pipe), not one per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[StreamDelta], StreamDelta]]] = {}
         with self._lock:
-            entry = self._streams.get(d.request_id)
-            if d.finished:
-                self._streams.pop(d.request_id, None)
-        if entry is not None:
-            loop, q = entry
+            for d in deltas:
+                entry = self._streams.get(d.request_id)
+                if d.finished:
+                    self._streams.pop(d.request_id, None)
+                if entry is not None:
+                    by_loop.setdefault(entry[0], []).append((entry[1], d))
+        for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(q.put_nowait, d)
+                loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the client's loop is gone
                 pass
 
@@ -177,8 +190,7 @@ class AsyncEngine:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
-                for d in eng.step():
-                    self._deliver(d)
+                self._deliver_all(eng.step())
                 self._publish_stats()
         except BaseException as e:  # the loop itself broke: fail everyone, report unhealthy
             logger.exception("engine loop died")
