@@ -2,7 +2,7 @@
 # One device call: the serving checks of issue #6 on the Nemotron Nano 9B v2 architecture (random
 # weights, bf16) through the real HTTP server and `hyserve bench`. Results: benchmarks/results/serve_*.
 #
-#   scripts/gpu_serve_check.sh GIT_SHA [mixed|ttft|sweep|needle]...
+#   scripts/gpu_serve_check.sh GIT_SHA [mixed|ttft|sweep|profile|needle]...
 #
 #   mixed   fresh server + empty kernel cache dir: time to ready (cold); a mixed workload (random,
 #           shared-prefix, prompts longer than max_num_tokens, greedy/top-p/top-k/seeded/logprobs) run
@@ -13,9 +13,12 @@
 #   sweep   throughput vs concurrency (1 8 32 64 128 256) for in/out 1000/1000 and 8000/1000, each point
 #           quoted against its decode-step roofline (benchmarks/sweep_roofline.py); SWEEP_SHAPES="1000 1000"
 #           runs one shape.
+#   profile py-spy samples of the server (all threads, then only the GIL holder) during 64 streams of
+#           decode, summarised by scripts/pyspy_summary.py: where the step time beyond the engine's goes.
 #   needle  max_seq_len 1,048,576: needle prompts up to 1M tokens, then a normal request.
 #
-# Needs the server wheels in .whl (../shared/tools/gpu_wheels.sh) carried with the call.
+# Needs the server wheels in .whl (../shared/tools/gpu_wheels.sh) carried with the call; `profile` also needs
+# py-spy there (pip download --no-deps --only-binary :all: --platform manylinux2014_x86_64 py-spy -d .whl).
 set -uo pipefail
 sha=${1:-unknown}
 shift || true
@@ -127,6 +130,24 @@ if [[ " $parts " == *" sweep "* ]]; then
   stop_server
   python3 benchmarks/sweep_roofline.py --results "$R" --git-sha "$sha"
   if [ -n "${OUT:-}" ]; then cp "$R"/serve_sweep_roofline.* "$OUT"/ 2>/dev/null; fi
+fi
+
+if [[ " $parts " == *" profile "* ]]; then
+  echo "== where the server's time goes at concurrency 64 (py-spy, carried in .whl)"
+  start_server /tmp/serve_profile.log --max-batch-size 64 --max-seq-len 4096 || exit 1
+  "${BENCH[@]}" --num-prompts 64 --max-concurrency 64 --random-input-len 1000 --random-output-len 1000 \
+    --temperature 0 --result-filename serve_profile_c64.json > /tmp/serve_profile_bench.log 2>&1 &
+  bench=$!
+  sleep 12  # past the prefills: decode steps only
+  for mode in all gil; do
+    extra=(); [ $mode = gil ] && extra=(--gil)
+    /tmp/site/bin/py-spy record -p $PID -d 8 -r 250 -f raw --nonblocking "${extra[@]}" -o /tmp/pyspy_$mode.txt >/dev/null 2>&1
+    python3 scripts/pyspy_summary.py /tmp/pyspy_$mode.txt | head -45 | sed "s/^/[$mode] /"
+  done
+  wait $bench
+  grep -E "Median ITL|Output token thr" /tmp/serve_profile_bench.log
+  [ -n "${OUT:-}" ] && cp /tmp/pyspy_*.txt "$OUT"/
+  stop_server
 fi
 
 if [[ " $parts " == *" needle "* ]]; then
