@@ -222,7 +222,7 @@ class FakeEngine:
     def stats(self) -> dict[str, float]:
         return {"num_running": len(self.running), "num_waiting": 0, "kv_blocks_total": 10,
                 "kv_blocks_free": 10 - len(self.running), "healthy": int(self.healthy),
-                "jit_compiles_after_ready": 0}
+                "jit_compiles_after_ready": 0, "cuda_alloc_retries": 0}
 
     def _delta(self, rid: str, n_prompt: int, toks: list[int], text: str, n_out: int, *, finished: bool = False,
                reason: str | None = None, error: str | None = None, logprobs: list[TokenLogprob] | None = None,

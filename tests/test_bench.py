@@ -428,9 +428,10 @@ def test_parse_counters_reads_hyserve_counters_only() -> None:
             "hyserve_num_preemptions_total 3.0\n"
             "hyserve_prefix_cache_hits_total 128.0\n"
             "hyserve_jit_compiles_after_ready_total 0.0\n"
+            "hyserve_cuda_alloc_retries_total 2.0\n"
             "hyserve_kv_cache_usage_ratio 0.5\n"
             "vllm:num_preemptions_total 9.0\n"
             "hyserve_generation_tokens_total not-a-number\n")
     assert parse_counters(text) == {"num_preemptions": 3.0, "prefix_cache_hits": 128.0,
-                                    "jit_compiles_after_ready": 0.0}
+                                    "jit_compiles_after_ready": 0.0, "cuda_alloc_retries": 2.0}
     assert parse_counters("") == {}

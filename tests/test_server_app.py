@@ -297,6 +297,7 @@ def test_metrics(url: str) -> None:
     assert m["hyserve_e2e_request_latency_seconds_count"] >= 1
     assert "hyserve_time_per_output_token_seconds_count" in m
     assert m["hyserve_jit_compiles_after_ready_total"] == 0
+    assert m["hyserve_cuda_alloc_retries_total"] == 0
     assert m["hyserve_num_requests_running"] == 0
     assert m["hyserve_kv_cache_usage_ratio"] == 0
 

@@ -217,7 +217,7 @@ async def first_model_id(client: httpx.AsyncClient, base_url: str, headers: dict
 
 # hyserve's engine counters worth reporting per run (other servers simply do not export them)
 SERVER_COUNTERS = ("num_preemptions", "prefix_cache_hits", "prefix_cache_queries", "jit_compiles_after_ready",
-                   "generation_tokens")
+                   "generation_tokens", "cuda_alloc_retries")
 
 
 def parse_counters(text: str) -> dict[str, float]:

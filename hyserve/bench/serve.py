@@ -159,7 +159,8 @@ async def _run(opts: ServeBenchOptions, log: Callable[[str], None]) -> dict[str,
                                  for r in results]
                 reps.append(m)
                 sc = m["server_counters"]
-                extra = "".join(f", {k} {sc[k]:.0f}" for k in ("num_preemptions", "jit_compiles_after_ready")
+                extra = "".join(f", {k} {sc[k]:.0f}" for k in ("num_preemptions", "jit_compiles_after_ready",
+                                                                    "cuda_alloc_retries")
                                 if k in sc)
                 log(f"concurrency {conc or 'unlimited'}, rep {rep + 1}/{opts.reps}: {m['completed']} ok, "
                     f"{m['failed']} failed in {duration:.2f} s, {m['output_throughput']:.1f} output tok/s{extra}")

@@ -131,6 +131,8 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
         self._outputs: dict[str, _OutputState] = {}
+        self._alloc_retries_base = 0
+        self._allocator: tuple[float, int] = (0.0, 0)  # (when read, num_alloc_retries)
         self.counters = {
             "prompt_tokens_total": 0,
             "generation_tokens_total": 0,
@@ -325,6 +327,17 @@ class LLMEngine:
         self.scheduler.stats = SchedulerStats()
         self.counters = dict.fromkeys(self.counters, 0)
         self.sampler = Sampler(self.config.seed)
+        if self.device.type == "cuda":
+            self._alloc_retries_base = self._alloc_retries(max_age=0.0)
+
+    def _alloc_retries(self, max_age: float = 1.0) -> int:
+        """torch's count of allocations that failed, freed the caching allocator's blocks and retried
+        (each one synchronises the device: a sign the activation headroom is too small). Read at most
+        once per `max_age` seconds: memory_stats() builds a large dict."""
+        now = time.monotonic()
+        if now - self._allocator[0] >= max_age:
+            self._allocator = (now, int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)))
+        return self._allocator[1]
 
     def _fail_batch(self, batch: ScheduledBatch, err: Exception) -> list[StreamDelta]:
         self.scheduler.discard_step(batch)
@@ -438,4 +451,6 @@ class LLMEngine:
             "num_preemptions": s.num_preemptions,
             "jit_compiles_after_ready": self.jit.compiles_after_ready,
             **self.counters,
+            **({"cuda_alloc_retries": self._alloc_retries() - self._alloc_retries_base}
+               if self.device.type == "cuda" else {}),
         }

@@ -53,6 +53,9 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("requests_finished_total", "engine_requests_finished", "Requests the engine finished (any reason).", "counter"),
     ("jit_compiles_after_ready", "jit_compiles_after_ready",
      "Kernel compilations after the engine reported ready (should stay 0).", "counter"),
+    ("cuda_alloc_retries", "cuda_alloc_retries",
+     "CUDA allocations that freed the caching allocator and retried, each a device sync (should stay 0).",
+     "counter"),
     ("healthy", "healthy", "1 when the engine loop is alive and serving.", "gauge"),
 )
 
