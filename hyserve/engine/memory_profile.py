@@ -4,7 +4,8 @@ read the CUDA allocator's peak, so the cache budget leaves exactly that much roo
     budget for pools = free_gpu_memory_fraction * free (after weights) - prefill peak - decode peak
 
 The prefill peak is the larger of two `max_num_tokens` steps: one long sequence (the widest Mamba scan
-and attention rows) and `max_batch_size` sequences sharing the tokens (the most logits rows). The
+and attention rows; it also writes prefix-cache snapshots, so the scan's per-chunk states are counted)
+and `max_batch_size` sequences sharing the tokens (the most logits rows). The
 decode peak is one decode step of `graph_batch_size` sequences, which is what a captured CUDA graph
 keeps in its private memory pool.
 """
@@ -32,10 +33,11 @@ class ActivationProfile:
         return self.prefill_peak_bytes + self.decode_peak_bytes
 
 
-def _seq(tokens: list[int], blocks: list[int], slot: int) -> ScheduledSeq:
+def _seq(tokens: list[int], blocks: list[int], slot: int, snapshots: list[tuple[int, int]] | None = None
+         ) -> ScheduledSeq:
     return ScheduledSeq(
         request_id="profile", token_ids=tokens, start_pos=0, block_ids=blocks, state_src=None, state_dst=slot,
-        sample=True, snapshots=[], params=SamplingParams(), num_output_tokens=0,
+        sample=True, snapshots=snapshots or [], params=SamplingParams(), num_output_tokens=0,
     )
 
 
@@ -70,16 +72,35 @@ def profile_activations(
         del logits
         return torch.cuda.max_memory_allocated(device) - base
 
-    prefill = 0
+    prefill_batches, decode_batch = profile_batches(cfg.chunk_size, max_num_tokens=max_num_tokens,
+                                                    max_batch_size=max_batch_size,
+                                                    graph_batch_size=graph_batch_size, tokens_per_block=bs)
+    prefill = max(peak(runner, b) for b in prefill_batches)
+    decode = peak(runner, decode_batch)
+    del runner, cache
+    torch.cuda.empty_cache()
+    return ActivationProfile(prefill_peak_bytes=prefill, decode_peak_bytes=decode)
+
+
+def profile_batches(chunk_size: int, *, max_num_tokens: int, max_batch_size: int, graph_batch_size: int,
+                    tokens_per_block: int) -> tuple[list[ScheduledBatch], ScheduledBatch]:
+    """The steps to profile, on a cache of 2 state slots (1 live, 0 for snapshots): one sequence of
+    `max_num_tokens` that also writes prefix-cache snapshots (at its last chunk boundary and at its end,
+    so the scan keeps its per-chunk states, as a step with snapshots does), `max_batch_size` sequences
+    sharing the tokens, and a decode step of `graph_batch_size` sequences."""
+    bs = tokens_per_block
+    batches = []
     for parts in sorted({1, max_batch_size}):
         seqs, next_block = [], 0
         for n in _split(max_num_tokens, parts):
             nb = -(-n // bs)
-            seqs.append(_seq([1] * n, list(range(next_block, next_block + nb)), slot=1))
+            snaps = None
+            if parts == 1:
+                boundary = (n - 1) // chunk_size * chunk_size
+                snaps = ([(boundary, 0)] if boundary > 0 else []) + [(n, 0)]
+            seqs.append(_seq([1] * n, list(range(next_block, next_block + nb)), slot=1, snapshots=snaps))
             next_block += nb
-        prefill = max(prefill, peak(runner, ScheduledBatch(seqs=seqs, num_decodes=0)))
-    decode = peak(runner, ScheduledBatch(seqs=[_seq([1], [0], slot=1) for _ in range(graph_batch_size)],
-                                 num_decodes=graph_batch_size))
-    del runner, cache
-    torch.cuda.empty_cache()
-    return ActivationProfile(prefill_peak_bytes=prefill, decode_peak_bytes=decode)
+        batches.append(ScheduledBatch(seqs=seqs, num_decodes=0))
+    decode = ScheduledBatch(seqs=[_seq([1], [0], slot=1) for _ in range(graph_batch_size)],
+                            num_decodes=graph_batch_size)
+    return batches, decode
