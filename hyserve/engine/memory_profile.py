@@ -59,7 +59,7 @@ def profile_activations(
     cfg = model.config
     bs = tokens_per_block
     blocks_needed = -(-max_num_tokens // bs) + max_batch_size
-    cache = CacheTensors.allocate(cfg, num_blocks=blocks_needed, tokens_per_block=bs, num_slots=2, device=device)
+    cache = CacheTensors.allocate(cfg, num_blocks=blocks_needed, tokens_per_block=bs, num_slots=3, device=device)
     runner = ModelRunner(model, cache, device)
 
     def peak(runner: ModelRunner, batch: ScheduledBatch) -> int:
@@ -84,7 +84,7 @@ def profile_activations(
 
 def profile_batches(chunk_size: int, *, max_num_tokens: int, max_batch_size: int, graph_batch_size: int,
                     tokens_per_block: int) -> tuple[list[ScheduledBatch], ScheduledBatch]:
-    """The steps to profile, on a cache of 2 state slots (1 live, 0 for snapshots): one sequence of
+    """The steps to profile, on a cache of 3 state slots (1 live, 0 and 2 for snapshots): one sequence of
     `max_num_tokens` that also writes prefix-cache snapshots (at its last chunk boundary and at its end,
     so the scan keeps its per-chunk states, as a step with snapshots does), `max_batch_size` sequences
     sharing the tokens, and a decode step of `graph_batch_size` sequences."""
@@ -97,7 +97,7 @@ def profile_batches(chunk_size: int, *, max_num_tokens: int, max_batch_size: int
             snaps = None
             if parts == 1:
                 boundary = (n - 1) // chunk_size * chunk_size
-                snaps = ([(boundary, 0)] if boundary > 0 else []) + [(n, 0)]
+                snaps = ([(boundary, 0)] if boundary > 0 else []) + [(n, 2)]
             seqs.append(_seq([1] * n, list(range(next_block, next_block + nb)), slot=1, snapshots=snaps))
             next_block += nb
         batches.append(ScheduledBatch(seqs=seqs, num_decodes=0))

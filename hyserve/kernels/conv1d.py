@@ -75,10 +75,11 @@ def conv_state_at(
     """Conv state of one sequence after its first `offset` new tokens (x packed, sequence starts at
     `start`): the last `width` inputs seen, taking columns from the initial state when offset < width.
     Returns [D, width] in x.dtype. Used to snapshot at chunk boundaries inside a prefill."""
+    if offset >= width:  # only the last `width` inputs (a view: the caller stacks or copies it)
+        return x[start + offset - width : start + offset].T
     Dm = x.shape[1]
     st = torch.zeros(Dm, width, dtype=x.dtype, device=x.device) if initial_state is None else initial_state
-    xs = torch.cat([st.to(x.dtype), x[start : start + offset].T], dim=1)
-    return xs[:, xs.shape[1] - width :]
+    return torch.cat([st[:, offset:].to(x.dtype), x[start : start + offset].T], dim=1)
 
 
 def causal_conv1d_update_ref(

@@ -166,7 +166,12 @@ class Mamba2Mixer(nn.Module):
         store = ops.get("store_ssm_state", cuda)
         sr = self.ssm_rounding
         store(ssm_pool, res.final_states, dst, rounding=sr, positions=None if sr is None else meta.seq_lens_t[nd:])
+        if not snaps:
+            return
+        # every snapshot of this layer in one state store and one conv-state write (a prompt of 8k tokens
+        # with the default 256-token interval has 32 of them)
         snap_states: list[torch.Tensor] = []
+        snap_convs: list[torch.Tensor] = []
         snap_slots: list[int] = []
         snap_pos: list[int] = []
         for sw in snaps:
@@ -182,18 +187,15 @@ class Mamba2Mixer(nn.Module):
                     f"snapshot after {sw.num_tokens} of {n_new} new tokens is not at a chunk boundary "
                     f"(chunk_size {self.chunk_size})"
                 )
-            if sr is None:
-                ssm_pool[sw.slot] = state.to(ssm_pool.dtype)
-            else:  # one store launch for all of them, below
-                snap_states.append(state)
-                snap_slots.append(sw.slot)
-                snap_pos.append(meta.seq_lens[sw.seq] - n_new + sw.num_tokens)  # tokens the snapshot covers
-            conv_pool[sw.slot] = conv_state_at(
-                xbc, cu[s], sw.num_tokens, init_conv[s], self.conv_kernel - 1
-            ).to(conv_pool.dtype)
-        if snap_states:
-            dev = ssm_pool.device
-            # the same index dtypes as the final-state store above, so both use one kernel variant
-            slots_t = torch.tensor(snap_slots, dtype=dst.dtype, device=dev)
-            pos_t = torch.tensor(snap_pos, dtype=meta.seq_lens_t.dtype, device=dev)
-            store(ssm_pool, torch.stack(snap_states), slots_t, rounding=sr, positions=pos_t)
+            snap_states.append(state)
+            snap_convs.append(conv_state_at(xbc, cu[s], sw.num_tokens, init_conv[s], self.conv_kernel - 1))
+            snap_slots.append(sw.slot)
+            snap_pos.append(meta.seq_lens[sw.seq] - n_new + sw.num_tokens)  # tokens the snapshot covers
+        dev = ssm_pool.device
+        # the same index dtypes as the final-state store above, so both use one kernel variant
+        slots_t = torch.tensor(snap_slots, dtype=dst.dtype).to(dev, non_blocking=True)
+        pos_t = None
+        if sr is not None:
+            pos_t = torch.tensor(snap_pos, dtype=meta.seq_lens_t.dtype).to(dev, non_blocking=True)
+        store(ssm_pool, torch.stack(snap_states), slots_t, rounding=sr, positions=pos_t)
+        conv_pool[slots_t] = torch.stack(snap_convs).to(conv_pool.dtype)
