@@ -190,8 +190,9 @@ class AsyncEngine:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
-                self._deliver_all(eng.step())
-                self._publish_stats()
+                deltas = eng.step()
+                self._publish_stats()  # before the deltas: a client that saw its last token sees it counted
+                self._deliver_all(deltas)
         except BaseException as e:  # the loop itself broke: fail everyone, report unhealthy
             logger.exception("engine loop died")
             self.healthy = False
