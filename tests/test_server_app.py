@@ -371,3 +371,28 @@ def test_timing_sanity(url: str) -> None:
     for _ in range(20):
         assert chat(url, max_tokens=2).status_code == 200
     assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_completion_token_chunks_have_the_full_shape(include_usage: bool) -> None:
+    """The per-token chunks (formatted without pydantic) carry what the pydantic model would: every
+    field, `usage: null` exactly when usage was asked for, text escaped as JSON."""
+    eng = FakeEngine(tokenizer=None, script=lambda ids, p: ['a "q"\n', "\u00e9\\", "z"])
+    with serve_app_in_thread(build_app(eng)) as u:
+        body: dict[str, Any] = {"prompt": [1, 2], "max_tokens": 3, "stream": True}
+        if include_usage:
+            body["stream_options"] = {"include_usage": True}
+        events = sse_events(httpx.post(f"{u}/v1/completions", json=body, timeout=10))
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert [c["choices"][0]["text"] for c in chunks[:3]] == ['a "q"\n', "\u00e9\\", "z"]
+    ids = {c["id"] for c in chunks}
+    assert len(ids) == 1 and next(iter(ids)).startswith("cmpl-")
+    for c in chunks[:3]:
+        want = {"id": c["id"], "object": "text_completion", "created": chunks[0]["created"], "model": "fake-model",
+                "choices": [{"index": 0, "text": c["choices"][0]["text"], "logprobs": None, "finish_reason": None,
+                             "stop_reason": None}]}
+        if include_usage:
+            want["usage"] = None
+        assert c == want
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert ("usage" in chunks[-1]) == include_usage

@@ -875,8 +875,17 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
         def usage() -> UsageInfo:
             return _usage(sum(n_prompt), sum(n_out), sum(n_cached))
 
+        # the per-token chunk (no logprobs, not the last, no usage) is formatted directly: the pydantic
+        # model + dump costs several microseconds per token per stream on the event loop
+        token_head = json.dumps({"id": base, "object": "text_completion", "created": created, "model": model_name})
+        token_head = token_head[:-1] + ', "choices": [{"index": '
+        token_tail = ', "usage": null}' if include_usage else "}"
+
         def chunk(i: int, text: str, lp: CompletionLogprobs | None, finish: str | None = None,
                   stop_reason: int | str | None = None) -> str:
+            if lp is None and finish is None and stop_reason is None and not continuous:
+                return _sse(f'{token_head}{i}, "text": {json.dumps(text)}, "logprobs": null, '
+                            f'"finish_reason": null, "stop_reason": null}}]{token_tail}')
             c = CompletionChunk(
                 id=base, created=created, model=model_name,
                 choices=[CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=finish,
