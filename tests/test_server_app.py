@@ -396,3 +396,28 @@ def test_completion_token_chunks_have_the_full_shape(include_usage: bool) -> Non
         assert c == want
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert ("usage" in chunks[-1]) == include_usage
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_chat_token_chunks_have_the_full_shape(url: str, engine: FakeEngine, include_usage: bool) -> None:
+    """Chat per-token chunks (formatted without pydantic): the same fields as the pydantic model gives,
+    reasoning and content deltas included."""
+    engine.script = lambda ids, p: ["<think>", 'why "x"', "</think>", "Hi\n", "\u00e9"]
+    body: dict[str, Any] = {"stream": True, "max_tokens": 50}
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+    events = sse_events(chat(url, **body))
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    deltas = [c["choices"][0]["delta"] for c in chunks[1:] if c["choices"][0]["finish_reason"] is None]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == 'why "x"'
+    assert "".join(d.get("content", "") for d in deltas) == "Hi\n\u00e9"
+    for c in chunks[1:-1]:
+        want = {"id": chunks[0]["id"], "object": "chat.completion.chunk", "created": chunks[0]["created"],
+                "model": chunks[0]["model"], "choices": [{"index": 0, "delta": c["choices"][0]["delta"],
+                                                          "logprobs": None, "finish_reason": None,
+                                                          "stop_reason": None}]}
+        if include_usage:
+            want["usage"] = None
+        assert c == want
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"

@@ -669,8 +669,20 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
         finish_reason: str | None = None
         n_calls = 0
 
+        # per-token chunks (text only: no role, tool calls, logprobs, finish or running usage) are formatted
+        # directly, as in completion_stream
+        token_head = json.dumps({"id": job.request_id, "object": "chat.completion.chunk", "created": created,
+                                 "model": model_name})[:-1] + ', "choices": [{"index": 0, "delta": '
+        token_tail = ', "usage": null}' if include_usage else "}"
+
         def chunk(delta: ChatDelta, *, logprobs: ChatChoiceLogprobs | None = None, finish: str | None = None,
                   stop_reason: int | str | None = None) -> str:
+            if (logprobs is None and finish is None and stop_reason is None and not continuous
+                    and delta.role is None and delta.tool_calls is None):
+                fields = {k: v for k, v in (("content", delta.content), ("reasoning_content", delta.reasoning_content))
+                          if v is not None}
+                return _sse(f'{token_head}{json.dumps(fields)}, "logprobs": null, "finish_reason": null, '
+                            f'"stop_reason": null}}]{token_tail}')
             c = ChatCompletionChunk(
                 id=job.request_id, created=created, model=model_name,
                 choices=[ChatStreamChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish,
