@@ -201,7 +201,8 @@ def test_model_alias_and_models_routes(url: str) -> None:
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
-        ({"n": 2}, "n", ["n must be 1"]),
+        ({"n": 65}, "n", ["n must be between 1 and 64", "65"]),
+        ({"n": 0}, "n", ["n must be between 1 and 64"]),
         ({"temperature": -1}, "temperature", ["temperature"]),
         ({"top_p": 0}, "top_p", ["top_p"]),
         ({"top_k": -5}, "top_k", []),
@@ -421,3 +422,67 @@ def test_chat_token_chunks_have_the_full_shape(url: str, engine: FakeEngine, inc
             want["usage"] = None
         assert c == want
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_n_choices_streaming_and_not(url: str, engine: FakeEngine) -> None:
+    """n choices: each its own engine request (seeded: seed + k), indexed 0..n-1 in the response and in the
+    stream, usage counting the prompt once and every choice's output."""
+    seen: list[int | None] = []
+
+    def script(ids: list[int], p: Any) -> list[str]:
+        seen.append(p.seed)
+        return ["<think>", "r", "</think>", f"c{len(seen)}"]
+
+    engine.script = script
+    r = chat(url, n=3, seed=10, max_tokens=50)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert sorted(seen) == [10, 11, 12]
+    assert sorted(c["message"]["content"] for c in body["choices"]) == ["c1", "c2", "c3"]
+    assert all(c["message"]["reasoning_content"] == "r" for c in body["choices"])
+    prompt = body["usage"]["prompt_tokens"]
+    assert body["usage"]["completion_tokens"] == 3 * 4 and body["usage"]["total_tokens"] == prompt + 12
+    seen.clear()
+    events = sse_events(chat(url, n=2, max_tokens=50, stream=True, stream_options={"include_usage": True}))
+    assert events[-1] == "[DONE]" and seen == [None, None]
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert len({c["id"] for c in events[:-1]}) == 1
+    roles = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["delta"].get("role") == "assistant"]
+    assert sorted(roles) == [0, 1]
+    for k in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == k]
+        assert "".join(ch["delta"].get("reasoning_content", "") for ch in mine) == "r"
+        assert "".join(ch["delta"].get("content", "") for ch in mine) in ("c1", "c2")
+        assert mine[-1]["finish_reason"] == "stop"
+    assert events[-2]["usage"]["prompt_tokens"] == prompt and events[-2]["usage"]["completion_tokens"] == 8
+
+
+def test_completion_n_choices(url: str, engine: FakeEngine) -> None:
+    """Two prompts x n=2: choices ordered prompt-major (index = prompt * n + k); usage counts each prompt once."""
+    engine.script = lambda ids, p: [f"p{len(ids)}s{p.seed}"]
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": [[5, 6], [7, 8, 9]], "n": 2, "seed": 3,
+                                                  "max_tokens": 4}, timeout=10)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "p2s3"), (1, "p2s4"), (2, "p3s3"),
+                                                                  (3, "p3s4")]
+    assert body["usage"]["prompt_tokens"] == 5 and body["usage"]["completion_tokens"] == 4
+    events = sse_events(httpx.post(f"{url}/v1/completions", json={
+        "prompt": [[5, 6], [7, 8, 9]], "n": 2, "seed": 3, "max_tokens": 4, "stream": True,
+        "stream_options": {"include_usage": True}}, timeout=10))
+    texts: dict[int, str] = {}
+    for e in events[:-1]:
+        for c in e["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert texts == {0: "p2s3", 1: "p2s4", 2: "p3s3", 3: "p3s4"}
+    assert events[-2]["usage"]["prompt_tokens"] == 5 and events[-2]["usage"]["completion_tokens"] == 4
+
+
+def test_choice_seeds_stay_in_int64() -> None:
+    from hyserve.server.app import _choice_params
+
+    p = SamplingParams(max_tokens=1, seed=2**63 - 1)
+    assert _choice_params(p, 0) is p
+    assert _choice_params(p, 1).seed == -(2**63) and _choice_params(p, 2).seed == -(2**63) + 1
+    assert _choice_params(SamplingParams(max_tokens=1), 5).seed is None

@@ -279,8 +279,8 @@ def test_openai_client_sees_error_messages(client: openai.OpenAI, model: str) ->
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError) as ei:
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], n=2)
-    assert ei.value.body["param"] == "n"
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], n=100)
+    assert ei.value.body["param"] == "n" and "between 1 and 64" in ei.value.message
 
 
 @pytest.mark.parametrize(
@@ -317,3 +317,22 @@ def test_metrics_exposed(server: ServerProcess) -> None:
         assert name in m, name
     assert m["hyserve_jit_compiles_after_ready_total"] == 0
     assert m["hyserve_kv_cache_blocks_total"] == KV_TOKEN_CAP // 64
+
+
+def test_n_choices_on_the_real_engine(client: openai.OpenAI, model: str) -> None:
+    """n=3, sampled and seeded: three choices, reproducible; greedy n=2: identical choices."""
+    msgs = [{"role": "user", "content": "Tell me"}]
+    a = client.chat.completions.create(model=model, messages=msgs, n=3, seed=5, temperature=1.0, max_tokens=12)
+    b = client.chat.completions.create(model=model, messages=msgs, n=3, seed=5, temperature=1.0, max_tokens=12)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert len({c.message.content for c in a.choices}) > 1  # seeds 5, 6, 7 sample differently
+    assert a.usage.completion_tokens <= 3 * 12 and a.usage.prompt_tokens == b.usage.prompt_tokens
+    g = client.chat.completions.create(model=model, messages=msgs, n=2, temperature=0, max_tokens=8)
+    assert g.choices[0].message.content == g.choices[1].message.content
+    stream = client.completions.create(model=model, prompt="abc", n=2, max_tokens=6, temperature=0, stream=True)
+    texts = {0: "", 1: ""}
+    for ch in stream:
+        for c in ch.choices:
+            texts[c.index] += c.text
+    assert texts[0] == texts[1] and texts[0]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -202,6 +203,18 @@ class _Job:
     prompt_text: str | None = None
 
 
+# choices per request (`n`): each is its own engine request, so n x the prompt's prefill
+MAX_CHOICES = 64
+
+
+def _choice_params(params: SamplingParams, k: int) -> SamplingParams:
+    """Choice k of n: a seeded request gives each choice its own seed (seed + k, kept in int64), so the
+    choices differ and each stays reproducible; unseeded choices draw independently anyway."""
+    if k == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + k + 2**63) % 2**64 - 2**63)
+
+
 class _ClientGone(Exception):
     """The client disconnected before a non-streaming response was ready."""
 
@@ -341,8 +354,8 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
         )
 
     def check_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
-        if req.n is not None and req.n != 1:
-            raise bad_request(f"n must be 1 (this server returns one choice per prompt), got {req.n}", param="n")
+        if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
+            raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {req.n}", param="n")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(req, name)
             if v not in (None, 0, 0.0):
@@ -598,7 +611,9 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
         )
         validate(prompt_ids, params, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        job = _Job(request_id, prompt_ids, params, text)
+        n = req.n or 1
+        jobs = [_Job(request_id if n == 1 else f"{request_id}-{k}", prompt_ids, _choice_params(params, k), text)
+                for k in range(n)]
         think = thinking_enabled(req.chat_template_kwargs, system_texts(req.messages))
         tools_dump = [t.model_dump() for t in req.tools] if req.tools else None
 
@@ -610,39 +625,39 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
             )
 
         model_name = req.model or engine.model_name
-        timer = RequestTimer(metrics)
+        timers = [RequestTimer(metrics) for _ in jobs]
         if req.stream:
             so = req.stream_options
             return _SSEResponse(
-                chat_stream(job, model_name, output(), timer, top_n,
+                chat_stream(request_id, jobs, model_name, [output() for _ in jobs], timers, top_n,
                             include_usage=bool(so and so.include_usage),
                             continuous=bool(so and so.continuous_usage_stats),
                             with_logprobs=bool(req.logprobs)),
                 headers=_SSE_HEADERS,
             )
         try:
-            (res,) = await run_all(raw, [job], [timer])
+            results = await run_all(raw, jobs, timers)
         except _ClientGone:
-            timer.finish(finish_reason="abort", prompt_tokens=len(prompt_ids), output_tokens=0)
+            for t in timers:
+                t.finish(finish_reason="abort", prompt_tokens=len(prompt_ids), output_tokens=0)
             return Response(status_code=499)
-        timer.finish(finish_reason=res.finish_reason, prompt_tokens=res.num_prompt_tokens,
-                     output_tokens=res.num_output_tokens)
-        err = _finish_error(res.finish_reason, res.error)
-        if err is not None:
-            raise err
-        out = output()
-        r1, c1, calls1 = out.feed(res.text)
-        r2, c2, calls2 = out.finish()
-        reasoning, content, calls = r1 + r2, c1 + c2, calls1 + calls2
-        if calls:
-            content = content.strip()
-        finish = "tool_calls" if calls and res.finish_reason == "stop" else res.finish_reason
-        resp = ChatCompletionResponse(
-            id=request_id,
-            model=model_name,
-            choices=[
+        choices = []
+        for k, (res, timer) in enumerate(zip(results, timers)):
+            timer.finish(finish_reason=res.finish_reason, prompt_tokens=res.num_prompt_tokens,
+                         output_tokens=res.num_output_tokens)
+            err = _finish_error(res.finish_reason, res.error)
+            if err is not None:
+                raise err
+            out = output()
+            r1, c1, calls1 = out.feed(res.text)
+            r2, c2, calls2 = out.finish()
+            reasoning, content, calls = r1 + r2, c1 + c2, calls1 + calls2
+            if calls:
+                content = content.strip()
+            finish = "tool_calls" if calls and res.finish_reason == "stop" else res.finish_reason
+            choices.append(
                 ChatCompletionChoice(
-                    index=0,
+                    index=k,
                     message=ChatResponseMessage(
                         content=content if (content or not (reasoning or calls)) else None,
                         reasoning_content=reasoning or None,
@@ -652,100 +667,117 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
                     finish_reason=finish,
                     stop_reason=res.stop_reason,
                 )
-            ],
-            usage=_usage(res.num_prompt_tokens, res.num_output_tokens, res.num_cached_tokens),
+            )
+        first = results[0]  # the prompt counts once however many choices there are (OpenAI's usage)
+        resp = ChatCompletionResponse(
+            id=request_id,
+            model=model_name,
+            choices=choices,
+            usage=_usage(first.num_prompt_tokens, sum(r.num_output_tokens for r in results),
+                         first.num_cached_tokens),
         )
         return JSONResponse(resp.model_dump(mode="json"))
 
     async def chat_stream(
-        job: _Job, model_name: str, out: _ChatOutput, timer: RequestTimer, top_n: int, *,
-        include_usage: bool, continuous: bool, with_logprobs: bool,
+        request_id: str, jobs: list[_Job], model_name: str, outs: list[_ChatOutput], timers: list[RequestTimer],
+        top_n: int, *, include_usage: bool, continuous: bool, with_logprobs: bool,
     ) -> AsyncIterator[str]:
+        """One SSE stream for the n choices of a chat request (choice k = job k), interleaved as they come."""
         created = now()
-        n_prompt = len(job.prompt_ids)
-        n_out = 0
+        n_jobs = len(jobs)
+        n_prompt = len(jobs[0].prompt_ids)
+        n_out = [0] * n_jobs
         n_cached = 0
         finished: set[int] = set()
-        finish_reason: str | None = None
-        n_calls = 0
+        finish_reasons: dict[int, str | None] = {}
+        n_calls = [0] * n_jobs
+
+        def usage() -> UsageInfo:
+            return _usage(n_prompt, sum(n_out), n_cached)
 
         # per-token chunks (text only: no role, tool calls, logprobs, finish or running usage) are formatted
         # directly, as in completion_stream
-        token_head = json.dumps({"id": job.request_id, "object": "chat.completion.chunk", "created": created,
-                                 "model": model_name})[:-1] + ', "choices": [{"index": 0, "delta": '
+        token_head = json.dumps({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                                 "model": model_name})[:-1] + ', "choices": [{"index": '
         token_tail = ', "usage": null}' if include_usage else "}"
 
-        def chunk(delta: ChatDelta, *, logprobs: ChatChoiceLogprobs | None = None, finish: str | None = None,
-                  stop_reason: int | str | None = None) -> str:
+        def chunk(k: int, delta: ChatDelta, *, logprobs: ChatChoiceLogprobs | None = None,
+                  finish: str | None = None, stop_reason: int | str | None = None) -> str:
             if (logprobs is None and finish is None and stop_reason is None and not continuous
                     and delta.role is None and delta.tool_calls is None):
-                fields = {k: v for k, v in (("content", delta.content), ("reasoning_content", delta.reasoning_content))
-                          if v is not None}
-                return _sse(f'{token_head}{json.dumps(fields)}, "logprobs": null, "finish_reason": null, '
-                            f'"stop_reason": null}}]{token_tail}')
+                fields = {key: val for key, val in (("content", delta.content),
+                                                    ("reasoning_content", delta.reasoning_content))
+                          if val is not None}
+                return _sse(f'{token_head}{k}, "delta": {json.dumps(fields)}, "logprobs": null, '
+                            f'"finish_reason": null, "stop_reason": null}}]{token_tail}')
             c = ChatCompletionChunk(
-                id=job.request_id, created=created, model=model_name,
-                choices=[ChatStreamChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish,
+                id=request_id, created=created, model=model_name,
+                choices=[ChatStreamChoice(index=k, delta=delta, logprobs=logprobs, finish_reason=finish,
                                           stop_reason=stop_reason)],
-                usage=_usage(n_prompt, n_out, n_cached) if continuous else None,
+                usage=usage() if continuous else None,
             )
             d = c.model_dump(mode="json")
-            d["choices"][0]["delta"] = {k: v for k, v in d["choices"][0]["delta"].items() if v is not None}
+            d["choices"][0]["delta"] = {key: val for key, val in d["choices"][0]["delta"].items() if val is not None}
             if not (include_usage or continuous):
                 d.pop("usage")
             return _sse(json.dumps(d))
 
-        def delta_for(r: str, c: str, calls: list[ParsedToolCall]) -> ChatDelta | None:
-            nonlocal n_calls
+        def delta_for(k: int, r: str, c: str, calls: list[ParsedToolCall]) -> ChatDelta | None:
             tc = None
             if calls:
                 tc = [
-                    DeltaToolCall(index=n_calls + k, id=call.id, type="function",
+                    DeltaToolCall(index=n_calls[k] + j, id=call.id, type="function",
                                   function=ResponseFunctionCall(name=call.name, arguments=call.arguments))
-                    for k, call in enumerate(calls)
+                    for j, call in enumerate(calls)
                 ]
-                n_calls += len(calls)
+                n_calls[k] += len(calls)
             if not (r or c or tc):
                 return None
             return ChatDelta(reasoning_content=r or None, content=c or None, tool_calls=tc)
 
         try:
-            yield chunk(ChatDelta(role="assistant", content=""))
-            async for _, d in merged([job]):
+            for k in range(n_jobs):
+                yield chunk(k, ChatDelta(role="assistant", content=""))
+            async for k, d in merged(jobs):
                 if d.token_ids:
-                    timer.token()
-                n_out, n_cached = d.num_output_tokens, d.num_cached_tokens
-                n_prompt = d.num_prompt_tokens or n_prompt
+                    timers[k].token()
+                n_out[k] = d.num_output_tokens
+                if k == 0:
+                    n_cached = d.num_cached_tokens
+                    n_prompt = d.num_prompt_tokens or n_prompt
+                out = outs[k]
                 r, c, calls = out.feed(d.text) if d.text else ("", "", [])
                 lp = chat_logprobs(d.logprobs, top_n) if (with_logprobs and d.logprobs) else None
                 if d.finished:
-                    finished.add(0)
-                    finish_reason = d.finish_reason
+                    finished.add(k)
+                    finish_reasons[k] = d.finish_reason
                     err = _finish_error(d.finish_reason, d.error)
                     if err is not None:
                         yield sse_error_event(err)
                         break
                     r2, c2, calls2 = out.finish()
                     r, c, calls = r + r2, c + c2, calls + calls2
-                delta = delta_for(r, c, calls)
+                delta = delta_for(k, r, c, calls)
                 if delta is not None or lp is not None:
-                    yield chunk(delta or ChatDelta(), logprobs=lp)
+                    yield chunk(k, delta or ChatDelta(), logprobs=lp)
                 if d.finished:
                     reason = "tool_calls" if (out.calls and d.finish_reason == "stop") else d.finish_reason
-                    yield chunk(ChatDelta(), finish=reason, stop_reason=d.stop_reason)
-                    if include_usage:
-                        yield _sse(json.dumps({
-                            "id": job.request_id, "object": "chat.completion.chunk", "created": created,
-                            "model": model_name, "choices": [],
-                            "usage": _usage(n_prompt, n_out, n_cached).model_dump(mode="json"),
-                        }))
+                    yield chunk(k, ChatDelta(), finish=reason, stop_reason=d.stop_reason)
+            else:
+                if include_usage:
+                    yield _sse(json.dumps({
+                        "id": request_id, "object": "chat.completion.chunk", "created": created,
+                        "model": model_name, "choices": [], "usage": usage().model_dump(mode="json"),
+                    }))
             yield _sse("[DONE]")
         except Exception as e:
             yield sse_error_event(stream_failure(e))
             yield _sse("[DONE]")
         finally:
-            abort_unfinished([job], finished)
-            timer.finish(finish_reason=finish_reason or "abort", prompt_tokens=n_prompt, output_tokens=n_out)
+            abort_unfinished(jobs, finished)
+            for k, t in enumerate(timers):
+                t.finish(finish_reason=finish_reasons.get(k) or "abort", prompt_tokens=n_prompt,
+                         output_tokens=n_out[k])
 
     # -- completions --
 
@@ -818,11 +850,14 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
             len(p) for p in req.prompt if isinstance(p, str))
         prompts = await off_loop(lambda: completion_prompts(req), n_chars)
         base = f"cmpl-{uuid.uuid4().hex}"
-        jobs: list[_Job] = []
+        n = req.n or 1
+        jobs: list[_Job] = []  # choice index = prompt index * n + k, as OpenAI orders them
         for i, (ids, text) in enumerate(prompts):
             params = sampling_params(req, len(ids), req.max_tokens, req.logprobs)
             validate(ids, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
-            jobs.append(_Job(base if len(prompts) == 1 else f"{base}-{i}", ids, params, text))
+            for k in range(n):
+                rid = base if len(prompts) * n == 1 else f"{base}-{i * n + k}"
+                jobs.append(_Job(rid, ids, _choice_params(params, k), text))
         model_name = req.model or engine.model_name
         timers = [RequestTimer(metrics) for _ in jobs]
         top_n = req.logprobs or 0
@@ -863,10 +898,11 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
                 lp = completion_logprobs(res.logprobs, top_n, 0)
             choices.append(CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=res.finish_reason,
                                             stop_reason=res.stop_reason))
+        firsts = results[::n]  # the prompt counts once however many choices it has (OpenAI's usage)
         usage = _usage(
-            sum(r.num_prompt_tokens for r in results),
+            sum(r.num_prompt_tokens for r in firsts),
             sum(r.num_output_tokens for r in results),
-            sum(r.num_cached_tokens for r in results),
+            sum(r.num_cached_tokens for r in firsts),
         )
         resp = CompletionResponse(id=base, model=model_name, choices=choices, usage=usage)
         return JSONResponse(resp.model_dump(mode="json"))
@@ -884,8 +920,10 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
         finished: set[int] = set()
         reasons: dict[int, str | None] = {}
 
-        def usage() -> UsageInfo:
-            return _usage(sum(n_prompt), sum(n_out), sum(n_cached))
+        per_prompt = req.n or 1
+
+        def usage() -> UsageInfo:  # a prompt counts once however many choices it has
+            return _usage(sum(n_prompt[::per_prompt]), sum(n_out), sum(n_cached[::per_prompt]))
 
         # the per-token chunk (no logprobs, not the last, no usage) is formatted directly: the pydantic
         # model + dump costs several microseconds per token per stream on the event loop
