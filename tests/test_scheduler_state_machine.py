@@ -195,3 +195,17 @@ def test_lone_request_always_progresses_under_pressure() -> None:
     assert sched.stats.num_preemptions > 0
     cache.reset_prefix_cache()
     assert cache.blocks.num_free() == cache.blocks.num_blocks
+
+
+def test_token_slice_equals_all_token_ids_slice() -> None:
+    from hyserve.engine.request import Request
+    from hyserve.engine.sampling_params import SamplingParams
+
+    for n_prompt in range(4):
+        for n_out in range(4):
+            req = Request("r", list(range(10, 10 + n_prompt)), SamplingParams())
+            req.output_token_ids = list(range(50, 50 + n_out))
+            total = n_prompt + n_out
+            for a in range(total + 1):
+                for b in range(a, total + 1):
+                    assert req.token_slice(a, b) == req.all_token_ids[a:b], (n_prompt, n_out, a, b)

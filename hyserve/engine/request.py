@@ -40,7 +40,18 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
+        """Prompt + outputs, a new list: O(length); the scheduler uses `token_slice` instead."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """`all_token_ids[start:stop]` without building the whole list (a decode step takes one token of
+        a context that may be a million long)."""
+        n = len(self.prompt_token_ids)
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n : stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
 
     @property
     def num_tokens(self) -> int:

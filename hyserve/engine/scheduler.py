@@ -202,7 +202,7 @@ class Scheduler:
             batch.seqs.append(
                 ScheduledSeq(
                     request_id=req.request_id,
-                    token_ids=[req.all_token_ids[req.num_computed]],
+                    token_ids=req.token_slice(req.num_computed, req.num_computed + 1),
                     start_pos=req.num_computed,
                     block_ids=list(req.block_ids),
                     state_src=req.live_slot,
@@ -276,7 +276,7 @@ class Scheduler:
             src = None if start == 0 else req.live_slot
         return ScheduledSeq(
             request_id=req.request_id,
-            token_ids=req.all_token_ids[start : start + n],
+            token_ids=req.token_slice(start, start + n),
             start_pos=start,
             block_ids=[],
             state_src=src,
