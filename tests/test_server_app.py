@@ -148,6 +148,13 @@ def test_sampling_params_mapping_and_default_max_tokens(url: str, engine: FakeEn
         0.5, 0.9, 5, 0.1, 7, ("END",), True, 9, 2)
     lp = r.json()["choices"][0]["logprobs"]["content"][0]
     assert lp["logprob"] == -0.5 and len(lp["top_logprobs"]) == 2
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias) == (0.0, 0.0, 1.0, ())
+    r = chat(url, presence_penalty=0.5, frequency_penalty=-1.5, repetition_penalty=1.2,
+             logit_bias={"7": 5, "3": -100})
+    assert r.status_code == 200, r.text
+    p = got[-1][1]
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias) == (
+        0.5, -1.5, 1.2, ((3, -100), (7, 5)))
     # max_tokens omitted: the room left in max_seq_len (1024), capped at default_max_tokens (100)
     chat(url)
     assert got[-1][1].max_tokens == 100
@@ -216,7 +223,12 @@ def test_model_alias_and_models_routes(url: str) -> None:
         ({"logprobs": True, "top_logprobs": 99}, "top_logprobs", []),
         ({"tool_choice": "required", "tools": [WEATHER_TOOL]}, "tool_choice", []),
         ({"response_format": {"type": "json_object"}}, "response_format.type", []),
-        ({"presence_penalty": 0.5}, "presence_penalty", []),
+        ({"presence_penalty": 2.5}, "presence_penalty", ["[-2, 2]"]),
+        ({"frequency_penalty": -3}, "frequency_penalty", ["[-2, 2]"]),
+        ({"repetition_penalty": 0}, "repetition_penalty", ["(0, 10]"]),
+        ({"logit_bias": {"abc": 1}}, "logit_bias", ["token ids", "'abc'"]),
+        ({"logit_bias": {"5": 101}}, "logit_bias", ["[-100, 100]"]),
+        ({"logit_bias": {"-1": 1}}, "logit_bias", []),
         ({"seed": 2**70}, "seed", []),
         ({"stop": [""]}, "stop", []),
     ],

@@ -336,3 +336,13 @@ def test_n_choices_on_the_real_engine(client: openai.OpenAI, model: str) -> None
         for c in ch.choices:
             texts[c.index] += c.text
     assert texts[0] == texts[1] and texts[0]
+
+
+def test_penalties_and_logit_bias_through_the_openai_client(client: openai.OpenAI, model: str) -> None:
+    r = client.completions.create(model=model, prompt=[1, 70, 71], max_tokens=5, temperature=0,
+                                  logit_bias={"80": 100}, extra_body={"ignore_eos": True})
+    assert len(r.choices[0].text) > 0 and len(set(r.choices[0].text)) == 1  # one token, five times
+    r2 = client.completions.create(model=model, prompt=[1, 70, 71], max_tokens=6, temperature=0,
+                                   logit_bias={"80": 100, "81": 100}, frequency_penalty=2.0, presence_penalty=2.0,
+                                   extra_body={"ignore_eos": True, "repetition_penalty": 1.1})
+    assert len(set(r2.choices[0].text)) == 2  # the penalties alternate the two lifted tokens

@@ -225,6 +225,13 @@ class LLMEngine:
                 param="prompt",
                 code="invalid_token_id",
             )
+        bias_bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bias_bad:
+            raise RequestRejected(
+                f"logit_bias token ids must be in [0, {vocab - 1}] (the model's vocabulary); got {bias_bad[:5]}",
+                param="logit_bias",
+                code="invalid_token_id",
+            )
         total = n + params.max_tokens
         if total > self.max_seq_len:
             raise RequestRejected(
@@ -299,8 +306,15 @@ class LLMEngine:
             return deltas + self._fail_batch(batch, e)
         self.scheduler.update(batch, self.requests)
         sampling = [s for s in batch.seqs if s.sample]
+        histories = None
+        if any(s.params.needs_history for s in sampling):  # penalties: the tokens each row has seen
+            histories = []
+            for s in sampling:
+                req = self.requests.get(s.request_id)
+                histories.append((req.prompt_token_ids, req.output_token_ids)
+                                 if req is not None and s.params.needs_history else None)
         tokens, lps = self.sampler.sample(
-            logits, [s.params for s in sampling], [s.num_output_tokens for s in sampling]
+            logits, [s.params for s in sampling], [s.num_output_tokens for s in sampling], histories
         )
         for seq, tok, lp in zip(sampling, tokens, lps):
             req = self.requests.get(seq.request_id)

@@ -24,6 +24,7 @@ seeded row; so its token depends only on its own logits, never on the other rows
 their order. The same seed gives the same tokens on the same kind of device (CPU and CUDA generators
 produce different streams).
 
+Penalties and logit bias edit a copy of the logits first (`logits_processing.py`), for the rows that ask.
 Logprobs are reported from the model's raw distribution (log_softmax of the logits, before temperature
 and filtering), as vLLM does by default, with the requested top alternatives sorted by logprob.
 Host-side per-row parameters (and the sampled rows' indices) travel in one small pinned, non-blocking
@@ -33,9 +34,11 @@ copy; the logprob rows' indices in one more when only some rows want logprobs.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
+from hyserve.engine.logits_processing import History, process_logits
 from hyserve.engine.outputs import TokenLogprob
 from hyserve.engine.sampling_params import SamplingParams
 
@@ -85,25 +88,28 @@ class Sampler:
         return g
 
     def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
+        self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int],
+        histories: Sequence[History | None] | None = None,
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits: [n, V] float32 (any device) -> n token ids and, where requested, their logprobs.
 
         `params[i]` and `output_index[i]` (how many tokens row i's request has already produced) belong to
-        row i. `logits` is not modified.
+        row i; `histories[i]` (prompt ids, output ids) to a row with a repetition, frequency or presence
+        penalty (logits_processing.py). `logits` is not modified; logprobs come from it (the raw model).
         """
         n = logits.shape[0]
         if n == 0:
             return [], []
+        x = process_logits(logits, params, histories)
         rest = [i for i, p in enumerate(params) if not p.greedy]
         if not rest:
-            tokens = logits.argmax(dim=-1)  # [n]
+            tokens = x.argmax(dim=-1)  # [n]
         else:
-            sampled, rows = self._sample_rows(logits, params, output_index, rest)
+            sampled, rows = self._sample_rows(x, params, output_index, rest)
             if rows is None:
                 tokens = sampled
             else:  # greedy rows: a pure argmax; the sampled rows are overwritten
-                tokens = logits.argmax(dim=-1)
+                tokens = x.argmax(dim=-1)
                 tokens[rows] = sampled
         token_list = [int(t) for t in tokens.tolist()]
         lps: list[TokenLogprob | None] = [None] * n

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias per request
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,6 +23,10 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; k >= 0 -> chosen token + top-k alternatives
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0  # [-2, 2]; see hyserve/engine/logits_processing.py
+    frequency_penalty: float = 0.0  # [-2, 2]
+    repetition_penalty: float = 1.0  # (0, 10]; 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); a dict is accepted
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -32,6 +37,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        else:
+            object.__setattr__(self, "logit_bias", tuple(tuple(kv) for kv in self.logit_bias or ()))
         self.validate()
 
     def validate(self) -> None:
@@ -61,7 +70,31 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise bad("stop_token_ids", "a list of token ids >= 0", self.stop_token_ids)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not (-2.0 <= v <= 2.0):
+                raise bad(name, "in [-2, 2]", v)
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, int | float) or not (0.0 < r <= 10.0):
+            raise bad("repetition_penalty", "in (0, 10] (1 = off)", r)
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries", f"{len(self.logit_bias)} entries")
+        for kv in self.logit_bias:
+            ok = len(kv) == 2 and isinstance(kv[0], int) and not isinstance(kv[0], bool) and kv[0] >= 0
+            if not ok or isinstance(kv[1], bool) or not isinstance(kv[1], int | float) or not (-100 <= kv[1] <= 100):
+                raise bad("logit_bias", "token id >= 0 -> bias in [-100, 100]", kv)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def edits_logits(self) -> bool:
+        """Penalties or a logit bias: the logits are edited before sampling (logits_processing.py)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias))
+
+    @property
+    def needs_history(self) -> bool:
+        """A penalty that depends on the tokens seen so far."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

@@ -356,17 +356,10 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
     def check_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
         if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
             raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {req.n}", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(req, name)
-            if v not in (None, 0, 0.0):
-                raise bad_request(f"{name} is not supported by this server (only 0), got {v}", param=name)
-        if req.repetition_penalty not in (None, 1, 1.0):
-            raise bad_request(
-                f"repetition_penalty is not supported by this server (only 1.0), got {req.repetition_penalty}",
-                param="repetition_penalty",
-            )
-        if req.logit_bias:
-            raise bad_request("logit_bias is not supported by this server", param="logit_bias")
+        for key in req.logit_bias or {}:
+            if not key.strip().lstrip("-").isdigit():
+                raise bad_request(f"logit_bias keys must be token ids (integers as strings), got {key!r}",
+                                  param="logit_bias")
 
     def token_text(tid: int) -> str:
         s = token_text_cache.get(tid)
@@ -407,6 +400,10 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
                 logprobs=logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
             )
         except ValueError as e:
             msg = str(e)

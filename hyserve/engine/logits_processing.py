@@ -1,0 +1,82 @@
+"""Penalties and logit bias: the per-request edits of a row of logits before it is sampled (OpenAI and
+vLLM semantics), for the rows whose `SamplingParams` ask for any.
+
+    repetition_penalty r   tokens seen in the prompt or the output: logit / r where positive, * r
+                           where negative (r > 1 discourages them; 1 = off)
+    frequency_penalty f    logit -= f * (times the token appears in the output so far)
+    presence_penalty p     logit -= p * (1 if it appears in the output so far)
+    logit_bias             logit += bias, per listed token id
+
+applied in that order. The histories come from the host each step as plain lists (O(prompt + output)
+per penalised row per step; rows without penalties cost nothing), turned into one index tensor and
+one `index_put_` per kind. Logprobs stay those of the raw model distribution (the sampler's choice,
+as vLLM's default), so only the choice of token moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hyserve.engine.sampling_params import SamplingParams
+
+History = tuple[Sequence[int], Sequence[int]]  # (prompt token ids, output token ids)
+
+
+def _index(rows_tokens: list[tuple[int, Sequence[int]]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) index tensors for every token of every listed row."""
+    rows = [torch.full((len(toks),), r, dtype=torch.long) for r, toks in rows_tokens]
+    toks = [torch.as_tensor(list(toks), dtype=torch.long) for _, toks in rows_tokens]
+    return torch.cat(rows).to(device), torch.cat(toks).to(device)
+
+
+def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
+                   histories: Sequence[History | None] | None) -> torch.Tensor:
+    """logits [n, V] -> the logits to sample from: a new float32 tensor with the penalised rows edited,
+    or `logits` itself when no row asks for anything. `histories[i]` is needed for a row with a
+    repetition, frequency or presence penalty."""
+    rows = [i for i, p in enumerate(params) if p.edits_logits]
+    if not rows:
+        return logits
+    n, vocab = logits.shape
+    dev = logits.device
+    x = logits.float().clone()
+    rep = [i for i in rows if params[i].repetition_penalty != 1.0]
+    occ = [i for i in rows if params[i].frequency_penalty != 0.0 or params[i].presence_penalty != 0.0]
+    for i in rep + occ:
+        if histories is None or histories[i] is None:
+            raise ValueError(f"row {i} has a penalty but no token history")
+    if rep:
+        seen = torch.zeros(len(rep), vocab, dtype=torch.bool, device=dev)
+        hist = [(j, [*histories[i][0], *histories[i][1]]) for j, i in enumerate(rep)]  # type: ignore[index]
+        nonempty = [(j, t) for j, t in hist if t]
+        if nonempty:
+            r_idx, t_idx = _index(nonempty, dev)
+            seen[r_idx, t_idx] = True
+        pen = torch.tensor([params[i].repetition_penalty for i in rep], dtype=torch.float32).to(dev)[:, None]
+        rows_t = torch.tensor(rep, dtype=torch.long).to(dev)
+        sub = x[rows_t]
+        x[rows_t] = torch.where(seen, torch.where(sub > 0, sub / pen, sub * pen), sub)
+    if occ:
+        outs = [(j, histories[i][1]) for j, i in enumerate(occ) if len(histories[i][1])]  # type: ignore[index]
+        if outs:
+            r_idx, t_idx = _index(outs, dev)
+            counts = torch.zeros(len(occ), vocab, dtype=torch.float32, device=dev)
+            counts.index_put_((r_idx, t_idx), torch.ones_like(r_idx, dtype=torch.float32), accumulate=True)
+            coef = torch.tensor([[params[i].frequency_penalty, params[i].presence_penalty] for i in occ],
+                                dtype=torch.float32).to(dev)
+            rows_t = torch.tensor(occ, dtype=torch.long).to(dev)
+            x[rows_t] = x[rows_t] - coef[:, :1] * counts - coef[:, 1:] * (counts > 0).float()
+    bias = [(i, params[i].logit_bias) for i in rows if params[i].logit_bias]
+    if bias:
+        r_list = [i for i, b in bias for _ in b]
+        t_list = [t for _, b in bias for t, _ in b]
+        v_list = [v for _, b in bias for _, v in b]
+        x.index_put_((torch.tensor(r_list, dtype=torch.long).to(dev), torch.tensor(t_list, dtype=torch.long).to(dev)),
+                     torch.tensor(v_list, dtype=torch.float32).to(dev), accumulate=True)
+    assert x.shape == (n, vocab)
+    return x
+
+
+__all__ = ["History", "process_logits"]
