@@ -104,3 +104,30 @@ def test_nano9b_graph_decode_matches_eager_bf16() -> None:
     llm.engine.runner.graphs = None
     eager = [o.token_ids for o in llm.generate(prompts, p)]
     assert with_graphs == eager
+
+
+def test_tiny_prefix_cache_hits_on_cuda_give_the_same_tokens(tmp_path: Path) -> None:
+    """The snapshot path on CUDA (periodic and end-of-prompt snapshots written in one store per layer,
+    conv states from the last inputs): a second pass served from the prefix cache gives the greedy
+    tokens of a run without it."""
+    import random
+
+    d = make_tiny(tmp_path / "dense", variant="dense")
+    rng = random.Random(7)
+    shared = [rng.randrange(3, 300) for _ in range(70)]
+    prompts = [[1] + shared + [rng.randrange(3, 300) for _ in range(n)] for n in (3, 20, 45)]
+    prompts += [[1] + [rng.randrange(3, 300) for _ in range(n)] for n in (5, 130)]
+    p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+    def llm(reuse: bool) -> LLM:
+        kv = {"tokens_per_block": 8, "enable_block_reuse": reuse, "free_gpu_memory_fraction": 0.1,
+              "mamba_state_config": {"periodic_snapshot_interval": 16, "additional_snapshot_offsets_from_end": [0, 5]}}
+        return LLM(str(d), device="cuda", dtype="float32", max_seq_len=512, max_num_tokens=64, kv_cache_config=kv)
+
+    want = [o.token_ids for o in llm(False).generate(prompts, p)]
+    cached = llm(True)
+    first = cached.generate(prompts, p)
+    second = cached.generate(prompts, p)
+    assert [o.token_ids for o in first] == want
+    assert [o.token_ids for o in second] == want
+    assert sum(o.num_cached_tokens for o in second) > 0
