@@ -498,3 +498,35 @@ def test_choice_seeds_stay_in_int64() -> None:
     assert _choice_params(p, 0) is p
     assert _choice_params(p, 1).seed == -(2**63) and _choice_params(p, 2).seed == -(2**63) + 1
     assert _choice_params(SamplingParams(max_tokens=1), 5).seed is None
+
+
+def test_staggered_choices_start_after_the_first_token_and_never_hang() -> None:
+    """With a prefix cache configured, choices 1.. of a long prompt enter the engine after choice 0's first
+    token; when choice 0 fails instead, the others still start (the request ends, it does not hang)."""
+    from hyserve.config import EngineConfig
+
+    order: list[tuple[int, int]] = []  # (call number, prompt length) as the engine saw them
+
+    eng = FakeEngine(tokenizer=None, max_seq_len=1024,
+                     script=lambda ids, p: order.append((len(order), len(ids))) or ["a", "b"])
+    eng.config = EngineConfig()  # prefix cache on: stagger prompts of >= 256 tokens
+    prompt = list(range(3, 303))
+    with serve_app_in_thread(build_app(eng)) as u:
+        r = httpx.post(f"{u}/v1/completions", json={"prompt": prompt, "n": 3, "max_tokens": 2}, timeout=10)
+        assert r.status_code == 200, r.text
+        assert [c["text"] for c in r.json()["choices"]] == ["ab", "ab", "ab"]
+        assert len(order) == 3
+        short = httpx.post(f"{u}/v1/completions", json={"prompt": [5, 6], "n": 2, "max_tokens": 2}, timeout=10)
+        assert short.status_code == 200
+        calls = {"n": 0}
+
+        def failing_leader(ids: list[int], p: Any) -> list[str]:
+            calls["n"] += 1
+            return [FakeEngine.FAIL] if calls["n"] == 1 else ["z"]
+
+        eng.script = failing_leader
+        r = httpx.post(f"{u}/v1/completions", json={"prompt": prompt, "n": 3, "max_tokens": 2}, timeout=10)
+        assert r.status_code == 500 and calls["n"] >= 1
+        events = sse_events(httpx.post(f"{u}/v1/completions", json={"prompt": prompt, "n": 3, "max_tokens": 2,
+                                                                   "stream": True}, timeout=10))
+        assert events[-1] == "[DONE]"

@@ -346,3 +346,23 @@ def test_penalties_and_logit_bias_through_the_openai_client(client: openai.OpenA
                                    logit_bias={"80": 100, "81": 100}, frequency_penalty=2.0, presence_penalty=2.0,
                                    extra_body={"ignore_eos": True, "repetition_penalty": 1.1})
     assert len(set(r2.choices[0].text)) == 2  # the penalties alternate the two lifted tokens
+
+
+def test_n_choices_of_a_long_prompt_share_its_prefill(server: ServerProcess, client: openai.OpenAI,
+                                                      model: str) -> None:
+    """n=3 on a 300-token prompt: choices 1 and 2 wait for choice 0's first token and are served from the
+    prefix cache (hits counted in /metrics), with the greedy tokens of choice 0. (Started together, all
+    three fit one 1024-token step and none could hit.)"""
+    def hits() -> float:
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        return next(float(line.split()[-1]) for line in text.splitlines()
+                    if line.startswith("hyserve_prefix_cache_hits_total"))
+
+    prompt = [1] + [(7 * i) % 200 + 20 for i in range(299)]
+    before = hits()
+    r = client.completions.create(model=model, prompt=prompt, n=3, max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.choices[0].text == r.choices[1].text == r.choices[2].text
+    assert hits() - before >= 2 * 256  # each follower reused the prompt up to its 256-token snapshot
+    assert r.usage.prompt_tokens == 300

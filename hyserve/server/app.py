@@ -201,6 +201,9 @@ class _Job:
     prompt_ids: list[int]
     params: SamplingParams
     prompt_text: str | None = None
+    # choices k > 0 of a long prompt start once choice 0 has its first token (`_stagger_choices`)
+    after: asyncio.Event | None = None  # wait for this before entering the engine
+    first_token: asyncio.Event | None = None  # set at this job's first delta (or its end)
 
 
 # choices per request (`n`): each is its own engine request, so n x the prompt's prefill
@@ -213,6 +216,22 @@ def _choice_params(params: SamplingParams, k: int) -> SamplingParams:
     if k == 0 or params.seed is None:
         return params
     return dataclasses.replace(params, seed=(params.seed + k + 2**63) % 2**64 - 2**63)
+
+
+def _stagger_choices(jobs: list[_Job], n: int, min_prompt: int) -> None:
+    """With the prefix cache on, let choices 1..n-1 of each prompt of at least `min_prompt` tokens enter
+    the engine only after choice 0 has produced its first token: its prompt blocks and Mamba snapshots
+    are published by then, so the others prefill only what the cache cannot serve instead of the whole
+    prompt n times. Jobs are prompt-major (choice k of prompt i at i * n + k)."""
+    if n <= 1:
+        return
+    for lead in range(0, len(jobs), n):
+        if len(jobs[lead].prompt_ids) < min_prompt:
+            continue
+        ev = asyncio.Event()
+        jobs[lead].first_token = ev
+        for j in jobs[lead + 1 : lead + n]:
+            j.after = ev
 
 
 class _ClientGone(Exception):
@@ -338,6 +357,13 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
     app.add_middleware(_ApiMiddleware, api_key=opts.api_key, metrics=metrics)
     tok = engine.tokenizer
     served_names = {engine.model_name, *(a for a in opts.model_aliases if a)}
+    # n > 1: a prompt this long has its other choices wait for choice 0's first token and hit the prefix
+    # cache (None: the engine has no prefix cache, every choice prefills on its own)
+    cache_cfg = getattr(getattr(engine, "config", None), "cache", None)
+    stagger_min: int | None = None
+    if cache_cfg is not None and cache_cfg.enable_block_reuse:
+        interval = cache_cfg.mamba_state_config.periodic_snapshot_interval or 0
+        stagger_min = max(2 * cache_cfg.tokens_per_block, interval)
     token_text_cache: dict[int, str] = {}
 
     if opts.tool_parser is None:
@@ -440,9 +466,13 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
     async def consume(job: _Job, timer: RequestTimer | None) -> _Result:
         """Run one engine request to the end (non-streaming)."""
         res = _Result(num_prompt_tokens=len(job.prompt_ids))
+        if job.after is not None:
+            await job.after.wait()
         agen = engine.generate(job.request_id, job.prompt_ids, job.params)
         try:
             async for d in agen:
+                if job.first_token is not None:
+                    job.first_token.set()
                 res.token_ids.extend(d.token_ids)
                 res.text += d.text
                 if d.logprobs:
@@ -458,6 +488,8 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
                     res.stop_reason = d.stop_reason
                     res.error = d.error
         finally:
+            if job.first_token is not None:  # the followers must not wait for a leader that failed
+                job.first_token.set()
             await agen.aclose()
         if res.finish_reason is None:  # the stream ended without a final delta: treat as an engine failure
             res.finish_reason, res.error = "error", "the engine ended the request without a result"
@@ -511,11 +543,18 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
 
         async def pump(i: int, job: _Job) -> None:
             try:
+                if job.after is not None:
+                    await job.after.wait()
                 async for d in engine.generate(job.request_id, job.prompt_ids, job.params):
+                    if job.first_token is not None:
+                        job.first_token.set()
                     q.put_nowait((i, d))
                 q.put_nowait((i, None))
             except Exception as e:
                 q.put_nowait((i, e))
+            finally:
+                if job.first_token is not None:
+                    job.first_token.set()
 
         tasks = [asyncio.ensure_future(pump(i, j)) for i, j in enumerate(jobs)]
         try:
@@ -611,6 +650,8 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
         n = req.n or 1
         jobs = [_Job(request_id if n == 1 else f"{request_id}-{k}", prompt_ids, _choice_params(params, k), text)
                 for k in range(n)]
+        if stagger_min is not None:
+            _stagger_choices(jobs, n, stagger_min)
         think = thinking_enabled(req.chat_template_kwargs, system_texts(req.messages))
         tools_dump = [t.model_dump() for t in req.tools] if req.tools else None
 
@@ -855,6 +896,8 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
             for k in range(n):
                 rid = base if len(prompts) * n == 1 else f"{base}-{i * n + k}"
                 jobs.append(_Job(rid, ids, _choice_params(params, k), text))
+        if stagger_min is not None:
+            _stagger_choices(jobs, n, stagger_min)
         model_name = req.model or engine.model_name
         timers = [RequestTimer(metrics) for _ in jobs]
         top_n = req.logprobs or 0
