@@ -111,8 +111,20 @@ def test_completions_token_ids_echo_logprobs(client: openai.OpenAI, model: str) 
     assert resp.usage.prompt_tokens == 4
     n_out = resp.usage.completion_tokens
     assert len(c.logprobs.tokens) == 4 + n_out
-    assert c.logprobs.token_logprobs[:4] == [None] * 4
+    # the prompt's own logprobs (the first token has none), then the output's
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in c.logprobs.token_logprobs[1:])
+    assert all(len(t) == 2 for t in c.logprobs.top_logprobs[1:4])
     assert all(len(t) <= 2 for t in c.logprobs.top_logprobs[4:])
+    # streamed: the echo chunk carries the same prompt logprobs
+    chunks = list(client.completions.create(model=model, prompt=[1, 300, 301, 302], max_tokens=5, temperature=0,
+                                            logprobs=2, echo=True, stream=True))
+    first = next(ch.choices[0] for ch in chunks if ch.choices)
+    assert first.logprobs.token_logprobs == c.logprobs.token_logprobs[:4]
+    # lm-eval style loglikelihood request: max_tokens 1, echo, logprobs 1
+    ll = client.completions.create(model=model, prompt=[1, 300, 301, 302], max_tokens=1, temperature=0,
+                                   logprobs=1, echo=True).choices[0].logprobs
+    assert ll.token_logprobs[1:4] == c.logprobs.token_logprobs[1:4]
 
 
 def test_seed_reproducible_and_stop_string(client: openai.OpenAI, model: str) -> None:

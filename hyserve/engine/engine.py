@@ -49,6 +49,7 @@ class _OutputState:
     emitted: int = 0  # characters of `text` already handed out
     tokens_emitted: int = 0
     logprobs_emitted: int = 0
+    prompt_logprobs_emitted: bool = False
 
 
 class LLMEngine:
@@ -279,6 +280,8 @@ class LLMEngine:
             else None
         )
         self._outputs[request_id] = _OutputState(detok=detok)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]  # the first prompt token has no context to be predicted from
         self.scheduler.add(req)
         self.counters["prompt_tokens_total"] += len(prompt_token_ids)
         return req
@@ -304,6 +307,11 @@ class LLMEngine:
             logger.exception("model step failed; failing the %d requests of this batch", len(batch.seqs))
             self.counters["step_failures_total"] += 1
             return deltas + self._fail_batch(batch, e)
+        if self.runner.kept is not None:
+            try:
+                self._record_prompt_logprobs(batch)
+            finally:
+                self.runner.kept = None
         self.scheduler.update(batch, self.requests)
         sampling = [s for s in batch.seqs if s.sample]
         histories = None
@@ -322,6 +330,25 @@ class LLMEngine:
                 continue
             deltas.append(self._append_token(req, tok, lp))
         return deltas
+
+    def _record_prompt_logprobs(self, batch: ScheduledBatch) -> None:
+        """For each prefill chunk that wants prompt logprobs: the logprob of every prompt token its
+        positions predict (position p predicts token p + 1), skipping those already recorded (a chunk
+        recomputed after a preemption)."""
+        for row, seq in enumerate(batch.seqs):
+            if row < batch.num_decodes or seq.params.prompt_logprobs is None:
+                continue
+            req = self.requests.get(seq.request_id)
+            if req is None:
+                continue
+            rec = req.prompt_logprobs
+            first = max(len(rec), seq.start_pos + 1)  # first prompt position to fill
+            last = min(seq.start_pos + len(seq.token_ids), req.num_prompt_tokens - 1)  # inclusive
+            if last < first:
+                continue
+            targets = req.prompt_token_ids[first : last + 1]
+            rec.extend(self.runner.prompt_logprobs(row, first - 1 - seq.start_pos, targets,
+                                                   seq.params.prompt_logprobs))
 
     def _check_strict_warmup(self) -> None:
         n = self.jit.compiles_after_ready
@@ -424,6 +451,11 @@ class LLMEngine:
         if p.logprobs is not None:
             lps = req.output_logprobs[st.logprobs_emitted :]
             st.logprobs_emitted = len(req.output_logprobs)
+        plps = None
+        if (p.prompt_logprobs is not None and not st.prompt_logprobs_emitted
+                and len(req.prompt_logprobs) == req.num_prompt_tokens):
+            plps = list(req.prompt_logprobs)
+            st.prompt_logprobs_emitted = True
         return StreamDelta(
             request_id=req.request_id,
             token_ids=toks,
@@ -436,6 +468,7 @@ class LLMEngine:
             num_output_tokens=len(req.output_token_ids),
             stop_reason=req.stop_reason if finished else None,
             error=req.error if finished else None,
+            prompt_logprobs=plps,
         )
 
     def _finish_delta(self, req: Request) -> StreamDelta:

@@ -81,6 +81,7 @@ class LLM:
         final: dict[str, Any] = {}
         t0 = time.monotonic()
         first_token: dict[str, float] = {}
+        plps: dict[str, list[TokenLogprob | None]] = {}
         finished_at: dict[str, float] = {}
         for (ids, text), sp in zip(encoded, plist_params):
             rid = f"llm-{next(self._ids)}"
@@ -96,6 +97,8 @@ class LLM:
                 tokens[d.request_id].extend(d.token_ids)
                 if d.logprobs:
                     lps[d.request_id].extend(d.logprobs)
+                if d.prompt_logprobs is not None:
+                    plps[d.request_id] = d.prompt_logprobs
                 if d.token_ids and d.request_id not in first_token:
                     first_token[d.request_id] = time.monotonic()
                 if d.finished:
@@ -118,6 +121,7 @@ class LLM:
                     logprobs=lps[rid] if sp.logprobs is not None else None,
                     num_cached_tokens=d.num_cached_tokens,
                     stop_reason=d.stop_reason,
+                    prompt_logprobs=plps.get(rid),
                     metrics={
                         "time_to_first_token_s": first_token.get(rid, finished_at[rid]) - t0,
                         "e2e_latency_s": finished_at[rid] - t0,

@@ -27,6 +27,8 @@ class StreamDelta:
     num_output_tokens: int
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None
+    # once, with the first output token: one entry per prompt token (None for the first)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -43,3 +45,4 @@ class RequestOutput:
     num_cached_tokens: int
     stop_reason: int | str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when SamplingParams.prompt_logprobs is set

@@ -24,6 +24,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # index = prompt position
     # cache state (owned by the scheduler / cache manager)
     num_computed: int = 0  # tokens whose KV + Mamba state are in the cache
     block_ids: list[int] = field(default_factory=list)

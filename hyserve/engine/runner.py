@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from hyserve.engine.cuda_graphs import DecodeGraphs
+from hyserve.engine.outputs import TokenLogprob
 from hyserve.engine.scheduler import ScheduledBatch
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.forward_meta import ForwardMeta, SnapshotWrite
@@ -26,6 +27,9 @@ class ModelRunner:
         self.tokens_per_block = cache.tokens_per_block
         # decode-only steps replay captured graphs when set (hyserve.engine.cuda_graphs.DecodeGraphs)
         self.graphs: DecodeGraphs | None = None
+        # the last eager step's hidden states and cu_seqlens, kept only when a sequence of it wants prompt
+        # logprobs (`prompt_logprobs`); the engine drops them once it has read them
+        self.kept: tuple[torch.Tensor, list[int]] | None = None
 
     def build_meta(self, batch: ScheduledBatch) -> tuple[torch.Tensor, ForwardMeta]:
         bs = self.tokens_per_block
@@ -79,4 +83,30 @@ class ModelRunner:
                 return logits
         input_ids, meta = self.build_meta(batch)
         hidden = self.model(input_ids, meta, self.cache)
+        if any(s.params.prompt_logprobs is not None for s in batch.seqs[batch.num_decodes :]):
+            self.kept = (hidden, meta.cu_seqlens)
         return self.model.compute_logits(hidden[meta.logits_indices])
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, row: int, offset: int, targets: list[int], k: int,
+                        rows_per_pass: int = 256) -> list[TokenLogprob]:
+        """Logprobs of `targets` (the prompt tokens that follow) at the kept step's sequence `row`, from
+        its new-token position `offset` on, with the top-k alternatives; vocabulary-wide logits are
+        formed `rows_per_pass` positions at a time."""
+        assert self.kept is not None, "no kept hidden states (the step had no prompt-logprobs sequence)"
+        hidden, cu = self.kept
+        start = cu[row] + offset
+        assert start + len(targets) <= cu[row + 1]
+        out: list[TokenLogprob] = []
+        for a in range(0, len(targets), rows_per_pass):
+            tg = targets[a : a + rows_per_pass]
+            lp = torch.log_softmax(self.model.compute_logits(hidden[start + a : start + a + len(tg)]).float(), -1)
+            cols = [lp.gather(1, torch.tensor(tg, device=lp.device)[:, None]).double()]
+            if k > 0:
+                vals, ids = torch.topk(lp, min(k, lp.shape[1]), dim=-1)
+                cols += [vals.double(), ids.double()]
+            table = torch.cat(cols, dim=1).tolist()
+            kk = (len(table[0]) - 1) // 2
+            for t, r in zip(tg, table):
+                out.append(TokenLogprob(token_id=t, logprob=r[0], top={int(r[1 + kk + j]): r[1 + j] for j in range(kk)}))
+        return out

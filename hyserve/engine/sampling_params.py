@@ -21,6 +21,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; k >= 0 -> chosen token + top-k alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (no prefix-cache hit)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     presence_penalty: float = 0.0  # [-2, 2]; see hyserve/engine/logits_processing.py
@@ -64,6 +65,11 @@ class SamplingParams:
             or not (0 <= self.logprobs <= MAX_LOGPROBS)
         ):
             raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+        if self.prompt_logprobs is not None and (
+            isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
+            or not (0 <= self.prompt_logprobs <= MAX_LOGPROBS)
+        ):
+            raise bad("prompt_logprobs", f"an integer in [0, {MAX_LOGPROBS}]", self.prompt_logprobs)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise bad("stop", "a list of non-empty strings", self.stop)

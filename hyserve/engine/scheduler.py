@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from hyserve.cache.manager import HybridCacheManager, chain_hashes
+from hyserve.cache.manager import HybridCacheManager, PrefixHit, chain_hashes
 from hyserve.engine.request import Request, RequestStatus
 from hyserve.engine.sampling_params import SamplingParams
 
@@ -301,7 +301,10 @@ class Scheduler:
         if slot is None:
             return None
         # only prompt blocks are ever indexed, so the prompt's hashes cover a recomputed request too
-        hit = self.cache.match_prefix(self._hashes(req), req.num_tokens)
+        if req.params.prompt_logprobs is None:
+            hit = self.cache.match_prefix(self._hashes(req), req.num_tokens)
+        else:  # prompt logprobs need every prompt position computed: no prefix-cache hit
+            hit = PrefixHit(0, [], None)
         req.live_slot = slot
         req.block_ids = list(hit.blocks)
         req.num_computed = hit.num_tokens

@@ -193,6 +193,7 @@ class _Result:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -402,7 +403,8 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
         return s
 
     def sampling_params(
-        req: ChatCompletionRequest | CompletionRequest, n_prompt: int, max_tokens: int | None, logprobs: int | None
+        req: ChatCompletionRequest | CompletionRequest, n_prompt: int, max_tokens: int | None, logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         if max_tokens is None:
             room = engine.max_seq_len - n_prompt
@@ -430,6 +432,7 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
+                prompt_logprobs=prompt_logprobs,
             )
         except ValueError as e:
             msg = str(e)
@@ -481,6 +484,8 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
                     timer.token()
                 res.num_cached_tokens = d.num_cached_tokens
                 res.num_output_tokens = d.num_output_tokens
+                if d.prompt_logprobs is not None:
+                    res.prompt_logprobs = d.prompt_logprobs
                 if d.num_prompt_tokens:
                     res.num_prompt_tokens = d.num_prompt_tokens
                 if d.finished:
@@ -855,15 +860,21 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
             off += len(s)
         return res
 
-    def echo_logprobs(prompt_ids: list[int]) -> CompletionLogprobs:
-        # The engine computes no prompt logprobs; echoed prompt tokens carry null, as OpenAI's first token.
+    def echo_logprobs(prompt_ids: list[int], plps: list[TokenLogprob | None] | None, top_n: int
+                      ) -> CompletionLogprobs:
+        """The echoed prompt's logprobs: null for the first token (nothing predicts it), as OpenAI."""
         res = CompletionLogprobs()
         off = 0
-        for t in prompt_ids:
+        for i, t in enumerate(prompt_ids):
             s = token_text(t)
+            lp = plps[i] if plps is not None and i < len(plps) else None
             res.tokens.append(s)
-            res.token_logprobs.append(None)
-            res.top_logprobs.append(None)
+            res.token_logprobs.append(None if lp is None else max(lp.logprob, _LOGPROB_FLOOR))
+            if lp is None or not top_n:
+                res.top_logprobs.append(None)
+            else:
+                tops = sorted(lp.top.items(), key=lambda kv: -kv[1])[:top_n]
+                res.top_logprobs.append({token_text(tt): max(v, _LOGPROB_FLOOR) for tt, v in tops})
             res.text_offset.append(off)
             off += len(s)
         return res
@@ -891,7 +902,9 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
         n = req.n or 1
         jobs: list[_Job] = []  # choice index = prompt index * n + k, as OpenAI orders them
         for i, (ids, text) in enumerate(prompts):
-            params = sampling_params(req, len(ids), req.max_tokens, req.logprobs)
+            # echo + logprobs: the prompt tokens' own logprobs too (lm-eval style loglikelihood requests)
+            params = sampling_params(req, len(ids), req.max_tokens, req.logprobs,
+                                     req.logprobs if req.echo else None)
             validate(ids, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
             for k in range(n):
                 rid = base if len(prompts) * n == 1 else f"{base}-{i * n + k}"
@@ -928,7 +941,7 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
                 ptext = prompt_echo_text(job.prompt_ids, job.prompt_text)
                 text = ptext + text
                 if req.logprobs is not None:
-                    lp = echo_logprobs(job.prompt_ids)
+                    lp = echo_logprobs(job.prompt_ids, res.prompt_logprobs, top_n)
                     gen = completion_logprobs(res.logprobs, top_n, len(ptext))
                     lp.tokens += gen.tokens
                     lp.token_logprobs += gen.token_logprobs
@@ -988,13 +1001,21 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
             return _sse(json.dumps(d))
 
         try:
-            if req.echo:
+            # echoed prompts go first; with logprobs, each waits for its request's first delta, which
+            # carries the prompt logprobs
+            echo_pending = set(range(len(jobs))) if req.echo else set()
+            if req.echo and req.logprobs is None:
                 for i, j in enumerate(jobs):
                     ptext = prompt_echo_text(j.prompt_ids, j.prompt_text)
                     offsets[i] = len(ptext)
-                    lp = echo_logprobs(j.prompt_ids) if req.logprobs is not None else None
-                    yield chunk(i, ptext, lp)
+                    yield chunk(i, ptext, None)
+                echo_pending.clear()
             async for i, d in merged(jobs):
+                if i in echo_pending:
+                    echo_pending.discard(i)
+                    ptext = prompt_echo_text(jobs[i].prompt_ids, jobs[i].prompt_text)
+                    offsets[i] = len(ptext)
+                    yield chunk(i, ptext, echo_logprobs(jobs[i].prompt_ids, d.prompt_logprobs, top_n))
                 if d.token_ids:
                     timers[i].token()
                 n_out[i], n_cached[i] = d.num_output_tokens, d.num_cached_tokens
