@@ -62,3 +62,11 @@ def test_warmup_failure_is_reported_not_raised(engine: AsyncEngine) -> None:
     warm_http_path(Failing(), ServerOptions(), log=logs.append)
     assert logs and logs[0].startswith("hyserve: warning: HTTP warm-up requests failed:"), logs
     assert "HTTP 500" in logs[0] and "stream=True" in logs[0], logs
+
+
+def test_no_chat_requests_without_a_chat_template(engine: AsyncEngine, monkeypatch) -> None:
+    monkeypatch.setattr(engine.tokenizer, "_templates", {})
+    assert not engine.tokenizer.has_chat_template
+    logs: list[str] = []
+    warm_http_path(engine, ServerOptions(), log=logs.append)
+    assert logs == [logs[0]] and logs[0].startswith("hyserve: HTTP path warmed (2 requests"), logs

@@ -78,7 +78,7 @@ def warm_http_path(engine: Any, server_options: ServerOptions | None = None,
         common: dict[str, Any] = {"model": engine.model_name, "max_tokens": 2, "temperature": 0, "stream": stream,
                                   **({"stream_options": {"include_usage": True}} if stream else {})}
         requests.append(("/v1/completions", {**common, "prompt": [bos, bos + 1], "logprobs": 1}))
-        if engine.tokenizer is not None:
+        if engine.tokenizer is not None and engine.tokenizer.has_chat_template:
             requests.append(("/v1/chat/completions", {**common, "messages": [{"role": "user", "content": "hi"}]}))
 
     async def run() -> list[str]:
