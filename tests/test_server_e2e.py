@@ -305,6 +305,11 @@ def test_openai_client_sees_error_messages(client: openai.OpenAI, model: str) ->
         ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
         ({"prompt": ""}, "prompt"),
         ({}, "prompt"),
+        ({"prompt": "x", "logit_bias": {"999999": 5}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"1.5": 5}}, "logit_bias"),
+        ({"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"prompt": "x", "repetition_penalty": -1}, "repetition_penalty"),
+        ({"prompt": "x", "n": 65}, "n"),
     ],
 )
 def test_bad_completion_inputs(server: ServerProcess, body: dict[str, Any], param: str) -> None:
