@@ -135,7 +135,7 @@ fi
 if [[ " $parts " == *" profile "* ]]; then
   echo "== where the server's time goes at concurrency 64 (py-spy, carried in .whl)"
   start_server /tmp/serve_profile.log --max-batch-size 64 --max-seq-len 4096 || exit 1
-  "${BENCH[@]}" --num-prompts 64 --max-concurrency 64 --random-input-len 1000 --random-output-len 1000 \
+  "${BENCH[@]}" --num-prompts 64 --max-concurrency 64 --random-input-len 1000 --random-output-len 2000 \
     --temperature 0 --result-filename serve_profile_c64.json > /tmp/serve_profile_bench.log 2>&1 &
   bench=$!
   sleep 12  # past the prefills: decode steps only
