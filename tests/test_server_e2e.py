@@ -383,3 +383,23 @@ def test_n_choices_of_a_long_prompt_share_its_prefill(server: ServerProcess, cli
     assert r.choices[0].text == r.choices[1].text == r.choices[2].text
     assert hits() - before >= 2 * 256  # each follower reused the prompt up to its 256-token snapshot
     assert r.usage.prompt_tokens == 300
+
+
+def test_echo_with_max_tokens_zero_returns_the_prompt_and_its_logprobs(server: ServerProcess,
+                                                                       client: openai.OpenAI, model: str) -> None:
+    """Legacy OpenAI loglikelihood request: echo, max_tokens 0, logprobs: the prompt back with its logprobs,
+    nothing generated; streamed the same. max_tokens 0 without echo is a 400."""
+    full = client.completions.create(model=model, prompt=[1, 300, 301, 302], max_tokens=1, temperature=0,
+                                     logprobs=1, echo=True).choices[0]
+    r = client.completions.create(model=model, prompt=[1, 300, 301, 302], max_tokens=0, temperature=0,
+                                  logprobs=1, echo=True)
+    c = r.choices[0]
+    assert len(c.logprobs.tokens) == 4 and c.logprobs.token_logprobs == full.logprobs.token_logprobs[:4]
+    assert c.finish_reason == "length" and r.usage.completion_tokens == 0 and r.usage.prompt_tokens == 4
+    assert c.text == "".join(full.logprobs.tokens[:4])
+    chunks = list(client.completions.create(model=model, prompt=[1, 300, 301, 302], max_tokens=0, logprobs=1,
+                                            echo=True, stream=True))
+    texts = [ch.choices[0] for ch in chunks if ch.choices]
+    assert texts[0].logprobs.token_logprobs == c.logprobs.token_logprobs
+    assert texts[-1].finish_reason == "length" and "".join(t.text for t in texts) == c.text
+    assert _err(_post(server, "/completions", {"prompt": "x", "max_tokens": 0}), 400)["param"] == "max_tokens"

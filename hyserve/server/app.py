@@ -895,6 +895,10 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
             raise bad_request("suffix is not supported by this server", param="suffix")
         if req.best_of not in (None, 1):
             raise bad_request(f"best_of must be 1, got {req.best_of}", param="best_of")
+        prompt_only = req.max_tokens == 0
+        if prompt_only and not req.echo:
+            raise bad_request("max_tokens must be >= 1 (0 is only allowed with echo: the prompt back, with its "
+                              "logprobs, and nothing generated)", param="max_tokens")
         n_chars = len(req.prompt) if isinstance(req.prompt, str) else sum(
             len(p) for p in req.prompt if isinstance(p, str))
         prompts = await off_loop(lambda: completion_prompts(req), n_chars)
@@ -903,7 +907,7 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
         jobs: list[_Job] = []  # choice index = prompt index * n + k, as OpenAI orders them
         for i, (ids, text) in enumerate(prompts):
             # echo + logprobs: the prompt tokens' own logprobs too (lm-eval style loglikelihood requests)
-            params = sampling_params(req, len(ids), req.max_tokens, req.logprobs,
+            params = sampling_params(req, len(ids), 1 if prompt_only else req.max_tokens, req.logprobs,
                                      req.logprobs if req.echo else None)
             validate(ids, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
             for k in range(n):
@@ -935,6 +939,9 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
             err = _finish_error(res.finish_reason, res.error)
             if err is not None:
                 raise err
+            if prompt_only:  # the one token the engine generated is not part of the answer
+                res.text, res.logprobs, res.num_output_tokens, res.finish_reason = "", [], 0, "length"
+                res.stop_reason = None
             text = res.text
             lp = None
             if req.echo:
@@ -966,6 +973,7 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
     ) -> AsyncIterator[str]:
         created = now()
         top_n = req.logprobs or 0
+        prompt_only = req.max_tokens == 0
         n_prompt = [len(j.prompt_ids) for j in jobs]
         n_out = [0] * len(jobs)
         n_cached = [0] * len(jobs)
@@ -1027,6 +1035,12 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
                     if err is not None:
                         yield sse_error_event(err)
                         break
+                if prompt_only:  # echo with max_tokens 0: the generated token is not part of the answer
+                    n_out[i] = 0
+                    if d.finished:
+                        reasons[i] = "length"
+                        yield chunk(i, "", None, "length", None)
+                    continue
                 lp = None
                 if req.logprobs is not None and d.logprobs:
                     lp = completion_logprobs(d.logprobs, top_n, offsets[i])

@@ -246,6 +246,8 @@ class ChatCompletionChunk(_Response):
 class CompletionRequest(_SamplingFields):
     # A string, a batch of strings, one token-id prompt, or a batch of token-id prompts.
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    # 0 is allowed with echo: the prompt (and its logprobs) back, nothing generated (legacy OpenAI)
+    max_tokens: int | None = Field(default=None, ge=0)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
