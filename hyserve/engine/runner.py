@@ -13,6 +13,7 @@ import torch
 
 from hyserve.engine.cuda_graphs import DecodeGraphs
 from hyserve.engine.outputs import TokenLogprob
+from hyserve.engine.sampler import token_logprobs
 from hyserve.engine.scheduler import ScheduledBatch
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.forward_meta import ForwardMeta, SnapshotWrite
@@ -100,13 +101,6 @@ class ModelRunner:
         out: list[TokenLogprob] = []
         for a in range(0, len(targets), rows_per_pass):
             tg = targets[a : a + rows_per_pass]
-            lp = torch.log_softmax(self.model.compute_logits(hidden[start + a : start + a + len(tg)]).float(), -1)
-            cols = [lp.gather(1, torch.tensor(tg, device=lp.device)[:, None]).double()]
-            if k > 0:
-                vals, ids = torch.topk(lp, min(k, lp.shape[1]), dim=-1)
-                cols += [vals.double(), ids.double()]
-            table = torch.cat(cols, dim=1).tolist()
-            kk = (len(table[0]) - 1) // 2
-            for t, r in zip(tg, table):
-                out.append(TokenLogprob(token_id=t, logprob=r[0], top={int(r[1 + kk + j]): r[1 + j] for j in range(kk)}))
+            logits = self.model.compute_logits(hidden[start + a : start + a + len(tg)])
+            out += token_logprobs(logits, torch.tensor(tg, device=logits.device), tg, [k] * len(tg))
         return out

@@ -66,6 +66,24 @@ def _rows(idx: list[int], n: int, device: torch.device) -> torch.Tensor | None:
     return _to_device(torch.tensor(idx, dtype=torch.long), device)
 
 
+def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, chosen_ids: list[int], ks: list[int]
+                   ) -> list[TokenLogprob]:
+    """log_softmax of `logits` [w, V]: row r's logprob of `chosen[r]` (ids `chosen_ids[r]`) and its top
+    `ks[r]` alternatives, in one device->host copy."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [w, V]
+    cols = [lp.gather(1, chosen.unsqueeze(1)).double()]  # [w, 1]
+    kmax = min(max(ks, default=0), lp.shape[1])
+    if kmax > 0:
+        vals, ids = torch.topk(lp, kmax, dim=-1)  # [w, kmax], sorted descending
+        cols += [vals.double(), ids.double()]  # ids < 2**53: exact in float64
+    table = torch.cat(cols, dim=1).tolist()  # [w, 1 + 2 * kmax]
+    out = []
+    for row, tok, k in zip(table, chosen_ids, ks):
+        top = {int(row[1 + kmax + j]): row[1 + j] for j in range(min(k, kmax))}
+        out.append(TokenLogprob(token_id=tok, logprob=row[0], top=top))
+    return out
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._seed = seed
@@ -220,15 +238,7 @@ class Sampler:
         n = logits.shape[0]
         rows = _rows(want, n, logits.device)
         raw = logits if rows is None else logits[rows]
-        lp = torch.log_softmax(raw.float(), dim=-1)  # [w, V]
-        chosen_ids = tokens if rows is None else tokens[rows]
-        cols = [lp.gather(1, chosen_ids.unsqueeze(1)).double()]  # [w, 1]
-        kmax = min(max(params[i].logprobs or 0 for i in want), lp.shape[1])
-        if kmax > 0:
-            vals, ids = torch.topk(lp, kmax, dim=-1)  # [w, kmax], sorted descending
-            cols += [vals.double(), ids.double()]  # ids < 2**53: exact in float64
-        table = torch.cat(cols, dim=1).tolist()  # [w, 1 + 2 * kmax]
-        for row, i in zip(table, want):
-            k = min(params[i].logprobs or 0, kmax)
-            top = {int(row[1 + kmax + j]): row[1 + j] for j in range(k)}
-            out[i] = TokenLogprob(token_id=token_list[i], logprob=row[0], top=top)
+        chosen = tokens if rows is None else tokens[rows]
+        entries = token_logprobs(raw, chosen, [token_list[i] for i in want], [params[i].logprobs or 0 for i in want])
+        for i, e in zip(want, entries):
+            out[i] = e
