@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hyserve import LLM, SamplingParams  # noqa: E402
+from hyserve.bench.report import records_markdown  # noqa: E402
 from hyserve.model.config import HybridModelConfig  # noqa: E402
 
 CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
@@ -228,12 +229,7 @@ def main() -> None:
     stamp = dt.date.today().isoformat()
     stamp = f"{stamp}_{result['git_sha']}"
     (out / f"model_{stamp}.json").write_text(json.dumps(result, indent=2))
-    lines = ["| name | value | unit | reference | reference value | ratio |", "|---|---|---|---|---|---|"]
-    for r in records:
-        ratio = "" if r["ratio"] is None else f"{r['ratio']:.3f}"
-        ref = "" if r["reference_value"] is None else f"{r['reference_value']:.2f}"
-        lines.append(f"| {r['name']} | {r['value']:.2f} | {r['unit']} | {r['reference']} | {ref} | {ratio} |")
-    table = "\n".join(lines)
+    table = records_markdown(records)
     (out / f"model_{stamp}.md").write_text(f"# model benchmark {stamp} ({result['gpu']}, {sha})\n\n{table}\n")
     print(table)
 

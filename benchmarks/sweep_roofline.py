@@ -24,16 +24,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.roofline import decode_step_ms  # noqa: E402
+from hyserve.bench.report import record, records_markdown  # noqa: E402
 from hyserve.model.config import HybridModelConfig  # noqa: E402
 
 CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
 NAME = re.compile(r"serve_sweep_in(\d+)_out(\d+)_c(\d+)\.json$")
-
-
-def rec(name: str, value: float, unit: str, reference: str, reference_value: float | None,
-        ratio: float | None) -> dict:
-    return {"name": name, "value": value, "unit": unit, "reference": reference,
-            "reference_value": reference_value, "ratio": ratio}
 
 
 def point_records(cfg: HybridModelConfig, path: Path) -> list[dict] | None:
@@ -50,12 +45,14 @@ def point_records(cfg: HybridModelConfig, path: Path) -> list[dict] | None:
     itl = run["median_itl_ms"]
     roof_tps = batch / roof_ms * 1e3
     tag = f"in {i} out {o} concurrency {c}"
+    step = record(f"{tag}: median ITL (ms)", itl, "ms", f"roofline decode step, batch {batch}", roof_ms)
+    step["ratio"] = roof_ms / itl  # a time: roofline / measured, so 1.0 is at the roofline
     return [
-        rec(f"{tag}: median ITL (ms)", itl, "ms", f"roofline decode step, batch {batch}", roof_ms, roof_ms / itl),
-        rec(f"{tag}: mean TPOT (ms)", run["mean_tpot_ms"], "ms", "none", None, None),
-        rec(f"{tag}: output throughput (tok/s)", run["output_throughput"], "tok/s",
-            f"roofline decode throughput, batch {batch}", roof_tps, run["output_throughput"] / roof_tps),
-        rec(f"{tag}: mean TTFT (ms)", run["mean_ttft_ms"], "ms", "none", None, None),
+        step,
+        record(f"{tag}: mean TPOT (ms)", run["mean_tpot_ms"], "ms", "none"),
+        record(f"{tag}: output throughput (tok/s)", run["output_throughput"], "tok/s",
+               f"roofline decode throughput, batch {batch}", roof_tps),
+        record(f"{tag}: mean TTFT (ms)", run["mean_ttft_ms"], "ms", "none"),
     ]
 
 
@@ -79,12 +76,7 @@ def main() -> None:
               "model": "NVIDIA-Nemotron-Nano-9B-v2 architecture, random weights, bf16",
               "records": records}
     (args.results / "serve_sweep_roofline.json").write_text(json.dumps(result, indent=2))
-    lines = ["| point | value | unit | reference | reference value | ratio |", "|---|---|---|---|---|---|"]
-    for r in records:
-        ref = "" if r["reference_value"] is None else f"{r['reference_value']:.2f}"
-        ratio = "" if r["ratio"] is None else f"{r['ratio']:.3f}"
-        lines.append(f"| {r['name']} | {r['value']:.2f} | {r['unit']} | {r['reference']} | {ref} | {ratio} |")
-    table = "\n".join(lines)
+    table = records_markdown(records, "point")
     (args.results / "serve_sweep_roofline.md").write_text(f"# throughput sweep vs roofline ({gpu}, {args.git_sha})\n\n"
                                                           f"{table}\n")
     print(table)

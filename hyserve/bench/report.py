@@ -73,6 +73,16 @@ def record(name: str, value: float | None, unit: str, reference: str | None = No
             "reference_value": reference_value, "ratio": ratio}
 
 
+def records_markdown(records: Sequence[dict[str, Any]], first_column: str = "name") -> str:
+    """A markdown table of `records` (value and reference to 2 decimals, ratio to 3)."""
+    lines = [f"| {first_column} | value | unit | reference | reference value | ratio |", "|---|---|---|---|---|---|"]
+    for r in records:
+        ref = "" if r["reference_value"] is None else f"{r['reference_value']:.2f}"
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        lines.append(f"| {r['name']} | {r['value']:.2f} | {r['unit']} | {r['reference']} | {ref} | {ratio} |")
+    return "\n".join(lines)
+
+
 # (metric key, short name, unit) reported per run as records
 _RUN_RECORDS = (
     ("output_throughput", "output throughput", "tok/s"),
