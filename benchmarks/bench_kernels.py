@@ -7,6 +7,7 @@ when the package is installed).
     python benchmarks/bench_kernels.py                       # on the GPU: writes benchmarks/results/kernels_<date>.json
     python benchmarks/bench_kernels.py --only ssm,attn       # a subset
     python benchmarks/bench_kernels.py --only ssd_sweep      # SSD block-size alternatives (not in the default run)
+    python benchmarks/bench_kernels.py --only attn_sweep     # paged attention launch alternatives (idem)
     python benchmarks/bench_kernels.py --dry-run --out /tmp/k.json   # CPU: tiny shapes, Triton interpreter,
                                                                      # wall-clock timing (checks the script only)
 
@@ -480,13 +481,19 @@ def _bench_mamba_ssm_ssd_peer(b: Bench, name: str, x, dt, A, B, C, L: int, D, dt
 # the default by `--only ssd_sweep`: the data to retune `triton_ssd._gpu_config` from.
 _SSD_SWEEP: list[tuple[str, dict, dict]] = [
     ("default", {}, {}),
+    # head dim 80 pads to 128 in one P block; 32- and 16-wide blocks waste less and give the
+    # sequential state walk more programs to hide its latency behind
+    ("state P32 N64 w4 s2", dict(BLOCK_P=32, BLOCK_N=64, num_warps=4, num_stages=2), {}),
+    ("state P16 N64 w4 s2", dict(BLOCK_P=16, BLOCK_N=64, num_warps=4, num_stages=2), {}),
+    ("state P32 N32 w4 s2", dict(BLOCK_P=32, BLOCK_N=32, num_warps=4, num_stages=2), {}),
+    ("state P16 N128 w4 s2", dict(BLOCK_P=16, BLOCK_N=128, num_warps=4, num_stages=2), {}),
     ("state P64 N64 w4 s3", dict(BLOCK_P=64, BLOCK_N=64, num_warps=4, num_stages=3), {}),
-    ("state P128 N32 w4 s3", dict(BLOCK_P=128, BLOCK_N=32, num_warps=4, num_stages=3), {}),
-    ("state P32 N128 w4 s2", dict(BLOCK_P=32, BLOCK_N=128, num_warps=4, num_stages=2), {}),
-    ("out M128 K64 w8", {}, dict(BLOCK_M=128, BLOCK_K=64, num_warps=8)),
+    ("out P32 w4", {}, dict(BLOCK_P=32, num_warps=4)),
+    ("out P16 w4", {}, dict(BLOCK_P=16, num_warps=4)),
+    ("out M128 K64 P32 w8", {}, dict(BLOCK_M=128, BLOCK_K=64, BLOCK_P=32, num_warps=8)),
     ("out M64 K32 KN32 s3", {}, dict(BLOCK_M=64, BLOCK_K=32, BLOCK_KN=32, num_stages=3)),
-    ("out M32 K32 w4", {}, dict(BLOCK_M=32, BLOCK_K=32, num_warps=4)),
-    ("out M64 K64 KN128 w8", {}, dict(BLOCK_M=64, BLOCK_K=64, BLOCK_KN=128, num_warps=8)),
+    ("state P32 N64 + out P32", dict(BLOCK_P=32, BLOCK_N=64, num_warps=4, num_stages=2), dict(BLOCK_P=32, num_warps=4)),
+    ("state P16 N64 + out P32", dict(BLOCK_P=16, BLOCK_N=64, num_warps=4, num_stages=2), dict(BLOCK_P=32, num_warps=4)),
 ]
 
 
@@ -521,11 +528,97 @@ def bench_ssd_sweep(b: Bench) -> None:
             setattr(ts, attr, base)
 
 
+# Alternative launch settings for paged attention, timed against the default by `--only attn_sweep`:
+# the data to retune `triton_attention._DECODE_GPU` / `_PREFILL_GPU` / `_TARGET_PROGRAMS` from.
+# (label, decode settings, target programs, max splits) and (label, prefill settings for head dim 128).
+_DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
+    ("default", {}, 0, 0),
+    ("N64 w4 s3", dict(num_stages=3), 0, 0),
+    ("N64 w4 s4", dict(num_stages=4), 0, 0),
+    ("N128 w4 s3", dict(BLOCK_N=128, num_stages=3), 0, 0),
+    ("N128 w8 s3", dict(BLOCK_N=128, num_warps=8, num_stages=3), 0, 0),
+    ("N64 w4 s3, 2x programs", dict(num_stages=3), 132 * 8, 256),
+    ("N64 w4 s3, 4x programs", dict(num_stages=3), 132 * 16, 256),
+    ("N32 w2 s4, 4x programs", dict(BLOCK_N=32, num_warps=2, num_stages=4), 132 * 16, 256),
+    ("N128 w4 s3, 2x programs", dict(BLOCK_N=128, num_stages=3), 132 * 8, 256),
+]
+_PREFILL_SWEEP: list[tuple[str, dict]] = [
+    ("default", {}),
+    ("M128 N64 w8 s3", dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)),
+    ("M128 N128 w8 s2", dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)),
+    ("M128 N128 w8 s3", dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)),
+    ("M128 N64 w4 s3", dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)),
+    ("M64 N64 w4 s3", dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)),
+    ("M64 N128 w4 s3", dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)),
+    ("M128 N32 w4 s4", dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4)),
+]
+
+
+def bench_attn_sweep(b: Bench) -> None:
+    import hyserve.kernels.triton_attention as ta
+
+    Hq, Hkv, D, bs = (40, 8, 128, 64) if not b.dry else (4, 2, 32, 16)
+    dtype = BF16 if not b.dry else torch.float16
+    scale, tol = D**-0.5, 2e-2
+    saved = (dict(ta._DECODE_GPU), {k: dict(v) for k, v in ta._PREFILL_GPU.items()}, ta._TARGET_PROGRAMS,
+             ta._MAX_SPLITS, dict(ta._DECODE_CPU), dict(ta._PREFILL_CPU))
+
+    def restore() -> None:
+        ta._DECODE_GPU, ta._PREFILL_GPU, ta._TARGET_PROGRAMS, ta._MAX_SPLITS = (
+            dict(saved[0]), {k: dict(v) for k, v in saved[1].items()}, saved[2], saved[3])
+        ta._DECODE_CPU, ta._PREFILL_CPU = dict(saved[4]), dict(saved[5])
+
+    def run_case(name: str, q, kc, vc, tb, lens, cu, nbytes_or_flops: float, unit: str, configs, apply) -> None:
+        ref = paged_attention_ref(q, kc, vc, tb, lens, cu, scale)
+        base_ms = None
+        for label, *cfg in configs:
+            try:
+                apply(*cfg)
+                got = ta.paged_attention_triton(q, kc, vc, tb, lens, cu, scale)
+                if not b.check(f"{name} [{label}]", got, ref, tol, tol):
+                    continue
+                ms = b.time_ms(lambda: ta.paged_attention_triton(q, kc, vc, tb, lens, cu, scale))
+                base_ms = base_ms if base_ms is not None else ms  # the first entry is the default
+                b.record(f"{name} [{label}]", ms, "ms", "default settings, same sweep", base_ms, time_ms=ms,
+                         rate=nbytes_or_flops / (ms * 1e-3), rate_unit=unit)
+            except Exception as e:  # noqa: BLE001 - a setting may not compile; report and go on
+                print(f"     (attention config {label} failed: {type(e).__name__}: {e})")
+            finally:
+                restore()
+        del ref
+
+    def apply_decode(over: dict, programs: int, max_splits: int) -> None:
+        target = ta._DECODE_CPU if b.dry else ta._DECODE_GPU
+        target.update(over if not b.dry else {k: v for k, v in over.items() if k != "BLOCK_N"})
+        if programs:
+            ta._TARGET_PROGRAMS, ta._MAX_SPLITS = programs, max_splits
+
+    def apply_prefill(over: dict) -> None:
+        if b.dry:
+            return  # the interpreter runs its own small tiles
+        ta._PREFILL_GPU[128].update(over)
+
+    for batch, L in ((1, 131072), (64, 8192)) if not b.dry else ((1, 700), (3, 100)):
+        lens = [L] * batch
+        kc, vc, tb = _paged_pool(b, lens, Hkv, D, bs, dtype)
+        q = b.rnd(batch, Hq, D, dtype=dtype)
+        run_case(f"decode attention {batch} x {L}", q, kc, vc, tb, lens, list(range(batch + 1)),
+                 2 * batch * L * Hkv * D * kc.element_size(), "B/s", _DECODE_SWEEP, apply_decode)
+        del kc, vc
+    for n_new, L in ((8192, 8192), (2048, 8192)) if not b.dry else ((37, 37), (20, 50)):
+        kc, vc, tb = _paged_pool(b, [L], Hkv, D, bs, dtype)
+        q = b.rnd(n_new, Hq, D, dtype=dtype)
+        from hyserve.kernels.triton_attention import attention_flops
+
+        run_case(f"prefill attention {n_new} new / {L}", q, kc, vc, tb, [L], [0, n_new],
+                 attention_flops([n_new], [L], Hq, D), "FLOP/s", _PREFILL_SWEEP, apply_prefill)
+
+
 # --------------------------------------------------------------------------- main
 
 SUITES = {"ssm": bench_ssm, "conv": bench_conv, "norm": bench_norms, "attn": bench_attn, "ssd": bench_ssd,
-          "ssd_sweep": bench_ssd_sweep}
-DEFAULT_SUITES = [k for k in SUITES if k != "ssd_sweep"]  # the sweep retunes block sizes: on request
+          "ssd_sweep": bench_ssd_sweep, "attn_sweep": bench_attn_sweep}
+DEFAULT_SUITES = [k for k in SUITES if not k.endswith("_sweep")]  # sweeps retune launch settings: on request
 
 
 def _git_sha() -> str:

@@ -44,6 +44,33 @@ def sync() -> None:
     torch.cuda.synchronize()
 
 
+def replay_breakdown(replay, step_ms: float, steps: int = 20, top: int = 25) -> str:
+    """Device time per decode step by kernel name inside the batch-1 graph replay (torch profiler),
+    the kernels that take the most first: where the replay's gap to the weight roofline goes."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                replay()
+            sync()
+        rows = []
+        for e in prof.key_averages():
+            us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+            if e.count and us > 0:
+                rows.append((us / steps, e.count / steps, e.key))
+    except Exception as e:  # noqa: BLE001 - a diagnostic only
+        return f"batch-1 replay kernel breakdown unavailable: {type(e).__name__}: {e}"
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    lines = [f"batch-1 graph replay, device time per step by kernel ({total:.0f} us in kernels of "
+             f"{step_ms * 1e3:.0f} us per replay; {sum(r[1] for r in rows):.0f} launches per step):"]
+    lines += [f"  {us:8.1f} us  {n:5.0f}x  {name[:110]}" for us, n, name in rows[:top]]
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
 def bench_hyserve(cfg: HybridModelConfig, records: list, notes: list) -> None:
     llm = LLM(str(CFG_DIR), load_format="dummy", max_seq_len=16384, max_batch_size=64, max_num_tokens=8192,
               kv_cache_config={"enable_block_reuse": False, "free_gpu_memory_fraction": 0.5}, log=print)
@@ -90,6 +117,7 @@ def bench_hyserve(cfg: HybridModelConfig, records: list, notes: list) -> None:
         gpu_ms = (time.perf_counter() - t) / 50 * 1e3
         records.append(rec("hyserve decode batch 1, graph replay alone (tok/s)", 1e3 / gpu_ms, "tok/s",
                            "weight-bandwidth roofline", decode_roof))
+        notes.append(replay_breakdown(replay, gpu_ms))
         eng.runner.graphs = None
         eager = decode_b1("e")
         eng.runner.graphs = graphs

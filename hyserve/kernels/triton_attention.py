@@ -13,9 +13,11 @@ Step layout (ForwardMeta): the single-token decode sequences come first, then pr
                             one sequence's KV once for all q heads of its GQA group (q rows padded to
                             16 for tl.dot), writes a partial output + log-sum-exp; _combine_kernel
                             merges the splits. Splits give long contexts enough parallelism.
-    prefill seqs [nd, S):   _prefill_kernel, grid (q-blocks, q_heads, S - nd): flash-attention style
+    prefill seqs [nd, S):   _prefill_kernel, grid (q_heads, q-blocks, S - nd): flash-attention style
                             online softmax over the cached + new tokens, causal on absolute positions
                             (new token j of a sequence with n new tokens sits at seq_len - n + j).
+                            Key tiles wholly below a query block's diagonal load and score without
+                            masks; only the band up to its last query is masked.
 
 Softmax in float32 with exp2 (scale folded with log2(e)). P is cast to the V dtype for the PV product,
 as flash attention does.
@@ -128,17 +130,26 @@ def write_kv_triton(
 
 @triton.jit
 def _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, mn, offs_d, md, kvh, q,
-                  s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS: tl.constexpr):
-    """K and V rows of one head for token positions `pos` (masked by `mn`), found through the block
-    table: position p lives in block bt_row[p // BS], row p % BS. Cast to q's dtype (a float8 tile
-    exactly; its scales are applied by the caller to the scores and the output)."""
-    blk = tl.load(bt_row + pos // BS, mask=mn, other=0).to(tl.int64)
+                  s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS: tl.constexpr,
+                  MASK_N: tl.constexpr, MASK_D: tl.constexpr):
+    """K and V rows of one head for token positions `pos` (masked by `mn` when MASK_N), found through
+    the block table: position p lives in block bt_row[p // BS], row p % BS. Cast to q's dtype (a float8
+    tile exactly; its scales are applied by the caller to the scores and the output). Full tiles of an
+    unpadded head dim load without masks (MASK_N / MASK_D False)."""
     r = pos % BS
-    mkv = mn[:, None] & md[None, :]
-    k = tl.load(kc_ptr + blk[:, None] * s_kc_b + r[:, None] * s_kc_r + kvh * s_kc_h + offs_d[None, :],
-                mask=mkv, other=0.0).to(q.dtype)
-    v = tl.load(vc_ptr + blk[:, None] * s_vc_b + r[:, None] * s_vc_r + kvh * s_vc_h + offs_d[None, :],
-                mask=mkv, other=0.0).to(q.dtype)
+    if MASK_N:
+        blk = tl.load(bt_row + pos // BS, mask=mn, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + pos // BS).to(tl.int64)
+    k_ptrs = kc_ptr + blk[:, None] * s_kc_b + r[:, None] * s_kc_r + kvh * s_kc_h + offs_d[None, :]
+    v_ptrs = vc_ptr + blk[:, None] * s_vc_b + r[:, None] * s_vc_r + kvh * s_vc_h + offs_d[None, :]
+    if MASK_N or MASK_D:
+        mkv = mn[:, None] & md[None, :]
+        k = tl.load(k_ptrs, mask=mkv, other=0.0).to(q.dtype)
+        v = tl.load(v_ptrs, mask=mkv, other=0.0).to(q.dtype)
+    else:
+        k = tl.load(k_ptrs).to(q.dtype)
+        v = tl.load(v_ptrs).to(q.dtype)
     return k, v
 
 
@@ -200,13 +211,21 @@ def _decode_kernel(
     acc = tl.zeros((REP_PAD, D_PAD), dtype=tl.float32)
     bt_row = bt_ptr + seq * s_bt_s
     offs_n = tl.arange(0, BLOCK_N)
-    for start in range(lo, hi, BLOCK_N):
+    # whole tiles without masks, then the split's partial last tile (if any); the running max stays
+    # finite: every tile holds >= 1 valid position
+    full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, full_hi, BLOCK_N):
+        pos = start + offs_n
+        k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, pos < hi, offs_d, md, kvh, q,
+                             s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, False, HEAD_DIM != D_PAD)
+        qk = dot(q, tl.trans(k), IEEE) * qk_scale
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
+    for start in range(full_hi, hi, BLOCK_N):
         pos = start + offs_n
         mn = pos < hi
         k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, mn, offs_d, md, kvh, q,
-                             s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS)
+                             s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, True, True)
         qk = tl.where(mn[None, :], dot(q, tl.trans(k), IEEE) * qk_scale, float("-inf"))
-        # the running max stays finite: every chunk holds >= 1 valid position
         m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
 
     has = l_i > 0.0  # an empty split (lo >= L) contributes weight 0
@@ -259,8 +278,10 @@ def _prefill_kernel(
     BS: tl.constexpr, REP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, KV_SCALED: tl.constexpr,
 ):
-    mb = tl.program_id(0)
-    h = tl.program_id(1)
+    # q heads fastest (the REP heads of a KV head run together and share its tiles in L2), then the
+    # query blocks from the last (longest causal row) to the first, so the short ones fill the tail
+    h = tl.program_id(0)
+    mb = tl.num_programs(1) - 1 - tl.program_id(1)
     seq = seq_offset + tl.program_id(2).to(tl.int64)
     q0 = tl.load(cu_ptr + seq).to(tl.int64)
     n = tl.load(cu_ptr + seq + 1).to(tl.int64) - q0
@@ -286,14 +307,23 @@ def _prefill_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, D_PAD), dtype=tl.float32)
     bt_row = bt_ptr + seq * s_bt_s
+    # Keys before ctx + m0 are visible to every query of this block (and exist: ctx + m0 < L), so the
+    # whole tiles below that need no mask; the band up to the block's last query is masked.
+    full_end = (ctx + m0) // BLOCK_N * BLOCK_N
+    for start in range(0, full_end, BLOCK_N):
+        pos = start + offs_n
+        k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, pos < full_end, offs_d, md, kvh, q,
+                             s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, False, HEAD_DIM != D_PAD)
+        qk = dot(q, tl.trans(k), IEEE) * qk_scale
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
     kv_end = tl.minimum(L, ctx + m0 + BLOCK_M)  # causal: nothing past this block's last query
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(full_end, kv_end, BLOCK_N):
         pos = start + offs_n
         mn = pos < kv_end
         k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, mn, offs_d, md, kvh, q,
-                             s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS)
-        # Position 0 is visible to every query, so m_i is finite after the first chunk and a row
-        # whose chunk is fully masked later just gets p = 0.
+                             s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, True, True)
+        # Position 0 is visible to every query, so m_i is finite after the first tile and a row
+        # whose tile is fully masked later just gets p = 0.
         ok = mn[None, :] & (pos[None, :] <= qpos[:, None])
         qk = tl.where(ok, dot(q, tl.trans(k), IEEE) * qk_scale, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
@@ -312,6 +342,14 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _TARGET_PROGRAMS = 132 * 4
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 128
+# Launch settings on a GPU, fixed per head size (no autotuning: the warm-up enumerates the variants);
+# `benchmarks/bench_kernels.py --only attn_sweep` times alternatives. On the CPU (interpreter) small
+# tiles so the tests cross several tiles and splits.
+_DECODE_GPU = dict(BLOCK_N=64, num_warps=4, num_stages=2)
+_PREFILL_GPU = {128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),  # D_PAD <= 128
+                256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
+_DECODE_CPU = dict(BLOCK_N=16, num_warps=4, num_stages=1)
+_PREFILL_CPU = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
 
 def _host_list(v: torch.Tensor | list[int]) -> list[int]:
@@ -403,7 +441,8 @@ def paged_attention_triton(
     )
 
     if nd > 0:
-        BLOCK_N = 64 if on_gpu else 16
+        dcfg = dict(_DECODE_GPU if on_gpu else _DECODE_CPU)
+        BLOCK_N = dcfg.pop("BLOCK_N")
         splits = num_decode_splits(nd, Hkv, max_len)
         po = torch.empty(splits, nd, Hq, Dh, dtype=torch.float32, device=dev)
         plse = torch.empty(splits, nd, Hq, dtype=torch.float32, device=dev)
@@ -414,7 +453,7 @@ def paged_attention_triton(
             po.stride(0), po.stride(1), po.stride(2), plse.stride(0), plse.stride(1),
             BS=BS, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)),
             HEAD_DIM=Dh, D_PAD=D_PAD, BLOCK_N=BLOCK_N, MIN_SPLIT=triton.cdiv(_MIN_SPLIT_TOKENS, BLOCK_N) * BLOCK_N,
-            IEEE=ieee, KV_SCALED=scaled, num_warps=4, num_stages=2,
+            IEEE=ieee, KV_SCALED=scaled, **dcfg,
         )
         _combine_kernel[(nd, Hq)](
             po, plse, cu_t, out, 0, splits,
@@ -424,16 +463,12 @@ def paged_attention_triton(
         )
 
     if nd < S and max_new > 0:
-        if on_gpu:
-            BLOCK_M, BLOCK_N, warps, stages = (128, 64, 8, 2) if D_PAD <= 128 else (64, 32, 4, 2)
-        else:
-            BLOCK_M, BLOCK_N, warps, stages = 16, 16, 4, 1
-        _prefill_kernel[(triton.cdiv(max_new, BLOCK_M), Hq, S - nd)](
+        pcfg = (_PREFILL_GPU[128 if D_PAD <= 128 else 256]) if on_gpu else _PREFILL_CPU
+        _prefill_kernel[(Hq, triton.cdiv(max_new, pcfg["BLOCK_M"]), S - nd)](
             q, k_cache, v_cache, block_tables, lens_t, cu_t, out, ks, vs,
             nd, qk_scale,
             q.stride(0), q.stride(1), *strides_kv, block_tables.stride(0), out.stride(0), out.stride(1),
-            BS=BS, REP=rep, HEAD_DIM=Dh, D_PAD=D_PAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IEEE=ieee,
-            KV_SCALED=scaled, num_warps=warps, num_stages=stages,
+            BS=BS, REP=rep, HEAD_DIM=Dh, D_PAD=D_PAD, IEEE=ieee, KV_SCALED=scaled, **pcfg,
         )
     return out
 
