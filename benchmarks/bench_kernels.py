@@ -481,19 +481,16 @@ def _bench_mamba_ssm_ssd_peer(b: Bench, name: str, x, dt, A, B, C, L: int, D, dt
 # the default by `--only ssd_sweep`: the data to retune `triton_ssd._gpu_config` from.
 _SSD_SWEEP: list[tuple[str, dict, dict]] = [
     ("default", {}, {}),
-    # head dim 80 pads to 128 in one P block; 32- and 16-wide blocks waste less and give the
-    # sequential state walk more programs to hide its latency behind
-    ("state P32 N64 w4 s2", dict(BLOCK_P=32, BLOCK_N=64, num_warps=4, num_stages=2), {}),
-    ("state P16 N64 w4 s2", dict(BLOCK_P=16, BLOCK_N=64, num_warps=4, num_stages=2), {}),
-    ("state P32 N32 w4 s2", dict(BLOCK_P=32, BLOCK_N=32, num_warps=4, num_stages=2), {}),
-    ("state P16 N128 w4 s2", dict(BLOCK_P=16, BLOCK_N=128, num_warps=4, num_stages=2), {}),
-    ("state P64 N64 w4 s3", dict(BLOCK_P=64, BLOCK_N=64, num_warps=4, num_stages=3), {}),
-    ("out P32 w4", {}, dict(BLOCK_P=32, num_warps=4)),
-    ("out P16 w4", {}, dict(BLOCK_P=16, num_warps=4)),
-    ("out M128 K64 P32 w8", {}, dict(BLOCK_M=128, BLOCK_K=64, BLOCK_P=32, num_warps=8)),
-    ("out M64 K32 KN32 s3", {}, dict(BLOCK_M=64, BLOCK_K=32, BLOCK_KN=32, num_stages=3)),
-    ("state P32 N64 + out P32", dict(BLOCK_P=32, BLOCK_N=64, num_warps=4, num_stages=2), dict(BLOCK_P=32, num_warps=4)),
-    ("state P16 N64 + out P32", dict(BLOCK_P=16, BLOCK_N=64, num_warps=4, num_stages=2), dict(BLOCK_P=32, num_warps=4)),
+    ("state P64 N64 w4 s4", dict(BLOCK_P=64, BLOCK_N=64, num_warps=4, num_stages=4), {}),
+    ("state P64 N32 w4 s3", dict(BLOCK_P=64, BLOCK_N=32, num_warps=4, num_stages=3), {}),
+    ("state P32 N64 w4 s3", dict(BLOCK_P=32, BLOCK_N=64, num_warps=4, num_stages=3), {}),
+    ("state P128 N64 w8 s3", dict(BLOCK_P=128, BLOCK_N=64, num_warps=8, num_stages=3), {}),
+    ("state P64 N128 w8 s3", dict(BLOCK_P=64, BLOCK_N=128, num_warps=8, num_stages=3), {}),
+    ("out K64 KN64 s3", {}, dict(BLOCK_K=64, BLOCK_KN=64, num_stages=3)),
+    ("out K32 KN64 s3", {}, dict(BLOCK_K=32, BLOCK_KN=64, num_stages=3)),
+    ("out K32 KN32 s4", {}, dict(BLOCK_K=32, BLOCK_KN=32, num_stages=4)),
+    ("out M32 K32 KN32 s3", {}, dict(BLOCK_M=32, BLOCK_K=32, BLOCK_KN=32, num_stages=3)),
+    ("out M64 K32 KN32 P64 s3", {}, dict(BLOCK_P=64, num_stages=3)),
 ]
 
 
@@ -533,24 +530,18 @@ def bench_ssd_sweep(b: Bench) -> None:
 # (label, decode settings, target programs, max splits) and (label, prefill settings for head dim 128).
 _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
     ("default", {}, 0, 0),
-    ("N64 w4 s3", dict(num_stages=3), 0, 0),
-    ("N64 w4 s4", dict(num_stages=4), 0, 0),
-    ("N128 w4 s3", dict(BLOCK_N=128, num_stages=3), 0, 0),
-    ("N128 w8 s3", dict(BLOCK_N=128, num_warps=8, num_stages=3), 0, 0),
-    ("N64 w4 s3, 2x programs", dict(num_stages=3), 132 * 8, 256),
-    ("N64 w4 s3, 4x programs", dict(num_stages=3), 132 * 16, 256),
-    ("N32 w2 s4, 4x programs", dict(BLOCK_N=32, num_warps=2, num_stages=4), 132 * 16, 256),
-    ("N128 w4 s3, 2x programs", dict(BLOCK_N=128, num_stages=3), 132 * 8, 256),
+    ("N64 w4 s2", dict(BLOCK_N=64, num_stages=2), 0, 0),
+    ("N128 w4 s2", dict(num_stages=2), 0, 0),
+    ("N128 w4 s3, 2x programs", {}, 132 * 8, 256),
+    ("N128 w4 s3, half the programs", {}, 132 * 2, 128),
+    ("N64 w4 s3, 2x programs", dict(BLOCK_N=64), 132 * 8, 256),
 ]
 _PREFILL_SWEEP: list[tuple[str, dict]] = [
     ("default", {}),
-    ("M128 N64 w8 s3", dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)),
-    ("M128 N128 w8 s2", dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)),
-    ("M128 N128 w8 s3", dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)),
-    ("M128 N64 w4 s3", dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)),
-    ("M64 N64 w4 s3", dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)),
-    ("M64 N128 w4 s3", dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)),
-    ("M128 N32 w4 s4", dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4)),
+    ("M128 N128 w8 s2", dict(num_stages=2)),
+    ("M128 N64 w8 s2", dict(BLOCK_N=64, num_stages=2)),
+    ("M128 N64 w8 s4", dict(BLOCK_N=64, num_stages=4)),
+    ("M64 N128 w8 s3", dict(BLOCK_M=64)),
 ]
 
 

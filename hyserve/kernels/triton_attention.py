@@ -242,25 +242,32 @@ def _decode_kernel(
 def _combine_kernel(
     po_ptr, plse_ptr, cu_ptr, out_ptr, seq_offset, num_splits,
     s_po_sp, s_po_s, s_po_h, s_pl_sp, s_pl_s, s_o_t, s_o_h,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SP: tl.constexpr,
 ):
+    """out = sum_sp w_sp o_sp / sum_sp w_sp with w_sp = 2^(lse_sp - max lse), BLOCK_SP splits per
+    vector load (no per-split branch or dependent scalar load: most splits of a short context are empty
+    and cost one masked lane)."""
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row = tl.load(cu_ptr + seq_offset + s).to(tl.int64)
     offs_d = tl.arange(0, D_PAD)
     md = offs_d < HEAD_DIM
+    offs_sp = tl.arange(0, BLOCK_SP)
     m = tl.full((), float("-inf"), dtype=tl.float32)
     den = tl.zeros((), dtype=tl.float32)
     acc = tl.zeros((D_PAD,), dtype=tl.float32)
-    for sp in range(num_splits):
-        lse = tl.load(plse_ptr + sp * s_pl_sp + s * s_pl_s + h)
-        if lse > float("-inf"):
-            o = tl.load(po_ptr + sp * s_po_sp + s * s_po_s + h * s_po_h + offs_d, mask=md, other=0.0)
-            m_new = tl.maximum(m, lse)
+    for sp0 in range(0, num_splits, BLOCK_SP):
+        sp = sp0 + offs_sp
+        lse = tl.load(plse_ptr + sp * s_pl_sp + s * s_pl_s + h, mask=sp < num_splits, other=float("-inf"))
+        live = lse > float("-inf")  # an empty split wrote -inf and no output
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        if m_new > float("-inf"):
+            w = tl.where(live, tl.exp2(lse - m_new), 0.0)
+            o = tl.load(po_ptr + sp[:, None] * s_po_sp + s * s_po_s + h * s_po_h + offs_d[None, :],
+                        mask=live[:, None] & md[None, :], other=0.0)
             alpha = tl.exp2(m - m_new)
-            w = tl.exp2(lse - m_new)
-            acc = acc * alpha + w * o
-            den = den * alpha + w
+            acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
+            den = den * alpha + tl.sum(w, axis=0)
             m = m_new
     tl.store(out_ptr + row * s_o_t + h * s_o_h + offs_d, (acc / den).to(out_ptr.dtype.element_ty), mask=md)
 
@@ -345,8 +352,8 @@ _MAX_SPLITS = 128
 # Launch settings on a GPU, fixed per head size (no autotuning: the warm-up enumerates the variants);
 # `benchmarks/bench_kernels.py --only attn_sweep` times alternatives. On the CPU (interpreter) small
 # tiles so the tests cross several tiles and splits.
-_DECODE_GPU = dict(BLOCK_N=64, num_warps=4, num_stages=2)
-_PREFILL_GPU = {128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),  # D_PAD <= 128
+_DECODE_GPU = dict(BLOCK_N=128, num_warps=4, num_stages=3)
+_PREFILL_GPU = {128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),  # D_PAD <= 128
                 256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
 _DECODE_CPU = dict(BLOCK_N=16, num_warps=4, num_stages=1)
 _PREFILL_CPU = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
@@ -459,7 +466,7 @@ def paged_attention_triton(
             po, plse, cu_t, out, 0, splits,
             po.stride(0), po.stride(1), po.stride(2), plse.stride(0), plse.stride(1),
             out.stride(0), out.stride(1),
-            HEAD_DIM=Dh, D_PAD=D_PAD, num_warps=1,
+            HEAD_DIM=Dh, D_PAD=D_PAD, BLOCK_SP=16 if on_gpu else 2, num_warps=4 if on_gpu else 1,
         )
 
     if nd < S and max_new > 0:
