@@ -64,6 +64,15 @@ class Bench:
 
         return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
+    def graph_ms(self, fn) -> float:
+        """Device time of fn replayed from a CUDA graph (median): how a decode step runs it, without the
+        launcher's host work between calls (on the CPU: time_ms)."""
+        if self.dry:
+            return self.time_ms(fn)
+        import triton.testing
+
+        return float(triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median"))
+
     def check(self, name: str, actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> bool:
         try:
             assert torch.isfinite(actual).all(), "non-finite values"
@@ -247,12 +256,18 @@ def bench_attn(b: Bench) -> None:
         q = b.rnd(batch, Hq, D, dtype=dtype)
         cu = list(range(batch + 1))
         name = f"paged decode attention batch {batch} x {L} context"
-        if b.check(name, paged_attention_triton(q, kc, vc, tb, lens, cu, scale),
+        # the engine's decode path: device tensors for lengths and offsets (nothing read on the host),
+        # the call replayed from a CUDA graph as a decode step runs it
+        lens_t = torch.tensor(lens, dtype=torch.int32, device=b.dev)
+        cu_t = torch.tensor(cu, dtype=torch.int32, device=b.dev)
+        if b.check(name, paged_attention_triton(q, kc, vc, tb, lens_t, cu_t, scale),
                    paged_attention_ref(q, kc, vc, tb, lens, cu, scale), tol, tol):
-            ms = b.time_ms(lambda: paged_attention_triton(q, kc, vc, tb, lens, cu, scale))
+            ms = b.graph_ms(lambda: paged_attention_triton(q, kc, vc, tb, lens_t, cu_t, scale))
+            eager_ms = b.time_ms(lambda: paged_attention_triton(q, kc, vc, tb, lens, cu, scale))
             kv_bytes = 2 * batch * L * Hkv * D * kc.element_size()
             b.record(name, kv_bytes / (ms * 1e-3), "B/s", "KV-read roofline: bf16 GEMV read ceiling (DESIGN.md)",
-                     READ_BW, time_ms=ms)
+                     READ_BW, time_ms=ms, timing="CUDA graph replay, device-tensor lengths",
+                     eager_host_lists_ms=eager_ms)
 
     # prefill: one 8k sequence (no cache) and an extend of 2k new tokens over 6k cached
     for n_new, L in ((8192, 8192), (2048, 8192)) if not b.dry else ((37, 37), (20, 50)):
@@ -298,9 +313,11 @@ def _bench_decode_fp8(b: Bench, Hq: int, Hkv: int, D: int, bs: int, dtype, tol: 
         if not b.check(name, paged_attention_triton(q, kc, vc, tb, lens, cu, scale, **kw),
                        paged_attention_ref(q, kc, vc, tb, lens, cu, scale, **kw), tol, tol):
             continue
-        ms = b.time_ms(lambda: paged_attention_triton(q, kc, vc, tb, lens, cu, scale, **kw))
+        lens_t = torch.tensor(lens, dtype=torch.int32, device=b.dev)  # the decode path, as bench_attn
+        cu_t = torch.tensor(cu, dtype=torch.int32, device=b.dev)
+        ms = b.graph_ms(lambda: paged_attention_triton(q, kc, vc, tb, lens_t, cu_t, scale, **kw))
         kd, vd = (kc.float() * ks).to(dtype), (vc.float() * vs).to(dtype)  # the same values in 16 bits
-        ms16 = b.time_ms(lambda: paged_attention_triton(q, kd, vd, tb, lens, cu, scale))
+        ms16 = b.graph_ms(lambda: paged_attention_triton(q, kd, vd, tb, lens_t, cu_t, scale))
         kv_bytes = 2 * batch * L * Hkv * D * kc.element_size()  # 1 byte per element
         b.record(name, kv_bytes / (ms * 1e-3), "B/s", "KV-read roofline (1-byte KV): GEMV read ceiling (DESIGN.md)",
                  READ_BW, time_ms=ms, bf16_kv_ms=ms16, speedup_vs_bf16_kv=ms16 / ms)

@@ -26,16 +26,18 @@ pytest.importorskip("triton")
 # the interpreter converts 1-element arrays to loop bounds, which numpy >= 1.25 warns about
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
+from hyserve.kernels.activation import relu2_ref  # noqa: E402
 from hyserve.kernels.attention import paged_attention_ref, write_kv_ref  # noqa: E402
 from hyserve.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref  # noqa: E402
-from hyserve.kernels.rmsnorm import rms_norm_ref, rmsnorm_gated_ref  # noqa: E402
+from hyserve.kernels.rmsnorm import add_rms_norm_ref, rms_norm_ref, rmsnorm_gated_ref  # noqa: E402
 from hyserve.kernels.ssm_update import selective_state_update_ref  # noqa: E402
+from hyserve.kernels.triton_activation import relu2_triton  # noqa: E402
 from hyserve.kernels.triton_attention import paged_attention_triton, write_kv_triton  # noqa: E402
 from hyserve.kernels.triton_conv1d import (  # noqa: E402
     causal_conv1d_update_triton,
     causal_conv1d_varlen_triton,
 )
-from hyserve.kernels.triton_rmsnorm import rms_norm_triton, rmsnorm_gated_triton  # noqa: E402
+from hyserve.kernels.triton_rmsnorm import add_rms_norm_triton, rms_norm_triton, rmsnorm_gated_triton  # noqa: E402
 from hyserve.kernels.triton_ssm_update import selective_state_update_triton  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -254,6 +256,37 @@ def test_rms_norm_small(poison, dtype, shape):
     close(out, rms_norm_ref(x, w, 1e-5), dtype, "rms_norm")
 
 
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("shape", [(1, 40), (5, 3, 33)])
+def test_add_rms_norm_small(poison, dtype, shape):
+    x, r, w = rnd(*shape, dtype=dtype), rnd(*shape, dtype=dtype, scale=4.0), rnd(shape[-1], dtype=dtype)
+    with poison:
+        out, total = add_rms_norm_triton(x, r, w, 1e-5)
+    ref_out, ref_total = add_rms_norm_ref(x, r, w, 1e-5)
+    # the residual stream is exactly the model's `h + x` (one rounding of the float32 sum); the
+    # interpreter rounds float32 -> bf16 toward zero (compiled Triton rounds to nearest even, as torch)
+    if CUDA or dtype != BF16:
+        assert torch.equal(total, ref_total), "add_rms_norm: residual sum differs from residual + x"
+    close(total, ref_total, dtype, "add_rms_norm residual sum")
+    close(out, ref_out, dtype, "add_rms_norm")
+    # and against float64 throughout (the norm of the rounded sum)
+    out64 = rms_norm_ref(total.double(), w.double(), 1e-5)
+    close(out.double(), out64, dtype if dtype != F32 else F32, "add_rms_norm vs float64")
+    torch.testing.assert_close(total.double(), r.double() + x.double(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+def test_relu2_small(poison, dtype):
+    x = rnd(3, 1000, dtype=dtype, scale=3.0)
+    for inp in (x, x[:, ::3], x[1, 17:18]):  # contiguous, strided, one element
+        with poison:
+            out = relu2_triton(inp)
+        assert out.shape == inp.shape
+        if CUDA or dtype != BF16:  # (the interpreter's bf16 rounding: see test_add_rms_norm_small)
+            assert torch.equal(out, relu2_ref(inp)), "relu2: differs from square(relu(x))"
+        torch.testing.assert_close(out.double(), torch.relu(inp.double()) ** 2, **TOL[dtype])
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("rows", [1, 257, 4096])
@@ -268,6 +301,14 @@ def test_norms_nano9b(poison, rows):
     with poison:
         out = rms_norm_triton(h, wh, 1e-5)
     close(out, rms_norm_ref(h, wh, 1e-5), BF16, "rms_norm")
+    x2 = rnd(rows, 4480, dtype=BF16)
+    with poison:
+        out, total = add_rms_norm_triton(x2, h, wh, 1e-5)
+    ref_out, ref_total = add_rms_norm_ref(x2, h, wh, 1e-5)
+    assert torch.equal(total, ref_total)
+    close(out, ref_out, BF16, "add_rms_norm")
+    u = rnd(rows, 15680, dtype=BF16, scale=2.0)
+    assert torch.equal(relu2_triton(u), relu2_ref(u))
 
 
 # --------------------------------------------------------------------------- attention
@@ -436,6 +477,7 @@ def test_registry_registers_only_with_cuda():
     if not CUDA:
         assert names == []
         return
-    assert set(names) >= {"rms_norm", "rmsnorm_gated", "conv1d_update", "ssm_update", "write_kv", "paged_attention"}
+    assert set(names) >= {"rms_norm", "add_rms_norm", "relu2", "rmsnorm_gated", "conv1d_update", "ssm_update",
+                          "write_kv", "paged_attention"}
     for n in names:
         assert ops.get(n, on_cuda=True) is not ops.get(n, on_cuda=False)

@@ -8,15 +8,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from hyserve.kernels.activation import relu2_ref
 from hyserve.kernels.attention import paged_attention_ref, write_kv_ref
 from hyserve.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
-from hyserve.kernels.rmsnorm import rms_norm_ref, rmsnorm_gated_ref
+from hyserve.kernels.rmsnorm import add_rms_norm_ref, rms_norm_ref, rmsnorm_gated_ref
 from hyserve.kernels.ssd import ssd_chunked_ref
 from hyserve.kernels.ssm_update import selective_state_update_ref
 from hyserve.kernels.stochastic_rounding import store_ssm_state_ref
 
 _REF: dict[str, Callable[..., Any]] = {
     "rms_norm": rms_norm_ref,
+    "add_rms_norm": add_rms_norm_ref,
+    "relu2": relu2_ref,
     "rmsnorm_gated": rmsnorm_gated_ref,
     "ssd": ssd_chunked_ref,
     "conv1d_varlen": causal_conv1d_varlen_ref,

@@ -22,6 +22,15 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return (weight.to(cd) * h).to(x.dtype)
 
 
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add of one block and the next block's pre-norm: s = residual + x (in x.dtype, as the
+    model's `h + mixer(...)`), out = rms_norm_ref(s). Returns (out, s)."""
+    s = residual + x
+    return rms_norm_ref(s, weight, eps), s
+
+
 def rmsnorm_gated_ref(
     x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: float, group_size: int
 ) -> torch.Tensor:

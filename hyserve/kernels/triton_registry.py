@@ -23,15 +23,18 @@ def register_triton_kernels() -> list[str]:
             "CUDA is available but triton is not installed: pip install triton (it ships with the "
             "CUDA builds of torch)"
         ) from e
+    from hyserve.kernels.triton_activation import relu2_triton
     from hyserve.kernels.triton_attention import paged_attention_triton, write_kv_triton
     from hyserve.kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
-    from hyserve.kernels.triton_rmsnorm import rms_norm_triton, rmsnorm_gated_triton
+    from hyserve.kernels.triton_rmsnorm import add_rms_norm_triton, rms_norm_triton, rmsnorm_gated_triton
     from hyserve.kernels.triton_ssd import ssd_triton
     from hyserve.kernels.triton_ssm_update import selective_state_update_triton
     from hyserve.kernels.triton_stochastic_rounding import store_ssm_state_triton
 
     impls = {
         "rms_norm": rms_norm_triton,
+        "add_rms_norm": add_rms_norm_triton,
+        "relu2": relu2_triton,
         "rmsnorm_gated": rmsnorm_gated_triton,
         "conv1d_update": causal_conv1d_update_triton,
         "conv1d_varlen": causal_conv1d_varlen_triton,

@@ -3,6 +3,8 @@
 Same contracts (and roundings) as `rmsnorm.rms_norm_ref` and `rmsnorm.rmsnorm_gated_ref`:
 
     rms_norm:       out = (w * x * rsqrt(mean(x^2) + eps)) in x.dtype          (one rounding)
+    add_rms_norm:   s = (residual + x) in x.dtype (stored: the next residual); out = rms_norm(s)
+                    (one kernel for a block's residual add and the next block's pre-norm)
     rmsnorm_gated:  h = x * silu(z); per group of `group_size` channels
                     out = w * (h * rsqrt(mean(h^2) + eps)).to(x.dtype)        (as the reference: the
                     normalised value is rounded to x.dtype before the weight multiply; out dtype is
@@ -30,6 +32,24 @@ def _rms_norm_kernel(
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + r * s_out_r + offs, (w * (x * rstd)).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _add_rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, rows, dim, eps, s_x_r, s_res_r, s_out_r, s_sum_r,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < dim
+    x = tl.load(x_ptr + r * s_x_r + offs, mask=m, other=0.0).to(tl.float32)
+    res = tl.load(res_ptr + r * s_res_r + offs, mask=m, other=0.0).to(tl.float32)
+    s = (x + res).to(sum_ptr.dtype.element_ty)  # rounded like torch's residual + x
+    tl.store(sum_ptr + r * s_sum_r + offs, s, mask=m)
+    h = s.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / dim + eps)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r * s_out_r + offs, (w * (h * rstd)).to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -77,6 +97,29 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
             BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256)),
         )
     return out.view(x.shape)
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [..., D] (one dtype), weight: [D] -> (rms_norm(residual + x), residual + x)."""
+    d = x.shape[-1]
+    assert weight.shape == (d,) and weight.is_contiguous(), f"weight {tuple(weight.shape)} vs x {tuple(x.shape)}"
+    assert residual.shape == x.shape and residual.dtype == x.dtype, (
+        f"residual {tuple(residual.shape)} {residual.dtype} vs x {tuple(x.shape)} {x.dtype}")
+    assert x.dtype in _FLOATS, "float64 runs on the reference path"
+    assert d <= 65536
+    x2, r2 = _rows(x, d), _rows(residual, d)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    total = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    rows = x2.shape[0]
+    if rows > 0:
+        BLOCK = triton.next_power_of_2(d)
+        _add_rms_norm_kernel[(rows,)](
+            x2, r2, weight, out, total, rows, d, float(eps), x2.stride(0), r2.stride(0), out.stride(0),
+            total.stride(0), BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256)),
+        )
+    return out.view(x.shape), total.view(x.shape)
 
 
 def rmsnorm_gated_triton(

@@ -4,6 +4,9 @@ batches over the paged KV pool and the Mamba state-slot pool.
 Each block is pre-norm + mixer + residual; the mixer is one of Mamba2, attention, MLP or MoE:
 
     h = embed(ids);  for block: h = h + mixer(rmsnorm(h));  logits = lm_head(rmsnorm_f(h))
+
+A block's residual add runs fused with the next norm (`add_rms_norm`: one kernel on CUDA), so a block
+returns its mixer output and the residual stream it was given, and the next norm (or norm_f) adds them.
 """
 
 from __future__ import annotations
@@ -41,8 +44,16 @@ class HybridBlock(nn.Module):
         else:  # HybridModelConfig.validate rejects anything else
             raise ValueError(f"unknown layer type {self.kind!r}")
 
-    def forward(self, h: torch.Tensor, meta: ForwardMeta, cache: CacheTensors) -> torch.Tensor:
-        x = self.norm(h)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, meta: ForwardMeta, cache: CacheTensors
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous block's mixer output (or the embeddings when residual is None), residual: the
+        stream before that block's add. Returns (this block's mixer output, its residual stream)."""
+        if residual is None:
+            h = x
+            x = self.norm(h)
+        else:
+            x, h = self.norm.add_forward(x, residual)
         i = self.layer_id
         if self.kind == LAYER_MAMBA:
             x = self.mixer(x, meta, cache.conv[i], cache.ssm[i])
@@ -50,7 +61,7 @@ class HybridBlock(nn.Module):
             x = self.mixer(x, meta, cache.k[i], cache.v[i])
         else:
             x = self.mixer(x)
-        return h + x
+        return x, h
 
 
 class Backbone(nn.Module):
@@ -77,10 +88,13 @@ class NemotronHForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: ForwardMeta, cache: CacheTensors) -> torch.Tensor:
         """input_ids: [T] packed new tokens -> final-normed hidden states [T, hidden]."""
-        h = self.backbone.embeddings(input_ids)
+        x = self.backbone.embeddings(input_ids)
+        residual: torch.Tensor | None = None
         for layer in self.backbone.layers:
-            h = layer(h, meta, cache)
-        return self.backbone.norm_f(h)
+            x, residual = layer(x, residual, meta, cache)
+        if residual is None:  # no layers
+            return self.backbone.norm_f(x)
+        return self.backbone.norm_f.add_forward(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -16,3 +16,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.get("rms_norm", x.is_cuda)(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the previous block's residual add fused with this norm."""
+        return ops.get("add_rms_norm", x.is_cuda)(x, residual, self.weight, self.eps)
