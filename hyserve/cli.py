@@ -65,6 +65,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
           help="compile every kernel variant before ready: auto (on CUDA), on, off")
     _flag(p, "strict_warmup", action="store_true", default=None,
           help="fail any step that makes Triton compile after ready (a warm-up gap)")
+    _flag(p, "async_scheduling", choices=("on", "off"), default=None,
+          help="overlap the host's per-step work with the next decode step on the GPU (default on)")
     _flag(p, "cache_dir", default=None, metavar="DIR",
           help="persistent kernel cache (Triton variants and autotune results; default ~/.cache/hyserve)")
     _flag(p, "trust_remote_code", action="store_true", default=False,
@@ -163,10 +165,11 @@ def engine_options_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], 
     if args.model is not None:
         opts["model"] = args.model
     for name in ("dtype", "device", "load_format", "max_batch_size", "max_num_tokens", "max_seq_len",
-                 "tp_size", "ep_size", "seed", "served_model_name", "warmup", "strict_warmup", "cache_dir"):
+                 "tp_size", "ep_size", "seed", "served_model_name", "warmup", "strict_warmup", "cache_dir",
+                 "async_scheduling"):
         v = getattr(args, name, None)
         if v is not None:
-            opts[name] = v
+            opts[name] = (v == "on") if name == "async_scheduling" else v
     if args.kv_cache_free_gpu_memory_fraction is not None:
         kv = opts.get("kv_cache_config")
         kv = dict(kv) if isinstance(kv, dict) else ({} if kv is None else kv)

@@ -3,7 +3,8 @@
 The option names are those of the server's YAML (`extra-llm-api-config.yml` style) and of `LLM(...)`:
 
     EngineConfig
-      model, dtype, device, load_format, served_model_name, seed, warmup, strict_warmup, cache_dir
+      model, dtype, device, load_format, served_model_name, seed, warmup, strict_warmup, cache_dir,
+      async_scheduling
       scheduler: SchedulerConfig   max_batch_size, max_num_tokens, max_seq_len, enable_chunked_prefill
       cache:     CacheConfig       kv_cache_config.* (tokens_per_block, enable_block_reuse, avg_seq_len, ...)
       cuda_graph: CudaGraphConfig  cuda_graph_config.* (enable_padding, max_batch_size, batch_sizes)
@@ -111,6 +112,9 @@ class EngineConfig:
     warmup: str = "auto"
     strict_warmup: bool = False  # a Triton compilation after ready fails the step that caused it
     cache_dir: str | None = None  # persistent kernel cache root (default: envs.HYSERVE_CACHE_DIR)
+    # launch the next decode step before the host has read this one's tokens (they are fed to it on the
+    # device), so the host's per-step work overlaps the GPU's (LLMEngine docstring)
+    async_scheduling: bool = True
     ignored_keys: tuple[str, ...] = ()
 
     def replace(self, **changes: Any) -> EngineConfig:
@@ -124,6 +128,7 @@ _TOP = {
     "max_batch_size", "max_num_tokens", "max_seq_len", "enable_chunked_prefill",
     "kv_cache_config", "cuda_graph_config", "tp_size", "ep_size",
     "tensor_parallel_size", "moe_expert_parallel_size", "warmup", "strict_warmup", "cache_dir",
+    "async_scheduling",
 }
 _KV = {
     "tokens_per_block", "enable_block_reuse", "avg_seq_len", "free_gpu_memory_fraction", "max_tokens",
@@ -292,6 +297,7 @@ def build_engine_config(options: dict[str, Any] | None = None, **kwargs: Any) ->
         warmup=_choice(opts.get("warmup", "auto"), "warmup", WARMUP_MODES),
         strict_warmup=_bool(opts.get("strict_warmup", False), "strict_warmup"),
         cache_dir=None if opts.get("cache_dir") is None else str(opts["cache_dir"]),
+        async_scheduling=_bool(opts.get("async_scheduling", True), "async_scheduling"),
         ignored_keys=tuple(ignored),
     )
 

@@ -30,11 +30,15 @@ def _seq(tok: int, pos: int, blocks: list[int], slot: int) -> ScheduledSeq:
 
 def test_pack_decode_rows_pads_with_harmless_rows() -> None:
     rows = pack_decode_rows([_seq(7, 9, [3, 5], 2), _seq(8, 0, [4], 0)], 4, tokens_per_block=8, pad_slot=11)
-    ids, slots, src, dst, lens = (rows[i * 4 : (i + 1) * 4] for i in range(5))
+    ids, slots, src, dst, lens, feed = (rows[i * 4 : (i + 1) * 4] for i in range(6))
     assert ids == [7, 8, 0, 0]
     assert slots == [5 * 8 + 1, 4 * 8 + 0, -1, -1]  # position 9 -> block 5, row 1; padding is not written
     assert src == dst == [2, 0, 11, 11]
     assert lens == [10, 1, 1, 1]
+    assert feed == [0, 0, 0, 0]  # ids known on the host: no device feed
+    rows = pack_decode_rows([_seq(7, 9, [3, 5], 2), _seq(8, 0, [4], 0)], 4, tokens_per_block=8, pad_slot=11,
+                            feed_rows=[3, 1])
+    assert rows[20:24] == [3, 1, 0, 0]
 
 
 @pytest.fixture()
@@ -57,7 +61,7 @@ def test_graph_decode_equals_eager_with_padding(graphs_on_cpu) -> None:
     assert runner.graphs is not None and llm.engine.plan.num_pad_slots == 1
     used: list[int] = []
     orig = runner.graphs.execute
-    runner.graphs.execute = lambda seqs: used.append(len(seqs)) or orig(seqs)  # type: ignore[method-assign]
+    runner.graphs.execute = lambda seqs, feed=None: used.append(len(seqs)) or orig(seqs, feed)  # type: ignore[method-assign]
     assert _run(llm) == eager
     # the 8 requests decode together, then fewer as they finish: padded sizes (3 -> 4, 5 -> 8) ran
     assert used and any(b not in (1, 2, 4, 8) for b in used)

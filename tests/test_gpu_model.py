@@ -89,6 +89,30 @@ def test_tiny_graph_decode_matches_eager(tmp_path: Path) -> None:
         assert [o.token_ids for o in a] == [o.token_ids for o in b]
 
 
+def test_tiny_async_scheduling_on_cuda_graphs_matches_sync(tmp_path: Path) -> None:
+    """Decode steps launched from graphs with their input tokens fed on the device (async scheduling)
+    give the synchronous engine's tokens: greedy and seeded rows, early stops, and a step overlapped
+    for real (the host reads a step's tokens while the next one runs)."""
+    d = make_tiny(tmp_path / "dense", variant="dense")
+    prompts = [[1, 5, 9, 13, 200, 17, 4], [1, 77] * 20, [1, 3], [1] + list(range(4, 90)), [1, 8, 8]]
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.8, seed=4, ignore_eos=True),
+              SamplingParams(max_tokens=11, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=1.0, top_k=5, seed=9, ignore_eos=True)]
+    opts = dict(device="cuda", dtype="float32", max_seq_len=256)
+    sync = LLM(str(d), async_scheduling=False, **opts)
+    overlapped = LLM(str(d), **opts)
+    fed = []
+    orig = overlapped.engine.runner.graphs.execute
+    overlapped.engine.runner.graphs.execute = (  # type: ignore[method-assign]
+        lambda seqs, feed=None: (fed.append(len(seqs)) if feed is not None else None) or orig(seqs, feed))
+    a = sync.generate(prompts, params)
+    b = overlapped.generate(prompts, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert fed, "no graph step was fed from the device"
+
+
 @pytest.mark.skipif(not (SHARED / "NVIDIA-Nemotron-Nano-9B-v2").exists(), reason="needs shared/configs")
 def test_nano9b_graph_decode_matches_eager_bf16() -> None:
     """Nano 9B v2 bf16: decode from graphs of the exact batch size gives the eager tokens."""

@@ -13,7 +13,8 @@ sequences writes its rows into the buffers, pads rows b..B-1, and replays the gr
     blocks     the block table (first columns)       stale ids: a valid block, read for 1 position
 
 Padding rows compute garbage in a pad state slot and a valid-but-unrelated KV position; their logits
-are never read. Nothing the kernels launch depends on host values (the attention launcher takes the
+are never read. With async scheduling the ids are not known on the host yet: a sixth staging row says
+where each sequence's token sits in the previous step's samples, gathered on the device before replay. Nothing the kernels launch depends on host values (the attention launcher takes the
 device tensors on pure decode steps), so one recording serves every replay.
 
 Graphs are used only for decode-only steps up to the largest captured size; prefill and mixed steps
@@ -33,7 +34,7 @@ from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.forward_meta import ForwardMeta
 from hyserve.model.nemotron_h import NemotronHForCausalLM
 
-_ROWS = 5  # ids, slot_mapping, state_src, state_dst, seq_lens
+_ROWS = 6  # ids, slot_mapping, state_src, state_dst, seq_lens, feed rows (async scheduling)
 
 
 def default_capture_sizes(max_batch_size: int) -> list[int]:
@@ -45,10 +46,12 @@ def default_capture_sizes(max_batch_size: int) -> list[int]:
 
 
 def pack_decode_rows(
-    seqs: Sequence[ScheduledSeq], padded: int, tokens_per_block: int, pad_slot: int
+    seqs: Sequence[ScheduledSeq], padded: int, tokens_per_block: int, pad_slot: int,
+    feed_rows: Sequence[int] | None = None,
 ) -> list[int]:
     """The [_ROWS, padded] int64 staging rows of one decode step, flattened row-major (see the
-    module docstring for what padding rows hold)."""
+    module docstring for what padding rows hold). The last row holds `feed_rows` (where each sequence's
+    input token sits in the previous step's device samples), zeros when the ids are known here."""
     b = len(seqs)
     assert b <= padded
     bs = tokens_per_block
@@ -58,7 +61,8 @@ def pack_decode_rows(
     src = [s.state_dst if s.state_src is None else s.state_src for s in seqs] + [pad_slot] * pad
     dst = [s.state_dst for s in seqs] + [pad_slot] * pad
     lens = [s.start_pos + 1 for s in seqs] + [1] * pad
-    return ids + slots + src + dst + lens
+    feed = (list(feed_rows) if feed_rows is not None else [0] * b) + [0] * pad
+    return ids + slots + src + dst + lens + feed
 
 
 class DecodeGraphs:
@@ -168,13 +172,17 @@ class DecodeGraphs:
                 return B
         return None
 
-    def execute(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor | None:
-        """Run a decode-only step; float32 logits [len(seqs), vocab], or None when no graph fits."""
+    def execute(
+        self, seqs: Sequence[ScheduledSeq], feed: tuple[torch.Tensor, list[int]] | None = None
+    ) -> torch.Tensor | None:
+        """Run a decode-only step; float32 logits [len(seqs), vocab], or None when no graph fits.
+        feed = (tokens, rows): sequence i's input token is tokens[rows[i]] on the device (`ModelRunner.execute`)."""
         b = len(seqs)
         B = self.size_for(b)
         if B is None:
             return None
-        packed = pack_decode_rows(seqs, B, self.tokens_per_block, self.pad_slot)
+        packed = pack_decode_rows(seqs, B, self.tokens_per_block, self.pad_slot,
+                                  feed[1] if feed is not None else None)
         n = _ROWS * B
         self._host[:n] = torch.as_tensor(packed, dtype=torch.int64)
         stage = self._stage[:n]
@@ -185,6 +193,8 @@ class DecodeGraphs:
         self._src[:B].copy_(rows[2])
         self._dst[:B].copy_(rows[3])
         self._lens[:B].copy_(rows[4])
+        if feed is not None:  # the previous step's samples, gathered on the device (no host round trip)
+            self._ids[:b].copy_(feed[0].index_select(0, rows[5, :b]))
         width = max(len(s.block_ids) for s in seqs)
         if width > self._tables.shape[1]:
             raise ValueError(f"decode graph: a block table of {width} blocks exceeds the captured width "

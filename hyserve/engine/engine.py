@@ -3,6 +3,24 @@
     schedule -> run -> update -> emit
 
 Everything else (threads, asyncio, HTTP) sits on top of `add_request` / `abort` / `step`.
+
+Async scheduling (`async_scheduling`, on by default). A pure decode step that needs nothing from the host
+after sampling (no logprobs, no penalties) is left in flight: its tokens stay on the device and `step()`
+returns. The next `step()` launches the following decode step first, feeding those tokens to it on the
+device, and only then reads them and emits their deltas, so the host's work (stop checks, detokenising,
+the caller's streaming, the next step's set-up) runs while the GPU computes:
+
+    host:  launch N | read N-1, emit | launch N+1 | read N, emit | launch N+2 | ...
+    GPU:        [ step N          ][ step N+1         ][ step N+2 ...
+
+The overlapped step takes exactly the previous step's running requests (minus those whose last token
+that was: max_tokens, max_seq_len) with one more block position each, and only when nothing else waits:
+no queued request, no pending abort, no request in prefill, blocks free without preempting. Otherwise
+the in-flight step is read first and a normal step follows. A request that stops on that token (EOS,
+stop string) has computed one extra row, which is dropped; its slot and blocks are freed only after, and
+any later use of them is queued behind it on the same stream. Outputs are those of the synchronous
+engine (greedy and seeded rows token for token; unseeded rows draw from the same stream, which extra
+rows can shift).
 """
 
 from __future__ import annotations
@@ -25,11 +43,11 @@ from hyserve.engine.jit_sentinel import JitSentinel
 from hyserve.engine.memory_profile import ActivationProfile, profile_activations
 from hyserve.engine.model_loader import LoadedModel, load_model
 from hyserve.engine.outputs import StreamDelta, TokenLogprob
-from hyserve.engine.request import Request
+from hyserve.engine.request import Request, RequestStatus
 from hyserve.engine.runner import ModelRunner
 from hyserve.engine.sampler import Sampler
 from hyserve.engine.sampling_params import SamplingParams
-from hyserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
+from hyserve.engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler, SchedulerStats
 from hyserve.engine.warmup import Warmup, WarmupReport, use_kernel_cache_dir
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.config import LAYER_MAMBA, LAYER_MOE
@@ -50,6 +68,16 @@ class _OutputState:
     tokens_emitted: int = 0
     logprobs_emitted: int = 0
     prompt_logprobs_emitted: bool = False
+
+
+@dataclass
+class _InFlight:
+    """A decode step whose tokens are still on the device (async scheduling)."""
+
+    batch: ScheduledBatch  # pure decode; every row samples, in this order
+    tokens: torch.Tensor  # [rows] long, on the device
+    host: torch.Tensor  # their host copy (pinned, filled without waiting on CUDA)
+    done: torch.cuda.Event | None  # recorded after the copy (CUDA)
 
 
 class LLMEngine:
@@ -130,6 +158,7 @@ class LLMEngine:
                 f"{g.capture_seconds:.1f}s, {g.graph_bytes / 2**20:,.0f} MiB"
             )
         self.sampler = Sampler(config.seed)
+        self._inflight: _InFlight | None = None
         self.requests: dict[str, Request] = {}
         self._outputs: dict[str, _OutputState] = {}
         self._alloc_retries_base = 0
@@ -291,11 +320,17 @@ class LLMEngine:
             self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self._inflight is not None or self.scheduler.has_work()
 
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
-        """schedule -> run -> update -> emit. Returns the deltas of every request that progressed."""
+        """schedule -> run -> update -> emit. Returns the deltas of every request that progressed (with
+        async scheduling, a decode step's tokens come out of the next call; see the module docstring)."""
+        if self._inflight is not None:
+            return self._step_overlapped()
+        return self._step_sync()
+
+    def _step_sync(self) -> list[StreamDelta]:
         batch, aborted = self.scheduler.schedule()
         deltas = [self._finish_delta(r) for r in aborted]
         if batch.empty:
@@ -321,6 +356,11 @@ class LLMEngine:
                 req = self.requests.get(s.request_id)
                 histories.append((req.prompt_token_ids, req.output_token_ids)
                                  if req is not None and s.params.needs_history else None)
+        if self._can_defer(batch):
+            tokens_t = self.sampler.sample_tokens(logits, [s.params for s in sampling],
+                                                  [s.num_output_tokens for s in sampling])
+            self._inflight = self._defer(batch, tokens_t)
+            return deltas
         tokens, lps = self.sampler.sample(
             logits, [s.params for s in sampling], [s.num_output_tokens for s in sampling], histories
         )
@@ -330,6 +370,98 @@ class LLMEngine:
                 continue
             deltas.append(self._append_token(req, tok, lp))
         return deltas
+
+    # ---- async scheduling -------------------------------------------------------------------------
+    def _can_defer(self, batch: ScheduledBatch) -> bool:
+        """Whether this step's tokens may stay on the device: a pure decode step whose rows need nothing
+        from the host once sampled (logprobs are read with the tokens; penalties read the history)."""
+        return (self.config.async_scheduling and batch.num_decodes == len(batch.seqs) > 0
+                and all(s.sample and s.params.logprobs is None and not s.params.needs_history for s in batch.seqs))
+
+    def _defer(self, batch: ScheduledBatch, tokens: torch.Tensor) -> _InFlight:
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return _InFlight(batch, tokens, host, done)
+        return _InFlight(batch, tokens, tokens, None)
+
+    def _next_decode(self, prev: ScheduledBatch) -> tuple[ScheduledBatch, list[int]] | None:
+        """The decode step after the in-flight one, planned without its tokens: the same requests (less
+        those that this token finishes for certain) one position on, and for each the row of the
+        in-flight samples that is its input. None when a normal step must run instead."""
+        sched = self.scheduler
+        if sched.waiting or sched.has_pending_aborts():
+            return None
+        in_prev = {s.request_id for s in prev.seqs}
+        if any(r.request_id not in in_prev for r in sched.running):
+            return None  # a request in prefill (or admitted meanwhile) needs the scheduler
+        seqs: list[ScheduledSeq] = []
+        rows: list[int] = []
+        for i, seq in enumerate(prev.seqs):
+            req = self.requests.get(seq.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            # after the in-flight token: len(outputs) + 1 outputs, num_tokens + 1 tokens
+            if len(req.output_token_ids) + 1 >= req.params.max_tokens or req.num_tokens + 1 >= self.max_seq_len:
+                continue
+            pos = seq.start_pos + 1
+            if not self.cache.grow(req.block_ids, pos + 1):
+                return None  # out of blocks: the scheduler decides whom to preempt
+            assert req.live_slot is not None
+            seqs.append(ScheduledSeq(
+                request_id=req.request_id, token_ids=[0], start_pos=pos, block_ids=list(req.block_ids),
+                state_src=req.live_slot, state_dst=req.live_slot, sample=True, snapshots=[],
+                params=req.params, num_output_tokens=seq.num_output_tokens + 1,
+            ))
+            rows.append(i)
+        if not seqs:
+            return None
+        return ScheduledBatch(seqs=seqs, num_decodes=len(seqs)), rows
+
+    def _step_overlapped(self) -> list[StreamDelta]:
+        prev = self._inflight
+        assert prev is not None
+        self._inflight = None
+        planned = self._next_decode(prev.batch)
+        failure: tuple[ScheduledBatch, Exception] | None = None
+        if planned is not None:
+            batch, rows = planned
+            try:
+                logits = self.runner.execute(batch, feed=(prev.tokens, rows))
+                self._check_strict_warmup()
+                self.scheduler.update(batch, self.requests)
+                self.scheduler.stats.tokens_scheduled = len(batch.seqs)
+                tokens = self.sampler.sample_tokens(logits, [s.params for s in batch.seqs],
+                                                    [s.num_output_tokens for s in batch.seqs])
+                self._inflight = self._defer(batch, tokens)
+            except Exception as e:  # one bad batch must not take the engine down
+                logger.exception("model step failed; failing the %d requests of this batch", len(batch.seqs))
+                self.counters["step_failures_total"] += 1
+                failure = (batch, e)
+        deltas = self._read_inflight(prev)  # the previous step's tokens, while this one runs
+        if failure is not None:
+            deltas += self._fail_batch(*failure)
+        if planned is None:
+            deltas += self._step_sync()
+        return deltas
+
+    def _read_inflight(self, step: _InFlight) -> list[StreamDelta]:
+        if step.done is not None:
+            step.done.synchronize()
+        deltas = []
+        for seq, tok in zip(step.batch.seqs, step.host.tolist()):
+            req = self.requests.get(seq.request_id)
+            if req is None or req.finished:
+                continue  # finished on the step before (its row here was computed and is dropped)
+            deltas.append(self._append_token(req, int(tok), None))
+        return deltas
+
+    def drain(self) -> list[StreamDelta]:
+        """Read the in-flight step, if any, without launching another."""
+        step, self._inflight = self._inflight, None
+        return self._read_inflight(step) if step is not None else []
 
     def _record_prompt_logprobs(self, batch: ScheduledBatch) -> None:
         """For each prefill chunk that wants prompt logprobs: the logprob of every prompt token its
@@ -363,6 +495,7 @@ class LLMEngine:
 
     def reset_after_warmup(self) -> None:
         """Forget the warm-up: prefix cache, counters, statistics and the sampler's random stream."""
+        self.drain()
         self.reset_prefix_cache()
         self.cache.prefix_queries = self.cache.prefix_hits = 0
         self.scheduler.stats = SchedulerStats()

@@ -76,13 +76,22 @@ class ModelRunner:
         return t(ids, torch.long), meta
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Run one step; returns float32 logits [num sampling seqs, vocab] in batch order."""
+    def execute(self, batch: ScheduledBatch, feed: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
+        """Run one step; returns float32 logits [num sampling seqs, vocab] in batch order.
+
+        feed = (tokens, rows): a pure decode step whose input tokens are still on the device (the previous
+        step's samples, not yet read by the host): sequence i feeds tokens[rows[i]], and the token ids in
+        `batch` are placeholders."""
+        if feed is not None:
+            assert batch.num_decodes == len(batch.seqs) and len(feed[1]) == len(batch.seqs)
         if self.graphs is not None and batch.num_decodes == len(batch.seqs):
-            logits = self.graphs.execute(batch.seqs)  # every decode sequence samples
+            logits = self.graphs.execute(batch.seqs, feed)  # every decode sequence samples
             if logits is not None:
                 return logits
         input_ids, meta = self.build_meta(batch)
+        if feed is not None:
+            rows = torch.tensor(feed[1], dtype=torch.long).to(self.device, non_blocking=True)
+            input_ids = feed[0].index_select(0, rows)
         hidden = self.model(input_ids, meta, self.cache)
         if any(s.params.prompt_logprobs is not None for s in batch.seqs[batch.num_decodes :]):
             self.kept = (hidden, meta.cu_seqlens)

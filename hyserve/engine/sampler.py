@@ -118,23 +118,30 @@ class Sampler:
         n = logits.shape[0]
         if n == 0:
             return [], []
-        x = process_logits(logits, params, histories)
-        rest = [i for i, p in enumerate(params) if not p.greedy]
-        if not rest:
-            tokens = x.argmax(dim=-1)  # [n]
-        else:
-            sampled, rows = self._sample_rows(x, params, output_index, rest)
-            if rows is None:
-                tokens = sampled
-            else:  # greedy rows: a pure argmax; the sampled rows are overwritten
-                tokens = x.argmax(dim=-1)
-                tokens[rows] = sampled
+        tokens = self.sample_tokens(logits, params, output_index, histories)
         token_list = [int(t) for t in tokens.tolist()]
         lps: list[TokenLogprob | None] = [None] * n
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
             self._logprobs(logits, tokens, token_list, params, want, lps)
         return token_list, lps
+
+    def sample_tokens(
+        self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int],
+        histories: Sequence[History | None] | None = None,
+    ) -> torch.Tensor:
+        """The token ids [n] (long, on the logits' device) of `sample`, without reading them to the host:
+        nothing here waits for the device. Logprobs are `sample`'s alone."""
+        x = process_logits(logits, params, histories)
+        rest = [i for i, p in enumerate(params) if not p.greedy]
+        if not rest:
+            return x.argmax(dim=-1)  # [n]
+        sampled, rows = self._sample_rows(x, params, output_index, rest)
+        if rows is None:
+            return sampled
+        tokens = x.argmax(dim=-1)  # greedy rows: a pure argmax; the sampled rows are overwritten
+        tokens[rows] = sampled
+        return tokens
 
     def _sample_rows(
         self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int], rest: list[int]

@@ -95,6 +95,9 @@ class Scheduler:
         """Takes effect at the start of the next `schedule()`."""
         self._pending_aborts.add(request_id)
 
+    def has_pending_aborts(self) -> bool:
+        return bool(self._pending_aborts)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._pending_aborts)
 

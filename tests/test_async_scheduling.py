@@ -1,0 +1,186 @@
+"""Async scheduling (LLMEngine docstring): a decode step launched before the host has read the previous
+step's tokens must give the synchronous engine's outputs, free everything it held, and step aside for
+anything the scheduler has to decide (arrivals, aborts, prefills, logprobs, penalties, full pools)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hyserve import SamplingParams
+from hyserve.config import build_engine_config
+from hyserve.engine.engine import LLMEngine
+from tests.test_engine_invariance import make_llm, prompts
+
+
+def _params() -> list[SamplingParams]:
+    """One per prompt of `prompts()`: greedy, seeded sampling, early stops, 1-token and long outputs."""
+    return [
+        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True),
+        SamplingParams(max_tokens=25, temperature=0.7, top_k=20, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0.0),  # EOS may end it
+        SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True),
+        SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),
+    ]
+
+
+def _spy_feeds(llm) -> list[int]:
+    """Batch sizes of the steps that ran with device-fed tokens (overlapped)."""
+    runner = llm.engine.runner
+    fed: list[int] = []
+    orig = runner.execute
+
+    def execute(batch, feed=None):
+        if feed is not None:
+            fed.append(len(batch.seqs))
+        return orig(batch, feed)
+
+    runner.execute = execute  # type: ignore[method-assign]
+    return fed
+
+
+def _outs(llm, params=None):
+    return [(o.token_ids, o.finish_reason) for o in llm.generate(prompts(), params or _params())]
+
+
+@pytest.fixture(scope="module")
+def sync_outputs():
+    return _outs(make_llm(async_scheduling=False))
+
+
+def test_sync_engine_never_defers() -> None:
+    llm = make_llm(async_scheduling=False)
+    fed = _spy_feeds(llm)
+    _outs(llm)
+    assert fed == [] and llm.engine._inflight is None
+
+
+def test_async_equals_sync(sync_outputs) -> None:
+    llm = make_llm(async_scheduling=True)
+    fed = _spy_feeds(llm)
+    assert _outs(llm) == sync_outputs
+    assert fed, "no decode step was overlapped"
+    u = llm.cache_usage()
+    assert u["live_slots_used"] == 0 and u["kv_blocks_free"] == u["kv_blocks_total"]
+
+
+def test_async_equals_sync_on_graph_buffers(sync_outputs, monkeypatch) -> None:
+    monkeypatch.setattr(LLMEngine, "_graph_sizes", lambda self: [1, 2, 4, 8])  # decode graphs' buffers, eager
+    llm = make_llm(device="cpu", async_scheduling=True)
+    used: list[int] = []
+    g = llm.engine.runner.graphs
+    assert g is not None
+    orig = g.execute
+    g.execute = lambda seqs, feed=None: (used.append(len(seqs)) if feed is not None else None) or orig(seqs, feed)  # type: ignore[method-assign]
+    assert _outs(llm) == sync_outputs
+    assert used, "no graph step was fed from the device"
+
+
+def test_logprobs_and_penalties_rows_are_not_deferred() -> None:
+    for p in (SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.0, presence_penalty=0.5, ignore_eos=True)):
+        llm = make_llm()
+        fed = _spy_feeds(llm)
+        sync = [(o.token_ids, o.finish_reason) for o in make_llm(async_scheduling=False).generate(prompts(), p)]
+        assert _outs(llm, [p] * len(prompts())) == sync
+        assert fed == []
+
+
+def _engine(**kw) -> LLMEngine:
+    return make_llm(**kw).engine
+
+
+def _run_to_end(eng: LLMEngine, out: dict[str, list[int]], reasons: dict[str, str]) -> None:
+    for _ in range(500):
+        if not eng.has_unfinished():
+            return
+        for d in eng.step():
+            out.setdefault(d.request_id, []).extend(d.token_ids)
+            if d.finished:
+                reasons[d.request_id] = d.finish_reason or ""
+    raise AssertionError("engine did not finish")
+
+
+def _step_until_inflight(eng: LLMEngine, out: dict[str, list[int]]) -> None:
+    for _ in range(50):
+        for d in eng.step():
+            out.setdefault(d.request_id, []).extend(d.token_ids)
+        if eng._inflight is not None:
+            return
+    raise AssertionError("no step was left in flight")
+
+
+def test_abort_while_a_step_is_in_flight() -> None:
+    eng = _engine()
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    eng.add_request("a", prompts()[0], greedy)
+    eng.add_request("b", prompts()[1], greedy)
+    out: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    _step_until_inflight(eng, out)
+    eng.abort("a")
+    _run_to_end(eng, out, reasons)
+    assert reasons == {"a": "abort", "b": "length"}
+    assert len(out["b"]) == 20 and len(out["a"]) < 20
+    alone = make_llm(async_scheduling=False).generate([prompts()[1]], greedy)[0].token_ids
+    assert out["b"] == alone
+    u = eng.cache_usage()
+    assert u["live_slots_used"] == 0 and u["kv_blocks_free"] == u["kv_blocks_total"]
+
+
+def test_arrival_while_a_step_is_in_flight_is_admitted() -> None:
+    greedy = SamplingParams(max_tokens=15, temperature=0.0, ignore_eos=True)
+    runs = []
+    for async_on in (True, False):
+        eng = _engine(async_scheduling=async_on)
+        eng.add_request("a", prompts()[2], greedy)
+        out: dict[str, list[int]] = {}
+        reasons: dict[str, str] = {}
+        for _ in range(4):  # prefill, then decodes (in flight with async scheduling)
+            for d in eng.step():
+                out.setdefault(d.request_id, []).extend(d.token_ids)
+        assert (eng._inflight is not None) == async_on
+        eng.add_request("b", prompts()[3], greedy)
+        for d in eng.step():  # reads the in-flight tokens, then a normal step admits "b"
+            out.setdefault(d.request_id, []).extend(d.token_ids)
+        assert eng.requests["b"].num_computed > 0, "the new request waited behind the overlapped decode"
+        _run_to_end(eng, out, reasons)
+        assert reasons == {"a": "length", "b": "length"}
+        runs.append(out)
+    assert runs[0] == runs[1]
+
+
+def test_stop_token_in_flight_drops_the_extra_row() -> None:
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    free_run = make_llm(async_scheduling=False).generate([prompts()[4]], greedy)[0].token_ids
+    stop_at = free_run[5]
+    first = free_run.index(stop_at)
+    p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_at])
+    for async_on in (False, True):
+        llm = make_llm(async_scheduling=async_on)
+        o = llm.generate([prompts()[4]], p)[0]
+        assert o.finish_reason == "stop" and o.token_ids == free_run[: first + 1]
+        u = llm.cache_usage()
+        assert u["live_slots_used"] == 0 and u["kv_blocks_free"] == u["kv_blocks_total"]
+
+
+def test_full_kv_pool_falls_back_to_the_scheduler() -> None:
+    # the pool of test_engine_invariance's preemption case: decode must preempt, which only the
+    # scheduler does; the overlapped path steps aside
+    kv = {"tokens_per_block": 8, "enable_block_reuse": False, "max_tokens": 112, "max_gpu_total_bytes": 64 * 2**20}
+    kv["mamba_state_config"] = {"periodic_snapshot_interval": None}
+    p = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    sync = [o.token_ids for o in make_llm(kv_cache_config=kv, max_seq_len=112, async_scheduling=False
+                                          ).generate(prompts(), p)]
+    llm = make_llm(kv_cache_config=kv, max_seq_len=112)
+    assert [o.token_ids for o in llm.generate(prompts(), p)] == sync
+    assert llm.stats()["num_preemptions"] > 0
+
+
+def test_async_scheduling_option() -> None:
+    assert build_engine_config({}).async_scheduling is True
+    assert build_engine_config({"async_scheduling": False}).async_scheduling is False
+    with pytest.raises(ValueError, match="async_scheduling"):
+        build_engine_config({"async_scheduling": "sometimes"})
