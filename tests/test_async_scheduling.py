@@ -78,14 +78,32 @@ def test_async_equals_sync_on_graph_buffers(sync_outputs, monkeypatch) -> None:
     assert used, "no graph step was fed from the device"
 
 
-def test_logprobs_and_penalties_rows_are_not_deferred() -> None:
-    for p in (SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True),
-              SamplingParams(max_tokens=6, temperature=0.0, presence_penalty=0.5, ignore_eos=True)):
-        llm = make_llm()
+def test_logprobs_rows_are_deferred_with_their_table() -> None:
+    p = [SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True),
+         SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+         SamplingParams(max_tokens=9, temperature=0.8, seed=1, logprobs=0, ignore_eos=True)] * 3
+    p = p[: len(prompts())]
+
+    def run(async_on: bool):
+        llm = make_llm(async_scheduling=async_on)
         fed = _spy_feeds(llm)
-        sync = [(o.token_ids, o.finish_reason) for o in make_llm(async_scheduling=False).generate(prompts(), p)]
-        assert _outs(llm, [p] * len(prompts())) == sync
-        assert fed == []
+        outs = llm.generate(prompts(), p)
+        return [(o.token_ids, [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs or []]) for o in outs], fed
+
+    sync, _ = run(False)
+    overlapped, fed = run(True)
+    assert fed, "logprob rows kept the step synchronous"
+    assert overlapped == sync
+    assert all(len(lps) == len(toks) for (toks, lps), q in zip(overlapped, p) if q.logprobs is not None)
+
+
+def test_penalty_rows_are_not_deferred() -> None:
+    p = SamplingParams(max_tokens=6, temperature=0.0, presence_penalty=0.5, ignore_eos=True)
+    llm = make_llm()
+    fed = _spy_feeds(llm)
+    sync = [(o.token_ids, o.finish_reason) for o in make_llm(async_scheduling=False).generate(prompts(), p)]
+    assert _outs(llm, [p] * len(prompts())) == sync
+    assert fed == []
 
 
 def _engine(**kw) -> LLMEngine:

@@ -99,7 +99,7 @@ def test_tiny_async_scheduling_on_cuda_graphs_matches_sync(tmp_path: Path) -> No
               SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=20, temperature=0.8, seed=4, ignore_eos=True),
               SamplingParams(max_tokens=11, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=24, temperature=1.0, top_k=5, seed=9, ignore_eos=True)]
+              SamplingParams(max_tokens=24, temperature=1.0, top_k=5, seed=9, ignore_eos=True, logprobs=3)]
     opts = dict(device="cuda", dtype="float32", max_seq_len=256)
     sync = LLM(str(d), async_scheduling=False, **opts)
     overlapped = LLM(str(d), **opts)
@@ -111,6 +111,10 @@ def test_tiny_async_scheduling_on_cuda_graphs_matches_sync(tmp_path: Path) -> No
     b = overlapped.generate(prompts, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert fed, "no graph step was fed from the device"
+    # the logprob rows' table travels with the tokens (pinned, non-blocking) and reads back the same
+    assert [(lp.token_id, lp.logprob, lp.top) for lp in a[4].logprobs] == \
+        [(lp.token_id, lp.logprob, lp.top) for lp in b[4].logprobs]
+    assert len(b[4].logprobs) == 24
 
 
 @pytest.mark.skipif(not (SHARED / "NVIDIA-Nemotron-Nano-9B-v2").exists(), reason="needs shared/configs")

@@ -5,8 +5,8 @@
 Everything else (threads, asyncio, HTTP) sits on top of `add_request` / `abort` / `step`.
 
 Async scheduling (`async_scheduling`, on by default). A pure decode step that needs nothing from the host
-after sampling (no logprobs, no penalties) is left in flight: its tokens stay on the device and `step()`
-returns. The next `step()` launches the following decode step first, feeding those tokens to it on the
+after sampling (no penalties: they read the token history) is left in flight: its tokens (and logprob
+rows) stay on the device, their copies to the host start, and `step()` returns. The next `step()` launches the following decode step first, feeding those tokens to it on the
 device, and only then reads them and emits their deltas, so the host's work (stop checks, detokenising,
 the caller's streaming, the next step's set-up) runs while the GPU computes:
 
@@ -45,7 +45,7 @@ from hyserve.engine.model_loader import LoadedModel, load_model
 from hyserve.engine.outputs import StreamDelta, TokenLogprob
 from hyserve.engine.request import Request, RequestStatus
 from hyserve.engine.runner import ModelRunner
-from hyserve.engine.sampler import Sampler
+from hyserve.engine.sampler import PendingLogprobs, Sampler
 from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler, SchedulerStats
 from hyserve.engine.warmup import Warmup, WarmupReport, use_kernel_cache_dir
@@ -77,7 +77,9 @@ class _InFlight:
     batch: ScheduledBatch  # pure decode; every row samples, in this order
     tokens: torch.Tensor  # [rows] long, on the device
     host: torch.Tensor  # their host copy (pinned, filled without waiting on CUDA)
-    done: torch.cuda.Event | None  # recorded after the copy (CUDA)
+    logprobs: PendingLogprobs | None  # the rows that want logprobs: their table, copied likewise
+    logprobs_host: torch.Tensor | None
+    done: torch.cuda.Event | None  # recorded after the copies (CUDA)
 
 
 class LLMEngine:
@@ -357,9 +359,7 @@ class LLMEngine:
                 histories.append((req.prompt_token_ids, req.output_token_ids)
                                  if req is not None and s.params.needs_history else None)
         if self._can_defer(batch):
-            tokens_t = self.sampler.sample_tokens(logits, [s.params for s in sampling],
-                                                  [s.num_output_tokens for s in sampling])
-            self._inflight = self._defer(batch, tokens_t)
+            self._inflight = self._defer(batch, logits)
             return deltas
         tokens, lps = self.sampler.sample(
             logits, [s.params for s in sampling], [s.num_output_tokens for s in sampling], histories
@@ -376,16 +376,25 @@ class LLMEngine:
         """Whether this step's tokens may stay on the device: a pure decode step whose rows need nothing
         from the host once sampled (logprobs are read with the tokens; penalties read the history)."""
         return (self.config.async_scheduling and batch.num_decodes == len(batch.seqs) > 0
-                and all(s.sample and s.params.logprobs is None and not s.params.needs_history for s in batch.seqs))
+                and all(s.sample and not s.params.needs_history for s in batch.seqs))
 
-    def _defer(self, batch: ScheduledBatch, tokens: torch.Tensor) -> _InFlight:
-        if tokens.is_cuda:
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            return _InFlight(batch, tokens, host, done)
-        return _InFlight(batch, tokens, tokens, None)
+    def _defer(self, batch: ScheduledBatch, logits: torch.Tensor) -> _InFlight:
+        """Sample `batch` (and its logprob rows) on the device and start the copies to the host; nothing
+        here waits for the device."""
+        params = [s.params for s in batch.seqs]
+        tokens = self.sampler.sample_tokens(logits, params, [s.num_output_tokens for s in batch.seqs])
+        lp = self.sampler.pending_logprobs(logits, tokens, params)
+        if not tokens.is_cuda:
+            return _InFlight(batch, tokens, tokens, lp, lp.table if lp is not None else None, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        lp_host = None
+        if lp is not None:
+            lp_host = torch.empty(lp.table.shape, dtype=lp.table.dtype, pin_memory=True)
+            lp_host.copy_(lp.table, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return _InFlight(batch, tokens, host, lp, lp_host, done)
 
     def _next_decode(self, prev: ScheduledBatch) -> tuple[ScheduledBatch, list[int]] | None:
         """The decode step after the in-flight one, planned without its tokens: the same requests (less
@@ -433,9 +442,7 @@ class LLMEngine:
                 self._check_strict_warmup()
                 self.scheduler.update(batch, self.requests)
                 self.scheduler.stats.tokens_scheduled = len(batch.seqs)
-                tokens = self.sampler.sample_tokens(logits, [s.params for s in batch.seqs],
-                                                    [s.num_output_tokens for s in batch.seqs])
-                self._inflight = self._defer(batch, tokens)
+                self._inflight = self._defer(batch, logits)
             except Exception as e:  # one bad batch must not take the engine down
                 logger.exception("model step failed; failing the %d requests of this batch", len(batch.seqs))
                 self.counters["step_failures_total"] += 1
@@ -450,12 +457,16 @@ class LLMEngine:
     def _read_inflight(self, step: _InFlight) -> list[StreamDelta]:
         if step.done is not None:
             step.done.synchronize()
+        tokens = [int(t) for t in step.host.tolist()]
+        lps: list[TokenLogprob | None] = [None] * len(tokens)
+        if step.logprobs is not None and step.logprobs_host is not None:
+            lps = step.logprobs.entries(tokens, len(tokens), step.logprobs_host.tolist())
         deltas = []
-        for seq, tok in zip(step.batch.seqs, step.host.tolist()):
+        for seq, tok, lp in zip(step.batch.seqs, tokens, lps):
             req = self.requests.get(seq.request_id)
             if req is None or req.finished:
                 continue  # finished on the step before (its row here was computed and is dropped)
-            deltas.append(self._append_token(req, int(tok), None))
+            deltas.append(self._append_token(req, tok, lp))
         return deltas
 
     def drain(self) -> list[StreamDelta]:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -66,22 +67,48 @@ def _rows(idx: list[int], n: int, device: torch.device) -> torch.Tensor | None:
     return _to_device(torch.tensor(idx, dtype=torch.long), device)
 
 
-def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, chosen_ids: list[int], ks: list[int]
-                   ) -> list[TokenLogprob]:
-    """log_softmax of `logits` [w, V]: row r's logprob of `chosen[r]` (ids `chosen_ids[r]`) and its top
-    `ks[r]` alternatives, in one device->host copy."""
+def logprob_table(logits: torch.Tensor, chosen: torch.Tensor, kmax: int) -> torch.Tensor:
+    """log_softmax of `logits` [w, V] as one float64 table [w, 1 + 2 * kmax] on the device: each row's
+    logprob of `chosen[r]`, then its top-`kmax` logprobs and their ids (sorted descending)."""
     lp = torch.log_softmax(logits.float(), dim=-1)  # [w, V]
     cols = [lp.gather(1, chosen.unsqueeze(1)).double()]  # [w, 1]
-    kmax = min(max(ks, default=0), lp.shape[1])
     if kmax > 0:
         vals, ids = torch.topk(lp, kmax, dim=-1)  # [w, kmax], sorted descending
         cols += [vals.double(), ids.double()]  # ids < 2**53: exact in float64
-    table = torch.cat(cols, dim=1).tolist()  # [w, 1 + 2 * kmax]
+    return torch.cat(cols, dim=1)
+
+
+def table_logprobs(table: list[list[float]], chosen_ids: list[int], ks: list[int], kmax: int) -> list[TokenLogprob]:
+    """`logprob_table`'s rows (read to the host) -> one TokenLogprob per row with its top `ks[r]`."""
     out = []
     for row, tok, k in zip(table, chosen_ids, ks):
         top = {int(row[1 + kmax + j]): row[1 + j] for j in range(min(k, kmax))}
         out.append(TokenLogprob(token_id=tok, logprob=row[0], top=top))
     return out
+
+
+def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, chosen_ids: list[int], ks: list[int]
+                   ) -> list[TokenLogprob]:
+    """log_softmax of `logits` [w, V]: row r's logprob of `chosen[r]` (ids `chosen_ids[r]`) and its top
+    `ks[r]` alternatives, in one device->host copy."""
+    kmax = min(max(ks, default=0), logits.shape[1])
+    return table_logprobs(logprob_table(logits, chosen, kmax).tolist(), chosen_ids, ks, kmax)
+
+
+@dataclass
+class PendingLogprobs:
+    """The logprob rows of a step whose tokens are still on the device (async scheduling)."""
+
+    table: torch.Tensor  # logprob_table of the rows `want`
+    want: list[int]  # the batch rows that asked for logprobs
+    ks: list[int]
+    kmax: int
+
+    def entries(self, token_list: list[int], n: int, table: list[list[float]]) -> list[TokenLogprob | None]:
+        out: list[TokenLogprob | None] = [None] * n
+        for i, e in zip(self.want, table_logprobs(table, [token_list[i] for i in self.want], self.ks, self.kmax)):
+            out[i] = e
+        return out
 
 
 class Sampler:
@@ -120,11 +147,10 @@ class Sampler:
             return [], []
         tokens = self.sample_tokens(logits, params, output_index, histories)
         token_list = [int(t) for t in tokens.tolist()]
-        lps: list[TokenLogprob | None] = [None] * n
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if want:
-            self._logprobs(logits, tokens, token_list, params, want, lps)
-        return token_list, lps
+        pending = self.pending_logprobs(logits, tokens, params)
+        if pending is None:
+            return token_list, [None] * n
+        return token_list, pending.entries(token_list, n, pending.table.tolist())
 
     def sample_tokens(
         self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int],
@@ -232,20 +258,16 @@ class Sampler:
                 q[j].exponential_(generator=g)  # a contiguous [V] row: same values as a fresh tensor
         return q.clamp_min_(_MIN_NOISE)
 
-    def _logprobs(
-        self,
-        logits: torch.Tensor,
-        tokens: torch.Tensor,
-        token_list: list[int],
-        params: list[SamplingParams],
-        want: list[int],
-        out: list[TokenLogprob | None],
-    ) -> None:
-        """Fill `out[i]` for the rows `want` from log_softmax of the raw logits (one device->host copy)."""
-        n = logits.shape[0]
-        rows = _rows(want, n, logits.device)
+    def pending_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+                         ) -> PendingLogprobs | None:
+        """The logprob table of the rows that want logprobs, left on the device (no host read): for a step
+        whose tokens are read later. None when no row wants logprobs."""
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not want:
+            return None
+        rows = _rows(want, logits.shape[0], logits.device)
         raw = logits if rows is None else logits[rows]
         chosen = tokens if rows is None else tokens[rows]
-        entries = token_logprobs(raw, chosen, [token_list[i] for i in want], [params[i].logprobs or 0 for i in want])
-        for i, e in zip(want, entries):
-            out[i] = e
+        ks = [params[i].logprobs or 0 for i in want]
+        kmax = min(max(ks), logits.shape[1])
+        return PendingLogprobs(logprob_table(raw, chosen, kmax), want, ks, kmax)
