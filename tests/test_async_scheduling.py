@@ -62,6 +62,7 @@ def test_async_equals_sync(sync_outputs) -> None:
     fed = _spy_feeds(llm)
     assert _outs(llm) == sync_outputs
     assert fed, "no decode step was overlapped"
+    assert llm.stats()["overlapped_steps_total"] == len(fed)
     u = llm.cache_usage()
     assert u["live_slots_used"] == 0 and u["kv_blocks_free"] == u["kv_blocks_total"]
 

@@ -170,6 +170,7 @@ class LLMEngine:
             "generation_tokens_total": 0,
             "requests_finished_total": 0,
             "step_failures_total": 0,
+            "overlapped_steps_total": 0,  # async scheduling: steps launched with device-fed tokens
         }
         self._log(self.plan.report())
         self.warmup_report: WarmupReport | None = None
@@ -443,6 +444,7 @@ class LLMEngine:
                 self.scheduler.update(batch, self.requests)
                 self.scheduler.stats.tokens_scheduled = len(batch.seqs)
                 self._inflight = self._defer(batch, logits)
+                self.counters["overlapped_steps_total"] += 1
             except Exception as e:  # one bad batch must not take the engine down
                 logger.exception("model step failed; failing the %d requests of this batch", len(batch.seqs))
                 self.counters["step_failures_total"] += 1

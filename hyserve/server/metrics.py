@@ -51,6 +51,8 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("prompt_tokens_total", "prompt_tokens", "Prompt tokens processed.", "counter"),
     ("generation_tokens_total", "generation_tokens", "Tokens generated.", "counter"),
     ("requests_finished_total", "engine_requests_finished", "Requests the engine finished (any reason).", "counter"),
+    ("overlapped_steps_total", "overlapped_steps",
+     "Decode steps launched before the host read the previous step's tokens (async scheduling).", "counter"),
     ("jit_compiles_after_ready", "jit_compiles_after_ready",
      "Kernel compilations after the engine reported ready (should stay 0).", "counter"),
     ("cuda_alloc_retries", "cuda_alloc_retries",
