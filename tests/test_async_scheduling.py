@@ -203,3 +203,65 @@ def test_async_scheduling_option() -> None:
     assert build_engine_config({"async_scheduling": False}).async_scheduling is False
     with pytest.raises(ValueError, match="async_scheduling"):
         build_engine_config({"async_scheduling": "sometimes"})
+
+
+@pytest.mark.parametrize("seed,small_pool", [(0, False), (1, False), (2, True)])
+def test_random_traffic_matches_requests_run_alone(seed: int, small_pool: bool) -> None:
+    """Arrivals between steps, aborts, early stops and (small pool) preemptions around in-flight steps:
+    every request that was not aborted gets the tokens it gets alone on a synchronous engine, and the
+    pools end empty."""
+    import random
+
+    rng = random.Random(seed)
+    kv = {"tokens_per_block": 8, "enable_block_reuse": False, "max_gpu_total_bytes": 64 * 2**20,
+          "mamba_state_config": {"periodic_snapshot_interval": None}}
+    extra = {}
+    if small_pool:
+        kv["max_tokens"] = 112
+        extra["max_seq_len"] = 112
+    eng = _engine(kv_cache_config=kv, **extra)
+    alone = make_llm(kv_cache_config=dict(kv), async_scheduling=False, **extra)
+    pool = prompts()
+    jobs: dict[str, tuple[list[int], SamplingParams]] = {}
+    out: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    aborted: set[str] = set()
+    n = 0
+    for _ in range(400):
+        if n < 14 and rng.random() < 0.35:
+            prompt = pool[rng.randrange(len(pool))]
+            kind = rng.random()
+            if kind < 0.5:
+                p = SamplingParams(max_tokens=rng.randint(1, 20), temperature=0.0, ignore_eos=True)
+            elif kind < 0.8:
+                p = SamplingParams(max_tokens=rng.randint(1, 20), temperature=0.8, seed=rng.randint(0, 99),
+                                   ignore_eos=True)
+            else:
+                p = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                   stop_token_ids=[rng.randrange(3, 300) for _ in range(8)])
+            rid = f"r{n}"
+            n += 1
+            jobs[rid] = (prompt, p)
+            eng.add_request(rid, prompt, p)
+        live = [r for r in jobs if r not in reasons and r not in aborted]
+        if live and rng.random() < 0.05:
+            victim = rng.choice(live)
+            aborted.add(victim)
+            eng.abort(victim)
+        for d in eng.step():
+            out.setdefault(d.request_id, []).extend(d.token_ids)
+            if d.finished:
+                reasons[d.request_id] = d.finish_reason or ""
+        if n >= 14 and not eng.has_unfinished():
+            break
+    assert not eng.has_unfinished() and set(reasons) == set(jobs)
+    assert eng.stats()["overlapped_steps_total"] > 0
+    if small_pool:
+        assert eng.stats()["num_preemptions"] > 0
+    for rid, (prompt, p) in jobs.items():
+        if rid in aborted and reasons[rid] == "abort":
+            continue
+        ref = alone.generate([prompt], p)[0]
+        assert (out.get(rid, []), reasons[rid]) == (ref.token_ids, ref.finish_reason), rid
+    u = eng.cache_usage()
+    assert u["live_slots_used"] == 0 and u["kv_blocks_free"] == u["kv_blocks_total"]
