@@ -205,16 +205,17 @@ def test_async_scheduling_option() -> None:
         build_engine_config({"async_scheduling": "sometimes"})
 
 
-@pytest.mark.parametrize("seed,small_pool", [(0, False), (1, False), (2, True)])
-def test_random_traffic_matches_requests_run_alone(seed: int, small_pool: bool) -> None:
-    """Arrivals between steps, aborts, early stops and (small pool) preemptions around in-flight steps:
-    every request that was not aborted gets the tokens it gets alone on a synchronous engine, and the
-    pools end empty."""
+@pytest.mark.parametrize("seed,small_pool,reuse", [(0, False, False), (1, False, False), (2, True, False),
+                                                   (3, False, True)])
+def test_random_traffic_matches_requests_run_alone(seed: int, small_pool: bool, reuse: bool) -> None:
+    """Arrivals between steps, aborts, early stops, (small pool) preemptions and (reuse) prefix-cache
+    publishing and snapshots around in-flight steps: every request that was not aborted gets the tokens
+    it gets alone on a synchronous engine, and the pools end empty."""
     import random
 
     rng = random.Random(seed)
-    kv = {"tokens_per_block": 8, "enable_block_reuse": False, "max_gpu_total_bytes": 64 * 2**20,
-          "mamba_state_config": {"periodic_snapshot_interval": None}}
+    kv = {"tokens_per_block": 8, "enable_block_reuse": reuse, "max_gpu_total_bytes": 64 * 2**20,
+          "mamba_state_config": {"periodic_snapshot_interval": 16 if reuse else None}}
     extra = {}
     if small_pool:
         kv["max_tokens"] = 112
@@ -258,10 +259,71 @@ def test_random_traffic_matches_requests_run_alone(seed: int, small_pool: bool) 
     assert eng.stats()["overlapped_steps_total"] > 0
     if small_pool:
         assert eng.stats()["num_preemptions"] > 0
+    if reuse:
+        assert eng.stats()["prefix_cache_hits"] > 0
     for rid, (prompt, p) in jobs.items():
         if rid in aborted and reasons[rid] == "abort":
             continue
         ref = alone.generate([prompt], p)[0]
         assert (out.get(rid, []), reasons[rid]) == (ref.token_ids, ref.finish_reason), rid
     u = eng.cache_usage()
-    assert u["live_slots_used"] == 0 and u["kv_blocks_free"] == u["kv_blocks_total"]
+    assert u["live_slots_used"] == 0
+    if reuse:
+        eng.reset_prefix_cache()
+        u = eng.cache_usage()
+        assert u["snapshot_slots_used"] == 0
+    assert u["kv_blocks_free"] == u["kv_blocks_total"]
+
+
+def test_reused_id_does_not_get_the_dropped_row() -> None:
+    """A request that stops on the in-flight token leaves its extra row in the next step; a new request
+    under the same id, added before that step is read, must not receive it."""
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    free_run = make_llm(async_scheduling=False).generate([prompts()[4]], greedy)[0].token_ids
+    stop = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[free_run[6]])
+    eng = _engine()
+    eng.add_request("x", prompts()[4], stop)
+    finished_with_row_in_flight = False
+    for _ in range(50):
+        ds = eng.step()
+        if any(d.request_id == "x" and d.finished for d in ds):
+            finished_with_row_in_flight = eng._inflight is not None and any(
+                s.request_id == "x" for s in eng._inflight.batch.seqs)
+            break
+    assert finished_with_row_in_flight, "the stop did not land on an in-flight token"
+    eng.add_request("x", prompts()[0], greedy)  # the id is free again
+    out: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    _run_to_end(eng, out, reasons)
+    alone = make_llm(async_scheduling=False).generate([prompts()[0]], greedy)[0].token_ids
+    assert out["x"] == alone and reasons["x"] == "length"
+
+
+def test_stop_string_completing_on_the_in_flight_token() -> None:
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    text = make_llm(async_scheduling=False).generate([prompts()[3]], greedy)[0].text
+    assert len(text) > 12, text
+    stop = text[6:10]
+    p = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
+    outs = [make_llm(async_scheduling=a).generate([prompts()[3]], p)[0] for a in (False, True)]
+    assert [(o.text, o.token_ids, o.finish_reason) for o in outs[1:]] == \
+        [(outs[0].text, outs[0].token_ids, outs[0].finish_reason)]
+    assert outs[1].finish_reason == "stop" and stop not in outs[1].text
+
+
+def test_a_full_batch_keeps_overlapping_while_requests_queue() -> None:
+    p = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    sync = [o.token_ids for o in make_llm(max_batch_size=2, async_scheduling=False).generate(prompts(), p)]
+    llm = make_llm(max_batch_size=2)
+    eng = llm.engine
+    queued_while_fed: list[int] = []
+    orig = eng.runner.execute
+
+    def execute(batch, feed=None):
+        if feed is not None:
+            queued_while_fed.append(len(eng.scheduler.waiting))
+        return orig(batch, feed)
+
+    eng.runner.execute = execute  # type: ignore[method-assign]
+    assert [o.token_ids for o in llm.generate(prompts(), p)] == sync
+    assert any(q > 0 for q in queued_while_fed), "no overlapped step while requests were queued"

@@ -92,7 +92,13 @@ class DecodeGraphs:
         bmax = self.sizes[-1]
         i32, i64 = torch.int32, torch.int64
         self._stage = torch.zeros(_ROWS * bmax, dtype=i64, device=device)
-        self._host = torch.zeros(_ROWS * bmax, dtype=i64, pin_memory=device.type == "cuda")
+        # Two pinned staging buffers used in turn, each reused only after the event recorded behind its
+        # last copy: with async scheduling the host fills the next step's rows while the previous
+        # copy may still be queued on the stream.
+        pin = device.type == "cuda"
+        self._hosts = [torch.zeros(_ROWS * bmax, dtype=i64, pin_memory=pin) for _ in range(2)]
+        self._host_done: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
         self._ids = torch.zeros(bmax, dtype=i64, device=device)
         self._slots = torch.full((bmax,), -1, dtype=i64, device=device)
         self._src = torch.full((bmax,), pad_slot, dtype=i64, device=device)
@@ -184,9 +190,17 @@ class DecodeGraphs:
         packed = pack_decode_rows(seqs, B, self.tokens_per_block, self.pad_slot,
                                   feed[1] if feed is not None else None)
         n = _ROWS * B
-        self._host[:n] = torch.as_tensor(packed, dtype=torch.int64)
+        turn, self._turn = self._turn, 1 - self._turn
+        host, done = self._hosts[turn], self._host_done[turn]
+        if done is not None:
+            done.synchronize()  # that buffer's previous copy has run (long ago, in practice)
+        host[:n] = torch.as_tensor(packed, dtype=torch.int64)
         stage = self._stage[:n]
-        stage.copy_(self._host[:n], non_blocking=True)
+        stage.copy_(host[:n], non_blocking=True)
+        if host.is_pinned():
+            ev = torch.cuda.Event()
+            ev.record()
+            self._host_done[turn] = ev
         rows = stage.view(_ROWS, B)
         self._ids[:B].copy_(rows[0])
         self._slots[:B].copy_(rows[1])

@@ -14,13 +14,15 @@ the caller's streaming, the next step's set-up) runs while the GPU computes:
     GPU:        [ step N          ][ step N+1         ][ step N+2 ...
 
 The overlapped step takes exactly the previous step's running requests (minus those whose last token
-that was: max_tokens, max_seq_len) with one more block position each, and only when nothing else waits:
-no queued request, no pending abort, no request in prefill, blocks free without preempting. Otherwise
+that was: max_tokens, max_seq_len) with one more block position each, and only when the scheduler has
+nothing to decide: no queued request that a free batch row could admit, no pending abort, no request in
+prefill, blocks free without preempting. Otherwise
 the in-flight step is read first and a normal step follows. A request that stops on that token (EOS,
 stop string) has computed one extra row, which is dropped; its slot and blocks are freed only after, and
 any later use of them is queued behind it on the same stream. Outputs are those of the synchronous
-engine (greedy and seeded rows token for token; unseeded rows draw from the same stream, which extra
-rows can shift).
+engine as far as batching leaves a row's logits alone (the CPU tests check greedy and seeded rows token
+for token): an extra row changes a step's batch size, as any batching difference does; unseeded rows
+draw from the same stream, which extra rows can shift.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class _InFlight:
     """A decode step whose tokens are still on the device (async scheduling)."""
 
     batch: ScheduledBatch  # pure decode; every row samples, in this order
+    reqs: list[Request | None]  # each row's request when launched (an id may be reused once it finished)
     tokens: torch.Tensor  # [rows] long, on the device
     host: torch.Tensor  # their host copy (pinned, filled without waiting on CUDA)
     logprobs: PendingLogprobs | None  # the rows that want logprobs: their table, copied likewise
@@ -385,8 +388,9 @@ class LLMEngine:
         params = [s.params for s in batch.seqs]
         tokens = self.sampler.sample_tokens(logits, params, [s.num_output_tokens for s in batch.seqs])
         lp = self.sampler.pending_logprobs(logits, tokens, params)
+        reqs = [self.requests.get(s.request_id) for s in batch.seqs]
         if not tokens.is_cuda:
-            return _InFlight(batch, tokens, tokens, lp, lp.table if lp is not None else None, None)
+            return _InFlight(batch, reqs, tokens, tokens, lp, lp.table if lp is not None else None, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         lp_host = None
@@ -395,15 +399,15 @@ class LLMEngine:
             lp_host.copy_(lp.table, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return _InFlight(batch, tokens, host, lp, lp_host, done)
+        return _InFlight(batch, reqs, tokens, host, lp, lp_host, done)
 
     def _next_decode(self, prev: ScheduledBatch) -> tuple[ScheduledBatch, list[int]] | None:
         """The decode step after the in-flight one, planned without its tokens: the same requests (less
         those that this token finishes for certain) one position on, and for each the row of the
         in-flight samples that is its input. None when a normal step must run instead."""
         sched = self.scheduler
-        if sched.waiting or sched.has_pending_aborts():
-            return None
+        if sched.has_pending_aborts() or (sched.waiting and len(sched.running) < sched.max_batch_size):
+            return None  # the scheduler has something to decide (a full batch admits nobody anyway)
         in_prev = {s.request_id for s in prev.seqs}
         if any(r.request_id not in in_prev for r in sched.running):
             return None  # a request in prefill (or admitted meanwhile) needs the scheduler
@@ -464,15 +468,16 @@ class LLMEngine:
         if step.logprobs is not None and step.logprobs_host is not None:
             lps = step.logprobs.entries(tokens, len(tokens), step.logprobs_host.tolist())
         deltas = []
-        for seq, tok, lp in zip(step.batch.seqs, tokens, lps):
-            req = self.requests.get(seq.request_id)
-            if req is None or req.finished:
-                continue  # finished on the step before (its row here was computed and is dropped)
+        for req, tok, lp in zip(step.reqs, tokens, lps):
+            # finished on the step before (its row here was computed and is dropped), or its id now names
+            # a new request
+            if req is None or req.finished or self.requests.get(req.request_id) is not req:
+                continue
             deltas.append(self._append_token(req, tok, lp))
         return deltas
 
     def drain(self) -> list[StreamDelta]:
-        """Read the in-flight step, if any, without launching another."""
+        """Read the in-flight step, if any, without launching another; returns its deltas."""
         step, self._inflight = self._inflight, None
         return self._read_inflight(step) if step is not None else []
 
@@ -507,7 +512,8 @@ class LLMEngine:
                 )
 
     def reset_after_warmup(self) -> None:
-        """Forget the warm-up: prefix cache, counters, statistics and the sampler's random stream."""
+        """Forget the warm-up: prefix cache, counters, statistics and the sampler's random stream. Called
+        when idle (an in-flight step then holds only finished requests' rows)."""
         self.drain()
         self.reset_prefix_cache()
         self.cache.prefix_queries = self.cache.prefix_hits = 0

@@ -24,11 +24,20 @@ from hyserve.engine.sampling_params import SamplingParams
 History = tuple[Sequence[int], Sequence[int]]  # (prompt token ids, output token ids)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor -> `device` without waiting for the device (pinned + non-blocking on CUDA):
+    a plain copy from pageable memory would wait for every step already queued (async scheduling
+    launches the next step before the sampler's copies)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _index(rows_tokens: list[tuple[int, Sequence[int]]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, token) index tensors for every token of every listed row."""
     rows = [torch.full((len(toks),), r, dtype=torch.long) for r, toks in rows_tokens]
     toks = [torch.as_tensor(list(toks), dtype=torch.long) for _, toks in rows_tokens]
-    return torch.cat(rows).to(device), torch.cat(toks).to(device)
+    return to_device(torch.cat(rows), device), to_device(torch.cat(toks), device)
 
 
 def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -54,8 +63,8 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
         if nonempty:
             r_idx, t_idx = _index(nonempty, dev)
             seen[r_idx, t_idx] = True
-        pen = torch.tensor([params[i].repetition_penalty for i in rep], dtype=torch.float32).to(dev)[:, None]
-        rows_t = torch.tensor(rep, dtype=torch.long).to(dev)
+        pen = to_device(torch.tensor([params[i].repetition_penalty for i in rep], dtype=torch.float32), dev)[:, None]
+        rows_t = to_device(torch.tensor(rep, dtype=torch.long), dev)
         sub = x[rows_t]
         x[rows_t] = torch.where(seen, torch.where(sub > 0, sub / pen, sub * pen), sub)
     if occ:
@@ -64,19 +73,20 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
             r_idx, t_idx = _index(outs, dev)
             counts = torch.zeros(len(occ), vocab, dtype=torch.float32, device=dev)
             counts.index_put_((r_idx, t_idx), torch.ones_like(r_idx, dtype=torch.float32), accumulate=True)
-            coef = torch.tensor([[params[i].frequency_penalty, params[i].presence_penalty] for i in occ],
-                                dtype=torch.float32).to(dev)
-            rows_t = torch.tensor(occ, dtype=torch.long).to(dev)
+            coef = to_device(torch.tensor([[params[i].frequency_penalty, params[i].presence_penalty] for i in occ],
+                                          dtype=torch.float32), dev)
+            rows_t = to_device(torch.tensor(occ, dtype=torch.long), dev)
             x[rows_t] = x[rows_t] - coef[:, :1] * counts - coef[:, 1:] * (counts > 0).float()
     bias = [(i, params[i].logit_bias) for i in rows if params[i].logit_bias]
     if bias:
         r_list = [i for i, b in bias for _ in b]
         t_list = [t for _, b in bias for t, _ in b]
         v_list = [v for _, b in bias for _, v in b]
-        x.index_put_((torch.tensor(r_list, dtype=torch.long).to(dev), torch.tensor(t_list, dtype=torch.long).to(dev)),
-                     torch.tensor(v_list, dtype=torch.float32).to(dev), accumulate=True)
+        x.index_put_((to_device(torch.tensor(r_list, dtype=torch.long), dev),
+                      to_device(torch.tensor(t_list, dtype=torch.long), dev)),
+                     to_device(torch.tensor(v_list, dtype=torch.float32), dev), accumulate=True)
     assert x.shape == (n, vocab)
     return x
 
 
-__all__ = ["History", "process_logits"]
+__all__ = ["History", "process_logits", "to_device"]

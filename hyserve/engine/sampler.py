@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyserve.engine.logits_processing import History, process_logits
+from hyserve.engine.logits_processing import History, process_logits, to_device
 from hyserve.engine.outputs import TokenLogprob
 from hyserve.engine.sampling_params import SamplingParams
 
@@ -53,18 +53,11 @@ def _seed_key(seed: int, output_index: int) -> int:
     return (seed * _SEED_MULT + output_index) & _SEED_MASK
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor -> `device` without waiting for the device (pinned + non-blocking on CUDA)."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 def _rows(idx: list[int], n: int, device: torch.device) -> torch.Tensor | None:
     """Row indices as a device tensor, or None when they are simply 0..n-1 (no gather needed)."""
     if len(idx) == n:
         return None
-    return _to_device(torch.tensor(idx, dtype=torch.long), device)
+    return to_device(torch.tensor(idx, dtype=torch.long), device)
 
 
 def logprob_table(logits: torch.Tensor, chosen: torch.Tensor, kmax: int) -> torch.Tensor:
@@ -196,7 +189,7 @@ class Sampler:
             ],
             dtype=torch.float32,
         )
-        prm = _to_device(host, dev)
+        prm = to_device(host, dev)
 
         rows = prm[0].long() if m < n else None
         x = (logits if rows is None else logits[rows]).float()  # [m, V]
