@@ -98,13 +98,22 @@ def test_logprobs_rows_are_deferred_with_their_table() -> None:
     assert all(len(lps) == len(toks) for (toks, lps), q in zip(overlapped, p) if q.logprobs is not None)
 
 
-def test_penalty_rows_are_not_deferred() -> None:
-    p = SamplingParams(max_tokens=6, temperature=0.0, presence_penalty=0.5, ignore_eos=True)
+def test_penalty_rows_are_deferred_with_the_in_flight_token_counted() -> None:
+    # the tiny random model never repeats a token by itself: a bias makes token 7 repeat until its
+    # frequency penalty (which must count the in-flight copy) outweighs the bias
+    ps = [SamplingParams(max_tokens=14, temperature=0.0, frequency_penalty=1.0, logit_bias={7: 6.0}, ignore_eos=True),
+          SamplingParams(max_tokens=14, temperature=0.0, frequency_penalty=0.7, logit_bias={7: 4.0}, ignore_eos=True),
+          SamplingParams(max_tokens=14, temperature=0.0, repetition_penalty=3.0, ignore_eos=True),
+          SamplingParams(max_tokens=14, temperature=0.0, presence_penalty=1.5, ignore_eos=True),
+          SamplingParams(max_tokens=14, temperature=0.7, seed=2, frequency_penalty=1.3, ignore_eos=True,
+                         logit_bias={7: 8.0})]
+    ps = (ps * 2)[: len(prompts())]
     llm = make_llm()
     fed = _spy_feeds(llm)
-    sync = [(o.token_ids, o.finish_reason) for o in make_llm(async_scheduling=False).generate(prompts(), p)]
-    assert _outs(llm, [p] * len(prompts())) == sync
-    assert fed == []
+    sync = [(o.token_ids, o.finish_reason) for o in make_llm(async_scheduling=False).generate(prompts(), ps)]
+    assert _outs(llm, ps) == sync
+    assert fed, "penalty rows kept the steps synchronous"
+    assert 2 < sync[0][0].count(7) < 14, "the frequency penalty never moved the choice"
 
 
 def _engine(**kw) -> LLMEngine:

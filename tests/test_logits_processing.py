@@ -103,3 +103,25 @@ def test_logit_bias_outside_the_vocabulary_is_rejected() -> None:
     vocab = llm.engine.model_config.vocab_size
     with pytest.raises(RequestRejected, match="logit_bias token ids must be in"):
         llm.engine.validate_request([1, 2], SamplingParams(logit_bias={vocab: 1.0}))
+
+
+def test_pending_token_counts_like_a_history_entry() -> None:
+    """A row's newest token still on the device (`pending`, async scheduling) edits the logits exactly
+    as the same token at the end of its host history; -1 means none."""
+    import torch
+
+    from hyserve.engine.logits_processing import process_logits
+    from hyserve.engine.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50, generator=g)
+    params = [SamplingParams(repetition_penalty=1.7), SamplingParams(frequency_penalty=0.8, presence_penalty=0.3),
+              SamplingParams(), SamplingParams(frequency_penalty=1.1, repetition_penalty=1.2)]
+    hist = [([1, 2], [5, 9]), ([3], [9, 9]), None, ([4], [])]
+    pending = torch.tensor([9, 9, 17, 33])
+    full = [([1, 2], [5, 9, 9]), ([3], [9, 9, 9]), None, ([4], [33])]
+    torch.testing.assert_close(process_logits(logits, params, hist, pending), process_logits(logits, params, full),
+                               rtol=0, atol=0)
+    none = torch.tensor([-1, -1, -1, -1])
+    torch.testing.assert_close(process_logits(logits, params, hist, none), process_logits(logits, params, hist),
+                               rtol=0, atol=0)

@@ -4,9 +4,8 @@
 
 Everything else (threads, asyncio, HTTP) sits on top of `add_request` / `abort` / `step`.
 
-Async scheduling (`async_scheduling`, on by default). A pure decode step that needs nothing from the host
-after sampling (no penalties: they read the token history) is left in flight: its tokens (and logprob
-rows) stay on the device, their copies to the host start, and `step()` returns. The next `step()` launches the following decode step first, feeding those tokens to it on the
+Async scheduling (`async_scheduling`, on by default). A pure decode step is left in flight: its tokens
+(and logprob rows) stay on the device, their copies to the host start, and `step()` returns. The next `step()` launches the following decode step first, feeding those tokens to it on the
 device, and only then reads them and emits their deltas, so the host's work (stop checks, detokenising,
 the caller's streaming, the next step's set-up) runs while the GPU computes:
 
@@ -16,7 +15,8 @@ the caller's streaming, the next step's set-up) runs while the GPU computes:
 The overlapped step takes exactly the previous step's running requests (minus those whose last token
 that was: max_tokens, max_seq_len) with one more block position each, and only when the scheduler has
 nothing to decide: no queued request that a free batch row could admit, no pending abort, no request in
-prefill, blocks free without preempting. Otherwise
+prefill, blocks free without preempting. A penalty row's history is the host's lists plus its in-flight
+token, counted on the device. Otherwise
 the in-flight step is read first and a normal step follows. A request that stops on that token (EOS,
 stop string) has computed one extra row, which is dropped; its slot and blocks are freed only after, and
 any later use of them is queued behind it on the same stream. Outputs are those of the synchronous
@@ -42,6 +42,7 @@ from hyserve.config import EngineConfig
 from hyserve.engine.cuda_graphs import DecodeGraphs, default_capture_sizes
 from hyserve.engine.errors import JitAfterReadyError, RequestRejected
 from hyserve.engine.jit_sentinel import JitSentinel
+from hyserve.engine.logits_processing import to_device
 from hyserve.engine.memory_profile import ActivationProfile, profile_activations
 from hyserve.engine.model_loader import LoadedModel, load_model
 from hyserve.engine.outputs import StreamDelta, TokenLogprob
@@ -355,15 +356,9 @@ class LLMEngine:
                 self.runner.kept = None
         self.scheduler.update(batch, self.requests)
         sampling = [s for s in batch.seqs if s.sample]
-        histories = None
-        if any(s.params.needs_history for s in sampling):  # penalties: the tokens each row has seen
-            histories = []
-            for s in sampling:
-                req = self.requests.get(s.request_id)
-                histories.append((req.prompt_token_ids, req.output_token_ids)
-                                 if req is not None and s.params.needs_history else None)
+        histories = self._histories(sampling)
         if self._can_defer(batch):
-            self._inflight = self._defer(batch, logits)
+            self._inflight = self._defer(batch, logits, histories)
             return deltas
         tokens, lps = self.sampler.sample(
             logits, [s.params for s in sampling], [s.num_output_tokens for s in sampling], histories
@@ -375,18 +370,33 @@ class LLMEngine:
             deltas.append(self._append_token(req, tok, lp))
         return deltas
 
+    def _histories(self, sampling: list[ScheduledSeq]) -> list[tuple[list[int], list[int]] | None] | None:
+        """Penalties: the prompt and output ids each sampling row has seen (host lists), or None."""
+        if not any(s.params.needs_history for s in sampling):
+            return None
+        out: list[tuple[list[int], list[int]] | None] = []
+        for s in sampling:
+            req = self.requests.get(s.request_id)
+            out.append((req.prompt_token_ids, req.output_token_ids)
+                       if req is not None and s.params.needs_history else None)
+        return out
+
     # ---- async scheduling -------------------------------------------------------------------------
     def _can_defer(self, batch: ScheduledBatch) -> bool:
-        """Whether this step's tokens may stay on the device: a pure decode step whose rows need nothing
-        from the host once sampled (logprobs are read with the tokens; penalties read the history)."""
+        """Whether this step's tokens may stay on the device: a pure decode step (logprob rows are read with
+        the tokens; a penalty row's newest token is counted on the device)."""
         return (self.config.async_scheduling and batch.num_decodes == len(batch.seqs) > 0
-                and all(s.sample and not s.params.needs_history for s in batch.seqs))
+                and all(s.sample for s in batch.seqs))
 
-    def _defer(self, batch: ScheduledBatch, logits: torch.Tensor) -> _InFlight:
+    def _defer(self, batch: ScheduledBatch, logits: torch.Tensor,
+               histories: list[tuple[list[int], list[int]] | None] | None = None,
+               pending: torch.Tensor | None = None) -> _InFlight:
         """Sample `batch` (and its logprob rows) on the device and start the copies to the host; nothing
-        here waits for the device."""
+        here waits for the device. `histories`/`pending`: the penalty rows' host history and the token of
+        each row still on the device (`Sampler.sample_tokens`)."""
         params = [s.params for s in batch.seqs]
-        tokens = self.sampler.sample_tokens(logits, params, [s.num_output_tokens for s in batch.seqs])
+        tokens = self.sampler.sample_tokens(logits, params, [s.num_output_tokens for s in batch.seqs],
+                                            histories, pending)
         lp = self.sampler.pending_logprobs(logits, tokens, params)
         reqs = [self.requests.get(s.request_id) for s in batch.seqs]
         if not tokens.is_cuda:
@@ -447,7 +457,12 @@ class LLMEngine:
                 self._check_strict_warmup()
                 self.scheduler.update(batch, self.requests)
                 self.scheduler.stats.tokens_scheduled = len(batch.seqs)
-                self._inflight = self._defer(batch, logits)
+                histories = self._histories(batch.seqs)  # without the in-flight token, which is on the device:
+                pending = None
+                if histories is not None:
+                    pending = prev.tokens.index_select(
+                        0, to_device(torch.tensor(rows, dtype=torch.long), prev.tokens.device))
+                self._inflight = self._defer(batch, logits, histories, pending)
                 self.counters["overlapped_steps_total"] += 1
             except Exception as e:  # one bad batch must not take the engine down
                 logger.exception("model step failed; failing the %d requests of this batch", len(batch.seqs))

@@ -147,11 +147,12 @@ class Sampler:
 
     def sample_tokens(
         self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int],
-        histories: Sequence[History | None] | None = None,
+        histories: Sequence[History | None] | None = None, pending: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The token ids [n] (long, on the logits' device) of `sample`, without reading them to the host:
-        nothing here waits for the device. Logprobs are `sample`'s alone."""
-        x = process_logits(logits, params, histories)
+        nothing here waits for the device. `pending`: each row's output token still on the device (-1:
+        none), counted in its penalty history (`process_logits`)."""
+        x = process_logits(logits, params, histories, pending)
         rest = [i for i, p in enumerate(params) if not p.greedy]
         if not rest:
             return x.argmax(dim=-1)  # [n]
