@@ -199,7 +199,7 @@ class DecodeGraphs:
         stage.copy_(host[:n], non_blocking=True)
         if host.is_pinned():
             ev = torch.cuda.Event()
-            ev.record()
+            ev.record(torch.cuda.current_stream(self.device))  # the stream the copy was queued on
             self._host_done[turn] = ev
         rows = stage.view(_ROWS, B)
         self._ids[:B].copy_(rows[0])

@@ -408,7 +408,7 @@ class LLMEngine:
             lp_host = torch.empty(lp.table.shape, dtype=lp.table.dtype, pin_memory=True)
             lp_host.copy_(lp.table, non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(tokens.device))
         return _InFlight(batch, reqs, tokens, host, lp, lp_host, done)
 
     def _next_decode(self, prev: ScheduledBatch) -> tuple[ScheduledBatch, list[int]] | None:
