@@ -19,6 +19,7 @@ head_dim 128.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as _dt
 import json
 import os
@@ -34,6 +35,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hyserve.bench.profiling import device_kernel_times  # noqa: E402
 from hyserve.kernels.attention import paged_attention_ref, write_kv_ref  # noqa: E402
 from hyserve.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref  # noqa: E402
 from hyserve.kernels.rmsnorm import rms_norm_ref, rmsnorm_gated_ref  # noqa: E402
@@ -380,18 +382,7 @@ def _ssd_floor_s(T: int, S: int, H: int, P: int, N: int, G: int, L: int, xbytes:
 def _ssd_kernel_times(fn) -> dict[str, float]:
     """Mean device time (ms) of each SSD kernel over 10 calls, from the torch profiler."""
     try:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                fn()
-            torch.cuda.synchronize()
-        out: dict[str, float] = {}
-        for e in prof.key_averages():
-            us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
-            if e.count and "_ssd_" in e.key:
-                out[e.key] = us / e.count / 1e3
-        return out
+        return {k: us / n / 1e3 for k, (us, n) in device_kernel_times(fn, 10).items() if "_ssd_" in k}
     except Exception as e:  # noqa: BLE001 - profiling is a diagnostic only
         print(f"     (kernel breakdown unavailable: {type(e).__name__}: {e})")
         return {}
@@ -568,13 +559,12 @@ def bench_attn_sweep(b: Bench) -> None:
     Hq, Hkv, D, bs = (40, 8, 128, 64) if not b.dry else (4, 2, 32, 16)
     dtype = BF16 if not b.dry else torch.float16
     scale, tol = D**-0.5, 2e-2
-    saved = (dict(ta._DECODE_GPU), {k: dict(v) for k, v in ta._PREFILL_GPU.items()}, ta._TARGET_PROGRAMS,
-             ta._MAX_SPLITS, dict(ta._DECODE_CPU), dict(ta._PREFILL_CPU))
+    tables = ("_DECODE_GPU", "_PREFILL_GPU", "_TARGET_PROGRAMS", "_MAX_SPLITS", "_DECODE_CPU", "_PREFILL_CPU")
+    saved = {name: copy.deepcopy(getattr(ta, name)) for name in tables}
 
     def restore() -> None:
-        ta._DECODE_GPU, ta._PREFILL_GPU, ta._TARGET_PROGRAMS, ta._MAX_SPLITS = (
-            dict(saved[0]), {k: dict(v) for k, v in saved[1].items()}, saved[2], saved[3])
-        ta._DECODE_CPU, ta._PREFILL_CPU = dict(saved[4]), dict(saved[5])
+        for name, value in saved.items():
+            setattr(ta, name, copy.deepcopy(value))
 
     def run_case(name: str, q, kc, vc, tb, lens, cu, nbytes_or_flops: float, unit: str, configs, apply) -> None:
         ref = paged_attention_ref(q, kc, vc, tb, lens, cu, scale)
@@ -616,10 +606,8 @@ def bench_attn_sweep(b: Bench) -> None:
     for n_new, L in ((8192, 8192), (2048, 8192)) if not b.dry else ((37, 37), (20, 50)):
         kc, vc, tb = _paged_pool(b, [L], Hkv, D, bs, dtype)
         q = b.rnd(n_new, Hq, D, dtype=dtype)
-        from hyserve.kernels.triton_attention import attention_flops
-
         run_case(f"prefill attention {n_new} new / {L}", q, kc, vc, tb, [L], [0, n_new],
-                 attention_flops([n_new], [L], Hq, D), "FLOP/s", _PREFILL_SWEEP, apply_prefill)
+                 ta.attention_flops([n_new], [L], Hq, D), "FLOP/s", _PREFILL_SWEEP, apply_prefill)
 
 
 # --------------------------------------------------------------------------- main

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hyserve import LLM, SamplingParams  # noqa: E402
+from hyserve.bench.profiling import device_kernel_times  # noqa: E402
 from hyserve.bench.report import records_markdown  # noqa: E402
 from hyserve.model.config import HybridModelConfig  # noqa: E402
 
@@ -48,17 +49,7 @@ def replay_breakdown(replay, step_ms: float, steps: int = 20, top: int = 25) -> 
     """Device time per decode step by kernel name inside the batch-1 graph replay (torch profiler),
     the kernels that take the most first: where the replay's gap to the weight roofline goes."""
     try:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                replay()
-            sync()
-        rows = []
-        for e in prof.key_averages():
-            us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
-            if e.count and us > 0:
-                rows.append((us / steps, e.count / steps, e.key))
+        rows = [(us / steps, n / steps, name) for name, (us, n) in device_kernel_times(replay, steps).items()]
     except Exception as e:  # noqa: BLE001 - a diagnostic only
         return f"batch-1 replay kernel breakdown unavailable: {type(e).__name__}: {e}"
     rows.sort(reverse=True)

@@ -14,8 +14,9 @@ sequences writes its rows into the buffers, pads rows b..B-1, and replays the gr
 
 Padding rows compute garbage in a pad state slot and a valid-but-unrelated KV position; their logits
 are never read. With async scheduling the ids are not known on the host yet: a sixth staging row says
-where each sequence's token sits in the previous step's samples, gathered on the device before replay. Nothing the kernels launch depends on host values (the attention launcher takes the
-device tensors on pure decode steps), so one recording serves every replay.
+where each sequence's token sits in the previous step's samples, gathered on the device before replay.
+Nothing the kernels launch depends on host values (the attention launcher takes the device tensors on
+pure decode steps), so one recording serves every replay.
 
 Graphs are used only for decode-only steps up to the largest captured size; prefill and mixed steps
 run eagerly. On the CPU `DecodeGraphs` runs the same static-buffer step eagerly (`capture=False`),

@@ -5,9 +5,10 @@
 Everything else (threads, asyncio, HTTP) sits on top of `add_request` / `abort` / `step`.
 
 Async scheduling (`async_scheduling`, on by default). A pure decode step is left in flight: its tokens
-(and logprob rows) stay on the device, their copies to the host start, and `step()` returns. The next `step()` launches the following decode step first, feeding those tokens to it on the
-device, and only then reads them and emits their deltas, so the host's work (stop checks, detokenising,
-the caller's streaming, the next step's set-up) runs while the GPU computes:
+(and logprob rows) stay on the device, their copies to the host start, and `step()` returns. The next
+`step()` launches the following decode step first, feeding those tokens to it on the device, and only
+then reads them and emits their deltas, so the host's work (stop checks, detokenising, the caller's
+streaming, the next step's set-up) runs while the GPU computes:
 
     host:  launch N | read N-1, emit | launch N+1 | read N, emit | launch N+2 | ...
     GPU:        [ step N          ][ step N+1         ][ step N+2 ...
@@ -16,13 +17,12 @@ The overlapped step takes exactly the previous step's running requests (minus th
 that was: max_tokens, max_seq_len) with one more block position each, and only when the scheduler has
 nothing to decide: no queued request that a free batch row could admit, no pending abort, no request in
 prefill, blocks free without preempting. A penalty row's history is the host's lists plus its in-flight
-token, counted on the device. Otherwise
-the in-flight step is read first and a normal step follows. A request that stops on that token (EOS,
-stop string) has computed one extra row, which is dropped; its slot and blocks are freed only after, and
-any later use of them is queued behind it on the same stream. Outputs are those of the synchronous
-engine as far as batching leaves a row's logits alone (the CPU tests check greedy and seeded rows token
-for token): an extra row changes a step's batch size, as any batching difference does; unseeded rows
-draw from the same stream, which extra rows can shift.
+token, counted on the device. Otherwise the in-flight step is read first and a normal step follows. A
+request that stops on that token (EOS, stop string) has computed one extra row, which is dropped; its
+slot and blocks are freed only after, and any later use of them is queued behind it on the same stream.
+Outputs are those of the synchronous engine as far as batching leaves a row's logits alone (the CPU
+tests check greedy and seeded rows token for token): an extra row changes a step's batch size, as any
+batching difference does; unseeded rows draw from the same stream, which extra rows can shift.
 """
 
 from __future__ import annotations
@@ -481,7 +481,7 @@ class LLMEngine:
         tokens = [int(t) for t in step.host.tolist()]
         lps: list[TokenLogprob | None] = [None] * len(tokens)
         if step.logprobs is not None and step.logprobs_host is not None:
-            lps = step.logprobs.entries(tokens, len(tokens), step.logprobs_host.tolist())
+            lps = step.logprobs.entries(tokens, step.logprobs_host.tolist())
         deltas = []
         for req, tok, lp in zip(step.reqs, tokens, lps):
             # finished on the step before (its row here was computed and is dropped), or its id now names

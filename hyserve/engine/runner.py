@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from hyserve.engine.cuda_graphs import DecodeGraphs
+from hyserve.engine.logits_processing import to_device
 from hyserve.engine.outputs import TokenLogprob
 from hyserve.engine.sampler import token_logprobs
 from hyserve.engine.scheduler import ScheduledBatch
@@ -90,8 +91,7 @@ class ModelRunner:
                 return logits
         input_ids, meta = self.build_meta(batch)
         if feed is not None:
-            rows = torch.tensor(feed[1], dtype=torch.long).to(self.device, non_blocking=True)
-            input_ids = feed[0].index_select(0, rows)
+            input_ids = feed[0].index_select(0, to_device(torch.tensor(feed[1], dtype=torch.long), self.device))
         hidden = self.model(input_ids, meta, self.cache)
         if any(s.params.prompt_logprobs is not None for s in batch.seqs[batch.num_decodes :]):
             self.kept = (hidden, meta.cu_seqlens)

@@ -97,8 +97,10 @@ class PendingLogprobs:
     ks: list[int]
     kmax: int
 
-    def entries(self, token_list: list[int], n: int, table: list[list[float]]) -> list[TokenLogprob | None]:
-        out: list[TokenLogprob | None] = [None] * n
+    def entries(self, token_list: list[int], table: list[list[float]]) -> list[TokenLogprob | None]:
+        """Per batch row (of `token_list`): its TokenLogprob from `table` (this table read to the host),
+        None for rows that did not ask."""
+        out: list[TokenLogprob | None] = [None] * len(token_list)
         for i, e in zip(self.want, table_logprobs(table, [token_list[i] for i in self.want], self.ks, self.kmax)):
             out[i] = e
         return out
@@ -143,7 +145,7 @@ class Sampler:
         pending = self.pending_logprobs(logits, tokens, params)
         if pending is None:
             return token_list, [None] * n
-        return token_list, pending.entries(token_list, n, pending.table.tolist())
+        return token_list, pending.entries(token_list, pending.table.tolist())
 
     def sample_tokens(
         self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int],
