@@ -89,7 +89,9 @@ def causal_conv1d_update_triton(
     out = torch.empty(Bt, Dm, dtype=x.dtype, device=x.device)
     if Bt == 0:
         return out
-    BLOCK_D = min(1024, triton.next_power_of_2(Dm))
+    # small batches: narrow tiles, so a batch-1 step spreads over ~100 programs instead of 12 (its four
+    # dependent column loads are latency, not bandwidth); two variants, both met by the warm-up's decodes
+    BLOCK_D = min(1024 if Bt >= 8 else 128, triton.next_power_of_2(Dm))
     grid = (triton.cdiv(Dm, BLOCK_D), Bt)
     _conv1d_update_kernel[grid](
         x, conv_pool, weight, bias if bias is not None else weight, src_slots, dst_slots, out,

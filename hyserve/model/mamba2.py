@@ -3,7 +3,7 @@
     x --in_proj--> [ z | xBC | dt ]
     xBC --causal depthwise conv1d + SiLU--> [ x | B | C ]
     (x, dt, B, C) --SSD scan (dt bias, softplus, dt limit, D skip)--> y
-    y --grouped RMSNorm gated by z--> --out_proj--> out
+    y --grouped RMSNorm gated by z--> --out_proj--> out      (norm + out_proj: `gated_norm_linear`)
 
 Decode sequences (the first `meta.num_decodes`, one token each) use the single-step conv and state
 update kernels; prefill/extend sequences use the packed varlen conv and the chunked SSD scan. Both
@@ -96,12 +96,22 @@ class Mamba2Mixer(nn.Module):
             c.reshape(n, self.n_groups, self.state_size),
         )
 
+    @property
+    def input_proj(self) -> nn.Linear:
+        """The first projection (the block may run it fused with its norm, then call forward_projected)."""
+        return self.in_proj
+
     def forward(
         self, hidden: torch.Tensor, meta: ForwardMeta, conv_pool: torch.Tensor, ssm_pool: torch.Tensor
     ) -> torch.Tensor:
-        T = hidden.shape[0]
-        cuda = hidden.is_cuda
-        zxbcdt = self.in_proj(hidden)
+        return self.forward_projected(self.in_proj(hidden), meta, conv_pool, ssm_pool)
+
+    def forward_projected(
+        self, zxbcdt: torch.Tensor, meta: ForwardMeta, conv_pool: torch.Tensor, ssm_pool: torch.Tensor
+    ) -> torch.Tensor:
+        """zxbcdt = in_proj(hidden) -> the mixer's output."""
+        T = zxbcdt.shape[0]
+        cuda = zxbcdt.is_cuda
         z, xbc, dt = torch.split(zxbcdt, [self.d_inner, self.conv_dim, self.num_heads], dim=-1)
         A = self._A()
         w = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
@@ -122,15 +132,18 @@ class Mamba2Mixer(nn.Module):
         if y_d is not None and T == nd:
             y = y_d  # a pure decode step: no packing copy
         else:
-            y = torch.empty(T, self.num_heads, self.head_dim, dtype=hidden.dtype, device=hidden.device)
+            y = torch.empty(T, self.num_heads, self.head_dim, dtype=zxbcdt.dtype, device=zxbcdt.device)
             if y_d is not None:
                 y[:nd] = y_d
 
         if T > nd:
             self._prefill(xbc[nd:], dt[nd:], A, w, bias, meta, conv_pool, ssm_pool, y[nd:])
 
-        out = self.norm(y.view(T, self.d_inner), z)
-        return self.out_proj(out)
+        # the gated norm runs fused into out_proj (one kernel on CUDA at small batches)
+        norm = self.norm
+        return ops.get("gated_norm_linear", cuda)(
+            y.view(T, self.d_inner), z, norm.weight, norm.eps, norm.group_size, self.out_proj.weight, self.out_proj.bias
+        )
 
     def _prefill(
         self,

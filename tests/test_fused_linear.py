@@ -1,0 +1,165 @@
+"""The fused small-batch linear kernels (`triton_fused_linear.py`) against float64 and their references.
+
+Without CUDA the kernel runs under the Triton interpreter (TRITON_INTERPRET=1) at small sizes; the `gpu`
+cases run the Nemotron Nano 9B v2 shapes compiled. Outputs are poisoned with NaN (`poison`), inputs are
+fresh random views with row strides (as the model passes z and the MLP activations), and every case
+covers row counts that take the fused kernel and one that falls back to the op's kernel + F.linear.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported before TRITON_INTERPRET could be set", allow_module_level=True)
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+import hyserve.kernels.triton_fused_linear as tfl  # noqa: E402
+from hyserve.kernels.fused_linear import (  # noqa: E402
+    add_rms_norm_linear_ref,
+    gated_norm_linear_ref,
+    relu2_linear_ref,
+)
+
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if CUDA else "cpu")
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+def rnd(*shape, dtype=F32, scale=1.0):
+    return (torch.randn(*shape, device=DEV) * scale).to(dtype)
+
+
+def _strided(rows: int, k: int, dtype, scale=1.0) -> torch.Tensor:
+    """[rows, k] view with a row stride larger than k (a column slice of a wider tensor)."""
+    return rnd(rows, k + 24, dtype=dtype, scale=scale)[:, 5 : 5 + k]
+
+
+def _weight(n: int, k: int, dtype) -> torch.Tensor:
+    return rnd(n, k, dtype=dtype, scale=k**-0.5)  # outputs O(1)
+
+
+def _close64(out: torch.Tensor, exact: torch.Tensor, dtype, what: str) -> None:
+    """out (in dtype) against the float64 value: one rounding of the output plus float32 accumulation."""
+    assert out.dtype == dtype, f"{what}: dtype {out.dtype}"
+    assert torch.isfinite(out).all(), f"{what}: non-finite values (a missed write)"
+    tol = 1.6e-2 if dtype == BF16 else 2e-3
+    torch.testing.assert_close(out.double(), exact, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+
+
+def _gated64(x, z, nw, eps, group):
+    h = x.double() * torch.nn.functional.silu(z.double())
+    hg = h.view(h.shape[0], -1, group)
+    hg = hg * torch.rsqrt(hg.pow(2).mean(-1, keepdim=True) + eps)
+    return hg.view(h.shape) * nw.double()
+
+
+def _rms64(s, nw, eps):
+    s = s.double()
+    return s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * nw.double()
+
+
+ROWS = [1, 2, 3, 4, 5]  # 5 > MAX_ROWS: the fallback
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_norm_linear(poison, dtype, rows, bias):
+    K, group, N = 144, 48, 37  # 3 groups of 48 (a masked tail tile per group at BLOCK_K 32), N % 8 != 0
+    x, z = _strided(rows, K, dtype), _strided(rows, K, dtype, scale=2.0)
+    nw, w = rnd(K, dtype=dtype), _weight(N, K, dtype)
+    b = rnd(N, dtype=dtype) if bias else None
+    with poison:
+        out = tfl.gated_norm_linear_triton(x, z, nw, 1e-5, group, w, b)
+    exact = torch.nn.functional.linear(_gated64(x, z, nw, 1e-5, group), w.double(), None if b is None else b.double())
+    _close64(out, exact, dtype, "gated_norm_linear vs float64")
+    ref = gated_norm_linear_ref(x, z, nw, 1e-5, group, w, b)
+    tol = 3e-2 if dtype == BF16 else 4e-3  # the reference rounds the normed activations once more
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("rows", ROWS)
+def test_relu2_linear(poison, dtype, rows):
+    K, N = 100, 45  # K % BLOCK_K != 0
+    x = _strided(rows, K, dtype)
+    w, b = _weight(N, K, dtype), rnd(N, dtype=dtype)
+    with poison:
+        out = tfl.relu2_linear_triton(x, w, b)
+    exact = torch.nn.functional.linear(torch.relu(x.double()) ** 2, w.double(), b.double())
+    _close64(out, exact, dtype, "relu2_linear vs float64")
+    ref = relu2_linear_ref(x, w, b)
+    tol = 3e-2 if dtype == BF16 else 4e-3
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("rows", ROWS)
+def test_add_rms_norm_linear(poison, dtype, rows):
+    K, N = 72, 29
+    x, r = _strided(rows, K, dtype), _strided(rows, K, dtype, scale=4.0)
+    nw, w = rnd(K, dtype=dtype), _weight(N, K, dtype)
+    with poison:
+        out, total = tfl.add_rms_norm_linear_triton(x, r, nw, 1e-5, w, None)
+    ref_out, ref_total = add_rms_norm_linear_ref(x, r, nw, 1e-5, w, None)
+    # the residual stream is the model's `r + x`, one rounding (the interpreter rounds bf16 toward zero)
+    if CUDA or dtype != BF16:
+        assert torch.equal(total, ref_total), "add_rms_norm_linear: residual sum differs from r + x"
+    torch.testing.assert_close(total.double(), r.double() + x.double(), rtol=1.6e-2, atol=1.6e-2)
+    exact = torch.nn.functional.linear(_rms64(total, nw, 1e-5), w.double())
+    _close64(out, exact, dtype, "add_rms_norm_linear vs float64")
+    tol = 3e-2 if dtype == BF16 else 4e-3
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=tol, atol=tol)
+
+
+def test_float32_and_float64_take_the_reference_contract():
+    # the fused kernel handles 16-bit activations; other dtypes run the op's kernel + F.linear (float32)
+    x, z, nw, w = rnd(2, 64), rnd(2, 64), rnd(64), _weight(16, 64, F32)
+    out = tfl.gated_norm_linear_triton(x, z, nw, 1e-5, 32, w, None)
+    torch.testing.assert_close(out, gated_norm_linear_ref(x, z, nw, 1e-5, 32, w, None), rtol=1e-4, atol=1e-4)
+
+
+def test_fused_path_is_taken_up_to_max_rows(monkeypatch):
+    launched: list[int] = []
+    real = tfl._launch
+    monkeypatch.setattr(tfl, "_launch", lambda *a, **k: launched.append(a[1].shape[0]) or real(*a, **k))
+    w = _weight(16, 64, BF16)
+    for rows in range(1, tfl.MAX_ROWS + 2):
+        tfl.relu2_linear_triton(rnd(rows, 64, dtype=BF16), w, None)
+    assert launched == list(range(1, tfl.MAX_ROWS + 1))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_fused_linear_nano9b(poison, rows):
+    # Nano 9B v2: Mamba out_proj 10240 -> 4480 (gated norm, 8 groups), MLP down 15680 -> 4480,
+    # in_proj 4480 -> 22912 and up_proj 4480 -> 15680 after the residual add + norm
+    zxbcdt = rnd(rows, 22912 + 17, dtype=BF16)
+    y, z = rnd(rows, 10240, dtype=BF16), zxbcdt[:, :10240]
+    nw, w = rnd(10240, dtype=BF16), _weight(4480, 10240, BF16)
+    with poison:
+        out = tfl.gated_norm_linear_triton(y, z, nw, 1e-5, 1280, w, None)
+    exact = torch.nn.functional.linear(_gated64(y, z, nw, 1e-5, 1280), w.double())
+    _close64(out, exact, BF16, "out_proj")
+    u, wd = rnd(rows, 15680, dtype=BF16), _weight(4480, 15680, BF16)
+    with poison:
+        out = tfl.relu2_linear_triton(u, wd, None)
+    _close64(out, torch.nn.functional.linear(torch.relu(u.double()) ** 2, wd.double()), BF16, "down_proj")
+    x, r, nh = rnd(rows, 4480, dtype=BF16), rnd(rows, 4480, dtype=BF16, scale=4.0), rnd(4480, dtype=BF16)
+    for n in (22912, 15680):
+        wi = _weight(n, 4480, BF16)
+        with poison:
+            out, total = tfl.add_rms_norm_linear_triton(x, r, nh, 1e-5, wi, None)
+        assert torch.equal(total, r + x)
+        _close64(out, torch.nn.functional.linear(_rms64(total, nh, 1e-5), wi.double()), BF16, f"in {n}")
