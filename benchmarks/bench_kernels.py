@@ -215,91 +215,83 @@ def bench_norms(b: Bench) -> None:
 # --------------------------------------------------------------------------- fused small-batch linears
 
 # Alternative launch settings for `triton_fused_linear`, timed by `--only linear_sweep` (the first entry
-# of each list is the default): (BLOCK_N, BLOCK_K, num_warps, num_stages) per BLOCK_M.
-_LINEAR_SWEEP: dict[int, list[tuple[int, int, int, int]]] = {
-    1: [(8, 512, 4, 3), (8, 512, 4, 1), (8, 512, 4, 2), (8, 512, 4, 4), (4, 512, 4, 3), (4, 1024, 4, 2),
-        (16, 256, 4, 3), (16, 512, 8, 3), (8, 1024, 8, 3), (8, 256, 4, 4), (32, 256, 8, 3), (2, 1024, 4, 3),
-        (16, 512, 4, 2)],
-    2: [(8, 256, 4, 3), (8, 512, 4, 3), (16, 256, 8, 3), (4, 512, 4, 3)],
-    4: [(8, 256, 4, 3), (8, 512, 8, 3), (16, 256, 8, 3), (4, 512, 4, 3)],
-}
+# is the default): (BLOCK_N, BLOCK_K, num_warps, num_stages).
+_LINEAR_SWEEP: list[tuple[int, int, int, int]] = [
+    (8, 512, 4, 4), (8, 512, 4, 3), (16, 256, 4, 3), (16, 256, 4, 4), (8, 256, 4, 4), (8, 256, 4, 3),
+    (4, 512, 4, 3), (4, 512, 4, 4), (16, 512, 4, 2), (4, 1024, 4, 2), (16, 512, 4, 3),
+]
 
 
-def _linear_cases(b: Bench, rows: int):
-    """(name, weight bytes, fused call, unfused call (the op's kernel + cuBLAS), float64 reference) at the
-    Nano 9B v2 projections."""
+def _linear_cases(b: Bench):
+    """(name, weight, {variant: call}, unfused call (the op's kernel + cuBLAS), float64 reference) at the
+    Nano 9B v2 projections, one row."""
     import torch.nn.functional as F
 
+    import hyserve.kernels.triton_fused_linear as tfl
     from hyserve.kernels.triton_activation import relu2_triton
-    from hyserve.kernels.triton_fused_linear import (
-        add_rms_norm_linear_triton,
-        gated_norm_linear_triton,
-        relu2_linear_triton,
-    )
-    from hyserve.kernels.triton_rmsnorm import add_rms_norm_triton, rmsnorm_gated_triton
+    from hyserve.kernels.triton_rmsnorm import rmsnorm_gated_triton
 
     d_inner, group, hidden, inter, in_proj = (10240, 1280, 4480, 15680, 22912) if not b.dry else (64, 16, 48, 80, 96)
-    zx = b.rnd(rows, in_proj + d_inner)
-    y, z = b.rnd(rows, d_inner), zx[:, :d_inner]
+    zx = b.rnd(1, in_proj + d_inner)
+    y, z = b.rnd(1, d_inner), zx[:, :d_inner]
     nw = b.rnd(d_inner)
     w_out, w_down = b.rnd(hidden, d_inner, scale=d_inner**-0.5), b.rnd(hidden, inter, scale=inter**-0.5)
-    u = b.rnd(rows, inter)
-    x, r, nh = b.rnd(rows, hidden), b.rnd(rows, hidden, scale=4.0), b.rnd(hidden)
-    w_in, w_up = b.rnd(in_proj, hidden, scale=hidden**-0.5), b.rnd(inter, hidden, scale=hidden**-0.5)
+    u = b.rnd(1, inter)
 
     def gated64():
         h = y.double() * F.silu(z.double())
-        hg = h.view(rows, -1, group)
+        hg = h.view(1, -1, group)
         hg = hg * torch.rsqrt(hg.pow(2).mean(-1, keepdim=True) + 1e-5)
-        return F.linear(hg.view(rows, -1) * nw.double(), w_out.double())
+        return F.linear(hg.view(1, -1) * nw.double(), w_out.double())
 
-    def norm64(wi):
-        s = (r + x).double()
-        return F.linear(s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * nh.double(), wi.double())
+    def gated(in_kernel: bool):
+        def call():
+            saved = tfl.GATED_NORM_IN_KERNEL
+            tfl.GATED_NORM_IN_KERNEL = in_kernel
+            try:
+                return tfl.gated_norm_linear_triton(y, z, nw, 1e-5, group, w_out, None)
+            finally:
+                tfl.GATED_NORM_IN_KERNEL = saved
+        return call
 
     return [
-        ("out_proj + gated norm", w_out,
-         lambda: gated_norm_linear_triton(y, z, nw, 1e-5, group, w_out, None),
+        ("out_proj + gated norm", w_out, {"norm in the GEMV": gated(True), "norm kernel + GEMV": gated(False)},
          lambda: F.linear(rmsnorm_gated_triton(y, z, nw, 1e-5, group), w_out), gated64),
-        ("down_proj + relu2", w_down, lambda: relu2_linear_triton(u, w_down, None),
+        ("down_proj + relu2", w_down, {"relu2 in the GEMV": lambda: tfl.relu2_linear_triton(u, w_down, None)},
          lambda: F.linear(relu2_triton(u), w_down), lambda: F.linear(torch.relu(u.double()) ** 2, w_down.double())),
-        ("in_proj + add norm", w_in, lambda: add_rms_norm_linear_triton(x, r, nh, 1e-5, w_in, None)[0],
-         lambda: F.linear(add_rms_norm_triton(x, r, nh, 1e-5)[0], w_in), lambda: norm64(w_in)),
-        ("up_proj + add norm", w_up, lambda: add_rms_norm_linear_triton(x, r, nh, 1e-5, w_up, None)[0],
-         lambda: F.linear(add_rms_norm_triton(x, r, nh, 1e-5)[0], w_up), lambda: norm64(w_up)),
     ]
 
 
 def _bench_linear(b: Bench, sweep: bool) -> None:
     import hyserve.kernels.triton_fused_linear as tfl
 
-    for rows in ((1, 2, 4) if sweep else (1, 4)) if not b.dry else (1, 3):
-        block_m = 1 if rows == 1 else (2 if rows == 2 else 4)
-        configs = _LINEAR_SWEEP[block_m] if sweep and not b.dry else [None]
-        for name, w, fused, unfused, exact in _linear_cases(b, rows):
-            nbytes = w.numel() * w.element_size()
-            label = f"{name} {w.shape[1]}->{w.shape[0]}, {rows} row(s)"
-            ref = exact()
-            base_ms = b.graph_ms(unfused)
-            b.record(f"{label}: op kernel + cuBLAS", nbytes / (base_ms * 1e-3), "B/s", "GEMV weight read (DESIGN.md)",
-                     READ_BW, time_ms=base_ms)
-            saved = dict(tfl._GPU[block_m])
+    configs = _LINEAR_SWEEP if sweep and not b.dry else [None]
+    for name, w, variants, unfused, exact in _linear_cases(b):
+        nbytes = w.numel() * w.element_size()
+        label = f"{name} {w.shape[1]}->{w.shape[0]}, 1 row"
+        ref = exact()
+        base_ms = b.graph_ms(unfused)
+        b.record(f"{label}: op kernel + cuBLAS", nbytes / (base_ms * 1e-3), "B/s", "GEMV weight read (DESIGN.md)",
+                 READ_BW, time_ms=base_ms)
+        saved = dict(tfl._GPU)
+        for variant, fused in variants.items():
             for cfg in configs:
                 tag = "" if cfg is None else " [N{} K{} w{} s{}]".format(*cfg)
                 try:
                     if cfg is not None:
-                        tfl._GPU[block_m] = dict(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
-                    if not b.check(f"{label}: fused{tag}", fused(), ref, 2e-2, 2e-2):
+                        tfl._GPU.update(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+                    if not b.check(f"{label}: {variant}{tag}", fused(), ref, 2e-2, 2e-2):
                         continue
                     ms = b.graph_ms(fused)
-                    b.record(f"{label}: fused{tag}", nbytes / (ms * 1e-3), "B/s", "GEMV weight read (DESIGN.md)",
+                    b.record(f"{label}: {variant}{tag}", nbytes / (ms * 1e-3), "B/s", "GEMV weight read (DESIGN.md)",
                              READ_BW, time_ms=ms, unfused_ms=base_ms, speedup_vs_unfused=base_ms / ms)
                     print(f"     ({ms * 1e3:.1f} us vs {base_ms * 1e3:.1f} us unfused: {base_ms / ms:.3f}x)")
                 except Exception as e:  # noqa: BLE001 - a setting may not compile; report and go on
                     print(f"     (fused linear config {tag} failed: {type(e).__name__}: {e})")
                 finally:
-                    tfl._GPU[block_m] = dict(saved)
-            del ref
+                    tfl._GPU.clear()
+                    tfl._GPU.update(saved)
+        del ref
 
 
 def bench_linear(b: Bench) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 from hyserve.kernels.activation import relu2_ref
 from hyserve.kernels.attention import paged_attention_ref, write_kv_ref
 from hyserve.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
-from hyserve.kernels.fused_linear import add_rms_norm_linear_ref, gated_norm_linear_ref, relu2_linear_ref
+from hyserve.kernels.fused_linear import gated_norm_linear_ref, relu2_linear_ref
 from hyserve.kernels.rmsnorm import add_rms_norm_ref, rms_norm_ref, rmsnorm_gated_ref
 from hyserve.kernels.ssd import ssd_chunked_ref
 from hyserve.kernels.ssm_update import selective_state_update_ref
@@ -24,7 +24,6 @@ _REF: dict[str, Callable[..., Any]] = {
     "rmsnorm_gated": rmsnorm_gated_ref,
     "gated_norm_linear": gated_norm_linear_ref,
     "relu2_linear": relu2_linear_ref,
-    "add_rms_norm_linear": add_rms_norm_linear_ref,
     "ssd": ssd_chunked_ref,
     "conv1d_varlen": causal_conv1d_varlen_ref,
     "conv1d_update": causal_conv1d_update_ref,

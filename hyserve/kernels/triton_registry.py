@@ -26,11 +26,7 @@ def register_triton_kernels() -> list[str]:
     from hyserve.kernels.triton_activation import relu2_triton
     from hyserve.kernels.triton_attention import paged_attention_triton, write_kv_triton
     from hyserve.kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
-    from hyserve.kernels.triton_fused_linear import (
-        add_rms_norm_linear_triton,
-        gated_norm_linear_triton,
-        relu2_linear_triton,
-    )
+    from hyserve.kernels.triton_fused_linear import gated_norm_linear_triton, relu2_linear_triton
     from hyserve.kernels.triton_rmsnorm import add_rms_norm_triton, rms_norm_triton, rmsnorm_gated_triton
     from hyserve.kernels.triton_ssd import ssd_triton
     from hyserve.kernels.triton_ssm_update import selective_state_update_triton
@@ -43,7 +39,6 @@ def register_triton_kernels() -> list[str]:
         "rmsnorm_gated": rmsnorm_gated_triton,
         "gated_norm_linear": gated_norm_linear_triton,
         "relu2_linear": relu2_linear_triton,
-        "add_rms_norm_linear": add_rms_norm_linear_triton,
         "conv1d_update": causal_conv1d_update_triton,
         "conv1d_varlen": causal_conv1d_varlen_triton,
         "ssm_update": selective_state_update_triton,

@@ -96,22 +96,12 @@ class Mamba2Mixer(nn.Module):
             c.reshape(n, self.n_groups, self.state_size),
         )
 
-    @property
-    def input_proj(self) -> nn.Linear:
-        """The first projection (the block may run it fused with its norm, then call forward_projected)."""
-        return self.in_proj
-
     def forward(
         self, hidden: torch.Tensor, meta: ForwardMeta, conv_pool: torch.Tensor, ssm_pool: torch.Tensor
     ) -> torch.Tensor:
-        return self.forward_projected(self.in_proj(hidden), meta, conv_pool, ssm_pool)
-
-    def forward_projected(
-        self, zxbcdt: torch.Tensor, meta: ForwardMeta, conv_pool: torch.Tensor, ssm_pool: torch.Tensor
-    ) -> torch.Tensor:
-        """zxbcdt = in_proj(hidden) -> the mixer's output."""
-        T = zxbcdt.shape[0]
-        cuda = zxbcdt.is_cuda
+        T = hidden.shape[0]
+        cuda = hidden.is_cuda
+        zxbcdt = self.in_proj(hidden)
         z, xbc, dt = torch.split(zxbcdt, [self.d_inner, self.conv_dim, self.num_heads], dim=-1)
         A = self._A()
         w = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
@@ -132,7 +122,7 @@ class Mamba2Mixer(nn.Module):
         if y_d is not None and T == nd:
             y = y_d  # a pure decode step: no packing copy
         else:
-            y = torch.empty(T, self.num_heads, self.head_dim, dtype=zxbcdt.dtype, device=zxbcdt.device)
+            y = torch.empty(T, self.num_heads, self.head_dim, dtype=hidden.dtype, device=hidden.device)
             if y_d is not None:
                 y[:nd] = y_d
 

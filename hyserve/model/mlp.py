@@ -1,6 +1,6 @@
 """Dense relu^2 MLP of NemotronH: down(relu(up(x))^2). No gate projection.
 
-relu^2 runs fused into down_proj (`relu2_linear`), so the MLP is two kernels at batch 1."""
+relu^2 runs fused into down_proj (`relu2_linear`): the MLP is two kernels at batch 1 on CUDA."""
 
 from __future__ import annotations
 
@@ -21,14 +21,6 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias, device=device, dtype=dtype)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias, device=device, dtype=dtype)
 
-    @property
-    def input_proj(self) -> nn.Linear:
-        """The first projection (the block may run it fused with its norm, then call forward_projected)."""
-        return self.up_proj
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_projected(self.up_proj(x))
-
-    def forward_projected(self, u: torch.Tensor) -> torch.Tensor:
-        """u = up_proj(x) -> down(relu2(u)): one fused kernel on CUDA at small batches."""
+        u = self.up_proj(x)
         return ops.get("relu2_linear", u.is_cuda)(u, self.down_proj.weight, self.down_proj.bias)

@@ -7,9 +7,6 @@ Each block is pre-norm + mixer + residual; the mixer is one of Mamba2, attention
 
 A block's residual add runs fused with the next norm (`add_rms_norm`: one kernel on CUDA), so a block
 returns its mixer output and the residual stream it was given, and the next norm (or norm_f) adds them.
-Before a Mamba or MLP mixer that add + norm also runs fused with the mixer's first projection
-(`add_rms_norm_linear`), and the ops before out_proj / down_proj with those (`kernels/fused_linear.py`):
-at batch 1 on CUDA a decode step is then one kernel per projection plus the Mamba/attention kernels.
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ import dataclasses
 import torch
 from torch import nn
 
-from hyserve.kernels import ops
 from hyserve.model.attention import Attention
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.config import LAYER_ATTENTION, LAYER_MAMBA, LAYER_MLP, LAYER_MOE, HybridModelConfig
@@ -53,19 +49,12 @@ class HybridBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous block's mixer output (or the embeddings when residual is None), residual: the
         stream before that block's add. Returns (this block's mixer output, its residual stream)."""
-        i = self.layer_id
-        if residual is not None and self.kind in (LAYER_MAMBA, LAYER_MLP):
-            # residual add + norm + the mixer's first projection: one kernel on CUDA at small batches
-            norm, proj = self.norm, self.mixer.input_proj
-            u, h = ops.get("add_rms_norm_linear", x.is_cuda)(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
-            if self.kind == LAYER_MAMBA:
-                return self.mixer.forward_projected(u, meta, cache.conv[i], cache.ssm[i]), h
-            return self.mixer.forward_projected(u), h
         if residual is None:
             h = x
             x = self.norm(h)
         else:
             x, h = self.norm.add_forward(x, residual)
+        i = self.layer_id
         if self.kind == LAYER_MAMBA:
             x = self.mixer(x, meta, cache.conv[i], cache.ssm[i])
         elif self.kind == LAYER_ATTENTION:
