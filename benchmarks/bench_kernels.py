@@ -217,14 +217,14 @@ def bench_norms(b: Bench) -> None:
 # Alternative launch settings for `triton_fused_linear`, timed by `--only linear_sweep` (the first entry
 # is the default): (BLOCK_N, BLOCK_K, num_warps, num_stages).
 _LINEAR_SWEEP: list[tuple[int, int, int, int]] = [
-    (8, 512, 4, 4), (8, 512, 4, 3), (16, 256, 4, 3), (16, 256, 4, 4), (8, 256, 4, 4), (8, 256, 4, 3),
-    (4, 512, 4, 3), (4, 512, 4, 4), (16, 512, 4, 2), (4, 1024, 4, 2), (16, 512, 4, 3),
+    (4, 512, 4, 3), (8, 512, 4, 4), (8, 512, 4, 3), (16, 256, 4, 3), (16, 256, 4, 4), (8, 256, 4, 4), (8, 256, 4, 3),
+    (4, 512, 4, 4), (16, 512, 4, 2), (4, 1024, 4, 2), (16, 512, 4, 3),
 ]
 
 
 def _linear_cases(b: Bench):
-    """(name, weight, {variant: call}, unfused call (the op's kernel + cuBLAS), float64 reference) at the
-    Nano 9B v2 projections, one row."""
+    """(name, weight, what the fused path runs, its call, the unfused call (the op's kernel + cuBLAS), the
+    float64 reference) at the Nano 9B v2 projections, one row."""
     import torch.nn.functional as F
 
     import hyserve.kernels.triton_fused_linear as tfl
@@ -244,20 +244,11 @@ def _linear_cases(b: Bench):
         hg = hg * torch.rsqrt(hg.pow(2).mean(-1, keepdim=True) + 1e-5)
         return F.linear(hg.view(1, -1) * nw.double(), w_out.double())
 
-    def gated(in_kernel: bool):
-        def call():
-            saved = tfl.GATED_NORM_IN_KERNEL
-            tfl.GATED_NORM_IN_KERNEL = in_kernel
-            try:
-                return tfl.gated_norm_linear_triton(y, z, nw, 1e-5, group, w_out, None)
-            finally:
-                tfl.GATED_NORM_IN_KERNEL = saved
-        return call
-
     return [
-        ("out_proj + gated norm", w_out, {"norm in the GEMV": gated(True), "norm kernel + GEMV": gated(False)},
+        ("out_proj + gated norm", w_out, "norm kernel + GEMV",
+         lambda: tfl.gated_norm_linear_triton(y, z, nw, 1e-5, group, w_out, None),
          lambda: F.linear(rmsnorm_gated_triton(y, z, nw, 1e-5, group), w_out), gated64),
-        ("down_proj + relu2", w_down, {"relu2 in the GEMV": lambda: tfl.relu2_linear_triton(u, w_down, None)},
+        ("down_proj + relu2", w_down, "relu2 in the GEMV", lambda: tfl.relu2_linear_triton(u, w_down, None),
          lambda: F.linear(relu2_triton(u), w_down), lambda: F.linear(torch.relu(u.double()) ** 2, w_down.double())),
     ]
 
@@ -266,7 +257,7 @@ def _bench_linear(b: Bench, sweep: bool) -> None:
     import hyserve.kernels.triton_fused_linear as tfl
 
     configs = _LINEAR_SWEEP if sweep and not b.dry else [None]
-    for name, w, variants, unfused, exact in _linear_cases(b):
+    for name, w, variant, fused, unfused, exact in _linear_cases(b):
         nbytes = w.numel() * w.element_size()
         label = f"{name} {w.shape[1]}->{w.shape[0]}, 1 row"
         ref = exact()
@@ -274,23 +265,22 @@ def _bench_linear(b: Bench, sweep: bool) -> None:
         b.record(f"{label}: op kernel + cuBLAS", nbytes / (base_ms * 1e-3), "B/s", "GEMV weight read (DESIGN.md)",
                  READ_BW, time_ms=base_ms)
         saved = dict(tfl._GPU)
-        for variant, fused in variants.items():
-            for cfg in configs:
-                tag = "" if cfg is None else " [N{} K{} w{} s{}]".format(*cfg)
-                try:
-                    if cfg is not None:
-                        tfl._GPU.update(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
-                    if not b.check(f"{label}: {variant}{tag}", fused(), ref, 2e-2, 2e-2):
-                        continue
-                    ms = b.graph_ms(fused)
-                    b.record(f"{label}: {variant}{tag}", nbytes / (ms * 1e-3), "B/s", "GEMV weight read (DESIGN.md)",
-                             READ_BW, time_ms=ms, unfused_ms=base_ms, speedup_vs_unfused=base_ms / ms)
-                    print(f"     ({ms * 1e3:.1f} us vs {base_ms * 1e3:.1f} us unfused: {base_ms / ms:.3f}x)")
-                except Exception as e:  # noqa: BLE001 - a setting may not compile; report and go on
-                    print(f"     (fused linear config {tag} failed: {type(e).__name__}: {e})")
-                finally:
-                    tfl._GPU.clear()
-                    tfl._GPU.update(saved)
+        for cfg in configs:
+            tag = "" if cfg is None else " [N{} K{} w{} s{}]".format(*cfg)
+            try:
+                if cfg is not None:
+                    tfl._GPU.update(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+                if not b.check(f"{label}: {variant}{tag}", fused(), ref, 2e-2, 2e-2):
+                    continue
+                ms = b.graph_ms(fused)
+                b.record(f"{label}: {variant}{tag}", nbytes / (ms * 1e-3), "B/s", "GEMV weight read (DESIGN.md)",
+                         READ_BW, time_ms=ms, unfused_ms=base_ms, speedup_vs_unfused=base_ms / ms)
+                print(f"     ({ms * 1e3:.1f} us vs {base_ms * 1e3:.1f} us unfused: {base_ms / ms:.3f}x)")
+            except Exception as e:  # noqa: BLE001 - a setting may not compile; report and go on
+                print(f"     (fused linear config {tag} failed: {type(e).__name__}: {e})")
+            finally:
+                tfl._GPU.clear()
+                tfl._GPU.update(saved)
         del ref
 
 

@@ -1,9 +1,9 @@
-"""A linear layer with the elementwise/norm op before it fused in (plain-torch references).
+"""A linear layer with the op before it (plain-torch references).
 
 At batch 1 a decode step is a chain of weight-bandwidth-bound GEMVs with small ops between them (the
 Mamba gated norm before out_proj, relu^2 before the MLP's down_proj). On CUDA a single row runs as one
-GEMV kernel that applies the op to the activations as it loads them (`triton_fused_linear.py`); these
-references are the contracts and the CPU path: the op, then `F.linear`.
+Triton GEMV (`triton_fused_linear.py`: relu^2 applied inside it as the activation loads; the gated norm
+its own kernel before it); these references are the contracts and the CPU path: the op, then `F.linear`.
 
     gated_norm_linear(x, z)       = linear(rmsnorm_gated(x, z))
     relu2_linear(x)               = linear(relu2(x))
