@@ -66,7 +66,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "strict_warmup", action="store_true", default=None,
           help="fail any step that makes Triton compile after ready (a warm-up gap)")
     _flag(p, "async_scheduling", choices=("on", "off"), default=None,
-          help="overlap the host's per-step work with the next decode step on the GPU (default on)")
+          help="overlap the host's per-step work with the next step on the GPU (default on)")
     _flag(p, "cache_dir", default=None, metavar="DIR",
           help="persistent kernel cache (Triton variants and autotune results; default ~/.cache/hyserve)")
     _flag(p, "trust_remote_code", action="store_true", default=False,

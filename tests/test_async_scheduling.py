@@ -41,6 +41,19 @@ def _spy_feeds(llm) -> list[int]:
     return fed
 
 
+def _spy_batches(eng: LLMEngine) -> list[tuple[int, int, bool]]:
+    """(decode rows, sequences, fed from the device) of every step the runner executes from now on."""
+    seen: list[tuple[int, int, bool]] = []
+    orig = eng.runner.execute
+
+    def execute(batch, feed=None):
+        seen.append((batch.num_decodes, len(batch.seqs), feed is not None))
+        return orig(batch, feed)
+
+    eng.runner.execute = execute  # type: ignore[method-assign]
+    return seen
+
+
 def _outs(llm, params=None):
     return [(o.token_ids, o.finish_reason) for o in llm.generate(prompts(), params or _params())]
 
@@ -173,9 +186,12 @@ def test_arrival_while_a_step_is_in_flight_is_admitted() -> None:
                 out.setdefault(d.request_id, []).extend(d.token_ids)
         assert (eng._inflight is not None) == async_on
         eng.add_request("b", prompts()[3], greedy)
-        for d in eng.step():  # reads the in-flight tokens, then a normal step admits "b"
+        fed = _spy_batches(eng)
+        for d in eng.step():  # async: the overlapped step admits "b" next to a's device-fed decode
             out.setdefault(d.request_id, []).extend(d.token_ids)
         assert eng.requests["b"].num_computed > 0, "the new request waited behind the overlapped decode"
+        if async_on:
+            assert fed == [(1, 2, True)], fed
         _run_to_end(eng, out, reasons)
         assert reasons == {"a": "length", "b": "length"}
         runs.append(out)
@@ -216,8 +232,8 @@ def test_async_scheduling_option() -> None:
         build_engine_config({"async_scheduling": "sometimes"})
 
 
-@pytest.mark.parametrize("seed,small_pool,reuse", [(0, False, False), (1, False, False), (2, True, False),
-                                                   (3, False, True)])
+@pytest.mark.parametrize("seed,small_pool,reuse", [(0, False, False), (1, False, False), (10, True, False),
+                                                   (13, True, False), (3, False, True)])
 def test_random_traffic_matches_requests_run_alone(seed: int, small_pool: bool, reuse: bool) -> None:
     """Arrivals between steps, aborts, early stops, (small pool) preemptions and (reuse) prefix-cache
     publishing and snapshots around in-flight steps: every request that was not aborted gets the tokens
@@ -338,3 +354,79 @@ def test_a_full_batch_keeps_overlapping_while_requests_queue() -> None:
     eng.runner.execute = execute  # type: ignore[method-assign]
     assert [o.token_ids for o in llm.generate(prompts(), p)] == sync
     assert any(q > 0 for q in queued_while_fed), "no overlapped step while requests were queued"
+
+
+def test_mixed_steps_overlap_with_chunked_prompts_and_prompt_logprobs() -> None:
+    """Steps that admit a request or feed the next chunk of a long prompt are overlapped too (decode rows
+    fed on the device, prefill rows from the host): outputs, prompt logprobs and logprobs equal the
+    synchronous engine's, and some overlapped steps carried chunk continuations."""
+    import random
+
+    rng = random.Random(7)
+    long_prompt = [1] + [rng.randrange(3, 300) for _ in range(700)]  # 3 chunks of max_num_tokens 256
+    reqs = [(prompts()[0], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)),
+            (long_prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)),
+            (prompts()[4], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=2,
+                                          logprobs=1)),
+            (long_prompt[:400], SamplingParams(max_tokens=5, temperature=0.8, seed=4, ignore_eos=True))]
+
+    def run(async_on: bool):
+        eng = _engine(async_scheduling=async_on)
+        seen = _spy_batches(eng)
+        out: dict[str, list[int]] = {}
+        reasons: dict[str, str] = {}
+        eng.add_request("r0", *reqs[0])
+        for _ in range(3):
+            for d in eng.step():
+                out.setdefault(d.request_id, []).extend(d.token_ids)
+        for i, (prompt, p) in enumerate(reqs[1:], start=1):  # arrivals while r0 decodes
+            eng.add_request(f"r{i}", prompt, p)
+            for d in eng.step():
+                out.setdefault(d.request_id, []).extend(d.token_ids)
+        _run_to_end(eng, out, reasons)
+        r2 = eng.requests.get("r2")
+        assert r2 is None or r2.finished
+        u = eng.cache_usage()
+        assert u["live_slots_used"] == 0 and u["kv_blocks_free"] == u["kv_blocks_total"]
+        return out, reasons, seen
+
+    sync_out, sync_reasons, _ = run(False)
+    out, reasons, seen = run(True)
+    assert (out, reasons) == (sync_out, sync_reasons)
+    fed_mixed = [b for b in seen if b[2] and b[1] > b[0]]
+    assert fed_mixed, f"no overlapped step carried a prefill: {seen}"
+    # the 701-token prompt needs 3 chunks: at least one continuation ran in an overlapped step
+    assert sum(1 for b in fed_mixed if b[0] > 0) >= 2, seen
+
+
+def test_mixed_overlapped_outputs_carry_prompt_logprobs() -> None:
+    p = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=1, logprobs=2)
+    q = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+    def run(async_on: bool):
+        llm = make_llm(async_scheduling=async_on)
+        eng = llm.engine
+        seen = _spy_batches(eng)
+        eng.add_request("long", prompts()[3], q)
+        for _ in range(3):
+            eng.step()
+        eng.add_request("lp", prompts()[5], p)
+        finals = {}
+        for _ in range(100):
+            for d in eng.step():
+                if d.request_id == "lp":
+                    finals.setdefault("tokens", []).extend(d.token_ids)
+                    if d.prompt_logprobs is not None:
+                        finals["prompt"] = [(lp.token_id, round(lp.logprob, 5)) if lp else None
+                                            for lp in d.prompt_logprobs]
+                    if d.logprobs:
+                        finals.setdefault("lps", []).extend((lp.token_id, round(lp.logprob, 5)) for lp in d.logprobs)
+            if not eng.has_unfinished():
+                break
+        return finals, seen
+
+    sync, _ = run(False)
+    overlapped, seen = run(True)
+    assert sync.get("prompt") and len(sync["prompt"]) == len(prompts()[5])
+    assert overlapped == sync
+    assert any(b[2] and b[1] > b[0] for b in seen), "the prompt-logprobs request was not admitted overlapped"

@@ -4,25 +4,27 @@
 
 Everything else (threads, asyncio, HTTP) sits on top of `add_request` / `abort` / `step`.
 
-Async scheduling (`async_scheduling`, on by default). A pure decode step is left in flight: its tokens
+Async scheduling (`async_scheduling`, on by default). A step that samples is left in flight: its tokens
 (and logprob rows) stay on the device, their copies to the host start, and `step()` returns. The next
-`step()` launches the following decode step first, feeding those tokens to it on the device, and only
-then reads them and emits their deltas, so the host's work (stop checks, detokenising, the caller's
+`step()` launches the following step first, feeding those tokens to it on the device, and only then
+reads them and emits their deltas, so the host's work (stop checks, detokenising, the caller's
 streaming, the next step's set-up) runs while the GPU computes:
 
     host:  launch N | read N-1, emit | launch N+1 | read N, emit | launch N+2 | ...
     GPU:        [ step N          ][ step N+1         ][ step N+2 ...
 
-The overlapped step takes exactly the previous step's running requests (minus those whose last token
-that was: max_tokens, max_seq_len) with one more block position each, and only when the scheduler has
-nothing to decide: no queued request that a free batch row could admit, no pending abort, no request in
-prefill, blocks free without preempting. A penalty row's history is the host's lists plus its in-flight
-token, counted on the device. Otherwise the in-flight step is read first and a normal step follows. A
-request that stops on that token (EOS, stop string) has computed one extra row, which is dropped; its
-slot and blocks are freed only after, and any later use of them is queued behind it on the same stream.
-Outputs are those of the synchronous engine as far as batching leaves a row's logits alone (the CPU
-tests check greedy and seeded rows token for token): an extra row changes a step's batch size, as any
-batching difference does; unseeded rows draw from the same stream, which extra rows can shift.
+The overlapped step holds every request that sampled in the previous step (minus those whose last token
+that was: max_tokens, max_seq_len), one block position on and fed its sample on the device; the next
+chunk of each prompt still being fed; and the queue's admissions (first come, first served, as the
+scheduler admits). It is planned only when nothing needs the scheduler's judgement: no pending abort, no
+running request outside the previous step, blocks free without preempting. A penalty row's history is
+the host's lists plus its in-flight token, counted on the device. Otherwise the in-flight step is read
+first and a normal step follows. A request that stops on that token (EOS, stop string) has computed one
+extra row, which is dropped; its slot and blocks are freed only after, and any later use of them is
+queued behind it on the same stream. Outputs are those of the synchronous engine as far as batching
+leaves a row's logits alone (the CPU tests check greedy and seeded rows token for token): an extra row
+changes a step's batch size, as any batching difference does; unseeded rows draw from the same stream,
+which extra rows can shift.
 """
 
 from __future__ import annotations
@@ -75,9 +77,10 @@ class _OutputState:
 
 @dataclass
 class _InFlight:
-    """A decode step whose tokens are still on the device (async scheduling)."""
+    """A step whose sampled tokens are still on the device (async scheduling)."""
 
-    batch: ScheduledBatch  # pure decode; every row samples, in this order
+    batch: ScheduledBatch
+    sampling: list[ScheduledSeq]  # its sequences that sample, in logits-row order
     reqs: list[Request | None]  # each row's request when launched (an id may be reused once it finished)
     tokens: torch.Tensor  # [rows] long, on the device
     host: torch.Tensor  # their host copy (pinned, filled without waiting on CUDA)
@@ -383,24 +386,24 @@ class LLMEngine:
 
     # ---- async scheduling -------------------------------------------------------------------------
     def _can_defer(self, batch: ScheduledBatch) -> bool:
-        """Whether this step's tokens may stay on the device: a pure decode step (logprob rows are read with
-        the tokens; a penalty row's newest token is counted on the device)."""
-        return (self.config.async_scheduling and batch.num_decodes == len(batch.seqs) > 0
-                and all(s.sample for s in batch.seqs))
+        """Whether this step's tokens may stay on the device: any step that samples (logprob rows are read
+        with the tokens; a penalty row's newest token is counted on the device)."""
+        return self.config.async_scheduling and any(s.sample for s in batch.seqs)
 
     def _defer(self, batch: ScheduledBatch, logits: torch.Tensor,
                histories: list[tuple[list[int], list[int]] | None] | None = None,
                pending: torch.Tensor | None = None) -> _InFlight:
-        """Sample `batch` (and its logprob rows) on the device and start the copies to the host; nothing
-        here waits for the device. `histories`/`pending`: the penalty rows' host history and the token of
-        each row still on the device (`Sampler.sample_tokens`)."""
-        params = [s.params for s in batch.seqs]
-        tokens = self.sampler.sample_tokens(logits, params, [s.num_output_tokens for s in batch.seqs],
+        """Sample `batch`'s sampling rows (and their logprobs) on the device and start the copies to the
+        host; nothing here waits for the device. `histories`/`pending`: the penalty rows' host history and
+        the token of each row still on the device (`Sampler.sample_tokens`)."""
+        sampling = [s for s in batch.seqs if s.sample]
+        params = [s.params for s in sampling]
+        tokens = self.sampler.sample_tokens(logits, params, [s.num_output_tokens for s in sampling],
                                             histories, pending)
         lp = self.sampler.pending_logprobs(logits, tokens, params)
-        reqs = [self.requests.get(s.request_id) for s in batch.seqs]
+        reqs = [self.requests.get(s.request_id) for s in sampling]
         if not tokens.is_cuda:
-            return _InFlight(batch, reqs, tokens, tokens, lp, lp.table if lp is not None else None, None)
+            return _InFlight(batch, sampling, reqs, tokens, tokens, lp, lp.table if lp is not None else None, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         lp_host = None
@@ -409,60 +412,83 @@ class LLMEngine:
             lp_host.copy_(lp.table, non_blocking=True)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(tokens.device))
-        return _InFlight(batch, reqs, tokens, host, lp, lp_host, done)
+        return _InFlight(batch, sampling, reqs, tokens, host, lp, lp_host, done)
 
-    def _next_decode(self, prev: ScheduledBatch) -> tuple[ScheduledBatch, list[int]] | None:
-        """The decode step after the in-flight one, planned without its tokens: the same requests (less
-        those that this token finishes for certain) one position on, and for each the row of the
-        in-flight samples that is its input. None when a normal step must run instead."""
+    def _plan_overlapped(self, prev: _InFlight) -> tuple[ScheduledBatch, list[int]] | None:
+        """The step after the in-flight one, planned without its tokens: each request that sampled there,
+        one position on (less those that token finishes for certain), fed that sample on the device; the
+        next chunk of each request still in prefill; then admissions. Returns the batch and, per decode
+        row, its row of the in-flight samples. None when the scheduler must decide (an abort, a request
+        of neither kind, blocks short without preempting)."""
         sched = self.scheduler
-        if sched.has_pending_aborts() or (sched.waiting and len(sched.running) < sched.max_batch_size):
-            return None  # the scheduler has something to decide (a full batch admits nobody anyway)
-        in_prev = {s.request_id for s in prev.seqs}
+        if sched.has_pending_aborts():
+            return None
+        in_prev = {s.request_id for s in prev.batch.seqs}
         if any(r.request_id not in in_prev for r in sched.running):
-            return None  # a request in prefill (or admitted meanwhile) needs the scheduler
-        seqs: list[ScheduledSeq] = []
+            return None  # a running request that the in-flight step left out needs the scheduler
+        decodes: list[ScheduledSeq] = []
         rows: list[int] = []
-        for i, seq in enumerate(prev.seqs):
+        for i, seq in enumerate(prev.sampling):
             req = self.requests.get(seq.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue
             # after the in-flight token: len(outputs) + 1 outputs, num_tokens + 1 tokens
             if len(req.output_token_ids) + 1 >= req.params.max_tokens or req.num_tokens + 1 >= self.max_seq_len:
                 continue
-            pos = seq.start_pos + 1
+            pos = seq.start_pos + len(seq.token_ids)
             if not self.cache.grow(req.block_ids, pos + 1):
                 return None  # out of blocks: the scheduler decides whom to preempt
             assert req.live_slot is not None
-            seqs.append(ScheduledSeq(
+            decodes.append(ScheduledSeq(
                 request_id=req.request_id, token_ids=[0], start_pos=pos, block_ids=list(req.block_ids),
                 state_src=req.live_slot, state_dst=req.live_slot, sample=True, snapshots=[],
                 params=req.params, num_output_tokens=seq.num_output_tokens + 1,
             ))
             rows.append(i)
-        if not seqs:
+        budget = sched.max_num_tokens - len(decodes)
+        prefills: list[ScheduledSeq] = []
+        for seq in prev.batch.seqs:  # prompts still being fed: their next chunk (host tokens)
+            req = self.requests.get(seq.request_id)
+            if seq.sample or req is None or req.status is not RequestStatus.RUNNING or budget <= 0:
+                continue
+            nxt = sched.plan_continuation(req, budget)
+            if nxt is None:
+                return None
+            prefills.append(nxt)
+            budget -= len(nxt.token_ids)
+        prefills += sched.admit(budget)
+        if not decodes and not prefills:
             return None
-        return ScheduledBatch(seqs=seqs, num_decodes=len(seqs)), rows
+        return ScheduledBatch(seqs=decodes + prefills, num_decodes=len(decodes)), rows
 
     def _step_overlapped(self) -> list[StreamDelta]:
         prev = self._inflight
         assert prev is not None
         self._inflight = None
-        planned = self._next_decode(prev.batch)
+        planned = self._plan_overlapped(prev)
         failure: tuple[ScheduledBatch, Exception] | None = None
         if planned is not None:
             batch, rows = planned
             try:
                 logits = self.runner.execute(batch, feed=(prev.tokens, rows))
                 self._check_strict_warmup()
+                if self.runner.kept is not None:
+                    try:
+                        self._record_prompt_logprobs(batch)
+                    finally:
+                        self.runner.kept = None
                 self.scheduler.update(batch, self.requests)
-                self.scheduler.stats.tokens_scheduled = len(batch.seqs)
-                histories = self._histories(batch.seqs)  # without the in-flight token, which is on the device:
+                self.scheduler.stats.tokens_scheduled = batch.num_tokens
+                sampling = [s for s in batch.seqs if s.sample]
+                histories = self._histories(sampling)  # without the in-flight tokens, which are on the device:
                 pending = None
                 if histories is not None:
-                    pending = prev.tokens.index_select(
-                        0, to_device(torch.tensor(rows, dtype=torch.long), prev.tokens.device))
-                self._inflight = self._defer(batch, logits, histories, pending)
+                    pending = torch.full((len(sampling),), -1, dtype=torch.long, device=prev.tokens.device)
+                    if rows:
+                        pending[: len(rows)] = prev.tokens.index_select(
+                            0, to_device(torch.tensor(rows, dtype=torch.long), prev.tokens.device))
+                if sampling:
+                    self._inflight = self._defer(batch, logits, histories, pending)
                 self.counters["overlapped_steps_total"] += 1
             except Exception as e:  # one bad batch must not take the engine down
                 logger.exception("model step failed; failing the %d requests of this batch", len(batch.seqs))

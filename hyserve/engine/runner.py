@@ -80,18 +80,19 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, feed: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
         """Run one step; returns float32 logits [num sampling seqs, vocab] in batch order.
 
-        feed = (tokens, rows): a pure decode step whose input tokens are still on the device (the previous
-        step's samples, not yet read by the host): sequence i feeds tokens[rows[i]], and the token ids in
-        `batch` are placeholders."""
+        feed = (tokens, rows): the decode sequences' input tokens are still on the device (the previous
+        step's samples, not yet read by the host): decode sequence i feeds tokens[rows[i]], and its token
+        id in `batch` is a placeholder. Prefill sequences after them feed their own (host) tokens."""
         if feed is not None:
-            assert batch.num_decodes == len(batch.seqs) and len(feed[1]) == len(batch.seqs)
+            assert len(feed[1]) == batch.num_decodes, "one feed row per decode sequence"
         if self.graphs is not None and batch.num_decodes == len(batch.seqs):
             logits = self.graphs.execute(batch.seqs, feed)  # every decode sequence samples
             if logits is not None:
                 return logits
         input_ids, meta = self.build_meta(batch)
-        if feed is not None:
-            input_ids = feed[0].index_select(0, to_device(torch.tensor(feed[1], dtype=torch.long), self.device))
+        if feed is not None and batch.num_decodes:  # decodes come first, one token each
+            rows = to_device(torch.tensor(feed[1], dtype=torch.long), self.device)
+            input_ids[: batch.num_decodes] = feed[0].index_select(0, rows)
         hidden = self.model(input_ids, meta, self.cache)
         if any(s.params.prompt_logprobs is not None for s in batch.seqs[batch.num_decodes :]):
             self.kept = (hidden, meta.cu_seqlens)

@@ -231,13 +231,23 @@ class Scheduler:
                 continue
             if not self._grow_or_preempt(req, seq.start_pos + len(seq.token_ids), scheduled, batch):
                 continue
-            self._attach_snapshots(req, seq)
-            seq.block_ids = list(req.block_ids)
+            self._secure(req, seq)
             prefills.append(seq)
             scheduled.add(req.request_id)
             budget -= len(seq.token_ids)
 
-        # 3. admissions (FCFS: stop at the first request that cannot start)
+        # 3. admissions
+        prefills += self.admit(budget)
+
+        batch.seqs.extend(prefills)
+        self.stats.tokens_scheduled = batch.num_tokens
+        return batch, aborted
+
+    def admit(self, budget: int) -> list[ScheduledSeq]:
+        """Admit waiting requests strictly first-come-first-served (stop at the first that cannot start)
+        within `budget` tokens and the batch-size limit; returns their first chunks. Never preempts, so
+        async scheduling may also call it while a step is in flight."""
+        seqs: list[ScheduledSeq] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
             seq = self._admit(req, budget)
@@ -245,18 +255,24 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(req)
-            prefills.append(seq)
-            scheduled.add(req.request_id)
+            seqs.append(seq)
             budget -= len(seq.token_ids)
+        return seqs
 
-        batch.seqs.extend(prefills)
-        self.stats.tokens_scheduled = batch.num_tokens
-        return batch, aborted
+    def plan_continuation(self, req: Request, budget: int) -> ScheduledSeq | None:
+        """The next prefill chunk of a running request, planned without preempting anyone (async
+        scheduling plans it while the previous step is in flight). None when nothing fits the budget or
+        the free blocks do not cover the chunk: then a full `schedule()` decides."""
+        seq = self._plan_chunk(req, budget)
+        if seq is None or not self.cache.grow(req.block_ids, seq.start_pos + len(seq.token_ids)):
+            return None
+        self._secure(req, seq)
+        return seq
 
     def _plan_chunk(self, req: Request, budget: int) -> ScheduledSeq | None:
         """The next prefill chunk of `req` within `budget` tokens, cut at a snapshot boundary the scan
         cannot produce mid-chunk. Snapshot positions are recorded; slots are attached only once the
-        chunk's blocks are secured (`_attach_snapshots`). None if nothing can be scheduled."""
+        chunk's blocks are secured (`_secure`). None if nothing can be scheduled."""
         start = req.num_computed
         total = req.num_tokens
         n = min(total - start, budget)
@@ -291,13 +307,15 @@ class Scheduler:
             snapshot_positions=positions,
         )
 
-    def _attach_snapshots(self, req: Request, seq: ScheduledSeq) -> None:
+    def _secure(self, req: Request, seq: ScheduledSeq) -> None:
+        """A chunk whose blocks are covered: attach its snapshot slots and the block table."""
         for b in seq.snapshot_positions:
             got = self.cache.allocate_snapshot(self._hashes(req), b)
             if got is not None:
                 slot, key = got
                 seq.snapshots.append((b - seq.start_pos, slot))
                 seq.snapshot_keys.append(key)
+        seq.block_ids = list(req.block_ids)
 
     def _admit(self, req: Request, budget: int) -> ScheduledSeq | None:
         slot = self.cache.allocate_live_slot()
@@ -323,8 +341,7 @@ class Scheduler:
             return None
         if req.num_preemptions == 0:
             req.num_cached_tokens = hit.num_tokens
-        self._attach_snapshots(req, seq)
-        seq.block_ids = list(req.block_ids)
+        self._secure(req, seq)
         return seq
 
     def update(self, batch: ScheduledBatch, requests: dict[str, Request]) -> None:
