@@ -29,6 +29,7 @@ DEV = torch.device("cuda" if CUDA else "cpu")
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+TORCH_SEED = 4321  # conftest seeds torch before each test
 
 
 def rnd(*shape, dtype=F32, scale=1.0):
@@ -60,11 +61,6 @@ def _gated64(x, z, nw, eps, group):
     return hg.view(h.shape) * nw.double()
 
 
-def _rms64(s, nw, eps):
-    s = s.double()
-    return s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * nw.double()
-
-
 ROWS = [1, 2, 5]  # more than one row: the fallback
 
 
@@ -88,13 +84,17 @@ def test_gated_norm_linear(poison, dtype, rows, bias):
 
 @pytest.mark.parametrize("dtype", [F16, BF16])
 @pytest.mark.parametrize("rows", ROWS)
-def test_relu2_linear(poison, dtype, rows):
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("weight_view", [False, True])
+def test_relu2_linear(poison, dtype, rows, bias, weight_view):
     K, N = 100, 45  # K % BLOCK_K != 0
     x = _strided(rows, K, dtype)
-    w, b = _weight(N, K, dtype), rnd(N, dtype=dtype)
+    # a column slice of a wider weight: row stride != K
+    w = _weight(N, K + 13, dtype)[:, 7 : 7 + K] if weight_view else _weight(N, K, dtype)
+    b = rnd(N, dtype=dtype) if bias else None
     with poison:
         out = tfl.relu2_linear_triton(x, w, b)
-    exact = torch.nn.functional.linear(torch.relu(x.double()) ** 2, w.double(), b.double())
+    exact = torch.nn.functional.linear(torch.relu(x.double()) ** 2, w.double(), None if b is None else b.double())
     _close64(out, exact, dtype, "relu2_linear vs float64", rounded_input=rows > 1)
     ref = relu2_linear_ref(x, w, b)
     tol = 3e-2 if dtype == BF16 else 4e-3
@@ -106,6 +106,21 @@ def test_float32_takes_the_reference_contract():
     x, z, nw, w = rnd(2, 64), rnd(2, 64), rnd(64), _weight(16, 64, F32)
     out = tfl.gated_norm_linear_triton(x, z, nw, 1e-5, 32, w, None)
     torch.testing.assert_close(out, gated_norm_linear_ref(x, z, nw, 1e-5, 32, w, None), rtol=1e-4, atol=1e-4)
+
+
+def test_layouts_and_dtypes_the_gemv_does_not_take_fall_back(monkeypatch):
+    # a transposed weight, x with a stride along K, a float32 bias: the op's kernel + F.linear, as before
+    monkeypatch.setattr(tfl, "_gemv", lambda *a, **k: pytest.fail("the GEMV took a call it does not handle"))
+    x = rnd(1, 128, dtype=BF16)
+    w = _weight(64, 48, BF16).t()  # [48, 64]: stride along K is 48
+    tol = dict(rtol=3e-2, atol=3e-2)  # (the interpreter rounds bf16 toward zero in the relu2 kernel)
+    out = tfl.relu2_linear_triton(x[:, ::2], w, None)
+    torch.testing.assert_close(out, relu2_linear_ref(x[:, ::2], w, None), **tol)
+    w2 = _weight(16, 64, BF16)
+    out = tfl.relu2_linear_triton(x[:, ::2], w2, None)
+    torch.testing.assert_close(out, relu2_linear_ref(x[:, ::2], w2, None), **tol)
+    with pytest.raises(RuntimeError):  # F.linear refuses a bias of another dtype; the GEMV must not accept it
+        tfl.relu2_linear_triton(x[:, :64], w2, torch.zeros(16))
 
 
 def test_fused_path_is_taken_for_one_row(monkeypatch):
@@ -123,7 +138,12 @@ def test_fused_path_is_taken_for_one_row(monkeypatch):
 @gpu
 @needs_cuda
 def test_fused_linear_nano9b(poison):
-    # Nano 9B v2: Mamba out_proj 10240 -> 4480 (gated norm, 8 groups of 1280), MLP down 15680 -> 4480
+    # Nano 9B v2: Mamba out_proj 10240 -> 4480 (gated norm, 8 groups of 1280), MLP down 15680 -> 4480;
+    # then an N that is not a multiple of BLOCK_N, with a bias, compiled
+    wb, bb, ub = _weight(4483, 15680, BF16), rnd(4483, dtype=BF16), rnd(1, 15680, dtype=BF16)
+    with poison:
+        out = tfl.relu2_linear_triton(ub, wb, bb)
+    _close64(out, torch.nn.functional.linear(torch.relu(ub.double()) ** 2, wb.double(), bb.double()), BF16, "N 4483")
     for rows in (1, 2):
         zxbcdt = rnd(rows, 22912 + 17, dtype=BF16)
         y, z = rnd(rows, 10240, dtype=BF16), zxbcdt[:, :10240]

@@ -200,7 +200,9 @@ class Warmup:
         runner = self.engine.runner
         graphs, runner.graphs = runner.graphs, None
         try:
-            self._run([4, 4], params=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+            # 8 rows where the batch allows: the decode kernels switch tiles at 8 rows (conv1d_update)
+            n = min(8, self.engine.scheduler.max_batch_size)
+            self._run([4] * n, params=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
         finally:
             runner.graphs = graphs
 

@@ -129,7 +129,7 @@ class Mamba2Mixer(nn.Module):
         if T > nd:
             self._prefill(xbc[nd:], dt[nd:], A, w, bias, meta, conv_pool, ssm_pool, y[nd:])
 
-        # the gated norm runs fused into out_proj (one kernel on CUDA at small batches)
+        # gated norm + out_proj (on CUDA a one-row step runs the norm kernel and a Triton GEMV)
         norm = self.norm
         return ops.get("gated_norm_linear", cuda)(
             y.view(T, self.d_inner), z, norm.weight, norm.eps, norm.group_size, self.out_proj.weight, self.out_proj.bias
