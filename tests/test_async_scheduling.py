@@ -430,3 +430,76 @@ def test_mixed_overlapped_outputs_carry_prompt_logprobs() -> None:
     assert sync.get("prompt") and len(sync["prompt"]) == len(prompts()[5])
     assert overlapped == sync
     assert any(b[2] and b[1] > b[0] for b in seen), "the prompt-logprobs request was not admitted overlapped"
+
+
+@pytest.mark.parametrize("seed", [136, 213])
+def test_dropped_overlapped_plan_pins_no_snapshot(seed: int) -> None:
+    """Small token budgets cut prompts at snapshot boundaries; when one continuation of an overlapped plan
+    cannot get its blocks the plan is dropped, and the chunks planned before it must not keep snapshot
+    slots (pinned for good, their prefix keys pointing at states nobody wrote: a later hit on the
+    same prefix would start from garbage)."""
+    import random
+
+    rng = random.Random(seed)
+    budget, pool, interval = rng.randint(17, 70), rng.choice([96, 128, 160, 200]), rng.choice([8, 16, 32])
+    kv = {"tokens_per_block": 8, "enable_block_reuse": True, "max_gpu_total_bytes": 64 * 2**20, "max_tokens": pool,
+          "mamba_state_config": {"periodic_snapshot_interval": interval,
+                                 "additional_snapshot_offsets_from_end": rng.choice([[0], [0, 5], []])}}
+    opts = dict(max_num_tokens=budget, max_seq_len=pool, max_batch_size=rng.choice([3, 4, 8]), kv_cache_config=kv)
+    jobs = []
+    for _ in range(rng.randint(3, 6)):
+        n = rng.randint(5, pool - 30)
+        p = SamplingParams(max_tokens=rng.randint(1, min(30, pool - n)), temperature=0.0, ignore_eos=True)
+        arrival = rng.randint(0, 8)
+        jobs.append((arrival, [1] + [rng.randrange(3, 300) for _ in range(n - 1)], p))
+    llm = make_llm(**opts)
+    eng = llm.engine
+    for it in range(400):
+        for i, (t, prompt, p) in enumerate(jobs):
+            if t == it:
+                eng.add_request(f"r{i}", prompt, p)
+        eng.step()
+        if it > 8 and not eng.has_unfinished():
+            break
+    assert not eng.has_unfinished()
+    # every prompt again, alone: prefix-cache hits must give the tokens of an engine without reuse
+    cold = make_llm(async_scheduling=False, **{**opts, "kv_cache_config": {**kv, "enable_block_reuse": False}})
+    g = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    for _, prompt, _ in jobs:
+        assert llm.generate([prompt], g)[0].token_ids == cold.generate([prompt], g)[0].token_ids
+    eng.reset_prefix_cache()
+    assert eng.cache_usage()["snapshot_slots_used"] == 0
+
+
+def test_sampling_failure_in_a_mixed_overlapped_step_fails_only_its_requests() -> None:
+    """The step was taken in by the scheduler (its snapshot pins released) before sampling failed: the
+    batch's requests end with an error, the engine keeps serving, and nothing stays pinned."""
+    kv = {"tokens_per_block": 8, "enable_block_reuse": True, "max_gpu_total_bytes": 64 * 2**20,
+          "mamba_state_config": {"periodic_snapshot_interval": 16, "additional_snapshot_offsets_from_end": [0]}}
+    eng = _engine(kv_cache_config=kv)
+    g = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    eng.add_request("a", prompts()[0], g)
+    for _ in range(3):
+        eng.step()
+    assert eng._inflight is not None
+    eng.add_request("b", prompts()[4], g)  # admitted in the overlapped step, with snapshot writes
+    real = eng.sampler.sample_tokens
+
+    def boom(*a, **k):
+        raise RuntimeError("sampler failure")
+
+    eng.sampler.sample_tokens = boom  # type: ignore[method-assign]
+    deltas = eng.step()
+    eng.sampler.sample_tokens = real  # type: ignore[method-assign]
+    failed = {d.request_id for d in deltas if d.finished and d.finish_reason == "error"}
+    assert failed == {"a", "b"}
+    assert eng.stats()["step_failures_total"] == 1
+    eng.add_request("c", prompts()[2], g)
+    out: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    _run_to_end(eng, out, reasons)
+    assert reasons == {"c": "length"}
+    assert out["c"] == make_llm(async_scheduling=False).generate([prompts()[2]], g)[0].token_ids
+    eng.reset_prefix_cache()
+    u = eng.cache_usage()
+    assert u["snapshot_slots_used"] == 0 and u["live_slots_used"] == 0 and u["kv_blocks_free"] == u["kv_blocks_total"]

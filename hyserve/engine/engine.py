@@ -24,7 +24,8 @@ extra row, which is dropped; its slot and blocks are freed only after, and any l
 queued behind it on the same stream. Outputs are those of the synchronous engine as far as batching
 leaves a row's logits alone (the CPU tests check greedy and seeded rows token for token): an extra row
 changes a step's batch size, as any batching difference does; unseeded rows draw from the same stream,
-which extra rows can shift.
+which extra rows can shift; a prompt's last token left over by a budget cut runs as a one-token prefill
+row (the scheduler would make it a decode row).
 """
 
 from __future__ import annotations
@@ -446,17 +447,13 @@ class LLMEngine:
             ))
             rows.append(i)
         budget = sched.max_num_tokens - len(decodes)
-        prefills: list[ScheduledSeq] = []
-        for seq in prev.batch.seqs:  # prompts still being fed: their next chunk (host tokens)
-            req = self.requests.get(seq.request_id)
-            if seq.sample or req is None or req.status is not RequestStatus.RUNNING or budget <= 0:
-                continue
-            nxt = sched.plan_continuation(req, budget)
-            if nxt is None:
-                return None
-            prefills.append(nxt)
-            budget -= len(nxt.token_ids)
-        prefills += sched.admit(budget)
+        feeding = [self.requests.get(s.request_id) for s in prev.batch.seqs if not s.sample]
+        # prompts still being fed: their next chunks (host tokens), all or none
+        prefills = sched.plan_continuations(
+            [r for r in feeding if r is not None and r.status is RequestStatus.RUNNING], budget)
+        if prefills is None:
+            return None
+        prefills += sched.admit(budget - sum(len(p.token_ids) for p in prefills))
         if not decodes and not prefills:
             return None
         return ScheduledBatch(seqs=decodes + prefills, num_decodes=len(decodes)), rows
@@ -467,6 +464,7 @@ class LLMEngine:
         self._inflight = None
         planned = self._plan_overlapped(prev)
         failure: tuple[ScheduledBatch, Exception] | None = None
+        updated = False  # once the scheduler has taken the step in, its snapshot pins are released
         if planned is not None:
             batch, rows = planned
             try:
@@ -478,6 +476,7 @@ class LLMEngine:
                     finally:
                         self.runner.kept = None
                 self.scheduler.update(batch, self.requests)
+                updated = True
                 self.scheduler.stats.tokens_scheduled = batch.num_tokens
                 sampling = [s for s in batch.seqs if s.sample]
                 histories = self._histories(sampling)  # without the in-flight tokens, which are on the device:
@@ -496,7 +495,7 @@ class LLMEngine:
                 failure = (batch, e)
         deltas = self._read_inflight(prev)  # the previous step's tokens, while this one runs
         if failure is not None:
-            deltas += self._fail_batch(*failure)
+            deltas += self._fail_batch(*failure, discard=not updated)
         if planned is None:
             deltas += self._step_sync()
         return deltas
@@ -573,8 +572,11 @@ class LLMEngine:
             self._allocator = (now, int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)))
         return self._allocator[1]
 
-    def _fail_batch(self, batch: ScheduledBatch, err: Exception) -> list[StreamDelta]:
-        self.scheduler.discard_step(batch)
+    def _fail_batch(self, batch: ScheduledBatch, err: Exception, *, discard: bool = True) -> list[StreamDelta]:
+        """Finish every request of `batch` with an error. `discard`: the model did not complete the step, so
+        its snapshots are dropped (False once the scheduler has taken the step in: they were written)."""
+        if discard:
+            self.scheduler.discard_step(batch)
         out = []
         for seq in batch.seqs:
             req = self.requests.get(seq.request_id)

@@ -259,15 +259,25 @@ class Scheduler:
             budget -= len(seq.token_ids)
         return seqs
 
-    def plan_continuation(self, req: Request, budget: int) -> ScheduledSeq | None:
-        """The next prefill chunk of a running request, planned without preempting anyone (async
-        scheduling plans it while the previous step is in flight). None when nothing fits the budget or
-        the free blocks do not cover the chunk: then a full `schedule()` decides."""
-        seq = self._plan_chunk(req, budget)
-        if seq is None or not self.cache.grow(req.block_ids, seq.start_pos + len(seq.token_ids)):
-            return None
-        self._secure(req, seq)
-        return seq
+    def plan_continuations(self, reqs: list[Request], budget: int) -> list[ScheduledSeq] | None:
+        """The next prefill chunk of each of `reqs` (running, in prefill) in order within `budget` tokens,
+        planned without preempting anyone (async scheduling plans them while the previous step is in
+        flight). All or nothing: None, with no snapshot slot taken, when the free blocks do not cover
+        every chunk that fits the budget; then a full `schedule()` decides."""
+        planned: list[tuple[Request, ScheduledSeq]] = []
+        for req in reqs:
+            if budget <= 0:
+                break
+            seq = self._plan_chunk(req, budget)
+            if seq is None:
+                continue
+            if not self.cache.grow(req.block_ids, seq.start_pos + len(seq.token_ids)):
+                return None  # (blocks grown for the earlier chunks stay with their requests: they need them)
+            planned.append((req, seq))
+            budget -= len(seq.token_ids)
+        for req, seq in planned:
+            self._secure(req, seq)
+        return [seq for _, seq in planned]
 
     def _plan_chunk(self, req: Request, budget: int) -> ScheduledSeq | None:
         """The next prefill chunk of `req` within `budget` tokens, cut at a snapshot boundary the scan
