@@ -503,3 +503,31 @@ def test_sampling_failure_in_a_mixed_overlapped_step_fails_only_its_requests() -
     eng.reset_prefix_cache()
     u = eng.cache_usage()
     assert u["snapshot_slots_used"] == 0 and u["live_slots_used"] == 0 and u["kv_blocks_free"] == u["kv_blocks_total"]
+
+
+@pytest.mark.parametrize("async_on", [False, True])
+def test_sampling_failure_in_a_normal_step_fails_only_its_batch(async_on: bool) -> None:
+    """Sampling (or prompt logprobs) failing after the model ran, in a step the scheduler planned: the
+    batch's requests end with an error and the engine keeps serving (it used to raise out of step(),
+    which ends the serving loop for every request)."""
+    eng = _engine(async_scheduling=async_on)
+    g = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    eng.add_request("a", prompts()[1], g)
+    target = "sample_tokens" if async_on else "sample"
+    real = getattr(eng.sampler, target)
+
+    def boom(*a, **k):
+        raise RuntimeError("sampler failure")
+
+    setattr(eng.sampler, target, boom)
+    deltas = eng.step()  # a's prefill step
+    setattr(eng.sampler, target, real)
+    assert [(d.request_id, d.finish_reason) for d in deltas if d.finished] == [("a", "error")]
+    eng.add_request("b", prompts()[2], g)
+    out: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    _run_to_end(eng, out, reasons)
+    assert reasons == {"b": "length"}
+    assert out["b"] == make_llm(async_scheduling=False).generate([prompts()[2]], g)[0].token_ids
+    u = eng.cache_usage()
+    assert u["live_slots_used"] == 0 and u["kv_blocks_free"] == u["kv_blocks_total"]

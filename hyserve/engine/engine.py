@@ -346,27 +346,29 @@ class LLMEngine:
         deltas = [self._finish_delta(r) for r in aborted]
         if batch.empty:
             return deltas
+        updated = False  # once the scheduler has taken the step in, its snapshot pins are released
         try:
             logits = self.runner.execute(batch)
             self._check_strict_warmup()
-        except Exception as e:  # one bad batch must not take the engine down
+            if self.runner.kept is not None:
+                try:
+                    self._record_prompt_logprobs(batch)
+                finally:
+                    self.runner.kept = None
+            self.scheduler.update(batch, self.requests)
+            updated = True
+            sampling = [s for s in batch.seqs if s.sample]
+            histories = self._histories(sampling)
+            if self._can_defer(batch):
+                self._inflight = self._defer(batch, logits, histories)
+                return deltas
+            tokens, lps = self.sampler.sample(
+                logits, [s.params for s in sampling], [s.num_output_tokens for s in sampling], histories
+            )
+        except Exception as e:  # one bad batch (model, prompt logprobs or sampling) must not take the engine down
             logger.exception("model step failed; failing the %d requests of this batch", len(batch.seqs))
             self.counters["step_failures_total"] += 1
-            return deltas + self._fail_batch(batch, e)
-        if self.runner.kept is not None:
-            try:
-                self._record_prompt_logprobs(batch)
-            finally:
-                self.runner.kept = None
-        self.scheduler.update(batch, self.requests)
-        sampling = [s for s in batch.seqs if s.sample]
-        histories = self._histories(sampling)
-        if self._can_defer(batch):
-            self._inflight = self._defer(batch, logits, histories)
-            return deltas
-        tokens, lps = self.sampler.sample(
-            logits, [s.params for s in sampling], [s.num_output_tokens for s in sampling], histories
-        )
+            return deltas + self._fail_batch(batch, e, discard=not updated)
         for seq, tok, lp in zip(sampling, tokens, lps):
             req = self.requests.get(seq.request_id)
             if req is None or req.finished:
