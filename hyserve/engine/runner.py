@@ -40,15 +40,14 @@ class ModelRunner:
         seq_lens, slot_mapping, src, dst, has_init, logits_idx = [], [], [], [], [], []
         snaps: list[SnapshotWrite] = []
         max_blocks = max((len(s.block_ids) for s in batch.seqs), default=1) or 1
-        tables = torch.zeros(len(batch.seqs), max_blocks, dtype=torch.int32)
+        rows: list[list[int]] = []  # block tables, zero-padded: one tensor built from them (not one per row)
         for i, s in enumerate(batch.seqs):
             ids.extend(s.token_ids)
             cu.append(len(ids))
             for p in range(s.start_pos, s.start_pos + len(s.token_ids)):
                 slot_mapping.append(s.block_ids[p // bs] * bs + p % bs)
             seq_lens.append(s.start_pos + len(s.token_ids))
-            if s.block_ids:
-                tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+            rows.append(s.block_ids + [0] * (max_blocks - len(s.block_ids)))
             src.append(s.state_dst if s.state_src is None else s.state_src)
             dst.append(s.state_dst)
             has_init.append(s.state_src is not None)
@@ -66,7 +65,7 @@ class ModelRunner:
             seq_lens=seq_lens,
             cu_seqlens_t=t(cu, torch.int32),
             seq_lens_t=t(seq_lens, torch.int32),
-            block_tables=tables.to(dev, non_blocking=True),
+            block_tables=torch.tensor(rows, dtype=torch.int32).to(dev, non_blocking=True),
             slot_mapping=t(slot_mapping, torch.int64),
             state_src=t(src, torch.int64),
             state_dst=t(dst, torch.int64),

@@ -15,6 +15,7 @@ process with -15); `_Server.capture_signals` doesn't, because a clean shutdown i
 from __future__ import annotations
 
 import contextlib
+import gc
 import signal
 import sys
 import threading
@@ -39,6 +40,16 @@ def require_server_deps() -> None:
         raise SystemExit(
             f"hyserve serve needs {', '.join(missing)}: install them with  pip install 'hyserve[server]'"
         )
+
+
+def freeze_startup_heap() -> int:
+    """Move every object alive now (torch, the model, tokenizer tables, the warm-up's leftovers: ~300k
+    objects before any CUDA library loads) out of the cyclic garbage collector's reach. They live as long
+    as the server; left in, every full collection walks them all, which stalled the engine loop, and so
+    every stream, for ~200 ms every few hundred steps (`benchmarks/bench_host.py`). Returns the count."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def _make_server_class() -> type:
@@ -107,6 +118,7 @@ def run_server(
         warm_http_path(engine, server_options, log=out)
     app = build_app(engine, server_options)
     app.state.accepting = True
+    freeze_startup_heap()
 
     def on_signal() -> None:
         out("hyserve: shutting down: no new requests, aborting in-flight requests ...")
