@@ -3,7 +3,8 @@
 Start-up order matters for users: the config is validated before anything heavy happens (a typo in
 the YAML fails in a second, not after loading weights), the engine loads and warms up *before* the
 port opens (so `/health` answering means ready), and the capacity report is on screen before the first
-request.
+request. Just before the port opens, everything alive is moved out of the garbage collector's reach
+(`freeze_startup_heap`), so a full collection no longer stalls the engine loop for ~250 ms.
 
 Shutdown on SIGINT/SIGTERM: stop accepting (uvicorn closes the listening socket, new requests on open
 connections get 503), abort every in-flight request (streams get an SSE error event and `[DONE]`,
