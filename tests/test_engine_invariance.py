@@ -86,3 +86,22 @@ def test_preemption_gives_the_same_tokens(reference: list[list[int]]) -> None:
     assert llm.stats()["num_preemptions"] > 0
     u = llm.cache_usage()
     assert u["kv_blocks_free"] == u["kv_blocks_total"] and u["live_slots_used"] == 0
+
+
+@pytest.mark.parametrize("async_on", [False, True])
+def test_no_prefix_hit_on_a_snapshot_written_in_the_same_step(async_on: bool) -> None:
+    """A prompt's KV blocks are cached but its Mamba snapshots are gone; B recomputes it and takes the
+    snapshot slots, and C (the same prompt) is admitted in the same step. C must not start from B's
+    snapshot at 64 tokens: that slot is written by the step C runs in, after C has read it. (Found by
+    fuzzing async against synchronous scheduling: C's tokens were those of a stale state.)"""
+    rng = random.Random(99)
+    prompt = [1] + [rng.randrange(3, 300) for _ in range(64)]  # 65 tokens: snapshots at 56 and 64
+    kv = {"tokens_per_block": 8, "enable_block_reuse": True, "max_gpu_total_bytes": 64 * 2**20,
+          "mamba_state_config": {"periodic_snapshot_interval": None, "additional_snapshot_offsets_from_end": [0, 5]}}
+    g = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    alone = make_llm(kv_cache_config={**kv, "enable_block_reuse": False}).generate([prompt], g)[0].token_ids
+    llm = make_llm(kv_cache_config=kv, max_num_tokens=70, async_scheduling=async_on)
+    assert llm.generate([prompt], g)[0].token_ids == alone  # A: blocks and snapshots cached
+    llm.engine.cache.states.drop_all_snapshots()  # the snapshots evicted, the KV blocks still cached
+    outs = llm.generate([prompt, prompt], g)  # B recomputes [0, 65), C is admitted in the same step
+    assert [o.token_ids for o in outs] == [alone, alone]

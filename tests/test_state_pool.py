@@ -45,9 +45,17 @@ def test_no_snapshot_slots_returns_none() -> None:
     assert pool.drop_all_snapshots() == 0
 
 
+def _written(pool: StatePool, key: int) -> int | None:
+    """A snapshot slot for `key` whose step has been taken in (lookups return it)."""
+    s = pool.allocate_snapshot(key)
+    if s is not None:
+        pool.mark_written(s)
+    return s
+
+
 def test_snapshot_same_key_returns_same_slot() -> None:
     pool = StatePool(num_live=1, num_pad=0, num_snapshot=3)
-    a = pool.allocate_snapshot(10)
+    a = _written(pool, 10)
     assert pool.allocate_snapshot(10) == a
     assert pool.lookup_snapshot(10) == a and pool.snapshot_key(a) == 10
     assert pool.num_snapshots_used() == 1
@@ -57,7 +65,7 @@ def test_snapshot_lru_eviction_skips_pinned() -> None:
     pool = StatePool(num_live=1, num_pad=1, num_snapshot=3)
     events: list[tuple[int, int]] = []
     pool.add_evict_listener(lambda slot, key: events.append((slot, key)))
-    a, b, c = (pool.allocate_snapshot(k) for k in (1, 2, 3))
+    a, b, c = (_written(pool, k) for k in (1, 2, 3))
     assert None not in (a, b, c)
     pool.pin_snapshot(a)  # oldest, but pinned
     assert pool.lookup_snapshot(2) == b  # bump 2: now 3 is the LRU unpinned entry
@@ -69,6 +77,25 @@ def test_snapshot_lru_eviction_skips_pinned() -> None:
     pool.pin_snapshot(e)
     assert pool.allocate_snapshot(6) is None  # everything pinned
     assert pool.lookup_snapshot(1) == a
+    pool.check_invariants()
+
+
+def test_unwritten_snapshot_is_not_a_lookup_hit() -> None:
+    # taken for a step that has not been taken in yet: a request admitted in that step must not start
+    # from it, and nobody may take the key again
+    pool = StatePool(num_live=1, num_pad=0, num_snapshot=2)
+    s = pool.allocate_snapshot(5, pin=True)
+    assert s is not None
+    assert pool.lookup_snapshot(5) is None and pool.has_snapshot(5)
+    pool.mark_written(s)
+    assert pool.lookup_snapshot(5) == s
+    pool.unpin_snapshot(s)
+    pool.drop_snapshot(5)  # freed: a new key on the slot starts unwritten again
+    t = pool.allocate_snapshot(6)
+    assert pool.lookup_snapshot(6) is None and not pool.has_snapshot(5)
+    with pytest.raises(ValueError, match="not a snapshot slot"):
+        pool.mark_written(0)
+    assert t is not None
     pool.check_invariants()
 
 
@@ -117,7 +144,7 @@ def test_drop_all_snapshots_keeps_pinned() -> None:
     pool = StatePool(num_live=0, num_pad=0, num_snapshot=3)
     events: list[tuple[int, int]] = []
     pool.add_evict_listener(lambda slot, key: events.append((slot, key)))
-    a, b, c = (pool.allocate_snapshot(k) for k in (1, 2, 3))
+    a, b, c = (_written(pool, k) for k in (1, 2, 3))
     assert a is not None
     pool.pin_snapshot(a)
     assert pool.drop_all_snapshots() == 2
@@ -148,6 +175,7 @@ class StatePoolMachine(RuleBasedStateMachine):
         self.doomed: set[int] = set()
         self.lru: list[int] = []  # unpinned keyed slots, oldest first
         self.free: set[int] = set(range(self.base, self.base + num_snapshot))
+        self.unwritten: set[int] = set()  # keyed/doomed slots not yet marked written
         self.events: list[tuple[int, int]] = []
         self.pool.add_evict_listener(lambda slot, key: self.events.append((slot, key)))
 
@@ -200,6 +228,7 @@ class StatePoolMachine(RuleBasedStateMachine):
             del self.slot_of[old_key]
             assert self.events == [(victim, old_key)]
             self.events.clear()
+            self.unwritten.discard(victim)
             self._own(got, key)
         else:
             assert got is None, "allocate_snapshot must return None when every slot is pinned"
@@ -213,15 +242,25 @@ class StatePoolMachine(RuleBasedStateMachine):
     def _own(self, slot: int, key: int) -> None:
         self.slot_of[key] = slot
         self.key_of[slot] = key
+        self.unwritten.add(slot)
         self.lru.append(slot)
 
     @rule(key=st.integers(min_value=0, max_value=9))
     def lookup(self, key: int) -> None:
         got = self.pool.lookup_snapshot(key)
-        assert got == self.slot_of.get(key)
+        s = self.slot_of.get(key)
+        assert got == (None if s in self.unwritten else s)
+        assert self.pool.has_snapshot(key) == (s is not None)
         if got is not None and got in self.lru:
             self.lru.remove(got)
             self.lru.append(got)
+
+    @precondition(lambda self: self.unwritten)
+    @rule(data=st.data())
+    def mark_written(self, data: st.DataObject) -> None:
+        s = data.draw(st.sampled_from(sorted(self.unwritten)))
+        self.pool.mark_written(s)
+        self.unwritten.discard(s)
 
     @precondition(lambda self: self.key_of or self.pins)
     @rule(data=st.data())
@@ -242,6 +281,7 @@ class StatePoolMachine(RuleBasedStateMachine):
             del self.pins[s]
             if s in self.doomed:
                 self.doomed.discard(s)
+                self.unwritten.discard(s)
                 self.free.add(s)
             else:
                 self.lru.append(s)
@@ -268,6 +308,7 @@ class StatePoolMachine(RuleBasedStateMachine):
             self.doomed.add(s)
         else:
             self.lru.remove(s)
+            self.unwritten.discard(s)
             self.free.add(s)
 
     @rule()
@@ -279,6 +320,7 @@ class StatePoolMachine(RuleBasedStateMachine):
         for s, k in expected:
             del self.key_of[s]
             del self.slot_of[k]
+            self.unwritten.discard(s)
             self.free.add(s)
         self.lru.clear()
 

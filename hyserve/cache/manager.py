@@ -125,7 +125,7 @@ class HybridCacheManager:
         that snapshot already exists or no slot can be had: the snapshot is then skipped; correctness
         never depends on it."""
         h = hashes[position // self.tokens_per_block - 1]
-        if self.states.lookup_snapshot(h) is not None:
+        if self.states.has_snapshot(h):
             return None
         slot = self.states.allocate_snapshot(h, pin=True)
         if slot is None:
@@ -136,6 +136,11 @@ class HybridCacheManager:
         self.states.drop_snapshot(key)
 
     def release_snapshot(self, slot: int) -> None:
+        self.states.unpin_snapshot(slot)
+
+    def commit_snapshot(self, slot: int) -> None:
+        """The step that writes snapshot `slot` has been taken in: later lookups may start from it."""
+        self.states.mark_written(slot)
         self.states.unpin_snapshot(slot)
 
     def register_blocks(self, block_ids: list[int], hashes: list[int], start: int, end: int) -> None:

@@ -14,6 +14,11 @@ Snapshot slots are in one of four states::
     pinned    key, pin > 0            -> an in-flight operation reads/writes it; never evicted
     doomed    no key, pin > 0         -> dropped while pinned; freed on the last unpin
 
+A snapshot slot taken for a key is *unwritten* until the step that computes it has been taken in
+(`mark_written`): `lookup_snapshot` does not return it before, so a request admitted in that same step
+cannot start from a slot the step has not written yet (its own read of the initial state would come
+first). `has_snapshot` still sees the key, so nobody allocates it twice.
+
 Why pins instead of refcounts on the key: the prefix cache may drop an entry (its KV prefix was
 evicted) while the runner is still copying from or writing into the slot in the current step.
 The key disappears at once (no new lookup can find it), but the slot is not reused until the
@@ -54,6 +59,7 @@ class StatePool:
         self._num_pad = num_pad
         self._num_snapshot = num_snapshot
         self._snap_base = num_live + num_pad
+        self._unwritten: set[int] = set()  # keyed (or doomed) slots whose state a pending step still writes
 
         self._live_free: deque[int] = deque(range(num_live))
         self._live_used: list[bool] = [False] * num_live
@@ -148,6 +154,7 @@ class StatePool:
             return None
         self._slot_of_key[key] = slot
         self._key_of_slot[slot] = key
+        self._unwritten.add(slot)
         self._lru[slot] = None
         if pin:
             self.pin_snapshot(slot)
@@ -159,11 +166,24 @@ class StatePool:
         return slot
 
     def lookup_snapshot(self, key: int) -> int | None:
-        """Slot holding the snapshot for ``key``, or None. A hit bumps the LRU."""
+        """Slot holding the written snapshot for ``key``, or None (none, or its step not taken in yet).
+        A hit bumps the LRU."""
         slot = self._slot_of_key.get(key)
-        if slot is not None and slot in self._lru:
+        if slot is None or slot in self._unwritten:
+            return None
+        if slot in self._lru:
             self._lru.move_to_end(slot)
         return slot
+
+    def has_snapshot(self, key: int) -> bool:
+        """Whether ``key`` owns a slot, written or still being written."""
+        return key in self._slot_of_key
+
+    def mark_written(self, slot: int) -> None:
+        """The step writing this snapshot slot has been taken in: lookups may return it from now on."""
+        if not self.is_snapshot_slot(slot):
+            raise ValueError(f"slot {slot} is not a snapshot slot")
+        self._unwritten.discard(slot)
 
     def snapshot_key(self, slot: int) -> int | None:
         """Key owning a snapshot slot (None if free or doomed)."""
@@ -197,6 +217,7 @@ class StatePool:
         del self._pins[slot]
         if slot in self._doomed:
             self._doomed.discard(slot)
+            self._unwritten.discard(slot)
             self._snap_free.append(slot)
         else:
             self._lru[slot] = None
@@ -215,6 +236,7 @@ class StatePool:
             self._doomed.add(slot)
         else:
             del self._lru[slot]
+            self._unwritten.discard(slot)
             self._snap_free.append(slot)
 
     def drop_all_snapshots(self) -> int:
@@ -227,6 +249,7 @@ class StatePool:
             slot, _ = self._lru.popitem(last=False)
             key = self._key_of_slot.pop(slot)
             del self._slot_of_key[key]
+            self._unwritten.discard(slot)
             self._snap_free.append(slot)
             dropped.append((slot, key))
         for slot, key in dropped:
@@ -271,6 +294,7 @@ class StatePool:
         assert not (self._doomed & keyed), "doomed slot still has a key"
         assert lru == keyed - pinned, "LRU must hold exactly the keyed, unpinned slots"
         assert pinned <= keyed | self._doomed
+        assert self._unwritten <= keyed | self._doomed, "unwritten mark on a free slot"
         for slot in range(lo, hi):
             states = (slot in snap_free) + (slot in lru) + (slot in pinned)
             assert states == 1, f"snapshot slot {slot} in {states} states"

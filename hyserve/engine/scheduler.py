@@ -359,7 +359,7 @@ class Scheduler:
         for seq in batch.seqs:
             req = requests.get(seq.request_id)
             for _, slot in seq.snapshots:
-                self.cache.release_snapshot(slot)
+                self.cache.commit_snapshot(slot)  # written by this step: visible to later lookups
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue
             req.num_computed = seq.start_pos + len(seq.token_ids)
