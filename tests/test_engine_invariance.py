@@ -105,3 +105,43 @@ def test_no_prefix_hit_on_a_snapshot_written_in_the_same_step(async_on: bool) ->
     llm.engine.cache.states.drop_all_snapshots()  # the snapshots evicted, the KV blocks still cached
     outs = llm.generate([prompt, prompt], g)  # B recomputes [0, 65), C is admitted in the same step
     assert [o.token_ids for o in outs] == [alone, alone]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 4, 78])  # seed 4 gave wrong tokens before cb4fc21 (a same-step hit)
+@pytest.mark.parametrize("async_on", [False, True])
+def test_random_prefix_reuse_traffic_matches_each_request_alone(seed: int, async_on: bool) -> None:
+    """Repeated and shared-prefix prompts arriving over time under small token budgets (chunks cut at
+    snapshot boundaries, snapshots at the prompt end and 5 tokens before it, few snapshot slots): every
+    greedy or seeded request gets exactly the tokens it gets alone on an engine without prefix reuse."""
+    rng = random.Random(1000 + seed)
+    shared = [1] + [rng.randrange(3, 300) for _ in range(40)]
+    bases = [shared + [rng.randrange(3, 300) for _ in range(n)] for n in (3, 24, 31)]
+    bases += [[1] + [rng.randrange(3, 300) for _ in range(n)] for n in (20, 64, 100)]
+    kv = {"tokens_per_block": 8, "enable_block_reuse": True, "max_gpu_total_bytes": 64 * 2**20,
+          "mamba_state_config": {"periodic_snapshot_interval": rng.choice([16, None]),
+                                 "additional_snapshot_offsets_from_end": [0, 5]}}
+    opts = dict(max_batch_size=rng.choice([2, 3, 4]), max_num_tokens=rng.choice([17, 40, 64, 70]))
+    jobs = []
+    for _ in range(10):
+        prompt = list(rng.choice(bases))
+        if rng.random() < 0.3:
+            prompt += [rng.randrange(3, 300) for _ in range(rng.randint(1, 12))]
+        p = (SamplingParams(max_tokens=rng.randint(1, 6), temperature=0.0, ignore_eos=True) if rng.random() < 0.7
+             else SamplingParams(max_tokens=rng.randint(1, 6), temperature=0.8, seed=rng.randint(0, 9), ignore_eos=True))
+        jobs.append((rng.randint(0, 30), prompt, p))
+    eng = make_llm(kv_cache_config=kv, async_scheduling=async_on, **opts).engine
+    out: dict[str, list[int]] = {}
+    for it in range(2000):
+        for i, (t, prompt, p) in enumerate(jobs):
+            if t == it:
+                eng.add_request(f"r{i}", prompt, p)
+        for d in eng.step():
+            out.setdefault(d.request_id, []).extend(d.token_ids)
+        eng.cache.check_invariants()
+        if it > 30 and not eng.has_unfinished():
+            break
+    assert not eng.has_unfinished()
+    cold = make_llm(kv_cache_config={**kv, "enable_block_reuse": False}, **opts)
+    for i, (_, prompt, p) in enumerate(jobs):
+        assert out[f"r{i}"] == cold.generate([prompt], p)[0].token_ids, f"r{i}"
+    assert eng.stats()["prefix_cache_hits"] > 0
