@@ -348,13 +348,7 @@ class LLMEngine:
             return deltas
         updated = False  # once the scheduler has taken the step in, its snapshot pins are released
         try:
-            logits = self.runner.execute(batch)
-            self._check_strict_warmup()
-            if self.runner.kept is not None:
-                try:
-                    self._record_prompt_logprobs(batch)
-                finally:
-                    self.runner.kept = None
+            logits = self._execute(batch)
             self.scheduler.update(batch, self.requests)
             updated = True
             sampling = [s for s in batch.seqs if s.sample]
@@ -375,6 +369,18 @@ class LLMEngine:
                 continue
             deltas.append(self._append_token(req, tok, lp))
         return deltas
+
+    def _execute(self, batch: ScheduledBatch, feed: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
+        """Run `batch` on the model (`ModelRunner.execute`) and read its prompt logprobs while the runner
+        keeps the hidden states. Returns the sampling rows' logits."""
+        logits = self.runner.execute(batch, feed)
+        self._check_strict_warmup()
+        if self.runner.kept is not None:
+            try:
+                self._record_prompt_logprobs(batch)
+            finally:
+                self.runner.kept = None
+        return logits
 
     def _histories(self, sampling: list[ScheduledSeq]) -> list[tuple[list[int], list[int]] | None] | None:
         """Penalties: the prompt and output ids each sampling row has seen (host lists), or None."""
@@ -470,13 +476,7 @@ class LLMEngine:
         if planned is not None:
             batch, rows = planned
             try:
-                logits = self.runner.execute(batch, feed=(prev.tokens, rows))
-                self._check_strict_warmup()
-                if self.runner.kept is not None:
-                    try:
-                        self._record_prompt_logprobs(batch)
-                    finally:
-                        self.runner.kept = None
+                logits = self._execute(batch, feed=(prev.tokens, rows))
                 self.scheduler.update(batch, self.requests)
                 updated = True
                 self.scheduler.stats.tokens_scheduled = batch.num_tokens
