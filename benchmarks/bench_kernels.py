@@ -625,12 +625,20 @@ _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
     ("N128 w4 s3, half the programs", {}, 132 * 2, 128),
     ("N64 w4 s3, 2x programs", dict(BLOCK_N=64), 132 * 8, 256),
 ]
+# TMA: key tiles through tensor descriptors (BLOCK_N must divide the pool's 64-token blocks); FOLD: the
+# softmax with the scale folded into one multiply-add; WS: compiler warp specialisation (experimental on
+# Hopper, last: a compiler failure there cannot hide the others).
 _PREFILL_SWEEP: list[tuple[str, dict]] = [
     ("default", {}),
-    ("M128 N128 w8 s2", dict(num_stages=2)),
-    ("M128 N64 w8 s2", dict(BLOCK_N=64, num_stages=2)),
-    ("M128 N64 w8 s4", dict(BLOCK_N=64, num_stages=4)),
-    ("M64 N128 w8 s3", dict(BLOCK_M=64)),
+    ("M128 N128 w8 s3 FOLD", dict(FOLD=True)),
+    ("M128 N64 w8 s3", dict(BLOCK_N=64)),
+    ("M128 N64 w8 s3 TMA", dict(BLOCK_N=64, TMA=True)),
+    ("M128 N64 w8 s3 TMA FOLD", dict(BLOCK_N=64, TMA=True, FOLD=True)),
+    ("M128 N64 w8 s2 TMA FOLD", dict(BLOCK_N=64, TMA=True, FOLD=True, num_stages=2)),
+    ("M128 N64 w8 s4 TMA FOLD", dict(BLOCK_N=64, TMA=True, FOLD=True, num_stages=4)),
+    ("M128 N64 w4 s3 TMA FOLD", dict(BLOCK_N=64, TMA=True, FOLD=True, num_warps=4)),
+    ("M64 N64 w4 s3 TMA FOLD", dict(BLOCK_M=64, BLOCK_N=64, TMA=True, FOLD=True, num_warps=4)),
+    ("M128 N64 w8 s3 TMA FOLD WS", dict(BLOCK_N=64, TMA=True, FOLD=True, WS=True)),
 ]
 
 

@@ -394,6 +394,34 @@ def test_paged_attention_small_prefill_tensors(poison):
                scale=0.3)
 
 
+@pytest.mark.parametrize("variant", [dict(TMA=True), dict(FOLD=True), dict(TMA=True, FOLD=True)])
+@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+def test_paged_attention_small_prefill_variants(poison, monkeypatch, dtype, variant):
+    """The prefill kernel's alternatives (key tiles through tensor descriptors, the folded-scale softmax)
+    on block-aligned tiles (bs 16 = the interpreter's BLOCK_N) over a NaN-filled pool: extends over
+    cached tokens, a prefill crossing several tiles, and lengths off the tile grid."""
+    import hyserve.kernels.triton_attention as ta
+
+    if CUDA:  # the GPU table is the one read there: small tiles so the cases cross several
+        monkeypatch.setitem(ta._PREFILL_GPU, 128, dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2, **variant))
+    else:
+        monkeypatch.setattr(ta, "_PREFILL_CPU", {**ta._PREFILL_CPU, **variant})
+    _attn_case(poison, new=[1, 40, 9, 17], lens=[30, 40, 57, 80], Hq=4, Hkv=2, D=32, bs=16, dtype=dtype)
+
+
+def test_paged_attention_tma_fit_rules():
+    """Tensor-descriptor tiles only where every tile lies in one block of a flat, aligned pool."""
+    import hyserve.kernels.triton_attention as ta
+
+    pool = torch.zeros(4, 64, 2, 32, dtype=torch.float16)
+    assert ta._tma_tiles_fit(pool, pool, 64) and ta._tma_tiles_fit(pool, pool, 32)
+    assert not ta._tma_tiles_fit(pool, pool, 128)  # a 128-key tile spans two blocks
+    odd = torch.zeros(4, 64, 2, 24, dtype=torch.float16)
+    assert not ta._tma_tiles_fit(odd, odd, 64)  # head dim not a power of two
+    strided = torch.zeros(4, 2, 64, 2, 32, dtype=torch.float16)[:, 0]
+    assert not ta._tma_tiles_fit(strided, strided, 64)  # blocks of K and V interleaved: rows not uniform
+
+
 ATTN_NANO = [
     ([1], [131072]),  # 128k decode
     ([1] * 8, [1, 100, 4096, 4097, 20000, 65, 777, 31]),
@@ -409,6 +437,18 @@ ATTN_NANO = [
 @pytest.mark.parametrize("new,lens", ATTN_NANO)
 def test_paged_attention_nano9b(poison, dtype, new, lens):
     _attn_case(poison, new=new, lens=lens, Hq=40, Hkv=8, D=128, bs=64, dtype=dtype)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("variant", [dict(BLOCK_N=64, TMA=True), dict(BLOCK_N=64, TMA=True, FOLD=True),
+                                     dict(FOLD=True)])
+@pytest.mark.parametrize("new,lens", [([4096], [4096]), ([1, 1, 3000, 517, 129, 1], [77, 12000, 3000, 1517, 129, 2])])
+def test_paged_attention_nano9b_prefill_variants(poison, monkeypatch, new, lens, variant):
+    import hyserve.kernels.triton_attention as ta
+
+    monkeypatch.setitem(ta._PREFILL_GPU, 128, {**ta._PREFILL_GPU[128], **variant})
+    _attn_case(poison, new=new, lens=lens, Hq=40, Hkv=8, D=128, bs=64, dtype=BF16)
 
 
 @gpu

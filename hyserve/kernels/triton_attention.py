@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hyserve.kernels.attention import FP8_KV_DTYPES, check_kv_scales
 from hyserve.kernels.triton_common import dot
@@ -165,6 +166,23 @@ def _online_softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr):
     return m_new, l_i, acc
 
 
+@triton.jit
+def _online_softmax_step_fold(qk, v, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
+    """_online_softmax_step on raw (unscaled, masked) scores: the scale rides in the max and in one fused
+    multiply-add per score; the accumulator is rescaled before the PV product accumulates into it, and the
+    denominator last (the order Triton's Hopper pipeliner keeps the PV product asynchronous in)."""
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    acc = acc * alpha[:, None]
+    if IEEE:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return m_new, l_i, acc
+
+
 # --------------------------------------------------------------------------- decode (split-KV)
 
 
@@ -277,14 +295,19 @@ def _combine_kernel(
 
 @triton.jit(do_not_specialize=["seq_offset", "s_bt_s"])
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, cu_ptr, out_ptr, ks_ptr, vs_ptr,
+    q_ptr, kc_ptr, vc_ptr, kd, vd, bt_ptr, lens_ptr, cu_ptr, out_ptr, ks_ptr, vs_ptr,
     seq_offset, qk_scale,
     s_q_t, s_q_h,
     s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h,
     s_bt_s, s_o_t, s_o_h,
     BS: tl.constexpr, REP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, KV_SCALED: tl.constexpr,
+    TMA: tl.constexpr, FOLD: tl.constexpr, WS: tl.constexpr,
 ):
+    # TMA: kd / vd are tensor descriptors over the pools as [blocks * BS, kv_heads * HEAD_DIM] (BS a
+    # multiple of BLOCK_N, so a whole key tile is BLOCK_N consecutive rows of one block) and the unmasked
+    # tiles load through them; otherwise kd / vd are unused. FOLD: _online_softmax_step_fold. WS: ask the
+    # compiler to warp-specialise the unmasked loop.
     # q heads fastest (the REP heads of a KV head run together and share its tiles in L2), then the
     # query blocks from the last (longest causal row) to the first, so the short ones fill the tail
     h = tl.program_id(0)
@@ -317,12 +340,20 @@ def _prefill_kernel(
     # Keys before ctx + m0 are visible to every query of this block (and exist: ctx + m0 < L), so the
     # whole tiles below that need no mask; the band up to the block's last query is masked.
     full_end = (ctx + m0) // BLOCK_N * BLOCK_N
-    for start in range(0, full_end, BLOCK_N):
-        pos = start + offs_n
-        k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, pos < full_end, offs_d, md, kvh, q,
-                             s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, False, HEAD_DIM != D_PAD)
-        qk = dot(q, tl.trans(k), IEEE) * qk_scale
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
+    for start in tl.range(0, full_end, BLOCK_N, warp_specialize=WS):
+        if TMA:
+            row = tl.load(bt_row + start // BS) * BS + start % BS
+            k = kd.load([row, kvh * HEAD_DIM]).to(q.dtype)
+            v = vd.load([row, kvh * HEAD_DIM]).to(q.dtype)
+        else:
+            pos = start + offs_n
+            k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, pos < full_end, offs_d, md, kvh, q,
+                                 s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, False, HEAD_DIM != D_PAD)
+        if FOLD:
+            m_i, l_i, acc = _online_softmax_step_fold(dot(q, tl.trans(k), IEEE), v, m_i, l_i, acc, qk_scale, IEEE)
+        else:
+            qk = dot(q, tl.trans(k), IEEE) * qk_scale
+            m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
     kv_end = tl.minimum(L, ctx + m0 + BLOCK_M)  # causal: nothing past this block's last query
     for start in range(full_end, kv_end, BLOCK_N):
         pos = start + offs_n
@@ -332,8 +363,12 @@ def _prefill_kernel(
         # Position 0 is visible to every query, so m_i is finite after the first tile and a row
         # whose tile is fully masked later just gets p = 0.
         ok = mn[None, :] & (pos[None, :] <= qpos[:, None])
-        qk = tl.where(ok, dot(q, tl.trans(k), IEEE) * qk_scale, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
+        if FOLD:
+            qk = tl.where(ok, dot(q, tl.trans(k), IEEE), float("-inf"))
+            m_i, l_i, acc = _online_softmax_step_fold(qk, v, m_i, l_i, acc, qk_scale, IEEE)
+        else:
+            qk = tl.where(ok, dot(q, tl.trans(k), IEEE) * qk_scale, float("-inf"))
+            m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
 
     out = acc / l_i[:, None]
     if KV_SCALED:
@@ -470,14 +505,37 @@ def paged_attention_triton(
         )
 
     if nd < S and max_new > 0:
-        pcfg = (_PREFILL_GPU[128 if D_PAD <= 128 else 256]) if on_gpu else _PREFILL_CPU
+        pcfg = dict(_PREFILL_GPU[128 if D_PAD <= 128 else 256] if on_gpu else _PREFILL_CPU)
+        use_tma = pcfg.pop("TMA", False) and _tma_tiles_fit(k_cache, v_cache, pcfg["BLOCK_N"])
+        kd, vd = (_pool_descriptor(k_cache, pcfg["BLOCK_N"]), _pool_descriptor(v_cache, pcfg["BLOCK_N"])) \
+            if use_tma else (k_cache, v_cache)
         _prefill_kernel[(Hq, triton.cdiv(max_new, pcfg["BLOCK_M"]), S - nd)](
-            q, k_cache, v_cache, block_tables, lens_t, cu_t, out, ks, vs,
+            q, k_cache, v_cache, kd, vd, block_tables, lens_t, cu_t, out, ks, vs,
             nd, qk_scale,
             q.stride(0), q.stride(1), *strides_kv, block_tables.stride(0), out.stride(0), out.stride(1),
-            BS=BS, REP=rep, HEAD_DIM=Dh, D_PAD=D_PAD, IEEE=ieee, KV_SCALED=scaled, **pcfg,
+            BS=BS, REP=rep, HEAD_DIM=Dh, D_PAD=D_PAD, IEEE=ieee, KV_SCALED=scaled, TMA=use_tma,
+            FOLD=pcfg.pop("FOLD", False), WS=pcfg.pop("WS", False), **pcfg,
         )
     return out
+
+
+def _tma_tiles_fit(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool:
+    """Whether the key tiles of the unmasked loop can load as tensor-memory-access boxes: every tile of
+    block_n positions lies in one block (block_n divides the block size), each pool flattens to rows of
+    kv_heads * head_dim (a power-of-two head dim) with 16-byte aligned base and row stride, and the row
+    count fits the descriptor's int32 coordinates."""
+    NB, BS, Hkv, Dh = k_cache.shape
+    if BS % block_n or Dh != triton.next_power_of_2(Dh) or NB * BS >= 2**31:
+        return False
+    for c in (k_cache, v_cache):
+        if c.stride() != (BS * Hkv * Dh, Hkv * Dh, Dh, 1) or c.data_ptr() % 16 or (Hkv * Dh * c.element_size()) % 16:
+            return False
+    return True
+
+
+def _pool_descriptor(cache: torch.Tensor, block_n: int) -> TensorDescriptor:
+    NB, BS, Hkv, Dh = cache.shape
+    return TensorDescriptor(cache, [NB * BS, Hkv * Dh], [Hkv * Dh, 1], [block_n, Dh])
 
 
 def attention_flops(new_tokens: list[int], seq_lens: list[int], q_heads: int, head_dim: int) -> float:
