@@ -625,20 +625,19 @@ _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
     ("N128 w4 s3, half the programs", {}, 132 * 2, 128),
     ("N64 w4 s3, 2x programs", dict(BLOCK_N=64), 132 * 8, 256),
 ]
-# TMA: key tiles through tensor descriptors (BLOCK_N must divide the pool's 64-token blocks); FOLD: the
+# TMA 1 / 2: key tiles through tensor descriptors as one box or two (a box must lie in one of the pool's
+# 64-token blocks); FOLD: the
 # softmax with the scale folded into one multiply-add; WS: compiler warp specialisation (experimental on
 # Hopper, last: a compiler failure there cannot hide the others).
 _PREFILL_SWEEP: list[tuple[str, dict]] = [
     ("default", {}),
-    ("M128 N128 w8 s3 FOLD", dict(FOLD=True)),
-    ("M128 N64 w8 s3", dict(BLOCK_N=64)),
-    ("M128 N64 w8 s3 TMA", dict(BLOCK_N=64, TMA=True)),
-    ("M128 N64 w8 s3 TMA FOLD", dict(BLOCK_N=64, TMA=True, FOLD=True)),
-    ("M128 N64 w8 s2 TMA FOLD", dict(BLOCK_N=64, TMA=True, FOLD=True, num_stages=2)),
-    ("M128 N64 w8 s4 TMA FOLD", dict(BLOCK_N=64, TMA=True, FOLD=True, num_stages=4)),
-    ("M128 N64 w4 s3 TMA FOLD", dict(BLOCK_N=64, TMA=True, FOLD=True, num_warps=4)),
-    ("M64 N64 w4 s3 TMA FOLD", dict(BLOCK_M=64, BLOCK_N=64, TMA=True, FOLD=True, num_warps=4)),
-    ("M128 N64 w8 s3 TMA FOLD WS", dict(BLOCK_N=64, TMA=True, FOLD=True, WS=True)),
+    ("M128 N64 w8 s3 TMA1", dict(BLOCK_N=64, TMA=1)),
+    ("M128 N64 w8 s4 TMA1", dict(BLOCK_N=64, TMA=1, num_stages=4)),
+    ("M128 N64 w8 s3 TMA1 FOLD", dict(BLOCK_N=64, TMA=1, FOLD=True)),
+    ("M128 N128 w8 s3 TMA2", dict(TMA=2)),
+    ("M128 N128 w8 s2 TMA2", dict(TMA=2, num_stages=2)),
+    ("M64 N128 w4 s3 TMA2", dict(BLOCK_M=64, TMA=2, num_warps=4)),
+    ("M128 N64 w8 s3 TMA1 WS", dict(BLOCK_N=64, TMA=1, WS=True)),
 ]
 
 

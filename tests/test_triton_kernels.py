@@ -394,16 +394,16 @@ def test_paged_attention_small_prefill_tensors(poison):
                scale=0.3)
 
 
-@pytest.mark.parametrize("variant", [dict(TMA=True), dict(FOLD=True), dict(TMA=True, FOLD=True)])
+@pytest.mark.parametrize("variant", [dict(TMA=1), dict(FOLD=True), dict(TMA=1, FOLD=True), dict(TMA=2, BLOCK_N=32)])
 @pytest.mark.parametrize("dtype", ATTN_DTYPES)
 def test_paged_attention_small_prefill_variants(poison, monkeypatch, dtype, variant):
-    """The prefill kernel's alternatives (key tiles through tensor descriptors, the folded-scale softmax)
-    on block-aligned tiles (bs 16 = the interpreter's BLOCK_N) over a NaN-filled pool: extends over
+    """The prefill kernel's alternatives (key tiles through tensor descriptors, one box or two per tile; the
+    folded-scale softmax) on block-aligned boxes (bs 16) over a NaN-filled pool: extends over
     cached tokens, a prefill crossing several tiles, and lengths off the tile grid."""
     import hyserve.kernels.triton_attention as ta
 
     if CUDA:  # the GPU table is the one read there: small tiles so the cases cross several
-        monkeypatch.setitem(ta._PREFILL_GPU, 128, dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2, **variant))
+        monkeypatch.setitem(ta._PREFILL_GPU, 128, {**dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2), **variant})
     else:
         monkeypatch.setattr(ta, "_PREFILL_CPU", {**ta._PREFILL_CPU, **variant})
     _attn_case(poison, new=[1, 40, 9, 17], lens=[30, 40, 57, 80], Hq=4, Hkv=2, D=32, bs=16, dtype=dtype)
@@ -441,7 +441,7 @@ def test_paged_attention_nano9b(poison, dtype, new, lens):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("variant", [dict(BLOCK_N=64, TMA=True), dict(BLOCK_N=64, TMA=True, FOLD=True),
+@pytest.mark.parametrize("variant", [dict(BLOCK_N=64, TMA=1), dict(BLOCK_N=64, TMA=1, FOLD=True), dict(TMA=2),
                                      dict(FOLD=True)])
 @pytest.mark.parametrize("new,lens", [([4096], [4096]), ([1, 1, 3000, 517, 129, 1], [77, 12000, 3000, 1517, 129, 2])])
 def test_paged_attention_nano9b_prefill_variants(poison, monkeypatch, new, lens, variant):

@@ -183,6 +183,16 @@ def _online_softmax_step_fold(qk, v, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr
     return m_new, l_i, acc
 
 
+@triton.jit
+def _load_kv_box(kd, vd, bt_row, start, kvh, BS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """K and V rows of one head for the positions from `start` on, through tensor descriptors over the
+    pools flattened to [blocks * BS, kv_heads * HEAD_DIM]: one box of the descriptors' rows, all in the
+    block that holds `start` (the launcher checks that boxes never cross a block)."""
+    row = (tl.load(bt_row + start // BS) * BS + start % BS).to(tl.int32)
+    col = (kvh * HEAD_DIM).to(tl.int32)
+    return kd.load([row, col]), vd.load([row, col])
+
+
 # --------------------------------------------------------------------------- decode (split-KV)
 
 
@@ -304,9 +314,9 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, KV_SCALED: tl.constexpr,
     TMA: tl.constexpr, FOLD: tl.constexpr, WS: tl.constexpr,
 ):
-    # TMA: kd / vd are tensor descriptors over the pools as [blocks * BS, kv_heads * HEAD_DIM] (BS a
-    # multiple of BLOCK_N, so a whole key tile is BLOCK_N consecutive rows of one block) and the unmasked
-    # tiles load through them; otherwise kd / vd are unused. FOLD: _online_softmax_step_fold. WS: ask the
+    # TMA 1 / 2: kd / vd are tensor descriptors over the pools as [blocks * BS, kv_heads * HEAD_DIM] and
+    # the unmasked tiles load through them, as one box of BLOCK_N rows or two of BLOCK_N / 2 (each within
+    # one block); TMA 0: pointer loads, kd / vd unused. FOLD: _online_softmax_step_fold. WS: ask the
     # compiler to warp-specialise the unmasked loop.
     # q heads fastest (the REP heads of a KV head run together and share its tiles in L2), then the
     # query blocks from the last (longest causal row) to the first, so the short ones fill the tail
@@ -341,19 +351,35 @@ def _prefill_kernel(
     # whole tiles below that need no mask; the band up to the block's last query is masked.
     full_end = (ctx + m0) // BLOCK_N * BLOCK_N
     for start in tl.range(0, full_end, BLOCK_N, warp_specialize=WS):
-        if TMA:
-            row = tl.load(bt_row + start // BS) * BS + start % BS
-            k = kd.load([row, kvh * HEAD_DIM]).to(q.dtype)
-            v = vd.load([row, kvh * HEAD_DIM]).to(q.dtype)
+        if TMA == 2:
+            # the tile's two halves may lie in different blocks: two boxes, two score products, one
+            # softmax update for the whole tile
+            ka, va = _load_kv_box(kd, vd, bt_row, start, kvh, BS, HEAD_DIM)
+            kb, vb = _load_kv_box(kd, vd, bt_row, start + BLOCK_N // 2, kvh, BS, HEAD_DIM)
+            qka = dot(q, tl.trans(ka.to(q.dtype)), IEEE) * qk_scale
+            qkb = dot(q, tl.trans(kb.to(q.dtype)), IEEE) * qk_scale
+            m_new = tl.maximum(m_i, tl.maximum(tl.max(qka, axis=1), tl.max(qkb, axis=1)))
+            alpha = tl.exp2(m_i - m_new)
+            pa = tl.exp2(qka - m_new[:, None])
+            pb = tl.exp2(qkb - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pa, axis=1) + tl.sum(pb, axis=1)
+            acc = acc * alpha[:, None] + dot(pa.to(q.dtype), va.to(q.dtype), IEEE)
+            acc += dot(pb.to(q.dtype), vb.to(q.dtype), IEEE)
+            m_i = m_new
         else:
-            pos = start + offs_n
-            k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, pos < full_end, offs_d, md, kvh, q,
-                                 s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, False, HEAD_DIM != D_PAD)
-        if FOLD:
-            m_i, l_i, acc = _online_softmax_step_fold(dot(q, tl.trans(k), IEEE), v, m_i, l_i, acc, qk_scale, IEEE)
-        else:
-            qk = dot(q, tl.trans(k), IEEE) * qk_scale
-            m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
+            if TMA == 1:
+                k, v = _load_kv_box(kd, vd, bt_row, start, kvh, BS, HEAD_DIM)
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            else:
+                pos = start + offs_n
+                k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, pos < full_end, offs_d, md, kvh, q,
+                                     s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, False, HEAD_DIM != D_PAD)
+            if FOLD:
+                m_i, l_i, acc = _online_softmax_step_fold(dot(q, tl.trans(k), IEEE), v, m_i, l_i, acc, qk_scale,
+                                                          IEEE)
+            else:
+                qk = dot(q, tl.trans(k), IEEE) * qk_scale
+                m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
     kv_end = tl.minimum(L, ctx + m0 + BLOCK_M)  # causal: nothing past this block's last query
     for start in range(full_end, kv_end, BLOCK_N):
         pos = start + offs_n
@@ -506,22 +532,24 @@ def paged_attention_triton(
 
     if nd < S and max_new > 0:
         pcfg = dict(_PREFILL_GPU[128 if D_PAD <= 128 else 256] if on_gpu else _PREFILL_CPU)
-        use_tma = pcfg.pop("TMA", False) and _tma_tiles_fit(k_cache, v_cache, pcfg["BLOCK_N"])
-        kd, vd = (_pool_descriptor(k_cache, pcfg["BLOCK_N"]), _pool_descriptor(v_cache, pcfg["BLOCK_N"])) \
-            if use_tma else (k_cache, v_cache)
+        tma = int(pcfg.pop("TMA", 0))  # boxes per key tile (0: pointer loads)
+        box = pcfg["BLOCK_N"] // max(tma, 1)
+        if tma and not _tma_tiles_fit(k_cache, v_cache, box):
+            tma = 0
+        kd, vd = (_pool_descriptor(k_cache, box), _pool_descriptor(v_cache, box)) if tma else (k_cache, v_cache)
         _prefill_kernel[(Hq, triton.cdiv(max_new, pcfg["BLOCK_M"]), S - nd)](
             q, k_cache, v_cache, kd, vd, block_tables, lens_t, cu_t, out, ks, vs,
             nd, qk_scale,
             q.stride(0), q.stride(1), *strides_kv, block_tables.stride(0), out.stride(0), out.stride(1),
-            BS=BS, REP=rep, HEAD_DIM=Dh, D_PAD=D_PAD, IEEE=ieee, KV_SCALED=scaled, TMA=use_tma,
+            BS=BS, REP=rep, HEAD_DIM=Dh, D_PAD=D_PAD, IEEE=ieee, KV_SCALED=scaled, TMA=tma,
             FOLD=pcfg.pop("FOLD", False), WS=pcfg.pop("WS", False), **pcfg,
         )
     return out
 
 
 def _tma_tiles_fit(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool:
-    """Whether the key tiles of the unmasked loop can load as tensor-memory-access boxes: every tile of
-    block_n positions lies in one block (block_n divides the block size), each pool flattens to rows of
+    """Whether the key tiles of the unmasked loop can load as tensor-memory-access boxes of block_n rows:
+    every box lies in one block (block_n divides the block size), each pool flattens to rows of
     kv_heads * head_dim (a power-of-two head dim) with 16-byte aligned base and row stride, and the row
     count fits the descriptor's int32 coordinates."""
     NB, BS, Hkv, Dh = k_cache.shape
