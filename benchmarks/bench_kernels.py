@@ -631,13 +631,11 @@ _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
 # Hopper, last: a compiler failure there cannot hide the others).
 _PREFILL_SWEEP: list[tuple[str, dict]] = [
     ("default", {}),
-    ("M128 N64 w8 s3 TMA1", dict(BLOCK_N=64, TMA=1)),
-    ("M128 N64 w8 s4 TMA1", dict(BLOCK_N=64, TMA=1, num_stages=4)),
-    ("M128 N64 w8 s3 TMA1 FOLD", dict(BLOCK_N=64, TMA=1, FOLD=True)),
     ("M128 N128 w8 s3 TMA2", dict(TMA=2)),
-    ("M128 N128 w8 s2 TMA2", dict(TMA=2, num_stages=2)),
-    ("M64 N128 w4 s3 TMA2", dict(BLOCK_M=64, TMA=2, num_warps=4)),
-    ("M128 N64 w8 s3 TMA1 WS", dict(BLOCK_N=64, TMA=1, WS=True)),
+    ("M128 N128 w8 s3 TMA2 FOLD", dict(TMA=2, FOLD=True)),
+    ("M128 N128 w8 s2 TMA2 FOLD", dict(TMA=2, FOLD=True, num_stages=2)),
+    ("M128 N64 w8 s3 TMA1 FOLD", dict(BLOCK_N=64, TMA=1, FOLD=True)),
+    ("M128 N128 w8 s3 TMA2 FOLD WS", dict(TMA=2, FOLD=True, WS=True)),
 ]
 
 

@@ -394,7 +394,8 @@ def test_paged_attention_small_prefill_tensors(poison):
                scale=0.3)
 
 
-@pytest.mark.parametrize("variant", [dict(TMA=1), dict(FOLD=True), dict(TMA=1, FOLD=True), dict(TMA=2, BLOCK_N=32)])
+@pytest.mark.parametrize("variant", [dict(TMA=1), dict(FOLD=True), dict(TMA=1, FOLD=True), dict(TMA=2, BLOCK_N=32),
+                                     dict(TMA=2, BLOCK_N=32, FOLD=True)])
 @pytest.mark.parametrize("dtype", ATTN_DTYPES)
 def test_paged_attention_small_prefill_variants(poison, monkeypatch, dtype, variant):
     """The prefill kernel's alternatives (key tiles through tensor descriptors, one box or two per tile; the
@@ -442,7 +443,7 @@ def test_paged_attention_nano9b(poison, dtype, new, lens):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("variant", [dict(BLOCK_N=64, TMA=1), dict(BLOCK_N=64, TMA=1, FOLD=True), dict(TMA=2),
-                                     dict(FOLD=True)])
+                                     dict(TMA=2, FOLD=True), dict(FOLD=True)])
 @pytest.mark.parametrize("new,lens", [([4096], [4096]), ([1, 1, 3000, 517, 129, 1], [77, 12000, 3000, 1517, 129, 2])])
 def test_paged_attention_nano9b_prefill_variants(poison, monkeypatch, new, lens, variant):
     import hyserve.kernels.triton_attention as ta

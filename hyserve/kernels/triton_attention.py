@@ -41,7 +41,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hyserve.kernels.attention import FP8_KV_DTYPES, check_kv_scales
-from hyserve.kernels.triton_common import dot
+from hyserve.kernels.triton_common import dot, dot_acc
 
 _LOG2E = 1.4426950408889634
 
@@ -174,11 +174,7 @@ def _online_softmax_step_fold(qk, v, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr
     m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
     p = tl.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    acc = acc * alpha[:, None]
-    if IEEE:
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc)
+    acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     return m_new, l_i, acc
 
@@ -356,15 +352,27 @@ def _prefill_kernel(
             # softmax update for the whole tile
             ka, va = _load_kv_box(kd, vd, bt_row, start, kvh, BS, HEAD_DIM)
             kb, vb = _load_kv_box(kd, vd, bt_row, start + BLOCK_N // 2, kvh, BS, HEAD_DIM)
-            qka = dot(q, tl.trans(ka.to(q.dtype)), IEEE) * qk_scale
-            qkb = dot(q, tl.trans(kb.to(q.dtype)), IEEE) * qk_scale
-            m_new = tl.maximum(m_i, tl.maximum(tl.max(qka, axis=1), tl.max(qkb, axis=1)))
-            alpha = tl.exp2(m_i - m_new)
-            pa = tl.exp2(qka - m_new[:, None])
-            pb = tl.exp2(qkb - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(pa, axis=1) + tl.sum(pb, axis=1)
-            acc = acc * alpha[:, None] + dot(pa.to(q.dtype), va.to(q.dtype), IEEE)
-            acc += dot(pb.to(q.dtype), vb.to(q.dtype), IEEE)
+            qka = dot(q, tl.trans(ka.to(q.dtype)), IEEE)
+            qkb = dot(q, tl.trans(kb.to(q.dtype)), IEEE)
+            if FOLD:  # the scale in the max and in one multiply-add per score; acc rescaled, then accumulated
+                m_new = tl.maximum(m_i, tl.maximum(tl.max(qka, axis=1), tl.max(qkb, axis=1)) * qk_scale)
+                pa = tl.exp2(qka * qk_scale - m_new[:, None])
+                pb = tl.exp2(qkb * qk_scale - m_new[:, None])
+                alpha = tl.exp2(m_i - m_new)
+                acc = acc * alpha[:, None]
+                acc = dot_acc(pa.to(q.dtype), va.to(q.dtype), acc, IEEE)
+                acc = dot_acc(pb.to(q.dtype), vb.to(q.dtype), acc, IEEE)
+                l_i = l_i * alpha + tl.sum(pa, axis=1) + tl.sum(pb, axis=1)
+            else:
+                qka = qka * qk_scale
+                qkb = qkb * qk_scale
+                m_new = tl.maximum(m_i, tl.maximum(tl.max(qka, axis=1), tl.max(qkb, axis=1)))
+                alpha = tl.exp2(m_i - m_new)
+                pa = tl.exp2(qka - m_new[:, None])
+                pb = tl.exp2(qkb - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(pa, axis=1) + tl.sum(pb, axis=1)
+                acc = acc * alpha[:, None] + dot(pa.to(q.dtype), va.to(q.dtype), IEEE)
+                acc += dot(pb.to(q.dtype), vb.to(q.dtype), IEEE)
             m_i = m_new
         else:
             if TMA == 1:

@@ -17,6 +17,16 @@ def dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def dot_acc(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b accumulated inside the matrix product (dot's precision rule)."""
+    if IEEE:
+        r = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        r = tl.dot(a, b, acc)
+    return r
+
+
+@triton.jit
 def softplus(v):
     # F.softplus(v) with torch's threshold of 20; the small-exp branch keeps relative precision
     # where log(1 + e) would round to 0.
