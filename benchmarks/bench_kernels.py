@@ -625,17 +625,14 @@ _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
     ("N128 w4 s3, half the programs", {}, 132 * 2, 128),
     ("N64 w4 s3, 2x programs", dict(BLOCK_N=64), 132 * 8, 256),
 ]
-# TMA 1 / 2: key tiles through tensor descriptors as one box or two (a box must lie in one of the pool's
-# 64-token blocks); FOLD: the
-# softmax with the scale folded into one multiply-add; WS: compiler warp specialisation (experimental on
-# Hopper, last: a compiler failure there cannot hide the others).
+# TMA: key tiles through tensor descriptors, one box or two per tile (each box within one of the pool's
+# 64-token blocks), else pointer loads; FOLD: the softmax with the scale folded into one multiply-add.
 _PREFILL_SWEEP: list[tuple[str, dict]] = [
     ("default", {}),
-    ("M128 N128 w8 s3 TMA2", dict(TMA=2)),
-    ("M128 N128 w8 s3 TMA2 FOLD", dict(TMA=2, FOLD=True)),
-    ("M128 N128 w8 s2 TMA2 FOLD", dict(TMA=2, FOLD=True, num_stages=2)),
-    ("M128 N64 w8 s3 TMA1 FOLD", dict(BLOCK_N=64, TMA=1, FOLD=True)),
-    ("M128 N128 w8 s3 TMA2 FOLD WS", dict(TMA=2, FOLD=True, WS=True)),
+    ("M128 N128 w8 s3 TMA", dict(FOLD=False)),
+    ("M128 N128 w8 s3 pointers", dict(TMA=False, FOLD=False)),
+    ("M128 N128 w8 s2 TMA FOLD", dict(num_stages=2)),
+    ("M128 N64 w8 s3 TMA FOLD", dict(BLOCK_N=64)),
 ]
 
 

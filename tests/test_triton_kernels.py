@@ -394,12 +394,13 @@ def test_paged_attention_small_prefill_tensors(poison):
                scale=0.3)
 
 
-@pytest.mark.parametrize("variant", [dict(TMA=1), dict(FOLD=True), dict(TMA=1, FOLD=True), dict(TMA=2, BLOCK_N=32),
-                                     dict(TMA=2, BLOCK_N=32, FOLD=True)])
+@pytest.mark.parametrize("variant", [dict(TMA=True), dict(FOLD=True), dict(TMA=True, FOLD=True),
+                                     dict(TMA=True, BLOCK_N=32), dict(TMA=True, BLOCK_N=32, FOLD=True)])
 @pytest.mark.parametrize("dtype", ATTN_DTYPES)
 def test_paged_attention_small_prefill_variants(poison, monkeypatch, dtype, variant):
-    """The prefill kernel's alternatives (key tiles through tensor descriptors, one box or two per tile; the
-    folded-scale softmax) on block-aligned boxes (bs 16) over a NaN-filled pool: extends over
+    """The prefill kernel's alternatives (key tiles through tensor descriptors, one box per tile (BLOCK_N 16)
+    or two (BLOCK_N 32); the folded-scale softmax; float32 falls back to pointer loads) on bs-16 blocks
+    over a NaN-filled pool: extends over
     cached tokens, a prefill crossing several tiles, and lengths off the tile grid."""
     import hyserve.kernels.triton_attention as ta
 
@@ -417,6 +418,8 @@ def test_paged_attention_tma_fit_rules():
     pool = torch.zeros(4, 64, 2, 32, dtype=torch.float16)
     assert ta._tma_tiles_fit(pool, pool, 64) and ta._tma_tiles_fit(pool, pool, 32)
     assert not ta._tma_tiles_fit(pool, pool, 128)  # a 128-key tile spans two blocks
+    assert not ta._tma_tiles_fit(pool.float(), pool.float(), 64)  # float32: pointer loads
+    assert not ta._tma_tiles_fit(pool, pool, 8)  # boxes narrower than a matrix-product operand
     odd = torch.zeros(4, 64, 2, 24, dtype=torch.float16)
     assert not ta._tma_tiles_fit(odd, odd, 64)  # head dim not a power of two
     strided = torch.zeros(4, 2, 64, 2, 32, dtype=torch.float16)[:, 0]
@@ -442,8 +445,8 @@ def test_paged_attention_nano9b(poison, dtype, new, lens):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("variant", [dict(BLOCK_N=64, TMA=1), dict(BLOCK_N=64, TMA=1, FOLD=True), dict(TMA=2),
-                                     dict(TMA=2, FOLD=True), dict(FOLD=True)])
+@pytest.mark.parametrize("variant", [dict(BLOCK_N=64, TMA=True, FOLD=True), dict(TMA=True, FOLD=False),
+                                     dict(TMA=False, FOLD=False)])
 @pytest.mark.parametrize("new,lens", [([4096], [4096]), ([1, 1, 3000, 517, 129, 1], [77, 12000, 3000, 1517, 129, 2])])
 def test_paged_attention_nano9b_prefill_variants(poison, monkeypatch, new, lens, variant):
     import hyserve.kernels.triton_attention as ta
