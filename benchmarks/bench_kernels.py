@@ -631,8 +631,11 @@ _PREFILL_SWEEP: list[tuple[str, dict]] = [
     ("default", {}),
     ("M128 N128 w8 s3 TMA", dict(FOLD=False)),
     ("M128 N128 w8 s3 pointers", dict(TMA=False, FOLD=False)),
-    ("M128 N128 w8 s2 TMA FOLD", dict(num_stages=2)),
-    ("M128 N64 w8 s3 TMA FOLD", dict(BLOCK_N=64)),
+    # two programs per SM (shared memory and registers allow): one's softmax can overlap the other's products
+    ("M128 N64 w8 s2 TMA FOLD", dict(BLOCK_N=64, num_stages=2)),
+    ("M64 N64 w4 s3 TMA FOLD", dict(BLOCK_M=64, BLOCK_N=64, num_warps=4)),
+    ("M64 N64 w4 s2 TMA FOLD", dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)),
+    ("M128 N128 w8 s1 TMA FOLD", dict(num_stages=1)),
 ]
 
 
