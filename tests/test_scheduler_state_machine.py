@@ -209,3 +209,38 @@ def test_token_slice_equals_all_token_ids_slice() -> None:
             for a in range(total + 1):
                 for b in range(a, total + 1):
                     assert req.token_slice(a, b) == req.all_token_ids[a:b], (n_prompt, n_out, a, b)
+
+
+def _run(sched: Scheduler, batch) -> None:
+    """Take in a planned step as the engine would (every row computed; a sampling row gets token 7)."""
+    reqs = {r.request_id: r for r in sched.running}
+    sched.update(batch, reqs)
+    for seq in batch.seqs:
+        if seq.sample:
+            reqs[seq.request_id].output_token_ids.append(7)
+
+
+def test_last_prompt_token_at_a_snapshot_boundary_runs_as_a_chunk_with_its_snapshot() -> None:
+    """A budget cut that leaves only the prompt's last token: when the prompt's end is a snapshot boundary
+    (8: the 8-token interval and offset 0), that token runs as a one-token prefill chunk that takes the
+    end-of-prompt snapshot (a decode row takes none); otherwise (9 tokens) it runs as a decode row."""
+    for plen, boundary_at_end in ((8, True), (9, False)):
+        _, cache, sched = make(num_blocks=16, max_batch=2, budget_tokens=plen - 1, snapshots=6, max_seq_len=64)
+        req = Request("a", list(range(1, plen + 1)), SamplingParams(max_tokens=3))
+        sched.add(req)
+        first, _ = sched.schedule()
+        assert [len(s.token_ids) for s in first.seqs] == [plen - 1] and not first.seqs[0].sample
+        _run(sched, first)
+        second, _ = sched.schedule()
+        (seq,) = second.seqs
+        assert seq.token_ids == [plen] and seq.sample and seq.start_pos == plen - 1
+        if boundary_at_end:
+            assert second.num_decodes == 0 and seq.snapshot_positions == [plen] and len(seq.snapshots) == 1
+            assert seq.snapshots[0][0] == 1  # taken after the chunk's one token
+        else:
+            assert second.num_decodes == 1 and seq.snapshots == []
+        _run(sched, second)
+        third, _ = sched.schedule()  # then ordinary decoding
+        assert third.num_decodes == 1 and third.seqs[0].token_ids == [7]
+        if boundary_at_end:
+            assert cache.states.has_snapshot(seq.snapshot_keys[0])

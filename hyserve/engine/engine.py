@@ -25,7 +25,7 @@ queued behind it on the same stream. Outputs are those of the synchronous engine
 leaves a row's logits alone (the CPU tests check greedy and seeded rows token for token): an extra row
 changes a step's batch size, as any batching difference does; unseeded rows draw from the same stream,
 which extra rows can shift; a prompt's last token left over by a budget cut runs as a one-token prefill
-row (the scheduler would make it a decode row).
+row (the scheduler makes it a decode row unless the prompt's end is a snapshot boundary).
 """
 
 from __future__ import annotations

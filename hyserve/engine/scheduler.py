@@ -197,7 +197,7 @@ class Scheduler:
         for req in list(self.running):
             if budget <= 0:
                 break
-            if req.status is not RequestStatus.RUNNING or req.in_prefill:
+            if req.status is not RequestStatus.RUNNING or self._feeds_chunk(req):
                 continue
             if not self._grow_or_preempt(req, req.num_computed + 1, scheduled, batch):
                 continue
@@ -224,7 +224,7 @@ class Scheduler:
         for req in list(self.running):
             if budget <= 0:
                 break
-            if req.status is not RequestStatus.RUNNING or req.request_id in scheduled or not req.in_prefill:
+            if req.status is not RequestStatus.RUNNING or req.request_id in scheduled or not self._feeds_chunk(req):
                 continue
             seq = self._plan_chunk(req, budget)
             if seq is None:
@@ -242,6 +242,15 @@ class Scheduler:
         batch.seqs.extend(prefills)
         self.stats.tokens_scheduled = batch.num_tokens
         return batch, aborted
+
+    def _feeds_chunk(self, req: Request) -> bool:
+        """Whether the request's next row is a prefill chunk rather than a decode row: it still feeds known
+        tokens, or only its prompt's last token is left (a budget cut) and the prompt's end is a snapshot
+        boundary, which a decode row would not take."""
+        if req.in_prefill:
+            return True
+        n = req.num_prompt_tokens
+        return req.num_computed + 1 == n == req.num_tokens and n in self.cache.snapshot_boundaries(n)
 
     def admit(self, budget: int) -> list[ScheduledSeq]:
         """Admit waiting requests strictly first-come-first-served (stop at the first that cannot start)
