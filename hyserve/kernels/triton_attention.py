@@ -180,6 +180,20 @@ def _online_softmax_step_fold(qk, v, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr
 
 
 @triton.jit
+def _two_box_step(qka, qkb, va, vb, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
+    """_online_softmax_step_fold for a key tile held as two boxes: raw scores qka / qkb against the boxes'
+    keys, their V rows va / vb; one max / rescale for the whole tile, both PV products into acc."""
+    m_new = tl.maximum(m_i, tl.maximum(tl.max(qka, axis=1), tl.max(qkb, axis=1)) * qk_scale)
+    pa = tl.exp2(qka * qk_scale - m_new[:, None])
+    pb = tl.exp2(qkb * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    acc = dot_acc(pa.to(va.dtype), va, acc * alpha[:, None], IEEE)
+    acc = dot_acc(pb.to(vb.dtype), vb, acc, IEEE)
+    l_i = l_i * alpha + tl.sum(pa, axis=1) + tl.sum(pb, axis=1)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _load_kv_box(kd, vd, bt_row, start, kvh, BS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """K and V rows of one head for the positions from `start` on, through tensor descriptors over the
     pools flattened to [blocks * BS, kv_heads * HEAD_DIM]: one box of the descriptors' rows, all in the
@@ -308,11 +322,13 @@ def _prefill_kernel(
     s_bt_s, s_o_t, s_o_h,
     BS: tl.constexpr, REP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, KV_SCALED: tl.constexpr,
-    TMA: tl.constexpr, FOLD: tl.constexpr,
+    TMA: tl.constexpr, SPLIT_M: tl.constexpr,
 ):
     # TMA 1 / 2: kd / vd are tensor descriptors over the pools as [blocks * BS, kv_heads * HEAD_DIM] and
     # the unmasked tiles load through them, as one box of BLOCK_N rows or two of BLOCK_N / 2 (each within
-    # one block); TMA 0: pointer loads, kd / vd unused. FOLD: _online_softmax_step_fold.
+    # one block), with the folded-scale softmax step (measured faster there, slower with pointer loads);
+    # TMA 0: pointer loads, kd / vd unused. SPLIT_M (with TMA 2): the block's two halves of queries keep
+    # their own softmax state, their score products issued together.
     # q heads fastest (the REP heads of a KV head run together and share its tiles in L2), then the
     # query blocks from the last (longest causal row) to the first, so the short ones fill the tail
     h = tl.program_id(0)
@@ -345,48 +361,47 @@ def _prefill_kernel(
     # Keys before ctx + m0 are visible to every query of this block (and exist: ctx + m0 < L), so the
     # whole tiles below that need no mask; the band up to the block's last query is masked.
     full_end = (ctx + m0) // BLOCK_N * BLOCK_N
+    if SPLIT_M:  # two independent half-blocks of queries (rows [0, BLOCK_M/2) and the rest)
+        HALF: tl.constexpr = BLOCK_M // 2
+        qh0, qh1 = tl.split(tl.permute(tl.reshape(q, [2, HALF, D_PAD]), [1, 2, 0]))
+        m_h0 = tl.full((HALF,), float("-inf"), dtype=tl.float32)
+        m_h1 = tl.full((HALF,), float("-inf"), dtype=tl.float32)
+        l_h0 = tl.zeros((HALF,), dtype=tl.float32)
+        l_h1 = tl.zeros((HALF,), dtype=tl.float32)
+        acc_h0 = tl.zeros((HALF, D_PAD), dtype=tl.float32)
+        acc_h1 = tl.zeros((HALF, D_PAD), dtype=tl.float32)
     for start in range(0, full_end, BLOCK_N):
         if TMA == 2:
             # the tile's two halves may lie in different blocks: two boxes, two score products, one
             # softmax update for the whole tile
             ka, va = _load_kv_box(kd, vd, bt_row, start, kvh, BS, HEAD_DIM)
             kb, vb = _load_kv_box(kd, vd, bt_row, start + BLOCK_N // 2, kvh, BS, HEAD_DIM)
-            qka = dot(q, tl.trans(ka.to(q.dtype)), IEEE)
-            qkb = dot(q, tl.trans(kb.to(q.dtype)), IEEE)
-            if FOLD:  # the scale in the max and in one multiply-add per score; acc rescaled, then accumulated
-                m_new = tl.maximum(m_i, tl.maximum(tl.max(qka, axis=1), tl.max(qkb, axis=1)) * qk_scale)
-                pa = tl.exp2(qka * qk_scale - m_new[:, None])
-                pb = tl.exp2(qkb * qk_scale - m_new[:, None])
-                alpha = tl.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                acc = dot_acc(pa.to(q.dtype), va.to(q.dtype), acc, IEEE)
-                acc = dot_acc(pb.to(q.dtype), vb.to(q.dtype), acc, IEEE)
-                l_i = l_i * alpha + tl.sum(pa, axis=1) + tl.sum(pb, axis=1)
+            ka, va, kb, vb = ka.to(q.dtype), va.to(q.dtype), kb.to(q.dtype), vb.to(q.dtype)
+            if SPLIT_M:
+                # both half-blocks' score products first: the second's can run during the first's softmax
+                s0a = dot(qh0, tl.trans(ka), IEEE)
+                s0b = dot(qh0, tl.trans(kb), IEEE)
+                s1a = dot(qh1, tl.trans(ka), IEEE)
+                s1b = dot(qh1, tl.trans(kb), IEEE)
+                m_h0, l_h0, acc_h0 = _two_box_step(s0a, s0b, va, vb, m_h0, l_h0, acc_h0, qk_scale, IEEE)
+                m_h1, l_h1, acc_h1 = _two_box_step(s1a, s1b, va, vb, m_h1, l_h1, acc_h1, qk_scale, IEEE)
             else:
-                qka = qka * qk_scale
-                qkb = qkb * qk_scale
-                m_new = tl.maximum(m_i, tl.maximum(tl.max(qka, axis=1), tl.max(qkb, axis=1)))
-                alpha = tl.exp2(m_i - m_new)
-                pa = tl.exp2(qka - m_new[:, None])
-                pb = tl.exp2(qkb - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(pa, axis=1) + tl.sum(pb, axis=1)
-                acc = acc * alpha[:, None] + dot(pa.to(q.dtype), va.to(q.dtype), IEEE)
-                acc += dot(pb.to(q.dtype), vb.to(q.dtype), IEEE)
-            m_i = m_new
+                m_i, l_i, acc = _two_box_step(dot(q, tl.trans(ka), IEEE), dot(q, tl.trans(kb), IEEE), va, vb,
+                                              m_i, l_i, acc, qk_scale, IEEE)
+        elif TMA == 1:
+            k, v = _load_kv_box(kd, vd, bt_row, start, kvh, BS, HEAD_DIM)
+            m_i, l_i, acc = _online_softmax_step_fold(dot(q, tl.trans(k.to(q.dtype)), IEEE), v.to(q.dtype),
+                                                      m_i, l_i, acc, qk_scale, IEEE)
         else:
-            if TMA == 1:
-                k, v = _load_kv_box(kd, vd, bt_row, start, kvh, BS, HEAD_DIM)
-                k, v = k.to(q.dtype), v.to(q.dtype)
-            else:
-                pos = start + offs_n
-                k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, pos < full_end, offs_d, md, kvh, q,
-                                     s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, False, HEAD_DIM != D_PAD)
-            if FOLD:
-                m_i, l_i, acc = _online_softmax_step_fold(dot(q, tl.trans(k), IEEE), v, m_i, l_i, acc, qk_scale,
-                                                          IEEE)
-            else:
-                qk = dot(q, tl.trans(k), IEEE) * qk_scale
-                m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
+            pos = start + offs_n
+            k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, pos < full_end, offs_d, md, kvh, q,
+                                 s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, False, HEAD_DIM != D_PAD)
+            qk = dot(q, tl.trans(k), IEEE) * qk_scale
+            m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
+    if SPLIT_M:
+        m_i = tl.reshape(tl.permute(tl.join(m_h0, m_h1), [1, 0]), [BLOCK_M])
+        l_i = tl.reshape(tl.permute(tl.join(l_h0, l_h1), [1, 0]), [BLOCK_M])
+        acc = tl.reshape(tl.permute(tl.join(acc_h0, acc_h1), [2, 0, 1]), [BLOCK_M, D_PAD])
     kv_end = tl.minimum(L, ctx + m0 + BLOCK_M)  # causal: nothing past this block's last query
     for start in range(full_end, kv_end, BLOCK_N):
         pos = start + offs_n
@@ -396,7 +411,7 @@ def _prefill_kernel(
         # Position 0 is visible to every query, so m_i is finite after the first tile and a row
         # whose tile is fully masked later just gets p = 0.
         ok = mn[None, :] & (pos[None, :] <= qpos[:, None])
-        if FOLD:
+        if TMA > 0:  # the step the unmasked tiles took
             qk = tl.where(ok, dot(q, tl.trans(k), IEEE), float("-inf"))
             m_i, l_i, acc = _online_softmax_step_fold(qk, v, m_i, l_i, acc, qk_scale, IEEE)
         else:
@@ -421,9 +436,9 @@ _MAX_SPLITS = 128
 # `benchmarks/bench_kernels.py --only attn_sweep` times alternatives. On the CPU (interpreter) small
 # tiles so the tests cross several tiles and splits.
 _DECODE_GPU = dict(BLOCK_N=128, num_warps=4, num_stages=3)
-# Prefill on a GPU: key tiles through tensor descriptors where the pool allows (TMA) and the folded-scale
-# softmax (FOLD); measured 3-9% faster than pointer loads at 8k / 2k-over-6k (attn_sweep_eef8ba1).
-_PREFILL_GPU = {128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, TMA=True, FOLD=True),  # D_PAD <= 128
+# Prefill on a GPU: key tiles through tensor descriptors where the pool allows (TMA, with the folded-scale
+# softmax); measured 1-9% faster than pointer loads at 8k / 2k-over-6k (attn_sweep_eef8ba1, _9bc82e5).
+_PREFILL_GPU = {128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, TMA=True),  # D_PAD <= 128
                 256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
 _DECODE_CPU = dict(BLOCK_N=16, num_warps=4, num_stages=1)
 _PREFILL_CPU = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
@@ -541,19 +556,18 @@ def paged_attention_triton(
 
     if nd < S and max_new > 0:
         pcfg = dict(_PREFILL_GPU[128 if D_PAD <= 128 else 256] if on_gpu else _PREFILL_CPU)
-        # tensor-descriptor key tiles as one box or two, whichever lies within a block; else pointer loads,
-        # and then the plain softmax step (the folded one measured slower with pointer loads, faster with boxes)
-        tma, fold = 0, pcfg.pop("FOLD", False)
+        # tensor-descriptor key tiles as one box or two, whichever lies within a block; else pointer loads
+        tma = 0
         if pcfg.pop("TMA", False):
             tma = next((n for n in (1, 2) if _tma_tiles_fit(k_cache, v_cache, pcfg["BLOCK_N"] // n)), 0)
-            fold = fold and tma > 0
+        split_m = pcfg.pop("SPLIT_M", False) and tma == 2
         box = pcfg["BLOCK_N"] // max(tma, 1)
         kd, vd = (_pool_descriptor(k_cache, box), _pool_descriptor(v_cache, box)) if tma else (k_cache, v_cache)
         _prefill_kernel[(Hq, triton.cdiv(max_new, pcfg["BLOCK_M"]), S - nd)](
             q, k_cache, v_cache, kd, vd, block_tables, lens_t, cu_t, out, ks, vs,
             nd, qk_scale,
             q.stride(0), q.stride(1), *strides_kv, block_tables.stride(0), out.stride(0), out.stride(1),
-            BS=BS, REP=rep, HEAD_DIM=Dh, D_PAD=D_PAD, IEEE=ieee, KV_SCALED=scaled, TMA=tma, FOLD=fold, **pcfg,
+            BS=BS, REP=rep, HEAD_DIM=Dh, D_PAD=D_PAD, IEEE=ieee, KV_SCALED=scaled, TMA=tma, SPLIT_M=split_m, **pcfg,
         )
     return out
 
