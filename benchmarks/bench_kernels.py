@@ -626,16 +626,14 @@ _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
     ("N64 w4 s3, 2x programs", dict(BLOCK_N=64), 132 * 8, 256),
 ]
 # TMA: key tiles through tensor descriptors, one box or two per tile (each box within one of the pool's
-# 64-token blocks; the folded-scale softmax), else pointer loads; SPLIT_M: the query block as two halves
-# with their own softmax state, score products issued together (so one half's can overlap the other's
-# softmax).
+# 64-token blocks; the folded-scale softmax), else pointer loads. Earlier sweeps (benchmarks/README.md,
+# sixth session) also timed compiler warp specialisation and a query block split in two halves: dropped.
 _PREFILL_SWEEP: list[tuple[str, dict]] = [
     ("default", {}),
     ("M128 N128 w8 s3 pointers", dict(TMA=False)),
-    ("M128 N128 w8 s3 TMA SPLIT_M", dict(SPLIT_M=True)),
-    ("M128 N128 w8 s2 TMA SPLIT_M", dict(SPLIT_M=True, num_stages=2)),
-    ("M128 N128 w4 s2 TMA SPLIT_M", dict(SPLIT_M=True, num_warps=4, num_stages=2)),
-    ("M128 N128 w4 s3 TMA SPLIT_M", dict(SPLIT_M=True, num_warps=4)),
+    ("M128 N128 w8 s2 TMA", dict(num_stages=2)),
+    ("M128 N64 w8 s3 TMA", dict(BLOCK_N=64)),
+    ("M64 N64 w4 s3 TMA", dict(BLOCK_M=64, BLOCK_N=64, num_warps=4)),
 ]
 
 

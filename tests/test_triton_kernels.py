@@ -394,12 +394,11 @@ def test_paged_attention_small_prefill_tensors(poison):
                scale=0.3)
 
 
-@pytest.mark.parametrize("variant", [dict(TMA=True), dict(TMA=True, BLOCK_N=32), dict(TMA=False),
-                                     dict(TMA=True, BLOCK_M=32, BLOCK_N=32, SPLIT_M=True)])
+@pytest.mark.parametrize("variant", [dict(TMA=True), dict(TMA=True, BLOCK_N=32), dict(TMA=False)])
 @pytest.mark.parametrize("dtype", ATTN_DTYPES)
 def test_paged_attention_small_prefill_variants(poison, monkeypatch, dtype, variant):
     """The prefill kernel's alternatives (key tiles through tensor descriptors, one box per tile (BLOCK_N 16)
-    or two (BLOCK_N 32), with the query block as two halves or one; pointer loads, also float32's fallback)
+    or two (BLOCK_N 32); pointer loads, also float32's fallback)
     on bs-16 blocks over a NaN-filled pool: extends over
     cached tokens, a prefill crossing several tiles, and lengths off the tile grid."""
     import hyserve.kernels.triton_attention as ta
@@ -445,7 +444,7 @@ def test_paged_attention_nano9b(poison, dtype, new, lens):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("variant", [dict(BLOCK_N=64, TMA=True), dict(TMA=True, SPLIT_M=True), dict(TMA=False)])
+@pytest.mark.parametrize("variant", [dict(BLOCK_N=64, TMA=True), dict(TMA=True), dict(TMA=False)])
 @pytest.mark.parametrize("new,lens", [([4096], [4096]), ([1, 1, 3000, 517, 129, 1], [77, 12000, 3000, 1517, 129, 2])])
 def test_paged_attention_nano9b_prefill_variants(poison, monkeypatch, new, lens, variant):
     import hyserve.kernels.triton_attention as ta

@@ -17,7 +17,10 @@ Step layout (ForwardMeta): the single-token decode sequences come first, then pr
                             online softmax over the cached + new tokens, causal on absolute positions
                             (new token j of a sequence with n new tokens sits at seq_len - n + j).
                             Key tiles wholly below a query block's diagonal load and score without
-                            masks; only the band up to its last query is masked.
+                            masks; only the band up to its last query is masked. On a GPU the
+                            unmasked tiles load as TMA boxes through tensor descriptors over the pool
+                            seen as [blocks * bs, kv_heads * head_dim] (one or two boxes per tile, each
+                            inside one block) when the pool's layout, block size and dtype allow.
 
 Softmax in float32 with exp2 (scale folded with log2(e)). P is cast to the V dtype for the PV product,
 as flash attention does.
@@ -322,13 +325,12 @@ def _prefill_kernel(
     s_bt_s, s_o_t, s_o_h,
     BS: tl.constexpr, REP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, KV_SCALED: tl.constexpr,
-    TMA: tl.constexpr, SPLIT_M: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # TMA 1 / 2: kd / vd are tensor descriptors over the pools as [blocks * BS, kv_heads * HEAD_DIM] and
     # the unmasked tiles load through them, as one box of BLOCK_N rows or two of BLOCK_N / 2 (each within
     # one block), with the folded-scale softmax step (measured faster there, slower with pointer loads);
-    # TMA 0: pointer loads, kd / vd unused. SPLIT_M (with TMA 2): the block's two halves of queries keep
-    # their own softmax state, their score products issued together.
+    # TMA 0: pointer loads, kd / vd unused.
     # q heads fastest (the REP heads of a KV head run together and share its tiles in L2), then the
     # query blocks from the last (longest causal row) to the first, so the short ones fill the tail
     h = tl.program_id(0)
@@ -361,15 +363,6 @@ def _prefill_kernel(
     # Keys before ctx + m0 are visible to every query of this block (and exist: ctx + m0 < L), so the
     # whole tiles below that need no mask; the band up to the block's last query is masked.
     full_end = (ctx + m0) // BLOCK_N * BLOCK_N
-    if SPLIT_M:  # two independent half-blocks of queries (rows [0, BLOCK_M/2) and the rest)
-        HALF: tl.constexpr = BLOCK_M // 2
-        qh0, qh1 = tl.split(tl.permute(tl.reshape(q, [2, HALF, D_PAD]), [1, 2, 0]))
-        m_h0 = tl.full((HALF,), float("-inf"), dtype=tl.float32)
-        m_h1 = tl.full((HALF,), float("-inf"), dtype=tl.float32)
-        l_h0 = tl.zeros((HALF,), dtype=tl.float32)
-        l_h1 = tl.zeros((HALF,), dtype=tl.float32)
-        acc_h0 = tl.zeros((HALF, D_PAD), dtype=tl.float32)
-        acc_h1 = tl.zeros((HALF, D_PAD), dtype=tl.float32)
     for start in range(0, full_end, BLOCK_N):
         if TMA == 2:
             # the tile's two halves may lie in different blocks: two boxes, two score products, one
@@ -377,17 +370,8 @@ def _prefill_kernel(
             ka, va = _load_kv_box(kd, vd, bt_row, start, kvh, BS, HEAD_DIM)
             kb, vb = _load_kv_box(kd, vd, bt_row, start + BLOCK_N // 2, kvh, BS, HEAD_DIM)
             ka, va, kb, vb = ka.to(q.dtype), va.to(q.dtype), kb.to(q.dtype), vb.to(q.dtype)
-            if SPLIT_M:
-                # both half-blocks' score products first: the second's can run during the first's softmax
-                s0a = dot(qh0, tl.trans(ka), IEEE)
-                s0b = dot(qh0, tl.trans(kb), IEEE)
-                s1a = dot(qh1, tl.trans(ka), IEEE)
-                s1b = dot(qh1, tl.trans(kb), IEEE)
-                m_h0, l_h0, acc_h0 = _two_box_step(s0a, s0b, va, vb, m_h0, l_h0, acc_h0, qk_scale, IEEE)
-                m_h1, l_h1, acc_h1 = _two_box_step(s1a, s1b, va, vb, m_h1, l_h1, acc_h1, qk_scale, IEEE)
-            else:
-                m_i, l_i, acc = _two_box_step(dot(q, tl.trans(ka), IEEE), dot(q, tl.trans(kb), IEEE), va, vb,
-                                              m_i, l_i, acc, qk_scale, IEEE)
+            m_i, l_i, acc = _two_box_step(dot(q, tl.trans(ka), IEEE), dot(q, tl.trans(kb), IEEE), va, vb,
+                                          m_i, l_i, acc, qk_scale, IEEE)
         elif TMA == 1:
             k, v = _load_kv_box(kd, vd, bt_row, start, kvh, BS, HEAD_DIM)
             m_i, l_i, acc = _online_softmax_step_fold(dot(q, tl.trans(k.to(q.dtype)), IEEE), v.to(q.dtype),
@@ -398,10 +382,6 @@ def _prefill_kernel(
                                  s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, False, HEAD_DIM != D_PAD)
             qk = dot(q, tl.trans(k), IEEE) * qk_scale
             m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
-    if SPLIT_M:
-        m_i = tl.reshape(tl.permute(tl.join(m_h0, m_h1), [1, 0]), [BLOCK_M])
-        l_i = tl.reshape(tl.permute(tl.join(l_h0, l_h1), [1, 0]), [BLOCK_M])
-        acc = tl.reshape(tl.permute(tl.join(acc_h0, acc_h1), [2, 0, 1]), [BLOCK_M, D_PAD])
     kv_end = tl.minimum(L, ctx + m0 + BLOCK_M)  # causal: nothing past this block's last query
     for start in range(full_end, kv_end, BLOCK_N):
         pos = start + offs_n
@@ -560,14 +540,13 @@ def paged_attention_triton(
         tma = 0
         if pcfg.pop("TMA", False):
             tma = next((n for n in (1, 2) if _tma_tiles_fit(k_cache, v_cache, pcfg["BLOCK_N"] // n)), 0)
-        split_m = pcfg.pop("SPLIT_M", False) and tma == 2
         box = pcfg["BLOCK_N"] // max(tma, 1)
         kd, vd = (_pool_descriptor(k_cache, box), _pool_descriptor(v_cache, box)) if tma else (k_cache, v_cache)
         _prefill_kernel[(Hq, triton.cdiv(max_new, pcfg["BLOCK_M"]), S - nd)](
             q, k_cache, v_cache, kd, vd, block_tables, lens_t, cu_t, out, ks, vs,
             nd, qk_scale,
             q.stride(0), q.stride(1), *strides_kv, block_tables.stride(0), out.stride(0), out.stride(1),
-            BS=BS, REP=rep, HEAD_DIM=Dh, D_PAD=D_PAD, IEEE=ieee, KV_SCALED=scaled, TMA=tma, SPLIT_M=split_m, **pcfg,
+            BS=BS, REP=rep, HEAD_DIM=Dh, D_PAD=D_PAD, IEEE=ieee, KV_SCALED=scaled, TMA=tma, **pcfg,
         )
     return out
 
