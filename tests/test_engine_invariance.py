@@ -107,6 +107,26 @@ def test_no_prefix_hit_on_a_snapshot_written_in_the_same_step(async_on: bool) ->
     assert [o.token_ids for o in outs] == [alone, alone]
 
 
+@pytest.mark.parametrize("async_on", [False, True])
+def test_end_of_prompt_snapshot_taken_when_a_budget_cut_leaves_the_last_token(async_on: bool) -> None:
+    """A 64-token prompt under a 63-token budget: its last token runs alone in the next step. The prompt's
+    end (64, a block multiple, offset 0) is a snapshot boundary, so that step must take the snapshot (the
+    synchronous scheduler made it a decode row, which takes none): a later prompt extending it then starts
+    from 64 cached tokens, with the tokens it gets alone."""
+    rng = random.Random(7)
+    prompt = [1] + [rng.randrange(3, 300) for _ in range(63)]
+    longer = prompt + [rng.randrange(3, 300) for _ in range(10)]
+    kv = {"tokens_per_block": 8, "enable_block_reuse": True, "max_gpu_total_bytes": 64 * 2**20,
+          "mamba_state_config": {"periodic_snapshot_interval": None, "additional_snapshot_offsets_from_end": [0]}}
+    g = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    alone = make_llm(kv_cache_config={**kv, "enable_block_reuse": False}).generate([longer], g)[0]
+    llm = make_llm(kv_cache_config=kv, max_num_tokens=63, async_scheduling=async_on)
+    llm.generate([prompt], g)
+    out = llm.generate([longer], g)[0]
+    assert out.num_cached_tokens == 64
+    assert out.token_ids == alone.token_ids
+
+
 @pytest.mark.parametrize("seed", [0, 1, 4, 78])  # seed 4 gave wrong tokens before cb4fc21 (a same-step hit)
 @pytest.mark.parametrize("async_on", [False, True])
 def test_random_prefix_reuse_traffic_matches_each_request_alone(seed: int, async_on: bool) -> None:

@@ -407,7 +407,12 @@ def test_paged_attention_small_prefill_variants(poison, monkeypatch, dtype, vari
         monkeypatch.setitem(ta._PREFILL_GPU, 128, {**dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2), **variant})
     else:
         monkeypatch.setattr(ta, "_PREFILL_CPU", {**ta._PREFILL_CPU, **variant})
+    boxes: list[list[int]] = []
+    real = ta._pool_descriptor
+    monkeypatch.setattr(ta, "_pool_descriptor", lambda c, n: boxes.append(list(real(c, n).block_shape)) or real(c, n))
     _attn_case(poison, new=[1, 40, 9, 17], lens=[30, 40, 57, 80], Hq=4, Hkv=2, D=32, bs=16, dtype=dtype)
+    # the path taken: descriptors (K and V) of one 16-row box per tile, for 16-bit queries only
+    assert boxes == ([[16, 32]] * 2 if variant["TMA"] and dtype != F32 else [])
 
 
 def test_paged_attention_tma_fit_rules():
@@ -423,6 +428,11 @@ def test_paged_attention_tma_fit_rules():
     assert not ta._tma_tiles_fit(odd, odd, 64)  # head dim not a power of two
     strided = torch.zeros(4, 2, 64, 2, 32, dtype=torch.float16)[:, 0]
     assert not ta._tma_tiles_fit(strided, strided, 64)  # blocks of K and V interleaved: rows not uniform
+    assert not ta._tma_tiles_fit(pool, strided, 64)  # V is checked too
+    shifted = torch.zeros(1 + pool.numel(), dtype=torch.float16)[1:].view(pool.shape)
+    assert not ta._tma_tiles_fit(shifted, shifted, 64)  # base 2 bytes off a 16-byte boundary
+    huge = torch.empty(2**25, 64, 1, 16, dtype=torch.float16, device="meta")  # 2^31 rows
+    assert not ta._tma_tiles_fit(huge, huge, 64) and ta._tma_tiles_fit(huge[:-1], huge[:-1], 64)
 
 
 ATTN_NANO = [
@@ -444,7 +454,7 @@ def test_paged_attention_nano9b(poison, dtype, new, lens):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("variant", [dict(BLOCK_N=64, TMA=True), dict(TMA=True), dict(TMA=False)])
+@pytest.mark.parametrize("variant", [dict(BLOCK_N=64, TMA=True), dict(TMA=False)])  # (and the default, above)
 @pytest.mark.parametrize("new,lens", [([4096], [4096]), ([1, 1, 3000, 517, 129, 1], [77, 12000, 3000, 1517, 129, 2])])
 def test_paged_attention_nano9b_prefill_variants(poison, monkeypatch, new, lens, variant):
     import hyserve.kernels.triton_attention as ta

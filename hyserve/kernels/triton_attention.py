@@ -536,9 +536,10 @@ def paged_attention_triton(
 
     if nd < S and max_new > 0:
         pcfg = dict(_PREFILL_GPU[128 if D_PAD <= 128 else 256] if on_gpu else _PREFILL_CPU)
-        # tensor-descriptor key tiles as one box or two, whichever lies within a block; else pointer loads
+        # tensor-descriptor key tiles as one box or two, whichever lies within a block, for 16-bit queries
+        # (the setting measured; float32 operands would not fit shared memory); else pointer loads
         tma = 0
-        if pcfg.pop("TMA", False):
+        if pcfg.pop("TMA", False) and not ieee:
             tma = next((n for n in (1, 2) if _tma_tiles_fit(k_cache, v_cache, pcfg["BLOCK_N"] // n)), 0)
         box = pcfg["BLOCK_N"] // max(tma, 1)
         kd, vd = (_pool_descriptor(k_cache, box), _pool_descriptor(v_cache, box)) if tma else (k_cache, v_cache)
