@@ -626,7 +626,9 @@ _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
     ("N64 w4 s3, 2x programs", dict(BLOCK_N=64), 132 * 8, 256),
 ]
 # TMA: key tiles through tensor descriptors, one box or two per tile (each box within one of the pool's
-# 64-token blocks; the folded-scale softmax), else pointer loads. Earlier sweeps (benchmarks/README.md,
+# 64-token blocks; the folded-scale softmax), else pointer loads; EXP_FMA: exponentials of one box or both
+# computed on the multiply-add pipes (`triton_common.exp2_fma`, the special function unit doing the rest).
+# Earlier sweeps (benchmarks/README.md,
 # sixth session) also timed compiler warp specialisation and a query block split in two halves: dropped.
 _PREFILL_SWEEP: list[tuple[str, dict]] = [
     ("default", {}),
@@ -634,6 +636,8 @@ _PREFILL_SWEEP: list[tuple[str, dict]] = [
     ("M128 N128 w8 s2 TMA", dict(num_stages=2)),
     ("M128 N64 w8 s3 TMA", dict(BLOCK_N=64)),
     ("M64 N64 w4 s3 TMA", dict(BLOCK_M=64, BLOCK_N=64, num_warps=4)),
+    ("M128 N128 w8 s3 TMA, half the exponentials on FMA", dict(EXP_FMA=1)),
+    ("M128 N128 w8 s3 TMA, all exponentials on FMA", dict(EXP_FMA=2)),
 ]
 
 

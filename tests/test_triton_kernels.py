@@ -26,6 +26,9 @@ pytest.importorskip("triton")
 # the interpreter converts 1-element arrays to loop bounds, which numpy >= 1.25 warns about
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from hyserve.kernels.activation import relu2_ref  # noqa: E402
 from hyserve.kernels.attention import paged_attention_ref, write_kv_ref  # noqa: E402
 from hyserve.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref  # noqa: E402
@@ -33,6 +36,7 @@ from hyserve.kernels.rmsnorm import add_rms_norm_ref, rms_norm_ref, rmsnorm_gate
 from hyserve.kernels.ssm_update import selective_state_update_ref  # noqa: E402
 from hyserve.kernels.triton_activation import relu2_triton  # noqa: E402
 from hyserve.kernels.triton_attention import paged_attention_triton, write_kv_triton  # noqa: E402
+from hyserve.kernels.triton_common import exp2_fma  # noqa: E402
 from hyserve.kernels.triton_conv1d import (  # noqa: E402
     causal_conv1d_update_triton,
     causal_conv1d_varlen_triton,
@@ -394,7 +398,8 @@ def test_paged_attention_small_prefill_tensors(poison):
                scale=0.3)
 
 
-@pytest.mark.parametrize("variant", [dict(TMA=True), dict(TMA=True, BLOCK_N=32), dict(TMA=False)])
+@pytest.mark.parametrize("variant", [dict(TMA=True), dict(TMA=True, BLOCK_N=32), dict(TMA=False),
+                                     dict(TMA=True, BLOCK_N=32, EXP_FMA=1), dict(TMA=True, BLOCK_N=32, EXP_FMA=2)])
 @pytest.mark.parametrize("dtype", ATTN_DTYPES)
 def test_paged_attention_small_prefill_variants(poison, monkeypatch, dtype, variant):
     """The prefill kernel's alternatives (key tiles through tensor descriptors, one box per tile (BLOCK_N 16)
@@ -413,6 +418,26 @@ def test_paged_attention_small_prefill_variants(poison, monkeypatch, dtype, vari
     _attn_case(poison, new=[1, 40, 9, 17], lens=[30, 40, 57, 80], Hq=4, Hkv=2, D=32, bs=16, dtype=dtype)
     # the path taken: descriptors (K and V) of one 16-row box per tile, for 16-bit queries only
     assert boxes == ([[16, 32]] * 2 if variant["TMA"] and dtype != F32 else [])
+
+
+@triton.jit
+def _exp2_fma_probe(x_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, exp2_fma(tl.load(x_ptr + offs)))
+
+
+def test_exp2_fma_matches_exp2_over_the_softmax_range():
+    """2**x on the multiply-add pipes, for x <= 0: relative error below 1e-4 over fresh random inputs
+    and the edges (0, integers, just below an integer) down to -126; 0 below (-inf included)."""
+    edges = [0.0, -1.0, -1e-7, -0.5, -2.999999, -125.5, -126.0, -126.5, -127.5, -200.0, float("-inf")]
+    x = torch.cat([torch.tensor(edges), -torch.rand(1013) * 130, -torch.rand(1024) * 3]).float().to(DEV)
+    out = torch.full_like(x, float("nan"))
+    _exp2_fma_probe[(1,)](x, out, N=x.numel())
+    normal = x >= -126.0
+    ref = torch.exp2(x[normal].double())
+    err = ((out[normal].double() - ref).abs() / ref).max().item()
+    assert err < 1e-4, f"relative error {err}"
+    assert out[~normal].eq(0).all() and out[0] == 1.0 and (~normal).sum() >= 4
 
 
 def test_paged_attention_tma_fit_rules():
@@ -454,7 +479,8 @@ def test_paged_attention_nano9b(poison, dtype, new, lens):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("variant", [dict(BLOCK_N=64, TMA=True), dict(TMA=False)])  # (and the default, above)
+@pytest.mark.parametrize("variant", [dict(BLOCK_N=64, TMA=True), dict(TMA=False), dict(TMA=True, EXP_FMA=1),
+                                     dict(TMA=True, EXP_FMA=2)])  # (and the default, above)
 @pytest.mark.parametrize("new,lens", [([4096], [4096]), ([1, 1, 3000, 517, 129, 1], [77, 12000, 3000, 1517, 129, 2])])
 def test_paged_attention_nano9b_prefill_variants(poison, monkeypatch, new, lens, variant):
     import hyserve.kernels.triton_attention as ta
