@@ -627,7 +627,8 @@ _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
 ]
 # TMA: key tiles through tensor descriptors, one box or two per tile (each box within one of the pool's
 # 64-token blocks; the folded-scale softmax), else pointer loads; EXP_FMA: exponentials of one box or both
-# computed on the multiply-add pipes (`triton_common.exp2_fma`, the special function unit doing the rest).
+# computed on the multiply-add pipes (`triton_common.exp2_fma`, the special function unit doing the rest);
+# INTERLEAVE: the first box's PV product issued before the second box's exponentials.
 # Earlier sweeps (benchmarks/README.md,
 # sixth session) also timed compiler warp specialisation and a query block split in two halves: dropped.
 _PREFILL_SWEEP: list[tuple[str, dict]] = [
@@ -638,6 +639,8 @@ _PREFILL_SWEEP: list[tuple[str, dict]] = [
     ("M64 N64 w4 s3 TMA", dict(BLOCK_M=64, BLOCK_N=64, num_warps=4)),
     ("M128 N128 w8 s3 TMA, half the exponentials on FMA", dict(EXP_FMA=1)),
     ("M128 N128 w8 s3 TMA, all exponentials on FMA", dict(EXP_FMA=2)),
+    ("M128 N128 w8 s3 TMA, interleaved", dict(INTERLEAVE=True)),
+    ("M128 N128 w8 s3 TMA, interleaved, half the exponentials on FMA", dict(INTERLEAVE=True, EXP_FMA=1)),
 ]
 
 

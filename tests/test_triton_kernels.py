@@ -399,7 +399,8 @@ def test_paged_attention_small_prefill_tensors(poison):
 
 
 @pytest.mark.parametrize("variant", [dict(TMA=True), dict(TMA=True, BLOCK_N=32), dict(TMA=False),
-                                     dict(TMA=True, BLOCK_N=32, EXP_FMA=1), dict(TMA=True, BLOCK_N=32, EXP_FMA=2)])
+                                     dict(TMA=True, BLOCK_N=32, EXP_FMA=1), dict(TMA=True, BLOCK_N=32, EXP_FMA=2),
+                                     dict(TMA=True, BLOCK_N=32, INTERLEAVE=True, EXP_FMA=1)])
 @pytest.mark.parametrize("dtype", ATTN_DTYPES)
 def test_paged_attention_small_prefill_variants(poison, monkeypatch, dtype, variant):
     """The prefill kernel's alternatives (key tiles through tensor descriptors, one box per tile (BLOCK_N 16)
@@ -480,7 +481,8 @@ def test_paged_attention_nano9b(poison, dtype, new, lens):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("variant", [dict(BLOCK_N=64, TMA=True), dict(TMA=False), dict(TMA=True, EXP_FMA=1),
-                                     dict(TMA=True, EXP_FMA=2)])  # (and the default, above)
+                                     dict(TMA=True, EXP_FMA=2), dict(TMA=True, INTERLEAVE=True),
+                                     dict(TMA=True, INTERLEAVE=True, EXP_FMA=1)])  # (and the default, above)
 @pytest.mark.parametrize("new,lens", [([4096], [4096]), ([1, 1, 3000, 517, 129, 1], [77, 12000, 3000, 1517, 129, 2])])
 def test_paged_attention_nano9b_prefill_variants(poison, monkeypatch, new, lens, variant):
     import hyserve.kernels.triton_attention as ta

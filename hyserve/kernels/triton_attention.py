@@ -183,23 +183,35 @@ def _online_softmax_step_fold(qk, v, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr
 
 
 @triton.jit
-def _two_box_step(qka, qkb, va, vb, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, EXP_FMA: tl.constexpr):
+def _exp2_on(x, FMA: tl.constexpr):
+    if FMA:
+        r = exp2_fma(x)
+    else:
+        r = tl.exp2(x)
+    return r
+
+
+@triton.jit
+def _two_box_step(qka, qkb, va, vb, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, EXP_FMA: tl.constexpr,
+                  INTERLEAVE: tl.constexpr):
     """_online_softmax_step_fold for a key tile held as two boxes: raw scores qka / qkb against the boxes'
     keys, their V rows va / vb; one max / rescale for the whole tile, both PV products into acc. EXP_FMA
     (0-2): how many of the two boxes' exponentials run on the multiply-add pipes (exp2_fma), sharing the
-    work with the special function unit."""
+    work with the special function unit. INTERLEAVE: box a's PV product is issued before box b's
+    exponentials, which may then run while the tensor cores work."""
     m_new = tl.maximum(m_i, tl.maximum(tl.max(qka, axis=1), tl.max(qkb, axis=1)) * qk_scale)
-    if EXP_FMA >= 2:
-        pa = exp2_fma(qka * qk_scale - m_new[:, None])
+    if INTERLEAVE:
+        alpha = tl.exp2(m_i - m_new)
+        pa = _exp2_on(qka * qk_scale - m_new[:, None], EXP_FMA >= 2)
+        acc = dot_acc(pa.to(va.dtype), va, acc * alpha[:, None], IEEE)
+        pb = _exp2_on(qkb * qk_scale - m_new[:, None], EXP_FMA >= 1)
+        acc = dot_acc(pb.to(vb.dtype), vb, acc, IEEE)
     else:
-        pa = tl.exp2(qka * qk_scale - m_new[:, None])
-    if EXP_FMA >= 1:
-        pb = exp2_fma(qkb * qk_scale - m_new[:, None])
-    else:
-        pb = tl.exp2(qkb * qk_scale - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    acc = dot_acc(pa.to(va.dtype), va, acc * alpha[:, None], IEEE)
-    acc = dot_acc(pb.to(vb.dtype), vb, acc, IEEE)
+        pa = _exp2_on(qka * qk_scale - m_new[:, None], EXP_FMA >= 2)
+        pb = _exp2_on(qkb * qk_scale - m_new[:, None], EXP_FMA >= 1)
+        alpha = tl.exp2(m_i - m_new)
+        acc = dot_acc(pa.to(va.dtype), va, acc * alpha[:, None], IEEE)
+        acc = dot_acc(pb.to(vb.dtype), vb, acc, IEEE)
     l_i = l_i * alpha + tl.sum(pa, axis=1) + tl.sum(pb, axis=1)
     return m_new, l_i, acc
 
@@ -333,12 +345,12 @@ def _prefill_kernel(
     s_bt_s, s_o_t, s_o_h,
     BS: tl.constexpr, REP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, KV_SCALED: tl.constexpr,
-    TMA: tl.constexpr, EXP_FMA: tl.constexpr,
+    TMA: tl.constexpr, EXP_FMA: tl.constexpr, INTERLEAVE: tl.constexpr,
 ):
     # TMA 1 / 2: kd / vd are tensor descriptors over the pools as [blocks * BS, kv_heads * HEAD_DIM] and
     # the unmasked tiles load through them, as one box of BLOCK_N rows or two of BLOCK_N / 2 (each within
     # one block), with the folded-scale softmax step (measured faster there, slower with pointer loads);
-    # TMA 0: pointer loads, kd / vd unused. EXP_FMA: see _two_box_step (TMA 2 only).
+    # TMA 0: pointer loads, kd / vd unused. EXP_FMA, INTERLEAVE: see _two_box_step (TMA 2 only).
     # q heads fastest (the REP heads of a KV head run together and share its tiles in L2), then the
     # query blocks from the last (longest causal row) to the first, so the short ones fill the tail
     h = tl.program_id(0)
@@ -379,7 +391,7 @@ def _prefill_kernel(
             kb, vb = _load_kv_box(kd, vd, bt_row, start + BLOCK_N // 2, kvh, BS, HEAD_DIM)
             ka, va, kb, vb = ka.to(q.dtype), va.to(q.dtype), kb.to(q.dtype), vb.to(q.dtype)
             m_i, l_i, acc = _two_box_step(dot(q, tl.trans(ka), IEEE), dot(q, tl.trans(kb), IEEE), va, vb,
-                                          m_i, l_i, acc, qk_scale, IEEE, EXP_FMA)
+                                          m_i, l_i, acc, qk_scale, IEEE, EXP_FMA, INTERLEAVE)
         elif TMA == 1:
             k, v = _load_kv_box(kd, vd, bt_row, start, kvh, BS, HEAD_DIM)
             m_i, l_i, acc = _online_softmax_step_fold(dot(q, tl.trans(k.to(q.dtype)), IEEE), v.to(q.dtype),
@@ -546,7 +558,7 @@ def paged_attention_triton(
         pcfg = dict(_PREFILL_GPU[128 if D_PAD <= 128 else 256] if on_gpu else _PREFILL_CPU)
         # tensor-descriptor key tiles as one box or two, whichever lies within a block, for 16-bit queries
         # (the setting measured; float32 operands would not fit shared memory); else pointer loads
-        tma, exp_fma = 0, pcfg.pop("EXP_FMA", 0)
+        tma, exp_fma, interleave = 0, pcfg.pop("EXP_FMA", 0), pcfg.pop("INTERLEAVE", False)
         if pcfg.pop("TMA", False) and not ieee:
             tma = next((n for n in (1, 2) if _tma_tiles_fit(k_cache, v_cache, pcfg["BLOCK_N"] // n)), 0)
         box = pcfg["BLOCK_N"] // max(tma, 1)
@@ -556,7 +568,7 @@ def paged_attention_triton(
             nd, qk_scale,
             q.stride(0), q.stride(1), *strides_kv, block_tables.stride(0), out.stride(0), out.stride(1),
             BS=BS, REP=rep, HEAD_DIM=Dh, D_PAD=D_PAD, IEEE=ieee, KV_SCALED=scaled, TMA=tma,
-            EXP_FMA=exp_fma if tma == 2 else 0, **pcfg,
+            EXP_FMA=exp_fma if tma == 2 else 0, INTERLEAVE=interleave and tma == 2, **pcfg,
         )
     return out
 
