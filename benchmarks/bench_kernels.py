@@ -628,9 +628,9 @@ _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
 # TMA: key tiles through tensor descriptors, one box or two per tile (each box within one of the pool's
 # 64-token blocks; the folded-scale softmax), else pointer loads; EXP_FMA: exponentials of one box or both
 # computed on the multiply-add pipes (`triton_common.exp2_fma`, the special function unit doing the rest);
-# INTERLEAVE: the first box's PV product issued before the second box's exponentials.
-# Earlier sweeps (benchmarks/README.md,
-# sixth session) also timed compiler warp specialisation and a query block split in two halves: dropped.
+# INTERLEAVE: the first box's PV product issued before the second box's exponentials. Earlier sweeps
+# (benchmarks/README.md, sixth session) also timed compiler warp specialisation and a query block split in
+# two halves: dropped.
 _PREFILL_SWEEP: list[tuple[str, dict]] = [
     ("default", {}),
     ("M128 N128 w8 s3 pointers", dict(TMA=False)),

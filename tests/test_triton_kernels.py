@@ -404,9 +404,9 @@ def test_paged_attention_small_prefill_tensors(poison):
 @pytest.mark.parametrize("dtype", ATTN_DTYPES)
 def test_paged_attention_small_prefill_variants(poison, monkeypatch, dtype, variant):
     """The prefill kernel's alternatives (key tiles through tensor descriptors, one box per tile (BLOCK_N 16)
-    or two (BLOCK_N 32); pointer loads, also float32's fallback)
-    on bs-16 blocks over a NaN-filled pool: extends over
-    cached tokens, a prefill crossing several tiles, and lengths off the tile grid."""
+    or two (BLOCK_N 32), with EXP_FMA / INTERLEAVE; pointer loads, also float32's fallback) on bs-16 blocks
+    over a NaN-filled pool: extends over cached tokens, a prefill crossing several tiles, and lengths off
+    the tile grid."""
     import hyserve.kernels.triton_attention as ta
 
     if CUDA:  # the GPU table is the one read there: small tiles so the cases cross several

@@ -584,10 +584,8 @@ def _tma_tiles_fit(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -
         return False
     if Dh * k_cache.element_size() < 16 or block_n < 16:
         return False
-    for c in (k_cache, v_cache):
-        if c.stride() != (BS * Hkv * Dh, Hkv * Dh, Dh, 1) or c.data_ptr() % 16 or (Hkv * Dh * c.element_size()) % 16:
-            return False
-    return True
+    # (a power-of-two head dim of >= 16 bytes makes the row stride a multiple of 16 bytes)
+    return all(c.stride() == (BS * Hkv * Dh, Hkv * Dh, Dh, 1) and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache))
 
 
 def _pool_descriptor(cache: torch.Tensor, block_n: int) -> TensorDescriptor:
