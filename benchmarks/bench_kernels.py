@@ -625,22 +625,24 @@ _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
     ("N128 w4 s3, half the programs", {}, 132 * 2, 128),
     ("N64 w4 s3, 2x programs", dict(BLOCK_N=64), 132 * 8, 256),
 ]
-# TMA: key tiles through tensor descriptors, one box or two per tile (each box within one of the pool's
-# 64-token blocks; the folded-scale softmax), else pointer loads; EXP_FMA: exponentials of one box or both
-# computed on the multiply-add pipes (`triton_common.exp2_fma`, the special function unit doing the rest);
-# INTERLEAVE: the first box's PV product issued before the second box's exponentials. Earlier sweeps
-# (benchmarks/README.md, sixth session) also timed compiler warp specialisation and a query block split in
-# two halves: dropped.
+# The default on Hopper is the Gluon kernel (gluon_attention.py; "sm90" entries change its settings,
+# `triton_attention._PREFILL_SM90`); GLUON=False entries time the Triton kernel instead. There, TMA: key
+# tiles through tensor descriptors, one box or two per tile (each box within one of the pool's 64-token
+# blocks; the folded-scale softmax); EXP_FMA: exponentials of one box or both computed on the multiply-add
+# pipes (`triton_common.exp2_fma`, the special function unit doing the rest); INTERLEAVE: the first box's
+# PV product issued before the second box's exponentials. Earlier sweeps (benchmarks/README.md, sixth
+# session) also timed pointer loads, 2 stages, 64-key tiles, compiler warp specialisation and a query
+# block split in two halves: dropped.
 _PREFILL_SWEEP: list[tuple[str, dict]] = [
     ("default", {}),
-    ("M128 N128 w8 s3 pointers", dict(TMA=False)),
-    ("M128 N128 w8 s2 TMA", dict(num_stages=2)),
-    ("M128 N64 w8 s3 TMA", dict(BLOCK_N=64)),
-    ("M64 N64 w4 s3 TMA", dict(BLOCK_M=64, BLOCK_N=64, num_warps=4)),
-    ("M128 N128 w8 s3 TMA, half the exponentials on FMA", dict(EXP_FMA=1)),
-    ("M128 N128 w8 s3 TMA, all exponentials on FMA", dict(EXP_FMA=2)),
-    ("M128 N128 w8 s3 TMA, interleaved", dict(INTERLEAVE=True)),
-    ("M128 N128 w8 s3 TMA, interleaved, half the exponentials on FMA", dict(INTERLEAVE=True, EXP_FMA=1)),
+    ("Gluon M128 N128 3 stages", dict(sm90=dict(STAGES=3))),
+    ("Gluon M128 N64 3 stages", dict(sm90=dict(BLOCK_N=64, STAGES=3))),
+    ("Triton M128 N128 w8 s3 TMA", dict(GLUON=False)),
+    ("Triton M128 N128 w8 s3 TMA, half the exponentials on FMA", dict(GLUON=False, EXP_FMA=1)),
+    ("Triton M128 N128 w8 s3 TMA, all exponentials on FMA", dict(GLUON=False, EXP_FMA=2)),
+    ("Triton M128 N128 w8 s3 TMA, interleaved", dict(GLUON=False, INTERLEAVE=True)),
+    ("Triton M128 N128 w8 s3 TMA, interleaved, half the exponentials on FMA",
+     dict(GLUON=False, INTERLEAVE=True, EXP_FMA=1)),
 ]
 
 
@@ -650,7 +652,8 @@ def bench_attn_sweep(b: Bench) -> None:
     Hq, Hkv, D, bs = (40, 8, 128, 64) if not b.dry else (4, 2, 32, 16)
     dtype = BF16 if not b.dry else torch.float16
     scale, tol = D**-0.5, 2e-2
-    tables = ("_DECODE_GPU", "_PREFILL_GPU", "_TARGET_PROGRAMS", "_MAX_SPLITS", "_DECODE_CPU", "_PREFILL_CPU")
+    tables = ("_DECODE_GPU", "_PREFILL_GPU", "_PREFILL_SM90", "_TARGET_PROGRAMS", "_MAX_SPLITS", "_DECODE_CPU",
+              "_PREFILL_CPU")
     saved = {name: copy.deepcopy(getattr(ta, name)) for name in tables}
 
     def restore() -> None:
@@ -686,6 +689,8 @@ def bench_attn_sweep(b: Bench) -> None:
     def apply_prefill(over: dict) -> None:
         if b.dry:
             return  # the interpreter runs its own small tiles
+        over = dict(over)
+        ta._PREFILL_SM90.update(over.pop("sm90", {}))
         ta._PREFILL_GPU[128].update(over)
 
     for batch, L in ((1, 131072), (64, 8192)) if not b.dry else ((1, 700), (3, 100)):

@@ -487,8 +487,86 @@ def test_paged_attention_nano9b(poison, dtype, new, lens):
 def test_paged_attention_nano9b_prefill_variants(poison, monkeypatch, new, lens, variant):
     import hyserve.kernels.triton_attention as ta
 
-    monkeypatch.setitem(ta._PREFILL_GPU, 128, {**ta._PREFILL_GPU[128], **variant})
+    monkeypatch.setitem(ta._PREFILL_GPU, 128, {**ta._PREFILL_GPU[128], "GLUON": False, **variant})
     _attn_case(poison, new=new, lens=lens, Hq=40, Hkv=8, D=128, bs=64, dtype=BF16)
+
+
+def _gluon_or_skip():
+    ga = pytest.importorskip("hyserve.kernels.gluon_attention", reason="this triton has no Gluon")
+    return ga
+
+
+def test_gluon_prefill_compiles_for_hopper():
+    """The Gluon prefill kernel (which the interpreter cannot run) compiles ahead of time for sm_90 at the
+    launcher's settings, head dims 64 and 128, one box per key tile and several: its shared memory fits an
+    H100/H200 and the products are warp-group MMAs over TMA-loaded tiles (tests/gluon_compile_check.py,
+    in a process without the interpreter)."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    _gluon_or_skip()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "tests" / "gluon_compile_check.py")], capture_output=True,
+                         text=True, env={**env, "PYTHONPATH": str(root)}, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    cases = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(cases) == {"D128 bs64", "D64 bs16"}
+    for name, c in cases.items():
+        assert 0 < c["shared"] <= 232448, (name, c)  # 227 KiB per block on sm_90
+        assert c["wgmma"] and c["tma"], (name, c)
+
+
+def test_gluon_prefill_box_rules():
+    """Which steps the Gluon kernel takes: none off a GPU; the rest is checked on the GPU below."""
+    ga = _gluon_or_skip()
+    pool = torch.zeros(4, 64, 2, 128, dtype=BF16)
+    assert ga.sm90_prefill_box(pool[0, :3], pool, pool, 128) == 0  # a CPU tensor
+
+
+GLUON_CASES = [  # (new, lens, Hq, Hkv, D, bs, dtype)
+    ([4096], [4096], 40, 8, 128, 64, BF16),
+    ([1, 1, 3000, 517, 129, 1], [77, 12000, 3000, 1517, 129, 2], 40, 8, 128, 64, BF16),
+    ([8192], [8192], 40, 8, 128, 64, F16),
+    ([300, 1, 1000, 77], [5000, 9, 1000, 333], 40, 8, 128, 16, BF16),  # 16-token blocks: 8 boxes per tile
+    ([2000, 129], [2600, 129], 8, 8, 128, 256, BF16),  # 256-token blocks: one 128-row box per tile
+    ([1500, 40], [1500, 2100], 16, 2, 64, 64, BF16),  # head dim 64
+]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("new,lens,Hq,Hkv,D,bs,dtype", GLUON_CASES)
+def test_gluon_prefill_matches_reference(poison, monkeypatch, new, lens, Hq, Hkv, D, bs, dtype):
+    """The Gluon kernel against the float64 reference over NaN-filled pools with shuffled blocks: prefills
+    and extends over cached tokens, lengths off the tile grid, decodes in the same step, block sizes giving
+    1, 2 and 8 boxes per key tile, head dims 64 and 128; and that it, not the Triton kernel, ran."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is for Hopper")
+    ga = _gluon_or_skip()
+    calls: list[int] = []
+    real = ga.prefill_attention_sm90
+    monkeypatch.setattr(ga, "prefill_attention_sm90", lambda *a, **kw: calls.append(kw["box"]) or real(*a, **kw))
+    _attn_case(poison, new=new, lens=lens, Hq=Hq, Hkv=Hkv, D=D, bs=bs, dtype=dtype)
+    assert calls == [min(bs, 128)]
+
+
+@gpu
+@needs_cuda
+def test_gluon_prefill_declines_what_it_cannot_take():
+    ga = _gluon_or_skip()
+    pool = torch.zeros(4, 64, 2, 128, dtype=BF16, device=DEV)
+    q = torch.zeros(8, 4, 128, dtype=BF16, device=DEV)
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    assert ga.sm90_prefill_box(q, pool, pool, 128) == (64 if hopper else 0)
+    assert ga.sm90_prefill_box(q.float(), pool.float(), pool.float(), 128) == 0  # float32
+    assert ga.sm90_prefill_box(q.half(), pool, pool, 128) == 0  # cache dtype differs
+    assert ga.sm90_prefill_box(q, pool.to(torch.float8_e4m3fn), pool.to(torch.float8_e4m3fn), 128) == 0
+    p256 = torch.zeros(4, 64, 2, 256, dtype=BF16, device=DEV)
+    assert ga.sm90_prefill_box(torch.zeros(8, 4, 256, dtype=BF16, device=DEV), p256, p256, 128) == 0
+    strided = torch.zeros(4, 2, 64, 2, 128, dtype=BF16, device=DEV)[:, 0]
+    assert ga.sm90_prefill_box(q, strided, strided, 128) == 0
 
 
 @gpu

@@ -21,6 +21,8 @@ Step layout (ForwardMeta): the single-token decode sequences come first, then pr
                             unmasked tiles load as TMA boxes through tensor descriptors over the pool
                             seen as [blocks * bs, kv_heads * head_dim] (one or two boxes per tile, each
                             inside one block) when the pool's layout, block size and dtype allow.
+                            On Hopper, `gluon_attention`'s kernel (same contract and grid) takes
+                            the 16-bit steps it can instead (`_PREFILL_GPU` GLUON).
 
 Softmax in float32 with exp2 (scale folded with log2(e)). P is cast to the V dtype for the PV product,
 as flash attention does.
@@ -438,8 +440,11 @@ _MAX_SPLITS = 128
 _DECODE_GPU = dict(BLOCK_N=128, num_warps=4, num_stages=3)
 # Prefill on a GPU: key tiles through tensor descriptors where the pool allows (TMA, with the folded-scale
 # softmax); measured 1-9% faster than pointer loads at 8k / 2k-over-6k (attn_sweep_eef8ba1, _9bc82e5).
-_PREFILL_GPU = {128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, TMA=True),  # D_PAD <= 128
+# GLUON: on Hopper, the Gluon kernel (gluon_attention.py: score products issued ahead of the softmax) takes
+# the steps it can, with the settings in _PREFILL_SM90; the Triton kernel the rest.
+_PREFILL_GPU = {128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, TMA=True, GLUON=True),  # D_PAD <= 128
                 256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
+_PREFILL_SM90 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, num_warps=8)
 _DECODE_CPU = dict(BLOCK_N=16, num_warps=4, num_stages=1)
 _PREFILL_CPU = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
@@ -556,6 +561,12 @@ def paged_attention_triton(
 
     if nd < S and max_new > 0:
         pcfg = dict(_PREFILL_GPU[128 if D_PAD <= 128 else 256] if on_gpu else _PREFILL_CPU)
+        ga = _gluon_attention() if pcfg.pop("GLUON", False) and on_gpu and not scaled else None
+        gbox = ga.sm90_prefill_box(q, k_cache, v_cache, _PREFILL_SM90["BLOCK_N"]) if ga is not None else 0
+        if gbox:
+            ga.prefill_attention_sm90(q, k_cache, v_cache, block_tables, lens_t, cu_t, out, nd, S - nd, max_new,
+                                      qk_scale, box=gbox, **_PREFILL_SM90)
+            return out
         # tensor-descriptor key tiles as one box or two, whichever lies within a block, for 16-bit queries
         # (the setting measured; float32 operands would not fit shared memory); else pointer loads
         tma, exp_fma, interleave = 0, pcfg.pop("EXP_FMA", 0), pcfg.pop("INTERLEAVE", False)
@@ -571,6 +582,15 @@ def paged_attention_triton(
             EXP_FMA=exp_fma if tma == 2 else 0, INTERLEAVE=interleave and tma == 2, **pcfg,
         )
     return out
+
+
+def _gluon_attention():
+    """The Gluon kernels' module, or None where this triton has no Gluon (it shipped in 3.5)."""
+    try:
+        from hyserve.kernels import gluon_attention
+    except ImportError:
+        return None
+    return gluon_attention
 
 
 def _tma_tiles_fit(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool:

@@ -1,0 +1,267 @@
+"""Prefill/extend paged attention for Hopper (sm_90) written in Gluon, Triton's lower-level dialect.
+
+Same contract and step layout as `triton_attention._prefill_kernel` (grid: q heads fastest, query blocks
+longest-first, sequences; causal on absolute positions; key tiles wholly below a query block's diagonal
+unmasked, the band up to its last query masked). What Gluon lets this kernel do that a `tl.dot` loop
+does not: issue the tensor-core products itself and keep them in flight across the softmax.
+
+    Q tile      [BLOCK_M, D]  loaded once into shared memory (the A operand of every score product).
+    K/V rings   STAGES slots each of [BLOCK_N, D] for K and for V, filled by TMA from tensor descriptors
+                over the pools flattened to [blocks * BS, kv_heads * D] (a tile is BLOCK_N / BOX boxes,
+                each inside one pool block); slot t % STAGES holds key tile t, its mbarrier (one per
+                slot and pool) flips once per fill.
+    loop j      S(j+1) = Q K(j+1)^T is issued (async) before the softmax of S(j); then O is rescaled
+                (once PV(j-1) has finished) and PV(j) = P(j) V(j) is issued (async, P from registers);
+                then S(j+1) is awaited, PV(j) left running into the next softmax. So the tensor cores
+                work while the exponentials run: the overlap a `tl.dot` loop does not get.
+    refill      once PV(j-1) is done in every warp group (a CTA barrier), V tile j + STAGES - 1 goes
+                into the slot PV(j-1) read and K tile j + STAGES into the one S(j) read (K runs a tile
+                ahead of V: S(j+1) is issued before PV(j)).
+    band        the masked tiles along the diagonal load with pointer loads (rows past the sequence read
+                as zeros, not whatever the pool holds) into ring slot 0 after the ring has drained.
+
+The launcher (`triton_attention.paged_attention_triton`) takes this path on compute capability 9.x for
+16-bit queries over a 16-bit pool of the same dtype whose tiles fit TMA boxes (`sm90_prefill_box`);
+everything else (float32, float8 caches, other GPUs, the CPU interpreter, which cannot run Gluon) stays
+on the Triton kernel. Gluon compiles ahead of time on a machine without a GPU, so the CPU tests compile
+this kernel for sm_90; its numerics are tested on the GPU against the float64 reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+@gluon.constexpr_function
+def _load_layout(head_dim, num_warps):
+    """Registers layout for pointer loads of [rows, head_dim] 16-bit tiles: 8 elements (16 bytes) per
+    thread along the head dim."""
+    cols = min(32, head_dim // 8)
+    return gl.BlockedLayout([1, 8], [32 // cols, cols], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def _issue_tile(desc, bufs, ready, bt_row, t, kvh, pred,
+                BS: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr):
+    """TMA loads of key tile t (positions t * BLOCK_N ...) of one pool into ring slot t % STAGES of bufs, as
+    BLOCK_N / BOX boxes, all signalling the slot's barrier. Nothing is issued when not pred."""
+    slot = t % STAGES
+    bar = ready.index(slot)
+    mbarrier.expect(bar, BLOCK_N * desc.block_type.shape[1] * desc.dtype.primitive_bitwidth // 8, pred=pred)
+    col = (kvh * desc.block_type.shape[1]).to(gl.int32)
+    for b in gl.static_range(BLOCK_N // BOX):
+        pos = t * BLOCK_N + b * BOX
+        row = (gl.load(bt_row + pos // BS, mask=pred, other=0) * BS + pos % BS).to(gl.int32)
+        tma.async_copy_global_to_shared(desc, [row, col], bar, bufs.index(slot).slice(b * BOX, BOX), pred=pred)
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, qk_scale, DT: gl.constexpr, p_layout: gl.constexpr, o_rows: gl.constexpr):
+    """One online-softmax update on raw (unscaled, masked) scores s: the new running max and denominator,
+    the probabilities in dtype DT as the PV product's register operand, and the factor (in the output's
+    row layout) to rescale the output by."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    p = gl.exp2(s * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return m_new, l_i, gl.convert_layout(p.to(DT), p_layout), gl.convert_layout(alpha, o_rows)
+
+
+# block-table width changes from step to step: not specialised (as the Triton kernel)
+@gluon.jit(do_not_specialize=["seq_offset", "s_bt_s"])
+def _prefill_kernel_sm90(
+    q_ptr, kc_ptr, vc_ptr, kd, vd, bt_ptr, lens_ptr, cu_ptr, out_ptr,
+    seq_offset, qk_scale,
+    s_q_t, s_q_h,
+    s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h,
+    s_bt_s, s_o_t, s_o_h,
+    BS: gl.constexpr, REP: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    DT: gl.constexpr = kd.dtype
+    # the products' accumulator layouts (one warp per 16 query rows) and the P operand / row layouts
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    ld: gl.constexpr = _load_layout(HEAD_DIM, num_warps)
+    ld_rows: gl.constexpr = gl.SliceLayout(1, ld)
+    ld_cols: gl.constexpr = gl.SliceLayout(0, ld)
+
+    h = gl.program_id(0)
+    mb = gl.num_programs(1) - 1 - gl.program_id(1)
+    seq = seq_offset + gl.program_id(2).to(gl.int64)
+    q0 = gl.load(cu_ptr + seq).to(gl.int64)
+    n = gl.load(cu_ptr + seq + 1).to(gl.int64) - q0
+    m0 = mb * BLOCK_M
+    if m0 < n:
+        L = gl.load(lens_ptr + seq).to(gl.int64)
+        ctx = L - n  # cached tokens before this step's new ones
+        kvh = h // REP
+        bt_row = bt_ptr + seq * s_bt_s
+
+        q_smem = gl.allocate_shared_memory(DT, [BLOCK_M, HEAD_DIM], kd.layout)
+        k_bufs = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, HEAD_DIM], kd.layout)
+        v_bufs = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, HEAD_DIM], vd.layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+
+        # Keys before ctx + m0 are visible to every query of this block: nfull whole tiles, unmasked.
+        # K tiles 0 .. STAGES-1 and V tiles 0 .. STAGES-2 in flight before the loop.
+        full_end = (ctx + m0) // BLOCK_N * BLOCK_N
+        nfull = (full_end // BLOCK_N).to(gl.int32)
+        for i in gl.static_range(STAGES):
+            _issue_tile(kd, k_bufs, k_ready, bt_row, i, kvh, i < nfull, BS, BLOCK_N, BOX, STAGES)
+            if i < STAGES - 1:
+                _issue_tile(vd, v_bufs, v_ready, bt_row, i, kvh, i < nfull, BS, BLOCK_N, BOX, STAGES)
+
+        offs_m = m0 + gl.arange(0, BLOCK_M, layout=ld_rows)
+        offs_d = gl.arange(0, HEAD_DIM, layout=ld_cols)
+        q = gl.load(q_ptr + (q0 + offs_m)[:, None] * s_q_t + h * s_q_h + offs_d[None, :],
+                    mask=(offs_m < n)[:, None], other=0.0)
+        q_smem.store(q)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, s_rows)
+        l_i = gl.zeros([BLOCK_M], gl.float32, s_rows)
+        acc = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout))  # the loop's carried type
+        s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        if nfull > 0:
+            mbarrier.wait(k_ready.index(0), 0)
+            s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s,))
+        for j in range(0, nfull - 1):
+            # S(j) is in s. Issue S(j+1), run the softmax of S(j) meanwhile.
+            nxt = (j + 1) % STAGES
+            mbarrier.wait(k_ready.index(nxt), ((j + 1) // STAGES) & 1)
+            s_next = warpgroup_mma(q_smem, k_bufs.index(nxt).permute((1, 0)),
+                                   gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                                   is_async=True)
+            m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
+            acc = warpgroup_mma_wait(1, deps=(acc,))  # PV(j-1) done (products complete in issue order)
+            # Refill: V slot (j-1) % STAGES was last read by PV(j-1), K slot j % STAGES by S(j); the barrier
+            # makes them finished in every warp group before TMA overwrites them.
+            gl.thread_barrier()
+            _issue_tile(vd, v_bufs, v_ready, bt_row, j + STAGES - 1, kvh, j + STAGES - 1 < nfull,
+                        BS, BLOCK_N, BOX, STAGES)
+            _issue_tile(kd, k_bufs, k_ready, bt_row, j + STAGES, kvh, j + STAGES < nfull, BS, BLOCK_N, BOX, STAGES)
+            mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
+            acc = warpgroup_mma(p, v_bufs.index(j % STAGES), acc * alpha[:, None], is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s_next,))  # S(j+1) done; PV(j) keeps running
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        if nfull > 0:
+            last = nfull - 1
+            m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
+            mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+            acc = warpgroup_mma(p, v_bufs.index(last % STAGES), acc * alpha[:, None], is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+
+        # the band: masked tiles up to the block's last query, pointer-loaded into slot 0
+        kv_end = gl.minimum(L, ctx + m0 + BLOCK_M)
+        qpos = ctx + m0 + gl.arange(0, BLOCK_M, layout=s_rows)
+        offs_kn = gl.arange(0, BLOCK_N, layout=ld_rows)
+        offs_sn = gl.arange(0, BLOCK_N, layout=s_cols)
+        for start in range(full_end, kv_end, BLOCK_N):
+            pos = start + offs_kn
+            mn = pos < kv_end
+            blk = gl.load(bt_row + pos // BS, mask=mn, other=0).to(gl.int64)
+            r = pos % BS
+            k = gl.load(kc_ptr + blk[:, None] * s_kc_b + r[:, None] * s_kc_r + kvh * s_kc_h + offs_d[None, :],
+                        mask=mn[:, None], other=0.0)
+            v = gl.load(vc_ptr + blk[:, None] * s_vc_b + r[:, None] * s_vc_r + kvh * s_vc_h + offs_d[None, :],
+                        mask=mn[:, None], other=0.0)
+            gl.thread_barrier()  # every warp group's products on slot 0 are done
+            k_bufs.index(0).store(k)
+            v_bufs.index(0).store(v)
+            fence_async_shared()
+            gl.thread_barrier()
+            s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)),
+                              gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False)
+            spos = start + offs_sn
+            ok = (spos < kv_end)[None, :] & (spos[None, :] <= qpos[:, None])
+            s = gl.where(ok, s, float("-inf"))
+            m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
+            acc = warpgroup_mma(p, v_bufs.index(0), acc * alpha[:, None])
+
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(k_ready.index(i))
+            mbarrier.invalidate(v_ready.index(i))
+        out = acc / gl.convert_layout(l_i, o_rows)[:, None]
+        offs_om = m0 + gl.arange(0, BLOCK_M, layout=o_rows)
+        offs_od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        gl.store(out_ptr + (q0 + offs_om)[:, None] * s_o_t + h * s_o_h + offs_od[None, :], out.to(DT),
+                 mask=(offs_om < n)[:, None])
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def sm90_prefill_box(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> int:
+    """Rows per TMA box when this kernel can take the step's prefill part, else 0: a Hopper GPU, 16-bit
+    queries over caches of the same dtype with a head dim of 64 or 128, and key tiles that load as boxes
+    of min(block size, block_n) rows (`triton_attention._tma_tiles_fit`'s rules)."""
+    from hyserve.kernels.triton_attention import _tma_tiles_fit
+
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return 0
+    if q.dtype not in _GL_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return 0
+    NB, BS, Hkv, Dh = k_cache.shape
+    box = min(BS, block_n)
+    if Dh not in (64, 128) or block_n % box or not _tma_tiles_fit(k_cache, v_cache, box):
+        return 0
+    return box
+
+
+def _pool_descriptor(cache: torch.Tensor, box: int) -> TensorDescriptor:
+    NB, BS, Hkv, Dh = cache.shape
+    layout = gl.NVMMASharedLayout.get_default_for([box, Dh], _GL_DTYPES[cache.dtype])
+    return TensorDescriptor(cache, [NB * BS, Hkv * Dh], [Hkv * Dh, 1], [box, Dh], layout)
+
+
+def prefill_attention_sm90(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    lens_t: torch.Tensor, cu_t: torch.Tensor, out: torch.Tensor, seq_offset: int, num_seqs: int, max_new: int,
+    qk_scale: float, *, box: int, BLOCK_M: int, BLOCK_N: int, STAGES: int, num_warps: int,
+) -> None:
+    """out[rows of sequences seq_offset .. seq_offset + num_seqs) = attention of those prefill/extend
+    sequences (the launcher's checks done; `box` from `sm90_prefill_box`). lens_t / cu_t: the step's
+    device seq_lens and cumulative new-token offsets."""
+    T, Hq, Dh = q.shape
+    Hkv = k_cache.shape[2]
+    assert BLOCK_M == 16 * num_warps * (BLOCK_M // (16 * num_warps)) and BLOCK_N % box == 0
+    _prefill_kernel_sm90[(Hq, triton.cdiv(max_new, BLOCK_M), num_seqs)](
+        q, k_cache, v_cache, _pool_descriptor(k_cache, box), _pool_descriptor(v_cache, box), block_tables,
+        lens_t, cu_t, out, seq_offset, qk_scale,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        BS=k_cache.shape[1], REP=Hq // Hkv, HEAD_DIM=Dh, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BOX=box, STAGES=STAGES,
+        num_warps=num_warps,
+    )
+
+
+__all__ = ["sm90_prefill_box", "prefill_attention_sm90"]
