@@ -638,11 +638,6 @@ _PREFILL_SWEEP: list[tuple[str, dict]] = [
     ("Gluon M128 N128 3 stages", dict(sm90=dict(STAGES=3))),
     ("Gluon M128 N64 3 stages", dict(sm90=dict(BLOCK_N=64, STAGES=3))),
     ("Triton M128 N128 w8 s3 TMA", dict(GLUON=False)),
-    ("Triton M128 N128 w8 s3 TMA, half the exponentials on FMA", dict(GLUON=False, EXP_FMA=1)),
-    ("Triton M128 N128 w8 s3 TMA, all exponentials on FMA", dict(GLUON=False, EXP_FMA=2)),
-    ("Triton M128 N128 w8 s3 TMA, interleaved", dict(GLUON=False, INTERLEAVE=True)),
-    ("Triton M128 N128 w8 s3 TMA, interleaved, half the exponentials on FMA",
-     dict(GLUON=False, INTERLEAVE=True, EXP_FMA=1)),
 ]
 
 

@@ -38,7 +38,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -55,18 +54,19 @@ def _load_layout(head_dim, num_warps):
 
 
 @gluon.jit
-def _issue_tile(desc, bufs, ready, bt_row, t, kvh, pred,
+def _issue_tile(kd, vd, k_bufs, v_bufs, ready, bt_row, t, kvh, pred,
                 BS: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr):
-    """TMA loads of key tile t (positions t * BLOCK_N ...) of one pool into ring slot t % STAGES of bufs, as
-    BLOCK_N / BOX boxes, all signalling the slot's barrier. Nothing is issued when not pred."""
+    """TMA loads of key tile t (positions t * BLOCK_N ...) of both pools into ring slot t % STAGES, as
+    BLOCK_N / BOX boxes each, all signalling the slot's barrier. Nothing is issued when not pred."""
     slot = t % STAGES
     bar = ready.index(slot)
-    mbarrier.expect(bar, BLOCK_N * desc.block_type.shape[1] * desc.dtype.primitive_bitwidth // 8, pred=pred)
-    col = (kvh * desc.block_type.shape[1]).to(gl.int32)
+    mbarrier.expect(bar, 2 * BLOCK_N * kd.block_type.shape[1] * kd.dtype.primitive_bitwidth // 8, pred=pred)
+    col = (kvh * kd.block_type.shape[1]).to(gl.int32)
     for b in gl.static_range(BLOCK_N // BOX):
         pos = t * BLOCK_N + b * BOX
         row = (gl.load(bt_row + pos // BS, mask=pred, other=0) * BS + pos % BS).to(gl.int32)
-        tma.async_copy_global_to_shared(desc, [row, col], bar, bufs.index(slot).slice(b * BOX, BOX), pred=pred)
+        tma.async_copy_global_to_shared(kd, [row, col], bar, k_bufs.index(slot).slice(b * BOX, BOX), pred=pred)
+        tma.async_copy_global_to_shared(vd, [row, col], bar, v_bufs.index(slot).slice(b * BOX, BOX), pred=pred)
 
 
 @gluon.jit
@@ -122,20 +122,16 @@ def _prefill_kernel_sm90(
         q_smem = gl.allocate_shared_memory(DT, [BLOCK_M, HEAD_DIM], kd.layout)
         k_bufs = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, HEAD_DIM], kd.layout)
         v_bufs = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, HEAD_DIM], vd.layout)
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(ready.index(i), count=1)
 
         # Keys before ctx + m0 are visible to every query of this block: nfull whole tiles, unmasked.
-        # K tiles 0 .. STAGES-1 and V tiles 0 .. STAGES-2 in flight before the loop.
+        # Tiles 0 .. STAGES-1 in flight before the loop.
         full_end = (ctx + m0) // BLOCK_N * BLOCK_N
         nfull = (full_end // BLOCK_N).to(gl.int32)
         for i in gl.static_range(STAGES):
-            _issue_tile(kd, k_bufs, k_ready, bt_row, i, kvh, i < nfull, BS, BLOCK_N, BOX, STAGES)
-            if i < STAGES - 1:
-                _issue_tile(vd, v_bufs, v_ready, bt_row, i, kvh, i < nfull, BS, BLOCK_N, BOX, STAGES)
+            _issue_tile(kd, vd, k_bufs, v_bufs, ready, bt_row, i, kvh, i < nfull, BS, BLOCK_N, BOX, STAGES)
 
         offs_m = m0 + gl.arange(0, BLOCK_M, layout=ld_rows)
         offs_d = gl.arange(0, HEAD_DIM, layout=ld_cols)
@@ -147,37 +143,30 @@ def _prefill_kernel_sm90(
 
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([BLOCK_M], gl.float32, s_rows)
-        acc = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout))  # the loop's carried type
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
         s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         if nfull > 0:
-            mbarrier.wait(k_ready.index(0), 0)
-            s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(0, deps=(s,))
+            mbarrier.wait(ready.index(0), 0)
+            s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s, use_acc=False)
         for j in range(0, nfull - 1):
-            # S(j) is in s. Issue S(j+1), run the softmax of S(j) meanwhile.
+            # S(j) is in s. Issue S(j+1), run the softmax of S(j) meanwhile, then PV(j); wait for both
+            # before the loop goes round (a product left in flight across it makes ptxas serialise all
+            # of them: its accumulator registers get copied)
             nxt = (j + 1) % STAGES
-            mbarrier.wait(k_ready.index(nxt), ((j + 1) // STAGES) & 1)
+            mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
             s_next = warpgroup_mma(q_smem, k_bufs.index(nxt).permute((1, 0)),
                                    gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
                                    is_async=True)
             m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
-            acc = warpgroup_mma_wait(1, deps=(acc,))  # PV(j-1) done (products complete in issue order)
-            # Refill: V slot (j-1) % STAGES was last read by PV(j-1), K slot j % STAGES by S(j); the barrier
-            # makes them finished in every warp group before TMA overwrites them.
-            gl.thread_barrier()
-            _issue_tile(vd, v_bufs, v_ready, bt_row, j + STAGES - 1, kvh, j + STAGES - 1 < nfull,
-                        BS, BLOCK_N, BOX, STAGES)
-            _issue_tile(kd, k_bufs, k_ready, bt_row, j + STAGES, kvh, j + STAGES < nfull, BS, BLOCK_N, BOX, STAGES)
-            mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
             acc = warpgroup_mma(p, v_bufs.index(j % STAGES), acc * alpha[:, None], is_async=True)
-            s = warpgroup_mma_wait(1, deps=(s_next,))  # S(j+1) done; PV(j) keeps running
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+            s, acc = warpgroup_mma_wait(0, deps=(s_next, acc))
+            # slot j % STAGES (K(j), V(j)) is free once every warp group is past its wait: refill it
+            gl.thread_barrier()
+            _issue_tile(kd, vd, k_bufs, v_bufs, ready, bt_row, j + STAGES, kvh, j + STAGES < nfull,
+                        BS, BLOCK_N, BOX, STAGES)
         if nfull > 0:
-            last = nfull - 1
             m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
-            mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-            acc = warpgroup_mma(p, v_bufs.index(last % STAGES), acc * alpha[:, None], is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
+            acc = warpgroup_mma(p, v_bufs.index((nfull - 1) % STAGES), acc * alpha[:, None])
 
         # the band: masked tiles up to the block's last query, pointer-loaded into slot 0
         kv_end = gl.minimum(L, ctx + m0 + BLOCK_M)
@@ -207,8 +196,7 @@ def _prefill_kernel_sm90(
             acc = warpgroup_mma(p, v_bufs.index(0), acc * alpha[:, None])
 
         for i in gl.static_range(STAGES):
-            mbarrier.invalidate(k_ready.index(i))
-            mbarrier.invalidate(v_ready.index(i))
+            mbarrier.invalidate(ready.index(i))
         out = acc / gl.convert_layout(l_i, o_rows)[:, None]
         offs_om = m0 + gl.arange(0, BLOCK_M, layout=o_rows)
         offs_od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
