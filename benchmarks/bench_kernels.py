@@ -635,8 +635,9 @@ _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
 # block split in two halves: dropped.
 _PREFILL_SWEEP: list[tuple[str, dict]] = [
     ("default", {}),
-    ("Gluon M128 N128 3 stages", dict(sm90=dict(STAGES=3))),
-    ("Gluon M128 N64 3 stages", dict(sm90=dict(BLOCK_N=64, STAGES=3))),
+    ("Gluon M128 N128 2 stages", dict(sm90=dict(STAGES=2))),
+    ("Gluon warp-specialised M128 N128 2 stages", dict(sm90=dict(WS=True, STAGES=2))),
+    ("Gluon warp-specialised M128 N128 3 stages", dict(sm90=dict(WS=True, STAGES=3))),
     ("Triton M128 N128 w8 s3 TMA", dict(GLUON=False)),
 ]
 

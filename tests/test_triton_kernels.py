@@ -512,7 +512,7 @@ def test_gluon_prefill_compiles_for_hopper():
                          text=True, env={**env, "PYTHONPATH": str(root)}, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     cases = json.loads(run.stdout.strip().splitlines()[-1])
-    assert set(cases) == {"D128 bs64", "D64 bs16"}
+    assert set(cases) == {"D128 bs64", "D64 bs16", "D128 bs64 ws", "D64 bs16 ws"}
     for name, c in cases.items():
         assert 0 < c["shared"] <= 232448, (name, c)  # 227 KiB per block on sm_90
         assert c["wgmma"] and c["tma"], (name, c)
@@ -537,14 +537,18 @@ GLUON_CASES = [  # (new, lens, Hq, Hkv, D, bs, dtype)
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("ws", [False, True])
 @pytest.mark.parametrize("new,lens,Hq,Hkv,D,bs,dtype", GLUON_CASES)
-def test_gluon_prefill_matches_reference(poison, monkeypatch, new, lens, Hq, Hkv, D, bs, dtype):
+def test_gluon_prefill_matches_reference(poison, monkeypatch, new, lens, Hq, Hkv, D, bs, dtype, ws):
     """The Gluon kernel against the float64 reference over NaN-filled pools with shuffled blocks: prefills
     and extends over cached tokens, lengths off the tile grid, decodes in the same step, block sizes giving
     1, 2 and 8 boxes per key tile, head dims 64 and 128; and that it, not the Triton kernel, ran."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is for Hopper")
     ga = _gluon_or_skip()
+    import hyserve.kernels.triton_attention as ta
+
+    monkeypatch.setitem(ta._PREFILL_SM90, "WS", ws)
     calls: list[int] = []
     real = ga.prefill_attention_sm90
     monkeypatch.setattr(ga, "prefill_attention_sm90", lambda *a, **kw: calls.append(kw["box"]) or real(*a, **kw))

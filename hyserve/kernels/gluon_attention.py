@@ -54,16 +54,21 @@ def _load_layout(head_dim, num_warps):
 
 
 @gluon.jit
-def _issue_tile(kd, vd, k_bufs, v_bufs, ready, bt_row, t, kvh, pred,
+def _issue_tile(kd, vd, k_bufs, v_bufs, ready, bt_row, t, kvh, limit,
                 BS: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr):
     """TMA loads of key tile t (positions t * BLOCK_N ...) of both pools into ring slot t % STAGES, as
-    BLOCK_N / BOX boxes each, all signalling the slot's barrier. Nothing is issued when not pred."""
+    BLOCK_N / BOX boxes each, all signalling the slot's barrier. Nothing is issued for a tile starting at
+    or past position `limit`; a box past it (whose block-table entry may not exist) loads the tile's first
+    box again, so the byte count stays whole: its rows are masked by the reader."""
     slot = t % STAGES
     bar = ready.index(slot)
+    start = t * BLOCK_N
+    pred = start < limit
     mbarrier.expect(bar, 2 * BLOCK_N * kd.block_type.shape[1] * kd.dtype.primitive_bitwidth // 8, pred=pred)
     col = (kvh * kd.block_type.shape[1]).to(gl.int32)
     for b in gl.static_range(BLOCK_N // BOX):
-        pos = t * BLOCK_N + b * BOX
+        pos = start + b * BOX
+        pos = gl.where(pos < limit, pos, start)
         row = (gl.load(bt_row + pos // BS, mask=pred, other=0) * BS + pos % BS).to(gl.int32)
         tma.async_copy_global_to_shared(kd, [row, col], bar, k_bufs.index(slot).slice(b * BOX, BOX), pred=pred)
         tma.async_copy_global_to_shared(vd, [row, col], bar, v_bufs.index(slot).slice(b * BOX, BOX), pred=pred)
@@ -131,7 +136,7 @@ def _prefill_kernel_sm90(
         full_end = (ctx + m0) // BLOCK_N * BLOCK_N
         nfull = (full_end // BLOCK_N).to(gl.int32)
         for i in gl.static_range(STAGES):
-            _issue_tile(kd, vd, k_bufs, v_bufs, ready, bt_row, i, kvh, i < nfull, BS, BLOCK_N, BOX, STAGES)
+            _issue_tile(kd, vd, k_bufs, v_bufs, ready, bt_row, i, kvh, full_end, BS, BLOCK_N, BOX, STAGES)
 
         offs_m = m0 + gl.arange(0, BLOCK_M, layout=ld_rows)
         offs_d = gl.arange(0, HEAD_DIM, layout=ld_cols)
@@ -162,8 +167,7 @@ def _prefill_kernel_sm90(
             s, acc = warpgroup_mma_wait(0, deps=(s_next, acc))
             # slot j % STAGES (K(j), V(j)) is free once every warp group is past its wait: refill it
             gl.thread_barrier()
-            _issue_tile(kd, vd, k_bufs, v_bufs, ready, bt_row, j + STAGES, kvh, j + STAGES < nfull,
-                        BS, BLOCK_N, BOX, STAGES)
+            _issue_tile(kd, vd, k_bufs, v_bufs, ready, bt_row, j + STAGES, kvh, full_end, BS, BLOCK_N, BOX, STAGES)
         if nfull > 0:
             m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
             acc = warpgroup_mma(p, v_bufs.index((nfull - 1) % STAGES), acc * alpha[:, None])
@@ -204,6 +208,135 @@ def _prefill_kernel_sm90(
                  mask=(offs_om < n)[:, None])
 
 
+# --------------------------------------------------------------------------- warp-specialised variant
+
+
+@gluon.jit
+def _ws_loader(kd, vd, k_bufs, v_bufs, ready, empty, bt_row, kvh, ntiles, kv_end,
+               BS: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr):
+    """Producer warp: key tiles 0 .. ntiles-1 into the ring, each once both consumers have released its
+    slot (empty barriers start released: the first pass waits on the phase before)."""
+    for t in range(ntiles):
+        slot = t % STAGES
+        mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
+        _issue_tile(kd, vd, k_bufs, v_bufs, ready, bt_row, t, kvh, kv_end, BS, BLOCK_N, BOX, STAGES)
+
+
+@gluon.jit
+def _ws_consumer(q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, q0, n, m0, ctx, h, nfull, ntiles, kv_end,
+                 qk_scale, s_q_t, s_q_h, s_o_t, s_o_h,
+                 HALF: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, DT: gl.constexpr):
+    """One warp group: query rows m0 + HALF * ROWS .. + ROWS of the block against every key tile the
+    producer loads (the first nfull unmasked, the rest masked on position), releasing each slot after its
+    PV product. The two consumers run unsynchronised, so one's softmax overlaps the other's products."""
+    WARPS: gl.constexpr = 4
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    ld: gl.constexpr = _load_layout(HEAD_DIM, WARPS)
+    ld_rows: gl.constexpr = gl.SliceLayout(1, ld)
+    ld_cols: gl.constexpr = gl.SliceLayout(0, ld)
+
+    r0 = m0 + HALF * ROWS
+    q_smem = q_bufs.index(HALF)
+    offs_m = r0 + gl.arange(0, ROWS, layout=ld_rows)
+    offs_d = gl.arange(0, HEAD_DIM, layout=ld_cols)
+    q = gl.load(q_ptr + (q0 + offs_m)[:, None] * s_q_t + h * s_q_h + offs_d[None, :],
+                mask=(offs_m < n)[:, None], other=0.0)
+    q_smem.store(q)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    qpos = ctx + r0 + gl.arange(0, ROWS, layout=s_rows)
+    offs_sn = gl.arange(0, BLOCK_N, layout=s_cols)
+    offs_vn = gl.arange(0, BLOCK_N, layout=ld_rows)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
+    l_i = gl.zeros([ROWS], gl.float32, s_rows)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    for t in range(ntiles):
+        slot = t % STAGES
+        mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)),
+                          gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False)
+        if t >= nfull:  # the band: causal and length masks
+            pos = t * BLOCK_N + offs_sn
+            s = gl.where((pos < kv_end)[None, :] & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
+            if (t + 1) * BLOCK_N > kv_end:
+                # rows past kv_end hold whatever the pool (or an unloaded box) had, NaN included, and
+                # P = 0 times NaN is NaN: zero them (the other consumer writes the same zeros)
+                v = v_bufs.index(slot).load(ld)
+                v = gl.where((t * BLOCK_N + offs_vn < kv_end)[:, None], v, gl.zeros_like(v))
+                v_bufs.index(slot).store(v)
+                fence_async_shared()
+                gl.thread_barrier()
+        m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
+        acc = warpgroup_mma(p, v_bufs.index(slot), acc * alpha[:, None])
+        gl.thread_barrier()  # every warp of this group is done with the slot
+        mbarrier.arrive(empty.index(slot), count=1)
+
+    out = acc / gl.convert_layout(l_i, o_rows)[:, None]
+    offs_om = r0 + gl.arange(0, ROWS, layout=o_rows)
+    offs_od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    gl.store(out_ptr + (q0 + offs_om)[:, None] * s_o_t + h * s_o_h + offs_od[None, :], out.to(DT),
+             mask=(offs_om < n)[:, None])
+
+
+@gluon.jit(do_not_specialize=["seq_offset", "s_bt_s"])
+def _prefill_kernel_sm90_ws(
+    q_ptr, kc_ptr, vc_ptr, kd, vd, bt_ptr, lens_ptr, cu_ptr, out_ptr,
+    seq_offset, qk_scale,
+    s_q_t, s_q_h,
+    s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h,
+    s_bt_s, s_o_t, s_o_h,
+    BS: gl.constexpr, REP: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """The same step as _prefill_kernel_sm90 with warp specialisation: a producer warp streams the key
+    tiles (band included) through the ring, two consumer warp groups take BLOCK_M / 2 query rows each."""
+    DT: gl.constexpr = kd.dtype
+    ROWS: gl.constexpr = BLOCK_M // 2
+    h = gl.program_id(0)
+    mb = gl.num_programs(1) - 1 - gl.program_id(1)
+    seq = seq_offset + gl.program_id(2).to(gl.int64)
+    q0 = gl.load(cu_ptr + seq).to(gl.int64)
+    n = gl.load(cu_ptr + seq + 1).to(gl.int64) - q0
+    m0 = mb * BLOCK_M
+    L = gl.load(lens_ptr + seq).to(gl.int64)
+    ctx = L - n
+    kvh = h // REP
+    bt_row = bt_ptr + seq * s_bt_s
+    full_end = (ctx + m0) // BLOCK_N * BLOCK_N
+    nfull = (full_end // BLOCK_N).to(gl.int32)
+    kv_end = gl.minimum(L, ctx + m0 + BLOCK_M)
+    ntiles = gl.where(m0 < n, (kv_end + BLOCK_N - 1) // BLOCK_N, 0).to(gl.int32)  # nothing past the sequence
+
+    q_bufs = gl.allocate_shared_memory(DT, [2, ROWS, HEAD_DIM], kd.layout)
+    k_bufs = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, HEAD_DIM], kd.layout)
+    v_bufs = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, HEAD_DIM], vd.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warp group
+    gl.warp_specialize([
+        (_ws_consumer, (q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, q0, n, m0, ctx, h, nfull, ntiles,
+                        kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 0, ROWS, HEAD_DIM, BLOCK_N, STAGES, DT)),
+        (_ws_consumer, (q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, q0, n, m0, ctx, h, nfull, ntiles,
+                        kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 1, ROWS, HEAD_DIM, BLOCK_N, STAGES, DT)),
+        (_ws_loader, (kd, vd, k_bufs, v_bufs, ready, empty, bt_row, kvh, ntiles, kv_end, BS, BLOCK_N, BOX, STAGES)),
+    ], [4, 1], [240, 24])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
 # --------------------------------------------------------------------------- launcher
 
 
@@ -233,22 +366,29 @@ def _pool_descriptor(cache: torch.Tensor, box: int) -> TensorDescriptor:
 def prefill_attention_sm90(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     lens_t: torch.Tensor, cu_t: torch.Tensor, out: torch.Tensor, seq_offset: int, num_seqs: int, max_new: int,
-    qk_scale: float, *, box: int, BLOCK_M: int, BLOCK_N: int, STAGES: int, num_warps: int,
+    qk_scale: float, *, box: int, BLOCK_M: int, BLOCK_N: int, STAGES: int, num_warps: int, WS: bool = False,
 ) -> None:
     """out[rows of sequences seq_offset .. seq_offset + num_seqs) = attention of those prefill/extend
     sequences (the launcher's checks done; `box` from `sm90_prefill_box`). lens_t / cu_t: the step's
-    device seq_lens and cumulative new-token offsets."""
+    device seq_lens and cumulative new-token offsets. WS: the warp-specialised kernel (two consumer warp
+    groups of BLOCK_M / 2 rows and a producer warp; num_warps is then the 4 of a consumer)."""
     T, Hq, Dh = q.shape
     Hkv = k_cache.shape[2]
-    assert BLOCK_M == 16 * num_warps * (BLOCK_M // (16 * num_warps)) and BLOCK_N % box == 0
-    _prefill_kernel_sm90[(Hq, triton.cdiv(max_new, BLOCK_M), num_seqs)](
+    assert BLOCK_N % box == 0
+    if WS:
+        kernel, extra = _prefill_kernel_sm90_ws, dict(num_warps=4, maxnreg=168)  # 3 warp groups share 64k registers
+        assert BLOCK_M == 128
+    else:
+        kernel, extra = _prefill_kernel_sm90, dict(num_warps=num_warps)
+        assert BLOCK_M % (16 * num_warps) == 0
+    kernel[(Hq, triton.cdiv(max_new, BLOCK_M), num_seqs)](
         q, k_cache, v_cache, _pool_descriptor(k_cache, box), _pool_descriptor(v_cache, box), block_tables,
         lens_t, cu_t, out, seq_offset, qk_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         BS=k_cache.shape[1], REP=Hq // Hkv, HEAD_DIM=Dh, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BOX=box, STAGES=STAGES,
-        num_warps=num_warps,
+        **extra,
     )
 
 
