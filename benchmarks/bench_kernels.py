@@ -626,18 +626,15 @@ _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
     ("N64 w4 s3, 2x programs", dict(BLOCK_N=64), 132 * 8, 256),
 ]
 # The default on Hopper is the Gluon kernel (gluon_attention.py; "sm90" entries change its settings,
-# `triton_attention._PREFILL_SM90`); GLUON=False entries time the Triton kernel instead. There, TMA: key
-# tiles through tensor descriptors, one box or two per tile (each box within one of the pool's 64-token
-# blocks; the folded-scale softmax); EXP_FMA: exponentials of one box or both computed on the multiply-add
-# pipes (`triton_common.exp2_fma`, the special function unit doing the rest); INTERLEAVE: the first box's
-# PV product issued before the second box's exponentials. Earlier sweeps (benchmarks/README.md, sixth
-# session) also timed pointer loads, 2 stages, 64-key tiles, compiler warp specialisation and a query
-# block split in two halves: dropped.
+# `triton_attention._PREFILL_SM90`; a lock-step Gluon version measured 1.2x slower, attn_sweep_b308941);
+# GLUON=False entries time the Triton kernel instead: key tiles through tensor descriptors, one box or two
+# per tile (each box within one of the pool's 64-token blocks; the folded-scale softmax). Earlier sweeps
+# (benchmarks/README.md) also timed pointer loads, 2 stages, 64-key tiles, compiler warp specialisation, a
+# query block split in two halves, exponentials on the multiply-add pipes and an interleaved PV: dropped.
 _PREFILL_SWEEP: list[tuple[str, dict]] = [
     ("default", {}),
-    ("Gluon M128 N128 2 stages", dict(sm90=dict(STAGES=2))),
-    ("Gluon warp-specialised M128 N128 2 stages", dict(sm90=dict(WS=True, STAGES=2))),
-    ("Gluon warp-specialised M128 N128 3 stages", dict(sm90=dict(WS=True, STAGES=3))),
+    ("Gluon M128 N128 3 stages", dict(sm90=dict(STAGES=3))),
+    ("Gluon M128 N128 2 stages, S(j+1) issued before the softmax of S(j)", dict(sm90=dict(OVERLAP=True))),
     ("Triton M128 N128 w8 s3 TMA", dict(GLUON=False)),
 ]
 

@@ -20,25 +20,24 @@ from hyserve.kernels.triton_attention import _PREFILL_SM90
 
 def main() -> None:
     cfg, result = _PREFILL_SM90, {}
-    for D, bs, ws in ((128, 64, False), (64, 16, False), (128, 64, True), (64, 16, True)):
+    for D, bs in ((128, 64), (64, 16)):
         box = min(bs, cfg["BLOCK_N"])
         pool = torch.zeros(4, bs, 2, D, dtype=torch.bfloat16)
         desc = ga._pool_descriptor(pool, box)
         idx = torch.zeros(2, dtype=torch.int32)
         ptrs = dict(q_ptr=pool, kc_ptr=pool, vc_ptr=pool, kd=desc, vd=desc, bt_ptr=idx, lens_ptr=idx, cu_ptr=idx,
                     out_ptr=pool)
-        warps = 4 if ws else cfg["num_warps"]
-        kernel = ga._prefill_kernel_sm90_ws if ws else ga._prefill_kernel_sm90
+        kernel = ga._prefill_kernel_sm90
         const = dict(BS=bs, REP=5, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BOX=box,
-                     STAGES=cfg["STAGES"], num_warps=warps)
+                     STAGES=cfg["STAGES"], OVERLAP=cfg["OVERLAP"], num_warps=cfg["num_warps"])
         # the signature in parameter order: tensors, descriptors, the float scale, int32 scalars, constants
         sig = {name: mangle_type(ptrs[name]) if name in ptrs else "constexpr" if name in const
                else "fp32" if name == "qk_scale" else "i32" for name in kernel.arg_names}
         src = GluonASTSource(kernel, sig, constexprs=const)
-        options = dict(num_warps=warps, **(dict(maxnreg=168) if ws else {}))
+        options = dict(num_warps=cfg["num_warps"], maxnreg=168)  # as the launcher
         k = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         ptx = k.asm["ptx"]
-        result[f"D{D} bs{bs}{' ws' if ws else ''}"] = dict(shared=k.metadata.shared, wgmma="wgmma.mma_async" in ptx,
+        result[f"D{D} bs{bs}"] = dict(shared=k.metadata.shared, wgmma="wgmma.mma_async" in ptx,
                                       tma="cp.async.bulk.tensor" in ptx)
     print(json.dumps(result))
 

@@ -1,24 +1,26 @@
 """Prefill/extend paged attention for Hopper (sm_90) written in Gluon, Triton's lower-level dialect.
 
 Same contract and step layout as `triton_attention._prefill_kernel` (grid: q heads fastest, query blocks
-longest-first, sequences; causal on absolute positions; key tiles wholly below a query block's diagonal
-unmasked, the band up to its last query masked). What Gluon lets this kernel do that a `tl.dot` loop
-does not: issue the tensor-core products itself and keep them in flight across the softmax.
+of BLOCK_M rows longest-first, sequences; causal on absolute positions; key tiles wholly below a query
+block's diagonal unmasked, the band up to its last query masked). What Gluon gives that a `tl.dot` loop
+does not: warp specialisation, with the tensor-core products issued by the warp groups that own them.
 
-    Q tile      [BLOCK_M, D]  loaded once into shared memory (the A operand of every score product).
-    K/V rings   STAGES slots each of [BLOCK_N, D] for K and for V, filled by TMA from tensor descriptors
-                over the pools flattened to [blocks * BS, kv_heads * D] (a tile is BLOCK_N / BOX boxes,
-                each inside one pool block); slot t % STAGES holds key tile t, its mbarrier (one per
-                slot and pool) flips once per fill.
-    loop j      S(j+1) = Q K(j+1)^T is issued (async) before the softmax of S(j); then O is rescaled
-                (once PV(j-1) has finished) and PV(j) = P(j) V(j) is issued (async, P from registers);
-                then S(j+1) is awaited, PV(j) left running into the next softmax. So the tensor cores
-                work while the exponentials run: the overlap a `tl.dot` loop does not get.
-    refill      once PV(j-1) is done in every warp group (a CTA barrier), V tile j + STAGES - 1 goes
-                into the slot PV(j-1) read and K tile j + STAGES into the one S(j) read (K runs a tile
-                ahead of V: S(j+1) is issued before PV(j)).
-    band        the masked tiles along the diagonal load with pointer loads (rows past the sequence read
-                as zeros, not whatever the pool holds) into ring slot 0 after the ring has drained.
+    producer    one warp (24 registers) streams the block's key tiles, band included, through a ring of
+                STAGES slots of [BLOCK_N, D] for K and V: TMA from tensor descriptors over the pools
+                flattened to [blocks * BS, kv_heads * D], a tile as BLOCK_N / BOX boxes each inside one
+                pool block. A slot's `ready` barrier flips when its bytes land; the producer refills it
+                once its `empty` barrier has had an arrival from each consumer.
+    consumers   two warp groups (240 registers each), rows [0, BLOCK_M/2) and [BLOCK_M/2, BLOCK_M) of the
+                query block, Q in shared memory: S = Q K^T (warp-group MMA), masks on band tiles, online
+                softmax in float32 (exp2, scale folded into one multiply-add), O += P V with P from
+                registers, then release the slot. They run unsynchronised, so one group's softmax
+                overlaps the other's products: the overlap that a lock-step loop lacks.
+    band        rows past the sequence in a band tile hold whatever the pool had (NaN included); their
+                scores are masked and their V rows zeroed in shared memory before the PV product.
+
+Measured on the H200 (8k causal, 40/8 heads, d128, bf16): 1.42 ms against 1.72 ms for a lock-step Gluon
+version with the products issued ahead of the softmax and 1.85 ms for the Triton kernel
+(benchmarks/results/attn_sweep_b308941.md).
 
 The launcher (`triton_attention.paged_attention_triton`) takes this path on compute capability 9.x for
 16-bit queries over a 16-bit pool of the same dtype whose tiles fit TMA boxes (`sm90_prefill_box`);
@@ -85,130 +87,7 @@ def _softmax(s, m_i, l_i, qk_scale, DT: gl.constexpr, p_layout: gl.constexpr, o_
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return m_new, l_i, gl.convert_layout(p.to(DT), p_layout), gl.convert_layout(alpha, o_rows)
 
-
-# block-table width changes from step to step: not specialised (as the Triton kernel)
-@gluon.jit(do_not_specialize=["seq_offset", "s_bt_s"])
-def _prefill_kernel_sm90(
-    q_ptr, kc_ptr, vc_ptr, kd, vd, bt_ptr, lens_ptr, cu_ptr, out_ptr,
-    seq_offset, qk_scale,
-    s_q_t, s_q_h,
-    s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h,
-    s_bt_s, s_o_t, s_o_h,
-    BS: gl.constexpr, REP: gl.constexpr, HEAD_DIM: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
-):
-    DT: gl.constexpr = kd.dtype
-    # the products' accumulator layouts (one warp per 16 query rows) and the P operand / row layouts
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    ld: gl.constexpr = _load_layout(HEAD_DIM, num_warps)
-    ld_rows: gl.constexpr = gl.SliceLayout(1, ld)
-    ld_cols: gl.constexpr = gl.SliceLayout(0, ld)
-
-    h = gl.program_id(0)
-    mb = gl.num_programs(1) - 1 - gl.program_id(1)
-    seq = seq_offset + gl.program_id(2).to(gl.int64)
-    q0 = gl.load(cu_ptr + seq).to(gl.int64)
-    n = gl.load(cu_ptr + seq + 1).to(gl.int64) - q0
-    m0 = mb * BLOCK_M
-    if m0 < n:
-        L = gl.load(lens_ptr + seq).to(gl.int64)
-        ctx = L - n  # cached tokens before this step's new ones
-        kvh = h // REP
-        bt_row = bt_ptr + seq * s_bt_s
-
-        q_smem = gl.allocate_shared_memory(DT, [BLOCK_M, HEAD_DIM], kd.layout)
-        k_bufs = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, HEAD_DIM], kd.layout)
-        v_bufs = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, HEAD_DIM], vd.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-
-        # Keys before ctx + m0 are visible to every query of this block: nfull whole tiles, unmasked.
-        # Tiles 0 .. STAGES-1 in flight before the loop.
-        full_end = (ctx + m0) // BLOCK_N * BLOCK_N
-        nfull = (full_end // BLOCK_N).to(gl.int32)
-        for i in gl.static_range(STAGES):
-            _issue_tile(kd, vd, k_bufs, v_bufs, ready, bt_row, i, kvh, full_end, BS, BLOCK_N, BOX, STAGES)
-
-        offs_m = m0 + gl.arange(0, BLOCK_M, layout=ld_rows)
-        offs_d = gl.arange(0, HEAD_DIM, layout=ld_cols)
-        q = gl.load(q_ptr + (q0 + offs_m)[:, None] * s_q_t + h * s_q_h + offs_d[None, :],
-                    mask=(offs_m < n)[:, None], other=0.0)
-        q_smem.store(q)
-        fence_async_shared()
-        gl.thread_barrier()
-
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, s_rows)
-        l_i = gl.zeros([BLOCK_M], gl.float32, s_rows)
-        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-        s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        if nfull > 0:
-            mbarrier.wait(ready.index(0), 0)
-            s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s, use_acc=False)
-        for j in range(0, nfull - 1):
-            # S(j) is in s. Issue S(j+1), run the softmax of S(j) meanwhile, then PV(j); wait for both
-            # before the loop goes round (a product left in flight across it makes ptxas serialise all
-            # of them: its accumulator registers get copied)
-            nxt = (j + 1) % STAGES
-            mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
-            s_next = warpgroup_mma(q_smem, k_bufs.index(nxt).permute((1, 0)),
-                                   gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
-                                   is_async=True)
-            m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
-            acc = warpgroup_mma(p, v_bufs.index(j % STAGES), acc * alpha[:, None], is_async=True)
-            s, acc = warpgroup_mma_wait(0, deps=(s_next, acc))
-            # slot j % STAGES (K(j), V(j)) is free once every warp group is past its wait: refill it
-            gl.thread_barrier()
-            _issue_tile(kd, vd, k_bufs, v_bufs, ready, bt_row, j + STAGES, kvh, full_end, BS, BLOCK_N, BOX, STAGES)
-        if nfull > 0:
-            m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
-            acc = warpgroup_mma(p, v_bufs.index((nfull - 1) % STAGES), acc * alpha[:, None])
-
-        # the band: masked tiles up to the block's last query, pointer-loaded into slot 0
-        kv_end = gl.minimum(L, ctx + m0 + BLOCK_M)
-        qpos = ctx + m0 + gl.arange(0, BLOCK_M, layout=s_rows)
-        offs_kn = gl.arange(0, BLOCK_N, layout=ld_rows)
-        offs_sn = gl.arange(0, BLOCK_N, layout=s_cols)
-        for start in range(full_end, kv_end, BLOCK_N):
-            pos = start + offs_kn
-            mn = pos < kv_end
-            blk = gl.load(bt_row + pos // BS, mask=mn, other=0).to(gl.int64)
-            r = pos % BS
-            k = gl.load(kc_ptr + blk[:, None] * s_kc_b + r[:, None] * s_kc_r + kvh * s_kc_h + offs_d[None, :],
-                        mask=mn[:, None], other=0.0)
-            v = gl.load(vc_ptr + blk[:, None] * s_vc_b + r[:, None] * s_vc_r + kvh * s_vc_h + offs_d[None, :],
-                        mask=mn[:, None], other=0.0)
-            gl.thread_barrier()  # every warp group's products on slot 0 are done
-            k_bufs.index(0).store(k)
-            v_bufs.index(0).store(v)
-            fence_async_shared()
-            gl.thread_barrier()
-            s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)),
-                              gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False)
-            spos = start + offs_sn
-            ok = (spos < kv_end)[None, :] & (spos[None, :] <= qpos[:, None])
-            s = gl.where(ok, s, float("-inf"))
-            m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
-            acc = warpgroup_mma(p, v_bufs.index(0), acc * alpha[:, None])
-
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(i))
-        out = acc / gl.convert_layout(l_i, o_rows)[:, None]
-        offs_om = m0 + gl.arange(0, BLOCK_M, layout=o_rows)
-        offs_od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        gl.store(out_ptr + (q0 + offs_om)[:, None] * s_o_t + h * s_o_h + offs_od[None, :], out.to(DT),
-                 mask=(offs_om < n)[:, None])
-
-
-# --------------------------------------------------------------------------- warp-specialised variant
+# --------------------------------------------------------------------------- kernel
 
 
 @gluon.jit
@@ -223,10 +102,26 @@ def _ws_loader(kd, vd, k_bufs, v_bufs, ready, empty, bt_row, kvh, ntiles, kv_end
 
 
 @gluon.jit
+def _ws_band(s, v_smem, t, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N: gl.constexpr, ld: gl.constexpr):
+    """Scores of key tile t with the causal and length masks when t is a band tile (t >= nfull); V rows
+    past kv_end zeroed in shared memory: they hold whatever the pool (or a repeated box) had, NaN
+    included, and P = 0 times NaN is NaN (the other consumer writes the same zeros)."""
+    if t >= nfull:
+        pos = t * BLOCK_N + offs_sn
+        s = gl.where((pos < kv_end)[None, :] & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
+        if (t + 1) * BLOCK_N > kv_end:
+            v = v_smem.load(ld)
+            v_smem.store(gl.where((t * BLOCK_N + offs_vn < kv_end)[:, None], v, gl.zeros_like(v)))
+            fence_async_shared()
+            gl.thread_barrier()
+    return s
+
+
+@gluon.jit
 def _ws_consumer(q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, q0, n, m0, ctx, h, nfull, ntiles, kv_end,
                  qk_scale, s_q_t, s_q_h, s_o_t, s_o_h,
                  HALF: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, DT: gl.constexpr):
+                 STAGES: gl.constexpr, DT: gl.constexpr, OVERLAP: gl.constexpr):
     """One warp group: query rows m0 + HALF * ROWS .. + ROWS of the block against every key tile the
     producer loads (the first nfull unmasked, the rest masked on position), releasing each slot after its
     PV product. The two consumers run unsynchronised, so one's softmax overlaps the other's products."""
@@ -259,26 +154,42 @@ def _ws_consumer(q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, q0, n, m0
     m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
     l_i = gl.zeros([ROWS], gl.float32, s_rows)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-    for t in range(ntiles):
-        slot = t % STAGES
-        mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
-        s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)),
-                          gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False)
-        if t >= nfull:  # the band: causal and length masks
-            pos = t * BLOCK_N + offs_sn
-            s = gl.where((pos < kv_end)[None, :] & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
-            if (t + 1) * BLOCK_N > kv_end:
-                # rows past kv_end hold whatever the pool (or an unloaded box) had, NaN included, and
-                # P = 0 times NaN is NaN: zero them (the other consumer writes the same zeros)
-                v = v_bufs.index(slot).load(ld)
-                v = gl.where((t * BLOCK_N + offs_vn < kv_end)[:, None], v, gl.zeros_like(v))
-                v_bufs.index(slot).store(v)
-                fence_async_shared()
-                gl.thread_barrier()
-        m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
-        acc = warpgroup_mma(p, v_bufs.index(slot), acc * alpha[:, None])
-        gl.thread_barrier()  # every warp of this group is done with the slot
-        mbarrier.arrive(empty.index(slot), count=1)
+    if OVERLAP:
+        # S(t+1) is issued before the softmax of S(t); both products are awaited before the loop goes round
+        s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+        if ntiles > 0:
+            mbarrier.wait(ready.index(0), 0)
+            s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s, use_acc=False)
+        for t in range(ntiles - 1):
+            slot = t % STAGES
+            nslot = (t + 1) % STAGES
+            mbarrier.wait(ready.index(nslot), ((t + 1) // STAGES) & 1)
+            s_next = warpgroup_mma(q_smem, k_bufs.index(nslot).permute((1, 0)),
+                                   gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+            s = _ws_band(s, v_bufs.index(slot), t, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N, ld)
+            m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
+            acc = warpgroup_mma(p, v_bufs.index(slot), acc * alpha[:, None], is_async=True)
+            s, acc = warpgroup_mma_wait(0, deps=(s_next, acc))
+            gl.thread_barrier()  # every warp of this group is done with the slot
+            mbarrier.arrive(empty.index(slot), count=1)
+        if ntiles > 0:
+            slot = (ntiles - 1) % STAGES
+            s = _ws_band(s, v_bufs.index(slot), ntiles - 1, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N, ld)
+            m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
+            acc = warpgroup_mma(p, v_bufs.index(slot), acc * alpha[:, None])
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(slot), count=1)
+    else:
+        for t in range(ntiles):
+            slot = t % STAGES
+            mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+            s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)),
+                              gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False)
+            s = _ws_band(s, v_bufs.index(slot), t, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N, ld)
+            m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
+            acc = warpgroup_mma(p, v_bufs.index(slot), acc * alpha[:, None])
+            gl.thread_barrier()  # every warp of this group is done with the slot
+            mbarrier.arrive(empty.index(slot), count=1)
 
     out = acc / gl.convert_layout(l_i, o_rows)[:, None]
     offs_om = r0 + gl.arange(0, ROWS, layout=o_rows)
@@ -288,7 +199,7 @@ def _ws_consumer(q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, q0, n, m0
 
 
 @gluon.jit(do_not_specialize=["seq_offset", "s_bt_s"])
-def _prefill_kernel_sm90_ws(
+def _prefill_kernel_sm90(
     q_ptr, kc_ptr, vc_ptr, kd, vd, bt_ptr, lens_ptr, cu_ptr, out_ptr,
     seq_offset, qk_scale,
     s_q_t, s_q_h,
@@ -296,10 +207,10 @@ def _prefill_kernel_sm90_ws(
     s_bt_s, s_o_t, s_o_h,
     BS: gl.constexpr, REP: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
+    OVERLAP: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """The same step as _prefill_kernel_sm90 with warp specialisation: a producer warp streams the key
-    tiles (band included) through the ring, two consumer warp groups take BLOCK_M / 2 query rows each."""
+    """A producer warp streams the key tiles (band included) through the ring, two consumer warp groups take
+    BLOCK_M / 2 query rows each (the module docstring)."""
     DT: gl.constexpr = kd.dtype
     ROWS: gl.constexpr = BLOCK_M // 2
     h = gl.program_id(0)
@@ -327,9 +238,9 @@ def _prefill_kernel_sm90_ws(
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warp group
     gl.warp_specialize([
         (_ws_consumer, (q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, q0, n, m0, ctx, h, nfull, ntiles,
-                        kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 0, ROWS, HEAD_DIM, BLOCK_N, STAGES, DT)),
+                        kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 0, ROWS, HEAD_DIM, BLOCK_N, STAGES, DT, OVERLAP)),
         (_ws_consumer, (q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, q0, n, m0, ctx, h, nfull, ntiles,
-                        kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 1, ROWS, HEAD_DIM, BLOCK_N, STAGES, DT)),
+                        kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 1, ROWS, HEAD_DIM, BLOCK_N, STAGES, DT, OVERLAP)),
         (_ws_loader, (kd, vd, k_bufs, v_bufs, ready, empty, bt_row, kvh, ntiles, kv_end, BS, BLOCK_N, BOX, STAGES)),
     ], [4, 1], [240, 24])
     for i in gl.static_range(STAGES):
@@ -366,29 +277,24 @@ def _pool_descriptor(cache: torch.Tensor, box: int) -> TensorDescriptor:
 def prefill_attention_sm90(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     lens_t: torch.Tensor, cu_t: torch.Tensor, out: torch.Tensor, seq_offset: int, num_seqs: int, max_new: int,
-    qk_scale: float, *, box: int, BLOCK_M: int, BLOCK_N: int, STAGES: int, num_warps: int, WS: bool = False,
+    qk_scale: float, *, box: int, BLOCK_M: int, BLOCK_N: int, STAGES: int, num_warps: int, OVERLAP: bool,
 ) -> None:
     """out[rows of sequences seq_offset .. seq_offset + num_seqs) = attention of those prefill/extend
     sequences (the launcher's checks done; `box` from `sm90_prefill_box`). lens_t / cu_t: the step's
-    device seq_lens and cumulative new-token offsets. WS: the warp-specialised kernel (two consumer warp
-    groups of BLOCK_M / 2 rows and a producer warp; num_warps is then the 4 of a consumer)."""
+    device seq_lens and cumulative new-token offsets. num_warps: a consumer warp group's 4; OVERLAP: see
+    _ws_consumer."""
     T, Hq, Dh = q.shape
     Hkv = k_cache.shape[2]
-    assert BLOCK_N % box == 0
-    if WS:
-        kernel, extra = _prefill_kernel_sm90_ws, dict(num_warps=4, maxnreg=168)  # 3 warp groups share 64k registers
-        assert BLOCK_M == 128
-    else:
-        kernel, extra = _prefill_kernel_sm90, dict(num_warps=num_warps)
-        assert BLOCK_M % (16 * num_warps) == 0
-    kernel[(Hq, triton.cdiv(max_new, BLOCK_M), num_seqs)](
+    assert BLOCK_N % box == 0 and BLOCK_M == 128 and num_warps == 4
+    # three warp groups (two consumers, the producer's) share the 64k registers: 168 x 384 threads
+    _prefill_kernel_sm90[(Hq, triton.cdiv(max_new, BLOCK_M), num_seqs)](
         q, k_cache, v_cache, _pool_descriptor(k_cache, box), _pool_descriptor(v_cache, box), block_tables,
         lens_t, cu_t, out, seq_offset, qk_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         BS=k_cache.shape[1], REP=Hq // Hkv, HEAD_DIM=Dh, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BOX=box, STAGES=STAGES,
-        **extra,
+        OVERLAP=OVERLAP, num_warps=num_warps, maxnreg=168,
     )
 
 

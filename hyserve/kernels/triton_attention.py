@@ -46,7 +46,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hyserve.kernels.attention import FP8_KV_DTYPES, check_kv_scales
-from hyserve.kernels.triton_common import dot, dot_acc, exp2_fma
+from hyserve.kernels.triton_common import dot, dot_acc
 
 _LOG2E = 1.4426950408889634
 
@@ -185,35 +185,17 @@ def _online_softmax_step_fold(qk, v, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr
 
 
 @triton.jit
-def _exp2_on(x, FMA: tl.constexpr):
-    if FMA:
-        r = exp2_fma(x)
-    else:
-        r = tl.exp2(x)
-    return r
-
-
-@triton.jit
-def _two_box_step(qka, qkb, va, vb, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, EXP_FMA: tl.constexpr,
-                  INTERLEAVE: tl.constexpr):
+def _two_box_step(qka, qkb, va, vb, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
     """_online_softmax_step_fold for a key tile held as two boxes: raw scores qka / qkb against the boxes'
-    keys, their V rows va / vb; one max / rescale for the whole tile, both PV products into acc. EXP_FMA
-    (0-2): how many of the two boxes' exponentials run on the multiply-add pipes (exp2_fma), sharing the
-    work with the special function unit. INTERLEAVE: box a's PV product is issued before box b's
-    exponentials, which may then run while the tensor cores work."""
+    keys, their V rows va / vb; one max / rescale for the whole tile, both PV products into acc. (Computing
+    exponentials on the multiply-add pipes, or issuing box a's PV product before box b's exponentials,
+    measured 3-26% slower: attn_sweep_82fa4c4.)"""
     m_new = tl.maximum(m_i, tl.maximum(tl.max(qka, axis=1), tl.max(qkb, axis=1)) * qk_scale)
-    if INTERLEAVE:
-        alpha = tl.exp2(m_i - m_new)
-        pa = _exp2_on(qka * qk_scale - m_new[:, None], EXP_FMA >= 2)
-        acc = dot_acc(pa.to(va.dtype), va, acc * alpha[:, None], IEEE)
-        pb = _exp2_on(qkb * qk_scale - m_new[:, None], EXP_FMA >= 1)
-        acc = dot_acc(pb.to(vb.dtype), vb, acc, IEEE)
-    else:
-        pa = _exp2_on(qka * qk_scale - m_new[:, None], EXP_FMA >= 2)
-        pb = _exp2_on(qkb * qk_scale - m_new[:, None], EXP_FMA >= 1)
-        alpha = tl.exp2(m_i - m_new)
-        acc = dot_acc(pa.to(va.dtype), va, acc * alpha[:, None], IEEE)
-        acc = dot_acc(pb.to(vb.dtype), vb, acc, IEEE)
+    pa = tl.exp2(qka * qk_scale - m_new[:, None])
+    pb = tl.exp2(qkb * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    acc = dot_acc(pa.to(va.dtype), va, acc * alpha[:, None], IEEE)
+    acc = dot_acc(pb.to(vb.dtype), vb, acc, IEEE)
     l_i = l_i * alpha + tl.sum(pa, axis=1) + tl.sum(pb, axis=1)
     return m_new, l_i, acc
 
@@ -347,12 +329,12 @@ def _prefill_kernel(
     s_bt_s, s_o_t, s_o_h,
     BS: tl.constexpr, REP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, KV_SCALED: tl.constexpr,
-    TMA: tl.constexpr, EXP_FMA: tl.constexpr, INTERLEAVE: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # TMA 1 / 2: kd / vd are tensor descriptors over the pools as [blocks * BS, kv_heads * HEAD_DIM] and
     # the unmasked tiles load through them, as one box of BLOCK_N rows or two of BLOCK_N / 2 (each within
     # one block), with the folded-scale softmax step (measured faster there, slower with pointer loads);
-    # TMA 0: pointer loads, kd / vd unused. EXP_FMA, INTERLEAVE: see _two_box_step (TMA 2 only).
+    # TMA 0: pointer loads, kd / vd unused.
     # q heads fastest (the REP heads of a KV head run together and share its tiles in L2), then the
     # query blocks from the last (longest causal row) to the first, so the short ones fill the tail
     h = tl.program_id(0)
@@ -393,7 +375,7 @@ def _prefill_kernel(
             kb, vb = _load_kv_box(kd, vd, bt_row, start + BLOCK_N // 2, kvh, BS, HEAD_DIM)
             ka, va, kb, vb = ka.to(q.dtype), va.to(q.dtype), kb.to(q.dtype), vb.to(q.dtype)
             m_i, l_i, acc = _two_box_step(dot(q, tl.trans(ka), IEEE), dot(q, tl.trans(kb), IEEE), va, vb,
-                                          m_i, l_i, acc, qk_scale, IEEE, EXP_FMA, INTERLEAVE)
+                                          m_i, l_i, acc, qk_scale, IEEE)
         elif TMA == 1:
             k, v = _load_kv_box(kd, vd, bt_row, start, kvh, BS, HEAD_DIM)
             m_i, l_i, acc = _online_softmax_step_fold(dot(q, tl.trans(k.to(q.dtype)), IEEE), v.to(q.dtype),
@@ -440,11 +422,12 @@ _MAX_SPLITS = 128
 _DECODE_GPU = dict(BLOCK_N=128, num_warps=4, num_stages=3)
 # Prefill on a GPU: key tiles through tensor descriptors where the pool allows (TMA, with the folded-scale
 # softmax); measured 1-9% faster than pointer loads at 8k / 2k-over-6k (attn_sweep_eef8ba1, _9bc82e5).
-# GLUON: on Hopper, the Gluon kernel (gluon_attention.py: score products issued ahead of the softmax) takes
-# the steps it can, with the settings in _PREFILL_SM90; the Triton kernel the rest.
+# GLUON: on Hopper, the Gluon kernel (gluon_attention.py: a producer warp, two consumer warp groups) takes
+# the steps it can, with the settings in _PREFILL_SM90 (attn_sweep_b308941: 1.42 ms at 8k against the
+# Triton kernel's 1.85 ms); the Triton kernel the rest.
 _PREFILL_GPU = {128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, TMA=True, GLUON=True),  # D_PAD <= 128
                 256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
-_PREFILL_SM90 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, num_warps=8, WS=False)
+_PREFILL_SM90 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, num_warps=4, OVERLAP=False)
 _DECODE_CPU = dict(BLOCK_N=16, num_warps=4, num_stages=1)
 _PREFILL_CPU = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
@@ -569,7 +552,7 @@ def paged_attention_triton(
             return out
         # tensor-descriptor key tiles as one box or two, whichever lies within a block, for 16-bit queries
         # (the setting measured; float32 operands would not fit shared memory); else pointer loads
-        tma, exp_fma, interleave = 0, pcfg.pop("EXP_FMA", 0), pcfg.pop("INTERLEAVE", False)
+        tma = 0
         if pcfg.pop("TMA", False) and not ieee:
             tma = next((n for n in (1, 2) if _tma_tiles_fit(k_cache, v_cache, pcfg["BLOCK_N"] // n)), 0)
         box = pcfg["BLOCK_N"] // max(tma, 1)
@@ -579,7 +562,7 @@ def paged_attention_triton(
             nd, qk_scale,
             q.stride(0), q.stride(1), *strides_kv, block_tables.stride(0), out.stride(0), out.stride(1),
             BS=BS, REP=rep, HEAD_DIM=Dh, D_PAD=D_PAD, IEEE=ieee, KV_SCALED=scaled, TMA=tma,
-            EXP_FMA=exp_fma if tma == 2 else 0, INTERLEAVE=interleave and tma == 2, **pcfg,
+            **pcfg,
         )
     return out
 

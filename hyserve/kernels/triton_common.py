@@ -27,19 +27,6 @@ def dot_acc(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def exp2_fma(x):
-    """2**x for x <= 0 (a softmax's shifted scores) on the fused-multiply-add pipes instead of the special
-    function unit: 2**floor(x) from the exponent bits, 2**frac(x) from a degree-3 polynomial (fitted to
-    relative error 8.6e-5 over [0, 1), far below a bfloat16 probability's rounding). Below -126 (float32's
-    normal range; -inf included) it gives 0."""
-    x = tl.maximum(x, -127.0)
-    xi = tl.floor(x)
-    f = x - xi
-    p = 1.0 + f * (0.69511681 + f * (0.22764491 + f * 0.07706711))
-    return p * ((xi.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def softplus(v):
     # F.softplus(v) with torch's threshold of 20; the small-exp branch keeps relative precision
     # where log(1 + e) would round to 0.
