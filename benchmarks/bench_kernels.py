@@ -634,7 +634,11 @@ _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
 _PREFILL_SWEEP: list[tuple[str, dict]] = [
     ("default", {}),
     ("Gluon M128 N128 2 stages", dict(sm90=dict(STAGES=2))),
-    ("Gluon M128 N128 3 stages, S(j+1) issued before the softmax of S(j)", dict(sm90=dict(OVERLAP=True))),
+    ("Gluon M128 N64 4 stages", dict(sm90=dict(BLOCK_N=64, STAGES=4))),
+    ("Gluon M128 N64 4 stages, S(j+1) issued before the softmax of S(j)", dict(sm90=dict(BLOCK_N=64, STAGES=4,
+                                                                                       OVERLAP=True))),
+    ("Gluon M128 N64 6 stages, S(j+1) issued before the softmax of S(j)", dict(sm90=dict(BLOCK_N=64, STAGES=6,
+                                                                                       OVERLAP=True))),
     ("Triton M128 N128 w8 s3 TMA", dict(GLUON=False)),
 ]
 

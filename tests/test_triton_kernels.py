@@ -527,6 +527,24 @@ def test_gluon_prefill_matches_reference(poison, monkeypatch, new, lens, Hq, Hkv
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("settings", [dict(BLOCK_N=64, STAGES=4), dict(BLOCK_N=64, STAGES=4, OVERLAP=True),
+                                      dict(STAGES=2, OVERLAP=True)])
+@pytest.mark.parametrize("case", [GLUON_CASES[1], GLUON_CASES[3]])
+def test_gluon_prefill_alternative_settings(poison, monkeypatch, settings, case):
+    """The settings `bench_kernels.py --only attn_sweep` times against the default (64-key tiles, the
+    consumers' own S(j+1) issued before the softmax of S(j)) are correct too."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is for Hopper")
+    import hyserve.kernels.triton_attention as ta
+
+    _gluon_or_skip()
+    monkeypatch.setattr(ta, "_PREFILL_SM90", {**ta._PREFILL_SM90, **settings})
+    new, lens, Hq, Hkv, D, bs, dtype = case
+    _attn_case(poison, new=new, lens=lens, Hq=Hq, Hkv=Hkv, D=D, bs=bs, dtype=dtype)
+
+
+@gpu
+@needs_cuda
 def test_gluon_prefill_declines_what_it_cannot_take():
     ga = _gluon_or_skip()
     pool = torch.zeros(4, 64, 2, 128, dtype=BF16, device=DEV)
