@@ -626,7 +626,8 @@ _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
     ("N64 w4 s3, 2x programs", dict(BLOCK_N=64), 132 * 8, 256),
 ]
 # The default on Hopper is the Gluon kernel (gluon_attention.py; "sm90" entries change its settings,
-# `triton_attention._PREFILL_SM90`; a lock-step Gluon version measured 1.2x slower, attn_sweep_b308941);
+# `triton_attention._PREFILL_SM90`; a lock-step Gluon version measured 1.2x slower, attn_sweep_b308941, and
+# the consumers' own S(j+1) issued before the softmax of S(j) 1.1-1.6x slower, attn_sweep_d90941e/_5b50b28);
 # GLUON=False entries time the Triton kernel instead: key tiles through tensor descriptors, one box or two
 # per tile (each box within one of the pool's 64-token blocks; the folded-scale softmax). Earlier sweeps
 # (benchmarks/README.md) also timed pointer loads, 2 stages, 64-key tiles, compiler warp specialisation, a
@@ -635,10 +636,6 @@ _PREFILL_SWEEP: list[tuple[str, dict]] = [
     ("default", {}),
     ("Gluon M128 N128 2 stages", dict(sm90=dict(STAGES=2))),
     ("Gluon M128 N64 4 stages", dict(sm90=dict(BLOCK_N=64, STAGES=4))),
-    ("Gluon M128 N64 4 stages, S(j+1) issued before the softmax of S(j)", dict(sm90=dict(BLOCK_N=64, STAGES=4,
-                                                                                       OVERLAP=True))),
-    ("Gluon M128 N64 6 stages, S(j+1) issued before the softmax of S(j)", dict(sm90=dict(BLOCK_N=64, STAGES=6,
-                                                                                       OVERLAP=True))),
     ("Triton M128 N128 w8 s3 TMA", dict(GLUON=False)),
 ]
 

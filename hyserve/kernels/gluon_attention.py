@@ -40,7 +40,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
-    warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -105,7 +104,8 @@ def _ws_loader(kd, vd, k_bufs, v_bufs, ready, empty, bt_row, kvh, ntiles, kv_end
 def _ws_band(s, v_smem, t, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N: gl.constexpr, ld: gl.constexpr):
     """Scores of key tile t with the causal and length masks when t is a band tile (t >= nfull); V rows
     past kv_end zeroed in shared memory: they hold whatever the pool (or a repeated box) had, NaN
-    included, and P = 0 times NaN is NaN (the other consumer writes the same zeros)."""
+    included, and P = 0 times NaN is NaN. The other consumer rewrites the same slot with the same values
+    (both see the same kv_end), so neither's products can read anything else."""
     if t >= nfull:
         pos = t * BLOCK_N + offs_sn
         s = gl.where((pos < kv_end)[None, :] & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
@@ -121,7 +121,7 @@ def _ws_band(s, v_smem, t, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N: gl.co
 def _ws_consumer(q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, q0, n, m0, ctx, h, nfull, ntiles, kv_end,
                  qk_scale, s_q_t, s_q_h, s_o_t, s_o_h,
                  HALF: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, DT: gl.constexpr, OVERLAP: gl.constexpr):
+                 STAGES: gl.constexpr, DT: gl.constexpr):
     """One warp group: query rows m0 + HALF * ROWS .. + ROWS of the block against every key tile the
     producer loads (the first nfull unmasked, the rest masked on position), releasing each slot after its
     PV product. The two consumers run unsynchronised, so one's softmax overlaps the other's products."""
@@ -154,42 +154,16 @@ def _ws_consumer(q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, q0, n, m0
     m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
     l_i = gl.zeros([ROWS], gl.float32, s_rows)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-    if OVERLAP:
-        # S(t+1) is issued before the softmax of S(t); both products are awaited before the loop goes round
-        s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-        if ntiles > 0:
-            mbarrier.wait(ready.index(0), 0)
-            s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s, use_acc=False)
-        for t in range(ntiles - 1):
-            slot = t % STAGES
-            nslot = (t + 1) % STAGES
-            mbarrier.wait(ready.index(nslot), ((t + 1) // STAGES) & 1)
-            s_next = warpgroup_mma(q_smem, k_bufs.index(nslot).permute((1, 0)),
-                                   gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-            s = _ws_band(s, v_bufs.index(slot), t, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N, ld)
-            m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
-            acc = warpgroup_mma(p, v_bufs.index(slot), acc * alpha[:, None], is_async=True)
-            s, acc = warpgroup_mma_wait(0, deps=(s_next, acc))
-            gl.thread_barrier()  # every warp of this group is done with the slot
-            mbarrier.arrive(empty.index(slot), count=1)
-        if ntiles > 0:
-            slot = (ntiles - 1) % STAGES
-            s = _ws_band(s, v_bufs.index(slot), ntiles - 1, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N, ld)
-            m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
-            acc = warpgroup_mma(p, v_bufs.index(slot), acc * alpha[:, None])
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index(slot), count=1)
-    else:
-        for t in range(ntiles):
-            slot = t % STAGES
-            mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
-            s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)),
-                              gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False)
-            s = _ws_band(s, v_bufs.index(slot), t, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N, ld)
-            m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
-            acc = warpgroup_mma(p, v_bufs.index(slot), acc * alpha[:, None])
-            gl.thread_barrier()  # every warp of this group is done with the slot
-            mbarrier.arrive(empty.index(slot), count=1)
+    for t in range(ntiles):
+        slot = t % STAGES
+        mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)),
+                          gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False)
+        s = _ws_band(s, v_bufs.index(slot), t, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N, ld)
+        m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
+        acc = warpgroup_mma(p, v_bufs.index(slot), acc * alpha[:, None])
+        gl.thread_barrier()  # every warp of this group is done with the slot
+        mbarrier.arrive(empty.index(slot), count=1)
 
     out = acc / gl.convert_layout(l_i, o_rows)[:, None]
     offs_om = r0 + gl.arange(0, ROWS, layout=o_rows)
@@ -207,7 +181,7 @@ def _prefill_kernel_sm90(
     s_bt_s, s_o_t, s_o_h,
     BS: gl.constexpr, REP: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr,
-    OVERLAP: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """A producer warp streams the key tiles (band included) through the ring, two consumer warp groups take
     BLOCK_M / 2 query rows each (the module docstring)."""
@@ -226,26 +200,27 @@ def _prefill_kernel_sm90(
     full_end = (ctx + m0) // BLOCK_N * BLOCK_N
     nfull = (full_end // BLOCK_N).to(gl.int32)
     kv_end = gl.minimum(L, ctx + m0 + BLOCK_M)
-    ntiles = gl.where(m0 < n, (kv_end + BLOCK_N - 1) // BLOCK_N, 0).to(gl.int32)  # nothing past the sequence
+    ntiles = ((kv_end + BLOCK_N - 1) // BLOCK_N).to(gl.int32)
 
-    q_bufs = gl.allocate_shared_memory(DT, [2, ROWS, HEAD_DIM], kd.layout)
-    k_bufs = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, HEAD_DIM], kd.layout)
-    v_bufs = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, HEAD_DIM], vd.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warp group
-    gl.warp_specialize([
-        (_ws_consumer, (q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, q0, n, m0, ctx, h, nfull, ntiles,
-                        kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 0, ROWS, HEAD_DIM, BLOCK_N, STAGES, DT, OVERLAP)),
-        (_ws_consumer, (q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, q0, n, m0, ctx, h, nfull, ntiles,
-                        kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 1, ROWS, HEAD_DIM, BLOCK_N, STAGES, DT, OVERLAP)),
-        (_ws_loader, (kd, vd, k_bufs, v_bufs, ready, empty, bt_row, kvh, ntiles, kv_end, BS, BLOCK_N, BOX, STAGES)),
-    ], [4, 1], [240, 24])
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+    if m0 < n:  # (a mixed step's grid has room for its longest prefill: most blocks are empty)
+        q_bufs = gl.allocate_shared_memory(DT, [2, ROWS, HEAD_DIM], kd.layout)
+        k_bufs = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, HEAD_DIM], kd.layout)
+        v_bufs = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, HEAD_DIM], vd.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warp group
+        gl.warp_specialize([
+            (_ws_consumer, (q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, q0, n, m0, ctx, h, nfull, ntiles,
+                            kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 0, ROWS, HEAD_DIM, BLOCK_N, STAGES, DT)),
+            (_ws_consumer, (q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, q0, n, m0, ctx, h, nfull, ntiles,
+                            kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 1, ROWS, HEAD_DIM, BLOCK_N, STAGES, DT)),
+            (_ws_loader, (kd, vd, k_bufs, v_bufs, ready, empty, bt_row, kvh, ntiles, kv_end, BS, BLOCK_N, BOX, STAGES)),
+        ], [4, 1], [240, 24])
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+            mbarrier.invalidate(empty.index(i))
 
 
 # --------------------------------------------------------------------------- launcher
@@ -277,12 +252,11 @@ def _pool_descriptor(cache: torch.Tensor, box: int) -> TensorDescriptor:
 def prefill_attention_sm90(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     lens_t: torch.Tensor, cu_t: torch.Tensor, out: torch.Tensor, seq_offset: int, num_seqs: int, max_new: int,
-    qk_scale: float, *, box: int, BLOCK_M: int, BLOCK_N: int, STAGES: int, num_warps: int, OVERLAP: bool,
+    qk_scale: float, *, box: int, BLOCK_M: int, BLOCK_N: int, STAGES: int, num_warps: int,
 ) -> None:
     """out[rows of sequences seq_offset .. seq_offset + num_seqs) = attention of those prefill/extend
     sequences (the launcher's checks done; `box` from `sm90_prefill_box`). lens_t / cu_t: the step's
-    device seq_lens and cumulative new-token offsets. num_warps: a consumer warp group's 4; OVERLAP: see
-    _ws_consumer."""
+    device seq_lens and cumulative new-token offsets. num_warps: a consumer warp group's 4."""
     T, Hq, Dh = q.shape
     Hkv = k_cache.shape[2]
     assert BLOCK_N % box == 0 and BLOCK_M == 128 and num_warps == 4
@@ -294,7 +268,7 @@ def prefill_attention_sm90(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         BS=k_cache.shape[1], REP=Hq // Hkv, HEAD_DIM=Dh, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BOX=box, STAGES=STAGES,
-        OVERLAP=OVERLAP, num_warps=num_warps, maxnreg=168,
+        num_warps=num_warps, maxnreg=168,
     )
 
 

@@ -427,7 +427,7 @@ _DECODE_GPU = dict(BLOCK_N=128, num_warps=4, num_stages=3)
 # Triton kernel's 1.85 ms); the Triton kernel the rest.
 _PREFILL_GPU = {128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, TMA=True, GLUON=True),  # D_PAD <= 128
                 256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
-_PREFILL_SM90 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, num_warps=4, OVERLAP=False)
+_PREFILL_SM90 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, num_warps=4)
 _DECODE_CPU = dict(BLOCK_N=16, num_warps=4, num_stages=1)
 _PREFILL_CPU = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
@@ -483,6 +483,8 @@ def paged_attention_triton(
     assert q.dtype in _FLOATS, "float64 runs on the reference path"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert block_tables.stride(1) == 1 and not block_tables.dtype.is_floating_point
+    if not scale > 0:  # the online softmax takes its running max on scaled scores
+        raise ValueError(f"paged_attention: the softmax scale must be positive, got {scale}")
     scaled = check_kv_scales(k_scale, v_scale, q.device)
     S = (cu_q.shape[0] if isinstance(cu_q, torch.Tensor) else len(cu_q)) - 1
     assert S >= 0 and block_tables.shape[0] >= S
