@@ -86,6 +86,7 @@ def _softmax(s, m_i, l_i, qk_scale, DT: gl.constexpr, p_layout: gl.constexpr, o_
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return m_new, l_i, gl.convert_layout(p.to(DT), p_layout), gl.convert_layout(alpha, o_rows)
 
+
 # --------------------------------------------------------------------------- kernel
 
 
