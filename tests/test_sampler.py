@@ -58,6 +58,17 @@ def test_greedy_is_argmax() -> None:
     assert lps == [None] * 9
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 1e-40, 9.9e-6])
+def test_temperatures_too_small_to_sample_are_greedy(temperature: float) -> None:
+    """Below 1e-5 a temperature samples as greedy: dividing by it would overflow the logits to inf (from
+    ~1e-38 on) and draw arbitrary tokens instead of the argmax. 1e-5 itself still samples."""
+    x = _logits(9, 300, seed=1)
+    ps = [SamplingParams(temperature=temperature, seed=i) for i in range(9)]
+    assert all(p.greedy for p in ps) and not SamplingParams(temperature=1e-5).greedy
+    tokens, _ = Sampler(3).sample(x, ps, list(range(9)))
+    assert tokens == x.argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 2.0, 100.0])
 def test_top_k_1_is_greedy(temperature: float) -> None:
     x = _logits(16, 500, seed=2)

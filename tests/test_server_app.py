@@ -231,10 +231,46 @@ def test_model_alias_and_models_routes(url: str) -> None:
         ({"logit_bias": {"-1": 1}}, "logit_bias", []),
         ({"seed": 2**70}, "seed", []),
         ({"stop": [""]}, "stop", []),
+        ({"stop": [f"s{i}" for i in range(65)]}, "stop", ["at most 64 strings", "65 strings"]),
+        ({"stop": ["x" * 3000, "y" * 3000]}, "stop", ["at most 4096 characters", "6000"]),
+        ({"logit_bias": {"\u00b2": 1}}, "logit_bias", ["token ids"]),  # str.isdigit() is True for '²'
+        ({"logit_bias": {"\u0663": 1}}, "logit_bias", ["token ids"]),  # Arabic-Indic 3: not an ASCII id
     ],
 )
 def test_chat_bad_input_is_400(url: str, body: dict[str, Any], param: str, words: list[str]) -> None:
     assert_error(chat(url, **body), 400, param, *words)
+
+
+def test_lone_surrogates_are_400_on_every_text_route(url: str) -> None:
+    """JSON can carry a lone UTF-16 surrogate (\\ud800), which no tokenizer encodes: a 400 naming it, not the
+    tokenizer's TypeError as a 500; and the server keeps serving."""
+    bad = "ok \ud800 ok"
+
+    def post(route: str, body: dict[str, Any]) -> httpx.Response:  # json.dumps escapes the surrogate as \\ud800
+        return httpx.post(f"{url}{route}", content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+
+    assert_error(post("/v1/completions", {"prompt": bad}), 400, "prompt", "U+D800", "character 3")
+    assert_error(post("/v1/completions", {"prompt": ["fine", bad]}), 400, "prompt[1]", "surrogate")
+    assert_error(post("/v1/chat/completions", {"messages": [{"role": "user", "content": bad}]}), 400, "messages",
+                 "lone UTF-16 surrogate")
+    assert_error(post("/tokenize", {"prompt": bad}), 400, "prompt", "surrogate")
+    assert_error(post("/tokenize", {"messages": [{"role": "user", "content": bad}]}), 400, "messages", "surrogate")
+    assert post("/v1/completions", {"prompt": "ok \U0001f600 ok", "max_tokens": 2}).status_code == 200
+
+
+def test_prompt_no_tokenization_can_fit_is_refused_before_tokenizing(url: str, engine: FakeEngine) -> None:
+    """A prompt of more characters than max_seq_len tokens of the tokenizer's longest entry can hold (twice
+    over) is refused at once, without tokenizing it (seconds for tens of MB), naming the limit."""
+    longest = engine.tokenizer.max_token_chars
+    n = 2 * longest * 1024 + 1  # the fake engine's max_seq_len is 1024
+    err = assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": "x" * n}), 400, "prompt",
+                       f"{n} characters", "max_seq_len = 1024", f"{longest} characters")
+    assert err["code"] == "context_length_exceeded"
+    assert_error(chat(url, messages=[{"role": "user", "content": "x" * n}]), 400, "messages", "characters")
+    assert_error(httpx.post(f"{url}/tokenize", json={"prompt": "x" * n}), 400, "prompt", "characters")
+    # just under the bound it is tokenized and the engine's own token-count check answers
+    err = assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": "x" * (n - 1)}), 400, "prompt")
+    assert "characters" not in err["message"] and err["code"] == "context_length_exceeded"
 
 
 def test_unknown_model_is_404(url: str) -> None:
@@ -252,6 +288,8 @@ def test_malformed_and_missing_bodies(url: str) -> None:
     assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": []}), 400, "prompt")
     assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": [1, 999]}), 400, "prompt", "320")
     assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": [-1]}), 400)
+    assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": [True, False]}), 400)  # JSON bools: not ids
+    assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "stop_token_ids": [True]}), 400)
     assert_error(httpx.get(f"{url}/no/such/route"), 404)
     assert_error(httpx.get(f"{url}/v1/chat/completions"), 405)
 
@@ -315,6 +353,13 @@ def test_metrics(url: str) -> None:
     assert m["hyserve_kv_cache_usage_ratio"] == 0
 
 
+def test_health_answers_head_probes(url: str, engine: FakeEngine) -> None:
+    r = httpx.head(f"{url}/health")
+    assert r.status_code == 200 and r.content == b""
+    engine.healthy = False
+    assert httpx.head(f"{url}/health").status_code == 503
+
+
 def test_health_unhealthy_is_503(url: str, engine: FakeEngine) -> None:
     assert httpx.get(f"{url}/health").status_code == 200
     engine.healthy = False
@@ -349,6 +394,18 @@ def test_api_key() -> None:
         assert ok.status_code == 200
         assert httpx.get(f"{u}/health").status_code == 200  # probes need no key
         assert httpx.get(f"{u}/metrics").status_code == 200
+        # a header with non-ASCII bytes is a wrong key (401), not a 500
+        assert_error(httpx.get(f"{u}/v1/models", headers={"Authorization": "Bearer ключ".encode()}), 401)
+        assert_error(httpx.get(f"{u}/v1/models", headers={"x-api-key": "é".encode()}), 401)
+
+
+def test_api_key_with_non_ascii_characters() -> None:
+    """A key with non-ASCII characters works (compared as UTF-8 bytes) instead of failing every request."""
+    eng = FakeEngine(tokenizer=tiny_tokenizer())
+    with serve_app_in_thread(build_app(eng, ServerOptions(api_key="sécret"))) as u:
+        assert httpx.get(f"{u}/v1/models", headers={"Authorization": "Bearer sécret".encode()}).status_code == 200
+        assert httpx.get(f"{u}/v1/models", headers={"x-api-key": "sécret".encode()}).status_code == 200
+        assert_error(httpx.get(f"{u}/v1/models", headers={"x-api-key": b"secret"}), 401)
 
 
 def test_no_tokenizer_model_needs_token_ids() -> None:

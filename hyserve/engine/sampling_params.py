@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias per request
+# Stop strings are searched for in the new text of every step, on the engine's thread: bounded.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096  # all of a request's stop strings together
+# Temperatures below this sample as greedy (softmax(x / t) is one-hot long before t reaches float32's
+# smallest normal, where x / t overflows to inf and the sampled token becomes arbitrary)
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +79,11 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise bad("stop", "a list of non-empty strings", self.stop)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"at most {MAX_STOP_STRINGS} strings", f"{len(self.stop)} strings")
+        if sum(len(s) for s in self.stop) > MAX_STOP_CHARS:
+            raise bad("stop", f"at most {MAX_STOP_CHARS} characters in all",
+                      f"{sum(len(s) for s in self.stop)} characters")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise bad("stop_token_ids", "a list of token ids >= 0", self.stop_token_ids)
@@ -92,7 +103,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def edits_logits(self) -> bool:

@@ -548,7 +548,7 @@ def paged_attention_triton(
         pcfg = dict(_PREFILL_GPU[128 if D_PAD <= 128 else 256] if on_gpu else _PREFILL_CPU)
         ga = _gluon_attention() if pcfg.pop("GLUON", False) and on_gpu and not scaled else None
         gbox = ga.sm90_prefill_box(q, k_cache, v_cache, _PREFILL_SM90["BLOCK_N"]) if ga is not None else 0
-        if gbox:
+        if ga is not None and gbox:
             ga.prefill_attention_sm90(q, k_cache, v_cache, block_tables, lens_t, cu_t, out, nd, S - nd, max_new,
                                       qk_scale, box=gbox, **_PREFILL_SM90)
             return out

@@ -17,7 +17,7 @@ import json
 import re
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
@@ -325,6 +325,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of token ids the tokenizer knows (added tokens included)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry, in characters: no token covers more characters of a text (a
+        byte-level entry has one character per byte, a metaspace entry one per character), so a text of
+        c characters needs at least c / max_token_chars tokens."""
+        return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; add_special_tokens applies the tokenizer's post-processor (e.g. a leading BOS)."""

@@ -3,7 +3,7 @@
     POST /v1/chat/completions   POST /v1/completions       (SSE streaming or one JSON body)
     GET  /v1/models             GET  /v1/models/{model}
     POST /tokenize              POST /detokenize
-    GET  /health                GET  /metrics              GET /version
+    GET  /health (and HEAD)     GET  /metrics              GET /version
 
 A request goes: validate (pydantic, then our own checks, then `engine.validate_request`, so every
 4xx is decided before anything runs) -> `engine.generate` -> deltas -> reasoning / tool-call parsing ->
@@ -27,6 +27,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -165,14 +166,17 @@ class _ApiMiddleware:
             self.metrics.requests.labels(route=route, status=str(status["code"])).inc()
 
     def _authorized(self, scope: dict[str, Any]) -> bool:
+        """The key from `Authorization: Bearer KEY` or `x-api-key: KEY`, compared as bytes (the key's UTF-8
+        against the header's raw bytes: compare_digest refuses non-ASCII str, and any byte may arrive)."""
         assert self.api_key is not None
+        key = self.api_key.encode("utf-8")
         for k, v in scope.get("headers", []):
             name = k.decode("latin-1").lower()
+            val = bytes(v).strip()
             if name == "authorization":
-                val = v.decode("latin-1").strip()
-                if val[:7].lower() == "bearer " and hmac.compare_digest(val[7:].strip(), self.api_key):
+                if val[:7].lower() == b"bearer " and hmac.compare_digest(val[7:].strip(), key):
                     return True
-            elif name == "x-api-key" and hmac.compare_digest(v.decode("latin-1").strip(), self.api_key):
+            elif name == "x-api-key" and hmac.compare_digest(val, key):
                 return True
         return False
 
@@ -273,11 +277,15 @@ def _sse(obj: Any) -> str:
 
 # Prompts longer than this (characters) are rendered and tokenized off the event loop.
 _OFF_LOOP_CHARS = 50_000
+# Template text per chat message, counted with the contents (so a request of many tiny messages renders
+# off the loop too).
+_CHARS_PER_MESSAGE = 16
+_INT_KEY = re.compile(r"-?[0-9]+")  # logit_bias keys: ASCII digits (str.isdigit also takes '²' and '٣')
 
 
-def _chat_chars(req: ChatCompletionRequest) -> int:
-    n = 0
-    for m in req.messages:
+def _chat_chars(req: ChatCompletionRequest | TokenizeRequest) -> int:
+    n = _CHARS_PER_MESSAGE * len(req.messages or [])
+    for m in req.messages or []:
         if isinstance(m.content, str):
             n += len(m.content)
         elif m.content:
@@ -384,7 +392,7 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
         if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
             raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {req.n}", param="n")
         for key in req.logit_bias or {}:
-            if not key.strip().lstrip("-").isdigit():
+            if not _INT_KEY.fullmatch(key.strip()):
                 raise bad_request(f"logit_bias keys must be token ids (integers as strings), got {key!r}",
                                   param="logit_bias")
 
@@ -451,6 +459,18 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
             raise bad_request(str(e), param=param, code=getattr(e, "code", None)) from None
         except ValueError as e:
             raise bad_request(str(e), param=prompt_param) from None
+
+    def check_prompt_chars(n_chars: int, param: str) -> None:
+        """Refuse, before tokenizing it, a prompt that no tokenization fits in max_seq_len: c characters need
+        at least c / (the tokenizer's longest token) tokens (halved again for normalisers that shrink text).
+        Tokenizing 10M characters takes seconds that a hopeless request should not cost."""
+        longest = getattr(tok, "max_token_chars", None)
+        if isinstance(longest, int) and n_chars > 2 * longest * engine.max_seq_len:
+            raise bad_request(
+                f"{param} has {n_chars} characters, far more than max_seq_len = {engine.max_seq_len} tokens can "
+                f"hold (this tokenizer's longest token has {longest} characters)",
+                param=param, code="context_length_exceeded",
+            )
 
     async def off_loop(fn: Callable[[], Any], n_chars: int) -> Any:
         """Run template rendering + tokenisation of a long prompt on a worker thread: a 800k-token
@@ -643,6 +663,7 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
             )
             return text, encode_text(tok, text, add_special_tokens=False, param="messages")
 
+        check_prompt_chars(_chat_chars(req), "messages")
         text, prompt_ids = await off_loop(render_and_encode, _chat_chars(req))
         top_n = req.top_logprobs or 0
         params = sampling_params(
@@ -899,9 +920,10 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
         if prompt_only and not req.echo:
             raise bad_request("max_tokens must be >= 1 (0 is only allowed with echo: the prompt back, with its "
                               "logprobs, and nothing generated)", param="max_tokens")
-        n_chars = len(req.prompt) if isinstance(req.prompt, str) else sum(
-            len(p) for p in req.prompt if isinstance(p, str))
-        prompts = await off_loop(lambda: completion_prompts(req), n_chars)
+        texts = [req.prompt] if isinstance(req.prompt, str) else [p for p in req.prompt if isinstance(p, str)]
+        for i, p in enumerate(texts):
+            check_prompt_chars(len(p), "prompt" if isinstance(req.prompt, str) else f"prompt[{i}]")
+        prompts = await off_loop(lambda: completion_prompts(req), sum(len(p) for p in texts))
         base = f"cmpl-{uuid.uuid4().hex}"
         n = req.n or 1
         jobs: list[_Job] = []  # choice index = prompt index * n + k, as OpenAI orders them
@@ -1086,15 +1108,20 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
         check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("send exactly one of `prompt` (text) or `messages` (chat)", param="prompt")
-        if req.messages is not None:
-            if not req.messages:
-                raise bad_request("messages must not be empty", param="messages")
-            text = render_chat_prompt(tok, req.messages, tools=req.tools,
-                                      add_generation_prompt=req.add_generation_prompt,
-                                      chat_template_kwargs=req.chat_template_kwargs)
-            ids = encode_text(tok, text, add_special_tokens=False, param="messages")
-        else:
-            ids = encode_text(tok, req.prompt or "", add_special_tokens=req.add_special_tokens)
+        if req.messages is not None and not req.messages:
+            raise bad_request("messages must not be empty", param="messages")
+
+        def render_and_encode() -> list[int]:
+            if req.messages is not None:
+                text = render_chat_prompt(tok, req.messages, tools=req.tools,
+                                          add_generation_prompt=req.add_generation_prompt,
+                                          chat_template_kwargs=req.chat_template_kwargs)
+                return encode_text(tok, text, add_special_tokens=False, param="messages")
+            return encode_text(tok, req.prompt or "", add_special_tokens=req.add_special_tokens)
+
+        n_chars = _chat_chars(req) if req.messages is not None else len(req.prompt or "")
+        check_prompt_chars(n_chars, "messages" if req.messages is not None else "prompt")
+        ids = await off_loop(render_and_encode, n_chars)
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_seq_len, tokens=ids)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
@@ -1115,7 +1142,7 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
             raise bad_request(f"cannot decode these token ids: {e}", param="tokens") from None
         return DetokenizeResponse(prompt=text)
 
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    @app.api_route("/health", methods=["GET", "HEAD"], responses={503: {"model": ErrorResponse}})  # HEAD: probes
     async def health() -> JSONResponse:
         if not getattr(app.state, "accepting", True):
             return JSONResponse(error_body("the server is shutting down", err_type="service_unavailable_error",

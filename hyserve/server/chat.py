@@ -145,7 +145,21 @@ def encode_text(tokenizer: Any, text: str, *, add_special_tokens: bool, param: s
             "a list of token ids",
             param=param,
         )
+    check_unicode(text, param)
     try:
         return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     except TypeError:
         return list(tokenizer.encode(text))
+
+
+def check_unicode(text: str, param: str) -> None:
+    """JSON's \\uXXXX escapes can carry a lone UTF-16 surrogate, which is not Unicode text: no tokenizer can
+    encode it. A 400 that says where, instead of the tokenizer's TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(
+            f"{param} is not valid Unicode: a lone UTF-16 surrogate (U+{ord(text[e.start]):04X}) at character "
+            f"{e.start}; escape characters outside the basic plane as a surrogate pair, or send UTF-8",
+            param=param,
+        ) from None

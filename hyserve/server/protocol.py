@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from hyserve.engine.sampling_params import MAX_LOGPROBS
 
@@ -26,7 +26,7 @@ _SEED_MIN = -(2**63)
 _SEED_MAX = 2**63 - 1
 # Token ids are int32 everywhere in the engine; the vocabulary bound is checked by the engine.
 _TOKEN_ID_MAX = 2**31 - 1
-TokenId = Annotated[int, Field(ge=0, le=_TOKEN_ID_MAX)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=_TOKEN_ID_MAX)]  # strict: JSON true/false are not ids
 
 
 class _Request(BaseModel):
