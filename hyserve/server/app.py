@@ -1142,7 +1142,8 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
             raise bad_request(f"cannot decode these token ids: {e}", param="tokens") from None
         return DetokenizeResponse(prompt=text)
 
-    @app.api_route("/health", methods=["GET", "HEAD"], responses={503: {"model": ErrorResponse}})  # HEAD: probes
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    @app.head("/health", include_in_schema=False)  # load-balancer probes that send HEAD
     async def health() -> JSONResponse:
         if not getattr(app.state, "accepting", True):
             return JSONResponse(error_body("the server is shutting down", err_type="service_unavailable_error",
