@@ -527,6 +527,36 @@ def test_chat_n_choices_streaming_and_not(url: str, engine: FakeEngine) -> None:
     assert events[-2]["usage"]["prompt_tokens"] == prompt and events[-2]["usage"]["completion_tokens"] == 8
 
 
+def test_large_replies_are_built_off_the_event_loop(url: str, engine: FakeEngine,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A non-streaming reply over the size threshold (output tokens x (1 + top logprobs)) is built and
+    serialised on a worker thread, with the same content as one built on the loop."""
+    import asyncio
+
+    import hyserve.server.app as app_mod
+
+    engine.script = lambda ids, p: ["ab", "cd"]
+    body = {"prompt": [[5, 6], [7, 8, 9]], "n": 2, "max_tokens": 4, "logprobs": 1}
+    chat_body = {"messages": [{"role": "user", "content": "x"}], "n": 2, "max_tokens": 4}
+    small = httpx.post(f"{url}/v1/completions", json=body, timeout=10).json()
+    small_chat = chat(url, **chat_body).json()
+    threads: list[str] = []
+    real = asyncio.to_thread
+
+    async def spy(fn, *a, **kw):  # noqa: ANN001, ANN202 - asyncio.to_thread's own signature
+        threads.append(getattr(fn, "__name__", "?"))
+        return await real(fn, *a, **kw)
+
+    monkeypatch.setattr(app_mod, "_OFF_LOOP_REPLY_TOKENS", 3)
+    monkeypatch.setattr(asyncio, "to_thread", spy)
+    big = httpx.post(f"{url}/v1/completions", json=body, timeout=10).json()
+    big_chat = chat(url, **chat_body).json()
+    assert len(threads) == 2  # one reply each
+    for a, b in ((small, big), (small_chat, big_chat)):
+        assert [c | {"index": 0} for c in a["choices"]] == [c | {"index": 0} for c in b["choices"]]
+        assert a["usage"] == b["usage"]
+
+
 def test_completion_n_choices(url: str, engine: FakeEngine) -> None:
     """Two prompts x n=2: choices ordered prompt-major (index = prompt * n + k); usage counts each prompt once."""
     engine.script = lambda ids, p: [f"p{len(ids)}s{p.seed}"]

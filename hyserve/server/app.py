@@ -277,6 +277,10 @@ def _sse(obj: Any) -> str:
 
 # Prompts longer than this (characters) are rendered and tokenized off the event loop.
 _OFF_LOOP_CHARS = 50_000
+# Non-streaming replies with more output tokens than this (each counted once more per top logprob) are
+# built and serialised off the event loop: n=64 x 2,000 tokens x 20 top logprobs is a 177 MB reply that
+# took ~1 min to build, during which the loop served no one.
+_OFF_LOOP_REPLY_TOKENS = 20_000
 # Template text per chat message, counted with the contents (so a request of many tiny messages renders
 # off the loop too).
 _CHARS_PER_MESSAGE = 16
@@ -478,6 +482,12 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
         if n_chars < _OFF_LOOP_CHARS:
             return fn()
         return await asyncio.to_thread(fn)
+
+    async def reply_off_loop(build: Callable[[], JSONResponse], results: list[_Result], top_n: int) -> JSONResponse:
+        """A non-streaming reply, built (and serialised) on a worker thread when it is large."""
+        if sum(r.num_output_tokens for r in results) * (1 + top_n) <= _OFF_LOOP_REPLY_TOKENS:
+            return build()
+        return await asyncio.to_thread(build)
 
     def check_healthy() -> None:
         if not getattr(app.state, "accepting", True):
@@ -705,13 +715,19 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
             for t in timers:
                 t.finish(finish_reason="abort", prompt_tokens=len(prompt_ids), output_tokens=0)
             return Response(status_code=499)
-        choices = []
-        for k, (res, timer) in enumerate(zip(results, timers)):
+        for res, timer in zip(results, timers):
             timer.finish(finish_reason=res.finish_reason, prompt_tokens=res.num_prompt_tokens,
                          output_tokens=res.num_output_tokens)
             err = _finish_error(res.finish_reason, res.error)
             if err is not None:
                 raise err
+        return await reply_off_loop(lambda: chat_reply(req, request_id, model_name, results, top_n, output),
+                                    results, top_n)
+
+    def chat_reply(req: ChatCompletionRequest, request_id: str, model_name: str, results: list[_Result],
+                   top_n: int, output: Callable[[], _ChatOutput]) -> JSONResponse:
+        choices = []
+        for k, res in enumerate(results):
             out = output()
             r1, c1, calls1 = out.feed(res.text)
             r2, c2, calls2 = out.finish()
@@ -954,13 +970,19 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
             for t, j in zip(timers, jobs):
                 t.finish(finish_reason="abort", prompt_tokens=len(j.prompt_ids), output_tokens=0)
             return Response(status_code=499)
-        choices = []
-        for i, (job, res, timer) in enumerate(zip(jobs, results, timers)):
+        for res, timer in zip(results, timers):
             timer.finish(finish_reason=res.finish_reason, prompt_tokens=res.num_prompt_tokens,
                          output_tokens=res.num_output_tokens)
             err = _finish_error(res.finish_reason, res.error)
             if err is not None:
                 raise err
+        return await reply_off_loop(
+            lambda: completion_reply(req, base, model_name, jobs, results, top_n, n, prompt_only), results, top_n)
+
+    def completion_reply(req: CompletionRequest, base: str, model_name: str, jobs: list[_Job],
+                         results: list[_Result], top_n: int, n: int, prompt_only: bool) -> JSONResponse:
+        choices = []
+        for i, (job, res) in enumerate(zip(jobs, results)):
             if prompt_only:  # the one token the engine generated is not part of the answer
                 res.text, res.logprobs, res.num_output_tokens, res.finish_reason = "", [], 0, "length"
                 res.stop_reason = None
