@@ -81,9 +81,8 @@ class SamplingParams:
                 raise bad("stop", "a list of non-empty strings", self.stop)
         if len(self.stop) > MAX_STOP_STRINGS:
             raise bad("stop", f"at most {MAX_STOP_STRINGS} strings", f"{len(self.stop)} strings")
-        if sum(len(s) for s in self.stop) > MAX_STOP_CHARS:
-            raise bad("stop", f"at most {MAX_STOP_CHARS} characters in all",
-                      f"{sum(len(s) for s in self.stop)} characters")
+        if (chars := sum(len(s) for s in self.stop)) > MAX_STOP_CHARS:
+            raise bad("stop", f"at most {MAX_STOP_CHARS} characters in all", f"{chars} characters")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise bad("stop_token_ids", "a list of token ids >= 0", self.stop_token_ids)

@@ -468,26 +468,24 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
         """Refuse, before tokenizing it, a prompt that no tokenization fits in max_seq_len: c characters need
         at least c / (the tokenizer's longest token) tokens (halved again for normalisers that shrink text).
         Tokenizing 10M characters takes seconds that a hopeless request should not cost."""
-        longest = getattr(tok, "max_token_chars", None)
-        if isinstance(longest, int) and n_chars > 2 * longest * engine.max_seq_len:
+        if tok is None:
+            return
+        longest = tok.max_token_chars
+        if n_chars > 2 * longest * engine.max_seq_len:
             raise bad_request(
                 f"{param} has {n_chars} characters, far more than max_seq_len = {engine.max_seq_len} tokens can "
                 f"hold (this tokenizer's longest token has {longest} characters)",
                 param=param, code="context_length_exceeded",
             )
 
-    async def off_loop(fn: Callable[[], Any], n_chars: int) -> Any:
-        """Run template rendering + tokenisation of a long prompt on a worker thread: a 800k-token
-        document takes seconds to tokenize, and the event loop must keep streaming to everyone else."""
-        if n_chars < _OFF_LOOP_CHARS:
-            return fn()
-        return await asyncio.to_thread(fn)
+    async def off_loop(fn: Callable[[], Any], large: bool) -> Any:
+        """Run `fn` on a worker thread when its work is large (rendering + tokenising a long prompt: an
+        800k-token document takes seconds; building a large reply), so the event loop keeps streaming to
+        everyone else; small work runs in place."""
+        return await asyncio.to_thread(fn) if large else fn()
 
-    async def reply_off_loop(build: Callable[[], JSONResponse], results: list[_Result], top_n: int) -> JSONResponse:
-        """A non-streaming reply, built (and serialised) on a worker thread when it is large."""
-        if sum(r.num_output_tokens for r in results) * (1 + top_n) <= _OFF_LOOP_REPLY_TOKENS:
-            return build()
-        return await asyncio.to_thread(build)
+    def large_reply(results: list[_Result], top_n: int) -> bool:
+        return sum(r.num_output_tokens for r in results) * (1 + top_n) > _OFF_LOOP_REPLY_TOKENS
 
     def check_healthy() -> None:
         if not getattr(app.state, "accepting", True):
@@ -673,8 +671,9 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
             )
             return text, encode_text(tok, text, add_special_tokens=False, param="messages")
 
-        check_prompt_chars(_chat_chars(req), "messages")
-        text, prompt_ids = await off_loop(render_and_encode, _chat_chars(req))
+        n_chars = _chat_chars(req)
+        check_prompt_chars(n_chars, "messages")
+        text, prompt_ids = await off_loop(render_and_encode, n_chars >= _OFF_LOOP_CHARS)
         top_n = req.top_logprobs or 0
         params = sampling_params(
             req, len(prompt_ids),
@@ -721,8 +720,8 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
             err = _finish_error(res.finish_reason, res.error)
             if err is not None:
                 raise err
-        return await reply_off_loop(lambda: chat_reply(req, request_id, model_name, results, top_n, output),
-                                    results, top_n)
+        return await off_loop(lambda: chat_reply(req, request_id, model_name, results, top_n, output),
+                              large_reply(results, top_n))
 
     def chat_reply(req: ChatCompletionRequest, request_id: str, model_name: str, results: list[_Result],
                    top_n: int, output: Callable[[], _ChatOutput]) -> JSONResponse:
@@ -939,7 +938,7 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
         texts = [req.prompt] if isinstance(req.prompt, str) else [p for p in req.prompt if isinstance(p, str)]
         for i, p in enumerate(texts):
             check_prompt_chars(len(p), "prompt" if isinstance(req.prompt, str) else f"prompt[{i}]")
-        prompts = await off_loop(lambda: completion_prompts(req), sum(len(p) for p in texts))
+        prompts = await off_loop(lambda: completion_prompts(req), sum(len(p) for p in texts) >= _OFF_LOOP_CHARS)
         base = f"cmpl-{uuid.uuid4().hex}"
         n = req.n or 1
         jobs: list[_Job] = []  # choice index = prompt index * n + k, as OpenAI orders them
@@ -976,8 +975,8 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
             err = _finish_error(res.finish_reason, res.error)
             if err is not None:
                 raise err
-        return await reply_off_loop(
-            lambda: completion_reply(req, base, model_name, jobs, results, top_n, n, prompt_only), results, top_n)
+        return await off_loop(lambda: completion_reply(req, base, model_name, jobs, results, top_n, n, prompt_only),
+                              large_reply(results, top_n))
 
     def completion_reply(req: CompletionRequest, base: str, model_name: str, jobs: list[_Job],
                          results: list[_Result], top_n: int, n: int, prompt_only: bool) -> JSONResponse:
@@ -1143,7 +1142,7 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
 
         n_chars = _chat_chars(req) if req.messages is not None else len(req.prompt or "")
         check_prompt_chars(n_chars, "messages" if req.messages is not None else "prompt")
-        ids = await off_loop(render_and_encode, n_chars)
+        ids = await off_loop(render_and_encode, n_chars >= _OFF_LOOP_CHARS)
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_seq_len, tokens=ids)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
