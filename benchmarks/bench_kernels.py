@@ -635,6 +635,7 @@ _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
 _PREFILL_SWEEP: list[tuple[str, dict]] = [
     ("default", {}),
     ("Gluon M128 N128 2 stages", dict(sm90=dict(STAGES=2))),
+    ("Gluon M128 N128 3 stages, no turns", dict(sm90=dict(PINGPONG=False))),
     ("Gluon M128 N64 4 stages", dict(sm90=dict(BLOCK_N=64, STAGES=4))),
     ("Triton M128 N128 w8 s3 TMA", dict(GLUON=False)),
 ]

@@ -515,6 +515,8 @@ GLUON_CASES = [  # (new, lens, Hq, Hkv, D, bs, dtype)
     ([300, 1, 1000, 77], [5000, 9, 1000, 333], 40, 8, 128, 16, BF16),  # 16-token blocks: 8 boxes per tile
     ([2000, 129], [2600, 129], 8, 8, 128, 256, BF16),  # 256-token blocks: one 128-row box per tile
     ([1500, 40], [1500, 2100], 16, 2, 64, 64, BF16),  # head dim 64
+    ([100, 3, 333], [100, 40, 700], 40, 8, 128, 32, BF16),  # 32-token blocks; one key tile for short ones
+    ([777, 1, 5], [1300, 1, 5], 16, 4, 128, 128, F16),  # 128-token blocks: one box per tile
 ]
 
 
@@ -524,7 +526,7 @@ GLUON_CASES = [  # (new, lens, Hq, Hkv, D, bs, dtype)
 def test_gluon_prefill_matches_reference(poison, monkeypatch, new, lens, Hq, Hkv, D, bs, dtype):
     """The Gluon kernel against the float64 reference over NaN-filled pools with shuffled blocks: prefills
     and extends over cached tokens, lengths off the tile grid, decodes in the same step, block sizes giving
-    1, 2 and 8 boxes per key tile, head dims 64 and 128; and that it, not the Triton kernel, ran."""
+    1, 2, 4 and 8 boxes per key tile, head dims 64 and 128; and that it, not the Triton kernel, ran."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is for Hopper")
     ga = _gluon_or_skip()
@@ -537,11 +539,11 @@ def test_gluon_prefill_matches_reference(poison, monkeypatch, new, lens, Hq, Hkv
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("settings", [dict(BLOCK_N=64, STAGES=4), dict(STAGES=2)])
+@pytest.mark.parametrize("settings", [dict(BLOCK_N=64, STAGES=4), dict(STAGES=2), dict(PINGPONG=False)])
 @pytest.mark.parametrize("case", [GLUON_CASES[1], GLUON_CASES[3]])
 def test_gluon_prefill_alternative_settings(poison, monkeypatch, settings, case):
     """The settings `bench_kernels.py --only attn_sweep` times against the default (64-key tiles, a
-    2-slot ring) are correct too."""
+    2-slot ring, the consumers without turns) are correct too."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is for Hopper")
     import hyserve.kernels.triton_attention as ta

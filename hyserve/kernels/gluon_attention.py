@@ -40,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
+    warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -57,22 +58,21 @@ def _load_layout(head_dim, num_warps):
 @gluon.jit
 def _issue_tile(kd, vd, k_bufs, v_bufs, ready, bt_row, t, kvh, limit,
                 BS: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr):
-    """TMA loads of key tile t (positions t * BLOCK_N ...) of both pools into ring slot t % STAGES, as
-    BLOCK_N / BOX boxes each, all signalling the slot's barrier. Nothing is issued for a tile starting at
-    or past position `limit`; a box past it (whose block-table entry may not exist) loads the tile's first
-    box again, so the byte count stays whole: its rows are masked by the reader."""
+    """TMA loads of key tile t (positions t * BLOCK_N ..., starting below `limit`) of both pools into ring
+    slot t % STAGES, as BLOCK_N / BOX boxes each, all signalling the slot's barrier. A box at or past
+    `limit` (whose block-table entry may not exist) loads the tile's first box again, so the byte count
+    stays whole: its rows are masked by the reader."""
     slot = t % STAGES
     bar = ready.index(slot)
     start = t * BLOCK_N
-    pred = start < limit
-    mbarrier.expect(bar, 2 * BLOCK_N * kd.block_type.shape[1] * kd.dtype.primitive_bitwidth // 8, pred=pred)
+    mbarrier.expect(bar, 2 * BLOCK_N * kd.block_type.shape[1] * kd.dtype.primitive_bitwidth // 8)
     col = (kvh * kd.block_type.shape[1]).to(gl.int32)
     for b in gl.static_range(BLOCK_N // BOX):
         pos = start + b * BOX
         pos = gl.where(pos < limit, pos, start)
-        row = (gl.load(bt_row + pos // BS, mask=pred, other=0) * BS + pos % BS).to(gl.int32)
-        tma.async_copy_global_to_shared(kd, [row, col], bar, k_bufs.index(slot).slice(b * BOX, BOX), pred=pred)
-        tma.async_copy_global_to_shared(vd, [row, col], bar, v_bufs.index(slot).slice(b * BOX, BOX), pred=pred)
+        row = (gl.load(bt_row + pos // BS) * BS + pos % BS).to(gl.int32)
+        tma.async_copy_global_to_shared(kd, [row, col], bar, k_bufs.index(slot).slice(b * BOX, BOX))
+        tma.async_copy_global_to_shared(vd, [row, col], bar, v_bufs.index(slot).slice(b * BOX, BOX))
 
 
 @gluon.jit
@@ -119,10 +119,10 @@ def _ws_band(s, v_smem, t, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N: gl.co
 
 
 @gluon.jit
-def _ws_consumer(q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, q0, n, m0, ctx, h, nfull, ntiles, kv_end,
+def _ws_consumer(q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n, m0, ctx, h, nfull, ntiles, kv_end,
                  qk_scale, s_q_t, s_q_h, s_o_t, s_o_h,
                  HALF: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, DT: gl.constexpr):
+                 STAGES: gl.constexpr, DT: gl.constexpr, PINGPONG: gl.constexpr):
     """One warp group: query rows m0 + HALF * ROWS .. + ROWS of the block against every key tile the
     producer loads (the first nfull unmasked, the rest masked on position), releasing each slot after its
     PV product. The two consumers run unsynchronised, so one's softmax overlaps the other's products."""
@@ -155,16 +155,56 @@ def _ws_consumer(q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, q0, n, m0
     m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
     l_i = gl.zeros([ROWS], gl.float32, s_rows)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-    for t in range(ntiles):
-        slot = t % STAGES
-        mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
-        s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)),
-                          gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False)
-        s = _ws_band(s, v_bufs.index(slot), t, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N, ld)
+    if PINGPONG:
+        # Turns: this group's products are issued only in its turn, and the turn passes to the other group
+        # once they are issued, so one group's softmax runs while the other's products do. Turn 0 issues
+        # S(0); turn t issues O += P(t-1) V(t-1) and S(t); turn ntiles the last PV. Group 0's first wait
+        # passes at once (a fresh barrier's previous phase counts as complete).
+        mine = turn.index(HALF)
+        other = turn.index(1 - HALF)
+        mbarrier.wait(ready.index(0), 0)
+        mbarrier.wait(mine, 1 - HALF)
+        s_tok = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)),
+                              gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+        mbarrier.arrive(other, count=1)
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        for t in range(ntiles - 1):
+            slot = t % STAGES
+            s = _ws_band(s, v_bufs.index(slot), t, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N, ld)
+            m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
+            acc = acc * alpha[:, None]
+            nxt = (t + 1) % STAGES
+            mbarrier.wait(ready.index(nxt), ((t + 1) // STAGES) & 1)
+            mbarrier.wait(mine, ((t + 1) & 1) ^ (1 - HALF))
+            o_tok = warpgroup_mma(p, v_bufs.index(slot), acc, is_async=True)
+            s_tok = warpgroup_mma(q_smem, k_bufs.index(nxt).permute((1, 0)),
+                                  gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+            mbarrier.arrive(other, count=1)
+            acc, s, p = warpgroup_mma_wait(0, deps=[o_tok, s_tok, p])
+            gl.thread_barrier()  # every warp of this group is done with the slot
+            mbarrier.arrive(empty.index(slot), count=1)
+        last = ntiles - 1
+        slot = last % STAGES
+        s = _ws_band(s, v_bufs.index(slot), last, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N, ld)
         m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
-        acc = warpgroup_mma(p, v_bufs.index(slot), acc * alpha[:, None])
-        gl.thread_barrier()  # every warp of this group is done with the slot
+        acc = acc * alpha[:, None]
+        mbarrier.wait(mine, (ntiles & 1) ^ (1 - HALF))
+        o_tok = warpgroup_mma(p, v_bufs.index(slot), acc, is_async=True)
+        mbarrier.arrive(other, count=1)
+        acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
+        gl.thread_barrier()
         mbarrier.arrive(empty.index(slot), count=1)
+    else:
+        for t in range(ntiles):
+            slot = t % STAGES
+            mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+            s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)),
+                              gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False)
+            s = _ws_band(s, v_bufs.index(slot), t, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N, ld)
+            m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
+            acc = warpgroup_mma(p, v_bufs.index(slot), acc * alpha[:, None])
+            gl.thread_barrier()  # every warp of this group is done with the slot
+            mbarrier.arrive(empty.index(slot), count=1)
 
     out = acc / gl.convert_layout(l_i, o_rows)[:, None]
     offs_om = r0 + gl.arange(0, ROWS, layout=o_rows)
@@ -182,7 +222,7 @@ def _prefill_kernel_sm90(
     s_bt_s, s_o_t, s_o_h,
     BS: gl.constexpr, REP: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
+    PINGPONG: gl.constexpr, num_warps: gl.constexpr,
 ):
     """A producer warp streams the key tiles (band included) through the ring, two consumer warp groups take
     BLOCK_M / 2 query rows each (the module docstring)."""
@@ -209,19 +249,26 @@ def _prefill_kernel_sm90(
         v_bufs = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, HEAD_DIM], vd.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warp group
         gl.warp_specialize([
-            (_ws_consumer, (q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, q0, n, m0, ctx, h, nfull, ntiles,
-                            kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 0, ROWS, HEAD_DIM, BLOCK_N, STAGES, DT)),
-            (_ws_consumer, (q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, q0, n, m0, ctx, h, nfull, ntiles,
-                            kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 1, ROWS, HEAD_DIM, BLOCK_N, STAGES, DT)),
+            (_ws_consumer, (q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n, m0, ctx, h, nfull,
+                            ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 0, ROWS, HEAD_DIM, BLOCK_N, STAGES,
+                            DT, PINGPONG)),
+            (_ws_consumer, (q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n, m0, ctx, h, nfull,
+                            ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 1, ROWS, HEAD_DIM, BLOCK_N, STAGES,
+                            DT, PINGPONG)),
             (_ws_loader, (kd, vd, k_bufs, v_bufs, ready, empty, bt_row, kvh, ntiles, kv_end, BS, BLOCK_N, BOX, STAGES)),
         ], [4, 1], [240, 24])
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
             mbarrier.invalidate(empty.index(i))
+        for i in gl.static_range(2):
+            mbarrier.invalidate(turn.index(i))
 
 
 # --------------------------------------------------------------------------- launcher
@@ -253,7 +300,7 @@ def _pool_descriptor(cache: torch.Tensor, box: int) -> TensorDescriptor:
 def prefill_attention_sm90(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     lens_t: torch.Tensor, cu_t: torch.Tensor, out: torch.Tensor, seq_offset: int, num_seqs: int, max_new: int,
-    qk_scale: float, *, box: int, BLOCK_M: int, BLOCK_N: int, STAGES: int, num_warps: int,
+    qk_scale: float, *, box: int, BLOCK_M: int, BLOCK_N: int, STAGES: int, PINGPONG: bool, num_warps: int,
 ) -> None:
     """out[rows of sequences seq_offset .. seq_offset + num_seqs) = attention of those prefill/extend
     sequences (the launcher's checks done; `box` from `sm90_prefill_box`). lens_t / cu_t: the step's
@@ -269,7 +316,7 @@ def prefill_attention_sm90(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         BS=k_cache.shape[1], REP=Hq // Hkv, HEAD_DIM=Dh, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BOX=box, STAGES=STAGES,
-        num_warps=num_warps, maxnreg=168,
+        PINGPONG=PINGPONG, num_warps=num_warps, maxnreg=168,
     )
 
 

@@ -427,7 +427,7 @@ _DECODE_GPU = dict(BLOCK_N=128, num_warps=4, num_stages=3)
 # Triton kernel's 1.85 ms); the Triton kernel the rest.
 _PREFILL_GPU = {128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, TMA=True, GLUON=True),  # D_PAD <= 128
                 256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
-_PREFILL_SM90 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, num_warps=4)
+_PREFILL_SM90 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, PINGPONG=True, num_warps=4)
 _DECODE_CPU = dict(BLOCK_N=16, num_warps=4, num_stages=1)
 _PREFILL_CPU = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
