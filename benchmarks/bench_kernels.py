@@ -9,6 +9,8 @@ when the package is installed).
     python benchmarks/bench_kernels.py --only ssd_sweep      # SSD block-size alternatives (not in the default run)
     python benchmarks/bench_kernels.py --only attn_sweep     # paged attention launch alternatives (idem)
     python benchmarks/bench_kernels.py --only linear_sweep   # fused small-batch linear alternatives (idem)
+    python benchmarks/bench_kernels.py --only attn_rounds --rounds 5   # 8k prefill attention settings and
+                                                                     # SDPA in turn: the spread in one run
     python benchmarks/bench_kernels.py --dry-run --out /tmp/k.json   # CPU: tiny shapes, Triton interpreter,
                                                                      # wall-clock timing (checks the script only)
 
@@ -56,6 +58,7 @@ class Bench:
         self.dev = torch.device("cpu" if dry else "cuda")
         self.records: list[dict] = []
         self.failures: list[str] = []
+        self.rounds = 5
 
     def time_ms(self, fn) -> float:
         if self.dry:
@@ -406,8 +409,8 @@ def _bench_decode_fp8(b: Bench, Hq: int, Hkv: int, D: int, bs: int, dtype, tol: 
                  READ_BW, time_ms=ms, bf16_kv_ms=ms16, speedup_vs_bf16_kv=ms16 / ms)
 
 
-def _sdpa_best(b: Bench, q, kc, vc, tables, L: int) -> tuple[str, float]:
-    """Fastest torch SDPA backend for causal GQA over contiguous K/V of the same tokens."""
+def _sdpa_fn(q, kc, vc, tables, L: int, backend: str):
+    """torch SDPA with one backend (an SDPBackend name), causal GQA over contiguous K/V of the same tokens."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -416,19 +419,28 @@ def _sdpa_best(b: Bench, q, kc, vc, tables, L: int) -> tuple[str, float]:
     k = gather_kv(kc, tables[0], L).transpose(0, 1)[None].contiguous()  # [1, Hkv, L, D]
     v = gather_kv(vc, tables[0], L).transpose(0, 1)[None].contiguous()
     qq = q.transpose(0, 1)[None].contiguous()  # [1, Hq, L, D]
+
+    def fn():
+        with sdpa_kernel(SDPBackend[backend]):
+            return F.scaled_dot_product_attention(qq, k, v, is_causal=True, enable_gqa=True)
+
+    return fn
+
+
+def _sdpa_best(b: Bench, q, kc, vc, tables, L: int) -> tuple[str, float]:
+    """Fastest torch SDPA backend for causal GQA over contiguous K/V of the same tokens."""
     best = ("none", float("inf"))
-    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+    for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
         try:
-            with sdpa_kernel(backend):
-                fn = lambda: F.scaled_dot_product_attention(qq, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
-                fn()
-                ms = b.time_ms(fn)
+            fn = _sdpa_fn(q, kc, vc, tables, L, backend)
+            fn()
+            ms = b.time_ms(fn)
         except Exception as e:  # noqa: BLE001 - a backend may not support the shape
-            print(f"     (SDPA {backend.name} unavailable: {type(e).__name__})")
+            print(f"     (SDPA {backend} unavailable: {type(e).__name__})")
             continue
-        print(f"     SDPA {backend.name}: {ms:.3f} ms")
+        print(f"     SDPA {backend}: {ms:.3f} ms")
         if ms < best[1]:
-            best = (backend.name, ms)
+            best = (backend, ms)
     return best
 
 
@@ -708,12 +720,63 @@ def bench_attn_sweep(b: Bench) -> None:
                      rate_unit="FLOP/s")
 
 
+_ROUNDS_SETTINGS = [("default", {}), ("no turns", dict(PINGPONG=False))]
+
+
+def bench_attn_rounds(b: Bench) -> None:
+    """8k causal prefill attention: the Gluon kernel's default against its settings in _ROUNDS_SETTINGS and
+    torch SDPA, timed in turn for b.rounds rounds, so the spread within one run is on record beside the
+    ratio (lent H200s differ from one another by more than one run's spread). Each setting is checked
+    once against the reference first, in the order listed: `ncu -c <settings>` profiles exactly those."""
+    import statistics
+
+    import hyserve.kernels.triton_attention as ta
+
+    Hq, Hkv, D, bs, L = (40, 8, 128, 64, 8192) if not b.dry else (4, 2, 32, 16, 37)
+    dtype = BF16 if not b.dry else torch.float16
+    scale, tol = D**-0.5, 2e-2
+    kc, vc, tb = _paged_pool(b, [L], Hkv, D, bs, dtype)
+    q = b.rnd(L, Hq, D, dtype=dtype)
+    flops = ta.attention_flops([L], [L], Hq, D)
+    ref = paged_attention_ref(q, kc, vc, tb, [L], [0, L], scale)
+    saved = dict(ta._PREFILL_SM90)
+    runs: dict[str, object] = {}
+    for label, over in _ROUNDS_SETTINGS:
+        cfg = {**saved, **over}
+
+        def run(cfg=cfg):
+            ta._PREFILL_SM90.clear()
+            ta._PREFILL_SM90.update(cfg)
+            try:
+                return ta.paged_attention_triton(q, kc, vc, tb, [L], [0, L], scale)
+            finally:
+                ta._PREFILL_SM90.clear()
+                ta._PREFILL_SM90.update(saved)
+
+        if b.check(f"prefill attention {L} [{label}]", run(), ref, tol, tol):
+            runs[label] = run
+    del ref
+    if not b.dry:
+        peer_name, _ = _sdpa_best(b, q, kc, vc, tb, L)
+        runs[f"torch SDPA {peer_name}"] = _sdpa_fn(q, kc, vc, tb, L, peer_name)
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    for _ in range(b.rounds):
+        for label, fn in runs.items():
+            times[label].append(b.time_ms(fn))
+    base = statistics.median(times["default"]) if "default" in times else float("nan")
+    for label, ts in times.items():
+        med = statistics.median(ts)
+        b.record(f"prefill attention {L} new / {L} [{label}], median of {len(ts)} rounds", med, "ms",
+                 "default settings, same rounds", base, time_ms=med, min_ms=min(ts), max_ms=max(ts),
+                 rate=flops / (med * 1e-3), rate_unit="FLOP/s")
+
+
 # --------------------------------------------------------------------------- main
 
 SUITES = {"ssm": bench_ssm, "conv": bench_conv, "norm": bench_norms, "linear": bench_linear, "attn": bench_attn,
           "ssd": bench_ssd, "ssd_sweep": bench_ssd_sweep, "attn_sweep": bench_attn_sweep,
-          "linear_sweep": bench_linear_sweep}
-DEFAULT_SUITES = [k for k in SUITES if not k.endswith("_sweep")]  # sweeps retune launch settings: on request
+          "linear_sweep": bench_linear_sweep, "attn_rounds": bench_attn_rounds}
+DEFAULT_SUITES = [k for k in SUITES if not k.endswith(("_sweep", "_rounds"))]  # sweeps retune launch settings: on request
 
 
 def _git_sha() -> str:
@@ -738,12 +801,14 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_<date>.json)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton interpreter")
     ap.add_argument("--git-sha", default="", help="commit of the tree, when it is run without .git")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of the attn_rounds suite")
     args = ap.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA device (or --dry-run)", file=sys.stderr)
         return 2
     torch.manual_seed(0)
     b = Bench(args.dry_run)
+    b.rounds = args.rounds
     for name in args.only.split(","):
         SUITES[name.strip()](b)
         if not args.dry_run:
