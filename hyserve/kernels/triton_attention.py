@@ -46,6 +46,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hyserve.kernels.attention import FP8_KV_DTYPES, check_kv_scales
+from hyserve.kernels.launch_util import device_index
 from hyserve.kernels.triton_common import dot, dot_acc
 
 _LOG2E = 1.4426950408889634
@@ -436,15 +437,6 @@ def _host_list(v: torch.Tensor | list[int]) -> list[int]:
     return v.tolist() if isinstance(v, torch.Tensor) else [int(t) for t in v]
 
 
-def _device_index(v: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
-    if isinstance(v, torch.Tensor):
-        assert v.dim() == 1 and not v.dtype.is_floating_point
-        if v.device == device and v.is_contiguous():
-            return v
-        return v.to(device=device).contiguous()
-    return torch.tensor(v, dtype=torch.int32, device=device)
-
-
 def num_decode_splits(num_seqs: int, kv_heads: int, max_len: int | None = None) -> int:
     """Splits per decode sequence: enough programs to fill the GPU; when the longest context is
     known (eager steps), no more splits than it has _MIN_SPLIT_TOKENS pieces."""
@@ -514,8 +506,8 @@ def paged_attention_triton(
             nd += 1
         max_len = max(lens_h[:nd], default=0)
         max_new = max((cu_h[s + 1] - cu_h[s] for s in range(nd, S)), default=0)
-    cu_t = _device_index(cu_q, dev)
-    lens_t = _device_index(seq_lens, dev)
+    cu_t = device_index(cu_q, dev)
+    lens_t = device_index(seq_lens, dev)
     ks, vs = (k_scale, v_scale) if scaled else (q, q)  # unread when unscaled
     strides_kv = (
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

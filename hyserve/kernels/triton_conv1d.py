@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from hyserve.kernels.conv1d import uses_silu
+from hyserve.kernels.launch_util import device_index
 
 
 @triton.jit
@@ -180,12 +181,6 @@ def _conv1d_varlen_kernel(
             )
 
 
-def _as_index_tensor(v: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
-    if isinstance(v, torch.Tensor):
-        return v.to(device=device, dtype=torch.int32).contiguous()
-    return torch.tensor(v, dtype=torch.int32, device=device)
-
-
 def causal_conv1d_varlen_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -219,7 +214,7 @@ def causal_conv1d_varlen_triton(
     BLOCK_D = min(128, triton.next_power_of_2(Dm))
     # Empty sequences still need their final state (= the initial state): one program each.
     grid = (max(1, triton.cdiv(max_n, BLOCK_T)), triton.cdiv(Dm, BLOCK_D), S)
-    cu = _as_index_tensor(cu_host, x.device)
+    cu = device_index(cu_host, x.device)
     init = initial_states if initial_states is not None else finals
     if max_n == 0 or any(cu_host[s + 1] == cu_host[s] for s in range(S)):
         # Rare: sequences with no new tokens keep their initial state (or zeros).

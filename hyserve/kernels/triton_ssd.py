@@ -65,6 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hyserve.kernels.launch_util import device_index
 from hyserve.kernels.ssd import SSDOutput, chunk_offsets_for
 from hyserve.kernels.triton_common import dot, softplus
 
@@ -340,10 +341,7 @@ def _chunk_table(cu: list[int], offsets: list[int], device: torch.device) -> tor
     owner: list[int] = []
     for s in range(len(cu) - 1):
         owner.extend([s] * (offsets[s + 1] - offsets[s]))
-    meta = torch.tensor(cu + offsets + owner, dtype=torch.int32)
-    if device.type == "cuda":
-        return meta.pin_memory().to(device, non_blocking=True)
-    return meta.to(device)
+    return device_index(cu + offsets + owner, device)
 
 
 def ssd_triton(
