@@ -31,6 +31,8 @@ this kernel for sm_90; its numerics are tested on the GPU against the float64 re
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -280,7 +282,7 @@ def sm90_prefill_box(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     of min(block size, block_n) rows (`triton_attention._tma_tiles_fit`'s rules)."""
     from hyserve.kernels.triton_attention import _tma_tiles_fit
 
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if not q.is_cuda or not _is_hopper(q.device.index if q.device.index is not None else torch.cuda.current_device()):
         return 0
     if q.dtype not in _GL_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         return 0
@@ -291,10 +293,21 @@ def sm90_prefill_box(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return box
 
 
+@cache
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+@cache
+def _box_layout(box: int, head_dim: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of one [box, head_dim] TMA box (cached: the launcher's host time counts in
+    every eager prefill layer)."""
+    return gl.NVMMASharedLayout.get_default_for([box, head_dim], _GL_DTYPES[dtype])
+
+
 def _pool_descriptor(cache: torch.Tensor, box: int) -> TensorDescriptor:
     NB, BS, Hkv, Dh = cache.shape
-    layout = gl.NVMMASharedLayout.get_default_for([box, Dh], _GL_DTYPES[cache.dtype])
-    return TensorDescriptor(cache, [NB * BS, Hkv * Dh], [Hkv * Dh, 1], [box, Dh], layout)
+    return TensorDescriptor(cache, [NB * BS, Hkv * Dh], [Hkv * Dh, 1], [box, Dh], _box_layout(box, Dh, cache.dtype))
 
 
 def prefill_attention_sm90(

@@ -506,8 +506,11 @@ def paged_attention_triton(
             nd += 1
         max_len = max(lens_h[:nd], default=0)
         max_new = max((cu_h[s + 1] - cu_h[s] for s in range(nd, S)), default=0)
-    cu_t = device_index(cu_q, dev)
-    lens_t = device_index(seq_lens, dev)
+    if not isinstance(cu_q, torch.Tensor) and not isinstance(seq_lens, torch.Tensor):  # one copy for both
+        both = device_index(cu_h + lens_h, dev)
+        cu_t, lens_t = both[: S + 1], both[S + 1 :]
+    else:
+        cu_t, lens_t = device_index(cu_q, dev), device_index(seq_lens, dev)
     ks, vs = (k_scale, v_scale) if scaled else (q, q)  # unread when unscaled
     strides_kv = (
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
