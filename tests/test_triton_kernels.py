@@ -426,6 +426,20 @@ def test_paged_attention_rejects_a_scale_that_is_not_positive(scale):
         paged_attention_triton(q, pool, pool, torch.zeros(1, 2, dtype=torch.int32, device=DEV), [3], [0, 3], scale)
 
 
+@pytest.mark.parametrize("S", [1, 2, 3, 4, 5, 8, 13])
+def test_step_index_is_one_copy_with_aligned_starts(S):
+    """cu and lens of a step reach the device in one copy, each 16-byte aligned whatever the batch size
+    (Triton specialises pointers on alignment: a start that moved with S would compile new variants)."""
+    from hyserve.kernels.triton_attention import step_index
+
+    cu, lens = list(range(0, 3 * S + 1, 3)), [7 + s for s in range(S)]
+    cu_t, lens_t = step_index(cu, lens, DEV)
+    assert cu_t.tolist() == cu and lens_t.tolist() == lens
+    assert cu_t.data_ptr() % 16 == 0 and lens_t.data_ptr() % 16 == 0
+    assert cu_t.untyped_storage().data_ptr() == lens_t.untyped_storage().data_ptr()
+    assert cu_t.dtype == lens_t.dtype == torch.int32 and cu_t.device.type == lens_t.device.type == DEV.type
+
+
 def test_paged_attention_tma_fit_rules():
     """Tensor-descriptor tiles only where every tile lies in one block of a flat, aligned pool."""
     import hyserve.kernels.triton_attention as ta

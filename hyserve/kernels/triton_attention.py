@@ -437,6 +437,15 @@ def _host_list(v: torch.Tensor | list[int]) -> list[int]:
     return v.tolist() if isinstance(v, torch.Tensor) else [int(t) for t in v]
 
 
+def step_index(cu: list[int], lens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's cumulative new-token offsets and sequence lengths on `device` in one asynchronous copy,
+    each starting 16-byte aligned: Triton specialises pointer arguments on their alignment, so an offset
+    that varied with the batch size would compile new kernel variants in the middle of serving."""
+    lens_at = -(-len(cu) // 4) * 4
+    both = device_index(cu + [0] * (lens_at - len(cu)) + lens, device)
+    return both[: len(cu)], both[lens_at:]
+
+
 def num_decode_splits(num_seqs: int, kv_heads: int, max_len: int | None = None) -> int:
     """Splits per decode sequence: enough programs to fill the GPU; when the longest context is
     known (eager steps), no more splits than it has _MIN_SPLIT_TOKENS pieces."""
@@ -506,9 +515,8 @@ def paged_attention_triton(
             nd += 1
         max_len = max(lens_h[:nd], default=0)
         max_new = max((cu_h[s + 1] - cu_h[s] for s in range(nd, S)), default=0)
-    if not isinstance(cu_q, torch.Tensor) and not isinstance(seq_lens, torch.Tensor):  # one copy for both
-        both = device_index(cu_h + lens_h, dev)
-        cu_t, lens_t = both[: S + 1], both[S + 1 :]
+    if not isinstance(cu_q, torch.Tensor) and not isinstance(seq_lens, torch.Tensor):
+        cu_t, lens_t = step_index(cu_h, lens_h, dev)
     else:
         cu_t, lens_t = device_index(cu_q, dev), device_index(seq_lens, dev)
     ks, vs = (k_scale, v_scale) if scaled else (q, q)  # unread when unscaled
@@ -603,4 +611,4 @@ def attention_flops(new_tokens: list[int], seq_lens: list[int], q_heads: int, he
     return 4.0 * total * q_heads * head_dim
 
 
-__all__ = ["write_kv_triton", "paged_attention_triton", "num_decode_splits", "attention_flops"]
+__all__ = ["write_kv_triton", "paged_attention_triton", "num_decode_splits", "attention_flops", "step_index"]
