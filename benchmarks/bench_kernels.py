@@ -639,7 +639,8 @@ _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
 ]
 # The default on Hopper is the Gluon kernel (gluon_attention.py; "sm90" entries change its settings,
 # `triton_attention._PREFILL_SM90`; a lock-step Gluon version measured 1.2x slower, attn_sweep_b308941, and
-# the consumers' own S(j+1) issued before the softmax of S(j) 1.1-1.6x slower, attn_sweep_d90941e/_5b50b28);
+# the consumers' own S(j+1) issued before the softmax of S(j) 1.1-1.6x slower, attn_sweep_d90941e/_5b50b28,
+# the consumers without turns 1.05x slower, attn_sweep_dded3dc);
 # GLUON=False entries time the Triton kernel instead: key tiles through tensor descriptors, one box or two
 # per tile (each box within one of the pool's 64-token blocks; the folded-scale softmax). Earlier sweeps
 # (benchmarks/README.md) also timed pointer loads, 2 stages, 64-key tiles, compiler warp specialisation, a
@@ -647,7 +648,6 @@ _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
 _PREFILL_SWEEP: list[tuple[str, dict]] = [
     ("default", {}),
     ("Gluon M128 N128 2 stages", dict(sm90=dict(STAGES=2))),
-    ("Gluon M128 N128 3 stages, no turns", dict(sm90=dict(PINGPONG=False))),
     ("Gluon M128 N64 4 stages", dict(sm90=dict(BLOCK_N=64, STAGES=4))),
     ("Triton M128 N128 w8 s3 TMA", dict(GLUON=False)),
 ]
@@ -720,7 +720,9 @@ def bench_attn_sweep(b: Bench) -> None:
                      rate_unit="FLOP/s")
 
 
-_ROUNDS_SETTINGS = [("default", {}), ("no turns", dict(PINGPONG=False))]
+# (label, _PREFILL_SM90 overrides): the default first. The consumers without turns ran here at fd3554c-f73cf84
+# (4-6% slower than with them, device time) before that form was dropped.
+_ROUNDS_SETTINGS: list[tuple[str, dict]] = [("default", {})]
 
 
 def bench_attn_rounds(b: Bench) -> None:

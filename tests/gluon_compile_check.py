@@ -29,7 +29,7 @@ def main() -> None:
                     out_ptr=pool)
         kernel = ga._prefill_kernel_sm90
         const = dict(BS=bs, REP=5, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BOX=box,
-                     STAGES=cfg["STAGES"], PINGPONG=cfg["PINGPONG"], num_warps=cfg["num_warps"])
+                     STAGES=cfg["STAGES"], num_warps=cfg["num_warps"])
         # the signature in parameter order: tensors, descriptors, the float scale, int32 scalars, constants
         sig = {name: mangle_type(ptrs[name]) if name in ptrs else "constexpr" if name in const
                else "fp32" if name == "qk_scale" else "i32" for name in kernel.arg_names}

@@ -553,11 +553,11 @@ def test_gluon_prefill_matches_reference(poison, monkeypatch, new, lens, Hq, Hkv
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("settings", [dict(BLOCK_N=64, STAGES=4), dict(STAGES=2), dict(PINGPONG=False)])
+@pytest.mark.parametrize("settings", [dict(BLOCK_N=64, STAGES=4), dict(STAGES=2)])
 @pytest.mark.parametrize("case", [GLUON_CASES[1], GLUON_CASES[3]])
 def test_gluon_prefill_alternative_settings(poison, monkeypatch, settings, case):
     """The settings `bench_kernels.py --only attn_sweep` times against the default (64-key tiles, a
-    2-slot ring, the consumers without turns) are correct too."""
+    2-slot ring) are correct too."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is for Hopper")
     import hyserve.kernels.triton_attention as ta

@@ -13,14 +13,19 @@ does not: warp specialisation, with the tensor-core products issued by the warp 
     consumers   two warp groups (240 registers each), rows [0, BLOCK_M/2) and [BLOCK_M/2, BLOCK_M) of the
                 query block, Q in shared memory: S = Q K^T (warp-group MMA), masks on band tiles, online
                 softmax in float32 (exp2, scale folded into one multiply-add), O += P V with P from
-                registers, then release the slot. They run unsynchronised, so one group's softmax
-                overlaps the other's products: the overlap that a lock-step loop lacks.
+                registers, then release the slot.
+    turns       the two groups take turns at the tensor cores (ping-pong, as FlashAttention-3): a group
+                issues its products (the PV of tile t-1 and S of tile t) only in its turn and passes the
+                turn on once they are issued, so its softmax of tile t runs while the other's products do.
+                Two mbarriers carry the turn (Gluon has no named barriers).
     band        rows past the sequence in a band tile hold whatever the pool had (NaN included); their
                 scores are masked and their V rows zeroed in shared memory before the PV product.
 
-Measured on the H200 (8k causal, 40/8 heads, d128, bf16): 1.42 ms against 1.72 ms for a lock-step Gluon
-version with the products issued ahead of the softmax and 1.85 ms for the Triton kernel
-(benchmarks/results/attn_sweep_b308941.md).
+Measured on the H200 (8k causal, 40/8 heads, d128, bf16), device time: 1.12-1.14 ms against cuDNN's
+1.08-1.11 ms in the same runs (0.96-0.98 of it; benchmarks/results/attn_rounds_*.md); the same groups without
+turns 1.18-1.20 ms. Event-timed in one sweep (attn_sweep_dded3dc): 1.49 ms with turns, 1.57 without, the
+Triton kernel 1.92; a lock-step Gluon version was 1.2x slower than the groups without turns
+(attn_sweep_b308941).
 
 The launcher (`triton_attention.paged_attention_triton`) takes this path on compute capability 9.x for
 16-bit queries over a 16-bit pool of the same dtype whose tiles fit TMA boxes (`sm90_prefill_box`);
@@ -124,10 +129,11 @@ def _ws_band(s, v_smem, t, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N: gl.co
 def _ws_consumer(q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n, m0, ctx, h, nfull, ntiles, kv_end,
                  qk_scale, s_q_t, s_q_h, s_o_t, s_o_h,
                  HALF: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, DT: gl.constexpr, PINGPONG: gl.constexpr):
+                 STAGES: gl.constexpr, DT: gl.constexpr):
     """One warp group: query rows m0 + HALF * ROWS .. + ROWS of the block against every key tile the
     producer loads (the first nfull unmasked, the rest masked on position), releasing each slot after its
-    PV product. The two consumers run unsynchronised, so one's softmax overlaps the other's products."""
+    PV product; products issued in this group's turns (`turn`: one mbarrier per group), so one group's
+    softmax overlaps the other's products."""
     WARPS: gl.constexpr = 4
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -157,56 +163,44 @@ def _ws_consumer(q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0,
     m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
     l_i = gl.zeros([ROWS], gl.float32, s_rows)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-    if PINGPONG:
-        # Turns: this group's products are issued only in its turn, and the turn passes to the other group
-        # once they are issued, so one group's softmax runs while the other's products do. Turn 0 issues
-        # S(0); turn t issues O += P(t-1) V(t-1) and S(t); turn ntiles the last PV. Group 0's first wait
-        # passes at once (a fresh barrier's previous phase counts as complete).
-        mine = turn.index(HALF)
-        other = turn.index(1 - HALF)
-        mbarrier.wait(ready.index(0), 0)
-        mbarrier.wait(mine, 1 - HALF)
-        s_tok = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)),
-                              gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-        mbarrier.arrive(other, count=1)
-        s = warpgroup_mma_wait(0, deps=[s_tok])
-        for t in range(ntiles - 1):
-            slot = t % STAGES
-            s = _ws_band(s, v_bufs.index(slot), t, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N, ld)
-            m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
-            acc = acc * alpha[:, None]
-            nxt = (t + 1) % STAGES
-            mbarrier.wait(ready.index(nxt), ((t + 1) // STAGES) & 1)
-            mbarrier.wait(mine, ((t + 1) & 1) ^ (1 - HALF))
-            o_tok = warpgroup_mma(p, v_bufs.index(slot), acc, is_async=True)
-            s_tok = warpgroup_mma(q_smem, k_bufs.index(nxt).permute((1, 0)),
-                                  gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-            mbarrier.arrive(other, count=1)
-            acc, s, p = warpgroup_mma_wait(0, deps=[o_tok, s_tok, p])
-            gl.thread_barrier()  # every warp of this group is done with the slot
-            mbarrier.arrive(empty.index(slot), count=1)
-        last = ntiles - 1
-        slot = last % STAGES
-        s = _ws_band(s, v_bufs.index(slot), last, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N, ld)
+    # Turns: this group's products are issued only in its turn, and the turn passes to the other group
+    # once they are issued, so one group's softmax runs while the other's products do. Turn 0 issues
+    # S(0); turn t issues O += P(t-1) V(t-1) and S(t); turn ntiles the last PV. Group 0's first wait
+    # passes at once (a fresh barrier's previous phase counts as complete).
+    mine = turn.index(HALF)
+    other = turn.index(1 - HALF)
+    mbarrier.wait(ready.index(0), 0)
+    mbarrier.wait(mine, 1 - HALF)
+    s_tok = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)),
+                          gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+    mbarrier.arrive(other, count=1)
+    s = warpgroup_mma_wait(0, deps=[s_tok])
+    for t in range(ntiles - 1):
+        slot = t % STAGES
+        s = _ws_band(s, v_bufs.index(slot), t, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N, ld)
         m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
         acc = acc * alpha[:, None]
-        mbarrier.wait(mine, (ntiles & 1) ^ (1 - HALF))
+        nxt = (t + 1) % STAGES
+        mbarrier.wait(ready.index(nxt), ((t + 1) // STAGES) & 1)
+        mbarrier.wait(mine, ((t + 1) & 1) ^ (1 - HALF))
         o_tok = warpgroup_mma(p, v_bufs.index(slot), acc, is_async=True)
+        s_tok = warpgroup_mma(q_smem, k_bufs.index(nxt).permute((1, 0)),
+                              gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
         mbarrier.arrive(other, count=1)
-        acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
-        gl.thread_barrier()
+        acc, s, p = warpgroup_mma_wait(0, deps=[o_tok, s_tok, p])
+        gl.thread_barrier()  # every warp of this group is done with the slot
         mbarrier.arrive(empty.index(slot), count=1)
-    else:
-        for t in range(ntiles):
-            slot = t % STAGES
-            mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
-            s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)),
-                              gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False)
-            s = _ws_band(s, v_bufs.index(slot), t, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N, ld)
-            m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
-            acc = warpgroup_mma(p, v_bufs.index(slot), acc * alpha[:, None])
-            gl.thread_barrier()  # every warp of this group is done with the slot
-            mbarrier.arrive(empty.index(slot), count=1)
+    last = ntiles - 1
+    slot = last % STAGES
+    s = _ws_band(s, v_bufs.index(slot), last, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N, ld)
+    m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
+    acc = acc * alpha[:, None]
+    mbarrier.wait(mine, (ntiles & 1) ^ (1 - HALF))
+    o_tok = warpgroup_mma(p, v_bufs.index(slot), acc, is_async=True)
+    mbarrier.arrive(other, count=1)
+    acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index(slot), count=1)
 
     out = acc / gl.convert_layout(l_i, o_rows)[:, None]
     offs_om = r0 + gl.arange(0, ROWS, layout=o_rows)
@@ -224,7 +218,7 @@ def _prefill_kernel_sm90(
     s_bt_s, s_o_t, s_o_h,
     BS: gl.constexpr, REP: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr,
-    PINGPONG: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """A producer warp streams the key tiles (band included) through the ring, two consumer warp groups take
     BLOCK_M / 2 query rows each (the module docstring)."""
@@ -260,10 +254,10 @@ def _prefill_kernel_sm90(
         gl.warp_specialize([
             (_ws_consumer, (q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n, m0, ctx, h, nfull,
                             ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 0, ROWS, HEAD_DIM, BLOCK_N, STAGES,
-                            DT, PINGPONG)),
+                            DT)),
             (_ws_consumer, (q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n, m0, ctx, h, nfull,
                             ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 1, ROWS, HEAD_DIM, BLOCK_N, STAGES,
-                            DT, PINGPONG)),
+                            DT)),
             (_ws_loader, (kd, vd, k_bufs, v_bufs, ready, empty, bt_row, kvh, ntiles, kv_end, BS, BLOCK_N, BOX, STAGES)),
         ], [4, 1], [240, 24])
         for i in gl.static_range(STAGES):
@@ -313,7 +307,7 @@ def _pool_descriptor(cache: torch.Tensor, box: int) -> TensorDescriptor:
 def prefill_attention_sm90(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     lens_t: torch.Tensor, cu_t: torch.Tensor, out: torch.Tensor, seq_offset: int, num_seqs: int, max_new: int,
-    qk_scale: float, *, box: int, BLOCK_M: int, BLOCK_N: int, STAGES: int, PINGPONG: bool, num_warps: int,
+    qk_scale: float, *, box: int, BLOCK_M: int, BLOCK_N: int, STAGES: int, num_warps: int,
 ) -> None:
     """out[rows of sequences seq_offset .. seq_offset + num_seqs) = attention of those prefill/extend
     sequences (the launcher's checks done; `box` from `sm90_prefill_box`). lens_t / cu_t: the step's
@@ -329,7 +323,7 @@ def prefill_attention_sm90(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         BS=k_cache.shape[1], REP=Hq // Hkv, HEAD_DIM=Dh, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BOX=box, STAGES=STAGES,
-        PINGPONG=PINGPONG, num_warps=num_warps, maxnreg=168,
+        num_warps=num_warps, maxnreg=168,
     )
 
 

@@ -423,12 +423,12 @@ _MAX_SPLITS = 128
 _DECODE_GPU = dict(BLOCK_N=128, num_warps=4, num_stages=3)
 # Prefill on a GPU: key tiles through tensor descriptors where the pool allows (TMA, with the folded-scale
 # softmax); measured 1-9% faster than pointer loads at 8k / 2k-over-6k (attn_sweep_eef8ba1, _9bc82e5).
-# GLUON: on Hopper, the Gluon kernel (gluon_attention.py: a producer warp, two consumer warp groups) takes
-# the steps it can, with the settings in _PREFILL_SM90 (attn_sweep_b308941: 1.42 ms at 8k against the
-# Triton kernel's 1.85 ms); the Triton kernel the rest.
+# GLUON: on Hopper, the Gluon kernel (gluon_attention.py: a producer warp, two consumer warp groups taking
+# turns at the tensor cores) takes the steps it can, with the settings in _PREFILL_SM90 (attn_sweep_dded3dc:
+# 1.49 ms event-timed at 8k against the Triton kernel's 1.92 ms); the Triton kernel the rest.
 _PREFILL_GPU = {128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, TMA=True, GLUON=True),  # D_PAD <= 128
                 256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
-_PREFILL_SM90 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, PINGPONG=True, num_warps=4)
+_PREFILL_SM90 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, num_warps=4)
 _DECODE_CPU = dict(BLOCK_N=16, num_warps=4, num_stages=1)
 _PREFILL_CPU = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
