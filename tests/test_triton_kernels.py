@@ -440,6 +440,21 @@ def test_step_index_is_one_copy_with_aligned_starts(S):
     assert cu_t.dtype == lens_t.dtype == torch.int32 and cu_t.device.type == lens_t.device.type == DEV.type
 
 
+def test_device_index_lists_and_tensors():
+    """Host lists arrive as int32 on the device; an int32 device vector passes through as it is (a decode
+    graph's buffers), others are cast; floating-point input is refused."""
+    from hyserve.kernels.launch_util import device_index
+
+    got = device_index([3, 1, 2], DEV)
+    assert got.dtype == torch.int32 and got.device.type == DEV.type and got.tolist() == [3, 1, 2]
+    same = torch.arange(5, dtype=torch.int32, device=DEV)
+    assert device_index(same, DEV) is same
+    cast = device_index(torch.arange(6, dtype=torch.int64, device=DEV)[::2], DEV)
+    assert cast.dtype == torch.int32 and cast.is_contiguous() and cast.tolist() == [0, 2, 4]
+    with pytest.raises(AssertionError):
+        device_index(torch.zeros(3), DEV)
+
+
 def test_paged_attention_tma_fit_rules():
     """Tensor-descriptor tiles only where every tile lies in one block of a flat, aligned pool."""
     import hyserve.kernels.triton_attention as ta
