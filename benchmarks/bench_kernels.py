@@ -370,8 +370,15 @@ def bench_attn(b: Bench) -> None:
         if n_new == L and not b.dry:
             best_name, best_ms = _sdpa_best(b, q, kc, vc, tb, L)
             peer = flops / (best_ms * 1e-3)
+            # beside the event timing (which counts launcher host time beyond do_bench's cache flush), the
+            # device time of both from the profiler (`attn_rounds` has both over several rounds)
+            dev: dict[str, float] = {}
+            if best_name != "none":
+                dev["device_ms"] = _device_ms(b, lambda: paged_attention_triton(q, kc, vc, tb, [L], cu, scale))
+                dev["peer_device_ms"] = _device_ms(b, _sdpa_fn(q, kc, vc, tb, L, best_name))
+                dev["device_time_ratio"] = dev["peer_device_ms"] / dev["device_ms"]
             b.record(name, ours, "FLOP/s", f"torch SDPA ({best_name}) on the same shapes, same run", peer,
-                     time_ms=ms, peer_ms=best_ms)
+                     time_ms=ms, peer_ms=best_ms, **dev)
         else:
             b.record(name, ours, "FLOP/s", "bf16 matmul ceiling (DESIGN.md)", MATMUL_FLOPS, time_ms=ms)
 

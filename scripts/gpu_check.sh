@@ -22,6 +22,9 @@ log=benchmarks/results/gpu_check.log
     tests/test_fused_linear.py tests/test_fp8_kv.py tests/test_ssm_rounding.py tests/test_gpu_model.py tests/test_gpu_warmup.py \
     tests/test_async_scheduling.py 2>&1 | tail -40
   [[ $parts == *" kernels "* ]] && echo "== kernel benchmarks" && python3 benchmarks/bench_kernels.py --git-sha "$sha" 2>&1 | tail -60
+  [[ $parts == *" kernels "* ]] && echo "== prefill attention against SDPA over rounds" \
+    && python3 benchmarks/bench_kernels.py --only attn_rounds --rounds 5 --git-sha "$sha" \
+       --out "benchmarks/results/attn_rounds_$sha.json" 2>&1 | tail -8
   [[ $parts == *" model "* ]] && echo "== model benchmarks" && python3 benchmarks/bench_model.py --git-sha "$sha" 2>&1 | grep -v "warm-up \[" | tail -40
 } 2>&1 | tee "$log"
 if [ -n "${OUT:-}" ]; then cp benchmarks/results/*.json benchmarks/results/*.md "$log" "$OUT"/ 2>/dev/null; fi
