@@ -53,12 +53,12 @@ BF16, F32 = torch.bfloat16, torch.float32
 
 
 class Bench:
-    def __init__(self, dry: bool) -> None:
+    def __init__(self, dry: bool, rounds: int = 5) -> None:
         self.dry = dry
         self.dev = torch.device("cpu" if dry else "cuda")
         self.records: list[dict] = []
         self.failures: list[str] = []
-        self.rounds = 5
+        self.rounds = rounds  # of the attn_rounds suite
 
     def time_ms(self, fn) -> float:
         if self.dry:
@@ -365,7 +365,8 @@ def bench_attn(b: Bench) -> None:
         if not b.check(name, paged_attention_triton(q, kc, vc, tb, [L], cu, scale),
                        paged_attention_ref(q, kc, vc, tb, [L], cu, scale), tol, tol):
             continue
-        ms = b.time_ms(lambda: paged_attention_triton(q, kc, vc, tb, [L], cu, scale))
+        ours_fn = lambda: paged_attention_triton(q, kc, vc, tb, [L], cu, scale)  # noqa: E731
+        ms = b.time_ms(ours_fn)
         ours = flops / (ms * 1e-3)
         if n_new == L and not b.dry:
             best_name, best_ms = _sdpa_best(b, q, kc, vc, tb, L)
@@ -374,7 +375,7 @@ def bench_attn(b: Bench) -> None:
             # device time of both from the profiler (`attn_rounds` has both over several rounds)
             dev: dict[str, float] = {}
             if best_name != "none":
-                dev["device_ms"] = _device_ms(b, lambda: paged_attention_triton(q, kc, vc, tb, [L], cu, scale))
+                dev["device_ms"] = _device_ms(b, ours_fn)
                 dev["peer_device_ms"] = _device_ms(b, _sdpa_fn(q, kc, vc, tb, L, best_name))
                 dev["device_time_ratio"] = dev["peer_device_ms"] / dev["device_ms"]
             b.record(name, ours, "FLOP/s", f"torch SDPA ({best_name}) on the same shapes, same run", peer,
@@ -727,44 +728,26 @@ def bench_attn_sweep(b: Bench) -> None:
                      rate_unit="FLOP/s")
 
 
-# (label, _PREFILL_SM90 overrides): the default first. The consumers without turns ran here at fd3554c-f73cf84
-# (4-6% slower than with them, device time) before that form was dropped.
-_ROUNDS_SETTINGS: list[tuple[str, dict]] = [("default", {})]
-
-
 def bench_attn_rounds(b: Bench) -> None:
-    """8k causal prefill attention: the Gluon kernel's default against its settings in _ROUNDS_SETTINGS and
-    torch SDPA, timed in turn for b.rounds rounds, so the spread within one run is on record beside the
-    ratio (lent H200s differ from one another by more than one run's spread). Each setting is checked
-    once against the reference first, in the order listed: `ncu -c <settings>` profiles exactly those."""
+    """8k causal prefill attention: the default kernel and torch SDPA timed in turn for b.rounds rounds, so
+    the spread within one run is on record beside the ratio (lent H200s differ from one another by more
+    than one run's spread). Ours is checked against the reference first: `ncu -c 1` profiles that call.
+    (The Gluon consumers without turns ran here at fd3554c-f73cf84, 4-6% slower in device time, before that
+    form was dropped.)"""
     import statistics
 
-    import hyserve.kernels.triton_attention as ta
+    from hyserve.kernels.triton_attention import attention_flops, paged_attention_triton
 
     Hq, Hkv, D, bs, L = (40, 8, 128, 64, 8192) if not b.dry else (4, 2, 32, 16, 37)
     dtype = BF16 if not b.dry else torch.float16
     scale, tol = D**-0.5, 2e-2
     kc, vc, tb = _paged_pool(b, [L], Hkv, D, bs, dtype)
     q = b.rnd(L, Hq, D, dtype=dtype)
-    flops = ta.attention_flops([L], [L], Hq, D)
-    ref = paged_attention_ref(q, kc, vc, tb, [L], [0, L], scale)
-    saved = dict(ta._PREFILL_SM90)
-    runs: dict[str, object] = {}
-    for label, over in _ROUNDS_SETTINGS:
-        cfg = {**saved, **over}
-
-        def run(cfg=cfg):
-            ta._PREFILL_SM90.clear()
-            ta._PREFILL_SM90.update(cfg)
-            try:
-                return ta.paged_attention_triton(q, kc, vc, tb, [L], [0, L], scale)
-            finally:
-                ta._PREFILL_SM90.clear()
-                ta._PREFILL_SM90.update(saved)
-
-        if b.check(f"prefill attention {L} [{label}]", run(), ref, tol, tol):
-            runs[label] = run
-    del ref
+    flops = attention_flops([L], [L], Hq, D)
+    runs = {"default": lambda: paged_attention_triton(q, kc, vc, tb, [L], [0, L], scale)}
+    if not b.check(f"prefill attention {L} [default]", runs["default"](),
+                   paged_attention_ref(q, kc, vc, tb, [L], [0, L], scale), tol, tol):
+        return
     if not b.dry:
         peer_name, _ = _sdpa_best(b, q, kc, vc, tb, L)
         runs[f"torch SDPA {peer_name}"] = _sdpa_fn(q, kc, vc, tb, L, peer_name)
@@ -772,7 +755,7 @@ def bench_attn_rounds(b: Bench) -> None:
     for _ in range(b.rounds):
         for label, fn in runs.items():
             times[label].append(b.time_ms(fn))
-    base = statistics.median(times["default"]) if "default" in times else float("nan")
+    base = statistics.median(times["default"])
     # Event timing includes the launcher's host work whenever that outlasts the cache flush do_bench queues
     # before each call; the profiler's device time (every kernel and copy of one call, 10 calls) does not,
     # and host time per call (50 calls queued behind a busy GPU, no sync) is the launcher's own cost.
@@ -785,7 +768,7 @@ def bench_attn_rounds(b: Bench) -> None:
                  rate=flops / (med * 1e-3), rate_unit="FLOP/s")
     for label in runs:
         b.record(f"prefill attention {L} new / {L} [{label}], device time", dev_ms[label], "ms",
-                 "default settings, device time", dev_ms.get("default", float("nan")), host_ms=host_ms[label],
+                 "default settings, device time", dev_ms["default"], host_ms=host_ms[label],
                  rate=flops / (dev_ms[label] * 1e-3), rate_unit="FLOP/s")
 
 
@@ -800,13 +783,15 @@ def _device_ms(b: Bench, fn, reps: int = 10) -> float:
 
 def _host_ms(b: Bench, fn, calls: int = 50) -> float:
     """Host time of one call of fn with the GPU kept busy (queued launches, no synchronisation)."""
-    if not b.dry:
+    if b.dry:
+        calls = 1
+    else:
         torch.cuda.synchronize()
         torch.cuda._sleep(50_000_000)  # keep the GPU busy so every call only queues its work
     t = time.perf_counter()
-    for _ in range(calls if not b.dry else 1):
+    for _ in range(calls):
         fn()
-    host = (time.perf_counter() - t) * 1e3 / (calls if not b.dry else 1)
+    host = (time.perf_counter() - t) * 1e3 / calls
     if not b.dry:
         torch.cuda.synchronize()
     return host
@@ -848,8 +833,7 @@ def main() -> int:
         print("bench_kernels: needs a CUDA device (or --dry-run)", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    b = Bench(args.dry_run)
-    b.rounds = args.rounds
+    b = Bench(args.dry_run, args.rounds)
     for name in args.only.split(","):
         SUITES[name.strip()](b)
         if not args.dry_run:
