@@ -63,6 +63,26 @@ def _load_layout(head_dim, num_warps):
 
 
 @gluon.jit
+def _issue_tile(kd, vd, k_bufs, v_bufs, ready, bt_row, t, kvh, limit,
+                BS: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr):
+    """TMA loads of key tile t (positions t * BLOCK_N ..., starting below `limit`) of both pools into ring
+    slot t % STAGES, as BLOCK_N / BOX boxes each, all signalling the slot's barrier. A box at or past
+    `limit` (whose block-table entry may not exist) loads the tile's first box again, so the byte count
+    stays whole: its rows are masked by the reader."""
+    slot = t % STAGES
+    bar = ready.index(slot)
+    start = t * BLOCK_N
+    mbarrier.expect(bar, 2 * BLOCK_N * kd.block_type.shape[1] * kd.dtype.primitive_bitwidth // 8)
+    col = (kvh * kd.block_type.shape[1]).to(gl.int32)
+    for b in gl.static_range(BLOCK_N // BOX):
+        pos = start + b * BOX
+        pos = gl.where(pos < limit, pos, start)
+        row = (gl.load(bt_row + pos // BS) * BS + pos % BS).to(gl.int32)
+        tma.async_copy_global_to_shared(kd, [row, col], bar, k_bufs.index(slot).slice(b * BOX, BOX))
+        tma.async_copy_global_to_shared(vd, [row, col], bar, v_bufs.index(slot).slice(b * BOX, BOX))
+
+
+@gluon.jit
 def _softmax(s, m_i, l_i, qk_scale, DT: gl.constexpr, p_layout: gl.constexpr, o_rows: gl.constexpr):
     """One online-softmax update on raw (unscaled, masked) scores s: the new running max and denominator,
     the probabilities in dtype DT as the PV product's register operand, and the factor (in the output's
@@ -81,24 +101,11 @@ def _softmax(s, m_i, l_i, qk_scale, DT: gl.constexpr, p_layout: gl.constexpr, o_
 def _ws_loader(kd, vd, k_bufs, v_bufs, ready, empty, bt_row, kvh, ntiles, kv_end,
                BS: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr):
     """Producer warp: key tiles 0 .. ntiles-1 into the ring, each once both consumers have released its
-    slot (empty barriers start released: the first pass waits on the phase before). Tile t (positions
-    t * BLOCK_N ...) of both pools goes to slot t % STAGES as BLOCK_N / BOX TMA boxes, all signalling the
-    slot's `ready` barrier. A box at or past kv_end (whose block-table entry may not exist) loads the
-    tile's first box again, so the byte count stays whole: its rows are masked by the readers."""
-    D: gl.constexpr = kd.block_type.shape[1]
-    col = (kvh * D).to(gl.int32)
+    slot (empty barriers start released: the first pass waits on the phase before)."""
     for t in range(ntiles):
         slot = t % STAGES
         mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
-        bar = ready.index(slot)
-        start = t * BLOCK_N
-        mbarrier.expect(bar, 2 * BLOCK_N * D * kd.dtype.primitive_bitwidth // 8)
-        for b in gl.static_range(BLOCK_N // BOX):
-            pos = start + b * BOX
-            pos = gl.where(pos < kv_end, pos, start)
-            row = (gl.load(bt_row + pos // BS) * BS + pos % BS).to(gl.int32)
-            tma.async_copy_global_to_shared(kd, [row, col], bar, k_bufs.index(slot).slice(b * BOX, BOX))
-            tma.async_copy_global_to_shared(vd, [row, col], bar, v_bufs.index(slot).slice(b * BOX, BOX))
+        _issue_tile(kd, vd, k_bufs, v_bufs, ready, bt_row, t, kvh, kv_end, BS, BLOCK_N, BOX, STAGES)
 
 
 @gluon.jit
