@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from shipped_configs import ALL, config_dir
 
 from hyserve.model.config import (
     LAYER_ATTENTION,
@@ -19,16 +19,13 @@ from hyserve.model.config import (
 
 torch.set_num_threads(1)
 
-CONFIGS = Path("/work/shared/configs")
-ALL = sorted(p.name for p in CONFIGS.iterdir() if (p / "config.json").is_file()) if CONFIGS.is_dir() else []
-pytestmark = pytest.mark.skipif(not ALL, reason="shared configs not available")
 MIB = 2**20
 PATTERN = {"M": LAYER_MAMBA, "*": LAYER_ATTENTION, "-": LAYER_MLP, "E": LAYER_MOE}
 HF_NAMES = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 
 
 def raw(name: str) -> dict:
-    return json.loads((CONFIGS / name / "config.json").read_text())
+    return json.loads((config_dir(name) / "config.json").read_text())
 
 
 def layer_kinds(d: dict) -> list[str]:
@@ -47,7 +44,7 @@ def test_all_shipped_configs_are_present():
 @pytest.mark.parametrize("name", ALL)
 def test_every_config_parses_and_matches_its_json(name):
     d = raw(name)
-    cfg = HybridModelConfig.from_hf(CONFIGS / name)
+    cfg = HybridModelConfig.from_hf(config_dir(name))
     assert cfg.name == name
     assert list(cfg.layer_types) == layer_kinds(d)
     assert cfg.num_layers == len(cfg.layer_types)
@@ -78,7 +75,7 @@ def test_cache_sizes_follow_from_first_principles(name):
     kinds = layer_kinds(d)
     n_mamba, n_attn = kinds.count(LAYER_MAMBA), kinds.count(LAYER_ATTENTION)
     head_dim = d.get("head_dim", d.get("attention_head_dim"))
-    cfg = HybridModelConfig.from_hf(CONFIGS / name)
+    cfg = HybridModelConfig.from_hf(config_dir(name))
     model_bytes = cfg.dtype.itemsize
     assert cfg.kv_bytes_per_token == n_attn * 2 * d["num_key_value_heads"] * head_dim * model_bytes
     conv_dim = d["mamba_num_heads"] * d["mamba_head_dim"] + 2 * d["n_groups"] * d["ssm_state_size"]
@@ -94,7 +91,7 @@ def test_cache_sizes_follow_from_first_principles(name):
 
 
 def test_nano_9b_v2_figures_from_design():
-    cfg = HybridModelConfig.from_hf(CONFIGS / "NVIDIA-Nemotron-Nano-9B-v2")
+    cfg = HybridModelConfig.from_hf(config_dir("NVIDIA-Nemotron-Nano-9B-v2"))
     assert len(cfg.mamba_layer_ids) == 27 and len(cfg.attention_layer_ids) == 4
     assert cfg.num_layers == 56
     fp32 = cfg.state_bytes_per_sequence / MIB
@@ -112,7 +109,7 @@ def test_nano_9b_v2_figures_from_design():
 
 
 def test_kv_cache_dtype_override():
-    cfg = HybridModelConfig.from_hf(CONFIGS / "NVIDIA-Nemotron-Nano-9B-v2")
+    cfg = HybridModelConfig.from_hf(config_dir("NVIDIA-Nemotron-Nano-9B-v2"))
     c = cfg.with_cache_dtypes(kv_cache_dtype=torch.float32)
     assert c.kv_bytes_per_token == 2 * cfg.kv_bytes_per_token
     assert c.state_bytes_per_sequence == cfg.state_bytes_per_sequence
@@ -158,7 +155,7 @@ def test_norm_eps_alias():
 
 def test_nemotron_h_8b_uses_legacy_names():
     """Nemotron-H 8B spells head_dim `attention_head_dim` and eps `rms_norm_eps`."""
-    cfg = HybridModelConfig.from_hf(CONFIGS / "Nemotron-H-8B-Base-8K")
+    cfg = HybridModelConfig.from_hf(config_dir("Nemotron-H-8B-Base-8K"))
     assert cfg.head_dim == 128 and cfg.layer_norm_epsilon == 1e-5
 
 
@@ -187,7 +184,7 @@ def test_layers_block_type_and_pattern_agree(name):
 
 
 def test_from_hf_accepts_a_config_json_path_and_rejects_missing_files(tmp_path):
-    p = CONFIGS / "tiny-nemotron-h-dense" / "config.json"
+    p = config_dir("tiny-nemotron-h-dense") / "config.json"
     assert HybridModelConfig.from_hf(p).layer_types == HybridModelConfig.from_hf(p.parent).layer_types
     with pytest.raises(FileNotFoundError):
         HybridModelConfig.from_hf(tmp_path)
@@ -255,6 +252,6 @@ def test_invalid_field_raises_value_error_naming_it(base, changes, field):
 
 
 def test_config_is_frozen():
-    cfg = HybridModelConfig.from_hf(CONFIGS / "tiny-nemotron-h-dense")
+    cfg = HybridModelConfig.from_hf(config_dir("tiny-nemotron-h-dense"))
     with pytest.raises(AttributeError):
         cfg.hidden_size = 3  # type: ignore[misc]

@@ -29,6 +29,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from model_harness import Harness, strong_random_weights
+from shipped_configs import config_dir
 
 from hyserve.kernels.ssd import ssd_chunked_ref, ssd_naive_ref
 from hyserve.model.config import LAYER_ATTENTION, HybridModelConfig
@@ -39,7 +40,6 @@ from hyserve.model.weights import load_checkpoint, save_checkpoint
 torch.set_num_threads(1)
 transformers = pytest.importorskip("transformers")
 
-CONFIGS = Path("/work/shared/configs")
 ATOL = 1e-4
 NEW_TOKENS = 6
 
@@ -52,7 +52,7 @@ def build_checkpoint(case: str, out: Path) -> Path:
             return out  # exactly what `hyserve make-tiny` writes
     else:
         out.mkdir(parents=True, exist_ok=True)
-        shutil.copy(CONFIGS / case / "config.json", out / "config.json")
+        shutil.copy(config_dir(case) / "config.json", out / "config.json")
     cfg = HybridModelConfig.from_hf(out)
     model = NemotronHForCausalLM(cfg, dtype=torch.float32)
     strong_random_weights(model, cfg, seed=len(case))
@@ -74,8 +74,6 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    if not CONFIGS.is_dir():
-        pytest.skip("shared configs not available")
     return {c: build_checkpoint(c, tmp_path_factory.mktemp(c)) for c in CASES}
 
 

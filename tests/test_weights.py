@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from shipped_configs import ALL, TINY, config_dir
 
 from hyserve.model import weights as W
 from hyserve.model.config import HybridModelConfig
@@ -25,17 +26,10 @@ from hyserve.model.weights import (
 
 torch.set_num_threads(1)
 
-# shared/configs of the checkout when it has one (device machines), else the CI location
-CONFIGS = next(
-    (p for p in (Path(__file__).parents[1] / "shared" / "configs", Path("/work/shared/configs")) if p.is_dir()),
-    Path("/work/shared/configs"),
-)
-TINY = ("tiny-nemotron-h-dense", "tiny-nemotron-3-moe", "tiny-nemotron-3-latent-moe")
-needs_configs = pytest.mark.skipif(not CONFIGS.is_dir(), reason="shared configs not available")
 
 
 def cfg_of(name: str) -> HybridModelConfig:
-    return HybridModelConfig.from_hf(CONFIGS / name)
+    return HybridModelConfig.from_hf(config_dir(name))
 
 
 def tiny_cfg(variant: str) -> HybridModelConfig:
@@ -67,11 +61,9 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 def hf_checkpoints(tmp_path_factory) -> dict[str, tuple[Path, dict[str, torch.Tensor]]]:
     """transformers' own NemotronH saved with save_pretrained (what it writes is what the Hub has)."""
     transformers = pytest.importorskip("transformers")
-    if not CONFIGS.is_dir():
-        pytest.skip("shared configs not available")
     out = {}
     for name in TINY:
-        hf_cfg = transformers.NemotronHConfig.from_pretrained(CONFIGS / name)
+        hf_cfg = transformers.NemotronHConfig.from_pretrained(config_dir(name))
         torch.manual_seed(0)
         model = transformers.NemotronHForCausalLM(hf_cfg).eval()
         with torch.no_grad():  # transformers inits the router bias to zeros; make it visible in comparisons
@@ -100,12 +92,11 @@ def test_canonical_name_mapping():
     assert W.canonical_name("model.mtp.layers.0.norm.weight") is None
 
 
-@needs_configs
-@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.iterdir()) if CONFIGS.is_dir() else [])
+@pytest.mark.parametrize("name", ALL)
 def test_canonical_shapes_match_transformers(name):
     """Our name/shape table equals transformers' module tree for every shipped architecture (meta device)."""
     transformers = pytest.importorskip("transformers")
-    hf_cfg = transformers.NemotronHConfig.from_pretrained(CONFIGS / name)
+    hf_cfg = transformers.NemotronHConfig.from_pretrained(config_dir(name))
     with torch.device("meta"):
         model = transformers.NemotronHForCausalLM(hf_cfg)
     hf = {
@@ -128,7 +119,6 @@ def test_shapes_match_hyserve_model_if_present():
 
 
 # ---- loading transformers checkpoints ------------------------------------------------------------------------
-@needs_configs
 @pytest.mark.parametrize("name", TINY)
 def test_load_transformers_checkpoint(hf_checkpoints, name):
     ckpt, ref = hf_checkpoints[name]
@@ -142,7 +132,6 @@ def test_load_transformers_checkpoint(hf_checkpoints, name):
     assert_same(state(module), ref)
 
 
-@needs_configs
 def test_load_casts_but_keeps_router_fp32(hf_checkpoints):
     ckpt, ref = hf_checkpoints["tiny-nemotron-3-moe"]
     module = empty_module(cfg_of("tiny-nemotron-3-moe"), dtype=torch.bfloat16)
