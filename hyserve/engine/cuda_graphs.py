@@ -33,7 +33,7 @@ import torch
 from hyserve.engine.scheduler import ScheduledSeq
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.forward_meta import ForwardMeta
-from hyserve.model.nemotron_h import NemotronHForCausalLM
+from hyserve.model.protocol import CausalLM
 
 _ROWS = 6  # ids, slot_mapping, state_src, state_dst, seq_lens, feed rows (async scheduling)
 
@@ -71,7 +71,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: NemotronHForCausalLM,
+        model: CausalLM,
         cache: CacheTensors,
         device: torch.device,
         *,

@@ -55,8 +55,6 @@ from hyserve.engine.sampler import PendingLogprobs, Sampler
 from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler, SchedulerStats
 from hyserve.engine.warmup import Warmup, WarmupReport, use_kernel_cache_dir
-from hyserve.model.cache_tensors import CacheTensors
-from hyserve.model.config import LAYER_MAMBA, LAYER_MOE
 from hyserve.model.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("hyserve")
@@ -110,9 +108,7 @@ class LLMEngine:
         if lm.device.type == "cpu" and torch.get_num_threads() <= 2:
             torch.set_num_threads(1)  # 2 threads on 2-core machines were 2-50x slower (DESIGN.md)
         self._log(
-            f"hyserve: {lm.name}: {len(lm.config.layer_types)} layers "
-            f"({len(lm.config.mamba_layer_ids)} Mamba2, {len(lm.config.attention_layer_ids)} attention), "
-            f"{lm.config.num_parameters() / 1e6:.1f}M params, {str(lm.dtype).removeprefix('torch.')} on "
+            f"hyserve: {lm.name}: {lm.config.describe()}, {str(lm.dtype).removeprefix('torch.')} on "
             f"{lm.device} ({time.monotonic() - t0:.1f}s)"
         )
         sc = config.scheduler
@@ -131,8 +127,7 @@ class LLMEngine:
                 "decode step"
             )
         self.plan: CapacityPlan = plan_capacity(self._capacity_inputs())
-        self.cache_tensors = CacheTensors.allocate(
-            lm.config,
+        self.cache_tensors = lm.model.allocate_cache(
             num_blocks=self.plan.num_kv_blocks,
             tokens_per_block=config.cache.tokens_per_block,
             num_slots=self.plan.num_live_slots + self.plan.num_pad_slots + self.plan.num_snapshot_slots,
@@ -141,7 +136,7 @@ class LLMEngine:
         ms = config.cache.mamba_state_config
         self.cache = HybridCacheManager(
             self.plan,
-            has_mamba=LAYER_MAMBA in lm.config.layer_types,
+            has_mamba=lm.config.has_recurrent_state,
             enable_block_reuse=config.cache.enable_block_reuse,
             snapshot_interval=ms.periodic_snapshot_interval,
             snapshot_offsets_from_end=ms.additional_snapshot_offsets_from_end,
@@ -232,7 +227,7 @@ class LLMEngine:
         sc = self.config.scheduler
         if self.device.type != "cuda" or not cg.enabled:
             return []
-        if LAYER_MOE in self.model_config.layer_types:
+        if not self.loaded.model.graph_capturable:
             self._log("hyserve: CUDA graphs off: the MoE layers dispatch experts by host-side token counts")
             return []
         limit = min(cg.max_batch_size or sc.max_batch_size, sc.max_batch_size)

@@ -19,8 +19,7 @@ import torch
 from hyserve.engine.runner import ModelRunner
 from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.scheduler import ScheduledBatch, ScheduledSeq
-from hyserve.model.cache_tensors import CacheTensors
-from hyserve.model.nemotron_h import NemotronHForCausalLM
+from hyserve.model.protocol import CausalLM
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ def _split(n: int, parts: int) -> list[int]:
 
 
 def profile_activations(
-    model: NemotronHForCausalLM,
+    model: CausalLM,
     device: torch.device,
     *,
     max_num_tokens: int,
@@ -59,7 +58,7 @@ def profile_activations(
     cfg = model.config
     bs = tokens_per_block
     blocks_needed = -(-max_num_tokens // bs) + max_batch_size
-    cache = CacheTensors.allocate(cfg, num_blocks=blocks_needed, tokens_per_block=bs, num_slots=3, device=device)
+    cache = model.allocate_cache(num_blocks=blocks_needed, tokens_per_block=bs, num_slots=3, device=device)
     runner = ModelRunner(model, cache, device)
 
     def peak(runner: ModelRunner, batch: ScheduledBatch) -> int:

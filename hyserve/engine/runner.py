@@ -18,11 +18,11 @@ from hyserve.engine.sampler import token_logprobs
 from hyserve.engine.scheduler import ScheduledBatch
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.forward_meta import ForwardMeta, SnapshotWrite
-from hyserve.model.nemotron_h import NemotronHForCausalLM
+from hyserve.model.protocol import CausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: NemotronHForCausalLM, cache: CacheTensors, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, cache: CacheTensors, device: torch.device) -> None:
         self.model = model
         self.cache = cache
         self.device = device

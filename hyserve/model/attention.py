@@ -18,6 +18,7 @@ from torch import nn
 
 from hyserve.kernels import ops
 from hyserve.kernels.attention import FP8_KV_DTYPES
+from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.config import HybridModelConfig
 from hyserve.model.forward_meta import ForwardMeta
 
@@ -41,8 +42,9 @@ class Attention(nn.Module):
     k_scale: torch.Tensor
     v_scale: torch.Tensor
 
-    def __init__(self, cfg: HybridModelConfig, *, device=None, dtype=None) -> None:
+    def __init__(self, cfg: HybridModelConfig, *, layer_id: int = 0, device=None, dtype=None) -> None:
         super().__init__()
+        self.layer_id = layer_id
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -67,9 +69,8 @@ class Attention(nn.Module):
         self.k_scale.fill_(float(k_scale))
         self.v_scale.fill_(float(v_scale))
 
-    def forward(
-        self, x: torch.Tensor, meta: ForwardMeta, k_cache: torch.Tensor, v_cache: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: ForwardMeta, cache: CacheTensors) -> torch.Tensor:
+        k_cache, v_cache = cache.k[self.layer_id], cache.v[self.layer_id]
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)

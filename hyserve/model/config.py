@@ -125,6 +125,39 @@ class MambaCacheSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MambaSpec:
+    """What one Mamba2 mixer needs to know (built by `HybridModelConfig.mamba_spec`)."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int
+    use_conv_bias: bool
+    proj_bias: bool
+    time_step_limit: tuple[float, float]
+    norm_eps: float
+    # stochastic rounding of a float16 SSM pool: on/off, Philox rounds, the stream's seed
+    ssm_stochastic_rounding: bool = False
+    ssm_philox_rounds: int = 10
+    ssm_rounding_seed: int = 0
+
+    @property
+    def d_inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.n_groups * self.state_size
+
+    @property
+    def in_proj_size(self) -> int:
+        return self.d_inner + self.conv_dim + self.num_heads
+
+
+@dataclass(frozen=True, kw_only=True)
 class HybridModelConfig:
     """The architecture of one NemotronH checkpoint (immutable; change with `dataclasses.replace`)."""
 
@@ -204,6 +237,33 @@ class HybridModelConfig:
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == LAYER_ATTENTION)
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        return LAYER_MAMBA in self.layer_types
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        return (f"{self.num_layers} layers ({len(self.mamba_layer_ids)} Mamba2, {len(self.attention_layer_ids)} "
+                f"attention), {self.num_parameters() / 1e6:.1f}M params")
+
+    def mamba_spec(self) -> MambaSpec:
+        return MambaSpec(
+            hidden_size=self.hidden_size,
+            num_heads=self.mamba_num_heads,
+            head_dim=self.mamba_head_dim,
+            state_size=self.ssm_state_size,
+            n_groups=self.n_groups,
+            conv_kernel=self.conv_kernel,
+            chunk_size=self.chunk_size,
+            use_conv_bias=self.use_conv_bias,
+            proj_bias=self.mamba_proj_bias,
+            time_step_limit=self.time_step_limit,
+            norm_eps=self.layer_norm_epsilon,
+            ssm_stochastic_rounding=self.ssm_stochastic_rounding,
+            ssm_philox_rounds=self.ssm_philox_rounds,
+            ssm_rounding_seed=self.ssm_rounding_seed,
+        )
 
     def attention_cache_spec(self) -> AttentionCacheSpec:
         return AttentionCacheSpec(

@@ -24,7 +24,8 @@ from torch import nn
 from hyserve.kernels import ops
 from hyserve.kernels.conv1d import conv_state_at
 from hyserve.kernels.stochastic_rounding import StochasticRounding
-from hyserve.model.config import HybridModelConfig
+from hyserve.model.cache_tensors import CacheTensors
+from hyserve.model.config import MambaSpec
 from hyserve.model.forward_meta import ForwardMeta
 
 
@@ -40,37 +41,38 @@ class GatedRMSNorm(nn.Module):
 
 
 class Mamba2Mixer(nn.Module):
-    def __init__(self, cfg: HybridModelConfig, *, layer_id: int = 0, device=None, dtype=None) -> None:
+    def __init__(self, spec: MambaSpec, *, layer_id: int = 0, device=None, dtype=None) -> None:
         super().__init__()
+        self.layer_id = layer_id
         # the stochastic-rounding stream of this layer's SSM pool (None: round-to-nearest)
         self.ssm_rounding: StochasticRounding | None = None
-        if cfg.ssm_stochastic_rounding:
+        if spec.ssm_stochastic_rounding:
             self.ssm_rounding = StochasticRounding(
-                seed=cfg.ssm_rounding_seed, layer=layer_id, rounds=cfg.ssm_philox_rounds
+                seed=spec.ssm_rounding_seed, layer=layer_id, rounds=spec.ssm_philox_rounds
             )
-        self.num_heads = cfg.mamba_num_heads
-        self.head_dim = cfg.mamba_head_dim
-        self.state_size = cfg.ssm_state_size
-        self.n_groups = cfg.n_groups
-        self.chunk_size = cfg.chunk_size
-        self.conv_kernel = cfg.conv_kernel
-        self.d_inner = cfg.mamba_intermediate_size
-        self.conv_dim = cfg.conv_dim
-        self.dt_limit = cfg.time_step_limit
-        h = cfg.hidden_size
-        self.in_proj = nn.Linear(h, cfg.in_proj_size, bias=cfg.mamba_proj_bias, device=device, dtype=dtype)
+        self.num_heads = spec.num_heads
+        self.head_dim = spec.head_dim
+        self.state_size = spec.state_size
+        self.n_groups = spec.n_groups
+        self.chunk_size = spec.chunk_size
+        self.conv_kernel = spec.conv_kernel
+        self.d_inner = spec.d_inner
+        self.conv_dim = spec.conv_dim
+        self.dt_limit = spec.time_step_limit
+        h = spec.hidden_size
+        self.in_proj = nn.Linear(h, spec.in_proj_size, bias=spec.proj_bias, device=device, dtype=dtype)
         # [conv_dim, 1, K] to match checkpoints (nn.Conv1d layout); used as [conv_dim, K]
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim,
-            bias=cfg.use_conv_bias, device=device, dtype=dtype,
+            bias=spec.use_conv_bias, device=device, dtype=dtype,
         )
         self.dt_bias = nn.Parameter(torch.ones(self.num_heads, device=device, dtype=dtype))
         self.A_log = nn.Parameter(torch.zeros(self.num_heads, device=device, dtype=dtype))
         self.D = nn.Parameter(torch.ones(self.num_heads, device=device, dtype=dtype))
         self.norm = GatedRMSNorm(
-            self.d_inner, self.d_inner // self.n_groups, cfg.layer_norm_epsilon, device=device, dtype=dtype
+            self.d_inner, self.d_inner // self.n_groups, spec.norm_eps, device=device, dtype=dtype
         )
-        self.out_proj = nn.Linear(self.d_inner, h, bias=cfg.mamba_proj_bias, device=device, dtype=dtype)
+        self.out_proj = nn.Linear(self.d_inner, h, bias=spec.proj_bias, device=device, dtype=dtype)
         self._A_cache: torch.Tensor | None = None
         self._A_version: tuple | None = None
 
@@ -96,9 +98,8 @@ class Mamba2Mixer(nn.Module):
             c.reshape(n, self.n_groups, self.state_size),
         )
 
-    def forward(
-        self, hidden: torch.Tensor, meta: ForwardMeta, conv_pool: torch.Tensor, ssm_pool: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, meta: ForwardMeta, cache: CacheTensors) -> torch.Tensor:
+        conv_pool, ssm_pool = cache.conv[self.layer_id], cache.ssm[self.layer_id]
         T = hidden.shape[0]
         cuda = hidden.is_cuda
         zxbcdt = self.in_proj(hidden)

@@ -21,6 +21,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias, device=device, dtype=dtype)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: object = None, cache: object = None) -> torch.Tensor:
+        """x: [T, hidden]. `meta` / `cache` are unused (the mixer signature; an MLP keeps no state)."""
         u = self.up_proj(x)
         return ops.get("relu2_linear", u.is_cuda)(u, self.down_proj.weight, self.down_proj.bias)

@@ -95,7 +95,8 @@ class MoE(nn.Module):
             self.fc1_latent_proj = nn.Linear(h, d, bias=cfg.mlp_bias, device=device, dtype=dtype)
             self.fc2_latent_proj = nn.Linear(d, h, bias=cfg.mlp_bias, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: object = None, cache: object = None) -> torch.Tensor:
+        """x: [T, hidden]. `meta` / `cache` are unused (the mixer signature; MoE keeps no state)."""
         w, ids = self.gate(x)
         r = self.fc1_latent_proj(x) if self.latent else x
         r = self.experts(r, w, ids)

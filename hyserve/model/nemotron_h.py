@@ -12,6 +12,7 @@ returns its mixer output and the residual stream it was given, and the next norm
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -26,23 +27,40 @@ from hyserve.model.moe import MoE
 from hyserve.model.norm import RMSNorm
 
 
+def _mamba(cfg: HybridModelConfig, i: int, **kw) -> nn.Module:
+    return Mamba2Mixer(cfg.mamba_spec(), layer_id=i, **kw)
+
+
+def _attention(cfg: HybridModelConfig, i: int, **kw) -> nn.Module:
+    return Attention(cfg, layer_id=i, **kw)
+
+
+def _mlp(cfg: HybridModelConfig, i: int, **kw) -> nn.Module:
+    return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, **kw)
+
+
+def _moe(cfg: HybridModelConfig, i: int, **kw) -> nn.Module:
+    return MoE(cfg, **kw)
+
+
+# layer kind -> mixer builder; every mixer is called as mixer(x, meta, cache)
+MIXERS: dict[str, Callable[..., nn.Module]] = {
+    LAYER_MAMBA: _mamba,
+    LAYER_ATTENTION: _attention,
+    LAYER_MLP: _mlp,
+    LAYER_MOE: _moe,
+}
+
+
 class HybridBlock(nn.Module):
     def __init__(self, cfg: HybridModelConfig, layer_id: int, *, device=None, dtype=None) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.kind = cfg.layer_types[layer_id]
         self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, device=device, dtype=dtype)
-        self.mixer: nn.Module
-        if self.kind == LAYER_MAMBA:
-            self.mixer = Mamba2Mixer(cfg, layer_id=layer_id, device=device, dtype=dtype)
-        elif self.kind == LAYER_ATTENTION:
-            self.mixer = Attention(cfg, device=device, dtype=dtype)
-        elif self.kind == LAYER_MLP:
-            self.mixer = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, device=device, dtype=dtype)
-        elif self.kind == LAYER_MOE:
-            self.mixer = MoE(cfg, device=device, dtype=dtype)
-        else:  # HybridModelConfig.validate rejects anything else
+        if self.kind not in MIXERS:  # HybridModelConfig.validate rejects anything else
             raise ValueError(f"unknown layer type {self.kind!r}")
+        self.mixer = MIXERS[self.kind](cfg, layer_id, device=device, dtype=dtype)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, meta: ForwardMeta, cache: CacheTensors
@@ -54,14 +72,7 @@ class HybridBlock(nn.Module):
             x = self.norm(h)
         else:
             x, h = self.norm.add_forward(x, residual)
-        i = self.layer_id
-        if self.kind == LAYER_MAMBA:
-            x = self.mixer(x, meta, cache.conv[i], cache.ssm[i])
-        elif self.kind == LAYER_ATTENTION:
-            x = self.mixer(x, meta, cache.k[i], cache.v[i])
-        else:
-            x = self.mixer(x)
-        return x, h
+        return self.mixer(x, meta, cache), h
 
 
 class Backbone(nn.Module):
@@ -95,6 +106,19 @@ class NemotronHForCausalLM(nn.Module):
         if residual is None:  # no layers
             return self.backbone.norm_f(x)
         return self.backbone.norm_f.add_forward(x, residual)[0]
+
+    @property
+    def graph_capturable(self) -> bool:
+        """A decode step's kernels and shapes do not depend on host values, except the MoE layers'
+        per-expert dispatch, which reads token counts on the host."""
+        return LAYER_MOE not in self.config.layer_types
+
+    def allocate_cache(
+        self, *, num_blocks: int, tokens_per_block: int, num_slots: int, device: torch.device | str
+    ) -> CacheTensors:
+        return CacheTensors.allocate(
+            self.config, num_blocks=num_blocks, tokens_per_block=tokens_per_block, num_slots=num_slots, device=device
+        )
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

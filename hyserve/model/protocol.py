@@ -1,0 +1,56 @@
+"""What the engine may know about a model: a small protocol every model family satisfies.
+
+The engine sizes caches, validates requests and logs from a `ModelSpec`, and runs steps through a
+`CausalLM`; it never names a family's classes (docs/architecture.md, "Adding a model family").
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from hyserve.model.cache_tensors import CacheTensors
+from hyserve.model.forward_meta import ForwardMeta
+
+
+class ModelSpec(Protocol):
+    """The architecture facts the engine reads (a family's config dataclass provides them)."""
+
+    name: str
+    dtype: torch.dtype
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_position_embeddings: int
+    # tokens per SSD chunk: snapshot boundaries inside a prefill chunk must fall on multiples of it
+    chunk_size: int
+
+    @property
+    def kv_bytes_per_token(self) -> int: ...
+
+    @property
+    def state_bytes_per_sequence(self) -> int: ...
+
+    @property
+    def has_recurrent_state(self) -> bool: ...
+
+    def num_parameters(self) -> int: ...
+
+    def describe(self) -> str: ...
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A model the runner can drive: packed tokens in, final hidden states out, logits on request."""
+
+    config: ModelSpec
+    # whether a pure decode step launches the same kernels every time with no host reads (CUDA graphs)
+    graph_capturable: bool
+
+    def __call__(self, input_ids: torch.Tensor, meta: ForwardMeta, cache: CacheTensors) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def allocate_cache(
+        self, *, num_blocks: int, tokens_per_block: int, num_slots: int, device: torch.device | str
+    ) -> CacheTensors: ...

@@ -1,0 +1,100 @@
+"""Model families: architecture name -> (config parser, model class, weight loader).
+
+The engine asks the registry for a checkpoint directory's family and builds through it, so a new hybrid
+family (Granite-4.0-H, Bamba, Falcon-H1, Zamba2) is one entry here plus its own files under `model/`
+(docs/architecture.md, "Adding a model family").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hyserve.model.config import HybridModelConfig
+from hyserve.model.kv_scales import apply_kv_scales, load_checkpoint_with_kv_scales
+from hyserve.model.nemotron_h import NemotronHForCausalLM
+from hyserve.model.protocol import CausalLM, ModelSpec
+from hyserve.model.weights import init_random_weights
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    model_types: tuple[str, ...]  # config.json "model_type" values
+    architectures: tuple[str, ...]  # config.json "architectures" entries
+    parse_config: Callable[[dict[str, Any], str], ModelSpec]  # (raw config.json, checkpoint name)
+    build: Callable[[Any, torch.dtype], CausalLM]  # (parsed config, dtype); call under a device context
+    init_random: Callable[[Any, Any, int], None]  # (model, parsed config, seed): load_format dummy
+    # (model, checkpoint dir) -> float8 KV scales found beside the weights, {layer: {"k": s, "v": s}}
+    load_weights: Callable[[Any, Path], dict[int, dict[str, float]]]
+    # (model, scales, fp8 pool?, dummy weights?): every attention layer's k/v scale set
+    set_kv_scales: Callable[..., None]
+    # (run dtype, cache dtypes...) folded into the parsed config: see HybridModelConfig.with_cache_dtypes
+    with_cache_dtypes: Callable[..., ModelSpec]
+
+
+_FAMILIES: list[ModelFamily] = [
+    ModelFamily(
+        name="nemotron_h",
+        model_types=("nemotron_h",),
+        architectures=("NemotronHForCausalLM",),
+        parse_config=lambda raw, name: HybridModelConfig.from_dict(raw, name=name),
+        build=lambda cfg, dtype: NemotronHForCausalLM(cfg, dtype=dtype),
+        init_random=lambda model, cfg, seed: init_random_weights(model, cfg, seed=seed),
+        load_weights=load_checkpoint_with_kv_scales,
+        set_kv_scales=lambda model, scales, *, fp8, dummy: apply_kv_scales(model, scales, fp8=fp8, dummy=dummy),
+        with_cache_dtypes=lambda cfg, **kw: cfg.with_cache_dtypes(**kw),
+    ),
+]
+
+
+def register(family: ModelFamily) -> None:
+    """Add a family (its model types and architecture names must be new)."""
+    for f in _FAMILIES:
+        clash = set(f.model_types) & set(family.model_types) or set(f.architectures) & set(family.architectures)
+        if clash:
+            raise ValueError(f"model family {family.name!r}: {sorted(clash)} already belong to {f.name!r}")
+    _FAMILIES.append(family)
+
+
+def supported() -> str:
+    return ", ".join(f"{f.name} ({'/'.join(f.architectures)})" for f in _FAMILIES)
+
+
+def family_for(raw: dict[str, Any]) -> ModelFamily:
+    """The family of a config.json dict: by model_type, else by architectures; a config that names
+    neither is taken as the first family (older NemotronH exports omit both)."""
+    model_type = raw.get("model_type")
+    archs = raw.get("architectures") or []
+    for f in _FAMILIES:
+        if model_type in f.model_types:
+            return f
+    if model_type is None:
+        for f in _FAMILIES:
+            if any(a in f.architectures for a in archs if isinstance(a, str)):
+                return f
+        if not archs:
+            return _FAMILIES[0]
+    what = f"model_type {model_type!r}" if model_type is not None else f"architectures {archs!r}"
+    raise ValueError(f"{what} is not supported; hyserve serves: {supported()}")
+
+
+def read_config(path: str | Path) -> tuple[ModelFamily, ModelSpec]:
+    """Read a checkpoint directory's (or a config.json path's) family and parsed config."""
+    p = Path(path)
+    cfg_path = p / "config.json" if p.is_dir() else p
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"no config.json found at {cfg_path}")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
+    fam = family_for(raw)
+    return fam, fam.parse_config(raw, p.name if p.is_dir() else p.parent.name)
