@@ -533,7 +533,7 @@ def test_large_replies_are_built_off_the_event_loop(url: str, engine: FakeEngine
     serialised on a worker thread, with the same content as one built on the loop."""
     import asyncio
 
-    import hyserve.server.app as app_mod
+    import hyserve.server.state as state_mod
 
     engine.script = lambda ids, p: ["ab", "cd"]
     body = {"prompt": [[5, 6], [7, 8, 9]], "n": 2, "max_tokens": 4, "logprobs": 1}
@@ -547,7 +547,7 @@ def test_large_replies_are_built_off_the_event_loop(url: str, engine: FakeEngine
         threads.append(getattr(fn, "__name__", "?"))
         return await real(fn, *a, **kw)
 
-    monkeypatch.setattr(app_mod, "_OFF_LOOP_REPLY_TOKENS", 3)
+    monkeypatch.setattr(state_mod, "OFF_LOOP_REPLY_TOKENS", 3)
     monkeypatch.setattr(asyncio, "to_thread", spy)
     big = httpx.post(f"{url}/v1/completions", json=body, timeout=10).json()
     big_chat = chat(url, **chat_body).json()
@@ -579,12 +579,12 @@ def test_completion_n_choices(url: str, engine: FakeEngine) -> None:
 
 
 def test_choice_seeds_stay_in_int64() -> None:
-    from hyserve.server.app import _choice_params
+    from hyserve.server.generation import choice_params
 
     p = SamplingParams(max_tokens=1, seed=2**63 - 1)
-    assert _choice_params(p, 0) is p
-    assert _choice_params(p, 1).seed == -(2**63) and _choice_params(p, 2).seed == -(2**63) + 1
-    assert _choice_params(SamplingParams(max_tokens=1), 5).seed is None
+    assert choice_params(p, 0) is p
+    assert choice_params(p, 1).seed == -(2**63) and choice_params(p, 2).seed == -(2**63) + 1
+    assert choice_params(SamplingParams(max_tokens=1), 5).seed is None
 
 
 def test_staggered_choices_start_after_the_first_token_and_never_hang() -> None:

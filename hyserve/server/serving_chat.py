@@ -1,0 +1,305 @@
+"""`POST /v1/chat/completions`: messages rendered with the chat template, n choices, reasoning and
+tool-call parsing of each choice, streamed as chunks or answered whole."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from hyserve.engine.outputs import TokenLogprob
+from hyserve.server.chat import encode_text, render_chat_prompt, system_texts
+from hyserve.server.chat_output import ChatOutput
+from hyserve.server.errors import bad_request, sse_error_event
+from hyserve.server.generation import (
+    SSE_HEADERS,
+    ClientGone,
+    Job,
+    Result,
+    SSEResponse,
+    abort_unfinished,
+    check_results,
+    choice_params,
+    finish_error,
+    finish_timers_aborted,
+    merged,
+    run_all,
+    stagger_choices,
+)
+from hyserve.server.metrics import RequestTimer
+from hyserve.server.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobToken,
+    ChatLogprobTop,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaToolCall,
+    ResponseFunctionCall,
+    ResponseToolCall,
+    TokenizeRequest,
+    UsageInfo,
+    now,
+)
+from hyserve.server.reasoning import ReasoningParser, thinking_enabled
+from hyserve.server.state import ERROR_RESPONSES, LOGPROB_FLOOR, OFF_LOOP_CHARS, AppState, sse, usage_info
+from hyserve.server.tool_parser import ParsedToolCall, ToolCallParser
+
+# Template text per chat message, counted with the contents (so a request of many tiny messages renders
+# off the loop too).
+_CHARS_PER_MESSAGE = 16
+
+
+def chat_chars(req: ChatCompletionRequest | TokenizeRequest) -> int:
+    """The characters a chat request renders to, roughly (contents plus a per-message allowance)."""
+    n = _CHARS_PER_MESSAGE * len(req.messages or [])
+    for m in req.messages or []:
+        if isinstance(m.content, str):
+            n += len(m.content)
+        elif m.content:
+            n += sum(len(p.text or "") for p in m.content)
+    return n
+
+
+def chat_logprobs(state: AppState, lps: list[TokenLogprob], top_n: int) -> ChatChoiceLogprobs:
+    content = []
+    for lp in lps:
+        s = state.token_text(lp.token_id)
+        tops = sorted(lp.top.items(), key=lambda kv: -kv[1])[:top_n]
+        content.append(
+            ChatLogprobToken(
+                token=s, logprob=max(lp.logprob, LOGPROB_FLOOR), bytes=list(s.encode("utf-8")),
+                top_logprobs=[
+                    ChatLogprobTop(token=state.token_text(t), logprob=max(v, LOGPROB_FLOOR),
+                                   bytes=list(state.token_text(t).encode("utf-8")))
+                    for t, v in tops
+                ],
+            )
+        )
+    return ChatChoiceLogprobs(content=content)
+
+
+def tool_calls_out(calls: list[ParsedToolCall]) -> list[ResponseToolCall]:
+    return [
+        ResponseToolCall(id=c.id, function=ResponseFunctionCall(name=c.name, arguments=c.arguments))
+        for c in calls
+    ]
+
+
+async def create_chat_completion(state: AppState, req: ChatCompletionRequest, raw: Request) -> Response:
+    engine, opts, tok = state.engine, state.opts, state.tok
+    state.check_model(req.model)
+    state.check_sampling_fields(req)
+    state.check_healthy()
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad_request(
+            f"response_format type {req.response_format.type!r} is not supported (no guided decoding); "
+            "use 'text'", param="response_format.type",
+        )
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    tc = req.tool_choice
+    if tc is not None and tc not in ("none", "auto"):
+        raise bad_request(
+            "tool_choice 'required' or a named function is not supported (no guided decoding); use 'auto'",
+            param="tool_choice",
+        )
+    parse_tools = bool(req.tools) and tc != "none" and opts.tool_parser is not None
+
+    def render_and_encode() -> tuple[str, list[int]]:
+        text = render_chat_prompt(
+            tok, req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message, chat_template_kwargs=req.chat_template_kwargs,
+        )
+        return text, encode_text(tok, text, add_special_tokens=False, param="messages")
+
+    n_chars = chat_chars(req)
+    state.check_prompt_chars(n_chars, "messages")
+    text, prompt_ids = await state.off_loop(render_and_encode, n_chars >= OFF_LOOP_CHARS)
+    top_n = req.top_logprobs or 0
+    params = state.sampling_params(
+        req, len(prompt_ids),
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+        top_n if req.logprobs else None, logprobs_param="top_logprobs",
+    )
+    state.validate(prompt_ids, params, "messages")
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    n = req.n or 1
+    jobs = [Job(request_id if n == 1 else f"{request_id}-{k}", prompt_ids, choice_params(params, k), text)
+            for k in range(n)]
+    stagger_choices(jobs, n, state.stagger_min)
+    think = thinking_enabled(req.chat_template_kwargs, system_texts(req.messages))
+    tools_dump = [t.model_dump() for t in req.tools] if req.tools else None
+
+    def output() -> ChatOutput:
+        return ChatOutput(
+            ReasoningParser(enabled=think) if opts.reasoning_parser else None,
+            ToolCallParser(tools_dump) if parse_tools else None,
+            req.parallel_tool_calls is not False,
+        )
+
+    model_name = req.model or engine.model_name
+    timers = [RequestTimer(state.metrics) for _ in jobs]
+    if req.stream:
+        so = req.stream_options
+        return SSEResponse(
+            chat_stream(state, request_id, jobs, model_name, [output() for _ in jobs], timers, top_n,
+                        include_usage=bool(so and so.include_usage),
+                        continuous=bool(so and so.continuous_usage_stats),
+                        with_logprobs=bool(req.logprobs)),
+            headers=SSE_HEADERS,
+        )
+    try:
+        results = await run_all(engine, raw, jobs, timers)
+    except ClientGone:
+        finish_timers_aborted(timers, jobs)
+        return Response(status_code=499)
+    check_results(results, timers)
+    return await state.off_loop(lambda: chat_reply(state, req, request_id, model_name, results, top_n, output),
+                                state.large_reply(sum(r.num_output_tokens for r in results), top_n))
+
+
+def chat_reply(state: AppState, req: ChatCompletionRequest, request_id: str, model_name: str,
+               results: list[Result], top_n: int, output: Callable[[], ChatOutput]) -> JSONResponse:
+    choices = []
+    for k, res in enumerate(results):
+        reasoning, content, calls = output().parse(res.text)
+        finish = "tool_calls" if calls and res.finish_reason == "stop" else res.finish_reason
+        choices.append(
+            ChatCompletionChoice(
+                index=k,
+                message=ChatResponseMessage(
+                    content=content if (content or not (reasoning or calls)) else None,
+                    reasoning_content=reasoning or None,
+                    tool_calls=tool_calls_out(calls),
+                ),
+                logprobs=chat_logprobs(state, res.logprobs, top_n) if req.logprobs else None,
+                finish_reason=finish,
+                stop_reason=res.stop_reason,
+            )
+        )
+    first = results[0]  # the prompt counts once however many choices there are (OpenAI's usage)
+    resp = ChatCompletionResponse(
+        id=request_id,
+        model=model_name,
+        choices=choices,
+        usage=usage_info(first.num_prompt_tokens, sum(r.num_output_tokens for r in results),
+                         first.num_cached_tokens),
+    )
+    return JSONResponse(resp.model_dump(mode="json"))
+
+
+async def chat_stream(
+    state: AppState, request_id: str, jobs: list[Job], model_name: str, outs: list[ChatOutput],
+    timers: list[RequestTimer], top_n: int, *, include_usage: bool, continuous: bool, with_logprobs: bool,
+) -> AsyncIterator[str]:
+    """One SSE stream for the n choices of a chat request (choice k = job k), interleaved as they come."""
+    engine = state.engine
+    created = now()
+    n_jobs = len(jobs)
+    n_prompt = len(jobs[0].prompt_ids)
+    n_out = [0] * n_jobs
+    n_cached = 0
+    finished: set[int] = set()
+    finish_reasons: dict[int, str | None] = {}
+    n_calls = [0] * n_jobs
+
+    def usage() -> UsageInfo:
+        return usage_info(n_prompt, sum(n_out), n_cached)
+
+    # per-token chunks (text only: no role, tool calls, logprobs, finish or running usage) are formatted
+    # directly: the pydantic model + dump costs several microseconds per token per stream on the event loop
+    token_head = json.dumps({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                             "model": model_name})[:-1] + ', "choices": [{"index": '
+    token_tail = ', "usage": null}' if include_usage else "}"
+
+    def chunk(k: int, delta: ChatDelta, *, logprobs: ChatChoiceLogprobs | None = None,
+              finish: str | None = None, stop_reason: int | str | None = None) -> str:
+        if (logprobs is None and finish is None and stop_reason is None and not continuous
+                and delta.role is None and delta.tool_calls is None):
+            fields = {key: val for key, val in (("content", delta.content),
+                                                ("reasoning_content", delta.reasoning_content))
+                      if val is not None}
+            return sse(f'{token_head}{k}, "delta": {json.dumps(fields)}, "logprobs": null, '
+                       f'"finish_reason": null, "stop_reason": null}}]{token_tail}')
+        c = ChatCompletionChunk(
+            id=request_id, created=created, model=model_name,
+            choices=[ChatStreamChoice(index=k, delta=delta, logprobs=logprobs, finish_reason=finish,
+                                      stop_reason=stop_reason)],
+            usage=usage() if continuous else None,
+        )
+        d = c.model_dump(mode="json")
+        d["choices"][0]["delta"] = {key: val for key, val in d["choices"][0]["delta"].items() if val is not None}
+        if not (include_usage or continuous):
+            d.pop("usage")
+        return sse(json.dumps(d))
+
+    def delta_for(k: int, r: str, c: str, calls: list[ParsedToolCall]) -> ChatDelta | None:
+        tc = None
+        if calls:
+            tc = [
+                DeltaToolCall(index=n_calls[k] + j, id=call.id, type="function",
+                              function=ResponseFunctionCall(name=call.name, arguments=call.arguments))
+                for j, call in enumerate(calls)
+            ]
+            n_calls[k] += len(calls)
+        if not (r or c or tc):
+            return None
+        return ChatDelta(reasoning_content=r or None, content=c or None, tool_calls=tc)
+
+    try:
+        for k in range(n_jobs):
+            yield chunk(k, ChatDelta(role="assistant", content=""))
+        async for k, d in merged(engine, jobs):
+            if d.token_ids:
+                timers[k].token()
+            n_out[k] = d.num_output_tokens
+            if k == 0:
+                n_cached = d.num_cached_tokens
+                n_prompt = d.num_prompt_tokens or n_prompt
+            out = outs[k]
+            r, c, calls = out.feed(d.text) if d.text else ("", "", [])
+            lp = chat_logprobs(state, d.logprobs, top_n) if (with_logprobs and d.logprobs) else None
+            if d.finished:
+                finished.add(k)
+                finish_reasons[k] = d.finish_reason
+                err = finish_error(d.finish_reason, d.error)
+                if err is not None:
+                    yield sse_error_event(err)
+                    break
+                r2, c2, calls2 = out.finish()
+                r, c, calls = r + r2, c + c2, calls + calls2
+            delta = delta_for(k, r, c, calls)
+            if delta is not None or lp is not None:
+                yield chunk(k, delta or ChatDelta(), logprobs=lp)
+            if d.finished:
+                reason = "tool_calls" if (out.calls and d.finish_reason == "stop") else d.finish_reason
+                yield chunk(k, ChatDelta(), finish=reason, stop_reason=d.stop_reason)
+        else:
+            if include_usage:
+                yield sse(json.dumps({
+                    "id": request_id, "object": "chat.completion.chunk", "created": created,
+                    "model": model_name, "choices": [], "usage": usage().model_dump(mode="json"),
+                }))
+        yield sse("[DONE]")
+    except Exception as e:
+        yield sse_error_event(state.stream_failure(e))
+        yield sse("[DONE]")
+    finally:
+        abort_unfinished(engine, jobs, finished)
+        for k, t in enumerate(timers):
+            t.finish(finish_reason=finish_reasons.get(k) or "abort", prompt_tokens=n_prompt,
+                     output_tokens=n_out[k])
+
+
+def add_routes(app: FastAPI, state: AppState) -> None:
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await create_chat_completion(state, req, raw)

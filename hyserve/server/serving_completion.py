@@ -1,0 +1,304 @@
+"""`POST /v1/completions`: text or token-id prompts (one or a batch), n choices each, `echo` with prompt
+logprobs (lm-eval's loglikelihood requests), streamed as chunks or answered whole."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from hyserve.engine.outputs import TokenLogprob
+from hyserve.server.chat import encode_text
+from hyserve.server.errors import bad_request, sse_error_event
+from hyserve.server.generation import (
+    SSE_HEADERS,
+    ClientGone,
+    Job,
+    Result,
+    SSEResponse,
+    abort_unfinished,
+    check_results,
+    choice_params,
+    finish_error,
+    finish_timers_aborted,
+    merged,
+    run_all,
+    stagger_choices,
+)
+from hyserve.server.metrics import RequestTimer
+from hyserve.server.protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    now,
+)
+from hyserve.server.state import ERROR_RESPONSES, LOGPROB_FLOOR, OFF_LOOP_CHARS, AppState, sse, usage_info
+
+# at most this many prompts in one request
+MAX_PROMPTS = 256
+
+
+def completion_prompts(state: AppState, req: CompletionRequest) -> list[tuple[list[int], str | None]]:
+    """The request's prompts as (token ids, text or None for token-id prompts)."""
+    p = req.prompt
+    items: list[str | list[int]]
+    if isinstance(p, str):
+        items = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        items = [list(p)]  # type: ignore[arg-type]
+    else:
+        items = list(p)  # type: ignore[arg-type]
+    if not items:
+        raise bad_request("prompt must not be empty", param="prompt")
+    if len(items) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}", param="prompt")
+    out: list[tuple[list[int], str | None]] = []
+    for i, item in enumerate(items):
+        param = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        if isinstance(item, str):
+            ids = encode_text(state.tok, item, add_special_tokens=req.add_special_tokens, param=param)
+            out.append((ids, item))
+        else:
+            out.append((list(item), None))
+    return out
+
+
+def completion_logprobs(state: AppState, lps: list[TokenLogprob], top_n: int, offset0: int) -> CompletionLogprobs:
+    res = CompletionLogprobs()
+    off = offset0
+    for lp in lps:
+        s = state.token_text(lp.token_id)
+        res.tokens.append(s)
+        res.token_logprobs.append(max(lp.logprob, LOGPROB_FLOOR))
+        tops = sorted(lp.top.items(), key=lambda kv: -kv[1])[:top_n]
+        res.top_logprobs.append({state.token_text(t): max(v, LOGPROB_FLOOR) for t, v in tops} if top_n else None)
+        res.text_offset.append(off)
+        off += len(s)
+    return res
+
+
+def echo_logprobs(state: AppState, prompt_ids: list[int], plps: list[TokenLogprob | None] | None, top_n: int
+                  ) -> CompletionLogprobs:
+    """The echoed prompt's logprobs: null for the first token (nothing predicts it), as OpenAI."""
+    res = CompletionLogprobs()
+    off = 0
+    for i, t in enumerate(prompt_ids):
+        s = state.token_text(t)
+        lp = plps[i] if plps is not None and i < len(plps) else None
+        res.tokens.append(s)
+        res.token_logprobs.append(None if lp is None else max(lp.logprob, LOGPROB_FLOOR))
+        if lp is None or not top_n:
+            res.top_logprobs.append(None)
+        else:
+            tops = sorted(lp.top.items(), key=lambda kv: -kv[1])[:top_n]
+            res.top_logprobs.append({state.token_text(tt): max(v, LOGPROB_FLOOR) for tt, v in tops})
+        res.text_offset.append(off)
+        off += len(s)
+    return res
+
+
+def prompt_echo_text(state: AppState, ids: list[int], text: str | None) -> str:
+    if text is not None:
+        return text
+    if state.tok is None:
+        return ""
+    return state.tok.decode(ids, skip_special_tokens=False)
+
+
+async def create_completion(state: AppState, req: CompletionRequest, raw: Request) -> Response:
+    engine = state.engine
+    state.check_model(req.model)
+    state.check_sampling_fields(req)
+    state.check_healthy()
+    if req.suffix:
+        raise bad_request("suffix is not supported by this server", param="suffix")
+    if req.best_of not in (None, 1):
+        raise bad_request(f"best_of must be 1, got {req.best_of}", param="best_of")
+    prompt_only = req.max_tokens == 0
+    if prompt_only and not req.echo:
+        raise bad_request("max_tokens must be >= 1 (0 is only allowed with echo: the prompt back, with its "
+                          "logprobs, and nothing generated)", param="max_tokens")
+    texts = [req.prompt] if isinstance(req.prompt, str) else [p for p in req.prompt if isinstance(p, str)]
+    for i, p in enumerate(texts):
+        state.check_prompt_chars(len(p), "prompt" if isinstance(req.prompt, str) else f"prompt[{i}]")
+    prompts = await state.off_loop(lambda: completion_prompts(state, req),
+                                   sum(len(p) for p in texts) >= OFF_LOOP_CHARS)
+    base = f"cmpl-{uuid.uuid4().hex}"
+    n = req.n or 1
+    jobs: list[Job] = []  # choice index = prompt index * n + k, as OpenAI orders them
+    for i, (ids, text) in enumerate(prompts):
+        # echo + logprobs: the prompt tokens' own logprobs too (lm-eval style loglikelihood requests)
+        params = state.sampling_params(req, len(ids), 1 if prompt_only else req.max_tokens, req.logprobs,
+                                       req.logprobs if req.echo else None)
+        state.validate(ids, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+        for k in range(n):
+            rid = base if len(prompts) * n == 1 else f"{base}-{i * n + k}"
+            jobs.append(Job(rid, ids, choice_params(params, k), text))
+    stagger_choices(jobs, n, state.stagger_min)
+    model_name = req.model or engine.model_name
+    timers = [RequestTimer(state.metrics) for _ in jobs]
+    top_n = req.logprobs or 0
+    if req.stream:
+        so = req.stream_options
+        return SSEResponse(
+            completion_stream(state, base, jobs, model_name, timers, req,
+                              include_usage=bool(so and so.include_usage),
+                              continuous=bool(so and so.continuous_usage_stats)),
+            headers=SSE_HEADERS,
+        )
+    try:
+        results = await run_all(engine, raw, jobs, timers)
+    except ClientGone:
+        finish_timers_aborted(timers, jobs)
+        return Response(status_code=499)
+    check_results(results, timers)
+    return await state.off_loop(
+        lambda: completion_reply(state, req, base, model_name, jobs, results, top_n, n, prompt_only),
+        state.large_reply(sum(r.num_output_tokens for r in results), top_n),
+    )
+
+
+def completion_reply(state: AppState, req: CompletionRequest, base: str, model_name: str, jobs: list[Job],
+                     results: list[Result], top_n: int, n: int, prompt_only: bool) -> JSONResponse:
+    choices = []
+    for i, (job, res) in enumerate(zip(jobs, results)):
+        if prompt_only:  # the one token the engine generated is not part of the answer
+            res.text, res.logprobs, res.num_output_tokens, res.finish_reason = "", [], 0, "length"
+            res.stop_reason = None
+        text = res.text
+        lp = None
+        if req.echo:
+            ptext = prompt_echo_text(state, job.prompt_ids, job.prompt_text)
+            text = ptext + text
+            if req.logprobs is not None:
+                lp = echo_logprobs(state, job.prompt_ids, res.prompt_logprobs, top_n)
+                gen = completion_logprobs(state, res.logprobs, top_n, len(ptext))
+                lp.tokens += gen.tokens
+                lp.token_logprobs += gen.token_logprobs
+                lp.top_logprobs += gen.top_logprobs
+                lp.text_offset += gen.text_offset
+        elif req.logprobs is not None:
+            lp = completion_logprobs(state, res.logprobs, top_n, 0)
+        choices.append(CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=res.finish_reason,
+                                        stop_reason=res.stop_reason))
+    firsts = results[::n]  # the prompt counts once however many choices it has (OpenAI's usage)
+    usage = usage_info(
+        sum(r.num_prompt_tokens for r in firsts),
+        sum(r.num_output_tokens for r in results),
+        sum(r.num_cached_tokens for r in firsts),
+    )
+    resp = CompletionResponse(id=base, model=model_name, choices=choices, usage=usage)
+    return JSONResponse(resp.model_dump(mode="json"))
+
+
+async def completion_stream(
+    state: AppState, base: str, jobs: list[Job], model_name: str, timers: list[RequestTimer],
+    req: CompletionRequest, *, include_usage: bool, continuous: bool,
+) -> AsyncIterator[str]:
+    engine = state.engine
+    created = now()
+    top_n = req.logprobs or 0
+    prompt_only = req.max_tokens == 0
+    n_prompt = [len(j.prompt_ids) for j in jobs]
+    n_out = [0] * len(jobs)
+    n_cached = [0] * len(jobs)
+    offsets = [0] * len(jobs)
+    finished: set[int] = set()
+    reasons: dict[int, str | None] = {}
+
+    per_prompt = req.n or 1
+
+    def usage() -> UsageInfo:  # a prompt counts once however many choices it has
+        return usage_info(sum(n_prompt[::per_prompt]), sum(n_out), sum(n_cached[::per_prompt]))
+
+    # the per-token chunk (no logprobs, not the last, no usage) is formatted directly: the pydantic
+    # model + dump costs several microseconds per token per stream on the event loop
+    token_head = json.dumps({"id": base, "object": "text_completion", "created": created, "model": model_name})
+    token_head = token_head[:-1] + ', "choices": [{"index": '
+    token_tail = ', "usage": null}' if include_usage else "}"
+
+    def chunk(i: int, text: str, lp: CompletionLogprobs | None, finish: str | None = None,
+              stop_reason: int | str | None = None) -> str:
+        if lp is None and finish is None and stop_reason is None and not continuous:
+            return sse(f'{token_head}{i}, "text": {json.dumps(text)}, "logprobs": null, '
+                       f'"finish_reason": null, "stop_reason": null}}]{token_tail}')
+        c = CompletionChunk(
+            id=base, created=created, model=model_name,
+            choices=[CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=finish,
+                                      stop_reason=stop_reason)],
+            usage=usage() if continuous else None,
+        )
+        d = c.model_dump(mode="json")
+        if not (include_usage or continuous):
+            d.pop("usage")
+        return sse(json.dumps(d))
+
+    try:
+        # echoed prompts go first; with logprobs, each waits for its request's first delta, which
+        # carries the prompt logprobs
+        echo_pending = set(range(len(jobs))) if req.echo else set()
+        if req.echo and req.logprobs is None:
+            for i, j in enumerate(jobs):
+                ptext = prompt_echo_text(state, j.prompt_ids, j.prompt_text)
+                offsets[i] = len(ptext)
+                yield chunk(i, ptext, None)
+            echo_pending.clear()
+        async for i, d in merged(engine, jobs):
+            if i in echo_pending:
+                echo_pending.discard(i)
+                ptext = prompt_echo_text(state, jobs[i].prompt_ids, jobs[i].prompt_text)
+                offsets[i] = len(ptext)
+                yield chunk(i, ptext, echo_logprobs(state, jobs[i].prompt_ids, d.prompt_logprobs, top_n))
+            if d.token_ids:
+                timers[i].token()
+            n_out[i], n_cached[i] = d.num_output_tokens, d.num_cached_tokens
+            n_prompt[i] = d.num_prompt_tokens or n_prompt[i]
+            if d.finished:
+                finished.add(i)
+                reasons[i] = d.finish_reason
+                err = finish_error(d.finish_reason, d.error)
+                if err is not None:
+                    yield sse_error_event(err)
+                    break
+            if prompt_only:  # echo with max_tokens 0: the generated token is not part of the answer
+                n_out[i] = 0
+                if d.finished:
+                    reasons[i] = "length"
+                    yield chunk(i, "", None, "length", None)
+                continue
+            lp = None
+            if req.logprobs is not None and d.logprobs:
+                lp = completion_logprobs(state, d.logprobs, top_n, offsets[i])
+            offsets[i] += len(d.text)
+            # one chunk per engine step that produced tokens, even when they decode to no text yet (a
+            # partial UTF-8 sequence, or token ids without a tokenizer), as vLLM streams: clients time
+            # tokens by chunks
+            if d.text or d.token_ids or lp is not None or d.finished:
+                yield chunk(i, d.text, lp, d.finish_reason if d.finished else None,
+                            d.stop_reason if d.finished else None)
+        else:
+            if include_usage:
+                yield sse(json.dumps({
+                    "id": base, "object": "text_completion", "created": created, "model": model_name,
+                    "choices": [], "usage": usage().model_dump(mode="json"),
+                }))
+        yield sse("[DONE]")
+    except Exception as e:
+        yield sse_error_event(state.stream_failure(e))
+        yield sse("[DONE]")
+    finally:
+        abort_unfinished(engine, jobs, finished)
+        for i, t in enumerate(timers):
+            t.finish(finish_reason=reasons.get(i) or "abort", prompt_tokens=n_prompt[i], output_tokens=n_out[i])
+
+
+def add_routes(app: FastAPI, state: AppState) -> None:
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await create_completion(state, req, raw)

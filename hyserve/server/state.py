@@ -1,0 +1,244 @@
+"""What every route family shares: the server options, and `AppState`, the engine with the checks and
+conversions each route applies before anything reaches it.
+
+One `AppState` per app (built by `build_app`); the route modules (`serving_*.py`) take it as their only
+link to the engine, so each family reads like a function of (request, state) -> response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+from hyserve.engine.errors import RequestRejected
+from hyserve.engine.sampling_params import SamplingParams
+from hyserve.server.errors import APIError, bad_request
+from hyserve.server.metrics import ServerMetrics
+from hyserve.server.protocol import ErrorResponse, PromptTokensDetails, UsageInfo
+from hyserve.server.reasoning import check_reasoning_parser_name
+from hyserve.server.tool_parser import check_tool_parser_name
+
+logger = logging.getLogger("hyserve.server")
+
+# Logprobs of -inf (tokens masked by top-k/top-p) are not valid JSON; clients get this floor instead.
+LOGPROB_FLOOR = -9999.0
+# choices per request (`n`): each is its own engine request, so n x the prompt's prefill
+MAX_CHOICES = 64
+# Prompts longer than this (characters) are rendered and tokenized off the event loop.
+OFF_LOOP_CHARS = 50_000
+# Non-streaming replies with more output tokens than this (each counted once more per top logprob) are
+# built and serialised off the event loop: n=64 x 2,000 tokens x 20 top logprobs is a 177 MB reply that
+# took ~1 min to build, during which the loop served no one.
+OFF_LOOP_REPLY_TOKENS = 20_000
+_INT_KEY = re.compile(r"-?[0-9]+")  # logit_bias keys: ASCII digits (str.isdigit also takes '²' and '٣')
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request (the message names the field and the limit)"},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
+    404: {"model": ErrorResponse, "description": "Unknown model"},
+    500: {"model": ErrorResponse, "description": "The engine failed while running this request"},
+    503: {"model": ErrorResponse, "description": "The engine is not running"},
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerOptions:
+    """Server-side settings (the engine's are in `EngineConfig`)."""
+
+    api_key: str | None = None
+    reasoning_parser: str | None = None
+    tool_parser: str | None = None
+    # Other names clients may put in `model` (e.g. the path/Hub id given on the command line).
+    model_aliases: tuple[str, ...] = ()
+    # max_tokens when a request leaves it out: the room left in max_seq_len, but at most this.
+    default_max_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reasoning_parser", check_reasoning_parser_name(self.reasoning_parser))
+        object.__setattr__(self, "tool_parser", check_tool_parser_name(self.tool_parser))
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+
+
+def hyserve_version() -> str:
+    try:
+        return metadata.version("hyserve")
+    except metadata.PackageNotFoundError:  # running from a source tree that isn't installed
+        return "0.0.0+unknown"
+
+
+def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+    )
+
+
+def sse(obj: Any) -> str:
+    return f"data: {obj}\n\n"
+
+
+class AppState:
+    """The engine of one app and the request checks shared by its routes."""
+
+    def __init__(self, engine: Any, opts: ServerOptions, metrics: ServerMetrics, app_state: Any) -> None:
+        self.engine = engine
+        self.opts = opts
+        self.metrics = metrics
+        self._app_state = app_state  # Starlette's app.state: `accepting` is set there by serve.py
+        self.tok = engine.tokenizer
+        self.served_names = {engine.model_name, *(a for a in opts.model_aliases if a)}
+        # n > 1: a prompt this long has its other choices wait for choice 0's first token and hit the prefix
+        # cache (None: the engine has no prefix cache, every choice prefills on its own)
+        cache_cfg = getattr(getattr(engine, "config", None), "cache", None)
+        self.stagger_min: int | None = None
+        if cache_cfg is not None and cache_cfg.enable_block_reuse:
+            interval = cache_cfg.mamba_state_config.periodic_snapshot_interval or 0
+            self.stagger_min = max(2 * cache_cfg.tokens_per_block, interval)
+        self._token_text: dict[int, str] = {}
+
+    # -- checks --
+
+    @property
+    def accepting(self) -> bool:
+        return getattr(self._app_state, "accepting", True)
+
+    def check_model(self, name: str | None) -> None:
+        if name is None or name == "" or name in self.served_names:
+            return
+        raise APIError(
+            f"the model {name!r} does not exist; this server serves {self.engine.model_name!r}",
+            status_code=404, param="model", code="model_not_found",
+        )
+
+    def check_sampling_fields(self, req: Any) -> None:
+        """`n` and `logit_bias` keys (the checks pydantic cannot make)."""
+        if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
+            raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {req.n}", param="n")
+        for key in req.logit_bias or {}:
+            if not _INT_KEY.fullmatch(key.strip()):
+                raise bad_request(f"logit_bias keys must be token ids (integers as strings), got {key!r}",
+                                  param="logit_bias")
+
+    def check_healthy(self) -> None:
+        if not self.accepting:
+            raise APIError("the server is shutting down", status_code=503, code="shutting_down")
+        if not self.engine.healthy:
+            raise APIError("the engine is not running (see /health and the server log)", status_code=503,
+                           code="engine_unavailable")
+
+    def check_prompt_chars(self, n_chars: int, param: str) -> None:
+        """Refuse, before tokenizing it, a prompt that no tokenization fits in max_seq_len: c characters need
+        at least c / (the tokenizer's longest token) tokens (halved again for normalisers that shrink text).
+        Tokenizing 10M characters takes seconds that a hopeless request should not cost."""
+        if self.tok is None:
+            return
+        longest = self.tok.max_token_chars
+        if n_chars > 2 * longest * self.engine.max_seq_len:
+            raise bad_request(
+                f"{param} has {n_chars} characters, far more than max_seq_len = {self.engine.max_seq_len} tokens "
+                f"can hold (this tokenizer's longest token has {longest} characters)",
+                param=param, code="context_length_exceeded",
+            )
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str) -> None:
+        try:
+            self.engine.validate_request(prompt_ids, params)
+        except RequestRejected as e:
+            param = getattr(e, "param", None)
+            if param == "prompt":
+                param = prompt_param
+            raise bad_request(str(e), param=param, code=getattr(e, "code", None)) from None
+        except ValueError as e:
+            raise bad_request(str(e), param=prompt_param) from None
+
+    # -- conversions --
+
+    def token_text(self, tid: int) -> str:
+        s = self._token_text.get(tid)
+        if s is None:
+            if self.tok is None:
+                s = f"token_id:{tid}"
+            else:
+                try:
+                    s = self.tok.token_text(tid)
+                except Exception:
+                    s = self.tok.decode([tid], skip_special_tokens=False)
+            if len(self._token_text) < 1_000_000:
+                self._token_text[tid] = s
+        return s
+
+    def sampling_params(
+        self, req: Any, n_prompt: int, max_tokens: int | None, logprobs: int | None,
+        prompt_logprobs: int | None = None, *, logprobs_param: str = "logprobs", **extra: Any,
+    ) -> SamplingParams:
+        """The request's sampling fields (`_SamplingFields` of protocol.py) as `SamplingParams`; a value
+        SamplingParams refuses is a 400 naming the field (`logprobs_param`: the request's name for it)."""
+        if max_tokens is None:
+            room = self.engine.max_seq_len - n_prompt
+            max_tokens = max(1, min(room, self.opts.default_max_tokens))
+        stop: tuple[str, ...] = ()
+        if isinstance(req.stop, str):
+            stop = (req.stop,) if req.stop else ()
+        elif req.stop:
+            stop = tuple(req.stop)
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k is None else req.top_k,
+                min_p=0.0 if req.min_p is None else req.min_p,
+                seed=req.seed,
+                stop=stop,
+                stop_token_ids=tuple(req.stop_token_ids or ()),
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
+                prompt_logprobs=prompt_logprobs,
+                **extra,
+            )
+        except ValueError as e:
+            msg = str(e)
+            param = msg.split(" ", 1)[0] if msg else None
+            if param == "logprobs":
+                param = logprobs_param
+            raise bad_request(msg, param=param) from None
+
+    # -- off the event loop --
+
+    @staticmethod
+    async def off_loop(fn: Callable[[], Any], large: bool) -> Any:
+        """Run `fn` on a worker thread when its work is large (rendering + tokenising a long prompt: an
+        800k-token document takes seconds; building a large reply), so the event loop keeps streaming to
+        everyone else; small work runs in place."""
+        return await asyncio.to_thread(fn) if large else fn()
+
+    @staticmethod
+    def large_reply(num_output_tokens: int, top_n: int) -> bool:
+        return num_output_tokens * (1 + top_n) > OFF_LOOP_REPLY_TOKENS
+
+    # -- failures --
+
+    def stream_failure(self, e: BaseException) -> APIError:
+        """The in-band error of a stream that failed after its 200."""
+        if isinstance(e, APIError):
+            return e
+        if isinstance(e, RequestRejected):
+            return bad_request(str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
+        if isinstance(e, RuntimeError) and not self.engine.healthy:
+            return APIError(str(e), status_code=503, code="engine_unavailable")
+        logger.exception("stream failed", exc_info=e)
+        return APIError(f"internal server error: {type(e).__name__}: {e}", status_code=500)
