@@ -313,7 +313,8 @@ def _paged_pool(b: Bench, lens: list[int], Hkv: int, D: int, bs: int, dtype):
 
 
 def bench_attn(b: Bench) -> None:
-    from hyserve.kernels.triton_attention import attention_flops, paged_attention_triton, write_kv_triton
+    from hyserve.kernels.cuda_attention import paged_attention_cuda
+    from hyserve.kernels.triton_attention import attention_flops, write_kv_triton
 
     Hq, Hkv, D, bs = (40, 8, 128, 64) if not b.dry else (4, 2, 32, 16)
     dtype = BF16 if not b.dry else torch.float16  # bf16 tl.dot is wrong in the interpreter
@@ -346,10 +347,10 @@ def bench_attn(b: Bench) -> None:
         # the call replayed from a CUDA graph as a decode step runs it
         lens_t = torch.tensor(lens, dtype=torch.int32, device=b.dev)
         cu_t = torch.tensor(cu, dtype=torch.int32, device=b.dev)
-        if b.check(name, paged_attention_triton(q, kc, vc, tb, lens_t, cu_t, scale),
+        if b.check(name, paged_attention_cuda(q, kc, vc, tb, lens_t, cu_t, scale),
                    paged_attention_ref(q, kc, vc, tb, lens, cu, scale), tol, tol):
-            ms = b.graph_ms(lambda: paged_attention_triton(q, kc, vc, tb, lens_t, cu_t, scale))
-            eager_ms = b.time_ms(lambda: paged_attention_triton(q, kc, vc, tb, lens, cu, scale))
+            ms = b.graph_ms(lambda: paged_attention_cuda(q, kc, vc, tb, lens_t, cu_t, scale))
+            eager_ms = b.time_ms(lambda: paged_attention_cuda(q, kc, vc, tb, lens, cu, scale))
             kv_bytes = 2 * batch * L * Hkv * D * kc.element_size()
             b.record(name, kv_bytes / (ms * 1e-3), "B/s", "KV-read roofline: bf16 GEMV read ceiling (DESIGN.md)",
                      READ_BW, time_ms=ms, timing="CUDA graph replay, device-tensor lengths",
@@ -362,10 +363,10 @@ def bench_attn(b: Bench) -> None:
         cu = [0, n_new]
         flops = attention_flops([n_new], [L], Hq, D)
         name = f"paged prefill attention {n_new} new / {L} total tokens"
-        if not b.check(name, paged_attention_triton(q, kc, vc, tb, [L], cu, scale),
+        if not b.check(name, paged_attention_cuda(q, kc, vc, tb, [L], cu, scale),
                        paged_attention_ref(q, kc, vc, tb, [L], cu, scale), tol, tol):
             continue
-        ours_fn = lambda: paged_attention_triton(q, kc, vc, tb, [L], cu, scale)  # noqa: E731
+        ours_fn = lambda: paged_attention_cuda(q, kc, vc, tb, [L], cu, scale)  # noqa: E731
         ms = b.time_ms(ours_fn)
         ours = flops / (ms * 1e-3)
         if n_new == L and not b.dry:
@@ -390,7 +391,7 @@ def _bench_decode_fp8(b: Bench, Hq: int, Hkv: int, D: int, bs: int, dtype, tol: 
     """Decode over a float8 e4m3 KV pool with per-layer scales: half the bytes of bf16, so the roofline
     time halves too; the bf16 kernel on the same (dequantised) values is timed beside it."""
     from hyserve.kernels.attention import quantize_kv
-    from hyserve.kernels.triton_attention import paged_attention_triton
+    from hyserve.kernels.cuda_attention import paged_attention_cuda
 
     fp8 = torch.float8_e4m3fn
     ks = torch.tensor(1 / 64, device=b.dev)  # unit-variance K/V land on e4m3 codes of std 64 (max 448)
@@ -404,14 +405,14 @@ def _bench_decode_fp8(b: Bench, Hq: int, Hkv: int, D: int, bs: int, dtype, tol: 
         cu = list(range(batch + 1))
         kw = dict(k_scale=ks, v_scale=vs)
         name = f"paged decode attention fp8 KV batch {batch} x {L} context"
-        if not b.check(name, paged_attention_triton(q, kc, vc, tb, lens, cu, scale, **kw),
+        if not b.check(name, paged_attention_cuda(q, kc, vc, tb, lens, cu, scale, **kw),
                        paged_attention_ref(q, kc, vc, tb, lens, cu, scale, **kw), tol, tol):
             continue
         lens_t = torch.tensor(lens, dtype=torch.int32, device=b.dev)  # the decode path, as bench_attn
         cu_t = torch.tensor(cu, dtype=torch.int32, device=b.dev)
-        ms = b.graph_ms(lambda: paged_attention_triton(q, kc, vc, tb, lens_t, cu_t, scale, **kw))
+        ms = b.graph_ms(lambda: paged_attention_cuda(q, kc, vc, tb, lens_t, cu_t, scale, **kw))
         kd, vd = (kc.float() * ks).to(dtype), (vc.float() * vs).to(dtype)  # the same values in 16 bits
-        ms16 = b.graph_ms(lambda: paged_attention_triton(q, kd, vd, tb, lens_t, cu_t, scale))
+        ms16 = b.graph_ms(lambda: paged_attention_cuda(q, kd, vd, tb, lens_t, cu_t, scale))
         kv_bytes = 2 * batch * L * Hkv * D * kc.element_size()  # 1 byte per element
         b.record(name, kv_bytes / (ms * 1e-3), "B/s", "KV-read roofline (1-byte KV): GEMV read ceiling (DESIGN.md)",
                  READ_BW, time_ms=ms, bf16_kv_ms=ms16, speedup_vs_bf16_kv=ms16 / ms)
@@ -646,7 +647,7 @@ _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
     ("N64 w4 s3, 2x programs", dict(BLOCK_N=64), 132 * 8, 256),
 ]
 # The default on Hopper is the Gluon kernel (gluon_attention.py; "sm90" entries change its settings,
-# `triton_attention._PREFILL_SM90`; a lock-step Gluon version measured 1.2x slower, attn_sweep_b308941, and
+# `gluon_attention._PREFILL_SM90`; a lock-step Gluon version measured 1.2x slower, attn_sweep_b308941, and
 # the consumers' own S(j+1) issued before the softmax of S(j) 1.1-1.6x slower, attn_sweep_d90941e/_5b50b28,
 # the consumers without turns 1.05x slower, attn_sweep_dded3dc);
 # GLUON=False entries time the Triton kernel instead: key tiles through tensor descriptors, one box or two
@@ -662,18 +663,22 @@ _PREFILL_SWEEP: list[tuple[str, dict]] = [
 
 
 def bench_attn_sweep(b: Bench) -> None:
+    import hyserve.kernels.gluon_attention as ga
     import hyserve.kernels.triton_attention as ta
+    from hyserve.kernels.cuda_attention import paged_attention_cuda
 
     Hq, Hkv, D, bs = (40, 8, 128, 64) if not b.dry else (4, 2, 32, 16)
     dtype = BF16 if not b.dry else torch.float16
     scale, tol = D**-0.5, 2e-2
-    tables = ("_DECODE_GPU", "_PREFILL_GPU", "_PREFILL_SM90", "_TARGET_PROGRAMS", "_MAX_SPLITS", "_DECODE_CPU",
-              "_PREFILL_CPU")
-    saved = {name: copy.deepcopy(getattr(ta, name)) for name in tables}
+    tables = [(ta, name) for name in ("_DECODE_GPU", "_PREFILL_GPU", "_TARGET_PROGRAMS", "_MAX_SPLITS",
+                                      "_DECODE_CPU", "_PREFILL_CPU")] + [(ga, "_PREFILL_SM90")]
+    saved = [(mod, name, copy.deepcopy(getattr(mod, name))) for mod, name in tables]
+    attention = [paged_attention_cuda]  # what the entry being timed calls (apply_prefill may pick Triton alone)
 
     def restore() -> None:
-        for name, value in saved.items():
-            setattr(ta, name, copy.deepcopy(value))
+        for mod, name, value in saved:
+            setattr(mod, name, copy.deepcopy(value))
+        attention[0] = paged_attention_cuda
 
     def run_case(name: str, q, kc, vc, tb, lens, cu, nbytes_or_flops: float, unit: str, configs, apply) -> float:
         ref = paged_attention_ref(q, kc, vc, tb, lens, cu, scale)
@@ -681,10 +686,11 @@ def bench_attn_sweep(b: Bench) -> None:
         for label, *cfg in configs:
             try:
                 apply(*cfg)
-                got = ta.paged_attention_triton(q, kc, vc, tb, lens, cu, scale)
+                fn = attention[0]
+                got = fn(q, kc, vc, tb, lens, cu, scale)
                 if not b.check(f"{name} [{label}]", got, ref, tol, tol):
                     continue
-                ms = b.time_ms(lambda: ta.paged_attention_triton(q, kc, vc, tb, lens, cu, scale))
+                ms = b.time_ms(lambda: fn(q, kc, vc, tb, lens, cu, scale))
                 base_ms = base_ms if base_ms is not None else ms  # the first entry is the default
                 b.record(f"{name} [{label}]", ms, "ms", "default settings, same sweep", base_ms, time_ms=ms,
                          rate=nbytes_or_flops / (ms * 1e-3), rate_unit=unit)
@@ -705,7 +711,9 @@ def bench_attn_sweep(b: Bench) -> None:
         if b.dry:
             return  # the interpreter runs its own small tiles
         over = dict(over)
-        ta._PREFILL_SM90.update(over.pop("sm90", {}))
+        ga._PREFILL_SM90.update(over.pop("sm90", {}))
+        if not over.pop("GLUON", True):
+            attention[0] = ta.paged_attention_triton
         ta._PREFILL_GPU[128].update(over)
 
     for batch, L in ((1, 131072), (64, 8192)) if not b.dry else ((1, 700), (3, 100)):
@@ -736,7 +744,8 @@ def bench_attn_rounds(b: Bench) -> None:
     form was dropped.)"""
     import statistics
 
-    from hyserve.kernels.triton_attention import attention_flops, paged_attention_triton
+    from hyserve.kernels.cuda_attention import paged_attention_cuda
+    from hyserve.kernels.triton_attention import attention_flops
 
     Hq, Hkv, D, bs, L = (40, 8, 128, 64, 8192) if not b.dry else (4, 2, 32, 16, 37)
     dtype = BF16 if not b.dry else torch.float16
@@ -744,7 +753,7 @@ def bench_attn_rounds(b: Bench) -> None:
     kc, vc, tb = _paged_pool(b, [L], Hkv, D, bs, dtype)
     q = b.rnd(L, Hq, D, dtype=dtype)
     flops = attention_flops([L], [L], Hq, D)
-    runs = {"default": lambda: paged_attention_triton(q, kc, vc, tb, [L], [0, L], scale)}
+    runs = {"default": lambda: paged_attention_cuda(q, kc, vc, tb, [L], [0, L], scale)}
     if not b.check(f"prefill attention {L} [default]", runs["default"](),
                    paged_attention_ref(q, kc, vc, tb, [L], [0, L], scale), tol, tol):
         return

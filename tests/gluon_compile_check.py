@@ -15,11 +15,10 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 
 import hyserve.kernels.gluon_attention as ga
-from hyserve.kernels.triton_attention import _PREFILL_SM90
 
 
 def main() -> None:
-    cfg, result = _PREFILL_SM90, {}
+    cfg, result = ga._PREFILL_SM90, {}
     for D, bs in ((128, 64), (64, 16)):
         box = min(bs, cfg["BLOCK_N"])
         pool = torch.zeros(4, bs, 2, D, dtype=torch.bfloat16)

@@ -30,6 +30,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 from hyserve.kernels.activation import relu2_ref  # noqa: E402
 from hyserve.kernels.attention import paged_attention_ref, write_kv_ref  # noqa: E402
 from hyserve.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref  # noqa: E402
+from hyserve.kernels.cuda_attention import paged_attention_cuda  # noqa: E402
+from hyserve.kernels.launch_util import tma_tiles_fit  # noqa: E402
 from hyserve.kernels.rmsnorm import add_rms_norm_ref, rms_norm_ref, rmsnorm_gated_ref  # noqa: E402
 from hyserve.kernels.ssm_update import selective_state_update_ref  # noqa: E402
 from hyserve.kernels.triton_activation import relu2_triton  # noqa: E402
@@ -315,9 +317,11 @@ def test_norms_nano9b(poison, rows):
 # --------------------------------------------------------------------------- attention
 
 
-def _attn_case(poison, *, new, lens, Hq, Hkv, D, bs, dtype, tensors=False, scale=None):
+def _attn_case(poison, *, new, lens, Hq, Hkv, D, bs, dtype, tensors=False, scale=None, gluon=True):
     """Builds a pool whose blocks are shuffled, rows past each sequence's length NaN, writes the
-    step's new K/V (with -1 pad slots) and compares write_kv and paged_attention with the refs."""
+    step's new K/V (with -1 pad slots) and compares write_kv and paged_attention with the refs.
+    gluon: through the CUDA op (`cuda_attention`, the Gluon prefill on Hopper where it fits); False: the
+    Triton kernels alone."""
     S = len(new)
     cu = [0]
     for n in new:
@@ -364,8 +368,9 @@ def _attn_case(poison, *, new, lens, Hq, Hkv, D, bs, dtype, tensors=False, scale
         if tensors
         else (lens, cu)
     )
+    attention = paged_attention_cuda if gluon else paged_attention_triton
     with poison:
-        out = paged_attention_triton(q, k_cache, v_cache, tables, *args, scale)
+        out = attention(q, k_cache, v_cache, tables, *args, scale)
     close(out, ref, dtype, f"paged_attention new={new} lens={lens}")
 
 
@@ -412,7 +417,7 @@ def test_paged_attention_small_prefill_variants(poison, monkeypatch, dtype, vari
     boxes: list[list[int]] = []
     real = ta._pool_descriptor
     monkeypatch.setattr(ta, "_pool_descriptor", lambda c, n: boxes.append(list(real(c, n).block_shape)) or real(c, n))
-    _attn_case(poison, new=[1, 40, 9, 17], lens=[30, 40, 57, 80], Hq=4, Hkv=2, D=32, bs=16, dtype=dtype)
+    _attn_case(poison, new=[1, 40, 9, 17], lens=[30, 40, 57, 80], Hq=4, Hkv=2, D=32, bs=16, dtype=dtype, gluon=False)
     # the path taken: descriptors (K and V) of one 16-row box per tile, for 16-bit queries only
     assert boxes == ([[16, 32]] * 2 if variant["TMA"] and dtype != F32 else [])
 
@@ -457,22 +462,20 @@ def test_device_index_lists_and_tensors():
 
 def test_paged_attention_tma_fit_rules():
     """Tensor-descriptor tiles only where every tile lies in one block of a flat, aligned pool."""
-    import hyserve.kernels.triton_attention as ta
-
     pool = torch.zeros(4, 64, 2, 32, dtype=torch.float16)
-    assert ta._tma_tiles_fit(pool, pool, 64) and ta._tma_tiles_fit(pool, pool, 32)
-    assert not ta._tma_tiles_fit(pool, pool, 128)  # a 128-key tile spans two blocks
-    assert not ta._tma_tiles_fit(pool.float(), pool.float(), 64)  # float32: pointer loads
-    assert not ta._tma_tiles_fit(pool, pool, 8)  # boxes narrower than a matrix-product operand
+    assert tma_tiles_fit(pool, pool, 64) and tma_tiles_fit(pool, pool, 32)
+    assert not tma_tiles_fit(pool, pool, 128)  # a 128-key tile spans two blocks
+    assert not tma_tiles_fit(pool.float(), pool.float(), 64)  # float32: pointer loads
+    assert not tma_tiles_fit(pool, pool, 8)  # boxes narrower than a matrix-product operand
     odd = torch.zeros(4, 64, 2, 24, dtype=torch.float16)
-    assert not ta._tma_tiles_fit(odd, odd, 64)  # head dim not a power of two
+    assert not tma_tiles_fit(odd, odd, 64)  # head dim not a power of two
     strided = torch.zeros(4, 2, 64, 2, 32, dtype=torch.float16)[:, 0]
-    assert not ta._tma_tiles_fit(strided, strided, 64)  # blocks of K and V interleaved: rows not uniform
-    assert not ta._tma_tiles_fit(pool, strided, 64)  # V is checked too
+    assert not tma_tiles_fit(strided, strided, 64)  # blocks of K and V interleaved: rows not uniform
+    assert not tma_tiles_fit(pool, strided, 64)  # V is checked too
     shifted = torch.zeros(1 + pool.numel(), dtype=torch.float16)[1:].view(pool.shape)
-    assert not ta._tma_tiles_fit(shifted, shifted, 64)  # base 2 bytes off a 16-byte boundary
+    assert not tma_tiles_fit(shifted, shifted, 64)  # base 2 bytes off a 16-byte boundary
     huge = torch.empty(2**25, 64, 1, 16, dtype=torch.float16, device="meta")  # 2^31 rows
-    assert not ta._tma_tiles_fit(huge, huge, 64) and ta._tma_tiles_fit(huge[:-1], huge[:-1], 64)
+    assert not tma_tiles_fit(huge, huge, 64) and tma_tiles_fit(huge[:-1], huge[:-1], 64)
 
 
 ATTN_NANO = [
@@ -499,8 +502,8 @@ def test_paged_attention_nano9b(poison, dtype, new, lens):
 def test_paged_attention_nano9b_prefill_variants(poison, monkeypatch, new, lens, variant):
     import hyserve.kernels.triton_attention as ta
 
-    monkeypatch.setitem(ta._PREFILL_GPU, 128, {**ta._PREFILL_GPU[128], "GLUON": False, **variant})
-    _attn_case(poison, new=new, lens=lens, Hq=40, Hkv=8, D=128, bs=64, dtype=BF16)
+    monkeypatch.setitem(ta._PREFILL_GPU, 128, {**ta._PREFILL_GPU[128], **variant})
+    _attn_case(poison, new=new, lens=lens, Hq=40, Hkv=8, D=128, bs=64, dtype=BF16, gluon=False)
 
 
 def _gluon_or_skip():
@@ -535,6 +538,21 @@ def test_gluon_prefill_box_rules():
     ga = _gluon_or_skip()
     pool = torch.zeros(4, 64, 2, 128, dtype=BF16)
     assert ga.sm90_prefill_box(pool[0, :3], pool, pool, 128) == 0  # a CPU tensor
+
+
+def test_cuda_attention_offers_the_prefill_to_gluon():
+    """The choice lives in one dispatcher: the CUDA op hands the Triton launcher Gluon's prefill, which
+    declines (writing nothing) what it cannot take."""
+    import hyserve.kernels.cuda_attention as ca
+
+    ga = _gluon_or_skip()
+    assert ca._PREFILL is ga.prefill_sm90
+    q = torch.full((3, 4, 128), float("nan"), dtype=BF16)
+    pool = torch.zeros(4, 64, 2, 128, dtype=BF16)
+    idx = torch.zeros(2, dtype=torch.int32)
+    out = q.clone()
+    assert not ga.prefill_sm90(q, pool, pool, idx.view(1, 2), idx, idx, out, 0, 1, 3, 1.0)
+    assert out.isnan().all()
 
 
 GLUON_CASES = [  # (new, lens, Hq, Hkv, D, bs, dtype)
@@ -575,10 +593,8 @@ def test_gluon_prefill_alternative_settings(poison, monkeypatch, settings, case)
     2-slot ring) are correct too."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is for Hopper")
-    import hyserve.kernels.triton_attention as ta
-
-    _gluon_or_skip()
-    monkeypatch.setattr(ta, "_PREFILL_SM90", {**ta._PREFILL_SM90, **settings})
+    ga = _gluon_or_skip()
+    monkeypatch.setattr(ga, "_PREFILL_SM90", {**ga._PREFILL_SM90, **settings})
     new, lens, Hq, Hkv, D, bs, dtype = case
     _attn_case(poison, new=new, lens=lens, Hq=Hq, Hkv=Hkv, D=D, bs=bs, dtype=dtype)
 
@@ -670,3 +686,4 @@ def test_registry_registers_only_with_cuda():
                           "write_kv", "paged_attention", "gated_norm_linear", "relu2_linear"}
     for n in names:
         assert ops.get(n, on_cuda=True) is not ops.get(n, on_cuda=False)
+    assert ops.get("paged_attention", on_cuda=True) is paged_attention_cuda

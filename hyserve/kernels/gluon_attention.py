@@ -51,7 +51,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from hyserve.kernels.launch_util import tma_tiles_fit
+
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+# Launch settings (attn_sweep_dded3dc: 1.49 ms event-timed at 8k against the Triton kernel's 1.92 ms);
+# `benchmarks/bench_kernels.py --only attn_sweep` times alternatives.
+_PREFILL_SM90 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, num_warps=4)
 
 
 @gluon.constexpr_function
@@ -273,16 +278,14 @@ def _prefill_kernel_sm90(
 def sm90_prefill_box(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> int:
     """Rows per TMA box when this kernel can take the step's prefill part, else 0: a Hopper GPU, 16-bit
     queries over caches of the same dtype with a head dim of 64 or 128, and key tiles that load as boxes
-    of min(block size, block_n) rows (`triton_attention._tma_tiles_fit`'s rules)."""
-    from hyserve.kernels.triton_attention import _tma_tiles_fit
-
+    of min(block size, block_n) rows (`launch_util.tma_tiles_fit`'s rules)."""
     if not q.is_cuda or not _is_hopper(q.device.index if q.device.index is not None else torch.cuda.current_device()):
         return 0
     if q.dtype not in _GL_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         return 0
     NB, BS, Hkv, Dh = k_cache.shape
     box = min(BS, block_n)
-    if Dh not in (64, 128) or block_n % box or not _tma_tiles_fit(k_cache, v_cache, box):
+    if Dh not in (64, 128) or block_n % box or not tma_tiles_fit(k_cache, v_cache, box):
         return 0
     return box
 
@@ -327,4 +330,20 @@ def prefill_attention_sm90(
     )
 
 
-__all__ = ["sm90_prefill_box", "prefill_attention_sm90"]
+def prefill_sm90(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    lens_t: torch.Tensor, cu_t: torch.Tensor, out: torch.Tensor, seq_offset: int, num_seqs: int, max_new: int,
+    qk_scale: float,
+) -> bool:
+    """The prefill part of a step on this kernel at `_PREFILL_SM90`'s settings when it can take it
+    (`sm90_prefill_box`), returning True; False, with nothing written, otherwise (a
+    `triton_attention.PrefillKernel`)."""
+    box = sm90_prefill_box(q, k_cache, v_cache, _PREFILL_SM90["BLOCK_N"])
+    if not box:
+        return False
+    prefill_attention_sm90(q, k_cache, v_cache, block_tables, lens_t, cu_t, out, seq_offset, num_seqs, max_new,
+                           qk_scale, box=box, **_PREFILL_SM90)
+    return True
+
+
+__all__ = ["sm90_prefill_box", "prefill_attention_sm90", "prefill_sm90"]

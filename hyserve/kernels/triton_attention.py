@@ -21,8 +21,8 @@ Step layout (ForwardMeta): the single-token decode sequences come first, then pr
                             unmasked tiles load as TMA boxes through tensor descriptors over the pool
                             seen as [blocks * bs, kv_heads * head_dim] (one or two boxes per tile, each
                             inside one block) when the pool's layout, block size and dtype allow.
-                            On Hopper, `gluon_attention`'s kernel (same contract and grid) takes
-                            the 16-bit steps it can instead (`_PREFILL_GPU` GLUON).
+                            A `prefill` callable (`cuda_attention` passes the Gluon kernel's on
+                            Hopper) may take this part instead.
 
 Softmax in float32 with exp2 (scale folded with log2(e)). P is cast to the V dtype for the PV product,
 as flash attention does.
@@ -40,13 +40,15 @@ decode step with them can still be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hyserve.kernels.attention import FP8_KV_DTYPES, check_kv_scales
-from hyserve.kernels.launch_util import device_index
+from hyserve.kernels.launch_util import device_index, tma_tiles_fit
 from hyserve.kernels.triton_common import dot, dot_acc
 
 _LOG2E = 1.4426950408889634
@@ -423,14 +425,16 @@ _MAX_SPLITS = 128
 _DECODE_GPU = dict(BLOCK_N=128, num_warps=4, num_stages=3)
 # Prefill on a GPU: key tiles through tensor descriptors where the pool allows (TMA, with the folded-scale
 # softmax); measured 1-9% faster than pointer loads at 8k / 2k-over-6k (attn_sweep_eef8ba1, _9bc82e5).
-# GLUON: on Hopper, the Gluon kernel (gluon_attention.py: a producer warp, two consumer warp groups taking
-# turns at the tensor cores) takes the steps it can, with the settings in _PREFILL_SM90 (attn_sweep_dded3dc:
-# 1.49 ms event-timed at 8k against the Triton kernel's 1.92 ms); the Triton kernel the rest.
-_PREFILL_GPU = {128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, TMA=True, GLUON=True),  # D_PAD <= 128
+_PREFILL_GPU = {128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, TMA=True),  # D_PAD <= 128
                 256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
-_PREFILL_SM90 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, num_warps=4)
 _DECODE_CPU = dict(BLOCK_N=16, num_warps=4, num_stages=1)
 _PREFILL_CPU = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+
+
+# A kernel that may take a step's prefill part in place of `_prefill_kernel`: called with (q, k_cache, v_cache,
+# block_tables, lens_t, cu_t, out, seq_offset, num_seqs, max_new, qk_scale), it writes those sequences' rows
+# of `out` and returns True, or returns False and writes nothing.
+PrefillKernel = Callable[..., bool]
 
 
 def _host_list(v: torch.Tensor | list[int]) -> list[int]:
@@ -466,10 +470,12 @@ def paged_attention_triton(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    prefill: PrefillKernel | None = None,
 ) -> torch.Tensor:
     """q: [T, q_heads, head_dim] -> out [T, q_heads, head_dim] in q.dtype.
 
     k_scale / v_scale: the cache's dequantisation scales (device scalars, as `paged_attention_ref`).
+    prefill: offered the unscaled prefill part on a GPU first (`PrefillKernel`); None: this module's kernel.
 
     seq_lens / cu_q: host lists (preferred: no device sync; the launcher reads the step's shape from
     them) or int tensors. With tensors and T == S the step is taken to be pure decode (one new token
@@ -549,17 +555,14 @@ def paged_attention_triton(
 
     if nd < S and max_new > 0:
         pcfg = dict(_PREFILL_GPU[128 if D_PAD <= 128 else 256] if on_gpu else _PREFILL_CPU)
-        ga = _gluon_attention() if pcfg.pop("GLUON", False) and on_gpu and not scaled else None
-        gbox = ga.sm90_prefill_box(q, k_cache, v_cache, _PREFILL_SM90["BLOCK_N"]) if ga is not None else 0
-        if ga is not None and gbox:
-            ga.prefill_attention_sm90(q, k_cache, v_cache, block_tables, lens_t, cu_t, out, nd, S - nd, max_new,
-                                      qk_scale, box=gbox, **_PREFILL_SM90)
+        if (prefill is not None and on_gpu and not scaled
+                and prefill(q, k_cache, v_cache, block_tables, lens_t, cu_t, out, nd, S - nd, max_new, qk_scale)):
             return out
         # tensor-descriptor key tiles as one box or two, whichever lies within a block, for 16-bit queries
         # (the setting measured; float32 operands would not fit shared memory); else pointer loads
         tma = 0
         if pcfg.pop("TMA", False) and not ieee:
-            tma = next((n for n in (1, 2) if _tma_tiles_fit(k_cache, v_cache, pcfg["BLOCK_N"] // n)), 0)
+            tma = next((n for n in (1, 2) if tma_tiles_fit(k_cache, v_cache, pcfg["BLOCK_N"] // n)), 0)
         box = pcfg["BLOCK_N"] // max(tma, 1)
         kd, vd = (_pool_descriptor(k_cache, box), _pool_descriptor(v_cache, box)) if tma else (k_cache, v_cache)
         _prefill_kernel[(Hq, triton.cdiv(max_new, pcfg["BLOCK_M"]), S - nd)](
@@ -570,30 +573,6 @@ def paged_attention_triton(
             **pcfg,
         )
     return out
-
-
-def _gluon_attention():
-    """The Gluon kernels' module, or None where this triton has no Gluon (it shipped in 3.5)."""
-    try:
-        from hyserve.kernels import gluon_attention
-    except ImportError:
-        return None
-    return gluon_attention
-
-
-def _tma_tiles_fit(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool:
-    """Whether the key tiles of the unmasked loop can load as tensor-memory-access boxes of block_n rows:
-    every box lies in one block (block_n divides the block size), each pool flattens to rows of
-    kv_heads * head_dim (a power-of-two head dim of at least 16 bytes) with 16-byte aligned base and row
-    stride, the row count fits the descriptor's int32 coordinates, and the elements are 16- or 8-bit (float32
-    boxes of a 128-key tile would not fit shared memory in the pipelined stages)."""
-    NB, BS, Hkv, Dh = k_cache.shape
-    if BS % block_n or Dh != triton.next_power_of_2(Dh) or NB * BS >= 2**31 or k_cache.element_size() > 2:
-        return False
-    if Dh * k_cache.element_size() < 16 or block_n < 16:
-        return False
-    # (a power-of-two head dim of >= 16 bytes makes the row stride a multiple of 16 bytes)
-    return all(c.stride() == (BS * Hkv * Dh, Hkv * Dh, Dh, 1) and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache))
 
 
 def _pool_descriptor(cache: torch.Tensor, block_n: int) -> TensorDescriptor:

@@ -23,8 +23,9 @@ def register_triton_kernels() -> list[str]:
             "CUDA is available but triton is not installed: pip install triton (it ships with the "
             "CUDA builds of torch)"
         ) from e
+    from hyserve.kernels.cuda_attention import paged_attention_cuda
     from hyserve.kernels.triton_activation import relu2_triton
-    from hyserve.kernels.triton_attention import paged_attention_triton, write_kv_triton
+    from hyserve.kernels.triton_attention import write_kv_triton
     from hyserve.kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
     from hyserve.kernels.triton_fused_linear import gated_norm_linear_triton, relu2_linear_triton
     from hyserve.kernels.triton_rmsnorm import add_rms_norm_triton, rms_norm_triton, rmsnorm_gated_triton
@@ -45,7 +46,7 @@ def register_triton_kernels() -> list[str]:
         "ssd": ssd_triton,
         "store_ssm_state": store_ssm_state_triton,
         "write_kv": write_kv_triton,
-        "paged_attention": paged_attention_triton,
+        "paged_attention": paged_attention_cuda,  # Triton, or on Hopper Gluon for prefill (cuda_attention.py)
     }
     for name, fn in impls.items():
         ops.use_cuda_impl(name, fn)
