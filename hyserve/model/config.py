@@ -157,6 +157,19 @@ class MambaSpec:
         return self.d_inner + self.conv_dim + self.num_heads
 
 
+def _limit_float(v: Any) -> float:
+    """One bound of `time_step_limit`: a number, or transformers 5.x's JSON spelling of a non-finite one,
+    `{"__float__": "Infinity"}` (JSON has no inf), or the string itself."""
+    if isinstance(v, dict) and set(v) == {"__float__"}:
+        v = v["__float__"]
+    if isinstance(v, bool) or not isinstance(v, int | float | str):
+        raise ValueError(f"time_step_limit: expected a number, got {v!r}")
+    try:
+        return float(v)
+    except ValueError:
+        raise ValueError(f"time_step_limit: expected a number, got {v!r}") from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class HybridModelConfig:
     """The architecture of one NemotronH checkpoint (immutable; change with `dataclasses.replace`)."""
@@ -439,7 +452,7 @@ class HybridModelConfig:
             chunk_size=get("chunk_size", 128, int),
             use_conv_bias=bool(get("use_conv_bias", True)),
             mamba_proj_bias=bool(get("use_bias", get("mamba_proj_bias", False))),
-            time_step_limit=(float(limit[0]), float(limit[1])),
+            time_step_limit=(_limit_float(limit[0]), _limit_float(limit[1])),
             time_step_min=get("time_step_min", 0.001, float),
             mamba_hidden_act=str(get("mamba_hidden_act", "silu")),
             num_attention_heads=n_heads,
