@@ -21,3 +21,36 @@ def _default_cache_root() -> Path:
 
 # Root for hyserve's persistent files (today: the built-in tiny model).
 HYSERVE_CACHE_DIR: Path = _path("HYSERVE_CACHE_DIR", _default_cache_root())
+
+
+def _int_or_none(name: str) -> int | None:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={v!r}: expected an integer") from None
+
+
+def _positive_float(name: str, default: float) -> float:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        f = float(v)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={v!r}: expected a number of seconds") from None
+    if not 0.0 < f < float("inf"):
+        raise ValueError(f"environment variable {name}={v!r}: must be positive and finite")
+    return f
+
+
+# The rank layout torchrun gives each process (None when not launched by torchrun); read by
+# hyserve.distributed, which then joins the process group through torchrun's store ("env://").
+RANK: int | None = _int_or_none("RANK")
+WORLD_SIZE: int | None = _int_or_none("WORLD_SIZE")
+LOCAL_RANK: int | None = _int_or_none("LOCAL_RANK")
+LOCAL_WORLD_SIZE: int | None = _int_or_none("LOCAL_WORLD_SIZE")
+# Seconds a collective may wait for the other ranks before it raises (a lost rank is an error, not a hang).
+HYSERVE_DIST_TIMEOUT_S: float = _positive_float("HYSERVE_DIST_TIMEOUT_S", 60.0)

@@ -13,11 +13,12 @@ ALLOWED = {
     "envs": set(),
     "kernels": set(),
     "cache": {"config"},
-    "model": {"config", "envs", "kernels"},
-    "engine": {"config", "envs", "kernels", "cache", "model"},
+    "distributed": {"config", "envs"},
+    "model": {"config", "envs", "kernels", "distributed"},
+    "engine": {"config", "envs", "kernels", "cache", "distributed", "model"},
     "server": {"config", "envs", "engine", "model.tokenizer"},
     "bench": {"config", "envs", "engine", "server"},
-    "cli": {"config", "envs", "kernels", "cache", "model", "engine", "server", "bench"},
+    "cli": {"config", "envs", "kernels", "cache", "distributed", "model", "engine", "server", "bench"},
     "__init__": {"engine"},
 }
 
