@@ -88,3 +88,130 @@ def test_options_without_effect_yet_are_reported() -> None:
     assert not [k for k in cfg.ignored_keys if k.startswith("cuda_graph_config")]
     assert "kv_cache_config.mamba_ssm_philox_rounds" not in cfg.ignored_keys
     assert build_engine_config({}).ignored_keys == ()
+
+
+# ---- the dataclass fields are the one source of truth ----------------------------------------------------
+
+
+def test_accepted_keys_come_from_the_fields() -> None:
+    from hyserve.config import CacheConfig, CudaGraphConfig, EngineConfig, MambaStateConfig, accepted_keys
+
+    assert accepted_keys(EngineConfig) == {
+        "model", "dtype", "device", "load_format", "served_model_name", "seed",
+        "max_batch_size", "max_num_tokens", "max_seq_len", "enable_chunked_prefill",
+        "kv_cache_config", "cuda_graph_config", "tp_size", "ep_size",
+        "tensor_parallel_size", "moe_expert_parallel_size", "warmup", "strict_warmup", "cache_dir",
+        "async_scheduling",
+    }  # fmt: skip
+    assert accepted_keys(CacheConfig) == {
+        "tokens_per_block", "enable_block_reuse", "avg_seq_len", "free_gpu_memory_fraction", "max_tokens",
+        "max_gpu_total_bytes", "dtype", "mamba_ssm_cache_dtype", "mamba_ssm_stochastic_rounding",
+        "mamba_ssm_philox_rounds", "mamba_state_config", "allow_oversized_max_seq_len",
+    }  # fmt: skip
+    assert accepted_keys(MambaStateConfig) == {"periodic_snapshot_interval", "additional_snapshot_offsets_from_end"}
+    assert accepted_keys(CudaGraphConfig) == {"enable_padding", "max_batch_size", "batch_sizes", "enabled"}
+
+
+def test_defaults_are_the_dataclass_defaults() -> None:
+    from hyserve.config import EngineConfig
+
+    assert build_engine_config({}) == EngineConfig()
+    assert build_engine_config({"kv_cache_config": None, "cuda_graph_config": None}) == EngineConfig()
+
+
+def _option_paths(cls, prefix: str = "") -> list[str]:
+    """Every leaf option's key path, walking the fields as build_engine_config does."""
+    import dataclasses
+
+    out = []
+    for f in dataclasses.fields(cls):
+        m = f.metadata.get("hyserve")
+        if m is None:
+            continue
+        if hasattr(m, "check"):
+            out.append(prefix + f.name)
+        elif m.key is None:
+            out += _option_paths(m.cls, prefix)
+        else:
+            out += _option_paths(m.cls, f"{prefix}{m.key}.")
+    return out
+
+
+def _nested(path: str, value) -> dict:
+    d: dict = {}
+    node = d
+    *parents, leaf = path.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[leaf] = value
+    return d
+
+
+def test_every_option_is_checked_and_named_by_its_path() -> None:
+    from hyserve.config import EngineConfig
+
+    paths = _option_paths(EngineConfig)
+    assert len(paths) == 33 and "kv_cache_config.mamba_state_config.periodic_snapshot_interval" in paths
+    for path in paths:
+        with pytest.raises(ValueError, match=path.replace(".", r"\.")):
+            build_engine_config(_nested(path, object()))
+
+
+@pytest.mark.parametrize(
+    "opts, needle",
+    [
+        ({"tp_size": 0}, "tp_size: must be >= 1, got 0"),
+        ({"ep_size": -1}, "ep_size: must be >= 1, got -1"),
+        ({"tensor_parallel_size": 2}, "tp_size=2"),  # the alias reaches the same field and check
+        ({"cuda_graph_config": 5}, "cuda_graph_config: expected a mapping, got 5"),
+        ({"kv_cache_config": {"mamba_state_config": []}}, "kv_cache_config.mamba_state_config: expected a mapping"),
+        ({"kv_cache_config": {"mamba_state_config": {"interval": 64}}},
+         "unknown option 'kv_cache_config.mamba_state_config.interval'"),
+        ({"kv_cache_config": {"mamba_state_config": {"additional_snapshot_offsets_from_end": [0, -1]}}},
+         r"additional_snapshot_offsets_from_end\[\]: must be >= 0"),
+        ({"kv_cache_config": {"mamba_ssm_philox_rounds": 33}}, r"must be <= 32, got 33 \(10 is Philox's usual count\)"),
+        ({"served_model_name": 3}, "served_model_name: expected a string"),
+        ({"ignored_keys": ["x"]}, "unknown option 'ignored_keys'"),  # a field, but not an option
+    ],
+)
+def test_checks_from_field_metadata(opts: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        build_engine_config(opts)
+
+
+def test_values_are_normalised_as_before(tmp_path) -> None:
+    cfg = build_engine_config({
+        "model": tmp_path, "dtype": "BFloat16", "cache_dir": tmp_path / "kc",
+        "tp_size": 1, "tensor_parallel_size": 7,  # the field's own name wins over its alias
+        "kv_cache_config": {"free_gpu_memory_fraction": 1, "enable_partial_reuse": True,
+                            "mamba_state_config": {"additional_snapshot_offsets_from_end": [0, 128]}},
+        "cuda_graph_config": {"batch_sizes": [8, 1, 8, 2]},
+    })  # fmt: skip
+    assert cfg.model == str(tmp_path) and cfg.cache_dir == str(tmp_path / "kc") and cfg.dtype == "bfloat16"
+    assert cfg.parallel.tp_size == 1
+    assert cfg.cache.free_gpu_memory_fraction == 1.0 and isinstance(cfg.cache.free_gpu_memory_fraction, float)
+    assert cfg.cache.mamba_state_config.additional_snapshot_offsets_from_end == (0, 128)
+    assert cfg.cuda_graph.batch_sizes == (1, 2, 8)
+    assert cfg.ignored_keys == ("kv_cache_config.enable_partial_reuse",)
+
+
+def test_cross_field_checks_live_in_one_place() -> None:
+    """The config and the capacity planner raise the same error from the same check."""
+    import dataclasses
+
+    from hyserve.cache.capacity import CapacityInputs, plan_capacity
+
+    inp = CapacityInputs(budget_bytes=2**30, kv_bytes_per_token=8, state_bytes_per_slot=100, max_batch_size=4,
+                         max_seq_len=256, max_num_tokens=64, tokens_per_block=64, enable_block_reuse=True,
+                         periodic_snapshot_interval=256, num_snapshot_offsets=1, avg_seq_len=None, num_pad_slots=0)
+    plan_capacity(inp)
+    for opts, change in (
+        ({"kv_cache_config": {"mamba_state_config": {"periodic_snapshot_interval": 100}}},
+         {"periodic_snapshot_interval": 100}),
+        ({"max_batch_size": 4, "max_num_tokens": 3}, {"max_num_tokens": 3}),
+    ):  # fmt: skip
+        with pytest.raises(ValueError) as from_config:
+            build_engine_config(opts)
+        with pytest.raises(ValueError) as from_planner:
+            plan_capacity(dataclasses.replace(inp, **change))
+        assert str(from_config.value) == str(from_planner.value)

@@ -51,6 +51,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from hyserve.config import Int, boolean, check_snapshot_interval, check_token_budget
+
 __all__ = ["CapacityInputs", "CapacityPlan", "plan_capacity"]
 
 # User-facing knob names used in error messages.
@@ -64,7 +66,7 @@ KNOB_INTERVAL = "kv_cache_config.mamba_state_config.periodic_snapshot_interval"
 KNOB_OFFSETS = "kv_cache_config.mamba_state_config.additional_snapshot_offsets_from_end"
 KNOB_MAX_KV_TOKENS = "kv_cache_config.max_tokens"
 KNOB_ENABLE_BLOCK_REUSE = "kv_cache_config.enable_block_reuse"
-KNOB_ALLOW_OVERSIZED = "allow_oversized_max_seq_len"
+KNOB_ALLOW_OVERSIZED = "kv_cache_config.allow_oversized_max_seq_len"
 
 # Fallback avg_seq_len when the user sets none: one scheduler step's worth of tokens, but at
 # least this many, so the snapshot budget is not starved by a small max_num_tokens.
@@ -170,51 +172,33 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _check_int(knob: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{knob} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{knob} must be >= {minimum}, got {value}")
-
-
 def _validate(inp: CapacityInputs) -> None:
-    _check_int(f"budget_bytes ({KNOB_BUDGET})", inp.budget_bytes, 0)
-    _check_int("kv_bytes_per_token (model cache spec)", inp.kv_bytes_per_token, 0)
-    _check_int("state_bytes_per_slot (model cache spec)", inp.state_bytes_per_slot, 0)
-    _check_int(KNOB_MAX_BATCH_SIZE, inp.max_batch_size, 1)
-    _check_int(KNOB_MAX_SEQ_LEN, inp.max_seq_len, 1)
-    _check_int(KNOB_MAX_NUM_TOKENS, inp.max_num_tokens, 1)
-    _check_int(KNOB_TOKENS_PER_BLOCK, inp.tokens_per_block, 1)
-    _check_int(f"num_snapshot_offsets (len of {KNOB_OFFSETS})", inp.num_snapshot_offsets, 0)
-    _check_int("num_pad_slots (CUDA-graph padding)", inp.num_pad_slots, 0)
-    if not isinstance(inp.enable_block_reuse, bool):
-        raise ValueError(f"{KNOB_ENABLE_BLOCK_REUSE} must be a bool, got {inp.enable_block_reuse!r}")
-    if not isinstance(inp.allow_oversized_max_seq_len, bool):
-        raise ValueError(f"{KNOB_ALLOW_OVERSIZED} must be a bool, got {inp.allow_oversized_max_seq_len!r}")
-    if inp.max_num_tokens < inp.max_batch_size:
+    """The planner's inputs, checked with the config's own checks (hyserve/config.py), so a rule lives in
+    one place whether the value came from a YAML or from code."""
+    for knob, value, lo in (
+        (f"budget_bytes ({KNOB_BUDGET})", inp.budget_bytes, 0),
+        ("kv_bytes_per_token (model cache spec)", inp.kv_bytes_per_token, 0),
+        ("state_bytes_per_slot (model cache spec)", inp.state_bytes_per_slot, 0),
+        (KNOB_MAX_BATCH_SIZE, inp.max_batch_size, 1),
+        (KNOB_MAX_SEQ_LEN, inp.max_seq_len, 1),
+        (KNOB_MAX_NUM_TOKENS, inp.max_num_tokens, 1),
+        (KNOB_TOKENS_PER_BLOCK, inp.tokens_per_block, 1),
+        (f"num_snapshot_offsets (len of {KNOB_OFFSETS})", inp.num_snapshot_offsets, 0),
+        ("num_pad_slots (CUDA-graph padding)", inp.num_pad_slots, 0),
+    ):
+        Int(lo=lo).integer(value, knob)
+    boolean(inp.enable_block_reuse, KNOB_ENABLE_BLOCK_REUSE)
+    boolean(inp.allow_oversized_max_seq_len, KNOB_ALLOW_OVERSIZED)
+    check_token_budget(inp.max_num_tokens, inp.max_batch_size)
+    Int(lo=1, none_ok=True)(inp.periodic_snapshot_interval, KNOB_INTERVAL)
+    check_snapshot_interval(inp.periodic_snapshot_interval, inp.tokens_per_block)
+    Int(lo=1, none_ok=True)(inp.avg_seq_len, KNOB_AVG_SEQ_LEN)
+    if inp.avg_seq_len is not None and inp.avg_seq_len > inp.max_seq_len:
         raise ValueError(
-            f"{KNOB_MAX_NUM_TOKENS}={inp.max_num_tokens} is smaller than {KNOB_MAX_BATCH_SIZE}="
-            f"{inp.max_batch_size}: a decode step needs one token per running request. "
-            f"Raise {KNOB_MAX_NUM_TOKENS} or lower {KNOB_MAX_BATCH_SIZE}."
+            f"{KNOB_AVG_SEQ_LEN}={inp.avg_seq_len} exceeds {KNOB_MAX_SEQ_LEN}={inp.max_seq_len}; "
+            f"lower it or leave it unset (it only tunes the KV/snapshot split)."
         )
-    interval = inp.periodic_snapshot_interval
-    if interval is not None:
-        _check_int(KNOB_INTERVAL, interval, 1)
-        if interval % inp.tokens_per_block:
-            raise ValueError(
-                f"{KNOB_INTERVAL}={interval} must be a positive multiple of {KNOB_TOKENS_PER_BLOCK}="
-                f"{inp.tokens_per_block}: Mamba snapshots are keyed on full KV blocks. "
-                f"Try {_ceil_div(interval, inp.tokens_per_block) * inp.tokens_per_block}."
-            )
-    if inp.avg_seq_len is not None:
-        _check_int(KNOB_AVG_SEQ_LEN, inp.avg_seq_len, 1)
-        if inp.avg_seq_len > inp.max_seq_len:
-            raise ValueError(
-                f"{KNOB_AVG_SEQ_LEN}={inp.avg_seq_len} exceeds {KNOB_MAX_SEQ_LEN}={inp.max_seq_len}; "
-                f"lower it or leave it unset (it only tunes the KV/snapshot split)."
-            )
-    if inp.max_kv_tokens is not None:
-        _check_int(KNOB_MAX_KV_TOKENS, inp.max_kv_tokens, 1)
+    Int(lo=1, none_ok=True)(inp.max_kv_tokens, KNOB_MAX_KV_TOKENS)
 
 
 # --------------------------------------------------------------------------- planner
