@@ -197,6 +197,7 @@ class FakeEngine:
     aborted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     cached_tokens: int = 0
+    logprob_ids: tuple[int, ...] = (7, 8, 9)  # the token of each output logprob, then its top alternatives
 
     FAIL = "\x00FAIL"
     HANG = "\x00HANG"
@@ -259,7 +260,8 @@ class FakeEngine:
                 out += 1
                 lps = None
                 if params.logprobs is not None:
-                    lps = [TokenLogprob(token_id=7, logprob=-0.5, top={7: -0.5, 8: -1.5, 9: float("-inf")})]
+                    a, b, c = self.logprob_ids
+                    lps = [TokenLogprob(token_id=a, logprob=-0.5, top={a: -0.5, b: -1.5, c: float("-inf")})]
                 yield self._delta(request_id, n, [7], piece, out, logprobs=lps)
                 if out >= params.max_tokens:
                     reason = "length"

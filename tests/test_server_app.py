@@ -131,7 +131,7 @@ def test_tool_choice_none_does_not_parse(url: str, engine: FakeEngine) -> None:
     engine.script = lambda ids, p: ["</think>", "<tool_call>\n<function=f>\n</function>\n</tool_call>"]
     r = chat(url, tools=[WEATHER_TOOL], tool_choice="none")
     msg = r.json()["choices"][0]["message"]
-    assert msg["tool_calls"] == [] and "<tool_call>" in msg["content"]
+    assert "tool_calls" not in msg and "<tool_call>" in msg["content"]
 
 
 # ---- sampling parameters reach the engine -----------------------------------------------------------------

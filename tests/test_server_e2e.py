@@ -403,3 +403,43 @@ def test_echo_with_max_tokens_zero_returns_the_prompt_and_its_logprobs(server: S
     assert texts[0].logprobs.token_logprobs == c.logprobs.token_logprobs
     assert texts[-1].finish_reason == "length" and "".join(t.text for t in texts) == c.text
     assert _err(_post(server, "/completions", {"prompt": "x", "max_tokens": 0}), 400)["param"] == "max_tokens"
+
+
+def test_logprob_bytes_are_each_tokens_bytes(client: openai.OpenAI, model: str) -> None:
+    """Random weights pick byte tokens of partial UTF-8 characters often: their `bytes` are the raw byte, and
+    `token` is those bytes with the invalid ones shown as '\\xNN'."""
+    resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=48,
+                                          temperature=1.0, seed=5, logprobs=True, top_logprobs=5,
+                                          extra_body={**NO_THINK, "ignore_eos": True})
+    toks = [t for c in resp.choices[0].logprobs.content for t in (c, *c.top_logprobs)]
+    assert len(toks) == 48 * 6
+    for t in toks:
+        assert t.token == bytes(t.bytes).decode("utf-8", errors="backslashreplace")
+    assert any(len(t.bytes) == 1 and t.bytes[0] >= 0x80 for t in toks)  # a partial character was seen
+
+
+def test_developer_message(client: openai.OpenAI, server: ServerProcess, model: str) -> None:
+    msgs = [{"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": "hi"}]
+    resp = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, extra_body=NO_THINK)
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    as_system = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "hi"}]
+    assert count_chat_tokens(server, msgs) == count_chat_tokens(server, as_system)
+
+
+def test_text_offset_monotonic_with_echo_and_streaming(client: openai.OpenAI, model: str) -> None:
+    prompt = "The quick brown fox"
+    c = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, logprobs=0,
+                                  echo=True, extra_body={"ignore_eos": True}).choices[0]
+    offs = c.logprobs.text_offset
+    assert c.text.startswith(prompt) and offs[:2] == [0, 0]  # <s> adds nothing to the echoed text
+    assert offs == sorted(offs) and offs[-1] <= len(c.text)
+    streamed, text = [], ""
+    for ch in client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, logprobs=0,
+                                        stream=True, extra_body={"ignore_eos": True}):
+        if ch.choices and ch.choices[0].logprobs:
+            assert ch.choices[0].logprobs.text_offset == [len(text)] * len(ch.choices[0].logprobs.tokens)
+            streamed += ch.choices[0].logprobs.text_offset
+        text += ch.choices[0].text if ch.choices else ""
+    assert len(streamed) == 12 and streamed == sorted(streamed)
+    n_prompt = len(offs) - 12
+    assert [o - len(prompt) for o in offs[n_prompt:]] == streamed

@@ -55,7 +55,9 @@ def messages_to_template_input(messages: list[ChatMessage]) -> list[dict[str, An
     """OpenAI message models -> the plain dicts HF chat templates read."""
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
-        d: dict[str, Any] = {"role": m.role, "content": _content_text(m, i)}
+        # `developer` is OpenAI's newer name for the system role; checkpoint templates know only `system`
+        role = "system" if m.role == "developer" else m.role
+        d: dict[str, Any] = {"role": role, "content": _content_text(m, i)}
         if m.name is not None:
             d["name"] = m.name
         if m.tool_call_id is not None:

@@ -44,6 +44,8 @@ class Result:
     num_output_tokens: int = 0
     error: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # (tokens, characters of text) of each delta that carried tokens, in order (completions' text_offset)
+    delta_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -144,6 +146,8 @@ async def consume(engine: Any, job: Job, timer: RequestTimer | None) -> Result:
             if job.first_token is not None:
                 job.first_token.set()
             res.token_ids.extend(d.token_ids)
+            if d.token_ids:
+                res.delta_spans.append((len(d.token_ids), len(d.text)))
             res.text += d.text
             if d.logprobs:
                 res.logprobs.extend(d.logprobs)

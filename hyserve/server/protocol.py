@@ -186,7 +186,7 @@ class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
-    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
+    tool_calls: list[ResponseToolCall] | None = None  # left out of the reply when there are none
 
 
 class ChatCompletionChoice(_Response):

@@ -75,10 +75,10 @@ def chat_logprobs(state: AppState, lps: list[TokenLogprob], top_n: int) -> ChatC
         tops = sorted(lp.top.items(), key=lambda kv: -kv[1])[:top_n]
         content.append(
             ChatLogprobToken(
-                token=s, logprob=max(lp.logprob, LOGPROB_FLOOR), bytes=list(s.encode("utf-8")),
+                token=s, logprob=max(lp.logprob, LOGPROB_FLOOR), bytes=state.token_bytes(lp.token_id),
                 top_logprobs=[
                     ChatLogprobTop(token=state.token_text(t), logprob=max(v, LOGPROB_FLOOR),
-                                   bytes=list(state.token_text(t).encode("utf-8")))
+                                   bytes=state.token_bytes(t))
                     for t, v in tops
                 ],
             )
@@ -178,7 +178,7 @@ def chat_reply(state: AppState, req: ChatCompletionRequest, request_id: str, mod
                 message=ChatResponseMessage(
                     content=content if (content or not (reasoning or calls)) else None,
                     reasoning_content=reasoning or None,
-                    tool_calls=tool_calls_out(calls),
+                    tool_calls=tool_calls_out(calls) or None,
                 ),
                 logprobs=chat_logprobs(state, res.logprobs, top_n) if req.logprobs else None,
                 finish_reason=finish,
@@ -193,7 +193,11 @@ def chat_reply(state: AppState, req: ChatCompletionRequest, request_id: str, mod
         usage=usage_info(first.num_prompt_tokens, sum(r.num_output_tokens for r in results),
                          first.num_cached_tokens),
     )
-    return JSONResponse(resp.model_dump(mode="json"))
+    body = resp.model_dump(mode="json")
+    for c in body["choices"]:  # OpenAI omits tool_calls from a message that has none
+        if c["message"]["tool_calls"] is None:
+            del c["message"]["tool_calls"]
+    return JSONResponse(body)
 
 
 async def chat_stream(

@@ -69,26 +69,60 @@ def completion_prompts(state: AppState, req: CompletionRequest) -> list[tuple[li
     return out
 
 
-def completion_logprobs(state: AppState, lps: list[TokenLogprob], top_n: int, offset0: int) -> CompletionLogprobs:
+def delta_offsets(state: AppState, token_ids: list[int], start: int, text: str) -> list[int]:
+    """`text_offset` of the tokens of one engine delta whose text is `text`, starting at `start` in the
+    choice's text: each token's display text advances the offset, never past the delta's own text (a
+    partial UTF-8 character shows as '\\xNN' but adds no text until it completes), so offsets are
+    monotonic and point into the text the client has."""
+    out = []
+    pos = 0
+    for t in token_ids:
+        out.append(start + min(pos, len(text)))
+        pos += len(state.token_text(t))
+    return out
+
+
+def prompt_offsets(state: AppState, ids: list[int], ptext: str) -> list[int]:
+    """`text_offset` of the echoed prompt's tokens within `ptext`, the text echoed back. Incremental
+    detokenisation gives each token's start in decode(ids); a text prompt's echo is the client's own text,
+    without the special tokens the tokenizer added in front (`<s>`), so those starts shift back to 0.
+    Clamped into [previous offset, len(ptext)]: monotonic whatever the tokenizer's normalisation did."""
+    tok = state.tok
+    if tok is None or not ids:
+        return [0] * len(ids)
+    det = tok.incremental_detokenizer(skip_special_tokens=False)
+    starts = []
+    for t in ids:
+        starts.append(len(det.text))
+        det.feed(t)
+    det.flush()
+    shift = len(det.text) - len(ptext) if det.text.endswith(ptext) else 0
+    out, prev = [], 0
+    for s0 in starts:
+        prev = min(max(prev, s0 - shift), len(ptext))
+        out.append(prev)
+    return out
+
+
+def completion_logprobs(state: AppState, lps: list[TokenLogprob], top_n: int, offsets: list[int]
+                        ) -> CompletionLogprobs:
+    """Generated tokens' logprobs; `offsets[i]` is token i's text_offset."""
     res = CompletionLogprobs()
-    off = offset0
-    for lp in lps:
+    for lp, off in zip(lps, offsets):
         s = state.token_text(lp.token_id)
         res.tokens.append(s)
         res.token_logprobs.append(max(lp.logprob, LOGPROB_FLOOR))
         tops = sorted(lp.top.items(), key=lambda kv: -kv[1])[:top_n]
         res.top_logprobs.append({state.token_text(t): max(v, LOGPROB_FLOOR) for t, v in tops} if top_n else None)
         res.text_offset.append(off)
-        off += len(s)
     return res
 
 
-def echo_logprobs(state: AppState, prompt_ids: list[int], plps: list[TokenLogprob | None] | None, top_n: int
-                  ) -> CompletionLogprobs:
+def echo_logprobs(state: AppState, prompt_ids: list[int], plps: list[TokenLogprob | None] | None, top_n: int,
+                  ptext: str) -> CompletionLogprobs:
     """The echoed prompt's logprobs: null for the first token (nothing predicts it), as OpenAI."""
     res = CompletionLogprobs()
-    off = 0
-    for i, t in enumerate(prompt_ids):
+    for i, (t, off) in enumerate(zip(prompt_ids, prompt_offsets(state, prompt_ids, ptext))):
         s = state.token_text(t)
         lp = plps[i] if plps is not None and i < len(plps) else None
         res.tokens.append(s)
@@ -99,7 +133,6 @@ def echo_logprobs(state: AppState, prompt_ids: list[int], plps: list[TokenLogpro
             tops = sorted(lp.top.items(), key=lambda kv: -kv[1])[:top_n]
             res.top_logprobs.append({state.token_text(tt): max(v, LOGPROB_FLOOR) for tt, v in tops})
         res.text_offset.append(off)
-        off += len(s)
     return res
 
 
@@ -164,6 +197,17 @@ async def create_completion(state: AppState, req: CompletionRequest, raw: Reques
     )
 
 
+def res_offsets(state: AppState, res: Result) -> list[int]:
+    """The generated tokens' text_offset in `res.text`, delta by delta as a stream gives them."""
+    out: list[int] = []
+    i = start = 0
+    for n_tok, n_chars in res.delta_spans:
+        out += delta_offsets(state, res.token_ids[i : i + n_tok], start, res.text[start : start + n_chars])
+        i += n_tok
+        start += n_chars
+    return out
+
+
 def completion_reply(state: AppState, req: CompletionRequest, base: str, model_name: str, jobs: list[Job],
                      results: list[Result], top_n: int, n: int, prompt_only: bool) -> JSONResponse:
     choices = []
@@ -177,14 +221,14 @@ def completion_reply(state: AppState, req: CompletionRequest, base: str, model_n
             ptext = prompt_echo_text(state, job.prompt_ids, job.prompt_text)
             text = ptext + text
             if req.logprobs is not None:
-                lp = echo_logprobs(state, job.prompt_ids, res.prompt_logprobs, top_n)
-                gen = completion_logprobs(state, res.logprobs, top_n, len(ptext))
+                lp = echo_logprobs(state, job.prompt_ids, res.prompt_logprobs, top_n, ptext)
+                gen = completion_logprobs(state, res.logprobs, top_n, [len(ptext) + o for o in res_offsets(state, res)])
                 lp.tokens += gen.tokens
                 lp.token_logprobs += gen.token_logprobs
                 lp.top_logprobs += gen.top_logprobs
                 lp.text_offset += gen.text_offset
         elif req.logprobs is not None:
-            lp = completion_logprobs(state, res.logprobs, top_n, 0)
+            lp = completion_logprobs(state, res.logprobs, top_n, res_offsets(state, res))
         choices.append(CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=res.finish_reason,
                                         stop_reason=res.stop_reason))
     firsts = results[::n]  # the prompt counts once however many choices it has (OpenAI's usage)
@@ -254,7 +298,7 @@ async def completion_stream(
                 echo_pending.discard(i)
                 ptext = prompt_echo_text(state, jobs[i].prompt_ids, jobs[i].prompt_text)
                 offsets[i] = len(ptext)
-                yield chunk(i, ptext, echo_logprobs(state, jobs[i].prompt_ids, d.prompt_logprobs, top_n))
+                yield chunk(i, ptext, echo_logprobs(state, jobs[i].prompt_ids, d.prompt_logprobs, top_n, ptext))
             if d.token_ids:
                 timers[i].token()
             n_out[i], n_cached[i] = d.num_output_tokens, d.num_cached_tokens
@@ -274,7 +318,8 @@ async def completion_stream(
                 continue
             lp = None
             if req.logprobs is not None and d.logprobs:
-                lp = completion_logprobs(state, d.logprobs, top_n, offsets[i])
+                lp = completion_logprobs(state, d.logprobs, top_n,
+                                         delta_offsets(state, d.token_ids, offsets[i], d.text))
             offsets[i] += len(d.text)
             # one chunk per engine step that produced tokens, even when they decode to no text yet (a
             # partial UTF-8 sequence, or token ids without a tokenizer), as vLLM streams: clients time

@@ -103,6 +103,7 @@ class AppState:
             interval = cache_cfg.mamba_state_config.periodic_snapshot_interval or 0
             self.stagger_min = max(2 * cache_cfg.tokens_per_block, interval)
         self._token_text: dict[int, str] = {}
+        self._token_bytes: dict[int, list[int]] = {}
 
     # -- checks --
 
@@ -174,6 +175,22 @@ class AppState:
             if len(self._token_text) < 1_000_000:
                 self._token_text[tid] = s
         return s
+
+    def token_bytes(self, tid: int) -> list[int]:
+        """The token's own bytes (chat logprobs' `bytes`): a byte token of a partial UTF-8 character is
+        [0xF5], not the UTF-8 of its '\\xf5' display text."""
+        b = self._token_bytes.get(tid)
+        if b is None:
+            raw: bytes | None = None
+            if self.tok is not None:
+                try:
+                    raw = self.tok.token_bytes(tid)
+                except Exception:
+                    raw = None
+            b = list(raw if raw is not None else self.token_text(tid).encode("utf-8"))
+            if len(self._token_bytes) < 1_000_000:
+                self._token_bytes[tid] = b
+        return b
 
     def sampling_params(
         self, req: Any, n_prompt: int, max_tokens: int | None, logprobs: int | None,
