@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 # Accepted for drop-in compatibility with trtllm-serve / vLLM command lines; no effect here.
@@ -258,6 +259,13 @@ def _parse_ids(s: str) -> list[int]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     opts, _server_yaml, ignored = engine_options_from_args(args)
+    model_arg = opts.get("model")
+    if model_arg and not args.prompt and not args.prompt_ids and not Path(str(model_arg)).expanduser().exists():
+        raise ConfigError(  # `hyserve generate "Hello"`: the text went to MODEL
+            f"{model_arg!r} is not a local directory: the first argument of `hyserve generate` is MODEL (a "
+            f"checkpoint directory; leave it out for the built-in tiny model); give the prompt with -p, as in "
+            f"`hyserve generate -p {json.dumps(str(model_arg))}`"
+        )
     config = _build_config(opts)  # validate everything before loading anything
     prompts: list[str | list[int]] = list(args.prompt or []) + [_parse_ids(s) for s in (args.prompt_ids or [])]
     if not prompts:
