@@ -5,6 +5,10 @@ projection that runs the routed experts in a smaller dimension:
     x --gate--> top-k experts, weights w
     x --fc1_latent--> x_lat --experts(w)--> y_lat --fc2_latent--> y
     out = y + shared_expert(x)
+
+Routing, the token sort and the expert GEMMs run on the device through the `moe_route` / `moe_experts`
+ops (kernels/moe.py, kernels/triton_moe.py): no host sync, so a decode step can replay from a CUDA graph.
+The latent projections and the shared expert are plain linears (the MLP's relu^2 GEMV path).
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyserve.kernels import ops
 from hyserve.model.config import HybridModelConfig
-from hyserve.model.mlp import MLP, relu2
+from hyserve.model.mlp import MLP
 
 
 class TopkRouter(nn.Module):
@@ -32,23 +37,12 @@ class TopkRouter(nn.Module):
         self.scale = cfg.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, H] -> (weights [T, k] float32, expert ids [T, k])."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
-        choice = scores + self.e_score_correction_bias.float()
-        T, E = choice.shape
-        if self.n_group > 1 and self.topk_group < self.n_group:
-            per = E // self.n_group
-            group_scores = choice.view(T, self.n_group, per).topk(2, dim=-1)[0].sum(-1)  # [T, n_group]
-            keep = torch.zeros_like(group_scores).scatter_(
-                1, group_scores.topk(self.topk_group, dim=-1)[1], 1.0
-            )
-            mask = keep[:, :, None].expand(T, self.n_group, per).reshape(T, E).bool()
-            choice = choice.masked_fill(~mask, float("-inf"))
-        ids = choice.topk(self.top_k, dim=-1)[1]
-        w = scores.gather(1, ids)
-        if self.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return w * self.scale, ids
+        """x: [T, H] -> (weights [T, k] float32, expert ids [T, k] int32), on the device (no host sync)."""
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        return ops.get("moe_route", x.is_cuda)(
+            logits, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
+            self.norm_topk_prob, self.scale,
+        )
 
 
 class Experts(nn.Module):
@@ -60,24 +54,9 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num, dim, inter, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x: [T, d]; w, ids: [T, k]. Token-sorted dispatch: one GEMM pair per expert that got tokens."""
-        T, k = ids.shape
-        out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.up_proj.shape[0]).tolist()
-        tok = order // k
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            sel = order[start : start + n]
-            t = tok[start : start + n]
-            h = relu2(F.linear(x[t], self.up_proj[e]))
-            h = F.linear(h, self.down_proj[e])
-            out.index_add_(0, t, h.float() * w.reshape(-1)[sel, None])
-            start += n
-        return out.to(x.dtype)
+        """x: [T, d]; w, ids: [T, k] -> [T, d]. On CUDA the fused kernels (sort, grouped GEMMs, combine
+        on the device; `kernels/triton_moe.py`); on the CPU the per-expert reference loop."""
+        return ops.get("moe_experts", x.is_cuda)(x, self.up_proj, self.down_proj, w, ids)
 
 
 class MoE(nn.Module):

@@ -1,0 +1,203 @@
+"""Mixture-of-experts ops of Nemotron 3 (plain-torch references: the CPU path and the oracle of
+`triton_moe.py`). Layout and contracts are in docs/architecture.md (Kernels, MoE):
+
+    route    scores = sigmoid(logits); choice = scores + e_score_correction_bias (selection only);
+             with n_group > 1, only the topk_group groups with the largest top-2 sums of `choice` compete;
+             ids = top-k of choice, w = scores[ids] (/ their sum when norm_topk_prob) * routed_scaling_factor
+    align    the T*k (token, slot) pairs, flat index t*k + s, sorted by expert (stable) with each expert's
+             run padded to a multiple of block_m: sorted_ids[P] (padding = T*k), expert_ids[P / block_m]
+             (-1 past the end), num_tokens_post_pad[1]. P is fixed by T, k, E and block_m, never by counts
+    experts  out[t] = sum_s w[t, s] * down[e] @ relu(up[e] @ x[t])^2,  e = ids[t, s]
+
+The block-wise stage references (`moe_up_ref`, `moe_down_ref`, `moe_combine_ref`) state what each GEMM
+kernel computes over the align buffers; `moe_experts_ref` is the per-expert loop that the CPU runs (it
+reads each expert's token count on the host, which on CUDA would be a device sync: CUDA runs the kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def moe_max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks of block_m rows the align layout can need for num_pairs (token, slot) pairs: each non-empty
+    expert pads its run by less than one block, so sum_e ceil(c_e / B) <= num_pairs // B + min(E, pairs)."""
+    return num_pairs // block_m + min(num_experts, num_pairs)
+
+
+def _check_route_args(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"moe_route: logits must be [T, E], got shape {tuple(logits.shape)}")
+    E = logits.shape[1]
+    if bias.shape != (E,):
+        raise ValueError(f"moe_route: e_score_correction_bias must be [{E}], got {tuple(bias.shape)}")
+    if n_group < 1 or E % n_group:
+        raise ValueError(f"moe_route: n_group ({n_group}) must divide the {E} experts")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"moe_route: topk_group ({topk_group}) must be in [1, n_group={n_group}]")
+    grouped = n_group > 1 and topk_group < n_group
+    if grouped and E // n_group < 2:
+        raise ValueError(f"moe_route: each of the {n_group} groups needs at least 2 experts (top-2 group score)")
+    eligible = topk_group * (E // n_group) if grouped else E
+    if not 1 <= top_k <= eligible:
+        raise ValueError(f"moe_route: top_k ({top_k}) must be in [1, {eligible}] (experts in the kept groups)")
+
+
+def moe_route_ref(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [T, E] (the router's float32 output); bias: [E] -> (weights [T, k] float32 (float64 for float64
+    logits), ids [T, k] int32), each token's ids in descending order of choice score."""
+    _check_route_args(logits, bias, top_k, n_group, topk_group)
+    ftype = torch.promote_types(logits.dtype, torch.float32)  # float32, or float64 as an oracle
+    scores = logits.to(ftype).sigmoid()  # [T, E]
+    choice = scores + bias.to(ftype)
+    T, E = choice.shape
+    if n_group > 1 and topk_group < n_group:
+        per = E // n_group
+        group_scores = choice.view(T, n_group, per).topk(2, dim=-1)[0].sum(-1)  # [T, G]
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_group, dim=-1)[1], 1.0)
+        mask = keep[:, :, None].expand(T, n_group, per).reshape(T, E).bool()
+        choice = choice.masked_fill(~mask, float("-inf"))
+    ids = choice.topk(top_k, dim=-1)[1]  # [T, k], sorted
+    w = scores.gather(1, ids)
+    if norm_topk_prob:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * routed_scaling_factor, ids.to(torch.int32)
+
+
+def moe_align_ref(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids: [T, k] -> (sorted_ids [P] int32, expert_ids [P / block_m] int32, num_tokens_post_pad [1]
+    int32) with P = block_m * moe_max_blocks(T*k, E, block_m). Device ops only (no host sync)."""
+    flat = topk_ids.reshape(-1).long()
+    n = flat.numel()
+    dev = flat.device
+    nb = moe_max_blocks(n, num_experts, block_m)
+    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    order = torch.argsort(flat, stable=True)  # pair indices grouped by expert, in order
+    sorted_e = flat[order]
+    rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[sorted_e]
+    sorted_ids = torch.full((nb * block_m,), n, dtype=torch.int32, device=dev)
+    sorted_ids[starts[sorted_e] + rank] = order.to(torch.int32)
+    block_start = torch.arange(nb, device=dev) * block_m
+    total = ends[-1:] if num_experts else torch.zeros(1, dtype=torch.long, device=dev)
+    expert_ids = torch.searchsorted(ends, block_start, right=True)  # experts whose run ends at or before
+    expert_ids = torch.where(block_start < total, expert_ids, -1).to(torch.int32)
+    return sorted_ids, expert_ids, total.to(torch.int32)
+
+
+def _block_view(sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_pairs: int):
+    nb = expert_ids.numel()
+    rows = sorted_ids.view(nb, -1).long()  # [nb, B]
+    valid = (rows < num_pairs) & (expert_ids[:, None] >= 0)
+    return rows, valid, expert_ids.long().clamp(min=0)
+
+
+def moe_up_ref(
+    x: torch.Tensor, w_up: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """The up GEMM over the align layout: x [T, K], w_up [E, N, K] -> h [P, N] with
+    h[r] = relu(x[sorted_ids[r] // k] @ w_up[e]^T)^2 for real rows r and 0 for padding rows."""
+    T = x.shape[0]
+    rows, valid, e = _block_view(sorted_ids, expert_ids, T * top_k)
+    a = x[(rows // top_k).clamp(max=max(T - 1, 0))] * valid[..., None]  # [nb, B, K]
+    h = torch.relu(torch.bmm(a, w_up[e].transpose(1, 2))) ** 2  # [nb, B, N]
+    return h.reshape(-1, w_up.shape[1])
+
+
+def moe_down_ref(
+    h: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_w: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The down GEMM over the align layout: h [P, K], w_down [E, N, K], topk_w [T, k] -> y [T*k, N] with
+    y[p] = topk_w.flat[p] * (h[r] @ w_down[e]^T) at the row r that holds pair p."""
+    n = topk_w.numel()
+    rows, valid, e = _block_view(sorted_ids, expert_ids, n)
+    nb, B = rows.shape
+    yb = torch.bmm(h.view(nb, B, -1), w_down[e].transpose(1, 2))  # [nb, B, N]
+    wf = topk_w.reshape(-1).to(yb.dtype)
+    yb = yb * wf[rows.clamp(max=n - 1)][..., None]
+    y = torch.zeros(n, w_down.shape[1], dtype=yb.dtype, device=yb.device)
+    y[rows[valid]] = yb[valid]
+    return y
+
+
+def moe_combine_ref(y: torch.Tensor, top_k: int) -> torch.Tensor:
+    """y [T*k, N] -> [T, N]: each token's sum over its k weighted expert rows."""
+    return y.view(-1, top_k, y.shape[1]).sum(1)
+
+
+def _check_experts_args(
+    x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tensor
+) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"moe_experts: x must be [T, d], got shape {tuple(x.shape)}")
+    T, d = x.shape
+    if w_up.dim() != 3 or w_up.shape[2] != d:
+        raise ValueError(f"moe_experts: up_proj must be [E, I, {d}], got {tuple(w_up.shape)}")
+    E, inter, _ = w_up.shape
+    if w_down.shape != (E, d, inter):
+        raise ValueError(f"moe_experts: down_proj must be [{E}, {d}, {inter}], got {tuple(w_down.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_w.shape != topk_ids.shape:
+        raise ValueError(
+            f"moe_experts: topk ids and weights must both be [{T}, k], got {tuple(topk_ids.shape)} and "
+            f"{tuple(topk_w.shape)}"
+        )
+    if topk_ids.dtype.is_floating_point or not topk_w.dtype.is_floating_point:
+        raise ValueError(f"moe_experts: integer ids and float weights expected, got {topk_ids.dtype}, {topk_w.dtype}")
+    if topk_ids.shape[1] > E:
+        raise ValueError(f"moe_experts: top_k ({topk_ids.shape[1]}) exceeds the {E} experts")
+    if not (x.dtype == w_up.dtype == w_down.dtype):
+        raise ValueError(f"moe_experts: x, up_proj, down_proj dtypes differ: {x.dtype}, {w_up.dtype}, {w_down.dtype}")
+
+
+def moe_experts_ref(
+    x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """x: [T, d]; w_up: [E, I, d]; w_down: [E, d, I]; topk_w: [T, k] float32; topk_ids: [T, k] -> [T, d] in
+    x.dtype. transformers' NemotronH order of rounding: each expert's GEMMs in x.dtype, weighted and summed
+    in float32, rounded once at the end."""
+    _check_experts_args(x, w_up, w_down, topk_w, topk_ids)
+    T, k = topk_ids.shape
+    acc = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 as an oracle
+    out = torch.zeros(T, x.shape[1], dtype=acc, device=x.device)
+    flat = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w_up.shape[0]).tolist()  # host counts: the CPU path
+    tok = order // k
+    wf = topk_w.reshape(-1).to(acc)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        sel, t = order[start : start + n], tok[start : start + n]
+        h = torch.square(F.relu(F.linear(x[t], w_up[e])))
+        out.index_add_(0, t, F.linear(h, w_down[e]).to(acc) * wf[sel, None])
+        start += n
+    return out.to(x.dtype)
+
+
+__all__ = [
+    "moe_align_ref",
+    "moe_combine_ref",
+    "moe_down_ref",
+    "moe_experts_ref",
+    "moe_max_blocks",
+    "moe_route_ref",
+    "moe_up_ref",
+]

@@ -1,0 +1,598 @@
+"""Nemotron 3 mixture of experts as Triton kernels, with no host sync and no shape that depends on the
+routing, so a decode step replays from a CUDA graph (contracts: `moe.py`; layout: docs/architecture.md).
+
+    route      _route_kernel, grid (T,): sigmoid, score-correction bias, group-limited top-k by repeated
+               argmax over the token's [groups, experts per group] tile, normalised weights x scale
+    gemv path  (few tokens) no sort: _up_gemv_kernel, grid (T*k, I / BLOCK_N), reads only each pair's
+               expert, relu^2 at the end; _down_gemv_kernel, grid (T, d / BLOCK_N), walks the token's k
+               experts and sums their weighted rows in registers (the combine): BLOCK_N of 2-8 rows gives
+               thousands of programs, so one token's six experts stream at HBM speed
+    gemm path  _align_{count,offsets,scatter}_kernel: histogram per chunk of pairs, one program for the
+               prefix sums, block padding and expert id per block, then a stable scatter (rank inside a
+               chunk from a one-hot cumsum); _up_gemm_kernel / _down_gemm_kernel, grid (max blocks x
+               N tiles): block b multiplies the rows of sorted_ids[b] (gathered tokens, or h's rows) by
+               expert expert_ids[b]; relu^2 in the up epilogue, the routing weight in the down one;
+               blocks past num_tokens_post_pad return at once; _combine_kernel sums each token's k rows
+
+Tile settings per (experts E, intermediate N, hidden K, token bucket) come from `moe_configs/<GPU>.json`
+(autotuned offline by `benchmarks/bench_moe.py --tune`; serving never autotunes) and otherwise from a
+heuristic. Token and pair counts are `do_not_specialize`; `moe_token_buckets` lists one token count per
+bucket, so a warm-up that runs each compiles every variant.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from hyserve.kernels.moe import _check_experts_args, _check_route_args, moe_max_blocks
+from hyserve.kernels.triton_common import dot_acc
+
+CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
+# Token-count buckets: T uses the config of the smallest bucket >= T (the last one beyond it).
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_GEMV_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+_GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+
+
+# --------------------------------------------------------------------------- routing
+
+
+@triton.jit
+def _route_kernel(
+    logit_ptr, bias_ptr, w_ptr, id_ptr, s_lt, scale,
+    PER: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    NORM: tl.constexpr, G_PAD: tl.constexpr, PER_PAD: tl.constexpr, K_PAD: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, G_PAD)
+    j = tl.arange(0, PER_PAD)
+    valid = (g[:, None] < N_GROUP) & (j[None, :] < PER)
+    e = g[:, None] * PER + j[None, :]  # [G_PAD, PER_PAD] expert ids
+    logit = tl.load(logit_ptr + t * s_lt + e, mask=valid, other=0.0).to(tl.float32)
+    score = tl.sigmoid(logit)
+    choice = score + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, choice, float("-inf"))
+    if N_GROUP > 1:  # group-limited: keep the TOPK_GROUP groups with the largest top-2 sums
+        a1 = tl.argmax(choice, axis=1)
+        m1 = tl.max(choice, axis=1)
+        m2 = tl.max(tl.where(j[None, :] == a1[:, None], float("-inf"), choice), axis=1)
+        gs = tl.where(g < N_GROUP, m1 + m2, float("-inf"))
+        keep = g < 0
+        for _i in tl.static_range(TOPK_GROUP):
+            gi = tl.argmax(gs, axis=0)
+            keep = keep | (g == gi)
+            gs = tl.where(g == gi, float("-inf"), gs)
+        choice = tl.where(keep[:, None], choice, float("-inf"))
+    flat_c = tl.reshape(choice, [G_PAD * PER_PAD])
+    flat_s = tl.reshape(score, [G_PAD * PER_PAD])
+    flat_e = tl.reshape(e, [G_PAD * PER_PAD])
+    f = tl.arange(0, G_PAD * PER_PAD)
+    ks = tl.arange(0, K_PAD)
+    ids = tl.zeros([K_PAD], dtype=tl.int32)
+    ws = tl.zeros([K_PAD], dtype=tl.float32)
+    for i in tl.static_range(TOP_K):  # descending choice order, lowest id on ties (as torch.topk)
+        a = tl.argmax(flat_c, axis=0)
+        sel = f == a
+        ws = tl.where(ks == i, tl.sum(tl.where(sel, flat_s, 0.0), axis=0), ws)
+        ids = tl.where(ks == i, tl.sum(tl.where(sel, flat_e, 0), axis=0), ids)
+        flat_c = tl.where(sel, float("-inf"), flat_c)
+    if NORM:
+        ws = ws / (tl.sum(ws, axis=0) + 1e-20)
+    km = ks < TOP_K
+    tl.store(w_ptr + t * TOP_K + ks, ws * scale, mask=km)
+    tl.store(id_ptr + t * TOP_K + ks, ids, mask=km)
+
+
+def moe_route_triton(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [T, E] float32; bias: [E] -> (weights [T, k] float32, ids [T, k] int32) (moe_route_ref)."""
+    _check_route_args(logits, bias, top_k, n_group, topk_group)
+    T, E = logits.shape
+    lg = logits.float()
+    if lg.stride(1) != 1:
+        lg = lg.contiguous()
+    grouped = n_group > 1 and topk_group < n_group
+    G = n_group if grouped else 1
+    w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
+    if T:
+        _route_kernel[(T,)](
+            lg, bias.float().contiguous(), w, ids, lg.stride(0), float(routed_scaling_factor),
+            PER=E // G, TOP_K=top_k, N_GROUP=G, TOPK_GROUP=topk_group if grouped else 1,
+            NORM=bool(norm_topk_prob), G_PAD=triton.next_power_of_2(G),
+            PER_PAD=triton.next_power_of_2(E // G), K_PAD=triton.next_power_of_2(top_k),
+            num_warps=4 if E >= 256 else 1,
+        )
+    return w, ids
+
+
+# --------------------------------------------------------------------------- align (sort by expert)
+
+
+@triton.jit(do_not_specialize=["n", "P", "fill_per"])
+def _align_count_kernel(
+    ids_ptr, cnt_ptr, sorted_ptr, n, P, fill_per,
+    E_PAD: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+):
+    """Histogram of chunk pid's pairs -> cnt[pid, :]; fills its share of sorted_ids with the pad value n."""
+    pid = tl.program_id(0)
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    m = offs < n
+    v = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
+    eo = tl.arange(0, E_PAD)
+    h = tl.histogram(v, E_PAD) - tl.where(eo == 0, CHUNK - tl.sum(m.to(tl.int32), axis=0), 0)
+    tl.store(cnt_ptr + pid * E_PAD + eo, h)
+    fo = tl.arange(0, FILL)
+    pad = tl.zeros([FILL], dtype=tl.int32) + n
+    for f0 in range(0, fill_per, FILL):
+        idx = pid * fill_per + f0 + fo
+        tl.store(sorted_ptr + idx, pad, mask=(idx < P) & (f0 + fo < fill_per))
+
+
+@triton.jit(do_not_specialize=["nprog", "nb"])
+def _align_offsets_kernel(
+    cnt_ptr, starts_ptr, eid_ptr, npad_ptr, nprog, nb,
+    E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BB: tl.constexpr,
+):
+    """One program: cnt[p, e] becomes the count of expert e in chunks before p; starts[e] = padded start
+    of expert e's run; num_tokens_post_pad; expert id of every block (-1 past the end)."""
+    eo = tl.arange(0, E_PAD)
+    real = eo < E
+    ro = tl.arange(0, ROWS)
+    running = tl.zeros([E_PAD], dtype=tl.int32)
+    for r0 in range(0, nprog, ROWS):
+        rr = r0 + ro
+        rm = (rr < nprog)[:, None]
+        ptrs = cnt_ptr + rr[:, None] * E_PAD + eo[None, :]
+        c = tl.load(ptrs, mask=rm, other=0)
+        tl.store(ptrs, running[None, :] + tl.cumsum(c, axis=0) - c, mask=rm)
+        running += tl.sum(c, axis=0)
+    padded = tl.where(real, (running + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    ends = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    tl.store(starts_ptr + eo, ends - padded)
+    tl.store(npad_ptr, total)
+    bo = tl.arange(0, BB)
+    for b0 in range(0, nb, BB):
+        blk = b0 + bo
+        bs = blk * BLOCK_M
+        done = tl.sum(((ends[None, :] <= bs[:, None]) & real[None, :]).to(tl.int32), axis=1)
+        tl.store(eid_ptr + blk, tl.where(bs < total, done, -1), mask=blk < nb)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _align_scatter_kernel(
+    ids_ptr, pre_ptr, starts_ptr, sorted_ptr, n,
+    E_PAD: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+):
+    """Chunk pid's pairs to their slots, in order: slot = start of the expert's run + pairs of that
+    expert in earlier chunks + rank inside this chunk (a cumsum over the one-hot [SUB, E_PAD] tile)."""
+    pid = tl.program_id(0)
+    eo = tl.arange(0, E_PAD)
+    run = tl.load(pre_ptr + pid * E_PAD + eo) + tl.load(starts_ptr + eo)
+    so = tl.arange(0, SUB)
+    for s0 in range(0, CHUNK, SUB):
+        offs = pid * CHUNK + s0 + so
+        m = offs < n
+        v = tl.load(ids_ptr + offs, mask=m, other=E_PAD).to(tl.int32)  # E_PAD matches no expert
+        oh = (v[:, None] == eo[None, :]).to(tl.int32)
+        rank = tl.sum(tl.cumsum(oh, axis=0) * oh, axis=1) - 1
+        base = tl.sum(oh * run[None, :], axis=1)
+        tl.store(sorted_ptr + base + rank, offs, mask=m)
+        run += tl.sum(oh, axis=0)
+
+
+def moe_align_triton(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids: [T, k] -> (sorted_ids [P], expert_ids [P / block_m], num_tokens_post_pad [1]), int32,
+    as moe_align_ref (the same order). Three launches, no host sync, sizes fixed by T, k, E, block_m."""
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"moe_align: expert ids must be int32 or int64, got {topk_ids.dtype}")
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"moe_align: block_m must be a power of two >= 16, got {block_m}")
+    flat = topk_ids.reshape(-1).contiguous()
+    n = flat.numel()
+    dev = flat.device
+    nb = moe_max_blocks(n, num_experts, block_m)
+    P = nb * block_m
+    sorted_ids = torch.empty(P, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(nb, dtype=torch.int32, device=dev)
+    npad = torch.empty(1, dtype=torch.int32, device=dev)
+    if n == 0:
+        npad.zero_()
+        return sorted_ids, expert_ids, npad
+    E_PAD = max(16, triton.next_power_of_2(num_experts))
+    gpu = flat.is_cuda
+    CHUNK = 256 if gpu else 32
+    SUB = max(8, min(CHUNK, 8192 // E_PAD)) if gpu else 16
+    nprog = triton.cdiv(n, CHUNK)
+    cnt = torch.empty(nprog, E_PAD, dtype=torch.int32, device=dev)
+    starts = torch.empty(E_PAD, dtype=torch.int32, device=dev)
+    fill_per = triton.cdiv(P, nprog)
+    _align_count_kernel[(nprog,)](flat, cnt, sorted_ids, n, P, fill_per, E_PAD=E_PAD, CHUNK=CHUNK,
+                                  FILL=1024 if gpu else 64, num_warps=4)
+    _align_offsets_kernel[(1,)](cnt, starts, expert_ids, npad, nprog, nb, E=num_experts, E_PAD=E_PAD,
+                                BLOCK_M=block_m, ROWS=max(1, min(16, 16384 // E_PAD)),
+                                BB=max(1, min(64, 16384 // E_PAD)), num_warps=8 if gpu else 1)
+    _align_scatter_kernel[(nprog,)](flat, cnt, starts, sorted_ids, n, E_PAD=E_PAD, CHUNK=CHUNK, SUB=SUB,
+                                    num_warps=4)
+    return sorted_ids, expert_ids, npad
+
+
+# --------------------------------------------------------------------------- grouped GEMMs
+
+
+@triton.jit
+def _tile(pid, num_m, num_n, group_m):
+    """Grouped ordering: GROUP_M consecutive M blocks share each N tile (its weight tile stays in L2)."""
+    per_group = group_m * num_n
+    first_m = (pid // per_group) * group_m
+    size_m = tl.minimum(num_m - first_m, group_m)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit(do_not_specialize=["num_pairs", "nb", "group_m"])
+def _up_gemm_kernel(
+    x_ptr, w_ptr, h_ptr, sorted_ptr, eid_ptr, npad_ptr, num_pairs, nb, N, K, group_m,
+    s_xt, s_we, s_wn, s_hm,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+):
+    """h[r, n] = relu(x[sorted_ids[r] // k] @ w_up[e]^T)^2 for the rows r of block pid_m (0 for padding)."""
+    pid_m, pid_n = _tile(tl.program_id(0), nb, tl.cdiv(N, BLOCK_N), group_m)
+    if pid_m * BLOCK_M >= tl.load(npad_ptr):
+        return
+    e = tl.load(eid_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_ptr + offs_m)
+    valid = rows < num_pairs
+    tok = tl.where(valid, rows // TOP_K, 0).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N  # wrapped columns: loads need no mask
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * s_xt + offs_k[None, :]
+    b_ptrs = w_ptr + e * s_we + offs_n[None, :] * s_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            km = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=km[:, None], other=0.0)
+        acc = dot_acc(a, b, acc, IEEE)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    acc = tl.maximum(acc, 0.0)
+    acc = acc * acc
+    cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    h_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * s_hm + cn[None, :]
+    tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=cn[None, :] < N)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "nb", "group_m"])
+def _down_gemm_kernel(
+    h_ptr, w_ptr, y_ptr, tw_ptr, sorted_ptr, eid_ptr, npad_ptr, num_pairs, nb, N, K, group_m,
+    s_hm, s_we, s_wn, s_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """y[p, n] = topk_w.flat[p] * (h[r] @ w_down[e]^T) for the real rows r (pair p) of block pid_m."""
+    pid_m, pid_n = _tile(tl.program_id(0), nb, tl.cdiv(N, BLOCK_N), group_m)
+    if pid_m * BLOCK_M >= tl.load(npad_ptr):
+        return
+    e = tl.load(eid_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_ptr + offs_m)
+    valid = rows < num_pairs
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * s_hm + offs_k[None, :]
+    b_ptrs = w_ptr + e * s_we + offs_n[None, :] * s_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            km = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=km[:, None], other=0.0)
+        acc = dot_acc(a, b, acc, IEEE)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    acc = acc * tl.load(tw_ptr + rows, mask=valid, other=0.0).to(tl.float32)[:, None]
+    cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    y_ptrs = y_ptr + tl.where(valid, rows, 0).to(tl.int64)[:, None] * s_ym + cn[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (cn[None, :] < N))
+
+
+@triton.jit
+def _combine_kernel(y_ptr, out_ptr, N, s_ym, s_ot, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[t] = sum over the token's k rows of y, in float32, in slot order."""
+    t = tl.program_id(0).to(tl.int64)
+    cn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = cn < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for s in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (t * TOP_K + s) * s_ym + cn, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * s_ot + cn, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+# --------------------------------------------------------------------------- decode GEMVs
+
+
+@triton.jit
+def _up_gemv_kernel(
+    x_ptr, w_ptr, ids_ptr, h_ptr, N, K, s_xt, s_we, s_wn, s_hm,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """h[p, n] = relu(w_up[ids[p]] @ x[p // k])^2 for BLOCK_N columns n: the pair's expert only."""
+    p = tl.program_id(0).to(tl.int64)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    cn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.minimum(cn, N - 1)  # clamped rows: loads need no mask
+    offs_k = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + (p // TOP_K) * s_xt
+    w_rows = w_ptr + e * s_we + offs_n[:, None] * s_wn
+    part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        kk = k0 + offs_k
+        if EVEN_K:
+            xv = tl.load(x_row + kk)
+            w = tl.load(w_rows + kk[None, :])
+        else:
+            km = kk < K
+            xv = tl.load(x_row + kk, mask=km, other=0.0)
+            w = tl.load(w_rows + kk[None, :], mask=km[None, :], other=0.0)
+        part += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+    acc = tl.maximum(tl.sum(part, axis=1), 0.0)
+    tl.store(h_ptr + p * s_hm + cn, (acc * acc).to(h_ptr.dtype.element_ty), mask=cn < N)
+
+
+@triton.jit
+def _down_gemv_kernel(
+    h_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, N, K, s_hm, s_we, s_wn, s_ot,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """out[t, n] = sum_s topk_w[t, s] * (w_down[ids[t, s]] @ h[t*k + s])[n]: the combine in registers."""
+    t = tl.program_id(0).to(tl.int64)
+    cn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.minimum(cn, N - 1)
+    offs_k = tl.arange(0, BLOCK_K)
+    out = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for s in range(TOP_K):
+        p = t * TOP_K + s
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        h_row = h_ptr + p * s_hm
+        w_rows = w_ptr + e * s_we + offs_n[:, None] * s_wn
+        part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            kk = k0 + offs_k
+            if EVEN_K:
+                hv = tl.load(h_row + kk)
+                w = tl.load(w_rows + kk[None, :])
+            else:
+                km = kk < K
+                hv = tl.load(h_row + kk, mask=km, other=0.0)
+                w = tl.load(w_rows + kk[None, :], mask=km[None, :], other=0.0)
+            part += w.to(tl.float32) * hv.to(tl.float32)[None, :]
+        out += tl.load(tw_ptr + p).to(tl.float32) * tl.sum(part, axis=1)
+    tl.store(out_ptr + t * s_ot + cn, out.to(out_ptr.dtype.element_ty), mask=cn < N)
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def shape_key(num_experts: int, inter: int, hidden: int) -> str:
+    """Config-file key of a layer: E experts of up [N=inter, K=hidden] (down is its transpose)."""
+    return f"E={num_experts},N={inter},K={hidden}"
+
+
+def _device_file(device_name: str) -> Path:
+    return CONFIG_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
+
+
+def validate_config(cfg: dict[str, Any], where: str = "config") -> dict[str, Any]:
+    """A tile config is {"variant": "gemv", "up": {...}, "down": {...}} or {"variant": "gemm", "BLOCK_M":
+    16..256, "up": {...}, "down": {...}}; raises ValueError naming the missing or bad field."""
+    variant = cfg.get("variant")
+    if variant not in ("gemv", "gemm"):
+        raise ValueError(f"{where}: variant must be 'gemv' or 'gemm', got {variant!r}")
+    keys = _GEMV_KEYS if variant == "gemv" else _GEMM_KEYS
+    if variant == "gemm":
+        bm = cfg.get("BLOCK_M")
+        if not isinstance(bm, int) or bm < 16 or bm > 256 or bm & (bm - 1):
+            raise ValueError(f"{where}: BLOCK_M must be a power of two in [16, 256], got {bm!r}")
+    for part in ("up", "down"):
+        sub = cfg.get(part)
+        if not isinstance(sub, dict):
+            raise ValueError(f"{where}: missing the {part!r} settings")
+        for k in keys:
+            v = sub.get(k)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{where}: {part}.{k} must be a positive integer, got {v!r}")
+        for k in ("BLOCK_N", "BLOCK_K"):
+            if sub[k] & (sub[k] - 1) or (variant == "gemm" and sub[k] < 16):
+                raise ValueError(f"{where}: {part}.{k} must be a power of two (>= 16 for gemm), got {sub[k]}")
+    return cfg
+
+
+@functools.lru_cache(maxsize=8)
+def _tuned_table(device_name: str) -> dict[str, dict[str, dict[str, Any]]]:
+    path = _device_file(device_name)
+    if not path.exists():
+        return {}
+    doc = json.loads(path.read_text())
+    table = doc.get("configs", {})
+    for shape, buckets in table.items():
+        for b, cfg in buckets.items():
+            validate_config(cfg, f"{path.name} [{shape}][{b}]")
+    return table
+
+
+def token_bucket(num_tokens: int) -> int:
+    for b in TOKEN_BUCKETS:
+        if num_tokens <= b:
+            return b
+    return TOKEN_BUCKETS[-1]
+
+
+def moe_token_buckets(max_num_tokens: int) -> list[int]:
+    """One token count per bucket up to max_num_tokens (the bucket's bound, or max_num_tokens for the
+    bucket that holds it): a warm-up forward at each compiles every MoE kernel variant serving can use."""
+    if max_num_tokens < 1:
+        raise ValueError(f"moe_token_buckets: max_num_tokens must be >= 1, got {max_num_tokens}")
+    out: list[int] = []
+    lo = 0
+    for b in TOKEN_BUCKETS:
+        if lo >= max_num_tokens:
+            break
+        out.append(min(b, max_num_tokens))
+        lo = b
+    if max_num_tokens > TOKEN_BUCKETS[-1]:
+        out.append(max_num_tokens)
+    return out
+
+
+def heuristic_config(num_experts: int, inter: int, hidden: int, num_tokens: int, top_k: int) -> dict[str, Any]:
+    """Settings for a shape or GPU without tuned entries: the gemv path for up to 2 tokens, else the grouped
+    GEMMs with BLOCK_M sized to the mean pairs per expert."""
+    if num_tokens <= 2:
+        g = dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=3)
+        return {"variant": "gemv", "up": dict(g), "down": dict(g)}
+    per_expert = num_tokens * top_k / num_experts
+    bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 128 else 128
+    if bm <= 32:
+        g = dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+    elif bm == 64:
+        g = dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+    else:
+        g = dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
+    return {"variant": "gemm", "BLOCK_M": bm, "up": dict(g), "down": dict(g)}
+
+
+_INTERPRETER_GEMM = {"variant": "gemm", "BLOCK_M": 16,
+                     "up": dict(BLOCK_N=16, BLOCK_K=32, GROUP_M=2, num_warps=1, num_stages=1),
+                     "down": dict(BLOCK_N=32, BLOCK_K=16, GROUP_M=1, num_warps=1, num_stages=1)}
+_INTERPRETER_GEMV = {"variant": "gemv", "up": dict(BLOCK_N=32, BLOCK_K=32, num_warps=1, num_stages=1),
+                     "down": dict(BLOCK_N=32, BLOCK_K=16, num_warps=1, num_stages=1)}
+
+
+def moe_config(num_experts: int, inter: int, hidden: int, num_tokens: int, top_k: int,
+               device: torch.device) -> dict[str, Any]:
+    """The tile config for this layer and token count: the tuned file's entry for the nearest tuned bucket
+    of this shape on this GPU, else `heuristic_config` (the interpreter: small tiles)."""
+    if device.type != "cuda":
+        return _INTERPRETER_GEMV if num_tokens <= 2 else _INTERPRETER_GEMM
+    table = _tuned_table(torch.cuda.get_device_name(device)).get(shape_key(num_experts, inter, hidden))
+    if not table:
+        return heuristic_config(num_experts, inter, hidden, num_tokens, top_k)
+    b = math.log2(token_bucket(num_tokens))
+    return table[min(table, key=lambda k: (abs(math.log2(int(k)) - b), int(k)))]
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def _launch(sub: dict[str, Any]) -> dict[str, int]:
+    return dict(num_warps=sub["num_warps"], num_stages=sub["num_stages"])
+
+
+def moe_experts_triton(
+    x: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_w: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    """x: [T, d]; w_up: [E, I, d]; w_down: [E, d, I]; topk_w: [T, k] float32; topk_ids: [T, k] int -> [T, d]
+    in x.dtype (moe_experts_ref). `config` overrides the tuned / heuristic tile config (tests, tuning)."""
+    _check_experts_args(x, w_up, w_down, topk_w, topk_ids)
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"moe_experts: float32, float16 or bfloat16 expected, got {x.dtype}")
+    T, d = x.shape
+    E, inter, _ = w_up.shape
+    k = topk_ids.shape[1]
+    out = torch.empty(T, d, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    if w_up.stride(2) != 1 or w_down.stride(2) != 1:
+        raise ValueError("moe_experts: expert weights need a unit stride along their last dimension")
+    cfg = validate_config(config) if config is not None else moe_config(E, inter, d, T, k, x.device)
+    xc = x if x.stride(1) == 1 else x.contiguous()
+    ids = topk_ids.contiguous()
+    tw = topk_w.float().contiguous()
+    ieee = x.dtype == torch.float32
+    up, dn = cfg["up"], cfg["down"]
+    if cfg["variant"] == "gemv":
+        h = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)
+        _up_gemv_kernel[(T * k, triton.cdiv(inter, up["BLOCK_N"]))](
+            xc, w_up, ids, h, inter, d, xc.stride(0), w_up.stride(0), w_up.stride(1), h.stride(0),
+            TOP_K=k, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], EVEN_K=d % up["BLOCK_K"] == 0,
+            NUM_STAGES=up["num_stages"], num_warps=up["num_warps"],
+        )
+        _down_gemv_kernel[(T, triton.cdiv(d, dn["BLOCK_N"]))](
+            h, w_down, ids, tw, out, d, inter, h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
+            TOP_K=k, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0,
+            NUM_STAGES=dn["num_stages"], num_warps=dn["num_warps"],
+        )
+        return out
+    bm = cfg["BLOCK_M"]
+    sorted_ids, expert_ids, npad = moe_align_triton(ids, E, bm)
+    nb = expert_ids.numel()
+    n = T * k
+    h = torch.empty(nb * bm, inter, dtype=x.dtype, device=x.device)
+    _up_gemm_kernel[(nb * triton.cdiv(inter, up["BLOCK_N"]),)](
+        xc, w_up, h, sorted_ids, expert_ids, npad, n, nb, inter, d, up["GROUP_M"],
+        xc.stride(0), w_up.stride(0), w_up.stride(1), h.stride(0),
+        TOP_K=k, BLOCK_M=bm, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], EVEN_K=d % up["BLOCK_K"] == 0,
+        IEEE=ieee, **_launch(up),
+    )
+    y = torch.empty(n, d, dtype=x.dtype, device=x.device)
+    _down_gemm_kernel[(nb * triton.cdiv(d, dn["BLOCK_N"]),)](
+        h, w_down, y, tw, sorted_ids, expert_ids, npad, n, nb, d, inter, dn["GROUP_M"],
+        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0,
+        IEEE=ieee, **_launch(dn),
+    )
+    bc = 1024 if x.is_cuda else 64
+    _combine_kernel[(T, triton.cdiv(d, bc))](y, out, d, y.stride(0), out.stride(0), TOP_K=k, BLOCK_N=bc,
+                                             num_warps=4)
+    return out
+
+
+__all__ = [
+    "TOKEN_BUCKETS",
+    "heuristic_config",
+    "moe_align_triton",
+    "moe_config",
+    "moe_experts_triton",
+    "moe_route_triton",
+    "moe_token_buckets",
+    "shape_key",
+    "token_bucket",
+    "validate_config",
+]
