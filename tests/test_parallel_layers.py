@@ -285,3 +285,22 @@ def test_loaders_refuse_wrong_checkpoint_shapes() -> None:
     emb = VocabParallelEmbedding(VOCAB, D_IN, group=g)
     with pytest.raises(ValueError, match=r"shape \[12, 8\], expected \[11, 8\]"):
         emb.weight.weight_loader(emb.weight, torch.zeros(12, D_IN))
+
+
+def test_loaders_survive_meta_build_to_empty_and_casts() -> None:
+    """The engine builds on the meta device and moves with to_empty: the parameters are new objects
+    afterwards, and must still carry their loader and checkpoint shape."""
+    g = _group(1, 2)
+    with torch.device("meta"):
+        layers = [MergedColumnParallelLinear(D_IN, _mamba_parts(G), bias=True, group=g),
+                  RowParallelLinear(4 * P, 5, bias=True, unit_size=P, group=g), ParallelLMHead(VOCAB, D_IN, group=g)]
+    for layer in layers:
+        before = {n: p.checkpoint_shape for n, p in layer.named_parameters()}
+        moved = layer.to_empty(device="cpu").to(torch.float64)
+        for n, p in moved.named_parameters():
+            assert p.device.type == "cpu" and p.dtype == torch.float64
+            assert p.checkpoint_shape == before[n] and callable(p.weight_loader)
+    w = torch.randn(5, 4 * P, dtype=torch.float64)
+    row = layers[1]
+    row.weight.weight_loader(row.weight, w)
+    assert torch.equal(row.weight.data, w[:, 2 * P :])

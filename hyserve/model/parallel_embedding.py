@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyserve.distributed import Group, all_gather, all_reduce, tp_group
-from hyserve.model.parallel_linear import SliceLike, loaded_shape, read_rows, set_loader
+from hyserve.model.parallel_linear import ShardLoading, SliceLike, loaded_shape, read_rows
 
 
 def vocab_range(vocab_size: int, group: Group) -> tuple[int, int, int]:
@@ -25,7 +25,7 @@ def vocab_range(vocab_size: int, group: Group) -> tuple[int, int, int]:
     return start, min(start + per, vocab_size), per
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(ShardLoading):
     """weight [V_pad / tp, dim]: this rank's block of the embedding table."""
 
     def __init__(
@@ -36,7 +36,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.vocab_start, self.vocab_end, per = vocab_range(num_embeddings, self.group)
         self.weight = nn.Parameter(torch.empty(per, embedding_dim, device=device, dtype=dtype))
-        set_loader(self.weight, self.weight_loader, (num_embeddings, embedding_dim))
+        self.register_shard("weight", self.weight_loader, (num_embeddings, embedding_dim))
 
     @torch.no_grad()
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None) -> None:

@@ -12,14 +12,14 @@ group over 4 ranks) each unit is replicated and rank r holds unit r // (tp / uni
 heads / Mamba heads read. Anything else is refused with the numbers.
 
 Every parameter carries `weight_loader(param, loaded, shard_id=None)` and `checkpoint_shape` (its shape
-in the checkpoint). `loaded` is a tensor or a safetensors slice (`safe_open(...).get_slice(name)`); the
+in the checkpoint), kept across `to()` / `to_empty()` by `ShardLoading`. `loaded` is a tensor or a safetensors slice (`safe_open(...).get_slice(name)`); the
 loader indexes only this rank's rows, so a slice is read from disk shard by shard, never whole. With one
 rank every layer is its unsharded torch equivalent, computed the same way (no collective, same call).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,6 +34,9 @@ class SliceLike(Protocol):
     """What the loaders need from a checkpoint tensor: a torch.Tensor or a safetensors PySafeSlice."""
 
     def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
+Loader = Callable[..., None]  # (param, loaded: torch.Tensor | SliceLike, shard_id: str | None = None)
 
 
 def loaded_shape(loaded: torch.Tensor | SliceLike) -> tuple[int, ...]:
@@ -123,13 +126,37 @@ def load_whole(param: torch.Tensor, loaded: torch.Tensor | SliceLike, what: str 
     param.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded[:])
 
 
-def set_loader(param: nn.Parameter, loader: Any, checkpoint_shape: tuple[int, ...]) -> None:
-    """Attach the shard loader and the checkpoint shape (weights.py reads both)."""
+def set_loader(param: torch.Tensor, loader: Loader, checkpoint_shape: tuple[int, ...]) -> None:
+    """Attach the shard loader and the checkpoint shape to a parameter (weights.py reads both)."""
     param.weight_loader = loader  # type: ignore[attr-defined]
     param.checkpoint_shape = checkpoint_shape  # type: ignore[attr-defined]
 
 
-class ReplicatedLinear(nn.Module):
+class ShardLoading(nn.Module):
+    """Base of modules whose parameters load their own shard. `register_shard(path, loader, shape)` puts
+    the loader and the checkpoint shape on the parameter at `path` (relative to this module, so a child's
+    parameter can be included); they are put back after every `to()` / `to_empty()` / `cuda()`, which
+    replace parameter objects and would otherwise drop them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._shards: dict[str, tuple[Loader, tuple[int, ...]]] = {}
+
+    def register_shard(self, path: str, loader: Loader, checkpoint_shape: tuple[int, ...]) -> None:
+        self._shards[path] = (loader, tuple(checkpoint_shape))
+        set_loader(self.get_parameter(path), loader, tuple(checkpoint_shape))
+
+    def _attach_shards(self) -> None:
+        for path, (loader, shape) in self._shards.items():
+            set_loader(self.get_parameter(path), loader, shape)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> ShardLoading:  # type: ignore[override]
+        out = super()._apply(fn, recurse)
+        self._attach_shards()
+        return out
+
+
+class ReplicatedLinear(ShardLoading):
     """nn.Linear whose weight every rank holds whole."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *, device=None, dtype=None) -> None:
@@ -137,9 +164,8 @@ class ReplicatedLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        for p in (self.weight, self.bias):
-            if p is not None:
-                set_loader(p, self.weight_loader, tuple(p.shape))
+        for name in ("weight", "bias") if bias else ("weight",):
+            self.register_shard(name, self.weight_loader, tuple(getattr(self, name).shape))
 
     @torch.no_grad()
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None) -> None:
@@ -149,7 +175,7 @@ class ReplicatedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class MergedColumnParallelLinear(nn.Module):
+class MergedColumnParallelLinear(ShardLoading):
     """Column-parallel linear over logical parts, each sharded on its own (see the module docstring).
 
     weight [sum of local part sizes, in]; the output's last dim holds the local parts in order (`split`).
@@ -174,11 +200,11 @@ class MergedColumnParallelLinear(nn.Module):
         out_local, out_full = sum(self.local_sizes), sum(p.size for p in parts)
         self.out_features = out_local
         self.weight = nn.Parameter(torch.empty(out_local, in_features, device=device, dtype=dtype))
-        set_loader(self.weight, self.weight_loader, (out_full, in_features))
+        self.register_shard("weight", self.weight_loader, (out_full, in_features))
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_local, device=device, dtype=dtype))
-            set_loader(self.bias, self.weight_loader, (out_full,))
+            self.register_shard("bias", self.weight_loader, (out_full,))
 
     @torch.no_grad()
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None) -> None:
@@ -216,7 +242,7 @@ class ColumnParallelLinear(MergedColumnParallelLinear):
         return y
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ShardLoading):
     """Input features split over the group (blocks of `unit_size`); each rank's partial product is summed
     by an all-reduce and the bias (held whole) added once, after it. `forward` takes this rank's input
     slice; a fused kernel can compute the partial product itself and call `reduce`."""
@@ -234,11 +260,11 @@ class RowParallelLinear(nn.Module):
         self.part.check(tp, replicate=False)
         self.in_features, self.out_features = self.part.local_size(tp), out_features
         self.weight = nn.Parameter(torch.empty(out_features, self.in_features, device=device, dtype=dtype))
-        set_loader(self.weight, self.weight_loader, (out_features, in_features))
+        self.register_shard("weight", self.weight_loader, (out_features, in_features))
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
-            set_loader(self.bias, self.weight_loader, (out_features,))
+            self.register_shard("bias", self.weight_loader, (out_features,))
 
     @torch.no_grad()
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None) -> None:

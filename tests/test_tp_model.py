@@ -1,0 +1,95 @@
+"""The NemotronH model under tensor parallelism: the start-up checks of tp_size / ep_size against a model
+(hyserve/model/sharding.py), the per-rank cache sizes, and tp 2 over two gloo ranks against tp 1
+(docs/architecture.md, "Parallelism")."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from hyserve.model.config import HybridModelConfig
+from hyserve.model.sharding import check_parallel, rank_cache_config, sharding_problems
+
+CONFIGS = Path("/work/shared/configs")
+TINY_DENSE = {
+    "layers_block_type": ["linear_attention", "full_attention", "linear_attention", "mlp"],
+    "vocab_size": 256, "hidden_size": 64, "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16,
+    "n_groups": 2, "conv_kernel": 4, "chunk_size": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "intermediate_size": 128, "dtype": "float32", "eos_token_id": 2,
+}
+
+
+def _cfg(**changes) -> HybridModelConfig:
+    return HybridModelConfig.from_dict({**TINY_DENSE, **changes}, name="tiny")
+
+
+def _super() -> HybridModelConfig:
+    """Nemotron 3 Super's shape (32 query / 2 KV heads, 128 Mamba heads in 8 groups, 512 experts)."""
+    return _cfg(
+        hidden_size=4096, num_attention_heads=32, num_key_value_heads=2, head_dim=128, mamba_num_heads=128,
+        mamba_head_dim=64, ssm_state_size=128, n_groups=8,
+        layers_block_type=["mamba", "moe", "attention", "mamba"], n_routed_experts=512, num_experts_per_tok=22,
+        moe_intermediate_size=2688, moe_shared_expert_intermediate_size=5376, moe_latent_size=1024,
+    )
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(1, 1), (2, 1), (4, 4), (8, 8), (8, 2), (16, 16)])
+def test_super_splits_where_it_should(tp: int, ep: int) -> None:
+    assert sharding_problems(_super(), tp_size=tp, ep_size=ep) == []
+    check_parallel(_super(), tp_size=tp, ep_size=ep, world_size=tp, device="cpu")
+
+
+@pytest.mark.parametrize(("cfg", "tp", "ep", "needles"), [
+    (_cfg(), 16, 1, ["num_attention_heads (4) is not divisible by tp_size (16)",
+                     "mamba_num_heads (8) is not divisible by tp_size (16)"]),
+    (_cfg(num_attention_heads=9, num_key_value_heads=3), 2, 1,
+     ["num_attention_heads (9) is not divisible by tp_size (2)", "num_key_value_heads (3) and tp_size (2) do not fit"]),
+    (_cfg(mamba_num_heads=12, n_groups=3), 2, 1, ["n_groups (3) and tp_size (2) do not fit"]),
+    (_cfg(intermediate_size=130), 4, 1, ["intermediate_size (130) is not divisible by tp_size (4)"]),
+    (dataclasses.replace(_super(), n_routed_experts=100), 8, 8,
+     ["n_routed_experts (100) is not divisible by ep_size (8)"]),
+    (dataclasses.replace(_super(), moe_intermediate_size=2690), 8, 2,
+     ["moe_intermediate_size (2690) is not divisible by tp_size / ep_size (4)"]),
+    (dataclasses.replace(_super(), moe_shared_expert_intermediate_size=5378), 4, 4,
+     ["moe_shared_expert_intermediate_size (5378) is not divisible by tp_size (4)"]),
+])
+def test_sharding_problems_name_the_numbers(cfg: HybridModelConfig, tp: int, ep: int, needles: list[str]) -> None:
+    with pytest.raises(ValueError) as e:
+        check_parallel(cfg, tp_size=tp, ep_size=ep, world_size=tp, device="cpu")
+    msg = str(e.value)
+    assert f"does not split over tp_size {tp} / ep_size {ep}" in msg
+    for n in needles:
+        assert n in msg, msg
+
+
+def test_world_problems_come_first() -> None:
+    with pytest.raises(ValueError, match=r"tp_size \(2\) must equal the number of ranks \(4"):
+        check_parallel(_cfg(), tp_size=2, ep_size=1, world_size=4, device="cpu")
+    with pytest.raises(ValueError, match="2 ranks on this host need 2 visible GPUs, but 1 are visible"):
+        check_parallel(_cfg(), tp_size=2, ep_size=1, world_size=2, device="cuda", visible_gpus=1)
+
+
+@pytest.mark.skipif(not CONFIGS.is_dir(), reason="shipped configs not present")
+def test_shipped_configs_at_their_reported_settings() -> None:
+    ultra_like = HybridModelConfig.from_hf(CONFIGS / "NVIDIA-Nemotron-3-Super-120B-A12B-BF16")
+    check_parallel(ultra_like, tp_size=4, ep_size=4, world_size=4, device="cpu")  # the warm-up report's layout
+    nano = HybridModelConfig.from_hf(CONFIGS / "NVIDIA-Nemotron-Nano-9B-v2")  # 40 heads, 8 KV heads
+    check_parallel(nano, tp_size=8, ep_size=1, world_size=8, device="cpu")
+    with pytest.raises(ValueError, match=r"num_attention_heads \(40\) is not divisible by tp_size \(16\)"):
+        check_parallel(nano, tp_size=16, ep_size=1, world_size=16, device="cpu")
+
+
+def test_rank_cache_config_holds_one_ranks_heads() -> None:
+    cfg = _super()
+    for tp in (2, 4, 8, 16):
+        r = rank_cache_config(cfg, tp)
+        a, m = r.attention_cache_spec(), r.mamba_cache_spec()
+        assert a.num_kv_heads == max(1, 2 // tp)  # 2 KV heads: split at tp 2, replicated beyond
+        assert m.num_heads == 128 // tp
+        groups = 8 // tp if tp <= 8 else 1
+        assert m.conv_dim == (128 // tp) * 64 + 2 * groups * 128
+        assert r.state_bytes_per_sequence * tp >= cfg.state_bytes_per_sequence  # replication only adds
+    assert rank_cache_config(cfg, 1) is cfg
+    assert rank_cache_config(cfg, 2).kv_bytes_per_token * 2 == cfg.kv_bytes_per_token
