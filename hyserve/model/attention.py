@@ -7,6 +7,9 @@ back as cache * k_scale. The scales are non-persistent buffers: they are not wei
 checkpoint saving skip them); the model loader fills them from the checkpoint's k_scale / v_scale
 tensors, or with 1.0. They reach the kernels as device tensors, never host floats, so a decode step
 stays capturable in a CUDA graph.
+
+Under tensor parallelism a rank holds num_attention_heads / tp query heads and the KV heads they read
+(its KV cache holds only those), and o_proj all-reduces the ranks' partial outputs.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import re
 import torch
 from torch import nn
 
+from hyserve.distributed import Group
 from hyserve.kernels import ops
 from hyserve.kernels.attention import FP8_KV_DTYPES
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.config import HybridModelConfig
 from hyserve.model.forward_meta import ForwardMeta
+from hyserve.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
 
 # KV-scale tensor names in FP8-KV checkpoints, after weights.canonical_name (model. -> backbone.):
 #   backbone.layers.N.mixer.k_scale / .v_scale          (vLLM's layout)
@@ -42,19 +47,24 @@ class Attention(nn.Module):
     k_scale: torch.Tensor
     v_scale: torch.Tensor
 
-    def __init__(self, cfg: HybridModelConfig, *, layer_id: int = 0, device=None, dtype=None) -> None:
+    def __init__(
+        self, cfg: HybridModelConfig, *, layer_id: int = 0, group: Group | None = None, device=None, dtype=None
+    ) -> None:
         super().__init__()
         self.layer_id = layer_id
         h, d = cfg.hidden_size, cfg.head_dim
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = d
         self.scale = d**-0.5
         b = cfg.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=b, device=device, dtype=dtype)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=b, device=device, dtype=dtype)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=b, device=device, dtype=dtype)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=b, device=device, dtype=dtype)
+        kw = {"bias": b, "unit_size": d, "group": group, "device": device, "dtype": dtype}
+        # tensor parallel: this rank's query heads, and the KV heads they read (replicated when the KV heads
+        # are fewer than the ranks); o_proj sums the ranks' partial outputs
+        self.q_proj = ColumnParallelLinear(h, cfg.num_attention_heads * d, replicate=False, **kw)
+        self.k_proj = ColumnParallelLinear(h, cfg.num_key_value_heads * d, **kw)
+        self.v_proj = ColumnParallelLinear(h, cfg.num_key_value_heads * d, **kw)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, h, **kw)
+        self.num_heads = self.q_proj.out_features // d  # this rank's
+        self.num_kv_heads = self.k_proj.out_features // d
         # float32 whatever the model dtype; used only with a float8 KV pool
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32, device=device), persistent=False)
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32, device=device), persistent=False)

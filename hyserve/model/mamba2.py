@@ -14,19 +14,36 @@ asks for it, by stochastic rounding into a float16 pool (`kernels/stochastic_rou
 stream is keyed by the engine seed and counts on (layer, position): decode rows use `seq_lens_t` (tokens
 in cache after the step, a device tensor, so the decode step stays graph-capturable), a prefill's final
 state the same, and a snapshot the tokens up to it.
+
+Tensor parallel (docs/architecture.md, "Parallelism"): a rank holds mamba_num_heads / tp heads and the
+B/C groups they read (split when tp divides n_groups, one replicated group per rank when n_groups < tp);
+each of in_proj's z / x / B / C / dt parts, the conv1d channels [x | B | C], dt_bias / A_log / D and the
+norm weight load their own rows; the grouped gated norm runs per local group (or, when a group spans
+ranks, with its sum of squares all-reduced) and out_proj is row-parallel. The state pools of a rank hold
+only its heads and groups.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from hyserve.distributed import Group, all_reduce, tp_group
 from hyserve.kernels import ops
 from hyserve.kernels.conv1d import conv_state_at
 from hyserve.kernels.stochastic_rounding import StochasticRounding
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.config import MambaSpec
 from hyserve.model.forward_meta import ForwardMeta
+from hyserve.model.parallel_linear import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    ShardedPart,
+    ShardLoading,
+    SliceLike,
+    load_parts,
+)
 
 
 class GatedRMSNorm(nn.Module):
@@ -40,8 +57,10 @@ class GatedRMSNorm(nn.Module):
         return ops.get("rmsnorm_gated", x.is_cuda)(x, z, self.weight, self.eps, self.group_size)
 
 
-class Mamba2Mixer(nn.Module):
-    def __init__(self, spec: MambaSpec, *, layer_id: int = 0, device=None, dtype=None) -> None:
+class Mamba2Mixer(ShardLoading):
+    def __init__(
+        self, spec: MambaSpec, *, layer_id: int = 0, group: Group | None = None, device=None, dtype=None
+    ) -> None:
         super().__init__()
         self.layer_id = layer_id
         # the stochastic-rounding stream of this layer's SSM pool (None: round-to-nearest)
@@ -50,18 +69,39 @@ class Mamba2Mixer(nn.Module):
             self.ssm_rounding = StochasticRounding(
                 seed=spec.ssm_rounding_seed, layer=layer_id, rounds=spec.ssm_philox_rounds
             )
-        self.num_heads = spec.num_heads
-        self.head_dim = spec.head_dim
-        self.state_size = spec.state_size
-        self.n_groups = spec.n_groups
+        self.group = group or tp_group()
+        tp = self.group.size
+        H, P, G, N = spec.num_heads, spec.head_dim, spec.n_groups, spec.state_size
+        heads = ShardedPart(name="heads", units=H, unit_size=P)
+        heads.check(tp, knob="tp_size", replicate=False)
+        # B/C groups: split when tp divides them, else one group per rank, replicated (tp % G == 0)
+        groups = ShardedPart(name="B", units=G, unit_size=N)
+        groups.check(tp, knob="tp_size")
+        # this rank's sizes
+        self.num_heads = H // tp
+        self.head_dim = P
+        self.state_size = N
+        self.n_groups = groups.local_units(tp)
         self.chunk_size = spec.chunk_size
         self.conv_kernel = spec.conv_kernel
-        self.d_inner = spec.d_inner
-        self.conv_dim = spec.conv_dim
+        self.d_inner = self.num_heads * P
+        self.conv_dim = self.d_inner + 2 * self.n_groups * N
         self.dt_limit = spec.time_step_limit
+        # a norm group spans several ranks when the groups are fewer than the ranks: its mean of squares
+        # is summed over them (`_gated_norm_spanning`)
+        self.norm_spans_ranks = G < tp
+        self.group_of_rank = groups.first_unit(self.group.rank, tp)
+        norm_group_size = spec.d_inner // G
+        self.norm_group_size_full = norm_group_size
+        self.n_groups_full = G
         h = spec.hidden_size
-        self.in_proj = nn.Linear(h, spec.in_proj_size, bias=spec.proj_bias, device=device, dtype=dtype)
-        # [conv_dim, 1, K] to match checkpoints (nn.Conv1d layout); used as [conv_dim, K]
+        x_part = ShardedPart(name="x", units=H, unit_size=P)
+        b_part, c_part = ShardedPart(name="B", units=G, unit_size=N), ShardedPart(name="C", units=G, unit_size=N)
+        self.in_proj = MergedColumnParallelLinear(
+            h, [ShardedPart(name="z", units=H, unit_size=P), x_part, b_part, c_part, ShardedPart(name="dt", units=H)],
+            bias=spec.proj_bias, group=self.group, device=device, dtype=dtype,
+        )
+        # [conv_dim, 1, K] to match checkpoints (nn.Conv1d layout); used as [conv_dim, K]; channels [x | B | C]
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim,
             bias=spec.use_conv_bias, device=device, dtype=dtype,
@@ -70,11 +110,34 @@ class Mamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_heads, device=device, dtype=dtype))
         self.D = nn.Parameter(torch.ones(self.num_heads, device=device, dtype=dtype))
         self.norm = GatedRMSNorm(
-            self.d_inner, self.d_inner // self.n_groups, spec.norm_eps, device=device, dtype=dtype
+            self.d_inner, min(norm_group_size, self.d_inner), spec.norm_eps, device=device, dtype=dtype
         )
-        self.out_proj = nn.Linear(self.d_inner, h, bias=spec.proj_bias, device=device, dtype=dtype)
+        self.out_proj = RowParallelLinear(
+            spec.d_inner, h, bias=spec.proj_bias, unit_size=P, group=self.group, device=device, dtype=dtype
+        )
+        conv_parts = (x_part, b_part, c_part)
+        self._conv_parts, self._head_parts = conv_parts, (ShardedPart(name="dt", units=H),)
+        self._inner_parts = (x_part,)
+        self.register_shard("conv1d.weight", self._load_conv, (spec.conv_dim, 1, spec.conv_kernel))
+        if spec.use_conv_bias:
+            self.register_shard("conv1d.bias", self._load_conv, (spec.conv_dim,))
+        for name in ("dt_bias", "A_log", "D"):
+            self.register_shard(name, self._load_per_head, (H,))
+        self.register_shard("norm.weight", self._load_inner, (spec.d_inner,))
         self._A_cache: torch.Tensor | None = None
         self._A_version: tuple | None = None
+
+    @torch.no_grad()
+    def _load_conv(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None) -> None:
+        load_parts(param, loaded, self._conv_parts, self.group, what="conv1d")
+
+    @torch.no_grad()
+    def _load_per_head(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None) -> None:
+        load_parts(param, loaded, self._head_parts, self.group, what="per-head Mamba parameter")
+
+    @torch.no_grad()
+    def _load_inner(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None) -> None:
+        load_parts(param, loaded, self._inner_parts, self.group, what="norm")
 
     def _A(self) -> torch.Tensor:
         """A = -exp(A_log) in float32, computed once per value of A_log (its in-place version counter
@@ -130,11 +193,31 @@ class Mamba2Mixer(nn.Module):
         if T > nd:
             self._prefill(xbc[nd:], dt[nd:], A, w, bias, meta, conv_pool, ssm_pool, y[nd:])
 
-        # gated norm + out_proj (on CUDA a one-row step runs the norm kernel and a Triton GEMV)
-        norm = self.norm
-        return ops.get("gated_norm_linear", cuda)(
-            y.view(T, self.d_inner), z, norm.weight, norm.eps, norm.group_size, self.out_proj.weight, self.out_proj.bias
-        )
+        # gated norm + out_proj (on CUDA a one-row step runs the norm kernel and a Triton GEMV); under tensor
+        # parallelism each rank's partial out_proj product is summed by one all-reduce
+        norm, out = self.norm, self.out_proj
+        y2 = y.view(T, self.d_inner)
+        fused = ops.get("gated_norm_linear", cuda)
+        if not out.sharded:
+            return fused(y2, z, norm.weight, norm.eps, norm.group_size, out.weight, out.bias)
+        if self.norm_spans_ranks:
+            return out.reduce(F.linear(self._gated_norm_spanning(y2, z), out.weight))
+        return out.reduce(fused(y2, z, norm.weight, norm.eps, norm.group_size, out.weight, None))
+
+    def _gated_norm_spanning(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """y, z: [T, d_inner / tp], this rank's slice of a norm group that spans tp / n_groups ranks ->
+        the grouped gated RMSNorm of the slice (as `rmsnorm_gated_ref`), with the group's sum of squares
+        added up over its ranks: each rank puts its slice's sum in its group's column of a [T, n_groups]
+        buffer and one all-reduce completes every column."""
+        cd = torch.float64 if y.dtype == torch.float64 else torch.float32
+        h = y.to(cd) * F.silu(z.to(cd))
+        sums = torch.zeros(y.shape[0], self.n_groups_full, dtype=cd, device=y.device)
+        g = self.group_of_rank
+        sums[:, g] = h.pow(2).sum(-1)
+        all_reduce(sums, self.group)
+        h = h * torch.rsqrt(sums[:, g : g + 1] / self.norm_group_size_full + self.norm.eps)
+        w = self.norm.weight
+        return (w.to(cd) * h).to(y.dtype) if y.dtype == torch.float64 else w * h.to(y.dtype)
 
     def _prefill(
         self,

@@ -1,13 +1,17 @@
 """Dense relu^2 MLP of NemotronH: down(relu(up(x))^2). No gate projection.
 
-relu^2 runs fused into down_proj (`relu2_linear`): the MLP is two kernels at batch 1 on CUDA."""
+relu^2 runs fused into down_proj (`relu2_linear`): the MLP is two kernels at batch 1 on CUDA. Under
+tensor parallelism up_proj is column-parallel and down_proj row-parallel: each rank computes its
+columns' partial output, and one all-reduce sums them."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from hyserve.distributed import Group
 from hyserve.kernels import ops
+from hyserve.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -16,12 +20,19 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool, *, device=None, dtype=None) -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, bias: bool, *, group: Group | None = None, device=None, dtype=None
+    ) -> None:
         super().__init__()
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias, device=device, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias, device=device, dtype=dtype)
+        kw = {"bias": bias, "group": group, "device": device, "dtype": dtype}
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, replicate=False, **kw)
+        self.down_proj = RowParallelLinear(intermediate, hidden, **kw)
 
     def forward(self, x: torch.Tensor, meta: object = None, cache: object = None) -> torch.Tensor:
         """x: [T, hidden]. `meta` / `cache` are unused (the mixer signature; an MLP keeps no state)."""
         u = self.up_proj(x)
-        return ops.get("relu2_linear", u.is_cuda)(u, self.down_proj.weight, self.down_proj.bias)
+        down = self.down_proj
+        fused = ops.get("relu2_linear", u.is_cuda)
+        if not down.sharded:
+            return fused(u, down.weight, down.bias)
+        return down.reduce(fused(u, down.weight, None))

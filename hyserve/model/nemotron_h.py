@@ -7,6 +7,11 @@ Each block is pre-norm + mixer + residual; the mixer is one of Mamba2, attention
 
 A block's residual add runs fused with the next norm (`add_rms_norm`: one kernel on CUDA), so a block
 returns its mixer output and the residual stream it was given, and the next norm (or norm_f) adds them.
+
+Tensor parallel (docs/architecture.md, "Parallelism"): the layers take their group from
+`hyserve.distributed` when built (so `init_distributed` comes first); the embedding and lm_head are
+vocab-parallel, every rank ends a step with the same residual stream and the whole vocabulary's logits,
+and `allocate_cache` gives this rank's share of the pools.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from hyserve.distributed import tp_group
 from hyserve.model.attention import Attention
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.config import LAYER_ATTENTION, LAYER_MAMBA, LAYER_MLP, LAYER_MOE, HybridModelConfig
@@ -25,6 +31,8 @@ from hyserve.model.mamba2 import Mamba2Mixer
 from hyserve.model.mlp import MLP
 from hyserve.model.moe import MoE
 from hyserve.model.norm import RMSNorm
+from hyserve.model.parallel_embedding import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_logits
+from hyserve.model.sharding import rank_cache_config
 
 
 def _mamba(cfg: HybridModelConfig, i: int, **kw) -> nn.Module:
@@ -78,7 +86,7 @@ class HybridBlock(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: HybridModelConfig, *, device=None, dtype=None) -> None:
         super().__init__()
-        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
+        self.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
         self.layers = nn.ModuleList(
             HybridBlock(cfg, i, device=device, dtype=dtype) for i in range(cfg.num_layers)
         )
@@ -92,9 +100,10 @@ class NemotronHForCausalLM(nn.Module):
         # the config records the dtype the model actually runs in (cache sizing reads it)
         self.config = cfg if dtype == cfg.dtype else dataclasses.replace(cfg, dtype=dtype)
         self.backbone = Backbone(cfg, device=device, dtype=dtype)
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: ParallelLMHead | None = None
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=dtype)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
+        self.tp = tp_group()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: ForwardMeta, cache: CacheTensors) -> torch.Tensor:
@@ -116,12 +125,14 @@ class NemotronHForCausalLM(nn.Module):
     def allocate_cache(
         self, *, num_blocks: int, tokens_per_block: int, num_slots: int, device: torch.device | str
     ) -> CacheTensors:
+        """This rank's pools: under tensor parallelism they hold only its KV heads and Mamba heads / groups."""
         return CacheTensors.allocate(
-            self.config, num_blocks=num_blocks, tokens_per_block=tokens_per_block, num_slots=num_slots, device=device
+            rank_cache_config(self.config, self.tp.size), num_blocks=num_blocks, tokens_per_block=tokens_per_block,
+            num_slots=num_slots, device=device,
         )
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [n, H] -> logits [n, vocab] in float32."""
+        """hidden: [n, H] -> logits [n, vocab] in float32 (the whole vocabulary on every rank)."""
         w = self.backbone.embeddings.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, w).float()
+        return vocab_parallel_logits(hidden, w, self.config.vocab_size, self.tp).float()

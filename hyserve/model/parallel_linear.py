@@ -219,18 +219,19 @@ class MergedColumnParallelLinear(ShardLoading):
 
 
 class ColumnParallelLinear(MergedColumnParallelLinear):
-    """Output features split over the group in blocks of `unit_size` (a head); `gather_output`
-    concatenates every rank's block after the GEMM so each rank sees the whole output."""
+    """Output features split over the group in blocks of `unit_size` (a head); fewer blocks than ranks
+    are replicated unless `replicate=False`; `gather_output` concatenates every rank's block after the
+    GEMM so each rank sees the whole output."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = False, *, gather_output: bool = False,
-        unit_size: int = 1, group: Group | None = None, device=None, dtype=None,
+        unit_size: int = 1, replicate: bool = True, group: Group | None = None, device=None, dtype=None,
     ) -> None:
         if out_features % unit_size:
             raise ValueError(f"ColumnParallelLinear: out_features {out_features} is not a multiple of unit_size {unit_size}")
         part = ShardedPart(name="out", units=out_features // unit_size, unit_size=unit_size)
         g = group or tp_group()
-        if gather_output:
+        if gather_output or not replicate:
             part.check(g.size, replicate=False)
         super().__init__(in_features, [part], bias, group=g, device=device, dtype=dtype)
         self.gather_output = gather_output

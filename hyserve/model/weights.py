@@ -193,6 +193,28 @@ def checkpoint_files(model_dir: str | Path) -> dict[Path, list[str] | None]:
 
 
 # ---- loading ------------------------------------------------------------------------------------------------
+# A tensor-parallel parameter (hyserve/model/parallel_linear.py) carries `weight_loader(param, loaded)`,
+# which copies its own rows of a safetensors slice, and `checkpoint_shape`, the full shape the
+# checkpoint holds; any other parameter is copied whole and has its own shape in the checkpoint.
+_SHARD_ATTRS = ("weight_loader", "checkpoint_shape")
+
+
+def checkpoint_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """The shape `t` has in a checkpoint (bigger than `t` for a tensor-parallel shard)."""
+    return tuple(getattr(t, "checkpoint_shape", None) or t.shape)
+
+
+def is_shard(t: torch.Tensor) -> bool:
+    """True when `t` holds only part of its checkpoint tensor (this rank's shard)."""
+    return checkpoint_shape(t) != tuple(t.shape)
+
+
+def _carry_shard_info(old: torch.Tensor, new: torch.Tensor) -> None:
+    for a in _SHARD_ATTRS:
+        if hasattr(old, a):
+            setattr(new, a, getattr(old, a))
+
+
 @dataclass
 class _Plan:
     """What to copy from where, built from file headers only."""
@@ -249,7 +271,7 @@ def _plan_load(model_dir: Path, targets: Mapping[str, torch.Tensor], aliases: Ma
                     continue
                 got = tuple(f.get_slice(ck).get_shape())
                 if expert is None:
-                    expected = tuple(target.shape)
+                    expected = checkpoint_shape(target)
                     if name in whole or name in experts:
                         plan.duplicates.append(ck)
                         continue
@@ -321,6 +343,7 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> torch.Tenso
     if attr in mod._parameters:
         old = mod._parameters[attr]
         p = value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=old.requires_grad)
+        _carry_shard_info(old, p)
         mod._parameters[attr] = p
         return p
     mod._buffers[attr] = value
@@ -358,6 +381,10 @@ def load_checkpoint(
     for path, items in by_file.items():
         with safe_open(str(path), framework="pt") as f:
             for ck, name, expert in items:
+                loader = getattr(targets[name], "weight_loader", None)
+                if expert is None and loader is not None:
+                    loader(targets[name], f.get_slice(ck))  # reads this rank's rows only
+                    continue
                 src = f.get_tensor(ck)
                 dst = targets[name] if expert is None else targets[name][expert]
                 dst.copy_(src)
@@ -372,6 +399,11 @@ def _hub_tensors(model: nn.Module, per_expert: bool) -> Iterator[tuple[str, Call
     for name, t in tensors.items():
         if t.is_meta:
             raise ValueError(f"cannot save {name}: it is on the meta device (not loaded or initialised)")
+        if is_shard(t):
+            raise ValueError(
+                f"cannot save {name}: this rank holds a {list(t.shape)} shard of {list(checkpoint_shape(t))} "
+                "(save from a tp_size 1 model)"
+            )
         m = _STACKED_EXPERT_RE.match(name)
         if per_expert and m and t.dim() == 3:
             for e in range(t.shape[0]):
@@ -555,7 +587,16 @@ def init_random_weights(
     metas = [n for n, t in tensors.items() if t.is_meta]
     if metas:
         raise ValueError(f"init_random_weights: {len(metas)} tensors are on the meta device (e.g. {metas[0]})")
-    init_random_tensors(tensors, cfg, seed=seed, max_workers=max_workers)
+    shards = {n: t for n, t in tensors.items() if is_shard(t)}
+    init_random_tensors({n: t for n, t in tensors.items() if n not in shards}, cfg, seed=seed, max_workers=max_workers)
+    # a tensor-parallel shard: draw the whole tensor (host memory, one at a time) and keep this rank's rows,
+    # so every tp_size runs the same model for a given seed
+    for n, t in shards.items():
+        full = torch.empty(checkpoint_shape(t), dtype=t.dtype)
+        init_random_tensors({n: full}, cfg, seed=seed, max_workers=max_workers)
+        with torch.no_grad():
+            t.weight_loader(t, full)  # type: ignore[attr-defined]
+        del full
 
 
 def random_state_dict(
@@ -586,4 +627,6 @@ class StateDictModule(nn.Module):
                 if part not in mod._modules:
                     mod.add_module(part, nn.Module())
                 mod = mod._modules[part]  # type: ignore[assignment]
-            mod.register_parameter(leaf, nn.Parameter(t, requires_grad=False))
+            p = nn.Parameter(t, requires_grad=False)
+            _carry_shard_info(t, p)  # a tensor-parallel shard still loads its own rows
+            mod.register_parameter(leaf, p)
