@@ -8,6 +8,7 @@ import pytest
 
 from hyserve import SamplingParams
 from hyserve.config import build_engine_config
+from hyserve.engine import assembly
 from hyserve.engine.engine import LLMEngine
 from tests.test_engine_invariance import make_llm, prompts
 
@@ -83,7 +84,7 @@ def test_async_equals_sync(sync_outputs) -> None:
 def test_async_equals_sync_on_graph_buffers(monkeypatch) -> None:
     # both on the CPU: seeded sampling draws from a device's own generator, so a CUDA reference differs
     sync_outputs = _outs(make_llm(device="cpu", async_scheduling=False))
-    monkeypatch.setattr(LLMEngine, "_graph_sizes", lambda self: [1, 2, 4, 8])  # decode graphs' buffers, eager
+    monkeypatch.setattr(assembly, "graph_batch_sizes", lambda config, lm, log: [1, 2, 4, 8])  # decode graphs' buffers, eager
     llm = make_llm(device="cpu", async_scheduling=True)
     used: list[int] = []
     g = llm.engine.runner.graphs
@@ -513,7 +514,7 @@ def test_sampling_failure_in_a_normal_step_fails_only_its_batch(async_on: bool) 
     eng = _engine(async_scheduling=async_on)
     g = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     eng.add_request("a", prompts()[1], g)
-    target = "sample_tokens" if async_on else "sample"
+    target = "sample_tokens"  # both settings sample through it (one step loop)
     real = getattr(eng.sampler, target)
 
     def boom(*a, **k):

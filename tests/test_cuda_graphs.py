@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from hyserve import LLM, SamplingParams
+from hyserve.engine import assembly
 from hyserve.engine.cuda_graphs import default_capture_sizes, pack_decode_rows
-from hyserve.engine.engine import LLMEngine
 from hyserve.engine.scheduler import ScheduledSeq
 from tests.test_engine_invariance import make_llm, prompts
 
@@ -45,7 +45,7 @@ def test_pack_decode_rows_pads_with_harmless_rows() -> None:
 def graphs_on_cpu(monkeypatch: pytest.MonkeyPatch):
     """Make the engine build its decode-graph buffers on the CPU too (run eagerly, not captured)."""
     def use(sizes: list[int]) -> None:
-        monkeypatch.setattr(LLMEngine, "_graph_sizes", lambda self: list(sizes))
+        monkeypatch.setattr(assembly, "graph_batch_sizes", lambda config, lm, log: list(sizes))
     return use
 
 

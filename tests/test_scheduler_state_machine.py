@@ -52,7 +52,7 @@ def make(num_blocks: int, max_batch: int, budget_tokens: int, snapshots: int, ma
     )
     sched = Scheduler(
         cache, max_batch_size=max_batch, max_num_tokens=budget_tokens, enable_chunked_prefill=True,
-        chunk_size=CHUNK,
+        chunk_size=CHUNK, max_seq_len=1 << 30,
     )
     return plan, cache, sched
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from hyserve import LLM, SamplingParams
-from hyserve.engine.warmup import SAMPLING_CASES, Warmup, use_kernel_cache_dir
+from hyserve.engine.jit_sentinel import use_kernel_cache_dir
+from hyserve.engine.warmup import SAMPLING_CASES, Warmup
 from tests.test_jit_sentinel import fake_event
 
 KV = {"tokens_per_block": 8, "max_gpu_total_bytes": 64 * 2**20,

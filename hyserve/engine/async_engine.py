@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from hyserve.config import EngineConfig
-from hyserve.engine.engine import LLMEngine
 from hyserve.engine.outputs import StreamDelta
 from hyserve.engine.sampling_params import SamplingParams
+from hyserve.engine.startup import start_engine
 
 logger = logging.getLogger("hyserve")
 
@@ -33,7 +33,7 @@ def _put_all(items: list[tuple[asyncio.Queue[StreamDelta], StreamDelta]]) -> Non
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, *, log: Callable[[str], None] | None = None) -> None:
-        self.engine = LLMEngine(config, log=log)
+        self.engine = start_engine(config, log=log)
         self.config = config
         self.model_name = self.engine.loaded.name
         self.tokenizer = self.engine.tokenizer

@@ -208,8 +208,12 @@ class DecodeGraphs:
         self._src[:B].copy_(rows[2])
         self._dst[:B].copy_(rows[3])
         self._lens[:B].copy_(rows[4])
-        if feed is not None:  # the previous step's samples, gathered on the device (no host round trip)
-            self._ids[:b].copy_(feed[0].index_select(0, rows[5, :b]))
+        if feed is not None:  # the previous step's samples, gathered on the device (no host round trip);
+            r = rows[5, :b]
+            if min(feed[1]) >= 0:
+                self._ids[:b].copy_(feed[0].index_select(0, r))
+            else:  # a row of -1 keeps the token the host knows
+                self._ids[:b].copy_(torch.where(r >= 0, feed[0].index_select(0, r.clamp(min=0)), self._ids[:b]))
         width = max(len(s.block_ids) for s in seqs)
         if width > self._tables.shape[1]:
             raise ValueError(f"decode graph: a block table of {width} blocks exceeds the captured width "

@@ -1,7 +1,7 @@
 """JIT sentinel: counts Triton compilations that happen after the engine said it was ready.
 
 Every call into Triton's compiler after ready means a kernel variant the warm-up did not cover (a
-stall in the middle of serving; DESIGN.md failure 2). Triton reports each one to
+stall in the middle of serving; docs/architecture.md). Triton reports each one to
 `triton.knobs.compilation.listener`, including ones served from its on-disk cache (`cache_hit`),
 which still cost a load; both are counted and logged with the kernel name and specialisation.
 """
@@ -11,9 +11,22 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("hyserve")
+
+
+def use_kernel_cache_dir(path: Path) -> Path:
+    """Point Triton's kernel cache (and its autotune results) at `path`/triton, so a restart loads
+    the compiled variants instead of compiling them again. Returns the directory used."""
+    import triton
+
+    d = path.expanduser() / "triton"
+    d.mkdir(parents=True, exist_ok=True)
+    triton.knobs.cache.dir = str(d)
+    triton.knobs.autotuning.cache = True
+    return d
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from hyserve.config import build_engine_config
-from hyserve.engine.engine import LLMEngine
 from hyserve.engine.outputs import RequestOutput, TokenLogprob
 from hyserve.engine.sampling_params import SamplingParams
+from hyserve.engine.startup import start_engine
 
 Prompt = str | Sequence[int]
 
@@ -35,7 +35,7 @@ class LLM:
         self.config = build_engine_config(
             options, model=model, dtype=dtype, device=device, load_format=load_format
         )
-        self.engine = LLMEngine(self.config, log=log)
+        self.engine = start_engine(self.config, log=log)
         self._ids = itertools.count()
 
     @property

@@ -34,6 +34,10 @@ class Request:
     block_hashes: list[int] | None = None  # chain hashes of the full prompt blocks, computed once
     num_published_blocks: int = 0  # leading blocks already in the prefix index
     num_preemptions: int = 0
+    # async scheduling: tokens sampled on the device and not yet read by the host (0, 1 or 2 while a
+    # step is launched behind the one in flight), and the row of the newest among the launched step's samples
+    num_inflight: int = 0
+    inflight_row: int = -1
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None

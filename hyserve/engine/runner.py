@@ -9,6 +9,9 @@ Index arithmetic for the KV writes (bs = tokens_per_block):
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
 import torch
 
 from hyserve.engine.cuda_graphs import DecodeGraphs
@@ -22,16 +25,47 @@ from hyserve.model.protocol import CausalLM
 
 
 class ModelRunner:
+    """What the engine calls: `execute` a step, read `prompt_logprobs` of the step just run, and set up
+    decode graphs once. A runner per rank sits behind the same interface."""
+
     def __init__(self, model: CausalLM, cache: CacheTensors, device: torch.device) -> None:
         self.model = model
         self.cache = cache
         self.device = device
         self.tokens_per_block = cache.tokens_per_block
         # decode-only steps replay captured graphs when set (hyserve.engine.cuda_graphs.DecodeGraphs)
-        self.graphs: DecodeGraphs | None = None
+        self._graphs: DecodeGraphs | None = None
         # the last eager step's hidden states and cu_seqlens, kept only when a sequence of it wants prompt
-        # logprobs (`prompt_logprobs`); the engine drops them once it has read them
-        self.kept: tuple[torch.Tensor, list[int]] | None = None
+        # logprobs (`prompt_logprobs`), until the next step
+        self._kept: tuple[torch.Tensor, list[int]] | None = None
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        return self._graphs
+
+    def capture_graphs(
+        self, sizes: Sequence[int], *, max_blocks_per_seq: int, pad_slot: int, enable_padding: bool
+    ) -> DecodeGraphs:
+        """Capture a decode graph per batch size (on the CPU the same static-buffer steps run eagerly)."""
+        self._graphs = DecodeGraphs(
+            self.model, self.cache, self.device, sizes=sizes, max_blocks_per_seq=max_blocks_per_seq,
+            pad_slot=pad_slot, enable_padding=enable_padding, capture=self.device.type == "cuda",
+        )
+        return self._graphs
+
+    @contextmanager
+    def eager_decode(self) -> Iterator[None]:
+        """Within: decode steps run eagerly (the warm-up compiles the eager decode kernels)."""
+        graphs, self._graphs = self._graphs, None
+        try:
+            yield
+        finally:
+            self._graphs = graphs
+
+    @property
+    def keeps_hidden(self) -> bool:
+        """Whether the step just run kept its hidden states (a prefill chunk wants prompt logprobs)."""
+        return self._kept is not None
 
     def build_meta(self, batch: ScheduledBatch) -> tuple[torch.Tensor, ForwardMeta]:
         bs = self.tokens_per_block
@@ -76,25 +110,27 @@ class ModelRunner:
         return t(ids, torch.long), meta
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, feed: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, feed: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step; returns float32 logits [num sampling seqs, vocab] in batch order.
 
-        feed = (tokens, rows): the decode sequences' input tokens are still on the device (the previous
-        step's samples, not yet read by the host): decode sequence i feeds tokens[rows[i]], and its token
-        id in `batch` is a placeholder. Prefill sequences after them feed their own (host) tokens."""
-        if feed is not None:
-            assert len(feed[1]) == batch.num_decodes, "one feed row per decode sequence"
-        if self.graphs is not None and batch.num_decodes == len(batch.seqs):
-            logits = self.graphs.execute(batch.seqs, feed)  # every decode sequence samples
-            if logits is not None:
+        feed: the previous step's samples, still on the device (async scheduling): a decode sequence with
+        a `feed_row` takes its input token from feed[feed_row] (its token id in `batch` is a placeholder);
+        the others feed their own host tokens."""
+        self._kept = None
+        decodes = batch.seqs[: batch.num_decodes]
+        rows = [-1 if s.feed_row is None else s.feed_row for s in decodes] if feed is not None else None
+        if self._graphs is not None and batch.num_decodes == len(batch.seqs):
+            logits = self._graphs.execute(batch.seqs, None if feed is None else (feed, rows or []))
+            if logits is not None:  # every decode sequence samples
                 return logits
         input_ids, meta = self.build_meta(batch)
-        if feed is not None and batch.num_decodes:  # decodes come first, one token each
-            rows = to_device(torch.tensor(feed[1], dtype=torch.long), self.device)
-            input_ids[: batch.num_decodes] = feed[0].index_select(0, rows)
+        if feed is not None and rows:  # decodes come first, one token each
+            r = to_device(torch.tensor(rows, dtype=torch.long), self.device)
+            head = input_ids[: batch.num_decodes]
+            head.copy_(torch.where(r >= 0, feed.index_select(0, r.clamp(min=0)), head))
         hidden = self.model(input_ids, meta, self.cache)
         if any(s.params.prompt_logprobs is not None for s in batch.seqs[batch.num_decodes :]):
-            self.kept = (hidden, meta.cu_seqlens)
+            self._kept = (hidden, meta.cu_seqlens)
         return self.model.compute_logits(hidden[meta.logits_indices])
 
     @torch.inference_mode()
@@ -103,8 +139,8 @@ class ModelRunner:
         """Logprobs of `targets` (the prompt tokens that follow) at the kept step's sequence `row`, from
         its new-token position `offset` on, with the top-k alternatives; vocabulary-wide logits are
         formed `rows_per_pass` positions at a time."""
-        assert self.kept is not None, "no kept hidden states (the step had no prompt-logprobs sequence)"
-        hidden, cu = self.kept
+        assert self._kept is not None, "no kept hidden states (the step had no prompt-logprobs sequence)"
+        hidden, cu = self._kept
         start = cu[row] + offset
         assert start + len(targets) <= cu[row + 1]
         out: list[TokenLogprob] = []

@@ -7,6 +7,12 @@ Each step, under a budget of `max_num_tokens` tokens and `max_batch_size` runnin
   3. admissions: waiting requests, strictly first-come-first-served, get a prefix-cache lookup, a live
      state slot and their first chunk, while budget, slots and blocks last.
 
+Async scheduling lives here too: a step may be planned while the previous one is in flight. A request
+whose newest token was sampled on the device and not yet read (`Request.num_inflight`) gets a decode row
+fed from that step's samples (`ScheduledSeq.feed_row`), unless that token ends it for certain
+(max_tokens, max_seq_len); a request that stops on it (EOS, stop string) computes one extra row, which the
+engine drops. So the engine has one loop whatever the setting.
+
 A request that needs a block when none is free preempts the youngest running request not yet scheduled
 this step (its blocks and slot are freed and it goes back to the front of the queue, to be recomputed);
 if there is none younger, it yields itself. The oldest request never yields, and admission guarantees
@@ -43,6 +49,9 @@ class ScheduledSeq:
     num_output_tokens: int  # outputs so far (seeded sampling keys on it)
     snapshot_positions: list[int] = field(default_factory=list)  # absolute prompt positions to snapshot
     snapshot_keys: list[int] = field(default_factory=list)  # prefix-cache keys of `snapshots`
+    # decode rows only: the input token is row `feed_row` of the previous step's device samples (async
+    # scheduling; `token_ids` then holds a placeholder), None when the host knows it
+    feed_row: int | None = None
 
 
 @dataclass
@@ -75,8 +84,10 @@ class Scheduler:
         max_num_tokens: int,
         enable_chunked_prefill: bool,
         chunk_size: int,
+        max_seq_len: int,
     ) -> None:
         self.cache = cache
+        self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.chunked = enable_chunked_prefill
@@ -94,9 +105,6 @@ class Scheduler:
     def abort(self, request_id: str) -> None:
         """Takes effect at the start of the next `schedule()`."""
         self._pending_aborts.add(request_id)
-
-    def has_pending_aborts(self) -> bool:
-        return bool(self._pending_aborts)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._pending_aborts)
@@ -197,25 +205,11 @@ class Scheduler:
         for req in list(self.running):
             if budget <= 0:
                 break
-            if req.status is not RequestStatus.RUNNING or self._feeds_chunk(req):
+            if req.status is not RequestStatus.RUNNING or self._feeds_chunk(req) or self._ends_in_flight(req):
                 continue
             if not self._grow_or_preempt(req, req.num_computed + 1, scheduled, batch):
                 continue
-            assert req.live_slot is not None
-            batch.seqs.append(
-                ScheduledSeq(
-                    request_id=req.request_id,
-                    token_ids=req.token_slice(req.num_computed, req.num_computed + 1),
-                    start_pos=req.num_computed,
-                    block_ids=list(req.block_ids),
-                    state_src=req.live_slot,
-                    state_dst=req.live_slot,
-                    sample=True,
-                    snapshots=[],
-                    params=req.params,
-                    num_output_tokens=len(req.output_token_ids),
-                )
-            )
+            batch.seqs.append(self._decode_row(req))
             scheduled.add(req.request_id)
             budget -= 1
         batch.num_decodes = len(batch.seqs)
@@ -243,6 +237,31 @@ class Scheduler:
         self.stats.tokens_scheduled = batch.num_tokens
         return batch, aborted
 
+    def _decode_row(self, req: Request) -> ScheduledSeq:
+        assert req.live_slot is not None
+        fed = req.num_inflight > 0  # the input token is still on the device
+        return ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=[0] if fed else req.token_slice(req.num_computed, req.num_computed + 1),
+            start_pos=req.num_computed,
+            block_ids=list(req.block_ids),
+            state_src=req.live_slot,
+            state_dst=req.live_slot,
+            sample=True,
+            snapshots=[],
+            params=req.params,
+            num_output_tokens=len(req.output_token_ids) + req.num_inflight,
+            feed_row=req.inflight_row if fed else None,
+        )
+
+    def _ends_in_flight(self, req: Request) -> bool:
+        """Whether the request's unread tokens finish it for certain (max_tokens, max_seq_len): it then
+        needs no further row."""
+        if not req.num_inflight:
+            return False
+        return (len(req.output_token_ids) + req.num_inflight >= req.params.max_tokens
+                or req.num_tokens + req.num_inflight >= self.max_seq_len)
+
     def _feeds_chunk(self, req: Request) -> bool:
         """Whether the request's next row is a prefill chunk rather than a decode row: it still feeds known
         tokens, or only its prompt's last token is left (a budget cut) and the prompt's end is a snapshot
@@ -254,11 +273,12 @@ class Scheduler:
 
     def admit(self, budget: int) -> list[ScheduledSeq]:
         """Admit waiting requests strictly first-come-first-served (stop at the first that cannot start)
-        within `budget` tokens and the batch-size limit; returns their first chunks. Never preempts, so
-        async scheduling may also call it while a step is in flight."""
+        within `budget` tokens and the batch-size limit; returns their first chunks."""
         seqs: list[ScheduledSeq] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
+            if req.num_inflight:  # preempted with a token still on the device: readmit once it is read
+                break
             seq = self._admit(req, budget)
             if seq is None:
                 break
@@ -267,26 +287,6 @@ class Scheduler:
             seqs.append(seq)
             budget -= len(seq.token_ids)
         return seqs
-
-    def plan_continuations(self, reqs: list[Request], budget: int) -> list[ScheduledSeq] | None:
-        """The next prefill chunk of each of `reqs` (running, in prefill) in order within `budget` tokens,
-        planned without preempting anyone (async scheduling plans them while the previous step is in
-        flight). All or nothing: None, with no snapshot slot taken, when the free blocks do not cover
-        every chunk that fits the budget; then a full `schedule()` decides."""
-        planned: list[tuple[Request, ScheduledSeq]] = []
-        for req in reqs:
-            if budget <= 0:
-                break
-            seq = self._plan_chunk(req, budget)
-            if seq is None:
-                continue
-            if not self.cache.grow(req.block_ids, seq.start_pos + len(seq.token_ids)):
-                return None  # (blocks grown for the earlier chunks stay with their requests: they need them)
-            planned.append((req, seq))
-            budget -= len(seq.token_ids)
-        for req, seq in planned:
-            self._secure(req, seq)
-        return [seq for _, seq in planned]
 
     def _plan_chunk(self, req: Request, budget: int) -> ScheduledSeq | None:
         """The next prefill chunk of `req` within `budget` tokens, cut at a snapshot boundary the scan

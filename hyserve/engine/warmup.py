@@ -26,14 +26,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from hyserve.engine.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # the engine owns the warm-up; this module only drives it
+if TYPE_CHECKING:  # startup.py runs the warm-up on a constructed engine; this module only drives it
     from hyserve.engine.engine import LLMEngine
 
 logger = logging.getLogger("hyserve")
@@ -49,18 +48,6 @@ SAMPLING_CASES: tuple[tuple[str, SamplingParams], ...] = (
     ("logprobs", SamplingParams(max_tokens=2, temperature=0.0, logprobs=5, ignore_eos=True)),
 )
 MAX_MIXED_DECODES = 16
-
-
-def use_kernel_cache_dir(path: Path) -> Path:
-    """Point Triton's kernel cache (and its autotune results) at `path`/triton, so a restart loads
-    the compiled variants instead of compiling them again. Returns the directory used."""
-    import triton
-
-    d = path.expanduser() / "triton"
-    d.mkdir(parents=True, exist_ok=True)
-    triton.knobs.cache.dir = str(d)
-    triton.knobs.autotuning.cache = True
-    return d
 
 
 @dataclass
@@ -197,14 +184,10 @@ class Warmup:
         self._drain(running | {new})
 
     def _eager_decode(self) -> None:
-        runner = self.engine.runner
-        graphs, runner.graphs = runner.graphs, None
-        try:
+        with self.engine.runner.eager_decode():
             # 8 rows where the batch allows: the decode kernels switch tiles at 8 rows (conv1d_update)
             n = min(8, self.engine.scheduler.max_batch_size)
             self._run([4] * n, params=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-        finally:
-            runner.graphs = graphs
 
     def _guarded(self, fn: Callable[[], None]) -> str | None:
         try:

@@ -1,0 +1,147 @@
+"""Building an engine's parts from its config, in start-up order: load the model, profile activations
+(CUDA), size the cache pools (the capacity plan), allocate them, build the cache manager, scheduler and
+runner, capture the decode graphs. The engine holds the result; the warm-up runs after (`startup.py`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hyserve import envs
+from hyserve.cache.capacity import CapacityInputs, CapacityPlan, plan_capacity
+from hyserve.cache.manager import HybridCacheManager
+from hyserve.config import EngineConfig
+from hyserve.engine.cuda_graphs import default_capture_sizes
+from hyserve.engine.jit_sentinel import use_kernel_cache_dir
+from hyserve.engine.memory_profile import ActivationProfile, profile_activations
+from hyserve.engine.model_loader import LoadedModel, load_model
+from hyserve.engine.runner import ModelRunner
+from hyserve.engine.scheduler import Scheduler
+from hyserve.model.cache_tensors import CacheTensors
+
+DEFAULT_CPU_CACHE_BYTES = 512 * 2**20
+
+
+@dataclass
+class EngineParts:
+    loaded: LoadedModel
+    max_seq_len: int
+    graph_sizes: list[int]
+    activations: ActivationProfile | None
+    plan: CapacityPlan
+    cache_tensors: CacheTensors
+    cache: HybridCacheManager
+    scheduler: Scheduler
+    runner: ModelRunner
+
+
+def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
+    t0 = time.monotonic()
+    log("hyserve: loading model ...")
+    lm = load_model(config)
+    if lm.device.type == "cuda":
+        d = use_kernel_cache_dir(Path(config.cache_dir) if config.cache_dir else envs.HYSERVE_CACHE_DIR)
+        log(f"hyserve: kernel cache: {d}")
+    if lm.device.type == "cpu" and torch.get_num_threads() <= 2:
+        torch.set_num_threads(1)  # 2 threads on 2-core machines were 2-50x slower (docs/architecture.md)
+    log(f"hyserve: {lm.name}: {lm.config.describe()}, {str(lm.dtype).removeprefix('torch.')} on {lm.device} "
+        f"({time.monotonic() - t0:.1f}s)")
+    sc = config.scheduler
+    max_seq_len = sc.max_seq_len or lm.config.max_position_embeddings
+    graph_sizes = graph_batch_sizes(config, lm, log)
+    activations = None
+    if lm.device.type == "cuda":
+        activations = profile_activations(
+            lm.model, lm.device, max_num_tokens=sc.max_num_tokens, max_batch_size=sc.max_batch_size,
+            graph_batch_size=max(graph_sizes, default=0) or sc.max_batch_size,
+            tokens_per_block=config.cache.tokens_per_block,
+        )
+        log(f"hyserve: activation peak (profiled): {activations.prefill_peak_bytes / 2**20:,.0f} MiB for a "
+            f"{sc.max_num_tokens}-token step, {activations.decode_peak_bytes / 2**20:,.0f} MiB for a decode step")
+    budget = cache_budget_bytes(config, lm, activations, graph_sizes)
+    plan = plan_capacity(capacity_inputs(config, lm, budget, max_seq_len, graph_sizes))
+    tensors = lm.model.allocate_cache(
+        num_blocks=plan.num_kv_blocks, tokens_per_block=config.cache.tokens_per_block,
+        num_slots=plan.num_live_slots + plan.num_pad_slots + plan.num_snapshot_slots, device=lm.device,
+    )
+    ms = config.cache.mamba_state_config
+    cache = HybridCacheManager(
+        plan, has_mamba=lm.config.has_recurrent_state, enable_block_reuse=config.cache.enable_block_reuse,
+        snapshot_interval=ms.periodic_snapshot_interval, snapshot_offsets_from_end=ms.additional_snapshot_offsets_from_end,
+    )
+    scheduler = Scheduler(
+        cache, max_batch_size=sc.max_batch_size, max_num_tokens=sc.max_num_tokens,
+        enable_chunked_prefill=sc.enable_chunked_prefill, chunk_size=lm.config.chunk_size, max_seq_len=max_seq_len,
+    )
+    runner = ModelRunner(lm.model, tensors, lm.device)
+    if graph_sizes:
+        g = runner.capture_graphs(
+            graph_sizes, pad_slot=cache.states.pad_slots[0], enable_padding=config.cuda_graph.enable_padding,
+            max_blocks_per_seq=min(plan.num_kv_blocks, -(-max_seq_len // config.cache.tokens_per_block)),
+        )
+        log(f"hyserve: captured {len(g.sizes)} decode CUDA graphs (batch sizes {g.sizes[0]}..{g.sizes[-1]}) in "
+            f"{g.capture_seconds:.1f}s, {g.graph_bytes / 2**20:,.0f} MiB")
+    return EngineParts(lm, max_seq_len, graph_sizes, activations, plan, tensors, cache, scheduler, runner)
+
+
+def capacity_inputs(
+    config: EngineConfig, lm: LoadedModel, budget: int, max_seq_len: int, graph_sizes: list[int]
+) -> CapacityInputs:
+    c = config.cache
+    return CapacityInputs(
+        budget_bytes=budget,
+        kv_bytes_per_token=lm.config.kv_bytes_per_token,
+        state_bytes_per_slot=lm.config.state_bytes_per_sequence,
+        max_batch_size=config.scheduler.max_batch_size,
+        max_seq_len=max_seq_len,
+        max_num_tokens=config.scheduler.max_num_tokens,
+        tokens_per_block=c.tokens_per_block,
+        enable_block_reuse=c.enable_block_reuse,
+        periodic_snapshot_interval=c.mamba_state_config.periodic_snapshot_interval,
+        num_snapshot_offsets=len(c.mamba_state_config.additional_snapshot_offsets_from_end),
+        avg_seq_len=c.avg_seq_len,
+        num_pad_slots=1 if graph_sizes else 0,
+        max_kv_tokens=c.max_tokens,
+        allow_oversized_max_seq_len=c.allow_oversized_max_seq_len,
+    )
+
+
+def cache_budget_bytes(
+    config: EngineConfig, lm: LoadedModel, activations: ActivationProfile | None, graph_sizes: list[int]
+) -> int:
+    c = config.cache
+    if lm.device.type == "cpu":
+        return c.max_gpu_total_bytes or DEFAULT_CPU_CACHE_BYTES
+    free, _total = torch.cuda.mem_get_info(lm.device)
+    assert activations is not None
+    # the allocator's reserve above the profiled peaks (fragmentation, cuBLAS workspaces)
+    slack = 256 * 2**20
+    # each captured graph keeps its float32 logits alive in the shared graph pool, and the 16-bit logits
+    # they were cast from fragment it: 6 bytes per logit (matched on the H200 to within 2%)
+    graph_logits = sum(graph_sizes) * lm.config.vocab_size * 6
+    budget = int(free * c.free_gpu_memory_fraction) - activations.total_bytes - graph_logits - slack
+    if c.max_gpu_total_bytes is not None:
+        budget = min(budget, c.max_gpu_total_bytes)
+    return max(budget, 0)
+
+
+def graph_batch_sizes(config: EngineConfig, lm: LoadedModel, log: Callable[[str], None]) -> list[int]:
+    """Decode batch sizes to capture as CUDA graphs (empty: decode runs eagerly)."""
+    cg = config.cuda_graph
+    sc = config.scheduler
+    if lm.device.type != "cuda" or not cg.enabled:
+        return []
+    if not lm.model.graph_capturable:
+        log("hyserve: CUDA graphs off: this model's decode step reads host values (MoE expert dispatch)")
+        return []
+    limit = min(cg.max_batch_size or sc.max_batch_size, sc.max_batch_size)
+    if cg.batch_sizes is None:
+        return default_capture_sizes(limit)
+    sizes = [b for b in cg.batch_sizes if b <= limit]
+    if len(sizes) < len(cg.batch_sizes):
+        log(f"hyserve: cuda_graph_config.batch_sizes above {limit} (max batch size) are not captured")
+    return sizes
