@@ -6,10 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from hyserve.model.tokenizer import (
+    BOS,
+    EOS,
+    PAD,
+    TINY_SPECIAL_TOKENS,
     IncrementalDetokenizer,
     Tokenizer,
     TokenizerNotFoundError,
@@ -252,6 +256,8 @@ def _stream(tok: Tokenizer, ids: list[int], **kw) -> tuple[list[str], str]:
 @FAST
 @given(texts)
 def test_detokenizer_never_splits_characters(tok, text):
+    # a special token's spelling in the text ("<s>") encodes to that token, which decoding skips
+    assume(not any(sp in text for sp in (PAD, BOS, EOS, *TINY_SPECIAL_TOKENS)))
     ids = tok.encode(text)
     deltas, tail = _stream(tok, ids)
     assert "".join(deltas) == text and tail == ""
