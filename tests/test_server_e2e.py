@@ -443,3 +443,23 @@ def test_text_offset_monotonic_with_echo_and_streaming(client: openai.OpenAI, mo
     assert len(streamed) == 12 and streamed == sorted(streamed)
     n_prompt = len(offs) - 12
     assert [o - len(prompt) for o in offs[n_prompt:]] == streamed
+
+
+def test_responses_api_whole_and_streamed(client: openai.OpenAI, model: str) -> None:
+    """The Responses API on the real engine: greedy, so the streamed events rebuild the whole reply."""
+    kw: dict[str, Any] = {"model": model, "input": "Say something.", "instructions": "Be brief.",
+                          "max_output_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    whole = client.responses.create(**kw)
+    assert whole.status == "incomplete" and whole.usage.output_tokens == 12  # thinking on: all reasoning
+    assert whole.usage.output_tokens_details.reasoning_tokens in range(13)
+    events = list(client.responses.create(**kw, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    final = events[-1].response
+    assert [o.type for o in final.output] == [o.type for o in whole.output]
+    text = lambda r: [(o.type, "".join(c.text for c in (o.content or []))) for o in r.output]  # noqa: E731
+    assert text(final) == text(whole)
+    deltas = "".join(e.delta for e in events if e.type in ("response.reasoning_text.delta",
+                                                           "response.output_text.delta"))
+    assert deltas == "".join(t for _, t in text(whole))
+    off = client.responses.create(**{**kw, "reasoning": {"effort": "none"}})
+    assert [o.type for o in off.output] == ["message"] and off.usage.output_tokens_details.reasoning_tokens == 0

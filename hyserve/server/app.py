@@ -1,12 +1,12 @@
 """The FastAPI app: OpenAI-compatible routes over an `AsyncEngine`.
 
-    POST /v1/chat/completions   POST /v1/completions       (SSE streaming or one JSON body)
+    POST /v1/chat/completions   POST /v1/completions       POST /v1/responses   (SSE or one JSON body)
     GET  /v1/models             GET  /v1/models/{model}
     POST /tokenize              POST /detokenize
     GET  /health (and HEAD)     GET  /metrics              GET /version
 
-One module per route family (`serving_chat.py`, `serving_completion.py`, `serving_tokenize.py`,
-`serving_admin.py`), each a function of (request, `AppState`); `state.py` holds what they share and
+One module per route family (`serving_chat.py`, `serving_completion.py`, `serving_responses.py`,
+`serving_tokenize.py`, `serving_admin.py`), each a function of (request, `AppState`); `state.py` holds what they share and
 `generation.py` runs their engine requests. A request goes: validate (pydantic, then our own checks,
 then `engine.validate_request`, so every 4xx is decided before anything runs) -> `engine.generate` ->
 deltas -> reasoning / tool-call parsing -> response. Three failure rules shape the code:
@@ -27,7 +27,13 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from hyserve.server import serving_admin, serving_chat, serving_completion, serving_tokenize
+from hyserve.server import (
+    serving_admin,
+    serving_chat,
+    serving_completion,
+    serving_responses,
+    serving_tokenize,
+)
 from hyserve.server.errors import install_error_handlers
 from hyserve.server.metrics import ServerMetrics
 from hyserve.server.middleware import ApiMiddleware
@@ -57,6 +63,7 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
         logger.info("no --tool_parser: requests with `tools` get the model's raw output as content")
     serving_chat.add_routes(app, state)
     serving_completion.add_routes(app, state)
+    serving_responses.add_routes(app, state)
     serving_tokenize.add_routes(app, state)
     serving_admin.add_routes(app, state)
     return app

@@ -18,7 +18,8 @@ from hyserve.server.metrics import ServerMetrics
 # Routes that need the API key when one is set (health, metrics and version stay open for probes).
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 _COUNTED_ROUTES = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/version"}
+    {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize", "/health",
+     "/version"}
 )
 
 

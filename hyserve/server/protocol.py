@@ -345,3 +345,100 @@ class ErrorInfo(_Response):
 
 class ErrorResponse(_Response):
     error: ErrorInfo
+
+
+# ---- the Responses API -----------------------------------------------------------------------------------
+
+
+class ResponsesTool(_Request):
+    """A tool of the Responses API; only `{"type": "function", "name": ..., "parameters": ...}` is served."""
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesToolChoiceFunction(_Request):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesTextFormat(_Request):
+    type: str = "text"
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponsesText(_Request):
+    format: ResponsesTextFormat | None = None
+    verbosity: str | None = None
+
+
+class ResponsesReasoning(_Request):
+    effort: str | None = None
+    summary: str | None = None
+
+
+class ResponsesRequest(_SamplingFields):
+    """`POST /v1/responses` (no stored state: `input` carries the whole conversation)."""
+
+    # a string (one user message) or a list of input items (messages, function calls and their outputs,
+    # reasoning items), checked item by item in serving_responses.py so errors name the item
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoiceFunction | None = None
+    parallel_tool_calls: bool | None = True
+    text: ResponsesText | None = None
+    reasoning: ResponsesReasoning | None = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+    prompt: Any = None
+    background: bool | None = None
+    store: bool | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    max_tool_calls: int | None = None
+    metadata: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ResponsesUsage(_Response):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponsesResponse(_Response):
+    """The Response object (output items as the OpenAI API shapes them: message, reasoning, function_call)."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: str
+    model: str
+    output: list[dict[str, Any]]
+    usage: ResponsesUsage | None = None
+    error: dict[str, Any] | None = None
+    incomplete_details: dict[str, Any] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    parallel_tool_calls: bool = True
+    temperature: float | None = None
+    top_p: float | None = None
+    tool_choice: Any = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    store: bool = False
+    truncation: str = "disabled"
