@@ -109,9 +109,8 @@ def bench_hyserve(cfg: HybridModelConfig, records: list, notes: list) -> None:
         records.append(rec("hyserve decode batch 1, graph replay alone (tok/s)", 1e3 / gpu_ms, "tok/s",
                            "weight-bandwidth roofline", decode_roof))
         notes.append(replay_breakdown(replay, gpu_ms))
-        eng.runner.graphs = None
-        eager = decode_b1("e")
-        eng.runner.graphs = graphs
+        with eng.runner.eager_decode():
+            eager = decode_b1("e")
         records.append(rec("hyserve decode batch 1, CUDA graphs vs eager (x)", tps / eager, "x",
                             "eager decode, same run", 1.0))
     # 8k prefill
@@ -149,9 +148,8 @@ def bench_hyserve(cfg: HybridModelConfig, records: list, notes: list) -> None:
     # ratio = roofline / measured, so 1.0 means at the roofline
     records[-1]["ratio"] = roof_ms / step_ms
     if graphs is not None:
-        eng.runner.graphs = None
-        eager_ms, _ = step_b64("e")
-        eng.runner.graphs = graphs
+        with eng.runner.eager_decode():
+            eager_ms, _ = step_b64("e")
         records.append(rec("hyserve decode step batch 64, CUDA graphs speed-up vs eager (x)", eager_ms / step_ms,
                            "x", "eager decode, same run", 1.0))
     from hyserve.kernels import ops

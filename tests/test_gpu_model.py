@@ -129,8 +129,8 @@ def test_nano9b_graph_decode_matches_eager_bf16() -> None:
                 kv_cache_config={"free_gpu_memory_fraction": 0.3, "enable_block_reuse": False})
     llm = LLM(d, cuda_graph_config={"batch_sizes": [4], "enable_padding": False}, **opts)
     with_graphs = [o.token_ids for o in llm.generate(prompts, p)]
-    llm.engine.runner.graphs = None
-    eager = [o.token_ids for o in llm.generate(prompts, p)]
+    with llm.engine.runner.eager_decode():
+        eager = [o.token_ids for o in llm.generate(prompts, p)]
     assert with_graphs == eager
 
 
