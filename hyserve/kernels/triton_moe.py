@@ -440,6 +440,11 @@ def validate_config(cfg: dict[str, Any], where: str = "config") -> dict[str, Any
 
 
 @functools.lru_cache(maxsize=8)
+def _device_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+@functools.lru_cache(maxsize=8)
 def _tuned_table(device_name: str) -> dict[str, dict[str, dict[str, Any]]]:
     path = _device_file(device_name)
     if not path.exists():
@@ -506,7 +511,7 @@ def moe_config(num_experts: int, inter: int, hidden: int, num_tokens: int, top_k
     of this shape on this GPU, else `heuristic_config` (the interpreter: small tiles)."""
     if device.type != "cuda":
         return _INTERPRETER_GEMV if num_tokens <= 2 else _INTERPRETER_GEMM
-    table = _tuned_table(torch.cuda.get_device_name(device)).get(shape_key(num_experts, inter, hidden))
+    table = _tuned_table(_device_name(device.index)).get(shape_key(num_experts, inter, hidden))
     if not table:
         return heuristic_config(num_experts, inter, hidden, num_tokens, top_k)
     b = math.log2(token_bucket(num_tokens))
@@ -514,10 +519,64 @@ def moe_config(num_experts: int, inter: int, hidden: int, num_tokens: int, top_k
 
 
 # --------------------------------------------------------------------------- launcher
+# One function per launch, so `benchmarks/bench_moe.py --tune` can time each stage on its own.
 
 
 def _launch(sub: dict[str, Any]) -> dict[str, int]:
     return dict(num_warps=sub["num_warps"], num_stages=sub["num_stages"])
+
+
+def launch_up_gemv(x, w_up, ids, h, up: dict[str, Any]) -> None:
+    """h [T*k, I] = relu(x[p // k] @ w_up[ids[p]]^T)^2."""
+    inter, d = w_up.shape[1], w_up.shape[2]
+    _up_gemv_kernel[(ids.numel(), triton.cdiv(inter, up["BLOCK_N"]))](
+        x, w_up, ids, h, inter, d, x.stride(0), w_up.stride(0), w_up.stride(1), h.stride(0),
+        TOP_K=ids.shape[1], BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], EVEN_K=d % up["BLOCK_K"] == 0,
+        NUM_STAGES=up["num_stages"], num_warps=up["num_warps"],
+    )
+
+
+def launch_down_gemv(h, w_down, ids, tw, out, dn: dict[str, Any]) -> None:
+    """out [T, d] = sum_s tw[t, s] * w_down[ids[t, s]] @ h[t*k + s]."""
+    d, inter = w_down.shape[1], w_down.shape[2]
+    _down_gemv_kernel[(out.shape[0], triton.cdiv(d, dn["BLOCK_N"]))](
+        h, w_down, ids, tw, out, d, inter, h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
+        TOP_K=ids.shape[1], BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0,
+        NUM_STAGES=dn["num_stages"], num_warps=dn["num_warps"],
+    )
+
+
+def launch_up_gemm(x, w_up, h, sorted_ids, expert_ids, npad, num_pairs: int, top_k: int, block_m: int,
+                   up: dict[str, Any]) -> None:
+    """h [P, I] over the align layout (moe_up_ref)."""
+    inter, d = w_up.shape[1], w_up.shape[2]
+    nb = expert_ids.numel()
+    _up_gemm_kernel[(nb * triton.cdiv(inter, up["BLOCK_N"]),)](
+        x, w_up, h, sorted_ids, expert_ids, npad, num_pairs, nb, inter, d, up["GROUP_M"],
+        x.stride(0), w_up.stride(0), w_up.stride(1), h.stride(0),
+        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"],
+        EVEN_K=d % up["BLOCK_K"] == 0, IEEE=x.dtype == torch.float32, **_launch(up),
+    )
+
+
+def launch_down_gemm(h, w_down, y, tw, sorted_ids, expert_ids, npad, block_m: int, dn: dict[str, Any]) -> None:
+    """y [T*k, d], each pair's row weighted (moe_down_ref)."""
+    d, inter = w_down.shape[1], w_down.shape[2]
+    nb = expert_ids.numel()
+    _down_gemm_kernel[(nb * triton.cdiv(d, dn["BLOCK_N"]),)](
+        h, w_down, y, tw, sorted_ids, expert_ids, npad, y.shape[0], nb, d, inter, dn["GROUP_M"],
+        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0,
+        IEEE=h.dtype == torch.float32, **_launch(dn),
+    )
+
+
+def launch_combine(y, out, top_k: int) -> None:
+    """out [T, d] = sum of each token's k rows of y (moe_combine_ref)."""
+    T, d = out.shape
+    bc = 1024 if y.is_cuda else 64
+    _combine_kernel[(T, triton.cdiv(d, bc))](y, out, d, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK_N=bc,
+                                             num_warps=4)
 
 
 def moe_experts_triton(
@@ -545,42 +604,18 @@ def moe_experts_triton(
     xc = x if x.stride(1) == 1 else x.contiguous()
     ids = topk_ids.contiguous()
     tw = topk_w.float().contiguous()
-    ieee = x.dtype == torch.float32
-    up, dn = cfg["up"], cfg["down"]
     if cfg["variant"] == "gemv":
         h = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)
-        _up_gemv_kernel[(T * k, triton.cdiv(inter, up["BLOCK_N"]))](
-            xc, w_up, ids, h, inter, d, xc.stride(0), w_up.stride(0), w_up.stride(1), h.stride(0),
-            TOP_K=k, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], EVEN_K=d % up["BLOCK_K"] == 0,
-            NUM_STAGES=up["num_stages"], num_warps=up["num_warps"],
-        )
-        _down_gemv_kernel[(T, triton.cdiv(d, dn["BLOCK_N"]))](
-            h, w_down, ids, tw, out, d, inter, h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
-            TOP_K=k, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0,
-            NUM_STAGES=dn["num_stages"], num_warps=dn["num_warps"],
-        )
+        launch_up_gemv(xc, w_up, ids, h, cfg["up"])
+        launch_down_gemv(h, w_down, ids, tw, out, cfg["down"])
         return out
     bm = cfg["BLOCK_M"]
     sorted_ids, expert_ids, npad = moe_align_triton(ids, E, bm)
-    nb = expert_ids.numel()
-    n = T * k
-    h = torch.empty(nb * bm, inter, dtype=x.dtype, device=x.device)
-    _up_gemm_kernel[(nb * triton.cdiv(inter, up["BLOCK_N"]),)](
-        xc, w_up, h, sorted_ids, expert_ids, npad, n, nb, inter, d, up["GROUP_M"],
-        xc.stride(0), w_up.stride(0), w_up.stride(1), h.stride(0),
-        TOP_K=k, BLOCK_M=bm, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], EVEN_K=d % up["BLOCK_K"] == 0,
-        IEEE=ieee, **_launch(up),
-    )
-    y = torch.empty(n, d, dtype=x.dtype, device=x.device)
-    _down_gemm_kernel[(nb * triton.cdiv(d, dn["BLOCK_N"]),)](
-        h, w_down, y, tw, sorted_ids, expert_ids, npad, n, nb, d, inter, dn["GROUP_M"],
-        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0,
-        IEEE=ieee, **_launch(dn),
-    )
-    bc = 1024 if x.is_cuda else 64
-    _combine_kernel[(T, triton.cdiv(d, bc))](y, out, d, y.stride(0), out.stride(0), TOP_K=k, BLOCK_N=bc,
-                                             num_warps=4)
+    h = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
+    launch_up_gemm(xc, w_up, h, sorted_ids, expert_ids, npad, T * k, k, bm, cfg["up"])
+    y = torch.empty(T * k, d, dtype=x.dtype, device=x.device)
+    launch_down_gemm(h, w_down, y, tw, sorted_ids, expert_ids, npad, bm, cfg["down"])
+    launch_combine(y, out, k)
     return out
 
 

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device call for the MoE kernels (issue 23): the GPU tests of tests/test_moe_kernels.py and the tiny MoE
+# models on CUDA, then benchmarks/bench_moe.py (with --tune: autotune first and write
+# hyserve/kernels/moe_configs/<GPU>.json). Results land in benchmarks/results/ and, when $OUT is set (the
+# lent-GPU tool), are copied there with the config file and the log.
+# usage: scripts/gpu_moe_check.sh [GIT_SHA [tests] [tune|bench] ...]   (default: tests tune)
+set -uo pipefail
+sha=${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+shift || true
+parts=" ${*:-tests tune} "
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p benchmarks/results
+log=benchmarks/results/moe_gpu_check_$sha.log
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+  if [[ $parts == *" tests "* ]]; then
+    echo "== GPU tests"
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --durations=10 tests/test_moe_kernels.py \
+      "tests/test_gpu_model.py::test_tiny_cuda_matches_cpu[moe]" "tests/test_gpu_model.py::test_tiny_cuda_matches_cpu[latent-moe]" 2>&1 | tail -60
+  fi
+  if [[ $parts == *" tune "* ]]; then
+    echo "== tune + benchmark"
+    timeout 420 python3 benchmarks/bench_moe.py --tune --git-sha "$sha" --out "benchmarks/results/moe_$sha.json" 2>&1
+  elif [[ $parts == *" bench "* ]]; then
+    echo "== benchmark"
+    timeout 300 python3 benchmarks/bench_moe.py --git-sha "$sha" --out "benchmarks/results/moe_$sha.json" 2>&1
+  fi
+} 2>&1 | tee "$log"
+if [ -n "${OUT:-}" ]; then
+  cp "benchmarks/results/moe_$sha.json" "benchmarks/results/moe_$sha.md" "$log" "$OUT"/ 2>/dev/null
+  cp hyserve/kernels/moe_configs/*.json "$OUT"/ 2>/dev/null
+fi
+exit 0
