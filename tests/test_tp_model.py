@@ -8,9 +8,15 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
+from dist_pool import RankPool
+from model_harness import Harness, strong_random_weights
 
+from hyserve.distributed import parallel_info
 from hyserve.model.config import HybridModelConfig
+from hyserve.model.nemotron_h import NemotronHForCausalLM
 from hyserve.model.sharding import check_parallel, rank_cache_config, sharding_problems
+from hyserve.model.weights import init_random_weights, load_checkpoint, save_checkpoint
 
 CONFIGS = Path("/work/shared/configs")
 TINY_DENSE = {
@@ -93,3 +99,89 @@ def test_rank_cache_config_holds_one_ranks_heads() -> None:
         assert r.state_bytes_per_sequence * tp >= cfg.state_bytes_per_sequence  # replication only adds
     assert rank_cache_config(cfg, 1) is cfg
     assert rank_cache_config(cfg, 2).kv_bytes_per_token * 2 == cfg.kv_bytes_per_token
+
+
+# ---- tp 2 over two gloo ranks against tp 1 ---------------------------------------------------------------
+# packed prefill (one prompt split at a chunk boundary), then a step mixing decodes with the prompt's second
+# chunk and a new prompt, then decodes: every token's logits are compared
+def _steps() -> list[list[tuple[int, list[int]]]]:
+    g = torch.Generator().manual_seed(11)
+
+    def toks(n: int) -> list[int]:
+        return torch.randint(0, 250, (n,), generator=g).tolist()
+
+    steps = [[(0, toks(11)), (1, toks(5)), (2, toks(8))], [(0, toks(1)), (1, toks(1)), (2, toks(9)), (3, toks(3))]]
+    steps += [[(s, toks(1)) for s in range(4)] for _ in range(3)]
+    return steps
+
+
+def _run(model: NemotronHForCausalLM) -> list[torch.Tensor]:
+    h = Harness(model, max_seqs=4, max_len=64, bs=4)
+    # this rank's pools (the harness sizes full ones from the config)
+    h.cache = model.allocate_cache(num_blocks=4 * h.bps, tokens_per_block=4, num_slots=4 + 8, device="cpu")
+    return [h.step(items, all_logits=True) for items in _steps()]
+
+
+def _case_tp(cfg: HybridModelConfig, ckpt: str | None, seed: int) -> dict:
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM(cfg)
+    if ckpt is None:
+        init_random_weights(model, cfg, seed=seed)
+    else:
+        load_checkpoint(model, ckpt)
+    tp = parallel_info().tp_size
+    cache = model.allocate_cache(num_blocks=1, tokens_per_block=4, num_slots=1, device="cpu")
+    shapes = {
+        "k": tuple(next(iter(cache.k.values())).shape), "conv": tuple(next(iter(cache.conv.values())).shape),
+        "ssm": tuple(next(iter(cache.ssm.values())).shape),
+    }
+    return {"tp": tp, "logits": _run(model), "cache": shapes}
+
+
+def _variant(name: str) -> HybridModelConfig:
+    if name == "dense":  # the tiny dense config: 2 KV heads and 2 Mamba groups split over the ranks
+        return _cfg()
+    # one Mamba group and one KV head (both replicated: the gated norm's group spans the ranks), an odd
+    # vocabulary (the lm_head's last block is padded) and every bias on
+    return _cfg(n_groups=1, num_key_value_heads=1, vocab_size=251, use_bias=True, attention_bias=True, mlp_bias=True)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = RankPool(2, timeout_s=20.0)
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("variant", ["dense", "replicated"])
+def test_tp2_matches_tp1_from_a_checkpoint(pool: RankPool, tmp_path: Path, variant: str) -> None:
+    cfg = _variant(variant)
+    ref_model = NemotronHForCausalLM(cfg)
+    strong_random_weights(ref_model, cfg, seed=5)
+    save_checkpoint(ref_model, tmp_path)
+    want = _run(ref_model)
+    got = pool.run(_case_tp, cfg, str(tmp_path), 0)
+    heads_kv, groups = 1, 1  # per rank: 2 KV heads / 2 groups split, or 1 replicated
+    for rank, res in enumerate(got):
+        assert res["tp"] == 2
+        assert res["cache"] == {"k": (1, 4, heads_kv, 16), "conv": (1, 4 * 16 + 2 * groups * 16, 3),
+                                "ssm": (1, 4, 16, 16)}, res["cache"]
+        for step, (a, b) in enumerate(zip(res["logits"], want)):
+            assert a.shape == b.shape == (b.shape[0], cfg.vocab_size)
+            err = (a - b).abs().max().item()
+            assert err <= 1e-4, f"rank {rank} step {step}: max |tp2 - tp1| = {err:.2e}"
+            assert torch.equal(a.argmax(-1), b.argmax(-1)), f"rank {rank} step {step}: greedy tokens differ"
+            assert b.abs().max() > 1.0  # logits O(1): a 1e-4 tolerance means something
+    for a, b in zip(got[0]["logits"], got[1]["logits"]):
+        assert torch.equal(a, b)  # both ranks sample from the same logits
+
+
+def test_tp2_dummy_weights_are_the_tp1_model(pool: RankPool) -> None:
+    """load_format dummy: each rank keeps its rows of the tensors tp 1 draws, so the model is the same."""
+    cfg = _variant("dense")
+    ref_model = NemotronHForCausalLM(cfg)
+    init_random_weights(ref_model, cfg, seed=3)
+    want = _run(ref_model)
+    for res in pool.run(_case_tp, cfg, None, 3):
+        for a, b in zip(res["logits"], want):
+            assert (a - b).abs().max().item() <= 1e-5
