@@ -24,7 +24,8 @@ seeded row; so its token depends only on its own logits, never on the other rows
 their order. The same seed gives the same tokens on the same kind of device (CPU and CUDA generators
 produce different streams).
 
-Penalties and logit bias edit a copy of the logits first (`logits_processing.py`), for the rows that ask.
+Penalties and logit bias edit a copy of the logits first (`logits_processing.py`), for the rows that ask;
+a structured-outputs bitmask then sets the tokens a grammar forbids to -inf (`structured_output.py`).
 Logprobs are reported from the model's raw distribution (log_softmax of the logits, before temperature
 and filtering), as vLLM does by default, with the requested top alternatives sorted by logprob.
 Host-side per-row parameters (and the sampled rows' indices) travel in one small pinned, non-blocking
@@ -42,6 +43,7 @@ import torch
 from hyserve.engine.logits_processing import History, process_logits, to_device
 from hyserve.engine.outputs import TokenLogprob
 from hyserve.engine.sampling_params import SamplingParams
+from hyserve.engine.structured_output import apply_token_bitmask
 
 _SEED_MULT = 1_000_003
 _SEED_MASK = 0x7FFF_FFFF_FFFF_FFFF
@@ -129,7 +131,7 @@ class Sampler:
 
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int],
-        histories: Sequence[History | None] | None = None,
+        histories: Sequence[History | None] | None = None, bitmask: torch.Tensor | None = None,
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits: [n, V] float32 (any device) -> n token ids and, where requested, their logprobs.
 
@@ -140,7 +142,7 @@ class Sampler:
         n = logits.shape[0]
         if n == 0:
             return [], []
-        tokens = self.sample_tokens(logits, params, output_index, histories)
+        tokens = self.sample_tokens(logits, params, output_index, histories, bitmask=bitmask)
         token_list = [int(t) for t in tokens.tolist()]
         pending = self.pending_logprobs(logits, tokens, params)
         if pending is None:
@@ -150,11 +152,16 @@ class Sampler:
     def sample_tokens(
         self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int],
         histories: Sequence[History | None] | None = None, pending: torch.Tensor | None = None,
+        bitmask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The token ids [n] (long, on the logits' device) of `sample`, without reading them to the host:
         nothing here waits for the device. `pending`: each row's output token still on the device (-1:
-        none), counted in its penalty history (`process_logits`)."""
+        none), counted in its penalty history (`process_logits`). `bitmask` [n, ceil(V / 32)] int32 (host or
+        device): the tokens each row may take (structured outputs; structured_output.py), applied on the
+        device after the penalties, so every filter and the draw see only allowed tokens."""
         x = process_logits(logits, params, histories, pending)
+        if bitmask is not None:
+            x = apply_token_bitmask(x, bitmask if bitmask.device == x.device else to_device(bitmask, x.device))
         rest = [i for i, p in enumerate(params) if not p.greedy]
         if not rest:
             return x.argmax(dim=-1)  # [n]

@@ -3,6 +3,7 @@ and its allowed range (the server maps these `ValueError`s to HTTP 400)."""
 
 from __future__ import annotations
 
+import json as _json
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
@@ -13,6 +14,48 @@ MAX_STOP_CHARS = 4096  # all of a request's stop strings together
 # Temperatures below this sample as greedy (softmax(x / t) is one-hot long before t reaches float32's
 # smallest normal, where x / t overflows to inf and the sampled token becomes arbitrary)
 GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+MAX_GRAMMAR_CHARS = 200_000  # a json schema, regex or grammar; all choices together
+
+
+@dataclass(frozen=True, kw_only=True)
+class StructuredOutputsParams:
+    """One constraint on the output (hyserve/engine/structured_output.py): a JSON schema (`json`, a dict or
+    its JSON text), any JSON object (`json_object`), a regular expression, one of `choice`, or an EBNF
+    `grammar`. `start_after`: the constraint starts once this string has been generated (the end of the
+    thinking section, "</think>", when a reasoning parser is on)."""
+
+    json: str | dict | None = None  # a dict is stored as its JSON text
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    start_after: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            set_.append("json_object")
+        if len(set_) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {set_ or 'none'}")
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {type(self.json).__name__}")
+        if isinstance(self.json, dict):  # kept as text: the params stay hashable, and it is the cache key
+            object.__setattr__(self, "json", _json.dumps(self.json, sort_keys=True))
+        for k in ("regex", "grammar", "start_after"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{k} must be a non-empty string, got {v!r}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        size = len(self.json) if isinstance(self.json, str) else 0
+        size += len(self.regex or "") + len(self.grammar or "") + sum(len(c) for c in self.choice or ())
+        if size > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"structured_outputs: at most {MAX_GRAMMAR_CHARS} characters of constraint, got {size}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +77,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # [-2, 2]
     repetition_penalty: float = 1.0  # (0, 10]; 1 = off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); a dict is accepted
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (structured_output.py)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -95,6 +139,8 @@ class SamplingParams:
             raise bad("repetition_penalty", "in (0, 10] (1 = off)", r)
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries", f"{len(self.logit_bias)} entries")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "a StructuredOutputsParams", self.structured_outputs)
         for kv in self.logit_bias:
             ok = len(kv) == 2 and isinstance(kv[0], int) and not isinstance(kv[0], bool) and kv[0] >= 0
             if not ok or isinstance(kv[1], bool) or not isinstance(kv[1], int | float) or not (-100 <= kv[1] <= 100):
