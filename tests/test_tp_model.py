@@ -16,6 +16,7 @@ from hyserve.distributed import parallel_info
 from hyserve.model.config import HybridModelConfig
 from hyserve.model.nemotron_h import NemotronHForCausalLM
 from hyserve.model.sharding import check_parallel, rank_cache_config, sharding_problems
+from hyserve.model.tiny import tiny_config
 from hyserve.model.weights import init_random_weights, load_checkpoint, save_checkpoint
 
 CONFIGS = Path("/work/shared/configs")
@@ -58,6 +59,8 @@ def test_super_splits_where_it_should(tp: int, ep: int) -> None:
      ["n_routed_experts (100) is not divisible by ep_size (8)"]),
     (dataclasses.replace(_super(), moe_intermediate_size=2690), 8, 2,
      ["moe_intermediate_size (2690) is not divisible by tp_size / ep_size (4)"]),
+    (dataclasses.replace(_super(), n_routed_experts=64), 8, 8,
+     ["n_routed_experts / ep_size (64 / 8) is fewer than num_experts_per_tok (22)"]),
     (dataclasses.replace(_super(), moe_shared_expert_intermediate_size=5378), 4, 4,
      ["moe_shared_expert_intermediate_size (5378) is not divisible by tp_size (4)"]),
 ])
@@ -129,16 +132,20 @@ def _case_tp(cfg: HybridModelConfig, ckpt: str | None, seed: int) -> dict:
         init_random_weights(model, cfg, seed=seed)
     else:
         load_checkpoint(model, ckpt)
-    tp = parallel_info().tp_size
+    info = parallel_info()
+    moe = [m.mixer.experts for m in model.backbone.layers if hasattr(m.mixer, "experts")]
     cache = model.allocate_cache(num_blocks=1, tokens_per_block=4, num_slots=1, device="cpu")
     shapes = {
         "k": tuple(next(iter(cache.k.values())).shape), "conv": tuple(next(iter(cache.conv.values())).shape),
         "ssm": tuple(next(iter(cache.ssm.values())).shape),
     }
-    return {"tp": tp, "logits": _run(model), "cache": shapes}
+    experts = (moe[0].first_expert, moe[0].num_local) if moe else None
+    return {"tp": info.tp_size, "ep": info.ep_size, "logits": _run(model), "cache": shapes, "experts": experts}
 
 
 def _variant(name: str) -> HybridModelConfig:
+    if name in ("moe", "latent-moe"):  # 4 experts / 8 experts with a 32-wide latent, top-2, a shared expert
+        return HybridModelConfig.from_dict({**tiny_config(name), "dtype": "float32"}, name=name)
     if name == "dense":  # the tiny dense config: 2 KV heads and 2 Mamba groups split over the ranks
         return _cfg()
     # one Mamba group and one KV head (both replicated: the gated norm's group spans the ranks), an odd
@@ -153,17 +160,17 @@ def pool():
     p.close()
 
 
-@pytest.mark.parametrize("variant", ["dense", "replicated"])
-def test_tp2_matches_tp1_from_a_checkpoint(pool: RankPool, tmp_path: Path, variant: str) -> None:
-    cfg = _variant(variant)
-    ref_model = NemotronHForCausalLM(cfg)
-    strong_random_weights(ref_model, cfg, seed=5)
-    save_checkpoint(ref_model, tmp_path)
-    want = _run(ref_model)
-    got = pool.run(_case_tp, cfg, str(tmp_path), 0)
+@pytest.fixture(scope="module")
+def ep_pool():
+    p = RankPool(2, ep_size=2, timeout_s=20.0)
+    yield p
+    p.close()
+
+
+def _check_tp2(cfg: HybridModelConfig, got: list[dict], want: list[torch.Tensor], ep: int) -> None:
     heads_kv, groups = 1, 1  # per rank: 2 KV heads / 2 groups split, or 1 replicated
     for rank, res in enumerate(got):
-        assert res["tp"] == 2
+        assert (res["tp"], res["ep"]) == (2, ep)
         assert res["cache"] == {"k": (1, 4, heads_kv, 16), "conv": (1, 4 * 16 + 2 * groups * 16, 3),
                                 "ssm": (1, 4, 16, 16)}, res["cache"]
         for step, (a, b) in enumerate(zip(res["logits"], want)):
@@ -174,6 +181,32 @@ def test_tp2_matches_tp1_from_a_checkpoint(pool: RankPool, tmp_path: Path, varia
             assert b.abs().max() > 1.0  # logits O(1): a 1e-4 tolerance means something
     for a, b in zip(got[0]["logits"], got[1]["logits"]):
         assert torch.equal(a, b)  # both ranks sample from the same logits
+
+
+def _reference(cfg: HybridModelConfig, ckpt: Path) -> list[torch.Tensor]:
+    ref_model = NemotronHForCausalLM(cfg)
+    strong_random_weights(ref_model, cfg, seed=5)
+    save_checkpoint(ref_model, ckpt)
+    return _run(ref_model)
+
+
+@pytest.mark.parametrize("variant", ["dense", "replicated", "moe", "latent-moe"])
+def test_tp2_matches_tp1_from_a_checkpoint(pool: RankPool, tmp_path: Path, variant: str) -> None:
+    """tp 2, ep 1: the experts whole on both ranks, their intermediate dimension split; the shared expert
+    tensor-parallel."""
+    cfg = _variant(variant)
+    want = _reference(cfg, tmp_path)
+    _check_tp2(cfg, pool.run(_case_tp, cfg, str(tmp_path), 0), want, ep=1)
+
+
+@pytest.mark.parametrize("variant", ["moe", "latent-moe"])
+def test_tp2_ep2_matches_tp1_from_a_checkpoint(ep_pool: RankPool, tmp_path: Path, variant: str) -> None:
+    """tp 2, ep 2: each rank holds half the experts, whole."""
+    cfg = _variant(variant)
+    want = _reference(cfg, tmp_path)
+    got = ep_pool.run(_case_tp, cfg, str(tmp_path), 0)
+    _check_tp2(cfg, got, want, ep=2)
+    assert [r["experts"] for r in got] == [(0, cfg.n_routed_experts // 2), (cfg.n_routed_experts // 2,) * 2]
 
 
 def test_tp2_dummy_weights_are_the_tp1_model(pool: RankPool) -> None:

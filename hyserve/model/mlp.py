@@ -30,9 +30,14 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: object = None, cache: object = None) -> torch.Tensor:
         """x: [T, hidden]. `meta` / `cache` are unused (the mixer signature; an MLP keeps no state)."""
-        u = self.up_proj(x)
         down = self.down_proj
-        fused = ops.get("relu2_linear", u.is_cuda)
         if not down.sharded:
-            return fused(u, down.weight, down.bias)
-        return down.reduce(fused(u, down.weight, None))
+            u = self.up_proj(x)
+            return ops.get("relu2_linear", u.is_cuda)(u, down.weight, down.bias)
+        return down.reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output, before the all-reduce and without down_proj's bias (the MoE
+        layer sums it with its routed experts' share in one all-reduce)."""
+        u = self.up_proj(x)
+        return ops.get("relu2_linear", u.is_cuda)(u, self.down_proj.weight, None)

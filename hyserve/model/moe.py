@@ -9,6 +9,13 @@ projection that runs the routed experts in a smaller dimension:
 Routing, the token sort and the expert GEMMs run on the device through the `moe_route` / `moe_experts`
 ops (kernels/moe.py, kernels/triton_moe.py): no host sync, so a decode step can replay from a CUDA graph.
 The latent projections and the shared expert are plain linears (the MLP's relu^2 GEMV path).
+
+Expert / tensor parallel (docs/architecture.md, "Parallelism"): every rank routes every token (same
+router, same input); a rank holds n_routed_experts / ep_size experts, each with its slice of the
+intermediate dimension (tp_size / ep_size ranks share an expert), and the shared expert is tensor-parallel.
+Each rank's partial output (routed + shared, through fc2_latent by linearity) is summed by one all-reduce.
+Another rank's (token, slot) pairs run with weight 0 on a clamped local id, so shapes stay fixed; they
+cost compute on those local experts (a skip in the align kernel would save it).
 """
 
 from __future__ import annotations
@@ -17,9 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyserve.distributed import Group, all_reduce, ep_group, moe_tp_group, tp_group
 from hyserve.kernels import ops
 from hyserve.model.config import HybridModelConfig
 from hyserve.model.mlp import MLP
+from hyserve.model.parallel_linear import ShardLoading, SliceLike, loaded_shape, read_block
 
 
 class TopkRouter(nn.Module):
@@ -45,17 +54,60 @@ class TopkRouter(nn.Module):
         )
 
 
-class Experts(nn.Module):
-    """Stacked expert weights: up [E, I, d], down [E, d, I]."""
+class Experts(ShardLoading):
+    """Stacked expert weights: up [E, I, d], down [E, d, I]; under expert parallelism this rank's
+    E / ep_size experts, each with its I / (tp_size / ep_size) slice of the intermediate dimension."""
 
-    def __init__(self, num: int, dim: int, inter: int, *, device=None, dtype=None) -> None:
+    def __init__(
+        self, num: int, dim: int, inter: int, *, ep: Group | None = None, moe_tp: Group | None = None,
+        device=None, dtype=None,
+    ) -> None:
         super().__init__()
-        self.up_proj = nn.Parameter(torch.empty(num, inter, dim, device=device, dtype=dtype))
-        self.down_proj = nn.Parameter(torch.empty(num, dim, inter, device=device, dtype=dtype))
+        ep, moe_tp = ep or ep_group(), moe_tp or moe_tp_group()
+        for what, n, g in (("n_routed_experts", num, ep), ("moe_intermediate_size", inter, moe_tp)):
+            if n % g.size:
+                raise ValueError(f"{what} ({n}) is not divisible by the {g.name} group size ({g.size})")
+        self.num_experts, self.num_local = num, num // ep.size
+        self.first_expert = ep.rank * self.num_local
+        self.inter_local = inter // moe_tp.size
+        self.inter_start = moe_tp.rank * self.inter_local
+        self.sharded = ep.size > 1 or moe_tp.size > 1
+        self.up_proj = nn.Parameter(torch.empty(self.num_local, self.inter_local, dim, device=device, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(self.num_local, dim, self.inter_local, device=device, dtype=dtype))
+        self.register_shard("up_proj", self._load_up, (num, inter, dim))
+        self.register_shard("down_proj", self._load_down, (num, dim, inter))
+
+    @torch.no_grad()
+    def _load_up(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: int | None = None) -> None:
+        self._load(param, loaded, shard_id, inter_dim=0)
+
+    @torch.no_grad()
+    def _load_down(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: int | None = None) -> None:
+        self._load(param, loaded, shard_id, inter_dim=1)
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, expert: int | None, inter_dim: int) -> None:
+        """`loaded`: all experts stacked (expert None) or expert `expert`'s matrix; copies this rank's
+        experts and intermediate rows / columns only (another rank's expert is not read at all)."""
+        full = param.checkpoint_shape  # type: ignore[attr-defined]
+        want = full if expert is None else full[1:]
+        if loaded_shape(loaded) != tuple(want):
+            raise ValueError(f"experts: checkpoint tensor has shape {list(loaded_shape(loaded))}, expected {list(want)}")
+        rows = (self.inter_start, self.inter_local)
+        if expert is None:
+            param.copy_(read_block(loaded, {0: (self.first_expert, self.num_local), 1 + inter_dim: rows}))
+        elif self.first_expert <= expert < self.first_expert + self.num_local:
+            param[expert - self.first_expert].copy_(read_block(loaded, {inter_dim: rows}))
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, d]; w, ids: [T, k] -> [T, d]. On CUDA the fused kernels (sort, grouped GEMMs, combine
-        on the device; `kernels/triton_moe.py`); on the CPU the per-expert reference loop."""
+        on the device; `kernels/triton_moe.py`); on the CPU the per-expert reference loop. Sharded: this
+        rank's partial sum (its experts, its intermediate slice); the MoE layer all-reduces it."""
+        if self.num_local != self.num_experts:
+            # another rank's expert: weight 0 on a clamped local id (shapes stay fixed, nothing reads the host)
+            local = ids - self.first_expert
+            mine = (local >= 0) & (local < self.num_local)
+            w = torch.where(mine, w, 0.0)
+            ids = local.clamp(0, self.num_local - 1).to(ids.dtype)
         return ops.get("moe_experts", x.is_cuda)(x, self.up_proj, self.down_proj, w, ids)
 
 
@@ -66,6 +118,7 @@ class MoE(nn.Module):
         d = cfg.moe_latent_size or h
         self.gate = TopkRouter(cfg, device=device)
         self.experts = Experts(cfg.n_routed_experts, d, cfg.moe_intermediate_size, device=device, dtype=dtype)
+        self.tp = tp_group()
         self.shared_experts = MLP(
             h, cfg.moe_shared_expert_intermediate_size, cfg.mlp_bias, device=device, dtype=dtype
         )
@@ -79,6 +132,23 @@ class MoE(nn.Module):
         w, ids = self.gate(x)
         r = self.fc1_latent_proj(x) if self.latent else x
         r = self.experts(r, w, ids)
+        if self.tp.size > 1:
+            return self._reduce_partials(r, x)
         if self.latent:
             r = self.fc2_latent_proj(r)
         return r + self.shared_experts(x)
+
+    def _reduce_partials(self, r: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Tensor / expert parallel: r is this rank's partial routed output (its experts' share) and the
+        shared expert's is partial too; fc2_latent is linear, so it maps the partial sum and one
+        all-reduce over the tp group sums everything; the biases are added once, after it."""
+        out = self.shared_experts.partial(x)
+        if self.latent:
+            out = out + F.linear(r, self.fc2_latent_proj.weight)
+        else:
+            out = out + r
+        out = all_reduce(out, self.tp)
+        for b in (self.shared_experts.down_proj.bias, self.fc2_latent_proj.bias if self.latent else None):
+            if b is not None:
+                out = out + b
+        return out

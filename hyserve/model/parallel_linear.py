@@ -52,6 +52,16 @@ def read_rows(loaded: torch.Tensor | SliceLike, dim: int, start: int, length: in
     return out if isinstance(out, torch.Tensor) else torch.as_tensor(out)
 
 
+def read_block(loaded: torch.Tensor | SliceLike, ranges: dict[int, tuple[int, int]]) -> torch.Tensor:
+    """loaded with dim d narrowed to ranges[d] = (start, length) for each given dim; one read of a slice."""
+    last = max(ranges) if ranges else -1
+    index = tuple(
+        slice(ranges[d][0], ranges[d][0] + ranges[d][1]) if d in ranges else slice(None) for d in range(last + 1)
+    )
+    out = loaded[index] if index else (loaded if isinstance(loaded, torch.Tensor) else loaded[:])
+    return out if isinstance(out, torch.Tensor) else torch.as_tensor(out)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ShardedPart:
     """One logical part of a sharded dimension: `units` heads / groups of `unit_size` rows each."""

@@ -53,6 +53,11 @@ def sharding_problems(cfg: HybridModelConfig, *, tp_size: int, ep_size: int) -> 
         divides("intermediate_size", cfg.intermediate_size, "tp_size", tp, "MLP columns")
     if LAYER_MOE in kinds and ep >= 1 and tp % ep == 0:
         divides("n_routed_experts", cfg.n_routed_experts, "ep_size", ep, "routed experts")
+        if cfg.n_routed_experts // ep < cfg.num_experts_per_tok:
+            out.append(
+                f"n_routed_experts / ep_size ({cfg.n_routed_experts} / {ep}) is fewer than num_experts_per_tok "
+                f"({cfg.num_experts_per_tok}): each rank's experts must be able to take a token's top-k"
+            )
         divides(
             "moe_intermediate_size", cfg.moe_intermediate_size, "tp_size / ep_size", tp // ep,
             "expert columns (each expert is tensor-parallel over tp_size / ep_size ranks)",

@@ -277,10 +277,11 @@ def _plan_load(model_dir: Path, targets: Mapping[str, torch.Tensor], aliases: Ma
                         continue
                     whole[name] = ck
                 else:
-                    if target.dim() != 3 or expert >= target.shape[0]:
+                    full = checkpoint_shape(target)
+                    if target.dim() != 3 or expert >= full[0]:
                         plan.unexpected.append(ck)
                         continue
-                    expected = tuple(target.shape[1:])
+                    expected = full[1:]
                     if name in whole or expert in experts[name]:
                         plan.duplicates.append(ck)
                         continue
@@ -293,9 +294,10 @@ def _plan_load(model_dir: Path, targets: Mapping[str, torch.Tensor], aliases: Ma
         if name in whole:
             continue
         if name in experts:
-            absent = sorted(set(range(target.shape[0])) - set(experts[name]))
+            n_experts = checkpoint_shape(target)[0]
+            absent = sorted(set(range(n_experts)) - set(experts[name]))
             if absent:
-                plan.missing_experts.append(f"{name}: {_ranges(absent)} of {target.shape[0]}")
+                plan.missing_experts.append(f"{name}: {_ranges(absent)} of {n_experts}")
             continue
         plan.missing.append(name)
     return plan
@@ -382,8 +384,8 @@ def load_checkpoint(
         with safe_open(str(path), framework="pt") as f:
             for ck, name, expert in items:
                 loader = getattr(targets[name], "weight_loader", None)
-                if expert is None and loader is not None:
-                    loader(targets[name], f.get_slice(ck))  # reads this rank's rows only
+                if loader is not None:  # reads this rank's rows (and experts) only
+                    loader(targets[name], f.get_slice(ck), expert)
                     continue
                 src = f.get_tensor(ck)
                 dst = targets[name] if expert is None else targets[name][expert]
