@@ -37,6 +37,7 @@ from hyserve.engine.request import Request
 from hyserve.engine.sampler import Sampler
 from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.scheduler import ScheduledBatch, ScheduledSeq, SchedulerStats
+from hyserve.engine.structured_output import StructuredOutputs
 
 if TYPE_CHECKING:  # the warm-up drives the engine from outside (startup.py)
     from hyserve.engine.warmup import WarmupReport
@@ -69,6 +70,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(tokenizer=self.tokenizer, eos_token_ids=self.model_config.eos_token_ids,
                                        max_seq_len=self.max_seq_len)
         self.sampler = Sampler(config.seed)
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)  # grammar per request
         self._inflight: PendingStep | None = None
         self.requests: dict[str, Request] = {}
         self._alloc_retries_base = 0
@@ -87,8 +89,10 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise RequestRejected for a request that must not enter the engine."""
+        """Raise RequestRejected for a request that must not enter the engine (GrammarError, a ValueError, for
+        a structured-outputs spec that cannot compile)."""
         self.inputs.validate(prompt_token_ids, params)
+        self.structured.validate(params)
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prompt: str | None = None
@@ -96,6 +100,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.inputs.validate(prompt_token_ids, params)
+        self.structured.add(request_id, params)
         req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params, prompt=prompt)
         self.requests[request_id] = req
         self.outputs.add(req)
@@ -125,6 +130,10 @@ class LLMEngine:
                 logits = self._execute(batch, prev)
                 self.scheduler.update(batch, self.requests)
                 updated = True
+                if prev is not None and self.structured.constrains([s.request_id for s in batch.seqs if s.sample]):
+                    # a grammar's next mask needs its previous token: read the in-flight step first
+                    deltas += self._read(prev)
+                    prev = None
                 if any(s.sample for s in batch.seqs):
                     launched = self._sample(batch, logits, prev)
             except Exception as e:  # one bad batch (model, prompt logprobs or sampling) must not take the engine down
@@ -164,7 +173,8 @@ class LLMEngine:
                 idx = to_device(torch.tensor([i for i, _ in fed], dtype=torch.long), prev.tokens.device)
                 rows = to_device(torch.tensor([r for _, r in fed], dtype=torch.long), prev.tokens.device)
                 pending[idx] = prev.tokens.index_select(0, rows)
-        step = sample_step(self.sampler, batch, logits, self.requests, histories, pending)
+        bitmask = self.structured.fill_bitmask([s.request_id for s in sampling])
+        step = sample_step(self.sampler, batch, logits, self.requests, histories, pending, bitmask)
         for i, req in enumerate(step.reqs):
             if req is not None:
                 req.num_inflight += 1
@@ -202,6 +212,7 @@ class LLMEngine:
 
     def _append_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> StreamDelta:
         self.counters["generation_tokens_total"] += 1
+        self.structured.accept(req.request_id, tok)
         finish = self.outputs.append_token(req, tok, lp)
         if finish is None:
             return self.outputs.delta(req, finished=False)
@@ -211,6 +222,7 @@ class LLMEngine:
     def _finish_delta(self, req: Request) -> StreamDelta:
         self.counters["requests_finished_total"] += 1
         self.requests.pop(req.request_id, None)
+        self.structured.remove(req.request_id)
         return self.outputs.delta(req, finished=True)
 
     def _fail_batch(self, batch: ScheduledBatch, err: Exception, *, discard: bool = True) -> list[StreamDelta]:
