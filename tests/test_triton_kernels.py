@@ -410,8 +410,10 @@ def test_paged_attention_small_prefill_variants(poison, monkeypatch, dtype, vari
     the tile grid."""
     import hyserve.kernels.triton_attention as ta
 
-    if CUDA:  # the GPU table is the one read there: small tiles so the cases cross several
-        monkeypatch.setitem(ta._PREFILL_GPU, 128, {**dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2), **variant})
+    if CUDA:  # the GPU tables are the ones read there: small tiles so the cases cross several
+        small = {**dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2), **variant}
+        monkeypatch.setitem(ta._PREFILL_GPU, 128, small)
+        monkeypatch.setitem(ta._PREFILL_GPU_F32, 128, small)
     else:
         monkeypatch.setattr(ta, "_PREFILL_CPU", {**ta._PREFILL_CPU, **variant})
     boxes: list[list[int]] = []
@@ -506,6 +508,14 @@ def test_paged_attention_nano9b_prefill_variants(poison, monkeypatch, new, lens,
     _attn_case(poison, new=new, lens=lens, Hq=40, Hkv=8, D=128, bs=64, dtype=BF16, gluon=False)
 
 
+@gpu
+@needs_cuda
+def test_paged_attention_nano9b_float32(poison):
+    """float32 at Nano 9B v2 shapes through the float32 launch settings (`_PREFILL_GPU_F32`: the 16-bit
+    tiles do not fit shared memory): decodes, a long prefill and an extend over cached tokens in one step."""
+    _attn_case(poison, new=[1, 1, 3000, 517], lens=[77, 12000, 3000, 1517], Hq=40, Hkv=8, D=128, bs=64, dtype=F32)
+
+
 def _gluon_or_skip():
     ga = pytest.importorskip("hyserve.kernels.gluon_attention", reason="this triton has no Gluon")
     return ga
@@ -531,6 +541,28 @@ def test_gluon_prefill_compiles_for_hopper():
     for name, c in cases.items():
         assert 0 < c["shared"] <= 232448, (name, c)  # 227 KiB per block on sm_90
         assert c["wgmma"] and c["tma"], (name, c)
+
+
+def test_float32_kernels_fit_hopper_shared_memory():
+    """The kernels whose shared memory grows with float32 operands (attention decode and prefill tiles, the
+    SSD state walk) compile for sm_90 at the GPU launch settings the launchers pick for a Nano 9B v2-width
+    float32 model within 227 KiB a block (tests/sm90_compile_check.py; the prefill's 16-bit 128 x 128 tile
+    asked 262,656 bytes in float32)."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    kernels = "_prefill_kernel,_decode_kernel,_ssd_state_kernel"
+    run = subprocess.run([sys.executable, str(root / "tests" / "sm90_compile_check.py"), "float32", "attention", "ssd",
+                          "--only", kernels], capture_output=True, text=True, env={**env, "PYTHONPATH": str(root)},
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    shared = json.loads(run.stdout.strip().splitlines()[-1])["kernels"]
+    assert set(shared) == set(kernels.split(","))
+    for name, nbytes in shared.items():
+        assert 0 < nbytes <= 232448, (name, nbytes)
 
 
 def test_gluon_prefill_box_rules():

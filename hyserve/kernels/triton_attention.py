@@ -427,6 +427,11 @@ _DECODE_GPU = dict(BLOCK_N=128, num_warps=4, num_stages=3)
 # softmax); measured 1-9% faster than pointer loads at 8k / 2k-over-6k (attn_sweep_eef8ba1, _9bc82e5).
 _PREFILL_GPU = {128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, TMA=True),  # D_PAD <= 128
                 256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
+# float32 queries (IEEE products on the CUDA cores, their operands staged through shared memory): on sm_90
+# the 128 x 128 tile asks 262,656 bytes of shared memory, over the 232,448 a block may have; 64 x 64 asks
+# 114,944 (tests/sm90_compile_check.py compiles them). Decode key tiles of 256-wide heads halve for float32.
+_PREFILL_GPU_F32 = {128: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+                    256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
 _DECODE_CPU = dict(BLOCK_N=16, num_warps=4, num_stages=1)
 _PREFILL_CPU = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
@@ -435,6 +440,17 @@ _PREFILL_CPU = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 # block_tables, lens_t, cu_t, out, seq_offset, num_seqs, max_new, qk_scale), it writes those sequences' rows
 # of `out` and returns True, or returns False and writes nothing.
 PrefillKernel = Callable[..., bool]
+
+
+def _launch_settings(on_gpu: bool, ieee: bool, d_pad: int) -> tuple[dict, dict]:
+    """(decode, prefill) launch settings, fresh copies: the CPU's, or the GPU's for this head size and for
+    float32 (`ieee`) or 16-bit queries."""
+    if not on_gpu:
+        return dict(_DECODE_CPU), dict(_PREFILL_CPU)
+    decode = dict(_DECODE_GPU)
+    if ieee and d_pad > 128:  # 128 float32 keys of 256 asked 287,296 bytes of shared memory on sm_90
+        decode["BLOCK_N"] = min(decode["BLOCK_N"], 64)
+    return decode, dict((_PREFILL_GPU_F32 if ieee else _PREFILL_GPU)[128 if d_pad <= 128 else 256])
 
 
 def _host_list(v: torch.Tensor | list[int]) -> list[int]:
@@ -532,7 +548,7 @@ def paged_attention_triton(
     )
 
     if nd > 0:
-        dcfg = dict(_DECODE_GPU if on_gpu else _DECODE_CPU)
+        dcfg = _launch_settings(on_gpu, ieee, D_PAD)[0]
         BLOCK_N = dcfg.pop("BLOCK_N")
         splits = num_decode_splits(nd, Hkv, max_len)
         po = torch.empty(splits, nd, Hq, Dh, dtype=torch.float32, device=dev)
@@ -554,7 +570,7 @@ def paged_attention_triton(
         )
 
     if nd < S and max_new > 0:
-        pcfg = dict(_PREFILL_GPU[128 if D_PAD <= 128 else 256] if on_gpu else _PREFILL_CPU)
+        pcfg = _launch_settings(on_gpu, ieee, D_PAD)[1]
         if (prefill is not None and on_gpu and not scaled
                 and prefill(q, k_cache, v_cache, block_tables, lens_t, cu_t, out, nd, S - nd, max_new, qk_scale)):
             return out

@@ -1,0 +1,144 @@
+"""Compiles the Triton kernels a Nemotron Nano 9B v2-width model launches ahead of time for sm_90 (no GPU
+needed) through their real launchers, at the GPU launch settings, and prints each kernel's largest shared
+memory as one JSON line: {"dtype": ..., "kernels": {name: bytes}}.
+
+    python tests/sm90_compile_check.py float32 [op ...] [--only kernel,...]
+                                            # ops: attention ssd ssm_update conv1d norm (default: all)
+
+The launchers run on CPU tensors with a stand-in driver that reports an sm_90 device, and every launch
+compiles (as `warmup=True`) instead of running, so the shared memory is what the compiler asks for on an
+H100/H200 (232,448 bytes at most per block). Run by test_triton_kernels.py in a fresh process without
+TRITON_INTERPRET (the interpreter never compiles).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+# Nano 9B v2 widths: Mamba 128 heads x 80, state 128, 8 groups, conv 4 over 12288 channels, chunk 128;
+# attention 40 / 8 heads of 128 in 64-token blocks; hidden 4480, gated-norm groups of 1280
+H, P, N, G, K, CHUNK = 128, 80, 128, 8, 4, 128
+HQ, HKV, HEAD_DIM, BLOCK = 40, 8, 128, 64
+HIDDEN, D_INNER, GROUP = 4480, 10240, 1280
+CONV_DIM = D_INNER + 2 * G * N
+
+
+class _Sm90:
+    """Just enough of a Triton driver for the launchers to compile for sm_90 on a machine without one."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+
+def _gpu_settings() -> None:
+    """Have the launchers pick their GPU launch settings (by their own rules) for the CPU tensors here."""
+    import hyserve.kernels.triton_attention as ta
+    import hyserve.kernels.triton_ssd as ts
+
+    gpu_settings = ta._launch_settings
+    ta._launch_settings = lambda on_gpu, ieee, d_pad: gpu_settings(True, ieee, d_pad)
+    ts._cpu_config = ts._gpu_config
+
+
+def _attention(dt: torch.dtype) -> None:
+    from hyserve.kernels.triton_attention import paged_attention_triton, write_kv_triton
+
+    kc = torch.randn(4, BLOCK, HKV, HEAD_DIM).to(dt)
+    vc = kc.clone()
+    tables = torch.arange(4, dtype=torch.int32).view(1, 4).repeat(3, 1)
+    k = torch.randn(3, HKV, HEAD_DIM).to(dt)
+    write_kv_triton(k, k.clone(), kc, vc, torch.arange(3))
+    q = torch.randn(3, HQ, HEAD_DIM).to(dt)
+    paged_attention_triton(q[:2], kc, vc, tables[:2], [10, 200], [0, 1, 2], HEAD_DIM**-0.5)  # decode
+    paged_attention_triton(q, kc, vc, tables[:1], [200], [0, 3], HEAD_DIM**-0.5)  # prefill / extend
+
+
+def _ssd(dt: torch.dtype) -> None:
+    from hyserve.kernels.triton_ssd import ssd_triton
+
+    T = 5
+    x, B, C = torch.randn(T, H, P).to(dt), torch.randn(T, G, N).to(dt), torch.randn(T, G, N).to(dt)
+    f = torch.randn(H).to(dt)
+    ssd_triton(x, torch.randn(T, H).to(dt), -torch.rand(H), B, C, CHUNK, [0, T], D=f, dt_bias=f,
+               initial_states=torch.zeros(1, H, P, N))
+
+
+def _ssm_update(dt: torch.dtype) -> None:
+    from hyserve.kernels.triton_ssm_update import selective_state_update_triton
+
+    pool = torch.zeros(3, H, P, N)  # the float32 SSM state (mamba_ssm_cache_dtype's default)
+    f = torch.randn(H).to(dt)
+    slots = torch.tensor([0, 1], dtype=torch.int32)
+    selective_state_update_triton(pool, torch.randn(2, H, P).to(dt), torch.randn(2, H).to(dt), -torch.rand(H),
+                                  torch.randn(2, G, N).to(dt), torch.randn(2, G, N).to(dt), slots, slots + 1,
+                                  D=f, dt_bias=f)
+
+
+def _conv1d(dt: torch.dtype) -> None:
+    from hyserve.kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
+
+    w, b = torch.randn(CONV_DIM, K).to(dt), torch.randn(CONV_DIM).to(dt)
+    causal_conv1d_varlen_triton(torch.randn(5, CONV_DIM).to(dt), w, b, [0, 5],
+                                initial_states=torch.zeros(1, CONV_DIM, K - 1).to(dt))
+    pool = torch.zeros(10, CONV_DIM, K - 1).to(dt)
+    for batch in (1, 8):  # the launcher's two tile widths
+        slots = torch.arange(batch, dtype=torch.int32)
+        causal_conv1d_update_triton(torch.randn(batch, CONV_DIM).to(dt), pool, w, b, slots, slots + 1)
+
+
+def _norm(dt: torch.dtype) -> None:
+    from hyserve.kernels.triton_activation import relu2_triton
+    from hyserve.kernels.triton_rmsnorm import add_rms_norm_triton, rms_norm_triton, rmsnorm_gated_triton
+
+    x, w = torch.randn(2, HIDDEN).to(dt), torch.randn(HIDDEN).to(dt)
+    rms_norm_triton(x, w, 1e-5)
+    add_rms_norm_triton(x, x.clone(), w, 1e-5)
+    z, wg = torch.randn(2, D_INNER).to(dt), torch.randn(D_INNER).to(dt)
+    rmsnorm_gated_triton(z, z.clone(), wg, 1e-5, GROUP)
+    relu2_triton(torch.randn(2, 15680).to(dt))
+
+
+OPS = {"attention": _attention, "ssd": _ssd, "ssm_update": _ssm_update, "conv1d": _conv1d, "norm": _norm}
+
+
+def main(argv: list[str]) -> None:
+    only: set[str] | None = None
+    if "--only" in argv:  # compile just these kernels (the launchers' other launches are skipped)
+        i = argv.index("--only")
+        only = set(argv[i + 1].split(","))
+        argv = argv[:i] + argv[i + 2 :]
+    dt = getattr(torch, argv[0])
+    ops = argv[1:] or list(OPS)
+    shared: dict[str, int] = {}
+    real_run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):  # noqa: ANN001, ANN202 - Triton's own signature
+        name = self.fn.__name__
+        if only is not None and name not in only:
+            return None
+        kernel = real_run(self, *args, grid=grid, warmup=True, **kwargs)
+        shared[name] = max(shared.get(name, 0), kernel.metadata.shared)
+        return kernel
+
+    driver.set_active(_Sm90())
+    JITFunction.run = compile_only  # type: ignore[method-assign]
+    _gpu_settings()
+    for op in ops:
+        OPS[op](dt)
+    print(json.dumps({"dtype": argv[0], "kernels": shared}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
