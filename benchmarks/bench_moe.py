@@ -190,7 +190,10 @@ def _roofline(s: dict, ids: torch.Tensor, T: int, ceil: dict, elt: int = 2) -> d
 _GEMV_CANDS = [dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=3),
                dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=3),
                dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=2),
-               dict(BLOCK_N=16, BLOCK_K=256, num_warps=8, num_stages=3)]
+               dict(BLOCK_N=16, BLOCK_K=256, num_warps=8, num_stages=3),
+               dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=4),
+               dict(BLOCK_N=8, BLOCK_K=512, num_warps=8, num_stages=3)]
+_GEMV_DOWN = [dict(c, FLAT=f) for c in _GEMV_CANDS for f in (0, 1)]
 _SMALL_M = [dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
             dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3),
             dict(BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=3),
@@ -203,6 +206,7 @@ _LARGE_M = [dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
 _DRY_GEMM = [dict(BLOCK_N=16, BLOCK_K=32, GROUP_M=1, num_warps=1, num_stages=1),
              dict(BLOCK_N=32, BLOCK_K=16, GROUP_M=2, num_warps=1, num_stages=1)]
 _DRY_GEMV = [dict(BLOCK_N=32, BLOCK_K=32, num_warps=1, num_stages=1)]
+_DRY_GEMV_DOWN = [dict(c, FLAT=f) for c in _DRY_GEMV for f in (0, 1)]
 
 
 def _bm_cands(per_expert: float) -> list[int]:
@@ -243,10 +247,11 @@ def tune_shape(s: dict, sizes: list[int], dev, dtype, timer: Timer, dry: bool) -
         if T <= 8:
             h = torch.empty(T * k, inter, dtype=dtype, device=dev)
             out = torch.empty(T, d, dtype=dtype, device=dev)
-            gc = _DRY_GEMV if dry else _GEMV_CANDS
+            gc, gd = (_DRY_GEMV, _DRY_GEMV_DOWN) if dry else (_GEMV_CANDS, _GEMV_DOWN)
             up, t_up = _best(timer, gc, lambda c: tm.launch_up_gemv(x, w_up, ids, h, c))
-            dn, t_dn = _best(timer, gc, lambda c: tm.launch_down_gemv(h, w_down, ids, tw, out, c))
+            dn, t_dn = _best(timer, gd, lambda c: tm.launch_down_gemv(h, w_down, ids, tw, out, c))
             options.append((t_up + t_dn, {"variant": "gemv", "up": up, "down": dn}))
+            print(f"    T={T} gemv: up {t_up:.4f} ms ({up}), down {t_dn:.4f} ms ({dn})")
         for bm in ([16] if dry else _bm_cands(T * k / E)):
             sid, eid, npad = tm.moe_align_triton(ids, E, bm)
             t_al = timer.eager([lambda: tm.moe_align_triton(ids, E, bm)], rep=25)

@@ -3,7 +3,8 @@
 # models on CUDA, then benchmarks/bench_moe.py (with --tune: autotune first and write
 # hyserve/kernels/moe_configs/<GPU>.json). Results land in benchmarks/results/ and, when $OUT is set (the
 # lent-GPU tool), are copied there with the config file and the log.
-# usage: scripts/gpu_moe_check.sh [GIT_SHA [tests] [tune|bench] ...]   (default: tests tune)
+# usage: scripts/gpu_moe_check.sh [GIT_SHA [tests|ktests] [tune|bench] ...]   (default: tests tune;
+#        ktests: the kernel tests alone, without the tiny models through the engine)
 set -uo pipefail
 sha=${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 shift || true
@@ -19,6 +20,9 @@ log=benchmarks/results/moe_gpu_check_$sha.log
     echo "== GPU tests"
     timeout 300 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --durations=10 tests/test_moe_kernels.py \
       "tests/test_gpu_model.py::test_tiny_cuda_matches_cpu[moe]" "tests/test_gpu_model.py::test_tiny_cuda_matches_cpu[latent-moe]" 2>&1 | tail -60
+  elif [[ $parts == *" ktests "* ]]; then
+    echo "== GPU kernel tests"
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --durations=5 tests/test_moe_kernels.py 2>&1 | tail -40
   fi
   if [[ $parts == *" tune "* ]]; then
     echo "== tune + benchmark"

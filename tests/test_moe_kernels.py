@@ -211,16 +211,18 @@ EXPERT_CASES = {  # T, k, E, d, I, experts, always
 }
 
 
-@pytest.mark.parametrize("variant", ["gemv", "gemm"])
+@pytest.mark.parametrize("variant", ["gemv", "gemv-nested", "gemm"])
 @pytest.mark.parametrize("dtype", [F32, F16])
 @pytest.mark.parametrize("case", EXPERT_CASES)
 def test_experts_match_float64(poison, variant, dtype, case):
     T, k, E, d, inter, experts, always = EXPERT_CASES[case]
     ids = _ids_with(T, k, E, experts, always)
     x, w_up, w_down, w, ids = _experts_inputs(T, E, d, inter, k, dtype, ids)
-    cfg = tm._INTERPRETER_GEMV if variant == "gemv" else tm._INTERPRETER_GEMM
+    cfg = tm._INTERPRETER_GEMM if variant == "gemm" else tm._INTERPRETER_GEMV
     if CUDA:
-        cfg = tm.heuristic_config(E, inter, d, 1 if variant == "gemv" else 64, k)
+        cfg = tm.heuristic_config(E, inter, d, 64 if variant == "gemm" else 1, k)
+    if variant.startswith("gemv"):  # the down GEMV's two loop forms
+        cfg = dict(cfg, down=dict(cfg["down"], FLAT=int(variant == "gemv")))
     with poison:
         out = tm.moe_experts_triton(x, w_up, w_down, w, ids, config=cfg)
     assert out.dtype == dtype and out.shape == (T, d)
@@ -306,6 +308,8 @@ def test_heuristic_configs_are_valid():
     ({"variant": "x"}, "variant"), ({"variant": "gemm", "BLOCK_M": 24}, "BLOCK_M"),
     ({"variant": "gemv", "up": {"BLOCK_N": 4}}, "up.BLOCK_K"),
     ({"variant": "gemv", "up": {"BLOCK_N": 3, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1}}, "power of two"),
+    ({"variant": "gemv", "up": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1},
+      "down": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1, "FLAT": 2}}, "FLAT"),
 ])
 def test_bad_configs_are_named(cfg, what):
     with pytest.raises(ValueError, match=what):
@@ -378,8 +382,9 @@ def test_experts_bf16_real_shapes(poison, name, T):
         out = tm.moe_experts_triton(x, w_up, w_down, w, ids)  # the tuned / heuristic config
     assert torch.isfinite(out).all()
     assert _rel_err(out, exact) < 1e-2, f"{name} T={T}: relative error {_rel_err(out, exact):.2e}"
-    for T_other in (1, 256):  # both variants at this T
-        cfg = tm.heuristic_config(E, inter, d, T_other, k)
+    gemv = tm.heuristic_config(E, inter, d, 1, k)
+    for cfg in (gemv, dict(gemv, down=dict(gemv["down"], FLAT=1 - gemv["down"].get("FLAT", 0))),
+                tm.heuristic_config(E, inter, d, 256, k)):  # every variant at this T
         with poison:
             out = tm.moe_experts_triton(x, w_up, w_down, w, ids, config=cfg)
         assert _rel_err(out, exact) < 1e-2, f"{name} T={T} {cfg['variant']}: {_rel_err(out, exact):.2e}"

@@ -374,31 +374,52 @@ def _up_gemv_kernel(
 def _down_gemv_kernel(
     h_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, N, K, s_hm, s_we, s_wn, s_ot,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, FLAT: tl.constexpr,
 ):
-    """out[t, n] = sum_s topk_w[t, s] * (w_down[ids[t, s]] @ h[t*k + s])[n]: the combine in registers."""
+    """out[t, n] = sum_s topk_w[t, s] * (w_down[ids[t, s]] @ h[t*k + s])[n]: the combine in registers.
+    FLAT walks the token's (slot, K tile) pairs as one pipelined loop (h pre-scaled by the slot's weight),
+    so the loads do not drain at every expert; otherwise one K loop per slot."""
     t = tl.program_id(0).to(tl.int64)
     cn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = tl.minimum(cn, N - 1)
     offs_k = tl.arange(0, BLOCK_K)
-    out = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for s in range(TOP_K):
-        p = t * TOP_K + s
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        h_row = h_ptr + p * s_hm
-        w_rows = w_ptr + e * s_we + offs_n[:, None] * s_wn
+    if FLAT:
+        kt = tl.cdiv(K, BLOCK_K)
         part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            kk = k0 + offs_k
+        for it in tl.range(0, TOP_K * kt, num_stages=NUM_STAGES):
+            s = it // kt
+            kk = (it - s * kt) * BLOCK_K + offs_k
+            p = t * TOP_K + s
+            e = tl.load(ids_ptr + p).to(tl.int64)
+            ws = tl.load(tw_ptr + p).to(tl.float32)
             if EVEN_K:
-                hv = tl.load(h_row + kk)
-                w = tl.load(w_rows + kk[None, :])
+                hv = tl.load(h_ptr + p * s_hm + kk)
+                w = tl.load(w_ptr + e * s_we + offs_n[:, None] * s_wn + kk[None, :])
             else:
                 km = kk < K
-                hv = tl.load(h_row + kk, mask=km, other=0.0)
-                w = tl.load(w_rows + kk[None, :], mask=km[None, :], other=0.0)
-            part += w.to(tl.float32) * hv.to(tl.float32)[None, :]
-        out += tl.load(tw_ptr + p).to(tl.float32) * tl.sum(part, axis=1)
+                hv = tl.load(h_ptr + p * s_hm + kk, mask=km, other=0.0)
+                w = tl.load(w_ptr + e * s_we + offs_n[:, None] * s_wn + kk[None, :], mask=km[None, :], other=0.0)
+            part += w.to(tl.float32) * (hv.to(tl.float32) * ws)[None, :]
+        out = tl.sum(part, axis=1)
+    else:
+        out = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for s in range(TOP_K):
+            p = t * TOP_K + s
+            e = tl.load(ids_ptr + p).to(tl.int64)
+            h_row = h_ptr + p * s_hm
+            w_rows = w_ptr + e * s_we + offs_n[:, None] * s_wn
+            part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+                kk = k0 + offs_k
+                if EVEN_K:
+                    hv = tl.load(h_row + kk)
+                    w = tl.load(w_rows + kk[None, :])
+                else:
+                    km = kk < K
+                    hv = tl.load(h_row + kk, mask=km, other=0.0)
+                    w = tl.load(w_rows + kk[None, :], mask=km[None, :], other=0.0)
+                part += w.to(tl.float32) * hv.to(tl.float32)[None, :]
+            out += tl.load(tw_ptr + p).to(tl.float32) * tl.sum(part, axis=1)
     tl.store(out_ptr + t * s_ot + cn, out.to(out_ptr.dtype.element_ty), mask=cn < N)
 
 
@@ -416,7 +437,8 @@ def _device_file(device_name: str) -> Path:
 
 def validate_config(cfg: dict[str, Any], where: str = "config") -> dict[str, Any]:
     """A tile config is {"variant": "gemv", "up": {...}, "down": {...}} or {"variant": "gemm", "BLOCK_M":
-    16..256, "up": {...}, "down": {...}}; raises ValueError naming the missing or bad field."""
+    16..256, "up": {...}, "down": {...}} (gemv's down may add FLAT: 0/1, see _down_gemv_kernel); raises
+    ValueError naming the missing or bad field."""
     variant = cfg.get("variant")
     if variant not in ("gemv", "gemm"):
         raise ValueError(f"{where}: variant must be 'gemv' or 'gemm', got {variant!r}")
@@ -436,6 +458,8 @@ def validate_config(cfg: dict[str, Any], where: str = "config") -> dict[str, Any
         for k in ("BLOCK_N", "BLOCK_K"):
             if sub[k] & (sub[k] - 1) or (variant == "gemm" and sub[k] < 16):
                 raise ValueError(f"{where}: {part}.{k} must be a power of two (>= 16 for gemm), got {sub[k]}")
+        if sub.get("FLAT", 0) not in (0, 1):
+            raise ValueError(f"{where}: {part}.FLAT must be 0 or 1, got {sub['FLAT']!r}")
     return cfg
 
 
@@ -502,7 +526,7 @@ _INTERPRETER_GEMM = {"variant": "gemm", "BLOCK_M": 16,
                      "up": dict(BLOCK_N=16, BLOCK_K=32, GROUP_M=2, num_warps=1, num_stages=1),
                      "down": dict(BLOCK_N=32, BLOCK_K=16, GROUP_M=1, num_warps=1, num_stages=1)}
 _INTERPRETER_GEMV = {"variant": "gemv", "up": dict(BLOCK_N=32, BLOCK_K=32, num_warps=1, num_stages=1),
-                     "down": dict(BLOCK_N=32, BLOCK_K=16, num_warps=1, num_stages=1)}
+                     "down": dict(BLOCK_N=32, BLOCK_K=16, num_warps=1, num_stages=1, FLAT=1)}
 
 
 def moe_config(num_experts: int, inter: int, hidden: int, num_tokens: int, top_k: int,
@@ -542,7 +566,7 @@ def launch_down_gemv(h, w_down, ids, tw, out, dn: dict[str, Any]) -> None:
     _down_gemv_kernel[(out.shape[0], triton.cdiv(d, dn["BLOCK_N"]))](
         h, w_down, ids, tw, out, d, inter, h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
         TOP_K=ids.shape[1], BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0,
-        NUM_STAGES=dn["num_stages"], num_warps=dn["num_warps"],
+        NUM_STAGES=dn["num_stages"], FLAT=bool(dn.get("FLAT", 0)), num_warps=dn["num_warps"],
     )
 
 
