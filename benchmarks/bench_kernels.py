@@ -1,8 +1,9 @@
 # ruff: noqa: B023  (the timed lambdas run inside the loop iteration that defines them)
 """Kernel benchmarks at Nemotron Nano 9B v2 shapes: every Triton kernel is first checked against its
-plain-torch reference, then timed with `triton.testing.do_bench` and quoted against a roofline from the
-measured H200 ceilings (DESIGN.md) or a peer measured in the same run (torch SDPA; mamba_ssm's SSD scan
-when the package is installed).
+plain-torch reference, then timed with `triton.testing.do_bench` and quoted against a roofline at the
+ceilings measured in the same run (benchmarks/roofline.py; each record also carries the ratio at the
+H200's published peaks) or a peer measured in the same run (torch SDPA; mamba_ssm's SSD scan when the
+package is installed).
 
     python benchmarks/bench_kernels.py                       # on the GPU: writes benchmarks/results/kernels_<date>.json
     python benchmarks/bench_kernels.py --only ssm,attn       # a subset
@@ -38,18 +39,15 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.roofline import Ceilings, Peaks, ceiling_fields, measure_ceilings, measured_peaks  # noqa: E402
 from hyserve.bench.profiling import device_kernel_times  # noqa: E402
 from hyserve.kernels.attention import paged_attention_ref, write_kv_ref  # noqa: E402
 from hyserve.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref  # noqa: E402
 from hyserve.kernels.rmsnorm import rms_norm_ref, rmsnorm_gated_ref  # noqa: E402
 from hyserve.kernels.ssm_update import selective_state_update_ref  # noqa: E402
 
-# Measured on the lent H200 (DESIGN.md, 2026-11-30).
-COPY_BW = 4.27e12  # device copy, read + write bytes per second
-READ_BW = 3.79e12  # bf16 GEMV weight read
-MATMUL_FLOPS = 783e12  # bf16 8192^3
-
 BF16, F32 = torch.bfloat16, torch.float32
+_LIMIT_FIELD = {"read": "read_bw", "copy": "copy_bw", "matmul": "matmul_flops"}
 
 
 class Bench:
@@ -59,6 +57,20 @@ class Bench:
         self.records: list[dict] = []
         self.failures: list[str] = []
         self.rounds = rounds  # of the attn_rounds suite
+        self._ceilings: Ceilings | None = None
+
+    @property
+    def ceilings(self) -> Ceilings:
+        """This device's ceilings, measured once, before the first record that needs them (tiny sizes in a
+        dry run, where they only exercise the code)."""
+        if self._ceilings is None:
+            if self.dry:
+                self._ceilings = measure_ceilings(self.dev, stream_read_bytes=1 << 22, copy_bytes=1 << 22,
+                                                  gemv_bytes=1 << 20, matmul_shapes=((64, 64, 64),), reps=3)
+            else:
+                self._ceilings = measure_ceilings(self.dev)
+            print(f"     {self._ceilings.summary()}")
+        return self._ceilings
 
     def time_ms(self, fn) -> float:
         if self.dry:
@@ -98,6 +110,18 @@ class Bench:
         self.records.append(rec)
         print(f"     {name}: {value:.4g} {unit} ({ratio:.1%} of {reference})")
 
+    def roof(self, name: str, value: float, unit: str, limit: str, reference: str, reference_at=None,
+             **extra) -> None:
+        """A record against a roofline at this run's measured ceiling(s) of `limit` (read, copy, matmul,
+        copy+matmul), with the same at the H200's published peaks. reference_at(peaks): the roofline in the
+        record's unit (default: the ceiling itself, for a rate at that limit)."""
+        at = reference_at or (lambda p: getattr(p, _LIMIT_FIELD[limit]))
+        f = ceiling_fields(limit, self.ceilings, value, at)
+        rec = dict(name=name, value=value, unit=unit, reference=reference, **f, **extra)
+        self.records.append(rec)
+        print(f"     {name}: {value:.4g} {unit} ({f['ratio']:.1%} of {reference}; "
+              f"{f['ratio_to_published']:.1%} of the published peak)")
+
     def rnd(self, *shape, dtype=BF16, scale=1.0):
         return (torch.randn(*shape, device=self.dev) * scale).to(dtype)
 
@@ -129,8 +153,7 @@ def bench_ssm(b: Bench) -> None:
         ms = b.time_ms(lambda: selective_state_update_triton(pool, x, dt, A, B, C, idx, idx, **kw))
         state_bytes = 2 * batch * H * P * N * pool.element_size()
         io_bytes = (x.numel() * 2 + B.numel() * 2 + C.numel() * 2 + dt.numel()) * 2  # in + y out (bf16)
-        b.record(name, (state_bytes + io_bytes) / (ms * 1e-3), "B/s", "device copy ceiling (DESIGN.md)", COPY_BW,
-                 time_ms=ms)
+        b.roof(name, (state_bytes + io_bytes) / (ms * 1e-3), "B/s", "copy", "device copy ceiling", time_ms=ms)
         if batch == 64 and sdt == F32 and not b.dry:
             _bench_mamba_ssm_peer(b, pool, x, dt, A, B, C, D, dt_bias, idx, state_bytes + io_bytes, ms)
 
@@ -179,7 +202,7 @@ def bench_conv(b: Bench) -> None:
     if b.check(name, o_tri, o_ref, 2e-2, 2e-2) and b.check(name + " (states)", p_tri[idx], p_ref[idx], 0, 0):
         ms = b.time_ms(lambda: causal_conv1d_update_triton(x, pool, w, bias, idx, idx))
         nbytes = (2 * batch * Dm * (K - 1) + 2 * batch * Dm + Dm * K) * 2
-        b.record(name, nbytes / (ms * 1e-3), "B/s", "device copy ceiling (DESIGN.md)", COPY_BW, time_ms=ms)
+        b.roof(name, nbytes / (ms * 1e-3), "B/s", "copy", "device copy ceiling", time_ms=ms)
 
     T = 8192 if not b.dry else 70
     cu = [0, T // 4 + 3, T] if not b.dry else [0, 1, 33, T]
@@ -192,7 +215,7 @@ def bench_conv(b: Bench) -> None:
     if b.check(name, o_tri, o_ref, 2e-2, 2e-2) and b.check(name + " (states)", f_tri, f_ref, 0, 0):
         ms = b.time_ms(lambda: causal_conv1d_varlen_triton(xv, w, bias, cu, init))
         nbytes = 2 * T * Dm * 2
-        b.record(name, nbytes / (ms * 1e-3), "B/s", "device copy ceiling (DESIGN.md)", COPY_BW, time_ms=ms)
+        b.roof(name, nbytes / (ms * 1e-3), "B/s", "copy", "device copy ceiling", time_ms=ms)
 
 
 def bench_norms(b: Bench) -> None:
@@ -205,14 +228,12 @@ def bench_norms(b: Bench) -> None:
         if b.check(name, rmsnorm_gated_triton(x, z, w, 1e-5, group), rmsnorm_gated_ref(x, z, w, 1e-5, group),
                    2e-2, 2e-2):
             ms = b.time_ms(lambda: rmsnorm_gated_triton(x, z, w, 1e-5, group))
-            b.record(name, 3 * T * d_inner * 2 / (ms * 1e-3), "B/s", "device copy ceiling (DESIGN.md)", COPY_BW,
-                     time_ms=ms)
+            b.roof(name, 3 * T * d_inner * 2 / (ms * 1e-3), "B/s", "copy", "device copy ceiling", time_ms=ms)
         h, wh = b.rnd(T, hidden), b.rnd(hidden)
         name = f"rms_norm {T} tokens"
         if b.check(name, rms_norm_triton(h, wh, 1e-5), rms_norm_ref(h, wh, 1e-5), 2e-2, 2e-2):
             ms = b.time_ms(lambda: rms_norm_triton(h, wh, 1e-5))
-            b.record(name, 2 * T * hidden * 2 / (ms * 1e-3), "B/s", "device copy ceiling (DESIGN.md)", COPY_BW,
-                     time_ms=ms)
+            b.roof(name, 2 * T * hidden * 2 / (ms * 1e-3), "B/s", "copy", "device copy ceiling", time_ms=ms)
 
 
 # --------------------------------------------------------------------------- fused small-batch linears
@@ -265,8 +286,8 @@ def _bench_linear(b: Bench, sweep: bool) -> None:
         label = f"{name} {w.shape[1]}->{w.shape[0]}, 1 row"
         ref = exact()
         base_ms = b.graph_ms(unfused)
-        b.record(f"{label}: op kernel + cuBLAS", nbytes / (base_ms * 1e-3), "B/s", "GEMV weight read (DESIGN.md)",
-                 READ_BW, time_ms=base_ms)
+        b.roof(f"{label}: op kernel + cuBLAS", nbytes / (base_ms * 1e-3), "B/s", "read", "bytes-read ceiling",
+               time_ms=base_ms)
         saved = dict(tfl._GPU)
         for cfg in configs:
             tag = "" if cfg is None else " [N{} K{} w{} s{}]".format(*cfg)
@@ -276,8 +297,8 @@ def _bench_linear(b: Bench, sweep: bool) -> None:
                 if not b.check(f"{label}: {variant}{tag}", fused(), ref, 2e-2, 2e-2):
                     continue
                 ms = b.graph_ms(fused)
-                b.record(f"{label}: {variant}{tag}", nbytes / (ms * 1e-3), "B/s", "GEMV weight read (DESIGN.md)",
-                         READ_BW, time_ms=ms, unfused_ms=base_ms, speedup_vs_unfused=base_ms / ms)
+                b.roof(f"{label}: {variant}{tag}", nbytes / (ms * 1e-3), "B/s", "read", "bytes-read ceiling",
+                       time_ms=ms, unfused_ms=base_ms, speedup_vs_unfused=base_ms / ms)
                 print(f"     ({ms * 1e3:.1f} us vs {base_ms * 1e3:.1f} us unfused: {base_ms / ms:.3f}x)")
             except Exception as e:  # noqa: BLE001 - a setting may not compile; report and go on
                 print(f"     (fused linear config {tag} failed: {type(e).__name__}: {e})")
@@ -333,8 +354,8 @@ def bench_attn(b: Bench) -> None:
     name = f"write_kv {T} tokens"
     if b.check(name, k_cache, kr, 0, 0) and b.check(name + " (V)", v_cache, vr, 0, 0):
         ms = b.time_ms(lambda: write_kv_triton(k, v, k_cache, v_cache, slots))
-        b.record(name, 2 * 2 * k.numel() * k.element_size() / (ms * 1e-3), "B/s", "device copy ceiling (DESIGN.md)",
-                 COPY_BW, time_ms=ms)
+        b.roof(name, 2 * 2 * k.numel() * k.element_size() / (ms * 1e-3), "B/s", "copy", "device copy ceiling",
+               time_ms=ms)
 
     # decode: one sequence at 128k context, and batch 64 at 8k
     for batch, L in ((1, 131072), (64, 8192)) if not b.dry else ((1, 700), (3, 100)):
@@ -352,9 +373,8 @@ def bench_attn(b: Bench) -> None:
             ms = b.graph_ms(lambda: paged_attention_cuda(q, kc, vc, tb, lens_t, cu_t, scale))
             eager_ms = b.time_ms(lambda: paged_attention_cuda(q, kc, vc, tb, lens, cu, scale))
             kv_bytes = 2 * batch * L * Hkv * D * kc.element_size()
-            b.record(name, kv_bytes / (ms * 1e-3), "B/s", "KV-read roofline: bf16 GEMV read ceiling (DESIGN.md)",
-                     READ_BW, time_ms=ms, timing="CUDA graph replay, device-tensor lengths",
-                     eager_host_lists_ms=eager_ms)
+            b.roof(name, kv_bytes / (ms * 1e-3), "B/s", "read", "KV-read roofline: bytes-read ceiling",
+                   time_ms=ms, timing="CUDA graph replay, device-tensor lengths", eager_host_lists_ms=eager_ms)
 
     # prefill: one 8k sequence (no cache) and an extend of 2k new tokens over 6k cached
     for n_new, L in ((8192, 8192), (2048, 8192)) if not b.dry else ((37, 37), (20, 50)):
@@ -382,7 +402,7 @@ def bench_attn(b: Bench) -> None:
             b.record(name, ours, "FLOP/s", f"torch SDPA ({best_name}) on the same shapes, same run", peer,
                      time_ms=ms, peer_ms=best_ms, **dev)
         else:
-            b.record(name, ours, "FLOP/s", "bf16 matmul ceiling (DESIGN.md)", MATMUL_FLOPS, time_ms=ms)
+            b.roof(name, ours, "FLOP/s", "matmul", "bf16 matmul ceiling", time_ms=ms)
 
     _bench_decode_fp8(b, Hq, Hkv, D, bs, dtype, tol, scale)
 
@@ -414,8 +434,8 @@ def _bench_decode_fp8(b: Bench, Hq: int, Hkv: int, D: int, bs: int, dtype, tol: 
         kd, vd = (kc.float() * ks).to(dtype), (vc.float() * vs).to(dtype)  # the same values in 16 bits
         ms16 = b.graph_ms(lambda: paged_attention_cuda(q, kd, vd, tb, lens_t, cu_t, scale))
         kv_bytes = 2 * batch * L * Hkv * D * kc.element_size()  # 1 byte per element
-        b.record(name, kv_bytes / (ms * 1e-3), "B/s", "KV-read roofline (1-byte KV): GEMV read ceiling (DESIGN.md)",
-                 READ_BW, time_ms=ms, bf16_kv_ms=ms16, speedup_vs_bf16_kv=ms16 / ms)
+        b.roof(name, kv_bytes / (ms * 1e-3), "B/s", "read", "KV-read roofline (1-byte KV): bytes-read ceiling",
+               time_ms=ms, bf16_kv_ms=ms16, speedup_vs_bf16_kv=ms16 / ms)
 
 
 def _sdpa_fn(q, kc, vc, tables, L: int, backend: str):
@@ -471,14 +491,15 @@ def _ssd_inputs(b: Bench, lens: list[int], H: int, P: int, N: int, G: int, dtype
     return x, dt, A, B, C, D, dt_bias, init
 
 
-def _ssd_floor_s(T: int, S: int, H: int, P: int, N: int, G: int, L: int, xbytes: int, with_init: bool) -> float:
+def _ssd_floor_s(T: int, S: int, H: int, P: int, N: int, G: int, L: int, xbytes: int, with_init: bool,
+                 peaks: Peaks) -> float:
     """Byte/FLOP floor of one scan without chunk states: max(bytes at the copy ceiling, FLOPs at the
     matmul ceiling). Bytes: x in, y out, B and C in, dt in, final states out (+ initial states in).
     FLOPs per token: chunk-state contribution and carried-state output (2 x 2HPN), causal within-chunk
     C.B (G N L/2 MACs) and scores @ x (H P L/2 MACs)."""
     nbytes = 2 * T * H * P * xbytes + 2 * T * G * N * xbytes + T * H * 4 + S * H * P * N * 4 * (2 if with_init else 1)
     flops = T * (4 * H * P * N + G * N * L + H * P * L)
-    return max(nbytes / COPY_BW, flops / MATMUL_FLOPS)
+    return max(nbytes / peaks.copy_bw, flops / peaks.matmul_flops)
 
 
 def _ssd_kernel_times(fn) -> dict[str, float]:
@@ -541,15 +562,18 @@ def bench_ssd(b: Bench) -> None:
         for n in lens:
             cu.append(cu[-1] + n)
         name = f"ssd {T} tokens" if S == 1 else f"ssd {S} x {lens[0]} tokens, initial states"
-        floor = _ssd_floor_s(T, S, H, P, N, G, L, x.element_size(), init is not None)
+        def floor_s(peaks: Peaks) -> float:
+            return _ssd_floor_s(T, S, H, P, N, G, L, x.element_size(), init is not None, peaks)
+
         kernels = {}
         if not b.dry:
             kernels = _ssd_kernel_times(lambda: ssd_triton(x, dt, A, B, C, L, cu, D=D, dt_bias=dt_bias,
                                                            initial_states=init, return_chunk_states=False))
             print("     kernels (ms): " + ", ".join(f"{k} {v:.4f}" for k, v in kernels.items()))
-        b.record(name, T / (ms * 1e-3), "tok/s",
-                 "byte/FLOP floor: max(min bytes at the copy ceiling, FLOPs at the matmul ceiling) (DESIGN.md)",
-                 T / floor, time_ms=ms, floor_ms=floor * 1e3, kernels_ms=kernels)
+        b.roof(name, T / (ms * 1e-3), "tok/s", "copy+matmul",
+               "byte/FLOP floor: max(min bytes at the copy ceiling, FLOPs at the matmul ceiling)",
+               lambda p: T / floor_s(p), time_ms=ms, floor_ms=floor_s(measured_peaks(b.ceilings)) * 1e3,
+               kernels_ms=kernels)
         if S == 1 and not b.dry:
             _bench_mamba_ssm_ssd_peer(b, name, x, dt, A, B, C, L, D, dt_bias, ms)
 
@@ -858,6 +882,7 @@ def main() -> int:
         torch=torch.__version__,
         triton=__import__("triton").__version__,
         failures=b.failures,
+        ceilings=b._ceilings.to_dict() if b._ceilings is not None else None,
         records=b.records,
     )
     out.write_text(json.dumps(doc, indent=2) + "\n")

@@ -2,8 +2,9 @@
 
 Measures hyserve's engine (batch-1 decode tok/s, 8k-token prefill tok/s, batch-64 decode step time)
 and, in the same run, transformers' own NemotronH (torch path) as the peer reference. Each number is
-quoted against its roofline from the ceilings measured on the H200 (DESIGN.md): 3.79 TB/s weight
-read, 783 TFLOP/s bf16 matmul. Writes benchmarks/results/model_<date>.json and a markdown table.
+quoted against its roofline at the ceilings measured first in the same run (benchmarks/roofline.py:
+bytes read, bf16 matmul) and at the H200's published peaks. Writes benchmarks/results/model_<date>.json
+and a markdown table.
 
     python3 benchmarks/bench_model.py [--skip-transformers]
 """
@@ -30,15 +31,29 @@ from hyserve.bench.report import records_markdown  # noqa: E402
 from hyserve.model.config import HybridModelConfig  # noqa: E402
 
 CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
-from benchmarks.roofline import BW, decode_step_ms, prefill_tokens_per_s, weight_bytes  # noqa: E402
+from benchmarks.roofline import (  # noqa: E402
+    Ceilings,
+    ceiling_fields,
+    decode_step_ms,
+    measure_ceilings,
+    prefill_tokens_per_s,
+    weight_bytes,
+)
 
 
 def rec(name, value, unit, reference, reference_value):
+    """A record against a peer or a same-run comparison (no ceiling involved)."""
     ratio = None
     if reference_value:
         ratio = value / reference_value
     return {"name": name, "value": value, "unit": unit, "reference": reference,
-            "reference_value": reference_value, "ratio": ratio}
+            "reference_value": reference_value, "ratio": ratio, "ceiling": None}
+
+
+def roof_rec(name, value, unit, reference, kind, ceilings, reference_at, *, time_like=False):
+    """A record against a roofline: at the measured ceiling of its limit and at the published peak."""
+    return {"name": name, "value": value, "unit": unit, "reference": reference,
+            **ceiling_fields(kind, ceilings, value, reference_at, time_like=time_like)}
 
 
 def sync() -> None:
@@ -62,13 +77,14 @@ def replay_breakdown(replay, step_ms: float, steps: int = 20, top: int = 25) -> 
     return text
 
 
-def bench_hyserve(cfg: HybridModelConfig, records: list, notes: list) -> None:
+def bench_hyserve(cfg: HybridModelConfig, ceilings: Ceilings, records: list, notes: list) -> None:
     llm = LLM(str(CFG_DIR), load_format="dummy", max_seq_len=16384, max_batch_size=64, max_num_tokens=8192,
               kv_cache_config={"enable_block_reuse": False, "free_gpu_memory_fraction": 0.5}, log=print)
     eng = llm.engine
-    decode_roof = BW / weight_bytes(cfg)
-    prefill_roof = prefill_tokens_per_s(cfg)
     g = torch.Generator().manual_seed(0)
+
+    def decode_roof(peaks) -> float:  # batch-1 tok/s when the weights stream at the bytes-read ceiling
+        return peaks.read_bw / weight_bytes(cfg)
 
     def ids(n):
         return [1] + torch.randint(3, cfg.vocab_size, (n - 1,), generator=g).tolist()
@@ -91,7 +107,8 @@ def bench_hyserve(cfg: HybridModelConfig, records: list, notes: list) -> None:
         return n / (time.perf_counter() - t)
 
     tps = decode_b1("g")
-    records.append(rec("hyserve decode batch 1 (tok/s)", tps, "tok/s", "weight-bandwidth roofline", decode_roof))
+    records.append(roof_rec("hyserve decode batch 1 (tok/s)", tps, "tok/s", "weight-bandwidth roofline", "read",
+                            ceilings, decode_roof))
     if graphs is not None:
         b1 = graphs.size_for(1)
         assert b1 is not None
@@ -106,8 +123,8 @@ def bench_hyserve(cfg: HybridModelConfig, records: list, notes: list) -> None:
             replay()
         sync()
         gpu_ms = (time.perf_counter() - t) / 50 * 1e3
-        records.append(rec("hyserve decode batch 1, graph replay alone (tok/s)", 1e3 / gpu_ms, "tok/s",
-                           "weight-bandwidth roofline", decode_roof))
+        records.append(roof_rec("hyserve decode batch 1, graph replay alone (tok/s)", 1e3 / gpu_ms, "tok/s",
+                                "weight-bandwidth roofline", "read", ceilings, decode_roof))
         notes.append(replay_breakdown(replay, gpu_ms))
         with eng.runner.eager_decode():
             eager = decode_b1("e")
@@ -121,7 +138,8 @@ def bench_hyserve(cfg: HybridModelConfig, records: list, notes: list) -> None:
         eng.step()
     sync()
     ptps = 8192 / (time.perf_counter() - t)
-    records.append(rec("hyserve prefill 8k tokens (tok/s)", ptps, "tok/s", "matmul roofline", prefill_roof))
+    records.append(roof_rec("hyserve prefill 8k tokens (tok/s)", ptps, "tok/s", "matmul roofline", "matmul", ceilings,
+                            lambda peaks: prefill_tokens_per_s(cfg, peaks.matmul_flops)))
     # batch-64 decode step
     def step_b64(tag: str) -> tuple[float, int]:
         # 64 x 120 prompt tokens fit one prefill step (max_num_tokens 8192), so every timed step decodes
@@ -142,11 +160,9 @@ def bench_hyserve(cfg: HybridModelConfig, records: list, notes: list) -> None:
         return (time.perf_counter() - t) / max(steps, 1) * 1e3, steps
 
     step_ms, steps = step_b64("g")
-    roof_ms = decode_step_ms(cfg, 64, 136)  # 120-token prompts, 32 decoded tokens: ~136 K/V per step
-    records.append(rec("hyserve decode step batch 64 (ms)", step_ms, "ms", "roofline step time (weights+state+KV)",
-                       roof_ms))
-    # ratio = roofline / measured, so 1.0 means at the roofline
-    records[-1]["ratio"] = roof_ms / step_ms
+    # 120-token prompts, 32 decoded tokens: ~136 K/V per step; ratio = roofline / measured (1.0 at the roofline)
+    records.append(roof_rec("hyserve decode step batch 64 (ms)", step_ms, "ms", "roofline step time (weights+state+KV)",
+                            "read", ceilings, lambda peaks: decode_step_ms(cfg, 64, 136, peaks.read_bw), time_like=True))
     if graphs is not None:
         with eng.runner.eager_decode():
             eager_ms, _ = step_b64("e")
@@ -206,7 +222,7 @@ def bench_transformers(cfg_raw: dict, records: list) -> None:
         model(ids)
         sync()
         records.append(rec("transformers prefill 2k tokens (tok/s)", 2048 / (time.perf_counter() - t), "tok/s",
-                           "DESIGN.md figure", 1070.0))
+                           "transformers on the H200 earlier (benchmarks/README.md)", 1070.0))
         out = model.generate(ids[:, :128], max_new_tokens=4, do_sample=False)
         sync()
         t = time.perf_counter()
@@ -214,7 +230,7 @@ def bench_transformers(cfg_raw: dict, records: list) -> None:
         sync()
         n = out.shape[1] - 128
         records.append(rec("transformers decode batch 1 (tok/s)", (n - 1) / (time.perf_counter() - t), "tok/s",
-                           "DESIGN.md figure", 27.0))
+                           "transformers on the H200 earlier (benchmarks/README.md)", 27.0))
     del model
     torch.cuda.empty_cache()
 
@@ -228,7 +244,10 @@ def main() -> None:
     cfg = HybridModelConfig.from_dict(raw)
     records: list = []
     notes: list = []
-    bench_hyserve(cfg, records, notes)
+    ceilings = measure_ceilings("cuda")  # before any engine holds memory
+    print(ceilings.summary())
+    notes.append(ceilings.summary())
+    bench_hyserve(cfg, ceilings, records, notes)
     gc.collect()  # the engine's memory goes back before the next engine or transformers loads its copy
     torch.cuda.empty_cache()
     bench_prefill_with_prefix_cache(cfg, records)
@@ -243,6 +262,7 @@ def main() -> None:
         "command": " ".join([sys.executable, *sys.argv]),
         "model": "NVIDIA-Nemotron-Nano-9B-v2 architecture, random weights, bf16",
         "notes": notes,
+        "ceilings": ceilings.to_dict(),
         "records": records,
     }
     out = ROOT / "benchmarks" / "results"

@@ -6,9 +6,12 @@ scripts/gpu_serve_check.sh sweep (serve_sweep_in<I>_out<O>_c<C>.json), and for e
     at the mean decode context (I + O/2 tokens): weights + Mamba states + K/V read (benchmarks/roofline.py);
   * output throughput against that batch's roofline decode throughput (this one also pays for prefill).
 
+The rooflines are drawn at the bytes-read ceiling measured on the GPU that served (`--ceilings`: a JSON
+from `benchmarks/roofline.py --out` or a benchmark JSON of the same session; without it, measured here
+when a GPU is present), and every record also carries the ratio at the H200's published 4.8 TB/s.
 Writes benchmarks/results/serve_sweep_roofline.json (+ .md, and a PNG when matplotlib is present).
 
-    python3 benchmarks/sweep_roofline.py [--results benchmarks/results] [--git-sha SHA]
+    python3 benchmarks/sweep_roofline.py [--results benchmarks/results] [--git-sha SHA] [--ceilings FILE]
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.roofline import decode_step_ms  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks.roofline import Ceilings, ceiling_fields, decode_step_ms, load_ceilings, measure_ceilings  # noqa: E402
 from hyserve.bench.report import record, records_markdown  # noqa: E402
 from hyserve.model.config import HybridModelConfig  # noqa: E402
 
@@ -31,7 +36,7 @@ CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
 NAME = re.compile(r"serve_sweep_in(\d+)_out(\d+)_c(\d+)\.json$")
 
 
-def point_records(cfg: HybridModelConfig, path: Path) -> list[dict] | None:
+def point_records(cfg: HybridModelConfig, path: Path, ceilings: Ceilings | None = None) -> list[dict] | None:
     m = NAME.search(path.name)
     if m is None:
         return None
@@ -41,18 +46,21 @@ def point_records(cfg: HybridModelConfig, path: Path) -> list[dict] | None:
     if run["completed"] == 0 or run.get("median_itl_ms") is None:
         return []
     batch = min(c, res["config"]["dataset"]["num_prompts"])
-    roof_ms = decode_step_ms(cfg, batch, i + o / 2)
-    itl = run["median_itl_ms"]
-    roof_tps = batch / roof_ms * 1e3
+    context = i + o / 2
+    itl, tps = run["median_itl_ms"], run["output_throughput"]
     tag = f"in {i} out {o} concurrency {c}"
-    step = record(f"{tag}: median ITL (ms)", itl, "ms", f"roofline decode step, batch {batch}", roof_ms)
-    step["ratio"] = roof_ms / itl  # a time: roofline / measured, so 1.0 is at the roofline
+    # the ITL is a time: its ratios are roofline / measured, so 1.0 is at the roofline
+    step = {**record(f"{tag}: median ITL (ms)", itl, "ms", f"roofline decode step, batch {batch}"),
+            **ceiling_fields("read", ceilings, itl, lambda p: decode_step_ms(cfg, batch, context, p.read_bw),
+                             time_like=True)}
+    out = {**record(f"{tag}: output throughput (tok/s)", tps, "tok/s", f"roofline decode throughput, batch {batch}"),
+           **ceiling_fields("read", ceilings, tps,
+                            lambda p: batch / decode_step_ms(cfg, batch, context, p.read_bw) * 1e3)}
     return [
         step,
-        record(f"{tag}: mean TPOT (ms)", run["mean_tpot_ms"], "ms", "none"),
-        record(f"{tag}: output throughput (tok/s)", run["output_throughput"], "tok/s",
-               f"roofline decode throughput, batch {batch}", roof_tps),
-        record(f"{tag}: mean TTFT (ms)", run["mean_ttft_ms"], "ms", "none"),
+        {**record(f"{tag}: mean TPOT (ms)", run["mean_tpot_ms"], "ms", "none"), "ceiling": None},
+        out,
+        {**record(f"{tag}: mean TTFT (ms)", run["mean_ttft_ms"], "ms", "none"), "ceiling": None},
     ]
 
 
@@ -60,20 +68,31 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--git-sha", default="unknown")
+    ap.add_argument("--ceilings", type=Path, default=None,
+                    help="the serving GPU's measured ceilings (benchmarks/roofline.py --out, or a benchmark JSON)")
     args = ap.parse_args()
     cfg = HybridModelConfig.from_dict(json.loads((CFG_DIR / "config.json").read_text()))
     files = sorted(args.results.glob("serve_sweep_in*_out*_c*.json"),
                    key=lambda p: tuple(int(v) for v in NAME.search(p.name).groups()))  # type: ignore[union-attr]
     if not files:
         raise SystemExit(f"no serve_sweep_in*_out*_c*.json under {args.results}")
+    if args.ceilings is not None:
+        ceilings: Ceilings | None = load_ceilings(args.ceilings)
+    elif torch.cuda.is_available():
+        ceilings = measure_ceilings("cuda")
+    else:
+        ceilings = None
+        print("sweep_roofline: no --ceilings and no GPU to measure them: ratios at the published peak only",
+              file=sys.stderr)
     records: list[dict] = []
     gpu = "unknown"
     for f in files:
-        records += point_records(cfg, f) or []
+        records += point_records(cfg, f, ceilings) or []
         gpu = json.loads(f.read_text()).get("gpu", gpu)
     result = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "git_sha": args.git_sha, "gpu": gpu,
               "command": " ".join([sys.executable, *sys.argv]),
               "model": "NVIDIA-Nemotron-Nano-9B-v2 architecture, random weights, bf16",
+              "ceilings": ceilings.to_dict() if ceilings is not None else None,
               "records": records}
     (args.results / "serve_sweep_roofline.json").write_text(json.dumps(result, indent=2))
     table = records_markdown(records, "point")
@@ -96,10 +115,12 @@ def main() -> None:
     for shape in sorted({r["name"].split(" concurrency")[0] for r in records}):
         c, rows = series(shape, "output throughput")
         line = ax_t.plot(c, [r["value"] for r in rows], marker="o", label=f"{shape}: measured")[0]
-        ax_t.plot(c, [r["reference_value"] for r in rows], ls="--", color=line.get_color(),
-                  label=f"{shape}: decode roofline")
+        measured = all(r["reference_value"] is not None for r in rows)
+        ax_t.plot(c, [r["reference_value" if measured else "published_reference_value"] for r in rows], ls="--",
+                  color=line.get_color(), label=f"{shape}: decode roofline{'' if measured else ' (published peak)'}")
         c, rows = series(shape, "median ITL")
-        ax_r.plot(c, [r["ratio"] for r in rows], marker="o", label=shape)
+        ax_r.plot(c, [r["ratio"] if r["ratio"] is not None else r["ratio_to_published"] for r in rows], marker="o",
+                  label=shape)
     for ax in (ax_t, ax_r):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")

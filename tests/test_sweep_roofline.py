@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.roofline import decode_step_ms  # noqa: E402
+from benchmarks.roofline import PUBLISHED_BW, Ceilings, decode_step_ms  # noqa: E402
 from hyserve.model.config import HybridModelConfig  # noqa: E402
 
 
@@ -21,30 +22,59 @@ def _point(path: Path, *, prompts: int, tpot: float, out_tps: float) -> None:
                                 "points": [{"reps": [run]}]}))
 
 
+# ceilings as benchmarks/roofline.py --out writes them: the bytes-read ceiling is the faster of the two reads
+CEILINGS = Ceilings(device="NVIDIA H200", stream_read_bw=4.27e12, copy_bw=4.28e12, gemv_bw=4.20e12,
+                    gemv_best="torch F.linear (weight [N, K])", matmul_flops=794e12, matmul_best="bf16 8192x8192x8192")
+BW = 4.27e12
+
+
 def test_sweep_roofline_ratios(tmp_path: Path) -> None:
     cfg = HybridModelConfig.from_dict(
         json.loads((ROOT / "benchmarks/configs/NVIDIA-Nemotron-Nano-9B-v2/config.json").read_text()))
-    # the roofline step at batch 64 is above the weight-only step (9.30 ms at 264 tokens in bench_model)
-    assert abs(decode_step_ms(cfg, 64, 264) - 9.3016) < 1e-3
+    # the roofline step at batch 64 is above the weight-only step (9.30 ms at 264 tokens at 3.79 TB/s)
+    assert abs(decode_step_ms(cfg, 64, 264, 3.79e12) - 9.3016) < 1e-3
     _point(tmp_path / "serve_sweep_in1000_out1000_c64.json", prompts=64, tpot=20.0, out_tps=2000.0)
     _point(tmp_path / "serve_sweep_in1000_out1000_c8.json", prompts=2, tpot=10.0, out_tps=150.0)
     (tmp_path / "serve_other.json").write_text("{}")  # not a sweep point: ignored
+    (tmp_path / "ceilings.json").write_text(json.dumps(CEILINGS.to_dict()))
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks/sweep_roofline.py"), "--results", str(tmp_path),
-                        "--git-sha", "abc1234"], capture_output=True, text=True, timeout=120)
+                        "--git-sha", "abc1234", "--ceilings", str(tmp_path / "ceilings.json")],
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "serve_sweep_roofline.json").read_text())
     assert res["git_sha"] == "abc1234" and res["gpu"] == "NVIDIA H200"
+    assert res["ceilings"]["read_bw"] == BW
     by = {x["name"]: x for x in res["records"]}
     # concurrency 8 with 2 prompts runs a batch of 2, sorted before concurrency 64
     assert list(by)[0].startswith("in 1000 out 1000 concurrency 8:")
     t8 = by["in 1000 out 1000 concurrency 8: median ITL (ms)"]
     assert t8["reference"] == "roofline decode step, batch 2"
-    assert abs(t8["reference_value"] - decode_step_ms(cfg, 2, 1500)) < 1e-9
+    assert abs(t8["reference_value"] - decode_step_ms(cfg, 2, 1500, BW)) < 1e-9
+    assert t8["ceiling_value"] == BW and "measured" in t8["ceiling"]
     t64 = by["in 1000 out 1000 concurrency 64: median ITL (ms)"]
-    assert abs(t64["ratio"] - decode_step_ms(cfg, 64, 1500) / 20.0) < 1e-9
+    assert abs(t64["ratio"] - decode_step_ms(cfg, 64, 1500, BW) / 20.0) < 1e-9
+    assert abs(t64["ratio_to_published"] - decode_step_ms(cfg, 64, 1500, PUBLISHED_BW) / 20.0) < 1e-9
+    assert t64["published_peak"] == PUBLISHED_BW == 4.8e12
     o64 = by["in 1000 out 1000 concurrency 64: output throughput (tok/s)"]
-    assert abs(o64["ratio"] - 2000.0 / (64 / decode_step_ms(cfg, 64, 1500) * 1e3)) < 1e-9
+    assert abs(o64["ratio"] - 2000.0 / (64 / decode_step_ms(cfg, 64, 1500, BW) * 1e3)) < 1e-9
+    assert abs(o64["ratio_to_published"] - 2000.0 / (64 / decode_step_ms(cfg, 64, 1500, PUBLISHED_BW) * 1e3)) < 1e-9
+    assert by["in 1000 out 1000 concurrency 64: mean TTFT (ms)"]["ceiling"] is None  # no roofline there
     assert "| in 1000 out 1000 concurrency 64: median ITL (ms) | 20.00 |" in r.stdout
+
+
+def test_sweep_roofline_without_ceilings_quotes_the_published_peak(tmp_path: Path) -> None:
+    cfg = HybridModelConfig.from_dict(
+        json.loads((ROOT / "benchmarks/configs/NVIDIA-Nemotron-Nano-9B-v2/config.json").read_text()))
+    _point(tmp_path / "serve_sweep_in1000_out1000_c64.json", prompts=64, tpot=20.0, out_tps=2000.0)
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/sweep_roofline.py"), "--results", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr
+    assert "published peak only" in r.stderr
+    res = json.loads((tmp_path / "serve_sweep_roofline.json").read_text())
+    assert res["ceilings"] is None
+    t64 = next(x for x in res["records"] if x["name"].endswith("median ITL (ms)"))
+    assert t64["reference_value"] is None and t64["ratio"] is None and t64["ceiling"] == "none measured"
+    assert abs(t64["ratio_to_published"] - decode_step_ms(cfg, 64, 1500, PUBLISHED_BW) / 20.0) < 1e-9
 
 
 def test_sweep_roofline_without_results_says_so(tmp_path: Path) -> None:
