@@ -463,3 +463,129 @@ def test_responses_api_whole_and_streamed(client: openai.OpenAI, model: str) -> 
     assert deltas == "".join(t for _, t in text(whole))
     off = client.responses.create(**{**kw, "reasoning": {"effort": "none"}})
     assert [o.type for o in off.output] == ["message"] and off.usage.output_tokens_details.reasoning_tokens == 0
+
+
+# ---- structured outputs (random weights: only the constraint is tested) ---------------------------------
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2}}}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                                          "properties": {"city": {"type": "string", "maxLength": 6},
+                                                         "days": {"type": "integer", "minimum": 1, "maximum": 9}}}}}
+CLOCK_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"],
+    "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}
+
+
+def test_json_schema_outputs_parse_and_validate(client: openai.OpenAI, model: str) -> None:
+    import jsonschema_rs
+
+    validator = jsonschema_rs.validator_for(PERSON)
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for seed in range(3):
+        resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Who?"}], n=4,
+                                              max_tokens=120, temperature=1.0, seed=seed, response_format=rf,
+                                              extra_body=NO_THINK)
+        for c in resp.choices:
+            assert c.finish_reason == "stop", c.message.content
+            validator.validate(json.loads(c.message.content))
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Who?"}],
+                                            max_tokens=120, temperature=1.0, seed=7, response_format=rf,
+                                            stream=True, extra_body=NO_THINK)
+    validator.validate(json.loads("".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)))
+    obj = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "JSON?"}], max_tokens=60,
+                                         temperature=0, response_format={"type": "json_object"}, extra_body=NO_THINK)
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    else:  # any JSON object may be long: what came out is the start of one
+        assert obj.choices[0].message.content.startswith("{")
+
+
+def test_grammar_starts_after_the_thinking_section(server: ServerProcess, client: openai.OpenAI, model: str) -> None:
+    """Thinking on: the reasoning is free text and the schema constrains the content after </think> (pushed
+    early here with a logit bias, the schema has no strings where </think> could go)."""
+    (end,) = httpx.post(f"{server.url}/tokenize", json={"prompt": "</think>", "add_special_tokens": False}).json()["tokens"]
+    schema = {"type": "object", "required": ["n"], "additionalProperties": False,
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}}}
+    resp = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "n?"}], max_tokens=60, temperature=1.0, seed=1, n=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+        logit_bias={str(end): 8.0})
+    for c in resp.choices:
+        assert c.finish_reason == "stop"
+        assert 0 <= json.loads(c.message.content)["n"] <= 999
+
+
+def test_tool_choice_required_always_returns_a_valid_call(client: openai.OpenAI, model: str) -> None:
+    import jsonschema_rs
+
+    schemas = {t["function"]["name"]: jsonschema_rs.validator_for(t["function"]["parameters"])
+               for t in (WEATHER_TOOL, CLOCK_TOOL)}
+    for seed in range(2):
+        resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Weather?"}],
+                                              tools=[WEATHER_TOOL, CLOCK_TOOL], tool_choice="required", n=4,
+                                              parallel_tool_calls=False, max_tokens=150, temperature=1.0, seed=seed,
+                                              extra_body=NO_THINK)
+        for c in resp.choices:
+            assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c.message
+            for call in c.message.tool_calls:
+                schemas[call.function.name].validate(json.loads(call.function.arguments))
+    named = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Time?"}],
+                                           tools=[WEATHER_TOOL, CLOCK_TOOL], max_tokens=60, temperature=1.0,
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                           extra_body=NO_THINK)
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+    chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "W?"}],
+                                                 tools=[WEATHER_TOOL], tool_choice="required", max_tokens=150,
+                                                 parallel_tool_calls=False, temperature=1.0, seed=3, stream=True,
+                                                 extra_body=NO_THINK))
+    calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    assert calls and all(tc.function.name == "get_weather" for tc in calls)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_structured_outputs_extra_body_on_completions(client: openai.OpenAI, model: str) -> None:
+    import re
+
+    for so, ok in (({"regex": "[a-d]{3}-[0-9]{2}"}, lambda s: re.fullmatch("[a-d]{3}-[0-9]{2}", s)),
+                   ({"choice": ["red", "green", "blue"]}, lambda s: s in ("red", "green", "blue")),
+                   ({"grammar": 'root ::= "<" [0-9] ("," [0-9])* ">"'}, lambda s: re.fullmatch(r"<[0-9](,[0-9])*>", s)),
+                   ({"json": {"type": "object", "properties": {"k": {"type": "boolean"}}, "required": ["k"]}},
+                    lambda s: isinstance(json.loads(s)["k"], bool))):
+        resp = client.completions.create(model=model, prompt=[1, 300, 301], max_tokens=40, temperature=1.0, n=3,
+                                         seed=2, extra_body={"structured_outputs": so})
+        for c in resp.choices:
+            assert c.finish_reason == "stop" and ok(c.text), (so, c.text)
+
+
+def test_schema_that_cannot_compile_is_a_400(server: ServerProcess, model: str) -> None:
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+        "model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    assert "objectx" in r.json()["error"]["message"] and ".cc:" not in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/completions", timeout=30, json={
+        "model": model, "prompt": [1, 2], "max_tokens": 8, "structured_outputs": {"regex": "([a-z"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs"
+    assert "regex" in r.json()["error"]["message"]
+
+
+def test_responses_api_structured(client: openai.OpenAI, model: str) -> None:
+    import jsonschema_rs
+
+    r = client.responses.create(model=model, input="Who?", max_output_tokens=120, temperature=1.0,
+                                reasoning={"effort": "none"},
+                                text={"format": {"type": "json_schema", "name": "person", "schema": PERSON,
+                                                 "strict": True}})
+    assert r.status == "completed"
+    jsonschema_rs.validator_for(PERSON).validate(json.loads(r.output_text))
+    tools = [{"type": "function", **WEATHER_TOOL["function"]}]
+    r = client.responses.create(model=model, input="Weather?", tools=tools, tool_choice="required",
+                                parallel_tool_calls=False, max_output_tokens=150, temperature=1.0,
+                                reasoning={"effort": "none"})
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)

@@ -37,8 +37,11 @@ import torch
 from hyserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 _CACHE_ENTRIES = 512
-_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
-_STRICT_STRING_CHAR = r'[^\0-\x1f\"\\]'
+# xgrammar 0.2's JSON-string character classes are negated ones, which admit UTF-8 encodings of surrogates
+# (not Unicode: decoders turn them into U+FFFD) and, in strings with a length bound, raw control characters
+# (refused by strict JSON parsers): both are replaced by the explicit class of what JSON allows unescaped
+_LOOSE_STRING_CHARS = (r'[^\0-\x1f\"\\\r\n]', r'[^\"\\\r\n]')
+_STRICT_STRING_CHAR = r'[\x20-\x21\x23-\x5b\x5d-\x7e\u0080-\ud7ff\ue000-\U0010ffff]'
 _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] [^ ]+\.cc:[0-9]+: ")  # "[21:25:21] /project/cpp/x.cc:94: "
 
 
@@ -147,9 +150,9 @@ class GrammarCompiler:
             except ValueError as e:
                 raise GrammarError(f"the json schema is not valid JSON: {e}") from None
             ebnf = str(_xgrammar().Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=True))
-            # xgrammar 0.2's rule for strings with a length bound admits raw control characters (which strict
-            # JSON parsers refuse, as does its own unbounded-string rule): the same class without them
-            return c.compile_grammar(ebnf.replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR))
+            for loose in _LOOSE_STRING_CHARS:
+                ebnf = ebnf.replace(loose, _STRICT_STRING_CHAR)
+            return c.compile_grammar(ebnf)
         if key.kind == "regex":
             return c.compile_regex(key.spec)
         if key.kind == "choice":

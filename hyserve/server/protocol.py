@@ -53,6 +53,16 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool | None = False
 
 
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs` extra parameter: exactly one of these constrains the output."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # `json` shadows BaseModel.json
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class _SamplingFields(_Request):
     """Fields common to chat and text completions (what becomes `SamplingParams`)."""
 
@@ -76,6 +86,7 @@ class _SamplingFields(_Request):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
 
 # ---- chat ----------------------------------------------------------------------------------------
@@ -129,8 +140,16 @@ class NamedToolChoice(_Request):
     function: NamedToolChoiceFunction
 
 
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Request):
     type: str = "text"
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from hyserve.engine.outputs import TokenLogprob
+from hyserve.server import structured
 from hyserve.server.chat import encode_text, render_chat_prompt, system_texts
 from hyserve.server.chat_output import ChatOutput
 from hyserve.server.errors import bad_request, sse_error_event
@@ -50,6 +51,7 @@ from hyserve.server.protocol import (
 )
 from hyserve.server.reasoning import ReasoningParser, thinking_enabled
 from hyserve.server.state import ERROR_RESPONSES, LOGPROB_FLOOR, OFF_LOOP_CHARS, AppState, sse, usage_info
+from hyserve.server.structured import ForcedToolOutput
 from hyserve.server.tool_parser import ParsedToolCall, ToolCallParser
 
 # Template text per chat message, counted with the contents (so a request of many tiny messages renders
@@ -98,20 +100,22 @@ async def create_chat_completion(state: AppState, req: ChatCompletionRequest, ra
     state.check_model(req.model)
     state.check_sampling_fields(req)
     state.check_healthy()
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request(
-            f"response_format type {req.response_format.type!r} is not supported (no guided decoding); "
-            "use 'text'", param="response_format.type",
-        )
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     tc = req.tool_choice
-    if tc is not None and tc not in ("none", "auto"):
-        raise bad_request(
-            "tool_choice 'required' or a named function is not supported (no guided decoding); use 'auto'",
-            param="tool_choice",
-        )
-    parse_tools = bool(req.tools) and tc != "none" and opts.tool_parser is not None
+    think = thinking_enabled(req.chat_template_kwargs, system_texts(req.messages))
+    start = structured.start_marker(opts.reasoning_parser, think)
+    parallel = req.parallel_tool_calls is not False
+    forced = structured.tool_choice_spec(req.tools, tc, parallel, start)
+    spec = structured.one_constraint(
+        ("response_format", structured.from_response_format(req.response_format, start)),
+        ("structured_outputs", structured.from_extra(req.structured_outputs, start) if req.structured_outputs
+         else None),
+        ("tool_choice", forced[0] if forced else None),
+    )
+    grammar_param = ("tool_choice" if forced else "response_format" if req.response_format is not None
+                     else "structured_outputs")
+    parse_tools = bool(req.tools) and tc != "none" and opts.tool_parser is not None and forced is None
 
     def render_and_encode() -> tuple[str, list[int]]:
         text = render_chat_prompt(
@@ -127,23 +131,21 @@ async def create_chat_completion(state: AppState, req: ChatCompletionRequest, ra
     params = state.sampling_params(
         req, len(prompt_ids),
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
-        top_n if req.logprobs else None, logprobs_param="top_logprobs",
+        top_n if req.logprobs else None, logprobs_param="top_logprobs", structured_outputs=spec,
     )
-    state.validate(prompt_ids, params, "messages")
+    await state.validate_async(prompt_ids, params, "messages", grammar_param)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     n = req.n or 1
     jobs = [Job(request_id if n == 1 else f"{request_id}-{k}", prompt_ids, choice_params(params, k), text)
             for k in range(n)]
     stagger_choices(jobs, n, state.stagger_min)
-    think = thinking_enabled(req.chat_template_kwargs, system_texts(req.messages))
     tools_dump = [t.model_dump() for t in req.tools] if req.tools else None
 
-    def output() -> ChatOutput:
-        return ChatOutput(
-            ReasoningParser(enabled=think) if opts.reasoning_parser else None,
-            ToolCallParser(tools_dump) if parse_tools else None,
-            req.parallel_tool_calls is not False,
-        )
+    def output() -> ChatOutput | ForcedToolOutput:
+        reasoning = ReasoningParser(enabled=think) if opts.reasoning_parser else None
+        if forced is not None:
+            return ForcedToolOutput(reasoning, forced[1])
+        return ChatOutput(reasoning, ToolCallParser(tools_dump) if parse_tools else None, parallel)
 
     model_name = req.model or engine.model_name
     timers = [RequestTimer(state.metrics) for _ in jobs]
@@ -167,7 +169,8 @@ async def create_chat_completion(state: AppState, req: ChatCompletionRequest, ra
 
 
 def chat_reply(state: AppState, req: ChatCompletionRequest, request_id: str, model_name: str,
-               results: list[Result], top_n: int, output: Callable[[], ChatOutput]) -> JSONResponse:
+               results: list[Result], top_n: int, output: Callable[[], ChatOutput | ForcedToolOutput]
+               ) -> JSONResponse:
     choices = []
     for k, res in enumerate(results):
         reasoning, content, calls = output().parse(res.text)
@@ -201,7 +204,7 @@ def chat_reply(state: AppState, req: ChatCompletionRequest, request_id: str, mod
 
 
 async def chat_stream(
-    state: AppState, request_id: str, jobs: list[Job], model_name: str, outs: list[ChatOutput],
+    state: AppState, request_id: str, jobs: list[Job], model_name: str, outs: list[ChatOutput | ForcedToolOutput],
     timers: list[RequestTimer], top_n: int, *, include_usage: bool, continuous: bool, with_logprobs: bool,
 ) -> AsyncIterator[str]:
     """One SSE stream for the n choices of a chat request (choice k = job k), interleaved as they come."""

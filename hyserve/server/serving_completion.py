@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from hyserve.engine.outputs import TokenLogprob
+from hyserve.server import structured
 from hyserve.server.chat import encode_text
 from hyserve.server.errors import bad_request, sse_error_event
 from hyserve.server.generation import (
@@ -162,14 +163,15 @@ async def create_completion(state: AppState, req: CompletionRequest, raw: Reques
         state.check_prompt_chars(len(p), "prompt" if isinstance(req.prompt, str) else f"prompt[{i}]")
     prompts = await state.off_loop(lambda: completion_prompts(state, req),
                                    sum(len(p) for p in texts) >= OFF_LOOP_CHARS)
+    spec = structured.from_extra(req.structured_outputs, None) if req.structured_outputs else None
     base = f"cmpl-{uuid.uuid4().hex}"
     n = req.n or 1
     jobs: list[Job] = []  # choice index = prompt index * n + k, as OpenAI orders them
     for i, (ids, text) in enumerate(prompts):
         # echo + logprobs: the prompt tokens' own logprobs too (lm-eval style loglikelihood requests)
         params = state.sampling_params(req, len(ids), 1 if prompt_only else req.max_tokens, req.logprobs,
-                                       req.logprobs if req.echo else None)
-        state.validate(ids, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+                                       req.logprobs if req.echo else None, structured_outputs=spec)
+        await state.validate_async(ids, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
         for k in range(n):
             rid = base if len(prompts) * n == 1 else f"{base}-{i * n + k}"
             jobs.append(Job(rid, ids, choice_params(params, k), text))

@@ -12,8 +12,10 @@ Streaming sends the API's typed events (`response.created`, `response.in_progres
 `response.output_item.added` ... `.done`, `response.reasoning_text.delta`, `response.output_text.delta`,
 `response.function_call_arguments.delta/.done`, then `response.completed` or `response.incomplete`; an
 engine failure after the 200 is `response.failed`). A whole reply replays the engine's deltas through the
-same `_Builder`, so the two cannot disagree. Nothing is stored: `previous_response_id`, background mode,
-hosted tools and the other features this server does not have are a 400 that names them.
+same `_Builder`, so the two cannot disagree. `text.format` json_schema / json_object and
+tool_choice "required" / a named function are structured outputs (`structured.py`). Nothing is stored:
+`previous_response_id`, background mode, hosted tools and the other features this server does not have are
+a 400 that names them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from hyserve.server import structured
 from hyserve.server.chat import encode_text, render_chat_prompt, system_texts
 from hyserve.server.chat_output import ChatOutput
 from hyserve.server.errors import bad_request
@@ -54,6 +57,7 @@ from hyserve.server.protocol import (
 )
 from hyserve.server.reasoning import ReasoningParser, thinking_enabled
 from hyserve.server.state import ERROR_RESPONSES, OFF_LOOP_CHARS, AppState
+from hyserve.server.structured import ForcedToolOutput
 from hyserve.server.tool_parser import ParsedToolCall, ToolCallParser
 
 _TEXT_PART_TYPES = ("input_text", "output_text", "text")
@@ -185,14 +189,6 @@ def check_supported(req: ResponsesRequest) -> None:
                           "400", param="truncation")
     if req.n not in (None, 1):
         raise bad_request("n is not a Responses API field (one response per request)", param="n")
-    fmt = req.text.format if req.text else None
-    if fmt is not None and fmt.type != "text":
-        raise bad_request(f"text.format type {fmt.type!r} is not supported (no guided decoding); use 'text'",
-                          param="text.format.type")
-    tc = req.tool_choice
-    if tc is not None and tc not in ("none", "auto"):
-        raise bad_request("tool_choice 'required' or a named function is not supported (no guided decoding); "
-                          "use 'auto'", param="tool_choice")
 
 
 def _thinking(req: ResponsesRequest, msgs: list[ChatMessage]) -> tuple[bool, dict[str, Any] | None]:
@@ -315,7 +311,7 @@ class _Run:
     """One response: its parser, builder and counters, shared by the streaming and whole paths."""
 
     def __init__(self, state: AppState, req: ResponsesRequest, response_id: str, model_name: str,
-                 out: ChatOutput, think: bool, tools: list[ChatTool] | None, n_prompt: int) -> None:
+                 out: ChatOutput | ForcedToolOutput, think: bool, tools: list[ChatTool] | None, n_prompt: int) -> None:
         self.state, self.req, self.id, self.model_name = state, req, response_id, model_name
         self.out = out
         self.think = think
@@ -365,10 +361,17 @@ class _Run:
             error=error, incomplete_details=incomplete, instructions=req.instructions,
             max_output_tokens=req.max_output_tokens, parallel_tool_calls=req.parallel_tool_calls is not False,
             temperature=req.temperature, top_p=req.top_p, tool_choice=tc or "auto", tools=tools,
-            text={"format": {"type": "text"}}, reasoning=req.reasoning.model_dump() if req.reasoning else None,
+            text=_text_format(req), reasoning=req.reasoning.model_dump() if req.reasoning else None,
             metadata=req.metadata,
         )
         return body.model_dump(mode="json")
+
+
+def _text_format(req: ResponsesRequest) -> dict[str, Any]:
+    fmt = req.text.format if req.text else None
+    if fmt is None:
+        return {"format": {"type": "text"}}
+    return {"format": fmt.model_dump(by_alias=True, exclude_none=True)}
 
 
 def _event(seq: list[int], ev: dict[str, Any]) -> str:
@@ -389,7 +392,18 @@ async def create_response(state: AppState, req: ResponsesRequest, raw: Request) 
     msgs = input_messages(req)
     tools = chat_tools(req)
     think, template_kwargs = _thinking(req, msgs)
-    parse_tools = bool(tools) and req.tool_choice != "none" and opts.tool_parser is not None
+    start = structured.start_marker(opts.reasoning_parser, think)
+    parallel = req.parallel_tool_calls is not False
+    forced = structured.tool_choice_spec(tools, req.tool_choice, parallel, start)
+    fmt = req.text.format if req.text else None
+    spec = structured.one_constraint(
+        ("text.format", structured.from_format(fmt.type, fmt.schema_, "text.format", start) if fmt else None),
+        ("structured_outputs", structured.from_extra(req.structured_outputs, start) if req.structured_outputs
+         else None),
+        ("tool_choice", forced[0] if forced else None),
+    )
+    grammar_param = "tool_choice" if forced else "text.format" if fmt is not None else "structured_outputs"
+    parse_tools = bool(tools) and req.tool_choice != "none" and opts.tool_parser is not None and forced is None
 
     def render_and_encode() -> tuple[str, list[int]]:
         text = render_chat_prompt(tok, msgs, tools=tools, add_generation_prompt=True,
@@ -399,13 +413,15 @@ async def create_response(state: AppState, req: ResponsesRequest, raw: Request) 
     n_chars = sum(len(m.content) if isinstance(m.content, str) else 0 for m in msgs) + 16 * len(msgs)
     state.check_prompt_chars(n_chars, "input")
     text, prompt_ids = await state.off_loop(render_and_encode, n_chars >= OFF_LOOP_CHARS)
-    params = state.sampling_params(req, len(prompt_ids), req.max_output_tokens, None)
-    state.validate(prompt_ids, params, "input")
+    params = state.sampling_params(req, len(prompt_ids), req.max_output_tokens, None, structured_outputs=spec)
+    await state.validate_async(prompt_ids, params, "input", grammar_param)
     response_id = _rid("resp")
     job = Job(response_id, prompt_ids, params, text)
     tools_dump = [t.model_dump() for t in tools] if tools else None
-    out = ChatOutput(ReasoningParser(enabled=think) if opts.reasoning_parser else None,
-                     ToolCallParser(tools_dump) if parse_tools else None, req.parallel_tool_calls is not False)
+    reasoning = ReasoningParser(enabled=think) if opts.reasoning_parser else None
+    out: ChatOutput | ForcedToolOutput = (
+        ForcedToolOutput(reasoning, forced[1]) if forced is not None
+        else ChatOutput(reasoning, ToolCallParser(tools_dump) if parse_tools else None, parallel))
     run = _Run(state, req, response_id, req.model or engine.model_name, out, think, tools, len(prompt_ids))
     timer = RequestTimer(state.metrics)
     if req.stream:

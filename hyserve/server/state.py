@@ -17,6 +17,7 @@ from typing import Any
 
 from hyserve.engine.errors import RequestRejected
 from hyserve.engine.sampling_params import SamplingParams
+from hyserve.engine.structured_output import GrammarError
 from hyserve.server.errors import APIError, bad_request
 from hyserve.server.metrics import ServerMetrics
 from hyserve.server.protocol import ErrorResponse, PromptTokensDetails, UsageInfo
@@ -149,9 +150,21 @@ class AppState:
                 param=param, code="context_length_exceeded",
             )
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str) -> None:
+    async def validate_async(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str,
+                             grammar_param: str = "structured_outputs") -> None:
+        """`validate`, on a worker thread when the request has a structured-outputs constraint: the engine's
+        validation compiles its grammar (cached after), which can take a while for a large schema."""
+        if params.structured_outputs is None:
+            self.validate(prompt_ids, params, prompt_param)
+        else:
+            await asyncio.to_thread(self.validate, prompt_ids, params, prompt_param, grammar_param)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str,
+                 grammar_param: str = "structured_outputs") -> None:
         try:
             self.engine.validate_request(prompt_ids, params)
+        except GrammarError as e:
+            raise bad_request(f"{grammar_param}: {e}", param=grammar_param) from None
         except RequestRejected as e:
             param = getattr(e, "param", None)
             if param == "prompt":
