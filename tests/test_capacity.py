@@ -13,7 +13,7 @@ from hyserve.cache import CapacityInputs, CapacityPlan, plan_capacity
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
-# The long-prompt crash report (DESIGN.md, seeds/000): Nemotron-class hybrid, 1M max_seq_len.
+# The long-prompt crash report behind the planner: Nemotron-class hybrid, 1M max_seq_len.
 SEED = CapacityInputs(
     budget_bytes=100 * GiB,
     kv_bytes_per_token=16 * KiB,

@@ -47,7 +47,7 @@ needs_triton = pytest.mark.skipif(not _TRITON, reason="needs triton (compiled on
 # the interpreter converts 1-element arrays to loop bounds, which numpy >= 1.25 warns about
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
-# bf16 in tl.dot is wrong under the interpreter (DESIGN.md): bf16 queries run only compiled.
+# bf16 in tl.dot is wrong under the interpreter (triton 3.6): bf16 queries run only compiled.
 ATTN_DTYPES = [F32, F16, BF16] if CUDA else [F32, F16]
 TOL = {F32: dict(rtol=1e-4, atol=1e-4), F16: dict(rtol=2e-3, atol=2e-3), BF16: dict(rtol=1.6e-2, atol=1.6e-2)}
 

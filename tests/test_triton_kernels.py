@@ -49,7 +49,7 @@ gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-# bf16 in tl.dot is wrong under the interpreter (DESIGN.md): attention runs bf16 only compiled.
+# bf16 in tl.dot is wrong under the interpreter (triton 3.6): attention runs bf16 only compiled.
 ATTN_DTYPES = [F32, F16, BF16] if CUDA else [F32, F16]
 TOL = {F32: dict(rtol=1e-4, atol=1e-4), F16: dict(rtol=2e-3, atol=2e-3), BF16: dict(rtol=1.6e-2, atol=1.6e-2)}
 

@@ -27,7 +27,7 @@ pytestmark = tk.pytestmark
 
 CUDA, DEV, F32, F16, BF16 = tk.CUDA, tk.DEV, tk.F32, tk.F16, tk.BF16
 gpu, needs_cuda, rnd = tk.gpu, tk.needs_cuda, tk.rnd
-# bf16 in tl.dot is wrong under the interpreter (DESIGN.md): bf16 runs compiled only.
+# bf16 in tl.dot is wrong under the interpreter (triton 3.6): bf16 runs compiled only.
 DTYPES = [F32, F16, BF16] if CUDA else [F32, F16]
 # relative to the oracle's largest magnitude: the 16-bit kernels round their matmul operands
 TOL = {F32: 1e-4, F16: 2e-3, BF16: 1.6e-2}

@@ -1,27 +1,8 @@
 """Pool of fixed-size attention-KV blocks with reference counts and a prefix-cache index.
 
-Every block is in exactly one of three states::
-
-    free       refcount 0, no hash      -> in the free list (FIFO deque)
-    evictable  refcount 0, has a hash   -> in the LRU (OrderedDict, oldest first)
-    used       refcount > 0             -> held by one or more running requests
-                                           (may or may not have a hash)
-
-    allocate()            free --------------------------------> used (rc=1)
-                          evictable (only if free list empty) -> used (rc=1, hash dropped,
-                                                                  evict listeners called)
-    incref()              used -> used (rc+1);  evictable -> used (rc=1, leaves the LRU)
-    decref() to rc 0      used -> evictable (has hash, MRU end)  |  used -> free (no hash)
-    evict_all_cached()    evictable -> free (hash dropped, listeners called)
-
-Why the ordering matters: a cached block whose refcount is 0 still holds a reusable prefix, so
-it is only recycled when no truly free block is left, and then the least recently used one goes
-first. A block with refcount > 0 is never evicted: whoever matches a cached prefix must
-``incref`` the matched blocks *before* allocating new ones, so that the allocation cannot evict
-the chain the same operation depends on (the failure mode described in DESIGN.md).
-
-All operations are O(1) except ``evict_all_cached`` (O(evictable)) and ``check_invariants``
-(O(num_blocks), meant for tests). Pure Python bookkeeping: no torch, no CUDA.
+A cached block whose refcount dropped to 0 keeps its prefix reusable until no truly free block is left,
+and a referenced block is never evicted, so an allocation cannot evict the prefix chain the same operation
+depends on (an engine once crashed on long prompts that way). Pure Python bookkeeping: no torch, no CUDA.
 """
 
 from __future__ import annotations
@@ -40,7 +21,27 @@ class NoFreeBlocks(RuntimeError):
 
 
 class BlockPool:
-    """Reference-counted KV blocks ``0 .. num_blocks-1`` with hash-keyed prefix caching."""
+    """Reference-counted KV blocks ``0 .. num_blocks-1`` with hash-keyed prefix caching.
+
+    Every block is in exactly one of three states::
+
+        free       refcount 0, no hash      -> in the free list (FIFO deque)
+        evictable  refcount 0, has a hash   -> in the LRU (OrderedDict, oldest first)
+        used       refcount > 0             -> held by one or more running requests
+                                               (may or may not have a hash)
+
+        allocate()            free --------------------------------> used (rc=1)
+                              evictable (only if free list empty) -> used (rc=1, hash dropped,
+                                                                      evict listeners called)
+        incref()              used -> used (rc+1);  evictable -> used (rc=1, leaves the LRU)
+        decref() to rc 0      used -> evictable (has hash, MRU end)  |  used -> free (no hash)
+        evict_all_cached()    evictable -> free (hash dropped, listeners called)
+
+    A cached block with refcount 0 is only recycled when no free block is left, least recently used first.
+    Whoever matches a cached prefix must ``incref`` the matched blocks *before* allocating new ones. All
+    operations are O(1) except ``evict_all_cached`` (O(evictable)) and ``check_invariants`` (O(num_blocks),
+    for tests).
+    """
 
     def __init__(self, num_blocks: int) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:

@@ -1,48 +1,9 @@
 """Exact, validated sizing of the KV block pool and the Mamba state pool from a byte budget.
 
-Why this exists: an engine once sized its hybrid pools from a guessed ``avg_seq_len`` (default
-``max_seq_len / 2``) and then crashed on a 256k-token prompt with ``max_seq_len = 1M``. Here the
-longest legal request is guaranteed *first*; ``avg_seq_len`` can only tune how the memory left
-over is split between extra KV blocks and prefix-cache snapshot slots. It never changes
-``max_request_tokens`` and can never make a legal request fail.
-
-Algorithm (all arithmetic in exact Python ints; ``block_bytes = kv_bytes_per_token *
-tokens_per_block``, ``S = state_bytes_per_slot``, ``B = max_batch_size``)::
-
-    1. validate every input; a bad value raises ValueError naming the user-facing knob.
-       periodic_snapshot_interval must be a positive multiple of tokens_per_block.
-    2. fixed = (B + num_pad_slots) * S              live slots + CUDA-graph pad slots
-       budget < fixed + block_bytes                 -> ValueError (bytes needed, what to change)
-       avail = budget - fixed
-    3. floor = ceil(max_seq_len / tokens_per_block) + (B - 1)
-             one max_seq_len request + one partial block for each other running request
-       floor * block_bytes > avail                  -> ValueError with the numbers, unless
-                                                       allow_oversized_max_seq_len: then
-                                                       floor = avail // block_bytes
-       max_kv_tokens < max_seq_len                  -> ValueError (kv_cache_config.max_tokens),
-                                                       unless allow_oversized_max_seq_len
-    4. snapshots (only if enable_block_reuse and S > 0):
-       avg     = avg_seq_len, else min(max_seq_len, max(max_num_tokens, 8192))
-       desired = max(B, B * ceil(avg / interval) [0 if no interval] + B * num_snapshot_offsets)
-       kv_want = max(floor, B * ceil(avg / tokens_per_block)), at most the max_tokens cap
-                 (KV for max_batch_size requests of avg_seq_len comes before snapshots: a Mamba
-                 snapshot of a 9B model costs as much as ~8,000 tokens of KV)
-       snapshot_slots = min(desired, (avail - min(kv_want, avail // block_bytes) * block_bytes) // S)
-    5. kv_blocks = (avail - snapshot_slots * S) // block_bytes      everything else goes to KV
-       if max_kv_tokens: kv_blocks = min(kv_blocks, ceil(max_kv_tokens / tokens_per_block)),
-                         then back up to the floor unless oversize is allowed
-       memory freed by that cap goes back to snapshot slots, still at most `desired`
-    6. kv_bytes_per_token == 0 (no attention layers): kv_blocks = floor, costing 0 bytes
-       (blocks are still used for bookkeeping); max_kv_tokens is ignored.
-
-    max_request_tokens = min(max_seq_len, kv_blocks * tokens_per_block)   (max_seq_len if no KV)
-    concurrency_at_avg = min(B, kv_blocks / ceil(avg / tokens_per_block))  (B if no KV)
-
-Because snapshots are sized only from what is left *after* the floor, and KV takes everything
-after the snapshots, ``kv_blocks >= floor`` always holds, so ``avg_seq_len`` cannot reduce the
-longest request. The plan never exceeds the budget.
-
-Pure Python, stdlib only.
+Why: an engine once sized its hybrid pools from a guessed ``avg_seq_len`` (default ``max_seq_len / 2``)
+and crashed on a 256k-token prompt with ``max_seq_len = 1M``. Here the longest legal request is
+guaranteed first; ``avg_seq_len`` only tunes how the rest is split between KV blocks and prefix-cache
+snapshot slots, so it can never make a legal request fail. Pure bookkeeping (no tensors).
 """
 
 from __future__ import annotations
@@ -205,8 +166,45 @@ def _validate(inp: CapacityInputs) -> None:
 
 
 def plan_capacity(inp: CapacityInputs) -> CapacityPlan:
-    """Size the pools for ``inp`` (algorithm in the module docstring). Raises ValueError with an
-    actionable message when the settings cannot all be honoured."""
+    """Size the pools for ``inp``. Raises ValueError with an actionable message when the settings cannot
+    all be honoured.
+
+    Algorithm (all arithmetic in exact Python ints; ``block_bytes = kv_bytes_per_token *
+    tokens_per_block``, ``S = state_bytes_per_slot``, ``B = max_batch_size``)::
+
+        1. validate every input; a bad value raises ValueError naming the user-facing knob.
+           periodic_snapshot_interval must be a positive multiple of tokens_per_block.
+        2. fixed = (B + num_pad_slots) * S              live slots + CUDA-graph pad slots
+           budget < fixed + block_bytes                 -> ValueError (bytes needed, what to change)
+           avail = budget - fixed
+        3. floor = ceil(max_seq_len / tokens_per_block) + (B - 1)
+                 one max_seq_len request + one partial block for each other running request
+           floor * block_bytes > avail                  -> ValueError with the numbers, unless
+                                                           allow_oversized_max_seq_len: then
+                                                           floor = avail // block_bytes
+           max_kv_tokens < max_seq_len                  -> ValueError (kv_cache_config.max_tokens),
+                                                           unless allow_oversized_max_seq_len
+        4. snapshots (only if enable_block_reuse and S > 0):
+           avg     = avg_seq_len, else min(max_seq_len, max(max_num_tokens, 8192))
+           desired = max(B, B * ceil(avg / interval) [0 if no interval] + B * num_snapshot_offsets)
+           kv_want = max(floor, B * ceil(avg / tokens_per_block)), at most the max_tokens cap
+                     (KV for max_batch_size requests of avg_seq_len comes before snapshots: a Mamba
+                     snapshot of a 9B model costs as much as ~8,000 tokens of KV)
+           snapshot_slots = min(desired, (avail - min(kv_want, avail // block_bytes) * block_bytes) // S)
+        5. kv_blocks = (avail - snapshot_slots * S) // block_bytes      everything else goes to KV
+           if max_kv_tokens: kv_blocks = min(kv_blocks, ceil(max_kv_tokens / tokens_per_block)),
+                             then back up to the floor unless oversize is allowed
+           memory freed by that cap goes back to snapshot slots, still at most `desired`
+        6. kv_bytes_per_token == 0 (no attention layers): kv_blocks = floor, costing 0 bytes
+           (blocks are still used for bookkeeping); max_kv_tokens is ignored.
+
+        max_request_tokens = min(max_seq_len, kv_blocks * tokens_per_block)   (max_seq_len if no KV)
+        concurrency_at_avg = min(B, kv_blocks / ceil(avg / tokens_per_block))  (B if no KV)
+
+    Because snapshots are sized only from what is left *after* the floor, and KV takes everything
+    after the snapshots, ``kv_blocks >= floor`` always holds, so ``avg_seq_len`` cannot reduce the
+    longest request. The plan never exceeds the budget.
+    """
     _validate(inp)
     bsz = inp.max_batch_size
     tpb = inp.tokens_per_block

@@ -1,22 +1,8 @@
 """`HybridCacheManager`: who owns which KV block and Mamba state slot, and the hybrid prefix cache.
 
 Pure bookkeeping over `BlockPool` (attention KV blocks) and `StatePool` (Mamba state slots); the tensors
-behind them live in the model layer. Rules that keep it crash-proof (DESIGN.md, failure 1):
-
-* A request's shared prefix blocks are referenced (incref) and its source snapshot is pinned *before*
-  anything else is allocated for it, so no allocation can evict state the request depends on.
-* A snapshot written during a step is pinned for that step; eviction only takes unpinned entries.
-* Allocation is all-or-nothing per request per step; on failure nothing changed and the scheduler
-  decides (wait, or preempt someone younger).
-
-Hybrid prefix caching. Attention KV is reusable block by block (hash chain over full prompt blocks);
-Mamba state only exactly where a snapshot was taken. A hit therefore ends at the deepest block
-boundary p that has both every KV block of [0, p) cached and a snapshot keyed by the chain hash at p:
-
-    prompt   |  blk0  |  blk1  |  blk2  |  blk3  | ...
-    hashes      h0       h1       h2       h3          h_i = hash(h_{i-1}, tokens of block i)
-    KV cached   yes      yes      yes      no
-    snapshot    -        h1       -        -            -> hit = 2 blocks (state from snapshot h1)
+behind them live in the model layer. It keeps the rules that stop an allocation from ever evicting state
+the current operation depends on (the long-prompt crash this engine exists to avoid).
 """
 
 from __future__ import annotations
@@ -48,6 +34,24 @@ class PrefixHit:
 
 
 class HybridCacheManager:
+    """Rules that keep it crash-proof:
+
+    * A request's shared prefix blocks are referenced (incref) and its source snapshot is pinned *before*
+      anything else is allocated for it, so no allocation can evict state the request depends on.
+    * A snapshot written during a step is pinned for that step; eviction only takes unpinned entries.
+    * Allocation is all-or-nothing per request per step; on failure nothing changed and the scheduler
+      decides (wait, or preempt someone younger).
+
+    Hybrid prefix caching. Attention KV is reusable block by block (hash chain over full prompt blocks);
+    Mamba state only exactly where a snapshot was taken. A hit therefore ends at the deepest block
+    boundary p that has both every KV block of [0, p) cached and a snapshot keyed by the chain hash at p:
+
+        prompt   |  blk0  |  blk1  |  blk2  |  blk3  | ...
+        hashes      h0       h1       h2       h3          h_i = hash(h_{i-1}, tokens of block i)
+        KV cached   yes      yes      yes      no
+        snapshot    -        h1       -        -            -> hit = 2 blocks (state from snapshot h1)
+    """
+
     def __init__(
         self,
         plan: CapacityPlan,

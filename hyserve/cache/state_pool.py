@@ -1,34 +1,8 @@
 """Pool of Mamba state slots: live slots, CUDA-graph pad slots and prefix-cache snapshot slots.
 
-A slot holds the conv + SSM state of every Mamba layer for one sequence. The ids of the three
-kinds are disjoint ranges, so a slot id alone says what it is::
-
-    0 ........ num_live-1 | num_live ... num_live+num_pad-1 | ... num_slots-1
-    live (one per running  | pad (targets for CUDA-graph     | snapshot (owned by the prefix
-    request)               |  padding rows; never allocated) |  cache, keyed by a chain hash)
-
-Snapshot slots are in one of four states::
-
-    free      no key, pin 0           -> in the free list
-    cached    key, pin 0              -> in the LRU (first = least recently used); evictable
-    pinned    key, pin > 0            -> an in-flight operation reads/writes it; never evicted
-    doomed    no key, pin > 0         -> dropped while pinned; freed on the last unpin
-
-A snapshot slot taken for a key is *unwritten* until the step that computes it has been taken in
-(`mark_written`): `lookup_snapshot` does not return it before, so a request admitted in that same step
-cannot start from a slot the step has not written yet (its own read of the initial state would come
-first). `has_snapshot` still sees the key, so nobody allocates it twice.
-
-Why pins instead of refcounts on the key: the prefix cache may drop an entry (its KV prefix was
-evicted) while the runner is still copying from or writing into the slot in the current step.
-The key disappears at once (no new lookup can find it), but the slot is not reused until the
-operation that pinned it is done. ``allocate_snapshot`` only ever evicts *cached* slots, so an
-allocation can never destroy state that an in-flight operation depends on; callers that allocate
-several snapshots for one step should pass ``pin=True`` so that a later allocation in the same
-step cannot evict an earlier one.
-
-Pure Python bookkeeping: no torch, no CUDA. O(1) per operation except the flushes and
-``check_invariants``.
+A slot holds the conv + SSM state of every Mamba layer for one sequence. Snapshots are pinned while an
+in-flight operation reads or writes them and only unpinned cached ones are ever evicted, so an allocation
+can never destroy state the current step depends on. Pure Python bookkeeping: no torch, no CUDA.
 """
 
 from __future__ import annotations
@@ -49,7 +23,35 @@ def _check_count(name: str, value: int) -> None:
 
 
 class StatePool:
-    """Allocator for live, pad and snapshot Mamba state slots (see module docstring)."""
+    """Allocator for live, pad and snapshot Mamba state slots. The ids of the three kinds are disjoint
+    ranges, so a slot id alone says what it is::
+
+        0 ........ num_live-1 | num_live ... num_live+num_pad-1 | ... num_slots-1
+        live (one per running  | pad (targets for CUDA-graph     | snapshot (owned by the prefix
+        request)               |  padding rows; never allocated) |  cache, keyed by a chain hash)
+
+    Snapshot slots are in one of four states::
+
+        free      no key, pin 0           -> in the free list
+        cached    key, pin 0              -> in the LRU (first = least recently used); evictable
+        pinned    key, pin > 0            -> an in-flight operation reads/writes it; never evicted
+        doomed    no key, pin > 0         -> dropped while pinned; freed on the last unpin
+
+    A snapshot slot taken for a key is *unwritten* until the step that computes it has been taken in
+    (`mark_written`): `lookup_snapshot` does not return it before, so a request admitted in that same step
+    cannot start from a slot the step has not written yet (its own read of the initial state would come
+    first). `has_snapshot` still sees the key, so nobody allocates it twice.
+
+    Why pins instead of refcounts on the key: the prefix cache may drop an entry (its KV prefix was
+    evicted) while the runner is still copying from or writing into the slot in the current step.
+    The key disappears at once (no new lookup can find it), but the slot is not reused until the
+    operation that pinned it is done. ``allocate_snapshot`` only ever evicts *cached* slots, so an
+    allocation can never destroy state that an in-flight operation depends on; callers that allocate
+    several snapshots for one step should pass ``pin=True`` so that a later allocation in the same
+    step cannot evict an earlier one.
+
+    O(1) per operation except the flushes and ``check_invariants``.
+    """
 
     def __init__(self, num_live: int, num_pad: int, num_snapshot: int) -> None:
         _check_count("num_live", num_live)

@@ -1,37 +1,10 @@
-"""Prefill/extend paged attention for Hopper (sm_90) written in Gluon, Triton's lower-level dialect.
+"""Prefill/extend paged attention for Hopper (sm_90) in Gluon, Triton's lower-level dialect.
 
-Same contract and step layout as `triton_attention._prefill_kernel` (grid: q heads fastest, query blocks
-of BLOCK_M rows longest-first, sequences; causal on absolute positions; key tiles wholly below a query
-block's diagonal unmasked, the band up to its last query masked). What Gluon gives that a `tl.dot` loop
-does not: warp specialisation, with the tensor-core products issued by the warp groups that own them.
-
-    producer    one warp (24 registers) streams the block's key tiles, band included, through a ring of
-                STAGES slots of [BLOCK_N, D] for K and V: TMA from tensor descriptors over the pools
-                flattened to [blocks * BS, kv_heads * D], a tile as BLOCK_N / BOX boxes each inside one
-                pool block. A slot's `ready` barrier flips when its bytes land; the producer refills it
-                once its `empty` barrier has had an arrival from each consumer.
-    consumers   two warp groups (240 registers each), rows [0, BLOCK_M/2) and [BLOCK_M/2, BLOCK_M) of the
-                query block, Q in shared memory: S = Q K^T (warp-group MMA), masks on band tiles, online
-                softmax in float32 (exp2, scale folded into one multiply-add), O += P V with P from
-                registers, then release the slot.
-    turns       the two groups take turns at the tensor cores (ping-pong, as FlashAttention-3): a group
-                issues its products (the PV of tile t-1 and S of tile t) only in its turn and passes the
-                turn on once they are issued, so its softmax of tile t runs while the other's products do.
-                Two mbarriers carry the turn (Gluon has no named barriers).
-    band        rows past the sequence in a band tile hold whatever the pool had (NaN included); their
-                scores are masked and their V rows zeroed in shared memory before the PV product.
-
-Measured on the H200 (8k causal, 40/8 heads, d128, bf16), device time: 1.12-1.14 ms against cuDNN's
-1.08-1.11 ms in the same runs (0.96-0.98 of it; benchmarks/results/attn_rounds_*.md); the same groups without
-turns 1.18-1.20 ms. Event-timed in one sweep (attn_sweep_dded3dc): 1.49 ms with turns, 1.57 without, the
-Triton kernel 1.92; a lock-step Gluon version was 1.2x slower than the groups without turns
-(attn_sweep_b308941).
-
-The launcher (`triton_attention.paged_attention_triton`) takes this path on compute capability 9.x for
-16-bit queries over a 16-bit pool of the same dtype whose tiles fit TMA boxes (`sm90_prefill_box`);
-everything else (float32, float8 caches, other GPUs, the CPU interpreter, which cannot run Gluon) stays
-on the Triton kernel. Gluon compiles ahead of time on a machine without a GPU, so the CPU tests compile
-this kernel for sm_90; its numerics are tested on the GPU against the float64 reference.
+Same contract, grid and step layout as `triton_attention._prefill_kernel`; what Gluon adds is warp
+specialisation (a producer warp streaming K/V tiles by TMA, two consumer warp groups issuing their own
+warp-group MMAs in turns), which a `tl.dot` loop cannot express. `cuda_attention` sends the 16-bit steps it
+can take here (`sm90_prefill_box`); the CPU interpreter cannot run Gluon, so the CPU tests compile it ahead
+of time for sm_90 and the GPU tests check it against the float64 reference.
 """
 
 from __future__ import annotations
@@ -54,8 +27,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from hyserve.kernels.launch_util import tma_tiles_fit
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-# Launch settings (attn_sweep_dded3dc: 1.49 ms event-timed at 8k against the Triton kernel's 1.92 ms);
-# `benchmarks/bench_kernels.py --only attn_sweep` times alternatives.
+# Launch settings; `benchmarks/bench_kernels.py --only attn_sweep` times alternatives (benchmarks/README.md).
 _PREFILL_SM90 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, num_warps=4)
 
 
@@ -100,6 +72,20 @@ def _softmax(s, m_i, l_i, qk_scale, DT: gl.constexpr, p_layout: gl.constexpr, o_
 
 
 # --------------------------------------------------------------------------- kernel
+#
+#   producer    one warp (24 registers) streams the query block's key tiles, band included, through a ring
+#               of STAGES [BLOCK_N, D] slots for K and V: TMA from descriptors over the pools flattened to
+#               [blocks * BS, kv_heads * D], a tile as BLOCK_N / BOX boxes each inside one pool block. A
+#               slot's `ready` barrier flips when its bytes land; it is refilled once its `empty` barrier
+#               has an arrival from each consumer.
+#   consumers   two warp groups (240 registers each), query rows [0, BLOCK_M/2) and [BLOCK_M/2, BLOCK_M), Q
+#               in shared memory: S = Q K^T, masks on band tiles, online softmax in float32 (exp2, the scale
+#               folded into one multiply-add), O += P V with P from registers, then release the slot.
+#   turns       the groups take turns at the tensor cores (ping-pong, as FlashAttention-3): a group issues
+#               its products (PV of tile t-1, S of tile t) only in its turn and then passes it on, so its
+#               softmax of tile t runs while the other's products do. Two mbarriers carry the turn.
+#   band        rows past the sequence in a band tile hold whatever the pool had (NaN included): their
+#               scores are masked and their V rows zeroed in shared memory before the PV product.
 
 
 @gluon.jit

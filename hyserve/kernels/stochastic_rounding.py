@@ -1,50 +1,10 @@
-"""Stochastic rounding (SR) of float32 SSM states into a float16 pool: the plain-torch reference, and the
-`store_ssm_state` op that writes fp32 states into pool slots with the pool's rounding policy.
+"""Stochastic rounding (SR) of float32 SSM states into a float16 pool: the plain-torch reference (the
+Triton kernels' bit-exact oracle) and the `store_ssm_state` op that writes states with the pool's policy.
 
-Why: a decode step multiplies the state by exp(dt * A) (often within 1e-3 of 1) and adds a small update.
-Stored with round-to-nearest in float16 (10 mantissa bits), an update smaller than half an ulp is lost
-every step and the state stagnates or drifts. Rounding up with probability proportional to proximity
-makes every stored value an unbiased estimate of the fp32 one, so the errors average out over steps.
-
-Rounding of one fp32 value x, given a uniform random uint32 r (integer arithmetic only, so the Triton
-kernels reproduce this reference bit for bit):
-
-    lo, hi = the two float16 neighbours of x with |lo| <= |x| < |hi| (lo = x when x is a float16)
-    result = hi if r < 2**32 * (|x| - |lo|) / (|hi| - |lo|) else lo        (the sign is x's)
-
-    fp16-normal range (|x| >= 2**-14): 13 fp32 mantissa bits are dropped; the threshold is those bits
-        << 19, so P(hi) is exactly their fraction of an fp16 ulp.
-    fp16-subnormal range (|x| < 2**-14, fp32 subnormals included): the spacing is 2**-24; the discarded
-        part is taken at full fp32 precision and scaled to 32 bits (truncated below 2**-32 of a
-        spacing, i.e. a bias under 2**-56 in absolute value).
-    exact float16 values (and +-0) are returned unchanged; the sign of zero is kept.
-    overflow: a finite |x| above 65504 is clamped to +-65504 (saturating, where round-to-nearest gives
-        inf from 65520 on); a state must never become inf, since inf * decay stays inf and 0 * inf is NaN.
-    +-inf stays +-inf; NaN becomes the quiet float16 NaN 0x7E00 with x's sign (the payload is dropped).
-
-Random stream (Philox-4x32, `rounds` rounds, as `triton.language.philox`; it is Random123's
-philox4x32 with the key raised after every round). For element (h, p, n) of one sequence's state
-[H, P, N] in Mamba layer `layer`:
-
-    key       = (seed mod 2**64) as (lo 32 bits, hi 32 bits)      seed: EngineConfig.seed
-    counter   = ( (h * P + p) * ceil(N / 4) + n // 4,             element group within the state
-                  position mod 2**32,                             tokens of the sequence this state covers
-                  layer,                                          the model's layer index
-                  0 )
-    r         = output word (n % 4) of Philox(counter, key)
-
-`position` is the sequence's token count after the tokens the state has absorbed: `ForwardMeta.seq_lens_t`
-for decode rows and for a prefill's final state, and (tokens before the step + tokens up to the snapshot)
-for a prefix-cache snapshot. Every input is on the device at run time (the position comes from
-`seq_lens_t`) or fixed at start-up (seed, layer, rounds), so the decode kernel reads nothing from the host
-per step and can be captured in a CUDA graph and replayed. Same state, seed, layer and position -> same
-bits; each step of a sequence (a new position) draws fresh numbers.
-
-The destination slot is deliberately *not* in the counter: the bits a sequence gets do not depend on
-which slot the scheduler gave it or on what else is in the batch (so batching stays invisible in the
-outputs), and a snapshot taken at the end of a prefill holds exactly the bits of the live state at that
-position. Sequences at the same position and layer share random numbers; that correlates their rounding
-errors across sequences but keeps each sequence's rounding unbiased and independent from step to step.
+Why: a decode step multiplies the state by exp(dt * A), often within 1e-3 of 1, and adds a small update;
+stored with round-to-nearest in float16 an update under half an ulp is lost every step and the state
+stagnates. Rounding up with probability proportional to proximity keeps every stored value an unbiased
+estimate of the float32 one, so the errors average out over steps.
 """
 
 from __future__ import annotations
@@ -69,7 +29,23 @@ FP16_NAN_BITS = 0x7E00
 
 @dataclass(frozen=True, kw_only=True)
 class StochasticRounding:
-    """The random stream of one Mamba layer's float16 SSM pool (see the module docstring)."""
+    """The random stream of one Mamba layer's float16 SSM pool: Philox-4x32 with `rounds` rounds (as
+    `triton.language.philox`: Random123's philox4x32, the key raised after every round). For element
+    (h, p, n) of one sequence's state [H, P, N]:
+
+        key       = (seed mod 2**64) as (lo 32 bits, hi 32 bits)      seed: EngineConfig.seed
+        counter   = ((h * P + p) * ceil(N / 4) + n // 4,              element group within the state
+                     position mod 2**32,                              tokens the state has absorbed
+                     layer, 0)
+        r         = output word (n % 4) of Philox(counter, key)
+
+    `position` is the sequence's token count after the tokens the state covers (`ForwardMeta.seq_lens_t` for
+    decode rows and a prefill's final state; tokens before the step + tokens up to the snapshot for a
+    snapshot). Everything is on the device at run time or fixed at start-up, so the decode kernel reads
+    nothing from the host and replays from a CUDA graph. The slot is deliberately not in the counter: a
+    sequence's bits do not depend on its slot or its batch, and a snapshot holds the live state's bits.
+    Sequences at the same position and layer share draws (their rounding errors correlate across sequences;
+    each stays unbiased and independent from step to step)."""
 
     seed: int  # any Python int; the Philox key is seed mod 2**64
     layer: int = 0
@@ -139,8 +115,18 @@ def state_random_bits(
 
 
 def stochastic_round_fp16(x: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
-    """Round float32 `x` to float16 with uniform uint32 draws `rand` (int64 tensor, same shape).
-    See the module docstring for the rule and the special values."""
+    """Round float32 `x` to float16 with uniform uint32 draws `rand` (int64 tensor, same shape), in integer
+    arithmetic only, so the Triton kernels reproduce it bit for bit:
+
+        lo, hi = the float16 neighbours of x with |lo| <= |x| < |hi| (lo = x when x is a float16)
+        result = hi if r < 2**32 * (|x| - |lo|) / (|hi| - |lo|) else lo        (with x's sign)
+
+    fp16-normal range (|x| >= 2**-14): the 13 dropped fp32 mantissa bits << 19 are the threshold, so P(hi)
+    is exactly their fraction of an fp16 ulp. Subnormal range (fp32 subnormals included): spacing 2**-24,
+    the discarded part taken at full fp32 precision and scaled to 32 bits (a bias under 2**-56). Exact
+    float16 values and +-0 are unchanged (the sign of zero kept). A finite |x| above 65504 saturates to
+    +-65504 (a state must never become inf: inf * decay stays inf and 0 * inf is NaN); +-inf stays; NaN
+    becomes the quiet float16 NaN 0x7E00 with x's sign."""
     assert x.dtype == torch.float32, f"x must be float32, got {x.dtype}"
     assert rand.shape == x.shape, f"rand {tuple(rand.shape)} vs x {tuple(x.shape)}"
     r = rand.to(torch.int64) & _U32

@@ -1,41 +1,8 @@
 """Paged attention over the block pool as Triton kernels: KV write, split-KV decode, prefill/extend.
 
-Same contracts as `attention.write_kv_ref` and `attention.paged_attention_ref` (see attention.py for the
-pool layout). Token t of sequence s lives in row t % bs of block block_tables[s][t // bs]; the kernels
-gather K/V rows through the block table, so any block size works:
-
-    k_cache: [num_blocks, bs, kv_heads, head_dim]
-    kv position pos  ->  k_cache[block_tables[s, pos // bs], pos % bs, kv_head, :]
-
-Step layout (ForwardMeta): the single-token decode sequences come first, then prefill/extend ones.
-
-    decode seqs  [0, nd):   _decode_kernel, grid (nd, kv_heads, splits): one program reads one split of
-                            one sequence's KV once for all q heads of its GQA group (q rows padded to
-                            16 for tl.dot), writes a partial output + log-sum-exp; _combine_kernel
-                            merges the splits. Splits give long contexts enough parallelism.
-    prefill seqs [nd, S):   _prefill_kernel, grid (q_heads, q-blocks, S - nd): flash-attention style
-                            online softmax over the cached + new tokens, causal on absolute positions
-                            (new token j of a sequence with n new tokens sits at seq_len - n + j).
-                            Key tiles wholly below a query block's diagonal load and score without
-                            masks; only the band up to its last query is masked. On a GPU the
-                            unmasked tiles load as TMA boxes through tensor descriptors over the pool
-                            seen as [blocks * bs, kv_heads * head_dim] (one or two boxes per tile, each
-                            inside one block) when the pool's layout, block size and dtype allow.
-                            A `prefill` callable (`cuda_attention` passes the Gluon kernel's on
-                            Hopper) may take this part instead.
-
-Softmax in float32 with exp2 (scale folded with log2(e)). P is cast to the V dtype for the PV product,
-as flash attention does.
-
-Float8 (e4m3) caches with per-layer scales (see attention.py): the write kernel stores
-clamp(k / k_scale, -448, 448) as e4m3. The readers upcast the raw e4m3 tile to q's dtype (exact: every
-e4m3 value is a bf16/fp16 value) and fold the scales into scalars instead of touching every element:
-
-    scores = (q . k8) * (softmax_scale * k_scale)      out = (sum_j p_j v8_j / l) * v_scale
-
-which is the dequantised attention up to float32 rounding order. KV_SCALED is a constexpr, so the
-unscaled (bf16/fp16/fp32 cache) kernels are unchanged; the scales are read from device memory, so a
-decode step with them can still be captured in a CUDA graph.
+The CUDA path of `attention.write_kv_ref` and `attention.paged_attention_ref` (same contracts; the pool
+layout is in attention.py). The kernels gather K/V through the block table, so any block size works; step
+shapes are runtime values, so serving compiles nothing after the warm-up. `cuda_attention` dispatches here.
 """
 
 from __future__ import annotations
@@ -135,6 +102,16 @@ def write_kv_triton(
 
 
 # --------------------------------------------------------------------------- shared tile steps
+#
+# Softmax in float32 with exp2 (the scale folded with log2(e)); P is cast to the V dtype for the PV product,
+# as flash attention does. Float8 (e4m3) caches with per-layer scales: the write kernel stores
+# clamp(k / k_scale, -448, 448); the readers upcast the raw e4m3 tile to q's dtype (exact: every e4m3 value
+# is a bf16/fp16 value) and fold the scales into scalars instead of touching every element,
+#
+#     scores = (q . k8) * (softmax_scale * k_scale)      out = (sum_j p_j v8_j / l) * v_scale
+#
+# the dequantised attention up to float32 rounding order. KV_SCALED is a constexpr (the unscaled kernels are
+# unchanged) and the scales are read from device memory (a decode step with them can be graph-captured).
 
 
 @triton.jit
@@ -190,9 +167,8 @@ def _online_softmax_step_fold(qk, v, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr
 @triton.jit
 def _two_box_step(qka, qkb, va, vb, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
     """_online_softmax_step_fold for a key tile held as two boxes: raw scores qka / qkb against the boxes'
-    keys, their V rows va / vb; one max / rescale for the whole tile, both PV products into acc. (Computing
-    exponentials on the multiply-add pipes, or issuing box a's PV product before box b's exponentials,
-    measured 3-26% slower: attn_sweep_82fa4c4.)"""
+    keys, their V rows va / vb; one max / rescale for the whole tile, both PV products into acc
+    (alternatives timed: benchmarks/README.md)."""
     m_new = tl.maximum(m_i, tl.maximum(tl.max(qka, axis=1), tl.max(qkb, axis=1)) * qk_scale)
     pa = tl.exp2(qka * qk_scale - m_new[:, None])
     pb = tl.exp2(qkb * qk_scale - m_new[:, None])
@@ -336,7 +312,7 @@ def _prefill_kernel(
 ):
     # TMA 1 / 2: kd / vd are tensor descriptors over the pools as [blocks * BS, kv_heads * HEAD_DIM] and
     # the unmasked tiles load through them, as one box of BLOCK_N rows or two of BLOCK_N / 2 (each within
-    # one block), with the folded-scale softmax step (measured faster there, slower with pointer loads);
+    # one block), with the folded-scale softmax step (the faster one there; not with pointer loads);
     # TMA 0: pointer loads, kd / vd unused.
     # q heads fastest (the REP heads of a KV head run together and share its tiles in L2), then the
     # query blocks from the last (longest causal row) to the first, so the short ones fill the tail
@@ -424,7 +400,7 @@ _MAX_SPLITS = 128
 # tiles so the tests cross several tiles and splits.
 _DECODE_GPU = dict(BLOCK_N=128, num_warps=4, num_stages=3)
 # Prefill on a GPU: key tiles through tensor descriptors where the pool allows (TMA, with the folded-scale
-# softmax); measured 1-9% faster than pointer loads at 8k / 2k-over-6k (attn_sweep_eef8ba1, _9bc82e5).
+# softmax; faster than pointer loads, benchmarks/README.md).
 _PREFILL_GPU = {128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, TMA=True),  # D_PAD <= 128
                 256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
 # float32 queries (IEEE products on the CUDA cores, their operands staged through shared memory): on sm_90
@@ -489,6 +465,14 @@ def paged_attention_triton(
     prefill: PrefillKernel | None = None,
 ) -> torch.Tensor:
     """q: [T, q_heads, head_dim] -> out [T, q_heads, head_dim] in q.dtype.
+
+    Step layout (ForwardMeta): the single-token decode sequences [0, nd) come first, then prefill/extend
+    ones [nd, S). Decode: `_decode_kernel`, grid (nd, kv_heads, splits), one program reads one split of a
+    sequence's KV once for all q heads of its GQA group and writes a partial output + log-sum-exp that
+    `_combine_kernel` merges. Prefill: `_prefill_kernel`, grid (q_heads, q-blocks, S - nd), flash-attention
+    online softmax, causal on absolute positions (new token j of n sits at seq_len - n + j); key tiles wholly
+    below a query block's diagonal load unmasked (on a GPU as TMA boxes where the pool allows), only the band
+    is masked.
 
     k_scale / v_scale: the cache's dequantisation scales (device scalars, as `paged_attention_ref`).
     prefill: offered the unscaled prefill part on a GPU first (`PrefillKernel`); None: this module's kernel.

@@ -1,25 +1,16 @@
 """Single-row linear layers as one Triton GEMV kernel, with relu^2 fused into its activation load
 (contracts: `fused_linear.py`).
 
-At batch 1 every projection of a decode step is a GEMV bound by reading its weight. cuBLAS runs the
-Nano 9B v2 down_proj (15680 -> 4480) and out_proj (10240 -> 4480) split-K, with a memset and a reduce
-kernel around the GEMV; the down_proj also waits for a separate relu^2 kernel. Here one kernel streams
-the weight once (4 rows of it per program, 512-wide K tiles, three loads in flight) and, for down_proj,
-applies relu^2 to the activation as it loads it:
+At batch 1 every projection of a decode step is a GEMV bound by reading its weight; cuBLAS runs the Nano
+9B v2 down_proj and out_proj split-K with a memset and a reduce around it, and down_proj waits for a
+separate relu^2 kernel. This kernel streams the weight once and applies relu^2 as it loads x:
 
-    y[n] = sum_k W[n, k] * p(x[k])        p = relu(.)^2 or the identity
+    y[n] = sum_k W[n, k] * p(x[k])        p = relu(.)^2 or the identity;  grid = (cdiv(N, BLOCK_N),)
 
-The relu^2 is not rounded to the model dtype before the matmul (the reference rounds once there):
-differences stay within bf16 tolerance (in float16 an activation above 256 squares to inf in the
-reference and stays finite here). The Mamba gated norm stays its own kernel before this GEMV:
-computing it inside (group sums of squares from the same tiles, each group's partial sums scaled at
-the tile that closes it) measured 31-67 us against 25.5 us for the two kernels at out_proj's shape.
-
-One program owns BLOCK_N output columns and walks K in BLOCK_K tiles. More than one row, other dtypes or
-layouts: `F.linear` (from two rows up cuBLAS shares each weight read between the rows; the 2- and 4-row
-variants of this kernel measured 0.31-0.8x of it).
-
-    grid = (cdiv(N, BLOCK_N),)
+The relu^2 is not rounded to the model dtype before the product (the reference rounds once there): within
+bf16 tolerance. More than one row, other dtypes or layouts go to `F.linear` (from two rows up cuBLAS shares
+each weight read between rows); the Mamba gated norm stays its own kernel before this one (fusing it was
+slower; benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -32,8 +23,8 @@ import triton.language as tl
 from hyserve.kernels.triton_activation import relu2_triton
 from hyserve.kernels.triton_rmsnorm import rmsnorm_gated_triton
 
-# Launch settings, from `bench_kernels.py --only linear_sweep` on the H200 (2026-12-01: down_proj 33.7 us,
-# out_proj 25.5 us with its norm kernel, against 43.1 and 29.5 us with cuBLAS).
+# Launch settings, from `bench_kernels.py --only linear_sweep` (benchmarks/README.md): one program owns
+# BLOCK_N output columns and walks K in BLOCK_K tiles, num_stages loads in flight.
 _GPU = dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=3)
 _CPU = dict(BLOCK_N=8, BLOCK_K=32, num_warps=1, num_stages=1)  # the interpreter at test sizes
 

@@ -1,62 +1,9 @@
 """Mamba2 SSD chunked scan over packed variable-length sequences as Triton kernels.
 
-Same contract as `ssd.ssd_chunked_ref` (read its docstring for the packed layout): chunks of
-`chunk_size` tokens never straddle two sequences, each sequence starts from its own initial state,
-and the scan returns y, the final states and the state after every chunk (sequence-major), so the
-prefix cache can snapshot chunk boundaries without another pass.
-
-Three launches, one chunk table:
-
-    chunk table (host-built from the cu_seqlens list, one int32 copy to the device):
-        meta = [ cu_seqlens (S+1) | chunk_offsets (S+1) | chunk -> sequence (num_chunks) ]
-        chunk c of sequence s starts at token cu[s] + (c - chunk_offsets[s]) * L, holds
-        min(L, cu[s+1] - start) tokens (the last chunk of a sequence may be partial)
-
-    1. _ssd_prep_kernel    grid (num_chunks * G)
-         per (chunk, group): dt -> softplus(dt + bias) clamped, for the H/G heads of the group, and
-         its running sum cs = cumsum(dt * A) along the chunk            -> dtc, cs   [chunks, H, LP]
-         CB = C @ B^T of the group's tokens (the heads of a group share it) -> cb   [chunks, G, LP, LP]
-         LP = chunk_size padded to a power of 2 >= 16 (the tile length; chunk_size itself may be
-         anything, e.g. 8 in the tiny test models). Positions past a chunk's tokens get dt = 0, so cs
-         stays flat and cs[LP-1] is the chunk's total decay exponent.
-    2. _ssd_state_kernel   grid (P-blocks * N-blocks, H, S)
-         per (sequence, head, state tile): walks the sequence's chunks in order, from its initial state,
-             h <- exp(cs[LP-1]) * h + x^T (B * dt * exp(cs[LP-1] - cs))      ([P, LP] @ [LP, N])
-         and stores h after every chunk: that buffer is `chunk_states` (the last one per sequence is
-         also written to `final_states`). The chunk contributions never round-trip through memory.
-    3. _ssd_out_kernel     grid (num_chunks * H * M-blocks * P-blocks)
-         per (chunk, head, rows): the carried-in state (the sequence's initial state for its first
-         chunk, else chunk_states[c - 1]) and the causal within-chunk part,
-             y[l] = exp(cs[l]) C[l] . h_in  +  sum_{m<=l} CB[l, m] exp(cs[l] - cs[m]) dt[m] x[m]  +  D x[l]
-         skipping the key blocks above the diagonal.
-
-Numerics: states, cumsums and accumulators are float32. As in mamba_ssm, the matmul operands are in
-the input dtype: on bf16 inputs the carried-in state, the decay-weighted scores and B * dt * decay
-are rounded to bf16 before their tensor-core dots (error ~ bf16 rounding of y). float32 inputs use
-IEEE float32 dots.
-
-Compiled variants. Token, chunk and sequence counts are runtime arguments and never specialised
-(`do_not_specialize`); the tiny per-head/per-token parameter tensors (dt, A, D, dt_bias) and the chunk
-table are not specialised on alignment. Each kernel compiles once per combination of:
-
-    model shape      H/G (REP), P, N, G, chunk_size L   (block sizes derive from these + GPU/CPU)
-    dtypes           x/B/C dtype (one dtype), dt, A, D, dt_bias dtypes
-    layout           x/B/C/dt strides (fixed by a model's in_proj/conv layout; Triton specialises
-                     strides on == 1 and % 16) and 16-byte alignment of the x/B/C/initial_states
-                     pointers (x/B/C sit at fixed offsets of the conv output; y, states, workspaces
-                     are fresh allocations)
-    flags            _ssd_prep_kernel:  HAS_BIAS (dt_bias given), SOFTPLUS, HAS_LIMIT (dt_limit not
-                                        (0, inf)), IEEE (float32 inputs)
-                     _ssd_state_kernel: HAS_INIT (initial_states given), IEEE
-                     _ssd_out_kernel:   HAS_INIT, HAS_D (D given), IEEE
-
-The model's Mamba prefill always passes D, dt_bias, softplus, its own dt_limit and initial_states
-(zeros where a sequence has none), and return_chunk_states only decides whether the buffer is
-returned, so one model shape and dtype reaches exactly 3 variants: prep(HAS_BIAS, SOFTPLUS, its
-HAS_LIMIT), state(HAS_INIT=True), out(HAS_INIT=True, HAS_D=True); one warm-up prefill of any length
-compiles all three. Calls with initial_states=None add state/out with HAS_INIT=False. Block sizes are
-fixed per model shape (no autotuning): `_gpu_config` below; `benchmarks/bench_kernels.py --only
-ssd_sweep` times alternatives on a GPU.
+The CUDA path of `ssd.ssd_chunked_ref` (same contract: chunks never straddle two sequences, each sequence
+starts from its own initial state, and the state after every chunk comes back, so prefix-cache snapshots
+cost no extra pass). Three launches driven by one host-built chunk table, so token, chunk and sequence
+counts are runtime values and never cause a recompile mid-serving.
 """
 
 from __future__ import annotations
@@ -83,6 +30,12 @@ def _chunk_of(meta_ptr, c, num_seqs, L: tl.constexpr):
 
 
 # --------------------------------------------------------------------------- 1. dt, cumsum, C B^T
+#
+# grid (num_chunks * G). Per (chunk, group): dt -> softplus(dt + bias) clamped for the H/G heads of the
+# group and its running sum cs = cumsum(dt * A) along the chunk (-> dtc, cs [chunks, H, LP]); CB = C @ B^T of
+# the group's tokens, shared by its heads (-> cb [chunks, G, LP, LP]). LP = chunk_size padded to a power of
+# 2 >= 16; positions past a chunk's tokens get dt = 0, so cs stays flat and cs[LP-1] is the chunk's total
+# decay exponent.
 
 
 @triton.jit(
@@ -148,6 +101,10 @@ def _ssd_prep_kernel(
 
 
 # --------------------------------------------------------------------------- 2. states across chunks
+#
+# grid (P-blocks * N-blocks, H, S). Per (sequence, head, state tile): walk the sequence's chunks in order
+# from its initial state,  h <- exp(cs[LP-1]) * h + x^T (B * dt * exp(cs[LP-1] - cs))  ([P, LP] @ [LP, N]),
+# and store h after every chunk (`chunk_states`; the last one also in `final_states`).
 
 
 @triton.jit(do_not_specialize=["num_seqs"], do_not_specialize_on_alignment=["meta_ptr"])
@@ -212,6 +169,11 @@ def _ssd_state_kernel(
 
 
 # --------------------------------------------------------------------------- 3. output
+#
+# grid (num_chunks * H * M-blocks * P-blocks). Per (chunk, head, rows): the carried-in state (the initial
+# state for a sequence's first chunk, else chunk_states[c - 1]) plus the causal within-chunk part,
+#     y[l] = exp(cs[l]) C[l] . h_in  +  sum_{m<=l} CB[l, m] exp(cs[l] - cs[m]) dt[m] x[m]  +  D x[l]
+# skipping the key blocks above the diagonal.
 
 
 @triton.jit
@@ -315,11 +277,10 @@ def _gpu_config(LP: int, P: int, N: int) -> dict[str, dict[str, int]]:
     length, chunk_size padded to a power of 2 >= 16)."""
     return dict(
         prep=dict(BLOCK_CB=min(LP, 64), BLOCK_KN=min(_pad(N), 64), num_warps=4 if LP <= 128 else 8, num_stages=2),
-        # a whole (padded) head dim per program: B is re-read once per P block, x once per N block
-        # (H200, Nano 9B v2 shapes, `--only ssd_sweep` 2026-12-01, two rounds): a 3-stage pipeline over the
-        # chunk walk hides the sequential chain's load latency, and 32-wide key steps with 64-wide state
-        # steps in 3 stages speed the output kernel (8k tokens: 0.99 ms -> 0.72 with the pieces of
-        # round 1, each of these two a few % more in round 2)
+        # a whole (padded) head dim per program: B is re-read once per P block, x once per N block; a
+        # 3-stage pipeline over the chunk walk hides the sequential chain's load latency, and 32-wide key
+        # steps with 64-wide state steps in 3 stages speed the output kernel (`--only ssd_sweep`,
+        # benchmarks/README.md)
         state=dict(BLOCK_P=min(_pad(P), 128), BLOCK_N=min(_pad(N), 64), num_warps=8, num_stages=3),
         out=dict(BLOCK_M=min(LP, 64), BLOCK_K=min(LP, 32), BLOCK_P=min(_pad(P), 128), BLOCK_KN=min(_pad(N), 64),
                  num_warps=4, num_stages=3),
@@ -337,7 +298,8 @@ def _cpu_config(LP: int, P: int, N: int) -> dict[str, dict[str, int]]:
 
 def _chunk_table(cu: list[int], offsets: list[int], device: torch.device) -> torch.Tensor:
     """[cu (S+1) | chunk offsets (S+1) | chunk -> sequence] as int32 on `device`, built on the host
-    from Python lists: no device sync."""
+    from Python lists: no device sync. Chunk c of sequence s starts at token cu[s] + (c - offsets[s]) * L
+    and holds min(L, cu[s+1] - start) tokens (a sequence's last chunk may be partial)."""
     owner: list[int] = []
     for s in range(len(cu) - 1):
         owner.extend([s] * (offsets[s + 1] - offsets[s]))
@@ -366,6 +328,15 @@ def ssd_triton(
     D, dt_bias: [H]; initial_states: [S, H, P, N] or None (zeros); cu_seqlens: a host list (a tensor
     is read to the host). Returns y [T, H, P] in x.dtype, float32 final states [S, H, P, N] and, when
     asked, float32 chunk states [num_chunks, H, P, N].
+
+    Numerics: states, cumsums and accumulators are float32; as in mamba_ssm the matmul operands are in the
+    input dtype (on bf16 inputs the carried-in state, the decay-weighted scores and B * dt * decay round to
+    bf16 before their dots); float32 inputs use IEEE float32 dots.
+    Variants: counts are never specialised, so one model shape and dtype compiles per kernel once per flag
+    set (prep: HAS_BIAS, SOFTPLUS, HAS_LIMIT; state: HAS_INIT; out: HAS_INIT, HAS_D; all: IEEE) and layout
+    (x/B/C/dt strides and 16-byte alignment, fixed by the model's in_proj/conv layout). The model's prefill
+    always passes D, dt_bias, softplus, its dt_limit and initial states, so it reaches 3 variants, all
+    compiled by one warm-up prefill.
     """
     assert x.dim() == 3 and dt.dim() == 2 and A.dim() == 1 and B.dim() == 3 and C.dim() == 3
     T, H, P = x.shape

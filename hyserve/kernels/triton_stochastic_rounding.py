@@ -1,7 +1,8 @@
 """Stochastic rounding of float32 SSM states into a float16 pool, in Triton: the tile helper the state
 update kernel calls, and the `store_ssm_state` op for the prefill path's final states and snapshots.
 
-Bit for bit the rule and random stream of `stochastic_rounding.py` (see its docstring): Philox-4x32 via
+Bit for bit the rule and random stream of `stochastic_rounding.py` (`stochastic_round_fp16`,
+`StochasticRounding`): Philox-4x32 via
 `tl.philox` with key = seed mod 2**64 and counter (element group, position, layer, 0); one Philox call
 gives the draws of 4 consecutive elements along N, so a [BLOCK_R, BLOCK_N] tile runs Philox on
 [BLOCK_R, BLOCK_N / 4] counters and interleaves the four output words back into columns:
