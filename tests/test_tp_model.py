@@ -9,17 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from dist_pool import RankPool
 from model_harness import Harness, strong_random_weights
+from shipped_configs import config_dir
 
 from hyserve.distributed import parallel_info
 from hyserve.model.config import HybridModelConfig
+from hyserve.model.kv_scales import load_checkpoint_with_kv_scales
 from hyserve.model.nemotron_h import NemotronHForCausalLM
 from hyserve.model.sharding import check_parallel, rank_cache_config, sharding_problems
 from hyserve.model.tiny import tiny_config
-from hyserve.model.weights import init_random_weights, load_checkpoint, save_checkpoint
+from hyserve.model.weights import init_random_weights, save_checkpoint
 
-CONFIGS = Path("/work/shared/configs")
 TINY_DENSE = {
     "layers_block_type": ["linear_attention", "full_attention", "linear_attention", "mlp"],
     "vocab_size": 256, "hidden_size": 64, "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16,
@@ -80,11 +82,10 @@ def test_world_problems_come_first() -> None:
         check_parallel(_cfg(), tp_size=2, ep_size=1, world_size=2, device="cuda", visible_gpus=1)
 
 
-@pytest.mark.skipif(not CONFIGS.is_dir(), reason="shipped configs not present")
 def test_shipped_configs_at_their_reported_settings() -> None:
-    ultra_like = HybridModelConfig.from_hf(CONFIGS / "NVIDIA-Nemotron-3-Super-120B-A12B-BF16")
+    ultra_like = HybridModelConfig.from_hf(config_dir("NVIDIA-Nemotron-3-Super-120B-A12B-BF16"))
     check_parallel(ultra_like, tp_size=4, ep_size=4, world_size=4, device="cpu")  # the warm-up report's layout
-    nano = HybridModelConfig.from_hf(CONFIGS / "NVIDIA-Nemotron-Nano-9B-v2")  # 40 heads, 8 KV heads
+    nano = HybridModelConfig.from_hf(config_dir("NVIDIA-Nemotron-Nano-9B-v2"))  # 40 heads, 8 KV heads
     check_parallel(nano, tp_size=8, ep_size=1, world_size=8, device="cpu")
     with pytest.raises(ValueError, match=r"num_attention_heads \(40\) is not divisible by tp_size \(16\)"):
         check_parallel(nano, tp_size=16, ep_size=1, world_size=16, device="cpu")
@@ -130,8 +131,9 @@ def _case_tp(cfg: HybridModelConfig, ckpt: str | None, seed: int) -> dict:
     model = NemotronHForCausalLM(cfg)
     if ckpt is None:
         init_random_weights(model, cfg, seed=seed)
+        scales = {}
     else:
-        load_checkpoint(model, ckpt)
+        scales = load_checkpoint_with_kv_scales(model, Path(ckpt))  # the engine's loader
     info = parallel_info()
     moe = [m.mixer.experts for m in model.backbone.layers if hasattr(m.mixer, "experts")]
     cache = model.allocate_cache(num_blocks=1, tokens_per_block=4, num_slots=1, device="cpu")
@@ -140,7 +142,8 @@ def _case_tp(cfg: HybridModelConfig, ckpt: str | None, seed: int) -> dict:
         "ssm": tuple(next(iter(cache.ssm.values())).shape),
     }
     experts = (moe[0].first_expert, moe[0].num_local) if moe else None
-    return {"tp": info.tp_size, "ep": info.ep_size, "logits": _run(model), "cache": shapes, "experts": experts}
+    return {"tp": info.tp_size, "ep": info.ep_size, "logits": _run(model), "cache": shapes, "experts": experts,
+            "kv_scales": scales if ckpt is not None else None}
 
 
 def _variant(name: str) -> HybridModelConfig:
@@ -183,10 +186,17 @@ def _check_tp2(cfg: HybridModelConfig, got: list[dict], want: list[torch.Tensor]
         assert torch.equal(a, b)  # both ranks sample from the same logits
 
 
-def _reference(cfg: HybridModelConfig, ckpt: Path) -> list[torch.Tensor]:
+KV_SCALES = {"backbone.layers.1.mixer.k_scale": 0.5, "backbone.layers.1.mixer.v_scale": 0.25}
+
+
+def _reference(cfg: HybridModelConfig, ckpt: Path, *, kv_scales: bool = False) -> list[torch.Tensor]:
     ref_model = NemotronHForCausalLM(cfg)
     strong_random_weights(ref_model, cfg, seed=5)
     save_checkpoint(ref_model, ckpt)
+    if kv_scales:  # an fp8-KV export's per-layer scales beside the weights (loaded through the shards' loaders)
+        f = ckpt / "model.safetensors"
+        tensors = load_file(str(f)) | {k: torch.tensor(v) for k, v in KV_SCALES.items()}
+        save_file(tensors, str(f), metadata={"format": "pt"})
     return _run(ref_model)
 
 
@@ -195,8 +205,10 @@ def test_tp2_matches_tp1_from_a_checkpoint(pool: RankPool, tmp_path: Path, varia
     """tp 2, ep 1: the experts whole on both ranks, their intermediate dimension split; the shared expert
     tensor-parallel."""
     cfg = _variant(variant)
-    want = _reference(cfg, tmp_path)
-    _check_tp2(cfg, pool.run(_case_tp, cfg, str(tmp_path), 0), want, ep=1)
+    want = _reference(cfg, tmp_path, kv_scales=variant == "dense")
+    got = pool.run(_case_tp, cfg, str(tmp_path), 0)
+    _check_tp2(cfg, got, want, ep=1)
+    assert all(r["kv_scales"] == ({1: {"k": 0.5, "v": 0.25}} if variant == "dense" else {}) for r in got)
 
 
 @pytest.mark.parametrize("variant", ["moe", "latent-moe"])
