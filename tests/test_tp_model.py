@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from dist_pool import RankPool
 from model_harness import Harness, strong_random_weights
+from safetensors.torch import load_file, save_file
 from shipped_configs import config_dir
 
 from hyserve.distributed import parallel_info
