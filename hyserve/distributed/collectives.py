@@ -2,9 +2,11 @@
 
 A group of size 1 returns its input untouched (no copy, no call into torch.distributed), so the
 single-device path costs one integer compare per call site. Larger groups run synchronously on the
-group's process group; its timeout (set at `init_distributed`) bounds every call: gloo raises when it
-expires or when a peer's connection drops, NCCL's watchdog aborts the communicator. Either way the
-caller sees `CollectiveError` naming the operation, the group and the timeout, never a hang.
+group's process group; its timeout (set at `init_distributed`) bounds every call. gloo raises when it
+expires or when a peer's connection drops, and the caller sees `CollectiveError` naming the operation,
+the group and the timeout. NCCL launches asynchronously (so the calls can sit in CUDA graphs); its
+watchdog aborts the process when a collective outlives the timeout, so a supervisor sees a non-zero
+exit. Never a hang.
 """
 
 from __future__ import annotations
