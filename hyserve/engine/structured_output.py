@@ -26,6 +26,7 @@ async scheduling, the engine reads the in-flight step first when a constrained r
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -37,6 +38,8 @@ import torch
 from hyserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 _CACHE_ENTRIES = 512
+# threads that fill a step's bitmask rows (the work runs while the GPU computes the step's forward)
+_FILL_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
 # xgrammar 0.2's JSON-string character classes are negated ones, which admit UTF-8 encodings of surrogates
 # (not Unicode: decoders turn them into U+FFFD) and, in strings with a length bound, raw control characters
 # (refused by strict JSON parsers): both are replaced by the explicit class of what JSON allows unescaped
@@ -236,6 +239,7 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self._states: dict[str, GrammarState] = {}
         self._compiler: GrammarCompiler | None = None
+        self._batch: Any = None  # xgrammar's BatchGrammarMatcher, made at the first batch of constrained rows
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -282,8 +286,13 @@ class StructuredOutputs:
         if not rows:
             return None
         mask = torch.full((len(request_ids), bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
-        for i, st in rows:
-            st.fill(mask, i)
+        if len(rows) == 1:
+            rows[0][1].fill(mask, rows[0][0])
+        else:  # xgrammar fills the rows on its own threads, without the GIL
+            if self._batch is None:
+                self._batch = _xgrammar().BatchGrammarMatcher(max_threads=_FILL_THREADS)
+            self._batch.batch_fill_next_token_bitmask([st.matcher for _, st in rows], mask,
+                                                      indices=[i for i, _ in rows])
         return mask
 
 
