@@ -193,7 +193,13 @@ _GEMV_CANDS = [dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=3),
                dict(BLOCK_N=16, BLOCK_K=256, num_warps=8, num_stages=3),
                dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=4),
                dict(BLOCK_N=8, BLOCK_K=512, num_warps=8, num_stages=3)]
-_GEMV_DOWN = [dict(c, FLAT=f) for c in _GEMV_CANDS for f in (0, 1)]
+_GEMV_DEEP = [dict(BLOCK_N=2, BLOCK_K=512, num_warps=4, num_stages=4),  # more loads in flight per SM
+              dict(BLOCK_N=4, BLOCK_K=256, num_warps=4, num_stages=6),
+              dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=6),
+              dict(BLOCK_N=2, BLOCK_K=512, num_warps=2, num_stages=4),
+              dict(BLOCK_N=1, BLOCK_K=1024, num_warps=2, num_stages=4)]
+_GEMV_DOWN = [dict(c, FLAT=f) for c in _GEMV_CANDS for f in (0, 1)] + [dict(c, FLAT=1) for c in _GEMV_DEEP]
+_GEMV_CANDS = _GEMV_CANDS + _GEMV_DEEP
 _SMALL_M = [dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
             dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3),
             dict(BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=3),
@@ -276,13 +282,24 @@ def tune_shape(s: dict, sizes: list[int], dev, dtype, timer: Timer, dry: bool) -
     return table
 
 
-def write_tuned(tables: dict[str, dict], device_name: str, sha: str) -> Path:
+def write_tuned(tables: dict[str, dict], device_name: str, sha: str, merge: bool = False) -> Path:
+    """Write the config file; with merge, the tuned buckets replace theirs in the existing file."""
     path = tm._device_file(device_name)
     path.parent.mkdir(parents=True, exist_ok=True)
+    history = []
+    if merge and path.exists():
+        prev = json.loads(path.read_text())
+        history = prev.get("history", []) + [prev.get("tuned_at", "?")]
+        old = prev.get("configs", {})
+        for shape, buckets in tables.items():
+            merged = {**old.get(shape, {}), **buckets}
+            old[shape] = dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
+        tables = old
     doc = dict(device=device_name, triton=__import__("triton").__version__, torch=torch.__version__,
-               tuned_at=sha, date=_dt.date.today().isoformat(),
+               tuned_at=sha, date=_dt.date.today().isoformat(), history=history,
                note="written by benchmarks/bench_moe.py --tune; keys E (experts), N (intermediate), K (hidden "
-                    "or latent), token bucket; ms = end to end eager at that token count",
+                    "or latent), token bucket; ms = end to end eager at that token count; history = earlier "
+                    "tunings whose buckets a --tune-sizes run kept",
                configs=tables)
     path.write_text(json.dumps(doc, indent=1) + "\n")
     tm._tuned_table.cache_clear()
@@ -432,6 +449,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tune", action="store_true", help="autotune every bucket first and write the config file")
     ap.add_argument("--tune-only", action="store_true", help="tune, write the config file, no benchmark")
+    ap.add_argument("--tune-sizes", default="", help="tune only these buckets and merge them into the file")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--no-super", action="store_true", help="skip the Super latent layer")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/moe_<sha>.json)")
@@ -460,11 +478,13 @@ def main() -> int:
                      triton=__import__("triton").__version__, command=" ".join([Path(sys.executable).name, *sys.argv]))
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"moe_{sha}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    if args.tune or args.tune_only:
+    if args.tune or args.tune_only or args.tune_sizes:
         t0 = time.time()
         buckets = [1, 2, 4, 8] if dry else list(tm.TOKEN_BUCKETS)
+        if args.tune_sizes:
+            buckets = [int(t) for t in args.tune_sizes.split(",")]
         tables = {tm.shape_key(s["E"], s["I"], s["d"]): tune_shape(s, buckets, dev, dtype, timer, dry) for s in shapes}
-        path = write_tuned(tables, gpu, sha) if not dry else None
+        path = write_tuned(tables, gpu, sha, merge=bool(args.tune_sizes)) if not dry else None
         print(f"tuned in {time.time() - t0:.0f} s" + (f": wrote {path}" if path else " (dry-run: not written)"))
         doc["tuned"] = tables
         if args.tune_only:

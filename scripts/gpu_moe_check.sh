@@ -3,8 +3,9 @@
 # models on CUDA, then benchmarks/bench_moe.py (with --tune: autotune first and write
 # hyserve/kernels/moe_configs/<GPU>.json). Results land in benchmarks/results/ and, when $OUT is set (the
 # lent-GPU tool), are copied there with the config file and the log.
-# usage: scripts/gpu_moe_check.sh [GIT_SHA [tests|ktests] [tune|bench] ...]   (default: tests tune;
-#        ktests: the kernel tests alone, without the tiny models through the engine)
+# usage: scripts/gpu_moe_check.sh [GIT_SHA [tests|ktests] [tune|tune-gemv|bench] ...]   (default: tests tune;
+#        ktests: the kernel tests alone, without the tiny models through the engine; tune-gemv: re-tune the
+#        decode buckets 1-8 only, merged into the config file, then benchmark)
 set -uo pipefail
 sha=${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 shift || true
@@ -27,6 +28,9 @@ log=benchmarks/results/moe_gpu_check_$sha.log
   if [[ $parts == *" tune "* ]]; then
     echo "== tune + benchmark"
     timeout 420 python3 benchmarks/bench_moe.py --tune --git-sha "$sha" --out "benchmarks/results/moe_$sha.json" 2>&1
+  elif [[ $parts == *" tune-gemv "* ]]; then
+    echo "== tune the decode buckets + benchmark"
+    timeout 420 python3 benchmarks/bench_moe.py --tune-sizes 1,2,4,8 --git-sha "$sha" --out "benchmarks/results/moe_$sha.json" 2>&1
   elif [[ $parts == *" bench "* ]]; then
     echo "== benchmark"
     timeout 300 python3 benchmarks/bench_moe.py --git-sha "$sha" --out "benchmarks/results/moe_$sha.json" 2>&1
