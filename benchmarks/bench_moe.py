@@ -303,6 +303,7 @@ def write_tuned(tables: dict[str, dict], device_name: str, sha: str, merge: bool
                configs=tables)
     path.write_text(json.dumps(doc, indent=1) + "\n")
     tm._tuned_table.cache_clear()
+    tm._bucket_config.cache_clear()
     return path
 
 

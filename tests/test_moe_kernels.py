@@ -296,6 +296,15 @@ def test_token_buckets_cover_every_variant():
         tm.moe_token_buckets(0)
 
 
+def test_config_depends_on_the_bucket_only():
+    dev = torch.device("cuda") if CUDA else torch.device("cpu")
+    for raw in MOE_CONFIGS.values():
+        E, inter, k = raw["n_routed_experts"], raw["moe_intermediate_size"], raw["num_experts_per_tok"]
+        d = raw.get("moe_latent_size") or raw["hidden_size"]
+        for T in range(1, 600, 13):
+            assert tm.moe_config(E, inter, d, T, k, dev) == tm.moe_config(E, inter, d, tm.token_bucket(T), k, dev)
+
+
 def test_heuristic_configs_are_valid():
     for raw in MOE_CONFIGS.values():
         E, inter = raw["n_routed_experts"], raw["moe_intermediate_size"]

@@ -532,13 +532,20 @@ _INTERPRETER_GEMV = {"variant": "gemv", "up": dict(BLOCK_N=32, BLOCK_K=32, num_w
 def moe_config(num_experts: int, inter: int, hidden: int, num_tokens: int, top_k: int,
                device: torch.device) -> dict[str, Any]:
     """The tile config for this layer and token count: the tuned file's entry for the nearest tuned bucket
-    of this shape on this GPU, else `heuristic_config` (the interpreter: small tiles)."""
-    if device.type != "cuda":
-        return _INTERPRETER_GEMV if num_tokens <= 2 else _INTERPRETER_GEMM
-    table = _tuned_table(_device_name(device.index)).get(shape_key(num_experts, inter, hidden))
+    of this shape on this GPU, else `heuristic_config` of the bucket (the interpreter: small tiles). A
+    function of the token bucket only, so warming one count per bucket compiles every variant."""
+    return _bucket_config(num_experts, inter, hidden, token_bucket(num_tokens), top_k, device.type, device.index)
+
+
+@functools.lru_cache(maxsize=1024)
+def _bucket_config(num_experts: int, inter: int, hidden: int, bucket: int, top_k: int, dev_type: str,
+                   dev_index: int | None) -> dict[str, Any]:
+    if dev_type != "cuda":
+        return _INTERPRETER_GEMV if bucket <= 2 else _INTERPRETER_GEMM
+    table = _tuned_table(_device_name(dev_index)).get(shape_key(num_experts, inter, hidden))
     if not table:
-        return heuristic_config(num_experts, inter, hidden, num_tokens, top_k)
-    b = math.log2(token_bucket(num_tokens))
+        return heuristic_config(num_experts, inter, hidden, bucket, top_k)
+    b = math.log2(bucket)
     return table[min(table, key=lambda k: (abs(math.log2(int(k)) - b), int(k)))]
 
 
