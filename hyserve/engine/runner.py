@@ -26,7 +26,8 @@ from hyserve.model.protocol import CausalLM
 
 class ModelRunner:
     """What the engine calls: `execute` a step, read `prompt_logprobs` of the step just run, and set up
-    decode graphs once. A runner per rank sits behind the same interface."""
+    decode graphs once. A runner per rank sits behind the same interface: under tensor parallelism rank 0
+    holds a `parallel_runner.DriverRunner`, which tells the other ranks' runners each call first."""
 
     def __init__(self, model: CausalLM, cache: CacheTensors, device: torch.device) -> None:
         self.model = model
@@ -133,19 +134,35 @@ class ModelRunner:
             self._kept = (hidden, meta.cu_seqlens)
         return self.model.compute_logits(hidden[meta.logits_indices])
 
+    def _prompt_logit_passes(self, row: int, offset: int, n: int, rows_per_pass: int) -> Iterator[torch.Tensor]:
+        """Vocabulary-wide logits of the kept step's sequence `row`, new-token positions offset ..
+        offset + n - 1, `rows_per_pass` positions at a time ([<= rows_per_pass, vocab] float32 each)."""
+        assert self._kept is not None, "no kept hidden states (the step had no prompt-logprobs sequence)"
+        hidden, cu = self._kept
+        start = cu[row] + offset
+        assert start + n <= cu[row + 1]
+        for a in range(0, n, rows_per_pass):
+            yield self.model.compute_logits(hidden[start + a : start + min(a + rows_per_pass, n)])
+
     @torch.inference_mode()
     def prompt_logprobs(self, row: int, offset: int, targets: list[int], k: int,
                         rows_per_pass: int = 256) -> list[TokenLogprob]:
         """Logprobs of `targets` (the prompt tokens that follow) at the kept step's sequence `row`, from
         its new-token position `offset` on, with the top-k alternatives; vocabulary-wide logits are
         formed `rows_per_pass` positions at a time."""
-        assert self._kept is not None, "no kept hidden states (the step had no prompt-logprobs sequence)"
-        hidden, cu = self._kept
-        start = cu[row] + offset
-        assert start + len(targets) <= cu[row + 1]
         out: list[TokenLogprob] = []
-        for a in range(0, len(targets), rows_per_pass):
+        passes = self._prompt_logit_passes(row, offset, len(targets), rows_per_pass)
+        for a, logits in zip(range(0, len(targets), rows_per_pass), passes):
             tg = targets[a : a + rows_per_pass]
-            logits = self.model.compute_logits(hidden[start + a : start + a + len(tg)])
             out += token_logprobs(logits, torch.tensor(tg, device=logits.device), tg, [k] * len(tg))
         return out
+
+    @torch.inference_mode()
+    def follow_prompt_logprobs(self, row: int, offset: int, n: int, rows_per_pass: int = 256) -> None:
+        """A rank other than 0: the same passes as rank 0's `prompt_logprobs` (the lm_head is vocab-parallel,
+        each pass a collective), values unused."""
+        for _ in self._prompt_logit_passes(row, offset, n, rows_per_pass):
+            pass
+
+    def close(self) -> None:
+        """Nothing to release on one rank (`parallel_runner.DriverRunner` stops the others)."""
