@@ -243,10 +243,11 @@ class ParallelConfig:
     ep_size: int = option(1, Int(lo=1), aliases=("moe_expert_parallel_size",))
 
     def check(self) -> None:
-        if self.tp_size != 1 or self.ep_size != 1:
+        # the world, the visible GPUs and the model's heads / experts are checked at start-up (engine/launch.py)
+        if self.tp_size % self.ep_size:
             raise ValueError(
-                f"tp_size={self.tp_size}, ep_size={self.ep_size}: this hyserve build runs on one device; use "
-                "tp_size: 1 and ep_size: 1"
+                f"ep_size ({self.ep_size}) must divide tp_size ({self.tp_size}): experts are sharded over the "
+                "tensor-parallel ranks, each expert tensor-parallel over tp_size / ep_size of them"
             )
 
 

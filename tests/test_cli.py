@@ -85,7 +85,7 @@ def test_warmup_flags_reach_the_engine_config(tmp_path: Path) -> None:
         ("kv_cache_config:\n  bogus_knob: 1\n", [], ["kv_cache_config.bogus_knob"]),
         ("kv_cache_config:\n  mamba_ssm_cache_dtype: int4\n", [], ["mamba_ssm_cache_dtype", "float16"]),
         ("max_batch_size: lots\n", [], ["max_batch_size"]),
-        ("", ["--tp_size", "4"], ["tp_size"]),
+        ("", ["--tp_size", "4", "--ep_size", "3"], ["ep_size (3) must divide tp_size (4)"]),
         ("", ["--reasoning_parser", "bogus"], ["reasoning_parser", "nemotron-v3"]),
         ("", ["--tool_parser", "hermes"], ["tool_parser", "qwen3_coder"]),
         (": not yaml: [", [], ["not valid YAML"]),

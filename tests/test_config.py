@@ -59,7 +59,7 @@ def test_the_user_report_yaml_parses(tmp_path) -> None:
         ({"max_batch_size": 0}, "max_batch_size"),
         ({"max_batch_size": 64, "max_num_tokens": 8}, "max_num_tokens"),
         ({"cuda_graph_config": {"batch_sizes": []}}, "cuda_graph_config.batch_sizes"),
-        ({"tp_size": 4}, "tp_size"),
+        ({"tp_size": 4, "ep_size": 3}, r"ep_size \(3\) must divide tp_size \(4\)"),
         ({"dtype": "int8"}, "dtype"),
         ({"kv_cache_config": {"mamba_ssm_stochastic_rounding": True}}, "float16"),
         ({"enable_chunked_prefill": "yes"}, "enable_chunked_prefill"),
@@ -162,7 +162,8 @@ def test_every_option_is_checked_and_named_by_its_path() -> None:
     [
         ({"tp_size": 0}, "tp_size: must be >= 1, got 0"),
         ({"ep_size": -1}, "ep_size: must be >= 1, got -1"),
-        ({"tensor_parallel_size": 2}, "tp_size=2"),  # the alias reaches the same field and check
+        # the aliases reach the same fields and check
+        ({"tensor_parallel_size": 2, "moe_expert_parallel_size": 4}, r"ep_size \(4\) must divide tp_size \(2\)"),
         ({"cuda_graph_config": 5}, "cuda_graph_config: expected a mapping, got 5"),
         ({"kv_cache_config": {"mamba_state_config": []}}, "kv_cache_config.mamba_state_config: expected a mapping"),
         ({"kv_cache_config": {"mamba_state_config": {"interval": 64}}},

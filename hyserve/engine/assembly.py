@@ -1,6 +1,11 @@
 """Building an engine's parts from its config, in start-up order: load the model, profile activations
 (CUDA), size the cache pools (the capacity plan), allocate them, build the cache manager, scheduler and
-runner, capture the decode graphs. The engine holds the result; the warm-up runs after (`startup.py`)."""
+runner, capture the decode graphs. The engine holds the result; the warm-up runs after (`startup.py`).
+
+When the model spans several ranks every rank runs this in step (each loads its shard, profiles and
+captures with the same collectives in the same order); the ranks plan from the smallest budget among them,
+so block and slot ids mean the same on every rank, and rank 0's runner becomes the `DriverRunner` that
+tells the others each step (docs/architecture.md, "Parallelism")."""
 
 from __future__ import annotations
 
@@ -15,15 +20,22 @@ from hyserve import envs
 from hyserve.cache.capacity import CapacityInputs, CapacityPlan, plan_capacity
 from hyserve.cache.manager import HybridCacheManager
 from hyserve.config import EngineConfig
+from hyserve.distributed import parallel_info
 from hyserve.engine.cuda_graphs import default_capture_sizes
 from hyserve.engine.jit_sentinel import use_kernel_cache_dir
 from hyserve.engine.memory_profile import ActivationProfile, profile_activations
 from hyserve.engine.model_loader import LoadedModel, load_model
+from hyserve.engine.parallel_runner import DriverRunner
 from hyserve.engine.runner import ModelRunner
 from hyserve.engine.scheduler import Scheduler
+from hyserve.engine.step_channel import StepChannel
 from hyserve.model.cache_tensors import CacheTensors
+from hyserve.model.protocol import CausalLM
 
 DEFAULT_CPU_CACHE_BYTES = 512 * 2**20
+# how long the ranks wait for each other to finish loading weights (shards of a large checkpoint load at
+# different speeds); every later collective has the group's own timeout
+LOAD_SKEW_TIMEOUT_S = 1800.0
 
 
 @dataclass
@@ -36,13 +48,17 @@ class EngineParts:
     cache_tensors: CacheTensors
     cache: HybridCacheManager
     scheduler: Scheduler
-    runner: ModelRunner
+    runner: ModelRunner  # rank 0 of several: a DriverRunner
+    channel: StepChannel | None = None  # several ranks: rank 0 -> the others
 
 
 def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
     t0 = time.monotonic()
+    channel = StepChannel.open() if parallel_info().world_size > 1 else None  # every rank, first
     log("hyserve: loading model ...")
     lm = load_model(config)
+    if channel is not None:
+        channel.wait_for_all("loading the weights", max(LOAD_SKEW_TIMEOUT_S, channel.control.timeout_s))
     if lm.device.type == "cuda":
         d = use_kernel_cache_dir(Path(config.cache_dir) if config.cache_dir else envs.HYSERVE_CACHE_DIR)
         log(f"hyserve: kernel cache: {d}")
@@ -63,6 +79,8 @@ def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
         log(f"hyserve: activation peak (profiled): {activations.prefill_peak_bytes / 2**20:,.0f} MiB for a "
             f"{sc.max_num_tokens}-token step, {activations.decode_peak_bytes / 2**20:,.0f} MiB for a decode step")
     budget = cache_budget_bytes(config, lm, activations, graph_sizes)
+    if channel is not None:
+        budget = smallest_budget(channel, lm, budget, log)
     plan = plan_capacity(capacity_inputs(config, lm, budget, max_seq_len, graph_sizes))
     tensors = lm.model.allocate_cache(
         num_blocks=plan.num_kv_blocks, tokens_per_block=config.cache.tokens_per_block,
@@ -85,17 +103,47 @@ def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
         )
         log(f"hyserve: captured {len(g.sizes)} decode CUDA graphs (batch sizes {g.sizes[0]}..{g.sizes[-1]}) in "
             f"{g.capture_seconds:.1f}s, {g.graph_bytes / 2**20:,.0f} MiB")
-    return EngineParts(lm, max_seq_len, graph_sizes, activations, plan, tensors, cache, scheduler, runner)
+    if channel is not None and channel.is_driver:
+        runner = DriverRunner(runner, channel)
+    return EngineParts(lm, max_seq_len, graph_sizes, activations, plan, tensors, cache, scheduler, runner, channel)
+
+
+def smallest_budget(channel: StepChannel, lm: LoadedModel, budget: int, log: Callable[[str], None]) -> int:
+    """Every rank's cache budget (and free memory on CUDA); all plan from the smallest, so the pools hold
+    the same blocks and slots on every rank. Rank 0 logs each rank's figures."""
+    free = torch.cuda.mem_get_info(lm.device)[0] if lm.device.type == "cuda" else -1
+    rows = channel.gather_ints([budget, free])
+    least = min(b for b, _ in rows)
+    per_rank = ", ".join(
+        f"rank {r} {b / 2**30:,.2f} GiB" + (f" of {f / 2**30:,.2f} GiB free" if f >= 0 else "")
+        for r, (b, f) in enumerate(rows)
+    )
+    log(f"hyserve: cache budget per rank: {per_rank}; every rank plans from the smallest, {least / 2**30:,.2f} GiB")
+    return least
+
+
+def rank_cache_bytes(model: CausalLM) -> tuple[int, int]:
+    """(KV bytes per token, state bytes per slot) of this rank's pools: a one-token block and one slot
+    allocated on the meta device, so the figures are whatever `allocate_cache` gives this rank's shard."""
+    t = model.allocate_cache(num_blocks=1, tokens_per_block=1, num_slots=1, device="meta")
+
+    def nbytes(d: dict[int, torch.Tensor]) -> int:
+        return sum(x.numel() * x.element_size() for x in d.values())
+
+    return nbytes(t.k) + nbytes(t.v), nbytes(t.conv) + nbytes(t.ssm)
 
 
 def capacity_inputs(
     config: EngineConfig, lm: LoadedModel, budget: int, max_seq_len: int, graph_sizes: list[int]
 ) -> CapacityInputs:
     c = config.cache
+    kv_bytes, state_bytes = lm.config.kv_bytes_per_token, lm.config.state_bytes_per_sequence
+    if parallel_info().tp_size > 1:  # this rank's heads and groups only
+        kv_bytes, state_bytes = rank_cache_bytes(lm.model)
     return CapacityInputs(
         budget_bytes=budget,
-        kv_bytes_per_token=lm.config.kv_bytes_per_token,
-        state_bytes_per_slot=lm.config.state_bytes_per_sequence,
+        kv_bytes_per_token=kv_bytes,
+        state_bytes_per_slot=state_bytes,
         max_batch_size=config.scheduler.max_batch_size,
         max_seq_len=max_seq_len,
         max_num_tokens=config.scheduler.max_num_tokens,

@@ -2,6 +2,9 @@
 
     llm = LLM()                                  # built-in tiny model
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
+
+    with LLM(model_dir, tp_size=2) as llm:       # one model over 2 ranks of this host (GPUs, or CPU gloo)
+        ...                                      # leaving the block stops the other ranks
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ class LLM:
         **options: Any,
     ) -> None:
         """`options` take the server YAML's names: max_batch_size, max_num_tokens, max_seq_len,
-        enable_chunked_prefill, kv_cache_config={...}, cuda_graph_config={...}, seed, ..."""
+        enable_chunked_prefill, kv_cache_config={...}, cuda_graph_config={...}, seed, tp_size, ep_size, ...
+        With tp_size > 1 this process is rank 0 and starts the other ranks itself (`close()` stops them)."""
         self.config = build_engine_config(
             options, model=model, dtype=dtype, device=device, load_format=load_format
         )
@@ -129,6 +133,18 @@ class LLM:
                 )
             )
         return outs
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine and leave its process group (nothing for one
+        rank). The engine cannot run steps afterwards."""
+        self.engine.drain()
+        self.engine.runner.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def cache_usage(self) -> dict[str, int]:
         return self.engine.cache_usage()
