@@ -57,8 +57,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "max_batch_size", type=int, default=None, help="most requests running at once")
     _flag(p, "max_num_tokens", type=int, default=None, help="most tokens in one forward step")
     _flag(p, "max_seq_len", type=int, default=None, help="longest prompt + output (default: the model's)")
-    _flag(p, "tp_size", type=int, default=None, help="tensor parallel size (this build: 1)")
-    _flag(p, "ep_size", type=int, default=None, help="expert parallel size (this build: 1)")
+    _flag(p, "tp_size", type=int, default=None,
+          help="tensor parallel size: ranks one model spans (started here, or by torchrun across nodes)")
+    _flag(p, "ep_size", type=int, default=None,
+          help="expert parallel size: MoE experts sharded over this many of the tp_size ranks (divides it)")
     _flag(p, "kv_cache_free_gpu_memory_fraction", type=float, default=None,
           help="fraction of free GPU memory for the KV cache and Mamba state pools")
     _flag(p, "seed", type=int, default=None, help="engine seed for sampling")
@@ -208,9 +210,27 @@ def _stdout(msg: str) -> None:
 # ---- subcommands ---------------------------------------------------------------------------------------------
 
 
+def _run_if_headless_rank(config: Any) -> None:
+    """Under torchrun, ranks > 0 serve nothing and take no prompts: such a rank follows rank 0 here until
+    it shuts down, then the process exits with the rank's status. A no-op on rank 0 and without torchrun."""
+    from hyserve.engine.launch import is_headless_rank
+
+    if not is_headless_rank():
+        return
+    import os
+
+    from hyserve.engine.worker import run_worker
+
+    rc = run_worker(config, log=_stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)  # a broken NCCL communicator can block interpreter teardown
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     opts, server_yaml, ignored = engine_options_from_args(args)
     config = _build_config(opts)
+    _run_if_headless_rank(config)
 
     def pick(name: str, default: Any) -> Any:
         v = getattr(args, name, None)
@@ -267,6 +287,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"`hyserve generate -p {json.dumps(str(model_arg))}`"
         )
     config = _build_config(opts)  # validate everything before loading anything
+    _run_if_headless_rank(config)
     prompts: list[str | list[int]] = list(args.prompt or []) + [_parse_ids(s) for s in (args.prompt_ids or [])]
     if not prompts:
         prompts = ["Hello, my name is"]

@@ -108,6 +108,7 @@ def run_server(
     import uvicorn
 
     from hyserve.engine.async_engine import AsyncEngine
+    from hyserve.engine.launch import watch_server
     from hyserve.server.app import build_app, hyserve_version
     from hyserve.server.http_warmup import warm_http_path
 
@@ -136,10 +137,18 @@ def run_server(
         timeout_graceful_shutdown=10, timeout_keep_alive=5,
     )
     server = server_cls(uv_config, on_first_signal=on_signal, on_started=on_started)
+    # several ranks: a lost rank marks the engine unhealthy and stops the server (exit status 1)
+    watch = watch_server(engine, lambda: setattr(server, "should_exit", True), log=out)
     try:
         server.run()
     finally:
+        if watch is not None:
+            watch.stop()
         engine.shutdown(abort_inflight=True)
+        engine.engine.runner.close()  # the other ranks exit (nothing for one rank)
+    if watch is not None and watch.reason is not None:
+        out(f"hyserve: stopped after losing a rank: {watch.reason}")
+        return 1
     if not server.started:
         out(f"hyserve: error: the server could not start on {host}:{port} (see the log above)")
         return 1
