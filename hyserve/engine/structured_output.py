@@ -40,11 +40,12 @@ from hyserve.engine.sampling_params import SamplingParams, StructuredOutputsPara
 _CACHE_ENTRIES = 512
 # threads that fill a step's bitmask rows (the work runs while the GPU computes the step's forward)
 _FILL_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
-# xgrammar 0.2's JSON-string character classes are negated ones, which admit UTF-8 encodings of surrogates
-# (not Unicode: decoders turn them into U+FFFD) and, in strings with a length bound, raw control characters
-# (refused by strict JSON parsers): both are replaced by the explicit class of what JSON allows unescaped
+# xgrammar 0.2's JSON-string character classes admit UTF-8 encodings of surrogates (not Unicode: decoders
+# turn them into U+FFFD) and, in strings with a length bound, raw control characters (refused by strict JSON
+# parsers): both are replaced by the class of what JSON allows unescaped, kept negated (an explicit class of
+# ranges measured 12x slower to fill a mask over a 131k vocabulary)
 _LOOSE_STRING_CHARS = (r'[^\0-\x1f\"\\\r\n]', r'[^\"\\\r\n]')
-_STRICT_STRING_CHAR = r'[\x20-\x21\x23-\x5b\x5d-\x7e\u0080-\ud7ff\ue000-\U0010ffff]'
+_STRICT_STRING_CHAR = r'[^\0-\x1f\"\\\ud800-\udfff]'
 _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] [^ ]+\.cc:[0-9]+: ")  # "[21:25:21] /project/cpp/x.cc:94: "
 
 
