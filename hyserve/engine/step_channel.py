@@ -34,9 +34,9 @@ from hyserve.engine.scheduler import ScheduledBatch, ScheduledSeq
 
 STEP, PROMPT_LOGITS, CAPTURE, READY, HEARTBEAT, SHUTDOWN = "step", "prompt_logits", "capture", "ready", "hb", "stop"
 # A message is one broadcast of a fixed buffer ([8-byte length | pickle]) and, past it, one more of the rest:
-# ~95 us for a small message on a loaded 2-core host against ~580 us through torch's broadcast_object_list
-# (two broadcasts and a receiver turnaround between them; benchmarks/bench_tp_step.py). 64 KiB holds a
-# decode step of ~150 rows at 8k tokens of context.
+# ~95 us for a small message on a loaded 2-core host against ~400 us through torch's broadcast_object_list
+# (two broadcasts and a receiver turnaround between them), ~390 against ~830 us for a 64-row decode step at
+# 8k tokens of context (benchmarks/bench_tp_step.py). 64 KiB holds such a step of up to ~150 rows.
 FRAME_BYTES = 64 * 1024
 _LEN = 8
 
