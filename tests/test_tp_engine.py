@@ -145,6 +145,27 @@ def test_fewer_gpus_than_ranks_is_refused(ckpts: dict[str, str]) -> None:
         launch.check_layout(cfg, world_size=2, local_world_size=2, device="cuda")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL, one per rank)")
+@pytest.mark.parametrize(("variant", "ep"), [("tiny-nemotron-h-dense", 1), ("tiny-nemotron-3-latent-moe", 2)])
+def test_two_gpus_match_one(ckpts: dict[str, str], capfd: pytest.CaptureFixture[str], variant: str, ep: int) -> None:
+    """NCCL with one GPU per rank, float32: the warm-up on both ranks (0 compilations after ready on either),
+    decode graphs captured on both (dense), every step broadcast; tokens equal tp 1 on one GPU."""
+    opts = dict(device="cuda", dtype="float32", warmup="on", max_batch_size=8, max_num_tokens=128, max_seq_len=256,
+                kv_cache_config={"max_gpu_total_bytes": 256 * 2**20, "tokens_per_block": 16})
+    prompts = _prompts(8, seed=12, hi=200)
+    ref_llm = LLM(ckpts[variant], **opts)
+    ref = ref_llm.generate(prompts, GREEDY)
+    del ref_llm
+    with LLM(ckpts[variant], tp_size=2, ep_size=ep, **opts) as llm:
+        assert parallel_info().backend == "nccl"
+        assert (llm.engine.runner.graphs is not None) == (variant == "tiny-nemotron-h-dense")
+        got = llm.generate(prompts, GREEDY)
+        assert llm.stats()["jit_compiles_after_ready"] == 0
+    _same(ref, got, f"{variant} on two GPUs")
+    assert "compilations after ready" not in capfd.readouterr().err  # rank 1 reports its own at shutdown
+
+
 @pytest.fixture(scope="module")
 def dense(ckpts: dict[str, str]) -> Iterator[tuple[LLM, dict[str, list]]]:
     ref = _run_all(LLM(ckpts["tiny-nemotron-h-dense"], **OPTIONS))
@@ -191,6 +212,8 @@ def test_a_dead_rank_fails_the_next_step_at_once(dense: tuple[LLM, dict[str, lis
     assert time.monotonic() - t0 < 10.0  # the broken connection, not the 20 s collective timeout
     with pytest.raises(RankLost):  # and every step after it
         llm.generate(_prompts(1, seed=9), GREEDY)
+    llm.close()
+    assert parallel_info().world_size == 1  # the broken group is left too: this process can build another engine
 
 
 def runner_procs(llm: LLM) -> list:

@@ -116,7 +116,8 @@ class Ranks:
         return None
 
     def close(self, timeout_s: float = 10.0, *, leave_group: bool = True) -> None:
-        """Wait for the local ranks to exit (they were told to), kill any still running, leave the group."""
+        """Wait up to `timeout_s` for the local ranks to exit (they were told to), kill any still running,
+        leave the group (so this process can form another)."""
         if self._closed:
             return
         self._closed = True

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -29,6 +29,8 @@ from hyserve.engine.step_channel import (
     StepChannel,
     encode_seqs,
 )
+
+T = TypeVar("T")
 
 
 class RankLost(BaseException):
@@ -48,7 +50,7 @@ class DriverRunner(ModelRunner):
         self.channel = channel
         self.failure: str | None = None
         self._eager = False
-        self._on_close: list[Callable[[], None]] = []
+        self._on_close: list[Callable[[bool], None]] = []
         self._closed = False
         # why a rank this process started is gone, or None (set by the launcher; torchrun watches its own)
         self.lost_rank: Callable[[], str | None] = lambda: None
@@ -89,39 +91,43 @@ class DriverRunner(ModelRunner):
             raise self._lost(e) from e
 
     # ---- the ModelRunner interface ---------------------------------------------------------------------
+    def _with_the_others(self, fn: Callable[[], T]) -> T:
+        """Rank 0's part of a call every rank runs: any failure in it leaves the others out of step."""
+        try:
+            return fn()
+        except Exception as e:
+            raise self._lost(e) from e
+        except BaseException as e:  # Ctrl-C mid-step: the others are left inside its collectives
+            self.failure = self.failure or f"interrupted in a step ({type(e).__name__})"
+            raise
+        finally:
+            self.channel.step_done()
+
     def execute(self, batch: ScheduledBatch, feed: torch.Tensor | None = None) -> torch.Tensor:
         n = -1 if feed is None else int(feed.shape[0])
         self._tell((STEP, encode_seqs(batch), batch.num_decodes, n, self._eager))
-        try:
+        run = super().execute
+
+        def step() -> torch.Tensor:
             if feed is not None:
                 self.channel.broadcast_feed(feed, n, self.device)
-            return super().execute(batch, feed)
-        except Exception as e:
-            raise self._lost(e) from e
-        finally:
-            self.channel.step_done()
+            return run(batch, feed)
+
+        return self._with_the_others(step)
 
     def prompt_logprobs(self, row: int, offset: int, targets: list[int], k: int,
                         rows_per_pass: int = 256) -> list[TokenLogprob]:
         self._tell((PROMPT_LOGITS, row, offset, len(targets), rows_per_pass))
-        try:
-            return super().prompt_logprobs(row, offset, targets, k, rows_per_pass)
-        except Exception as e:
-            raise self._lost(e) from e
-        finally:
-            self.channel.step_done()
+        run = super().prompt_logprobs
+        return self._with_the_others(lambda: run(row, offset, targets, k, rows_per_pass))
 
     def capture_graphs(
         self, sizes: Sequence[int], *, max_blocks_per_seq: int, pad_slot: int, enable_padding: bool
     ) -> DecodeGraphs:
         self._tell((CAPTURE, list(sizes), max_blocks_per_seq, pad_slot, enable_padding))
-        try:
-            return super().capture_graphs(sizes, max_blocks_per_seq=max_blocks_per_seq, pad_slot=pad_slot,
-                                          enable_padding=enable_padding)
-        except Exception as e:
-            raise self._lost(e) from e
-        finally:
-            self.channel.step_done()
+        run = super().capture_graphs
+        return self._with_the_others(lambda: run(sizes, max_blocks_per_seq=max_blocks_per_seq, pad_slot=pad_slot,
+                                                 enable_padding=enable_padding))
 
     @contextmanager
     def eager_decode(self) -> Iterator[None]:
@@ -137,7 +143,9 @@ class DriverRunner(ModelRunner):
         """The warm-up is over: every rank counts its Triton compilations from here on."""
         self._tell((READY,))
 
-    def on_close(self, fn: Callable[[], None]) -> None:
+    def on_close(self, fn: Callable[[bool], None]) -> None:
+        """`fn(told)` runs at close(); `told`: the other ranks were told to exit (else they are lost or
+        stuck in a step, and the launcher should not wait for them)."""
         self._on_close.append(fn)
 
     def close(self) -> None:
@@ -146,10 +154,12 @@ class DriverRunner(ModelRunner):
             return
         self._closed = True
         self.channel.stop_heartbeat()
+        told = False
         if self.failure is None and self.channel.failure is None:
             try:
                 self.channel.send((SHUTDOWN,))
+                told = True
             except CollectiveError as e:
                 self.failure = f"lost contact with the other ranks: {e}"
         for fn in self._on_close:
-            fn()
+            fn(told)

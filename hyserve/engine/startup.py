@@ -27,7 +27,7 @@ def start_engine(config: EngineConfig, *, log: Callable[[str], None] | None = No
         runner = engine.runner
         if isinstance(runner, DriverRunner) and ranks is not None:
             runner.lost_rank = ranks.lost
-            runner.on_close(ranks.close)
+            runner.on_close(lambda told: ranks.close(timeout_s=10.0 if told else 0.0))
             atexit.register(runner.close)  # an LLM never closed still tells its ranks to exit
         if config.warmup == "on" or (config.warmup == "auto" and engine.device.type == "cuda"):
             engine.warmup_report = Warmup(engine, log=log).run()

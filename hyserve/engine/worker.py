@@ -104,6 +104,9 @@ def run_worker(
     except CollectiveError as e:
         say(f"hyserve: rank {me}: lost the other ranks after {loop.steps if loop else 0} steps: {e}")
         return 1
+    except ValueError as e:  # a setting that does not fit (rank 0 reports the same)
+        say(f"hyserve: rank {me}: error: {e}")
+        return 2
     except BaseException:  # noqa: BLE001 - any failure takes this rank out of step: report and exit
         say(f"hyserve: rank {me}: failed:\n{traceback.format_exc()}")
         return 1
