@@ -106,7 +106,7 @@ class Bench:
     def record(self, name: str, value: float, unit: str, reference: str, reference_value: float, **extra) -> None:
         ratio = value / reference_value if reference_value else float("nan")
         rec = dict(name=name, value=value, unit=unit, reference=reference, reference_value=reference_value,
-                   ratio=ratio, **extra)
+                   ratio=ratio, ceiling=None, **extra)  # against a peer or the default settings: no ceiling
         self.records.append(rec)
         print(f"     {name}: {value:.4g} {unit} ({ratio:.1%} of {reference})")
 
