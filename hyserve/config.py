@@ -104,6 +104,15 @@ def fraction(v: Any, path: str) -> float:
     return float(v)
 
 
+def positive_ms_or_none(v: Any, path: str) -> float | None:
+    """A time in milliseconds > 0, or None (off)."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not (0.0 < float(v) < float("inf")):
+        raise ValueError(f"{path}: expected a positive number of milliseconds or null (off), got {v!r}")
+    return float(v)
+
+
 @dataclass(frozen=True)
 class IntList:
     """A list of integers >= lo, stored as a tuple (sorted without repeats when `sorted_set`)."""
@@ -224,6 +233,14 @@ class SchedulerConfig:
     max_num_tokens: int = option(8192, Int(lo=1))
     max_seq_len: int | None = option(None, Int(lo=2, none_ok=True))  # None -> the model's max_position_embeddings
     enable_chunked_prefill: bool = option(True, boolean)
+    # step composition (docs/architecture.md): continuing prefills that share a step's budget, the most a
+    # long prompt's chunk takes when other prefills share the step (None: max_num_tokens /
+    # max_num_partial_prefills), and the step-time target chunks are sized for once the warm-up has
+    # calibrated the step cost model (None, the default until a serving benchmark picks one: the token
+    # budget only)
+    max_num_partial_prefills: int = option(4, Int(lo=1))
+    long_prefill_token_threshold: int | None = option(None, Int(lo=1, none_ok=True))
+    max_step_ms: float | None = option(None, positive_ms_or_none)
 
     def check(self) -> None:
         check_token_budget(self.max_num_tokens, self.max_batch_size)

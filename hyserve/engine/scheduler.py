@@ -3,9 +3,15 @@
 Each step, under a budget of `max_num_tokens` tokens and `max_batch_size` running requests:
 
   1. decodes: every running request past its prefill gets one token (admission order);
-  2. prefill continuations: running requests still feeding known tokens get a chunk;
-  3. admissions: waiting requests, strictly first-come-first-served, get a prefix-cache lookup, a live
+  2. the first chunks of the waiting requests that can start are set aside (a short prompt whole, a long
+     one at most long_prefill_token_threshold tokens when continuing prefills share the step);
+  3. prefill continuations: up to max_num_partial_prefills running requests still feeding known tokens
+     share what is left equally (one alone takes it all; at least one SSD chunk, so none starves);
+  4. admissions: waiting requests, strictly first-come-first-served, get a prefix-cache lookup, a live
      state slot and their first chunk, while budget, slots and blocks last.
+
+With a step cost model (`step_cost.py`, calibrated at warm-up) every chunk also fits a share of the
+step-time target after the decodes' cost, so a long prompt's chunks shrink as its context grows.
 
 Async scheduling lives here too: a step may be planned while the previous one is in flight. A request
 whose newest token was sampled on the device and not yet read (`Request.num_inflight`) gets a decode row
@@ -33,6 +39,7 @@ from dataclasses import dataclass, field
 from hyserve.cache.manager import HybridCacheManager, PrefixHit, chain_hashes
 from hyserve.engine.request import Request, RequestStatus
 from hyserve.engine.sampling_params import SamplingParams
+from hyserve.engine.step_cost import StepCostModel
 
 
 @dataclass
@@ -85,9 +92,18 @@ class Scheduler:
         enable_chunked_prefill: bool,
         chunk_size: int,
         max_seq_len: int,
+        max_num_partial_prefills: int = 4,
+        long_prefill_token_threshold: int | None = None,
+        cost: StepCostModel | None = None,
     ) -> None:
         self.cache = cache
         self.max_seq_len = max_seq_len
+        # step composition (docs/architecture.md): how many continuing prefills share a step, the most a
+        # long prompt's chunk takes when others share it, and the step-time target (None: tokens only)
+        self.max_num_partial_prefills = max_num_partial_prefills
+        self.long_prefill_token_threshold = long_prefill_token_threshold or max(
+            chunk_size, max_num_tokens // max_num_partial_prefills)
+        self.cost = cost
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.chunked = enable_chunked_prefill
@@ -214,28 +230,73 @@ class Scheduler:
             budget -= 1
         batch.num_decodes = len(batch.seqs)
 
-        # 2. running prefills
-        for req in list(self.running):
+        # 2. continuing prefills share what the arrivals' first chunks leave; 3. admissions
+        conts = [r for r in self.running if r.status is RequestStatus.RUNNING and r.request_id not in scheduled
+                 and self._feeds_chunk(r)]
+        ms = self._ms_after_decodes(batch)
+        claim_tokens, claim_ms = self._arrival_claim(budget, ms, bool(conts))
+        prefills = self._continue(conts, budget - claim_tokens, None if ms is None else ms - claim_ms,
+                                  scheduled, batch)
+        budget -= sum(len(p.token_ids) for p in prefills)
+        if ms is not None and self.cost is not None:
+            ms -= sum(self.cost.chunk_ms(p.start_pos, len(p.token_ids)) for p in prefills)
+        prefills += self.admit(budget, ms=ms, capped=bool(conts))
+
+        batch.seqs.extend(prefills)
+        self.stats.tokens_scheduled = batch.num_tokens
+        return batch, aborted
+
+    def _ms_after_decodes(self, batch: ScheduledBatch) -> float | None:
+        """The step-time budget left for prefill chunks after the decode rows (None: no time target)."""
+        if self.cost is None:
+            return None
+        return self.cost.target_ms - self.cost.overhead_ms - sum(self.cost.decode_ms(s.start_pos) for s in batch.seqs)
+
+    def _arrival_claim(self, budget: int, ms: float | None, conts: bool) -> tuple[int, float]:
+        """Tokens (and milliseconds) set aside for the first chunks of the requests that can be admitted
+        this step: a short prompt whole, a long one its capped share; a continuing prefill keeps at least
+        one SSD chunk of the budget, so it progresses every step."""
+        reserve = min(budget, self.chunk_size) if conts else 0
+        avail = budget - reserve
+        room = min(self.max_batch_size - len(self.running), self.cache.states.num_free_live())
+        tokens, spent = 0, 0.0
+        for i, req in enumerate(self.waiting):
+            if i >= room or tokens >= avail or req.num_inflight:
+                break
+            want = min(req.num_tokens, avail - tokens)
+            if conts:
+                want = min(want, self.long_prefill_token_threshold)
+            if ms is not None and self.cost is not None:
+                want = max(min(want, self.cost.max_chunk(0, ms - spent)), min(want, self.chunk_size))
+                spent += self.cost.chunk_ms(0, want)
+            tokens += want
+        return tokens, spent
+
+    def _continue(self, conts: list[Request], budget: int, ms: float | None, scheduled: set[str],
+                  batch: ScheduledBatch) -> list[ScheduledSeq]:
+        """The next chunks of up to max_num_partial_prefills continuing prefills (admission order), each
+        taking an equal share of what is left (one alone takes it all)."""
+        out: list[ScheduledSeq] = []
+        active = conts[: self.max_num_partial_prefills]
+        for i, req in enumerate(active):
             if budget <= 0:
                 break
-            if req.status is not RequestStatus.RUNNING or req.request_id in scheduled or not self._feeds_chunk(req):
+            if req.status is not RequestStatus.RUNNING:  # preempted for an earlier one's blocks
                 continue
-            seq = self._plan_chunk(req, budget)
+            share = -(-budget // (len(active) - i))
+            share_ms = None if ms is None else ms / (len(active) - i)
+            seq = self._plan_chunk(req, share, ms=share_ms)
             if seq is None:
                 continue
             if not self._grow_or_preempt(req, seq.start_pos + len(seq.token_ids), scheduled, batch):
                 continue
             self._secure(req, seq)
-            prefills.append(seq)
+            out.append(seq)
             scheduled.add(req.request_id)
             budget -= len(seq.token_ids)
-
-        # 3. admissions
-        prefills += self.admit(budget)
-
-        batch.seqs.extend(prefills)
-        self.stats.tokens_scheduled = batch.num_tokens
-        return batch, aborted
+            if ms is not None and self.cost is not None:
+                ms -= self.cost.chunk_ms(seq.start_pos, len(seq.token_ids))
+        return out
 
     def _decode_row(self, req: Request) -> ScheduledSeq:
         assert req.live_slot is not None
@@ -271,30 +332,44 @@ class Scheduler:
         n = req.num_prompt_tokens
         return req.num_computed + 1 == n == req.num_tokens and n in self.cache.snapshot_boundaries(n)
 
-    def admit(self, budget: int) -> list[ScheduledSeq]:
+    def admit(self, budget: int, *, ms: float | None = None, capped: bool = False) -> list[ScheduledSeq]:
         """Admit waiting requests strictly first-come-first-served (stop at the first that cannot start)
-        within `budget` tokens and the batch-size limit; returns their first chunks."""
+        within `budget` tokens (and `ms` of predicted step time) and the batch-size limit; returns their first
+        chunks. `capped`: continuing prefills share the step, so a long prompt's first chunk takes at most
+        long_prefill_token_threshold tokens."""
         seqs: list[ScheduledSeq] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
             if req.num_inflight:  # preempted with a token still on the device: readmit once it is read
                 break
-            seq = self._admit(req, budget)
+            cap = self.long_prefill_token_threshold if capped else budget
+            share_ms = None if ms is None else max(ms, 0.0)
+            seq = self._admit(req, min(budget, cap), share_ms)
             if seq is None:
                 break
             self.waiting.popleft()
             self.running.append(req)
             seqs.append(seq)
             budget -= len(seq.token_ids)
+            if ms is not None and self.cost is not None:
+                ms -= self.cost.chunk_ms(seq.start_pos, len(seq.token_ids))
         return seqs
 
-    def _plan_chunk(self, req: Request, budget: int) -> ScheduledSeq | None:
+    def _plan_chunk(self, req: Request, budget: int, *, ms: float | None = None) -> ScheduledSeq | None:
         """The next prefill chunk of `req` within `budget` tokens, cut at a snapshot boundary the scan
         cannot produce mid-chunk. Snapshot positions are recorded; slots are attached only once the
         chunk's blocks are secured (`_secure`). None if nothing can be scheduled."""
         start = req.num_computed
         total = req.num_tokens
         n = min(total - start, budget)
+        if ms is not None and self.cost is not None and n > self.chunk_size:
+            # the step-time target, one SSD chunk at least; a chunk it cuts ends on an SSD chunk boundary,
+            # so the next starts aligned (an unaligned start is cut again at the next snapshot boundary,
+            # which the scan cannot produce mid-chunk)
+            timed = max(self.cost.max_chunk(start, ms), self.chunk_size)
+            if timed < n:
+                aligned = (start + timed) // self.chunk_size * self.chunk_size - start
+                n = aligned if aligned > 0 else timed
         if n <= 0 or (not self.chunked and n < total - start):
             return None
         positions: list[int] = []
@@ -336,7 +411,7 @@ class Scheduler:
                 seq.snapshot_keys.append(key)
         seq.block_ids = list(req.block_ids)
 
-    def _admit(self, req: Request, budget: int) -> ScheduledSeq | None:
+    def _admit(self, req: Request, budget: int, ms: float | None = None) -> ScheduledSeq | None:
         slot = self.cache.allocate_live_slot()
         if slot is None:
             return None
@@ -351,7 +426,7 @@ class Scheduler:
         req.num_published_blocks = len(hit.blocks)
         req.init_snapshot_slot = hit.snapshot_slot
         req.status = RequestStatus.RUNNING
-        seq = self._plan_chunk(req, budget)
+        seq = self._plan_chunk(req, budget, ms=ms)
         if seq is None or not self.cache.grow(req.block_ids, seq.start_pos + len(seq.token_ids)):
             # undo: nothing of this attempt stays allocated
             self._release(req, publish=False)

@@ -1,0 +1,95 @@
+"""Calibrate the step cost model on the device before ready: two prefill steps from an empty cache (the
+per-step and per-token terms) and the model's attention at a long context, as a prefill chunk and as
+decode rows (the context terms). Runs after the warm-up, so it compiles nothing new."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from hyserve.engine.sampling_params import SamplingParams
+from hyserve.engine.step_cost import StepCostModel, fit_step_cost
+from hyserve.kernels import ops
+
+if TYPE_CHECKING:  # startup.py calibrates a constructed engine; this module only drives it
+    from hyserve.engine.engine import LLMEngine
+
+_ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+_MAX_CONTEXT = 131072  # the attention timing's context (or what the KV pool holds)
+
+
+def calibrate_step_cost(engine: LLMEngine, target_ms: float) -> StepCostModel | None:
+    """The calibrated model, or None where there is nothing to time against (CPU, no attention layers)."""
+    if engine.device.type != "cuda" or not engine.cache_tensors.k:
+        return None
+    sc = engine.config.scheduler
+    fit = engine.plan.max_request_tokens - 2
+    long_n = min(sc.max_num_tokens, fit)
+    short_n = min(engine.model_config.chunk_size, long_n)
+    short = (short_n, _time_prefill(engine, short_n))
+    long = (long_n, _time_prefill(engine, long_n)) if long_n > short_n else short
+    attn, kv_read = _time_attention(engine)
+    engine.reset_after_warmup()
+    return fit_step_cost(short=short, long=long, attention=attn, kv_read_ms=kv_read, target_ms=target_ms)
+
+
+def _median_ms(fn: Callable[[], object], reps: int = 5) -> float:
+    fn()  # warm
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _time_prefill(engine: LLMEngine, n: int) -> float:
+    gen = torch.Generator().manual_seed(n)
+    vocab = engine.model_config.vocab_size
+    count = [0]
+
+    def run() -> None:
+        count[0] += 1
+        ids = torch.randint(min(3, vocab - 1), vocab, (n,), generator=gen).tolist()
+        engine.add_request(f"calibrate-{n}-{count[0]}", ids, _ONE)  # a fresh prompt: no prefix hit
+        while engine.has_unfinished():
+            engine.step()
+
+    return _median_ms(run, reps=3)
+
+
+def _time_attention(engine: LLMEngine) -> tuple[tuple[int, int, float], float]:
+    """((queries, context, ms) of a prefill chunk's attention over all attention layers, ms per decode row
+    per context token), timed on the KV pool's own tensors."""
+    tensors = engine.cache_tensors
+    k = next(iter(tensors.k.values()))
+    v = next(iter(tensors.v.values()))
+    layers = len(tensors.k)
+    bs = tensors.tokens_per_block
+    head_dim = k.shape[-1]
+    _, per_context = engine.model_config.step_flops()
+    heads = max(1, round(per_context / (4 * layers * head_dim)))
+    ctx = min(_MAX_CONTEXT, (k.shape[0] - 1) * bs) // bs * bs
+    q_n = min(512, ctx // 2)
+    dev = engine.device
+    dtype = engine.loaded.dtype
+    table = torch.arange(ctx // bs, dtype=torch.int32, device=dev)[None]
+    scales = {}
+    if k.dtype.itemsize == 1:  # a float8 pool reads through its scales
+        one = torch.ones((), dtype=torch.float32, device=dev)
+        scales = {"k_scale": one, "v_scale": one}
+    attend = ops.get("paged_attention", True)
+    q = torch.randn(q_n, heads, head_dim, device=dev, dtype=dtype)
+    prefill_ms = _median_ms(lambda: attend(q, k, v, table, [ctx], [0, q_n], head_dim**-0.5, **scales)) * layers
+    rows = 8
+    qd = torch.randn(rows, heads, head_dim, device=dev, dtype=dtype)
+    lens = torch.full((rows,), ctx, dtype=torch.int32, device=dev)
+    cu = torch.arange(rows + 1, dtype=torch.int32, device=dev)
+    tables = table.expand(rows, -1).contiguous()
+    decode_ms = _median_ms(lambda: attend(qd, k, v, tables, lens, cu, head_dim**-0.5, **scales)) * layers
+    return (q_n, ctx, prefill_ms), decode_ms / (rows * ctx)

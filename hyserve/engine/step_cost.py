@@ -1,0 +1,72 @@
+"""The predicted time of a step from its shape, so the scheduler can size prefill chunks to a target step
+time: a late chunk of a long prompt pays attention over its whole context, so at a fixed token count it
+costs many times an early one (docs/architecture.md, "Step composition").
+
+    step_ms = overhead                                        (launches, weights read once, LM head)
+            + per_token   x new tokens                        (linear layers, scan)
+            + per_context x sum over prefill rows n (start + (n + 1) / 2)   (causal attention FLOPs)
+            + per_kv_read x sum over decode rows context                    (decode attention reads KV)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCostModel:
+    overhead_ms: float
+    per_token_ms: float
+    per_context_ms: float  # per new prefill token per context token
+    per_kv_read_ms: float  # per decode row per context token
+    target_ms: float  # chunks are sized so a step stays under this
+
+    def chunk_ms(self, start: int, n: int) -> float:
+        """A prefill chunk of n tokens after `start` cached ones."""
+        return n * self.per_token_ms + self.per_context_ms * n * (start + (n + 1) / 2)
+
+    def decode_ms(self, context: int) -> float:
+        return self.per_token_ms + self.per_kv_read_ms * context
+
+    def max_chunk(self, start: int, ms: float) -> int:
+        """The most tokens a chunk after `start` may take within `ms` (0 when nothing fits). Solves
+        a n^2 + b n <= ms with a = per_context / 2, b = per_token + per_context (start + 1/2)."""
+        if ms <= 0:
+            return 0
+        a = self.per_context_ms / 2
+        b = self.per_token_ms + self.per_context_ms * (start + 0.5)
+        if a <= 0:
+            return int(ms / b) if b > 0 else 1 << 62
+        n = int((-b + math.sqrt(b * b + 4 * a * ms)) / (2 * a))
+        while n > 0 and self.chunk_ms(start, n) > ms:  # float rounding at the edge
+            n -= 1
+        return n
+
+    def describe(self) -> str:
+        return (f"step cost model: {self.overhead_ms:.2f} ms per step + {self.per_token_ms * 1e3:.3f} us per token "
+                f"+ {self.per_context_ms * 1e9:.3f} ps per (token x context) in prefill attention + "
+                f"{self.per_kv_read_ms * 1e9:.3f} ps per context token of a decode row; chunks sized for steps "
+                f"under {self.target_ms:.0f} ms (a chunk at 0 / 128k / 1M tokens of context: "
+                f"{self.max_chunk(0, self.target_ms - self.overhead_ms)} / "
+                f"{self.max_chunk(131072, self.target_ms - self.overhead_ms)} / "
+                f"{self.max_chunk(1 << 20, self.target_ms - self.overhead_ms)} tokens)")
+
+
+def fit_step_cost(
+    *, short: tuple[int, float], long: tuple[int, float], attention: tuple[int, int, float], kv_read_ms: float,
+    target_ms: float,
+) -> StepCostModel:
+    """Calibrate from three timings of this device: a prefill step of `short` = (n, ms) and of `long` =
+    (n, ms) tokens from an empty cache, and `attention` = (queries, context, ms) of the model's attention
+    (all layers) for queries at the end of a context. `kv_read_ms`: a decode row's cost per context token."""
+    q, ctx, attn_ms = attention
+    per_context = max(attn_ms, 0.0) / (q * ctx)
+    (n1, t1), (n2, t2) = short, long
+    # the attention inside those steps, from the measured rate: what is left is linear in n
+    r1 = t1 - per_context * n1 * (n1 + 1) / 2
+    r2 = t2 - per_context * n2 * (n2 + 1) / 2
+    per_token = max((r2 - r1) / (n2 - n1), 0.0) if n2 != n1 else 0.0
+    overhead = max(r1 - per_token * n1, 0.0)
+    return StepCostModel(overhead_ms=overhead, per_token_ms=per_token, per_context_ms=per_context,
+                         per_kv_read_ms=max(kv_read_ms, 0.0), target_ms=target_ms)

@@ -1,0 +1,154 @@
+"""Step composition under long prompts (docs/architecture.md, "Step composition"): decodes first, then
+the first chunks of new arrivals, then continuing prefills sharing what is left; the step cost model's
+chunk sizing; and greedy outputs that do not depend on any of it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hyserve.engine.request import Request
+from hyserve.engine.sampling_params import SamplingParams
+from hyserve.engine.scheduler import Scheduler
+from hyserve.engine.step_cost import StepCostModel, fit_step_cost
+from tests.test_engine_invariance import GREEDY, make_llm, prompts
+from tests.test_scheduler_state_machine import _run, make
+
+LONG = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+
+def _sched(*, budget: int = 64, max_batch: int = 6, blocks: int = 400, **kw) -> Scheduler:
+    _, _, sched = make(num_blocks=blocks, max_batch=max_batch, budget_tokens=budget, snapshots=4, max_seq_len=4096)
+    for k, v in kw.items():
+        setattr(sched, k, v)
+    return sched
+
+
+def _req(rid: str, n: int, params: SamplingParams = LONG) -> Request:
+    return Request(rid, [1 + (i * 7 + len(rid)) % 200 for i in range(n)], params)
+
+
+def _chunks(batch) -> dict[str, int]:
+    return {s.request_id: len(s.token_ids) for s in batch.seqs}
+
+
+def test_a_short_arrival_is_admitted_next_step_beside_a_long_prefill() -> None:
+    sched = _sched()
+    sched.add(_req("long", 1000))
+    first, _ = sched.schedule()
+    assert _chunks(first) == {"long": 64}  # alone, it takes the whole budget
+    _run(sched, first)
+    sched.add(_req("short", 9))
+    second, _ = sched.schedule()
+    got = _chunks(second)
+    assert got["short"] == 9 and got["long"] == 64 - 9  # the arrival whole, the long prompt the rest
+    assert second.seqs[0].request_id == "long"  # batch order: continuing chunks, then admissions
+
+
+def test_a_long_prefill_progresses_every_step_under_a_stream_of_arrivals() -> None:
+    sched = _sched(budget=32, max_batch=32)
+    sched.add(_req("long", 600))
+    done = 0
+    for i in range(30):
+        for j in range(3):  # arrivals that would fill the budget on their own
+            sched.add(_req(f"s{i}-{j}", 12, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
+        batch, _ = sched.schedule()
+        got = _chunks(batch)
+        if done < 600:  # at least a token (a chunk cut at a snapshot boundary may be short), ...
+            assert got.get("long", 0) >= 1, f"step {i}: {got}"
+            done += got.get("long", 0)
+        _run(sched, batch)
+        for r in [r for r in sched.running if r.output_token_ids and r.request_id != "long"]:
+            sched.finish(r, "length")
+    assert done >= 30 * sched.chunk_size // 2  # ... and about the reserve of one SSD chunk a step
+
+
+def test_continuing_long_prefills_share_the_budget() -> None:
+    sched = _sched(budget=60, max_num_partial_prefills=2)
+    for rid in ("a", "b", "c"):
+        sched.add(_req(rid, 500))
+    while sched.waiting:  # until all three are admitted
+        _run(sched, sched.schedule()[0])
+    got = _chunks(sched.schedule()[0])
+    # with nobody waiting, the first two continuing prefills split the budget; the third waits its turn
+    assert set(got) == {"a", "b"} and abs(got["a"] - got["b"]) <= 1 and got["a"] + got["b"] == 60
+
+
+def test_an_arrival_beside_a_continuing_prefill_is_capped() -> None:
+    sched = _sched(budget=64, long_prefill_token_threshold=16)
+    sched.add(_req("first", 400))
+    _run(sched, sched.schedule()[0])
+    sched.add(_req("second", 400))
+    got = _chunks(sched.schedule()[0])
+    assert got == {"first": 64 - 16, "second": 16}
+
+
+COST = StepCostModel(overhead_ms=1.0, per_token_ms=0.01, per_context_ms=1e-4, per_kv_read_ms=1e-6, target_ms=9.0)
+
+
+def test_max_chunk_is_the_largest_that_fits() -> None:
+    for start in (0, 10, 1000, 100_000):
+        for ms in (0.5, 3.0, 40.0):
+            n = COST.max_chunk(start, ms)
+            assert COST.chunk_ms(start, n) <= ms < COST.chunk_ms(start, n + 1)
+    assert COST.max_chunk(5, 0.0) == 0
+    flat = StepCostModel(overhead_ms=0, per_token_ms=0.5, per_context_ms=0, per_kv_read_ms=0, target_ms=1)
+    assert flat.max_chunk(123, 10.0) == 20
+
+
+def test_fit_recovers_the_model_it_was_timed_from() -> None:
+    true = StepCostModel(overhead_ms=3.0, per_token_ms=0.004, per_context_ms=2e-8, per_kv_read_ms=5e-9, target_ms=100)
+
+    def step(n: int) -> float:
+        return true.overhead_ms + true.chunk_ms(0, n)
+
+    got = fit_step_cost(short=(128, step(128)), long=(8192, step(8192)),
+                        attention=(512, 131072, true.per_context_ms * 512 * 131072), kv_read_ms=5e-9, target_ms=100)
+    for f in ("overhead_ms", "per_token_ms", "per_context_ms", "per_kv_read_ms"):
+        assert math.isclose(getattr(got, f), getattr(true, f), rel_tol=1e-9), f
+
+
+def test_cost_model_chunks_shrink_as_context_grows_and_respect_budget_and_snapshots() -> None:
+    sched = _sched(budget=256, blocks=1000, cost=COST)
+    req = _req("long", 3000)
+    sched.add(req)
+    sizes, starts = [], []
+    while req.num_computed < 3000:
+        batch, _ = sched.schedule()
+        (seq,) = batch.seqs
+        assert len(seq.token_ids) <= 256
+        assert COST.overhead_ms + COST.chunk_ms(seq.start_pos, len(seq.token_ids)) <= COST.target_ms or \
+            len(seq.token_ids) <= sched.chunk_size
+        # every snapshot boundary the chunk covers is taken, at its position
+        assert [seq.start_pos + k for k, _ in seq.snapshots] == [p for p in seq.snapshot_positions]
+        sizes.append(len(seq.token_ids))
+        starts.append(seq.start_pos)
+        _run(sched, batch)
+    assert sizes[0] > sizes[-2] >= sched.chunk_size  # shrinking with context, never below one SSD chunk
+    assert all(a >= b for a, b in zip(sizes[:-1], sizes[1:-1]))
+    assert all(s % sched.chunk_size == 0 for s in starts)  # timed cuts keep chunks aligned
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    llm = make_llm()
+    return [llm.generate([p], GREEDY)[0].token_ids for p in prompts()]
+
+
+@pytest.mark.parametrize("opts", [
+    dict(max_num_tokens=40, max_num_partial_prefills=1),
+    dict(max_num_tokens=40, max_num_partial_prefills=3, long_prefill_token_threshold=8),
+    dict(max_num_tokens=64, max_num_partial_prefills=8, long_prefill_token_threshold=5),
+])
+def test_greedy_outputs_do_not_depend_on_step_composition(reference, opts) -> None:
+    outs = make_llm(**opts).generate(prompts(), GREEDY)
+    assert [o.token_ids for o in outs] == reference
+
+
+def test_greedy_outputs_do_not_depend_on_the_cost_model(reference) -> None:
+    llm = make_llm(max_num_tokens=64)
+    llm.engine.scheduler.cost = StepCostModel(overhead_ms=0.5, per_token_ms=0.05, per_context_ms=2e-3,
+                                              per_kv_read_ms=1e-4, target_ms=4.0)
+    outs = llm.generate(prompts(), GREEDY)
+    assert [o.token_ids for o in outs] == reference
