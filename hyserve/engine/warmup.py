@@ -103,6 +103,14 @@ class Warmup:
         lens = [n for n in (1, C, C + 5, 2 * C + 1) if n <= fit]
         if sum(lens) <= sc.max_num_tokens and len(lens) <= sc.max_batch_size:
             add(f"prefill {len(lens)} sequences", lambda: self._run(lens))
+        if sc.enable_chunked_prefill and 2 * (sc.max_num_tokens + C + 7) <= e.plan.max_request_tokens \
+                and sc.max_batch_size >= 2:  # two continuing prefills sharing steps
+            n = sc.max_num_tokens + C + 7
+            add(f"two chunked prefills of {n} tokens together", lambda n=n: self._run([n, n]))
+        if e.device.type == "cuda":  # a step of each token bucket whose kernel variants differ (MoE tiles)
+            for n in e.loaded.model.kernel_token_buckets(budget):
+                if n not in (1, C, C + 3, budget):
+                    add(f"token bucket: prefill 1 x {n}", lambda n=n: self._run([n]))
         for d in range(1, min(MAX_MIXED_DECODES, sc.max_batch_size - 1) + 1):
             add(f"mixed step: {d} decodes + 1 prefill", lambda d=d: self._mixed(d))
         add("eager decode", self._eager_decode)

@@ -118,9 +118,18 @@ class NemotronHForCausalLM(nn.Module):
 
     @property
     def graph_capturable(self) -> bool:
-        """A decode step's kernels and shapes do not depend on host values, except the MoE layers'
-        per-expert dispatch, which reads token counts on the host."""
-        return LAYER_MOE not in self.config.layer_types
+        """A decode step's kernels and shapes do not depend on host values on CUDA (the MoE layers route,
+        sort and run their experts on the device into fixed-size buffers)."""
+        return True
+
+    def kernel_token_buckets(self, max_num_tokens: int) -> list[int]:
+        """Step token counts whose kernel variants differ (MoE tile configs per token bucket): the warm-up
+        runs a step of each."""
+        if LAYER_MOE not in self.config.layer_types:
+            return []
+        from hyserve.kernels.triton_moe import moe_token_buckets
+
+        return moe_token_buckets(max_num_tokens)
 
     def allocate_cache(
         self, *, num_blocks: int, tokens_per_block: int, num_slots: int, device: torch.device | str
