@@ -1,36 +1,37 @@
 #!/usr/bin/env bash
-# One device call for a restructure: the GPU tests of this tree, then the model benchmark of the previous
-# code (a copy under .ab/old, made with `git archive OLD hyserve benchmarks/bench_model.py
-# benchmarks/roofline.py benchmarks/configs | tar -x -C .ab/old`, carried) and of this tree, in turn.
-# usage: scripts/gpu_ab_check.sh NEW_SHA OLD_SHA [rounds] [extra pytest files ...]
+# One device call for a restructure: the model benchmark of the previous code (a copy under .ab/old, made
+# with `git archive OLD hyserve benchmarks/bench_model.py benchmarks/roofline.py benchmarks/configs |
+# tar -x -C .ab/old`, carried) and of this tree in turn, then the GPU tests given (default: the engine-level
+# ones). The log goes to $OUT as it is written, so a call cut short still returns what ran.
+# usage: scripts/gpu_ab_check.sh NEW_SHA OLD_SHA [rounds] [pytest args ...]
 set -uo pipefail
 new=${1:?new sha}; old=${2:?old sha}; rounds=${3:-1}; shift 3 || shift $#
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-mkdir -p benchmarks/results
-log=benchmarks/results/gpu_ab_${new}.log
+out=${OUT:-benchmarks/results}
+mkdir -p benchmarks/results "$out"
+log=$out/gpu_ab_${new}.log
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  echo "== GPU tests at $new"
-  # the engine-level files whole (their CPU tests run on the GPU here), the kernel files' GPU tests
-  PYTHONPATH=$PWD timeout 300 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --show-capture=no \
-    tests/test_gpu_model.py tests/test_gpu_warmup.py tests/test_async_scheduling.py tests/test_cuda_graphs.py \
-    tests/test_engine_invariance.py 2>&1 | tail -30
-  PYTHONPATH=$PWD timeout 240 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --show-capture=no -m gpu \
-    tests/test_fp8_kv.py tests/test_triton_kernels.py "$@" 2>&1 | tail -30
   pairs=()
   for r in $(seq 1 "$rounds"); do
     echo "== model benchmark, round $r: $old (previous code)"
-    (cd .ab/old && PYTHONPATH=$PWD python3 benchmarks/bench_model.py --skip-transformers --git-sha "${old}_r$r" 2>&1 \
-       | grep -v "warm-up \[" | tail -14)
+    (cd .ab/old && PYTHONPATH=$PWD timeout 150 python3 benchmarks/bench_model.py --skip-transformers \
+       --git-sha "${old}_r$r" 2>&1 | grep -v "warm-up \[" | tail -12)
     echo "== model benchmark, round $r: $new (this tree)"
-    PYTHONPATH=$PWD python3 benchmarks/bench_model.py --skip-transformers --git-sha "${new}_r$r" 2>&1 \
-       | grep -v "warm-up \[" | tail -14
+    PYTHONPATH=$PWD timeout 150 python3 benchmarks/bench_model.py --skip-transformers --git-sha "${new}_r$r" 2>&1 \
+       | grep -v "warm-up \[" | tail -12
     pairs+=(.ab/old/benchmarks/results/model_*_"${old}_r$r".json benchmarks/results/model_*_"${new}_r$r".json)
+    cp "${pairs[@]}" "$out"/ 2>/dev/null
   done
   echo "== previous code (A) against this tree (B), same call"
   python3 scripts/ab_compare.py "${pairs[@]}"
-  cp .ab/old/benchmarks/results/model_*_"${old}"_r*.json benchmarks/results/ 2>/dev/null
+  echo "== GPU tests at $new"
+  if [ $# -eq 0 ]; then
+    set -- tests/test_gpu_warmup.py::test_no_jit_after_warmup_tiny tests/test_gpu_float32.py \
+      tests/test_async_scheduling.py tests/test_gpu_model.py::test_tiny_cuda_matches_cpu \
+      tests/test_gpu_model.py::test_tiny_async_scheduling_on_cuda_graphs_matches_sync
+  fi
+  PYTHONPATH=$PWD timeout 200 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --show-capture=no "$@" 2>&1 | tail -40
 } 2>&1 | tee "$log"
-if [ -n "${OUT:-}" ]; then cp benchmarks/results/model_*_"${new}"_r*.json benchmarks/results/model_*_"${old}"_r*.json "$log" "$OUT"/ 2>/dev/null; fi
 exit 0

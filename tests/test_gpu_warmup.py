@@ -60,14 +60,21 @@ def late_variants(llm: LLM) -> list[str]:
     return out
 
 
-def test_no_jit_after_warmup_tiny(tmp_path: Path) -> None:
-    d = make_tiny(tmp_path / "tiny", variant="dense")
+@pytest.mark.parametrize("variant, extra", [
+    ("dense", {}),
+    # MoE decode from CUDA graphs, every token bucket warmed; the step cost model calibrated and sizing chunks
+    ("moe", {"max_step_ms": 20.0}),
+])
+def test_no_jit_after_warmup_tiny(tmp_path: Path, variant: str, extra: dict) -> None:
+    d = make_tiny(tmp_path / "tiny", variant=variant)
     opts = dict(device="cuda", dtype="bfloat16", max_seq_len=4096, max_batch_size=40, max_num_tokens=512,
                 cache_dir=str(tmp_path / "cache"),
-                kv_cache_config={"tokens_per_block": 16, "free_gpu_memory_fraction": 0.2})
+                kv_cache_config={"tokens_per_block": 16, "free_gpu_memory_fraction": 0.2}, **extra)
     llm = LLM(str(d), **opts)
     rep = llm.engine.warmup_report
     assert rep is not None and not rep.failed
+    assert llm.engine.runner.graphs is not None
+    assert (llm.engine.scheduler.cost is not None) == ("max_step_ms" in extra)
     mixed_workload(llm, llm.engine.model_config.vocab_size)
     assert not late_variants(llm), late_variants(llm)
     # the profiled activation headroom held: no allocation had to free the allocator's cache and retry
