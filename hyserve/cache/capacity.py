@@ -211,10 +211,49 @@ def plan_capacity(inp: CapacityInputs) -> CapacityPlan:
     msl = inp.max_seq_len
     state = inp.state_bytes_per_slot
     block_bytes = inp.kv_bytes_per_token * tpb
-    allow = inp.allow_oversized_max_seq_len
     warnings: list[str] = []
+    fixed, avail = _fixed_state(inp, block_bytes)
+    floor, ideal_floor = _kv_floor(inp, fixed, avail, block_bytes, warnings)
+    cap_blocks = _kv_cap_blocks(inp, ideal_floor, block_bytes, warnings)
+    avg, avg_source = _avg_seq_len(inp)
+    kv_blocks, snap_slots, desired = _split(inp, avail, floor, cap_blocks, avg, block_bytes, warnings)
 
-    # 2. live + pad state slots are not negotiable.
+    kv_bytes = kv_blocks * block_bytes
+    state_bytes = (bsz + inp.num_pad_slots + snap_slots) * state
+    total = kv_bytes + state_bytes
+    kv_tokens = kv_blocks * tpb
+    max_request_tokens = msl if block_bytes == 0 else min(msl, kv_tokens)
+    if block_bytes == 0:
+        concurrency = float(bsz)
+    else:
+        concurrency = min(float(bsz), kv_blocks / _ceil_div(avg, tpb))
+
+    plan = CapacityPlan(
+        inputs=inp,
+        num_kv_blocks=kv_blocks,
+        kv_tokens=kv_tokens,
+        kv_bytes=kv_bytes,
+        num_live_slots=bsz,
+        num_pad_slots=inp.num_pad_slots,
+        num_snapshot_slots=snap_slots,
+        state_bytes=state_bytes,
+        total_bytes=total,
+        max_request_tokens=max_request_tokens,
+        avg_seq_len=avg,
+        avg_seq_len_source=avg_source,
+        concurrency_at_avg=concurrency,
+        kv_floor_blocks=floor,
+        desired_snapshot_slots=desired,
+        warnings=tuple(warnings),
+    )
+    if plan.total_bytes > inp.budget_bytes:  # pragma: no cover - arithmetic guarantee
+        raise AssertionError(f"capacity plan exceeds its budget: {plan}")
+    return plan
+
+
+def _fixed_state(inp: CapacityInputs, block_bytes: int) -> tuple[int, int]:
+    """2. live + pad state slots are not negotiable: (their bytes, the budget left after them)."""
+    bsz, state = inp.max_batch_size, inp.state_bytes_per_slot
     fixed = (bsz + inp.num_pad_slots) * state
     if inp.budget_bytes < fixed + block_bytes:
         need = fixed + block_bytes
@@ -225,67 +264,77 @@ def plan_capacity(inp: CapacityInputs) -> CapacityPlan:
             f"({_fmt_bytes(block_bytes)}) needs at least {need:,} bytes ({_fmt_bytes(need)}). "
             f"Lower {KNOB_MAX_BATCH_SIZE} or raise the budget ({KNOB_BUDGET})."
         )
-    avail = inp.budget_bytes - fixed
+    return fixed, inp.budget_bytes - fixed
 
-    # 3. KV floor: the longest legal request must fit next to max_batch_size-1 small ones.
+
+def _kv_floor(inp: CapacityInputs, fixed: int, avail: int, block_bytes: int, warnings: list[str]) -> tuple[int, int]:
+    """3. the KV floor: the longest legal request must fit next to max_batch_size-1 small ones. Returns
+    (the floor in blocks, the ideal floor)."""
+    bsz, tpb, msl = inp.max_batch_size, inp.tokens_per_block, inp.max_seq_len
     ideal_floor = _ceil_div(msl, tpb) + (bsz - 1)
     if block_bytes == 0:
-        floor = ideal_floor
-    else:
-        fit = avail // block_bytes
-        if fit >= ideal_floor:
-            floor = ideal_floor
-        else:
-            single = max(0, fit - (bsz - 1)) * tpb
-            if not allow:
-                need = fixed + ideal_floor * block_bytes
-                hint = (
-                    f"lower {KNOB_MAX_SEQ_LEN} (to at most {single:,})"
-                    if single > 0
-                    else f"lower {KNOB_MAX_SEQ_LEN}"
-                )
-                raise ValueError(
-                    f"{KNOB_MAX_SEQ_LEN}={msl:,} does not fit in the KV cache: after the Mamba state "
-                    f"({_fmt_bytes(fixed)}) the budget leaves {avail:,} bytes ({_fmt_bytes(avail)}) = "
-                    f"{fit:,} blocks = {fit * tpb:,} tokens, but one {KNOB_MAX_SEQ_LEN} request plus one "
-                    f"block for each of the other {bsz - 1} running requests needs {ideal_floor:,} "
-                    f"blocks = {ideal_floor * block_bytes:,} bytes ({_fmt_bytes(ideal_floor * block_bytes)} "
-                    f"at {inp.kv_bytes_per_token:,} bytes/token); only {single:,} tokens fit for a single "
-                    f"request. Total needed: {need:,} bytes ({_fmt_bytes(need)}), available: "
-                    f"{inp.budget_bytes:,} bytes ({_fmt_bytes(inp.budget_bytes)}). To fix: {hint}, raise "
-                    f"{KNOB_BUDGET}, lower {KNOB_MAX_BATCH_SIZE}, or set {KNOB_ALLOW_OVERSIZED}=true to "
-                    f"refuse longer requests at admission instead."
-                )
-            floor = fit
-            warnings.append(
-                f"{KNOB_MAX_SEQ_LEN}={msl:,} does not fit ({KNOB_ALLOW_OVERSIZED}): requests longer than "
-                f"{min(msl, fit * tpb):,} tokens will be refused at admission"
-            )
-
-    cap_blocks: int | None = None
-    if inp.max_kv_tokens is not None:
-        if block_bytes == 0:
-            warnings.append(f"{KNOB_MAX_KV_TOKENS} is ignored: the model has no attention KV cache")
-        else:
-            if inp.max_kv_tokens < msl and not allow:
-                raise ValueError(
-                    f"{KNOB_MAX_KV_TOKENS}={inp.max_kv_tokens:,} is below {KNOB_MAX_SEQ_LEN}={msl:,}: a "
-                    f"{KNOB_MAX_SEQ_LEN} request could never fit. Raise {KNOB_MAX_KV_TOKENS} to at least "
-                    f"{ideal_floor * tpb:,} (one {KNOB_MAX_SEQ_LEN} request + one block per other running "
-                    f"request), lower {KNOB_MAX_SEQ_LEN}, or set {KNOB_ALLOW_OVERSIZED}=true."
-                )
-            cap_blocks = _ceil_div(inp.max_kv_tokens, tpb)
-
-    # 4. Snapshot slots come only out of what is left after the floor.
-    if inp.avg_seq_len is not None:
-        avg = inp.avg_seq_len
-        avg_source = "set by user"
-    else:
-        avg = min(msl, max(inp.max_num_tokens, DEFAULT_AVG_SEQ_LEN_MIN))
-        avg_source = (
-            f"{KNOB_AVG_SEQ_LEN} unset; derived as min({KNOB_MAX_SEQ_LEN}, max({KNOB_MAX_NUM_TOKENS}, "
-            f"{DEFAULT_AVG_SEQ_LEN_MIN})); it only tunes the KV/snapshot split"
+        return ideal_floor, ideal_floor
+    fit = avail // block_bytes
+    if fit >= ideal_floor:
+        return ideal_floor, ideal_floor
+    single = max(0, fit - (bsz - 1)) * tpb
+    if not inp.allow_oversized_max_seq_len:
+        need = fixed + ideal_floor * block_bytes
+        hint = f"lower {KNOB_MAX_SEQ_LEN} (to at most {single:,})" if single > 0 else f"lower {KNOB_MAX_SEQ_LEN}"
+        raise ValueError(
+            f"{KNOB_MAX_SEQ_LEN}={msl:,} does not fit in the KV cache: after the Mamba state "
+            f"({_fmt_bytes(fixed)}) the budget leaves {avail:,} bytes ({_fmt_bytes(avail)}) = "
+            f"{fit:,} blocks = {fit * tpb:,} tokens, but one {KNOB_MAX_SEQ_LEN} request plus one "
+            f"block for each of the other {bsz - 1} running requests needs {ideal_floor:,} "
+            f"blocks = {ideal_floor * block_bytes:,} bytes ({_fmt_bytes(ideal_floor * block_bytes)} "
+            f"at {inp.kv_bytes_per_token:,} bytes/token); only {single:,} tokens fit for a single "
+            f"request. Total needed: {need:,} bytes ({_fmt_bytes(need)}), available: "
+            f"{inp.budget_bytes:,} bytes ({_fmt_bytes(inp.budget_bytes)}). To fix: {hint}, raise "
+            f"{KNOB_BUDGET}, lower {KNOB_MAX_BATCH_SIZE}, or set {KNOB_ALLOW_OVERSIZED}=true to "
+            f"refuse longer requests at admission instead."
         )
+    warnings.append(
+        f"{KNOB_MAX_SEQ_LEN}={msl:,} does not fit ({KNOB_ALLOW_OVERSIZED}): requests longer than "
+        f"{min(msl, fit * tpb):,} tokens will be refused at admission"
+    )
+    return fit, ideal_floor
+
+
+def _kv_cap_blocks(inp: CapacityInputs, ideal_floor: int, block_bytes: int, warnings: list[str]) -> int | None:
+    """kv_cache_config.max_tokens as blocks (None: no cap)."""
+    if inp.max_kv_tokens is None:
+        return None
+    if block_bytes == 0:
+        warnings.append(f"{KNOB_MAX_KV_TOKENS} is ignored: the model has no attention KV cache")
+        return None
+    msl, tpb = inp.max_seq_len, inp.tokens_per_block
+    if inp.max_kv_tokens < msl and not inp.allow_oversized_max_seq_len:
+        raise ValueError(
+            f"{KNOB_MAX_KV_TOKENS}={inp.max_kv_tokens:,} is below {KNOB_MAX_SEQ_LEN}={msl:,}: a "
+            f"{KNOB_MAX_SEQ_LEN} request could never fit. Raise {KNOB_MAX_KV_TOKENS} to at least "
+            f"{ideal_floor * tpb:,} (one {KNOB_MAX_SEQ_LEN} request + one block per other running "
+            f"request), lower {KNOB_MAX_SEQ_LEN}, or set {KNOB_ALLOW_OVERSIZED}=true."
+        )
+    return _ceil_div(inp.max_kv_tokens, tpb)
+
+
+def _avg_seq_len(inp: CapacityInputs) -> tuple[int, str]:
+    if inp.avg_seq_len is not None:
+        return inp.avg_seq_len, "set by user"
+    return min(inp.max_seq_len, max(inp.max_num_tokens, DEFAULT_AVG_SEQ_LEN_MIN)), (
+        f"{KNOB_AVG_SEQ_LEN} unset; derived as min({KNOB_MAX_SEQ_LEN}, max({KNOB_MAX_NUM_TOKENS}, "
+        f"{DEFAULT_AVG_SEQ_LEN_MIN})); it only tunes the KV/snapshot split"
+    )
+
+
+def _split(
+    inp: CapacityInputs, avail: int, floor: int, cap_blocks: int | None, avg: int, block_bytes: int,
+    warnings: list[str],
+) -> tuple[int, int, int]:
+    """4.-6. snapshot slots out of what is left after the floor, KV takes everything else. Returns
+    (KV blocks, snapshot slots, snapshot slots wanted)."""
+    bsz, tpb, state = inp.max_batch_size, inp.tokens_per_block, inp.state_bytes_per_slot
+    allow = inp.allow_oversized_max_seq_len
     desired = 0
     snap_slots = 0
     if inp.enable_block_reuse and state > 0:
@@ -327,34 +376,4 @@ def plan_capacity(inp: CapacityInputs) -> CapacityPlan:
                 f"on long prompts will be rarer"
             )
 
-    kv_bytes = kv_blocks * block_bytes
-    state_bytes = (bsz + inp.num_pad_slots + snap_slots) * state
-    total = kv_bytes + state_bytes
-    kv_tokens = kv_blocks * tpb
-    max_request_tokens = msl if block_bytes == 0 else min(msl, kv_tokens)
-    if block_bytes == 0:
-        concurrency = float(bsz)
-    else:
-        concurrency = min(float(bsz), kv_blocks / _ceil_div(avg, tpb))
-
-    plan = CapacityPlan(
-        inputs=inp,
-        num_kv_blocks=kv_blocks,
-        kv_tokens=kv_tokens,
-        kv_bytes=kv_bytes,
-        num_live_slots=bsz,
-        num_pad_slots=inp.num_pad_slots,
-        num_snapshot_slots=snap_slots,
-        state_bytes=state_bytes,
-        total_bytes=total,
-        max_request_tokens=max_request_tokens,
-        avg_seq_len=avg,
-        avg_seq_len_source=avg_source,
-        concurrency_at_avg=concurrency,
-        kv_floor_blocks=floor,
-        desired_snapshot_slots=desired,
-        warnings=tuple(warnings),
-    )
-    if plan.total_bytes > inp.budget_bytes:  # pragma: no cover - arithmetic guarantee
-        raise AssertionError(f"capacity plan exceeds its budget: {plan}")
-    return plan
+    return kv_blocks, snap_slots, desired

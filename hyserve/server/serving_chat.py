@@ -203,6 +203,21 @@ def chat_reply(state: AppState, req: ChatCompletionRequest, request_id: str, mod
     return JSONResponse(body)
 
 
+def _stream_delta(n_calls: list[int], k: int, r: str, c: str, calls: list[ParsedToolCall]) -> ChatDelta | None:
+    """Choice k's delta of reasoning, content and new tool calls (numbered on from `n_calls[k]`), or None."""
+    tc = None
+    if calls:
+        tc = [
+            DeltaToolCall(index=n_calls[k] + j, id=call.id, type="function",
+                          function=ResponseFunctionCall(name=call.name, arguments=call.arguments))
+            for j, call in enumerate(calls)
+        ]
+        n_calls[k] += len(calls)
+    if not (r or c or tc):
+        return None
+    return ChatDelta(reasoning_content=r or None, content=c or None, tool_calls=tc)
+
+
 async def chat_stream(
     state: AppState, request_id: str, jobs: list[Job], model_name: str, outs: list[ChatOutput | ForcedToolOutput],
     timers: list[RequestTimer], top_n: int, *, include_usage: bool, continuous: bool, with_logprobs: bool,
@@ -248,19 +263,6 @@ async def chat_stream(
             d.pop("usage")
         return sse(json.dumps(d))
 
-    def delta_for(k: int, r: str, c: str, calls: list[ParsedToolCall]) -> ChatDelta | None:
-        tc = None
-        if calls:
-            tc = [
-                DeltaToolCall(index=n_calls[k] + j, id=call.id, type="function",
-                              function=ResponseFunctionCall(name=call.name, arguments=call.arguments))
-                for j, call in enumerate(calls)
-            ]
-            n_calls[k] += len(calls)
-        if not (r or c or tc):
-            return None
-        return ChatDelta(reasoning_content=r or None, content=c or None, tool_calls=tc)
-
     try:
         for k in range(n_jobs):
             yield chunk(k, ChatDelta(role="assistant", content=""))
@@ -283,7 +285,7 @@ async def chat_stream(
                     break
                 r2, c2, calls2 = out.finish()
                 r, c, calls = r + r2, c + c2, calls + calls2
-            delta = delta_for(k, r, c, calls)
+            delta = _stream_delta(n_calls, k, r, c, calls)
             if delta is not None or lp is not None:
                 yield chunk(k, delta or ChatDelta(), logprobs=lp)
             if d.finished:
