@@ -8,7 +8,7 @@ shift || true
 parts=" ${*:-tests kernels model} "
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# benchmark peers carried as wheels (mamba_ssm's Triton kernels + einops; see DESIGN.md), when present
+# benchmark peers carried as wheels (mamba_ssm's Triton kernels + einops; see benchmarks/README.md), when present
 if ls .whl/mamba_ssm-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peers .whl/mamba_ssm-*.whl .whl/einops-*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/peers"

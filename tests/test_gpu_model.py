@@ -17,7 +17,7 @@ from hyserve.model.tiny import make_tiny
 from hyserve.model.weights import init_random_weights
 
 pytestmark = pytest.mark.gpu
-SHARED = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"  # copies of ../shared/configs
+SHARED = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"  # the real architectures
 
 
 @pytest.mark.parametrize("variant", ["dense", "moe", "latent-moe"])
@@ -33,7 +33,7 @@ def test_tiny_cuda_matches_cpu(tmp_path: Path, variant: str) -> None:
             assert abs(x.logprob - y.logprob) < 1e-3
 
 
-@pytest.mark.skipif(not (SHARED / "NVIDIA-Nemotron-Nano-9B-v2").exists(), reason="needs shared/configs")
+@pytest.mark.skipif(not (SHARED / "NVIDIA-Nemotron-Nano-9B-v2").exists(), reason="needs benchmarks/configs")
 def test_nano9b_matches_transformers_bf16() -> None:
     from transformers import NemotronHConfig
     from transformers import NemotronHForCausalLM as HF
@@ -117,7 +117,7 @@ def test_tiny_async_scheduling_on_cuda_graphs_matches_sync(tmp_path: Path) -> No
     assert len(b[4].logprobs) == 24
 
 
-@pytest.mark.skipif(not (SHARED / "NVIDIA-Nemotron-Nano-9B-v2").exists(), reason="needs shared/configs")
+@pytest.mark.skipif(not (SHARED / "NVIDIA-Nemotron-Nano-9B-v2").exists(), reason="needs benchmarks/configs")
 def test_nano9b_graph_decode_matches_eager_bf16() -> None:
     """Nano 9B v2 bf16: decode from graphs of the exact batch size gives the eager tokens."""
     d = str(SHARED / "NVIDIA-Nemotron-Nano-9B-v2")

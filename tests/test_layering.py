@@ -1,4 +1,4 @@
-"""DESIGN.md's layer table, enforced: imports inside hyserve only point downwards."""
+"""The layer table of docs/architecture.md, enforced: imports inside hyserve only point downwards."""
 
 from __future__ import annotations
 

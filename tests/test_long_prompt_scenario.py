@@ -1,4 +1,4 @@
-"""The production crash of DESIGN.md (failure 1), scaled to the CPU: a tiny hybrid model served with
+"""The production crash behind this project (docs/architecture.md: a hybrid cache manager that segfaulted on a 256k-token prompt), scaled to the CPU: a tiny hybrid model served with
 max_seq_len = 1,048,576, avg_seq_len unset, block reuse on with periodic snapshots, and a KV pool
 smaller than the longest allowed prompt."""
 

@@ -208,7 +208,7 @@ def test_ssd_new_token_and_sequence_counts_compile_nothing():
     """Once a model shape has run, other token / chunk / sequence counts reuse the same 3 kernels.
 
     The conv output row is laid out as in the model (row_pad=0: conv_dim = 12288, a multiple of 16
-    elements, as in every config in ../shared/configs). A 1-token input is a view whose row stride torch
+    elements, as in every config in benchmarks/configs). A 1-token input is a view whose row stride torch
     collapses to H*P; with an unaligned row (row_pad > 0) that changes Triton's divisibility
     specialisation, which is a different variant (the warm-up's 1-token prefill case compiles it)."""
     import triton

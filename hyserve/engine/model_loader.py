@@ -1,7 +1,7 @@
 """Resolve the model directory, device and dtype, build the model and fill its weights.
 
 `model=None` means the built-in tiny model. `load_format="dummy"` gives random weights, so a directory
-holding only config.json (the real architectures in shared/configs) runs with token-id prompts.
+holding only config.json (the real architectures in benchmarks/configs) runs with token-id prompts.
 
 `kv_cache_config.dtype: fp8` is a float8 e4m3 KV pool with a k_scale / v_scale per attention layer,
 taken from the checkpoint's KV-scale tensors (see `attention.parse_kv_scale_name` for the spellings)
