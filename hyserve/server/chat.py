@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hyserve.server.errors import APIError, bad_request
+from hyserve.server.errors import APIError, bad_request, internal_error
 from hyserve.server.protocol import ChatMessage, ChatTool
 
 # Names the template call sets itself; a client must not override them through chat_template_kwargs.
@@ -129,7 +129,7 @@ def render_chat_prompt(
     except Exception as e:  # jinja's TemplateError, raise_exception(...) in templates, missing template
         raise bad_request(f"cannot apply the chat template: {type(e).__name__}: {e}", param="messages") from None
     if not isinstance(text, str):
-        raise APIError("the chat template did not render to text", status_code=500)
+        raise internal_error("the chat template did not render to text", f"it returned a {type(text).__name__}")
     if continue_final_message:
         # Templates close the last turn; continuing it means cutting everything after its content.
         last = conv[-1].get("content") or ""

@@ -7,12 +7,16 @@ Every error the server returns, whatever raised it (our own checks, pydantic val
 
 Clients switching from vLLM / trtllm-serve / the OpenAI API rely on that shape to show the message, so
 the message names the limit and the request's value rather than just "bad request".
+
+A 500 never carries internal exception text: `internal_error` logs the detail under a fresh error id
+and the client gets a generic message with that id (also in `error.error_id`), to quote in a report.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -49,6 +53,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         err_type: str | None = None,
+        error_id: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -56,9 +61,13 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.err_type = err_type or _TYPES.get(status_code, "invalid_request_error")
+        self.error_id = error_id
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, err_type=self.err_type, param=self.param, code=self.code)
+        body = error_body(self.message, err_type=self.err_type, param=self.param, code=self.code)
+        if self.error_id is not None:
+            body["error"]["error_id"] = self.error_id
+        return body
 
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status_code == 401 else None
@@ -69,6 +78,19 @@ def error_body(
     message: str, *, err_type: str = "invalid_request_error", param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def internal_error(what: str, detail: str | BaseException, *, code: str | None = None) -> APIError:
+    """A 500 for the client: `what` happened (a generic phrase, e.g. "the engine failed while running this
+    request"), with a fresh error id; `detail` (an exception, with its traceback, or the engine's error
+    text) goes to the server log under that id, never into the body."""
+    error_id = f"err-{uuid.uuid4().hex[:16]}"
+    if isinstance(detail, BaseException):
+        logger.error("error id %s: %s", error_id, what, exc_info=detail)
+    else:
+        logger.error("error id %s: %s: %s", error_id, what, detail)
+    return APIError(f"{what} (error id {error_id}: the server log has the detail)", status_code=500,
+                    code=code, error_id=error_id)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -151,5 +173,4 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled server error")
-        return APIError(f"internal server error: {type(exc).__name__}: {exc}", status_code=500).response()
+        return internal_error("internal server error", exc).response()

@@ -24,7 +24,7 @@ from fastapi.responses import StreamingResponse
 from hyserve.engine.errors import RequestRejected
 from hyserve.engine.outputs import StreamDelta, TokenLogprob
 from hyserve.engine.sampling_params import SamplingParams
-from hyserve.server.errors import APIError, bad_request
+from hyserve.server.errors import APIError, bad_request, internal_error
 from hyserve.server.metrics import RequestTimer
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -86,8 +86,8 @@ def stagger_choices(jobs: list[Job], n: int, min_prompt: int | None) -> None:
 def finish_error(finish_reason: str | None, error: str | None) -> APIError | None:
     """The API error for a request the engine ended abnormally, if it did."""
     if finish_reason == "error":
-        return APIError(f"the engine failed while running this request: {error or 'unknown error'}",
-                        status_code=500, code="engine_error")
+        return internal_error("the engine failed while running this request", error or "unknown error",
+                              code="engine_error")
     if finish_reason == "abort":
         return APIError("the request was aborted (the server is shutting down or the engine stopped it)",
                         status_code=503, code="request_aborted")

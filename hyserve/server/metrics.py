@@ -58,6 +58,11 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("cuda_alloc_retries", "cuda_alloc_retries",
      "CUDA allocations that freed the caching allocator and retried, each a device sync (should stay 0).",
      "counter"),
+    ("step_failures_total", "step_failures",
+     "Engine steps that raised (each failing its requests, or isolated to the ones that made it fail).", "counter"),
+    ("request_failures_total", "request_failures", "Requests the engine ended with an error.", "counter"),
+    ("engine_restarts_total", "engine_restarts",
+     "Times the engine loop failed outside a step, aborted its requests and resumed serving.", "counter"),
     ("healthy", "healthy", "1 when the engine loop is alive and serving.", "gauge"),
 )
 

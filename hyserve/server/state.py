@@ -18,7 +18,7 @@ from typing import Any
 from hyserve.engine.errors import RequestRejected
 from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.structured_output import GrammarError
-from hyserve.server.errors import APIError, bad_request
+from hyserve.server.errors import APIError, bad_request, internal_error
 from hyserve.server.metrics import ServerMetrics
 from hyserve.server.protocol import ErrorResponse, PromptTokensDetails, UsageInfo
 from hyserve.server.reasoning import check_reasoning_parser_name
@@ -270,5 +270,4 @@ class AppState:
             return bad_request(str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
         if isinstance(e, RuntimeError) and not self.engine.healthy:
             return APIError(str(e), status_code=503, code="engine_unavailable")
-        logger.exception("stream failed", exc_info=e)
-        return APIError(f"internal server error: {type(e).__name__}: {e}", status_code=500)
+        return internal_error("internal server error while streaming", e)
