@@ -401,15 +401,8 @@ class HybridModelConfig:
     @classmethod
     def from_hf(cls, path: str | Path) -> HybridModelConfig:
         """Read a checkpoint directory (or a config.json path) of a NemotronH model."""
-        p = Path(path)
-        cfg_path = p / "config.json" if p.is_dir() else p
-        if not cfg_path.is_file():
-            raise FileNotFoundError(f"no config.json found at {cfg_path}")
-        try:
-            raw = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_path}: not valid JSON ({e})") from e
-        return cls.from_dict(raw, name=p.name if p.is_dir() else p.parent.name)
+        raw, name = read_config_json(path)
+        return cls.from_dict(raw, name=name)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, name: str = "") -> HybridModelConfig:
@@ -569,6 +562,21 @@ class HybridModelConfig:
         if not math.isfinite(self.layer_norm_epsilon) or self.layer_norm_epsilon <= 0:
             raise ValueError(f"layer_norm_epsilon must be positive, got {self.layer_norm_epsilon}")
         self._validate_ssm_rounding()
+
+
+def read_config_json(path: str | Path) -> tuple[dict[str, Any], str]:
+    """(the config.json object, the checkpoint's name) of a checkpoint directory or a config.json path."""
+    p = Path(path)
+    cfg_path = p / "config.json" if p.is_dir() else p
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"no config.json found at {cfg_path}")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
+    return raw, p.name if p.is_dir() else p.parent.name
 
 
 def _parse_layer_types(d: dict[str, Any]) -> tuple[str, ...]:

@@ -7,7 +7,6 @@ family (Granite-4.0-H, Bamba, Falcon-H1, Zamba2) is one entry here plus its own 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 
 import torch
 
-from hyserve.model.config import HybridModelConfig
+from hyserve.model.config import HybridModelConfig, read_config_json
 from hyserve.model.kv_scales import apply_kv_scales, load_checkpoint_with_kv_scales
 from hyserve.model.nemotron_h import NemotronHForCausalLM
 from hyserve.model.protocol import CausalLM, ModelSpec
@@ -86,15 +85,6 @@ def family_for(raw: dict[str, Any]) -> ModelFamily:
 
 def read_config(path: str | Path) -> tuple[ModelFamily, ModelSpec]:
     """Read a checkpoint directory's (or a config.json path's) family and parsed config."""
-    p = Path(path)
-    cfg_path = p / "config.json" if p.is_dir() else p
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"no config.json found at {cfg_path}")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from e
-    if not isinstance(raw, dict):
-        raise ValueError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
+    raw, name = read_config_json(path)
     fam = family_for(raw)
-    return fam, fam.parse_config(raw, p.name if p.is_dir() else p.parent.name)
+    return fam, fam.parse_config(raw, name)
