@@ -54,3 +54,6 @@ LOCAL_RANK: int | None = _int_or_none("LOCAL_RANK")
 LOCAL_WORLD_SIZE: int | None = _int_or_none("LOCAL_WORLD_SIZE")
 # Seconds a collective may wait for the other ranks before it raises (a lost rank is an error, not a hang).
 HYSERVE_DIST_TIMEOUT_S: float = _positive_float("HYSERVE_DIST_TIMEOUT_S", 60.0)
+# Deterministic fault injection (tests, soak runs; off when unset): comma-separated "site:substring[@n]",
+# site one of forward, sample, host, engine; the named requests fail there (hyserve/engine/faults.py).
+HYSERVE_FAULT_INJECT: str = os.environ.get("HYSERVE_FAULT_INJECT", "").strip()

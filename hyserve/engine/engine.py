@@ -24,10 +24,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hyserve import envs
 from hyserve.config import EngineConfig
 from hyserve.engine.assembly import assemble
 from hyserve.engine.errors import JitAfterReadyError
+from hyserve.engine.faults import FaultInjector
 from hyserve.engine.input_processor import InputProcessor
+from hyserve.engine.isolation import isolate_failure, reset_engine
 from hyserve.engine.jit_sentinel import JitSentinel
 from hyserve.engine.logits_processing import History, to_device
 from hyserve.engine.output_processor import OutputProcessor, record_prompt_logprobs
@@ -76,7 +79,9 @@ class LLMEngine:
         self._alloc_retries_base = 0
         self._allocator: tuple[float, int] = (0.0, 0)  # (when read, num_alloc_retries)
         self.counters = dict.fromkeys(("prompt_tokens_total", "generation_tokens_total", "requests_finished_total",
-                                       "step_failures_total", "overlapped_steps_total"), 0)
+                                       "step_failures_total", "request_failures_total", "isolation_probes_total",
+                                       "engine_restarts_total", "overlapped_steps_total"), 0)
+        self.faults = FaultInjector.parse(envs.HYSERVE_FAULT_INJECT)  # None unless set (engine/faults.py)
         self.warmup_report: WarmupReport | None = None
         self._log(self.plan.report())
 
@@ -121,13 +126,15 @@ class LLMEngine:
         progressed (with async scheduling a step's tokens come out of the next call)."""
         batch, aborted = self.scheduler.schedule()
         deltas = [self._finish_delta(r) for r in aborted]
+        if self.faults is not None:  # a failure outside any request's guard (AsyncEngine supervises it)
+            self.faults.check_rows("engine", batch.seqs)
         prev, self._inflight = self._inflight, None
+        feed = prev  # the step this batch's device-fed rows read from
         launched: PendingStep | None = None
-        failed: Exception | None = None
         updated = False  # once the scheduler has taken the step in, its snapshot pins are released
         if not batch.empty:
             try:
-                logits = self._execute(batch, prev)
+                logits = self.execute_rows(batch, prev, self.requests)
                 self.scheduler.update(batch, self.requests)
                 updated = True
                 if prev is not None and self.structured.constrains([s.request_id for s in batch.seqs if s.sample]):
@@ -135,15 +142,16 @@ class LLMEngine:
                     deltas += self._read(prev)
                     prev = None
                 if any(s.sample for s in batch.seqs):
-                    launched = self._sample(batch, logits, prev)
-            except Exception as e:  # one bad batch (model, prompt logprobs or sampling) must not take the engine down
-                logger.exception("model step failed; failing the %d requests of this batch", len(batch.seqs))
-                self.counters["step_failures_total"] += 1
-                failed = e
+                    launched = self.sample_rows(batch, logits, prev, self.sampler, self.requests)
+                    for i, req in enumerate(launched.reqs):
+                        if req is not None:
+                            req.num_inflight += 1
+                            req.inflight_row = i
+            except Exception as e:  # model, prompt logprobs or sampling: fail only the request that causes it
+                logger.exception("model step of %d requests failed; isolating the request", len(batch.seqs))
+                deltas += isolate_failure(self, batch, feed, e, updated=updated)
         if prev is not None:
             deltas += self._read(prev)  # the previous step's tokens, while this one runs
-        if failed is not None:
-            deltas += self._fail_batch(batch, failed, discard=not updated)
         if launched is not None:
             if self.config.async_scheduling:
                 self._inflight = launched
@@ -151,19 +159,27 @@ class LLMEngine:
                 deltas += self._read(launched)
         return deltas
 
-    def _execute(self, batch: ScheduledBatch, prev: PendingStep | None) -> torch.Tensor:
-        """Run `batch` on the model and record its prompt logprobs. Returns the sampling rows' logits."""
+    def execute_rows(self, batch: ScheduledBatch, prev: PendingStep | None, requests: dict[str, Request]
+                     ) -> torch.Tensor:
+        """Run `batch` on the model and record its prompt logprobs into `requests` (copies for an isolation
+        probe). Returns the sampling rows' logits."""
         fed = prev is not None and any(s.feed_row is not None for s in batch.seqs[: batch.num_decodes])
+        if self.faults is not None:
+            self.faults.check_rows("forward", batch.seqs)
         logits = self.runner.execute(batch, prev.tokens if fed and prev is not None else None)
         if fed:
             self.counters["overlapped_steps_total"] += 1
         self._check_strict_warmup()
         if self.runner.keeps_hidden:
-            record_prompt_logprobs(self.runner, batch, self.requests)
+            record_prompt_logprobs(self.runner, batch, requests)
         return logits
 
-    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor, prev: PendingStep | None) -> PendingStep:
+    def sample_rows(self, batch: ScheduledBatch, logits: torch.Tensor, prev: PendingStep | None,
+                    sampler: Sampler, requests: dict[str, Request]) -> PendingStep:
+        """Sample `batch`'s sampling rows with `sampler` (a throwaway one for an isolation probe)."""
         sampling = [s for s in batch.seqs if s.sample]
+        if self.faults is not None:
+            self.faults.check_rows("sample", sampling)
         histories = self._histories(sampling)
         pending = None  # penalty rows: each row's token still on the device, counted in its history
         if histories is not None and prev is not None:
@@ -174,12 +190,7 @@ class LLMEngine:
                 rows = to_device(torch.tensor([r for _, r in fed], dtype=torch.long), prev.tokens.device)
                 pending[idx] = prev.tokens.index_select(0, rows)
         bitmask = self.structured.fill_bitmask([s.request_id for s in sampling])
-        step = sample_step(self.sampler, batch, logits, self.requests, histories, pending, bitmask)
-        for i, req in enumerate(step.reqs):
-            if req is not None:
-                req.num_inflight += 1
-                req.inflight_row = i
-        return step
+        return sample_step(sampler, batch, logits, requests, histories, pending, bitmask)
 
     def _histories(self, sampling: list[ScheduledSeq]) -> list[History | None] | None:
         """Penalties: the prompt and output ids each sampling row has seen (host lists), or None."""
@@ -202,7 +213,12 @@ class LLMEngine:
             # new request
             if req.finished or self.requests.get(req.request_id) is not req:
                 continue
-            deltas.append(self._append_token(req, tok, lp))
+            try:
+                deltas.append(self._append_token(req, tok, lp))
+            except Exception as e:  # token append, stop strings, detokenizer, grammar: this request alone
+                logger.exception("request %s failed on the host", req.request_id)
+                deltas.append(self.fail_request(req, f"internal error while processing this request's output: "
+                                                     f"{type(e).__name__}: {e}"))
         return deltas
 
     def drain(self) -> list[StreamDelta]:
@@ -211,6 +227,8 @@ class LLMEngine:
         return self._read(step) if step is not None else []
 
     def _append_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> StreamDelta:
+        if self.faults is not None:
+            self.faults.check("host", req.request_id, len(req.output_token_ids))
         self.counters["generation_tokens_total"] += 1
         self.structured.accept(req.request_id, tok)
         finish = self.outputs.append_token(req, tok, lp)
@@ -225,20 +243,17 @@ class LLMEngine:
         self.structured.remove(req.request_id)
         return self.outputs.delta(req, finished=True)
 
-    def _fail_batch(self, batch: ScheduledBatch, err: Exception, *, discard: bool = True) -> list[StreamDelta]:
-        """Finish every request of `batch` with an error. `discard`: the model did not complete the step, so
-        its snapshots are dropped (False once the scheduler has taken the step in: they were written)."""
-        if discard:
-            self.scheduler.discard_step(batch)
-        out = []
-        for seq in batch.seqs:
-            req = self.requests.get(seq.request_id)
-            if req is None or req.finished:
-                continue
-            req.error = f"internal error while running the model: {type(err).__name__}: {err}"
-            self.scheduler.finish(req, "error")
-            out.append(self._finish_delta(req))
-        return out
+    def fail_request(self, req: Request, error: str) -> StreamDelta:
+        """Finish one request with `error` (its blocks and slot freed); its final delta."""
+        req.error = error
+        self.scheduler.finish(req, "error")
+        self.counters["request_failures_total"] += 1
+        return self._finish_delta(req)
+
+    def reset_after_failure(self, reason: str) -> list[StreamDelta]:
+        """After an exception outside a step's guards: every request ends with `reason`, the pools' books start
+        afresh (engine/isolation.py). Returns the final deltas."""
+        return reset_engine(self, reason)
 
     def _check_strict_warmup(self) -> None:
         n = self.jit.compiles_after_ready

@@ -122,6 +122,14 @@ class Scheduler:
         """Takes effect at the start of the next `schedule()`."""
         self._pending_aborts.add(request_id)
 
+    def reset(self, cache: HybridCacheManager) -> None:
+        """Forget every request and take fresh pool bookkeeping (the engine's reset after a failure outside a
+        step, engine/isolation.py)."""
+        self.cache = cache
+        self.waiting.clear()
+        self.running.clear()
+        self._pending_aborts.clear()
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._pending_aborts)
 
@@ -180,14 +188,19 @@ class Scheduler:
             req.init_snapshot_slot = None
 
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
+        self.requeue(req)
+        self.stats.num_preemptions += 1
+        batch.preempted.append(req.request_id)
+
+    def requeue(self, req: Request) -> None:
+        """Free what a running request holds and queue it first, to be recomputed from its prompt and outputs
+        so far: a preemption, or an innocent row of a failed step (engine/isolation.py)."""
         self.running.remove(req)
         self._release(req, publish=True)
         req.num_computed = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
-        self.stats.num_preemptions += 1
-        batch.preempted.append(req.request_id)
 
     def _victim(self, scheduled: set[str], me: Request) -> Request | None:
         for r in reversed(self.running):

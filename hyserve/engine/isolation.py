@@ -1,0 +1,129 @@
+"""Containing failures (docs/architecture.md, "One step"): a step that raises fails only the request that
+makes it fail, and a failure outside any step leaves an engine that can serve again.
+
+`isolate_failure`: the step raised in the forward, the prompt logprobs or sampling. Its rows are rerun in
+halves (probes) to find the one that fails:
+
+    n rows failed -> probe the first half: fails -> keep it | passes -> the second half is the suspect
+    ... down to one row, confirmed by a probe of its own when it was only deduced: <= ceil(log2 n) + 1 probes
+
+A probe runs the rows as the failed step planned them (no snapshot writes, prompt logprobs recorded on
+copies, a throwaway sampler stream) and keeps nothing: what it writes lies in the rows' own blocks past
+their computed tokens and in their own live slots. Then the innocent rows are made exact again: a prefill
+chunk that read its state from zeros or a prefix snapshot, in a step the scheduler had not taken in, is
+simply planned again; every other row's live Mamba state may be overwritten in place, so the request is
+requeued to be recomputed like a preemption (outputs kept; prefix-cache hits where its prompt's blocks and
+snapshots were published). If no single row reproduces the failure (a fault of the batch as a whole, or a
+transient one), the whole batch fails, so a failure can never loop.
+
+`reset_engine`: an exception outside a step's guards (scheduler, output processing) may leave the books
+inconsistent, so every request ends with an error and the pools' bookkeeping starts afresh (every block
+and slot free, the prefix cache empty); the in-flight step is dropped (whatever reuses its slots is queued
+behind it on the device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+from hyserve.cache.manager import HybridCacheManager
+from hyserve.engine.outputs import StreamDelta
+from hyserve.engine.request import RequestStatus
+from hyserve.engine.sampler import Sampler
+from hyserve.engine.scheduler import ScheduledBatch, ScheduledSeq
+
+if TYPE_CHECKING:
+    from hyserve.engine.engine import LLMEngine
+    from hyserve.engine.pending_step import PendingStep
+
+logger = logging.getLogger("hyserve")
+
+
+def isolate_failure(eng: LLMEngine, batch: ScheduledBatch, feed: PendingStep | None, err: Exception, *,
+                    updated: bool) -> list[StreamDelta]:
+    """`batch` raised `err`; `feed`: the step its device-fed decode rows read from; `updated`: the scheduler
+    had taken the step in (its snapshots committed). Fails the culprit, restores the others; returns the
+    failed requests' final deltas."""
+    eng.counters["step_failures_total"] += 1
+    if not updated:
+        eng.scheduler.discard_step(batch)  # the step's snapshots may hold garbage
+    alive = [s for s in batch.seqs if (r := eng.requests.get(s.request_id)) is not None and not r.finished]
+    decodes = {s.request_id for s in batch.seqs[: batch.num_decodes]}
+    culprit = _find_culprit(eng, alive, decodes, feed)
+    msg = f"internal error while running this request: {type(err).__name__}: {err}"
+    if culprit is None:
+        logger.error("step failed (%s) and no single request of its %d reproduces it alone: failing them all",
+                     err, len(alive))
+        failed = alive
+    else:
+        logger.error("step failed (%s); request %s fails it alone: failing it, %d others continue",
+                     err, culprit.request_id, len(alive) - 1)
+        failed = [culprit]
+    out = [eng.fail_request(eng.requests[s.request_id], msg) for s in failed]
+    bad = {s.request_id for s in failed}
+    for s in reversed(alive):  # requeued at the front of the queue: keep their order
+        if s.request_id in bad or (not updated and s.state_src != s.state_dst):
+            continue  # failed, or its source state is intact: the scheduler plans the chunk again
+        eng.scheduler.requeue(eng.requests[s.request_id])
+    return out
+
+
+def _find_culprit(eng: LLMEngine, seqs: list[ScheduledSeq], decodes: set[str],
+                  feed: PendingStep | None) -> ScheduledSeq | None:
+    """The row of `seqs` (a failed step, in batch order) that fails alone, or None."""
+    suspects, confirmed = seqs, True  # the failed step confirms the whole batch
+    while len(suspects) > 1:
+        half = len(suspects) // 2
+        if _fails(eng, suspects[:half], decodes, feed):
+            suspects, confirmed = suspects[:half], True
+        else:
+            suspects, confirmed = suspects[half:], False
+    if not suspects or (not confirmed and not _fails(eng, suspects, decodes, feed)):
+        return None
+    return suspects[0]
+
+
+def _fails(eng: LLMEngine, seqs: list[ScheduledSeq], decodes: set[str], feed: PendingStep | None) -> bool:
+    """Rerun `seqs` as a step of their own, keeping nothing; True if it raises."""
+    eng.counters["isolation_probes_total"] += 1
+    rows = [dataclasses.replace(s, snapshots=[], snapshot_keys=[], snapshot_positions=[]) for s in seqs]
+    probe = ScheduledBatch(seqs=rows, num_decodes=sum(s.request_id in decodes for s in rows))
+    shadow = {s.request_id: dataclasses.replace(r, prompt_logprobs=list(r.prompt_logprobs))
+              for s in rows if (r := eng.requests.get(s.request_id)) is not None}
+    try:
+        logits = eng.execute_rows(probe, feed, shadow)
+        if any(s.sample for s in rows):
+            eng.sample_rows(probe, logits, feed, Sampler(eng.config.seed), shadow)
+    except Exception as e:
+        logger.info("isolation probe of %d rows failed: %s: %s", len(rows), type(e).__name__, e)
+        return True
+    return False
+
+
+def reset_engine(eng: LLMEngine, reason: str) -> list[StreamDelta]:
+    """Finish every request with `reason` as its error, drop the in-flight step and start the pools'
+    bookkeeping afresh. Returns the requests' final deltas."""
+    eng._inflight = None
+    out = []
+    for req in list(eng.requests.values()):
+        req.status, req.finish_reason, req.error = RequestStatus.FINISHED, "error", reason
+        try:
+            out.append(eng.outputs.delta(req, finished=True))
+        except Exception:  # its output state is what failed: a bare final delta
+            out.append(StreamDelta(request_id=req.request_id, token_ids=[], text="", logprobs=None, finished=True,
+                                   finish_reason="error", num_prompt_tokens=req.num_prompt_tokens,
+                                   num_cached_tokens=req.num_cached_tokens,
+                                   num_output_tokens=len(req.output_token_ids), error=reason))
+        eng.outputs.drop(req.request_id)
+        eng.structured.remove(req.request_id)
+    eng.requests.clear()
+    old = eng.cache
+    fresh = HybridCacheManager(old.plan, has_mamba=old.has_mamba, enable_block_reuse=old.reuse,
+                               snapshot_interval=old.snapshot_interval, snapshot_offsets_from_end=old.snapshot_offsets)
+    fresh.prefix_queries, fresh.prefix_hits = old.prefix_queries, old.prefix_hits
+    eng.cache = fresh
+    eng.scheduler.reset(fresh)
+    eng.counters["engine_restarts_total"] += 1
+    return out
