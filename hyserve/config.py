@@ -113,6 +113,13 @@ def positive_ms_or_none(v: Any, path: str) -> float | None:
     return float(v)
 
 
+def positive_seconds(v: Any, path: str) -> float:
+    """A time in seconds > 0."""
+    if isinstance(v, bool) or not isinstance(v, int | float) or not (0.0 < float(v) < float("inf")):
+        raise ValueError(f"{path}: expected a positive number of seconds, got {v!r}")
+    return float(v)
+
+
 @dataclass(frozen=True)
 class IntList:
     """A list of integers >= lo, stored as a tuple (sorted without repeats when `sorted_set`)."""
@@ -288,6 +295,11 @@ class EngineConfig:
     # launch the next decode step before the host has read this one's tokens (they are fed to it on the
     # device), so the host's per-step work overlaps the GPU's (LLMEngine docstring)
     async_scheduling: bool = option(True, boolean)
+    # supervision (AsyncEngine): a failure outside a step resets the engine and serving goes on; the
+    # engine_failure_limit-th such failure within engine_failure_window_s seconds stops it for good (the server
+    # then exits non-zero, so a supervisor restarts the process)
+    engine_failure_limit: int = option(5, Int(lo=1))
+    engine_failure_window_s: float = option(60.0, positive_seconds)
     ignored_keys: tuple[str, ...] = ()  # filled in by build_engine_config; not an option
 
     def replace(self, **changes: Any) -> EngineConfig:

@@ -7,6 +7,12 @@
 
 A consumer that stops iterating (client disconnected, task cancelled) aborts its request, so its blocks
 and state slot are freed at the next step.
+
+Supervision: a step that raises fails only its culprit inside `LLMEngine.step()` (engine/isolation.py); an
+exception that escapes it (scheduler, output processing) ends every in-flight request with an error, resets
+the engine's books and serving goes on. The `engine_failure_limit`-th such failure within
+`engine_failure_window_s` seconds (or any BaseException, e.g. a lost rank) stops the loop for good:
+`healthy` turns False, `fatal` True and `on_fatal(reason)` is called, so the server exits non-zero.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import asyncio
 import logging
 import queue
 import threading
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -24,6 +32,12 @@ from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.startup import start_engine
 
 logger = logging.getLogger("hyserve")
+
+
+def _error_delta(request_id: str, error: str, *, num_prompt_tokens: int = 0) -> StreamDelta:
+    return StreamDelta(request_id=request_id, token_ids=[], text="", logprobs=None, finished=True,
+                       finish_reason="error", num_prompt_tokens=num_prompt_tokens, num_cached_tokens=0,
+                       num_output_tokens=0, error=error)
 
 
 def _put_all(items: list[tuple[asyncio.Queue[StreamDelta], StreamDelta]]) -> None:
@@ -47,6 +61,10 @@ class AsyncEngine:
         self._stats: dict[str, float] = dict(self.engine.stats())
         self.healthy = True
         self.dead_reason: str | None = None
+        self.fatal = False  # the loop stopped for good: the process should exit non-zero
+        self.on_fatal: Callable[[str], None] | None = None  # called once, on the engine thread, when it does
+        self._failures: deque[float] = deque()  # monotonic times of the failures outside a step
+        self._adding: set[str] = set()  # streams whose "add" the engine thread has not taken yet
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -116,6 +134,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (loop, q)
+            self._adding.add(request_id)
         self._inbox.put(("add", (request_id, list(prompt_token_ids), params, prompt)))
         self._wake.set()
         finished = False
@@ -160,16 +179,12 @@ class AsyncEngine:
                 return
             if kind == "add":
                 rid, ids, params, prompt = arg
+                with self._lock:
+                    self._adding.discard(rid)
                 try:
                     self.engine.add_request(rid, ids, params, prompt=prompt)
                 except Exception as e:  # validated already; a race (e.g. duplicate id) fails just this one
-                    self._deliver(
-                        StreamDelta(
-                            request_id=rid, token_ids=[], text="", logprobs=None, finished=True,
-                            finish_reason="error", num_prompt_tokens=len(ids), num_cached_tokens=0,
-                            num_output_tokens=0, error=str(e),
-                        )
-                    )
+                    self._deliver(_error_delta(rid, str(e), num_prompt_tokens=len(ids)))
             elif kind == "abort":
                 self.engine.abort(arg)
             elif kind == "reset":
@@ -181,32 +196,73 @@ class AsyncEngine:
                 arg.set()
 
     def _run(self) -> None:
+        while True:
+            try:
+                self._serve()
+                return
+            except Exception as e:  # escaped the step's guards: reset and serve on, up to the bound
+                logger.exception("engine loop failed")
+                if not self._restart(e):
+                    return
+            except BaseException as e:  # a lost rank (RankLost), an interpreter exit: the loop cannot go on
+                logger.exception("engine loop died")
+                self._die(f"{type(e).__name__}: {e}")
+                return
+
+    def _serve(self) -> None:
         eng = self.engine
+        while not self._stop.is_set():
+            self._drain_inbox()
+            if not eng.has_unfinished():
+                self._publish_stats()
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            deltas = eng.step()
+            self._publish_stats()  # before the deltas: a client that saw its last token sees it counted
+            self._deliver_all(deltas)
+
+    def _restart(self, e: Exception) -> bool:
+        """After a failure outside a step: end every in-flight request with an error and reset the engine;
+        False (the loop stopped for good) at the engine_failure_limit-th failure within the window."""
+        reason = f"{type(e).__name__}: {e}"
+        now = time.monotonic()
+        self._failures.append(now)
+        while now - self._failures[0] > self.config.engine_failure_window_s:
+            self._failures.popleft()
+        if len(self._failures) >= self.config.engine_failure_limit:
+            self._die(f"{reason} ({len(self._failures)} engine failures within "
+                      f"{self.config.engine_failure_window_s:g}s)")
+            return False
         try:
-            while not self._stop.is_set():
-                self._drain_inbox()
-                if not eng.has_unfinished():
-                    self._publish_stats()
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-                    continue
-                deltas = eng.step()
-                self._publish_stats()  # before the deltas: a client that saw its last token sees it counted
-                self._deliver_all(deltas)
-        except BaseException as e:  # the loop itself broke: fail everyone, report unhealthy
-            logger.exception("engine loop died")
-            self.healthy = False
-            self.dead_reason = f"{type(e).__name__}: {e}"
-            with self._lock:
-                ids = list(self._streams)
-            for rid in ids:
-                self._deliver(
-                    StreamDelta(
-                        request_id=rid, token_ids=[], text="", logprobs=None, finished=True,
-                        finish_reason="error", num_prompt_tokens=0, num_cached_tokens=0,
-                        num_output_tokens=0, error=f"engine failure: {self.dead_reason}",
-                    )
-                )
+            deltas = self.engine.reset_after_failure(f"engine failure, the engine was reset: {reason}")
+        except Exception as e2:
+            logger.exception("engine reset failed")
+            self._die(f"{reason}; then the reset failed: {type(e2).__name__}: {e2}")
+            return False
+        self._deliver_all(deltas)
+        # a stream whose final delta was lost with the failed step: neither in the engine nor on its way in
+        with self._lock:
+            orphans = [rid for rid in self._streams if rid not in self._adding]
+        self._deliver_all([_error_delta(rid, f"engine failure, the engine was reset: {reason}") for rid in orphans])
+        self._publish_stats()
+        logger.warning("engine reset after a failure (%d within %gs; the limit is %d)", len(self._failures),
+                       self.config.engine_failure_window_s, self.config.engine_failure_limit)
+        return True
+
+    def _die(self, reason: str) -> None:
+        """Stop for good: unhealthy, `on_fatal` told, then every stream ended with an error."""
+        self.dead_reason = reason
+        self.healthy = False
+        self.fatal = True
+        if self.on_fatal is not None:
+            try:
+                self.on_fatal(reason)
+            except Exception:
+                logger.exception("on_fatal callback failed")
+        with self._lock:
+            ids = list(self._streams)
+        self._deliver_all([_error_delta(rid, f"engine failure: {reason}") for rid in ids])
 
     def _publish_stats(self) -> None:
         s = self.engine.stats()
