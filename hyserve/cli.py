@@ -83,13 +83,20 @@ def _add_serve_parser(sub: Any) -> None:
     _flag(p, "host", default=None, help="bind address (default 127.0.0.1; 0.0.0.0 for all interfaces)")
     _flag(p, "port", type=int, default=None, help="port (default 8000)")
     _flag(p, "served_model_name", default=None, help="name clients use in `model` (default: the dir name)")
-    _flag(p, "api_key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    _flag(p, "api_key", default=None,
+          help="require 'Authorization: Bearer KEY' on /v1 routes (an empty key is refused: see --no_auth)")
+    _flag(p, "no_auth", action="store_true", default=None,
+          help="serve without authentication even if an (empty) --api_key is given")
     _flag(p, "reasoning_parser", default=None,
           help="split <think> output into reasoning_content: nemotron-v3 (aliases: deepseek-r1, qwen3)")
     _flag(p, "tool_parser", default=None, help="parse tool calls: qwen3_coder")
     _flag(p, "default_max_tokens", type=int, default=None,
           help="max_tokens for requests that omit it: the room left in max_seq_len, capped at this (8192)")
-    _flag(p, "log_level", default=None, help="uvicorn log level (default info)")
+    _flag(p, "log_level", default=None, help="uvicorn log level: critical, error, warning, info (default), debug, trace")
+    _flag(p, "max_request_body_bytes", type=int, default=None,
+          help="largest request body (default 32 MiB: a 1M-token prompt as token ids, with room); larger is a 413")
+    _flag(p, "shutdown_timeout", type=float, default=None,
+          help="on SIGTERM, seconds in-flight requests get to finish before they are aborted (default 30)")
     _flag(p, "disable_log_requests", action="store_true", default=False, help="no per-request access log")
     p.set_defaults(func=cmd_serve)
 
@@ -238,32 +245,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return v
         return server_yaml.get(name, default)
 
-    from hyserve.server.app import ServerOptions
-
-    host = str(pick("host", "127.0.0.1"))
-    port = pick("port", 8000)
-    if isinstance(port, bool) or not isinstance(port, int) or not (0 <= port <= 65535):
-        raise ConfigError(f"port: expected an integer in [0, 65535], got {port!r}")
-    aliases = tuple(a for a in (config.model, (config.model or "").rstrip("/").rsplit("/", 1)[-1]) if a)
-    try:
-        server_options = ServerOptions(
-            api_key=pick("api_key", None),
-            reasoning_parser=pick("reasoning_parser", None),
-            tool_parser=pick("tool_parser", None),
-            model_aliases=aliases,
-            default_max_tokens=pick("default_max_tokens", 8192),
-        )
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    server_options = build_server_options(pick, config)
     _warn_ignored(config, ignored, _stdout)
     from hyserve.server.serve import run_server
 
     try:
-        return run_server(
-            config, server_options, host=host, port=port, log_level=str(pick("log_level", "info")).lower(),
-            access_log=not args.disable_log_requests, log=_stdout,
-        )
+        return run_server(config, server_options, log=_stdout)
     except (ValueError, FileNotFoundError) as e:  # engine start-up: bad model dir, inconsistent capacity settings
+        raise ConfigError(str(e)) from None
+
+
+def build_server_options(pick: Callable[[str, Any], Any], config: Any) -> Any:
+    """The server settings (flag, else YAML key, else default), each checked by `ServerOptions`: a bad one
+    is a ConfigError naming its key, before the model loads."""
+    from hyserve.server.state import ServerOptions
+
+    api_key = pick("api_key", None)
+    no_auth = pick("no_auth", False)
+    if not isinstance(no_auth, bool):
+        raise ConfigError(f"no_auth: expected true or false, got {no_auth!r}")
+    if no_auth:
+        if api_key:
+            raise ConfigError("--no_auth and a non-empty api_key were both given: choose one")
+        api_key = None
+    aliases = tuple(a for a in (config.model, (config.model or "").rstrip("/").rsplit("/", 1)[-1]) if a)
+    try:
+        return ServerOptions(
+            host=pick("host", "127.0.0.1"), port=pick("port", 8000), api_key=api_key,
+            reasoning_parser=pick("reasoning_parser", None), tool_parser=pick("tool_parser", None),
+            model_aliases=aliases, default_max_tokens=pick("default_max_tokens", 8192),
+            log_level=pick("log_level", "info"), access_log=not pick("disable_log_requests", False),
+            max_request_body_bytes=pick("max_request_body_bytes", ServerOptions.max_request_body_bytes),
+            shutdown_timeout=pick("shutdown_timeout", ServerOptions.shutdown_timeout),
+        )
+    except ValueError as e:
         raise ConfigError(str(e)) from None
 
 

@@ -35,7 +35,10 @@ MAX_PHILOX_ROUNDS = 32  # kv_cache_config.mamba_ssm_philox_rounds: each round is
 WARMUP_MODES = ("auto", "on", "off")
 # Keys of a serve YAML that configure the HTTP server rather than the engine (vLLM's --config takes any
 # flag); whoever builds an engine from such a YAML drops them first.
-SERVER_YAML_KEYS = ("host", "port", "reasoning_parser", "tool_parser", "api_key", "log_level")
+SERVER_YAML_KEYS = ("host", "port", "reasoning_parser", "tool_parser", "api_key", "no_auth", "log_level",
+                    "default_max_tokens", "max_request_body_bytes", "shutdown_timeout")
+# engine seeds are int64 (as the API's per-request seeds)
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -282,7 +285,7 @@ class EngineConfig:
     device: str = option("auto", Choice(DEVICES))
     load_format: str = option("auto", Choice(LOAD_FORMATS))
     served_model_name: str | None = option(None, optional_str)
-    seed: int = option(0, Int())
+    seed: int = option(0, Int(lo=SEED_MIN, hi=SEED_MAX, hint="seeds are 64-bit signed integers"))
     scheduler: SchedulerConfig = section(SchedulerConfig)
     cache: CacheConfig = section(CacheConfig, "kv_cache_config")
     cuda_graph: CudaGraphConfig = section(CudaGraphConfig, "cuda_graph_config")

@@ -164,7 +164,8 @@ def test_generate_config_only_dir_needs_token_ids(tiny_dir: Path, tmp_path: Path
 
 
 def test_serve_api_key_and_graceful_sigint() -> None:
-    server = ServerProcess(args=["--max_seq_len", "4096", "--served-model-name", "my-model"], api_key="k3y").start()
+    server = ServerProcess(args=["--max_seq_len", "4096", "--served-model-name", "my-model", "--shutdown_timeout", "1"],
+                           api_key="k3y").start()  # the drain gives the stream 1 s, then aborts it
     try:
         body = {"model": "my-model", "prompt": "Go:", "max_tokens": 3000, "ignore_eos": True, "stream": True}
         assert httpx.post(f"{server.base_url}/completions", json=body).status_code == 401

@@ -34,6 +34,7 @@ from hyserve.server import (
     serving_responses,
     serving_tokenize,
 )
+from hyserve.server.body import BodyRoute
 from hyserve.server.errors import install_error_handlers
 from hyserve.server.metrics import ServerMetrics
 from hyserve.server.middleware import ApiMiddleware
@@ -56,8 +57,10 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
     app.state.engine = engine
     app.state.options = opts
     app.state.metrics = metrics
+    app.router.route_class = BodyRoute  # JSON bodies parsed with a bounded cost on the event loop (body.py)
     install_error_handlers(app)
-    app.add_middleware(ApiMiddleware, api_key=opts.api_key, metrics=metrics)
+    app.add_middleware(ApiMiddleware, api_key=opts.api_key, metrics=metrics,
+                       max_body_bytes=opts.max_request_body_bytes)
     state = AppState(engine, opts, metrics, app.state)
     if opts.tool_parser is None:
         logger.info("no --tool_parser: requests with `tools` get the model's raw output as content")

@@ -113,6 +113,7 @@ class ServerMetrics:
 
     def __init__(self, engine_stats: Callable[[], dict[str, Any]]) -> None:
         r = self.registry = CollectorRegistry()
+        self.inflight = 0  # API requests not finished yet (kept by the middleware; a drain waits for 0)
         self.requests = Counter(
             "hyserve_requests", "HTTP requests to the API routes by route and status code.",
             ["route", "status"], registry=r,

@@ -1,8 +1,10 @@
-"""The API middleware: the bearer-token check and the per-route request counter, as pure ASGI.
+"""The API middleware: the bearer-token check, the request-body limit, the count of API requests in
+flight (what a graceful drain waits for) and the per-route request counter, as pure ASGI.
 
 Pure ASGI rather than Starlette's BaseHTTPMiddleware, which breaks the cancellation of streaming
 responses (a client that goes away must abort its engine request at once); the key is checked before the
-body is even read.
+body is even read. A body over the limit is a 413 naming the limit: at once when its Content-Length says
+so, else as soon as the bytes received pass it (the rest is never read).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import hmac
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+from fastapi import HTTPException
 
 from hyserve.server.errors import error_body
 from hyserve.server.metrics import ServerMetrics
@@ -23,13 +27,26 @@ _COUNTED_ROUTES = frozenset(
 )
 
 
-class ApiMiddleware:
-    """Checks the bearer token of protected routes and counts requests per route and status."""
+def body_too_large(limit: int) -> str:
+    return (f"the request body is larger than the server's limit of {limit} bytes ({limit / 2**20:.0f} MiB; "
+            "--max_request_body_bytes)")
 
-    def __init__(self, app: Any, *, api_key: str | None, metrics: ServerMetrics) -> None:
+
+class _BodyTooLarge(HTTPException):
+    def __init__(self, limit: int) -> None:
+        super().__init__(status_code=413, detail=body_too_large(limit))
+
+
+class ApiMiddleware:
+    """Checks the bearer token of protected routes, bounds request bodies, counts requests per route and
+    status, and keeps `metrics.inflight`, the API requests (protected routes) not finished yet."""
+
+    def __init__(self, app: Any, *, api_key: str | None, metrics: ServerMetrics,
+                 max_body_bytes: int | None = None) -> None:
         self.app = app
         self.api_key = api_key
         self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Awaitable[Any]], send: Any) -> None:
         if scope["type"] != "http":
@@ -50,6 +67,13 @@ class ApiMiddleware:
                 await send({"type": "http.response.body", "body": body})
                 self.metrics.requests.labels(route=route, status="401").inc()
                 return
+        limit = self.max_body_bytes
+        if limit is not None:
+            declared = next((v for k, v in scope.get("headers", []) if k.lower() == b"content-length"), None)
+            if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+                await self._send_error(send, 413, body_too_large(limit), route)
+                return
+            receive = self._bounded(receive, limit)
         status = {"code": 500}
 
         async def send_wrapper(message: dict[str, Any]) -> None:
@@ -57,10 +81,36 @@ class ApiMiddleware:
                 status["code"] = message["status"]
             await send(message)
 
+        api = path.startswith(_PROTECTED_PREFIXES)
+        self.metrics.inflight += api
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
+            self.metrics.inflight -= api
             self.metrics.requests.labels(route=route, status=str(status["code"])).inc()
+
+    @staticmethod
+    def _bounded(receive: Callable[..., Awaitable[Any]], limit: int) -> Callable[..., Awaitable[Any]]:
+        """`receive` that raises a 413 once the body's bytes pass `limit`."""
+        seen = 0
+
+        async def bounded() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise _BodyTooLarge(limit)
+            return message
+
+        return bounded
+
+    async def _send_error(self, send: Any, status: int, message: str, route: str) -> None:
+        body = json.dumps(error_body(message, err_type="invalid_request_error")).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+        self.metrics.requests.labels(route=route, status=str(status)).inc()
 
     def _authorized(self, scope: dict[str, Any]) -> bool:
         """The key from `Authorization: Bearer KEY` or `x-api-key: KEY`, compared as bytes (the key's UTF-8

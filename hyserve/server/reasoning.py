@@ -31,7 +31,7 @@ def check_reasoning_parser_name(name: str | None) -> str | None:
     if name is None or name == "" or name.lower() == "none":
         return None
     if name.lower() not in REASONING_PARSER_NAMES:
-        raise ValueError(f"--reasoning_parser: {name!r} is not one of {list(REASONING_PARSER_NAMES)}")
+        raise ValueError(f"reasoning_parser: {name!r} is not one of {list(REASONING_PARSER_NAMES)}")
     return name.lower()
 
 

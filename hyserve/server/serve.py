@@ -6,20 +6,27 @@ port opens (so `/health` answering means ready), and the capacity report is on s
 request. Just before the port opens, everything alive is moved out of the garbage collector's reach
 (`freeze_startup_heap`), so a full collection no longer stalls the engine loop for ~250 ms.
 
-Shutdown on SIGINT/SIGTERM: stop accepting (uvicorn closes the listening socket, new requests on open
-connections get 503), abort every in-flight request (streams get an SSE error event and `[DONE]`,
-non-streaming requests a 503), wait for the connections to finish, stop the engine thread, exit 0.
-uvicorn by default re-raises the captured signal after its own shutdown (so a SIGTERM would end the
-process with -15); `_Server.capture_signals` doesn't, because a clean shutdown is a success.
+Shutdown on SIGTERM or SIGINT is a graceful drain (Kubernetes' terminationGracePeriod pattern): new API
+requests get 503 and `/health` says "draining" (the port stays open so probes see it), in-flight requests
+get `shutdown_timeout` seconds to finish; then the rest are aborted (a stream ends with an SSE error event
+and `[DONE]`, a non-streaming request gets a 503), uvicorn closes the listener and the connections, the
+engine thread stops and the process exits 0. A second signal exits at once (status 130). uvicorn by
+default re-raises the captured signal after its own shutdown (so a SIGTERM would end the process with
+-15); `_Server.capture_signals` doesn't, because a clean shutdown is a success.
+
+An engine that stopped for good (its loop died, or supervision gave up) stops the server too, and the
+process exits 1, so systemd or Kubernetes restarts it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Generator
 from types import FrameType
 from typing import Any
@@ -57,14 +64,15 @@ def _make_server_class() -> type:
     import uvicorn
 
     class _Server(uvicorn.Server):
-        """uvicorn.Server that aborts in-flight requests on the first signal and exits cleanly."""
+        """uvicorn.Server whose first signal starts a drain (`on_first_signal`) instead of exiting, and
+        whose second exits at once."""
 
         def __init__(self, config: uvicorn.Config, *, on_first_signal: Callable[[], None],
                      on_started: Callable[[], None]) -> None:
             super().__init__(config)
             self._on_first_signal = on_first_signal
             self._on_started = on_started
-            self._signalled = False
+            self.signals = 0
 
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets=sockets)
@@ -72,11 +80,12 @@ def _make_server_class() -> type:
                 self._on_started()
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            super().handle_exit(sig, frame)
-            if not self._signalled:
-                self._signalled = True
-                # Not in the signal handler itself: aborting waits for the engine thread.
-                threading.Thread(target=self._on_first_signal, name="hyserve-shutdown", daemon=True).start()
+            self.signals += 1
+            if self.signals == 1:
+                # Not in the signal handler itself: draining waits on the requests and the engine thread.
+                threading.Thread(target=self._on_first_signal, name="hyserve-drain", daemon=True).start()
+                return
+            self.should_exit = self.force_exit = True
 
         @contextlib.contextmanager
         def capture_signals(self) -> Generator[None, None, None]:
@@ -93,17 +102,41 @@ def _make_server_class() -> type:
     return _Server
 
 
-def run_server(
-    config: EngineConfig,
-    server_options: Any,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    log_level: str = "info",
-    access_log: bool = True,
-    log: Callable[[str], None] | None = None,
-) -> int:
-    """Load the engine, serve until SIGINT/SIGTERM, shut down; returns the exit code (0)."""
+def engine_stopped_for_good(engine: Any) -> str | None:
+    """Why the engine will serve no more (None while it serves or may recover): the AsyncEngine's
+    `stopped` reason when it has one (supervision gave up), else an unhealthy engine without supervision
+    (its loop died; nothing restarts it)."""
+    stopped = getattr(engine, "stopped", None)
+    if isinstance(stopped, str) and stopped:
+        return stopped
+    if not engine.healthy and not hasattr(engine, "stopped"):
+        return getattr(engine, "dead_reason", None) or "the engine loop stopped"
+    return None
+
+
+def drain(app: Any, engine: Any, timeout: float, out: Callable[[str], None], *, poll: float = 0.05) -> bool:
+    """Stop accepting, wait up to `timeout` s for the API requests in flight, abort the rest; True when
+    everything finished on its own."""
+    metrics = app.state.metrics
+    app.state.accepting = False
+    n = metrics.inflight
+    out(f"hyserve: shutting down: draining: no new requests; {n} in flight get up to {timeout:g}s to finish ...")
+    deadline = time.monotonic() + timeout
+    while metrics.inflight > 0 and time.monotonic() < deadline:
+        time.sleep(poll)
+    if metrics.inflight == 0:
+        out("hyserve: drained: every request finished")
+        return True
+    out(f"hyserve: drain timeout ({timeout:g}s): aborting the {metrics.inflight} requests still running")
+    engine.shutdown(abort_inflight=True)
+    end = time.monotonic() + 5.0  # their error events / 503s go out
+    while metrics.inflight > 0 and time.monotonic() < end:
+        time.sleep(poll)
+    return False
+
+
+def run_server(config: EngineConfig, server_options: Any, *, log: Callable[[str], None] | None = None) -> int:
+    """Load the engine, serve until a signal (drain, exit 0) or until the engine stops for good (exit 1)."""
     require_server_deps()
     import uvicorn
 
@@ -112,6 +145,8 @@ def run_server(
     from hyserve.server.app import build_app, hyserve_version
     from hyserve.server.http_warmup import warm_http_path
 
+    opts = server_options
+    host, port = opts.host, opts.port
     out = log or (lambda s: print(s, flush=True))
     out(f"hyserve {hyserve_version()}: starting (model: {config.model or 'built-in tiny model'})")
     engine = AsyncEngine(config, log=out)
@@ -121,29 +156,47 @@ def run_server(
     app = build_app(engine, server_options)
     app.state.accepting = True
     freeze_startup_heap()
+    server_cls = _make_server_class()
+    server: Any = None
 
     def on_signal() -> None:
-        out("hyserve: shutting down: no new requests, aborting in-flight requests ...")
-        app.state.accepting = False
-        engine.shutdown(abort_inflight=True)
+        drain(app, engine, opts.shutdown_timeout, out)
+        server.should_exit = True
 
     def on_started() -> None:
         out(f"hyserve: ready: serving {engine.model_name!r} on http://{host}:{port} "
             f"(OpenAI API under /v1, metrics at /metrics; Ctrl-C to stop)")
 
-    server_cls = _make_server_class()
     uv_config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, access_log=access_log, lifespan="off",
+        app, host=host, port=port, log_level=opts.log_level, access_log=opts.access_log, lifespan="off",
         timeout_graceful_shutdown=10, timeout_keep_alive=5,
     )
     server = server_cls(uv_config, on_first_signal=on_signal, on_started=on_started)
     # several ranks: a lost rank marks the engine unhealthy and stops the server (exit status 1)
     watch = watch_server(engine, lambda: setattr(server, "should_exit", True), log=out)
+    gave_up: list[str] = []
+
+    def watch_engine() -> None:
+        while not server.should_exit:
+            reason = engine_stopped_for_good(engine)
+            if reason is not None and server.signals == 0:
+                gave_up.append(reason)
+                out(f"hyserve: the engine stopped for good ({reason}); shutting down")
+                app.state.accepting = False
+                server.should_exit = True
+                return
+            time.sleep(0.2)
+
+    threading.Thread(target=watch_engine, name="hyserve-engine-watch", daemon=True).start()
     try:
         server.run()
     finally:
         if watch is not None:
             watch.stop()
+        if server.signals > 1:
+            out("hyserve: second signal: exiting at once")
+            sys.stdout.flush()
+            os._exit(130)
         engine.shutdown(abort_inflight=True)
         engine.engine.runner.close()  # the other ranks exit (nothing for one rank)
     if watch is not None and watch.reason is not None:
@@ -151,6 +204,9 @@ def run_server(
         return 1
     if not server.started:
         out(f"hyserve: error: the server could not start on {host}:{port} (see the log above)")
+        return 1
+    if gave_up:
+        out(f"hyserve: stopped: the engine failed for good ({gave_up[0]}); exit status 1")
         return 1
     out("hyserve: stopped")
     sys.stdout.flush()

@@ -21,7 +21,8 @@ def model_card(state: AppState) -> ModelCard:
 def health_response(state: AppState) -> JSONResponse:
     """200 when the server accepts requests and the engine runs; 503 naming why otherwise."""
     if not state.accepting:
-        return JSONResponse(error_body("the server is shutting down", err_type="service_unavailable_error",
+        return JSONResponse(error_body("the server is shutting down (draining the requests in flight)",
+                                       err_type="service_unavailable_error",
                                        code="shutting_down"), status_code=503)
     if state.engine.healthy:
         return JSONResponse({"status": "ok"})

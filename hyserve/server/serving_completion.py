@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from hyserve.engine.outputs import TokenLogprob
 from hyserve.server import structured
+from hyserve.server.body import TokenIds
 from hyserve.server.chat import encode_text
 from hyserve.server.errors import bad_request, sse_error_event
 from hyserve.server.generation import (
@@ -51,8 +52,8 @@ def completion_prompts(state: AppState, req: CompletionRequest) -> list[tuple[li
     items: list[str | list[int]]
     if isinstance(p, str):
         items = [p]
-    elif p and all(isinstance(x, int) for x in p):
-        items = [list(p)]  # type: ignore[arg-type]
+    elif isinstance(p, TokenIds) or (p and type(p[0]) is int):  # one token-id prompt (validated as ids)
+        items = [p]  # type: ignore[list-item]
     else:
         items = list(p)  # type: ignore[arg-type]
     if not items:
@@ -66,7 +67,11 @@ def completion_prompts(state: AppState, req: CompletionRequest) -> list[tuple[li
             ids = encode_text(state.tok, item, add_special_tokens=req.add_special_tokens, param=param)
             out.append((ids, item))
         else:
-            out.append((list(item), None))
+            if len(item) > state.engine.max_seq_len:  # before the engine looks at each id
+                raise bad_request(f"{param} has {len(item)} tokens, more than max_seq_len = "
+                                  f"{state.engine.max_seq_len}; shorten the prompt", param=param,
+                                  code="context_length_exceeded")
+            out.append((item if isinstance(item, TokenIds) else list(item), None))
     return out
 
 
@@ -158,7 +163,8 @@ async def create_completion(state: AppState, req: CompletionRequest, raw: Reques
     if prompt_only and not req.echo:
         raise bad_request("max_tokens must be >= 1 (0 is only allowed with echo: the prompt back, with its "
                           "logprobs, and nothing generated)", param="max_tokens")
-    texts = [req.prompt] if isinstance(req.prompt, str) else [p for p in req.prompt if isinstance(p, str)]
+    p0 = req.prompt
+    texts = [p0] if isinstance(p0, str) else [] if not p0 or type(p0[0]) is int else [p for p in p0 if isinstance(p, str)]
     for i, p in enumerate(texts):
         state.check_prompt_chars(len(p), "prompt" if isinstance(req.prompt, str) else f"prompt[{i}]")
     prompts = await state.off_loop(lambda: completion_prompts(state, req),

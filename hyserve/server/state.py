@@ -47,10 +47,54 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+# uvicorn's log levels
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# The largest request body accepted (bytes): a 1M-token prompt as JSON token ids of up to 6 digits
+# ("123456, ") is 8 MB, as text 4-9 MB (more where JSON escapes non-ASCII): 32 MiB leaves room for that
+# and refuses, while it streams in, the 75 MB bodies that used to freeze the server (docs/architecture.md).
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def _check_str(v: Any, path: str, *, none_ok: bool = False, empty_ok: bool = False) -> str | None:
+    if v is None and none_ok:
+        return None
+    if not isinstance(v, str):
+        raise ValueError(f"{path}: expected a string, got {v!r}")
+    if not v and not empty_ok:
+        raise ValueError(f"{path}: must not be empty")
+    return v
+
+
+def _check_api_key(v: Any) -> str | None:
+    key = _check_str(v, "api_key", none_ok=True, empty_ok=True)
+    if key is None:
+        return None
+    if key == "":
+        raise ValueError(
+            "api_key: the key is empty (an unset variable in --api_key \"$KEY\"?): give a key, or serve without "
+            "authentication explicitly with --no_auth (YAML: api_key: null)"
+        )
+    if key != key.strip() or any(ord(c) < 0x20 or ord(c) == 0x7F for c in key):
+        raise ValueError("api_key: must not start or end with whitespace nor hold control characters "
+                         "(clients could never send it in a header)")
+    return key
+
+
+def _check_seconds(v: Any, path: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0.0 <= float(v) < float("inf"):
+        raise ValueError(f"{path}: expected a number of seconds >= 0, got {v!r}")
+    return float(v)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServerOptions:
-    """Server-side settings (the engine's are in `EngineConfig`)."""
+    """Server-side settings (the engine's are in `EngineConfig`), each checked at construction with its
+    YAML key in the message, so a bad one stops `hyserve serve` before the model loads."""
 
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # None: no authentication (an empty key is refused: see _check_api_key)
     api_key: str | None = None
     reasoning_parser: str | None = None
     tool_parser: str | None = None
@@ -58,12 +102,32 @@ class ServerOptions:
     model_aliases: tuple[str, ...] = ()
     # max_tokens when a request leaves it out: the room left in max_seq_len, but at most this.
     default_max_tokens: int = 8192
+    log_level: str = "info"
+    access_log: bool = True
+    # a longer body is a 413, refused as it streams in
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # SIGTERM: in-flight requests get this long to finish before they are aborted (then exit 0)
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "reasoning_parser", check_reasoning_parser_name(self.reasoning_parser))
-        object.__setattr__(self, "tool_parser", check_tool_parser_name(self.tool_parser))
-        if self.default_max_tokens < 1:
-            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        from hyserve.config import Int, boolean
+
+        put = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731 (frozen dataclass)
+        _check_str(self.host, "host")
+        Int(lo=0, hi=65535)(self.port, "port")
+        put("api_key", _check_api_key(self.api_key))
+        for name, check in (("reasoning_parser", check_reasoning_parser_name), ("tool_parser", check_tool_parser_name)):
+            put(name, check(_check_str(getattr(self, name), name, none_ok=True, empty_ok=True)))
+        if not isinstance(self.model_aliases, tuple) or not all(isinstance(a, str) for a in self.model_aliases):
+            raise ValueError(f"model_aliases: expected a tuple of strings, got {self.model_aliases!r}")
+        Int(lo=1)(self.default_max_tokens, "default_max_tokens")
+        level = _check_str(self.log_level, "log_level")
+        if level is None or level.lower() not in LOG_LEVELS:
+            raise ValueError(f"log_level: {self.log_level!r} is not one of {list(LOG_LEVELS)}")
+        put("log_level", level.lower())
+        boolean(self.access_log, "access_log")
+        Int(lo=1024, hint="bytes")(self.max_request_body_bytes, "max_request_body_bytes")
+        put("shutdown_timeout", _check_seconds(self.shutdown_timeout, "shutdown_timeout"))
 
 
 def hyserve_version() -> str:

@@ -47,7 +47,7 @@ def check_tool_parser_name(name: str | None) -> str | None:
     if name is None or name == "" or name.lower() == "none":
         return None
     if name.lower() not in TOOL_PARSER_NAMES:
-        raise ValueError(f"--tool_parser: {name!r} is not one of {list(TOOL_PARSER_NAMES)}")
+        raise ValueError(f"tool_parser: {name!r} is not one of {list(TOOL_PARSER_NAMES)}")
     return name.lower()
 
 
