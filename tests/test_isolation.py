@@ -143,6 +143,20 @@ def test_a_fault_no_single_request_reproduces_fails_its_batch_once() -> None:
     _assert_pools_free(eng)
 
 
+def test_strict_warmup_fails_its_step_without_probes() -> None:
+    """A late compilation under strict_warmup is the step's failure, not a request's: the batch fails as a
+    whole and nothing is rerun."""
+    from tests.test_jit_sentinel import fake_event
+
+    eng = make_llm(warmup="off", strict_warmup=True).engine
+    eng.add_request("a", prompts()[0], G)
+    eng.add_request("b", prompts()[1], G)
+    fake_event(eng.jit, "_ssd_chunk_scan_kernel")  # as if this step compiled a new variant
+    failed = {d.request_id for d in eng.step() if d.finish_reason == "error"}
+    assert failed == {"a", "b"} and eng.stats()["isolation_probes_total"] == 0
+    _assert_pools_free(eng)
+
+
 def test_prompt_logprobs_survive_a_neighbour_fault() -> None:
     """A prompt-logprobs request beside a failing one: its prompt logprobs and tokens are those of a run
     without the fault (probes record theirs on copies)."""

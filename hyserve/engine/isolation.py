@@ -14,7 +14,8 @@ chunk that read its state from zeros or a prefix snapshot, in a step the schedul
 simply planned again; every other row's live Mamba state may be overwritten in place, so the request is
 requeued to be recomputed like a preemption (outputs kept; prefix-cache hits where its prompt's blocks and
 snapshots were published). If no single row reproduces the failure (a fault of the batch as a whole, or a
-transient one), the whole batch fails, so a failure can never loop.
+transient one), or it is strict_warmup's late compilation (the step's, not a request's), the whole batch
+fails, so a failure can never loop.
 
 `reset_engine`: an exception outside a step's guards (scheduler, output processing) may leave the books
 inconsistent, so every request ends with an error and the pools' bookkeeping starts afresh (every block
@@ -29,6 +30,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from hyserve.cache.manager import HybridCacheManager
+from hyserve.engine.errors import JitAfterReadyError
 from hyserve.engine.outputs import StreamDelta
 from hyserve.engine.request import RequestStatus
 from hyserve.engine.sampler import Sampler
@@ -51,10 +53,11 @@ def isolate_failure(eng: LLMEngine, batch: ScheduledBatch, feed: PendingStep | N
         eng.scheduler.discard_step(batch)  # the step's snapshots may hold garbage
     alive = [s for s in batch.seqs if (r := eng.requests.get(s.request_id)) is not None and not r.finished]
     decodes = {s.request_id for s in batch.seqs[: batch.num_decodes]}
-    culprit = _find_culprit(eng, alive, decodes, feed)
+    # strict_warmup's late compilation is the step's, not a request's: no probe (it could compile again)
+    culprit = None if isinstance(err, JitAfterReadyError) else _find_culprit(eng, alive, decodes, feed)
     msg = f"internal error while running this request: {type(err).__name__}: {err}"
     if culprit is None:
-        logger.error("step failed (%s) and no single request of its %d reproduces it alone: failing them all",
+        logger.error("step failed (%s) and no single request of its %d fails it alone: failing them all",
                      err, len(alive))
         failed = alive
     else:
