@@ -11,7 +11,8 @@ the caller's streaming and the next step's set-up run while the GPU computes:
 
 Without it the same loop reads each step right after launching it. Only the scheduler composes steps
 (it counts each request's unread tokens); the engine validates (`InputProcessor`), runs (`ModelRunner`)
-and turns tokens into deltas (`OutputProcessor`). Built by `startup.start_engine`: construct, warm up,
+and turns tokens into deltas (`OutputProcessor`). A step that raises fails only the request that makes it
+fail, and a host-side failure of one request's output fails it alone (engine/isolation.py). Built by `startup.start_engine`: construct, warm up,
 mark ready (docs/architecture.md).
 """
 
