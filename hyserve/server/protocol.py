@@ -17,7 +17,15 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, TypeAdapter, ValidatorFunctionWrapHandler, WrapValidator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    TypeAdapter,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
 
 from hyserve.engine.sampling_params import MAX_LOGPROBS
 from hyserve.server.body import TokenIds
