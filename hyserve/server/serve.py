@@ -103,13 +103,9 @@ def _make_server_class() -> type:
 
 
 def engine_stopped_for_good(engine: Any) -> str | None:
-    """Why the engine will serve no more (None while it serves or may recover): the AsyncEngine's
-    `stopped` reason when it has one (supervision gave up), else an unhealthy engine without supervision
-    (its loop died; nothing restarts it)."""
-    stopped = getattr(engine, "stopped", None)
-    if isinstance(stopped, str) and stopped:
-        return stopped
-    if not engine.healthy and not hasattr(engine, "stopped"):
+    """Why the engine will serve no more (None while it serves or may still recover): its supervision set
+    `fatal` (too many failures in the window, or a BaseException); the reason is `dead_reason`."""
+    if getattr(engine, "fatal", False):
         return getattr(engine, "dead_reason", None) or "the engine loop stopped"
     return None
 
