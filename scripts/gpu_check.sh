@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the kernel and model benchmarks. Results land in
 # benchmarks/results/ and, when $OUT is set (the lent-GPU tool), are copied there too.
-# usage: scripts/gpu_check.sh [GIT_SHA [tests|kernels|model ...]]   (the lent GPU gets the tree without .git)
+# usage: scripts/gpu_check.sh [GIT_SHA [tests|kernels|model|soak ...]]   (the lent GPU gets the tree without .git)
+#   soak (not a default part): benchmarks/bench_soak.py, `hyserve serve` of the Nano 9B v2 architecture under
+#   512 streams with disconnects and injected faults for SOAK_DURATION s (default 600; SOAK_ARGS adds options).
+#   It needs the server wheels in .whl (../shared/tools/gpu_wheels.sh) carried with the call.
 set -uo pipefail
 sha=${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 shift || true
@@ -26,6 +29,15 @@ log=benchmarks/results/gpu_check.log
     && python3 benchmarks/bench_kernels.py --only attn_rounds --rounds 5 --git-sha "$sha" \
        --out "benchmarks/results/attn_rounds_$sha.json" 2>&1 | tail -8
   [[ $parts == *" model "* ]] && echo "== model benchmarks" && python3 benchmarks/bench_model.py --git-sha "$sha" 2>&1 | grep -v "warm-up \[" | tail -40
+  if [[ $parts == *" soak "* ]]; then
+    if ls .whl/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+      export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    fi
+    echo "== soak: ${SOAK_DURATION:-600}s through hyserve serve (issue 17)"
+    # shellcheck disable=SC2086  # SOAK_ARGS is a list of options
+    python3 benchmarks/bench_soak.py --git-sha "$sha" --duration "${SOAK_DURATION:-600}" ${SOAK_ARGS:-} 2>&1 | tail -60
+  fi
 } 2>&1 | tee "$log"
-if [ -n "${OUT:-}" ]; then cp benchmarks/results/*.json benchmarks/results/*.md "$log" "$OUT"/ 2>/dev/null; fi
+if [ -n "${OUT:-}" ]; then cp benchmarks/results/*.json benchmarks/results/*.md benchmarks/results/soak_*.log "$log" "$OUT"/ 2>/dev/null; fi
 exit 0
