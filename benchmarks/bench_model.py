@@ -1,12 +1,18 @@
-"""Model-level benchmark on one GPU: Nemotron Nano 9B v2 architecture, random weights, bf16.
+"""Model-level benchmark on one GPU, random weights, bf16: Nemotron Nano 9B v2 by default, or the
+Nemotron 3 MoE architectures with `--model-dir`.
 
-Measures hyserve's engine (batch-1 decode tok/s, 8k-token prefill tok/s, batch-64 decode step time)
-and, in the same run, transformers' own NemotronH (torch path) as the peer reference. Each number is
-quoted against its roofline at the ceilings measured first in the same run (benchmarks/roofline.py:
-bytes read, bf16 matmul) and at the H200's published peaks. Writes benchmarks/results/model_<date>.json
-and a markdown table.
+Measures hyserve's engine (batch-1 decode tok/s, 8k-token prefill tok/s, decode step times at batch 64, and
+at 256 for Nano 30B-A3B) and, for the 9B, transformers' own NemotronH (torch path) as the peer reference.
+Each number is quoted against its roofline at the ceilings measured first in the same run
+(benchmarks/roofline.py: bytes read, bf16 matmul) and at the H200's published peaks. MoE models are quoted
+over their active parameters: the routed top-k experts of a token (for a batch, the experts it touches
+under uniform routing) + the shared expert + everything else. A model too big for the device is cut to a
+prefix of its own layer pattern (whole repetitions, `--weight-budget-gib`) or to `--num-layers N`.
+Writes benchmarks/results/model_<date>_<sha>.json (9B) or model-<model>_<date>_<sha>.json, and a table.
 
-    python3 benchmarks/bench_model.py [--skip-transformers]
+    python3 benchmarks/bench_model.py [--skip-transformers]                      # Nano 9B v2
+    python3 benchmarks/bench_model.py --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16
+    python3 benchmarks/bench_model.py --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Super-120B-A12B-BF16
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ import gc
 import json
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,13 +40,23 @@ from hyserve.model.config import HybridModelConfig  # noqa: E402
 
 CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
 from benchmarks.roofline import (  # noqa: E402
+    GIB,
     Ceilings,
+    active_decode_step_ms,
+    active_decode_tokens_per_s,
+    active_prefill_tokens_per_s,
+    batch_experts,
     ceiling_fields,
     decode_step_ms,
     measure_ceilings,
+    num_moe_layers,
     prefill_tokens_per_s,
     weight_bytes,
 )
+
+# decode-step batches: (batch, prompt tokens); batch x prompt fits one 8192-token prefill step, so every
+# timed step decodes all rows, 32 steps at contexts prompt..prompt+32 (mean prompt + 16)
+STEP_SHAPES = {64: 120, 256: 30}
 
 
 def rec(name, value, unit, reference, reference_value):
@@ -77,14 +95,111 @@ def replay_breakdown(replay, step_ms: float, steps: int = 20, top: int = 25) -> 
     return text
 
 
-def bench_hyserve(cfg: HybridModelConfig, ceilings: Ceilings, records: list, notes: list) -> None:
-    llm = LLM(str(CFG_DIR), load_format="dummy", max_seq_len=16384, max_batch_size=64, max_num_tokens=8192,
+# ---- which model, which figures ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelPlan:
+    """The model one run measures and the figures it runs."""
+
+    model_dir: Path  # a directory with config.json (a temporary one for a cut model)
+    raw: dict  # its config.json
+    label: str  # the JSON's "model" field
+    slug: str  # in the result file name; "" for the 9B default (model_<date>_<sha>.json)
+    prefill_8k: bool
+    batches: tuple[int, ...]  # decode-step batch sizes (keys of STEP_SHAPES)
+    prefix_cache: bool  # the 8k prefill again with the prefix cache on (9B only)
+    transformers: bool  # transformers' NemotronH as the peer (9B only)
+    max_num_tokens: int = 8192
+
+
+def repetition_cuts(pattern: str) -> list[int]:
+    """Layer counts at which `pattern` (hybrid_override_pattern) can be cut keeping whole repetitions: right
+    after each attention layer and the layer that follows it ('...M*E' | 'MEM...')."""
+    return [i + 2 for i, c in enumerate(pattern[:-1]) if c == "*"]
+
+
+def cut_config(raw: dict, num_layers: int) -> dict:
+    """config.json of the model cut to its first `num_layers` layers (the pattern's prefix)."""
+    pattern = raw.get("hybrid_override_pattern")
+    if not isinstance(pattern, str):
+        raise ValueError("--num-layers needs a config.json with a hybrid_override_pattern string")
+    if not 1 <= num_layers <= len(pattern):
+        raise ValueError(f"--num-layers must be in [1, {len(pattern)}] (the model's layers), got {num_layers}")
+    return {**raw, "hybrid_override_pattern": pattern[:num_layers], "num_hidden_layers": num_layers}
+
+
+def model_weight_bytes(raw: dict) -> int:
+    """bf16 bytes of every parameter (embedding included): what the model holds on the device."""
+    return HybridModelConfig.from_dict(raw).num_parameters() * 2
+
+
+def fit_layers(raw: dict, budget_bytes: float) -> int:
+    """The most layers, cut at a repetition boundary (or the whole model), whose bf16 weights fit
+    `budget_bytes`."""
+    pattern = raw["hybrid_override_pattern"]
+    if model_weight_bytes(raw) <= budget_bytes:
+        return len(pattern)
+    fits = [n for n in repetition_cuts(pattern) if model_weight_bytes(cut_config(raw, n)) <= budget_bytes]
+    if not fits:
+        first = repetition_cuts(pattern)[:1]
+        need = model_weight_bytes(cut_config(raw, first[0])) / GIB if first else float("nan")
+        raise ValueError(f"not even one repetition of the layer pattern fits {budget_bytes / GIB:.1f} GiB of "
+                         f"weights (the first needs {need:.1f} GiB); raise --weight-budget-gib or pass --num-layers")
+    return max(fits)
+
+
+def make_plan(model_dir: Path, *, num_layers: int | None, weight_budget: float | None, work: Path,
+              skip_transformers: bool) -> ModelPlan:
+    """The plan for `model_dir`: the 9B's figures as before; a MoE model's over its active parameters, cut to
+    `num_layers` or to the repetitions that fit `weight_budget` bytes of bf16 weights (None: no cut)."""
+    raw = json.loads((model_dir / "config.json").read_text())
+    dense = num_moe_layers(HybridModelConfig.from_dict(raw)) == 0
+    if model_dir.resolve() == CFG_DIR.resolve() and num_layers is None:
+        return ModelPlan(model_dir=model_dir, raw=raw, label="NVIDIA-Nemotron-Nano-9B-v2 architecture, random weights, bf16",
+                         slug="", prefill_8k=True, batches=(64,), prefix_cache=True,
+                         transformers=not skip_transformers)
+    total = len(raw.get("hybrid_override_pattern") or raw.get("layers_block_type") or [])
+    n = num_layers if num_layers is not None else (fit_layers(raw, weight_budget) if weight_budget else total)
+    label = f"{model_dir.name} architecture, random weights, bf16"
+    slug = model_dir.name
+    if n != total:
+        raw = cut_config(raw, n)
+        label = (f"{model_dir.name} architecture cut to its first {n} of {total} layers "
+                 f"({raw['hybrid_override_pattern']}), random weights, bf16")
+        slug = f"{model_dir.name}-{n}L"
+        model_dir = work / slug
+        model_dir.mkdir(parents=True, exist_ok=True)
+        (model_dir / "config.json").write_text(json.dumps(raw, indent=2))
+    # the full Nano 30B-A3B runs every figure of issue 23; a cut model runs decode at batch 1 and 64
+    whole = n == total
+    return ModelPlan(model_dir=model_dir, raw=raw, label=label, slug=slug, prefill_8k=whole,
+                     batches=(64, 256) if whole and not dense else (64,), prefix_cache=False, transformers=False)
+
+
+def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, records: list, notes: list,
+                  *, time_init: bool = False) -> None:
+    moe = num_moe_layers(cfg) > 0
+    t0 = time.perf_counter()
+    llm = LLM(str(plan.model_dir), load_format="dummy", max_seq_len=16384, max_batch_size=max(plan.batches),
+              max_num_tokens=plan.max_num_tokens,
               kv_cache_config={"enable_block_reuse": False, "free_gpu_memory_fraction": 0.5}, log=print)
+    startup_s = time.perf_counter() - t0
     eng = llm.engine
     g = torch.Generator().manual_seed(0)
 
-    def decode_roof(peaks) -> float:  # batch-1 tok/s when the weights stream at the bytes-read ceiling
-        return peaks.read_bw / weight_bytes(cfg)
+    if moe:
+        b1_ref = "active-weight bandwidth roofline (top-k routed + shared experts + the rest)"
+
+        def decode_roof(peaks) -> float:  # batch-1 tok/s when the active weights stream at the read ceiling
+            return active_decode_tokens_per_s(cfg, peaks.read_bw)
+
+        records.append(rec("hyserve start-up with dummy weights, to ready (s)", startup_s, "s", "none", None))
+    else:
+        b1_ref = "weight-bandwidth roofline"
+
+        def decode_roof(peaks) -> float:  # batch-1 tok/s when the weights stream at the bytes-read ceiling
+            return peaks.read_bw / weight_bytes(cfg)
 
     def ids(n):
         return [1] + torch.randint(3, cfg.vocab_size, (n - 1,), generator=g).tolist()
@@ -107,8 +222,7 @@ def bench_hyserve(cfg: HybridModelConfig, ceilings: Ceilings, records: list, not
         return n / (time.perf_counter() - t)
 
     tps = decode_b1("g")
-    records.append(roof_rec("hyserve decode batch 1 (tok/s)", tps, "tok/s", "weight-bandwidth roofline", "read",
-                            ceilings, decode_roof))
+    records.append(roof_rec("hyserve decode batch 1 (tok/s)", tps, "tok/s", b1_ref, "read", ceilings, decode_roof))
     if graphs is not None:
         b1 = graphs.size_for(1)
         assert b1 is not None
@@ -124,28 +238,33 @@ def bench_hyserve(cfg: HybridModelConfig, ceilings: Ceilings, records: list, not
         sync()
         gpu_ms = (time.perf_counter() - t) / 50 * 1e3
         records.append(roof_rec("hyserve decode batch 1, graph replay alone (tok/s)", 1e3 / gpu_ms, "tok/s",
-                                "weight-bandwidth roofline", "read", ceilings, decode_roof))
+                                b1_ref, "read", ceilings, decode_roof))
         notes.append(replay_breakdown(replay, gpu_ms))
         with eng.runner.eager_decode():
             eager = decode_b1("e")
         records.append(rec("hyserve decode batch 1, CUDA graphs vs eager (x)", tps / eager, "x",
                             "eager decode, same run", 1.0))
-    # 8k prefill
-    eng.add_request("p8k", ids(8192), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-    sync()
-    t = time.perf_counter()
-    while eng.has_unfinished():
-        eng.step()
-    sync()
-    ptps = 8192 / (time.perf_counter() - t)
-    records.append(roof_rec("hyserve prefill 8k tokens (tok/s)", ptps, "tok/s", "matmul roofline", "matmul", ceilings,
-                            lambda peaks: prefill_tokens_per_s(cfg, peaks.matmul_flops)))
-    # batch-64 decode step
-    def step_b64(tag: str) -> tuple[float, int]:
-        # 64 x 120 prompt tokens fit one prefill step (max_num_tokens 8192), so every timed step decodes
-        # all 64 rows: 32 steps at contexts 120..152
-        for i in range(64):
-            eng.add_request(f"b{i}{tag}", ids(120), SamplingParams(max_tokens=33, temperature=0, ignore_eos=True))
+    if plan.prefill_8k:
+        eng.add_request("p8k", ids(8192), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        sync()
+        t = time.perf_counter()
+        while eng.has_unfinished():
+            eng.step()
+        sync()
+        ptps = 8192 / (time.perf_counter() - t)
+        if moe:
+            records.append(roof_rec("hyserve prefill 8k tokens (tok/s)", ptps, "tok/s",
+                                    "matmul roofline over active parameters (top-k routed + shared experts)",
+                                    "matmul", ceilings, lambda peaks: active_prefill_tokens_per_s(cfg, peaks.matmul_flops)))
+        else:
+            records.append(roof_rec("hyserve prefill 8k tokens (tok/s)", ptps, "tok/s", "matmul roofline", "matmul",
+                                    ceilings, lambda peaks: prefill_tokens_per_s(cfg, peaks.matmul_flops)))
+
+    def step_bn(batch: int, tag: str) -> tuple[float, int]:
+        prompt = STEP_SHAPES[batch]
+        for i in range(batch):
+            eng.add_request(f"b{batch}_{i}{tag}" if batch != 64 else f"b{i}{tag}", ids(prompt),
+                            SamplingParams(max_tokens=33, temperature=0, ignore_eos=True))
         while eng.requests and any(r.num_computed < r.num_prompt_tokens for r in eng.requests.values()):
             eng.step()
         sync()
@@ -154,29 +273,68 @@ def bench_hyserve(cfg: HybridModelConfig, ceilings: Ceilings, records: list, not
         while eng.has_unfinished():
             tokens += sum(len(d.token_ids) for d in eng.step())
         sync()
-        # decode steps = tokens / 64 (every request decodes every step): with async scheduling the
+        # decode steps = tokens / batch (every request decodes every step): with async scheduling the
         # last step() call only reads the in-flight step's tokens, so calls overcount steps
-        steps = tokens // 64
+        steps = tokens // batch
         return (time.perf_counter() - t) / max(steps, 1) * 1e3, steps
 
-    step_ms, steps = step_b64("g")
-    # 120-token prompts, 32 decoded tokens: ~136 K/V per step; ratio = roofline / measured (1.0 at the roofline)
-    records.append(roof_rec("hyserve decode step batch 64 (ms)", step_ms, "ms", "roofline step time (weights+state+KV)",
-                            "read", ceilings, lambda peaks: decode_step_ms(cfg, 64, 136, peaks.read_bw), time_like=True))
-    if graphs is not None:
-        with eng.runner.eager_decode():
-            eager_ms, _ = step_b64("e")
-        records.append(rec("hyserve decode step batch 64, CUDA graphs speed-up vs eager (x)", eager_ms / step_ms,
-                           "x", "eager decode, same run", 1.0))
+    steps = 0
+    for batch in plan.batches:
+        step_ms, steps = step_bn(batch, "g")
+        context = STEP_SHAPES[batch] + 16  # mean K/V per sequence over the 32 timed steps
+        # ratio = roofline / measured (1.0 at the roofline)
+        if moe:
+            experts = batch_experts(cfg, batch)
+            records.append(roof_rec(
+                f"hyserve decode step batch {batch} (ms)", step_ms, "ms",
+                f"roofline step time (the ~{experts:.1f} of {cfg.n_routed_experts} experts per layer a batch of {batch} "
+                "touches under uniform routing + other weights + state + KV)", "read", ceilings,
+                lambda peaks, b=batch, c=context: active_decode_step_ms(cfg, b, c, peaks.read_bw), time_like=True))
+        else:
+            records.append(roof_rec(f"hyserve decode step batch {batch} (ms)", step_ms, "ms",
+                                    "roofline step time (weights+state+KV)", "read", ceilings,
+                                    lambda peaks, b=batch, c=context: decode_step_ms(cfg, b, c, peaks.read_bw),
+                                    time_like=True))
+        if graphs is not None:
+            with eng.runner.eager_decode():
+                eager_ms, _ = step_bn(batch, "e")
+            records.append(rec(f"hyserve decode step batch {batch}, CUDA graphs speed-up vs eager (x)",
+                               eager_ms / step_ms, "x", "eager decode, same run", 1.0))
+        if moe:
+            records[-1 if graphs is None else -2]["note"] = f"{steps} decode steps of {batch} rows timed"
+    if time_init:
+        init_times(eng.runner.model, cfg, records)
     from hyserve.kernels import ops
     from hyserve.kernels.ssd import ssd_chunked_ref
 
     ssd = "the plain-torch reference" if ops.get("ssd", True) is ssd_chunked_ref else "Triton"
+    moe_note = ""
+    if moe:
+        moe_note = (f"; MoE: {num_moe_layers(cfg)} layers of {cfg.n_routed_experts} experts, top-"
+                    f"{cfg.num_experts_per_tok}, latent {cfg.moe_latent_size}; rooflines assume uniform routing "
+                    "(random weights route near-uniformly)")
     notes.append(
         f"hyserve on CUDA: Triton kernels for decode conv/SSM updates, varlen conv, RMSNorms, KV write and paged "
         f"attention; SSD prefill scan: {ssd}; decode CUDA graphs: {'on' if graphs is not None else 'off'} "
-        f"({steps} batch-64 steps timed)"
+        f"({steps} batch-{plan.batches[-1]} steps timed){moe_note}"
     )
+
+
+def init_times(model: torch.nn.Module, cfg: HybridModelConfig, records: list) -> None:
+    """Dummy-weight init of the loaded model again, timed: drawn on the host and copied (the engine's
+    load_format="dummy" path) and drawn on the device (`init_random_weights(..., on_device=True)`)."""
+    from hyserve.model.weights import init_random_weights
+
+    n = sum(p.numel() for p in model.parameters())
+    for on_device in (False, True):
+        sync()
+        t = time.perf_counter()
+        init_random_weights(model, cfg, seed=0, on_device=on_device)
+        sync()
+        s = time.perf_counter() - t
+        where = "device" if on_device else "host (the engine's path)"
+        records.append(rec(f"dummy-weight init, drawn on the {where} (s)", s, "s", "none", None))
+        records[-1]["note"] = f"{n / 1e9:.2f}B parameters, {n / s / 1e9:.2f}G parameters/s"
 
 
 def bench_prefill_with_prefix_cache(cfg: HybridModelConfig, records: list) -> None:
@@ -237,21 +395,41 @@ def bench_transformers(cfg_raw: dict, records: list) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model-dir", type=Path, default=CFG_DIR,
+                    help="a directory with config.json (default: the Nano 9B v2 architecture)")
+    ap.add_argument("--num-layers", type=int, default=None,
+                    help="cut the model to the first N layers of its pattern (default: whole, or what fits)")
+    ap.add_argument("--weight-budget-gib", type=float, default=None,
+                    help="cut the model to the whole repetitions of its layer pattern whose bf16 weights fit "
+                         "(default: 0.75 of the device's memory)")
+    ap.add_argument("--time-init", action="store_true",
+                    help="also time dummy-weight init of the loaded model, drawn on the host and on the device")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--git-sha", default="", help="commit of the tree, when it is run without .git")
     args = ap.parse_args()
-    raw = json.loads((CFG_DIR / "config.json").read_text())
+    if args.weight_budget_gib is not None and args.num_layers is not None:
+        ap.error("--num-layers and --weight-budget-gib choose the cut two ways: pass one")
+    budget = args.weight_budget_gib * GIB if args.weight_budget_gib is not None else None
+    if budget is None and args.num_layers is None:
+        budget = 0.75 * torch.cuda.get_device_properties(0).total_memory
+    work = Path(tempfile.mkdtemp(prefix="bench_model_"))
+    plan = make_plan(args.model_dir, num_layers=args.num_layers, weight_budget=budget, work=work,
+                     skip_transformers=args.skip_transformers)
+    raw = plan.raw
     cfg = HybridModelConfig.from_dict(raw)
     records: list = []
     notes: list = []
     ceilings = measure_ceilings("cuda")  # before any engine holds memory
     print(ceilings.summary())
     notes.append(ceilings.summary())
-    bench_hyserve(cfg, ceilings, records, notes)
+    if plan.slug:
+        notes.append(f"{plan.label}: {cfg.describe()}, {num_moe_layers(cfg)} MoE layers")
+    bench_hyserve(plan, cfg, ceilings, records, notes, time_init=args.time_init)
     gc.collect()  # the engine's memory goes back before the next engine or transformers loads its copy
     torch.cuda.empty_cache()
-    bench_prefill_with_prefix_cache(cfg, records)
-    if not args.skip_transformers:
+    if plan.prefix_cache:
+        bench_prefill_with_prefix_cache(cfg, records)
+    if plan.transformers:
         bench_transformers(raw, records)
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     sha = args.git_sha or sha  # the lent GPU's copy may hold a stale .git: an explicit sha wins
@@ -260,18 +438,22 @@ def main() -> None:
         "git_sha": sha or "unknown",
         "gpu": torch.cuda.get_device_name(),
         "command": " ".join([sys.executable, *sys.argv]),
-        "model": "NVIDIA-Nemotron-Nano-9B-v2 architecture, random weights, bf16",
+        "model": plan.label,
         "notes": notes,
         "ceilings": ceilings.to_dict(),
         "records": records,
     }
+    if plan.slug:
+        result["config"] = raw
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     stamp = dt.date.today().isoformat()
     stamp = f"{stamp}_{result['git_sha']}"
-    (out / f"model_{stamp}.json").write_text(json.dumps(result, indent=2))
+    base = f"model-{plan.slug}_{stamp}" if plan.slug else f"model_{stamp}"
+    (out / f"{base}.json").write_text(json.dumps(result, indent=2))
     table = records_markdown(records)
-    (out / f"model_{stamp}.md").write_text(f"# model benchmark {stamp} ({result['gpu']}, {sha})\n\n{table}\n")
+    title = f"model benchmark {stamp}" if not plan.slug else f"model benchmark {plan.slug} {stamp}"
+    (out / f"{base}.md").write_text(f"# {title} ({result['gpu']}, {sha})\n\n{table}\n")
     print(table)
 
 

@@ -1,5 +1,6 @@
 """Ceilings and rooflines for the benchmarks: the GPU's ceilings measured in the same run, the H200's
-published peaks beside them, and the byte and FLOP counts of the Nemotron Nano 9B v2 benchmarks.
+published peaks beside them, and the byte and FLOP counts of the model benchmarks (Nemotron Nano 9B v2; the
+Nemotron 3 MoE models over their active parameters).
 
 The ceilings are what this device reaches on the simplest kernels that hit each limit: a streaming read (a
 sum over >= 4 GiB), a device copy, the best bf16 GEMV over a 1 GiB weight, and the bf16 matmul peak (8192^3
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from hyserve.model.config import HybridModelConfig  # noqa: E402
+from hyserve.model.config import LAYER_MOE, HybridModelConfig  # noqa: E402
 
 # NVIDIA's published H200 SXM figures: HBM3e bandwidth and dense (no sparsity) bf16 tensor-core throughput
 PUBLISHED_BW = 4.8e12  # B/s
@@ -249,6 +250,86 @@ def decode_step_ms(cfg: HybridModelConfig, batch: int, context: float, bw: float
 def prefill_tokens_per_s(cfg: HybridModelConfig, flops: float) -> float:
     """Prefill tokens per second at `flops` (2 FLOPs per matmul parameter per token)."""
     return flops / (2 * matmul_params(cfg))
+
+
+# ---- MoE models (Nemotron 3): active parameters -----------------------------------------------------------
+# A MoE layer's routed experts are read only where the routing sends tokens: one token reads its top-k
+# experts, a batch of B tokens the distinct experts they touch. With uniform random routing (k distinct
+# experts of E per token, independently per token and per layer) an expert is missed by all B tokens with
+# probability (1 - k/E)^B, so a layer reads E * (1 - (1 - k/E)^B) experts on average. The router weight and
+# its score-correction bias stay float32 (hyserve/model/weights.py), everything else is counted in bf16.
+
+
+def expected_distinct_experts(n_experts: int, top_k: int, tokens: int) -> float:
+    """Expected number of distinct experts B tokens touch under uniform random top-k routing."""
+    if not 1 <= top_k <= n_experts:
+        raise ValueError(f"top_k must be in [1, n_experts={n_experts}], got {top_k}")
+    if tokens < 0:
+        raise ValueError(f"tokens must be >= 0, got {tokens}")
+    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** tokens)
+
+
+def num_moe_layers(cfg: HybridModelConfig) -> int:
+    return sum(t == LAYER_MOE for t in cfg.layer_types)
+
+
+def expert_params(cfg: HybridModelConfig) -> int:
+    """Parameters of one routed expert (up [I, d] + down [d, I]; d is the latent size where there is one)."""
+    return 2 * (cfg.moe_latent_size or cfg.hidden_size) * cfg.moe_intermediate_size
+
+
+def router_params(cfg: HybridModelConfig) -> int:
+    """Router weight [E, h] and score-correction bias [E] over every MoE layer (float32 in the model)."""
+    return num_moe_layers(cfg) * cfg.n_routed_experts * (cfg.hidden_size + 1)
+
+
+def active_matmul_params(cfg: HybridModelConfig, experts_per_layer: float | None = None) -> float:
+    """Matmul parameters a step reads when each MoE layer touches `experts_per_layer` routed experts
+    (default: the top-k of one token); every other parameter but the input embedding is read whole. A
+    model without MoE layers gives `matmul_params`."""
+    if experts_per_layer is None:
+        experts_per_layer = cfg.num_experts_per_tok
+    n_moe = num_moe_layers(cfg)
+    if n_moe and not 0 <= experts_per_layer <= cfg.n_routed_experts:
+        raise ValueError(f"experts_per_layer must be in [0, {cfg.n_routed_experts}], got {experts_per_layer}")
+    unrouted = matmul_params(cfg) - n_moe * cfg.n_routed_experts * expert_params(cfg)
+    return unrouted + n_moe * experts_per_layer * expert_params(cfg)
+
+
+def active_weight_bytes(cfg: HybridModelConfig, experts_per_layer: float | None = None,
+                        bytes_per_param: int = 2) -> float:
+    """Weight bytes of `active_matmul_params`, the float32 router counted at 4 bytes a parameter."""
+    router = router_params(cfg)
+    return (active_matmul_params(cfg, experts_per_layer) - router) * bytes_per_param + router * 4
+
+
+def batch_experts(cfg: HybridModelConfig, batch: int) -> float:
+    """Routed experts one MoE layer reads in a decode step of `batch` sequences (uniform routing)."""
+    if not num_moe_layers(cfg):
+        return 0.0
+    return expected_distinct_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch)
+
+
+def active_decode_step_bytes(cfg: HybridModelConfig, batch: int, context: float) -> float:
+    """`decode_step_bytes` over active parameters: the experts the batch touches, the rest of the weights,
+    each sequence's Mamba state read and written, and the K/V of `context` tokens per sequence read."""
+    weights = active_weight_bytes(cfg, batch_experts(cfg, batch))
+    return weights + batch * (2 * cfg.state_bytes_per_sequence + context * cfg.kv_bytes_per_token)
+
+
+def active_decode_step_ms(cfg: HybridModelConfig, batch: int, context: float, bw: float) -> float:
+    return active_decode_step_bytes(cfg, batch, context) / bw * 1e3
+
+
+def active_decode_tokens_per_s(cfg: HybridModelConfig, bw: float) -> float:
+    """Batch-1 decode tok/s when the active weights (top-k experts + the rest) stream at `bw`."""
+    return bw / active_weight_bytes(cfg)
+
+
+def active_prefill_tokens_per_s(cfg: HybridModelConfig, flops: float) -> float:
+    """Prefill tokens per second at `flops`: 2 FLOPs per active matmul parameter per token (the top-k
+    experts of each token, not the experts the whole prompt touches)."""
+    return flops / (2 * active_matmul_params(cfg))
 
 
 def main() -> None:

@@ -520,15 +520,31 @@ def _normal_chunk(
     return staged.copy_(x)
 
 
+def _device_normal_chunk(
+    dst: torch.Tensor, name: str, chunk: int, shape: tuple[int, ...], std: float, seed: int
+) -> torch.Tensor:
+    """One chunk drawn on dst's (CUDA) device by a generator seeded like `_normal_chunk`'s, in float32 (so the
+    values do not depend on dst's dtype); deterministic per seed on one kind of GPU, not the host's values."""
+    g = torch.Generator(device=dst.device).manual_seed(_seed_for(seed, name, chunk))
+    return torch.empty(shape, dtype=torch.float32, device=dst.device).normal_(0.0, std, generator=g)
+
+
 def init_random_tensors(
-    tensors: Mapping[str, torch.Tensor], cfg: HybridModelConfig, *, seed: int = 0, max_workers: int | None = None
+    tensors: Mapping[str, torch.Tensor],
+    cfg: HybridModelConfig,
+    *,
+    seed: int = 0,
+    max_workers: int | None = None,
+    on_device: bool = False,
 ) -> None:
     """Fill canonical-named tensors in place, deterministically by name (see `init_random_weights`).
 
     Normal draws come from CPU generators seeded per (seed, name, chunk of rows), in a small thread pool, and
     are copied chunk by chunk onto each tensor's device/dtype (through pinned memory for a GPU): at most
-    2 x workers chunks of 4M elements are alive at once. Measured on an H200 host (16 cores): 10B bf16
-    parameters in 4.7 s.
+    2 x workers chunks of 4M elements are alive at once. The draw is host-bound: ~0.16G parameters/s per
+    core, so 10B bf16 parameters took 4.7 s on an H200 host (16 cores) and a 30B model takes ~15 s.
+    on_device=True draws the normal chunks of CUDA tensors on their device instead (same chunks and seeds,
+    the device's generator: other values than the host draw); CPU tensors are drawn on the host either way.
     """
     jobs: list[tuple[torch.Tensor, int, int, int, str, float]] = []  # (dst, chunk, row0, row1, name, std)
     with torch.no_grad():
@@ -546,6 +562,15 @@ def init_random_tensors(
                 step = max(1, _CHUNK_ELEMS // per_row)
                 for c, r0 in enumerate(range(0, rows, step)):
                     jobs.append((t, c, r0, min(rows, r0 + step), name, std))
+        if on_device:
+            for t, c, r0, r1, name, std in [j for j in jobs if j[0].is_cuda]:
+                shape = (r1 - r0, *t.shape[1:]) if t.dim() else ()
+                x = _device_normal_chunk(t, name, c, shape, std, seed)
+                if t.dim():
+                    t[r0:r1].copy_(x)
+                else:
+                    t.copy_(x)
+            jobs = [j for j in jobs if not j[0].is_cuda]
         if not jobs:
             return
         workers = max_workers or min(16, os.cpu_count() or 1)
@@ -574,9 +599,16 @@ def init_random_tensors(
 
 
 def init_random_weights(
-    model: nn.Module, cfg: HybridModelConfig, *, seed: int = 0, max_workers: int | None = None
+    model: nn.Module,
+    cfg: HybridModelConfig,
+    *,
+    seed: int = 0,
+    max_workers: int | None = None,
+    on_device: bool = False,
 ) -> None:
-    """Deterministic random weights for `load_format="dummy"`, the same on every device for a given seed.
+    """Deterministic random weights for `load_format="dummy"`, the same on every device for a given seed
+    (on_device=False, the engine's path: drawn on the host; on_device=True draws a CUDA model's normal
+    weights on its GPU, many times faster but other values, the same only on the same kind of GPU).
 
     By name: linear/embedding/expert weights N(0, 0.02), with out_proj/o_proj/down_proj scaled by
     1/sqrt(2 * num_layers) (NemotronH's rescale_prenorm_residual); norms and D ones; A_log = log(U[1, 16]);
@@ -590,12 +622,13 @@ def init_random_weights(
     if metas:
         raise ValueError(f"init_random_weights: {len(metas)} tensors are on the meta device (e.g. {metas[0]})")
     shards = {n: t for n, t in tensors.items() if is_shard(t)}
-    init_random_tensors({n: t for n, t in tensors.items() if n not in shards}, cfg, seed=seed, max_workers=max_workers)
-    # a tensor-parallel shard: draw the whole tensor (host memory, one at a time) and keep this rank's rows,
-    # so every tp_size runs the same model for a given seed
+    init_random_tensors({n: t for n, t in tensors.items() if n not in shards}, cfg, seed=seed, max_workers=max_workers,
+                        on_device=on_device)
+    # a tensor-parallel shard: draw the whole tensor (host memory, or the device's with on_device, one at a
+    # time) and keep this rank's rows, so every tp_size runs the same model for a given seed
     for n, t in shards.items():
-        full = torch.empty(checkpoint_shape(t), dtype=t.dtype)
-        init_random_tensors({n: full}, cfg, seed=seed, max_workers=max_workers)
+        full = torch.empty(checkpoint_shape(t), dtype=t.dtype, device=t.device if on_device else "cpu")
+        init_random_tensors({n: full}, cfg, seed=seed, max_workers=max_workers, on_device=on_device)
         with torch.no_grad():
             t.weight_loader(t, full)  # type: ignore[attr-defined]
         del full
