@@ -193,6 +193,9 @@ async def run_one(client: httpx.AsyncClient, url: str, plan: Plan, injector: Fau
                 if data == "[DONE]":
                     break
                 obj = json.loads(data)
+                if not isinstance(obj, dict):
+                    out.detail = f"an SSE event that is not a JSON object: {data[:200]!r}"
+                    return out
                 if "error" in obj:
                     return _ended_with_error(out, obj["error"], chunks)
                 if out.request_id is None and obj.get("id"):
@@ -276,7 +279,11 @@ async def run_load(cfg: SoakConfig, root: str, model: str, injector: FaultInject
             nonlocal next_index
             while time.monotonic() < deadline:
                 i, next_index = next_index, next_index + 1
-                outcomes.append(await run_one(client, f"{root}/v1/completions", planner.plan(i), injector, model))
+                try:
+                    o = await run_one(client, f"{root}/v1/completions", planner.plan(i), injector, model)
+                except Exception as e:  # a bug here must count, not end a worker silently
+                    o = Outcome(index=i, kind=UNEXPECTED, detail=f"client: {type(e).__name__}: {e}")
+                outcomes.append(o)
 
         mon, stop = Monitor(), asyncio.Event()
         mon_task = asyncio.create_task(monitor(client, root, mon, stop))
