@@ -5,6 +5,9 @@
 #   soak (not a default part): benchmarks/bench_soak.py, `hyserve serve` of the Nano 9B v2 architecture under
 #   512 streams with disconnects and injected faults for SOAK_DURATION s (default 600; SOAK_ARGS adds options).
 #   It needs the server wheels in .whl (../shared/tools/gpu_wheels.sh) carried with the call.
+#   moe_model (not a default part, issue 23): tests/test_bench_model_moe.py, then benchmarks/bench_model.py on
+#   Nemotron 3 Nano 30B-A3B (with --time-init) and on Super cut to what fits; together they may outlast one
+#   600 s call, so moe_nano and moe_super run one model each.
 set -uo pipefail
 sha=${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 shift || true
@@ -37,6 +40,20 @@ log=benchmarks/results/gpu_check.log
     echo "== soak: ${SOAK_DURATION:-600}s through hyserve serve (issue 17)"
     # shellcheck disable=SC2086  # SOAK_ARGS is a list of options
     python3 benchmarks/bench_soak.py --git-sha "$sha" --duration "${SOAK_DURATION:-600}" ${SOAK_ARGS:-} 2>&1 | tail -60
+  fi
+  if [[ $parts == *" moe_model "* || $parts == *" moe_nano "* || $parts == *" moe_super "* ]]; then
+    echo "== MoE model benchmarks: roofline arithmetic (CPU) and device-drawn dummy init (GPU) tests"
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/test_bench_model_moe.py 2>&1 | tail -15
+  fi
+  if [[ $parts == *" moe_model "* || $parts == *" moe_nano "* ]]; then
+    echo "== Nemotron 3 Nano 30B-A3B: batch 1, 8k prefill, batch-64/256 steps, dummy init timed"
+    timeout 400 python3 benchmarks/bench_model.py --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 \
+      --time-init --git-sha "$sha" 2>&1 | grep -v "warm-up \[" | tail -40
+  fi
+  if [[ $parts == *" moe_model "* || $parts == *" moe_super "* ]]; then
+    echo "== Nemotron 3 Super cut to the repetitions of its pattern that fit (0.75 of the GPU): batch 1, 64"
+    timeout 360 python3 benchmarks/bench_model.py --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Super-120B-A12B-BF16 \
+      --git-sha "$sha" 2>&1 | grep -v "warm-up \[" | tail -40
   fi
 } 2>&1 | tee "$log"
 if [ -n "${OUT:-}" ]; then cp benchmarks/results/*.json benchmarks/results/*.md benchmarks/results/soak_*.log "$log" "$OUT"/ 2>/dev/null; fi
