@@ -36,6 +36,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -227,7 +228,7 @@ def serve_command(opts: FairnessOptions, model_dir: str | None, yaml_path: Path,
     if load:
         cmd += ["--load-format", load]
     cmd += ["--config", str(yaml_path), "--device", opts.device, "--host", "127.0.0.1", "--port", str(port),
-            "--disable-log-requests", *opts.serve_args]
+            "--disable-log-requests", "--shutdown-timeout", "5", *opts.serve_args]
     return cmd
 
 
@@ -238,9 +239,16 @@ def long_ids(n: int, *, seed: int, low: int, vocab: int) -> list[int]:
     return random_ids(random.Random(seed), n, low, vocab)
 
 
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)  # the benchmark was stopped (a timeout): do not keep its output pipe open
+
+
 def _long_request_child(url: str, model: str, n: int, seed: int, low: int, vocab: int, run_start: float,
-                        timeout_s: float) -> RequestResult:
+                        timeout_s: float, parent: int) -> RequestResult:
     """Runs in a child process: build the long prompt and send it, timed on CLOCK (shared with the parent)."""
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     ids = long_ids(n, seed=seed, low=low, vocab=vocab)
     payload = build_payload(COMPLETIONS, model, ids, 1, ignore_eos=True, temperature=0.0)
 
@@ -261,11 +269,12 @@ class LongSender:
 
     async def send(self, url: str, model: str, n: int, *, seed: int, low: int, vocab: int, run_start: float,
                    timeout_s: float) -> RequestResult:
-        fut = self.pool.submit(_long_request_child, url, model, n, seed, low, vocab, run_start, timeout_s)
+        fut = self.pool.submit(_long_request_child, url, model, n, seed, low, vocab, run_start, timeout_s,
+                               os.getpid())
         return await asyncio.wrap_future(fut)
 
-    def close(self) -> None:
-        self.pool.shutdown()
+    def close(self, *, wait: bool = True) -> None:
+        self.pool.shutdown(wait=wait, cancel_futures=True)
 
 
 def chunk_times(r: RequestResult, run_start: float) -> list[float]:
@@ -567,7 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="start no further setting when the last one's wall time would not fit what is left")
     ap.add_argument("--serve-args", default="", help="more `hyserve serve` flags, one string")
     ap.add_argument("--result-dir", default=str(ROOT / "benchmarks" / "results"))
-    ap.add_argument("--result-filename", default=None, help="default fairness_<date>_<sha>.json")
+    ap.add_argument("--result-filename", default=None, help="default fairness_<date>_<sha>_<settings>.json")
     ap.add_argument("--git-sha", default=None)
     return ap
 
@@ -610,9 +619,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = options_from(a, ap)
     head = stamp("fairness", [Path(sys.executable).name, *sys.argv] if argv is None
                  else ["python", "benchmarks/bench_fairness.py", *argv], a.git_sha)
-    name = a.result_filename or f"fairness_{dt.date.today().isoformat()}_{head['git_sha']}.json"
+    steps = "-".join(step_label(m) for m in opts.step_ms)
+    name = a.result_filename or f"fairness_{dt.date.today().isoformat()}_{head['git_sha']}_{steps}.json"
     out_path = Path(a.result_dir) / name
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    # a SIGTERM (the device call's `timeout`) unwinds through the finally blocks: the server is stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t_start = CLOCK()
     settings: list[dict[str, Any]] = []
     skipped: list[str] = []
@@ -623,6 +635,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not 0 <= opts.min_token_id < vocab:
             ap.error(f"--min-token-id {opts.min_token_id} must be in [0, vocab size {vocab})")
         sender = LongSender()
+        done = False
         try:
             for k, ms in enumerate(opts.step_ms):
                 left = None if opts.time_budget_s is None else opts.time_budget_s - (CLOCK() - t_start)
@@ -643,8 +656,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if "step cost model" in ln:
                         print(f"   {ln.strip()}", flush=True)
                 write_result(out_path, head, opts, settings, skipped)  # after every setting: a cut run keeps it
+            done = True
         finally:
-            sender.close()
+            sender.close(wait=done)
     write_result(out_path, head, opts, settings, skipped)
     print()
     print(table(settings))

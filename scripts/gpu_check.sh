@@ -32,6 +32,17 @@ log=benchmarks/results/gpu_check.log
     && python3 benchmarks/bench_kernels.py --only attn_rounds --rounds 5 --git-sha "$sha" \
        --out "benchmarks/results/attn_rounds_$sha.json" 2>&1 | tail -8
   [[ $parts == *" model "* ]] && echo "== model benchmarks" && python3 benchmarks/bench_model.py --git-sha "$sha" 2>&1 | grep -v "warm-up \[" | tail -40
+  if [[ $parts == *" fairness "* ]]; then
+    if ls .whl/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+      export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    fi
+    echo "== fairness: a 1M-token prompt beside 8 streams and a short request every second (issue 22)"
+    # the JSON is written after every setting; the budget and the timeout leave time to copy it to $OUT
+    # shellcheck disable=SC2086  # FAIRNESS_ARGS is a list of options
+    timeout "${FAIRNESS_TIMEOUT:-560}" python3 benchmarks/bench_fairness.py --max-step-ms "${FAIRNESS_STEP_MS:-off,150}" \
+      --time-budget-s "${FAIRNESS_BUDGET:-500}" --git-sha "$sha" ${FAIRNESS_ARGS:-} 2>&1 | tail -30
+  fi
   if [[ $parts == *" soak "* ]]; then
     if ls .whl/*.whl >/dev/null 2>&1; then
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
@@ -56,5 +67,5 @@ log=benchmarks/results/gpu_check.log
       --git-sha "$sha" 2>&1 | grep -v "warm-up \[" | tail -40
   fi
 } 2>&1 | tee "$log"
-if [ -n "${OUT:-}" ]; then cp benchmarks/results/*.json benchmarks/results/*.md benchmarks/results/soak_*.log "$log" "$OUT"/ 2>/dev/null; fi
+if [ -n "${OUT:-}" ]; then cp benchmarks/results/*.json benchmarks/results/*.md benchmarks/results/soak_*.log benchmarks/results/fairness_*.png "$log" "$OUT"/ 2>/dev/null; fi
 exit 0
