@@ -260,6 +260,29 @@ def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, r
             records.append(roof_rec("hyserve prefill 8k tokens (tok/s)", ptps, "tok/s", "matmul roofline", "matmul",
                                     ceilings, lambda peaks: prefill_tokens_per_s(cfg, peaks.matmul_flops)))
 
+    steps = bench_steps(eng, plan, cfg, ceilings, records, ids)
+    if time_init:
+        init_times(eng.runner.model, cfg, records)
+    from hyserve.kernels import ops
+    from hyserve.kernels.ssd import ssd_chunked_ref
+
+    ssd = "the plain-torch reference" if ops.get("ssd", True) is ssd_chunked_ref else "Triton"
+    moe_note = ""
+    if moe:
+        moe_note = (f"; MoE: {num_moe_layers(cfg)} layers of {cfg.n_routed_experts} experts, top-"
+                    f"{cfg.num_experts_per_tok}, latent {cfg.moe_latent_size}; rooflines assume uniform routing "
+                    "(random weights route near-uniformly)")
+    notes.append(
+        f"hyserve on CUDA: Triton kernels for decode conv/SSM updates, varlen conv, RMSNorms, KV write and paged "
+        f"attention; SSD prefill scan: {ssd}; decode CUDA graphs: {'on' if graphs is not None else 'off'} "
+        f"({steps} batch-{plan.batches[-1]} steps timed){moe_note}"
+    )
+
+
+def bench_steps(eng, plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, records: list, ids) -> int:
+    """The decode-step figures at each of the plan's batch sizes (graphs, then eager where graphs run);
+    returns the number of steps the last one timed."""
+
     def step_bn(batch: int, tag: str) -> tuple[float, int]:
         prompt = STEP_SHAPES[batch]
         for i in range(batch):
@@ -279,6 +302,8 @@ def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, r
         return (time.perf_counter() - t) / max(steps, 1) * 1e3, steps
 
     steps = 0
+    graphs = eng.runner.graphs
+    moe = num_moe_layers(cfg) > 0
     for batch in plan.batches:
         step_ms, steps = step_bn(batch, "g")
         context = STEP_SHAPES[batch] + 16  # mean K/V per sequence over the 32 timed steps
@@ -302,22 +327,7 @@ def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, r
                                eager_ms / step_ms, "x", "eager decode, same run", 1.0))
         if moe:
             records[-1 if graphs is None else -2]["note"] = f"{steps} decode steps of {batch} rows timed"
-    if time_init:
-        init_times(eng.runner.model, cfg, records)
-    from hyserve.kernels import ops
-    from hyserve.kernels.ssd import ssd_chunked_ref
-
-    ssd = "the plain-torch reference" if ops.get("ssd", True) is ssd_chunked_ref else "Triton"
-    moe_note = ""
-    if moe:
-        moe_note = (f"; MoE: {num_moe_layers(cfg)} layers of {cfg.n_routed_experts} experts, top-"
-                    f"{cfg.num_experts_per_tok}, latent {cfg.moe_latent_size}; rooflines assume uniform routing "
-                    "(random weights route near-uniformly)")
-    notes.append(
-        f"hyserve on CUDA: Triton kernels for decode conv/SSM updates, varlen conv, RMSNorms, KV write and paged "
-        f"attention; SSD prefill scan: {ssd}; decode CUDA graphs: {'on' if graphs is not None else 'off'} "
-        f"({steps} batch-{plan.batches[-1]} steps timed){moe_note}"
-    )
+    return steps
 
 
 def init_times(model: torch.nn.Module, cfg: HybridModelConfig, records: list) -> None:
