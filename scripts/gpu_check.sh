@@ -8,6 +8,10 @@
 #   moe_model (not a default part, issue 23): tests/test_bench_model_moe.py, then benchmarks/bench_model.py on
 #   Nemotron 3 Nano 30B-A3B (with --time-init) and on Super cut to what fits; together they may outlast one
 #   600 s call, so moe_nano and moe_super run one model each.
+#   fairness (not a default part, issue 22): benchmarks/bench_fairness.py, a 1M-token prompt beside 8 streams
+#   and a short chat request every second through `hyserve serve`, per max_step_ms in FAIRNESS_STEP_MS
+#   (default off,150; about 4-5 min each, so two per call at most); FAIRNESS_ARGS adds options. Server wheels
+#   in .whl as for soak.
 set -uo pipefail
 sha=${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 shift || true
