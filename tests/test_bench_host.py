@@ -38,5 +38,5 @@ def test_bench_host_writes_records(tmp_path: Path) -> None:
     for rec in doc["records"]:
         assert rec["unit"] == "ms" and rec["value"] > 0 and rec["reference_value"] > 0
         assert abs(rec["ratio"] - rec["value"] / rec["reference_value"]) < 1e-9
-        assert set(rec["phases_ms"]) == {"schedule", "build_meta", "update", "_sample", "_read"}
+        assert set(rec["phases_ms"]) == {"schedule", "build_meta", "update", "sample_rows", "_read"}
     assert out.with_suffix(".md").read_text().count("\n") == 4

@@ -5,6 +5,7 @@ unhealthy and exits non-zero within 60 s, nothing hangs (docs/architecture.md, "
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -133,7 +134,11 @@ def test_a_killed_rank_stops_the_server_and_no_request_hangs(setup: tuple[Path, 
         assert not t.is_alive(), "the stream hung after rank 1 died"
         assert float(ended["t"]) - killed < 30, ended  # type: ignore[arg-type]
         if ended["how"] == "closed":  # the engine failed the stream in-band before the server went down
-            assert "lost contact with the other ranks" in str(ended.get("last")), ended
+            err = json.loads(str(ended["last"]).removeprefix("data: "))["error"]
+            assert err["code"] == "engine_error" and err["error_id"], ended
+            # the client gets an error id; the detail is in the server's log under that id
+            log = server.log()
+            assert err["error_id"] in log and "lost contact with the other ranks" in log, log[-3000:]
         # a request arriving now is refused (unhealthy) or finds the port closed, at once
         try:
             r = httpx.post(f"{server.base_url}/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
