@@ -111,6 +111,7 @@ class ModelPlan:
     prefix_cache: bool  # the 8k prefill again with the prefix cache on (9B only)
     transformers: bool  # transformers' NemotronH as the peer (9B only)
     max_num_tokens: int = 8192
+    device: str = "auto"  # the engine's device ("cpu": the CPU test of this script)
 
 
 def repetition_cuts(pattern: str) -> list[int]:
@@ -181,7 +182,8 @@ def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, r
                   *, time_init: bool = False) -> None:
     moe = num_moe_layers(cfg) > 0
     t0 = time.perf_counter()
-    llm = LLM(str(plan.model_dir), load_format="dummy", max_seq_len=16384, max_batch_size=max(plan.batches),
+    llm = LLM(str(plan.model_dir), device=plan.device, load_format="dummy", max_seq_len=16384,
+              max_batch_size=max(plan.batches),
               max_num_tokens=plan.max_num_tokens,
               kv_cache_config={"enable_block_reuse": False, "free_gpu_memory_fraction": 0.5}, log=print)
     startup_s = time.perf_counter() - t0

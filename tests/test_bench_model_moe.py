@@ -4,6 +4,7 @@ device-drawn dummy init (hyserve/model/weights.py) leaves CPU tensors bit-identi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -150,6 +151,7 @@ def test_bench_hyserve_runs_a_plan_on_the_cpu(tmp_path: Path, monkeypatch: pytes
     (tmp_path / "config.json").write_text(json.dumps(tiny_config(variant)))
     monkeypatch.setattr(bm, "sync", lambda: None)
     plan = bm.make_plan(tmp_path, num_layers=None, weight_budget=None, work=tmp_path, skip_transformers=True)
+    plan = dataclasses.replace(plan, device="cpu")
     cfg = HybridModelConfig.from_dict(plan.raw)
     c = Ceilings(device="gpu", stream_read_bw=4.0e12, copy_bw=4.2e12, gemv_bw=4.1e12, gemv_best="g",
                  matmul_flops=800e12, matmul_best="m")
