@@ -92,7 +92,10 @@ class Warmup:
         def add(name: str, fn: Callable[[], None]) -> None:
             out.append((name, fn))
 
-        for n in sorted({1, C, C + 3, budget}):
+        # one sequence of each length; on CUDA also a step of each token bucket whose kernel variants
+        # differ (MoE tile configs)
+        buckets = e.loaded.model.kernel_token_buckets(budget) if e.device.type == "cuda" else []
+        for n in sorted({1, C, C + 3, budget, *buckets}):
             if 1 <= n <= fit:
                 add(f"prefill 1 x {n} tokens", lambda n=n: self._run([n]))
         if sc.enable_chunked_prefill and sc.max_num_tokens + C + 7 <= fit:
@@ -103,14 +106,9 @@ class Warmup:
         lens = [n for n in (1, C, C + 5, 2 * C + 1) if n <= fit]
         if sum(lens) <= sc.max_num_tokens and len(lens) <= sc.max_batch_size:
             add(f"prefill {len(lens)} sequences", lambda: self._run(lens))
-        if sc.enable_chunked_prefill and 2 * (sc.max_num_tokens + C + 7) <= e.plan.max_request_tokens \
-                and sc.max_batch_size >= 2:  # two continuing prefills sharing steps
-            n = sc.max_num_tokens + C + 7
+        if sc.enable_chunked_prefill and 2 * (sc.max_num_tokens + C + 7) <= fit and sc.max_batch_size >= 2:
+            n = sc.max_num_tokens + C + 7  # two continuing prefills sharing steps
             add(f"two chunked prefills of {n} tokens together", lambda n=n: self._run([n, n]))
-        if e.device.type == "cuda":  # a step of each token bucket whose kernel variants differ (MoE tiles)
-            for n in e.loaded.model.kernel_token_buckets(budget):
-                if n not in (1, C, C + 3, budget):
-                    add(f"token bucket: prefill 1 x {n}", lambda n=n: self._run([n]))
         for d in range(1, min(MAX_MIXED_DECODES, sc.max_batch_size - 1) + 1):
             add(f"mixed step: {d} decodes + 1 prefill", lambda d=d: self._mixed(d))
         add("eager decode", self._eager_decode)
