@@ -19,10 +19,6 @@ from hyserve.distributed import check_world
 from hyserve.model.config import LAYER_ATTENTION, LAYER_MAMBA, LAYER_MLP, LAYER_MOE, HybridModelConfig
 
 
-def _split_or_replicate(units: int, tp: int) -> bool:
-    return units % tp == 0 or tp % units == 0
-
-
 def sharding_problems(cfg: HybridModelConfig, *, tp_size: int, ep_size: int) -> list[str]:
     """Every reason `cfg` cannot run at tp_size / ep_size (empty when it can)."""
     kinds = set(cfg.layer_types)
@@ -33,22 +29,19 @@ def sharding_problems(cfg: HybridModelConfig, *, tp_size: int, ep_size: int) -> 
         if value % n:
             out.append(f"{field} ({value}) is not divisible by {knob} ({n}): the {what} are split over the ranks")
 
+    def splits_or_replicates(field: str, value: int, what: str) -> None:
+        if value % tp and tp % value:
+            out.append(
+                f"{field} ({value}) and tp_size ({tp}) do not fit: {what} are split when tp_size divides them "
+                f"and replicated when they divide tp_size"
+            )
+
     if LAYER_ATTENTION in kinds:
         divides("num_attention_heads", cfg.num_attention_heads, "tp_size", tp, "query heads")
-        k = cfg.num_key_value_heads
-        if not _split_or_replicate(k, tp):
-            out.append(
-                f"num_key_value_heads ({k}) and tp_size ({tp}) do not fit: KV heads are split when tp_size "
-                f"divides them and replicated when they divide tp_size"
-            )
+        splits_or_replicates("num_key_value_heads", cfg.num_key_value_heads, "KV heads")
     if LAYER_MAMBA in kinds:
         divides("mamba_num_heads", cfg.mamba_num_heads, "tp_size", tp, "Mamba heads")
-        g = cfg.n_groups
-        if not _split_or_replicate(g, tp):
-            out.append(
-                f"n_groups ({g}) and tp_size ({tp}) do not fit: Mamba B/C groups are split when tp_size divides "
-                f"them and replicated when they divide tp_size"
-            )
+        splits_or_replicates("n_groups", cfg.n_groups, "Mamba B/C groups")
     if LAYER_MLP in kinds:
         divides("intermediate_size", cfg.intermediate_size, "tp_size", tp, "MLP columns")
     if LAYER_MOE in kinds and ep >= 1 and tp % ep == 0:
