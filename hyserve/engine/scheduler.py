@@ -251,8 +251,8 @@ class Scheduler:
         prefills = self._continue(conts, budget - claim_tokens, None if ms is None else ms - claim_ms,
                                   scheduled, batch)
         budget -= sum(len(p.token_ids) for p in prefills)
-        if ms is not None and self.cost is not None:
-            ms -= sum(self.cost.chunk_ms(p.start_pos, len(p.token_ids)) for p in prefills)
+        if ms is not None:
+            ms -= sum(self._chunk_ms(p) for p in prefills)
         prefills += self.admit(budget, ms=ms, capped=bool(conts))
 
         batch.seqs.extend(prefills)
@@ -264,6 +264,11 @@ class Scheduler:
         if self.cost is None:
             return None
         return self.cost.target_ms - self.cost.overhead_ms - sum(self.cost.decode_ms(s.start_pos) for s in batch.seqs)
+
+    def _chunk_ms(self, seq: ScheduledSeq) -> float:
+        """A planned chunk's predicted milliseconds (a time budget exists only with a cost model)."""
+        assert self.cost is not None
+        return self.cost.chunk_ms(seq.start_pos, len(seq.token_ids))
 
     def _arrival_claim(self, budget: int, ms: float | None, conts: bool) -> tuple[int, float]:
         """Tokens (and milliseconds) set aside for the first chunks of the requests that can be admitted
@@ -307,8 +312,8 @@ class Scheduler:
             out.append(seq)
             scheduled.add(req.request_id)
             budget -= len(seq.token_ids)
-            if ms is not None and self.cost is not None:
-                ms -= self.cost.chunk_ms(seq.start_pos, len(seq.token_ids))
+            if ms is not None:
+                ms -= self._chunk_ms(seq)
         return out
 
     def _decode_row(self, req: Request) -> ScheduledSeq:
@@ -364,8 +369,8 @@ class Scheduler:
             self.running.append(req)
             seqs.append(seq)
             budget -= len(seq.token_ids)
-            if ms is not None and self.cost is not None:
-                ms -= self.cost.chunk_ms(seq.start_pos, len(seq.token_ids))
+            if ms is not None:
+                ms -= self._chunk_ms(seq)
         return seqs
 
     def _plan_chunk(self, req: Request, budget: int, *, ms: float | None = None) -> ScheduledSeq | None:
