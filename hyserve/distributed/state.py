@@ -199,23 +199,17 @@ def init_distributed(
             if len(ranks) > 1 and ranks not in pgs:
                 pgs[ranks] = dist.group.WORLD if list(ranks) == all_ranks else dist.new_group(list(ranks), timeout=td)
     my_ep, my_moe_tp = expert_layout(me, tp_size, ep_size)
-    moe_tp = tp_size // ep_size
-    ep_rank, moe_tp_rank = me // moe_tp, me % moe_tp
 
     def group(name: str, ranks: tuple[int, ...], pg: Any) -> Group:
         return Group(name=name, rank=ranks.index(me), size=len(ranks), ranks=ranks, timeout_s=timeout, pg=pg)
 
+    ep = group("ep", my_ep, ep_pgs.get(my_ep))
+    moe_tp = group("moe_tp", my_moe_tp, moe_tp_pgs.get(my_moe_tp))
     info = ParallelInfo(
         world_size=world, rank=me, local_rank=local, tp_size=tp_size, tp_rank=me, ep_size=ep_size,
-        ep_rank=ep_rank, moe_tp_size=moe_tp, moe_tp_rank=moe_tp_rank, backend=backend, timeout_s=timeout,
+        ep_rank=ep.rank, moe_tp_size=moe_tp.size, moe_tp_rank=moe_tp.rank, backend=backend, timeout_s=timeout,
     )
-    _STATE = _State(
-        info=info,
-        tp=group("tp", tuple(all_ranks), dist.group.WORLD),
-        ep=group("ep", my_ep, ep_pgs.get(my_ep)),
-        moe_tp=group("moe_tp", my_moe_tp, moe_tp_pgs.get(my_moe_tp)),
-        owns_pg=True,
-    )
+    _STATE = _State(info=info, tp=group("tp", tuple(all_ranks), dist.group.WORLD), ep=ep, moe_tp=moe_tp, owns_pg=True)
     return info
 
 
