@@ -26,7 +26,6 @@ import logging
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.roofline import PUBLISHED_BW, decode_step_ms  # noqa: E402
 from hyserve import LLM, SamplingParams  # noqa: E402
+from hyserve.bench.report import git_sha  # noqa: E402
 from hyserve.model.config import HybridModelConfig  # noqa: E402
 from hyserve.server.serve import freeze_startup_heap  # noqa: E402
 
@@ -105,14 +105,6 @@ def time_batch(batch: int, steps: int, prompt_len: int, *, freeze: bool) -> dict
             **{f"{n}_ms": v / steps * 1e3 for n, v in spent.items()}}
 
 
-def _git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=ROOT).stdout.strip()
-    except Exception:  # noqa: BLE001 - a copy without .git
-        return "unknown"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024])
@@ -145,7 +137,7 @@ def main() -> int:
                     f"| {r['gc_max_pause_ms']:.1f} | {phases} |")
             lines.append(line)
             print(line, flush=True)
-    sha = args.git_sha or _git_sha()
+    sha = git_sha(args.git_sha)
     date = _dt.date.today().isoformat()
     out = args.out or ROOT / "benchmarks" / "results" / f"host_{date}_{sha}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,6 @@ import argparse
 import datetime as dt
 import gc
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from hyserve import LLM, SamplingParams  # noqa: E402
 from hyserve.bench.profiling import device_kernel_times  # noqa: E402
-from hyserve.bench.report import records_markdown  # noqa: E402
+from hyserve.bench.report import git_sha, records_markdown  # noqa: E402
 from hyserve.model.config import HybridModelConfig  # noqa: E402
 
 CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
@@ -443,11 +442,10 @@ def main() -> None:
         bench_prefill_with_prefix_cache(cfg, records)
     if plan.transformers:
         bench_transformers(raw, records)
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    sha = args.git_sha or sha  # the lent GPU's copy may hold a stale .git: an explicit sha wins
+    sha = git_sha(args.git_sha)  # the lent GPU's copy may hold a stale .git: an explicit sha wins
     result = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "git_sha": sha or "unknown",
+        "git_sha": sha,
         "gpu": torch.cuda.get_device_name(),
         "command": " ".join([sys.executable, *sys.argv]),
         "model": plan.label,

@@ -22,7 +22,6 @@ import copy
 import datetime as _dt
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import hyserve.kernels.triton_moe as tm  # noqa: E402
+from hyserve.bench.report import git_sha  # noqa: E402
 from hyserve.kernels.moe import moe_experts_ref  # noqa: E402
 
 CONFIGS = ROOT / "benchmarks" / "configs"
@@ -412,14 +412,6 @@ def bench_layer(s: dict, sizes: list[int], dev, dtype, timer: Timer, ceil: dict,
     return recs
 
 
-def _git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=ROOT).stdout.strip()
-    except Exception:  # noqa: BLE001 - a copy without .git
-        return "unknown"
-
-
 def _fmt(v, f=".4f") -> str:
     return format(v, f) if isinstance(v, (int, float)) else "-"
 
@@ -464,7 +456,7 @@ def main() -> int:
     torch.manual_seed(0)
     dev = torch.device("cpu" if dry else "cuda")
     dtype = torch.float32 if dry else torch.bfloat16  # the interpreter's bf16 dot is wrong
-    sha = args.git_sha or _git_sha()
+    sha = git_sha(args.git_sha)
     timer = Timer(dry)
     sizes = [int(t) for t in args.sizes.split(",")]
     shapes = [_dry_shape(NANO), _dry_shape(SUPER)] if dry else [_shape(NANO), _shape(SUPER)]

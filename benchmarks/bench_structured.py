@@ -20,7 +20,6 @@ import datetime as dt
 import json
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hyserve.bench.report import git_sha  # noqa: E402
 from hyserve.engine.llm import LLM  # noqa: E402
 from hyserve.engine.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 from hyserve.engine.structured_output import StructuredOutputs  # noqa: E402
@@ -146,8 +146,7 @@ def main() -> None:
                         "free_median": statistics.median(res[False]),
                         "constrained_median": statistics.median(res[True]), "ratio": ratio,
                         "bitmask_fill_ms_per_step": res["fill_ms_True"]})
-    sha = args.git_sha or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                         cwd=ROOT).stdout.strip() or "unknown"
+    sha = git_sha(args.git_sha)
     result = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "git_sha": sha,
               "gpu": torch.cuda.get_device_name(), "command": " ".join([sys.executable, *sys.argv]),
               "model": "NVIDIA-Nemotron-Nano-9B-v2 architecture, random weights, bf16; synthetic 131072-token vocab",

@@ -24,7 +24,6 @@ import multiprocessing as mp
 import pickle
 import platform
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hyserve.bench.report import git_sha  # noqa: E402
 from hyserve.engine.sampling_params import SamplingParams  # noqa: E402
 from hyserve.engine.scheduler import ScheduledBatch, ScheduledSeq  # noqa: E402
 from hyserve.engine.step_channel import HEARTBEAT, STEP, encode_seqs  # noqa: E402
@@ -121,14 +121,6 @@ def send_costs(context: int, n: int) -> dict[str, float]:
     return res
 
 
-def _git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=ROOT).stdout.strip()
-    except Exception:  # noqa: BLE001 - a copy without .git
-        return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=8192)
@@ -147,7 +139,7 @@ def main() -> None:
               f"{e['dataclass_pickle_us']:>20.1f} {s:>9.1f} {b:>25.1f}")
     print(f"heartbeat send: {send['heartbeat']:.1f} us "
           f"(broadcast_object_list {send['heartbeat (broadcast_object_list)']:.1f} us)")
-    sha = _git_sha()
+    sha = git_sha()
     date = _dt.date.today().isoformat()
     out = ROOT / "benchmarks" / "results" / f"tp_step_{date}_{sha}.json"
     out.write_text(json.dumps({
