@@ -71,7 +71,6 @@ class Experts(ShardLoading):
         self.first_expert = ep.rank * self.num_local
         self.inter_local = inter // moe_tp.size
         self.inter_start = moe_tp.rank * self.inter_local
-        self.sharded = ep.size > 1 or moe_tp.size > 1
         self.up_proj = nn.Parameter(torch.empty(self.num_local, self.inter_local, dim, device=device, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(self.num_local, dim, self.inter_local, device=device, dtype=dtype))
         self.register_shard("up_proj", self._load_up, (num, inter, dim))
