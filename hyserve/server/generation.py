@@ -4,7 +4,7 @@ into one stream of tagged deltas, with the client's disconnect aborting them.
 Two failure rules live here:
 
 - a client that goes away has its engine requests aborted at once (streaming: Starlette cancels the
-  response task and `SSEResponse` closes the generator; non-streaming: `run_all` watches the ASGI
+  response task and `SSEResponse` closes the generator; non-streaming: `run_whole` watches the ASGI
   receive channel for `http.disconnect`), so their KV blocks and state slots return to the pool;
 - a stream that ends without a final delta counts as an engine failure, never as a silent success.
 """
@@ -92,16 +92,6 @@ def finish_error(finish_reason: str | None, error: str | None) -> APIError | Non
         return APIError("the request was aborted (the server is shutting down or the engine stopped it)",
                         status_code=503, code="request_aborted")
     return None
-
-
-def check_results(results: list[Result], timers: list[RequestTimer]) -> None:
-    """Close each choice's timer; raise the API error of the first choice the engine ended abnormally."""
-    for res, timer in zip(results, timers):
-        timer.finish(finish_reason=res.finish_reason, prompt_tokens=res.num_prompt_tokens,
-                     output_tokens=res.num_output_tokens)
-        err = finish_error(res.finish_reason, res.error)
-        if err is not None:
-            raise err
 
 
 class ClientGone(Exception):
@@ -209,6 +199,25 @@ async def run_all(engine: Any, raw: Request, jobs: list[Job], timers: list[Reque
     raise ClientGone
 
 
+async def run_whole(engine: Any, raw: Request, jobs: list[Job], timers: list[RequestTimer]) -> list[Result] | None:
+    """A non-streaming request's jobs run by `run_all`, each choice's timer closed: the results, or None when
+    the client went away first (the route answers 499, each choice ends as an abort); raises the API error
+    of the first choice the engine ended abnormally."""
+    try:
+        results = await run_all(engine, raw, jobs, timers)
+    except ClientGone:
+        for t, j in zip(timers, jobs):
+            t.finish(finish_reason="abort", prompt_tokens=len(j.prompt_ids), output_tokens=0)
+        return None
+    for res, timer in zip(results, timers):
+        timer.finish(finish_reason=res.finish_reason, prompt_tokens=res.num_prompt_tokens,
+                     output_tokens=res.num_output_tokens)
+        err = finish_error(res.finish_reason, res.error)
+        if err is not None:
+            raise err
+    return results
+
+
 async def merged(engine: Any, jobs: list[Job]) -> AsyncIterator[tuple[int, StreamDelta]]:
     """Deltas of several engine requests as they come, tagged with the job's index."""
     if len(jobs) == 1:
@@ -258,8 +267,3 @@ def abort_unfinished(engine: Any, jobs: list[Job], finished: set[int]) -> None:
             with contextlib.suppress(Exception):
                 engine.abort(j.request_id)
 
-
-def finish_timers_aborted(timers: list[RequestTimer], jobs: list[Job]) -> None:
-    """A non-streaming request whose client went away: each choice ends as an abort."""
-    for t, j in zip(timers, jobs):
-        t.finish(finish_reason="abort", prompt_tokens=len(j.prompt_ids), output_tokens=0)

@@ -17,17 +17,14 @@ from hyserve.server.chat_output import ChatOutput
 from hyserve.server.errors import bad_request, sse_error_event
 from hyserve.server.generation import (
     SSE_HEADERS,
-    ClientGone,
     Job,
     Result,
     SSEResponse,
     abort_unfinished,
-    check_results,
     choice_params,
     finish_error,
-    finish_timers_aborted,
     merged,
-    run_all,
+    run_whole,
     stagger_choices,
 )
 from hyserve.server.metrics import RequestTimer
@@ -158,12 +155,9 @@ async def create_chat_completion(state: AppState, req: ChatCompletionRequest, ra
                         with_logprobs=bool(req.logprobs)),
             headers=SSE_HEADERS,
         )
-    try:
-        results = await run_all(engine, raw, jobs, timers)
-    except ClientGone:
-        finish_timers_aborted(timers, jobs)
+    results = await run_whole(engine, raw, jobs, timers)
+    if results is None:
         return Response(status_code=499)
-    check_results(results, timers)
     return await state.off_loop(lambda: chat_reply(state, req, request_id, model_name, results, top_n, output),
                                 state.large_reply(sum(r.num_output_tokens for r in results), top_n))
 

@@ -17,17 +17,14 @@ from hyserve.server.chat import encode_text
 from hyserve.server.errors import bad_request, sse_error_event
 from hyserve.server.generation import (
     SSE_HEADERS,
-    ClientGone,
     Job,
     Result,
     SSEResponse,
     abort_unfinished,
-    check_results,
     choice_params,
     finish_error,
-    finish_timers_aborted,
     merged,
-    run_all,
+    run_whole,
     stagger_choices,
 )
 from hyserve.server.metrics import RequestTimer
@@ -193,12 +190,9 @@ async def create_completion(state: AppState, req: CompletionRequest, raw: Reques
                               continuous=bool(so and so.continuous_usage_stats)),
             headers=SSE_HEADERS,
         )
-    try:
-        results = await run_all(engine, raw, jobs, timers)
-    except ClientGone:
-        finish_timers_aborted(timers, jobs)
+    results = await run_whole(engine, raw, jobs, timers)
+    if results is None:
         return Response(status_code=499)
-    check_results(results, timers)
     return await state.off_loop(
         lambda: completion_reply(state, req, base, model_name, jobs, results, top_n, n, prompt_only),
         state.large_reply(sum(r.num_output_tokens for r in results), top_n),

@@ -34,15 +34,12 @@ from hyserve.server.chat_output import ChatOutput
 from hyserve.server.errors import bad_request
 from hyserve.server.generation import (
     SSE_HEADERS,
-    ClientGone,
     Job,
     SSEResponse,
     abort_unfinished,
-    check_results,
     finish_error,
-    finish_timers_aborted,
     merged,
-    run_all,
+    run_whole,
 )
 from hyserve.server.metrics import RequestTimer
 from hyserve.server.protocol import (
@@ -426,12 +423,10 @@ async def create_response(state: AppState, req: ResponsesRequest, raw: Request) 
     timer = RequestTimer(state.metrics)
     if req.stream:
         return SSEResponse(_stream(run, job, timer), headers=SSE_HEADERS)
-    try:
-        (res,) = await run_all(engine, raw, [job], [timer])
-    except ClientGone:
-        finish_timers_aborted([timer], [job])
+    results = await run_whole(engine, raw, [job], [timer])
+    if results is None:
         return Response(status_code=499)
-    check_results([res], [timer])
+    (res,) = results
     run.n_prompt, run.n_cached, run.n_out = res.num_prompt_tokens, res.num_cached_tokens, res.num_output_tokens
     start = 0
     for n_tok, n_chars_delta in res.delta_spans:  # the deltas as a stream would have fed them
