@@ -530,9 +530,9 @@ def paged_attention_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
     )
+    dcfg, pcfg = _launch_settings(on_gpu, ieee, D_PAD)
 
     if nd > 0:
-        dcfg = _launch_settings(on_gpu, ieee, D_PAD)[0]
         BLOCK_N = dcfg.pop("BLOCK_N")
         splits = num_decode_splits(nd, Hkv, max_len)
         po = torch.empty(splits, nd, Hq, Dh, dtype=torch.float32, device=dev)
@@ -554,7 +554,6 @@ def paged_attention_triton(
         )
 
     if nd < S and max_new > 0:
-        pcfg = _launch_settings(on_gpu, ieee, D_PAD)[1]
         if (prefill is not None and on_gpu and not scaled
                 and prefill(q, k_cache, v_cache, block_tables, lens_t, cu_t, out, nd, S - nd, max_new, qk_scale)):
             return out
