@@ -83,6 +83,22 @@ def tools_to_template_input(tools: list[ChatTool] | None) -> list[dict[str, Any]
     return [t.model_dump(exclude_none=True) for t in tools]
 
 
+# Template text per chat message, counted with the contents (so a request of many tiny messages renders
+# off the loop too).
+_CHARS_PER_MESSAGE = 16
+
+
+def chat_chars(messages: list[ChatMessage]) -> int:
+    """The characters chat messages render to, roughly (contents plus a per-message allowance)."""
+    n = _CHARS_PER_MESSAGE * len(messages)
+    for m in messages:
+        if isinstance(m.content, str):
+            n += len(m.content)
+        elif m.content:
+            n += sum(len(p.text or "") for p in m.content)
+    return n
+
+
 def system_texts(messages: list[ChatMessage]) -> list[str]:
     """Text of system/developer messages (Nemotron Nano v2 reads `/think` and `/no_think` there)."""
     out = []

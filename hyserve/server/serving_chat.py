@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from hyserve.engine.outputs import TokenLogprob
 from hyserve.server import structured
-from hyserve.server.chat import encode_text, render_chat_prompt, system_texts
+from hyserve.server.chat import chat_chars, encode_text, render_chat_prompt, system_texts
 from hyserve.server.chat_output import ChatOutput
 from hyserve.server.errors import bad_request, sse_error_event
 from hyserve.server.generation import (
@@ -42,7 +42,6 @@ from hyserve.server.protocol import (
     DeltaToolCall,
     ResponseFunctionCall,
     ResponseToolCall,
-    TokenizeRequest,
     UsageInfo,
     now,
 )
@@ -50,21 +49,6 @@ from hyserve.server.reasoning import ReasoningParser, thinking_enabled
 from hyserve.server.state import ERROR_RESPONSES, LOGPROB_FLOOR, OFF_LOOP_CHARS, AppState, sse, usage_info
 from hyserve.server.structured import ForcedToolOutput
 from hyserve.server.tool_parser import ParsedToolCall, ToolCallParser
-
-# Template text per chat message, counted with the contents (so a request of many tiny messages renders
-# off the loop too).
-_CHARS_PER_MESSAGE = 16
-
-
-def chat_chars(req: ChatCompletionRequest | TokenizeRequest) -> int:
-    """The characters a chat request renders to, roughly (contents plus a per-message allowance)."""
-    n = _CHARS_PER_MESSAGE * len(req.messages or [])
-    for m in req.messages or []:
-        if isinstance(m.content, str):
-            n += len(m.content)
-        elif m.content:
-            n += sum(len(p.text or "") for p in m.content)
-    return n
 
 
 def chat_logprobs(state: AppState, lps: list[TokenLogprob], top_n: int) -> ChatChoiceLogprobs:
@@ -121,7 +105,7 @@ async def create_chat_completion(state: AppState, req: ChatCompletionRequest, ra
         )
         return text, encode_text(tok, text, add_special_tokens=False, param="messages")
 
-    n_chars = chat_chars(req)
+    n_chars = chat_chars(req.messages)
     state.check_prompt_chars(n_chars, "messages")
     text, prompt_ids = await state.off_loop(render_and_encode, n_chars >= OFF_LOOP_CHARS)
     top_n = req.top_logprobs or 0

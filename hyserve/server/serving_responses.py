@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from hyserve.server import structured
-from hyserve.server.chat import encode_text, render_chat_prompt, system_texts
+from hyserve.server.chat import chat_chars, encode_text, render_chat_prompt, system_texts
 from hyserve.server.chat_output import ChatOutput
 from hyserve.server.errors import bad_request
 from hyserve.server.generation import (
@@ -407,7 +407,7 @@ async def create_response(state: AppState, req: ResponsesRequest, raw: Request) 
                                   chat_template_kwargs=template_kwargs)
         return text, encode_text(tok, text, add_special_tokens=False, param="input")
 
-    n_chars = sum(len(m.content) if isinstance(m.content, str) else 0 for m in msgs) + 16 * len(msgs)
+    n_chars = chat_chars(msgs)
     state.check_prompt_chars(n_chars, "input")
     text, prompt_ids = await state.off_loop(render_and_encode, n_chars >= OFF_LOOP_CHARS)
     params = state.sampling_params(req, len(prompt_ids), req.max_output_tokens, None, structured_outputs=spec)

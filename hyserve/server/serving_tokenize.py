@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from hyserve.server.chat import encode_text, render_chat_prompt
+from hyserve.server.chat import chat_chars, encode_text, render_chat_prompt
 from hyserve.server.errors import bad_request
 from hyserve.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from hyserve.server.serving_chat import chat_chars
 from hyserve.server.state import ERROR_RESPONSES, OFF_LOOP_CHARS, AppState
 
 
@@ -28,7 +27,7 @@ async def tokenize_request(state: AppState, req: TokenizeRequest) -> TokenizeRes
             return encode_text(tok, text, add_special_tokens=False, param="messages")
         return encode_text(tok, req.prompt or "", add_special_tokens=req.add_special_tokens)
 
-    n_chars = chat_chars(req) if req.messages is not None else len(req.prompt or "")
+    n_chars = chat_chars(req.messages) if req.messages is not None else len(req.prompt or "")
     state.check_prompt_chars(n_chars, "messages" if req.messages is not None else "prompt")
     ids = await state.off_loop(render_and_encode, n_chars >= OFF_LOOP_CHARS)
     return TokenizeResponse(count=len(ids), max_model_len=state.engine.max_seq_len, tokens=ids)
