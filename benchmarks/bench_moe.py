@@ -2,8 +2,8 @@
 """One MoE layer of Nemotron 3 on the GPU: the fused Triton path (kernels/triton_moe.py) against
 `torch._grouped_mm` over token-sorted experts and the per-expert loop, in the same run, each first checked
 against the float64 reference; quoted against the bytes roofline (expert weights the routing touches +
-activations, over the HBM read ceiling measured here by a streaming read of 4 GiB) and the FLOP roofline
-(over a bf16 8192^3 matmul measured here).
+activations, over the bytes-read ceiling measured here by benchmarks/roofline.py: the faster of a 4 GiB
+streaming read and a 1 GiB GEMV) and the FLOP roofline (over a bf16 8192^3 matmul measured here).
 
     python benchmarks/bench_moe.py                       # Nano 30B-A3B experts + Super latent layer
     python benchmarks/bench_moe.py --tune                # first autotune every (E, N, K, bucket), write
@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import hyserve.kernels.triton_moe as tm  # noqa: E402
+from benchmarks.roofline import PUBLISHED_BW, PUBLISHED_FLOPS, measure_ceilings  # noqa: E402
 from hyserve.bench.report import git_sha  # noqa: E402
 from hyserve.kernels.moe import moe_experts_ref  # noqa: E402
 
@@ -102,27 +103,15 @@ class Timer:
 # --------------------------------------------------------------------------- ceilings
 
 
-def measure_ceilings(dev: torch.device, dry: bool, timer: Timer) -> dict:
+def moe_ceilings(dev: torch.device, dry: bool) -> dict:
+    """This device's bytes-read and bf16 matmul ceilings (benchmarks/roofline.py, one 8192^3 matmul shape);
+    the dry run quotes the H200's published peaks instead."""
     if dry:
-        return dict(read_bw=4.27e12, matmul_flops=794e12, note="dry-run: the H200 figures, not measured")
-    n = 2**31  # 4 GiB of bf16
-
-    def read_ms() -> float:
-        big = torch.empty(n, dtype=torch.bfloat16, device=dev).normal_()
-        return timer.eager([lambda: big.sum(dtype=torch.float32)], rep=200)
-
-    def matmul_ms() -> float:
-        a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-        b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-        return timer.eager([lambda: a @ b], rep=200)
-
-    t = read_ms()
-    read_bw = n * 2 / (t * 1e-3)
-    tm_ms = matmul_ms()
-    flops = 2 * 8192**3 / (tm_ms * 1e-3)
-    torch.cuda.empty_cache()
-    print(f"ceilings: streaming read {read_bw / 1e12:.2f} TB/s (sum over 4 GiB), bf16 matmul {flops / 1e12:.0f} TFLOP/s")
-    return dict(read_bw=read_bw, matmul_flops=flops, read_ms_4gib=t, matmul_ms_8192=tm_ms)
+        return dict(read_bw=PUBLISHED_BW, matmul_flops=PUBLISHED_FLOPS,
+                    note="dry-run: the H200's published peaks, not measured")
+    c = measure_ceilings(dev, matmul_shapes=((8192, 8192, 8192),))
+    print(c.summary())
+    return c.to_dict()
 
 
 # --------------------------------------------------------------------------- peers
@@ -418,7 +407,7 @@ def _fmt(v, f=".4f") -> str:
 
 def _table(doc: dict) -> str:
     c = doc["ceilings"]
-    lines = [f"ceilings: streaming read {c['read_bw'] / 1e12:.2f} TB/s, bf16 matmul {c['matmul_flops'] / 1e12:.0f} TFLOP/s",
+    lines = [f"ceilings: bytes read {c['read_bw'] / 1e12:.2f} TB/s, bf16 matmul {c['matmul_flops'] / 1e12:.0f} TFLOP/s",
              "", "| layer | T | fused eager ms | fused graph ms | _grouped_mm eager / graph ms | loop ms | roofline ms "
              "(bound) | x roofline | TB/s | vs _grouped_mm (eager, graph) | config |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -483,7 +472,7 @@ def main() -> int:
         if args.tune_only:
             out.write_text(json.dumps(doc, indent=1) + "\n")
             return 0
-    doc["ceilings"] = measure_ceilings(dev, dry, timer)
+    doc["ceilings"] = moe_ceilings(dev, dry)
     doc["experts"] = []
     doc["layers"] = []
     for s in shapes:
