@@ -75,13 +75,13 @@ class Mamba2Mixer(ShardLoading):
         heads = ShardedPart(name="heads", units=H, unit_size=P)
         heads.check(tp, knob="tp_size", replicate=False)
         # B/C groups: split when tp divides them, else one group per rank, replicated (tp % G == 0)
-        groups = ShardedPart(name="B", units=G, unit_size=N)
-        groups.check(tp, knob="tp_size")
+        b_part, c_part = ShardedPart(name="B", units=G, unit_size=N), ShardedPart(name="C", units=G, unit_size=N)
+        b_part.check(tp, knob="tp_size")
         # this rank's sizes
         self.num_heads = H // tp
         self.head_dim = P
         self.state_size = N
-        self.n_groups = groups.local_units(tp)
+        self.n_groups = b_part.local_units(tp)
         self.chunk_size = spec.chunk_size
         self.conv_kernel = spec.conv_kernel
         self.d_inner = self.num_heads * P
@@ -90,15 +90,13 @@ class Mamba2Mixer(ShardLoading):
         # a norm group spans several ranks when the groups are fewer than the ranks: its mean of squares
         # is summed over them (`_gated_norm_spanning`)
         self.norm_spans_ranks = G < tp
-        self.group_of_rank = groups.first_unit(self.group.rank, tp)
-        norm_group_size = spec.d_inner // G
-        self.norm_group_size_full = norm_group_size
+        self.group_of_rank = b_part.first_unit(self.group.rank, tp)
+        self.norm_group_size_full = spec.d_inner // G
         self.n_groups_full = G
         h = spec.hidden_size
-        x_part = ShardedPart(name="x", units=H, unit_size=P)
-        b_part, c_part = ShardedPart(name="B", units=G, unit_size=N), ShardedPart(name="C", units=G, unit_size=N)
+        x_part, dt_part = ShardedPart(name="x", units=H, unit_size=P), ShardedPart(name="dt", units=H)
         self.in_proj = MergedColumnParallelLinear(
-            h, [ShardedPart(name="z", units=H, unit_size=P), x_part, b_part, c_part, ShardedPart(name="dt", units=H)],
+            h, [ShardedPart(name="z", units=H, unit_size=P), x_part, b_part, c_part, dt_part],
             bias=spec.proj_bias, group=self.group, device=device, dtype=dtype,
         )
         # [conv_dim, 1, K] to match checkpoints (nn.Conv1d layout); used as [conv_dim, K]; channels [x | B | C]
@@ -110,14 +108,12 @@ class Mamba2Mixer(ShardLoading):
         self.A_log = nn.Parameter(torch.zeros(self.num_heads, device=device, dtype=dtype))
         self.D = nn.Parameter(torch.ones(self.num_heads, device=device, dtype=dtype))
         self.norm = GatedRMSNorm(
-            self.d_inner, min(norm_group_size, self.d_inner), spec.norm_eps, device=device, dtype=dtype
+            self.d_inner, min(self.norm_group_size_full, self.d_inner), spec.norm_eps, device=device, dtype=dtype
         )
         self.out_proj = RowParallelLinear(
             spec.d_inner, h, bias=spec.proj_bias, unit_size=P, group=self.group, device=device, dtype=dtype
         )
-        conv_parts = (x_part, b_part, c_part)
-        self._conv_parts, self._head_parts = conv_parts, (ShardedPart(name="dt", units=H),)
-        self._inner_parts = (x_part,)
+        self._conv_parts, self._head_parts, self._inner_parts = (x_part, b_part, c_part), (dt_part,), (x_part,)
         self.register_shard("conv1d.weight", self._load_conv, (spec.conv_dim, 1, spec.conv_kernel))
         if spec.use_conv_bias:
             self.register_shard("conv1d.bias", self._load_conv, (spec.conv_dim,))
