@@ -564,12 +564,8 @@ def init_random_tensors(
                     jobs.append((t, c, r0, min(rows, r0 + step), name, std))
         if on_device:
             for t, c, r0, r1, name, std in [j for j in jobs if j[0].is_cuda]:
-                shape = (r1 - r0, *t.shape[1:]) if t.dim() else ()
-                x = _device_normal_chunk(t, name, c, shape, std, seed)
-                if t.dim():
-                    t[r0:r1].copy_(x)
-                else:
-                    t.copy_(x)
+                dst = t[r0:r1] if t.dim() else t
+                dst.copy_(_device_normal_chunk(t, name, c, tuple(dst.shape), std, seed))
             jobs = [j for j in jobs if not j[0].is_cuda]
         if not jobs:
             return
