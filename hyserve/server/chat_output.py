@@ -7,7 +7,12 @@ the chat completions and the Responses routes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+from hyserve.server.protocol import ChatTool
 from hyserve.server.reasoning import ReasoningParser
+from hyserve.server.structured import ForcedToolOutput
 from hyserve.server.tool_parser import ParsedToolCall, ToolCallParser
 
 
@@ -50,3 +55,21 @@ class ChatOutput:
         if calls:
             content = content.strip()
         return reasoning, content, calls
+
+
+def output_maker(*, reasoning_parser: str | None, tool_parser: str | None, think: bool, tools: list[ChatTool] | None,
+                 tool_choice: Any, parallel: bool, forced: tuple[Any, str | None] | None
+                 ) -> Callable[[], ChatOutput | ForcedToolOutput]:
+    """A fresh output object per choice: `ForcedToolOutput` when tool_choice forces calls (`forced`, from
+    `structured.tool_choice_spec`), else `ChatOutput`, parsing tool calls when the request has tools, does
+    not say tool_choice "none" and the server has a tool parser."""
+    parse_tools = bool(tools) and tool_choice != "none" and tool_parser is not None and forced is None
+    tools_dump = [t.model_dump() for t in tools] if tools else None
+
+    def make() -> ChatOutput | ForcedToolOutput:
+        reasoning = ReasoningParser(enabled=think) if reasoning_parser else None
+        if forced is not None:
+            return ForcedToolOutput(reasoning, forced[1])
+        return ChatOutput(reasoning, ToolCallParser(tools_dump) if parse_tools else None, parallel)
+
+    return make

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from hyserve.engine.outputs import TokenLogprob
 from hyserve.server import structured
 from hyserve.server.chat import chat_chars, encode_text, render_chat_prompt, system_texts
-from hyserve.server.chat_output import ChatOutput
+from hyserve.server.chat_output import ChatOutput, output_maker
 from hyserve.server.errors import bad_request, sse_error_event
 from hyserve.server.generation import (
     SSE_HEADERS,
@@ -45,10 +45,10 @@ from hyserve.server.protocol import (
     UsageInfo,
     now,
 )
-from hyserve.server.reasoning import ReasoningParser, thinking_enabled
+from hyserve.server.reasoning import thinking_enabled
 from hyserve.server.state import ERROR_RESPONSES, LOGPROB_FLOOR, OFF_LOOP_CHARS, AppState, sse, usage_info
 from hyserve.server.structured import ForcedToolOutput
-from hyserve.server.tool_parser import ParsedToolCall, ToolCallParser
+from hyserve.server.tool_parser import ParsedToolCall
 
 
 def chat_logprobs(state: AppState, lps: list[TokenLogprob], top_n: int) -> ChatChoiceLogprobs:
@@ -96,7 +96,6 @@ async def create_chat_completion(state: AppState, req: ChatCompletionRequest, ra
     )
     grammar_param = ("tool_choice" if forced else "response_format" if req.response_format is not None
                      else "structured_outputs")
-    parse_tools = bool(req.tools) and tc != "none" and opts.tool_parser is not None and forced is None
 
     def render_and_encode() -> tuple[str, list[int]]:
         text = render_chat_prompt(
@@ -120,13 +119,8 @@ async def create_chat_completion(state: AppState, req: ChatCompletionRequest, ra
     jobs = [Job(request_id if n == 1 else f"{request_id}-{k}", prompt_ids, choice_params(params, k), text)
             for k in range(n)]
     stagger_choices(jobs, n, state.stagger_min)
-    tools_dump = [t.model_dump() for t in req.tools] if req.tools else None
-
-    def output() -> ChatOutput | ForcedToolOutput:
-        reasoning = ReasoningParser(enabled=think) if opts.reasoning_parser else None
-        if forced is not None:
-            return ForcedToolOutput(reasoning, forced[1])
-        return ChatOutput(reasoning, ToolCallParser(tools_dump) if parse_tools else None, parallel)
+    output = output_maker(reasoning_parser=opts.reasoning_parser, tool_parser=opts.tool_parser, think=think,
+                          tools=req.tools, tool_choice=tc, parallel=parallel, forced=forced)
 
     model_name = req.model or engine.model_name
     timers = [RequestTimer(state.metrics) for _ in jobs]

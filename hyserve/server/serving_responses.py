@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 
 from hyserve.server import structured
 from hyserve.server.chat import chat_chars, encode_text, render_chat_prompt, system_texts
-from hyserve.server.chat_output import ChatOutput
+from hyserve.server.chat_output import ChatOutput, output_maker
 from hyserve.server.errors import bad_request
 from hyserve.server.generation import (
     SSE_HEADERS,
@@ -52,10 +52,10 @@ from hyserve.server.protocol import (
     ToolCall,
     now,
 )
-from hyserve.server.reasoning import ReasoningParser, thinking_enabled
+from hyserve.server.reasoning import thinking_enabled
 from hyserve.server.state import ERROR_RESPONSES, OFF_LOOP_CHARS, AppState
 from hyserve.server.structured import ForcedToolOutput
-from hyserve.server.tool_parser import ParsedToolCall, ToolCallParser
+from hyserve.server.tool_parser import ParsedToolCall
 
 _TEXT_PART_TYPES = ("input_text", "output_text", "text")
 MAX_INPUT_ITEMS = 4096
@@ -400,7 +400,6 @@ async def create_response(state: AppState, req: ResponsesRequest, raw: Request) 
         ("tool_choice", forced[0] if forced else None),
     )
     grammar_param = "tool_choice" if forced else "text.format" if fmt is not None else "structured_outputs"
-    parse_tools = bool(tools) and req.tool_choice != "none" and opts.tool_parser is not None and forced is None
 
     def render_and_encode() -> tuple[str, list[int]]:
         text = render_chat_prompt(tok, msgs, tools=tools, add_generation_prompt=True,
@@ -414,11 +413,8 @@ async def create_response(state: AppState, req: ResponsesRequest, raw: Request) 
     await state.validate_async(prompt_ids, params, "input", grammar_param)
     response_id = _rid("resp")
     job = Job(response_id, prompt_ids, params, text)
-    tools_dump = [t.model_dump() for t in tools] if tools else None
-    reasoning = ReasoningParser(enabled=think) if opts.reasoning_parser else None
-    out: ChatOutput | ForcedToolOutput = (
-        ForcedToolOutput(reasoning, forced[1]) if forced is not None
-        else ChatOutput(reasoning, ToolCallParser(tools_dump) if parse_tools else None, parallel))
+    out = output_maker(reasoning_parser=opts.reasoning_parser, tool_parser=opts.tool_parser, think=think,
+                       tools=tools, tool_choice=req.tool_choice, parallel=parallel, forced=forced)()
     run = _Run(state, req, response_id, req.model or engine.model_name, out, think, tools, len(prompt_ids))
     timer = RequestTimer(state.metrics)
     if req.stream:
