@@ -424,12 +424,12 @@ async def create_response(state: AppState, req: ResponsesRequest, raw: Request) 
         return Response(status_code=499)
     (res,) = results
     run.n_prompt, run.n_cached, run.n_out = res.num_prompt_tokens, res.num_cached_tokens, res.num_output_tokens
-    start = 0
+    pos = 0
     for n_tok, n_chars_delta in res.delta_spans:  # the deltas as a stream would have fed them
-        run.feed_delta(res.text[start : start + n_chars_delta], n_tok)
-        start += n_chars_delta
-    if start < len(res.text):
-        run.feed_delta(res.text[start:], 0)
+        run.feed_delta(res.text[pos : pos + n_chars_delta], n_tok)
+        pos += n_chars_delta
+    if pos < len(res.text):
+        run.feed_delta(res.text[pos:], 0)
     run.finish(res.finish_reason)
     return JSONResponse(run.response())
 
