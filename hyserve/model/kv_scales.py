@@ -12,7 +12,13 @@ from safetensors import safe_open
 from hyserve.model.attention import Attention, parse_kv_scale_name
 from hyserve.model.config import LAYER_ATTENTION
 from hyserve.model.nemotron_h import NemotronHForCausalLM
-from hyserve.model.weights import StateDictModule, canonical_name, checkpoint_files, load_checkpoint
+from hyserve.model.weights import (
+    StateDictModule,
+    _model_tensors,
+    canonical_name,
+    checkpoint_files,
+    load_checkpoint,
+)
 
 logger = logging.getLogger("hyserve")
 
@@ -46,12 +52,7 @@ def load_checkpoint_with_kv_scales(model: NemotronHForCausalLM, model_dir: Path)
     if not shapes:
         load_checkpoint(model, model_dir)
         return {}
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in seen:  # tied weights once
-            seen.add(id(t))
-            tensors[name] = t
+    tensors, _ = _model_tensors(model)  # tied weights once
     holders = {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items()}
     load_checkpoint(StateDictModule({**tensors, **holders}), model_dir)
 
