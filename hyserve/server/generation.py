@@ -94,6 +94,16 @@ def finish_error(finish_reason: str | None, error: str | None) -> APIError | Non
     return None
 
 
+def engine_api_error(engine: Any, e: BaseException) -> APIError | None:
+    """The API error of an exception an engine request raised: a rejection is a 400 naming the field, a
+    RuntimeError while the engine is down a 503; None for anything else."""
+    if isinstance(e, RequestRejected):
+        return bad_request(str(e), param=e.param, code=e.code)
+    if isinstance(e, RuntimeError) and not engine.healthy:
+        return APIError(str(e), status_code=503, code="engine_unavailable")
+    return None
+
+
 class ClientGone(Exception):
     """The client disconnected before a non-streaming response was ready."""
 
@@ -187,10 +197,9 @@ async def run_all(engine: Any, raw: Request, jobs: list[Job], timers: list[Reque
         except Exception as e:
             # gather() leaves the other requests running: stop them before answering.
             abort_all(engine, jobs)
-            if isinstance(e, RequestRejected):
-                raise bad_request(str(e), param=e.param, code=e.code) from None
-            if isinstance(e, RuntimeError) and not engine.healthy:
-                raise APIError(str(e), status_code=503, code="engine_unavailable") from None
+            err = engine_api_error(engine, e)
+            if err is not None:
+                raise err from None
             raise
     work.cancel()
     with contextlib.suppress(BaseException):

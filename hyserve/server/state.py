@@ -19,6 +19,7 @@ from hyserve.engine.errors import RequestRejected
 from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.structured_output import GrammarError
 from hyserve.server.errors import APIError, bad_request, internal_error
+from hyserve.server.generation import engine_api_error
 from hyserve.server.metrics import ServerMetrics
 from hyserve.server.protocol import ErrorResponse, PromptTokensDetails, UsageInfo
 from hyserve.server.reasoning import check_reasoning_parser_name
@@ -330,8 +331,5 @@ class AppState:
         """The in-band error of a stream that failed after its 200."""
         if isinstance(e, APIError):
             return e
-        if isinstance(e, RequestRejected):
-            return bad_request(str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
-        if isinstance(e, RuntimeError) and not self.engine.healthy:
-            return APIError(str(e), status_code=503, code="engine_unavailable")
-        return internal_error("internal server error while streaming", e)
+        err = engine_api_error(self.engine, e)
+        return err if err is not None else internal_error("internal server error while streaming", e)
