@@ -57,21 +57,16 @@ class ApiMiddleware:
                                                        else "other")
         if self.api_key and path.startswith(_PROTECTED_PREFIXES) and scope.get("method") != "OPTIONS":
             if not self._authorized(scope):
-                body = json.dumps(
-                    error_body("invalid or missing API key: send 'Authorization: Bearer <key>'",
-                               err_type="authentication_error", code="invalid_api_key")
-                ).encode()
-                await send({"type": "http.response.start", "status": 401,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"www-authenticate", b"Bearer")]})
-                await send({"type": "http.response.body", "body": body})
-                self.metrics.requests.labels(route=route, status="401").inc()
+                await self._send_error(send, 401, error_body(
+                    "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                    err_type="authentication_error", code="invalid_api_key"), route, (b"www-authenticate", b"Bearer"))
                 return
         limit = self.max_body_bytes
         if limit is not None:
             declared = next((v for k, v in scope.get("headers", []) if k.lower() == b"content-length"), None)
             if declared is not None and declared.strip().isdigit() and int(declared) > limit:
-                await self._send_error(send, 413, body_too_large(limit), route)
+                await self._send_error(send, 413, error_body(body_too_large(limit), err_type="invalid_request_error"),
+                                       route, (b"connection", b"close"))
                 return
             receive = self._bounded(receive, limit)
         status = {"code": 500}
@@ -105,11 +100,12 @@ class ApiMiddleware:
 
         return bounded
 
-    async def _send_error(self, send: Any, status: int, message: str, route: str) -> None:
-        body = json.dumps(error_body(message, err_type="invalid_request_error")).encode()
+    async def _send_error(self, send: Any, status: int, body: dict[str, Any], route: str,
+                          header: tuple[bytes, bytes]) -> None:
+        """An error answered here, before the app (a JSON error body, `header` besides its content type)."""
         await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+                    "headers": [(b"content-type", b"application/json"), header]})
+        await send({"type": "http.response.body", "body": json.dumps(body).encode()})
         self.metrics.requests.labels(route=route, status=str(status)).inc()
 
     def _authorized(self, scope: dict[str, Any]) -> bool:
