@@ -10,7 +10,7 @@ a constrained output.
 
 With a reasoning parser on and thinking enabled the constraint starts after `</think>`, so the thinking
 section stays free. Compiling happens in the engine's validation, which the routes run on a worker thread
-(`AppState.validate_structured`); a spec that cannot compile is a 400 naming the field and the problem.
+(`AppState.validate_async`); a spec that cannot compile is a 400 naming the field and the problem.
 """
 
 from __future__ import annotations
