@@ -72,8 +72,7 @@ def _time_attention(engine: LLMEngine) -> tuple[tuple[int, int, float], float]:
     layers = len(tensors.k)
     bs = tensors.tokens_per_block
     head_dim = k.shape[-1]
-    _, per_context = engine.model_config.step_flops()
-    heads = max(1, round(per_context / (4 * layers * head_dim)))
+    heads = max(1, engine.model_config.num_attention_heads // engine.config.parallel.tp_size)  # this rank's
     ctx = min(_MAX_CONTEXT, (k.shape[0] - 1) * bs) // bs * bs
     q_n = min(512, ctx // 2)
     dev = engine.device

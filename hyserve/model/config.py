@@ -370,33 +370,6 @@ class HybridModelConfig:
                     n += 2 * h * self.moe_latent_size
         return n
 
-    def step_flops(self) -> tuple[float, float]:
-        """(FLOPs per new token outside attention's context term, FLOPs per new token per context token in
-        attention): what the step cost model scales by. The first counts every matmul a token passes
-        through (MoE: the routed top-k and the shared expert only) and the LM head; the second the score
-        and value products of every attention layer (2 x 2 x heads x head_dim per key). The LM head runs for
-        sampling rows only and goes into the per-step term."""
-        h = self.hidden_size
-        per_token = 0.0
-        for t in self.layer_types:
-            if t == LAYER_MAMBA:
-                per_token += 2 * (h * self.in_proj_size + self.mamba_intermediate_size * h)
-                # the SSD scan: state updates and outputs, ~4 x heads x head_dim x state per token
-                per_token += 4 * self.mamba_intermediate_size * self.ssm_state_size
-            elif t == LAYER_ATTENTION:
-                per_token += 2 * h * self.head_dim * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
-            elif t == LAYER_MLP:
-                per_token += 4 * h * self.intermediate_size
-            else:
-                d = self.moe_latent_size or h
-                per_token += 2 * h * self.n_routed_experts
-                per_token += self.num_experts_per_tok * 4 * d * self.moe_intermediate_size
-                per_token += 4 * h * self.moe_shared_expert_intermediate_size
-                if self.moe_latent_size is not None:
-                    per_token += 4 * h * self.moe_latent_size
-        per_context = 4.0 * len(self.attention_layer_ids) * self.num_attention_heads * self.head_dim
-        return per_token, per_context
-
     # ---- loading -------------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, path: str | Path) -> HybridModelConfig:

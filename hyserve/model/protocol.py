@@ -24,6 +24,7 @@ class ModelSpec(Protocol):
     max_position_embeddings: int
     # tokens per SSD chunk: snapshot boundaries inside a prefill chunk must fall on multiples of it
     chunk_size: int
+    num_attention_heads: int  # query heads of an attention layer (the step cost calibration times them)
 
     @property
     def kv_bytes_per_token(self) -> int: ...
@@ -36,7 +37,6 @@ class ModelSpec(Protocol):
 
     def num_parameters(self) -> int: ...
 
-    def step_flops(self) -> tuple[float, float]: ...
 
     def describe(self) -> str: ...
 
