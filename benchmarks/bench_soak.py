@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from hyserve.bench.http_client import error_message  # noqa: E402
+from hyserve.bench.http_client import error_message, sse_data  # noqa: E402
 from hyserve.engine.faults import FaultInjector  # noqa: E402
 
 DEFAULT_MODEL = "benchmarks/configs/NVIDIA-Nemotron-Nano-9B-v2"
@@ -186,12 +186,7 @@ async def run_one(client: httpx.AsyncClient, url: str, plan: Plan, injector: Fau
             if resp.status_code != 200:
                 out.detail = error_message(resp.status_code, await resp.aread())
                 return out
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
+            async for data in sse_data(resp):
                 obj = json.loads(data)
                 if not isinstance(obj, dict):
                     out.detail = f"an SSE event that is not a JSON object: {data[:200]!r}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -111,6 +111,17 @@ def _chunk_output(kind: str, choice: dict[str, Any]) -> str | None:
     return t
 
 
+async def sse_data(resp: httpx.Response) -> AsyncIterator[str]:
+    """The `data:` payloads of a streamed response's server-sent events, up to `[DONE]`."""
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield data
+
+
 async def send_streaming(client: httpx.AsyncClient, url: str, payload: dict[str, Any], *, kind: str,
                          prompt_len: int, headers: dict[str, str] | None = None, run_start: float = 0.0,
                          clock: Callable[[], float] = time.perf_counter) -> RequestResult:
@@ -130,12 +141,7 @@ async def send_streaming(client: httpx.AsyncClient, url: str, payload: dict[str,
                 res.error = error_message(resp.status_code, await resp.aread())
                 res.e2el_s = clock() - st
                 return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
+            async for data in sse_data(resp):
                 now = clock()
                 try:
                     obj = json.loads(data)
