@@ -201,6 +201,14 @@ def check_token_budget(max_num_tokens: int, max_batch_size: int) -> None:
         )
 
 
+def expert_split_problem(tp_size: int, ep_size: int) -> str | None:
+    """Why ep_size cannot split tp_size's ranks, or None (also checked against the world at start-up)."""
+    if tp_size % ep_size:
+        return (f"ep_size ({ep_size}) must divide tp_size ({tp_size}): experts are sharded over the "
+                "tensor-parallel ranks, each expert tensor-parallel over tp_size / ep_size of them")
+    return None
+
+
 # ---- the configs -----------------------------------------------------------------------------------------
 
 
@@ -271,11 +279,9 @@ class ParallelConfig:
 
     def check(self) -> None:
         # the world, the visible GPUs and the model's heads / experts are checked at start-up (engine/launch.py)
-        if self.tp_size % self.ep_size:
-            raise ValueError(
-                f"ep_size ({self.ep_size}) must divide tp_size ({self.tp_size}): experts are sharded over the "
-                "tensor-parallel ranks, each expert tensor-parallel over tp_size / ep_size of them"
-            )
+        problem = expert_split_problem(self.tp_size, self.ep_size)
+        if problem:
+            raise ValueError(problem)
 
 
 @dataclass(frozen=True, kw_only=True)

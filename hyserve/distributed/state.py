@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hyserve import envs
+from hyserve.config import expert_split_problem
 
 DEVICE_TYPES = ("cpu", "cuda")
 
@@ -111,11 +112,9 @@ def check_world(
             problems.append(f"{knob} must be an integer >= 1, got {v!r}")
     if problems:
         raise ValueError("parallel settings do not fit: " + "; ".join(problems))
-    if tp_size % ep_size:
-        problems.append(
-            f"ep_size ({ep_size}) must divide tp_size ({tp_size}): experts are sharded over the tensor-parallel "
-            f"ranks, each expert tensor-parallel over tp_size / ep_size of them"
-        )
+    split = expert_split_problem(tp_size, ep_size)
+    if split:
+        problems.append(split)
     if tp_size != world_size:
         problems.append(
             f"tp_size ({tp_size}) must equal the number of ranks ({world_size}, torchrun's WORLD_SIZE or the "
