@@ -54,8 +54,9 @@ def isolate_failure(eng: LLMEngine, batch: ScheduledBatch, feed: PendingStep | N
     alive = [s for s in batch.seqs if (r := eng.requests.get(s.request_id)) is not None and not r.finished]
     decodes = {s.request_id for s in batch.seqs[: batch.num_decodes]}
     # strict_warmup's late compilation is the step's, not a request's: no probe (it could compile again)
-    culprit = None if isinstance(err, JitAfterReadyError) else _find_culprit(eng, alive, decodes, feed)
-    msg = f"internal error while running this request: {type(err).__name__}: {err}"
+    culprit, cause = (None, err) if isinstance(err, JitAfterReadyError) else _find_culprit(eng, alive, decodes, feed, err)
+    # the culprit's own failure: with two faulty requests in one step, the step's error may be the other's
+    msg = f"internal error while running this request: {type(cause).__name__}: {cause}"
     if culprit is None:
         logger.error("step failed (%s) and no single request of its %d fails it alone: failing them all",
                      err, len(alive))
@@ -73,23 +74,30 @@ def isolate_failure(eng: LLMEngine, batch: ScheduledBatch, feed: PendingStep | N
     return out
 
 
-def _find_culprit(eng: LLMEngine, seqs: list[ScheduledSeq], decodes: set[str],
-                  feed: PendingStep | None) -> ScheduledSeq | None:
-    """The row of `seqs` (a failed step, in batch order) that fails alone, or None."""
-    suspects, confirmed = seqs, True  # the failed step confirms the whole batch
+def _find_culprit(eng: LLMEngine, seqs: list[ScheduledSeq], decodes: set[str], feed: PendingStep | None,
+                  err: Exception) -> tuple[ScheduledSeq | None, Exception]:
+    """The row of `seqs` (a failed step, in batch order, that raised `err`) that fails alone, or None, and the
+    error of the last step that failed with it in."""
+    suspects, cause = seqs, err  # the failed step confirms the whole batch
+    confirmed = True
     while len(suspects) > 1:
         half = len(suspects) // 2
-        if _fails(eng, suspects[:half], decodes, feed):
-            suspects, confirmed = suspects[:half], True
+        failure = _fails(eng, suspects[:half], decodes, feed)
+        if failure is not None:
+            suspects, cause, confirmed = suspects[:half], failure, True
         else:
             suspects, confirmed = suspects[half:], False
-    if not suspects or (not confirmed and not _fails(eng, suspects, decodes, feed)):
-        return None
-    return suspects[0]
+    if suspects and not confirmed:
+        failure = _fails(eng, suspects, decodes, feed)
+        if failure is None:
+            return None, err
+        cause = failure
+    return (suspects[0], cause) if suspects else (None, err)
 
 
-def _fails(eng: LLMEngine, seqs: list[ScheduledSeq], decodes: set[str], feed: PendingStep | None) -> bool:
-    """Rerun `seqs` as a step of their own, keeping nothing; True if it raises."""
+def _fails(eng: LLMEngine, seqs: list[ScheduledSeq], decodes: set[str], feed: PendingStep | None
+           ) -> Exception | None:
+    """Rerun `seqs` as a step of their own, keeping nothing; the exception if it raises."""
     eng.counters["isolation_probes_total"] += 1
     rows = [dataclasses.replace(s, snapshots=[], snapshot_keys=[], snapshot_positions=[]) for s in seqs]
     probe = ScheduledBatch(seqs=rows, num_decodes=sum(s.request_id in decodes for s in rows))
@@ -101,8 +109,8 @@ def _fails(eng: LLMEngine, seqs: list[ScheduledSeq], decodes: set[str], feed: Pe
             eng.sample_rows(probe, logits, feed, Sampler(eng.config.seed), shadow)
     except Exception as e:
         logger.info("isolation probe of %d rows failed: %s: %s", len(rows), type(e).__name__, e)
-        return True
-    return False
+        return e
+    return None
 
 
 def reset_engine(eng: LLMEngine, reason: str) -> list[StreamDelta]:
