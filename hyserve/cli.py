@@ -54,6 +54,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "dtype", default=None, help="weights/activations dtype: auto, bfloat16, float16, float32")
     _flag(p, "device", default=None, help="auto, cpu or cuda")
     _flag(p, "load_format", default=None, help="auto, safetensors, or dummy (random weights)")
+    _flag(p, "quantization", default=None,
+          help="weight format: fp8 (e4m3 weights, quantised at load from a 16-bit checkpoint); an FP8 "
+               "checkpoint (ModelOpt, block fp8) is detected without it")
     _flag(p, "max_batch_size", type=int, default=None, help="most requests running at once")
     _flag(p, "max_num_tokens", type=int, default=None, help="most tokens in one forward step")
     _flag(p, "max_seq_len", type=int, default=None, help="longest prompt + output (default: the model's)")
@@ -174,7 +177,7 @@ def engine_options_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], 
     server_yaml = {k: opts.pop(k) for k in SERVER_YAML_KEYS if k in opts}
     if args.model is not None:
         opts["model"] = args.model
-    for name in ("dtype", "device", "load_format", "max_batch_size", "max_num_tokens", "max_seq_len",
+    for name in ("dtype", "device", "load_format", "quantization", "max_batch_size", "max_num_tokens", "max_seq_len",
                  "tp_size", "ep_size", "seed", "served_model_name", "warmup", "strict_warmup", "cache_dir",
                  "async_scheduling"):
         v = getattr(args, name, None)

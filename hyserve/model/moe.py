@@ -8,7 +8,8 @@ projection that runs the routed experts in a smaller dimension:
 
 Routing, the token sort and the expert GEMMs run on the device through the `moe_route` / `moe_experts`
 ops (kernels/moe.py, kernels/triton_moe.py): no host sync, so a decode step can replay from a CUDA graph.
-The latent projections and the shared expert are plain linears (the MLP's relu^2 GEMV path).
+The latent projections and the shared expert are plain linears (the MLP's relu^2 GEMV path), FP8 when the
+model's weights are (model/fp8_weights.py).
 
 Expert / tensor parallel (docs/architecture.md, "Parallelism"): every rank routes every token (same
 router, same input); a rank holds n_routed_experts / ep_size experts, each with its slice of the
@@ -28,7 +29,7 @@ from hyserve.distributed import Group, all_reduce, ep_group, moe_tp_group, tp_gr
 from hyserve.kernels import ops
 from hyserve.model.config import HybridModelConfig
 from hyserve.model.mlp import MLP
-from hyserve.model.parallel_linear import ShardLoading, SliceLike, loaded_shape, read_block
+from hyserve.model.parallel_linear import ReplicatedLinear, ShardLoading, SliceLike, loaded_shape, read_block
 
 
 class TopkRouter(nn.Module):
@@ -123,8 +124,8 @@ class MoE(nn.Module):
         )
         self.latent = cfg.moe_latent_size is not None
         if self.latent:
-            self.fc1_latent_proj = nn.Linear(h, d, bias=cfg.mlp_bias, device=device, dtype=dtype)
-            self.fc2_latent_proj = nn.Linear(d, h, bias=cfg.mlp_bias, device=device, dtype=dtype)
+            self.fc1_latent_proj = ReplicatedLinear(h, d, bias=cfg.mlp_bias, device=device, dtype=dtype)
+            self.fc2_latent_proj = ReplicatedLinear(d, h, bias=cfg.mlp_bias, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, meta: object = None, cache: object = None) -> torch.Tensor:
         """x: [T, hidden]. `meta` / `cache` are unused (the mixer signature; MoE keeps no state)."""
@@ -143,7 +144,7 @@ class MoE(nn.Module):
         all-reduce over the tp group sums everything; the biases are added once, after it."""
         out = self.shared_experts.partial(x)
         if self.latent:
-            out = out + F.linear(r, self.fc2_latent_proj.weight)
+            out = out + self.fc2_latent_proj.matmul(r, bias=False)
         else:
             out = out + r
         out = all_reduce(out, self.tp)

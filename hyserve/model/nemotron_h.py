@@ -27,6 +27,7 @@ from hyserve.model.attention import Attention
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.config import LAYER_ATTENTION, LAYER_MAMBA, LAYER_MLP, LAYER_MOE, HybridModelConfig
 from hyserve.model.forward_meta import ForwardMeta
+from hyserve.model.fp8_weights import convert_linears
 from hyserve.model.mamba2 import Mamba2Mixer
 from hyserve.model.mlp import MLP
 from hyserve.model.moe import MoE
@@ -104,6 +105,8 @@ class NemotronHForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
         self.tp = tp_group()
+        # FP8 projections (cfg.quant): e4m3 weights + float32 scales in place of the 16-bit weights
+        convert_linears(self, cfg.quant)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: ForwardMeta, cache: CacheTensors) -> torch.Tensor:
