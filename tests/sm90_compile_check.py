@@ -1,9 +1,10 @@
 """Compiles the Triton kernels a Nemotron Nano 9B v2-width model launches ahead of time for sm_90 (no GPU
 needed) through their real launchers, at the GPU launch settings, and prints each kernel's largest shared
-memory as one JSON line: {"dtype": ..., "kernels": {name: bytes}}.
+memory as one JSON line: {"dtype": ..., "kernels": {name: bytes}, "ptx": {name: ["e4m3", "wgmma.mma_async"]}}
+(the second: which of those its PTX holds).
 
     python tests/sm90_compile_check.py float32 [op ...] [--only kernel,...]
-                                            # ops: attention ssd ssm_update conv1d norm (default: all)
+                                            # ops: attention ssd ssm_update conv1d norm fp8 (default: all)
 
 The launchers run on CPU tensors with a stand-in driver that reports an sm_90 device, and every launch
 compiles (as `warmup=True`) instead of running, so the shared memory is what the compiler asks for on an
@@ -45,7 +46,11 @@ class _Sm90:
 def _gpu_settings() -> None:
     """Have the launchers pick their GPU launch settings (by their own rules) for the CPU tensors here."""
     import hyserve.kernels.triton_attention as ta
+    import hyserve.kernels.triton_fp8_linear as t8
     import hyserve.kernels.triton_ssd as ts
+
+    t8._gpu = lambda x: True
+    t8._sm_count = lambda index: 132  # an H100 SXM / H200
 
     gpu_settings = ta._launch_settings
     ta._launch_settings = lambda on_gpu, ieee, d_pad: gpu_settings(True, ieee, d_pad)
@@ -110,7 +115,24 @@ def _norm(dt: torch.dtype) -> None:
     relu2_triton(torch.randn(2, 15680).to(dt))
 
 
-OPS = {"attention": _attention, "ssd": _ssd, "ssm_update": _ssm_update, "conv1d": _conv1d, "norm": _norm}
+def _fp8(dt: torch.dtype) -> None:
+    """The FP8 linear's kernels at a Nano 9B v2 projection (in_proj: 4480 -> 17504), both scale layouts, the
+    decode form (1 and 16 rows) and both w8a8 tile settings (64 and 65 rows). float32 activations take the
+    reference, so this op compiles 16-bit activations whatever `dt` is."""
+    from hyserve.kernels.fp8_linear import quantize_weight_ref
+    from hyserve.kernels.triton_fp8_linear import fp8_linear_triton
+
+    act = dt if dt in (torch.bfloat16, torch.float16) else torch.bfloat16
+    n, k = 17504, HIDDEN
+    w = torch.empty(n, k).uniform_(-1, 1)
+    for scheme in ("channel", "block"):
+        q, s = quantize_weight_ref(w, scheme)
+        for m in (1, 16, 64, 65):
+            fp8_linear_triton(torch.randn(m, k).to(act), q, s, None)
+
+
+OPS = {"attention": _attention, "ssd": _ssd, "ssm_update": _ssm_update, "conv1d": _conv1d, "norm": _norm,
+       "fp8": _fp8}
 
 
 def main(argv: list[str]) -> None:
@@ -122,6 +144,7 @@ def main(argv: list[str]) -> None:
     dt = getattr(torch, argv[0])
     ops = argv[1:] or list(OPS)
     shared: dict[str, int] = {}
+    mma: dict[str, set[str]] = {}  # kernel -> which of warp-group MMAs / e4m3 operands its PTX holds
     real_run = JITFunction.run
 
     def compile_only(self, *args, grid, warmup, **kwargs):  # noqa: ANN001, ANN202 - Triton's own signature
@@ -130,6 +153,8 @@ def main(argv: list[str]) -> None:
             return None
         kernel = real_run(self, *args, grid=grid, warmup=True, **kwargs)
         shared[name] = max(shared.get(name, 0), kernel.metadata.shared)
+        ptx = kernel.asm.get("ptx", "")
+        mma.setdefault(name, set()).update(k for k in ("wgmma.mma_async", "e4m3") if k in ptx)
         return kernel
 
     driver.set_active(_Sm90())
@@ -137,7 +162,7 @@ def main(argv: list[str]) -> None:
     _gpu_settings()
     for op in ops:
         OPS[op](dt)
-    print(json.dumps({"dtype": argv[0], "kernels": shared}))
+    print(json.dumps({"dtype": argv[0], "kernels": shared, "ptx": {k: sorted(v) for k, v in mma.items()}}))
 
 
 if __name__ == "__main__":

@@ -126,13 +126,18 @@ class NemotronHForCausalLM(nn.Module):
         return True
 
     def kernel_token_buckets(self, max_num_tokens: int) -> list[int]:
-        """Step token counts whose kernel variants differ (MoE tile configs per token bucket): the warm-up
-        runs a step of each."""
-        if LAYER_MOE not in self.config.layer_types:
-            return []
-        from hyserve.kernels.triton_moe import moe_token_buckets
+        """Step token counts whose kernel variants differ (MoE tile configs per token bucket, the FP8
+        linears' launch forms): the warm-up runs a step of each."""
+        buckets: set[int] = set()
+        if LAYER_MOE in self.config.layer_types:
+            from hyserve.kernels.triton_moe import moe_token_buckets
 
-        return moe_token_buckets(max_num_tokens)
+            buckets.update(moe_token_buckets(max_num_tokens))
+        if self.config.quant is not None:
+            from hyserve.kernels.triton_fp8_linear import fp8_token_buckets
+
+            buckets.update(fp8_token_buckets(max_num_tokens))
+        return sorted(buckets)
 
     def allocate_cache(
         self, *, num_blocks: int, tokens_per_block: int, num_slots: int, device: torch.device | str
