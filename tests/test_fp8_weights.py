@@ -594,3 +594,62 @@ def test_weight_bytes_match_the_built_model(tmp_path: Path) -> None:
         total, _ = tensor_bytes(lm.model)
         buffers = sum(b.numel() * b.element_size() for b in lm.model.buffers())
         assert weight_bytes(lm.config, torch.float32) == total - buffers
+
+
+# ---- the capacity planner -------------------------------------------------------------------------------
+CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
+H200_BYTES = 143_771_533_312  # what torch reports as an H200's total memory
+
+
+def _plan_on_device(cfg: Any, free: int) -> Any:
+    from hyserve.cache.capacity import CapacityInputs, device_cache_budget, plan_capacity
+
+    budget = device_cache_budget(free, 0.9, reserved_bytes=3 * 2**30)
+    return plan_capacity(CapacityInputs(
+        budget_bytes=budget, kv_bytes_per_token=cfg.kv_bytes_per_token, state_bytes_per_slot=cfg.state_bytes_per_sequence,
+        max_batch_size=64, max_seq_len=131072, max_num_tokens=8192, tokens_per_block=64, enable_block_reuse=True,
+        periodic_snapshot_interval=256, num_snapshot_offsets=1, avg_seq_len=None, num_pad_slots=1,
+        weight_bytes=weight_bytes(cfg), weight_format=cfg.quant.describe() if cfg.quant else "16-bit"))
+
+
+def test_fp8_weights_give_the_cache_the_memory_they_free() -> None:
+    """Nano 9B v2 on an H200: the pools' budget is taken from the memory free once the weights are resident;
+    FP8 projections (1 byte + scales) leave ~7 GiB more, and the planner gives fraction (0.9) of it to the
+    KV blocks and snapshot slots: a bigger cache than bf16 for the same model and settings."""
+    from hyserve.model.config import HybridModelConfig
+
+    bf16 = HybridModelConfig.from_hf(CONFIGS / "NVIDIA-Nemotron-Nano-9B-v2")
+    fp8 = bf16.with_quant(ONLINE)
+    wb, wq = weight_bytes(bf16), weight_bytes(fp8)
+    assert wb == 2 * bf16.num_parameters()
+    assert 0.5 * wb < wq < 0.6 * wb  # embeddings and lm_head stay bf16
+    a, b = _plan_on_device(bf16, H200_BYTES - wb), _plan_on_device(fp8, H200_BYTES - wq)
+    assert b.inputs.budget_bytes - a.inputs.budget_bytes == int((H200_BYTES - wq) * 0.9) - int((H200_BYTES - wb) * 0.9)
+    # the pools take what they can use of fraction x the freed bytes (whole blocks and slots)
+    assert b.total_bytes - a.total_bytes > 0.99 * 0.9 * (wb - wq) > 6 * 2**30
+    assert b.num_kv_blocks >= a.num_kv_blocks and b.num_snapshot_slots >= a.num_snapshot_slots
+    assert (b.num_kv_blocks, b.num_snapshot_slots) != (a.num_kv_blocks, a.num_snapshot_slots)
+    assert "fp8 e4m3 weights (quantised at load, per-output-channel scales)" in b.report()
+    assert "16-bit (resident before the budget" in a.report()
+
+
+def test_weights_that_cannot_fit_are_refused_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hyserve.engine import model_loader
+    from hyserve.model.config import HybridModelConfig
+
+    cfg = HybridModelConfig.from_hf(CONFIGS / "NVIDIA-Nemotron-3-Super-120B-A12B-BF16")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (H200_BYTES - 2**30, H200_BYTES))
+    with pytest.raises(ValueError, match=r"the weights need 2\d\d\.\d GiB on each of 1 rank\(s\) \(FP8 weights, "
+                                         r"`quantization: fp8`, hold about half of that\) but cuda:0 has 132\.9 GiB"):
+        model_loader.check_weights_fit(weight_bytes(cfg), None, torch.device("cuda:0"))
+    small = HybridModelConfig.from_hf(CONFIGS / "NVIDIA-Nemotron-Nano-9B-v2")
+    model_loader.check_weights_fit(weight_bytes(small), None, torch.device("cuda:0"))  # fits: no error
+
+
+def test_fp8_models_warm_up_every_fp8_launch_form(tmp_path: Path) -> None:
+    from hyserve.kernels.triton_fp8_linear import SMALL_M
+
+    src = _tiny_dir(tmp_path)
+    assert _load(src).model.kernel_token_buckets(8192) == []
+    assert _load(src, quantization="fp8").model.kernel_token_buckets(8192) == [1, SMALL_M + 1, 65]
+    assert _load(src, quantization="fp8").model.kernel_token_buckets(40) == [1, SMALL_M + 1]

@@ -41,6 +41,8 @@ class LoadedModel:
     dtype: torch.dtype
     model_dir: Path
     name: str
+    weight_bytes: int = 0  # this rank's parameters and buffers
+    weight_format: str = "16-bit"  # for the start-up report: "16-bit" or the FP8 layout and its share
 
 
 def resolve_device(name: str) -> torch.device:
@@ -137,8 +139,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if quant is not None and device.type == "cuda":
         torch.cuda.empty_cache()  # the 16-bit tensors quantised on the device: their blocks back to free memory
     total, fp8 = tensor_bytes(model)  # type: ignore[arg-type]
-    logger.info("weights on this rank: %.2f GiB%s", total / 2**30,
-                f" ({fp8 / 2**30:.2f} GiB of it e4m3 weights + scales; {quant.describe()})" if quant else "")
+    fmt_line = "16-bit" if quant is None else f"{quant.describe()}: {fp8 / 2**30:,.2f} GiB e4m3 + scales"
 
     try:
         tokenizer: Tokenizer | None = Tokenizer.from_dir(model_dir)
@@ -154,4 +155,6 @@ def load_model(config: EngineConfig) -> LoadedModel:
         dtype=dtype,
         model_dir=model_dir,
         name=config.served_model_name or name,
+        weight_bytes=total,
+        weight_format=fmt_line,
     )
