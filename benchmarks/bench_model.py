@@ -13,6 +13,13 @@ Writes benchmarks/results/model_<date>_<sha>.json (9B) or model-<model>_<date>_<
     python3 benchmarks/bench_model.py [--skip-transformers]                      # Nano 9B v2
     python3 benchmarks/bench_model.py --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16
     python3 benchmarks/bench_model.py --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Super-120B-A12B-BF16
+    python3 benchmarks/bench_model.py --quantization fp8 --skip-transformers   # bf16, then FP8, same process
+
+With `--quantization fp8` the engine figures run twice in one process, bf16 first and then with FP8 weights
+(quantised per output channel from the same dummy weights), the FP8 records named "[fp8] ..." and quoted
+against the FP8 weight-read roofline (1 byte a projection weight + its scales; embeddings, lm_head and
+the rest in bf16; for a MoE model the routed experts, still bf16 in hyserve, at 2 bytes), each followed by
+its ratio to the bf16 figure of the same run, and the greedy tokens of both compared.
 """
 
 from __future__ import annotations
@@ -178,11 +185,11 @@ def make_plan(model_dir: Path, *, num_layers: int | None, weight_budget: float |
 
 
 def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, records: list, notes: list,
-                  *, time_init: bool = False) -> None:
+                  *, time_init: bool = False, quantization: str | None = None) -> None:
     moe = num_moe_layers(cfg) > 0
     t0 = time.perf_counter()
     llm = LLM(str(plan.model_dir), device=plan.device, load_format="dummy", max_seq_len=16384,
-              max_batch_size=max(plan.batches),
+              max_batch_size=max(plan.batches), quantization=quantization,
               max_num_tokens=plan.max_num_tokens,
               kv_cache_config={"enable_block_reuse": False, "free_gpu_memory_fraction": 0.5}, log=print)
     startup_s = time.perf_counter() - t0
@@ -404,6 +411,54 @@ def bench_transformers(cfg_raw: dict, records: list) -> None:
     torch.cuda.empty_cache()
 
 
+def fp8_ratios(bf16: list, fp8: list) -> list:
+    """Each FP8 record beside its bf16 twin of the same run: (fp8 / bf16) for rates, (bf16 / fp8) for
+    times, so above 1 means FP8 is faster."""
+    by_name = {r["name"]: r for r in bf16}
+    out = []
+    for r in fp8:
+        twin = by_name.get(r["name"])
+        out.append({**r, "name": f"[fp8] {r['name']}"})
+        if twin is None or not twin["value"] or not r["value"] or r["unit"] == "x":
+            continue
+        faster = twin["value"] / r["value"] if r["unit"] in ("ms", "s") else r["value"] / twin["value"]
+        out.append(rec(f"[fp8] {r['name']}: FP8 vs bf16, same run (x)", faster, "x", "the bf16 figure, same run", 1.0))
+    return out
+
+
+def greedy_agreement(plan: ModelPlan, cfg: HybridModelConfig, records: list) -> None:
+    """Greedy tokens of the bf16 and FP8 engines (the same dummy weights, FP8 quantised from them) on the same
+    prompts: the fraction of positions that agree up to and including the first difference of each prompt
+    (after it the two continue from different tokens), and the mean |logprob| difference of the tokens
+    both chose there."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [[1] + torch.randint(3, cfg.vocab_size, (255,), generator=g).tolist() for _ in range(8)]
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=1)
+    outs = {}
+    for quant in (None, "fp8"):
+        llm = LLM(str(plan.model_dir), device=plan.device, load_format="dummy", max_seq_len=4096,
+                  max_batch_size=8, quantization=quant, warmup="off", kv_cache_config={"free_gpu_memory_fraction": 0.5})
+        outs[quant] = llm.generate(prompts, params)
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    agree = total = 0
+    lp_diff: list[float] = []
+    for a, b in zip(outs[None], outs["fp8"], strict=True):
+        ta, tb = a.token_ids, b.token_ids
+        n = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=True)) if x != y), len(ta))
+        agree += n
+        total += min(n + 1, len(ta))
+        la, lb = a.logprobs or [], b.logprobs or []
+        lp_diff += [abs(la[i].logprob - lb[i].logprob) for i in range(min(n, len(la), len(lb)))]
+    records.append(rec("[fp8] greedy tokens agreeing with bf16 until the first difference (fraction)", agree / total,
+                       "fraction", "bf16, same weights", 1.0))
+    if lp_diff:
+        records.append(rec("[fp8] mean |logprob(fp8) - logprob(bf16)| of the agreed tokens", sum(lp_diff) / len(lp_diff),
+                           "nats", "none", None))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", type=Path, default=CFG_DIR,
@@ -416,6 +471,8 @@ def main() -> None:
     ap.add_argument("--time-init", action="store_true",
                     help="also time dummy-weight init of the loaded model, drawn on the host and on the device")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--quantization", choices=("fp8",), default=None,
+                    help="also run the engine figures with FP8 weights after bf16, ratios in the same run")
     ap.add_argument("--git-sha", default="", help="commit of the tree, when it is run without .git")
     args = ap.parse_args()
     if args.weight_budget_gib is not None and args.num_layers is not None:
@@ -438,6 +495,16 @@ def main() -> None:
     bench_hyserve(plan, cfg, ceilings, records, notes, time_init=args.time_init)
     gc.collect()  # the engine's memory goes back before the next engine or transformers loads its copy
     torch.cuda.empty_cache()
+    if args.quantization == "fp8":
+        from hyserve.model.quant_config import QuantConfig
+
+        fp8_cfg = cfg.with_quant(QuantConfig(method="online", scheme="channel"))  # the rooflines count FP8 bytes
+        fp8: list = []
+        bench_hyserve(plan, fp8_cfg, ceilings, fp8, notes, quantization="fp8")
+        gc.collect()
+        torch.cuda.empty_cache()
+        records += fp8_ratios(records, fp8)
+        greedy_agreement(plan, cfg, records)
     if plan.prefix_cache:
         bench_prefill_with_prefix_cache(cfg, records)
     if plan.transformers:

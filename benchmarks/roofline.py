@@ -29,6 +29,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from hyserve.model.config import LAYER_MOE, HybridModelConfig  # noqa: E402
+from hyserve.model.weights import weight_bytes as model_weight_bytes  # noqa: E402
 
 # NVIDIA's published H200 SXM figures: HBM3e bandwidth and dense (no sparsity) bf16 tensor-core throughput
 PUBLISHED_BW = 4.8e12  # B/s
@@ -233,6 +234,10 @@ def matmul_params(cfg: HybridModelConfig) -> int:
 
 
 def weight_bytes(cfg: HybridModelConfig, bytes_per_param: int = 2) -> int:
+    """Bytes of the matmul parameters; with FP8 projections (cfg.quant) the model's own count of its
+    weights (e4m3 projections + float32 scales, the float32 router, the rest in bf16) less the embedding."""
+    if cfg.quant is not None:
+        return model_weight_bytes(cfg, torch.bfloat16) - cfg.vocab_size * cfg.hidden_size * 2
     return matmul_params(cfg) * bytes_per_param
 
 

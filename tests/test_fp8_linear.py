@@ -226,3 +226,21 @@ def test_model_runs_the_kernels_in_place_of_the_reference(monkeypatch: pytest.Mo
     assert 0 < rel(got[:n], ref[:n]) < 0.12
     assert 0 < rel(got[n:], ref[n:]) < 0.12
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.8
+
+
+def test_bench_kernels_fp8_suite_runs_and_checks_first(tmp_path) -> None:
+    """`bench_kernels.py --only fp8_linear` (dry run: interpreter, tiny shapes): every case passes its check
+    against float64 before it is timed, and each record carries the bf16 time of the same run."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "k.json"
+    r = subprocess.run([sys.executable, str(root / "benchmarks/bench_kernels.py"), "--dry-run", "--only", "fp8_linear",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert not doc["failures"] and len(doc["records"]) == 8
+    for rec in doc["records"]:
+        assert rec["name"].startswith("fp8 ") and rec["bf16_ms"] > 0 and rec["speedup_vs_bf16"] > 0
