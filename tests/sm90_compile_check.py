@@ -4,7 +4,7 @@ memory as one JSON line: {"dtype": ..., "kernels": {name: bytes}, "ptx": {name: 
 (the second: which of those its PTX holds).
 
     python tests/sm90_compile_check.py float32 [op ...] [--only kernel,...]
-                                            # ops: attention ssd ssm_update conv1d norm fp8 (default: all)
+                                            # ops: attention ssd ssm_update conv1d norm fp8 moe_fp8 (default: all)
 
 The launchers run on CPU tensors with a stand-in driver that reports an sm_90 device, and every launch
 compiles (as `warmup=True`) instead of running, so the shared memory is what the compiler asks for on an
@@ -131,8 +131,25 @@ def _fp8(dt: torch.dtype) -> None:
             fp8_linear_triton(torch.randn(m, k).to(act), q, s, None)
 
 
+def _moe_fp8(dt: torch.dtype) -> None:
+    """The fused-MoE kernels with FP8 experts at a Nemotron 3 Nano 30B-A3B layer (128 experts, top 6, hidden
+    2688, intermediate 1856): the decode GEMVs (1 token) and the grouped GEMMs (a 64- and an 8192-token
+    bucket), at the heuristic GPU settings."""
+    from hyserve.kernels.triton_moe import heuristic_config, moe_experts_triton
+
+    act = dt if dt in (torch.bfloat16, torch.float16) else torch.bfloat16
+    E, k, d, inter = 128, 6, 2688, 1856
+    up, down = torch.zeros(E, inter, d, dtype=torch.float8_e4m3fn), torch.zeros(E, d, inter, dtype=torch.float8_e4m3fn)
+    su, sd = torch.ones(E, inter), torch.ones(E, d)
+    for T in (1, 64, 8192):
+        ids = (torch.arange(T * k, dtype=torch.int32) % E).view(T, k)
+        cfg = heuristic_config(E, inter, d, T, k)
+        moe_experts_triton(torch.randn(T, d).to(act), up, down, torch.rand(T, k), ids, up_scale=su, down_scale=sd,
+                           config=cfg)
+
+
 OPS = {"attention": _attention, "ssd": _ssd, "ssm_update": _ssm_update, "conv1d": _conv1d, "norm": _norm,
-       "fp8": _fp8}
+       "fp8": _fp8, "moe_fp8": _moe_fp8}
 
 
 def main(argv: list[str]) -> None:

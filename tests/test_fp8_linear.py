@@ -173,24 +173,31 @@ def test_gpu_nano_shapes(scheme: str, m: int, shape: tuple[int, int]) -> None:
 
 
 def test_kernels_compile_for_hopper_with_e4m3_warp_group_mma():
-    """Offline, no GPU needed (tests/sm90_compile_check.py): at the GPU launch settings every FP8 kernel
-    compiles for sm_90 within 227 KiB of shared memory a block, and the prefill GEMM's PTX multiplies e4m3
-    operands with Hopper's warp-group MMA (wgmma), not a 16-bit fallback."""
+    """Offline, no GPU needed (tests/sm90_compile_check.py): at the GPU launch settings every FP8 kernel (the
+    linear's, and the fused MoE's with FP8 experts at a Nano 30B-A3B layer) compiles for sm_90 within 227 KiB
+    of shared memory a block, and the prefill GEMM's PTX multiplies e4m3 operands with Hopper's warp-group
+    MMA (wgmma), not a 16-bit fallback."""
     import json
     import subprocess
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[1]
-    run = subprocess.run([sys.executable, str(root / "tests" / "sm90_compile_check.py"), "bfloat16", "fp8"],
+    run = subprocess.run([sys.executable, str(root / "tests" / "sm90_compile_check.py"), "bfloat16", "fp8", "moe_fp8"],
                          capture_output=True, text=True, env={**env, "PYTHONPATH": str(root)}, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    assert set(out["kernels"]) == {"_w8a16_kernel", "_splitk_reduce_kernel", "_quant_rows_kernel", "_fp8_gemm_kernel"}
+    fp8 = {"_w8a16_kernel", "_splitk_reduce_kernel", "_quant_rows_kernel", "_fp8_gemm_kernel"}
+    moe = {"_up_gemv_kernel", "_down_gemv_kernel", "_up_gemm_kernel", "_down_gemm_kernel"}
+    assert fp8 | moe <= set(out["kernels"])
     for name, nbytes in out["kernels"].items():
         assert nbytes <= 232448, (name, nbytes)
     assert out["ptx"]["_fp8_gemm_kernel"] == ["e4m3", "wgmma.mma_async"]
-    assert "e4m3" in out["ptx"]["_w8a16_kernel"]  # it reads the e4m3 weight and converts it in registers
+    # the decode form and the FP8 experts read e4m3 weights and convert them in registers; the experts'
+    # grouped GEMMs then run 16-bit warp-group MMAs
+    for name in ("_w8a16_kernel", *moe):
+        assert "e4m3" in out["ptx"][name], name
+    assert "wgmma.mma_async" in out["ptx"]["_up_gemm_kernel"] and "wgmma.mma_async" in out["ptx"]["_down_gemm_kernel"]
 
 
 def test_model_runs_the_kernels_in_place_of_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -243,9 +243,9 @@ def _quantize_checkpoint(src: Path, dst: Path, qc: dict[str, Any], *, skip: tupl
         for name in f.keys():
             t = f.get_tensor(name)
             stem = name.removesuffix(".weight")
-            routed = ".experts." in name  # the routed experts stay 16-bit (excluded below)
+            routed = ".experts." in name
             if name.endswith(".weight") and stem.rsplit(".", 1)[-1] in QUANTIZABLE_LINEARS and stem not in skip \
-                    and not routed:
+                    and not (routed and block):  # block-scaled experts are not supported (test below)
                 q, s = quantize_weight_ref(t, "block" if block else "tensor")
                 out[name] = q
                 out[stem + (".weight_scale_inv" if block else ".weight_scale")] = s
@@ -283,18 +283,28 @@ def _close_logits(lm: Any, ref: Any) -> None:
 def test_modelopt_checkpoint_loads_e4m3_weights_and_scales(tmp_path: Path, variant: str) -> None:
     src = _tiny_dir(tmp_path, variant)
     skip = ("backbone.layers.0.mixer.in_proj",)
-    qc = {"quant_method": "modelopt", "quant_algo": "FP8",
-          "exclude_modules": ["model.layers.0.mixer.in_proj", "*.mixer.experts.*"]}
+    qc = {"quant_method": "modelopt", "quant_algo": "FP8", "exclude_modules": ["model.layers.0.mixer.in_proj"]}
     written = _quantize_checkpoint(src, tmp_path / "fp8", qc, skip=skip)
     lm = _load(tmp_path / "fp8")
     layers = dict(fp8_layers(lm.model))
     assert "backbone.layers.0.mixer.in_proj" not in layers  # excluded: 16-bit as the checkpoint holds it
     assert lm.model.get_submodule("backbone.layers.0.mixer.in_proj").weight.dtype == torch.float32
-    want = {n.removesuffix(".weight") for n in written if n.endswith(".weight") and written[n].dtype == E4M3}
+    want = {n.removesuffix(".weight") for n in written
+            if n.endswith(".weight") and written[n].dtype == E4M3 and ".experts." not in n}
     assert set(layers) == want and len(want) > 8
     for name, layer in layers.items():
         assert torch.equal(layer.weight.view(torch.uint8), written[name + ".weight"].view(torch.uint8))
         assert torch.equal(layer.weight_scale, written[name + ".weight_scale"].expand(layer.weight.shape[0]))
+    experts = [(n, m) for n, m in lm.model.named_modules() if n.endswith(".experts")]
+    assert bool(experts) == (variant != "dense")
+    for name, m in experts:  # routed experts: e4m3 per expert, the per-tensor scale held per channel
+        assert m.quant is not None and m.up_proj.dtype == m.down_proj.dtype == E4M3
+        for e in range(m.num_experts):
+            for which in ("up", "down"):
+                w = written[f"{name}.{e}.{which}_proj.weight"]
+                assert torch.equal(getattr(m, f"{which}_proj")[e].view(torch.uint8), w.view(torch.uint8))
+                sc = getattr(m, f"{which}_proj_scale")[e]
+                assert torch.equal(sc, written[f"{name}.{e}.{which}_proj.weight_scale"].expand(sc.shape[0]))
     _close_logits(lm, _load(src))
 
 
@@ -351,11 +361,21 @@ def _check_online(lm: Any, ref: Any) -> None:
         q, s = quantize_weight_ref(ref_params[name + ".weight"].detach(), "channel")
         assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8)), name
         assert torch.equal(layer.weight_scale, s), name
+    experts = {n for n, m in lm.model.named_modules() if n.endswith(".experts")}
+    for name in experts:  # routed experts: each expert's matrix quantised per output channel
+        m = lm.model.get_submodule(name)
+        for which in ("up", "down"):
+            ref_w = ref_params[f"{name}.{which}_proj"].detach()
+            for e in range(ref_w.shape[0]):
+                q, s = quantize_weight_ref(ref_w[e], "channel")
+                assert torch.equal(getattr(m, f"{which}_proj")[e].view(torch.uint8), q.view(torch.uint8))
+                assert torch.equal(getattr(m, f"{which}_proj_scale")[e], s)
     for name, p in lm.model.named_parameters():
-        if not name.endswith((".weight", ".weight_scale")) or name.removesuffix(".weight") not in layers:
-            if not name.endswith(".weight_scale"):
-                assert p.dtype != E4M3, name
-                assert torch.equal(p, ref_params[name]), name  # untouched: the same 16/32-bit values
+        if name.rsplit(".", 1)[0] in experts or name.endswith(".weight_scale"):
+            continue
+        if name.removesuffix(".weight") not in layers:
+            assert p.dtype != E4M3, name
+            assert torch.equal(p, ref_params[name]), name  # untouched: the same 16/32-bit values
     _close_logits(lm, ref)
 
 
@@ -653,3 +673,67 @@ def test_fp8_models_warm_up_every_fp8_launch_form(tmp_path: Path) -> None:
     assert _load(src).model.kernel_token_buckets(8192) == []
     assert _load(src, quantization="fp8").model.kernel_token_buckets(8192) == [1, SMALL_M + 1, 65]
     assert _load(src, quantization="fp8").model.kernel_token_buckets(40) == [1, SMALL_M + 1]
+
+
+# ---- FP8 routed experts under expert / tensor parallelism (simulated ranks) ------------------------------
+def _experts(rank_ep: int, ep: int, rank_tp: int, mtp: int, quant: QuantConfig, num=4, dim=32, inter=16):
+    from hyserve.model.fp8_weights import convert_experts
+    from hyserve.model.moe import Experts
+
+    m = Experts(num, dim, inter, ep=Group(name="ep", rank=rank_ep, size=ep, ranks=tuple(range(ep)), timeout_s=1.0),
+                moe_tp=Group(name="moe_tp", rank=rank_tp, size=mtp, ranks=tuple(range(mtp)), timeout_s=1.0))
+    assert convert_experts(m, quant, "backbone.layers.1.mixer.experts")
+    return m
+
+
+@pytest.mark.parametrize("per_expert", [False, True])
+def test_online_fp8_experts_shard_over_ep_and_moe_tp(per_expert: bool) -> None:
+    """Each rank holds its experts' rows (up) / columns (down) of the intermediate dimension, quantised from
+    each expert's whole matrix: every (ep, tp) split holds the same e4m3 values and channel scales."""
+    up, down = torch.randn(4, 16, 32), torch.randn(4, 32, 16)
+    qs = {w: [quantize_weight_ref(m[e], "channel") for e in range(4)] for w, m in (("up", up), ("down", down))}
+    for r_ep, r_tp in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        m = _experts(r_ep, 2, r_tp, 2, ONLINE)
+        for e in range(4) if per_expert else (None,):
+            m.up_proj.weight_loader(m.up_proj, up if e is None else up[e], e)
+            m.down_proj.weight_loader(m.down_proj, down if e is None else down[e], e)
+        for i in range(2):
+            e = 2 * r_ep + i
+            rows = slice(8 * r_tp, 8 * r_tp + 8)
+            assert torch.equal(m.up_proj[i].view(torch.uint8), qs["up"][e][0].view(torch.uint8)[rows])
+            assert torch.equal(m.up_proj_scale[i], qs["up"][e][1][rows])
+            assert torch.equal(m.down_proj[i].view(torch.uint8), qs["down"][e][0].view(torch.uint8)[:, rows])
+            assert torch.equal(m.down_proj_scale[i], qs["down"][e][1])  # whole rows of down: every rank the same
+
+
+def test_checkpoint_fp8_experts_load_per_tensor_scales_per_expert() -> None:
+    quant = QuantConfig(method="modelopt", scheme="tensor")
+    up = torch.randn(4, 16, 32)
+    q = [quantize_weight_ref(up[e], "tensor") for e in range(4)]
+    m = _experts(1, 2, 1, 2, quant)
+    assert m.up_proj_scale.checkpoint_shape == (4,)
+    for e in range(4):
+        m.up_proj.weight_loader(m.up_proj, q[e][0], e)
+        m.up_proj_scale.weight_loader(m.up_proj_scale, q[e][1], e)
+    for i in range(2):
+        assert torch.equal(m.up_proj[i].view(torch.uint8), q[2 + i][0].view(torch.uint8)[8:])
+        assert torch.equal(m.up_proj_scale[i], q[2 + i][1].expand(8))
+    with pytest.raises(ValueError, match="a per-tensor expert scale has one element"):
+        m.up_proj_scale.weight_loader(m.up_proj_scale, torch.ones(3), 2)
+    with pytest.raises(ValueError, match="weight scales must be positive and finite"):
+        m.up_proj_scale.weight_loader(m.up_proj_scale, torch.tensor(0.0), 2)
+    with pytest.raises(ValueError, match=r"checkpoint tensor has shape \[16, 31\], expected \[16, 32\]"):
+        m.up_proj.weight_loader(m.up_proj, torch.randn(16, 31), 2)
+
+
+def test_block_scaled_configs_leave_the_experts_16_bit(tmp_path: Path) -> None:
+    from hyserve.model.fp8_weights import convert_experts
+    from hyserve.model.moe import Experts
+
+    assert not convert_experts(Experts(4, 32, 16), QuantConfig(method="fp8", scheme="block"), "x.experts")
+    src = _tiny_dir(tmp_path, "moe")
+    d = tmp_path / "blk"
+    _quantize_checkpoint(src, d, {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    lm = _load(d)
+    experts = [m for n, m in lm.model.named_modules() if n.endswith(".experts")]
+    assert experts and all(m.quant is None and m.up_proj.dtype == torch.float32 for m in experts)

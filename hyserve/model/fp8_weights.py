@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from hyserve.kernels.fp8_linear import BLOCK, E4M3, quantize_weight_ref
+from hyserve.model.moe import Experts
 from hyserve.model.parallel_linear import (
     LinearBase,
     MergedColumnParallelLinear,
@@ -43,6 +44,7 @@ from hyserve.model.parallel_linear import (
     load_parts,
     load_whole,
     loaded_shape,
+    read_block,
 )
 from hyserve.model.quant_config import QuantConfig
 
@@ -256,6 +258,8 @@ def convert_linears(model: nn.Module, quant: QuantConfig | None) -> int:
         if isinstance(mod, LinearBase) and quant.quantizes(name):
             convert_linear(mod, quant, name)
             n += 1
+        elif isinstance(mod, Experts) and convert_experts(mod, quant, name):
+            n += 1
     return n
 
 
@@ -272,3 +276,89 @@ def tensor_bytes(model: nn.Module) -> tuple[int, int]:
         seen[id(t)] = t.numel() * t.element_size()
     fp8 = sum(t.numel() * t.element_size() for _, m in fp8_layers(model) for t in (m.weight, m.weight_scale))
     return sum(seen.values()), fp8
+
+
+# ---- routed experts ------------------------------------------------------------------------------------
+class Fp8ExpertLoaders:
+    """Loaders of a converted `Experts` module's e4m3 `up_proj` / `down_proj` and their float32 channel
+    scales `up_proj_scale` [E_local, I_local] / `down_proj_scale` [E_local, d]. `which` is "up" (the
+    intermediate dimension is the matrix's rows, dim 0) or "down" (its columns, dim 1). A checkpoint's
+    scale is per expert ([] each, [E] stacked: per-tensor) or per expert and channel ([N] each, [E, N])."""
+
+    def __init__(self, experts: Any, quant: QuantConfig, which: str, loader_16: Any) -> None:
+        self.m, self.quant, self.which, self.loader_16 = experts, quant, which, loader_16
+        self.inter_dim = 0 if which == "up" else 1
+
+    def _local(self, expert: int | None) -> list[tuple[int, int]]:
+        """(checkpoint expert, local index) pairs this call fills."""
+        m = self.m
+        if expert is None:
+            return [(m.first_expert + i, i) for i in range(m.num_local)]
+        if m.first_expert <= expert < m.first_expert + m.num_local:
+            return [(expert, expert - m.first_expert)]
+        return []  # another rank's expert: nothing is read
+
+    def _scale_param(self) -> torch.Tensor:
+        return getattr(self.m, f"{self.which}_proj_scale")
+
+    @torch.no_grad()
+    def load_weight(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, expert: int | None = None) -> None:
+        if is_fp8_source(loaded):
+            self.loader_16(param, loaded, expert)
+            return
+        rows = (self.m.inter_start, self.m.inter_local)
+        full = param.checkpoint_shape  # type: ignore[attr-defined]
+        want = full if expert is None else full[1:]
+        if loaded_shape(loaded) != tuple(want):
+            raise ValueError(f"experts: checkpoint tensor has shape {list(loaded_shape(loaded))}, expected {list(want)}")
+        for e, i in self._local(expert):
+            # one expert's whole matrix (all of its K): its channel scales are the same at every tp_size
+            mat = read_block(loaded, {0: (e, 1)})[0] if expert is None else _read_all(loaded)
+            q, s = quantize_weight_ref(mat.to(device=param.device), "channel")
+            if self.inter_dim == 0:
+                param[i].copy_(q.narrow(0, *rows))
+                self._scale_param()[i].copy_(s.narrow(0, *rows))
+            else:
+                param[i].copy_(q.narrow(1, *rows))
+                self._scale_param()[i].copy_(s)
+
+    @torch.no_grad()
+    def load_scale(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, expert: int | None = None) -> None:
+        src = _read_all(loaded).to(torch.float32)
+        if not torch.isfinite(src).all() or (src <= 0).any():
+            raise ValueError("experts (FP8): weight scales must be positive and finite")
+        for e, i in self._local(expert):
+            v = src[e] if expert is None else src
+            if self.quant.scheme == "tensor":
+                if v.numel() != 1:
+                    raise ValueError(f"experts (FP8): a per-tensor expert scale has one element, got {list(v.shape)}")
+                param[i].fill_(float(v.reshape(())))
+                continue
+            v = v.reshape(-1)
+            if self.inter_dim == 0:
+                param[i].copy_(v.narrow(0, self.m.inter_start, self.m.inter_local))
+            else:
+                param[i].copy_(v)
+
+
+def convert_experts(experts: Any, quant: QuantConfig, name: str = "") -> bool:
+    """Give an `Experts` module e4m3 expert weights with per-expert channel scales (per-tensor checkpoint
+    scales held per channel). Block-scaled formats leave the experts 16-bit (their checkpoints are refused
+    with the float8 tensors named); returns whether it converted."""
+    if quant.scheme == "block" or not quant.quantizes(f"{name}.0.up_proj" if name else "experts.0.up_proj"):
+        return False
+    for which in ("up", "down"):
+        attr = f"{which}_proj"
+        old = getattr(experts, attr)
+        ckpt = tuple(old.checkpoint_shape)  # type: ignore[attr-defined]
+        loaders = Fp8ExpertLoaders(experts, quant, which, getattr(experts, f"_load_{which}"))
+        setattr(experts, attr, nn.Parameter(torch.empty(old.shape, dtype=E4M3, device=old.device), requires_grad=False))
+        e_local, n_local = old.shape[0], old.shape[1]
+        scale = nn.Parameter(torch.ones(e_local, n_local, dtype=torch.float32, device=old.device), requires_grad=False)
+        setattr(experts, f"{attr}_scale", scale)
+        experts.register_shard(attr, loaders.load_weight, ckpt)
+        scale_ckpt = (ckpt[0],) if quant.scheme == "tensor" else (ckpt[0], ckpt[1])
+        experts.register_shard(f"{attr}_scale", loaders.load_scale, scale_ckpt)
+        setattr(experts, f"_fp8_{which}", loaders)
+    experts.quant = quant
+    return True

@@ -59,6 +59,8 @@ class Experts(ShardLoading):
     """Stacked expert weights: up [E, I, d], down [E, d, I]; under expert parallelism this rank's
     E / ep_size experts, each with its I / (tp_size / ep_size) slice of the intermediate dimension."""
 
+    quant: object = None  # a QuantConfig once the experts hold FP8 weights (model/fp8_weights.py)
+
     def __init__(
         self, num: int, dim: int, inter: int, *, ep: Group | None = None, moe_tp: Group | None = None,
         device=None, dtype=None,
@@ -108,7 +110,11 @@ class Experts(ShardLoading):
             mine = (local >= 0) & (local < self.num_local)
             w = torch.where(mine, w, 0.0)
             ids = local.clamp(0, self.num_local - 1).to(ids.dtype)
-        return ops.get("moe_experts", x.is_cuda)(x, self.up_proj, self.down_proj, w, ids)
+        fn = ops.get("moe_experts", x.is_cuda)
+        if self.quant is not None:  # FP8 experts (model/fp8_weights.py): e4m3 with per-expert channel scales
+            return fn(x, self.up_proj, self.down_proj, w, ids, up_scale=self.up_proj_scale,
+                      down_scale=self.down_proj_scale)
+        return fn(x, self.up_proj, self.down_proj, w, ids)
 
 
 class MoE(nn.Module):

@@ -46,8 +46,12 @@ _PER_EXPERT_RE = re.compile(r"^(backbone\.layers\.\d+\.mixer\.experts)\.(\d+)\.(
 _STACKED_EXPERT_RE = re.compile(r"^(backbone\.layers\.\d+\.mixer\.experts)\.(up_proj|down_proj)$")
 # Router tensors stay float32 whatever the model dtype: top-k routing is sensitive to rounding; so do the
 # dequantisation scales of FP8 weights (model/fp8_weights.py).
-_FP32_SUFFIXES = ("mixer.gate.weight", "mixer.gate.e_score_correction_bias", ".weight_scale")
+_FP32_SUFFIXES = ("mixer.gate.weight", "mixer.gate.e_score_correction_bias", ".weight_scale", "experts.up_proj_scale",
+                  "experts.down_proj_scale")
 _SCALE = ".weight_scale"
+# per-expert scales of FP8 experts: ...experts.{e}.up_proj.weight_scale -> ...experts.up_proj_scale[e]
+_PER_EXPERT_SCALE_RE = re.compile(r"^(backbone\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight_scale$")
+_PER_EXPERT_INPUT_SCALE_RE = re.compile(r"^backbone\.layers\.\d+\.mixer\.experts\.\d+\.(up_proj|down_proj)\.input_scale$")
 # ModelOpt's static activation scales: read past (the FP8 kernels scale activations per token)
 _INPUT_SCALE = ".input_scale"
 _FP8_DTYPES = ("F8_E4M3",)
@@ -66,10 +70,21 @@ def canonical_name(ckpt_name: str) -> tuple[str, int | None] | None:
         return None
     if ckpt_name.endswith(".weight_scale_inv"):  # the block-scaled format's name for the same multiplier
         ckpt_name = ckpt_name.removesuffix("_inv")
-    m = _PER_EXPERT_RE.match(ckpt_name)
+    m = _PER_EXPERT_RE.match(ckpt_name) or _PER_EXPERT_SCALE_RE.match(ckpt_name)
     if m:
-        return f"{m.group(1)}.{m.group(3)}", int(m.group(2))
+        scale = "_scale" if ckpt_name.endswith(_SCALE) else ""
+        return f"{m.group(1)}.{m.group(3)}{scale}", int(m.group(2))
     return ckpt_name, None
+
+
+def scale_weight_name(name: str) -> str | None:
+    """The FP8 weight a canonical scale name belongs to (`x.weight_scale` -> `x.weight`,
+    `experts.up_proj_scale` -> `experts.up_proj`), or None for any other name."""
+    if name.endswith(_SCALE):
+        return name.removesuffix("_scale")
+    if name.endswith(("experts.up_proj_scale", "experts.down_proj_scale")):
+        return name.removesuffix("_scale")
+    return None
 
 
 def keeps_fp32(name: str) -> bool:
@@ -144,7 +159,11 @@ def weight_bytes(cfg: HybridModelConfig, dtype: torch.dtype | None = None) -> in
     for name, shape in canonical_shapes(cfg).items():
         n = math.prod(shape)
         stem = name.removesuffix(".weight")
-        if cfg.quant is not None and name.endswith(".weight") and cfg.quant.quantizes(stem):
+        expert = _STACKED_EXPERT_RE.match(name)
+        if cfg.quant is not None and expert and cfg.quant.scheme != "block" and \
+                cfg.quant.quantizes(f"{expert.group(1)}.0.{expert.group(2)}"):
+            total += n + 4 * shape[0] * shape[1]  # FP8 experts: a channel scale per expert and row
+        elif cfg.quant is not None and name.endswith(".weight") and cfg.quant.quantizes(stem):
             total += n + 4 * fp8_scale_count(cfg.quant.scheme, shape)
         else:
             total += n * (4 if keeps_fp32(name) else size)
@@ -293,7 +312,8 @@ def _plan_load(model_dir: Path, targets: Mapping[str, torch.Tensor], aliases: Ma
                 if name in aliases or (name == "lm_head.weight" and name not in targets):
                     logger.debug("ignoring %s: the model ties it to the input embedding", ck)
                     continue
-                if name.endswith(_INPUT_SCALE) and name.removesuffix(_INPUT_SCALE) + ".weight" in targets:
+                if name.endswith(_INPUT_SCALE) and (name.removesuffix(_INPUT_SCALE) + ".weight" in targets
+                                                    or _PER_EXPERT_INPUT_SCALE_RE.match(name)):
                     logger.debug("ignoring %s: activations are scaled per token, dynamically", ck)
                     continue
                 target = targets.get(name)
@@ -311,7 +331,7 @@ def _plan_load(model_dir: Path, targets: Mapping[str, torch.Tensor], aliases: Ma
                     whole[name] = ck
                 else:
                     full = checkpoint_shape(target)
-                    if target.dim() != 3 or expert >= full[0]:
+                    if (target.dim() != 3 and scale_weight_name(name) is None) or expert >= full[0]:
                         plan.unexpected.append(ck)
                         continue
                     expected = full[1:]
@@ -319,14 +339,16 @@ def _plan_load(model_dir: Path, targets: Mapping[str, torch.Tensor], aliases: Ma
                         plan.duplicates.append(ck)
                         continue
                     experts[name][expert] = ck
-                if got != expected and not (name.endswith(_SCALE) and _squeezed(got) == _squeezed(expected)):
+                lenient = scale_weight_name(name) is not None and _squeezed(got) == _squeezed(expected)
+                if got != expected and not lenient:
                     plan.shape_errors.append(f"{ck}: expected {list(expected)}, got {list(got)}")
                     continue
                 plan.copies.append((path, ck, name, expert))
     for name, target in targets.items():
         if name in whole:
             continue
-        if name.endswith(_SCALE) and name.removesuffix(_SCALE) + ".weight" not in plan.fp8_weights:
+        of = scale_weight_name(name)
+        if of is not None and of not in plan.fp8_weights:
             continue  # its weight is 16-bit in the checkpoint: the weight's loader quantises and sets it
         if name in experts:
             n_experts = checkpoint_shape(target)[0]
@@ -669,7 +691,7 @@ def init_random_weights(
     if metas:
         raise ValueError(f"init_random_weights: {len(metas)} tensors are on the meta device (e.g. {metas[0]})")
     # an FP8 weight's scales come from its loader, which quantises the float32 draw (model/fp8_weights.py)
-    tensors = {n: t for n, t in tensors.items() if not (n.endswith(_SCALE) and t.dtype == torch.float32)}
+    tensors = {n: t for n, t in tensors.items() if not (scale_weight_name(n) and t.dtype == torch.float32)}
     shards = {n: t for n, t in tensors.items() if is_shard(t) or t.dtype == torch.float8_e4m3fn}
     init_random_tensors({n: t for n, t in tensors.items() if n not in shards}, cfg, seed=seed, max_workers=max_workers,
                         on_device=on_device)
