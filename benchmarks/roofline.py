@@ -303,7 +303,19 @@ def active_matmul_params(cfg: HybridModelConfig, experts_per_layer: float | None
 
 def active_weight_bytes(cfg: HybridModelConfig, experts_per_layer: float | None = None,
                         bytes_per_param: int = 2) -> float:
-    """Weight bytes of `active_matmul_params`, the float32 router counted at 4 bytes a parameter."""
+    """Weight bytes of `active_matmul_params`, the float32 router counted at 4 bytes a parameter. With FP8
+    weights (cfg.quant) the model's own byte count less the embedding and the experts a step does not read
+    (an FP8 expert: 1 byte a weight + a float32 scale per output row of up and down)."""
+    if experts_per_layer is None:
+        experts_per_layer = cfg.num_experts_per_tok
+    if cfg.quant is not None:
+        per_expert = expert_params(cfg)
+        if cfg.quant.scheme != "block":  # FP8 experts (block-scaled configs leave them bf16)
+            per_expert += 4 * (cfg.moe_intermediate_size + (cfg.moe_latent_size or cfg.hidden_size))
+        else:
+            per_expert *= 2
+        idle = num_moe_layers(cfg) * (cfg.n_routed_experts - experts_per_layer) * per_expert
+        return weight_bytes(cfg) - idle
     router = router_params(cfg)
     return (active_matmul_params(cfg, experts_per_layer) - router) * bytes_per_param + router * 4
 

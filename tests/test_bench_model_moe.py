@@ -233,3 +233,19 @@ def test_fp8_run_ratios_and_greedy_agreement_on_cpu(tmp_path: Path) -> None:
     assert records[1]["value"] >= 0.0
     # the FP8 rooflines count 1 byte a projection weight: a little over half the bf16 bytes here
     assert 0.5 < weight_bytes(cfg.with_quant(QuantConfig(method="online", scheme="channel"))) / weight_bytes(cfg) < 0.8
+
+
+def test_fp8_active_bytes_are_the_fp8_model_less_the_idle_experts() -> None:
+    from hyserve.model.quant_config import QuantConfig
+
+    cfg = HybridModelConfig.from_hf(ROOT / "benchmarks/configs/NVIDIA-Nemotron-3-Super-120B-A12B-BF16")
+    fp8 = cfg.with_quant(QuantConfig(method="online", scheme="channel"))
+    # every expert active: all of the FP8 model's matmul weights
+    assert active_weight_bytes(fp8, cfg.n_routed_experts) == weight_bytes(fp8)
+    assert 0.45 < active_weight_bytes(fp8) / active_weight_bytes(cfg) < 0.6
+    # the whole FP8 Super (embedding included: 113.9 GiB) fits one H200 (133.9 GiB) with ~20 GiB for its cache
+    # and activations; bf16 (224.9 GiB) does not
+    from hyserve.model.weights import weight_bytes as model_bytes
+
+    h200 = 143_771_533_312
+    assert model_bytes(cfg) > h200 and h200 - model_bytes(fp8) > 19 * 2**30

@@ -737,3 +737,52 @@ def test_block_scaled_configs_leave_the_experts_16_bit(tmp_path: Path) -> None:
     lm = _load(d)
     experts = [m for n, m in lm.model.named_modules() if n.endswith(".experts")]
     assert experts and all(m.quant is None and m.up_proj.dtype == torch.float32 for m in experts)
+
+
+# ---- a whole FP8 model at tp 2 over two gloo ranks against tp 1 ----------------------------------------
+def _tp_cfg(variant: str) -> Any:
+    from hyserve.model.config import HybridModelConfig
+    from hyserve.model.tiny import tiny_config
+
+    raw = {**tiny_config("dense" if variant == "spanning" else variant), "dtype": "float32"}
+    if variant == "spanning":  # one Mamba group and one KV head, replicated: the gated norm spans the ranks
+        raw.update(n_groups=1, num_key_value_heads=1)
+    return HybridModelConfig.from_dict(raw, name=variant).with_quant(ONLINE)
+
+
+def _tp_logits(cfg: Any, ckpt: str) -> tuple[int, int, list[torch.Tensor]]:
+    """(tp size, FP8 modules, logits of a prefill step and three decode steps of two sequences)."""
+    from hyserve.model.kv_scales import load_checkpoint_with_kv_scales
+    from hyserve.model.nemotron_h import NemotronHForCausalLM
+
+    model = NemotronHForCausalLM(cfg)
+    load_checkpoint_with_kv_scales(model, Path(ckpt))  # 16-bit checkpoint, quantised as it loads
+    h = Harness(model, max_seqs=3, max_len=64, bs=4)
+    h.cache = model.allocate_cache(num_blocks=3 * h.bps, tokens_per_block=4, num_slots=3 + 8, device="cpu")
+    g = torch.Generator().manual_seed(4)
+    toks = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (11, 6, 1, 1, 1)]
+    out = [h.step([(0, toks[0]), (1, toks[1])], all_logits=True)]
+    out += [h.step([(0, toks[i]), (1, toks[i])]) for i in (2, 3, 4)]
+    fp8 = sum(1 for _, m in model.named_modules() if getattr(m, "quant", None) is not None)
+    return tp_group().size, fp8, out
+
+
+@pytest.mark.parametrize("variant", ["dense", "spanning", "latent-moe"])
+def test_fp8_model_at_tp2_is_the_tp1_model(pool: RankPool, tmp_path: Path, variant: str) -> None:
+    """Online FP8 quantisation is the same at every tp_size (whole-row scales), so the tp 2 model's logits are
+    the tp 1 model's up to float32 summation order, prefill and decode, through the FP8 projections, the
+    sharded gated norm before an FP8 out_proj, and FP8 experts with their intermediate dimension split."""
+    from hyserve.model.nemotron_h import NemotronHForCausalLM
+    from hyserve.model.weights import init_random_weights, save_checkpoint
+
+    cfg = _tp_cfg(variant)
+    plain = NemotronHForCausalLM(cfg.with_quant(None))
+    init_random_weights(plain, cfg, seed=9)
+    save_checkpoint(plain, tmp_path)
+    tp1, n_fp8, want = _tp_logits(cfg, str(tmp_path))
+    assert tp1 == 1 and n_fp8 >= 8
+    for rank, (tp, n, got) in enumerate(pool.run(_tp_logits, cfg, str(tmp_path))):
+        assert (tp, n) == (2, n_fp8)
+        for step, (a, b) in enumerate(zip(got, want, strict=True)):
+            err = (a - b).abs().max().item()
+            assert err <= 1e-5 * max(1.0, b.abs().max().item()), f"rank {rank} step {step}: {err:.2e}"

@@ -15,6 +15,9 @@ Every parameter carries `weight_loader(param, loaded, shard_id=None)` and `check
 in the checkpoint), kept across `to()` / `to_empty()` by `ShardLoading`. `loaded` is a tensor or a safetensors slice (`safe_open(...).get_slice(name)`); the
 loader indexes only this rank's rows, so a slice is read from disk shard by shard, never whole. With one
 rank every layer is its unsharded torch equivalent, computed the same way (no collective, same call).
+
+Every layer computes through `LinearBase.matmul`: `F.linear` for 16-bit weights, the `fp8_linear` op once
+`model/fp8_weights.py` has given the layer an e4m3 weight and float32 scales (loaded shard-aware too).
 """
 
 from __future__ import annotations

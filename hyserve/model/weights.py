@@ -9,6 +9,16 @@ Canonical names are the module tree of `hyserve.model.nemotron_h` (`backbone.lay
     ...mixer.experts.{e}.down_proj.weight [d, I]   ->    ...mixer.experts.down_proj[e]  of [E, d, I]
     mtp.*                                          ->    ignored (hyserve does not run MTP layers)
 
+FP8 checkpoints (model/quant_config.py, model/fp8_weights.py) add, per projection:
+
+    X.weight (F8_E4M3), X.weight_scale             ->    X.weight, X.weight_scale (float32)
+    X.weight_scale_inv (block-scaled format)       ->    X.weight_scale
+    ...experts.{e}.up_proj.weight_scale            ->    ...experts.up_proj_scale[e]
+    X.input_scale (ModelOpt static activation)     ->    ignored: activations are scaled per token
+
+A scale is required only where the checkpoint's weight is e4m3; a 16-bit weight for an FP8 parameter is
+quantised by its loader (online quantisation), and an e4m3 tensor for a 16-bit parameter is an error.
+
 Loading validates everything from the safetensors headers first (names, shapes, expert indices), so a
 bad checkpoint raises one `ValueError` listing all problems before any parameter is touched, and then
 streams one tensor at a time so a multi-shard checkpoint never sits in host memory at once.
