@@ -27,10 +27,10 @@ mkdir -p benchmarks/results
 # the log goes to $OUT as it is written and results are copied after every part, so a call cut short
 # still returns what ran
 log=${OUT:-benchmarks/results}/gpu_check.log
+mark=$(mktemp)  # results written after this call began are the ones copied (the tree carries earlier ones)
 save() {
   if [ -n "${OUT:-}" ]; then
-    cp benchmarks/results/*.json benchmarks/results/*.md benchmarks/results/soak_*.log benchmarks/results/fairness_*.png \
-      "$OUT"/ 2>/dev/null
+    find benchmarks/results -maxdepth 1 -type f -newer "$mark" -exec cp {} "$OUT"/ \;
   fi
   return 0
 }
