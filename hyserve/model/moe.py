@@ -8,7 +8,10 @@ projection that runs the routed experts in a smaller dimension:
 
 Routing, the token sort and the expert GEMMs run on the device through the `moe_route` / `moe_experts`
 ops (kernels/moe.py, kernels/triton_moe.py): no host sync, so a decode step can replay from a CUDA graph.
-The latent projections and the shared expert are plain linears (the MLP's relu^2 GEMV path).
+The latent projections are plain linears. The shared expert runs inside the experts op (one more
+expert of weight 1 for every token: at batch 1 its weights stream in the same two GEMV launches as the
+routed experts') where its intermediate size is a multiple of the experts' and one rank holds it whole;
+otherwise (latent MoE: it reads x, not the latent; tensor parallel; biases) it is the MLP, added after.
 
 Expert / tensor parallel (docs/architecture.md, "Parallelism"): every rank routes every token (same
 router, same input); a rank holds n_routed_experts / ep_size experts, each with its slice of the
@@ -47,7 +50,7 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> (weights [T, k] float32, expert ids [T, k] int32), on the device (no host sync)."""
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        logits = ops.get("router_logits", x.is_cuda)(x, self.weight)  # [T, E] float32
         return ops.get("moe_route", x.is_cuda)(
             logits, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
             self.norm_topk_prob, self.scale,
@@ -97,17 +100,21 @@ class Experts(ShardLoading):
         elif self.first_expert <= expert < self.first_expert + self.num_local:
             param[expert - self.first_expert].copy_(read_block(loaded, {inter_dim: rows}))
 
-    def forward(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """x: [T, d]; w, ids: [T, k] -> [T, d]. On CUDA the fused kernels (sort, grouped GEMMs, combine
         on the device; `kernels/triton_moe.py`); on the CPU the per-expert reference loop. Sharded: this
-        rank's partial sum (its experts, its intermediate slice); the MoE layer all-reduces it."""
+        rank's partial sum (its experts, its intermediate slice); the MoE layer all-reduces it. `shared`:
+        the shared expert's (up, down) weights, summed in with weight 1 (unsharded experts only)."""
         if self.num_local != self.num_experts:
             # another rank's expert: weight 0 on a clamped local id (shapes stay fixed, nothing reads the host)
             local = ids - self.first_expert
             mine = (local >= 0) & (local < self.num_local)
             w = torch.where(mine, w, 0.0)
             ids = local.clamp(0, self.num_local - 1).to(ids.dtype)
-        return ops.get("moe_experts", x.is_cuda)(x, self.up_proj, self.down_proj, w, ids)
+        su, sd = shared if shared is not None else (None, None)
+        return ops.get("moe_experts", x.is_cuda)(x, self.up_proj, self.down_proj, w, ids, su, sd)
 
 
 class MoE(nn.Module):
@@ -122,6 +129,12 @@ class MoE(nn.Module):
             h, cfg.moe_shared_expert_intermediate_size, cfg.mlp_bias, device=device, dtype=dtype
         )
         self.latent = cfg.moe_latent_size is not None
+        # the shared expert inside the experts op: it reads what they read (not latent), one rank holds
+        # everything (no partial sums), no biases, and its intermediate size is a whole number of experts'
+        self.fold_shared = (cfg.moe_shared_expert_intermediate_size > 0 and not self.latent and self.tp.size == 1
+                            and not cfg.mlp_bias
+                            and self.experts.num_local == self.experts.num_experts
+                            and cfg.moe_shared_expert_intermediate_size % self.experts.inter_local == 0)
         if self.latent:
             self.fc1_latent_proj = nn.Linear(h, d, bias=cfg.mlp_bias, device=device, dtype=dtype)
             self.fc2_latent_proj = nn.Linear(d, h, bias=cfg.mlp_bias, device=device, dtype=dtype)
@@ -129,6 +142,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, meta: object = None, cache: object = None) -> torch.Tensor:
         """x: [T, hidden]. `meta` / `cache` are unused (the mixer signature; MoE keeps no state)."""
         w, ids = self.gate(x)
+        if self.fold_shared:
+            s = self.shared_experts
+            return self.experts(x, w, ids, (s.up_proj.weight, s.down_proj.weight))
         r = self.fc1_latent_proj(x) if self.latent else x
         r = self.experts(r, w, ids)
         if self.tp.size > 1:
