@@ -24,7 +24,16 @@ if ls .whl/mamba_ssm-*.whl >/dev/null 2>&1; then
     && export PYTHONPATH="$PYTHONPATH:/tmp/peers"
 fi
 mkdir -p benchmarks/results
-log=benchmarks/results/gpu_check.log
+# the log goes to $OUT as it is written and results are copied after every part, so a call cut short
+# still returns what ran
+log=${OUT:-benchmarks/results}/gpu_check.log
+mark=$(mktemp)  # results written after this call began are the ones copied (the tree carries earlier ones)
+save() {
+  if [ -n "${OUT:-}" ]; then
+    find benchmarks/results -maxdepth 1 -type f -newer "$mark" -exec cp {} "$OUT"/ \;
+  fi
+  return 0
+}
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
@@ -46,6 +55,7 @@ log=benchmarks/results/gpu_check.log
     # shellcheck disable=SC2086  # FAIRNESS_ARGS is a list of options
     timeout "${FAIRNESS_TIMEOUT:-560}" python3 benchmarks/bench_fairness.py --max-step-ms "${FAIRNESS_STEP_MS:-off,150}" \
       --time-budget-s "${FAIRNESS_BUDGET:-500}" --git-sha "$sha" ${FAIRNESS_ARGS:-} 2>&1 | tail -30
+    save
   fi
   if [[ $parts == *" soak "* ]]; then
     if ls .whl/*.whl >/dev/null 2>&1; then
@@ -55,6 +65,7 @@ log=benchmarks/results/gpu_check.log
     echo "== soak: ${SOAK_DURATION:-600}s through hyserve serve (issue 17)"
     # shellcheck disable=SC2086  # SOAK_ARGS is a list of options
     python3 benchmarks/bench_soak.py --git-sha "$sha" --duration "${SOAK_DURATION:-600}" ${SOAK_ARGS:-} 2>&1 | tail -60
+    save
   fi
   if [[ $parts == *" moe_model "* || $parts == *" moe_nano "* || $parts == *" moe_super "* ]]; then
     echo "== MoE model benchmarks: roofline arithmetic (CPU) and device-drawn dummy init (GPU) tests"
@@ -62,14 +73,18 @@ log=benchmarks/results/gpu_check.log
   fi
   if [[ $parts == *" moe_model "* || $parts == *" moe_nano "* ]]; then
     echo "== Nemotron 3 Nano 30B-A3B: batch 1, 8k prefill, batch-64/256 steps, dummy init timed"
-    timeout 400 python3 benchmarks/bench_model.py --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 \
-      --time-init --git-sha "$sha" 2>&1 | grep -v "warm-up \[" | tail -40
+    timeout "${MOE_NANO_TIMEOUT:-400}" python3 benchmarks/bench_model.py \
+      --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 --time-init --git-sha "$sha" 2>&1 \
+      | grep -v "warm-up \[" | tail -40
+    save
   fi
   if [[ $parts == *" moe_model "* || $parts == *" moe_super "* ]]; then
     echo "== Nemotron 3 Super cut to the repetitions of its pattern that fit (0.75 of the GPU): batch 1, 64"
-    timeout 360 python3 benchmarks/bench_model.py --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Super-120B-A12B-BF16 \
-      --git-sha "$sha" 2>&1 | grep -v "warm-up \[" | tail -40
+    timeout "${MOE_SUPER_TIMEOUT:-360}" python3 benchmarks/bench_model.py \
+      --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Super-120B-A12B-BF16 --git-sha "$sha" 2>&1 \
+      | grep -v "warm-up \[" | tail -40
+    save
   fi
+  save
 } 2>&1 | tee "$log"
-if [ -n "${OUT:-}" ]; then cp benchmarks/results/*.json benchmarks/results/*.md benchmarks/results/soak_*.log benchmarks/results/fairness_*.png "$log" "$OUT"/ 2>/dev/null; fi
 exit 0

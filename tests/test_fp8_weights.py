@@ -786,3 +786,22 @@ def test_fp8_model_at_tp2_is_the_tp1_model(pool: RankPool, tmp_path: Path, varia
         for step, (a, b) in enumerate(zip(got, want, strict=True)):
             err = (a - b).abs().max().item()
             assert err <= 1e-5 * max(1.0, b.abs().max().item()), f"rank {rank} step {step}: {err:.2e}"
+
+
+def test_engine_runs_fp8_weights_end_to_end(tmp_path: Path) -> None:
+    """`LLM(..., quantization="fp8")` on the CPU: start-up reports the weight format and bytes, the capacity
+    report carries them, and generation runs through the FP8 reference path (greedy, same tokens as the
+    16-bit engine on this tiny model for the first steps)."""
+    from hyserve import LLM, SamplingParams
+
+    src = _tiny_dir(tmp_path, "latent-moe")
+    lines: list[str] = []
+    llm = LLM(str(src), device="cpu", quantization="fp8", log=lines.append)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    out = llm.generate([[1, 5, 6, 7, 8, 9]], params)
+    assert len(out[0].token_ids) == 8
+    start = next(ln for ln in lines if "weights on this rank" in ln)
+    assert "fp8 e4m3 weights (quantised at load, per-output-channel scales)" in start
+    assert "fp8 e4m3 weights" in llm.engine.capacity_report()
+    ref = LLM(str(src), device="cpu").generate([[1, 5, 6, 7, 8, 9]], params)
+    assert out[0].token_ids[:2] == ref[0].token_ids[:2]

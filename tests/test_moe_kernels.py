@@ -317,6 +317,74 @@ def test_experts_reject_bad_inputs(bad, what):
             fn(x, w_up, w_down, w, ids)
 
 
+def _shared_weights(d: int, inter: int, S: int, dtype):
+    su = (torch.randn(S * inter, d, device=DEV) * d**-0.5).to(dtype)
+    sd = (torch.randn(d, S * inter, device=DEV) * (S * inter) ** -0.5).to(dtype)
+    return su, sd
+
+
+@pytest.mark.parametrize("variant", ["gemv", "gemv-nested", "gemm"])
+@pytest.mark.parametrize("S", [1, 2])
+@pytest.mark.parametrize("case", ["one-token", "empty-experts", "ragged"])
+def test_experts_with_the_shared_expert_match_float64(poison, variant, S, case):
+    """The shared expert folded in (S chunks of the routed intermediate size, weight 1 for every token)."""
+    T, k, E, d, inter, experts, always = EXPERT_CASES[case]
+    if variant.startswith("gemv"):
+        T = min(T, 2)  # the decode path's token counts
+    ids = _ids_with(T, k, E, experts, always)
+    x, w_up, w_down, w, ids = _experts_inputs(T, E, d, inter, k, F32, ids)
+    su, sd = _shared_weights(d, inter, S, F32)
+    cfg = tm._INTERPRETER_GEMM if variant == "gemm" else tm._INTERPRETER_GEMV
+    if CUDA:
+        cfg = tm.heuristic_config(E, inter, d, 64 if variant == "gemm" else 1, k)
+    if variant.startswith("gemv"):
+        cfg = dict(cfg, down=dict(cfg["down"], FLAT=int(variant == "gemv")))
+    with poison:
+        out = tm.moe_experts_triton(x, w_up, w_down, w, ids, su, sd, config=cfg)
+    exact = ref.moe_experts_ref(x.double(), w_up.double(), w_down.double(), w.double(), ids, su.double(), sd.double())
+    # the shared expert's part is there: without it the result is far off
+    assert _rel_err(_exact(x, w_up, w_down, w, ids), exact) > 1e-2
+    assert _rel_err(out, exact) < 2e-5, f"{variant} S={S} {case}: relative error {_rel_err(out, exact):.2e}"
+    err_ref = _rel_err(out, ref.moe_experts_ref(x, w_up, w_down, w, ids, su, sd).double())
+    assert err_ref < 2e-5
+
+
+@pytest.mark.parametrize("bad, what", [
+    ("only_up", "needs both"), ("not_multiple", "multiple of the routed"), ("down_shape", "shared_down must be"),
+    ("dtype", "shared expert dtypes"), ("empty", "multiple of the routed"),
+])
+def test_experts_reject_bad_shared_weights(bad, what):
+    x, w_up, w_down, w, ids = _experts_inputs(3, 4, 32, 16, 2, F32)
+    su, sd = _shared_weights(32, 16, 2, F32)
+    if bad == "only_up":
+        sd = None
+    elif bad == "not_multiple":
+        su, sd = su[:-3], sd[:, :-3]
+    elif bad == "down_shape":
+        sd = sd[:, :-16]
+    elif bad == "dtype":
+        su, sd = su.half(), sd.half()
+    elif bad == "empty":
+        su, sd = su[:0], sd[:, :0]
+    for fn in (tm.moe_experts_triton, ref.moe_experts_ref):
+        with pytest.raises(ValueError, match=what):
+            fn(x, w_up, w_down, w, ids, su, sd)
+
+
+@pytest.mark.parametrize("T", [1, 3, 4, 9])
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_router_logits_match_float64(poison, T, dtype):
+    E, d = 12, 72  # E not a multiple of the expert block, d not of the K tile
+    x = torch.randn(T, d, device=DEV).to(dtype)
+    gate = torch.randn(E, d, device=DEV) * d**-0.5
+    with poison:
+        got = tm.router_logits_triton(x, gate)
+    assert got.dtype == F32 and got.shape == (T, E)
+    torch.testing.assert_close(got.double(), x.double() @ gate.double().T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="router_logits"):
+        ref.router_logits_ref(x, gate[:, :-1])
+
+
 def test_stage_references_compose_to_the_experts_reference():
     # the block-wise stage contracts (what each GEMM kernel computes) give the per-expert loop's result
     T, k, E, d, inter = 11, 3, 8, 24, 20
@@ -403,11 +471,30 @@ def test_moe_layer_kernels_match_reference_path(monkeypatch, name):
         monkeypatch.setattr(ops, "get", lambda name, on_cuda: ops._REF[name])
         want = layer(x)
         monkeypatch.undo()
-    impls = {"moe_route": tm.moe_route_triton, "moe_experts": tm.moe_experts_triton}
+    impls = {"moe_route": tm.moe_route_triton, "moe_experts": tm.moe_experts_triton,
+             "router_logits": tm.router_logits_triton}
     real_get = ops.get
     monkeypatch.setattr(ops, "get", lambda n, on_cuda: impls.get(n) or real_get(n, on_cuda))
-    got = layer(x)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for rows in (x, x[:1]):  # the grouped GEMMs, and the decode GEMVs with the router GEMV
+        torch.testing.assert_close(layer(rows), want[: rows.shape[0]], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", [n for n in MOE_CONFIGS if n.startswith("tiny")])
+def test_shared_expert_folded_into_the_experts_gives_the_layer_output(name):
+    """The MoE layer with its shared expert inside the experts op equals the routed experts + the MLP."""
+    from hyserve.model.config import HybridModelConfig
+    from hyserve.model.moe import MoE
+
+    cfg = HybridModelConfig.from_dict(MOE_CONFIGS[name])
+    layer = MoE(cfg, device=DEV, dtype=F32)
+    assert layer.fold_shared == (cfg.moe_latent_size is None)  # latent MoE: the shared expert reads x, not the latent
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+    x = torch.randn(5, cfg.hidden_size, device=DEV)
+    folded = layer(x)
+    layer.fold_shared = False
+    torch.testing.assert_close(folded, layer(x), rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- GPU: real shapes, bf16
@@ -443,6 +530,32 @@ def test_experts_bf16_real_shapes(poison, name, T):
         with poison:
             out = tm.moe_experts_triton(x, w_up, w_down, w, ids, config=cfg)
         assert _rel_err(out, exact) < 1e-2, f"{name} T={T} {cfg['variant']}: {_rel_err(out, exact):.2e}"
+
+
+@gpu
+@pytest.mark.parametrize("name", sorted(REAL))
+@pytest.mark.parametrize("T", [1, 2, 64])
+def test_experts_bf16_real_shapes_with_the_shared_expert(poison, name, T):
+    E, k, d, inter = REAL[name]
+    shared = MOE_CONFIGS[name]["moe_shared_expert_intermediate_size"]
+    x, w_up, w_down, w, ids = _experts_inputs(T, E, d, inter, k, BF16)
+    su, sd = _shared_weights(d, inter, shared // inter, BF16)
+    exact = ref.moe_experts_ref(x.double(), w_up.double(), w_down.double(), w.double(), ids, su.double(), sd.double())
+    gemv = tm.heuristic_config(E, inter, d, 1, k)
+    for cfg in (None, gemv, dict(gemv, down=dict(gemv["down"], FLAT=1 - gemv["down"].get("FLAT", 0)))):
+        with poison:
+            out = tm.moe_experts_triton(x, w_up, w_down, w, ids, su, sd, config=cfg)
+        assert _rel_err(out, exact) < 1e-2, f"{name} T={T}: relative error {_rel_err(out, exact):.2e}"
+
+
+@gpu
+@pytest.mark.parametrize("T", [1, 2, 4, 5, 64])
+def test_router_logits_bf16_real_shapes(T):
+    raw = next(c for n, c in sorted(MOE_CONFIGS.items()) if not n.startswith("tiny"))
+    x = torch.randn(T, raw["hidden_size"], device=DEV).to(BF16)
+    gate = torch.randn(raw["n_routed_experts"], raw["hidden_size"], device=DEV) * raw["hidden_size"] ** -0.5
+    got = tm.router_logits_triton(x, gate)
+    torch.testing.assert_close(got.double(), x.double() @ gate.double().T, rtol=1e-4, atol=1e-4)
 
 
 @gpu

@@ -152,3 +152,29 @@ def test_greedy_outputs_do_not_depend_on_the_cost_model(reference) -> None:
                                               per_kv_read_ms=1e-4, target_ms=4.0)
     outs = llm.generate(prompts(), GREEDY)
     assert [o.token_ids for o in outs] == reference
+
+
+def test_start_up_gives_the_scheduler_the_calibrated_model(monkeypatch) -> None:
+    """max_step_ms at start-up reaches the scheduler: the calibration's model is the one chunks are sized by
+    (on the CPU calibration has nothing to time and says so; here it is replaced by a fixed model)."""
+    from hyserve.engine import startup
+
+    model = StepCostModel(overhead_ms=0.5, per_token_ms=0.05, per_context_ms=2e-3, per_kv_read_ms=1e-4, target_ms=7.0)
+    seen: list[float] = []
+
+    def fake(engine, target_ms: float) -> StepCostModel:
+        seen.append(target_ms)
+        return model
+
+    monkeypatch.setattr(startup, "calibrate_step_cost", fake)
+    assert make_llm(max_num_tokens=64, max_step_ms=7.0).engine.scheduler.cost is model and seen == [7.0]
+    assert make_llm(max_num_tokens=64).engine.scheduler.cost is None and seen == [7.0]  # off: not calibrated
+
+
+def test_max_step_ms_on_the_cpu_says_there_is_no_model(caplog) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="hyserve"):
+        llm = make_llm(max_num_tokens=64, max_step_ms=7.0)
+    assert llm.engine.scheduler.cost is None
+    assert any("max_step_ms 7: no step cost model on cpu" in r.getMessage() for r in caplog.records), caplog.text

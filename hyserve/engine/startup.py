@@ -1,6 +1,7 @@
-"""Start an engine in three steps: construct (load, size, allocate, capture), warm up (every kernel
-variant serving can reach compiles now, not mid-traffic), mark ready (compilations from here on are
-counted and, with strict_warmup, fail their step).
+"""Start an engine in four steps: construct (load, size, allocate, capture), warm up (every kernel
+variant serving can reach compiles now, not mid-traffic), calibrate the step cost model when
+`max_step_ms` is set (it times steps, so it follows the warm-up and compiles nothing new), mark ready
+(compilations from here on are counted and, with strict_warmup, fail their step).
 
 An engine over several ranks first starts or joins them (`launch.start_ranks`); the other ranks follow
 rank 0 through construction and every warm-up step, so each is ready when rank 0 is."""
@@ -12,6 +13,7 @@ import logging
 from collections.abc import Callable
 
 from hyserve.config import EngineConfig
+from hyserve.engine.calibration import calibrate_step_cost
 from hyserve.engine.engine import LLMEngine
 from hyserve.engine.launch import start_ranks
 from hyserve.engine.parallel_runner import DriverRunner
@@ -32,6 +34,7 @@ def start_engine(config: EngineConfig, *, log: Callable[[str], None] | None = No
         if config.warmup == "on" or (config.warmup == "auto" and engine.device.type == "cuda"):
             engine.warmup_report = Warmup(engine, log=log).run()
             log(engine.warmup_report.summary())
+        calibrate(engine, log)
         engine.mark_ready()
         if isinstance(runner, DriverRunner):
             runner.mark_ready()
@@ -42,3 +45,16 @@ def start_engine(config: EngineConfig, *, log: Callable[[str], None] | None = No
             ranks.close(timeout_s=5.0)
         raise
     return engine
+
+
+def calibrate(engine: LLMEngine, log: Callable[[str], None]) -> None:
+    """Give the scheduler its step cost model when `max_step_ms` asks for one, and say what it is."""
+    target = engine.config.scheduler.max_step_ms
+    if target is None:
+        return
+    engine.scheduler.cost = calibrate_step_cost(engine, target)
+    if engine.scheduler.cost is None:
+        log(f"max_step_ms {target:g}: no step cost model on {engine.device.type} for this model (it is timed on "
+            "CUDA over the attention layers); chunks are sized by the token budget alone")
+    else:
+        log(f"max_step_ms {target:g}: {engine.scheduler.cost.describe()}")

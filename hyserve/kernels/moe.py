@@ -7,10 +7,13 @@
     align    the T*k (token, slot) pairs, flat index t*k + s, sorted by expert (stable) with each expert's
              run padded to a multiple of block_m: sorted_ids[P] (padding = T*k), expert_ids[P / block_m]
              (-1 past the end), num_tokens_post_pad[1]. P is fixed by T, k, E and block_m, never by counts
+    logits   the router's scores before the sigmoid: x @ gate^T in float32 (the gate weight is float32)
     experts  out[t] = sum_s w[t, s] * down[e] @ relu(up[e] @ x[t])^2,  e = ids[t, s]
+             (+ shared_down @ relu(shared_up @ x[t])^2 with the shared expert folded in, weight 1)
              FP8 experts: up / down in e4m3 with float32 scales per expert and output channel, up_scale [E, I]
              and down_scale [E, d]; the expert's matrix is up[e] * up_scale[e][:, None] (dequantised in
-             float32, rounded to x.dtype), the rest as above
+             float32, rounded to x.dtype), the rest as above (no folded shared expert: FP8 models run it
+             as their FP8 MLP)
 
 The block-wise stage references (`moe_up_ref`, `moe_down_ref`, `moe_combine_ref`) state what each GEMM
 kernel computes over the align buffers; `moe_experts_ref` is the per-expert loop that the CPU runs (it
@@ -21,6 +24,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def router_logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: [T, d]; weight: [E, d] (float32, as the checkpoints store the gate) -> logits [T, E] in float32
+    (float64 for a float64 oracle)."""
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"router_logits: x [T, d] and gate weight [E, d] expected, got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    ftype = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
+    return F.linear(x.to(ftype), weight.to(ftype))
 
 
 def moe_max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -168,6 +181,26 @@ def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
     return (w.float() * scale[:, :, None]).to(dtype)
 
 
+def check_shared_args(w_up: torch.Tensor, shared_up: torch.Tensor | None, shared_down: torch.Tensor | None) -> int:
+    """The shared expert folded into the routed ones: up [S*I, d], down [d, S*I] with I the routed experts'
+    intermediate size, so it runs as S more experts of weight 1 per token. Returns S (0 without one)."""
+    if shared_up is None and shared_down is None:
+        return 0
+    if shared_up is None or shared_down is None:
+        raise ValueError("moe_experts: the shared expert needs both shared_up and shared_down")
+    _, inter, d = w_up.shape
+    si = shared_up.shape[0] if shared_up.dim() == 2 else -1
+    if shared_up.dim() != 2 or shared_up.shape[1] != d or si % inter or si == 0:
+        raise ValueError(f"moe_experts: shared_up must be [S * {inter}, {d}] (a multiple of the routed "
+                         f"intermediate size), got {tuple(shared_up.shape)}")
+    if shared_down.shape != (d, si):
+        raise ValueError(f"moe_experts: shared_down must be [{d}, {si}], got {tuple(shared_down.shape)}")
+    if not (shared_up.dtype == shared_down.dtype == w_up.dtype):
+        raise ValueError(f"moe_experts: shared expert dtypes {shared_up.dtype}, {shared_down.dtype} differ from the "
+                         f"experts' {w_up.dtype}")
+    return si // inter
+
+
 def _check_experts_args(
     x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tensor,
     up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
@@ -197,14 +230,19 @@ def _check_experts_args(
 
 def moe_experts_ref(
     x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tensor,
+    shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
     up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [T, d]; w_up: [E, I, d]; w_down: [E, d, I]; topk_w: [T, k] float32; topk_ids: [T, k] -> [T, d] in
     x.dtype. transformers' NemotronH order of rounding: each expert's GEMMs in x.dtype, weighted and summed
-    in float32, rounded once at the end. FP8 experts (e4m3 weights, up_scale [E, I], down_scale [E, d]):
-    each expert used is dequantised to x.dtype first, the rest the same."""
+    in float32, rounded once at the end. shared_up / shared_down (`check_shared_args`): the shared expert's
+    output, its GEMMs in x.dtype too, joins that float32 sum. FP8 experts (e4m3 weights, up_scale [E, I],
+    down_scale [E, d]): each expert used is dequantised to x.dtype first, the rest the same."""
     _check_experts_args(x, w_up, w_down, topk_w, topk_ids, up_scale, down_scale)
     fp8 = up_scale is not None
+    if fp8 and (shared_up is not None or shared_down is not None):
+        raise ValueError("moe_experts: FP8 experts take no folded shared expert (an FP8 model runs it as its MLP)")
+    with_shared = check_shared_args(w_up, shared_up, shared_down) > 0
     T, k = topk_ids.shape
     acc = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 as an oracle
     out = torch.zeros(T, x.shape[1], dtype=acc, device=x.device)
@@ -225,10 +263,13 @@ def moe_experts_ref(
         h = torch.square(F.relu(F.linear(x[t], up)))
         out.index_add_(0, t, F.linear(h, down).to(acc) * wf[sel, None])
         start += n
+    if with_shared:
+        out += F.linear(torch.square(F.relu(F.linear(x, shared_up))), shared_down).to(acc)
     return out.to(x.dtype)
 
 
 __all__ = [
+    "check_shared_args",
     "dequantize_experts",
     "moe_align_ref",
     "moe_combine_ref",
@@ -237,4 +278,5 @@ __all__ = [
     "moe_max_blocks",
     "moe_route_ref",
     "moe_up_ref",
+    "router_logits_ref",
 ]

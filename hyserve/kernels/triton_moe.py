@@ -1,12 +1,17 @@
 """Nemotron 3 mixture of experts as Triton kernels, with no host sync and no shape that depends on the
 routing, so a decode step replays from a CUDA graph (contracts: `moe.py`; layout: docs/architecture.md).
 
+    logits     _router_gemv_kernel (few tokens), grid (T, E / BLOCK_E): the float32 gate GEMV reading the
+               16-bit activation as it is (cuBLAS at these sizes took a cast, a GEMV and a reduce); more
+               tokens: F.linear in float32
     route      _route_kernel, grid (T,): sigmoid, score-correction bias, group-limited top-k by repeated
                argmax over the token's [groups, experts per group] tile, normalised weights x scale
     gemv path  (few tokens) no sort: _up_gemv_kernel, grid (T*k, I / BLOCK_N), reads only each pair's
                expert, relu^2 at the end; _down_gemv_kernel, grid (T, d / BLOCK_N), walks the token's k
                experts and sums their weighted rows in registers (the combine): BLOCK_N of 2-8 rows gives
-               thousands of programs, so one token's six experts stream at HBM speed
+               thousands of programs, so one token's six experts stream at HBM speed. A shared expert of
+               S x the routed intermediate size rides along as S more (token, chunk) pairs of weight 1:
+               its up rows in the same launch, its down columns in a second loop of the same program
     gemm path  _align_{count,offsets,scatter}_kernel: histogram per chunk of pairs, one program for the
                prefix sums, block padding and expert id per block, then a stable scatter (rank inside a
                chunk from a one-hot cumsum); _up_gemm_kernel / _down_gemm_kernel, grid (max blocks x
@@ -30,10 +35,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hyserve.kernels.moe import _check_experts_args, _check_route_args, moe_max_blocks
+from hyserve.kernels.moe import (
+    _check_experts_args,
+    _check_route_args,
+    check_shared_args,
+    moe_max_blocks,
+    router_logits_ref,
+)
+from hyserve.kernels.triton_activation import relu2_triton
 from hyserve.kernels.triton_common import dot_acc
 
 CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
@@ -44,6 +57,48 @@ _GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 
 
 # --------------------------------------------------------------------------- routing
+
+
+@triton.jit
+def _router_gemv_kernel(
+    x_ptr, w_ptr, out_ptr, E, K, s_xt, s_we, s_ot,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """logits[t, e] = sum_k x[t, k] * gate[e, k] in float32 for BLOCK_E experts e of token t."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    me = offs_e < E
+    rows = tl.minimum(offs_e, E - 1)  # clamped rows: weight loads need no row mask
+    offs_k = tl.arange(0, BLOCK_K)
+    part = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        kk = k0 + offs_k
+        km = kk < K
+        xv = tl.load(x_ptr + t * s_xt + kk, mask=km, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rows[:, None] * s_we + kk[None, :], mask=km[None, :], other=0.0).to(tl.float32)
+        part += w * xv[None, :]
+    tl.store(out_ptr + t * s_ot + offs_e, tl.sum(part, axis=1), mask=me)
+
+
+# Few tokens: the GEMV kernel; from here on F.linear in float32 (a GEMM shares each weight read).
+ROUTER_GEMV_MAX_TOKENS = 4
+
+
+def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: [T, d] (16 or 32 bit); weight: [E, d] float32 -> logits [T, E] float32 (router_logits_ref)."""
+    T = x.shape[0] if x.dim() == 2 else -1
+    if (T < 1 or T > ROUTER_GEMV_MAX_TOKENS or weight.dtype != torch.float32 or weight.dim() != 2
+            or weight.shape[1] != x.shape[1] or x.stride(1) != 1 or weight.stride(1) != 1):
+        return router_logits_ref(x, weight)
+    E, K = weight.shape
+    out = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    cfg = dict(BLOCK_E=2, BLOCK_K=1024, num_warps=4, num_stages=3) if x.is_cuda else \
+        dict(BLOCK_E=4, BLOCK_K=32, num_warps=1, num_stages=1)
+    stages = cfg.pop("num_stages")
+    _router_gemv_kernel[(T, triton.cdiv(E, cfg["BLOCK_E"]))](
+        x, weight, out, E, K, x.stride(0), weight.stride(0), out.stride(0), NUM_STAGES=stages, **cfg,
+    )
+    return out
 
 
 @triton.jit
@@ -338,35 +393,50 @@ def _down_gemm_kernel(
 
 
 @triton.jit
-def _combine_kernel(y_ptr, out_ptr, N, s_ym, s_ot, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[t] = sum over the token's k rows of y, in float32, in slot order."""
+def _combine_kernel(y_ptr, extra_ptr, out_ptr, N, s_ym, s_et, s_ot, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HAS_EXTRA: tl.constexpr):
+    """out[t] = sum over the token's k rows of y (+ its row of extra: the shared expert), in float32, in slot
+    order, rounded once."""
     t = tl.program_id(0).to(tl.int64)
     cn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = cn < N
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for s in tl.static_range(TOP_K):
         acc += tl.load(y_ptr + (t * TOP_K + s) * s_ym + cn, mask=m, other=0.0).to(tl.float32)
+    if HAS_EXTRA:
+        acc += tl.load(extra_ptr + t * s_et + cn, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * s_ot + cn, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
 # --------------------------------------------------------------------------- decode GEMVs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_routed"])
 def _up_gemv_kernel(
-    x_ptr, w_ptr, ids_ptr, h_ptr, N, K, s_xt, s_we, s_wn, s_hm, sc_ptr,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, W_FP8: tl.constexpr,
+    x_ptr, w_ptr, ids_ptr, h_ptr, su_ptr, N, K, n_routed, s_xt, s_we, s_wn, s_hm, sc_ptr,
+    TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, W_FP8: tl.constexpr,
 ):
-    """h[p, n] = relu(w_up[ids[p]] @ x[p // k])^2 for BLOCK_N columns n: the pair's expert only (W_FP8:
-    e4m3 rows, the expert's channel scale sc[e, n] on the sum before relu^2)."""
+    """h[p, n] = relu(w_up[ids[p]] @ x[p // k])^2 for BLOCK_N columns n: the pair's expert only. Rows
+    p >= n_routed (= T*k) are the shared expert's: chunk j = q % S of token q // S, q = p - n_routed,
+    its up rows j*N .. j*N + N (SHARED = S, and 1 without a shared expert, when no such row exists).
+    W_FP8: e4m3 expert rows, the expert's channel scale sc[e, n] on the sum before relu^2 (FP8 experts
+    come without a folded shared expert)."""
     p = tl.program_id(0).to(tl.int64)
-    e = tl.load(ids_ptr + p).to(tl.int64)
     cn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = tl.minimum(cn, N - 1)  # clamped rows: loads need no mask
     offs_k = tl.arange(0, BLOCK_K)
-    x_row = x_ptr + (p // TOP_K) * s_xt
-    w_rows = w_ptr + e * s_we + offs_n[:, None] * s_wn
+    if p < n_routed:
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        x_row = x_ptr + (p // TOP_K) * s_xt
+        w_base = w_ptr + e * s_we
+        sc_row = sc_ptr + e * N
+    else:
+        q = p - n_routed
+        x_row = x_ptr + (q // SHARED) * s_xt
+        w_base = su_ptr + (q % SHARED) * N * s_wn
+        sc_row = sc_ptr
+    w_rows = w_base + offs_n[:, None] * s_wn
     part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         kk = k0 + offs_k
@@ -380,20 +450,22 @@ def _up_gemv_kernel(
         part += w.to(tl.float32) * xv.to(tl.float32)[None, :]
     acc = tl.sum(part, axis=1)
     if W_FP8:
-        acc = acc * tl.load(sc_ptr + e * N + offs_n)
+        acc = acc * tl.load(sc_row + offs_n)
     acc = tl.maximum(acc, 0.0)
     tl.store(h_ptr + p * s_hm + cn, (acc * acc).to(h_ptr.dtype.element_ty), mask=cn < N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_routed"])
 def _down_gemv_kernel(
-    h_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, N, K, s_hm, s_we, s_wn, s_ot, sc_ptr,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, FLAT: tl.constexpr, W_FP8: tl.constexpr,
+    h_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, sd_ptr, N, K, n_routed, s_hm, s_we, s_wn, s_ot, s_sdn, sc_ptr,
+    TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, FLAT: tl.constexpr, W_FP8: tl.constexpr,
 ):
     """out[t, n] = sum_s topk_w[t, s] * (w_down[ids[t, s]] @ h[t*k + s])[n]: the combine in registers.
     FLAT walks the token's (slot, K tile) pairs as one pipelined loop (h pre-scaled by the slot's weight),
-    so the loads do not drain at every expert; otherwise one K loop per slot."""
+    so the loads do not drain at every expert; otherwise one K loop per slot. SHARED > 0: then the shared
+    expert, sum_j shared_down[:, j*K : j*K + K] @ h[n_routed + t*S + j], in a second loop, weight 1.
+    W_FP8: each expert's e4m3 rows times its channel scales sc[e, n] (no shared expert with FP8)."""
     t = tl.program_id(0).to(tl.int64)
     cn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = tl.minimum(cn, N - 1)
@@ -441,6 +513,23 @@ def _down_gemv_kernel(
             if W_FP8:
                 r = r * tl.load(sc_ptr + e * N + offs_n)
             out += tl.load(tw_ptr + p).to(tl.float32) * r
+    if SHARED > 0:
+        kt_s = tl.cdiv(K, BLOCK_K)
+        part_s = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for it in tl.range(0, SHARED * kt_s, num_stages=NUM_STAGES):
+            j = it // kt_s
+            kk = (it - j * kt_s) * BLOCK_K + offs_k
+            h_row = h_ptr + (n_routed + t * SHARED + j) * s_hm
+            w_rows = sd_ptr + offs_n[:, None] * s_sdn + j * K
+            if EVEN_K:
+                hv = tl.load(h_row + kk)
+                w = tl.load(w_rows + kk[None, :])
+            else:
+                km = kk < K
+                hv = tl.load(h_row + kk, mask=km, other=0.0)
+                w = tl.load(w_rows + kk[None, :], mask=km[None, :], other=0.0)
+            part_s += w.to(tl.float32) * hv.to(tl.float32)[None, :]
+        out += tl.sum(part_s, axis=1)
     tl.store(out_ptr + t * s_ot + cn, out.to(out_ptr.dtype.element_ty), mask=cn < N)
 
 
@@ -578,26 +667,35 @@ def _launch(sub: dict[str, Any]) -> dict[str, int]:
     return dict(num_warps=sub["num_warps"], num_stages=sub["num_stages"])
 
 
-def launch_up_gemv(x, w_up, ids, h, up: dict[str, Any], scale: torch.Tensor | None = None) -> None:
-    """h [T*k, I] = relu(x[p // k] @ w_up[ids[p]]^T)^2 (scale: FP8 experts' [E, I] channel scales)."""
+def launch_up_gemv(x, w_up, ids, h, up: dict[str, Any], shared_up: torch.Tensor | None = None,
+                   scale: torch.Tensor | None = None) -> None:
+    """h [T*k (+ T*S), I] = relu(x[p // k] @ w_up[ids[p]]^T)^2, then the shared expert's S chunks per token
+    (scale: FP8 experts' [E, I] channel scales)."""
     inter, d = w_up.shape[1], w_up.shape[2]
-    _up_gemv_kernel[(ids.numel(), triton.cdiv(inter, up["BLOCK_N"]))](
-        x, w_up, ids, h, inter, d, x.stride(0), w_up.stride(0), w_up.stride(1), h.stride(0),
-        scale if scale is not None else h,
-        TOP_K=ids.shape[1], BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], EVEN_K=d % up["BLOCK_K"] == 0,
-        NUM_STAGES=up["num_stages"], W_FP8=scale is not None, num_warps=up["num_warps"],
+    S = 0 if shared_up is None else shared_up.shape[0] // inter
+    n_routed = ids.numel()
+    _up_gemv_kernel[(n_routed + ids.shape[0] * S, triton.cdiv(inter, up["BLOCK_N"]))](
+        x, w_up, ids, h, w_up if shared_up is None else shared_up, inter, d, n_routed,
+        x.stride(0), w_up.stride(0), w_up.stride(1), h.stride(0), scale if scale is not None else h,
+        TOP_K=ids.shape[1], SHARED=max(S, 1), BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"],
+        EVEN_K=d % up["BLOCK_K"] == 0, NUM_STAGES=up["num_stages"], W_FP8=scale is not None,
+        num_warps=up["num_warps"],
     )
 
 
-def launch_down_gemv(h, w_down, ids, tw, out, dn: dict[str, Any], scale: torch.Tensor | None = None) -> None:
-    """out [T, d] = sum_s tw[t, s] * w_down[ids[t, s]] @ h[t*k + s] (scale: FP8 experts' [E, d] scales)."""
+def launch_down_gemv(h, w_down, ids, tw, out, dn: dict[str, Any], shared_down: torch.Tensor | None = None,
+                     scale: torch.Tensor | None = None) -> None:
+    """out [T, d] = sum_s tw[t, s] * w_down[ids[t, s]] @ h[t*k + s] (+ the shared expert's chunks of h;
+    scale: FP8 experts' [E, d] channel scales)."""
     d, inter = w_down.shape[1], w_down.shape[2]
+    S = 0 if shared_down is None else shared_down.shape[1] // inter
+    sd = w_down if shared_down is None else shared_down
     _down_gemv_kernel[(out.shape[0], triton.cdiv(d, dn["BLOCK_N"]))](
-        h, w_down, ids, tw, out, d, inter, h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
-        scale if scale is not None else tw,
-        TOP_K=ids.shape[1], BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0,
-        NUM_STAGES=dn["num_stages"], FLAT=bool(dn.get("FLAT", 0)), W_FP8=scale is not None,
-        num_warps=dn["num_warps"],
+        h, w_down, ids, tw, out, sd, d, inter, ids.numel(), h.stride(0), w_down.stride(0), w_down.stride(1),
+        out.stride(0), sd.stride(0), scale if scale is not None else tw,
+        TOP_K=ids.shape[1], SHARED=S, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"],
+        EVEN_K=inter % dn["BLOCK_K"] == 0, NUM_STAGES=dn["num_stages"], FLAT=bool(dn.get("FLAT", 0)),
+        W_FP8=scale is not None, num_warps=dn["num_warps"],
     )
 
 
@@ -627,12 +725,13 @@ def launch_down_gemm(h, w_down, y, tw, sorted_ids, expert_ids, npad, block_m: in
     )
 
 
-def launch_combine(y, out, top_k: int) -> None:
-    """out [T, d] = sum of each token's k rows of y (moe_combine_ref)."""
+def launch_combine(y, out, top_k: int, extra: torch.Tensor | None = None) -> None:
+    """out [T, d] = sum of each token's k rows of y (moe_combine_ref), plus extra [T, d] when given."""
     T, d = out.shape
     bc = 1024 if y.is_cuda else 64
-    _combine_kernel[(T, triton.cdiv(d, bc))](y, out, d, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK_N=bc,
-                                             num_warps=4)
+    ex = y if extra is None else extra
+    _combine_kernel[(T, triton.cdiv(d, bc))](y, ex, out, d, y.stride(0), ex.stride(0), out.stride(0), TOP_K=top_k,
+                                             BLOCK_N=bc, HAS_EXTRA=extra is not None, num_warps=4)
 
 
 def moe_experts_triton(
@@ -641,15 +740,20 @@ def moe_experts_triton(
     w_down: torch.Tensor,
     topk_w: torch.Tensor,
     topk_ids: torch.Tensor,
+    shared_up: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
     up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
     config: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """x: [T, d]; w_up: [E, I, d]; w_down: [E, d, I]; topk_w: [T, k] float32; topk_ids: [T, k] int -> [T, d]
-    in x.dtype (moe_experts_ref). FP8 experts: e4m3 weights with up_scale [E, I] and down_scale [E, d]
-    float32 (per expert and output channel). `config` overrides the tuned / heuristic tile config (tests,
-    tuning)."""
+    in x.dtype (moe_experts_ref, with the shared expert when given). FP8 experts: e4m3 weights with up_scale
+    [E, I] and down_scale [E, d] float32 (per expert and output channel), no shared expert. `config`
+    overrides the tuned / heuristic tile config (tests, tuning)."""
     _check_experts_args(x, w_up, w_down, topk_w, topk_ids, up_scale, down_scale)
+    if up_scale is not None and (shared_up is not None or shared_down is not None):
+        raise ValueError("moe_experts: FP8 experts take no folded shared expert (an FP8 model runs it as its MLP)")
+    S = check_shared_args(w_up, shared_up, shared_down)
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"moe_experts: float32, float16 or bfloat16 expected, got {x.dtype}")
     T, d = x.shape
@@ -660,14 +764,16 @@ def moe_experts_triton(
         return out
     if w_up.stride(2) != 1 or w_down.stride(2) != 1:
         raise ValueError("moe_experts: expert weights need a unit stride along their last dimension")
+    if S and (not shared_up.is_contiguous() or shared_down.stride(1) != 1 or shared_up.stride(0) != w_up.stride(1)):
+        raise ValueError("moe_experts: the shared expert's weights must be contiguous rows like the experts'")
     cfg = validate_config(config) if config is not None else moe_config(E, inter, d, T, k, x.device)
     xc = x if x.stride(1) == 1 else x.contiguous()
     ids = topk_ids.contiguous()
     tw = topk_w.float().contiguous()
     if cfg["variant"] == "gemv":
-        h = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)
-        launch_up_gemv(xc, w_up, ids, h, cfg["up"], up_scale)
-        launch_down_gemv(h, w_down, ids, tw, out, cfg["down"], down_scale)
+        h = torch.empty(T * (k + S), inter, dtype=x.dtype, device=x.device)
+        launch_up_gemv(xc, w_up, ids, h, cfg["up"], shared_up if S else None, up_scale)
+        launch_down_gemv(h, w_down, ids, tw, out, cfg["down"], shared_down if S else None, down_scale)
         return out
     bm = cfg["BLOCK_M"]
     sorted_ids, expert_ids, npad = moe_align_triton(ids, E, bm)
@@ -675,7 +781,9 @@ def moe_experts_triton(
     launch_up_gemm(xc, w_up, h, sorted_ids, expert_ids, npad, T * k, k, bm, cfg["up"], up_scale)
     y = torch.empty(T * k, d, dtype=x.dtype, device=x.device)
     launch_down_gemm(h, w_down, y, tw, sorted_ids, expert_ids, npad, bm, cfg["down"], down_scale)
-    launch_combine(y, out, k)
+    # many tokens: the shared expert as two GEMMs (each weight read once for all rows), added in the combine
+    shared = F.linear(relu2_triton(F.linear(xc, shared_up)), shared_down) if S else None
+    launch_combine(y, out, k, shared)
     return out
 
 
@@ -687,6 +795,7 @@ __all__ = [
     "moe_experts_triton",
     "moe_route_triton",
     "moe_token_buckets",
+    "router_logits_triton",
     "shape_key",
     "token_bucket",
     "validate_config",

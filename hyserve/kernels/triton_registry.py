@@ -29,7 +29,7 @@ def register_triton_kernels() -> list[str]:
     from hyserve.kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
     from hyserve.kernels.triton_fp8_linear import fp8_linear_triton
     from hyserve.kernels.triton_fused_linear import gated_norm_linear_triton, relu2_linear_triton
-    from hyserve.kernels.triton_moe import moe_experts_triton, moe_route_triton
+    from hyserve.kernels.triton_moe import moe_experts_triton, moe_route_triton, router_logits_triton
     from hyserve.kernels.triton_rmsnorm import add_rms_norm_triton, rms_norm_triton, rmsnorm_gated_triton
     from hyserve.kernels.triton_ssd import ssd_triton
     from hyserve.kernels.triton_ssm_update import selective_state_update_triton
@@ -48,6 +48,7 @@ def register_triton_kernels() -> list[str]:
         "ssm_update": selective_state_update_triton,
         "ssd": ssd_triton,
         "store_ssm_state": store_ssm_state_triton,
+        "router_logits": router_logits_triton,
         "moe_route": moe_route_triton,
         "moe_experts": moe_experts_triton,
         "write_kv": write_kv_triton,

@@ -8,8 +8,12 @@ projection that runs the routed experts in a smaller dimension:
 
 Routing, the token sort and the expert GEMMs run on the device through the `moe_route` / `moe_experts`
 ops (kernels/moe.py, kernels/triton_moe.py): no host sync, so a decode step can replay from a CUDA graph.
-The latent projections and the shared expert are plain linears (the MLP's relu^2 GEMV path), FP8 when the
-model's weights are (model/fp8_weights.py).
+The latent projections are plain linears. The shared expert runs inside the experts op (one more
+expert of weight 1 for every token: at batch 1 its weights stream in the same two GEMV launches as the
+routed experts') where its intermediate size is a multiple of the experts' and one rank holds it whole;
+otherwise (latent MoE: it reads x, not the latent; tensor parallel; biases; FP8 weights) it is the MLP,
+added after. With FP8 weights (model/fp8_weights.py) the experts, the latent projections and the shared
+expert's MLP are FP8.
 
 Expert / tensor parallel (docs/architecture.md, "Parallelism"): every rank routes every token (same
 router, same input); a rank holds n_routed_experts / ep_size experts, each with its slice of the
@@ -22,7 +26,6 @@ cost compute on those local experts (a skip in the align kernel would save it).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hyserve.distributed import Group, all_reduce, ep_group, moe_tp_group, tp_group
@@ -48,7 +51,7 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> (weights [T, k] float32, expert ids [T, k] int32), on the device (no host sync)."""
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        logits = ops.get("router_logits", x.is_cuda)(x, self.weight)  # [T, E] float32
         return ops.get("moe_route", x.is_cuda)(
             logits, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
             self.norm_topk_prob, self.scale,
@@ -100,10 +103,13 @@ class Experts(ShardLoading):
         elif self.first_expert <= expert < self.first_expert + self.num_local:
             param[expert - self.first_expert].copy_(read_block(loaded, {inter_dim: rows}))
 
-    def forward(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """x: [T, d]; w, ids: [T, k] -> [T, d]. On CUDA the fused kernels (sort, grouped GEMMs, combine
         on the device; `kernels/triton_moe.py`); on the CPU the per-expert reference loop. Sharded: this
-        rank's partial sum (its experts, its intermediate slice); the MoE layer all-reduces it."""
+        rank's partial sum (its experts, its intermediate slice); the MoE layer all-reduces it. `shared`:
+        the shared expert's (up, down) weights, summed in with weight 1 (unsharded experts only)."""
         if self.num_local != self.num_experts:
             # another rank's expert: weight 0 on a clamped local id (shapes stay fixed, nothing reads the host)
             local = ids - self.first_expert
@@ -112,9 +118,11 @@ class Experts(ShardLoading):
             ids = local.clamp(0, self.num_local - 1).to(ids.dtype)
         fn = ops.get("moe_experts", x.is_cuda)
         if self.quant is not None:  # FP8 experts (model/fp8_weights.py): e4m3 with per-expert channel scales
+            assert shared is None, "FP8 experts run the shared expert as its MLP"
             return fn(x, self.up_proj, self.down_proj, w, ids, up_scale=self.up_proj_scale,
                       down_scale=self.down_proj_scale)
-        return fn(x, self.up_proj, self.down_proj, w, ids)
+        su, sd = shared if shared is not None else (None, None)
+        return fn(x, self.up_proj, self.down_proj, w, ids, su, sd)
 
 
 class MoE(nn.Module):
@@ -129,6 +137,12 @@ class MoE(nn.Module):
             h, cfg.moe_shared_expert_intermediate_size, cfg.mlp_bias, device=device, dtype=dtype
         )
         self.latent = cfg.moe_latent_size is not None
+        # the shared expert inside the experts op: it reads what they read (not latent), one rank holds
+        # everything (no partial sums), no biases, and its intermediate size is a whole number of experts'
+        self.fold_shared = (cfg.moe_shared_expert_intermediate_size > 0 and not self.latent and self.tp.size == 1
+                            and not cfg.mlp_bias
+                            and self.experts.num_local == self.experts.num_experts
+                            and cfg.moe_shared_expert_intermediate_size % self.experts.inter_local == 0)
         if self.latent:
             self.fc1_latent_proj = ReplicatedLinear(h, d, bias=cfg.mlp_bias, device=device, dtype=dtype)
             self.fc2_latent_proj = ReplicatedLinear(d, h, bias=cfg.mlp_bias, device=device, dtype=dtype)
@@ -136,6 +150,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, meta: object = None, cache: object = None) -> torch.Tensor:
         """x: [T, hidden]. `meta` / `cache` are unused (the mixer signature; MoE keeps no state)."""
         w, ids = self.gate(x)
+        s = self.shared_experts
+        # FP8 weights (experts or the shared MLP, converted after __init__) keep the shared expert as the MLP
+        if self.fold_shared and self.experts.quant is None and s.up_proj.quant is None and s.down_proj.quant is None:
+            return self.experts(x, w, ids, (s.up_proj.weight, s.down_proj.weight))
         r = self.fc1_latent_proj(x) if self.latent else x
         r = self.experts(r, w, ids)
         if self.tp.size > 1:
