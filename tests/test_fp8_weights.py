@@ -805,3 +805,38 @@ def test_engine_runs_fp8_weights_end_to_end(tmp_path: Path) -> None:
     assert "fp8 e4m3 weights" in llm.engine.capacity_report()
     ref = LLM(str(src), device="cpu").generate([[1, 5, 6, 7, 8, 9]], params)
     assert out[0].token_ids[:2] == ref[0].token_ids[:2]
+
+
+def test_start_up_refuses_an_unsupported_checkpoint_format(tmp_path: Path) -> None:
+    """The refusal reaches start-up (load_model) before anything is built."""
+    src = _tiny_dir(tmp_path)
+    cfg = json.loads((src / "config.json").read_text())
+    d = tmp_path / "awq"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "fp8",
+                                                                               "weight_block_size": [64, 64]}}))
+    with pytest.raises(ValueError, match=r"weight_block_size \[64, 64\] is not supported"):
+        _load(d, load_format="dummy")
+
+
+def test_fp8_moe_keeps_the_shared_expert_as_its_fp8_mlp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 16-bit MoE layer folds its shared expert into the experts op; with FP8 weights the experts and the
+    shared MLP are FP8 and the shared expert runs as the MLP (the folded kernels take 16-bit weights)."""
+    src = _tiny_dir(tmp_path, "moe")
+    lm = _load(src, quantization="fp8")
+    moes = [m.mixer for m in lm.model.backbone.layers if hasattr(m.mixer, "experts")]
+    assert moes and all(m.fold_shared for m in moes)  # a layer the 16-bit model folds
+    for m in moes:
+        assert m.experts.quant is not None and m.shared_experts.up_proj.quant is not None
+    calls: list[dict] = []
+    from hyserve.kernels import ops
+
+    real = ops._REF["moe_experts"]
+
+    def spy(*a: Any, **k: Any) -> torch.Tensor:
+        calls.append({"shared": len(a) > 5 and a[5] is not None, "fp8": k.get("up_scale") is not None})
+        return real(*a, **k)
+
+    monkeypatch.setitem(ops._REF, "moe_experts", spy)
+    _logits(lm, list(range(5, 15)))
+    assert calls and all(c == {"shared": False, "fp8": True} for c in calls)
