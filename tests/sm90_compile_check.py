@@ -129,6 +129,8 @@ def _fp8(dt: torch.dtype) -> None:
         q, s = quantize_weight_ref(w, scheme)
         for m in (1, 16, 64, 65):
             fp8_linear_triton(torch.randn(m, k).to(act), q, s, None)
+        for m in (1, 65):  # the MLP's down_proj: relu^2 in the decode tiles and in the activation quantisation
+            fp8_linear_triton(torch.randn(m, k).to(act), q, s, None, relu2=True)
 
 
 def _moe_fp8(dt: torch.dtype) -> None:

@@ -75,6 +75,14 @@ def test_row_quantisation_is_torchs_rounding_bit_for_bit(group: int | None, pois
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
 
 
+@pytest.mark.parametrize("group", [None, 128])
+def test_row_quantisation_with_relu2_quantises_relu2_in_float32(group: int | None) -> None:
+    x = (torch.randn(5, 260, device=DEV) * 3).to(BF16)
+    q, s = t8.quantize_rows_triton(x, group, relu2=True)
+    rq, rs = quantize_rows_ref(torch.relu(x.float()) ** 2, group)
+    assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+
+
 def test_row_quantisation_refuses_bad_input() -> None:
     with pytest.raises(AssertionError, match="group must be None or 128"):
         t8.quantize_rows_triton(torch.zeros(2, 8, device=DEV), 64)
@@ -119,6 +127,32 @@ def test_prefill_form_against_float64(scheme: str, dtype: torch.dtype, m: int, p
     # and against the exact activation: e4m3's own rounding, 2^-4 relative per element
     exact = x.double() @ w.T + bias.double()
     _within(out, exact, x.double().abs() @ w.abs().T, rel=E4M3_REL * 1.01)
+
+
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+@pytest.mark.parametrize("m", [1, 9, 30])
+def test_relu2_linear_both_forms(scheme: str, m: int, poison) -> None:
+    """The MLP's down_proj: relu^2 applied as the activation loads, in both forms, against float64 of
+    relu(x)^2 (within one bf16 rounding of it, for the decode form; the kernel's own codes of relu(x)^2 in
+    float32 for the prefill form) times the dequantised weight."""
+    n, k = 72, 300
+    q, s = _weight(n, k, scheme)
+    x = _x(m, k, BF16, row_stride_pad=4)
+    bias = torch.randn(n, device=DEV).to(BF16)
+    with poison:
+        out = t8.fp8_relu2_linear_triton(x, q, s, bias)
+    w = dequantize_weight_ref(q, s).double()
+    if m <= t8.SMALL_M:  # relu^2 rounded once to bf16 for the 16-bit dot: half an ulp per element
+        a = torch.relu(x.double()) ** 2
+        rel = 2.0**-8 * 1.01 + 2e-6 * k**0.5
+    else:
+        qa, sa = quantize_rows_ref(torch.relu(x.float()) ** 2, 128 if scheme == "block" else None)
+        full = sa[:, None] if scheme == "channel" else sa.repeat_interleave(128, 1)[:, :k]
+        a = qa.double() * full.double()
+        rel = 2e-6 * k**0.5
+    _within(out, a @ w.T + bias.double(), a.abs() @ w.abs().T, rel=rel)
+    ref = fp8_linear_ref(torch.relu(x) ** 2, q, s, bias)  # the reference path: relu^2 in bf16
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.04
 
 
 def test_shapes_dtypes_and_empty_inputs() -> None:
@@ -223,6 +257,7 @@ def test_model_runs_the_kernels_in_place_of_the_reference(monkeypatch: pytest.Mo
 
     ref = run()
     monkeypatch.setitem(ops._REF, "fp8_linear", t8.fp8_linear_triton)
+    monkeypatch.setitem(ops._REF, "fp8_relu2_linear", t8.fp8_relu2_linear_triton)
     got = run()
     n = len(prompt)
 
@@ -278,7 +313,7 @@ def test_gpu_fp8_model_kernels_against_the_reference_path(monkeypatch: pytest.Mo
         return torch.cat(rows).float()
 
     got = run()
-    for name in ("fp8_linear", "moe_experts"):
+    for name in ("fp8_linear", "fp8_relu2_linear", "moe_experts"):
         monkeypatch.delitem(ops._CUDA_IMPLS, name)
     ref = run()
     rel = ((got - ref).norm() / ref.norm()).item()

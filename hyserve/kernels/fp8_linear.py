@@ -6,6 +6,7 @@ A weight is float8 e4m3fn `q` [N, K] with float32 dequantisation scales, w = q *
     scale [ceil(N/B), ceil(K/B)] one per [B, B] block (B = 128, DeepSeek-V3's block-scaled format)
 
     fp8_linear_ref(x, q, scale, bias) = F.linear(x, dequantize(q, scale).to(x.dtype), bias)
+    fp8_relu2_linear_ref(x, ...)      = fp8_linear_ref(relu2(x), ...)     (the MLP's down_proj)
 
 i.e. dequantise in float32, round once to the activation dtype, then the ordinary matmul: exactly defined,
 so the CPU path is the same function whatever the hardware. The CUDA kernel also quantises the activation
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from hyserve.kernels.activation import relu2_ref
 
 E4M3 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -100,6 +103,13 @@ def fp8_linear_ref(
                          f"{weight_scale.dtype} {list(weight_scale.shape)}")
     w = dequantize_weight_ref(weight, weight_scale).to(x.dtype)
     return F.linear(x, w, bias)
+
+
+def fp8_relu2_linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """relu^2 (in x.dtype), then `fp8_linear_ref`: the MLP's down projection with FP8 weights."""
+    return fp8_linear_ref(relu2_ref(x), weight, weight_scale, bias)
 
 
 def quantize_rows_ref(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hyserve.kernels.fp8_linear import ACT_GROUP, BLOCK, E4M3, fp8_linear_ref
+from hyserve.kernels.fp8_linear import ACT_GROUP, BLOCK, E4M3, fp8_linear_ref, fp8_relu2_linear_ref
+from hyserve.kernels.triton_common import dot_acc
 
 SMALL_M = 16  # rows up to which the w8a16 (decode) form runs
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
@@ -65,16 +66,20 @@ def _e4m3_bits(v):
 @triton.jit(do_not_specialize=["M"])
 def _quant_rows_kernel(
     x_ptr, q_ptr, s_ptr, M, K, s_xm, s_qm, s_sm,
-    GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, RELU2: tl.constexpr,
 ):
     """Program (row, g): with GROUP > 0 the 128 columns of group g of one row; with GROUP == 0 the whole
-    row (two passes over it: amax, then the codes). scale = amax / 448 (1 for an all-zero group)."""
+    row (two passes over it: amax, then the codes). scale = amax / 448 (1 for an all-zero group). RELU2:
+    the row is relu(x)^2 (in float32, as it loads)."""
     row = tl.program_id(0)
     g = tl.program_id(1)
     if GROUP > 0:
         offs = g * GROUP + tl.arange(0, GROUP)
         mask = offs < K
         x = tl.load(x_ptr + row * s_xm + offs, mask=mask, other=0.0).to(tl.float32)
+        if RELU2:
+            x = tl.maximum(x, 0.0)
+            x = x * x
         amax = tl.max(tl.abs(x), axis=0)
         scale = tl.where(amax > 0, amax / 448.0, 1.0)
         v = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
@@ -86,12 +91,18 @@ def _quant_rows_kernel(
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs
             x = tl.load(x_ptr + row * s_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
+            if RELU2:
+                x = tl.maximum(x, 0.0)
+                x = x * x
             m = tl.maximum(m, tl.abs(x))
         amax = tl.max(m, axis=0)
         scale = tl.where(amax > 0, amax / 448.0, 1.0)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs
             x = tl.load(x_ptr + row * s_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
+            if RELU2:
+                x = tl.maximum(x, 0.0)
+                x = x * x
             v = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
             tl.store(q_ptr + row * s_qm + kk, _e4m3_bits(v), mask=kk < K)
         tl.store(s_ptr + row * s_sm, scale)
@@ -145,11 +156,13 @@ def _fp8_gemm_kernel(
 def _w8a16_kernel(
     x_ptr, w_ptr, ws_ptr, part_ptr, M, N, K, k_split, s_xm, s_wn, s_wsn,
     BLOCK_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr,
+    NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr, RELU2: tl.constexpr,
 ):
     """Program (n tile, K split): the fp32 partial x[:, ks] @ (w[:, ks] (* block scales))^T of its split into
     part[split, M, N]; channel scales are applied after the splits are summed. DOT_F32 (the interpreter,
-    whose 16-bit dots are wrong in Triton 3.6) multiplies the same tiles in float32 instead."""
+    whose 16-bit dots are wrong in Triton 3.6) multiplies the same tiles in float32 instead. RELU2: x is
+    relu(x)^2, applied in float32 as the tile loads and rounded to x's dtype for the 16-bit dot (kept in
+    float32 by DOT_F32: the interpreter's float32 -> bf16 cast truncates)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -165,14 +178,17 @@ def _w8a16_kernel(
         mask_k = kk < k_hi
         x = tl.load(x_ptr + offs_m[:, None] * s_xm + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_ptr + offs_n[None, :] * s_wn + kk[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if RELU2:
+            xr = tl.maximum(x.to(tl.float32), 0.0)
+            x = xr * xr if DOT_F32 else (xr * xr).to(x.dtype)
         if DOT_F32:
             x = x.to(tl.float32)
         w = w.to(x.dtype)  # e4m3 -> bf16 / fp16 (or float32) is exact
         if BLOCK_SCALED:
             wsc = tl.load(ws_ptr + (offs_n // 128) * s_wsn + k0 // 128, mask=mask_n, other=0.0)
-            acc += tl.dot(x, w, out_dtype=tl.float32) * wsc[None, :]
+            acc += dot_acc(x, w, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_F32) * wsc[None, :]
         else:
-            acc = tl.dot(x, w, acc, out_dtype=tl.float32)
+            acc = dot_acc(x, w, acc, DOT_F32)  # float32 tiles: IEEE products (no TF32 rounding)
     part = part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :]
     tl.store(part, acc, mask=mask_m[:, None] & mask_n[None, :])
 
@@ -222,9 +238,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bi
     return block
 
 
-def quantize_rows_triton(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_triton(
+    x: torch.Tensor, group: int | None = None, relu2: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (unit stride along K) -> (e4m3 codes [M, K], float32 scales [M] or [M, ceil(K/group)]), as
-    `fp8_linear.quantize_rows_ref`; group is None or 128."""
+    `fp8_linear.quantize_rows_ref`; group is None or 128. relu2: the codes of relu(x)^2 (float32)."""
     assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
     assert group in (None, ACT_GROUP), f"group must be None or {ACT_GROUP}, got {group}"
     m, k = x.shape
@@ -235,13 +253,13 @@ def quantize_rows_triton(x: torch.Tensor, group: int | None = None) -> tuple[tor
         gpu = _gpu(x)
         _quant_rows_kernel[(m, groups)](
             x, q.view(torch.uint8), scale, m, k, x.stride(0), q.stride(0), scale.stride(0),
-            GROUP=group or 0, BLOCK_K=1024 if gpu else 64, num_warps=4 if gpu else 1,
+            GROUP=group or 0, BLOCK_K=1024 if gpu else 64, RELU2=relu2, num_warps=4 if gpu else 1,
         )
     return q, (scale.view(m) if group is None else scale)
 
 
 def _w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-           block: bool) -> torch.Tensor:
+           block: bool, relu2: bool) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
     gpu = _gpu(x)
@@ -258,7 +276,7 @@ def _w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bi
     _w8a16_kernel[(n_tiles, splits)](
         x, weight, weight_scale, part, m, n, k, k_split, x.stride(0), weight.stride(0),
         weight_scale.stride(0), BLOCK_SCALED=block, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages,
-        DOT_F32=not gpu, num_warps=warps,
+        DOT_F32=not gpu, RELU2=relu2, num_warps=warps,
     )
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     rblock = 1024 if gpu else 64
@@ -270,10 +288,10 @@ def _w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bi
 
 
 def _w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-          block: bool) -> torch.Tensor:
+          block: bool, relu2: bool) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
-    a, a_scale = quantize_rows_triton(x, ACT_GROUP if block else None)
+    a, a_scale = quantize_rows_triton(x, ACT_GROUP if block else None, relu2)
     if _gpu(x):
         bm, bn, bk, warps, stages = _GPU_MID if m <= 64 else _GPU_LARGE
     else:
@@ -291,13 +309,15 @@ def _w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bia
 
 
 def fp8_linear_triton(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+    relu2: bool = False,
 ) -> torch.Tensor:
     """x [..., K] bf16 / fp16; weight e4m3 [N, K]; weight_scale float32 [N] or [ceil(N/128), ceil(K/128)]
-    -> [..., N] in x.dtype. float32 activations take the reference (dequantise + F.linear)."""
+    -> [..., N] in x.dtype. float32 activations take the reference (dequantise + F.linear). relu2: of
+    relu(x)^2, applied as the activation loads (`fp8_relu2_linear_triton`)."""
     block = _check(x, weight, weight_scale, bias)
     if x.dtype not in (torch.bfloat16, torch.float16):
-        return fp8_linear_ref(x, weight, weight_scale, bias)
+        return (fp8_relu2_linear_ref if relu2 else fp8_linear_ref)(x, weight, weight_scale, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(1) != 1:
@@ -306,7 +326,15 @@ def fp8_linear_triton(
     if m == 0:
         return x.new_empty(*lead, weight.shape[0])
     fn = _w8a16 if m <= SMALL_M else _w8a8
-    return fn(x2, weight, weight_scale, bias, block).view(*lead, weight.shape[0])
+    return fn(x2, weight, weight_scale, bias, block, relu2).view(*lead, weight.shape[0])
+
+
+def fp8_relu2_linear_triton(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`fp8_relu2_linear_ref` (the MLP's down_proj): relu^2 inside the decode form's tile loads and the
+    prefill form's activation quantisation, so it costs no kernel of its own."""
+    return fp8_linear_triton(x, weight, weight_scale, bias, relu2=True)
 
 
 def fp8_token_buckets(max_num_tokens: int) -> list[int]:
@@ -315,4 +343,4 @@ def fp8_token_buckets(max_num_tokens: int) -> list[int]:
     return [m for m in (1, SMALL_M + 1, 65) if m <= max_num_tokens]
 
 
-__all__ = ["SMALL_M", "fp8_linear_triton", "fp8_token_buckets", "quantize_rows_triton"]
+__all__ = ["SMALL_M", "fp8_linear_triton", "fp8_relu2_linear_triton", "fp8_token_buckets", "quantize_rows_triton"]

@@ -37,8 +37,9 @@ class MLP(nn.Module):
 
     def _down(self, u: torch.Tensor, bias: bool) -> torch.Tensor:
         down = self.down_proj
-        if down.quant is not None:  # FP8 down_proj: relu^2, then the FP8 linear
-            return down.matmul(relu2(u), bias=bias)
+        if down.quant is not None:  # FP8 down_proj: relu^2 inside the FP8 linear's activation load
+            return ops.get("fp8_relu2_linear", u.is_cuda)(u, down.weight, down.weight_scale,
+                                                           down.bias if bias else None)
         return ops.get("relu2_linear", u.is_cuda)(u, down.weight, down.bias if bias else None)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
