@@ -23,6 +23,12 @@ layer from its own rows; otherwise from the whole checkpoint tensor, so every tp
 values and scales, then sharded like a pre-quantised checkpoint. That is online quantisation
 (`quantization: fp8`) and also how `load_format: dummy` fills an FP8 model: the random init draws each
 weight whole in float32 and hands it to the loader.
+
+Routed experts (`convert_experts`): e4m3 `up_proj` [E_local, I_local, d] / `down_proj` [E_local, d, I_local]
+with float32 `up_proj_scale` [E_local, I_local] / `down_proj_scale` [E_local, d], one scale per expert and
+output row (a ModelOpt per-expert per-tensor scale is held per row); each expert is quantised online from
+its whole matrix, so every (ep, tp) split holds the same values. Block-scaled configs leave the experts
+16-bit. The shared expert is an MLP (FP8 like the other projections), not folded into the experts op.
 """
 
 from __future__ import annotations
