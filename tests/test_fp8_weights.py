@@ -840,3 +840,31 @@ def test_fp8_moe_keeps_the_shared_expert_as_its_fp8_mlp(tmp_path: Path, monkeypa
     monkeypatch.setitem(ops._REF, "moe_experts", spy)
     _logits(lm, list(range(5, 15)))
     assert calls and all(c == {"shared": False, "fp8": True} for c in calls)
+
+
+@pytest.mark.parametrize("variant", ["dense", "latent-moe"])
+def test_make_tiny_fp8_writes_a_modelopt_checkpoint_hyserve_loads(tmp_path: Path, variant: str) -> None:
+    """`hyserve make-tiny --fp8`: the tiny checkpoint with every projection and routed expert as e4m3 and a
+    per-tensor scale (ModelOpt's layout and files), detected and loaded with nothing else to set; the values
+    are the per-tensor quantisation of the 16-bit tiny checkpoint's, and its lm_head stays 16-bit."""
+    from hyserve.cli import main
+
+    plain = _tiny_dir(tmp_path, variant)
+    assert main(["make-tiny", str(tmp_path / "fp8"), "--variant", variant, "--seed", "3", "--fp8"]) == 0
+    d = tmp_path / "fp8"
+    assert checkpoint_quant(d).method == "modelopt"
+    assert json.loads((d / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "FP8"
+    lm, ref = _load(d), _load(plain)
+    refp = dict(ref.model.named_parameters())
+    for name, layer in fp8_layers(lm.model):
+        q, s = quantize_weight_ref(refp[name + ".weight"].detach(), "tensor")
+        assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(layer.weight_scale, s.expand(layer.weight.shape[0]))
+    for name, m in lm.model.named_modules():
+        if name.endswith(".experts"):
+            assert m.quant is not None and m.up_proj.dtype == E4M3
+    _close_logits(lm, ref)
+    from hyserve.model.fp8_export import write_modelopt_fp8
+
+    with pytest.raises(ValueError, match="already quantised"):
+        write_modelopt_fp8(d)
