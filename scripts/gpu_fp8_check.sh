@@ -21,6 +21,16 @@ log=benchmarks/results/gpu_fp8_check.log
     timeout 540 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/test_fp8_linear.py tests/test_fp8_weights.py \
       2>&1 | tail -30
     timeout 300 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/test_moe_kernels.py -k fp8 2>&1 | tail -8
+    echo "== an FP8 (ModelOpt-layout) checkpoint loaded from disk on the GPU, greedy, beside its 16-bit twin"
+    for v in dense latent-moe; do
+      python3 -m hyserve.cli make-tiny /tmp/tiny-$v --variant $v >/dev/null
+      python3 -m hyserve.cli make-tiny /tmp/tiny-$v-fp8 --variant $v --fp8 >/dev/null
+      for d in /tmp/tiny-$v /tmp/tiny-$v-fp8; do
+        printf '%s: ' "$d"
+        python3 -m hyserve.cli generate $d --device cuda --dtype bfloat16 --prompt-ids 1,5,6,7,8,9,10 --max-tokens 12 \
+          --ignore-eos --json 2>/dev/null | python3 -c 'import json, sys; print(json.loads(sys.stdin.readlines()[-1])["token_ids"])'
+      done
+    done
   fi
   [[ $parts == *" kernels "* ]] && echo "== FP8 GEMM vs bf16 cuBLAS (M = 1, 64, 8192)" \
     && timeout 540 python3 benchmarks/bench_kernels.py --only fp8_linear --git-sha "$sha" \
