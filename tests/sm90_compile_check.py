@@ -3,7 +3,7 @@ needed) through their real launchers, at the GPU launch settings, and prints eac
 memory as one JSON line: {"dtype": ..., "kernels": {name: bytes}}.
 
     python tests/sm90_compile_check.py float32 [op ...] [--only kernel,...]
-                                            # ops: attention ssd ssm_update conv1d norm (default: all)
+                                            # ops: attention ssd ssm_update conv1d norm moe (default: all)
 
 The launchers run on CPU tensors with a stand-in driver that reports an sm_90 device, and every launch
 compiles (as `warmup=True`) instead of running, so the shared memory is what the compiler asks for on an
@@ -50,6 +50,10 @@ def _gpu_settings() -> None:
     gpu_settings = ta._launch_settings
     ta._launch_settings = lambda on_gpu, ieee, d_pad: gpu_settings(True, ieee, d_pad)
     ts._cpu_config = ts._gpu_config
+    import hyserve.kernels.triton_moe as tm
+
+    gpu_router = tm.router_settings
+    tm.router_settings = lambda on_gpu: gpu_router(True)
 
 
 def _attention(dt: torch.dtype) -> None:
@@ -110,7 +114,28 @@ def _norm(dt: torch.dtype) -> None:
     relu2_triton(torch.randn(2, 15680).to(dt))
 
 
-OPS = {"attention": _attention, "ssd": _ssd, "ssm_update": _ssm_update, "conv1d": _conv1d, "norm": _norm}
+def _moe(dt: torch.dtype) -> None:
+    """Nemotron 3 Nano 30B-A3B's MoE layer (128 experts, top-6, d 2688, I 1856, a shared expert of 2 x I):
+    the router GEMV and routing, the decode GEMVs with the shared expert folded in at the H200's tuned 1- and
+    2-token configs, and the grouped GEMMs with the shared expert added in the combine at 64 tokens."""
+    import hyserve.kernels.triton_moe as tm
+
+    E, top_k, d, inter, S = 128, 6, 2688, 1856, 2
+    tuned = tm._tuned_table("NVIDIA H200").get(tm.shape_key(E, inter, d), {})
+    gate = torch.randn(E, d)
+    w_up, w_down = torch.randn(E, inter, d).to(dt), torch.randn(E, d, inter).to(dt)
+    su, sd = torch.randn(S * inter, d).to(dt), torch.randn(d, S * inter).to(dt)
+    for T in (1, 2, 64):
+        x = torch.randn(T, d).to(dt)
+        logits = tm.router_logits_triton(x, gate)
+        w, ids = tm.moe_route_triton(logits, torch.zeros(E), top_k, 1, 1, True, 2.5)
+        ids = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)]).to(torch.int32)  # compile-only: unrun
+        cfg = tuned.get(str(tm.token_bucket(T))) or tm.heuristic_config(E, inter, d, T, top_k)
+        tm.moe_experts_triton(x, w_up, w_down, torch.rand(T, top_k), ids, su, sd, config=cfg)
+
+
+OPS = {"attention": _attention, "ssd": _ssd, "ssm_update": _ssm_update, "conv1d": _conv1d, "norm": _norm,
+       "moe": _moe}
 
 
 def main(argv: list[str]) -> None:
