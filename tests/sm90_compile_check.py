@@ -3,7 +3,7 @@ needed) through their real launchers, at the GPU launch settings, and prints eac
 memory as one JSON line: {"dtype": ..., "kernels": {name: bytes}}.
 
     python tests/sm90_compile_check.py float32 [op ...] [--only kernel,...]
-                                            # ops: attention ssd ssm_update conv1d norm moe (default: all)
+                                            # ops: attention ssd ssm_update conv1d norm moe sampling
 
 The launchers run on CPU tensors with a stand-in driver that reports an sm_90 device, and every launch
 compiles (as `warmup=True`) instead of running, so the shared memory is what the compiler asks for on an
@@ -134,8 +134,15 @@ def _moe(dt: torch.dtype) -> None:
         tm.moe_experts_triton(x, w_up, w_down, torch.rand(T, top_k), ids, su, sd, config=cfg)
 
 
+def _sampling(dt: torch.dtype) -> None:
+    """The structured-outputs token mask over a 131,072-token vocabulary (the sampler's float32 logits)."""
+    from hyserve.kernels.triton_token_bitmask import apply_token_bitmask_triton
+
+    apply_token_bitmask_triton(torch.zeros(4, 131072), torch.full((4, 4096), -1, dtype=torch.int32))
+
+
 OPS = {"attention": _attention, "ssd": _ssd, "ssm_update": _ssm_update, "conv1d": _conv1d, "norm": _norm,
-       "moe": _moe}
+       "moe": _moe, "sampling": _sampling}
 
 
 def main(argv: list[str]) -> None:

@@ -39,7 +39,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hyserve.kernels.moe import _check_experts_args, _check_route_args, check_shared_args, moe_max_blocks, router_logits_ref
+from hyserve.kernels.moe import (
+    _check_experts_args,
+    _check_route_args,
+    check_shared_args,
+    moe_max_blocks,
+    router_logits_ref,
+)
 from hyserve.kernels.triton_activation import relu2_triton
 from hyserve.kernels.triton_common import dot_acc
 
