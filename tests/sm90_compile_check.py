@@ -4,7 +4,8 @@ memory as one JSON line: {"dtype": ..., "kernels": {name: bytes}, "ptx": {name: 
 (the second: which of those its PTX holds).
 
     python tests/sm90_compile_check.py float32 [op ...] [--only kernel,...]
-                                            # ops: attention ssd ssm_update conv1d norm fp8 moe_fp8 (default: all)
+                                            # ops: attention ssd ssm_update conv1d norm moe sampling fp8
+                                            #      moe_fp8 (default: all)
 
 The launchers run on CPU tensors with a stand-in driver that reports an sm_90 device, and every launch
 compiles (as `warmup=True`) instead of running, so the shared memory is what the compiler asks for on an
@@ -55,6 +56,10 @@ def _gpu_settings() -> None:
     gpu_settings = ta._launch_settings
     ta._launch_settings = lambda on_gpu, ieee, d_pad: gpu_settings(True, ieee, d_pad)
     ts._cpu_config = ts._gpu_config
+    import hyserve.kernels.triton_moe as tm
+
+    gpu_router = tm.router_settings
+    tm.router_settings = lambda on_gpu: gpu_router(True)
 
 
 def _attention(dt: torch.dtype) -> None:
@@ -115,6 +120,33 @@ def _norm(dt: torch.dtype) -> None:
     relu2_triton(torch.randn(2, 15680).to(dt))
 
 
+def _moe(dt: torch.dtype) -> None:
+    """Nemotron 3 Nano 30B-A3B's MoE layer (128 experts, top-6, d 2688, I 1856, a shared expert of 2 x I):
+    the router GEMV and routing, the decode GEMVs with the shared expert folded in at the H200's tuned 1- and
+    2-token configs, and the grouped GEMMs with the shared expert added in the combine at 64 tokens."""
+    import hyserve.kernels.triton_moe as tm
+
+    E, top_k, d, inter, S = 128, 6, 2688, 1856, 2
+    tuned = tm._tuned_table("NVIDIA H200").get(tm.shape_key(E, inter, d), {})
+    gate = torch.randn(E, d)
+    w_up, w_down = torch.randn(E, inter, d).to(dt), torch.randn(E, d, inter).to(dt)
+    su, sd = torch.randn(S * inter, d).to(dt), torch.randn(d, S * inter).to(dt)
+    for T in (1, 2, 64):
+        x = torch.randn(T, d).to(dt)
+        logits = tm.router_logits_triton(x, gate)
+        w, ids = tm.moe_route_triton(logits, torch.zeros(E), top_k, 1, 1, True, 2.5)
+        ids = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)]).to(torch.int32)  # compile-only: unrun
+        cfg = tuned.get(str(tm.token_bucket(T))) or tm.heuristic_config(E, inter, d, T, top_k)
+        tm.moe_experts_triton(x, w_up, w_down, torch.rand(T, top_k), ids, su, sd, config=cfg)
+
+
+def _sampling(dt: torch.dtype) -> None:
+    """The structured-outputs token mask over a 131,072-token vocabulary (the sampler's float32 logits)."""
+    from hyserve.kernels.triton_token_bitmask import apply_token_bitmask_triton
+
+    apply_token_bitmask_triton(torch.zeros(4, 131072), torch.full((4, 4096), -1, dtype=torch.int32))
+
+
 def _fp8(dt: torch.dtype) -> None:
     """The FP8 linear's kernels at a Nano 9B v2 projection (in_proj: 4480 -> 17504), both scale layouts, the
     decode form (1 and 16 rows) and both w8a8 tile settings (64 and 65 rows). float32 activations take the
@@ -151,7 +183,7 @@ def _moe_fp8(dt: torch.dtype) -> None:
 
 
 OPS = {"attention": _attention, "ssd": _ssd, "ssm_update": _ssm_update, "conv1d": _conv1d, "norm": _norm,
-       "fp8": _fp8, "moe_fp8": _moe_fp8}
+       "moe": _moe, "sampling": _sampling, "fp8": _fp8, "moe_fp8": _moe_fp8}
 
 
 def main(argv: list[str]) -> None:

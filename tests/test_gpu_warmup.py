@@ -104,3 +104,21 @@ def test_restart_loads_every_variant_from_the_cache_dir(tmp_path: Path) -> None:
     assert cold["compiled"] > 0 and not cold["failed"], cold
     warm = _warmup_in_fresh_process(d, opts)
     assert warm["compiled"] == 0 and warm["loaded"] == cold["compiled"] + cold["loaded"], (cold, warm)
+
+
+def test_structured_outputs_compile_nothing_after_ready(tmp_path: Path) -> None:
+    """A JSON-schema request and a choice request, alone and beside free rows, after the warm-up: the token
+    mask kernel was compiled by it (its variant depends on the vocabulary only)."""
+    pytest.importorskip("xgrammar")
+    from hyserve.engine.sampling_params import StructuredOutputsParams
+
+    d = make_tiny(tmp_path / "tiny", variant="dense")
+    llm = LLM(str(d), device="cuda", dtype="bfloat16", max_seq_len=2048, max_batch_size=8, max_num_tokens=512,
+              cache_dir=str(tmp_path / "cache"), kv_cache_config={"free_gpu_memory_fraction": 0.2})
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    params = [SamplingParams(max_tokens=24, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema)),
+              SamplingParams(max_tokens=8, temperature=0.8, structured_outputs=StructuredOutputsParams(choice=["a", "b"])),
+              SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)]
+    llm.generate(["x"], params[:1])
+    llm.generate(["x", "y", "z"], params)
+    assert not late_variants(llm), late_variants(llm)

@@ -16,7 +16,7 @@ The pieces, and who calls them (docs/architecture.md, "Structured outputs"):
                                                        when no row is constrained now
                         accept(request_id, token)      when a sampled token reaches the host
                         remove(request_id)             when the request ends
-    apply_token_bitmask  the sampler's masked fill on the logits' device (plain torch).
+    apply_token_bitmask  the sampler's masked fill on the logits' device (the `apply_token_bitmask` op).
 
 A constrained row's matcher must have seen its previous token before its next bitmask is filled: with
 async scheduling, the engine reads the in-flight step first when a constrained row is in the next one
@@ -36,6 +36,8 @@ from typing import Any
 import torch
 
 from hyserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from hyserve.kernels import ops
+from hyserve.kernels.token_bitmask import bitmask_width
 
 _CACHE_ENTRIES = 512
 # threads that fill a step's bitmask rows (the work runs while the GPU computes the step's forward)
@@ -68,18 +70,11 @@ def _clean(e: Exception) -> str:
     return "; ".join(ln for ln in lines if ln) or type(e).__name__
 
 
-def bitmask_width(vocab_size: int) -> int:
-    return (vocab_size + 31) // 32
-
-
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [n, V] float, bitmask [n, ceil(V / 32)] int32 on the same device (bit t % 32 of word t // 32
-    set: token t allowed) -> a new tensor with the disallowed logits at -inf. Rows of all ones are unchanged."""
-    n, vocab = logits.shape
-    assert bitmask.shape == (n, bitmask_width(vocab)) and bitmask.dtype == torch.int32, bitmask.shape
-    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)  # [32]
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(n, -1)[:, :vocab]  # [n, V]
-    return logits.masked_fill(~allowed, float("-inf"))
+    set: token t allowed) -> a new tensor with the disallowed logits at -inf. Rows of all ones are unchanged.
+    The `apply_token_bitmask` op: one Triton kernel on CUDA (kernels/triton_token_bitmask.py)."""
+    return ops.get("apply_token_bitmask", logits.is_cuda)(logits, bitmask)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from hyserve.engine.sampling_params import SamplingParams
+from hyserve.kernels import ops
+from hyserve.kernels.token_bitmask import bitmask_width
 
 if TYPE_CHECKING:  # startup.py runs the warm-up on a constructed engine; this module only drives it
     from hyserve.engine.engine import LLMEngine
@@ -116,6 +118,8 @@ class Warmup:
             add(f"sampling: {name}", lambda p=p: self._run([8], params=p))
         mix = [p for _, p in SAMPLING_CASES][: sc.max_batch_size]
         add("sampling: mixed batch", lambda: self._run([8] * len(mix), params=mix))
+        if e.device.type == "cuda":
+            add("structured outputs: token mask", self._token_mask)
         return out
 
     def run(self) -> WarmupReport:
@@ -194,6 +198,16 @@ class Warmup:
             # 8 rows where the batch allows: the decode kernels switch tiles at 8 rows (conv1d_update)
             n = min(8, self.engine.scheduler.max_batch_size)
             self._run([4] * n, params=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+
+    def _token_mask(self) -> None:
+        """The structured-outputs mask kernel over the sampler's float32 logits: its variant depends on the
+        vocabulary alone (rows are its grid), and the bitmask fill itself is host work, so one call covers
+        every constrained step without compiling a grammar here."""
+        e = self.engine
+        vocab = e.model_config.vocab_size
+        logits = torch.zeros(2, vocab, device=e.device)
+        mask = torch.full((2, bitmask_width(vocab)), -1, dtype=torch.int32, device=e.device)
+        ops.get("apply_token_bitmask", True)(logits, mask)
 
     def _guarded(self, fn: Callable[[], None]) -> str | None:
         try:

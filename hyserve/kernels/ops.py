@@ -18,6 +18,7 @@ from hyserve.kernels.rmsnorm import add_rms_norm_ref, rms_norm_ref, rmsnorm_gate
 from hyserve.kernels.ssd import ssd_chunked_ref
 from hyserve.kernels.ssm_update import selective_state_update_ref
 from hyserve.kernels.stochastic_rounding import store_ssm_state_ref
+from hyserve.kernels.token_bitmask import apply_token_bitmask_ref
 
 _REF: dict[str, Callable[..., Any]] = {
     "rms_norm": rms_norm_ref,
@@ -38,6 +39,7 @@ _REF: dict[str, Callable[..., Any]] = {
     "router_logits": router_logits_ref,
     "moe_route": moe_route_ref,
     "moe_experts": moe_experts_ref,
+    "apply_token_bitmask": apply_token_bitmask_ref,
 }
 _CUDA_IMPLS: dict[str, Callable[..., Any]] = {}
 

@@ -84,6 +84,14 @@ def _router_gemv_kernel(
 ROUTER_GEMV_MAX_TOKENS = 4
 
 
+def router_settings(on_gpu: bool) -> dict[str, int]:
+    """The gate GEMV's launch settings: 2 experts a program (64 programs for 128 experts, each streaming
+    two float32 rows), or small tiles for the interpreter."""
+    if on_gpu:
+        return dict(BLOCK_E=2, BLOCK_K=1024, num_warps=4, num_stages=3)
+    return dict(BLOCK_E=4, BLOCK_K=32, num_warps=1, num_stages=1)
+
+
 def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x: [T, d] (16 or 32 bit); weight: [E, d] float32 -> logits [T, E] float32 (router_logits_ref)."""
     T = x.shape[0] if x.dim() == 2 else -1
@@ -92,8 +100,7 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return router_logits_ref(x, weight)
     E, K = weight.shape
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
-    cfg = dict(BLOCK_E=2, BLOCK_K=1024, num_warps=4, num_stages=3) if x.is_cuda else \
-        dict(BLOCK_E=4, BLOCK_K=32, num_warps=1, num_stages=1)
+    cfg = router_settings(x.is_cuda)
     stages = cfg.pop("num_stages")
     _router_gemv_kernel[(T, triton.cdiv(E, cfg["BLOCK_E"]))](
         x, weight, out, E, K, x.stride(0), weight.stride(0), out.stride(0), NUM_STAGES=stages, **cfg,

@@ -34,6 +34,7 @@ def register_triton_kernels() -> list[str]:
     from hyserve.kernels.triton_ssd import ssd_triton
     from hyserve.kernels.triton_ssm_update import selective_state_update_triton
     from hyserve.kernels.triton_stochastic_rounding import store_ssm_state_triton
+    from hyserve.kernels.triton_token_bitmask import apply_token_bitmask_triton
 
     impls = {
         "rms_norm": rms_norm_triton,
@@ -52,6 +53,7 @@ def register_triton_kernels() -> list[str]:
         "router_logits": router_logits_triton,
         "moe_route": moe_route_triton,
         "moe_experts": moe_experts_triton,
+        "apply_token_bitmask": apply_token_bitmask_triton,
         "write_kv": write_kv_triton,
         "paged_attention": paged_attention_cuda,  # Triton, or on Hopper Gluon for prefill (cuda_attention.py)
     }
