@@ -10,6 +10,7 @@ package is installed).
     python benchmarks/bench_kernels.py --only ssd_sweep      # SSD block-size alternatives (not in the default run)
     python benchmarks/bench_kernels.py --only attn_sweep     # paged attention launch alternatives (idem)
     python benchmarks/bench_kernels.py --only linear_sweep   # fused small-batch linear alternatives (idem)
+    python benchmarks/bench_kernels.py --only fp8_linear     # FP8 GEMM vs bf16 cuBLAS at M = 1, 64, 8192
     python benchmarks/bench_kernels.py --only attn_rounds --rounds 5   # 8k prefill attention settings and
                                                                      # SDPA in turn: the spread in one run
     python benchmarks/bench_kernels.py --dry-run --out /tmp/k.json   # CPU: tiny shapes, Triton interpreter,
@@ -314,6 +315,61 @@ def bench_linear(b: Bench) -> None:
 
 def bench_linear_sweep(b: Bench) -> None:
     _bench_linear(b, sweep=True)
+
+
+# --------------------------------------------------------------------------- FP8 linear
+
+
+def _fp8_shapes(b: Bench) -> list[tuple[str, int, int]]:
+    """(projection, N, K) of one Nano 9B v2 layer of each kind."""
+    if b.dry:
+        return [("in_proj", 200, 96), ("down_proj", 48, 160)]
+    return [("in_proj", 22656, 4480), ("out_proj", 4480, 10240), ("up_proj", 15680, 4480),
+            ("down_proj", 4480, 15680), ("q_proj", 5120, 4480)]
+
+
+def bench_fp8_linear(b: Bench) -> None:
+    """FP8 weights (e4m3, per-channel and [128, 128]-block scales) against bf16 cuBLAS on the same
+    (dequantised) weight, in the same run, at M = 1 and 64 (decode: bytes read against the read ceiling,
+    timed as a CUDA graph replay) and M = 8192 (prefill: FLOP/s against twice the bf16 matmul ceiling, the
+    e4m3 tensor-core rate). Each is checked first against the float64 product of its dequantised operands."""
+    import torch.nn.functional as F
+
+    from hyserve.kernels.fp8_linear import dequantize_weight_ref, quantize_rows_ref, quantize_weight_ref
+    from hyserve.kernels.triton_fp8_linear import SMALL_M, fp8_linear_triton
+
+    rows = (1, 64, 8192) if not b.dry else (1, 20)
+    for proj, n, k in _fp8_shapes(b):
+        w16 = b.rnd(n, k, scale=k**-0.5)
+        for scheme in ("channel", "block"):
+            q, s = quantize_weight_ref(w16, scheme)
+            wd = dequantize_weight_ref(q, s).to(BF16)
+            fp8_bytes = q.numel() + s.numel() * 4
+            for m in rows:
+                x = b.rnd(m, k)
+                label = f"fp8 {scheme} {proj} {k}->{n}, {m} rows"
+                if m <= SMALL_M:
+                    want = x.double() @ dequantize_weight_ref(q, s).double().T
+                else:
+                    qa, sa = quantize_rows_ref(x, 128 if scheme == "block" else None)
+                    full = sa[:, None] if scheme == "channel" else sa.repeat_interleave(128, 1)[:, :k]
+                    want = (qa.double() * full.double()) @ dequantize_weight_ref(q, s).double().T
+                if not b.check(label, fp8_linear_triton(x, q, s, None), want, 1e-2, 1e-2):
+                    continue
+                ours = lambda: fp8_linear_triton(x, q, s, None)  # noqa: E731
+                base = lambda: F.linear(x, wd)  # noqa: E731
+                if m < 8192:
+                    ms, base_ms = b.graph_ms(ours), b.graph_ms(base)
+                    b.roof(label, fp8_bytes / (ms * 1e-3), "B/s", "read", "FP8 weight-read roofline: bytes-read "
+                           "ceiling", time_ms=ms, bf16_ms=base_ms, speedup_vs_bf16=base_ms / ms,
+                           timing="CUDA graph replay")
+                else:
+                    ms, base_ms = b.time_ms(ours), b.time_ms(base)
+                    flops = 2 * m * n * k
+                    b.roof(label, flops / (ms * 1e-3), "FLOP/s", "matmul", "2 x the bf16 matmul ceiling (e4m3 "
+                           "tensor-core rate)", reference_at=lambda p: 2 * p.matmul_flops, time_ms=ms,
+                           bf16_ms=base_ms, speedup_vs_bf16=base_ms / ms)
+                print(f"     ({ms * 1e3:.1f} us vs {base_ms * 1e3:.1f} us bf16 cuBLAS: {base_ms / ms:.3f}x)")
 
 
 # --------------------------------------------------------------------------- attention
@@ -834,7 +890,7 @@ def _host_ms(b: Bench, fn, calls: int = 50) -> float:
 
 SUITES = {"ssm": bench_ssm, "conv": bench_conv, "norm": bench_norms, "linear": bench_linear, "attn": bench_attn,
           "ssd": bench_ssd, "ssd_sweep": bench_ssd_sweep, "attn_sweep": bench_attn_sweep,
-          "linear_sweep": bench_linear_sweep, "attn_rounds": bench_attn_rounds}
+          "linear_sweep": bench_linear_sweep, "attn_rounds": bench_attn_rounds, "fp8_linear": bench_fp8_linear}
 DEFAULT_SUITES = [k for k in SUITES if not k.endswith(("_sweep", "_rounds"))]  # sweeps retune launch settings: on request
 
 

@@ -13,11 +13,21 @@ Writes benchmarks/results/model_<date>_<sha>.json (9B) or model-<model>_<date>_<
     python3 benchmarks/bench_model.py [--skip-transformers]                      # Nano 9B v2
     python3 benchmarks/bench_model.py --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16
     python3 benchmarks/bench_model.py --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Super-120B-A12B-BF16
+    python3 benchmarks/bench_model.py --quantization fp8 --skip-transformers   # bf16, then FP8, same process
+    python3 benchmarks/bench_model.py --quantization fp8 --fp8-only \
+        --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Super-120B-A12B-BF16     # the whole Super, FP8 alone
+
+With `--quantization fp8` the engine figures run twice in one process, bf16 first and then with FP8 weights
+(quantised per output channel from the same dummy weights), the FP8 records named "[fp8] ..." and quoted
+against the FP8 weight-read roofline (1 byte a projection weight + its scales; embeddings, lm_head and
+the rest in bf16; for a MoE model the routed experts, still bf16 in hyserve, at 2 bytes), each followed by
+its ratio to the bf16 figure of the same run, and the greedy tokens of both compared.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import gc
 import json
@@ -36,6 +46,8 @@ from hyserve import LLM, SamplingParams  # noqa: E402
 from hyserve.bench.profiling import device_kernel_times  # noqa: E402
 from hyserve.bench.report import git_sha, records_markdown  # noqa: E402
 from hyserve.model.config import HybridModelConfig  # noqa: E402
+from hyserve.model.quant_config import QuantConfig  # noqa: E402
+from hyserve.model.weights import weight_bytes as hyserve_weight_bytes  # noqa: E402
 
 CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
 from benchmarks.roofline import (  # noqa: E402
@@ -111,6 +123,7 @@ class ModelPlan:
     transformers: bool  # transformers' NemotronH as the peer (9B only)
     max_num_tokens: int = 8192
     device: str = "auto"  # the engine's device ("cpu": the CPU test of this script)
+    cache_fraction: float = 0.5  # kv_cache_config.free_gpu_memory_fraction of the engine runs
 
 
 def repetition_cuts(pattern: str) -> list[int]:
@@ -129,28 +142,33 @@ def cut_config(raw: dict, num_layers: int) -> dict:
     return {**raw, "hybrid_override_pattern": pattern[:num_layers], "num_hidden_layers": num_layers}
 
 
-def model_weight_bytes(raw: dict) -> int:
-    """bf16 bytes of every parameter (embedding included): what the model holds on the device."""
-    return HybridModelConfig.from_dict(raw).num_parameters() * 2
+FP8 = QuantConfig(method="online", scheme="channel")  # --quantization fp8: per-channel, quantised at load
 
 
-def fit_layers(raw: dict, budget_bytes: float) -> int:
-    """The most layers, cut at a repetition boundary (or the whole model), whose bf16 weights fit
+def model_weight_bytes(raw: dict, fp8: bool = False) -> int:
+    """bf16 bytes of every parameter (embedding included): what the model holds on the device; with fp8
+    the FP8 model's (e4m3 projections and experts + float32 scales, the rest bf16)."""
+    cfg = HybridModelConfig.from_dict(raw)
+    return hyserve_weight_bytes(cfg.with_quant(FP8), torch.bfloat16) if fp8 else cfg.num_parameters() * 2
+
+
+def fit_layers(raw: dict, budget_bytes: float, fp8: bool = False) -> int:
+    """The most layers, cut at a repetition boundary (or the whole model), whose bf16 (or FP8) weights fit
     `budget_bytes`."""
     pattern = raw["hybrid_override_pattern"]
-    if model_weight_bytes(raw) <= budget_bytes:
+    if model_weight_bytes(raw, fp8) <= budget_bytes:
         return len(pattern)
-    fits = [n for n in repetition_cuts(pattern) if model_weight_bytes(cut_config(raw, n)) <= budget_bytes]
+    fits = [n for n in repetition_cuts(pattern) if model_weight_bytes(cut_config(raw, n), fp8) <= budget_bytes]
     if not fits:
         first = repetition_cuts(pattern)[:1]
-        need = model_weight_bytes(cut_config(raw, first[0])) / GIB if first else float("nan")
+        need = model_weight_bytes(cut_config(raw, first[0]), fp8) / GIB if first else float("nan")
         raise ValueError(f"not even one repetition of the layer pattern fits {budget_bytes / GIB:.1f} GiB of "
                          f"weights (the first needs {need:.1f} GiB); raise --weight-budget-gib or pass --num-layers")
     return max(fits)
 
 
 def make_plan(model_dir: Path, *, num_layers: int | None, weight_budget: float | None, work: Path,
-              skip_transformers: bool) -> ModelPlan:
+              skip_transformers: bool, fp8_only: bool = False) -> ModelPlan:
     """The plan for `model_dir`: the 9B's figures as before; a MoE model's over its active parameters, cut to
     `num_layers` or to the repetitions that fit `weight_budget` bytes of bf16 weights (None: no cut)."""
     raw = json.loads((model_dir / "config.json").read_text())
@@ -160,13 +178,13 @@ def make_plan(model_dir: Path, *, num_layers: int | None, weight_budget: float |
                          slug="", prefill_8k=True, batches=(64,), prefix_cache=True,
                          transformers=not skip_transformers)
     total = len(raw.get("hybrid_override_pattern") or raw.get("layers_block_type") or [])
-    n = num_layers if num_layers is not None else (fit_layers(raw, weight_budget) if weight_budget else total)
-    label = f"{model_dir.name} architecture, random weights, bf16"
+    n = num_layers if num_layers is not None else (fit_layers(raw, weight_budget, fp8_only) if weight_budget else total)
+    label = f"{model_dir.name} architecture, random weights, {'FP8 (per-channel, quantised at load)' if fp8_only else 'bf16'}"
     slug = model_dir.name
     if n != total:
         raw = cut_config(raw, n)
         label = (f"{model_dir.name} architecture cut to its first {n} of {total} layers "
-                 f"({raw['hybrid_override_pattern']}), random weights, bf16")
+                 f"({raw['hybrid_override_pattern']}), random weights, {'FP8' if fp8_only else 'bf16'}")
         slug = f"{model_dir.name}-{n}L"
         model_dir = work / slug
         model_dir.mkdir(parents=True, exist_ok=True)
@@ -178,13 +196,13 @@ def make_plan(model_dir: Path, *, num_layers: int | None, weight_budget: float |
 
 
 def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, records: list, notes: list,
-                  *, time_init: bool = False) -> None:
+                  *, time_init: bool = False, quantization: str | None = None) -> None:
     moe = num_moe_layers(cfg) > 0
     t0 = time.perf_counter()
     llm = LLM(str(plan.model_dir), device=plan.device, load_format="dummy", max_seq_len=16384,
-              max_batch_size=max(plan.batches),
+              max_batch_size=max(plan.batches), quantization=quantization,
               max_num_tokens=plan.max_num_tokens,
-              kv_cache_config={"enable_block_reuse": False, "free_gpu_memory_fraction": 0.5}, log=print)
+              kv_cache_config={"enable_block_reuse": False, "free_gpu_memory_fraction": plan.cache_fraction}, log=print)
     startup_s = time.perf_counter() - t0
     eng = llm.engine
     g = torch.Generator().manual_seed(0)
@@ -404,6 +422,54 @@ def bench_transformers(cfg_raw: dict, records: list) -> None:
     torch.cuda.empty_cache()
 
 
+def fp8_ratios(bf16: list, fp8: list) -> list:
+    """Each FP8 record beside its bf16 twin of the same run: (fp8 / bf16) for rates, (bf16 / fp8) for
+    times, so above 1 means FP8 is faster."""
+    by_name = {r["name"]: r for r in bf16}
+    out = []
+    for r in fp8:
+        twin = by_name.get(r["name"])
+        out.append({**r, "name": f"[fp8] {r['name']}"})
+        if twin is None or not twin["value"] or not r["value"] or r["unit"] == "x":
+            continue
+        faster = twin["value"] / r["value"] if r["unit"] in ("ms", "s") else r["value"] / twin["value"]
+        out.append(rec(f"[fp8] {r['name']}: FP8 vs bf16, same run (x)", faster, "x", "the bf16 figure, same run", 1.0))
+    return out
+
+
+def greedy_agreement(plan: ModelPlan, cfg: HybridModelConfig, records: list) -> None:
+    """Greedy tokens of the bf16 and FP8 engines (the same dummy weights, FP8 quantised from them) on the same
+    prompts: the fraction of positions that agree up to and including the first difference of each prompt
+    (after it the two continue from different tokens), and the mean |logprob| difference of the tokens
+    both chose there."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [[1] + torch.randint(3, cfg.vocab_size, (255,), generator=g).tolist() for _ in range(8)]
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=1)
+    outs = {}
+    for quant in (None, "fp8"):
+        llm = LLM(str(plan.model_dir), device=plan.device, load_format="dummy", max_seq_len=4096,
+                  max_batch_size=8, quantization=quant, warmup="off", kv_cache_config={"free_gpu_memory_fraction": 0.5})
+        outs[quant] = llm.generate(prompts, params)
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    agree = total = 0
+    lp_diff: list[float] = []
+    for a, b in zip(outs[None], outs["fp8"], strict=True):
+        ta, tb = a.token_ids, b.token_ids
+        n = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=True)) if x != y), len(ta))
+        agree += n
+        total += min(n + 1, len(ta))
+        la, lb = a.logprobs or [], b.logprobs or []
+        lp_diff += [abs(la[i].logprob - lb[i].logprob) for i in range(min(n, len(la), len(lb)))]
+    records.append(rec("[fp8] greedy tokens agreeing with bf16 until the first difference (fraction)", agree / total,
+                       "fraction", "bf16, same weights", 1.0))
+    if lp_diff:
+        records.append(rec("[fp8] mean |logprob(fp8) - logprob(bf16)| of the agreed tokens", sum(lp_diff) / len(lp_diff),
+                           "nats", "none", None))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", type=Path, default=CFG_DIR,
@@ -416,16 +482,28 @@ def main() -> None:
     ap.add_argument("--time-init", action="store_true",
                     help="also time dummy-weight init of the loaded model, drawn on the host and on the device")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--quantization", choices=("fp8",), default=None,
+                    help="also run the engine figures with FP8 weights after bf16, ratios in the same run")
+    ap.add_argument("--fp8-only", action="store_true",
+                    help="with --quantization fp8: FP8 alone (a model whose bf16 weights do not fit, e.g. the whole "
+                         "Nemotron 3 Super on one H200), cut to what fits in FP8")
     ap.add_argument("--git-sha", default="", help="commit of the tree, when it is run without .git")
     args = ap.parse_args()
     if args.weight_budget_gib is not None and args.num_layers is not None:
         ap.error("--num-layers and --weight-budget-gib choose the cut two ways: pass one")
+    if args.fp8_only and args.quantization != "fp8":
+        ap.error("--fp8-only needs --quantization fp8")
     budget = args.weight_budget_gib * GIB if args.weight_budget_gib is not None else None
     if budget is None and args.num_layers is None:
         budget = 0.75 * torch.cuda.get_device_properties(0).total_memory
     work = Path(tempfile.mkdtemp(prefix="bench_model_"))
     plan = make_plan(args.model_dir, num_layers=args.num_layers, weight_budget=budget, work=work,
-                     skip_transformers=args.skip_transformers)
+                     skip_transformers=args.skip_transformers or args.fp8_only, fp8_only=args.fp8_only)
+    if args.fp8_only:
+        # FP8 alone: no transformers after it, so the pools may take 0.9 of what the weights leave; batch 64
+        plan = dataclasses.replace(plan, prefix_cache=False, slug=(plan.slug or "NVIDIA-Nemotron-Nano-9B-v2") + "-fp8",
+                                   label=plan.label.replace("bf16", "FP8 (per-channel, quantised at load)"),
+                                   batches=(64,), cache_fraction=0.9)
     raw = plan.raw
     cfg = HybridModelConfig.from_dict(raw)
     records: list = []
@@ -435,9 +513,22 @@ def main() -> None:
     notes.append(ceilings.summary())
     if plan.slug:
         notes.append(f"{plan.label}: {cfg.describe()}, {num_moe_layers(cfg)} MoE layers")
-    bench_hyserve(plan, cfg, ceilings, records, notes, time_init=args.time_init)
+    if args.fp8_only:  # the rooflines count FP8 bytes; no bf16 twin
+        fp8_only: list = []
+        bench_hyserve(plan, cfg.with_quant(FP8), ceilings, fp8_only, notes, quantization="fp8")
+        records += [{**r, "name": f"[fp8] {r['name']}"} for r in fp8_only]
+    else:
+        bench_hyserve(plan, cfg, ceilings, records, notes, time_init=args.time_init)
     gc.collect()  # the engine's memory goes back before the next engine or transformers loads its copy
     torch.cuda.empty_cache()
+    if args.quantization == "fp8" and not args.fp8_only:
+        fp8_cfg = cfg.with_quant(FP8)  # the rooflines count FP8 bytes
+        fp8: list = []
+        bench_hyserve(plan, fp8_cfg, ceilings, fp8, notes, quantization="fp8")
+        gc.collect()
+        torch.cuda.empty_cache()
+        records += fp8_ratios(records, fp8)
+        greedy_agreement(plan, cfg, records)
     if plan.prefix_cache:
         bench_prefill_with_prefix_cache(cfg, records)
     if plan.transformers:
@@ -460,6 +551,8 @@ def main() -> None:
     stamp = dt.date.today().isoformat()
     stamp = f"{stamp}_{result['git_sha']}"
     base = f"model-{plan.slug}_{stamp}" if plan.slug else f"model_{stamp}"
+    if args.quantization == "fp8" and not args.fp8_only:
+        base += "_bf16-vs-fp8"
     (out / f"{base}.json").write_text(json.dumps(result, indent=2))
     table = records_markdown(records)
     title = f"model benchmark {stamp}" if not plan.slug else f"model benchmark {plan.slug} {stamp}"

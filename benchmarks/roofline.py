@@ -29,6 +29,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from hyserve.model.config import LAYER_MOE, HybridModelConfig  # noqa: E402
+from hyserve.model.weights import weight_bytes as model_weight_bytes  # noqa: E402
 
 # NVIDIA's published H200 SXM figures: HBM3e bandwidth and dense (no sparsity) bf16 tensor-core throughput
 PUBLISHED_BW = 4.8e12  # B/s
@@ -233,6 +234,10 @@ def matmul_params(cfg: HybridModelConfig) -> int:
 
 
 def weight_bytes(cfg: HybridModelConfig, bytes_per_param: int = 2) -> int:
+    """Bytes of the matmul parameters; with FP8 projections (cfg.quant) the model's own count of its
+    weights (e4m3 projections + float32 scales, the float32 router, the rest in bf16) less the embedding."""
+    if cfg.quant is not None:
+        return model_weight_bytes(cfg, torch.bfloat16) - cfg.vocab_size * cfg.hidden_size * 2
     return matmul_params(cfg) * bytes_per_param
 
 
@@ -298,7 +303,19 @@ def active_matmul_params(cfg: HybridModelConfig, experts_per_layer: float | None
 
 def active_weight_bytes(cfg: HybridModelConfig, experts_per_layer: float | None = None,
                         bytes_per_param: int = 2) -> float:
-    """Weight bytes of `active_matmul_params`, the float32 router counted at 4 bytes a parameter."""
+    """Weight bytes of `active_matmul_params`, the float32 router counted at 4 bytes a parameter. With FP8
+    weights (cfg.quant) the model's own byte count less the embedding and the experts a step does not read
+    (an FP8 expert: 1 byte a weight + a float32 scale per output row of up and down)."""
+    if experts_per_layer is None:
+        experts_per_layer = cfg.num_experts_per_tok
+    if cfg.quant is not None:
+        per_expert = expert_params(cfg)
+        if cfg.quant.scheme != "block":  # FP8 experts (block-scaled configs leave them bf16)
+            per_expert += 4 * (cfg.moe_intermediate_size + (cfg.moe_latent_size or cfg.hidden_size))
+        else:
+            per_expert *= 2
+        idle = num_moe_layers(cfg) * (cfg.n_routed_experts - experts_per_layer) * per_expert
+        return weight_bytes(cfg) - idle
     router = router_params(cfg)
     return (active_matmul_params(cfg, experts_per_layer) - router) * bytes_per_param + router * 4
 

@@ -2,7 +2,7 @@
 
     hyserve serve [MODEL] [--config extra-llm-api-config.yml] [--host H] [--port P] [--max_seq_len N] ...
     hyserve generate [MODEL] (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N] [--json] ...
-    hyserve make-tiny DIR [--variant dense|moe|latent-moe] [--seed N]
+    hyserve make-tiny DIR [--variant dense|moe|latent-moe] [--seed N] [--fp8]
     hyserve bench ...        (registered by hyserve.bench.cli when that module exists)
 
 The serve flags are the ones `trtllm-serve` users already type (`--max_batch_size`, `--tp_size`,
@@ -54,6 +54,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "dtype", default=None, help="weights/activations dtype: auto, bfloat16, float16, float32")
     _flag(p, "device", default=None, help="auto, cpu or cuda")
     _flag(p, "load_format", default=None, help="auto, safetensors, or dummy (random weights)")
+    _flag(p, "quantization", default=None,
+          help="weight format: fp8 (e4m3 weights, quantised at load from a 16-bit checkpoint); an FP8 "
+               "checkpoint (ModelOpt, block fp8) is detected without it")
     _flag(p, "max_batch_size", type=int, default=None, help="most requests running at once")
     _flag(p, "max_num_tokens", type=int, default=None, help="most tokens in one forward step")
     _flag(p, "max_seq_len", type=int, default=None, help="longest prompt + output (default: the model's)")
@@ -127,6 +130,8 @@ def _add_make_tiny_parser(sub: Any) -> None:
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--variant", choices=("dense", "moe", "latent-moe"), default="dense")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fp8", action="store_true",
+                   help="write the projections and experts as FP8 (ModelOpt's layout, per-tensor scales)")
     p.set_defaults(func=cmd_make_tiny)
 
 
@@ -174,7 +179,7 @@ def engine_options_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], 
     server_yaml = {k: opts.pop(k) for k in SERVER_YAML_KEYS if k in opts}
     if args.model is not None:
         opts["model"] = args.model
-    for name in ("dtype", "device", "load_format", "max_batch_size", "max_num_tokens", "max_seq_len",
+    for name in ("dtype", "device", "load_format", "quantization", "max_batch_size", "max_num_tokens", "max_seq_len",
                  "tp_size", "ep_size", "seed", "served_model_name", "warmup", "strict_warmup", "cache_dir",
                  "async_scheduling"):
         v = getattr(args, name, None)
@@ -358,7 +363,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     from hyserve.model.tiny import make_tiny
 
     try:
-        path = make_tiny(args.dir, variant=args.variant, seed=args.seed)
+        path = make_tiny(args.dir, variant=args.variant, seed=args.seed, fp8=args.fp8)
     except (ValueError, OSError) as e:
         raise ConfigError(str(e)) from None
     print(path, flush=True)

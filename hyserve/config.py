@@ -3,7 +3,7 @@
 The option names are those of the server's YAML (`extra-llm-api-config.yml` style) and of `LLM(...)`:
 
     EngineConfig
-      model, dtype, device, load_format, served_model_name, seed, warmup, strict_warmup, cache_dir,
+      model, dtype, device, load_format, quantization, served_model_name, seed, warmup, strict_warmup, cache_dir,
       async_scheduling
       scheduler: SchedulerConfig   max_batch_size, max_num_tokens, max_seq_len, enable_chunked_prefill
       cache:     CacheConfig       kv_cache_config.* (tokens_per_block, enable_block_reuse, avg_seq_len, ...)
@@ -40,6 +40,8 @@ SERVER_YAML_KEYS = ("host", "port", "reasoning_parser", "tool_parser", "api_key"
 # engine seeds are int64 (as the API's per-request seeds)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# weight formats `quantization` can ask for (None: the checkpoint's own, 16-bit unless it is an FP8 checkpoint)
+QUANTIZATIONS = ("fp8",)
 DEVICES = ("auto", "cpu", "cuda")
 
 # Keys of the TensorRT-LLM YAML that hyserve accepts and ignores (they select that engine's internals).
@@ -148,6 +150,16 @@ def path_str(v: Any, path: str) -> str | None:
     if not isinstance(v, str | os.PathLike):
         raise ValueError(f"{path}: expected a path, got {v!r}")
     return str(v)
+
+
+def quantization(v: Any, path: str) -> str | None:
+    """None (or "none"): the checkpoint's format; "fp8": FP8 weights (quantised at load from 16 bits)."""
+    if v is None or (isinstance(v, str) and v.lower() in ("none", "")):
+        return None
+    if not isinstance(v, str) or v.lower() not in QUANTIZATIONS:
+        raise ValueError(f"{path}: {v!r} is not supported; use one of {list(QUANTIZATIONS)} or null "
+                         "(the checkpoint's own format)")
+    return v.lower()
 
 
 def optional_str(v: Any, path: str) -> str | None:
@@ -290,6 +302,9 @@ class EngineConfig:
     dtype: str = option("auto", Choice(MODEL_DTYPES))
     device: str = option("auto", Choice(DEVICES))
     load_format: str = option("auto", Choice(LOAD_FORMATS))
+    # weight format: None = the checkpoint's (FP8 for a ModelOpt / block-fp8 checkpoint), "fp8" = FP8 weights,
+    # quantised per output channel at load from a 16-bit checkpoint (or from dummy weights)
+    quantization: str | None = option(None, quantization)
     served_model_name: str | None = option(None, optional_str)
     seed: int = option(0, Int(lo=SEED_MIN, hi=SEED_MAX, hint="seeds are 64-bit signed integers"))
     scheduler: SchedulerConfig = section(SchedulerConfig)

@@ -17,6 +17,10 @@
 #           decode, summarised by scripts/pyspy_summary.py: where the step time beyond the engine's goes.
 #   needle  max_seq_len 1,048,576: needle prompts up to 1M tokens, then a normal request.
 #
+# Environment: MODEL (a config dir, default Nano 9B v2), SERVE_FLAGS (added to every `hyserve serve`, e.g.
+# "--quantization fp8"), SWEEP_SHAPES, SWEEP_CONCURRENCY (default "1 8 32 64 128 256") and SWEEP_MAX_BATCH
+# (default 256). FP8 (issue 19): MODEL=benchmarks/configs/NVIDIA-Nemotron-3-Super-120B-A12B-BF16
+# SERVE_FLAGS="--quantization fp8" ... needle runs the whole Super in FP8 on one H200.
 # Needs the server wheels in .whl (../shared/tools/gpu_wheels.sh) carried with the call; `profile` also needs
 # py-spy there (pip download --no-deps --only-binary :all: --platform manylinux2014_x86_64 py-spy -d .whl).
 set -uo pipefail
@@ -40,7 +44,8 @@ start_server() {  # $1 = log file, rest = serve flags; sets PID and READY_S (sec
   local log=$1; shift
   local t0; t0=$(date +%s.%N)
   if curl -sf $URL/health >/dev/null 2>&1; then echo "port 8000 is already serving"; return 1; fi
-  python3 -m hyserve.cli serve "${MODEL}" --load-format dummy --port 8000 "$@" >"$log" 2>&1 &
+  # shellcheck disable=SC2086  # SERVE_FLAGS is a list of flags
+  python3 -m hyserve.cli serve "${MODEL}" --load-format dummy --port 8000 ${SERVE_FLAGS:-} "$@" >"$log" 2>&1 &
   PID=$!
   until curl -sf $URL/health >/dev/null 2>&1; do
     sleep 0.5
@@ -116,11 +121,12 @@ fi
 
 if [[ " $parts " == *" sweep "* ]]; then
   echo "== throughput sweep"
-  start_server /tmp/serve_sweep.log --max-batch-size 256 --max-num-tokens 8192 --max-seq-len 9216 || exit 1
+  start_server /tmp/serve_sweep.log --max-batch-size "${SWEEP_MAX_BATCH:-256}" --max-num-tokens 8192 --max-seq-len 9216 \
+    || exit 1
   IFS=, read -ra shapes <<< "${SWEEP_SHAPES:-1000 1000,8000 1000}"  # "in out" pairs
   for io in "${shapes[@]}"; do
     set -- $io
-    for c in 1 8 32 64 128 256; do
+    for c in ${SWEEP_CONCURRENCY:-1 8 32 64 128 256}; do
       n=$(( c < 4 ? 2 : c ))
       "${BENCH[@]}" --num-prompts $n --max-concurrency $c --random-input-len $1 --random-output-len $2 \
         --temperature 0 --result-filename "serve_sweep_in$1_out$2_c$c.json" | grep -E "Output token throughput|Mean TPOT|Mean TTFT" | sed "s/^/in=$1 c=$c /"

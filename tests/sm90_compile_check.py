@@ -1,9 +1,11 @@
 """Compiles the Triton kernels a Nemotron Nano 9B v2-width model launches ahead of time for sm_90 (no GPU
 needed) through their real launchers, at the GPU launch settings, and prints each kernel's largest shared
-memory as one JSON line: {"dtype": ..., "kernels": {name: bytes}}.
+memory as one JSON line: {"dtype": ..., "kernels": {name: bytes}, "ptx": {name: ["e4m3", "wgmma.mma_async"]}}
+(the second: which of those its PTX holds).
 
     python tests/sm90_compile_check.py float32 [op ...] [--only kernel,...]
-                                            # ops: attention ssd ssm_update conv1d norm moe sampling
+                                            # ops: attention ssd ssm_update conv1d norm moe sampling fp8
+                                            #      moe_fp8 (default: all)
 
 The launchers run on CPU tensors with a stand-in driver that reports an sm_90 device, and every launch
 compiles (as `warmup=True`) instead of running, so the shared memory is what the compiler asks for on an
@@ -45,7 +47,11 @@ class _Sm90:
 def _gpu_settings() -> None:
     """Have the launchers pick their GPU launch settings (by their own rules) for the CPU tensors here."""
     import hyserve.kernels.triton_attention as ta
+    import hyserve.kernels.triton_fp8_linear as t8
     import hyserve.kernels.triton_ssd as ts
+
+    t8._gpu = lambda x: True
+    t8._sm_count = lambda index: 132  # an H100 SXM / H200
 
     gpu_settings = ta._launch_settings
     ta._launch_settings = lambda on_gpu, ieee, d_pad: gpu_settings(True, ieee, d_pad)
@@ -141,8 +147,43 @@ def _sampling(dt: torch.dtype) -> None:
     apply_token_bitmask_triton(torch.zeros(4, 131072), torch.full((4, 4096), -1, dtype=torch.int32))
 
 
+def _fp8(dt: torch.dtype) -> None:
+    """The FP8 linear's kernels at a Nano 9B v2 projection (in_proj: 4480 -> 17504), both scale layouts, the
+    decode form (1 and 16 rows) and both w8a8 tile settings (64 and 65 rows). float32 activations take the
+    reference, so this op compiles 16-bit activations whatever `dt` is."""
+    from hyserve.kernels.fp8_linear import quantize_weight_ref
+    from hyserve.kernels.triton_fp8_linear import fp8_linear_triton
+
+    act = dt if dt in (torch.bfloat16, torch.float16) else torch.bfloat16
+    n, k = 17504, HIDDEN
+    w = torch.empty(n, k).uniform_(-1, 1)
+    for scheme in ("channel", "block"):
+        q, s = quantize_weight_ref(w, scheme)
+        for m in (1, 16, 64, 65):
+            fp8_linear_triton(torch.randn(m, k).to(act), q, s, None)
+        for m in (1, 65):  # the MLP's down_proj: relu^2 in the decode tiles and in the activation quantisation
+            fp8_linear_triton(torch.randn(m, k).to(act), q, s, None, relu2=True)
+
+
+def _moe_fp8(dt: torch.dtype) -> None:
+    """The fused-MoE kernels with FP8 experts at a Nemotron 3 Nano 30B-A3B layer (128 experts, top 6, hidden
+    2688, intermediate 1856): the decode GEMVs (1 token) and the grouped GEMMs (a 64- and an 8192-token
+    bucket), at the heuristic GPU settings."""
+    from hyserve.kernels.triton_moe import heuristic_config, moe_experts_triton
+
+    act = dt if dt in (torch.bfloat16, torch.float16) else torch.bfloat16
+    E, k, d, inter = 128, 6, 2688, 1856
+    up, down = torch.zeros(E, inter, d, dtype=torch.float8_e4m3fn), torch.zeros(E, d, inter, dtype=torch.float8_e4m3fn)
+    su, sd = torch.ones(E, inter), torch.ones(E, d)
+    for T in (1, 64, 8192):
+        ids = (torch.arange(T * k, dtype=torch.int32) % E).view(T, k)
+        cfg = heuristic_config(E, inter, d, T, k)
+        moe_experts_triton(torch.randn(T, d).to(act), up, down, torch.rand(T, k), ids, up_scale=su, down_scale=sd,
+                           config=cfg)
+
+
 OPS = {"attention": _attention, "ssd": _ssd, "ssm_update": _ssm_update, "conv1d": _conv1d, "norm": _norm,
-       "moe": _moe, "sampling": _sampling}
+       "moe": _moe, "sampling": _sampling, "fp8": _fp8, "moe_fp8": _moe_fp8}
 
 
 def main(argv: list[str]) -> None:
@@ -154,6 +195,7 @@ def main(argv: list[str]) -> None:
     dt = getattr(torch, argv[0])
     ops = argv[1:] or list(OPS)
     shared: dict[str, int] = {}
+    mma: dict[str, set[str]] = {}  # kernel -> which of warp-group MMAs / e4m3 operands its PTX holds
     real_run = JITFunction.run
 
     def compile_only(self, *args, grid, warmup, **kwargs):  # noqa: ANN001, ANN202 - Triton's own signature
@@ -162,6 +204,8 @@ def main(argv: list[str]) -> None:
             return None
         kernel = real_run(self, *args, grid=grid, warmup=True, **kwargs)
         shared[name] = max(shared.get(name, 0), kernel.metadata.shared)
+        ptx = kernel.asm.get("ptx", "")
+        mma.setdefault(name, set()).update(k for k in ("wgmma.mma_async", "e4m3") if k in ptx)
         return kernel
 
     driver.set_active(_Sm90())
@@ -169,7 +213,7 @@ def main(argv: list[str]) -> None:
     _gpu_settings()
     for op in ops:
         OPS[op](dt)
-    print(json.dumps({"dtype": argv[0], "kernels": shared}))
+    print(json.dumps({"dtype": argv[0], "kernels": shared, "ptx": {k: sorted(v) for k, v in mma.items()}}))
 
 
 if __name__ == "__main__":

@@ -209,3 +209,43 @@ def _tiny_latent() -> dict:
     from hyserve.model.tiny import tiny_config
 
     return tiny_config("latent-moe")
+
+
+def test_fp8_run_ratios_and_greedy_agreement_on_cpu(tmp_path: Path) -> None:
+    """bench_model --quantization fp8's pieces: each FP8 record beside its ratio to the bf16 twin (rates
+    fp8/bf16, times bf16/fp8), and the greedy comparison of the two engines, here on the tiny model."""
+    from hyserve.model.quant_config import QuantConfig
+    from hyserve.model.tiny import make_tiny
+
+    bf16 = [bm.rec("decode (tok/s)", 100.0, "tok/s", "r", 1.0), bm.rec("step (ms)", 10.0, "ms", "r", 1.0)]
+    fp8 = [bm.rec("decode (tok/s)", 150.0, "tok/s", "r", 1.0), bm.rec("step (ms)", 8.0, "ms", "r", 1.0)]
+    out = bm.fp8_ratios(bf16, fp8)
+    assert [r["name"] for r in out] == ["[fp8] decode (tok/s)", "[fp8] decode (tok/s): FP8 vs bf16, same run (x)",
+                                        "[fp8] step (ms)", "[fp8] step (ms): FP8 vs bf16, same run (x)"]
+    assert out[1]["value"] == pytest.approx(1.5) and out[3]["value"] == pytest.approx(1.25)
+    d = make_tiny(tmp_path / "tiny")
+    plan = bm.ModelPlan(model_dir=d, raw={}, label="tiny", slug="tiny", prefill_8k=False, batches=(64,),
+                        prefix_cache=False, transformers=False, device="cpu")
+    cfg = HybridModelConfig.from_hf(d)
+    records: list = []
+    bm.greedy_agreement(plan, cfg, records)
+    assert records[0]["unit"] == "fraction" and 0.0 < records[0]["value"] <= 1.0
+    assert records[1]["value"] >= 0.0
+    # the FP8 rooflines count 1 byte a projection weight: a little over half the bf16 bytes here
+    assert 0.5 < weight_bytes(cfg.with_quant(QuantConfig(method="online", scheme="channel"))) / weight_bytes(cfg) < 0.8
+
+
+def test_fp8_active_bytes_are_the_fp8_model_less_the_idle_experts() -> None:
+    from hyserve.model.quant_config import QuantConfig
+
+    cfg = HybridModelConfig.from_hf(ROOT / "benchmarks/configs/NVIDIA-Nemotron-3-Super-120B-A12B-BF16")
+    fp8 = cfg.with_quant(QuantConfig(method="online", scheme="channel"))
+    # every expert active: all of the FP8 model's matmul weights
+    assert active_weight_bytes(fp8, cfg.n_routed_experts) == weight_bytes(fp8)
+    assert 0.45 < active_weight_bytes(fp8) / active_weight_bytes(cfg) < 0.6
+    # the whole FP8 Super (embedding included: 113.9 GiB) fits one H200 (133.9 GiB) with ~20 GiB for its cache
+    # and activations; bf16 (224.9 GiB) does not
+    from hyserve.model.weights import weight_bytes as model_bytes
+
+    h200 = 143_771_533_312
+    assert model_bytes(cfg) > h200 and h200 - model_bytes(fp8) > 19 * 2**30

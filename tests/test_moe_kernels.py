@@ -29,7 +29,7 @@ from tests.shipped_configs import ALL, config_dir  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
-F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 gpu = pytest.mark.gpu
 TORCH_SEED = 2323
 
@@ -232,6 +232,52 @@ def test_experts_match_float64(poison, variant, dtype, case):
     # the CPU/reference path in the same dtype agrees too
     err_ref = _rel_err(out, ref.moe_experts_ref(x, w_up, w_down, w, ids).double())
     assert err_ref < (2e-5 if dtype == F32 else 6e-3)
+
+
+def _fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> e4m3 [E, N, K] and float32 [E, N] channel scales, each expert quantised on its own."""
+    from hyserve.kernels.fp8_linear import quantize_weight_ref
+
+    qs = [quantize_weight_ref(w[e].float(), "channel") for e in range(w.shape[0])]
+    return torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
+
+
+@pytest.mark.parametrize("variant", ["gemv", "gemv-nested", "gemm"])
+@pytest.mark.parametrize("dtype", [F32, F16])
+@pytest.mark.parametrize("case", ["one-token", "empty-experts", "ragged"])
+def test_fp8_experts_match_float64_of_the_dequantised_experts(poison, variant, dtype, case):
+    """FP8 experts (e4m3, per-expert channel scales) in every kernel form against float64 of the
+    dequantised experts, and against the reference path in the same dtype."""
+    T, k, E, d, inter, experts, always = EXPERT_CASES[case]
+    ids = _ids_with(T, k, E, experts, always)
+    x, w_up, w_down, w, ids = _experts_inputs(T, E, d, inter, k, F32, ids)
+    x = x.to(dtype)
+    (qu, su), (qd, sd) = _fp8_experts(w_up), _fp8_experts(w_down)
+    cfg = tm._INTERPRETER_GEMM if variant == "gemm" else tm._INTERPRETER_GEMV
+    if CUDA:
+        cfg = tm.heuristic_config(E, inter, d, 64 if variant == "gemm" else 1, k)
+    if variant.startswith("gemv"):
+        cfg = dict(cfg, down=dict(cfg["down"], FLAT=int(variant == "gemv")))
+    with poison:
+        out = tm.moe_experts_triton(x, qu, qd, w, ids, up_scale=su, down_scale=sd, config=cfg)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    exact = _exact(x, ref.dequantize_experts(qu, su, F64), ref.dequantize_experts(qd, sd, F64), w, ids)
+    err = _rel_err(out, exact)
+    assert err < (2e-5 if dtype == F32 else 4e-3), f"{variant} {case}: relative error {err:.2e}"
+    err_ref = _rel_err(out, ref.moe_experts_ref(x, qu, qd, w, ids, up_scale=su, down_scale=sd).double())
+    assert err_ref < (2e-5 if dtype == F32 else 6e-3)
+
+
+def test_fp8_experts_refuse_bad_scales():
+    x, w_up, w_down, w, ids = _experts_inputs(3, 4, 32, 16, 2, F32)
+    (qu, su), (qd, sd) = _fp8_experts(w_up), _fp8_experts(w_down)
+    for fn in (ref.moe_experts_ref, tm.moe_experts_triton):
+        with pytest.raises(ValueError, match="need both up_scale and down_scale"):
+            fn(x, qu, qd, w, ids, up_scale=su)
+        with pytest.raises(ValueError, match="expert weights must be float8_e4m3fn"):
+            fn(x, w_up, w_down, w, ids, up_scale=su, down_scale=sd)
+        with pytest.raises(ValueError, match=r"down_scale must be float32 \[4, 32\]"):
+            fn(x, qu, qd, w, ids, up_scale=su, down_scale=sd[:, :5])
 
 
 def test_experts_default_config_and_int64_ids(poison):

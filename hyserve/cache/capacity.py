@@ -14,7 +14,7 @@ from typing import Any
 
 from hyserve.config import Int, boolean, check_snapshot_interval, check_token_budget
 
-__all__ = ["CapacityInputs", "CapacityPlan", "plan_capacity"]
+__all__ = ["CapacityInputs", "CapacityPlan", "device_cache_budget", "plan_capacity"]
 
 # User-facing knob names used in error messages.
 KNOB_BUDGET = "kv_cache_config.free_gpu_memory_fraction / kv_cache_config.max_gpu_total_bytes"
@@ -53,6 +53,9 @@ class CapacityInputs:
     max_kv_tokens: int | None = None  # user cap on KV tokens (kv_cache_config.max_tokens)
     # If True a max_seq_len request need not fit; longer requests are refused at admission.
     allow_oversized_max_seq_len: bool = False
+    # this rank's weights (already resident when the budget is measured on a GPU; reported, not planned)
+    weight_bytes: int = 0
+    weight_format: str = "16-bit"
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,8 @@ class CapacityPlan:
         lines = [
             f"capacity plan: budget {_fmt_bytes(inp.budget_bytes)}, "
             f"using {_fmt_bytes(self.total_bytes)} (unused {_fmt_bytes(unused)})",
+            f"  weights      {_fmt_bytes(inp.weight_bytes):>12}  {inp.weight_format} (resident before the budget "
+            "was taken; not part of it)",
             f"  KV cache     {_fmt_bytes(self.kv_bytes):>12}  {self.num_kv_blocks:,} blocks x "
             f"{inp.tokens_per_block} tokens = {self.kv_tokens:,} tokens "
             f"({_fmt_bytes(inp.kv_bytes_per_token)}/token; floor {self.kv_floor_blocks:,} blocks)",
@@ -117,6 +122,17 @@ class CapacityPlan:
         d["block_bytes"] = self.block_bytes
         d["snapshot_bytes"] = self.snapshot_bytes
         return d
+
+
+def device_cache_budget(free_bytes: int, fraction: float, reserved_bytes: int, cap: int | None = None) -> int:
+    """The pools' budget on a GPU: `fraction` of the memory free once the weights are resident, less what
+    the engine reserves beside the pools (profiled activation peaks, graph logits, allocator slack), at
+    most `cap` (kv_cache_config.max_gpu_total_bytes); never negative. Smaller weights (FP8: 1 byte a weight
+    plus its scales) leave more free memory, and all of it reaches the pools here."""
+    budget = int(free_bytes * fraction) - reserved_bytes
+    if cap is not None:
+        budget = min(budget, cap)
+    return max(budget, 0)
 
 
 # --------------------------------------------------------------------------- helpers

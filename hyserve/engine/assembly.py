@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from hyserve import envs
-from hyserve.cache.capacity import CapacityInputs, CapacityPlan, plan_capacity
+from hyserve.cache.capacity import CapacityInputs, CapacityPlan, device_cache_budget, plan_capacity
 from hyserve.cache.manager import HybridCacheManager
 from hyserve.config import EngineConfig
 from hyserve.distributed import parallel_info
@@ -65,7 +65,7 @@ def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
     if lm.device.type == "cpu" and torch.get_num_threads() <= 2:
         torch.set_num_threads(1)  # 2 threads on 2-core machines were 2-50x slower (docs/architecture.md)
     log(f"hyserve: {lm.name}: {lm.config.describe()}, {str(lm.dtype).removeprefix('torch.')} on {lm.device} "
-        f"({time.monotonic() - t0:.1f}s)")
+        f"({time.monotonic() - t0:.1f}s); weights on this rank {lm.weight_bytes / 2**30:,.2f} GiB ({lm.weight_format})")
     sc = config.scheduler
     max_seq_len = sc.max_seq_len or lm.config.max_position_embeddings
     graph_sizes = graph_batch_sizes(config, lm, log)
@@ -156,6 +156,8 @@ def capacity_inputs(
         num_pad_slots=1 if graph_sizes else 0,
         max_kv_tokens=c.max_tokens,
         allow_oversized_max_seq_len=c.allow_oversized_max_seq_len,
+        weight_bytes=lm.weight_bytes,
+        weight_format=lm.weight_format,
     )
 
 
@@ -172,10 +174,8 @@ def cache_budget_bytes(
     # each captured graph keeps its float32 logits alive in the shared graph pool, and the 16-bit logits
     # they were cast from fragment it: 6 bytes per logit (matched on the H200 to within 2%)
     graph_logits = sum(graph_sizes) * lm.config.vocab_size * 6
-    budget = int(free * c.free_gpu_memory_fraction) - activations.total_bytes - graph_logits - slack
-    if c.max_gpu_total_bytes is not None:
-        budget = min(budget, c.max_gpu_total_bytes)
-    return max(budget, 0)
+    return device_cache_budget(free, c.free_gpu_memory_fraction, activations.total_bytes + graph_logits + slack,
+                               c.max_gpu_total_bytes)
 
 
 def graph_batch_sizes(config: EngineConfig, lm: LoadedModel, log: Callable[[str], None]) -> list[int]:

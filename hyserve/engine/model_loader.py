@@ -17,10 +17,13 @@ from pathlib import Path
 import torch
 
 from hyserve.config import EngineConfig
+from hyserve.distributed import parallel_info
 from hyserve.kernels.attention import FP8_KV_DTYPES
 from hyserve.kernels.triton_registry import register_triton_kernels
 from hyserve.model.config import parse_dtype
+from hyserve.model.fp8_weights import tensor_bytes
 from hyserve.model.protocol import CausalLM, ModelSpec
+from hyserve.model.quant_config import QuantConfig, resolve_quant
 from hyserve.model.registry import ModelFamily, read_config
 from hyserve.model.tiny import BUILTIN_MODEL_NAME, builtin_model_dir
 from hyserve.model.tokenizer import Tokenizer, TokenizerNotFoundError
@@ -38,6 +41,8 @@ class LoadedModel:
     dtype: torch.dtype
     model_dir: Path
     name: str
+    weight_bytes: int = 0  # this rank's parameters and buffers
+    weight_format: str = "16-bit"  # for the start-up report: "16-bit" or the FP8 layout and its share
 
 
 def resolve_device(name: str) -> torch.device:
@@ -64,6 +69,21 @@ def resolve_kv_dtype(name: str, run_dtype: torch.dtype, device: torch.device) ->
     return parse_dtype(name, field="kv_cache_config.dtype", allowed=("bfloat16", "float16", "float32"))
 
 
+def check_weights_fit(weight_bytes: int, quant: QuantConfig | None, device: torch.device) -> None:
+    """Before anything is allocated: this rank's share of the weights must fit the device's free memory,
+    else a message with the numbers (and FP8's figure when the weights are 16-bit) instead of an OOM."""
+    tp = parallel_info().tp_size
+    need = weight_bytes // tp
+    free = torch.cuda.mem_get_info(device)[0]
+    if need <= free:
+        return
+    hint = " (FP8 weights, `quantization: fp8`, hold about half of that)" if quant is None else ""
+    raise ValueError(
+        f"the weights need {need / 2**30:.1f} GiB on each of {tp} rank(s){hint} but {device} has "
+        f"{free / 2**30:.1f} GiB free: raise tp_size, use FP8 weights, or free the GPU"
+    )
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
     if config.model is None:
         model_dir = builtin_model_dir()
@@ -77,6 +97,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
             )
         name = model_dir.name
     family, cfg = read_config(model_dir)
+    quant = resolve_quant(config.quantization, model_dir)
+    cfg = family.with_quant(cfg, quant)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, cfg, device)
     kv_dtype = resolve_kv_dtype(config.cache.dtype, dtype, device)
@@ -93,6 +115,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
         names = register_triton_kernels()
         logger.info("Triton kernels in use on %s: %s", device, ", ".join(names))
 
+    if device.type == "cuda":
+        check_weights_fit(family.weight_bytes(cfg, dtype), quant, device)
     with torch.device("meta"):
         model = family.build(cfg, dtype)
     model = model.to_empty(device=device)  # type: ignore[attr-defined]
@@ -112,6 +136,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
         kv_scales = family.load_weights(model, model_dir)
     family.set_kv_scales(model, kv_scales, fp8=kv_dtype in FP8_KV_DTYPES, dummy=fmt == "dummy")
     model.eval()  # type: ignore[attr-defined]
+    if quant is not None and device.type == "cuda":
+        torch.cuda.empty_cache()  # the 16-bit tensors quantised on the device: their blocks back to free memory
+    total, fp8 = tensor_bytes(model)  # type: ignore[arg-type]
+    fmt_line = "16-bit" if quant is None else f"{quant.describe()}: {fp8 / 2**30:,.2f} GiB e4m3 + scales"
 
     try:
         tokenizer: Tokenizer | None = Tokenizer.from_dir(model_dir)
@@ -127,4 +155,6 @@ def load_model(config: EngineConfig) -> LoadedModel:
         dtype=dtype,
         model_dir=model_dir,
         name=config.served_model_name or name,
+        weight_bytes=total,
+        weight_format=fmt_line,
     )

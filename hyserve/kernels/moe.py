@@ -10,6 +10,10 @@
     logits   the router's scores before the sigmoid: x @ gate^T in float32 (the gate weight is float32)
     experts  out[t] = sum_s w[t, s] * down[e] @ relu(up[e] @ x[t])^2,  e = ids[t, s]
              (+ shared_down @ relu(shared_up @ x[t])^2 with the shared expert folded in, weight 1)
+             FP8 experts: up / down in e4m3 with float32 scales per expert and output channel, up_scale [E, I]
+             and down_scale [E, d]; the expert's matrix is up[e] * up_scale[e][:, None] (dequantised in
+             float32, rounded to x.dtype), the rest as above (no folded shared expert: FP8 models run it
+             as their FP8 MLP)
 
 The block-wise stage references (`moe_up_ref`, `moe_down_ref`, `moe_combine_ref`) state what each GEMM
 kernel computes over the align buffers; `moe_experts_ref` is the per-expert loop that the CPU runs (it
@@ -154,6 +158,29 @@ def moe_combine_ref(y: torch.Tensor, top_k: int) -> torch.Tensor:
     return y.view(-1, top_k, y.shape[1]).sum(1)
 
 
+def _check_fp8_experts(
+    x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, up_scale: torch.Tensor | None,
+    down_scale: torch.Tensor | None,
+) -> None:
+    if (up_scale is None) != (down_scale is None):
+        raise ValueError("moe_experts: FP8 experts need both up_scale and down_scale")
+    if w_up.dtype != torch.float8_e4m3fn or w_down.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"moe_experts: scales are given, so the expert weights must be float8_e4m3fn, got "
+                         f"{w_up.dtype}, {w_down.dtype}")
+    E, inter, d = w_up.shape
+    for name, sc, want in (("up_scale", up_scale, (E, inter)), ("down_scale", down_scale, (E, d))):
+        if sc.dtype != torch.float32 or tuple(sc.shape) != want:  # type: ignore[union-attr]
+            raise ValueError(f"moe_experts: {name} must be float32 {list(want)} (per expert and output channel), "
+                             f"got {sc.dtype} {list(sc.shape)}")  # type: ignore[union-attr]
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"moe_experts: FP8 experts take float32, float16 or bfloat16 activations, got {x.dtype}")
+
+
+def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 [E, N, K] with float32 [E, N] scales -> [E, N, K] in dtype (dequantised in float32)."""
+    return (w.float() * scale[:, :, None]).to(dtype)
+
+
 def check_shared_args(w_up: torch.Tensor, shared_up: torch.Tensor | None, shared_down: torch.Tensor | None) -> int:
     """The shared expert folded into the routed ones: up [S*I, d], down [d, S*I] with I the routed experts'
     intermediate size, so it runs as S more experts of weight 1 per token. Returns S (0 without one)."""
@@ -175,7 +202,8 @@ def check_shared_args(w_up: torch.Tensor, shared_up: torch.Tensor | None, shared
 
 
 def _check_experts_args(
-    x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tensor,
+    up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
 ) -> None:
     if x.dim() != 2:
         raise ValueError(f"moe_experts: x must be [T, d], got shape {tuple(x.shape)}")
@@ -194,19 +222,26 @@ def _check_experts_args(
         raise ValueError(f"moe_experts: integer ids and float weights expected, got {topk_ids.dtype}, {topk_w.dtype}")
     if topk_ids.shape[1] > E:
         raise ValueError(f"moe_experts: top_k ({topk_ids.shape[1]}) exceeds the {E} experts")
-    if not (x.dtype == w_up.dtype == w_down.dtype):
+    if up_scale is not None or down_scale is not None:
+        _check_fp8_experts(x, w_up, w_down, up_scale, down_scale)
+    elif not (x.dtype == w_up.dtype == w_down.dtype):
         raise ValueError(f"moe_experts: x, up_proj, down_proj dtypes differ: {x.dtype}, {w_up.dtype}, {w_down.dtype}")
 
 
 def moe_experts_ref(
     x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tensor,
     shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
+    up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [T, d]; w_up: [E, I, d]; w_down: [E, d, I]; topk_w: [T, k] float32; topk_ids: [T, k] -> [T, d] in
     x.dtype. transformers' NemotronH order of rounding: each expert's GEMMs in x.dtype, weighted and summed
     in float32, rounded once at the end. shared_up / shared_down (`check_shared_args`): the shared expert's
-    output, its GEMMs in x.dtype too, joins that float32 sum."""
-    _check_experts_args(x, w_up, w_down, topk_w, topk_ids)
+    output, its GEMMs in x.dtype too, joins that float32 sum. FP8 experts (e4m3 weights, up_scale [E, I],
+    down_scale [E, d]): each expert used is dequantised to x.dtype first, the rest the same."""
+    _check_experts_args(x, w_up, w_down, topk_w, topk_ids, up_scale, down_scale)
+    fp8 = up_scale is not None
+    if fp8 and (shared_up is not None or shared_down is not None):
+        raise ValueError("moe_experts: FP8 experts take no folded shared expert (an FP8 model runs it as its MLP)")
     with_shared = check_shared_args(w_up, shared_up, shared_down) > 0
     T, k = topk_ids.shape
     acc = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 as an oracle
@@ -221,8 +256,12 @@ def moe_experts_ref(
         if n == 0:
             continue
         sel, t = order[start : start + n], tok[start : start + n]
-        h = torch.square(F.relu(F.linear(x[t], w_up[e])))
-        out.index_add_(0, t, F.linear(h, w_down[e]).to(acc) * wf[sel, None])
+        up, down = w_up[e], w_down[e]
+        if fp8:
+            up = dequantize_experts(up[None], up_scale[e][None], x.dtype)[0]  # type: ignore[index]
+            down = dequantize_experts(down[None], down_scale[e][None], x.dtype)[0]  # type: ignore[index]
+        h = torch.square(F.relu(F.linear(x[t], up)))
+        out.index_add_(0, t, F.linear(h, down).to(acc) * wf[sel, None])
         start += n
     if with_shared:
         out += F.linear(torch.square(F.relu(F.linear(x, shared_up))), shared_down).to(acc)
@@ -231,6 +270,7 @@ def moe_experts_ref(
 
 __all__ = [
     "check_shared_args",
+    "dequantize_experts",
     "moe_align_ref",
     "moe_combine_ref",
     "moe_down_ref",

@@ -315,11 +315,13 @@ def _tile(pid, num_m, num_n, group_m):
 @triton.jit(do_not_specialize=["num_pairs", "nb", "group_m"])
 def _up_gemm_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ptr, eid_ptr, npad_ptr, num_pairs, nb, N, K, group_m,
-    s_xt, s_we, s_wn, s_hm,
+    s_xt, s_we, s_wn, s_hm, sc_ptr,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr, W_FP8: tl.constexpr,
 ):
-    """h[r, n] = relu(x[sorted_ids[r] // k] @ w_up[e]^T)^2 for the rows r of block pid_m (0 for padding)."""
+    """h[r, n] = relu(x[sorted_ids[r] // k] @ w_up[e]^T)^2 for the rows r of block pid_m (0 for padding).
+    W_FP8: e4m3 weight tiles converted to x's dtype for the dot (exact), the expert's channel scales
+    sc[e, n] applied to the accumulator before relu^2."""
     pid_m, pid_n = _tile(tl.program_id(0), nb, tl.cdiv(N, BLOCK_N), group_m)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
         return
@@ -341,9 +343,13 @@ def _up_gemm_kernel(
             km = offs_k < K - k0
             a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=km[:, None], other=0.0)
+        if W_FP8:
+            b = b.to(a.dtype)
         acc = dot_acc(a, b, acc, IEEE)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if W_FP8:
+        acc = acc * tl.load(sc_ptr + e * N + offs_n)[None, :]
     acc = tl.maximum(acc, 0.0)
     acc = acc * acc
     cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -354,11 +360,12 @@ def _up_gemm_kernel(
 @triton.jit(do_not_specialize=["num_pairs", "nb", "group_m"])
 def _down_gemm_kernel(
     h_ptr, w_ptr, y_ptr, tw_ptr, sorted_ptr, eid_ptr, npad_ptr, num_pairs, nb, N, K, group_m,
-    s_hm, s_we, s_wn, s_ym,
+    s_hm, s_we, s_wn, s_ym, sc_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, W_FP8: tl.constexpr,
 ):
-    """y[p, n] = topk_w.flat[p] * (h[r] @ w_down[e]^T) for the real rows r (pair p) of block pid_m."""
+    """y[p, n] = topk_w.flat[p] * (h[r] @ w_down[e]^T) for the real rows r (pair p) of block pid_m (W_FP8:
+    as in the up GEMM, the channel scales before the routing weight)."""
     pid_m, pid_n = _tile(tl.program_id(0), nb, tl.cdiv(N, BLOCK_N), group_m)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
         return
@@ -379,9 +386,13 @@ def _down_gemm_kernel(
             km = offs_k < K - k0
             a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=km[:, None], other=0.0)
+        if W_FP8:
+            b = b.to(a.dtype)
         acc = dot_acc(a, b, acc, IEEE)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if W_FP8:
+        acc = acc * tl.load(sc_ptr + e * N + offs_n)[None, :]
     acc = acc * tl.load(tw_ptr + rows, mask=valid, other=0.0).to(tl.float32)[:, None]
     cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     y_ptrs = y_ptr + tl.where(valid, rows, 0).to(tl.int64)[:, None] * s_ym + cn[None, :]
@@ -409,13 +420,15 @@ def _combine_kernel(y_ptr, extra_ptr, out_ptr, N, s_ym, s_et, s_ot, TOP_K: tl.co
 
 @triton.jit(do_not_specialize=["n_routed"])
 def _up_gemv_kernel(
-    x_ptr, w_ptr, ids_ptr, h_ptr, su_ptr, N, K, n_routed, s_xt, s_we, s_wn, s_hm,
+    x_ptr, w_ptr, ids_ptr, h_ptr, su_ptr, N, K, n_routed, s_xt, s_we, s_wn, s_hm, sc_ptr,
     TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, W_FP8: tl.constexpr,
 ):
     """h[p, n] = relu(w_up[ids[p]] @ x[p // k])^2 for BLOCK_N columns n: the pair's expert only. Rows
     p >= n_routed (= T*k) are the shared expert's: chunk j = q % S of token q // S, q = p - n_routed,
-    its up rows j*N .. j*N + N (SHARED = S, and 1 without a shared expert, when no such row exists)."""
+    its up rows j*N .. j*N + N (SHARED = S, and 1 without a shared expert, when no such row exists).
+    W_FP8: e4m3 expert rows, the expert's channel scale sc[e, n] on the sum before relu^2 (FP8 experts
+    come without a folded shared expert)."""
     p = tl.program_id(0).to(tl.int64)
     cn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = tl.minimum(cn, N - 1)  # clamped rows: loads need no mask
@@ -424,10 +437,12 @@ def _up_gemv_kernel(
         e = tl.load(ids_ptr + p).to(tl.int64)
         x_row = x_ptr + (p // TOP_K) * s_xt
         w_base = w_ptr + e * s_we
+        sc_row = sc_ptr + e * N
     else:
         q = p - n_routed
         x_row = x_ptr + (q // SHARED) * s_xt
         w_base = su_ptr + (q % SHARED) * N * s_wn
+        sc_row = sc_ptr
     w_rows = w_base + offs_n[:, None] * s_wn
     part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
@@ -440,20 +455,24 @@ def _up_gemv_kernel(
             xv = tl.load(x_row + kk, mask=km, other=0.0)
             w = tl.load(w_rows + kk[None, :], mask=km[None, :], other=0.0)
         part += w.to(tl.float32) * xv.to(tl.float32)[None, :]
-    acc = tl.maximum(tl.sum(part, axis=1), 0.0)
+    acc = tl.sum(part, axis=1)
+    if W_FP8:
+        acc = acc * tl.load(sc_row + offs_n)
+    acc = tl.maximum(acc, 0.0)
     tl.store(h_ptr + p * s_hm + cn, (acc * acc).to(h_ptr.dtype.element_ty), mask=cn < N)
 
 
 @triton.jit(do_not_specialize=["n_routed"])
 def _down_gemv_kernel(
-    h_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, sd_ptr, N, K, n_routed, s_hm, s_we, s_wn, s_ot, s_sdn,
+    h_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, sd_ptr, N, K, n_routed, s_hm, s_we, s_wn, s_ot, s_sdn, sc_ptr,
     TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, FLAT: tl.constexpr,
+    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, FLAT: tl.constexpr, W_FP8: tl.constexpr,
 ):
     """out[t, n] = sum_s topk_w[t, s] * (w_down[ids[t, s]] @ h[t*k + s])[n]: the combine in registers.
     FLAT walks the token's (slot, K tile) pairs as one pipelined loop (h pre-scaled by the slot's weight),
     so the loads do not drain at every expert; otherwise one K loop per slot. SHARED > 0: then the shared
-    expert, sum_j shared_down[:, j*K : j*K + K] @ h[n_routed + t*S + j], in a second loop, weight 1."""
+    expert, sum_j shared_down[:, j*K : j*K + K] @ h[n_routed + t*S + j], in a second loop, weight 1.
+    W_FP8: each expert's e4m3 rows times its channel scales sc[e, n] (no shared expert with FP8)."""
     t = tl.program_id(0).to(tl.int64)
     cn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = tl.minimum(cn, N - 1)
@@ -474,7 +493,10 @@ def _down_gemv_kernel(
                 km = kk < K
                 hv = tl.load(h_ptr + p * s_hm + kk, mask=km, other=0.0)
                 w = tl.load(w_ptr + e * s_we + offs_n[:, None] * s_wn + kk[None, :], mask=km[None, :], other=0.0)
-            part += w.to(tl.float32) * (hv.to(tl.float32) * ws)[None, :]
+            wf = w.to(tl.float32)
+            if W_FP8:  # the slot's expert changes along the loop: scale its rows as they load
+                wf = wf * tl.load(sc_ptr + e * N + offs_n)[:, None]
+            part += wf * (hv.to(tl.float32) * ws)[None, :]
         out = tl.sum(part, axis=1)
     else:
         out = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -494,7 +516,10 @@ def _down_gemv_kernel(
                     hv = tl.load(h_row + kk, mask=km, other=0.0)
                     w = tl.load(w_rows + kk[None, :], mask=km[None, :], other=0.0)
                 part += w.to(tl.float32) * hv.to(tl.float32)[None, :]
-            out += tl.load(tw_ptr + p).to(tl.float32) * tl.sum(part, axis=1)
+            r = tl.sum(part, axis=1)
+            if W_FP8:
+                r = r * tl.load(sc_ptr + e * N + offs_n)
+            out += tl.load(tw_ptr + p).to(tl.float32) * r
     if SHARED > 0:
         kt_s = tl.cdiv(K, BLOCK_K)
         part_s = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -649,55 +674,61 @@ def _launch(sub: dict[str, Any]) -> dict[str, int]:
     return dict(num_warps=sub["num_warps"], num_stages=sub["num_stages"])
 
 
-def launch_up_gemv(x, w_up, ids, h, up: dict[str, Any], shared_up: torch.Tensor | None = None) -> None:
-    """h [T*k (+ T*S), I] = relu(x[p // k] @ w_up[ids[p]]^T)^2, then the shared expert's S chunks per token."""
+def launch_up_gemv(x, w_up, ids, h, up: dict[str, Any], shared_up: torch.Tensor | None = None,
+                   scale: torch.Tensor | None = None) -> None:
+    """h [T*k (+ T*S), I] = relu(x[p // k] @ w_up[ids[p]]^T)^2, then the shared expert's S chunks per token
+    (scale: FP8 experts' [E, I] channel scales)."""
     inter, d = w_up.shape[1], w_up.shape[2]
     S = 0 if shared_up is None else shared_up.shape[0] // inter
     n_routed = ids.numel()
     _up_gemv_kernel[(n_routed + ids.shape[0] * S, triton.cdiv(inter, up["BLOCK_N"]))](
         x, w_up, ids, h, w_up if shared_up is None else shared_up, inter, d, n_routed,
-        x.stride(0), w_up.stride(0), w_up.stride(1), h.stride(0),
+        x.stride(0), w_up.stride(0), w_up.stride(1), h.stride(0), scale if scale is not None else h,
         TOP_K=ids.shape[1], SHARED=max(S, 1), BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"],
-        EVEN_K=d % up["BLOCK_K"] == 0, NUM_STAGES=up["num_stages"], num_warps=up["num_warps"],
+        EVEN_K=d % up["BLOCK_K"] == 0, NUM_STAGES=up["num_stages"], W_FP8=scale is not None,
+        num_warps=up["num_warps"],
     )
 
 
-def launch_down_gemv(h, w_down, ids, tw, out, dn: dict[str, Any], shared_down: torch.Tensor | None = None) -> None:
-    """out [T, d] = sum_s tw[t, s] * w_down[ids[t, s]] @ h[t*k + s] (+ the shared expert's chunks of h)."""
+def launch_down_gemv(h, w_down, ids, tw, out, dn: dict[str, Any], shared_down: torch.Tensor | None = None,
+                     scale: torch.Tensor | None = None) -> None:
+    """out [T, d] = sum_s tw[t, s] * w_down[ids[t, s]] @ h[t*k + s] (+ the shared expert's chunks of h;
+    scale: FP8 experts' [E, d] channel scales)."""
     d, inter = w_down.shape[1], w_down.shape[2]
     S = 0 if shared_down is None else shared_down.shape[1] // inter
     sd = w_down if shared_down is None else shared_down
     _down_gemv_kernel[(out.shape[0], triton.cdiv(d, dn["BLOCK_N"]))](
         h, w_down, ids, tw, out, sd, d, inter, ids.numel(), h.stride(0), w_down.stride(0), w_down.stride(1),
-        out.stride(0), sd.stride(0),
+        out.stride(0), sd.stride(0), scale if scale is not None else tw,
         TOP_K=ids.shape[1], SHARED=S, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"],
         EVEN_K=inter % dn["BLOCK_K"] == 0, NUM_STAGES=dn["num_stages"], FLAT=bool(dn.get("FLAT", 0)),
-        num_warps=dn["num_warps"],
+        W_FP8=scale is not None, num_warps=dn["num_warps"],
     )
 
 
 def launch_up_gemm(x, w_up, h, sorted_ids, expert_ids, npad, num_pairs: int, top_k: int, block_m: int,
-                   up: dict[str, Any]) -> None:
+                   up: dict[str, Any], scale: torch.Tensor | None = None) -> None:
     """h [P, I] over the align layout (moe_up_ref)."""
     inter, d = w_up.shape[1], w_up.shape[2]
     nb = expert_ids.numel()
     _up_gemm_kernel[(nb * triton.cdiv(inter, up["BLOCK_N"]),)](
         x, w_up, h, sorted_ids, expert_ids, npad, num_pairs, nb, inter, d, up["GROUP_M"],
-        x.stride(0), w_up.stride(0), w_up.stride(1), h.stride(0),
+        x.stride(0), w_up.stride(0), w_up.stride(1), h.stride(0), scale if scale is not None else h,
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"],
-        EVEN_K=d % up["BLOCK_K"] == 0, IEEE=x.dtype == torch.float32, **_launch(up),
+        EVEN_K=d % up["BLOCK_K"] == 0, IEEE=x.dtype == torch.float32, W_FP8=scale is not None, **_launch(up),
     )
 
 
-def launch_down_gemm(h, w_down, y, tw, sorted_ids, expert_ids, npad, block_m: int, dn: dict[str, Any]) -> None:
+def launch_down_gemm(h, w_down, y, tw, sorted_ids, expert_ids, npad, block_m: int, dn: dict[str, Any],
+                     scale: torch.Tensor | None = None) -> None:
     """y [T*k, d], each pair's row weighted (moe_down_ref)."""
     d, inter = w_down.shape[1], w_down.shape[2]
     nb = expert_ids.numel()
     _down_gemm_kernel[(nb * triton.cdiv(d, dn["BLOCK_N"]),)](
         h, w_down, y, tw, sorted_ids, expert_ids, npad, y.shape[0], nb, d, inter, dn["GROUP_M"],
-        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), scale if scale is not None else tw,
         BLOCK_M=block_m, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0,
-        IEEE=h.dtype == torch.float32, **_launch(dn),
+        IEEE=h.dtype == torch.float32, W_FP8=scale is not None, **_launch(dn),
     )
 
 
@@ -718,12 +749,17 @@ def moe_experts_triton(
     topk_ids: torch.Tensor,
     shared_up: torch.Tensor | None = None,
     shared_down: torch.Tensor | None = None,
+    up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
     config: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """x: [T, d]; w_up: [E, I, d]; w_down: [E, d, I]; topk_w: [T, k] float32; topk_ids: [T, k] int -> [T, d]
-    in x.dtype (moe_experts_ref, with the shared expert when given). `config` overrides the tuned / heuristic
-    tile config (tests, tuning)."""
-    _check_experts_args(x, w_up, w_down, topk_w, topk_ids)
+    in x.dtype (moe_experts_ref, with the shared expert when given). FP8 experts: e4m3 weights with up_scale
+    [E, I] and down_scale [E, d] float32 (per expert and output channel), no shared expert. `config`
+    overrides the tuned / heuristic tile config (tests, tuning)."""
+    _check_experts_args(x, w_up, w_down, topk_w, topk_ids, up_scale, down_scale)
+    if up_scale is not None and (shared_up is not None or shared_down is not None):
+        raise ValueError("moe_experts: FP8 experts take no folded shared expert (an FP8 model runs it as its MLP)")
     S = check_shared_args(w_up, shared_up, shared_down)
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"moe_experts: float32, float16 or bfloat16 expected, got {x.dtype}")
@@ -743,15 +779,15 @@ def moe_experts_triton(
     tw = topk_w.float().contiguous()
     if cfg["variant"] == "gemv":
         h = torch.empty(T * (k + S), inter, dtype=x.dtype, device=x.device)
-        launch_up_gemv(xc, w_up, ids, h, cfg["up"], shared_up if S else None)
-        launch_down_gemv(h, w_down, ids, tw, out, cfg["down"], shared_down if S else None)
+        launch_up_gemv(xc, w_up, ids, h, cfg["up"], shared_up if S else None, up_scale)
+        launch_down_gemv(h, w_down, ids, tw, out, cfg["down"], shared_down if S else None, down_scale)
         return out
     bm = cfg["BLOCK_M"]
     sorted_ids, expert_ids, npad = moe_align_triton(ids, E, bm)
     h = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
-    launch_up_gemm(xc, w_up, h, sorted_ids, expert_ids, npad, T * k, k, bm, cfg["up"])
+    launch_up_gemm(xc, w_up, h, sorted_ids, expert_ids, npad, T * k, k, bm, cfg["up"], up_scale)
     y = torch.empty(T * k, d, dtype=x.dtype, device=x.device)
-    launch_down_gemm(h, w_down, y, tw, sorted_ids, expert_ids, npad, bm, cfg["down"])
+    launch_down_gemm(h, w_down, y, tw, sorted_ids, expert_ids, npad, bm, cfg["down"], down_scale)
     # many tokens: the shared expert as two GEMMs (each weight read once for all rows), added in the combine
     shared = F.linear(relu2_triton(F.linear(xc, shared_up)), shared_down) if S else None
     launch_combine(y, out, k, shared)

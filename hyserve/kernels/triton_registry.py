@@ -27,6 +27,7 @@ def register_triton_kernels() -> list[str]:
     from hyserve.kernels.triton_activation import relu2_triton
     from hyserve.kernels.triton_attention import write_kv_triton
     from hyserve.kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
+    from hyserve.kernels.triton_fp8_linear import fp8_linear_triton, fp8_relu2_linear_triton
     from hyserve.kernels.triton_fused_linear import gated_norm_linear_triton, relu2_linear_triton
     from hyserve.kernels.triton_moe import moe_experts_triton, moe_route_triton, router_logits_triton
     from hyserve.kernels.triton_rmsnorm import add_rms_norm_triton, rms_norm_triton, rmsnorm_gated_triton
@@ -42,6 +43,8 @@ def register_triton_kernels() -> list[str]:
         "rmsnorm_gated": rmsnorm_gated_triton,
         "gated_norm_linear": gated_norm_linear_triton,
         "relu2_linear": relu2_linear_triton,
+        "fp8_linear": fp8_linear_triton,
+        "fp8_relu2_linear": fp8_relu2_linear_triton,
         "conv1d_update": causal_conv1d_update_triton,
         "conv1d_varlen": causal_conv1d_varlen_triton,
         "ssm_update": selective_state_update_triton,

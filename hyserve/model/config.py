@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from hyserve.config import MAX_PHILOX_ROUNDS, SSM_CACHE_DTYPES
+from hyserve.model.quant_config import QuantConfig
 
 LAYER_MAMBA = "mamba"
 LAYER_ATTENTION = "attention"
@@ -224,6 +225,8 @@ class HybridModelConfig:
     ssm_stochastic_rounding: bool = False
     ssm_philox_rounds: int = 10
     ssm_rounding_seed: int = 0
+    # the projections' weight format (model/quant_config.py): None = 16-bit; folded in by `with_quant`
+    quant: QuantConfig | None = None
     name: str = ""
 
     # ---- derived -------------------------------------------------------------------------------
@@ -257,8 +260,9 @@ class HybridModelConfig:
 
     def describe(self) -> str:
         """One line for the start-up log."""
+        fmt = f", {self.quant.describe()}" if self.quant is not None else ""
         return (f"{self.num_layers} layers ({len(self.mamba_layer_ids)} Mamba2, {len(self.attention_layer_ids)} "
-                f"attention), {self.num_parameters() / 1e6:.1f}M params")
+                f"attention), {self.num_parameters() / 1e6:.1f}M params{fmt}")
 
     def mamba_spec(self) -> MambaSpec:
         return MambaSpec(
@@ -333,6 +337,10 @@ class HybridModelConfig:
         cfg = dataclasses.replace(self, **changes)
         cfg._validate_ssm_rounding()
         return cfg
+
+    def with_quant(self, quant: QuantConfig | None) -> HybridModelConfig:
+        """The same architecture with the projections in `quant`'s format (None: 16-bit)."""
+        return dataclasses.replace(self, quant=quant)
 
     def _validate_ssm_rounding(self) -> None:
         if self.ssm_stochastic_rounding and self.ssm_cache_dtype != torch.float16:

@@ -193,6 +193,10 @@ class Mamba2Mixer(ShardLoading):
         # parallelism each rank's partial out_proj product is summed by one all-reduce
         norm, out = self.norm, self.out_proj
         y2 = y.view(T, self.d_inner)
+        if out.quant is not None:  # FP8 out_proj: the gated norm, then the FP8 linear (its reduce when sharded)
+            spans = out.sharded and self.norm_spans_ranks
+            normed = self._gated_norm_spanning(y2, z) if spans else norm(y2, z)
+            return out(normed)
         fused = ops.get("gated_norm_linear", cuda)
         if not out.sharded:
             return fused(y2, z, norm.weight, norm.eps, norm.group_size, out.weight, out.bias)

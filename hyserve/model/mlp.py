@@ -32,12 +32,17 @@ class MLP(nn.Module):
         """x: [T, hidden]. `meta` / `cache` are unused (the mixer signature; an MLP keeps no state)."""
         down = self.down_proj
         if not down.sharded:
-            u = self.up_proj(x)
-            return ops.get("relu2_linear", u.is_cuda)(u, down.weight, down.bias)
+            return self._down(self.up_proj(x), bias=True)
         return down.reduce(self.partial(x))
+
+    def _down(self, u: torch.Tensor, bias: bool) -> torch.Tensor:
+        down = self.down_proj
+        if down.quant is not None:  # FP8 down_proj: relu^2 inside the FP8 linear's activation load
+            return ops.get("fp8_relu2_linear", u.is_cuda)(u, down.weight, down.weight_scale,
+                                                           down.bias if bias else None)
+        return ops.get("relu2_linear", u.is_cuda)(u, down.weight, down.bias if bias else None)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output, before the all-reduce and without down_proj's bias (the MoE
         layer sums it with its routed experts' share in one all-reduce)."""
-        u = self.up_proj(x)
-        return ops.get("relu2_linear", u.is_cuda)(u, self.down_proj.weight, None)
+        return self._down(self.up_proj(x), bias=False)

@@ -11,7 +11,9 @@ ops (kernels/moe.py, kernels/triton_moe.py): no host sync, so a decode step can 
 The latent projections are plain linears. The shared expert runs inside the experts op (one more
 expert of weight 1 for every token: at batch 1 its weights stream in the same two GEMV launches as the
 routed experts') where its intermediate size is a multiple of the experts' and one rank holds it whole;
-otherwise (latent MoE: it reads x, not the latent; tensor parallel; biases) it is the MLP, added after.
+otherwise (latent MoE: it reads x, not the latent; tensor parallel; biases; FP8 weights) it is the MLP,
+added after. With FP8 weights (model/fp8_weights.py) the experts, the latent projections and the shared
+expert's MLP are FP8.
 
 Expert / tensor parallel (docs/architecture.md, "Parallelism"): every rank routes every token (same
 router, same input); a rank holds n_routed_experts / ep_size experts, each with its slice of the
@@ -24,14 +26,13 @@ cost compute on those local experts (a skip in the align kernel would save it).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hyserve.distributed import Group, all_reduce, ep_group, moe_tp_group, tp_group
 from hyserve.kernels import ops
 from hyserve.model.config import HybridModelConfig
 from hyserve.model.mlp import MLP
-from hyserve.model.parallel_linear import ShardLoading, SliceLike, loaded_shape, read_block
+from hyserve.model.parallel_linear import ReplicatedLinear, ShardLoading, SliceLike, loaded_shape, read_block
 
 
 class TopkRouter(nn.Module):
@@ -60,6 +61,8 @@ class TopkRouter(nn.Module):
 class Experts(ShardLoading):
     """Stacked expert weights: up [E, I, d], down [E, d, I]; under expert parallelism this rank's
     E / ep_size experts, each with its I / (tp_size / ep_size) slice of the intermediate dimension."""
+
+    quant: object = None  # a QuantConfig once the experts hold FP8 weights (model/fp8_weights.py)
 
     def __init__(
         self, num: int, dim: int, inter: int, *, ep: Group | None = None, moe_tp: Group | None = None,
@@ -113,8 +116,13 @@ class Experts(ShardLoading):
             mine = (local >= 0) & (local < self.num_local)
             w = torch.where(mine, w, 0.0)
             ids = local.clamp(0, self.num_local - 1).to(ids.dtype)
+        fn = ops.get("moe_experts", x.is_cuda)
+        if self.quant is not None:  # FP8 experts (model/fp8_weights.py): e4m3 with per-expert channel scales
+            assert shared is None, "FP8 experts run the shared expert as its MLP"
+            return fn(x, self.up_proj, self.down_proj, w, ids, up_scale=self.up_proj_scale,
+                      down_scale=self.down_proj_scale)
         su, sd = shared if shared is not None else (None, None)
-        return ops.get("moe_experts", x.is_cuda)(x, self.up_proj, self.down_proj, w, ids, su, sd)
+        return fn(x, self.up_proj, self.down_proj, w, ids, su, sd)
 
 
 class MoE(nn.Module):
@@ -136,14 +144,15 @@ class MoE(nn.Module):
                             and self.experts.num_local == self.experts.num_experts
                             and cfg.moe_shared_expert_intermediate_size % self.experts.inter_local == 0)
         if self.latent:
-            self.fc1_latent_proj = nn.Linear(h, d, bias=cfg.mlp_bias, device=device, dtype=dtype)
-            self.fc2_latent_proj = nn.Linear(d, h, bias=cfg.mlp_bias, device=device, dtype=dtype)
+            self.fc1_latent_proj = ReplicatedLinear(h, d, bias=cfg.mlp_bias, device=device, dtype=dtype)
+            self.fc2_latent_proj = ReplicatedLinear(d, h, bias=cfg.mlp_bias, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, meta: object = None, cache: object = None) -> torch.Tensor:
         """x: [T, hidden]. `meta` / `cache` are unused (the mixer signature; MoE keeps no state)."""
         w, ids = self.gate(x)
-        if self.fold_shared:
-            s = self.shared_experts
+        s = self.shared_experts
+        # FP8 weights (experts or the shared MLP, converted after __init__) keep the shared expert as the MLP
+        if self.fold_shared and self.experts.quant is None and s.up_proj.quant is None and s.down_proj.quant is None:
             return self.experts(x, w, ids, (s.up_proj.weight, s.down_proj.weight))
         r = self.fc1_latent_proj(x) if self.latent else x
         r = self.experts(r, w, ids)
@@ -159,7 +168,7 @@ class MoE(nn.Module):
         all-reduce over the tp group sums everything; the biases are added once, after it."""
         out = self.shared_experts.partial(x)
         if self.latent:
-            out = out + F.linear(r, self.fc2_latent_proj.weight)
+            out = out + self.fc2_latent_proj.matmul(r, bias=False)
         else:
             out = out + r
         out = all_reduce(out, self.tp)

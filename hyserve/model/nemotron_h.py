@@ -27,6 +27,7 @@ from hyserve.model.attention import Attention
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.config import LAYER_ATTENTION, LAYER_MAMBA, LAYER_MLP, LAYER_MOE, HybridModelConfig
 from hyserve.model.forward_meta import ForwardMeta
+from hyserve.model.fp8_weights import convert_linears
 from hyserve.model.mamba2 import Mamba2Mixer
 from hyserve.model.mlp import MLP
 from hyserve.model.moe import MoE
@@ -104,6 +105,8 @@ class NemotronHForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
         self.tp = tp_group()
+        # FP8 projections (cfg.quant): e4m3 weights + float32 scales in place of the 16-bit weights
+        convert_linears(self, cfg.quant)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: ForwardMeta, cache: CacheTensors) -> torch.Tensor:
@@ -123,13 +126,18 @@ class NemotronHForCausalLM(nn.Module):
         return True
 
     def kernel_token_buckets(self, max_num_tokens: int) -> list[int]:
-        """Step token counts whose kernel variants differ (MoE tile configs per token bucket): the warm-up
-        runs a step of each."""
-        if LAYER_MOE not in self.config.layer_types:
-            return []
-        from hyserve.kernels.triton_moe import moe_token_buckets
+        """Step token counts whose kernel variants differ (MoE tile configs per token bucket, the FP8
+        linears' launch forms): the warm-up runs a step of each."""
+        buckets: set[int] = set()
+        if LAYER_MOE in self.config.layer_types:
+            from hyserve.kernels.triton_moe import moe_token_buckets
 
-        return moe_token_buckets(max_num_tokens)
+            buckets.update(moe_token_buckets(max_num_tokens))
+        if self.config.quant is not None:
+            from hyserve.kernels.triton_fp8_linear import fp8_token_buckets
+
+            buckets.update(fp8_token_buckets(max_num_tokens))
+        return sorted(buckets)
 
     def allocate_cache(
         self, *, num_blocks: int, tokens_per_block: int, num_slots: int, device: torch.device | str

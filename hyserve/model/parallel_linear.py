@@ -15,6 +15,9 @@ Every parameter carries `weight_loader(param, loaded, shard_id=None)` and `check
 in the checkpoint), kept across `to()` / `to_empty()` by `ShardLoading`. `loaded` is a tensor or a safetensors slice (`safe_open(...).get_slice(name)`); the
 loader indexes only this rank's rows, so a slice is read from disk shard by shard, never whole. With one
 rank every layer is its unsharded torch equivalent, computed the same way (no collective, same call).
+
+Every layer computes through `LinearBase.matmul`: `F.linear` for 16-bit weights, the `fp8_linear` op once
+`model/fp8_weights.py` has given the layer an e4m3 weight and float32 scales (loaded shard-aware too).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyserve.distributed import Group, all_gather, all_reduce, tp_group
+from hyserve.kernels import ops
 
 
 class SliceLike(Protocol):
@@ -166,7 +170,24 @@ class ShardLoading(nn.Module):
         return out
 
 
-class ReplicatedLinear(ShardLoading):
+class LinearBase(ShardLoading):
+    """What every linear here shares: `matmul`, this rank's product. A 16-bit weight runs `F.linear`; a
+    layer converted to FP8 (`model/fp8_weights.py`: float8 e4m3 `weight`, float32 `weight_scale`, `quant`
+    set) runs the `fp8_linear` op."""
+
+    quant: Any = None  # a QuantConfig once the layer holds FP8 weights
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
+    def matmul(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        """x [..., in_local] -> this rank's x @ W^T (+ bias when `bias`), no collective."""
+        b = self.bias if bias else None
+        if self.quant is None:
+            return F.linear(x, self.weight, b)
+        return ops.get("fp8_linear", x.is_cuda)(x, self.weight, self.weight_scale, b)
+
+
+class ReplicatedLinear(LinearBase):
     """nn.Linear whose weight every rank holds whole."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *, device=None, dtype=None) -> None:
@@ -182,10 +203,10 @@ class ReplicatedLinear(ShardLoading):
         load_whole(param, loaded, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x)
 
 
-class MergedColumnParallelLinear(ShardLoading):
+class MergedColumnParallelLinear(LinearBase):
     """Column-parallel linear over logical parts, each sharded on its own (see the module docstring).
 
     weight [sum of local part sizes, in]; the output's last dim holds the local parts in order (`split`).
@@ -221,7 +242,7 @@ class MergedColumnParallelLinear(ShardLoading):
         load_parts(param, loaded, self.parts, self.group, dim=0, shard_id=shard_id, what=type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """y [..., out_local] -> this rank's part outputs, in part order."""
@@ -247,13 +268,13 @@ class ColumnParallelLinear(MergedColumnParallelLinear):
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x)
         if self.gather_output and self.group.size > 1:
             y = all_gather(y, self.group, dim=-1)
         return y
 
 
-class RowParallelLinear(ShardLoading):
+class RowParallelLinear(LinearBase):
     """Input features split over the group (blocks of `unit_size`); each rank's partial product is summed
     by an all-reduce and the bias (held whole) added once, after it. `forward` takes this rank's input
     slice; a fused kernel can compute the partial product itself and call `reduce`."""
@@ -295,5 +316,5 @@ class RowParallelLinear(ShardLoading):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        return self.reduce(F.linear(x, self.weight))
+            return self.matmul(x)
+        return self.reduce(self.matmul(x, bias=False))

@@ -18,7 +18,8 @@ from hyserve.model.config import HybridModelConfig, read_config_json
 from hyserve.model.kv_scales import apply_kv_scales, load_checkpoint_with_kv_scales
 from hyserve.model.nemotron_h import NemotronHForCausalLM
 from hyserve.model.protocol import CausalLM, ModelSpec
-from hyserve.model.weights import init_random_weights
+from hyserve.model.quant_config import QuantConfig
+from hyserve.model.weights import init_random_weights, weight_bytes
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,10 @@ class ModelFamily:
     set_kv_scales: Callable[..., None]
     # (run dtype, cache dtypes...) folded into the parsed config: see HybridModelConfig.with_cache_dtypes
     with_cache_dtypes: Callable[..., ModelSpec]
+    # (parsed config, QuantConfig | None) -> the config with that weight format (model/quant_config.py)
+    with_quant: Callable[[Any, QuantConfig | None], ModelSpec]
+    # (parsed config, run dtype) -> bytes of the weights at tp_size 1 in that format (the pre-load check)
+    weight_bytes: Callable[[Any, torch.dtype], int]
 
 
 _FAMILIES: list[ModelFamily] = [
@@ -48,6 +53,8 @@ _FAMILIES: list[ModelFamily] = [
         load_weights=load_checkpoint_with_kv_scales,
         set_kv_scales=lambda model, scales, *, fp8, dummy: apply_kv_scales(model, scales, fp8=fp8, dummy=dummy),
         with_cache_dtypes=lambda cfg, **kw: cfg.with_cache_dtypes(**kw),
+        with_quant=lambda cfg, quant: cfg.with_quant(quant),
+        weight_bytes=lambda cfg, dtype: weight_bytes(cfg, dtype),
     ),
 ]
 

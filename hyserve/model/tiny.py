@@ -20,6 +20,7 @@ from typing import Any
 
 from hyserve import envs
 from hyserve.model.config import HybridModelConfig
+from hyserve.model.fp8_export import write_modelopt_fp8
 from hyserve.model.tokenizer import IM_END, write_tiny_tokenizer
 from hyserve.model.weights import (
     SINGLE_FILE,
@@ -141,8 +142,9 @@ def _write_weights(out: Path, cfg: HybridModelConfig, seed: int) -> None:
         save_checkpoint(StateDictModule(random_state_dict(cfg, seed=seed)), out)
 
 
-def make_tiny(out_dir: str | Path, *, variant: str = "dense", seed: int = 0) -> Path:
-    """Write a deterministic tiny checkpoint (same variant and seed -> byte-identical files); returns the dir."""
+def make_tiny(out_dir: str | Path, *, variant: str = "dense", seed: int = 0, fp8: bool = False) -> Path:
+    """Write a deterministic tiny checkpoint (same variant and seed -> byte-identical files); returns the dir.
+    fp8: its projections (and routed experts) as FP8 in ModelOpt's layout (`model/fp8_export.py`)."""
     config = tiny_config(variant)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -158,6 +160,8 @@ def make_tiny(out_dir: str | Path, *, variant: str = "dense", seed: int = 0) -> 
          "pad_token_id": config["pad_token_id"]},
     )  # fmt: skip
     _write_weights(out, cfg, seed)
+    if fp8:
+        write_modelopt_fp8(out)
     return out
 
 

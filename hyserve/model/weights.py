@@ -9,6 +9,16 @@ Canonical names are the module tree of `hyserve.model.nemotron_h` (`backbone.lay
     ...mixer.experts.{e}.down_proj.weight [d, I]   ->    ...mixer.experts.down_proj[e]  of [E, d, I]
     mtp.*                                          ->    ignored (hyserve does not run MTP layers)
 
+FP8 checkpoints (model/quant_config.py, model/fp8_weights.py) add, per projection:
+
+    X.weight (F8_E4M3), X.weight_scale             ->    X.weight, X.weight_scale (float32)
+    X.weight_scale_inv (block-scaled format)       ->    X.weight_scale
+    ...experts.{e}.up_proj.weight_scale            ->    ...experts.up_proj_scale[e]
+    X.input_scale (ModelOpt static activation)     ->    ignored: activations are scaled per token
+
+A scale is required only where the checkpoint's weight is e4m3; a 16-bit weight for an FP8 parameter is
+quantised by its loader (online quantisation), and an e4m3 tensor for a 16-bit parameter is an error.
+
 Loading validates everything from the safetensors headers first (names, shapes, expert indices), so a
 bad checkpoint raises one `ValueError` listing all problems before any parameter is touched, and then
 streams one tensor at a time so a multi-shard checkpoint never sits in host memory at once.
@@ -34,6 +44,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hyserve.model.config import LAYER_ATTENTION, LAYER_MAMBA, LAYER_MLP, LAYER_MOE, HybridModelConfig
+from hyserve.model.quant_config import fp8_scale_count
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +54,17 @@ _MAX_LISTED = 10
 
 _PER_EXPERT_RE = re.compile(r"^(backbone\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
 _STACKED_EXPERT_RE = re.compile(r"^(backbone\.layers\.\d+\.mixer\.experts)\.(up_proj|down_proj)$")
-# Router tensors stay float32 whatever the model dtype: top-k routing is sensitive to rounding.
-_FP32_SUFFIXES = ("mixer.gate.weight", "mixer.gate.e_score_correction_bias")
+# Router tensors stay float32 whatever the model dtype: top-k routing is sensitive to rounding; so do the
+# dequantisation scales of FP8 weights (model/fp8_weights.py).
+_FP32_SUFFIXES = ("mixer.gate.weight", "mixer.gate.e_score_correction_bias", ".weight_scale", "experts.up_proj_scale",
+                  "experts.down_proj_scale")
+_SCALE = ".weight_scale"
+# per-expert scales of FP8 experts: ...experts.{e}.up_proj.weight_scale -> ...experts.up_proj_scale[e]
+_PER_EXPERT_SCALE_RE = re.compile(r"^(backbone\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight_scale$")
+_PER_EXPERT_INPUT_SCALE_RE = re.compile(r"^backbone\.layers\.\d+\.mixer\.experts\.\d+\.(up_proj|down_proj)\.input_scale$")
+# ModelOpt's static activation scales: read past (the FP8 kernels scale activations per token)
+_INPUT_SCALE = ".input_scale"
+_FP8_DTYPES = ("F8_E4M3",)
 
 
 # ---- names and shapes ----------------------------------------------------------------------------------------
@@ -58,10 +78,23 @@ def canonical_name(ckpt_name: str) -> tuple[str, int | None] | None:
         ckpt_name = "backbone." + ckpt_name[len("model.") :]
     if ckpt_name.startswith(("mtp.", "backbone.mtp.")):
         return None
-    m = _PER_EXPERT_RE.match(ckpt_name)
+    if ckpt_name.endswith(".weight_scale_inv"):  # the block-scaled format's name for the same multiplier
+        ckpt_name = ckpt_name.removesuffix("_inv")
+    m = _PER_EXPERT_RE.match(ckpt_name) or _PER_EXPERT_SCALE_RE.match(ckpt_name)
     if m:
-        return f"{m.group(1)}.{m.group(3)}", int(m.group(2))
+        scale = "_scale" if ckpt_name.endswith(_SCALE) else ""
+        return f"{m.group(1)}.{m.group(3)}{scale}", int(m.group(2))
     return ckpt_name, None
+
+
+def scale_weight_name(name: str) -> str | None:
+    """The FP8 weight a canonical scale name belongs to (`x.weight_scale` -> `x.weight`,
+    `experts.up_proj_scale` -> `experts.up_proj`), or None for any other name."""
+    if name.endswith(_SCALE):
+        return name.removesuffix("_scale")
+    if name.endswith(("experts.up_proj_scale", "experts.down_proj_scale")):
+        return name.removesuffix("_scale")
+    return None
 
 
 def keeps_fp32(name: str) -> bool:
@@ -126,6 +159,25 @@ def canonical_shapes(cfg: HybridModelConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)
     return shapes
+
+
+def weight_bytes(cfg: HybridModelConfig, dtype: torch.dtype | None = None) -> int:
+    """Bytes of every weight at tp_size 1, in `dtype` (default cfg.dtype; the router and scales float32),
+    the projections `cfg.quant` covers at 1 byte a weight plus their float32 scales."""
+    size = (dtype or cfg.dtype).itemsize
+    total = 0
+    for name, shape in canonical_shapes(cfg).items():
+        n = math.prod(shape)
+        stem = name.removesuffix(".weight")
+        expert = _STACKED_EXPERT_RE.match(name)
+        if cfg.quant is not None and expert and cfg.quant.scheme != "block" and \
+                cfg.quant.quantizes(f"{expert.group(1)}.0.{expert.group(2)}"):
+            total += n + 4 * shape[0] * shape[1]  # FP8 experts: a channel scale per expert and row
+        elif cfg.quant is not None and name.endswith(".weight") and cfg.quant.quantizes(stem):
+            total += n + 4 * fp8_scale_count(cfg.quant.scheme, shape)
+        else:
+            total += n * (4 if keeps_fp32(name) else size)
+    return total
 
 
 def _model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -201,7 +253,8 @@ _SHARD_ATTRS = ("weight_loader", "checkpoint_shape")
 
 def checkpoint_shape(t: torch.Tensor) -> tuple[int, ...]:
     """The shape `t` has in a checkpoint (bigger than `t` for a tensor-parallel shard)."""
-    return tuple(getattr(t, "checkpoint_shape", None) or t.shape)
+    shape = getattr(t, "checkpoint_shape", None)  # () for a per-tensor FP8 scale
+    return tuple(t.shape if shape is None else shape)
 
 
 def is_shard(t: torch.Tensor) -> bool:
@@ -227,6 +280,8 @@ class _Plan:
     missing_experts: list[str] = field(default_factory=list)
     duplicates: list[str] = field(default_factory=list)
     not_in_shard: list[str] = field(default_factory=list)
+    fp8_mismatch: list[str] = field(default_factory=list)
+    fp8_weights: set[str] = field(default_factory=set)  # canonical weights the checkpoint holds in e4m3
 
     def error(self, model_dir: Path) -> str | None:
         parts = []
@@ -237,6 +292,8 @@ class _Plan:
             ("missing expert indices", self.missing_experts),
             ("tensors given more than once", self.duplicates),
             ("index.json entries absent from their shard", self.not_in_shard),
+            ("float8 tensors for 16-bit parameters (not covered by the checkpoint's quantization config)",
+             self.fp8_mismatch),
         ):
             if items:
                 parts.append(f"  {title} ({len(items)}):{_fmt_list(items)}")
@@ -265,9 +322,15 @@ def _plan_load(model_dir: Path, targets: Mapping[str, torch.Tensor], aliases: Ma
                 if name in aliases or (name == "lm_head.weight" and name not in targets):
                     logger.debug("ignoring %s: the model ties it to the input embedding", ck)
                     continue
+                if name.endswith(_INPUT_SCALE) and (name.removesuffix(_INPUT_SCALE) + ".weight" in targets
+                                                    or _PER_EXPERT_INPUT_SCALE_RE.match(name)):
+                    logger.debug("ignoring %s: activations are scaled per token, dynamically", ck)
+                    continue
                 target = targets.get(name)
                 if target is None:
                     plan.unexpected.append(ck)
+                    continue
+                if not _fp8_fits(plan, f.get_slice(ck).get_dtype(), name, ck, target):
                     continue
                 got = tuple(f.get_slice(ck).get_shape())
                 if expert is None:
@@ -278,7 +341,7 @@ def _plan_load(model_dir: Path, targets: Mapping[str, torch.Tensor], aliases: Ma
                     whole[name] = ck
                 else:
                     full = checkpoint_shape(target)
-                    if target.dim() != 3 or expert >= full[0]:
+                    if (target.dim() != 3 and scale_weight_name(name) is None) or expert >= full[0]:
                         plan.unexpected.append(ck)
                         continue
                     expected = full[1:]
@@ -286,13 +349,17 @@ def _plan_load(model_dir: Path, targets: Mapping[str, torch.Tensor], aliases: Ma
                         plan.duplicates.append(ck)
                         continue
                     experts[name][expert] = ck
-                if got != expected:
+                lenient = scale_weight_name(name) is not None and _squeezed(got) == _squeezed(expected)
+                if got != expected and not lenient:
                     plan.shape_errors.append(f"{ck}: expected {list(expected)}, got {list(got)}")
                     continue
                 plan.copies.append((path, ck, name, expert))
     for name, target in targets.items():
         if name in whole:
             continue
+        of = scale_weight_name(name)
+        if of is not None and of not in plan.fp8_weights:
+            continue  # its weight is 16-bit in the checkpoint: the weight's loader quantises and sets it
         if name in experts:
             n_experts = checkpoint_shape(target)[0]
             absent = sorted(set(range(n_experts)) - set(experts[name]))
@@ -301,6 +368,22 @@ def _plan_load(model_dir: Path, targets: Mapping[str, torch.Tensor], aliases: Ma
             continue
         plan.missing.append(name)
     return plan
+
+
+def _fp8_fits(plan: _Plan, ck_dtype: str, name: str, ck: str, target: torch.Tensor) -> bool:
+    """Record an e4m3 checkpoint weight; False (and the problem noted) for one whose parameter is 16-bit."""
+    if ck_dtype not in _FP8_DTYPES:
+        return True
+    if target.dtype != torch.float8_e4m3fn:
+        plan.fp8_mismatch.append(f"{ck} ({ck_dtype}; the model holds {str(target.dtype).removeprefix('torch.')})")
+        return False
+    plan.fp8_weights.add(name)
+    return True
+
+
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A shape without its 1s: a scale of [N, 1] or [1] loads as [N] or one value."""
+    return tuple(d for d in shape if d != 1)
 
 
 def _ranges(xs: list[int]) -> str:
@@ -331,7 +414,7 @@ def _materialize(
     for name in metas:
         old = targets[name]
         want = old.dtype
-        if dtype is not None and old.dtype.is_floating_point and not keeps_fp32(name):
+        if dtype is not None and old.dtype.is_floating_point and old.dtype.itemsize > 1 and not keeps_fp32(name):
             want = dtype
         new = torch.empty(old.shape, device=device, dtype=want)
         targets[name] = _set_tensor(model, name, new)
@@ -617,13 +700,17 @@ def init_random_weights(
     metas = [n for n, t in tensors.items() if t.is_meta]
     if metas:
         raise ValueError(f"init_random_weights: {len(metas)} tensors are on the meta device (e.g. {metas[0]})")
-    shards = {n: t for n, t in tensors.items() if is_shard(t)}
+    # an FP8 weight's scales come from its loader, which quantises the float32 draw (model/fp8_weights.py)
+    tensors = {n: t for n, t in tensors.items() if not (scale_weight_name(n) and t.dtype == torch.float32)}
+    shards = {n: t for n, t in tensors.items() if is_shard(t) or t.dtype == torch.float8_e4m3fn}
     init_random_tensors({n: t for n, t in tensors.items() if n not in shards}, cfg, seed=seed, max_workers=max_workers,
                         on_device=on_device)
-    # a tensor-parallel shard: draw the whole tensor (host memory, or the device's with on_device, one at a
-    # time) and keep this rank's rows, so every tp_size runs the same model for a given seed
+    # a tensor-parallel shard or an FP8 weight: draw the whole tensor (host memory, or the device's with
+    # on_device, one at a time) and hand it to its loader, which keeps this rank's rows (quantised, for FP8),
+    # so every tp_size runs the same model for a given seed
     for n, t in shards.items():
-        full = torch.empty(checkpoint_shape(t), dtype=t.dtype, device=t.device if on_device else "cpu")
+        draw = torch.float32 if t.dtype == torch.float8_e4m3fn else t.dtype
+        full = torch.empty(checkpoint_shape(t), dtype=draw, device=t.device if on_device else "cpu")
         init_random_tensors({n: full}, cfg, seed=seed, max_workers=max_workers, on_device=on_device)
         with torch.no_grad():
             t.weight_loader(t, full)  # type: ignore[attr-defined]
