@@ -39,7 +39,7 @@ save() {
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
   [[ $parts == *" tests "* ]] && echo "== GPU tests" && python3 -m pytest -q -p no:cacheprovider -rfEs --tb=line --show-capture=no tests/test_triton_kernels.py tests/test_triton_ssd.py \
     tests/test_fused_linear.py tests/test_fp8_kv.py tests/test_ssm_rounding.py tests/test_gpu_model.py tests/test_gpu_warmup.py \
-    tests/test_async_scheduling.py tests/test_gpu_float32.py 2>&1 | tail -40
+    tests/test_async_scheduling.py tests/test_gpu_float32.py tests/test_moe_kernels.py tests/test_token_bitmask_kernel.py 2>&1 | tail -40
   [[ $parts == *" kernels "* ]] && echo "== kernel benchmarks" && python3 benchmarks/bench_kernels.py --git-sha "$sha" 2>&1 | tail -60
   [[ $parts == *" kernels "* ]] && echo "== prefill attention against SDPA over rounds" \
     && python3 benchmarks/bench_kernels.py --only attn_rounds --rounds 5 --git-sha "$sha" \
