@@ -1,0 +1,613 @@
+#!/usr/bin/env python
+"""Train a small NemotronH-architecture checkpoint that finds the needle (issue 20).
+
+The model is a Mamba2 + NoPE-attention hybrid on the tiny byte-level tokenizer (hyserve/model/tokenizer.py)
+with its chat template, trained on synthetic retrieval: a chat request in the long-prompt report's format
+(the instruction, then "DOCUMENT:" and filler with "The secret code is <CODE>." at a random depth; sometimes
+a question after the document too), the assistant's answer being <CODE><|im_end|>.
+
+Trainable model: transformers' `NemotronHForCausalLM` in training mode. hyserve's layers are an inference
+path (paged KV, state slots, no autograd through its kernels' bookkeeping); transformers' torch path is a
+plain differentiable forward, and tests/test_model_parity.py shows hyserve reproduces it to 1e-4 on the
+same checkpoint, so a model trained here is served by hyserve as trained. The loss is computed here from
+the logits (no reliance on a version's `labels` handling), and evaluation runs plain forwards (no cache
+API), so the script works on transformers 5.17 (the GPU image) and 5.24 (the CPU venv) alike.
+
+What makes copying emerge (and what this script does about each):
+  * loss only on the answer tokens (the code and <|im_end|>): the whole gradient is retrieval;
+  * curricula: document length grows from --min-len to --max-len and codes from 1 short part to up to three
+    parts plus digits over the first 70% of training (progress is the larger of steps and time used, so a
+    --time-budget-s cut still completes both);
+  * no padding inside a sequence: batches are right-padded, and a causal model's positions never see a later
+    token (causal conv, causal scan, causal attention), so pad tokens cannot leak into the Mamba state of a
+    real token; they only carry -100 labels;
+  * enough attention heads (8 NoPE heads per attention layer) and Mamba layers in front of every attention
+    layer (their conv gives each token its predecessors, which is all an induction-style copy needs);
+  * AdamW at a low-ish peak LR with linear warm-up and cosine decay, gradient clipping.
+
+Deterministic given --seed: the data stream, the init and (on the CPU) every update; on CUDA the
+deterministic-algorithms switch is set (cuBLAS workspace config included).
+
+Outputs under --out: config.json, model.safetensors, tokenizer files with the chat template,
+generation_config.json, training_log.json; and under --results-dir: needle_train_<tag>.json / .md with the
+accuracy table by prompt length and needle depth (exact greedy match, see `evaluate`).
+
+    python scripts/train_needle.py --device cuda --out /tmp/needle-h200              # the H200 run (< 10 min)
+    python scripts/train_needle.py --preset cpu --steps 300 --max-len 256 --out /tmp/n  # CPU validation
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from hyserve.bench.needle import DEFAULT_NEEDLE, QUESTION, haystack_prompt  # noqa: E402
+from hyserve.model.tokenizer import IM_END, Tokenizer, write_tiny_tokenizer  # noqa: E402
+
+VOCAB_SIZE = 320  # the tiny tokenizer's size
+NEEDLE_PREFIX = "The secret code is "
+END_QUESTION = "\n\nWhat is the secret code?"
+BARE_HEADER = "DOCUMENT:\n"  # the short format: the document alone (no instruction), for cheap early steps
+IGNORE = -100
+
+# ---- model shapes ---------------------------------------------------------------------------------------------
+PRESETS: dict[str, dict[str, Any]] = {
+    # ~0.6M parameters, 2.4 MB in float32: trains on 1 CPU thread in minutes, small enough to ship
+    "cpu": {"hidden_size": 96, "pattern": "M*M*", "mamba_num_heads": 6, "mamba_head_dim": 32,
+            "ssm_state_size": 16, "n_groups": 1, "num_attention_heads": 8, "num_key_value_heads": 8,
+            "head_dim": 24, "chunk_size": 64},
+    # ~3.5M parameters: the H200 run
+    "h200": {"hidden_size": 256, "pattern": "M*M*M*M*", "mamba_num_heads": 8, "mamba_head_dim": 64,
+             "ssm_state_size": 32, "n_groups": 1, "num_attention_heads": 8, "num_key_value_heads": 8,
+             "head_dim": 32, "chunk_size": 128},
+}  # fmt: skip
+
+_LAYER_NAMES = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
+
+
+def model_config(preset: str, *, max_position_embeddings: int = 1 << 20) -> dict[str, Any]:
+    """config.json contents of a preset (NemotronH, float32, tiny tokenizer ids)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    p = dict(PRESETS[preset])
+    pattern = p.pop("pattern")
+    return {
+        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "dtype": "float32",
+        "vocab_size": VOCAB_SIZE, "hidden_size": p["hidden_size"],
+        "max_position_embeddings": max_position_embeddings, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02, "rescale_prenorm_residual": True, "residual_in_fp32": False,
+        "hidden_dropout": 0.0, "attention_dropout": 0.0, "use_cache": True, "num_logits_to_keep": 1,
+        "num_nextn_predict_layers": 0, "layers_block_type": [_LAYER_NAMES[c] for c in pattern],
+        "mamba_num_heads": p["mamba_num_heads"], "mamba_head_dim": p["mamba_head_dim"], "expand": 2,
+        "ssm_state_size": p["ssm_state_size"], "n_groups": p["n_groups"], "conv_kernel": 4,
+        "chunk_size": p["chunk_size"], "use_conv_bias": True, "use_bias": False, "mamba_proj_bias": False,
+        "mamba_hidden_act": "silu", "mamba_ssm_cache_dtype": "float32", "time_step_min": 0.001,
+        "time_step_max": 0.1, "time_step_floor": 0.0001,
+        # transformers' prefill clamps dt at time_step_min whatever this says; writing the same bound here
+        # makes hyserve (which follows time_step_limit) compute what was trained
+        "time_step_limit": [0.001, 1e30],
+        "num_attention_heads": p["num_attention_heads"], "num_key_value_heads": p["num_key_value_heads"],
+        "head_dim": p["head_dim"], "attention_bias": False, "sliding_window": None,
+        "intermediate_size": 4 * p["hidden_size"], "mlp_bias": False, "mlp_hidden_act": "relu2",
+    }  # fmt: skip
+
+
+# ---- tokenizer ----------------------------------------------------------------------------------------------
+def tiny_tokenizer() -> Tokenizer:
+    """hyserve's tiny tokenizer with its chat template, as the engine will load it from the checkpoint."""
+    with tempfile.TemporaryDirectory() as d:
+        write_tiny_tokenizer(d)
+        return Tokenizer.from_dir(d)
+
+
+def chat_ids(tok: Tokenizer, user_text: str) -> list[int]:
+    """Token ids of a one-message chat request, exactly as hyserve's /v1/chat/completions builds them
+    (template with enable_thinking=False and the generation prompt, no added BOS)."""
+    text = tok.apply_chat_template([{"role": "user", "content": user_text}], enable_thinking=False)
+    return tok.encode(text, add_special_tokens=False)
+
+
+# ---- synthetic documents -------------------------------------------------------------------------------------
+WORDS = tuple(
+    "the of and to in is was for on that with as by at from it an be this are or which have had not but "
+    "all were when we there can one their has more will if about out up into them some time so these "
+    "would other its than two may then only first new any very after most also made over such where "
+    "through back years much before must right three well down because each just those how too many "
+    "between never under while last might great old year off come since against go came around however "
+    "small every found still own part place long house world hand high river stone garden window market "
+    "letter morning island engine signal forest winter summer bridge paper table music harbor valley "
+    "copper silver yellow purple quiet gentle rapid narrow hollow distant alphabet number answer system "
+    "report station canal lantern orchard meadow ladder basket candle pencil ribbon thunder".split()
+)
+PUNCT = (",", ",", ".", ".", ";", ":", "!", "?", " -", " (", ")")
+UPPER = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+DIGITS = "0123456789"
+
+
+def random_code(rng: random.Random, level: float) -> str:
+    """A code like ORANGE-MANGO-42: 1..3 upper-case parts and often a digit part. `level` (0..1) widens
+    the distribution from one short part to the full one (the code-length curriculum)."""
+    max_parts = 1 + round(2 * level)
+    max_chars = 3 + round(5 * level)
+    parts = ["".join(rng.choice(UPPER) for _ in range(rng.randint(2, max_chars)))
+             for _ in range(rng.randint(1, max_parts))]
+    if rng.random() < 0.3 + 0.5 * level:
+        parts.append("".join(rng.choice(DIGITS) for _ in range(rng.randint(1, 1 + round(3 * level)))))
+    return "-".join(parts)
+
+
+def _mixed_filler(rng: random.Random, n: int) -> list[str]:
+    """n pieces of varied prose: words, some capitalised, numbers, punctuation, line breaks."""
+    out: list[str] = []
+    start = True
+    for _ in range(n):
+        r = rng.random()
+        if r < 0.08 and not start:
+            out.append(rng.choice(PUNCT))
+            start = out[-1] in (".", "!", "?")
+        elif r < 0.12:
+            out.append(" " + str(rng.randint(0, 10 ** rng.randint(1, 5))))
+        elif r < 0.14 and not start:
+            out.append("\n")
+            start = True
+        else:
+            w = rng.choice(WORDS)
+            out.append(" " + (w.capitalize() if start else w))
+            start = False
+    return out
+
+
+def filler_pieces(rng: random.Random, n: int, style: str) -> list[str]:
+    """n filler pieces (each a word with its leading space, a number or a punctuation mark)."""
+    if style == "mixed":
+        return _mixed_filler(rng, n)
+    if style == "repeat":  # the report's client: one word over and over ("alphabet alphabet ...")
+        w = "alphabet" if rng.random() < 0.3 else rng.choice(WORDS)
+        return [" " + w] * n
+    if style == "phrase":
+        phrase = [" " + rng.choice(WORDS) for _ in range(rng.randint(2, 6))]
+        return [phrase[i % len(phrase)] for i in range(n)]
+    raise ValueError(f"unknown filler style {style!r}; choose mixed, repeat or phrase")
+
+
+FILLER_STYLES = ("mixed", "mixed", "repeat", "phrase")
+
+
+@dataclass(frozen=True)
+class Example:
+    ids: list[int]  # prompt + answer
+    answer_start: int  # ids[answer_start:] is the answer (the code's tokens, then <|im_end|>)
+    code: str
+    depth: float  # fraction of the filler before the needle
+    needle_token_pos: int  # index in ids of the first token of the needle sentence
+
+
+def _document(pieces: list[str], depth: float, code: str, end_question: bool, header: str) -> tuple[str, str]:
+    """(text before the needle, the rest) of the user message."""
+    k = round(depth * len(pieces))
+    before = header + "".join(pieces[:k]).lstrip(" ")
+    sep = " " if before and not before.endswith("\n") else ""
+    rest = f"{sep}{NEEDLE_PREFIX}{code}." + "".join(pieces[k:]) + (END_QUESTION if end_question else "")
+    return before, rest
+
+
+def make_example(tok: Tokenizer, rng: random.Random, *, target_len: int, depth: float, code: str,
+                 style: str, end_question: bool = False, instruction: bool = True) -> Example:
+    """One training / evaluation sequence of about `target_len` prompt tokens (within a token or two:
+    filler pieces are counted one by one, and only a merge across two pieces, such as two line breaks,
+    makes the whole differ from the sum). `instruction`: the bench's instruction heads the document;
+    without it the message is "DOCUMENT:" and the document alone."""
+    header = QUESTION if instruction else BARE_HEADER
+    base = len(chat_ids(tok, header + NEEDLE_PREFIX + code + "." + (END_QUESTION if end_question else "")))
+    budget = target_len - base
+    pieces: list[str] = []
+    used = 0
+    while used < budget:
+        more = filler_pieces(rng, max(8, (budget - used) // 2), style) if not pieces or style == "mixed" \
+            else [pieces[(len(pieces) + i) % len(pieces)] for i in range(8)]  # repeat / phrase: keep the cycle
+        for piece in more:
+            if used >= budget:
+                break
+            pieces.append(piece)
+            used += _piece_tokens(tok, piece)
+    before, rest = _document(pieces, depth, code, end_question, header)
+    prompt = chat_ids(tok, before + rest)
+    answer = tok.encode(code, add_special_tokens=False) + [tok.token_to_id(IM_END)]
+    # the ids of the request cut before the needle end with the template's tail (<|im_end|> ... </think>)
+    needle_pos = len(chat_ids(tok, before)) - _template_tail_len(tok)
+    return Example(ids=prompt + answer, answer_start=len(prompt), code=code, depth=depth,
+                   needle_token_pos=needle_pos)
+
+
+_PIECE_TOKENS: dict[str, int] = {}
+
+
+def _piece_tokens(tok: Tokenizer, piece: str) -> int:
+    n = _PIECE_TOKENS.get(piece)
+    if n is None:
+        n = _PIECE_TOKENS[piece] = len(tok.encode(piece))
+    return n
+
+
+def _template_tail_len(tok: Tokenizer) -> int:
+    """Number of template tokens after the user message's text (end of turn + generation prompt)."""
+    with_x, empty = chat_ids(tok, "x"), chat_ids(tok, "")
+    head = 0
+    while head < len(empty) and with_x[head] == empty[head]:
+        head += 1
+    return len(empty) - head
+
+
+# ---- curriculum and batches ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Curriculum:
+    min_len: int
+    max_len: int
+    min_bare_len: int = 40
+    ramp: float = 0.7  # fraction of training over which length and code length reach their maximum
+
+    def level(self, progress: float) -> float:
+        return min(1.0, max(0.0, progress / self.ramp))
+
+    def length_cap(self, progress: float) -> int:
+        lv = self.level(progress)  # geometric growth: as many steps at 128 -> 256 as at 1k -> 2k
+        return round(self.min_bare_len * (self.max_len / self.min_bare_len) ** lv)
+
+
+def sample_batch(tok: Tokenizer, rng: random.Random, cur: Curriculum, progress: float,
+                 tokens_per_batch: int) -> list[Example]:
+    """Examples of one step, all of one format and about one length: the bench's instruction format with
+    probability 0.3 rising to 0.8 (else the short document-only format, cheap steps that teach the same
+    copy), a length drawn log-uniformly in [shortest for the format, the curriculum's cap], as many rows
+    as fit in `tokens_per_batch`."""
+    level = cur.level(progress)
+    instruction = rng.random() < 0.3 + 0.5 * level
+    lo = cur.min_len if instruction else cur.min_bare_len
+    cap = max(lo, cur.length_cap(progress))
+    length = round(math.exp(rng.uniform(math.log(lo), math.log(cap))))
+    rows = max(1, tokens_per_batch // length)
+    out = []
+    for _ in range(rows):
+        code = random_code(rng, level)
+        out.append(make_example(tok, rng, target_len=length, depth=rng.random(), code=code,
+                                style=rng.choice(FILLER_STYLES), end_question=rng.random() < 0.25,
+                                instruction=instruction))
+    return out
+
+
+def collate(examples: list[Example], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels), right-padded; labels are the next token at answer positions and -100 elsewhere
+    (prompt and padding), so the loss is on the answer only."""
+    width = max(len(e.ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    for i, e in enumerate(examples):
+        ids[i, : len(e.ids)] = torch.tensor(e.ids)
+        # logits at position p predict token p + 1: positions answer_start-1 .. len-2 predict the answer
+        labels[i, e.answer_start - 1 : len(e.ids) - 1] = torch.tensor(e.ids[e.answer_start :])
+    return ids, labels
+
+
+def answer_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE)
+
+
+# ---- model and training --------------------------------------------------------------------------------------
+def build_model(config: dict[str, Any], seed: int, device: str) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(seed)
+    hf_cfg = transformers.NemotronHConfig(**{k: v for k, v in config.items() if k not in ("architectures",)})
+    try:
+        model = transformers.NemotronHForCausalLM._from_config(hf_cfg, attn_implementation="sdpa")
+    except (TypeError, ValueError):  # a version without sdpa for this model: its eager attention
+        model = transformers.NemotronHForCausalLM(hf_cfg)
+    model = model.to(device=device, dtype=torch.float32)
+    _patch_dt_limit(model, tuple(config["time_step_limit"]))
+    return model
+
+
+def _patch_dt_limit(model: torch.nn.Module, limit: tuple[float, float]) -> None:
+    """Give every Mamba mixer the config's dt limit (transformers hard-codes (time_step_min, inf) in some
+    versions; both are a clamp at time_step_min here, this only makes it explicit)."""
+    for mod in model.modules():
+        if hasattr(mod, "time_step_limit") and hasattr(mod, "A_log"):
+            mod.time_step_limit = limit
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, labels: torch.Tensor,
+               clip: float = 1.0) -> float:
+    model.train()
+    logits = model(input_ids=ids).logits
+    loss = answer_loss(logits, labels)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return float(loss.detach())
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.05) -> torch.optim.Optimizer:
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+# ---- evaluation ----------------------------------------------------------------------------------------------
+@torch.no_grad()
+def exact_greedy_hits(model: torch.nn.Module, examples: list[Example], device: str) -> list[bool]:
+    """Per example: would greedy decoding produce exactly the answer (code, then <|im_end|>)?
+
+    One forward over prompt + answer decides it: greedy decoding reproduces the answer iff at every answer
+    step the argmax, given the answer so far, is the answer's next token (the first wrong argmax is where
+    greedy decoding would leave it). Rows are right-padded, which a causal model never sees."""
+    model.eval()
+    ids, labels = collate(examples)
+    logits = model(input_ids=ids.to(device)).logits
+    pred = logits.argmax(-1).cpu()
+    mask = labels != IGNORE
+    return [bool((pred[i][mask[i]] == labels[i][mask[i]]).all()) for i in range(len(examples))]
+
+
+@torch.no_grad()
+def greedy_decode(model: torch.nn.Module, prompt: list[int], stop: int, max_new: int, device: str) -> list[int]:
+    """Plain greedy decoding (a full forward per token, no cache API), for the report's sample answers."""
+    model.eval()
+    ids = list(prompt)
+    out: list[int] = []
+    for _ in range(max_new):
+        nxt = int(model(input_ids=torch.tensor([ids], device=device)).logits[0, -1].argmax())
+        out.append(nxt)
+        if nxt == stop:
+            break
+        ids.append(nxt)
+    return out
+
+
+def bench_prompt_ids(tok: Tokenizer, target_len: int, depth: float) -> list[int]:
+    """The ids `hyserve bench needle` sends (its default needle and 'alphabet ' filler) near `target_len`."""
+    a = len(chat_ids(tok, haystack_prompt(0, needle=DEFAULT_NEEDLE, filler="alphabet ", position=depth)))
+    b = len(chat_ids(tok, haystack_prompt(100, needle=DEFAULT_NEEDLE, filler="alphabet ", position=depth)))
+    n = max(0, round((target_len - a) * 100 / (b - a)))
+    return chat_ids(tok, haystack_prompt(n, needle=DEFAULT_NEEDLE, filler="alphabet ", position=depth))
+
+
+@dataclass
+class EvalSpec:
+    lengths: tuple[int, ...]
+    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    per_cell: int = 8
+    seed: int = 12345
+    max_batch_tokens: int = 16384
+
+
+def evaluate(model: torch.nn.Module, tok: Tokenizer, spec: EvalSpec, device: str) -> dict[str, Any]:
+    """Accuracy by prompt length x needle depth on fresh random codes and mixed filler (held-out seed), plus
+    the bench's own prompt (ORANGE-MANGO-42 in 'alphabet ' filler) at every cell."""
+    rng = random.Random(spec.seed)
+    im_end = tok.token_to_id(IM_END)
+    cells: list[dict[str, Any]] = []
+    for length in spec.lengths:
+        for depth in spec.depths:
+            exs = [make_example(tok, rng, target_len=length, depth=depth, code=random_code(rng, 1.0),
+                                style="mixed") for _ in range(spec.per_cell)]
+            hits: list[bool] = []
+            step = max(1, spec.max_batch_tokens // (length + 32))
+            for i in range(0, len(exs), step):
+                hits += exact_greedy_hits(model, exs[i : i + step], device)
+            bench = bench_prompt_ids(tok, length, depth)
+            code = DEFAULT_NEEDLE.rstrip(".").split()[-1]
+            bench_ex = Example(ids=bench + tok.encode(code) + [im_end], answer_start=len(bench), code=code,
+                               depth=depth, needle_token_pos=-1)
+            bench_hit = exact_greedy_hits(model, [bench_ex], device)[0]
+            cells.append({"length": length, "depth": depth, "n": len(hits), "accuracy": sum(hits) / len(hits),
+                          "mean_prompt_tokens": sum(e.answer_start for e in exs) / len(exs),
+                          "bench_prompt_tokens": len(bench), "bench_hit": bench_hit})
+    return {"cells": cells, "method": "exact greedy match (teacher-forced argmax over the answer)"}
+
+
+def sample_answers(model: torch.nn.Module, tok: Tokenizer, lengths: tuple[int, ...], device: str) -> list[dict]:
+    """Greedy-decoded text of the bench prompt at each length (depth 0.5), as hyserve would answer."""
+    out = []
+    im_end = tok.token_to_id(IM_END)
+    for length in lengths:
+        ids = bench_prompt_ids(tok, length, 0.5)
+        gen = greedy_decode(model, ids, im_end, 24, device)
+        out.append({"length": length, "prompt_tokens": len(ids), "answer": tok.decode(gen)})
+    return out
+
+
+# ---- reports and checkpoint ------------------------------------------------------------------------------------
+def accuracy_markdown(result: dict[str, Any]) -> str:
+    ev = result["eval"]
+    depths = sorted({c["depth"] for c in ev["cells"]})
+    lengths = sorted({c["length"] for c in ev["cells"]})
+    by = {(c["length"], c["depth"]): c for c in ev["cells"]}
+    a = result["args"]
+    lines = [f"# Needle retrieval after training ({result['tag']})", "",
+             f"preset `{a['preset']}`, {result['parameters']:,} parameters, {result['steps_done']} steps in "
+             f"{result['train_seconds']:.0f} s on {a['device']}, trained at {a['min_len']}..{a['max_len']} "
+             f"tokens, seed {a['seed']}, final answer loss {result['final_loss']:.4f}.", "",
+             f"Accuracy: {ev['method']}, {ev['cells'][0]['n']} fresh random codes in mixed filler per cell; "
+             "`bench` is the `hyserve bench needle` prompt (ORANGE-MANGO-42 in 'alphabet ' filler): HIT / MISS.",
+             "", "| prompt tokens | " + " | ".join(f"depth {d:g}" for d in depths) + " | bench HIT/MISS by depth |",
+             "|---|" + "---|" * len(depths) + "---|"]
+    for L in lengths:
+        row = [f"{by[L, d]['accuracy']:.2f}" for d in depths]
+        bench = " ".join("HIT" if by[L, d]["bench_hit"] else "MISS" for d in depths)
+        lines.append(f"| {L} | " + " | ".join(row) + f" | {bench} |")
+    lines += ["", "Greedy answers to the bench prompt (depth 0.5):", ""]
+    lines += [f"- {s['prompt_tokens']} tokens: `{s['answer']!r}`" for s in result["samples"]]
+    return "\n".join(lines) + "\n"
+
+
+def save_checkpoint_dir(model: torch.nn.Module, config: dict[str, Any], out: Path) -> None:
+    """The Hugging Face layout hyserve and transformers load: config.json, model.safetensors (transformers'
+    own tensor names), tokenizer files with the chat template, generation_config.json."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tok = write_tiny_tokenizer(out, model_max_length=config["max_position_embeddings"])
+    gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": [config["eos_token_id"], tok.token_to_id(IM_END)],
+           "pad_token_id": config["pad_token_id"]}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+# ---- main ----------------------------------------------------------------------------------------------------
+@dataclass
+class RunState:
+    log: list[dict[str, Any]] = field(default_factory=list)
+    steps_done: int = 0
+    train_seconds: float = 0.0
+    final_loss: float = float("nan")
+
+
+def train(model: torch.nn.Module, tok: Tokenizer, args: argparse.Namespace) -> RunState:
+    rng = random.Random(args.seed)
+    cur = Curriculum(args.min_len, args.max_len)
+    opt = make_optimizer(model, args.lr)
+    warmup = max(1, int(args.warmup_frac * args.steps))
+    st = RunState()
+    t0 = time.perf_counter()
+    recent: list[float] = []
+    for step in range(args.steps):
+        elapsed = time.perf_counter() - t0
+        if args.time_budget_s and elapsed > args.time_budget_s:
+            break
+        progress = max(step / args.steps, elapsed / args.time_budget_s if args.time_budget_s else 0.0)
+        batch = sample_batch(tok, rng, cur, progress, args.tokens_per_batch)
+        ids, labels = collate(batch)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args.steps, args.lr, warmup)
+        loss = train_step(model, opt, ids.to(args.device), labels.to(args.device))
+        recent = (recent + [loss])[-50:]
+        st.steps_done = step + 1
+        if step % args.log_every == 0 or step == args.steps - 1:
+            rec = {"step": step, "seconds": round(time.perf_counter() - t0, 2), "loss": loss,
+                   "loss_avg50": sum(recent) / len(recent), "lr": opt.param_groups[0]["lr"],
+                   "length": int(ids.shape[1]), "rows": int(ids.shape[0]), "progress": round(progress, 4)}
+            st.log.append(rec)
+            print(json.dumps(rec), flush=True)
+    st.train_seconds = time.perf_counter() - t0
+    st.final_loss = sum(recent) / max(1, len(recent))
+    return st
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model size (default: h200 on "
+                   "cuda, cpu on the CPU)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 4000 cuda / 400 cpu)")
+    p.add_argument("--min-len", type=int, default=160, help="shortest training prompt (tokens; the request "
+                   "without filler is ~125 tokens of the tiny tokenizer)")
+    p.add_argument("--max-len", type=int, default=None, help="longest training prompt (default 2048 / 256)")
+    p.add_argument("--tokens-per-batch", type=int, default=None, help="tokens per step (default 65536 / 2048)")
+    p.add_argument("--lr", type=float, default=None, help="peak LR (default 1e-3)")
+    p.add_argument("--warmup-frac", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-budget-s", type=float, default=None, help="stop training after this many seconds "
+                   "(default 420 on cuda, so training + evaluation + saving stay under 10 minutes; none on cpu)")
+    p.add_argument("--eval-lengths", default=None, help="comma-separated prompt lengths for the accuracy table")
+    p.add_argument("--eval-per-cell", type=int, default=None)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--tag", default=None, help="results file tag (default needle_train_<preset>_seed<seed>)")
+    args = p.parse_args(argv)
+    return _defaults(args, p)
+
+
+def _defaults(args: argparse.Namespace, p: argparse.ArgumentParser) -> argparse.Namespace:
+    gpu = args.device.startswith("cuda")
+    def default(name: str, value: Any) -> None:
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+    default("preset", "h200" if gpu else "cpu")
+    default("steps", 4000 if gpu else 400)
+    default("max_len", 2048 if gpu else 384)
+    default("tokens_per_batch", 65536 if gpu else 2048)
+    default("lr", 1e-3)
+    if args.time_budget_s is None:
+        args.time_budget_s = 420.0 if gpu else 0.0
+    if args.eval_lengths is None:
+        mult = (1, 2, 4, 8, 16) if gpu else (1, 2, 4)
+        lens = sorted({args.min_len, *(m * args.max_len // 4 for m in mult)})
+        args.eval_lengths = ",".join(str(x) for x in lens)
+    default("eval_per_cell", 16 if gpu else 8)
+    for name in ("steps", "min_len", "max_len", "tokens_per_batch", "eval_per_cell"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.min_len < 128 or args.max_len < args.min_len:
+        p.error(f"need 128 <= --min-len <= --max-len (the chat request alone is ~125 tokens), got "
+                f"{args.min_len}, {args.max_len}")
+    if not 0 < args.lr < 1:
+        p.error(f"--lr must be in (0, 1), got {args.lr}")
+    args.tag = args.tag or f"needle_train_{args.preset}_seed{args.seed}"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda"):
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    tok = tiny_tokenizer()
+    config = model_config(args.preset)
+    model = build_model(config, args.seed, args.device)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"train_needle: preset {args.preset}, {n_params:,} parameters, device {args.device}", flush=True)
+    st = train(model, tok, args)
+    spec = EvalSpec(lengths=tuple(int(x) for x in args.eval_lengths.split(",")), per_cell=args.eval_per_cell)
+    t_eval = time.perf_counter()
+    ev = evaluate(model, tok, spec, args.device)
+    samples = sample_answers(model, tok, spec.lengths[:3], args.device)
+    out = Path(args.out)
+    save_checkpoint_dir(model, config, out)
+    (out / "training_log.json").write_text(json.dumps(st.log, indent=1) + "\n")
+    result = {"tag": args.tag, "args": vars(args), "parameters": n_params, "steps_done": st.steps_done,
+              "train_seconds": st.train_seconds, "eval_seconds": time.perf_counter() - t_eval,
+              "final_loss": st.final_loss, "eval": ev, "samples": samples, "log": st.log,
+              "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+    res = Path(args.results_dir)
+    res.mkdir(parents=True, exist_ok=True)
+    (res / f"{args.tag}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (res / f"{args.tag}.md").write_text(accuracy_markdown(result))
+    print(accuracy_markdown(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
