@@ -68,12 +68,12 @@ IGNORE = -100
 
 # ---- model shapes ---------------------------------------------------------------------------------------------
 PRESETS: dict[str, dict[str, Any]] = {
-    # ~0.6M parameters, 2.4 MB in float32: trains on 1 CPU thread in minutes, small enough to ship
-    "cpu": {"hidden_size": 96, "pattern": "M*M*", "mamba_num_heads": 6, "mamba_head_dim": 32,
+    # ~0.33M parameters, 1.3 MB in float32: trains on 1 CPU thread in minutes, small enough to ship
+    "cpu": {"max_position_embeddings": 8192, "hidden_size": 96, "pattern": "M*M*", "mamba_num_heads": 6, "mamba_head_dim": 32,
             "ssm_state_size": 16, "n_groups": 1, "num_attention_heads": 8, "num_key_value_heads": 8,
             "head_dim": 24, "chunk_size": 64},
-    # ~3.5M parameters: the H200 run
-    "h200": {"hidden_size": 256, "pattern": "M*M*M*M*", "mamba_num_heads": 8, "mamba_head_dim": 64,
+    # ~3.5M parameters: the H200 run; max_position_embeddings is hyserve's default max_seq_len (1M)
+    "h200": {"max_position_embeddings": 1 << 20, "hidden_size": 256, "pattern": "M*M*M*M*", "mamba_num_heads": 8, "mamba_head_dim": 64,
              "ssm_state_size": 32, "n_groups": 1, "num_attention_heads": 8, "num_key_value_heads": 8,
              "head_dim": 32, "chunk_size": 128},
 }  # fmt: skip
@@ -81,12 +81,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 _LAYER_NAMES = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
 
 
-def model_config(preset: str, *, max_position_embeddings: int = 1 << 20) -> dict[str, Any]:
+def model_config(preset: str) -> dict[str, Any]:
     """config.json contents of a preset (NemotronH, float32, tiny tokenizer ids)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     p = dict(PRESETS[preset])
     pattern = p.pop("pattern")
+    max_position_embeddings = p.pop("max_position_embeddings")
     return {
         "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "dtype": "float32",
         "vocab_size": VOCAB_SIZE, "hidden_size": p["hidden_size"],
@@ -319,9 +320,21 @@ def build_model(config: dict[str, Any], seed: int, device: str) -> torch.nn.Modu
         model = transformers.NemotronHForCausalLM._from_config(hf_cfg, attn_implementation="sdpa")
     except (TypeError, ValueError):  # a version without sdpa for this model: its eager attention
         model = transformers.NemotronHForCausalLM(hf_cfg)
+    _scale_attention_init(model, config["hidden_size"])
     model = model.to(device=device, dtype=torch.float32)
     _patch_dt_limit(model, tuple(config["time_step_limit"]))
     return model
+
+
+@torch.no_grad()
+def _scale_attention_init(model: torch.nn.Module, hidden: int) -> None:
+    """Query and key projections at std 1/sqrt(hidden) instead of the 0.02 of `initializer_range`: the
+    gradient of one is proportional to the other, so at 0.02 both start near zero and the attention that
+    must find the needle stays uniform for a long plateau."""
+    std = hidden**-0.5
+    for name, p in model.named_parameters():
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            p.normal_(0.0, std)
 
 
 def _patch_dt_limit(model: torch.nn.Module, limit: tuple[float, float]) -> None:
@@ -531,7 +544,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "without filler is ~125 tokens of the tiny tokenizer)")
     p.add_argument("--max-len", type=int, default=None, help="longest training prompt (default 2048 / 256)")
     p.add_argument("--tokens-per-batch", type=int, default=None, help="tokens per step (default 65536 / 2048)")
-    p.add_argument("--lr", type=float, default=None, help="peak LR (default 1e-3)")
+    p.add_argument("--lr", type=float, default=None, help="peak LR (default 3e-3 for the cpu preset, 1e-3 for h200)")
     p.add_argument("--warmup-frac", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-budget-s", type=float, default=None, help="stop training after this many seconds "
@@ -557,12 +570,13 @@ def _defaults(args: argparse.Namespace, p: argparse.ArgumentParser) -> argparse.
     default("steps", 4000 if gpu else 400)
     default("max_len", 2048 if gpu else 384)
     default("tokens_per_batch", 65536 if gpu else 2048)
-    default("lr", 1e-3)
+    default("lr", 3e-3 if args.preset == "cpu" else 1e-3)
     if args.time_budget_s is None:
         args.time_budget_s = 420.0 if gpu else 0.0
     if args.eval_lengths is None:
-        mult = (1, 2, 4, 8, 16) if gpu else (1, 2, 4)
-        lens = sorted({args.min_len, *(m * args.max_len // 4 for m in mult)})
+        top = args.max_len * (8 if gpu else 2)  # how far past the training lengths it generalises
+        lens = sorted({args.min_len, args.max_len, top, *(1 << k for k in range(8, 25) if 1 << k <= top)})
+        lens = [x for x in lens if x >= args.min_len]
         args.eval_lengths = ",".join(str(x) for x in lens)
     default("eval_per_cell", 16 if gpu else 8)
     for name in ("steps", "min_len", "max_len", "tokens_per_batch", "eval_per_cell"):
