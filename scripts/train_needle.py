@@ -118,11 +118,29 @@ def tiny_tokenizer() -> Tokenizer:
         return Tokenizer.from_dir(d)
 
 
+_SENTINEL = "\x00user-text\x00"
+_TEMPLATE_PARTS: dict[int, tuple[str, str]] = {}
+
+
 def chat_ids(tok: Tokenizer, user_text: str) -> list[int]:
     """Token ids of a one-message chat request, exactly as hyserve's /v1/chat/completions builds them
-    (template with enable_thinking=False and the generation prompt, no added BOS)."""
-    text = tok.apply_chat_template([{"role": "user", "content": user_text}], enable_thinking=False)
-    return tok.encode(text, add_special_tokens=False)
+    (template with enable_thinking=False and the generation prompt, no added BOS). The template is rendered
+    once around a sentinel and the message spliced in (the template inserts the text verbatim)."""
+    parts = _TEMPLATE_PARTS.get(id(tok))
+    if parts is None:
+        text = tok.apply_chat_template([{"role": "user", "content": _SENTINEL}], enable_thinking=False)
+        pre, sep, post = text.partition(_SENTINEL)
+        if not sep or _SENTINEL in post:  # pragma: no cover - guards edits of the chat template
+            raise ValueError("chat template does not insert the user message verbatim once")
+        parts = _TEMPLATE_PARTS[id(tok)] = (pre, post)
+    return tok.encode(parts[0] + user_text + parts[1], add_special_tokens=False)
+
+
+def chat_ids_batch(tok: Tokenizer, user_texts: list[str]) -> list[list[int]]:
+    """`chat_ids` of many messages at once (the tokenizer encodes them in parallel; same ids)."""
+    chat_ids(tok, "")  # fills the template cache
+    pre, post = _TEMPLATE_PARTS[id(tok)]
+    return [e.ids for e in tok.backend.encode_batch([pre + t + post for t in user_texts], add_special_tokens=False)]
 
 
 # ---- synthetic documents -------------------------------------------------------------------------------------
@@ -211,30 +229,71 @@ def _document(pieces: list[str], depth: float, code: str, end_question: bool, he
 
 def make_example(tok: Tokenizer, rng: random.Random, *, target_len: int, depth: float, code: str,
                  style: str, end_question: bool = False, instruction: bool = True) -> Example:
-    """One training / evaluation sequence of about `target_len` prompt tokens (within a token or two:
+    """One training / evaluation sequence of about `target_len` prompt tokens (within a few tokens:
     filler pieces are counted one by one, and only a merge across two pieces, such as two line breaks,
     makes the whole differ from the sum). `instruction`: the bench's instruction heads the document;
     without it the message is "DOCUMENT:" and the document alone."""
+    text = example_text(tok, rng, target_len=target_len, depth=depth, code=code, style=style,
+                        end_question=end_question, instruction=instruction)
+    return finish_example(tok, chat_ids(tok, text), code, depth)
+
+
+def example_text(tok: Tokenizer, rng: random.Random, *, target_len: int, depth: float, code: str, style: str,
+                 end_question: bool, instruction: bool) -> str:
+    """The user message of `make_example` (the part that draws from `rng`)."""
     header = QUESTION if instruction else BARE_HEADER
-    base = len(chat_ids(tok, header + NEEDLE_PREFIX + code + "." + (END_QUESTION if end_question else "")))
-    budget = target_len - base
+    base = _base_len(tok, header, end_question) + len(tok.encode(code))
+    pieces = _filler_to_budget(tok, rng, target_len - base, style)
+    before, rest = _document(pieces, depth, code, end_question, header)
+    return before + rest
+
+
+def finish_example(tok: Tokenizer, prompt: list[int], code: str, depth: float) -> Example:
+    answer = tok.encode(code, add_special_tokens=False) + [tok.token_to_id(IM_END)]
+    return Example(ids=prompt + answer, answer_start=len(prompt), code=code, depth=depth,
+                   needle_token_pos=_find_needle(tok, prompt))
+
+
+_BASE_LEN: dict[tuple[int, str, bool], int] = {}
+
+
+def _base_len(tok: Tokenizer, header: str, end_question: bool) -> int:
+    """Tokens of the request with no filler and an empty code."""
+    key = (id(tok), header, end_question)
+    if key not in _BASE_LEN:
+        _BASE_LEN[key] = len(chat_ids(tok, header + NEEDLE_PREFIX + "." + (END_QUESTION if end_question else "")))
+    return _BASE_LEN[key]
+
+
+def _filler_to_budget(tok: Tokenizer, rng: random.Random, budget: int, style: str) -> list[str]:
+    """Filler pieces whose token counts add up to `budget` (or one piece more)."""
     pieces: list[str] = []
     used = 0
     while used < budget:
-        more = filler_pieces(rng, max(8, (budget - used) // 2), style) if not pieces or style == "mixed" \
-            else [pieces[(len(pieces) + i) % len(pieces)] for i in range(8)]  # repeat / phrase: keep the cycle
+        # every piece is at least one token, so `budget` pieces always suffice; mixed prose averages ~3
+        # tokens a piece and is drawn in smaller rounds
+        more = filler_pieces(rng, max(8, (budget - used) // 2 if style == "mixed" else budget), style)
         for piece in more:
             if used >= budget:
                 break
             pieces.append(piece)
             used += _piece_tokens(tok, piece)
-    before, rest = _document(pieces, depth, code, end_question, header)
-    prompt = chat_ids(tok, before + rest)
-    answer = tok.encode(code, add_special_tokens=False) + [tok.token_to_id(IM_END)]
-    # the ids of the request cut before the needle end with the template's tail (<|im_end|> ... </think>)
-    needle_pos = len(chat_ids(tok, before)) - _template_tail_len(tok)
-    return Example(ids=prompt + answer, answer_start=len(prompt), code=code, depth=depth,
-                   needle_token_pos=needle_pos)
+    return pieces
+
+
+_NEEDLE_IDS: dict[int, tuple[list[int], int]] = {}
+
+
+def _find_needle(tok: Tokenizer, ids: list[int]) -> int:
+    """Index of the needle sentence's first token ('T' of 'The secret code is') in `ids`."""
+    if id(tok) not in _NEEDLE_IDS:
+        _NEEDLE_IDS[id(tok)] = (tok.encode(" secret code is"), len(tok.encode("The")))
+    key, back = _NEEDLE_IDS[id(tok)]
+    first, n = key[0], len(key)
+    i = ids.index(first)
+    while ids[i : i + n] != key:
+        i = ids.index(first, i + 1)
+    return i - back
 
 
 _PIECE_TOKENS: dict[str, int] = {}
@@ -284,13 +343,11 @@ def sample_batch(tok: Tokenizer, rng: random.Random, cur: Curriculum, progress: 
     cap = max(lo, cur.length_cap(progress))
     length = round(math.exp(rng.uniform(math.log(lo), math.log(cap))))
     rows = max(1, tokens_per_batch // length)
-    out = []
-    for _ in range(rows):
-        code = random_code(rng, level)
-        out.append(make_example(tok, rng, target_len=length, depth=rng.random(), code=code,
-                                style=rng.choice(FILLER_STYLES), end_question=rng.random() < 0.25,
-                                instruction=instruction))
-    return out
+    codes = [random_code(rng, level) for _ in range(rows)]
+    depths = [rng.random() for _ in range(rows)]
+    texts = [example_text(tok, rng, target_len=length, depth=d, code=c, style=rng.choice(FILLER_STYLES),
+                          end_question=rng.random() < 0.25, instruction=instruction) for c, d in zip(codes, depths)]
+    return [finish_example(tok, ids, c, d) for ids, c, d in zip(chat_ids_batch(tok, texts), codes, depths)]
 
 
 def collate(examples: list[Example], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -346,6 +403,8 @@ def _patch_dt_limit(model: torch.nn.Module, limit: tuple[float, float]) -> None:
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+    """Linear warm-up over `warmup` steps (a count, not a fraction: the first steps' LR does not depend on
+    the run's length), then cosine decay to 10% of the peak at `steps`."""
     if step < warmup:
         return peak * (step + 1) / warmup
     t = (step - warmup) / max(1, steps - warmup)
@@ -353,7 +412,9 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, labels: torch.Tensor,
-               clip: float = 1.0) -> float:
+               clip: float = 1.0) -> torch.Tensor:
+    """One update; returns the loss as a (detached) tensor, so on CUDA nothing waits for the device here
+    and the next batch is built while this step runs."""
     model.train()
     logits = model(input_ids=ids).logits
     loss = answer_loss(logits, labels)
@@ -361,7 +422,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Te
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     opt.step()
-    return float(loss.detach())
+    return loss.detach()
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.05) -> torch.optim.Optimizer:
@@ -495,43 +556,84 @@ def save_checkpoint_dir(model: torch.nn.Module, config: dict[str, Any], out: Pat
 
 
 # ---- main ----------------------------------------------------------------------------------------------------
+CALIBRATION_STEPS = 20  # steps at curriculum progress 0 whose timing sizes an automatic --steps
+
+
 @dataclass
 class RunState:
+    steps: int
     log: list[dict[str, Any]] = field(default_factory=list)
     steps_done: int = 0
     train_seconds: float = 0.0
     final_loss: float = float("nan")
+    cut_by_time: bool = False
+    recent: list[float] = field(default_factory=list)
+
+
+def _auto_steps(args: argparse.Namespace, seconds: float) -> int:
+    """Steps that fit the time budget at the calibration steps' pace (85%: later steps are longer)."""
+    per_step = seconds / CALIBRATION_STEPS
+    return max(CALIBRATION_STEPS + 1, min(args.max_steps, int(0.85 * args.time_budget_s / per_step)))
+
+
+def _record(st: RunState, args: argparse.Namespace, step: int, loss: torch.Tensor, info: dict[str, Any],
+            t0: float) -> None:
+    value = float(loss)  # waits for that step (the next batch was built meanwhile)
+    st.recent = (st.recent + [value])[-50:]
+    if step % args.log_every == 0 or step == st.steps - 1:
+        rec = {"step": step, "seconds": round(time.perf_counter() - t0, 2), "loss": value,
+               "loss_avg50": sum(st.recent) / len(st.recent), **info}
+        st.log.append(rec)
+        print(json.dumps(rec), flush=True)
 
 
 def train(model: torch.nn.Module, tok: Tokenizer, args: argparse.Namespace) -> RunState:
+    """The training loop. Curriculum progress is step / steps (0 for the first CALIBRATION_STEPS), so a run
+    is deterministic given --seed and --steps; with --steps auto the count is fixed after those steps from
+    their pace and logged, and rerunning with that --steps reproduces the run."""
     rng = random.Random(args.seed)
     cur = Curriculum(args.min_len, args.max_len)
     opt = make_optimizer(model, args.lr)
-    warmup = max(1, int(args.warmup_frac * args.steps))
-    st = RunState()
+    st = RunState(steps=args.max_steps if args.steps == "auto" else int(args.steps))
     t0 = time.perf_counter()
-    recent: list[float] = []
-    for step in range(args.steps):
-        elapsed = time.perf_counter() - t0
-        if args.time_budget_s and elapsed > args.time_budget_s:
+    pending: tuple[int, torch.Tensor, dict[str, Any]] | None = None
+    step = 0
+    while step < st.steps:
+        if args.time_budget_s and time.perf_counter() - t0 > args.time_budget_s:
+            st.cut_by_time = True
+            print(f"train_needle: time budget {args.time_budget_s:.0f} s reached at step {step} of {st.steps}")
             break
-        progress = max(step / args.steps, elapsed / args.time_budget_s if args.time_budget_s else 0.0)
-        batch = sample_batch(tok, rng, cur, progress, args.tokens_per_batch)
-        ids, labels = collate(batch)
+        progress = 0.0 if step < CALIBRATION_STEPS else step / st.steps
+        ids, labels = collate(sample_batch(tok, rng, cur, progress, args.tokens_per_batch))
+        lr = lr_at(step, st.steps, args.lr, args.warmup_steps)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.steps, args.lr, warmup)
+            g["lr"] = lr
         loss = train_step(model, opt, ids.to(args.device), labels.to(args.device))
-        recent = (recent + [loss])[-50:]
-        st.steps_done = step + 1
-        if step % args.log_every == 0 or step == args.steps - 1:
-            rec = {"step": step, "seconds": round(time.perf_counter() - t0, 2), "loss": loss,
-                   "loss_avg50": sum(recent) / len(recent), "lr": opt.param_groups[0]["lr"],
-                   "length": int(ids.shape[1]), "rows": int(ids.shape[0]), "progress": round(progress, 4)}
-            st.log.append(rec)
-            print(json.dumps(rec), flush=True)
+        if pending is not None:
+            _record(st, args, *pending, t0)
+        pending = (step, loss, {"lr": lr, "length": int(ids.shape[1]), "rows": int(ids.shape[0]),
+                                "progress": round(progress, 4)})
+        if args.steps == "auto" and step == CALIBRATION_STEPS - 1:
+            _record(st, args, *pending, t0)
+            pending = None
+            st.steps = _auto_steps(args, time.perf_counter() - t0)
+            print(f"train_needle: --steps auto -> {st.steps} (rerun with --steps {st.steps} to reproduce)")
+        step += 1
+    if pending is not None:
+        _record(st, args, *pending, t0)
+    st.steps_done = step
     st.train_seconds = time.perf_counter() - t0
-    st.final_loss = sum(recent) / max(1, len(recent))
+    st.final_loss = sum(st.recent) / max(1, len(st.recent))
     return st
+
+
+def _steps(s: str) -> int | str:
+    if s == "auto":
+        return s
+    try:
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {s!r}") from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -539,20 +641,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model size (default: h200 on "
                    "cuda, cpu on the CPU)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 4000 cuda / 400 cpu)")
-    p.add_argument("--min-len", type=int, default=160, help="shortest training prompt (tokens; the request "
-                   "without filler is ~125 tokens of the tiny tokenizer)")
-    p.add_argument("--max-len", type=int, default=None, help="longest training prompt (default 2048 / 256)")
+    p.add_argument("--steps", type=_steps, default=None, help="optimizer steps, or 'auto': as many as fit "
+                   "--time-budget-s at the pace of the first steps (default auto on cuda, 1600 on cpu)")
+    p.add_argument("--max-steps", type=int, default=20000, help="most steps --steps auto may choose")
+    p.add_argument("--min-len", type=int, default=160, help="shortest training prompt of the instruction "
+                   "format (tokens; the request without filler is ~125 tokens of the tiny tokenizer)")
+    p.add_argument("--max-len", type=int, default=None, help="longest training prompt (default 2048 / 320)")
     p.add_argument("--tokens-per-batch", type=int, default=None, help="tokens per step (default 65536 / 2048)")
     p.add_argument("--lr", type=float, default=None, help="peak LR (default 3e-3 for the cpu preset, 1e-3 for h200)")
-    p.add_argument("--warmup-frac", type=float, default=0.05)
+    p.add_argument("--warmup-steps", type=int, default=80)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-budget-s", type=float, default=None, help="stop training after this many seconds "
                    "(default 420 on cuda, so training + evaluation + saving stay under 10 minutes; none on cpu)")
     p.add_argument("--eval-lengths", default=None, help="comma-separated prompt lengths for the accuracy table")
     p.add_argument("--eval-per-cell", type=int, default=None)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--tag", default=None, help="results file tag (default needle_train_<preset>_seed<seed>)")
@@ -562,24 +666,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _defaults(args: argparse.Namespace, p: argparse.ArgumentParser) -> argparse.Namespace:
     gpu = args.device.startswith("cuda")
+
     def default(name: str, value: Any) -> None:
         if getattr(args, name) is None:
             setattr(args, name, value)
 
     default("preset", "h200" if gpu else "cpu")
-    default("steps", 4000 if gpu else 400)
-    default("max_len", 2048 if gpu else 384)
+    default("steps", "auto" if gpu else 1600)
+    default("max_len", 2048 if gpu else 320)
     default("tokens_per_batch", 65536 if gpu else 2048)
     default("lr", 3e-3 if args.preset == "cpu" else 1e-3)
-    if args.time_budget_s is None:
-        args.time_budget_s = 420.0 if gpu else 0.0
+    default("time_budget_s", 420.0 if gpu else 0.0)
+    default("eval_per_cell", 16 if gpu else 8)
     if args.eval_lengths is None:
         top = args.max_len * (8 if gpu else 2)  # how far past the training lengths it generalises
         lens = sorted({args.min_len, args.max_len, top, *(1 << k for k in range(8, 25) if 1 << k <= top)})
-        lens = [x for x in lens if x >= args.min_len]
-        args.eval_lengths = ",".join(str(x) for x in lens)
-    default("eval_per_cell", 16 if gpu else 8)
-    for name in ("steps", "min_len", "max_len", "tokens_per_batch", "eval_per_cell"):
+        args.eval_lengths = ",".join(str(x) for x in lens if x >= args.min_len)
+    _check(args, p)
+    args.tag = args.tag or f"needle_train_{args.preset}_seed{args.seed}"
+    return args
+
+
+def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    ints = ["max_steps", "min_len", "max_len", "tokens_per_batch", "eval_per_cell", "warmup_steps"]
+    for name in ints + ([] if args.steps == "auto" else ["steps"]):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.min_len < 128 or args.max_len < args.min_len:
@@ -587,8 +697,17 @@ def _defaults(args: argparse.Namespace, p: argparse.ArgumentParser) -> argparse.
                 f"{args.min_len}, {args.max_len}")
     if not 0 < args.lr < 1:
         p.error(f"--lr must be in (0, 1), got {args.lr}")
-    args.tag = args.tag or f"needle_train_{args.preset}_seed{args.seed}"
-    return args
+    if args.time_budget_s < 0 or (args.steps == "auto" and not args.time_budget_s):
+        p.error(f"--time-budget-s must be >= 0, and > 0 with --steps auto; got {args.time_budget_s}")
+    if args.steps == "auto" and args.warmup_steps < CALIBRATION_STEPS:
+        p.error(f"--steps auto needs --warmup-steps >= {CALIBRATION_STEPS} (the timed steps' LR must not "
+                f"depend on the step count chosen after them), got {args.warmup_steps}")
+    try:
+        lens = [int(x) for x in args.eval_lengths.split(",")]
+    except ValueError:
+        p.error(f"--eval-lengths: expected comma-separated integers, got {args.eval_lengths!r}")
+    if not lens or min(lens) < 128:
+        p.error(f"--eval-lengths: every length must be >= 128 (the request alone is ~125 tokens), got {lens}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -612,6 +731,7 @@ def main(argv: list[str] | None = None) -> int:
     save_checkpoint_dir(model, config, out)
     (out / "training_log.json").write_text(json.dumps(st.log, indent=1) + "\n")
     result = {"tag": args.tag, "args": vars(args), "parameters": n_params, "steps_done": st.steps_done,
+              "steps_planned": st.steps, "cut_by_time": st.cut_by_time,
               "train_seconds": st.train_seconds, "eval_seconds": time.perf_counter() - t_eval,
               "final_loss": st.final_loss, "eval": ev, "samples": samples, "log": st.log,
               "torch": torch.__version__, "transformers": __import__("transformers").__version__}

@@ -43,7 +43,8 @@ def test_needle_once_at_its_depth_in_the_servers_ids(tok, style, instruction):
         text = _prompt_text(tok, ex)
         # the ids are exactly what /v1/chat/completions builds from the message text
         user = text.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
-        assert T.chat_ids(tok, user) == ex.ids[: ex.answer_start]
+        rendered = tok.apply_chat_template([{"role": "user", "content": user}], enable_thinking=False)
+        assert tok.encode(rendered, add_special_tokens=False) == ex.ids[: ex.answer_start]
         assert user.startswith(QUESTION if instruction else T.BARE_HEADER)
         # the needle sentence and the code occur exactly once in the prompt
         assert text.count(T.NEEDLE_PREFIX) == 1 and text.count(code) == 1, text
@@ -110,13 +111,13 @@ def test_a_few_steps_on_a_fixed_batch_lower_the_loss(tok):
     exs = [T.make_example(tok, rng, target_len=60, depth=rng.random(), code=T.random_code(rng, 0.3),
                           style="mixed", instruction=False) for _ in range(8)]
     ids, labels = T.collate(exs)
-    losses = [T.train_step(model, opt, ids, labels) for _ in range(6)]
+    losses = [float(T.train_step(model, opt, ids, labels)) for _ in range(6)]
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < 0.8 * losses[0], losses
     # training is deterministic given the seed
     model2 = T.build_model(cfg, seed=0, device="cpu")
     opt2 = T.make_optimizer(model2, 3e-3)
-    assert [T.train_step(model2, opt2, ids, labels) for _ in range(6)] == losses
+    assert [float(T.train_step(model2, opt2, ids, labels)) for _ in range(6)] == losses
 
 
 def test_exact_greedy_hits_agree_with_greedy_decoding(tok):
@@ -142,6 +143,13 @@ def test_exact_greedy_hits_agree_with_greedy_decoding(tok):
     (["--steps", "0"], "--steps"),
     (["--lr", "2"], "--lr"),
     (["--preset", "huge"], "--preset"),
+    (["--steps", "many"], "--steps"),
+    (["--steps", "auto"], "--time-budget-s"),
+    (["--time-budget-s", "-1"], "--time-budget-s"),
+    (["--eval-lengths", "64,256"], "--eval-lengths"),
+    (["--eval-lengths", "1k"], "--eval-lengths"),
+    (["--warmup-steps", "0"], "--warmup-steps"),
+    (["--steps", "auto", "--time-budget-s", "9", "--warmup-steps", "5"], "--warmup-steps"),
 ])  # fmt: skip
 def test_bad_arguments_are_refused(argv, msg, capsys):
     with pytest.raises(SystemExit):
@@ -149,8 +157,47 @@ def test_bad_arguments_are_refused(argv, msg, capsys):
     assert msg in capsys.readouterr().err
 
 
+def test_defaults_and_auto_steps():
+    a = T.parse_args(["--out", "/tmp/x", "--device", "cpu"])
+    assert (a.preset, a.steps, a.max_len, a.time_budget_s) == ("cpu", 1600, 320, 0.0)
+    assert [int(x) for x in a.eval_lengths.split(",")] == [160, 256, 320, 512, 640]
+    g = T.parse_args(["--out", "/tmp/x", "--device", "cuda"])
+    assert (g.preset, g.steps, g.time_budget_s, g.max_len) == ("h200", "auto", 420.0, 2048)
+    assert g.eval_lengths.split(",")[-1] == "16384"
+    # 20 calibration steps took 2 s: 0.1 s a step, 85% of 420 s -> 3570 steps, capped by --max-steps
+    assert T._auto_steps(g, 2.0) == 3570
+    assert T._auto_steps(T.parse_args(["--out", "x", "--device", "cuda", "--max-steps", "1000"]), 2.0) == 1000
+    assert T.lr_at(0, 100, 1e-3, 10) == pytest.approx(1e-4) and T.lr_at(100, 100, 1e-3, 10) == pytest.approx(1e-4)
+    assert T.lr_at(10, 100, 1e-3, 10) == pytest.approx(1e-3)
+
+
 def test_bad_names_are_refused(tok):
     with pytest.raises(ValueError, match="unknown preset"):
         T.model_config("huge")
     with pytest.raises(ValueError, match="unknown filler style"):
         T.filler_pieces(random.Random(0), 4, "lorem")
+
+
+def test_a_short_run_writes_a_checkpoint_hyserve_loads(tmp_path):
+    from hyserve.model.config import HybridModelConfig
+    from hyserve.model.tokenizer import Tokenizer
+
+    out, res = tmp_path / "ckpt", tmp_path / "res"
+    argv = ["--device", "cpu", "--steps", "auto", "--time-budget-s", "30", "--max-steps", "22",
+            "--tokens-per-batch", "400", "--max-len", "200", "--eval-lengths", "160", "--eval-per-cell", "2",
+            "--out", str(out), "--results-dir", str(res), "--tag", "t", "--log-every", "5"]
+    assert T.main(argv) == 0
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+              "generation_config.json", "training_log.json"):
+        assert (out / f).is_file(), f
+    cfg = HybridModelConfig.from_hf(out)
+    assert cfg.vocab_size == T.VOCAB_SIZE and cfg.time_step_limit[0] == 0.001
+    assert Tokenizer.from_dir(out).has_chat_template
+    import json
+
+    r = json.loads((res / "t.json").read_text())
+    assert r["steps_planned"] == 22 and r["steps_done"] == 22 and not r["cut_by_time"]
+    assert [(c["length"], c["depth"]) for c in r["eval"]["cells"]] == [(160, d) for d in (0, 0.25, 0.5, 0.75, 1)]
+    assert [rec["step"] for rec in r["log"]] == [0, 5, 10, 15, 20, 21]
+    md = (res / "t.md").read_text()
+    assert "| 160 |" in md and "bench HIT/MISS" in md
