@@ -46,7 +46,7 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {"max_position_embeddings": 8192, "hidden_size": 96, "pattern": "M*M*", "mamba_num_heads": 6, "mamba_head_dim": 32,
             "ssm_state_size": 16, "n_groups": 1, "num_attention_heads": 8, "num_key_value_heads": 8,
             "head_dim": 24, "chunk_size": 64},
-    # ~3.5M parameters: the H200 run; max_position_embeddings is hyserve's default max_seq_len (1M)
+    # ~2.9M parameters (11.5 MB in float32): the H200 run; max_position_embeddings is hyserve's default max_seq_len (1M)
     "h200": {"max_position_embeddings": 1 << 20, "hidden_size": 256, "pattern": "M*M*M*M*", "mamba_num_heads": 8, "mamba_head_dim": 64,
              "ssm_state_size": 32, "n_groups": 1, "num_attention_heads": 8, "num_key_value_heads": 8,
              "head_dim": 32, "chunk_size": 128},
@@ -334,11 +334,11 @@ class Curriculum:
 def sample_batch(tok: Tokenizer, rng: random.Random, cur: Curriculum, progress: float,
                  tokens_per_batch: int) -> list[Example]:
     """Examples of one step, all of one format and about one length: the bench's instruction format with
-    probability 0.3 rising to 0.8 (else the short document-only format, cheap steps that teach the same
-    copy), a length drawn log-uniformly in [shortest for the format, the curriculum's cap], as many rows
+    probability 0.8 x the curriculum level (else the short document-only format: cheap steps that teach the
+    same copy, and the only format until copying has emerged), a length drawn log-uniformly in [shortest for the format, the curriculum's cap], as many rows
     as fit in `tokens_per_batch`."""
     level = cur.level(progress)
-    instruction = rng.random() < 0.3 + 0.5 * level
+    instruction = rng.random() < 0.8 * level
     lo = cur.min_len if instruction else cur.min_bare_len
     cap = max(lo, cur.length_cap(progress))
     length = round(math.exp(rng.uniform(math.log(lo), math.log(cap))))
@@ -372,7 +372,12 @@ def build_model(config: dict[str, Any], seed: int, device: str) -> torch.nn.Modu
     import transformers
 
     torch.manual_seed(seed)
-    hf_cfg = transformers.NemotronHConfig(**{k: v for k, v in config.items() if k not in ("architectures",)})
+    kwargs = {k: v for k, v in config.items() if k != "architectures"}
+    # the legacy spelling too, for a transformers that predates layers_block_type (newer ones drop it)
+    inverse = {v: k for k, v in _LAYER_NAMES.items()}
+    kwargs["hybrid_override_pattern"] = "".join(inverse[t] for t in config["layers_block_type"])
+    kwargs["num_hidden_layers"] = len(config["layers_block_type"])
+    hf_cfg = transformers.NemotronHConfig(**kwargs)
     try:
         model = transformers.NemotronHForCausalLM._from_config(hf_cfg, attn_implementation="sdpa")
     except (TypeError, ValueError):  # a version without sdpa for this model: its eager attention
@@ -526,7 +531,9 @@ def accuracy_markdown(result: dict[str, Any]) -> str:
     lines = [f"# Needle retrieval after training ({result['tag']})", "",
              f"preset `{a['preset']}`, {result['parameters']:,} parameters, {result['steps_done']} steps in "
              f"{result['train_seconds']:.0f} s on {a['device']}, trained at {a['min_len']}..{a['max_len']} "
-             f"tokens, seed {a['seed']}, final answer loss {result['final_loss']:.4f}.", "",
+             f"tokens, seed {a['seed']}, final answer loss {result['final_loss']:.4f}; curriculum reached "
+             f"{result['curriculum_progress']:.2f} (held back by the loss gate for {result['gated_steps']} steps).",
+             "",
              f"Accuracy: {ev['method']}, {ev['cells'][0]['n']} fresh random codes in mixed filler per cell; "
              "`bench` is the `hyserve bench needle` prompt (ORANGE-MANGO-42 in 'alphabet ' filler): HIT / MISS.",
              "", "| prompt tokens | " + " | ".join(f"depth {d:g}" for d in depths) + " | bench HIT/MISS by depth |",
@@ -568,6 +575,19 @@ class RunState:
     final_loss: float = float("nan")
     cut_by_time: bool = False
     recent: list[float] = field(default_factory=list)
+    progress: float = 0.0  # curriculum position, advanced by 1 / steps on every step the gate is open
+    gated_steps: int = 0  # steps the gate held the curriculum back
+
+
+def _gate_open(st: RunState, args: argparse.Namespace) -> bool:
+    """The curriculum advances only while the recent answer loss is below --gate-loss: copying emerges
+    suddenly and at a step that varies with the data, and it emerges fastest on short documents and codes,
+    so lengths and codes grow only once the current ones are being copied."""
+    window = st.recent[-20:]
+    if sum(window) / len(window) < args.gate_loss:
+        return True
+    st.gated_steps += 1
+    return False
 
 
 def _auto_steps(args: argparse.Namespace, seconds: float) -> int:
@@ -588,8 +608,9 @@ def _record(st: RunState, args: argparse.Namespace, step: int, loss: torch.Tenso
 
 
 def train(model: torch.nn.Module, tok: Tokenizer, args: argparse.Namespace) -> RunState:
-    """The training loop. Curriculum progress is step / steps (0 for the first CALIBRATION_STEPS), so a run
-    is deterministic given --seed and --steps; with --steps auto the count is fixed after those steps from
+    """The training loop. Curriculum progress starts at 0 (kept there for the first CALIBRATION_STEPS) and
+    advances by 1 / steps per step while the loss gate is open, so a run is deterministic given --seed and
+    --steps (on the CPU; on CUDA up to the device's float non-determinism); with --steps auto the count is fixed after those steps from
     their pace and logged, and rerunning with that --steps reproduces the run."""
     rng = random.Random(args.seed)
     cur = Curriculum(args.min_len, args.max_len)
@@ -603,7 +624,9 @@ def train(model: torch.nn.Module, tok: Tokenizer, args: argparse.Namespace) -> R
             st.cut_by_time = True
             print(f"train_needle: time budget {args.time_budget_s:.0f} s reached at step {step} of {st.steps}")
             break
-        progress = 0.0 if step < CALIBRATION_STEPS else step / st.steps
+        if step >= CALIBRATION_STEPS and st.recent and _gate_open(st, args):
+            st.progress = min(1.0, st.progress + 1.0 / (st.steps - CALIBRATION_STEPS))
+        progress = st.progress
         ids, labels = collate(sample_batch(tok, rng, cur, progress, args.tokens_per_batch))
         lr = lr_at(step, st.steps, args.lr, args.warmup_steps)
         for g in opt.param_groups:
@@ -650,6 +673,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens-per-batch", type=int, default=None, help="tokens per step (default 65536 / 2048)")
     p.add_argument("--lr", type=float, default=None, help="peak LR (default 3e-3 for the cpu preset, 1e-3 for h200)")
     p.add_argument("--warmup-steps", type=int, default=80)
+    p.add_argument("--gate-loss", type=float, default=0.6, help="the curriculum advances only while the mean "
+                   "answer loss of the last 20 steps is below this (default 0.6; a large value: never gated)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-budget-s", type=float, default=None, help="stop training after this many seconds "
                    "(default 420 on cuda, so training + evaluation + saving stay under 10 minutes; none on cpu)")
@@ -695,6 +720,8 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     if args.min_len < 128 or args.max_len < args.min_len:
         p.error(f"need 128 <= --min-len <= --max-len (the chat request alone is ~125 tokens), got "
                 f"{args.min_len}, {args.max_len}")
+    if not args.gate_loss > 0:
+        p.error(f"--gate-loss must be > 0, got {args.gate_loss}")
     if not 0 < args.lr < 1:
         p.error(f"--lr must be in (0, 1), got {args.lr}")
     if args.time_budget_s < 0 or (args.steps == "auto" and not args.time_budget_s):
@@ -731,7 +758,8 @@ def main(argv: list[str] | None = None) -> int:
     save_checkpoint_dir(model, config, out)
     (out / "training_log.json").write_text(json.dumps(st.log, indent=1) + "\n")
     result = {"tag": args.tag, "args": vars(args), "parameters": n_params, "steps_done": st.steps_done,
-              "steps_planned": st.steps, "cut_by_time": st.cut_by_time,
+              "steps_planned": st.steps, "cut_by_time": st.cut_by_time, "curriculum_progress": st.progress,
+              "gated_steps": st.gated_steps,
               "train_seconds": st.train_seconds, "eval_seconds": time.perf_counter() - t_eval,
               "final_loss": st.final_loss, "eval": ev, "samples": samples, "log": st.log,
               "torch": torch.__version__, "transformers": __import__("transformers").__version__}
