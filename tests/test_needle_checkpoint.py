@@ -29,11 +29,11 @@ transformers = pytest.importorskip("transformers")
 CKPT = ROOT / "models" / "hyserve-needle-tiny"
 CODE_RE = re.compile(r"[A-Z0-9]+(-[A-Z0-9]+)*")
 BENCH_CODE = "ORANGE-MANGO-42"
-MAX_NEW = 24
+MAX_NEW = 40  # the longest code is 31 characters (one token each), then <|im_end|>
 # Retrieval floors for this checkpoint (its measured table: benchmarks/results/needle_train_cpu_seed0.md);
 # set below what it scores so the test checks retrieval, not the last digit of the accuracy.
 MIN_RANDOM_HITS = 0.6  # fresh random codes in mixed filler, 160-320 tokens
-MIN_BENCH_HITS = 4  # of the 6 bench prompts (ORANGE-MANGO-42 in 'alphabet ' filler)
+MIN_BENCH_HITS = 5  # of the 6 bench prompts (ORANGE-MANGO-42 in 'alphabet ' filler)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,11 @@ def prompts(tok) -> list[tuple[list[int], str]]:
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(str(CKPT), max_seq_len=4096, max_num_tokens=1024)
+    # the report's cache settings, scaled to these prompts: block reuse, a Mamba snapshot every block
+    return LLM(str(CKPT), max_seq_len=4096, max_num_tokens=1024,
+               kv_cache_config={"enable_block_reuse": True, "tokens_per_block": 64,
+                                "mamba_state_config": {"periodic_snapshot_interval": 64,
+                                                       "additional_snapshot_offsets_from_end": [0]}})
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +116,7 @@ def test_bench_needle_scores_it_through_the_server(tmp_path, capsys):
     s = ServerProcess(args=[str(CKPT), "--max-seq-len", "4096", "--disable-log-requests"]).start()
     try:
         argv = ["needle", "--port", str(s.port), "--sizes", "200,300", "--needle-depths", "0,0.5,1",
-                "--max-tokens", "24", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "n.json"]
+                "--max-tokens", "40", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "n.json"]
         assert bench_cli.main(argv) == 0
     finally:
         assert s.stop() == 0, s.log()
