@@ -21,8 +21,9 @@ sha=${1:-unknown}
 shift || true
 parts=${*:-train grid}
 cd "$(dirname "$0")/.."
+PY=${PY:-python3}
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
 fi
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 R=benchmarks/results
@@ -57,7 +58,7 @@ EOF
 }
 
 start_server() {  # $1 = kv dtype, $2 = log
-  python3 -m hyserve.cli serve "$CKPT" --config "$(yaml "$1")" --max-seq-len 1048576 --port 8000 \
+  $PY -m hyserve.cli serve "$CKPT" --config "$(yaml "$1")" --max-seq-len "${MAX_SEQ_LEN:-1048576}" --port 8000 \
     --disable-log-requests >"$2" 2>&1 &
   PID=$!
   until curl -sf $URL/health >/dev/null 2>&1; do
@@ -70,7 +71,7 @@ save() { if [ -n "${OUT:-}" ]; then cp "$R"/needle_*"$sha"* /tmp/needle_*.log "$
 
 needle() {  # $1 = result name, $2 = sizes, $3 = depths, rest = extra flags
   local name=$1 sizes=$2 depths=$3; shift 3
-  python3 -m hyserve.cli bench needle --base-url $URL --sizes "$sizes" --needle-depths "$depths" --max-tokens 32 \
+  $PY -m hyserve.cli bench needle --base-url $URL --sizes "$sizes" --needle-depths "$depths" --max-tokens 32 \
     --timeout 900 --save-result --result-dir "$R" --git-sha "$sha" --result-filename "needle_${name}_$sha.json" \
     "$@" | sed -n '/HIT \/ MISS/,$p'
 }
@@ -80,7 +81,7 @@ GRID_DEPTHS=${GRID_DEPTHS:-0,0.25,0.5,0.75,1}
 
 if [[ " $parts " == *" train "* ]]; then
   echo "== train (h200 preset) into $CKPT"
-  python3 scripts/train_needle.py --device cuda --out "$CKPT" --results-dir "$R" --tag "needle_train_h200_$sha" \
+  $PY scripts/train_needle.py --device cuda --out "$CKPT" --results-dir "$R" --tag "needle_train_h200_$sha" \
     2>&1 | grep -v "falling back" | tail -60
   cp "$CKPT"/config.json "$R/needle_train_h200_${sha}_config.json"
   save
@@ -114,7 +115,7 @@ if [[ " $parts " == *" same "* ]]; then
   MAX_NUM_TOKENS=2048 start_server auto /tmp/needle_serve_same2k.log || exit 1
   needle same_c "$SAME_SIZES" "$GRID_DEPTHS"
   stop_server
-  python3 - "$R" "$sha" <<'EOF'
+  $PY - "$R" "$sha" <<'EOF'
 import json, sys
 r, sha = sys.argv[1], sys.argv[2]
 runs = {k: json.load(open(f"{r}/needle_same_{k}_{sha}.json"))["results"] for k in "abc"}
