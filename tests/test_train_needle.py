@@ -164,9 +164,10 @@ def test_defaults_and_auto_steps():
     g = T.parse_args(["--out", "/tmp/x", "--device", "cuda"])
     assert (g.preset, g.steps, g.time_budget_s, g.max_len) == ("h200", "auto", 420.0, 2048)
     assert g.eval_lengths.split(",")[-1] == "16384"
-    # 20 calibration steps took 2 s: 0.1 s a step, 85% of 420 s -> 3570 steps, capped by --max-steps
-    assert T._auto_steps(g, 2.0) == 3570
-    assert T._auto_steps(T.parse_args(["--out", "x", "--device", "cuda", "--max-steps", "1000"]), 2.0) == 1000
+    # 20 calibration steps in 5 s, then 0.1 s a step: 85% of 420 s -> 20 + 3520 steps, capped by --max-steps
+    assert T._auto_steps(g, 5.0, 0.1) == 3540
+    assert T._auto_steps(T.parse_args(["--out", "x", "--device", "cuda", "--max-steps", "1000"]), 5.0, 0.1) == 1000
+    assert T._auto_steps(g, 400.0, 0.1) == T.CALIBRATION_STEPS + 1  # the budget is gone: one more step
     assert T.lr_at(0, 100, 1e-3, 10) == pytest.approx(1e-4) and T.lr_at(100, 100, 1e-3, 10) == pytest.approx(1e-4)
     assert T.lr_at(10, 100, 1e-3, 10) == pytest.approx(1e-3)
 
