@@ -15,25 +15,32 @@ API), so the script works on transformers 5.17 (the GPU image) and 5.24 (the CPU
 
 What makes copying emerge (and what this script does about each):
   * loss only on the answer tokens (the code and <|im_end|>): the whole gradient is retrieval;
-  * curricula: document length grows from --min-len to --max-len and codes from 1 short part to up to three
-    parts plus digits over the first 70% of training (progress is the larger of steps and time used, so a
-    --time-budget-s cut still completes both);
+  * curricula, gated on the loss: documents grow from 40 tokens (document-only format, no instruction) to
+    --max-len, the share of the bench's instruction format from 0 to 80%, and codes from one part of 2-3
+    letters to up to three parts of 2-8 letters plus digits; the curriculum advances only while the mean
+    answer loss of the last 20 steps is below --gate-loss. Copying appears suddenly (a phase change) at a
+    step that varies with the data stream: ungated, one CPU stream had it by step 300 and another not by
+    step 1000, with the lengths and codes already grown past where it emerges fastest;
+  * query / key projections initialised at std 1/sqrt(hidden) rather than 0.02: each one's gradient is
+    proportional to the other, and at 0.02 the attention stays uniform for a long plateau;
   * no padding inside a sequence: batches are right-padded, and a causal model's positions never see a later
     token (causal conv, causal scan, causal attention), so pad tokens cannot leak into the Mamba state of a
     real token; they only carry -100 labels;
-  * enough attention heads (8 NoPE heads per attention layer) and Mamba layers in front of every attention
-    layer (their conv gives each token its predecessors, which is all an induction-style copy needs);
-  * AdamW at a low-ish peak LR with linear warm-up and cosine decay, gradient clipping.
+  * 8 NoPE attention heads per attention layer, each after a Mamba layer (its conv gives every token its
+    predecessors, which is what an induction-style copy keys on);
+  * AdamW with linear warm-up and cosine decay to 10%, gradient clipping at 1.
 
-Deterministic given --seed: the data stream, the init and (on the CPU) every update; on CUDA the
-deterministic-algorithms switch is set (cuBLAS workspace config included).
+Deterministic given --seed and --steps: the data stream, the init and (on the CPU, bit for bit) every update;
+on CUDA the deterministic-algorithms switch is set (cuBLAS workspace config included). --steps auto (the
+CUDA default) times the first steps and fixes the count to fit --time-budget-s; the log says which count to
+pass to reproduce the run.
 
 Outputs under --out: config.json, model.safetensors, tokenizer files with the chat template,
-generation_config.json, training_log.json; and under --results-dir: needle_train_<tag>.json / .md with the
-accuracy table by prompt length and needle depth (exact greedy match, see `evaluate`).
+generation_config.json, training_log.json; and under --results-dir: <tag>.json / .md with the accuracy
+table by prompt length and needle depth (exact greedy match, see `exact_greedy_hits`).
 
-    python scripts/train_needle.py --device cuda --out /tmp/needle-h200              # the H200 run (< 10 min)
-    python scripts/train_needle.py --preset cpu --steps 300 --max-len 256 --out /tmp/n  # CPU validation
+    python scripts/train_needle.py --device cuda --out build/needle-h200      # the H200 run (< 10 min)
+    python scripts/train_needle.py --device cpu --out models/hyserve-needle-tiny  # the shipped one (~9 min)
 """
 
 from __future__ import annotations
