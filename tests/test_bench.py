@@ -286,6 +286,28 @@ def test_needle_sizes_and_prompt() -> None:
     assert words_for(10, base=40.0, per_word=2.0) == 0
 
 
+def test_needle_depths_and_hit_miss_grid() -> None:
+    from hyserve.bench.needle import NeedleOptions, hit_or_miss, needle_depths
+
+    assert needle_depths(NeedleOptions(base_url="u", position=0.3)) == (0.3,)
+    assert needle_depths(NeedleOptions(base_url="u", depths=(0.0, 1.0))) == (0.0, 1.0)
+    with pytest.raises(ValueError, match=r"fractions in \[0, 1\], got \[-0.5\]"):
+        needle_depths(NeedleOptions(base_url="u", depths=(0.5, -0.5)))
+    rows = [{"target_tokens": t, "depth": d, "status": st, "needle_found": f}
+            for t, d, st, f in [(1000, 0.0, 200, True), (1000, 1.0, 200, False), (8000, 0.0, 400, False),
+                                (8000, 1.0, None, False)]]
+    assert [hit_or_miss(r) for r in rows] == ["HIT", "MISS", "HTTP 400", "no answer"]
+    for r in rows:
+        r["outcome"] = hit_or_miss(r)
+    grid = report.needle_grid_text(rows)
+    assert "(1 of 4 HIT)" in grid and "depth 0" in grid and "depth 1" in grid
+    assert [ln.split()[:3] for ln in grid.splitlines() if ln.startswith(("1,000", "8,000"))] == [
+        ["1,000", "HIT", "MISS"], ["8,000", "HTTP", "400"]]
+    labels = [r["name"] for r in report.needle_records(
+        [dict(r, prompt_tokens=None, latency_s=0.1) for r in rows])]
+    assert "needle 1,000 tokens at depth 1: needle found" in labels
+
+
 # ---- result files ----------------------------------------------------------------------------------------
 
 
@@ -362,6 +384,8 @@ def test_plots_render_pngs(tmp_path: Path) -> None:
     (["serve", "--dataset-name", "shared-prefix", "--random-prefix-len", "8"], "--shared-prefix-len"),
     (["needle", "--sizes", "1k,lots"], "--sizes"),
     (["needle", "--needle-position", "2"], "--needle-position"),
+    (["needle", "--needle-depths", "0,1.5"], "--needle-depths"),
+    (["needle", "--needle-depths", ","], "--needle-depths"),
     (["offline", "--output-len", "-1"], "--output-len"),
 ])
 def test_bad_flag_values_are_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -116,6 +116,13 @@ def _sizes(s: str) -> tuple[int, ...]:
     return vals
 
 
+def _fraction_list(s: str) -> tuple[float, ...]:
+    vals = tuple(_fraction(x.strip()) for x in s.split(",") if x.strip())
+    if not vals:
+        raise ValueError(f"expected comma-separated fractions in [0, 1] such as 0,0.5,1, got {s!r}")
+    return vals
+
+
 def _json_object(s: str) -> dict[str, Any] | None:
     try:
         v = json.loads(s)
@@ -144,6 +151,7 @@ FRACTION = _type(_fraction, "fraction")
 POS_INT_LIST = _type(_pos_int_list, "integer list")
 PERCENTILES = _type(_percentiles, "percentile list")
 SIZES = _type(_sizes, "size list")
+FRACTIONS = _type(_fraction_list, "fraction list")
 JSON_OBJECT = _type(_json_object, "JSON object")
 ENDPOINT = _type(_endpoint, "endpoint")
 
@@ -273,6 +281,9 @@ def _add_needle_parser(sub: Any) -> None:
                                                          "last word)")
     p.add_argument("--filler", default=DEFAULT_FILLER, help=f"repeated filler (default {DEFAULT_FILLER!r})")
     p.add_argument("--needle-position", type=FRACTION, default=0.5, help="depth of the needle (default 0.5)")
+    p.add_argument("--needle-depths", type=FRACTIONS, default=(), metavar="0,0.25,...,1",
+                   help="ask every size at each of these depths (one request each; HIT / MISS per size and "
+                        "depth); overrides --needle-position")
     p.add_argument("--max-tokens", type=POS_INT, default=64)
     p.add_argument("--temperature", type=NONNEG_FLOAT, default=0.0)
     p.add_argument("--chat-template-kwargs", type=JSON_OBJECT, default={"enable_thinking": False}, metavar="JSON",
@@ -431,7 +442,8 @@ def _needle(args: argparse.Namespace) -> int:
 
     opts = NeedleOptions(
         base_url=_base_url(args), model=args.model, api_key=args.api_key, sizes=args.sizes, needle=args.needle,
-        answer=args.needle_answer, filler=args.filler, position=args.needle_position, max_tokens=args.max_tokens,
+        answer=args.needle_answer, filler=args.filler, position=args.needle_position, depths=args.needle_depths,
+        max_tokens=args.max_tokens,
         temperature=args.temperature, chat_template_kwargs=args.chat_template_kwargs, timeout_s=args.timeout,
     )
     result = report.stamp("needle", _command(args), args.git_sha)

@@ -6,9 +6,12 @@ non-streaming /v1/chat/completions. Sizes are target prompt tokens. The filler l
 from two /tokenize calls (the prompt with 0 and with N filler words: tokens = a + b * words), or, for a
 server without /tokenize, from one token per word. The server's `usage.prompt_tokens` is reported.
 
-Outcomes per size: HTTP status (a 400 for a prompt that is too long is a valid outcome), the error
-message, latency, whether the answer contains the needle's code (with random weights it will not:
-that is reported as false; the point is that the server serves the request), and whether /health still
+Each size is asked at every depth of `depths` (default: the one `position`), one request each, so a
+trained checkpoint (scripts/train_needle.py) gives a HIT / MISS grid by size and depth.
+
+Outcomes per size and depth: HTTP status (a 400 for a prompt that is too long is a valid outcome), the error
+message, latency, whether the answer contains the needle's code (HIT / MISS; with random weights it
+will not: that is reported as a MISS, not an error, since the point there is that the server serves it), and whether /health still
 answers afterwards (the report's server died on a 256k prompt).
 """
 
@@ -48,6 +51,7 @@ class NeedleOptions:
     answer: str | None = None  # what must come back; default: the needle's last word
     filler: str = DEFAULT_FILLER
     position: float = 0.5  # where the needle sits, as a fraction of the filler
+    depths: tuple[float, ...] = ()  # several needle depths per size (each a request); empty: (position,)
     max_tokens: int = 64
     temperature: float = 0.0
     chat_template_kwargs: dict[str, Any] | None = field(default_factory=lambda: {"enable_thinking": False})
@@ -70,6 +74,22 @@ def parse_size(s: str) -> int:
     if v != v or v < 1 or v > 1e9:
         raise ValueError(f"size out of range: {s!r}")
     return int(round(v))
+
+
+def needle_depths(opts: NeedleOptions) -> tuple[float, ...]:
+    """The depths each size is asked at; every one a fraction in [0, 1]."""
+    depths = opts.depths or (opts.position,)
+    bad = [d for d in depths if not 0.0 <= d <= 1.0]
+    if bad:
+        raise ValueError(f"needle depths must be fractions in [0, 1], got {bad}")
+    return depths
+
+
+def hit_or_miss(row: dict[str, Any]) -> str:
+    """HIT: a 200 whose answer contains the code; MISS: a 200 without it; otherwise the HTTP outcome."""
+    if row.get("status") != 200:
+        return "no answer" if row.get("status") is None else f"HTTP {row['status']}"
+    return "HIT" if row.get("needle_found") else "MISS"
 
 
 def expected_answer(opts: NeedleOptions) -> str:
@@ -162,6 +182,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], header
 
 
 async def _run(opts: NeedleOptions, log: Callable[[str], None]) -> dict[str, Any]:
+    needle_depths(opts)  # bad depths fail before any request
     headers = auth_headers(opts.api_key)
     root = server_root(opts.base_url)
     url = join_url(opts.base_url, "/v1/chat/completions")
@@ -176,16 +197,19 @@ async def _run(opts: NeedleOptions, log: Callable[[str], None]) -> dict[str, Any
         rows = []
         for target in opts.sizes:
             n_words = words_for(target, base, per_word)
-            prompt = haystack_prompt(n_words, needle=opts.needle, filler=opts.filler, position=opts.position)
-            row: dict[str, Any] = {"target_tokens": target, "filler_words": n_words,
-                                   "estimated_prompt_tokens": round(base + per_word * n_words)}
-            row.update(await _one(client, url, request_body(model, prompt, opts), headers, answer, opts.timeout_s))
-            row["healthy_after"] = await _health(client, root, headers)
-            rows.append(row)
-            what = (f"prompt_tokens={row['prompt_tokens']} found={row['needle_found']}" if row["status"] == 200
-                    else f"{row['error']}")
-            log(f"needle {target:,} tokens: status {row['status']} in {row['latency_s']:.1f} s, {what}, "
-                f"healthy after: {row['healthy_after']}")
+            for depth in needle_depths(opts):
+                prompt = haystack_prompt(n_words, needle=opts.needle, filler=opts.filler, position=depth)
+                row: dict[str, Any] = {"target_tokens": target, "depth": depth, "filler_words": n_words,
+                                       "estimated_prompt_tokens": round(base + per_word * n_words)}
+                row.update(await _one(client, url, request_body(model, prompt, opts), headers, answer,
+                                      opts.timeout_s))
+                row["healthy_after"] = await _health(client, root, headers)
+                row["outcome"] = hit_or_miss(row)
+                rows.append(row)
+                what = (f"prompt_tokens={row['prompt_tokens']} {row['outcome']}" if row["status"] == 200
+                        else f"{row['error']}")
+                log(f"needle {target:,} tokens at depth {depth:g}: status {row['status']} in "
+                    f"{row['latency_s']:.1f} s, {what}, healthy after: {row['healthy_after']}")
     return {"model": model, "api_url": url, "answer": answer, "token_count_method": method,
             "tokens_without_filler": base, "tokens_per_filler_word": per_word, "results": rows}
 

@@ -269,10 +269,20 @@ def offline_report_text(result: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _needle_label(r: dict[str, Any], several_depths: bool) -> str:
+    label = f"needle {r['target_tokens']:,} tokens"
+    return f"{label} at depth {r['depth']:g}" if several_depths and r.get("depth") is not None else label
+
+
+def _several_depths(rows: Sequence[dict[str, Any]]) -> bool:
+    return len({r.get("depth") for r in rows}) > 1
+
+
 def needle_records(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
+    several = _several_depths(rows)
     for r in rows:
-        label = f"needle {r['target_tokens']:,} tokens"
+        label = _needle_label(r, several)
         out.append(record(f"{label}: HTTP status", r["status"], "status"))
         out.append(record(f"{label}: prompt tokens (usage)", r["prompt_tokens"], "tokens", "target",
                           r["target_tokens"]))
@@ -281,15 +291,28 @@ def needle_records(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def needle_grid_text(rows: Sequence[dict[str, Any]]) -> str:
+    """HIT / MISS (or the HTTP outcome) by target size (rows) and needle depth (columns)."""
+    depths = sorted({r.get("depth", 0.5) for r in rows})
+    sizes = list(dict.fromkeys(r["target_tokens"] for r in rows))
+    cell = {(r["target_tokens"], r.get("depth", 0.5)): r.get("outcome") or
+            ("HIT" if r.get("needle_found") else "MISS") for r in rows}
+    table = [[f"{t:,}", *(cell.get((t, d), "-") for d in depths)] for t in sizes]
+    hits = sum(v == "HIT" for v in cell.values())
+    return (f"HIT / MISS by size and depth ({hits} of {len(cell)} HIT)\n"
+            + format_table(["target tokens", *(f"depth {d:g}" for d in depths)], table))
+
+
 def needle_report_text(result: dict[str, Any]) -> str:
     head = (f"hyserve bench needle: {result['model']} at {result['api_url']} | answer {result['answer']!r}, "
             f"filler sized by {result['token_count_method']} ({result['tokens_per_filler_word']:.2f} tokens/word)")
-    headers = ["target tokens", "prompt tokens", "status", "latency s", "needle found", "healthy after", "error"]
-    rows = [[r["target_tokens"], r["prompt_tokens"] if r["prompt_tokens"] is not None else
+    headers = ["target tokens", "depth", "prompt tokens", "status", "latency s", "needle found", "healthy after",
+               "error"]
+    rows = [[r["target_tokens"], r.get("depth", "-"), r["prompt_tokens"] if r["prompt_tokens"] is not None else
              f"~{r['estimated_prompt_tokens']:,}", r["status"] if r["status"] is not None else "no response",
              r["latency_s"], r["needle_found"], r["healthy_after"], (r["error"] or "")[:160]]
             for r in result["results"]]
-    return head + "\n" + format_table(headers, rows)
+    return head + "\n" + format_table(headers, rows) + "\n\n" + needle_grid_text(result["results"])
 
 
 # ---- files -----------------------------------------------------------------------------------------------
