@@ -418,6 +418,20 @@ def _combine_kernel(y_ptr, extra_ptr, out_ptr, N, s_ym, s_et, s_ot, TOP_K: tl.co
 # --------------------------------------------------------------------------- decode GEMVs
 
 
+@triton.jit
+def _gemv_tile(v_row, w_rows, kk, K, EVEN_K: tl.constexpr):
+    """K tile `kk` of a vector row and of the BLOCK_N weight rows `w_rows` ([BLOCK_N, 1] pointers), masked
+    past K unless EVEN_K."""
+    if EVEN_K:
+        v = tl.load(v_row + kk)
+        w = tl.load(w_rows + kk[None, :])
+    else:
+        km = kk < K
+        v = tl.load(v_row + kk, mask=km, other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=km[None, :], other=0.0)
+    return v, w
+
+
 @triton.jit(do_not_specialize=["n_routed"])
 def _up_gemv_kernel(
     x_ptr, w_ptr, ids_ptr, h_ptr, su_ptr, N, K, n_routed, s_xt, s_we, s_wn, s_hm, sc_ptr,
@@ -446,14 +460,7 @@ def _up_gemv_kernel(
     w_rows = w_base + offs_n[:, None] * s_wn
     part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        kk = k0 + offs_k
-        if EVEN_K:
-            xv = tl.load(x_row + kk)
-            w = tl.load(w_rows + kk[None, :])
-        else:
-            km = kk < K
-            xv = tl.load(x_row + kk, mask=km, other=0.0)
-            w = tl.load(w_rows + kk[None, :], mask=km[None, :], other=0.0)
+        xv, w = _gemv_tile(x_row, w_rows, k0 + offs_k, K, EVEN_K)
         part += w.to(tl.float32) * xv.to(tl.float32)[None, :]
     acc = tl.sum(part, axis=1)
     if W_FP8:
@@ -486,13 +493,7 @@ def _down_gemv_kernel(
             p = t * TOP_K + s
             e = tl.load(ids_ptr + p).to(tl.int64)
             ws = tl.load(tw_ptr + p).to(tl.float32)
-            if EVEN_K:
-                hv = tl.load(h_ptr + p * s_hm + kk)
-                w = tl.load(w_ptr + e * s_we + offs_n[:, None] * s_wn + kk[None, :])
-            else:
-                km = kk < K
-                hv = tl.load(h_ptr + p * s_hm + kk, mask=km, other=0.0)
-                w = tl.load(w_ptr + e * s_we + offs_n[:, None] * s_wn + kk[None, :], mask=km[None, :], other=0.0)
+            hv, w = _gemv_tile(h_ptr + p * s_hm, w_ptr + e * s_we + offs_n[:, None] * s_wn, kk, K, EVEN_K)
             wf = w.to(tl.float32)
             if W_FP8:  # the slot's expert changes along the loop: scale its rows as they load
                 wf = wf * tl.load(sc_ptr + e * N + offs_n)[:, None]
@@ -507,14 +508,7 @@ def _down_gemv_kernel(
             w_rows = w_ptr + e * s_we + offs_n[:, None] * s_wn
             part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-                kk = k0 + offs_k
-                if EVEN_K:
-                    hv = tl.load(h_row + kk)
-                    w = tl.load(w_rows + kk[None, :])
-                else:
-                    km = kk < K
-                    hv = tl.load(h_row + kk, mask=km, other=0.0)
-                    w = tl.load(w_rows + kk[None, :], mask=km[None, :], other=0.0)
+                hv, w = _gemv_tile(h_row, w_rows, k0 + offs_k, K, EVEN_K)
                 part += w.to(tl.float32) * hv.to(tl.float32)[None, :]
             r = tl.sum(part, axis=1)
             if W_FP8:
@@ -527,14 +521,7 @@ def _down_gemv_kernel(
             j = it // kt_s
             kk = (it - j * kt_s) * BLOCK_K + offs_k
             h_row = h_ptr + (n_routed + t * SHARED + j) * s_hm
-            w_rows = sd_ptr + offs_n[:, None] * s_sdn + j * K
-            if EVEN_K:
-                hv = tl.load(h_row + kk)
-                w = tl.load(w_rows + kk[None, :])
-            else:
-                km = kk < K
-                hv = tl.load(h_row + kk, mask=km, other=0.0)
-                w = tl.load(w_rows + kk[None, :], mask=km[None, :], other=0.0)
+            hv, w = _gemv_tile(h_row, sd_ptr + offs_n[:, None] * s_sdn + j * K, kk, K, EVEN_K)
             part_s += w.to(tl.float32) * hv.to(tl.float32)[None, :]
         out += tl.sum(part_s, axis=1)
     tl.store(out_ptr + t * s_ot + cn, out.to(out_ptr.dtype.element_ty), mask=cn < N)
