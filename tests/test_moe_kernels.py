@@ -74,6 +74,17 @@ def _experts_inputs(T: int, E: int, d: int, inter: int, k: int, dtype, ids: torc
     return x, w_up, w_down, w, ids
 
 
+def _variant_config(variant: str, E: int, inter: int, d: int, k: int) -> dict:
+    """The tile config of a kernel form: "gemm", or the decode GEMVs with the down GEMV's flat ("gemv") or
+    nested ("gemv-nested") loop; the GPU's heuristic settings on CUDA, small tiles under the interpreter."""
+    cfg = tm._INTERPRETER_GEMM if variant == "gemm" else tm._INTERPRETER_GEMV
+    if CUDA:
+        cfg = tm.heuristic_config(E, inter, d, 64 if variant == "gemm" else 1, k)
+    if variant.startswith("gemv"):
+        cfg = dict(cfg, down=dict(cfg["down"], FLAT=int(variant == "gemv")))
+    return cfg
+
+
 def _rel_err(out: torch.Tensor, exact: torch.Tensor) -> float:
     return ((out.double() - exact).norm() / exact.norm().clamp_min(1e-30)).item()
 
@@ -218,11 +229,7 @@ def test_experts_match_float64(poison, variant, dtype, case):
     T, k, E, d, inter, experts, always = EXPERT_CASES[case]
     ids = _ids_with(T, k, E, experts, always)
     x, w_up, w_down, w, ids = _experts_inputs(T, E, d, inter, k, dtype, ids)
-    cfg = tm._INTERPRETER_GEMM if variant == "gemm" else tm._INTERPRETER_GEMV
-    if CUDA:
-        cfg = tm.heuristic_config(E, inter, d, 64 if variant == "gemm" else 1, k)
-    if variant.startswith("gemv"):  # the down GEMV's two loop forms
-        cfg = dict(cfg, down=dict(cfg["down"], FLAT=int(variant == "gemv")))
+    cfg = _variant_config(variant, E, inter, d, k)
     with poison:
         out = tm.moe_experts_triton(x, w_up, w_down, w, ids, config=cfg)
     assert out.dtype == dtype and out.shape == (T, d)
@@ -253,11 +260,7 @@ def test_fp8_experts_match_float64_of_the_dequantised_experts(poison, variant, d
     x, w_up, w_down, w, ids = _experts_inputs(T, E, d, inter, k, F32, ids)
     x = x.to(dtype)
     (qu, su), (qd, sd) = _fp8_experts(w_up), _fp8_experts(w_down)
-    cfg = tm._INTERPRETER_GEMM if variant == "gemm" else tm._INTERPRETER_GEMV
-    if CUDA:
-        cfg = tm.heuristic_config(E, inter, d, 64 if variant == "gemm" else 1, k)
-    if variant.startswith("gemv"):
-        cfg = dict(cfg, down=dict(cfg["down"], FLAT=int(variant == "gemv")))
+    cfg = _variant_config(variant, E, inter, d, k)
     with poison:
         out = tm.moe_experts_triton(x, qu, qd, w, ids, up_scale=su, down_scale=sd, config=cfg)
     assert out.dtype == dtype and torch.isfinite(out).all()
@@ -334,11 +337,7 @@ def test_experts_with_the_shared_expert_match_float64(poison, variant, S, case):
     ids = _ids_with(T, k, E, experts, always)
     x, w_up, w_down, w, ids = _experts_inputs(T, E, d, inter, k, F32, ids)
     su, sd = _shared_weights(d, inter, S, F32)
-    cfg = tm._INTERPRETER_GEMM if variant == "gemm" else tm._INTERPRETER_GEMV
-    if CUDA:
-        cfg = tm.heuristic_config(E, inter, d, 64 if variant == "gemm" else 1, k)
-    if variant.startswith("gemv"):
-        cfg = dict(cfg, down=dict(cfg["down"], FLAT=int(variant == "gemv")))
+    cfg = _variant_config(variant, E, inter, d, k)
     with poison:
         out = tm.moe_experts_triton(x, w_up, w_down, w, ids, su, sd, config=cfg)
     exact = ref.moe_experts_ref(x.double(), w_up.double(), w_down.double(), w.double(), ids, su.double(), sd.double())

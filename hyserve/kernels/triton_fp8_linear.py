@@ -63,6 +63,16 @@ def _e4m3_bits(v):
     return (sign | tl.where(tl.abs(v) < 0.015625, sub, normal)).to(tl.uint8)
 
 
+@triton.jit
+def _load_act(ptrs, mask, RELU2: tl.constexpr):
+    """Activations as float32 (0 where masked), relu(x)^2 when RELU2."""
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if RELU2:
+        x = tl.maximum(x, 0.0)
+        x = x * x
+    return x
+
+
 @triton.jit(do_not_specialize=["M"])
 def _quant_rows_kernel(
     x_ptr, q_ptr, s_ptr, M, K, s_xm, s_qm, s_sm,
@@ -76,10 +86,7 @@ def _quant_rows_kernel(
     if GROUP > 0:
         offs = g * GROUP + tl.arange(0, GROUP)
         mask = offs < K
-        x = tl.load(x_ptr + row * s_xm + offs, mask=mask, other=0.0).to(tl.float32)
-        if RELU2:
-            x = tl.maximum(x, 0.0)
-            x = x * x
+        x = _load_act(x_ptr + row * s_xm + offs, mask, RELU2)
         amax = tl.max(tl.abs(x), axis=0)
         scale = tl.where(amax > 0, amax / 448.0, 1.0)
         v = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
@@ -90,19 +97,13 @@ def _quant_rows_kernel(
         m = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs
-            x = tl.load(x_ptr + row * s_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
-            if RELU2:
-                x = tl.maximum(x, 0.0)
-                x = x * x
+            x = _load_act(x_ptr + row * s_xm + kk, kk < K, RELU2)
             m = tl.maximum(m, tl.abs(x))
         amax = tl.max(m, axis=0)
         scale = tl.where(amax > 0, amax / 448.0, 1.0)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs
-            x = tl.load(x_ptr + row * s_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
-            if RELU2:
-                x = tl.maximum(x, 0.0)
-                x = x * x
+            x = _load_act(x_ptr + row * s_xm + kk, kk < K, RELU2)
             v = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
             tl.store(q_ptr + row * s_qm + kk, _e4m3_bits(v), mask=kk < K)
         tl.store(s_ptr + row * s_sm, scale)
