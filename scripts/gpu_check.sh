@@ -27,13 +27,10 @@ mkdir -p benchmarks/results
 # the log goes to $OUT as it is written and results are copied after every part, so a call cut short
 # still returns what ran
 log=${OUT:-benchmarks/results}/gpu_check.log
-mark=$(mktemp)  # results written after this call began are the ones copied (the tree carries earlier ones)
-save() {
-  if [ -n "${OUT:-}" ]; then
-    find benchmarks/results -maxdepth 1 -type f -newer "$mark" -exec cp {} "$OUT"/ \;
-  fi
-  return 0
-}
+# shellcheck source=scripts/device_out.sh
+. scripts/device_out.sh
+out_mark
+save() { out_save; }
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'

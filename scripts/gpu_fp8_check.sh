@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for FP8 weights (issue 19): the GPU tests of the FP8 kernels and model, then the FP8 GEMM
 # benchmark and the Nano 9B v2 model benchmark (bf16 then FP8 in one process, ratios in the same run).
-# Results land in benchmarks/results/ and, when $OUT is set (the lent-GPU tool), are copied there too.
+# Results land in benchmarks/results/ and, when $OUT is set (the lent-GPU tool), the ones this call wrote are
+# copied there after each part (scripts/device_out.sh).
 # usage: scripts/gpu_fp8_check.sh [GIT_SHA [tests|kernels|model|super ...]]   (default: tests kernels model)
 #   super (not a default part): Nemotron 3 Super 120B-A12B, every layer, FP8 alone on one H200
 #   (bench_model.py --quantization fp8 --fp8-only): start-up, capacity report, batch-1 and batch-64 decode.
@@ -12,7 +13,10 @@ parts=" ${*:-tests kernels model} "
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p benchmarks/results
-log=benchmarks/results/gpu_fp8_check.log
+# shellcheck source=scripts/device_out.sh
+. scripts/device_out.sh
+out_mark
+log=${OUT:-benchmarks/results}/gpu_fp8_check.log  # written to $OUT as it goes
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
@@ -32,16 +36,19 @@ log=benchmarks/results/gpu_fp8_check.log
       done
     done
   fi
+  out_save
   [[ $parts == *" kernels "* ]] && echo "== FP8 GEMM vs bf16 cuBLAS (M = 1, 64, 8192)" \
     && timeout 540 python3 benchmarks/bench_kernels.py --only fp8_linear --git-sha "$sha" \
        --out "benchmarks/results/kernels_fp8_$sha.json" 2>&1 | tail -45
+  out_save
   [[ $parts == *" model "* ]] && echo "== Nano 9B v2: bf16, then FP8, in one process" \
     && timeout 560 python3 benchmarks/bench_model.py --quantization fp8 --skip-transformers --git-sha "$sha" 2>&1 \
        | grep -v "warm-up \[" | tail -45
+  out_save
   [[ $parts == *" super "* ]] && echo "== Nemotron 3 Super 120B-A12B, every layer, FP8 on one GPU" \
     && timeout 560 python3 benchmarks/bench_model.py --quantization fp8 --fp8-only --weight-budget-gib 125 \
        --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Super-120B-A12B-BF16 --git-sha "$sha" 2>&1 \
        | grep -v "warm-up \[" | tail -45
+  out_save
 } 2>&1 | tee "$log"
-if [ -n "${OUT:-}" ]; then cp benchmarks/results/*.json benchmarks/results/*.md "$log" "$OUT"/ 2>/dev/null; fi
 exit 0
