@@ -14,12 +14,10 @@ import sys
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported before TRITON_INTERPRET could be set", allow_module_level=True)
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+from tests.triton_interpreter import IGNORE_INTERPRETER_WARNING, interpret_without_cuda
+
+interpret_without_cuda()
+pytestmark = IGNORE_INTERPRETER_WARNING
 
 import hyserve.kernels.triton_fp8_linear as t8  # noqa: E402
 from hyserve.kernels.fp8_linear import (  # noqa: E402

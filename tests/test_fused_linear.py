@@ -8,18 +8,13 @@ covers the single row the fused kernel takes and row counts that fall back to th
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported before TRITON_INTERPRET could be set", allow_module_level=True)
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+from tests.triton_interpreter import IGNORE_INTERPRETER_WARNING, interpret_without_cuda
+
+interpret_without_cuda()
+pytestmark = IGNORE_INTERPRETER_WARNING
 
 import hyserve.kernels.triton_fused_linear as tfl  # noqa: E402
 from hyserve.kernels.fused_linear import gated_norm_linear_ref, relu2_linear_ref  # noqa: E402

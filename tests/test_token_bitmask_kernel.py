@@ -12,11 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported before TRITON_INTERPRET could be set", allow_module_level=True)
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+from tests.triton_interpreter import interpret_without_cuda
+
+interpret_without_cuda()
 
 from hyserve.kernels.token_bitmask import apply_token_bitmask_ref, bitmask_width  # noqa: E402
 from hyserve.kernels.triton_token_bitmask import apply_token_bitmask_triton  # noqa: E402

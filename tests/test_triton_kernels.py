@@ -18,13 +18,10 @@ import sys
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported before TRITON_INTERPRET could be set", allow_module_level=True)
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
-# the interpreter converts 1-element arrays to loop bounds, which numpy >= 1.25 warns about
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+from tests.triton_interpreter import IGNORE_INTERPRETER_WARNING, interpret_without_cuda
+
+interpret_without_cuda()
+pytestmark = IGNORE_INTERPRETER_WARNING
 
 
 from hyserve.kernels.activation import relu2_ref  # noqa: E402
