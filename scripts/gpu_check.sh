@@ -24,6 +24,12 @@ if ls .whl/mamba_ssm-*.whl >/dev/null 2>&1; then
     && export PYTHONPATH="$PYTHONPATH:/tmp/peers"
 fi
 mkdir -p benchmarks/results
+# the server wheels (../shared/tools/gpu_wheels.sh, xgrammar included), when carried: the structured-output GPU
+# tests, fairness and soak need them
+if ls .whl/fastapi-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 # the log goes to $OUT as it is written and results are copied after every part, so a call cut short
 # still returns what ran
 log=${OUT:-benchmarks/results}/gpu_check.log
@@ -43,10 +49,6 @@ save() { out_save; }
        --out "benchmarks/results/attn_rounds_$sha.json" 2>&1 | tail -8
   [[ $parts == *" model "* ]] && echo "== model benchmarks" && python3 benchmarks/bench_model.py --git-sha "$sha" 2>&1 | grep -v "warm-up \[" | tail -40
   if [[ $parts == *" fairness "* ]]; then
-    if ls .whl/*.whl >/dev/null 2>&1; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
-      export PYTHONPATH="$PYTHONPATH:/tmp/site"
-    fi
     echo "== fairness: a 1M-token prompt beside 8 streams and a short request every second (issue 22)"
     # the JSON is written after every setting; the budget and the timeout leave time to copy it to $OUT
     # shellcheck disable=SC2086  # FAIRNESS_ARGS is a list of options
@@ -55,10 +57,6 @@ save() { out_save; }
     save
   fi
   if [[ $parts == *" soak "* ]]; then
-    if ls .whl/*.whl >/dev/null 2>&1; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
-      export PYTHONPATH="$PYTHONPATH:/tmp/site"
-    fi
     echo "== soak: ${SOAK_DURATION:-600}s through hyserve serve (issue 17)"
     # shellcheck disable=SC2086  # SOAK_ARGS is a list of options
     python3 benchmarks/bench_soak.py --git-sha "$sha" --duration "${SOAK_DURATION:-600}" ${SOAK_ARGS:-} 2>&1 | tail -60
