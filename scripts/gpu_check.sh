@@ -2,6 +2,8 @@
 # One device call: GPU tests, then the kernel and model benchmarks. Results land in
 # benchmarks/results/ and, when $OUT is set (the lent-GPU tool), are copied there too.
 # usage: scripts/gpu_check.sh [GIT_SHA [tests|kernels|model|soak ...]]   (the lent GPU gets the tree without .git)
+#   tests: one pytest per GPU test file, each under GPU_TEST_TIMEOUT s (default 240); GPU_TESTS="a b" runs only
+#   tests/a.py and tests/b.py.
 #   soak (not a default part): benchmarks/bench_soak.py, `hyserve serve` of the Nano 9B v2 architecture under
 #   512 streams with disconnects and injected faults for SOAK_DURATION s (default 600; SOAK_ARGS adds options).
 #   It needs the server wheels in .whl (../shared/tools/gpu_wheels.sh) carried with the call.
@@ -33,6 +35,9 @@ fi
 # the log goes to $OUT as it is written and results are copied after every part, so a call cut short
 # still returns what ran
 log=${OUT:-benchmarks/results}/gpu_check.log
+# the GPU test files of the tests part (GPU_TESTS names a subset; GPU_TEST_TIMEOUT bounds each, default 240 s)
+gpu_tests="test_triton_kernels test_triton_ssd test_fused_linear test_fp8_kv test_ssm_rounding test_gpu_model
+  test_gpu_warmup test_async_scheduling test_gpu_float32 test_moe_kernels test_token_bitmask_kernel"
 # shellcheck source=scripts/device_out.sh
 . scripts/device_out.sh
 out_mark
@@ -40,9 +45,16 @@ save() { out_save; }
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
-  [[ $parts == *" tests "* ]] && echo "== GPU tests" && python3 -m pytest -q -p no:cacheprovider -rfEs --tb=line --show-capture=no tests/test_triton_kernels.py tests/test_triton_ssd.py \
-    tests/test_fused_linear.py tests/test_fp8_kv.py tests/test_ssm_rounding.py tests/test_gpu_model.py tests/test_gpu_warmup.py \
-    tests/test_async_scheduling.py tests/test_gpu_float32.py tests/test_moe_kernels.py tests/test_token_bitmask_kernel.py 2>&1 | tail -40
+  if [[ $parts == *" tests "* ]]; then
+    # one pytest per file, each under its own timeout, so a slow or hung file names itself and the rest still run
+    echo "== GPU tests"
+    for t in ${GPU_TESTS:-$gpu_tests}; do
+      echo "-- tests/$t.py"
+      timeout "${GPU_TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --show-capture=no \
+        --durations=3 "tests/$t.py" 2>&1 | tail -n 60
+      echo "   exit ${PIPESTATUS[0]} after ${SECONDS}s of the call"
+    done
+  fi
   [[ $parts == *" kernels "* ]] && echo "== kernel benchmarks" && python3 benchmarks/bench_kernels.py --git-sha "$sha" 2>&1 | tail -60
   [[ $parts == *" kernels "* ]] && echo "== prefill attention against SDPA over rounds" \
     && python3 benchmarks/bench_kernels.py --only attn_rounds --rounds 5 --git-sha "$sha" \
