@@ -269,6 +269,9 @@ def test_model_runs_the_kernels_in_place_of_the_reference(monkeypatch: pytest.Mo
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.8
 
 
+@pytest.mark.skipif(CUDA, reason="the dry run is the CPU form (the Triton interpreter); on a GPU "
+                    "scripts/gpu_fp8_check.sh runs the real suite, and the GPU image's numpy 2.5 breaks the interpreter's "
+                    "scalar loop bounds")
 def test_bench_kernels_fp8_suite_runs_and_checks_first(tmp_path) -> None:
     """`bench_kernels.py --only fp8_linear` (dry run: interpreter, tiny shapes): every case passes its check
     against float64 before it is timed, and each record carries the bf16 time of the same run."""

@@ -79,7 +79,9 @@ def _quant_rows_kernel(
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, RELU2: tl.constexpr,
 ):
     """Program (row, g): with GROUP > 0 the 128 columns of group g of one row; with GROUP == 0 the whole
-    row (two passes over it: amax, then the codes). scale = amax / 448 (1 for an all-zero group). RELU2:
+    row (two passes over it: amax, then the codes). scale = amax / 448 (1 for an all-zero group); both
+    divisions round to nearest (div_rn: a plain `/` compiles to the approximate division on CUDA, and the codes
+    must match torch's bit for bit). RELU2:
     the row is relu(x)^2 (in float32, as it loads)."""
     row = tl.program_id(0)
     g = tl.program_id(1)
@@ -88,8 +90,8 @@ def _quant_rows_kernel(
         mask = offs < K
         x = _load_act(x_ptr + row * s_xm + offs, mask, RELU2)
         amax = tl.max(tl.abs(x), axis=0)
-        scale = tl.where(amax > 0, amax / 448.0, 1.0)
-        v = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+        v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
         tl.store(q_ptr + row * s_qm + offs, _e4m3_bits(v), mask=mask)
         tl.store(s_ptr + row * s_sm + g, scale)
     else:
@@ -100,11 +102,11 @@ def _quant_rows_kernel(
             x = _load_act(x_ptr + row * s_xm + kk, kk < K, RELU2)
             m = tl.maximum(m, tl.abs(x))
         amax = tl.max(m, axis=0)
-        scale = tl.where(amax > 0, amax / 448.0, 1.0)
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs
             x = _load_act(x_ptr + row * s_xm + kk, kk < K, RELU2)
-            v = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+            v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
             tl.store(q_ptr + row * s_qm + kk, _e4m3_bits(v), mask=kk < K)
         tl.store(s_ptr + row * s_sm, scale)
 
@@ -142,7 +144,9 @@ def _fp8_gemm_kernel(
             wsc = tl.load(ws_ptr + (offs_n // 128) * s_wsn + kb, mask=mask_n, other=0.0)
             acc += tl.dot(a, w, out_dtype=tl.float32) * (xs[:, None] * wsc[None, :])
         else:
-            acc = tl.dot(a, w, acc, out_dtype=tl.float32)
+            # Hopper's e4m3 warp-group MMA keeps a short accumulator (~14 mantissa bits, the DeepSeek-V3 report):
+            # Triton's sm_90 default accumulates the whole K there; promote to float32 after every K tile.
+            acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K, out_dtype=tl.float32)
     if not BLOCK_SCALED:
         xs = tl.load(as_ptr + offs_m * s_asm, mask=mask_m, other=0.0)
         wsc = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
