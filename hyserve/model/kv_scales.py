@@ -1,9 +1,12 @@
-"""Float8 KV scales of a NemotronH checkpoint: read them beside the weights, set them on the attention
-layers (1.0 where the checkpoint has none, said once at start-up)."""
+"""Float8 KV scales of a NemotronH model: read them beside the weights, set them on the attention layers
+(1.0 where the checkpoint has none, said once at start-up), and record the K / V magnitudes a forward
+produces (`record_kv_amax`, for a start-up calibration)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -113,3 +116,45 @@ def apply_kv_scales(
             "fp8 KV cache: the checkpoint has no k_scale / v_scale for %d of %d attention layers (%s); using 1.0 "
             "there (values beyond +-448 saturate)", len(defaulted), n, ", ".join(map(str, defaulted)),
         )
+
+
+def _mixer(model: NemotronHForCausalLM, layer: int) -> Attention:
+    mixer = model.backbone.layers[layer].mixer
+    assert isinstance(mixer, Attention)
+    return mixer
+
+
+def update_kv_scales(model: NemotronHForCausalLM, scales: dict[int, dict[str, float]]) -> None:
+    """Set the given layers' k_scale and / or v_scale (each positive and finite), keeping the others."""
+    for i, got in scales.items():
+        mixer = _mixer(model, i)
+        mixer.set_kv_scales(got.get("k", float(mixer.k_scale)), got.get("v", float(mixer.v_scale)))
+
+
+@contextmanager
+def record_kv_amax(model: NemotronHForCausalLM) -> Iterator[dict[int, torch.Tensor]]:
+    """Within, every attention layer's forward records max |K| and max |V| over the tokens it projects
+    (what it writes to the KV cache, before any quantisation), per tensor: the yielded dict maps each
+    attention layer to a float32 [2] device tensor (K, V), a running max kept on the device (no host sync
+    per layer; non-finite values propagate). The hooks on k_proj / v_proj read their outputs and return
+    nothing, so the forward's results are unchanged; they are removed on exit, also after an error."""
+    amax: dict[int, torch.Tensor] = {}
+    handles = []
+    try:
+        for i in model.config.attention_layer_ids:
+            mixer = _mixer(model, i)
+            amax[i] = torch.zeros(2, dtype=torch.float32, device=mixer.k_scale.device)
+            for j, proj in enumerate((mixer.k_proj, mixer.v_proj)):
+                handles.append(proj.register_forward_hook(_amax_hook(amax[i], j)))
+        yield amax
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _amax_hook(acc: torch.Tensor, j: int):
+    def hook(_module: torch.nn.Module, _inputs: tuple, out: torch.Tensor) -> None:
+        if out.numel():
+            acc[j] = torch.maximum(acc[j], out.detach().abs().amax().float())  # max() would drop NaN
+
+    return hook
