@@ -29,6 +29,11 @@ from typing import Any
 import yaml
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8")
+# kv_cache_config.kv_scales: where an fp8 KV cache's per-layer k_scale / v_scale come from. "checkpoint": its
+# KV-scale tensors (start-up fails naming the attention layers without them); "calibrate": amax / 448 of a
+# start-up prefill (engine/kv_calibration.py); "unit": 1.0; "auto": the checkpoint's where it has them,
+# calibrated elsewhere
+KV_SCALE_SOURCES = ("auto", "checkpoint", "calibrate", "unit")
 SSM_CACHE_DTYPES = ("float32", "bfloat16", "float16")
 MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
 MAX_PHILOX_ROUNDS = 32  # kv_cache_config.mamba_ssm_philox_rounds: each round is unrolled in the kernels
@@ -240,6 +245,7 @@ class CacheConfig:
     # explicit byte budget for KV + state pools (the CPU's budget)
     max_gpu_total_bytes: int | None = option(None, Int(lo=1, none_ok=True))
     dtype: str = option("auto", Choice(KV_CACHE_DTYPES))  # KV cache dtype
+    kv_scales: str = option("auto", Choice(KV_SCALE_SOURCES))  # fp8 only: KV_SCALE_SOURCES
     mamba_ssm_cache_dtype: str = option("float32", Choice(SSM_CACHE_DTYPES))
     mamba_ssm_stochastic_rounding: bool = option(False, boolean)
     mamba_ssm_philox_rounds: int = option(
@@ -254,6 +260,14 @@ class CacheConfig:
             raise ValueError(
                 "kv_cache_config.mamba_ssm_stochastic_rounding needs kv_cache_config.mamba_ssm_cache_dtype: "
                 f"float16 (got {self.mamba_ssm_cache_dtype})"
+            )
+        if self.kv_scales != "auto" and self.dtype != "fp8":
+            # an explicit choice that could do nothing is a mistake worth stopping for (a 16/32-bit pool
+            # stores K and V unscaled); "auto" is the default and means nothing without fp8
+            raise ValueError(
+                f"kv_cache_config.kv_scales: {self.kv_scales!r} chooses the k_scale / v_scale of an fp8 KV cache, "
+                f"but kv_cache_config.dtype is {self.dtype!r} (K and V are stored unscaled); set "
+                f"kv_cache_config.dtype: fp8, or leave kv_scales at 'auto' (allowed: {list(KV_SCALE_SOURCES)})"
             )
 
 

@@ -62,6 +62,12 @@ def test_the_user_report_yaml_parses(tmp_path) -> None:
         ({"tp_size": 4, "ep_size": 3}, r"ep_size \(3\) must divide tp_size \(4\)"),
         ({"dtype": "int8"}, "dtype"),
         ({"kv_cache_config": {"mamba_ssm_stochastic_rounding": True}}, "float16"),
+        ({"kv_cache_config": {"dtype": "fp8", "kv_scales": "dynamic"}},
+         r"kv_cache_config\.kv_scales: 'dynamic' is not one of \['auto', 'checkpoint', 'calibrate', 'unit'\]"),
+        ({"kv_cache_config": {"kv_scales": "calibrate"}},
+         r"kv_cache_config\.kv_scales: 'calibrate' chooses the k_scale / v_scale of an fp8 KV cache, but "
+         r"kv_cache_config\.dtype is 'auto'.*set kv_cache_config\.dtype: fp8, or leave kv_scales at 'auto'"),
+        ({"kv_cache_config": {"dtype": "bfloat16", "kv_scales": "unit"}}, "kv_cache_config.dtype is 'bfloat16'"),
         ({"enable_chunked_prefill": "yes"}, "enable_chunked_prefill"),
     ],
 )
@@ -107,7 +113,7 @@ def test_accepted_keys_come_from_the_fields() -> None:
     assert accepted_keys(CacheConfig) == {
         "tokens_per_block", "enable_block_reuse", "avg_seq_len", "free_gpu_memory_fraction", "max_tokens",
         "max_gpu_total_bytes", "dtype", "mamba_ssm_cache_dtype", "mamba_ssm_stochastic_rounding",
-        "mamba_ssm_philox_rounds", "mamba_state_config", "allow_oversized_max_seq_len",
+        "mamba_ssm_philox_rounds", "mamba_state_config", "allow_oversized_max_seq_len", "kv_scales",
     }  # fmt: skip
     assert accepted_keys(MambaStateConfig) == {"periodic_snapshot_interval", "additional_snapshot_offsets_from_end"}
     assert accepted_keys(CudaGraphConfig) == {"enable_padding", "max_batch_size", "batch_sizes", "enabled"}
@@ -152,7 +158,7 @@ def test_every_option_is_checked_and_named_by_its_path() -> None:
     from hyserve.config import EngineConfig
 
     paths = _option_paths(EngineConfig)
-    assert len(paths) == 39 and "kv_cache_config.mamba_state_config.periodic_snapshot_interval" in paths
+    assert len(paths) == 40 and "kv_cache_config.mamba_state_config.periodic_snapshot_interval" in paths
     for path in paths:
         with pytest.raises(ValueError, match=path.replace(".", r"\.")):
             build_engine_config(_nested(path, object()))
@@ -217,3 +223,15 @@ def test_cross_field_checks_live_in_one_place() -> None:
         with pytest.raises(ValueError) as from_planner:
             plan_capacity(dataclasses.replace(inp, **change))
         assert str(from_config.value) == str(from_planner.value)
+
+
+@pytest.mark.parametrize("source", ["auto", "checkpoint", "calibrate", "unit", "CALIBRATE"])
+def test_kv_scales_sources_with_fp8(source: str) -> None:
+    cfg = build_engine_config({"kv_cache_config": {"dtype": "fp8", "kv_scales": source}})
+    assert cfg.cache.kv_scales == source.lower()
+
+
+def test_kv_scales_default_is_auto_with_any_kv_dtype() -> None:
+    for dtype in ("auto", "bfloat16", "float16", "float32", "fp8"):
+        assert build_engine_config({"kv_cache_config": {"dtype": dtype}}).cache.kv_scales == "auto"
+    assert build_engine_config({"kv_cache_config": {"dtype": "float16", "kv_scales": "auto"}}).cache.kv_scales == "auto"

@@ -5,7 +5,8 @@
 Reference kernels against float64 math, the Triton kernels against the reference on the same fp8 cache
 (under TRITON_INTERPRET=1 without CUDA, at small sizes; compiled on CUDA, plus the Nemotron Nano 9B v2
 attention shapes), the model with an fp8 pool against a 16/32-bit pool, and the loader (CPU allowed,
-scales from checkpoints, capacity).
+scales from checkpoints, capacity). Where the scales come from (kv_cache_config.kv_scales) and their
+start-up calibration: tests/test_kv_calibration.py.
 
 Poisoning as in test_triton_kernels.py: kernel-allocated buffers come back NaN, and pool rows past each
 sequence's length are NaN (e4m3 0x7f; the interpreter decodes that byte as 480, which a stray read
@@ -457,18 +458,22 @@ def test_kv_scales_load_from_checkpoint_in_common_spellings(tmp_path, caplog):
     assert _layer_scales(bf)[5] == (0.25, 0.25)
 
 
-def test_kv_scales_vllm_spelling_partial_layers_default_to_one(tmp_path, caplog):
+def test_kv_scales_vllm_spelling_partial_layers_calibrate_the_rest(tmp_path, caplog):
+    """kv_scales auto (the default): the checkpoint's scales where it has them, the other layers calibrated
+    at start-up (tests/test_kv_calibration.py); no warning about saturation any more."""
     from hyserve import LLM
 
     d = _checkpoint_with_scales(tmp_path, {
         "backbone.layers.5.mixer.k_scale": torch.tensor(0.125),
         "backbone.layers.5.mixer.attn.v_scale": torch.tensor(4.0),
     })
+    lines: list[str] = []
     with caplog.at_level(logging.INFO, logger="hyserve"):
-        llm = LLM(str(d), device="cpu", max_seq_len=128, kv_cache_config={"dtype": "fp8"}, log=lambda s: None)
-    assert _layer_scales(llm) == {1: (1.0, 1.0), 5: (0.125, 4.0)}
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "fp8 KV" in r.getMessage()]
-    assert len(warnings) == 1 and "1 of 2 attention layers (1)" in warnings[0].getMessage()
+        llm = LLM(str(d), device="cpu", max_seq_len=128, kv_cache_config={"dtype": "fp8"}, log=lines.append)
+    got = _layer_scales(llm)
+    assert got[5] == (0.125, 4.0) and all(0 < s < 1.0 for s in got[1]), got
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [s for s in lines if "calibrated in 1 of 2 attention layers; the other 1 from the checkpoint" in s]
 
 
 @pytest.mark.parametrize(
@@ -489,13 +494,13 @@ def test_bad_kv_scales_are_refused(tmp_path, extra, needle):
         LLM(str(d), device="cpu", max_seq_len=128, kv_cache_config={"dtype": "fp8"}, log=lambda s: None)
 
 
-def test_dummy_weights_use_unit_scales(tmp_path, caplog):
+def test_dummy_weights_with_unit_scales(tmp_path, caplog):
     from hyserve import LLM
     from hyserve.model.tiny import tiny_config
 
     (tmp_path / "config.json").write_text(json.dumps(tiny_config("dense")))
     with caplog.at_level(logging.INFO, logger="hyserve"):
         llm = LLM(str(tmp_path), load_format="dummy", device="cpu", max_seq_len=128,
-                  kv_cache_config={"dtype": "fp8"}, log=lambda s: None)
+                  kv_cache_config={"dtype": "fp8", "kv_scales": "unit"}, log=lambda s: None)
     assert _layer_scales(llm) == {1: (1.0, 1.0), 5: (1.0, 1.0)}
-    assert caplog.text.count("load_format=dummy, k_scale = v_scale = 1.0") == 1
+    assert caplog.text.count("kv_scales unit, k_scale = v_scale = 1.0 in all 2 attention layers") == 1

@@ -54,7 +54,8 @@ def test_register_refuses_a_clashing_family():
     clash = registry.ModelFamily(
         name="other", model_types=("nemotron_h",), architectures=("X",), parse_config=nem.parse_config,
         build=nem.build, init_random=nem.init_random, load_weights=nem.load_weights,
-        set_kv_scales=nem.set_kv_scales, with_cache_dtypes=nem.with_cache_dtypes, with_quant=nem.with_quant,
+        set_kv_scales=nem.set_kv_scales, update_kv_scales=nem.update_kv_scales, record_kv_amax=nem.record_kv_amax,
+        with_cache_dtypes=nem.with_cache_dtypes, with_quant=nem.with_quant,
         weight_bytes=nem.weight_bytes,
     )
     with pytest.raises(ValueError, match="already belong to 'nemotron_h'"):

@@ -114,6 +114,29 @@ def test_moe_tp2_matches_tp1(ckpts: dict[str, str], variant: str, ep: int) -> No
     assert parallel_info().world_size == 1  # close() left the group: the next engine can form its own
 
 
+def _kv_scales(llm: LLM) -> dict[int, tuple[float, float]]:
+    model = llm.engine.loaded.model
+    return {i: (float(model.backbone.layers[i].mixer.k_scale), float(model.backbone.layers[i].mixer.v_scale))
+            for i in model.config.attention_layer_ids}
+
+
+def test_fp8_kv_calibration_tp2_matches_tp1(ckpts: dict[str, str]) -> None:
+    """Calibrated fp8 KV scales over two ranks (each holds one of the two KV heads): rank 0's scales are
+    tp 1's (the max over both ranks' heads, not its own head's), and the greedy output is tp 1's."""
+    opts = {**OPTIONS, "kv_cache_config": {**OPTIONS["kv_cache_config"], "dtype": "fp8"}}
+    prompts = _prompts(4, seed=8)
+    tp1 = LLM(ckpts["tiny-nemotron-h-dense"], **opts)
+    ref, scales = tp1.generate(prompts, GREEDY), _kv_scales(tp1)
+    with LLM(ckpts["tiny-nemotron-h-dense"], tp_size=2, **opts) as llm:
+        # equal up to float32 rounding: the sharded k_proj / v_proj GEMMs round differently
+        got_scales = _kv_scales(llm)
+        assert got_scales.keys() == scales.keys() and all(s != 1.0 for pair in scales.values() for s in pair)
+        for i, pair in scales.items():
+            assert got_scales[i] == pytest.approx(pair, rel=1e-6), (i, got_scales[i], pair)
+        got = llm.generate(prompts, GREEDY)
+    _same(ref, got, "fp8 KV calibrated, tp 2")
+
+
 def test_one_rank_has_no_group_and_the_plain_runner(ckpts: dict[str, str]) -> None:
     llm = LLM(ckpts["tiny-nemotron-h-dense"], **OPTIONS)
     assert type(llm.engine.runner) is ModelRunner and parallel_info().world_size == 1

@@ -1,4 +1,5 @@
-"""Building an engine's parts from its config, in start-up order: load the model, profile activations
+"""Building an engine's parts from its config, in start-up order: load the model, calibrate an fp8 KV
+cache's scales where the checkpoint has none (`kv_calibration`), profile activations
 (CUDA), size the cache pools (the capacity plan), allocate them, build the cache manager, scheduler and
 runner, capture the decode graphs. The engine holds the result; the warm-up runs after (`startup.py`).
 
@@ -23,6 +24,7 @@ from hyserve.config import EngineConfig
 from hyserve.distributed import parallel_info
 from hyserve.engine.cuda_graphs import default_capture_sizes
 from hyserve.engine.jit_sentinel import use_kernel_cache_dir
+from hyserve.engine.kv_calibration import calibrate_kv_scales
 from hyserve.engine.memory_profile import ActivationProfile, profile_activations
 from hyserve.engine.model_loader import LoadedModel, load_model
 from hyserve.engine.parallel_runner import DriverRunner
@@ -68,6 +70,11 @@ def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
         f"({time.monotonic() - t0:.1f}s); weights on this rank {lm.weight_bytes / 2**30:,.2f} GiB ({lm.weight_format})")
     sc = config.scheduler
     max_seq_len = sc.max_seq_len or lm.config.max_position_embeddings
+    # before anything else runs the model: the profile, the decode graphs and the warm-up see the final scales
+    # (and on CUDA its kernels compile into the kernel cache set above)
+    kv_cal = calibrate_kv_scales(lm, tokens_per_block=config.cache.tokens_per_block, max_seq_len=max_seq_len)
+    if kv_cal is not None:
+        log(f"hyserve: {kv_cal.describe()}")
     graph_sizes = graph_batch_sizes(config, lm, log)
     activations = None
     if lm.device.type == "cuda":

@@ -4,14 +4,16 @@
 holding only config.json (the real architectures in benchmarks/configs) runs with token-id prompts.
 
 `kv_cache_config.dtype: fp8` is a float8 e4m3 KV pool with a k_scale / v_scale per attention layer,
-taken from the checkpoint's KV-scale tensors (see `attention.parse_kv_scale_name` for the spellings)
-or 1.0 (always with dummy weights). It runs the Triton kernels on CUDA and the torch reference on CPU.
+chosen by `kv_cache_config.kv_scales`: the checkpoint's KV-scale tensors (see
+`attention.parse_kv_scale_name` for the spellings), 1.0 (`unit`), or calibrated; the layers left to
+calibrate are `LoadedModel.kv_scales_to_calibrate`, which `assembly` hands to `kv_calibration` before
+anything runs on the model. It runs the Triton kernels on CUDA and the torch reference on CPU.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,6 +45,8 @@ class LoadedModel:
     name: str
     weight_bytes: int = 0  # this rank's parameters and buffers
     weight_format: str = "16-bit"  # for the start-up report: "16-bit" or the FP8 layout and its share
+    # fp8 KV pool: the attention layers whose k_scale / v_scale (or one of them) are still to be calibrated
+    kv_scales_to_calibrate: dict[int, tuple[str, ...]] = field(default_factory=dict)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -134,7 +138,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
         kv_scales: dict[int, dict[str, float]] = {}
     else:
         kv_scales = family.load_weights(model, model_dir)
-    family.set_kv_scales(model, kv_scales, fp8=kv_dtype in FP8_KV_DTYPES, dummy=fmt == "dummy")
+    to_calibrate = family.set_kv_scales(
+        model, kv_scales, fp8=kv_dtype in FP8_KV_DTYPES, dummy=fmt == "dummy", source=config.cache.kv_scales
+    )
     model.eval()  # type: ignore[attr-defined]
     if quant is not None and device.type == "cuda":
         torch.cuda.empty_cache()  # the 16-bit tensors quantised on the device: their blocks back to free memory
@@ -157,4 +163,5 @@ def load_model(config: EngineConfig) -> LoadedModel:
         name=config.served_model_name or name,
         weight_bytes=total,
         weight_format=fmt_line,
+        kv_scales_to_calibrate=to_calibrate,
     )

@@ -5,7 +5,8 @@ With a float8 KV pool the layer quantises K and V with its two float32 scalars `
 (vLLM's per-tensor scheme; see kernels/attention.py): cache = clamp(k / k_scale, +-448) as e4m3, read
 back as cache * k_scale. The scales are non-persistent buffers: they are not weights (random init and
 checkpoint saving skip them); the model loader fills them from the checkpoint's k_scale / v_scale
-tensors, or with 1.0. They reach the kernels as device tensors, never host floats, so a decode step
+tensors or with 1.0, and the start-up calibration (engine/kv_calibration.py) those it is asked to
+compute, as `kv_cache_config.kv_scales` says. They reach the kernels as device tensors, never host floats, so a decode step
 stays capturable in a CUDA graph.
 
 Under tensor parallelism a rank holds num_attention_heads / tp query heads and the KV heads they read

@@ -1,9 +1,13 @@
-"""Float8 KV scales of a NemotronH checkpoint: read them beside the weights, set them on the attention
-layers (1.0 where the checkpoint has none, said once at start-up)."""
+"""Float8 KV scales of a NemotronH model: read them beside the weights, set them on the attention layers
+as `kv_cache_config.kv_scales` says (checkpoint / calibrate / unit / auto, config.KV_SCALE_SOURCES), and
+record the K / V magnitudes a calibration prefill produces (`record_kv_amax`; the prefill itself and the
+scales it gives are engine/kv_calibration.py's)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -81,35 +85,86 @@ def load_checkpoint_with_kv_scales(model: NemotronHForCausalLM, model_dir: Path)
 
 
 def apply_kv_scales(
-    model: NemotronHForCausalLM, scales: dict[int, dict[str, float]], *, fp8: bool, dummy: bool = False
-) -> None:
-    """Set every attention layer's k_scale / v_scale (1.0 where `scales` has none) and say once, for a
-    float8 pool, which layers run with 1.0."""
+    model: NemotronHForCausalLM, scales: dict[int, dict[str, float]], *, fp8: bool, dummy: bool = False,
+    source: str = "auto",
+) -> dict[int, tuple[str, ...]]:
+    """Set every attention layer's k_scale / v_scale from `scales` (the checkpoint's) as `source` says, 1.0
+    elsewhere, and return what is left to calibrate: {layer: ("k", "v") or the one missing} (empty unless
+    fp8 with source auto or calibrate). Says once at start-up where the scales came from.
+
+    checkpoint: every attention layer must have both (else a ValueError naming the layers without);
+    unit: 1.0 everywhere, the checkpoint's unused; calibrate: every layer calibrated; auto: the checkpoint's
+    where it has them, the rest calibrated. With a 16/32-bit pool the scales are set (unused) and nothing is
+    calibrated (config.CacheConfig refuses a source other than auto there)."""
     cfg = model.config
-    defaulted = []
-    for i in cfg.attention_layer_ids:
-        got = scales.get(i, {})
-        if "k" not in got or "v" not in got:
-            defaulted.append(i)
-        mixer = model.backbone.layers[i].mixer
-        assert isinstance(mixer, Attention)
-        mixer.set_kv_scales(got.get("k", 1.0), got.get("v", 1.0))
+    ids = list(cfg.attention_layer_ids)
+    use = {} if fp8 and source in ("unit", "calibrate") else scales
+    missing = {i: tuple(k for k in ("k", "v") if k not in use.get(i, {})) for i in ids}
+    missing = {i: m for i, m in missing.items() if m}
+    for i in ids:
+        got = use.get(i, {})
+        _mixer(model, i).set_kv_scales(got.get("k", 1.0), got.get("v", 1.0))
     if not fp8:
         if scales:
             logger.info("the checkpoint's KV scales (%d layers) are unused: the KV cache is not fp8", len(scales))
-        return
-    n = len(cfg.attention_layer_ids)
-    if not defaulted:
+        return {}
+    n = len(ids)
+    if source == "checkpoint" and missing:
+        where = "load_format=dummy has no checkpoint" if dummy else "the checkpoint has none"
+        raise ValueError(
+            f"kv_cache_config.kv_scales: 'checkpoint', but {where} for {len(missing)} of {n} attention layers: "
+            + ", ".join(f"layer {i} ({' / '.join(k + '_scale' for k in m)})" for i, m in missing.items())
+            + "; use kv_scales 'auto' or 'calibrate' (computed at start-up) or 'unit' (1.0, values beyond +-448 "
+            "saturate)"
+        )
+    unused = f"; the checkpoint's scales for {len(scales)} layers are not used" if scales and use is not scales else ""
+    if source == "unit":
+        logger.info("fp8 KV cache: kv_scales unit, k_scale = v_scale = 1.0 in all %d attention layers%s", n, unused)
+        return {}
+    if not missing:
         logger.info("fp8 KV cache: k_scale / v_scale from the checkpoint for all %d attention layers", n)
-    elif dummy:
-        logger.info("fp8 KV cache: load_format=dummy, k_scale = v_scale = 1.0 in all %d attention layers", n)
-    elif len(defaulted) == n:
-        logger.warning(
-            "fp8 KV cache: the checkpoint has no k_scale / v_scale tensors; using 1.0 in all %d attention layers "
-            "(K/V values beyond +-448 saturate)", n,
-        )
-    else:
-        logger.warning(
-            "fp8 KV cache: the checkpoint has no k_scale / v_scale for %d of %d attention layers (%s); using 1.0 "
-            "there (values beyond +-448 saturate)", len(defaulted), n, ", ".join(map(str, defaulted)),
-        )
+    elif unused:
+        logger.info("fp8 KV cache: kv_scales calibrate%s", unused)
+    return missing
+
+
+def _mixer(model: NemotronHForCausalLM, layer: int) -> Attention:
+    mixer = model.backbone.layers[layer].mixer
+    assert isinstance(mixer, Attention)
+    return mixer
+
+
+def update_kv_scales(model: NemotronHForCausalLM, scales: dict[int, dict[str, float]]) -> None:
+    """Set the given layers' k_scale and / or v_scale (each positive and finite), keeping the others."""
+    for i, got in scales.items():
+        mixer = _mixer(model, i)
+        mixer.set_kv_scales(got.get("k", float(mixer.k_scale)), got.get("v", float(mixer.v_scale)))
+
+
+@contextmanager
+def record_kv_amax(model: NemotronHForCausalLM) -> Iterator[dict[int, torch.Tensor]]:
+    """Within, every attention layer's forward records max |K| and max |V| over the tokens it projects
+    (what it writes to the KV cache, before any quantisation), per tensor: the yielded dict maps each
+    attention layer to a float32 [2] device tensor (K, V), a running max kept on the device (no host sync
+    per layer; non-finite values propagate). The hooks on k_proj / v_proj read their outputs and return
+    nothing, so the forward's results are unchanged; they are removed on exit, also after an error."""
+    amax: dict[int, torch.Tensor] = {}
+    handles = []
+    try:
+        for i in model.config.attention_layer_ids:
+            mixer = _mixer(model, i)
+            amax[i] = torch.zeros(2, dtype=torch.float32, device=mixer.k_scale.device)
+            for j, proj in enumerate((mixer.k_proj, mixer.v_proj)):
+                handles.append(proj.register_forward_hook(_amax_hook(amax[i], j)))
+        yield amax
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _amax_hook(acc: torch.Tensor, j: int):
+    def hook(_module: torch.nn.Module, _inputs: tuple, out: torch.Tensor) -> None:
+        if out.numel():
+            acc[j] = torch.maximum(acc[j], out.detach().abs().amax().float())  # max() would drop NaN
+
+    return hook

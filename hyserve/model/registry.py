@@ -8,6 +8,7 @@ family (Granite-4.0-H, Bamba, Falcon-H1, Zamba2) is one entry here plus its own 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,12 @@ from typing import Any
 import torch
 
 from hyserve.model.config import HybridModelConfig, read_config_json
-from hyserve.model.kv_scales import apply_kv_scales, load_checkpoint_with_kv_scales
+from hyserve.model.kv_scales import (
+    apply_kv_scales,
+    load_checkpoint_with_kv_scales,
+    record_kv_amax,
+    update_kv_scales,
+)
 from hyserve.model.nemotron_h import NemotronHForCausalLM
 from hyserve.model.protocol import CausalLM, ModelSpec
 from hyserve.model.quant_config import QuantConfig
@@ -32,8 +38,13 @@ class ModelFamily:
     init_random: Callable[[Any, Any, int], None]  # (model, parsed config, seed): load_format dummy
     # (model, checkpoint dir) -> float8 KV scales found beside the weights, {layer: {"k": s, "v": s}}
     load_weights: Callable[[Any, Path], dict[int, dict[str, float]]]
-    # (model, scales, fp8 pool?, dummy weights?): every attention layer's k/v scale set
-    set_kv_scales: Callable[..., None]
+    # (model, scales, fp8 pool?, dummy weights?, kv_cache_config.kv_scales): every attention layer's k/v scale
+    # set -> what is left to calibrate, {layer: ("k", "v") or the one missing}
+    set_kv_scales: Callable[..., dict[int, tuple[str, ...]]]
+    # (model, {layer: {"k": s, "v": s}}): set calibrated scales (a layer may give one of the two)
+    update_kv_scales: Callable[[Any, dict[int, dict[str, float]]], None]
+    # (model) -> within: each attention layer's max |K|, |V| of the forwards run, {layer: float32 [2] tensor}
+    record_kv_amax: Callable[[Any], AbstractContextManager[dict[int, torch.Tensor]]]
     # (run dtype, cache dtypes...) folded into the parsed config: see HybridModelConfig.with_cache_dtypes
     with_cache_dtypes: Callable[..., ModelSpec]
     # (parsed config, QuantConfig | None) -> the config with that weight format (model/quant_config.py)
@@ -51,7 +62,11 @@ _FAMILIES: list[ModelFamily] = [
         build=lambda cfg, dtype: NemotronHForCausalLM(cfg, dtype=dtype),
         init_random=lambda model, cfg, seed: init_random_weights(model, cfg, seed=seed),
         load_weights=load_checkpoint_with_kv_scales,
-        set_kv_scales=lambda model, scales, *, fp8, dummy: apply_kv_scales(model, scales, fp8=fp8, dummy=dummy),
+        set_kv_scales=lambda model, scales, *, fp8, dummy, source: apply_kv_scales(
+            model, scales, fp8=fp8, dummy=dummy, source=source
+        ),
+        update_kv_scales=update_kv_scales,
+        record_kv_amax=record_kv_amax,
         with_cache_dtypes=lambda cfg, **kw: cfg.with_cache_dtypes(**kw),
         with_quant=lambda cfg, quant: cfg.with_quant(quant),
         weight_bytes=lambda cfg, dtype: weight_bytes(cfg, dtype),
