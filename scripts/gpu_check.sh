@@ -46,12 +46,13 @@ save() { out_save; }
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
   if [[ $parts == *" tests "* ]]; then
-    # one pytest per file, each under its own timeout, so a slow or hung file names itself and the rest still run
+    # one pytest per file, each under its own timeout, so a slow or hung file names itself and the rest still run;
+    # the whole report goes to the log (a tail cut the failures' first lines off)
     echo "== GPU tests"
     for t in ${GPU_TESTS:-$gpu_tests}; do
       echo "-- tests/$t.py"
       timeout "${GPU_TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --show-capture=no \
-        --durations=3 "tests/$t.py" 2>&1 | tail -n 60
+        --durations=3 "tests/$t.py" 2>&1
       echo "   exit ${PIPESTATUS[0]} after ${SECONDS}s of the call"
     done
   fi
