@@ -1,11 +1,11 @@
 """Compiles the Triton kernels a Nemotron Nano 9B v2-width model launches ahead of time for sm_90 (no GPU
 needed) through their real launchers, at the GPU launch settings, and prints each kernel's largest shared
 memory as one JSON line: {"dtype": ..., "kernels": {name: bytes}, "ptx": {name: ["e4m3", "wgmma.mma_async"]}}
-(the second: which of those its PTX holds).
+(the second: which of those its PTX holds; "cvt.bf16.f16": a scalar float16 -> bf16 convert).
 
     python tests/sm90_compile_check.py float32 [op ...] [--only kernel,...]
-                                            # ops: attention ssd ssm_update conv1d norm moe sampling fp8
-                                            #      moe_fp8 (default: all)
+                                            # ops: attention attention_fp8 ssd ssm_update conv1d norm
+                                            #      moe sampling fp8 moe_fp8 (default: all)
 
 The launchers run on CPU tensors with a stand-in driver that reports an sm_90 device, and every launch
 compiles (as `warmup=True`) instead of running, so the shared memory is what the compiler asks for on an
@@ -73,6 +73,19 @@ def _attention(dt: torch.dtype) -> None:
     q = torch.randn(3, HQ, HEAD_DIM).to(dt)
     paged_attention_triton(q[:2], kc, vc, tables[:2], [10, 200], [0, 1, 2], HEAD_DIM**-0.5)  # decode
     paged_attention_triton(q, kc, vc, tables[:1], [200], [0, 3], HEAD_DIM**-0.5)  # prefill / extend
+
+
+def _attention_fp8(dt: torch.dtype) -> None:
+    """The decode and prefill kernels over an e4m3 cache with per-layer scales, queries of dtype dt."""
+    from hyserve.kernels.triton_attention import paged_attention_triton
+
+    kc = torch.zeros(4, BLOCK, HKV, HEAD_DIM).to(torch.float8_e4m3fn)
+    vc = kc.clone()
+    tables = torch.arange(4, dtype=torch.int32).view(1, 4).repeat(3, 1)
+    q = torch.randn(3, HQ, HEAD_DIM).to(dt)
+    scales = dict(k_scale=torch.tensor(0.03), v_scale=torch.tensor(0.02))
+    paged_attention_triton(q[:2], kc, vc, tables[:2], [10, 200], [0, 1, 2], HEAD_DIM**-0.5, **scales)  # decode
+    paged_attention_triton(q, kc, vc, tables[:1], [200], [0, 3], HEAD_DIM**-0.5, **scales)  # prefill / extend
 
 
 def _ssd(dt: torch.dtype) -> None:
@@ -181,7 +194,7 @@ def _moe_fp8(dt: torch.dtype) -> None:
                            config=cfg)
 
 
-OPS = {"attention": _attention, "ssd": _ssd, "ssm_update": _ssm_update, "conv1d": _conv1d, "norm": _norm,
+OPS = {"attention": _attention, "attention_fp8": _attention_fp8, "ssd": _ssd, "ssm_update": _ssm_update, "conv1d": _conv1d, "norm": _norm,
        "moe": _moe, "sampling": _sampling, "fp8": _fp8, "moe_fp8": _moe_fp8}
 
 
@@ -204,7 +217,7 @@ def main(argv: list[str]) -> None:
         kernel = real_run(self, *args, grid=grid, warmup=True, **kwargs)
         shared[name] = max(shared.get(name, 0), kernel.metadata.shared)
         ptx = kernel.asm.get("ptx", "")
-        mma.setdefault(name, set()).update(k for k in ("wgmma.mma_async", "e4m3") if k in ptx)
+        mma.setdefault(name, set()).update(k for k in ("wgmma.mma_async", "e4m3", "cvt.bf16.f16") if k in ptx)
         return kernel
 
     driver.set_active(_Sm90())

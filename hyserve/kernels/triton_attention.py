@@ -106,7 +106,7 @@ def write_kv_triton(
 # Softmax in float32 with exp2 (the scale folded with log2(e)); P is cast to the V dtype for the PV product,
 # as flash attention does. Float8 (e4m3) caches with per-layer scales: the write kernel stores
 # clamp(k / k_scale, -448, 448); the readers upcast the raw e4m3 tile to q's dtype (exact: every e4m3 value
-# is a bf16/fp16 value) and fold the scales into scalars instead of touching every element,
+# is a bf16/fp16 value; bf16 queries turn float16 first, `_f16_queries`) and fold the scales into scalars instead of touching every element,
 #
 #     scores = (q . k8) * (softmax_scale * k_scale)      out = (sum_j p_j v8_j / l) * v_scale
 #
@@ -137,6 +137,18 @@ def _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, mn, offs_d, md, kvh, q,
         k = tl.load(k_ptrs).to(q.dtype)
         v = tl.load(v_ptrs).to(q.dtype)
     return k, v
+
+
+@triton.jit
+def _f16_queries(q, F16_TILES: tl.constexpr):
+    """bf16 queries as float16 when the cache is float8 (F16_TILES), so the e4m3 tiles upcast to float16 and
+    both products run in float16: e4m3 -> f16 is one instruction per pair on sm_89+ while e4m3 -> bf16 adds a
+    scalar f16 -> bf16 convert per element (the sm_90 PTX of the decode loop: 256 cvt.rn.f16x2.e4m3x2 and 512
+    cvt.bf16.f16). float16 holds every e4m3 value exactly and P in [0, 1] with 3 more mantissa bits than bf16;
+    the queries are clamped to its +-65504 range."""
+    if F16_TILES:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    return q
 
 
 @triton.jit
@@ -204,7 +216,7 @@ def _decode_kernel(
     s_pl_sp, s_pl_s,  # partial lse [splits, nd, Hq] fp32, last stride 1
     BS: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-    IEEE: tl.constexpr, KV_SCALED: tl.constexpr,
+    IEEE: tl.constexpr, KV_SCALED: tl.constexpr, F16_TILES: tl.constexpr,
 ):
     s = tl.program_id(0).to(tl.int64)  # index among the decode sequences
     kvh = tl.program_id(1)
@@ -226,6 +238,7 @@ def _decode_kernel(
     heads = kvh * REP + offs_r
     q = tl.load(q_ptr + row * s_q_t + heads[:, None] * s_q_h + offs_d[None, :], mask=mr[:, None] & md[None, :],
                 other=0.0)
+    q = _f16_queries(q, F16_TILES)
 
     if KV_SCALED:
         qk_scale = qk_scale * tl.load(ks_ptr).to(tl.float32)
@@ -308,6 +321,7 @@ def _prefill_kernel(
     s_bt_s, s_o_t, s_o_h,
     BS: tl.constexpr, REP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, KV_SCALED: tl.constexpr,
+    F16_TILES: tl.constexpr,
     TMA: tl.constexpr,
 ):
     # TMA 1 / 2: kd / vd are tensor descriptors over the pools as [blocks * BS, kv_heads * HEAD_DIM] and
@@ -335,6 +349,7 @@ def _prefill_kernel(
     md = offs_d < HEAD_DIM
     q = tl.load(q_ptr + (q0 + offs_m)[:, None] * s_q_t + h * s_q_h + offs_d[None, :],
                 mask=mm[:, None] & md[None, :], other=0.0)
+    q = _f16_queries(q, F16_TILES)
     qpos = ctx + offs_m
     if KV_SCALED:
         qk_scale = qk_scale * tl.load(ks_ptr).to(tl.float32)
@@ -501,6 +516,7 @@ def paged_attention_triton(
         return out
     rep = Hq // Hkv
     ieee = q.dtype == torch.float32
+    f16_tiles = k_cache.dtype in FP8_KV_DTYPES and q.dtype == torch.bfloat16  # see _f16_queries
     qk_scale = float(scale) * _LOG2E
     D_PAD = triton.next_power_of_2(Dh)
     on_gpu = q.is_cuda
@@ -544,7 +560,7 @@ def paged_attention_triton(
             po.stride(0), po.stride(1), po.stride(2), plse.stride(0), plse.stride(1),
             BS=BS, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)),
             HEAD_DIM=Dh, D_PAD=D_PAD, BLOCK_N=BLOCK_N, MIN_SPLIT=triton.cdiv(_MIN_SPLIT_TOKENS, BLOCK_N) * BLOCK_N,
-            IEEE=ieee, KV_SCALED=scaled, **dcfg,
+            IEEE=ieee, KV_SCALED=scaled, F16_TILES=f16_tiles, **dcfg,
         )
         _combine_kernel[(nd, Hq)](
             po, plse, cu_t, out, 0, splits,
@@ -568,7 +584,7 @@ def paged_attention_triton(
             q, k_cache, v_cache, kd, vd, block_tables, lens_t, cu_t, out, ks, vs,
             nd, qk_scale,
             q.stride(0), q.stride(1), *strides_kv, block_tables.stride(0), out.stride(0), out.stride(1),
-            BS=BS, REP=rep, HEAD_DIM=Dh, D_PAD=D_PAD, IEEE=ieee, KV_SCALED=scaled, TMA=tma,
+            BS=BS, REP=rep, HEAD_DIM=Dh, D_PAD=D_PAD, IEEE=ieee, KV_SCALED=scaled, F16_TILES=f16_tiles, TMA=tma,
             **pcfg,
         )
     return out
