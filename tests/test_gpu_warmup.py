@@ -60,16 +60,18 @@ def late_variants(llm: LLM) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("variant, extra", [
-    ("dense", {}),
+@pytest.mark.parametrize("variant, extra, kv", [
+    ("dense", {}, {}),
     # MoE decode from CUDA graphs, every token bucket warmed; the step cost model calibrated and sizing chunks
-    ("moe", {"max_step_ms": 20.0}),
+    ("moe", {"max_step_ms": 20.0}, {}),
+    # an fp8 KV cache: the start-up scale calibration (16-bit scratch cache) and the fp8 attention variants
+    ("dense", {}, {"dtype": "fp8"}),
 ])
-def test_no_jit_after_warmup_tiny(tmp_path: Path, variant: str, extra: dict) -> None:
+def test_no_jit_after_warmup_tiny(tmp_path: Path, variant: str, extra: dict, kv: dict) -> None:
     d = make_tiny(tmp_path / "tiny", variant=variant)
     opts = dict(device="cuda", dtype="bfloat16", max_seq_len=4096, max_batch_size=40, max_num_tokens=512,
                 cache_dir=str(tmp_path / "cache"),
-                kv_cache_config={"tokens_per_block": 16, "free_gpu_memory_fraction": 0.2}, **extra)
+                kv_cache_config={"tokens_per_block": 16, "free_gpu_memory_fraction": 0.2, **kv}, **extra)
     llm = LLM(str(d), **opts)
     rep = llm.engine.warmup_report
     assert rep is not None and not rep.failed
