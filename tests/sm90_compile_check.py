@@ -1,7 +1,8 @@
 """Compiles the Triton kernels a Nemotron Nano 9B v2-width model launches ahead of time for sm_90 (no GPU
 needed) through their real launchers, at the GPU launch settings, and prints each kernel's largest shared
 memory as one JSON line: {"dtype": ..., "kernels": {name: bytes}, "ptx": {name: ["e4m3", "wgmma.mma_async"]}}
-(the second: which of those its PTX holds; "cvt.bf16.f16": a scalar float16 -> bf16 convert).
+(the second: which of those its PTX holds; "cvt.bf16.f16": a scalar float16 -> bf16 convert,
+"ld.shared.b8": shared-memory loads of single bytes).
 
     python tests/sm90_compile_check.py float32 [op ...] [--only kernel,...]
                                             # ops: attention attention_fp8 ssd ssm_update conv1d norm
@@ -217,7 +218,7 @@ def main(argv: list[str]) -> None:
         kernel = real_run(self, *args, grid=grid, warmup=True, **kwargs)
         shared[name] = max(shared.get(name, 0), kernel.metadata.shared)
         ptx = kernel.asm.get("ptx", "")
-        mma.setdefault(name, set()).update(k for k in ("wgmma.mma_async", "e4m3", "cvt.bf16.f16") if k in ptx)
+        mma.setdefault(name, set()).update(k for k in ("wgmma.mma_async", "e4m3", "cvt.bf16.f16", "ld.shared.b8") if k in ptx)
         return kernel
 
     driver.set_active(_Sm90())

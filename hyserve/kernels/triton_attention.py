@@ -115,9 +115,21 @@ def write_kv_triton(
 
 
 @triton.jit
+def _pinned(x, PIN: tl.constexpr):
+    """x unchanged; with PIN (a float8 cache on a GPU) through an opaque identity (an impure inline-asm mov),
+    so the compiler keeps the e4m3 -> 16-bit convert before the tile's move to the dot-operand layout. Left to
+    itself it moves the convert after that shared-memory round trip, where an 8-bit V tile (transposed for
+    P @ V) loads a byte at a time (sm_90 PTX of the decode kernel: 256 ld.shared.b8); pinned, the 16-bit tile
+    goes through ldmatrix.trans. Never under the interpreter (no PTX there)."""
+    if PIN:
+        x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
+    return x
+
+
+@triton.jit
 def _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, mn, offs_d, md, kvh, q,
                   s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS: tl.constexpr,
-                  MASK_N: tl.constexpr, MASK_D: tl.constexpr):
+                  MASK_N: tl.constexpr, MASK_D: tl.constexpr, PIN_V: tl.constexpr):
     """K and V rows of one head for token positions `pos` (masked by `mn` when MASK_N), found through
     the block table: position p lives in block bt_row[p // BS], row p % BS. Cast to q's dtype (a float8
     tile exactly; its scales are applied by the caller to the scores and the output). Full tiles of an
@@ -136,7 +148,7 @@ def _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, mn, offs_d, md, kvh, q,
     else:
         k = tl.load(k_ptrs).to(q.dtype)
         v = tl.load(v_ptrs).to(q.dtype)
-    return k, v
+    return k, _pinned(v, PIN_V)
 
 
 @triton.jit
@@ -216,7 +228,7 @@ def _decode_kernel(
     s_pl_sp, s_pl_s,  # partial lse [splits, nd, Hq] fp32, last stride 1
     BS: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-    IEEE: tl.constexpr, KV_SCALED: tl.constexpr, F16_TILES: tl.constexpr,
+    IEEE: tl.constexpr, KV_SCALED: tl.constexpr, F16_TILES: tl.constexpr, PIN_V: tl.constexpr,
 ):
     s = tl.program_id(0).to(tl.int64)  # index among the decode sequences
     kvh = tl.program_id(1)
@@ -254,14 +266,14 @@ def _decode_kernel(
     for start in range(lo, full_hi, BLOCK_N):
         pos = start + offs_n
         k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, pos < hi, offs_d, md, kvh, q,
-                             s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, False, HEAD_DIM != D_PAD)
+                             s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, False, HEAD_DIM != D_PAD, PIN_V)
         qk = dot(q, tl.trans(k), IEEE) * qk_scale
         m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
     for start in range(full_hi, hi, BLOCK_N):
         pos = start + offs_n
         mn = pos < hi
         k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, mn, offs_d, md, kvh, q,
-                             s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, True, True)
+                             s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, True, True, PIN_V)
         qk = tl.where(mn[None, :], dot(q, tl.trans(k), IEEE) * qk_scale, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
 
@@ -321,7 +333,7 @@ def _prefill_kernel(
     s_bt_s, s_o_t, s_o_h,
     BS: tl.constexpr, REP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, KV_SCALED: tl.constexpr,
-    F16_TILES: tl.constexpr,
+    F16_TILES: tl.constexpr, PIN_V: tl.constexpr,
     TMA: tl.constexpr,
 ):
     # TMA 1 / 2: kd / vd are tensor descriptors over the pools as [blocks * BS, kv_heads * HEAD_DIM] and
@@ -367,17 +379,17 @@ def _prefill_kernel(
             # softmax update for the whole tile
             ka, va = _load_kv_box(kd, vd, bt_row, start, kvh, BS, HEAD_DIM)
             kb, vb = _load_kv_box(kd, vd, bt_row, start + BLOCK_N // 2, kvh, BS, HEAD_DIM)
-            ka, va, kb, vb = ka.to(q.dtype), va.to(q.dtype), kb.to(q.dtype), vb.to(q.dtype)
+            ka, va, kb, vb = ka.to(q.dtype), _pinned(va.to(q.dtype), PIN_V), kb.to(q.dtype), _pinned(vb.to(q.dtype), PIN_V)
             m_i, l_i, acc = _two_box_step(dot(q, tl.trans(ka), IEEE), dot(q, tl.trans(kb), IEEE), va, vb,
                                           m_i, l_i, acc, qk_scale, IEEE)
         elif TMA == 1:
             k, v = _load_kv_box(kd, vd, bt_row, start, kvh, BS, HEAD_DIM)
-            m_i, l_i, acc = _online_softmax_step_fold(dot(q, tl.trans(k.to(q.dtype)), IEEE), v.to(q.dtype),
+            m_i, l_i, acc = _online_softmax_step_fold(dot(q, tl.trans(k.to(q.dtype)), IEEE), _pinned(v.to(q.dtype), PIN_V),
                                                       m_i, l_i, acc, qk_scale, IEEE)
         else:
             pos = start + offs_n
             k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, pos < full_end, offs_d, md, kvh, q,
-                                 s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, False, HEAD_DIM != D_PAD)
+                                 s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, False, HEAD_DIM != D_PAD, PIN_V)
             qk = dot(q, tl.trans(k), IEEE) * qk_scale
             m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
     kv_end = tl.minimum(L, ctx + m0 + BLOCK_M)  # causal: nothing past this block's last query
@@ -385,7 +397,7 @@ def _prefill_kernel(
         pos = start + offs_n
         mn = pos < kv_end
         k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, mn, offs_d, md, kvh, q,
-                             s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, True, True)
+                             s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, True, True, PIN_V)
         # Position 0 is visible to every query, so m_i is finite after the first tile and a row
         # whose tile is fully masked later just gets p = 0.
         ok = mn[None, :] & (pos[None, :] <= qpos[:, None])
@@ -435,13 +447,14 @@ PrefillKernel = Callable[..., bool]
 
 def _launch_settings(on_gpu: bool, ieee: bool, d_pad: int) -> tuple[dict, dict]:
     """(decode, prefill) launch settings, fresh copies: the CPU's, or the GPU's for this head size and for
-    float32 (`ieee`) or 16-bit queries."""
+    float32 (`ieee`) or 16-bit queries. PIN_V: whether float8 V tiles may be pinned (`_pinned`: compiled
+    kernels only); the launcher keeps it for float8 caches under 16-bit queries."""
     if not on_gpu:
-        return dict(_DECODE_CPU), dict(_PREFILL_CPU)
-    decode = dict(_DECODE_GPU)
+        return dict(_DECODE_CPU, PIN_V=False), dict(_PREFILL_CPU, PIN_V=False)
+    decode = dict(_DECODE_GPU, PIN_V=not ieee)
     if ieee and d_pad > 128:  # 128 float32 keys of 256 asked 287,296 bytes of shared memory on sm_90
         decode["BLOCK_N"] = min(decode["BLOCK_N"], 64)
-    return decode, dict((_PREFILL_GPU_F32 if ieee else _PREFILL_GPU)[128 if d_pad <= 128 else 256])
+    return decode, dict((_PREFILL_GPU_F32 if ieee else _PREFILL_GPU)[128 if d_pad <= 128 else 256], PIN_V=not ieee)
 
 
 def _host_list(v: torch.Tensor | list[int]) -> list[int]:
@@ -547,6 +560,8 @@ def paged_attention_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
     )
     dcfg, pcfg = _launch_settings(on_gpu, ieee, D_PAD)
+    for cfg in (dcfg, pcfg):
+        cfg["PIN_V"] = cfg["PIN_V"] and k_cache.dtype in FP8_KV_DTYPES  # see _pinned
 
     if nd > 0:
         BLOCK_N = dcfg.pop("BLOCK_N")
