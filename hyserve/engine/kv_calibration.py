@@ -41,7 +41,7 @@ from hyserve.distributed import all_gather, parallel_info, tp_group
 from hyserve.engine.model_loader import LoadedModel
 from hyserve.engine.runner import ModelRunner
 from hyserve.engine.sampling_params import SamplingParams
-from hyserve.engine.scheduler import ScheduledBatch, ScheduledSeq
+from hyserve.engine.scheduler import standalone_prefill
 from hyserve.kernels.attention import FP8_E4M3_MAX
 from hyserve.model.cache_tensors import CacheTensors
 
@@ -130,26 +130,14 @@ def _scratch_cache(lm: LoadedModel, lengths: list[int], tokens_per_block: int) -
                         ssm=zeros(shapes.ssm), tokens_per_block=tokens_per_block)
 
 
-def _prefill(lengths_ids: list[list[int]], tokens_per_block: int) -> ScheduledBatch:
-    seqs, next_block = [], 0
-    for slot, ids in enumerate(lengths_ids):
-        nb = -(-len(ids) // tokens_per_block)
-        seqs.append(ScheduledSeq(
-            request_id=f"kv-calibration-{slot}", token_ids=ids, start_pos=0,
-            block_ids=list(range(next_block, next_block + nb)), state_src=None, state_dst=slot, sample=True,
-            snapshots=[], params=_ONE, num_output_tokens=0,
-        ))
-        next_block += nb
-    return ScheduledBatch(seqs=seqs, num_decodes=0)
-
-
 def measure_kv_amax(lm: LoadedModel, prompts: list[list[int]], tokens_per_block: int) -> dict[int, tuple[float, float]]:
     """{attention layer: (max |K|, max |V|)} over one eager prefill of `prompts` and every rank's heads (one
     host read at the end). The model's outputs are unused."""
     cache = _scratch_cache(lm, [len(p) for p in prompts], tokens_per_block)
     runner = ModelRunner(lm.model, cache, lm.device)
     with lm.family.record_kv_amax(lm.model) as amax:
-        runner.execute(_prefill(prompts, tokens_per_block))
+        runner.execute(standalone_prefill(prompts, tokens_per_block=tokens_per_block, request_id="kv-calibration",
+                                          slots=list(range(len(prompts))), params=_ONE))
     layers = sorted(amax)
     per_layer = torch.stack([amax[i] for i in layers])  # [layers, 2]
     if parallel_info().tp_size > 1:

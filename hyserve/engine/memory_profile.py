@@ -18,7 +18,7 @@ import torch
 
 from hyserve.engine.runner import ModelRunner
 from hyserve.engine.sampling_params import SamplingParams
-from hyserve.engine.scheduler import ScheduledBatch, ScheduledSeq
+from hyserve.engine.scheduler import ScheduledBatch, ScheduledSeq, standalone_prefill
 from hyserve.model.protocol import CausalLM
 
 
@@ -87,19 +87,16 @@ def profile_batches(chunk_size: int, *, max_num_tokens: int, max_batch_size: int
     `max_num_tokens` that also writes prefix-cache snapshots (at its last chunk boundary and at its end,
     so the scan keeps its per-chunk states, as a step with snapshots does), `max_batch_size` sequences
     sharing the tokens, and a decode step of `graph_batch_size` sequences."""
-    bs = tokens_per_block
     batches = []
     for parts in sorted({1, max_batch_size}):
-        seqs, next_block = [], 0
-        for n in _split(max_num_tokens, parts):
-            nb = -(-n // bs)
-            snaps = None
-            if parts == 1:
-                boundary = (n - 1) // chunk_size * chunk_size
-                snaps = ([(boundary, 0)] if boundary > 0 else []) + [(n, 2)]
-            seqs.append(_seq([1] * n, list(range(next_block, next_block + nb)), slot=1, snapshots=snaps))
-            next_block += nb
-        batches.append(ScheduledBatch(seqs=seqs, num_decodes=0))
+        lengths = _split(max_num_tokens, parts)
+        snaps = None
+        if parts == 1:
+            boundary = (lengths[0] - 1) // chunk_size * chunk_size
+            snaps = [([(boundary, 0)] if boundary > 0 else []) + [(lengths[0], 2)]]
+        batches.append(standalone_prefill([[1] * n for n in lengths], tokens_per_block=tokens_per_block,
+                                          request_id="profile", slots=[1] * len(lengths), params=SamplingParams(),
+                                          snapshots=snaps))
     decode = ScheduledBatch(seqs=[_seq([1], [0], slot=1) for _ in range(graph_batch_size)],
                             num_decodes=graph_batch_size)
     return batches, decode

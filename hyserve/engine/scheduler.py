@@ -76,6 +76,25 @@ class ScheduledBatch:
         return not self.seqs
 
 
+def standalone_prefill(
+    prompts: list[list[int]], *, tokens_per_block: int, request_id: str, slots: list[int], params: SamplingParams,
+    snapshots: list[list[tuple[int, int]]] | None = None,
+) -> ScheduledBatch:
+    """Whole prompts as one prefill step outside the cache manager, for start-up's runs on scratch caches (the
+    activation profile, the fp8 KV calibration): prompt i from a fresh state into state slot slots[i], over the
+    next ceil(len / tokens_per_block) blocks counting from block 0, writing snapshots[i] (none by default)."""
+    seqs, next_block = [], 0
+    for i, ids in enumerate(prompts):
+        nb = -(-len(ids) // tokens_per_block)
+        seqs.append(ScheduledSeq(
+            request_id=f"{request_id}-{i}", token_ids=ids, start_pos=0, block_ids=list(range(next_block, next_block + nb)),
+            state_src=None, state_dst=slots[i], sample=True, snapshots=snapshots[i] if snapshots else [],
+            params=params, num_output_tokens=0,
+        ))
+        next_block += nb
+    return ScheduledBatch(seqs=seqs, num_decodes=0)
+
+
 @dataclass
 class SchedulerStats:
     num_preemptions: int = 0

@@ -106,7 +106,8 @@ def write_kv_triton(
 # Softmax in float32 with exp2 (the scale folded with log2(e)); P is cast to the V dtype for the PV product,
 # as flash attention does. Float8 (e4m3) caches with per-layer scales: the write kernel stores
 # clamp(k / k_scale, -448, 448); the readers upcast the raw e4m3 tile to q's dtype (exact: every e4m3 value
-# is a bf16/fp16 value; bf16 queries turn float16 first, `_f16_queries`) and fold the scales into scalars instead of touching every element,
+# is a bf16/fp16 value; bf16 queries turn float16 first, `_f16_queries`) and fold the scales into scalars
+# instead of touching every element,
 #
 #     scores = (q . k8) * (softmax_scale * k_scale)      out = (sum_j p_j v8_j / l) * v_scale
 #
@@ -115,15 +116,16 @@ def write_kv_triton(
 
 
 @triton.jit
-def _pinned(x, PIN: tl.constexpr):
-    """x unchanged; with PIN (a float8 cache on a GPU) through an opaque identity (an impure inline-asm mov),
-    so the compiler keeps the e4m3 -> 16-bit convert before the tile's move to the dot-operand layout. Left to
-    itself it moves the convert after that shared-memory round trip, where an 8-bit V tile (transposed for
-    P @ V) loads a byte at a time (sm_90 PTX of the decode kernel: 256 ld.shared.b8); pinned, the 16-bit tile
-    goes through ldmatrix.trans. Never under the interpreter (no PTX there)."""
+def _v_tile(v, q, PIN: tl.constexpr):
+    """A V tile in q's dtype; with PIN (a float8 cache on a GPU) through an opaque identity (an impure
+    inline-asm mov) after the cast, so the compiler keeps the e4m3 -> 16-bit convert before the tile's move to
+    the dot-operand layout. Left to itself it moves the convert after that shared-memory round trip, where an
+    8-bit V tile (transposed for P @ V) loads a byte at a time (sm_90 PTX of the decode kernel: 256
+    ld.shared.b8); pinned, the 16-bit tile goes through ldmatrix.trans. Never under the interpreter (no PTX)."""
+    v = v.to(q.dtype)
     if PIN:
-        x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
-    return x
+        v = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=v.dtype, is_pure=False, pack=2)
+    return v
 
 
 @triton.jit
@@ -144,11 +146,11 @@ def _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, mn, offs_d, md, kvh, q,
     if MASK_N or MASK_D:
         mkv = mn[:, None] & md[None, :]
         k = tl.load(k_ptrs, mask=mkv, other=0.0).to(q.dtype)
-        v = tl.load(v_ptrs, mask=mkv, other=0.0).to(q.dtype)
+        v = tl.load(v_ptrs, mask=mkv, other=0.0)
     else:
         k = tl.load(k_ptrs).to(q.dtype)
-        v = tl.load(v_ptrs).to(q.dtype)
-    return k, _pinned(v, PIN_V)
+        v = tl.load(v_ptrs)
+    return k, _v_tile(v, q, PIN_V)
 
 
 @triton.jit
@@ -379,12 +381,12 @@ def _prefill_kernel(
             # softmax update for the whole tile
             ka, va = _load_kv_box(kd, vd, bt_row, start, kvh, BS, HEAD_DIM)
             kb, vb = _load_kv_box(kd, vd, bt_row, start + BLOCK_N // 2, kvh, BS, HEAD_DIM)
-            ka, va, kb, vb = ka.to(q.dtype), _pinned(va.to(q.dtype), PIN_V), kb.to(q.dtype), _pinned(vb.to(q.dtype), PIN_V)
+            ka, va, kb, vb = ka.to(q.dtype), _v_tile(va, q, PIN_V), kb.to(q.dtype), _v_tile(vb, q, PIN_V)
             m_i, l_i, acc = _two_box_step(dot(q, tl.trans(ka), IEEE), dot(q, tl.trans(kb), IEEE), va, vb,
                                           m_i, l_i, acc, qk_scale, IEEE)
         elif TMA == 1:
             k, v = _load_kv_box(kd, vd, bt_row, start, kvh, BS, HEAD_DIM)
-            m_i, l_i, acc = _online_softmax_step_fold(dot(q, tl.trans(k.to(q.dtype)), IEEE), _pinned(v.to(q.dtype), PIN_V),
+            m_i, l_i, acc = _online_softmax_step_fold(dot(q, tl.trans(k.to(q.dtype)), IEEE), _v_tile(v, q, PIN_V),
                                                       m_i, l_i, acc, qk_scale, IEEE)
         else:
             pos = start + offs_n
@@ -447,7 +449,7 @@ PrefillKernel = Callable[..., bool]
 
 def _launch_settings(on_gpu: bool, ieee: bool, d_pad: int) -> tuple[dict, dict]:
     """(decode, prefill) launch settings, fresh copies: the CPU's, or the GPU's for this head size and for
-    float32 (`ieee`) or 16-bit queries. PIN_V: whether float8 V tiles may be pinned (`_pinned`: compiled
+    float32 (`ieee`) or 16-bit queries. PIN_V: whether float8 V tiles may be pinned (`_v_tile`: compiled
     kernels only); the launcher keeps it for float8 caches under 16-bit queries."""
     if not on_gpu:
         return dict(_DECODE_CPU, PIN_V=False), dict(_PREFILL_CPU, PIN_V=False)
@@ -561,7 +563,7 @@ def paged_attention_triton(
     )
     dcfg, pcfg = _launch_settings(on_gpu, ieee, D_PAD)
     for cfg in (dcfg, pcfg):
-        cfg["PIN_V"] = cfg["PIN_V"] and k_cache.dtype in FP8_KV_DTYPES  # see _pinned
+        cfg["PIN_V"] = cfg["PIN_V"] and k_cache.dtype in FP8_KV_DTYPES  # see _v_tile
 
     if nd > 0:
         BLOCK_N = dcfg.pop("BLOCK_N")

@@ -62,9 +62,7 @@ _FAMILIES: list[ModelFamily] = [
         build=lambda cfg, dtype: NemotronHForCausalLM(cfg, dtype=dtype),
         init_random=lambda model, cfg, seed: init_random_weights(model, cfg, seed=seed),
         load_weights=load_checkpoint_with_kv_scales,
-        set_kv_scales=lambda model, scales, *, fp8, dummy, source: apply_kv_scales(
-            model, scales, fp8=fp8, dummy=dummy, source=source
-        ),
+        set_kv_scales=apply_kv_scales,
         update_kv_scales=update_kv_scales,
         record_kv_amax=record_kv_amax,
         with_cache_dtypes=lambda cfg, **kw: cfg.with_cache_dtypes(**kw),
