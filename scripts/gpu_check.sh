@@ -10,6 +10,8 @@
 #   moe_model (not a default part, issue 23): tests/test_bench_model_moe.py, then benchmarks/bench_model.py on
 #   Nemotron 3 Nano 30B-A3B (with --time-init) and on Super cut to what fits; together they may outlast one
 #   600 s call, so moe_nano and moe_super run one model each.
+#   attn, structured (not default parts): the paged-attention kernel records alone (issue 24); bench_structured.py
+#   (issue 18, xgrammar in .whl).
 #   fairness (not a default part, issue 22): benchmarks/bench_fairness.py, a 1M-token prompt beside 8 streams
 #   and a short chat request every second through `hyserve serve`, per max_step_ms in FAIRNESS_STEP_MS
 #   (default off,150; about 4-5 min each, so two per call at most); FAIRNESS_ARGS adds options. Server wheels
@@ -60,6 +62,13 @@ save() { out_save; }
   [[ $parts == *" kernels "* ]] && echo "== prefill attention against SDPA over rounds" \
     && python3 benchmarks/bench_kernels.py --only attn_rounds --rounds 5 --git-sha "$sha" \
        --out "benchmarks/results/attn_rounds_$sha.json" 2>&1 | tail -8
+  # attn (not a default part, issue 24): the paged attention records alone (bf16 and fp8 KV decode, prefill)
+  [[ $parts == *" attn "* ]] && echo "== paged attention kernel records (bf16 and fp8 KV)" \
+    && timeout 300 python3 benchmarks/bench_kernels.py --only attn --git-sha "$sha" \
+       --out "benchmarks/results/kernels_attn_$sha.json" 2>&1 | tail -20 && save
+  # structured (not a default part, issue 18): JSON-schema-constrained decode against unconstrained, batch 1 / 64
+  [[ $parts == *" structured "* ]] && echo "== structured outputs: constrained / free decode (xgrammar in .whl)" \
+    && timeout 300 python3 benchmarks/bench_structured.py --rounds 3 --git-sha "$sha" 2>&1 | tail -20 && save
   [[ $parts == *" model "* ]] && echo "== model benchmarks" && python3 benchmarks/bench_model.py --git-sha "$sha" 2>&1 | grep -v "warm-up \[" | tail -40
   if [[ $parts == *" fairness "* ]]; then
     echo "== fairness: a 1M-token prompt beside 8 streams and a short request every second (issue 22)"
