@@ -36,6 +36,14 @@ TORCH_SEED = 8119
 E4M3_REL = 2.0**-4
 
 
+def _w8a8_rel(k: int) -> float:
+    """Accumulation bound of the prefill (w8a8) form, relative to |a| @ |w|: float32 on the CPU path; on
+    Hopper the e4m3 tensor-core product keeps only about 14 bits inside each K tile before the kernel
+    promotes it to float32 (DeepSeek-V3 report, FP8 accumulation), so up to 2^-14 of each tile's |a| @ |w|,
+    2^-13 with margin (measured on the H200: at most 5.7e-5 = 2^-14.1 at K = 300)."""
+    return max(2e-6 * k**0.5, 2.0**-13 if CUDA else 0.0)
+
+
 def _weight(n: int, k: int, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
     w = torch.randn(n, k, device=DEV) * 0.05 * torch.logspace(-1, 1, n, device=DEV)[:, None]
     q, s = quantize_weight_ref(w, scheme)
@@ -64,7 +72,7 @@ def _within(out: torch.Tensor, want: torch.Tensor, mag: torch.Tensor, rel: float
 @pytest.mark.parametrize("group", [None, 128])
 def test_row_quantisation_is_torchs_rounding_bit_for_bit(group: int | None, poison) -> None:
     x = torch.randn(6, 300, device=DEV) * torch.tensor([1e-4, 1.0, 30.0, 0.0, 5.0, 1e3], device=DEV)[:, None]
-    x[1, :8] = torch.tensor([124.78, -124.73, 7.9714, 31.649, 0.0087, -0.0003, 447.9, 1.0]) / 448.0 * x[1].abs().max()
+    x[1, :8] = torch.tensor([124.78, -124.73, 7.9714, 31.649, 0.0087, -0.0003, 447.9, 1.0], device=DEV) / 448.0 * x[1].abs().max()
     xs = torch.cat([x, x], 1)[:, :300]  # a row stride of 600
     with poison:
         q, s = t8.quantize_rows_triton(xs.to(torch.float32), group)
@@ -121,7 +129,7 @@ def test_prefill_form_against_float64(scheme: str, dtype: torch.dtype, m: int, p
     full = sa[:, None] if scheme == "channel" else sa.repeat_interleave(128, 1)[:, :k]
     a = qa.double() * full.double()  # the kernel's own activation codes (bit-identical, tested above)
     want = a @ w.T + bias.double()
-    _within(out, want, a.abs() @ w.abs().T, rel=2e-6 * k**0.5)
+    _within(out, want, a.abs() @ w.abs().T, rel=_w8a8_rel(k))
     # and against the exact activation: e4m3's own rounding, 2^-4 relative per element
     exact = x.double() @ w.T + bias.double()
     _within(out, exact, x.double().abs() @ w.abs().T, rel=E4M3_REL * 1.01)
@@ -147,7 +155,7 @@ def test_relu2_linear_both_forms(scheme: str, m: int, poison) -> None:
         qa, sa = quantize_rows_ref(torch.relu(x.float()) ** 2, 128 if scheme == "block" else None)
         full = sa[:, None] if scheme == "channel" else sa.repeat_interleave(128, 1)[:, :k]
         a = qa.double() * full.double()
-        rel = 2e-6 * k**0.5
+        rel = _w8a8_rel(k)
     _within(out, a @ w.T + bias.double(), a.abs() @ w.abs().T, rel=rel)
     ref = fp8_linear_ref(torch.relu(x) ** 2, q, s, bias)  # the reference path: relu^2 in bf16
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.04
@@ -200,7 +208,7 @@ def test_gpu_nano_shapes(scheme: str, m: int, shape: tuple[int, int]) -> None:
         qa, sa = quantize_rows_ref(x.contiguous(), 128 if scheme == "block" else None)
         full = sa[:, None] if scheme == "channel" else sa.repeat_interleave(128, 1)[:, :k]
         a = qa.double() * full.double()
-        _within(out, a @ w.T, a.abs() @ w.abs().T, rel=2e-6 * k**0.5)
+        _within(out, a @ w.T, a.abs() @ w.abs().T, rel=_w8a8_rel(k))
     assert q.dtype == E4M3
 
 
