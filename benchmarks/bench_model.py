@@ -89,16 +89,16 @@ def sync() -> None:
     torch.cuda.synchronize()
 
 
-def replay_breakdown(replay, step_ms: float, steps: int = 20, top: int = 25) -> str:
-    """Device time per decode step by kernel name inside the batch-1 graph replay (torch profiler),
-    the kernels that take the most first: where the replay's gap to the weight roofline goes."""
+def replay_breakdown(replay, step_ms: float, steps: int = 20, top: int = 25, batch: int = 1) -> str:
+    """Device time per decode step by kernel name inside a batch's graph replay (torch profiler),
+    the kernels that take the most first: where the replay's gap to the roofline goes."""
     try:
         rows = [(us / steps, n / steps, name) for name, (us, n) in device_kernel_times(replay, steps).items()]
     except Exception as e:  # noqa: BLE001 - a diagnostic only
-        return f"batch-1 replay kernel breakdown unavailable: {type(e).__name__}: {e}"
+        return f"batch-{batch} replay kernel breakdown unavailable: {type(e).__name__}: {e}"
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
-    lines = [f"batch-1 graph replay, device time per step by kernel ({total:.0f} us in kernels of "
+    lines = [f"batch-{batch} graph replay, device time per step by kernel ({total:.0f} us in kernels of "
              f"{step_ms * 1e3:.0f} us per replay; {sum(r[1] for r in rows):.0f} launches per step):"]
     lines += [f"  {us:8.1f} us  {n:5.0f}x  {name[:110]}" for us, n, name in rows[:top]]
     text = "\n".join(lines)
@@ -339,6 +339,23 @@ def bench_steps(eng, plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings
                                     "roofline step time (weights+state+KV)", "read", ceilings,
                                     lambda peaks, b=batch, c=context: decode_step_ms(cfg, b, c, peaks.read_bw),
                                     time_like=True))
+        if graphs is not None and moe and batch == plan.batches[-1]:
+            # the largest batch's graph replayed alone and its kernels: the device's share of the step
+            size = graphs.size_for(batch)
+            if size is not None:
+                def replay_b(n: int = size) -> None:
+                    graphs.replay(n)
+
+                replay_b()
+                sync()
+                t = time.perf_counter()
+                for _ in range(20):
+                    replay_b()
+                sync()
+                gpu_ms = (time.perf_counter() - t) / 20 * 1e3
+                records.append(rec(f"hyserve decode step batch {batch}, graph replay alone (ms)", gpu_ms, "ms",
+                                   "the engine's step, same run", step_ms))
+                replay_breakdown(replay_b, gpu_ms, steps=5, top=15, batch=batch)
         if graphs is not None:
             with eng.runner.eager_decode():
                 eager_ms, _ = step_bn(batch, "e")

@@ -328,3 +328,17 @@ def test_gpu_fp8_model_kernels_against_the_reference_path(monkeypatch: pytest.Mo
     rel = ((got - ref).norm() / ref.norm()).item()
     assert 0 < rel < 0.12, rel
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.8
+
+
+def test_one_row_takes_the_fma_gemv_and_more_rows_the_dot_forms(monkeypatch):
+    """Batch-1 decode runs the one-row GEMV (the dot form padded M to 16 rows: 0.15 of the FP8 weight-read
+    roofline on the H200); 2..SMALL_M rows the w8a16 form, more the w8a8 one."""
+    taken: list[tuple[str, int]] = []
+    for name in ("gemv_fp8", "_w8a16", "_w8a8"):
+        real = getattr(t8, name)
+        monkeypatch.setattr(t8, name, lambda x, *a, _n=name, _r=real, **k: taken.append((_n, x.shape[0])) or _r(x, *a, **k))
+    q, s = _weight(40, 64, "channel")
+    for m in (1, 2, t8.SMALL_M, t8.SMALL_M + 1):
+        t8.fp8_linear_triton(_x(m, 64, BF16), q, s, None)
+    assert taken == [("gemv_fp8", 1), ("_w8a16", 2), ("_w8a16", t8.SMALL_M), ("_w8a8", t8.SMALL_M + 1)]
+    assert t8.fp8_token_buckets(8192) == [1, 2, t8.SMALL_M + 1, 65]

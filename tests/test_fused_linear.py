@@ -17,7 +17,7 @@ interpret_without_cuda()
 pytestmark = IGNORE_INTERPRETER_WARNING
 
 import hyserve.kernels.triton_fused_linear as tfl  # noqa: E402
-from hyserve.kernels.fused_linear import gated_norm_linear_ref, relu2_linear_ref  # noqa: E402
+from hyserve.kernels.fused_linear import gated_norm_linear_ref, linear_ref, relu2_linear_ref  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -96,6 +96,45 @@ def test_relu2_linear(poison, dtype, rows, bias, weight_view):
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("weight_view", [False, True])
+def test_linear(poison, dtype, rows, bias, weight_view):
+    """Every other projection (in_proj, QKV, O, up, latent): the GEMV for one row, F.linear otherwise."""
+    K, N = 136, 41  # K % BLOCK_K != 0, N % BLOCK_N != 0
+    x = _strided(rows, K, dtype)
+    w = _weight(N, K + 13, dtype)[:, 7 : 7 + K] if weight_view else _weight(N, K, dtype)
+    b = rnd(N, dtype=dtype) if bias else None
+    with poison:
+        out = tfl.linear_triton(x, w, b)
+    assert out.shape == (rows, N)
+    exact = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    _close64(out, exact, dtype, "linear vs float64")
+    torch.testing.assert_close(out.float(), linear_ref(x, w, b).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_linear_keeps_leading_dims_and_falls_back_for_what_it_does_not_take(monkeypatch):
+    x, w = rnd(1, 1, 64, dtype=BF16), _weight(24, 64, BF16)
+    out = tfl.linear_triton(x, w, None)  # [1, 1, K]: one row, the GEMV
+    assert out.shape == (1, 1, 24)
+    torch.testing.assert_close(out.float(), linear_ref(x, w, None).float(), rtol=2e-2, atol=2e-2)
+    monkeypatch.setattr(tfl, "_gemv", lambda *a, **k: pytest.fail("the GEMV took a call it does not handle"))
+    for xx, ww, bb in ((rnd(2, 3, 64, dtype=BF16), w, None),  # six rows
+                       (rnd(1, 64), _weight(24, 64, F32), None),  # float32
+                       (rnd(1, 128, dtype=BF16)[:, ::2], w, None),  # a stride along K
+                       (rnd(1, 48, dtype=BF16), _weight(64, 48, BF16).t().contiguous().t()[:24], None),
+                       (rnd(1, 64, dtype=BF16), w, rnd(24, dtype=F16))):  # a bias of another dtype
+        try:
+            want = linear_ref(xx, ww, bb)
+        except RuntimeError:
+            with pytest.raises(RuntimeError):
+                tfl.linear_triton(xx, ww, bb)
+            continue
+        torch.testing.assert_close(tfl.linear_triton(xx, ww, bb), want)
+    assert tfl.linear_triton(rnd(0, 64, dtype=BF16), w, None).shape == (0, 24)
+
+
 def test_float32_takes_the_reference_contract():
     # the GEMV handles 16-bit activations; float32 runs the op's kernel + F.linear
     x, z, nw, w = rnd(2, 64), rnd(2, 64), rnd(64), _weight(16, 64, F32)
@@ -127,7 +166,8 @@ def test_fused_path_is_taken_for_one_row(monkeypatch):
         tfl.relu2_linear_triton(rnd(rows, 64, dtype=BF16), w, None)
         tfl.gated_norm_linear_triton(rnd(rows, 64, dtype=BF16), rnd(rows, 64, dtype=BF16), rnd(64, dtype=BF16),
                                      1e-5, 32, w, None)
-    assert launched == [1, 1]
+        tfl.linear_triton(rnd(rows, 64, dtype=BF16), w, None)
+    assert launched == [1, 1, 1]
 
 
 @gpu
@@ -152,3 +192,14 @@ def test_fused_linear_nano9b(poison):
             out = tfl.relu2_linear_triton(u, wd, None)
         exact = torch.nn.functional.linear(torch.relu(u.double()) ** 2, wd.double())
         _close64(out, exact, BF16, "down_proj", rounded_input=rows > 1)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("n,k", [(22912, 4480), (10304, 2688), (4608, 2688), (2688, 4096), (131072 // 8, 2688)])
+def test_linear_gemv_at_the_nemotron_shapes(poison, n, k):
+    # Nano 9B in_proj; Nano 30B-A3B in_proj, QKV, O; a wide N: one row against float64, compiled
+    x, w = rnd(1, k, dtype=BF16), _weight(n, k, BF16)
+    with poison:
+        out = tfl.linear_triton(x, w, None)
+    _close64(out, torch.nn.functional.linear(x.double(), w.double()), BF16, f"linear {k}->{n}")

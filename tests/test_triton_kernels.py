@@ -712,7 +712,7 @@ def test_registry_registers_only_with_cuda():
         assert names == []
         return
     assert set(names) >= {"rms_norm", "add_rms_norm", "relu2", "rmsnorm_gated", "conv1d_update", "ssm_update",
-                          "write_kv", "paged_attention", "gated_norm_linear", "relu2_linear"}
+                          "write_kv", "paged_attention", "linear", "gated_norm_linear", "relu2_linear"}
     for n in names:
         assert ops.get(n, on_cuda=True) is not ops.get(n, on_cuda=False)
     assert ops.get("paged_attention", on_cuda=True) is paged_attention_cuda

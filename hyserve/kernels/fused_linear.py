@@ -5,6 +5,7 @@ Mamba gated norm before out_proj, relu^2 before the MLP's down_proj). On CUDA a 
 Triton GEMV (`triton_fused_linear.py`: relu^2 applied inside it as the activation loads; the gated norm
 its own kernel before it); these references are the contracts and the CPU path: the op, then `F.linear`.
 
+    linear(x)                     = x @ W^T + b     (every 16-bit projection: the GEMV at one row)
     gated_norm_linear(x, z)       = linear(rmsnorm_gated(x, z))
     relu2_linear(x)               = linear(relu2(x))
 """
@@ -16,6 +17,11 @@ import torch.nn.functional as F
 
 from hyserve.kernels.activation import relu2_ref
 from hyserve.kernels.rmsnorm import rmsnorm_gated_ref
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x: [..., K]; weight: [N, K] -> [..., N]."""
+    return F.linear(x, weight, bias)
 
 
 def gated_norm_linear_ref(

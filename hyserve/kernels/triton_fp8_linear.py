@@ -3,6 +3,10 @@ path: `fp8_linear.py`).
 
 Two forms, by row count M (tokens):
 
+    M == 1                 the one-row GEMV of `triton_fused_linear.py` (float32 FMAs, the e4m3 weight upcast
+                           as it loads, channel scales after the K sum, block scales per K tile): at batch 1
+                           the dot form below padded M to 16 rows and ran at 0.15 of the FP8 weight-read
+                           roofline on the H200 (Nano 9B v2 decode, 2026-12-03).
     M <= SMALL_M (decode)  w8a16: the activation stays 16-bit; each program upcasts its e4m3 weight tile
                            (exact in bf16 / fp16) and runs a 16-bit tensor-core dot, M padded to 16 rows
                            (under the interpreter, whose 16-bit dots are wrong, the same tiles in float32).
@@ -39,6 +43,7 @@ import triton.language as tl
 
 from hyserve.kernels.fp8_linear import ACT_GROUP, BLOCK, E4M3, fp8_linear_ref, fp8_relu2_linear_ref
 from hyserve.kernels.triton_common import dot_acc
+from hyserve.kernels.triton_fused_linear import gemv_fp8
 
 SMALL_M = 16  # rows up to which the w8a16 (decode) form runs
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
@@ -330,6 +335,8 @@ def fp8_linear_triton(
     m = x2.shape[0]
     if m == 0:
         return x.new_empty(*lead, weight.shape[0])
+    if m == 1:  # batch-1 decode: the FMA GEMV streams the e4m3 weight without padding M to a dot tile
+        return gemv_fp8(x2, weight, weight_scale, bias, relu2).view(*lead, weight.shape[0])
     fn = _w8a16 if m <= SMALL_M else _w8a8
     return fn(x2, weight, weight_scale, bias, block, relu2).view(*lead, weight.shape[0])
 
@@ -343,9 +350,9 @@ def fp8_relu2_linear_triton(
 
 
 def fp8_token_buckets(max_num_tokens: int) -> list[int]:
-    """One row count per launch configuration above (decode form, w8a8 up to 64 rows, above 64), up to
+    """One row count per launch configuration above (one row, decode form, w8a8 up to 64 rows, above 64), up to
     max_num_tokens: the warm-up runs a step of each so every FP8 variant compiles before ready."""
-    return [m for m in (1, SMALL_M + 1, 65) if m <= max_num_tokens]
+    return [m for m in (1, 2, SMALL_M + 1, 65) if m <= max_num_tokens]
 
 
 __all__ = ["SMALL_M", "fp8_linear_triton", "fp8_relu2_linear_triton", "fp8_token_buckets", "quantize_rows_triton"]

@@ -7,6 +7,9 @@ separate relu^2 kernel. This kernel streams the weight once and applies relu^2 a
 
     y[n] = sum_k W[n, k] * p(x[k])        p = relu(.)^2 or the identity;  grid = (cdiv(N, BLOCK_N),)
 
+Every other one-row 16-bit projection (`linear`: Mamba in_proj, attention QKV and O, MLP up, latent
+projections) takes the same kernel with p = identity: on the H200 cuBLAS ran the Nemotron 3 Nano 30B-A3B
+QKV and O projections split-K with a reduce (~32 us a layer for 47 MB, 1.5 TB/s) and in_proj at 3.4 TB/s.
 The relu^2 is not rounded to the model dtype before the product (the reference rounds once there): within
 bf16 tolerance. More than one row, other dtypes or layouts go to `F.linear` (from two rows up cuBLAS shares
 each weight read between rows); the Mamba gated norm stays its own kernel before this one (fusing it was
@@ -26,15 +29,22 @@ from hyserve.kernels.triton_rmsnorm import rmsnorm_gated_triton
 # Launch settings, from `bench_kernels.py --only linear_sweep` (benchmarks/README.md): one program owns
 # BLOCK_N output columns and walks K in BLOCK_K tiles, num_stages loads in flight.
 _GPU = dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=3)
+# e4m3 weights (one byte a weight): as many bytes a K tile as the 16-bit setting; block scales keep a K tile
+# inside one 128-wide scale block
+_GPU_FP8 = dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=3)
+_GPU_FP8_BLOCK = dict(BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=4)
 _CPU = dict(BLOCK_N=8, BLOCK_K=32, num_warps=1, num_stages=1)  # the interpreter at test sizes
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, N, K, s_w,
-    RELU2: tl.constexpr, HAS_BIAS: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, out_ptr, N, K, s_w, ws_ptr, s_ws,
+    RELU2: tl.constexpr, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
+    """W_SCALE 0: a 16-bit weight. FP8 weights (triton_fp8_linear.py, one row): 1, e4m3 rows times their
+    channel scales ws[n] after the K sum; 2, [128, 128] block scales ws[n // 128, k // 128] on each K tile's
+    partial (BLOCK_K divides 128, so a tile lies in one scale block)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -48,8 +58,13 @@ def _gemv_kernel(
             h = tl.maximum(h, 0.0)
             h = h * h
         w = tl.load(w_ptr + offs_n[:, None] * s_w + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        part += h[None, :] * w.to(tl.float32)
+        wf = w.to(tl.float32)
+        if W_SCALE == 2:
+            wf = wf * tl.load(ws_ptr + (offs_n // 128) * s_ws + k0 // 128, mask=mask_n, other=0.0)[:, None]
+        part += h[None, :] * wf
     acc = tl.sum(part, axis=1)
+    if W_SCALE == 1:
+        acc = acc * tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
@@ -67,17 +82,41 @@ def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
     )
 
 
-def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu2: bool) -> torch.Tensor:
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu2: bool,
+          weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """One row: x [1, K] (unit stride) @ weight [N, K]^T -> [1, N] in x.dtype. weight_scale: an e4m3
+    weight's float32 channel [N] or block [ceil(N/128), ceil(K/128)] scales (`gemv_fp8`)."""
     K = x.shape[1]
     N = weight.shape[0]
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    cfg = dict(_GPU) if x.is_cuda else dict(_CPU)
+    w_scale = 0 if weight_scale is None else (1 if weight_scale.dim() == 1 else 2)
+    cfg = dict((_GPU_FP8_BLOCK if w_scale == 2 else _GPU_FP8 if w_scale else _GPU) if x.is_cuda else _CPU)
     stages = cfg.pop("num_stages")
+    ws = weight_scale if weight_scale is not None else weight
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
-        x, weight, bias if bias is not None else weight, out, N, K, weight.stride(0),
-        RELU2=relu2, HAS_BIAS=bias is not None, NUM_STAGES=stages, **cfg,
+        x, weight, bias if bias is not None else weight, out, N, K, weight.stride(0), ws,
+        ws.stride(0) if w_scale == 2 else 0,
+        RELU2=relu2, HAS_BIAS=bias is not None, W_SCALE=w_scale, NUM_STAGES=stages, **cfg,
     )
     return out
+
+
+def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+             relu2: bool) -> torch.Tensor:
+    """The FP8 linear's one-row form (`triton_fp8_linear.py`): x [1, K] 16-bit with a unit stride, e4m3
+    weight [N, K], channel or block scales; the weight streams 1 byte a weight through the FMA GEMV."""
+    return _gemv(x, weight, bias, relu2, weight_scale)
+
+
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x: [..., K]; weight: [N, K] -> [..., N] in x.dtype: this GEMV for one row, F.linear otherwise."""
+    if x.dim() != 2:
+        if x.numel() != x.shape[-1] or x.dim() < 1:
+            return F.linear(x, weight, bias)
+        return linear_triton(x.reshape(1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    if not _fits(x, weight, bias):
+        return F.linear(x, weight, bias)
+    return _gemv(x, weight, bias, relu2=False)
 
 
 def gated_norm_linear_triton(
@@ -105,4 +144,4 @@ def relu2_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return _gemv(x, weight, bias, relu2=True)
 
 
-__all__ = ["gated_norm_linear_triton", "relu2_linear_triton"]
+__all__ = ["gated_norm_linear_triton", "gemv_fp8", "linear_triton", "relu2_linear_triton"]

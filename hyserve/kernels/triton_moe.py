@@ -11,7 +11,7 @@ routing, so a decode step replays from a CUDA graph (contracts: `moe.py`; layout
                experts and sums their weighted rows in registers (the combine): BLOCK_N of 2-8 rows gives
                thousands of programs, so one token's six experts stream at HBM speed. A shared expert of
                S x the routed intermediate size rides along as S more (token, chunk) pairs of weight 1:
-               its up rows in the same launch, its down columns in a second loop of the same program
+               its up rows in the same launch, its down columns as S more slots of the down GEMV's loop
     gemm path  _align_{count,offsets,scatter}_kernel: histogram per chunk of pairs, one program for the
                prefix sums, block padding and expert id per block, then a stable scatter (rank inside a
                chunk from a one-hot cumsum); _up_gemm_kernel / _down_gemm_kernel, grid (max blocks x
@@ -477,23 +477,31 @@ def _down_gemv_kernel(
 ):
     """out[t, n] = sum_s topk_w[t, s] * (w_down[ids[t, s]] @ h[t*k + s])[n]: the combine in registers.
     FLAT walks the token's (slot, K tile) pairs as one pipelined loop (h pre-scaled by the slot's weight),
-    so the loads do not drain at every expert; otherwise one K loop per slot. SHARED > 0: then the shared
-    expert, sum_j shared_down[:, j*K : j*K + K] @ h[n_routed + t*S + j], in a second loop, weight 1.
+    so the loads do not drain at every expert; otherwise one K loop per slot. SHARED > 0: the shared
+    expert too, sum_j shared_down[:, j*K : j*K + K] @ h[n_routed + t*S + j] with weight 1, as S more slots
+    of the flat loop, or in a second loop after the nested ones.
     W_FP8: each expert's e4m3 rows times its channel scales sc[e, n] (no shared expert with FP8)."""
     t = tl.program_id(0).to(tl.int64)
     cn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = tl.minimum(cn, N - 1)
     offs_k = tl.arange(0, BLOCK_K)
     if FLAT:
+        # slots TOP_K .. TOP_K + SHARED - 1 are the shared expert's chunks (weight 1), in the same pipelined
+        # loop: the loads stream on from the routed experts into the shared one without a drain
         kt = tl.cdiv(K, BLOCK_K)
         part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for it in tl.range(0, TOP_K * kt, num_stages=NUM_STAGES):
+        for it in tl.range(0, (TOP_K + SHARED) * kt, num_stages=NUM_STAGES):
             s = it // kt
             kk = (it - s * kt) * BLOCK_K + offs_k
-            p = t * TOP_K + s
+            routed = s < TOP_K
+            p = t * TOP_K + tl.minimum(s, TOP_K - 1)
             e = tl.load(ids_ptr + p).to(tl.int64)
-            ws = tl.load(tw_ptr + p).to(tl.float32)
-            hv, w = _gemv_tile(h_ptr + p * s_hm, w_ptr + e * s_we + offs_n[:, None] * s_wn, kk, K, EVEN_K)
+            ws = tl.where(routed, tl.load(tw_ptr + p).to(tl.float32), 1.0)
+            j = tl.maximum(s - TOP_K, 0)
+            h_row = tl.where(routed, h_ptr + p * s_hm, h_ptr + (n_routed + t * SHARED + j) * s_hm)
+            w_rows = tl.where(routed, w_ptr + e * s_we + offs_n[:, None] * s_wn,
+                              sd_ptr + offs_n[:, None] * s_sdn + j * K)
+            hv, w = _gemv_tile(h_row, w_rows, kk, K, EVEN_K)
             wf = w.to(tl.float32)
             if W_FP8:  # the slot's expert changes along the loop: scale its rows as they load
                 wf = wf * tl.load(sc_ptr + e * N + offs_n)[:, None]
@@ -514,7 +522,7 @@ def _down_gemv_kernel(
             if W_FP8:
                 r = r * tl.load(sc_ptr + e * N + offs_n)
             out += tl.load(tw_ptr + p).to(tl.float32) * r
-    if SHARED > 0:
+    if SHARED > 0 and not FLAT:
         kt_s = tl.cdiv(K, BLOCK_K)
         part_s = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for it in tl.range(0, SHARED * kt_s, num_stages=NUM_STAGES):

@@ -28,7 +28,11 @@ def register_triton_kernels() -> list[str]:
     from hyserve.kernels.triton_attention import write_kv_triton
     from hyserve.kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
     from hyserve.kernels.triton_fp8_linear import fp8_linear_triton, fp8_relu2_linear_triton
-    from hyserve.kernels.triton_fused_linear import gated_norm_linear_triton, relu2_linear_triton
+    from hyserve.kernels.triton_fused_linear import (
+        gated_norm_linear_triton,
+        linear_triton,
+        relu2_linear_triton,
+    )
     from hyserve.kernels.triton_moe import moe_experts_triton, moe_route_triton, router_logits_triton
     from hyserve.kernels.triton_rmsnorm import add_rms_norm_triton, rms_norm_triton, rmsnorm_gated_triton
     from hyserve.kernels.triton_ssd import ssd_triton
@@ -41,6 +45,7 @@ def register_triton_kernels() -> list[str]:
         "add_rms_norm": add_rms_norm_triton,
         "relu2": relu2_triton,
         "rmsnorm_gated": rmsnorm_gated_triton,
+        "linear": linear_triton,
         "gated_norm_linear": gated_norm_linear_triton,
         "relu2_linear": relu2_linear_triton,
         "fp8_linear": fp8_linear_triton,

@@ -16,8 +16,8 @@ in the checkpoint), kept across `to()` / `to_empty()` by `ShardLoading`. `loaded
 loader indexes only this rank's rows, so a slice is read from disk shard by shard, never whole. With one
 rank every layer is its unsharded torch equivalent, computed the same way (no collective, same call).
 
-Every layer computes through `LinearBase.matmul`: `F.linear` for 16-bit weights, the `fp8_linear` op once
-`model/fp8_weights.py` has given the layer an e4m3 weight and float32 scales (loaded shard-aware too).
+Every layer computes through `LinearBase.matmul`: the `linear` op for 16-bit weights (`F.linear`; a one-row
+GEMV kernel on CUDA), the `fp8_linear` op once `model/fp8_weights.py` has given the layer an e4m3 weight and float32 scales (loaded shard-aware too).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hyserve.distributed import Group, all_gather, all_reduce, tp_group
@@ -171,9 +170,10 @@ class ShardLoading(nn.Module):
 
 
 class LinearBase(ShardLoading):
-    """What every linear here shares: `matmul`, this rank's product. A 16-bit weight runs `F.linear`; a
-    layer converted to FP8 (`model/fp8_weights.py`: float8 e4m3 `weight`, float32 `weight_scale`, `quant`
-    set) runs the `fp8_linear` op."""
+    """What every linear here shares: `matmul`, this rank's product. A 16-bit weight runs the `linear` op
+    (`F.linear`, or on CUDA a GEMV kernel for a single row); a layer converted to FP8
+    (`model/fp8_weights.py`: float8 e4m3 `weight`, float32 `weight_scale`, `quant` set) runs the
+    `fp8_linear` op."""
 
     quant: Any = None  # a QuantConfig once the layer holds FP8 weights
     weight: nn.Parameter
@@ -183,7 +183,7 @@ class LinearBase(ShardLoading):
         """x [..., in_local] -> this rank's x @ W^T (+ bias when `bias`), no collective."""
         b = self.bias if bias else None
         if self.quant is None:
-            return F.linear(x, self.weight, b)
+            return ops.get("linear", x.is_cuda)(x, self.weight, b)
         return ops.get("fp8_linear", x.is_cuda)(x, self.weight, self.weight_scale, b)
 
 
