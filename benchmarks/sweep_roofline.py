@@ -28,7 +28,15 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.roofline import Ceilings, ceiling_fields, decode_step_ms, load_ceilings, measure_ceilings  # noqa: E402
+from benchmarks.roofline import (  # noqa: E402
+    Ceilings,
+    active_decode_step_ms,
+    ceiling_fields,
+    decode_step_ms,
+    load_ceilings,
+    measure_ceilings,
+    num_moe_layers,
+)
 from hyserve.bench.report import record, records_markdown  # noqa: E402
 from hyserve.model.config import HybridModelConfig  # noqa: E402
 
@@ -49,13 +57,15 @@ def point_records(cfg: HybridModelConfig, path: Path, ceilings: Ceilings | None 
     context = i + o / 2
     itl, tps = run["median_itl_ms"], run["output_throughput"]
     tag = f"in {i} out {o} concurrency {c}"
+    # MoE: the experts a batch of this size touches under uniform routing, not every expert
+    step_ms = active_decode_step_ms if num_moe_layers(cfg) else decode_step_ms
     # the ITL is a time: its ratios are roofline / measured, so 1.0 is at the roofline
     step = {**record(f"{tag}: median ITL (ms)", itl, "ms", f"roofline decode step, batch {batch}"),
-            **ceiling_fields("read", ceilings, itl, lambda p: decode_step_ms(cfg, batch, context, p.read_bw),
+            **ceiling_fields("read", ceilings, itl, lambda p: step_ms(cfg, batch, context, p.read_bw),
                              time_like=True)}
     out = {**record(f"{tag}: output throughput (tok/s)", tps, "tok/s", f"roofline decode throughput, batch {batch}"),
            **ceiling_fields("read", ceilings, tps,
-                            lambda p: batch / decode_step_ms(cfg, batch, context, p.read_bw) * 1e3)}
+                            lambda p: batch / step_ms(cfg, batch, context, p.read_bw) * 1e3)}
     return [
         step,
         {**record(f"{tag}: mean TPOT (ms)", run["mean_tpot_ms"], "ms", "none"), "ceiling": None},
@@ -68,10 +78,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--git-sha", default="unknown")
+    ap.add_argument("--model-dir", type=Path, default=CFG_DIR, help="the served architecture's config dir")
     ap.add_argument("--ceilings", type=Path, default=None,
                     help="the serving GPU's measured ceilings (benchmarks/roofline.py --out, or a benchmark JSON)")
     args = ap.parse_args()
-    cfg = HybridModelConfig.from_dict(json.loads((CFG_DIR / "config.json").read_text()))
+    cfg = HybridModelConfig.from_dict(json.loads((args.model_dir / "config.json").read_text()))
     files = sorted(args.results.glob("serve_sweep_in*_out*_c*.json"),
                    key=lambda p: tuple(int(v) for v in NAME.search(p.name).groups()))  # type: ignore[union-attr]
     if not files:
@@ -91,7 +102,7 @@ def main() -> None:
         gpu = json.loads(f.read_text()).get("gpu", gpu)
     result = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "git_sha": args.git_sha, "gpu": gpu,
               "command": " ".join([sys.executable, *sys.argv]),
-              "model": "NVIDIA-Nemotron-Nano-9B-v2 architecture, random weights, bf16",
+              "model": f"{args.model_dir.name} architecture, random weights",
               "ceilings": ceilings.to_dict() if ceilings is not None else None,
               "records": records}
     (args.results / "serve_sweep_roofline.json").write_text(json.dumps(result, indent=2))

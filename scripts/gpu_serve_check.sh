@@ -134,7 +134,7 @@ if [[ " $parts " == *" sweep "* ]]; then
     done
   done
   stop_server
-  python3 benchmarks/sweep_roofline.py --results "$R" --git-sha "$sha"
+  python3 benchmarks/sweep_roofline.py --results "$R" --git-sha "$sha" --model-dir "$MODEL"
   if [ -n "${OUT:-}" ]; then cp "$R"/serve_sweep_roofline.* "$OUT"/ 2>/dev/null; fi
 fi
 

@@ -81,3 +81,22 @@ def test_sweep_roofline_without_results_says_so(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks/sweep_roofline.py"), "--results", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "no serve_sweep_in*_out*_c*.json under" in r.stderr
+
+
+def test_sweep_roofline_quotes_an_moe_architecture_against_the_experts_a_batch_touches(tmp_path: Path) -> None:
+    from benchmarks.roofline import active_decode_step_ms
+
+    d = ROOT / "benchmarks/configs/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"
+    cfg = HybridModelConfig.from_dict(json.loads((d / "config.json").read_text()))
+    _point(tmp_path / "serve_sweep_in1000_out1000_c8.json", prompts=8, tpot=5.0, out_tps=1500.0)
+    (tmp_path / "ceilings.json").write_text(json.dumps(CEILINGS.to_dict()))
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/sweep_roofline.py"), "--results", str(tmp_path),
+                        "--ceilings", str(tmp_path / "ceilings.json"), "--model-dir", str(d)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "serve_sweep_roofline.json").read_text())
+    assert res["model"].startswith("NVIDIA-Nemotron-3-Nano-30B-A3B-BF16")
+    t8 = next(x for x in res["records"] if x["name"].endswith("median ITL (ms)"))
+    want = active_decode_step_ms(cfg, 8, 1500, BW)
+    assert abs(t8["reference_value"] - want) < 1e-9
+    assert want < decode_step_ms(cfg, 8, 1500, BW) / 2  # 8 tokens x top-6 touch ~40 of the 128 experts
