@@ -77,7 +77,9 @@ def test_chunked_oversized_body_is_refused_while_streaming(server: ServerProcess
     assert limit < sent < 2 * limit  # refused soon after the limit, not after the 4x body
 
 
-def test_health_answers_within_100ms_while_the_largest_body_is_parsed(server: ServerProcess) -> None:
+def test_health_answers_while_the_largest_body_is_parsed(server: ServerProcess) -> None:
+    """The body is parsed off the event loop: /health keeps answering. A parse on the loop would hold it
+    for the whole parse (seconds); the bound leaves room for a loaded 2-core CI machine's scheduling."""
     ids = b"1," * ((DEFAULT_MAX_REQUEST_BODY_BYTES - 64) // 2)
     body = b'{"prompt": [' + ids + b'1], "max_tokens": 1}'
     assert len(body) <= DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -105,7 +107,9 @@ def test_health_answers_within_100ms_while_the_largest_body_is_parsed(server: Se
     assert "16777" in r.json()["error"]["message"]  # every id was parsed
     assert took > 0.3 and len(gaps) > 10
     print(f"\nbody parse {took:.2f} s, worst /health gap {max(gaps) * 1000:.1f} ms over {len(gaps)} polls")
-    assert max(gaps) < 0.1, f"worst /health gap {max(gaps) * 1000:.0f} ms while a {took:.1f} s body was parsed"
+    bound = min(0.5, took / 3)
+    assert max(gaps) < bound, (f"worst /health gap {max(gaps) * 1000:.0f} ms (bound {bound * 1000:.0f} ms) while a "
+                               f"{took:.1f} s body was parsed")
 
 
 def test_big_chat_body_and_token_ids_still_served(server: ServerProcess) -> None:
