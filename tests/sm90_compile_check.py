@@ -52,6 +52,9 @@ def _gpu_settings() -> None:
     import hyserve.kernels.triton_ssd as ts
 
     t8._gpu = lambda x: True
+    import hyserve.kernels.triton_fused_linear as tfl
+
+    tfl._gpu = lambda x: True
     t8._sm_count = lambda index: 132  # an H100 SXM / H200
 
     gpu_settings = ta._launch_settings

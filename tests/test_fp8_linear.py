@@ -227,7 +227,7 @@ def test_kernels_compile_for_hopper_with_e4m3_warp_group_mma():
                          capture_output=True, text=True, env={**env, "PYTHONPATH": str(root)}, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    fp8 = {"_w8a16_kernel", "_splitk_reduce_kernel", "_quant_rows_kernel", "_fp8_gemm_kernel"}
+    fp8 = {"_gemv_kernel", "_w8a16_kernel", "_splitk_reduce_kernel", "_quant_rows_kernel", "_fp8_gemm_kernel"}
     moe = {"_up_gemv_kernel", "_down_gemv_kernel", "_up_gemm_kernel", "_down_gemm_kernel"}
     assert fp8 | moe <= set(out["kernels"])
     for name, nbytes in out["kernels"].items():
@@ -235,7 +235,7 @@ def test_kernels_compile_for_hopper_with_e4m3_warp_group_mma():
     assert out["ptx"]["_fp8_gemm_kernel"] == ["e4m3", "wgmma.mma_async"]
     # the decode form and the FP8 experts read e4m3 weights and convert them in registers; the experts'
     # grouped GEMMs then run 16-bit warp-group MMAs
-    for name in ("_w8a16_kernel", *moe):
+    for name in ("_gemv_kernel", "_w8a16_kernel", *moe):  # the one-row GEMV too (at its GPU settings)
         assert "e4m3" in out["ptx"][name], name
     assert "wgmma.mma_async" in out["ptx"]["_up_gemm_kernel"] and "wgmma.mma_async" in out["ptx"]["_down_gemm_kernel"]
 

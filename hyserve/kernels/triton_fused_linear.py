@@ -70,6 +70,11 @@ def _gemv_kernel(
     tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
+def _gpu(x: torch.Tensor) -> bool:
+    """Whether to launch with the GPU settings (tests/sm90_compile_check.py says yes for CPU tensors)."""
+    return x.is_cuda
+
+
 def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the fused kernel takes this call: one row, unit strides along K, 16-bit weights and bias of
     x's dtype (F.linear refuses mixed dtypes), weight offsets within int32 (the kernel's index type)."""
@@ -90,7 +95,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu
     N = weight.shape[0]
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     w_scale = 0 if weight_scale is None else (1 if weight_scale.dim() == 1 else 2)
-    cfg = dict((_GPU_FP8_BLOCK if w_scale == 2 else _GPU_FP8 if w_scale else _GPU) if x.is_cuda else _CPU)
+    cfg = dict((_GPU_FP8_BLOCK if w_scale == 2 else _GPU_FP8 if w_scale else _GPU) if _gpu(x) else _CPU)
     stages = cfg.pop("num_stages")
     ws = weight_scale if weight_scale is not None else weight
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
