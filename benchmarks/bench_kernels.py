@@ -269,7 +269,15 @@ def _linear_cases(b: Bench):
         hg = hg * torch.rsqrt(hg.pow(2).mean(-1, keepdim=True) + 1e-5)
         return F.linear(hg.view(1, -1) * nw.double(), w_out.double())
 
-    return [
+    # plain projections (the `linear` op) at the Nano 9B v2 in_proj and the Nemotron 3 Nano 30B-A3B in_proj
+    # and QKV, against cuBLAS (split-K with a reduce at the last two on the H200)
+    plain = []
+    for pname, n, k in ((("in_proj", in_proj, hidden), ("30B-A3B in_proj", 10304, 2688), ("30B-A3B qkv", 4608, 2688))
+                        if not b.dry else (("in_proj", in_proj, hidden),)):
+        wp, xp = b.rnd(n, k, scale=k**-0.5), b.rnd(1, k)
+        plain.append((pname, wp, "GEMV", lambda xp=xp, wp=wp: tfl.linear_triton(xp, wp, None),
+                      lambda xp=xp, wp=wp: F.linear(xp, wp), lambda xp=xp, wp=wp: F.linear(xp.double(), wp.double())))
+    return plain + [
         ("out_proj + gated norm", w_out, "norm kernel + GEMV",
          lambda: tfl.gated_norm_linear_triton(y, z, nw, 1e-5, group, w_out, None),
          lambda: F.linear(rmsnorm_gated_triton(y, z, nw, 1e-5, group), w_out), gated64),
@@ -287,8 +295,8 @@ def _bench_linear(b: Bench, sweep: bool) -> None:
         label = f"{name} {w.shape[1]}->{w.shape[0]}, 1 row"
         ref = exact()
         base_ms = b.graph_ms(unfused)
-        b.roof(f"{label}: op kernel + cuBLAS", nbytes / (base_ms * 1e-3), "B/s", "read", "bytes-read ceiling",
-               time_ms=base_ms)
+        base = "cuBLAS" if variant == "GEMV" else "op kernel + cuBLAS"  # a plain projection has no op before it
+        b.roof(f"{label}: {base}", nbytes / (base_ms * 1e-3), "B/s", "read", "bytes-read ceiling", time_ms=base_ms)
         saved = dict(tfl._GPU)
         for cfg in configs:
             tag = "" if cfg is None else " [N{} K{} w{} s{}]".format(*cfg)
@@ -313,8 +321,57 @@ def bench_linear(b: Bench) -> None:
     _bench_linear(b, sweep=False)
 
 
+# The FP8 linear's one-row GEMV (e4m3 weights), timed by `--only linear_sweep` (the first entry of each is the
+# default in triton_fused_linear.py): channel scales, then block scales (BLOCK_K divides 128).
+_FP8_GEMV_SWEEP = {
+    "channel": [(4, 1024, 4, 3), (8, 1024, 4, 3), (8, 512, 4, 4), (16, 512, 4, 3), (4, 2048, 4, 2), (8, 1024, 8, 3),
+                (2, 2048, 4, 3), (16, 256, 4, 4)],
+    "block": [(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 6), (32, 128, 8, 4), (8, 128, 4, 6), (64, 128, 8, 3)],
+}
+
+
+def _bench_fp8_gemv_sweep(b: Bench) -> None:
+    """One row through the FP8 GEMV at the Nano 9B v2 in_proj and down_proj, per launch setting, bytes read
+    (e4m3 weight + float32 scales) against the read ceiling, checked first against the float64 product of x
+    and the dequantised weight; bf16 cuBLAS on the dequantised weight beside it."""
+    import torch.nn.functional as F
+
+    import hyserve.kernels.triton_fused_linear as tfl
+    from hyserve.kernels.fp8_linear import dequantize_weight_ref, quantize_weight_ref
+
+    shapes = ((22912, 4480), (4480, 15680)) if not b.dry else ((72, 96),)
+    for n, k in shapes:
+        w16, x = b.rnd(n, k, scale=k**-0.5), b.rnd(1, k)
+        for scheme, settings in _FP8_GEMV_SWEEP.items():
+            q, sc = quantize_weight_ref(w16, scheme)
+            wd = dequantize_weight_ref(q, sc)
+            want = x.double() @ wd.double().T
+            w16d = wd.to(x.dtype)
+            base_ms = b.graph_ms(lambda w16d=w16d: F.linear(x, w16d))
+            nbytes = q.numel() + sc.numel() * 4
+            table = tfl._GPU_FP8_BLOCK if scheme == "block" else tfl._GPU_FP8
+            saved = dict(table)
+            for cfg in settings if not b.dry else settings[:1]:
+                tag = "[N{} K{} w{} s{}]".format(*cfg)
+                label = f"fp8 {scheme} GEMV {k}->{n}, 1 row {tag}"
+                try:
+                    table.update(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+                    fn = lambda q=q, sc=sc: tfl.gemv_fp8(x, q, sc, None, False)  # noqa: E731
+                    if not b.check(label, fn(), want, 1e-2, 1e-2):
+                        continue
+                    ms = b.graph_ms(fn)
+                    b.roof(label, nbytes / (ms * 1e-3), "B/s", "read", "FP8 weight-read roofline: bytes-read ceiling",
+                           time_ms=ms, bf16_ms=base_ms, speedup_vs_bf16=base_ms / ms)
+                except Exception as e:  # noqa: BLE001 - a setting may not compile; report and go on
+                    print(f"     (fp8 GEMV config {tag} failed: {type(e).__name__}: {e})")
+                finally:
+                    table.clear()
+                    table.update(saved)
+
+
 def bench_linear_sweep(b: Bench) -> None:
     _bench_linear(b, sweep=True)
+    _bench_fp8_gemv_sweep(b)
 
 
 # --------------------------------------------------------------------------- FP8 linear

@@ -203,3 +203,25 @@ def test_linear_gemv_at_the_nemotron_shapes(poison, n, k):
     with poison:
         out = tfl.linear_triton(x, w, None)
     _close64(out, torch.nn.functional.linear(x.double(), w.double()), BF16, f"linear {k}->{n}")
+
+
+def test_bench_kernels_linear_sweep_dry_run_checks_every_form_first(tmp_path):
+    """`bench_kernels.py --only linear_sweep` (the launch settings of these GEMVs and of the FP8 one-row GEMV)
+    runs on the CPU at tiny shapes and records each form only after its float64 check."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "ls.json"
+    r = subprocess.run([sys.executable, str(root / "benchmarks/bench_kernels.py"), "--dry-run", "--only", "linear_sweep",
+                        "--out", str(out)], capture_output=True, text=True, env={**env, "PYTHONPATH": str(root)},
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    names = [x["name"] for x in json.loads(out.read_text())["records"]]
+    assert "in_proj 48->96, 1 row: GEMV" in names and "in_proj 48->96, 1 row: cuBLAS" in names
+    assert any(n.startswith("fp8 channel GEMV") for n in names) and any(n.startswith("fp8 block GEMV") for n in names)
+    assert "FAIL" not in r.stdout and r.stdout.count("matches its reference") >= 8
