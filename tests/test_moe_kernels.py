@@ -225,6 +225,8 @@ EXPERT_CASES = {  # T, k, E, d, I, experts, always
 @pytest.mark.parametrize("case", EXPERT_CASES)
 def test_experts_match_float64(poison, variant, dtype, case):
     T, k, E, d, inter, experts, always = EXPERT_CASES[case]
+    if variant.startswith("gemv") and not CUDA:
+        T = min(T, 8)  # the decode path's token buckets (the interpreter at 37 tokens took ~6 s a case)
     ids = _ids_with(T, k, E, experts, always)
     x, w_up, w_down, w, ids = _experts_inputs(T, E, d, inter, k, dtype, ids)
     cfg = _variant_config(variant, E, inter, d, k)
@@ -254,6 +256,8 @@ def test_fp8_experts_match_float64_of_the_dequantised_experts(poison, variant, d
     """FP8 experts (e4m3, per-expert channel scales) in every kernel form against float64 of the
     dequantised experts, and against the reference path in the same dtype."""
     T, k, E, d, inter, experts, always = EXPERT_CASES[case]
+    if variant.startswith("gemv") and not CUDA:
+        T = min(T, 8)  # the decode path's token buckets, as above
     ids = _ids_with(T, k, E, experts, always)
     x, w_up, w_down, w, ids = _experts_inputs(T, E, d, inter, k, F32, ids)
     x = x.to(dtype)
