@@ -89,6 +89,17 @@ def sync() -> None:
     torch.cuda.synchronize()
 
 
+def replay_ms(replay, reps: int) -> float:
+    """Wall time of one graph replay in ms: one warm replay, then the mean of `reps` back to back."""
+    replay()
+    sync()
+    t = time.perf_counter()
+    for _ in range(reps):
+        replay()
+    sync()
+    return (time.perf_counter() - t) / reps * 1e3
+
+
 def replay_breakdown(replay, step_ms: float, steps: int = 20, top: int = 25, batch: int = 1) -> str:
     """Device time per decode step by kernel name inside a batch's graph replay (torch profiler),
     the kernels that take the most first: where the replay's gap to the roofline goes."""
@@ -249,13 +260,7 @@ def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, r
         def replay() -> None:
             graphs.replay(b1)
 
-        replay()
-        sync()
-        t = time.perf_counter()
-        for _ in range(50):
-            replay()
-        sync()
-        gpu_ms = (time.perf_counter() - t) / 50 * 1e3
+        gpu_ms = replay_ms(replay, 50)
         records.append(roof_rec("hyserve decode batch 1, graph replay alone (tok/s)", 1e3 / gpu_ms, "tok/s",
                                 b1_ref, "read", ceilings, decode_roof))
         notes.append(replay_breakdown(replay, gpu_ms))
@@ -346,13 +351,7 @@ def bench_steps(eng, plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings
                 def replay_b(n: int = size) -> None:
                     graphs.replay(n)
 
-                replay_b()
-                sync()
-                t = time.perf_counter()
-                for _ in range(20):
-                    replay_b()
-                sync()
-                gpu_ms = (time.perf_counter() - t) / 20 * 1e3
+                gpu_ms = replay_ms(replay_b, 20)
                 records.append(rec(f"hyserve decode step batch {batch}, graph replay alone (ms)", gpu_ms, "ms",
                                    "the engine's step, same run", step_ms))
                 replay_breakdown(replay_b, gpu_ms, steps=5, top=15, batch=batch)
