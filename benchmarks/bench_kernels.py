@@ -392,6 +392,7 @@ def bench_fp8_linear(b: Bench) -> None:
     e4m3 tensor-core rate). Each is checked first against the float64 product of its dequantised operands."""
     import torch.nn.functional as F
 
+    from hyserve.kernels import triton_fp8_linear as t8
     from hyserve.kernels.fp8_linear import dequantize_weight_ref, quantize_rows_ref, quantize_weight_ref
     from hyserve.kernels.triton_fp8_linear import SMALL_M, fp8_linear_triton
 
@@ -402,9 +403,19 @@ def bench_fp8_linear(b: Bench) -> None:
             q, s = quantize_weight_ref(w16, scheme)
             wd = dequantize_weight_ref(q, s).to(BF16)
             fp8_bytes = q.numel() + s.numel() * 4
-            for m in rows:
+            for m, form in [(m, f) for m in rows for f in ("auto", "triton")]:
                 x = b.rnd(m, k)
-                label = f"fp8 {scheme} {proj} {k}->{n}, {m} rows"
+                # the prefill form twice where torch._scaled_mm serves it: as served and on the Triton GEMM
+                # (PREFILL_GEMM "triton"); every other case once
+                t8.PREFILL_GEMM["form"] = "auto"
+                scaled_mm = m > SMALL_M and t8._scaled_mm_takes(x, q, scheme == "block")
+                if form == "triton" and not scaled_mm:
+                    continue
+                t8.PREFILL_GEMM["form"] = form
+                gemm = ""
+                if m > SMALL_M:
+                    gemm = " [torch._scaled_mm]" if scaled_mm and form == "auto" else " [Triton GEMM]"
+                label = f"fp8 {scheme} {proj} {k}->{n}, {m} rows{gemm}"
                 if m <= SMALL_M:
                     want = x.double() @ dequantize_weight_ref(q, s).double().T
                 else:
@@ -427,6 +438,7 @@ def bench_fp8_linear(b: Bench) -> None:
                            "tensor-core rate)", reference_at=lambda p: 2 * p.matmul_flops, time_ms=ms,
                            bf16_ms=base_ms, speedup_vs_bf16=base_ms / ms)
                 print(f"     ({ms * 1e3:.1f} us vs {base_ms * 1e3:.1f} us bf16 cuBLAS: {base_ms / ms:.3f}x)")
+    t8.PREFILL_GEMM["form"] = "auto"
 
 
 # --------------------------------------------------------------------------- attention

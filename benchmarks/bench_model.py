@@ -285,6 +285,8 @@ def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, r
                                     ceilings, lambda peaks: prefill_tokens_per_s(cfg, peaks.matmul_flops)))
 
     steps = bench_steps(eng, plan, cfg, ceilings, records, ids)
+    if plan.device != "cpu" and quantization is None:
+        pdl_ab(eng, plan.batches, records, notes)
     if time_init:
         init_times(eng.runner.model, cfg, records)
     from hyserve.kernels import ops
@@ -363,6 +365,45 @@ def bench_steps(eng, plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings
         if moe:
             records[-1 if graphs is None else -2]["note"] = f"{steps} decode steps of {batch} rows timed"
     return steps
+
+
+def pdl_ab(eng, batches: tuple[int, ...], records: list, notes: list) -> None:
+    """Decode graphs with the kernels as programmatic dependent launches (the engine's default on sm_90+)
+    against ordinary launches, same run: for batch 1 and the largest batch, one graph of each form captured
+    fresh over the engine's model and cache (default buffers: padding rows, a context of one token), replayed
+    in turn (off, on, off, on) and timed; the ratio is ordinary / PDL (> 1: PDL is faster)."""
+    from hyserve.engine.cuda_graphs import DecodeGraphs
+    from hyserve.kernels import launch_util
+
+    g = eng.runner.graphs
+    if g is None or torch.cuda.get_device_capability()[0] < 9:
+        notes.append("PDL A/B not run (no decode graphs or a GPU before sm_90)")
+        return
+    was = launch_util.pdl_enabled()
+    for batch in sorted({1, max(batches)}):
+        if g.size_for(batch) is None:
+            continue
+        forms = {}
+        try:
+            for flag in (False, True):
+                launch_util.set_pdl(flag)  # compiles the other form's variants once (a benchmark, not serving)
+                forms[flag] = DecodeGraphs(g.model, g.cache, g.device, sizes=[batch],
+                                           max_blocks_per_seq=g._tables.shape[1], pad_slot=g.pad_slot)
+        finally:
+            launch_util.set_pdl(was)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(2):
+            for flag in (False, True):
+                times[flag].append(replay_ms(lambda f=forms[flag], n=batch: f.replay(n), 50))
+        on, off = min(times[True]), min(times[False])
+        records.append(rec(f"hyserve decode batch {batch} graph replay, ordinary launches / PDL (x)", off / on, "x",
+                           "the same step with ordinary launches, same run", 1.0))
+        notes.append(f"PDL A/B batch {batch}: graph replay {on * 1e3:.0f} us with PDL, {off * 1e3:.0f} us without "
+                     f"(min of 2 rounds of 50 replays each)")
+        print(notes[-1])
+        del forms
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def init_times(model: torch.nn.Module, cfg: HybridModelConfig, records: list) -> None:

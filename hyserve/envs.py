@@ -57,3 +57,19 @@ HYSERVE_DIST_TIMEOUT_S: float = _positive_float("HYSERVE_DIST_TIMEOUT_S", 60.0)
 # Deterministic fault injection (tests, soak runs; off when unset): comma-separated "site:substring[@n]",
 # site one of forward, sample, host, engine; the named requests fail there (hyserve/engine/faults.py).
 HYSERVE_FAULT_INJECT: str = os.environ.get("HYSERVE_FAULT_INJECT", "").strip()
+
+
+def _flag(name: str, default: bool) -> bool:
+    v = os.environ.get(name)
+    if v is None or v.strip() == "":
+        return default
+    if v.strip().lower() in ("1", "true", "on", "yes"):
+        return True
+    if v.strip().lower() in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"environment variable {name}={v!r}: expected 1 or 0 (on / off)")
+
+
+# Programmatic dependent launch of the decode-path Triton kernels on Hopper and newer GPUs (on by default;
+# HYSERVE_PDL=0 launches them the ordinary way, e.g. to rule it out when chasing a wrong result).
+HYSERVE_PDL: bool = _flag("HYSERVE_PDL", True)

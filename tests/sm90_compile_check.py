@@ -2,9 +2,10 @@
 needed) through their real launchers, at the GPU launch settings, and prints each kernel's largest shared
 memory as one JSON line: {"dtype": ..., "kernels": {name: bytes}, "ptx": {name: ["e4m3", "wgmma.mma_async"]}}
 (the second: which of those its PTX holds; "cvt.bf16.f16": a scalar float16 -> bf16 convert,
-"ld.shared.b8": shared-memory loads of single bytes).
+"ld.shared.b8": shared-memory loads of single bytes, "griddepcontrol.wait": the kernel waits for its
+predecessor as a programmatic dependent launch).
 
-    python tests/sm90_compile_check.py float32 [op ...] [--only kernel,...]
+    python tests/sm90_compile_check.py float32 [op ...] [--only kernel,...] [--no-pdl]
                                             # ops: attention attention_fp8 ssd ssm_update conv1d norm
                                             #      moe sampling fp8 moe_fp8 (default: all)
 
@@ -32,6 +33,10 @@ HIDDEN, D_INNER, GROUP = 4480, 10240, 1280
 CONV_DIM = D_INNER + 2 * G * N
 
 
+# PTX features reported per kernel
+MARKERS = ("wgmma.mma_async", "e4m3", "cvt.bf16.f16", "ld.shared.b8", "griddepcontrol.wait")
+
+
 class _Sm90:
     """Just enough of a Triton driver for the launchers to compile for sm_90 on a machine without one."""
 
@@ -46,7 +51,11 @@ class _Sm90:
 
 
 def _gpu_settings() -> None:
-    """Have the launchers pick their GPU launch settings (by their own rules) for the CPU tensors here."""
+    """Have the launchers pick their GPU launch settings (by their own rules) for the CPU tensors here, the
+    programmatic-dependent-launch form included (an sm_90 device has it)."""
+    import hyserve.kernels.launch_util as lu
+
+    lu._pdl_on = lambda t: lu.pdl_enabled()
     import hyserve.kernels.triton_attention as ta
     import hyserve.kernels.triton_fp8_linear as t8
     import hyserve.kernels.triton_ssd as ts
@@ -204,6 +213,11 @@ OPS = {"attention": _attention, "attention_fp8": _attention_fp8, "ssd": _ssd, "s
 
 def main(argv: list[str]) -> None:
     only: set[str] | None = None
+    if "--no-pdl" in argv:  # the ordinary launch form (HYSERVE_PDL=0)
+        from hyserve.kernels.launch_util import set_pdl
+
+        set_pdl(False)
+        argv = [a for a in argv if a != "--no-pdl"]
     if "--only" in argv:  # compile just these kernels (the launchers' other launches are skipped)
         i = argv.index("--only")
         only = set(argv[i + 1].split(","))
@@ -221,7 +235,7 @@ def main(argv: list[str]) -> None:
         kernel = real_run(self, *args, grid=grid, warmup=True, **kwargs)
         shared[name] = max(shared.get(name, 0), kernel.metadata.shared)
         ptx = kernel.asm.get("ptx", "")
-        mma.setdefault(name, set()).update(k for k in ("wgmma.mma_async", "e4m3", "cvt.bf16.f16", "ld.shared.b8") if k in ptx)
+        mma.setdefault(name, set()).update(k for k in MARKERS if k in ptx)
         return kernel
 
     driver.set_active(_Sm90())

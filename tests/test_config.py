@@ -235,3 +235,40 @@ def test_kv_scales_default_is_auto_with_any_kv_dtype() -> None:
     for dtype in ("auto", "bfloat16", "float16", "float32", "fp8"):
         assert build_engine_config({"kv_cache_config": {"dtype": dtype}}).cache.kv_scales == "auto"
     assert build_engine_config({"kv_cache_config": {"dtype": "float16", "kv_scales": "auto"}}).cache.kv_scales == "auto"
+
+
+@pytest.mark.parametrize("value,want", [(None, True), ("", True), ("1", True), ("on", True), ("0", False),
+                                        ("off", False), ("False", False)])
+def test_env_flags_parse_on_and_off(monkeypatch: pytest.MonkeyPatch, value: str | None, want: bool) -> None:
+    from hyserve import envs
+
+    if value is None:
+        monkeypatch.delenv("HYSERVE_PDL", raising=False)
+    else:
+        monkeypatch.setenv("HYSERVE_PDL", value)
+    assert envs._flag("HYSERVE_PDL", True) is want
+
+
+def test_env_flag_with_a_bad_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hyserve import envs
+
+    monkeypatch.setenv("HYSERVE_PDL", "maybe")
+    with pytest.raises(ValueError, match=r"HYSERVE_PDL='maybe': expected 1 or 0"):
+        envs._flag("HYSERVE_PDL", True)
+
+
+def test_engine_start_up_applies_hyserve_pdl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HYSERVE_PDL is applied once, before any kernel runs (the warm-up compiles that form's variants)."""
+    from hyserve import LLM, envs
+    from hyserve.kernels import launch_util
+
+    was = launch_util.pdl_enabled()
+    try:
+        monkeypatch.setattr(envs, "HYSERVE_PDL", False)
+        LLM(device="cpu", max_seq_len=64, log=lambda s: None)
+        assert not launch_util.pdl_enabled()
+        monkeypatch.setattr(envs, "HYSERVE_PDL", True)
+        LLM(device="cpu", max_seq_len=64, log=lambda s: None)
+        assert launch_util.pdl_enabled()
+    finally:
+        launch_util.set_pdl(was)

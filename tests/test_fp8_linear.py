@@ -212,6 +212,40 @@ def test_gpu_nano_shapes(scheme: str, m: int, shape: tuple[int, int]) -> None:
     assert q.dtype == E4M3
 
 
+@gpu
+@pytest.mark.parametrize("form", ["auto", "triton"])
+@pytest.mark.parametrize("relu2", [False, True])
+def test_gpu_prefill_gemm_forms(form: str, relu2: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both GEMMs of the channel-scaled prefill form (torch._scaled_mm where it takes the call, the Triton
+    GEMM) against the float64 product of the activation codes and the dequantised weight, with a bias, at the
+    Nano 9B v2 down_proj (relu^2 as the activation quantises) and a ragged row count."""
+    monkeypatch.setitem(t8.PREFILL_GEMM, "form", form)
+    k, n, m = 15680, 4480, 777
+    q, s = _weight(n, k, "channel")
+    x = _x(m, k, BF16)
+    bias = torch.randn(n, device=DEV).to(BF16)
+    assert t8._scaled_mm_takes(x, q, False) == (form == "auto" and torch.cuda.get_device_capability()[0] >= 9)
+    out = t8.fp8_linear_triton(x, q, s, bias, relu2=relu2)
+    w = dequantize_weight_ref(q, s).double()
+    qa, sa = quantize_rows_ref(torch.relu(x.float()) ** 2 if relu2 else x, None)
+    a = qa.double() * sa[:, None].double()
+    _within(out, a @ w.T + bias.double(), a.abs() @ w.abs().T, rel=_w8a8_rel(k))
+
+
+def test_scaled_mm_takes_only_what_it_supports() -> None:
+    """torch._scaled_mm runs only channel-scaled bf16 prefill GEMMs on CUDA sm_90+ with N and K multiples of 16."""
+    q, _ = _weight(48, 64, "channel")
+    x = torch.randn(20, 64).to(BF16)
+    assert not t8._scaled_mm_takes(x, q.cpu(), False)  # a CPU tensor
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
+        xc, qc = x.cuda(), q.cuda()
+        assert t8._scaled_mm_takes(xc, qc, False)
+        assert not t8._scaled_mm_takes(xc, qc, True)  # block scales
+        assert not t8._scaled_mm_takes(xc.to(F16), qc, False)
+        q40, _ = _weight(48, 40, "channel")  # K not a multiple of 16
+        assert not t8._scaled_mm_takes(torch.randn(20, 40, device=DEV).to(BF16), q40, False)
+
+
 def test_kernels_compile_for_hopper_with_e4m3_warp_group_mma():
     """Offline, no GPU needed (tests/sm90_compile_check.py): at the GPU launch settings every FP8 kernel (the
     linear's, and the fused MoE's with FP8 experts at a Nano 30B-A3B layer) compiles for sm_90 within 227 KiB
@@ -232,7 +266,9 @@ def test_kernels_compile_for_hopper_with_e4m3_warp_group_mma():
     assert fp8 | moe <= set(out["kernels"])
     for name, nbytes in out["kernels"].items():
         assert nbytes <= 232448, (name, nbytes)
-    assert out["ptx"]["_fp8_gemm_kernel"] == ["e4m3", "wgmma.mma_async"]
+    assert out["ptx"]["_fp8_gemm_kernel"] == ["e4m3", "griddepcontrol.wait", "wgmma.mma_async"]
+    for name in fp8 | moe:  # each waits for its predecessor when launched as a programmatic dependent launch
+        assert "griddepcontrol.wait" in out["ptx"][name], name
     # the decode form and the FP8 experts read e4m3 weights and convert them in registers; the experts'
     # grouped GEMMs then run 16-bit warp-group MMAs
     for name in ("_gemv_kernel", "_w8a16_kernel", *moe):  # the one-row GEMV too (at its GPU settings)

@@ -636,8 +636,12 @@ def test_moe_kernels_compile_for_sm90_at_the_tuned_configs():
     run = subprocess.run([sys.executable, str(root / "tests" / "sm90_compile_check.py"), "bfloat16", "moe"],
                          capture_output=True, text=True, env={**env, "PYTHONPATH": str(root)}, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    shared = json.loads(run.stdout.strip().splitlines()[-1])["kernels"]
+    doc = json.loads(run.stdout.strip().splitlines()[-1])
+    shared = doc["kernels"]
     want = {"_router_gemv_kernel", "_route_kernel", "_up_gemv_kernel", "_down_gemv_kernel", "_up_gemm_kernel",
-            "_down_gemm_kernel", "_combine_kernel", "_align_scatter_kernel"}
+            "_down_gemm_kernel", "_combine_kernel", "_align_count_kernel", "_align_offsets_kernel",
+            "_align_scatter_kernel"}
     assert want <= set(shared), sorted(shared)
     assert all(0 <= b <= 232448 for b in shared.values()), shared
+    # every MoE kernel of a decode step is a programmatic dependent launch that waits for its predecessor
+    assert all("griddepcontrol.wait" in doc["ptx"][name] for name in want), doc["ptx"]

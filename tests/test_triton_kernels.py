@@ -540,6 +540,52 @@ def test_gluon_prefill_compiles_for_hopper():
         assert c["wgmma"] and c["tma"], (name, c)
 
 
+DECODE_KERNELS = ("_rms_norm_kernel,_add_rms_norm_kernel,_rmsnorm_gated_kernel,_relu2_kernel,_conv1d_update_kernel,"
+                  "_ssm_update_kernel,_write_kv_kernel,_decode_kernel,_combine_kernel")
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_decode_kernels_wait_for_their_predecessor_under_pdl(pdl: bool):
+    """Offline for sm_90 (tests/sm90_compile_check.py): the kernels of a decode step are launched as
+    programmatic dependent launches, so each must wait (griddepcontrol.wait) before it touches memory; with
+    HYSERVE_PDL=0 (`--no-pdl`) they compile without the wait. (The one-row GEMV, the MoE and the FP8 kernels:
+    test_fp8_linear and test_moe_kernels.)"""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    args = [sys.executable, str(root / "tests" / "sm90_compile_check.py"), "bfloat16", "norm", "conv1d", "ssm_update",
+            "attention", "--only", DECODE_KERNELS] + ([] if pdl else ["--no-pdl"])
+    run = subprocess.run(args, capture_output=True, text=True, env={**env, "PYTHONPATH": str(root)}, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ptx = json.loads(run.stdout.strip().splitlines()[-1])["ptx"]
+    assert set(ptx) == set(DECODE_KERNELS.split(","))
+    for name, markers in ptx.items():
+        assert ("griddepcontrol.wait" in markers) == pdl, (name, markers)
+
+
+def test_pdl_launch_keywords():
+    """`launch_util.pdl`: the kernel's PDL constexpr and the launch attribute go together, only for CUDA
+    tensors on sm_90+ with PDL enabled; CPU tensors (the interpreter) get PDL=False and no launch option."""
+    from hyserve.kernels import launch_util as lu
+
+    x = torch.zeros(2)
+    assert lu.pdl(x) == {"PDL": False}
+    was = lu.pdl_enabled()
+    try:
+        lu.set_pdl(False)
+        assert not lu.pdl_enabled() and lu.pdl(x) == {"PDL": False}
+        lu.set_pdl(True)
+        assert lu.pdl_enabled()
+        if torch.cuda.is_available():
+            want = torch.cuda.get_device_capability()[0] >= 9
+            assert lu.pdl(x.cuda()) == ({"PDL": True, "launch_pdl": True} if want else {"PDL": False})
+    finally:
+        lu.set_pdl(was)
+
+
 def test_float32_kernels_fit_hopper_shared_memory():
     """The kernels whose shared memory grows with float32 operands (attention decode and prefill tiles, the
     SSD state walk) compile for sm_90 at the GPU launch settings the launchers pick for a Nano 9B v2-width

@@ -2,7 +2,47 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+# Programmatic dependent launch (Hopper and newer): a decode step is a chain of ~300 small kernels, each
+# waiting for the one before it. A kernel launched with `launch_pdl=True` may be scheduled while its
+# predecessor still runs; it waits in `triton_common.pdl_enter` (griddepcontrol.wait) before it touches any
+# memory, so its launch and block scheduling overlap the predecessor's tail instead of following it. On by
+# default; `set_pdl(False)` (the engine's HYSERVE_PDL=0) turns it off for every launch after it.
+_PDL = {"enabled": True}
+
+
+def set_pdl(enabled: bool) -> None:
+    """Launch the decode-path kernels with programmatic dependent launch (where the GPU has it) or not.
+    Takes effect for launches after it: set it before a warm-up, as the variants differ."""
+    _PDL["enabled"] = bool(enabled)
+
+
+def pdl_enabled() -> bool:
+    return _PDL["enabled"]
+
+
+@functools.lru_cache(maxsize=16)
+def _sm90_or_newer(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _pdl_on(t: torch.Tensor) -> bool:
+    """Whether a kernel over `t` launches with PDL (tests/sm90_compile_check.py says yes for CPU tensors)."""
+    if not (_PDL["enabled"] and t.is_cuda):
+        return False
+    return _sm90_or_newer(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def pdl(t: torch.Tensor) -> dict[str, bool]:
+    """Launch keywords for a kernel that takes `PDL: tl.constexpr` and calls `pdl_enter(PDL)` first: the
+    constexpr and the launch attribute always agree (a PDL launch of a kernel that does not wait would race
+    its predecessor). The Triton interpreter gets PDL=False and no launch option."""
+    if _pdl_on(t):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
 
 
 def device_index(values: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
@@ -37,4 +77,4 @@ def tma_tiles_fit(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) ->
     return all(c.stride() == (BS * Hkv * Dh, Hkv * Dh, Dh, 1) and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache))
 
 
-__all__ = ["device_index", "tma_tiles_fit"]
+__all__ = ["device_index", "pdl", "pdl_enabled", "set_pdl", "tma_tiles_fit"]

@@ -8,9 +8,13 @@ import torch
 import triton
 import triton.language as tl
 
+from hyserve.kernels.launch_util import pdl
+from hyserve.kernels.triton_common import pdl_enter
+
 
 @triton.jit(do_not_specialize=["n"])
-def _relu2_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _relu2_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     x = tl.maximum(tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32), 0.0)
@@ -24,7 +28,7 @@ def relu2_triton(x: torch.Tensor) -> torch.Tensor:
     n = xc.numel()
     if n:
         BLOCK = 2048 if xc.is_cuda else 256
-        _relu2_kernel[(triton.cdiv(n, BLOCK),)](xc, out, n, BLOCK=BLOCK, num_warps=4)
+        _relu2_kernel[(triton.cdiv(n, BLOCK),)](xc, out, n, BLOCK=BLOCK, num_warps=4, **pdl(xc))
     return out
 
 

@@ -15,8 +15,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hyserve.kernels.attention import FP8_KV_DTYPES, check_kv_scales
-from hyserve.kernels.launch_util import device_index, tma_tiles_fit
-from hyserve.kernels.triton_common import dot, dot_acc
+from hyserve.kernels.launch_util import device_index, pdl, tma_tiles_fit
+from hyserve.kernels.triton_common import dot, dot_acc, pdl_enter
 
 _LOG2E = 1.4426950408889634
 
@@ -40,8 +40,9 @@ def _write_kv_kernel(
     s_k_t, s_k_h, s_v_t, s_v_h,
     s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h,
     BS: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-    KV_SCALED: tl.constexpr, FP8: tl.constexpr,
+    KV_SCALED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -97,7 +98,7 @@ def write_kv_triton(
         BS=k_cache.shape[1], HKV=Hkv, HEAD_DIM=Dh,
         H_PAD=triton.next_power_of_2(Hkv), D_PAD=triton.next_power_of_2(Dh),
         KV_SCALED=scaled, FP8=k_cache.dtype in FP8_KV_DTYPES,
-        num_warps=4,
+        num_warps=4, **pdl(k),
     )
 
 
@@ -230,8 +231,9 @@ def _decode_kernel(
     s_pl_sp, s_pl_s,  # partial lse [splits, nd, Hq] fp32, last stride 1
     BS: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-    IEEE: tl.constexpr, KV_SCALED: tl.constexpr, F16_TILES: tl.constexpr, PIN_V: tl.constexpr,
+    IEEE: tl.constexpr, KV_SCALED: tl.constexpr, F16_TILES: tl.constexpr, PIN_V: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     s = tl.program_id(0).to(tl.int64)  # index among the decode sequences
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -293,11 +295,12 @@ def _decode_kernel(
 def _combine_kernel(
     po_ptr, plse_ptr, cu_ptr, out_ptr, seq_offset, num_splits,
     s_po_sp, s_po_s, s_po_h, s_pl_sp, s_pl_s, s_o_t, s_o_h,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SP: tl.constexpr, PDL: tl.constexpr,
 ):
     """out = sum_sp w_sp o_sp / sum_sp w_sp with w_sp = 2^(lse_sp - max lse), BLOCK_SP splits per
     vector load (no per-split branch or dependent scalar load: most splits of a short context are empty
     and cost one masked lane)."""
+    pdl_enter(PDL)
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row = tl.load(cu_ptr + seq_offset + s).to(tl.int64)
@@ -577,13 +580,13 @@ def paged_attention_triton(
             po.stride(0), po.stride(1), po.stride(2), plse.stride(0), plse.stride(1),
             BS=BS, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)),
             HEAD_DIM=Dh, D_PAD=D_PAD, BLOCK_N=BLOCK_N, MIN_SPLIT=triton.cdiv(_MIN_SPLIT_TOKENS, BLOCK_N) * BLOCK_N,
-            IEEE=ieee, KV_SCALED=scaled, F16_TILES=f16_tiles, **dcfg,
+            IEEE=ieee, KV_SCALED=scaled, F16_TILES=f16_tiles, **dcfg, **pdl(q),
         )
         _combine_kernel[(nd, Hq)](
             po, plse, cu_t, out, 0, splits,
             po.stride(0), po.stride(1), po.stride(2), plse.stride(0), plse.stride(1),
             out.stride(0), out.stride(1),
-            HEAD_DIM=Dh, D_PAD=D_PAD, BLOCK_SP=16 if on_gpu else 2, num_warps=4 if on_gpu else 1,
+            HEAD_DIM=Dh, D_PAD=D_PAD, BLOCK_SP=16 if on_gpu else 2, num_warps=4 if on_gpu else 1, **pdl(q),
         )
 
     if nd < S and max_new > 0:

@@ -4,6 +4,18 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """First statement of a kernel launched through `launch_util.pdl`: with PDL, wait until the previous
+    kernel on the stream has finished and its writes are visible (nothing before this call may read what
+    it wrote or write what it reads), then let the next kernel's blocks be scheduled as this one's last
+    blocks start. Every kernel of the chain waits here, so a kernel's completion implies its predecessors'."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from hyserve.kernels.conv1d import uses_silu
-from hyserve.kernels.launch_util import device_index
+from hyserve.kernels.launch_util import device_index, pdl
+from hyserve.kernels.triton_common import pdl_enter
 
 
 @triton.jit
@@ -36,8 +37,9 @@ def _conv1d_update_kernel(
     s_pool_slot, s_pool_d, s_pool_k,
     s_w_d,  # weight stride along K is 1
     s_out_b,
-    K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     pid_d = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -102,7 +104,7 @@ def causal_conv1d_update_triton(
         weight.stride(0),
         out.stride(0),
         K=K, BLOCK_D=BLOCK_D, HAS_BIAS=bias is not None, SILU=silu,
-        num_warps=4,
+        num_warps=4, **pdl(x),
     )
     return out
 

@@ -18,6 +18,9 @@ Two forms, by row count M (tokens):
                            columns for block weights: DeepSeek-V3's scheme), then an e4m3 x e4m3 tensor-core
                            GEMM accumulates in fp32: channel scales once in the epilogue, block scales per
                            128-wide K step (BLOCK_K divides 128, so every K tile lies in one scale block).
+                           With channel scales and bf16 activations on sm_90+ the GEMM is torch._scaled_mm
+                           (cuBLASLt / CUTLASS, row-wise activation and column-wise weight scales) where it
+                           takes the shape (`PREFILL_GEMM`); the Triton GEMM otherwise.
 
 Activation quantisation builds the e4m3 codes itself (`_e4m3_bits`: the float32 mantissa rounded to 3 bits
 with ties to even by integer arithmetic, the exponent rebiased; subnormals on the 2^-9 grid) and stores
@@ -42,7 +45,8 @@ import triton
 import triton.language as tl
 
 from hyserve.kernels.fp8_linear import ACT_GROUP, BLOCK, E4M3, fp8_linear_ref, fp8_relu2_linear_ref
-from hyserve.kernels.triton_common import dot_acc
+from hyserve.kernels.launch_util import pdl
+from hyserve.kernels.triton_common import dot_acc, pdl_enter
 from hyserve.kernels.triton_fused_linear import gemv_fp8
 
 SMALL_M = 16  # rows up to which the w8a16 (decode) form runs
@@ -81,13 +85,14 @@ def _load_act(ptrs, mask, RELU2: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])
 def _quant_rows_kernel(
     x_ptr, q_ptr, s_ptr, M, K, s_xm, s_qm, s_sm,
-    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, RELU2: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, RELU2: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (row, g): with GROUP > 0 the 128 columns of group g of one row; with GROUP == 0 the whole
     row (two passes over it: amax, then the codes). scale = amax / 448 (1 for an all-zero group); both
     divisions round to nearest (div_rn: a plain `/` compiles to the approximate division on CUDA, and the codes
     must match torch's bit for bit). RELU2:
     the row is relu(x)^2 (in float32, as it loads)."""
+    pdl_enter(PDL)
     row = tl.program_id(0)
     g = tl.program_id(1)
     if GROUP > 0:
@@ -121,9 +126,10 @@ def _fp8_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, s_am, s_asm, s_wn, s_wsn, s_om,
     BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[M, N] = (a * a_scale) @ (w * w_scale)^T (+ bias); a, w e4m3; grouped tile order for L2 reuse."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -166,13 +172,14 @@ def _fp8_gemm_kernel(
 def _w8a16_kernel(
     x_ptr, w_ptr, ws_ptr, part_ptr, M, N, K, k_split, s_xm, s_wn, s_wsn,
     BLOCK_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr, RELU2: tl.constexpr,
+    NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr, RELU2: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (n tile, K split): the fp32 partial x[:, ks] @ (w[:, ks] (* block scales))^T of its split into
     part[split, M, N]; channel scales are applied after the splits are summed. DOT_F32 (the interpreter,
     whose 16-bit dots are wrong in Triton 3.6) multiplies the same tiles in float32 instead. RELU2: x is
     relu(x)^2, applied in float32 as the tile loads and rounded to x's dtype for the 16-bit dot (kept in
     float32 by DOT_F32: the interpreter's float32 -> bf16 cast truncates)."""
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -206,9 +213,10 @@ def _w8a16_kernel(
 @triton.jit(do_not_specialize=["M", "splits"])
 def _splitk_reduce_kernel(
     part_ptr, ws_ptr, b_ptr, out_ptr, M, N, splits, s_om,
-    CHANNEL_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    CHANNEL_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[m, n] = (sum over splits, in order, of part[s, m, n]) (* w_scale[n]) (+ bias[n])."""
+    pdl_enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     n = offs % N
@@ -263,7 +271,7 @@ def quantize_rows_triton(
         gpu = _gpu(x)
         _quant_rows_kernel[(m, groups)](
             x, q.view(torch.uint8), scale, m, k, x.stride(0), q.stride(0), scale.stride(0),
-            GROUP=group or 0, BLOCK_K=1024 if gpu else 64, RELU2=relu2, num_warps=4 if gpu else 1,
+            GROUP=group or 0, BLOCK_K=1024 if gpu else 64, RELU2=relu2, num_warps=4 if gpu else 1, **pdl(x),
         )
     return q, (scale.view(m) if group is None else scale)
 
@@ -286,15 +294,35 @@ def _w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bi
     _w8a16_kernel[(n_tiles, splits)](
         x, weight, weight_scale, part, m, n, k, k_split, x.stride(0), weight.stride(0),
         weight_scale.stride(0), BLOCK_SCALED=block, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages,
-        DOT_F32=not gpu, RELU2=relu2, num_warps=warps,
+        DOT_F32=not gpu, RELU2=relu2, num_warps=warps, **pdl(x),
     )
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     rblock = 1024 if gpu else 64
     _splitk_reduce_kernel[(triton.cdiv(m * n, rblock),)](
         part, weight_scale, bias if bias is not None else part, out, m, n, splits, out.stride(0),
-        CHANNEL_SCALED=not block, HAS_BIAS=bias is not None, BLOCK=rblock, num_warps=4 if gpu else 1,
+        CHANNEL_SCALED=not block, HAS_BIAS=bias is not None, BLOCK=rblock, num_warps=4 if gpu else 1, **pdl(x),
     )
     return out
+
+
+# Which GEMM runs the w8a8 form of channel-scaled weights: "auto" takes torch._scaled_mm (cuBLASLt's / CUTLASS's
+# e4m3 GEMM with the activation's row scales and the weight's column scales in its epilogue) where it takes
+# the call (`_scaled_mm_takes`), "triton" always the Triton GEMM below (benchmarks compare the two).
+PREFILL_GEMM = {"form": "auto"}
+
+
+@functools.lru_cache(maxsize=8)
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _scaled_mm_takes(x: torch.Tensor, weight: torch.Tensor, block: bool) -> bool:
+    """Row-wise scaled e4m3 GEMMs of torch (sm_90+): bf16 output, N and K multiples of 16, a row-major
+    weight; block-scaled weights and float16 activations stay on the Triton GEMM."""
+    n, k = weight.shape
+    return (PREFILL_GEMM["form"] == "auto" and not block and x.is_cuda and x.dtype == torch.bfloat16
+            and n % 16 == 0 and k % 16 == 0 and weight.stride(0) == k and hasattr(torch, "_scaled_mm")
+            and _hopper(x.device.index if x.device.index is not None else torch.cuda.current_device()))
 
 
 def _w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
@@ -302,6 +330,13 @@ def _w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bia
     m, k = x.shape
     n = weight.shape[0]
     a, a_scale = quantize_rows_triton(x, ACT_GROUP if block else None, relu2)
+    if _scaled_mm_takes(x, weight, block):
+        # [M, K] row-major x [K, N] column-major (the weight's transpose view), float32 scales [M, 1] and [1, N];
+        # use_fast_accum=False: the e4m3 products are promoted to float32 as they accumulate (the contract the
+        # Triton GEMM keeps with max_num_imprecise_acc)
+        out = torch._scaled_mm(a, weight.t(), scale_a=a_scale.view(m, 1), scale_b=weight_scale.view(1, n),
+                               out_dtype=torch.bfloat16, use_fast_accum=False)
+        return out if bias is None else out.add_(bias)
     if _gpu(x):
         bm, bn, bk, warps, stages = _GPU_MID if m <= 64 else _GPU_LARGE
     else:
@@ -313,7 +348,7 @@ def _w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bia
         a, a_scale, weight, weight_scale, bias if bias is not None else out, out, m, n, k,
         a.stride(0), a_scale.stride(0) if block else 1, weight.stride(0), weight_scale.stride(0), out.stride(0),
         BLOCK_SCALED=block, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-        NUM_STAGES=stages, num_warps=warps,
+        NUM_STAGES=stages, num_warps=warps, **pdl(x),
     )
     return out
 

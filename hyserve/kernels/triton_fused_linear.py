@@ -23,7 +23,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hyserve.kernels.launch_util import pdl
 from hyserve.kernels.triton_activation import relu2_triton
+from hyserve.kernels.triton_common import pdl_enter
 from hyserve.kernels.triton_rmsnorm import rmsnorm_gated_triton
 
 # Launch settings, from `bench_kernels.py --only linear_sweep` (benchmarks/README.md): one program owns
@@ -40,11 +42,12 @@ _CPU = dict(BLOCK_N=8, BLOCK_K=32, num_warps=1, num_stages=1)  # the interpreter
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, N, K, s_w, ws_ptr, s_ws,
     RELU2: tl.constexpr, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     """W_SCALE 0: a 16-bit weight. FP8 weights (triton_fp8_linear.py, one row): 1, e4m3 rows times their
     channel scales ws[n] after the K sum; 2, [128, 128] block scales ws[n // 128, k // 128] on each K tile's
     partial (BLOCK_K divides 128, so a tile lies in one scale block)."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -101,7 +104,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
         x, weight, bias if bias is not None else weight, out, N, K, weight.stride(0), ws,
         ws.stride(0) if w_scale == 2 else 0,
-        RELU2=relu2, HAS_BIAS=bias is not None, W_SCALE=w_scale, NUM_STAGES=stages, **cfg,
+        RELU2=relu2, HAS_BIAS=bias is not None, W_SCALE=w_scale, NUM_STAGES=stages, **cfg, **pdl(x),
     )
     return out
 

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hyserve.kernels.launch_util import pdl
 from hyserve.kernels.moe import (
     _check_experts_args,
     _check_route_args,
@@ -47,7 +48,7 @@ from hyserve.kernels.moe import (
     router_logits_ref,
 )
 from hyserve.kernels.triton_activation import relu2_triton
-from hyserve.kernels.triton_common import dot_acc
+from hyserve.kernels.triton_common import dot_acc, pdl_enter
 
 CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
 # Token-count buckets: T uses the config of the smallest bucket >= T (the last one beyond it).
@@ -62,9 +63,10 @@ _GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 @triton.jit
 def _router_gemv_kernel(
     x_ptr, w_ptr, out_ptr, E, K, s_xt, s_we, s_ot,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     """logits[t, e] = sum_k x[t, k] * gate[e, k] in float32 for BLOCK_E experts e of token t."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     me = offs_e < E
@@ -103,7 +105,7 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     cfg = router_settings(x.is_cuda)
     stages = cfg.pop("num_stages")
     _router_gemv_kernel[(T, triton.cdiv(E, cfg["BLOCK_E"]))](
-        x, weight, out, E, K, x.stride(0), weight.stride(0), out.stride(0), NUM_STAGES=stages, **cfg,
+        x, weight, out, E, K, x.stride(0), weight.stride(0), out.stride(0), NUM_STAGES=stages, **cfg, **pdl(x),
     )
     return out
 
@@ -112,8 +114,9 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _route_kernel(
     logit_ptr, bias_ptr, w_ptr, id_ptr, s_lt, scale,
     PER: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    NORM: tl.constexpr, G_PAD: tl.constexpr, PER_PAD: tl.constexpr, K_PAD: tl.constexpr,
+    NORM: tl.constexpr, G_PAD: tl.constexpr, PER_PAD: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, G_PAD)
     j = tl.arange(0, PER_PAD)
@@ -179,7 +182,7 @@ def moe_route_triton(
             PER=E // G, TOP_K=top_k, N_GROUP=G, TOPK_GROUP=topk_group if grouped else 1,
             NORM=bool(norm_topk_prob), G_PAD=triton.next_power_of_2(G),
             PER_PAD=triton.next_power_of_2(E // G), K_PAD=triton.next_power_of_2(top_k),
-            num_warps=4 if E >= 256 else 1,
+            num_warps=4 if E >= 256 else 1, **pdl(lg),
         )
     return w, ids
 
@@ -190,9 +193,10 @@ def moe_route_triton(
 @triton.jit(do_not_specialize=["n", "P", "fill_per"])
 def _align_count_kernel(
     ids_ptr, cnt_ptr, sorted_ptr, n, P, fill_per,
-    E_PAD: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+    E_PAD: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr,
 ):
     """Histogram of chunk pid's pairs -> cnt[pid, :]; fills its share of sorted_ids with the pad value n."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     offs = pid * CHUNK + tl.arange(0, CHUNK)
     m = offs < n
@@ -210,10 +214,11 @@ def _align_count_kernel(
 @triton.jit(do_not_specialize=["nprog", "nb"])
 def _align_offsets_kernel(
     cnt_ptr, starts_ptr, eid_ptr, npad_ptr, nprog, nb,
-    E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BB: tl.constexpr,
+    E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BB: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: cnt[p, e] becomes the count of expert e in chunks before p; starts[e] = padded start
     of expert e's run; num_tokens_post_pad; expert id of every block (-1 past the end)."""
+    pdl_enter(PDL)
     eo = tl.arange(0, E_PAD)
     real = eo < E
     ro = tl.arange(0, ROWS)
@@ -241,10 +246,11 @@ def _align_offsets_kernel(
 @triton.jit(do_not_specialize=["n"])
 def _align_scatter_kernel(
     ids_ptr, pre_ptr, starts_ptr, sorted_ptr, n,
-    E_PAD: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+    E_PAD: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr,
 ):
     """Chunk pid's pairs to their slots, in order: slot = start of the expert's run + pairs of that
     expert in earlier chunks + rank inside this chunk (a cumsum over the one-hot [SUB, E_PAD] tile)."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     eo = tl.arange(0, E_PAD)
     run = tl.load(pre_ptr + pid * E_PAD + eo) + tl.load(starts_ptr + eo)
@@ -289,12 +295,12 @@ def moe_align_triton(
     starts = torch.empty(E_PAD, dtype=torch.int32, device=dev)
     fill_per = triton.cdiv(P, nprog)
     _align_count_kernel[(nprog,)](flat, cnt, sorted_ids, n, P, fill_per, E_PAD=E_PAD, CHUNK=CHUNK,
-                                  FILL=1024 if gpu else 64, num_warps=4)
+                                  FILL=1024 if gpu else 64, num_warps=4, **pdl(flat))
     _align_offsets_kernel[(1,)](cnt, starts, expert_ids, npad, nprog, nb, E=num_experts, E_PAD=E_PAD,
                                 BLOCK_M=block_m, ROWS=max(1, min(16, 16384 // E_PAD)),
-                                BB=max(1, min(64, 16384 // E_PAD)), num_warps=8 if gpu else 1)
+                                BB=max(1, min(64, 16384 // E_PAD)), num_warps=8 if gpu else 1, **pdl(flat))
     _align_scatter_kernel[(nprog,)](flat, cnt, starts, sorted_ids, n, E_PAD=E_PAD, CHUNK=CHUNK, SUB=SUB,
-                                    num_warps=4)
+                                    num_warps=4, **pdl(flat))
     return sorted_ids, expert_ids, npad
 
 
@@ -317,11 +323,12 @@ def _up_gemm_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ptr, eid_ptr, npad_ptr, num_pairs, nb, N, K, group_m,
     s_xt, s_we, s_wn, s_hm, sc_ptr,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, IEEE: tl.constexpr, W_FP8: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr, W_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """h[r, n] = relu(x[sorted_ids[r] // k] @ w_up[e]^T)^2 for the rows r of block pid_m (0 for padding).
     W_FP8: e4m3 weight tiles converted to x's dtype for the dot (exact), the expert's channel scales
     sc[e, n] applied to the accumulator before relu^2."""
+    pdl_enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), nb, tl.cdiv(N, BLOCK_N), group_m)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
         return
@@ -362,10 +369,11 @@ def _down_gemm_kernel(
     h_ptr, w_ptr, y_ptr, tw_ptr, sorted_ptr, eid_ptr, npad_ptr, num_pairs, nb, N, K, group_m,
     s_hm, s_we, s_wn, s_ym, sc_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    IEEE: tl.constexpr, W_FP8: tl.constexpr,
+    IEEE: tl.constexpr, W_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[p, n] = topk_w.flat[p] * (h[r] @ w_down[e]^T) for the real rows r (pair p) of block pid_m (W_FP8:
     as in the up GEMM, the channel scales before the routing weight)."""
+    pdl_enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), nb, tl.cdiv(N, BLOCK_N), group_m)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
         return
@@ -401,9 +409,10 @@ def _down_gemm_kernel(
 
 @triton.jit
 def _combine_kernel(y_ptr, extra_ptr, out_ptr, N, s_ym, s_et, s_ot, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HAS_EXTRA: tl.constexpr):
+                    HAS_EXTRA: tl.constexpr, PDL: tl.constexpr):
     """out[t] = sum over the token's k rows of y (+ its row of extra: the shared expert), in float32, in slot
     order, rounded once."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = cn < N
@@ -436,13 +445,14 @@ def _gemv_tile(v_row, w_rows, kk, K, EVEN_K: tl.constexpr):
 def _up_gemv_kernel(
     x_ptr, w_ptr, ids_ptr, h_ptr, su_ptr, N, K, n_routed, s_xt, s_we, s_wn, s_hm, sc_ptr,
     TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, W_FP8: tl.constexpr,
+    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, W_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """h[p, n] = relu(w_up[ids[p]] @ x[p // k])^2 for BLOCK_N columns n: the pair's expert only. Rows
     p >= n_routed (= T*k) are the shared expert's: chunk j = q % S of token q // S, q = p - n_routed,
     its up rows j*N .. j*N + N (SHARED = S, and 1 without a shared expert, when no such row exists).
     W_FP8: e4m3 expert rows, the expert's channel scale sc[e, n] on the sum before relu^2 (FP8 experts
     come without a folded shared expert)."""
+    pdl_enter(PDL)
     p = tl.program_id(0).to(tl.int64)
     cn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = tl.minimum(cn, N - 1)  # clamped rows: loads need no mask
@@ -473,7 +483,7 @@ def _up_gemv_kernel(
 def _down_gemv_kernel(
     h_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, sd_ptr, N, K, n_routed, s_hm, s_we, s_wn, s_ot, s_sdn, sc_ptr,
     TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, FLAT: tl.constexpr, W_FP8: tl.constexpr,
+    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, FLAT: tl.constexpr, W_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[t, n] = sum_s topk_w[t, s] * (w_down[ids[t, s]] @ h[t*k + s])[n]: the combine in registers.
     FLAT walks the token's (slot, K tile) pairs as one pipelined loop (h pre-scaled by the slot's weight),
@@ -481,6 +491,7 @@ def _down_gemv_kernel(
     expert too, sum_j shared_down[:, j*K : j*K + K] @ h[n_routed + t*S + j] with weight 1, as S more slots
     of the flat loop, or in a second loop after the nested ones.
     W_FP8: each expert's e4m3 rows times its channel scales sc[e, n] (no shared expert with FP8)."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = tl.minimum(cn, N - 1)
@@ -681,7 +692,7 @@ def launch_up_gemv(x, w_up, ids, h, up: dict[str, Any], shared_up: torch.Tensor 
         x.stride(0), w_up.stride(0), w_up.stride(1), h.stride(0), scale if scale is not None else h,
         TOP_K=ids.shape[1], SHARED=max(S, 1), BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"],
         EVEN_K=d % up["BLOCK_K"] == 0, NUM_STAGES=up["num_stages"], W_FP8=scale is not None,
-        num_warps=up["num_warps"],
+        num_warps=up["num_warps"], **pdl(x),
     )
 
 
@@ -697,7 +708,7 @@ def launch_down_gemv(h, w_down, ids, tw, out, dn: dict[str, Any], shared_down: t
         out.stride(0), sd.stride(0), scale if scale is not None else tw,
         TOP_K=ids.shape[1], SHARED=S, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"],
         EVEN_K=inter % dn["BLOCK_K"] == 0, NUM_STAGES=dn["num_stages"], FLAT=bool(dn.get("FLAT", 0)),
-        W_FP8=scale is not None, num_warps=dn["num_warps"],
+        W_FP8=scale is not None, num_warps=dn["num_warps"], **pdl(h),
     )
 
 
@@ -711,6 +722,7 @@ def launch_up_gemm(x, w_up, h, sorted_ids, expert_ids, npad, num_pairs: int, top
         x.stride(0), w_up.stride(0), w_up.stride(1), h.stride(0), scale if scale is not None else h,
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"],
         EVEN_K=d % up["BLOCK_K"] == 0, IEEE=x.dtype == torch.float32, W_FP8=scale is not None, **_launch(up),
+        **pdl(x),
     )
 
 
@@ -723,7 +735,7 @@ def launch_down_gemm(h, w_down, y, tw, sorted_ids, expert_ids, npad, block_m: in
         h, w_down, y, tw, sorted_ids, expert_ids, npad, y.shape[0], nb, d, inter, dn["GROUP_M"],
         h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), scale if scale is not None else tw,
         BLOCK_M=block_m, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0,
-        IEEE=h.dtype == torch.float32, W_FP8=scale is not None, **_launch(dn),
+        IEEE=h.dtype == torch.float32, W_FP8=scale is not None, **_launch(dn), **pdl(h),
     )
 
 
@@ -733,7 +745,7 @@ def launch_combine(y, out, top_k: int, extra: torch.Tensor | None = None) -> Non
     bc = 1024 if y.is_cuda else 64
     ex = y if extra is None else extra
     _combine_kernel[(T, triton.cdiv(d, bc))](y, ex, out, d, y.stride(0), ex.stride(0), out.stride(0), TOP_K=top_k,
-                                             BLOCK_N=bc, HAS_EXTRA=extra is not None, num_warps=4)
+                                             BLOCK_N=bc, HAS_EXTRA=extra is not None, num_warps=4, **pdl(y))
 
 
 def moe_experts_triton(

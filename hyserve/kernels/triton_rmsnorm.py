@@ -19,12 +19,16 @@ import torch
 import triton
 import triton.language as tl
 
+from hyserve.kernels.launch_util import pdl
+from hyserve.kernels.triton_common import pdl_enter
+
 
 @triton.jit(do_not_specialize=["rows"])
 def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr, rows, dim, eps, s_x_r, s_out_r,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < dim
@@ -37,8 +41,9 @@ def _rms_norm_kernel(
 @triton.jit(do_not_specialize=["rows"])
 def _add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, rows, dim, eps, s_x_r, s_res_r, s_out_r, s_sum_r,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < dim
@@ -55,8 +60,9 @@ def _add_rms_norm_kernel(
 @triton.jit(do_not_specialize=["rows"])
 def _rmsnorm_gated_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr, rows, eps, s_x_r, s_z_r, s_out_r,
-    GROUP: tl.constexpr, BLOCK: tl.constexpr, HAS_Z: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, HAS_Z: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     offs = g * GROUP + tl.arange(0, BLOCK)
@@ -94,7 +100,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
         BLOCK = triton.next_power_of_2(d)
         _rms_norm_kernel[(rows,)](
             x2, weight, out, rows, d, float(eps), x2.stride(0), out.stride(0),
-            BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256)),
+            BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256)), **pdl(x2),
         )
     return out.view(x.shape)
 
@@ -117,7 +123,7 @@ def add_rms_norm_triton(
         BLOCK = triton.next_power_of_2(d)
         _add_rms_norm_kernel[(rows,)](
             x2, r2, weight, out, total, rows, d, float(eps), x2.stride(0), r2.stride(0), out.stride(0),
-            total.stride(0), BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256)),
+            total.stride(0), BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256)), **pdl(x2),
         )
     return out.view(x.shape), total.view(x.shape)
 
@@ -143,6 +149,6 @@ def rmsnorm_gated_triton(
         _rmsnorm_gated_kernel[(rows, d // group_size)](
             x2, z2, weight, out, rows, float(eps), x2.stride(0), z2.stride(0), out.stride(0),
             GROUP=group_size, BLOCK=BLOCK, HAS_Z=z is not None,
-            num_warps=min(16, max(1, BLOCK // 256)),
+            num_warps=min(16, max(1, BLOCK // 256)), **pdl(x2),
         )
     return out.view(x.shape)

@@ -24,8 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from hyserve.kernels.launch_util import pdl
 from hyserve.kernels.stochastic_rounding import StochasticRounding
-from hyserve.kernels.triton_common import softplus
+from hyserve.kernels.triton_common import pdl_enter, softplus
 from hyserve.kernels.triton_stochastic_rounding import sr_block_sizes, stochastic_round_tile
 
 
@@ -42,8 +43,9 @@ def _ssm_update_kernel(
     P: tl.constexpr, N: tl.constexpr, HEADS_PER_GROUP: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    STOCHASTIC_ROUNDING: tl.constexpr, PHILOX_ROUNDS: tl.constexpr,
+    STOCHASTIC_ROUNDING: tl.constexpr, PHILOX_ROUNDS: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -159,6 +161,6 @@ def selective_state_update_triton(
         P=P, N=N, HEADS_PER_GROUP=H // G, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
         HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
         HAS_LIMIT=has_limit, STOCHASTIC_ROUNDING=sr, PHILOX_ROUNDS=0 if rounding is None else rounding.rounds,
-        num_warps=4,
+        num_warps=4, **pdl(x),
     )
     return y
