@@ -39,6 +39,19 @@ _CPU = dict(BLOCK_N=8, BLOCK_K=32, num_warps=1, num_stages=1)  # the interpreter
 
 
 @triton.jit
+def _gemv_tile(x_ptr, w, ws_ptr, s_ws, offs_n, mask_n, kk, mask_k, k0, RELU2: tl.constexpr, W_SCALE: tl.constexpr):
+    """One K tile's [BLOCK_N, BLOCK_K] float32 products p(x[kk]) * w (w: the tile's weight, already loaded)."""
+    h = tl.load(x_ptr + kk, mask=mask_k, other=0.0).to(tl.float32)
+    if RELU2:
+        h = tl.maximum(h, 0.0)
+        h = h * h
+    wf = w.to(tl.float32)
+    if W_SCALE == 2:
+        wf = wf * tl.load(ws_ptr + (offs_n // 128) * s_ws + k0 // 128, mask=mask_n, other=0.0)[:, None]
+    return h[None, :] * wf
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, N, K, s_w, ws_ptr, s_ws,
     RELU2: tl.constexpr, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr,
@@ -46,25 +59,24 @@ def _gemv_kernel(
 ):
     """W_SCALE 0: a 16-bit weight. FP8 weights (triton_fp8_linear.py, one row): 1, e4m3 rows times their
     channel scales ws[n] after the K sum; 2, [128, 128] block scales ws[n // 128, k // 128] on each K tile's
-    partial (BLOCK_K divides 128, so a tile lies in one scale block)."""
-    pdl_enter(PDL)
+    partial (BLOCK_K divides 128, so a tile lies in one scale block).
+    No kernel writes the weight, so its first K tile is loaded before the PDL wait: with programmatic
+    dependent launch those bytes are in flight while the kernel before this one finishes."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
-    part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    w_rows = w_ptr + offs_n[:, None] * s_w
+    mask_k0 = offs_k < K
+    w0 = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k0[None, :], other=0.0)
+    pdl_enter(PDL)
+    # reduced over K once, after the loop
+    part = _gemv_tile(x_ptr, w0, ws_ptr, s_ws, offs_n, mask_n, offs_k, mask_k0, 0, RELU2, W_SCALE)
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
         kk = k0 + offs_k
         mask_k = kk < K
-        h = tl.load(x_ptr + kk, mask=mask_k, other=0.0).to(tl.float32)
-        if RELU2:
-            h = tl.maximum(h, 0.0)
-            h = h * h
-        w = tl.load(w_ptr + offs_n[:, None] * s_w + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        wf = w.to(tl.float32)
-        if W_SCALE == 2:
-            wf = wf * tl.load(ws_ptr + (offs_n // 128) * s_ws + k0 // 128, mask=mask_n, other=0.0)[:, None]
-        part += h[None, :] * wf
+        w = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        part += _gemv_tile(x_ptr, w, ws_ptr, s_ws, offs_n, mask_n, kk, mask_k, k0, RELU2, W_SCALE)
     acc = tl.sum(part, axis=1)
     if W_SCALE == 1:
         acc = acc * tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)

@@ -65,15 +65,18 @@ def _router_gemv_kernel(
     x_ptr, w_ptr, out_ptr, E, K, s_xt, s_we, s_ot,
     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
-    """logits[t, e] = sum_k x[t, k] * gate[e, k] in float32 for BLOCK_E experts e of token t."""
-    pdl_enter(PDL)
+    """logits[t, e] = sum_k x[t, k] * gate[e, k] in float32 for BLOCK_E experts e of token t. The gate's first
+    K tile loads before the PDL wait (no kernel writes it)."""
     t = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     me = offs_e < E
     rows = tl.minimum(offs_e, E - 1)  # clamped rows: weight loads need no row mask
     offs_k = tl.arange(0, BLOCK_K)
-    part = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    km0 = offs_k < K
+    w0 = tl.load(w_ptr + rows[:, None] * s_we + offs_k[None, :], mask=km0[None, :], other=0.0).to(tl.float32)
+    pdl_enter(PDL)
+    part = w0 * tl.load(x_ptr + t * s_xt + offs_k, mask=km0, other=0.0).to(tl.float32)[None, :]
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
         kk = k0 + offs_k
         km = kk < K
         xv = tl.load(x_ptr + t * s_xt + kk, mask=km, other=0.0).to(tl.float32)
