@@ -235,9 +235,10 @@ def test_gpu_prefill_gemm_forms(form: str, relu2: bool, monkeypatch: pytest.Monk
 
 
 def test_scaled_mm_takes_only_what_it_supports() -> None:
-    """torch._scaled_mm runs only channel-scaled bf16 prefill GEMMs on CUDA sm_90+ with N and K multiples of 16."""
+    """torch._scaled_mm runs only channel-scaled bf16 GEMMs of at least SCALED_MM_MIN_ROWS rows on CUDA sm_90+ with
+    N and K multiples of 16."""
     q, _ = _weight(48, 64, "channel")
-    x = torch.randn(20, 64).to(BF16)
+    x = torch.randn(t8.SCALED_MM_MIN_ROWS, 64).to(BF16)
     assert not t8._scaled_mm_takes(x, q.cpu(), False)  # a CPU tensor
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
         xc, qc = x.cuda(), q.cuda()
@@ -245,7 +246,8 @@ def test_scaled_mm_takes_only_what_it_supports() -> None:
         assert not t8._scaled_mm_takes(xc, qc, True)  # block scales
         assert not t8._scaled_mm_takes(xc.to(F16), qc, False)
         q40, _ = _weight(48, 40, "channel")  # K not a multiple of 16
-        assert not t8._scaled_mm_takes(torch.randn(20, 40, device=DEV).to(BF16), q40, False)
+        assert not t8._scaled_mm_takes(torch.randn(t8.SCALED_MM_MIN_ROWS, 40, device=DEV).to(BF16), q40, False)
+        assert not t8._scaled_mm_takes(xc[: t8.SCALED_MM_MIN_ROWS - 1], qc, False)  # a decode step's rows
 
 
 def test_kernels_compile_for_hopper_with_e4m3_warp_group_mma():

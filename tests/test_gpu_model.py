@@ -4,6 +4,7 @@ transformers' own NemotronH on the GPU for a short prompt."""
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -108,6 +109,8 @@ def test_pdl_gives_the_results_of_ordinary_launches(tmp_path: Path, monkeypatch:
         out[flag] = [(o.token_ids, [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs])
                      for o in llm.generate(prompts, p)]
         del llm
+        gc.collect()
+        torch.cuda.empty_cache()
     assert out[True] == out[False]
 
 

@@ -316,12 +316,19 @@ def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+# From this many rows up; at 64 rows (a decode step's batch) the Triton GEMM read the Nano 9B v2 in_proj and
+# up_proj faster on the H200 (2.8 / 2.3 against 2.1 / 2.1 TB/s) and torch._scaled_mm the others (within 15%),
+# while at 8192 rows torch._scaled_mm ran 1.35-1.6x the Triton GEMM (benchmarks/results/kernels_fp8_eecf32e.md).
+SCALED_MM_MIN_ROWS = 65
+
+
 def _scaled_mm_takes(x: torch.Tensor, weight: torch.Tensor, block: bool) -> bool:
     """Row-wise scaled e4m3 GEMMs of torch (sm_90+): bf16 output, N and K multiples of 16, a row-major
-    weight; block-scaled weights and float16 activations stay on the Triton GEMM."""
+    weight, at least SCALED_MM_MIN_ROWS rows; block-scaled weights and float16 activations stay on the Triton
+    GEMM."""
     n, k = weight.shape
     return (PREFILL_GEMM["form"] == "auto" and not block and x.is_cuda and x.dtype == torch.bfloat16
-            and n % 16 == 0 and k % 16 == 0 and weight.stride(0) == k and hasattr(torch, "_scaled_mm")
+            and x.shape[0] >= SCALED_MM_MIN_ROWS and n % 16 == 0 and k % 16 == 0 and weight.stride(0) == k and hasattr(torch, "_scaled_mm")
             and _hopper(x.device.index if x.device.index is not None else torch.cuda.current_device()))
 
 
