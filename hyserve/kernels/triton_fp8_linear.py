@@ -337,13 +337,13 @@ def _w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bia
     m, k = x.shape
     n = weight.shape[0]
     a, a_scale = quantize_rows_triton(x, ACT_GROUP if block else None, relu2)
-    if _scaled_mm_takes(x, weight, block):
+    if bias is None and _scaled_mm_takes(x, weight, block):
         # [M, K] row-major x [K, N] column-major (the weight's transpose view), float32 scales [M, 1] and [1, N];
         # use_fast_accum=False: the e4m3 products are promoted to float32 as they accumulate (the contract the
         # Triton GEMM keeps with max_num_imprecise_acc)
         out = torch._scaled_mm(a, weight.t(), scale_a=a_scale.view(m, 1), scale_b=weight_scale.view(1, n),
                                out_dtype=torch.bfloat16, use_fast_accum=False)
-        return out if bias is None else out.add_(bias)
+        return out
     if _gpu(x):
         bm, bn, bk, warps, stages = _GPU_MID if m <= 64 else _GPU_LARGE
     else:
