@@ -297,12 +297,13 @@ def _bench_linear(b: Bench, sweep: bool) -> None:
         base_ms = b.graph_ms(unfused)
         base = "cuBLAS" if variant == "GEMV" else "op kernel + cuBLAS"  # a plain projection has no op before it
         b.roof(f"{label}: {base}", nbytes / (base_ms * 1e-3), "B/s", "read", "bytes-read ceiling", time_ms=base_ms)
-        saved = dict(tfl._GPU)
+        saved = tfl.gpu_settings
         for cfg in configs:
             tag = "" if cfg is None else " [N{} K{} w{} s{}]".format(*cfg)
             try:
                 if cfg is not None:
-                    tfl._GPU.update(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+                    setting = dict(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+                    tfl.gpu_settings = lambda w_scale, k, s=setting: s
                 if not b.check(f"{label}: {variant}{tag}", fused(), ref, 2e-2, 2e-2):
                     continue
                 ms = b.graph_ms(fused)
@@ -312,8 +313,7 @@ def _bench_linear(b: Bench, sweep: bool) -> None:
             except Exception as e:  # noqa: BLE001 - a setting may not compile; report and go on
                 print(f"     (fused linear config {tag} failed: {type(e).__name__}: {e})")
             finally:
-                tfl._GPU.clear()
-                tfl._GPU.update(saved)
+                tfl.gpu_settings = saved
         del ref
 
 
@@ -349,13 +349,13 @@ def _bench_fp8_gemv_sweep(b: Bench) -> None:
             w16d = wd.to(x.dtype)
             base_ms = b.graph_ms(lambda w16d=w16d: F.linear(x, w16d))
             nbytes = q.numel() + sc.numel() * 4
-            table = tfl._GPU_FP8_BLOCK if scheme == "block" else tfl._GPU_FP8
-            saved = dict(table)
+            saved = tfl.gpu_settings
             for cfg in settings if not b.dry else settings[:1]:
                 tag = "[N{} K{} w{} s{}]".format(*cfg)
                 label = f"fp8 {scheme} GEMV {k}->{n}, 1 row {tag}"
                 try:
-                    table.update(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+                    setting = dict(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+                    tfl.gpu_settings = lambda w_scale, k, s=setting: s
                     fn = lambda q=q, sc=sc: tfl.gemv_fp8(x, q, sc, None, False)  # noqa: E731
                     if not b.check(label, fn(), want, 1e-2, 1e-2):
                         continue
@@ -365,8 +365,7 @@ def _bench_fp8_gemv_sweep(b: Bench) -> None:
                 except Exception as e:  # noqa: BLE001 - a setting may not compile; report and go on
                     print(f"     (fp8 GEMV config {tag} failed: {type(e).__name__}: {e})")
                 finally:
-                    table.clear()
-                    table.update(saved)
+                    tfl.gpu_settings = saved
 
 
 def bench_linear_sweep(b: Bench) -> None:

@@ -31,11 +31,28 @@ from hyserve.kernels.triton_rmsnorm import rmsnorm_gated_triton
 # Launch settings, from `bench_kernels.py --only linear_sweep` (benchmarks/README.md): one program owns
 # BLOCK_N output columns and walks K in BLOCK_K tiles, num_stages loads in flight.
 _GPU = dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=3)
-# e4m3 weights (one byte a weight): as many bytes a K tile as the 16-bit setting; block scales keep a K tile
-# inside one 128-wide scale block
+# short rows (K < 4096: Nemotron 3 Nano 30B-A3B's hidden 2688 into in_proj and QKV): more, shorter tiles; its
+# in_proj read at 0.94 of the ceiling against 0.83 with _GPU on the H200 (kernels_fp8_eecf32e.md)
+_GPU_SHORT_K = dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=3)
+# e4m3 weights (one byte a weight). Channel scales: 16 rows x 512 up to K = 8192 (Nano 9B v2 in_proj at 0.86 of
+# the ceiling against 0.73 for 4 x 1024, which stays for longer rows: out_proj 0.83); block scales keep a K
+# tile inside one 128-wide scale block (0.73 / 0.32 at in_proj / down_proj against 0.55 / 0.25 before)
 _GPU_FP8 = dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=3)
-_GPU_FP8_BLOCK = dict(BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=4)
+_GPU_FP8_SHORT_K = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)
+_GPU_FP8_BLOCK = dict(BLOCK_N=32, BLOCK_K=128, num_warps=8, num_stages=4)
+_GPU_FP8_BLOCK_SHORT_K = dict(BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=3)
 _CPU = dict(BLOCK_N=8, BLOCK_K=32, num_warps=1, num_stages=1)  # the interpreter at test sizes
+
+
+def gpu_settings(w_scale: int, k: int) -> dict[str, int]:
+    """The GEMV's launch settings on the GPU for a weight of this kind (0: 16-bit, 1: e4m3 with channel
+    scales, 2: e4m3 with block scales) and row length K (`bench_kernels.py --only linear_sweep` replaces it
+    to time each setting)."""
+    if w_scale == 0:
+        return _GPU_SHORT_K if k < 4096 else _GPU
+    if w_scale == 1:
+        return _GPU_FP8_SHORT_K if k <= 8192 else _GPU_FP8
+    return _GPU_FP8_BLOCK_SHORT_K if k <= 8192 else _GPU_FP8_BLOCK
 
 
 @triton.jit
@@ -110,7 +127,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu
     N = weight.shape[0]
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     w_scale = 0 if weight_scale is None else (1 if weight_scale.dim() == 1 else 2)
-    cfg = dict((_GPU_FP8_BLOCK if w_scale == 2 else _GPU_FP8 if w_scale else _GPU) if _gpu(x) else _CPU)
+    cfg = dict(gpu_settings(w_scale, K) if _gpu(x) else _CPU)
     stages = cfg.pop("num_stages")
     ws = weight_scale if weight_scale is not None else weight
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
