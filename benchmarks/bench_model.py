@@ -286,7 +286,7 @@ def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, r
 
     steps = bench_steps(eng, plan, cfg, ceilings, records, ids)
     if plan.device != "cpu" and quantization is None:
-        pdl_ab(eng, plan.batches, records, notes)
+        pdl_ab(eng, plan.batches, cfg.vocab_size, records, notes)
     if time_init:
         init_times(eng.runner.model, cfg, records)
     from hyserve.kernels import ops
@@ -367,11 +367,12 @@ def bench_steps(eng, plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings
     return steps
 
 
-def pdl_ab(eng, batches: tuple[int, ...], records: list, notes: list) -> None:
+def pdl_ab(eng, batches: tuple[int, ...], vocab_size: int, records: list, notes: list) -> None:
     """Decode graphs with the kernels as programmatic dependent launches (the engine's default on sm_90+)
     against ordinary launches, same run: for batch 1 and the largest batch, one graph of each form captured
-    fresh over the engine's model and cache (default buffers: padding rows, a context of one token), replayed
-    in turn (off, on, off, on) and timed; the ratio is ordinary / PDL (> 1: PDL is faster)."""
+    fresh over the engine's model and cache (padding rows with a context of one token, the same random token
+    ids in both, so a MoE batch routes to many experts), replayed in turn (off, on, off, on) and timed; the
+    ratio is ordinary / PDL (> 1: PDL is faster)."""
     from hyserve.engine.cuda_graphs import DecodeGraphs
     from hyserve.kernels import launch_util
 
@@ -391,6 +392,9 @@ def pdl_ab(eng, batches: tuple[int, ...], records: list, notes: list) -> None:
                                            max_blocks_per_seq=g._tables.shape[1], pad_slot=g.pad_slot)
         finally:
             launch_util.set_pdl(was)
+        ids = torch.randint(3, vocab_size, (batch,), generator=torch.Generator().manual_seed(batch))
+        for form in forms.values():
+            form._ids[:batch].copy_(ids)  # the graph's static input buffer
         times: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(2):
             for flag in (False, True):
