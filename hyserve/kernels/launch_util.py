@@ -29,11 +29,14 @@ def _sm90_or_newer(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def hopper_or_newer(t: torch.Tensor) -> bool:
+    """Whether `t` lives on a CUDA device of compute capability 9.0 or newer."""
+    return t.is_cuda and _sm90_or_newer(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
 def _pdl_on(t: torch.Tensor) -> bool:
     """Whether a kernel over `t` launches with PDL (tests/sm90_compile_check.py says yes for CPU tensors)."""
-    if not (_PDL["enabled"] and t.is_cuda):
-        return False
-    return _sm90_or_newer(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return _PDL["enabled"] and hopper_or_newer(t)
 
 
 def pdl(t: torch.Tensor) -> dict[str, bool]:
@@ -77,4 +80,4 @@ def tma_tiles_fit(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) ->
     return all(c.stride() == (BS * Hkv * Dh, Hkv * Dh, Dh, 1) and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache))
 
 
-__all__ = ["device_index", "pdl", "pdl_enabled", "set_pdl", "tma_tiles_fit"]
+__all__ = ["device_index", "hopper_or_newer", "pdl", "pdl_enabled", "set_pdl", "tma_tiles_fit"]

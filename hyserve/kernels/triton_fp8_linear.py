@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from hyserve.kernels.fp8_linear import ACT_GROUP, BLOCK, E4M3, fp8_linear_ref, fp8_relu2_linear_ref
-from hyserve.kernels.launch_util import pdl
+from hyserve.kernels.launch_util import hopper_or_newer, pdl
 from hyserve.kernels.triton_common import dot_acc, pdl_enter
 from hyserve.kernels.triton_fused_linear import gemv_fp8
 
@@ -311,11 +311,6 @@ def _w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bi
 PREFILL_GEMM = {"form": "auto"}
 
 
-@functools.lru_cache(maxsize=8)
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
 # From this many rows up; at 64 rows (a decode step's batch) the Triton GEMM read the Nano 9B v2 in_proj and
 # up_proj faster on the H200 (2.8 / 2.3 against 2.1 / 2.1 TB/s) and torch._scaled_mm the others (within 15%),
 # while at 8192 rows torch._scaled_mm ran 1.35-1.6x the Triton GEMM (benchmarks/results/kernels_fp8_eecf32e.md).
@@ -327,9 +322,9 @@ def _scaled_mm_takes(x: torch.Tensor, weight: torch.Tensor, block: bool) -> bool
     weight, at least SCALED_MM_MIN_ROWS rows; block-scaled weights and float16 activations stay on the Triton
     GEMM."""
     n, k = weight.shape
-    return (PREFILL_GEMM["form"] == "auto" and not block and x.is_cuda and x.dtype == torch.bfloat16
-            and x.shape[0] >= SCALED_MM_MIN_ROWS and n % 16 == 0 and k % 16 == 0 and weight.stride(0) == k and hasattr(torch, "_scaled_mm")
-            and _hopper(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+    return (PREFILL_GEMM["form"] == "auto" and not block and x.dtype == torch.bfloat16
+            and x.shape[0] >= SCALED_MM_MIN_ROWS and n % 16 == 0 and k % 16 == 0 and weight.stride(0) == k
+            and hasattr(torch, "_scaled_mm") and hopper_or_newer(x))
 
 
 def _w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
