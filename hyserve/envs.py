@@ -61,11 +61,12 @@ HYSERVE_FAULT_INJECT: str = os.environ.get("HYSERVE_FAULT_INJECT", "").strip()
 
 def _flag(name: str, default: bool) -> bool:
     v = os.environ.get(name)
-    if v is None or v.strip() == "":
+    word = (v or "").strip().lower()
+    if not word:
         return default
-    if v.strip().lower() in ("1", "true", "on", "yes"):
+    if word in ("1", "true", "on", "yes"):
         return True
-    if v.strip().lower() in ("0", "false", "off", "no"):
+    if word in ("0", "false", "off", "no"):
         return False
     raise ValueError(f"environment variable {name}={v!r}: expected 1 or 0 (on / off)")
 

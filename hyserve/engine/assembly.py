@@ -31,7 +31,7 @@ from hyserve.engine.parallel_runner import DriverRunner
 from hyserve.engine.runner import ModelRunner
 from hyserve.engine.scheduler import Scheduler
 from hyserve.engine.step_channel import StepChannel
-from hyserve.kernels.launch_util import pdl_enabled, set_pdl
+from hyserve.kernels.launch_util import pdl_active, set_pdl
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.protocol import CausalLM
 
@@ -66,7 +66,7 @@ def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
     if lm.device.type == "cuda":
         d = use_kernel_cache_dir(Path(config.cache_dir) if config.cache_dir else envs.HYSERVE_CACHE_DIR)
         log(f"hyserve: kernel cache: {d}")
-        pdl_on = pdl_enabled() and torch.cuda.get_device_capability(lm.device)[0] >= 9
+        pdl_on = pdl_active(lm.device)
         log(f"hyserve: decode-path kernels launch {'as programmatic dependent launches' if pdl_on else 'in order'}"
             f"{'' if pdl_on or envs.HYSERVE_PDL else ' (HYSERVE_PDL=0)'}")
     if lm.device.type == "cpu" and torch.get_num_threads() <= 2:

@@ -29,14 +29,21 @@ def _sm90_or_newer(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def hopper_or_newer(t: torch.Tensor) -> bool:
-    """Whether `t` lives on a CUDA device of compute capability 9.0 or newer."""
-    return t.is_cuda and _sm90_or_newer(t.device.index if t.device.index is not None else torch.cuda.current_device())
+def hopper_or_newer(device: torch.device) -> bool:
+    """Whether `device` is a CUDA device of compute capability 9.0 or newer."""
+    if device.type != "cuda":
+        return False
+    return _sm90_or_newer(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_active(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL: enabled, and a GPU that has it."""
+    return _PDL["enabled"] and hopper_or_newer(device)
 
 
 def _pdl_on(t: torch.Tensor) -> bool:
     """Whether a kernel over `t` launches with PDL (tests/sm90_compile_check.py says yes for CPU tensors)."""
-    return _PDL["enabled"] and hopper_or_newer(t)
+    return pdl_active(t.device)
 
 
 def pdl(t: torch.Tensor) -> dict[str, bool]:
@@ -80,4 +87,4 @@ def tma_tiles_fit(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) ->
     return all(c.stride() == (BS * Hkv * Dh, Hkv * Dh, Dh, 1) and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache))
 
 
-__all__ = ["device_index", "hopper_or_newer", "pdl", "pdl_enabled", "set_pdl", "tma_tiles_fit"]
+__all__ = ["device_index", "hopper_or_newer", "pdl", "pdl_active", "pdl_enabled", "set_pdl", "tma_tiles_fit"]

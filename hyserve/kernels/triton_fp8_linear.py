@@ -324,7 +324,7 @@ def _scaled_mm_takes(x: torch.Tensor, weight: torch.Tensor, block: bool) -> bool
     n, k = weight.shape
     return (PREFILL_GEMM["form"] == "auto" and not block and x.dtype == torch.bfloat16
             and x.shape[0] >= SCALED_MM_MIN_ROWS and n % 16 == 0 and k % 16 == 0 and weight.stride(0) == k
-            and hasattr(torch, "_scaled_mm") and hopper_or_newer(x))
+            and hasattr(torch, "_scaled_mm") and hopper_or_newer(x.device))
 
 
 def _w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
