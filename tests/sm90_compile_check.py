@@ -3,11 +3,13 @@ needed) through their real launchers, at the GPU launch settings, and prints eac
 memory as one JSON line: {"dtype": ..., "kernels": {name: bytes}, "ptx": {name: ["e4m3", "wgmma.mma_async"]}}
 (the second: which of those its PTX holds; "cvt.bf16.f16": a scalar float16 -> bf16 convert,
 "ld.shared.b8": shared-memory loads of single bytes, "griddepcontrol.wait": the kernel waits for its
-predecessor as a programmatic dependent launch).
+predecessor as a programmatic dependent launch, "atom.global.gpu.acq_rel": the arrival counter of a kernel whose
+last program runs a step over the whole output, `triton_common.last_to_arrive`).
 
     python tests/sm90_compile_check.py float32 [op ...] [--only kernel,...] [--no-pdl]
                                             # ops: attention attention_fp8 ssd ssm_update conv1d norm
-                                            #      moe sampling fp8 moe_fp8 (default: all)
+                                            #      moe sampling fp8 moe_fp8 (default: all of these)
+                                            #      tails (the kernels that end with last_to_arrive)
 
 The launchers run on CPU tensors with a stand-in driver that reports an sm_90 device, and every launch
 compiles (as `warmup=True`) instead of running, so the shared memory is what the compiler asks for on an
@@ -34,7 +36,7 @@ CONV_DIM = D_INNER + 2 * G * N
 
 
 # PTX features reported per kernel
-MARKERS = ("wgmma.mma_async", "e4m3", "cvt.bf16.f16", "ld.shared.b8", "griddepcontrol.wait")
+MARKERS = ("wgmma.mma_async", "e4m3", "cvt.bf16.f16", "ld.shared.b8", "griddepcontrol.wait", "atom.global.gpu.acq_rel")
 
 
 class _Sm90:
@@ -165,6 +167,33 @@ def _moe(dt: torch.dtype) -> None:
         tm.moe_experts_triton(x, w_up, w_down, torch.rand(T, top_k), ids, su, sd, config=cfg)
 
 
+def _tails(dt: torch.dtype) -> None:
+    """The one-row kernels whose last program runs the next step (`last_to_arrive`): the GEMVs of out_proj /
+    o_proj / down_proj and the MoE down GEMV with the residual add and the next norm (`AddNorm`) at the Nemotron
+    3 Nano 30B-A3B and Nano 9B v2 widths."""
+    import hyserve.kernels.triton_moe as tm
+    from hyserve.kernels.rmsnorm import AddNorm
+    from hyserve.kernels.triton_fused_linear import gated_norm_linear_triton, linear_triton, relu2_linear_triton
+
+    for hidden in (2688, HIDDEN):
+        post = AddNorm(torch.randn(1, hidden).to(dt), torch.randn(hidden).to(dt), 1e-5)
+        y = torch.randn(1, 4096).to(dt)
+        gated_norm_linear_triton(y, y.clone(), torch.randn(4096).to(dt), 1e-5, 512, torch.randn(hidden, 4096).to(dt),
+                                 None, post)
+        linear_triton(y, torch.randn(hidden, 4096).to(dt), None, post)
+        relu2_linear_triton(torch.randn(1, 15680).to(dt), torch.randn(hidden, 15680).to(dt), None, post)
+    E, top_k, d, inter = 128, 6, 2688, 1856
+    w_up, w_down = torch.randn(E, inter, d).to(dt), torch.randn(E, d, inter).to(dt)
+    su, sd = torch.randn(2 * inter, d).to(dt), torch.randn(d, 2 * inter).to(dt)
+    tuned = tm._tuned_table("NVIDIA H200").get(tm.shape_key(E, inter, d), {})
+    for T in (1, 2):
+        ids = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)]).to(torch.int32)
+        cfg = tuned.get(str(tm.token_bucket(T))) or tm.heuristic_config(E, inter, d, T, top_k)
+        post = AddNorm(torch.randn(T, d).to(dt), torch.randn(d).to(dt), 1e-5)
+        tm.moe_experts_triton(torch.randn(T, d).to(dt), w_up, w_down, torch.rand(T, top_k), ids, su, sd, config=cfg,
+                              post=post)
+
+
 def _sampling(dt: torch.dtype) -> None:
     """The structured-outputs token mask over a 131,072-token vocabulary (the sampler's float32 logits)."""
     from hyserve.kernels.triton_token_bitmask import apply_token_bitmask_triton
@@ -208,7 +237,7 @@ def _moe_fp8(dt: torch.dtype) -> None:
 
 
 OPS = {"attention": _attention, "attention_fp8": _attention_fp8, "ssd": _ssd, "ssm_update": _ssm_update, "conv1d": _conv1d, "norm": _norm,
-       "moe": _moe, "sampling": _sampling, "fp8": _fp8, "moe_fp8": _moe_fp8}
+       "moe": _moe, "sampling": _sampling, "fp8": _fp8, "moe_fp8": _moe_fp8, "tails": _tails}
 
 
 def main(argv: list[str]) -> None:
@@ -223,7 +252,7 @@ def main(argv: list[str]) -> None:
         only = set(argv[i + 1].split(","))
         argv = argv[:i] + argv[i + 2 :]
     dt = getattr(torch, argv[0])
-    ops = argv[1:] or list(OPS)
+    ops = argv[1:] or [op for op in OPS if op != "tails"]
     shared: dict[str, int] = {}
     mma: dict[str, set[str]] = {}  # kernel -> which of warp-group MMAs / e4m3 operands its PTX holds
     real_run = JITFunction.run

@@ -297,6 +297,35 @@ def test_experts_zero_tokens():
     assert tm.moe_experts_triton(x, w_up, w_down, w, ids).shape == (0, 32)
 
 
+@pytest.mark.parametrize("variant", ["gemv", "gemv-nested", "gemm"])
+@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("dtype", [F16, F32])
+def test_experts_post_runs_the_residual_add_and_next_norm(poison, variant, T, dtype):
+    """With `post` (a block's residual add and the next norm) the experts op returns add_rms_norm of its
+    output: on the GEMV path from each token's last down-GEMV program, bit for bit the add_rms_norm kernel on
+    the op's own output; twice in a row (the arrival counters are back at 0 after each launch)."""
+    from hyserve.kernels.launch_util import arrival_counters
+    from hyserve.kernels.rmsnorm import AddNorm, add_rms_norm_ref
+    from hyserve.kernels.triton_rmsnorm import add_rms_norm_triton
+
+    k, E, d, inter = 2, 8, 80, 32
+    cfg = _variant_config(variant, E, inter, d, k)
+    for _ in range(2):
+        x, w_up, w_down, w, ids = _experts_inputs(T, E, d, inter, k, dtype)
+        su, sd = _shared_weights(d, inter, 1, dtype)
+        res, nw = torch.randn(T, d, device=DEV).to(dtype), torch.randn(d, device=DEV).to(dtype)
+        post = AddNorm(res, nw, 1e-5)
+        with poison:
+            normed, total = tm.moe_experts_triton(x, w_up, w_down, w, ids, su, sd, config=cfg, post=post)
+            out = tm.moe_experts_triton(x, w_up, w_down, w, ids, su, sd, config=cfg)
+        want_n, want_s = add_rms_norm_triton(out, res, nw, 1e-5)
+        assert torch.equal(total, want_s) and torch.equal(normed, want_n)
+        got = ref.moe_experts_ref(x, w_up, w_down, w, ids, su, sd, post=post)
+        want = add_rms_norm_ref(ref.moe_experts_ref(x, w_up, w_down, w, ids, su, sd), res, nw, 1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert int(arrival_counters(DEV, T).abs().sum()) == 0
+
+
 @pytest.mark.parametrize("bad, what", [
     ("x3d", "x must be"), ("up", "up_proj"), ("down", "down_proj"), ("ids", "topk ids"), ("dtype", "dtypes differ"),
     ("float_ids", "integer ids"), ("topk", "top_k"),

@@ -566,6 +566,29 @@ def test_decode_kernels_wait_for_their_predecessor_under_pdl(pdl: bool):
         assert ("griddepcontrol.wait" in markers) == pdl, (name, markers)
 
 
+# the kernels whose last program runs the next step of a one-row decode (`triton_common.last_to_arrive`)
+TAIL_KERNELS = "_gemv_kernel,_down_gemv_kernel"
+
+
+def test_fused_tails_compile_with_their_arrival_counter():
+    """Offline for sm_90 (tests/sm90_compile_check.py "tails"): the GEMVs that run a block's residual add and the
+    next norm in their last program compile with the acq_rel atomic of `last_to_arrive` (one per program, after a
+    barrier) and still wait for their predecessor under PDL."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    args = [sys.executable, str(root / "tests" / "sm90_compile_check.py"), "bfloat16", "tails", "--only", TAIL_KERNELS]
+    run = subprocess.run(args, capture_output=True, text=True, env={**env, "PYTHONPATH": str(root)}, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ptx = json.loads(run.stdout.strip().splitlines()[-1])["ptx"]
+    assert set(ptx) == set(TAIL_KERNELS.split(","))
+    for name, markers in ptx.items():
+        assert "atom.global.gpu.acq_rel" in markers and "griddepcontrol.wait" in markers, (name, markers)
+
+
 def test_pdl_launch_keywords():
     """`launch_util.pdl`: the kernel's PDL constexpr and the launch attribute go together, only for CUDA
     tensors on sm_90+ with PDL enabled; CPU tensors (the interpreter) get PDL=False and no launch option."""

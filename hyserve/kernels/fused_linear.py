@@ -8,6 +8,9 @@ its own kernel before it); these references are the contracts and the CPU path: 
     linear(x)                     = x @ W^T + b     (every 16-bit projection: the GEMV at one row)
     gated_norm_linear(x, z)       = linear(rmsnorm_gated(x, z))
     relu2_linear(x)               = linear(relu2(x))
+
+Each takes `post` (`rmsnorm.AddNorm`: the block's residual add and the next block's pre-norm); with it the
+op returns `add_rms_norm(out, ...)`, the pair (normed, residual + out), instead of out.
 """
 
 from __future__ import annotations
@@ -16,12 +19,19 @@ import torch
 import torch.nn.functional as F
 
 from hyserve.kernels.activation import relu2_ref
-from hyserve.kernels.rmsnorm import rmsnorm_gated_ref
+from hyserve.kernels.rmsnorm import AddNorm, add_norm_ref, rmsnorm_gated_ref
+
+Out = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
-def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def finish(out: torch.Tensor, post: AddNorm | None) -> Out:
+    """An op's result: out, or with `post` the pair add_rms_norm gives."""
+    return out if post is None else add_norm_ref(out, post)
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, post: AddNorm | None = None) -> Out:
     """x: [..., K]; weight: [N, K] -> [..., N]."""
-    return F.linear(x, weight, bias)
+    return finish(F.linear(x, weight, bias), post)
 
 
 def gated_norm_linear_ref(
@@ -32,11 +42,13 @@ def gated_norm_linear_ref(
     group_size: int,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-) -> torch.Tensor:
+    post: AddNorm | None = None,
+) -> Out:
     """x, z: [T, K]; norm_weight: [K]; weight: [N, K] -> [T, N]."""
-    return F.linear(rmsnorm_gated_ref(x, z, norm_weight, eps, group_size), weight, bias)
+    return finish(F.linear(rmsnorm_gated_ref(x, z, norm_weight, eps, group_size), weight, bias), post)
 
 
-def relu2_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def relu2_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     post: AddNorm | None = None) -> Out:
     """x: [T, K]; weight: [N, K] -> [T, N]."""
-    return F.linear(relu2_ref(x), weight, bias)
+    return finish(F.linear(relu2_ref(x), weight, bias), post)

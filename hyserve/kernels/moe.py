@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hyserve.kernels.rmsnorm import AddNorm, add_norm_ref
+
 
 def router_logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x: [T, d]; weight: [E, d] (float32, as the checkpoints store the gate) -> logits [T, E] in float32
@@ -231,10 +233,10 @@ def _check_experts_args(
 def moe_experts_ref(
     x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tensor,
     shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
-    up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
+    up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None, post: AddNorm | None = None,
+):
     """x: [T, d]; w_up: [E, I, d]; w_down: [E, d, I]; topk_w: [T, k] float32; topk_ids: [T, k] -> [T, d] in
-    x.dtype. transformers' NemotronH order of rounding: each expert's GEMMs in x.dtype, weighted and summed
+    x.dtype (with `post`, `rmsnorm.AddNorm`: the pair add_rms_norm gives on it). transformers' NemotronH order of rounding: each expert's GEMMs in x.dtype, weighted and summed
     in float32, rounded once at the end. shared_up / shared_down (`check_shared_args`): the shared expert's
     output, its GEMMs in x.dtype too, joins that float32 sum. FP8 experts (e4m3 weights, up_scale [E, I],
     down_scale [E, d]): each expert used is dequantised to x.dtype first, the rest the same."""
@@ -265,7 +267,7 @@ def moe_experts_ref(
         start += n
     if with_shared:
         out += F.linear(torch.square(F.relu(F.linear(x, shared_up))), shared_down).to(acc)
-    return out.to(x.dtype)
+    return out.to(x.dtype) if post is None else add_norm_ref(out.to(x.dtype), post)
 
 
 __all__ = [

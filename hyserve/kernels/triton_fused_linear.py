@@ -23,10 +23,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hyserve.kernels.launch_util import pdl
+from hyserve.kernels.launch_util import arrival_counters, pdl
+from hyserve.kernels.rmsnorm import AddNorm
 from hyserve.kernels.triton_activation import relu2_triton
-from hyserve.kernels.triton_common import pdl_enter
-from hyserve.kernels.triton_rmsnorm import rmsnorm_gated_triton
+from hyserve.kernels.triton_common import last_to_arrive, pdl_enter
+from hyserve.kernels.triton_rmsnorm import add_rms_norm_row, add_rms_norm_triton, rmsnorm_gated_triton
 
 # Launch settings, from `bench_kernels.py --only linear_sweep` (benchmarks/README.md): one program owns
 # BLOCK_N output columns and walks K in BLOCK_K tiles, num_stages loads in flight.
@@ -70,15 +71,18 @@ def _gemv_tile(x_ptr, w, ws_ptr, s_ws, offs_n, mask_n, kk, mask_k, k0, RELU2: tl
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, N, K, s_w, ws_ptr, s_ws,
-    RELU2: tl.constexpr, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, out_ptr, N, K, s_w, ws_ptr, s_ws, res_ptr, nw_ptr, normed_ptr, sum_ptr, cnt_ptr, eps,
+    RELU2: tl.constexpr, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr, ADD_NORM: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """W_SCALE 0: a 16-bit weight. FP8 weights (triton_fp8_linear.py, one row): 1, e4m3 rows times their
     channel scales ws[n] after the K sum; 2, [128, 128] block scales ws[n // 128, k // 128] on each K tile's
     partial (BLOCK_K divides 128, so a tile lies in one scale block).
     No kernel writes the weight, so its first K tile is loaded before the PDL wait: with programmatic
-    dependent launch those bytes are in flight while the kernel before this one finishes."""
+    dependent launch those bytes are in flight while the kernel before this one finishes.
+    ADD_NORM: the last program to finish (`last_to_arrive` on cnt) adds the residual row and writes the next
+    block's pre-norm of the sum (`add_rms_norm_row`): the block's residual add and that norm, no launch."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -100,6 +104,9 @@ def _gemv_kernel(
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+    if ADD_NORM:
+        if last_to_arrive(cnt_ptr, tl.num_programs(0)):
+            add_rms_norm_row(out_ptr, res_ptr, nw_ptr, normed_ptr, sum_ptr, N, eps, NORM_BLOCK)
 
 
 def _gpu(x: torch.Tensor) -> bool:
@@ -119,10 +126,24 @@ def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
     )
 
 
+def _post_fits(out_dtype: torch.dtype, n: int, post: AddNorm) -> bool:
+    """Whether a GEMV's last program can run `post` on its [1, n] output: one unit-stride residual row of the
+    output's dtype and a contiguous [n] norm weight of at most 64k."""
+    r, w = post.residual, post.weight
+    return (r.dim() == 2 and r.shape == (1, n) and r.stride(1) == 1 and r.dtype == out_dtype and w.shape == (n,)
+            and w.is_contiguous() and w.device == r.device and n <= 65536)
+
+
+def finish_triton(out: torch.Tensor, post: AddNorm | None):
+    """An op's result when `post` did not run inside its kernel: out, or add_rms_norm's kernel on it."""
+    return out if post is None else add_rms_norm_triton(out, post.residual, post.weight, post.eps)
+
+
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu2: bool,
-          weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+          weight_scale: torch.Tensor | None = None, post: AddNorm | None = None):
     """One row: x [1, K] (unit stride) @ weight [N, K]^T -> [1, N] in x.dtype. weight_scale: an e4m3
-    weight's float32 channel [N] or block [ceil(N/128), ceil(K/128)] scales (`gemv_fp8`)."""
+    weight's float32 channel [N] or block [ceil(N/128), ceil(K/128)] scales (`gemv_fp8`). With `post`,
+    (normed, sum) from the kernel's last program where it fits (`_post_fits`), else from add_rms_norm."""
     K = x.shape[1]
     N = weight.shape[0]
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
@@ -130,12 +151,21 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu
     cfg = dict(gpu_settings(w_scale, K) if _gpu(x) else _CPU)
     stages = cfg.pop("num_stages")
     ws = weight_scale if weight_scale is not None else weight
+    cnt = arrival_counters(x.device, 1) if post is not None and _post_fits(x.dtype, N, post) else None
+    normed = total = out
+    if cnt is not None:
+        normed, total = torch.empty_like(out), torch.empty_like(out)
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
         x, weight, bias if bias is not None else weight, out, N, K, weight.stride(0), ws,
         ws.stride(0) if w_scale == 2 else 0,
-        RELU2=relu2, HAS_BIAS=bias is not None, W_SCALE=w_scale, NUM_STAGES=stages, **cfg, **pdl(x),
+        post.residual if cnt is not None else out, post.weight if cnt is not None else out, normed, total,
+        cnt if cnt is not None else out, float(post.eps) if cnt is not None else 0.0,
+        RELU2=relu2, HAS_BIAS=bias is not None, W_SCALE=w_scale, ADD_NORM=cnt is not None,
+        NORM_BLOCK=triton.next_power_of_2(N) if cnt is not None else 1, NUM_STAGES=stages, **cfg, **pdl(x),
     )
-    return out
+    if cnt is not None:
+        return normed, total
+    return finish_triton(out, post)
 
 
 def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
@@ -145,15 +175,16 @@ def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     return _gemv(x, weight, bias, relu2, weight_scale)
 
 
-def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x: [..., K]; weight: [N, K] -> [..., N] in x.dtype: this GEMV for one row, F.linear otherwise."""
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, post: AddNorm | None = None):
+    """x: [..., K]; weight: [N, K] -> [..., N] in x.dtype: this GEMV for one row, F.linear otherwise
+    (`post`: see `fused_linear.py`)."""
     if x.dim() != 2:
-        if x.numel() != x.shape[-1] or x.dim() < 1:
-            return F.linear(x, weight, bias)
+        if x.numel() != x.shape[-1] or x.dim() < 1 or post is not None:
+            return finish_triton(F.linear(x, weight, bias), post)
         return linear_triton(x.reshape(1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
     if not _fits(x, weight, bias):
-        return F.linear(x, weight, bias)
-    return _gemv(x, weight, bias, relu2=False)
+        return finish_triton(F.linear(x, weight, bias), post)
+    return _gemv(x, weight, bias, relu2=False, post=post)
 
 
 def gated_norm_linear_triton(
@@ -164,21 +195,22 @@ def gated_norm_linear_triton(
     group_size: int,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-) -> torch.Tensor:
+    post: AddNorm | None = None,
+):
     """x, z: [T, K]; norm_weight: [K]; weight: [N, K] -> [T, N] in x.dtype: the gated norm kernel, then this
-    GEMV for one row (F.linear otherwise)."""
+    GEMV for one row (F.linear otherwise; `post`: see `fused_linear.py`)."""
     normed = rmsnorm_gated_triton(x, z, norm_weight, eps, group_size)
     if normed.dtype == x.dtype and _fits(normed, weight, bias):
-        return _gemv(normed, weight, bias, relu2=False)
-    return F.linear(normed, weight, bias)
+        return _gemv(normed, weight, bias, relu2=False, post=post)
+    return finish_triton(F.linear(normed, weight, bias), post)
 
 
-def relu2_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def relu2_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, post: AddNorm | None = None):
     """x: [T, K]; weight: [N, K] -> [T, N] in x.dtype: relu^2 inside this GEMV for one row (its own
-    kernel + F.linear otherwise)."""
+    kernel + F.linear otherwise; `post`: see `fused_linear.py`)."""
     if not _fits(x, weight, bias):
-        return F.linear(relu2_triton(x), weight, bias)
-    return _gemv(x, weight, bias, relu2=True)
+        return finish_triton(F.linear(relu2_triton(x), weight, bias), post)
+    return _gemv(x, weight, bias, relu2=True, post=post)
 
 
 __all__ = ["gated_norm_linear_triton", "gemv_fp8", "linear_triton", "relu2_linear_triton"]

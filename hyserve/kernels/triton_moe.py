@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hyserve.kernels.launch_util import pdl
+from hyserve.kernels.launch_util import MAX_ARRIVAL_COUNTERS, arrival_counters, pdl
 from hyserve.kernels.moe import (
     _check_experts_args,
     _check_route_args,
@@ -47,8 +47,10 @@ from hyserve.kernels.moe import (
     moe_max_blocks,
     router_logits_ref,
 )
+from hyserve.kernels.rmsnorm import AddNorm
 from hyserve.kernels.triton_activation import relu2_triton
-from hyserve.kernels.triton_common import dot_acc, pdl_enter
+from hyserve.kernels.triton_common import dot_acc, last_to_arrive, pdl_enter
+from hyserve.kernels.triton_rmsnorm import add_rms_norm_row, add_rms_norm_triton
 
 CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
 # Token-count buckets: T uses the config of the smallest bucket >= T (the last one beyond it).
@@ -485,15 +487,19 @@ def _up_gemv_kernel(
 @triton.jit(do_not_specialize=["n_routed"])
 def _down_gemv_kernel(
     h_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, sd_ptr, N, K, n_routed, s_hm, s_we, s_wn, s_ot, s_sdn, sc_ptr,
+    res_ptr, nw_ptr, normed_ptr, sum_ptr, cnt_ptr, eps, s_rt,
     TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, FLAT: tl.constexpr, W_FP8: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, FLAT: tl.constexpr, W_FP8: tl.constexpr,
+    ADD_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[t, n] = sum_s topk_w[t, s] * (w_down[ids[t, s]] @ h[t*k + s])[n]: the combine in registers.
     FLAT walks the token's (slot, K tile) pairs as one pipelined loop (h pre-scaled by the slot's weight),
     so the loads do not drain at every expert; otherwise one K loop per slot. SHARED > 0: the shared
     expert too, sum_j shared_down[:, j*K : j*K + K] @ h[n_routed + t*S + j] with weight 1, as S more slots
     of the flat loop, or in a second loop after the nested ones.
-    W_FP8: each expert's e4m3 rows times its channel scales sc[e, n] (no shared expert with FP8)."""
+    W_FP8: each expert's e4m3 rows times its channel scales sc[e, n] (no shared expert with FP8).
+    ADD_NORM: token t's last program (`last_to_arrive` on cnt[t]) adds its residual row and writes the next
+    block's pre-norm (`add_rms_norm_row`; normed and sum rows with out's stride)."""
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -547,6 +553,10 @@ def _down_gemv_kernel(
             part_s += w.to(tl.float32) * hv.to(tl.float32)[None, :]
         out += tl.sum(part_s, axis=1)
     tl.store(out_ptr + t * s_ot + cn, out.to(out_ptr.dtype.element_ty), mask=cn < N)
+    if ADD_NORM:
+        if last_to_arrive(cnt_ptr + t, tl.num_programs(1)):
+            add_rms_norm_row(out_ptr + t * s_ot, res_ptr + t * s_rt, nw_ptr, normed_ptr + t * s_ot,
+                             sum_ptr + t * s_ot, N, eps, NORM_BLOCK)
 
 
 # --------------------------------------------------------------------------- configs
@@ -700,18 +710,29 @@ def launch_up_gemv(x, w_up, ids, h, up: dict[str, Any], shared_up: torch.Tensor 
 
 
 def launch_down_gemv(h, w_down, ids, tw, out, dn: dict[str, Any], shared_down: torch.Tensor | None = None,
-                     scale: torch.Tensor | None = None) -> None:
+                     scale: torch.Tensor | None = None, post: AddNorm | None = None,
+                     post_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """out [T, d] = sum_s tw[t, s] * w_down[ids[t, s]] @ h[t*k + s] (+ the shared expert's chunks of h;
-    scale: FP8 experts' [E, d] channel scales)."""
+    scale: FP8 experts' [E, d] channel scales). With `post` and post_out = (normed, sum) (contiguous [T, d],
+    like out): each token's last program writes add_rms_norm(out[t], post.residual[t], ...) into them."""
     d, inter = w_down.shape[1], w_down.shape[2]
     S = 0 if shared_down is None else shared_down.shape[1] // inter
     sd = w_down if shared_down is None else shared_down
-    _down_gemv_kernel[(out.shape[0], triton.cdiv(d, dn["BLOCK_N"]))](
+    T = out.shape[0]
+    cnt = arrival_counters(out.device, T) if post is not None else None
+    if post is not None and cnt is None:
+        raise ValueError(f"moe down GEMV: {T} tokens are more than the arrival counters ({MAX_ARRIVAL_COUNTERS})")
+    normed, total = post_out if post_out is not None else (out, out)
+    _down_gemv_kernel[(T, triton.cdiv(d, dn["BLOCK_N"]))](
         h, w_down, ids, tw, out, sd, d, inter, ids.numel(), h.stride(0), w_down.stride(0), w_down.stride(1),
         out.stride(0), sd.stride(0), scale if scale is not None else tw,
+        post.residual if post is not None else out, post.weight if post is not None else out, normed, total,
+        cnt if cnt is not None else ids, float(post.eps) if post is not None else 0.0,
+        post.residual.stride(0) if post is not None else 0,
         TOP_K=ids.shape[1], SHARED=S, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"],
         EVEN_K=inter % dn["BLOCK_K"] == 0, NUM_STAGES=dn["num_stages"], FLAT=bool(dn.get("FLAT", 0)),
-        W_FP8=scale is not None, num_warps=dn["num_warps"], **pdl(h),
+        W_FP8=scale is not None, ADD_NORM=post is not None, NORM_BLOCK=triton.next_power_of_2(d) if post else 1,
+        num_warps=dn["num_warps"], **pdl(h),
     )
 
 
@@ -762,11 +783,13 @@ def moe_experts_triton(
     up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
     config: dict[str, Any] | None = None,
-) -> torch.Tensor:
+    post: AddNorm | None = None,
+):
     """x: [T, d]; w_up: [E, I, d]; w_down: [E, d, I]; topk_w: [T, k] float32; topk_ids: [T, k] int -> [T, d]
     in x.dtype (moe_experts_ref, with the shared expert when given). FP8 experts: e4m3 weights with up_scale
     [E, I] and down_scale [E, d] float32 (per expert and output channel), no shared expert. `config`
-    overrides the tuned / heuristic tile config (tests, tuning)."""
+    overrides the tuned / heuristic tile config (tests, tuning). With `post` (`rmsnorm.AddNorm`), the pair
+    add_rms_norm gives on the output: on the GEMV path from the down GEMV's last program per token."""
     _check_experts_args(x, w_up, w_down, topk_w, topk_ids, up_scale, down_scale)
     if up_scale is not None and (shared_up is not None or shared_down is not None):
         raise ValueError("moe_experts: FP8 experts take no folded shared expert (an FP8 model runs it as its MLP)")
@@ -778,7 +801,7 @@ def moe_experts_triton(
     k = topk_ids.shape[1]
     out = torch.empty(T, d, dtype=x.dtype, device=x.device)
     if T == 0:
-        return out
+        return out if post is None else (out, out.clone())
     if w_up.stride(2) != 1 or w_down.stride(2) != 1:
         raise ValueError("moe_experts: expert weights need a unit stride along their last dimension")
     if S and (not shared_up.is_contiguous() or shared_down.stride(1) != 1 or shared_up.stride(0) != w_up.stride(1)):
@@ -790,8 +813,13 @@ def moe_experts_triton(
     if cfg["variant"] == "gemv":
         h = torch.empty(T * (k + S), inter, dtype=x.dtype, device=x.device)
         launch_up_gemv(xc, w_up, ids, h, cfg["up"], shared_up if S else None, up_scale)
-        launch_down_gemv(h, w_down, ids, tw, out, cfg["down"], shared_down if S else None, down_scale)
-        return out
+        fused = post is not None and _post_fits(out, post)
+        pair = (torch.empty_like(out), torch.empty_like(out)) if fused else None
+        launch_down_gemv(h, w_down, ids, tw, out, cfg["down"], shared_down if S else None, down_scale,
+                         post if fused else None, pair)
+        if pair is not None:
+            return pair
+        return out if post is None else add_rms_norm_triton(out, post.residual, post.weight, post.eps)
     bm = cfg["BLOCK_M"]
     sorted_ids, expert_ids, npad = moe_align_triton(ids, E, bm)
     h = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
@@ -801,7 +829,16 @@ def moe_experts_triton(
     # many tokens: the shared expert as two GEMMs (each weight read once for all rows), added in the combine
     shared = F.linear(relu2_triton(F.linear(xc, shared_up)), shared_down) if S else None
     launch_combine(y, out, k, shared)
-    return out
+    return out if post is None else add_rms_norm_triton(out, post.residual, post.weight, post.eps)
+
+
+def _post_fits(out: torch.Tensor, post: AddNorm) -> bool:
+    """Whether the down GEMV's last programs can run `post` on out [T, d]: residual rows like out's (dtype,
+    unit stride), a contiguous [d] norm weight of at most 64k, and an arrival counter per token."""
+    r, w = post.residual, post.weight
+    T, d = out.shape
+    return (r.shape == out.shape and r.dtype == out.dtype and r.stride(1) == 1 and w.shape == (d,)
+            and w.is_contiguous() and d <= 65536 and T <= MAX_ARRIVAL_COUNTERS)
 
 
 __all__ = [

@@ -32,10 +32,12 @@ from torch import nn
 from hyserve.distributed import Group, all_reduce, tp_group
 from hyserve.kernels import ops
 from hyserve.kernels.conv1d import conv_state_at
+from hyserve.kernels.rmsnorm import AddNorm
 from hyserve.kernels.stochastic_rounding import StochasticRounding
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.config import MambaSpec
 from hyserve.model.forward_meta import ForwardMeta
+from hyserve.model.norm import Out, apply_post
 from hyserve.model.parallel_linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
@@ -157,7 +159,9 @@ class Mamba2Mixer(ShardLoading):
             c.reshape(n, self.n_groups, self.state_size),
         )
 
-    def forward(self, hidden: torch.Tensor, meta: ForwardMeta, cache: CacheTensors) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, meta: ForwardMeta, cache: CacheTensors, post: AddNorm | None = None) -> Out:
+        """hidden: [T, hidden] normed -> out [T, hidden]; with `post` (the block's residual add and the next
+        norm) the pair (normed next input, residual + out), run by out_proj's GEMV at one row on CUDA."""
         conv_pool, ssm_pool = cache.conv[self.layer_id], cache.ssm[self.layer_id]
         T = hidden.shape[0]
         cuda = hidden.is_cuda
@@ -196,13 +200,13 @@ class Mamba2Mixer(ShardLoading):
         if out.quant is not None:  # FP8 out_proj: the gated norm, then the FP8 linear (its reduce when sharded)
             spans = out.sharded and self.norm_spans_ranks
             normed = self._gated_norm_spanning(y2, z) if spans else norm(y2, z)
-            return out(normed)
+            return out(normed, post=post)
         fused = ops.get("gated_norm_linear", cuda)
         if not out.sharded:
-            return fused(y2, z, norm.weight, norm.eps, norm.group_size, out.weight, out.bias)
+            return fused(y2, z, norm.weight, norm.eps, norm.group_size, out.weight, out.bias, post)
         if self.norm_spans_ranks:
-            return out.reduce(F.linear(self._gated_norm_spanning(y2, z), out.weight))
-        return out.reduce(fused(y2, z, norm.weight, norm.eps, norm.group_size, out.weight, None))
+            return apply_post(out.reduce(F.linear(self._gated_norm_spanning(y2, z), out.weight)), post)
+        return apply_post(out.reduce(fused(y2, z, norm.weight, norm.eps, norm.group_size, out.weight, None)), post)
 
     def _gated_norm_spanning(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y, z: [T, d_inner / tp], this rank's slice of a norm group that spans tp / n_groups ranks ->
