@@ -170,7 +170,7 @@ def _moe(dt: torch.dtype) -> None:
 def _tails(dt: torch.dtype) -> None:
     """The one-row kernels whose last program runs the next step (`last_to_arrive`): the GEMVs of out_proj /
     o_proj / down_proj and the MoE down GEMV with the residual add and the next norm (`AddNorm`) at the Nemotron
-    3 Nano 30B-A3B and Nano 9B v2 widths."""
+    3 Nano 30B-A3B and Nano 9B v2 widths; the router GEMV with the routing."""
     import hyserve.kernels.triton_moe as tm
     from hyserve.kernels.rmsnorm import AddNorm
     from hyserve.kernels.triton_fused_linear import gated_norm_linear_triton, linear_triton, relu2_linear_triton
@@ -190,6 +190,7 @@ def _tails(dt: torch.dtype) -> None:
         ids = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)]).to(torch.int32)
         cfg = tuned.get(str(tm.token_bucket(T))) or tm.heuristic_config(E, inter, d, T, top_k)
         post = AddNorm(torch.randn(T, d).to(dt), torch.randn(d).to(dt), 1e-5)
+        tm.moe_gate_triton(torch.randn(T, d).to(dt), torch.randn(E, d), torch.zeros(E), top_k, 1, 1, True, 2.5)
         tm.moe_experts_triton(torch.randn(T, d).to(dt), w_up, w_down, torch.rand(T, top_k), ids, su, sd, config=cfg,
                               post=post)
 

@@ -110,6 +110,36 @@ def test_route_matches_float64(poison, setting):
         assert all(len(set(r)) <= TG for r in (ids // (E // G)).tolist())
 
 
+@pytest.mark.parametrize("setting", ROUTE_SETTINGS, ids=lambda s: "E{}-k{}-g{}-tg{}-n{}-s{}".format(*s))
+@pytest.mark.parametrize("T", [1, 3, 5])
+def test_gate_routes_in_the_router_gemvs_last_program(poison, monkeypatch, setting, T):
+    """moe_gate: up to ROUTER_GEMV_MAX_TOKENS tokens, each token's last router-GEMV program routes it (one
+    launch), bit for bit the route kernel on the router GEMV's logits; more tokens take the two ops. Twice in a
+    row: the arrival counters are back at 0 after each launch."""
+    from hyserve.kernels.launch_util import arrival_counters
+
+    E, k, G, TG, norm, scale = setting
+    d = 96
+    route_calls: list[int] = []
+    real_route = tm.moe_route_triton
+    for _ in range(2):
+        x = torch.randn(T, d, device=DEV).to(F16)
+        gate = torch.randn(E, d, device=DEV) * d**-0.5
+        bias = torch.randn(E, device=DEV) * 0.2
+        with poison:
+            monkeypatch.setattr(tm, "moe_route_triton", lambda *a: route_calls.append(T) or real_route(*a))
+            w, ids = tm.moe_gate_triton(x, gate, bias, k, G, TG, norm, scale)
+            monkeypatch.setattr(tm, "moe_route_triton", real_route)
+            w2, ids2 = real_route(tm.router_logits_triton(x, gate), bias, k, G, TG, norm, scale)
+        assert torch.equal(ids, ids2) and torch.equal(w, w2)
+        w64, ids64 = ref.moe_gate_ref(x.double(), gate.double(), bias.double(), k, G, TG, norm, scale)
+        torch.testing.assert_close(ids, ids64)
+        torch.testing.assert_close(w.double(), w64, rtol=1e-5, atol=1e-6)
+        assert int(arrival_counters(DEV, T).abs().sum()) == 0
+    # the route kernel runs only past the router GEMV's token count
+    assert route_calls == ([] if T <= tm.ROUTER_GEMV_MAX_TOKENS else [T, T])
+
+
 def test_route_group_limit_changes_the_choice():
     # one group holds the largest single score, another the largest top-2 sum: group selection decides
     E, G = 16, 4

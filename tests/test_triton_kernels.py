@@ -567,7 +567,7 @@ def test_decode_kernels_wait_for_their_predecessor_under_pdl(pdl: bool):
 
 
 # the kernels whose last program runs the next step of a one-row decode (`triton_common.last_to_arrive`)
-TAIL_KERNELS = "_gemv_kernel,_down_gemv_kernel"
+TAIL_KERNELS = "_gemv_kernel,_down_gemv_kernel,_router_gemv_kernel"
 
 
 def test_fused_tails_compile_with_their_arrival_counter():

@@ -38,6 +38,16 @@ def router_logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.to(ftype), weight.to(ftype))
 
 
+def moe_gate_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+    norm_topk_prob: bool, routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router and the routing together: moe_route_ref(router_logits_ref(x, weight), bias, ...) -> (weights
+    [T, k], ids [T, k] int32)."""
+    return moe_route_ref(router_logits_ref(x, weight), bias, top_k, n_group, topk_group, norm_topk_prob,
+                         routed_scaling_factor)
+
+
 def moe_max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Blocks of block_m rows the align layout can need for num_pairs (token, slot) pairs: each non-empty
     expert pads its run by less than one block, so sum_e ceil(c_e / B) <= num_pairs // B + min(E, pairs)."""
@@ -277,6 +287,7 @@ __all__ = [
     "moe_combine_ref",
     "moe_down_ref",
     "moe_experts_ref",
+    "moe_gate_ref",
     "moe_max_blocks",
     "moe_route_ref",
     "moe_up_ref",

@@ -64,11 +64,14 @@ _GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 
 @triton.jit
 def _router_gemv_kernel(
-    x_ptr, w_ptr, out_ptr, E, K, s_xt, s_we, s_ot,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, E, K, s_xt, s_we, s_ot, bias_ptr, tw_ptr, ids_ptr, cnt_ptr, scale,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, ROUTE: tl.constexpr,
+    PER: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    NORM: tl.constexpr, G_PAD: tl.constexpr, PER_PAD: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """logits[t, e] = sum_k x[t, k] * gate[e, k] in float32 for BLOCK_E experts e of token t. The gate's first
-    K tile loads before the PDL wait (no kernel writes it)."""
+    K tile loads before the PDL wait (no kernel writes it). ROUTE: token t's last program (`last_to_arrive` on
+    cnt[t]) routes it from the finished logits row (`_route_row`), so the route needs no launch of its own."""
     t = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     me = offs_e < E
@@ -85,6 +88,10 @@ def _router_gemv_kernel(
         w = tl.load(w_ptr + rows[:, None] * s_we + kk[None, :], mask=km[None, :], other=0.0).to(tl.float32)
         part += w * xv[None, :]
     tl.store(out_ptr + t * s_ot + offs_e, tl.sum(part, axis=1), mask=me)
+    if ROUTE:
+        if last_to_arrive(cnt_ptr + t, tl.num_programs(1)):
+            _route_row(out_ptr + t * s_ot, bias_ptr, tw_ptr + t * TOP_K, ids_ptr + t * TOP_K, scale,
+                       PER, TOP_K, N_GROUP, TOPK_GROUP, NORM, G_PAD, PER_PAD, K_PAD)
 
 
 # Few tokens: the GEMV kernel; from here on F.linear in float32 (a GEMM shares each weight read).
@@ -99,35 +106,52 @@ def router_settings(on_gpu: bool) -> dict[str, int]:
     return dict(BLOCK_E=4, BLOCK_K=32, num_warps=1, num_stages=1)
 
 
-def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x: [T, d] (16 or 32 bit); weight: [E, d] float32 -> logits [T, E] float32 (router_logits_ref)."""
+def _router_gemv_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the router GEMV takes this call: 1..ROUTER_GEMV_MAX_TOKENS rows, a float32 gate, unit strides."""
     T = x.shape[0] if x.dim() == 2 else -1
-    if (T < 1 or T > ROUTER_GEMV_MAX_TOKENS or weight.dtype != torch.float32 or weight.dim() != 2
-            or weight.shape[1] != x.shape[1] or x.stride(1) != 1 or weight.stride(1) != 1):
-        return router_logits_ref(x, weight)
+    return (1 <= T <= ROUTER_GEMV_MAX_TOKENS and weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.shape[1] == x.shape[1] and x.stride(1) == 1 and weight.stride(1) == 1)
+
+
+def _launch_router(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, route: tuple | None = None) -> None:
+    """The router GEMV into out [T, E]; with route = (bias, weights, ids, counters, scale, _route_settings) each
+    token's last program routes it too."""
     E, K = weight.shape
-    out = torch.empty(T, E, dtype=torch.float32, device=x.device)
     cfg = router_settings(x.is_cuda)
     stages = cfg.pop("num_stages")
-    _router_gemv_kernel[(T, triton.cdiv(E, cfg["BLOCK_E"]))](
-        x, weight, out, E, K, x.stride(0), weight.stride(0), out.stride(0), NUM_STAGES=stages, **cfg, **pdl(x),
+    if route is None:
+        rargs, rconst = (out, out, out, out, 0.0), dict(_route_settings(2, 1, 1, 1, False), ROUTE=False)
+    else:
+        rargs, rconst = route[:5], dict(route[5], ROUTE=True)
+    _router_gemv_kernel[(x.shape[0], triton.cdiv(E, cfg["BLOCK_E"]))](
+        x, weight, out, E, K, x.stride(0), weight.stride(0), out.stride(0), *rargs, NUM_STAGES=stages, **rconst,
+        **cfg, **pdl(x),
     )
+
+
+def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: [T, d] (16 or 32 bit); weight: [E, d] float32 -> logits [T, E] float32 (router_logits_ref)."""
+    if not _router_gemv_takes(x, weight):
+        return router_logits_ref(x, weight)
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+    _launch_router(x, weight, out)
     return out
 
 
 @triton.jit
-def _route_kernel(
-    logit_ptr, bias_ptr, w_ptr, id_ptr, s_lt, scale,
+def _route_row(
+    logit_row, bias_ptr, w_row, id_row, scale,
     PER: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    NORM: tl.constexpr, G_PAD: tl.constexpr, PER_PAD: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr, G_PAD: tl.constexpr, PER_PAD: tl.constexpr, K_PAD: tl.constexpr,
 ):
-    pdl_enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
+    """One token's routing from its logits row: sigmoid, score-correction bias, group-limited top-k by repeated
+    argmax over the [groups, experts per group] tile, normalised weights x scale. The logits load past L1
+    (".cg"): the router GEMV's last program calls this on the row its other programs just wrote."""
     g = tl.arange(0, G_PAD)
     j = tl.arange(0, PER_PAD)
     valid = (g[:, None] < N_GROUP) & (j[None, :] < PER)
     e = g[:, None] * PER + j[None, :]  # [G_PAD, PER_PAD] expert ids
-    logit = tl.load(logit_ptr + t * s_lt + e, mask=valid, other=0.0).to(tl.float32)
+    logit = tl.load(logit_row + e, mask=valid, other=0.0, cache_modifier=".cg").to(tl.float32)
     score = tl.sigmoid(logit)
     choice = score + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
     choice = tl.where(valid, choice, float("-inf"))
@@ -158,8 +182,29 @@ def _route_kernel(
     if NORM:
         ws = ws / (tl.sum(ws, axis=0) + 1e-20)
     km = ks < TOP_K
-    tl.store(w_ptr + t * TOP_K + ks, ws * scale, mask=km)
-    tl.store(id_ptr + t * TOP_K + ks, ids, mask=km)
+    tl.store(w_row + ks, ws * scale, mask=km)
+    tl.store(id_row + ks, ids, mask=km)
+
+
+@triton.jit
+def _route_kernel(
+    logit_ptr, bias_ptr, w_ptr, id_ptr, s_lt, scale,
+    PER: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    NORM: tl.constexpr, G_PAD: tl.constexpr, PER_PAD: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr,
+):
+    pdl_enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    _route_row(logit_ptr + t * s_lt, bias_ptr, w_ptr + t * TOP_K, id_ptr + t * TOP_K, scale,
+               PER, TOP_K, N_GROUP, TOPK_GROUP, NORM, G_PAD, PER_PAD, K_PAD)
+
+
+def _route_settings(E: int, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool) -> dict[str, Any]:
+    """The routing constexprs of `_route_row` (a group limit only where it keeps fewer groups than there are)."""
+    grouped = n_group > 1 and topk_group < n_group
+    G = n_group if grouped else 1
+    return dict(PER=E // G, TOP_K=top_k, N_GROUP=G, TOPK_GROUP=topk_group if grouped else 1,
+                NORM=bool(norm_topk_prob), G_PAD=triton.next_power_of_2(G),
+                PER_PAD=triton.next_power_of_2(E // G), K_PAD=triton.next_power_of_2(top_k))
 
 
 def moe_route_triton(
@@ -177,18 +222,42 @@ def moe_route_triton(
     lg = logits.float()
     if lg.stride(1) != 1:
         lg = lg.contiguous()
-    grouped = n_group > 1 and topk_group < n_group
-    G = n_group if grouped else 1
     w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
     if T:
         _route_kernel[(T,)](
             lg, bias.float().contiguous(), w, ids, lg.stride(0), float(routed_scaling_factor),
-            PER=E // G, TOP_K=top_k, N_GROUP=G, TOPK_GROUP=topk_group if grouped else 1,
-            NORM=bool(norm_topk_prob), G_PAD=triton.next_power_of_2(G),
-            PER_PAD=triton.next_power_of_2(E // G), K_PAD=triton.next_power_of_2(top_k),
+            **_route_settings(E, top_k, n_group, topk_group, norm_topk_prob),
             num_warps=4 if E >= 256 else 1, **pdl(lg),
         )
+    return w, ids
+
+
+def moe_gate_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, d]; weight: [E, d] float32; bias: [E] -> (weights [T, k] float32, ids [T, k] int32): router logits
+    and routing (moe_gate_ref). Where the router GEMV takes x (few tokens), one launch: each token's last GEMV
+    program routes it; otherwise the logits, then the route kernel."""
+    T = x.shape[0] if x.dim() == 2 else -1
+    E = weight.shape[0] if weight.dim() == 2 else 0
+    cnt = arrival_counters(x.device, T) if _router_gemv_takes(x, weight) else None
+    if cnt is None:
+        return moe_route_triton(router_logits_triton(x, weight), bias, top_k, n_group, topk_group, norm_topk_prob,
+                                routed_scaling_factor)
+    _check_route_args(torch.empty(0, E, device="meta"), bias, top_k, n_group, topk_group)
+    logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
+    _launch_router(x, weight, logits, route=(bias.float().contiguous(), w, ids, cnt, float(routed_scaling_factor),
+                                             _route_settings(E, top_k, n_group, topk_group, norm_topk_prob)))
     return w, ids
 
 
@@ -847,6 +916,7 @@ __all__ = [
     "moe_align_triton",
     "moe_config",
     "moe_experts_triton",
+    "moe_gate_triton",
     "moe_route_triton",
     "moe_token_buckets",
     "router_logits_triton",

@@ -33,7 +33,12 @@ def register_triton_kernels() -> list[str]:
         linear_triton,
         relu2_linear_triton,
     )
-    from hyserve.kernels.triton_moe import moe_experts_triton, moe_route_triton, router_logits_triton
+    from hyserve.kernels.triton_moe import (
+        moe_experts_triton,
+        moe_gate_triton,
+        moe_route_triton,
+        router_logits_triton,
+    )
     from hyserve.kernels.triton_rmsnorm import add_rms_norm_triton, rms_norm_triton, rmsnorm_gated_triton
     from hyserve.kernels.triton_ssd import ssd_triton
     from hyserve.kernels.triton_ssm_update import selective_state_update_triton
@@ -57,6 +62,7 @@ def register_triton_kernels() -> list[str]:
         "store_ssm_state": store_ssm_state_triton,
         "router_logits": router_logits_triton,
         "moe_route": moe_route_triton,
+        "moe_gate": moe_gate_triton,
         "moe_experts": moe_experts_triton,
         "apply_token_bitmask": apply_token_bitmask_triton,
         "write_kv": write_kv_triton,

@@ -53,9 +53,9 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> (weights [T, k] float32, expert ids [T, k] int32), on the device (no host sync)."""
-        logits = ops.get("router_logits", x.is_cuda)(x, self.weight)  # [T, E] float32
-        return ops.get("moe_route", x.is_cuda)(
-            logits, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
+        # the logits [T, E] in float32, then the routing: one kernel for a few tokens on CUDA
+        return ops.get("moe_gate", x.is_cuda)(
+            x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
             self.norm_topk_prob, self.scale,
         )
 
