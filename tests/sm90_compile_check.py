@@ -173,7 +173,12 @@ def _tails(dt: torch.dtype) -> None:
     3 Nano 30B-A3B and Nano 9B v2 widths; the router GEMV with the routing."""
     import hyserve.kernels.triton_moe as tm
     from hyserve.kernels.rmsnorm import AddNorm
-    from hyserve.kernels.triton_fused_linear import gated_norm_linear_triton, linear_triton, relu2_linear_triton
+    from hyserve.kernels.triton_fused_linear import (
+        gated_norm_linear_triton,
+        linear_conv1d_update_triton,
+        linear_triton,
+        relu2_linear_triton,
+    )
 
     for hidden in (2688, HIDDEN):
         post = AddNorm(torch.randn(1, hidden).to(dt), torch.randn(hidden).to(dt), 1e-5)
@@ -182,6 +187,11 @@ def _tails(dt: torch.dtype) -> None:
                                  None, post)
         linear_triton(y, torch.randn(hidden, 4096).to(dt), None, post)
         relu2_linear_triton(torch.randn(1, 15680).to(dt), torch.randn(hidden, 15680).to(dt), None, post)
+    # Mamba in_proj with the decode conv in its epilogue (30B-A3B: 2688 -> 10304, conv channels 4096 .. 10240)
+    slot = torch.zeros(1, dtype=torch.int32)
+    linear_conv1d_update_triton(torch.randn(1, 2688).to(dt), torch.randn(10304, 2688).to(dt), None,
+                                torch.zeros(2, 6144, 3).to(dt), torch.randn(6144, 4).to(dt), torch.randn(6144).to(dt),
+                                slot, slot, 4096)
     E, top_k, d, inter = 128, 6, 2688, 1856
     w_up, w_down = torch.randn(E, inter, d).to(dt), torch.randn(E, d, inter).to(dt)
     su, sd = torch.randn(2 * inter, d).to(dt), torch.randn(d, 2 * inter).to(dt)

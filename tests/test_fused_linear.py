@@ -17,7 +17,13 @@ interpret_without_cuda()
 pytestmark = IGNORE_INTERPRETER_WARNING
 
 import hyserve.kernels.triton_fused_linear as tfl  # noqa: E402
-from hyserve.kernels.fused_linear import gated_norm_linear_ref, linear_ref, relu2_linear_ref  # noqa: E402
+from hyserve.kernels.fused_linear import (  # noqa: E402
+    gated_norm_linear_ref,
+    linear_conv1d_update_ref,
+    linear_ref,
+    relu2_linear_ref,
+)
+from hyserve.kernels.triton_conv1d import causal_conv1d_update_triton  # noqa: E402
 from hyserve.kernels.launch_util import arrival_counters  # noqa: E402
 from hyserve.kernels.rmsnorm import AddNorm, add_rms_norm_ref  # noqa: E402
 from hyserve.kernels.triton_rmsnorm import add_rms_norm_triton  # noqa: E402
@@ -231,6 +237,37 @@ def test_post_the_gemv_cannot_run_goes_to_the_add_rms_norm_kernel(poison):
         normed, total = tfl.linear_triton(x, w, None, AddNorm(res, nw, 1e-5))
     want_n, want_s = add_rms_norm_triton(out, res, nw, 1e-5)
     assert torch.equal(normed, want_n) and torch.equal(total, want_s)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("conv_bias", [False, True])
+@pytest.mark.parametrize("pool_dtype", ["model", F32])
+@pytest.mark.parametrize("same_slot", [True, False])
+def test_linear_conv1d_update(poison, dtype, rows, conv_bias, pool_dtype, same_slot):
+    """Mamba in_proj with the decode conv of its conv channels: at one row the conv runs in the GEMV's epilogue,
+    bit for bit the GEMV then the conv kernel (output and conv state); more rows take F.linear + the conv kernel.
+    Both against the reference (F.linear + conv1d_update_ref)."""
+    K, N, start, D, Kc = 72, 61, 13, 40, 4  # channels [13, 53) of 61 outputs are the conv's, over several programs
+    pdt = dtype if pool_dtype == "model" else pool_dtype
+    x, w, b = _strided(rows, K, dtype), _weight(N, K, dtype), rnd(N, dtype=dtype)
+    cw, cb = rnd(D, Kc, dtype=dtype), (rnd(D, dtype=dtype) if conv_bias else None)
+    pool = rnd(2 * rows + 1, D, Kc - 1, dtype=pdt)
+    src = torch.arange(rows, dtype=torch.int32, device=DEV)
+    dst = src if same_slot else src + rows
+    pools = [pool.clone() for _ in range(3)]
+    with poison:
+        out = tfl.linear_conv1d_update_triton(x, w, b, pools[0], cw, cb, src, dst, start)
+        two = tfl.linear_triton(x, w, b)
+        two[:, start : start + D] = causal_conv1d_update_triton(two[:, start : start + D], pools[1], cw, cb, src, dst)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, two) and torch.equal(pools[0], pools[1]), "fused epilogue vs GEMV + conv kernel"
+    ref = linear_conv1d_update_ref(x, w, b, pools[2], cw, cb, src, dst, start)
+    tol = 4e-2 if dtype == BF16 else 6e-3
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(pools[0].float(), pools[2].float(), rtol=tol, atol=tol)
+    if not same_slot:  # the source slots are read, not written
+        assert torch.equal(pools[0][src.long()], pool[src.long()])
 
 
 @gpu

@@ -27,6 +27,7 @@ from hyserve.kernels.launch_util import arrival_counters, pdl
 from hyserve.kernels.rmsnorm import AddNorm
 from hyserve.kernels.triton_activation import relu2_triton
 from hyserve.kernels.triton_common import last_to_arrive, pdl_enter
+from hyserve.kernels.triton_conv1d import causal_conv1d_update_triton, conv1d_update_channels
 from hyserve.kernels.triton_rmsnorm import add_rms_norm_row, add_rms_norm_triton, rmsnorm_gated_triton
 
 # Launch settings, from `bench_kernels.py --only linear_sweep` (benchmarks/README.md): one program owns
@@ -72,9 +73,10 @@ def _gemv_tile(x_ptr, w, ws_ptr, s_ws, offs_n, mask_n, kk, mask_k, k0, RELU2: tl
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, N, K, s_w, ws_ptr, s_ws, res_ptr, nw_ptr, normed_ptr, sum_ptr, cnt_ptr, eps,
+    pool_ptr, cw_ptr, cb_ptr, src_ptr, dst_ptr, conv_start, conv_dim, s_pool_slot, s_pool_d, s_pool_k, s_cw_d,
     RELU2: tl.constexpr, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr, ADD_NORM: tl.constexpr,
-    NORM_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PDL: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     """W_SCALE 0: a 16-bit weight. FP8 weights (triton_fp8_linear.py, one row): 1, e4m3 rows times their
     channel scales ws[n] after the K sum; 2, [128, 128] block scales ws[n // 128, k // 128] on each K tile's
@@ -82,7 +84,10 @@ def _gemv_kernel(
     No kernel writes the weight, so its first K tile is loaded before the PDL wait: with programmatic
     dependent launch those bytes are in flight while the kernel before this one finishes.
     ADD_NORM: the last program to finish (`last_to_arrive` on cnt) adds the residual row and writes the next
-    block's pre-norm of the sum (`add_rms_norm_row`): the block's residual add and that norm, no launch."""
+    block's pre-norm of the sum (`add_rms_norm_row`): the block's residual add and that norm, no launch.
+    CONV (Mamba in_proj): outputs conv_start .. conv_start + conv_dim are the conv channels [x | B | C]; each
+    program runs the decode conv of its own (`conv1d_update_channels`, state slot src -> dst) and writes the
+    SiLU'd conv output there, so the conv needs no launch of its own."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -103,6 +108,15 @@ def _gemv_kernel(
         acc = acc * tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    if CONV:
+        c = offs_n - conv_start
+        in_conv = mask_n & (c >= 0) & (c < conv_dim)
+        src = tl.load(src_ptr).to(tl.int64)
+        dst = tl.load(dst_ptr).to(tl.int64)
+        xr = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the projection's output as the model rounds it
+        cv = conv1d_update_channels(xr, c, in_conv, src, dst, pool_ptr, cw_ptr, cb_ptr, s_pool_slot, s_pool_d,
+                                    s_pool_k, s_cw_d, CONV_K, CONV_BIAS, True)
+        acc = tl.where(in_conv, cv, acc)
     tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
     if ADD_NORM:
         if last_to_arrive(cnt_ptr, tl.num_programs(0)):
@@ -140,10 +154,11 @@ def finish_triton(out: torch.Tensor, post: AddNorm | None):
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu2: bool,
-          weight_scale: torch.Tensor | None = None, post: AddNorm | None = None):
+          weight_scale: torch.Tensor | None = None, post: AddNorm | None = None, conv: tuple | None = None):
     """One row: x [1, K] (unit stride) @ weight [N, K]^T -> [1, N] in x.dtype. weight_scale: an e4m3
     weight's float32 channel [N] or block [ceil(N/128), ceil(K/128)] scales (`gemv_fp8`). With `post`,
-    (normed, sum) from the kernel's last program where it fits (`_post_fits`), else from add_rms_norm."""
+    (normed, sum) from the kernel's last program where it fits (`_post_fits`), else from add_rms_norm. conv:
+    (conv_pool, conv weight [D, Kc], conv bias or None, src [1], dst [1], start) for `linear_conv1d_update`."""
     K = x.shape[1]
     N = weight.shape[0]
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
@@ -155,13 +170,21 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu
     normed = total = out
     if cnt is not None:
         normed, total = torch.empty_like(out), torch.empty_like(out)
+    if conv is not None:
+        pool, cw, cb, src, dst, start = conv
+        conv_args = (pool, cw, cb if cb is not None else cw, src, dst, start, cw.shape[0], pool.stride(0),
+                     pool.stride(1), pool.stride(2), cw.stride(0))
+    else:
+        conv_args = (out, out, out, out, out, 0, 0, 0, 0, 0, 0)
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
         x, weight, bias if bias is not None else weight, out, N, K, weight.stride(0), ws,
         ws.stride(0) if w_scale == 2 else 0,
         post.residual if cnt is not None else out, post.weight if cnt is not None else out, normed, total,
-        cnt if cnt is not None else out, float(post.eps) if cnt is not None else 0.0,
+        cnt if cnt is not None else out, float(post.eps) if cnt is not None else 0.0, *conv_args,
         RELU2=relu2, HAS_BIAS=bias is not None, W_SCALE=w_scale, ADD_NORM=cnt is not None,
-        NORM_BLOCK=triton.next_power_of_2(N) if cnt is not None else 1, NUM_STAGES=stages, **cfg, **pdl(x),
+        NORM_BLOCK=triton.next_power_of_2(N) if cnt is not None else 1, CONV=conv is not None,
+        CONV_K=conv[1].shape[1] if conv is not None else 2, CONV_BIAS=conv is not None and conv[2] is not None,
+        NUM_STAGES=stages, **cfg, **pdl(x),
     )
     if cnt is not None:
         return normed, total
@@ -185,6 +208,31 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if not _fits(x, weight, bias):
         return finish_triton(F.linear(x, weight, bias), post)
     return _gemv(x, weight, bias, relu2=False, post=post)
+
+
+def linear_conv1d_update_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_pool: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    start: int,
+) -> torch.Tensor:
+    """`fused_linear.linear_conv1d_update_ref` (Mamba in_proj with the decode conv of its [x | B | C] outputs):
+    for one row the conv runs in this GEMV's epilogue (no conv launch), otherwise F.linear, then the conv kernel."""
+    D, Kc = conv_weight.shape
+    if (_fits(x, weight, bias) and conv_pool.shape[1:] == (D, Kc - 1) and conv_weight.stride(1) == 1
+            and Kc >= 2 and src_slots.shape == (1,) and dst_slots.shape == (1,) and 0 <= start <= weight.shape[0] - D
+            and (conv_bias is None or (conv_bias.shape == (D,) and conv_bias.is_contiguous()))):
+        return _gemv(x, weight, bias, relu2=False,
+                     conv=(conv_pool, conv_weight, conv_bias, src_slots, dst_slots, start))
+    out = linear_triton(x, weight, bias)
+    out[:, start : start + D] = causal_conv1d_update_triton(out[:, start : start + D], conv_pool, conv_weight,
+                                                             conv_bias, src_slots, dst_slots)
+    return out
 
 
 def gated_norm_linear_triton(
@@ -213,4 +261,4 @@ def relu2_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return _gemv(x, weight, bias, relu2=True, post=post)
 
 
-__all__ = ["gated_norm_linear_triton", "gemv_fp8", "linear_triton", "relu2_linear_triton"]
+__all__ = ["gated_norm_linear_triton", "gemv_fp8", "linear_conv1d_update_triton", "linear_triton", "relu2_linear_triton"]

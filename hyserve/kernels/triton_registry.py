@@ -30,6 +30,7 @@ def register_triton_kernels() -> list[str]:
     from hyserve.kernels.triton_fp8_linear import fp8_linear_triton, fp8_relu2_linear_triton
     from hyserve.kernels.triton_fused_linear import (
         gated_norm_linear_triton,
+        linear_conv1d_update_triton,
         linear_triton,
         relu2_linear_triton,
     )
@@ -53,6 +54,7 @@ def register_triton_kernels() -> list[str]:
         "linear": linear_triton,
         "gated_norm_linear": gated_norm_linear_triton,
         "relu2_linear": relu2_linear_triton,
+        "linear_conv1d_update": linear_conv1d_update_triton,
         "fp8_linear": fp8_linear_triton,
         "fp8_relu2_linear": fp8_relu2_linear_triton,
         "conv1d_update": causal_conv1d_update_triton,

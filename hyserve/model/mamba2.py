@@ -165,17 +165,23 @@ class Mamba2Mixer(ShardLoading):
         conv_pool, ssm_pool = cache.conv[self.layer_id], cache.ssm[self.layer_id]
         T = hidden.shape[0]
         cuda = hidden.is_cuda
-        zxbcdt = self.in_proj(hidden)
-        z, xbc, dt = torch.split(zxbcdt, [self.d_inner, self.conv_dim, self.num_heads], dim=-1)
         A = self._A()
         w = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
         bias = self.conv1d.bias
         nd = meta.num_decodes
         y_d: torch.Tensor | None = None
+        src, dst = meta.state_src[:nd], meta.state_dst[:nd]
+        # a pure decode step: in_proj with the conv of its [x | B | C] outputs (one GEMV at one row on CUDA)
+        conv_done = nd == T and nd > 0 and self.in_proj.quant is None
+        if conv_done:
+            zxbcdt = ops.get("linear_conv1d_update", cuda)(hidden, self.in_proj.weight, self.in_proj.bias, conv_pool,
+                                                           w, bias, src, dst, self.d_inner)
+        else:
+            zxbcdt = self.in_proj(hidden)
+        z, xbc, dt = torch.split(zxbcdt, [self.d_inner, self.conv_dim, self.num_heads], dim=-1)
 
         if nd > 0:
-            src, dst = meta.state_src[:nd], meta.state_dst[:nd]
-            xbc_d = ops.get("conv1d_update", cuda)(xbc[:nd], conv_pool, w, bias, src, dst)
+            xbc_d = xbc if conv_done else ops.get("conv1d_update", cuda)(xbc[:nd], conv_pool, w, bias, src, dst)
             x, b, c = self._split_xbc(xbc_d)
             y_d = ops.get("ssm_update", cuda)(
                 ssm_pool, x, dt[:nd], A, b, c, src, dst,
