@@ -187,6 +187,18 @@ def _tails(dt: torch.dtype) -> None:
                                  None, post)
         linear_triton(y, torch.randn(hidden, 4096).to(dt), None, post)
         relu2_linear_triton(torch.randn(1, 15680).to(dt), torch.randn(hidden, 15680).to(dt), None, post)
+    # the SSM update ending with the gated norm (Nano 9B v2: groups of 1280 = 16 heads of 80; 30B-A3B: 512 = 8 x 64)
+    from hyserve.kernels.ssm_update import GatedNorm
+    from hyserve.kernels.triton_ssm_update import selective_state_update_triton
+
+    for h, p, group in ((H, P, GROUP), (64, 64, 512)):
+        f = torch.randn(h).to(dt)
+        slots = torch.tensor([0], dtype=torch.int32)
+        selective_state_update_triton(torch.zeros(2, h, p, N), torch.randn(1, h, p).to(dt), torch.randn(1, h).to(dt),
+                                      -torch.rand(h), torch.randn(1, G, N).to(dt), torch.randn(1, G, N).to(dt), slots,
+                                      slots, D=f, dt_bias=f,
+                                      gated_norm=GatedNorm(torch.randn(1, h * p).to(dt), torch.randn(h * p).to(dt),
+                                                           1e-5, group))
     # Mamba in_proj with the decode conv in its epilogue (30B-A3B: 2688 -> 10304, conv channels 4096 .. 10240)
     slot = torch.zeros(1, dtype=torch.int32)
     linear_conv1d_update_triton(torch.randn(1, 2688).to(dt), torch.randn(10304, 2688).to(dt), None,

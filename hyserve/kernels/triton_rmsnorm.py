@@ -66,6 +66,24 @@ def _add_rms_norm_kernel(
                      dim, eps, BLOCK)
 
 
+@triton.jit
+def rmsnorm_gated_group(x_ptr, z_ptr, w_ptr, out_ptr, eps, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+                        HAS_Z: tl.constexpr):
+    """One group of GROUP channels of the gated norm (pointers at the group's first channel). The loads of x and
+    z bypass L1 (".cg"): the SSM update's last program of a group calls this on the y its other programs wrote."""
+    offs = tl.arange(0, BLOCK)
+    m = offs < GROUP
+    h = tl.load(x_ptr + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+    if HAS_Z:
+        z = tl.load(z_ptr + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+        h = h * (z / (1.0 + tl.exp(-z)))
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / GROUP + eps)
+    # Round to the input dtype first, exactly like the reference's `weight * h.to(x.dtype)`.
+    hn = (h * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (w * hn).to(out_ptr.dtype.element_ty), mask=m)
+
+
 @triton.jit(do_not_specialize=["rows"])
 def _rmsnorm_gated_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr, rows, eps, s_x_r, s_z_r, s_out_r,
@@ -74,17 +92,9 @@ def _rmsnorm_gated_kernel(
     pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
-    offs = g * GROUP + tl.arange(0, BLOCK)
-    m = tl.arange(0, BLOCK) < GROUP
-    h = tl.load(x_ptr + r * s_x_r + offs, mask=m, other=0.0).to(tl.float32)
-    if HAS_Z:
-        z = tl.load(z_ptr + r * s_z_r + offs, mask=m, other=0.0).to(tl.float32)
-        h = h * (z / (1.0 + tl.exp(-z)))
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / GROUP + eps)
-    # Round to the input dtype first, exactly like the reference's `weight * h.to(x.dtype)`.
-    hn = (h * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + r * s_out_r + offs, (w * hn).to(out_ptr.dtype.element_ty), mask=m)
+    c0 = g * GROUP
+    rmsnorm_gated_group(x_ptr + r * s_x_r + c0, z_ptr + r * s_z_r + c0, w_ptr + c0, out_ptr + r * s_out_r + c0, eps,
+                        GROUP, BLOCK, HAS_Z)
 
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)

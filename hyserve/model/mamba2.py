@@ -5,6 +5,10 @@
     (x, dt, B, C) --SSD scan (dt bias, softplus, dt limit, D skip)--> y
     y --grouped RMSNorm gated by z--> --out_proj--> out      (norm + out_proj: `gated_norm_linear`)
 
+A pure decode step runs three kernels a layer on CUDA at one row: in_proj with the conv in its epilogue
+(`linear_conv1d_update`), the SSM update ending with the gated norm (its `gated_norm`), and out_proj ending with
+the block's residual add and the next norm (`post`; docs/architecture.md, "Decode step at batch 1").
+
 Decode sequences (the first `meta.num_decodes`, one token each) use the single-step conv and state
 update kernels; prefill/extend sequences use the packed varlen conv and the chunked SSD scan. Both
 read their starting state from `state_src` slots and write the final state to `state_dst` slots.
@@ -33,6 +37,7 @@ from hyserve.distributed import Group, all_reduce, tp_group
 from hyserve.kernels import ops
 from hyserve.kernels.conv1d import conv_state_at
 from hyserve.kernels.rmsnorm import AddNorm
+from hyserve.kernels.ssm_update import GatedNorm
 from hyserve.kernels.stochastic_rounding import StochasticRounding
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.config import MambaSpec
@@ -180,6 +185,10 @@ class Mamba2Mixer(ShardLoading):
             zxbcdt = self.in_proj(hidden)
         z, xbc, dt = torch.split(zxbcdt, [self.d_inner, self.conv_dim, self.num_heads], dim=-1)
 
+        norm, out = self.norm, self.out_proj
+        # a pure decode step ends the SSM update with the gated norm (the last program of each norm group runs it
+        # on CUDA), unless a norm group spans tensor-parallel ranks
+        norm_done = nd == T and nd > 0 and not (out.sharded and self.norm_spans_ranks)
         if nd > 0:
             xbc_d = xbc if conv_done else ops.get("conv1d_update", cuda)(xbc[:nd], conv_pool, w, bias, src, dst)
             x, b, c = self._split_xbc(xbc_d)
@@ -188,7 +197,10 @@ class Mamba2Mixer(ShardLoading):
                 D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit,
                 rounding=self.ssm_rounding,
                 positions=None if self.ssm_rounding is None else meta.seq_lens_t[:nd],
+                gated_norm=GatedNorm(z, norm.weight, norm.eps, norm.group_size) if norm_done else None,
             )
+            if norm_done:  # y_d is the normed [T, d_inner]: out_proj (with the residual add and next norm) is left
+                return out(y_d, post=post)
         if y_d is not None and T == nd:
             y = y_d  # a pure decode step: no packing copy
         else:
@@ -199,9 +211,8 @@ class Mamba2Mixer(ShardLoading):
         if T > nd:
             self._prefill(xbc[nd:], dt[nd:], A, w, bias, meta, conv_pool, ssm_pool, y[nd:])
 
-        # gated norm + out_proj (on CUDA a one-row step runs the norm kernel and a Triton GEMV); under tensor
-        # parallelism each rank's partial out_proj product is summed by one all-reduce
-        norm, out = self.norm, self.out_proj
+        # gated norm + out_proj; under tensor parallelism each rank's partial out_proj product is summed by one
+        # all-reduce
         y2 = y.view(T, self.d_inner)
         if out.quant is not None:  # FP8 out_proj: the gated norm, then the FP8 linear (its reduce when sharded)
             spans = out.sharded and self.norm_spans_ranks
