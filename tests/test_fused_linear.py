@@ -23,9 +23,9 @@ from hyserve.kernels.fused_linear import (  # noqa: E402
     linear_ref,
     relu2_linear_ref,
 )
-from hyserve.kernels.triton_conv1d import causal_conv1d_update_triton  # noqa: E402
 from hyserve.kernels.launch_util import arrival_counters  # noqa: E402
 from hyserve.kernels.rmsnorm import AddNorm, add_rms_norm_ref  # noqa: E402
+from hyserve.kernels.triton_conv1d import causal_conv1d_update_triton  # noqa: E402
 from hyserve.kernels.triton_rmsnorm import add_rms_norm_triton  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -214,7 +214,10 @@ def test_post_runs_the_residual_add_and_next_norm(poison, dtype, rows):
                 out = op(x, z, None)
             want_n, want_s = add_rms_norm_triton(out, res, nw2, 1e-5)
             assert torch.equal(total, want_s), f"{name}: the residual sum"
-            assert torch.equal(normed, want_n), f"{name}: the normed next input"
+            # the same arithmetic; on a GPU the sum of squares reduces over the GEMV's warps, not the norm
+            # kernel's, so a value may differ by one rounding step
+            torch.testing.assert_close(normed, want_n, rtol=2**-7 if dtype == BF16 else 2**-10, atol=1e-3,
+                                       msg=lambda m, name=name: f"{name}: the normed next input: {m}")
             rn, rs = ref(x, z, post)
             want_rn, want_rs = add_rms_norm_ref(ref(x, z, None), res, nw2, 1e-5)
             assert torch.equal(rn, want_rn) and torch.equal(rs, want_rs), f"{name}: the reference's post"
@@ -236,7 +239,7 @@ def test_post_the_gemv_cannot_run_goes_to_the_add_rms_norm_kernel(poison):
     with poison:
         normed, total = tfl.linear_triton(x, w, None, AddNorm(res, nw, 1e-5))
     want_n, want_s = add_rms_norm_triton(out, res, nw, 1e-5)
-    assert torch.equal(normed, want_n) and torch.equal(total, want_s)
+    assert torch.equal(normed, want_n) and torch.equal(total, want_s)  # the add_rms_norm kernel itself ran
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16])

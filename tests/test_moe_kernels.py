@@ -349,7 +349,11 @@ def test_experts_post_runs_the_residual_add_and_next_norm(poison, variant, T, dt
             normed, total = tm.moe_experts_triton(x, w_up, w_down, w, ids, su, sd, config=cfg, post=post)
             out = tm.moe_experts_triton(x, w_up, w_down, w, ids, su, sd, config=cfg)
         want_n, want_s = add_rms_norm_triton(out, res, nw, 1e-5)
-        assert torch.equal(total, want_s) and torch.equal(normed, want_n)
+        assert torch.equal(total, want_s)
+        # the same arithmetic; on a GPU the sum of squares reduces over the down GEMV's warps, not the norm
+        # kernel's: float32's last bits, or one rounding step of float16
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == F32 else dict(rtol=2**-10, atol=1e-3)
+        torch.testing.assert_close(normed, want_n, **tol)
         got = ref.moe_experts_ref(x, w_up, w_down, w, ids, su, sd, post=post)
         want = add_rms_norm_ref(ref.moe_experts_ref(x, w_up, w_down, w, ids, su, sd), res, nw, 1e-5)
         assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -123,6 +123,12 @@ def test_ssm_update_small_no_d_no_bias(poison):
     _ssm_case(poison, Bt=3, H=6, P=8, N=8, G=3, state_dtype=F32, x_dtype=F32, use_d=False, use_bias=False)
 
 
+def _one_step(dtype) -> dict:
+    """The tolerance of a value computed by the same arithmetic with another reduction order: float32's last bits,
+    or one rounding step of a 16-bit type."""
+    return dict(rtol=1e-5, atol=1e-6) if dtype == F32 else dict(rtol=2 ** -7 if dtype == BF16 else 2**-10, atol=1e-3)
+
+
 def _ssm_norm_case(poison, *, Bt, H, P, N, G, group, x_dtype, state_dtype=F32):
     """The SSM update ending with the Mamba2 gated norm (`gated_norm`): bit for bit the update, then the gated
     norm kernel on its y (same states), and the reference's pair; twice (the arrival counters return to 0)."""
@@ -150,7 +156,10 @@ def _ssm_norm_case(poison, *, Bt, H, P, N, G, group, x_dtype, state_dtype=F32):
             normed = selective_state_update_triton(pools[0], x, dt, A, B, C, src, dst, gated_norm=gn, **kw)
             y = selective_state_update_triton(pools[1], x, dt, A, B, C, src, dst, **kw)
             want = rmsnorm_gated_triton(y.view(Bt, H * P), z, nw, 1e-5, group)
-        assert normed.shape == (Bt, H * P) and torch.equal(normed, want), "the norm in the last program"
+        # the same arithmetic; on a GPU the sum of squares reduces over the SSM kernel's 4 warps, not the norm
+        # kernel's, so float32 may differ in the last bits and a 16-bit value by one rounding step
+        assert normed.shape == (Bt, H * P)
+        torch.testing.assert_close(normed, want, **_one_step(x_dtype), msg=lambda m: f"the norm in the last program: {m}")
         assert torch.equal(pools[0], pools[1]), "the states"
         ref = selective_state_update_ref(pools[2], x, dt, A, B, C, src, dst, gated_norm=gn, **kw)
         close(normed, ref, x_dtype, "normed vs the reference")

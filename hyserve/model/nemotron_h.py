@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from hyserve.distributed import tp_group
+from hyserve.kernels.rmsnorm import AddNorm
 from hyserve.model.attention import Attention
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.config import LAYER_ATTENTION, LAYER_MAMBA, LAYER_MLP, LAYER_MOE, HybridModelConfig
@@ -33,7 +34,6 @@ from hyserve.model.forward_meta import ForwardMeta
 from hyserve.model.fp8_weights import convert_linears
 from hyserve.model.mamba2 import Mamba2Mixer
 from hyserve.model.mlp import MLP
-from hyserve.kernels.rmsnorm import AddNorm
 from hyserve.model.moe import MoE
 from hyserve.model.norm import RMSNorm
 from hyserve.model.parallel_embedding import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_logits
