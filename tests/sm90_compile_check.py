@@ -3,13 +3,11 @@ needed) through their real launchers, at the GPU launch settings, and prints eac
 memory as one JSON line: {"dtype": ..., "kernels": {name: bytes}, "ptx": {name: ["e4m3", "wgmma.mma_async"]}}
 (the second: which of those its PTX holds; "cvt.bf16.f16": a scalar float16 -> bf16 convert,
 "ld.shared.b8": shared-memory loads of single bytes, "griddepcontrol.wait": the kernel waits for its
-predecessor as a programmatic dependent launch, "atom.global.gpu.acq_rel": the arrival counter of a kernel whose
-last program runs a step over the whole output, `triton_common.last_to_arrive`).
+predecessor as a programmatic dependent launch).
 
     python tests/sm90_compile_check.py float32 [op ...] [--only kernel,...] [--no-pdl]
                                             # ops: attention attention_fp8 ssd ssm_update conv1d norm
-                                            #      moe sampling fp8 moe_fp8 (default: all of these)
-                                            #      tails (the kernels that end with last_to_arrive)
+                                            #      moe sampling fp8 moe_fp8 (default: all)
 
 The launchers run on CPU tensors with a stand-in driver that reports an sm_90 device, and every launch
 compiles (as `warmup=True`) instead of running, so the shared memory is what the compiler asks for on an
@@ -36,7 +34,7 @@ CONV_DIM = D_INNER + 2 * G * N
 
 
 # PTX features reported per kernel
-MARKERS = ("wgmma.mma_async", "e4m3", "cvt.bf16.f16", "ld.shared.b8", "griddepcontrol.wait", "atom.global.gpu.acq_rel")
+MARKERS = ("wgmma.mma_async", "e4m3", "cvt.bf16.f16", "ld.shared.b8", "griddepcontrol.wait")
 
 
 class _Sm90:
@@ -167,56 +165,6 @@ def _moe(dt: torch.dtype) -> None:
         tm.moe_experts_triton(x, w_up, w_down, torch.rand(T, top_k), ids, su, sd, config=cfg)
 
 
-def _tails(dt: torch.dtype) -> None:
-    """The one-row kernels whose last program runs the next step (`last_to_arrive`): the GEMVs of out_proj /
-    o_proj / down_proj and the MoE down GEMV with the residual add and the next norm (`AddNorm`) at the Nemotron
-    3 Nano 30B-A3B and Nano 9B v2 widths; the router GEMV with the routing."""
-    import hyserve.kernels.triton_moe as tm
-    from hyserve.kernels.rmsnorm import AddNorm
-    from hyserve.kernels.triton_fused_linear import (
-        gated_norm_linear_triton,
-        linear_conv1d_update_triton,
-        linear_triton,
-        relu2_linear_triton,
-    )
-
-    for hidden in (2688, HIDDEN):
-        post = AddNorm(torch.randn(1, hidden).to(dt), torch.randn(hidden).to(dt), 1e-5)
-        y = torch.randn(1, 4096).to(dt)
-        gated_norm_linear_triton(y, y.clone(), torch.randn(4096).to(dt), 1e-5, 512, torch.randn(hidden, 4096).to(dt),
-                                 None, post)
-        linear_triton(y, torch.randn(hidden, 4096).to(dt), None, post)
-        relu2_linear_triton(torch.randn(1, 15680).to(dt), torch.randn(hidden, 15680).to(dt), None, post)
-    # the SSM update ending with the gated norm (Nano 9B v2: groups of 1280 = 16 heads of 80; 30B-A3B: 512 = 8 x 64)
-    from hyserve.kernels.ssm_update import GatedNorm
-    from hyserve.kernels.triton_ssm_update import selective_state_update_triton
-
-    for h, p, group in ((H, P, GROUP), (64, 64, 512)):
-        f = torch.randn(h).to(dt)
-        slots = torch.tensor([0], dtype=torch.int32)
-        selective_state_update_triton(torch.zeros(2, h, p, N), torch.randn(1, h, p).to(dt), torch.randn(1, h).to(dt),
-                                      -torch.rand(h), torch.randn(1, G, N).to(dt), torch.randn(1, G, N).to(dt), slots,
-                                      slots, D=f, dt_bias=f,
-                                      gated_norm=GatedNorm(torch.randn(1, h * p).to(dt), torch.randn(h * p).to(dt),
-                                                           1e-5, group))
-    # Mamba in_proj with the decode conv in its epilogue (30B-A3B: 2688 -> 10304, conv channels 4096 .. 10240)
-    slot = torch.zeros(1, dtype=torch.int32)
-    linear_conv1d_update_triton(torch.randn(1, 2688).to(dt), torch.randn(10304, 2688).to(dt), None,
-                                torch.zeros(2, 6144, 3).to(dt), torch.randn(6144, 4).to(dt), torch.randn(6144).to(dt),
-                                slot, slot, 4096)
-    E, top_k, d, inter = 128, 6, 2688, 1856
-    w_up, w_down = torch.randn(E, inter, d).to(dt), torch.randn(E, d, inter).to(dt)
-    su, sd = torch.randn(2 * inter, d).to(dt), torch.randn(d, 2 * inter).to(dt)
-    tuned = tm._tuned_table("NVIDIA H200").get(tm.shape_key(E, inter, d), {})
-    for T in (1, 2):
-        ids = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)]).to(torch.int32)
-        cfg = tuned.get(str(tm.token_bucket(T))) or tm.heuristic_config(E, inter, d, T, top_k)
-        post = AddNorm(torch.randn(T, d).to(dt), torch.randn(d).to(dt), 1e-5)
-        tm.moe_gate_triton(torch.randn(T, d).to(dt), torch.randn(E, d), torch.zeros(E), top_k, 1, 1, True, 2.5)
-        tm.moe_experts_triton(torch.randn(T, d).to(dt), w_up, w_down, torch.rand(T, top_k), ids, su, sd, config=cfg,
-                              post=post)
-
-
 def _sampling(dt: torch.dtype) -> None:
     """The structured-outputs token mask over a 131,072-token vocabulary (the sampler's float32 logits)."""
     from hyserve.kernels.triton_token_bitmask import apply_token_bitmask_triton
@@ -260,7 +208,7 @@ def _moe_fp8(dt: torch.dtype) -> None:
 
 
 OPS = {"attention": _attention, "attention_fp8": _attention_fp8, "ssd": _ssd, "ssm_update": _ssm_update, "conv1d": _conv1d, "norm": _norm,
-       "moe": _moe, "sampling": _sampling, "fp8": _fp8, "moe_fp8": _moe_fp8, "tails": _tails}
+       "moe": _moe, "sampling": _sampling, "fp8": _fp8, "moe_fp8": _moe_fp8}
 
 
 def main(argv: list[str]) -> None:
@@ -275,7 +223,7 @@ def main(argv: list[str]) -> None:
         only = set(argv[i + 1].split(","))
         argv = argv[:i] + argv[i + 2 :]
     dt = getattr(torch, argv[0])
-    ops = argv[1:] or [op for op in OPS if op != "tails"]
+    ops = argv[1:] or list(OPS)
     shared: dict[str, int] = {}
     mma: dict[str, set[str]] = {}  # kernel -> which of warp-group MMAs / e4m3 operands its PTX holds
     real_run = JITFunction.run

@@ -17,16 +17,7 @@ interpret_without_cuda()
 pytestmark = IGNORE_INTERPRETER_WARNING
 
 import hyserve.kernels.triton_fused_linear as tfl  # noqa: E402
-from hyserve.kernels.fused_linear import (  # noqa: E402
-    gated_norm_linear_ref,
-    linear_conv1d_update_ref,
-    linear_ref,
-    relu2_linear_ref,
-)
-from hyserve.kernels.launch_util import arrival_counters  # noqa: E402
-from hyserve.kernels.rmsnorm import AddNorm, add_rms_norm_ref  # noqa: E402
-from hyserve.kernels.triton_conv1d import causal_conv1d_update_triton  # noqa: E402
-from hyserve.kernels.triton_rmsnorm import add_rms_norm_triton  # noqa: E402
+from hyserve.kernels.fused_linear import gated_norm_linear_ref, linear_ref, relu2_linear_ref  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -177,100 +168,6 @@ def test_fused_path_is_taken_for_one_row(monkeypatch):
                                      1e-5, 32, w, None)
         tfl.linear_triton(rnd(rows, 64, dtype=BF16), w, None)
     assert launched == [1, 1, 1]
-
-
-def _post_ops(K: int, N: int, dtype):
-    """(name, op(x, post) on the Triton path, reference op(x, post), input rows) of the three ops that take
-    `post` (a block's residual add and the next norm)."""
-    w, nw = _weight(N, K, dtype), rnd(K, dtype=dtype)
-    group = K // 2
-
-    def inputs(rows):
-        return _strided(rows, K, dtype), _strided(rows, K, dtype, scale=2.0)
-
-    return [
-        ("linear", lambda x, z, p: tfl.linear_triton(x, w, None, p), lambda x, z, p: linear_ref(x, w, None, p), inputs),
-        ("relu2_linear", lambda x, z, p: tfl.relu2_linear_triton(x, w, None, p),
-         lambda x, z, p: relu2_linear_ref(x, w, None, p), inputs),
-        ("gated_norm_linear", lambda x, z, p: tfl.gated_norm_linear_triton(x, z, nw, 1e-5, group, w, None, p),
-         lambda x, z, p: gated_norm_linear_ref(x, z, nw, 1e-5, group, w, None, p), inputs),
-    ]
-
-
-@pytest.mark.parametrize("dtype", [F16, BF16])
-@pytest.mark.parametrize("rows", [1, 3])
-def test_post_runs_the_residual_add_and_next_norm(poison, dtype, rows):
-    """With `post` each op returns add_rms_norm(out, residual, w, eps): at one row from the GEMV's last program,
-    bit for bit what the add_rms_norm kernel gives on the op's own output; twice in a row (the arrival counter
-    is back at 0 after each launch, or the second call's normed output would stay NaN)."""
-    K, N = 136, 200  # N over several GEMV programs and not a multiple of BLOCK_N
-    for name, op, ref, inputs in _post_ops(K, N, dtype):
-        for _ in range(2):
-            x, z = inputs(rows)
-            res, nw2 = rnd(rows, N, dtype=dtype), rnd(N, dtype=dtype)
-            post = AddNorm(res, nw2, 1e-5)
-            with poison:
-                normed, total = op(x, z, post)
-                out = op(x, z, None)
-            want_n, want_s = add_rms_norm_triton(out, res, nw2, 1e-5)
-            assert torch.equal(total, want_s), f"{name}: the residual sum"
-            # the same arithmetic; on a GPU the sum of squares reduces over the GEMV's warps, not the norm
-            # kernel's, so a value may differ by one rounding step
-            torch.testing.assert_close(normed, want_n, rtol=2**-7 if dtype == BF16 else 2**-10, atol=1e-3,
-                                       msg=lambda m, name=name: f"{name}: the normed next input: {m}")
-            rn, rs = ref(x, z, post)
-            want_rn, want_rs = add_rms_norm_ref(ref(x, z, None), res, nw2, 1e-5)
-            assert torch.equal(rn, want_rn) and torch.equal(rs, want_rs), f"{name}: the reference's post"
-            tol = 4e-2 if dtype == BF16 else 6e-3
-            torch.testing.assert_close(normed.float(), rn.float(), rtol=tol, atol=tol)
-            assert int(arrival_counters(DEV, 1).abs().sum()) == 0, f"{name}: an arrival counter left nonzero"
-
-
-def test_post_the_gemv_cannot_run_goes_to_the_add_rms_norm_kernel(poison):
-    """A residual of another dtype or a strided one, and a norm weight of another length, are refused by the
-    GEMV's last program and run by the add_rms_norm kernel after it; more rows than one take F.linear + it."""
-    K, N = 64, 24
-    x, w = rnd(1, K, dtype=BF16), _weight(N, K, BF16)
-    out = tfl.linear_triton(x, w, None)
-    for res, nw in ((rnd(1, N, dtype=F16), rnd(N, dtype=BF16)),  # residual dtype differs (the kernel casts)
-                    (rnd(1, 2 * N, dtype=BF16)[:, ::2], rnd(N, dtype=BF16))):  # residual with a stride
-        assert not tfl._post_fits(BF16, N, AddNorm(res, nw, 1e-5))
-    res, nw = rnd(1, 2 * N, dtype=BF16)[:, ::2], rnd(N, dtype=BF16)
-    with poison:
-        normed, total = tfl.linear_triton(x, w, None, AddNorm(res, nw, 1e-5))
-    want_n, want_s = add_rms_norm_triton(out, res, nw, 1e-5)
-    assert torch.equal(normed, want_n) and torch.equal(total, want_s)  # the add_rms_norm kernel itself ran
-
-
-@pytest.mark.parametrize("dtype", [F16, BF16])
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("conv_bias", [False, True])
-@pytest.mark.parametrize("pool_dtype", ["model", F32])
-@pytest.mark.parametrize("same_slot", [True, False])
-def test_linear_conv1d_update(poison, dtype, rows, conv_bias, pool_dtype, same_slot):
-    """Mamba in_proj with the decode conv of its conv channels: at one row the conv runs in the GEMV's epilogue,
-    bit for bit the GEMV then the conv kernel (output and conv state); more rows take F.linear + the conv kernel.
-    Both against the reference (F.linear + conv1d_update_ref)."""
-    K, N, start, D, Kc = 72, 61, 13, 40, 4  # channels [13, 53) of 61 outputs are the conv's, over several programs
-    pdt = dtype if pool_dtype == "model" else pool_dtype
-    x, w, b = _strided(rows, K, dtype), _weight(N, K, dtype), rnd(N, dtype=dtype)
-    cw, cb = rnd(D, Kc, dtype=dtype), (rnd(D, dtype=dtype) if conv_bias else None)
-    pool = rnd(2 * rows + 1, D, Kc - 1, dtype=pdt)
-    src = torch.arange(rows, dtype=torch.int32, device=DEV)
-    dst = src if same_slot else src + rows
-    pools = [pool.clone() for _ in range(3)]
-    with poison:
-        out = tfl.linear_conv1d_update_triton(x, w, b, pools[0], cw, cb, src, dst, start)
-        two = tfl.linear_triton(x, w, b)
-        two[:, start : start + D] = causal_conv1d_update_triton(two[:, start : start + D], pools[1], cw, cb, src, dst)
-    assert torch.isfinite(out).all()
-    assert torch.equal(out, two) and torch.equal(pools[0], pools[1]), "fused epilogue vs GEMV + conv kernel"
-    ref = linear_conv1d_update_ref(x, w, b, pools[2], cw, cb, src, dst, start)
-    tol = 4e-2 if dtype == BF16 else 6e-3
-    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
-    torch.testing.assert_close(pools[0].float(), pools[2].float(), rtol=tol, atol=tol)
-    if not same_slot:  # the source slots are read, not written
-        assert torch.equal(pools[0][src.long()], pool[src.long()])
 
 
 @gpu

@@ -110,36 +110,6 @@ def test_route_matches_float64(poison, setting):
         assert all(len(set(r)) <= TG for r in (ids // (E // G)).tolist())
 
 
-@pytest.mark.parametrize("setting", ROUTE_SETTINGS, ids=lambda s: "E{}-k{}-g{}-tg{}-n{}-s{}".format(*s))
-@pytest.mark.parametrize("T", [1, 3, 5])
-def test_gate_routes_in_the_router_gemvs_last_program(poison, monkeypatch, setting, T):
-    """moe_gate: up to ROUTER_GEMV_MAX_TOKENS tokens, each token's last router-GEMV program routes it (one
-    launch), bit for bit the route kernel on the router GEMV's logits; more tokens take the two ops. Twice in a
-    row: the arrival counters are back at 0 after each launch."""
-    from hyserve.kernels.launch_util import arrival_counters
-
-    E, k, G, TG, norm, scale = setting
-    d = 96
-    route_calls: list[int] = []
-    real_route = tm.moe_route_triton
-    for _ in range(2):
-        x = torch.randn(T, d, device=DEV).to(F16)
-        gate = torch.randn(E, d, device=DEV) * d**-0.5
-        bias = torch.randn(E, device=DEV) * 0.2
-        with poison:
-            monkeypatch.setattr(tm, "moe_route_triton", lambda *a: route_calls.append(T) or real_route(*a))
-            w, ids = tm.moe_gate_triton(x, gate, bias, k, G, TG, norm, scale)
-            monkeypatch.setattr(tm, "moe_route_triton", real_route)
-            w2, ids2 = real_route(tm.router_logits_triton(x, gate), bias, k, G, TG, norm, scale)
-        assert torch.equal(ids, ids2) and torch.equal(w, w2)
-        w64, ids64 = ref.moe_gate_ref(x.double(), gate.double(), bias.double(), k, G, TG, norm, scale)
-        torch.testing.assert_close(ids, ids64)
-        torch.testing.assert_close(w.double(), w64, rtol=1e-5, atol=1e-6)
-        assert int(arrival_counters(DEV, T).abs().sum()) == 0
-    # the route kernel runs only past the router GEMV's token count
-    assert route_calls == ([] if T <= tm.ROUTER_GEMV_MAX_TOKENS else [T, T])
-
-
 def test_route_group_limit_changes_the_choice():
     # one group holds the largest single score, another the largest top-2 sum: group selection decides
     E, G = 16, 4
@@ -325,39 +295,6 @@ def test_experts_default_config_and_int64_ids(poison):
 def test_experts_zero_tokens():
     x, w_up, w_down, w, ids = _experts_inputs(0, 4, 32, 16, 2, F32, ids=torch.zeros(0, 2, dtype=torch.int32))
     assert tm.moe_experts_triton(x, w_up, w_down, w, ids).shape == (0, 32)
-
-
-@pytest.mark.parametrize("variant", ["gemv", "gemv-nested", "gemm"])
-@pytest.mark.parametrize("T", [1, 2])
-@pytest.mark.parametrize("dtype", [F16, F32])
-def test_experts_post_runs_the_residual_add_and_next_norm(poison, variant, T, dtype):
-    """With `post` (a block's residual add and the next norm) the experts op returns add_rms_norm of its
-    output: on the GEMV path from each token's last down-GEMV program, bit for bit the add_rms_norm kernel on
-    the op's own output; twice in a row (the arrival counters are back at 0 after each launch)."""
-    from hyserve.kernels.launch_util import arrival_counters
-    from hyserve.kernels.rmsnorm import AddNorm, add_rms_norm_ref
-    from hyserve.kernels.triton_rmsnorm import add_rms_norm_triton
-
-    k, E, d, inter = 2, 8, 80, 32
-    cfg = _variant_config(variant, E, inter, d, k)
-    for _ in range(2):
-        x, w_up, w_down, w, ids = _experts_inputs(T, E, d, inter, k, dtype)
-        su, sd = _shared_weights(d, inter, 1, dtype)
-        res, nw = torch.randn(T, d, device=DEV).to(dtype), torch.randn(d, device=DEV).to(dtype)
-        post = AddNorm(res, nw, 1e-5)
-        with poison:
-            normed, total = tm.moe_experts_triton(x, w_up, w_down, w, ids, su, sd, config=cfg, post=post)
-            out = tm.moe_experts_triton(x, w_up, w_down, w, ids, su, sd, config=cfg)
-        want_n, want_s = add_rms_norm_triton(out, res, nw, 1e-5)
-        assert torch.equal(total, want_s)
-        # the same arithmetic; on a GPU the sum of squares reduces over the down GEMV's warps, not the norm
-        # kernel's: float32's last bits, or one rounding step of float16
-        tol = dict(rtol=1e-5, atol=1e-6) if dtype == F32 else dict(rtol=2**-10, atol=1e-3)
-        torch.testing.assert_close(normed, want_n, **tol)
-        got = ref.moe_experts_ref(x, w_up, w_down, w, ids, su, sd, post=post)
-        want = add_rms_norm_ref(ref.moe_experts_ref(x, w_up, w_down, w, ids, su, sd), res, nw, 1e-5)
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
-        assert int(arrival_counters(DEV, T).abs().sum()) == 0
 
 
 @pytest.mark.parametrize("bad, what", [

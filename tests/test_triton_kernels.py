@@ -123,68 +123,6 @@ def test_ssm_update_small_no_d_no_bias(poison):
     _ssm_case(poison, Bt=3, H=6, P=8, N=8, G=3, state_dtype=F32, x_dtype=F32, use_d=False, use_bias=False)
 
 
-def _one_step(dtype) -> dict:
-    """The tolerance of a value computed by the same arithmetic with another reduction order: float32's last bits,
-    or one rounding step of a 16-bit type."""
-    return dict(rtol=1e-5, atol=1e-6) if dtype == F32 else dict(rtol=2 ** -7 if dtype == BF16 else 2**-10, atol=1e-3)
-
-
-def _ssm_norm_case(poison, *, Bt, H, P, N, G, group, x_dtype, state_dtype=F32):
-    """The SSM update ending with the Mamba2 gated norm (`gated_norm`): bit for bit the update, then the gated
-    norm kernel on its y (same states), and the reference's pair; twice (the arrival counters return to 0)."""
-    from hyserve.kernels.launch_util import arrival_counters
-    from hyserve.kernels.ssm_update import GatedNorm
-    from hyserve.kernels.triton_rmsnorm import rmsnorm_gated_triton
-
-    for _ in range(2):
-        pool = rnd(2 * Bt + 1, H, P, N, dtype=state_dtype)
-        src = torch.arange(Bt, device=DEV, dtype=torch.int32)
-        dst = src + Bt
-        dst[0] = src[0]  # one row in place
-        zx = rnd(Bt, H * P + 9, dtype=x_dtype)
-        z = zx[:, 4 : 4 + H * P]  # a view with a row stride, as the in_proj split gives it
-        xbc = rnd(Bt, H * P + 2 * G * N, dtype=x_dtype)
-        x = xbc[:, : H * P].view(Bt, H, P)
-        B = xbc[:, H * P : H * P + G * N].view(Bt, G, N)
-        C = xbc[:, H * P + G * N :].view(Bt, G, N)
-        dt, A, D = rnd(Bt, H, dtype=x_dtype), -torch.rand(H, device=DEV) - 0.1, rnd(H, dtype=x_dtype)
-        nw = rnd(H * P, dtype=x_dtype)
-        gn = GatedNorm(z, nw, 1e-5, group)
-        kw = dict(D=D, dt_bias=D, dt_softplus=True)
-        pools = [pool.clone() for _ in range(3)]
-        with poison:
-            normed = selective_state_update_triton(pools[0], x, dt, A, B, C, src, dst, gated_norm=gn, **kw)
-            y = selective_state_update_triton(pools[1], x, dt, A, B, C, src, dst, **kw)
-            want = rmsnorm_gated_triton(y.view(Bt, H * P), z, nw, 1e-5, group)
-        # the same arithmetic; on a GPU the sum of squares reduces over the SSM kernel's 4 warps, not the norm
-        # kernel's, so float32 may differ in the last bits and a 16-bit value by one rounding step
-        assert normed.shape == (Bt, H * P)
-        torch.testing.assert_close(normed, want, **_one_step(x_dtype), msg=lambda m: f"the norm in the last program: {m}")
-        assert torch.equal(pools[0], pools[1]), "the states"
-        ref = selective_state_update_ref(pools[2], x, dt, A, B, C, src, dst, gated_norm=gn, **kw)
-        close(normed, ref, x_dtype, "normed vs the reference")
-        assert int(arrival_counters(DEV, 1).abs().sum()) == 0
-
-
-@pytest.mark.parametrize("x_dtype", [F32, BF16])
-@pytest.mark.parametrize("Bt", [1, 3])
-def test_ssm_update_ends_with_the_gated_norm(poison, x_dtype, Bt):
-    # P = 48 with N = 64 is two P blocks per head under the launcher's 2k-element tiles: 2 heads x 2 blocks a group
-    _ssm_norm_case(poison, Bt=Bt, H=6, P=48, N=64, G=3, group=96, x_dtype=x_dtype)
-
-
-def test_ssm_update_gated_norm_it_cannot_run_runs_after(poison):
-    """Groups that are not whole heads (and z of another dtype) go to the gated norm kernel after the update."""
-    from hyserve.kernels.ssm_update import GatedNorm
-    from hyserve.kernels.triton_ssm_update import _norm_fits
-
-    z = rnd(2, 48, dtype=BF16)
-    assert not _norm_fits(GatedNorm(z, rnd(48, dtype=BF16), 1e-5, 12), 2, 3, 16, BF16)  # 12 channels < a head
-    assert not _norm_fits(GatedNorm(z.float(), rnd(48), 1e-5, 16), 2, 3, 16, BF16)
-    assert _norm_fits(GatedNorm(z, rnd(48, dtype=BF16), 1e-5, 16), 2, 3, 16, BF16)
-    _ssm_norm_case(poison, Bt=2, H=4, P=16, N=16, G=2, group=8, x_dtype=BF16)  # the kernel after the update
-
-
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("state_dtype", [F32, BF16, F16])
@@ -626,29 +564,6 @@ def test_decode_kernels_wait_for_their_predecessor_under_pdl(pdl: bool):
     assert set(ptx) == set(DECODE_KERNELS.split(","))
     for name, markers in ptx.items():
         assert ("griddepcontrol.wait" in markers) == pdl, (name, markers)
-
-
-# the kernels whose last program runs the next step of a one-row decode (`triton_common.last_to_arrive`)
-TAIL_KERNELS = "_gemv_kernel,_down_gemv_kernel,_router_gemv_kernel,_ssm_update_kernel"
-
-
-def test_fused_tails_compile_with_their_arrival_counter():
-    """Offline for sm_90 (tests/sm90_compile_check.py "tails"): the GEMVs that run a block's residual add and the
-    next norm in their last program compile with the acq_rel atomic of `last_to_arrive` (one per program, after a
-    barrier) and still wait for their predecessor under PDL."""
-    import json
-    import subprocess
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[1]
-    args = [sys.executable, str(root / "tests" / "sm90_compile_check.py"), "bfloat16", "tails", "--only", TAIL_KERNELS]
-    run = subprocess.run(args, capture_output=True, text=True, env={**env, "PYTHONPATH": str(root)}, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    ptx = json.loads(run.stdout.strip().splitlines()[-1])["ptx"]
-    assert set(ptx) == set(TAIL_KERNELS.split(","))
-    for name, markers in ptx.items():
-        assert "atom.global.gpu.acq_rel" in markers and "griddepcontrol.wait" in markers, (name, markers)
 
 
 def test_pdl_launch_keywords():

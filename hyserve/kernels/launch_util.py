@@ -55,26 +55,6 @@ def pdl(t: torch.Tensor) -> dict[str, bool]:
     return {"PDL": False}
 
 
-# Arrival counters (`triton_common.last_to_arrive`): int32 zeros per device, each counter back at 0 when its
-# launch ends. Kernels on one stream run one after another (a PDL launch touches them only after its wait), so
-# every launcher shares them; a launcher takes counters [0, n) for n independent groups of programs.
-MAX_ARRIVAL_COUNTERS = 4096
-_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """The device's arrival counters (at least n of them), or None when n is more than there are (the caller
-    takes its unfused path). Allocated at the first call on a device, which the warm-up makes before any
-    CUDA graph is captured."""
-    if n > MAX_ARRIVAL_COUNTERS:
-        return None
-    key = (device.type, device.index)
-    buf = _COUNTERS.get(key)
-    if buf is None:
-        buf = _COUNTERS[key] = torch.zeros(MAX_ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
-    return buf
-
-
 def device_index(values: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
     """An int32 index vector on `device` without a device sync: host lists go through pinned memory and
     an asynchronous copy on the current stream (a plain `torch.tensor(list, device=cuda)` copies from
@@ -107,4 +87,4 @@ def tma_tiles_fit(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) ->
     return all(c.stride() == (BS * Hkv * Dh, Hkv * Dh, Dh, 1) and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache))
 
 
-__all__ = ["MAX_ARRIVAL_COUNTERS", "arrival_counters", "device_index", "hopper_or_newer", "pdl", "pdl_active", "pdl_enabled", "set_pdl", "tma_tiles_fit"]
+__all__ = ["device_index", "hopper_or_newer", "pdl", "pdl_active", "pdl_enabled", "set_pdl", "tma_tiles_fit"]

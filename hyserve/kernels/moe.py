@@ -25,8 +25,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hyserve.kernels.rmsnorm import AddNorm, add_norm_ref
-
 
 def router_logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x: [T, d]; weight: [E, d] (float32, as the checkpoints store the gate) -> logits [T, E] in float32
@@ -36,16 +34,6 @@ def router_logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                          f"{tuple(weight.shape)}")
     ftype = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
     return F.linear(x.to(ftype), weight.to(ftype))
-
-
-def moe_gate_ref(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
-    norm_topk_prob: bool, routed_scaling_factor: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router and the routing together: moe_route_ref(router_logits_ref(x, weight), bias, ...) -> (weights
-    [T, k], ids [T, k] int32)."""
-    return moe_route_ref(router_logits_ref(x, weight), bias, top_k, n_group, topk_group, norm_topk_prob,
-                         routed_scaling_factor)
 
 
 def moe_max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -243,10 +231,10 @@ def _check_experts_args(
 def moe_experts_ref(
     x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tensor,
     shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
-    up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None, post: AddNorm | None = None,
-):
+    up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x: [T, d]; w_up: [E, I, d]; w_down: [E, d, I]; topk_w: [T, k] float32; topk_ids: [T, k] -> [T, d] in
-    x.dtype (with `post`, `rmsnorm.AddNorm`: the pair add_rms_norm gives on it). transformers' NemotronH order of rounding: each expert's GEMMs in x.dtype, weighted and summed
+    x.dtype. transformers' NemotronH order of rounding: each expert's GEMMs in x.dtype, weighted and summed
     in float32, rounded once at the end. shared_up / shared_down (`check_shared_args`): the shared expert's
     output, its GEMMs in x.dtype too, joins that float32 sum. FP8 experts (e4m3 weights, up_scale [E, I],
     down_scale [E, d]): each expert used is dequantised to x.dtype first, the rest the same."""
@@ -277,7 +265,7 @@ def moe_experts_ref(
         start += n
     if with_shared:
         out += F.linear(torch.square(F.relu(F.linear(x, shared_up))), shared_down).to(acc)
-    return out.to(x.dtype) if post is None else add_norm_ref(out.to(x.dtype), post)
+    return out.to(x.dtype)
 
 
 __all__ = [
@@ -287,7 +275,6 @@ __all__ = [
     "moe_combine_ref",
     "moe_down_ref",
     "moe_experts_ref",
-    "moe_gate_ref",
     "moe_max_blocks",
     "moe_route_ref",
     "moe_up_ref",

@@ -12,13 +12,8 @@ from hyserve.kernels.activation import relu2_ref
 from hyserve.kernels.attention import paged_attention_ref, write_kv_ref
 from hyserve.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from hyserve.kernels.fp8_linear import fp8_linear_ref, fp8_relu2_linear_ref
-from hyserve.kernels.fused_linear import (
-    gated_norm_linear_ref,
-    linear_conv1d_update_ref,
-    linear_ref,
-    relu2_linear_ref,
-)
-from hyserve.kernels.moe import moe_experts_ref, moe_gate_ref, moe_route_ref, router_logits_ref
+from hyserve.kernels.fused_linear import gated_norm_linear_ref, linear_ref, relu2_linear_ref
+from hyserve.kernels.moe import moe_experts_ref, moe_route_ref, router_logits_ref
 from hyserve.kernels.rmsnorm import add_rms_norm_ref, rms_norm_ref, rmsnorm_gated_ref
 from hyserve.kernels.ssd import ssd_chunked_ref
 from hyserve.kernels.ssm_update import selective_state_update_ref
@@ -33,7 +28,6 @@ _REF: dict[str, Callable[..., Any]] = {
     "linear": linear_ref,
     "gated_norm_linear": gated_norm_linear_ref,
     "relu2_linear": relu2_linear_ref,
-    "linear_conv1d_update": linear_conv1d_update_ref,
     "fp8_linear": fp8_linear_ref,
     "fp8_relu2_linear": fp8_relu2_linear_ref,
     "ssd": ssd_chunked_ref,
@@ -45,7 +39,6 @@ _REF: dict[str, Callable[..., Any]] = {
     "paged_attention": paged_attention_ref,
     "router_logits": router_logits_ref,
     "moe_route": moe_route_ref,
-    "moe_gate": moe_gate_ref,
     "moe_experts": moe_experts_ref,
     "apply_token_bitmask": apply_token_bitmask_ref,
 }

@@ -6,8 +6,6 @@ NemotronH's reference implementation.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
@@ -31,21 +29,6 @@ def add_rms_norm_ref(
     model's `h + mixer(...)`), out = rms_norm_ref(s). Returns (out, s)."""
     s = residual + x
     return rms_norm_ref(s, weight, eps), s
-
-
-class AddNorm(NamedTuple):
-    """A block's residual add and the next block's pre-norm, handed to the op that produces the block's
-    output `out`, which then returns `add_rms_norm(out, residual, weight, eps)`: (the next block's normed
-    input, the residual stream). On CUDA a one-row GEMV runs it in its last program (no kernel of its own)."""
-
-    residual: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-
-
-def add_norm_ref(out: torch.Tensor, post: AddNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """`post` applied to an op's output: (rms_norm(residual + out), residual + out)."""
-    return add_rms_norm_ref(out, post.residual, post.weight, post.eps)
 
 
 def rmsnorm_gated_ref(

@@ -11,23 +11,10 @@ pool at `positions` (the tokens in cache after this step: `ForwardMeta.seq_lens_
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from hyserve.kernels.rmsnorm import rmsnorm_gated_ref
 from hyserve.kernels.ssd import process_dt
 from hyserve.kernels.stochastic_rounding import StochasticRounding, stochastic_round_state
-
-
-class GatedNorm(NamedTuple):
-    """The Mamba2 output norm for the SSM update to end with: rmsnorm_gated(y, z, weight, eps, group_size) over
-    y's [Bt, H * P] channels (z: [Bt, H * P], the in_proj's gate columns)."""
-
-    z: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    group_size: int
 
 
 def selective_state_update_ref(
@@ -46,13 +33,12 @@ def selective_state_update_ref(
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     rounding: StochasticRounding | None = None,
     positions: torch.Tensor | None = None,
-    gated_norm: GatedNorm | None = None,
 ) -> torch.Tensor:
     """ssm_pool: [num_slots, H, P, N]; x: [Bt, H, P]; dt: [Bt, H]; A, D, dt_bias: [H]; B, C: [Bt, G, N];
     positions: [Bt] integer (with `rounding` only).
 
     Computes in float32 (float64 for float64 x); the new state is stored in the pool's dtype (stochastic
-    rounding: from float32). Returns y [Bt, H, P] in x.dtype, or with `gated_norm` its gated norm [Bt, H * P].
+    rounding: from float32). Returns y [Bt, H, P] in x.dtype.
     """
     cd = torch.float64 if x.dtype == torch.float64 else torch.float32
     H = x.shape[1]
@@ -72,8 +58,4 @@ def selective_state_update_ref(
     y = torch.einsum("bhpn,bhn->bhp", h, Ch)
     if D is not None:
         y = y + D.to(cd)[:, None] * xf
-    y = y.to(x.dtype)
-    if gated_norm is None:
-        return y
-    g = gated_norm
-    return rmsnorm_gated_ref(y.reshape(y.shape[0], -1), g.z, g.weight, g.eps, g.group_size)
+    return y.to(x.dtype)

@@ -19,23 +19,6 @@ def pdl_enter(PDL: tl.constexpr):
 
 
 @triton.jit
-def last_to_arrive(count_ptr, programs):
-    """Call after a program's stores, in each of the `programs` programs that count on `count_ptr` (an int32
-    counter that is 0 between launches, `launch_util.arrival_counters`): True in exactly one, the last to
-    arrive, which then sees every other program's stores (read them with cache_modifier=".cg") and resets the
-    counter for the next launch. The barrier puts all of this program's stores before thread 0's acq_rel
-    atomic at GPU scope (the pattern of CUTLASS's semaphores). No program waits, so the grid may be larger
-    than what fits on the GPU at once: this is how a kernel ends with a step over the whole of its output
-    (a norm, a merge) without a second launch."""
-    tl.debug_barrier()
-    n = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    last = n == programs - 1
-    if last:
-        tl.store(count_ptr, 0)
-    return last
-
-
-@triton.jit
 def dot(a, b, IEEE: tl.constexpr):
     """tl.dot, in IEEE float32 when IEEE (float32 inputs) and the default (tf32/bf16) otherwise."""
     if IEEE:

@@ -29,31 +29,6 @@ def _silu(v):
 # --------------------------------------------------------------------------- decode update
 
 
-@triton.jit
-def conv1d_update_channels(x, offs, m, src, dst, pool_ptr, w_ptr, bias_ptr, s_pool_slot, s_pool_d, s_pool_k, s_w_d,
-                           K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
-    """The decode conv of channels `offs` (mask m) of one sequence whose new input is x (float32, already rounded
-    to the model dtype): reads taps 0..K-2 from conv state slot src, writes the shifted state (taps 1..K-2, then x)
-    to slot dst, returns the (SiLU'd) output in float32. Every column is loaded before its slot is overwritten,
-    so src == dst (the ordinary decode case) is safe; the channels must be this program's alone."""
-    acc = x * tl.load(w_ptr + offs * s_w_d + (K - 1), mask=m, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    src_base = pool_ptr + src * s_pool_slot + offs * s_pool_d
-    dst_base = pool_ptr + dst * s_pool_slot + offs * s_pool_d
-    # column k of the state is tap k; the new state is columns 1..K-2 followed by x
-    prev = tl.load(src_base, mask=m, other=0.0)
-    acc += prev.to(tl.float32) * tl.load(w_ptr + offs * s_w_d, mask=m, other=0.0).to(tl.float32)
-    for k in tl.static_range(1, K - 1):
-        col = tl.load(src_base + k * s_pool_k, mask=m, other=0.0)
-        acc += col.to(tl.float32) * tl.load(w_ptr + offs * s_w_d + k, mask=m, other=0.0).to(tl.float32)
-        tl.store(dst_base + (k - 1) * s_pool_k, col.to(pool_ptr.dtype.element_ty), mask=m)
-    tl.store(dst_base + (K - 2) * s_pool_k, x.to(pool_ptr.dtype.element_ty), mask=m)
-    if SILU:
-        acc = _silu(acc)
-    return acc
-
-
 @triton.jit(do_not_specialize=["batch"])
 def _conv1d_update_kernel(
     x_ptr, pool_ptr, w_ptr, bias_ptr, src_ptr, dst_ptr, out_ptr,
@@ -73,8 +48,22 @@ def _conv1d_update_kernel(
     dst = tl.load(dst_ptr + b).to(tl.int64)
 
     x = tl.load(x_ptr + b * s_x_b + offs, mask=m, other=0.0).to(tl.float32)
-    acc = conv1d_update_channels(x, offs, m, src, dst, pool_ptr, w_ptr, bias_ptr, s_pool_slot, s_pool_d, s_pool_k,
-                                 s_w_d, K, HAS_BIAS, SILU)
+    acc = x * tl.load(w_ptr + offs * s_w_d + (K - 1), mask=m, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    src_base = pool_ptr + src * s_pool_slot + offs * s_pool_d
+    dst_base = pool_ptr + dst * s_pool_slot + offs * s_pool_d
+    # Column k of the state is tap k; the new state is columns 1..K-2 followed by x. Every column is
+    # loaded before its slot is overwritten, so src == dst (the ordinary decode case) is safe.
+    prev = tl.load(src_base, mask=m, other=0.0)
+    acc += prev.to(tl.float32) * tl.load(w_ptr + offs * s_w_d, mask=m, other=0.0).to(tl.float32)
+    for k in tl.static_range(1, K - 1):
+        col = tl.load(src_base + k * s_pool_k, mask=m, other=0.0)
+        acc += col.to(tl.float32) * tl.load(w_ptr + offs * s_w_d + k, mask=m, other=0.0).to(tl.float32)
+        tl.store(dst_base + (k - 1) * s_pool_k, col.to(pool_ptr.dtype.element_ty), mask=m)
+    tl.store(dst_base + (K - 2) * s_pool_k, x.to(pool_ptr.dtype.element_ty), mask=m)
+    if SILU:
+        acc = _silu(acc)
     tl.store(out_ptr + b * s_out_b + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 

@@ -23,12 +23,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hyserve.kernels.launch_util import arrival_counters, pdl
-from hyserve.kernels.rmsnorm import AddNorm
+from hyserve.kernels.launch_util import pdl
 from hyserve.kernels.triton_activation import relu2_triton
-from hyserve.kernels.triton_common import last_to_arrive, pdl_enter
-from hyserve.kernels.triton_conv1d import causal_conv1d_update_triton, conv1d_update_channels
-from hyserve.kernels.triton_rmsnorm import add_rms_norm_row, add_rms_norm_triton, rmsnorm_gated_triton
+from hyserve.kernels.triton_common import pdl_enter
+from hyserve.kernels.triton_rmsnorm import rmsnorm_gated_triton
 
 # Launch settings, from `bench_kernels.py --only linear_sweep` (benchmarks/README.md): one program owns
 # BLOCK_N output columns and walks K in BLOCK_K tiles, num_stages loads in flight.
@@ -72,22 +70,15 @@ def _gemv_tile(x_ptr, w, ws_ptr, s_ws, offs_n, mask_n, kk, mask_k, k0, RELU2: tl
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, N, K, s_w, ws_ptr, s_ws, res_ptr, nw_ptr, normed_ptr, sum_ptr, cnt_ptr, eps,
-    pool_ptr, cw_ptr, cb_ptr, src_ptr, dst_ptr, conv_start, conv_dim, s_pool_slot, s_pool_d, s_pool_k, s_cw_d,
-    RELU2: tl.constexpr, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr, ADD_NORM: tl.constexpr,
-    NORM_BLOCK: tl.constexpr, CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BIAS: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, out_ptr, N, K, s_w, ws_ptr, s_ws,
+    RELU2: tl.constexpr, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     """W_SCALE 0: a 16-bit weight. FP8 weights (triton_fp8_linear.py, one row): 1, e4m3 rows times their
     channel scales ws[n] after the K sum; 2, [128, 128] block scales ws[n // 128, k // 128] on each K tile's
     partial (BLOCK_K divides 128, so a tile lies in one scale block).
     No kernel writes the weight, so its first K tile is loaded before the PDL wait: with programmatic
-    dependent launch those bytes are in flight while the kernel before this one finishes.
-    ADD_NORM: the last program to finish (`last_to_arrive` on cnt) adds the residual row and writes the next
-    block's pre-norm of the sum (`add_rms_norm_row`): the block's residual add and that norm, no launch.
-    CONV (Mamba in_proj): outputs conv_start .. conv_start + conv_dim are the conv channels [x | B | C]; each
-    program runs the decode conv of its own (`conv1d_update_channels`, state slot src -> dst) and writes the
-    SiLU'd conv output there, so the conv needs no launch of its own."""
+    dependent launch those bytes are in flight while the kernel before this one finishes."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -108,19 +99,7 @@ def _gemv_kernel(
         acc = acc * tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    if CONV:
-        c = offs_n - conv_start
-        in_conv = mask_n & (c >= 0) & (c < conv_dim)
-        src = tl.load(src_ptr).to(tl.int64)
-        dst = tl.load(dst_ptr).to(tl.int64)
-        xr = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the projection's output as the model rounds it
-        cv = conv1d_update_channels(xr, c, in_conv, src, dst, pool_ptr, cw_ptr, cb_ptr, s_pool_slot, s_pool_d,
-                                    s_pool_k, s_cw_d, CONV_K, CONV_BIAS, True)
-        acc = tl.where(in_conv, cv, acc)
     tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
-    if ADD_NORM:
-        if last_to_arrive(cnt_ptr, tl.num_programs(0)):
-            add_rms_norm_row(out_ptr, res_ptr, nw_ptr, normed_ptr, sum_ptr, N, eps, NORM_BLOCK)
 
 
 def _gpu(x: torch.Tensor) -> bool:
@@ -140,25 +119,10 @@ def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
     )
 
 
-def _post_fits(out_dtype: torch.dtype, n: int, post: AddNorm) -> bool:
-    """Whether a GEMV's last program can run `post` on its [1, n] output: one unit-stride residual row of the
-    output's dtype and a contiguous [n] norm weight of at most 64k."""
-    r, w = post.residual, post.weight
-    return (r.dim() == 2 and r.shape == (1, n) and r.stride(1) == 1 and r.dtype == out_dtype and w.shape == (n,)
-            and w.is_contiguous() and w.device == r.device and n <= 65536)
-
-
-def finish_triton(out: torch.Tensor, post: AddNorm | None):
-    """An op's result when `post` did not run inside its kernel: out, or add_rms_norm's kernel on it."""
-    return out if post is None else add_rms_norm_triton(out, post.residual, post.weight, post.eps)
-
-
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu2: bool,
-          weight_scale: torch.Tensor | None = None, post: AddNorm | None = None, conv: tuple | None = None):
+          weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One row: x [1, K] (unit stride) @ weight [N, K]^T -> [1, N] in x.dtype. weight_scale: an e4m3
-    weight's float32 channel [N] or block [ceil(N/128), ceil(K/128)] scales (`gemv_fp8`). With `post`,
-    (normed, sum) from the kernel's last program where it fits (`_post_fits`), else from add_rms_norm. conv:
-    (conv_pool, conv weight [D, Kc], conv bias or None, src [1], dst [1], start) for `linear_conv1d_update`."""
+    weight's float32 channel [N] or block [ceil(N/128), ceil(K/128)] scales (`gemv_fp8`)."""
     K = x.shape[1]
     N = weight.shape[0]
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
@@ -166,29 +130,12 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu
     cfg = dict(gpu_settings(w_scale, K) if _gpu(x) else _CPU)
     stages = cfg.pop("num_stages")
     ws = weight_scale if weight_scale is not None else weight
-    cnt = arrival_counters(x.device, 1) if post is not None and _post_fits(x.dtype, N, post) else None
-    normed = total = out
-    if cnt is not None:
-        normed, total = torch.empty_like(out), torch.empty_like(out)
-    if conv is not None:
-        pool, cw, cb, src, dst, start = conv
-        conv_args = (pool, cw, cb if cb is not None else cw, src, dst, start, cw.shape[0], pool.stride(0),
-                     pool.stride(1), pool.stride(2), cw.stride(0))
-    else:
-        conv_args = (out, out, out, out, out, 0, 0, 0, 0, 0, 0)
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
         x, weight, bias if bias is not None else weight, out, N, K, weight.stride(0), ws,
         ws.stride(0) if w_scale == 2 else 0,
-        post.residual if cnt is not None else out, post.weight if cnt is not None else out, normed, total,
-        cnt if cnt is not None else out, float(post.eps) if cnt is not None else 0.0, *conv_args,
-        RELU2=relu2, HAS_BIAS=bias is not None, W_SCALE=w_scale, ADD_NORM=cnt is not None,
-        NORM_BLOCK=triton.next_power_of_2(N) if cnt is not None else 1, CONV=conv is not None,
-        CONV_K=conv[1].shape[1] if conv is not None else 2, CONV_BIAS=conv is not None and conv[2] is not None,
-        NUM_STAGES=stages, **cfg, **pdl(x),
+        RELU2=relu2, HAS_BIAS=bias is not None, W_SCALE=w_scale, NUM_STAGES=stages, **cfg, **pdl(x),
     )
-    if cnt is not None:
-        return normed, total
-    return finish_triton(out, post)
+    return out
 
 
 def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
@@ -198,41 +145,15 @@ def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     return _gemv(x, weight, bias, relu2, weight_scale)
 
 
-def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, post: AddNorm | None = None):
-    """x: [..., K]; weight: [N, K] -> [..., N] in x.dtype: this GEMV for one row, F.linear otherwise
-    (`post`: see `fused_linear.py`)."""
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x: [..., K]; weight: [N, K] -> [..., N] in x.dtype: this GEMV for one row, F.linear otherwise."""
     if x.dim() != 2:
-        if x.numel() != x.shape[-1] or x.dim() < 1 or post is not None:
-            return finish_triton(F.linear(x, weight, bias), post)
+        if x.numel() != x.shape[-1] or x.dim() < 1:
+            return F.linear(x, weight, bias)
         return linear_triton(x.reshape(1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
     if not _fits(x, weight, bias):
-        return finish_triton(F.linear(x, weight, bias), post)
-    return _gemv(x, weight, bias, relu2=False, post=post)
-
-
-def linear_conv1d_update_triton(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_pool: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    src_slots: torch.Tensor,
-    dst_slots: torch.Tensor,
-    start: int,
-) -> torch.Tensor:
-    """`fused_linear.linear_conv1d_update_ref` (Mamba in_proj with the decode conv of its [x | B | C] outputs):
-    for one row the conv runs in this GEMV's epilogue (no conv launch), otherwise F.linear, then the conv kernel."""
-    D, Kc = conv_weight.shape
-    if (_fits(x, weight, bias) and conv_pool.shape[1:] == (D, Kc - 1) and conv_weight.stride(1) == 1
-            and Kc >= 2 and src_slots.shape == (1,) and dst_slots.shape == (1,) and 0 <= start <= weight.shape[0] - D
-            and (conv_bias is None or (conv_bias.shape == (D,) and conv_bias.is_contiguous()))):
-        return _gemv(x, weight, bias, relu2=False,
-                     conv=(conv_pool, conv_weight, conv_bias, src_slots, dst_slots, start))
-    out = linear_triton(x, weight, bias)
-    out[:, start : start + D] = causal_conv1d_update_triton(out[:, start : start + D], conv_pool, conv_weight,
-                                                             conv_bias, src_slots, dst_slots)
-    return out
+        return F.linear(x, weight, bias)
+    return _gemv(x, weight, bias, relu2=False)
 
 
 def gated_norm_linear_triton(
@@ -243,22 +164,21 @@ def gated_norm_linear_triton(
     group_size: int,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    post: AddNorm | None = None,
-):
+) -> torch.Tensor:
     """x, z: [T, K]; norm_weight: [K]; weight: [N, K] -> [T, N] in x.dtype: the gated norm kernel, then this
-    GEMV for one row (F.linear otherwise; `post`: see `fused_linear.py`)."""
+    GEMV for one row (F.linear otherwise)."""
     normed = rmsnorm_gated_triton(x, z, norm_weight, eps, group_size)
     if normed.dtype == x.dtype and _fits(normed, weight, bias):
-        return _gemv(normed, weight, bias, relu2=False, post=post)
-    return finish_triton(F.linear(normed, weight, bias), post)
+        return _gemv(normed, weight, bias, relu2=False)
+    return F.linear(normed, weight, bias)
 
 
-def relu2_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, post: AddNorm | None = None):
+def relu2_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x: [T, K]; weight: [N, K] -> [T, N] in x.dtype: relu^2 inside this GEMV for one row (its own
-    kernel + F.linear otherwise; `post`: see `fused_linear.py`)."""
+    kernel + F.linear otherwise)."""
     if not _fits(x, weight, bias):
-        return finish_triton(F.linear(relu2_triton(x), weight, bias), post)
-    return _gemv(x, weight, bias, relu2=True, post=post)
+        return F.linear(relu2_triton(x), weight, bias)
+    return _gemv(x, weight, bias, relu2=True)
 
 
-__all__ = ["gated_norm_linear_triton", "gemv_fp8", "linear_conv1d_update_triton", "linear_triton", "relu2_linear_triton"]
+__all__ = ["gated_norm_linear_triton", "gemv_fp8", "linear_triton", "relu2_linear_triton"]

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hyserve.kernels.launch_util import MAX_ARRIVAL_COUNTERS, arrival_counters, pdl
+from hyserve.kernels.launch_util import pdl
 from hyserve.kernels.moe import (
     _check_experts_args,
     _check_route_args,
@@ -47,10 +47,8 @@ from hyserve.kernels.moe import (
     moe_max_blocks,
     router_logits_ref,
 )
-from hyserve.kernels.rmsnorm import AddNorm
 from hyserve.kernels.triton_activation import relu2_triton
-from hyserve.kernels.triton_common import dot_acc, last_to_arrive, pdl_enter
-from hyserve.kernels.triton_rmsnorm import add_rms_norm_row, add_rms_norm_triton
+from hyserve.kernels.triton_common import dot_acc, pdl_enter
 
 CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
 # Token-count buckets: T uses the config of the smallest bucket >= T (the last one beyond it).
@@ -64,14 +62,11 @@ _GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 
 @triton.jit
 def _router_gemv_kernel(
-    x_ptr, w_ptr, out_ptr, E, K, s_xt, s_we, s_ot, bias_ptr, tw_ptr, ids_ptr, cnt_ptr, scale,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, ROUTE: tl.constexpr,
-    PER: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    NORM: tl.constexpr, G_PAD: tl.constexpr, PER_PAD: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, E, K, s_xt, s_we, s_ot,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     """logits[t, e] = sum_k x[t, k] * gate[e, k] in float32 for BLOCK_E experts e of token t. The gate's first
-    K tile loads before the PDL wait (no kernel writes it). ROUTE: token t's last program (`last_to_arrive` on
-    cnt[t]) routes it from the finished logits row (`_route_row`), so the route needs no launch of its own."""
+    K tile loads before the PDL wait (no kernel writes it)."""
     t = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     me = offs_e < E
@@ -88,10 +83,6 @@ def _router_gemv_kernel(
         w = tl.load(w_ptr + rows[:, None] * s_we + kk[None, :], mask=km[None, :], other=0.0).to(tl.float32)
         part += w * xv[None, :]
     tl.store(out_ptr + t * s_ot + offs_e, tl.sum(part, axis=1), mask=me)
-    if ROUTE:
-        if last_to_arrive(cnt_ptr + t, tl.num_programs(1)):
-            _route_row(out_ptr + t * s_ot, bias_ptr, tw_ptr + t * TOP_K, ids_ptr + t * TOP_K, scale,
-                       PER, TOP_K, N_GROUP, TOPK_GROUP, NORM, G_PAD, PER_PAD, K_PAD)
 
 
 # Few tokens: the GEMV kernel; from here on F.linear in float32 (a GEMM shares each weight read).
@@ -106,52 +97,35 @@ def router_settings(on_gpu: bool) -> dict[str, int]:
     return dict(BLOCK_E=4, BLOCK_K=32, num_warps=1, num_stages=1)
 
 
-def _router_gemv_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the router GEMV takes this call: 1..ROUTER_GEMV_MAX_TOKENS rows, a float32 gate, unit strides."""
-    T = x.shape[0] if x.dim() == 2 else -1
-    return (1 <= T <= ROUTER_GEMV_MAX_TOKENS and weight.dtype == torch.float32 and weight.dim() == 2
-            and weight.shape[1] == x.shape[1] and x.stride(1) == 1 and weight.stride(1) == 1)
-
-
-def _launch_router(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, route: tuple | None = None) -> None:
-    """The router GEMV into out [T, E]; with route = (bias, weights, ids, counters, scale, _route_settings) each
-    token's last program routes it too."""
-    E, K = weight.shape
-    cfg = router_settings(x.is_cuda)
-    stages = cfg.pop("num_stages")
-    if route is None:
-        rargs, rconst = (out, out, out, out, 0.0), dict(_route_settings(2, 1, 1, 1, False), ROUTE=False)
-    else:
-        rargs, rconst = route[:5], dict(route[5], ROUTE=True)
-    _router_gemv_kernel[(x.shape[0], triton.cdiv(E, cfg["BLOCK_E"]))](
-        x, weight, out, E, K, x.stride(0), weight.stride(0), out.stride(0), *rargs, NUM_STAGES=stages, **rconst,
-        **cfg, **pdl(x),
-    )
-
-
 def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x: [T, d] (16 or 32 bit); weight: [E, d] float32 -> logits [T, E] float32 (router_logits_ref)."""
-    if not _router_gemv_takes(x, weight):
+    T = x.shape[0] if x.dim() == 2 else -1
+    if (T < 1 or T > ROUTER_GEMV_MAX_TOKENS or weight.dtype != torch.float32 or weight.dim() != 2
+            or weight.shape[1] != x.shape[1] or x.stride(1) != 1 or weight.stride(1) != 1):
         return router_logits_ref(x, weight)
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
-    _launch_router(x, weight, out)
+    E, K = weight.shape
+    out = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    cfg = router_settings(x.is_cuda)
+    stages = cfg.pop("num_stages")
+    _router_gemv_kernel[(T, triton.cdiv(E, cfg["BLOCK_E"]))](
+        x, weight, out, E, K, x.stride(0), weight.stride(0), out.stride(0), NUM_STAGES=stages, **cfg, **pdl(x),
+    )
     return out
 
 
 @triton.jit
-def _route_row(
-    logit_row, bias_ptr, w_row, id_row, scale,
+def _route_kernel(
+    logit_ptr, bias_ptr, w_ptr, id_ptr, s_lt, scale,
     PER: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    NORM: tl.constexpr, G_PAD: tl.constexpr, PER_PAD: tl.constexpr, K_PAD: tl.constexpr,
+    NORM: tl.constexpr, G_PAD: tl.constexpr, PER_PAD: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One token's routing from its logits row: sigmoid, score-correction bias, group-limited top-k by repeated
-    argmax over the [groups, experts per group] tile, normalised weights x scale. The logits load past L1
-    (".cg"): the router GEMV's last program calls this on the row its other programs just wrote."""
+    pdl_enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, G_PAD)
     j = tl.arange(0, PER_PAD)
     valid = (g[:, None] < N_GROUP) & (j[None, :] < PER)
     e = g[:, None] * PER + j[None, :]  # [G_PAD, PER_PAD] expert ids
-    logit = tl.load(logit_row + e, mask=valid, other=0.0, cache_modifier=".cg").to(tl.float32)
+    logit = tl.load(logit_ptr + t * s_lt + e, mask=valid, other=0.0).to(tl.float32)
     score = tl.sigmoid(logit)
     choice = score + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
     choice = tl.where(valid, choice, float("-inf"))
@@ -182,29 +156,8 @@ def _route_row(
     if NORM:
         ws = ws / (tl.sum(ws, axis=0) + 1e-20)
     km = ks < TOP_K
-    tl.store(w_row + ks, ws * scale, mask=km)
-    tl.store(id_row + ks, ids, mask=km)
-
-
-@triton.jit
-def _route_kernel(
-    logit_ptr, bias_ptr, w_ptr, id_ptr, s_lt, scale,
-    PER: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    NORM: tl.constexpr, G_PAD: tl.constexpr, PER_PAD: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr,
-):
-    pdl_enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    _route_row(logit_ptr + t * s_lt, bias_ptr, w_ptr + t * TOP_K, id_ptr + t * TOP_K, scale,
-               PER, TOP_K, N_GROUP, TOPK_GROUP, NORM, G_PAD, PER_PAD, K_PAD)
-
-
-def _route_settings(E: int, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool) -> dict[str, Any]:
-    """The routing constexprs of `_route_row` (a group limit only where it keeps fewer groups than there are)."""
-    grouped = n_group > 1 and topk_group < n_group
-    G = n_group if grouped else 1
-    return dict(PER=E // G, TOP_K=top_k, N_GROUP=G, TOPK_GROUP=topk_group if grouped else 1,
-                NORM=bool(norm_topk_prob), G_PAD=triton.next_power_of_2(G),
-                PER_PAD=triton.next_power_of_2(E // G), K_PAD=triton.next_power_of_2(top_k))
+    tl.store(w_ptr + t * TOP_K + ks, ws * scale, mask=km)
+    tl.store(id_ptr + t * TOP_K + ks, ids, mask=km)
 
 
 def moe_route_triton(
@@ -222,42 +175,18 @@ def moe_route_triton(
     lg = logits.float()
     if lg.stride(1) != 1:
         lg = lg.contiguous()
+    grouped = n_group > 1 and topk_group < n_group
+    G = n_group if grouped else 1
     w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
     if T:
         _route_kernel[(T,)](
             lg, bias.float().contiguous(), w, ids, lg.stride(0), float(routed_scaling_factor),
-            **_route_settings(E, top_k, n_group, topk_group, norm_topk_prob),
+            PER=E // G, TOP_K=top_k, N_GROUP=G, TOPK_GROUP=topk_group if grouped else 1,
+            NORM=bool(norm_topk_prob), G_PAD=triton.next_power_of_2(G),
+            PER_PAD=triton.next_power_of_2(E // G), K_PAD=triton.next_power_of_2(top_k),
             num_warps=4 if E >= 256 else 1, **pdl(lg),
         )
-    return w, ids
-
-
-def moe_gate_triton(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    top_k: int,
-    n_group: int,
-    topk_group: int,
-    norm_topk_prob: bool,
-    routed_scaling_factor: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [T, d]; weight: [E, d] float32; bias: [E] -> (weights [T, k] float32, ids [T, k] int32): router logits
-    and routing (moe_gate_ref). Where the router GEMV takes x (few tokens), one launch: each token's last GEMV
-    program routes it; otherwise the logits, then the route kernel."""
-    T = x.shape[0] if x.dim() == 2 else -1
-    E = weight.shape[0] if weight.dim() == 2 else 0
-    cnt = arrival_counters(x.device, T) if _router_gemv_takes(x, weight) else None
-    if cnt is None:
-        return moe_route_triton(router_logits_triton(x, weight), bias, top_k, n_group, topk_group, norm_topk_prob,
-                                routed_scaling_factor)
-    _check_route_args(torch.empty(0, E, device="meta"), bias, top_k, n_group, topk_group)
-    logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
-    w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
-    _launch_router(x, weight, logits, route=(bias.float().contiguous(), w, ids, cnt, float(routed_scaling_factor),
-                                             _route_settings(E, top_k, n_group, topk_group, norm_topk_prob)))
     return w, ids
 
 
@@ -556,19 +485,15 @@ def _up_gemv_kernel(
 @triton.jit(do_not_specialize=["n_routed"])
 def _down_gemv_kernel(
     h_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, sd_ptr, N, K, n_routed, s_hm, s_we, s_wn, s_ot, s_sdn, sc_ptr,
-    res_ptr, nw_ptr, normed_ptr, sum_ptr, cnt_ptr, eps, s_rt,
     TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, FLAT: tl.constexpr, W_FP8: tl.constexpr,
-    ADD_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, FLAT: tl.constexpr, W_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[t, n] = sum_s topk_w[t, s] * (w_down[ids[t, s]] @ h[t*k + s])[n]: the combine in registers.
     FLAT walks the token's (slot, K tile) pairs as one pipelined loop (h pre-scaled by the slot's weight),
     so the loads do not drain at every expert; otherwise one K loop per slot. SHARED > 0: the shared
     expert too, sum_j shared_down[:, j*K : j*K + K] @ h[n_routed + t*S + j] with weight 1, as S more slots
     of the flat loop, or in a second loop after the nested ones.
-    W_FP8: each expert's e4m3 rows times its channel scales sc[e, n] (no shared expert with FP8).
-    ADD_NORM: token t's last program (`last_to_arrive` on cnt[t]) adds its residual row and writes the next
-    block's pre-norm (`add_rms_norm_row`; normed and sum rows with out's stride)."""
+    W_FP8: each expert's e4m3 rows times its channel scales sc[e, n] (no shared expert with FP8)."""
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -622,10 +547,6 @@ def _down_gemv_kernel(
             part_s += w.to(tl.float32) * hv.to(tl.float32)[None, :]
         out += tl.sum(part_s, axis=1)
     tl.store(out_ptr + t * s_ot + cn, out.to(out_ptr.dtype.element_ty), mask=cn < N)
-    if ADD_NORM:
-        if last_to_arrive(cnt_ptr + t, tl.num_programs(1)):
-            add_rms_norm_row(out_ptr + t * s_ot, res_ptr + t * s_rt, nw_ptr, normed_ptr + t * s_ot,
-                             sum_ptr + t * s_ot, N, eps, NORM_BLOCK)
 
 
 # --------------------------------------------------------------------------- configs
@@ -779,29 +700,18 @@ def launch_up_gemv(x, w_up, ids, h, up: dict[str, Any], shared_up: torch.Tensor 
 
 
 def launch_down_gemv(h, w_down, ids, tw, out, dn: dict[str, Any], shared_down: torch.Tensor | None = None,
-                     scale: torch.Tensor | None = None, post: AddNorm | None = None,
-                     post_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                     scale: torch.Tensor | None = None) -> None:
     """out [T, d] = sum_s tw[t, s] * w_down[ids[t, s]] @ h[t*k + s] (+ the shared expert's chunks of h;
-    scale: FP8 experts' [E, d] channel scales). With `post` and post_out = (normed, sum) (contiguous [T, d],
-    like out): each token's last program writes add_rms_norm(out[t], post.residual[t], ...) into them."""
+    scale: FP8 experts' [E, d] channel scales)."""
     d, inter = w_down.shape[1], w_down.shape[2]
     S = 0 if shared_down is None else shared_down.shape[1] // inter
     sd = w_down if shared_down is None else shared_down
-    T = out.shape[0]
-    cnt = arrival_counters(out.device, T) if post is not None else None
-    if post is not None and cnt is None:
-        raise ValueError(f"moe down GEMV: {T} tokens are more than the arrival counters ({MAX_ARRIVAL_COUNTERS})")
-    normed, total = post_out if post_out is not None else (out, out)
-    _down_gemv_kernel[(T, triton.cdiv(d, dn["BLOCK_N"]))](
+    _down_gemv_kernel[(out.shape[0], triton.cdiv(d, dn["BLOCK_N"]))](
         h, w_down, ids, tw, out, sd, d, inter, ids.numel(), h.stride(0), w_down.stride(0), w_down.stride(1),
         out.stride(0), sd.stride(0), scale if scale is not None else tw,
-        post.residual if post is not None else out, post.weight if post is not None else out, normed, total,
-        cnt if cnt is not None else ids, float(post.eps) if post is not None else 0.0,
-        post.residual.stride(0) if post is not None else 0,
         TOP_K=ids.shape[1], SHARED=S, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"],
         EVEN_K=inter % dn["BLOCK_K"] == 0, NUM_STAGES=dn["num_stages"], FLAT=bool(dn.get("FLAT", 0)),
-        W_FP8=scale is not None, ADD_NORM=post is not None, NORM_BLOCK=triton.next_power_of_2(d) if post else 1,
-        num_warps=dn["num_warps"], **pdl(h),
+        W_FP8=scale is not None, num_warps=dn["num_warps"], **pdl(h),
     )
 
 
@@ -852,13 +762,11 @@ def moe_experts_triton(
     up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
     config: dict[str, Any] | None = None,
-    post: AddNorm | None = None,
-):
+) -> torch.Tensor:
     """x: [T, d]; w_up: [E, I, d]; w_down: [E, d, I]; topk_w: [T, k] float32; topk_ids: [T, k] int -> [T, d]
     in x.dtype (moe_experts_ref, with the shared expert when given). FP8 experts: e4m3 weights with up_scale
     [E, I] and down_scale [E, d] float32 (per expert and output channel), no shared expert. `config`
-    overrides the tuned / heuristic tile config (tests, tuning). With `post` (`rmsnorm.AddNorm`), the pair
-    add_rms_norm gives on the output: on the GEMV path from the down GEMV's last program per token."""
+    overrides the tuned / heuristic tile config (tests, tuning)."""
     _check_experts_args(x, w_up, w_down, topk_w, topk_ids, up_scale, down_scale)
     if up_scale is not None and (shared_up is not None or shared_down is not None):
         raise ValueError("moe_experts: FP8 experts take no folded shared expert (an FP8 model runs it as its MLP)")
@@ -870,7 +778,7 @@ def moe_experts_triton(
     k = topk_ids.shape[1]
     out = torch.empty(T, d, dtype=x.dtype, device=x.device)
     if T == 0:
-        return out if post is None else (out, out.clone())
+        return out
     if w_up.stride(2) != 1 or w_down.stride(2) != 1:
         raise ValueError("moe_experts: expert weights need a unit stride along their last dimension")
     if S and (not shared_up.is_contiguous() or shared_down.stride(1) != 1 or shared_up.stride(0) != w_up.stride(1)):
@@ -882,13 +790,8 @@ def moe_experts_triton(
     if cfg["variant"] == "gemv":
         h = torch.empty(T * (k + S), inter, dtype=x.dtype, device=x.device)
         launch_up_gemv(xc, w_up, ids, h, cfg["up"], shared_up if S else None, up_scale)
-        fused = post is not None and _post_fits(out, post)
-        pair = (torch.empty_like(out), torch.empty_like(out)) if fused else None
-        launch_down_gemv(h, w_down, ids, tw, out, cfg["down"], shared_down if S else None, down_scale,
-                         post if fused else None, pair)
-        if pair is not None:
-            return pair
-        return out if post is None else add_rms_norm_triton(out, post.residual, post.weight, post.eps)
+        launch_down_gemv(h, w_down, ids, tw, out, cfg["down"], shared_down if S else None, down_scale)
+        return out
     bm = cfg["BLOCK_M"]
     sorted_ids, expert_ids, npad = moe_align_triton(ids, E, bm)
     h = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
@@ -898,16 +801,7 @@ def moe_experts_triton(
     # many tokens: the shared expert as two GEMMs (each weight read once for all rows), added in the combine
     shared = F.linear(relu2_triton(F.linear(xc, shared_up)), shared_down) if S else None
     launch_combine(y, out, k, shared)
-    return out if post is None else add_rms_norm_triton(out, post.residual, post.weight, post.eps)
-
-
-def _post_fits(out: torch.Tensor, post: AddNorm) -> bool:
-    """Whether the down GEMV's last programs can run `post` on out [T, d]: residual rows like out's (dtype,
-    unit stride), a contiguous [d] norm weight of at most 64k, and an arrival counter per token."""
-    r, w = post.residual, post.weight
-    T, d = out.shape
-    return (r.shape == out.shape and r.dtype == out.dtype and r.stride(1) == 1 and w.shape == (d,)
-            and w.is_contiguous() and d <= 65536 and T <= MAX_ARRIVAL_COUNTERS)
+    return out
 
 
 __all__ = [
@@ -916,7 +810,6 @@ __all__ = [
     "moe_align_triton",
     "moe_config",
     "moe_experts_triton",
-    "moe_gate_triton",
     "moe_route_triton",
     "moe_token_buckets",
     "router_logits_triton",

@@ -30,16 +30,10 @@ def register_triton_kernels() -> list[str]:
     from hyserve.kernels.triton_fp8_linear import fp8_linear_triton, fp8_relu2_linear_triton
     from hyserve.kernels.triton_fused_linear import (
         gated_norm_linear_triton,
-        linear_conv1d_update_triton,
         linear_triton,
         relu2_linear_triton,
     )
-    from hyserve.kernels.triton_moe import (
-        moe_experts_triton,
-        moe_gate_triton,
-        moe_route_triton,
-        router_logits_triton,
-    )
+    from hyserve.kernels.triton_moe import moe_experts_triton, moe_route_triton, router_logits_triton
     from hyserve.kernels.triton_rmsnorm import add_rms_norm_triton, rms_norm_triton, rmsnorm_gated_triton
     from hyserve.kernels.triton_ssd import ssd_triton
     from hyserve.kernels.triton_ssm_update import selective_state_update_triton
@@ -54,7 +48,6 @@ def register_triton_kernels() -> list[str]:
         "linear": linear_triton,
         "gated_norm_linear": gated_norm_linear_triton,
         "relu2_linear": relu2_linear_triton,
-        "linear_conv1d_update": linear_conv1d_update_triton,
         "fp8_linear": fp8_linear_triton,
         "fp8_relu2_linear": fp8_relu2_linear_triton,
         "conv1d_update": causal_conv1d_update_triton,
@@ -64,7 +57,6 @@ def register_triton_kernels() -> list[str]:
         "store_ssm_state": store_ssm_state_triton,
         "router_logits": router_logits_triton,
         "moe_route": moe_route_triton,
-        "moe_gate": moe_gate_triton,
         "moe_experts": moe_experts_triton,
         "apply_token_bitmask": apply_token_bitmask_triton,
         "write_kv": write_kv_triton,

@@ -38,23 +38,6 @@ def _rms_norm_kernel(
     tl.store(out_ptr + r * s_out_r + offs, (w * (x * rstd)).to(out_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
-def add_rms_norm_row(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, dim, eps, BLOCK: tl.constexpr):
-    """One row of add_rms_norm: sum = (res + x) in sum's dtype (stored), out = w * sum * rsqrt(mean(sum^2) +
-    eps). The loads bypass L1 (".cg"): a producer kernel's last program (`last_to_arrive`) calls this on
-    the rows its other programs just wrote."""
-    offs = tl.arange(0, BLOCK)
-    m = offs < dim
-    x = tl.load(x_ptr + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-    res = tl.load(res_ptr + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-    s = (x + res).to(sum_ptr.dtype.element_ty)  # rounded like torch's residual + x
-    tl.store(sum_ptr + offs, s, mask=m)
-    h = s.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / dim + eps)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, (w * (h * rstd)).to(out_ptr.dtype.element_ty), mask=m)
-
-
 @triton.jit(do_not_specialize=["rows"])
 def _add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, rows, dim, eps, s_x_r, s_res_r, s_out_r, s_sum_r,
@@ -62,26 +45,16 @@ def _add_rms_norm_kernel(
 ):
     pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
-    add_rms_norm_row(x_ptr + r * s_x_r, res_ptr + r * s_res_r, w_ptr, out_ptr + r * s_out_r, sum_ptr + r * s_sum_r,
-                     dim, eps, BLOCK)
-
-
-@triton.jit
-def rmsnorm_gated_group(x_ptr, z_ptr, w_ptr, out_ptr, eps, GROUP: tl.constexpr, BLOCK: tl.constexpr,
-                        HAS_Z: tl.constexpr):
-    """One group of GROUP channels of the gated norm (pointers at the group's first channel). The loads of x and
-    z bypass L1 (".cg"): the SSM update's last program of a group calls this on the y its other programs wrote."""
     offs = tl.arange(0, BLOCK)
-    m = offs < GROUP
-    h = tl.load(x_ptr + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-    if HAS_Z:
-        z = tl.load(z_ptr + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-        h = h * (z / (1.0 + tl.exp(-z)))
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / GROUP + eps)
-    # Round to the input dtype first, exactly like the reference's `weight * h.to(x.dtype)`.
-    hn = (h * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    m = offs < dim
+    x = tl.load(x_ptr + r * s_x_r + offs, mask=m, other=0.0).to(tl.float32)
+    res = tl.load(res_ptr + r * s_res_r + offs, mask=m, other=0.0).to(tl.float32)
+    s = (x + res).to(sum_ptr.dtype.element_ty)  # rounded like torch's residual + x
+    tl.store(sum_ptr + r * s_sum_r + offs, s, mask=m)
+    h = s.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / dim + eps)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, (w * hn).to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(out_ptr + r * s_out_r + offs, (w * (h * rstd)).to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -92,9 +65,17 @@ def _rmsnorm_gated_kernel(
     pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
-    c0 = g * GROUP
-    rmsnorm_gated_group(x_ptr + r * s_x_r + c0, z_ptr + r * s_z_r + c0, w_ptr + c0, out_ptr + r * s_out_r + c0, eps,
-                        GROUP, BLOCK, HAS_Z)
+    offs = g * GROUP + tl.arange(0, BLOCK)
+    m = tl.arange(0, BLOCK) < GROUP
+    h = tl.load(x_ptr + r * s_x_r + offs, mask=m, other=0.0).to(tl.float32)
+    if HAS_Z:
+        z = tl.load(z_ptr + r * s_z_r + offs, mask=m, other=0.0).to(tl.float32)
+        h = h * (z / (1.0 + tl.exp(-z)))
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / GROUP + eps)
+    # Round to the input dtype first, exactly like the reference's `weight * h.to(x.dtype)`.
+    hn = (h * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r * s_out_r + offs, (w * hn).to(out_ptr.dtype.element_ty), mask=m)
 
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)

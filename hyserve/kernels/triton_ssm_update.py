@@ -24,18 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
-from hyserve.kernels.launch_util import MAX_ARRIVAL_COUNTERS, arrival_counters, pdl
-from hyserve.kernels.ssm_update import GatedNorm
+from hyserve.kernels.launch_util import pdl
 from hyserve.kernels.stochastic_rounding import StochasticRounding
-from hyserve.kernels.triton_common import last_to_arrive, pdl_enter, softplus
-from hyserve.kernels.triton_rmsnorm import rmsnorm_gated_group, rmsnorm_gated_triton
+from hyserve.kernels.triton_common import pdl_enter, softplus
 from hyserve.kernels.triton_stochastic_rounding import sr_block_sizes, stochastic_round_tile
 
 
 @triton.jit(do_not_specialize=["batch", "sr_seed", "sr_layer"], do_not_specialize_on_alignment=["pos_ptr"])
 def _ssm_update_kernel(
     pool_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, src_ptr, dst_ptr, y_ptr, pos_ptr,
-    z_ptr, nw_ptr, normed_ptr, cnt_ptr, eps, s_z_b, s_n_b,
     batch, dt_lo, dt_hi, sr_seed, sr_layer,
     s_pool_slot, s_pool_h, s_pool_p,  # pool stride along N is 1
     s_x_b, s_x_h,  # x stride along P is 1
@@ -46,13 +43,8 @@ def _ssm_update_kernel(
     P: tl.constexpr, N: tl.constexpr, HEADS_PER_GROUP: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    STOCHASTIC_ROUNDING: tl.constexpr, PHILOX_ROUNDS: tl.constexpr,
-    NORM: tl.constexpr, NORM_GROUP: tl.constexpr, NORM_BLOCK: tl.constexpr, HEADS_PER_NORM: tl.constexpr,
-    PDL: tl.constexpr,
+    STOCHASTIC_ROUNDING: tl.constexpr, PHILOX_ROUNDS: tl.constexpr, PDL: tl.constexpr,
 ):
-    """NORM: the last program of each (row, norm group of HEADS_PER_NORM heads) to store its y (`last_to_arrive`
-    on cnt[b * groups + group]) runs the Mamba2 gated norm of that group (`rmsnorm_gated_group`) into normed, so
-    the norm needs no launch of its own (y must be contiguous per row: channel h * P + p)."""
     pdl_enter(PDL)
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
@@ -95,13 +87,6 @@ def _ssm_update_kernel(
     if HAS_D:
         y += tl.load(D_ptr + h).to(tl.float32) * x
     tl.store(y_ptr + b * s_y_b + h * s_y_h + offs_p, y.to(y_ptr.dtype.element_ty), mask=mask_p)
-    if NORM:
-        ng = h // HEADS_PER_NORM
-        groups = tl.num_programs(1) // HEADS_PER_NORM
-        if last_to_arrive(cnt_ptr + b * groups + ng, tl.num_programs(0) * HEADS_PER_NORM):
-            c0 = ng * NORM_GROUP
-            rmsnorm_gated_group(y_ptr + b * s_y_b + c0, z_ptr + b * s_z_b + c0, nw_ptr + c0, normed_ptr + b * s_n_b + c0,
-                                eps, NORM_GROUP, NORM_BLOCK, True)
 
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -123,12 +108,10 @@ def selective_state_update_triton(
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     rounding: StochasticRounding | None = None,
     positions: torch.Tensor | None = None,
-    gated_norm: GatedNorm | None = None,
 ) -> torch.Tensor:
     """ssm_pool: [num_slots, H, P, N]; x: [Bt, H, P]; dt: [Bt, H]; A, D, dt_bias: [H]; B, C: [Bt, G, N];
     positions: [Bt] integer (with `rounding` only).
-    Returns y [Bt, H, P] in x.dtype, or with `gated_norm` the gated norm of y [Bt, H * P] (from the last program of
-    each norm group where it fits, else the norm kernel after); writes the new states into ssm_pool[dst_slots]."""
+    Returns y [Bt, H, P] in x.dtype; writes the new states into ssm_pool[dst_slots]."""
     assert ssm_pool.dim() == 4 and x.dim() == 3 and dt.dim() == 2 and B.dim() == 3 and C.dim() == 3
     _, H, P, N = ssm_pool.shape
     Bt = x.shape[0]
@@ -152,15 +135,8 @@ def selective_state_update_triton(
         assert positions.is_contiguous() and positions.device == dev
 
     y = torch.empty(Bt, H, P, dtype=x.dtype, device=dev)
-    gn = gated_norm
-    cnt = None
-    if gn is not None and _norm_fits(gn, Bt, H, P, x.dtype):
-        cnt = arrival_counters(dev, Bt * (H * P // gn.group_size))
     if Bt == 0:
-        return y if gn is None else rmsnorm_gated_triton(y.view(0, H * P), gn.z, gn.weight, gn.eps, gn.group_size)
-    normed = y
-    if cnt is not None:
-        normed = torch.empty(Bt, H * P, dtype=torch.promote_types(gn.weight.dtype, x.dtype), device=dev)
+        return y
     lo, hi = float(dt_limit[0]), float(dt_limit[1])
     has_limit = lo > 0.0 or hi != float("inf")
     if sr:
@@ -174,8 +150,6 @@ def selective_state_update_triton(
         ssm_pool, x, dt, A, B, C,
         D if D is not None else A, dt_bias if dt_bias is not None else A,
         src_slots, dst_slots, y, positions if sr else dst_slots,
-        gn.z if cnt is not None else y, gn.weight if cnt is not None else y, normed, cnt if cnt is not None else y,
-        float(gn.eps) if cnt is not None else 0.0, gn.z.stride(0) if cnt is not None else 0, normed.stride(0),
         Bt, lo, hi if hi != float("inf") else 3.0e38,
         0 if rounding is None else rounding.key, 0 if rounding is None else rounding.layer,
         ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2),
@@ -187,23 +161,6 @@ def selective_state_update_triton(
         P=P, N=N, HEADS_PER_GROUP=H // G, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
         HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
         HAS_LIMIT=has_limit, STOCHASTIC_ROUNDING=sr, PHILOX_ROUNDS=0 if rounding is None else rounding.rounds,
-        NORM=cnt is not None, NORM_GROUP=gn.group_size if cnt is not None else 1,
-        NORM_BLOCK=triton.next_power_of_2(gn.group_size) if cnt is not None else 1,
-        HEADS_PER_NORM=gn.group_size // P if cnt is not None else 1,
         num_warps=4, **pdl(x),
     )
-    if cnt is not None:
-        return normed
-    if gn is not None:
-        return rmsnorm_gated_triton(y.view(Bt, H * P), gn.z, gn.weight, gn.eps, gn.group_size)
     return y
-
-
-def _norm_fits(gn: GatedNorm, Bt: int, H: int, P: int, dtype: torch.dtype) -> bool:
-    """Whether the SSM update's last programs can run the gated norm: groups of whole heads (at most 16k
-    channels), z [Bt, H * P] of y's dtype with a unit stride, a contiguous weight, a counter per (row, group)."""
-    d = H * P
-    gs = gn.group_size
-    return (gs > 0 and d % gs == 0 and gs % P == 0 and gs <= 16384 and gn.z.shape == (Bt, d) and gn.z.stride(1) == 1
-            and gn.z.dtype == dtype and gn.weight.shape == (d,) and gn.weight.is_contiguous()
-            and gn.weight.dtype in _FLOATS and Bt * (d // gs) <= MAX_ARRIVAL_COUNTERS)

@@ -23,11 +23,9 @@ from torch import nn
 from hyserve.distributed import Group
 from hyserve.kernels import ops
 from hyserve.kernels.attention import FP8_KV_DTYPES
-from hyserve.kernels.rmsnorm import AddNorm
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.config import HybridModelConfig
 from hyserve.model.forward_meta import ForwardMeta
-from hyserve.model.norm import Out
 from hyserve.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
 
 # KV-scale tensor names in FP8-KV checkpoints, after weights.canonical_name (model. -> backbone.):
@@ -82,8 +80,7 @@ class Attention(nn.Module):
         self.k_scale.fill_(float(k_scale))
         self.v_scale.fill_(float(v_scale))
 
-    def forward(self, x: torch.Tensor, meta: ForwardMeta, cache: CacheTensors, post: AddNorm | None = None) -> Out:
-        """x: [T, hidden] normed -> out [T, hidden]; with `post` the pair o_proj's op returns (RowParallelLinear)."""
+    def forward(self, x: torch.Tensor, meta: ForwardMeta, cache: CacheTensors) -> torch.Tensor:
         k_cache, v_cache = cache.k[self.layer_id], cache.v[self.layer_id]
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
@@ -103,4 +100,4 @@ class Attention(nn.Module):
             self.scale,
             **kv_scales,
         )
-        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim), post=post)
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))

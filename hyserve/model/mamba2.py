@@ -5,10 +5,6 @@
     (x, dt, B, C) --SSD scan (dt bias, softplus, dt limit, D skip)--> y
     y --grouped RMSNorm gated by z--> --out_proj--> out      (norm + out_proj: `gated_norm_linear`)
 
-A pure decode step runs three kernels a layer on CUDA at one row: in_proj with the conv in its epilogue
-(`linear_conv1d_update`), the SSM update ending with the gated norm (its `gated_norm`), and out_proj ending with
-the block's residual add and the next norm (`post`; docs/architecture.md, "Decode step at batch 1").
-
 Decode sequences (the first `meta.num_decodes`, one token each) use the single-step conv and state
 update kernels; prefill/extend sequences use the packed varlen conv and the chunked SSD scan. Both
 read their starting state from `state_src` slots and write the final state to `state_dst` slots.
@@ -36,13 +32,10 @@ from torch import nn
 from hyserve.distributed import Group, all_reduce, tp_group
 from hyserve.kernels import ops
 from hyserve.kernels.conv1d import conv_state_at
-from hyserve.kernels.rmsnorm import AddNorm
-from hyserve.kernels.ssm_update import GatedNorm
 from hyserve.kernels.stochastic_rounding import StochasticRounding
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.config import MambaSpec
 from hyserve.model.forward_meta import ForwardMeta
-from hyserve.model.norm import Out, apply_post
 from hyserve.model.parallel_linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
@@ -164,43 +157,28 @@ class Mamba2Mixer(ShardLoading):
             c.reshape(n, self.n_groups, self.state_size),
         )
 
-    def forward(self, hidden: torch.Tensor, meta: ForwardMeta, cache: CacheTensors, post: AddNorm | None = None) -> Out:
-        """hidden: [T, hidden] normed -> out [T, hidden]; with `post` (the block's residual add and the next
-        norm) the pair (normed next input, residual + out), run by out_proj's GEMV at one row on CUDA."""
+    def forward(self, hidden: torch.Tensor, meta: ForwardMeta, cache: CacheTensors) -> torch.Tensor:
         conv_pool, ssm_pool = cache.conv[self.layer_id], cache.ssm[self.layer_id]
         T = hidden.shape[0]
         cuda = hidden.is_cuda
+        zxbcdt = self.in_proj(hidden)
+        z, xbc, dt = torch.split(zxbcdt, [self.d_inner, self.conv_dim, self.num_heads], dim=-1)
         A = self._A()
         w = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
         bias = self.conv1d.bias
         nd = meta.num_decodes
         y_d: torch.Tensor | None = None
-        src, dst = meta.state_src[:nd], meta.state_dst[:nd]
-        # a pure decode step: in_proj with the conv of its [x | B | C] outputs (one GEMV at one row on CUDA)
-        conv_done = nd == T and nd > 0 and self.in_proj.quant is None
-        if conv_done:
-            zxbcdt = ops.get("linear_conv1d_update", cuda)(hidden, self.in_proj.weight, self.in_proj.bias, conv_pool,
-                                                           w, bias, src, dst, self.d_inner)
-        else:
-            zxbcdt = self.in_proj(hidden)
-        z, xbc, dt = torch.split(zxbcdt, [self.d_inner, self.conv_dim, self.num_heads], dim=-1)
 
-        norm, out = self.norm, self.out_proj
-        # a pure decode step ends the SSM update with the gated norm (the last program of each norm group runs it
-        # on CUDA), unless a norm group spans tensor-parallel ranks
-        norm_done = nd == T and nd > 0 and not (out.sharded and self.norm_spans_ranks)
         if nd > 0:
-            xbc_d = xbc if conv_done else ops.get("conv1d_update", cuda)(xbc[:nd], conv_pool, w, bias, src, dst)
+            src, dst = meta.state_src[:nd], meta.state_dst[:nd]
+            xbc_d = ops.get("conv1d_update", cuda)(xbc[:nd], conv_pool, w, bias, src, dst)
             x, b, c = self._split_xbc(xbc_d)
             y_d = ops.get("ssm_update", cuda)(
                 ssm_pool, x, dt[:nd], A, b, c, src, dst,
                 D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit,
                 rounding=self.ssm_rounding,
                 positions=None if self.ssm_rounding is None else meta.seq_lens_t[:nd],
-                gated_norm=GatedNorm(z, norm.weight, norm.eps, norm.group_size) if norm_done else None,
             )
-            if norm_done:  # y_d is the normed [T, d_inner]: out_proj (with the residual add and next norm) is left
-                return out(y_d, post=post)
         if y_d is not None and T == nd:
             y = y_d  # a pure decode step: no packing copy
         else:
@@ -211,19 +189,20 @@ class Mamba2Mixer(ShardLoading):
         if T > nd:
             self._prefill(xbc[nd:], dt[nd:], A, w, bias, meta, conv_pool, ssm_pool, y[nd:])
 
-        # gated norm + out_proj; under tensor parallelism each rank's partial out_proj product is summed by one
-        # all-reduce
+        # gated norm + out_proj (on CUDA a one-row step runs the norm kernel and a Triton GEMV); under tensor
+        # parallelism each rank's partial out_proj product is summed by one all-reduce
+        norm, out = self.norm, self.out_proj
         y2 = y.view(T, self.d_inner)
         if out.quant is not None:  # FP8 out_proj: the gated norm, then the FP8 linear (its reduce when sharded)
             spans = out.sharded and self.norm_spans_ranks
             normed = self._gated_norm_spanning(y2, z) if spans else norm(y2, z)
-            return out(normed, post=post)
+            return out(normed)
         fused = ops.get("gated_norm_linear", cuda)
         if not out.sharded:
-            return fused(y2, z, norm.weight, norm.eps, norm.group_size, out.weight, out.bias, post)
+            return fused(y2, z, norm.weight, norm.eps, norm.group_size, out.weight, out.bias)
         if self.norm_spans_ranks:
-            return apply_post(out.reduce(F.linear(self._gated_norm_spanning(y2, z), out.weight)), post)
-        return apply_post(out.reduce(fused(y2, z, norm.weight, norm.eps, norm.group_size, out.weight, None)), post)
+            return out.reduce(F.linear(self._gated_norm_spanning(y2, z), out.weight))
+        return out.reduce(fused(y2, z, norm.weight, norm.eps, norm.group_size, out.weight, None))
 
     def _gated_norm_spanning(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y, z: [T, d_inner / tp], this rank's slice of a norm group that spans tp / n_groups ranks ->

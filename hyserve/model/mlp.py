@@ -11,8 +11,6 @@ from torch import nn
 
 from hyserve.distributed import Group
 from hyserve.kernels import ops
-from hyserve.kernels.rmsnorm import AddNorm
-from hyserve.model.norm import Out, apply_post
 from hyserve.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
 
 
@@ -30,20 +28,19 @@ class MLP(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden, intermediate, replicate=False, **kw)
         self.down_proj = RowParallelLinear(intermediate, hidden, **kw)
 
-    def forward(self, x: torch.Tensor, meta: object = None, cache: object = None, post: AddNorm | None = None) -> Out:
-        """x: [T, hidden]. `meta` / `cache` are unused (the mixer signature; an MLP keeps no state). With
-        `post`, the pair (normed next input, residual + out), from down_proj's GEMV at one row on CUDA."""
+    def forward(self, x: torch.Tensor, meta: object = None, cache: object = None) -> torch.Tensor:
+        """x: [T, hidden]. `meta` / `cache` are unused (the mixer signature; an MLP keeps no state)."""
         down = self.down_proj
         if not down.sharded:
-            return self._down(self.up_proj(x), bias=True, post=post)
-        return apply_post(down.reduce(self.partial(x)), post)
+            return self._down(self.up_proj(x), bias=True)
+        return down.reduce(self.partial(x))
 
-    def _down(self, u: torch.Tensor, bias: bool, post: AddNorm | None = None) -> Out:
+    def _down(self, u: torch.Tensor, bias: bool) -> torch.Tensor:
         down = self.down_proj
         if down.quant is not None:  # FP8 down_proj: relu^2 inside the FP8 linear's activation load
-            return apply_post(ops.get("fp8_relu2_linear", u.is_cuda)(u, down.weight, down.weight_scale,
-                                                                      down.bias if bias else None), post)
-        return ops.get("relu2_linear", u.is_cuda)(u, down.weight, down.bias if bias else None, post)
+            return ops.get("fp8_relu2_linear", u.is_cuda)(u, down.weight, down.weight_scale,
+                                                           down.bias if bias else None)
+        return ops.get("relu2_linear", u.is_cuda)(u, down.weight, down.bias if bias else None)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output, before the all-reduce and without down_proj's bias (the MoE

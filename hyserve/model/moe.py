@@ -30,10 +30,8 @@ from torch import nn
 
 from hyserve.distributed import Group, all_reduce, ep_group, moe_tp_group, tp_group
 from hyserve.kernels import ops
-from hyserve.kernels.rmsnorm import AddNorm
 from hyserve.model.config import HybridModelConfig
 from hyserve.model.mlp import MLP
-from hyserve.model.norm import Out, apply_post
 from hyserve.model.parallel_linear import ReplicatedLinear, ShardLoading, SliceLike, loaded_shape, read_block
 
 
@@ -53,9 +51,9 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> (weights [T, k] float32, expert ids [T, k] int32), on the device (no host sync)."""
-        # the logits [T, E] in float32, then the routing: one kernel for a few tokens on CUDA
-        return ops.get("moe_gate", x.is_cuda)(
-            x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
+        logits = ops.get("router_logits", x.is_cuda)(x, self.weight)  # [T, E] float32
+        return ops.get("moe_route", x.is_cuda)(
+            logits, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
             self.norm_topk_prob, self.scale,
         )
 
@@ -106,14 +104,12 @@ class Experts(ShardLoading):
             param[expert - self.first_expert].copy_(read_block(loaded, {inter_dim: rows}))
 
     def forward(
-        self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-        post: AddNorm | None = None,
-    ) -> Out:
+        self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """x: [T, d]; w, ids: [T, k] -> [T, d]. On CUDA the fused kernels (sort, grouped GEMMs, combine
         on the device; `kernels/triton_moe.py`); on the CPU the per-expert reference loop. Sharded: this
         rank's partial sum (its experts, its intermediate slice); the MoE layer all-reduces it. `shared`:
-        the shared expert's (up, down) weights, summed in with weight 1 (unsharded experts only). `post`
-        (unsharded only): the pair add_rms_norm gives on the output, from the down GEMV's last programs."""
+        the shared expert's (up, down) weights, summed in with weight 1 (unsharded experts only)."""
         if self.num_local != self.num_experts:
             # another rank's expert: weight 0 on a clamped local id (shapes stay fixed, nothing reads the host)
             local = ids - self.first_expert
@@ -123,12 +119,10 @@ class Experts(ShardLoading):
         fn = ops.get("moe_experts", x.is_cuda)
         if self.quant is not None:  # FP8 experts (model/fp8_weights.py): e4m3 with per-expert channel scales
             assert shared is None, "FP8 experts run the shared expert as its MLP"
-            return apply_post(fn(x, self.up_proj, self.down_proj, w, ids, up_scale=self.up_proj_scale,
-                                 down_scale=self.down_proj_scale), post)
+            return fn(x, self.up_proj, self.down_proj, w, ids, up_scale=self.up_proj_scale,
+                      down_scale=self.down_proj_scale)
         su, sd = shared if shared is not None else (None, None)
-        if post is None:
-            return fn(x, self.up_proj, self.down_proj, w, ids, su, sd)
-        return fn(x, self.up_proj, self.down_proj, w, ids, su, sd, post=post)
+        return fn(x, self.up_proj, self.down_proj, w, ids, su, sd)
 
 
 class MoE(nn.Module):
@@ -153,21 +147,20 @@ class MoE(nn.Module):
             self.fc1_latent_proj = ReplicatedLinear(h, d, bias=cfg.mlp_bias, device=device, dtype=dtype)
             self.fc2_latent_proj = ReplicatedLinear(d, h, bias=cfg.mlp_bias, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, meta: object = None, cache: object = None, post: AddNorm | None = None) -> Out:
-        """x: [T, hidden]. `meta` / `cache` are unused (the mixer signature; MoE keeps no state). With `post`,
-        the pair (normed next input, residual + out): from the experts op when the shared expert is folded."""
+    def forward(self, x: torch.Tensor, meta: object = None, cache: object = None) -> torch.Tensor:
+        """x: [T, hidden]. `meta` / `cache` are unused (the mixer signature; MoE keeps no state)."""
         w, ids = self.gate(x)
         s = self.shared_experts
         # FP8 weights (experts or the shared MLP, converted after __init__) keep the shared expert as the MLP
         if self.fold_shared and self.experts.quant is None and s.up_proj.quant is None and s.down_proj.quant is None:
-            return self.experts(x, w, ids, (s.up_proj.weight, s.down_proj.weight), post=post)
+            return self.experts(x, w, ids, (s.up_proj.weight, s.down_proj.weight))
         r = self.fc1_latent_proj(x) if self.latent else x
         r = self.experts(r, w, ids)
         if self.tp.size > 1:
-            return apply_post(self._reduce_partials(r, x), post)
+            return self._reduce_partials(r, x)
         if self.latent:
             r = self.fc2_latent_proj(r)
-        return apply_post(r + self.shared_experts(x), post)
+        return r + self.shared_experts(x)
 
     def _reduce_partials(self, r: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Tensor / expert parallel: r is this rank's partial routed output (its experts' share) and the

@@ -5,11 +5,8 @@ Each block is pre-norm + mixer + residual; the mixer is one of Mamba2, attention
 
     h = embed(ids);  for block: h = h + mixer(rmsnorm(h));  logits = lm_head(rmsnorm_f(h))
 
-A block's residual add runs fused with the next norm (`add_rms_norm`), and both run inside the op that
-produces the block's output: a block gets the next norm (`RMSNorm.post`, an `AddNorm` over the residual
-stream) and its mixer returns (the next block's normed input, the new residual stream). On CUDA at one row
-the last GEMV of each mixer runs them in its last program (docs/architecture.md, "Decode step at batch 1");
-elsewhere the add_rms_norm kernel runs after the op.
+A block's residual add runs fused with the next norm (`add_rms_norm`: one kernel on CUDA), so a block
+returns its mixer output and the residual stream it was given, and the next norm (or norm_f) adds them.
 
 Tensor parallel (docs/architecture.md, "Parallelism"): the layers take their group from
 `hyserve.distributed` when built (so `init_distributed` comes first); the embedding and lm_head are
@@ -26,7 +23,6 @@ import torch
 from torch import nn
 
 from hyserve.distributed import tp_group
-from hyserve.kernels.rmsnorm import AddNorm
 from hyserve.model.attention import Attention
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.config import LAYER_ATTENTION, LAYER_MAMBA, LAYER_MLP, LAYER_MOE, HybridModelConfig
@@ -76,11 +72,16 @@ class HybridBlock(nn.Module):
         self.mixer = MIXERS[self.kind](cfg, layer_id, device=device, dtype=dtype)
 
     def forward(
-        self, x: torch.Tensor, meta: ForwardMeta, cache: CacheTensors, post: AddNorm
+        self, x: torch.Tensor, residual: torch.Tensor | None, meta: ForwardMeta, cache: CacheTensors
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: this block's normed input; post: the next norm over the residual stream this block adds to.
-        Returns (the next block's normed input, the residual stream after this block)."""
-        return self.mixer(x, meta, cache, post=post)
+        """x: the previous block's mixer output (or the embeddings when residual is None), residual: the
+        stream before that block's add. Returns (this block's mixer output, its residual stream)."""
+        if residual is None:
+            h = x
+            x = self.norm(h)
+        else:
+            x, h = self.norm.add_forward(x, residual)
+        return self.mixer(x, meta, cache), h
 
 
 class Backbone(nn.Module):
@@ -110,15 +111,13 @@ class NemotronHForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: ForwardMeta, cache: CacheTensors) -> torch.Tensor:
         """input_ids: [T] packed new tokens -> final-normed hidden states [T, hidden]."""
-        h = self.backbone.embeddings(input_ids)
-        layers = self.backbone.layers
-        if len(layers) == 0:
-            return self.backbone.norm_f(h)
-        x = layers[0].norm(h)
-        for i, layer in enumerate(layers):
-            nxt = layers[i + 1].norm if i + 1 < len(layers) else self.backbone.norm_f
-            x, h = layer(x, meta, cache, nxt.post(h))
-        return x
+        x = self.backbone.embeddings(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.backbone.layers:
+            x, residual = layer(x, residual, meta, cache)
+        if residual is None:  # no layers
+            return self.backbone.norm_f(x)
+        return self.backbone.norm_f.add_forward(x, residual)[0]
 
     @property
     def graph_capturable(self) -> bool:

@@ -31,8 +31,6 @@ from torch import nn
 
 from hyserve.distributed import Group, all_gather, all_reduce, tp_group
 from hyserve.kernels import ops
-from hyserve.kernels.rmsnorm import AddNorm
-from hyserve.model.norm import Out, apply_post
 
 
 class SliceLike(Protocol):
@@ -316,11 +314,7 @@ class RowParallelLinear(LinearBase):
         y = all_reduce(partial, self.group)
         return y if self.bias is None else y + self.bias
 
-    def forward(self, x: torch.Tensor, post: AddNorm | None = None) -> Out:
-        """With `post` (rmsnorm.AddNorm), the pair add_rms_norm gives on the output: inside the `linear` op
-        for an unsharded 16-bit weight, after it otherwise."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
-            if post is not None and self.quant is None:
-                return ops.get("linear", x.is_cuda)(x, self.weight, self.bias, post)
-            return apply_post(self.matmul(x), post)
-        return apply_post(self.reduce(self.matmul(x, bias=False)), post)
+            return self.matmul(x)
+        return self.reduce(self.matmul(x, bias=False))
