@@ -402,41 +402,40 @@ def bench_fp8_linear(b: Bench) -> None:
             q, s = quantize_weight_ref(w16, scheme)
             wd = dequantize_weight_ref(q, s).to(BF16)
             fp8_bytes = q.numel() + s.numel() * 4
-            for m, form in [(m, f) for m in rows for f in ("auto", "triton")]:
+            for m in rows:
                 x = b.rnd(m, k)
                 # the prefill form twice where torch._scaled_mm serves it: as served and on the Triton GEMM
                 # (PREFILL_GEMM "triton"); every other case once
                 t8.PREFILL_GEMM["form"] = "auto"
                 scaled_mm = m > SMALL_M and t8._scaled_mm_takes(x, q, scheme == "block")
-                if form == "triton" and not scaled_mm:
-                    continue
-                t8.PREFILL_GEMM["form"] = form
-                gemm = ""
-                if m > SMALL_M:
-                    gemm = " [torch._scaled_mm]" if scaled_mm and form == "auto" else " [Triton GEMM]"
-                label = f"fp8 {scheme} {proj} {k}->{n}, {m} rows{gemm}"
-                if m <= SMALL_M:
-                    want = x.double() @ dequantize_weight_ref(q, s).double().T
-                else:
-                    qa, sa = quantize_rows_ref(x, 128 if scheme == "block" else None)
-                    full = sa[:, None] if scheme == "channel" else sa.repeat_interleave(128, 1)[:, :k]
-                    want = (qa.double() * full.double()) @ dequantize_weight_ref(q, s).double().T
-                if not b.check(label, fp8_linear_triton(x, q, s, None), want, 1e-2, 1e-2):
-                    continue
-                ours = lambda: fp8_linear_triton(x, q, s, None)  # noqa: E731
-                base = lambda: F.linear(x, wd)  # noqa: E731
-                if m < 8192:
-                    ms, base_ms = b.graph_ms(ours), b.graph_ms(base)
-                    b.roof(label, fp8_bytes / (ms * 1e-3), "B/s", "read", "FP8 weight-read roofline: bytes-read "
-                           "ceiling", time_ms=ms, bf16_ms=base_ms, speedup_vs_bf16=base_ms / ms,
-                           timing="CUDA graph replay")
-                else:
-                    ms, base_ms = b.time_ms(ours), b.time_ms(base)
-                    flops = 2 * m * n * k
-                    b.roof(label, flops / (ms * 1e-3), "FLOP/s", "matmul", "2 x the bf16 matmul ceiling (e4m3 "
-                           "tensor-core rate)", reference_at=lambda p: 2 * p.matmul_flops, time_ms=ms,
-                           bf16_ms=base_ms, speedup_vs_bf16=base_ms / ms)
-                print(f"     ({ms * 1e3:.1f} us vs {base_ms * 1e3:.1f} us bf16 cuBLAS: {base_ms / ms:.3f}x)")
+                for form in ("auto", "triton") if scaled_mm else ("auto",):
+                    t8.PREFILL_GEMM["form"] = form
+                    gemm = ""
+                    if m > SMALL_M:
+                        gemm = " [torch._scaled_mm]" if scaled_mm and form == "auto" else " [Triton GEMM]"
+                    label = f"fp8 {scheme} {proj} {k}->{n}, {m} rows{gemm}"
+                    if m <= SMALL_M:
+                        want = x.double() @ dequantize_weight_ref(q, s).double().T
+                    else:
+                        qa, sa = quantize_rows_ref(x, 128 if scheme == "block" else None)
+                        full = sa[:, None] if scheme == "channel" else sa.repeat_interleave(128, 1)[:, :k]
+                        want = (qa.double() * full.double()) @ dequantize_weight_ref(q, s).double().T
+                    if not b.check(label, fp8_linear_triton(x, q, s, None), want, 1e-2, 1e-2):
+                        continue
+                    ours = lambda: fp8_linear_triton(x, q, s, None)  # noqa: E731
+                    base = lambda: F.linear(x, wd)  # noqa: E731
+                    if m < 8192:
+                        ms, base_ms = b.graph_ms(ours), b.graph_ms(base)
+                        b.roof(label, fp8_bytes / (ms * 1e-3), "B/s", "read", "FP8 weight-read roofline: bytes-read "
+                               "ceiling", time_ms=ms, bf16_ms=base_ms, speedup_vs_bf16=base_ms / ms,
+                               timing="CUDA graph replay")
+                    else:
+                        ms, base_ms = b.time_ms(ours), b.time_ms(base)
+                        flops = 2 * m * n * k
+                        b.roof(label, flops / (ms * 1e-3), "FLOP/s", "matmul", "2 x the bf16 matmul ceiling (e4m3 "
+                               "tensor-core rate)", reference_at=lambda p: 2 * p.matmul_flops, time_ms=ms,
+                               bf16_ms=base_ms, speedup_vs_bf16=base_ms / ms)
+                    print(f"     ({ms * 1e3:.1f} us vs {base_ms * 1e3:.1f} us bf16 cuBLAS: {base_ms / ms:.3f}x)")
     t8.PREFILL_GEMM["form"] = "auto"
 
 

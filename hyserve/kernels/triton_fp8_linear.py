@@ -336,9 +336,8 @@ def _w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bia
         # [M, K] row-major x [K, N] column-major (the weight's transpose view), float32 scales [M, 1] and [1, N];
         # use_fast_accum=False: the e4m3 products are promoted to float32 as they accumulate (the contract the
         # Triton GEMM keeps with max_num_imprecise_acc)
-        out = torch._scaled_mm(a, weight.t(), scale_a=a_scale.view(m, 1), scale_b=weight_scale.view(1, n),
-                               out_dtype=torch.bfloat16, use_fast_accum=False)
-        return out
+        return torch._scaled_mm(a, weight.t(), scale_a=a_scale.view(m, 1), scale_b=weight_scale.view(1, n),
+                                out_dtype=torch.bfloat16, use_fast_accum=False)
     if _gpu(x):
         bm, bn, bk, warps, stages = _GPU_MID if m <= 64 else _GPU_LARGE
     else:
