@@ -528,22 +528,66 @@ def bench_attn(b: Bench) -> None:
             b.roof(name, ours, "FLOP/s", "matmul", "bf16 matmul ceiling", time_ms=ms)
 
     _bench_decode_fp8(b, Hq, Hkv, D, bs, dtype, tol, scale)
+    _bench_prefill_fp8(b, Hq, Hkv, D, bs, dtype, tol, scale)
+
+
+def _fp8_pool(b: Bench, lens: list[int], Hkv: int, D: int, bs: int, dtype):
+    """An e4m3 pool with per-layer scales (unit-variance K/V land on codes of std 64 and 48) and the block
+    tables; the same values dequantised to `dtype` for the 16-bit kernels timed beside it."""
+    from hyserve.kernels.attention import quantize_kv
+
+    fp8 = torch.float8_e4m3fn
+    ks = torch.tensor(1 / 64, device=b.dev)
+    vs = torch.tensor(1 / 48, device=b.dev)
+    k16, v16, tb = _paged_pool(b, lens, Hkv, D, bs, dtype)
+    kc, vc = quantize_kv(k16, ks, fp8), quantize_kv(v16, vs, fp8)
+    del k16, v16
+    return kc, vc, tb, ks, vs
+
+
+def _bench_prefill_fp8(b: Bench, Hq: int, Hkv: int, D: int, bs: int, dtype, tol: float, scale: float) -> None:
+    """Prefill / extend over a float8 e4m3 pool: the CUDA op (on Hopper the Gluon kernel's converter form)
+    against the 16-bit CUDA op on the same (dequantised) values in the same run (issue 24's bar: no slower),
+    and the Triton kernel alone over fp8 (the path before the converter form). The 131k case is one late
+    chunk of a long prompt; its last 512 queries are checked against the reference (they attend to the same
+    keys whatever else the step holds)."""
+    from hyserve.kernels.cuda_attention import paged_attention_cuda
+    from hyserve.kernels.triton_attention import attention_flops, paged_attention_triton
+
+    cases = ((8192, 8192), (16384, 131072)) if not b.dry else ((37, 37), (20, 90))
+    for n_new, L in cases:
+        kc, vc, tb, ks, vs = _fp8_pool(b, [L], Hkv, D, bs, dtype)
+        q = b.rnd(n_new, Hq, D, dtype=dtype)
+        kw = dict(k_scale=ks, v_scale=vs)
+        name = f"paged prefill attention fp8 KV {n_new} new / {L} total tokens"
+        out = paged_attention_cuda(q, kc, vc, tb, [L], [0, n_new], scale, **kw)
+        tail = min(512, n_new)
+        want = paged_attention_ref(q[-tail:], kc, vc, tb, [L], [0, tail], scale, **kw)
+        if not b.check(name, out[-tail:], want, tol, tol):
+            continue
+        old = paged_attention_triton(q, kc, vc, tb, [L], [0, n_new], scale, **kw)
+        if not b.check(name + " [Triton kernel]", old[-tail:], want, tol, tol):
+            continue
+        del out, old, want
+        ms = b.time_ms(lambda: paged_attention_cuda(q, kc, vc, tb, [L], [0, n_new], scale, **kw))
+        triton_ms = b.time_ms(lambda: paged_attention_triton(q, kc, vc, tb, [L], [0, n_new], scale, **kw))
+        kd, vd = (kc.float() * ks).to(dtype), (vc.float() * vs).to(dtype)  # the same values in 16 bits
+        ms16 = b.time_ms(lambda: paged_attention_cuda(q, kd, vd, tb, [L], [0, n_new], scale))
+        del kd, vd
+        flops = attention_flops([n_new], [L], Hq, D)
+        b.record(name, flops / (ms * 1e-3), "FLOP/s", "the 16-bit KV cache's prefill on the same values, same run",
+                 flops / (ms16 * 1e-3), time_ms=ms, bf16_kv_ms=ms16, triton_fp8_ms=triton_ms,
+                 speedup_vs_triton_fp8=triton_ms / ms)
 
 
 def _bench_decode_fp8(b: Bench, Hq: int, Hkv: int, D: int, bs: int, dtype, tol: float, scale: float) -> None:
     """Decode over a float8 e4m3 KV pool with per-layer scales: half the bytes of bf16, so the roofline
     time halves too; the bf16 kernel on the same (dequantised) values is timed beside it."""
-    from hyserve.kernels.attention import quantize_kv
     from hyserve.kernels.cuda_attention import paged_attention_cuda
 
-    fp8 = torch.float8_e4m3fn
-    ks = torch.tensor(1 / 64, device=b.dev)  # unit-variance K/V land on e4m3 codes of std 64 (max 448)
-    vs = torch.tensor(1 / 48, device=b.dev)
     for batch, L in ((64, 8192), (1, 131072)) if not b.dry else ((3, 100), (1, 700)):
         lens = [L] * batch
-        k16, v16, tb = _paged_pool(b, lens, Hkv, D, bs, dtype)
-        kc, vc = quantize_kv(k16, ks, fp8), quantize_kv(v16, vs, fp8)
-        del k16, v16
+        kc, vc, tb, ks, vs = _fp8_pool(b, lens, Hkv, D, bs, dtype)
         q = b.rnd(batch, Hq, D, dtype=dtype)
         cu = list(range(batch + 1))
         kw = dict(k_scale=ks, v_scale=vs)
@@ -793,6 +837,18 @@ _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
     ("N128 w4 s3, half the programs", {}, 132 * 2, 128),
     ("N64 w4 s3, 2x programs", dict(BLOCK_N=64), 132 * 8, 256),
 ]
+# Decode over a float8 pool (`triton_attention._DECODE_GPU_FP8`), same form: (label, settings, programs, splits).
+_DECODE_SWEEP_FP8: list[tuple[str, dict, int, int]] = [
+    ("default", {}, 0, 0),
+    ("N64 w4 s3", dict(BLOCK_N=64), 0, 0),
+    ("N64 w4 s4", dict(BLOCK_N=64, num_stages=4), 0, 0),
+    ("N128 w4 s2", dict(num_stages=2), 0, 0),
+    ("N128 w4 s4", dict(num_stages=4), 0, 0),
+    ("N128 w8 s3", dict(num_warps=8), 0, 0),
+    ("N256 w8 s2", dict(BLOCK_N=256, num_warps=8, num_stages=2), 0, 0),
+    ("N64 w4 s3, 2x programs", dict(BLOCK_N=64), 132 * 8, 256),
+    ("N128 w4 s3, 2x programs", {}, 132 * 8, 256),
+]
 # The default on Hopper is the Gluon kernel (gluon_attention.py; "sm90" entries change its settings,
 # `gluon_attention._PREFILL_SM90`; a lock-step Gluon version measured 1.2x slower, attn_sweep_b308941, and
 # the consumers' own S(j+1) issued before the softmax of S(j) 1.1-1.6x slower, attn_sweep_d90941e/_5b50b28,
@@ -817,7 +873,7 @@ def bench_attn_sweep(b: Bench) -> None:
     Hq, Hkv, D, bs = (40, 8, 128, 64) if not b.dry else (4, 2, 32, 16)
     dtype = BF16 if not b.dry else torch.float16
     scale, tol = D**-0.5, 2e-2
-    tables = [(ta, name) for name in ("_DECODE_GPU", "_PREFILL_GPU", "_TARGET_PROGRAMS", "_MAX_SPLITS",
+    tables = [(ta, name) for name in ("_DECODE_GPU", "_DECODE_GPU_FP8", "_PREFILL_GPU", "_TARGET_PROGRAMS", "_MAX_SPLITS",
                                       "_DECODE_CPU", "_PREFILL_CPU")] + [(ga, "_PREFILL_SM90")]
     saved = [(mod, name, copy.deepcopy(getattr(mod, name))) for mod, name in tables]
     attention = [paged_attention_cuda]  # what the entry being timed calls (apply_prefill may pick Triton alone)
@@ -827,17 +883,18 @@ def bench_attn_sweep(b: Bench) -> None:
             setattr(mod, name, copy.deepcopy(value))
         attention[0] = paged_attention_cuda
 
-    def run_case(name: str, q, kc, vc, tb, lens, cu, nbytes_or_flops: float, unit: str, configs, apply) -> float:
-        ref = paged_attention_ref(q, kc, vc, tb, lens, cu, scale)
+    def run_case(name: str, q, kc, vc, tb, lens, cu, nbytes_or_flops: float, unit: str, configs, apply,
+                 **kw) -> float:
+        ref = paged_attention_ref(q, kc, vc, tb, lens, cu, scale, **kw)
         base_ms = None
         for label, *cfg in configs:
             try:
                 apply(*cfg)
                 fn = attention[0]
-                got = fn(q, kc, vc, tb, lens, cu, scale)
+                got = fn(q, kc, vc, tb, lens, cu, scale, **kw)
                 if not b.check(f"{name} [{label}]", got, ref, tol, tol):
                     continue
-                ms = b.time_ms(lambda: fn(q, kc, vc, tb, lens, cu, scale))
+                ms = b.time_ms(lambda: fn(q, kc, vc, tb, lens, cu, scale, **kw))
                 base_ms = base_ms if base_ms is not None else ms  # the first entry is the default
                 b.record(f"{name} [{label}]", ms, "ms", "default settings, same sweep", base_ms, time_ms=ms,
                          rate=nbytes_or_flops / (ms * 1e-3), rate_unit=unit)
@@ -848,11 +905,14 @@ def bench_attn_sweep(b: Bench) -> None:
         del ref
         return base_ms if base_ms is not None else float("nan")
 
-    def apply_decode(over: dict, programs: int, max_splits: int) -> None:
-        target = ta._DECODE_CPU if b.dry else ta._DECODE_GPU
+    def apply_decode(over: dict, programs: int, max_splits: int, table: str = "_DECODE_GPU") -> None:
+        target = ta._DECODE_CPU if b.dry else getattr(ta, table)
         target.update(over if not b.dry else {k: v for k, v in over.items() if k != "BLOCK_N"})
         if programs:
             ta._TARGET_PROGRAMS, ta._MAX_SPLITS = programs, max_splits
+
+    def apply_decode_fp8(over: dict, programs: int, max_splits: int) -> None:
+        apply_decode(over, programs, max_splits, "_DECODE_GPU_FP8")
 
     def apply_prefill(over: dict) -> None:
         if b.dry:
@@ -869,6 +929,10 @@ def bench_attn_sweep(b: Bench) -> None:
         q = b.rnd(batch, Hq, D, dtype=dtype)
         run_case(f"decode attention {batch} x {L}", q, kc, vc, tb, lens, list(range(batch + 1)),
                  2 * batch * L * Hkv * D * kc.element_size(), "B/s", _DECODE_SWEEP, apply_decode)
+        del kc, vc
+        kc, vc, tb, ks, vs = _fp8_pool(b, lens, Hkv, D, bs, dtype)
+        run_case(f"decode attention fp8 KV {batch} x {L}", q, kc, vc, tb, lens, list(range(batch + 1)),
+                 2 * batch * L * Hkv * D, "B/s", _DECODE_SWEEP_FP8, apply_decode_fp8, k_scale=ks, v_scale=vs)
         del kc, vc
     for n_new, L in ((8192, 8192), (2048, 8192)) if not b.dry else ((37, 37), (20, 50)):
         kc, vc, tb = _paged_pool(b, [L], Hkv, D, bs, dtype)

@@ -12,6 +12,11 @@
 #   600 s call, so moe_nano and moe_super run one model each.
 #   attn, structured (not default parts): the paged-attention kernel records alone (issue 24); bench_structured.py
 #   (issue 18, xgrammar in .whl).
+#   attn_sweep (not a default part): paged-attention launch alternatives, bf16 and fp8 KV decode, prefill.
+#   longprompt (not a default part, issues 24 and 22): benchmarks/bench_long_prompt.py, a 131k and a 1.04M-token
+#   prompt through LLM per KV dtype (LONG_PROMPT_ARGS adds options; ~3-4 min a dtype).
+#   stepsync (not a default part, issue 23): benchmarks/bench_step_sync.py, the host syncs and phases of a large
+#   decode step (STEP_SYNC_ARGS; default Nano 30B-A3B at batch 256).
 #   fairness (not a default part, issue 22): benchmarks/bench_fairness.py, a 1M-token prompt beside 8 streams
 #   and a short chat request every second through `hyserve serve`, per max_step_ms in FAIRNESS_STEP_MS
 #   (default off,150; about 4-5 min each, so two per call at most); FAIRNESS_ARGS adds options. Server wheels
@@ -66,6 +71,16 @@ save() { out_save; }
   [[ $parts == *" attn "* ]] && echo "== paged attention kernel records (bf16 and fp8 KV)" \
     && timeout 300 python3 benchmarks/bench_kernels.py --only attn --git-sha "$sha" \
        --out "benchmarks/results/kernels_attn_$sha.json" 2>&1 | tail -20 && save
+  [[ $parts == *" attn_sweep "* ]] && echo "== paged attention launch alternatives (bf16 and fp8 KV)" \
+    && timeout 420 python3 benchmarks/bench_kernels.py --only attn_sweep --git-sha "$sha" \
+       --out "benchmarks/results/attn_sweep_$sha.json" 2>&1 | grep -v "^ok " | tail -60 && save
+  # shellcheck disable=SC2086  # LONG_PROMPT_ARGS / STEP_SYNC_ARGS are lists of options
+  [[ $parts == *" longprompt "* ]] && echo "== long prompts per KV dtype (issues 24, 22)" \
+    && timeout "${LONG_PROMPT_TIMEOUT:-590}" python3 benchmarks/bench_long_prompt.py --git-sha "$sha" \
+       ${LONG_PROMPT_ARGS:-} 2>&1 | grep -v "warm-up \[" | tail -40 && save
+  # shellcheck disable=SC2086
+  [[ $parts == *" stepsync "* ]] && echo "== host syncs of a large decode step (issue 23)" \
+    && timeout 300 python3 benchmarks/bench_step_sync.py --git-sha "$sha" ${STEP_SYNC_ARGS:-} 2>&1 | tail -40 && save
   # structured (not a default part, issue 18): JSON-schema-constrained decode against unconstrained, batch 1 / 64
   [[ $parts == *" structured "* ]] && echo "== structured outputs: constrained / free decode (xgrammar in .whl)" \
     && timeout 300 python3 benchmarks/bench_structured.py --rounds 3 --git-sha "$sha" 2>&1 | tail -20 && save

@@ -223,7 +223,9 @@ def test_scale_arguments_are_checked():
 # --------------------------------------------------------------------------- Triton kernels
 
 
-def _triton_case(poison, *, new, lens, Hq, Hkv, D, bs, dtype, k_scale, v_scale, tensors=False):
+def _triton_case(poison, *, new, lens, Hq, Hkv, D, bs, dtype, k_scale, v_scale, tensors=False, cuda_op=False):
+    """cuda_op: attention through the CUDA op (`cuda_attention`: on Hopper the Gluon prefill where it fits);
+    otherwise the Triton kernels alone."""
     from hyserve.kernels.triton_attention import paged_attention_triton, write_kv_triton
 
     k_cache, v_cache, tables, k, v, slots, cu, ks, vs = _fp8_pool(lens, new, Hkv, D, bs, k_scale, v_scale, dtype)
@@ -242,8 +244,12 @@ def _triton_case(poison, *, new, lens, Hq, Hkv, D, bs, dtype, k_scale, v_scale, 
         if tensors
         else (lens, cu)
     )
+    if cuda_op:
+        from hyserve.kernels.cuda_attention import paged_attention_cuda as attention
+    else:
+        attention = paged_attention_triton
     with poison:
-        out = paged_attention_triton(q, k_cache, v_cache, tables, *args, scale, k_scale=ks, v_scale=vs)
+        out = attention(q, k_cache, v_cache, tables, *args, scale, k_scale=ks, v_scale=vs)
     close(out, ref, dtype, f"fp8 paged_attention new={new} lens={lens}")
 
 
@@ -298,6 +304,37 @@ ATTN_NANO = tk.ATTN_NANO  # the bf16 kernel tests' Nano 9B v2 step mixes
 @pytest.mark.parametrize("new,lens", ATTN_NANO)
 def test_triton_fp8_nano9b(poison, new, lens):
     _triton_case(poison, new=new, lens=lens, Hq=40, Hkv=8, D=128, bs=64, dtype=BF16, k_scale=0.03, v_scale=0.02)
+
+
+GLUON_FP8_CASES = [  # (new, lens, Hq, Hkv, D, bs, dtype)
+    ([4096], [4096], 40, 8, 128, 64, BF16),
+    ([1, 1, 3000, 517, 129, 1], [77, 12000, 3000, 1517, 129, 2], 40, 8, 128, 64, BF16),
+    ([300, 1, 1000, 77], [5000, 9, 1000, 333], 40, 8, 128, 16, BF16),  # 16-token blocks: 8 boxes per tile
+    ([2000, 129], [2600, 129], 8, 8, 128, 256, F16),  # 256-token blocks: one 128-row box per tile
+    ([1500, 40], [1500, 2100], 16, 2, 64, 64, BF16),  # head dim 64
+    ([100, 3, 333], [100, 40, 700], 32, 2, 128, 32, BF16),  # 32-token blocks; 16 q heads per KV head (30B-A3B)
+    ([2048], [20000], 40, 8, 128, 64, BF16),  # one chunk of a long prompt over 18k cached tokens
+]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("new,lens,Hq,Hkv,D,bs,dtype", GLUON_FP8_CASES)
+def test_gluon_fp8_prefill_matches_reference(poison, monkeypatch, new, lens, Hq, Hkv, D, bs, dtype):
+    """On Hopper an fp8 cache's prefill/extend runs the Gluon kernel's converter form (8-bit staging ring,
+    float16 products, scales folded in): against the reference over NaN-filled pools with shuffled blocks,
+    decodes in the same step, 1 to 8 boxes per key tile, head dims 64 and 128, bf16 and float16 queries;
+    and it, not the Triton kernel, ran."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is for Hopper")
+    ga = tk._gluon_or_skip()
+    calls: list[tuple[int, int]] = []
+    real = ga.prefill_attention_sm90
+    monkeypatch.setattr(ga, "prefill_attention_sm90",
+                        lambda *a, **kw: calls.append((kw["box"], kw["STAGES8"])) or real(*a, **kw))
+    _triton_case(poison, new=new, lens=lens, Hq=Hq, Hkv=Hkv, D=D, bs=bs, dtype=dtype, k_scale=0.03, v_scale=0.02,
+                 cuda_op=True)
+    assert calls == [(min(bs, 128), ga._PREFILL_SM90_FP8["STAGES8"])]
 
 
 @gpu

@@ -520,9 +520,9 @@ def _gluon_or_skip():
 
 def test_gluon_prefill_compiles_for_hopper():
     """The Gluon prefill kernel (which the interpreter cannot run) compiles ahead of time for sm_90 at the
-    launcher's settings, head dims 64 and 128, one box per key tile and several: its shared memory fits an
-    H100/H200 and the products are warp-group MMAs over TMA-loaded tiles (tests/gluon_compile_check.py,
-    in a process without the interpreter)."""
+    launcher's settings, head dims 64 and 128, one box per key tile and several, 16-bit and fp8 caches: its
+    shared memory fits an H100/H200 and the products are warp-group MMAs over TMA-loaded tiles
+    (tests/gluon_compile_check.py, in a process without the interpreter)."""
     import json
     import subprocess
     from pathlib import Path
@@ -534,10 +534,13 @@ def test_gluon_prefill_compiles_for_hopper():
                          text=True, env={**env, "PYTHONPATH": str(root)}, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     cases = json.loads(run.stdout.strip().splitlines()[-1])
-    assert set(cases) == {"D128 bs64", "D64 bs16"}
+    assert set(cases) == {"D128 bs64", "D64 bs16", "D128 bs64 fp8", "D64 bs16 fp8"}
     for name, c in cases.items():
         assert 0 < c["shared"] <= 232448, (name, c)  # 227 KiB per block on sm_90
         assert c["wgmma"] and c["tma"], (name, c)
+        # over an fp8 cache the converter upcasts with the paired e4m3 -> f16 instruction; nothing spills to
+        # local memory
+        assert c["e4m3_to_f16"] == name.endswith("fp8") and not c["local"], (name, c)
 
 
 DECODE_KERNELS = ("_rms_norm_kernel,_add_rms_norm_kernel,_rmsnorm_gated_kernel,_relu2_kernel,_conv1d_update_kernel,"
@@ -684,7 +687,10 @@ def test_gluon_prefill_declines_what_it_cannot_take():
     assert ga.sm90_prefill_box(q, pool, pool, 128) == (64 if hopper else 0)
     assert ga.sm90_prefill_box(q.float(), pool.float(), pool.float(), 128) == 0  # float32
     assert ga.sm90_prefill_box(q.half(), pool, pool, 128) == 0  # cache dtype differs
-    assert ga.sm90_prefill_box(q, pool.to(torch.float8_e4m3fn), pool.to(torch.float8_e4m3fn), 128) == 0
+    f8 = pool.to(torch.float8_e4m3fn)
+    assert ga.sm90_prefill_box(q, f8, f8, 128) == (64 if hopper else 0)  # the converter form
+    assert ga.sm90_prefill_box(q, f8, pool, 128) == 0  # K and V of different dtypes
+    assert ga.sm90_prefill_box(q.float(), f8, f8, 128) == 0  # float32 queries
     p256 = torch.zeros(4, 64, 2, 256, dtype=BF16, device=DEV)
     assert ga.sm90_prefill_box(torch.zeros(8, 4, 256, dtype=BF16, device=DEV), p256, p256, 128) == 0
     strided = torch.zeros(4, 2, 64, 2, 128, dtype=BF16, device=DEV)[:, 0]

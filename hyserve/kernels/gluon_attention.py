@@ -2,9 +2,13 @@
 
 Same contract, grid and step layout as `triton_attention._prefill_kernel`; what Gluon adds is warp
 specialisation (a producer warp streaming K/V tiles by TMA, two consumer warp groups issuing their own
-warp-group MMAs in turns), which a `tl.dot` loop cannot express. `cuda_attention` sends the 16-bit steps it
-can take here (`sm90_prefill_box`); the CPU interpreter cannot run Gluon, so the CPU tests compile it ahead
-of time for sm_90 and the GPU tests check it against the float64 reference.
+warp-group MMAs in turns), which a `tl.dot` loop cannot express. Over a float8 (e4m3) cache a converter warp
+group sits between them: the producer lands the 8-bit tiles in a staging ring, the converter upcasts them to
+float16 into the ring the consumers read (the products run in float16, the scales fold into the softmax
+scale and the output), so an fp8 cache prefills at the 16-bit kernel's speed instead of the Triton kernel's.
+`cuda_attention` sends the steps it can take here (`sm90_prefill_box`); the CPU interpreter cannot run
+Gluon, so the CPU tests compile it ahead of time for sm_90 and the GPU tests check it against the float64
+reference.
 """
 
 from __future__ import annotations
@@ -27,8 +31,14 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from hyserve.kernels.launch_util import tma_tiles_fit
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+_GL_FP8 = {torch.float8_e4m3fn: gl.float8e4nv}  # float8 caches this kernel reads (16-bit queries only)
 # Launch settings; `benchmarks/bench_kernels.py --only attn_sweep` times alternatives (benchmarks/README.md).
 _PREFILL_SM90 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, num_warps=4)
+# Over a float8 cache: STAGES 16-bit slots the consumers read plus STAGES8 8-bit staging slots the producer
+# fills (2 + 2 of 128 x 128 keys: Q 32 KiB + 128 KiB + 64 KiB, within the 227 KiB a block may have).
+_PREFILL_SM90_FP8 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, STAGES8=2, num_warps=4)
+# Rows the converter upcasts at a time (its registers: 32 x 128 e4m3 + their float16 are 24 a thread).
+_CONVERT_ROWS = gl.constexpr(32)
 
 
 @gluon.constexpr_function
@@ -37,6 +47,14 @@ def _load_layout(head_dim, num_warps):
     thread along the head dim."""
     cols = min(32, head_dim // 8)
     return gl.BlockedLayout([1, 8], [32 // cols, cols], [num_warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _convert_layout(head_dim, num_warps):
+    """Registers layout for the converter's [rows, head_dim] 8-bit tiles: 16 elements (16 bytes in, 32 out)
+    per thread along the head dim."""
+    cols = min(32, head_dim // 16)
+    return gl.BlockedLayout([1, 16], [32 // cols, cols], [num_warps, 1], [1, 0])
 
 
 @gluon.jit
@@ -117,14 +135,16 @@ def _ws_band(s, v_smem, t, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N: gl.co
 
 
 @gluon.jit
-def _ws_consumer(q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n, m0, ctx, h, nfull, ntiles, kv_end,
-                 qk_scale, s_q_t, s_q_h, s_o_t, s_o_h,
+def _ws_consumer(q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n, m0, ctx, h, nfull,
+                 ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h,
                  HALF: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, DT: gl.constexpr):
+                 STAGES: gl.constexpr, DT: gl.constexpr, KV_SCALED: gl.constexpr):
     """One warp group: query rows m0 + HALF * ROWS .. + ROWS of the block against every key tile the
     producer loads (the first nfull unmasked, the rest masked on position), releasing each slot after its
     PV product; products issued in this group's turns (`turn`: one mbarrier per group), so one group's
-    softmax overlaps the other's products."""
+    softmax overlaps the other's products. DT: the products' dtype (the ring's; float16 over a float8 cache,
+    whose bf16 queries are clamped into its range). KV_SCALED: the cache's scales, device scalars, fold into
+    the softmax scale (k_scale) and the output (v_scale)."""
     WARPS: gl.constexpr = 4
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -144,7 +164,11 @@ def _ws_consumer(q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0,
     offs_d = gl.arange(0, HEAD_DIM, layout=ld_cols)
     q = gl.load(q_ptr + (q0 + offs_m)[:, None] * s_q_t + h * s_q_h + offs_d[None, :],
                 mask=(offs_m < n)[:, None], other=0.0)
-    q_smem.store(q)
+    if q.dtype != DT:  # bf16 queries over a float8 cache's float16 tiles
+        q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0)
+    q_smem.store(q.to(DT))
+    if KV_SCALED:
+        qk_scale = qk_scale * gl.load(ks_ptr).to(gl.float32)
     fence_async_shared()
     gl.thread_barrier()
 
@@ -194,26 +218,68 @@ def _ws_consumer(q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0,
     mbarrier.arrive(empty.index(slot), count=1)
 
     out = acc / gl.convert_layout(l_i, o_rows)[:, None]
+    if KV_SCALED:
+        out = out * gl.load(vs_ptr).to(gl.float32)
     offs_om = r0 + gl.arange(0, ROWS, layout=o_rows)
     offs_od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    gl.store(out_ptr + (q0 + offs_om)[:, None] * s_o_t + h * s_o_h + offs_od[None, :], out.to(DT),
-             mask=(offs_om < n)[:, None])
+    gl.store(out_ptr + (q0 + offs_om)[:, None] * s_o_t + h * s_o_h + offs_od[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(offs_om < n)[:, None])
+
+
+@gluon.jit
+def _ws_converter(k8_bufs, v8_bufs, k_bufs, v_bufs, ready8, empty8, ready, empty, ntiles,
+                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STAGES8: gl.constexpr,
+                  ROWS: gl.constexpr):
+    """Converter warp group (float8 caches): key tile t's 8-bit K and V from staging slot t % STAGES8, once
+    landed, into the consumers' 16-bit slot t % STAGES, once both consumers have released it, ROWS rows at a
+    time; then the staging slot goes back to the producer and the 16-bit one to the consumers. e4m3 -> f16 is
+    exact (one instruction per pair); NaN bytes past a sequence stay NaN and are masked by the consumers."""
+    ld: gl.constexpr = _convert_layout(HEAD_DIM, 4)
+    DT: gl.constexpr = k_bufs.dtype
+    for t in range(ntiles):
+        s8 = t % STAGES8
+        slot = t % STAGES
+        mbarrier.wait(ready8.index(s8), (t // STAGES8) & 1)
+        mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
+        for c in gl.static_range(BLOCK_N // ROWS):
+            k = k8_bufs.index(s8).slice(c * ROWS, ROWS).load(ld)
+            k_bufs.index(slot).slice(c * ROWS, ROWS).store(k.to(DT))
+            v = v8_bufs.index(s8).slice(c * ROWS, ROWS).load(ld)
+            v_bufs.index(slot).slice(c * ROWS, ROWS).store(v.to(DT))
+        fence_async_shared()  # the generic-proxy stores, before the consumers' MMAs read them
+        gl.thread_barrier()  # every warp of the group is done with both slots
+        mbarrier.arrive(empty8.index(s8), count=1)
+        mbarrier.arrive(ready.index(slot), count=1)
+
+
+@gluon.jit
+def _alloc_barriers(count, arrivals: gl.constexpr):
+    bars = gl.allocate_shared_memory(gl.int64, [count, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(count):
+        mbarrier.init(bars.index(i), count=arrivals)
+    return bars
+
+
+@gluon.jit
+def _free_barriers(bars, count: gl.constexpr):
+    for i in gl.static_range(count):
+        mbarrier.invalidate(bars.index(i))
 
 
 @gluon.jit(do_not_specialize=["seq_offset", "s_bt_s"])
 def _prefill_kernel_sm90(
-    q_ptr, kc_ptr, vc_ptr, kd, vd, bt_ptr, lens_ptr, cu_ptr, out_ptr,
+    q_ptr, kc_ptr, vc_ptr, kd, vd, bt_ptr, lens_ptr, cu_ptr, out_ptr, ks_ptr, vs_ptr,
     seq_offset, qk_scale,
     s_q_t, s_q_h,
     s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h,
     s_bt_s, s_o_t, s_o_h,
     BS: gl.constexpr, REP: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
+    STAGES8: gl.constexpr, KV_SCALED: gl.constexpr, num_warps: gl.constexpr,
 ):
     """A producer warp streams the key tiles (band included) through the ring, two consumer warp groups take
-    BLOCK_M / 2 query rows each (the module docstring)."""
-    DT: gl.constexpr = kd.dtype
+    BLOCK_M / 2 query rows each (the module docstring). STAGES8 > 0: the cache is float8; the producer fills
+    an 8-bit staging ring of STAGES8 slots and a converter warp group upcasts each tile into the 16-bit ring."""
     ROWS: gl.constexpr = BLOCK_M // 2
     h = gl.program_id(0)
     mb = gl.num_programs(1) - 1 - gl.program_id(1)
@@ -231,31 +297,53 @@ def _prefill_kernel_sm90(
     ntiles = ((kv_end + BLOCK_N - 1) // BLOCK_N).to(gl.int32)
 
     if m0 < n:  # (a mixed step's grid has room for its longest prefill: most blocks are empty)
-        q_bufs = gl.allocate_shared_memory(DT, [2, ROWS, HEAD_DIM], kd.layout)
-        k_bufs = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, HEAD_DIM], kd.layout)
-        v_bufs = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, HEAD_DIM], vd.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warp group
-        gl.warp_specialize([
-            (_ws_consumer, (q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n, m0, ctx, h, nfull,
-                            ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 0, ROWS, HEAD_DIM, BLOCK_N, STAGES,
-                            DT)),
-            (_ws_consumer, (q_ptr, out_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n, m0, ctx, h, nfull,
-                            ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 1, ROWS, HEAD_DIM, BLOCK_N, STAGES,
-                            DT)),
-            (_ws_loader, (kd, vd, k_bufs, v_bufs, ready, empty, bt_row, kvh, ntiles, kv_end, BS, BLOCK_N, BOX, STAGES)),
-        ], [4, 1], [240, 24])
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(i))
-            mbarrier.invalidate(empty.index(i))
-        for i in gl.static_range(2):
-            mbarrier.invalidate(turn.index(i))
+        turn = _alloc_barriers(2, 1)
+        empty = _alloc_barriers(STAGES, 2)  # one arrival per consumer warp group
+        ready = _alloc_barriers(STAGES, 1)  # the TMA bytes landing, or the converter's arrival
+        if STAGES8 == 0:
+            DT: gl.constexpr = kd.dtype
+            q_bufs = gl.allocate_shared_memory(DT, [2, ROWS, HEAD_DIM], kd.layout)
+            k_bufs = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, HEAD_DIM], kd.layout)
+            v_bufs = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, HEAD_DIM], vd.layout)
+            gl.warp_specialize([
+                (_ws_consumer, (q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n,
+                                m0, ctx, h, nfull, ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 0, ROWS,
+                                HEAD_DIM, BLOCK_N, STAGES, DT, KV_SCALED)),
+                (_ws_consumer, (q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n,
+                                m0, ctx, h, nfull, ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 1, ROWS,
+                                HEAD_DIM, BLOCK_N, STAGES, DT, KV_SCALED)),
+                (_ws_loader, (kd, vd, k_bufs, v_bufs, ready, empty, bt_row, kvh, ntiles, kv_end, BS, BLOCK_N, BOX,
+                              STAGES)),
+            ], [4, 1], [240, 24])
+        else:
+            F16: gl.constexpr = gl.float16
+            ring: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], F16)
+            q_bufs = gl.allocate_shared_memory(F16, [2, ROWS, HEAD_DIM], ring)
+            k_bufs = gl.allocate_shared_memory(F16, [STAGES, BLOCK_N, HEAD_DIM], ring)
+            v_bufs = gl.allocate_shared_memory(F16, [STAGES, BLOCK_N, HEAD_DIM], ring)
+            k8_bufs = gl.allocate_shared_memory(kd.dtype, [STAGES8, BLOCK_N, HEAD_DIM], kd.layout)
+            v8_bufs = gl.allocate_shared_memory(vd.dtype, [STAGES8, BLOCK_N, HEAD_DIM], vd.layout)
+            ready8 = _alloc_barriers(STAGES8, 1)
+            empty8 = _alloc_barriers(STAGES8, 1)
+            # warp groups stay whole (the converter's 4 warps before the producer's one): registers are
+            # re-divided per warp group
+            gl.warp_specialize([
+                (_ws_consumer, (q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n,
+                                m0, ctx, h, nfull, ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 0, ROWS,
+                                HEAD_DIM, BLOCK_N, STAGES, F16, KV_SCALED)),
+                (_ws_consumer, (q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n,
+                                m0, ctx, h, nfull, ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 1, ROWS,
+                                HEAD_DIM, BLOCK_N, STAGES, F16, KV_SCALED)),
+                (_ws_converter, (k8_bufs, v8_bufs, k_bufs, v_bufs, ready8, empty8, ready, empty, ntiles, BLOCK_N,
+                                 HEAD_DIM, STAGES, STAGES8, _CONVERT_ROWS)),
+                (_ws_loader, (kd, vd, k8_bufs, v8_bufs, ready8, empty8, bt_row, kvh, ntiles, kv_end, BS, BLOCK_N,
+                              BOX, STAGES8)),
+            ], [4, 4, 1], [224, 40, 24])
+            _free_barriers(ready8, STAGES8)
+            _free_barriers(empty8, STAGES8)
+        _free_barriers(ready, STAGES)
+        _free_barriers(empty, STAGES)
+        _free_barriers(turn, 2)
 
 
 # --------------------------------------------------------------------------- launcher
@@ -263,11 +351,11 @@ def _prefill_kernel_sm90(
 
 def sm90_prefill_box(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> int:
     """Rows per TMA box when this kernel can take the step's prefill part, else 0: a Hopper GPU, 16-bit
-    queries over caches of the same dtype with a head dim of 64 or 128, and key tiles that load as boxes
-    of min(block size, block_n) rows (`launch_util.tma_tiles_fit`'s rules)."""
+    queries over caches of the same dtype or of float8 e4m3 with a head dim of 64 or 128, and key tiles that
+    load as boxes of min(block size, block_n) rows (`launch_util.tma_tiles_fit`'s rules)."""
     if not q.is_cuda or not _is_hopper(q.device.index if q.device.index is not None else torch.cuda.current_device()):
         return 0
-    if q.dtype not in _GL_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    if q.dtype not in _GL_DTYPES or v_cache.dtype != k_cache.dtype or k_cache.dtype not in (q.dtype, *_GL_FP8):
         return 0
     NB, BS, Hkv, Dh = k_cache.shape
     box = min(BS, block_n)
@@ -285,7 +373,7 @@ def _is_hopper(device_index: int) -> bool:
 def _box_layout(box: int, head_dim: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
     """The shared-memory layout of one [box, head_dim] TMA box (cached: the launcher's host time counts in
     every eager prefill layer)."""
-    return gl.NVMMASharedLayout.get_default_for([box, head_dim], _GL_DTYPES[dtype])
+    return gl.NVMMASharedLayout.get_default_for([box, head_dim], {**_GL_DTYPES, **_GL_FP8}[dtype])
 
 
 def _pool_descriptor(cache: torch.Tensor, box: int) -> TensorDescriptor:
@@ -296,39 +384,48 @@ def _pool_descriptor(cache: torch.Tensor, box: int) -> TensorDescriptor:
 def prefill_attention_sm90(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     lens_t: torch.Tensor, cu_t: torch.Tensor, out: torch.Tensor, seq_offset: int, num_seqs: int, max_new: int,
-    qk_scale: float, *, box: int, BLOCK_M: int, BLOCK_N: int, STAGES: int, num_warps: int,
+    qk_scale: float, *, box: int, BLOCK_M: int, BLOCK_N: int, STAGES: int, num_warps: int, STAGES8: int = 0,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     """out[rows of sequences seq_offset .. seq_offset + num_seqs) = attention of those prefill/extend
     sequences (the launcher's checks done; `box` from `sm90_prefill_box`). lens_t / cu_t: the step's
-    device seq_lens and cumulative new-token offsets. num_warps: a consumer warp group's 4."""
+    device seq_lens and cumulative new-token offsets. num_warps: a consumer warp group's 4. STAGES8: the
+    staging slots of a float8 cache (required there, 0 for a 16-bit one); k_scale / v_scale: the cache's
+    scales as device scalars, or None."""
     T, Hq, Dh = q.shape
     Hkv = k_cache.shape[2]
+    fp8 = k_cache.dtype in _GL_FP8
     assert BLOCK_N % box == 0 and BLOCK_M == 128 and num_warps == 4
-    # three warp groups (two consumers, the producer's) share the 64k registers: 168 x 384 threads
+    assert (STAGES8 > 0) == fp8, "a float8 cache takes the converter's staging ring, a 16-bit one none"
+    scaled = k_scale is not None
+    assert (v_scale is not None) == scaled
+    # warp groups (two consumers, the producer's, over fp8 the converter's) share the 64k registers: 168 x 288
+    # threads, 152 x 416 (each group then re-takes its own count, `_prefill_kernel_sm90`)
     _prefill_kernel_sm90[(Hq, triton.cdiv(max_new, BLOCK_M), num_seqs)](
         q, k_cache, v_cache, _pool_descriptor(k_cache, box), _pool_descriptor(v_cache, box), block_tables,
-        lens_t, cu_t, out, seq_offset, qk_scale,
+        lens_t, cu_t, out, k_scale if scaled else q, v_scale if scaled else q, seq_offset, qk_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         BS=k_cache.shape[1], REP=Hq // Hkv, HEAD_DIM=Dh, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BOX=box, STAGES=STAGES,
-        num_warps=num_warps, maxnreg=168,
+        STAGES8=STAGES8, KV_SCALED=scaled, num_warps=num_warps, maxnreg=128 if fp8 else 168,
     )
 
 
 def prefill_sm90(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     lens_t: torch.Tensor, cu_t: torch.Tensor, out: torch.Tensor, seq_offset: int, num_seqs: int, max_new: int,
-    qk_scale: float,
+    qk_scale: float, *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> bool:
-    """The prefill part of a step on this kernel at `_PREFILL_SM90`'s settings when it can take it
-    (`sm90_prefill_box`), returning True; False, with nothing written, otherwise (a
-    `triton_attention.PrefillKernel`)."""
-    box = sm90_prefill_box(q, k_cache, v_cache, _PREFILL_SM90["BLOCK_N"])
+    """The prefill part of a step on this kernel at `_PREFILL_SM90`'s settings (`_PREFILL_SM90_FP8`'s over a
+    float8 cache) when it can take it (`sm90_prefill_box`), returning True; False, with nothing written,
+    otherwise (a `triton_attention.PrefillKernel`)."""
+    cfg = _PREFILL_SM90_FP8 if k_cache.dtype in _GL_FP8 else _PREFILL_SM90
+    box = sm90_prefill_box(q, k_cache, v_cache, cfg["BLOCK_N"])
     if not box:
         return False
     prefill_attention_sm90(q, k_cache, v_cache, block_tables, lens_t, cu_t, out, seq_offset, num_seqs, max_new,
-                           qk_scale, box=box, **_PREFILL_SM90)
+                           qk_scale, box=box, k_scale=k_scale, v_scale=v_scale, **cfg)
     return True
 
 

@@ -1,0 +1,184 @@
+"""Where a large decode step's host time goes on a GPU, and which calls make the host wait for the device.
+
+With async scheduling the engine launches step t+1 before it reads step t's tokens, so its host work is free
+as long as nothing in it waits for the GPU. This runs `--batch` requests of a model's architecture (random
+weights) through `LLMEngine.step()` and reports, over the decode steps:
+
+- the step time (wall time per decode step) beside the decode graph's replay alone;
+- every call that synchronised the host with the device, from torch's sync debug mode
+  (`torch.cuda.set_sync_debug_mode("warn")`: device-to-host copies into pageable memory, `.item()`,
+  `.tolist()`, `nonzero`, ...), with the Python stack of each site and how often it ran per step;
+- the host time of each `step()` phase (scheduler, metadata, launch, read of the previous step).
+
+    python benchmarks/bench_step_sync.py --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 \
+        --batch 256 --git-sha SHA                                   # H200
+    python benchmarks/bench_step_sync.py --model-dir '' --batch 4 --steps 3   # CPU smoke (nothing syncs there)
+
+Writes benchmarks/results/step_sync_<date>_<sha>.json (date, git sha, GPU, exact command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime as dt
+import json
+import random
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from hyserve import LLM, SamplingParams  # noqa: E402
+from hyserve.bench.report import sanitize, stamp  # noqa: E402
+
+CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"
+# the step's phases, timed by wrapping these methods (object path from the engine, method name)
+PHASES = (("scheduler", "schedule"), ("runner", "execute"), ("scheduler", "update"), ("", "_read"))
+
+
+def _site(stack: list[traceback.FrameSummary]) -> str:
+    """The innermost frames inside hyserve (where the sync is asked for), outermost first."""
+    ours = [f for f in stack if "/hyserve/" in f.filename.replace("\\", "/")]
+    frames = (ours or stack)[-4:]
+    return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))
+
+
+class SyncRecorder:
+    """Collects torch's synchronisation warnings by call site while active."""
+
+    def __init__(self) -> None:
+        self.sites: collections.Counter[str] = collections.Counter()
+        self.messages: dict[str, str] = {}
+        self._saved: Any = None
+
+    def __enter__(self) -> SyncRecorder:
+        self._saved = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ANN202
+            text = str(message)
+            if "synchroniz" not in text:
+                return self._saved(message, category, filename, lineno, file, line)
+            site = _site(traceback.extract_stack()[:-1])
+            self.sites[site] += 1
+            self.messages.setdefault(site, text.splitlines()[0])
+            return None
+
+        warnings.showwarning = show
+        warnings.simplefilter("always")
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = self._saved
+        warnings.resetwarnings()
+
+
+def _wrap_phases(eng) -> dict[str, list[float]]:  # noqa: ANN001 - LLMEngine
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    for owner, name in PHASES:
+        obj = getattr(eng, owner) if owner else eng
+        real = getattr(obj, name, None)
+        if real is None:
+            continue
+
+        def timed(*a, _real=real, _label=f"{owner or 'engine'}.{name}", **kw):  # noqa: ANN002, ANN003, ANN202
+            t = time.perf_counter()
+            try:
+                return _real(*a, **kw)
+            finally:
+                times[_label].append((time.perf_counter() - t) * 1e3)
+
+        setattr(obj, name, timed)
+    return times
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    model = a.model_dir or None
+    llm = LLM(model, load_format="dummy" if model else "auto", max_batch_size=a.batch,
+              max_num_tokens=max(8192, a.batch * a.prompt_len), log=lambda s: None)
+    eng = llm.engine
+    vocab = eng.model_config.vocab_size
+    rng = random.Random(0)
+    for i in range(a.batch):
+        eng.add_request(f"s{i}", [rng.randrange(3, vocab) for _ in range(a.prompt_len)],
+                        SamplingParams(max_tokens=a.steps + 2, temperature=0.0, ignore_eos=True))
+    while any(r.num_computed < r.num_prompt_tokens for r in eng.requests.values()):
+        eng.step()
+    eng.step()  # the first decode step (graphs warm, the async pipeline full)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    phases = _wrap_phases(eng)
+    step_ms: list[float] = []
+    tokens = 0
+    with SyncRecorder() as rec:
+        t0 = time.perf_counter()
+        while eng.has_unfinished():
+            t = time.perf_counter()
+            tokens += sum(len(d.token_ids) for d in eng.step())
+            step_ms.append((time.perf_counter() - t) * 1e3)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    steps = max(1, tokens // a.batch)
+    replay = None
+    graphs = getattr(eng.runner, "graphs", None)
+    if graphs is not None and torch.cuda.is_available() and graphs.size_for(a.batch) is not None:
+        size = graphs.size_for(a.batch)
+        graphs.replay(size)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(10):
+            graphs.replay(size)
+        torch.cuda.synchronize()
+        replay = (time.perf_counter() - t) / 10 * 1e3
+    return dict(
+        batch=a.batch, decode_steps=steps, step_ms=wall / steps * 1e3, graph_replay_ms=replay,
+        step_call_ms=dict(mean=sum(step_ms) / len(step_ms), max=max(step_ms), n=len(step_ms)),
+        phases_ms={k: dict(mean=sum(v) / len(v), max=max(v), calls=len(v)) for k, v in phases.items() if v},
+        syncs=[dict(site=s, count=c, per_step=c / steps, message=rec.messages[s]) for s, c in rec.sites.most_common()],
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", default=str(CFG_DIR), help="config-only directory ('' = the built-in tiny model)")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--prompt-len", type=int, default=30)
+    ap.add_argument("--git-sha", default="")
+    ap.add_argument("--result-dir", default=str(ROOT / "benchmarks" / "results"))
+    a = ap.parse_args(argv)
+    if a.batch < 1 or a.steps < 1 or a.prompt_len < 1:
+        ap.error("--batch, --steps and --prompt-len must be >= 1")
+    head = stamp("step_sync", [Path(sys.executable).name, *sys.argv] if argv is None
+                 else ["python", "benchmarks/bench_step_sync.py", *argv], a.git_sha or None)
+    result = {**head, "model": Path(a.model_dir).name if a.model_dir else "hyserve-tiny", **run(a)}
+    print(f"batch {result['batch']}: {result['step_ms']:.2f} ms per decode step over {result['decode_steps']} steps; "
+          f"graph replay alone {result['graph_replay_ms'] or float('nan'):.2f} ms")
+    for k, v in result["phases_ms"].items():
+        print(f"  {k:<22} {v['mean']:8.3f} ms mean  {v['max']:8.3f} max  ({v['calls']} calls)")
+    print(f"  synchronising calls: {sum(s['count'] for s in result['syncs'])}")
+    for s in result["syncs"]:
+        print(f"    {s['per_step']:6.2f} per step  {s['site']}\n        {s['message']}")
+    out = Path(a.result_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"step_sync_{dt.date.today().isoformat()}_{head['git_sha']}.json"
+    path.write_text(json.dumps(sanitize(result), indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
