@@ -865,6 +865,16 @@ _PREFILL_SWEEP: list[tuple[str, dict]] = [
 ]
 
 
+# Prefill over a float8 pool (`gluon_attention._PREFILL_SM90_FP8`, the converter form): ring depths, where Q
+# lives, and the Triton kernel alone (the path before the converter form).
+_PREFILL_SWEEP_FP8: list[tuple[str, dict]] = [
+    ("default", {}),
+    ("Gluon 2 + 2 stages, Q in shared memory", dict(sm90=dict(STAGES=2, STAGES8=2, Q_REGS=False))),
+    ("Gluon 2 + 2 stages, Q in registers", dict(sm90=dict(STAGES=2, STAGES8=2, Q_REGS=True))),
+    ("Triton M128 N128 w8 s3 TMA", dict(GLUON=False)),
+]
+
+
 def bench_attn_sweep(b: Bench) -> None:
     import hyserve.kernels.gluon_attention as ga
     import hyserve.kernels.triton_attention as ta
@@ -874,7 +884,7 @@ def bench_attn_sweep(b: Bench) -> None:
     dtype = BF16 if not b.dry else torch.float16
     scale, tol = D**-0.5, 2e-2
     tables = [(ta, name) for name in ("_DECODE_GPU", "_DECODE_GPU_FP8", "_PREFILL_GPU", "_TARGET_PROGRAMS", "_MAX_SPLITS",
-                                      "_DECODE_CPU", "_PREFILL_CPU")] + [(ga, "_PREFILL_SM90")]
+                                      "_DECODE_CPU", "_PREFILL_CPU")] + [(ga, "_PREFILL_SM90"), (ga, "_PREFILL_SM90_FP8")]
     saved = [(mod, name, copy.deepcopy(getattr(mod, name))) for mod, name in tables]
     attention = [paged_attention_cuda]  # what the entry being timed calls (apply_prefill may pick Triton alone)
 
@@ -914,11 +924,11 @@ def bench_attn_sweep(b: Bench) -> None:
     def apply_decode_fp8(over: dict, programs: int, max_splits: int) -> None:
         apply_decode(over, programs, max_splits, "_DECODE_GPU_FP8")
 
-    def apply_prefill(over: dict) -> None:
+    def apply_prefill(over: dict, table: str = "_PREFILL_SM90") -> None:
         if b.dry:
             return  # the interpreter runs its own small tiles
         over = dict(over)
-        ga._PREFILL_SM90.update(over.pop("sm90", {}))
+        getattr(ga, table).update(over.pop("sm90", {}))
         if not over.pop("GLUON", True):
             attention[0] = ta.paged_attention_triton
         ta._PREFILL_GPU[128].update(over)
@@ -940,6 +950,11 @@ def bench_attn_sweep(b: Bench) -> None:
         flops = ta.attention_flops([n_new], [L], Hq, D)
         default_ms = run_case(f"prefill attention {n_new} new / {L}", q, kc, vc, tb, [L], [0, n_new], flops,
                               "FLOP/s", _PREFILL_SWEEP, apply_prefill)
+        fp8_kv = _fp8_pool(b, [L], Hkv, D, bs, dtype)
+        run_case(f"prefill attention fp8 KV {n_new} new / {L}", q, *fp8_kv[:3], [L], [0, n_new], flops, "FLOP/s",
+                 _PREFILL_SWEEP_FP8, lambda over: apply_prefill(over, "_PREFILL_SM90_FP8"), k_scale=fp8_kv[3],
+                 v_scale=fp8_kv[4])
+        del fp8_kv
         if n_new == L and not b.dry:  # the peer the default is judged against, timed in the same sweep
             best_name, best_ms = _sdpa_best(b, q, kc, vc, tb, L)
             b.record(f"prefill attention {n_new} new / {L} [torch SDPA {best_name}]", best_ms, "ms",

@@ -339,6 +339,22 @@ def test_gluon_fp8_prefill_matches_reference(poison, monkeypatch, new, lens, Hq,
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("settings", [dict(STAGES=2, STAGES8=2, Q_REGS=False), dict(STAGES=2, STAGES8=2, Q_REGS=True)])
+@pytest.mark.parametrize("case", [GLUON_FP8_CASES[1], GLUON_FP8_CASES[2]])
+def test_gluon_fp8_prefill_alternative_settings(poison, monkeypatch, settings, case):
+    """The converter form's settings `bench_kernels.py --only attn_sweep` times beside the default (two 16-bit
+    and two staging slots, Q in shared memory or in registers) are correct too."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is for Hopper")
+    ga = tk._gluon_or_skip()
+    monkeypatch.setattr(ga, "_PREFILL_SM90_FP8", {**ga._PREFILL_SM90_FP8, **settings})
+    new, lens, Hq, Hkv, D, bs, dtype = case
+    _triton_case(poison, new=new, lens=lens, Hq=Hq, Hkv=Hkv, D=D, bs=bs, dtype=dtype, k_scale=0.05, v_scale=3.0,
+                 cuda_op=True)
+
+
+@gpu
+@needs_cuda
 def test_triton_fp8_decode_graph_reads_scales_from_device():
     """Captured decode with scales: replaying after new q and new scale values gives the attention with
     the new values (the scales are device reads, not constants baked into the graph)."""
