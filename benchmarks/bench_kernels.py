@@ -865,12 +865,12 @@ _PREFILL_SWEEP: list[tuple[str, dict]] = [
 ]
 
 
-# Prefill over a float8 pool (`gluon_attention._PREFILL_SM90_FP8`, the converter form): ring depths, where Q
-# lives, and the Triton kernel alone (the path before the converter form).
+# Prefill over a float8 pool (`gluon_attention._PREFILL_SM90_FP8`, the converter form): the converter's rows
+# per step, and the Triton kernel alone (the path before the converter form).
 _PREFILL_SWEEP_FP8: list[tuple[str, dict]] = [
     ("default", {}),
-    ("Gluon 2 + 2 stages, Q in shared memory", dict(sm90=dict(STAGES=2, STAGES8=2, Q_REGS=False))),
-    ("Gluon 2 + 2 stages, Q in registers", dict(sm90=dict(STAGES=2, STAGES8=2, Q_REGS=True))),
+    ("Gluon, 8 rows converted at a time", dict(sm90=dict(CONVERT_ROWS=8))),
+    ("Gluon, 32 rows converted at a time", dict(sm90=dict(CONVERT_ROWS=32))),
     ("Triton M128 N128 w8 s3 TMA", dict(GLUON=False)),
 ]
 

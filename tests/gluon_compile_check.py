@@ -31,7 +31,7 @@ def main() -> None:
                     out_ptr=pool, ks_ptr=scale, vs_ptr=scale)
         kernel = ga._prefill_kernel_sm90
         const = dict(BS=bs, REP=5, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BOX=box,
-                     STAGES=cfg["STAGES"], STAGES8=cfg.get("STAGES8", 0), KV_SCALED=fp8, Q_REGS=cfg.get("Q_REGS", False),
+                     STAGES=cfg["STAGES"], STAGES8=cfg.get("STAGES8", 0), KV_SCALED=fp8, CONVERT_ROWS=cfg.get("CONVERT_ROWS", 16),
                      num_warps=cfg["num_warps"])
         # the signature in parameter order: tensors, descriptors, the float scale, int32 scalars, constants
         sig = {name: mangle_type(ptrs[name]) if name in ptrs else "constexpr" if name in const

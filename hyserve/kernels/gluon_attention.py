@@ -34,15 +34,11 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 _GL_FP8 = {torch.float8_e4m3fn: gl.float8e4nv}  # float8 caches this kernel reads (16-bit queries only)
 # Launch settings; `benchmarks/bench_kernels.py --only attn_sweep` times alternatives (benchmarks/README.md).
 _PREFILL_SM90 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, num_warps=4)
-# Over a float8 cache: STAGES 16-bit slots the consumers read plus STAGES8 8-bit staging slots the producer
-# fills. Three 16-bit slots of 128 x 128 keys (as the 16-bit kernel's ring: two cost it 1.18-1.26x on the H200)
-# and one staging slot take 192 + 32 KiB of the 227 a block may have, so the consumers hold Q in registers
-# (Q_REGS) instead of its 32 KiB of shared memory; `bench_kernels.py --only attn_sweep` times 2 + 2 with Q in
-# shared memory beside it.
-_PREFILL_SM90_FP8 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, STAGES8=1, Q_REGS=True, num_warps=4)
-# Rows the converter's two warps upcast at a time: 8 x 128 e4m3 in and 8 x 128 float16 out are 12 registers a
-# thread of the 24 its warp group keeps (the consumers take 240 each).
-_CONVERT_ROWS = gl.constexpr(8)
+# Over a float8 cache: STAGES 16-bit slots the consumers read, STAGES8 8-bit staging slots the copy engine
+# fills, and CONVERT_ROWS rows upcast at a time by the converter (also the producer: a warp group of 4 with 24
+# registers a thread, beside 240 for each consumer group). Q (32 KiB) + 2 x 64 + 2 x 32 KiB fill the 227 a block
+# may have; `bench_kernels.py --only attn_sweep` times the alternatives (benchmarks/README.md).
+_PREFILL_SM90_FP8 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, STAGES8=2, CONVERT_ROWS=16, num_warps=4)
 
 
 @gluon.constexpr_function
@@ -142,14 +138,13 @@ def _ws_band(s, v_smem, t, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N: gl.co
 def _ws_consumer(q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n, m0, ctx, h, nfull,
                  ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h,
                  HALF: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, DT: gl.constexpr, KV_SCALED: gl.constexpr, Q_REGS: gl.constexpr):
+                 STAGES: gl.constexpr, DT: gl.constexpr, KV_SCALED: gl.constexpr):
     """One warp group: query rows m0 + HALF * ROWS .. + ROWS of the block against every key tile the
     producer loads (the first nfull unmasked, the rest masked on position), releasing each slot after its
     PV product; products issued in this group's turns (`turn`: one mbarrier per group), so one group's
     softmax overlaps the other's products. DT: the products' dtype (the ring's; float16 over a float8 cache,
     whose bf16 queries are clamped into its range). KV_SCALED: the cache's scales, device scalars, fold into
-    the softmax scale (k_scale) and the output (v_scale). Q_REGS: the S products take Q from registers (q_bufs
-    unused: the shared memory goes to the rings), else from this group's q_bufs slot."""
+    the softmax scale (k_scale) and the output (v_scale)."""
     WARPS: gl.constexpr = 4
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -163,24 +158,16 @@ def _ws_consumer(q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, 
     ld_rows: gl.constexpr = gl.SliceLayout(1, ld)
 
     r0 = m0 + HALF * ROWS
-    if Q_REGS:  # loaded straight into the MMA's register-operand layout (no layout change, no scratch)
-        q_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-        q_ld: gl.constexpr = q_op
-    else:
-        q_ld: gl.constexpr = ld
-    offs_m = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_ld))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_ld))
+    q_smem = q_bufs.index(HALF)
+    offs_m = r0 + gl.arange(0, ROWS, layout=ld_rows)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
     q = gl.load(q_ptr + (q0 + offs_m)[:, None] * s_q_t + h * s_q_h + offs_d[None, :],
                 mask=(offs_m < n)[:, None], other=0.0)
     if q.dtype != DT:  # bf16 queries over a float8 cache's float16 tiles
         q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0)
-    if Q_REGS:
-        qa = q.to(DT)
-    else:
-        qa = q_bufs.index(HALF)
-        qa.store(q.to(DT))
-        fence_async_shared()
-        gl.thread_barrier()
+    q_smem.store(q.to(DT))
+    fence_async_shared()
+    gl.thread_barrier()
     if KV_SCALED:
         qk_scale = qk_scale * gl.load(ks_ptr).to(gl.float32)
 
@@ -198,10 +185,10 @@ def _ws_consumer(q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, 
     other = turn.index(1 - HALF)
     mbarrier.wait(ready.index(0), 0)
     mbarrier.wait(mine, 1 - HALF)
-    s_tok = warpgroup_mma(qa, k_bufs.index(0).permute((1, 0)),
+    s_tok = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)),
                           gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
     mbarrier.arrive(other, count=1)
-    s, qa = warpgroup_mma_wait(0, deps=[s_tok, qa])
+    s = warpgroup_mma_wait(0, deps=[s_tok])
     for t in range(ntiles - 1):
         slot = t % STAGES
         s = _ws_band(s, v_bufs.index(slot), t, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N, ld)
@@ -211,10 +198,10 @@ def _ws_consumer(q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, 
         mbarrier.wait(ready.index(nxt), ((t + 1) // STAGES) & 1)
         mbarrier.wait(mine, ((t + 1) & 1) ^ (1 - HALF))
         o_tok = warpgroup_mma(p, v_bufs.index(slot), acc, is_async=True)
-        s_tok = warpgroup_mma(qa, k_bufs.index(nxt).permute((1, 0)),
+        s_tok = warpgroup_mma(q_smem, k_bufs.index(nxt).permute((1, 0)),
                               gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
         mbarrier.arrive(other, count=1)
-        acc, s, p, qa = warpgroup_mma_wait(0, deps=[o_tok, s_tok, p, qa])
+        acc, s, p = warpgroup_mma_wait(0, deps=[o_tok, s_tok, p])
         gl.thread_barrier()  # every warp of this group is done with the slot
         mbarrier.arrive(empty.index(slot), count=1)
     last = ntiles - 1
@@ -239,15 +226,19 @@ def _ws_consumer(q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, 
 
 
 @gluon.jit
-def _ws_converter(k8_bufs, v8_bufs, k_bufs, v_bufs, ready8, empty8, ready, empty, ntiles,
-                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, STAGES8: gl.constexpr,
-                  ROWS: gl.constexpr):
-    """Converter warps (float8 caches): key tile t's 8-bit K and V from staging slot t % STAGES8, once
-    landed, into the consumers' 16-bit slot t % STAGES, once both consumers have released it, ROWS rows at a
-    time; then the staging slot goes back to the producer and the 16-bit one to the consumers. e4m3 -> f16 is
-    exact (one instruction per pair); NaN bytes past a sequence stay NaN and are masked by the consumers."""
-    ld: gl.constexpr = _convert_layout(HEAD_DIM, 2)
+def _ws_converter(kd, vd, k8_bufs, v8_bufs, k_bufs, v_bufs, ready8, ready, empty, bt_row, kvh, ntiles, kv_end,
+                  BS: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  STAGES: gl.constexpr, STAGES8: gl.constexpr, ROWS: gl.constexpr):
+    """Producer and converter warp group (float8 caches): key tile t's 8-bit K and V land by TMA in staging slot
+    t % STAGES8; once they have, and both consumers have released 16-bit slot t % STAGES, they are upcast into it
+    ROWS rows at a time, the staging slot is refilled with tile t + STAGES8 and the 16-bit slot handed to the
+    consumers. e4m3 -> f16 is exact (one instruction per pair); NaN bytes past a sequence stay NaN and are
+    masked by the consumers."""
+    ld: gl.constexpr = _convert_layout(HEAD_DIM, 4)
     DT: gl.constexpr = k_bufs.dtype
+    for t in gl.static_range(STAGES8):
+        if t < ntiles:
+            _issue_tile(kd, vd, k8_bufs, v8_bufs, ready8, bt_row, t, kvh, kv_end, BS, BLOCK_N, BOX, STAGES8)
     for t in range(ntiles):
         s8 = t % STAGES8
         slot = t % STAGES
@@ -258,9 +249,12 @@ def _ws_converter(k8_bufs, v8_bufs, k_bufs, v_bufs, ready8, empty8, ready, empty
             k_bufs.index(slot).slice(c * ROWS, ROWS).store(k.to(DT))
             v = v8_bufs.index(s8).slice(c * ROWS, ROWS).load(ld)
             v_bufs.index(slot).slice(c * ROWS, ROWS).store(v.to(DT))
-        fence_async_shared()  # the generic-proxy stores, before the consumers' MMAs read them
+        # the generic-proxy stores (and reads of the staging slot) before the tensor cores read the 16-bit slot
+        # and the copy engine rewrites the staging one
+        fence_async_shared()
         gl.thread_barrier()  # every warp of the group is done with both slots
-        mbarrier.arrive(empty8.index(s8), count=1)
+        if t + STAGES8 < ntiles:
+            _issue_tile(kd, vd, k8_bufs, v8_bufs, ready8, bt_row, t + STAGES8, kvh, kv_end, BS, BLOCK_N, BOX, STAGES8)
         mbarrier.arrive(ready.index(slot), count=1)
 
 
@@ -287,11 +281,12 @@ def _prefill_kernel_sm90(
     s_bt_s, s_o_t, s_o_h,
     BS: gl.constexpr, REP: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr,
-    STAGES8: gl.constexpr, KV_SCALED: gl.constexpr, Q_REGS: gl.constexpr, num_warps: gl.constexpr,
+    STAGES8: gl.constexpr, KV_SCALED: gl.constexpr, CONVERT_ROWS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """A producer warp streams the key tiles (band included) through the ring, two consumer warp groups take
     BLOCK_M / 2 query rows each (the module docstring). STAGES8 > 0: the cache is float8; the producer fills
-    an 8-bit staging ring of STAGES8 slots and a converter warp group upcasts each tile into the 16-bit ring."""
+    an 8-bit staging ring of STAGES8 slots and a converter warp group upcasts each tile into the 16-bit ring,
+    CONVERT_ROWS rows at a time."""
     ROWS: gl.constexpr = BLOCK_M // 2
     h = gl.program_id(0)
     mb = gl.num_programs(1) - 1 - gl.program_id(1)
@@ -320,10 +315,10 @@ def _prefill_kernel_sm90(
             gl.warp_specialize([
                 (_ws_consumer, (q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n,
                                 m0, ctx, h, nfull, ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 0, ROWS,
-                                HEAD_DIM, BLOCK_N, STAGES, DT, KV_SCALED, False)),
+                                HEAD_DIM, BLOCK_N, STAGES, DT, KV_SCALED)),
                 (_ws_consumer, (q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n,
                                 m0, ctx, h, nfull, ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 1, ROWS,
-                                HEAD_DIM, BLOCK_N, STAGES, DT, KV_SCALED, False)),
+                                HEAD_DIM, BLOCK_N, STAGES, DT, KV_SCALED)),
                 (_ws_loader, (kd, vd, k_bufs, v_bufs, ready, empty, bt_row, kvh, ntiles, kv_end, BS, BLOCK_N, BOX,
                               STAGES)),
             ], [4, 1], [240, 24])
@@ -332,30 +327,23 @@ def _prefill_kernel_sm90(
             ring: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], F16)
             k_bufs = gl.allocate_shared_memory(F16, [STAGES, BLOCK_N, HEAD_DIM], ring)
             v_bufs = gl.allocate_shared_memory(F16, [STAGES, BLOCK_N, HEAD_DIM], ring)
-            if Q_REGS:
-                q_bufs = k_bufs  # (unread: the consumers hold Q in registers)
-            else:
-                q_bufs = gl.allocate_shared_memory(F16, [2, ROWS, HEAD_DIM], ring)
+            q_bufs = gl.allocate_shared_memory(F16, [2, ROWS, HEAD_DIM], ring)
             k8_bufs = gl.allocate_shared_memory(kd.dtype, [STAGES8, BLOCK_N, HEAD_DIM], kd.layout)
             v8_bufs = gl.allocate_shared_memory(vd.dtype, [STAGES8, BLOCK_N, HEAD_DIM], vd.layout)
             ready8 = _alloc_barriers(STAGES8, 1)
-            empty8 = _alloc_barriers(STAGES8, 1)
-            # the converter's two warps and the producer's one share a warp group (registers are re-divided per
-            # warp group: 240 for each consumer group leave that one 24)
+            # the converter is the producer too: one warp group of 4, with the 24 registers that 240 for each
+            # consumer group leave (registers are re-divided per warp group)
             gl.warp_specialize([
                 (_ws_consumer, (q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n,
                                 m0, ctx, h, nfull, ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 0, ROWS,
-                                HEAD_DIM, BLOCK_N, STAGES, F16, KV_SCALED, Q_REGS)),
+                                HEAD_DIM, BLOCK_N, STAGES, F16, KV_SCALED)),
                 (_ws_consumer, (q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n,
                                 m0, ctx, h, nfull, ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 1, ROWS,
-                                HEAD_DIM, BLOCK_N, STAGES, F16, KV_SCALED, Q_REGS)),
-                (_ws_converter, (k8_bufs, v8_bufs, k_bufs, v_bufs, ready8, empty8, ready, empty, ntiles, BLOCK_N,
-                                 HEAD_DIM, STAGES, STAGES8, _CONVERT_ROWS)),
-                (_ws_loader, (kd, vd, k8_bufs, v8_bufs, ready8, empty8, bt_row, kvh, ntiles, kv_end, BS, BLOCK_N,
-                              BOX, STAGES8)),
-            ], [4, 2, 1], [240, 24, 24])
+                                HEAD_DIM, BLOCK_N, STAGES, F16, KV_SCALED)),
+                (_ws_converter, (kd, vd, k8_bufs, v8_bufs, k_bufs, v_bufs, ready8, ready, empty, bt_row, kvh, ntiles,
+                                 kv_end, BS, BLOCK_N, BOX, HEAD_DIM, STAGES, STAGES8, CONVERT_ROWS)),
+            ], [4, 4], [240, 24])
             _free_barriers(ready8, STAGES8)
-            _free_barriers(empty8, STAGES8)
         _free_barriers(ready, STAGES)
         _free_barriers(empty, STAGES)
         _free_barriers(turn, 2)
@@ -400,20 +388,18 @@ def prefill_attention_sm90(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     lens_t: torch.Tensor, cu_t: torch.Tensor, out: torch.Tensor, seq_offset: int, num_seqs: int, max_new: int,
     qk_scale: float, *, box: int, BLOCK_M: int, BLOCK_N: int, STAGES: int, num_warps: int, STAGES8: int = 0,
-    Q_REGS: bool = False, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    CONVERT_ROWS: int = 16, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     """out[rows of sequences seq_offset .. seq_offset + num_seqs) = attention of those prefill/extend
     sequences (the launcher's checks done; `box` from `sm90_prefill_box`). lens_t / cu_t: the step's
     device seq_lens and cumulative new-token offsets. num_warps: a consumer warp group's 4. STAGES8: the
     staging slots of a float8 cache (required there, 0 for a 16-bit one); k_scale / v_scale: the cache's
-    scales as device scalars, or None. Q_REGS (float8 caches): the consumers hold Q in registers, leaving its
-    shared memory to the rings."""
+    scales as device scalars, or None. CONVERT_ROWS: rows the converter upcasts at a time (float8 caches)."""
     T, Hq, Dh = q.shape
     Hkv = k_cache.shape[2]
     fp8 = k_cache.dtype in _GL_FP8
     assert BLOCK_N % box == 0 and BLOCK_M == 128 and num_warps == 4
     assert (STAGES8 > 0) == fp8, "a float8 cache takes the converter's staging ring, a 16-bit one none"
-    assert fp8 or not Q_REGS, "Q in registers is the float8 form's"
     scaled = k_scale is not None
     assert (v_scale is not None) == scaled
     # three warp groups (two consumers; the producer, with the converter over fp8) share the 64k registers:
@@ -425,7 +411,7 @@ def prefill_attention_sm90(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         BS=k_cache.shape[1], REP=Hq // Hkv, HEAD_DIM=Dh, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BOX=box, STAGES=STAGES,
-        STAGES8=STAGES8, KV_SCALED=scaled, Q_REGS=Q_REGS, num_warps=num_warps, maxnreg=168,
+        STAGES8=STAGES8, KV_SCALED=scaled, CONVERT_ROWS=CONVERT_ROWS, num_warps=num_warps, maxnreg=168,
     )
 
 
