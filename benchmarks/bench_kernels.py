@@ -869,8 +869,8 @@ _PREFILL_SWEEP: list[tuple[str, dict]] = [
 # per step, and the Triton kernel alone (the path before the converter form).
 _PREFILL_SWEEP_FP8: list[tuple[str, dict]] = [
     ("default", {}),
-    ("Gluon, 8 rows converted at a time", dict(sm90=dict(CONVERT_ROWS=8))),
-    ("Gluon, 32 rows converted at a time", dict(sm90=dict(CONVERT_ROWS=32))),
+    ("Gluon, 16 rows converted at a time", dict(sm90=dict(CONVERT_ROWS=16))),
+    ("Gluon, one staging slot per pool", dict(sm90=dict(STAGES8=1))),
     ("Triton M128 N128 w8 s3 TMA", dict(GLUON=False)),
 ]
 

@@ -339,10 +339,10 @@ def test_gluon_fp8_prefill_matches_reference(poison, monkeypatch, new, lens, Hq,
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("settings", [dict(CONVERT_ROWS=8), dict(CONVERT_ROWS=32), dict(STAGES8=1)])
+@pytest.mark.parametrize("settings", [dict(CONVERT_ROWS=16), dict(CONVERT_ROWS=8), dict(STAGES8=1)])
 @pytest.mark.parametrize("case", [GLUON_FP8_CASES[1], GLUON_FP8_CASES[2]])
 def test_gluon_fp8_prefill_alternative_settings(poison, monkeypatch, settings, case):
-    """The converter form's settings `bench_kernels.py --only attn_sweep` times beside the default (8 or 32 rows
+    """The converter form's settings `bench_kernels.py --only attn_sweep` times beside the default (16 or 8 rows
     upcast at a time) are correct too, and so is a single staging slot (each refill waits for its conversion)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is for Hopper")

@@ -34,11 +34,12 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 _GL_FP8 = {torch.float8_e4m3fn: gl.float8e4nv}  # float8 caches this kernel reads (16-bit queries only)
 # Launch settings; `benchmarks/bench_kernels.py --only attn_sweep` times alternatives (benchmarks/README.md).
 _PREFILL_SM90 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, num_warps=4)
-# Over a float8 cache: STAGES 16-bit slots the consumers read, STAGES8 8-bit staging slots the copy engine
-# fills, and CONVERT_ROWS rows upcast at a time by the converter (also the producer: a warp group of 4 with 24
-# registers a thread, beside 240 for each consumer group). Q (32 KiB) + 2 x 64 + 2 x 32 KiB fill the 227 a block
-# may have; `bench_kernels.py --only attn_sweep` times the alternatives (benchmarks/README.md).
-_PREFILL_SM90_FP8 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, STAGES8=2, CONVERT_ROWS=16, num_warps=4)
+# Over a float8 cache: STAGES 16-bit slots the consumers read, STAGES8 8-bit staging slots per pool the copy
+# engine fills, and CONVERT_ROWS rows upcast at a time by each pool's converter (also its producer: a warp
+# group of 4 with 24 registers a thread, beside 232 for each consumer group; the upcast is latency-bound, so
+# more rows a step and a group per pool are what made it keep up). Q (32 KiB) + 2 x 64 + 2 x 32 KiB fill the
+# 227 a block may have; `bench_kernels.py --only attn_sweep` times the alternatives (benchmarks/README.md).
+_PREFILL_SM90_FP8 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, STAGES8=2, CONVERT_ROWS=32, num_warps=4)
 
 
 @gluon.constexpr_function
@@ -58,23 +59,41 @@ def _convert_layout(head_dim, num_warps):
 
 
 @gluon.jit
-def _issue_tile(kd, vd, k_bufs, v_bufs, ready, bt_row, t, kvh, limit,
-                BS: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr):
-    """TMA loads of key tile t (positions t * BLOCK_N ..., starting below `limit`) of both pools into ring
-    slot t % STAGES, as BLOCK_N / BOX boxes each, all signalling the slot's barrier. A box at or past
-    `limit` (whose block-table entry may not exist) loads the tile's first box again, so the byte count
-    stays whole: its rows are masked by the reader."""
-    slot = t % STAGES
-    bar = ready.index(slot)
-    start = t * BLOCK_N
-    mbarrier.expect(bar, 2 * BLOCK_N * kd.block_type.shape[1] * kd.dtype.primitive_bitwidth // 8)
-    col = (kvh * kd.block_type.shape[1]).to(gl.int32)
+def _issue_boxes(desc, bufs, bar, slot, start, bt_row, col, limit, BS: gl.constexpr, BLOCK_N: gl.constexpr,
+                 BOX: gl.constexpr):
+    """TMA loads of the key tile at position `start` of one pool into ring slot `slot`, as BLOCK_N / BOX boxes,
+    all signalling `bar` (the caller expects their bytes). A box at or past `limit` (whose block-table entry
+    may not exist) loads the tile's first box again, so the byte count stays whole: its rows are masked by the
+    reader."""
     for b in gl.static_range(BLOCK_N // BOX):
         pos = start + b * BOX
         pos = gl.where(pos < limit, pos, start)
         row = (gl.load(bt_row + pos // BS) * BS + pos % BS).to(gl.int32)
-        tma.async_copy_global_to_shared(kd, [row, col], bar, k_bufs.index(slot).slice(b * BOX, BOX))
-        tma.async_copy_global_to_shared(vd, [row, col], bar, v_bufs.index(slot).slice(b * BOX, BOX))
+        tma.async_copy_global_to_shared(desc, [row, col], bar, bufs.index(slot).slice(b * BOX, BOX))
+
+
+@gluon.jit
+def _issue_tile(kd, vd, k_bufs, v_bufs, ready, bt_row, t, kvh, limit,
+                BS: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr):
+    """Key tile t (positions t * BLOCK_N ..., starting below `limit`) of both pools into ring slot t % STAGES,
+    both signalling the slot's barrier."""
+    slot = t % STAGES
+    bar = ready.index(slot)
+    mbarrier.expect(bar, 2 * BLOCK_N * kd.block_type.shape[1] * kd.dtype.primitive_bitwidth // 8)
+    col = (kvh * kd.block_type.shape[1]).to(gl.int32)
+    _issue_boxes(kd, k_bufs, bar, slot, t * BLOCK_N, bt_row, col, limit, BS, BLOCK_N, BOX)
+    _issue_boxes(vd, v_bufs, bar, slot, t * BLOCK_N, bt_row, col, limit, BS, BLOCK_N, BOX)
+
+
+@gluon.jit
+def _issue_one(desc, bufs8, ready8, bt_row, t, kvh, limit,
+               BS: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES8: gl.constexpr):
+    """Key tile t of one 8-bit pool into staging slot t % STAGES8 (the converter form: one pool per group)."""
+    slot = t % STAGES8
+    bar = ready8.index(slot)
+    mbarrier.expect(bar, BLOCK_N * desc.block_type.shape[1] * desc.dtype.primitive_bitwidth // 8)
+    col = (kvh * desc.block_type.shape[1]).to(gl.int32)
+    _issue_boxes(desc, bufs8, bar, slot, t * BLOCK_N, bt_row, col, limit, BS, BLOCK_N, BOX)
 
 
 @gluon.jit
@@ -226,35 +245,34 @@ def _ws_consumer(q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, 
 
 
 @gluon.jit
-def _ws_converter(kd, vd, k8_bufs, v8_bufs, k_bufs, v_bufs, ready8, ready, empty, bt_row, kvh, ntiles, kv_end,
+def _ws_converter(desc, bufs8, bufs, ready8, ready, empty, bt_row, kvh, ntiles, kv_end,
                   BS: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, HEAD_DIM: gl.constexpr,
                   STAGES: gl.constexpr, STAGES8: gl.constexpr, ROWS: gl.constexpr):
-    """Producer and converter warp group (float8 caches): key tile t's 8-bit K and V land by TMA in staging slot
-    t % STAGES8; once they have, and both consumers have released 16-bit slot t % STAGES, they are upcast into it
-    ROWS rows at a time, the staging slot is refilled with tile t + STAGES8 and the 16-bit slot handed to the
-    consumers. e4m3 -> f16 is exact (one instruction per pair); NaN bytes past a sequence stay NaN and are
-    masked by the consumers."""
+    """Producer and converter warp group of one pool, K's or V's (float8 caches): key tile t lands by TMA in
+    this group's staging slot t % STAGES8; once it has, and both consumers have released 16-bit slot
+    t % STAGES, it is upcast into that slot ROWS rows at a time, the staging slot is refilled with tile
+    t + STAGES8 and the group arrives on the slot's `ready` (which the consumers wait for from both groups).
+    e4m3 -> f16 is exact (one instruction per pair); NaN bytes past a sequence stay NaN and are masked by the
+    consumers."""
     ld: gl.constexpr = _convert_layout(HEAD_DIM, 4)
-    DT: gl.constexpr = k_bufs.dtype
+    DT: gl.constexpr = bufs.dtype
     for t in gl.static_range(STAGES8):
         if t < ntiles:
-            _issue_tile(kd, vd, k8_bufs, v8_bufs, ready8, bt_row, t, kvh, kv_end, BS, BLOCK_N, BOX, STAGES8)
+            _issue_one(desc, bufs8, ready8, bt_row, t, kvh, kv_end, BS, BLOCK_N, BOX, STAGES8)
     for t in range(ntiles):
         s8 = t % STAGES8
         slot = t % STAGES
         mbarrier.wait(ready8.index(s8), (t // STAGES8) & 1)
         mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
         for c in gl.static_range(BLOCK_N // ROWS):
-            k = k8_bufs.index(s8).slice(c * ROWS, ROWS).load(ld)
-            k_bufs.index(slot).slice(c * ROWS, ROWS).store(k.to(DT))
-            v = v8_bufs.index(s8).slice(c * ROWS, ROWS).load(ld)
-            v_bufs.index(slot).slice(c * ROWS, ROWS).store(v.to(DT))
+            x = bufs8.index(s8).slice(c * ROWS, ROWS).load(ld)
+            bufs.index(slot).slice(c * ROWS, ROWS).store(x.to(DT))
         # the generic-proxy stores (and reads of the staging slot) before the tensor cores read the 16-bit slot
         # and the copy engine rewrites the staging one
         fence_async_shared()
         gl.thread_barrier()  # every warp of the group is done with both slots
         if t + STAGES8 < ntiles:
-            _issue_tile(kd, vd, k8_bufs, v8_bufs, ready8, bt_row, t + STAGES8, kvh, kv_end, BS, BLOCK_N, BOX, STAGES8)
+            _issue_one(desc, bufs8, ready8, bt_row, t + STAGES8, kvh, kv_end, BS, BLOCK_N, BOX, STAGES8)
         mbarrier.arrive(ready.index(slot), count=1)
 
 
@@ -306,7 +324,8 @@ def _prefill_kernel_sm90(
     if m0 < n:  # (a mixed step's grid has room for its longest prefill: most blocks are empty)
         turn = _alloc_barriers(2, 1)
         empty = _alloc_barriers(STAGES, 2)  # one arrival per consumer warp group
-        ready = _alloc_barriers(STAGES, 1)  # the TMA bytes landing, or the converter's arrival
+        # the TMA bytes landing (16-bit caches), or both converter groups' arrivals (float8)
+        ready = _alloc_barriers(STAGES, 1 if STAGES8 == 0 else 2)
         if STAGES8 == 0:
             DT: gl.constexpr = kd.dtype
             q_bufs = gl.allocate_shared_memory(DT, [2, ROWS, HEAD_DIM], kd.layout)
@@ -330,9 +349,10 @@ def _prefill_kernel_sm90(
             q_bufs = gl.allocate_shared_memory(F16, [2, ROWS, HEAD_DIM], ring)
             k8_bufs = gl.allocate_shared_memory(kd.dtype, [STAGES8, BLOCK_N, HEAD_DIM], kd.layout)
             v8_bufs = gl.allocate_shared_memory(vd.dtype, [STAGES8, BLOCK_N, HEAD_DIM], vd.layout)
-            ready8 = _alloc_barriers(STAGES8, 1)
-            # the converter is the producer too: one warp group of 4, with the 24 registers that 240 for each
-            # consumer group leave (registers are re-divided per warp group)
+            k_ready8 = _alloc_barriers(STAGES8, 1)
+            v_ready8 = _alloc_barriers(STAGES8, 1)
+            # one producer + converter warp group per pool, each with the 24 registers a thread that 232 for
+            # each consumer group leave (registers are re-divided per warp group)
             gl.warp_specialize([
                 (_ws_consumer, (q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n,
                                 m0, ctx, h, nfull, ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 0, ROWS,
@@ -340,10 +360,13 @@ def _prefill_kernel_sm90(
                 (_ws_consumer, (q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n,
                                 m0, ctx, h, nfull, ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 1, ROWS,
                                 HEAD_DIM, BLOCK_N, STAGES, F16, KV_SCALED)),
-                (_ws_converter, (kd, vd, k8_bufs, v8_bufs, k_bufs, v_bufs, ready8, ready, empty, bt_row, kvh, ntiles,
-                                 kv_end, BS, BLOCK_N, BOX, HEAD_DIM, STAGES, STAGES8, CONVERT_ROWS)),
-            ], [4, 4], [240, 24])
-            _free_barriers(ready8, STAGES8)
+                (_ws_converter, (kd, k8_bufs, k_bufs, k_ready8, ready, empty, bt_row, kvh, ntiles, kv_end, BS,
+                                 BLOCK_N, BOX, HEAD_DIM, STAGES, STAGES8, CONVERT_ROWS)),
+                (_ws_converter, (vd, v8_bufs, v_bufs, v_ready8, ready, empty, bt_row, kvh, ntiles, kv_end, BS,
+                                 BLOCK_N, BOX, HEAD_DIM, STAGES, STAGES8, CONVERT_ROWS)),
+            ], [4, 4, 4], [232, 24, 24])
+            _free_barriers(k_ready8, STAGES8)
+            _free_barriers(v_ready8, STAGES8)
         _free_barriers(ready, STAGES)
         _free_barriers(empty, STAGES)
         _free_barriers(turn, 2)
@@ -402,8 +425,8 @@ def prefill_attention_sm90(
     assert (STAGES8 > 0) == fp8, "a float8 cache takes the converter's staging ring, a 16-bit one none"
     scaled = k_scale is not None
     assert (v_scale is not None) == scaled
-    # three warp groups (two consumers; the producer, with the converter over fp8) share the 64k registers:
-    # 168 x 384 threads at entry, then each takes its own count (`_prefill_kernel_sm90`)
+    # the warp groups (two consumers, then the producer's, or over fp8 two producer-converters) share the 64k
+    # registers: 168 x 384 or 128 x 512 threads at entry, then each takes its own count (`_prefill_kernel_sm90`)
     _prefill_kernel_sm90[(Hq, triton.cdiv(max_new, BLOCK_M), num_seqs)](
         q, k_cache, v_cache, _pool_descriptor(k_cache, box), _pool_descriptor(v_cache, box), block_tables,
         lens_t, cu_t, out, k_scale if scaled else q, v_scale if scaled else q, seq_offset, qk_scale,
@@ -411,7 +434,8 @@ def prefill_attention_sm90(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         BS=k_cache.shape[1], REP=Hq // Hkv, HEAD_DIM=Dh, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BOX=box, STAGES=STAGES,
-        STAGES8=STAGES8, KV_SCALED=scaled, CONVERT_ROWS=CONVERT_ROWS, num_warps=num_warps, maxnreg=168,
+        STAGES8=STAGES8, KV_SCALED=scaled, CONVERT_ROWS=CONVERT_ROWS, num_warps=num_warps,
+        maxnreg=128 if fp8 else 168,
     )
 
 
