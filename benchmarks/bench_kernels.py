@@ -572,7 +572,7 @@ def _bench_prefill_fp8(b: Bench, Hq: int, Hkv: int, D: int, bs: int, dtype, tol:
         ms = b.time_ms(lambda: paged_attention_cuda(q, kc, vc, tb, [L], [0, n_new], scale, **kw))
         triton_ms = b.time_ms(lambda: paged_attention_triton(q, kc, vc, tb, [L], [0, n_new], scale, **kw))
         kd, vd = (kc.float() * ks).to(dtype), (vc.float() * vs).to(dtype)  # the same values in 16 bits
-        ms16 = b.time_ms(lambda: paged_attention_cuda(q, kd, vd, tb, [L], [0, n_new], scale))
+        ms16 = b.time_ms(lambda kd=kd, vd=vd: paged_attention_cuda(q, kd, vd, tb, [L], [0, n_new], scale))
         del kd, vd
         flops = attention_flops([n_new], [L], Hq, D)
         b.record(name, flops / (ms * 1e-3), "FLOP/s", "the 16-bit KV cache's prefill on the same values, same run",

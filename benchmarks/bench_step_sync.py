@@ -53,20 +53,22 @@ def _site(stack: list[traceback.FrameSummary]) -> str:
 
 
 class SyncRecorder:
-    """Collects torch's synchronisation warnings by call site while active."""
+    """Collects torch's synchronisation warnings by call site while active (other warnings go to the handler
+    that was there; the warning filters and handler are restored on exit)."""
 
     def __init__(self) -> None:
         self.sites: collections.Counter[str] = collections.Counter()
         self.messages: dict[str, str] = {}
-        self._saved: Any = None
+        self._ctx = warnings.catch_warnings()
 
     def __enter__(self) -> SyncRecorder:
-        self._saved = warnings.showwarning
+        self._ctx.__enter__()
+        previous = warnings.showwarning
 
         def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ANN202
             text = str(message)
             if "synchroniz" not in text:
-                return self._saved(message, category, filename, lineno, file, line)
+                return previous(message, category, filename, lineno, file, line)
             site = _site(traceback.extract_stack()[:-1])
             self.sites[site] += 1
             self.messages.setdefault(site, text.splitlines()[0])
@@ -81,8 +83,7 @@ class SyncRecorder:
     def __exit__(self, *exc: object) -> None:
         if torch.cuda.is_available():
             torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = self._saved
-        warnings.resetwarnings()
+        self._ctx.__exit__(*exc)
 
 
 def _wrap_phases(eng) -> dict[str, list[float]]:  # noqa: ANN001 - LLMEngine

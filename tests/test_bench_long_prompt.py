@@ -1,0 +1,44 @@
+"""benchmarks/bench_long_prompt.py (long prompts per KV-cache dtype through LLM) on the CPU: the built-in tiny
+model, short prompts, one fp8 run in its own process; the records it writes and the options it refuses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "bench_long_prompt.py"
+TINY = ["--model-dir", "", "--mid-len", "200", "--long-len", "700", "--max-seq-len", "1024", "--max-num-tokens", "128",
+        "--decode-tokens", "4", "--git-sha", "test"]
+
+
+def test_bench_long_prompt_runs_each_dtype_in_its_own_process(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--kv-dtypes", "fp8", "--result-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    [path] = tmp_path.glob("long_prompt_*_test.json")
+    doc = json.loads(path.read_text())
+    assert {"date", "git_sha", "gpu", "command", "records", "results", "engine_options"} <= set(doc)
+    assert doc["failures"] == []
+    [res] = doc["results"]
+    assert res["kv_dtype"] == "fp8" and res["resolved_kv_dtype"] == "float8_e4m3fn"
+    assert [run["prompt_tokens"] for run in res["runs"]] == [200, 700]
+    for run in res["runs"]:
+        assert run["output_tokens"] == 4 and 0 < run["ttft_s"] <= run["e2e_s"] and run["decode_tok_s"] > 0
+    # the first dtype is the reference of the others' prefill; no roofline without a GPU ceiling
+    assert [rec["name"] for rec in doc["records"]] == ["kv float8_e4m3fn: 200-token prompt, to first token (s)",
+                                                       "kv float8_e4m3fn: 700-token prompt, to first token (s)"]
+    assert all(rec["reference_value"] is None for rec in doc["records"])
+
+
+def test_bench_long_prompt_refuses_prompts_longer_than_max_seq_len(tmp_path: Path) -> None:
+    args = [*TINY[:5], "1021", *TINY[6:]]  # --long-len 1021 + 4 output tokens > 1024
+    r = subprocess.run([sys.executable, str(SCRIPT), *args, "--result-dir", str(tmp_path)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "--long-len 1021 + --decode-tokens 4 exceeds --max-seq-len 1024" in r.stderr
+    r = subprocess.run([sys.executable, str(SCRIPT), *TINY[:-4], "--decode-tokens", "1", "--result-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--decode-tokens must be >= 2" in r.stderr
+    assert not list(tmp_path.iterdir())
