@@ -326,6 +326,8 @@ def _prefill_kernel_sm90(
         empty = _alloc_barriers(STAGES, 2)  # one arrival per consumer warp group
         # the TMA bytes landing (16-bit caches), or both converter groups' arrivals (float8)
         ready = _alloc_barriers(STAGES, 1 if STAGES8 == 0 else 2)
+        # (each branch spells its partitions' argument tuples out: warp_specialize takes literal tuples, a tuple
+        # built from parts does not compile in this Triton)
         if STAGES8 == 0:
             DT: gl.constexpr = kd.dtype
             q_bufs = gl.allocate_shared_memory(DT, [2, ROWS, HEAD_DIM], kd.layout)
