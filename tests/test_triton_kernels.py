@@ -695,6 +695,12 @@ def test_gluon_prefill_declines_what_it_cannot_take():
     assert ga.sm90_prefill_box(torch.zeros(8, 4, 256, dtype=BF16, device=DEV), p256, p256, 128) == 0
     strided = torch.zeros(4, 2, 64, 2, 128, dtype=BF16, device=DEV)[:, 0]
     assert ga.sm90_prefill_box(q, strided, strided, 128) == 0
+    # scales come only with a float8 cache: a scaled 16-bit one is declined (nothing written)
+    one = torch.ones((), dtype=torch.float32, device=DEV)
+    idx = torch.zeros(2, dtype=torch.int32, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    assert not ga.prefill_sm90(q, pool, pool, idx.view(1, 2), idx, idx, out, 0, 1, 8, 1.0, k_scale=one, v_scale=one)
+    assert out.isnan().all()
 
 
 @gpu

@@ -2,10 +2,11 @@
 
 Same contract, grid and step layout as `triton_attention._prefill_kernel`; what Gluon adds is warp
 specialisation (a producer warp streaming K/V tiles by TMA, two consumer warp groups issuing their own
-warp-group MMAs in turns), which a `tl.dot` loop cannot express. Over a float8 (e4m3) cache a converter warp
-group sits between them: the producer lands the 8-bit tiles in a staging ring, the converter upcasts them to
-float16 into the ring the consumers read (the products run in float16, the scales fold into the softmax
-scale and the output), so an fp8 cache prefills at the 16-bit kernel's speed instead of the Triton kernel's.
+warp-group MMAs in turns), which a `tl.dot` loop cannot express. Over a float8 (e4m3) cache one more warp
+group per pool (K's, V's) is both its producer and its converter: it lands the 8-bit tiles in a staging ring
+and upcasts them to float16 into the ring the consumers read (the products run in float16, the scales fold
+into the softmax scale and the output); on the H200 that runs at 0.74-0.75 of the 16-bit kernel on the same
+values, 1.4-1.5x the Triton kernel over fp8 (benchmarks/README.md).
 `cuda_attention` sends the steps it can take here (`sm90_prefill_box`); the CPU interpreter cannot run
 Gluon, so the CPU tests compile it ahead of time for sm_90 and the GPU tests check it against the float64
 reference.
@@ -302,9 +303,9 @@ def _prefill_kernel_sm90(
     STAGES8: gl.constexpr, KV_SCALED: gl.constexpr, CONVERT_ROWS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """A producer warp streams the key tiles (band included) through the ring, two consumer warp groups take
-    BLOCK_M / 2 query rows each (the module docstring). STAGES8 > 0: the cache is float8; the producer fills
-    an 8-bit staging ring of STAGES8 slots and a converter warp group upcasts each tile into the 16-bit ring,
-    CONVERT_ROWS rows at a time."""
+    BLOCK_M / 2 query rows each (the module docstring). STAGES8 > 0: the cache is float8; a producer-converter
+    warp group per pool fills its 8-bit staging ring of STAGES8 slots and upcasts each tile into the 16-bit
+    ring, CONVERT_ROWS rows at a time (`_ws_converter`)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     h = gl.program_id(0)
     mb = gl.num_programs(1) - 1 - gl.program_id(1)
@@ -447,11 +448,12 @@ def prefill_sm90(
     qk_scale: float, *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> bool:
     """The prefill part of a step on this kernel at `_PREFILL_SM90`'s settings (`_PREFILL_SM90_FP8`'s over a
-    float8 cache) when it can take it (`sm90_prefill_box`), returning True; False, with nothing written,
-    otherwise (a `triton_attention.PrefillKernel`)."""
-    cfg = _PREFILL_SM90_FP8 if k_cache.dtype in _GL_FP8 else _PREFILL_SM90
+    float8 cache) when it can take it (`sm90_prefill_box`; scales only with a float8 cache, the one the engine
+    scales), returning True; False, with nothing written, otherwise (a `triton_attention.PrefillKernel`)."""
+    fp8 = k_cache.dtype in _GL_FP8
+    cfg = _PREFILL_SM90_FP8 if fp8 else _PREFILL_SM90
     box = sm90_prefill_box(q, k_cache, v_cache, cfg["BLOCK_N"])
-    if not box:
+    if not box or (k_scale is not None and not fp8):
         return False
     prefill_attention_sm90(q, k_cache, v_cache, block_tables, lens_t, cu_t, out, seq_offset, num_seqs, max_new,
                            qk_scale, box=box, k_scale=k_scale, v_scale=v_scale, **cfg)
