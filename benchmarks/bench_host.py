@@ -18,7 +18,6 @@ keep that share small. Writes benchmarks/results/host_<date>_<sha>.json and .md.
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime as _dt
 import gc
 import json
@@ -35,6 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.phase_timing import time_phases  # noqa: E402
 from benchmarks.roofline import PUBLISHED_BW, decode_step_ms  # noqa: E402
 from hyserve import LLM, SamplingParams  # noqa: E402
 from hyserve.bench.report import git_sha  # noqa: E402
@@ -67,19 +67,7 @@ def time_batch(batch: int, steps: int, prompt_len: int, *, freeze: bool) -> dict
             break
     eng.step()
     eng.step()
-    spent: dict[str, float] = collections.defaultdict(float)
-    owners = {"engine": eng, "runner": eng.runner, "scheduler": eng.scheduler}
-    for owner, name in PHASES:
-        fn = getattr(owners[owner], name)
-
-        def timed(*a, _fn=fn, _name=name, **k):
-            t = time.perf_counter()
-            try:
-                return _fn(*a, **k)
-            finally:
-                spent[_name] += time.perf_counter() - t
-
-        setattr(owners[owner], name, timed)
+    spent = time_phases(eng, PHASES)
     if freeze:
         freeze_startup_heap()
     pauses: list[float] = []
@@ -102,7 +90,7 @@ def time_batch(batch: int, steps: int, prompt_len: int, *, freeze: bool) -> dict
         gc.unfreeze()
     assert len(eng.scheduler.running) == batch, "the batch shrank while timing"
     return {"step_ms": total, "gc_max_pause_ms": max(pauses, default=0.0), "gc_ms_per_step": sum(pauses) / steps,
-            **{f"{n}_ms": v / steps * 1e3 for n, v in spent.items()}}
+            **{f"{label.split('.')[1]}_ms": sum(v) / steps for label, v in spent.items()}}
 
 
 def main() -> int:

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.roofline import Ceilings, Peaks, ceiling_fields, measure_ceilings, measured_peaks  # noqa: E402
 from hyserve.bench.profiling import device_kernel_times  # noqa: E402
-from hyserve.kernels.attention import paged_attention_ref, write_kv_ref  # noqa: E402
+from hyserve.kernels.attention import dequantize_kv, paged_attention_ref, write_kv_ref  # noqa: E402
 from hyserve.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref  # noqa: E402
 from hyserve.kernels.rmsnorm import rms_norm_ref, rmsnorm_gated_ref  # noqa: E402
 from hyserve.kernels.ssm_update import selective_state_update_ref  # noqa: E402
@@ -532,8 +532,8 @@ def bench_attn(b: Bench) -> None:
 
 
 def _fp8_pool(b: Bench, lens: list[int], Hkv: int, D: int, bs: int, dtype):
-    """An e4m3 pool with per-layer scales (unit-variance K/V land on codes of std 64 and 48) and the block
-    tables; the same values dequantised to `dtype` for the 16-bit kernels timed beside it."""
+    """An e4m3 pool of shuffled blocks with per-layer scales (unit-variance K/V land on codes of std 64 and 48):
+    (k_cache, v_cache, block tables, k_scale, v_scale)."""
     from hyserve.kernels.attention import quantize_kv
 
     fp8 = torch.float8_e4m3fn
@@ -571,7 +571,7 @@ def _bench_prefill_fp8(b: Bench, Hq: int, Hkv: int, D: int, bs: int, dtype, tol:
         del out, old, want
         ms = b.time_ms(lambda: paged_attention_cuda(q, kc, vc, tb, [L], [0, n_new], scale, **kw))
         triton_ms = b.time_ms(lambda: paged_attention_triton(q, kc, vc, tb, [L], [0, n_new], scale, **kw))
-        kd, vd = (kc.float() * ks).to(dtype), (vc.float() * vs).to(dtype)  # the same values in 16 bits
+        kd, vd = dequantize_kv(kc, ks, dtype), dequantize_kv(vc, vs, dtype)  # the same values in 16 bits
         ms16 = b.time_ms(lambda kd=kd, vd=vd: paged_attention_cuda(q, kd, vd, tb, [L], [0, n_new], scale))
         del kd, vd
         flops = attention_flops([n_new], [L], Hq, D)
@@ -598,7 +598,7 @@ def _bench_decode_fp8(b: Bench, Hq: int, Hkv: int, D: int, bs: int, dtype, tol: 
         lens_t = torch.tensor(lens, dtype=torch.int32, device=b.dev)  # the decode path, as bench_attn
         cu_t = torch.tensor(cu, dtype=torch.int32, device=b.dev)
         ms = b.graph_ms(lambda: paged_attention_cuda(q, kc, vc, tb, lens_t, cu_t, scale, **kw))
-        kd, vd = (kc.float() * ks).to(dtype), (vc.float() * vs).to(dtype)  # the same values in 16 bits
+        kd, vd = dequantize_kv(kc, ks, dtype), dequantize_kv(vc, vs, dtype)  # the same values in 16 bits
         ms16 = b.graph_ms(lambda: paged_attention_cuda(q, kd, vd, tb, lens_t, cu_t, scale))
         kv_bytes = 2 * batch * L * Hkv * D * kc.element_size()  # 1 byte per element
         b.roof(name, kv_bytes / (ms * 1e-3), "B/s", "read", "KV-read roofline (1-byte KV): bytes-read ceiling",
@@ -837,7 +837,7 @@ _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
     ("N128 w4 s3, half the programs", {}, 132 * 2, 128),
     ("N64 w4 s3, 2x programs", dict(BLOCK_N=64), 132 * 8, 256),
 ]
-# Decode over a float8 pool (`triton_attention._DECODE_GPU_FP8`), same form: (label, settings, programs, splits).
+# Decode over a float8 pool (the same `_DECODE_GPU` table), same form: (label, settings, programs, splits).
 _DECODE_SWEEP_FP8: list[tuple[str, dict, int, int]] = [
     ("default", {}, 0, 0),
     ("N64 w4 s3", dict(BLOCK_N=64), 0, 0),
@@ -883,7 +883,7 @@ def bench_attn_sweep(b: Bench) -> None:
     Hq, Hkv, D, bs = (40, 8, 128, 64) if not b.dry else (4, 2, 32, 16)
     dtype = BF16 if not b.dry else torch.float16
     scale, tol = D**-0.5, 2e-2
-    tables = [(ta, name) for name in ("_DECODE_GPU", "_DECODE_GPU_FP8", "_PREFILL_GPU", "_TARGET_PROGRAMS", "_MAX_SPLITS",
+    tables = [(ta, name) for name in ("_DECODE_GPU", "_PREFILL_GPU", "_TARGET_PROGRAMS", "_MAX_SPLITS",
                                       "_DECODE_CPU", "_PREFILL_CPU")] + [(ga, "_PREFILL_SM90"), (ga, "_PREFILL_SM90_FP8")]
     saved = [(mod, name, copy.deepcopy(getattr(mod, name))) for mod, name in tables]
     attention = [paged_attention_cuda]  # what the entry being timed calls (apply_prefill may pick Triton alone)
@@ -915,14 +915,11 @@ def bench_attn_sweep(b: Bench) -> None:
         del ref
         return base_ms if base_ms is not None else float("nan")
 
-    def apply_decode(over: dict, programs: int, max_splits: int, table: str = "_DECODE_GPU") -> None:
-        target = ta._DECODE_CPU if b.dry else getattr(ta, table)
+    def apply_decode(over: dict, programs: int, max_splits: int) -> None:
+        target = ta._DECODE_CPU if b.dry else ta._DECODE_GPU
         target.update(over if not b.dry else {k: v for k, v in over.items() if k != "BLOCK_N"})
         if programs:
             ta._TARGET_PROGRAMS, ta._MAX_SPLITS = programs, max_splits
-
-    def apply_decode_fp8(over: dict, programs: int, max_splits: int) -> None:
-        apply_decode(over, programs, max_splits, "_DECODE_GPU_FP8")
 
     def apply_prefill(over: dict, table: str = "_PREFILL_SM90") -> None:
         if b.dry:
@@ -942,7 +939,7 @@ def bench_attn_sweep(b: Bench) -> None:
         del kc, vc
         kc, vc, tb, ks, vs = _fp8_pool(b, lens, Hkv, D, bs, dtype)
         run_case(f"decode attention fp8 KV {batch} x {L}", q, kc, vc, tb, lens, list(range(batch + 1)),
-                 2 * batch * L * Hkv * D, "B/s", _DECODE_SWEEP_FP8, apply_decode_fp8, k_scale=ks, v_scale=vs)
+                 2 * batch * L * Hkv * D, "B/s", _DECODE_SWEEP_FP8, apply_decode, k_scale=ks, v_scale=vs)
         del kc, vc
     for n_new, L in ((8192, 8192), (2048, 8192)) if not b.dry else ((37, 37), (20, 50)):
         kc, vc, tb = _paged_pool(b, [L], Hkv, D, bs, dtype)
@@ -950,11 +947,10 @@ def bench_attn_sweep(b: Bench) -> None:
         flops = ta.attention_flops([n_new], [L], Hq, D)
         default_ms = run_case(f"prefill attention {n_new} new / {L}", q, kc, vc, tb, [L], [0, n_new], flops,
                               "FLOP/s", _PREFILL_SWEEP, apply_prefill)
-        fp8_kv = _fp8_pool(b, [L], Hkv, D, bs, dtype)
-        run_case(f"prefill attention fp8 KV {n_new} new / {L}", q, *fp8_kv[:3], [L], [0, n_new], flops, "FLOP/s",
-                 _PREFILL_SWEEP_FP8, lambda over: apply_prefill(over, "_PREFILL_SM90_FP8"), k_scale=fp8_kv[3],
-                 v_scale=fp8_kv[4])
-        del fp8_kv
+        kc8, vc8, tb8, ks, vs = _fp8_pool(b, [L], Hkv, D, bs, dtype)
+        run_case(f"prefill attention fp8 KV {n_new} new / {L}", q, kc8, vc8, tb8, [L], [0, n_new], flops, "FLOP/s",
+                 _PREFILL_SWEEP_FP8, lambda over: apply_prefill(over, "_PREFILL_SM90_FP8"), k_scale=ks, v_scale=vs)
+        del kc8, vc8
         if n_new == L and not b.dry:  # the peer the default is judged against, timed in the same sweep
             best_name, best_ms = _sdpa_best(b, q, kc, vc, tb, L)
             b.record(f"prefill attention {n_new} new / {L} [torch SDPA {best_name}]", best_ms, "ms",

@@ -57,6 +57,7 @@ def run_child(a: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
     """One engine, the two prompts in turn (this process only)."""
     import random
 
+    from benchmarks.roofline import decode_step_bytes
     from hyserve import LLM, SamplingParams
 
     model = a.model_dir or None
@@ -74,8 +75,9 @@ def run_child(a: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
         ttft, e2e = out.metrics["time_to_first_token_s"], out.metrics["e2e_latency_s"]
         n_out = len(out.token_ids)
         decode = (n_out - 1) / (e2e - ttft) if n_out > 1 and e2e > ttft else None
+        # one batch-1 decode step's bytes at this context, with the engine's cache dtypes
         runs.append(dict(prompt_tokens=n, output_tokens=n_out, ttft_s=ttft, e2e_s=e2e, decode_tok_s=decode,
-                         prefill_tok_s=n / ttft))
+                         prefill_tok_s=n / ttft, decode_step_bytes=decode_step_bytes(cfg, 1, n)))
         print(f"  kv {kv_dtype}: {n} tokens: first token after {ttft:.2f} s, decode {decode or 0:.1f} tok/s",
               flush=True)
     return dict(kv_dtype=kv_dtype, resolved_kv_dtype=str(cfg.attention_cache_spec().dtype).replace("torch.", ""),
@@ -83,19 +85,7 @@ def run_child(a: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
                 kv_bytes_per_token=cfg.kv_bytes_per_token, state_bytes_per_sequence=cfg.state_bytes_per_sequence)
 
 
-def decode_roofline_tok_s(model_dir: str, kv_bytes_per_token: int, state_bytes: int, context: int,
-                          read_bw: float) -> float:
-    """Batch-1 decode tokens/s at `context` at `read_bw`: the matmul weights (benchmarks/roofline.py, 16-bit),
-    the context's KV at the run's bytes per token, the Mamba state read and written."""
-    from benchmarks.roofline import weight_bytes
-    from hyserve.model.config import HybridModelConfig
-
-    cfg = HybridModelConfig.from_hf(Path(model_dir) / "config.json")
-    step = weight_bytes(cfg) + 2 * state_bytes + context * kv_bytes_per_token
-    return read_bw / step
-
-
-def build_records(results: list[dict[str, Any]], model_dir: str, read_bw: float | None) -> list[dict[str, Any]]:
+def build_records(results: list[dict[str, Any]], read_bw: float | None) -> list[dict[str, Any]]:
     recs = []
     base = results[0] if results else None
     for r in results:
@@ -105,12 +95,10 @@ def build_records(results: list[dict[str, Any]], model_dir: str, read_bw: float 
             ref = base["runs"][i]["ttft_s"] if base is not None and r is not base else None
             recs.append(record(f"{label}, to first token (s)", run["ttft_s"], "s",
                                f"kv {base['resolved_kv_dtype']}, same run" if ref else None, ref))
-            if run["decode_tok_s"] and read_bw and model_dir:
-                roof = decode_roofline_tok_s(model_dir, r["kv_bytes_per_token"], r["state_bytes_per_sequence"],
-                                             n, read_bw)
+            if run["decode_tok_s"] and read_bw:
                 recs.append(record(f"{label}, batch-1 decode after it (tok/s)", run["decode_tok_s"], "tok/s",
                                    "bytes roofline (weights + KV of the context + Mamba state) at the read "
-                                   "ceiling measured this run", roof))
+                                   "ceiling measured this run", read_bw / run["decode_step_bytes"]))
     return recs
 
 
@@ -169,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             failures.append(f"kv {kv}: no result ({status})")
             continue
         results.append(json.loads(line[len("RESULT "):]))
-    recs = build_records(results, a.model_dir, read_bw)
+    recs = build_records(results, read_bw)
     result = {**head, "model": Path(a.model_dir).name if a.model_dir else "hyserve-tiny", "ceilings": ceilings,
               "engine_options": engine_options(a, "<kv_dtype>"), "results": results, "failures": failures,
               "records": recs}

@@ -37,12 +37,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.phase_timing import time_phases  # noqa: E402
 from hyserve import LLM, SamplingParams  # noqa: E402
 from hyserve.bench.report import sanitize, stamp  # noqa: E402
 
 CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"
-# the step's phases, timed by wrapping these methods (object path from the engine, method name)
-PHASES = (("scheduler", "schedule"), ("runner", "execute"), ("scheduler", "update"), ("", "_read"))
+# the step's phases, timed by wrapping these methods (benchmarks/phase_timing.py)
+PHASES = (("scheduler", "schedule"), ("runner", "execute"), ("scheduler", "update"), ("engine", "_read"))
 
 
 def _site(stack: list[traceback.FrameSummary]) -> str:
@@ -86,25 +87,6 @@ class SyncRecorder:
         self._ctx.__exit__(*exc)
 
 
-def _wrap_phases(eng) -> dict[str, list[float]]:  # noqa: ANN001 - LLMEngine
-    times: dict[str, list[float]] = collections.defaultdict(list)
-    for owner, name in PHASES:
-        obj = getattr(eng, owner) if owner else eng
-        real = getattr(obj, name, None)
-        if real is None:
-            continue
-
-        def timed(*a, _real=real, _label=f"{owner or 'engine'}.{name}", **kw):  # noqa: ANN002, ANN003, ANN202
-            t = time.perf_counter()
-            try:
-                return _real(*a, **kw)
-            finally:
-                times[_label].append((time.perf_counter() - t) * 1e3)
-
-        setattr(obj, name, timed)
-    return times
-
-
 def run(a: argparse.Namespace) -> dict[str, Any]:
     model = a.model_dir or None
     llm = LLM(model, load_format="dummy" if model else "auto", max_batch_size=a.batch,
@@ -120,7 +102,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     eng.step()  # the first decode step (graphs warm, the async pipeline full)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    phases = _wrap_phases(eng)
+    phases = time_phases(eng, PHASES)
     step_ms: list[float] = []
     tokens = 0
     with SyncRecorder() as rec:

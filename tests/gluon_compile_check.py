@@ -31,13 +31,13 @@ def main() -> None:
                     out_ptr=pool, ks_ptr=scale, vs_ptr=scale)
         kernel = ga._prefill_kernel_sm90
         const = dict(BS=bs, REP=5, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BOX=box,
-                     STAGES=cfg["STAGES"], STAGES8=cfg.get("STAGES8", 0), KV_SCALED=fp8, CONVERT_ROWS=cfg.get("CONVERT_ROWS", 16),
+                     STAGES=cfg["STAGES"], STAGES8=cfg.get("STAGES8", 0), KV_SCALED=fp8, CONVERT_ROWS=cfg.get("CONVERT_ROWS", 32),
                      num_warps=cfg["num_warps"])
         # the signature in parameter order: tensors, descriptors, the float scale, int32 scalars, constants
         sig = {name: mangle_type(ptrs[name]) if name in ptrs else "constexpr" if name in const
                else "fp32" if name == "qk_scale" else "i32" for name in kernel.arg_names}
         src = GluonASTSource(kernel, sig, constexprs=const)
-        options = dict(num_warps=cfg["num_warps"], maxnreg=128 if fp8 else 168)  # as the launcher
+        options = dict(num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])  # as the launcher
         k = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         ptx = k.asm["ptx"]
         regs = sorted({int(line.split(".u32")[1].strip(" ;")) for line in ptx.splitlines() if "setmaxnreg" in line})

@@ -67,7 +67,7 @@ def _gpu_settings() -> None:
     t8._sm_count = lambda index: 132  # an H100 SXM / H200
 
     gpu_settings = ta._launch_settings
-    ta._launch_settings = lambda on_gpu, ieee, d_pad, fp8=False: gpu_settings(True, ieee, d_pad, fp8)
+    ta._launch_settings = lambda on_gpu, ieee, d_pad: gpu_settings(True, ieee, d_pad)
     ts._cpu_config = ts._gpu_config
     import hyserve.kernels.triton_moe as tm
 

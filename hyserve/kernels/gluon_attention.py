@@ -34,13 +34,16 @@ from hyserve.kernels.launch_util import tma_tiles_fit
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 _GL_FP8 = {torch.float8_e4m3fn: gl.float8e4nv}  # float8 caches this kernel reads (16-bit queries only)
 # Launch settings; `benchmarks/bench_kernels.py --only attn_sweep` times alternatives (benchmarks/README.md).
-_PREFILL_SM90 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, num_warps=4)
+# maxnreg: the registers a thread at entry, 64k over the threads of every warp group (here 3 x 128), before
+# each group re-takes its own count (`_prefill_kernel_sm90`).
+_PREFILL_SM90 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, num_warps=4, maxnreg=168)
 # Over a float8 cache: STAGES 16-bit slots the consumers read, STAGES8 8-bit staging slots per pool the copy
 # engine fills, and CONVERT_ROWS rows upcast at a time by each pool's converter (also its producer: a warp
 # group of 4 with 24 registers a thread, beside 232 for each consumer group; the upcast is latency-bound, so
 # more rows a step and a group per pool are what made it keep up). Q (32 KiB) + 2 x 64 + 2 x 32 KiB fill the
 # 227 a block may have; `bench_kernels.py --only attn_sweep` times the alternatives (benchmarks/README.md).
-_PREFILL_SM90_FP8 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, STAGES8=2, CONVERT_ROWS=32, num_warps=4)
+# 4 warp groups of 128 threads: maxnreg 128.
+_PREFILL_SM90_FP8 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, STAGES8=2, CONVERT_ROWS=32, num_warps=4, maxnreg=128)
 
 
 @gluon.constexpr_function
@@ -413,12 +416,14 @@ def _pool_descriptor(cache: torch.Tensor, box: int) -> TensorDescriptor:
 def prefill_attention_sm90(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     lens_t: torch.Tensor, cu_t: torch.Tensor, out: torch.Tensor, seq_offset: int, num_seqs: int, max_new: int,
-    qk_scale: float, *, box: int, BLOCK_M: int, BLOCK_N: int, STAGES: int, num_warps: int, STAGES8: int = 0,
-    CONVERT_ROWS: int = 16, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    qk_scale: float, *, box: int, BLOCK_M: int, BLOCK_N: int, STAGES: int, num_warps: int, maxnreg: int,
+    STAGES8: int = 0, CONVERT_ROWS: int = 32, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """out[rows of sequences seq_offset .. seq_offset + num_seqs) = attention of those prefill/extend
     sequences (the launcher's checks done; `box` from `sm90_prefill_box`). lens_t / cu_t: the step's
-    device seq_lens and cumulative new-token offsets. num_warps: a consumer warp group's 4. STAGES8: the
+    device seq_lens and cumulative new-token offsets. num_warps: a consumer warp group's 4; maxnreg: see
+    `_PREFILL_SM90`. STAGES8: the
     staging slots of a float8 cache (required there, 0 for a 16-bit one); k_scale / v_scale: the cache's
     scales as device scalars, or None. CONVERT_ROWS: rows the converter upcasts at a time (float8 caches)."""
     T, Hq, Dh = q.shape
@@ -428,8 +433,6 @@ def prefill_attention_sm90(
     assert (STAGES8 > 0) == fp8, "a float8 cache takes the converter's staging ring, a 16-bit one none"
     scaled = k_scale is not None
     assert (v_scale is not None) == scaled
-    # the warp groups (two consumers, then the producer's, or over fp8 two producer-converters) share the 64k
-    # registers: 168 x 384 or 128 x 512 threads at entry, then each takes its own count (`_prefill_kernel_sm90`)
     _prefill_kernel_sm90[(Hq, triton.cdiv(max_new, BLOCK_M), num_seqs)](
         q, k_cache, v_cache, _pool_descriptor(k_cache, box), _pool_descriptor(v_cache, box), block_tables,
         lens_t, cu_t, out, k_scale if scaled else q, v_scale if scaled else q, seq_offset, qk_scale,
@@ -437,8 +440,7 @@ def prefill_attention_sm90(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         BS=k_cache.shape[1], REP=Hq // Hkv, HEAD_DIM=Dh, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BOX=box, STAGES=STAGES,
-        STAGES8=STAGES8, KV_SCALED=scaled, CONVERT_ROWS=CONVERT_ROWS, num_warps=num_warps,
-        maxnreg=128 if fp8 else 168,
+        STAGES8=STAGES8, KV_SCALED=scaled, CONVERT_ROWS=CONVERT_ROWS, num_warps=num_warps, maxnreg=maxnreg,
     )
 
 

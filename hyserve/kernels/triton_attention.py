@@ -430,10 +430,8 @@ _MAX_SPLITS = 128
 # Launch settings on a GPU, fixed per head size (no autotuning: the warm-up enumerates the variants);
 # `benchmarks/bench_kernels.py --only attn_sweep` times alternatives. On the CPU (interpreter) small
 # tiles so the tests cross several tiles and splits.
+# The same settings serve float8 caches: `--only attn_sweep` timed 8 alternatives over fp8 and none was faster.
 _DECODE_GPU = dict(BLOCK_N=128, num_warps=4, num_stages=3)
-# Decode over a float8 cache: its own table (the tile's convert and layout change cost what the bf16 kernel's
-# bytes do; `--only attn_sweep` times the alternatives at fp8).
-_DECODE_GPU_FP8 = dict(BLOCK_N=128, num_warps=4, num_stages=3)
 # Prefill on a GPU: key tiles through tensor descriptors where the pool allows (TMA, with the folded-scale
 # softmax; faster than pointer loads, benchmarks/README.md).
 _PREFILL_GPU = {128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, TMA=True),  # D_PAD <= 128
@@ -454,13 +452,13 @@ _PREFILL_CPU = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 PrefillKernel = Callable[..., bool]
 
 
-def _launch_settings(on_gpu: bool, ieee: bool, d_pad: int, fp8: bool = False) -> tuple[dict, dict]:
-    """(decode, prefill) launch settings, fresh copies: the CPU's, or the GPU's for this head size, for
-    float32 (`ieee`) or 16-bit queries and for a float8 cache's decode. PIN_V: whether float8 V tiles may be
-    pinned (`_v_tile`: compiled kernels only); the launcher keeps it for float8 caches under 16-bit queries."""
+def _launch_settings(on_gpu: bool, ieee: bool, d_pad: int) -> tuple[dict, dict]:
+    """(decode, prefill) launch settings, fresh copies: the CPU's, or the GPU's for this head size and for
+    float32 (`ieee`) or 16-bit queries. PIN_V: whether float8 V tiles may be pinned (`_v_tile`: compiled
+    kernels only); the launcher keeps it for float8 caches under 16-bit queries."""
     if not on_gpu:
         return dict(_DECODE_CPU, PIN_V=False), dict(_PREFILL_CPU, PIN_V=False)
-    decode = dict(_DECODE_GPU_FP8 if fp8 and not ieee else _DECODE_GPU, PIN_V=not ieee)
+    decode = dict(_DECODE_GPU, PIN_V=not ieee)
     if ieee and d_pad > 128:  # 128 float32 keys of 256 asked 287,296 bytes of shared memory on sm_90
         decode["BLOCK_N"] = min(decode["BLOCK_N"], 64)
     return decode, dict((_PREFILL_GPU_F32 if ieee else _PREFILL_GPU)[128 if d_pad <= 128 else 256], PIN_V=not ieee)
@@ -568,7 +566,7 @@ def paged_attention_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
     )
-    dcfg, pcfg = _launch_settings(on_gpu, ieee, D_PAD, k_cache.dtype in FP8_KV_DTYPES)
+    dcfg, pcfg = _launch_settings(on_gpu, ieee, D_PAD)
     for cfg in (dcfg, pcfg):
         cfg["PIN_V"] = cfg["PIN_V"] and k_cache.dtype in FP8_KV_DTYPES  # see _v_tile
 
