@@ -5,7 +5,8 @@
 #
 #   scripts/gpu_needle_check.sh GIT_SHA [train|grid|long|fp8|same]...
 #
-#   train  scripts/train_needle.py --device cuda (h200 preset, ~7 min of training + evaluation) into
+#   train  scripts/train_needle.py --device cuda (h200 preset, ~4 min of training + evaluation; STEPS=N fixes
+#          the step count instead of --steps auto) into
 #          build/needle-h200; its log and accuracy table go to benchmarks/results/needle_train_h200_<sha>.*
 #   grid   report YAML (chunked prefill, block reuse, snapshots every 256, fp16 SSM state with stochastic
 #          rounding): HIT / MISS at 1k 4k 16k 64k 256k tokens x depths 0 0.25 0.5 0.75 1
@@ -67,7 +68,12 @@ start_server() {  # $1 = kv dtype, $2 = log
   done
 }
 stop_server() { [ -n "$PID" ] && kill -INT $PID && wait $PID; PID=; }
-save() { if [ -n "${OUT:-}" ]; then cp "$R"/needle_*"$sha"* /tmp/needle_*.log "$OUT"/ 2>/dev/null; fi; }
+save() {  # one archive per call: the device returns at most 8 files; the checkpoint travels as its own archive
+  if [ -n "${OUT:-}" ]; then
+    tar czf "$OUT/needle_results_$sha.tgz" "$R"/needle_*"$sha"* /tmp/needle_*.log /tmp/needle_*.yml 2>/dev/null
+    [ -f "$CKPT/model.safetensors" ] && tar czf "$OUT/needle_ckpt_$sha.tgz" -C "$(dirname "$CKPT")" "$(basename "$CKPT")"
+  fi
+}
 
 needle() {  # $1 = result name, $2 = sizes, $3 = depths, rest = extra flags
   local name=$1 sizes=$2 depths=$3; shift 3
@@ -81,7 +87,7 @@ GRID_DEPTHS=${GRID_DEPTHS:-0,0.25,0.5,0.75,1}
 
 if [[ " $parts " == *" train "* ]]; then
   echo "== train (h200 preset) into $CKPT"
-  $PY scripts/train_needle.py --device cuda --out "$CKPT" --results-dir "$R" --tag "needle_train_h200_$sha" \
+  $PY scripts/train_needle.py --device cuda ${STEPS:+--steps $STEPS} --out "$CKPT" --results-dir "$R" --tag "needle_train_h200_$sha" \
     2>&1 | grep -v "falling back" | tail -60
   cp "$CKPT"/config.json "$R/needle_train_h200_${sha}_config.json"
   save
