@@ -582,8 +582,10 @@ def _bench_prefill_fp8(b: Bench, Hq: int, Hkv: int, D: int, bs: int, dtype, tol:
 
 def _bench_decode_fp8(b: Bench, Hq: int, Hkv: int, D: int, bs: int, dtype, tol: float, scale: float) -> None:
     """Decode over a float8 e4m3 KV pool with per-layer scales: half the bytes of bf16, so the roofline
-    time halves too; the bf16 kernel on the same (dequantised) values is timed beside it."""
+    time halves too; the bf16 kernel on the same (dequantised) values is timed beside it, and the Triton
+    kernel alone over fp8 (the path before `gluon_decode`)."""
     from hyserve.kernels.cuda_attention import paged_attention_cuda
+    from hyserve.kernels.triton_attention import paged_attention_triton
 
     for batch, L in ((64, 8192), (1, 131072)) if not b.dry else ((3, 100), (1, 700)):
         lens = [L] * batch
@@ -600,9 +602,11 @@ def _bench_decode_fp8(b: Bench, Hq: int, Hkv: int, D: int, bs: int, dtype, tol: 
         ms = b.graph_ms(lambda: paged_attention_cuda(q, kc, vc, tb, lens_t, cu_t, scale, **kw))
         kd, vd = dequantize_kv(kc, ks, dtype), dequantize_kv(vc, vs, dtype)  # the same values in 16 bits
         ms16 = b.graph_ms(lambda: paged_attention_cuda(q, kd, vd, tb, lens_t, cu_t, scale))
+        triton_ms = b.graph_ms(lambda: paged_attention_triton(q, kc, vc, tb, lens_t, cu_t, scale, **kw))
         kv_bytes = 2 * batch * L * Hkv * D * kc.element_size()  # 1 byte per element
         b.roof(name, kv_bytes / (ms * 1e-3), "B/s", "read", "KV-read roofline (1-byte KV): bytes-read ceiling",
-               time_ms=ms, bf16_kv_ms=ms16, speedup_vs_bf16_kv=ms16 / ms)
+               time_ms=ms, bf16_kv_ms=ms16, speedup_vs_bf16_kv=ms16 / ms, triton_fp8_ms=triton_ms,
+               speedup_vs_triton_fp8=triton_ms / ms)
 
 
 def _sdpa_fn(q, kc, vc, tables, L: int, backend: str):
@@ -837,17 +841,18 @@ _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
     ("N128 w4 s3, half the programs", {}, 132 * 2, 128),
     ("N64 w4 s3, 2x programs", dict(BLOCK_N=64), 132 * 8, 256),
 ]
-# Decode over a float8 pool (the same `_DECODE_GPU` table), same form: (label, settings, programs, splits).
-_DECODE_SWEEP_FP8: list[tuple[str, dict, int, int]] = [
-    ("default", {}, 0, 0),
-    ("N64 w4 s3", dict(BLOCK_N=64), 0, 0),
-    ("N64 w4 s4", dict(BLOCK_N=64, num_stages=4), 0, 0),
-    ("N128 w4 s2", dict(num_stages=2), 0, 0),
-    ("N128 w4 s4", dict(num_stages=4), 0, 0),
-    ("N128 w8 s3", dict(num_warps=8), 0, 0),
-    ("N256 w8 s2", dict(BLOCK_N=256, num_warps=8, num_stages=2), 0, 0),
-    ("N64 w4 s3, 2x programs", dict(BLOCK_N=64), 132 * 8, 256),
-    ("N128 w4 s3, 2x programs", {}, 132 * 8, 256),
+# Decode over a float8 pool: on Hopper the Gluon one-warp MMA kernel (`gluon_decode._DECODE_FP8`; "programs"
+# changes its `_TARGET_PROGRAMS`), and the Triton kernel alone (GLUON=False, the path before it; its settings
+# are the `_DECODE_GPU` table's, whose own sweep over fp8 found nothing faster: attn_sweep_3c7fa65).
+_DECODE_SWEEP_FP8: list[tuple[str, dict]] = [
+    ("default", {}),
+    ("Gluon SUB 16, no prefetch", dict(gluon=dict(PREFETCH=False))),
+    ("Gluon SUB 32", dict(gluon=dict(SUB=32))),
+    ("Gluon SUB 16, 8 warps a SM", dict(programs=132 * 8)),
+    ("Gluon SUB 16, 16 warps a SM", dict(programs=132 * 16)),
+    ("Gluon SUB 16, 4 warps a SM", dict(programs=132 * 4)),
+    ("Gluon SUB 32, 8 warps a SM", dict(gluon=dict(SUB=32), programs=132 * 8)),
+    ("Triton N128 w4 s3", dict(GLUON=False)),
 ]
 # The default on Hopper is the Gluon kernel (gluon_attention.py; "sm90" entries change its settings,
 # `gluon_attention._PREFILL_SM90`; a lock-step Gluon version measured 1.2x slower, attn_sweep_b308941, and
@@ -877,6 +882,7 @@ _PREFILL_SWEEP_FP8: list[tuple[str, dict]] = [
 
 def bench_attn_sweep(b: Bench) -> None:
     import hyserve.kernels.gluon_attention as ga
+    import hyserve.kernels.gluon_decode as gd
     import hyserve.kernels.triton_attention as ta
     from hyserve.kernels.cuda_attention import paged_attention_cuda
 
@@ -885,6 +891,7 @@ def bench_attn_sweep(b: Bench) -> None:
     scale, tol = D**-0.5, 2e-2
     tables = [(ta, name) for name in ("_DECODE_GPU", "_PREFILL_GPU", "_TARGET_PROGRAMS", "_MAX_SPLITS",
                                       "_DECODE_CPU", "_PREFILL_CPU")] + [(ga, "_PREFILL_SM90"), (ga, "_PREFILL_SM90_FP8")]
+    tables += [(gd, "_DECODE_FP8"), (gd, "_TARGET_PROGRAMS")]
     saved = [(mod, name, copy.deepcopy(getattr(mod, name))) for mod, name in tables]
     attention = [paged_attention_cuda]  # what the entry being timed calls (apply_prefill may pick Triton alone)
 
@@ -894,8 +901,12 @@ def bench_attn_sweep(b: Bench) -> None:
         attention[0] = paged_attention_cuda
 
     def run_case(name: str, q, kc, vc, tb, lens, cu, nbytes_or_flops: float, unit: str, configs, apply,
-                 **kw) -> float:
+                 graph: bool = False, **kw) -> float:
+        """graph: time the decode step as a captured step runs it (device seq_lens / cu_q, CUDA graph replay,
+        no launcher host time); else eager with host lists."""
         ref = paged_attention_ref(q, kc, vc, tb, lens, cu, scale, **kw)
+        lens_t = torch.tensor(lens, dtype=torch.int32, device=b.dev)
+        cu_t = torch.tensor(cu, dtype=torch.int32, device=b.dev)
         base_ms = None
         for label, *cfg in configs:
             try:
@@ -904,7 +915,10 @@ def bench_attn_sweep(b: Bench) -> None:
                 got = fn(q, kc, vc, tb, lens, cu, scale, **kw)
                 if not b.check(f"{name} [{label}]", got, ref, tol, tol):
                     continue
-                ms = b.time_ms(lambda: fn(q, kc, vc, tb, lens, cu, scale, **kw))
+                if graph:
+                    ms = b.graph_ms(lambda: fn(q, kc, vc, tb, lens_t, cu_t, scale, **kw))
+                else:
+                    ms = b.time_ms(lambda: fn(q, kc, vc, tb, lens, cu, scale, **kw))
                 base_ms = base_ms if base_ms is not None else ms  # the first entry is the default
                 b.record(f"{name} [{label}]", ms, "ms", "default settings, same sweep", base_ms, time_ms=ms,
                          rate=nbytes_or_flops / (ms * 1e-3), rate_unit=unit)
@@ -920,6 +934,14 @@ def bench_attn_sweep(b: Bench) -> None:
         target.update(over if not b.dry else {k: v for k, v in over.items() if k != "BLOCK_N"})
         if programs:
             ta._TARGET_PROGRAMS, ta._MAX_SPLITS = programs, max_splits
+
+    def apply_decode_fp8(over: dict) -> None:
+        over = dict(over)
+        if not over.pop("GLUON", True):
+            attention[0] = ta.paged_attention_triton
+        gd._DECODE_FP8.update(over.pop("gluon", {}))
+        if "programs" in over:
+            gd._TARGET_PROGRAMS = over.pop("programs")
 
     def apply_prefill(over: dict, table: str = "_PREFILL_SM90") -> None:
         if b.dry:
@@ -938,8 +960,9 @@ def bench_attn_sweep(b: Bench) -> None:
                  2 * batch * L * Hkv * D * kc.element_size(), "B/s", _DECODE_SWEEP, apply_decode)
         del kc, vc
         kc, vc, tb, ks, vs = _fp8_pool(b, lens, Hkv, D, bs, dtype)
-        run_case(f"decode attention fp8 KV {batch} x {L}", q, kc, vc, tb, lens, list(range(batch + 1)),
-                 2 * batch * L * Hkv * D, "B/s", _DECODE_SWEEP_FP8, apply_decode, k_scale=ks, v_scale=vs)
+        run_case(f"decode attention fp8 KV {batch} x {L} (graph)", q, kc, vc, tb, lens, list(range(batch + 1)),
+                 2 * batch * L * Hkv * D, "B/s", _DECODE_SWEEP_FP8, apply_decode_fp8, graph=True, k_scale=ks,
+                 v_scale=vs)
         del kc, vc
     for n_new, L in ((8192, 8192), (2048, 8192)) if not b.dry else ((37, 37), (20, 50)):
         kc, vc, tb = _paged_pool(b, [L], Hkv, D, bs, dtype)

@@ -353,12 +353,134 @@ def test_gluon_fp8_prefill_alternative_settings(poison, monkeypatch, settings, c
                  cuda_op=True)
 
 
+GLUON_DECODE_CASES = [  # (new, lens, Hq, Hkv, D, bs, dtype, scaled)
+    ([1] * 6, [77, 12000, 3000, 1517, 129, 2], 40, 8, 128, 64, BF16, True),  # Nano 9B v2 shapes
+    ([1] * 6, [5, 17, 40, 33, 300, 1000], 40, 8, 128, 16, BF16, True),  # 16-token blocks, short tails
+    ([1], [131072], 40, 8, 128, 64, BF16, True),  # one long context: all 198 splits full
+    ([1] * 3, [30, 500, 2049], 8, 8, 128, 32, F16, True),  # MHA (one q head per kv head), float16 queries
+    ([1] * 4, [100, 40, 700, 3000], 32, 2, 64, 64, BF16, True),  # head dim 64, 16 q heads per kv head
+    ([1] * 2, [7, 300], 8, 2, 32, 16, F16, False),  # head dim 32, an fp8 cache without scales
+    ([1, 1, 3000, 517], [77, 12000, 3000, 1517], 40, 8, 128, 64, BF16, True),  # decodes + prefills in a step
+]
+
+
+def _gluon_decode_calls(monkeypatch) -> list[int]:
+    """Counts the decode parts `cuda_attention` hands the Gluon fp8 decode kernel and it takes."""
+    import hyserve.kernels.cuda_attention as ca
+
+    if ca._DECODE is None:
+        pytest.skip("this triton has no Gluon")
+    calls: list[int] = []
+    real = ca._DECODE
+
+    def counted(*a, **kw):
+        got = real(*a, **kw)
+        if got is not None:
+            calls.append(got[0].shape[0])  # its split count
+        return got
+
+    monkeypatch.setattr(ca, "_DECODE", counted)
+    return calls
+
+
 @gpu
 @needs_cuda
-def test_triton_fp8_decode_graph_reads_scales_from_device():
+@pytest.mark.parametrize("new,lens,Hq,Hkv,D,bs,dtype,scaled", GLUON_DECODE_CASES)
+def test_gluon_fp8_decode_matches_float64(poison, monkeypatch, new, lens, Hq, Hkv, D, bs, dtype, scaled):
+    """The one-warp MMA decode kernel (gluon_decode.py) takes every decode part over an e4m3 cache: against a
+    float64 oracle on the dequantised cache (NaN-filled pools, shuffled blocks), block sizes 16..64, head
+    dims 32..128, 1..16 q heads per kv head, splits from full to mostly empty, scaled and unscaled caches."""
+    from hyserve.kernels.cuda_attention import paged_attention_cuda
+
+    calls = _gluon_decode_calls(monkeypatch)
+    k_scale, v_scale = (0.03, 0.02) if scaled else (1.0, 1.0)
+    k_cache, v_cache, tables, k, v, slots, cu, ks, vs = _fp8_pool(lens, new, Hkv, D, bs, k_scale, v_scale, dtype)
+    write_kv_ref(k, v, k_cache, v_cache, slots, k_scale=ks, v_scale=vs)
+    q = rnd(cu[-1], Hq, D, dtype=dtype)
+    scale = D**-0.5
+    kw = dict(k_scale=ks, v_scale=vs) if scaled else {}
+    with poison:
+        out = paged_attention_cuda(q, k_cache, v_cache, tables, lens, cu, scale, **kw)
+    oracle = _dense_attention_f64(q, k_cache.double() * k_scale, v_cache.double() * v_scale, tables, lens, cu, bs,
+                                  scale)
+    close(out, oracle.to(dtype), dtype, f"gluon fp8 decode lens={lens}")
+    assert len(calls) == 1
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("settings", [dict(PREFETCH=False), dict(SUB=32), dict(SUB=32, PREFETCH=False)])
+def test_gluon_fp8_decode_alternative_settings(poison, monkeypatch, settings):
+    """The settings `bench_kernels.py --only attn_sweep` times beside the default are correct too."""
+    import hyserve.kernels.gluon_decode as gd
+
+    calls = _gluon_decode_calls(monkeypatch)
+    monkeypatch.setattr(gd, "_DECODE_FP8", {**gd._DECODE_FP8, **settings})
+    _triton_case(poison, new=[1] * 5, lens=[33, 700, 4097, 12000, 1], Hq=40, Hkv=8, D=128, bs=64, dtype=BF16,
+                 k_scale=0.05, v_scale=3.0, cuda_op=True)
+    assert len(calls) == 1
+
+
+def test_gluon_fp8_decode_shape_rule():
+    """Which decode steps the Gluon fp8 kernel takes, device aside (CPU tensors): e4m3 K and V, 16-bit queries,
+    head dims 32 / 64 / 128, at most 16 q heads per kv head, rows on 4-byte words."""
+    gd = pytest.importorskip("hyserve.kernels.gluon_decode", reason="this triton has no Gluon")
+    c = torch.zeros(4, 16, 2, 128, dtype=FP8)
+    q = torch.zeros(2, 8, 128, dtype=BF16)
+    assert gd.decode_fp8_shape_fits(q, c, c) and gd.decode_fp8_shape_fits(q.half(), c, c)
+    assert not gd.decode_fp8_fits(q, c, c)  # not on a GPU
+    assert not gd.decode_fp8_shape_fits(q.float(), c, c)
+    assert not gd.decode_fp8_shape_fits(q, c.to(BF16), c.to(BF16))
+    assert not gd.decode_fp8_shape_fits(q, c, c.to(BF16))
+    assert not gd.decode_fp8_shape_fits(torch.zeros(2, 40, 128, dtype=BF16), c, c)  # 20 q heads per kv head
+    assert gd.decode_fp8_shape_fits(torch.zeros(2, 32, 128, dtype=BF16), c, c)  # 16
+    c256 = torch.zeros(4, 16, 2, 256, dtype=FP8)
+    assert not gd.decode_fp8_shape_fits(torch.zeros(2, 8, 256, dtype=BF16), c256, c256)
+    for D in (32, 64):
+        cd = torch.zeros(4, 16, 2, D, dtype=FP8)
+        assert gd.decode_fp8_shape_fits(torch.zeros(2, 8, D, dtype=BF16), cd, cd)
+    wide = torch.zeros(4, 16, 2, 130, dtype=FP8)[..., 1:129]  # rows at odd byte offsets
+    assert not gd.decode_fp8_shape_fits(q, wide, wide)
+
+
+@gpu
+@needs_cuda
+def test_gluon_fp8_decode_declines_what_it_cannot_take(poison, monkeypatch):
+    """Head dim 256, more than 16 q heads per kv head, float32 queries, a 16-bit cache, cache rows off 4-byte
+    words: `decode_fp8` launches nothing and the Triton kernel serves the step, correctly."""
+    import hyserve.kernels.gluon_decode as gd
+    from hyserve.kernels.cuda_attention import paged_attention_cuda
+
+    calls = _gluon_decode_calls(monkeypatch)
+    lens, cu = [40, 900], [0, 1, 2]
+    for Hq, Hkv, D, dtype in ((8, 2, 256, BF16), (40, 2, 128, BF16), (8, 2, 128, F32)):
+        k_cache, v_cache, tables, k, v, slots, cu, ks, vs = _fp8_pool(lens, [1, 1], Hkv, D, 16, 0.03, 0.02, dtype)
+        write_kv_ref(k, v, k_cache, v_cache, slots, k_scale=ks, v_scale=vs)
+        q = rnd(2, Hq, D, dtype=dtype)
+        assert not gd.decode_fp8_fits(q, k_cache, v_cache)
+        with poison:
+            out = paged_attention_cuda(q, k_cache, v_cache, tables, lens, cu, D**-0.5, k_scale=ks, v_scale=vs)
+        ref = paged_attention_ref(q, k_cache, v_cache, tables, lens, cu, D**-0.5, k_scale=ks, v_scale=vs)
+        close(out, ref, dtype, f"declined Hq={Hq} Hkv={Hkv} D={D} {dtype}")
+    q = rnd(2, 8, 128, dtype=BF16)
+    c16 = rnd(4, 16, 2, 128, dtype=BF16)
+    assert not gd.decode_fp8_fits(q, c16, c16)
+    wide = torch.zeros(4, 16, 2, 130, dtype=FP8, device=DEV)[..., 1:129]  # rows at odd byte offsets
+    assert not gd.decode_fp8_fits(q, wide, wide)
+    assert calls == []
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("op", ["triton", "cuda"])
+def test_triton_fp8_decode_graph_reads_scales_from_device(op):
     """Captured decode with scales: replaying after new q and new scale values gives the attention with
-    the new values (the scales are device reads, not constants baked into the graph)."""
-    from hyserve.kernels.triton_attention import paged_attention_triton
+    the new values (the scales are device reads, not constants baked into the graph). op: the Triton
+    kernel alone, or the CUDA op (on Hopper, gluon_decode's kernel)."""
+    if op == "cuda":
+        from hyserve.kernels.cuda_attention import paged_attention_cuda as paged_attention_triton
+    else:
+        from hyserve.kernels.triton_attention import paged_attention_triton
 
     S, Hq, Hkv, D, bs, width = 4, 40, 8, 128, 16, 64
     k_cache = rnd(S * width, bs, Hkv, D, scale=4).to(FP8)

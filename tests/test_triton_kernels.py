@@ -534,7 +534,23 @@ def test_gluon_prefill_compiles_for_hopper():
                          text=True, env={**env, "PYTHONPATH": str(root)}, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     cases = json.loads(run.stdout.strip().splitlines()[-1])
+    decode = {name: cases.pop(name) for name in list(cases) if name.startswith("decode")}
     assert set(cases) == {"D128 bs64", "D64 bs16", "D128 bs64 fp8", "D64 bs16 fp8"}
+    assert set(decode) == {"decode D128 bs64 rep5", "decode D64 bs16 rep16", "decode D128 bs16 rep1",
+                           "decode D32 bs16 rep1"}
+    for name, c in decode.items():
+        D = int(name.split()[1][1:])
+        steps = 2  # the prefetched loop compiles the step's loads twice (before the loop and inside it)
+        # fp8 decode (gluon_decode.py): no shared memory, no barriers, no spills; per SUB-key step the
+        # m16n8k16 products of S = Q K^T (D / 16 k-steps x SUB / 8 n-tiles) and O += P V (SUB / 16 x D / 8),
+        # two e4m3-pair converts for every 4 bytes of K and V, 16-byte loads where a thread's run of a row
+        # has 16 bytes (D / 4 of K: D >= 64), the PDL wait
+        sub = c["sub"]
+        assert c["shared"] == 0 and c["shared_ops"] == 0 and c["spill_bytes"] == 0, (name, c)
+        assert c["mma"] == (D // 16) * (sub // 8) + (sub // 16) * (D // 8), (name, c)
+        assert c["e4m3_to_f16"] == 2 * 2 * (sub * D // 4) // 32, (name, c)  # K and V, 2 a word, 32 threads
+        assert (c["ld_v4"] > 0) == (D >= 64) and c["ld_v4"] % steps == 0, (name, c)
+        assert c["gdc_wait"] and c["regs"] <= 192, (name, c)
     for name, c in cases.items():
         assert 0 < c["shared"] <= 232448, (name, c)  # 227 KiB per block on sm_90
         assert c["wgmma"] and c["tma"], (name, c)

@@ -1,21 +1,24 @@
 """The CUDA paged-attention op: the one place that picks between the attention kernels.
 
-`triton_attention` runs decode and prefill; on Hopper the prefill part of a 16-bit, unscaled step goes to
-`gluon_attention`'s warp-specialised kernel wherever it can take it (`gluon_attention.sm90_prefill_box`).
-Neither kernel module imports the other; `triton_registry` registers this function as `paged_attention`.
+`triton_attention` runs decode and prefill; on Hopper the prefill part of a step goes to `gluon_attention`'s
+warp-specialised kernel wherever it can take it (`gluon_attention.sm90_prefill_box`), and the decode part of a
+step over a float8 cache to `gluon_decode`'s one-warp MMA kernel (`gluon_decode.decode_fp8_fits`). No kernel
+module imports another; `triton_registry` registers this function as `paged_attention`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hyserve.kernels.triton_attention import PrefillKernel, paged_attention_triton
+from hyserve.kernels.triton_attention import DecodeKernel, PrefillKernel, paged_attention_triton
 
 _PREFILL: PrefillKernel | None
-try:  # Gluon shipped in triton 3.5; without it every step stays on the Triton kernel
+_DECODE: DecodeKernel | None
+try:  # Gluon shipped in triton 3.5; without it every step stays on the Triton kernels
     from hyserve.kernels.gluon_attention import prefill_sm90 as _PREFILL
+    from hyserve.kernels.gluon_decode import decode_fp8 as _DECODE
 except ImportError:  # pragma: no cover - depends on the triton install
-    _PREFILL = None
+    _PREFILL = _DECODE = None
 
 
 def paged_attention_cuda(
@@ -33,7 +36,8 @@ def paged_attention_cuda(
     """`attention.paged_attention_ref`'s contract on a GPU (or the Triton interpreter): q [T, q_heads,
     head_dim] -> out [T, q_heads, head_dim]; see `triton_attention.paged_attention_triton`."""
     return paged_attention_triton(
-        q, k_cache, v_cache, block_tables, seq_lens, cu_q, scale, k_scale=k_scale, v_scale=v_scale, prefill=_PREFILL
+        q, k_cache, v_cache, block_tables, seq_lens, cu_q, scale, k_scale=k_scale, v_scale=v_scale, prefill=_PREFILL,
+        decode=_DECODE,
     )
 
 

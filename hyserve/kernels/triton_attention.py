@@ -450,6 +450,12 @@ _PREFILL_CPU = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 # device scalars or None), it writes those sequences' rows of `out` and returns True, or returns False and
 # writes nothing.
 PrefillKernel = Callable[..., bool]
+# A kernel that may take a step's decode part in place of `_decode_kernel`: called with (q, k_cache, v_cache,
+# block_tables, lens_t, cu_t, num_decode, max_len, qk_scale, k_scale=, v_scale=) (max_len: the longest decode
+# context when the host knows it, None in a captured step), it returns the partial outputs [splits, nd, q_heads,
+# head_dim] and log-sum-exps [splits, nd, q_heads] (float32) that `_combine_kernel` merges, or None having
+# launched nothing.
+DecodeKernel = Callable[..., "tuple[torch.Tensor, torch.Tensor] | None"]
 
 
 def _launch_settings(on_gpu: bool, ieee: bool, d_pad: int) -> tuple[dict, dict]:
@@ -498,6 +504,7 @@ def paged_attention_triton(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     prefill: PrefillKernel | None = None,
+    decode: DecodeKernel | None = None,
 ) -> torch.Tensor:
     """q: [T, q_heads, head_dim] -> out [T, q_heads, head_dim] in q.dtype.
 
@@ -511,6 +518,7 @@ def paged_attention_triton(
 
     k_scale / v_scale: the cache's dequantisation scales (device scalars, as `paged_attention_ref`).
     prefill: offered the prefill part on a GPU first (`PrefillKernel`); None: this module's kernel.
+    decode: offered the decode part on a GPU first (`DecodeKernel`); its partials go through the same combine.
 
     seq_lens / cu_q: host lists (preferred: no device sync; the launcher reads the step's shape from
     them) or int tensors. With tensors and T == S the step is taken to be pure decode (one new token
@@ -571,19 +579,28 @@ def paged_attention_triton(
         cfg["PIN_V"] = cfg["PIN_V"] and k_cache.dtype in FP8_KV_DTYPES  # see _v_tile
 
     if nd > 0:
-        BLOCK_N = dcfg.pop("BLOCK_N")
-        splits = num_decode_splits(nd, Hkv, max_len)
-        po = torch.empty(splits, nd, Hq, Dh, dtype=torch.float32, device=dev)
-        plse = torch.empty(splits, nd, Hq, dtype=torch.float32, device=dev)
-        _decode_kernel[(nd, Hkv, splits)](
-            q, k_cache, v_cache, block_tables, lens_t, cu_t, po, plse, ks, vs,
-            0, splits, qk_scale,
-            q.stride(0), q.stride(1), *strides_kv, block_tables.stride(0),
-            po.stride(0), po.stride(1), po.stride(2), plse.stride(0), plse.stride(1),
-            BS=BS, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)),
-            HEAD_DIM=Dh, D_PAD=D_PAD, BLOCK_N=BLOCK_N, MIN_SPLIT=triton.cdiv(_MIN_SPLIT_TOKENS, BLOCK_N) * BLOCK_N,
-            IEEE=ieee, KV_SCALED=scaled, F16_TILES=f16_tiles, **dcfg, **pdl(q),
-        )
+        parts = None
+        if decode is not None and on_gpu:
+            parts = decode(q, k_cache, v_cache, block_tables, lens_t, cu_t, nd, max_len, qk_scale,
+                           k_scale=k_scale if scaled else None, v_scale=v_scale if scaled else None)
+        if parts is None:
+            BLOCK_N = dcfg.pop("BLOCK_N")
+            splits = num_decode_splits(nd, Hkv, max_len)
+            po = torch.empty(splits, nd, Hq, Dh, dtype=torch.float32, device=dev)
+            plse = torch.empty(splits, nd, Hq, dtype=torch.float32, device=dev)
+            _decode_kernel[(nd, Hkv, splits)](
+                q, k_cache, v_cache, block_tables, lens_t, cu_t, po, plse, ks, vs,
+                0, splits, qk_scale,
+                q.stride(0), q.stride(1), *strides_kv, block_tables.stride(0),
+                po.stride(0), po.stride(1), po.stride(2), plse.stride(0), plse.stride(1),
+                BS=BS, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)),
+                HEAD_DIM=Dh, D_PAD=D_PAD, BLOCK_N=BLOCK_N,
+                MIN_SPLIT=triton.cdiv(_MIN_SPLIT_TOKENS, BLOCK_N) * BLOCK_N,
+                IEEE=ieee, KV_SCALED=scaled, F16_TILES=f16_tiles, **dcfg, **pdl(q),
+            )
+        else:
+            po, plse = parts
+            splits = po.shape[0]
         _combine_kernel[(nd, Hq)](
             po, plse, cu_t, out, 0, splits,
             po.stride(0), po.stride(1), po.stride(2), plse.stride(0), plse.stride(1),
@@ -628,4 +645,5 @@ def attention_flops(new_tokens: list[int], seq_lens: list[int], q_heads: int, he
     return 4.0 * total * q_heads * head_dim
 
 
-__all__ = ["write_kv_triton", "paged_attention_triton", "num_decode_splits", "attention_flops", "step_index"]
+__all__ = ["DecodeKernel", "PrefillKernel", "write_kv_triton", "paged_attention_triton", "num_decode_splits",
+           "attention_flops", "step_index"]
