@@ -42,16 +42,21 @@ def tok():
     return T.tiny_tokenizer()
 
 
-@pytest.fixture(scope="module")
-def prompts(tok) -> list[tuple[list[int], str]]:
-    """(chat prompt ids, the code) : the bench's own prompt at 2 lengths x 3 depths, then random codes."""
-    out = [(T.bench_prompt_ids(tok, n, d), BENCH_CODE) for n in (160, 300) for d in (0.0, 0.5, 1.0)]
-    rng = random.Random(2024)
-    for i in range(10):
-        ex = T.make_example(tok, rng, target_len=160 + 16 * i, depth=i / 9, code=T.random_code(rng, 1.0),
+def _prompt_set(tok, bench_lengths: tuple[int, int], seed: int, lengths: list[int]) -> list[tuple[list[int], str]]:
+    """(chat prompt ids, the code): the bench's own prompt at 2 lengths x 3 depths, then a random code in mixed
+    filler per length of `lengths`, at depths spread from 0 to 1."""
+    out = [(T.bench_prompt_ids(tok, n, d), BENCH_CODE) for n in bench_lengths for d in (0.0, 0.5, 1.0)]
+    rng = random.Random(seed)
+    for i, n in enumerate(lengths):
+        ex = T.make_example(tok, rng, target_len=n, depth=i / (len(lengths) - 1), code=T.random_code(rng, 1.0),
                             style="mixed")
         out.append((ex.ids[: ex.answer_start], ex.code))
     return out
+
+
+@pytest.fixture(scope="module")
+def prompts(tok) -> list[tuple[list[int], str]]:
+    return _prompt_set(tok, (160, 300), 2024, [160 + 16 * i for i in range(10)])
 
 
 @pytest.fixture(scope="module")
@@ -142,13 +147,7 @@ H200_MIN_RANDOM_HITS = 5
 
 @pytest.fixture(scope="module")
 def h200_prompts(tok) -> list[tuple[list[int], str]]:
-    out = [(T.bench_prompt_ids(tok, n, d), BENCH_CODE) for n in (512, 2048) for d in (0.0, 0.5, 1.0)]
-    rng = random.Random(77)
-    for i in range(6):
-        ex = T.make_example(tok, rng, target_len=300 + 240 * i, depth=i / 5, code=T.random_code(rng, 1.0),
-                            style="mixed")
-        out.append((ex.ids[: ex.answer_start], ex.code))
-    return out
+    return _prompt_set(tok, (512, 2048), 77, [300 + 240 * i for i in range(6)])
 
 
 def test_h200_checkpoint_retrieves_and_matches_transformers(tok, h200_prompts):
