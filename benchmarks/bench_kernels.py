@@ -840,10 +840,14 @@ _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
     ("N128 w4 s3, 2x programs", {}, 132 * 8, 256),
     ("N128 w4 s3, half the programs", {}, 132 * 2, 128),
     ("N64 w4 s3, 2x programs", dict(BLOCK_N=64), 132 * 8, 256),
+    ("N128 w4 s3, one-shot merge", dict(combine=dict(ONCE=True)), 0, 0),
+    ("N128 w4 s3, 2x programs, one-shot merge", dict(combine=dict(ONCE=True)), 132 * 8, 256),
 ]
 # Decode over a float8 pool: on Hopper the Gluon one-warp MMA kernel (`gluon_decode._DECODE_FP8`; "programs"
 # changes its `_TARGET_PROGRAMS`), and the Triton kernel alone (GLUON=False, the path before it; its settings
 # are the `_DECODE_GPU` table's, whose own sweep over fp8 found nothing faster: attn_sweep_3c7fa65).
+# "combine" entries (in both decode sweeps) change the merge of the split partials (`triton_attention._COMBINE_GPU`;
+# ONCE: every split in one load).
 _DECODE_SWEEP_FP8: list[tuple[str, dict]] = [
     ("default", {}),
     ("Gluon SUB 16, no prefetch", dict(gluon=dict(PREFETCH=False))),
@@ -853,6 +857,10 @@ _DECODE_SWEEP_FP8: list[tuple[str, dict]] = [
     ("Gluon SUB 16, 4 warps a SM", dict(programs=132 * 4)),
     ("Gluon SUB 32, 8 warps a SM", dict(gluon=dict(SUB=32), programs=132 * 8)),
     ("Triton N128 w4 s3", dict(GLUON=False)),
+    ("Gluon SUB 16, one-shot merge", dict(combine=dict(ONCE=True))),
+    ("Gluon SUB 16, one-shot merge D 64", dict(combine=dict(ONCE=True, D_BLOCK=64))),
+    ("Gluon SUB 16, 16 warps a SM, one-shot merge", dict(combine=dict(ONCE=True), programs=132 * 16)),
+    ("Gluon SUB 16, 8 warps a SM, one-shot merge", dict(combine=dict(ONCE=True), programs=132 * 8)),
 ]
 # The default on Hopper is the Gluon kernel (gluon_attention.py; "sm90" entries change its settings,
 # `gluon_attention._PREFILL_SM90`; a lock-step Gluon version measured 1.2x slower, attn_sweep_b308941, and
@@ -890,7 +898,7 @@ def bench_attn_sweep(b: Bench) -> None:
     dtype = BF16 if not b.dry else torch.float16
     scale, tol = D**-0.5, 2e-2
     tables = [(ta, name) for name in ("_DECODE_GPU", "_PREFILL_GPU", "_TARGET_PROGRAMS", "_MAX_SPLITS",
-                                      "_DECODE_CPU", "_PREFILL_CPU")] + [(ga, "_PREFILL_SM90"), (ga, "_PREFILL_SM90_FP8")]
+                                      "_DECODE_CPU", "_PREFILL_CPU", "_COMBINE_GPU", "_COMBINE_CPU")] + [(ga, "_PREFILL_SM90"), (ga, "_PREFILL_SM90_FP8")]
     tables += [(gd, "_DECODE_FP8"), (gd, "_TARGET_PROGRAMS")]
     saved = [(mod, name, copy.deepcopy(getattr(mod, name))) for mod, name in tables]
     attention = [paged_attention_cuda]  # what the entry being timed calls (apply_prefill may pick Triton alone)
@@ -929,14 +937,20 @@ def bench_attn_sweep(b: Bench) -> None:
         del ref
         return base_ms if base_ms is not None else float("nan")
 
+    def apply_combine(over: dict) -> dict:
+        over = dict(over)
+        (ta._COMBINE_CPU if b.dry else ta._COMBINE_GPU).update(over.pop("combine", {}))
+        return over
+
     def apply_decode(over: dict, programs: int, max_splits: int) -> None:
+        over = apply_combine(over)
         target = ta._DECODE_CPU if b.dry else ta._DECODE_GPU
         target.update(over if not b.dry else {k: v for k, v in over.items() if k != "BLOCK_N"})
         if programs:
             ta._TARGET_PROGRAMS, ta._MAX_SPLITS = programs, max_splits
 
     def apply_decode_fp8(over: dict) -> None:
-        over = dict(over)
+        over = apply_combine(over)
         if not over.pop("GLUON", True):
             attention[0] = ta.paged_attention_triton
         gd._DECODE_FP8.update(over.pop("gluon", {}))

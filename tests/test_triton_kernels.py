@@ -388,6 +388,32 @@ def test_paged_attention_small(poison, dtype, new, lens):
     _attn_case(poison, new=new, lens=lens, Hq=6, Hkv=2, D=32, bs=8, dtype=dtype)
 
 
+@pytest.mark.parametrize("case", [
+    dict(new=[1, 1], lens=[300, 1000], Hq=6, Hkv=2, D=32, bs=8),  # several splits, one mostly empty
+    dict(new=[1, 1, 1], lens=[4, 9, 70], Hq=3, Hkv=3, D=24, bs=16, tensors=True),  # odd head dim: masked block
+    dict(new=[1, 20, 7], lens=[9, 20, 30], Hq=6, Hkv=2, D=32, bs=8),  # decode beside prefills
+])
+def test_paged_attention_one_shot_merge(poison, monkeypatch, case):
+    """`_combine_once_kernel` (every split's partials in one load, by head-dim blocks) merges the decode
+    partials as `_combine_kernel` does: over NaN-filled pools, with empty splits and a head dim that is not a
+    multiple of the block."""
+    import hyserve.kernels.triton_attention as ta
+
+    table = "_COMBINE_GPU" if CUDA else "_COMBINE_CPU"
+    monkeypatch.setattr(ta, table, {**getattr(ta, table), "ONCE": True, "D_BLOCK": 16})
+    calls: list[tuple] = []
+    real = ta._combine_once_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(ta, "_combine_once_kernel", Counted())
+    _attn_case(poison, dtype=F32, **case)
+    assert calls and all(g[2] == -(-case["D"] // 16) for g in calls), calls
+
+
 @pytest.mark.parametrize("tensors", [False, True])
 def test_paged_attention_small_mha_odd_head_dim_tensors(poison, tensors):
     _attn_case(poison, new=[1, 1, 1], lens=[4, 9, 70], Hq=3, Hkv=3, D=24, bs=16, dtype=F32, tensors=tensors)

@@ -48,7 +48,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from hyserve.kernels.launch_util import pdl
+from hyserve.kernels.launch_util import pdl, split_kv_args, split_kv_count
 
 _GL_FP8 = {torch.float8_e4m3fn: gl.float8e4nv}
 _Q_DTYPES = (torch.float16, torch.bfloat16)
@@ -266,12 +266,10 @@ def decode_fp8_shape_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 def decode_splits(num_seqs: int, kv_heads: int, max_len: int | None = None) -> int:
-    """Splits per sequence for this kernel's one-warp programs (`triton_attention.num_decode_splits`'s rule
-    at this kernel's program target)."""
-    splits = max(1, min(_TARGET_PROGRAMS // max(1, num_seqs * kv_heads), _MAX_SPLITS))
-    if max_len is not None:
-        splits = min(splits, triton.cdiv(max(1, max_len), _MIN_SPLIT_TOKENS))
-    return splits
+    """Splits per sequence for this kernel's one-warp programs (`launch_util.split_kv_count` at this kernel's
+    program target)."""
+    return split_kv_count(num_seqs, kv_heads, max_len, target_programs=_TARGET_PROGRAMS, max_splits=_MAX_SPLITS,
+                          min_split_tokens=_MIN_SPLIT_TOKENS)
 
 
 def decode_fp8(
@@ -294,13 +292,9 @@ def decode_fp8(
     assert (v_scale is not None) == scaled
     cfg = dict(_DECODE_FP8)
     SUB = cfg.pop("SUB")
+    ks, vs = (k_scale, v_scale) if scaled else (q, q)  # unread when unscaled
     _decode_fp8_kernel[(nd, Hkv, splits)](
-        q, k_cache, v_cache, block_tables, lens_t, cu_t, po, plse, k_scale if scaled else q, v_scale if scaled else q,
-        0, splits, qk_scale,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), block_tables.stride(0),
-        po.stride(0), po.stride(1), po.stride(2), plse.stride(0), plse.stride(1),
+        *split_kv_args(q, k_cache, v_cache, block_tables, lens_t, cu_t, po, plse, ks, vs, splits, qk_scale),
         BS=BS, REP=Hq // Hkv, D=D, SUB=SUB, MIN_SPLIT=triton.cdiv(_MIN_SPLIT_TOKENS, SUB) * SUB,
         KV_SCALED=scaled, num_warps=1, **cfg, **pdl(q),
     )

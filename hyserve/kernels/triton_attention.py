@@ -15,7 +15,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hyserve.kernels.attention import FP8_KV_DTYPES, check_kv_scales
-from hyserve.kernels.launch_util import device_index, pdl, tma_tiles_fit
+from hyserve.kernels.launch_util import device_index, pdl, split_kv_args, split_kv_count, tma_tiles_fit
 from hyserve.kernels.triton_common import dot, dot_acc, pdl_enter
 
 _LOG2E = 1.4426950408889634
@@ -326,6 +326,33 @@ def _combine_kernel(
     tl.store(out_ptr + row * s_o_t + h * s_o_h + offs_d, (acc / den).to(out_ptr.dtype.element_ty), mask=md)
 
 
+@triton.jit(do_not_specialize=["seq_offset", "num_splits", "s_po_sp", "s_pl_sp"])
+def _combine_once_kernel(
+    po_ptr, plse_ptr, cu_ptr, out_ptr, seq_offset, num_splits,
+    s_po_sp, s_po_s, s_po_h, s_pl_sp, s_pl_s, s_o_t, s_o_h,
+    HEAD_DIM: tl.constexpr, SP_ALL: tl.constexpr, D_BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    """`_combine_kernel`'s merge with every split in one load: grid (sequences, q heads, head-dim blocks of
+    D_BLOCK), each program loads the log-sum-exps of all splits (up to SP_ALL, a fixed bound, so the split
+    count never compiles a variant) and their partial outputs for its D_BLOCK columns at once, instead of a
+    loop whose every step waits on the previous one's loads (a long context split 198 ways took 13 of them)."""
+    pdl_enter(PDL)
+    s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_d = tl.program_id(2) * D_BLOCK + tl.arange(0, D_BLOCK)
+    md = offs_d < HEAD_DIM
+    row = tl.load(cu_ptr + seq_offset + s).to(tl.int64)
+    sp = tl.arange(0, SP_ALL)
+    lse = tl.load(plse_ptr + sp * s_pl_sp + s * s_pl_s + h, mask=sp < num_splits, other=float("-inf"))
+    live = lse > float("-inf")  # an empty split wrote -inf and no output
+    o = tl.load(po_ptr + sp[:, None] * s_po_sp + s * s_po_s + h * s_po_h + offs_d[None, :],
+                mask=live[:, None] & md[None, :], other=0.0)
+    m = tl.max(lse, axis=0)  # a decode sequence has at least one key, so one split is live
+    w = tl.where(live, tl.exp2(lse - m), 0.0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + row * s_o_t + h * s_o_h + offs_d, out.to(out_ptr.dtype.element_ty), mask=md)
+
+
 # --------------------------------------------------------------------------- prefill / extend
 
 
@@ -442,6 +469,12 @@ _PREFILL_GPU = {128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, T
 _PREFILL_GPU_F32 = {128: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
                     256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
 _DECODE_CPU = dict(BLOCK_N=16, num_warps=4, num_stages=1)
+# The merge of the split partials: `_combine_kernel`'s loop over BLOCK_SP splits at a time (measured), or, with
+# ONCE, `_combine_once_kernel`: all splits (at most _COMBINE_SPLITS, which covers every split rule here and the
+# sweeps' 256) in one load per head-dim block of D_BLOCK (an attn_sweep entry, not yet timed on a GPU).
+_COMBINE_GPU = dict(ONCE=False, BLOCK_SP=16, D_BLOCK=32, num_warps=4)
+_COMBINE_CPU = dict(ONCE=False, BLOCK_SP=2, D_BLOCK=16, num_warps=1)
+_COMBINE_SPLITS = 256
 _PREFILL_CPU = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
 
@@ -484,12 +517,9 @@ def step_index(cu: list[int], lens: list[int], device: torch.device) -> tuple[to
 
 
 def num_decode_splits(num_seqs: int, kv_heads: int, max_len: int | None = None) -> int:
-    """Splits per decode sequence: enough programs to fill the GPU; when the longest context is
-    known (eager steps), no more splits than it has _MIN_SPLIT_TOKENS pieces."""
-    splits = max(1, min(_TARGET_PROGRAMS // max(1, num_seqs * kv_heads), _MAX_SPLITS))
-    if max_len is not None:
-        splits = min(splits, triton.cdiv(max(1, max_len), _MIN_SPLIT_TOKENS))
-    return splits
+    """Splits per decode sequence: enough programs to fill the GPU (`launch_util.split_kv_count`)."""
+    return split_kv_count(num_seqs, kv_heads, max_len, target_programs=_TARGET_PROGRAMS, max_splits=_MAX_SPLITS,
+                          min_split_tokens=_MIN_SPLIT_TOKENS)
 
 
 def paged_attention_triton(
@@ -589,10 +619,7 @@ def paged_attention_triton(
             po = torch.empty(splits, nd, Hq, Dh, dtype=torch.float32, device=dev)
             plse = torch.empty(splits, nd, Hq, dtype=torch.float32, device=dev)
             _decode_kernel[(nd, Hkv, splits)](
-                q, k_cache, v_cache, block_tables, lens_t, cu_t, po, plse, ks, vs,
-                0, splits, qk_scale,
-                q.stride(0), q.stride(1), *strides_kv, block_tables.stride(0),
-                po.stride(0), po.stride(1), po.stride(2), plse.stride(0), plse.stride(1),
+                *split_kv_args(q, k_cache, v_cache, block_tables, lens_t, cu_t, po, plse, ks, vs, splits, qk_scale),
                 BS=BS, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)),
                 HEAD_DIM=Dh, D_PAD=D_PAD, BLOCK_N=BLOCK_N,
                 MIN_SPLIT=triton.cdiv(_MIN_SPLIT_TOKENS, BLOCK_N) * BLOCK_N,
@@ -601,12 +628,21 @@ def paged_attention_triton(
         else:
             po, plse = parts
             splits = po.shape[0]
-        _combine_kernel[(nd, Hq)](
-            po, plse, cu_t, out, 0, splits,
-            po.stride(0), po.stride(1), po.stride(2), plse.stride(0), plse.stride(1),
-            out.stride(0), out.stride(1),
-            HEAD_DIM=Dh, D_PAD=D_PAD, BLOCK_SP=16 if on_gpu else 2, num_warps=4 if on_gpu else 1, **pdl(q),
-        )
+        ccfg = dict(_COMBINE_GPU if on_gpu else _COMBINE_CPU)
+        merge_args = (po, plse, cu_t, out, 0, splits,
+                      po.stride(0), po.stride(1), po.stride(2), plse.stride(0), plse.stride(1),
+                      out.stride(0), out.stride(1))
+        if ccfg.pop("ONCE") and splits <= _COMBINE_SPLITS:
+            d_block = min(ccfg["D_BLOCK"], D_PAD)
+            _combine_once_kernel[(nd, Hq, triton.cdiv(Dh, d_block))](
+                *merge_args, HEAD_DIM=Dh, SP_ALL=_COMBINE_SPLITS, D_BLOCK=d_block, num_warps=ccfg["num_warps"],
+                **pdl(q),
+            )
+        else:
+            _combine_kernel[(nd, Hq)](
+                *merge_args, HEAD_DIM=Dh, D_PAD=D_PAD, BLOCK_SP=ccfg["BLOCK_SP"], num_warps=ccfg["num_warps"],
+                **pdl(q),
+            )
 
     if nd < S and max_new > 0:
         if (prefill is not None and on_gpu
