@@ -6,7 +6,7 @@
 #   scripts/gpu_needle_check.sh GIT_SHA [train|grid|long|fp8|same]...
 #
 #   train  scripts/train_needle.py --device cuda (h200 preset, ~4 min of training + evaluation; STEPS=N fixes
-#          the step count instead of --steps auto) into
+#          the step count instead of --steps auto; TRAIN_ARGS adds train_needle.py options) into
 #          build/needle-h200; its log and accuracy table go to benchmarks/results/needle_train_h200_<sha>.*
 #   grid   report YAML (chunked prefill, block reuse, snapshots every 256, fp16 SSM state with stochastic
 #          rounding): HIT / MISS at 1k 4k 16k 64k 256k tokens x depths 0 0.25 0.5 0.75 1
@@ -87,7 +87,7 @@ GRID_DEPTHS=${GRID_DEPTHS:-0,0.25,0.5,0.75,1}
 
 if [[ " $parts " == *" train "* ]]; then
   echo "== train (h200 preset) into $CKPT"
-  $PY scripts/train_needle.py --device cuda ${STEPS:+--steps $STEPS} --out "$CKPT" --results-dir "$R" --tag "needle_train_h200_$sha" \
+  $PY scripts/train_needle.py --device cuda ${STEPS:+--steps $STEPS} ${TRAIN_ARGS:-} --out "$CKPT" --results-dir "$R" --tag "needle_train_h200_$sha" \
     2>&1 | grep -v "falling back" | tail -60
   cp "$CKPT"/config.json "$R/needle_train_h200_${sha}_config.json"
   save
