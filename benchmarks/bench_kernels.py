@@ -840,14 +840,14 @@ _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
     ("N128 w4 s3, 2x programs", {}, 132 * 8, 256),
     ("N128 w4 s3, half the programs", {}, 132 * 2, 128),
     ("N64 w4 s3, 2x programs", dict(BLOCK_N=64), 132 * 8, 256),
-    ("N128 w4 s3, one-shot merge", dict(combine=dict(ONCE=True)), 0, 0),
-    ("N128 w4 s3, 2x programs, one-shot merge", dict(combine=dict(ONCE=True)), 132 * 8, 256),
+    ("N128 w4 s3, one-shot merge", dict(combine=dict(ONCE_MIN_SPLITS=1)), 0, 0),
+    ("N128 w4 s3, 2x programs, one-shot merge", dict(combine=dict(ONCE_MIN_SPLITS=1)), 132 * 8, 256),
 ]
 # Decode over a float8 pool: on Hopper the Gluon one-warp MMA kernel (`gluon_decode._DECODE_FP8`; "programs"
 # changes its `_TARGET_PROGRAMS`), and the Triton kernel alone (GLUON=False, the path before it; its settings
 # are the `_DECODE_GPU` table's, whose own sweep over fp8 found nothing faster: attn_sweep_3c7fa65).
 # "combine" entries (in both decode sweeps) change the merge of the split partials (`triton_attention._COMBINE_GPU`;
-# ONCE: every split in one load).
+# ONCE_MIN_SPLITS 1: every split in one load, at every split count; 0: the loop merge at every split count).
 _DECODE_SWEEP_FP8: list[tuple[str, dict]] = [
     ("default", {}),
     ("Gluon SUB 16, no prefetch", dict(gluon=dict(PREFETCH=False))),
@@ -857,10 +857,11 @@ _DECODE_SWEEP_FP8: list[tuple[str, dict]] = [
     ("Gluon SUB 16, 4 warps a SM", dict(programs=132 * 4)),
     ("Gluon SUB 32, 8 warps a SM", dict(gluon=dict(SUB=32), programs=132 * 8)),
     ("Triton N128 w4 s3", dict(GLUON=False)),
-    ("Gluon SUB 16, one-shot merge", dict(combine=dict(ONCE=True))),
-    ("Gluon SUB 16, one-shot merge D 64", dict(combine=dict(ONCE=True, D_BLOCK=64))),
-    ("Gluon SUB 16, 16 warps a SM, one-shot merge", dict(combine=dict(ONCE=True), programs=132 * 16)),
-    ("Gluon SUB 16, 8 warps a SM, one-shot merge", dict(combine=dict(ONCE=True), programs=132 * 8)),
+    ("Gluon SUB 16, loop merge", dict(combine=dict(ONCE_MIN_SPLITS=0))),
+    ("Gluon SUB 16, one-shot merge", dict(combine=dict(ONCE_MIN_SPLITS=1))),
+    ("Gluon SUB 16, one-shot merge D 64", dict(combine=dict(ONCE_MIN_SPLITS=1, D_BLOCK=64))),
+    ("Gluon SUB 16, 16 warps a SM, one-shot merge", dict(combine=dict(ONCE_MIN_SPLITS=1), programs=132 * 16)),
+    ("Gluon SUB 16, 8 warps a SM, one-shot merge", dict(combine=dict(ONCE_MIN_SPLITS=1), programs=132 * 8)),
 ]
 # The default on Hopper is the Gluon kernel (gluon_attention.py; "sm90" entries change its settings,
 # `gluon_attention._PREFILL_SM90`; a lock-step Gluon version measured 1.2x slower, attn_sweep_b308941, and

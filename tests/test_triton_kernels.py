@@ -400,7 +400,7 @@ def test_paged_attention_one_shot_merge(poison, monkeypatch, case):
     import hyserve.kernels.triton_attention as ta
 
     table = "_COMBINE_GPU" if CUDA else "_COMBINE_CPU"
-    monkeypatch.setattr(ta, table, {**getattr(ta, table), "ONCE": True, "D_BLOCK": 16})
+    monkeypatch.setattr(ta, table, {**getattr(ta, table), "ONCE_MIN_SPLITS": 1, "D_BLOCK": 16})
     calls: list[tuple] = []
     real = ta._combine_once_kernel
 

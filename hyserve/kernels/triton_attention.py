@@ -469,11 +469,14 @@ _PREFILL_GPU = {128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, T
 _PREFILL_GPU_F32 = {128: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
                     256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
 _DECODE_CPU = dict(BLOCK_N=16, num_warps=4, num_stages=1)
-# The merge of the split partials: `_combine_kernel`'s loop over BLOCK_SP splits at a time (measured), or, with
-# ONCE, `_combine_once_kernel`: all splits (at most _COMBINE_SPLITS, which covers every split rule here and the
-# sweeps' 256) in one load per head-dim block of D_BLOCK (an attn_sweep entry, not yet timed on a GPU).
-_COMBINE_GPU = dict(ONCE=False, BLOCK_SP=16, D_BLOCK=32, num_warps=4)
-_COMBINE_CPU = dict(ONCE=False, BLOCK_SP=2, D_BLOCK=16, num_warps=1)
+# The merge of the split partials: `_combine_kernel`'s loop over BLOCK_SP splits at a time, or, from ONCE_MIN_SPLITS
+# splits up (0: never), `_combine_once_kernel`: all splits (at most _COMBINE_SPLITS, which covers every split rule
+# here and the sweeps' 256) in one load per head-dim block of D_BLOCK. On the H200 (attn_sweep_c0ad159, graph
+# replay, Nano 9B v2 heads) the one-shot merge took fp8 decode at batch 1 x 131k (the Gluon kernel's 198 splits)
+# from 0.111 to 0.090 ms, and cost more where the splits are few (its masked 256-split tile is read whole):
+# bf16 at 1 x 131k (66 splits) 0.153 -> 0.261 ms, fp8 at 64 x 8k (3 splits) 0.322 -> 0.378 ms.
+_COMBINE_GPU = dict(ONCE_MIN_SPLITS=128, BLOCK_SP=16, D_BLOCK=32, num_warps=4)
+_COMBINE_CPU = dict(ONCE_MIN_SPLITS=0, BLOCK_SP=2, D_BLOCK=16, num_warps=1)
 _COMBINE_SPLITS = 256
 _PREFILL_CPU = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
@@ -632,7 +635,8 @@ def paged_attention_triton(
         merge_args = (po, plse, cu_t, out, 0, splits,
                       po.stride(0), po.stride(1), po.stride(2), plse.stride(0), plse.stride(1),
                       out.stride(0), out.stride(1))
-        if ccfg.pop("ONCE") and splits <= _COMBINE_SPLITS:
+        once_from = ccfg.pop("ONCE_MIN_SPLITS")
+        if 0 < once_from <= splits <= _COMBINE_SPLITS:
             d_block = min(ccfg["D_BLOCK"], D_PAD)
             _combine_once_kernel[(nd, Hq, triton.cdiv(Dh, d_block))](
                 *merge_args, HEAD_DIM=Dh, SP_ALL=_COMBINE_SPLITS, D_BLOCK=d_block, num_warps=ccfg["num_warps"],
