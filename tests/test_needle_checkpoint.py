@@ -138,8 +138,9 @@ def test_bench_needle_scores_it_through_the_server(tmp_path, capsys):
 # --------------------------------------------------------------------------- the H200-trained checkpoint
 
 CKPT_H200 = ROOT / "models" / "hyserve-needle-h200"
-# its measured tables: benchmarks/results/needle_train_h200_cb1e3d4.md (0.88-1.00 exact up to 16k tokens) and,
-# through `hyserve serve` on the H200, needle_grid_cb1e3d4.json (25 / 25 HIT, 1k-256k); on the CPU here the
+# its measured tables: benchmarks/results/needle_train_h200_c0ad159.md (0.88-1.00 exact up to 16k tokens) and,
+# through `hyserve serve` on the H200, needle_grid_c0ad159.json (25 / 25 HIT, 1k-256k; 1M HIT:
+# needle_long_c0ad159.json); on the CPU here the
 # bench prompt at 512 and 2048 tokens x 3 depths and 6 random codes at 300-1,500 tokens
 H200_MIN_BENCH_HITS = 6
 H200_MIN_RANDOM_HITS = 5
