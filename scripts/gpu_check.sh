@@ -13,6 +13,9 @@
 #   attn, structured (not default parts): the paged-attention kernel records alone (issue 24); bench_structured.py
 #   (issue 18, xgrammar in .whl).
 #   attn_sweep (not a default part): paged-attention launch alternatives, bf16 and fp8 KV decode, prefill.
+#   moe_decode (not a default part, issue 23): benchmarks/bench_moe_decode.py --write, the batch-1 MoE decode
+#   GEMVs chained as a step runs them, settings swept; the fastest becomes the 1-token config entry. Put it
+#   before moe_nano in the same call to measure the model with it.
 #   longprompt (not a default part, issues 24 and 22): benchmarks/bench_long_prompt.py, a 131k and a 1.04M-token
 #   prompt through LLM per KV dtype (LONG_PROMPT_ARGS adds options; ~3-4 min a dtype).
 #   stepsync (not a default part, issue 23): benchmarks/bench_step_sync.py, the host syncs and phases of a large
@@ -81,6 +84,11 @@ save() { out_save; }
   # shellcheck disable=SC2086
   [[ $parts == *" stepsync "* ]] && echo "== host syncs of a large decode step (issue 23)" \
     && timeout 300 python3 benchmarks/bench_step_sync.py --git-sha "$sha" ${STEP_SYNC_ARGS:-} 2>&1 | tail -40 && save
+  # moe_decode (not a default part, issue 23): the batch-1 MoE decode chain in a graph, its settings swept and
+  # the fastest written as the 1-token entry of hyserve/kernels/moe_configs/<GPU>.json (copied to $OUT)
+  [[ $parts == *" moe_decode "* ]] && echo "== MoE decode chain at batch 1: settings swept, fastest written" \
+    && timeout 300 python3 benchmarks/bench_moe_decode.py --write --git-sha "$sha" 2>&1 | tail -60 \
+    && { [ -z "${OUT:-}" ] || cp hyserve/kernels/moe_configs/*.json "$OUT"/; } && save
   # structured (not a default part, issue 18): JSON-schema-constrained decode against unconstrained, batch 1 / 64
   [[ $parts == *" structured "* ]] && echo "== structured outputs: constrained / free decode (xgrammar in .whl)" \
     && timeout 300 python3 benchmarks/bench_structured.py --rounds 3 --git-sha "$sha" 2>&1 | tail -20 && save

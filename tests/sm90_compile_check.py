@@ -3,7 +3,8 @@ needed) through their real launchers, at the GPU launch settings, and prints eac
 memory as one JSON line: {"dtype": ..., "kernels": {name: bytes}, "ptx": {name: ["e4m3", "wgmma.mma_async"]}}
 (the second: which of those its PTX holds; "cvt.bf16.f16": a scalar float16 -> bf16 convert,
 "ld.shared.b8": shared-memory loads of single bytes, "griddepcontrol.wait": the kernel waits for its
-predecessor as a programmatic dependent launch).
+predecessor as a programmatic dependent launch; "ld.global before the wait": it loads from global memory
+ahead of that wait).
 
     python tests/sm90_compile_check.py float32 [op ...] [--only kernel,...] [--no-pdl]
                                             # ops: attention attention_fp8 ssd ssm_update conv1d norm
@@ -236,6 +237,9 @@ def main(argv: list[str]) -> None:
         shared[name] = max(shared.get(name, 0), kernel.metadata.shared)
         ptx = kernel.asm.get("ptx", "")
         mma.setdefault(name, set()).update(k for k in MARKERS if k in ptx)
+        wait = ptx.find("griddepcontrol.wait")
+        if wait > 0 and "ld.global" in ptx[:wait]:
+            mma[name].add("ld.global before the wait")
         return kernel
 
     driver.set_active(_Sm90())

@@ -6,12 +6,15 @@ routing, so a decode step replays from a CUDA graph (contracts: `moe.py`; layout
                tokens: F.linear in float32
     route      _route_kernel, grid (T,): sigmoid, score-correction bias, group-limited top-k by repeated
                argmax over the token's [groups, experts per group] tile, normalised weights x scale
-    gemv path  (few tokens) no sort: _up_gemv_kernel, grid (T*k, I / BLOCK_N), reads only each pair's
+    gemv path  (few tokens) no sort: _up_gemv_kernel, grid (rows x I / BLOCK_N), reads only each pair's
                expert, relu^2 at the end; _down_gemv_kernel, grid (T, d / BLOCK_N), walks the token's k
                experts and sums their weighted rows in registers (the combine): BLOCK_N of 2-8 rows gives
                thousands of programs, so one token's six experts stream at HBM speed. A shared expert of
                S x the routed intermediate size rides along as S more (token, chunk) pairs of weight 1:
-               its up rows in the same launch, its down columns as S more slots of the down GEMV's loop
+               its up rows in the same launch, its down columns as S more slots of the down GEMV's loop.
+               Under PDL what does not depend on the kernel before runs ahead of its wait (EARLY): the
+               shared up rows stream while the route kernel runs, and the down GEMV loads its first
+               expert tile while the up GEMV finishes
     gemm path  _align_{count,offsets,scatter}_kernel: histogram per chunk of pairs, one program for the
                prefix sums, block padding and expert id per block, then a stable scatter (rank inside a
                chunk from a one-hot cumsum); _up_gemm_kernel / _down_gemm_kernel, grid (max blocks x
@@ -48,7 +51,7 @@ from hyserve.kernels.moe import (
     router_logits_ref,
 )
 from hyserve.kernels.triton_activation import relu2_triton
-from hyserve.kernels.triton_common import dot_acc, pdl_enter
+from hyserve.kernels.triton_common import dot_acc, pdl_enter, pdl_release
 
 CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
 # Token-count buckets: T uses the config of the smallest bucket >= T (the last one beyond it).
@@ -444,32 +447,54 @@ def _gemv_tile(v_row, w_rows, kk, K, EVEN_K: tl.constexpr):
     return v, w
 
 
-@triton.jit(do_not_specialize=["n_routed"])
+@triton.jit(do_not_specialize=["n_routed", "n_rows"])
 def _up_gemv_kernel(
-    x_ptr, w_ptr, ids_ptr, h_ptr, su_ptr, N, K, n_routed, s_xt, s_we, s_wn, s_hm, sc_ptr,
+    x_ptr, w_ptr, ids_ptr, h_ptr, su_ptr, N, K, n_routed, n_rows, s_xt, s_we, s_wn, s_hm, sc_ptr,
     TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, W_FP8: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, W_FP8: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
     """h[p, n] = relu(w_up[ids[p]] @ x[p // k])^2 for BLOCK_N columns n: the pair's expert only. Rows
     p >= n_routed (= T*k) are the shared expert's: chunk j = q % S of token q // S, q = p - n_routed,
     its up rows j*N .. j*N + N (SHARED = S, and 1 without a shared expert, when no such row exists).
     W_FP8: e4m3 expert rows, the expert's channel scale sc[e, n] on the sum before relu^2 (FP8 experts
-    come without a folded shared expert)."""
-    pdl_enter(PDL)
-    p = tl.program_id(0).to(tl.int64)
-    cn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    come without a folded shared expert).
+    One program per (row, BLOCK_N columns) over a 1-D grid of n_rows rows (n_routed + the shared rows).
+    EARLY = 0: program i takes row i % n_rows of column block i // n_rows, and every program waits for the
+    kernel before it (the route, which writes ids). EARLY = 1: the shared rows come first in the grid
+    (program i: row i // column blocks) and do not wait at all: they read only x and the shared weights,
+    and x was written before the route kernel passed its own wait (the router between them waited for it),
+    so under PDL they stream while the route still runs; the routed rows wait. The grid completes only
+    after its waiting programs, so "a kernel's completion implies its predecessors'" still holds."""
+    pid = tl.program_id(0)
+    ncb = tl.cdiv(N, BLOCK_N)
+    n_sh = n_rows - n_routed
+    if EARLY:
+        r = pid // ncb
+        cb = pid - r * ncb
+        shared_row = r < n_sh
+        p = tl.where(shared_row, n_routed + r, r - n_sh).to(tl.int64)
+    else:
+        p = (pid % n_rows).to(tl.int64)
+        cb = pid // n_rows
+        shared_row = p >= n_routed
+    cn = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = tl.minimum(cn, N - 1)  # clamped rows: loads need no mask
     offs_k = tl.arange(0, BLOCK_K)
-    if p < n_routed:
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        x_row = x_ptr + (p // TOP_K) * s_xt
-        w_base = w_ptr + e * s_we
-        sc_row = sc_ptr + e * N
-    else:
+    if shared_row:
+        if EARLY:
+            pdl_release(PDL)
+        else:
+            pdl_enter(PDL)
         q = p - n_routed
         x_row = x_ptr + (q // SHARED) * s_xt
         w_base = su_ptr + (q % SHARED) * N * s_wn
         sc_row = sc_ptr
+    else:
+        pdl_enter(PDL)
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        x_row = x_ptr + (p // TOP_K) * s_xt
+        w_base = w_ptr + e * s_we
+        sc_row = sc_ptr + e * N
     w_rows = w_base + offs_n[:, None] * s_wn
     part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
@@ -486,15 +511,18 @@ def _up_gemv_kernel(
 def _down_gemv_kernel(
     h_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, sd_ptr, N, K, n_routed, s_hm, s_we, s_wn, s_ot, s_sdn, sc_ptr,
     TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, FLAT: tl.constexpr, W_FP8: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, FLAT: tl.constexpr, W_FP8: tl.constexpr,
+    EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[t, n] = sum_s topk_w[t, s] * (w_down[ids[t, s]] @ h[t*k + s])[n]: the combine in registers.
     FLAT walks the token's (slot, K tile) pairs as one pipelined loop (h pre-scaled by the slot's weight),
     so the loads do not drain at every expert; otherwise one K loop per slot. SHARED > 0: the shared
     expert too, sum_j shared_down[:, j*K : j*K + K] @ h[n_routed + t*S + j] with weight 1, as S more slots
     of the flat loop, or in a second loop after the nested ones.
-    W_FP8: each expert's e4m3 rows times its channel scales sc[e, n] (no shared expert with FP8)."""
-    pdl_enter(PDL)
+    W_FP8: each expert's e4m3 rows times its channel scales sc[e, n] (no shared expert with FP8).
+    EARLY (FLAT only): slot 0's expert id, weight and first weight tile load before the PDL wait, which
+    only h (the up GEMV's output) needs: ids and tw were written before the up GEMV passed its own wait, and
+    this kernel's blocks are scheduled only after every up-GEMV block has passed it."""
     t = tl.program_id(0).to(tl.int64)
     cn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = tl.minimum(cn, N - 1)
@@ -504,7 +532,27 @@ def _down_gemv_kernel(
         # loop: the loads stream on from the routed experts into the shared one without a drain
         kt = tl.cdiv(K, BLOCK_K)
         part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for it in tl.range(0, (TOP_K + SHARED) * kt, num_stages=NUM_STAGES):
+        if EARLY:
+            p0 = t * TOP_K
+            e0 = tl.load(ids_ptr + p0).to(tl.int64)
+            w0_rows = w_ptr + e0 * s_we + offs_n[:, None] * s_wn
+            if EVEN_K:
+                w0 = tl.load(w0_rows + offs_k[None, :])
+            else:
+                w0 = tl.load(w0_rows + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
+            ws0 = tl.load(tw_ptr + p0).to(tl.float32)
+            pdl_enter(PDL)
+            if EVEN_K:
+                hv0 = tl.load(h_ptr + p0 * s_hm + offs_k)
+            else:
+                hv0 = tl.load(h_ptr + p0 * s_hm + offs_k, mask=offs_k < K, other=0.0)
+            wf0 = w0.to(tl.float32)
+            if W_FP8:
+                wf0 = wf0 * tl.load(sc_ptr + e0 * N + offs_n)[:, None]
+            part += wf0 * (hv0.to(tl.float32) * ws0)[None, :]
+        else:
+            pdl_enter(PDL)
+        for it in tl.range(1 if EARLY else 0, (TOP_K + SHARED) * kt, num_stages=NUM_STAGES):
             s = it // kt
             kk = (it - s * kt) * BLOCK_K + offs_k
             routed = s < TOP_K
@@ -522,6 +570,7 @@ def _down_gemv_kernel(
             part += wf * (hv.to(tl.float32) * ws)[None, :]
         out = tl.sum(part, axis=1)
     else:
+        pdl_enter(PDL)
         out = tl.zeros([BLOCK_N], dtype=tl.float32)
         for s in range(TOP_K):
             p = t * TOP_K + s
@@ -563,7 +612,8 @@ def _device_file(device_name: str) -> Path:
 
 def validate_config(cfg: dict[str, Any], where: str = "config") -> dict[str, Any]:
     """A tile config is {"variant": "gemv", "up": {...}, "down": {...}} or {"variant": "gemm", "BLOCK_M":
-    16..256, "up": {...}, "down": {...}} (gemv's down may add FLAT: 0/1, see _down_gemv_kernel); raises
+    16..256, "up": {...}, "down": {...}} (gemv's down may add FLAT: 0/1, and gemv's up and down EARLY: 0/1,
+    default 1: see _up_gemv_kernel / _down_gemv_kernel); raises
     ValueError naming the missing or bad field."""
     variant = cfg.get("variant")
     if variant not in ("gemv", "gemm"):
@@ -584,8 +634,9 @@ def validate_config(cfg: dict[str, Any], where: str = "config") -> dict[str, Any
         for k in ("BLOCK_N", "BLOCK_K"):
             if sub[k] & (sub[k] - 1) or (variant == "gemm" and sub[k] < 16):
                 raise ValueError(f"{where}: {part}.{k} must be a power of two (>= 16 for gemm), got {sub[k]}")
-        if sub.get("FLAT", 0) not in (0, 1):
-            raise ValueError(f"{where}: {part}.FLAT must be 0 or 1, got {sub['FLAT']!r}")
+        for flag in ("FLAT", "EARLY"):
+            if sub.get(flag, 0) not in (0, 1):
+                raise ValueError(f"{where}: {part}.{flag} must be 0 or 1, got {sub[flag]!r}")
     return cfg
 
 
@@ -690,12 +741,13 @@ def launch_up_gemv(x, w_up, ids, h, up: dict[str, Any], shared_up: torch.Tensor 
     inter, d = w_up.shape[1], w_up.shape[2]
     S = 0 if shared_up is None else shared_up.shape[0] // inter
     n_routed = ids.numel()
-    _up_gemv_kernel[(n_routed + ids.shape[0] * S, triton.cdiv(inter, up["BLOCK_N"]))](
-        x, w_up, ids, h, w_up if shared_up is None else shared_up, inter, d, n_routed,
+    n_rows = n_routed + ids.shape[0] * S
+    _up_gemv_kernel[(n_rows * triton.cdiv(inter, up["BLOCK_N"]),)](
+        x, w_up, ids, h, w_up if shared_up is None else shared_up, inter, d, n_routed, n_rows,
         x.stride(0), w_up.stride(0), w_up.stride(1), h.stride(0), scale if scale is not None else h,
         TOP_K=ids.shape[1], SHARED=max(S, 1), BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"],
         EVEN_K=d % up["BLOCK_K"] == 0, NUM_STAGES=up["num_stages"], W_FP8=scale is not None,
-        num_warps=up["num_warps"], **pdl(x),
+        EARLY=bool(up.get("EARLY", 1)), num_warps=up["num_warps"], **pdl(x),
     )
 
 
@@ -711,7 +763,7 @@ def launch_down_gemv(h, w_down, ids, tw, out, dn: dict[str, Any], shared_down: t
         out.stride(0), sd.stride(0), scale if scale is not None else tw,
         TOP_K=ids.shape[1], SHARED=S, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"],
         EVEN_K=inter % dn["BLOCK_K"] == 0, NUM_STAGES=dn["num_stages"], FLAT=bool(dn.get("FLAT", 0)),
-        W_FP8=scale is not None, num_warps=dn["num_warps"], **pdl(h),
+        W_FP8=scale is not None, EARLY=bool(dn.get("EARLY", 1)), num_warps=dn["num_warps"], **pdl(h),
     )
 
 

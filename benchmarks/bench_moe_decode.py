@@ -1,0 +1,208 @@
+# ruff: noqa: B023  (the timed lambdas run inside the loop iteration that defines them)
+"""The batch-1 MoE decode GEMVs of Nemotron 3 Nano 30B-A3B as a decode step runs them, and a sweep of their
+launch settings (issue 23's batch-1 bar; docs/architecture.md, "MoE").
+
+Each of the model's MoE layers (23, every one with its own weights, so nothing stays in L2) runs the chain of a
+decode step: router GEMV -> route -> up GEMV (routed experts + the folded shared expert) -> down GEMV. All
+layers are captured in one CUDA graph, with programmatic dependent launches where the GPU has them, and
+replayed; a setting's time is the replay's per layer. `bench_moe.py --tune` times each GEMV alone and eager,
+without the shared expert and without the kernels around it; this times the form that serving replays,
+including the EARLY forms (work that does not depend on the kernel before runs ahead of its PDL wait).
+
+Every setting is checked against the float64 reference (`moe_experts_ref` with the shared expert) before it
+is timed. The ratio is bytes read (the 6 routed experts + the shared expert + the router weight per layer)
+over the streaming-read ceiling measured in the same run.
+
+    python benchmarks/bench_moe_decode.py [--write] [--layers 23]   # --write: the fastest setting becomes
+                                                                    # the 1-token entry of moe_configs/<GPU>.json
+    python benchmarks/bench_moe_decode.py --dry-run                 # CPU, tiny shapes, interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import sys
+from pathlib import Path
+
+if "--dry-run" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import hyserve.kernels.triton_moe as tm  # noqa: E402
+from benchmarks.bench_moe import NANO, Timer, _rel, _shape, moe_ceilings, write_tuned  # noqa: E402
+from hyserve.bench.report import git_sha  # noqa: E402
+from hyserve.kernels.moe import moe_experts_ref  # noqa: E402
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages); the first of each list is the 1-token entry tuned at 1a89c47
+UP = [(4, 256, 4, 6), (8, 256, 4, 3), (8, 256, 4, 4), (4, 256, 4, 4), (4, 512, 4, 4), (16, 256, 8, 3),
+      (2, 512, 2, 4), (8, 128, 4, 6), (4, 128, 2, 6)]
+DOWN = [(4, 512, 4, 4), (2, 512, 4, 4), (2, 1024, 4, 2), (1, 1024, 2, 4), (2, 256, 2, 6), (8, 256, 4, 3),
+        (4, 256, 4, 6), (1, 512, 1, 6), (2, 512, 2, 4), (4, 128, 4, 8)]
+DRY = [(32, 32, 1, 1)]
+
+
+def _sub(t: tuple, early: int, flat: int | None = None) -> dict:
+    d = dict(BLOCK_N=t[0], BLOCK_K=t[1], num_warps=t[2], num_stages=t[3], EARLY=early)
+    if flat is not None:
+        d["FLAT"] = flat
+    return d
+
+
+class Layers:
+    """The MoE layers' weights and one token's input; `chain(cfg)` launches every layer's decode chain."""
+
+    def __init__(self, s: dict, n: int, dev, dtype) -> None:
+        raw = s["raw"] or {}
+        self.s = s
+        self.S = (raw.get("moe_shared_expert_intermediate_size") or 2 * s["I"]) // s["I"]
+        self.n_group, self.topk_group = raw.get("n_group", 1), raw.get("topk_group", 1)
+        self.scale = raw.get("routed_scaling_factor", 1.0)
+        E, d, inter = s["E"], s["d"], s["I"]
+        g = torch.Generator(device=dev).manual_seed(0)
+
+        def rnd(*shape, std):
+            return (torch.randn(*shape, device=dev, generator=g) * std).to(dtype)
+
+        self.layers = []
+        for _ in range(n):
+            self.layers.append(dict(
+                router=torch.randn(E, d, device=dev, generator=g) * d**-0.5,
+                bias=torch.zeros(E, device=dev),
+                up=rnd(E, inter, d, std=d**-0.5), down=rnd(E, d, inter, std=inter**-0.5),
+                su=rnd(self.S * inter, d, std=d**-0.5), sd=rnd(d, self.S * inter, std=(self.S * inter) ** -0.5)))
+        self.x = rnd(1, d, std=1.0)
+        self.outs = [torch.empty(1, d, dtype=dtype, device=dev) for _ in range(n)]
+
+    def route(self, L: dict):
+        logits = tm.router_logits_triton(self.x, L["router"])
+        return tm.moe_route_triton(logits, L["bias"], self.s["k"], self.n_group, self.topk_group, True, self.scale)
+
+    def chain(self, cfg: dict) -> None:
+        k, inter = self.s["k"], self.s["I"]
+        for L, out in zip(self.layers, self.outs):
+            w, ids = self.route(L)
+            h = torch.empty(k + self.S, inter, dtype=self.x.dtype, device=self.x.device)
+            tm.launch_up_gemv(self.x, L["up"], ids, h, cfg["up"], L["su"])
+            tm.launch_down_gemv(h, L["down"], ids, w, out, cfg["down"], L["sd"])
+
+    def error(self, cfg: dict) -> float:
+        """Relative error of layer 0 under `cfg` against the float64 reference with the shared expert."""
+        L = self.layers[0]
+        w, ids = self.route(L)
+        got = tm.moe_experts_triton(self.x, L["up"], L["down"], w, ids, L["su"], L["sd"], config=cfg)
+        want = moe_experts_ref(self.x.double(), L["up"].double(), L["down"].double(), w.double(), ids,
+                               L["su"].double(), L["sd"].double())
+        return _rel(got, want)
+
+    def bytes_per_layer(self) -> int:
+        s = self.s
+        return (s["k"] + self.S) * 2 * s["I"] * s["d"] * self.layers[0]["up"].element_size() + s["E"] * s["d"] * 4
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=23, help="MoE layers in the chain (Nano 30B-A3B has 23)")
+    ap.add_argument("--write", action="store_true", help="the fastest setting becomes the 1-token config entry")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/moe_decode_<sha>.json)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton interpreter")
+    ap.add_argument("--git-sha", default="")
+    args = ap.parse_args()
+    dry = args.dry_run
+    if not dry and not torch.cuda.is_available():
+        print("bench_moe_decode: needs a CUDA device (or --dry-run)", file=sys.stderr)
+        return 2
+    dev = torch.device("cpu" if dry else "cuda")
+    dtype = torch.float32 if dry else torch.bfloat16
+    sha = git_sha(args.git_sha)
+    s = dict(name="dry-run (tiny)", E=8, k=2, d=64, I=32, H=64, raw=None) if dry else _shape(NANO)
+    n = 2 if dry else args.layers
+    timer = Timer(dry)
+    ceil = moe_ceilings(dev, dry)
+    net = Layers(s, n, dev, dtype)
+    per_layer_bytes = net.bytes_per_layer()
+    ups, downs = (DRY, DRY) if dry else (UP, DOWN)
+    rows: list[dict] = []
+
+    def run(up: dict, down: dict, what: str) -> float:
+        cfg = {"variant": "gemv", "up": up, "down": down}
+        try:
+            err = net.error(cfg)
+            if not err < 1e-2:
+                raise AssertionError(f"relative error {err:.2e} against float64")
+            ms = timer.graph([lambda: net.chain(cfg)], replays=15) / n
+        except Exception as e:  # noqa: BLE001 - a setting that does not compile or fit is recorded and skipped
+            print(f"  skip {what} {up} {down}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            rows.append(dict(what=what, up=up, down=down, error=f"{type(e).__name__}: {str(e)[:200]}"))
+            return float("inf")
+        frac = per_layer_bytes / (ms * 1e-3) / ceil["read_bw"]
+        rows.append(dict(what=what, up=up, down=down, rel_err=err, us_per_layer=ms * 1e3, fraction_of_read_bw=frac))
+        print(f"  {what:9s} up {tuple(up.values())} down {tuple(down.values())}: {ms * 1e3:7.2f} us a layer, "
+              f"{frac:.3f} of the read ceiling (err {err:.1e})")
+        return ms
+
+    # the chain without the expert GEMVs: what the router and route cost between them
+    def route_only() -> None:
+        for L in net.layers:
+            net.route(L)
+
+    t_route = timer.graph([route_only], replays=15) / n
+    print(f"router + route alone: {t_route * 1e3:.2f} us a layer")
+    base_up, base_down = ups[0], downs[0]
+    t_late = run(_sub(base_up, 0), _sub(base_down, 0, 1), "late")
+    best = (run(_sub(base_up, 1), _sub(base_down, 1, 1), "early"), _sub(base_up, 1), _sub(base_down, 1, 1))
+    for u in ups[1:]:
+        for early in (1, 0):
+            t = run(_sub(u, early), best[2], "up sweep")
+            if t < best[0]:
+                best = (t, _sub(u, early), best[2])
+    for dn in downs[1:]:
+        for early in (1, 0):
+            t = run(best[1], _sub(dn, early, 1), "down sweep")
+            if t < best[0]:
+                best = (t, best[1], _sub(dn, early, 1))
+    t_best, up_best, down_best = best
+    gpu = torch.cuda.get_device_name() if not dry else "cpu (interpreter)"
+    doc = dict(date=_dt.date.today().isoformat(), git_sha=sha, gpu=gpu, torch=torch.__version__,
+               triton=__import__("triton").__version__, command=" ".join([Path(sys.executable).name, *sys.argv]),
+               layer=s["name"], layers=n, shared_chunks=net.S, bytes_per_layer=per_layer_bytes, ceilings=ceil,
+               router_route_us_per_layer=t_route * 1e3, late_us_per_layer=t_late * 1e3,
+               best=dict(up=up_best, down=down_best, us_per_layer=t_best * 1e3,
+                         fraction_of_read_bw=per_layer_bytes / (t_best * 1e-3) / ceil["read_bw"]),
+               speedup_best_vs_late=t_late / t_best, rows=rows)
+    print(f"best: {t_best * 1e3:.2f} us a layer ({doc['best']['fraction_of_read_bw']:.3f} of the read ceiling), "
+          f"late form at the tuned settings {t_late * 1e3:.2f} us: {t_late / t_best:.3f}x")
+    if args.write and not dry:
+        key = tm.shape_key(s["E"], s["I"], s["d"])
+        table = {key: {"1": {"variant": "gemv", "up": up_best, "down": down_best,
+                             "stage_ms": round(t_best, 5), "ms": round(t_best, 5)}}}
+        path = write_tuned(table, gpu, sha, merge=True)
+        doc["wrote"] = str(path.relative_to(ROOT))
+        print(f"wrote the 1-token entry of {key} into {path}")
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"moe_decode_{sha}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    md = [f"# MoE decode chain, batch 1 ({s['name']}, {n} layers, {gpu}, {sha}, {doc['date']})", "",
+          f"`{doc['command']}`; read ceiling {ceil['read_bw'] / 1e12:.3f} TB/s (same run); "
+          f"{per_layer_bytes / 1e6:.1f} MB a layer; router + route alone {t_route * 1e3:.2f} us a layer", "",
+          "| what | up (BLOCK_N, BLOCK_K, warps, stages, EARLY) | down (..., EARLY, FLAT) | us / layer | of read ceiling |",
+          "|---|---|---|---|---|"]
+    for r in rows:
+        if "us_per_layer" in r:
+            md.append(f"| {r['what']} | {tuple(r['up'].values())} | {tuple(r['down'].values())} | "
+                      f"{r['us_per_layer']:.2f} | {r['fraction_of_read_bw']:.3f} |")
+    md += ["", f"best {t_best * 1e3:.2f} us ({doc['best']['fraction_of_read_bw']:.3f}); "
+               f"late form at the tuned settings {t_late * 1e3:.2f} us; ratio {t_late / t_best:.3f}x"]
+    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
