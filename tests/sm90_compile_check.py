@@ -150,7 +150,7 @@ def _norm(dt: torch.dtype) -> None:
 def _moe(dt: torch.dtype) -> None:
     """Nemotron 3 Nano 30B-A3B's MoE layer (128 experts, top-6, d 2688, I 1856, a shared expert of 2 x I):
     the router GEMV and routing, the decode GEMVs with the shared expert folded in at the H200's tuned 1- and
-    2-token configs, and the grouped GEMMs with the shared expert added in the combine at 64 tokens."""
+    2-token configs (at 1 token in both EARLY forms too), and the grouped GEMMs with the shared expert added in the combine at 64 tokens."""
     import hyserve.kernels.triton_moe as tm
 
     E, top_k, d, inter, S = 128, 6, 2688, 1856, 2
@@ -164,6 +164,10 @@ def _moe(dt: torch.dtype) -> None:
         ids = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)]).to(torch.int32)  # compile-only: unrun
         cfg = tuned.get(str(tm.token_bucket(T))) or tm.heuristic_config(E, inter, d, T, top_k)
         tm.moe_experts_triton(x, w_up, w_down, torch.rand(T, top_k), ids, su, sd, config=cfg)
+        if cfg["variant"] == "gemv" and T == 1:  # both forms of the decode GEMVs (EARLY: see triton_moe.py)
+            for early in (0, 1):
+                alt = dict(cfg, up=dict(cfg["up"], EARLY=early), down=dict(cfg["down"], FLAT=1, EARLY=early))
+                tm.moe_experts_triton(x, w_up, w_down, torch.rand(T, top_k), ids, su, sd, config=alt)
 
 
 def _sampling(dt: torch.dtype) -> None:

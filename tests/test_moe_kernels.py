@@ -80,8 +80,8 @@ def _variant_config(variant: str, E: int, inter: int, d: int, k: int) -> dict:
         cfg = tm.heuristic_config(E, inter, d, 64 if variant == "gemm" else 1, k)
     if variant.startswith("gemv"):
         cfg = dict(cfg, down=dict(cfg["down"], FLAT=int(variant != "gemv-nested")))
-    if variant == "gemv-late":
-        cfg = dict(cfg, up=dict(cfg["up"], EARLY=0), down=dict(cfg["down"], EARLY=0))
+    if variant == "gemv-early":
+        cfg = dict(cfg, up=dict(cfg["up"], EARLY=1), down=dict(cfg["down"], EARLY=1))
     return cfg
 
 
@@ -330,12 +330,13 @@ def _shared_weights(d: int, inter: int, S: int, dtype):
     return su, sd
 
 
-@pytest.mark.parametrize("variant", ["gemv", "gemv-nested", "gemv-late", "gemm"])
+@pytest.mark.parametrize("variant", ["gemv", "gemv-nested", "gemv-early", "gemm"])
 @pytest.mark.parametrize("S", [1, 2])
 @pytest.mark.parametrize("case", ["one-token", "empty-experts", "ragged"])
 def test_experts_with_the_shared_expert_match_float64(poison, variant, S, case):
     """The shared expert folded in (S chunks of the routed intermediate size, weight 1 for every token);
-    "gemv-late": the decode GEMVs with EARLY = 0 (every program waits first, the grid's old row order)."""
+    "gemv-early": the decode GEMVs with EARLY = 1 (the shared up rows first in the grid, without the PDL wait;
+    the down GEMV's first tile loaded ahead of it)."""
     T, k, E, d, inter, experts, always = EXPERT_CASES[case]
     if variant.startswith("gemv"):
         T = min(T, 2)  # the decode path's token counts
@@ -548,8 +549,8 @@ def test_experts_bf16_real_shapes_with_the_shared_expert(poison, name, T):
     su, sd = _shared_weights(d, inter, shared // inter, BF16)
     exact = ref.moe_experts_ref(x.double(), w_up.double(), w_down.double(), w.double(), ids, su.double(), sd.double())
     gemv = tm.heuristic_config(E, inter, d, 1, k)
-    late = dict(gemv, up=dict(gemv["up"], EARLY=0), down=dict(gemv["down"], FLAT=1, EARLY=0))
-    for cfg in (None, gemv, dict(gemv, down=dict(gemv["down"], FLAT=1 - gemv["down"].get("FLAT", 0))), late):
+    early = dict(gemv, up=dict(gemv["up"], EARLY=1), down=dict(gemv["down"], FLAT=1, EARLY=1))
+    for cfg in (None, gemv, dict(gemv, down=dict(gemv["down"], FLAT=1 - gemv["down"].get("FLAT", 0))), early):
         with poison:
             out = tm.moe_experts_triton(x, w_up, w_down, w, ids, su, sd, config=cfg)
         assert _rel_err(out, exact) < 1e-2, f"{name} T={T}: relative error {_rel_err(out, exact):.2e}"
@@ -651,5 +652,5 @@ def test_moe_kernels_compile_for_sm90_at_the_tuned_configs():
     assert all(0 <= b <= 232448 for b in shared.values()), shared
     # every MoE kernel of a decode step is a programmatic dependent launch that waits for its predecessor
     assert all("griddepcontrol.wait" in doc["ptx"][name] for name in want), doc["ptx"]
-    # EARLY (the tuned decode form): the down GEMV issues its first expert tile's loads before it waits
+    # the EARLY form of the down GEMV issues its first expert tile's loads before it waits
     assert "ld.global before the wait" in doc["ptx"]["_down_gemv_kernel"], doc["ptx"]["_down_gemv_kernel"]

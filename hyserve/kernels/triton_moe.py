@@ -12,9 +12,9 @@ routing, so a decode step replays from a CUDA graph (contracts: `moe.py`; layout
                thousands of programs, so one token's six experts stream at HBM speed. A shared expert of
                S x the routed intermediate size rides along as S more (token, chunk) pairs of weight 1:
                its up rows in the same launch, its down columns as S more slots of the down GEMV's loop.
-               Under PDL what does not depend on the kernel before runs ahead of its wait (EARLY): the
-               shared up rows stream while the route kernel runs, and the down GEMV loads its first
-               expert tile while the up GEMV finishes
+               Under PDL, with EARLY set in the config, what does not depend on the kernel before runs
+               ahead of its wait: the shared up rows stream while the route kernel runs, and the down
+               GEMV loads its first expert tile while the up GEMV finishes
     gemm path  _align_{count,offsets,scatter}_kernel: histogram per chunk of pairs, one program for the
                prefix sums, block padding and expert id per block, then a stable scatter (rank inside a
                chunk from a one-hot cumsum); _up_gemm_kernel / _down_gemm_kernel, grid (max blocks x
@@ -613,7 +613,8 @@ def _device_file(device_name: str) -> Path:
 def validate_config(cfg: dict[str, Any], where: str = "config") -> dict[str, Any]:
     """A tile config is {"variant": "gemv", "up": {...}, "down": {...}} or {"variant": "gemm", "BLOCK_M":
     16..256, "up": {...}, "down": {...}} (gemv's down may add FLAT: 0/1, and gemv's up and down EARLY: 0/1,
-    default 1: see _up_gemv_kernel / _down_gemv_kernel); raises
+    default 0, which `benchmarks/bench_moe_decode.py --write` sets where it measured faster: see
+    _up_gemv_kernel / _down_gemv_kernel); raises
     ValueError naming the missing or bad field."""
     variant = cfg.get("variant")
     if variant not in ("gemv", "gemm"):
@@ -747,7 +748,7 @@ def launch_up_gemv(x, w_up, ids, h, up: dict[str, Any], shared_up: torch.Tensor 
         x.stride(0), w_up.stride(0), w_up.stride(1), h.stride(0), scale if scale is not None else h,
         TOP_K=ids.shape[1], SHARED=max(S, 1), BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"],
         EVEN_K=d % up["BLOCK_K"] == 0, NUM_STAGES=up["num_stages"], W_FP8=scale is not None,
-        EARLY=bool(up.get("EARLY", 1)), num_warps=up["num_warps"], **pdl(x),
+        EARLY=bool(up.get("EARLY", 0)), num_warps=up["num_warps"], **pdl(x),
     )
 
 
@@ -763,7 +764,7 @@ def launch_down_gemv(h, w_down, ids, tw, out, dn: dict[str, Any], shared_down: t
         out.stride(0), sd.stride(0), scale if scale is not None else tw,
         TOP_K=ids.shape[1], SHARED=S, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"],
         EVEN_K=inter % dn["BLOCK_K"] == 0, NUM_STAGES=dn["num_stages"], FLAT=bool(dn.get("FLAT", 0)),
-        W_FP8=scale is not None, EARLY=bool(dn.get("EARLY", 1)), num_warps=dn["num_warps"], **pdl(h),
+        W_FP8=scale is not None, EARLY=bool(dn.get("EARLY", 0)), num_warps=dn["num_warps"], **pdl(h),
     )
 
 
