@@ -9,7 +9,8 @@ time: a `--mid-len` (131,072) token prompt, then a `--long-len` (1,040,000) toke
 `--decode-tokens` greedy output tokens. Per prompt: the time to its first token (the prefill, end to end) and
 the decode rate after it, against the bytes roofline of one decode step at that context (weights + the KV of
 the context + the Mamba state read and written) at the streaming-read ceiling measured in the same run.
-Records compare each dtype's prefill with the first dtype's (fp8 no slower than bf16 is the bar).
+Records compare each dtype's prefill with the first dtype's (fp8 no slower than bf16 is the bar) and report
+each later dtype's greedy agreement with the first's output (same prompt, same seeded dummy weights).
 
     python benchmarks/bench_long_prompt.py --git-sha SHA                          # H200: ~3 min per dtype
     python benchmarks/bench_long_prompt.py --model-dir '' --mid-len 300 --long-len 900 --max-seq-len 1024 \
@@ -77,7 +78,8 @@ def run_child(a: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
         decode = (n_out - 1) / (e2e - ttft) if n_out > 1 and e2e > ttft else None
         # one batch-1 decode step's bytes at this context, with the engine's cache dtypes
         runs.append(dict(prompt_tokens=n, output_tokens=n_out, ttft_s=ttft, e2e_s=e2e, decode_tok_s=decode,
-                         prefill_tok_s=n / ttft, decode_step_bytes=decode_step_bytes(cfg, 1, n)))
+                         prefill_tok_s=n / ttft, decode_step_bytes=decode_step_bytes(cfg, 1, n),
+                         token_ids=list(out.token_ids)))
         print(f"  kv {kv_dtype}: {n} tokens: first token after {ttft:.2f} s, decode {decode or 0:.1f} tok/s",
               flush=True)
     return dict(kv_dtype=kv_dtype, resolved_kv_dtype=str(cfg.attention_cache_spec().dtype).replace("torch.", ""),
@@ -85,7 +87,23 @@ def run_child(a: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
                 kv_bytes_per_token=cfg.kv_bytes_per_token, state_bytes_per_sequence=cfg.state_bytes_per_sequence)
 
 
+def greedy_agreement(tokens: list[int], reference: list[int]) -> dict[str, float]:
+    """How far two greedy outputs of the same prompt agree: `prefix`, the fraction of the reference's tokens
+    before the first difference (1.0: identical); `same`, the fraction of positions that hold the same token
+    (after a first difference the two continue from different text, so this is the looser figure)."""
+    n = len(reference)
+    if n == 0:
+        return dict(prefix=1.0, same=1.0)
+    first = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), n))
+    same = sum(a == b for a, b in zip(tokens, reference))
+    return dict(prefix=first / n, same=same / n)
+
+
 def build_records(results: list[dict[str, Any]], read_bw: float | None) -> list[dict[str, Any]]:
+    """Per dtype and prompt: the time to the first token (against the first dtype's), the decode rate
+    (against its bytes roofline), and, for every dtype after the first, its greedy agreement with the first
+    dtype's output on the same prompt and weights (reported: random weights give near-flat logits, where
+    e4m3 rounding flips close calls)."""
     recs = []
     base = results[0] if results else None
     for r in results:
@@ -95,6 +113,13 @@ def build_records(results: list[dict[str, Any]], read_bw: float | None) -> list[
             ref = base["runs"][i]["ttft_s"] if base is not None and r is not base else None
             recs.append(record(f"{label}, to first token (s)", run["ttft_s"], "s",
                                f"kv {base['resolved_kv_dtype']}, same run" if ref else None, ref))
+            if ref and "token_ids" in run and "token_ids" in base["runs"][i]:
+                agree = greedy_agreement(run["token_ids"], base["runs"][i]["token_ids"])
+                what = f"kv {base['resolved_kv_dtype']}'s greedy output, same prompt and weights"
+                recs.append(record(f"{label}, greedy tokens before the first difference (fraction)",
+                                   agree["prefix"], "fraction", what, None))
+                recs.append(record(f"{label}, greedy tokens equal position by position (fraction)",
+                                   agree["same"], "fraction", what, None))
             if run["decode_tok_s"] and read_bw:
                 recs.append(record(f"{label}, batch-1 decode after it (tok/s)", run["decode_tok_s"], "tok/s",
                                    "bytes roofline (weights + KV of the context + Mamba state) at the read "
