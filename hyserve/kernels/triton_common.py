@@ -19,16 +19,6 @@ def pdl_enter(PDL: tl.constexpr):
 
 
 @triton.jit
-def pdl_release(PDL: tl.constexpr):
-    """For a program of a PDL-launched kernel that reads nothing the previous kernel writes (and writes nothing
-    it reads) and so skips `pdl_enter`'s wait: let the next kernel's blocks be scheduled all the same. At
-    least one program of the grid must still wait, so that the kernel's completion implies its
-    predecessors'."""
-    if PDL:
-        gdc_launch_dependents()
-
-
-@triton.jit
 def dot(a, b, IEEE: tl.constexpr):
     """tl.dot, in IEEE float32 when IEEE (float32 inputs) and the default (tf32/bf16) otherwise."""
     if IEEE:

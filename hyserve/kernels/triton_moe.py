@@ -12,9 +12,10 @@ routing, so a decode step replays from a CUDA graph (contracts: `moe.py`; layout
                thousands of programs, so one token's six experts stream at HBM speed. A shared expert of
                S x the routed intermediate size rides along as S more (token, chunk) pairs of weight 1:
                its up rows in the same launch, its down columns as S more slots of the down GEMV's loop.
-               Under PDL, with EARLY set in the config, what does not depend on the kernel before runs
-               ahead of its wait: the shared up rows stream while the route kernel runs, and the down
-               GEMV loads its first expert tile while the up GEMV finishes
+               Under PDL, with EARLY set in the config, reads that do not depend on the kernel before
+               run ahead of its wait: the shared up rows read and multiply while the route kernel runs
+               (their stores wait), and the down GEMV loads its first expert tile while the up GEMV
+               finishes
     gemm path  _align_{count,offsets,scatter}_kernel: histogram per chunk of pairs, one program for the
                prefix sums, block padding and expert id per block, then a stable scatter (rank inside a
                chunk from a one-hot cumsum); _up_gemm_kernel / _down_gemm_kernel, grid (max blocks x
@@ -51,7 +52,7 @@ from hyserve.kernels.moe import (
     router_logits_ref,
 )
 from hyserve.kernels.triton_activation import relu2_triton
-from hyserve.kernels.triton_common import dot_acc, pdl_enter, pdl_release
+from hyserve.kernels.triton_common import dot_acc, pdl_enter
 
 CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
 # Token-count buckets: T uses the config of the smallest bucket >= T (the last one beyond it).
@@ -461,10 +462,11 @@ def _up_gemv_kernel(
     One program per (row, BLOCK_N columns) over a 1-D grid of n_rows rows (n_routed + the shared rows).
     EARLY = 0: program i takes row i % n_rows of column block i // n_rows, and every program waits for the
     kernel before it (the route, which writes ids). EARLY = 1: the shared rows come first in the grid
-    (program i: row i // column blocks) and do not wait at all: they read only x and the shared weights,
-    and x was written before the route kernel passed its own wait (the router between them waited for it),
-    so under PDL they stream while the route still runs; the routed rows wait. The grid completes only
-    after its waiting programs, so "a kernel's completion implies its predecessors'" still holds."""
+    (program i: row i // column blocks) and wait only before their store: they read only x and the shared
+    weights, and x was written before the route kernel passed its own wait (the router between them waited
+    for it), so under PDL their reads and products run while the route still runs. The store waits: h is
+    fresh from the caching allocator, which may hand out memory freed by a tensor the route kernel is still
+    reading (its logits). The routed rows wait first, for ids."""
     pid = tl.program_id(0)
     ncb = tl.cdiv(N, BLOCK_N)
     n_sh = n_rows - n_routed
@@ -481,9 +483,7 @@ def _up_gemv_kernel(
     offs_n = tl.minimum(cn, N - 1)  # clamped rows: loads need no mask
     offs_k = tl.arange(0, BLOCK_K)
     if shared_row:
-        if EARLY:
-            pdl_release(PDL)
-        else:
+        if not EARLY:
             pdl_enter(PDL)
         q = p - n_routed
         x_row = x_ptr + (q // SHARED) * s_xt
@@ -504,6 +504,9 @@ def _up_gemv_kernel(
     if W_FP8:
         acc = acc * tl.load(sc_row + offs_n)
     acc = tl.maximum(acc, 0.0)
+    if EARLY:
+        if shared_row:  # only now: h may lie in memory the allocator took back from what the route still reads
+            pdl_enter(PDL)
     tl.store(h_ptr + p * s_hm + cn, (acc * acc).to(h_ptr.dtype.element_ty), mask=cn < N)
 
 
