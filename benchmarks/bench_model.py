@@ -284,7 +284,7 @@ def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, r
             records.append(roof_rec("hyserve prefill 8k tokens (tok/s)", ptps, "tok/s", "matmul roofline", "matmul",
                                     ceilings, lambda peaks: prefill_tokens_per_s(cfg, peaks.matmul_flops)))
 
-    steps = bench_steps(eng, plan, cfg, ceilings, records, ids)
+    steps = bench_steps(eng, plan, cfg, ceilings, records, notes, ids)
     if plan.device != "cpu" and quantization is None:
         pdl_ab(eng, plan.batches, cfg.vocab_size, records, notes)
     if time_init:
@@ -305,9 +305,10 @@ def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, r
     )
 
 
-def bench_steps(eng, plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, records: list, ids) -> int:
-    """The decode-step figures at each of the plan's batch sizes (graphs, then eager where graphs run);
-    returns the number of steps the last one timed."""
+def bench_steps(eng, plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, records: list, notes: list,
+                ids) -> int:
+    """The decode-step figures at each of the plan's batch sizes (graphs, then eager where graphs run), and a
+    note per batch of how the step() calls' times spread; returns the number of steps the last one timed."""
 
     def step_bn(batch: int, tag: str) -> tuple[float, int]:
         prompt = STEP_SHAPES[batch]
@@ -319,12 +320,22 @@ def bench_steps(eng, plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings
         sync()
         t = time.perf_counter()
         tokens = 0
+        calls: list[float] = []  # host time of each step() call: where a slow step sits in the run
         while eng.has_unfinished():
+            c = time.perf_counter()
             tokens += sum(len(d.token_ids) for d in eng.step())
+            calls.append((time.perf_counter() - c) * 1e3)
         sync()
         # decode steps = tokens / batch (every request decodes every step): with async scheduling the
         # last step() call only reads the in-flight step's tokens, so calls overcount steps
         steps = tokens // batch
+        if tag == "g" and calls:
+            mid = sorted(calls)[len(calls) // 2]
+            slow = sorted(range(len(calls)), key=lambda i: -calls[i])[:3]
+            notes.append(f"decode steps at batch {batch}: {len(calls)} step() calls, median {mid:.2f} ms, the "
+                         f"slowest " + ", ".join(f"#{i} {calls[i]:.2f} ms" for i in slow)
+                         + f" (first {calls[0]:.2f} ms, last {calls[-1]:.2f} ms)")
+            print(notes[-1])
         return (time.perf_counter() - t) / max(steps, 1) * 1e3, steps
 
     steps = 0

@@ -156,8 +156,13 @@ def test_bench_hyserve_runs_a_plan_on_the_cpu(tmp_path: Path, monkeypatch: pytes
     c = Ceilings(device="gpu", stream_read_bw=4.0e12, copy_bw=4.2e12, gemv_bw=4.1e12, gemv_best="g",
                  matmul_flops=800e12, matmul_best="m")
     records: list = []
-    bm.bench_hyserve(plan, cfg, c, records, [], time_init=variant != "dense")
+    notes: list = []
+    bm.bench_hyserve(plan, cfg, c, records, notes, time_init=variant != "dense")
     names = [r["name"] for r in records]
+    # how the step() calls' times spread, per batch (a slow first or last step shows up here)
+    spread = [n for n in notes if n.startswith("decode steps at batch ")]
+    assert [n.split(":")[0] for n in spread] == [f"decode steps at batch {b}" for b in plan.batches], notes
+    assert all("median" in n and "slowest #" in n and "first" in n for n in spread)
     nine = ["hyserve decode batch 1 (tok/s)", "hyserve prefill 8k tokens (tok/s)", "hyserve decode step batch 64 (ms)"]
     by = {r["name"]: r for r in records}
     if variant == "dense":  # a dense model: the 9B's figures and rooflines
