@@ -100,6 +100,26 @@ class Timer:
         return sorted(times)[len(times) // 2]
 
 
+# --------------------------------------------------------------------------- command line
+
+
+def parse_run_args(ap: argparse.ArgumentParser, stem: str) -> argparse.Namespace:
+    """The options every MoE benchmark takes (--out, --dry-run, --git-sha), then the parsed arguments."""
+    ap.add_argument("--out", default=None, help=f"JSON path (default benchmarks/results/{stem}_<sha>.json)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton interpreter")
+    ap.add_argument("--git-sha", default="")
+    return ap.parse_args()
+
+
+def run_device(dry: bool, script: str) -> tuple[torch.device, torch.dtype] | None:
+    """The device and dtype a run measures in: the GPU in bf16, or for --dry-run the CPU interpreter in float32
+    (its bf16 dot is wrong); None, having said why, without a GPU."""
+    if not dry and not torch.cuda.is_available():
+        print(f"{script}: needs a CUDA device (or --dry-run)", file=sys.stderr)
+        return None
+    return (torch.device("cpu"), torch.float32) if dry else (torch.device("cuda"), torch.bfloat16)
+
+
 # --------------------------------------------------------------------------- ceilings
 
 
@@ -434,17 +454,12 @@ def main() -> int:
     ap.add_argument("--tune-sizes", default="", help="tune only these buckets and merge them into the file")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--no-super", action="store_true", help="skip the Super latent layer")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/moe_<sha>.json)")
-    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton interpreter")
-    ap.add_argument("--git-sha", default="")
-    args = ap.parse_args()
+    args = parse_run_args(ap, "moe")
     dry = args.dry_run
-    if not dry and not torch.cuda.is_available():
-        print("bench_moe: needs a CUDA device (or --dry-run)", file=sys.stderr)
+    if (run := run_device(dry, "bench_moe")) is None:
         return 2
     torch.manual_seed(0)
-    dev = torch.device("cpu" if dry else "cuda")
-    dtype = torch.float32 if dry else torch.bfloat16  # the interpreter's bf16 dot is wrong
+    dev, dtype = run
     sha = git_sha(args.git_sha)
     timer = Timer(dry)
     sizes = [int(t) for t in args.sizes.split(",")]

@@ -35,8 +35,8 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import benchmarks.bench_moe as bm  # noqa: E402
 import hyserve.kernels.triton_moe as tm  # noqa: E402
-from benchmarks.bench_moe import NANO, Timer, _rel, _shape, moe_ceilings, write_tuned  # noqa: E402
 from hyserve.bench.report import git_sha  # noqa: E402
 from hyserve.kernels.moe import moe_experts_ref  # noqa: E402
 
@@ -99,7 +99,7 @@ class Layers:
         got = tm.moe_experts_triton(self.x, L["up"], L["down"], w, ids, L["su"], L["sd"], config=cfg)
         want = moe_experts_ref(self.x.double(), L["up"].double(), L["down"].double(), w.double(), ids,
                                L["su"].double(), L["sd"].double())
-        return _rel(got, want)
+        return bm._rel(got, want)
 
     def bytes_per_layer(self) -> int:
         s = self.s
@@ -110,21 +110,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=23, help="MoE layers in the chain (Nano 30B-A3B has 23)")
     ap.add_argument("--write", action="store_true", help="the fastest setting becomes the 1-token config entry")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/moe_decode_<sha>.json)")
-    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton interpreter")
-    ap.add_argument("--git-sha", default="")
-    args = ap.parse_args()
+    args = bm.parse_run_args(ap, "moe_decode")
     dry = args.dry_run
-    if not dry and not torch.cuda.is_available():
-        print("bench_moe_decode: needs a CUDA device (or --dry-run)", file=sys.stderr)
+    if (run := bm.run_device(dry, "bench_moe_decode")) is None:
         return 2
-    dev = torch.device("cpu" if dry else "cuda")
-    dtype = torch.float32 if dry else torch.bfloat16
+    dev, dtype = run
     sha = git_sha(args.git_sha)
-    s = dict(name="dry-run (tiny)", E=8, k=2, d=64, I=32, H=64, raw=None) if dry else _shape(NANO)
+    s = dict(name="dry-run (tiny)", E=8, k=2, d=64, I=32, H=64, raw=None) if dry else bm._shape(bm.NANO)
     n = 2 if dry else args.layers
-    timer = Timer(dry)
-    ceil = moe_ceilings(dev, dry)
+    timer = bm.Timer(dry)
+    ceil = bm.moe_ceilings(dev, dry)
     net = Layers(s, n, dev, dtype)
     per_layer_bytes = net.bytes_per_layer()
     ups, downs = (DRY, DRY) if dry else (UP, DOWN)
@@ -182,7 +177,7 @@ def main() -> int:
         key = tm.shape_key(s["E"], s["I"], s["d"])
         table = {key: {"1": {"variant": "gemv", "up": up_best, "down": down_best,
                              "stage_ms": round(t_best, 5), "ms": round(t_best, 5)}}}
-        path = write_tuned(table, gpu, sha, merge=True)
+        path = bm.write_tuned(table, gpu, sha, merge=True)
         doc["wrote"] = str(path.relative_to(ROOT))
         print(f"wrote the 1-token entry of {key} into {path}")
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"moe_decode_{sha}.json"
