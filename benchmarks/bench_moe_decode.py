@@ -10,7 +10,7 @@ without the shared expert and without the kernels around it; this times the form
 including the EARLY forms (work that does not depend on the kernel before runs ahead of its PDL wait).
 
 Every setting is checked against the float64 reference (`moe_experts_ref` with the shared expert) before it
-is timed. The ratio is bytes read (the 6 routed experts + the shared expert + the router weight per layer)
+is timed, and what its graph replays leave in every layer's output against the late form's replays. The ratio is bytes read (the 6 routed experts + the shared expert + the router weight per layer)
 over the streaming-read ceiling measured in the same run.
 
     python benchmarks/bench_moe_decode.py [--write] [--layers 23]   # --write: the fastest setting becomes
@@ -124,6 +124,7 @@ def main() -> int:
     per_layer_bytes = net.bytes_per_layer()
     ups, downs = (DRY, DRY) if dry else (UP, DOWN)
     rows: list[dict] = []
+    late_outs: list[torch.Tensor] = []  # the late form's replayed outputs, the first setting run
 
     def run(up: dict, down: dict, what: str) -> float:
         cfg = {"variant": "gemv", "up": up, "down": down}
@@ -132,6 +133,13 @@ def main() -> int:
             if not err < 1e-2:
                 raise AssertionError(f"relative error {err:.2e} against float64")
             ms = timer.graph([lambda: net.chain(cfg)], replays=15) / n
+            # what the replays left in every layer's output, against the late form's replays
+            if late_outs:
+                rerr = max(bm._rel(o, r) for o, r in zip(net.outs, late_outs))
+                if not rerr < 1e-2:
+                    raise AssertionError(f"replayed outputs differ from the late form's: {rerr:.2e}")
+            else:
+                late_outs.extend(o.clone() for o in net.outs)
         except Exception as e:  # noqa: BLE001 - a setting that does not compile or fit is recorded and skipped
             print(f"  skip {what} {up} {down}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
             rows.append(dict(what=what, up=up, down=down, error=f"{type(e).__name__}: {str(e)[:200]}"))

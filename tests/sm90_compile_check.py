@@ -197,7 +197,7 @@ def _fp8(dt: torch.dtype) -> None:
 
 def _moe_fp8(dt: torch.dtype) -> None:
     """The fused-MoE kernels with FP8 experts at a Nemotron 3 Nano 30B-A3B layer (128 experts, top 6, hidden
-    2688, intermediate 1856): the decode GEMVs (1 token) and the grouped GEMMs (a 64- and an 8192-token
+    2688, intermediate 1856): the decode GEMVs (1 token, both EARLY forms) and the grouped GEMMs (a 64- and an 8192-token
     bucket), at the heuristic GPU settings."""
     from hyserve.kernels.triton_moe import heuristic_config, moe_experts_triton
 
@@ -208,8 +208,12 @@ def _moe_fp8(dt: torch.dtype) -> None:
     for T in (1, 64, 8192):
         ids = (torch.arange(T * k, dtype=torch.int32) % E).view(T, k)
         cfg = heuristic_config(E, inter, d, T, k)
-        moe_experts_triton(torch.randn(T, d).to(act), up, down, torch.rand(T, k), ids, up_scale=su, down_scale=sd,
-                           config=cfg)
+        forms = [cfg]
+        if cfg["variant"] == "gemv":  # and the EARLY form of the decode GEMVs
+            forms.append(dict(cfg, up=dict(cfg["up"], EARLY=1), down=dict(cfg["down"], FLAT=1, EARLY=1)))
+        for c in forms:
+            moe_experts_triton(torch.randn(T, d).to(act), up, down, torch.rand(T, k), ids, up_scale=su,
+                               down_scale=sd, config=c)
 
 
 OPS = {"attention": _attention, "attention_fp8": _attention_fp8, "ssd": _ssd, "ssm_update": _ssm_update, "conv1d": _conv1d, "norm": _norm,

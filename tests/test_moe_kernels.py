@@ -222,7 +222,7 @@ EXPERT_CASES = {  # T, k, E, d, I, experts, always
 }
 
 
-@pytest.mark.parametrize("variant", ["gemv", "gemv-nested", "gemm"])
+@pytest.mark.parametrize("variant", ["gemv", "gemv-nested", "gemv-early", "gemm"])
 @pytest.mark.parametrize("dtype", [F32, F16])
 @pytest.mark.parametrize("case", EXPERT_CASES)
 def test_experts_match_float64(poison, variant, dtype, case):
@@ -251,7 +251,7 @@ def _fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
 
 
-@pytest.mark.parametrize("variant", ["gemv", "gemv-nested", "gemm"])
+@pytest.mark.parametrize("variant", ["gemv", "gemv-nested", "gemv-early", "gemm"])
 @pytest.mark.parametrize("dtype", [F32, F16])
 @pytest.mark.parametrize("case", ["one-token", "empty-experts", "ragged"])
 def test_fp8_experts_match_float64_of_the_dequantised_experts(poison, variant, dtype, case):
@@ -440,6 +440,11 @@ def test_heuristic_configs_are_valid():
       "down": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1, "FLAT": 2}}, "FLAT"),
     ({"variant": "gemv", "up": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1, "EARLY": -1},
       "down": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1}}, "up.EARLY"),
+    ({"variant": "gemv", "up": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1},
+      "down": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1, "EARLY": 1}}, "FLAT = 1"),
+    ({"variant": "gemm", "BLOCK_M": 16, "up": {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 1,
+                                                "num_stages": 1, "EARLY": 1},
+      "down": {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 1, "num_stages": 1}}, "gemv variant only"),
 ])
 def test_bad_configs_are_named(cfg, what):
     with pytest.raises(ValueError, match=what):
@@ -629,6 +634,58 @@ def test_graph_replay_without_host_sync(name, T):
         static_x.copy_(torch.randn_like(static_x))
         g.replay()
         torch.testing.assert_close(static_out, layer(static_x), rtol=0, atol=0)
+
+
+@gpu
+def test_early_decode_gemvs_replay_bit_identical_under_pdl():
+    """The EARLY forms in the chain a decode step replays under PDL: a norm kernel writes x, then the router
+    GEMV, the route and the experts with the shared expert folded in, three layers in a row (the caching
+    allocator hands the route's freed logits to the next tensors), captured in CUDA graphs and replayed
+    with new inputs each time: every replay equals the EARLY = 0 form's bit for bit (each output element is
+    computed the same way in both forms), and that form matches the eager layer."""
+    from hyserve.kernels.triton_rmsnorm import rms_norm_triton
+
+    name = "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"
+    raw = MOE_CONFIGS[name]
+    E, k, d, inter = REAL[name]
+    S = raw["moe_shared_expert_intermediate_size"] // inter
+    _, w_up, w_down, _, _ = _experts_inputs(1, E, d, inter, k, BF16)
+    su, sd = _shared_weights(d, inter, S, BF16)
+    norm_w = torch.ones(d, device=DEV, dtype=BF16)
+    router = torch.randn(E, d, device=DEV) * d**-0.5
+    bias = torch.zeros(E, device=DEV)
+    args = (k, raw["n_group"], raw["topk_group"], raw["norm_topk_prob"], raw["routed_scaling_factor"])
+    base = tm.moe_config(E, inter, d, 1, k, DEV)
+    assert base["variant"] == "gemv"
+    forms = {early: dict(base, up=dict(base["up"], EARLY=early), down=dict(base["down"], FLAT=1, EARLY=early))
+             for early in (0, 1)}
+
+    def chain(inp, cfg):
+        h = inp
+        for _ in range(3):
+            x = rms_norm_triton(h, norm_w, 1e-5)
+            w, ids = tm.moe_route_triton(tm.router_logits_triton(x, router), bias, *args)
+            h = tm.moe_experts_triton(x, w_up, w_down, w, ids, su, sd, config=cfg)
+        return h
+
+    static = torch.randn(1, d, device=DEV).to(BF16)
+    graphs = {}
+    for early, cfg in forms.items():
+        chain(static, cfg)  # compile outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = chain(static, cfg)
+        graphs[early] = (g, out)
+    for i in range(20):
+        static.copy_(torch.randn(1, d, device=DEV).to(BF16))
+        got = {}
+        for early, (g, out) in graphs.items():
+            g.replay()
+            got[early] = out.clone()
+        torch.testing.assert_close(got[1], got[0], rtol=0, atol=0, msg=f"replay {i}: EARLY differs")
+        if i % 5 == 0:
+            torch.testing.assert_close(got[0], chain(static, forms[0]), rtol=0, atol=0)
 
 
 def test_moe_kernels_compile_for_sm90_at_the_tuned_configs():

@@ -8,8 +8,9 @@ import torch
 
 # Programmatic dependent launch (Hopper and newer): a decode step is a chain of ~300 small kernels, each
 # waiting for the one before it. A kernel launched with `launch_pdl=True` may be scheduled while its
-# predecessor still runs; it waits in `triton_common.pdl_enter` (griddepcontrol.wait) before it touches any
-# memory, so its launch and block scheduling overlap the predecessor's tail instead of following it. On by
+# predecessor still runs; it waits in `triton_common.pdl_enter` (griddepcontrol.wait) before it reads anything
+# the predecessor wrote or writes anything at all (weights may load earlier), so its launch and block scheduling
+# overlap the predecessor's tail instead of following it. On by
 # default; `set_pdl(False)` (the engine's HYSERVE_PDL=0) turns it off for every launch after it.
 _PDL = {"enabled": True}
 

@@ -9,13 +9,30 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
-    """First statement of a kernel launched through `launch_util.pdl`: with PDL, wait until the previous
-    kernel on the stream has finished and its writes are visible (nothing before this call may read what
-    it wrote or write what it reads), then let the next kernel's blocks be scheduled as this one's last
+    """The wait of a kernel launched through `launch_util.pdl`, its first statement but for loads of weights
+    (and, in the MoE decode GEMVs' EARLY form, of tensors written two kernels back): with PDL, wait until the
+    previous kernel on the stream has finished and its writes are visible (nothing before this call may read
+    what it wrote or write what it reads), then let the next kernel's blocks be scheduled as this one's last
     blocks start. Every kernel of the chain waits here, so a kernel's completion implies its predecessors'."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """With PDL, let the next kernel's blocks be scheduled, for a program that waits later (`pdl_wait`) or
+    not at all. The next kernel is scheduled only once every program of this one has released or exited,
+    so a grid whose other programs release after their wait keeps the chain's ordering."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """With PDL, the wait of `pdl_enter` alone, for a program that has released already (`pdl_release`)."""
+    if PDL:
+        gdc_wait()
 
 
 @triton.jit

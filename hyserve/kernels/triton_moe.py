@@ -52,7 +52,7 @@ from hyserve.kernels.moe import (
     router_logits_ref,
 )
 from hyserve.kernels.triton_activation import relu2_triton
-from hyserve.kernels.triton_common import dot_acc, pdl_enter
+from hyserve.kernels.triton_common import dot_acc, pdl_enter, pdl_release, pdl_wait
 
 CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
 # Token-count buckets: T uses the config of the smallest bucket >= T (the last one beyond it).
@@ -462,11 +462,16 @@ def _up_gemv_kernel(
     One program per (row, BLOCK_N columns) over a 1-D grid of n_rows rows (n_routed + the shared rows).
     EARLY = 0: program i takes row i % n_rows of column block i // n_rows, and every program waits for the
     kernel before it (the route, which writes ids). EARLY = 1: the shared rows come first in the grid
-    (program i: row i // column blocks) and wait only before their store: they read only x and the shared
-    weights, and x was written before the route kernel passed its own wait (the router between them waited
-    for it), so under PDL their reads and products run while the route still runs. The store waits: h is
-    fresh from the caching allocator, which may hand out memory freed by a tensor the route kernel is still
-    reading (its logits). The routed rows wait first, for ids."""
+    (program i: row i // column blocks), release the next kernel at once and wait only before their store:
+    they read only x and the shared weights, and x was written before the route kernel passed its own wait
+    (the router between them waited for it), so under PDL their reads and products run while the route
+    still runs. This rests on how PDL schedules blocks (a kernel's blocks start only after every block of the
+    one before released, each after its wait), not on a documented promise of griddepcontrol.wait, which
+    speaks of the kernels still in flight. The precondition is the caller's: x must not be the output of the
+    kernel right before this one (`moe_experts_triton` turns EARLY off when it had to copy x). The store
+    waits: h is fresh from the caching allocator, which may hand out memory freed by a tensor the route
+    kernel is still reading (its logits). The routed rows wait first, for ids, and release after it, so the
+    down GEMV still starts after the route has finished."""
     pid = tl.program_id(0)
     ncb = tl.cdiv(N, BLOCK_N)
     n_sh = n_rows - n_routed
@@ -483,7 +488,9 @@ def _up_gemv_kernel(
     offs_n = tl.minimum(cn, N - 1)  # clamped rows: loads need no mask
     offs_k = tl.arange(0, BLOCK_K)
     if shared_row:
-        if not EARLY:
+        if EARLY:
+            pdl_release(PDL)  # the routed rows release after their wait, so the down GEMV still follows the route
+        else:
             pdl_enter(PDL)
         q = p - n_routed
         x_row = x_ptr + (q // SHARED) * s_xt
@@ -506,7 +513,7 @@ def _up_gemv_kernel(
     acc = tl.maximum(acc, 0.0)
     if EARLY:
         if shared_row:  # only now: h may lie in memory the allocator took back from what the route still reads
-            pdl_enter(PDL)
+            pdl_wait(PDL)
     tl.store(h_ptr + p * s_hm + cn, (acc * acc).to(h_ptr.dtype.element_ty), mask=cn < N)
 
 
@@ -544,14 +551,14 @@ def _down_gemv_kernel(
             else:
                 w0 = tl.load(w0_rows + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
             ws0 = tl.load(tw_ptr + p0).to(tl.float32)
+            wf0 = w0.to(tl.float32)
+            if W_FP8:
+                wf0 = wf0 * tl.load(sc_ptr + e0 * N + offs_n)[:, None]
             pdl_enter(PDL)
             if EVEN_K:
                 hv0 = tl.load(h_ptr + p0 * s_hm + offs_k)
             else:
                 hv0 = tl.load(h_ptr + p0 * s_hm + offs_k, mask=offs_k < K, other=0.0)
-            wf0 = w0.to(tl.float32)
-            if W_FP8:
-                wf0 = wf0 * tl.load(sc_ptr + e0 * N + offs_n)[:, None]
             part += wf0 * (hv0.to(tl.float32) * ws0)[None, :]
         else:
             pdl_enter(PDL)
@@ -641,6 +648,9 @@ def validate_config(cfg: dict[str, Any], where: str = "config") -> dict[str, Any
         for flag in ("FLAT", "EARLY"):
             if sub.get(flag, 0) not in (0, 1):
                 raise ValueError(f"{where}: {part}.{flag} must be 0 or 1, got {sub[flag]!r}")
+        if sub.get("EARLY", 0) and (variant != "gemv" or (part == "down" and not sub.get("FLAT", 0))):
+            raise ValueError(f"{where}: {part}.EARLY applies to the gemv variant only, and to its down GEMV with "
+                             "FLAT = 1")
     return cfg
 
 
@@ -741,7 +751,8 @@ def _launch(sub: dict[str, Any]) -> dict[str, int]:
 def launch_up_gemv(x, w_up, ids, h, up: dict[str, Any], shared_up: torch.Tensor | None = None,
                    scale: torch.Tensor | None = None) -> None:
     """h [T*k (+ T*S), I] = relu(x[p // k] @ w_up[ids[p]]^T)^2, then the shared expert's S chunks per token
-    (scale: FP8 experts' [E, I] channel scales)."""
+    (scale: FP8 experts' [E, I] channel scales). With up["EARLY"] under PDL, x must have been written before
+    the kernel launched right before this one (see _up_gemv_kernel)."""
     inter, d = w_up.shape[1], w_up.shape[2]
     S = 0 if shared_up is None else shared_up.shape[0] // inter
     n_routed = ids.numel()
@@ -845,7 +856,9 @@ def moe_experts_triton(
     tw = topk_w.float().contiguous()
     if cfg["variant"] == "gemv":
         h = torch.empty(T * (k + S), inter, dtype=x.dtype, device=x.device)
-        launch_up_gemv(xc, w_up, ids, h, cfg["up"], shared_up if S else None, up_scale)
+        # EARLY shared rows read x before their wait: not a copy made by the kernel right before them
+        up = cfg["up"] if xc is x else dict(cfg["up"], EARLY=0)
+        launch_up_gemv(xc, w_up, ids, h, up, shared_up if S else None, up_scale)
         launch_down_gemv(h, w_down, ids, tw, out, cfg["down"], shared_down if S else None, down_scale)
         return out
     bm = cfg["BLOCK_M"]
