@@ -636,6 +636,21 @@ def test_graph_replay_without_host_sync(name, T):
         torch.testing.assert_close(static_out, layer(static_x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("S", [0, 2])
+def test_early_decode_gemvs_equal_the_late_form_bit_for_bit(S):
+    """EARLY moves loads, never arithmetic: both forms give the same bits (with and without the shared
+    expert; on the CPU the interpreter, where PDL is off, checks the grid order and the peeled first tile)."""
+    T, k, E, d, inter = 2, 3, 6, 40, 24  # 40 and 24: tiles with and without masked tails
+    x, w_up, w_down, w, ids = _experts_inputs(T, E, d, inter, k, F32)
+    su, sd = _shared_weights(d, inter, S, F32) if S else (None, None)
+    outs = []
+    for early in (0, 1):
+        cfg = dict(_variant_config("gemv", E, inter, d, k))
+        cfg = dict(cfg, up=dict(cfg["up"], EARLY=early), down=dict(cfg["down"], FLAT=1, EARLY=early))
+        outs.append(tm.moe_experts_triton(x, w_up, w_down, w, ids, su, sd, config=cfg))
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+
+
 @gpu
 def test_early_decode_gemvs_replay_bit_identical_under_pdl():
     """The EARLY forms in the chain a decode step replays under PDL: a norm kernel writes x, then the router
