@@ -435,22 +435,33 @@ def _combine_kernel(y_ptr, extra_ptr, out_ptr, N, s_ym, s_et, s_ot, TOP_K: tl.co
 
 
 @triton.jit
+def _k_load(ptrs, kk, K, EVEN_K: tl.constexpr):
+    """`ptrs` (last axis along kk) loaded, masked past K unless EVEN_K."""
+    if EVEN_K:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=kk < K, other=0.0)
+
+
+@triton.jit
 def _gemv_tile(v_row, w_rows, kk, K, EVEN_K: tl.constexpr):
     """K tile `kk` of a vector row and of the BLOCK_N weight rows `w_rows` ([BLOCK_N, 1] pointers), masked
     past K unless EVEN_K."""
-    if EVEN_K:
-        v = tl.load(v_row + kk)
-        w = tl.load(w_rows + kk[None, :])
-    else:
-        km = kk < K
-        v = tl.load(v_row + kk, mask=km, other=0.0)
-        w = tl.load(w_rows + kk[None, :], mask=km[None, :], other=0.0)
-    return v, w
+    return _k_load(v_row + kk, kk, K, EVEN_K), _k_load(w_rows + kk[None, :], kk, K, EVEN_K)
 
 
-@triton.jit(do_not_specialize=["n_routed", "n_rows"])
+@triton.jit
+def _slot_part(w, hv, ws, sc_ptr, e, N, offs_n, W_FP8: tl.constexpr):
+    """One (slot, K tile) of the down GEMV's flat loop: the weight tile times h scaled by the slot's routing
+    weight, an FP8 expert's rows times their channel scales."""
+    wf = w.to(tl.float32)
+    if W_FP8:  # the slot's expert changes along the loop: scale its rows as they load
+        wf = wf * tl.load(sc_ptr + e * N + offs_n)[:, None]
+    return wf * (hv.to(tl.float32) * ws)[None, :]
+
+
+@triton.jit(do_not_specialize=["n_routed"])
 def _up_gemv_kernel(
-    x_ptr, w_ptr, ids_ptr, h_ptr, su_ptr, N, K, n_routed, n_rows, s_xt, s_we, s_wn, s_hm, sc_ptr,
+    x_ptr, w_ptr, ids_ptr, h_ptr, su_ptr, N, K, n_routed, s_xt, s_we, s_wn, s_hm, sc_ptr,
     TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, W_FP8: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -459,7 +470,8 @@ def _up_gemv_kernel(
     its up rows j*N .. j*N + N (SHARED = S, and 1 without a shared expert, when no such row exists).
     W_FP8: e4m3 expert rows, the expert's channel scale sc[e, n] on the sum before relu^2 (FP8 experts
     come without a folded shared expert).
-    One program per (row, BLOCK_N columns) over a 1-D grid of n_rows rows (n_routed + the shared rows).
+    One program per (row, BLOCK_N columns) over a 1-D grid of n_rows rows (n_routed + the shared rows) x
+    the column blocks.
     EARLY = 0: program i takes row i % n_rows of column block i // n_rows, and every program waits for the
     kernel before it (the route, which writes ids). EARLY = 1: the shared rows come first in the grid
     (program i: row i // column blocks), release the next kernel at once and wait only before their store:
@@ -474,6 +486,7 @@ def _up_gemv_kernel(
     down GEMV still starts after the route has finished."""
     pid = tl.program_id(0)
     ncb = tl.cdiv(N, BLOCK_N)
+    n_rows = tl.num_programs(0) // ncb
     n_sh = n_rows - n_routed
     if EARLY:
         r = pid // ncb
@@ -542,24 +555,14 @@ def _down_gemv_kernel(
         # loop: the loads stream on from the routed experts into the shared one without a drain
         kt = tl.cdiv(K, BLOCK_K)
         part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        if EARLY:
+        if EARLY:  # iteration 0 (slot 0, K tile 0), its weight loaded before the wait
             p0 = t * TOP_K
             e0 = tl.load(ids_ptr + p0).to(tl.int64)
-            w0_rows = w_ptr + e0 * s_we + offs_n[:, None] * s_wn
-            if EVEN_K:
-                w0 = tl.load(w0_rows + offs_k[None, :])
-            else:
-                w0 = tl.load(w0_rows + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
+            w0 = _k_load(w_ptr + e0 * s_we + offs_n[:, None] * s_wn + offs_k[None, :], offs_k, K, EVEN_K)
             ws0 = tl.load(tw_ptr + p0).to(tl.float32)
-            wf0 = w0.to(tl.float32)
-            if W_FP8:
-                wf0 = wf0 * tl.load(sc_ptr + e0 * N + offs_n)[:, None]
             pdl_enter(PDL)
-            if EVEN_K:
-                hv0 = tl.load(h_ptr + p0 * s_hm + offs_k)
-            else:
-                hv0 = tl.load(h_ptr + p0 * s_hm + offs_k, mask=offs_k < K, other=0.0)
-            part += wf0 * (hv0.to(tl.float32) * ws0)[None, :]
+            part += _slot_part(w0, _k_load(h_ptr + p0 * s_hm + offs_k, offs_k, K, EVEN_K), ws0, sc_ptr, e0, N,
+                               offs_n, W_FP8)
         else:
             pdl_enter(PDL)
         for it in tl.range(1 if EARLY else 0, (TOP_K + SHARED) * kt, num_stages=NUM_STAGES):
@@ -574,10 +577,7 @@ def _down_gemv_kernel(
             w_rows = tl.where(routed, w_ptr + e * s_we + offs_n[:, None] * s_wn,
                               sd_ptr + offs_n[:, None] * s_sdn + j * K)
             hv, w = _gemv_tile(h_row, w_rows, kk, K, EVEN_K)
-            wf = w.to(tl.float32)
-            if W_FP8:  # the slot's expert changes along the loop: scale its rows as they load
-                wf = wf * tl.load(sc_ptr + e * N + offs_n)[:, None]
-            part += wf * (hv.to(tl.float32) * ws)[None, :]
+            part += _slot_part(w, hv, ws, sc_ptr, e, N, offs_n, W_FP8)
         out = tl.sum(part, axis=1)
     else:
         pdl_enter(PDL)
@@ -758,7 +758,7 @@ def launch_up_gemv(x, w_up, ids, h, up: dict[str, Any], shared_up: torch.Tensor 
     n_routed = ids.numel()
     n_rows = n_routed + ids.shape[0] * S
     _up_gemv_kernel[(n_rows * triton.cdiv(inter, up["BLOCK_N"]),)](
-        x, w_up, ids, h, w_up if shared_up is None else shared_up, inter, d, n_routed, n_rows,
+        x, w_up, ids, h, w_up if shared_up is None else shared_up, inter, d, n_routed,
         x.stride(0), w_up.stride(0), w_up.stride(1), h.stride(0), scale if scale is not None else h,
         TOP_K=ids.shape[1], SHARED=max(S, 1), BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"],
         EVEN_K=d % up["BLOCK_K"] == 0, NUM_STAGES=up["num_stages"], W_FP8=scale is not None,
