@@ -10,8 +10,9 @@ without the shared expert and without the kernels around it; this times the form
 including the EARLY forms (work that does not depend on the kernel before runs ahead of its PDL wait).
 
 Every setting is checked against the float64 reference (`moe_experts_ref` with the shared expert) before it
-is timed, and what its graph replays leave in every layer's output against the late form's replays. The ratio is bytes read (the 6 routed experts + the shared expert + the router weight per layer)
-over the streaming-read ceiling measured in the same run.
+is timed, and what its graph replays leave in every layer's output against the late form's replays. The
+ratio is bytes read (the 6 routed experts + the shared expert + the router weight per layer) over the
+streaming-read ceiling measured in the same run.
 
     python benchmarks/bench_moe_decode.py [--write] [--layers 23]   # --write: the fastest setting becomes
                                                                     # the 1-token entry of moe_configs/<GPU>.json
@@ -63,7 +64,7 @@ class Layers:
         self.s = s
         self.S = (raw.get("moe_shared_expert_intermediate_size") or 2 * s["I"]) // s["I"]
         self.n_group, self.topk_group = raw.get("n_group", 1), raw.get("topk_group", 1)
-        self.scale = raw.get("routed_scaling_factor", 1.0)
+        self.norm, self.scale = raw.get("norm_topk_prob", True), raw.get("routed_scaling_factor", 1.0)
         E, d, inter = s["E"], s["d"], s["I"]
         g = torch.Generator(device=dev).manual_seed(0)
 
@@ -82,7 +83,8 @@ class Layers:
 
     def route(self, L: dict):
         logits = tm.router_logits_triton(self.x, L["router"])
-        return tm.moe_route_triton(logits, L["bias"], self.s["k"], self.n_group, self.topk_group, True, self.scale)
+        return tm.moe_route_triton(logits, L["bias"], self.s["k"], self.n_group, self.topk_group, self.norm,
+                                  self.scale)
 
     def chain(self, cfg: dict) -> None:
         k, inter = self.s["k"], self.s["I"]
@@ -116,7 +118,7 @@ def main() -> int:
         return 2
     dev, dtype = run
     sha = git_sha(args.git_sha)
-    s = dict(name="dry-run (tiny)", E=8, k=2, d=64, I=32, H=64, raw=None) if dry else bm._shape(bm.NANO)
+    s = bm._dry_shape(bm.NANO) if dry else bm._shape(bm.NANO)
     n = 2 if dry else args.layers
     timer = bm.Timer(dry)
     ceil = bm.moe_ceilings(dev, dry)
