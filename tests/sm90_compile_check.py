@@ -150,7 +150,8 @@ def _norm(dt: torch.dtype) -> None:
 def _moe(dt: torch.dtype) -> None:
     """Nemotron 3 Nano 30B-A3B's MoE layer (128 experts, top-6, d 2688, I 1856, a shared expert of 2 x I):
     the router GEMV and routing, the decode GEMVs with the shared expert folded in at the H200's tuned 1- and
-    2-token configs (at 1 token in both EARLY forms too), and the grouped GEMMs with the shared expert added in the combine at 64 tokens."""
+    2-token configs (at 1 token in both EARLY forms too), and the grouped GEMMs with the shared expert added
+    in the combine at 64 tokens."""
     import hyserve.kernels.triton_moe as tm
 
     E, top_k, d, inter, S = 128, 6, 2688, 1856, 2
@@ -197,8 +198,8 @@ def _fp8(dt: torch.dtype) -> None:
 
 def _moe_fp8(dt: torch.dtype) -> None:
     """The fused-MoE kernels with FP8 experts at a Nemotron 3 Nano 30B-A3B layer (128 experts, top 6, hidden
-    2688, intermediate 1856): the decode GEMVs (1 token, both EARLY forms) and the grouped GEMMs (a 64- and an 8192-token
-    bucket), at the heuristic GPU settings."""
+    2688, intermediate 1856): the decode GEMVs (1 token, both EARLY forms) and the grouped GEMMs (a 64- and
+    an 8192-token bucket), at the heuristic GPU settings."""
     from hyserve.kernels.triton_moe import heuristic_config, moe_experts_triton
 
     act = dt if dt in (torch.bfloat16, torch.float16) else torch.bfloat16

@@ -335,8 +335,8 @@ def _shared_weights(d: int, inter: int, S: int, dtype):
 @pytest.mark.parametrize("case", ["one-token", "empty-experts", "ragged"])
 def test_experts_with_the_shared_expert_match_float64(poison, variant, S, case):
     """The shared expert folded in (S chunks of the routed intermediate size, weight 1 for every token);
-    "gemv-early": the decode GEMVs with EARLY = 1 (the shared up rows first in the grid, without the PDL wait;
-    the down GEMV's first tile loaded ahead of it)."""
+    "gemv-early": the decode GEMVs with EARLY = 1 (the shared up rows first in the grid, their loads ahead of
+    the PDL wait; the down GEMV's first tile loaded ahead of it)."""
     T, k, E, d, inter, experts, always = EXPERT_CASES[case]
     if variant.startswith("gemv"):
         T = min(T, 2)  # the decode path's token counts
