@@ -60,6 +60,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "max_batch_size", type=int, default=None, help="most requests running at once")
     _flag(p, "max_num_tokens", type=int, default=None, help="most tokens in one forward step")
     _flag(p, "max_seq_len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    _flag(p, "scheduling_policy", choices=("fcfs", "priority"), default=None,
+          help="fcfs (default: arrival order) or priority (each request's `priority`, lower first, then arrival)")
     _flag(p, "tp_size", type=int, default=None,
           help="tensor parallel size: ranks one model spans (started here, or by torchrun across nodes)")
     _flag(p, "ep_size", type=int, default=None,
@@ -180,8 +182,8 @@ def engine_options_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], 
     if args.model is not None:
         opts["model"] = args.model
     for name in ("dtype", "device", "load_format", "quantization", "max_batch_size", "max_num_tokens", "max_seq_len",
-                 "tp_size", "ep_size", "seed", "served_model_name", "warmup", "strict_warmup", "cache_dir",
-                 "async_scheduling"):
+                 "scheduling_policy", "tp_size", "ep_size", "seed", "served_model_name", "warmup", "strict_warmup",
+                 "cache_dir", "async_scheduling"):
         v = getattr(args, name, None)
         if v is not None:
             opts[name] = (v == "on") if name == "async_scheduling" else v

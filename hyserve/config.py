@@ -5,7 +5,8 @@ The option names are those of the server's YAML (`extra-llm-api-config.yml` styl
     EngineConfig
       model, dtype, device, load_format, quantization, served_model_name, seed, warmup, strict_warmup, cache_dir,
       async_scheduling
-      scheduler: SchedulerConfig   max_batch_size, max_num_tokens, max_seq_len, enable_chunked_prefill
+      scheduler: SchedulerConfig   max_batch_size, max_num_tokens, max_seq_len, enable_chunked_prefill,
+                                   scheduling_policy, ...
       cache:     CacheConfig       kv_cache_config.* (tokens_per_block, enable_block_reuse, avg_seq_len, ...)
       cuda_graph: CudaGraphConfig  cuda_graph_config.* (enable_padding, max_batch_size, batch_sizes)
       parallel:  ParallelConfig    tp_size, ep_size
@@ -48,6 +49,9 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # weight formats `quantization` can ask for (None: the checkpoint's own, 16-bit unless it is an FP8 checkpoint)
 QUANTIZATIONS = ("fp8",)
 DEVICES = ("auto", "cpu", "cuda")
+# the waiting queue's order (vLLM's --scheduling-policy): "fcfs" arrival order; "priority" each request's
+# `priority` (lower first), ties by arrival
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 # Keys of the TensorRT-LLM YAML that hyserve accepts and ignores (they select that engine's internals).
 COMPAT_IGNORED_KEYS = frozenset(
@@ -285,6 +289,8 @@ class SchedulerConfig:
     max_num_partial_prefills: int = option(4, Int(lo=1))
     long_prefill_token_threshold: int | None = option(None, Int(lo=1, none_ok=True))
     max_step_ms: float | None = option(None, positive_ms_or_none)
+    # admission and preemption order (SCHEDULING_POLICIES); under "fcfs" a request's priority must be 0
+    scheduling_policy: str = option("fcfs", Choice(SCHEDULING_POLICIES))
 
     def check(self) -> None:
         check_token_budget(self.max_num_tokens, self.max_batch_size)

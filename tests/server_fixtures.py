@@ -198,11 +198,12 @@ class FakeEngine:
     finished: list[str] = field(default_factory=list)
     cached_tokens: int = 0
     logprob_ids: tuple[int, ...] = (7, 8, 9)  # the token of each output logprob, then its top alternatives
+    priorities: dict[str, int] = field(default_factory=dict)  # the `priority` each request id was generated with
 
     FAIL = "\x00FAIL"
     HANG = "\x00HANG"
 
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         if not prompt_token_ids:
             raise RequestRejected("the prompt is empty", param="prompt", code="empty_prompt")
         if any(t >= self.vocab_size for t in prompt_token_ids):
@@ -232,9 +233,10 @@ class FakeEngine:
                            finish_reason=reason, num_prompt_tokens=n_prompt, num_cached_tokens=self.cached_tokens,
                            num_output_tokens=n_out, error=error)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[StreamDelta]:
-        self.validate_request(prompt_token_ids, params)
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                       priority: int = 0) -> AsyncIterator[StreamDelta]:
+        self.validate_request(prompt_token_ids, params, priority)
+        self.priorities[request_id] = priority
         pieces = self.script(list(prompt_token_ids), params)
         ev = asyncio.Event()
         self.running[request_id] = ev

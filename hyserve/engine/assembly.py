@@ -107,6 +107,7 @@ def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
         cache, max_batch_size=sc.max_batch_size, max_num_tokens=sc.max_num_tokens,
         enable_chunked_prefill=sc.enable_chunked_prefill, chunk_size=lm.config.chunk_size, max_seq_len=max_seq_len,
         max_num_partial_prefills=sc.max_num_partial_prefills, long_prefill_token_threshold=sc.long_prefill_token_threshold,
+        scheduling_policy=sc.scheduling_policy,
     )
     runner = ModelRunner(lm.model, tensors, lm.device)
     if graph_sizes:

@@ -97,8 +97,8 @@ class AsyncEngine:
     def capacity_report(self) -> str:
         return self.engine.capacity_report()
 
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.engine.validate_request(prompt_token_ids, params)
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+        self.engine.validate_request(prompt_token_ids, params, priority)
 
     def stats(self) -> dict[str, float]:
         with self._lock:
@@ -122,12 +122,14 @@ class AsyncEngine:
             raise TimeoutError(f"the engine did not reset within {timeout:.0f}s")
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prompt: str | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prompt: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[StreamDelta]:
-        """Stream a request's deltas. Raises RequestRejected / ValueError before the first yield."""
+        """Stream a request's deltas. Raises RequestRejected / ValueError before the first yield. `priority`:
+        lower is served earlier under scheduling_policy "priority" (0 only under "fcfs")."""
         if not self.healthy:
             raise RuntimeError(f"the engine is not running: {self.dead_reason}")
-        self.engine.validate_request(prompt_token_ids, params)
+        self.engine.validate_request(prompt_token_ids, params, priority)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[StreamDelta] = asyncio.Queue()
         with self._lock:
@@ -135,7 +137,7 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (loop, q)
             self._adding.add(request_id)
-        self._inbox.put(("add", (request_id, list(prompt_token_ids), params, prompt)))
+        self._inbox.put(("add", (request_id, list(prompt_token_ids), params, prompt, priority)))
         self._wake.set()
         finished = False
         try:
@@ -178,11 +180,11 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                rid, ids, params, prompt = arg
+                rid, ids, params, prompt, priority = arg
                 with self._lock:
                     self._adding.discard(rid)
                 try:
-                    self.engine.add_request(rid, ids, params, prompt=prompt)
+                    self.engine.add_request(rid, ids, params, prompt=prompt, priority=priority)
                 except Exception as e:  # validated already; a race (e.g. duplicate id) fails just this one
                     self._deliver(_error_delta(rid, str(e), num_prompt_tokens=len(ids)))
             elif kind == "abort":

@@ -94,20 +94,23 @@ class LLMEngine:
         return self.plan.report()
 
     # ---- requests ---------------------------------------------------------------------------------
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         """Raise RequestRejected for a request that must not enter the engine (GrammarError, a ValueError, for
         a structured-outputs spec that cannot compile)."""
-        self.inputs.validate(prompt_token_ids, params)
+        self.inputs.validate(prompt_token_ids, params, priority)
         self.structured.validate(params)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prompt: str | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prompt: str | None = None,
+        priority: int = 0,
     ) -> Request:
+        """`priority`: lower is served earlier under scheduling_policy "priority" (0 only under "fcfs")."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.inputs.validate(prompt_token_ids, params)
+        self.inputs.validate(prompt_token_ids, params, priority)
         self.structured.add(request_id, params)
-        req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params, prompt=prompt)
+        req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params, prompt=prompt,
+                      priority=priority)
         self.requests[request_id] = req
         self.outputs.add(req)
         self.scheduler.add(req)

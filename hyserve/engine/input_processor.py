@@ -1,6 +1,7 @@
 """Request validation before anything enters the engine: token ids within the vocabulary, lengths
 within max_seq_len and within what the cache can hold for one request (the capacity plan), prompts
-that fit one step when chunked prefill is off. Every refusal names the limit."""
+that fit one step when chunked prefill is off, a priority the scheduling policy can honour. Every refusal
+names the limit."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ class InputProcessor:
         self.plan = plan
         self.scheduler = scheduler
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         """Raise RequestRejected for a request that must not enter the engine."""
+        self._check_priority(priority)
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestRejected("the prompt is empty; send at least one token", param="prompt", code="empty_prompt")
@@ -55,6 +57,21 @@ class InputProcessor:
                 "prefill disabled; enable_chunked_prefill or raise max_num_tokens",
                 param="prompt",
                 code="context_length_exceeded",
+            )
+
+    def _check_priority(self, priority: int) -> None:
+        """An integer; under "fcfs" only 0, as vLLM: a priority the queue would silently ignore is a mistake
+        worth stopping for."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise RequestRejected(f"priority must be an integer, got {priority!r}", param="priority",
+                                  code="invalid_priority")
+        if priority != 0 and self.scheduler.scheduling_policy == "fcfs":
+            raise RequestRejected(
+                f"got priority {priority}, but priority scheduling is not enabled (scheduling_policy is fcfs); "
+                "start the engine with --scheduling-policy priority (YAML / LLM option scheduling_policy: "
+                "priority) to use it",
+                param="priority",
+                code="invalid_priority",
             )
 
     def _check_token_ids(self, ids: list[int]) -> None:

@@ -34,7 +34,8 @@ class LLM:
         **options: Any,
     ) -> None:
         """`options` take the server YAML's names: max_batch_size, max_num_tokens, max_seq_len,
-        enable_chunked_prefill, kv_cache_config={...}, cuda_graph_config={...}, seed, tp_size, ep_size, ...
+        enable_chunked_prefill, scheduling_policy, kv_cache_config={...}, cuda_graph_config={...}, seed,
+        tp_size, ep_size, ...
         With tp_size > 1 this process is rank 0 and starts the other ranks itself (`close()` stops them)."""
         self.config = build_engine_config(
             options, model=model, dtype=dtype, device=device, load_format=load_format
@@ -61,9 +62,11 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; returns one RequestOutput per prompt, in order. Any invalid
-        prompt raises (RequestRejected / ValueError) before anything runs."""
+        prompt raises (RequestRejected / ValueError) before anything runs. `priority` (vLLM's): one per
+        prompt, lower first, with scheduling_policy="priority" (under "fcfs" only zeros are accepted)."""
         plist: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             plist = [prompts]  # type: ignore[list-item]  # one prompt (text or token ids)
@@ -74,9 +77,12 @@ class LLM:
         plist_params = [params] * len(plist) if isinstance(params, SamplingParams) else list(params)
         if len(plist_params) != len(plist):
             raise ValueError(f"got {len(plist)} prompts but {len(plist_params)} SamplingParams")
+        priorities = [0] * len(plist) if priority is None else list(priority)
+        if len(priorities) != len(plist):
+            raise ValueError(f"got {len(plist)} prompts but {len(priorities)} priorities")
         encoded = [self._encode(p) for p in plist]
-        for (ids, _), sp in zip(encoded, plist_params):
-            self.engine.validate_request(ids, sp)
+        for (ids, _), sp, prio in zip(encoded, plist_params, priorities):
+            self.engine.validate_request(ids, sp, prio)
         eng = self.engine
         order: list[str] = []
         texts: dict[str, list[str]] = {}
@@ -87,9 +93,9 @@ class LLM:
         first_token: dict[str, float] = {}
         plps: dict[str, list[TokenLogprob | None]] = {}
         finished_at: dict[str, float] = {}
-        for (ids, text), sp in zip(encoded, plist_params):
+        for (ids, text), sp, prio in zip(encoded, plist_params, priorities):
             rid = f"llm-{next(self._ids)}"
-            eng.add_request(rid, ids, sp, prompt=text)
+            eng.add_request(rid, ids, sp, prompt=text, priority=prio)
             order.append(rid)
             texts[rid], tokens[rid], lps[rid] = [], [], []
         pending = set(order)

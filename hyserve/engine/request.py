@@ -21,6 +21,11 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None
+    # scheduling_policy "priority": lower is served earlier (vLLM's); 0 is the only value under "fcfs"
+    priority: int = 0
+    # the scheduler's arrival counter, set once by `Scheduler.add`: breaks priority ties by arrival, and a
+    # preempted request keeps it, so it goes back ahead of later arrivals of its priority
+    arrival_seq: int = 0
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)

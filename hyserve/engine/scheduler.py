@@ -7,8 +7,13 @@ Each step, under a budget of `max_num_tokens` tokens and `max_batch_size` runnin
      one at most long_prefill_token_threshold tokens when continuing prefills share the step);
   3. prefill continuations: up to max_num_partial_prefills running requests still feeding known tokens
      share what is left equally (one alone takes it all; at least one SSD chunk, so none starves);
-  4. admissions: waiting requests, strictly first-come-first-served, get a prefix-cache lookup, a live
-     state slot and their first chunk, while budget, slots and blocks last.
+  4. admissions: waiting requests, strictly in queue order, get a prefix-cache lookup, a live state slot and
+     their first chunk, while budget, slots and blocks last.
+
+The queue order is the scheduling policy's (`scheduling_policy`, as vLLM's): "fcfs" arrival order; "priority"
+each request's (priority, arrival) key, lower first. Under "priority" the running list is kept in that order
+too, so decodes, continuing prefills and preemption (below) all favour the better key: "younger" then means
+"sorts later", and the request with the best key running is never preempted, as the oldest under "fcfs".
 
 With a step cost model (`step_cost.py`, calibrated at warm-up) every chunk also fits a share of the
 step-time target after the decodes' cost, so a long prompt's chunks shrink as its context grows.
@@ -20,9 +25,10 @@ fed from that step's samples (`ScheduledSeq.feed_row`), unless that token ends i
 engine drops. So the engine has one loop whatever the setting.
 
 A request that needs a block when none is free preempts the youngest running request not yet scheduled
-this step (its blocks and slot are freed and it goes back to the front of the queue, to be recomputed);
-if there is none younger, it yields itself. The oldest request never yields, and admission guarantees
-that any single request fits an empty pool, so a request alone always progresses: no deadlock.
+this step (its blocks and slot are freed and it goes back to the front of the queue, to be recomputed;
+under "priority" back into the queue at its key, which it keeps); if there is none younger, it yields
+itself. The oldest request never yields, and admission guarantees that any single request fits an empty
+pool, so a request alone always progresses: no deadlock.
 
 Prefill chunks end early at a snapshot boundary that the SSD scan cannot produce mid-chunk (a boundary
 is producible when it is a multiple of chunk_size tokens into the chunk, or is the chunk's end):
@@ -33,10 +39,13 @@ is producible when it is a multiple of chunk_size tokens into the chunk, or is t
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
 from hyserve.cache.manager import HybridCacheManager, PrefixHit, chain_hashes
+from hyserve.config import SCHEDULING_POLICIES
 from hyserve.engine.request import Request, RequestStatus
 from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.step_cost import StepCostModel
@@ -101,6 +110,11 @@ class SchedulerStats:
     tokens_scheduled: int = 0
 
 
+def priority_key(req: Request) -> tuple[int, int]:
+    """A request's place under scheduling_policy "priority": lower priority value first, then arrival."""
+    return req.priority, req.arrival_seq
+
+
 class Scheduler:
     def __init__(
         self,
@@ -114,8 +128,13 @@ class Scheduler:
         max_num_partial_prefills: int = 4,
         long_prefill_token_threshold: int | None = None,
         cost: StepCostModel | None = None,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.cache = cache
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy: {scheduling_policy!r} is not one of {list(SCHEDULING_POLICIES)}")
+        # "priority": the waiting queue and the running list are kept sorted by `priority_key`
+        self.by_priority = scheduling_policy == "priority"
         self.max_seq_len = max_seq_len
         # step composition (docs/architecture.md): how many continuing prefills share a step, the most a
         # long prompt's chunk takes when others share it, and the step-time target (None: tokens only)
@@ -128,14 +147,19 @@ class Scheduler:
         self.chunked = enable_chunked_prefill
         self.chunk_size = chunk_size
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order
+        self.running: list[Request] = []  # admission order (under "priority": key order)
         self.stats = SchedulerStats()
         self._pending_aborts: set[str] = set()
+        self._arrivals = itertools.count()  # Request.arrival_seq
 
     # ---- queue management -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
-        self.waiting.append(req)
+        req.arrival_seq = next(self._arrivals)
+        if self.by_priority:
+            bisect.insort(self.waiting, req, key=priority_key)
+        else:
+            self.waiting.append(req)
 
     def abort(self, request_id: str) -> None:
         """Takes effect at the start of the next `schedule()`."""
@@ -219,9 +243,14 @@ class Scheduler:
         req.num_computed = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        if self.by_priority:  # its key is unchanged: ahead of every later arrival of its priority
+            bisect.insort(self.waiting, req, key=priority_key)
+        else:
+            self.waiting.appendleft(req)
 
     def _victim(self, scheduled: set[str], me: Request) -> Request | None:
+        """The youngest running request not scheduled this step, and younger than `me`. Under "priority" the
+        running list is in key order, so this is the largest (priority, arrival) after `me`'s."""
         for r in reversed(self.running):
             if r is me:
                 return None  # nobody younger than me is left
@@ -370,10 +399,11 @@ class Scheduler:
         return req.num_computed + 1 == n == req.num_tokens and n in self.cache.snapshot_boundaries(n)
 
     def admit(self, budget: int, *, ms: float | None = None, capped: bool = False) -> list[ScheduledSeq]:
-        """Admit waiting requests strictly first-come-first-served (stop at the first that cannot start)
-        within `budget` tokens (and `ms` of predicted step time) and the batch-size limit; returns their first
-        chunks. `capped`: continuing prefills share the step, so a long prompt's first chunk takes at most
-        long_prefill_token_threshold tokens."""
+        """Admit waiting requests strictly in queue order within `budget` tokens (and `ms` of predicted step
+        time) and the batch-size limit; returns their first chunks. Admission stops at the first that cannot
+        start, so a large request is not overtaken for ever by small ones queued behind it. `capped`: continuing
+        prefills share the step, so a long prompt's first chunk takes at most long_prefill_token_threshold
+        tokens."""
         seqs: list[ScheduledSeq] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
@@ -385,12 +415,20 @@ class Scheduler:
             if seq is None:
                 break
             self.waiting.popleft()
-            self.running.append(req)
+            self._start_running(req)
             seqs.append(seq)
             budget -= len(seq.token_ids)
             if ms is not None:
                 ms -= self._chunk_ms(seq)
         return seqs
+
+    def _start_running(self, req: Request) -> None:
+        """An admitted request joins the running list: at the end (admission order), or under "priority" at
+        its key, so decodes and continuing prefills serve the best key first and preemption spares it."""
+        if self.by_priority:
+            bisect.insort(self.running, req, key=priority_key)
+        else:
+            self.running.append(req)
 
     def _plan_chunk(self, req: Request, budget: int, *, ms: float | None = None) -> ScheduledSeq | None:
         """The next prefill chunk of `req` within `budget` tokens, cut at a snapshot boundary the scan

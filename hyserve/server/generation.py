@@ -57,6 +57,7 @@ class Job:
     # choices k > 0 of a long prompt start once choice 0 has its first token (`stagger_choices`)
     after: asyncio.Event | None = None  # wait for this before entering the engine
     first_token: asyncio.Event | None = None  # set at this job's first delta (or its end)
+    priority: int = 0  # the request body's `priority` (every choice of it)
 
 
 def choice_params(params: SamplingParams, k: int) -> SamplingParams:
@@ -140,7 +141,7 @@ async def consume(engine: Any, job: Job, timer: RequestTimer | None) -> Result:
     res = Result(num_prompt_tokens=len(job.prompt_ids))
     if job.after is not None:
         await job.after.wait()
-    agen = engine.generate(job.request_id, job.prompt_ids, job.params)
+    agen = engine.generate(job.request_id, job.prompt_ids, job.params, priority=job.priority)
     try:
         async for d in agen:
             if job.first_token is not None:
@@ -230,7 +231,8 @@ async def run_whole(engine: Any, raw: Request, jobs: list[Job], timers: list[Req
 async def merged(engine: Any, jobs: list[Job]) -> AsyncIterator[tuple[int, StreamDelta]]:
     """Deltas of several engine requests as they come, tagged with the job's index."""
     if len(jobs) == 1:
-        agen = engine.generate(jobs[0].request_id, jobs[0].prompt_ids, jobs[0].params)
+        job = jobs[0]
+        agen = engine.generate(job.request_id, job.prompt_ids, job.params, priority=job.priority)
         try:
             async for d in agen:
                 yield 0, d
@@ -243,7 +245,7 @@ async def merged(engine: Any, jobs: list[Job]) -> AsyncIterator[tuple[int, Strea
         try:
             if job.after is not None:
                 await job.after.wait()
-            async for d in engine.generate(job.request_id, job.prompt_ids, job.params):
+            async for d in engine.generate(job.request_id, job.prompt_ids, job.params, priority=job.priority):
                 if job.first_token is not None:
                     job.first_token.set()
                 q.put_nowait((i, d))

@@ -96,6 +96,9 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's extra field: lower is served earlier under --scheduling-policy priority (the engine refuses
+    # anything but 0 under fcfs); strict, so JSON true/false or "1" are not priorities
+    priority: StrictInt = 0
 
 
 # ---- chat ----------------------------------------------------------------------------------------

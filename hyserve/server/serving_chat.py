@@ -113,11 +113,11 @@ async def create_chat_completion(state: AppState, req: ChatCompletionRequest, ra
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
         top_n if req.logprobs else None, logprobs_param="top_logprobs", structured_outputs=spec,
     )
-    await state.validate_async(prompt_ids, params, "messages", grammar_param)
+    await state.validate_async(prompt_ids, params, "messages", grammar_param, priority=req.priority)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     n = req.n or 1
-    jobs = [Job(request_id if n == 1 else f"{request_id}-{k}", prompt_ids, choice_params(params, k), text)
-            for k in range(n)]
+    jobs = [Job(request_id if n == 1 else f"{request_id}-{k}", prompt_ids, choice_params(params, k), text,
+                priority=req.priority) for k in range(n)]
     stagger_choices(jobs, n, state.stagger_min)
     output = output_maker(reasoning_parser=opts.reasoning_parser, tool_parser=opts.tool_parser, think=think,
                           tools=req.tools, tool_choice=tc, parallel=parallel, forced=forced)

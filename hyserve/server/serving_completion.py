@@ -174,10 +174,11 @@ async def create_completion(state: AppState, req: CompletionRequest, raw: Reques
         # echo + logprobs: the prompt tokens' own logprobs too (lm-eval style loglikelihood requests)
         params = state.sampling_params(req, len(ids), 1 if prompt_only else req.max_tokens, req.logprobs,
                                        req.logprobs if req.echo else None, structured_outputs=spec)
-        await state.validate_async(ids, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+        await state.validate_async(ids, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]",
+                                   priority=req.priority)
         for k in range(n):
             rid = base if len(prompts) * n == 1 else f"{base}-{i * n + k}"
-            jobs.append(Job(rid, ids, choice_params(params, k), text))
+            jobs.append(Job(rid, ids, choice_params(params, k), text, priority=req.priority))
     stagger_choices(jobs, n, state.stagger_min)
     model_name = req.model or engine.model_name
     timers = [RequestTimer(state.metrics) for _ in jobs]

@@ -216,18 +216,19 @@ class AppState:
             )
 
     async def validate_async(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str,
-                             grammar_param: str = "structured_outputs") -> None:
+                             grammar_param: str = "structured_outputs", priority: int = 0) -> None:
         """`validate`, on a worker thread when the request has a structured-outputs constraint: the engine's
         validation compiles its grammar (cached after), which can take a while for a large schema."""
         if params.structured_outputs is None:
-            self.validate(prompt_ids, params, prompt_param)
+            self.validate(prompt_ids, params, prompt_param, grammar_param, priority)
         else:
-            await asyncio.to_thread(self.validate, prompt_ids, params, prompt_param, grammar_param)
+            await asyncio.to_thread(self.validate, prompt_ids, params, prompt_param, grammar_param, priority)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str,
-                 grammar_param: str = "structured_outputs") -> None:
+                 grammar_param: str = "structured_outputs", priority: int = 0) -> None:
+        """The engine's checks of one request (`priority` too: a 400 under fcfs unless 0), as 400s."""
         try:
-            self.engine.validate_request(prompt_ids, params)
+            self.engine.validate_request(prompt_ids, params, priority)
         except GrammarError as e:
             raise bad_request(f"{grammar_param}: {e}", param=grammar_param) from None
         except RequestRejected as e:
