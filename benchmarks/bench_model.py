@@ -100,16 +100,18 @@ def replay_ms(replay, reps: int) -> float:
     return (time.perf_counter() - t) / reps * 1e3
 
 
-def replay_breakdown(replay, step_ms: float, steps: int = 20, top: int = 25, batch: int = 1) -> str:
+def replay_breakdown(replay, step_ms: float, steps: int = 20, top: int = 25, batch: int = 1, form: str = "") -> str:
     """Device time per decode step by kernel name inside a batch's graph replay (torch profiler),
-    the kernels that take the most first: where the replay's gap to the roofline goes."""
+    the kernels that take the most first: where the replay's gap to the roofline goes. Under PDL a kernel's
+    time includes its blocks' wait for the one before, so the form with ordinary launches (`form` names it)
+    is the one whose per-kernel times add up to the replay."""
     try:
         rows = [(us / steps, n / steps, name) for name, (us, n) in device_kernel_times(replay, steps).items()]
     except Exception as e:  # noqa: BLE001 - a diagnostic only
         return f"batch-{batch} replay kernel breakdown unavailable: {type(e).__name__}: {e}"
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
-    lines = [f"batch-{batch} graph replay, device time per step by kernel ({total:.0f} us in kernels of "
+    lines = [f"batch-{batch} graph replay{form}, device time per step by kernel ({total:.0f} us in kernels of "
              f"{step_ms * 1e3:.0f} us per replay; {sum(r[1] for r in rows):.0f} launches per step):"]
     lines += [f"  {us:8.1f} us  {n:5.0f}x  {name[:110]}" for us, n, name in rows[:top]]
     text = "\n".join(lines)
@@ -416,6 +418,9 @@ def pdl_ab(eng, batches: tuple[int, ...], vocab_size: int, records: list, notes:
         notes.append(f"PDL A/B batch {batch}: graph replay {on * 1e3:.0f} us with PDL, {off * 1e3:.0f} us without "
                      f"(min of 2 rounds of 50 replays each)")
         print(notes[-1])
+        if batch == 1:  # without PDL the kernels' device times do not include waiting for the one before
+            notes.append(replay_breakdown(lambda f=forms[False]: f.replay(1), off, top=30,
+                                          form=" with ordinary launches (no PDL)"))
         del forms
         gc.collect()
         torch.cuda.empty_cache()
