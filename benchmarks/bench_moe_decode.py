@@ -94,6 +94,32 @@ class Layers:
             tm.launch_up_gemv(self.x, L["up"], ids, h, cfg["up"], L["su"])
             tm.launch_down_gemv(h, L["down"], ids, w, out, cfg["down"], L["sd"])
 
+    def split_chains(self, cfg: dict) -> tuple:
+        """The up GEMVs alone and the down GEMVs alone over every layer, with each layer's routing and h made
+        once beforehand: what each kernel costs of the chain, bytes over time, with no route between them."""
+        k, inter = self.s["k"], self.s["I"]
+        pre = []
+        for L in self.layers:
+            w, ids = self.route(L)
+            h = torch.empty(k + self.S, inter, dtype=self.x.dtype, device=self.x.device)
+            tm.launch_up_gemv(self.x, L["up"], ids, h, cfg["up"], L["su"])
+            pre.append((w, ids, h))
+
+        def ups() -> None:
+            for L, (_, ids, h) in zip(self.layers, pre):
+                tm.launch_up_gemv(self.x, L["up"], ids, h, cfg["up"], L["su"])
+
+        def downs() -> None:
+            for L, (w, ids, h), out in zip(self.layers, pre, self.outs):
+                tm.launch_down_gemv(h, L["down"], ids, w, out, cfg["down"], L["sd"])
+
+        return ups, downs
+
+    def gemv_bytes(self) -> int:
+        """Weight bytes one of the two expert GEMVs reads a layer (k routed experts + the shared expert)."""
+        s = self.s
+        return (s["k"] + self.S) * s["I"] * s["d"] * self.layers[0]["up"].element_size()
+
     def error(self, cfg: dict) -> float:
         """Relative error of layer 0 under `cfg` against the float64 reference with the shared expert."""
         L = self.layers[0]
@@ -172,7 +198,19 @@ def main() -> int:
             t = run(best[1], _sub(dn, early, 1), "down sweep")
             if t < best[0]:
                 best = (t, best[1], _sub(dn, early, 1))
+    for dn in downs[:3]:  # the nested form (a K loop per slot; EARLY needs FLAT)
+        t = run(best[1], _sub(dn, 0, 0), "down nested")
+        if t < best[0]:
+            best = (t, best[1], _sub(dn, 0, 0))
     t_best, up_best, down_best = best
+    # each expert GEMV of the best setting alone: which of the two holds the chain back
+    ups_only, downs_only = net.split_chains({"up": up_best, "down": down_best})
+    t_up, t_down = (timer.graph([f], replays=15) / n for f in (ups_only, downs_only))
+    gb = net.gemv_bytes()
+    split = dict(up_us=t_up * 1e3, down_us=t_down * 1e3, bytes_each=gb,
+                 up_fraction=gb / (t_up * 1e-3) / ceil["read_bw"], down_fraction=gb / (t_down * 1e-3) / ceil["read_bw"])
+    print(f"best setting's GEMVs alone: up {t_up * 1e3:.2f} us ({split['up_fraction']:.3f} of the read ceiling), "
+          f"down {t_down * 1e3:.2f} us ({split['down_fraction']:.3f}), {gb / 1e6:.1f} MB each a layer")
     gpu = torch.cuda.get_device_name() if not dry else "cpu (interpreter)"
     doc = dict(date=_dt.date.today().isoformat(), git_sha=sha, gpu=gpu, torch=torch.__version__,
                triton=__import__("triton").__version__, command=" ".join([Path(sys.executable).name, *sys.argv]),
@@ -180,7 +218,7 @@ def main() -> int:
                router_route_us_per_layer=t_route * 1e3, late_us_per_layer=t_late * 1e3,
                best=dict(up=up_best, down=down_best, us_per_layer=t_best * 1e3,
                          fraction_of_read_bw=per_layer_bytes / (t_best * 1e-3) / ceil["read_bw"]),
-               speedup_best_vs_late=t_late / t_best, rows=rows)
+               speedup_best_vs_late=t_late / t_best, gemvs_alone=split, rows=rows)
     print(f"best: {t_best * 1e3:.2f} us a layer ({doc['best']['fraction_of_read_bw']:.3f} of the read ceiling), "
           f"late form at the tuned settings {t_late * 1e3:.2f} us: {t_late / t_best:.3f}x")
     if args.write and not dry:
@@ -203,7 +241,10 @@ def main() -> int:
             md.append(f"| {r['what']} | {tuple(r['up'].values())} | {tuple(r['down'].values())} | "
                       f"{r['us_per_layer']:.2f} | {r['fraction_of_read_bw']:.3f} |")
     md += ["", f"best {t_best * 1e3:.2f} us ({doc['best']['fraction_of_read_bw']:.3f}); "
-               f"late form at the tuned settings {t_late * 1e3:.2f} us; ratio {t_late / t_best:.3f}x"]
+               f"late form at the tuned settings {t_late * 1e3:.2f} us; ratio {t_late / t_best:.3f}x", "",
+           f"best setting's GEMVs alone, every layer in one graph: up {split['up_us']:.2f} us "
+           f"({split['up_fraction']:.3f} of the read ceiling), down {split['down_us']:.2f} us "
+           f"({split['down_fraction']:.3f}), {gb / 1e6:.1f} MB each a layer"]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     print(f"wrote {out}")
     return 0
