@@ -424,6 +424,26 @@ def test_config_depends_on_the_bucket_only():
             assert tm.moe_config(E, inter, d, T, k, dev) == tm.moe_config(E, inter, d, tm.token_bucket(T), k, dev)
 
 
+def test_a_bucket_the_tuned_file_lacks_takes_the_heuristic(monkeypatch: pytest.MonkeyPatch):
+    """A device file with only the 1-token entry (bench_moe_decode.py --write on a GPU never fully tuned) sets
+    that bucket alone: larger token counts keep the heuristic (the grouped GEMMs from 3 tokens), never the
+    one-token GEMV settings of the nearest tuned bucket."""
+    one = {"variant": "gemv", "up": dict(BLOCK_N=4, BLOCK_K=128, num_warps=2, num_stages=6),
+           "down": dict(BLOCK_N=1, BLOCK_K=512, num_warps=1, num_stages=6, FLAT=1)}
+    key = tm.shape_key(128, 1856, 2688)
+    monkeypatch.setattr(tm, "_device_name", lambda index: "Some GPU")
+    monkeypatch.setattr(tm, "_tuned_table", lambda name: {key: {"1": one}})
+    tm._bucket_config.cache_clear()
+    try:
+        assert tm._bucket_config(128, 1856, 2688, 1, 6, "cuda", 0) == one
+        for bucket in (2, 4, 64, 8192):
+            got = tm._bucket_config(128, 1856, 2688, bucket, 6, "cuda", 0)
+            assert got == tm.heuristic_config(128, 1856, 2688, bucket, 6), bucket
+        assert tm._bucket_config(128, 1856, 2688, 8192, 6, "cuda", 0)["variant"] == "gemm"
+    finally:
+        tm._bucket_config.cache_clear()
+
+
 def test_heuristic_configs_are_valid():
     for raw in MOE_CONFIGS.values():
         E, inter = raw["n_routed_experts"], raw["moe_intermediate_size"]

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any
@@ -722,8 +721,10 @@ _INTERPRETER_GEMV = {"variant": "gemv", "up": dict(BLOCK_N=32, BLOCK_K=32, num_w
 
 def moe_config(num_experts: int, inter: int, hidden: int, num_tokens: int, top_k: int,
                device: torch.device) -> dict[str, Any]:
-    """The tile config for this layer and token count: the tuned file's entry for the nearest tuned bucket
-    of this shape on this GPU, else `heuristic_config` of the bucket (the interpreter: small tiles). A
+    """The tile config for this layer and token count: the tuned file's entry for this token bucket and
+    shape on this GPU, else `heuristic_config` of the bucket (the interpreter: small tiles). A bucket the file
+    lacks never borrows a neighbour's entry: a file holding only the 1-token entry (`bench_moe_decode.py
+    --write` on a GPU without a full tuning) must not send 8192-token prefills down the one-token GEMVs. A
     function of the token bucket only, so warming one count per bucket compiles every variant."""
     return _bucket_config(num_experts, inter, hidden, token_bucket(num_tokens), top_k, device.type, device.index)
 
@@ -733,11 +734,9 @@ def _bucket_config(num_experts: int, inter: int, hidden: int, bucket: int, top_k
                    dev_index: int | None) -> dict[str, Any]:
     if dev_type != "cuda":
         return _INTERPRETER_GEMV if bucket <= 2 else _INTERPRETER_GEMM
-    table = _tuned_table(_device_name(dev_index)).get(shape_key(num_experts, inter, hidden))
-    if not table:
-        return heuristic_config(num_experts, inter, hidden, bucket, top_k)
-    b = math.log2(bucket)
-    return table[min(table, key=lambda k: (abs(math.log2(int(k)) - b), int(k)))]
+    table = _tuned_table(_device_name(dev_index)).get(shape_key(num_experts, inter, hidden), {})
+    tuned = table.get(str(bucket))
+    return tuned if tuned is not None else heuristic_config(num_experts, inter, hidden, bucket, top_k)
 
 
 # --------------------------------------------------------------------------- launcher
