@@ -42,10 +42,15 @@ from hyserve.bench.report import git_sha  # noqa: E402
 from hyserve.kernels.moe import moe_experts_ref  # noqa: E402
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); the first of each list is the 1-token entry tuned at 1a89c47
+# (the H100 run of 1303d9a found short rows and few warps fastest: up 4 x 128 on 2 warps, down one row on one
+# warp; the entries after those are their neighbours)
 UP = [(4, 256, 4, 6), (8, 256, 4, 3), (8, 256, 4, 4), (4, 256, 4, 4), (4, 512, 4, 4), (16, 256, 8, 3),
-      (2, 512, 2, 4), (8, 128, 4, 6), (4, 128, 2, 6)]
+      (2, 512, 2, 4), (8, 128, 4, 6), (4, 128, 2, 6), (2, 128, 1, 6), (4, 128, 2, 8), (8, 128, 2, 6),
+      (2, 256, 1, 6)]
 DOWN = [(4, 512, 4, 4), (2, 512, 4, 4), (2, 1024, 4, 2), (1, 1024, 2, 4), (2, 256, 2, 6), (8, 256, 4, 3),
-        (4, 256, 4, 6), (1, 512, 1, 6), (2, 512, 2, 4), (4, 128, 4, 8)]
+        (4, 256, 4, 6), (1, 512, 1, 6), (2, 512, 2, 4), (4, 128, 4, 8), (1, 512, 1, 4), (1, 256, 1, 8),
+        (1, 1024, 1, 4), (2, 512, 1, 6)]
+NESTED = [(4, 512, 4, 4), (1, 512, 1, 6), (1, 1024, 2, 4)]  # down forms also tried with a K loop per slot
 DRY = [(32, 32, 1, 1)]
 
 
@@ -198,7 +203,7 @@ def main() -> int:
             t = run(best[1], _sub(dn, early, 1), "down sweep")
             if t < best[0]:
                 best = (t, best[1], _sub(dn, early, 1))
-    for dn in downs[:3]:  # the nested form (a K loop per slot; EARLY needs FLAT)
+    for dn in (DRY if dry else NESTED):  # the nested form (a K loop per slot; EARLY needs FLAT)
         t = run(best[1], _sub(dn, 0, 0), "down nested")
         if t < best[0]:
             best = (t, best[1], _sub(dn, 0, 0))
