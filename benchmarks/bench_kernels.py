@@ -244,6 +244,8 @@ def bench_norms(b: Bench) -> None:
 _LINEAR_SWEEP: list[tuple[int, int, int, int]] = [
     (4, 512, 4, 3), (8, 512, 4, 4), (8, 512, 4, 3), (16, 256, 4, 3), (16, 256, 4, 4), (8, 256, 4, 4), (8, 256, 4, 3),
     (4, 512, 4, 4), (16, 512, 4, 2), (4, 1024, 4, 2), (16, 512, 4, 3),
+    # short tiles on few warps, more programs in flight (the MoE decode GEMVs' best on the H100, 1303d9a)
+    (4, 128, 2, 6), (2, 256, 1, 6), (1, 512, 1, 6), (2, 512, 2, 4), (4, 256, 2, 6), (8, 128, 4, 6),
 ]
 
 
@@ -269,10 +271,11 @@ def _linear_cases(b: Bench):
         hg = hg * torch.rsqrt(hg.pow(2).mean(-1, keepdim=True) + 1e-5)
         return F.linear(hg.view(1, -1) * nw.double(), w_out.double())
 
-    # plain projections (the `linear` op) at the Nano 9B v2 in_proj and the Nemotron 3 Nano 30B-A3B in_proj
-    # and QKV, against cuBLAS (split-K with a reduce at the last two on the H200)
+    # plain projections (the `linear` op) at the Nano 9B v2 in_proj and the Nemotron 3 Nano 30B-A3B in_proj,
+    # QKV and out_proj / o_proj (one GEMV shape), against cuBLAS (split-K with a reduce at the last ones on the H200)
     plain = []
-    for pname, n, k in ((("in_proj", in_proj, hidden), ("30B-A3B in_proj", 10304, 2688), ("30B-A3B qkv", 4608, 2688))
+    for pname, n, k in ((("in_proj", in_proj, hidden), ("30B-A3B in_proj", 10304, 2688), ("30B-A3B qkv", 4608, 2688),
+                         ("30B-A3B out_proj / o_proj", 2688, 4096))
                         if not b.dry else (("in_proj", in_proj, hidden),)):
         wp, xp = b.rnd(n, k, scale=k**-0.5), b.rnd(1, k)
         plain.append((pname, wp, "GEMV", lambda xp=xp, wp=wp: tfl.linear_triton(xp, wp, None),
