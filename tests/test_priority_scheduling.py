@@ -25,7 +25,7 @@ from hyserve.engine.scheduler import Scheduler, priority_key
 from hyserve.model.tokenizer import TINY_CHAT_TEMPLATE, Tokenizer, build_tiny_tokenizer
 from hyserve.server.app import ServerOptions, build_app
 from tests.test_engine_invariance import GREEDY, make_llm, prompts
-from tests.test_scheduler_state_machine import CHUNK, EngineMachine, _run, make
+from tests.test_scheduler_state_machine import CHUNK, EngineMachine, _run, drain, make
 
 DECODE = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 NOT_ENABLED = "priority scheduling is not enabled"
@@ -175,19 +175,11 @@ def test_priority_scheduler_drains_under_pressure() -> None:
         r = _req(f"r{i}", priority=(i * 5) % 3, n=10, params=SamplingParams(max_tokens=20, ignore_eos=True))
         reqs[r.request_id] = r
         sched.add(r)
-    for _ in range(3000):
-        if not sched.has_work():
-            break
-        batch, _ = sched.schedule()
-        assert [priority_key(r) for r in sched.running] == sorted(priority_key(r) for r in sched.running)
-        sched.update(batch, reqs)
-        for s in batch.seqs:
-            r = reqs[s.request_id]
-            if s.sample and r.status is RequestStatus.RUNNING:
-                r.output_token_ids.append(7)
-                if len(r.output_token_ids) >= r.params.max_tokens:
-                    sched.finish(r, "length")
-    assert all(r.finished for r in reqs.values())
+
+    def in_key_order(s) -> None:
+        assert [priority_key(r) for r in s.running] == sorted(priority_key(r) for r in s.running)
+
+    drain(sched, reqs, 3000, in_key_order)
     assert sched.stats.num_preemptions > 0
     sched.cache.reset_prefix_cache()
     assert sched.cache.blocks.num_free() == sched.cache.blocks.num_blocks

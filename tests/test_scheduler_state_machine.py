@@ -190,10 +190,22 @@ def test_lone_request_always_progresses_under_pressure() -> None:
         r = Request(f"r{i}", list(range(i, i + 10)), SamplingParams(max_tokens=30 - 10))
         reqs[r.request_id] = r
         sched.add(r)
-    for _ in range(2000):
+    drain(sched, reqs, 2000)
+    assert sched.stats.num_preemptions > 0
+    cache.reset_prefix_cache()
+    assert cache.blocks.num_free() == cache.blocks.num_blocks
+
+
+def drain(sched, reqs: dict, max_steps: int, after_schedule=None) -> None:
+    """Run the scheduler with a fake model (every sampled row emits token 7) until nothing is left, within
+    `max_steps` steps; `after_schedule(sched)` checks an invariant after each schedule(). Every request must
+    finish."""
+    for _ in range(max_steps):
         if not sched.has_work():
             break
         batch, _ = sched.schedule()
+        if after_schedule is not None:
+            after_schedule(sched)
         sched.update(batch, reqs)
         for s in batch.seqs:
             r = reqs[s.request_id]
@@ -202,9 +214,6 @@ def test_lone_request_always_progresses_under_pressure() -> None:
                 if len(r.output_token_ids) >= r.params.max_tokens:
                     sched.finish(r, "length")
     assert all(r.finished for r in reqs.values())
-    assert sched.stats.num_preemptions > 0
-    cache.reset_prefix_cache()
-    assert cache.blocks.num_free() == cache.blocks.num_blocks
 
 
 def test_token_slice_equals_all_token_ids_slice() -> None:
