@@ -17,6 +17,11 @@ streaming-read ceiling measured in the same run.
     python benchmarks/bench_moe_decode.py [--write] [--layers 23]   # --write: the fastest setting becomes
                                                                     # the 1-token entry of moe_configs/<GPU>.json
     python benchmarks/bench_moe_decode.py --dry-run                 # CPU, tiny shapes, interpreter
+    ncu --clock-control none -k regex:"_(up|down)_gemv" --launch-skip 8 --launch-count 2 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats \
+        --section WarpStateStats --section Occupancy python3 benchmarks/bench_moe_decode.py --profile-once
+                                 # 4 layers' chains twice at the tuned 1-token settings, eager, then exit: the
+                                 # profiler's view of the second chain's first up and down GEMV
 """
 
 from __future__ import annotations
@@ -143,6 +148,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=23, help="MoE layers in the chain (Nano 30B-A3B has 23)")
     ap.add_argument("--write", action="store_true", help="the fastest setting becomes the 1-token config entry")
+    ap.add_argument("--profile-once", action="store_true",
+                    help="run 4 layers' chains twice at the tuned 1-token settings and exit (under ncu)")
     args = bm.parse_run_args(ap, "moe_decode")
     dry = args.dry_run
     if (run := bm.run_device(dry, "bench_moe_decode")) is None:
@@ -153,6 +160,15 @@ def main() -> int:
     n = 2 if dry else args.layers
     timer = bm.Timer(dry)
     ceil = bm.moe_ceilings(dev, dry)
+    if args.profile_once:
+        net = Layers(s, min(n, 4), dev, dtype)
+        cfg = tm.moe_config(s["E"], s["I"], s["d"], 1, s["k"], torch.device(dev))
+        print(f"profiling the chain at {cfg}")
+        for _ in range(2):
+            net.chain(cfg)
+        if not dry:
+            torch.cuda.synchronize()
+        return 0
     net = Layers(s, n, dev, dtype)
     per_layer_bytes = net.bytes_per_layer()
     ups, downs = (DRY, DRY) if dry else (UP, DOWN)

@@ -69,3 +69,14 @@ def test_decode_chain_dry_run_checks_both_forms_against_float64(tmp_path: Path) 
     assert alone["bytes_each"] == (2 + 2) * 32 * 64 * 4
     assert alone["up_us"] > 0 and alone["down_us"] > 0
     assert alone["down_fraction"] == pytest.approx(alone["bytes_each"] / (alone["down_us"] * 1e-6) / doc["ceilings"]["read_bw"])
+
+
+def test_decode_chain_profile_once_runs_the_tuned_chain_and_exits(tmp_path: Path) -> None:
+    """bench_moe_decode.py --profile-once (the process ncu profiles): the chains at the tuned 1-token settings
+    run and the script exits before any timing or file."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_moe_decode.py"), "--dry-run", "--profile-once",
+                        "--git-sha", "test", "--out", str(tmp_path / "x.json")], capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "profiling the chain at {'variant': 'gemv'" in r.stdout
+    assert not (tmp_path / "x.json").exists()
