@@ -16,6 +16,11 @@
 #   moe_decode (not a default part, issue 23): benchmarks/bench_moe_decode.py --write, the batch-1 MoE decode
 #   GEMVs chained as a step runs them, settings swept; the fastest becomes the 1-token config entry. Put it
 #   before moe_nano in the same call to measure the model with it.
+#   ncu_moe (not a default part, issue 23): Nsight Compute's view (speed of light, memory, scheduler, warp
+#   stalls, occupancy) of the batch-1 MoE up and down GEMVs at the tuned 1-token settings; put it after
+#   moe_decode to profile what that wrote. Text in ncu_moe_<sha>.txt.
+#   linear_sweep (not a default part): bench_kernels.py --only linear_sweep, the one-row GEMV launch settings at
+#   the Nano 9B v2 and 30B-A3B projections (and the FP8 GEMV's).
 #   longprompt (not a default part, issues 24 and 22): benchmarks/bench_long_prompt.py, a 131k and a 1.04M-token
 #   prompt through LLM per KV dtype (LONG_PROMPT_ARGS adds options; ~3-4 min a dtype).
 #   stepsync (not a default part, issue 23): benchmarks/bench_step_sync.py, the host syncs and phases of a large
@@ -89,6 +94,18 @@ save() { out_save; }
   [[ $parts == *" moe_decode "* ]] && echo "== MoE decode chain at batch 1: settings swept, fastest written" \
     && timeout 300 python3 benchmarks/bench_moe_decode.py --write --git-sha "$sha" 2>&1 | tail -60 \
     && { [ -z "${OUT:-}" ] || cp hyserve/kernels/moe_configs/*.json "$OUT"/; } && save
+  if [[ $parts == *" ncu_moe "* ]]; then
+    echo "== Nsight Compute: the batch-1 MoE up and down GEMVs at the tuned 1-token settings"
+    timeout 240 ncu --clock-control none -k regex:"_(up|down)_gemv" --launch-skip 8 --launch-count 2 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
+      --section Occupancy python3 benchmarks/bench_moe_decode.py --profile-once > "benchmarks/results/ncu_moe_$sha.txt" 2>&1
+    echo "   exit $? (ncu_moe_$sha.txt)"; grep -E "Throughput|Busy|Issue|Occupancy|Stall|Duration" \
+      "benchmarks/results/ncu_moe_$sha.txt" | head -40; save
+  fi
+  [[ $parts == *" linear_sweep "* ]] && echo "== one-row GEMV launch settings (bf16 and FP8)" \
+    && timeout 200 python3 benchmarks/bench_kernels.py --only linear_sweep --git-sha "$sha" \
+       --out "benchmarks/results/linear_sweep_$sha.json" 2>&1 | grep -E "us vs|GEMV|cuBLAS" | grep -v "^ok " \
+       | tail -120 && save
   # structured (not a default part, issue 18): JSON-schema-constrained decode against unconstrained, batch 1 / 64
   [[ $parts == *" structured "* ]] && echo "== structured outputs: constrained / free decode (xgrammar in .whl)" \
     && timeout 300 python3 benchmarks/bench_structured.py --rounds 3 --git-sha "$sha" 2>&1 | tail -20 && save
