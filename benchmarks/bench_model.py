@@ -571,6 +571,9 @@ def main() -> None:
     ap.add_argument("--fp8-only", action="store_true",
                     help="with --quantization fp8: FP8 alone (a model whose bf16 weights do not fit, e.g. the whole "
                          "Nemotron 3 Super on one H200), cut to what fits in FP8")
+    ap.add_argument("--batches", default=None,
+                    help=f"decode-step batch sizes to time, comma-separated, of {sorted(STEP_SHAPES)} (default: the "
+                         "plan's; a GPU whose memory cannot hold the Mamba state of 256 rows of a MoE model: 64)")
     ap.add_argument("--git-sha", default="", help="commit of the tree, when it is run without .git")
     args = ap.parse_args()
     if args.weight_budget_gib is not None and args.num_layers is not None:
@@ -588,6 +591,11 @@ def main() -> None:
         plan = dataclasses.replace(plan, prefix_cache=False, slug=(plan.slug or "NVIDIA-Nemotron-Nano-9B-v2") + "-fp8",
                                    label=plan.label.replace("bf16", "FP8 (per-channel, quantised at load)"),
                                    batches=(64,), cache_fraction=0.9)
+    if args.batches is not None:
+        batches = tuple(int(b) for b in args.batches.split(","))
+        if not batches or any(b not in STEP_SHAPES for b in batches):
+            ap.error(f"--batches takes sizes of {sorted(STEP_SHAPES)}, got {args.batches!r}")
+        plan = dataclasses.replace(plan, batches=batches)
     raw = plan.raw
     cfg = HybridModelConfig.from_dict(raw)
     records: list = []

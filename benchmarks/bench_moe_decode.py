@@ -56,6 +56,11 @@ DOWN = [(4, 512, 4, 4), (2, 512, 4, 4), (2, 1024, 4, 2), (1, 1024, 2, 4), (2, 25
         (4, 256, 4, 6), (1, 512, 1, 6), (2, 512, 2, 4), (4, 128, 4, 8), (1, 512, 1, 4), (1, 256, 1, 8),
         (1, 1024, 1, 4), (2, 512, 1, 6)]
 NESTED = [(4, 512, 4, 4), (1, 512, 1, 6), (1, 1024, 2, 4)]  # down forms also tried with a K loop per slot
+# one stage: no cp.async ring through shared memory, the tile loads straight into registers (Nsight Compute on the
+# H100, b54b3d7: the up GEMV stalls a third of its cycles on the MIO queue, the down GEMV on the shared-memory
+# scoreboard; shared memory also caps their occupancy)
+UP += [(4, 512, 2, 1), (8, 512, 4, 1), (4, 1024, 4, 1), (8, 256, 2, 1), (2, 1024, 2, 1)]
+DOWN += [(2, 1024, 2, 1), (4, 512, 2, 1), (1, 1024, 1, 1), (2, 512, 1, 1), (4, 1024, 4, 1)]
 DRY = [(32, 32, 1, 1)]
 
 

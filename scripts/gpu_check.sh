@@ -130,8 +130,9 @@ save() { out_save; }
   fi
   if [[ $parts == *" moe_model "* || $parts == *" moe_nano "* ]]; then
     echo "== Nemotron 3 Nano 30B-A3B: batch 1, 8k prefill, batch-64/256 steps, dummy init timed"
+    # shellcheck disable=SC2086  # MOE_NANO_ARGS is a list of options (an H100 holds no batch of 256: --batches 64)
     timeout "${MOE_NANO_TIMEOUT:-400}" python3 benchmarks/bench_model.py \
-      --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 --time-init --git-sha "$sha" 2>&1 \
+      --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 --time-init --git-sha "$sha" ${MOE_NANO_ARGS:-} 2>&1 \
       | grep -v "warm-up \[" | tail -40
     save
   fi
