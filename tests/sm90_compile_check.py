@@ -150,8 +150,8 @@ def _norm(dt: torch.dtype) -> None:
 def _moe(dt: torch.dtype) -> None:
     """Nemotron 3 Nano 30B-A3B's MoE layer (128 experts, top-6, d 2688, I 1856, a shared expert of 2 x I):
     the router GEMV and routing, the decode GEMVs with the shared expert folded in at the H200's tuned 1- and
-    2-token configs (at 1 token in both EARLY forms too), and the grouped GEMMs with the shared expert added
-    in the combine at 64 tokens."""
+    2-token configs (at 1 token in both EARLY forms and with the down GEMV split by slot too), and the grouped
+    GEMMs with the shared expert added in the combine at 64 tokens."""
     import hyserve.kernels.triton_moe as tm
 
     E, top_k, d, inter, S = 128, 6, 2688, 1856, 2
@@ -169,6 +169,9 @@ def _moe(dt: torch.dtype) -> None:
             for early in (0, 1):
                 alt = dict(cfg, up=dict(cfg["up"], EARLY=early), down=dict(cfg["down"], FLAT=1, EARLY=early))
                 tm.moe_experts_triton(x, w_up, w_down, torch.rand(T, top_k), ids, su, sd, config=alt)
+            # and the down GEMV split by slot, with the combine after it
+            split = dict(cfg, down=dict(BLOCK_N=4, BLOCK_K=128, num_warps=2, num_stages=8, SPLIT=1))
+            tm.moe_experts_triton(x, w_up, w_down, torch.rand(T, top_k), ids, su, sd, config=split)
 
 
 def _sampling(dt: torch.dtype) -> None:
@@ -210,8 +213,9 @@ def _moe_fp8(dt: torch.dtype) -> None:
         ids = (torch.arange(T * k, dtype=torch.int32) % E).view(T, k)
         cfg = heuristic_config(E, inter, d, T, k)
         forms = [cfg]
-        if cfg["variant"] == "gemv":  # and the EARLY form of the decode GEMVs
+        if cfg["variant"] == "gemv":  # and the EARLY form of the decode GEMVs, and the down GEMV split by slot
             forms.append(dict(cfg, up=dict(cfg["up"], EARLY=1), down=dict(cfg["down"], FLAT=1, EARLY=1)))
+            forms.append(dict(cfg, down=dict(BLOCK_N=4, BLOCK_K=128, num_warps=2, num_stages=8, SPLIT=1)))
         for c in forms:
             moe_experts_triton(torch.randn(T, d).to(act), up, down, torch.rand(T, k), ids, up_scale=su,
                                down_scale=sd, config=c)

@@ -74,7 +74,8 @@ def _experts_inputs(T: int, E: int, d: int, inter: int, k: int, dtype, ids: torc
 
 def _variant_config(variant: str, E: int, inter: int, d: int, k: int) -> dict:
     """The tile config of a kernel form: "gemm", or the decode GEMVs with the down GEMV's flat ("gemv") or
-    nested ("gemv-nested") loop; the GPU's heuristic settings on CUDA, small tiles under the interpreter."""
+    nested ("gemv-nested") loop, EARLY ("gemv-early") or split by slot ("gemv-split"); the GPU's heuristic
+    settings on CUDA, small tiles under the interpreter."""
     cfg = tm._INTERPRETER_GEMM if variant == "gemm" else tm._INTERPRETER_GEMV
     if CUDA:
         cfg = tm.heuristic_config(E, inter, d, 64 if variant == "gemm" else 1, k)
@@ -82,6 +83,8 @@ def _variant_config(variant: str, E: int, inter: int, d: int, k: int) -> dict:
         cfg = dict(cfg, down=dict(cfg["down"], FLAT=int(variant != "gemv-nested")))
     if variant == "gemv-early":
         cfg = dict(cfg, up=dict(cfg["up"], EARLY=1), down=dict(cfg["down"], EARLY=1))
+    if variant == "gemv-split":  # the down GEMV per slot, then the combine kernel
+        cfg = dict(cfg, down={k: v for k, v in cfg["down"].items() if k not in ("FLAT", "EARLY")} | {"SPLIT": 1})
     return cfg
 
 
@@ -222,7 +225,7 @@ EXPERT_CASES = {  # T, k, E, d, I, experts, always
 }
 
 
-@pytest.mark.parametrize("variant", ["gemv", "gemv-nested", "gemv-early", "gemm"])
+@pytest.mark.parametrize("variant", ["gemv", "gemv-nested", "gemv-early", "gemv-split", "gemm"])
 @pytest.mark.parametrize("dtype", [F32, F16])
 @pytest.mark.parametrize("case", EXPERT_CASES)
 def test_experts_match_float64(poison, variant, dtype, case):
@@ -251,7 +254,7 @@ def _fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
 
 
-@pytest.mark.parametrize("variant", ["gemv", "gemv-nested", "gemv-early", "gemm"])
+@pytest.mark.parametrize("variant", ["gemv", "gemv-nested", "gemv-early", "gemv-split", "gemm"])
 @pytest.mark.parametrize("dtype", [F32, F16])
 @pytest.mark.parametrize("case", ["one-token", "empty-experts", "ragged"])
 def test_fp8_experts_match_float64_of_the_dequantised_experts(poison, variant, dtype, case):
@@ -330,7 +333,7 @@ def _shared_weights(d: int, inter: int, S: int, dtype):
     return su, sd
 
 
-@pytest.mark.parametrize("variant", ["gemv", "gemv-nested", "gemv-early", "gemm"])
+@pytest.mark.parametrize("variant", ["gemv", "gemv-nested", "gemv-early", "gemv-split", "gemm"])
 @pytest.mark.parametrize("S", [1, 2])
 @pytest.mark.parametrize("case", ["one-token", "empty-experts", "ragged"])
 def test_experts_with_the_shared_expert_match_float64(poison, variant, S, case):
@@ -462,6 +465,10 @@ def test_heuristic_configs_are_valid():
       "down": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1}}, "up.EARLY"),
     ({"variant": "gemv", "up": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1},
       "down": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1, "EARLY": 1}}, "FLAT = 1"),
+    ({"variant": "gemv", "up": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1},
+      "down": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1, "SPLIT": 1, "FLAT": 1}}, "FLAT = 0"),
+    ({"variant": "gemv", "up": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1, "SPLIT": 1},
+      "down": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1}}, "up.SPLIT applies"),
     ({"variant": "gemm", "BLOCK_M": 16, "up": {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 1,
                                                 "num_stages": 1, "EARLY": 1},
       "down": {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 1, "num_stages": 1}}, "gemv variant only"),
@@ -739,7 +746,7 @@ def test_moe_kernels_compile_for_sm90_at_the_tuned_configs():
     shared = doc["kernels"]
     want = {"_router_gemv_kernel", "_route_kernel", "_up_gemv_kernel", "_down_gemv_kernel", "_up_gemm_kernel",
             "_down_gemm_kernel", "_combine_kernel", "_align_count_kernel", "_align_offsets_kernel",
-            "_align_scatter_kernel"}
+            "_align_scatter_kernel", "_down_split_kernel"}
     assert want <= set(shared), sorted(shared)
     assert all(0 <= b <= 232448 for b in shared.values()), shared
     # every MoE kernel of a decode step is a programmatic dependent launch that waits for its predecessor

@@ -607,6 +607,49 @@ def _down_gemv_kernel(
     tl.store(out_ptr + t * s_ot + cn, out.to(out_ptr.dtype.element_ty), mask=cn < N)
 
 
+@triton.jit(do_not_specialize=["n_routed"])
+def _down_split_kernel(
+    h_ptr, w_ptr, ids_ptr, tw_ptr, y_ptr, sd_ptr, N, K, n_routed, s_hm, s_we, s_wn, s_ym, s_sdn, sc_ptr,
+    TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, W_FP8: tl.constexpr, PDL: tl.constexpr,
+):
+    """The down GEMV split by slot (config down.SPLIT): y[r, n] = ws * (W_s @ h_s)[n] in float32 for row
+    r = t * (TOP_K + SHARED) + s, slot s of token t: a routed slot's expert w_down[ids[t, s]] on h row t*k + s,
+    weighted by topk_w[t, s] (an FP8 expert's channel scales on the sum); a shared slot (s = TOP_K + j) the
+    shared expert's columns j*K .. j*K + K on h row n_routed + t*SHARED + j, weight 1. `_combine_kernel`
+    then sums each token's TOP_K + SHARED rows in slot order. Laid out like the up GEMV (program i: row
+    i % n_rows of column block i // n_rows, a K loop over one expert's rows), so many short programs stream
+    the experts instead of one long walk over every slot per output column."""
+    pid = tl.program_id(0)
+    n_rows = tl.num_programs(0) // tl.cdiv(N, BLOCK_N)
+    r = (pid % n_rows).to(tl.int64)
+    cn = (pid // n_rows) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.minimum(cn, N - 1)  # clamped rows: loads need no mask
+    offs_k = tl.arange(0, BLOCK_K)
+    t = r // (TOP_K + SHARED)
+    s = r - t * (TOP_K + SHARED)
+    pdl_enter(PDL)
+    if s < TOP_K:
+        p = t * TOP_K + s
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        h_row = h_ptr + p * s_hm
+        w_rows = w_ptr + e * s_we + offs_n[:, None] * s_wn
+        ws = tl.load(tw_ptr + p).to(tl.float32)
+    else:
+        e = tl.zeros([], dtype=tl.int64)  # an FP8 model folds no shared expert: its scale is never read here
+        h_row = h_ptr + (n_routed + t * SHARED + (s - TOP_K)) * s_hm
+        w_rows = sd_ptr + offs_n[:, None] * s_sdn + (s - TOP_K) * K
+        ws = tl.full([], 1.0, dtype=tl.float32)
+    part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        hv, w = _gemv_tile(h_row, w_rows, k0 + offs_k, K, EVEN_K)
+        part += w.to(tl.float32) * hv.to(tl.float32)[None, :]
+    acc = tl.sum(part, axis=1)
+    if W_FP8:
+        acc = acc * tl.load(sc_ptr + e * N + offs_n)
+    tl.store(y_ptr + r * s_ym + cn, acc * ws, mask=cn < N)
+
+
 # --------------------------------------------------------------------------- configs
 
 
@@ -621,9 +664,9 @@ def _device_file(device_name: str) -> Path:
 
 def validate_config(cfg: dict[str, Any], where: str = "config") -> dict[str, Any]:
     """A tile config is {"variant": "gemv", "up": {...}, "down": {...}} or {"variant": "gemm", "BLOCK_M":
-    16..256, "up": {...}, "down": {...}} (gemv's down may add FLAT: 0/1, and gemv's up and down EARLY: 0/1,
-    default 0, which `benchmarks/bench_moe_decode.py --write` sets where it measured faster: see
-    _up_gemv_kernel / _down_gemv_kernel); raises
+    16..256, "up": {...}, "down": {...}} (gemv's down may add FLAT: 0/1 or SPLIT: 0/1, and gemv's up and down
+    EARLY: 0/1, default 0, which `benchmarks/bench_moe_decode.py --write` sets where it measured faster: see
+    _up_gemv_kernel / _down_gemv_kernel / _down_split_kernel); raises
     ValueError naming the missing or bad field."""
     variant = cfg.get("variant")
     if variant not in ("gemv", "gemm"):
@@ -650,6 +693,11 @@ def validate_config(cfg: dict[str, Any], where: str = "config") -> dict[str, Any
         if sub.get("EARLY", 0) and (variant != "gemv" or (part == "down" and not sub.get("FLAT", 0))):
             raise ValueError(f"{where}: {part}.EARLY applies to the gemv variant only, and to its down GEMV with "
                              "FLAT = 1")
+        if sub.get("SPLIT", 0) not in (0, 1):
+            raise ValueError(f"{where}: {part}.SPLIT must be 0 or 1, got {sub['SPLIT']!r}")
+        if sub.get("SPLIT", 0) and (variant != "gemv" or part != "down" or sub.get("FLAT", 0)):
+            raise ValueError(f"{where}: {part}.SPLIT applies to the gemv variant's down GEMV only, with FLAT = 0 "
+                             "(the split form has no flat loop)")
     return cfg
 
 
@@ -784,6 +832,27 @@ def launch_down_gemv(h, w_down, ids, tw, out, dn: dict[str, Any], shared_down: t
     )
 
 
+def launch_down(h, w_down, ids, tw, out, dn: dict[str, Any], shared_down: torch.Tensor | None = None,
+                scale: torch.Tensor | None = None) -> None:
+    """The decode path's down projection and combine into out [T, d]: the down GEMV, or with dn["SPLIT"] the
+    per-slot partials (`_down_split_kernel`, float32 [T * (k + S), d]) and the combine kernel."""
+    if not dn.get("SPLIT", 0):
+        launch_down_gemv(h, w_down, ids, tw, out, dn, shared_down, scale)
+        return
+    d, inter = w_down.shape[1], w_down.shape[2]
+    S = 0 if shared_down is None else shared_down.shape[1] // inter
+    sd = w_down if shared_down is None else shared_down
+    T, k = ids.shape
+    y = torch.empty(T * (k + S), d, dtype=torch.float32, device=h.device)
+    _down_split_kernel[(T * (k + S) * triton.cdiv(d, dn["BLOCK_N"]),)](
+        h, w_down, ids, tw, y, sd, d, inter, ids.numel(), h.stride(0), w_down.stride(0), w_down.stride(1),
+        y.stride(0), sd.stride(0), scale if scale is not None else tw,
+        TOP_K=k, SHARED=S, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0,
+        NUM_STAGES=dn["num_stages"], W_FP8=scale is not None, num_warps=dn["num_warps"], **pdl(h),
+    )
+    launch_combine(y, out, k + S)
+
+
 def launch_up_gemm(x, w_up, h, sorted_ids, expert_ids, npad, num_pairs: int, top_k: int, block_m: int,
                    up: dict[str, Any], scale: torch.Tensor | None = None) -> None:
     """h [P, I] over the align layout (moe_up_ref)."""
@@ -861,7 +930,7 @@ def moe_experts_triton(
         # EARLY shared rows read x before their wait: not a copy made by the kernel right before them
         up = cfg["up"] if xc is x else dict(cfg["up"], EARLY=0)
         launch_up_gemv(xc, w_up, ids, h, up, shared_up if S else None, up_scale)
-        launch_down_gemv(h, w_down, ids, tw, out, cfg["down"], shared_down if S else None, down_scale)
+        launch_down(h, w_down, ids, tw, out, cfg["down"], shared_down if S else None, down_scale)
         return out
     bm = cfg["BLOCK_M"]
     sorted_ids, expert_ids, npad = moe_align_triton(ids, E, bm)
