@@ -449,6 +449,19 @@ def _gemv_tile(v_row, w_rows, kk, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _rows_dot(v_row, w_rows, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+              NUM_STAGES: tl.constexpr):
+    """float32 [BLOCK_N]: the weight rows `w_rows` ([BLOCK_N, 1] pointers) times the vector row `v_row`
+    over K, one pipelined loop of BLOCK_K tiles, reduced over K once after it."""
+    offs_k = tl.arange(0, BLOCK_K)
+    part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        v, w = _gemv_tile(v_row, w_rows, k0 + offs_k, K, EVEN_K)
+        part += w.to(tl.float32) * v.to(tl.float32)[None, :]
+    return tl.sum(part, axis=1)
+
+
+@triton.jit
 def _slot_part(w, hv, ws, sc_ptr, e, N, offs_n, W_FP8: tl.constexpr):
     """One (slot, K tile) of the down GEMV's flat loop: the weight tile times h scaled by the slot's routing
     weight, an FP8 expert's rows times their channel scales."""
@@ -498,7 +511,6 @@ def _up_gemv_kernel(
         shared_row = p >= n_routed
     cn = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = tl.minimum(cn, N - 1)  # clamped rows: loads need no mask
-    offs_k = tl.arange(0, BLOCK_K)
     if shared_row:
         if EARLY:
             pdl_release(PDL)  # the routed rows release after their wait, so the down GEMV still follows the route
@@ -514,12 +526,7 @@ def _up_gemv_kernel(
         x_row = x_ptr + (p // TOP_K) * s_xt
         w_base = w_ptr + e * s_we
         sc_row = sc_ptr + e * N
-    w_rows = w_base + offs_n[:, None] * s_wn
-    part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        xv, w = _gemv_tile(x_row, w_rows, k0 + offs_k, K, EVEN_K)
-        part += w.to(tl.float32) * xv.to(tl.float32)[None, :]
-    acc = tl.sum(part, axis=1)
+    acc = _rows_dot(x_row, w_base + offs_n[:, None] * s_wn, K, BLOCK_N, BLOCK_K, EVEN_K, NUM_STAGES)
     if W_FP8:
         acc = acc * tl.load(sc_row + offs_n)
     acc = tl.maximum(acc, 0.0)
@@ -585,12 +592,7 @@ def _down_gemv_kernel(
             p = t * TOP_K + s
             e = tl.load(ids_ptr + p).to(tl.int64)
             h_row = h_ptr + p * s_hm
-            w_rows = w_ptr + e * s_we + offs_n[:, None] * s_wn
-            part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-                hv, w = _gemv_tile(h_row, w_rows, k0 + offs_k, K, EVEN_K)
-                part += w.to(tl.float32) * hv.to(tl.float32)[None, :]
-            r = tl.sum(part, axis=1)
+            r = _rows_dot(h_row, w_ptr + e * s_we + offs_n[:, None] * s_wn, K, BLOCK_N, BLOCK_K, EVEN_K, NUM_STAGES)
             if W_FP8:
                 r = r * tl.load(sc_ptr + e * N + offs_n)
             out += tl.load(tw_ptr + p).to(tl.float32) * r
@@ -625,7 +627,6 @@ def _down_split_kernel(
     r = (pid % n_rows).to(tl.int64)
     cn = (pid // n_rows) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = tl.minimum(cn, N - 1)  # clamped rows: loads need no mask
-    offs_k = tl.arange(0, BLOCK_K)
     t = r // (TOP_K + SHARED)
     s = r - t * (TOP_K + SHARED)
     pdl_enter(PDL)
@@ -640,11 +641,7 @@ def _down_split_kernel(
         h_row = h_ptr + (n_routed + t * SHARED + (s - TOP_K)) * s_hm
         w_rows = sd_ptr + offs_n[:, None] * s_sdn + (s - TOP_K) * K
         ws = tl.full([], 1.0, dtype=tl.float32)
-    part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        hv, w = _gemv_tile(h_row, w_rows, k0 + offs_k, K, EVEN_K)
-        part += w.to(tl.float32) * hv.to(tl.float32)[None, :]
-    acc = tl.sum(part, axis=1)
+    acc = _rows_dot(h_row, w_rows, K, BLOCK_N, BLOCK_K, EVEN_K, NUM_STAGES)
     if W_FP8:
         acc = acc * tl.load(sc_ptr + e * N + offs_n)
     tl.store(y_ptr + r * s_ym + cn, acc * ws, mask=cn < N)
