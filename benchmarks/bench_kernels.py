@@ -246,6 +246,9 @@ _LINEAR_SWEEP: list[tuple[int, int, int, int]] = [
     (4, 512, 4, 4), (16, 512, 4, 2), (4, 1024, 4, 2), (16, 512, 4, 3),
     # short tiles on few warps, more programs in flight (the MoE decode GEMVs' best on the H100, 1303d9a)
     (4, 128, 2, 6), (2, 256, 1, 6), (1, 512, 1, 6), (2, 512, 2, 4), (4, 256, 2, 6), (8, 128, 4, 6),
+    # one stage: the tile straight into registers, no cp.async ring (the MoE GEMVs' Nsight Compute profile on
+    # the H100 showed MIO-queue and shared-memory stalls and occupancy capped by shared memory)
+    (4, 512, 2, 1), (8, 512, 4, 1), (2, 1024, 2, 1), (8, 256, 2, 1),
 ]
 
 
