@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from hyserve.config import SCHEDULING_POLICIES
+
 # Accepted for drop-in compatibility with trtllm-serve / vLLM command lines; no effect here.
 _IGNORED_FLAGS = ("trust_remote_code",)
 
@@ -60,7 +62,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "max_batch_size", type=int, default=None, help="most requests running at once")
     _flag(p, "max_num_tokens", type=int, default=None, help="most tokens in one forward step")
     _flag(p, "max_seq_len", type=int, default=None, help="longest prompt + output (default: the model's)")
-    _flag(p, "scheduling_policy", choices=("fcfs", "priority"), default=None,
+    _flag(p, "scheduling_policy", choices=SCHEDULING_POLICIES, default=None,
           help="fcfs (default: arrival order) or priority (each request's `priority`, lower first, then arrival)")
     _flag(p, "tp_size", type=int, default=None,
           help="tensor parallel size: ranks one model spans (started here, or by torchrun across nodes)")

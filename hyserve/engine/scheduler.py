@@ -42,10 +42,11 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hyserve.cache.manager import HybridCacheManager, PrefixHit, chain_hashes
-from hyserve.config import SCHEDULING_POLICIES
+from hyserve.config import SCHEDULING_POLICIES, Choice
 from hyserve.engine.request import Request, RequestStatus
 from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.step_cost import StepCostModel
@@ -131,10 +132,8 @@ class Scheduler:
         scheduling_policy: str = "fcfs",
     ) -> None:
         self.cache = cache
-        if scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy: {scheduling_policy!r} is not one of {list(SCHEDULING_POLICIES)}")
         # "priority": the waiting queue and the running list are kept sorted by `priority_key`
-        self.by_priority = scheduling_policy == "priority"
+        self.by_priority = Choice(SCHEDULING_POLICIES)(scheduling_policy, "scheduling_policy") == "priority"
         self.max_seq_len = max_seq_len
         # step composition (docs/architecture.md): how many continuing prefills share a step, the most a
         # long prompt's chunk takes when others share it, and the step-time target (None: tokens only)
@@ -156,10 +155,7 @@ class Scheduler:
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
         req.arrival_seq = next(self._arrivals)
-        if self.by_priority:
-            bisect.insort(self.waiting, req, key=priority_key)
-        else:
-            self.waiting.append(req)
+        self._place(self.waiting, req, self.waiting.append)
 
     def abort(self, request_id: str) -> None:
         """Takes effect at the start of the next `schedule()`."""
@@ -243,10 +239,8 @@ class Scheduler:
         req.num_computed = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
-        if self.by_priority:  # its key is unchanged: ahead of every later arrival of its priority
-            bisect.insort(self.waiting, req, key=priority_key)
-        else:
-            self.waiting.appendleft(req)
+        # under "priority" its key is unchanged: ahead of every later arrival of its priority
+        self._place(self.waiting, req, self.waiting.appendleft)
 
     def _victim(self, scheduled: set[str], me: Request) -> Request | None:
         """The youngest running request not scheduled this step, and younger than `me`. Under "priority" the
@@ -415,20 +409,22 @@ class Scheduler:
             if seq is None:
                 break
             self.waiting.popleft()
-            self._start_running(req)
+            # under "priority" at its key, so decodes and continuing prefills serve the best key first and
+            # preemption spares it
+            self._place(self.running, req, self.running.append)
             seqs.append(seq)
             budget -= len(seq.token_ids)
             if ms is not None:
                 ms -= self._chunk_ms(seq)
         return seqs
 
-    def _start_running(self, req: Request) -> None:
-        """An admitted request joins the running list: at the end (admission order), or under "priority" at
-        its key, so decodes and continuing prefills serve the best key first and preemption spares it."""
+    def _place(self, seq: deque[Request] | list[Request], req: Request, fcfs_put: Callable[[Request], None]) -> None:
+        """Put `req` into the waiting queue or the running list: at its key under "priority", else where
+        `fcfs_put` (that sequence's append or appendleft) puts it."""
         if self.by_priority:
-            bisect.insort(self.running, req, key=priority_key)
+            bisect.insort(seq, req, key=priority_key)
         else:
-            self.running.append(req)
+            fcfs_put(req)
 
     def _plan_chunk(self, req: Request, budget: int, *, ms: float | None = None) -> ScheduledSeq | None:
         """The next prefill chunk of `req` within `budget` tokens, cut at a snapshot boundary the scan

@@ -813,13 +813,20 @@ def launch_up_gemv(x, w_up, ids, h, up: dict[str, Any], shared_up: torch.Tensor 
     )
 
 
+def _down_operands(w_down: torch.Tensor, shared_down: torch.Tensor | None) -> tuple[int, int, int, torch.Tensor]:
+    """(d, I, S, the shared expert's down weight or a stand-in) of a decode down projection: S chunks of the
+    routed intermediate size in the shared expert, 0 without one (then w_down stands in, never read)."""
+    d, inter = w_down.shape[1], w_down.shape[2]
+    if shared_down is None:
+        return d, inter, 0, w_down
+    return d, inter, shared_down.shape[1] // inter, shared_down
+
+
 def launch_down_gemv(h, w_down, ids, tw, out, dn: dict[str, Any], shared_down: torch.Tensor | None = None,
                      scale: torch.Tensor | None = None) -> None:
     """out [T, d] = sum_s tw[t, s] * w_down[ids[t, s]] @ h[t*k + s] (+ the shared expert's chunks of h;
     scale: FP8 experts' [E, d] channel scales)."""
-    d, inter = w_down.shape[1], w_down.shape[2]
-    S = 0 if shared_down is None else shared_down.shape[1] // inter
-    sd = w_down if shared_down is None else shared_down
+    d, inter, S, sd = _down_operands(w_down, shared_down)
     _down_gemv_kernel[(out.shape[0], triton.cdiv(d, dn["BLOCK_N"]))](
         h, w_down, ids, tw, out, sd, d, inter, ids.numel(), h.stride(0), w_down.stride(0), w_down.stride(1),
         out.stride(0), sd.stride(0), scale if scale is not None else tw,
@@ -836,9 +843,7 @@ def launch_down(h, w_down, ids, tw, out, dn: dict[str, Any], shared_down: torch.
     if not dn.get("SPLIT", 0):
         launch_down_gemv(h, w_down, ids, tw, out, dn, shared_down, scale)
         return
-    d, inter = w_down.shape[1], w_down.shape[2]
-    S = 0 if shared_down is None else shared_down.shape[1] // inter
-    sd = w_down if shared_down is None else shared_down
+    d, inter, S, sd = _down_operands(w_down, shared_down)
     T, k = ids.shape
     y = torch.empty(T * (k + S), d, dtype=torch.float32, device=h.device)
     _down_split_kernel[(T * (k + S) * triton.cdiv(d, dn["BLOCK_N"]),)](
