@@ -39,28 +39,32 @@ def _conv1d_update_kernel(
     s_out_b,
     K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)
     pid_d = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m = offs < dim
+    # Before the PDL wait: the slot indices, the taps, the bias and the state's columns (only this kernel
+    # writes the conv pool in a decode step, and the previous step has finished), so those DRAM round trips
+    # overlap the kernel before (in_proj); only x is that kernel's output. Column k of the state is tap k.
     src = tl.load(src_ptr + b).to(tl.int64)
     dst = tl.load(dst_ptr + b).to(tl.int64)
-
-    x = tl.load(x_ptr + b * s_x_b + offs, mask=m, other=0.0).to(tl.float32)
-    acc = x * tl.load(w_ptr + offs * s_w_d + (K - 1), mask=m, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs, mask=m, other=0.0).to(tl.float32)
     src_base = pool_ptr + src * s_pool_slot + offs * s_pool_d
     dst_base = pool_ptr + dst * s_pool_slot + offs * s_pool_d
-    # Column k of the state is tap k; the new state is columns 1..K-2 followed by x. Every column is
-    # loaded before its slot is overwritten, so src == dst (the ordinary decode case) is safe.
-    prev = tl.load(src_base, mask=m, other=0.0)
-    acc += prev.to(tl.float32) * tl.load(w_ptr + offs * s_w_d, mask=m, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    for k in tl.static_range(0, K - 1):
+        col = tl.load(src_base + k * s_pool_k, mask=m, other=0.0).to(tl.float32)
+        acc += col * tl.load(w_ptr + offs * s_w_d + k, mask=m, other=0.0).to(tl.float32)
+    w_last = tl.load(w_ptr + offs * s_w_d + (K - 1), mask=m, other=0.0).to(tl.float32)
+    pdl_enter(PDL)
+    x = tl.load(x_ptr + b * s_x_b + offs, mask=m, other=0.0)
+    acc += x.to(tl.float32) * w_last
+    # the new state is columns 1..K-2 followed by x; every column was read above, so src == dst (the
+    # ordinary decode case) is safe (the second read of a column hits the cache).
     for k in tl.static_range(1, K - 1):
         col = tl.load(src_base + k * s_pool_k, mask=m, other=0.0)
-        acc += col.to(tl.float32) * tl.load(w_ptr + offs * s_w_d + k, mask=m, other=0.0).to(tl.float32)
-        tl.store(dst_base + (k - 1) * s_pool_k, col.to(pool_ptr.dtype.element_ty), mask=m)
+        tl.store(dst_base + (k - 1) * s_pool_k, col, mask=m)
     tl.store(dst_base + (K - 2) * s_pool_k, x.to(pool_ptr.dtype.element_ty), mask=m)
     if SILU:
         acc = _silu(acc)

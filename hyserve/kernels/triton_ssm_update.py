@@ -45,7 +45,6 @@ def _ssm_update_kernel(
     HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
     STOCHASTIC_ROUNDING: tl.constexpr, PHILOX_ROUNDS: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -57,25 +56,33 @@ def _ssm_update_kernel(
     mask_n = offs_n < N
     mask = mask_p[:, None] & mask_n[None, :]
 
+    # Before the PDL wait: what no kernel of this step writes before this one (the slot indices, the
+    # per-head weights, and the state tile: only this kernel writes the SSM pool in a decode step, and the
+    # previous step has finished), so the state's DRAM round trip overlaps the kernel before (the conv).
     src = tl.load(src_ptr + b).to(tl.int64)
     dst = tl.load(dst_ptr + b).to(tl.int64)
+    tile = offs_p[:, None] * s_pool_p + offs_n[None, :]
+    state = tl.load(pool_ptr + src * s_pool_slot + h * s_pool_h + tile, mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(A_ptr + h).to(tl.float32)
+    if HAS_DT_BIAS:
+        d_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    if HAS_D:
+        d_skip = tl.load(D_ptr + h).to(tl.float32)
+    pdl_enter(PDL)
 
     d = tl.load(dt_ptr + b * s_dt_b + h * s_dt_h).to(tl.float32)
     if HAS_DT_BIAS:
-        d += tl.load(dt_bias_ptr + h).to(tl.float32)
+        d += d_bias
     if DT_SOFTPLUS:
         d = softplus(d)
     if HAS_LIMIT:
         d = tl.minimum(tl.maximum(d, dt_lo), dt_hi)
-    a = tl.load(A_ptr + h).to(tl.float32)
     decay = tl.exp(d * a)
 
     x = tl.load(x_ptr + b * s_x_b + h * s_x_h + offs_p, mask=mask_p, other=0.0).to(tl.float32)
     Bv = tl.load(B_ptr + b * s_B_b + g * s_B_g + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     Cv = tl.load(C_ptr + b * s_C_b + g * s_C_g + offs_n, mask=mask_n, other=0.0).to(tl.float32)
 
-    tile = offs_p[:, None] * s_pool_p + offs_n[None, :]
-    state = tl.load(pool_ptr + src * s_pool_slot + h * s_pool_h + tile, mask=mask, other=0.0).to(tl.float32)
     state = state * decay + (d * x)[:, None] * Bv[None, :]
     if STOCHASTIC_ROUNDING:
         pos = tl.load(pos_ptr + b)
@@ -85,7 +92,7 @@ def _ssm_update_kernel(
     tl.store(pool_ptr + dst * s_pool_slot + h * s_pool_h + tile, new, mask=mask)
     y = tl.sum(state * Cv[None, :], axis=1)
     if HAS_D:
-        y += tl.load(D_ptr + h).to(tl.float32) * x
+        y += d_skip * x
     tl.store(y_ptr + b * s_y_b + h * s_y_h + offs_p, y.to(y_ptr.dtype.element_ty), mask=mask_p)
 
 
