@@ -43,17 +43,19 @@ def _add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, rows, dim, eps, s_x_r, s_res_r, s_out_r, s_sum_r,
     BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < dim
-    x = tl.load(x_ptr + r * s_x_r + offs, mask=m, other=0.0).to(tl.float32)
+    # before the PDL wait: the weight, and the residual (a block's stream, written by the add_rms_norm a
+    # whole mixer back, never by the kernel just before: see add_rms_norm_triton)
     res = tl.load(res_ptr + r * s_res_r + offs, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    pdl_enter(PDL)
+    x = tl.load(x_ptr + r * s_x_r + offs, mask=m, other=0.0).to(tl.float32)
     s = (x + res).to(sum_ptr.dtype.element_ty)  # rounded like torch's residual + x
     tl.store(sum_ptr + r * s_sum_r + offs, s, mask=m)
     h = s.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / dim + eps)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + r * s_out_r + offs, (w * (h * rstd)).to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -62,19 +64,22 @@ def _rmsnorm_gated_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr, rows, eps, s_x_r, s_z_r, s_out_r,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, HAS_Z: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     offs = g * GROUP + tl.arange(0, BLOCK)
     m = tl.arange(0, BLOCK) < GROUP
-    h = tl.load(x_ptr + r * s_x_r + offs, mask=m, other=0.0).to(tl.float32)
+    # before the PDL wait: the weight and the gate (the Mamba mixer's z, an in_proj output that the conv
+    # and SSM kernels stand between: see rmsnorm_gated_triton)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     if HAS_Z:
         z = tl.load(z_ptr + r * s_z_r + offs, mask=m, other=0.0).to(tl.float32)
+    pdl_enter(PDL)
+    h = tl.load(x_ptr + r * s_x_r + offs, mask=m, other=0.0).to(tl.float32)
+    if HAS_Z:
         h = h * (z / (1.0 + tl.exp(-z)))
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / GROUP + eps)
     # Round to the input dtype first, exactly like the reference's `weight * h.to(x.dtype)`.
     hn = (h * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + r * s_out_r + offs, (w * hn).to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -108,7 +113,11 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 def add_rms_norm_triton(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual: [..., D] (one dtype), weight: [D] -> (rms_norm(residual + x), residual + x)."""
+    """x, residual: [..., D] (one dtype), weight: [D] -> (rms_norm(residual + x), residual + x).
+
+    With programmatic dependent launch the kernel reads `residual` before it waits for the kernel launched
+    just before it, so that kernel must not write `residual`: the block stack passes the stream an
+    add_rms_norm returned a whole mixer (at least one kernel) earlier (`nemotron_h.py`)."""
     d = x.shape[-1]
     assert weight.shape == (d,) and weight.is_contiguous(), f"weight {tuple(weight.shape)} vs x {tuple(x.shape)}"
     assert residual.shape == x.shape and residual.dtype == x.dtype, (
@@ -131,7 +140,11 @@ def add_rms_norm_triton(
 def rmsnorm_gated_triton(
     x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: float, group_size: int
 ) -> torch.Tensor:
-    """x, z: [..., D]; weight: [D] -> [..., D] in promote(weight.dtype, x.dtype)."""
+    """x, z: [..., D]; weight: [D] -> [..., D] in promote(weight.dtype, x.dtype).
+
+    With programmatic dependent launch the kernel reads `z` before it waits for the kernel launched just
+    before it, so that kernel must not write `z`: the Mamba mixer's gate comes from in_proj, with the conv
+    and SSM kernels (or the prefill scan) between (`mamba2.py`)."""
     d = x.shape[-1]
     if d % group_size:
         raise ValueError(f"rmsnorm_gated: last dim {d} is not a multiple of group_size {group_size}")
