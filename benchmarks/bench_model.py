@@ -296,6 +296,8 @@ def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, r
     steps = bench_steps(eng, plan, cfg, ceilings, records, notes, ids)
     if plan.device != "cpu" and quantization is None:
         pdl_ab(eng, plan.batches, cfg.vocab_size, records, notes)
+        if torch.cuda.get_device_capability()[0] >= 9:
+            prefetch_ab(eng, cfg.vocab_size, records, notes)
     if time_init:
         init_times(eng.runner.model, cfg, records)
     from hyserve.kernels import ops
@@ -387,50 +389,82 @@ def bench_steps(eng, plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings
     return steps
 
 
-def pdl_ab(eng, batches: tuple[int, ...], vocab_size: int, records: list, notes: list) -> None:
-    """Decode graphs with the kernels as programmatic dependent launches (the engine's default on sm_90+)
-    against ordinary launches, same run: for batch 1 and the largest batch, one graph of each form captured
-    fresh over the engine's model and cache (padding rows with a context of one token, the same random token
-    ids in both, so a MoE batch routes to many experts), replayed in turn (off, on, off, on) and timed; the
-    ratio is ordinary / PDL (> 1: PDL is faster)."""
+def graph_ab(eng, batch: int, vocab_size: int, set_form, labels: tuple = (False, True)) -> dict | None:
+    """Decode graphs of two launch forms of the same step, same run: for each label, `set_form(label)` then
+    one graph captured fresh over the engine's model and cache (padding rows with a context of one token,
+    the same random token ids in both, so a MoE batch routes to many experts); the engine's form is put back
+    after. Replayed in turn (a, b, a, b) and timed. Returns {label: (min replay ms, the graph)}, or None
+    where the engine has no graph of this batch."""
     from hyserve.engine.cuda_graphs import DecodeGraphs
-    from hyserve.kernels import launch_util
 
     g = eng.runner.graphs
-    if g is None or torch.cuda.get_device_capability()[0] < 9:
+    if g is None or g.size_for(batch) is None:
+        return None
+    forms = {}
+    try:
+        for label in labels:
+            set_form(label)  # compiles that form's variants once (a benchmark, not serving)
+            forms[label] = DecodeGraphs(g.model, g.cache, g.device, sizes=[batch],
+                                        max_blocks_per_seq=g._tables.shape[1], pad_slot=g.pad_slot)
+    finally:
+        set_form(None)
+    ids = torch.randint(3, vocab_size, (batch,), generator=torch.Generator().manual_seed(batch))
+    for form in forms.values():
+        form._ids[:batch].copy_(ids)  # the graph's static input buffer
+    times: dict = {label: [] for label in labels}
+    for _ in range(2):
+        for label in labels:
+            times[label].append(replay_ms(lambda f=forms[label], n=batch: f.replay(n), 50))
+    return {label: (min(times[label]), forms[label]) for label in labels}
+
+
+def pdl_ab(eng, batches: tuple[int, ...], vocab_size: int, records: list, notes: list) -> None:
+    """Decode graphs with the kernels as programmatic dependent launches (the engine's default on sm_90+)
+    against ordinary launches, same run (`graph_ab`), for batch 1 and the largest batch; the ratio is
+    ordinary / PDL (> 1: PDL is faster)."""
+    from hyserve.kernels import launch_util
+
+    if eng.runner.graphs is None or torch.cuda.get_device_capability()[0] < 9:
         notes.append("PDL A/B not run (no decode graphs or a GPU before sm_90)")
         return
     was = launch_util.pdl_enabled()
     for batch in sorted({1, max(batches)}):
-        if g.size_for(batch) is None:
+        got = graph_ab(eng, batch, vocab_size, lambda flag: launch_util.set_pdl(was if flag is None else flag))
+        if got is None:
             continue
-        forms = {}
-        try:
-            for flag in (False, True):
-                launch_util.set_pdl(flag)  # compiles the other form's variants once (a benchmark, not serving)
-                forms[flag] = DecodeGraphs(g.model, g.cache, g.device, sizes=[batch],
-                                           max_blocks_per_seq=g._tables.shape[1], pad_slot=g.pad_slot)
-        finally:
-            launch_util.set_pdl(was)
-        ids = torch.randint(3, vocab_size, (batch,), generator=torch.Generator().manual_seed(batch))
-        for form in forms.values():
-            form._ids[:batch].copy_(ids)  # the graph's static input buffer
-        times: dict[bool, list[float]] = {False: [], True: []}
-        for _ in range(2):
-            for flag in (False, True):
-                times[flag].append(replay_ms(lambda f=forms[flag], n=batch: f.replay(n), 50))
-        on, off = min(times[True]), min(times[False])
+        on, off = got[True][0], got[False][0]
         records.append(rec(f"hyserve decode batch {batch} graph replay, ordinary launches / PDL (x)", off / on, "x",
                            "the same step with ordinary launches, same run", 1.0))
         notes.append(f"PDL A/B batch {batch}: graph replay {on * 1e3:.0f} us with PDL, {off * 1e3:.0f} us without "
                      f"(min of 2 rounds of 50 replays each)")
         print(notes[-1])
         if batch == 1:  # without PDL the kernels' device times do not include waiting for the one before
-            notes.append(replay_breakdown(lambda f=forms[False]: f.replay(1), off, top=30,
+            notes.append(replay_breakdown(lambda f=got[False][1]: f.replay(1), off, top=30,
                                           form=" with ordinary launches (no PDL)"))
-        del forms
+        del got
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def prefetch_ab(eng, vocab_size: int, records: list, notes: list) -> None:
+    """The batch-1 decode step with the one-row GEMVs loading one against two weight tiles before their PDL
+    wait (`triton_fused_linear.PREFETCH_TILES`), same run (`graph_ab`); the ratio is one / two (> 1: two
+    tiles are faster)."""
+    import hyserve.kernels.triton_fused_linear as tfl
+
+    was = tfl.PREFETCH_TILES
+    got = graph_ab(eng, 1, vocab_size, lambda n: setattr(tfl, "PREFETCH_TILES", was if n is None else n), (1, 2))
+    if got is None:
+        return
+    one, two = got[1][0], got[2][0]
+    records.append(rec("hyserve decode batch 1 graph replay, GEMV prefetch 1 tile / 2 tiles (x)", one / two, "x",
+                       f"one tile before the wait, same run (the engine's setting: {was})", 1.0))
+    notes.append(f"GEMV prefetch A/B batch 1: graph replay {one * 1e3:.0f} us with one weight tile loaded before the "
+                 f"PDL wait, {two * 1e3:.0f} us with two (min of 2 rounds of 50 replays each)")
+    print(notes[-1])
+    del got
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def init_times(model: torch.nn.Module, cfg: HybridModelConfig, records: list) -> None:

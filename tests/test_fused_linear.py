@@ -102,7 +102,21 @@ def test_relu2_linear(poison, dtype, rows, bias, weight_view):
 @pytest.mark.parametrize("weight_view", [False, True])
 def test_linear(poison, dtype, rows, bias, weight_view):
     """Every other projection (in_proj, QKV, O, up, latent): the GEMV for one row, F.linear otherwise."""
-    K, N = 136, 41  # K % BLOCK_K != 0, N % BLOCK_N != 0
+    _linear_case(dtype, rows, bias, weight_view, 136, poison)
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.parametrize("K", [20, 40, 136])
+def test_linear_gemv_prefetch_forms(poison, monkeypatch, prefetch, K):
+    """One or two weight tiles loaded before the PDL wait (PREFETCH_TILES), with K inside the first tile,
+    ending in the second, and running past it (the interpreter's K tile is 32)."""
+    monkeypatch.setattr(tfl, "PREFETCH_TILES", prefetch)
+    for dtype in (F16, BF16):
+        _linear_case(dtype, 1, True, False, K, poison)
+
+
+def _linear_case(dtype, rows, bias, weight_view, K, poison):
+    N = 41  # K % BLOCK_K != 0, N % BLOCK_N != 0
     x = _strided(rows, K, dtype)
     w = _weight(N, K + 13, dtype)[:, 7 : 7 + K] if weight_view else _weight(N, K, dtype)
     b = rnd(N, dtype=dtype) if bias else None

@@ -42,6 +42,9 @@ _GPU_FP8_SHORT_K = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)
 _GPU_FP8_BLOCK = dict(BLOCK_N=32, BLOCK_K=128, num_warps=8, num_stages=4)
 _GPU_FP8_BLOCK_SHORT_K = dict(BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=3)
 _CPU = dict(BLOCK_N=8, BLOCK_K=32, num_warps=1, num_stages=1)  # the interpreter at test sizes
+# K tiles of the weight each program loads before its PDL wait (1 or 2); `bench_model.py` times both forms of
+# a decode step in one run (its "GEMV prefetch A/B") by setting this and capturing a graph of each
+PREFETCH_TILES = 1
 
 
 def gpu_settings(w_scale: int, k: int) -> dict[str, int]:
@@ -72,13 +75,14 @@ def _gemv_tile(x_ptr, w, ws_ptr, s_ws, offs_n, mask_n, kk, mask_k, k0, RELU2: tl
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, N, K, s_w, ws_ptr, s_ws,
     RELU2: tl.constexpr, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """W_SCALE 0: a 16-bit weight. FP8 weights (triton_fp8_linear.py, one row): 1, e4m3 rows times their
     channel scales ws[n] after the K sum; 2, [128, 128] block scales ws[n // 128, k // 128] on each K tile's
     partial (BLOCK_K divides 128, so a tile lies in one scale block).
-    No kernel writes the weight, so its first K tile is loaded before the PDL wait: with programmatic
-    dependent launch those bytes are in flight while the kernel before this one finishes."""
+    No kernel writes the weight, so its first PREFETCH (1 or 2) K tiles are loaded before the PDL wait:
+    with programmatic dependent launch those bytes are in flight while the kernel before this one finishes."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -86,10 +90,16 @@ def _gemv_kernel(
     w_rows = w_ptr + offs_n[:, None] * s_w
     mask_k0 = offs_k < K
     w0 = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k0[None, :], other=0.0)
+    if PREFETCH >= 2:
+        kk1 = BLOCK_K + offs_k
+        mask_k1 = kk1 < K
+        w1 = tl.load(w_rows + kk1[None, :], mask=mask_n[:, None] & mask_k1[None, :], other=0.0)
     pdl_enter(PDL)
     # reduced over K once, after the loop
     part = _gemv_tile(x_ptr, w0, ws_ptr, s_ws, offs_n, mask_n, offs_k, mask_k0, 0, RELU2, W_SCALE)
-    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
+    if PREFETCH >= 2:
+        part += _gemv_tile(x_ptr, w1, ws_ptr, s_ws, offs_n, mask_n, kk1, mask_k1, BLOCK_K, RELU2, W_SCALE)
+    for k0 in tl.range(PREFETCH * BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
         kk = k0 + offs_k
         mask_k = kk < K
         w = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
@@ -133,7 +143,8 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
         x, weight, bias if bias is not None else weight, out, N, K, weight.stride(0), ws,
         ws.stride(0) if w_scale == 2 else 0,
-        RELU2=relu2, HAS_BIAS=bias is not None, W_SCALE=w_scale, NUM_STAGES=stages, **cfg, **pdl(x),
+        RELU2=relu2, HAS_BIAS=bias is not None, W_SCALE=w_scale, NUM_STAGES=stages,
+        PREFETCH=PREFETCH_TILES, **cfg, **pdl(x),
     )
     return out
 
