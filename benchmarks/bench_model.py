@@ -210,7 +210,9 @@ def make_plan(model_dir: Path, *, num_layers: int | None, weight_budget: float |
 
 
 def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, records: list, notes: list,
-                  *, time_init: bool = False, quantization: str | None = None) -> None:
+                  *, time_init: bool = False, quantization: str | None = None, launch_ab: bool = True) -> None:
+    """The engine figures of one weight format. launch_ab: also the PDL and GEMV-prefetch A/Bs of the decode
+    step (graphs captured fresh; off for the whole Nemotron 3 Super in FP8, to keep that run short)."""
     moe = num_moe_layers(cfg) > 0
     t0 = time.perf_counter()
     llm = LLM(str(plan.model_dir), device=plan.device, load_format="dummy", max_seq_len=16384,
@@ -294,7 +296,7 @@ def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, r
                                     ceilings, lambda peaks: prefill_tokens_per_s(cfg, peaks.matmul_flops)))
 
     steps = bench_steps(eng, plan, cfg, ceilings, records, notes, ids)
-    if plan.device != "cpu" and quantization is None:
+    if plan.device != "cpu" and launch_ab:
         pdl_ab(eng, plan.batches, cfg.vocab_size, records, notes)
         if torch.cuda.get_device_capability()[0] >= 9:
             prefetch_ab(eng, cfg.vocab_size, records, notes)
@@ -641,7 +643,7 @@ def main() -> None:
         notes.append(f"{plan.label}: {cfg.describe()}, {num_moe_layers(cfg)} MoE layers")
     if args.fp8_only:  # the rooflines count FP8 bytes; no bf16 twin
         fp8_only: list = []
-        bench_hyserve(plan, cfg.with_quant(FP8), ceilings, fp8_only, notes, quantization="fp8")
+        bench_hyserve(plan, cfg.with_quant(FP8), ceilings, fp8_only, notes, quantization="fp8", launch_ab=False)
         records += [{**r, "name": f"[fp8] {r['name']}"} for r in fp8_only]
     else:
         bench_hyserve(plan, cfg, ceilings, records, notes, time_init=args.time_init)
