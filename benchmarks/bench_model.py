@@ -298,6 +298,7 @@ def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, r
     steps = bench_steps(eng, plan, cfg, ceilings, records, notes, ids)
     if plan.device != "cpu" and launch_ab:
         pdl_ab(eng, plan.batches, cfg.vocab_size, records, notes)
+        gemv_settings_ab(eng, cfg.vocab_size, records, notes)
         if torch.cuda.get_device_capability()[0] >= 9:
             prefetch_ab(eng, cfg.vocab_size, records, notes)
     if time_init:
@@ -463,6 +464,40 @@ def prefetch_ab(eng, vocab_size: int, records: list, notes: list) -> None:
                        f"one tile before the wait, same run (the engine's setting: {was})", 1.0))
     notes.append(f"GEMV prefetch A/B batch 1: graph replay {one * 1e3:.0f} us with one weight tile loaded before the "
                  f"PDL wait, {two * 1e3:.0f} us with two (min of 2 rounds of 50 replays each)")
+    print(notes[-1])
+    del got
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _gemv_settings_before_fdb35a5(w_scale: int, k: int, n: int) -> dict[str, int]:
+    """The one-row GEMV settings before fdb35a5+ (by row length alone), for `gemv_settings_ab`."""
+    import hyserve.kernels.triton_fused_linear as tfl
+
+    if w_scale == 0:
+        return tfl._GPU_SHORT_K[0] if k < 4096 else tfl._GPU[0]
+    if w_scale == 1:
+        return tfl._GPU_FP8_SHORT_K if k <= 8192 else dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=3)
+    return tfl.gpu_settings(w_scale, k, n)
+
+
+def gemv_settings_ab(eng, vocab_size: int, records: list, notes: list) -> None:
+    """The batch-1 decode step with the one-row GEMVs at the settings chosen by output width (the engine's)
+    against the earlier ones by row length alone, same run (`graph_ab`); the ratio is earlier / now (> 1: the
+    engine's are faster)."""
+    import hyserve.kernels.triton_fused_linear as tfl
+
+    now = tfl.gpu_settings
+    got = graph_ab(eng, 1, vocab_size,
+                   lambda f: setattr(tfl, "gpu_settings", _gemv_settings_before_fdb35a5 if f == "before" else now),
+                   ("before", "now"))
+    if got is None:
+        return
+    before, after = got["before"][0], got["now"][0]
+    records.append(rec("hyserve decode batch 1 graph replay, GEMV settings by row length / by output width (x)",
+                       before / after, "x", "the settings by row length alone, same run", 1.0))
+    notes.append(f"GEMV settings A/B batch 1: graph replay {after * 1e3:.0f} us at the engine's settings (by output "
+                 f"width), {before * 1e3:.0f} us at the earlier ones (by row length alone)")
     print(notes[-1])
     del got
     gc.collect()

@@ -243,3 +243,17 @@ def test_bench_kernels_linear_sweep_dry_run_checks_every_form_first(tmp_path):
     assert any(n.startswith("fp8 channel GEMV") for n in names) and any(n.startswith("fp8 block GEMV") for n in names)
     assert not any(line.startswith("FAIL") for line in r.stdout.splitlines())
     assert r.stdout.count("matches its reference") == 5  # three 16-bit GEMV forms, two FP8 scale layouts
+
+
+def test_gpu_settings_narrow_outputs_take_narrow_programs():
+    """The GPU launch settings by row length and output width: at least _MIN_PROGRAMS programs where a
+    setting of the table gives them (the Nano 9B v2 and Nemotron 3 Nano 30B-A3B projections)."""
+    pick = lambda k, n: tuple(tfl.gpu_settings(0, k, n)[key] for key in ("BLOCK_N", "BLOCK_K"))  # noqa: E731
+    assert pick(4480, 22912) == (4, 512)  # 9B in_proj
+    assert pick(10240, 4480) == (4, 512) and pick(15680, 4480) == (4, 512)  # 9B out_proj, down_proj
+    assert pick(4096, 2688) == (2, 512)  # 30B-A3B out_proj and o_proj: 1344 programs, not 672
+    assert pick(2688, 10304) == (8, 256)  # 30B-A3B in_proj
+    assert pick(2688, 4096) == (1, 512) and pick(2688, 256) == (1, 512)  # 30B-A3B q, k, v
+    for k, n in ((4480, 22912), (4096, 2688), (2688, 10304), (2688, 4096)):
+        assert -(-n // tfl.gpu_settings(0, k, n)["BLOCK_N"]) >= tfl._MIN_PROGRAMS
+    assert tfl.gpu_settings(1, 15680, 4480)["BLOCK_K"] == 2048  # e4m3, long rows

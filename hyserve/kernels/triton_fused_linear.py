@@ -29,30 +29,41 @@ from hyserve.kernels.triton_common import pdl_enter
 from hyserve.kernels.triton_rmsnorm import rmsnorm_gated_triton
 
 # Launch settings, from `bench_kernels.py --only linear_sweep` (benchmarks/README.md): one program owns
-# BLOCK_N output columns and walks K in BLOCK_K tiles, num_stages loads in flight.
-_GPU = dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=3)
-# short rows (K < 4096: Nemotron 3 Nano 30B-A3B's hidden 2688 into in_proj and QKV): more, shorter tiles; its
-# in_proj read at 0.94 of the ceiling against 0.83 with _GPU on the H200 (kernels_fp8_eecf32e.md)
-_GPU_SHORT_K = dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=3)
+# BLOCK_N output columns and walks K in BLOCK_K tiles, num_stages loads in flight. A GEMV is bound by how many
+# loads are in flight, so a projection with few output columns takes narrower programs: each table below is
+# tried in order and the first whose grid has at least _MIN_PROGRAMS programs is taken (the last one else).
+# 16-bit, rows of 4096 and longer: Nano 9B v2 in_proj / out_proj / down_proj at 0.99 / 0.91 / 0.91 of the H100's
+# read ceiling with 4 x 512 (linear_sweep_fdb35a5_h100); Nemotron 3 Nano 30B-A3B's out_proj and o_proj (4096 ->
+# 2688, 672 such programs) at 0.67 with it against 0.83 with 2 x 512 on 2 warps
+_GPU = (dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=3), dict(BLOCK_N=2, BLOCK_K=512, num_warps=2, num_stages=4))
+# short rows (K < 4096: the 30B-A3B hidden 2688): its in_proj (2688 -> 10304) at 0.94 with 8 x 256 (0.94 against
+# 0.83 for 4 x 512 on the H200, kernels_fp8_eecf32e.md); narrower outputs (q, k, v) one column a program on one
+# warp (a 2688 -> 4608 projection 0.86 against 0.81 with 8 x 256, linear_sweep_fdb35a5_h100)
+_GPU_SHORT_K = (dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=3),
+                dict(BLOCK_N=1, BLOCK_K=512, num_warps=1, num_stages=6))
+_MIN_PROGRAMS = 1024
 # e4m3 weights (one byte a weight). Channel scales: 16 rows x 512 up to K = 8192 (Nano 9B v2 in_proj at 0.86 of
-# the ceiling against 0.73 for 4 x 1024, which stays for longer rows: out_proj 0.83); block scales keep a K
-# tile inside one 128-wide scale block (0.73 / 0.32 at in_proj / down_proj against 0.55 / 0.25 before)
-_GPU_FP8 = dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=3)
+# the ceiling against 0.73 for 4 x 1024 on the H200; 0.92 on the H100); longer rows 2 x 2048 (its down_proj
+# 15680 -> 4480 at 0.81 of the H100's ceiling against 0.70 for 4 x 1024, linear_sweep_fdb35a5_h100). Block scales
+# keep a K tile inside one 128-wide scale block (0.73 / 0.32 at in_proj / down_proj against 0.55 / 0.25 before)
+_GPU_FP8 = dict(BLOCK_N=2, BLOCK_K=2048, num_warps=4, num_stages=3)
 _GPU_FP8_SHORT_K = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)
 _GPU_FP8_BLOCK = dict(BLOCK_N=32, BLOCK_K=128, num_warps=8, num_stages=4)
 _GPU_FP8_BLOCK_SHORT_K = dict(BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=3)
 _CPU = dict(BLOCK_N=8, BLOCK_K=32, num_warps=1, num_stages=1)  # the interpreter at test sizes
 # K tiles of the weight each program loads before its PDL wait (1 or 2); `bench_model.py` times both forms of
-# a decode step in one run (its "GEMV prefetch A/B") by setting this and capturing a graph of each
+# a decode step in one run (its "GEMV prefetch A/B") by setting this and capturing a graph of each; two were
+# slower on the H100 (2,849 against 2,799 us a Nano 30B-A3B batch-1 step)
 PREFETCH_TILES = 1
 
 
-def gpu_settings(w_scale: int, k: int) -> dict[str, int]:
+def gpu_settings(w_scale: int, k: int, n: int) -> dict[str, int]:
     """The GEMV's launch settings on the GPU for a weight of this kind (0: 16-bit, 1: e4m3 with channel
-    scales, 2: e4m3 with block scales) and row length K (`bench_kernels.py --only linear_sweep` replaces it
-    to time each setting)."""
+    scales, 2: e4m3 with block scales), row length K and N output columns (`bench_kernels.py --only
+    linear_sweep` replaces it to time each setting)."""
     if w_scale == 0:
-        return _GPU_SHORT_K if k < 4096 else _GPU
+        table = _GPU_SHORT_K if k < 4096 else _GPU
+        return next((s for s in table if triton.cdiv(n, s["BLOCK_N"]) >= _MIN_PROGRAMS), table[-1])
     if w_scale == 1:
         return _GPU_FP8_SHORT_K if k <= 8192 else _GPU_FP8
     return _GPU_FP8_BLOCK_SHORT_K if k <= 8192 else _GPU_FP8_BLOCK
@@ -137,7 +148,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu
     N = weight.shape[0]
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     w_scale = 0 if weight_scale is None else (1 if weight_scale.dim() == 1 else 2)
-    cfg = dict(gpu_settings(w_scale, K) if _gpu(x) else _CPU)
+    cfg = dict(gpu_settings(w_scale, K, N) if _gpu(x) else _CPU)
     stages = cfg.pop("num_stages")
     ws = weight_scale if weight_scale is not None else weight
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
