@@ -103,7 +103,7 @@ save() { out_save; }
       "benchmarks/results/ncu_moe_$sha.txt" | head -40; save
   fi
   [[ $parts == *" linear_sweep "* ]] && echo "== one-row GEMV launch settings (bf16 and FP8)" \
-    && timeout 200 python3 benchmarks/bench_kernels.py --only linear_sweep --git-sha "$sha" \
+    && timeout 330 python3 benchmarks/bench_kernels.py --only linear_sweep --git-sha "$sha" \
        --out "benchmarks/results/linear_sweep_$sha.json" 2>&1 | grep -E "us vs|GEMV|cuBLAS" | grep -v "^ok " \
        | tail -120 && save
   # structured (not a default part, issue 18): JSON-schema-constrained decode against unconstrained, batch 1 / 64
