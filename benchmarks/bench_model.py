@@ -449,25 +449,32 @@ def pdl_ab(eng, batches: tuple[int, ...], vocab_size: int, records: list, notes:
         torch.cuda.empty_cache()
 
 
-def prefetch_ab(eng, vocab_size: int, records: list, notes: list) -> None:
-    """The batch-1 decode step with the one-row GEMVs loading one against two weight tiles before their PDL
-    wait (`triton_fused_linear.PREFETCH_TILES`), same run (`graph_ab`); the ratio is one / two (> 1: two
-    tiles are faster)."""
-    import hyserve.kernels.triton_fused_linear as tfl
-
-    was = tfl.PREFETCH_TILES
-    got = graph_ab(eng, 1, vocab_size, lambda n: setattr(tfl, "PREFETCH_TILES", was if n is None else n), (1, 2))
+def batch1_ab(eng, vocab_size: int, records: list, notes: list, set_form, labels: tuple, what: str,
+              reference: str, describe) -> None:
+    """One batch-1 launch-form A/B (`graph_ab`) as a record, ratio = first label's time / second's (> 1: the
+    second is faster), and a note `describe(us of the first, us of the second)`."""
+    got = graph_ab(eng, 1, vocab_size, set_form, labels)
     if got is None:
         return
-    one, two = got[1][0], got[2][0]
-    records.append(rec("hyserve decode batch 1 graph replay, GEMV prefetch 1 tile / 2 tiles (x)", one / two, "x",
-                       f"one tile before the wait, same run (the engine's setting: {was})", 1.0))
-    notes.append(f"GEMV prefetch A/B batch 1: graph replay {one * 1e3:.0f} us with one weight tile loaded before the "
-                 f"PDL wait, {two * 1e3:.0f} us with two (min of 2 rounds of 50 replays each)")
+    a, b = got[labels[0]][0], got[labels[1]][0]
+    records.append(rec(f"hyserve decode batch 1 graph replay, {what} (x)", a / b, "x", reference, 1.0))
+    notes.append(describe(a * 1e3, b * 1e3))
     print(notes[-1])
     del got
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def prefetch_ab(eng, vocab_size: int, records: list, notes: list) -> None:
+    """The one-row GEMVs loading one against two weight tiles before their PDL wait
+    (`triton_fused_linear.PREFETCH_TILES`)."""
+    import hyserve.kernels.triton_fused_linear as tfl
+
+    was = tfl.PREFETCH_TILES
+    batch1_ab(eng, vocab_size, records, notes, lambda n: setattr(tfl, "PREFETCH_TILES", was if n is None else n),
+              (1, 2), "GEMV prefetch 1 tile / 2 tiles", f"one tile before the wait, same run (the engine's: {was})",
+              lambda one, two: f"GEMV prefetch A/B batch 1: graph replay {one:.0f} us with one weight tile loaded "
+                               f"before the PDL wait, {two:.0f} us with two (min of 2 rounds of 50 replays each)")
 
 
 def _gemv_settings_before_fdb35a5(w_scale: int, k: int, n: int) -> dict[str, int]:
@@ -482,26 +489,17 @@ def _gemv_settings_before_fdb35a5(w_scale: int, k: int, n: int) -> dict[str, int
 
 
 def gemv_settings_ab(eng, vocab_size: int, records: list, notes: list) -> None:
-    """The batch-1 decode step with the one-row GEMVs at the settings chosen by output width (the engine's)
-    against the earlier ones by row length alone, same run (`graph_ab`); the ratio is earlier / now (> 1: the
-    engine's are faster)."""
+    """The one-row GEMVs at the earlier settings (by row length alone) against the engine's (by row length
+    and output width)."""
     import hyserve.kernels.triton_fused_linear as tfl
 
     now = tfl.gpu_settings
-    got = graph_ab(eng, 1, vocab_size,
-                   lambda f: setattr(tfl, "gpu_settings", _gemv_settings_before_fdb35a5 if f == "before" else now),
-                   ("before", "now"))
-    if got is None:
-        return
-    before, after = got["before"][0], got["now"][0]
-    records.append(rec("hyserve decode batch 1 graph replay, GEMV settings by row length / by output width (x)",
-                       before / after, "x", "the settings by row length alone, same run", 1.0))
-    notes.append(f"GEMV settings A/B batch 1: graph replay {after * 1e3:.0f} us at the engine's settings (by output "
-                 f"width), {before * 1e3:.0f} us at the earlier ones (by row length alone)")
-    print(notes[-1])
-    del got
-    gc.collect()
-    torch.cuda.empty_cache()
+    batch1_ab(eng, vocab_size, records, notes,
+              lambda f: setattr(tfl, "gpu_settings", _gemv_settings_before_fdb35a5 if f == "before" else now),
+              ("before", "now"), "GEMV settings by row length / by output width",
+              "the settings by row length alone, same run",
+              lambda before, after: f"GEMV settings A/B batch 1: graph replay {after:.0f} us at the engine's settings "
+                                    f"(by output width), {before:.0f} us at the earlier ones (by row length alone)")
 
 
 def init_times(model: torch.nn.Module, cfg: HybridModelConfig, records: list) -> None:
