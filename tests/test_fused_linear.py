@@ -257,3 +257,20 @@ def test_gpu_settings_narrow_outputs_take_narrow_programs():
     for k, n in ((4480, 22912), (4096, 2688), (2688, 10304), (2688, 4096)):
         assert -(-n // tfl.gpu_settings(0, k, n)["BLOCK_N"]) >= tfl._MIN_PROGRAMS
     assert tfl.gpu_settings(1, 15680, 4480)["BLOCK_K"] == 2048  # e4m3, long rows
+
+
+@pytest.mark.parametrize("K", [100, 128, 200])
+def test_gemv_prefetch_of_a_second_tile_past_k_reads_no_block_scale(poison, monkeypatch, K):
+    """Block-scaled e4m3 weights with 128-wide K tiles and two tiles before the PDL wait: where K ends in the
+    first tile, the second tile's scale column would lie past the scale tensor's last one, so it is masked
+    (the product matches the dequantised float64 one)."""
+    from hyserve.kernels.fp8_linear import dequantize_weight_ref, quantize_weight_ref
+
+    monkeypatch.setattr(tfl, "_CPU", dict(BLOCK_N=8, BLOCK_K=128, num_warps=1, num_stages=1))
+    monkeypatch.setattr(tfl, "PREFETCH_TILES", 2)
+    q, sc = quantize_weight_ref(_weight(20, K, F32), "block")
+    x = rnd(1, K, dtype=BF16)
+    with poison:
+        out = tfl.gemv_fp8(x, q, sc, None, False)
+    exact = x.double() @ dequantize_weight_ref(q, sc).double().T
+    _close64(out, exact, BF16, f"block-scaled GEMV, K {K}, two tiles before the wait")

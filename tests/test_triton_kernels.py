@@ -243,6 +243,10 @@ def test_rmsnorm_gated_small_3d_and_bad_group(poison):
     with poison:
         out = rmsnorm_gated_triton(x, z, w, 1e-6, 5)
     close(out, rmsnorm_gated_ref(x, z, w, 1e-6, 5), F32, "3d")
+    zs = rnd(2, 3, 40)[..., ::2]  # a gate the launcher copies into rows (read after the PDL wait)
+    with poison:
+        out = rmsnorm_gated_triton(x, zs, w, 1e-6, 5)
+    close(out, rmsnorm_gated_ref(x, zs, w, 1e-6, 5), F32, "3d, copied gate")
     with pytest.raises(ValueError):
         rmsnorm_gated_triton(x, z, w, 1e-6, 6)
 
@@ -258,8 +262,12 @@ def test_rms_norm_small(poison, dtype, shape):
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
 @pytest.mark.parametrize("shape", [(1, 40), (5, 3, 33)])
-def test_add_rms_norm_small(poison, dtype, shape):
-    x, r, w = rnd(*shape, dtype=dtype), rnd(*shape, dtype=dtype, scale=4.0), rnd(shape[-1], dtype=dtype)
+@pytest.mark.parametrize("copied", [False, True])
+def test_add_rms_norm_small(poison, dtype, shape, copied):
+    """copied: a residual with a non-unit last stride, which the launcher copies into rows (then read after
+    the PDL wait: the copy is the kernel just before)."""
+    x, w = rnd(*shape, dtype=dtype), rnd(shape[-1], dtype=dtype)
+    r = rnd(*shape[:-1], 2 * shape[-1], dtype=dtype, scale=4.0)[..., ::2] if copied else rnd(*shape, dtype=dtype, scale=4.0)
     with poison:
         out, total = add_rms_norm_triton(x, r, w, 1e-5)
     ref_out, ref_total = add_rms_norm_ref(x, r, w, 1e-5)

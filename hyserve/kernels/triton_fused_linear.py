@@ -108,8 +108,9 @@ def _gemv_kernel(
     pdl_enter(PDL)
     # reduced over K once, after the loop
     part = _gemv_tile(x_ptr, w0, ws_ptr, s_ws, offs_n, mask_n, offs_k, mask_k0, 0, RELU2, W_SCALE)
-    if PREFETCH >= 2:
-        part += _gemv_tile(x_ptr, w1, ws_ptr, s_ws, offs_n, mask_n, kk1, mask_k1, BLOCK_K, RELU2, W_SCALE)
+    if PREFETCH >= 2:  # (a second tile past K reads no block scale: its column would lie past the last)
+        part += _gemv_tile(x_ptr, w1, ws_ptr, s_ws, offs_n, mask_n & (BLOCK_K < K), kk1, mask_k1, BLOCK_K, RELU2,
+                           W_SCALE)
     for k0 in tl.range(PREFETCH * BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
         kk = k0 + offs_k
         mask_k = kk < K

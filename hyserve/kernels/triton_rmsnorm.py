@@ -41,16 +41,19 @@ def _rms_norm_kernel(
 @triton.jit(do_not_specialize=["rows"])
 def _add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, rows, dim, eps, s_x_r, s_res_r, s_out_r, s_sum_r,
-    BLOCK: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < dim
-    # before the PDL wait: the weight, and the residual (a block's stream, written by the add_rms_norm a
-    # whole mixer back, never by the kernel just before: see add_rms_norm_triton)
-    res = tl.load(res_ptr + r * s_res_r + offs, mask=m, other=0.0).to(tl.float32)
+    # before the PDL wait: the weight, and with EARLY the residual (a block's stream, written by the
+    # add_rms_norm a whole mixer back, never by the kernel just before: see add_rms_norm_triton)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    if EARLY:
+        res = tl.load(res_ptr + r * s_res_r + offs, mask=m, other=0.0).to(tl.float32)
     pdl_enter(PDL)
+    if not EARLY:
+        res = tl.load(res_ptr + r * s_res_r + offs, mask=m, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + r * s_x_r + offs, mask=m, other=0.0).to(tl.float32)
     s = (x + res).to(sum_ptr.dtype.element_ty)  # rounded like torch's residual + x
     tl.store(sum_ptr + r * s_sum_r + offs, s, mask=m)
@@ -62,18 +65,20 @@ def _add_rms_norm_kernel(
 @triton.jit(do_not_specialize=["rows"])
 def _rmsnorm_gated_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr, rows, eps, s_x_r, s_z_r, s_out_r,
-    GROUP: tl.constexpr, BLOCK: tl.constexpr, HAS_Z: tl.constexpr, PDL: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, HAS_Z: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     offs = g * GROUP + tl.arange(0, BLOCK)
     m = tl.arange(0, BLOCK) < GROUP
-    # before the PDL wait: the weight and the gate (the Mamba mixer's z, an in_proj output that the conv
-    # and SSM kernels stand between: see rmsnorm_gated_triton)
+    # before the PDL wait: the weight, and with EARLY the gate (the Mamba mixer's z, an in_proj output that
+    # the conv and SSM kernels stand between: see rmsnorm_gated_triton)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    if HAS_Z:
+    if HAS_Z and EARLY:
         z = tl.load(z_ptr + r * s_z_r + offs, mask=m, other=0.0).to(tl.float32)
     pdl_enter(PDL)
+    if HAS_Z and not EARLY:
+        z = tl.load(z_ptr + r * s_z_r + offs, mask=m, other=0.0).to(tl.float32)
     h = tl.load(x_ptr + r * s_x_r + offs, mask=m, other=0.0).to(tl.float32)
     if HAS_Z:
         h = h * (z / (1.0 + tl.exp(-z)))
@@ -117,7 +122,8 @@ def add_rms_norm_triton(
 
     With programmatic dependent launch the kernel reads `residual` before it waits for the kernel launched
     just before it, so that kernel must not write `residual`: the block stack passes the stream an
-    add_rms_norm returned a whole mixer (at least one kernel) earlier (`nemotron_h.py`)."""
+    add_rms_norm returned a whole mixer (at least one kernel) earlier (`nemotron_h.py`). A residual this
+    launcher has to copy into rows is read after the wait (the copy is that kernel)."""
     d = x.shape[-1]
     assert weight.shape == (d,) and weight.is_contiguous(), f"weight {tuple(weight.shape)} vs x {tuple(x.shape)}"
     assert residual.shape == x.shape and residual.dtype == x.dtype, (
@@ -132,7 +138,8 @@ def add_rms_norm_triton(
         BLOCK = triton.next_power_of_2(d)
         _add_rms_norm_kernel[(rows,)](
             x2, r2, weight, out, total, rows, d, float(eps), x2.stride(0), r2.stride(0), out.stride(0),
-            total.stride(0), BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256)), **pdl(x2),
+            total.stride(0), BLOCK=BLOCK, EARLY=r2.data_ptr() == residual.data_ptr(),
+            num_warps=min(16, max(1, BLOCK // 256)), **pdl(x2),
         )
     return out.view(x.shape), total.view(x.shape)
 
@@ -144,7 +151,8 @@ def rmsnorm_gated_triton(
 
     With programmatic dependent launch the kernel reads `z` before it waits for the kernel launched just
     before it, so that kernel must not write `z`: the Mamba mixer's gate comes from in_proj, with the conv
-    and SSM kernels (or the prefill scan) between (`mamba2.py`)."""
+    and SSM kernels (or the prefill scan) between (`mamba2.py`). A gate this launcher has to copy into rows
+    is read after the wait (the copy is that kernel)."""
     d = x.shape[-1]
     if d % group_size:
         raise ValueError(f"rmsnorm_gated: last dim {d} is not a multiple of group_size {group_size}")
@@ -161,7 +169,7 @@ def rmsnorm_gated_triton(
         BLOCK = triton.next_power_of_2(group_size)
         _rmsnorm_gated_kernel[(rows, d // group_size)](
             x2, z2, weight, out, rows, float(eps), x2.stride(0), z2.stride(0), out.stride(0),
-            GROUP=group_size, BLOCK=BLOCK, HAS_Z=z is not None,
+            GROUP=group_size, BLOCK=BLOCK, HAS_Z=z is not None, EARLY=z is None or z2.data_ptr() == z.data_ptr(),
             num_warps=min(16, max(1, BLOCK // 256)), **pdl(x2),
         )
     return out.view(x.shape)
