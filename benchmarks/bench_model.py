@@ -211,8 +211,9 @@ def make_plan(model_dir: Path, *, num_layers: int | None, weight_budget: float |
 
 def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, records: list, notes: list,
                   *, time_init: bool = False, quantization: str | None = None, launch_ab: bool = True) -> None:
-    """The engine figures of one weight format. launch_ab: also the PDL and GEMV-prefetch A/Bs of the decode
-    step (graphs captured fresh; off for the whole Nemotron 3 Super in FP8, to keep that run short)."""
+    """The engine figures of one weight format. launch_ab: also the PDL, GEMV-settings and GEMV-prefetch A/Bs
+    of the decode step (graphs captured fresh; off for the whole Nemotron 3 Super in FP8, to keep that run
+    short)."""
     moe = num_moe_layers(cfg) > 0
     t0 = time.perf_counter()
     llm = LLM(str(plan.model_dir), device=plan.device, load_format="dummy", max_seq_len=16384,

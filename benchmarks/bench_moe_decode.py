@@ -104,24 +104,22 @@ class Layers:
         return tm.moe_route_triton(logits, L["bias"], self.s["k"], self.n_group, self.topk_group, self.norm,
                                   self.scale)
 
+    def route_up(self, L: dict, cfg: dict) -> tuple:
+        """One layer's route and up GEMV: (routing weights, expert ids, h)."""
+        w, ids = self.route(L)
+        h = torch.empty(self.s["k"] + self.S, self.s["I"], dtype=self.x.dtype, device=self.x.device)
+        tm.launch_up_gemv(self.x, L["up"], ids, h, cfg["up"], L["su"])
+        return w, ids, h
+
     def chain(self, cfg: dict) -> None:
-        k, inter = self.s["k"], self.s["I"]
         for L, out in zip(self.layers, self.outs):
-            w, ids = self.route(L)
-            h = torch.empty(k + self.S, inter, dtype=self.x.dtype, device=self.x.device)
-            tm.launch_up_gemv(self.x, L["up"], ids, h, cfg["up"], L["su"])
+            w, ids, h = self.route_up(L, cfg)
             tm.launch_down(h, L["down"], ids, w, out, cfg["down"], L["sd"])
 
     def split_chains(self, cfg: dict) -> tuple:
         """The up GEMVs alone and the down GEMVs alone over every layer, with each layer's routing and h made
         once beforehand: what each kernel costs of the chain, bytes over time, with no route between them."""
-        k, inter = self.s["k"], self.s["I"]
-        pre = []
-        for L in self.layers:
-            w, ids = self.route(L)
-            h = torch.empty(k + self.S, inter, dtype=self.x.dtype, device=self.x.device)
-            tm.launch_up_gemv(self.x, L["up"], ids, h, cfg["up"], L["su"])
-            pre.append((w, ids, h))
+        pre = [self.route_up(L, cfg) for L in self.layers]
 
         def ups() -> None:
             for L, (_, ids, h) in zip(self.layers, pre):
@@ -222,30 +220,25 @@ def main() -> int:
             t = run(_sub(u, early), best[2], "up sweep")
             if t < best[0]:
                 best = (t, _sub(u, early), best[2])
-    for dn in downs[1:]:
-        for early in (1, 0):
-            t = run(best[1], _sub(dn, early, 1), "down sweep")
-            if t < best[0]:
-                best = (t, best[1], _sub(dn, early, 1))
-    for dn in (DRY if dry else NESTED):  # the nested form (a K loop per slot; EARLY needs FLAT)
-        t = run(best[1], _sub(dn, 0, 0), "down nested")
+    # the down GEMV's forms at the best up setting: flat (both EARLY forms), nested (a K loop per slot; EARLY
+    # needs FLAT), and split by slot with the combine kernel after it (no EARLY)
+    down_forms = [(_sub(dn, early, 1), "down sweep") for dn in downs[1:] for early in (1, 0)]
+    down_forms += [(_sub(dn, 0, 0), "down nested") for dn in (DRY if dry else NESTED)]
+    down_forms += [({**{k: v for k, v in _sub(dn, 0).items() if k != "EARLY"}, "SPLIT": 1}, "down split")
+                   for dn in (DRY if dry else SPLIT)]
+    for dn, what in down_forms:
+        t = run(best[1], dn, what)
         if t < best[0]:
-            best = (t, best[1], _sub(dn, 0, 0))
-    for dn in (DRY if dry else SPLIT):  # split by slot, then the combine kernel
-        split = dict(_sub(dn, 0), SPLIT=1)
-        del split["EARLY"]
-        t = run(best[1], split, "down split")
-        if t < best[0]:
-            best = (t, best[1], split)
+            best = (t, best[1], dn)
     t_best, up_best, down_best = best
     # each expert GEMV of the best setting alone: which of the two holds the chain back
     ups_only, downs_only = net.split_chains({"up": up_best, "down": down_best})
     t_up, t_down = (timer.graph([f], replays=15) / n for f in (ups_only, downs_only))
     gb = net.gemv_bytes()
-    split = dict(up_us=t_up * 1e3, down_us=t_down * 1e3, bytes_each=gb,
+    alone = dict(up_us=t_up * 1e3, down_us=t_down * 1e3, bytes_each=gb,
                  up_fraction=gb / (t_up * 1e-3) / ceil["read_bw"], down_fraction=gb / (t_down * 1e-3) / ceil["read_bw"])
-    print(f"best setting's GEMVs alone: up {t_up * 1e3:.2f} us ({split['up_fraction']:.3f} of the read ceiling), "
-          f"down {t_down * 1e3:.2f} us ({split['down_fraction']:.3f}), {gb / 1e6:.1f} MB each a layer")
+    print(f"best setting's GEMVs alone: up {t_up * 1e3:.2f} us ({alone['up_fraction']:.3f} of the read ceiling), "
+          f"down {t_down * 1e3:.2f} us ({alone['down_fraction']:.3f}), {gb / 1e6:.1f} MB each a layer")
     gpu = torch.cuda.get_device_name() if not dry else "cpu (interpreter)"
     doc = dict(date=_dt.date.today().isoformat(), git_sha=sha, gpu=gpu, torch=torch.__version__,
                triton=__import__("triton").__version__, command=" ".join([Path(sys.executable).name, *sys.argv]),
@@ -253,7 +246,7 @@ def main() -> int:
                router_route_us_per_layer=t_route * 1e3, late_us_per_layer=t_late * 1e3,
                best=dict(up=up_best, down=down_best, us_per_layer=t_best * 1e3,
                          fraction_of_read_bw=per_layer_bytes / (t_best * 1e-3) / ceil["read_bw"]),
-               speedup_best_vs_late=t_late / t_best, gemvs_alone=split, rows=rows)
+               speedup_best_vs_late=t_late / t_best, gemvs_alone=alone, rows=rows)
     print(f"best: {t_best * 1e3:.2f} us a layer ({doc['best']['fraction_of_read_bw']:.3f} of the read ceiling), "
           f"late form at the tuned settings {t_late * 1e3:.2f} us: {t_late / t_best:.3f}x")
     if args.write and not dry:
@@ -277,9 +270,9 @@ def main() -> int:
                       f"{r['us_per_layer']:.2f} | {r['fraction_of_read_bw']:.3f} |")
     md += ["", f"best {t_best * 1e3:.2f} us ({doc['best']['fraction_of_read_bw']:.3f}); "
                f"late form at the tuned settings {t_late * 1e3:.2f} us; ratio {t_late / t_best:.3f}x", "",
-           f"best setting's GEMVs alone, every layer in one graph: up {split['up_us']:.2f} us "
-           f"({split['up_fraction']:.3f} of the read ceiling), down {split['down_us']:.2f} us "
-           f"({split['down_fraction']:.3f}), {gb / 1e6:.1f} MB each a layer"]
+           f"best setting's GEMVs alone, every layer in one graph: up {alone['up_us']:.2f} us "
+           f"({alone['up_fraction']:.3f} of the read ceiling), down {alone['down_us']:.2f} us "
+           f"({alone['down_fraction']:.3f}), {gb / 1e6:.1f} MB each a layer"]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     print(f"wrote {out}")
     return 0
