@@ -51,9 +51,9 @@ _GPU_FP8_SHORT_K = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)
 _GPU_FP8_BLOCK = dict(BLOCK_N=32, BLOCK_K=128, num_warps=8, num_stages=4)
 _GPU_FP8_BLOCK_SHORT_K = dict(BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=3)
 _CPU = dict(BLOCK_N=8, BLOCK_K=32, num_warps=1, num_stages=1)  # the interpreter at test sizes
-# K tiles of the weight each program loads before its PDL wait (1 or 2); `bench_model.py` times both forms of
-# a decode step in one run (its "GEMV prefetch A/B") by setting this and capturing a graph of each; two were
-# slower on the H100 (2,849 against 2,799 us a Nano 30B-A3B batch-1 step)
+# K tiles of the weight each program loads before its PDL wait (1 or 2). `bench_model.py` timed both forms of a
+# decode step in one run (be8f8c5 and before): two were slower on the H100 (2,849 against 2,799 us a Nano
+# 30B-A3B batch-1 step; Nano 9B v2 1.003x bf16, 0.990x FP8: benchmarks/README.md)
 PREFETCH_TILES = 1
 
 

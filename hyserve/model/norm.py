@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from hyserve.kernels import ops
+from hyserve.kernels.row_partials import RowPartials
 
 
 class RMSNorm(nn.Module):
@@ -17,6 +18,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.get("rms_norm", x.is_cuda)(x, self.weight, self.eps)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x): the previous block's residual add fused with this norm."""
+    def add_forward(self, x: torch.Tensor | RowPartials, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the previous block's residual add fused with this norm (x as
+        `RowPartials`: summed as it is loaded)."""
         return ops.get("add_rms_norm", x.is_cuda)(x, residual, self.weight, self.eps)
