@@ -52,8 +52,8 @@ _GPU_FP8_BLOCK = dict(BLOCK_N=32, BLOCK_K=128, num_warps=8, num_stages=4)
 _GPU_FP8_BLOCK_SHORT_K = dict(BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=3)
 _CPU = dict(BLOCK_N=8, BLOCK_K=32, num_warps=1, num_stages=1)  # the interpreter at test sizes
 # K tiles of the weight each program loads before its PDL wait (1 or 2). `bench_model.py` timed both forms of a
-# decode step in one run (be8f8c5 and before): two were slower on the H100 (2,849 against 2,799 us a Nano
-# 30B-A3B batch-1 step; Nano 9B v2 1.003x bf16, 0.990x FP8: benchmarks/README.md)
+# decode step in one run (up to be8f8c5), on the H100: one tile 2,799 against 2,849 us a Nano 30B-A3B batch-1
+# step, Nano 9B v2 bf16 6,061 against 6,077 us; only Nano 9B v2 FP8 ran faster with two (3,701 against 3,738)
 PREFETCH_TILES = 1
 
 
