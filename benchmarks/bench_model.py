@@ -211,7 +211,7 @@ def make_plan(model_dir: Path, *, num_layers: int | None, weight_budget: float |
 
 def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, records: list, notes: list,
                   *, time_init: bool = False, quantization: str | None = None, launch_ab: bool = True) -> None:
-    """The engine figures of one weight format. launch_ab: also the PDL, GEMV-settings and (MoE) partials A/Bs
+    """The engine figures of one weight format. launch_ab: also the PDL and GEMV-settings A/Bs
     of the decode step (graphs captured fresh; off for the whole Nemotron 3 Super in FP8, to keep that run
     short)."""
     moe = num_moe_layers(cfg) > 0
@@ -300,8 +300,6 @@ def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, r
     if plan.device != "cpu" and launch_ab:
         pdl_ab(eng, plan.batches, cfg.vocab_size, records, notes)
         gemv_settings_ab(eng, cfg.vocab_size, records, notes)
-        if moe:
-            partials_ab(eng, cfg.vocab_size, records, notes)
     if time_init:
         init_times(eng.runner.model, cfg, records)
     from hyserve.kernels import ops
@@ -464,21 +462,6 @@ def batch1_ab(eng, vocab_size: int, records: list, notes: list, set_form, labels
     del got
     gc.collect()
     torch.cuda.empty_cache()
-
-
-def partials_ab(eng, vocab_size: int, records: list, notes: list) -> None:
-    """The MoE layers' split down GEMV rows summed by a combine kernel, then read by the next block's
-    add_rms_norm, against summed by that norm as it loads them (`MoE.sum_in_norm`, the engine's default)."""
-    from hyserve.model.moe import MoE
-
-    was = MoE.sum_in_norm
-    batch1_ab(eng, vocab_size, records, notes,
-              lambda f: setattr(MoE, "sum_in_norm", was if f is None else f == "norm"),
-              ("combine", "norm"), "MoE rows summed by a combine kernel / by the next norm",
-              f"a combine kernel, same run (the engine's: {'the norm' if was else 'a combine kernel'})",
-              lambda comb, norm: f"MoE partials A/B batch 1: graph replay {norm:.0f} us with the split down GEMV's "
-                                 f"rows summed in the next add_rms_norm, {comb:.0f} us with a combine kernel "
-                                 f"(a MoE config without down.SPLIT runs the same kernels in both)")
 
 
 def _gemv_settings_before_fdb35a5(w_scale: int, k: int, n: int) -> dict[str, int]:

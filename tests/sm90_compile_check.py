@@ -142,9 +142,6 @@ def _norm(dt: torch.dtype) -> None:
     x, w = torch.randn(2, HIDDEN).to(dt), torch.randn(HIDDEN).to(dt)
     rms_norm_triton(x, w, 1e-5)
     add_rms_norm_triton(x, x.clone(), w, 1e-5)
-    from hyserve.kernels.row_partials import RowPartials  # the MoE split down GEMV's rows, summed by the norm
-
-    add_rms_norm_triton(RowPartials(torch.randn(16, HIDDEN), 8, dt), x.clone(), w, 1e-5)
     z, wg = torch.randn(2, D_INNER).to(dt), torch.randn(D_INNER).to(dt)
     rmsnorm_gated_triton(z, z.clone(), wg, 1e-5, GROUP)
     relu2_triton(torch.randn(2, 15680).to(dt))

@@ -21,31 +21,9 @@ pytestmark = pytest.mark.gpu
 SHARED = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"  # the real architectures
 
 
-def _split_down(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, variant: str) -> str:
-    """"moe-split": the tiny MoE model with its decode path's down GEMV split by slot (a tuned config's
-    down.SPLIT), so its float32 rows go to the next block's add_rms_norm unsummed (RowPartials)."""
-    if variant != "moe-split":
-        return variant
-    import hyserve.kernels.triton_moe as tm
-
-    plain = tm.heuristic_config
-
-    def split(E: int, inter: int, hidden: int, num_tokens: int, top_k: int) -> dict:
-        cfg = plain(E, inter, hidden, num_tokens, top_k)
-        if cfg["variant"] == "gemv":
-            cfg = dict(cfg, down=dict(BLOCK_N=4, BLOCK_K=128, num_warps=2, num_stages=4, SPLIT=1))
-        return cfg
-
-    monkeypatch.setattr(tm, "heuristic_config", split)
-    tm._bucket_config.cache_clear()
-    request.addfinalizer(tm._bucket_config.cache_clear)  # no split config outlives the test
-    return "moe"
-
-
-@pytest.mark.parametrize("variant", ["dense", "moe", "moe-split", "latent-moe"])
-def test_tiny_cuda_matches_cpu(tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
-                               variant: str) -> None:
-    d = make_tiny(tmp_path / variant, variant=_split_down(request, monkeypatch, variant))
+@pytest.mark.parametrize("variant", ["dense", "moe", "latent-moe"])
+def test_tiny_cuda_matches_cpu(tmp_path: Path, variant: str) -> None:
+    d = make_tiny(tmp_path / variant, variant=variant)
     p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
     prompts = [[1, 5, 9, 13, 200, 17, 4], [1, 77] * 20, [1, 3]]
     cpu = LLM(str(d), device="cpu", dtype="float32", max_seq_len=256).generate(prompts, p)
@@ -112,15 +90,15 @@ def test_tiny_graph_decode_matches_eager(tmp_path: Path) -> None:
         assert [o.token_ids for o in a] == [o.token_ids for o in b]
 
 
-@pytest.mark.parametrize("variant", ["dense", "moe", "moe-split"])
-def test_pdl_gives_the_results_of_ordinary_launches(tmp_path: Path, request: pytest.FixtureRequest,
-                                                     monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_pdl_gives_the_results_of_ordinary_launches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     variant: str) -> None:
     """bf16 on the GPU, decode from graphs and eager prefills: the kernels launched as programmatic dependent
     launches (the default on sm_90+) give bit-identical greedy tokens and logprobs to ordinary launches. PDL
     only changes when a kernel's blocks are scheduled; a kernel reading before its wait would race here."""
     from hyserve import envs
 
-    d = make_tiny(tmp_path / variant, variant=_split_down(request, monkeypatch, variant))
+    d = make_tiny(tmp_path / variant, variant=variant)
     p = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
     prompts = [[1, 5, 9, 13, 200, 17, 4], [1, 77] * 40, [1, 3], [1] + list(range(4, 300)), [1, 8, 8]]
     out = {}

@@ -246,44 +246,6 @@ def test_experts_match_float64(poison, variant, dtype, case):
     assert err_ref < (2e-5 if dtype == F32 else 6e-3)
 
 
-@pytest.mark.parametrize("variant", ["gemv", "gemv-split"])
-@pytest.mark.parametrize("shared", [False, True])
-def test_experts_partial_sum_leaves_the_split_rows_to_the_norm(poison, variant, shared):
-    """partial_sum=True: the split down GEMV's float32 rows come back as RowPartials (k routed + the shared
-    expert's rows per token), whose sum is the combined output bit for bit, and whose add_rms_norm equals
-    the combined output's; the unsplit form returns the combined tensor as before."""
-    from hyserve.kernels.rmsnorm import add_rms_norm_ref
-    from hyserve.kernels.row_partials import RowPartials
-    from hyserve.kernels.triton_rmsnorm import add_rms_norm_triton
-
-    T, k, E, d, inter = 2, 2, 8, 64, 32
-    x, w_up, w_down, w, ids = _experts_inputs(T, E, d, inter, k, F32)
-    su = sd = None
-    if shared:  # a shared expert of 2 x I, folded in as two more rows a token
-        su = (torch.randn(2 * inter, d, device=DEV) * d**-0.5).to(F32)
-        sd = (torch.randn(d, 2 * inter, device=DEV) * (2 * inter) ** -0.5).to(F32)
-    cfg = _variant_config(variant, E, inter, d, k)
-    with poison:
-        combined = tm.moe_experts_triton(x, w_up, w_down, w, ids, su, sd, config=cfg)
-        got = tm.moe_experts_triton(x, w_up, w_down, w, ids, su, sd, partial_sum=True, config=cfg)
-    if variant == "gemv":
-        assert isinstance(got, torch.Tensor) and torch.equal(got, combined)
-        return
-    assert isinstance(got, RowPartials) and got.parts == k + (2 if shared else 0) and got.shape == (T, d)
-    assert torch.equal(got.total(), combined), "the partial rows' sum differs from the combine kernel's"
-    exact = ref.moe_experts_ref(x.double(), w_up.double(), w_down.double(), w.double(), ids,
-                                None if su is None else su.double(), None if sd is None else sd.double())
-    assert _rel_err(got.total(), exact) < 2e-5
-    r, nw = torch.randn(T, d, device=DEV), torch.randn(d, device=DEV)
-    with poison:
-        out, total = add_rms_norm_triton(got, r, nw, 1e-5)
-    ref_out, ref_total = add_rms_norm_ref(combined, r, nw, 1e-5)
-    assert torch.equal(total, ref_total)
-    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
-    # the reference path takes the flag and sums (the CPU's per-expert loop)
-    assert isinstance(ref.moe_experts_ref(x, w_up, w_down, w, ids, su, sd, partial_sum=True), torch.Tensor)
-
-
 def _fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[E, N, K] -> e4m3 [E, N, K] and float32 [E, N] channel scales, each expert quantised on its own."""
     from hyserve.kernels.fp8_linear import quantize_weight_ref

@@ -30,7 +30,6 @@ from hyserve.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varle
 from hyserve.kernels.cuda_attention import paged_attention_cuda  # noqa: E402
 from hyserve.kernels.launch_util import tma_tiles_fit  # noqa: E402
 from hyserve.kernels.rmsnorm import add_rms_norm_ref, rms_norm_ref, rmsnorm_gated_ref  # noqa: E402
-from hyserve.kernels.row_partials import RowPartials  # noqa: E402
 from hyserve.kernels.ssm_update import selective_state_update_ref  # noqa: E402
 from hyserve.kernels.triton_activation import relu2_triton  # noqa: E402
 from hyserve.kernels.triton_attention import paged_attention_triton, write_kv_triton  # noqa: E402
@@ -282,42 +281,6 @@ def test_add_rms_norm_small(poison, dtype, shape, copied):
     out64 = rms_norm_ref(total.double(), w.double(), 1e-5)
     close(out.double(), out64, dtype if dtype != F32 else F32, "add_rms_norm vs float64")
     torch.testing.assert_close(total.double(), r.double() + x.double(), **TOL[dtype])
-
-
-@pytest.mark.parametrize("dtype", [F32, F16, BF16])
-@pytest.mark.parametrize("parts", [1, 3, 8])
-def test_add_rms_norm_sums_row_partials(poison, dtype, parts):
-    """x as RowPartials (float32 rows, e.g. the MoE split down GEMV's, one per expert): the kernel sums them
-    in order and rounds once, exactly as summing first (`RowPartials.total`, the combine) and then adding."""
-    T, d = 3, 37
-    rows = rnd(T * parts, d, scale=2.0)
-    xp = RowPartials(rows, parts, dtype)
-    r, w = rnd(T, d, dtype=dtype, scale=4.0), rnd(d, dtype=dtype)
-    with poison:
-        out, total = add_rms_norm_triton(xp, r, w, 1e-5)
-    ref_out, ref_total = add_rms_norm_ref(xp, r, w, 1e-5)
-    assert out.shape == total.shape == (T, d) and out.dtype == total.dtype == dtype
-    if CUDA or dtype != BF16:  # (the interpreter's bf16 rounding: see test_add_rms_norm_small)
-        assert torch.equal(total, ref_total), "add_rms_norm: the summed partials differ from total() + residual"
-        assert torch.equal(total, add_rms_norm_ref(xp.total(), r, w, 1e-5)[1])
-    # under the interpreter bf16 rounds toward zero twice here (the partials' sum, then + residual): 2 ulps
-    tol = TOL[dtype] if CUDA or dtype != BF16 else {k: 2 * v for k, v in TOL[dtype].items()}
-    torch.testing.assert_close(total.float(), ref_total.float(), **tol)
-    torch.testing.assert_close(out.float(), ref_out.float(), **tol)
-    exact = r.double() + rows.double().view(T, parts, d).sum(1)
-    torch.testing.assert_close(total.double(), exact, **tol)
-
-
-def test_row_partials_refuse_bad_rows():
-    with pytest.raises(ValueError, match=r"rows \[T \* parts, d\] expected, got \(7, 4\) with parts 2"):
-        RowPartials(torch.zeros(7, 4), 2, F16)
-    with pytest.raises(ValueError, match="float32 rows with a unit stride"):
-        RowPartials(torch.zeros(4, 4, dtype=F16), 2, F16)
-    with pytest.raises(ValueError, match="float32 rows with a unit stride"):
-        RowPartials(torch.zeros(4, 8)[:, ::2], 2, F16)
-    p = RowPartials(torch.arange(12.0).view(4, 3), 2, F32)
-    assert p.shape == (2, 3)
-    assert torch.equal(p.total(), torch.tensor([[3.0, 5.0, 7.0], [15.0, 17.0, 19.0]]))
 
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])

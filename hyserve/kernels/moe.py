@@ -25,8 +25,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hyserve.kernels.row_partials import sum_row_parts
-
 
 def router_logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x: [T, d]; weight: [E, d] (float32, as the checkpoints store the gate) -> logits [T, E] in float32
@@ -156,8 +154,8 @@ def moe_down_ref(
 
 
 def moe_combine_ref(y: torch.Tensor, top_k: int) -> torch.Tensor:
-    """y [T*k, N] -> [T, N]: each token's sum over its k weighted expert rows, in slot order."""
-    return sum_row_parts(y, top_k)
+    """y [T*k, N] -> [T, N]: each token's sum over its k weighted expert rows."""
+    return y.view(-1, top_k, y.shape[1]).sum(1)
 
 
 def _check_fp8_experts(
@@ -233,15 +231,13 @@ def _check_experts_args(
 def moe_experts_ref(
     x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tensor,
     shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
-    up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None, partial_sum: bool = False,
+    up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [T, d]; w_up: [E, I, d]; w_down: [E, d, I]; topk_w: [T, k] float32; topk_ids: [T, k] -> [T, d] in
     x.dtype. transformers' NemotronH order of rounding: each expert's GEMMs in x.dtype, weighted and summed
     in float32, rounded once at the end. shared_up / shared_down (`check_shared_args`): the shared expert's
     output, its GEMMs in x.dtype too, joins that float32 sum. FP8 experts (e4m3 weights, up_scale [E, I],
-    down_scale [E, d]): each expert used is dequantised to x.dtype first, the rest the same.
-    partial_sum: the caller also takes the float32 sum's terms unsummed (`RowPartials`, which the Triton
-    decode path's split down GEMV returns); this reference always sums."""
+    down_scale [E, d]): each expert used is dequantised to x.dtype first, the rest the same."""
     _check_experts_args(x, w_up, w_down, topk_w, topk_ids, up_scale, down_scale)
     fp8 = up_scale is not None
     if fp8 and (shared_up is not None or shared_down is not None):

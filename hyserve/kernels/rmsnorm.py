@@ -9,8 +9,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hyserve.kernels.row_partials import RowPartials
-
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -25,13 +23,10 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 def add_rms_norm_ref(
-    x: torch.Tensor | RowPartials, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add of one block and the next block's pre-norm: s = residual + x (in x.dtype, as the
-    model's `h + mixer(...)`), out = rms_norm_ref(s). Returns (out, s). x given as `RowPartials` is summed
-    first (its `total()`: in float32, rounded once to its dtype)."""
-    if isinstance(x, RowPartials):
-        x = x.total()
+    model's `h + mixer(...)`), out = rms_norm_ref(s). Returns (out, s)."""
     s = residual + x
     return rms_norm_ref(s, weight, eps), s
 

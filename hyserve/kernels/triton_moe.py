@@ -50,7 +50,6 @@ from hyserve.kernels.moe import (
     moe_max_blocks,
     router_logits_ref,
 )
-from hyserve.kernels.row_partials import RowPartials
 from hyserve.kernels.triton_activation import relu2_triton
 from hyserve.kernels.triton_common import dot_acc, pdl_enter, pdl_release, pdl_wait
 
@@ -837,9 +836,13 @@ def launch_down_gemv(h, w_down, ids, tw, out, dn: dict[str, Any], shared_down: t
     )
 
 
-def launch_down_split(h, w_down, ids, tw, dn: dict[str, Any], shared_down: torch.Tensor | None = None,
-                      scale: torch.Tensor | None = None) -> RowPartials:
-    """The down GEMV split by slot (dn["SPLIT"]): each token's k + S weighted float32 rows, unsummed."""
+def launch_down(h, w_down, ids, tw, out, dn: dict[str, Any], shared_down: torch.Tensor | None = None,
+                scale: torch.Tensor | None = None) -> None:
+    """The decode path's down projection and combine into out [T, d]: the down GEMV, or with dn["SPLIT"] the
+    per-slot partials (`_down_split_kernel`, float32 [T * (k + S), d]) and the combine kernel."""
+    if not dn.get("SPLIT", 0):
+        launch_down_gemv(h, w_down, ids, tw, out, dn, shared_down, scale)
+        return
     d, inter, S, sd = _down_operands(w_down, shared_down)
     T, k = ids.shape
     y = torch.empty(T * (k + S), d, dtype=torch.float32, device=h.device)
@@ -849,18 +852,7 @@ def launch_down_split(h, w_down, ids, tw, dn: dict[str, Any], shared_down: torch
         TOP_K=k, SHARED=S, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0,
         NUM_STAGES=dn["num_stages"], W_FP8=scale is not None, num_warps=dn["num_warps"], **pdl(h),
     )
-    return RowPartials(y, k + S, h.dtype)
-
-
-def launch_down(h, w_down, ids, tw, out, dn: dict[str, Any], shared_down: torch.Tensor | None = None,
-                scale: torch.Tensor | None = None) -> None:
-    """The decode path's down projection and combine into out [T, d]: the down GEMV, or with dn["SPLIT"] the
-    per-slot partials (`launch_down_split`) and the combine kernel."""
-    if not dn.get("SPLIT", 0):
-        launch_down_gemv(h, w_down, ids, tw, out, dn, shared_down, scale)
-        return
-    y = launch_down_split(h, w_down, ids, tw, dn, shared_down, scale)
-    launch_combine(y.rows, out, y.parts)
+    launch_combine(y, out, k + S)
 
 
 def launch_up_gemm(x, w_up, h, sorted_ids, expert_ids, npad, num_pairs: int, top_k: int, block_m: int,
@@ -909,15 +901,12 @@ def moe_experts_triton(
     shared_down: torch.Tensor | None = None,
     up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
-    partial_sum: bool = False,
     config: dict[str, Any] | None = None,
-) -> torch.Tensor | RowPartials:
+) -> torch.Tensor:
     """x: [T, d]; w_up: [E, I, d]; w_down: [E, d, I]; topk_w: [T, k] float32; topk_ids: [T, k] int -> [T, d]
     in x.dtype (moe_experts_ref, with the shared expert when given). FP8 experts: e4m3 weights with up_scale
-    [E, I] and down_scale [E, d] float32 (per expert and output channel), no shared expert. partial_sum: the
-    caller takes partial rows, so the split down GEMV's (config down.SPLIT) are returned as `RowPartials`
-    without the combine kernel (the next block's add_rms_norm sums them). `config` overrides the tuned /
-    heuristic tile config (tests, tuning)."""
+    [E, I] and down_scale [E, d] float32 (per expert and output channel), no shared expert. `config`
+    overrides the tuned / heuristic tile config (tests, tuning)."""
     _check_experts_args(x, w_up, w_down, topk_w, topk_ids, up_scale, down_scale)
     if up_scale is not None and (shared_up is not None or shared_down is not None):
         raise ValueError("moe_experts: FP8 experts take no folded shared expert (an FP8 model runs it as its MLP)")
@@ -943,8 +932,6 @@ def moe_experts_triton(
         # EARLY shared rows read x before their wait: not a copy made by the kernel right before them
         up = cfg["up"] if xc is x else dict(cfg["up"], EARLY=0)
         launch_up_gemv(xc, w_up, ids, h, up, shared_up if S else None, up_scale)
-        if partial_sum and cfg["down"].get("SPLIT", 0):
-            return launch_down_split(h, w_down, ids, tw, cfg["down"], shared_down if S else None, down_scale)
         launch_down(h, w_down, ids, tw, out, cfg["down"], shared_down if S else None, down_scale)
         return out
     bm = cfg["BLOCK_M"]

@@ -4,8 +4,7 @@ Same contracts (and roundings) as `rmsnorm.rms_norm_ref` and `rmsnorm.rmsnorm_ga
 
     rms_norm:       out = (w * x * rsqrt(mean(x^2) + eps)) in x.dtype          (one rounding)
     add_rms_norm:   s = (residual + x) in x.dtype (stored: the next residual); out = rms_norm(s)
-                    (one kernel for a block's residual add and the next block's pre-norm); x may come as
-                    `RowPartials`, float32 rows summed in order and rounded once to their dtype first
+                    (one kernel for a block's residual add and the next block's pre-norm)
     rmsnorm_gated:  h = x * silu(z); per group of `group_size` channels
                     out = w * (h * rsqrt(mean(h^2) + eps)).to(x.dtype)        (as the reference: the
                     normalised value is rounded to x.dtype before the weight multiply; out dtype is
@@ -21,7 +20,6 @@ import triton
 import triton.language as tl
 
 from hyserve.kernels.launch_util import pdl
-from hyserve.kernels.row_partials import RowPartials
 from hyserve.kernels.triton_common import pdl_enter
 
 
@@ -42,11 +40,9 @@ def _rms_norm_kernel(
 
 @triton.jit(do_not_specialize=["rows"])
 def _add_rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, rows, dim, eps, s_x_r, s_x_p, s_res_r, s_out_r, s_sum_r,
-    BLOCK: tl.constexpr, PARTS: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, rows, dim, eps, s_x_r, s_res_r, s_out_r, s_sum_r,
+    BLOCK: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
-    """PARTS 0: x is a row of the model dtype; PARTS > 0: x is the sum of PARTS float32 rows s_x_p apart
-    (`RowPartials`), added in order and rounded to the sum's dtype (as the MoE combine kernel)."""
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < dim
@@ -58,13 +54,7 @@ def _add_rms_norm_kernel(
     pdl_enter(PDL)
     if not EARLY:
         res = tl.load(res_ptr + r * s_res_r + offs, mask=m, other=0.0).to(tl.float32)
-    if PARTS == 0:
-        x = tl.load(x_ptr + r * s_x_r + offs, mask=m, other=0.0).to(tl.float32)
-    else:
-        x = tl.zeros([BLOCK], dtype=tl.float32)
-        for p in tl.static_range(PARTS):
-            x += tl.load(x_ptr + r * s_x_r + p * s_x_p + offs, mask=m, other=0.0)
-        x = x.to(sum_ptr.dtype.element_ty).to(tl.float32)
+    x = tl.load(x_ptr + r * s_x_r + offs, mask=m, other=0.0).to(tl.float32)
     s = (x + res).to(sum_ptr.dtype.element_ty)  # rounded like torch's residual + x
     tl.store(sum_ptr + r * s_sum_r + offs, s, mask=m)
     h = s.to(tl.float32)
@@ -126,10 +116,9 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 def add_rms_norm_triton(
-    x: torch.Tensor | RowPartials, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual: [..., D] (one dtype), weight: [D] -> (rms_norm(residual + x), residual + x). x may be
-    `RowPartials` of residual's shape and dtype: summed as the kernel loads them (no combine kernel).
+    """x, residual: [..., D] (one dtype), weight: [D] -> (rms_norm(residual + x), residual + x).
 
     With programmatic dependent launch the kernel reads `residual` before it waits for the kernel launched
     just before it, so that kernel must not write `residual`: the block stack passes the stream an
@@ -141,25 +130,18 @@ def add_rms_norm_triton(
         f"residual {tuple(residual.shape)} {residual.dtype} vs x {tuple(x.shape)} {x.dtype}")
     assert x.dtype in _FLOATS, "float64 runs on the reference path"
     assert d <= 65536
-    r2 = _rows(residual, d)
-    if isinstance(x, RowPartials):
-        assert x.rows.dtype == torch.float32, "float64 partials run on the reference path"
-        x2, parts = x.rows, x.parts
-        s_x_r, s_x_p = parts * x2.stride(0), x2.stride(0)
-    else:
-        x2, parts = _rows(x, d), 0
-        s_x_r, s_x_p = x2.stride(0), 0
-    out = torch.empty(r2.shape, dtype=x.dtype, device=r2.device)
-    total = torch.empty(r2.shape, dtype=x.dtype, device=r2.device)
-    rows = r2.shape[0]
+    x2, r2 = _rows(x, d), _rows(residual, d)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    total = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    rows = x2.shape[0]
     if rows > 0:
         BLOCK = triton.next_power_of_2(d)
         _add_rms_norm_kernel[(rows,)](
-            x2, r2, weight, out, total, rows, d, float(eps), s_x_r, s_x_p, r2.stride(0), out.stride(0),
-            total.stride(0), BLOCK=BLOCK, PARTS=parts, EARLY=r2.data_ptr() == residual.data_ptr(),
+            x2, r2, weight, out, total, rows, d, float(eps), x2.stride(0), r2.stride(0), out.stride(0),
+            total.stride(0), BLOCK=BLOCK, EARLY=r2.data_ptr() == residual.data_ptr(),
             num_warps=min(16, max(1, BLOCK // 256)), **pdl(x2),
         )
-    return out.view(residual.shape), total.view(residual.shape)
+    return out.view(x.shape), total.view(x.shape)
 
 
 def rmsnorm_gated_triton(

@@ -30,7 +30,6 @@ from torch import nn
 
 from hyserve.distributed import Group, all_reduce, ep_group, moe_tp_group, tp_group
 from hyserve.kernels import ops
-from hyserve.kernels.row_partials import RowPartials
 from hyserve.model.config import HybridModelConfig
 from hyserve.model.mlp import MLP
 from hyserve.model.parallel_linear import ReplicatedLinear, ShardLoading, SliceLike, loaded_shape, read_block
@@ -105,15 +104,12 @@ class Experts(ShardLoading):
             param[expert - self.first_expert].copy_(read_block(loaded, {inter_dim: rows}))
 
     def forward(
-        self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-        partial_sum: bool = False,
-    ) -> torch.Tensor | RowPartials:
+        self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """x: [T, d]; w, ids: [T, k] -> [T, d]. On CUDA the fused kernels (sort, grouped GEMMs, combine
         on the device; `kernels/triton_moe.py`); on the CPU the per-expert reference loop. Sharded: this
         rank's partial sum (its experts, its intermediate slice); the MoE layer all-reduces it. `shared`:
-        the shared expert's (up, down) weights, summed in with weight 1 (unsharded experts only).
-        partial_sum: the caller takes `RowPartials` (the decode path's split down GEMV then skips its
-        combine kernel; the next block's norm sums the rows)."""
+        the shared expert's (up, down) weights, summed in with weight 1 (unsharded experts only)."""
         if self.num_local != self.num_experts:
             # another rank's expert: weight 0 on a clamped local id (shapes stay fixed, nothing reads the host)
             local = ids - self.first_expert
@@ -126,15 +122,10 @@ class Experts(ShardLoading):
             return fn(x, self.up_proj, self.down_proj, w, ids, up_scale=self.up_proj_scale,
                       down_scale=self.down_proj_scale)
         su, sd = shared if shared is not None else (None, None)
-        return fn(x, self.up_proj, self.down_proj, w, ids, su, sd, partial_sum=partial_sum)
+        return fn(x, self.up_proj, self.down_proj, w, ids, su, sd)
 
 
 class MoE(nn.Module):
-    # whether the folded shared expert's decode path hands its split down GEMV's float32 rows to the next
-    # block's add_rms_norm (RowPartials) instead of summing them in a combine kernel; `bench_model.py` times
-    # both in one run (its "MoE partials A/B")
-    sum_in_norm: bool = True
-
     def __init__(self, cfg: HybridModelConfig, *, device=None, dtype=None) -> None:
         super().__init__()
         h = cfg.hidden_size
@@ -156,15 +147,13 @@ class MoE(nn.Module):
             self.fc1_latent_proj = ReplicatedLinear(h, d, bias=cfg.mlp_bias, device=device, dtype=dtype)
             self.fc2_latent_proj = ReplicatedLinear(d, h, bias=cfg.mlp_bias, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, meta: object = None, cache: object = None) -> torch.Tensor | RowPartials:
-        """x: [T, hidden] -> [T, hidden], or `RowPartials` that the next block's add_rms_norm sums (the folded
-        shared expert's decode path: its experts and shared expert leave one float32 row each). `meta` /
-        `cache` are unused (the mixer signature; MoE keeps no state)."""
+    def forward(self, x: torch.Tensor, meta: object = None, cache: object = None) -> torch.Tensor:
+        """x: [T, hidden]. `meta` / `cache` are unused (the mixer signature; MoE keeps no state)."""
         w, ids = self.gate(x)
         s = self.shared_experts
         # FP8 weights (experts or the shared MLP, converted after __init__) keep the shared expert as the MLP
         if self.fold_shared and self.experts.quant is None and s.up_proj.quant is None and s.down_proj.quant is None:
-            return self.experts(x, w, ids, (s.up_proj.weight, s.down_proj.weight), partial_sum=self.sum_in_norm)
+            return self.experts(x, w, ids, (s.up_proj.weight, s.down_proj.weight))
         r = self.fc1_latent_proj(x) if self.latent else x
         r = self.experts(r, w, ids)
         if self.tp.size > 1:

@@ -7,8 +7,6 @@ Each block is pre-norm + mixer + residual; the mixer is one of Mamba2, attention
 
 A block's residual add runs fused with the next norm (`add_rms_norm`: one kernel on CUDA), so a block
 returns its mixer output and the residual stream it was given, and the next norm (or norm_f) adds them.
-A mixer output may come as `RowPartials` (the MoE decode path's float32 rows per expert), which that norm
-sums as it loads them (docs/architecture.md, "Partial sums summed by the next norm").
 
 Tensor parallel (docs/architecture.md, "Parallelism"): the layers take their group from
 `hyserve.distributed` when built (so `init_distributed` comes first); the embedding and lm_head are
@@ -25,7 +23,6 @@ import torch
 from torch import nn
 
 from hyserve.distributed import tp_group
-from hyserve.kernels.row_partials import RowPartials
 from hyserve.model.attention import Attention
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.config import LAYER_ATTENTION, LAYER_MAMBA, LAYER_MLP, LAYER_MOE, HybridModelConfig
@@ -75,12 +72,11 @@ class HybridBlock(nn.Module):
         self.mixer = MIXERS[self.kind](cfg, layer_id, device=device, dtype=dtype)
 
     def forward(
-        self, x: torch.Tensor | RowPartials, residual: torch.Tensor | None, meta: ForwardMeta, cache: CacheTensors
-    ) -> tuple[torch.Tensor | RowPartials, torch.Tensor]:
+        self, x: torch.Tensor, residual: torch.Tensor | None, meta: ForwardMeta, cache: CacheTensors
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous block's mixer output (or the embeddings when residual is None), residual: the
         stream before that block's add. Returns (this block's mixer output, its residual stream)."""
-        if residual is None:  # the embeddings (a tensor)
-            assert isinstance(x, torch.Tensor)
+        if residual is None:
             h = x
             x = self.norm(h)
         else:
@@ -115,12 +111,11 @@ class NemotronHForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: ForwardMeta, cache: CacheTensors) -> torch.Tensor:
         """input_ids: [T] packed new tokens -> final-normed hidden states [T, hidden]."""
-        x: torch.Tensor | RowPartials = self.backbone.embeddings(input_ids)
+        x = self.backbone.embeddings(input_ids)
         residual: torch.Tensor | None = None
         for layer in self.backbone.layers:
             x, residual = layer(x, residual, meta, cache)
         if residual is None:  # no layers
-            assert isinstance(x, torch.Tensor)
             return self.backbone.norm_f(x)
         return self.backbone.norm_f.add_forward(x, residual)[0]
 

@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 from hyserve.kernels import ops
-from hyserve.kernels.row_partials import RowPartials
 
 
 class RMSNorm(nn.Module):
@@ -18,7 +17,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.get("rms_norm", x.is_cuda)(x, self.weight, self.eps)
 
-    def add_forward(self, x: torch.Tensor | RowPartials, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x): the previous block's residual add fused with this norm (x as
-        `RowPartials`: summed as it is loaded)."""
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the previous block's residual add fused with this norm."""
         return ops.get("add_rms_norm", x.is_cuda)(x, residual, self.weight, self.eps)
