@@ -10,6 +10,7 @@ package is installed).
     python benchmarks/bench_kernels.py --only ssd_sweep      # SSD block-size alternatives (not in the default run)
     python benchmarks/bench_kernels.py --only attn_sweep     # paged attention launch alternatives (idem)
     python benchmarks/bench_kernels.py --only linear_sweep   # fused small-batch linear alternatives (idem)
+    python benchmarks/bench_kernels.py --only fp8_gemv_sweep # its channel-scaled FP8 GEMV settings alone (idem)
     python benchmarks/bench_kernels.py --only fp8_linear     # FP8 GEMM vs bf16 cuBLAS at M = 1, 64, 8192
     python benchmarks/bench_kernels.py --only attn_rounds --rounds 5   # 8k prefill attention settings and
                                                                      # SDPA in turn: the spread in one run
@@ -339,38 +340,46 @@ def bench_linear(b: Bench) -> None:
 # default in triton_fused_linear.py): channel scales, then block scales (BLOCK_K divides 128).
 _FP8_GEMV_SWEEP = {
     "channel": [(4, 1024, 4, 3), (8, 1024, 4, 3), (8, 512, 4, 4), (16, 512, 4, 3), (4, 2048, 4, 2), (8, 1024, 8, 3),
-                (2, 2048, 4, 3), (16, 256, 4, 4)],
+                (2, 2048, 4, 3), (16, 256, 4, 4),
+                # long rows, few output columns (down_proj, out_proj): more programs, shorter tiles, fewer warps
+                (1, 2048, 2, 3), (1, 4096, 4, 2), (1, 1024, 1, 4), (2, 1024, 2, 4), (2, 2048, 2, 3), (2, 4096, 4, 2),
+                (4, 1024, 2, 4), (4, 512, 2, 6), (8, 512, 2, 4)],
     "block": [(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 6), (32, 128, 8, 4), (8, 128, 4, 6), (64, 128, 8, 3)],
 }
 
 
-def _bench_fp8_gemv_sweep(b: Bench) -> None:
-    """One row through the FP8 GEMV at the Nano 9B v2 in_proj and down_proj, per launch setting, bytes read
-    (e4m3 weight + float32 scales) against the read ceiling, checked first against the float64 product of x
-    and the dequantised weight; bf16 cuBLAS on the dequantised weight beside it."""
+def _bench_fp8_gemv_sweep(b: Bench, schemes: tuple[str, ...] = ("channel", "block")) -> None:
+    """One row through the FP8 GEMV at the Nano 9B v2 in_proj, down_proj and out_proj, per launch setting,
+    bytes read (e4m3 weight + float32 scales) against the read ceiling, checked first against the float64
+    product of x and the dequantised weight; bf16 cuBLAS on the dequantised weight beside it. A replay reads
+    several copies of the weight in turn (256 MB in all), so the out_proj's 46 MB is not served from L2."""
     import torch.nn.functional as F
 
     import hyserve.kernels.triton_fused_linear as tfl
     from hyserve.kernels.fp8_linear import dequantize_weight_ref, quantize_weight_ref
 
-    shapes = ((22912, 4480), (4480, 15680)) if not b.dry else ((72, 96),)
+    shapes = ((22912, 4480), (4480, 15680), (4480, 10240)) if not b.dry else ((72, 96),)
     for n, k in shapes:
         w16, x = b.rnd(n, k, scale=k**-0.5), b.rnd(1, k)
-        for scheme, settings in _FP8_GEMV_SWEEP.items():
+        copies = 1 if b.dry else -(-_L2_DEFEAT_BYTES // (n * k))
+        for scheme in schemes:
+            settings = _FP8_GEMV_SWEEP[scheme]
             q, sc = quantize_weight_ref(w16, scheme)
+            qs = [q] + [q.clone() for _ in range(copies - 1)]
             wd = dequantize_weight_ref(q, sc)
             want = x.double() @ wd.double().T
             w16d = wd.to(x.dtype)
             base_ms = b.graph_ms(lambda w16d=w16d: F.linear(x, w16d))
-            nbytes = q.numel() + sc.numel() * 4
+            nbytes = (q.numel() + sc.numel() * 4) * copies
             saved = tfl.gpu_settings
             for cfg in settings if not b.dry else settings[:1]:
                 tag = "[N{} K{} w{} s{}]".format(*cfg)
-                label = f"fp8 {scheme} GEMV {k}->{n}, 1 row {tag}"
+                label = f"fp8 {scheme} GEMV {k}->{n}, 1 row" + (f" ({copies} weights in turn)" if copies > 1 else "") \
+                    + f" {tag}"
                 try:
                     setting = dict(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
                     tfl.gpu_settings = lambda w_scale, k, n, s=setting: s
-                    fn = lambda q=q, sc=sc: tfl.gemv_fp8(x, q, sc, None, False)  # noqa: E731
+                    fn = lambda qs=qs, sc=sc: [tfl.gemv_fp8(x, qi, sc, None, False) for qi in qs][-1]  # noqa: E731
                     if not b.check(label, fn(), want, 1e-2, 1e-2):
                         continue
                     ms = b.graph_ms(fn)
@@ -385,6 +394,11 @@ def _bench_fp8_gemv_sweep(b: Bench) -> None:
 def bench_linear_sweep(b: Bench) -> None:
     _bench_linear(b, sweep=True)
     _bench_fp8_gemv_sweep(b)
+
+
+def bench_fp8_gemv_sweep(b: Bench) -> None:
+    """The FP8 GEMV's channel-scaled settings alone (`--only fp8_gemv_sweep`)."""
+    _bench_fp8_gemv_sweep(b, ("channel",))
 
 
 # --------------------------------------------------------------------------- FP8 linear
@@ -1084,7 +1098,8 @@ def _host_ms(b: Bench, fn, calls: int = 50) -> float:
 
 SUITES = {"ssm": bench_ssm, "conv": bench_conv, "norm": bench_norms, "linear": bench_linear, "attn": bench_attn,
           "ssd": bench_ssd, "ssd_sweep": bench_ssd_sweep, "attn_sweep": bench_attn_sweep,
-          "linear_sweep": bench_linear_sweep, "attn_rounds": bench_attn_rounds, "fp8_linear": bench_fp8_linear}
+          "linear_sweep": bench_linear_sweep, "fp8_gemv_sweep": bench_fp8_gemv_sweep, "attn_rounds": bench_attn_rounds,
+          "fp8_linear": bench_fp8_linear}
 DEFAULT_SUITES = [k for k in SUITES if not k.endswith(("_sweep", "_rounds"))]  # sweeps retune launch settings: on request
 
 
