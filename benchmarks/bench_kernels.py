@@ -241,8 +241,8 @@ def bench_norms(b: Bench) -> None:
 # --------------------------------------------------------------------------- fused small-batch linears
 
 # Alternative launch settings for `triton_fused_linear`, timed by `--only linear_sweep` (the first entry
-# is the default): (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K]).
-_LINEAR_SWEEP: list[tuple[int, ...]] = [
+# is the default): (BLOCK_N, BLOCK_K, num_warps, num_stages).
+_LINEAR_SWEEP: list[tuple[int, int, int, int]] = [
     (4, 512, 4, 3), (8, 512, 4, 4), (8, 512, 4, 3), (16, 256, 4, 3), (16, 256, 4, 4), (8, 256, 4, 4), (8, 256, 4, 3),
     (4, 512, 4, 4), (16, 512, 4, 2), (4, 1024, 4, 2), (16, 512, 4, 3),
     # short tiles on few warps, more programs in flight (the MoE decode GEMVs' best on the H100, 1303d9a)
@@ -250,19 +250,7 @@ _LINEAR_SWEEP: list[tuple[int, ...]] = [
     # one stage: the tile straight into registers, no cp.async ring (the MoE GEMVs' Nsight Compute profile on
     # the H100 showed MIO-queue and shared-memory stalls and occupancy capped by shared memory)
     (4, 512, 2, 1), (8, 512, 4, 1), (2, 1024, 2, 1), (8, 256, 2, 1),
-    # split-K: K slices of the row per program, the tile's last program adds the partials (few output columns)
-    (8, 512, 4, 3, 2), (8, 512, 4, 3, 4), (16, 256, 4, 3, 4), (4, 512, 2, 4, 2), (16, 512, 4, 3, 4),
 ]
-
-
-def _sweep_setting(cfg: tuple[int, ...]) -> tuple[dict[str, int], str]:
-    """A sweep tuple as `gpu_settings` returns it, and its tag."""
-    setting = dict(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
-    tag = " [N{} K{} w{} s{}".format(*cfg[:4])
-    if len(cfg) > 4:
-        setting["SPLIT_K"] = cfg[4]
-        tag += f" S{cfg[4]}"
-    return setting, tag + "]"
 
 
 def _linear_cases(b: Bench):
@@ -326,9 +314,10 @@ def _bench_linear(b: Bench, sweep: bool) -> None:
         b.roof(f"{label}: {base}", nbytes / (base_ms * 1e-3), "B/s", "read", "bytes-read ceiling", time_ms=base_ms)
         saved = tfl.gpu_settings
         for cfg in configs:
-            setting, tag = _sweep_setting(cfg) if cfg is not None else ({}, "")
+            tag = "" if cfg is None else " [N{} K{} w{} s{}]".format(*cfg)
             try:
                 if cfg is not None:
+                    setting = dict(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
                     tfl.gpu_settings = lambda w_scale, k, n, s=setting: s
                 if not b.check(f"{label}: {variant}{tag}", fused(), ref, 2e-2, 2e-2):
                     continue
@@ -354,10 +343,7 @@ _FP8_GEMV_SWEEP = {
                 (2, 2048, 4, 3), (16, 256, 4, 4),
                 # long rows, few output columns (down_proj, out_proj): more programs, shorter tiles, fewer warps
                 (1, 2048, 2, 3), (1, 4096, 4, 2), (1, 1024, 1, 4), (2, 1024, 2, 4), (2, 2048, 2, 3), (2, 4096, 4, 2),
-                (4, 1024, 2, 4), (4, 512, 2, 6), (8, 512, 2, 4),
-                # split-K (see _LINEAR_SWEEP)
-                (16, 512, 4, 3, 2), (16, 512, 4, 3, 4), (8, 512, 4, 4, 4), (16, 512, 4, 3, 8), (8, 1024, 4, 3, 4),
-                (4, 1024, 4, 3, 4), (8, 512, 2, 4, 4), (16, 256, 4, 4, 4), (4, 2048, 4, 3, 2)],
+                (4, 1024, 2, 4), (4, 512, 2, 6), (8, 512, 2, 4)],
     "block": [(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 6), (32, 128, 8, 4), (8, 128, 4, 6), (64, 128, 8, 3)],
 }
 
@@ -386,11 +372,12 @@ def _bench_fp8_gemv_sweep(b: Bench, schemes: tuple[str, ...] = ("channel", "bloc
             base_ms = b.graph_ms(lambda w16d=w16d: F.linear(x, w16d))
             nbytes = (q.numel() + sc.numel() * 4) * copies
             saved = tfl.gpu_settings
-            for cfg in settings if not b.dry else [settings[0], settings[-1]]:
-                setting, tag = _sweep_setting(cfg)
+            for cfg in settings if not b.dry else settings[:1]:
+                tag = "[N{} K{} w{} s{}]".format(*cfg)
                 label = f"fp8 {scheme} GEMV {k}->{n}, 1 row" + (f" ({copies} weights in turn)" if copies > 1 else "") \
-                    + tag
+                    + f" {tag}"
                 try:
+                    setting = dict(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
                     tfl.gpu_settings = lambda w_scale, k, n, s=setting: s
                     fn = lambda qs=qs, sc=sc: [tfl.gemv_fp8(x, qi, sc, None, False) for qi in qs][-1]  # noqa: E731
                     if not b.check(label, fn(), want, 1e-2, 1e-2):

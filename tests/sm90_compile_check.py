@@ -197,17 +197,6 @@ def _fp8(dt: torch.dtype) -> None:
             fp8_linear_triton(torch.randn(m, k).to(act), q, s, None)
         for m in (1, 65):  # the MLP's down_proj: relu^2 in the decode tiles and in the activation quantisation
             fp8_linear_triton(torch.randn(m, k).to(act), q, s, None, relu2=True)
-    # the one-row GEMV split along K (a sweep setting, `SPLIT_K`), FP8 channel scales and 16-bit
-    import hyserve.kernels.triton_fused_linear as tfl
-
-    settings = tfl.gpu_settings
-    tfl.gpu_settings = lambda w_scale, kk, nn: dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3, SPLIT_K=4)
-    try:
-        q, s = quantize_weight_ref(torch.empty(HIDDEN, 15680).uniform_(-1, 1), "channel")
-        tfl.gemv_fp8(torch.randn(1, 15680).to(act), q, s, None, True)
-        tfl.linear_triton(torch.randn(1, 15680).to(act), torch.randn(HIDDEN, 15680).to(act), None)
-    finally:
-        tfl.gpu_settings = settings
 
 
 def _moe_fp8(dt: torch.dtype) -> None:

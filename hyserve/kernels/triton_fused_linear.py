@@ -83,75 +83,45 @@ def _gemv_tile(x_ptr, w, ws_ptr, s_ws, offs_n, mask_n, kk, mask_k, k0, RELU2: tl
 
 
 @triton.jit
-def _gemv_store(acc, b_ptr, out_ptr, ws_ptr, offs_n, mask_n, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr):
-    """The row's float32 K sum -> out: times the channel scales (W_SCALE 1), plus the bias, rounded once."""
-    if W_SCALE == 1:
-        acc = acc * tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
-
-
-@triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, N, K, s_w, ws_ptr, s_ws, part_ptr, cnt_ptr, k_split,
+    x_ptr, w_ptr, b_ptr, out_ptr, N, K, s_w, ws_ptr, s_ws,
     RELU2: tl.constexpr, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-    SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """W_SCALE 0: a 16-bit weight. FP8 weights (triton_fp8_linear.py, one row): 1, e4m3 rows times their
     channel scales ws[n] after the K sum; 2, [128, 128] block scales ws[n // 128, k // 128] on each K tile's
     partial (BLOCK_K divides 128, so a tile lies in one scale block).
     No kernel writes the weight, so its first PREFETCH (1 or 2) K tiles are loaded before the PDL wait:
-    with programmatic dependent launch those bytes are in flight while the kernel before this one finishes.
-    SPLIT_K > 1 (long rows, few output columns): program pid owns columns tile = pid // SPLIT_K and the K
-    slice s = pid % SPLIT_K of k_split (a multiple of BLOCK_K) columns; it stores its float32 partial in
-    part[s, :], and the tile's last program to arrive (an acq_rel counter per tile, cnt, left at 0 again)
-    adds the SPLIT_K partials in slice order, so the result does not depend on the arrival order."""
+    with programmatic dependent launch those bytes are in flight while the kernel before this one finishes."""
     pid = tl.program_id(0)
-    if SPLIT_K > 1:
-        tile = pid // SPLIT_K
-        s = pid % SPLIT_K
-        k_lo = s * k_split
-        k_hi = tl.minimum(K, k_lo + k_split)
-    else:
-        tile = pid
-        k_lo = 0
-        k_hi = K
-    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = k_lo + tl.arange(0, BLOCK_K)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
     w_rows = w_ptr + offs_n[:, None] * s_w
-    mask_k0 = offs_k < k_hi
+    mask_k0 = offs_k < K
     w0 = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k0[None, :], other=0.0)
     if PREFETCH >= 2:
         kk1 = BLOCK_K + offs_k
-        mask_k1 = kk1 < k_hi
+        mask_k1 = kk1 < K
         w1 = tl.load(w_rows + kk1[None, :], mask=mask_n[:, None] & mask_k1[None, :], other=0.0)
     pdl_enter(PDL)
     # reduced over K once, after the loop
-    part = _gemv_tile(x_ptr, w0, ws_ptr, s_ws, offs_n, mask_n, offs_k, mask_k0, k_lo, RELU2, W_SCALE)
+    part = _gemv_tile(x_ptr, w0, ws_ptr, s_ws, offs_n, mask_n, offs_k, mask_k0, 0, RELU2, W_SCALE)
     if PREFETCH >= 2:  # (a second tile past K reads no block scale: its column would lie past the last)
-        part += _gemv_tile(x_ptr, w1, ws_ptr, s_ws, offs_n, mask_n & (k_lo + BLOCK_K < k_hi), kk1, mask_k1,
-                           k_lo + BLOCK_K, RELU2, W_SCALE)
-    for k0 in tl.range(k_lo + PREFETCH * BLOCK_K, k_hi, BLOCK_K, num_stages=NUM_STAGES):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        mask_k = kk < k_hi
+        part += _gemv_tile(x_ptr, w1, ws_ptr, s_ws, offs_n, mask_n & (BLOCK_K < K), kk1, mask_k1, BLOCK_K, RELU2,
+                           W_SCALE)
+    for k0 in tl.range(PREFETCH * BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
+        kk = k0 + offs_k
+        mask_k = kk < K
         w = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         part += _gemv_tile(x_ptr, w, ws_ptr, s_ws, offs_n, mask_n, kk, mask_k, k0, RELU2, W_SCALE)
     acc = tl.sum(part, axis=1)
-    if SPLIT_K > 1:
-        tl.store(part_ptr + s * N + offs_n, acc, mask=mask_n)
-        tl.debug_barrier()  # every thread's partial is stored before the counter's release
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for j in tl.static_range(SPLIT_K):  # past L1 (.cg): written by other programs
-                total += tl.load(part_ptr + j * N + offs_n, mask=mask_n, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(cnt_ptr + tile, 0)
-            _gemv_store(total, b_ptr, out_ptr, ws_ptr, offs_n, mask_n, HAS_BIAS, W_SCALE)
-    else:
-        _gemv_store(acc, b_ptr, out_ptr, ws_ptr, offs_n, mask_n, HAS_BIAS, W_SCALE)
+    if W_SCALE == 1:
+        acc = acc * tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 def _gpu(x: torch.Tensor) -> bool:
@@ -181,38 +151,14 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu
     w_scale = 0 if weight_scale is None else (1 if weight_scale.dim() == 1 else 2)
     cfg = dict(gpu_settings(w_scale, K, N) if _gpu(x) else _CPU)
     stages = cfg.pop("num_stages")
-    tiles = triton.cdiv(N, cfg["BLOCK_N"])
-    split = cfg.pop("SPLIT_K", 1) if tiles <= _MAX_SPLIT_TILES else 1
-    # K slices of whole tiles; SPLIT_K partial rows and the tiles' arrival counters (see _gemv_kernel)
-    k_split = triton.cdiv(triton.cdiv(K, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    part = torch.empty(split, N, dtype=torch.float32, device=x.device) if split > 1 else out
-    cnt = _split_counters(x.device, tiles) if split > 1 else out
     ws = weight_scale if weight_scale is not None else weight
-    _gemv_kernel[(tiles * split,)](
+    _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
         x, weight, bias if bias is not None else weight, out, N, K, weight.stride(0), ws,
-        ws.stride(0) if w_scale == 2 else 0, part, cnt, k_split,
+        ws.stride(0) if w_scale == 2 else 0,
         RELU2=relu2, HAS_BIAS=bias is not None, W_SCALE=w_scale, NUM_STAGES=stages,
-        PREFETCH=PREFETCH_TILES, SPLIT_K=split, **cfg, **pdl(x),
+        PREFETCH=PREFETCH_TILES, **cfg, **pdl(x),
     )
     return out
-
-
-# the split-K GEMV's arrival counters per device (a split launch has at most this many column tiles; one
-# with more runs unsplit): allocated once and never replaced, since captured graphs hold their address
-_MAX_SPLIT_TILES = 1 << 16
-_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The split-K GEMV's arrival counters on `device`, zero between launches (each tile's last program
-    resets its own). Shared by every split GEMV on the device: the kernels of a step run one after another
-    on one stream (with PDL a kernel touches them only after its wait, when the one before has finished).
-    Allocated by the first such launch, which the warm-up makes before any graph is captured."""
-    assert tiles <= _MAX_SPLIT_TILES
-    key = (device.type, device.index)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
 
 
 def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
