@@ -11,6 +11,7 @@ package is installed).
     python benchmarks/bench_kernels.py --only attn_sweep     # paged attention launch alternatives (idem)
     python benchmarks/bench_kernels.py --only linear_sweep   # fused small-batch linear alternatives (idem)
     python benchmarks/bench_kernels.py --only fp8_gemv_sweep # its channel-scaled FP8 GEMV settings alone (idem)
+    python benchmarks/bench_kernels.py --only linear_30b_sweep  # its 16-bit settings at the 30B-A3B shapes alone
     python benchmarks/bench_kernels.py --only fp8_linear     # FP8 GEMM vs bf16 cuBLAS at M = 1, 64, 8192
     python benchmarks/bench_kernels.py --only attn_rounds --rounds 5   # 8k prefill attention settings and
                                                                      # SDPA in turn: the spread in one run
@@ -301,11 +302,14 @@ def _linear_cases(b: Bench):
 _L2_DEFEAT_BYTES = 256 * 2**20
 
 
-def _bench_linear(b: Bench, sweep: bool) -> None:
+def _bench_linear(b: Bench, sweep: bool, only: str = "") -> None:
+    """`only`: the cases whose name holds it (all when empty)."""
     import hyserve.kernels.triton_fused_linear as tfl
 
     configs = _LINEAR_SWEEP if sweep and not b.dry else [None]
     for name, w, variant, fused, unfused, exact, copies in _linear_cases(b):
+        if only not in name:
+            continue
         nbytes = w.numel() * w.element_size() * copies  # a replay reads each of `copies` weights once
         label = f"{name} {w.shape[1]}->{w.shape[0]}, 1 row" + (f" ({copies} weights in turn)" if copies > 1 else "")
         ref = exact()
@@ -394,6 +398,12 @@ def _bench_fp8_gemv_sweep(b: Bench, schemes: tuple[str, ...] = ("channel", "bloc
 def bench_linear_sweep(b: Bench) -> None:
     _bench_linear(b, sweep=True)
     _bench_fp8_gemv_sweep(b)
+
+
+def bench_linear_30b_sweep(b: Bench) -> None:
+    """The 16-bit sweep at the Nemotron 3 Nano 30B-A3B projections alone (`--only linear_30b_sweep`; the dry
+    run's tiny cases hold none)."""
+    _bench_linear(b, sweep=True, only="30B-A3B")
 
 
 def bench_fp8_gemv_sweep(b: Bench) -> None:
@@ -1098,7 +1108,7 @@ def _host_ms(b: Bench, fn, calls: int = 50) -> float:
 
 SUITES = {"ssm": bench_ssm, "conv": bench_conv, "norm": bench_norms, "linear": bench_linear, "attn": bench_attn,
           "ssd": bench_ssd, "ssd_sweep": bench_ssd_sweep, "attn_sweep": bench_attn_sweep,
-          "linear_sweep": bench_linear_sweep, "fp8_gemv_sweep": bench_fp8_gemv_sweep, "attn_rounds": bench_attn_rounds,
+          "linear_sweep": bench_linear_sweep, "fp8_gemv_sweep": bench_fp8_gemv_sweep, "linear_30b_sweep": bench_linear_30b_sweep, "attn_rounds": bench_attn_rounds,
           "fp8_linear": bench_fp8_linear}
 DEFAULT_SUITES = [k for k in SUITES if not k.endswith(("_sweep", "_rounds"))]  # sweeps retune launch settings: on request
 
