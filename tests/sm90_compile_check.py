@@ -167,7 +167,8 @@ def _moe(dt: torch.dtype) -> None:
         tm.moe_experts_triton(x, w_up, w_down, torch.rand(T, top_k), ids, su, sd, config=cfg)
         if cfg["variant"] == "gemv" and T == 1:  # both forms of the decode GEMVs (EARLY: see triton_moe.py)
             for early in (0, 1):
-                alt = dict(cfg, up=dict(cfg["up"], EARLY=early), down=dict(cfg["down"], FLAT=1, EARLY=early))
+                flat = {k: v for k, v in cfg["down"].items() if k != "SPLIT"}  # (a tuned entry may be split)
+                alt = dict(cfg, up=dict(cfg["up"], EARLY=early), down=dict(flat, FLAT=1, EARLY=early))
                 tm.moe_experts_triton(x, w_up, w_down, torch.rand(T, top_k), ids, su, sd, config=alt)
             # and the down GEMV split by slot, with the combine after it
             split = dict(cfg, down=dict(BLOCK_N=4, BLOCK_K=128, num_warps=2, num_stages=8, SPLIT=1))
