@@ -142,6 +142,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         model, kv_scales, fp8=kv_dtype in FP8_KV_DTYPES, dummy=fmt == "dummy", source=config.cache.kv_scales
     )
     model.eval()  # type: ignore[attr-defined]
+    family.finish_load(model)
     if quant is not None and device.type == "cuda":
         torch.cuda.empty_cache()  # the 16-bit tensors quantised on the device: their blocks back to free memory
     total, fp8 = tensor_bytes(model)  # type: ignore[arg-type]

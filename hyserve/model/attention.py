@@ -11,6 +11,12 @@ stays capturable in a CUDA graph.
 
 Under tensor parallelism a rank holds num_attention_heads / tp query heads and the KV heads they read
 (its KV cache holds only those), and o_proj all-reduces the ranks' partial outputs.
+
+q_proj, k_proj and v_proj stay three modules (each loads, quantises and is calibrated on its own), but once
+the weights are in place `pack_qkv` puts their 16-bit weights (and biases) in one buffer, each parameter a
+view of its rows, and the layer projects all three with one `linear` call: at batch 1 on CUDA one GEMV
+launch instead of three, the narrow k and v ones no longer a kernel each (docs/architecture.md, "Packed
+QKV").
 """
 
 from __future__ import annotations
@@ -66,6 +72,11 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, h, **kw)
         self.num_heads = self.q_proj.out_features // d  # this rank's
         self.num_kv_heads = self.k_proj.out_features // d
+        # (weight, bias) of q, k and v in one buffer once `pack_qkv` ran; plain attributes, not parameters (the
+        # modules' parameters are views of them). `use_packed_qkv` off: three calls (the KV calibration's
+        # hooks on k_proj / v_proj see their outputs; kv_scales.record_kv_amax)
+        self.packed_qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.use_packed_qkv = True
         # float32 whatever the model dtype; used only with a float8 KV pool
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32, device=device), persistent=False)
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32, device=device), persistent=False)
@@ -80,12 +91,45 @@ class Attention(nn.Module):
         self.k_scale.fill_(float(k_scale))
         self.v_scale.fill_(float(v_scale))
 
+    @torch.no_grad()
+    def pack_qkv(self) -> bool:
+        """Move the q, k and v weights (and biases) into one buffer of their rows in that order, each module's
+        parameter becoming a view of its rows (loaders and in-place updates keep writing where the packed
+        projection reads). Call once the weights are loaded and the model is on its device. FP8 or mixed
+        weights stay three projections. Returns whether the layer is packed."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        w0 = self.q_proj.weight
+        if any(p.quant is not None or p.weight.dtype != w0.dtype or p.weight.device != w0.device for p in projs):
+            return False
+        if len({p.bias is None for p in projs}) != 1:
+            return False
+        if self.packed_qkv is None:
+            w = torch.cat([p.weight for p in projs])
+            b = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None  # type: ignore[misc]
+            sizes = [p.weight.shape[0] for p in projs]
+            for p, rows in zip(projs, w.split(sizes)):
+                p.weight.data = rows
+            if b is not None:
+                for p, rows in zip(projs, b.split(sizes)):
+                    p.bias.data = rows  # type: ignore[union-attr]
+            self.packed_qkv = (w, b)
+        return True
+
+    def _project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        T = x.shape[0]
+        if self.packed_qkv is not None and self.use_packed_qkv:
+            w, b = self.packed_qkv
+            qkv = ops.get("linear", x.is_cuda)(x, w, b)
+            q, k, v = qkv.split([self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return (q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim),
+                v.view(T, self.num_kv_heads, self.head_dim))
+
     def forward(self, x: torch.Tensor, meta: ForwardMeta, cache: CacheTensors) -> torch.Tensor:
         k_cache, v_cache = cache.k[self.layer_id], cache.v[self.layer_id]
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k, v = self._project_qkv(x)
         cuda = x.is_cuda
         # the scales only mean something for a quantised pool; 16/32-bit pools hold K/V as they are
         kv_scales = {"k_scale": self.k_scale, "v_scale": self.v_scale} if k_cache.dtype in FP8_KV_DTYPES else {}

@@ -150,16 +150,19 @@ def record_kv_amax(model: NemotronHForCausalLM) -> Iterator[dict[int, torch.Tens
     nothing, so the forward's results are unchanged; they are removed on exit, also after an error."""
     amax: dict[int, torch.Tensor] = {}
     handles = []
+    mixers = [_mixer(model, i) for i in model.config.attention_layer_ids]
     try:
-        for i in model.config.attention_layer_ids:
-            mixer = _mixer(model, i)
+        for i, mixer in zip(model.config.attention_layer_ids, mixers):
             amax[i] = torch.zeros(2, dtype=torch.float32, device=mixer.k_scale.device)
+            mixer.use_packed_qkv = False  # the three projections called as modules, so the hooks run
             for j, proj in enumerate((mixer.k_proj, mixer.v_proj)):
                 handles.append(proj.register_forward_hook(_amax_hook(amax[i], j)))
         yield amax
     finally:
         for h in handles:
             h.remove()
+        for mixer in mixers:
+            mixer.use_packed_qkv = True
 
 
 def _amax_hook(acc: torch.Tensor, j: int):

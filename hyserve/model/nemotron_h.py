@@ -119,6 +119,11 @@ class NemotronHForCausalLM(nn.Module):
             return self.backbone.norm_f(x)
         return self.backbone.norm_f.add_forward(x, residual)[0]
 
+    def pack_weights(self) -> int:
+        """Layouts for serving, once the weights are in place on their device: each attention layer's q, k and
+        v weights in one buffer (`Attention.pack_qkv`). Returns how many layers were packed."""
+        return sum(m.pack_qkv() for m in self.modules() if isinstance(m, Attention))
+
     @property
     def graph_capturable(self) -> bool:
         """A decode step's kernels and shapes do not depend on host values on CUDA (the MoE layers route,

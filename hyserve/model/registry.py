@@ -51,6 +51,8 @@ class ModelFamily:
     with_quant: Callable[[Any, QuantConfig | None], ModelSpec]
     # (parsed config, run dtype) -> bytes of the weights at tp_size 1 in that format (the pre-load check)
     weight_bytes: Callable[[Any, torch.dtype], int]
+    # (model) once its weights are loaded on its device: serving layouts (NemotronH: packed q/k/v weights)
+    finish_load: Callable[[Any], None] = lambda model: None
 
 
 _FAMILIES: list[ModelFamily] = [
@@ -68,6 +70,7 @@ _FAMILIES: list[ModelFamily] = [
         with_cache_dtypes=lambda cfg, **kw: cfg.with_cache_dtypes(**kw),
         with_quant=lambda cfg, quant: cfg.with_quant(quant),
         weight_bytes=lambda cfg, dtype: weight_bytes(cfg, dtype),
+        finish_load=lambda model: model.pack_weights(),
     ),
 ]
 
