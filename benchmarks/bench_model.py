@@ -211,7 +211,7 @@ def make_plan(model_dir: Path, *, num_layers: int | None, weight_budget: float |
 
 def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, records: list, notes: list,
                   *, time_init: bool = False, quantization: str | None = None, launch_ab: bool = True) -> None:
-    """The engine figures of one weight format. launch_ab: also the PDL and GEMV-settings A/Bs
+    """The engine figures of one weight format. launch_ab: also the PDL, GEMV-settings and packed-QKV A/Bs
     of the decode step (graphs captured fresh; off for the whole Nemotron 3 Super in FP8, to keep that run
     short)."""
     moe = num_moe_layers(cfg) > 0
@@ -300,6 +300,7 @@ def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, r
     if plan.device != "cpu" and launch_ab:
         pdl_ab(eng, plan.batches, cfg.vocab_size, records, notes)
         gemv_settings_ab(eng, cfg.vocab_size, records, notes)
+        packed_qkv_ab(eng, cfg.vocab_size, records, notes)
     if time_init:
         init_times(eng.runner.model, cfg, records)
     from hyserve.kernels import ops
@@ -462,6 +463,26 @@ def batch1_ab(eng, vocab_size: int, records: list, notes: list, set_form, labels
     del got
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def packed_qkv_ab(eng, vocab_size: int, records: list, notes: list) -> None:
+    """Attention's q, k and v projected as three calls against one over the packed weight (`Attention.pack_qkv`,
+    the engine's form where the weights allow it)."""
+    from hyserve.model.attention import Attention
+
+    layers = [m for m in eng.runner.model.modules() if isinstance(m, Attention) and m.packed_qkv is not None]
+    if not layers:
+        notes.append("packed QKV A/B not run (no packed attention layer)")
+        return
+
+    def set_form(form):
+        for m in layers:
+            m.use_packed_qkv = form != "three"
+
+    batch1_ab(eng, vocab_size, records, notes, set_form, ("three", "packed"), "QKV as three projections / packed",
+              "three projections, same run",
+              lambda three, packed: f"packed QKV A/B batch 1: graph replay {packed:.0f} us with q, k and v in one "
+                                    f"projection, {three:.0f} us with three ({len(layers)} attention layers)")
 
 
 def _gemv_settings_before_fdb35a5(w_scale: int, k: int, n: int) -> dict[str, int]:
