@@ -74,6 +74,21 @@ def test_a_weight_loaded_after_packing_reaches_the_packed_buffer(tiny: Path) -> 
     torch.testing.assert_close(k.reshape(3, -1), x @ new.T)
 
 
+def test_a_converted_model_packs_its_new_weights(tiny: Path) -> None:
+    """`to(dtype)` replaces every parameter: the layer packs the new ones, never reading the old buffer."""
+    llm = LLM(str(tiny), device="cpu", dtype="float32", max_seq_len=256)
+    m = _attention(llm)[0]
+    old = m.packed_qkv[0]
+    m.to(torch.float64)
+    w = m.packed_qkv[0]
+    assert w.dtype == torch.float64 and w.data_ptr() != old.data_ptr()
+    assert m.q_proj.weight.data_ptr() == w.data_ptr()
+    torch.testing.assert_close(w, old.double())
+    x = torch.randn(2, m.q_proj.in_features, dtype=torch.float64)
+    q, _, v = m._project_qkv(x)
+    torch.testing.assert_close(v.reshape(2, -1), x @ m.v_proj.weight.T)
+
+
 def test_fp8_layers_and_mixed_biases_stay_three_projections(tiny: Path) -> None:
     llm = LLM(str(tiny), device="cpu", dtype="bfloat16", max_seq_len=256, quantization="fp8")
     layers = _attention(llm)

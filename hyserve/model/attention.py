@@ -115,6 +115,15 @@ class Attention(nn.Module):
             self.packed_qkv = (w, b)
         return True
 
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def, override]
+        """`to()`, `float()`, ... give each parameter its own new tensor: pack those again, so the packed
+        projection never reads the old ones."""
+        out = super()._apply(fn, recurse)
+        if self.packed_qkv is not None:
+            self.packed_qkv = None
+            self.pack_qkv()
+        return out
+
     def _project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         T = x.shape[0]
         if self.packed_qkv is not None and self.use_packed_qkv:
