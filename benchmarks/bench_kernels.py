@@ -284,7 +284,7 @@ def _linear_cases(b: Bench):
                         if not b.dry else (("in_proj", in_proj, hidden),)):
         # a weight L2 could hold is one of several, read in turn (each once per replay), as a decode step reads
         # its layers' weights: replaying one small weight would time L2, not HBM
-        copies = 1 if b.dry else -(-_L2_DEFEAT_BYTES // (n * k * 2))
+        copies = _copies_past_l2(b, n * k * 2)
         ws, xp = [b.rnd(n, k, scale=k**-0.5) for _ in range(copies)], b.rnd(1, k)
         plain.append((pname, ws[-1], "GEMV", lambda xp=xp, ws=ws: [tfl.linear_triton(xp, w, None) for w in ws][-1],
                       lambda xp=xp, ws=ws: [F.linear(xp, w) for w in ws][-1],
@@ -300,6 +300,11 @@ def _linear_cases(b: Bench):
 
 # bytes of weight copies a small one-row GEMV case cycles through (the H100's and H200's L2 hold 50 MB)
 _L2_DEFEAT_BYTES = 256 * 2**20
+
+
+def _copies_past_l2(b: Bench, weight_bytes: int) -> int:
+    """How many copies of a weight of `weight_bytes` a GEMV case reads in turn, so L2 holds none (1 dry)."""
+    return 1 if b.dry else -(-_L2_DEFEAT_BYTES // weight_bytes)
 
 
 def _bench_linear(b: Bench, sweep: bool, only: str = "") -> None:
@@ -365,7 +370,7 @@ def _bench_fp8_gemv_sweep(b: Bench, schemes: tuple[str, ...] = ("channel", "bloc
     shapes = ((22912, 4480), (4480, 15680), (4480, 10240)) if not b.dry else ((72, 96),)
     for n, k in shapes:
         w16, x = b.rnd(n, k, scale=k**-0.5), b.rnd(1, k)
-        copies = 1 if b.dry else -(-_L2_DEFEAT_BYTES // (n * k))
+        copies = _copies_past_l2(b, n * k)
         for scheme in schemes:
             settings = _FP8_GEMV_SWEEP[scheme]
             q, sc = quantize_weight_ref(w16, scheme)
@@ -1108,8 +1113,8 @@ def _host_ms(b: Bench, fn, calls: int = 50) -> float:
 
 SUITES = {"ssm": bench_ssm, "conv": bench_conv, "norm": bench_norms, "linear": bench_linear, "attn": bench_attn,
           "ssd": bench_ssd, "ssd_sweep": bench_ssd_sweep, "attn_sweep": bench_attn_sweep,
-          "linear_sweep": bench_linear_sweep, "fp8_gemv_sweep": bench_fp8_gemv_sweep, "linear_30b_sweep": bench_linear_30b_sweep, "attn_rounds": bench_attn_rounds,
-          "fp8_linear": bench_fp8_linear}
+          "linear_sweep": bench_linear_sweep, "fp8_gemv_sweep": bench_fp8_gemv_sweep,
+          "linear_30b_sweep": bench_linear_30b_sweep, "attn_rounds": bench_attn_rounds, "fp8_linear": bench_fp8_linear}
 DEFAULT_SUITES = [k for k in SUITES if not k.endswith(("_sweep", "_rounds"))]  # sweeps retune launch settings: on request
 
 
