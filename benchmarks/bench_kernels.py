@@ -327,7 +327,7 @@ def _bench_linear(b: Bench, sweep: bool, only: str = "") -> None:
             try:
                 if cfg is not None:
                     setting = dict(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
-                    tfl.gpu_settings = lambda w_scale, k, n, s=setting: s
+                    tfl.gpu_settings = lambda w_scale, k, n, device="", s=setting: s
                 if not b.check(f"{label}: {variant}{tag}", fused(), ref, 2e-2, 2e-2):
                     continue
                 ms = b.graph_ms(fused)
@@ -387,7 +387,7 @@ def _bench_fp8_gemv_sweep(b: Bench, schemes: tuple[str, ...] = ("channel", "bloc
                     + f" {tag}"
                 try:
                     setting = dict(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
-                    tfl.gpu_settings = lambda w_scale, k, n, s=setting: s
+                    tfl.gpu_settings = lambda w_scale, k, n, device="", s=setting: s
                     fn = lambda qs=qs, sc=sc: [tfl.gemv_fp8(x, qi, sc, None, False) for qi in qs][-1]  # noqa: E731
                     if not b.check(label, fn(), want, 1e-2, 1e-2):
                         continue

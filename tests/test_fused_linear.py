@@ -8,6 +8,8 @@ covers the single row the fused kernel takes and row counts that fall back to th
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -274,3 +276,62 @@ def test_gemv_prefetch_of_a_second_tile_past_k_reads_no_block_scale(poison, monk
         out = tfl.gemv_fp8(x, q, sc, None, False)
     exact = x.double() @ dequantize_weight_ref(q, sc).double().T
     _close64(out, exact, BF16, f"block-scaled GEMV, K {K}, two tiles before the wait")
+
+
+def test_a_gpu_file_entry_sets_its_shape_on_that_gpu_alone(monkeypatch, tmp_path):
+    """`linear_configs/<GPU>.json` overrides the row-length tables for its shapes on the GPU it names; other
+    shapes and other GPUs keep the tables."""
+    setting = dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4)
+    (tmp_path / "Some_GPU_80GB.json").write_text(json.dumps({"configs": {"0,2688,4608": setting}}))
+    monkeypatch.setattr(tfl, "CONFIG_DIR", tmp_path)
+    tfl.device_table.cache_clear()
+    try:
+        assert tfl.gpu_settings(0, 2688, 4608, "Some GPU 80GB") == setting
+        assert tfl.gpu_settings(0, 2688, 4608, "Other GPU") == tfl.gpu_settings(0, 2688, 4608)
+        assert tfl.gpu_settings(0, 2688, 4608)["BLOCK_N"] == 1
+        assert tfl.gpu_settings(0, 2688, 10304, "Some GPU 80GB") == tfl.gpu_settings(0, 2688, 10304)
+    finally:
+        tfl.device_table.cache_clear()
+
+
+@pytest.mark.parametrize("entry, what", [
+    ({"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4}, "exactly the keys"),
+    ({"BLOCK_N": 6, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}, "BLOCK_N must be a power of two"),
+    ({"BLOCK_N": 8, "BLOCK_K": 8, "num_warps": 4, "num_stages": 3}, "BLOCK_K must be a power of two >= 16"),
+    ({"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 3, "num_stages": 3}, "num_warps must be 1, 2, 4 or 8"),
+    ({"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "num_stages": 0}, "num_stages must be in 1..8"),
+    ({"BLOCK_N": 8.0, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}, "BLOCK_N must be an integer"),
+])
+def test_a_bad_gpu_file_entry_is_refused_with_what_is_wrong(monkeypatch, tmp_path, entry, what):
+    (tmp_path / "Bad_GPU.json").write_text(json.dumps({"configs": {"0,2688,4608": entry}}))
+    monkeypatch.setattr(tfl, "CONFIG_DIR", tmp_path)
+    tfl.device_table.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=what) as e:
+            tfl.gpu_settings(0, 2688, 4608, "Bad GPU")
+        assert "Bad_GPU.json [0,2688,4608]" in str(e.value)
+    finally:
+        tfl.device_table.cache_clear()
+
+
+def test_a_bad_gpu_file_key_is_refused(monkeypatch, tmp_path):
+    setting = dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4)
+    (tmp_path / "Bad_GPU.json").write_text(json.dumps({"configs": {"2688x4608": setting}}))
+    monkeypatch.setattr(tfl, "CONFIG_DIR", tmp_path)
+    tfl.device_table.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"key '2688x4608' is not '<w_scale 0\|1\|2>,<K>,<N>'"):
+            tfl.gpu_settings(0, 2688, 4608, "Bad GPU")
+    finally:
+        tfl.device_table.cache_clear()
+
+
+def test_the_shipped_gpu_files_are_valid():
+    files = sorted(tfl.CONFIG_DIR.glob("*.json"))
+    assert files, tfl.CONFIG_DIR
+    for f in files:
+        doc = json.loads(f.read_text())
+        tfl.device_table.cache_clear()
+        table = tfl.device_table(doc["device"])
+        assert table and set(table) <= set(doc["source"]), f.name  # every entry cites its sweep
+    tfl.device_table.cache_clear()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import re
+from pathlib import Path
 
 import torch
 
@@ -119,3 +121,15 @@ def split_kv_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 __all__ = ["device_index", "hopper_or_newer", "pdl", "pdl_active", "pdl_enabled", "set_pdl", "split_kv_args",
            "split_kv_count", "tma_tiles_fit"]
+
+
+@functools.lru_cache(maxsize=8)
+def device_name(index: int | None) -> str:
+    """The CUDA device's name (`torch.cuda.get_device_name`), looked up once per index."""
+    return torch.cuda.get_device_name(index)
+
+
+def device_file(config_dir: Path, name: str) -> Path:
+    """The per-device tuned-settings file for a GPU called `name` in config_dir ("NVIDIA H200" ->
+    NVIDIA_H200.json), as the MoE and the GEMV launchers keep them."""
+    return config_dir / (re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") + ".json")

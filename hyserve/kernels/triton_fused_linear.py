@@ -18,12 +18,17 @@ slower; benchmarks/README.md).
 
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hyserve.kernels.launch_util import pdl
+from hyserve.kernels.launch_util import device_file, device_name, pdl
 from hyserve.kernels.triton_activation import relu2_triton
 from hyserve.kernels.triton_common import pdl_enter
 from hyserve.kernels.triton_rmsnorm import rmsnorm_gated_triton
@@ -57,10 +62,61 @@ _CPU = dict(BLOCK_N=8, BLOCK_K=32, num_warps=1, num_stages=1)  # the interpreter
 PREFETCH_TILES = 1
 
 
-def gpu_settings(w_scale: int, k: int, n: int) -> dict[str, int]:
-    """The GEMV's launch settings on the GPU for a weight of this kind (0: 16-bit, 1: e4m3 with channel
-    scales, 2: e4m3 with block scales), row length K and N output columns (`bench_kernels.py --only
-    linear_sweep` replaces it to time each setting)."""
+# Where one GPU's sweep disagrees with the tables above, `linear_configs/<GPU>.json` (named as the MoE launcher's
+# `moe_configs/`) sets that shape on that GPU alone: {"configs": {"<w_scale>,<K>,<N>": {BLOCK_N, BLOCK_K,
+# num_warps, num_stages}}}, each entry citing the sweep it came from in the file's "source".
+CONFIG_DIR = Path(__file__).resolve().parent / "linear_configs"
+_SETTING_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+
+def shape_key(w_scale: int, k: int, n: int) -> str:
+    return f"{w_scale},{k},{n}"
+
+
+def validate_setting(cfg: dict[str, Any], where: str = "setting") -> dict[str, int]:
+    """A GEMV launch setting: exactly BLOCK_N, BLOCK_K (powers of two; BLOCK_K >= 16), num_warps (1, 2, 4
+    or 8) and num_stages (1..8), all integers; raises ValueError naming what is wrong."""
+    if not isinstance(cfg, dict) or sorted(cfg) != sorted(_SETTING_KEYS):
+        got = sorted(cfg) if isinstance(cfg, dict) else type(cfg).__name__
+        raise ValueError(f"{where}: a GEMV setting has exactly the keys {list(_SETTING_KEYS)}, got {got}")
+    for key in _SETTING_KEYS:
+        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool):
+            raise ValueError(f"{where}: {key} must be an integer, got {cfg[key]!r}")
+    for key, lo in (("BLOCK_N", 1), ("BLOCK_K", 16)):
+        v = cfg[key]
+        if v < lo or v & (v - 1):
+            raise ValueError(f"{where}: {key} must be a power of two >= {lo}, got {v}")
+    if cfg["num_warps"] not in (1, 2, 4, 8):
+        raise ValueError(f"{where}: num_warps must be 1, 2, 4 or 8, got {cfg['num_warps']}")
+    if not 1 <= cfg["num_stages"] <= 8:
+        raise ValueError(f"{where}: num_stages must be in 1..8, got {cfg['num_stages']}")
+    return dict(cfg)
+
+
+@functools.lru_cache(maxsize=8)
+def device_table(name: str) -> dict[str, dict[str, int]]:
+    """The GEMV settings `linear_configs/<GPU>.json` sets for the GPU called `name` (empty without a file),
+    each entry validated."""
+    path = device_file(CONFIG_DIR, name)
+    if not path.exists():
+        return {}
+    table = json.loads(path.read_text()).get("configs", {})
+    for key, cfg in table.items():
+        parts = key.split(",")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts) or int(parts[0]) not in (0, 1, 2):
+            raise ValueError(f"{path.name}: key {key!r} is not '<w_scale 0|1|2>,<K>,<N>'")
+        validate_setting(cfg, f"{path.name} [{key}]")
+    return table
+
+
+def gpu_settings(w_scale: int, k: int, n: int, device: str = "") -> dict[str, int]:
+    """The GEMV's launch settings on the GPU called `device` for a weight of this kind (0: 16-bit, 1: e4m3
+    with channel scales, 2: e4m3 with block scales), row length K and N output columns: that GPU's file entry
+    where it has one, else the tables above (`bench_kernels.py --only linear_sweep` replaces it to time each
+    setting)."""
+    tuned = device_table(device).get(shape_key(w_scale, k, n)) if device else None
+    if tuned is not None:
+        return tuned
     if w_scale == 0:
         table = _GPU_SHORT_K if k < 4096 else _GPU
         return next((s for s in table if triton.cdiv(n, s["BLOCK_N"]) >= _MIN_PROGRAMS), table[-1])
@@ -149,7 +205,8 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu
     N = weight.shape[0]
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     w_scale = 0 if weight_scale is None else (1 if weight_scale.dim() == 1 else 2)
-    cfg = dict(gpu_settings(w_scale, K, N) if _gpu(x) else _CPU)
+    gpu = device_name(x.device.index) if x.is_cuda else ""  # "" under tests/sm90_compile_check.py
+    cfg = dict(gpu_settings(w_scale, K, N, gpu) if _gpu(x) else _CPU)
     stages = cfg.pop("num_stages")
     ws = weight_scale if weight_scale is not None else weight
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](

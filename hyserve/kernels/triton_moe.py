@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +41,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hyserve.kernels.launch_util import pdl
+from hyserve.kernels.launch_util import device_file, device_name, pdl
 from hyserve.kernels.moe import (
     _check_experts_args,
     _check_route_args,
@@ -656,7 +655,7 @@ def shape_key(num_experts: int, inter: int, hidden: int) -> str:
 
 
 def _device_file(device_name: str) -> Path:
-    return CONFIG_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
+    return device_file(CONFIG_DIR, device_name)
 
 
 def validate_config(cfg: dict[str, Any], where: str = "config") -> dict[str, Any]:
@@ -698,9 +697,7 @@ def validate_config(cfg: dict[str, Any], where: str = "config") -> dict[str, Any
     return cfg
 
 
-@functools.lru_cache(maxsize=8)
-def _device_name(index: int | None) -> str:
-    return torch.cuda.get_device_name(index)
+_device_name = device_name
 
 
 @functools.lru_cache(maxsize=8)
