@@ -485,7 +485,7 @@ def packed_qkv_ab(eng, vocab_size: int, records: list, notes: list) -> None:
                                     f"projection, {three:.0f} us with three ({len(layers)} attention layers)")
 
 
-def _gemv_settings_before_fdb35a5(w_scale: int, k: int, n: int) -> dict[str, int]:
+def _gemv_settings_before_fdb35a5(w_scale: int, k: int, n: int, device: str = "") -> dict[str, int]:
     """The one-row GEMV settings before fdb35a5+ (by row length alone), for `gemv_settings_ab`."""
     import hyserve.kernels.triton_fused_linear as tfl
 
