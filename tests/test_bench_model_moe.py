@@ -260,3 +260,16 @@ def test_fp8_active_bytes_are_the_fp8_model_less_the_idle_experts() -> None:
 
     h200 = 143_771_533_312
     assert model_bytes(cfg) > h200 and h200 - model_bytes(fp8) > 19 * 2**30
+
+
+def test_the_old_gemv_settings_stand_in_takes_what_gpu_settings_takes():
+    """`gemv_settings_ab` swaps `gpu_settings` for the pre-fdb35a5 rules; the GEMV launcher calls it with the
+    device name too (a stand-in of three arguments crashed the 30B-A3B run at 4d73ebc)."""
+    import inspect
+
+    import hyserve.kernels.triton_fused_linear as tfl
+
+    now = inspect.signature(tfl.gpu_settings).parameters
+    old = inspect.signature(bm._gemv_settings_before_fdb35a5).parameters
+    assert list(old) == list(now)
+    assert bm._gemv_settings_before_fdb35a5(0, 2688, 4608, "NVIDIA H200") == tfl._GPU_SHORT_K[0]
