@@ -395,6 +395,28 @@ def test_online_quantisation_of_dummy_weights(tmp_path: Path) -> None:
                   _load(src, load_format="dummy", seed=5))
 
 
+def test_dummy_fp8_experts_are_drawn_and_quantised_one_expert_at_a_time(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random FP8 experts stream: each expert's matrix reaches its loader alone (`loads_by_row`), never the
+    whole stacked float32 tensor (5.6 GB an expert tensor in Nemotron 3 Super), with the values of the whole
+    draw (test_online_quantisation_of_dummy_weights checks those)."""
+    from hyserve.model import fp8_weights
+
+    shapes: list[tuple[int, ...]] = []
+    load = fp8_weights.Fp8ExpertLoaders.load_weight
+
+    def spy(self: Any, param: torch.Tensor, loaded: torch.Tensor, expert: int | None = None) -> None:
+        shapes.append(tuple(loaded.shape))
+        load(self, param, loaded, expert)
+
+    monkeypatch.setattr(fp8_weights.Fp8ExpertLoaders, "load_weight", spy)
+    lm = _load(_tiny_dir(tmp_path, "moe"), quantization="fp8", load_format="dummy", seed=5)
+    cfg = lm.config
+    experts = [m for m in lm.model.modules() if type(m).__name__ == "Experts"]
+    assert experts and len(shapes) == 2 * cfg.n_routed_experts * len(experts)
+    assert all(len(s) == 2 for s in shapes), shapes[:4]
+
+
 def test_dummy_weights_with_a_block_fp8_config(tmp_path: Path) -> None:
     src = _tiny_dir(tmp_path)
     d = tmp_path / "cfg-only"

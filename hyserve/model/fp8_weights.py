@@ -362,7 +362,7 @@ def convert_experts(experts: Any, quant: QuantConfig, name: str = "") -> bool:
         e_local, n_local = old.shape[0], old.shape[1]
         scale = nn.Parameter(torch.ones(e_local, n_local, dtype=torch.float32, device=old.device), requires_grad=False)
         setattr(experts, f"{attr}_scale", scale)
-        experts.register_shard(attr, loaders.load_weight, ckpt)
+        experts.register_shard(attr, loaders.load_weight, ckpt, by_row=True)
         scale_ckpt = (ckpt[0],) if quant.scheme == "tensor" else (ckpt[0], ckpt[1])
         experts.register_shard(f"{attr}_scale", loaders.load_scale, scale_ckpt)
         setattr(experts, f"_fp8_{which}", loaders)

@@ -79,8 +79,8 @@ class Experts(ShardLoading):
         self.inter_start = moe_tp.rank * self.inter_local
         self.up_proj = nn.Parameter(torch.empty(self.num_local, self.inter_local, dim, device=device, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(self.num_local, dim, self.inter_local, device=device, dtype=dtype))
-        self.register_shard("up_proj", self._load_up, (num, inter, dim))
-        self.register_shard("down_proj", self._load_down, (num, dim, inter))
+        self.register_shard("up_proj", self._load_up, (num, inter, dim), by_row=True)
+        self.register_shard("down_proj", self._load_down, (num, dim, inter), by_row=True)
 
     @torch.no_grad()
     def _load_up(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: int | None = None) -> None:

@@ -139,10 +139,13 @@ def load_whole(param: torch.Tensor, loaded: torch.Tensor | SliceLike, what: str 
     param.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded[:])
 
 
-def set_loader(param: torch.Tensor, loader: Loader, checkpoint_shape: tuple[int, ...]) -> None:
-    """Attach the shard loader and the checkpoint shape to a parameter (weights.py reads both)."""
+def set_loader(param: torch.Tensor, loader: Loader, checkpoint_shape: tuple[int, ...], by_row: bool = False) -> None:
+    """Attach the shard loader and the checkpoint shape to a parameter (weights.py reads both). by_row: the
+    loader also takes one index of dim 0 alone (`loader(param, tensor[i], i)`, as an expert's matrix), so
+    random init streams it row by row instead of drawing the whole checkpoint tensor first."""
     param.weight_loader = loader  # type: ignore[attr-defined]
     param.checkpoint_shape = checkpoint_shape  # type: ignore[attr-defined]
+    param.loads_by_row = by_row  # type: ignore[attr-defined]
 
 
 class ShardLoading(nn.Module):
@@ -153,15 +156,15 @@ class ShardLoading(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self._shards: dict[str, tuple[Loader, tuple[int, ...]]] = {}
+        self._shards: dict[str, tuple[Loader, tuple[int, ...], bool]] = {}
 
-    def register_shard(self, path: str, loader: Loader, checkpoint_shape: tuple[int, ...]) -> None:
-        self._shards[path] = (loader, tuple(checkpoint_shape))
-        set_loader(self.get_parameter(path), loader, tuple(checkpoint_shape))
+    def register_shard(self, path: str, loader: Loader, checkpoint_shape: tuple[int, ...], by_row: bool = False) -> None:
+        self._shards[path] = (loader, tuple(checkpoint_shape), by_row)
+        set_loader(self.get_parameter(path), loader, tuple(checkpoint_shape), by_row)
 
     def _attach_shards(self) -> None:
-        for path, (loader, shape) in self._shards.items():
-            set_loader(self.get_parameter(path), loader, shape)
+        for path, (loader, shape, by_row) in self._shards.items():
+            set_loader(self.get_parameter(path), loader, shape, by_row)
 
     def _apply(self, fn: Any, recurse: bool = True) -> ShardLoading:  # type: ignore[override]
         out = super()._apply(fn, recurse)

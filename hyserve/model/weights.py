@@ -33,7 +33,7 @@ import math
 import os
 import re
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -248,7 +248,7 @@ def checkpoint_files(model_dir: str | Path) -> dict[Path, list[str] | None]:
 # A tensor-parallel parameter (hyserve/model/parallel_linear.py) carries `weight_loader(param, loaded)`,
 # which copies its own rows of a safetensors slice, and `checkpoint_shape`, the full shape the
 # checkpoint holds; any other parameter is copied whole and has its own shape in the checkpoint.
-_SHARD_ATTRS = ("weight_loader", "checkpoint_shape")
+_SHARD_ATTRS = ("weight_loader", "checkpoint_shape", "loads_by_row")
 
 
 def checkpoint_shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -641,10 +641,8 @@ def init_random_tensors(
                 t.copy_(_small_init(kind, name, t.numel(), cfg, seed).view(t.shape))
             else:
                 rows = t.shape[0] if t.dim() else 1
-                per_row = max(1, t.numel() // max(rows, 1))
-                step = max(1, _CHUNK_ELEMS // per_row)
-                for c, r0 in enumerate(range(0, rows, step)):
-                    jobs.append((t, c, r0, min(rows, r0 + step), name, std))
+                for c, r0, r1 in _row_chunks(rows, t.numel() // max(rows, 1)):
+                    jobs.append((t, c, r0, r1, name, std))
         if on_device:
             for t, c, r0, r1, name, std in [j for j in jobs if j[0].is_cuda]:
                 dst = t[r0:r1] if t.dim() else t
@@ -652,29 +650,67 @@ def init_random_tensors(
             jobs = [j for j in jobs if not j[0].is_cuda]
         if not jobs:
             return
-        workers = max_workers or min(16, os.cpu_count() or 1)
-        window = 2 * workers
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hyserve-init") as pool:
-            pending: deque[Future[torch.Tensor]] = deque()
-
-            def submit(j: tuple[torch.Tensor, int, int, int, str, float]) -> Future[torch.Tensor]:
-                t, c, r0, r1, name, std = j
-                shape = (r1 - r0, *t.shape[1:]) if t.dim() else ()
-                return pool.submit(_normal_chunk, name, c, shape, std, seed, t.dtype, t.is_cuda)
-
-            nxt = 0
-            for i, (t, _c, r0, r1, _name, _std) in enumerate(jobs):
-                while nxt < len(jobs) and nxt < i + window:
-                    pending.append(submit(jobs[nxt]))
-                    nxt += 1
-                chunk = pending.popleft().result()
-                if t.dim():
-                    t[r0:r1].copy_(chunk, non_blocking=True)
-                else:
-                    t.copy_(chunk, non_blocking=True)
-                del chunk  # the pinned block returns to torch's host cache once its copy has run
+        specs = [(name, c, (r1 - r0, *t.shape[1:]) if t.dim() else (), std, t.dtype, t.is_cuda)
+                 for t, c, r0, r1, name, std in jobs]
+        for (t, _c, r0, r1, _name, _std), chunk in zip(jobs, _host_chunks(specs, seed, max_workers), strict=True):
+            if t.dim():
+                t[r0:r1].copy_(chunk, non_blocking=True)
+            else:
+                t.copy_(chunk, non_blocking=True)
+            del chunk  # the pinned block returns to torch's host cache once its copy has run
         for dev in {t.device for t, *_ in jobs if t.is_cuda}:
             torch.cuda.synchronize(dev)
+
+
+_ChunkSpec = tuple[str, int, tuple[int, ...], float, torch.dtype, bool]  # name, chunk, shape, std, dtype, pin
+
+
+def _host_chunks(specs: list[_ChunkSpec], seed: int, max_workers: int | None) -> Iterator[torch.Tensor]:
+    """`_normal_chunk` of each spec, in order, drawn by a small thread pool at most 2 x workers chunks ahead of
+    the consumer (which copies each chunk where it goes before asking for the next)."""
+    workers = max_workers or min(16, os.cpu_count() or 1)
+    window = 2 * workers
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hyserve-init") as pool:
+        pending: deque[Future[torch.Tensor]] = deque()
+        nxt = 0
+        for i in range(len(specs)):
+            while nxt < len(specs) and nxt < i + window:
+                name, c, shape, std, dtype, pin = specs[nxt]
+                pending.append(pool.submit(_normal_chunk, name, c, shape, std, seed, dtype, pin))
+                nxt += 1
+            yield pending.popleft().result()
+
+
+def _row_chunks(rows: int, per_row: int) -> list[tuple[int, int, int]]:
+    """(chunk, first row, end row) of a tensor of `rows` rows of `per_row` elements: whole rows, about
+    _CHUNK_ELEMS elements a chunk (the chunk index seeds its draw)."""
+    step = max(1, _CHUNK_ELEMS // max(per_row, 1))
+    return [(c, r0, min(rows, r0 + step)) for c, r0 in enumerate(range(0, rows, step))]
+
+
+def _stream_rows(name: str, t: torch.Tensor, cfg: HybridModelConfig, seed: int, max_workers: int | None,
+                 on_device: bool) -> None:
+    """Random init of a parameter whose loader takes one dim-0 row at a time (`loads_by_row`: an expert's
+    matrix): each chunk of the checkpoint tensor is drawn as `init_random_tensors` draws it (same seeds, so
+    the same values) and its rows handed to the loader, instead of drawing the whole tensor on the host first
+    (Nemotron 3 Super's expert tensors are 1.4G elements, 5.6 GB in float32, 80 of them). FP8 weights are
+    drawn in float32 and quantised by the loader."""
+    kind, std = _init_rule(name, cfg)
+    if kind != "normal":
+        raise ValueError(f"init_random_weights: {name!r} loads by row but its init rule is {kind!r}, not normal")
+    shape = checkpoint_shape(t)
+    draw = torch.float32 if t.dtype == torch.float8_e4m3fn else t.dtype
+    chunks = _row_chunks(shape[0], math.prod(shape[1:]))
+    if on_device and t.is_cuda:
+        drawn: Iterable[torch.Tensor] = (
+            _device_normal_chunk(t, name, c, (r1 - r0, *shape[1:]), std, seed).to(draw) for c, r0, r1 in chunks)
+    else:
+        drawn = _host_chunks([(name, c, (r1 - r0, *shape[1:]), std, draw, t.is_cuda) for c, r0, r1 in chunks],
+                             seed, max_workers)
+    with torch.no_grad():
+        for (_c, r0, r1), chunk in zip(chunks, drawn, strict=True):
+            for r in range(r0, r1):
+                t.weight_loader(t, chunk[r - r0], r)  # type: ignore[attr-defined]
 
 
 def init_random_weights(
@@ -709,6 +745,9 @@ def init_random_weights(
     # on_device, one at a time) and hand it to its loader, which keeps this rank's rows (quantised, for FP8),
     # so every tp_size runs the same model for a given seed
     for n, t in shards.items():
+        if getattr(t, "loads_by_row", False):
+            _stream_rows(n, t, cfg, seed, max_workers, on_device)
+            continue
         draw = torch.float32 if t.dtype == torch.float8_e4m3fn else t.dtype
         full = torch.empty(checkpoint_shape(t), dtype=draw, device=t.device if on_device else "cpu")
         init_random_tensors({n: full}, cfg, seed=seed, max_workers=max_workers, on_device=on_device)
