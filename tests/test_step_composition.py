@@ -109,6 +109,41 @@ def test_fit_recovers_the_model_it_was_timed_from() -> None:
         assert math.isclose(getattr(got, f), getattr(true, f), rel_tol=1e-9), f
 
 
+def test_fit_keeps_the_host_floor_out_of_a_device_bound_step() -> None:
+    """A step takes the larger of its host and device times: with a 38 ms host floor (the H200 calibration's
+    128-token step) and device-bound 4096- and 16384-token steps, the fit is the device's line (its fixed
+    cost, not the host's) and reports the floor; a host-bound `short` falls back to the floor's line."""
+    true = StepCostModel(overhead_ms=6.0, per_token_ms=0.027, per_context_ms=2.6e-10, per_kv_read_ms=3.5e-9,
+                         target_ms=150)
+    host = 38.0
+
+    def step(n: int) -> float:
+        return max(host, true.overhead_ms + true.chunk_ms(0, n))
+
+    attention = (512, 131072, true.per_context_ms * 512 * 131072)
+    got = fit_step_cost(floor=(128, step(128)), short=(4096, step(4096)), long=(16384, step(16384)),
+                        attention=attention, kv_read_ms=3.5e-9, target_ms=150)
+    for f in ("overhead_ms", "per_token_ms", "per_context_ms"):
+        assert math.isclose(getattr(got, f), getattr(true, f), rel_tol=1e-9), f
+    assert got.host_floor_ms == host and "host floor 38.0 ms" in got.describe()
+    # the old fit through the 128-token step: the host's 38 ms as a per-step cost (and a shallower slope), so
+    # its chunks fill only ~130 of the 150 ms (4,564 tokens against 5,333 here)
+    old = fit_step_cost(short=(128, step(128)), long=(16384, step(16384)), attention=attention,
+                        kv_read_ms=3.5e-9, target_ms=150)
+    assert old.overhead_ms > 30 and old.host_floor_ms == 0
+    new_n, old_n = got.max_chunk(0, 150 - got.overhead_ms), old.max_chunk(0, 150 - old.overhead_ms)
+    assert new_n > 1.15 * old_n
+    assert math.isclose(step(new_n), 150, rel_tol=1e-3) and step(old_n) < 135
+    # short host-bound too (a fast model): the line through the floor and long, as without a floor
+    slow_host = 200.0
+    t = {n: max(slow_host, true.overhead_ms + true.chunk_ms(0, n)) for n in (128, 4096, 16384)}
+    fell_back = fit_step_cost(floor=(128, t[128]), short=(4096, t[4096]), long=(16384, t[16384]),
+                              attention=attention, kv_read_ms=3.5e-9, target_ms=150)
+    plain = fit_step_cost(short=(128, t[128]), long=(16384, t[16384]), attention=attention, kv_read_ms=3.5e-9,
+                          target_ms=150)
+    assert math.isclose(fell_back.per_token_ms, plain.per_token_ms) and fell_back.overhead_ms == plain.overhead_ms
+
+
 def test_cost_model_chunks_shrink_as_context_grows_and_respect_budget_and_snapshots() -> None:
     sched = _sched(budget=256, blocks=1000, cost=COST)
     req = _req("long", 3000)

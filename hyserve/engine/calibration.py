@@ -1,6 +1,7 @@
-"""Calibrate the step cost model on the device before ready: two prefill steps from an empty cache (the
-per-step and per-token terms) and the model's attention at a long context, as a prefill chunk and as
-decode rows (the context terms). Runs after the warm-up, so it compiles nothing new."""
+"""Calibrate the step cost model on the device before ready: three prefill steps from an empty cache (the
+smallest, for the host's floor; a quarter of the largest and the largest, for the per-step and per-token
+terms) and the model's attention at a long context, as a prefill chunk and as decode rows (the context
+terms). Runs after the warm-up, so it compiles nothing new."""
 
 from __future__ import annotations
 
@@ -28,12 +29,17 @@ def calibrate_step_cost(engine: LLMEngine, target_ms: float) -> StepCostModel | 
     sc = engine.config.scheduler
     fit = engine.plan.max_request_tokens - 2
     long_n = min(sc.max_num_tokens, fit)
-    short_n = min(engine.model_config.chunk_size, long_n)
-    short = (short_n, _time_prefill(engine, short_n))
+    floor_n = min(engine.model_config.chunk_size, long_n)
+    floor = (floor_n, _time_prefill(engine, floor_n))
+    # the per-token slope from two device-bound sizes (a quarter of the largest and the largest), so the
+    # host's time in small steps, which overlaps the device's in large ones, stays out of it
+    short_n = max(long_n // 4, floor_n)
+    short = (short_n, _time_prefill(engine, short_n)) if short_n > floor_n else floor
     long = (long_n, _time_prefill(engine, long_n)) if long_n > short_n else short
     attn, kv_read = _time_attention(engine)
     engine.reset_after_warmup()
-    return fit_step_cost(short=short, long=long, attention=attn, kv_read_ms=kv_read, target_ms=target_ms)
+    return fit_step_cost(short=short, long=long, attention=attn, kv_read_ms=kv_read, target_ms=target_ms,
+                         floor=floor)
 
 
 def _median_ms(fn: Callable[[], object], reps: int = 5) -> float:

@@ -21,6 +21,7 @@ class StepCostModel:
     per_context_ms: float  # per new prefill token per context token
     per_kv_read_ms: float  # per decode row per context token
     target_ms: float  # chunks are sized so a step stays under this
+    host_floor_ms: float = 0.0  # the smallest prefill step's time: the host's share, which overlaps the device's
 
     def chunk_ms(self, start: int, n: int) -> float:
         """A prefill chunk of n tokens after `start` cached ones."""
@@ -44,7 +45,8 @@ class StepCostModel:
         return n
 
     def describe(self) -> str:
-        return (f"step cost model: {self.overhead_ms:.2f} ms per step + {self.per_token_ms * 1e3:.3f} us per token "
+        floor = f" (host floor {self.host_floor_ms:.1f} ms a step)" if self.host_floor_ms else ""
+        return (f"step cost model{floor}: {self.overhead_ms:.2f} ms per step + {self.per_token_ms * 1e3:.3f} us per token "
                 f"+ {self.per_context_ms * 1e9:.3f} ps per (token x context) in prefill attention + "
                 f"{self.per_kv_read_ms * 1e9:.3f} ps per context token of a decode row; chunks sized for steps "
                 f"under {self.target_ms:.0f} ms (a chunk at 0 / 128k / 1M tokens of context: "
@@ -53,20 +55,39 @@ class StepCostModel:
                 f"{self.max_chunk(1 << 20, self.target_ms - self.overhead_ms)} tokens)")
 
 
+# a calibration step at most this many times the host floor is taken as host-bound (its time says little of
+# the device's per-token cost)
+HOST_BOUND = 1.5
+
+
 def fit_step_cost(
     *, short: tuple[int, float], long: tuple[int, float], attention: tuple[int, int, float], kv_read_ms: float,
-    target_ms: float,
+    target_ms: float, floor: tuple[int, float] | None = None,
 ) -> StepCostModel:
-    """Calibrate from three timings of this device: a prefill step of `short` = (n, ms) and of `long` =
-    (n, ms) tokens from an empty cache, and `attention` = (queries, context, ms) of the model's attention
-    (all layers) for queries at the end of a context. `kv_read_ms`: a decode row's cost per context token."""
+    """Calibrate from timings of this device: prefill steps of `short` = (n, ms) and `long` = (n, ms) tokens
+    from an empty cache, and `attention` = (queries, context, ms) of the model's attention (all layers) for
+    queries at the end of a context. `kv_read_ms`: a decode row's cost per context token. `floor`: the
+    smallest prefill step (n, ms), whose time is mostly the host's.
+
+    A step's host work (Python, launches) overlaps its device work, so the step takes about the larger of
+    the two, not their sum. Where `short` runs well above the floor (device-bound), the line through `short`
+    and `long` is the device's cost and its intercept the device's fixed cost per step; the floor is only
+    reported. Otherwise (or without a floor) the line runs through `short` and `long` as given, its intercept
+    carrying the host's time: larger than the device's, so chunks come out smaller than the target allows,
+    never larger. (The H200 calibration through the 128-token step gave a 38 ms intercept, and steps planned for
+    150 ms ran 82 ms at the median and 118 ms at p99.)"""
     q, ctx, attn_ms = attention
     per_context = max(attn_ms, 0.0) / (q * ctx)
     (n1, t1), (n2, t2) = short, long
+    host = 0.0
+    if floor is not None:
+        host = floor[1]
+        if t1 <= HOST_BOUND * host:  # short is host-bound: fit through the floor instead, as before
+            (n1, t1) = floor
     # the attention inside those steps, from the measured rate: what is left is linear in n
     r1 = t1 - per_context * n1 * (n1 + 1) / 2
     r2 = t2 - per_context * n2 * (n2 + 1) / 2
     per_token = max((r2 - r1) / (n2 - n1), 0.0) if n2 != n1 else 0.0
     overhead = max(r1 - per_token * n1, 0.0)
     return StepCostModel(overhead_ms=overhead, per_token_ms=per_token, per_context_ms=per_context,
-                         per_kv_read_ms=max(kv_read_ms, 0.0), target_ms=target_ms)
+                         per_kv_read_ms=max(kv_read_ms, 0.0), target_ms=target_ms, host_floor_ms=host)
