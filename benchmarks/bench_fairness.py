@@ -366,7 +366,7 @@ async def contended(client: httpx.AsyncClient, sender: LongSender, srv: Server, 
                     "errors": sorted({r.error for r in stream_results if r.error})[:5],
                     "output_tokens": sum(r.output_tokens for r in stream_results),
                     "itl_ms_during_long": stats(gaps), "itl_ms_all": stats(all_gaps)},
-        "server_counters": {k: v - before.get(k, 0.0) for k, v in after.items()},
+        "server_counters": counter_delta(before, after),
     }
 
 
@@ -388,12 +388,24 @@ async def measure(srv: Server, sender: LongSender, opts: FairnessOptions, vocab:
             if not r.ok:
                 raise RuntimeError(f"warm-up request to {path} failed: {r.error}")
         t0 = CLOCK()
+        before = await scrape_counters(client, srv.url, {})
         alone = await sender.send(join_url(srv.url, "/v1/completions"), model, opts.long_len, seed=seed,
                                   low=opts.min_token_id, vocab=vocab, run_start=t0, timeout_s=opts.request_timeout_s)
         if not alone.ok:
             raise RuntimeError(f"the long prompt alone failed: {alone.error}")
+        after = await scrape_counters(client, srv.url, {})
         busy = await contended(client, sender, srv, model, opts, vocab, seed + 10)
-    return {"model": model, "alone": long_result_json(alone), "contended": busy}
+    return {"model": model, "alone": {**long_result_json(alone), "server_counters": counter_delta(before, after)},
+            "contended": busy}
+
+
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The server's counters over an interval, with the step shape they imply: steps, prefill steps, the mean
+    prefill tokens a prefill step carried (the long prompt's chunks, with the short requests' prompts)."""
+    d = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    if d.get("engine_prefill_steps"):
+        d["mean_prefill_tokens_per_prefill_step"] = d.get("prefill_tokens_scheduled", 0.0) / d["engine_prefill_steps"]
+    return d
 
 
 # ---- one setting, the summary ----------------------------------------------------------------------------
@@ -449,9 +461,19 @@ def table(settings: Sequence[dict[str, Any]]) -> str:
                      None if t["p50"] is None else t["p50"] * 1e3, None if t["p99"] is None else t["p99"] * 1e3,
                      f"{c['shorts']['ok']}/{c['shorts']['sent']}", i["p50"], i["p99"], i["max"],
                      int(c["server_counters"].get("num_preemptions", 0)),
+                     _steps(s["alone"].get("server_counters", {})), _steps(c["server_counters"]),
                      "yes" if all(v is not False for v in s["checks"].values()) else "no"])
     return format_table(["max_step_ms", "alone s", "beside s", "ratio", "short TTFT p50 ms", "p99 ms", "shorts ok",
-                         "stream ITL p50 ms", "p99 ms", "max ms", "preempt", "targets met"], rows)
+                         "stream ITL p50 ms", "p99 ms", "max ms", "preempt", "prefill steps x tokens alone",
+                         "beside", "targets met"], rows)
+
+
+def _steps(counters: dict[str, float]) -> str:
+    """'prefill steps x mean prefill tokens' of an interval ('-' where the server reports no steps)."""
+    n = counters.get("engine_prefill_steps")
+    if not n:
+        return "-"
+    return f"{int(n)} x {counters.get('mean_prefill_tokens_per_prefill_step', 0.0):,.0f}"
 
 
 def pick_default(settings: Sequence[dict[str, Any]]) -> float | str | None:

@@ -51,6 +51,13 @@ def test_smoke_run_through_hyserve_serve(tmp_path: Path) -> None:
     itl = st["itl_ms_during_long"]
     assert 0 < itl["n"] <= st["itl_ms_all"]["n"] and itl["p99"] <= itl["max"]
     assert c["server_counters"]["jit_compiles_after_ready"] == 0
+    # the step shape: the alone prompt's 3000 tokens in chunks of at most max_num_tokens (128), every step
+    # carrying prefill; beside it the streams' and shorts' prompts too, and decode-only steps
+    a = s["alone"]["server_counters"]
+    assert a["prefill_tokens_scheduled"] == 3000 and a["engine_prefill_steps"] >= 3000 / 128
+    assert a["mean_prefill_tokens_per_prefill_step"] <= 128
+    assert c["server_counters"]["prefill_tokens_scheduled"] >= 3000
+    assert c["server_counters"]["engine_steps"] > c["server_counters"]["engine_prefill_steps"]
     assert s["checks"]["all_ok"] is True
     assert {r["name"] for r in d["records"]} >= {"max_step_ms 100: long prompt alone",
                                                  "max_step_ms 100: short-request TTFT p99"}

@@ -329,7 +329,8 @@ def test_metrics_exposed(server: ServerProcess) -> None:
         "hyserve_snapshot_slots_used", "hyserve_prefix_cache_hit_rate", "hyserve_num_preemptions_total",
         "hyserve_prompt_tokens_total", "hyserve_generation_tokens_total", "hyserve_time_to_first_token_seconds_count",
         "hyserve_time_per_output_token_seconds_count", "hyserve_e2e_request_latency_seconds_count",
-        "hyserve_jit_compiles_after_ready_total", "hyserve_overlapped_steps_total",
+        "hyserve_jit_compiles_after_ready_total", "hyserve_overlapped_steps_total", "hyserve_engine_steps_total",
+        "hyserve_engine_prefill_steps_total", "hyserve_prefill_tokens_scheduled_total",
     ):
         assert name in m, name
     assert m["hyserve_jit_compiles_after_ready_total"] == 0

@@ -213,3 +213,16 @@ def test_max_step_ms_on_the_cpu_says_there_is_no_model(caplog) -> None:
         llm = make_llm(max_num_tokens=64, max_step_ms=7.0)
     assert llm.engine.scheduler.cost is None
     assert any("max_step_ms 7: no step cost model on cpu" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_the_engine_counts_steps_and_the_prefill_tokens_they_carry() -> None:
+    """`steps_total`, `prefill_steps_total` and `prefill_tokens_scheduled_total` (exported on /metrics): a
+    prompt of 150 tokens at 40 tokens a step is 4 prefill steps of 150 tokens in all, then decode-only steps
+    for the rest of its output."""
+    llm = make_llm(max_num_tokens=40)
+    before = llm.stats()
+    out = llm.generate([[1] + list(range(5, 154))], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 6
+    d = {k: llm.stats()[k] - before[k] for k in ("steps_total", "prefill_steps_total", "prefill_tokens_scheduled_total")}
+    assert d["prefill_tokens_scheduled_total"] == 150 and d["prefill_steps_total"] == 4
+    assert d["steps_total"] == 4 + 5  # the last prefill chunk samples the first token; 5 decode steps

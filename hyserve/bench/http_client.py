@@ -223,7 +223,8 @@ async def first_model_id(client: httpx.AsyncClient, base_url: str, headers: dict
 
 # hyserve's engine counters worth reporting per run (other servers simply do not export them)
 SERVER_COUNTERS = ("num_preemptions", "prefix_cache_hits", "prefix_cache_queries", "jit_compiles_after_ready",
-                   "generation_tokens", "cuda_alloc_retries")
+                   "generation_tokens", "cuda_alloc_retries", "engine_steps", "engine_prefill_steps",
+                   "prefill_tokens_scheduled")
 
 
 def parse_counters(text: str) -> dict[str, float]:

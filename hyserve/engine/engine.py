@@ -81,7 +81,8 @@ class LLMEngine:
         self._allocator: tuple[float, int] = (0.0, 0)  # (when read, num_alloc_retries)
         self.counters = dict.fromkeys(("prompt_tokens_total", "generation_tokens_total", "requests_finished_total",
                                        "step_failures_total", "request_failures_total", "isolation_probes_total",
-                                       "engine_restarts_total", "overlapped_steps_total"), 0)
+                                       "engine_restarts_total", "overlapped_steps_total", "steps_total",
+                                       "prefill_steps_total", "prefill_tokens_scheduled_total"), 0)
         self.faults = FaultInjector.parse(envs.HYSERVE_FAULT_INJECT)  # None unless set (engine/faults.py)
         self.warmup_report: WarmupReport | None = None
         self._log(self.plan.report())
@@ -137,6 +138,7 @@ class LLMEngine:
         launched: PendingStep | None = None
         updated = False  # once the scheduler has taken the step in, its snapshot pins are released
         if not batch.empty:
+            self._count_step(batch)
             try:
                 logits = self.execute_rows(batch, prev, self.requests)
                 self.scheduler.update(batch, self.requests)
@@ -162,6 +164,15 @@ class LLMEngine:
             else:
                 deltas += self._read(launched)
         return deltas
+
+    def _count_step(self, batch: ScheduledBatch) -> None:
+        """Steps, and the prefill tokens they carried: over an interval, how many steps a long prompt took and
+        how large its chunks were (`bench_fairness.py` reads them from /metrics)."""
+        self.counters["steps_total"] += 1
+        prefill = batch.num_tokens - batch.num_decodes
+        if prefill:
+            self.counters["prefill_steps_total"] += 1
+            self.counters["prefill_tokens_scheduled_total"] += prefill
 
     def execute_rows(self, batch: ScheduledBatch, prev: PendingStep | None, requests: dict[str, Request]
                      ) -> torch.Tensor:
