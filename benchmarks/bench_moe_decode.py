@@ -44,7 +44,8 @@ sys.path.insert(0, str(ROOT))
 import benchmarks.bench_moe as bm  # noqa: E402
 import hyserve.kernels.triton_moe as tm  # noqa: E402
 from hyserve.bench.report import git_sha  # noqa: E402
-from hyserve.kernels.moe import moe_experts_ref  # noqa: E402
+from hyserve.kernels.fp8_linear import quantize_weight_ref  # noqa: E402
+from hyserve.kernels.moe import dequantize_experts, moe_experts_ref  # noqa: E402
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); the first of each list is the 1-token entry tuned at 1a89c47
 # (the H100 run of 1303d9a found short rows and few warps fastest: up 4 x 128 on 2 warps, down one row on one
@@ -75,32 +76,49 @@ def _sub(t: tuple, early: int, flat: int | None = None) -> dict:
 
 
 class Layers:
-    """The MoE layers' weights and one token's input; `chain(cfg)` launches every layer's decode chain."""
+    """The MoE layers' weights and one token's input; `chain(cfg)` launches every layer's decode chain.
 
-    def __init__(self, s: dict, n: int, dev, dtype) -> None:
+    As the model runs them: the router reads the hidden state (H wide) and the experts the latent one (d; the
+    same tensor where there is no latent projection); the shared expert rides in the experts' GEMVs only for
+    16-bit, non-latent MoE (Nano 30B-A3B), elsewhere it is the model's MLP and not part of this chain. fp8:
+    e4m3 experts with per-expert channel scales, each expert quantised from its own float32 draw."""
+
+    def __init__(self, s: dict, n: int, dev, dtype, fp8: bool = False) -> None:
         raw = s["raw"] or {}
-        self.s = s
-        self.S = (raw.get("moe_shared_expert_intermediate_size") or 2 * s["I"]) // s["I"]
+        self.s, self.fp8 = s, fp8
+        folded = not fp8 and not raw.get("moe_latent_size")
+        self.S = (raw.get("moe_shared_expert_intermediate_size") or 2 * s["I"]) // s["I"] if folded else 0
         self.n_group, self.topk_group = raw.get("n_group", 1), raw.get("topk_group", 1)
         self.norm, self.scale = raw.get("norm_topk_prob", True), raw.get("routed_scaling_factor", 1.0)
-        E, d, inter = s["E"], s["d"], s["I"]
+        E, d, inter, H = s["E"], s["d"], s["I"], s.get("H", s["d"])
         g = torch.Generator(device=dev).manual_seed(0)
 
         def rnd(*shape, std):
             return (torch.randn(*shape, device=dev, generator=g) * std).to(dtype)
 
+        def experts(N: int, K: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            if not fp8:
+                return rnd(E, N, K, std=K**-0.5), None
+            q = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=dev)
+            scale = torch.empty(E, N, dtype=torch.float32, device=dev)
+            for e in range(E):  # one expert at a time: no float32 copy of the whole stack
+                q[e], scale[e] = quantize_weight_ref(torch.randn(N, K, device=dev, generator=g) * K**-0.5, "channel")
+            return q, scale
+
         self.layers = []
         for _ in range(n):
+            (up, up_s), (down, down_s) = experts(inter, d), experts(d, inter)
             self.layers.append(dict(
-                router=torch.randn(E, d, device=dev, generator=g) * d**-0.5,
-                bias=torch.zeros(E, device=dev),
-                up=rnd(E, inter, d, std=d**-0.5), down=rnd(E, d, inter, std=inter**-0.5),
-                su=rnd(self.S * inter, d, std=d**-0.5), sd=rnd(d, self.S * inter, std=(self.S * inter) ** -0.5)))
+                router=torch.randn(E, H, device=dev, generator=g) * H**-0.5,
+                bias=torch.zeros(E, device=dev), up=up, down=down, up_s=up_s, down_s=down_s,
+                su=rnd(self.S * inter, d, std=d**-0.5) if self.S else None,
+                sd=rnd(d, self.S * inter, std=(self.S * inter) ** -0.5) if self.S else None))
         self.x = rnd(1, d, std=1.0)
+        self.xh = self.x if H == d else rnd(1, H, std=1.0)
         self.outs = [torch.empty(1, d, dtype=dtype, device=dev) for _ in range(n)]
 
     def route(self, L: dict):
-        logits = tm.router_logits_triton(self.x, L["router"])
+        logits = tm.router_logits_triton(self.xh, L["router"])
         return tm.moe_route_triton(logits, L["bias"], self.s["k"], self.n_group, self.topk_group, self.norm,
                                   self.scale)
 
@@ -108,13 +126,13 @@ class Layers:
         """One layer's route and up GEMV: (routing weights, expert ids, h)."""
         w, ids = self.route(L)
         h = torch.empty(self.s["k"] + self.S, self.s["I"], dtype=self.x.dtype, device=self.x.device)
-        tm.launch_up_gemv(self.x, L["up"], ids, h, cfg["up"], L["su"])
+        tm.launch_up_gemv(self.x, L["up"], ids, h, cfg["up"], L["su"], L["up_s"])
         return w, ids, h
 
     def chain(self, cfg: dict) -> None:
         for L, out in zip(self.layers, self.outs):
             w, ids, h = self.route_up(L, cfg)
-            tm.launch_down(h, L["down"], ids, w, out, cfg["down"], L["sd"])
+            tm.launch_down(h, L["down"], ids, w, out, cfg["down"], L["sd"], L["down_s"])
 
     def split_chains(self, cfg: dict) -> tuple:
         """The up GEMVs alone and the down GEMVs alone over every layer, with each layer's routing and h made
@@ -123,36 +141,53 @@ class Layers:
 
         def ups() -> None:
             for L, (_, ids, h) in zip(self.layers, pre):
-                tm.launch_up_gemv(self.x, L["up"], ids, h, cfg["up"], L["su"])
+                tm.launch_up_gemv(self.x, L["up"], ids, h, cfg["up"], L["su"], L["up_s"])
 
         def downs() -> None:
             for L, (w, ids, h), out in zip(self.layers, pre, self.outs):
-                tm.launch_down(h, L["down"], ids, w, out, cfg["down"], L["sd"])
+                tm.launch_down(h, L["down"], ids, w, out, cfg["down"], L["sd"], L["down_s"])
 
         return ups, downs
 
     def gemv_bytes(self) -> int:
-        """Weight bytes one of the two expert GEMVs reads a layer (k routed experts + the shared expert)."""
+        """Weight bytes one of the two expert GEMVs reads a layer (k routed experts + the shared expert, and
+        FP8 experts' channel scales)."""
         s = self.s
-        return (s["k"] + self.S) * s["I"] * s["d"] * self.layers[0]["up"].element_size()
+        scales = s["k"] * max(s["I"], s["d"]) * 4 if self.fp8 else 0
+        return (s["k"] + self.S) * s["I"] * s["d"] * self.layers[0]["up"].element_size() + scales
 
     def error(self, cfg: dict) -> float:
-        """Relative error of layer 0 under `cfg` against the float64 reference with the shared expert."""
+        """Relative error of layer 0 under `cfg` against the float64 reference (the shared expert folded in
+        where it is; FP8 experts dequantised)."""
         L = self.layers[0]
         w, ids = self.route(L)
-        got = tm.moe_experts_triton(self.x, L["up"], L["down"], w, ids, L["su"], L["sd"], config=cfg)
-        want = moe_experts_ref(self.x.double(), L["up"].double(), L["down"].double(), w.double(), ids,
-                               L["su"].double(), L["sd"].double())
+        got = tm.moe_experts_triton(self.x, L["up"], L["down"], w, ids, L["su"], L["sd"], up_scale=L["up_s"],
+                                    down_scale=L["down_s"], config=cfg)
+        f64 = torch.float64
+        if self.fp8:
+            up, down = dequantize_experts(L["up"], L["up_s"], f64), dequantize_experts(L["down"], L["down_s"], f64)
+        else:
+            up, down = L["up"].double(), L["down"].double()
+        want = moe_experts_ref(self.x.double(), up, down, w.double(), ids,
+                               None if L["su"] is None else L["su"].double(),
+                               None if L["sd"] is None else L["sd"].double())
         return bm._rel(got, want)
 
     def bytes_per_layer(self) -> int:
         s = self.s
-        return (s["k"] + self.S) * 2 * s["I"] * s["d"] * self.layers[0]["up"].element_size() + s["E"] * s["d"] * 4
+        return 2 * self.gemv_bytes() + s["E"] * s.get("H", s["d"]) * 4
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=23, help="MoE layers in the chain (Nano 30B-A3B has 23)")
+    ap.add_argument("--shape", choices=("nano", "super"), default="nano",
+                    help="Nemotron 3 Nano 30B-A3B (128 experts, top-6, the shared expert folded in) or Super "
+                         "120B-A12B (512 experts, top-22, latent 1024, the shared expert outside the chain)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="e4m3 experts with channel scales; --write then sets the shape's ',w=fp8' entry")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="MoE layers in the chain (default: Nano 30B-A3B's 23; Super 16 of its 40, each 5.6 GB in "
+                         "bf16, so nothing stays in L2 either way)")
     ap.add_argument("--write", action="store_true", help="the fastest setting becomes the 1-token config entry")
     ap.add_argument("--profile-once", action="store_true",
                     help="run 4 layers' chains twice at the tuned 1-token settings and exit (under ncu)")
@@ -162,20 +197,23 @@ def main() -> int:
         return 2
     dev, dtype = run
     sha = git_sha(args.git_sha)
-    s = bm._dry_shape(bm.NANO) if dry else bm._shape(bm.NANO)
-    n = 2 if dry else args.layers
+    name = bm.NANO if args.shape == "nano" else bm.SUPER
+    s = bm._dry_shape(name) if dry else bm._shape(name)
+    if dry and args.shape == "super":  # the latent layout in small: the router reads a wider hidden state
+        s = dict(s, H=2 * s["d"], raw={"moe_latent_size": s["d"]})
+    n = 2 if dry else (args.layers or (23 if args.shape == "nano" else 16))
     timer = bm.Timer(dry)
     ceil = bm.moe_ceilings(dev, dry)
     if args.profile_once:
-        net = Layers(s, min(n, 4), dev, dtype)
-        cfg = tm.moe_config(s["E"], s["I"], s["d"], 1, s["k"], torch.device(dev))
+        net = Layers(s, min(n, 4), dev, dtype, args.fp8)
+        cfg = tm.moe_config(s["E"], s["I"], s["d"], 1, s["k"], torch.device(dev), fp8=args.fp8)
         print(f"profiling the chain at {cfg}")
         for _ in range(2):
             net.chain(cfg)
         if not dry:
             torch.cuda.synchronize()
         return 0
-    net = Layers(s, n, dev, dtype)
+    net = Layers(s, n, dev, dtype, args.fp8)
     per_layer_bytes = net.bytes_per_layer()
     ups, downs = (DRY, DRY) if dry else (UP, DOWN)
     rows: list[dict] = []
@@ -242,7 +280,7 @@ def main() -> int:
     gpu = torch.cuda.get_device_name() if not dry else "cpu (interpreter)"
     doc = dict(date=_dt.date.today().isoformat(), git_sha=sha, gpu=gpu, torch=torch.__version__,
                triton=__import__("triton").__version__, command=" ".join([Path(sys.executable).name, *sys.argv]),
-               layer=s["name"], layers=n, shared_chunks=net.S, bytes_per_layer=per_layer_bytes, ceilings=ceil,
+               layer=s["name"], fp8=args.fp8, layers=n, shared_chunks=net.S, bytes_per_layer=per_layer_bytes, ceilings=ceil,
                router_route_us_per_layer=t_route * 1e3, late_us_per_layer=t_late * 1e3,
                best=dict(up=up_best, down=down_best, us_per_layer=t_best * 1e3,
                          fraction_of_read_bw=per_layer_bytes / (t_best * 1e-3) / ceil["read_bw"]),
@@ -250,16 +288,18 @@ def main() -> int:
     print(f"best: {t_best * 1e3:.2f} us a layer ({doc['best']['fraction_of_read_bw']:.3f} of the read ceiling), "
           f"late form at the tuned settings {t_late * 1e3:.2f} us: {t_late / t_best:.3f}x")
     if args.write and not dry:
-        key = tm.shape_key(s["E"], s["I"], s["d"])
+        key = tm.shape_key(s["E"], s["I"], s["d"], fp8=args.fp8)
         table = {key: {"1": {"variant": "gemv", "up": up_best, "down": down_best,
                              "stage_ms": round(t_best, 5), "ms": round(t_best, 5)}}}
         path = bm.write_tuned(table, gpu, sha, merge=True)
         doc["wrote"] = str(path.relative_to(ROOT))
         print(f"wrote the 1-token entry of {key} into {path}")
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"moe_decode_{sha}.json"
+    tag = ("" if args.shape == "nano" else "_super") + ("_fp8" if args.fp8 else "")
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"moe_decode{tag}_{sha}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    md = [f"# MoE decode chain, batch 1 ({s['name']}, {n} layers, {gpu}, {sha}, {doc['date']})", "",
+    md = [f"# MoE decode chain, batch 1 ({s['name']}{', e4m3 experts' if args.fp8 else ''}, {n} layers, {gpu}, "
+          f"{sha}, {doc['date']})", "",
           f"`{doc['command']}`; read ceiling {ceil['read_bw'] / 1e12:.3f} TB/s (same run); "
           f"{per_layer_bytes / 1e6:.1f} MB a layer; router + route alone {t_route * 1e3:.2f} us a layer", "",
           "| what | up (BLOCK_N, BLOCK_K, warps, stages, EARLY) | down (..., EARLY, FLAT) | us / layer | of read ceiling |",

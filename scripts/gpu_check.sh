@@ -18,7 +18,8 @@
 #   before moe_nano in the same call to measure the model with it.
 #   ncu_moe (not a default part, issue 23): Nsight Compute's view (speed of light, memory, scheduler, warp
 #   stalls, occupancy) of the batch-1 MoE up and down GEMVs at the tuned 1-token settings; put it after
-#   moe_decode to profile what that wrote. Text in ncu_moe_<sha>.txt.
+#   moe_decode to profile what that wrote. Text in ncu_moe_<sha>.txt. MOE_DECODE_ARGS="--shape super --fp8" tunes
+#   Nemotron 3 Super's e4m3 experts instead (their own ",w=fp8" entry; MOE_DECODE_TIMEOUT, default 300 s).
 #   linear_sweep (not a default part): bench_kernels.py --only linear_sweep, the one-row GEMV launch settings at
 #   the Nano 9B v2 and 30B-A3B projections (and the FP8 GEMV's).
 #   longprompt (not a default part, issues 24 and 22): benchmarks/bench_long_prompt.py, a 131k and a 1.04M-token
@@ -91,8 +92,10 @@ save() { out_save; }
     && timeout 300 python3 benchmarks/bench_step_sync.py --git-sha "$sha" ${STEP_SYNC_ARGS:-} 2>&1 | tail -40 && save
   # moe_decode (not a default part, issue 23): the batch-1 MoE decode chain in a graph, its settings swept and
   # the fastest written as the 1-token entry of hyserve/kernels/moe_configs/<GPU>.json (copied to $OUT)
+  # shellcheck disable=SC2086  # MOE_DECODE_ARGS is a list of options
   [[ $parts == *" moe_decode "* ]] && echo "== MoE decode chain at batch 1: settings swept, fastest written" \
-    && timeout 300 python3 benchmarks/bench_moe_decode.py --write --git-sha "$sha" 2>&1 | tail -60 \
+    && timeout "${MOE_DECODE_TIMEOUT:-300}" python3 benchmarks/bench_moe_decode.py --write --git-sha "$sha" \
+      ${MOE_DECODE_ARGS:-} 2>&1 | tail -60 \
     && { [ -z "${OUT:-}" ] || cp hyserve/kernels/moe_configs/*.json "$OUT"/; } && save
   if [[ $parts == *" ncu_moe "* ]]; then
     echo "== Nsight Compute: the batch-1 MoE up and down GEMVs at the tuned 1-token settings"

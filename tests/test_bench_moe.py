@@ -71,6 +71,24 @@ def test_decode_chain_dry_run_checks_both_forms_against_float64(tmp_path: Path) 
     assert alone["down_fraction"] == pytest.approx(alone["bytes_each"] / (alone["down_us"] * 1e-6) / doc["ceilings"]["read_bw"])
 
 
+def test_decode_chain_dry_run_of_the_super_layout_with_fp8_experts(tmp_path: Path) -> None:
+    """--shape super --fp8: the latent layout (the router over the wider hidden state, no shared expert in the
+    chain) with e4m3 experts, every form checked against float64 of the dequantised experts; the bytes count
+    one byte a weight plus the channel scales."""
+    out = tmp_path / "decode.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_moe_decode.py"), "--dry-run", "--shape",
+                        "super", "--fp8", "--git-sha", "test", "--out", str(out)], capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["fp8"] is True and doc["shared_chunks"] == 0 and "skip" not in r.stdout
+    assert len(doc["rows"]) == 4 and all(x["rel_err"] < 1e-2 for x in doc["rows"]), doc["rows"]
+    gemv = 2 * 32 * 64 * 1 + 2 * 64 * 4  # 2 routed experts of 32 x 64 e4m3, their channel scales (float32)
+    assert doc["gemvs_alone"]["bytes_each"] == gemv
+    assert doc["bytes_per_layer"] == 2 * gemv + 8 * 128 * 4  # the router reads the 128-wide hidden state
+    assert "e4m3 experts" in out.with_suffix(".md").read_text()
+
+
 def test_decode_chain_profile_once_runs_the_tuned_chain_and_exits(tmp_path: Path) -> None:
     """bench_moe_decode.py --profile-once (the process ncu profiles): the chains at the tuned 1-token settings
     run and the script exits before any timing or file."""

@@ -447,6 +447,28 @@ def test_a_bucket_the_tuned_file_lacks_takes_the_heuristic(monkeypatch: pytest.M
         tm._bucket_config.cache_clear()
 
 
+def test_fp8_experts_take_their_own_entry_else_the_16_bit_one(monkeypatch: pytest.MonkeyPatch):
+    """e4m3 experts look up the shape's ",w=fp8" entry first and fall back to the 16-bit entry of the bucket
+    (then the heuristic); 16-bit experts never take an FP8 entry."""
+    bf16 = {"variant": "gemv", "up": dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=3),
+            "down": dict(BLOCK_N=1, BLOCK_K=1024, num_warps=2, num_stages=4, FLAT=1)}
+    fp8 = {"variant": "gemv", "up": dict(BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=8),
+           "down": dict(BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=8, SPLIT=1)}
+    key, key8 = tm.shape_key(512, 2688, 1024), tm.shape_key(512, 2688, 1024, fp8=True)
+    assert key8 == key + ",w=fp8"
+    monkeypatch.setattr(tm, "_device_name", lambda index: "Some GPU")
+    monkeypatch.setattr(tm, "_tuned_table", lambda name: {key: {"1": bf16, "2": bf16}, key8: {"1": fp8}})
+    tm._bucket_config.cache_clear()
+    try:
+        assert tm._bucket_config(512, 2688, 1024, 1, 22, "cuda", 0, True) == fp8
+        assert tm._bucket_config(512, 2688, 1024, 1, 22, "cuda", 0, False) == bf16
+        assert tm._bucket_config(512, 2688, 1024, 2, 22, "cuda", 0, True) == bf16  # no FP8 entry for 2 tokens
+        assert tm._bucket_config(512, 2688, 1024, 64, 22, "cuda", 0, True) == tm.heuristic_config(512, 2688, 1024,
+                                                                                                 64, 22)
+    finally:
+        tm._bucket_config.cache_clear()
+
+
 def test_heuristic_configs_are_valid():
     for raw in MOE_CONFIGS.values():
         E, inter = raw["n_routed_experts"], raw["moe_intermediate_size"]

@@ -649,9 +649,10 @@ def _down_split_kernel(
 # --------------------------------------------------------------------------- configs
 
 
-def shape_key(num_experts: int, inter: int, hidden: int) -> str:
-    """Config-file key of a layer: E experts of up [N=inter, K=hidden] (down is its transpose)."""
-    return f"E={num_experts},N={inter},K={hidden}"
+def shape_key(num_experts: int, inter: int, hidden: int, fp8: bool = False) -> str:
+    """Config-file key of a layer: E experts of up [N=inter, K=hidden] (down is its transpose); e4m3 experts
+    (one byte a weight, so other tiles may win) under their own key with ",w=fp8"."""
+    return f"E={num_experts},N={inter},K={hidden}" + (",w=fp8" if fp8 else "")
 
 
 def _device_file(device_name: str) -> Path:
@@ -765,23 +766,30 @@ _INTERPRETER_GEMV = {"variant": "gemv", "up": dict(BLOCK_N=32, BLOCK_K=32, num_w
 
 
 def moe_config(num_experts: int, inter: int, hidden: int, num_tokens: int, top_k: int,
-               device: torch.device) -> dict[str, Any]:
+               device: torch.device, fp8: bool = False) -> dict[str, Any]:
     """The tile config for this layer and token count: the tuned file's entry for this token bucket and
     shape on this GPU, else `heuristic_config` of the bucket (the interpreter: small tiles). A bucket the file
     lacks never borrows a neighbour's entry: a file holding only the 1-token entry (`bench_moe_decode.py
     --write` on a GPU without a full tuning) must not send 8192-token prefills down the one-token GEMVs. A
-    function of the token bucket only, so warming one count per bucket compiles every variant."""
-    return _bucket_config(num_experts, inter, hidden, token_bucket(num_tokens), top_k, device.type, device.index)
+    function of the token bucket only, so warming one count per bucket compiles every variant. fp8: e4m3
+    experts take their own entry (`bench_moe_decode.py --fp8 --write`) where the file has one for the bucket,
+    else the 16-bit shape's (the same tiles read half the bytes; no FP8 tuning has run yet)."""
+    return _bucket_config(num_experts, inter, hidden, token_bucket(num_tokens), top_k, device.type, device.index,
+                          fp8)
 
 
 @functools.lru_cache(maxsize=1024)
 def _bucket_config(num_experts: int, inter: int, hidden: int, bucket: int, top_k: int, dev_type: str,
-                   dev_index: int | None) -> dict[str, Any]:
+                   dev_index: int | None, fp8: bool = False) -> dict[str, Any]:
     if dev_type != "cuda":
         return _INTERPRETER_GEMV if bucket <= 2 else _INTERPRETER_GEMM
-    table = _tuned_table(_device_name(dev_index)).get(shape_key(num_experts, inter, hidden), {})
-    tuned = table.get(str(bucket))
-    return tuned if tuned is not None else heuristic_config(num_experts, inter, hidden, bucket, top_k)
+    tables = _tuned_table(_device_name(dev_index))
+    keys = [shape_key(num_experts, inter, hidden, True)] if fp8 else []
+    for key in [*keys, shape_key(num_experts, inter, hidden)]:
+        tuned = tables.get(key, {}).get(str(bucket))
+        if tuned is not None:
+            return tuned
+    return heuristic_config(num_experts, inter, hidden, bucket, top_k)
 
 
 # --------------------------------------------------------------------------- launcher
@@ -920,7 +928,8 @@ def moe_experts_triton(
         raise ValueError("moe_experts: expert weights need a unit stride along their last dimension")
     if S and (not shared_up.is_contiguous() or shared_down.stride(1) != 1 or shared_up.stride(0) != w_up.stride(1)):
         raise ValueError("moe_experts: the shared expert's weights must be contiguous rows like the experts'")
-    cfg = validate_config(config) if config is not None else moe_config(E, inter, d, T, k, x.device)
+    cfg = validate_config(config) if config is not None else moe_config(E, inter, d, T, k, x.device,
+                                                                        fp8=up_scale is not None)
     xc = x if x.stride(1) == 1 else x.contiguous()
     ids = topk_ids.contiguous()
     tw = topk_w.float().contiguous()
