@@ -304,6 +304,9 @@ def write_tuned(tables: dict[str, dict], device_name: str, sha: str, merge: bool
             merged = {**old.get(shape, {}), **buckets}
             old[shape] = dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
         tables = old
+    elif path.exists():  # a whole tuning replaces the 16-bit shapes; the e4m3 experts' entries it never tunes stay
+        prev = json.loads(path.read_text()).get("configs", {})
+        tables = {**{k: v for k, v in prev.items() if k.endswith(",w=fp8") and k not in tables}, **tables}
     doc = dict(device=device_name, triton=__import__("triton").__version__, torch=torch.__version__,
                tuned_at=sha, date=_dt.date.today().isoformat(), history=history,
                note="written by benchmarks/bench_moe.py --tune; keys E (experts), N (intermediate), K (hidden "

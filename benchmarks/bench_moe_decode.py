@@ -149,11 +149,11 @@ class Layers:
 
         return ups, downs
 
-    def gemv_bytes(self) -> int:
-        """Weight bytes one of the two expert GEMVs reads a layer (k routed experts + the shared expert, and
-        FP8 experts' channel scales)."""
+    def gemv_bytes(self, which: str) -> int:
+        """Weight bytes the up or the down GEMV reads a layer: k routed experts + the shared expert, and FP8
+        experts' float32 channel scales (the up GEMV's [I] per expert, the down GEMV's [d])."""
         s = self.s
-        scales = s["k"] * max(s["I"], s["d"]) * 4 if self.fp8 else 0
+        scales = s["k"] * (s["I"] if which == "up" else s["d"]) * 4 if self.fp8 else 0
         return (s["k"] + self.S) * s["I"] * s["d"] * self.layers[0]["up"].element_size() + scales
 
     def error(self, cfg: dict) -> float:
@@ -175,7 +175,13 @@ class Layers:
 
     def bytes_per_layer(self) -> int:
         s = self.s
-        return 2 * self.gemv_bytes() + s["E"] * s.get("H", s["d"]) * 4
+        return self.gemv_bytes("up") + self.gemv_bytes("down") + s["E"] * s.get("H", s["d"]) * 4
+
+
+def _super_layers(s: dict, fp8: bool) -> int:
+    """16 Super MoE layers, or as many as 0.7 of the GPU's free memory holds (an H100 holds 9 in bf16)."""
+    per_layer = 2 * s["E"] * s["I"] * s["d"] * (1 if fp8 else 2)
+    return max(2, min(16, int(0.7 * torch.cuda.mem_get_info()[0] // per_layer)))
 
 
 def main() -> int:
@@ -186,8 +192,9 @@ def main() -> int:
     ap.add_argument("--fp8", action="store_true",
                     help="e4m3 experts with channel scales; --write then sets the shape's ',w=fp8' entry")
     ap.add_argument("--layers", type=int, default=None,
-                    help="MoE layers in the chain (default: Nano 30B-A3B's 23; Super 16 of its 40, each 5.6 GB in "
-                         "bf16, so nothing stays in L2 either way)")
+                    help="MoE layers in the chain (default: Nano 30B-A3B's 23; Super 16 of its 40, fewer where the "
+                         "GPU's free memory holds fewer: 5.6 GB a layer in bf16, 2.8 GB in FP8; nothing stays in L2 "
+                         "either way)")
     ap.add_argument("--write", action="store_true", help="the fastest setting becomes the 1-token config entry")
     ap.add_argument("--profile-once", action="store_true",
                     help="run 4 layers' chains twice at the tuned 1-token settings and exit (under ncu)")
@@ -201,7 +208,7 @@ def main() -> int:
     s = bm._dry_shape(name) if dry else bm._shape(name)
     if dry and args.shape == "super":  # the latent layout in small: the router reads a wider hidden state
         s = dict(s, H=2 * s["d"], raw={"moe_latent_size": s["d"]})
-    n = 2 if dry else (args.layers or (23 if args.shape == "nano" else 16))
+    n = 2 if dry else (args.layers or (23 if args.shape == "nano" else _super_layers(s, args.fp8)))
     timer = bm.Timer(dry)
     ceil = bm.moe_ceilings(dev, dry)
     if args.profile_once:
@@ -272,11 +279,11 @@ def main() -> int:
     # each expert GEMV of the best setting alone: which of the two holds the chain back
     ups_only, downs_only = net.split_chains({"up": up_best, "down": down_best})
     t_up, t_down = (timer.graph([f], replays=15) / n for f in (ups_only, downs_only))
-    gb = net.gemv_bytes()
-    alone = dict(up_us=t_up * 1e3, down_us=t_down * 1e3, bytes_each=gb,
-                 up_fraction=gb / (t_up * 1e-3) / ceil["read_bw"], down_fraction=gb / (t_down * 1e-3) / ceil["read_bw"])
+    gu, gd = net.gemv_bytes("up"), net.gemv_bytes("down")
+    alone = dict(up_us=t_up * 1e3, down_us=t_down * 1e3, up_bytes=gu, down_bytes=gd,
+                 up_fraction=gu / (t_up * 1e-3) / ceil["read_bw"], down_fraction=gd / (t_down * 1e-3) / ceil["read_bw"])
     print(f"best setting's GEMVs alone: up {t_up * 1e3:.2f} us ({alone['up_fraction']:.3f} of the read ceiling), "
-          f"down {t_down * 1e3:.2f} us ({alone['down_fraction']:.3f}), {gb / 1e6:.1f} MB each a layer")
+          f"down {t_down * 1e3:.2f} us ({alone['down_fraction']:.3f}), {gu / 1e6:.1f} / {gd / 1e6:.1f} MB a layer")
     gpu = torch.cuda.get_device_name() if not dry else "cpu (interpreter)"
     doc = dict(date=_dt.date.today().isoformat(), git_sha=sha, gpu=gpu, torch=torch.__version__,
                triton=__import__("triton").__version__, command=" ".join([Path(sys.executable).name, *sys.argv]),
@@ -312,7 +319,7 @@ def main() -> int:
                f"late form at the tuned settings {t_late * 1e3:.2f} us; ratio {t_late / t_best:.3f}x", "",
            f"best setting's GEMVs alone, every layer in one graph: up {alone['up_us']:.2f} us "
            f"({alone['up_fraction']:.3f} of the read ceiling), down {alone['down_us']:.2f} us "
-           f"({alone['down_fraction']:.3f}), {gb / 1e6:.1f} MB each a layer"]
+           f"({alone['down_fraction']:.3f}), {gu / 1e6:.1f} / {gd / 1e6:.1f} MB a layer"]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     print(f"wrote {out}")
     return 0

@@ -99,9 +99,11 @@ save() { out_save; }
     && { [ -z "${OUT:-}" ] || cp hyserve/kernels/moe_configs/*.json "$OUT"/; } && save
   if [[ $parts == *" ncu_moe "* ]]; then
     echo "== Nsight Compute: the batch-1 MoE up and down GEMVs at the tuned 1-token settings"
+    # shellcheck disable=SC2086  # MOE_DECODE_ARGS is a list of options
     timeout 240 ncu --clock-control none -k regex:"_(up|down)_gemv" --launch-skip 8 --launch-count 2 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
-      --section Occupancy python3 benchmarks/bench_moe_decode.py --profile-once > "benchmarks/results/ncu_moe_$sha.txt" 2>&1
+      --section Occupancy python3 benchmarks/bench_moe_decode.py --profile-once ${MOE_DECODE_ARGS:-} \
+      > "benchmarks/results/ncu_moe_$sha.txt" 2>&1
     echo "   exit $? (ncu_moe_$sha.txt)"; grep -E "Throughput|Busy|Issue|Occupancy|Stall|Duration" \
       "benchmarks/results/ncu_moe_$sha.txt" | head -40; save
   fi

@@ -66,9 +66,9 @@ def test_decode_chain_dry_run_checks_both_forms_against_float64(tmp_path: Path) 
     assert doc["speedup_best_vs_late"] == pytest.approx(doc["late_us_per_layer"] / doc["best"]["us_per_layer"])
     assert "| late |" in out.with_suffix(".md").read_text()
     alone = doc["gemvs_alone"]
-    assert alone["bytes_each"] == (2 + 2) * 32 * 64 * 4
+    assert alone["up_bytes"] == alone["down_bytes"] == (2 + 2) * 32 * 64 * 4
     assert alone["up_us"] > 0 and alone["down_us"] > 0
-    assert alone["down_fraction"] == pytest.approx(alone["bytes_each"] / (alone["down_us"] * 1e-6) / doc["ceilings"]["read_bw"])
+    assert alone["down_fraction"] == pytest.approx(alone["down_bytes"] / (alone["down_us"] * 1e-6) / doc["ceilings"]["read_bw"])
 
 
 def test_decode_chain_dry_run_of_the_super_layout_with_fp8_experts(tmp_path: Path) -> None:
@@ -83,9 +83,10 @@ def test_decode_chain_dry_run_of_the_super_layout_with_fp8_experts(tmp_path: Pat
     doc = json.loads(out.read_text())
     assert doc["fp8"] is True and doc["shared_chunks"] == 0 and "skip" not in r.stdout
     assert len(doc["rows"]) == 4 and all(x["rel_err"] < 1e-2 for x in doc["rows"]), doc["rows"]
-    gemv = 2 * 32 * 64 * 1 + 2 * 64 * 4  # 2 routed experts of 32 x 64 e4m3, their channel scales (float32)
-    assert doc["gemvs_alone"]["bytes_each"] == gemv
-    assert doc["bytes_per_layer"] == 2 * gemv + 8 * 128 * 4  # the router reads the 128-wide hidden state
+    # 2 routed experts of 32 x 64 e4m3 and their float32 channel scales: [32] each for up, [64] for down
+    up, down = 2 * 32 * 64 + 2 * 32 * 4, 2 * 32 * 64 + 2 * 64 * 4
+    assert (doc["gemvs_alone"]["up_bytes"], doc["gemvs_alone"]["down_bytes"]) == (up, down)
+    assert doc["bytes_per_layer"] == up + down + 8 * 128 * 4  # the router reads the 128-wide hidden state
     assert "e4m3 experts" in out.with_suffix(".md").read_text()
 
 
@@ -98,3 +99,24 @@ def test_decode_chain_profile_once_runs_the_tuned_chain_and_exits(tmp_path: Path
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "profiling the chain at {'variant': 'gemv'" in r.stdout
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_whole_tuning_keeps_the_fp8_entries_it_never_tunes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench_moe.py --tune` rewrites a GPU's file with the 16-bit shapes it tuned; the ',w=fp8' entries
+    (written by bench_moe_decode.py --fp8 --write, which --tune never measures) stay, a merge keeps both."""
+    import benchmarks.bench_moe as bm
+    import hyserve.kernels.triton_moe as tm
+
+    gemv = {"variant": "gemv", "up": dict(BLOCK_N=4, BLOCK_K=128, num_warps=2, num_stages=8),
+            "down": dict(BLOCK_N=4, BLOCK_K=128, num_warps=2, num_stages=8, SPLIT=1)}
+    key, key8, other = tm.shape_key(512, 2688, 1024), tm.shape_key(512, 2688, 1024, fp8=True), "E=8,N=32,K=64"
+    monkeypatch.setattr(tm, "CONFIG_DIR", tmp_path)
+    try:
+        bm.write_tuned({key: {"1": gemv}, key8: {"1": gemv}, other: {"1": gemv}}, "Some GPU", "a")
+        path = bm.write_tuned({key: {"1": gemv, "2": gemv}}, "Some GPU", "b")
+        assert sorted(json.loads(path.read_text())["configs"]) == sorted([key, key8])  # other: not re-tuned, gone
+        path = bm.write_tuned({key8: {"2": gemv}}, "Some GPU", "c", merge=True)
+        assert json.loads(path.read_text())["configs"][key8] == {"1": gemv, "2": gemv}
+    finally:
+        tm._tuned_table.cache_clear()
+        tm._bucket_config.cache_clear()

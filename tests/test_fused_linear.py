@@ -314,6 +314,18 @@ def test_a_bad_gpu_file_entry_is_refused_with_what_is_wrong(monkeypatch, tmp_pat
         tfl.device_table.cache_clear()
 
 
+def test_a_block_scaled_entry_must_keep_its_k_tiles_inside_one_scale_block(monkeypatch, tmp_path):
+    wide = dict(BLOCK_N=32, BLOCK_K=256, num_warps=8, num_stages=4)
+    (tmp_path / "Bad_GPU.json").write_text(json.dumps({"configs": {"2,4480,22912": wide}}))
+    monkeypatch.setattr(tfl, "CONFIG_DIR", tmp_path)
+    tfl.device_table.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"\[2,4480,22912\]: a block-scaled weight needs BLOCK_K dividing 128, got 256"):
+            tfl.gpu_settings(2, 4480, 22912, "Bad GPU")
+    finally:
+        tfl.device_table.cache_clear()
+
+
 def test_a_bad_gpu_file_key_is_refused(monkeypatch, tmp_path):
     setting = dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4)
     (tmp_path / "Bad_GPU.json").write_text(json.dumps({"configs": {"2688x4608": setting}}))

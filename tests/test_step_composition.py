@@ -226,3 +226,27 @@ def test_the_engine_counts_steps_and_the_prefill_tokens_they_carry() -> None:
     d = {k: llm.stats()[k] - before[k] for k in ("steps_total", "prefill_steps_total", "prefill_tokens_scheduled_total")}
     assert d["prefill_tokens_scheduled_total"] == 150 and d["prefill_steps_total"] == 4
     assert d["steps_total"] == 4 + 5  # the last prefill chunk samples the first token; 5 decode steps
+
+
+@pytest.mark.parametrize("max_num_tokens", [254, 250, 256, 100])
+def test_calibration_prompts_each_run_in_one_prefill_step(max_num_tokens: int) -> None:
+    """The step cost calibration times prompts of `calibration_sizes`: each must be one prefill step, which a
+    snapshot boundary off an SSD chunk boundary would break (block reuse on, 12-token blocks, snapshots
+    every 24 tokens and at the prompt's end, 8-token SSD chunks: 254 -> 252 would be cut at 240 + 12)."""
+    from hyserve.engine.calibration import calibration_sizes
+
+    llm = make_llm(max_num_tokens=max_num_tokens, kv_cache_config={
+        "tokens_per_block": 12, "enable_block_reuse": True, "max_gpu_total_bytes": 64 * 2**20,
+        "mamba_state_config": {"periodic_snapshot_interval": 24, "additional_snapshot_offsets_from_end": [0]}})
+    eng = llm.engine
+    sizes = calibration_sizes(eng)
+    floor_n, short_n, long_n = sizes
+    assert floor_n == eng.model_config.chunk_size <= short_n <= long_n <= max_num_tokens
+    assert long_n % 24 == 0 and (short_n == floor_n or short_n % 24 == 0)
+    for i, n in enumerate(sizes):
+        before = eng.counters["prefill_steps_total"]
+        eng.add_request(f"cal-{i}", list(range(3, 3 + n)), SamplingParams(max_tokens=1, temperature=0,
+                                                                           ignore_eos=True))
+        while eng.has_unfinished():
+            eng.step()
+        assert eng.counters["prefill_steps_total"] - before == 1, (n, sizes)

@@ -5,6 +5,8 @@ terms). Runs after the warm-up, so it compiles nothing new."""
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -18,6 +20,7 @@ from hyserve.kernels import ops
 if TYPE_CHECKING:  # startup.py calibrates a constructed engine; this module only drives it
     from hyserve.engine.engine import LLMEngine
 
+logger = logging.getLogger(__name__)
 _ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 _MAX_CONTEXT = 131072  # the attention timing's context (or what the KV pool holds)
 
@@ -26,20 +29,33 @@ def calibrate_step_cost(engine: LLMEngine, target_ms: float) -> StepCostModel | 
     """The calibrated model, or None where there is nothing to time against (CPU, no attention layers)."""
     if engine.device.type != "cuda" or not engine.cache_tensors.k:
         return None
-    sc = engine.config.scheduler
-    fit = engine.plan.max_request_tokens - 2
-    long_n = min(sc.max_num_tokens, fit)
-    floor_n = min(engine.model_config.chunk_size, long_n)
+    floor_n, short_n, long_n = calibration_sizes(engine)
     floor = (floor_n, _time_prefill(engine, floor_n))
-    # the per-token slope from two device-bound sizes (a quarter of the largest and the largest), so the
-    # host's time in small steps, which overlaps the device's in large ones, stays out of it
-    short_n = max(long_n // 4, floor_n)
     short = (short_n, _time_prefill(engine, short_n)) if short_n > floor_n else floor
     long = (long_n, _time_prefill(engine, long_n)) if long_n > short_n else short
     attn, kv_read = _time_attention(engine)
     engine.reset_after_warmup()
     return fit_step_cost(short=short, long=long, attention=attn, kv_read_ms=kv_read, target_ms=target_ms,
                          floor=floor)
+
+
+def calibration_sizes(engine: LLMEngine) -> tuple[int, int, int]:
+    """The prompt lengths timed: the smallest step (one SSD chunk: the host's floor), and two device-bound
+    ones for the per-token slope (a quarter of the largest and the largest, `max_num_tokens` or what one
+    request may hold), so the host's time in small steps, which overlaps the device's in large ones, stays
+    out of it. The two are whole SSD chunks, blocks and snapshot intervals: a snapshot boundary inside a prompt
+    that is not an SSD chunk boundary cuts its prefill into two steps (the scheduler's `_plan_chunk`), and a
+    timing of two steps is not one step's."""
+    chunk = engine.model_config.chunk_size
+    unit = math.lcm(chunk, engine.cache.tokens_per_block, engine.cache.snapshot_interval or 1)
+    long_n = _aligned(min(engine.config.scheduler.max_num_tokens, engine.plan.max_request_tokens - 2), unit)
+    floor_n = min(chunk, long_n)
+    return floor_n, max(_aligned(long_n // 4, unit), floor_n), long_n
+
+
+def _aligned(n: int, unit: int) -> int:
+    """n down to a multiple of unit (n itself when smaller than one unit)."""
+    return n // unit * unit if n >= unit else n
 
 
 def _median_ms(fn: Callable[[], object], reps: int = 5) -> float:
@@ -58,6 +74,7 @@ def _time_prefill(engine: LLMEngine, n: int) -> float:
     gen = torch.Generator().manual_seed(n)
     vocab = engine.model_config.vocab_size
     count = [0]
+    steps = engine.counters["prefill_steps_total"]
 
     def run() -> None:
         count[0] += 1
@@ -66,7 +83,12 @@ def _time_prefill(engine: LLMEngine, n: int) -> float:
         while engine.has_unfinished():
             engine.step()
 
-    return _median_ms(run, reps=3)
+    ms = _median_ms(run, reps=3)
+    per_run = (engine.counters["prefill_steps_total"] - steps) / count[0]
+    if per_run != 1:
+        logger.warning("step cost calibration: a %d-token prompt took %.1f prefill steps, not one; the model's "
+                       "per-token terms are less certain", n, per_run)
+    return ms
 
 
 def _time_attention(engine: LLMEngine) -> tuple[tuple[int, int, float], float]:

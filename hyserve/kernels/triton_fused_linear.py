@@ -106,6 +106,10 @@ def device_table(name: str) -> dict[str, dict[str, int]]:
         if len(parts) != 3 or not all(p.isdigit() for p in parts) or int(parts[0]) not in (0, 1, 2):
             raise ValueError(f"{path.name}: key {key!r} is not '<w_scale 0|1|2>,<K>,<N>'")
         validate_setting(cfg, f"{path.name} [{key}]")
+        if int(parts[0]) == 2 and 128 % cfg["BLOCK_K"]:
+            # a block-scaled weight's K tile takes the one scale of its 128-wide block (see _gemv_tile)
+            raise ValueError(f"{path.name} [{key}]: a block-scaled weight needs BLOCK_K dividing 128, "
+                             f"got {cfg['BLOCK_K']}")
     return table
 
 
