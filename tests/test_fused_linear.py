@@ -278,64 +278,52 @@ def test_gemv_prefetch_of_a_second_tile_past_k_reads_no_block_scale(poison, monk
     _close64(out, exact, BF16, f"block-scaled GEMV, K {K}, two tiles before the wait")
 
 
-def test_a_gpu_file_entry_sets_its_shape_on_that_gpu_alone(monkeypatch, tmp_path):
+@pytest.fixture
+def gpu_file(monkeypatch, tmp_path):
+    """Write `linear_configs/<name>.json` with these entries into a scratch config dir; the table cache is
+    cleared around each use."""
+    monkeypatch.setattr(tfl, "CONFIG_DIR", tmp_path)
+
+    def write(name: str, configs: dict) -> None:
+        (tmp_path / f"{name}.json").write_text(json.dumps({"configs": configs}))
+        tfl.device_table.cache_clear()
+
+    yield write
+    tfl.device_table.cache_clear()
+
+
+def test_a_gpu_file_entry_sets_its_shape_on_that_gpu_alone(gpu_file):
     """`linear_configs/<GPU>.json` overrides the row-length tables for its shapes on the GPU it names; other
     shapes and other GPUs keep the tables."""
     setting = dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4)
-    (tmp_path / "Some_GPU_80GB.json").write_text(json.dumps({"configs": {"0,2688,4608": setting}}))
-    monkeypatch.setattr(tfl, "CONFIG_DIR", tmp_path)
-    tfl.device_table.cache_clear()
-    try:
-        assert tfl.gpu_settings(0, 2688, 4608, "Some GPU 80GB") == setting
-        assert tfl.gpu_settings(0, 2688, 4608, "Other GPU") == tfl.gpu_settings(0, 2688, 4608)
-        assert tfl.gpu_settings(0, 2688, 4608)["BLOCK_N"] == 1
-        assert tfl.gpu_settings(0, 2688, 10304, "Some GPU 80GB") == tfl.gpu_settings(0, 2688, 10304)
-    finally:
-        tfl.device_table.cache_clear()
+    gpu_file("Some_GPU_80GB", {"0,2688,4608": setting})
+    assert tfl.gpu_settings(0, 2688, 4608, "Some GPU 80GB") == setting
+    assert tfl.gpu_settings(0, 2688, 4608, "Other GPU") == tfl.gpu_settings(0, 2688, 4608)
+    assert tfl.gpu_settings(0, 2688, 4608)["BLOCK_N"] == 1
+    assert tfl.gpu_settings(0, 2688, 10304, "Some GPU 80GB") == tfl.gpu_settings(0, 2688, 10304)
 
 
-@pytest.mark.parametrize("entry, what", [
-    ({"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4}, "exactly the keys"),
-    ({"BLOCK_N": 6, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}, "BLOCK_N must be a power of two"),
-    ({"BLOCK_N": 8, "BLOCK_K": 8, "num_warps": 4, "num_stages": 3}, "BLOCK_K must be a power of two >= 16"),
-    ({"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 3, "num_stages": 3}, "num_warps must be 1, 2, 4 or 8"),
-    ({"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "num_stages": 0}, "num_stages must be in 1..8"),
-    ({"BLOCK_N": 8.0, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}, "BLOCK_N must be an integer"),
+_GOOD = dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4)
+
+
+@pytest.mark.parametrize("key, entry, what", [
+    ("0,2688,4608", {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4}, r"\[0,2688,4608\]: .*exactly the keys"),
+    ("0,2688,4608", dict(_GOOD, BLOCK_N=6), "BLOCK_N must be a power of two"),
+    ("0,2688,4608", dict(_GOOD, BLOCK_K=8), "BLOCK_K must be a power of two >= 16"),
+    ("0,2688,4608", dict(_GOOD, num_warps=3), "num_warps must be 1, 2, 4 or 8"),
+    ("0,2688,4608", dict(_GOOD, num_stages=0), "num_stages must be in 1..8"),
+    ("0,2688,4608", dict(_GOOD, BLOCK_N=8.0), "BLOCK_N must be an integer"),
+    # a block-scaled weight's K tile takes the one scale of its 128-wide block
+    ("2,4480,22912", dict(_GOOD, BLOCK_K=256), r"\[2,4480,22912\]: a block-scaled weight needs BLOCK_K dividing 128, "
+                                               "got 256"),
+    ("2688x4608", _GOOD, r"key '2688x4608' is not '<w_scale 0\|1\|2>,<K>,<N>'"),
 ])
-def test_a_bad_gpu_file_entry_is_refused_with_what_is_wrong(monkeypatch, tmp_path, entry, what):
-    (tmp_path / "Bad_GPU.json").write_text(json.dumps({"configs": {"0,2688,4608": entry}}))
-    monkeypatch.setattr(tfl, "CONFIG_DIR", tmp_path)
-    tfl.device_table.cache_clear()
-    try:
-        with pytest.raises(ValueError, match=what) as e:
-            tfl.gpu_settings(0, 2688, 4608, "Bad GPU")
-        assert "Bad_GPU.json [0,2688,4608]" in str(e.value)
-    finally:
-        tfl.device_table.cache_clear()
-
-
-def test_a_block_scaled_entry_must_keep_its_k_tiles_inside_one_scale_block(monkeypatch, tmp_path):
-    wide = dict(BLOCK_N=32, BLOCK_K=256, num_warps=8, num_stages=4)
-    (tmp_path / "Bad_GPU.json").write_text(json.dumps({"configs": {"2,4480,22912": wide}}))
-    monkeypatch.setattr(tfl, "CONFIG_DIR", tmp_path)
-    tfl.device_table.cache_clear()
-    try:
-        with pytest.raises(ValueError, match=r"\[2,4480,22912\]: a block-scaled weight needs BLOCK_K dividing 128, got 256"):
-            tfl.gpu_settings(2, 4480, 22912, "Bad GPU")
-    finally:
-        tfl.device_table.cache_clear()
-
-
-def test_a_bad_gpu_file_key_is_refused(monkeypatch, tmp_path):
-    setting = dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4)
-    (tmp_path / "Bad_GPU.json").write_text(json.dumps({"configs": {"2688x4608": setting}}))
-    monkeypatch.setattr(tfl, "CONFIG_DIR", tmp_path)
-    tfl.device_table.cache_clear()
-    try:
-        with pytest.raises(ValueError, match=r"key '2688x4608' is not '<w_scale 0\|1\|2>,<K>,<N>'"):
-            tfl.gpu_settings(0, 2688, 4608, "Bad GPU")
-    finally:
-        tfl.device_table.cache_clear()
+def test_a_bad_gpu_file_entry_is_refused_with_what_is_wrong(gpu_file, key, entry, what):
+    gpu_file("Bad_GPU", {key: entry})
+    w_scale, k, n = (int(v) for v in key.split(",")) if "," in key else (0, 2688, 4608)
+    with pytest.raises(ValueError, match=what) as e:
+        tfl.gpu_settings(w_scale, k, n, "Bad GPU")
+    assert str(e.value).startswith("Bad_GPU.json")
 
 
 def test_the_shipped_gpu_files_are_valid():
