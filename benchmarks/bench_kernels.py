@@ -307,6 +307,13 @@ def _copies_past_l2(b: Bench, weight_bytes: int) -> int:
     return 1 if b.dry else -(-_L2_DEFEAT_BYTES // weight_bytes)
 
 
+def _fixed_gemv_setting(cfg: tuple[int, int, int, int]):
+    """A stand-in for `triton_fused_linear.gpu_settings` that gives every GEMV the setting (BLOCK_N, BLOCK_K,
+    num_warps, num_stages), whatever the weight, shape or GPU."""
+    setting = dict(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+    return lambda w_scale, k, n, device="": setting
+
+
 def _bench_linear(b: Bench, sweep: bool, only: str = "") -> None:
     """`only`: the cases whose name holds it (all when empty)."""
     import hyserve.kernels.triton_fused_linear as tfl
@@ -326,8 +333,7 @@ def _bench_linear(b: Bench, sweep: bool, only: str = "") -> None:
             tag = "" if cfg is None else " [N{} K{} w{} s{}]".format(*cfg)
             try:
                 if cfg is not None:
-                    setting = dict(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
-                    tfl.gpu_settings = lambda w_scale, k, n, device="", s=setting: s
+                    tfl.gpu_settings = _fixed_gemv_setting(cfg)
                 if not b.check(f"{label}: {variant}{tag}", fused(), ref, 2e-2, 2e-2):
                     continue
                 ms = b.graph_ms(fused)
@@ -386,8 +392,7 @@ def _bench_fp8_gemv_sweep(b: Bench, schemes: tuple[str, ...] = ("channel", "bloc
                 label = f"fp8 {scheme} GEMV {k}->{n}, 1 row" + (f" ({copies} weights in turn)" if copies > 1 else "") \
                     + f" {tag}"
                 try:
-                    setting = dict(BLOCK_N=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
-                    tfl.gpu_settings = lambda w_scale, k, n, device="", s=setting: s
+                    tfl.gpu_settings = _fixed_gemv_setting(cfg)
                     fn = lambda qs=qs, sc=sc: [tfl.gemv_fp8(x, qi, sc, None, False) for qi in qs][-1]  # noqa: E731
                     if not b.check(label, fn(), want, 1e-2, 1e-2):
                         continue

@@ -434,7 +434,7 @@ def test_a_bucket_the_tuned_file_lacks_takes_the_heuristic(monkeypatch: pytest.M
     one = {"variant": "gemv", "up": dict(BLOCK_N=4, BLOCK_K=128, num_warps=2, num_stages=6),
            "down": dict(BLOCK_N=1, BLOCK_K=512, num_warps=1, num_stages=6, FLAT=1)}
     key = tm.shape_key(128, 1856, 2688)
-    monkeypatch.setattr(tm, "_device_name", lambda index: "Some GPU")
+    monkeypatch.setattr(tm, "device_name", lambda index: "Some GPU")
     monkeypatch.setattr(tm, "_tuned_table", lambda name: {key: {"1": one}})
     tm._bucket_config.cache_clear()
     try:
@@ -456,7 +456,7 @@ def test_fp8_experts_take_their_own_entry_else_the_16_bit_one(monkeypatch: pytes
            "down": dict(BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=8, SPLIT=1)}
     key, key8 = tm.shape_key(512, 2688, 1024), tm.shape_key(512, 2688, 1024, fp8=True)
     assert key8 == key + ",w=fp8"
-    monkeypatch.setattr(tm, "_device_name", lambda index: "Some GPU")
+    monkeypatch.setattr(tm, "device_name", lambda index: "Some GPU")
     monkeypatch.setattr(tm, "_tuned_table", lambda name: {key: {"1": bf16, "2": bf16}, key8: {"1": fp8}})
     tm._bucket_config.cache_clear()
     try:

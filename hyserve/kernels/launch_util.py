@@ -119,10 +119,6 @@ def split_kv_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     )
 
 
-__all__ = ["device_index", "hopper_or_newer", "pdl", "pdl_active", "pdl_enabled", "set_pdl", "split_kv_args",
-           "split_kv_count", "tma_tiles_fit"]
-
-
 @functools.lru_cache(maxsize=8)
 def device_name(index: int | None) -> str:
     """The CUDA device's name (`torch.cuda.get_device_name`), looked up once per index."""
@@ -133,3 +129,8 @@ def device_file(config_dir: Path, name: str) -> Path:
     """The per-device tuned-settings file for a GPU called `name` in config_dir ("NVIDIA H200" ->
     NVIDIA_H200.json), as the MoE and the GEMV launchers keep them."""
     return config_dir / (re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") + ".json")
+
+
+__all__ = ["device_file", "device_index", "device_name", "hopper_or_newer", "pdl", "pdl_active", "pdl_enabled",
+           "set_pdl", "split_kv_args", "split_kv_count", "tma_tiles_fit"]
+

@@ -698,9 +698,6 @@ def validate_config(cfg: dict[str, Any], where: str = "config") -> dict[str, Any
     return cfg
 
 
-_device_name = device_name
-
-
 @functools.lru_cache(maxsize=8)
 def _tuned_table(device_name: str) -> dict[str, dict[str, dict[str, Any]]]:
     path = _device_file(device_name)
@@ -783,7 +780,7 @@ def _bucket_config(num_experts: int, inter: int, hidden: int, bucket: int, top_k
                    dev_index: int | None, fp8: bool = False) -> dict[str, Any]:
     if dev_type != "cuda":
         return _INTERPRETER_GEMV if bucket <= 2 else _INTERPRETER_GEMM
-    tables = _tuned_table(_device_name(dev_index))
+    tables = _tuned_table(device_name(dev_index))
     keys = [shape_key(num_experts, inter, hidden, True)] if fp8 else []
     for key in [*keys, shape_key(num_experts, inter, hidden)]:
         tuned = tables.get(key, {}).get(str(bucket))

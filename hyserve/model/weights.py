@@ -688,6 +688,12 @@ def _row_chunks(rows: int, per_row: int) -> list[tuple[int, int, int]]:
     return [(c, r0, min(rows, r0 + step)) for c, r0 in enumerate(range(0, rows, step))]
 
 
+def _draw_dtype(t: torch.Tensor) -> torch.dtype:
+    """What a sharded or FP8 parameter's checkpoint tensor is drawn in: float32 for an e4m3 weight (its loader
+    quantises it), else the parameter's dtype."""
+    return torch.float32 if t.dtype == torch.float8_e4m3fn else t.dtype
+
+
 def _stream_rows(name: str, t: torch.Tensor, cfg: HybridModelConfig, seed: int, max_workers: int | None,
                  on_device: bool) -> None:
     """Random init of a parameter whose loader takes one dim-0 row at a time (`loads_by_row`: an expert's
@@ -699,7 +705,7 @@ def _stream_rows(name: str, t: torch.Tensor, cfg: HybridModelConfig, seed: int, 
     if kind != "normal":
         raise ValueError(f"init_random_weights: {name!r} loads by row but its init rule is {kind!r}, not normal")
     shape = checkpoint_shape(t)
-    draw = torch.float32 if t.dtype == torch.float8_e4m3fn else t.dtype
+    draw = _draw_dtype(t)
     chunks = _row_chunks(shape[0], math.prod(shape[1:]))
     if on_device and t.is_cuda:
         drawn: Iterable[torch.Tensor] = (
@@ -748,8 +754,7 @@ def init_random_weights(
         if getattr(t, "loads_by_row", False):
             _stream_rows(n, t, cfg, seed, max_workers, on_device)
             continue
-        draw = torch.float32 if t.dtype == torch.float8_e4m3fn else t.dtype
-        full = torch.empty(checkpoint_shape(t), dtype=draw, device=t.device if on_device else "cpu")
+        full = torch.empty(checkpoint_shape(t), dtype=_draw_dtype(t), device=t.device if on_device else "cpu")
         init_random_tensors({n: full}, cfg, seed=seed, max_workers=max_workers, on_device=on_device)
         with torch.no_grad():
             t.weight_loader(t, full)  # type: ignore[attr-defined]
