@@ -102,6 +102,45 @@ def test_detects_block_and_per_tensor_fp8(tmp_path: Path) -> None:
     assert checkpoint_quant(d).scheme == "tensor"
 
 
+@pytest.mark.parametrize(("algo", "scheme"), [("FP8", "tensor"), ("FP8_PER_CHANNEL_PER_TOKEN", "channel"),
+                                             ("FP8_PB_WO", "block"), ("fp8_pb_wo", "block")])
+def test_detects_each_modelopt_fp8_algorithm(tmp_path: Path, algo: str, scheme: str) -> None:
+    """ModelOpt's three FP8 layouts, from either file and in config.json's own form (quant_method beside
+    quant_algo, `ignore` and `kv_cache_scheme`) or with hf_quant_config.json's nesting inside it."""
+    flat = _write_config(tmp_path / "flat", quantization_config={
+        "quant_method": "modelopt", "quant_algo": algo, "ignore": ["lm_head", "model.layers.1*"],
+        "kv_cache_scheme": {"type": "float", "num_bits": 8, "dynamic": False}})
+    nested = _write_config(tmp_path / "nested", quantization_config={
+        "quant_method": "modelopt", "quantization": {"quant_algo": algo, "kv_cache_quant_algo": "FP8",
+                                                     "exclude_modules": ["lm_head", "model.layers.1*"]}})
+    hf = _write_config(tmp_path / "hf")
+    (hf / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": {
+        "quant_algo": algo, "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head", "model.layers.1*"]}}))
+    for d in (flat, nested, hf):
+        q = checkpoint_quant(d)
+        assert (q.method, q.scheme, q.kv_cache_fp8, q.include) == ("modelopt", scheme, True, None), d
+        assert q.quantizes("backbone.layers.0.mixer.in_proj") and q.quantizes("backbone.layers.2.mixer.o_proj")
+        assert not q.quantizes("backbone.layers.1.mixer.in_proj")  # ModelOpt's "a whole subtree" pattern
+    no_kv = _write_config(tmp_path / "no-kv", quantization_config={
+        "quant_method": "modelopt", "quant_algo": algo, "kv_cache_scheme": None})
+    assert not checkpoint_quant(no_kv).kv_cache_fp8
+
+
+def test_mixed_precision_fp8_loads_only_the_listed_modules(tmp_path: Path) -> None:
+    listed = {"model.layers.0.mixer.in_proj": {"quant_algo": "FP8"},
+              "backbone.layers.3.mixer.experts.0.up_proj": {"quant_algo": "FP8"}}
+    d = _write_config(tmp_path, quantization_config={
+        "quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": "FP8",
+        "quantized_layers": listed})
+    q = checkpoint_quant(d)
+    assert (q.scheme, q.kv_cache_fp8) == ("tensor", True)
+    assert q.include == {"backbone.layers.0.mixer.in_proj", "backbone.layers.3.mixer.experts.0.up_proj"}
+    assert q.quantizes("backbone.layers.0.mixer.in_proj")
+    assert q.quantizes("backbone.layers.3.mixer.experts.0.up_proj")
+    assert not q.quantizes("backbone.layers.2.mixer.in_proj")  # not listed: 16-bit
+    assert "2 FP8 modules listed" in q.describe()
+
+
 @pytest.mark.parametrize(("qc", "needle"), [
     ({"quant_method": "awq", "bits": 4}, r"quant_method 'awq' is not supported; hyserve loads quant_method modelopt"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, r"ModelOpt quant_algo 'NVFP4' is not supported"),
@@ -117,6 +156,21 @@ def test_detects_block_and_per_tensor_fp8(tmp_path: Path) -> None:
     ({"quant_method": "modelopt", "quant_algo": "FP8", "exclude_modules": "lm_head"},
      r"exclude_modules must be a list of module names"),
     ("fp8", r"quantization_config: expected a mapping"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_scheme": {"type": "int", "num_bits": 8}},
+     r"kv_cache_scheme \{'type': 'int', 'num_bits': 8\} is not supported \(type float, num_bits 8, or null\)"),
+    ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"},
+     r"quant_algo MIXED_PRECISION needs a non-empty 'quantized_layers' mapping"),
+    ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "quantized_layers": {
+        "model.layers.0.mixer.in_proj": {"quant_algo": "FP8"},
+        "model.layers.1.mixer.experts.0.up_proj": {"quant_algo": "NVFP4", "group_size": 16}}},
+     r"MIXED_PRECISION checkpoint with layers in NVFP4 \(e.g. model.layers.1.mixer.experts.0.up_proj\): "
+     r"not supported; hyserve loads FP8 / FP8_PER_CHANNEL_PER_TOKEN / FP8_PB_WO layers"),
+    ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "quantized_layers": {
+        "model.layers.0.mixer.in_proj": {"quant_algo": "FP8"},
+        "model.layers.1.mixer.in_proj": {"quant_algo": "FP8_PB_WO"}}},
+     r"mixes FP8 scale layouts \['FP8', 'FP8_PB_WO'\]: not supported"),
+    ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "quantized_layers": {"x.in_proj": "FP8"}},
+     r"quantized_layers\['x.in_proj'\] has no quant_algo"),
 ])
 def test_unsupported_quantization_configs_are_refused(tmp_path: Path, qc: Any, needle: str) -> None:
     d = _write_config(tmp_path, quantization_config=qc)
@@ -231,13 +285,26 @@ def _tiny_dir(root: Path, variant: str = "dense") -> Path:
     return make_tiny(root / f"tiny-{variant}", variant=variant, seed=3)
 
 
-def _quantize_checkpoint(src: Path, dst: Path, qc: dict[str, Any], *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
-    """dst: src's checkpoint with every projection weight (not in `skip`) as e4m3 plus its scales in the
-    format `qc` names; returns the tensors written."""
+# how each format stores a weight's scales: (scheme, scale tensor name suffix, the stored shape of the scales)
+_LAYOUTS = {
+    "tensor": ("tensor", ".weight_scale", lambda s: s),
+    "block": ("block", ".weight_scale_inv", lambda s: s),
+    "channel": ("channel", ".weight_scale", lambda s: s.reshape(-1, 1)),  # [N, 1]
+    "pb_wo": ("block", ".weight_scale", lambda s: s[:, None, :, None]),  # ModelOpt's [N/128, 1, K/128, 1]
+}
+
+
+def _quantize_checkpoint(src: Path, dst: Path, qc: dict[str, Any], *, skip: tuple[str, ...] = (),
+                         layout: str | None = None, only: set[str] | None = None) -> dict[str, Any]:
+    """dst: src's checkpoint with every projection weight (not in `skip`; in `only` where given) as e4m3 plus
+    its scales in `layout` (by default the format `qc` names: block for weight_block_size, else tensor);
+    returns the tensors written."""
     dst.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((src / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
-    block = qc.get("weight_block_size") is not None
+    layout = layout or ("block" if qc.get("weight_block_size") is not None else "tensor")
+    scheme, suffix, stored = _LAYOUTS[layout]
+    block = scheme == "block"
     out: dict[str, torch.Tensor] = {}
     with safe_open(str(src / "model.safetensors"), framework="pt") as f:
         for name in f.keys():
@@ -245,11 +312,12 @@ def _quantize_checkpoint(src: Path, dst: Path, qc: dict[str, Any], *, skip: tupl
             stem = name.removesuffix(".weight")
             routed = ".experts." in name
             if name.endswith(".weight") and stem.rsplit(".", 1)[-1] in QUANTIZABLE_LINEARS and stem not in skip \
+                    and (only is None or stem in only) \
                     and not (routed and block):  # block-scaled experts are not supported (test below)
-                q, s = quantize_weight_ref(t, "block" if block else "tensor")
+                q, s = quantize_weight_ref(t, scheme)
                 out[name] = q
-                out[stem + (".weight_scale_inv" if block else ".weight_scale")] = s
-                if not block:
+                out[stem + suffix] = stored(s)
+                if scheme == "tensor":
                     out[stem + ".input_scale"] = torch.tensor(0.5)
             else:
                 out[name] = t
@@ -319,6 +387,58 @@ def test_block_scaled_checkpoint_loads(tmp_path: Path) -> None:
         assert torch.equal(layer.weight_scale, written[name + ".weight_scale_inv"])
         n, k = layer.weight.shape
         assert layer.weight_scale.shape == (math.ceil(n / 128), math.ceil(k / 128))
+
+
+@pytest.mark.parametrize(("algo", "layout"), [("FP8_PER_CHANNEL_PER_TOKEN", "channel"), ("FP8_PB_WO", "pb_wo")])
+@pytest.mark.parametrize("variant", ["dense", "latent-moe"])
+def test_modelopt_channel_and_block_checkpoints_load(tmp_path: Path, algo: str, layout: str, variant: str) -> None:
+    """ModelOpt's per-channel ([N, 1] scales) and block-scaled ([N/128, 1, K/128, 1]) checkpoints: e4m3 bytes
+    and scales as written; routed experts carry per-channel scales (block-scaled experts stay 16-bit)."""
+    src = _tiny_dir(tmp_path, variant)
+    qc = {"quant_method": "modelopt", "quant_algo": algo, "ignore": ["lm_head"]}
+    written = _quantize_checkpoint(src, tmp_path / "fp8", qc, layout=layout)
+    lm = _load(tmp_path / "fp8")
+    assert lm.config.quant.scheme == _LAYOUTS[layout][0]
+    layers = dict(fp8_layers(lm.model))
+    assert len(layers) > 8 and len(layers) == sum(1 for n in written if n.endswith(".weight_scale")
+                                                   and ".experts." not in n)
+    for name, layer in layers.items():
+        assert torch.equal(layer.weight.view(torch.uint8), written[name + ".weight"].view(torch.uint8))
+        assert torch.equal(layer.weight_scale, written[name + ".weight_scale"].reshape(layer.weight_scale.shape))
+    for name, m in lm.model.named_modules():
+        if name.endswith(".experts"):
+            assert (m.quant is not None) == (layout == "channel")
+            if m.quant is not None:
+                for e in range(m.num_experts):
+                    assert torch.equal(m.down_proj_scale[e], written[f"{name}.{e}.down_proj.weight_scale"].reshape(-1))
+    _close_logits(lm, _load(src))
+
+
+def test_mixed_precision_checkpoint_loads_listed_modules_as_fp8(tmp_path: Path) -> None:
+    """A MIXED_PRECISION checkpoint whose quantized_layers list half the projections: those load as e4m3,
+    the rest as the 16-bit tensors the checkpoint holds."""
+    src = _tiny_dir(tmp_path, "latent-moe")
+    ref = _load(src)
+    names = [n for n, m in ref.model.named_modules()
+             if n.rsplit(".", 1)[-1] in QUANTIZABLE_LINEARS and ".experts" not in n]
+    only = set(names[::2])
+    experts = next(n for n, _ in ref.model.named_modules() if n.endswith(".experts"))
+    n_exp = ref.model.get_submodule(experts).num_experts
+    only |= {f"{experts}.{e}.{w}" for e in range(n_exp) for w in ("up_proj", "down_proj")}
+    qc = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION",
+          "quantized_layers": {n.replace("backbone.", "model.", 1): {"quant_algo": "FP8"} for n in sorted(only)}}
+    written = _quantize_checkpoint(src, tmp_path / "mixed", qc, only=only)
+    lm = _load(tmp_path / "mixed")
+    assert set(dict(fp8_layers(lm.model))) == {n for n in only if ".experts." not in n}
+    for n in set(names) - only:
+        assert lm.model.get_submodule(n).weight.dtype == torch.float32
+    fp8_experts = {n for n, m in lm.model.named_modules() if n.endswith(".experts") and m.quant is not None}
+    assert fp8_experts == {experts}
+    m = lm.model.get_submodule(experts)
+    assert torch.equal(m.up_proj[0].view(torch.uint8), written[f"{experts}.0.up_proj.weight"].view(torch.uint8))
+    buffers = sum(b.numel() * b.element_size() for b in lm.model.buffers())
+    assert weight_bytes(lm.config, torch.float32) == tensor_bytes(lm.model)[0] - buffers  # the planner's count
+    _close_logits(lm, ref)
 
 
 def test_checkpoint_errors_name_the_fp8_tensors(tmp_path: Path) -> None:

@@ -8,7 +8,8 @@ projection `quant.quantizes` gets an e4m3 `weight` (same local shape) and a floa
     scheme    weight_scale (this rank's)                 in the checkpoint
     tensor    [N_local]  the one scale, per output row   [] (0-d; [1] accepted)
     channel   [N_local]                                  [N] ([N, 1] accepted)
-    block     [ceil(N_local/128), ceil(K_local/128)]     [ceil(N/128), ceil(K/128)] (`weight_scale_inv`)
+    block     [ceil(N_local/128), ceil(K_local/128)]     [ceil(N/128), ceil(K/128)] (`weight_scale_inv`;
+                                                         ModelOpt's [ceil(N/128), 1, ceil(K/128), 1] accepted)
 
 A per-tensor scale is held per output row so one kernel path serves both, and a merged column layer
 whose parts carry their own scales needs no special case. Sharding follows the weight: a column-parallel
@@ -209,6 +210,8 @@ class Fp8Loaders:
         return sum(p.size for p in self.parts if shard_id is None or p.name == shard_id)
 
     def _load_block(self, param: torch.Tensor, src: torch.Tensor, shard_id: str | None) -> None:
+        if src.dim() == 4 and src.shape[1] == src.shape[3] == 1:  # ModelOpt FP8_PB_WO: [N/128, 1, K/128, 1]
+            src = src[:, 0, :, 0]
         want = tuple(self.layer.weight_scale.checkpoint_shape)  # type: ignore[attr-defined]
         if self.kind == "column" and shard_id is not None:
             part = next((p for p in self.parts if p.name == shard_id), None)

@@ -2,23 +2,32 @@
 
 Where the format comes from, in order:
 
-    config.json "quantization_config"         quant_method modelopt (quant_algo FP8) or fp8
-    hf_quant_config.json "quantization"       ModelOpt's own file (producer modelopt, quant_algo FP8)
+    config.json "quantization_config"         quant_method modelopt or fp8 (ModelOpt's keys may also
+                                              sit in a nested "quantization" mapping there)
+    hf_quant_config.json "quantization"       ModelOpt's own file (producer modelopt)
     the engine option `quantization: fp8`     a 16-bit checkpoint quantised while it loads ("online")
 
-    method     weights in the checkpoint      scales (dequantise: w = w_fp8 * scale)
-    modelopt   e4m3                           `weight_scale` one per tensor; `input_scale` (static
-                                              activation scale) is read past: the kernels scale
-                                              activations per token, dynamically
-    fp8        e4m3                           `weight_scale_inv` per [128, 128] block (weight_block_size),
-                                              or `weight_scale` per tensor without a block size
-    online     16/32-bit                      one per output channel, computed at load (amax / 448)
+    method / quant_algo            weights   scales (dequantise: w = w_fp8 * scale)
+    modelopt FP8                   e4m3      `weight_scale` one per tensor; `input_scale` (static activation
+                                             scale) is read past: the kernels scale activations per token,
+                                             dynamically
+    modelopt                       e4m3      `weight_scale` one per output channel ([N] or [N, 1])
+      FP8_PER_CHANNEL_PER_TOKEN
+    modelopt FP8_PB_WO             e4m3      `weight_scale` per [128, 128] block ([N/128, K/128], or ModelOpt's
+                                             [N/128, 1, K/128, 1])
+    modelopt MIXED_PRECISION       e4m3      the one FP8 algorithm above that every `quantized_layers` entry
+                                             names; the projections it does not list stay 16-bit
+    fp8                            e4m3      `weight_scale_inv` per [128, 128] block (weight_block_size),
+                                             or `weight_scale` per tensor without a block size
+    online                         16/32-bit one per output channel, computed at load (amax / 448)
 
-Modules in the checkpoint's exclusion list (`exclude_modules`, `ignore`, `ignored_layers`,
-`modules_to_not_convert`; names or fnmatch patterns, `model.` read as `backbone.`) stay 16-bit, as do
-the embeddings, lm_head, norms, the MoE router and the Mamba conv / A / D / dt parameters (never
-quantised: they are not projections). Anything else (another quant method or algorithm, another block
-size, static activation scales for the block format) is refused with what was found and what is supported.
+The KV cache's FP8 scales are announced as `kv_cache_quant_algo: FP8` (hf_quant_config.json) or as
+`kv_cache_scheme: {type: float, num_bits: 8}` (config.json's form). Modules in the checkpoint's exclusion
+list (`exclude_modules`, `ignore`, `ignored_layers`, `modules_to_not_convert`; names or fnmatch patterns,
+`model.` read as `backbone.`) stay 16-bit, as do the embeddings, lm_head, norms, the MoE router and the
+Mamba conv / A / D / dt parameters (never quantised: they are not projections). Anything else (another
+quant method or algorithm, NVFP4 layers in a mixed-precision checkpoint, another block size, static
+activation scales for the block format) is refused with what was found and what is supported.
 """
 
 from __future__ import annotations
@@ -40,9 +49,18 @@ QUANTIZABLE_LINEARS = frozenset({
     "in_proj", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj",
     "fc1_latent_proj", "fc2_latent_proj",
 })
-SUPPORTED = ("quant_method modelopt with quant_algo FP8 (per-tensor weight_scale), quant_method fp8 "
+# ModelOpt's FP8 algorithms and the scale layout each stores
+MODELOPT_FP8 = {"FP8": "tensor", "FP8_PER_CHANNEL_PER_TOKEN": "channel", "FP8_PB_WO": "block"}
+MIXED = "MIXED_PRECISION"
+SUPPORTED = (f"quant_method modelopt with quant_algo {' / '.join(MODELOPT_FP8)} (or {MIXED} whose "
+             "quantized_layers all name one of them), quant_method fp8 "
              f"(weight_block_size [{BLOCK}, {BLOCK}], or per-tensor without one), or a 16-bit checkpoint "
              "with quantization: fp8")
+
+
+def _canonical(name: str) -> str:
+    """A checkpoint module name as hyserve names it (`model.` read as `backbone.`)."""
+    return "backbone." + name[len("model."):] if name.startswith("model.") else name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +71,9 @@ class QuantConfig:
     method: str  # "modelopt" | "fp8" | "online"
     scheme: str  # one of SCHEMES
     exclude: tuple[str, ...] = ()
+    # a mixed-precision checkpoint's FP8 modules (canonical names, `backbone.`...): only these are FP8; None:
+    # every projection the exclusion list leaves
+    include: frozenset[str] | None = None
     kv_cache_fp8: bool = False  # the checkpoint also ships FP8 KV scales (kv_cache_quant_algo FP8)
     source: str = ""  # where it was read, for messages
 
@@ -74,9 +95,11 @@ class QuantConfig:
         leaf = module_name.rsplit(".", 1)[-1]
         if leaf not in QUANTIZABLE_LINEARS:
             return False
+        if self.include is not None and module_name not in self.include:
+            return False
         short = module_name.removeprefix("backbone.")
         for pat in self.exclude:
-            p = "backbone." + pat[len("model."):] if pat.startswith("model.") else pat
+            p = _canonical(pat)
             for name in (module_name, short):
                 if name == p or name.startswith(p + ".") or fnmatch.fnmatchcase(name, p):
                     return False
@@ -87,6 +110,8 @@ class QuantConfig:
                   "block": f"per-[{BLOCK}, {BLOCK}]-block"}[self.scheme]
         where = "quantised at load" if self.method == "online" else f"{self.method} checkpoint"
         excl = f", {len(self.exclude)} excluded module patterns" if self.exclude else ""
+        if self.include is not None:
+            excl += f", {len(self.include)} FP8 modules listed"
         return f"fp8 e4m3 weights ({where}, {scales} scales{excl})"
 
 
@@ -108,15 +133,54 @@ def _exclude_list(q: dict[str, Any], where: str) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _modelopt(q: dict[str, Any], where: str) -> QuantConfig:
-    algo = q.get("quant_algo")
-    if not isinstance(algo, str) or algo.upper() != "FP8":
-        raise ValueError(f"{where}: ModelOpt quant_algo {algo!r} is not supported; hyserve loads {SUPPORTED}")
+def _kv_fp8(q: dict[str, Any], where: str) -> bool:
+    """Whether the checkpoint ships FP8 KV scales: `kv_cache_quant_algo` (FP8 or none) or config.json's
+    `kv_cache_scheme` ({type: float, num_bits: 8}, or null)."""
     kv = q.get("kv_cache_quant_algo")
     if kv is not None and str(kv).upper() not in ("FP8", "NONE"):
         raise ValueError(f"{where}: kv_cache_quant_algo {kv!r} is not supported (FP8 or none)")
-    return QuantConfig(method="modelopt", scheme="tensor", exclude=_exclude_list(q, where),
-                       kv_cache_fp8=kv is not None and str(kv).upper() == "FP8", source=where)
+    scheme = q.get("kv_cache_scheme")
+    if scheme is not None and not (isinstance(scheme, dict) and str(scheme.get("type")).lower() == "float"
+                                   and scheme.get("num_bits") == 8):
+        raise ValueError(f"{where}: kv_cache_scheme {scheme!r} is not supported (type float, num_bits 8, or null)")
+    return (kv is not None and str(kv).upper() == "FP8") or scheme is not None
+
+
+def _mixed(q: dict[str, Any], where: str) -> tuple[str, frozenset[str]]:
+    """(scheme, FP8 module names) of a MIXED_PRECISION config: every `quantized_layers` entry must name the
+    same ModelOpt FP8 algorithm (one scale layout a model); anything else is refused, with the algorithms
+    found and a module of each."""
+    layers = q.get("quantized_layers")
+    if not isinstance(layers, dict) or not layers:
+        raise ValueError(f"{where}: quant_algo {MIXED} needs a non-empty 'quantized_layers' mapping")
+    algos: dict[str, str] = {}
+    for name, info in layers.items():
+        algo = info.get("quant_algo") if isinstance(info, dict) else None
+        if not isinstance(algo, str):
+            raise ValueError(f"{where}: quantized_layers[{name!r}] has no quant_algo: {info!r}")
+        algos.setdefault(algo.upper(), name)
+    other = {a: n for a, n in algos.items() if a not in MODELOPT_FP8}
+    if other:
+        found = ", ".join(f"{a} (e.g. {n})" for a, n in sorted(other.items()))
+        raise ValueError(f"{where}: {MIXED} checkpoint with layers in {found}: not supported; hyserve loads "
+                         f"{' / '.join(MODELOPT_FP8)} layers")
+    if len(algos) > 1:
+        raise ValueError(f"{where}: {MIXED} checkpoint mixes FP8 scale layouts {sorted(algos)}: not supported "
+                         "(one of them a model)")
+    return MODELOPT_FP8[next(iter(algos))], frozenset(_canonical(n) for n in layers)
+
+
+def _modelopt(q: dict[str, Any], where: str) -> QuantConfig:
+    if isinstance(q.get("quantization"), dict):  # config.json holding hf_quant_config.json's nesting
+        q = {**q, **q["quantization"]}
+    algo = q.get("quant_algo")
+    name = algo.upper() if isinstance(algo, str) else None
+    if name != MIXED and name not in MODELOPT_FP8:
+        raise ValueError(f"{where}: ModelOpt quant_algo {algo!r} is not supported; hyserve loads {SUPPORTED}")
+    kv = _kv_fp8(q, where)
+    scheme, include = _mixed(q, where) if name == MIXED else (MODELOPT_FP8[name], None)
+    return QuantConfig(method="modelopt", scheme=scheme, exclude=_exclude_list(q, where), include=include,
+                       kv_cache_fp8=kv, source=where)
 
 
 def _fp8(q: dict[str, Any], where: str) -> QuantConfig:
