@@ -1,6 +1,7 @@
 """FP8 weights (model/quant_config.py, model/fp8_weights.py, kernels/fp8_linear.py): the weight-format
 option and checkpoint detection with every refusal, quantisation and the reference path's error bounds,
-loading ModelOpt per-tensor and block-scaled checkpoints, tensor-parallel shards of weights and scales
+loading ModelOpt (per-tensor, per-channel, block, mixed-precision), block-scaled `fp8` and compressed-tensors
+checkpoints, tensor-parallel shards of weights and scales
 (simulated ranks in this process, and two gloo ranks end to end), online quantisation from a 16-bit
 checkpoint and from dummy weights, and the capacity planner's use of the freed memory."""
 
@@ -141,6 +142,39 @@ def test_mixed_precision_fp8_loads_only_the_listed_modules(tmp_path: Path) -> No
     assert "2 FP8 modules listed" in q.describe()
 
 
+def _ct_config(strategy: str = "channel", *, targets: list[str] | None = None, ignore: list[str] | None = None,
+               static_act: bool = False, **extra: Any) -> dict[str, Any]:
+    """A compressed-tensors (llm-compressor) FP8 quantization_config, as its FP8-dynamic / FP8-block recipes
+    write them."""
+    w = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy,
+         "block_structure": [128, 128] if strategy == "block" else None, "group_size": None}
+    act = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not static_act,
+           "strategy": "tensor" if static_act else "group" if strategy == "block" else "token",
+           "group_size": 128 if strategy == "block" else None}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": targets or ["Linear"], "weights": w, "input_activations": act}},
+            "ignore": ignore if ignore is not None else ["lm_head"], "kv_cache_scheme": None, **extra}
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+def test_detects_compressed_tensors_fp8(tmp_path: Path, strategy: str) -> None:
+    d = _write_config(tmp_path / "a", quantization_config=_ct_config(
+        strategy, ignore=["lm_head", "re:.*mixer\\.o_proj$", "model.layers.0.mixer.in_proj"]))
+    q = checkpoint_quant(d)
+    assert (q.method, q.scheme, q.targets, q.kv_cache_fp8) == ("compressed-tensors", strategy, (), False)
+    assert q.quantizes("backbone.layers.2.mixer.in_proj") and q.quantizes("backbone.layers.3.mixer.experts.0.up_proj")
+    assert not q.quantizes("backbone.layers.0.mixer.in_proj")  # ignored by name (model. read as backbone.)
+    assert not q.quantizes("backbone.layers.5.mixer.o_proj")  # ignored by a re: pattern
+    assert q.quantizes("backbone.layers.5.mixer.q_proj")
+    t = _write_config(tmp_path / "b", quantization_config=_ct_config(
+        strategy, targets=["re:.*mixer\\.(in|out)_proj$", "model.layers.4.mixer.down_proj"],
+        kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}))
+    q = checkpoint_quant(t)
+    assert q.kv_cache_fp8 and q.quantizes("backbone.layers.0.mixer.out_proj")
+    assert q.quantizes("backbone.layers.4.mixer.down_proj") and not q.quantizes("backbone.layers.3.mixer.down_proj")
+    assert not q.quantizes("backbone.layers.5.mixer.q_proj")  # no target names it
+
+
 @pytest.mark.parametrize(("qc", "needle"), [
     ({"quant_method": "awq", "bits": 4}, r"quant_method 'awq' is not supported; hyserve loads quant_method modelopt"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, r"ModelOpt quant_algo 'NVFP4' is not supported"),
@@ -171,6 +205,28 @@ def test_mixed_precision_fp8_loads_only_the_listed_modules(tmp_path: Path) -> No
      r"mixes FP8 scale layouts \['FP8', 'FP8_PB_WO'\]: not supported"),
     ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "quantized_layers": {"x.in_proj": "FP8"}},
      r"quantized_layers\['x.in_proj'\] has no quant_algo"),
+    ({**_ct_config(), "format": "pack-quantized"}, r"compressed-tensors format 'pack-quantized' is not supported"),
+    ({**_ct_config(), "config_groups": {}}, r"compressed-tensors needs a non-empty 'config_groups' mapping"),
+    ({**_ct_config(), "config_groups": {"g": {"targets": ["Linear"], "weights": {
+        "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}},
+     r"config_groups.g has 4-bit int weights: not supported; hyserve loads"),
+    ({**_ct_config(), "config_groups": {"g": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "strategy": "group", "group_size": 128}}}},
+     r"config_groups.g: weight strategy 'group' is not supported \(tensor, channel or block\)"),
+    ({**_ct_config(), "config_groups": {"g": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": False}}}},
+     r"config_groups.g: asymmetric or dynamic weight scales are not supported"),
+    ({**_ct_config(), "config_groups": {"g": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [64, 64]}}}},
+     r"block_structure \[64, 64\] is not supported; the FP8 kernels take \[128, 128\] blocks"),
+    ({**_ct_config(), "config_groups": {
+        "a": {"targets": ["re:.*in_proj"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}},
+        "b": {"targets": ["re:.*out_proj"], "weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}}},
+     r"config_groups mix weight strategies \{'a': 'channel', 'b': 'tensor'\}"),
+    ({**_ct_config(), "config_groups": {"g": {"targets": [], "weights": {"num_bits": 8, "type": "float",
+                                                                         "strategy": "channel"}}}},
+     r"config_groups.g.targets must be a non-empty list of names"),
+    (_ct_config("block", static_act=True), r"static activation scales with block-scaled weights are not supported"),
 ])
 def test_unsupported_quantization_configs_are_refused(tmp_path: Path, qc: Any, needle: str) -> None:
     d = _write_config(tmp_path, quantization_config=qc)
@@ -288,6 +344,7 @@ def _tiny_dir(root: Path, variant: str = "dense") -> Path:
 # how each format stores a weight's scales: (scheme, scale tensor name suffix, the stored shape of the scales)
 _LAYOUTS = {
     "tensor": ("tensor", ".weight_scale", lambda s: s),
+    "tensor_1": ("tensor", ".weight_scale", lambda s: s.reshape(1)),  # compressed-tensors' [1]
     "block": ("block", ".weight_scale_inv", lambda s: s),
     "channel": ("channel", ".weight_scale", lambda s: s.reshape(-1, 1)),  # [N, 1]
     "pb_wo": ("block", ".weight_scale", lambda s: s[:, None, :, None]),  # ModelOpt's [N/128, 1, K/128, 1]
@@ -411,6 +468,30 @@ def test_modelopt_channel_and_block_checkpoints_load(tmp_path: Path, algo: str, 
             if m.quant is not None:
                 for e in range(m.num_experts):
                     assert torch.equal(m.down_proj_scale[e], written[f"{name}.{e}.down_proj.weight_scale"].reshape(-1))
+    _close_logits(lm, _load(src))
+
+
+@pytest.mark.parametrize(("strategy", "layout"), [("tensor", "tensor_1"), ("channel", "channel"), ("block", "block")])
+def test_compressed_tensors_checkpoint_loads(tmp_path: Path, strategy: str, layout: str) -> None:
+    """An llm-compressor FP8 checkpoint (weight_scale [1], [N, 1] or [N/128, K/128]; the per-tensor one with
+    static input_scales, read past) loads byte for byte, its experts FP8 unless block-scaled."""
+    src = _tiny_dir(tmp_path, "latent-moe")
+    qc = _ct_config(strategy, static_act=strategy == "tensor")
+    written = _quantize_checkpoint(src, tmp_path / "ct", qc, layout=layout)
+    if strategy == "block":  # compressed-tensors names block scales weight_scale too
+        written = {n.replace(".weight_scale_inv", ".weight_scale"): t for n, t in written.items()}
+        save_file(written, str(tmp_path / "ct" / "model.safetensors"))
+    lm = _load(tmp_path / "ct")
+    assert (lm.config.quant.method, lm.config.quant.scheme) == ("compressed-tensors", strategy)
+    layers = dict(fp8_layers(lm.model))
+    assert len(layers) > 8
+    for name, layer in layers.items():
+        assert torch.equal(layer.weight.view(torch.uint8), written[name + ".weight"].view(torch.uint8))
+        sc = written[name + ".weight_scale"]
+        assert torch.equal(layer.weight_scale, sc.reshape(()).expand(layer.weight.shape[0]) if strategy == "tensor"
+                           else sc.reshape(layer.weight_scale.shape))
+    assert all((m.quant is not None) == (strategy != "block")
+               for n, m in lm.model.named_modules() if n.endswith(".experts"))
     _close_logits(lm, _load(src))
 
 

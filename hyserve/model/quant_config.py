@@ -19,12 +19,17 @@ Where the format comes from, in order:
                                              names; the projections it does not list stay 16-bit
     fp8                            e4m3      `weight_scale_inv` per [128, 128] block (weight_block_size),
                                              or `weight_scale` per tensor without a block size
+    compressed-tensors             e4m3      llm-compressor's float-quantized format: `weight_scale` per
+      (FP8 config_groups)                    tensor ([1]), channel ([N, 1]) or [128, 128] block, one strategy
+                                             in every group; the groups' `targets` ("Linear", names,
+                                             `re:` patterns) say which projections; static `input_scale`s
+                                             are read past
     online                         16/32-bit one per output channel, computed at load (amax / 448)
 
 The KV cache's FP8 scales are announced as `kv_cache_quant_algo: FP8` (hf_quant_config.json) or as
 `kv_cache_scheme: {type: float, num_bits: 8}` (config.json's form). Modules in the checkpoint's exclusion
-list (`exclude_modules`, `ignore`, `ignored_layers`, `modules_to_not_convert`; names or fnmatch patterns,
-`model.` read as `backbone.`) stay 16-bit, as do the embeddings, lm_head, norms, the MoE router and the
+list (`exclude_modules`, `ignore`, `ignored_layers`, `modules_to_not_convert`; names, fnmatch patterns or
+compressed-tensors' `re:` regular expressions, `model.` read as `backbone.`) stay 16-bit, as do the embeddings, lm_head, norms, the MoE router and the
 Mamba conv / A / D / dt parameters (never quantised: they are not projections). Anything else (another
 quant method or algorithm, NVFP4 layers in a mixed-precision checkpoint, another block size, static
 activation scales for the block format) is refused with what was found and what is supported.
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,9 +58,11 @@ QUANTIZABLE_LINEARS = frozenset({
 # ModelOpt's FP8 algorithms and the scale layout each stores
 MODELOPT_FP8 = {"FP8": "tensor", "FP8_PER_CHANNEL_PER_TOKEN": "channel", "FP8_PB_WO": "block"}
 MIXED = "MIXED_PRECISION"
+COMPRESSED = "compressed-tensors"
 SUPPORTED = (f"quant_method modelopt with quant_algo {' / '.join(MODELOPT_FP8)} (or {MIXED} whose "
              "quantized_layers all name one of them), quant_method fp8 "
-             f"(weight_block_size [{BLOCK}, {BLOCK}], or per-tensor without one), or a 16-bit checkpoint "
+             f"(weight_block_size [{BLOCK}, {BLOCK}], or per-tensor without one), quant_method {COMPRESSED} "
+             "with 8-bit float weights (tensor, channel or block strategy), or a 16-bit checkpoint "
              "with quantization: fp8")
 
 
@@ -63,17 +71,31 @@ def _canonical(name: str) -> str:
     return "backbone." + name[len("model."):] if name.startswith("model.") else name
 
 
+def _matches(module_name: str, pattern: str) -> bool:
+    """Whether a module list entry names `module_name` (canonical) or a module above it: the name itself,
+    an fnmatch pattern, or a `re:` regular expression (compressed-tensors', matched from the start); each
+    is tried on the name with and without `backbone.`, and a `model.` prefix reads as `backbone.`."""
+    short = module_name.removeprefix("backbone.")
+    if pattern.startswith("re:"):
+        rx = pattern[3:]
+        return any(re.match(rx, n) or re.match(rx, "model." + short) for n in (module_name, short))
+    p = _canonical(pattern)
+    return any(n == p or n.startswith(p + ".") or fnmatch.fnmatchcase(n, p) for n in (module_name, short))
+
+
 @dataclass(frozen=True, kw_only=True)
 class QuantConfig:
     """How the quantised projections store their weights. `scheme` is the scale layout:
     tensor (one scale, held per output channel), channel ([N]) or block ([ceil(N/128), ceil(K/128)])."""
 
-    method: str  # "modelopt" | "fp8" | "online"
+    method: str  # "modelopt" | "fp8" | "compressed-tensors" | "online"
     scheme: str  # one of SCHEMES
     exclude: tuple[str, ...] = ()
     # a mixed-precision checkpoint's FP8 modules (canonical names, `backbone.`...): only these are FP8; None:
     # every projection the exclusion list leaves
     include: frozenset[str] | None = None
+    # compressed-tensors' config_groups targets: "Linear" (every projection), names or `re:` patterns; () = all
+    targets: tuple[str, ...] = ()
     kv_cache_fp8: bool = False  # the checkpoint also ships FP8 KV scales (kv_cache_quant_algo FP8)
     source: str = ""  # where it was read, for messages
 
@@ -97,13 +119,9 @@ class QuantConfig:
             return False
         if self.include is not None and module_name not in self.include:
             return False
-        short = module_name.removeprefix("backbone.")
-        for pat in self.exclude:
-            p = _canonical(pat)
-            for name in (module_name, short):
-                if name == p or name.startswith(p + ".") or fnmatch.fnmatchcase(name, p):
-                    return False
-        return True
+        if self.targets and not any(t == "Linear" or _matches(module_name, t) for t in self.targets):
+            return False
+        return not any(_matches(module_name, pat) for pat in self.exclude)
 
     def describe(self) -> str:
         scales = {"tensor": "per-tensor", "channel": "per-output-channel",
@@ -112,6 +130,8 @@ class QuantConfig:
         excl = f", {len(self.exclude)} excluded module patterns" if self.exclude else ""
         if self.include is not None:
             excl += f", {len(self.include)} FP8 modules listed"
+        if self.targets:
+            excl += f", {len(self.targets)} target patterns"
         return f"fp8 e4m3 weights ({where}, {scales} scales{excl})"
 
 
@@ -201,6 +221,59 @@ def _fp8(q: dict[str, Any], where: str) -> QuantConfig:
     return QuantConfig(method="fp8", scheme="tensor", exclude=_exclude_list(q, where), source=where)
 
 
+_CT_FORMATS = ("float-quantized", "naive-quantized")
+
+
+def _ct_scheme(group: str, w: Any, where: str) -> str:
+    """The scale layout of one compressed-tensors group's `weights`: 8-bit symmetric float, static, with
+    tensor, channel or [128, 128] block strategy."""
+    if not isinstance(w, dict):
+        raise ValueError(f"{where}: config_groups.{group}.weights must be a mapping, got {w!r}")
+    if w.get("num_bits") != 8 or str(w.get("type")).lower() != "float":
+        raise ValueError(f"{where}: config_groups.{group} has {w.get('num_bits')}-bit {w.get('type')} weights: not "
+                         f"supported; hyserve loads {SUPPORTED}")
+    if w.get("symmetric") is False or w.get("dynamic"):
+        raise ValueError(f"{where}: config_groups.{group}: asymmetric or dynamic weight scales are not supported")
+    strategy = w.get("strategy")
+    if strategy == "block":
+        if list(w.get("block_structure") or []) != [BLOCK, BLOCK]:
+            raise ValueError(f"{where}: config_groups.{group}: block_structure {w.get('block_structure')!r} is not "
+                             f"supported; the FP8 kernels take [{BLOCK}, {BLOCK}] blocks")
+        return "block"
+    if strategy in ("tensor", "channel"):
+        return str(strategy)
+    raise ValueError(f"{where}: config_groups.{group}: weight strategy {strategy!r} is not supported "
+                     "(tensor, channel or block)")
+
+
+def _compressed_tensors(q: dict[str, Any], where: str) -> QuantConfig:
+    fmt = q.get("format")
+    if fmt not in _CT_FORMATS:
+        raise ValueError(f"{where}: {COMPRESSED} format {fmt!r} is not supported ({' or '.join(_CT_FORMATS)})")
+    groups = q.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError(f"{where}: {COMPRESSED} needs a non-empty 'config_groups' mapping")
+    schemes: dict[str, str] = {}
+    targets: list[str] = []
+    for name, g in groups.items():
+        if not isinstance(g, dict):
+            raise ValueError(f"{where}: config_groups.{name} must be a mapping, got {g!r}")
+        schemes[name] = _ct_scheme(name, g.get("weights"), where)
+        t = g.get("targets")
+        if not isinstance(t, list) or not t or not all(isinstance(x, str) for x in t):
+            raise ValueError(f"{where}: config_groups.{name}.targets must be a non-empty list of names, got {t!r}")
+        targets.extend(t)
+    if len(set(schemes.values())) > 1:
+        raise ValueError(f"{where}: config_groups mix weight strategies {schemes}: not supported (one a model)")
+    scheme = next(iter(schemes.values()))
+    if scheme == "block" and any(isinstance(g.get("input_activations"), dict)
+                                 and g["input_activations"].get("dynamic") is False for g in groups.values()):
+        raise ValueError(f"{where}: static activation scales with block-scaled weights are not supported (dynamic)")
+    return QuantConfig(method=COMPRESSED, scheme=scheme, exclude=_exclude_list(q, where),
+                       targets=() if "Linear" in targets else tuple(targets), kv_cache_fp8=_kv_fp8(q, where),
+                       source=where)
+
+
 def parse_quant_config(q: Any, where: str) -> QuantConfig:
     """A `quantization_config` mapping (config.json) -> QuantConfig; ValueError naming what is unsupported."""
     if not isinstance(q, dict):
@@ -210,6 +283,8 @@ def parse_quant_config(q: Any, where: str) -> QuantConfig:
         return _modelopt(q, where)
     if method == "fp8":
         return _fp8(q, where)
+    if method in (COMPRESSED, "compressed_tensors"):
+        return _compressed_tensors(q, where)
     raise ValueError(f"{where}: quant_method {method!r} is not supported; hyserve loads {SUPPORTED}")
 
 
