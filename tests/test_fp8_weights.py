@@ -352,10 +352,12 @@ _LAYOUTS = {
 
 
 def _quantize_checkpoint(src: Path, dst: Path, qc: dict[str, Any], *, skip: tuple[str, ...] = (),
-                         layout: str | None = None, only: set[str] | None = None) -> dict[str, Any]:
+                         layout: str | None = None, only: set[str] | None = None,
+                         block_experts: bool = True) -> dict[str, Any]:
     """dst: src's checkpoint with every projection weight (not in `skip`; in `only` where given) as e4m3 plus
     its scales in `layout` (by default the format `qc` names: block for weight_block_size, else tensor);
-    returns the tensors written."""
+    block_experts False keeps the routed experts 16-bit in a block-scaled checkpoint. Returns the tensors
+    written."""
     dst.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((src / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
@@ -369,8 +371,7 @@ def _quantize_checkpoint(src: Path, dst: Path, qc: dict[str, Any], *, skip: tupl
             stem = name.removesuffix(".weight")
             routed = ".experts." in name
             if name.endswith(".weight") and stem.rsplit(".", 1)[-1] in QUANTIZABLE_LINEARS and stem not in skip \
-                    and (only is None or stem in only) \
-                    and not (routed and block):  # block-scaled experts are not supported (test below)
+                    and (only is None or stem in only) and not (routed and block and not block_experts):
                 q, s = quantize_weight_ref(t, scheme)
                 out[name] = q
                 out[stem + suffix] = stored(s)
@@ -450,7 +451,7 @@ def test_block_scaled_checkpoint_loads(tmp_path: Path) -> None:
 @pytest.mark.parametrize("variant", ["dense", "latent-moe"])
 def test_modelopt_channel_and_block_checkpoints_load(tmp_path: Path, algo: str, layout: str, variant: str) -> None:
     """ModelOpt's per-channel ([N, 1] scales) and block-scaled ([N/128, 1, K/128, 1]) checkpoints: e4m3 bytes
-    and scales as written; routed experts carry per-channel scales (block-scaled experts stay 16-bit)."""
+    and scales as written; routed experts carry per-channel scales (block-scaled ones re-quantised)."""
     src = _tiny_dir(tmp_path, variant)
     qc = {"quant_method": "modelopt", "quant_algo": algo, "ignore": ["lm_head"]}
     written = _quantize_checkpoint(src, tmp_path / "fp8", qc, layout=layout)
@@ -464,8 +465,8 @@ def test_modelopt_channel_and_block_checkpoints_load(tmp_path: Path, algo: str, 
         assert torch.equal(layer.weight_scale, written[name + ".weight_scale"].reshape(layer.weight_scale.shape))
     for name, m in lm.model.named_modules():
         if name.endswith(".experts"):
-            assert (m.quant is not None) == (layout == "channel")
-            if m.quant is not None:
+            assert m.quant is not None
+            if layout == "channel":
                 for e in range(m.num_experts):
                     assert torch.equal(m.down_proj_scale[e], written[f"{name}.{e}.down_proj.weight_scale"].reshape(-1))
     _close_logits(lm, _load(src))
@@ -490,8 +491,7 @@ def test_compressed_tensors_checkpoint_loads(tmp_path: Path, strategy: str, layo
         sc = written[name + ".weight_scale"]
         assert torch.equal(layer.weight_scale, sc.reshape(()).expand(layer.weight.shape[0]) if strategy == "tensor"
                            else sc.reshape(layer.weight_scale.shape))
-    assert all((m.quant is not None) == (strategy != "block")
-               for n, m in lm.model.named_modules() if n.endswith(".experts"))
+    assert all(m.quant is not None for n, m in lm.model.named_modules() if n.endswith(".experts"))
     _close_logits(lm, _load(src))
 
 
@@ -832,8 +832,13 @@ def test_fp8_layers_at_tp2_match_the_unsharded_layer(pool: RankPool, tmp_path: P
 # ---- weight bytes ---------------------------------------------------------------------------------------
 def test_weight_bytes_match_the_built_model(tmp_path: Path) -> None:
     src = _tiny_dir(tmp_path, "latent-moe")
-    for opts in ({}, {"quantization": "fp8"}):
-        lm = _load(src, load_format="dummy", **opts)
+    blk = tmp_path / "blk"  # a block-scaled config: block scales for projections, channel scales for experts
+    blk.mkdir()
+    (blk / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()),
+                                                 "quantization_config": {"quant_method": "fp8",
+                                                                         "weight_block_size": [128, 128]}}))
+    for d, opts in ((src, {}), (src, {"quantization": "fp8"}), (blk, {})):
+        lm = _load(d, load_format="dummy", **opts)
         total, _ = tensor_bytes(lm.model)
         buffers = sum(b.numel() * b.element_size() for b in lm.model.buffers())
         assert weight_bytes(lm.config, torch.float32) == total - buffers
@@ -949,17 +954,58 @@ def test_checkpoint_fp8_experts_load_per_tensor_scales_per_expert() -> None:
         m.up_proj.weight_loader(m.up_proj, torch.randn(16, 31), 2)
 
 
-def test_block_scaled_configs_leave_the_experts_16_bit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["block", "pb_wo"])
+def test_block_scaled_experts_are_requantised_per_channel(tmp_path: Path, layout: str) -> None:
+    """A block-scaled checkpoint's e4m3 experts load as e4m3 with channel scales: each expert dequantised
+    from its codes and block scales, then quantised per row, the same values at every ep split and whether
+    the weight or its scales come first; a block whose scale is its row's largest keeps its codes."""
+    from hyserve.kernels.fp8_linear import dequantize_weight_ref
     from hyserve.model.fp8_weights import convert_experts
     from hyserve.model.moe import Experts
 
-    assert not convert_experts(Experts(4, 32, 16), QuantConfig(method="fp8", scheme="block"), "x.experts")
     src = _tiny_dir(tmp_path, "moe")
     d = tmp_path / "blk"
-    _quantize_checkpoint(src, d, {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    qc = ({"quant_method": "fp8", "weight_block_size": [128, 128]} if layout == "block"
+          else {"quant_method": "modelopt", "quant_algo": "FP8_PB_WO"})
+    written = _quantize_checkpoint(src, d, qc, layout=layout)
     lm = _load(d)
-    experts = [m for n, m in lm.model.named_modules() if n.endswith(".experts")]
-    assert experts and all(m.quant is None and m.up_proj.dtype == torch.float32 for m in experts)
+    suffix = _LAYOUTS[layout][1]
+    found = 0
+    for name, m in lm.model.named_modules():
+        if not name.endswith(".experts"):
+            continue
+        assert m.quant is not None and m.up_proj.dtype == E4M3
+        for e in range(m.num_experts):
+            for which in ("up", "down"):
+                w = written[f"{name}.{e}.{which}_proj.weight"]
+                sc = written[f"{name}.{e}.{which}_proj{suffix}"].reshape(-(-w.shape[0] // 128), -(-w.shape[1] // 128))
+                q, s = quantize_weight_ref(dequantize_weight_ref(w, sc), "channel")
+                assert torch.equal(getattr(m, f"{which}_proj")[e].view(torch.uint8), q.view(torch.uint8))
+                assert torch.equal(getattr(m, f"{which}_proj_scale")[e], s)
+                found += 1
+    assert found
+    _close_logits(lm, _load(src))
+    # the scales before the weight, and the experts split over two ranks: the same rows
+    up = torch.randn(4, 160, 136)
+    qs = [quantize_weight_ref(up[e], "block") for e in range(4)]
+    quant = QuantConfig(method="fp8", scheme="block")
+    for ep_rank in (0, 1):
+        m = Experts(4, 136, 160, ep=Group(name="ep", rank=ep_rank, size=2, ranks=(0, 1), timeout_s=1.0),
+                    device="cpu", dtype=torch.float32)
+        assert convert_experts(m, quant, "x.experts") and m.up_proj_scale.checkpoint_shape == (4, 2, 2)
+        for e in range(4):
+            m.up_proj_scale.weight_loader(m.up_proj_scale, qs[e][1], e)
+            m.up_proj.weight_loader(m.up_proj, qs[e][0], e)
+        for i in range(2):
+            q, s = quantize_weight_ref(dequantize_weight_ref(*qs[2 * ep_rank + i]), "channel")
+            assert torch.equal(m.up_proj[i].view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(m.up_proj_scale[i], s)
+        assert not m._fp8_up.pending
+    with pytest.raises(ValueError, match=r"block-scaled expert's up_proj scales have shape \[3, 2\], expected \[2, 2\]"):
+        m.up_proj_scale.weight_loader(m.up_proj_scale, torch.ones(3, 2), 2)
+    m.up_proj_scale.weight_loader(m.up_proj_scale, qs[2][1], 2)
+    with pytest.raises(ValueError, match="expert 2's up_proj s given twice"):
+        m.up_proj_scale.weight_loader(m.up_proj_scale, qs[2][1], 2)
 
 
 # ---- a whole FP8 model at tp 2 over two gloo ranks against tp 1 ----------------------------------------

@@ -28,8 +28,13 @@ weight whole in float32 and hands it to the loader.
 Routed experts (`convert_experts`): e4m3 `up_proj` [E_local, I_local, d] / `down_proj` [E_local, d, I_local]
 with float32 `up_proj_scale` [E_local, I_local] / `down_proj_scale` [E_local, d], one scale per expert and
 output row (a ModelOpt per-expert per-tensor scale is held per row); each expert is quantised online from
-its whole matrix, so every (ep, tp) split holds the same values. Block-scaled configs leave the experts
-16-bit. The shared expert is an MLP (FP8 like the other projections), not folded into the experts op.
+its whole matrix, so every (ep, tp) split holds the same values. The MoE kernels take channel scales only,
+so a block-scaled checkpoint's experts (e4m3 with [ceil(N/128), ceil(K/128)] scales each) are re-quantised
+per channel as they load: each expert's matrix is dequantised in float32 once its weight and its scales
+have both arrived, in either order, and quantised per output row. A block whose scale is its row's largest
+keeps its codes; the others are rounded once more to e4m3 on the row's grid (at most half an e4m3 ulp of
+the row's scale per weight, on top of the checkpoint's own rounding). The shared expert is an MLP (FP8 like
+the other projections), not folded into the experts op.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hyserve.kernels.fp8_linear import BLOCK, E4M3, quantize_weight_ref
+from hyserve.kernels.fp8_linear import BLOCK, E4M3, dequantize_weight_ref, quantize_weight_ref
 from hyserve.model.moe import Experts
 from hyserve.model.parallel_linear import (
     LinearBase,
@@ -297,6 +302,9 @@ class Fp8ExpertLoaders:
     def __init__(self, experts: Any, quant: QuantConfig, which: str, loader_16: Any) -> None:
         self.m, self.quant, self.which, self.loader_16 = experts, quant, which, loader_16
         self.inter_dim = 0 if which == "up" else 1
+        # block-scaled checkpoints: checkpoint expert -> {"w": its whole e4m3 matrix, "s": its block scales},
+        # held until both have arrived (then re-quantised per channel, `_requantise`)
+        self.pending: dict[int, dict[str, torch.Tensor]] = {}
 
     def _local(self, expert: int | None) -> list[tuple[int, int]]:
         """(checkpoint expert, local index) pairs this call fills."""
@@ -312,10 +320,10 @@ class Fp8ExpertLoaders:
 
     @torch.no_grad()
     def load_weight(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, expert: int | None = None) -> None:
-        if is_fp8_source(loaded):
+        block = self.quant.scheme == "block"
+        if is_fp8_source(loaded) and not block:
             self.loader_16(param, loaded, expert)
             return
-        rows = (self.m.inter_start, self.m.inter_local)
         full = param.checkpoint_shape  # type: ignore[attr-defined]
         want = full if expert is None else full[1:]
         if loaded_shape(loaded) != tuple(want):
@@ -323,13 +331,43 @@ class Fp8ExpertLoaders:
         for e, i in self._local(expert):
             # one expert's whole matrix (all of its K): its channel scales are the same at every tp_size
             mat = read_block(loaded, {0: (e, 1)})[0] if expert is None else _read_all(loaded)
-            q, s = quantize_weight_ref(mat.to(device=param.device), "channel")
-            if self.inter_dim == 0:
-                param[i].copy_(q.narrow(0, *rows))
-                self._scale_param()[i].copy_(s.narrow(0, *rows))
+            if is_fp8_source(loaded):  # block-scaled e4m3: waits for its scales
+                self._arrive(e, i, "w", mat.to(device=param.device))
             else:
-                param[i].copy_(q.narrow(1, *rows))
-                self._scale_param()[i].copy_(s)
+                self._put(i, *quantize_weight_ref(mat.to(device=param.device), "channel"))
+
+    def _put(self, i: int, q: torch.Tensor, s: torch.Tensor) -> None:
+        """Local expert i's whole-matrix e4m3 codes and channel scales, cut to this rank's rows."""
+        rows = (self.m.inter_start, self.m.inter_local)
+        param = getattr(self.m, f"{self.which}_proj")
+        if self.inter_dim == 0:
+            param[i].copy_(q.narrow(0, *rows))
+            self._scale_param()[i].copy_(s.narrow(0, *rows))
+        else:
+            param[i].copy_(q.narrow(1, *rows))
+            self._scale_param()[i].copy_(s)
+
+    def _block_scales(self, v: torch.Tensor) -> torch.Tensor:
+        """One expert's block scales as [ceil(N/128), ceil(K/128)] (ModelOpt's [.., 1, .., 1] squeezed)."""
+        n, k = getattr(self.m, f"{self.which}_proj").checkpoint_shape[1:]
+        want = (-(-n // BLOCK), -(-k // BLOCK))
+        if v.dim() == 4 and v.shape[1] == v.shape[3] == 1:
+            v = v[:, 0, :, 0]
+        if tuple(v.shape) != want:
+            raise ValueError(f"experts (FP8): a block-scaled expert's {self.which}_proj scales have shape "
+                             f"{list(v.shape)}, expected {list(want)}")
+        return v
+
+    def _arrive(self, e: int, i: int, part: str, t: torch.Tensor) -> None:
+        """A block-scaled expert's weight ("w") or scales ("s"); with both, re-quantise it per channel."""
+        got = self.pending.setdefault(e, {})
+        if part in got:
+            raise ValueError(f"experts (FP8): expert {e}'s {self.which}_proj {part} given twice")
+        got[part] = t
+        if len(got) == 2:
+            del self.pending[e]
+            w = dequantize_weight_ref(got["w"], got["s"].to(got["w"].device))
+            self._put(i, *quantize_weight_ref(w, "channel"))
 
     @torch.no_grad()
     def load_scale(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, expert: int | None = None) -> None:
@@ -338,6 +376,9 @@ class Fp8ExpertLoaders:
             raise ValueError("experts (FP8): weight scales must be positive and finite")
         for e, i in self._local(expert):
             v = src[e] if expert is None else src
+            if self.quant.scheme == "block":
+                self._arrive(e, i, "s", self._block_scales(v))
+                continue
             if self.quant.scheme == "tensor":
                 if v.numel() != 1:
                     raise ValueError(f"experts (FP8): a per-tensor expert scale has one element, got {list(v.shape)}")
@@ -352,9 +393,9 @@ class Fp8ExpertLoaders:
 
 def convert_experts(experts: Any, quant: QuantConfig, name: str = "") -> bool:
     """Give an `Experts` module e4m3 expert weights with per-expert channel scales (per-tensor checkpoint
-    scales held per channel). Block-scaled formats leave the experts 16-bit (their checkpoints are refused
-    with the float8 tensors named); returns whether it converted."""
-    if quant.scheme == "block" or not quant.quantizes(f"{name}.0.up_proj" if name else "experts.0.up_proj"):
+    scales held per channel, block scales re-quantised per channel as they load); returns whether it
+    converted (False where `quant` does not cover the experts)."""
+    if not quant.quantizes(f"{name}.0.up_proj" if name else "experts.0.up_proj"):
         return False
     for which in ("up", "down"):
         attr = f"{which}_proj"
@@ -366,7 +407,8 @@ def convert_experts(experts: Any, quant: QuantConfig, name: str = "") -> bool:
         scale = nn.Parameter(torch.ones(e_local, n_local, dtype=torch.float32, device=old.device), requires_grad=False)
         setattr(experts, f"{attr}_scale", scale)
         experts.register_shard(attr, loaders.load_weight, ckpt, by_row=True)
-        scale_ckpt = (ckpt[0],) if quant.scheme == "tensor" else (ckpt[0], ckpt[1])
+        scale_ckpt = {"tensor": (ckpt[0],), "channel": (ckpt[0], ckpt[1]),
+                      "block": (ckpt[0], -(-ckpt[1] // BLOCK), -(-ckpt[2] // BLOCK))}[quant.scheme]
         experts.register_shard(f"{attr}_scale", loaders.load_scale, scale_ckpt)
         setattr(experts, f"_fp8_{which}", loaders)
     experts.quant = quant

@@ -170,8 +170,7 @@ def weight_bytes(cfg: HybridModelConfig, dtype: torch.dtype | None = None) -> in
         n = math.prod(shape)
         stem = name.removesuffix(".weight")
         expert = _STACKED_EXPERT_RE.match(name)
-        if cfg.quant is not None and expert and cfg.quant.scheme != "block" and \
-                cfg.quant.quantizes(f"{expert.group(1)}.0.{expert.group(2)}"):
+        if cfg.quant is not None and expert and cfg.quant.quantizes(f"{expert.group(1)}.0.{expert.group(2)}"):
             total += n + 4 * shape[0] * shape[1]  # FP8 experts: a channel scale per expert and row
         elif cfg.quant is not None and name.endswith(".weight") and cfg.quant.quantizes(stem):
             total += n + 4 * fp8_scale_count(cfg.quant.scheme, shape)
