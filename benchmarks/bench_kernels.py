@@ -11,6 +11,9 @@ package is installed).
     python benchmarks/bench_kernels.py --only attn_sweep     # paged attention launch alternatives (idem)
     python benchmarks/bench_kernels.py --only linear_sweep   # fused small-batch linear alternatives (idem)
     python benchmarks/bench_kernels.py --only fp8_gemv_sweep # its channel-scaled FP8 GEMV settings alone (idem)
+    python benchmarks/bench_kernels.py --only fp8_gemv_super_sweep --write-linear-configs
+                                       # the same at Nemotron 3 Super's dense projections; the winners (3% or
+                                       # more faster than today's setting) enter linear_configs/<GPU>.json
     python benchmarks/bench_kernels.py --only linear_30b_sweep  # its 16-bit settings at the 30B-A3B shapes alone
     python benchmarks/bench_kernels.py --only fp8_linear     # FP8 GEMM vs bf16 cuBLAS at M = 1, 64, 8192
     python benchmarks/bench_kernels.py --only attn_rounds --rounds 5   # 8k prefill attention settings and
@@ -61,6 +64,8 @@ class Bench:
         self.failures: list[str] = []
         self.rounds = rounds  # of the attn_rounds suite
         self._ceilings: Ceilings | None = None
+        # FP8 GEMV sweeps: (w_scale, K, N) -> {"label", "current": (ms, setting), "best": (ms, setting)}
+        self.gemv_best: dict[tuple[int, int, int], dict] = {}
 
     @property
     def ceilings(self) -> Ceilings:
@@ -363,22 +368,42 @@ _FP8_GEMV_SWEEP = {
 }
 
 
-def _bench_fp8_gemv_sweep(b: Bench, schemes: tuple[str, ...] = ("channel", "block")) -> None:
-    """One row through the FP8 GEMV at the Nano 9B v2 in_proj, down_proj and out_proj, per launch setting,
-    bytes read (e4m3 weight + float32 scales) against the read ceiling, checked first against the float64
-    product of x and the dequantised weight; bf16 cuBLAS on the dequantised weight beside it. A replay reads
-    several copies of the weight in turn (256 MB in all), so the out_proj's 46 MB is not served from L2."""
+# Nemotron 3 Super 120B-A12B's dense FP8 GEMVs at batch 1, (N, K): Mamba in_proj / out_proj, q (and o) /
+# k (and v) unpacked, the shared expert's up / down, the latent projections (fc1 / fc2). A decode step
+# launches 272 of them, 6.77 GB; with the row-length tables most get 16 to 336 programs.
+_SUPER_FP8_GEMVS = ((18560, 4096), (4096, 8192), (4096, 4096), (256, 4096), (5376, 4096), (4096, 5376),
+                    (1024, 4096), (4096, 1024))
+_W_SCALE = {"channel": 1, "block": 2}  # triton_fused_linear's weight kinds
+_WRITE_MARGIN = 0.97  # a sweep's best enters the GPU's file only when it takes at most this of the current time
+
+
+def _bench_fp8_gemv_sweep(b: Bench, schemes: tuple[str, ...] = ("channel", "block"), shapes=None,
+                          what: str = "") -> None:
+    """One row through the FP8 GEMV (default: at the Nano 9B v2 in_proj, down_proj and out_proj), per launch
+    setting, bytes read (e4m3 weight + float32 scales) against the read ceiling, checked first against the
+    float64 product of x and the dequantised weight; bf16 cuBLAS on the dequantised weight beside it. A replay
+    reads several copies of the weight in turn (256 MB in all), so a 46 MB weight is not served from L2. The
+    setting the launcher picks today (this GPU's file entry, else the tables) is timed first, labelled
+    "current"; each shape's current and fastest times go to `b.gemv_best` for `--write-linear-configs`."""
     import torch.nn.functional as F
 
     import hyserve.kernels.triton_fused_linear as tfl
     from hyserve.kernels.fp8_linear import dequantize_weight_ref, quantize_weight_ref
 
-    shapes = ((22912, 4480), (4480, 15680), (4480, 10240)) if not b.dry else ((72, 96),)
+    if shapes is None:
+        shapes = ((22912, 4480), (4480, 15680), (4480, 10240))
+    if b.dry:
+        shapes = ((72, 96),)
+    gpu = "" if b.dry else torch.cuda.get_device_name()
     for n, k in shapes:
         w16, x = b.rnd(n, k, scale=k**-0.5), b.rnd(1, k)
         copies = _copies_past_l2(b, n * k)
         for scheme in schemes:
-            settings = _FP8_GEMV_SWEEP[scheme]
+            cur = tfl.gpu_settings(_W_SCALE[scheme], k, n, gpu)
+            current = tuple(cur[key] for key in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
+            settings = [current] + [c for c in _FP8_GEMV_SWEEP[scheme] if c != current]
+            if scheme == "block":  # a block-scaled K tile stays inside one 128-wide scale block
+                settings = [c for c in settings if 128 % c[1] == 0]
             q, sc = quantize_weight_ref(w16, scheme)
             qs = [q] + [q.clone() for _ in range(copies - 1)]
             wd = dequantize_weight_ref(q, sc)
@@ -387,10 +412,11 @@ def _bench_fp8_gemv_sweep(b: Bench, schemes: tuple[str, ...] = ("channel", "bloc
             base_ms = b.graph_ms(lambda w16d=w16d: F.linear(x, w16d))
             nbytes = (q.numel() + sc.numel() * 4) * copies
             saved = tfl.gpu_settings
-            for cfg in settings if not b.dry else settings[:1]:
-                tag = "[N{} K{} w{} s{}]".format(*cfg)
-                label = f"fp8 {scheme} GEMV {k}->{n}, 1 row" + (f" ({copies} weights in turn)" if copies > 1 else "") \
-                    + f" {tag}"
+            key = (_W_SCALE[scheme], k, n)
+            for cfg in settings if not b.dry else settings[:2]:
+                tag = "[N{} K{} w{} s{}]".format(*cfg) + (" current" if cfg == current else "")
+                label = f"fp8 {scheme} GEMV {what}{k}->{n}, 1 row" \
+                    + (f" ({copies} weights in turn)" if copies > 1 else "") + f" {tag}"
                 try:
                     tfl.gpu_settings = _fixed_gemv_setting(cfg)
                     fn = lambda qs=qs, sc=sc: [tfl.gemv_fp8(x, qi, sc, None, False) for qi in qs][-1]  # noqa: E731
@@ -399,6 +425,11 @@ def _bench_fp8_gemv_sweep(b: Bench, schemes: tuple[str, ...] = ("channel", "bloc
                     ms = b.graph_ms(fn)
                     b.roof(label, nbytes / (ms * 1e-3), "B/s", "read", "FP8 weight-read roofline: bytes-read ceiling",
                            time_ms=ms, bf16_ms=base_ms, speedup_vs_bf16=base_ms / ms)
+                    got = b.gemv_best.setdefault(key, {"label": f"fp8 {scheme} GEMV {what}{k}->{n}"})
+                    if cfg == current:
+                        got["current"] = (ms, cfg)
+                    if ms < got.get("best", (float("inf"),))[0]:
+                        got["best"] = (ms, cfg)
                 except Exception as e:  # noqa: BLE001 - a setting may not compile; report and go on
                     print(f"     (fp8 GEMV config {tag} failed: {type(e).__name__}: {e})")
                 finally:
@@ -419,6 +450,44 @@ def bench_linear_30b_sweep(b: Bench) -> None:
 def bench_fp8_gemv_sweep(b: Bench) -> None:
     """The FP8 GEMV's channel-scaled settings alone (`--only fp8_gemv_sweep`)."""
     _bench_fp8_gemv_sweep(b, ("channel",))
+
+
+def bench_fp8_gemv_super_sweep(b: Bench) -> None:
+    """The channel-scaled FP8 GEMV settings at Nemotron 3 Super's dense projections
+    (`--only fp8_gemv_super_sweep`; with `--write-linear-configs` the winners go to this GPU's file)."""
+    _bench_fp8_gemv_sweep(b, ("channel",), _SUPER_FP8_GEMVS, "Super ")
+
+
+def write_linear_configs(b: Bench, config_dir: Path, device: str, source: str) -> list[str]:
+    """Enter each swept shape whose fastest setting took at most _WRITE_MARGIN of the current one's time into
+    `config_dir`'s file for `device` (`linear_configs/<GPU>.json`, read by triton_fused_linear.gpu_settings),
+    each entry's "source" citing `source` and both times; other entries are kept. Returns the keys written."""
+    import hyserve.kernels.triton_fused_linear as tfl
+    from hyserve.kernels.launch_util import device_file
+
+    path = device_file(config_dir, device)
+    doc = json.loads(path.read_text()) if path.exists() else {
+        "device": device, "triton": __import__("triton").__version__,
+        "note": "one-row GEMV launch settings for shapes where this GPU's sweep disagrees with the row-length "
+                "tables of triton_fused_linear.py; keys '<w_scale>,<K>,<N>' (w_scale 0: 16-bit weight, 1: e4m3 "
+                "channel scales, 2: e4m3 block scales)", "source": {}, "configs": {}}
+    written = []
+    for (w_scale, k, n), got in sorted(b.gemv_best.items()):
+        if "current" not in got or "best" not in got or got["best"][0] > _WRITE_MARGIN * got["current"][0]:
+            continue
+        (t_cur, c_cur), (t_best, c_best) = got["current"], got["best"]
+        key = tfl.shape_key(w_scale, k, n)
+        doc["configs"][key] = tfl.validate_setting(dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"),
+                                                            c_best, strict=True)), key)
+        doc.setdefault("source", {})[key] = (
+            f"{source}: {got['label']}, {c_best[0]} x {c_best[1]} on {c_best[2]} warps, {c_best[3]} stages "
+            f"{t_best * 1e3:.1f} us against {t_cur * 1e3:.1f} us for the setting it replaces "
+            f"({c_cur[0]} x {c_cur[1]} on {c_cur[2]} warps, {c_cur[3]} stages)")
+        written.append(key)
+    if written:
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        tfl.device_table.cache_clear()
+    return written
 
 
 # --------------------------------------------------------------------------- FP8 linear
@@ -1119,6 +1188,7 @@ def _host_ms(b: Bench, fn, calls: int = 50) -> float:
 SUITES = {"ssm": bench_ssm, "conv": bench_conv, "norm": bench_norms, "linear": bench_linear, "attn": bench_attn,
           "ssd": bench_ssd, "ssd_sweep": bench_ssd_sweep, "attn_sweep": bench_attn_sweep,
           "linear_sweep": bench_linear_sweep, "fp8_gemv_sweep": bench_fp8_gemv_sweep,
+          "fp8_gemv_super_sweep": bench_fp8_gemv_super_sweep,
           "linear_30b_sweep": bench_linear_30b_sweep, "attn_rounds": bench_attn_rounds, "fp8_linear": bench_fp8_linear}
 DEFAULT_SUITES = [k for k in SUITES if not k.endswith(("_sweep", "_rounds"))]  # sweeps retune launch settings: on request
 
@@ -1146,6 +1216,11 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton interpreter")
     ap.add_argument("--git-sha", default="", help="commit of the tree, when it is run without .git")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of the attn_rounds suite")
+    ap.add_argument("--write-linear-configs", action="store_true",
+                    help="after the FP8 GEMV sweeps: enter each shape's fastest setting, where it beats the current "
+                         f"one by {1 - _WRITE_MARGIN:.0%} or more, into this GPU's linear_configs file")
+    ap.add_argument("--linear-configs-dir", default=None,
+                    help="where that file lies (default hyserve/kernels/linear_configs)")
     args = ap.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA device (or --dry-run)", file=sys.stderr)
@@ -1171,6 +1246,14 @@ def main() -> int:
         records=b.records,
     )
     out.write_text(json.dumps(doc, indent=2) + "\n")
+    if args.write_linear_configs:
+        import hyserve.kernels.triton_fused_linear as tfl
+
+        cfg_dir = Path(args.linear_configs_dir) if args.linear_configs_dir else tfl.CONFIG_DIR
+        device = "cpu" if args.dry_run else torch.cuda.get_device_name()
+        src = f"benchmarks/results/{out.with_suffix('.md').name} ({doc['git_sha'][:7]}, {date})"
+        keys = write_linear_configs(b, cfg_dir, device, src)
+        print(f"linear configs for {device}: {', '.join(keys) if keys else 'no shape beats its current setting'}")
     table = _table(b.records)
     out.with_suffix(".md").write_text(table + "\n")
     print()

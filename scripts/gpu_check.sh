@@ -22,6 +22,9 @@
 #   Nemotron 3 Super's e4m3 experts instead (their own ",w=fp8" entry; MOE_DECODE_TIMEOUT, default 300 s).
 #   linear_sweep (not a default part): bench_kernels.py --only linear_sweep, the one-row GEMV launch settings at
 #   the Nano 9B v2 and 30B-A3B projections (and the FP8 GEMV's).
+#   fp8_gemv_super (not a default part, issue 19): the FP8 GEMV settings at Nemotron 3 Super's dense projections,
+#   each shape's winner (3% or more faster than today's setting) written into linear_configs/<GPU>.json; copy
+#   that file back into the tree. Put it before moe_super / gpu_fp8_check.sh super to measure the model with it.
 #   longprompt (not a default part, issues 24 and 22): benchmarks/bench_long_prompt.py, a 131k and a 1.04M-token
 #   prompt through LLM per KV dtype (LONG_PROMPT_ARGS adds options; ~3-4 min a dtype).
 #   stepsync (not a default part, issue 23): benchmarks/bench_step_sync.py, the host syncs and phases of a large
@@ -111,6 +114,10 @@ save() { out_save; }
     && timeout 330 python3 benchmarks/bench_kernels.py --only linear_sweep --git-sha "$sha" \
        --out "benchmarks/results/linear_sweep_$sha.json" 2>&1 | grep -E "us vs|GEMV|cuBLAS" | grep -v "^ok " \
        | tail -120 && save
+  [[ $parts == *" fp8_gemv_super "* ]] && echo "== FP8 GEMV settings at Nemotron 3 Super's dense projections" \
+    && timeout 300 python3 benchmarks/bench_kernels.py --only fp8_gemv_super_sweep --write-linear-configs \
+       --git-sha "$sha" --out "benchmarks/results/fp8_gemv_super_$sha.json" 2>&1 | grep -E "GEMV|linear configs" \
+       | grep -v "^ok " | tail -160 && save && out_save hyserve/kernels/linear_configs/*.json
   # structured (not a default part, issue 18): JSON-schema-constrained decode against unconstrained, batch 1 / 64
   [[ $parts == *" structured "* ]] && echo "== structured outputs: constrained / free decode (xgrammar in .whl)" \
     && timeout 300 python3 benchmarks/bench_structured.py --rounds 3 --git-sha "$sha" 2>&1 | tail -20 && save

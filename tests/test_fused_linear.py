@@ -244,7 +244,9 @@ def test_bench_kernels_linear_sweep_dry_run_checks_every_form_first(tmp_path):
     assert "in_proj 48->96, 1 row: GEMV" in names and "in_proj 48->96, 1 row: cuBLAS" in names
     assert any(n.startswith("fp8 channel GEMV") for n in names) and any(n.startswith("fp8 block GEMV") for n in names)
     assert not any(line.startswith("FAIL") for line in r.stdout.splitlines())
-    assert r.stdout.count("matches its reference") == 5  # three 16-bit GEMV forms, two FP8 scale layouts
+    # three 16-bit GEMV forms; per FP8 scale layout the current setting and one alternative
+    assert r.stdout.count("matches its reference") == 7
+    assert sum(n.endswith(" current") for n in names) == 2
 
 
 def test_gpu_settings_narrow_outputs_take_narrow_programs():
@@ -335,3 +337,48 @@ def test_the_shipped_gpu_files_are_valid():
         table = tfl.device_table(doc["device"])
         assert table and set(table) <= set(doc["source"]), f.name  # every entry cites its sweep
     tfl.device_table.cache_clear()
+
+
+def test_the_fp8_gemv_sweep_writes_only_clear_winners_into_the_gpu_file(tmp_path):
+    """`bench_kernels.py --write-linear-configs`: a swept shape whose fastest setting took at most 97% of the
+    current one's time enters the GPU's file, citing both times; a closer race or a shape without a timed
+    current setting does not; earlier entries stay; the file is one `gpu_settings` reads back."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("bench_kernels_w", root / "benchmarks/bench_kernels.py")
+    bk = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        spec.loader.exec_module(bk)
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    old = dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4)
+    (tmp_path / "Some_GPU.json").write_text(json.dumps({"device": "Some GPU", "source": {"0,2688,4608": "x"},
+                                                        "configs": {"0,2688,4608": old}}))
+    b = bk.Bench(dry=True)
+    b.gemv_best = {
+        (1, 8192, 4096): {"label": "fp8 channel GEMV Super 8192->4096",
+                          "current": (0.020, (16, 512, 4, 3)), "best": (0.012, (4, 1024, 2, 4))},
+        (1, 4096, 4096): {"label": "close", "current": (0.010, (16, 512, 4, 3)), "best": (0.0098, (8, 512, 4, 4))},
+        (1, 4096, 256): {"label": "no current", "best": (0.001, (1, 1024, 1, 4))},
+    }
+    assert bk.write_linear_configs(b, tmp_path, "Some GPU", "kernels_x.md") == ["1,8192,4096"]
+    doc = json.loads((tmp_path / "Some_GPU.json").read_text())
+    assert doc["configs"]["0,2688,4608"] == old
+    assert doc["configs"]["1,8192,4096"] == dict(BLOCK_N=4, BLOCK_K=1024, num_warps=2, num_stages=4)
+    assert "12.0 us against 20.0 us" in doc["source"]["1,8192,4096"]
+    assert "kernels_x.md" in doc["source"]["1,8192,4096"]
+    tfl.device_table.cache_clear()
+    saved = tfl.CONFIG_DIR
+    try:
+        tfl.CONFIG_DIR = tmp_path
+        assert tfl.gpu_settings(1, 8192, 4096, "Some GPU") == doc["configs"]["1,8192,4096"]
+    finally:
+        tfl.CONFIG_DIR = saved
+        tfl.device_table.cache_clear()
+    empty = bk.Bench(dry=True)
+    assert bk.write_linear_configs(empty, tmp_path / "none", "Other GPU", "k.md") == []
+    assert not (tmp_path / "none").exists()
