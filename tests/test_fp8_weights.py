@@ -140,6 +140,18 @@ def test_mixed_precision_fp8_loads_only_the_listed_modules(tmp_path: Path) -> No
     assert q.quantizes("backbone.layers.3.mixer.experts.0.up_proj")
     assert not q.quantizes("backbone.layers.2.mixer.in_proj")  # not listed: 16-bit
     assert "2 FP8 modules listed" in q.describe()
+    parent = QuantConfig(method="modelopt", scheme="tensor", include=frozenset({"backbone.layers.5.mixer.experts"}))
+    assert parent.quantizes_experts("backbone.layers.5.mixer.experts")  # an entry for the experts' module
+    assert not parent.quantizes("backbone.layers.50.mixer.experts.0.up_proj")
+
+
+def test_module_patterns_read_as_modelopt_and_compressed_tensors_mean_them() -> None:
+    q = QuantConfig(method="modelopt", scheme="tensor", exclude=("model.layers.1*", "re:layers\\.2\\."))
+    assert not q.quantizes("backbone.layers.1.mixer.in_proj")  # `path*`: the module and what is under it
+    assert q.quantizes("backbone.layers.10.mixer.in_proj")  # ... not layers 10-19
+    assert q.quantizes("backbone.layers.2.mixer.in_proj")  # re: matches the whole name from its start
+    r = QuantConfig(method="compressed-tensors", scheme="channel", exclude=("re:model\\.layers\\.2\\.",))
+    assert not r.quantizes("backbone.layers.2.mixer.in_proj")  # in the checkpoint's model. spelling too
 
 
 def _ct_config(strategy: str = "channel", *, targets: list[str] | None = None, ignore: list[str] | None = None,
@@ -227,6 +239,16 @@ def test_detects_compressed_tensors_fp8(tmp_path: Path, strategy: str) -> None:
                                                                          "strategy": "channel"}}}},
      r"config_groups.g.targets must be a non-empty list of names"),
     (_ct_config("block", static_act=True), r"static activation scales with block-scaled weights are not supported"),
+    (_ct_config(targets=["QKVParallelLinear"]),
+     r"targets entry 'QKVParallelLinear' is not supported \(Linear, module names or re: patterns\)"),
+    (_ct_config(ignore=["re:(unclosed"]), r"ignore entry 're:\(unclosed' is not a regular expression"),
+    (_ct_config(sparsity_config={"format": "sparse-24-bitmask"}),
+     r"compressed-tensors with a sparsity_config is not supported \(dense FP8 weights only\)"),
+    (_ct_config(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "attn_head"}),
+     r"kv_cache_scheme strategy 'attn_head' is not supported"),
+    ({**_ct_config(), "config_groups": {"g": {"targets": ["Linear"], "weights": None,
+                                              "input_activations": {"num_bits": 8, "type": "float"}}}},
+     r"no config_groups entry quantises weights \(only activations\)"),
 ])
 def test_unsupported_quantization_configs_are_refused(tmp_path: Path, qc: Any, needle: str) -> None:
     d = _write_config(tmp_path, quantization_config=qc)
@@ -475,7 +497,7 @@ def test_modelopt_channel_and_block_checkpoints_load(tmp_path: Path, algo: str, 
 @pytest.mark.parametrize(("strategy", "layout"), [("tensor", "tensor_1"), ("channel", "channel"), ("block", "block")])
 def test_compressed_tensors_checkpoint_loads(tmp_path: Path, strategy: str, layout: str) -> None:
     """An llm-compressor FP8 checkpoint (weight_scale [1], [N, 1] or [N/128, K/128]; the per-tensor one with
-    static input_scales, read past) loads byte for byte, its experts FP8 unless block-scaled."""
+    static input_scales, read past) loads byte for byte, its experts FP8 (block-scaled ones re-quantised)."""
     src = _tiny_dir(tmp_path, "latent-moe")
     qc = _ct_config(strategy, static_act=strategy == "tensor")
     written = _quantize_checkpoint(src, tmp_path / "ct", qc, layout=layout)
@@ -958,7 +980,7 @@ def test_checkpoint_fp8_experts_load_per_tensor_scales_per_expert() -> None:
 def test_block_scaled_experts_are_requantised_per_channel(tmp_path: Path, layout: str) -> None:
     """A block-scaled checkpoint's e4m3 experts load as e4m3 with channel scales: each expert dequantised
     from its codes and block scales, then quantised per row, the same values at every ep split and whether
-    the weight or its scales come first; a block whose scale is its row's largest keeps its codes."""
+    the weight or its scales come first; leftovers and scales of a 16-bit weight are refused."""
     from hyserve.kernels.fp8_linear import dequantize_weight_ref
     from hyserve.model.fp8_weights import convert_experts
     from hyserve.model.moe import Experts
@@ -1001,11 +1023,65 @@ def test_block_scaled_experts_are_requantised_per_channel(tmp_path: Path, layout
             assert torch.equal(m.up_proj[i].view(torch.uint8), q.view(torch.uint8))
             assert torch.equal(m.up_proj_scale[i], s)
         assert not m._fp8_up.pending
-    with pytest.raises(ValueError, match=r"block-scaled expert's up_proj scales have shape \[3, 2\], expected \[2, 2\]"):
+    with pytest.raises(ValueError, match=r"x.experts.up_proj \(FP8\): a block-scaled expert's scales have shape "
+                                         r"\[3, 2\], expected \[2, 2\]"):
         m.up_proj_scale.weight_loader(m.up_proj_scale, torch.ones(3, 2), 2)
     m.up_proj_scale.weight_loader(m.up_proj_scale, qs[2][1], 2)
-    with pytest.raises(ValueError, match="expert 2's up_proj s given twice"):
+    with pytest.raises(ValueError, match="expert 2's block scales given twice"):
         m.up_proj_scale.weight_loader(m.up_proj_scale, qs[2][1], 2)
+    with pytest.raises(ValueError, match="incomplete: expert 2 has only its block scales"):
+        m.after_checkpoint_load()
+    with pytest.raises(ValueError, match="expert 2 has block scales but a 16-bit weight in the checkpoint"):
+        m.up_proj.weight_loader(m.up_proj, up[2], 2)  # scales first, then a 16-bit weight
+    m.up_proj.weight_loader(m.up_proj, up[3], 3)  # a 16-bit weight first (quantised per channel), then scales
+    with pytest.raises(ValueError, match="expert 3 has block scales but a 16-bit weight in the checkpoint"):
+        m.up_proj_scale.weight_loader(m.up_proj_scale, qs[3][1], 3)
+
+
+def test_block_scaled_experts_stacked_and_split_over_moe_tp() -> None:
+    """Stacked [E, ...] block-scaled expert tensors (one call each) with the intermediate dimension split over
+    two moe_tp ranks: each rank's rows of up and columns of down are the rows / columns of the per-channel
+    re-quantisation of the whole expert."""
+    from hyserve.kernels.fp8_linear import dequantize_weight_ref
+    from hyserve.model.fp8_weights import convert_experts
+    from hyserve.model.moe import Experts
+
+    up, down = torch.randn(3, 256, 136), torch.randn(3, 136, 256)
+    qu = [quantize_weight_ref(up[e], "block") for e in range(3)]
+    qd = [quantize_weight_ref(down[e], "block") for e in range(3)]
+    quant = QuantConfig(method="fp8", scheme="block")
+    for rank in (0, 1):
+        m = Experts(3, 136, 256, moe_tp=Group(name="moe_tp", rank=rank, size=2, ranks=(0, 1), timeout_s=1.0),
+                    device="cpu", dtype=torch.float32)
+        assert convert_experts(m, quant, "y.experts")
+        m.up_proj.weight_loader(m.up_proj, torch.stack([q for q, _ in qu]))
+        m.down_proj_scale.weight_loader(m.down_proj_scale, torch.stack([s for _, s in qd]))
+        m.up_proj_scale.weight_loader(m.up_proj_scale, torch.stack([s for _, s in qu]))
+        m.down_proj.weight_loader(m.down_proj, torch.stack([q for q, _ in qd]))
+        m.after_checkpoint_load()
+        rows = slice(128 * rank, 128 * rank + 128)
+        for e in range(3):
+            q, sc = quantize_weight_ref(dequantize_weight_ref(*qu[e]), "channel")
+            assert torch.equal(m.up_proj[e].view(torch.uint8), q.view(torch.uint8)[rows])
+            assert torch.equal(m.up_proj_scale[e], sc[rows])
+            q, sc = quantize_weight_ref(dequantize_weight_ref(*qd[e]), "channel")
+            assert torch.equal(m.down_proj[e].view(torch.uint8), q.view(torch.uint8)[:, rows])
+            assert torch.equal(m.down_proj_scale[e], sc)
+
+
+def test_experts_take_one_format_for_up_and_down(tmp_path: Path) -> None:
+    """A config that would quantise the routed experts' up_proj but not their down_proj (or the reverse) is
+    refused naming the module, at build and in the capacity planner alike."""
+    q = QuantConfig(method="compressed-tensors", scheme="channel", exclude=("re:.*experts\\.\\d+\\.down_proj$",),
+                    source="cfg")
+    with pytest.raises(ValueError, match=r"cfg: the routed experts backbone.layers.1.mixer.experts would have an FP8 "
+                                         r"up_proj and a 16-bit down_proj; .* must quantise or exclude both"):
+        q.quantizes_experts("backbone.layers.1.mixer.experts")
+    src = _tiny_dir(tmp_path, "latent-moe")
+    d = _write_config(tmp_path / "split", **{**json.loads((src / "config.json").read_text()),
+                                            "quantization_config": _ct_config(ignore=["re:.*experts.*up_proj$"])})
+    with pytest.raises(ValueError, match="would have an FP8 down_proj and a 16-bit up_proj"):
+        _load(d, load_format="dummy")
 
 
 # ---- a whole FP8 model at tp 2 over two gloo ranks against tp 1 ----------------------------------------

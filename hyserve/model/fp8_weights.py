@@ -31,10 +31,12 @@ output row (a ModelOpt per-expert per-tensor scale is held per row); each expert
 its whole matrix, so every (ep, tp) split holds the same values. The MoE kernels take channel scales only,
 so a block-scaled checkpoint's experts (e4m3 with [ceil(N/128), ceil(K/128)] scales each) are re-quantised
 per channel as they load: each expert's matrix is dequantised in float32 once its weight and its scales
-have both arrived, in either order, and quantised per output row. A block whose scale is its row's largest
-keeps its codes; the others are rounded once more to e4m3 on the row's grid (at most half an e4m3 ulp of
-the row's scale per weight, on top of the checkpoint's own rounding). The shared expert is an MLP (FP8 like
-the other projections), not folded into the experts op.
+have both arrived, in either order, and quantised per output row, which rounds each weight once more to
+e4m3 on its row's grid (at most half an e4m3 ulp of the row's scale, on top of the checkpoint's own
+rounding). An expert still waiting for its other half when the checkpoint has been read, or block scales for
+an expert whose weight came 16-bit, fail the load naming the expert. Up and down projections are FP8 together
+or not at all (`QuantConfig.quantizes_experts`). The shared expert is an MLP (FP8 like the other projections),
+not folded into the experts op.
 """
 
 from __future__ import annotations
@@ -299,12 +301,15 @@ class Fp8ExpertLoaders:
     intermediate dimension is the matrix's rows, dim 0) or "down" (its columns, dim 1). A checkpoint's
     scale is per expert ([] each, [E] stacked: per-tensor) or per expert and channel ([N] each, [E, N])."""
 
-    def __init__(self, experts: Any, quant: QuantConfig, which: str, loader_16: Any) -> None:
+    def __init__(self, experts: Any, quant: QuantConfig, which: str, loader_16: Any, name: str = "experts") -> None:
         self.m, self.quant, self.which, self.loader_16 = experts, quant, which, loader_16
         self.inter_dim = 0 if which == "up" else 1
-        # block-scaled checkpoints: checkpoint expert -> {"w": its whole e4m3 matrix, "s": its block scales},
-        # held until both have arrived (then re-quantised per channel, `_requantise`)
+        self.what = f"{name}.{which}_proj (FP8)"
+        # block-scaled checkpoints: checkpoint expert -> {"weight": its whole e4m3 matrix, "block scales": ...},
+        # held until both have arrived (then re-quantised per channel, `_arrive`); experts whose weight came
+        # 16-bit (quantised per channel on arrival: block scales for them are an error)
         self.pending: dict[int, dict[str, torch.Tensor]] = {}
+        self.from_16_bit: set[int] = set()
 
     def _local(self, expert: int | None) -> list[tuple[int, int]]:
         """(checkpoint expert, local index) pairs this call fills."""
@@ -332,9 +337,13 @@ class Fp8ExpertLoaders:
             # one expert's whole matrix (all of its K): its channel scales are the same at every tp_size
             mat = read_block(loaded, {0: (e, 1)})[0] if expert is None else _read_all(loaded)
             if is_fp8_source(loaded):  # block-scaled e4m3: waits for its scales
-                self._arrive(e, i, "w", mat.to(device=param.device))
-            else:
-                self._put(i, *quantize_weight_ref(mat.to(device=param.device), "channel"))
+                self._arrive(e, i, "weight", mat.to(device=param.device))
+                continue
+            if block:
+                if e in self.pending:  # its block scales came first
+                    raise ValueError(f"{self.what}: expert {e} has block scales but a 16-bit weight in the checkpoint")
+                self.from_16_bit.add(e)
+            self._put(i, *quantize_weight_ref(mat.to(device=param.device), "channel"))
 
     def _put(self, i: int, q: torch.Tensor, s: torch.Tensor) -> None:
         """Local expert i's whole-matrix e4m3 codes and channel scales, cut to this rank's rows."""
@@ -354,34 +363,42 @@ class Fp8ExpertLoaders:
         if v.dim() == 4 and v.shape[1] == v.shape[3] == 1:
             v = v[:, 0, :, 0]
         if tuple(v.shape) != want:
-            raise ValueError(f"experts (FP8): a block-scaled expert's {self.which}_proj scales have shape "
-                             f"{list(v.shape)}, expected {list(want)}")
+            raise ValueError(f"{self.what}: a block-scaled expert's scales have shape {list(v.shape)}, expected "
+                             f"{list(want)}")
         return v
 
     def _arrive(self, e: int, i: int, part: str, t: torch.Tensor) -> None:
-        """A block-scaled expert's weight ("w") or scales ("s"); with both, re-quantise it per channel."""
+        """A block-scaled expert's "weight" or "block scales"; with both, re-quantise it per channel."""
+        if part == "block scales" and e in self.from_16_bit:
+            raise ValueError(f"{self.what}: expert {e} has block scales but a 16-bit weight in the checkpoint")
         got = self.pending.setdefault(e, {})
         if part in got:
-            raise ValueError(f"experts (FP8): expert {e}'s {self.which}_proj {part} given twice")
+            raise ValueError(f"{self.what}: expert {e}'s {part} given twice")
         got[part] = t
         if len(got) == 2:
             del self.pending[e]
-            w = dequantize_weight_ref(got["w"], got["s"].to(got["w"].device))
+            w = dequantize_weight_ref(got["weight"], got["block scales"].to(got["weight"].device))
             self._put(i, *quantize_weight_ref(w, "channel"))
+
+    def check_complete(self) -> None:
+        """After the checkpoint is read: no block-scaled expert may still wait for its weight or its scales."""
+        if self.pending:
+            waiting = ", ".join(f"expert {e} has only its {next(iter(got))}" for e, got in sorted(self.pending.items()))
+            raise ValueError(f"{self.what}: the checkpoint ended with block-scaled experts incomplete: {waiting}")
 
     @torch.no_grad()
     def load_scale(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, expert: int | None = None) -> None:
         src = _read_all(loaded).to(torch.float32)
         if not torch.isfinite(src).all() or (src <= 0).any():
-            raise ValueError("experts (FP8): weight scales must be positive and finite")
+            raise ValueError(f"{self.what}: weight scales must be positive and finite")
         for e, i in self._local(expert):
             v = src[e] if expert is None else src
             if self.quant.scheme == "block":
-                self._arrive(e, i, "s", self._block_scales(v))
+                self._arrive(e, i, "block scales", self._block_scales(v))
                 continue
             if self.quant.scheme == "tensor":
                 if v.numel() != 1:
-                    raise ValueError(f"experts (FP8): a per-tensor expert scale has one element, got {list(v.shape)}")
+                    raise ValueError(f"{self.what}: a per-tensor expert scale has one element, got {list(v.shape)}")
                 param[i].fill_(float(v.reshape(())))
                 continue
             v = v.reshape(-1)
@@ -395,13 +412,13 @@ def convert_experts(experts: Any, quant: QuantConfig, name: str = "") -> bool:
     """Give an `Experts` module e4m3 expert weights with per-expert channel scales (per-tensor checkpoint
     scales held per channel, block scales re-quantised per channel as they load); returns whether it
     converted (False where `quant` does not cover the experts)."""
-    if not quant.quantizes(f"{name}.0.up_proj" if name else "experts.0.up_proj"):
+    if not quant.quantizes_experts(name or "experts"):
         return False
     for which in ("up", "down"):
         attr = f"{which}_proj"
         old = getattr(experts, attr)
         ckpt = tuple(old.checkpoint_shape)  # type: ignore[attr-defined]
-        loaders = Fp8ExpertLoaders(experts, quant, which, getattr(experts, f"_load_{which}"))
+        loaders = Fp8ExpertLoaders(experts, quant, which, getattr(experts, f"_load_{which}"), name or "experts")
         setattr(experts, attr, nn.Parameter(torch.empty(old.shape, dtype=E4M3, device=old.device), requires_grad=False))
         e_local, n_local = old.shape[0], old.shape[1]
         scale = nn.Parameter(torch.ones(e_local, n_local, dtype=torch.float32, device=old.device), requires_grad=False)
@@ -412,4 +429,5 @@ def convert_experts(experts: Any, quant: QuantConfig, name: str = "") -> bool:
         experts.register_shard(f"{attr}_scale", loaders.load_scale, scale_ckpt)
         setattr(experts, f"_fp8_{which}", loaders)
     experts.quant = quant
+    experts.after_checkpoint_load = lambda: (experts._fp8_up.check_complete(), experts._fp8_down.check_complete())
     return True

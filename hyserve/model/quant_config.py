@@ -73,14 +73,24 @@ def _canonical(name: str) -> str:
 
 def _matches(module_name: str, pattern: str) -> bool:
     """Whether a module list entry names `module_name` (canonical) or a module above it: the name itself,
-    an fnmatch pattern, or a `re:` regular expression (compressed-tensors', matched from the start); each
-    is tried on the name with and without `backbone.`, and a `model.` prefix reads as `backbone.`."""
+    an fnmatch pattern (tried with and without `backbone.`; `model.` reads as `backbone.`), or a `re:` regular
+    expression, matched from the start of the whole name as compressed-tensors does, in its `backbone.` and
+    `model.` spellings. ModelOpt's `path*` (no dot before the star) means the module `path` and everything
+    under it, as vLLM reads it, not `path0`...`path9`."""
     short = module_name.removeprefix("backbone.")
     if pattern.startswith("re:"):
         rx = pattern[3:]
-        return any(re.match(rx, n) or re.match(rx, "model." + short) for n in (module_name, short))
+        return bool(re.match(rx, module_name) or re.match(rx, "model." + short))
     p = _canonical(pattern)
-    return any(n == p or n.startswith(p + ".") or fnmatch.fnmatchcase(n, p) for n in (module_name, short))
+    globs = (p[:-1], p[:-1] + ".*") if len(p) >= 2 and p[-1] == "*" and p[-2] != "." else (p,)
+    return any(n == g or n.startswith(g + ".") or fnmatch.fnmatchcase(n, g) for n in (module_name, short)
+               for g in globs)
+
+
+def _ancestors(module_name: str) -> list[str]:
+    """`a.b.c` -> [`a.b.c`, `a.b`, `a`]."""
+    parts = module_name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,11 +127,23 @@ class QuantConfig:
         leaf = module_name.rsplit(".", 1)[-1]
         if leaf not in QUANTIZABLE_LINEARS:
             return False
-        if self.include is not None and module_name not in self.include:
+        if self.include is not None and not any(a in self.include for a in _ancestors(module_name)):
             return False
         if self.targets and not any(t == "Linear" or _matches(module_name, t) for t in self.targets):
             return False
         return not any(_matches(module_name, pat) for pat in self.exclude)
+
+    def quantizes_experts(self, experts_name: str) -> bool:
+        """Whether the routed experts `experts_name` (`backbone.layers.3.mixer.experts`) are FP8: their up and
+        down projections both, or neither (the fused-MoE kernels take both in one format); ValueError naming
+        the module where the config covers one of them only."""
+        up, down = (self.quantizes(f"{experts_name}.0.{w}") for w in ("up_proj", "down_proj"))
+        if up != down:
+            fp8, other = ("up_proj", "down_proj") if up else ("down_proj", "up_proj")
+            raise ValueError(f"{self.source or 'quantization config'}: the routed experts {experts_name} would have "
+                             f"an FP8 {fp8} and a 16-bit {other}; hyserve's fused MoE takes both in one format, so "
+                             "the config must quantise or exclude both")
+        return up
 
     def describe(self) -> str:
         scales = {"tensor": "per-tensor", "channel": "per-output-channel",
@@ -141,6 +163,16 @@ def fp8_scale_count(scheme: str, shape: tuple[int, ...]) -> int:
     return -(-n // BLOCK) * -(-k // BLOCK) if scheme == "block" else n
 
 
+def _check_patterns(names: list[str], where: str, key: str) -> None:
+    """Refuse a `re:` entry that is not a regular expression, naming it."""
+    for n in names:
+        if n.startswith("re:"):
+            try:
+                re.compile(n[3:])
+            except re.error as e:
+                raise ValueError(f"{where}: {key} entry {n!r} is not a regular expression ({e})") from None
+
+
 def _exclude_list(q: dict[str, Any], where: str) -> tuple[str, ...]:
     out: list[str] = []
     for key in EXCLUDE_KEYS:
@@ -149,6 +181,7 @@ def _exclude_list(q: dict[str, Any], where: str) -> tuple[str, ...]:
             continue
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
             raise ValueError(f"{where}: {key} must be a list of module names, got {v!r}")
+        _check_patterns(v, where, key)
         out.extend(v)
     return tuple(out)
 
@@ -250,6 +283,13 @@ def _compressed_tensors(q: dict[str, Any], where: str) -> QuantConfig:
     fmt = q.get("format")
     if fmt not in _CT_FORMATS:
         raise ValueError(f"{where}: {COMPRESSED} format {fmt!r} is not supported ({' or '.join(_CT_FORMATS)})")
+    for key in ("sparsity_config", "transform_config"):  # 2:4 sparse weights, online rotations: other numerics
+        if q.get(key):
+            raise ValueError(f"{where}: {COMPRESSED} with a {key} is not supported (dense FP8 weights only)")
+    kv = q.get("kv_cache_scheme")
+    if isinstance(kv, dict) and kv.get("strategy") not in (None, "tensor"):
+        raise ValueError(f"{where}: kv_cache_scheme strategy {kv.get('strategy')!r} is not supported: the FP8 KV "
+                         "cache takes one k_scale and one v_scale a layer (strategy tensor)")
     groups = q.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ValueError(f"{where}: {COMPRESSED} needs a non-empty 'config_groups' mapping")
@@ -258,11 +298,20 @@ def _compressed_tensors(q: dict[str, Any], where: str) -> QuantConfig:
     for name, g in groups.items():
         if not isinstance(g, dict):
             raise ValueError(f"{where}: config_groups.{name} must be a mapping, got {g!r}")
+        if g.get("weights") is None:  # activations only: its modules' weights stay 16-bit
+            continue
         schemes[name] = _ct_scheme(name, g.get("weights"), where)
         t = g.get("targets")
         if not isinstance(t, list) or not t or not all(isinstance(x, str) for x in t):
             raise ValueError(f"{where}: config_groups.{name}.targets must be a non-empty list of names, got {t!r}")
+        for x in t:  # a class name other than Linear would silently target nothing here
+            if x != "Linear" and not x.startswith("re:") and "." not in x:
+                raise ValueError(f"{where}: config_groups.{name}.targets entry {x!r} is not supported (Linear, "
+                                 "module names or re: patterns)")
+        _check_patterns(t, where, f"config_groups.{name}.targets")
         targets.extend(t)
+    if not schemes:
+        raise ValueError(f"{where}: no config_groups entry quantises weights (only activations): not supported")
     if len(set(schemes.values())) > 1:
         raise ValueError(f"{where}: config_groups mix weight strategies {schemes}: not supported (one a model)")
     scheme = next(iter(schemes.values()))

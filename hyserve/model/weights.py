@@ -170,7 +170,7 @@ def weight_bytes(cfg: HybridModelConfig, dtype: torch.dtype | None = None) -> in
         n = math.prod(shape)
         stem = name.removesuffix(".weight")
         expert = _STACKED_EXPERT_RE.match(name)
-        if cfg.quant is not None and expert and cfg.quant.quantizes(f"{expert.group(1)}.0.{expert.group(2)}"):
+        if cfg.quant is not None and expert and cfg.quant.quantizes_experts(expert.group(1)):
             total += n + 4 * shape[0] * shape[1]  # FP8 experts: a channel scale per expert and row
         elif cfg.quant is not None and name.endswith(".weight") and cfg.quant.quantizes(stem):
             total += n + 4 * fp8_scale_count(cfg.quant.scheme, shape)
@@ -473,6 +473,10 @@ def load_checkpoint(
                 dst = targets[name] if expert is None else targets[name][expert]
                 dst.copy_(src)
                 del src
+    for m in model.modules():  # loaders that pair tensors (block-scaled FP8 experts) check nothing is left over
+        hook = getattr(m, "after_checkpoint_load", None)
+        if hook is not None:
+            hook()
     logger.info("loaded %d tensors from %s", len(plan.copies), model_dir)
 
 
