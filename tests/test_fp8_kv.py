@@ -635,6 +635,23 @@ def test_kv_scales_load_from_checkpoint_in_common_spellings(tmp_path, caplog):
     assert _layer_scales(bf)[5] == (0.25, 0.25)
 
 
+def test_kv_scales_load_from_compressed_tensors_output_scales(tmp_path):
+    """compressed-tensors' (and Quark's) older exports keep the KV scales as the k / v projections'
+    output quantiser scales; the q one is ignored like q_scale."""
+    from hyserve import LLM
+
+    d = _checkpoint_with_scales(tmp_path, {
+        "model.layers.1.mixer.k_proj.output_scale": torch.tensor([0.5]),
+        "model.layers.1.mixer.v_proj.output_scale": torch.tensor([0.25]),
+        "model.layers.5.mixer.k_proj.output_scale": torch.tensor(2.0),
+        "model.layers.5.mixer.v_proj.output_scale": torch.tensor(4.0),
+        "model.layers.5.mixer.q_proj.output_scale": torch.tensor(8.0),
+    })
+    llm = LLM(str(d), device="cpu", max_seq_len=128, kv_cache_config={"dtype": "fp8", "kv_scales": "checkpoint"},
+              log=lambda s: None)
+    assert _layer_scales(llm) == {1: (0.5, 0.25), 5: (2.0, 4.0)}
+
+
 def test_kv_scales_vllm_spelling_partial_layers_calibrate_the_rest(tmp_path, caplog):
     """kv_scales auto (the default): the checkpoint's scales where it has them, the other layers calibrated
     at start-up (tests/test_kv_calibration.py); no warning about saturation any more."""

@@ -39,14 +39,17 @@ from hyserve.model.parallel_linear import ColumnParallelLinear, RowParallelLinea
 #   backbone.layers.N.mixer.attn.k_scale                 (vLLM's module path)
 #   backbone.layers.N.mixer.k_proj.k_scale / v_proj...   (ModelOpt, llm-compressor)
 #   backbone.layers.N.mixer.qkv_proj.k_scale             (fused-QKV exporters)
+#   backbone.layers.N.mixer.k_proj.output_scale / v_...  (compressed-tensors' and Quark's older exports: the
+#                                                         projection's output quantiser)
 #   backbone.layers.N.mixer.kv_scale                     (deprecated: one scale for K and V)
-#   ...q_scale                                           (query quantisation: hyserve keeps q 16-bit, ignored)
+#   ...q_scale, q_proj.output_scale                      (query quantisation: hyserve keeps q 16-bit, ignored)
 _KV_SCALE_RE = re.compile(r"^backbone\.layers\.(\d+)\.mixer\.(?:(?:attn|k_proj|v_proj|qkv_proj)\.)?(k|v|kv|q)_scale$")
+_OUTPUT_SCALE_RE = re.compile(r"^backbone\.layers\.(\d+)\.mixer\.(k|v|q)_proj\.output_scale$")
 
 
 def parse_kv_scale_name(name: str) -> tuple[int, str] | None:
     """(layer index, 'k' | 'v' | 'kv' | 'q') for a canonical KV-scale tensor name, else None."""
-    m = _KV_SCALE_RE.match(name)
+    m = _KV_SCALE_RE.match(name) or _OUTPUT_SCALE_RE.match(name)
     return (int(m.group(1)), m.group(2)) if m else None
 
 
