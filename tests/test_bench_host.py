@@ -40,3 +40,19 @@ def test_bench_host_writes_records(tmp_path: Path) -> None:
         assert abs(rec["ratio"] - rec["value"] / rec["reference_value"]) < 1e-9
         assert set(rec["phases_ms"]) == {"schedule", "build_meta", "update", "sample_rows", "_read"}
     assert out.with_suffix(".md").read_text().count("\n") == 4
+
+
+def test_bench_serve_host_serves_every_request_through_the_stub_model(tmp_path: Path) -> None:
+    """benchmarks/bench_serve_host.py: `hyserve serve`'s app over the stub model in a child process, loaded
+    by the bench client; every request completes with its full output, and the record quotes the rate
+    against the published vLLM figure with both processes' CPU shares."""
+    out = tmp_path / "sh.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serve_host.py"), "--concurrency", "8",
+                        "--input-len", "40", "--output-len", "6", "--prompts-per-stream", "2", "--out", str(out),
+                        "--git-sha", "test"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    (rec,) = doc["records"]
+    assert rec["completed"] == 16 and rec["failed"] == 0 and rec["output_tok_s"] > 0
+    assert rec["reference_value"] == 15828.0 and abs(rec["ratio"] - rec["value"] / 15828.0) < 1e-9
+    assert 0 < rec["server_cpu_share"] and 0 < rec["client_cpu_share"]

@@ -1,0 +1,207 @@
+"""The serving stack's host ceiling: output tokens per second `hyserve serve` sustains when the model costs
+nothing (CPU; no GPU needed).
+
+The model's forward and logits are replaced by stubs that cost ~nothing (the logits pick a different ordinary
+token each row and step, so detokenising and streaming do real work); everything else is what `hyserve serve`
+runs: the HTTP server and its SSE streams, request validation, the async engine thread, the scheduler, block
+allocation and prefix-cache hashing of every prompt, the sampler over [batch, vocab] logits, incremental
+detokenisation with the real tokenizer, stop checks. A load generator in this process (`hyserve bench serve`'s
+client, streaming /v1/completions with token-id prompts) holds `--concurrency` requests in flight.
+
+Whatever rate comes out is the most any GPU could serve through this stack on this host: a GPU run is
+host-bound wherever its own rate approaches it. The reference is the published vLLM figure the FP8 issue
+quotes (Nemotron 3 Nano 30B-A3B, FP8, one H200, 1000 in / 1000 out at concurrency 1024: 15,828 output tok/s):
+a ratio under 1 at that concurrency means this host could not serve that figure whatever the GPU does.
+The server's and the client's CPU seconds over each run say which side was saturated (each is one process;
+the server's engine thread and its event loop share one interpreter).
+
+    python benchmarks/bench_serve_host.py                               # concurrency 64, 256, 1024
+    python benchmarks/bench_serve_host.py --concurrency 64 --output-len 32 --prompts-per-stream 1   # quick
+
+Writes benchmarks/results/serve_host_<date>_<sha>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import logging
+import multiprocessing as mp
+import os
+import platform
+import resource
+import socket
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hyserve.bench.report import git_sha  # noqa: E402
+
+VLLM_FP8_30B_C1024 = 15828.0  # output tok/s: the published vLLM figure (issue 19), concurrency 1024
+
+
+def _stub_model(model, vocab: int) -> None:
+    """Forward and logits at ~no cost: hidden states of zeros, and logits that make row r of call c pick
+    token 100 + (c + r) % span, span = min(2000, vocab - 100) (ordinary tokens of the built-in tokenizer)."""
+    import torch
+
+    hidden = model.config.hidden_size
+    calls = [0]
+    span = min(2000, vocab - 100)
+
+    def forward(ids, meta, cache):
+        return torch.zeros(ids.shape[0], hidden)
+
+    def logits(h):
+        n = h.shape[0]
+        out = torch.zeros(n, vocab)
+        out[torch.arange(n), 100 + (calls[0] + torch.arange(n)) % span] = 1.0
+        calls[0] += 1
+        return out
+
+    model.forward = forward
+    model.compute_logits = logits
+
+
+def serve_stub(port: int, max_batch_size: int, max_seq_len: int, ready: mp.Event) -> None:
+    """The child process: `hyserve serve`'s app over the built-in tiny model with the stub model."""
+    import uvicorn
+
+    from hyserve.config import build_engine_config
+    from hyserve.engine.async_engine import AsyncEngine
+    from hyserve.server.app import build_app
+    from hyserve.server.serve import freeze_startup_heap
+    from hyserve.server.state import ServerOptions
+
+    logging.disable(logging.WARNING)
+    config = build_engine_config({
+        "device": "cpu", "max_batch_size": max_batch_size, "max_num_tokens": 16384, "max_seq_len": max_seq_len,
+        "warmup": "off", "kv_cache_config": {"tokens_per_block": 64, "max_gpu_total_bytes": 8 * 2**30}})
+    engine = AsyncEngine(config, log=lambda s: None)
+    model = engine.engine.runner.model
+    _stub_model(model, model.config.vocab_size)
+    engine.start()
+    app = build_app(engine, ServerOptions(port=port, access_log=False, log_level="warning"))
+    app.state.accepting = True
+    freeze_startup_heap()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
+                                           lifespan="off"))
+    ready.set()
+    server.run()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: mp.Process, timeout_s: float = 300.0) -> None:
+    import httpx
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if not proc.is_alive():
+            raise RuntimeError(f"the stub server exited with code {proc.exitcode}")
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the stub server did not become healthy in {timeout_s:.0f} s")
+
+
+def run_point(base_url: str, pid: int, concurrency: int, prompts: int, input_len: int, output_len: int,
+              seed: int) -> dict:
+    from hyserve.bench.serve import DatasetOptions, ServeBenchOptions, run_serve_bench
+
+    opts = ServeBenchOptions(base_url=base_url, endpoint="/v1/completions", max_concurrency=concurrency,
+                             ignore_eos=True, seed=seed,
+                             dataset=DatasetOptions(num_prompts=prompts, input_len=input_len, output_len=output_len))
+    srv0, cli0 = _cpu_seconds(pid), resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    out = run_serve_bench(opts, log=lambda s: print("   ", s, flush=True))
+    wall = time.perf_counter() - t0
+    cli1 = resource.getrusage(resource.RUSAGE_SELF)
+    m = out["points"][0]["reps"][0]
+    return {
+        "concurrency": concurrency, "prompts": prompts, "completed": m["completed"], "failed": m["failed"],
+        "output_tok_s": m["output_throughput"], "p50_tpot_ms": m["p50_tpot_ms"], "p99_tpot_ms": m["p99_tpot_ms"],
+        "p99_itl_ms": m["p99_itl_ms"], "p50_ttft_ms": m["p50_ttft_ms"], "p99_ttft_ms": m["p99_ttft_ms"],
+        "duration_s": m["duration_s"],
+        "server_cpu_share": (_cpu_seconds(pid) - srv0) / wall,
+        "client_cpu_share": ((cli1.ru_utime + cli1.ru_stime) - (cli0.ru_utime + cli0.ru_stime)) / wall,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 256, 1024])
+    ap.add_argument("--input-len", type=int, default=1000)
+    ap.add_argument("--output-len", type=int, default=200,
+                    help="tokens a request generates (the issue's sweep has 1000; 200 keeps a point near a minute)")
+    ap.add_argument("--prompts-per-stream", type=int, default=2, help="requests per point: this x concurrency")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--git-sha", default="")
+    args = ap.parse_args()
+    logging.disable(logging.WARNING)
+    biggest = max(args.concurrency)
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=serve_stub, args=(port, biggest, args.input_len + args.output_len + 64, ready),
+                       daemon=True)
+    proc.start()
+    base = f"http://127.0.0.1:{port}"
+    rows = []
+    try:
+        _wait_healthy(base, proc)
+        for i, c in enumerate(args.concurrency):
+            print(f"concurrency {c}: {args.prompts_per_stream * c} requests of {args.input_len} in / "
+                  f"{args.output_len} out", flush=True)
+            r = run_point(base, proc.pid, c, args.prompts_per_stream * c, args.input_len, args.output_len, seed=i)
+            rows.append(r)
+            print(f"    {r['output_tok_s']:.0f} output tok/s, TPOT p50 {r['p50_tpot_ms']:.1f} ms, server CPU "
+                  f"{r['server_cpu_share']:.2f}, client CPU {r['client_cpu_share']:.2f}", flush=True)
+    finally:
+        proc.terminate()
+        proc.join(10)
+    head = ["| concurrency | requests | output tok/s | / vLLM 30B-A3B FP8 H200 c1024 (15,828) | TPOT p50 / p99 ms "
+            "| TTFT p50 / p99 ms | server CPU (cores) | client CPU (cores) |",
+            "|---|---|---|---|---|---|---|---|"]
+    lines = [f"| {r['concurrency']} | {r['completed']} ok, {r['failed']} failed | {r['output_tok_s']:.0f} "
+             f"| {r['output_tok_s'] / VLLM_FP8_30B_C1024:.2f} | {r['p50_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} "
+             f"| {r['p50_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['server_cpu_share']:.2f} "
+             f"| {r['client_cpu_share']:.2f} |" for r in rows]
+    print(*head, *lines, sep="\n")
+    sha = git_sha(args.git_sha)
+    date = _dt.date.today().isoformat()
+    out = args.out or ROOT / "benchmarks" / "results" / f"serve_host_{date}_{sha}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    records = [dict(name=f"serving stack host ceiling, concurrency {r['concurrency']}, {args.input_len} in / "
+                         f"{args.output_len} out", value=r["output_tok_s"], unit="output tok/s",
+                    reference="vLLM, Nemotron 3 Nano 30B-A3B FP8, one H200, concurrency 1024 (published)",
+                    reference_value=VLLM_FP8_30B_C1024, ratio=r["output_tok_s"] / VLLM_FP8_30B_C1024, **r)
+               for r in rows]
+    doc = dict(date=date, git_sha=sha, gpu="none (host timing on the CPU, stub model)",
+               cpu=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+               command=" ".join([Path(sys.executable).name, *sys.argv]), records=records)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    out.with_suffix(".md").write_text("\n".join([*head, *lines]) + "\n")
+    print(f"wrote {out}")
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
