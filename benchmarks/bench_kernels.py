@@ -47,7 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.roofline import Ceilings, Peaks, ceiling_fields, measure_ceilings, measured_peaks  # noqa: E402
 from hyserve.bench.profiling import device_kernel_times  # noqa: E402
-from hyserve.kernels.attention import dequantize_kv, paged_attention_ref, write_kv_ref  # noqa: E402
+from hyserve.kernels.attention import (  # noqa: E402
+    dequantize_kv,
+    e4m3_query_rows_ref,
+    paged_attention_ref,
+    write_kv_ref,
+)
 from hyserve.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref  # noqa: E402
 from hyserve.kernels.rmsnorm import rms_norm_ref, rmsnorm_gated_ref  # noqa: E402
 from hyserve.kernels.ssm_update import selective_state_update_ref  # noqa: E402
@@ -1002,6 +1007,10 @@ _PREFILL_SWEEP_FP8: list[tuple[str, dict]] = [
     ("default", {}),
     ("Gluon, 16 rows converted at a time", dict(sm90=dict(CONVERT_ROWS=16))),
     ("Gluon, one staging slot per pool", dict(sm90=dict(STAGES8=1))),
+    # K read by e4m3 MMAs straight from its TMA ring, queries quantised per row, V alone converted (what
+    # gluon_attention._PREFILL_SM90_QK8 changes; checked against the attention of the e4m3 queries)
+    ("Gluon QK8: e4m3 S, 3 stages", dict(sm90=dict(QK8=True, STAGES=3))),
+    ("Gluon QK8: e4m3 S, 2 stages", dict(sm90=dict(QK8=True, STAGES=2))),
     ("Triton M128 N128 w8 s3 TMA", dict(GLUON=False)),
 ]
 
@@ -1030,11 +1039,18 @@ def bench_attn_sweep(b: Bench) -> None:
                  graph: bool = False, **kw) -> float:
         """graph: time the decode step as a captured step runs it (device seq_lens / cu_q, CUDA graph replay,
         no launcher host time); else eager with host lists."""
-        ref = paged_attention_ref(q, kc, vc, tb, lens, cu, scale, **kw)
+        refs = {False: paged_attention_ref(q, kc, vc, tb, lens, cu, scale, **kw)}
         lens_t = torch.tensor(lens, dtype=torch.int32, device=b.dev)
         cu_t = torch.tensor(cu, dtype=torch.int32, device=b.dev)
         base_ms = None
         for label, *cfg in configs:
+            # the QK8 prefill form multiplies per-row e4m3 queries: its reference takes those (a dry run keeps the
+            # interpreter's own kernel whatever the entry says)
+            qk8 = not b.dry and isinstance(cfg[0], dict) and bool(cfg[0].get("sm90", {}).get("QK8"))
+            if qk8 not in refs:
+                refs[qk8] = paged_attention_ref(e4m3_query_rows_ref(q).double(), kc, vc, tb, lens, cu, scale,
+                                                **kw).to(q.dtype)
+            ref = refs[qk8]
             try:
                 apply(*cfg)
                 fn = attention[0]
@@ -1052,7 +1068,7 @@ def bench_attn_sweep(b: Bench) -> None:
                 print(f"     (attention config {label} failed: {type(e).__name__}: {e})")
             finally:
                 restore()
-        del ref
+        del refs
         return base_ms if base_ms is not None else float("nan")
 
     def apply_combine(over: dict) -> dict:

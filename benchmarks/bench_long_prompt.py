@@ -1,7 +1,8 @@
 """Long prompts through `hyserve.LLM`, per KV-cache dtype in one run (issue 24: an fp8 KV cache as fast as it
 is small; issue 22: the 1M-token prompt alone).
 
-For each `--kv-dtypes` entry (default `auto,fp8`: the model's 16-bit dtype, then e4m3), a fresh process builds
+For each `--kv-dtypes` entry (default `auto,fp8`: the model's 16-bit dtype, then e4m3; `fp8+qk8`: e4m3 with the
+prefill attention's QK8 form, not yet the default), a fresh process builds
 the engine with the long-prompt report's sizing (`max_seq_len 1048576`, `max_num_tokens 16384`,
 `max_batch_size 8`, 64-token blocks, a float16 Mamba state with stochastic rounding; block reuse off unless
 `--block-reuse`) on random weights of `--model-dir` (default the Nano 9B v2 architecture) and runs, one at a
@@ -54,13 +55,26 @@ def engine_options(a: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
     )
 
 
+QK8_SUFFIX = "+qk8"  # a --kv-dtypes entry "fp8+qk8": an fp8 cache prefilled by the QK8 form
+
+
 def run_child(a: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
-    """One engine, the two prompts in turn (this process only)."""
+    """One engine, the two prompts in turn (this process only). A `+qk8` entry runs an fp8 cache's prefill on
+    the Gluon kernel's QK8 form (`gluon_attention._PREFILL_SM90_QK8`: e4m3 products for S) instead of the
+    default converter form."""
     import random
 
     from benchmarks.roofline import decode_step_bytes
     from hyserve import LLM, SamplingParams
 
+    label = kv_dtype
+    form = ""
+    if kv_dtype.endswith(QK8_SUFFIX):
+        import hyserve.kernels.gluon_attention as ga
+
+        kv_dtype = kv_dtype.removesuffix(QK8_SUFFIX)
+        ga._PREFILL_SM90_FP8 = dict(ga._PREFILL_SM90_QK8)
+        form = " (QK8 prefill)"
     model = a.model_dir or None
     t0 = time.monotonic()
     llm = LLM(model, load_format="dummy" if model else "auto", log=lambda s: print(s, flush=True),
@@ -82,7 +96,7 @@ def run_child(a: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
                          token_ids=list(out.token_ids)))
         print(f"  kv {kv_dtype}: {n} tokens: first token after {ttft:.2f} s, decode {decode or 0:.1f} tok/s",
               flush=True)
-    return dict(kv_dtype=kv_dtype, resolved_kv_dtype=str(cfg.attention_cache_spec().dtype).replace("torch.", ""),
+    return dict(kv_dtype=label, resolved_kv_dtype=str(cfg.attention_cache_spec().dtype).replace("torch.", "") + form,
                 startup_s=startup_s, runs=runs, config_name=getattr(cfg, "name", ""),
                 kv_bytes_per_token=cfg.kv_bytes_per_token, state_bytes_per_sequence=cfg.state_bytes_per_sequence)
 

@@ -74,8 +74,9 @@ def decode_cases() -> dict:
 
 def main() -> None:
     result = decode_cases()
-    for D, bs, fp8 in ((128, 64, False), (64, 16, False), (128, 64, True), (64, 16, True)):
-        cfg = ga._PREFILL_SM90_FP8 if fp8 else ga._PREFILL_SM90
+    for D, bs, fp8, qk8 in ((128, 64, False, False), (64, 16, False, False), (128, 64, True, False),
+                            (64, 16, True, False), (128, 64, True, True), (64, 16, True, True)):
+        cfg = ga._PREFILL_SM90_QK8 if qk8 else ga._PREFILL_SM90_FP8 if fp8 else ga._PREFILL_SM90
         box = min(bs, cfg["BLOCK_N"])
         pool = torch.zeros(4, bs, 2, D, dtype=torch.bfloat16)
         cache = pool.to(torch.float8_e4m3fn) if fp8 else pool
@@ -87,15 +88,17 @@ def main() -> None:
         kernel = ga._prefill_kernel_sm90
         const = dict(BS=bs, REP=5, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BOX=box,
                      STAGES=cfg["STAGES"], STAGES8=cfg.get("STAGES8", 0), KV_SCALED=fp8, CONVERT_ROWS=cfg.get("CONVERT_ROWS", 32),
-                     num_warps=cfg["num_warps"])
+                     QK8=qk8, num_warps=cfg["num_warps"])
         src = GluonASTSource(kernel, _signature(kernel, ptrs, const), constexprs=const)
         options = dict(num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])  # as the launcher
         k = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         ptx = k.asm["ptx"]
         regs = sorted({int(line.split(".u32")[1].strip(" ;")) for line in ptx.splitlines() if "setmaxnreg" in line})
-        result[f"D{D} bs{bs}" + (" fp8" if fp8 else "")] = dict(
+        result[f"D{D} bs{bs}" + (" fp8" if fp8 else "") + (" qk8" if qk8 else "")] = dict(
             shared=k.metadata.shared, wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
-            e4m3_to_f16="cvt.rn.f16x2.e4m3x2" in ptx, setmaxnreg=regs, local="ld.local" in ptx or "st.local" in ptx)
+            e4m3_to_f16="cvt.rn.f16x2.e4m3x2" in ptx, setmaxnreg=regs, local="ld.local" in ptx or "st.local" in ptx,
+            wgmma_e4m3=len(re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
+            to_e4m3="cvt.rn.satfinite.e4m3x2.f32" in ptx, cvt_e4m3_lines=len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)))
     print(json.dumps(result))
 
 

@@ -8,14 +8,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_long_prompt.py"
 TINY = ["--model-dir", "", "--mid-len", "200", "--long-len", "700", "--max-seq-len", "1024", "--max-num-tokens", "128",
         "--decode-tokens", "4", "--git-sha", "test"]
 
 
-def test_bench_long_prompt_runs_each_dtype_in_its_own_process(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--kv-dtypes", "fp8", "--result-dir", str(tmp_path)],
+@pytest.mark.parametrize("entry, resolved", [("fp8", "float8_e4m3fn"), ("fp8+qk8", "float8_e4m3fn (QK8 prefill)")])
+def test_bench_long_prompt_runs_each_dtype_in_its_own_process(tmp_path: Path, entry: str, resolved: str) -> None:
+    """An fp8 run (`fp8+qk8`: with the prefill's QK8 form selected, which only Hopper runs; the CPU path is the
+    same) in its own process, its records and its token ids."""
+    r = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--kv-dtypes", entry, "--result-dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     [path] = tmp_path.glob("long_prompt_*_test.json")
@@ -23,14 +28,14 @@ def test_bench_long_prompt_runs_each_dtype_in_its_own_process(tmp_path: Path) ->
     assert {"date", "git_sha", "gpu", "command", "records", "results", "engine_options"} <= set(doc)
     assert doc["failures"] == []
     [res] = doc["results"]
-    assert res["kv_dtype"] == "fp8" and res["resolved_kv_dtype"] == "float8_e4m3fn"
+    assert res["kv_dtype"] == entry and res["resolved_kv_dtype"] == resolved
     assert [run["prompt_tokens"] for run in res["runs"]] == [200, 700]
     for run in res["runs"]:
         assert run["output_tokens"] == 4 and 0 < run["ttft_s"] <= run["e2e_s"] and run["decode_tok_s"] > 0
         assert len(run["token_ids"]) == 4  # what the greedy agreement across dtypes compares
     # the first dtype is the reference of the others' prefill; no roofline without a GPU ceiling
-    assert [rec["name"] for rec in doc["records"]] == ["kv float8_e4m3fn: 200-token prompt, to first token (s)",
-                                                       "kv float8_e4m3fn: 700-token prompt, to first token (s)"]
+    assert [rec["name"] for rec in doc["records"]] == [f"kv {resolved}: 200-token prompt, to first token (s)",
+                                                       f"kv {resolved}: 700-token prompt, to first token (s)"]
     assert all(rec["reference_value"] is None for rec in doc["records"])
 
 

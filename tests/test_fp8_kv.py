@@ -223,9 +223,10 @@ def test_scale_arguments_are_checked():
 # --------------------------------------------------------------------------- Triton kernels
 
 
-def _triton_case(poison, *, new, lens, Hq, Hkv, D, bs, dtype, k_scale, v_scale, tensors=False, cuda_op=False):
+def _triton_case(poison, *, new, lens, Hq, Hkv, D, bs, dtype, k_scale, v_scale, tensors=False, cuda_op=False,
+                 q_ref=None):
     """cuda_op: attention through the CUDA op (`cuda_attention`: on Hopper the Gluon prefill where it fits);
-    otherwise the Triton kernels alone."""
+    otherwise the Triton kernels alone. q_ref: the values the reference takes for q (default q itself)."""
     from hyserve.kernels.triton_attention import paged_attention_triton, write_kv_triton
 
     k_cache, v_cache, tables, k, v, slots, cu, ks, vs = _fp8_pool(lens, new, Hkv, D, bs, k_scale, v_scale, dtype)
@@ -238,7 +239,11 @@ def _triton_case(poison, *, new, lens, Hq, Hkv, D, bs, dtype, k_scale, v_scale, 
 
     q = rnd(cu[-1], Hq, D, dtype=dtype)
     scale = D**-0.5
-    ref = paged_attention_ref(q, k_cache, v_cache, tables, lens, cu, scale, k_scale=ks, v_scale=vs)
+    if q_ref is None:
+        ref = paged_attention_ref(q, k_cache, v_cache, tables, lens, cu, scale, k_scale=ks, v_scale=vs)
+    else:  # in float64, rounded to the output's dtype once
+        ref = paged_attention_ref(q_ref(q).double(), k_cache, v_cache, tables, lens, cu, scale, k_scale=ks,
+                                  v_scale=vs).to(dtype)
     args = (
         (torch.tensor(lens, dtype=torch.int32, device=DEV), torch.tensor(cu, dtype=torch.int32, device=DEV))
         if tensors
@@ -351,6 +356,48 @@ def test_gluon_fp8_prefill_alternative_settings(poison, monkeypatch, settings, c
     new, lens, Hq, Hkv, D, bs, dtype = case
     _triton_case(poison, new=new, lens=lens, Hq=Hq, Hkv=Hkv, D=D, bs=bs, dtype=dtype, k_scale=0.05, v_scale=3.0,
                  cuda_op=True)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("case", GLUON_FP8_CASES)
+def test_gluon_fp8_prefill_qk8_form_matches_its_reference(poison, monkeypatch, case):
+    """The QK8 form (e4m3 products for S over the cache's own K tiles, queries quantised per row): against the
+    float64 attention of the per-row e4m3 queries (`e4m3_query_rows_ref`) over the same cache, every shape of
+    the converter form's test; and it ran."""
+    from hyserve.kernels.attention import e4m3_query_rows_ref
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is for Hopper")
+    ga = tk._gluon_or_skip()
+    monkeypatch.setattr(ga, "_PREFILL_SM90_FP8", dict(ga._PREFILL_SM90_QK8))
+    calls: list[bool] = []
+    real = ga.prefill_attention_sm90
+    monkeypatch.setattr(ga, "prefill_attention_sm90", lambda *a, **kw: calls.append(kw["QK8"]) or real(*a, **kw))
+    new, lens, Hq, Hkv, D, bs, dtype = case
+    _triton_case(poison, new=new, lens=lens, Hq=Hq, Hkv=Hkv, D=D, bs=bs, dtype=dtype, k_scale=0.03, v_scale=0.02,
+                 cuda_op=True, q_ref=e4m3_query_rows_ref)
+    assert calls == [True]
+
+
+def test_e4m3_query_rows_ref_quantises_each_row_by_its_own_amax():
+    """The QK8 form's query contract: per row, scale = amax / 448, the largest element lands on +-448 exactly,
+    every value within half an e4m3 ulp (2^-4 relative, or 2^-10 x scale below the normals), zero rows stay
+    zero."""
+    from hyserve.kernels.attention import e4m3_query_rows_ref
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(7, 3, 64, generator=g, dtype=torch.float64) * torch.logspace(-3, 3, 7, dtype=torch.float64)[:, None, None]
+    q[2, 1] = 0
+    got = e4m3_query_rows_ref(q.to(torch.bfloat16))
+    qf = q.to(torch.bfloat16).double()
+    scale = qf.abs().amax(-1, keepdim=True) / 448
+    assert torch.equal(got[2, 1], torch.zeros(64))
+    live = scale.squeeze(-1) > 0
+    top = qf.abs().argmax(-1, keepdim=True)
+    assert torch.allclose(got.double().gather(-1, top).abs()[live], (scale * 448)[live], rtol=1e-6)
+    bound = torch.maximum(qf.abs() * 2.0**-4, scale * 2.0**-10) * (1 + 1e-6)
+    assert ((got.double() - qf).abs() <= bound).all()
 
 
 GLUON_DECODE_CASES = [  # (new, lens, Hq, Hkv, D, bs, dtype, scaled)

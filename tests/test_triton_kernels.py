@@ -569,7 +569,8 @@ def test_gluon_prefill_compiles_for_hopper():
     assert run.returncode == 0, run.stderr[-3000:]
     cases = json.loads(run.stdout.strip().splitlines()[-1])
     decode = {name: cases.pop(name) for name in list(cases) if name.startswith("decode")}
-    assert set(cases) == {"D128 bs64", "D64 bs16", "D128 bs64 fp8", "D64 bs16 fp8"}
+    assert set(cases) == {"D128 bs64", "D64 bs16", "D128 bs64 fp8", "D64 bs16 fp8", "D128 bs64 fp8 qk8",
+                          "D64 bs16 fp8 qk8"}
     assert set(decode) == {"decode D128 bs64 rep5", "decode D64 bs16 rep16", "decode D128 bs16 rep1",
                            "decode D32 bs16 rep1"}
     for name, c in decode.items():
@@ -590,7 +591,13 @@ def test_gluon_prefill_compiles_for_hopper():
         assert c["wgmma"] and c["tma"], (name, c)
         # over an fp8 cache the converter upcasts with the paired e4m3 -> f16 instruction; nothing spills to
         # local memory
-        assert c["e4m3_to_f16"] == name.endswith("fp8") and not c["local"], (name, c)
+        assert c["e4m3_to_f16"] == ("fp8" in name) and not c["local"], (name, c)
+        # the QK8 form: S as e4m3 x e4m3 warp-group MMAs, queries rounded to e4m3 as they load, and only V's
+        # tiles upcast (half the converts of the converter form at the same head dim)
+        qk8 = name.endswith("qk8")
+        assert (c["wgmma_e4m3"] > 0) == qk8 and c["to_e4m3"] == qk8, (name, c)
+        if qk8:
+            assert 2 * c["cvt_e4m3_lines"] == cases[name.removesuffix(" qk8")]["cvt_e4m3_lines"], (name, c)
 
 
 DECODE_KERNELS = ("_rms_norm_kernel,_add_rms_norm_kernel,_rmsnorm_gated_kernel,_relu2_kernel,_conv1d_update_kernel,"

@@ -66,6 +66,16 @@ def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtyp
     return (x.float() * scale.float().reshape(())).to(dtype)
 
 
+def e4m3_query_rows_ref(q: torch.Tensor) -> torch.Tensor:
+    """q [..., D] as the QK8 prefill form (`gluon_attention._PREFILL_SM90_QK8`) multiplies it: each row
+    quantised to e4m3 by its own scale amax / 448 (1 for an all-zero row), round to nearest even, and
+    dequantised, in float32. Attention of these values against the cache is that form's reference."""
+    qf = q.float()
+    scale = qf.abs().amax(dim=-1, keepdim=True) / FP8_E4M3_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (qf / scale).to(torch.float8_e4m3fn).float() * scale
+
+
 def write_kv_ref(
     k: torch.Tensor,
     v: torch.Tensor,

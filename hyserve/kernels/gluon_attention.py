@@ -6,7 +6,9 @@ warp-group MMAs in turns), which a `tl.dot` loop cannot express. Over a float8 (
 group per pool (K's, V's) is both its producer and its converter: it lands the 8-bit tiles in a staging ring
 and upcasts them to float16 into the ring the consumers read (the products run in float16, the scales fold
 into the softmax scale and the output); on the H200 that runs at 0.74-0.75 of the 16-bit kernel on the same
-values, 1.4-1.5x the Triton kernel over fp8 (benchmarks/README.md).
+values, 1.4-1.5x the Triton kernel over fp8 (benchmarks/README.md). The QK8 form (`_PREFILL_SM90_QK8`, not the
+default: it has compiled for sm_90 but not yet run on a GPU) lands K's 8-bit tiles directly in the consumers'
+ring and computes S as an e4m3 product against per-row e4m3 queries; only V is converted.
 `cuda_attention` sends the steps it can take here (`sm90_prefill_box`); the CPU interpreter cannot run
 Gluon, so the CPU tests compile it ahead of time for sm_90 and the GPU tests check it against the float64
 reference.
@@ -43,7 +45,15 @@ _PREFILL_SM90 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, num_warps=4, maxnreg=16
 # more rows a step and a group per pool are what made it keep up). Q (32 KiB) + 2 x 64 + 2 x 32 KiB fill the
 # 227 a block may have; `bench_kernels.py --only attn_sweep` times the alternatives (benchmarks/README.md).
 # 4 warp groups of 128 threads: maxnreg 128.
-_PREFILL_SM90_FP8 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, STAGES8=2, CONVERT_ROWS=32, num_warps=4, maxnreg=128)
+_PREFILL_SM90_FP8 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, STAGES8=2, CONVERT_ROWS=32, num_warps=4, maxnreg=128,
+                         QK8=False)
+# QK8 (not the default until a GPU run has checked and timed it: benchmarks/README.md): S = Q K^T as an e4m3
+# warp-group MMA straight from the TMA-loaded 8-bit K tiles, with each query row quantised to e4m3 by its own
+# scale (amax / 448) as it loads, the row scales folded into the softmax scale, as FlashAttention-3 does; only V
+# goes through a converter group into a float16 ring. No K upcast, half the converter work, 2x the tensor-core
+# rate for S. Shared memory: Q 16 KiB, K 3 x 16, V 3 x 32 + 2 x 16 staging: 192 KiB. 4 warp groups (the K
+# producer warp fills one): maxnreg 128, re-divided 232 / 24 / 24 as in the converter form.
+_PREFILL_SM90_QK8 = dict(_PREFILL_SM90_FP8, STAGES=3, QK8=True)
 
 
 @gluon.constexpr_function
@@ -101,6 +111,17 @@ def _issue_one(desc, bufs8, ready8, bt_row, t, kvh, limit,
 
 
 @gluon.jit
+def _softmax_rows(s, m_i, l_i, qk_row, DT: gl.constexpr, p_layout: gl.constexpr, o_rows: gl.constexpr):
+    """`_softmax` with a scale per query row (qk_row, in the rows layout of s, each > 0): the QK8 form's
+    e4m3 query row scales times the softmax scale."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_row)
+    p = gl.exp2(s * qk_row[:, None] - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return m_new, l_i, gl.convert_layout(p.to(DT), p_layout), gl.convert_layout(alpha, o_rows)
+
+
+@gluon.jit
 def _softmax(s, m_i, l_i, qk_scale, DT: gl.constexpr, p_layout: gl.constexpr, o_rows: gl.constexpr):
     """One online-softmax update on raw (unscaled, masked) scores s: the new running max and denominator,
     the probabilities in dtype DT as the PV product's register operand, and the factor (in the output's
@@ -141,6 +162,18 @@ def _ws_loader(kd, vd, k_bufs, v_bufs, ready, empty, bt_row, kvh, ntiles, kv_end
 
 
 @gluon.jit
+def _ws_k8_loader(kd, k_bufs, ready, empty, bt_row, kvh, ntiles, kv_end,
+                  BS: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr):
+    """Producer warp of the QK8 form: the 8-bit K tiles straight into the ring the consumers' e4m3 MMAs read,
+    each slot once both consumers released it. Its expect is one of the slot's two `ready` arrivals (V's
+    converter gives the other) and the TMA bytes complete it."""
+    for t in range(ntiles):
+        slot = t % STAGES
+        mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
+        _issue_one(kd, k_bufs, ready, bt_row, t, kvh, kv_end, BS, BLOCK_N, BOX, STAGES)
+
+
+@gluon.jit
 def _ws_band(s, v_smem, t, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N: gl.constexpr, ld: gl.constexpr):
     """Scores of key tile t with the causal and length masks when t is a band tile (t >= nfull); V rows
     past kv_end zeroed in shared memory: they hold whatever the pool (or a repeated box) had, NaN
@@ -161,16 +194,19 @@ def _ws_band(s, v_smem, t, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N: gl.co
 def _ws_consumer(q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n, m0, ctx, h, nfull,
                  ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h,
                  HALF: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, DT: gl.constexpr, KV_SCALED: gl.constexpr):
+                 STAGES: gl.constexpr, DT: gl.constexpr, KV_SCALED: gl.constexpr, QK8: gl.constexpr):
     """One warp group: query rows m0 + HALF * ROWS .. + ROWS of the block against every key tile the
     producer loads (the first nfull unmasked, the rest masked on position), releasing each slot after its
     PV product; products issued in this group's turns (`turn`: one mbarrier per group), so one group's
-    softmax overlaps the other's products. DT: the products' dtype (the ring's; float16 over a float8 cache,
-    whose bf16 queries are clamped into its range). KV_SCALED: the cache's scales, device scalars, fold into
-    the softmax scale (k_scale) and the output (v_scale)."""
+    softmax overlaps the other's products. DT: the PV product's dtype (the V ring's; float16 over a float8
+    cache, whose bf16 queries are clamped into its range). KV_SCALED: the cache's scales, device scalars, fold
+    into the softmax scale (k_scale) and the output (v_scale). QK8: the K ring holds the cache's e4m3 tiles and
+    S is an e4m3 product: each query row is quantised to e4m3 by its own scale (amax / 448, 1 for a zero row)
+    and the row scales fold into the softmax scale."""
     WARPS: gl.constexpr = 4
+    KS: gl.constexpr = 32 if QK8 else 16  # the MMA's K step: 32 bytes of 8-bit operands, 16 of 16-bit
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, KS])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -186,13 +222,21 @@ def _ws_consumer(q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, 
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
     q = gl.load(q_ptr + (q0 + offs_m)[:, None] * s_q_t + h * s_q_h + offs_d[None, :],
                 mask=(offs_m < n)[:, None], other=0.0)
-    if q.dtype != DT:  # bf16 queries over a float8 cache's float16 tiles
-        q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0)
-    q_smem.store(q.to(DT))
+    if QK8:
+        qf = q.to(gl.float32)
+        amax = gl.max(gl.abs(qf), axis=1)
+        q_rs = gl.where(amax > 0, amax / 448.0, 1.0)  # |q / q_rs| <= 448: no e4m3 overflow
+        q_smem.store((qf / q_rs[:, None]).to(q_smem.dtype))
+    else:
+        if q.dtype != DT:  # bf16 queries over a float8 cache's float16 tiles
+            q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0)
+        q_smem.store(q.to(DT))
     fence_async_shared()
     gl.thread_barrier()
     if KV_SCALED:
         qk_scale = qk_scale * gl.load(ks_ptr).to(gl.float32)
+    if QK8:
+        qk_row = gl.convert_layout(q_rs, s_rows) * qk_scale
 
     qpos = ctx + r0 + gl.arange(0, ROWS, layout=s_rows)
     offs_sn = gl.arange(0, BLOCK_N, layout=s_cols)
@@ -215,7 +259,10 @@ def _ws_consumer(q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, 
     for t in range(ntiles - 1):
         slot = t % STAGES
         s = _ws_band(s, v_bufs.index(slot), t, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N, ld)
-        m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
+        if QK8:
+            m_i, l_i, p, alpha = _softmax_rows(s, m_i, l_i, qk_row, DT, p_layout, o_rows)
+        else:
+            m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
         acc = acc * alpha[:, None]
         nxt = (t + 1) % STAGES
         mbarrier.wait(ready.index(nxt), ((t + 1) // STAGES) & 1)
@@ -230,7 +277,10 @@ def _ws_consumer(q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, 
     last = ntiles - 1
     slot = last % STAGES
     s = _ws_band(s, v_bufs.index(slot), last, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N, ld)
-    m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
+    if QK8:
+        m_i, l_i, p, alpha = _softmax_rows(s, m_i, l_i, qk_row, DT, p_layout, o_rows)
+    else:
+        m_i, l_i, p, alpha = _softmax(s, m_i, l_i, qk_scale, DT, p_layout, o_rows)
     acc = acc * alpha[:, None]
     mbarrier.wait(mine, (ntiles & 1) ^ (1 - HALF))
     o_tok = warpgroup_mma(p, v_bufs.index(slot), acc, is_async=True)
@@ -303,12 +353,14 @@ def _prefill_kernel_sm90(
     s_bt_s, s_o_t, s_o_h,
     BS: gl.constexpr, REP: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr,
-    STAGES8: gl.constexpr, KV_SCALED: gl.constexpr, CONVERT_ROWS: gl.constexpr, num_warps: gl.constexpr,
+    STAGES8: gl.constexpr, KV_SCALED: gl.constexpr, CONVERT_ROWS: gl.constexpr, QK8: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """A producer warp streams the key tiles (band included) through the ring, two consumer warp groups take
     BLOCK_M / 2 query rows each (the module docstring). STAGES8 > 0: the cache is float8; a producer-converter
     warp group per pool fills its 8-bit staging ring of STAGES8 slots and upcasts each tile into the 16-bit
-    ring, CONVERT_ROWS rows at a time (`_ws_converter`)."""
+    ring, CONVERT_ROWS rows at a time (`_ws_converter`); with QK8 only V's is converted and K's tiles land
+    in the ring the consumers' e4m3 MMAs read (`_ws_k8_loader`)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     h = gl.program_id(0)
     mb = gl.num_programs(1) - 1 - gl.program_id(1)
@@ -340,13 +392,35 @@ def _prefill_kernel_sm90(
             gl.warp_specialize([
                 (_ws_consumer, (q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n,
                                 m0, ctx, h, nfull, ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 0, ROWS,
-                                HEAD_DIM, BLOCK_N, STAGES, DT, KV_SCALED)),
+                                HEAD_DIM, BLOCK_N, STAGES, DT, KV_SCALED, False)),
                 (_ws_consumer, (q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n,
                                 m0, ctx, h, nfull, ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 1, ROWS,
-                                HEAD_DIM, BLOCK_N, STAGES, DT, KV_SCALED)),
+                                HEAD_DIM, BLOCK_N, STAGES, DT, KV_SCALED, False)),
                 (_ws_loader, (kd, vd, k_bufs, v_bufs, ready, empty, bt_row, kvh, ntiles, kv_end, BS, BLOCK_N, BOX,
                               STAGES)),
             ], [4, 1], [240, 24])
+        elif QK8:
+            F16: gl.constexpr = gl.float16
+            ring: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], F16)
+            q8_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], kd.dtype)
+            q_bufs = gl.allocate_shared_memory(kd.dtype, [2, ROWS, HEAD_DIM], q8_layout)
+            k_bufs = gl.allocate_shared_memory(kd.dtype, [STAGES, BLOCK_N, HEAD_DIM], kd.layout)
+            v_bufs = gl.allocate_shared_memory(F16, [STAGES, BLOCK_N, HEAD_DIM], ring)
+            v8_bufs = gl.allocate_shared_memory(vd.dtype, [STAGES8, BLOCK_N, HEAD_DIM], vd.layout)
+            v_ready8 = _alloc_barriers(STAGES8, 1)
+            # K's producer warp (its expect is one of `ready`'s two arrivals) and V's producer + converter group
+            gl.warp_specialize([
+                (_ws_consumer, (q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n,
+                                m0, ctx, h, nfull, ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 0, ROWS,
+                                HEAD_DIM, BLOCK_N, STAGES, F16, KV_SCALED, True)),
+                (_ws_consumer, (q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n,
+                                m0, ctx, h, nfull, ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 1, ROWS,
+                                HEAD_DIM, BLOCK_N, STAGES, F16, KV_SCALED, True)),
+                (_ws_k8_loader, (kd, k_bufs, ready, empty, bt_row, kvh, ntiles, kv_end, BS, BLOCK_N, BOX, STAGES)),
+                (_ws_converter, (vd, v8_bufs, v_bufs, v_ready8, ready, empty, bt_row, kvh, ntiles, kv_end, BS,
+                                 BLOCK_N, BOX, HEAD_DIM, STAGES, STAGES8, CONVERT_ROWS)),
+            ], [4, 1, 4], [232, 24, 24])
+            _free_barriers(v_ready8, STAGES8)
         else:
             F16: gl.constexpr = gl.float16
             ring: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], F16)
@@ -362,10 +436,10 @@ def _prefill_kernel_sm90(
             gl.warp_specialize([
                 (_ws_consumer, (q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n,
                                 m0, ctx, h, nfull, ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 0, ROWS,
-                                HEAD_DIM, BLOCK_N, STAGES, F16, KV_SCALED)),
+                                HEAD_DIM, BLOCK_N, STAGES, F16, KV_SCALED, False)),
                 (_ws_consumer, (q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n,
                                 m0, ctx, h, nfull, ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 1, ROWS,
-                                HEAD_DIM, BLOCK_N, STAGES, F16, KV_SCALED)),
+                                HEAD_DIM, BLOCK_N, STAGES, F16, KV_SCALED, False)),
                 (_ws_converter, (kd, k8_bufs, k_bufs, k_ready8, ready, empty, bt_row, kvh, ntiles, kv_end, BS,
                                  BLOCK_N, BOX, HEAD_DIM, STAGES, STAGES8, CONVERT_ROWS)),
                 (_ws_converter, (vd, v8_bufs, v_bufs, v_ready8, ready, empty, bt_row, kvh, ntiles, kv_end, BS,
@@ -417,7 +491,7 @@ def prefill_attention_sm90(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     lens_t: torch.Tensor, cu_t: torch.Tensor, out: torch.Tensor, seq_offset: int, num_seqs: int, max_new: int,
     qk_scale: float, *, box: int, BLOCK_M: int, BLOCK_N: int, STAGES: int, num_warps: int, maxnreg: int,
-    STAGES8: int = 0, CONVERT_ROWS: int = 32, k_scale: torch.Tensor | None = None,
+    STAGES8: int = 0, CONVERT_ROWS: int = 32, QK8: bool = False, k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """out[rows of sequences seq_offset .. seq_offset + num_seqs) = attention of those prefill/extend
@@ -425,12 +499,14 @@ def prefill_attention_sm90(
     device seq_lens and cumulative new-token offsets. num_warps: a consumer warp group's 4; maxnreg: see
     `_PREFILL_SM90`. STAGES8: the
     staging slots of a float8 cache (required there, 0 for a 16-bit one); k_scale / v_scale: the cache's
-    scales as device scalars, or None. CONVERT_ROWS: rows the converter upcasts at a time (float8 caches)."""
+    scales as device scalars, or None. CONVERT_ROWS: rows the converter upcasts at a time (float8 caches).
+    QK8 (float8 caches): S as an e4m3 product over the cache's K tiles (`_PREFILL_SM90_QK8`)."""
     T, Hq, Dh = q.shape
     Hkv = k_cache.shape[2]
     fp8 = k_cache.dtype in _GL_FP8
     assert BLOCK_N % box == 0 and BLOCK_M == 128 and num_warps == 4
     assert (STAGES8 > 0) == fp8, "a float8 cache takes the converter's staging ring, a 16-bit one none"
+    assert fp8 or not QK8, "QK8 is a float8 cache's form"
     scaled = k_scale is not None
     assert (v_scale is not None) == scaled
     _prefill_kernel_sm90[(Hq, triton.cdiv(max_new, BLOCK_M), num_seqs)](
@@ -440,7 +516,8 @@ def prefill_attention_sm90(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         BS=k_cache.shape[1], REP=Hq // Hkv, HEAD_DIM=Dh, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BOX=box, STAGES=STAGES,
-        STAGES8=STAGES8, KV_SCALED=scaled, CONVERT_ROWS=CONVERT_ROWS, num_warps=num_warps, maxnreg=maxnreg,
+        STAGES8=STAGES8, KV_SCALED=scaled, CONVERT_ROWS=CONVERT_ROWS, QK8=QK8, num_warps=num_warps,
+        maxnreg=maxnreg,
     )
 
 
