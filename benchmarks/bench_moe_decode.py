@@ -65,6 +65,14 @@ DOWN += [(2, 1024, 2, 1), (4, 512, 2, 1), (1, 1024, 1, 1), (2, 512, 1, 1), (4, 1
 # the down GEMV split by slot (down.SPLIT; a combine kernel after it): laid out like the up GEMV, whose best
 # read at 0.93-0.95 of the ceiling on both GPUs while the flat down GEMV read at 0.71 (H200) / 0.85 (H100)
 SPLIT = [(4, 128, 2, 8), (4, 256, 4, 6), (8, 128, 4, 6), (2, 256, 1, 6), (4, 512, 2, 1), (8, 256, 2, 4)]
+# e4m3 experts (--fp8): a tile holds half the bytes of the same 16-bit tile, so fewer loads are in flight per
+# program, and Nemotron 3 Super's latent rows (K 1024 for up) leave an up program one or two K tiles; wider
+# programs (more rows, whole rows a tile) keep bytes in flight and read the 16-bit activation row once per
+# BLOCK_N weight rows (the H200's Super run, 1b0f1df: the down GEMV at 108 us a layer for 60.5 MB with the
+# bf16-tuned one-row tiles, the up at 36 us)
+UP_FP8 = [(8, 1024, 4, 1), (16, 1024, 8, 1), (16, 512, 4, 2), (8, 1024, 4, 2), (16, 512, 8, 3)]
+DOWN_FP8 = [(8, 1024, 4, 2), (8, 512, 4, 3), (16, 512, 8, 2), (4, 1024, 4, 3), (16, 256, 4, 4)]
+SPLIT_FP8 = [(8, 512, 4, 3), (16, 256, 4, 4), (8, 1024, 4, 2), (16, 512, 8, 2)]
 DRY = [(32, 32, 1, 1)]
 
 
@@ -222,7 +230,7 @@ def main() -> int:
         return 0
     net = Layers(s, n, dev, dtype, args.fp8)
     per_layer_bytes = net.bytes_per_layer()
-    ups, downs = (DRY, DRY) if dry else (UP, DOWN)
+    ups, downs = (DRY, DRY) if dry else (UP + UP_FP8, DOWN + DOWN_FP8) if args.fp8 else (UP, DOWN)
     rows: list[dict] = []
     late_outs: list[torch.Tensor] = []  # the late form's replayed outputs, the first setting run
 
@@ -270,7 +278,7 @@ def main() -> int:
     down_forms = [(_sub(dn, early, 1), "down sweep") for dn in downs[1:] for early in (1, 0)]
     down_forms += [(_sub(dn, 0, 0), "down nested") for dn in (DRY if dry else NESTED)]
     down_forms += [({**{k: v for k, v in _sub(dn, 0).items() if k != "EARLY"}, "SPLIT": 1}, "down split")
-                   for dn in (DRY if dry else SPLIT)]
+                   for dn in (DRY if dry else SPLIT + SPLIT_FP8 if args.fp8 else SPLIT)]
     for dn, what in down_forms:
         t = run(best[1], dn, what)
         if t < best[0]:
