@@ -362,9 +362,10 @@ def test_gluon_fp8_prefill_alternative_settings(poison, monkeypatch, settings, c
 @needs_cuda
 @pytest.mark.parametrize("case", GLUON_FP8_CASES)
 def test_gluon_fp8_prefill_qk8_form_matches_its_reference(poison, monkeypatch, case):
-    """The QK8 form (e4m3 products for S over the cache's own K tiles, queries quantised per row): against the
-    float64 attention of the per-row e4m3 queries (`e4m3_query_rows_ref`) over the same cache, every shape of
-    the converter form's test; and it ran."""
+    """The QK8 form (e4m3 products for S over the cache's own K tiles, queries quantised per row): its prefill
+    rows against the float64 attention of the per-row e4m3 queries (`e4m3_query_rows_ref`) over the same
+    cache, the step's decode rows against the exact queries, every shape of the converter form's test; and
+    it ran."""
     from hyserve.kernels.attention import e4m3_query_rows_ref
 
     if torch.cuda.get_device_capability()[0] != 9:
@@ -375,8 +376,18 @@ def test_gluon_fp8_prefill_qk8_form_matches_its_reference(poison, monkeypatch, c
     real = ga.prefill_attention_sm90
     monkeypatch.setattr(ga, "prefill_attention_sm90", lambda *a, **kw: calls.append(kw["QK8"]) or real(*a, **kw))
     new, lens, Hq, Hkv, D, bs, dtype = case
+    # the step's leading one-token sequences are decodes (the Gluon decode kernel, exact queries): only the
+    # prefill rows after them take the e4m3 queries
+    nd = next((i for i, m in enumerate(new) if m != 1), len(new))
+    start = sum(new[:nd])
+
+    def q_ref(q: torch.Tensor) -> torch.Tensor:
+        out = q.double()
+        out[start:] = e4m3_query_rows_ref(q[start:]).double()
+        return out
+
     _triton_case(poison, new=new, lens=lens, Hq=Hq, Hkv=Hkv, D=D, bs=bs, dtype=dtype, k_scale=0.03, v_scale=0.02,
-                 cuda_op=True, q_ref=e4m3_query_rows_ref)
+                 cuda_op=True, q_ref=q_ref)
     assert calls == [True]
 
 

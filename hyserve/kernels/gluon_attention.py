@@ -380,7 +380,8 @@ def _prefill_kernel_sm90(
     if m0 < n:  # (a mixed step's grid has room for its longest prefill: most blocks are empty)
         turn = _alloc_barriers(2, 1)
         empty = _alloc_barriers(STAGES, 2)  # one arrival per consumer warp group
-        # the TMA bytes landing (16-bit caches), or both converter groups' arrivals (float8)
+        # the TMA bytes landing (16-bit caches), or two arrivals (float8): both converter groups', or with QK8 the
+        # K producer's expect (its bytes landing completes it) and V's converter group's
         ready = _alloc_barriers(STAGES, 1 if STAGES8 == 0 else 2)
         # (each branch spells its partitions' argument tuples out: warp_specialize takes literal tuples, a tuple
         # built from parts does not compile in this Triton)
