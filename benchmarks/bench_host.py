@@ -18,12 +18,9 @@ keep that share small. Writes benchmarks/results/host_<date>_<sha>.json and .md.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
 import json
 import logging
-import os
-import platform
 import random
 import sys
 import time
@@ -34,10 +31,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.host_results import write_host_results  # noqa: E402
 from benchmarks.phase_timing import time_phases  # noqa: E402
 from benchmarks.roofline import PUBLISHED_BW, decode_step_ms  # noqa: E402
 from hyserve import LLM, SamplingParams  # noqa: E402
-from hyserve.bench.report import git_sha  # noqa: E402
 from hyserve.model.config import HybridModelConfig  # noqa: E402
 from hyserve.server.serve import freeze_startup_heap  # noqa: E402
 
@@ -125,16 +122,7 @@ def main() -> int:
                     f"| {r['gc_max_pause_ms']:.1f} | {phases} |")
             lines.append(line)
             print(line, flush=True)
-    sha = git_sha(args.git_sha)
-    date = _dt.date.today().isoformat()
-    out = args.out or ROOT / "benchmarks" / "results" / f"host_{date}_{sha}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    doc = dict(date=date, git_sha=sha, gpu="none (host timing on the CPU)",
-               cpu=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-               command=" ".join([Path(sys.executable).name, *sys.argv]), records=records)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
-    out.with_suffix(".md").write_text("\n".join([*head, *lines]) + "\n")
-    print(f"wrote {out}")
+    write_host_results("host", args.out, args.git_sha, "none (host timing on the CPU)", records, [*head, *lines])
     return 0
 
 

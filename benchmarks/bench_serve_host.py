@@ -24,12 +24,9 @@ Writes benchmarks/results/serve_host_<date>_<sha>.json and .md.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import logging
 import multiprocessing as mp
 import os
-import platform
 import resource
 import socket
 import sys
@@ -39,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hyserve.bench.report import git_sha  # noqa: E402
+from benchmarks.host_results import write_host_results  # noqa: E402
 
 VLLM_FP8_30B_C1024 = 15828.0  # output tok/s: the published vLLM figure (issue 19), concurrency 1024
 
@@ -185,21 +182,13 @@ def main() -> int:
              f"| {r['p50_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['server_cpu_share']:.2f} "
              f"| {r['client_cpu_share']:.2f} |" for r in rows]
     print(*head, *lines, sep="\n")
-    sha = git_sha(args.git_sha)
-    date = _dt.date.today().isoformat()
-    out = args.out or ROOT / "benchmarks" / "results" / f"serve_host_{date}_{sha}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     records = [dict(name=f"serving stack host ceiling, concurrency {r['concurrency']}, {args.input_len} in / "
                          f"{args.output_len} out", value=r["output_tok_s"], unit="output tok/s",
                     reference="vLLM, Nemotron 3 Nano 30B-A3B FP8, one H200, concurrency 1024 (published)",
                     reference_value=VLLM_FP8_30B_C1024, ratio=r["output_tok_s"] / VLLM_FP8_30B_C1024, **r)
                for r in rows]
-    doc = dict(date=date, git_sha=sha, gpu="none (host timing on the CPU, stub model)",
-               cpu=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-               command=" ".join([Path(sys.executable).name, *sys.argv]), records=records)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
-    out.with_suffix(".md").write_text("\n".join([*head, *lines]) + "\n")
-    print(f"wrote {out}")
+    write_host_results("serve_host", args.out, args.git_sha, "none (host timing on the CPU, stub model)", records,
+                       [*head, *lines])
     return 0 if all(r["failed"] == 0 for r in rows) else 1
 
 
