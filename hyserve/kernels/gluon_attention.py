@@ -225,8 +225,8 @@ def _ws_consumer(q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, 
     if QK8:
         qf = q.to(gl.float32)
         amax = gl.max(gl.abs(qf), axis=1)
-        q_rs = gl.where(amax > 0, amax / 448.0, 1.0)  # |q / q_rs| <= 448: no e4m3 overflow
-        q_smem.store((qf / q_rs[:, None]).to(q_smem.dtype))
+        q_rs = gl.where(amax > 0, gl.div_rn(amax, 448.0), 1.0)  # |q / q_rs| <= 448: no e4m3 overflow
+        q_smem.store(gl.div_rn(qf, q_rs[:, None]).to(q_smem.dtype))  # correctly rounded: the reference's codes
     else:
         if q.dtype != DT:  # bf16 queries over a float8 cache's float16 tiles
             q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0)

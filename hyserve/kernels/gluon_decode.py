@@ -281,8 +281,8 @@ def _decode_fp8_kernel(
     if QK8:
         qf = q.to(gl.float32)
         amax = gl.max(gl.abs(qf), axis=1)
-        q_rs = gl.where(amax > 0, amax / 448.0, 1.0)  # |q / q_rs| <= 448: no e4m3 overflow
-        q_a = (qf / q_rs[:, None]).to(gl.float8e4nv)
+        q_rs = gl.where(amax > 0, gl.div_rn(amax, 448.0), 1.0)  # |q / q_rs| <= 448: no e4m3 overflow
+        q_a = gl.div_rn(qf, q_rs[:, None]).to(gl.float8e4nv)  # correctly rounded: the reference's codes
         qk_scale = gl.convert_layout(q_rs, gl.SliceLayout(1, mma)) * qk_scale  # per row from here on
     else:
         q_a = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
