@@ -984,11 +984,6 @@ _DECODE_SWEEP_FP8: list[tuple[str, dict]] = [
     ("Gluon SUB 16, one-shot merge D 64", dict(combine=dict(ONCE_MIN_SPLITS=1, D_BLOCK=64))),
     ("Gluon SUB 16, 16 warps a SM, one-shot merge", dict(combine=dict(ONCE_MIN_SPLITS=1), programs=132 * 16)),
     ("Gluon SUB 16, 8 warps a SM, one-shot merge", dict(combine=dict(ONCE_MIN_SPLITS=1), programs=132 * 8)),
-    # S as e4m3 m16n8k32 products on the K bytes as loaded, q rows quantised per row (gluon_decode._DECODE_FP8_QK8;
-    # checked against the attention of the e4m3 queries)
-    ("Gluon SUB 16, QK8", dict(gluon=dict(QK8=True))),
-    ("Gluon SUB 32, QK8", dict(gluon=dict(QK8=True, SUB=32))),
-    ("Gluon SUB 16, QK8, 16 warps a SM", dict(gluon=dict(QK8=True), programs=132 * 16)),
 ]
 # The default on Hopper is the Gluon kernel (gluon_attention.py; "sm90" entries change its settings,
 # `gluon_attention._PREFILL_SM90`; a lock-step Gluon version measured 1.2x slower, attn_sweep_b308941, and
@@ -1051,8 +1046,7 @@ def bench_attn_sweep(b: Bench) -> None:
         for label, *cfg in configs:
             # the QK8 prefill form multiplies per-row e4m3 queries: its reference takes those (a dry run keeps the
             # interpreter's own kernel whatever the entry says)
-            qk8 = not b.dry and isinstance(cfg[0], dict) and any(bool(cfg[0].get(part, {}).get("QK8"))
-                                                                 for part in ("sm90", "gluon"))
+            qk8 = not b.dry and isinstance(cfg[0], dict) and bool(cfg[0].get("sm90", {}).get("QK8"))
             if qk8 not in refs:
                 refs[qk8] = paged_attention_ref(e4m3_query_rows_ref(q).double(), kc, vc, tb, lens, cu, scale,
                                                 **kw).to(q.dtype)

@@ -2,7 +2,7 @@
 is small; issue 22: the 1M-token prompt alone).
 
 For each `--kv-dtypes` entry (default `auto,fp8`: the model's 16-bit dtype, then e4m3; `fp8+qk8`: e4m3 with the
-attention kernels' QK8 forms, not yet the default), a fresh process builds
+prefill attention's QK8 form, not yet the default), a fresh process builds
 the engine with the long-prompt report's sizing (`max_seq_len 1048576`, `max_num_tokens 16384`,
 `max_batch_size 8`, 64-token blocks, a float16 Mamba state with stochastic rounding; block reuse off unless
 `--block-reuse`) on random weights of `--model-dir` (default the Nano 9B v2 architecture) and runs, one at a
@@ -55,13 +55,13 @@ def engine_options(a: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
     )
 
 
-QK8_SUFFIX = "+qk8"  # a --kv-dtypes entry "fp8+qk8": an fp8 cache read by the attention kernels' QK8 forms
+QK8_SUFFIX = "+qk8"  # a --kv-dtypes entry "fp8+qk8": an fp8 cache prefilled by the QK8 form
 
 
 def run_child(a: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
-    """One engine, the two prompts in turn (this process only). A `+qk8` entry runs an fp8 cache's attention on
-    the Gluon kernels' QK8 forms (`gluon_attention._PREFILL_SM90_QK8`, `gluon_decode._DECODE_FP8_QK8`: e4m3
-    products for S against per-row e4m3 queries) instead of the default forms."""
+    """One engine, the two prompts in turn (this process only). A `+qk8` entry runs an fp8 cache's prefill on
+    the Gluon kernel's QK8 form (`gluon_attention._PREFILL_SM90_QK8`: e4m3 products for S) instead of the
+    default converter form."""
     import random
 
     from benchmarks.roofline import decode_step_bytes
@@ -71,12 +71,10 @@ def run_child(a: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
     form = ""
     if kv_dtype.endswith(QK8_SUFFIX):
         import hyserve.kernels.gluon_attention as ga
-        import hyserve.kernels.gluon_decode as gd
 
         kv_dtype = kv_dtype.removesuffix(QK8_SUFFIX)
         ga._PREFILL_SM90_FP8 = dict(ga._PREFILL_SM90_QK8)
-        gd._DECODE_FP8 = dict(gd._DECODE_FP8_QK8)
-        form = " (QK8 attention)"
+        form = " (QK8 prefill)"
     model = a.model_dir or None
     t0 = time.monotonic()
     llm = LLM(model, load_format="dummy" if model else "auto", log=lambda s: print(s, flush=True),

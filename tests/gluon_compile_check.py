@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import tempfile
+from pathlib import Path
 
 import torch
 from triton import compile as triton_compile
@@ -47,13 +48,11 @@ def decode_cases() -> dict:
     """The fp8 decode kernel as the launcher compiles it (`gd._DECODE_FP8`), integer strides and pointers
     16-divisible as the JIT specialises them (the cache strides and q's are, for the models we serve)."""
     result = {}
+    cfg = dict(gd._DECODE_FP8)
+    sub, maxnreg = cfg.pop("SUB"), cfg.pop("maxnreg")
     kernel = gd._decode_fp8_kernel
     unspecialised = {"s_bt_s", "s_po_sp", "s_pl_sp", "seq_offset", "num_splits"}
-    for D, bs, rep, scaled, qk8 in ((128, 64, 5, True, False), (64, 16, 16, False, False), (128, 16, 1, False, False),
-                                    (32, 16, 1, True, False), (128, 64, 5, True, True), (64, 16, 16, False, True),
-                                    (32, 16, 1, True, True)):
-        cfg = dict(gd._DECODE_FP8_QK8 if qk8 else gd._DECODE_FP8)
-        sub, maxnreg = cfg.pop("SUB"), cfg.pop("maxnreg")
+    for D, bs, rep, scaled in ((128, 64, 5, True), (64, 16, 16, False), (128, 16, 1, False), (32, 16, 1, True)):
         cache = torch.zeros(4, bs, 2, D, dtype=torch.float8_e4m3fn)
         q = torch.zeros(2, 2 * rep, D, dtype=torch.bfloat16)
         idx = torch.zeros(2, dtype=torch.int32)
@@ -66,13 +65,25 @@ def decode_cases() -> dict:
         src = GluonASTSource(kernel, _signature(kernel, ptrs, const), constexprs=const, attrs=attrs)
         k = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, maxnreg=maxnreg))
         ptx = k.asm["ptx"]
-        result[f"decode D{D} bs{bs} rep{rep}" + (" qk8" if qk8 else "")] = dict(
+        result[f"decode D{D} bs{bs} rep{rep}"] = dict(
             shared=k.metadata.shared, mma=ptx.count("mma.sync.aligned.m16n8k16"),
-            mma_e4m3=ptx.count("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3"),
             e4m3_to_f16=ptx.count("cvt.rn.f16x2.e4m3x2"), ld_v4=ptx.count("ld.global.v4"),
             shared_ops=len(re.findall(r"(ld|st)\.shared|bar\.sync", ptx)), gdc_wait="griddepcontrol.wait" in ptx,
             sub=sub, **_ptxas(ptx))
     return result
+
+
+def _sass_counts(cubin: bytes, names: tuple[str, ...]) -> dict[str, int]:
+    """How many of each SASS opcode prefix (e.g. QGMMA: Hopper's e4m3 warp-group MMA) the cubin holds
+    (cuobjdump, shipped beside triton's ptxas): what the tensor cores run, which PTX alone does not say (an
+    e4m3 `mma.sync` compiles for sm_90 but is emulated with f16 MMAs)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    cuobjdump = str(Path(get_ptxas(90).path).with_name("cuobjdump"))
+    with tempfile.TemporaryDirectory() as d:
+        Path(f"{d}/k.cubin").write_bytes(cubin)
+        sass = subprocess.run([cuobjdump, "-sass", f"{d}/k.cubin"], capture_output=True, text=True, check=True).stdout
+    return {n: len(re.findall(rf"\b{n}\b", sass)) for n in names}
 
 
 def main() -> None:
@@ -101,7 +112,8 @@ def main() -> None:
             shared=k.metadata.shared, wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
             e4m3_to_f16="cvt.rn.f16x2.e4m3x2" in ptx, setmaxnreg=regs, local="ld.local" in ptx or "st.local" in ptx,
             wgmma_e4m3=len(re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
-            to_e4m3="cvt.rn.satfinite.e4m3x2.f32" in ptx, cvt_e4m3_lines=len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)))
+            to_e4m3="cvt.rn.satfinite.e4m3x2.f32" in ptx, cvt_e4m3_lines=len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)),
+            **(_sass_counts(k.asm["cubin"], ("QGMMA", "HGMMA")) if fp8 else {}))
     print(json.dumps(result))
 
 

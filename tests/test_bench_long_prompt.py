@@ -16,10 +16,10 @@ TINY = ["--model-dir", "", "--mid-len", "200", "--long-len", "700", "--max-seq-l
         "--decode-tokens", "4", "--git-sha", "test"]
 
 
-@pytest.mark.parametrize("entry, resolved", [("fp8", "float8_e4m3fn"), ("fp8+qk8", "float8_e4m3fn (QK8 attention)")])
+@pytest.mark.parametrize("entry, resolved", [("fp8", "float8_e4m3fn"), ("fp8+qk8", "float8_e4m3fn (QK8 prefill)")])
 def test_bench_long_prompt_runs_each_dtype_in_its_own_process(tmp_path: Path, entry: str, resolved: str) -> None:
-    """An fp8 run (`fp8+qk8`: with the attention kernels' QK8 forms selected, which only Hopper runs; the CPU
-    path is the same) in its own process, its records and its token ids."""
+    """An fp8 run (`fp8+qk8`: with the prefill's QK8 form selected, which only Hopper runs; the CPU path is the
+    same) in its own process, its records and its token ids."""
     r = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--kv-dtypes", entry, "--result-dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]

@@ -422,38 +422,6 @@ GLUON_DECODE_CASES = [  # (new, lens, Hq, Hkv, D, bs, dtype, scaled)
 ]
 
 
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("new,lens,Hq,Hkv,D,bs,dtype,scaled", GLUON_DECODE_CASES)
-def test_gluon_fp8_decode_qk8_form_matches_its_reference(poison, monkeypatch, new, lens, Hq, Hkv, D, bs, dtype,
-                                                         scaled):
-    """The decode kernel's QK8 form (e4m3 m16n8k32 products for S on the K bytes as loaded, the q rows of a GQA
-    group quantised to e4m3 per row): its decode rows against the float64 attention of the e4m3 queries
-    (`e4m3_query_rows_ref`), a step's prefill rows (the prefill kernel's) against the exact ones; and it took
-    the decodes."""
-    import hyserve.kernels.gluon_decode as gd
-    from hyserve.kernels.attention import e4m3_query_rows_ref
-    from hyserve.kernels.cuda_attention import paged_attention_cuda
-
-    calls = _gluon_decode_calls(monkeypatch)
-    monkeypatch.setattr(gd, "_DECODE_FP8", dict(gd._DECODE_FP8_QK8))
-    k_scale, v_scale = (0.03, 0.02) if scaled else (1.0, 1.0)
-    k_cache, v_cache, tables, k, v, slots, cu, ks, vs = _fp8_pool(lens, new, Hkv, D, bs, k_scale, v_scale, dtype)
-    write_kv_ref(k, v, k_cache, v_cache, slots, k_scale=ks, v_scale=vs)
-    q = rnd(cu[-1], Hq, D, dtype=dtype)
-    scale = D**-0.5
-    kw = dict(k_scale=ks, v_scale=vs) if scaled else {}
-    with poison:
-        out = paged_attention_cuda(q, k_cache, v_cache, tables, lens, cu, scale, **kw)
-    nd = sum(new[:next((i for i, m in enumerate(new) if m != 1), len(new))])  # the leading decode rows
-    qr = q.double()
-    qr[:nd] = e4m3_query_rows_ref(q[:nd]).double()
-    oracle = _dense_attention_f64(qr, k_cache.double() * k_scale, v_cache.double() * v_scale, tables, lens, cu, bs,
-                                  scale)
-    close(out, oracle.to(dtype), dtype, f"gluon fp8 decode, QK8 form, lens={lens}")
-    assert len(calls) == 1
-
-
 def _gluon_decode_calls(monkeypatch) -> list[int]:
     """Counts the decode parts `cuda_attention` hands the Gluon fp8 decode kernel and it takes."""
     import hyserve.kernels.cuda_attention as ca

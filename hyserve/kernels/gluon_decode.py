@@ -35,13 +35,6 @@ the Triton kernel (1.17x; 0.76-0.80 of the fp8 bytes roofline), batch 1 x 131k 0
 (200 registers, fewer warps a SM: 1.45-1.63x), no prefetch (1.06-1.09x), 4 / 8 / 16 warps a SM in place of 12.
 Launched eagerly (host seq lists) its Python launch costs more host time than the Triton kernel's.
 
-The QK8 form (`_DECODE_FP8_QK8`; compiled for sm_90 and checked offline, not yet run on a GPU, so not the
-default) multiplies S = Q K^T as e4m3 `mma.sync.m16n8k32` on the K bytes as they load: thread lane % 4 == c holds
-the bytes [c D/4, (c + 1) D/4) of its keys' rows, and viewing byte m = (D/4) c + 8 j + 4 h + e as head-dim index
-32 j + 16 h + 4 c + e makes them exactly the 8-bit B fragment (the layout conversion is checked trivial when it
-compiles). The GQA group's q rows are quantised to e4m3 by their own scales (amax / 448) in the same permuted
-order and the scales fold into the softmax scale; V is converted as above. Half the converts of the form above.
-
 `cuda_attention` offers the decode part of a step over a float8 cache here (`decode_fp8`); the CPU
 interpreter cannot run Gluon, so the CPU tests compile it ahead of time for sm_90
 (tests/gluon_compile_check.py) and the GPU tests check it against the float64 reference.
@@ -64,12 +57,7 @@ _Q_DTYPES = (torch.float16, torch.bfloat16)
 # the H200's 132 SMs (`decode_splits`); maxnreg: ptxas gives the SUB=16 loop 167 registers and no spills under
 # 192 (its default choice, 168 with 20 bytes spilled, would put loads on the local-memory path); 168-register
 # warps leave room for 12 a SM. `bench_kernels.py --only attn_sweep` times alternatives.
-_DECODE_FP8 = dict(SUB=16, PREFETCH=True, maxnreg=192, QK8=False)
-# QK8 (not the default until a GPU run has checked and timed it): S = Q K^T as e4m3 `mma.sync.m16n8k32` straight
-# on the loaded K bytes (no K upcast: half the converts), the GQA group's q rows quantised to e4m3 by their own
-# scales (amax / 448) as they load, the scales folded into the softmax scale; V as before. Contract:
-# `attention.e4m3_query_rows_ref`.
-_DECODE_FP8_QK8 = dict(_DECODE_FP8, QK8=True)
+_DECODE_FP8 = dict(SUB=16, PREFETCH=True, maxnreg=192)
 _TARGET_PROGRAMS = 132 * 12
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 256
@@ -90,15 +78,6 @@ def _k_load_layout(sub, d):
     regs = [[0, 1 << i] for i in range((w // 4).bit_length() - 1)] + [[8 << i, 0] for i in range((sub // 8).bit_length() - 1)]
     lanes = [[0, w // 4], [0, w // 2], [1, 0], [2, 0], [4, 0]]
     return gl.DistributedLinearLayout(regs, lanes, [], [], [sub, w])
-
-
-@gluon.constexpr_function
-def _k8_load_layout(sub, d):
-    """[SUB keys, D bytes] of K (the QK8 form): thread (lane // 4, lane % 4 = c) holds keys lane // 4 + 8 i and, of
-    each, the D / 4 contiguous bytes from c D / 4 (registers first along the row: 16-byte loads)."""
-    regs = [[0, 1 << i] for i in range((d // 4).bit_length() - 1)] + [[8 << i, 0] for i in range((sub // 8).bit_length() - 1)]
-    lanes = [[0, d // 4], [0, d // 2], [1, 0], [2, 0], [4, 0]]
-    return gl.DistributedLinearLayout(regs, lanes, [], [], [sub, d])
 
 
 @gluon.constexpr_function
@@ -146,17 +125,6 @@ def _as_kt(k, SUB: gl.constexpr, D: gl.constexpr):
 
 
 @gluon.jit
-def _as_kt8(k, SUB: gl.constexpr, D: gl.constexpr):
-    """A K tile [SUB, D] of e4m3 bytes in `_k8_load_layout` (byte m = (D/4) c + 8 j + 4 h + e of a row) as K^T
-    [D, SUB] with head-dim index 32 j + 16 h + 4 c + e: the 8-bit B operand fragment of m16n8k32 (thread c holds
-    k = 4 c .. 4 c + 3 and 16 + 4 c .. of each 32-wide k step), element for element."""
-    k = gl.reshape(k, [SUB, 4, D // 32, 2, 4])
-    k = gl.permute(k, [0, 2, 3, 1, 4])
-    k = gl.reshape(k, [SUB, D])
-    return gl.permute(k, [1, 0])
-
-
-@gluon.jit
 def _as_v(v, SUB: gl.constexpr, D: gl.constexpr):
     """A V tile [SUB, D] in `_v_load_layout` (byte m = (D/8) r + t of a row) as [SUB, D] with output column
     8 t + r."""
@@ -179,58 +147,28 @@ def _tile_ptrs(c_ptr, bt_row, start, hi, kvh, s_b, s_r, s_h, layout: gl.constexp
 
 
 @gluon.jit
-def _byte_ptrs(c_ptr, bt_row, start, hi, kvh, s_b, s_r, s_h, layout: gl.constexpr, BS: gl.constexpr,
-               SUB: gl.constexpr, D: gl.constexpr):
-    """`_tile_ptrs` in bytes: pointers to the [SUB, D] e4m3 bytes of one head at positions start.. in `layout`."""
-    pos = start + gl.arange(0, SUB, layout=gl.SliceLayout(1, layout))
-    mn = pos < hi
-    blk = gl.load(bt_row + pos // BS, mask=mn, other=0).to(gl.int64)
-    rows = blk * s_b + (pos % BS) * s_r + kvh * s_h
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    return c_ptr + rows[:, None] + cols[None, :], mn[:, None]
-
-
-@gluon.jit
 def _load_tiles(kc_ptr, vc_ptr, bt_row, start, hi, kvh, s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h,
-                BS: gl.constexpr, SUB: gl.constexpr, D: gl.constexpr, QK8: gl.constexpr):
-    """K and V of the key tile at `start`: 32-bit words of e4m3 bytes in the load layouts, or with QK8 K as e4m3
-    bytes in `_k8_load_layout` (the MMA reads them as they are)."""
+                BS: gl.constexpr, SUB: gl.constexpr, D: gl.constexpr):
+    kl: gl.constexpr = _k_load_layout(SUB, D)
     vl: gl.constexpr = _v_load_layout(SUB, D)
+    kp, km = _tile_ptrs(kc_ptr, bt_row, start, hi, kvh, s_kc_b, s_kc_r, s_kc_h, kl, BS, SUB, D)
     vp, vm = _tile_ptrs(vc_ptr, bt_row, start, hi, kvh, s_vc_b, s_vc_r, s_vc_h, vl, BS, SUB, D)
-    if QK8:
-        kp, km = _byte_ptrs(kc_ptr, bt_row, start, hi, kvh, s_kc_b, s_kc_r, s_kc_h, _k8_load_layout(SUB, D), BS,
-                            SUB, D)
-        k = gl.load(kp, mask=km, other=0.0)
-    else:
-        kp, km = _tile_ptrs(kc_ptr, bt_row, start, hi, kvh, s_kc_b, s_kc_r, s_kc_h, _k_load_layout(SUB, D), BS,
-                            SUB, D)
-        k = gl.load(kp, mask=km, other=0)
-    return k, gl.load(vp, mask=vm, other=0)
+    return gl.load(kp, mask=km, other=0), gl.load(vp, mask=vm, other=0)
 
 
 @gluon.jit
-def _step(q_a, k8, v8, start, hi, m_i, l_i, acc, qk_scale, SUB: gl.constexpr, D: gl.constexpr, QK8: gl.constexpr):
+def _step(q_a, k8, v8, start, hi, m_i, l_i, acc, qk_scale, SUB: gl.constexpr, D: gl.constexpr):
     """Fold the key tile at `start` (its 8-bit K and V in the load layouts) into the running max m_i,
-    denominator l_i and output acc: S = Q K^T, the masked online softmax (exp2, scale folded), O += P V.
-    QK8: q_a holds e4m3 query rows and qk_scale their per-row scales x the softmax scale ([_ROWS], the rows
-    layout of S); S is an e4m3 product over the K bytes as loaded."""
+    denominator l_i and output acc: S = Q K^T, the masked online softmax (exp2, scale folded), O += P V."""
     mma: gl.constexpr = _mma_layout()
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    if QK8:
-        b_op8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
-        kt = gl.convert_layout(_as_kt8(k8, SUB, D), b_op8, assert_trivial=True)
-    else:
-        kt = gl.convert_layout(_as_kt(_to_f16(k8, SUB, D), SUB, D), b_op, assert_trivial=True)
+    kt = gl.convert_layout(_as_kt(_to_f16(k8, SUB, D), SUB, D), b_op, assert_trivial=True)
     s = mma_v2(q_a, kt, gl.zeros([_ROWS, SUB], gl.float32, layout=mma))
     pos = start + gl.arange(0, SUB, layout=gl.SliceLayout(0, mma))
     s = gl.where((pos < hi)[None, :], s, float("-inf"))
-    if QK8:
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-        p = gl.exp2(s * qk_scale[:, None] - m_new[:, None])
-    else:
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-        p = gl.exp2(s * qk_scale - m_new[:, None])
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    p = gl.exp2(s * qk_scale - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     p_a = gl.convert_layout(p.to(gl.float16), a_op)
@@ -249,11 +187,11 @@ def _decode_fp8_kernel(
     s_po_sp, s_po_s, s_po_h,  # partial out [splits, nd, Hq, D] fp32, last stride 1
     s_pl_sp, s_pl_s,  # partial lse [splits, nd, Hq] fp32, last stride 1
     BS: gl.constexpr, REP: gl.constexpr, D: gl.constexpr, SUB: gl.constexpr, MIN_SPLIT: gl.constexpr,
-    KV_SCALED: gl.constexpr, PREFETCH: gl.constexpr, QK8: gl.constexpr, PDL: gl.constexpr,
+    KV_SCALED: gl.constexpr, PREFETCH: gl.constexpr, PDL: gl.constexpr,
 ):
     _pdl_enter(PDL)
     mma: gl.constexpr = _mma_layout()
-    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4 if QK8 else 2)
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     s = gl.program_id(0).to(gl.int64)
     kvh = gl.program_id(1)
     sp = gl.program_id(2)
@@ -265,27 +203,15 @@ def _decode_fp8_kernel(
     lo = sp.to(gl.int64) * per
     hi = gl.minimum(lo + per, L)
 
+    # q in the permuted head-dim order of `_as_kt`: index d = 8 j + 2 c + e reads element (D/4) c + 2 j + e
     r_a = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, a_op))
     d_a = gl.arange(0, D, layout=gl.SliceLayout(0, a_op))
-    if QK8:
-        # q in the permuted head-dim order of `_as_kt8`: index d = 32 j + 16 h + 4 c + e reads element
-        # (D/4) c + 8 j + 4 h + e
-        m_a = (d_a % 4) + (D // 4) * ((d_a // 4) % 4) + 4 * ((d_a // 16) % 2) + 8 * (d_a // 32)
-    else:
-        # q in the permuted head-dim order of `_as_kt`: index d = 8 j + 2 c + e reads element (D/4) c + 2 j + e
-        m_a = (d_a % 2) + (D // 4) * ((d_a // 2) % 4) + 2 * (d_a // 8)
+    m_a = (d_a % 2) + (D // 4) * ((d_a // 2) % 4) + 2 * (d_a // 8)
     heads_a = kvh * REP + r_a
     q = gl.load(q_ptr + row * s_q_t + heads_a[:, None] * s_q_h + m_a[None, :], mask=(r_a < REP)[:, None], other=0.0)
+    q_a = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
     if KV_SCALED:
         qk_scale = qk_scale * gl.load(ks_ptr).to(gl.float32)
-    if QK8:
-        qf = q.to(gl.float32)
-        amax = gl.max(gl.abs(qf), axis=1)
-        q_rs = gl.where(amax > 0, gl.div_rn(amax, 448.0), 1.0)  # |q / q_rs| <= 448: no e4m3 overflow
-        q_a = gl.div_rn(qf, q_rs[:, None]).to(gl.float8e4nv)  # correctly rounded: the reference's codes
-        qk_scale = gl.convert_layout(q_rs, gl.SliceLayout(1, mma)) * qk_scale  # per row from here on
-    else:
-        q_a = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
 
     m_i = gl.full([_ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma))
     l_i = gl.zeros([_ROWS], gl.float32, layout=gl.SliceLayout(1, mma))
@@ -293,18 +219,18 @@ def _decode_fp8_kernel(
     bt_row = bt_ptr + seq * s_bt_s
     if PREFETCH:
         k8, v8 = _load_tiles(kc_ptr, vc_ptr, bt_row, lo, hi, kvh, s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h,
-                             BS, SUB, D, QK8)
+                             BS, SUB, D)
         for start in range(lo, hi, SUB):
             k8n, v8n = _load_tiles(kc_ptr, vc_ptr, bt_row, start + SUB, hi, kvh, s_kc_b, s_kc_r, s_kc_h,
-                                   s_vc_b, s_vc_r, s_vc_h, BS, SUB, D, QK8)
-            m_i, l_i, acc = _step(q_a, k8, v8, start, hi, m_i, l_i, acc, qk_scale, SUB, D, QK8)
+                                   s_vc_b, s_vc_r, s_vc_h, BS, SUB, D)
+            m_i, l_i, acc = _step(q_a, k8, v8, start, hi, m_i, l_i, acc, qk_scale, SUB, D)
             k8 = k8n
             v8 = v8n
     else:
         for start in range(lo, hi, SUB):
             k8, v8 = _load_tiles(kc_ptr, vc_ptr, bt_row, start, hi, kvh, s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r,
-                                 s_vc_h, BS, SUB, D, QK8)
-            m_i, l_i, acc = _step(q_a, k8, v8, start, hi, m_i, l_i, acc, qk_scale, SUB, D, QK8)
+                                 s_vc_h, BS, SUB, D)
+            m_i, l_i, acc = _step(q_a, k8, v8, start, hi, m_i, l_i, acc, qk_scale, SUB, D)
 
     has = l_i > 0.0  # an empty split (lo >= L) contributes weight 0
     out = acc / gl.where(has, l_i, 1.0)[:, None]
