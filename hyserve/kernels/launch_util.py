@@ -133,4 +133,3 @@ def device_file(config_dir: Path, name: str) -> Path:
 
 __all__ = ["device_file", "device_index", "device_name", "hopper_or_newer", "pdl", "pdl_active", "pdl_enabled",
            "set_pdl", "split_kv_args", "split_kv_count", "tma_tiles_fit"]
-

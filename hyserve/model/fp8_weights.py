@@ -217,8 +217,7 @@ class Fp8Loaders:
         return sum(p.size for p in self.parts if shard_id is None or p.name == shard_id)
 
     def _load_block(self, param: torch.Tensor, src: torch.Tensor, shard_id: str | None) -> None:
-        if src.dim() == 4 and src.shape[1] == src.shape[3] == 1:  # ModelOpt FP8_PB_WO: [N/128, 1, K/128, 1]
-            src = src[:, 0, :, 0]
+        src = _block_grid(src)
         want = tuple(self.layer.weight_scale.checkpoint_shape)  # type: ignore[attr-defined]
         if self.kind == "column" and shard_id is not None:
             part = next((p for p in self.parts if p.name == shard_id), None)
@@ -231,6 +230,11 @@ class Fp8Loaders:
             return
         dim = 0 if self.kind == "column" else 1
         _load_block_parts(param, src, self.parts, g.size, g.rank, dim, shard_id, self.what)
+
+
+def _block_grid(src: torch.Tensor) -> torch.Tensor:
+    """Block scales as their [N/128, K/128] grid: ModelOpt's FP8_PB_WO stores them [N/128, 1, K/128, 1]."""
+    return src[:, 0, :, 0] if src.dim() == 4 and src.shape[1] == src.shape[3] == 1 else src
 
 
 def _scale_shapes(
@@ -360,8 +364,7 @@ class Fp8ExpertLoaders:
         """One expert's block scales as [ceil(N/128), ceil(K/128)] (ModelOpt's [.., 1, .., 1] squeezed)."""
         n, k = getattr(self.m, f"{self.which}_proj").checkpoint_shape[1:]
         want = (-(-n // BLOCK), -(-k // BLOCK))
-        if v.dim() == 4 and v.shape[1] == v.shape[3] == 1:
-            v = v[:, 0, :, 0]
+        v = _block_grid(v)
         if tuple(v.shape) != want:
             raise ValueError(f"{self.what}: a block-scaled expert's scales have shape {list(v.shape)}, expected "
                              f"{list(want)}")

@@ -104,7 +104,7 @@ class QuantConfig:
     # a mixed-precision checkpoint's FP8 modules (canonical names, `backbone.`...): only these are FP8; None:
     # every projection the exclusion list leaves
     include: frozenset[str] | None = None
-    # compressed-tensors' config_groups targets: "Linear" (every projection), names or `re:` patterns; () = all
+    # compressed-tensors' config_groups targets, names or `re:` patterns; () = all (also for a "Linear" target)
     targets: tuple[str, ...] = ()
     kv_cache_fp8: bool = False  # the checkpoint also ships FP8 KV scales (kv_cache_quant_algo FP8)
     source: str = ""  # where it was read, for messages
@@ -129,7 +129,7 @@ class QuantConfig:
             return False
         if self.include is not None and not any(a in self.include for a in _ancestors(module_name)):
             return False
-        if self.targets and not any(t == "Linear" or _matches(module_name, t) for t in self.targets):
+        if self.targets and not any(_matches(module_name, t) for t in self.targets):
             return False
         return not any(_matches(module_name, pat) for pat in self.exclude)
 
