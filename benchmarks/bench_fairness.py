@@ -65,8 +65,16 @@ from hyserve.bench.report import format_table, record, sanitize, stamp  # noqa: 
 NANO_9B = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
 CLOCK = time.monotonic  # CLOCK_MONOTONIC: one time line for this process and the long request's child
 # the server log lines worth keeping in the result (capacity plan, warm-up, the calibrated step cost model)
-LOG_KEYS = ("capacity plan", "KV cache", "Mamba state", "longest single request", "warm-up", "step cost model",
-            "captured", "warning")
+LOG_KEYS = (
+    "capacity plan",
+    "KV cache",
+    "Mamba state",
+    "longest single request",
+    "warm-up",
+    "step cost model",
+    "captured",
+    "warning",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,7 +89,9 @@ class FairnessOptions:
     stream_output_len: int = 256
     short_interval_s: float = 1.0
     short_input_len: int = 32  # words of the short chat message
-    short_output_len: int = 1  # 1: the finish chunk carries the first token, so TTFT is exact for any tokenizer
+    short_output_len: int = (
+        1  # 1: the finish chunk carries the first token, so TTFT is exact for any tokenizer
+    )
     lead_in_s: float = 5.0  # the streams decode this long before the long prompt is sent
     max_batch_size: int = 16
     max_num_tokens: int = 16384
@@ -160,7 +170,9 @@ def model_dir_for_chat(model: str | None, work: Path) -> str | None:
 def model_vocab(model_dir: str | None) -> int:
     from hyserve.model.tiny import builtin_model_dir
 
-    cfg = json.loads((Path(model_dir) if model_dir else builtin_model_dir()).joinpath("config.json").read_text())
+    cfg = json.loads(
+        (Path(model_dir) if model_dir else builtin_model_dir()).joinpath("config.json").read_text()
+    )
     return int(cfg["vocab_size"])
 
 
@@ -227,8 +239,20 @@ def serve_command(opts: FairnessOptions, model_dir: str | None, yaml_path: Path,
     load = opts.load_format or ("dummy" if model_dir is not None else None)
     if load:
         cmd += ["--load-format", load]
-    cmd += ["--config", str(yaml_path), "--device", opts.device, "--host", "127.0.0.1", "--port", str(port),
-            "--disable-log-requests", "--shutdown-timeout", "5", *opts.serve_args]
+    cmd += [
+        "--config",
+        str(yaml_path),
+        "--device",
+        opts.device,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--disable-log-requests",
+        "--shutdown-timeout",
+        "5",
+        *opts.serve_args,
+    ]
     return cmd
 
 
@@ -245,8 +269,17 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)  # the benchmark was stopped (a timeout): do not keep its output pipe open
 
 
-def _long_request_child(url: str, model: str, n: int, seed: int, low: int, vocab: int, run_start: float,
-                        timeout_s: float, parent: int) -> RequestResult:
+def _long_request_child(
+    url: str,
+    model: str,
+    n: int,
+    seed: int,
+    low: int,
+    vocab: int,
+    run_start: float,
+    timeout_s: float,
+    parent: int,
+) -> RequestResult:
     """Runs in a child process: build the long prompt and send it, timed on CLOCK (shared with the parent)."""
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     ids = long_ids(n, seed=seed, low=low, vocab=vocab)
@@ -254,8 +287,9 @@ def _long_request_child(url: str, model: str, n: int, seed: int, low: int, vocab
 
     async def go() -> RequestResult:
         async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0)) as client:
-            return await send_streaming(client, url, payload, kind=COMPLETIONS, prompt_len=n, run_start=run_start,
-                                        clock=CLOCK)
+            return await send_streaming(
+                client, url, payload, kind=COMPLETIONS, prompt_len=n, run_start=run_start, clock=CLOCK
+            )
 
     return asyncio.run(go())
 
@@ -267,10 +301,21 @@ class LongSender:
         self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         self.pool.submit(math.sqrt, 1.0).result()  # start the child now, not while timing
 
-    async def send(self, url: str, model: str, n: int, *, seed: int, low: int, vocab: int, run_start: float,
-                   timeout_s: float) -> RequestResult:
-        fut = self.pool.submit(_long_request_child, url, model, n, seed, low, vocab, run_start, timeout_s,
-                               os.getpid())
+    async def send(
+        self,
+        url: str,
+        model: str,
+        n: int,
+        *,
+        seed: int,
+        low: int,
+        vocab: int,
+        run_start: float,
+        timeout_s: float,
+    ) -> RequestResult:
+        fut = self.pool.submit(
+            _long_request_child, url, model, n, seed, low, vocab, run_start, timeout_s, os.getpid()
+        )
         return await asyncio.wrap_future(fut)
 
     def close(self, *, wait: bool = True) -> None:
@@ -301,12 +346,24 @@ def window_gaps_ms(results: Sequence[RequestResult], run_start: float, lo: float
 def stats(values: Sequence[float]) -> dict[str, float | None]:
     if not values:
         return {"n": 0, "p50": None, "p99": None, "max": None, "mean": None}
-    return {"n": len(values), "p50": percentile(values, 50), "p99": percentile(values, 99), "max": max(values),
-            "mean": sum(values) / len(values)}
+    return {
+        "n": len(values),
+        "p50": percentile(values, 50),
+        "p99": percentile(values, 99),
+        "max": max(values),
+        "mean": sum(values) / len(values),
+    }
 
 
-async def contended(client: httpx.AsyncClient, sender: LongSender, srv: Server, model: str,
-                    opts: FairnessOptions, vocab: int, seed: int) -> dict[str, Any]:
+async def contended(
+    client: httpx.AsyncClient,
+    sender: LongSender,
+    srv: Server,
+    model: str,
+    opts: FairnessOptions,
+    vocab: int,
+    seed: int,
+) -> dict[str, Any]:
     """Streams decoding, then the long prompt, with a short chat request every interval until it ends."""
     comp_url = join_url(srv.url, "/v1/completions")
     chat_url = join_url(srv.url, "/v1/chat/completions")
@@ -319,10 +376,18 @@ async def contended(client: httpx.AsyncClient, sender: LongSender, srv: Server, 
     async def stream_slot(k: int) -> None:
         while not stop.is_set():
             ids = random_ids(rng, opts.stream_input_len, opts.min_token_id, vocab)
-            payload = build_payload(COMPLETIONS, model, ids, opts.stream_output_len, ignore_eos=True,
-                                    temperature=0.0)
-            r = await send_streaming(client, comp_url, payload, kind=COMPLETIONS, prompt_len=len(ids),
-                                     run_start=run_start, clock=CLOCK)
+            payload = build_payload(
+                COMPLETIONS, model, ids, opts.stream_output_len, ignore_eos=True, temperature=0.0
+            )
+            r = await send_streaming(
+                client,
+                comp_url,
+                payload,
+                kind=COMPLETIONS,
+                prompt_len=len(ids),
+                run_start=run_start,
+                clock=CLOCK,
+            )
             stream_results.append(r)
             if not r.ok:
                 return
@@ -330,16 +395,33 @@ async def contended(client: httpx.AsyncClient, sender: LongSender, srv: Server, 
     async def one_short(i: int) -> None:
         text = f"request {i}: " + ids_to_text(random_ids(rng, opts.short_input_len, 0, 1 << 20))
         payload = build_payload(CHAT, model, text, opts.short_output_len, ignore_eos=True, temperature=0.0)
-        short_results.append(await send_streaming(client, chat_url, payload, kind=CHAT,
-                                                  prompt_len=opts.short_input_len, run_start=run_start,
-                                                  clock=CLOCK))
+        short_results.append(
+            await send_streaming(
+                client,
+                chat_url,
+                payload,
+                kind=CHAT,
+                prompt_len=opts.short_input_len,
+                run_start=run_start,
+                clock=CLOCK,
+            )
+        )
 
     before = await scrape_counters(client, srv.url, {})
     slots = [asyncio.create_task(stream_slot(k)) for k in range(opts.streams)]
     await asyncio.sleep(opts.lead_in_s)
-    long_task = asyncio.create_task(sender.send(comp_url, model, opts.long_len, seed=seed + 1,
-                                                low=opts.min_token_id, vocab=vocab, run_start=run_start,
-                                                timeout_s=opts.request_timeout_s))
+    long_task = asyncio.create_task(
+        sender.send(
+            comp_url,
+            model,
+            opts.long_len,
+            seed=seed + 1,
+            low=opts.min_token_id,
+            vocab=vocab,
+            run_start=run_start,
+            timeout_s=opts.request_timeout_s,
+        )
+    )
     long_sent = CLOCK()
     shorts: list[asyncio.Task[None]] = []
     i = 0
@@ -347,7 +429,9 @@ async def contended(client: httpx.AsyncClient, sender: LongSender, srv: Server, 
         shorts.append(asyncio.create_task(one_short(i)))
         i += 1
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(long_task), timeout=long_sent + i * opts.short_interval_s - CLOCK())
+            await asyncio.wait_for(
+                asyncio.shield(long_task), timeout=long_sent + i * opts.short_interval_s - CLOCK()
+            )
     long_res = long_task.result()
     long_end = run_start + long_res.start_s + long_res.e2el_s
     stop.set()
@@ -358,45 +442,81 @@ async def contended(client: httpx.AsyncClient, sender: LongSender, srv: Server, 
     ttfts = [r.ttft_s for r in short_results if r.ok and r.ttft_s is not None]
     return {
         "long": long_result_json(long_res),
-        "shorts": {"sent": len(short_results), "ok": sum(r.ok for r in short_results),
-                   "errors": sorted({r.error for r in short_results if r.error})[:5],
-                   "ttft_s": stats(ttfts), "e2el_s": stats([r.e2el_s for r in short_results if r.ok]),
-                   "ttft_values_s": ttfts},
-        "streams": {"requests": len(stream_results), "ok": sum(r.ok for r in stream_results),
-                    "errors": sorted({r.error for r in stream_results if r.error})[:5],
-                    "output_tokens": sum(r.output_tokens for r in stream_results),
-                    "itl_ms_during_long": stats(gaps), "itl_ms_all": stats(all_gaps)},
+        "shorts": {
+            "sent": len(short_results),
+            "ok": sum(r.ok for r in short_results),
+            "errors": sorted({r.error for r in short_results if r.error})[:5],
+            "ttft_s": stats(ttfts),
+            "e2el_s": stats([r.e2el_s for r in short_results if r.ok]),
+            "ttft_values_s": ttfts,
+        },
+        "streams": {
+            "requests": len(stream_results),
+            "ok": sum(r.ok for r in stream_results),
+            "errors": sorted({r.error for r in stream_results if r.error})[:5],
+            "output_tokens": sum(r.output_tokens for r in stream_results),
+            "itl_ms_during_long": stats(gaps),
+            "itl_ms_all": stats(all_gaps),
+        },
         "server_counters": counter_delta(before, after),
     }
 
 
 def long_result_json(r: RequestResult) -> dict[str, Any]:
-    return {"ok": r.ok, "e2el_s": r.e2el_s, "prompt_tokens": r.usage_prompt_tokens, "cached_tokens": r.cached_tokens,
-            "status": r.status, "error": r.error}
+    return {
+        "ok": r.ok,
+        "e2el_s": r.e2el_s,
+        "prompt_tokens": r.usage_prompt_tokens,
+        "cached_tokens": r.cached_tokens,
+        "status": r.status,
+        "error": r.error,
+    }
 
 
-async def measure(srv: Server, sender: LongSender, opts: FairnessOptions, vocab: int, seed: int) -> dict[str, Any]:
+async def measure(
+    srv: Server, sender: LongSender, opts: FairnessOptions, vocab: int, seed: int
+) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=opts.streams + 64, max_keepalive_connections=opts.streams + 64)
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(opts.request_timeout_s, connect=30.0)) as client:
+    async with httpx.AsyncClient(
+        limits=limits, timeout=httpx.Timeout(opts.request_timeout_s, connect=30.0)
+    ) as client:
         model = await first_model_id(client, srv.url, {})
         # one short request of each kind first: the client's connections and the server's HTTP path are warm
-        for kind, prompt, path in ((COMPLETIONS, [opts.min_token_id] * 8, "/v1/completions"),
-                                   (CHAT, "hello", "/v1/chat/completions")):
-            r = await send_streaming(client, join_url(srv.url, path),
-                                     build_payload(kind, model, prompt, 2, ignore_eos=True, temperature=0.0),
-                                     kind=kind, prompt_len=8, clock=CLOCK)
+        for kind, prompt, path in (
+            (COMPLETIONS, [opts.min_token_id] * 8, "/v1/completions"),
+            (CHAT, "hello", "/v1/chat/completions"),
+        ):
+            r = await send_streaming(
+                client,
+                join_url(srv.url, path),
+                build_payload(kind, model, prompt, 2, ignore_eos=True, temperature=0.0),
+                kind=kind,
+                prompt_len=8,
+                clock=CLOCK,
+            )
             if not r.ok:
                 raise RuntimeError(f"warm-up request to {path} failed: {r.error}")
         t0 = CLOCK()
         before = await scrape_counters(client, srv.url, {})
-        alone = await sender.send(join_url(srv.url, "/v1/completions"), model, opts.long_len, seed=seed,
-                                  low=opts.min_token_id, vocab=vocab, run_start=t0, timeout_s=opts.request_timeout_s)
+        alone = await sender.send(
+            join_url(srv.url, "/v1/completions"),
+            model,
+            opts.long_len,
+            seed=seed,
+            low=opts.min_token_id,
+            vocab=vocab,
+            run_start=t0,
+            timeout_s=opts.request_timeout_s,
+        )
         if not alone.ok:
             raise RuntimeError(f"the long prompt alone failed: {alone.error}")
         after = await scrape_counters(client, srv.url, {})
         busy = await contended(client, sender, srv, model, opts, vocab, seed + 10)
-    return {"model": model, "alone": {**long_result_json(alone), "server_counters": counter_delta(before, after)},
-            "contended": busy}
+    return {
+        "model": model,
+        "alone": {**long_result_json(alone), "server_counters": counter_delta(before, after)},
+        "contended": busy,
+    }
 
 
 def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -404,7 +524,9 @@ def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
     prefill tokens a prefill step carried (the long prompt's chunks, with the short requests' prompts)."""
     d = {k: v - before.get(k, 0.0) for k, v in after.items()}
     if d.get("engine_prefill_steps"):
-        d["mean_prefill_tokens_per_prefill_step"] = d.get("prefill_tokens_scheduled", 0.0) / d["engine_prefill_steps"]
+        d["mean_prefill_tokens_per_prefill_step"] = (
+            d.get("prefill_tokens_scheduled", 0.0) / d["engine_prefill_steps"]
+        )
     return d
 
 
@@ -424,13 +546,23 @@ def checks(s: dict[str, Any], opts: FairnessOptions) -> dict[str, bool | None]:
         "stream_itl_p99": None if itl is None else itl <= opts.target_itl_p99_ms,
         "long_ratio": None if ratio is None else ratio <= opts.target_ratio,
         "long_alone": s["alone"]["e2el_s"] <= opts.target_alone_s,
-        "all_ok": (c["long"]["ok"] and c["shorts"]["ok"] == c["shorts"]["sent"]
-                   and c["streams"]["ok"] == c["streams"]["requests"]),
+        "all_ok": (
+            c["long"]["ok"]
+            and c["shorts"]["ok"] == c["shorts"]["sent"]
+            and c["streams"]["ok"] == c["streams"]["requests"]
+        ),
     }
 
 
-def run_setting(opts: FairnessOptions, ms: float | None, model_dir: str | None, vocab: int, work: Path,
-                sender: LongSender, seed: int) -> dict[str, Any]:
+def run_setting(
+    opts: FairnessOptions,
+    ms: float | None,
+    model_dir: str | None,
+    vocab: int,
+    work: Path,
+    sender: LongSender,
+    seed: int,
+) -> dict[str, Any]:
     yaml_text = report_yaml(opts, ms)
     yml = work / f"fairness_{step_label(ms)}.yml"
     yml.write_text(yaml_text)
@@ -444,10 +576,17 @@ def run_setting(opts: FairnessOptions, ms: float | None, model_dir: str | None, 
     finally:
         rc = srv.stop()
     alone, busy = out["alone"]["e2el_s"], out["contended"]["long"]["e2el_s"]
-    s: dict[str, Any] = {"max_step_ms": ms, "yaml": yaml_text, "serve_command": cmd, "server_ready_s": srv.ready_s,
-                         "server_exit": rc, "server_log": srv.log_excerpt(), **out,
-                         "ratio": busy / alone if out["contended"]["long"]["ok"] and alone > 0 else None,
-                         "wall_s": CLOCK() - t0}
+    s: dict[str, Any] = {
+        "max_step_ms": ms,
+        "yaml": yaml_text,
+        "serve_command": cmd,
+        "server_ready_s": srv.ready_s,
+        "server_exit": rc,
+        "server_log": srv.log_excerpt(),
+        **out,
+        "ratio": busy / alone if out["contended"]["long"]["ok"] and alone > 0 else None,
+        "wall_s": CLOCK() - t0,
+    }
     s["checks"] = checks(s, opts)
     return s
 
@@ -457,15 +596,43 @@ def table(settings: Sequence[dict[str, Any]]) -> str:
     for s in settings:
         c = s["contended"]
         t, i = c["shorts"]["ttft_s"], c["streams"]["itl_ms_during_long"]
-        rows.append([step_label(s["max_step_ms"]), s["alone"]["e2el_s"], c["long"]["e2el_s"], s["ratio"],
-                     None if t["p50"] is None else t["p50"] * 1e3, None if t["p99"] is None else t["p99"] * 1e3,
-                     f"{c['shorts']['ok']}/{c['shorts']['sent']}", i["p50"], i["p99"], i["max"],
-                     int(c["server_counters"].get("num_preemptions", 0)),
-                     _steps(s["alone"].get("server_counters", {})), _steps(c["server_counters"]),
-                     "yes" if all(v is not False for v in s["checks"].values()) else "no"])
-    return format_table(["max_step_ms", "alone s", "beside s", "ratio", "short TTFT p50 ms", "p99 ms", "shorts ok",
-                         "stream ITL p50 ms", "p99 ms", "max ms", "preempt", "prefill steps x tokens alone",
-                         "beside", "targets met"], rows)
+        rows.append(
+            [
+                step_label(s["max_step_ms"]),
+                s["alone"]["e2el_s"],
+                c["long"]["e2el_s"],
+                s["ratio"],
+                None if t["p50"] is None else t["p50"] * 1e3,
+                None if t["p99"] is None else t["p99"] * 1e3,
+                f"{c['shorts']['ok']}/{c['shorts']['sent']}",
+                i["p50"],
+                i["p99"],
+                i["max"],
+                int(c["server_counters"].get("num_preemptions", 0)),
+                _steps(s["alone"].get("server_counters", {})),
+                _steps(c["server_counters"]),
+                "yes" if all(v is not False for v in s["checks"].values()) else "no",
+            ]
+        )
+    return format_table(
+        [
+            "max_step_ms",
+            "alone s",
+            "beside s",
+            "ratio",
+            "short TTFT p50 ms",
+            "p99 ms",
+            "shorts ok",
+            "stream ITL p50 ms",
+            "p99 ms",
+            "max ms",
+            "preempt",
+            "prefill steps x tokens alone",
+            "beside",
+            "targets met",
+        ],
+        rows,
+    )
 
 
 def _steps(counters: dict[str, float]) -> str:
@@ -478,7 +645,11 @@ def _steps(counters: dict[str, float]) -> str:
 
 def pick_default(settings: Sequence[dict[str, Any]]) -> float | str | None:
     """The setting that meets every target with the fastest long prompt alone ("off" is a valid answer)."""
-    ok = [s for s in settings if all(v is not False for v in s["checks"].values()) and None not in s["checks"].values()]
+    ok = [
+        s
+        for s in settings
+        if all(v is not False for v in s["checks"].values()) and None not in s["checks"].values()
+    ]
     if not ok:
         return None
     best = min(ok, key=lambda s: s["alone"]["e2el_s"])
@@ -493,12 +664,27 @@ def records(settings: Sequence[dict[str, Any]], opts: FairnessOptions) -> list[d
         t99 = c["shorts"]["ttft_s"]["p99"]
         out += [
             record(f"{lab}: long prompt alone", s["alone"]["e2el_s"], "s", "target", opts.target_alone_s),
-            record(f"{lab}: long prompt beside the streams", c["long"]["e2el_s"], "s", "alone, same server",
-                   s["alone"]["e2el_s"]),
-            record(f"{lab}: short-request TTFT p99", None if t99 is None else t99 * 1e3, "ms", "target",
-                   opts.target_ttft_p99_s * 1e3),
-            record(f"{lab}: stream ITL p99 during the long prompt", c["streams"]["itl_ms_during_long"]["p99"], "ms",
-                   "target", opts.target_itl_p99_ms),
+            record(
+                f"{lab}: long prompt beside the streams",
+                c["long"]["e2el_s"],
+                "s",
+                "alone, same server",
+                s["alone"]["e2el_s"],
+            ),
+            record(
+                f"{lab}: short-request TTFT p99",
+                None if t99 is None else t99 * 1e3,
+                "ms",
+                "target",
+                opts.target_ttft_p99_s * 1e3,
+            ),
+            record(
+                f"{lab}: stream ITL p99 during the long prompt",
+                c["streams"]["itl_ms_during_long"]["p99"],
+                "ms",
+                "target",
+                opts.target_itl_p99_ms,
+            ),
         ]
     return out
 
@@ -515,10 +701,16 @@ def write_png(settings: Sequence[dict[str, Any]], path: Path, opts: FairnessOpti
 
     labels = [step_label(s["max_step_ms"]) for s in settings]
     panels = [
-        ("short-request TTFT p99 (ms)", [(s["contended"]["shorts"]["ttft_s"]["p99"] or 0) * 1e3 for s in settings],
-         opts.target_ttft_p99_s * 1e3),
-        ("stream ITL p99 during the long prompt (ms)",
-         [s["contended"]["streams"]["itl_ms_during_long"]["p99"] or 0 for s in settings], opts.target_itl_p99_ms),
+        (
+            "short-request TTFT p99 (ms)",
+            [(s["contended"]["shorts"]["ttft_s"]["p99"] or 0) * 1e3 for s in settings],
+            opts.target_ttft_p99_s * 1e3,
+        ),
+        (
+            "stream ITL p99 during the long prompt (ms)",
+            [s["contended"]["streams"]["itl_ms_during_long"]["p99"] or 0 for s in settings],
+            opts.target_itl_p99_ms,
+        ),
         ("long prompt beside / alone", [s["ratio"] or 0 for s in settings], opts.target_ratio),
         ("long prompt alone (s)", [s["alone"]["e2el_s"] for s in settings], opts.target_alone_s),
     ]
@@ -529,8 +721,11 @@ def write_png(settings: Sequence[dict[str, Any]], path: Path, opts: FairnessOpti
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("max_step_ms")
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"a {opts.long_len:,}-token prompt beside {opts.streams} streams and a short request every "
-                 f"{opts.short_interval_s:g} s", fontsize=10)
+    fig.suptitle(
+        f"a {opts.long_len:,}-token prompt beside {opts.streams} streams and a short request every "
+        f"{opts.short_interval_s:g} s",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -550,7 +745,9 @@ def parse_step_ms(text: str) -> tuple[float | None, ...]:
         try:
             v = float(p)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"--max-step-ms: {part!r} is neither 'off' nor a number of ms") from None
+            raise argparse.ArgumentTypeError(
+                f"--max-step-ms: {part!r} is neither 'off' nor a number of ms"
+            ) from None
         if not 0 < v < float("inf"):
             raise argparse.ArgumentTypeError(f"--max-step-ms: {part!r} must be > 0 ms (or 'off')")
         out.append(v)
@@ -568,24 +765,44 @@ def size(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     d = FairnessOptions()
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=d.model, help="model directory (default: the Nano 9B v2 architecture with "
-                    "random weights); '' for the built-in tiny model")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model",
+        default=d.model,
+        help="model directory (default: the Nano 9B v2 architecture with "
+        "random weights); '' for the built-in tiny model",
+    )
     ap.add_argument("--load-format", default=None, help="default: dummy for a model directory")
     ap.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
-    ap.add_argument("--max-step-ms", type=parse_step_ms, default=d.step_ms,
-                    help="comma-separated settings, 'off' or ms (default off,100,150,250); a server each")
+    ap.add_argument(
+        "--max-step-ms",
+        type=parse_step_ms,
+        default=d.step_ms,
+        help="comma-separated settings, 'off' or ms (default off,100,150,250); a server each",
+    )
     ap.add_argument("--long-len", type=size, default=d.long_len, help="the long prompt's tokens (default 1M)")
     ap.add_argument("--streams", type=int, default=d.streams)
     ap.add_argument("--stream-input-len", type=size, default=d.stream_input_len)
-    ap.add_argument("--stream-output-len", type=size, default=d.stream_output_len,
-                    help="tokens per stream request; a stream sends its next request when one ends")
+    ap.add_argument(
+        "--stream-output-len",
+        type=size,
+        default=d.stream_output_len,
+        help="tokens per stream request; a stream sends its next request when one ends",
+    )
     ap.add_argument("--short-interval-s", type=float, default=d.short_interval_s)
-    ap.add_argument("--short-input-len", type=int, default=d.short_input_len, help="words of the short message")
+    ap.add_argument(
+        "--short-input-len", type=int, default=d.short_input_len, help="words of the short message"
+    )
     ap.add_argument("--short-output-len", type=int, default=d.short_output_len)
     ap.add_argument("--lead-in-s", type=float, default=d.lead_in_s)
-    ap.add_argument("--max-batch-size", type=int, default=d.max_batch_size,
-                    help="the report's YAML has 8; 8 streams + the long prompt + a short request need 10")
+    ap.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=d.max_batch_size,
+        help="the report's YAML has 8; 8 streams + the long prompt + a short request need 10",
+    )
     ap.add_argument("--max-num-tokens", type=size, default=d.max_num_tokens)
     ap.add_argument("--max-seq-len", type=size, default=d.max_seq_len)
     ap.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, help="fp8 (the report's) or auto (bf16)")
@@ -594,8 +811,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--startup-timeout-s", type=float, default=d.startup_timeout_s)
     ap.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
-    ap.add_argument("--time-budget-s", type=float, default=None,
-                    help="start no further setting when the last one's wall time would not fit what is left")
+    ap.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=None,
+        help="start no further setting when the last one's wall time would not fit what is left",
+    )
     ap.add_argument("--serve-args", default="", help="more `hyserve serve` flags, one string")
     ap.add_argument("--result-dir", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--result-filename", default=None, help="default fairness_<date>_<sha>_<settings>.json")
@@ -605,13 +826,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def options_from(a: argparse.Namespace, ap: argparse.ArgumentParser) -> FairnessOptions:
     opts = FairnessOptions(
-        model=a.model or None, load_format=a.load_format, device=a.device, step_ms=a.max_step_ms,
-        long_len=a.long_len, streams=a.streams, stream_input_len=a.stream_input_len,
-        stream_output_len=a.stream_output_len, short_interval_s=a.short_interval_s,
-        short_input_len=a.short_input_len, short_output_len=a.short_output_len, lead_in_s=a.lead_in_s,
-        max_batch_size=a.max_batch_size, max_num_tokens=a.max_num_tokens, max_seq_len=a.max_seq_len,
-        kv_cache_dtype=a.kv_cache_dtype, vocab_size=a.vocab_size, min_token_id=a.min_token_id, seed=a.seed,
-        startup_timeout_s=a.startup_timeout_s, request_timeout_s=a.request_timeout_s, time_budget_s=a.time_budget_s,
+        model=a.model or None,
+        load_format=a.load_format,
+        device=a.device,
+        step_ms=a.max_step_ms,
+        long_len=a.long_len,
+        streams=a.streams,
+        stream_input_len=a.stream_input_len,
+        stream_output_len=a.stream_output_len,
+        short_interval_s=a.short_interval_s,
+        short_input_len=a.short_input_len,
+        short_output_len=a.short_output_len,
+        lead_in_s=a.lead_in_s,
+        max_batch_size=a.max_batch_size,
+        max_num_tokens=a.max_num_tokens,
+        max_seq_len=a.max_seq_len,
+        kv_cache_dtype=a.kv_cache_dtype,
+        vocab_size=a.vocab_size,
+        min_token_id=a.min_token_id,
+        seed=a.seed,
+        startup_timeout_s=a.startup_timeout_s,
+        request_timeout_s=a.request_timeout_s,
+        time_budget_s=a.time_budget_s,
         serve_args=tuple(shlex.split(a.serve_args)),
     )
     if opts.streams < 1 or opts.short_output_len < 1 or opts.short_input_len < 1:
@@ -619,8 +855,10 @@ def options_from(a: argparse.Namespace, ap: argparse.ArgumentParser) -> Fairness
     if opts.short_interval_s <= 0 or opts.lead_in_s < 0:
         ap.error("--short-interval-s must be > 0 and --lead-in-s >= 0")
     if opts.max_batch_size < opts.streams + 2:
-        ap.error(f"--max-batch-size {opts.max_batch_size} cannot run {opts.streams} streams, the long prompt and a "
-                 f"short request at once: it must be >= {opts.streams + 2}")
+        ap.error(
+            f"--max-batch-size {opts.max_batch_size} cannot run {opts.streams} streams, the long prompt and a "
+            f"short request at once: it must be >= {opts.streams + 2}"
+        )
     if opts.long_len + 1 > opts.max_seq_len:
         ap.error(f"--long-len {opts.long_len} + 1 output token exceeds --max-seq-len {opts.max_seq_len}")
     if opts.stream_input_len + opts.stream_output_len > opts.max_seq_len:
@@ -628,10 +866,21 @@ def options_from(a: argparse.Namespace, ap: argparse.ArgumentParser) -> Fairness
     return opts
 
 
-def write_result(path: Path, head: dict[str, Any], opts: FairnessOptions, settings: list[dict[str, Any]],
-                 skipped: list[str]) -> None:
-    result = {**head, "config": asdict(opts), "settings": settings, "not_run": skipped,
-              "suggested_max_step_ms": pick_default(settings), "records": records(settings, opts)}
+def write_result(
+    path: Path,
+    head: dict[str, Any],
+    opts: FairnessOptions,
+    settings: list[dict[str, Any]],
+    skipped: list[str],
+) -> None:
+    result = {
+        **head,
+        "config": asdict(opts),
+        "settings": settings,
+        "not_run": skipped,
+        "suggested_max_step_ms": pick_default(settings),
+        "records": records(settings, opts),
+    }
     path.write_text(json.dumps(sanitize(result), indent=2) + "\n")
 
 
@@ -639,8 +888,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
     opts = options_from(a, ap)
-    head = stamp("fairness", [Path(sys.executable).name, *sys.argv] if argv is None
-                 else ["python", "benchmarks/bench_fairness.py", *argv], a.git_sha)
+    head = stamp(
+        "fairness",
+        [Path(sys.executable).name, *sys.argv]
+        if argv is None
+        else ["python", "benchmarks/bench_fairness.py", *argv],
+        a.git_sha,
+    )
     steps = "-".join(step_label(m) for m in opts.step_ms)
     name = a.result_filename or f"fairness_{dt.date.today().isoformat()}_{head['git_sha']}_{steps}.json"
     out_path = Path(a.result_dir) / name
@@ -663,21 +917,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                 left = None if opts.time_budget_s is None else opts.time_budget_s - (CLOCK() - t_start)
                 if left is not None and settings and settings[-1]["wall_s"] > left:
                     skipped = [step_label(m) for m in opts.step_ms[k:]]
-                    print(f"time budget: {left:.0f} s left, the last setting took {settings[-1]['wall_s']:.0f} s; "
-                          f"not run: max_step_ms {', '.join(skipped)}", flush=True)
+                    print(
+                        f"time budget: {left:.0f} s left, the last setting took {settings[-1]['wall_s']:.0f} s; "
+                        f"not run: max_step_ms {', '.join(skipped)}",
+                        flush=True,
+                    )
                     break
                 print(f"== max_step_ms {step_label(ms)}: server start", flush=True)
                 s = run_setting(opts, ms, model_dir, vocab, work, sender, opts.seed + 100 * k)
                 settings.append(s)
                 c = s["contended"]
-                print(f"   ready in {s['server_ready_s']:.1f} s; alone {s['alone']['e2el_s']:.2f} s; beside the "
-                      f"streams {c['long']['e2el_s']:.2f} s; short TTFT p99 "
-                      f"{(c['shorts']['ttft_s']['p99'] or float('nan')) * 1e3:.0f} ms over {c['shorts']['sent']}; "
-                      f"stream ITL p99 {c['streams']['itl_ms_during_long']['p99'] or float('nan'):.1f} ms", flush=True)
+                print(
+                    f"   ready in {s['server_ready_s']:.1f} s; alone {s['alone']['e2el_s']:.2f} s; beside the "
+                    f"streams {c['long']['e2el_s']:.2f} s; short TTFT p99 "
+                    f"{(c['shorts']['ttft_s']['p99'] or float('nan')) * 1e3:.0f} ms over {c['shorts']['sent']}; "
+                    f"stream ITL p99 {c['streams']['itl_ms_during_long']['p99'] or float('nan'):.1f} ms",
+                    flush=True,
+                )
                 for ln in s["server_log"]:
                     if "step cost model" in ln:
                         print(f"   {ln.strip()}", flush=True)
-                write_result(out_path, head, opts, settings, skipped)  # after every setting: a cut run keeps it
+                write_result(
+                    out_path, head, opts, settings, skipped
+                )  # after every setting: a cut run keeps it
             done = True
         finally:
             sender.close(wait=done)

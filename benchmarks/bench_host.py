@@ -39,16 +39,25 @@ from hyserve.model.config import HybridModelConfig  # noqa: E402
 from hyserve.server.serve import freeze_startup_heap  # noqa: E402
 
 CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
-PHASES = (("scheduler", "schedule"), ("runner", "build_meta"), ("engine", "sample_rows"),
-          ("scheduler", "update"), ("engine", "_read"))
+PHASES = (
+    ("scheduler", "schedule"),
+    ("runner", "build_meta"),
+    ("engine", "sample_rows"),
+    ("scheduler", "update"),
+    ("engine", "_read"),
+)
 
 
 def time_batch(batch: int, steps: int, prompt_len: int, *, freeze: bool) -> dict[str, float]:
     """Mean host ms per decode step with `batch` requests decoding, per phase, and the garbage collector's
     pauses during those steps. `freeze`: the start-up heap moved out of the collector's reach first, as
     `hyserve serve` does (`freeze_startup_heap`)."""
-    llm = LLM(max_batch_size=batch, max_num_tokens=max(2048, batch), device="cpu",
-              kv_cache_config={"tokens_per_block": 16, "max_gpu_total_bytes": 1024 * 2**20})
+    llm = LLM(
+        max_batch_size=batch,
+        max_num_tokens=max(2048, batch),
+        device="cpu",
+        kv_cache_config={"tokens_per_block": 16, "max_gpu_total_bytes": 1024 * 2**20},
+    )
     eng = llm.engine
     model = eng.runner.model
     hidden, vocab = model.config.hidden_size, model.config.vocab_size
@@ -86,8 +95,12 @@ def time_batch(batch: int, steps: int, prompt_len: int, *, freeze: bool) -> dict
         gc.callbacks.remove(on_gc)
         gc.unfreeze()
     assert len(eng.scheduler.running) == batch, "the batch shrank while timing"
-    return {"step_ms": total, "gc_max_pause_ms": max(pauses, default=0.0), "gc_ms_per_step": sum(pauses) / steps,
-            **{f"{label.split('.')[1]}_ms": sum(v) / steps for label, v in spent.items()}}
+    return {
+        "step_ms": total,
+        "gc_max_pause_ms": max(pauses, default=0.0),
+        "gc_ms_per_step": sum(pauses) / steps,
+        **{f"{label.split('.')[1]}_ms": sum(v) / steps for label, v in spent.items()},
+    }
 
 
 def main() -> int:
@@ -101,8 +114,11 @@ def main() -> int:
     logging.disable(logging.WARNING)
     cfg = HybridModelConfig.from_dict(json.loads((CFG_DIR / "config.json").read_text()))
     records = []
-    head = ["| batch | garbage collector | host ms / step | Nano 9B v2 roofline step ms | ratio | longest GC pause ms "
-            "| phases (ms) |", "|---|---|---|---|---|---|---|"]
+    head = [
+        "| batch | garbage collector | host ms / step | Nano 9B v2 roofline step ms | ratio | longest GC pause ms "
+        "| phases (ms) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     print(*head, sep="\n")
     lines = []
     for b in args.batches:
@@ -110,19 +126,34 @@ def main() -> int:
         for freeze in (True, False):
             r = time_batch(b, args.steps, prompt_len=32, freeze=freeze)
             mode = "start-up heap frozen (as served)" if freeze else "default"
-            phases = {k.removesuffix("_ms"): round(v, 3) for k, v in r.items() if k.startswith("_") or
-                      k in ("schedule_ms", "build_meta_ms", "update_ms", "sample_rows_ms")}
-            records.append(dict(name=f"host work per decode step, batch {b}, GC {mode}", value=r["step_ms"],
-                                unit="ms",
-                                reference=f"Nano 9B v2 decode step roofline at the H200's published 4.8 TB/s, "
-                                          f"{args.context} KV tokens/seq",
-                                reference_value=roof, ratio=r["step_ms"] / roof, gc_max_pause_ms=r["gc_max_pause_ms"],
-                                gc_ms_per_step=r["gc_ms_per_step"], phases_ms=phases))
-            line = (f"| {b} | {mode} | {r['step_ms']:.2f} | {roof:.2f} | {r['step_ms'] / roof:.3f} "
-                    f"| {r['gc_max_pause_ms']:.1f} | {phases} |")
+            phases = {
+                k.removesuffix("_ms"): round(v, 3)
+                for k, v in r.items()
+                if k.startswith("_") or k in ("schedule_ms", "build_meta_ms", "update_ms", "sample_rows_ms")
+            }
+            records.append(
+                dict(
+                    name=f"host work per decode step, batch {b}, GC {mode}",
+                    value=r["step_ms"],
+                    unit="ms",
+                    reference=f"Nano 9B v2 decode step roofline at the H200's published 4.8 TB/s, "
+                    f"{args.context} KV tokens/seq",
+                    reference_value=roof,
+                    ratio=r["step_ms"] / roof,
+                    gc_max_pause_ms=r["gc_max_pause_ms"],
+                    gc_ms_per_step=r["gc_ms_per_step"],
+                    phases_ms=phases,
+                )
+            )
+            line = (
+                f"| {b} | {mode} | {r['step_ms']:.2f} | {roof:.2f} | {r['step_ms'] / roof:.3f} "
+                f"| {r['gc_max_pause_ms']:.1f} | {phases} |"
+            )
             lines.append(line)
             print(line, flush=True)
-    write_host_results("host", args.out, args.git_sha, "none (host timing on the CPU)", records, [*head, *lines])
+    write_host_results(
+        "host", args.out, args.git_sha, "none (host timing on the CPU)", records, [*head, *lines]
+    )
     return 0
 
 

@@ -78,8 +78,14 @@ class Bench:
         dry run, where they only exercise the code)."""
         if self._ceilings is None:
             if self.dry:
-                self._ceilings = measure_ceilings(self.dev, stream_read_bytes=1 << 22, copy_bytes=1 << 22,
-                                                  gemv_bytes=1 << 20, matmul_shapes=((64, 64, 64),), reps=3)
+                self._ceilings = measure_ceilings(
+                    self.dev,
+                    stream_read_bytes=1 << 22,
+                    copy_bytes=1 << 22,
+                    gemv_bytes=1 << 20,
+                    matmul_shapes=((64, 64, 64),),
+                    reps=3,
+                )
             else:
                 self._ceilings = measure_ceilings(self.dev)
             print(f"     {self._ceilings.summary()}")
@@ -104,7 +110,9 @@ class Bench:
 
         return float(triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median"))
 
-    def check(self, name: str, actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> bool:
+    def check(
+        self, name: str, actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float
+    ) -> bool:
         try:
             assert torch.isfinite(actual).all(), "non-finite values"
             torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol)
@@ -116,15 +124,26 @@ class Bench:
         print(f"ok   {name}: matches its reference")
         return True
 
-    def record(self, name: str, value: float, unit: str, reference: str, reference_value: float, **extra) -> None:
+    def record(
+        self, name: str, value: float, unit: str, reference: str, reference_value: float, **extra
+    ) -> None:
         ratio = value / reference_value if reference_value else float("nan")
-        rec = dict(name=name, value=value, unit=unit, reference=reference, reference_value=reference_value,
-                   ratio=ratio, ceiling=None, **extra)  # against a peer or the default settings: no ceiling
+        rec = dict(
+            name=name,
+            value=value,
+            unit=unit,
+            reference=reference,
+            reference_value=reference_value,
+            ratio=ratio,
+            ceiling=None,
+            **extra,
+        )  # against a peer or the default settings: no ceiling
         self.records.append(rec)
         print(f"     {name}: {value:.4g} {unit} ({ratio:.1%} of {reference})")
 
-    def roof(self, name: str, value: float, unit: str, limit: str, reference: str, reference_at=None,
-             **extra) -> None:
+    def roof(
+        self, name: str, value: float, unit: str, limit: str, reference: str, reference_at=None, **extra
+    ) -> None:
         """A record against a roofline at this run's measured ceiling(s) of `limit` (read, copy, matmul,
         copy+matmul), with the same at the H200's published peaks. reference_at(peaks): the roofline in the
         record's unit (default: the ceiling itself, for a rate at that limit)."""
@@ -132,8 +151,10 @@ class Bench:
         f = ceiling_fields(limit, self.ceilings, value, at)
         rec = dict(name=name, value=value, unit=unit, reference=reference, **f, **extra)
         self.records.append(rec)
-        print(f"     {name}: {value:.4g} {unit} ({f['ratio']:.1%} of {reference}; "
-              f"{f['ratio_to_published']:.1%} of the published peak)")
+        print(
+            f"     {name}: {value:.4g} {unit} ({f['ratio']:.1%} of {reference}; "
+            f"{f['ratio_to_published']:.1%} of the published peak)"
+        )
 
     def rnd(self, *shape, dtype=BF16, scale=1.0):
         return (torch.randn(*shape, device=self.dev) * scale).to(dtype)
@@ -160,7 +181,9 @@ def bench_ssm(b: Bench) -> None:
         y_tri = selective_state_update_triton(p_tri, x, dt, A, B, C, idx, idx, **kw)
         tol = 1e-3 if sdt == F32 else 2e-2
         name = f"ssm_update batch {batch} {str(sdt).removeprefix('torch.')} state"
-        ok = b.check(name, y_tri, y_ref, 2e-2, 2e-2) and b.check(name + " (states)", p_tri[idx], p_ref[idx], tol, tol)
+        ok = b.check(name, y_tri, y_ref, 2e-2, 2e-2) and b.check(
+            name + " (states)", p_tri[idx], p_ref[idx], tol, tol
+        )
         if not ok:
             continue
         ms = b.time_ms(lambda: selective_state_update_triton(pool, x, dt, A, B, C, idx, idx, **kw))
@@ -185,10 +208,18 @@ def _bench_mamba_ssm_peer(b, pool, x, dt, A, B, C, D, dt_bias, idx, nbytes, our_
     N = pool.shape[-1]
     state = pool[idx].contiguous()
     try:
+
         def run():
             selective_state_update(
-                state, x, dt[:, :, None].expand(Bt, H, P), A[:, None, None].expand(H, P, N), B, C,
-                D=D[:, None].expand(H, P), dt_bias=dt_bias[:, None].expand(H, P), dt_softplus=True,
+                state,
+                x,
+                dt[:, :, None].expand(Bt, H, P),
+                A[:, None, None].expand(H, P, N),
+                B,
+                C,
+                D=D[:, None].expand(H, P),
+                dt_bias=dt_bias[:, None].expand(H, P),
+                dt_softplus=True,
             )
 
         run()
@@ -196,8 +227,15 @@ def _bench_mamba_ssm_peer(b, pool, x, dt, A, B, C, D, dt_bias, idx, nbytes, our_
     except Exception as e:  # noqa: BLE001 - optional peer
         print(f"     (mamba_ssm peer failed: {type(e).__name__}: {e})")
         return
-    b.record("ssm_update batch 64 fp32 state: hyserve vs mamba_ssm selective_state_update", ms / our_ms, "x speedup",
-             "mamba_ssm time / hyserve time (1.0 = parity)", 1.0, time_ms=our_ms, peer_ms=ms)
+    b.record(
+        "ssm_update batch 64 fp32 state: hyserve vs mamba_ssm selective_state_update",
+        ms / our_ms,
+        "x speedup",
+        "mamba_ssm time / hyserve time (1.0 = parity)",
+        1.0,
+        time_ms=our_ms,
+        peer_ms=ms,
+    )
 
 
 def bench_conv(b: Bench) -> None:
@@ -238,8 +276,13 @@ def bench_norms(b: Bench) -> None:
     for T in (64, 8192) if not b.dry else (5,):
         x, z, w = b.rnd(T, d_inner), b.rnd(T, d_inner), b.rnd(d_inner)
         name = f"rmsnorm_gated {T} tokens"
-        if b.check(name, rmsnorm_gated_triton(x, z, w, 1e-5, group), rmsnorm_gated_ref(x, z, w, 1e-5, group),
-                   2e-2, 2e-2):
+        if b.check(
+            name,
+            rmsnorm_gated_triton(x, z, w, 1e-5, group),
+            rmsnorm_gated_ref(x, z, w, 1e-5, group),
+            2e-2,
+            2e-2,
+        ):
             ms = b.time_ms(lambda: rmsnorm_gated_triton(x, z, w, 1e-5, group))
             b.roof(name, 3 * T * d_inner * 2 / (ms * 1e-3), "B/s", "copy", "device copy ceiling", time_ms=ms)
         h, wh = b.rnd(T, hidden), b.rnd(hidden)
@@ -254,13 +297,30 @@ def bench_norms(b: Bench) -> None:
 # Alternative launch settings for `triton_fused_linear`, timed by `--only linear_sweep` (the first entry
 # is the default): (BLOCK_N, BLOCK_K, num_warps, num_stages).
 _LINEAR_SWEEP: list[tuple[int, int, int, int]] = [
-    (4, 512, 4, 3), (8, 512, 4, 4), (8, 512, 4, 3), (16, 256, 4, 3), (16, 256, 4, 4), (8, 256, 4, 4), (8, 256, 4, 3),
-    (4, 512, 4, 4), (16, 512, 4, 2), (4, 1024, 4, 2), (16, 512, 4, 3),
+    (4, 512, 4, 3),
+    (8, 512, 4, 4),
+    (8, 512, 4, 3),
+    (16, 256, 4, 3),
+    (16, 256, 4, 4),
+    (8, 256, 4, 4),
+    (8, 256, 4, 3),
+    (4, 512, 4, 4),
+    (16, 512, 4, 2),
+    (4, 1024, 4, 2),
+    (16, 512, 4, 3),
     # short tiles on few warps, more programs in flight (the MoE decode GEMVs' best on the H100, 1303d9a)
-    (4, 128, 2, 6), (2, 256, 1, 6), (1, 512, 1, 6), (2, 512, 2, 4), (4, 256, 2, 6), (8, 128, 4, 6),
+    (4, 128, 2, 6),
+    (2, 256, 1, 6),
+    (1, 512, 1, 6),
+    (2, 512, 2, 4),
+    (4, 256, 2, 6),
+    (8, 128, 4, 6),
     # one stage: the tile straight into registers, no cp.async ring (the MoE GEMVs' Nsight Compute profile on
     # the H100 showed MIO-queue and shared-memory stalls and occupancy capped by shared memory)
-    (4, 512, 2, 1), (8, 512, 4, 1), (2, 1024, 2, 1), (8, 256, 2, 1),
+    (4, 512, 2, 1),
+    (8, 512, 4, 1),
+    (2, 1024, 2, 1),
+    (8, 256, 2, 1),
 ]
 
 
@@ -273,7 +333,9 @@ def _linear_cases(b: Bench):
     from hyserve.kernels.triton_activation import relu2_triton
     from hyserve.kernels.triton_rmsnorm import rmsnorm_gated_triton
 
-    d_inner, group, hidden, inter, in_proj = (10240, 1280, 4480, 15680, 22912) if not b.dry else (64, 16, 48, 80, 96)
+    d_inner, group, hidden, inter, in_proj = (
+        (10240, 1280, 4480, 15680, 22912) if not b.dry else (64, 16, 48, 80, 96)
+    )
     zx = b.rnd(1, in_proj + d_inner)
     y, z = b.rnd(1, d_inner), zx[:, :d_inner]
     nw = b.rnd(d_inner)
@@ -289,22 +351,50 @@ def _linear_cases(b: Bench):
     # plain projections (the `linear` op) at the Nano 9B v2 in_proj and the Nemotron 3 Nano 30B-A3B in_proj,
     # QKV and out_proj / o_proj (one GEMV shape), against cuBLAS (split-K with a reduce at the last ones on the H200)
     plain = []
-    for pname, n, k in ((("in_proj", in_proj, hidden), ("30B-A3B in_proj", 10304, 2688), ("30B-A3B qkv", 4608, 2688),
-                         ("30B-A3B out_proj / o_proj", 2688, 4096))
-                        if not b.dry else (("in_proj", in_proj, hidden),)):
+    for pname, n, k in (
+        (
+            ("in_proj", in_proj, hidden),
+            ("30B-A3B in_proj", 10304, 2688),
+            ("30B-A3B qkv", 4608, 2688),
+            ("30B-A3B out_proj / o_proj", 2688, 4096),
+        )
+        if not b.dry
+        else (("in_proj", in_proj, hidden),)
+    ):
         # a weight L2 could hold is one of several, read in turn (each once per replay), as a decode step reads
         # its layers' weights: replaying one small weight would time L2, not HBM
         copies = _copies_past_l2(b, n * k * 2)
         ws, xp = [b.rnd(n, k, scale=k**-0.5) for _ in range(copies)], b.rnd(1, k)
-        plain.append((pname, ws[-1], "GEMV", lambda xp=xp, ws=ws: [tfl.linear_triton(xp, w, None) for w in ws][-1],
-                      lambda xp=xp, ws=ws: [F.linear(xp, w) for w in ws][-1],
-                      lambda xp=xp, wp=ws[-1]: F.linear(xp.double(), wp.double()), copies))
+        plain.append(
+            (
+                pname,
+                ws[-1],
+                "GEMV",
+                lambda xp=xp, ws=ws: [tfl.linear_triton(xp, w, None) for w in ws][-1],
+                lambda xp=xp, ws=ws: [F.linear(xp, w) for w in ws][-1],
+                lambda xp=xp, wp=ws[-1]: F.linear(xp.double(), wp.double()),
+                copies,
+            )
+        )
     return plain + [
-        ("out_proj + gated norm", w_out, "norm kernel + GEMV",
-         lambda: tfl.gated_norm_linear_triton(y, z, nw, 1e-5, group, w_out, None),
-         lambda: F.linear(rmsnorm_gated_triton(y, z, nw, 1e-5, group), w_out), gated64, 1),
-        ("down_proj + relu2", w_down, "relu2 in the GEMV", lambda: tfl.relu2_linear_triton(u, w_down, None),
-         lambda: F.linear(relu2_triton(u), w_down), lambda: F.linear(torch.relu(u.double()) ** 2, w_down.double()), 1),
+        (
+            "out_proj + gated norm",
+            w_out,
+            "norm kernel + GEMV",
+            lambda: tfl.gated_norm_linear_triton(y, z, nw, 1e-5, group, w_out, None),
+            lambda: F.linear(rmsnorm_gated_triton(y, z, nw, 1e-5, group), w_out),
+            gated64,
+            1,
+        ),
+        (
+            "down_proj + relu2",
+            w_down,
+            "relu2 in the GEMV",
+            lambda: tfl.relu2_linear_triton(u, w_down, None),
+            lambda: F.linear(relu2_triton(u), w_down),
+            lambda: F.linear(torch.relu(u.double()) ** 2, w_down.double()),
+            1,
+        ),
     ]
 
 
@@ -333,11 +423,22 @@ def _bench_linear(b: Bench, sweep: bool, only: str = "") -> None:
         if only not in name:
             continue
         nbytes = w.numel() * w.element_size() * copies  # a replay reads each of `copies` weights once
-        label = f"{name} {w.shape[1]}->{w.shape[0]}, 1 row" + (f" ({copies} weights in turn)" if copies > 1 else "")
+        label = f"{name} {w.shape[1]}->{w.shape[0]}, 1 row" + (
+            f" ({copies} weights in turn)" if copies > 1 else ""
+        )
         ref = exact()
         base_ms = b.graph_ms(unfused)
-        base = "cuBLAS" if variant == "GEMV" else "op kernel + cuBLAS"  # a plain projection has no op before it
-        b.roof(f"{label}: {base}", nbytes / (base_ms * 1e-3), "B/s", "read", "bytes-read ceiling", time_ms=base_ms)
+        base = (
+            "cuBLAS" if variant == "GEMV" else "op kernel + cuBLAS"
+        )  # a plain projection has no op before it
+        b.roof(
+            f"{label}: {base}",
+            nbytes / (base_ms * 1e-3),
+            "B/s",
+            "read",
+            "bytes-read ceiling",
+            time_ms=base_ms,
+        )
         saved = tfl.gpu_settings
         for cfg in configs:
             tag = "" if cfg is None else " [N{} K{} w{} s{}]".format(*cfg)
@@ -347,8 +448,16 @@ def _bench_linear(b: Bench, sweep: bool, only: str = "") -> None:
                 if not b.check(f"{label}: {variant}{tag}", fused(), ref, 2e-2, 2e-2):
                     continue
                 ms = b.graph_ms(fused)
-                b.roof(f"{label}: {variant}{tag}", nbytes / (ms * 1e-3), "B/s", "read", "bytes-read ceiling",
-                       time_ms=ms, unfused_ms=base_ms, speedup_vs_unfused=base_ms / ms)
+                b.roof(
+                    f"{label}: {variant}{tag}",
+                    nbytes / (ms * 1e-3),
+                    "B/s",
+                    "read",
+                    "bytes-read ceiling",
+                    time_ms=ms,
+                    unfused_ms=base_ms,
+                    speedup_vs_unfused=base_ms / ms,
+                )
                 print(f"     ({ms * 1e3:.1f} us vs {base_ms * 1e3:.1f} us unfused: {base_ms / ms:.3f}x)")
             except Exception as e:  # noqa: BLE001 - a setting may not compile; report and go on
                 print(f"     (fused linear config {tag} failed: {type(e).__name__}: {e})")
@@ -364,26 +473,59 @@ def bench_linear(b: Bench) -> None:
 # The FP8 linear's one-row GEMV (e4m3 weights), timed by `--only linear_sweep` (the first entry of each is the
 # default in triton_fused_linear.py): channel scales, then block scales (BLOCK_K divides 128).
 _FP8_GEMV_SWEEP = {
-    "channel": [(4, 1024, 4, 3), (8, 1024, 4, 3), (8, 512, 4, 4), (16, 512, 4, 3), (4, 2048, 4, 2), (8, 1024, 8, 3),
-                (2, 2048, 4, 3), (16, 256, 4, 4),
-                # long rows, few output columns (down_proj, out_proj): more programs, shorter tiles, fewer warps
-                (1, 2048, 2, 3), (1, 4096, 4, 2), (1, 1024, 1, 4), (2, 1024, 2, 4), (2, 2048, 2, 3), (2, 4096, 4, 2),
-                (4, 1024, 2, 4), (4, 512, 2, 6), (8, 512, 2, 4)],
-    "block": [(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 6), (32, 128, 8, 4), (8, 128, 4, 6), (64, 128, 8, 3)],
+    "channel": [
+        (4, 1024, 4, 3),
+        (8, 1024, 4, 3),
+        (8, 512, 4, 4),
+        (16, 512, 4, 3),
+        (4, 2048, 4, 2),
+        (8, 1024, 8, 3),
+        (2, 2048, 4, 3),
+        (16, 256, 4, 4),
+        # long rows, few output columns (down_proj, out_proj): more programs, shorter tiles, fewer warps
+        (1, 2048, 2, 3),
+        (1, 4096, 4, 2),
+        (1, 1024, 1, 4),
+        (2, 1024, 2, 4),
+        (2, 2048, 2, 3),
+        (2, 4096, 4, 2),
+        (4, 1024, 2, 4),
+        (4, 512, 2, 6),
+        (8, 512, 2, 4),
+    ],
+    "block": [
+        (16, 128, 4, 4),
+        (32, 128, 4, 4),
+        (16, 128, 4, 6),
+        (32, 128, 8, 4),
+        (8, 128, 4, 6),
+        (64, 128, 8, 3),
+    ],
 }
 
 
 # Nemotron 3 Super 120B-A12B's dense FP8 GEMVs at batch 1, (N, K): Mamba in_proj / out_proj, q (and o) /
 # k (and v) unpacked, the shared expert's up / down, the latent projections (fc1 / fc2). A decode step
 # launches 272 of them, 6.77 GB; with the row-length tables most get 16 to 336 programs.
-_SUPER_FP8_GEMVS = ((18560, 4096), (4096, 8192), (4096, 4096), (256, 4096), (5376, 4096), (4096, 5376),
-                    (1024, 4096), (4096, 1024))
+_SUPER_FP8_GEMVS = (
+    (18560, 4096),
+    (4096, 8192),
+    (4096, 4096),
+    (256, 4096),
+    (5376, 4096),
+    (4096, 5376),
+    (1024, 4096),
+    (4096, 1024),
+)
 _W_SCALE = {"channel": 1, "block": 2}  # triton_fused_linear's weight kinds
-_WRITE_MARGIN = 0.97  # a sweep's best enters the GPU's file only when it takes at most this of the current time
+_WRITE_MARGIN = (
+    0.97  # a sweep's best enters the GPU's file only when it takes at most this of the current time
+)
 
 
-def _bench_fp8_gemv_sweep(b: Bench, schemes: tuple[str, ...] = ("channel", "block"), shapes=None,
-                          what: str = "") -> None:
+def _bench_fp8_gemv_sweep(
+    b: Bench, schemes: tuple[str, ...] = ("channel", "block"), shapes=None, what: str = ""
+) -> None:
     """One row through the FP8 GEMV (default: at the Nano 9B v2 in_proj, down_proj and out_proj), per launch
     setting, bytes read (e4m3 weight + float32 scales) against the read ceiling, checked first against the
     float64 product of x and the dequantised weight; bf16 cuBLAS on the dequantised weight beside it. A replay
@@ -420,16 +562,27 @@ def _bench_fp8_gemv_sweep(b: Bench, schemes: tuple[str, ...] = ("channel", "bloc
             key = (_W_SCALE[scheme], k, n)
             for cfg in settings if not b.dry else settings[:2]:
                 tag = "[N{} K{} w{} s{}]".format(*cfg) + (" current" if cfg == current else "")
-                label = f"fp8 {scheme} GEMV {what}{k}->{n}, 1 row" \
-                    + (f" ({copies} weights in turn)" if copies > 1 else "") + f" {tag}"
+                label = (
+                    f"fp8 {scheme} GEMV {what}{k}->{n}, 1 row"
+                    + (f" ({copies} weights in turn)" if copies > 1 else "")
+                    + f" {tag}"
+                )
                 try:
                     tfl.gpu_settings = _fixed_gemv_setting(cfg)
                     fn = lambda qs=qs, sc=sc: [tfl.gemv_fp8(x, qi, sc, None, False) for qi in qs][-1]  # noqa: E731
                     if not b.check(label, fn(), want, 1e-2, 1e-2):
                         continue
                     ms = b.graph_ms(fn)
-                    b.roof(label, nbytes / (ms * 1e-3), "B/s", "read", "FP8 weight-read roofline: bytes-read ceiling",
-                           time_ms=ms, bf16_ms=base_ms, speedup_vs_bf16=base_ms / ms)
+                    b.roof(
+                        label,
+                        nbytes / (ms * 1e-3),
+                        "B/s",
+                        "read",
+                        "FP8 weight-read roofline: bytes-read ceiling",
+                        time_ms=ms,
+                        bf16_ms=base_ms,
+                        speedup_vs_bf16=base_ms / ms,
+                    )
                     got = b.gemv_best.setdefault(key, {"label": f"fp8 {scheme} GEMV {what}{k}->{n}"})
                     if cfg == current:
                         got["current"] = (ms, cfg)
@@ -471,23 +624,33 @@ def write_linear_configs(b: Bench, config_dir: Path, device: str, source: str) -
     from hyserve.kernels.launch_util import device_file
 
     path = device_file(config_dir, device)
-    doc = json.loads(path.read_text()) if path.exists() else {
-        "device": device, "triton": __import__("triton").__version__,
-        "note": "one-row GEMV launch settings for shapes where this GPU's sweep disagrees with the row-length "
-                "tables of triton_fused_linear.py; keys '<w_scale>,<K>,<N>' (w_scale 0: 16-bit weight, 1: e4m3 "
-                "channel scales, 2: e4m3 block scales)", "source": {}, "configs": {}}
+    doc = (
+        json.loads(path.read_text())
+        if path.exists()
+        else {
+            "device": device,
+            "triton": __import__("triton").__version__,
+            "note": "one-row GEMV launch settings for shapes where this GPU's sweep disagrees with the row-length "
+            "tables of triton_fused_linear.py; keys '<w_scale>,<K>,<N>' (w_scale 0: 16-bit weight, 1: e4m3 "
+            "channel scales, 2: e4m3 block scales)",
+            "source": {},
+            "configs": {},
+        }
+    )
     written = []
     for (w_scale, k, n), got in sorted(b.gemv_best.items()):
         if "current" not in got or "best" not in got or got["best"][0] > _WRITE_MARGIN * got["current"][0]:
             continue
         (t_cur, c_cur), (t_best, c_best) = got["current"], got["best"]
         key = tfl.shape_key(w_scale, k, n)
-        doc["configs"][key] = tfl.validate_setting(dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"),
-                                                            c_best, strict=True)), key)
+        doc["configs"][key] = tfl.validate_setting(
+            dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), c_best, strict=True)), key
+        )
         doc.setdefault("source", {})[key] = (
             f"{source}: {got['label']}, {c_best[0]} x {c_best[1]} on {c_best[2]} warps, {c_best[3]} stages "
             f"{t_best * 1e3:.1f} us against {t_cur * 1e3:.1f} us for the setting it replaces "
-            f"({c_cur[0]} x {c_cur[1]} on {c_cur[2]} warps, {c_cur[3]} stages)")
+            f"({c_cur[0]} x {c_cur[1]} on {c_cur[2]} warps, {c_cur[3]} stages)"
+        )
         written.append(key)
     if written:
         path.write_text(json.dumps(doc, indent=1) + "\n")
@@ -502,8 +665,13 @@ def _fp8_shapes(b: Bench) -> list[tuple[str, int, int]]:
     """(projection, N, K) of one Nano 9B v2 layer of each kind."""
     if b.dry:
         return [("in_proj", 200, 96), ("down_proj", 48, 160)]
-    return [("in_proj", 22656, 4480), ("out_proj", 4480, 10240), ("up_proj", 15680, 4480),
-            ("down_proj", 4480, 15680), ("q_proj", 5120, 4480)]
+    return [
+        ("in_proj", 22656, 4480),
+        ("out_proj", 4480, 10240),
+        ("up_proj", 15680, 4480),
+        ("down_proj", 4480, 15680),
+        ("q_proj", 5120, 4480),
+    ]
 
 
 def bench_fp8_linear(b: Bench) -> None:
@@ -548,16 +716,34 @@ def bench_fp8_linear(b: Bench) -> None:
                     base = lambda: F.linear(x, wd)  # noqa: E731
                     if m < 8192:
                         ms, base_ms = b.graph_ms(ours), b.graph_ms(base)
-                        b.roof(label, fp8_bytes / (ms * 1e-3), "B/s", "read", "FP8 weight-read roofline: bytes-read "
-                               "ceiling", time_ms=ms, bf16_ms=base_ms, speedup_vs_bf16=base_ms / ms,
-                               timing="CUDA graph replay")
+                        b.roof(
+                            label,
+                            fp8_bytes / (ms * 1e-3),
+                            "B/s",
+                            "read",
+                            "FP8 weight-read roofline: bytes-read ceiling",
+                            time_ms=ms,
+                            bf16_ms=base_ms,
+                            speedup_vs_bf16=base_ms / ms,
+                            timing="CUDA graph replay",
+                        )
                     else:
                         ms, base_ms = b.time_ms(ours), b.time_ms(base)
                         flops = 2 * m * n * k
-                        b.roof(label, flops / (ms * 1e-3), "FLOP/s", "matmul", "2 x the bf16 matmul ceiling (e4m3 "
-                               "tensor-core rate)", reference_at=lambda p: 2 * p.matmul_flops, time_ms=ms,
-                               bf16_ms=base_ms, speedup_vs_bf16=base_ms / ms)
-                    print(f"     ({ms * 1e3:.1f} us vs {base_ms * 1e3:.1f} us bf16 cuBLAS: {base_ms / ms:.3f}x)")
+                        b.roof(
+                            label,
+                            flops / (ms * 1e-3),
+                            "FLOP/s",
+                            "matmul",
+                            "2 x the bf16 matmul ceiling (e4m3 tensor-core rate)",
+                            reference_at=lambda p: 2 * p.matmul_flops,
+                            time_ms=ms,
+                            bf16_ms=base_ms,
+                            speedup_vs_bf16=base_ms / ms,
+                        )
+                    print(
+                        f"     ({ms * 1e3:.1f} us vs {base_ms * 1e3:.1f} us bf16 cuBLAS: {base_ms / ms:.3f}x)"
+                    )
     t8.PREFILL_GEMM["form"] = "auto"
 
 
@@ -599,8 +785,14 @@ def bench_attn(b: Bench) -> None:
     name = f"write_kv {T} tokens"
     if b.check(name, k_cache, kr, 0, 0) and b.check(name + " (V)", v_cache, vr, 0, 0):
         ms = b.time_ms(lambda: write_kv_triton(k, v, k_cache, v_cache, slots))
-        b.roof(name, 2 * 2 * k.numel() * k.element_size() / (ms * 1e-3), "B/s", "copy", "device copy ceiling",
-               time_ms=ms)
+        b.roof(
+            name,
+            2 * 2 * k.numel() * k.element_size() / (ms * 1e-3),
+            "B/s",
+            "copy",
+            "device copy ceiling",
+            time_ms=ms,
+        )
 
     # decode: one sequence at 128k context, and batch 64 at 8k
     for batch, L in ((1, 131072), (64, 8192)) if not b.dry else ((1, 700), (3, 100)):
@@ -613,13 +805,26 @@ def bench_attn(b: Bench) -> None:
         # the call replayed from a CUDA graph as a decode step runs it
         lens_t = torch.tensor(lens, dtype=torch.int32, device=b.dev)
         cu_t = torch.tensor(cu, dtype=torch.int32, device=b.dev)
-        if b.check(name, paged_attention_cuda(q, kc, vc, tb, lens_t, cu_t, scale),
-                   paged_attention_ref(q, kc, vc, tb, lens, cu, scale), tol, tol):
+        if b.check(
+            name,
+            paged_attention_cuda(q, kc, vc, tb, lens_t, cu_t, scale),
+            paged_attention_ref(q, kc, vc, tb, lens, cu, scale),
+            tol,
+            tol,
+        ):
             ms = b.graph_ms(lambda: paged_attention_cuda(q, kc, vc, tb, lens_t, cu_t, scale))
             eager_ms = b.time_ms(lambda: paged_attention_cuda(q, kc, vc, tb, lens, cu, scale))
             kv_bytes = 2 * batch * L * Hkv * D * kc.element_size()
-            b.roof(name, kv_bytes / (ms * 1e-3), "B/s", "read", "KV-read roofline: bytes-read ceiling",
-                   time_ms=ms, timing="CUDA graph replay, device-tensor lengths", eager_host_lists_ms=eager_ms)
+            b.roof(
+                name,
+                kv_bytes / (ms * 1e-3),
+                "B/s",
+                "read",
+                "KV-read roofline: bytes-read ceiling",
+                time_ms=ms,
+                timing="CUDA graph replay, device-tensor lengths",
+                eager_host_lists_ms=eager_ms,
+            )
 
     # prefill: one 8k sequence (no cache) and an extend of 2k new tokens over 6k cached
     for n_new, L in ((8192, 8192), (2048, 8192)) if not b.dry else ((37, 37), (20, 50)):
@@ -628,8 +833,13 @@ def bench_attn(b: Bench) -> None:
         cu = [0, n_new]
         flops = attention_flops([n_new], [L], Hq, D)
         name = f"paged prefill attention {n_new} new / {L} total tokens"
-        if not b.check(name, paged_attention_cuda(q, kc, vc, tb, [L], cu, scale),
-                       paged_attention_ref(q, kc, vc, tb, [L], cu, scale), tol, tol):
+        if not b.check(
+            name,
+            paged_attention_cuda(q, kc, vc, tb, [L], cu, scale),
+            paged_attention_ref(q, kc, vc, tb, [L], cu, scale),
+            tol,
+            tol,
+        ):
             continue
         ours_fn = lambda: paged_attention_cuda(q, kc, vc, tb, [L], cu, scale)  # noqa: E731
         ms = b.time_ms(ours_fn)
@@ -644,8 +854,16 @@ def bench_attn(b: Bench) -> None:
                 dev["device_ms"] = _device_ms(b, ours_fn)
                 dev["peer_device_ms"] = _device_ms(b, _sdpa_fn(q, kc, vc, tb, L, best_name))
                 dev["device_time_ratio"] = dev["peer_device_ms"] / dev["device_ms"]
-            b.record(name, ours, "FLOP/s", f"torch SDPA ({best_name}) on the same shapes, same run", peer,
-                     time_ms=ms, peer_ms=best_ms, **dev)
+            b.record(
+                name,
+                ours,
+                "FLOP/s",
+                f"torch SDPA ({best_name}) on the same shapes, same run",
+                peer,
+                time_ms=ms,
+                peer_ms=best_ms,
+                **dev,
+            )
         else:
             b.roof(name, ours, "FLOP/s", "matmul", "bf16 matmul ceiling", time_ms=ms)
 
@@ -697,9 +915,17 @@ def _bench_prefill_fp8(b: Bench, Hq: int, Hkv: int, D: int, bs: int, dtype, tol:
         ms16 = b.time_ms(lambda kd=kd, vd=vd: paged_attention_cuda(q, kd, vd, tb, [L], [0, n_new], scale))
         del kd, vd
         flops = attention_flops([n_new], [L], Hq, D)
-        b.record(name, flops / (ms * 1e-3), "FLOP/s", "the 16-bit KV cache's prefill on the same values, same run",
-                 flops / (ms16 * 1e-3), time_ms=ms, bf16_kv_ms=ms16, triton_fp8_ms=triton_ms,
-                 speedup_vs_triton_fp8=triton_ms / ms)
+        b.record(
+            name,
+            flops / (ms * 1e-3),
+            "FLOP/s",
+            "the 16-bit KV cache's prefill on the same values, same run",
+            flops / (ms16 * 1e-3),
+            time_ms=ms,
+            bf16_kv_ms=ms16,
+            triton_fp8_ms=triton_ms,
+            speedup_vs_triton_fp8=triton_ms / ms,
+        )
 
 
 def _bench_decode_fp8(b: Bench, Hq: int, Hkv: int, D: int, bs: int, dtype, tol: float, scale: float) -> None:
@@ -716,8 +942,13 @@ def _bench_decode_fp8(b: Bench, Hq: int, Hkv: int, D: int, bs: int, dtype, tol: 
         cu = list(range(batch + 1))
         kw = dict(k_scale=ks, v_scale=vs)
         name = f"paged decode attention fp8 KV batch {batch} x {L} context"
-        if not b.check(name, paged_attention_cuda(q, kc, vc, tb, lens, cu, scale, **kw),
-                       paged_attention_ref(q, kc, vc, tb, lens, cu, scale, **kw), tol, tol):
+        if not b.check(
+            name,
+            paged_attention_cuda(q, kc, vc, tb, lens, cu, scale, **kw),
+            paged_attention_ref(q, kc, vc, tb, lens, cu, scale, **kw),
+            tol,
+            tol,
+        ):
             continue
         lens_t = torch.tensor(lens, dtype=torch.int32, device=b.dev)  # the decode path, as bench_attn
         cu_t = torch.tensor(cu, dtype=torch.int32, device=b.dev)
@@ -726,9 +957,18 @@ def _bench_decode_fp8(b: Bench, Hq: int, Hkv: int, D: int, bs: int, dtype, tol: 
         ms16 = b.graph_ms(lambda: paged_attention_cuda(q, kd, vd, tb, lens_t, cu_t, scale))
         triton_ms = b.graph_ms(lambda: paged_attention_triton(q, kc, vc, tb, lens_t, cu_t, scale, **kw))
         kv_bytes = 2 * batch * L * Hkv * D * kc.element_size()  # 1 byte per element
-        b.roof(name, kv_bytes / (ms * 1e-3), "B/s", "read", "KV-read roofline (1-byte KV): bytes-read ceiling",
-               time_ms=ms, bf16_kv_ms=ms16, speedup_vs_bf16_kv=ms16 / ms, triton_fp8_ms=triton_ms,
-               speedup_vs_triton_fp8=triton_ms / ms)
+        b.roof(
+            name,
+            kv_bytes / (ms * 1e-3),
+            "B/s",
+            "read",
+            "KV-read roofline (1-byte KV): bytes-read ceiling",
+            time_ms=ms,
+            bf16_kv_ms=ms16,
+            speedup_vs_bf16_kv=ms16 / ms,
+            triton_fp8_ms=triton_ms,
+            speedup_vs_triton_fp8=triton_ms / ms,
+        )
 
 
 def _sdpa_fn(q, kc, vc, tables, L: int, backend: str):
@@ -784,13 +1024,19 @@ def _ssd_inputs(b: Bench, lens: list[int], H: int, P: int, N: int, G: int, dtype
     return x, dt, A, B, C, D, dt_bias, init
 
 
-def _ssd_floor_s(T: int, S: int, H: int, P: int, N: int, G: int, L: int, xbytes: int, with_init: bool,
-                 peaks: Peaks) -> float:
+def _ssd_floor_s(
+    T: int, S: int, H: int, P: int, N: int, G: int, L: int, xbytes: int, with_init: bool, peaks: Peaks
+) -> float:
     """Byte/FLOP floor of one scan without chunk states: max(bytes at the copy ceiling, FLOPs at the
     matmul ceiling). Bytes: x in, y out, B and C in, dt in, final states out (+ initial states in).
     FLOPs per token: chunk-state contribution and carried-state output (2 x 2HPN), causal within-chunk
     C.B (G N L/2 MACs) and scores @ x (H P L/2 MACs)."""
-    nbytes = 2 * T * H * P * xbytes + 2 * T * G * N * xbytes + T * H * 4 + S * H * P * N * 4 * (2 if with_init else 1)
+    nbytes = (
+        2 * T * H * P * xbytes
+        + 2 * T * G * N * xbytes
+        + T * H * 4
+        + S * H * P * N * 4 * (2 if with_init else 1)
+    )
     flops = T * (4 * H * P * N + G * N * L + H * P * L)
     return max(nbytes / peaks.copy_bw, flops / peaks.matmul_flops)
 
@@ -811,7 +1057,9 @@ def _ssd_cases(b: Bench) -> tuple[tuple[int, int, int, int, int], object, list[l
     return shape, dtype, cases
 
 
-def _ssd_check_and_time(b: Bench, lens: list[int], shape, dtype, label: str = "") -> tuple[float, tuple] | None:
+def _ssd_check_and_time(
+    b: Bench, lens: list[int], shape, dtype, label: str = ""
+) -> tuple[float, tuple] | None:
     """Checks ssd_triton against the float32 reference on fresh inputs, then times it (without chunk
     states, as a prefill without snapshots runs). Returns (ms, inputs) or None when it disagrees."""
     from hyserve.kernels.ssd import ssd_chunked_ref
@@ -830,8 +1078,11 @@ def _ssd_check_and_time(b: Bench, lens: list[int], shape, dtype, label: str = ""
     ref = ssd_chunked_ref(x, dt, A, B, C, L, cu, **kw, return_chunk_states=True)
     tol = 2e-2  # bf16 matmul operands; relative to the largest magnitude
     ok = True
-    for what, a, r in (("y", got.y, ref.y), ("final states", got.final_states, ref.final_states),
-                       ("chunk states", got.chunk_states, ref.chunk_states)):
+    for what, a, r in (
+        ("y", got.y, ref.y),
+        ("final states", got.final_states, ref.final_states),
+        ("chunk states", got.chunk_states, ref.chunk_states),
+    ):
         ok = ok and b.check(f"{name} ({what})", a, r, tol, tol * max(1.0, float(r.abs().max())))
     del got, ref
     if not ok:
@@ -855,18 +1106,39 @@ def bench_ssd(b: Bench) -> None:
         for n in lens:
             cu.append(cu[-1] + n)
         name = f"ssd {T} tokens" if S == 1 else f"ssd {S} x {lens[0]} tokens, initial states"
+
         def floor_s(peaks: Peaks) -> float:
             return _ssd_floor_s(T, S, H, P, N, G, L, x.element_size(), init is not None, peaks)
 
         kernels = {}
         if not b.dry:
-            kernels = _ssd_kernel_times(lambda: ssd_triton(x, dt, A, B, C, L, cu, D=D, dt_bias=dt_bias,
-                                                           initial_states=init, return_chunk_states=False))
+            kernels = _ssd_kernel_times(
+                lambda: ssd_triton(
+                    x,
+                    dt,
+                    A,
+                    B,
+                    C,
+                    L,
+                    cu,
+                    D=D,
+                    dt_bias=dt_bias,
+                    initial_states=init,
+                    return_chunk_states=False,
+                )
+            )
             print("     kernels (ms): " + ", ".join(f"{k} {v:.4f}" for k, v in kernels.items()))
-        b.roof(name, T / (ms * 1e-3), "tok/s", "copy+matmul",
-               "byte/FLOP floor: max(min bytes at the copy ceiling, FLOPs at the matmul ceiling)",
-               lambda p: T / floor_s(p), time_ms=ms, floor_ms=floor_s(measured_peaks(b.ceilings)) * 1e3,
-               kernels_ms=kernels)
+        b.roof(
+            name,
+            T / (ms * 1e-3),
+            "tok/s",
+            "copy+matmul",
+            "byte/FLOP floor: max(min bytes at the copy ceiling, FLOPs at the matmul ceiling)",
+            lambda p: T / floor_s(p),
+            time_ms=ms,
+            floor_ms=floor_s(measured_peaks(b.ceilings)) * 1e3,
+            kernels_ms=kernels,
+        )
         if S == 1 and not b.dry:
             _bench_mamba_ssm_ssd_peer(b, name, x, dt, A, B, C, L, D, dt_bias, ms)
 
@@ -887,12 +1159,15 @@ def _bench_mamba_ssm_ssd_peer(b: Bench, name: str, x, dt, A, B, C, L: int, D, dt
 
     def run():
         with torch.inference_mode():
-            return mamba_chunk_scan_combined(xs, dts, A, Bs, Cs, L, D=D, dt_bias=dt_bias, dt_softplus=True,
-                                             return_final_states=True)
+            return mamba_chunk_scan_combined(
+                xs, dts, A, Bs, Cs, L, D=D, dt_bias=dt_bias, dt_softplus=True, return_final_states=True
+            )
 
     try:
         y_peer, _ = run()
-        ref = ssd_chunked_ref(x, dt, A, B, C, L, [0, x.shape[0]], D=D, dt_bias=dt_bias, return_chunk_states=False)
+        ref = ssd_chunked_ref(
+            x, dt, A, B, C, L, [0, x.shape[0]], D=D, dt_bias=dt_bias, return_chunk_states=False
+        )
         err = float((y_peer[0].float() - ref.y.float()).abs().max()) / max(1.0, float(ref.y.abs().max()))
         print(f"     mamba_ssm output vs reference: max error {err:.2e} of the largest magnitude")
         del ref, y_peer
@@ -900,8 +1175,15 @@ def _bench_mamba_ssm_ssd_peer(b: Bench, name: str, x, dt, A, B, C, L: int, D, dt
     except Exception as e:  # noqa: BLE001 - optional peer
         print(f"     (mamba_ssm peer failed: {type(e).__name__}: {e})")
         return
-    b.record(f"{name}: hyserve vs mamba_ssm mamba_chunk_scan_combined", ms / our_ms, "x speedup",
-             "mamba_ssm mamba_chunk_scan_combined, same run", 1.0, time_ms=our_ms, peer_ms=ms)
+    b.record(
+        f"{name}: hyserve vs mamba_ssm mamba_chunk_scan_combined",
+        ms / our_ms,
+        "x speedup",
+        "mamba_ssm mamba_chunk_scan_combined, same run",
+        1.0,
+        time_ms=our_ms,
+        peer_ms=ms,
+    )
 
 
 # Alternative block sizes for the two heavy SSD kernels (one kernel changed per entry), timed against
@@ -929,6 +1211,7 @@ def bench_ssd_sweep(b: Bench) -> None:
     base = getattr(ts, attr)
     default_ms: dict[int, float] = {}
     for label, state, out in _SSD_SWEEP:
+
         def cfg(L: int, P: int, N: int, state=state, out=out) -> dict:
             c = base(L, P, N)
             c["state"].update(state)
@@ -944,8 +1227,14 @@ def bench_ssd_sweep(b: Bench) -> None:
                 if res is not None:
                     T = sum(lens)
                     default_ms.setdefault(T, res[0])  # the first entry is the default
-                    b.record(f"ssd {T} tokens [{label}]", res[0], "ms", "default config, same sweep",
-                             default_ms[T], time_ms=res[0])
+                    b.record(
+                        f"ssd {T} tokens [{label}]",
+                        res[0],
+                        "ms",
+                        "default config, same sweep",
+                        default_ms[T],
+                        time_ms=res[0],
+                    )
         except Exception as e:  # noqa: BLE001 - a config may not compile; report and go on
             print(f"     (ssd config {label} failed: {type(e).__name__}: {e})")
         finally:
@@ -1024,19 +1313,45 @@ def bench_attn_sweep(b: Bench) -> None:
     Hq, Hkv, D, bs = (40, 8, 128, 64) if not b.dry else (4, 2, 32, 16)
     dtype = BF16 if not b.dry else torch.float16
     scale, tol = D**-0.5, 2e-2
-    tables = [(ta, name) for name in ("_DECODE_GPU", "_PREFILL_GPU", "_TARGET_PROGRAMS", "_MAX_SPLITS",
-                                      "_DECODE_CPU", "_PREFILL_CPU", "_COMBINE_GPU", "_COMBINE_CPU")] + [(ga, "_PREFILL_SM90"), (ga, "_PREFILL_SM90_FP8")]
+    tables = [
+        (ta, name)
+        for name in (
+            "_DECODE_GPU",
+            "_PREFILL_GPU",
+            "_TARGET_PROGRAMS",
+            "_MAX_SPLITS",
+            "_DECODE_CPU",
+            "_PREFILL_CPU",
+            "_COMBINE_GPU",
+            "_COMBINE_CPU",
+        )
+    ] + [(ga, "_PREFILL_SM90"), (ga, "_PREFILL_SM90_FP8")]
     tables += [(gd, "_DECODE_FP8"), (gd, "_TARGET_PROGRAMS")]
     saved = [(mod, name, copy.deepcopy(getattr(mod, name))) for mod, name in tables]
-    attention = [paged_attention_cuda]  # what the entry being timed calls (apply_prefill may pick Triton alone)
+    attention = [
+        paged_attention_cuda
+    ]  # what the entry being timed calls (apply_prefill may pick Triton alone)
 
     def restore() -> None:
         for mod, name, value in saved:
             setattr(mod, name, copy.deepcopy(value))
         attention[0] = paged_attention_cuda
 
-    def run_case(name: str, q, kc, vc, tb, lens, cu, nbytes_or_flops: float, unit: str, configs, apply,
-                 graph: bool = False, **kw) -> float:
+    def run_case(
+        name: str,
+        q,
+        kc,
+        vc,
+        tb,
+        lens,
+        cu,
+        nbytes_or_flops: float,
+        unit: str,
+        configs,
+        apply,
+        graph: bool = False,
+        **kw,
+    ) -> float:
         """graph: time the decode step as a captured step runs it (device seq_lens / cu_q, CUDA graph replay,
         no launcher host time); else eager with host lists."""
         refs = {False: paged_attention_ref(q, kc, vc, tb, lens, cu, scale, **kw)}
@@ -1048,8 +1363,9 @@ def bench_attn_sweep(b: Bench) -> None:
             # interpreter's own kernel whatever the entry says)
             qk8 = not b.dry and isinstance(cfg[0], dict) and bool(cfg[0].get("sm90", {}).get("QK8"))
             if qk8 not in refs:
-                refs[qk8] = paged_attention_ref(e4m3_query_rows_ref(q).double(), kc, vc, tb, lens, cu, scale,
-                                                **kw).to(q.dtype)
+                refs[qk8] = paged_attention_ref(
+                    e4m3_query_rows_ref(q).double(), kc, vc, tb, lens, cu, scale, **kw
+                ).to(q.dtype)
             ref = refs[qk8]
             try:
                 apply(*cfg)
@@ -1062,8 +1378,16 @@ def bench_attn_sweep(b: Bench) -> None:
                 else:
                     ms = b.time_ms(lambda: fn(q, kc, vc, tb, lens, cu, scale, **kw))
                 base_ms = base_ms if base_ms is not None else ms  # the first entry is the default
-                b.record(f"{name} [{label}]", ms, "ms", "default settings, same sweep", base_ms, time_ms=ms,
-                         rate=nbytes_or_flops / (ms * 1e-3), rate_unit=unit)
+                b.record(
+                    f"{name} [{label}]",
+                    ms,
+                    "ms",
+                    "default settings, same sweep",
+                    base_ms,
+                    time_ms=ms,
+                    rate=nbytes_or_flops / (ms * 1e-3),
+                    rate_unit=unit,
+                )
             except Exception as e:  # noqa: BLE001 - a setting may not compile; report and go on
                 print(f"     (attention config {label} failed: {type(e).__name__}: {e})")
             finally:
@@ -1104,29 +1428,84 @@ def bench_attn_sweep(b: Bench) -> None:
         lens = [L] * batch
         kc, vc, tb = _paged_pool(b, lens, Hkv, D, bs, dtype)
         q = b.rnd(batch, Hq, D, dtype=dtype)
-        run_case(f"decode attention {batch} x {L}", q, kc, vc, tb, lens, list(range(batch + 1)),
-                 2 * batch * L * Hkv * D * kc.element_size(), "B/s", _DECODE_SWEEP, apply_decode)
+        run_case(
+            f"decode attention {batch} x {L}",
+            q,
+            kc,
+            vc,
+            tb,
+            lens,
+            list(range(batch + 1)),
+            2 * batch * L * Hkv * D * kc.element_size(),
+            "B/s",
+            _DECODE_SWEEP,
+            apply_decode,
+        )
         del kc, vc
         kc, vc, tb, ks, vs = _fp8_pool(b, lens, Hkv, D, bs, dtype)
-        run_case(f"decode attention fp8 KV {batch} x {L} (graph)", q, kc, vc, tb, lens, list(range(batch + 1)),
-                 2 * batch * L * Hkv * D, "B/s", _DECODE_SWEEP_FP8, apply_decode_fp8, graph=True, k_scale=ks,
-                 v_scale=vs)
+        run_case(
+            f"decode attention fp8 KV {batch} x {L} (graph)",
+            q,
+            kc,
+            vc,
+            tb,
+            lens,
+            list(range(batch + 1)),
+            2 * batch * L * Hkv * D,
+            "B/s",
+            _DECODE_SWEEP_FP8,
+            apply_decode_fp8,
+            graph=True,
+            k_scale=ks,
+            v_scale=vs,
+        )
         del kc, vc
     for n_new, L in ((8192, 8192), (2048, 8192)) if not b.dry else ((37, 37), (20, 50)):
         kc, vc, tb = _paged_pool(b, [L], Hkv, D, bs, dtype)
         q = b.rnd(n_new, Hq, D, dtype=dtype)
         flops = ta.attention_flops([n_new], [L], Hq, D)
-        default_ms = run_case(f"prefill attention {n_new} new / {L}", q, kc, vc, tb, [L], [0, n_new], flops,
-                              "FLOP/s", _PREFILL_SWEEP, apply_prefill)
+        default_ms = run_case(
+            f"prefill attention {n_new} new / {L}",
+            q,
+            kc,
+            vc,
+            tb,
+            [L],
+            [0, n_new],
+            flops,
+            "FLOP/s",
+            _PREFILL_SWEEP,
+            apply_prefill,
+        )
         kc8, vc8, tb8, ks, vs = _fp8_pool(b, [L], Hkv, D, bs, dtype)
-        run_case(f"prefill attention fp8 KV {n_new} new / {L}", q, kc8, vc8, tb8, [L], [0, n_new], flops, "FLOP/s",
-                 _PREFILL_SWEEP_FP8, lambda over: apply_prefill(over, "_PREFILL_SM90_FP8"), k_scale=ks, v_scale=vs)
+        run_case(
+            f"prefill attention fp8 KV {n_new} new / {L}",
+            q,
+            kc8,
+            vc8,
+            tb8,
+            [L],
+            [0, n_new],
+            flops,
+            "FLOP/s",
+            _PREFILL_SWEEP_FP8,
+            lambda over: apply_prefill(over, "_PREFILL_SM90_FP8"),
+            k_scale=ks,
+            v_scale=vs,
+        )
         del kc8, vc8
         if n_new == L and not b.dry:  # the peer the default is judged against, timed in the same sweep
             best_name, best_ms = _sdpa_best(b, q, kc, vc, tb, L)
-            b.record(f"prefill attention {n_new} new / {L} [torch SDPA {best_name}]", best_ms, "ms",
-                     "default settings, same sweep", default_ms, time_ms=best_ms, rate=flops / (best_ms * 1e-3),
-                     rate_unit="FLOP/s")
+            b.record(
+                f"prefill attention {n_new} new / {L} [torch SDPA {best_name}]",
+                best_ms,
+                "ms",
+                "default settings, same sweep",
+                default_ms,
+                time_ms=best_ms,
+                rate=flops / (best_ms * 1e-3),
+                rate_unit="FLOP/s",
+            )
 
 
 def bench_attn_rounds(b: Bench) -> None:
@@ -1147,8 +1526,13 @@ def bench_attn_rounds(b: Bench) -> None:
     q = b.rnd(L, Hq, D, dtype=dtype)
     flops = attention_flops([L], [L], Hq, D)
     runs = {"default": lambda: paged_attention_cuda(q, kc, vc, tb, [L], [0, L], scale)}
-    if not b.check(f"prefill attention {L} [default]", runs["default"](),
-                   paged_attention_ref(q, kc, vc, tb, [L], [0, L], scale), tol, tol):
+    if not b.check(
+        f"prefill attention {L} [default]",
+        runs["default"](),
+        paged_attention_ref(q, kc, vc, tb, [L], [0, L], scale),
+        tol,
+        tol,
+    ):
         return
     if not b.dry:
         peer_name, _ = _sdpa_best(b, q, kc, vc, tb, L)
@@ -1165,13 +1549,29 @@ def bench_attn_rounds(b: Bench) -> None:
     host_ms = {label: _host_ms(b, fn) for label, fn in runs.items()}
     for label, ts in times.items():
         med = statistics.median(ts)
-        b.record(f"prefill attention {L} new / {L} [{label}], median of {len(ts)} rounds", med, "ms",
-                 "default settings, same rounds", base, time_ms=med, min_ms=min(ts), max_ms=max(ts),
-                 rate=flops / (med * 1e-3), rate_unit="FLOP/s")
+        b.record(
+            f"prefill attention {L} new / {L} [{label}], median of {len(ts)} rounds",
+            med,
+            "ms",
+            "default settings, same rounds",
+            base,
+            time_ms=med,
+            min_ms=min(ts),
+            max_ms=max(ts),
+            rate=flops / (med * 1e-3),
+            rate_unit="FLOP/s",
+        )
     for label in runs:
-        b.record(f"prefill attention {L} new / {L} [{label}], device time", dev_ms[label], "ms",
-                 "default settings, device time", dev_ms["default"], host_ms=host_ms[label],
-                 rate=flops / (dev_ms[label] * 1e-3), rate_unit="FLOP/s")
+        b.record(
+            f"prefill attention {L} new / {L} [{label}], device time",
+            dev_ms[label],
+            "ms",
+            "default settings, device time",
+            dev_ms["default"],
+            host_ms=host_ms[label],
+            rate=flops / (dev_ms[label] * 1e-3),
+            rate_unit="FLOP/s",
+        )
 
 
 def _device_ms(b: Bench, fn, reps: int = 10) -> float:
@@ -1201,18 +1601,36 @@ def _host_ms(b: Bench, fn, calls: int = 50) -> float:
 
 # --------------------------------------------------------------------------- main
 
-SUITES = {"ssm": bench_ssm, "conv": bench_conv, "norm": bench_norms, "linear": bench_linear, "attn": bench_attn,
-          "ssd": bench_ssd, "ssd_sweep": bench_ssd_sweep, "attn_sweep": bench_attn_sweep,
-          "linear_sweep": bench_linear_sweep, "fp8_gemv_sweep": bench_fp8_gemv_sweep,
-          "fp8_gemv_super_sweep": bench_fp8_gemv_super_sweep,
-          "linear_30b_sweep": bench_linear_30b_sweep, "attn_rounds": bench_attn_rounds, "fp8_linear": bench_fp8_linear}
-DEFAULT_SUITES = [k for k in SUITES if not k.endswith(("_sweep", "_rounds"))]  # sweeps retune launch settings: on request
+SUITES = {
+    "ssm": bench_ssm,
+    "conv": bench_conv,
+    "norm": bench_norms,
+    "linear": bench_linear,
+    "attn": bench_attn,
+    "ssd": bench_ssd,
+    "ssd_sweep": bench_ssd_sweep,
+    "attn_sweep": bench_attn_sweep,
+    "linear_sweep": bench_linear_sweep,
+    "fp8_gemv_sweep": bench_fp8_gemv_sweep,
+    "fp8_gemv_super_sweep": bench_fp8_gemv_super_sweep,
+    "linear_30b_sweep": bench_linear_30b_sweep,
+    "attn_rounds": bench_attn_rounds,
+    "fp8_linear": bench_fp8_linear,
+}
+DEFAULT_SUITES = [
+    k for k in SUITES if not k.endswith(("_sweep", "_rounds"))
+]  # sweeps retune launch settings: on request
 
 
 def _git_sha() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parents[1],
+        ).stdout.strip()
     except Exception:  # noqa: BLE001 - a copy without .git
         return "unknown"
 
@@ -1220,23 +1638,33 @@ def _git_sha() -> str:
 def _table(records: list[dict]) -> str:
     lines = ["| kernel | value | unit | reference | reference value | ratio |", "|---|---|---|---|---|---|"]
     for r in records:
-        lines.append(f"| {r['name']} | {r['value']:.4g} | {r['unit']} | {r['reference']} | "
-                     f"{r['reference_value']:.4g} | {r['ratio']:.1%} |")
+        lines.append(
+            f"| {r['name']} | {r['value']:.4g} | {r['unit']} | {r['reference']} | "
+            f"{r['reference_value']:.4g} | {r['ratio']:.1%} |"
+        )
     return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default=",".join(DEFAULT_SUITES), help=f"comma-separated subset of {sorted(SUITES)}")
+    ap.add_argument(
+        "--only", default=",".join(DEFAULT_SUITES), help=f"comma-separated subset of {sorted(SUITES)}"
+    )
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_<date>.json)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton interpreter")
     ap.add_argument("--git-sha", default="", help="commit of the tree, when it is run without .git")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of the attn_rounds suite")
-    ap.add_argument("--write-linear-configs", action="store_true",
-                    help="after the FP8 GEMV sweeps: enter each shape's fastest setting, where it beats the current "
-                         f"one by {1 - _WRITE_MARGIN:.0%} or more, into this GPU's linear_configs file")
-    ap.add_argument("--linear-configs-dir", default=None,
-                    help="where that file lies (default hyserve/kernels/linear_configs)")
+    ap.add_argument(
+        "--write-linear-configs",
+        action="store_true",
+        help="after the FP8 GEMV sweeps: enter each shape's fastest setting, where it beats the current "
+        f"one by {1 - _WRITE_MARGIN:.0%} or more, into this GPU's linear_configs file",
+    )
+    ap.add_argument(
+        "--linear-configs-dir",
+        default=None,
+        help="where that file lies (default hyserve/kernels/linear_configs)",
+    )
     args = ap.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA device (or --dry-run)", file=sys.stderr)
@@ -1253,7 +1681,9 @@ def main() -> int:
     doc = dict(
         date=date,
         git_sha=args.git_sha or _git_sha(),
-        gpu=torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run else "cpu (interpreter)",
+        gpu=torch.cuda.get_device_name()
+        if torch.cuda.is_available() and not args.dry_run
+        else "cpu (interpreter)",
         command=" ".join([Path(sys.executable).name, *sys.argv]),
         torch=torch.__version__,
         triton=__import__("triton").__version__,
@@ -1269,7 +1699,9 @@ def main() -> int:
         device = "cpu" if args.dry_run else torch.cuda.get_device_name()
         src = f"benchmarks/results/{out.with_suffix('.md').name} ({doc['git_sha'][:7]}, {date})"
         keys = write_linear_configs(b, cfg_dir, device, src)
-        print(f"linear configs for {device}: {', '.join(keys) if keys else 'no shape beats its current setting'}")
+        print(
+            f"linear configs for {device}: {', '.join(keys) if keys else 'no shape beats its current setting'}"
+        )
     table = _table(b.records)
     out.with_suffix(".md").write_text(table + "\n")
     print()

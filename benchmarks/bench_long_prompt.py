@@ -43,14 +43,23 @@ CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
 def engine_options(a: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
     """The long-prompt report's YAML sizing (the issue-24 runs turn block reuse off: random prompts never hit)."""
     return dict(
-        max_seq_len=a.max_seq_len, max_num_tokens=a.max_num_tokens, max_batch_size=a.max_batch_size,
+        max_seq_len=a.max_seq_len,
+        max_num_tokens=a.max_num_tokens,
+        max_batch_size=a.max_batch_size,
         enable_chunked_prefill=True,
         cuda_graph_config={"enable_padding": True, "max_batch_size": a.max_batch_size},
         kv_cache_config={
-            "dtype": kv_dtype, "free_gpu_memory_fraction": 0.8, "enable_block_reuse": a.block_reuse,
-            "tokens_per_block": 64, "mamba_ssm_cache_dtype": "float16", "mamba_ssm_stochastic_rounding": True,
+            "dtype": kv_dtype,
+            "free_gpu_memory_fraction": 0.8,
+            "enable_block_reuse": a.block_reuse,
+            "tokens_per_block": 64,
+            "mamba_ssm_cache_dtype": "float16",
+            "mamba_ssm_stochastic_rounding": True,
             "mamba_ssm_philox_rounds": 5,
-            "mamba_state_config": {"periodic_snapshot_interval": 256, "additional_snapshot_offsets_from_end": [0]},
+            "mamba_state_config": {
+                "periodic_snapshot_interval": 256,
+                "additional_snapshot_offsets_from_end": [0],
+            },
         },
     )
 
@@ -77,8 +86,12 @@ def run_child(a: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
         form = " (QK8 prefill)"
     model = a.model_dir or None
     t0 = time.monotonic()
-    llm = LLM(model, load_format="dummy" if model else "auto", log=lambda s: print(s, flush=True),
-              **engine_options(a, kv_dtype))
+    llm = LLM(
+        model,
+        load_format="dummy" if model else "auto",
+        log=lambda s: print(s, flush=True),
+        **engine_options(a, kv_dtype),
+    )
     startup_s = time.monotonic() - t0
     cfg = llm.engine.model_config
     vocab = cfg.vocab_size
@@ -86,19 +99,38 @@ def run_child(a: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
     runs = []
     for n in (a.mid_len, a.long_len):
         ids = [rng.randrange(3, vocab) for _ in range(n)]
-        out = llm.generate([ids], SamplingParams(max_tokens=a.decode_tokens, temperature=0.0, ignore_eos=True))[0]
+        out = llm.generate(
+            [ids], SamplingParams(max_tokens=a.decode_tokens, temperature=0.0, ignore_eos=True)
+        )[0]
         ttft, e2e = out.metrics["time_to_first_token_s"], out.metrics["e2e_latency_s"]
         n_out = len(out.token_ids)
         decode = (n_out - 1) / (e2e - ttft) if n_out > 1 and e2e > ttft else None
         # one batch-1 decode step's bytes at this context, with the engine's cache dtypes
-        runs.append(dict(prompt_tokens=n, output_tokens=n_out, ttft_s=ttft, e2e_s=e2e, decode_tok_s=decode,
-                         prefill_tok_s=n / ttft, decode_step_bytes=decode_step_bytes(cfg, 1, n),
-                         token_ids=list(out.token_ids)))
-        print(f"  kv {kv_dtype}: {n} tokens: first token after {ttft:.2f} s, decode {decode or 0:.1f} tok/s",
-              flush=True)
-    return dict(kv_dtype=label, resolved_kv_dtype=str(cfg.attention_cache_spec().dtype).replace("torch.", "") + form,
-                startup_s=startup_s, runs=runs, config_name=getattr(cfg, "name", ""),
-                kv_bytes_per_token=cfg.kv_bytes_per_token, state_bytes_per_sequence=cfg.state_bytes_per_sequence)
+        runs.append(
+            dict(
+                prompt_tokens=n,
+                output_tokens=n_out,
+                ttft_s=ttft,
+                e2e_s=e2e,
+                decode_tok_s=decode,
+                prefill_tok_s=n / ttft,
+                decode_step_bytes=decode_step_bytes(cfg, 1, n),
+                token_ids=list(out.token_ids),
+            )
+        )
+        print(
+            f"  kv {kv_dtype}: {n} tokens: first token after {ttft:.2f} s, decode {decode or 0:.1f} tok/s",
+            flush=True,
+        )
+    return dict(
+        kv_dtype=label,
+        resolved_kv_dtype=str(cfg.attention_cache_spec().dtype).replace("torch.", "") + form,
+        startup_s=startup_s,
+        runs=runs,
+        config_name=getattr(cfg, "name", ""),
+        kv_bytes_per_token=cfg.kv_bytes_per_token,
+        state_bytes_per_sequence=cfg.state_bytes_per_sequence,
+    )
 
 
 def greedy_agreement(tokens: list[int], reference: list[int]) -> dict[str, float]:
@@ -125,25 +157,55 @@ def build_records(results: list[dict[str, Any]], read_bw: float | None) -> list[
             n = run["prompt_tokens"]
             label = f"kv {r['resolved_kv_dtype']}: {n}-token prompt"
             ref = base["runs"][i]["ttft_s"] if base is not None and r is not base else None
-            recs.append(record(f"{label}, to first token (s)", run["ttft_s"], "s",
-                               f"kv {base['resolved_kv_dtype']}, same run" if ref else None, ref))
+            recs.append(
+                record(
+                    f"{label}, to first token (s)",
+                    run["ttft_s"],
+                    "s",
+                    f"kv {base['resolved_kv_dtype']}, same run" if ref else None,
+                    ref,
+                )
+            )
             if ref and "token_ids" in run and "token_ids" in base["runs"][i]:
                 agree = greedy_agreement(run["token_ids"], base["runs"][i]["token_ids"])
                 what = f"kv {base['resolved_kv_dtype']}'s greedy output, same prompt and weights"
-                recs.append(record(f"{label}, greedy tokens before the first difference (fraction)",
-                                   agree["prefix"], "fraction", what, None))
-                recs.append(record(f"{label}, greedy tokens equal position by position (fraction)",
-                                   agree["same"], "fraction", what, None))
+                recs.append(
+                    record(
+                        f"{label}, greedy tokens before the first difference (fraction)",
+                        agree["prefix"],
+                        "fraction",
+                        what,
+                        None,
+                    )
+                )
+                recs.append(
+                    record(
+                        f"{label}, greedy tokens equal position by position (fraction)",
+                        agree["same"],
+                        "fraction",
+                        what,
+                        None,
+                    )
+                )
             if run["decode_tok_s"] and read_bw:
-                recs.append(record(f"{label}, batch-1 decode after it (tok/s)", run["decode_tok_s"], "tok/s",
-                                   "bytes roofline (weights + KV of the context + Mamba state) at the read "
-                                   "ceiling measured this run", read_bw / run["decode_step_bytes"]))
+                recs.append(
+                    record(
+                        f"{label}, batch-1 decode after it (tok/s)",
+                        run["decode_tok_s"],
+                        "tok/s",
+                        "bytes roofline (weights + KV of the context + Mamba state) at the read "
+                        "ceiling measured this run",
+                        read_bw / run["decode_step_bytes"],
+                    )
+                )
     return recs
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-dir", default=str(CFG_DIR), help="config-only directory ('' = the built-in tiny model)")
+    ap.add_argument(
+        "--model-dir", default=str(CFG_DIR), help="config-only directory ('' = the built-in tiny model)"
+    )
     ap.add_argument("--kv-dtypes", default="auto,fp8")
     ap.add_argument("--mid-len", type=int, default=131072)
     ap.add_argument("--long-len", type=int, default=1_040_000)
@@ -160,8 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     for name in ("mid_len", "long_len"):
         if getattr(a, name) + a.decode_tokens > a.max_seq_len:
-            ap.error(f"--{name.replace('_', '-')} {getattr(a, name)} + --decode-tokens {a.decode_tokens} exceeds "
-                     f"--max-seq-len {a.max_seq_len}")
+            ap.error(
+                f"--{name.replace('_', '-')} {getattr(a, name)} + --decode-tokens {a.decode_tokens} exceeds "
+                f"--max-seq-len {a.max_seq_len}"
+            )
     if a.decode_tokens < 2:
         ap.error("--decode-tokens must be >= 2 (the decode rate is timed after the first token)")
     if a.child is not None:
@@ -170,8 +234,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    head = stamp("long_prompt", [Path(sys.executable).name, *sys.argv] if argv is None
-                 else ["python", "benchmarks/bench_long_prompt.py", *argv], a.git_sha or None)
+    head = stamp(
+        "long_prompt",
+        [Path(sys.executable).name, *sys.argv]
+        if argv is None
+        else ["python", "benchmarks/bench_long_prompt.py", *argv],
+        a.git_sha or None,
+    )
     read_bw = None
     ceilings = None
     if torch.cuda.is_available():
@@ -185,27 +254,41 @@ def main(argv: list[str] | None = None) -> int:
     for kv in [d.strip() for d in a.kv_dtypes.split(",") if d.strip()]:
         args = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--child", kv]
         try:
-            p = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=a.timeout_s)
+            p = subprocess.run(
+                args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=a.timeout_s
+            )
             out, status = p.stdout, f"exit status {p.returncode}"
         except subprocess.TimeoutExpired as e:
             out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
             status = f"timed out after {a.timeout_s:.0f} s"
-        print("\n".join(ln for ln in out.splitlines() if "warm-up [" not in ln and not ln.startswith("RESULT ")))
+        print(
+            "\n".join(ln for ln in out.splitlines() if "warm-up [" not in ln and not ln.startswith("RESULT "))
+        )
         line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
             failures.append(f"kv {kv}: no result ({status})")
             continue
-        results.append(json.loads(line[len("RESULT "):]))
+        results.append(json.loads(line[len("RESULT ") :]))
     recs = build_records(results, read_bw)
-    result = {**head, "model": Path(a.model_dir).name if a.model_dir else "hyserve-tiny", "ceilings": ceilings,
-              "engine_options": engine_options(a, "<kv_dtype>"), "results": results, "failures": failures,
-              "records": recs}
+    result = {
+        **head,
+        "model": Path(a.model_dir).name if a.model_dir else "hyserve-tiny",
+        "ceilings": ceilings,
+        "engine_options": engine_options(a, "<kv_dtype>"),
+        "results": results,
+        "failures": failures,
+        "records": recs,
+    }
     out_dir = Path(a.result_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"long_prompt_{dt.date.today().isoformat()}_{head['git_sha']}.json"
     path.write_text(json.dumps(sanitize(result), indent=2) + "\n")
-    print(format_table(["record", "value", "unit", "reference", "ratio"],
-                       [[r["name"], r["value"], r["unit"], r["reference"] or "", r["ratio"]] for r in recs]))
+    print(
+        format_table(
+            ["record", "value", "unit", "reference", "ratio"],
+            [[r["name"], r["value"], r["unit"], r["reference"] or "", r["ratio"]] for r in recs],
+        )
+    )
     for f in failures:
         print("FAILED", f)
     print(f"wrote {path}")

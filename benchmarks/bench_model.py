@@ -76,14 +76,26 @@ def rec(name, value, unit, reference, reference_value):
     ratio = None
     if reference_value:
         ratio = value / reference_value
-    return {"name": name, "value": value, "unit": unit, "reference": reference,
-            "reference_value": reference_value, "ratio": ratio, "ceiling": None}
+    return {
+        "name": name,
+        "value": value,
+        "unit": unit,
+        "reference": reference,
+        "reference_value": reference_value,
+        "ratio": ratio,
+        "ceiling": None,
+    }
 
 
 def roof_rec(name, value, unit, reference, kind, ceilings, reference_at, *, time_like=False):
     """A record against a roofline: at the measured ceiling of its limit and at the published peak."""
-    return {"name": name, "value": value, "unit": unit, "reference": reference,
-            **ceiling_fields(kind, ceilings, value, reference_at, time_like=time_like)}
+    return {
+        "name": name,
+        "value": value,
+        "unit": unit,
+        "reference": reference,
+        **ceiling_fields(kind, ceilings, value, reference_at, time_like=time_like),
+    }
 
 
 def sync() -> None:
@@ -101,7 +113,9 @@ def replay_ms(replay, reps: int) -> float:
     return (time.perf_counter() - t) / reps * 1e3
 
 
-def replay_breakdown(replay, step_ms: float, steps: int = 20, top: int = 25, batch: int = 1, form: str = "") -> str:
+def replay_breakdown(
+    replay, step_ms: float, steps: int = 20, top: int = 25, batch: int = 1, form: str = ""
+) -> str:
     """Device time per decode step by kernel name inside a batch's graph replay (torch profiler),
     the kernels that take the most first: where the replay's gap to the roofline goes. Under PDL a kernel's
     time includes its blocks' wait for the one before, so the form with ordinary launches (`form` names it)
@@ -112,8 +126,10 @@ def replay_breakdown(replay, step_ms: float, steps: int = 20, top: int = 25, bat
         return f"batch-{batch} replay kernel breakdown unavailable: {type(e).__name__}: {e}"
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
-    lines = [f"batch-{batch} graph replay{form}, device time per step by kernel ({total:.0f} us in kernels of "
-             f"{step_ms * 1e3:.0f} us per replay; {sum(r[1] for r in rows):.0f} launches per step):"]
+    lines = [
+        f"batch-{batch} graph replay{form}, device time per step by kernel ({total:.0f} us in kernels of "
+        f"{step_ms * 1e3:.0f} us per replay; {sum(r[1] for r in rows):.0f} launches per step):"
+    ]
     lines += [f"  {us:8.1f} us  {n:5.0f}x  {name[:110]}" for us, n, name in rows[:top]]
     text = "\n".join(lines)
     print(text)
@@ -152,7 +168,9 @@ def cut_config(raw: dict, num_layers: int) -> dict:
     if not isinstance(pattern, str):
         raise ValueError("--num-layers needs a config.json with a hybrid_override_pattern string")
     if not 1 <= num_layers <= len(pattern):
-        raise ValueError(f"--num-layers must be in [1, {len(pattern)}] (the model's layers), got {num_layers}")
+        raise ValueError(
+            f"--num-layers must be in [1, {len(pattern)}] (the model's layers), got {num_layers}"
+        )
     return {**raw, "hybrid_override_pattern": pattern[:num_layers], "num_hidden_layers": num_layers}
 
 
@@ -172,61 +190,111 @@ def fit_layers(raw: dict, budget_bytes: float, fp8: bool = False) -> int:
     pattern = raw["hybrid_override_pattern"]
     if model_weight_bytes(raw, fp8) <= budget_bytes:
         return len(pattern)
-    fits = [n for n in repetition_cuts(pattern) if model_weight_bytes(cut_config(raw, n), fp8) <= budget_bytes]
+    fits = [
+        n for n in repetition_cuts(pattern) if model_weight_bytes(cut_config(raw, n), fp8) <= budget_bytes
+    ]
     if not fits:
         first = repetition_cuts(pattern)[:1]
         need = model_weight_bytes(cut_config(raw, first[0]), fp8) / GIB if first else float("nan")
-        raise ValueError(f"not even one repetition of the layer pattern fits {budget_bytes / GIB:.1f} GiB of "
-                         f"weights (the first needs {need:.1f} GiB); raise --weight-budget-gib or pass --num-layers")
+        raise ValueError(
+            f"not even one repetition of the layer pattern fits {budget_bytes / GIB:.1f} GiB of "
+            f"weights (the first needs {need:.1f} GiB); raise --weight-budget-gib or pass --num-layers"
+        )
     return max(fits)
 
 
-def make_plan(model_dir: Path, *, num_layers: int | None, weight_budget: float | None, work: Path,
-              skip_transformers: bool, fp8_only: bool = False) -> ModelPlan:
+def make_plan(
+    model_dir: Path,
+    *,
+    num_layers: int | None,
+    weight_budget: float | None,
+    work: Path,
+    skip_transformers: bool,
+    fp8_only: bool = False,
+) -> ModelPlan:
     """The plan for `model_dir`: the 9B's figures as before; a MoE model's over its active parameters, cut to
     `num_layers` or to the repetitions that fit `weight_budget` bytes of bf16 weights (None: no cut)."""
     raw = json.loads((model_dir / "config.json").read_text())
     dense = num_moe_layers(HybridModelConfig.from_dict(raw)) == 0
     if model_dir.resolve() == CFG_DIR.resolve() and num_layers is None:
-        return ModelPlan(model_dir=model_dir, raw=raw, label="NVIDIA-Nemotron-Nano-9B-v2 architecture, random weights, bf16",
-                         slug="", prefill_8k=True, batches=(64,), prefix_cache=True,
-                         transformers=not skip_transformers)
+        return ModelPlan(
+            model_dir=model_dir,
+            raw=raw,
+            label="NVIDIA-Nemotron-Nano-9B-v2 architecture, random weights, bf16",
+            slug="",
+            prefill_8k=True,
+            batches=(64,),
+            prefix_cache=True,
+            transformers=not skip_transformers,
+        )
     total = len(raw.get("hybrid_override_pattern") or raw.get("layers_block_type") or [])
-    n = num_layers if num_layers is not None else (fit_layers(raw, weight_budget, fp8_only) if weight_budget else total)
+    n = (
+        num_layers
+        if num_layers is not None
+        else (fit_layers(raw, weight_budget, fp8_only) if weight_budget else total)
+    )
     label = f"{model_dir.name} architecture, random weights, {'FP8 (per-channel, quantised at load)' if fp8_only else 'bf16'}"
     slug = model_dir.name
     if n != total:
         raw = cut_config(raw, n)
-        label = (f"{model_dir.name} architecture cut to its first {n} of {total} layers "
-                 f"({raw['hybrid_override_pattern']}), random weights, {'FP8' if fp8_only else 'bf16'}")
+        label = (
+            f"{model_dir.name} architecture cut to its first {n} of {total} layers "
+            f"({raw['hybrid_override_pattern']}), random weights, {'FP8' if fp8_only else 'bf16'}"
+        )
         slug = f"{model_dir.name}-{n}L"
         model_dir = work / slug
         model_dir.mkdir(parents=True, exist_ok=True)
         (model_dir / "config.json").write_text(json.dumps(raw, indent=2))
     # the full Nano 30B-A3B runs every figure of issue 23; a cut model runs decode at batch 1 and 64
     whole = n == total
-    return ModelPlan(model_dir=model_dir, raw=raw, label=label, slug=slug, prefill_8k=whole,
-                     batches=(64, 256) if whole and not dense else (64,), prefix_cache=False, transformers=False)
+    return ModelPlan(
+        model_dir=model_dir,
+        raw=raw,
+        label=label,
+        slug=slug,
+        prefill_8k=whole,
+        batches=(64, 256) if whole and not dense else (64,),
+        prefix_cache=False,
+        transformers=False,
+    )
 
 
-def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, records: list, notes: list,
-                  *, time_init: bool = False, quantization: str | None = None, launch_ab: bool = True) -> None:
+def bench_hyserve(
+    plan: ModelPlan,
+    cfg: HybridModelConfig,
+    ceilings: Ceilings,
+    records: list,
+    notes: list,
+    *,
+    time_init: bool = False,
+    quantization: str | None = None,
+    launch_ab: bool = True,
+) -> None:
     """The engine figures of one weight format. launch_ab: also the PDL, GEMV-settings and packed-QKV A/Bs
     of the decode step (graphs captured fresh; off for the whole Nemotron 3 Super in FP8, to keep that run
     short)."""
     moe = num_moe_layers(cfg) > 0
     t0 = time.perf_counter()
-    llm = LLM(str(plan.model_dir), device=plan.device, load_format="dummy", max_seq_len=16384,
-              max_batch_size=max(plan.batches), quantization=quantization,
-              max_num_tokens=plan.max_num_tokens,
-              kv_cache_config={"enable_block_reuse": False, "free_gpu_memory_fraction": plan.cache_fraction}, log=print)
+    llm = LLM(
+        str(plan.model_dir),
+        device=plan.device,
+        load_format="dummy",
+        max_seq_len=16384,
+        max_batch_size=max(plan.batches),
+        quantization=quantization,
+        max_num_tokens=plan.max_num_tokens,
+        kv_cache_config={"enable_block_reuse": False, "free_gpu_memory_fraction": plan.cache_fraction},
+        log=print,
+    )
     startup_s = time.perf_counter() - t0
     # as `hyserve serve` does before it opens its port: without this, a full garbage collection walks the
     # ~300k start-up objects and stalls the engine loop ~200 ms (benchmarks/bench_host.py), which in a
     # 33-step batch-256 run adds ~6 ms to the mean step (the 23.7-30 ms spread of earlier runs)
     frozen = freeze_startup_heap()
-    notes.append(f"{frozen} start-up objects moved out of the garbage collector's reach after start-up, as "
-                 "`hyserve serve` does")
+    notes.append(
+        f"{frozen} start-up objects moved out of the garbage collector's reach after start-up, as "
+        "`hyserve serve` does"
+    )
     eng = llm.engine
     g = torch.Generator().manual_seed(0)
 
@@ -264,7 +332,9 @@ def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, r
         return n / (time.perf_counter() - t)
 
     tps = decode_b1("g")
-    records.append(roof_rec("hyserve decode batch 1 (tok/s)", tps, "tok/s", b1_ref, "read", ceilings, decode_roof))
+    records.append(
+        roof_rec("hyserve decode batch 1 (tok/s)", tps, "tok/s", b1_ref, "read", ceilings, decode_roof)
+    )
     if graphs is not None:
         b1 = graphs.size_for(1)
         assert b1 is not None
@@ -273,13 +343,29 @@ def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, r
             graphs.replay(b1)
 
         gpu_ms = replay_ms(replay, 50)
-        records.append(roof_rec("hyserve decode batch 1, graph replay alone (tok/s)", 1e3 / gpu_ms, "tok/s",
-                                b1_ref, "read", ceilings, decode_roof))
+        records.append(
+            roof_rec(
+                "hyserve decode batch 1, graph replay alone (tok/s)",
+                1e3 / gpu_ms,
+                "tok/s",
+                b1_ref,
+                "read",
+                ceilings,
+                decode_roof,
+            )
+        )
         notes.append(replay_breakdown(replay, gpu_ms))
         with eng.runner.eager_decode():
             eager = decode_b1("e")
-        records.append(rec("hyserve decode batch 1, CUDA graphs vs eager (x)", tps / eager, "x",
-                            "eager decode, same run", 1.0))
+        records.append(
+            rec(
+                "hyserve decode batch 1, CUDA graphs vs eager (x)",
+                tps / eager,
+                "x",
+                "eager decode, same run",
+                1.0,
+            )
+        )
     if plan.prefill_8k:
         eng.add_request("p8k", ids(8192), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
         sync()
@@ -289,12 +375,29 @@ def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, r
         sync()
         ptps = 8192 / (time.perf_counter() - t)
         if moe:
-            records.append(roof_rec("hyserve prefill 8k tokens (tok/s)", ptps, "tok/s",
-                                    "matmul roofline over active parameters (top-k routed + shared experts)",
-                                    "matmul", ceilings, lambda peaks: active_prefill_tokens_per_s(cfg, peaks.matmul_flops)))
+            records.append(
+                roof_rec(
+                    "hyserve prefill 8k tokens (tok/s)",
+                    ptps,
+                    "tok/s",
+                    "matmul roofline over active parameters (top-k routed + shared experts)",
+                    "matmul",
+                    ceilings,
+                    lambda peaks: active_prefill_tokens_per_s(cfg, peaks.matmul_flops),
+                )
+            )
         else:
-            records.append(roof_rec("hyserve prefill 8k tokens (tok/s)", ptps, "tok/s", "matmul roofline", "matmul",
-                                    ceilings, lambda peaks: prefill_tokens_per_s(cfg, peaks.matmul_flops)))
+            records.append(
+                roof_rec(
+                    "hyserve prefill 8k tokens (tok/s)",
+                    ptps,
+                    "tok/s",
+                    "matmul roofline",
+                    "matmul",
+                    ceilings,
+                    lambda peaks: prefill_tokens_per_s(cfg, peaks.matmul_flops),
+                )
+            )
 
     steps = bench_steps(eng, plan, cfg, ceilings, records, notes, ids)
     if plan.device != "cpu" and launch_ab:
@@ -309,9 +412,11 @@ def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, r
     ssd = "the plain-torch reference" if ops.get("ssd", True) is ssd_chunked_ref else "Triton"
     moe_note = ""
     if moe:
-        moe_note = (f"; MoE: {num_moe_layers(cfg)} layers of {cfg.n_routed_experts} experts, top-"
-                    f"{cfg.num_experts_per_tok}, latent {cfg.moe_latent_size}; rooflines assume uniform routing "
-                    "(random weights route near-uniformly)")
+        moe_note = (
+            f"; MoE: {num_moe_layers(cfg)} layers of {cfg.n_routed_experts} experts, top-"
+            f"{cfg.num_experts_per_tok}, latent {cfg.moe_latent_size}; rooflines assume uniform routing "
+            "(random weights route near-uniformly)"
+        )
     notes.append(
         f"hyserve on CUDA: Triton kernels for decode conv/SSM updates, varlen conv, RMSNorms, KV write and paged "
         f"attention; SSD prefill scan: {ssd}; decode CUDA graphs: {'on' if graphs is not None else 'off'} "
@@ -319,16 +424,20 @@ def bench_hyserve(plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, r
     )
 
 
-def bench_steps(eng, plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, records: list, notes: list,
-                ids) -> int:
+def bench_steps(
+    eng, plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings, records: list, notes: list, ids
+) -> int:
     """The decode-step figures at each of the plan's batch sizes (graphs, then eager where graphs run), and a
     note per batch of how the step() calls' times spread; returns the number of steps the last one timed."""
 
     def step_bn(batch: int, tag: str) -> tuple[float, int]:
         prompt = STEP_SHAPES[batch]
         for i in range(batch):
-            eng.add_request(f"b{batch}_{i}{tag}" if batch != 64 else f"b{i}{tag}", ids(prompt),
-                            SamplingParams(max_tokens=33, temperature=0, ignore_eos=True))
+            eng.add_request(
+                f"b{batch}_{i}{tag}" if batch != 64 else f"b{i}{tag}",
+                ids(prompt),
+                SamplingParams(max_tokens=33, temperature=0, ignore_eos=True),
+            )
         while eng.requests and any(r.num_computed < r.num_prompt_tokens for r in eng.requests.values()):
             eng.step()
         sync()
@@ -346,9 +455,12 @@ def bench_steps(eng, plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings
         if tag == "g" and calls:
             mid = sorted(calls)[len(calls) // 2]
             slow = sorted(range(len(calls)), key=lambda i: -calls[i])[:3]
-            notes.append(f"decode steps at batch {batch}: {len(calls)} step() calls, median {mid:.2f} ms, the "
-                         f"slowest " + ", ".join(f"#{i} {calls[i]:.2f} ms" for i in slow)
-                         + f" (first {calls[0]:.2f} ms, last {calls[-1]:.2f} ms)")
+            notes.append(
+                f"decode steps at batch {batch}: {len(calls)} step() calls, median {mid:.2f} ms, the "
+                f"slowest "
+                + ", ".join(f"#{i} {calls[i]:.2f} ms" for i in slow)
+                + f" (first {calls[0]:.2f} ms, last {calls[-1]:.2f} ms)"
+            )
             print(notes[-1])
         return (time.perf_counter() - t) / max(steps, 1) * 1e3, steps
 
@@ -361,32 +473,63 @@ def bench_steps(eng, plan: ModelPlan, cfg: HybridModelConfig, ceilings: Ceilings
         # ratio = roofline / measured (1.0 at the roofline)
         if moe:
             experts = batch_experts(cfg, batch)
-            records.append(roof_rec(
-                f"hyserve decode step batch {batch} (ms)", step_ms, "ms",
-                f"roofline step time (the ~{experts:.1f} of {cfg.n_routed_experts} experts per layer a batch of {batch} "
-                "touches under uniform routing + other weights + state + KV)", "read", ceilings,
-                lambda peaks, b=batch, c=context: active_decode_step_ms(cfg, b, c, peaks.read_bw), time_like=True))
+            records.append(
+                roof_rec(
+                    f"hyserve decode step batch {batch} (ms)",
+                    step_ms,
+                    "ms",
+                    f"roofline step time (the ~{experts:.1f} of {cfg.n_routed_experts} experts per layer a batch of {batch} "
+                    "touches under uniform routing + other weights + state + KV)",
+                    "read",
+                    ceilings,
+                    lambda peaks, b=batch, c=context: active_decode_step_ms(cfg, b, c, peaks.read_bw),
+                    time_like=True,
+                )
+            )
         else:
-            records.append(roof_rec(f"hyserve decode step batch {batch} (ms)", step_ms, "ms",
-                                    "roofline step time (weights+state+KV)", "read", ceilings,
-                                    lambda peaks, b=batch, c=context: decode_step_ms(cfg, b, c, peaks.read_bw),
-                                    time_like=True))
+            records.append(
+                roof_rec(
+                    f"hyserve decode step batch {batch} (ms)",
+                    step_ms,
+                    "ms",
+                    "roofline step time (weights+state+KV)",
+                    "read",
+                    ceilings,
+                    lambda peaks, b=batch, c=context: decode_step_ms(cfg, b, c, peaks.read_bw),
+                    time_like=True,
+                )
+            )
         if graphs is not None and moe and batch == plan.batches[-1]:
             # the largest batch's graph replayed alone and its kernels: the device's share of the step
             size = graphs.size_for(batch)
             if size is not None:
+
                 def replay_b(n: int = size) -> None:
                     graphs.replay(n)
 
                 gpu_ms = replay_ms(replay_b, 20)
-                records.append(rec(f"hyserve decode step batch {batch}, graph replay alone (ms)", gpu_ms, "ms",
-                                   "the engine's step, same run", step_ms))
+                records.append(
+                    rec(
+                        f"hyserve decode step batch {batch}, graph replay alone (ms)",
+                        gpu_ms,
+                        "ms",
+                        "the engine's step, same run",
+                        step_ms,
+                    )
+                )
                 replay_breakdown(replay_b, gpu_ms, steps=5, top=15, batch=batch)
         if graphs is not None:
             with eng.runner.eager_decode():
                 eager_ms, _ = step_bn(batch, "e")
-            records.append(rec(f"hyserve decode step batch {batch}, CUDA graphs speed-up vs eager (x)",
-                               eager_ms / step_ms, "x", "eager decode, same run", 1.0))
+            records.append(
+                rec(
+                    f"hyserve decode step batch {batch}, CUDA graphs speed-up vs eager (x)",
+                    eager_ms / step_ms,
+                    "x",
+                    "eager decode, same run",
+                    1.0,
+                )
+            )
         if moe:
             records[-1 if graphs is None else -2]["note"] = f"{steps} decode steps of {batch} rows timed"
     return steps
@@ -407,8 +550,14 @@ def graph_ab(eng, batch: int, vocab_size: int, set_form, labels: tuple = (False,
     try:
         for label in labels:
             set_form(label)  # compiles that form's variants once (a benchmark, not serving)
-            forms[label] = DecodeGraphs(g.model, g.cache, g.device, sizes=[batch],
-                                        max_blocks_per_seq=g._tables.shape[1], pad_slot=g.pad_slot)
+            forms[label] = DecodeGraphs(
+                g.model,
+                g.cache,
+                g.device,
+                sizes=[batch],
+                max_blocks_per_seq=g._tables.shape[1],
+                pad_slot=g.pad_slot,
+            )
     finally:
         set_form(None)
     ids = torch.randint(3, vocab_size, (batch,), generator=torch.Generator().manual_seed(batch))
@@ -432,25 +581,48 @@ def pdl_ab(eng, batches: tuple[int, ...], vocab_size: int, records: list, notes:
         return
     was = launch_util.pdl_enabled()
     for batch in sorted({1, max(batches)}):
-        got = graph_ab(eng, batch, vocab_size, lambda flag: launch_util.set_pdl(was if flag is None else flag))
+        got = graph_ab(
+            eng, batch, vocab_size, lambda flag: launch_util.set_pdl(was if flag is None else flag)
+        )
         if got is None:
             continue
         on, off = got[True][0], got[False][0]
-        records.append(rec(f"hyserve decode batch {batch} graph replay, ordinary launches / PDL (x)", off / on, "x",
-                           "the same step with ordinary launches, same run", 1.0))
-        notes.append(f"PDL A/B batch {batch}: graph replay {on * 1e3:.0f} us with PDL, {off * 1e3:.0f} us without "
-                     f"(min of 2 rounds of 50 replays each)")
+        records.append(
+            rec(
+                f"hyserve decode batch {batch} graph replay, ordinary launches / PDL (x)",
+                off / on,
+                "x",
+                "the same step with ordinary launches, same run",
+                1.0,
+            )
+        )
+        notes.append(
+            f"PDL A/B batch {batch}: graph replay {on * 1e3:.0f} us with PDL, {off * 1e3:.0f} us without "
+            f"(min of 2 rounds of 50 replays each)"
+        )
         print(notes[-1])
         if batch == 1:  # without PDL the kernels' device times do not include waiting for the one before
-            notes.append(replay_breakdown(lambda f=got[False][1]: f.replay(1), off, top=30,
-                                          form=" with ordinary launches (no PDL)"))
+            notes.append(
+                replay_breakdown(
+                    lambda f=got[False][1]: f.replay(1), off, top=30, form=" with ordinary launches (no PDL)"
+                )
+            )
         del got
         gc.collect()
         torch.cuda.empty_cache()
 
 
-def batch1_ab(eng, vocab_size: int, records: list, notes: list, set_form, labels: tuple, what: str,
-              reference: str, describe) -> None:
+def batch1_ab(
+    eng,
+    vocab_size: int,
+    records: list,
+    notes: list,
+    set_form,
+    labels: tuple,
+    what: str,
+    reference: str,
+    describe,
+) -> None:
     """One batch-1 launch-form A/B (`graph_ab`) as a record, ratio = first label's time / second's (> 1: the
     second is faster), and a note `describe(us of the first, us of the second)`."""
     got = graph_ab(eng, 1, vocab_size, set_form, labels)
@@ -479,10 +651,20 @@ def packed_qkv_ab(eng, vocab_size: int, records: list, notes: list) -> None:
         for m in layers:
             m.use_packed_qkv = form != "three"
 
-    batch1_ab(eng, vocab_size, records, notes, set_form, ("three", "packed"), "QKV as three projections / packed",
-              "three projections, same run",
-              lambda three, packed: f"packed QKV A/B batch 1: graph replay {packed:.0f} us with q, k and v in one "
-                                    f"projection, {three:.0f} us with three ({len(layers)} attention layers)")
+    batch1_ab(
+        eng,
+        vocab_size,
+        records,
+        notes,
+        set_form,
+        ("three", "packed"),
+        "QKV as three projections / packed",
+        "three projections, same run",
+        lambda three, packed: (
+            f"packed QKV A/B batch 1: graph replay {packed:.0f} us with q, k and v in one "
+            f"projection, {three:.0f} us with three ({len(layers)} attention layers)"
+        ),
+    )
 
 
 def _gemv_settings_before_fdb35a5(w_scale: int, k: int, n: int, device: str = "") -> dict[str, int]:
@@ -493,7 +675,9 @@ def _gemv_settings_before_fdb35a5(w_scale: int, k: int, n: int, device: str = ""
         return tfl._GPU_SHORT_K[0] if k < 4096 else tfl._GPU[0]
     if w_scale == 1:
         return tfl._GPU_FP8_SHORT_K if k <= 8192 else dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=3)
-    return tfl._GPU_FP8_BLOCK_SHORT_K if k <= 8192 else tfl._GPU_FP8_BLOCK  # unchanged (not gpu_settings: this
+    return (
+        tfl._GPU_FP8_BLOCK_SHORT_K if k <= 8192 else tfl._GPU_FP8_BLOCK
+    )  # unchanged (not gpu_settings: this
     # function stands in for it during the A/B)
 
 
@@ -503,12 +687,20 @@ def gemv_settings_ab(eng, vocab_size: int, records: list, notes: list) -> None:
     import hyserve.kernels.triton_fused_linear as tfl
 
     now = tfl.gpu_settings
-    batch1_ab(eng, vocab_size, records, notes,
-              lambda f: setattr(tfl, "gpu_settings", _gemv_settings_before_fdb35a5 if f == "before" else now),
-              ("before", "now"), "GEMV settings by row length / by output width",
-              "the settings by row length alone, same run",
-              lambda before, after: f"GEMV settings A/B batch 1: graph replay {after:.0f} us at the engine's settings "
-                                    f"(by output width), {before:.0f} us at the earlier ones (by row length alone)")
+    batch1_ab(
+        eng,
+        vocab_size,
+        records,
+        notes,
+        lambda f: setattr(tfl, "gpu_settings", _gemv_settings_before_fdb35a5 if f == "before" else now),
+        ("before", "now"),
+        "GEMV settings by row length / by output width",
+        "the settings by row length alone, same run",
+        lambda before, after: (
+            f"GEMV settings A/B batch 1: graph replay {after:.0f} us at the engine's settings "
+            f"(by output width), {before:.0f} us at the earlier ones (by row length alone)"
+        ),
+    )
 
 
 def init_times(model: torch.nn.Module, cfg: HybridModelConfig, records: list) -> None:
@@ -532,14 +724,23 @@ def bench_prefill_with_prefix_cache(cfg: HybridModelConfig, records: list) -> No
     """The 8k prefill again with the prefix cache on (the server's default): Mamba snapshots every 256
     tokens and at the end, so the scan also keeps its per-chunk states. Quoted against the same prefill
     without the prefix cache, measured earlier in this run."""
-    llm = LLM(str(CFG_DIR), load_format="dummy", max_seq_len=16384, max_batch_size=64, max_num_tokens=8192,
-              kv_cache_config={"enable_block_reuse": True, "free_gpu_memory_fraction": 0.5})
+    llm = LLM(
+        str(CFG_DIR),
+        load_format="dummy",
+        max_seq_len=16384,
+        max_batch_size=64,
+        max_num_tokens=8192,
+        kv_cache_config={"enable_block_reuse": True, "free_gpu_memory_fraction": 0.5},
+    )
     eng = llm.engine
     g = torch.Generator().manual_seed(1)
     times = []
     for i in range(3):  # distinct prompts: no prefix hit
-        eng.add_request(f"pc{i}", [1] + torch.randint(3, cfg.vocab_size, (8191,), generator=g).tolist(),
-                        SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        eng.add_request(
+            f"pc{i}",
+            [1] + torch.randint(3, cfg.vocab_size, (8191,), generator=g).tolist(),
+            SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+        )
         sync()
         t = time.perf_counter()
         while eng.has_unfinished():
@@ -547,8 +748,15 @@ def bench_prefill_with_prefix_cache(cfg: HybridModelConfig, records: list) -> No
         sync()
         times.append(time.perf_counter() - t)
     plain = next(r["value"] for r in records if r["name"] == "hyserve prefill 8k tokens (tok/s)")
-    records.append(rec("hyserve prefill 8k tokens, prefix cache on (tok/s)", 8192 / min(times[1:]), "tok/s",
-                       "the same prefill without the prefix cache, same run", plain))
+    records.append(
+        rec(
+            "hyserve prefill 8k tokens, prefix cache on (tok/s)",
+            8192 / min(times[1:]),
+            "tok/s",
+            "the same prefill without the prefix cache, same run",
+            plain,
+        )
+    )
     snaps = eng.stats().get("snapshot_slots_used")
     records[-1]["note"] = f"snapshot slots used after 3 prompts: {snaps}"
     del eng, llm
@@ -570,16 +778,30 @@ def bench_transformers(cfg_raw: dict, records: list) -> None:
         t = time.perf_counter()
         model(ids)
         sync()
-        records.append(rec("transformers prefill 2k tokens (tok/s)", 2048 / (time.perf_counter() - t), "tok/s",
-                           "transformers on the H200 earlier (benchmarks/README.md)", 1070.0))
+        records.append(
+            rec(
+                "transformers prefill 2k tokens (tok/s)",
+                2048 / (time.perf_counter() - t),
+                "tok/s",
+                "transformers on the H200 earlier (benchmarks/README.md)",
+                1070.0,
+            )
+        )
         out = model.generate(ids[:, :128], max_new_tokens=4, do_sample=False)
         sync()
         t = time.perf_counter()
         out = model.generate(ids[:, :128], max_new_tokens=33, min_new_tokens=33, do_sample=False)
         sync()
         n = out.shape[1] - 128
-        records.append(rec("transformers decode batch 1 (tok/s)", (n - 1) / (time.perf_counter() - t), "tok/s",
-                           "transformers on the H200 earlier (benchmarks/README.md)", 27.0))
+        records.append(
+            rec(
+                "transformers decode batch 1 (tok/s)",
+                (n - 1) / (time.perf_counter() - t),
+                "tok/s",
+                "transformers on the H200 earlier (benchmarks/README.md)",
+                27.0,
+            )
+        )
     del model
     torch.cuda.empty_cache()
 
@@ -595,7 +817,11 @@ def fp8_ratios(bf16: list, fp8: list) -> list:
         if twin is None or not twin["value"] or not r["value"] or r["unit"] == "x":
             continue
         faster = twin["value"] / r["value"] if r["unit"] in ("ms", "s") else r["value"] / twin["value"]
-        out.append(rec(f"[fp8] {r['name']}: FP8 vs bf16, same run (x)", faster, "x", "the bf16 figure, same run", 1.0))
+        out.append(
+            rec(
+                f"[fp8] {r['name']}: FP8 vs bf16, same run (x)", faster, "x", "the bf16 figure, same run", 1.0
+            )
+        )
     return out
 
 
@@ -609,8 +835,16 @@ def greedy_agreement(plan: ModelPlan, cfg: HybridModelConfig, records: list) -> 
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=1)
     outs = {}
     for quant in (None, "fp8"):
-        llm = LLM(str(plan.model_dir), device=plan.device, load_format="dummy", max_seq_len=4096,
-                  max_batch_size=8, quantization=quant, warmup="off", kv_cache_config={"free_gpu_memory_fraction": 0.5})
+        llm = LLM(
+            str(plan.model_dir),
+            device=plan.device,
+            load_format="dummy",
+            max_seq_len=4096,
+            max_batch_size=8,
+            quantization=quant,
+            warmup="off",
+            kv_cache_config={"free_gpu_memory_fraction": 0.5},
+        )
         outs[quant] = llm.generate(prompts, params)
         del llm
         gc.collect()
@@ -625,33 +859,72 @@ def greedy_agreement(plan: ModelPlan, cfg: HybridModelConfig, records: list) -> 
         total += min(n + 1, len(ta))
         la, lb = a.logprobs or [], b.logprobs or []
         lp_diff += [abs(la[i].logprob - lb[i].logprob) for i in range(min(n, len(la), len(lb)))]
-    records.append(rec("[fp8] greedy tokens agreeing with bf16 until the first difference (fraction)", agree / total,
-                       "fraction", "bf16, same weights", 1.0))
+    records.append(
+        rec(
+            "[fp8] greedy tokens agreeing with bf16 until the first difference (fraction)",
+            agree / total,
+            "fraction",
+            "bf16, same weights",
+            1.0,
+        )
+    )
     if lp_diff:
-        records.append(rec("[fp8] mean |logprob(fp8) - logprob(bf16)| of the agreed tokens", sum(lp_diff) / len(lp_diff),
-                           "nats", "none", None))
+        records.append(
+            rec(
+                "[fp8] mean |logprob(fp8) - logprob(bf16)| of the agreed tokens",
+                sum(lp_diff) / len(lp_diff),
+                "nats",
+                "none",
+                None,
+            )
+        )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model-dir", type=Path, default=CFG_DIR,
-                    help="a directory with config.json (default: the Nano 9B v2 architecture)")
-    ap.add_argument("--num-layers", type=int, default=None,
-                    help="cut the model to the first N layers of its pattern (default: whole, or what fits)")
-    ap.add_argument("--weight-budget-gib", type=float, default=None,
-                    help="cut the model to the whole repetitions of its layer pattern whose bf16 weights fit "
-                         "(default: 0.75 of the device's memory)")
-    ap.add_argument("--time-init", action="store_true",
-                    help="also time dummy-weight init of the loaded model, drawn on the host and on the device")
+    ap.add_argument(
+        "--model-dir",
+        type=Path,
+        default=CFG_DIR,
+        help="a directory with config.json (default: the Nano 9B v2 architecture)",
+    )
+    ap.add_argument(
+        "--num-layers",
+        type=int,
+        default=None,
+        help="cut the model to the first N layers of its pattern (default: whole, or what fits)",
+    )
+    ap.add_argument(
+        "--weight-budget-gib",
+        type=float,
+        default=None,
+        help="cut the model to the whole repetitions of its layer pattern whose bf16 weights fit "
+        "(default: 0.75 of the device's memory)",
+    )
+    ap.add_argument(
+        "--time-init",
+        action="store_true",
+        help="also time dummy-weight init of the loaded model, drawn on the host and on the device",
+    )
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--quantization", choices=("fp8",), default=None,
-                    help="also run the engine figures with FP8 weights after bf16, ratios in the same run")
-    ap.add_argument("--fp8-only", action="store_true",
-                    help="with --quantization fp8: FP8 alone (a model whose bf16 weights do not fit, e.g. the whole "
-                         "Nemotron 3 Super on one H200), cut to what fits in FP8")
-    ap.add_argument("--batches", default=None,
-                    help=f"decode-step batch sizes to time, comma-separated, of {sorted(STEP_SHAPES)} (default: the "
-                         "plan's; a GPU whose memory cannot hold the Mamba state of 256 rows of a MoE model: 64)")
+    ap.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        default=None,
+        help="also run the engine figures with FP8 weights after bf16, ratios in the same run",
+    )
+    ap.add_argument(
+        "--fp8-only",
+        action="store_true",
+        help="with --quantization fp8: FP8 alone (a model whose bf16 weights do not fit, e.g. the whole "
+        "Nemotron 3 Super on one H200), cut to what fits in FP8",
+    )
+    ap.add_argument(
+        "--batches",
+        default=None,
+        help=f"decode-step batch sizes to time, comma-separated, of {sorted(STEP_SHAPES)} (default: the "
+        "plan's; a GPU whose memory cannot hold the Mamba state of 256 rows of a MoE model: 64)",
+    )
     ap.add_argument("--git-sha", default="", help="commit of the tree, when it is run without .git")
     args = ap.parse_args()
     if args.weight_budget_gib is not None and args.num_layers is not None:
@@ -662,13 +935,24 @@ def main() -> None:
     if budget is None and args.num_layers is None:
         budget = 0.75 * torch.cuda.get_device_properties(0).total_memory
     work = Path(tempfile.mkdtemp(prefix="bench_model_"))
-    plan = make_plan(args.model_dir, num_layers=args.num_layers, weight_budget=budget, work=work,
-                     skip_transformers=args.skip_transformers or args.fp8_only, fp8_only=args.fp8_only)
+    plan = make_plan(
+        args.model_dir,
+        num_layers=args.num_layers,
+        weight_budget=budget,
+        work=work,
+        skip_transformers=args.skip_transformers or args.fp8_only,
+        fp8_only=args.fp8_only,
+    )
     if args.fp8_only:
         # FP8 alone: no transformers after it, so the pools may take 0.9 of what the weights leave; batch 64
-        plan = dataclasses.replace(plan, prefix_cache=False, slug=(plan.slug or "NVIDIA-Nemotron-Nano-9B-v2") + "-fp8",
-                                   label=plan.label.replace("bf16", "FP8 (per-channel, quantised at load)"),
-                                   batches=(64,), cache_fraction=0.9)
+        plan = dataclasses.replace(
+            plan,
+            prefix_cache=False,
+            slug=(plan.slug or "NVIDIA-Nemotron-Nano-9B-v2") + "-fp8",
+            label=plan.label.replace("bf16", "FP8 (per-channel, quantised at load)"),
+            batches=(64,),
+            cache_fraction=0.9,
+        )
     if args.batches is not None:
         batches = tuple(int(b) for b in args.batches.split(","))
         if not batches or any(b not in STEP_SHAPES for b in batches):
@@ -685,7 +969,9 @@ def main() -> None:
         notes.append(f"{plan.label}: {cfg.describe()}, {num_moe_layers(cfg)} MoE layers")
     if args.fp8_only:  # the rooflines count FP8 bytes; no bf16 twin
         fp8_only: list = []
-        bench_hyserve(plan, cfg.with_quant(FP8), ceilings, fp8_only, notes, quantization="fp8", launch_ab=False)
+        bench_hyserve(
+            plan, cfg.with_quant(FP8), ceilings, fp8_only, notes, quantization="fp8", launch_ab=False
+        )
         records += [{**r, "name": f"[fp8] {r['name']}"} for r in fp8_only]
     else:
         bench_hyserve(plan, cfg, ceilings, records, notes, time_init=args.time_init)

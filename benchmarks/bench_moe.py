@@ -49,9 +49,15 @@ GRAPH_SETS = 8  # input sets per captured graph (rotating routing keeps the weig
 
 def _shape(name: str) -> dict:
     raw = json.loads((CONFIGS / name / "config.json").read_text())
-    return dict(name=name, E=raw["n_routed_experts"], k=raw["num_experts_per_tok"],
-                d=raw.get("moe_latent_size") or raw["hidden_size"], I=raw["moe_intermediate_size"],
-                H=raw["hidden_size"], raw=raw)
+    return dict(
+        name=name,
+        E=raw["n_routed_experts"],
+        k=raw["num_experts_per_tok"],
+        d=raw.get("moe_latent_size") or raw["hidden_size"],
+        I=raw["moe_intermediate_size"],
+        H=raw["hidden_size"],
+        raw=raw,
+    )
 
 
 def _dry_shape(name: str) -> dict:
@@ -127,8 +133,11 @@ def moe_ceilings(dev: torch.device, dry: bool) -> dict:
     """This device's bytes-read and bf16 matmul ceilings (benchmarks/roofline.py, one 8192^3 matmul shape);
     the dry run quotes the H200's published peaks instead."""
     if dry:
-        return dict(read_bw=PUBLISHED_BW, matmul_flops=PUBLISHED_FLOPS,
-                    note="dry-run: the H200's published peaks, not measured")
+        return dict(
+            read_bw=PUBLISHED_BW,
+            matmul_flops=PUBLISHED_FLOPS,
+            note="dry-run: the H200's published peaks, not measured",
+        )
     c = measure_ceilings(dev, matmul_shapes=((8192, 8192, 8192),))
     print(c.summary())
     return c.to_dict()
@@ -144,7 +153,8 @@ def grouped_mm_moe(x, w_up, w_down, topk_w, topk_ids):
     flat = topk_ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(E, dtype=torch.int32, device=x.device).index_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.int32))
+        0, flat, torch.ones_like(flat, dtype=torch.int32)
+    )
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     tok = order // k
     h = torch._grouped_mm(x[tok], w_up.transpose(1, 2), offs=offs)  # [T*k, I]
@@ -189,37 +199,54 @@ def _roofline(s: dict, ids: torch.Tensor, T: int, ceil: dict, elt: int = 2) -> d
     flops = 2 * ids.numel() * 2 * s["I"] * s["d"]
     t_bytes = (wbytes + abytes) / ceil["read_bw"] * 1e3
     t_flops = flops / ceil["matmul_flops"] * 1e3
-    return dict(experts_touched=touched, bytes=wbytes + abytes, flops=flops, bytes_ms=t_bytes, flop_ms=t_flops,
-                roofline_ms=max(t_bytes, t_flops), bound="bytes" if t_bytes >= t_flops else "flops")
+    return dict(
+        experts_touched=touched,
+        bytes=wbytes + abytes,
+        flops=flops,
+        bytes_ms=t_bytes,
+        flop_ms=t_flops,
+        roofline_ms=max(t_bytes, t_flops),
+        bound="bytes" if t_bytes >= t_flops else "flops",
+    )
 
 
 # --------------------------------------------------------------------------- tuning
 
 
-_GEMV_CANDS = [dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=3),
-               dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=3),
-               dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=2),
-               dict(BLOCK_N=16, BLOCK_K=256, num_warps=8, num_stages=3),
-               dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=4),
-               dict(BLOCK_N=8, BLOCK_K=512, num_warps=8, num_stages=3)]
-_GEMV_DEEP = [dict(BLOCK_N=2, BLOCK_K=512, num_warps=4, num_stages=4),  # more loads in flight per SM
-              dict(BLOCK_N=4, BLOCK_K=256, num_warps=4, num_stages=6),
-              dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=6),
-              dict(BLOCK_N=2, BLOCK_K=512, num_warps=2, num_stages=4),
-              dict(BLOCK_N=1, BLOCK_K=1024, num_warps=2, num_stages=4)]
+_GEMV_CANDS = [
+    dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=3),
+    dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=3),
+    dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=2),
+    dict(BLOCK_N=16, BLOCK_K=256, num_warps=8, num_stages=3),
+    dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=4),
+    dict(BLOCK_N=8, BLOCK_K=512, num_warps=8, num_stages=3),
+]
+_GEMV_DEEP = [
+    dict(BLOCK_N=2, BLOCK_K=512, num_warps=4, num_stages=4),  # more loads in flight per SM
+    dict(BLOCK_N=4, BLOCK_K=256, num_warps=4, num_stages=6),
+    dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=6),
+    dict(BLOCK_N=2, BLOCK_K=512, num_warps=2, num_stages=4),
+    dict(BLOCK_N=1, BLOCK_K=1024, num_warps=2, num_stages=4),
+]
 _GEMV_DOWN = [dict(c, FLAT=f) for c in _GEMV_CANDS for f in (0, 1)] + [dict(c, FLAT=1) for c in _GEMV_DEEP]
 _GEMV_CANDS = _GEMV_CANDS + _GEMV_DEEP
-_SMALL_M = [dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
-            dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3),
-            dict(BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=3),
-            dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=4),
-            dict(BLOCK_N=32, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=4)]
-_LARGE_M = [dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
-            dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
-            dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
-            dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)]
-_DRY_GEMM = [dict(BLOCK_N=16, BLOCK_K=32, GROUP_M=1, num_warps=1, num_stages=1),
-             dict(BLOCK_N=32, BLOCK_K=16, GROUP_M=2, num_warps=1, num_stages=1)]
+_SMALL_M = [
+    dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+    dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3),
+    dict(BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=3),
+    dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=4),
+    dict(BLOCK_N=32, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=4),
+]
+_LARGE_M = [
+    dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+    dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+]
+_DRY_GEMM = [
+    dict(BLOCK_N=16, BLOCK_K=32, GROUP_M=1, num_warps=1, num_stages=1),
+    dict(BLOCK_N=32, BLOCK_K=16, GROUP_M=2, num_warps=1, num_stages=1),
+]
 _DRY_GEMV = [dict(BLOCK_N=32, BLOCK_K=32, num_warps=1, num_stages=1)]
 _DRY_GEMV_DOWN = [dict(c, FLAT=f) for c in _DRY_GEMV for f in (0, 1)]
 
@@ -256,7 +283,7 @@ def tune_shape(s: dict, sizes: list[int], dev, dtype, timer: Timer, dry: bool) -
     E, k, d, inter = s["E"], s["k"], s["d"], s["I"]
     table: dict[str, dict] = {}
     for T in sizes:
-        (x, w, ids), = _inputs(s, T, dev, dtype, 1)
+        ((x, w, ids),) = _inputs(s, T, dev, dtype, 1)
         tw = w.float().contiguous()
         options = []
         if T <= 8:
@@ -267,17 +294,23 @@ def tune_shape(s: dict, sizes: list[int], dev, dtype, timer: Timer, dry: bool) -
             dn, t_dn = _best(timer, gd, lambda c: tm.launch_down_gemv(h, w_down, ids, tw, out, c))
             options.append((t_up + t_dn, {"variant": "gemv", "up": up, "down": dn}))
             print(f"    T={T} gemv: up {t_up:.4f} ms ({up}), down {t_dn:.4f} ms ({dn})")
-        for bm in ([16] if dry else _bm_cands(T * k / E)):
+        for bm in [16] if dry else _bm_cands(T * k / E):
             sid, eid, npad = tm.moe_align_triton(ids, E, bm)
             t_al = timer.eager([lambda: tm.moe_align_triton(ids, E, bm)], rep=25)
             h = torch.empty(sid.numel(), inter, dtype=dtype, device=dev)
             y = torch.empty(T * k, d, dtype=dtype, device=dev)
             out = torch.empty(T, d, dtype=dtype, device=dev)
             cands = _DRY_GEMM if dry else (_SMALL_M if bm <= 32 else _LARGE_M)
-            up, t_up = _best(timer, cands, lambda c: tm.launch_up_gemm(x, w_up, h, sid, eid, npad, T * k, k, bm, c))
-            dn, t_dn = _best(timer, cands, lambda c: tm.launch_down_gemm(h, w_down, y, tw, sid, eid, npad, bm, c))
+            up, t_up = _best(
+                timer, cands, lambda c: tm.launch_up_gemm(x, w_up, h, sid, eid, npad, T * k, k, bm, c)
+            )
+            dn, t_dn = _best(
+                timer, cands, lambda c: tm.launch_down_gemm(h, w_down, y, tw, sid, eid, npad, bm, c)
+            )
             t_cb = timer.eager([lambda: tm.launch_combine(y, out, k)], rep=25)
-            options.append((t_al + t_up + t_dn + t_cb, {"variant": "gemm", "BLOCK_M": bm, "up": up, "down": dn}))
+            options.append(
+                (t_al + t_up + t_dn + t_cb, {"variant": "gemm", "BLOCK_M": bm, "up": up, "down": dn})
+            )
         ms, cfg = min(options, key=lambda o: o[0])
         got = tm.moe_experts_triton(x, w_up, w_down, w, ids, config=cfg)
         want = moe_experts_ref(x.float(), w_up.float(), w_down.float(), w, ids)
@@ -286,8 +319,10 @@ def tune_shape(s: dict, sizes: list[int], dev, dtype, timer: Timer, dry: bool) -
             raise AssertionError(f"tuned config {cfg} for T={T} disagrees with the reference: {err:.2e}")
         e2e = timer.eager([lambda: tm.moe_experts_triton(x, w_up, w_down, w, ids, config=cfg)], rep=40)
         table[str(T)] = dict(cfg, stage_ms=round(ms, 5), ms=round(e2e, 5))
-        print(f"  tune {s['name']} T={T}: {cfg['variant']} BM={cfg.get('BLOCK_M', '-')} up={cfg['up']} "
-              f"down={cfg['down']} stages {ms:.4f} ms, end to end {e2e:.4f} ms (err {err:.1e})")
+        print(
+            f"  tune {s['name']} T={T}: {cfg['variant']} BM={cfg.get('BLOCK_M', '-')} up={cfg['up']} "
+            f"down={cfg['down']} stages {ms:.4f} ms, end to end {e2e:.4f} ms (err {err:.1e})"
+        )
     return table
 
 
@@ -304,15 +339,23 @@ def write_tuned(tables: dict[str, dict], device_name: str, sha: str, merge: bool
             merged = {**old.get(shape, {}), **buckets}
             old[shape] = dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
         tables = old
-    elif path.exists():  # a whole tuning replaces the 16-bit shapes; the e4m3 experts' entries it never tunes stay
+    elif (
+        path.exists()
+    ):  # a whole tuning replaces the 16-bit shapes; the e4m3 experts' entries it never tunes stay
         prev = json.loads(path.read_text()).get("configs", {})
         tables = {**{k: v for k, v in prev.items() if k.endswith(",w=fp8") and k not in tables}, **tables}
-    doc = dict(device=device_name, triton=__import__("triton").__version__, torch=torch.__version__,
-               tuned_at=sha, date=_dt.date.today().isoformat(), history=history,
-               note="written by benchmarks/bench_moe.py --tune; keys E (experts), N (intermediate), K (hidden "
-                    "or latent), token bucket; ms = end to end eager at that token count; history = earlier "
-                    "tunings whose buckets a --tune-sizes run kept",
-               configs=tables)
+    doc = dict(
+        device=device_name,
+        triton=__import__("triton").__version__,
+        torch=torch.__version__,
+        tuned_at=sha,
+        date=_dt.date.today().isoformat(),
+        history=history,
+        note="written by benchmarks/bench_moe.py --tune; keys E (experts), N (intermediate), K (hidden "
+        "or latent), token bucket; ms = end to end eager at that token count; history = earlier "
+        "tunings whose buckets a --tune-sizes run kept",
+        configs=tables,
+    )
     path.write_text(json.dumps(doc, indent=1) + "\n")
     tm._tuned_table.cache_clear()
     tm._bucket_config.cache_clear()
@@ -340,8 +383,19 @@ def bench_experts(s: dict, sizes: list[int], dev, dtype, timer: Timer, ceil: dic
         err_loop = _rel(loop_moe(x, w_up, w_down, w, ids), exact)
         ok = err < 1e-2
         cfg = tm.moe_config(s["E"], s["I"], s["d"], T, s["k"], dev)
-        rec = dict(layer=s["name"], T=T, E=s["E"], k=s["k"], N=s["I"], K=s["d"], config=cfg, rel_err=err,
-                   rel_err_grouped_mm=err_peer, rel_err_loop=err_loop, correct=ok)
+        rec = dict(
+            layer=s["name"],
+            T=T,
+            E=s["E"],
+            k=s["k"],
+            N=s["I"],
+            K=s["d"],
+            config=cfg,
+            rel_err=err,
+            rel_err_grouped_mm=err_peer,
+            rel_err_loop=err_loop,
+            correct=ok,
+        )
         rec.update(_roofline(s, ids, T, ceil))
         if not ok:
             print(f"FAIL {s['name']} T={T}: fused relative error {err:.2e}: not timed")
@@ -354,8 +408,10 @@ def bench_experts(s: dict, sizes: list[int], dev, dtype, timer: Timer, ceil: dic
             peer_fns = [lambda a=a: grouped_mm_moe(a[0], w_up, w_down, a[1], a[2]) for a in sets]
             rec["grouped_mm_eager_ms"] = timer.eager(peer_fns)
             rec["grouped_mm_graph_ms"] = timer.graph(peer_fns)
-        rec["loop_eager_ms"] = timer.eager([lambda a=a: loop_moe(a[0], w_up, w_down, a[1], a[2]) for a in sets[:2]],
-                                           rep=40 if T < 1024 else 150)
+        rec["loop_eager_ms"] = timer.eager(
+            [lambda a=a: loop_moe(a[0], w_up, w_down, a[1], a[2]) for a in sets[:2]],
+            rep=40 if T < 1024 else 150,
+        )
         best = min(rec["fused_eager_ms"], rec["fused_graph_ms"])
         rec["fused_best_ms"] = best
         rec["ratio_to_roofline"] = best / rec["roofline_ms"]
@@ -365,10 +421,12 @@ def bench_experts(s: dict, sizes: list[int], dev, dtype, timer: Timer, ceil: dic
             rec["speedup_vs_grouped_mm_eager"] = rec["grouped_mm_eager_ms"] / rec["fused_eager_ms"]
             rec["speedup_vs_grouped_mm_graph"] = rec["grouped_mm_graph_ms"] / rec["fused_graph_ms"]
         rec["speedup_vs_loop"] = rec["loop_eager_ms"] / rec["fused_eager_ms"]
-        print(f"  {s['name'][:24]} T={T:5d}: fused {rec['fused_eager_ms']:.4f} eager / {rec['fused_graph_ms']:.4f} graph ms"
-              f" | grouped_mm {rec.get('grouped_mm_eager_ms', float('nan')):.4f} / {rec.get('grouped_mm_graph_ms', float('nan')):.4f}"
-              f" | loop {rec['loop_eager_ms']:.3f} | roofline {rec['roofline_ms']:.4f} ({rec['bound']}) x{rec['ratio_to_roofline']:.2f}"
-              f" | {rec['achieved_TBps']:.2f} TB/s | err {err:.1e}")
+        print(
+            f"  {s['name'][:24]} T={T:5d}: fused {rec['fused_eager_ms']:.4f} eager / {rec['fused_graph_ms']:.4f} graph ms"
+            f" | grouped_mm {rec.get('grouped_mm_eager_ms', float('nan')):.4f} / {rec.get('grouped_mm_graph_ms', float('nan')):.4f}"
+            f" | loop {rec['loop_eager_ms']:.3f} | roofline {rec['roofline_ms']:.4f} ({rec['bound']}) x{rec['ratio_to_roofline']:.2f}"
+            f" | {rec['achieved_TBps']:.2f} TB/s | err {err:.1e}"
+        )
         recs.append(rec)
     return recs
 
@@ -380,7 +438,9 @@ def bench_layer(s: dict, sizes: list[int], dev, dtype, timer: Timer, ceil: dict,
     from hyserve.model.moe import MoE
 
     if s["raw"] is None:
-        raw = json.loads((ROOT / "tests" / "configs" / "tiny-nemotron-3-latent-moe" / "config.json").read_text())
+        raw = json.loads(
+            (ROOT / "tests" / "configs" / "tiny-nemotron-3-latent-moe" / "config.json").read_text()
+        )
     else:
         raw = dict(s["raw"])
     raw.pop("auto_map", None)
@@ -405,19 +465,40 @@ def bench_layer(s: dict, sizes: list[int], dev, dtype, timer: Timer, ceil: dict,
             _, ids = layer.gate(xs[0])
         err = _rel(got, want)
         touched = int(torch.unique(ids).numel())
-        wbytes = (touched * 2 * inter * L + 2 * H * sh + (2 * H * L if cfg.moe_latent_size else 0)) * 2 + E * H * 4
-        flops = 2 * T * (cfg.num_experts_per_tok * 2 * inter * L + 2 * H * sh + (2 * H * L if cfg.moe_latent_size else 0) + E * H)
+        wbytes = (
+            touched * 2 * inter * L + 2 * H * sh + (2 * H * L if cfg.moe_latent_size else 0)
+        ) * 2 + E * H * 4
+        flops = (
+            2
+            * T
+            * (
+                cfg.num_experts_per_tok * 2 * inter * L
+                + 2 * H * sh
+                + (2 * H * L if cfg.moe_latent_size else 0)
+                + E * H
+            )
+        )
         roof = max((wbytes + 4 * T * H) / ceil["read_bw"], flops / ceil["matmul_flops"]) * 1e3
-        rec = dict(layer=f"{s['name']} MoE module", T=T, rel_err=err, correct=err < 1e-2, roofline_ms=roof,
-                   bytes=wbytes + 4 * T * H, flops=flops, experts_touched=touched)
+        rec = dict(
+            layer=f"{s['name']} MoE module",
+            T=T,
+            rel_err=err,
+            correct=err < 1e-2,
+            roofline_ms=roof,
+            bytes=wbytes + 4 * T * H,
+            flops=flops,
+            experts_touched=touched,
+        )
         if rec["correct"]:
             fns = [lambda a=a: layer(a) for a in xs]
             with torch.no_grad():
                 rec["eager_ms"] = timer.eager(fns)
                 rec["graph_ms"] = timer.graph(fns)
             rec["ratio_to_roofline"] = min(rec["eager_ms"], rec["graph_ms"]) / roof
-            print(f"  {rec['layer'][:40]} T={T:5d}: {rec['eager_ms']:.4f} eager / {rec['graph_ms']:.4f} graph ms | "
-                  f"roofline {roof:.4f} x{rec['ratio_to_roofline']:.2f} | err {err:.1e}")
+            print(
+                f"  {rec['layer'][:40]} T={T:5d}: {rec['eager_ms']:.4f} eager / {rec['graph_ms']:.4f} graph ms | "
+                f"roofline {roof:.4f} x{rec['ratio_to_roofline']:.2f} | err {err:.1e}"
+            )
         else:
             print(f"FAIL {rec['layer']} T={T}: relative error {err:.2e}: not timed")
         recs.append(rec)
@@ -430,10 +511,13 @@ def _fmt(v, f=".4f") -> str:
 
 def _table(doc: dict) -> str:
     c = doc["ceilings"]
-    lines = [f"ceilings: bytes read {c['read_bw'] / 1e12:.2f} TB/s, bf16 matmul {c['matmul_flops'] / 1e12:.0f} TFLOP/s",
-             "", "| layer | T | fused eager ms | fused graph ms | _grouped_mm eager / graph ms | loop ms | roofline ms "
-             "(bound) | x roofline | TB/s | vs _grouped_mm (eager, graph) | config |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"ceilings: bytes read {c['read_bw'] / 1e12:.2f} TB/s, bf16 matmul {c['matmul_flops'] / 1e12:.0f} TFLOP/s",
+        "",
+        "| layer | T | fused eager ms | fused graph ms | _grouped_mm eager / graph ms | loop ms | roofline ms "
+        "(bound) | x roofline | TB/s | vs _grouped_mm (eager, graph) | config |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in doc["experts"]:
         cfg = r["config"]
         cs = cfg["variant"] + (f" BM{cfg['BLOCK_M']}" if cfg["variant"] == "gemm" else "")
@@ -441,18 +525,27 @@ def _table(doc: dict) -> str:
             f"| {r['layer'].split('-BF16')[0]} | {r['T']} | {_fmt(r.get('fused_eager_ms'))} | {_fmt(r.get('fused_graph_ms'))} | "
             f"{_fmt(r.get('grouped_mm_eager_ms'))} / {_fmt(r.get('grouped_mm_graph_ms'))} | {_fmt(r.get('loop_eager_ms'), '.3f')} | "
             f"{r['roofline_ms']:.4f} ({r['bound']}) | {_fmt(r.get('ratio_to_roofline'), '.2f')} | {_fmt(r.get('achieved_TBps'), '.2f')} | "
-            f"{_fmt(r.get('speedup_vs_grouped_mm_eager'), '.2f')}x, {_fmt(r.get('speedup_vs_grouped_mm_graph'), '.2f')}x | {cs} |")
+            f"{_fmt(r.get('speedup_vs_grouped_mm_eager'), '.2f')}x, {_fmt(r.get('speedup_vs_grouped_mm_graph'), '.2f')}x | {cs} |"
+        )
     if doc.get("layers"):
-        lines += ["", "| MoE module | T | eager ms | graph ms | roofline ms | x roofline |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| MoE module | T | eager ms | graph ms | roofline ms | x roofline |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in doc["layers"]:
-            lines.append(f"| {r['layer'].split('-BF16')[0]} | {r['T']} | {_fmt(r.get('eager_ms'))} | {_fmt(r.get('graph_ms'))} | "
-                         f"{r['roofline_ms']:.4f} | {_fmt(r.get('ratio_to_roofline'), '.2f')} |")
+            lines.append(
+                f"| {r['layer'].split('-BF16')[0]} | {r['T']} | {_fmt(r.get('eager_ms'))} | {_fmt(r.get('graph_ms'))} | "
+                f"{r['roofline_ms']:.4f} | {_fmt(r.get('ratio_to_roofline'), '.2f')} |"
+            )
     return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tune", action="store_true", help="autotune every bucket first and write the config file")
+    ap.add_argument(
+        "--tune", action="store_true", help="autotune every bucket first and write the config file"
+    )
     ap.add_argument("--tune-only", action="store_true", help="tune, write the config file, no benchmark")
     ap.add_argument("--tune-sizes", default="", help="tune only these buckets and merge them into the file")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
@@ -474,8 +567,14 @@ def main() -> int:
 
         register_triton_kernels()
     gpu = torch.cuda.get_device_name() if not dry else "cpu (interpreter)"
-    doc: dict = dict(date=_dt.date.today().isoformat(), git_sha=sha, gpu=gpu, torch=torch.__version__,
-                     triton=__import__("triton").__version__, command=" ".join([Path(sys.executable).name, *sys.argv]))
+    doc: dict = dict(
+        date=_dt.date.today().isoformat(),
+        git_sha=sha,
+        gpu=gpu,
+        torch=torch.__version__,
+        triton=__import__("triton").__version__,
+        command=" ".join([Path(sys.executable).name, *sys.argv]),
+    )
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"moe_{sha}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.tune or args.tune_only or args.tune_sizes:
@@ -483,9 +582,14 @@ def main() -> int:
         buckets = [1, 2, 4, 8] if dry else list(tm.TOKEN_BUCKETS)
         if args.tune_sizes:
             buckets = [int(t) for t in args.tune_sizes.split(",")]
-        tables = {tm.shape_key(s["E"], s["I"], s["d"]): tune_shape(s, buckets, dev, dtype, timer, dry) for s in shapes}
+        tables = {
+            tm.shape_key(s["E"], s["I"], s["d"]): tune_shape(s, buckets, dev, dtype, timer, dry)
+            for s in shapes
+        }
         path = write_tuned(tables, gpu, sha, merge=bool(args.tune_sizes)) if not dry else None
-        print(f"tuned in {time.time() - t0:.0f} s" + (f": wrote {path}" if path else " (dry-run: not written)"))
+        print(
+            f"tuned in {time.time() - t0:.0f} s" + (f": wrote {path}" if path else " (dry-run: not written)")
+        )
         doc["tuned"] = tables
         if args.tune_only:
             out.write_text(json.dumps(doc, indent=1) + "\n")

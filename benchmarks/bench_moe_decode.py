@@ -50,12 +50,37 @@ from hyserve.kernels.moe import dequantize_experts, moe_experts_ref  # noqa: E40
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); the first of each list is the 1-token entry tuned at 1a89c47
 # (the H100 run of 1303d9a found short rows and few warps fastest: up 4 x 128 on 2 warps, down one row on one
 # warp; the entries after those are their neighbours)
-UP = [(4, 256, 4, 6), (8, 256, 4, 3), (8, 256, 4, 4), (4, 256, 4, 4), (4, 512, 4, 4), (16, 256, 8, 3),
-      (2, 512, 2, 4), (8, 128, 4, 6), (4, 128, 2, 6), (2, 128, 1, 6), (4, 128, 2, 8), (8, 128, 2, 6),
-      (2, 256, 1, 6)]
-DOWN = [(4, 512, 4, 4), (2, 512, 4, 4), (2, 1024, 4, 2), (1, 1024, 2, 4), (2, 256, 2, 6), (8, 256, 4, 3),
-        (4, 256, 4, 6), (1, 512, 1, 6), (2, 512, 2, 4), (4, 128, 4, 8), (1, 512, 1, 4), (1, 256, 1, 8),
-        (1, 1024, 1, 4), (2, 512, 1, 6)]
+UP = [
+    (4, 256, 4, 6),
+    (8, 256, 4, 3),
+    (8, 256, 4, 4),
+    (4, 256, 4, 4),
+    (4, 512, 4, 4),
+    (16, 256, 8, 3),
+    (2, 512, 2, 4),
+    (8, 128, 4, 6),
+    (4, 128, 2, 6),
+    (2, 128, 1, 6),
+    (4, 128, 2, 8),
+    (8, 128, 2, 6),
+    (2, 256, 1, 6),
+]
+DOWN = [
+    (4, 512, 4, 4),
+    (2, 512, 4, 4),
+    (2, 1024, 4, 2),
+    (1, 1024, 2, 4),
+    (2, 256, 2, 6),
+    (8, 256, 4, 3),
+    (4, 256, 4, 6),
+    (1, 512, 1, 6),
+    (2, 512, 2, 4),
+    (4, 128, 4, 8),
+    (1, 512, 1, 4),
+    (1, 256, 1, 8),
+    (1, 1024, 1, 4),
+    (2, 512, 1, 6),
+]
 NESTED = [(4, 512, 4, 4), (1, 512, 1, 6), (1, 1024, 2, 4)]  # down forms also tried with a K loop per slot
 # one stage: no cp.async ring through shared memory, the tile loads straight into registers (Nsight Compute on the
 # H100, b54b3d7: the up GEMV stalls a third of its cycles on the MIO queue, the down GEMV on the shared-memory
@@ -110,25 +135,35 @@ class Layers:
             q = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=dev)
             scale = torch.empty(E, N, dtype=torch.float32, device=dev)
             for e in range(E):  # one expert at a time: no float32 copy of the whole stack
-                q[e], scale[e] = quantize_weight_ref(torch.randn(N, K, device=dev, generator=g) * K**-0.5, "channel")
+                q[e], scale[e] = quantize_weight_ref(
+                    torch.randn(N, K, device=dev, generator=g) * K**-0.5, "channel"
+                )
             return q, scale
 
         self.layers = []
         for _ in range(n):
             (up, up_s), (down, down_s) = experts(inter, d), experts(d, inter)
-            self.layers.append(dict(
-                router=torch.randn(E, H, device=dev, generator=g) * H**-0.5,
-                bias=torch.zeros(E, device=dev), up=up, down=down, up_s=up_s, down_s=down_s,
-                su=rnd(self.S * inter, d, std=d**-0.5) if self.S else None,
-                sd=rnd(d, self.S * inter, std=(self.S * inter) ** -0.5) if self.S else None))
+            self.layers.append(
+                dict(
+                    router=torch.randn(E, H, device=dev, generator=g) * H**-0.5,
+                    bias=torch.zeros(E, device=dev),
+                    up=up,
+                    down=down,
+                    up_s=up_s,
+                    down_s=down_s,
+                    su=rnd(self.S * inter, d, std=d**-0.5) if self.S else None,
+                    sd=rnd(d, self.S * inter, std=(self.S * inter) ** -0.5) if self.S else None,
+                )
+            )
         self.x = rnd(1, d, std=1.0)
         self.xh = self.x if H == d else rnd(1, H, std=1.0)
         self.outs = [torch.empty(1, d, dtype=dtype, device=dev) for _ in range(n)]
 
     def route(self, L: dict):
         logits = tm.router_logits_triton(self.xh, L["router"])
-        return tm.moe_route_triton(logits, L["bias"], self.s["k"], self.n_group, self.topk_group, self.norm,
-                                  self.scale)
+        return tm.moe_route_triton(
+            logits, L["bias"], self.s["k"], self.n_group, self.topk_group, self.norm, self.scale
+        )
 
     def route_up(self, L: dict, cfg: dict) -> tuple:
         """One layer's route and up GEMV: (routing weights, expert ids, h)."""
@@ -169,16 +204,35 @@ class Layers:
         where it is; FP8 experts dequantised)."""
         L = self.layers[0]
         w, ids = self.route(L)
-        got = tm.moe_experts_triton(self.x, L["up"], L["down"], w, ids, L["su"], L["sd"], up_scale=L["up_s"],
-                                    down_scale=L["down_s"], config=cfg)
+        got = tm.moe_experts_triton(
+            self.x,
+            L["up"],
+            L["down"],
+            w,
+            ids,
+            L["su"],
+            L["sd"],
+            up_scale=L["up_s"],
+            down_scale=L["down_s"],
+            config=cfg,
+        )
         f64 = torch.float64
         if self.fp8:
-            up, down = dequantize_experts(L["up"], L["up_s"], f64), dequantize_experts(L["down"], L["down_s"], f64)
+            up, down = (
+                dequantize_experts(L["up"], L["up_s"], f64),
+                dequantize_experts(L["down"], L["down_s"], f64),
+            )
         else:
             up, down = L["up"].double(), L["down"].double()
-        want = moe_experts_ref(self.x.double(), up, down, w.double(), ids,
-                               None if L["su"] is None else L["su"].double(),
-                               None if L["sd"] is None else L["sd"].double())
+        want = moe_experts_ref(
+            self.x.double(),
+            up,
+            down,
+            w.double(),
+            ids,
+            None if L["su"] is None else L["su"].double(),
+            None if L["sd"] is None else L["sd"].double(),
+        )
         return bm._rel(got, want)
 
     def bytes_per_layer(self) -> int:
@@ -194,18 +248,34 @@ def _super_layers(s: dict, fp8: bool) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=("nano", "super"), default="nano",
-                    help="Nemotron 3 Nano 30B-A3B (128 experts, top-6, the shared expert folded in) or Super "
-                         "120B-A12B (512 experts, top-22, latent 1024, the shared expert outside the chain)")
-    ap.add_argument("--fp8", action="store_true",
-                    help="e4m3 experts with channel scales; --write then sets the shape's ',w=fp8' entry")
-    ap.add_argument("--layers", type=int, default=None,
-                    help="MoE layers in the chain (default: Nano 30B-A3B's 23; Super 16 of its 40, fewer where the "
-                         "GPU's free memory holds fewer: 5.6 GB a layer in bf16, 2.8 GB in FP8; nothing stays in L2 "
-                         "either way)")
-    ap.add_argument("--write", action="store_true", help="the fastest setting becomes the 1-token config entry")
-    ap.add_argument("--profile-once", action="store_true",
-                    help="run 4 layers' chains twice at the tuned 1-token settings and exit (under ncu)")
+    ap.add_argument(
+        "--shape",
+        choices=("nano", "super"),
+        default="nano",
+        help="Nemotron 3 Nano 30B-A3B (128 experts, top-6, the shared expert folded in) or Super "
+        "120B-A12B (512 experts, top-22, latent 1024, the shared expert outside the chain)",
+    )
+    ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="e4m3 experts with channel scales; --write then sets the shape's ',w=fp8' entry",
+    )
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="MoE layers in the chain (default: Nano 30B-A3B's 23; Super 16 of its 40, fewer where the "
+        "GPU's free memory holds fewer: 5.6 GB a layer in bf16, 2.8 GB in FP8; nothing stays in L2 "
+        "either way)",
+    )
+    ap.add_argument(
+        "--write", action="store_true", help="the fastest setting becomes the 1-token config entry"
+    )
+    ap.add_argument(
+        "--profile-once",
+        action="store_true",
+        help="run 4 layers' chains twice at the tuned 1-token settings and exit (under ncu)",
+    )
     args = bm.parse_run_args(ap, "moe_decode")
     dry = args.dry_run
     if (run := bm.run_device(dry, "bench_moe_decode")) is None:
@@ -253,9 +323,13 @@ def main() -> int:
             rows.append(dict(what=what, up=up, down=down, error=f"{type(e).__name__}: {str(e)[:200]}"))
             return float("inf")
         frac = per_layer_bytes / (ms * 1e-3) / ceil["read_bw"]
-        rows.append(dict(what=what, up=up, down=down, rel_err=err, us_per_layer=ms * 1e3, fraction_of_read_bw=frac))
-        print(f"  {what:9s} up {tuple(up.values())} down {tuple(down.values())}: {ms * 1e3:7.2f} us a layer, "
-              f"{frac:.3f} of the read ceiling (err {err:.1e})")
+        rows.append(
+            dict(what=what, up=up, down=down, rel_err=err, us_per_layer=ms * 1e3, fraction_of_read_bw=frac)
+        )
+        print(
+            f"  {what:9s} up {tuple(up.values())} down {tuple(down.values())}: {ms * 1e3:7.2f} us a layer, "
+            f"{frac:.3f} of the read ceiling (err {err:.1e})"
+        )
         return ms
 
     # the chain without the expert GEMVs: what the router and route cost between them
@@ -277,8 +351,10 @@ def main() -> int:
     # needs FLAT), and split by slot with the combine kernel after it (no EARLY)
     down_forms = [(_sub(dn, early, 1), "down sweep") for dn in downs[1:] for early in (1, 0)]
     down_forms += [(_sub(dn, 0, 0), "down nested") for dn in (DRY if dry else NESTED)]
-    down_forms += [({**{k: v for k, v in _sub(dn, 0).items() if k != "EARLY"}, "SPLIT": 1}, "down split")
-                   for dn in (DRY if dry else SPLIT + SPLIT_FP8 if args.fp8 else SPLIT)]
+    down_forms += [
+        ({**{k: v for k, v in _sub(dn, 0).items() if k != "EARLY"}, "SPLIT": 1}, "down split")
+        for dn in (DRY if dry else SPLIT + SPLIT_FP8 if args.fp8 else SPLIT)
+    ]
     for dn, what in down_forms:
         t = run(best[1], dn, what)
         if t < best[0]:
@@ -288,24 +364,61 @@ def main() -> int:
     ups_only, downs_only = net.split_chains({"up": up_best, "down": down_best})
     t_up, t_down = (timer.graph([f], replays=15) / n for f in (ups_only, downs_only))
     gu, gd = net.gemv_bytes("up"), net.gemv_bytes("down")
-    alone = dict(up_us=t_up * 1e3, down_us=t_down * 1e3, up_bytes=gu, down_bytes=gd,
-                 up_fraction=gu / (t_up * 1e-3) / ceil["read_bw"], down_fraction=gd / (t_down * 1e-3) / ceil["read_bw"])
-    print(f"best setting's GEMVs alone: up {t_up * 1e3:.2f} us ({alone['up_fraction']:.3f} of the read ceiling), "
-          f"down {t_down * 1e3:.2f} us ({alone['down_fraction']:.3f}), {gu / 1e6:.1f} / {gd / 1e6:.1f} MB a layer")
+    alone = dict(
+        up_us=t_up * 1e3,
+        down_us=t_down * 1e3,
+        up_bytes=gu,
+        down_bytes=gd,
+        up_fraction=gu / (t_up * 1e-3) / ceil["read_bw"],
+        down_fraction=gd / (t_down * 1e-3) / ceil["read_bw"],
+    )
+    print(
+        f"best setting's GEMVs alone: up {t_up * 1e3:.2f} us ({alone['up_fraction']:.3f} of the read ceiling), "
+        f"down {t_down * 1e3:.2f} us ({alone['down_fraction']:.3f}), {gu / 1e6:.1f} / {gd / 1e6:.1f} MB a layer"
+    )
     gpu = torch.cuda.get_device_name() if not dry else "cpu (interpreter)"
-    doc = dict(date=_dt.date.today().isoformat(), git_sha=sha, gpu=gpu, torch=torch.__version__,
-               triton=__import__("triton").__version__, command=" ".join([Path(sys.executable).name, *sys.argv]),
-               layer=s["name"], fp8=args.fp8, layers=n, shared_chunks=net.S, bytes_per_layer=per_layer_bytes, ceilings=ceil,
-               router_route_us_per_layer=t_route * 1e3, late_us_per_layer=t_late * 1e3,
-               best=dict(up=up_best, down=down_best, us_per_layer=t_best * 1e3,
-                         fraction_of_read_bw=per_layer_bytes / (t_best * 1e-3) / ceil["read_bw"]),
-               speedup_best_vs_late=t_late / t_best, gemvs_alone=alone, rows=rows)
-    print(f"best: {t_best * 1e3:.2f} us a layer ({doc['best']['fraction_of_read_bw']:.3f} of the read ceiling), "
-          f"late form at the tuned settings {t_late * 1e3:.2f} us: {t_late / t_best:.3f}x")
+    doc = dict(
+        date=_dt.date.today().isoformat(),
+        git_sha=sha,
+        gpu=gpu,
+        torch=torch.__version__,
+        triton=__import__("triton").__version__,
+        command=" ".join([Path(sys.executable).name, *sys.argv]),
+        layer=s["name"],
+        fp8=args.fp8,
+        layers=n,
+        shared_chunks=net.S,
+        bytes_per_layer=per_layer_bytes,
+        ceilings=ceil,
+        router_route_us_per_layer=t_route * 1e3,
+        late_us_per_layer=t_late * 1e3,
+        best=dict(
+            up=up_best,
+            down=down_best,
+            us_per_layer=t_best * 1e3,
+            fraction_of_read_bw=per_layer_bytes / (t_best * 1e-3) / ceil["read_bw"],
+        ),
+        speedup_best_vs_late=t_late / t_best,
+        gemvs_alone=alone,
+        rows=rows,
+    )
+    print(
+        f"best: {t_best * 1e3:.2f} us a layer ({doc['best']['fraction_of_read_bw']:.3f} of the read ceiling), "
+        f"late form at the tuned settings {t_late * 1e3:.2f} us: {t_late / t_best:.3f}x"
+    )
     if args.write and not dry:
         key = tm.shape_key(s["E"], s["I"], s["d"], fp8=args.fp8)
-        table = {key: {"1": {"variant": "gemv", "up": up_best, "down": down_best,
-                             "stage_ms": round(t_best, 5), "ms": round(t_best, 5)}}}
+        table = {
+            key: {
+                "1": {
+                    "variant": "gemv",
+                    "up": up_best,
+                    "down": down_best,
+                    "stage_ms": round(t_best, 5),
+                    "ms": round(t_best, 5),
+                }
+            }
+        }
         path = bm.write_tuned(table, gpu, sha, merge=True)
         doc["wrote"] = str(path.relative_to(ROOT))
         print(f"wrote the 1-token entry of {key} into {path}")
@@ -313,21 +426,31 @@ def main() -> int:
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"moe_decode{tag}_{sha}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    md = [f"# MoE decode chain, batch 1 ({s['name']}{', e4m3 experts' if args.fp8 else ''}, {n} layers, {gpu}, "
-          f"{sha}, {doc['date']})", "",
-          f"`{doc['command']}`; read ceiling {ceil['read_bw'] / 1e12:.3f} TB/s (same run); "
-          f"{per_layer_bytes / 1e6:.1f} MB a layer; router + route alone {t_route * 1e3:.2f} us a layer", "",
-          "| what | up (BLOCK_N, BLOCK_K, warps, stages, EARLY) | down (..., EARLY, FLAT) | us / layer | of read ceiling |",
-          "|---|---|---|---|---|"]
+    md = [
+        f"# MoE decode chain, batch 1 ({s['name']}{', e4m3 experts' if args.fp8 else ''}, {n} layers, {gpu}, "
+        f"{sha}, {doc['date']})",
+        "",
+        f"`{doc['command']}`; read ceiling {ceil['read_bw'] / 1e12:.3f} TB/s (same run); "
+        f"{per_layer_bytes / 1e6:.1f} MB a layer; router + route alone {t_route * 1e3:.2f} us a layer",
+        "",
+        "| what | up (BLOCK_N, BLOCK_K, warps, stages, EARLY) | down (..., EARLY, FLAT) | us / layer | of read ceiling |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         if "us_per_layer" in r:
-            md.append(f"| {r['what']} | {tuple(r['up'].values())} | {tuple(r['down'].values())} | "
-                      f"{r['us_per_layer']:.2f} | {r['fraction_of_read_bw']:.3f} |")
-    md += ["", f"best {t_best * 1e3:.2f} us ({doc['best']['fraction_of_read_bw']:.3f}); "
-               f"late form at the tuned settings {t_late * 1e3:.2f} us; ratio {t_late / t_best:.3f}x", "",
-           f"best setting's GEMVs alone, every layer in one graph: up {alone['up_us']:.2f} us "
-           f"({alone['up_fraction']:.3f} of the read ceiling), down {alone['down_us']:.2f} us "
-           f"({alone['down_fraction']:.3f}), {gu / 1e6:.1f} / {gd / 1e6:.1f} MB a layer"]
+            md.append(
+                f"| {r['what']} | {tuple(r['up'].values())} | {tuple(r['down'].values())} | "
+                f"{r['us_per_layer']:.2f} | {r['fraction_of_read_bw']:.3f} |"
+            )
+    md += [
+        "",
+        f"best {t_best * 1e3:.2f} us ({doc['best']['fraction_of_read_bw']:.3f}); "
+        f"late form at the tuned settings {t_late * 1e3:.2f} us; ratio {t_late / t_best:.3f}x",
+        "",
+        f"best setting's GEMVs alone, every layer in one graph: up {alone['up_us']:.2f} us "
+        f"({alone['up_fraction']:.3f} of the read ceiling), down {alone['down_us']:.2f} us "
+        f"({alone['down_fraction']:.3f}), {gu / 1e6:.1f} / {gd / 1e6:.1f} MB a layer",
+    ]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     print(f"wrote {out}")
     return 0

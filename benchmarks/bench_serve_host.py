@@ -75,9 +75,16 @@ def serve_stub(port: int, max_batch_size: int, max_seq_len: int, ready: mp.Event
     from hyserve.server.state import ServerOptions
 
     logging.disable(logging.WARNING)
-    config = build_engine_config({
-        "device": "cpu", "max_batch_size": max_batch_size, "max_num_tokens": 16384, "max_seq_len": max_seq_len,
-        "warmup": "off", "kv_cache_config": {"tokens_per_block": 64, "max_gpu_total_bytes": 8 * 2**30}})
+    config = build_engine_config(
+        {
+            "device": "cpu",
+            "max_batch_size": max_batch_size,
+            "max_num_tokens": 16384,
+            "max_seq_len": max_seq_len,
+            "warmup": "off",
+            "kv_cache_config": {"tokens_per_block": 64, "max_gpu_total_bytes": 8 * 2**30},
+        }
+    )
     engine = AsyncEngine(config, log=lambda s: None)
     model = engine.engine.runner.model
     _stub_model(model, model.config.vocab_size)
@@ -85,8 +92,11 @@ def serve_stub(port: int, max_batch_size: int, max_seq_len: int, ready: mp.Event
     app = build_app(engine, ServerOptions(port=port, access_log=False, log_level="warning"))
     app.state.accepting = True
     freeze_startup_heap()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
-                                           lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="off"
+        )
+    )
     ready.set()
     server.run()
 
@@ -119,13 +129,19 @@ def _wait_healthy(url: str, proc: mp.Process, timeout_s: float = 300.0) -> None:
     raise RuntimeError(f"the stub server did not become healthy in {timeout_s:.0f} s")
 
 
-def run_point(base_url: str, pid: int, concurrency: int, prompts: int, input_len: int, output_len: int,
-              seed: int) -> dict:
+def run_point(
+    base_url: str, pid: int, concurrency: int, prompts: int, input_len: int, output_len: int, seed: int
+) -> dict:
     from hyserve.bench.serve import DatasetOptions, ServeBenchOptions, run_serve_bench
 
-    opts = ServeBenchOptions(base_url=base_url, endpoint="/v1/completions", max_concurrency=concurrency,
-                             ignore_eos=True, seed=seed,
-                             dataset=DatasetOptions(num_prompts=prompts, input_len=input_len, output_len=output_len))
+    opts = ServeBenchOptions(
+        base_url=base_url,
+        endpoint="/v1/completions",
+        max_concurrency=concurrency,
+        ignore_eos=True,
+        seed=seed,
+        dataset=DatasetOptions(num_prompts=prompts, input_len=input_len, output_len=output_len),
+    )
     srv0, cli0 = _cpu_seconds(pid), resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     out = run_serve_bench(opts, log=lambda s: print("   ", s, flush=True))
@@ -133,9 +149,16 @@ def run_point(base_url: str, pid: int, concurrency: int, prompts: int, input_len
     cli1 = resource.getrusage(resource.RUSAGE_SELF)
     m = out["points"][0]["reps"][0]
     return {
-        "concurrency": concurrency, "prompts": prompts, "completed": m["completed"], "failed": m["failed"],
-        "output_tok_s": m["output_throughput"], "p50_tpot_ms": m["p50_tpot_ms"], "p99_tpot_ms": m["p99_tpot_ms"],
-        "p99_itl_ms": m["p99_itl_ms"], "p50_ttft_ms": m["p50_ttft_ms"], "p99_ttft_ms": m["p99_ttft_ms"],
+        "concurrency": concurrency,
+        "prompts": prompts,
+        "completed": m["completed"],
+        "failed": m["failed"],
+        "output_tok_s": m["output_throughput"],
+        "p50_tpot_ms": m["p50_tpot_ms"],
+        "p99_tpot_ms": m["p99_tpot_ms"],
+        "p99_itl_ms": m["p99_itl_ms"],
+        "p50_ttft_ms": m["p50_ttft_ms"],
+        "p99_ttft_ms": m["p99_ttft_ms"],
         "duration_s": m["duration_s"],
         "server_cpu_share": (_cpu_seconds(pid) - srv0) / wall,
         "client_cpu_share": ((cli1.ru_utime + cli1.ru_stime) - (cli0.ru_utime + cli0.ru_stime)) / wall,
@@ -146,9 +169,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--input-len", type=int, default=1000)
-    ap.add_argument("--output-len", type=int, default=200,
-                    help="tokens a request generates (the issue's sweep has 1000; 200 keeps a point near a minute)")
-    ap.add_argument("--prompts-per-stream", type=int, default=2, help="requests per point: this x concurrency")
+    ap.add_argument(
+        "--output-len",
+        type=int,
+        default=200,
+        help="tokens a request generates (the issue's sweep has 1000; 200 keeps a point near a minute)",
+    )
+    ap.add_argument(
+        "--prompts-per-stream", type=int, default=2, help="requests per point: this x concurrency"
+    )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--git-sha", default="")
     args = ap.parse_args()
@@ -157,38 +186,66 @@ def main() -> int:
     port = _free_port()
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    proc = ctx.Process(target=serve_stub, args=(port, biggest, args.input_len + args.output_len + 64, ready),
-                       daemon=True)
+    proc = ctx.Process(
+        target=serve_stub, args=(port, biggest, args.input_len + args.output_len + 64, ready), daemon=True
+    )
     proc.start()
     base = f"http://127.0.0.1:{port}"
     rows = []
     try:
         _wait_healthy(base, proc)
         for i, c in enumerate(args.concurrency):
-            print(f"concurrency {c}: {args.prompts_per_stream * c} requests of {args.input_len} in / "
-                  f"{args.output_len} out", flush=True)
-            r = run_point(base, proc.pid, c, args.prompts_per_stream * c, args.input_len, args.output_len, seed=i)
+            print(
+                f"concurrency {c}: {args.prompts_per_stream * c} requests of {args.input_len} in / "
+                f"{args.output_len} out",
+                flush=True,
+            )
+            r = run_point(
+                base, proc.pid, c, args.prompts_per_stream * c, args.input_len, args.output_len, seed=i
+            )
             rows.append(r)
-            print(f"    {r['output_tok_s']:.0f} output tok/s, TPOT p50 {r['p50_tpot_ms']:.1f} ms, server CPU "
-                  f"{r['server_cpu_share']:.2f}, client CPU {r['client_cpu_share']:.2f}", flush=True)
+            print(
+                f"    {r['output_tok_s']:.0f} output tok/s, TPOT p50 {r['p50_tpot_ms']:.1f} ms, server CPU "
+                f"{r['server_cpu_share']:.2f}, client CPU {r['client_cpu_share']:.2f}",
+                flush=True,
+            )
     finally:
         proc.terminate()
         proc.join(10)
-    head = ["| concurrency | requests | output tok/s | / vLLM 30B-A3B FP8 H200 c1024 (15,828) | TPOT p50 / p99 ms "
-            "| TTFT p50 / p99 ms | server CPU (cores) | client CPU (cores) |",
-            "|---|---|---|---|---|---|---|---|"]
-    lines = [f"| {r['concurrency']} | {r['completed']} ok, {r['failed']} failed | {r['output_tok_s']:.0f} "
-             f"| {r['output_tok_s'] / VLLM_FP8_30B_C1024:.2f} | {r['p50_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} "
-             f"| {r['p50_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['server_cpu_share']:.2f} "
-             f"| {r['client_cpu_share']:.2f} |" for r in rows]
+    head = [
+        "| concurrency | requests | output tok/s | / vLLM 30B-A3B FP8 H200 c1024 (15,828) | TPOT p50 / p99 ms "
+        "| TTFT p50 / p99 ms | server CPU (cores) | client CPU (cores) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines = [
+        f"| {r['concurrency']} | {r['completed']} ok, {r['failed']} failed | {r['output_tok_s']:.0f} "
+        f"| {r['output_tok_s'] / VLLM_FP8_30B_C1024:.2f} | {r['p50_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} "
+        f"| {r['p50_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['server_cpu_share']:.2f} "
+        f"| {r['client_cpu_share']:.2f} |"
+        for r in rows
+    ]
     print(*head, *lines, sep="\n")
-    records = [dict(name=f"serving stack host ceiling, concurrency {r['concurrency']}, {args.input_len} in / "
-                         f"{args.output_len} out", value=r["output_tok_s"], unit="output tok/s",
-                    reference="vLLM, Nemotron 3 Nano 30B-A3B FP8, one H200, concurrency 1024 (published)",
-                    reference_value=VLLM_FP8_30B_C1024, ratio=r["output_tok_s"] / VLLM_FP8_30B_C1024, **r)
-               for r in rows]
-    write_host_results("serve_host", args.out, args.git_sha, "none (host timing on the CPU, stub model)", records,
-                       [*head, *lines])
+    records = [
+        dict(
+            name=f"serving stack host ceiling, concurrency {r['concurrency']}, {args.input_len} in / "
+            f"{args.output_len} out",
+            value=r["output_tok_s"],
+            unit="output tok/s",
+            reference="vLLM, Nemotron 3 Nano 30B-A3B FP8, one H200, concurrency 1024 (published)",
+            reference_value=VLLM_FP8_30B_C1024,
+            ratio=r["output_tok_s"] / VLLM_FP8_30B_C1024,
+            **r,
+        )
+        for r in rows
+    ]
+    write_host_results(
+        "serve_host",
+        args.out,
+        args.git_sha,
+        "none (host timing on the CPU, stub model)",
+        records,
+        [*head, *lines],
+    )
     return 0 if all(r["failed"] == 0 for r in rows) else 1
 
 

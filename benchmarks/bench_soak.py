@@ -78,21 +78,36 @@ class SoakConfig:
         def need(ok: bool, msg: str) -> None:
             if not ok:
                 raise SystemExit(f"bench_soak: {msg}")
+
         need(self.concurrency >= 1, f"--concurrency must be >= 1, got {self.concurrency}")
         need(self.duration_s > 0, f"--duration must be > 0 seconds, got {self.duration_s}")
-        need(1 <= self.min_input <= self.max_input, f"need 1 <= --min-input <= --max-input, got "
-                                                    f"{self.min_input}, {self.max_input}")
-        need(max(FAULT_AFTER) + 3 <= self.min_output <= self.max_output,
-             f"need {max(FAULT_AFTER) + 3} <= --min-output <= --max-output (a targeted request must live "
-             f"past its fault's token count {max(FAULT_AFTER)}, with a step of slack for async scheduling), "
-             f"got {self.min_output}, {self.max_output}")
+        need(
+            1 <= self.min_input <= self.max_input,
+            f"need 1 <= --min-input <= --max-input, got {self.min_input}, {self.max_input}",
+        )
+        need(
+            max(FAULT_AFTER) + 3 <= self.min_output <= self.max_output,
+            f"need {max(FAULT_AFTER) + 3} <= --min-output <= --max-output (a targeted request must live "
+            f"past its fault's token count {max(FAULT_AFTER)}, with a step of slack for async scheduling), "
+            f"got {self.min_output}, {self.max_output}",
+        )
         need(2 <= self.fault_every <= 4096, f"--fault-every must be in [2, 4096], got {self.fault_every}")
-        need(self.disconnect_every >= 0, f"--disconnect-every must be >= 0 (0: none), got {self.disconnect_every}")
-        need(0 <= self.min_token_id < self.vocab_size,
-             f"need 0 <= --min-token-id < --vocab-size, got {self.min_token_id}, {self.vocab_size}")
-        need(0.0 <= self.shared_fraction <= 1.0, f"--shared-fraction must be in [0, 1], got {self.shared_fraction}")
-        need(self.shared_prefix_len < self.max_input or self.shared_prefixes == 0 or self.shared_fraction == 0,
-             f"--shared-prefix-len ({self.shared_prefix_len}) must be below --max-input ({self.max_input})")
+        need(
+            self.disconnect_every >= 0,
+            f"--disconnect-every must be >= 0 (0: none), got {self.disconnect_every}",
+        )
+        need(
+            0 <= self.min_token_id < self.vocab_size,
+            f"need 0 <= --min-token-id < --vocab-size, got {self.min_token_id}, {self.vocab_size}",
+        )
+        need(
+            0.0 <= self.shared_fraction <= 1.0,
+            f"--shared-fraction must be in [0, 1], got {self.shared_fraction}",
+        )
+        need(
+            self.shared_prefix_len < self.max_input or self.shared_prefixes == 0 or self.shared_fraction == 0,
+            f"--shared-prefix-len ({self.shared_prefix_len}) must be below --max-input ({self.max_input})",
+        )
 
 
 # ---- which requests fail where ------------------------------------------------------------------------
@@ -102,8 +117,9 @@ def fault_spec(fault_every: int) -> str:
     """`HYSERVE_FAULT_INJECT` for about 1 in `fault_every` requests: round(4096 / fault_every) id prefixes,
     sites and token counts taken in turn."""
     n = max(1, round(16**PREFIX_HEX / fault_every))
-    return ",".join(f"{FAULT_SITES[i % 3]}:{ID_PREFIX}{i:0{PREFIX_HEX}x}@{FAULT_AFTER[(i // 3) % 3]}"
-                    for i in range(n))
+    return ",".join(
+        f"{FAULT_SITES[i % 3]}:{ID_PREFIX}{i:0{PREFIX_HEX}x}@{FAULT_AFTER[(i // 3) % 3]}" for i in range(n)
+    )
 
 
 def targeted_site(injector: FaultInjector, request_id: str) -> str | None:
@@ -136,8 +152,10 @@ class Planner:
     def __init__(self, cfg: SoakConfig) -> None:
         self.cfg = cfg
         rng = random.Random(cfg.seed)
-        self.prefixes = [[rng.randrange(cfg.min_token_id, cfg.vocab_size) for _ in range(cfg.shared_prefix_len)]
-                         for _ in range(cfg.shared_prefixes)]
+        self.prefixes = [
+            [rng.randrange(cfg.min_token_id, cfg.vocab_size) for _ in range(cfg.shared_prefix_len)]
+            for _ in range(cfg.shared_prefixes)
+        ]
 
     def plan(self, i: int) -> Plan:
         c = self.cfg
@@ -150,8 +168,9 @@ class Planner:
         cut = None
         if c.disconnect_every and i % c.disconnect_every == c.disconnect_every - 1:
             cut = rng.randrange(0, n_out)  # 0: right after the echo chunk, before any token
-        return Plan(index=i, prompt=prompt, max_tokens=n_out, temperature=rng.choice((0.0, 0.8)),
-                    disconnect_after=cut)
+        return Plan(
+            index=i, prompt=prompt, max_tokens=n_out, temperature=rng.choice((0.0, 0.8)), disconnect_after=cut
+        )
 
 
 # ---- one stream ---------------------------------------------------------------------------------------
@@ -171,11 +190,20 @@ class Outcome:
     detail: str = ""
 
 
-async def run_one(client: httpx.AsyncClient, url: str, plan: Plan, injector: FaultInjector,
-                  model: str) -> Outcome:
+async def run_one(
+    client: httpx.AsyncClient, url: str, plan: Plan, injector: FaultInjector, model: str
+) -> Outcome:
     """Send one streamed completion and classify how it ended; never raises for server or network trouble."""
-    body = {"model": model, "prompt": plan.prompt, "max_tokens": plan.max_tokens, "temperature": plan.temperature,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "echo": True}
+    body = {
+        "model": model,
+        "prompt": plan.prompt,
+        "max_tokens": plan.max_tokens,
+        "temperature": plan.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "echo": True,
+    }
     if plan.temperature > 0:
         body.update(top_p=0.95, seed=plan.index)
     out = Outcome(index=plan.index, kind=UNEXPECTED)
@@ -201,8 +229,12 @@ async def run_one(client: httpx.AsyncClient, url: str, plan: Plan, injector: Fau
                 if obj.get("choices"):
                     chunks += 1
                     finish = obj["choices"][0].get("finish_reason") or finish
-                if (plan.disconnect_after is not None and out.site is None
-                        and chunks >= plan.disconnect_after and finish is None):
+                if (
+                    plan.disconnect_after is not None
+                    and out.site is None
+                    and chunks >= plan.disconnect_after
+                    and finish is None
+                ):
                     out.kind, out.tokens = DISCONNECTED, chunks
                     return out  # leaving the block closes the connection mid-stream
     except (httpx.HTTPError, ValueError) as e:
@@ -258,8 +290,9 @@ async def monitor(client: httpx.AsyncClient, root: str, mon: Monitor, stop: asyn
             await asyncio.wait_for(stop.wait(), 2.0)
 
 
-async def run_load(cfg: SoakConfig, root: str, model: str, injector: FaultInjector
-                   ) -> tuple[list[Outcome], Monitor, float, bool]:
+async def run_load(
+    cfg: SoakConfig, root: str, model: str, injector: FaultInjector
+) -> tuple[list[Outcome], Monitor, float, bool]:
     """`concurrency` workers send requests back to back until the duration is up, then finish theirs.
     Returns (outcomes, monitor, seconds, whether the in-flight requests finished within drain_timeout_s)."""
     planner = Planner(cfg)
@@ -270,6 +303,7 @@ async def run_load(cfg: SoakConfig, root: str, model: str, injector: FaultInject
     timeout = httpx.Timeout(connect=60.0, read=cfg.read_timeout_s, write=60.0, pool=None)
     limits = httpx.Limits(max_connections=cfg.concurrency + 4, max_keepalive_connections=cfg.concurrency + 4)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+
         async def worker() -> None:
             nonlocal next_index
             while time.monotonic() < deadline:
@@ -322,33 +356,63 @@ def delta(after: dict[str, float], before: dict[str, float], name: str) -> float
     return after.get(name, 0.0) - before.get(name, 0.0)
 
 
-def pool_checks(before: dict[str, float], after: dict[str, float], counts: Counter[str],
-                by_site: Counter[str]) -> list[tuple[str, bool, str]]:
+def pool_checks(
+    before: dict[str, float], after: dict[str, float], counts: Counter[str], by_site: Counter[str]
+) -> list[tuple[str, bool, str]]:
     """(check, ok, detail) for the end state: every pool free, failures counted as the client saw them."""
     g = after.get
     fwd_sample = by_site["forward"] + by_site["sample"]
     steps = delta(after, before, "hyserve_step_failures_total")
     checks = [
         ("engine healthy", g("hyserve_healthy") == 1, f"hyserve_healthy {g('hyserve_healthy')}"),
-        ("no request running", g("hyserve_num_requests_running") == 0, f"{g('hyserve_num_requests_running')}"),
-        ("no request waiting", g("hyserve_num_requests_waiting") == 0, f"{g('hyserve_num_requests_waiting')}"),
-        ("every KV block free", g("hyserve_kv_cache_blocks_free") == g("hyserve_kv_cache_blocks_total"),
-         f"{g('hyserve_kv_cache_blocks_free')} free of {g('hyserve_kv_cache_blocks_total')}"),
-        ("every live state slot free", g("hyserve_state_slots_used") == 0,
-         f"{g('hyserve_state_slots_used')} used of {g('hyserve_state_slots_total')}"),
-        ("snapshot slots within the pool",
-         (g("hyserve_snapshot_slots_used") or 0) <= (g("hyserve_snapshot_slots_total") or 0),
-         f"{g('hyserve_snapshot_slots_used')} hold a cached prefix of {g('hyserve_snapshot_slots_total')}"),
-        ("no engine restart", delta(after, before, "hyserve_engine_restarts_total") == 0,
-         f"+{delta(after, before, 'hyserve_engine_restarts_total'):.0f}"),
-        ("request failures = injected failures",
-         delta(after, before, "hyserve_request_failures_total") == counts[INJECTED],
-         f"+{delta(after, before, 'hyserve_request_failures_total'):.0f} counted, {counts[INJECTED]} seen"),
-        ("step failures counted", (1 <= steps <= fwd_sample) if fwd_sample else steps == 0,
-         f"+{steps:.0f} for {fwd_sample} forward/sample faults"),
+        (
+            "no request running",
+            g("hyserve_num_requests_running") == 0,
+            f"{g('hyserve_num_requests_running')}",
+        ),
+        (
+            "no request waiting",
+            g("hyserve_num_requests_waiting") == 0,
+            f"{g('hyserve_num_requests_waiting')}",
+        ),
+        (
+            "every KV block free",
+            g("hyserve_kv_cache_blocks_free") == g("hyserve_kv_cache_blocks_total"),
+            f"{g('hyserve_kv_cache_blocks_free')} free of {g('hyserve_kv_cache_blocks_total')}",
+        ),
+        (
+            "every live state slot free",
+            g("hyserve_state_slots_used") == 0,
+            f"{g('hyserve_state_slots_used')} used of {g('hyserve_state_slots_total')}",
+        ),
+        (
+            "snapshot slots within the pool",
+            (g("hyserve_snapshot_slots_used") or 0) <= (g("hyserve_snapshot_slots_total") or 0),
+            f"{g('hyserve_snapshot_slots_used')} hold a cached prefix of {g('hyserve_snapshot_slots_total')}",
+        ),
+        (
+            "no engine restart",
+            delta(after, before, "hyserve_engine_restarts_total") == 0,
+            f"+{delta(after, before, 'hyserve_engine_restarts_total'):.0f}",
+        ),
+        (
+            "request failures = injected failures",
+            delta(after, before, "hyserve_request_failures_total") == counts[INJECTED],
+            f"+{delta(after, before, 'hyserve_request_failures_total'):.0f} counted, {counts[INJECTED]} seen",
+        ),
+        (
+            "step failures counted",
+            (1 <= steps <= fwd_sample) if fwd_sample else steps == 0,
+            f"+{steps:.0f} for {fwd_sample} forward/sample faults",
+        ),
     ]
-    five = {k: v - before.get(k, 0.0) for k, v in after.items()
-            if k.startswith("hyserve_requests_total{") and re.search(r'status="5\d\d"', k) and v > before.get(k, 0.0)}
+    five = {
+        k: v - before.get(k, 0.0)
+        for k, v in after.items()
+        if k.startswith("hyserve_requests_total{")
+        and re.search(r'status="5\d\d"', k)
+        and v > before.get(k, 0.0)
+    }
     checks.append(("no 5xx status", not five, json.dumps(five) if five else "0"))
     pinned = g("hyserve_snapshot_slots_pinned")
     if pinned is not None:  # exported by newer servers: snapshots an in-flight operation holds
@@ -376,15 +440,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(cmd: list[str], env: dict[str, str], log_path: Path, root: str,
-                 timeout_s: float) -> subprocess.Popen[bytes]:
+def start_server(
+    cmd: list[str], env: dict[str, str], log_path: Path, root: str, timeout_s: float
+) -> subprocess.Popen[bytes]:
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if proc.poll() is not None:
-            raise SystemExit(f"bench_soak: hyserve serve exited with {proc.returncode} before ready; log "
-                             f"{log_path}:\n{log_path.read_text(errors='replace')[-4000:]}")
+            raise SystemExit(
+                f"bench_soak: hyserve serve exited with {proc.returncode} before ready; log "
+                f"{log_path}:\n{log_path.read_text(errors='replace')[-4000:]}"
+            )
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{root}/health", timeout=2.0).status_code == 200:
                 return proc
@@ -410,10 +477,16 @@ def stop_server(proc: subprocess.Popen[bytes], timeout_s: float = 120.0) -> int:
 
 def git_sha() -> str:
     try:
-        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        r = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return r.stdout.strip() + ("+" if dirty else "") if r.returncode == 0 else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -421,8 +494,12 @@ def git_sha() -> str:
 
 def gpu_name() -> str:
     try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                           text=True, timeout=20)
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         names = [n.strip() for n in r.stdout.splitlines() if n.strip()]
         return ", ".join(names) if r.returncode == 0 and names else "none (CPU)"
     except (OSError, subprocess.SubprocessError):
@@ -435,28 +512,41 @@ def table(rows: list[tuple[str, str]]) -> str:
 
 
 def vocab_of(model: str) -> int | None:
-    p = ROOT / model / "config.json" if model and not Path(model).is_absolute() else Path(model) / "config.json"
+    p = (
+        ROOT / model / "config.json"
+        if model and not Path(model).is_absolute()
+        else Path(model) / "config.json"
+    )
     if model and p.is_file():
         return int(json.loads(p.read_text())["vocab_size"])
     if not model:
         from hyserve.model.tiny import TINY_VOCAB_SIZE
+
         return TINY_VOCAB_SIZE
     return None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     d = SoakConfig()
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL, help="model dir for `hyserve serve` ('' = built-in tiny)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model", default=DEFAULT_MODEL, help="model dir for `hyserve serve` ('' = built-in tiny)"
+    )
     ap.add_argument("--load-format", default="dummy", help="'' to leave it to the server")
-    ap.add_argument("--serve-args", default=DEFAULT_SERVE_ARGS, help="more `hyserve serve` flags (one string)")
+    ap.add_argument(
+        "--serve-args", default=DEFAULT_SERVE_ARGS, help="more `hyserve serve` flags (one string)"
+    )
     ap.add_argument("--concurrency", type=int, default=d.concurrency)
     ap.add_argument("--duration", type=float, default=d.duration_s, help="seconds of load")
     ap.add_argument("--min-input", type=int, default=d.min_input)
     ap.add_argument("--max-input", type=int, default=d.max_input)
     ap.add_argument("--min-output", type=int, default=d.min_output)
     ap.add_argument("--max-output", type=int, default=d.max_output)
-    ap.add_argument("--fault-every", type=int, default=d.fault_every, help="about 1 in N requests gets a fault")
+    ap.add_argument(
+        "--fault-every", type=int, default=d.fault_every, help="about 1 in N requests gets a fault"
+    )
     ap.add_argument("--disconnect-every", type=int, default=d.disconnect_every, help="0: no disconnects")
     ap.add_argument("--shared-prefixes", type=int, default=d.shared_prefixes)
     ap.add_argument("--shared-prefix-len", type=int, default=d.shared_prefix_len)
@@ -467,21 +557,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--read-timeout", type=float, default=d.read_timeout_s)
     ap.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s)
     ap.add_argument("--startup-timeout", type=float, default=1800.0)
-    ap.add_argument("--git-sha", default=None, help="default: git rev-parse (the lent GPU's tree has no .git)")
-    ap.add_argument("--out", default=None, help="result JSON (default benchmarks/results/soak_<date>_<sha>.json)")
+    ap.add_argument(
+        "--git-sha", default=None, help="default: git rev-parse (the lent GPU's tree has no .git)"
+    )
+    ap.add_argument(
+        "--out", default=None, help="result JSON (default benchmarks/results/soak_<date>_<sha>.json)"
+    )
     return ap.parse_args(argv)
 
 
 def config_from(a: argparse.Namespace) -> SoakConfig:
     vocab = a.vocab_size or vocab_of(a.model)
     if vocab is None:
-        raise SystemExit(f"bench_soak: no config.json under {a.model!r} to read vocab_size from; pass --vocab-size")
+        raise SystemExit(
+            f"bench_soak: no config.json under {a.model!r} to read vocab_size from; pass --vocab-size"
+        )
     min_id = a.min_token_id if a.min_token_id is not None else min(1000, vocab // 10)
-    cfg = SoakConfig(concurrency=a.concurrency, duration_s=a.duration, min_input=a.min_input, max_input=a.max_input,
-                     min_output=a.min_output, max_output=a.max_output, fault_every=a.fault_every,
-                     disconnect_every=a.disconnect_every, shared_prefixes=a.shared_prefixes,
-                     shared_prefix_len=a.shared_prefix_len, shared_fraction=a.shared_fraction, vocab_size=vocab,
-                     min_token_id=min_id, seed=a.seed, read_timeout_s=a.read_timeout, drain_timeout_s=a.drain_timeout)
+    cfg = SoakConfig(
+        concurrency=a.concurrency,
+        duration_s=a.duration,
+        min_input=a.min_input,
+        max_input=a.max_input,
+        min_output=a.min_output,
+        max_output=a.max_output,
+        fault_every=a.fault_every,
+        disconnect_every=a.disconnect_every,
+        shared_prefixes=a.shared_prefixes,
+        shared_prefix_len=a.shared_prefix_len,
+        shared_fraction=a.shared_fraction,
+        vocab_size=vocab,
+        min_token_id=min_id,
+        seed=a.seed,
+        read_timeout_s=a.read_timeout,
+        drain_timeout_s=a.drain_timeout,
+    )
     cfg.check()
     return cfg
 
@@ -500,33 +609,82 @@ def main(argv: list[str] | None = None) -> int:
     assert injector is not None
     port = free_port()
     root = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "hyserve.cli", "serve", *([a.model] if a.model else []),
-           *(["--load-format", a.load_format] if a.load_format else []), *shlex.split(a.serve_args),
-           "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hyserve.cli",
+        "serve",
+        *([a.model] if a.model else []),
+        *(["--load-format", a.load_format] if a.load_format else []),
+        *shlex.split(a.serve_args),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     env = {**os.environ, "HYSERVE_FAULT_INJECT": spec, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    print(f"bench_soak: starting {shlex.join(cmd)} (log {log_path}); faults on {len(injector.faults)} of "
-          f"{16**PREFIX_HEX} id prefixes", flush=True)
+    print(
+        f"bench_soak: starting {shlex.join(cmd)} (log {log_path}); faults on {len(injector.faults)} of "
+        f"{16**PREFIX_HEX} id prefixes",
+        flush=True,
+    )
     t_start = time.monotonic()
     proc = start_server(cmd, env, log_path, root, a.startup_timeout)
     ready_s = time.monotonic() - t_start
     try:
         model = httpx.get(f"{root}/v1/models", timeout=30.0).json()["data"][0]["id"]
         before = parse_metrics(httpx.get(f"{root}/metrics", timeout=30.0).text)
-        print(f"bench_soak: ready in {ready_s:.1f}s; {cfg.concurrency} streams for {cfg.duration_s:.0f}s", flush=True)
+        print(
+            f"bench_soak: ready in {ready_s:.1f}s; {cfg.concurrency} streams for {cfg.duration_s:.0f}s",
+            flush=True,
+        )
         outcomes, mon, load_s, drained = asyncio.run(run_load(cfg, root, model, injector))
         after = settled_metrics(root, cfg.settle_timeout_s)
     finally:
         exit_code = stop_server(proc)
     log_text = log_path.read_text(errors="replace")
     a.command = shlex.join(["python", "benchmarks/bench_soak.py", *argv])
-    return report(a, cfg, sha, stamp, out, log_path, spec, cmd, ready_s, outcomes, mon, load_s, drained,
-                  before, after, exit_code, log_text)
+    return report(
+        a,
+        cfg,
+        sha,
+        stamp,
+        out,
+        log_path,
+        spec,
+        cmd,
+        ready_s,
+        outcomes,
+        mon,
+        load_s,
+        drained,
+        before,
+        after,
+        exit_code,
+        log_text,
+    )
 
 
-def report(a: argparse.Namespace, cfg: SoakConfig, sha: str, stamp: datetime.datetime, out: Path, log_path: Path,
-           spec: str, cmd: list[str], ready_s: float, outcomes: list[Outcome], mon: Monitor, load_s: float,
-           drained: bool, before: dict[str, float], after: dict[str, float], exit_code: int, log_text: str) -> int:
+def report(
+    a: argparse.Namespace,
+    cfg: SoakConfig,
+    sha: str,
+    stamp: datetime.datetime,
+    out: Path,
+    log_path: Path,
+    spec: str,
+    cmd: list[str],
+    ready_s: float,
+    outcomes: list[Outcome],
+    mon: Monitor,
+    load_s: float,
+    drained: bool,
+    before: dict[str, float],
+    after: dict[str, float],
+    exit_code: int,
+    log_text: str,
+) -> int:
     counts = Counter(o.kind for o in outcomes)
     injected = [o for o in outcomes if o.kind == INJECTED]
     by_site = Counter(o.site for o in injected if o.site)
@@ -546,16 +704,26 @@ def report(a: argparse.Namespace, cfg: SoakConfig, sha: str, stamp: datetime.dat
     ]
     ok = all(c[1] for c in checks)
     tokens = sum(o.tokens for o in outcomes)
-    rows = [("requests", f"{len(outcomes)} in {load_s:.1f}s ({len(outcomes) / load_s:.1f}/s), {tokens} tokens "
-                         f"streamed ({tokens / load_s:.0f} tok/s)"),
-            ("completed", f"{counts[COMPLETED]}"),
-            ("injected failures (expected)", f"{counts[INJECTED]} ({', '.join(f'{k} {v}' for k, v in sorted(by_site.items()))})"),
-            ("disconnects", f"{counts[DISCONNECTED]}"),
-            ("unexpected errors", f"{len(unexpected)} ({five_xx} with 5xx)"),
-            ("peak running / waiting", f"{mon.peak_running:.0f} / {mon.peak_waiting:.0f}"),
-            ("worst /health", f"{mon.worst_health_ms:.0f} ms"),
-            ("JIT compilations after ready (not a check)",
-             f"+{delta(after, before, 'hyserve_jit_compiles_after_ready_total'):.0f}")]
+    rows = [
+        (
+            "requests",
+            f"{len(outcomes)} in {load_s:.1f}s ({len(outcomes) / load_s:.1f}/s), {tokens} tokens "
+            f"streamed ({tokens / load_s:.0f} tok/s)",
+        ),
+        ("completed", f"{counts[COMPLETED]}"),
+        (
+            "injected failures (expected)",
+            f"{counts[INJECTED]} ({', '.join(f'{k} {v}' for k, v in sorted(by_site.items()))})",
+        ),
+        ("disconnects", f"{counts[DISCONNECTED]}"),
+        ("unexpected errors", f"{len(unexpected)} ({five_xx} with 5xx)"),
+        ("peak running / waiting", f"{mon.peak_running:.0f} / {mon.peak_waiting:.0f}"),
+        ("worst /health", f"{mon.worst_health_ms:.0f} ms"),
+        (
+            "JIT compilations after ready (not a check)",
+            f"+{delta(after, before, 'hyserve_jit_compiles_after_ready_total'):.0f}",
+        ),
+    ]
     rows += [(f"[{'ok' if c[1] else 'FAIL'}] {c[0]}", c[2]) for c in checks]
     print(table(rows))
     for o in unexpected[:20]:
@@ -563,19 +731,36 @@ def report(a: argparse.Namespace, cfg: SoakConfig, sha: str, stamp: datetime.dat
     for line in unlogged[:10]:
         print(f"  unlogged: {line}")
     result = {
-        "benchmark": "soak", "date": stamp.isoformat(timespec="seconds"), "git_sha": sha, "gpu": gpu_name(),
-        "command": a.command, "server_command": shlex.join(cmd),
-        "fault_inject": spec, "server_log": str(log_path), "config": asdict(cfg), "ready_s": round(ready_s, 1),
-        "load_s": round(load_s, 1), "requests": len(outcomes), "tokens": tokens,
+        "benchmark": "soak",
+        "date": stamp.isoformat(timespec="seconds"),
+        "git_sha": sha,
+        "gpu": gpu_name(),
+        "command": a.command,
+        "server_command": shlex.join(cmd),
+        "fault_inject": spec,
+        "server_log": str(log_path),
+        "config": asdict(cfg),
+        "ready_s": round(ready_s, 1),
+        "load_s": round(load_s, 1),
+        "requests": len(outcomes),
+        "tokens": tokens,
         "counts": {k: counts[k] for k in (COMPLETED, INJECTED, DISCONNECTED, UNEXPECTED)},
-        "injected_by_site": dict(by_site), "targeted": targeted, "unexpected_5xx": five_xx,
-        "unexpected_examples": [asdict(o) for o in unexpected[:50]], "unlogged_injected": unlogged[:50],
-        "health_failures": mon.health_failures[:50], "peak_running": mon.peak_running,
-        "peak_waiting": mon.peak_waiting, "worst_health_ms": round(mon.worst_health_ms, 1),
+        "injected_by_site": dict(by_site),
+        "targeted": targeted,
+        "unexpected_5xx": five_xx,
+        "unexpected_examples": [asdict(o) for o in unexpected[:50]],
+        "unlogged_injected": unlogged[:50],
+        "health_failures": mon.health_failures[:50],
+        "peak_running": mon.peak_running,
+        "peak_waiting": mon.peak_waiting,
+        "worst_health_ms": round(mon.worst_health_ms, 1),
         "checks": [{"check": c[0], "ok": c[1], "detail": c[2]} for c in checks],
-        "metrics_before": {k: v for k, v in before.items() if k.startswith("hyserve_") and "_bucket" not in k},
+        "metrics_before": {
+            k: v for k, v in before.items() if k.startswith("hyserve_") and "_bucket" not in k
+        },
         "metrics_after": {k: v for k, v in after.items() if k.startswith("hyserve_") and "_bucket" not in k},
-        "server_exit": exit_code, "ok": ok,
+        "server_exit": exit_code,
+        "ok": ok,
     }
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"bench_soak: {'OK' if ok else 'FAILED'}; wrote {out}")

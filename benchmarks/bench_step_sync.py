@@ -89,14 +89,22 @@ class SyncRecorder:
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     model = a.model_dir or None
-    llm = LLM(model, load_format="dummy" if model else "auto", max_batch_size=a.batch,
-              max_num_tokens=max(8192, a.batch * a.prompt_len), log=lambda s: None)
+    llm = LLM(
+        model,
+        load_format="dummy" if model else "auto",
+        max_batch_size=a.batch,
+        max_num_tokens=max(8192, a.batch * a.prompt_len),
+        log=lambda s: None,
+    )
     eng = llm.engine
     vocab = eng.model_config.vocab_size
     rng = random.Random(0)
     for i in range(a.batch):
-        eng.add_request(f"s{i}", [rng.randrange(3, vocab) for _ in range(a.prompt_len)],
-                        SamplingParams(max_tokens=a.steps + 2, temperature=0.0, ignore_eos=True))
+        eng.add_request(
+            f"s{i}",
+            [rng.randrange(3, vocab) for _ in range(a.prompt_len)],
+            SamplingParams(max_tokens=a.steps + 2, temperature=0.0, ignore_eos=True),
+        )
     while any(r.num_computed < r.num_prompt_tokens for r in eng.requests.values()):
         eng.step()
     eng.step()  # the first decode step (graphs warm, the async pipeline full)
@@ -127,16 +135,24 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.synchronize()
         replay = (time.perf_counter() - t) / 10 * 1e3
     return dict(
-        batch=a.batch, decode_steps=steps, step_ms=wall / steps * 1e3, graph_replay_ms=replay,
+        batch=a.batch,
+        decode_steps=steps,
+        step_ms=wall / steps * 1e3,
+        graph_replay_ms=replay,
         step_call_ms=dict(mean=sum(step_ms) / len(step_ms), max=max(step_ms), n=len(step_ms)),
         phases_ms={k: dict(mean=sum(v) / len(v), max=max(v), calls=len(v)) for k, v in phases.items() if v},
-        syncs=[dict(site=s, count=c, per_step=c / steps, message=rec.messages[s]) for s, c in rec.sites.most_common()],
+        syncs=[
+            dict(site=s, count=c, per_step=c / steps, message=rec.messages[s])
+            for s, c in rec.sites.most_common()
+        ],
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-dir", default=str(CFG_DIR), help="config-only directory ('' = the built-in tiny model)")
+    ap.add_argument(
+        "--model-dir", default=str(CFG_DIR), help="config-only directory ('' = the built-in tiny model)"
+    )
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--prompt-len", type=int, default=30)
@@ -145,11 +161,18 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.batch < 1 or a.steps < 1 or a.prompt_len < 1:
         ap.error("--batch, --steps and --prompt-len must be >= 1")
-    head = stamp("step_sync", [Path(sys.executable).name, *sys.argv] if argv is None
-                 else ["python", "benchmarks/bench_step_sync.py", *argv], a.git_sha or None)
+    head = stamp(
+        "step_sync",
+        [Path(sys.executable).name, *sys.argv]
+        if argv is None
+        else ["python", "benchmarks/bench_step_sync.py", *argv],
+        a.git_sha or None,
+    )
     result = {**head, "model": Path(a.model_dir).name if a.model_dir else "hyserve-tiny", **run(a)}
-    print(f"batch {result['batch']}: {result['step_ms']:.2f} ms per decode step over {result['decode_steps']} steps; "
-          f"graph replay alone {result['graph_replay_ms'] or float('nan'):.2f} ms")
+    print(
+        f"batch {result['batch']}: {result['step_ms']:.2f} ms per decode step over {result['decode_steps']} steps; "
+        f"graph replay alone {result['graph_replay_ms'] or float('nan'):.2f} ms"
+    )
     for k, v in result["phases_ms"].items():
         print(f"  {k:<22} {v['mean']:8.3f} ms mean  {v['max']:8.3f} max  ({v['calls']} calls)")
     print(f"  synchronising calls: {sum(s['count'] for s in result['syncs'])}")

@@ -36,18 +36,28 @@ from hyserve.engine.structured_output import StructuredOutputs  # noqa: E402
 
 CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
 SCHEMA = {
-    "type": "array", "minItems": 1000,
-    "items": {"type": "object", "additionalProperties": False, "required": ["id", "name", "ok", "kind"],
-              "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 24},
-                             "ok": {"type": "boolean"}, "kind": {"enum": ["alpha", "beta", "gamma"]}}},
+    "type": "array",
+    "minItems": 1000,
+    "items": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["id", "name", "ok", "kind"],
+        "properties": {
+            "id": {"type": "integer"},
+            "name": {"type": "string", "maxLength": 24},
+            "ok": {"type": "boolean"},
+            "kind": {"enum": ["alpha", "beta", "gamma"]},
+        },
+    },
 }
 
 
 class SyntheticVocab:
     """The tokenizer interface StructuredOutputs reads (vocab_size, is_special, token_bytes, eos_token_ids)."""
 
-    def __init__(self, vocab_size: int, specials: int = 16, eos: int = 2, seed: int = 0,
-                 punctuation: float = 0.05) -> None:
+    def __init__(
+        self, vocab_size: int, specials: int = 16, eos: int = 2, seed: int = 0, punctuation: float = 0.05
+    ) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = (eos,)
         self._specials = specials
@@ -83,8 +93,12 @@ def run(llm: LLM, batch: int, tokens: int, constrained: bool, seed: int) -> tupl
     g = torch.Generator().manual_seed(seed)
     prompts = [[1] + torch.randint(16, 131072, (63,), generator=g).tolist() for _ in range(batch)]
     so = StructuredOutputsParams(json=SCHEMA) if constrained else None
-    params = [SamplingParams(max_tokens=tokens, temperature=1.0, ignore_eos=True, seed=seed * 1000 + i,
-                             structured_outputs=so) for i in range(batch)]
+    params = [
+        SamplingParams(
+            max_tokens=tokens, temperature=1.0, ignore_eos=True, seed=seed * 1000 + i, structured_outputs=so
+        )
+        for i in range(batch)
+    ]
     torch.cuda.synchronize()
     t = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -100,11 +114,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--git-sha", default="")
-    ap.add_argument("--punctuation", type=float, default=0.05,
-                    help="share of synthetic vocabulary pieces holding JSON punctuation")
+    ap.add_argument(
+        "--punctuation",
+        type=float,
+        default=0.05,
+        help="share of synthetic vocabulary pieces holding JSON punctuation",
+    )
     args = ap.parse_args()
-    llm = LLM(str(CFG_DIR), load_format="dummy", max_seq_len=2048, max_batch_size=64, max_num_tokens=8192,
-              kv_cache_config={"enable_block_reuse": False, "free_gpu_memory_fraction": 0.5})
+    llm = LLM(
+        str(CFG_DIR),
+        load_format="dummy",
+        max_seq_len=2048,
+        max_batch_size=64,
+        max_num_tokens=8192,
+        kv_cache_config={"enable_block_reuse": False, "free_gpu_memory_fraction": 0.5},
+    )
     eng = llm.engine
     vocab = SyntheticVocab(eng.model_config.vocab_size, punctuation=args.punctuation)
     t = time.perf_counter()
@@ -137,21 +161,38 @@ def main() -> None:
             res[constrained] = rates
             fill_ms = 1e3 * host["fill_s"] / max(1, host["fills"])
             res[f"fill_ms_{constrained}"] = fill_ms
-            print(f"batch {batch:3d} {'json-schema' if constrained else 'free      '}: "
-                  + ", ".join(f"{x:8.1f}" for x in rates) + f" tok/s (bitmask fill {fill_ms:.2f} ms per step)")
+            print(
+                f"batch {batch:3d} {'json-schema' if constrained else 'free      '}: "
+                + ", ".join(f"{x:8.1f}" for x in rates)
+                + f" tok/s (bitmask fill {fill_ms:.2f} ms per step)"
+            )
         ratio = statistics.median(res[True]) / statistics.median(res[False])
         print(f"batch {batch:3d} ratio constrained / free: {ratio:.3f}")
-        records.append({"batch": batch, "tokens_per_request": args.tokens,
-                        "free_tok_s": res[False], "constrained_tok_s": res[True],
-                        "free_median": statistics.median(res[False]),
-                        "constrained_median": statistics.median(res[True]), "ratio": ratio,
-                        "bitmask_fill_ms_per_step": res["fill_ms_True"]})
+        records.append(
+            {
+                "batch": batch,
+                "tokens_per_request": args.tokens,
+                "free_tok_s": res[False],
+                "constrained_tok_s": res[True],
+                "free_median": statistics.median(res[False]),
+                "constrained_median": statistics.median(res[True]),
+                "ratio": ratio,
+                "bitmask_fill_ms_per_step": res["fill_ms_True"],
+            }
+        )
     sha = git_sha(args.git_sha)
-    result = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "git_sha": sha,
-              "gpu": torch.cuda.get_device_name(), "command": " ".join([sys.executable, *sys.argv]),
-              "model": "NVIDIA-Nemotron-Nano-9B-v2 architecture, random weights, bf16; synthetic 131072-token vocab",
-              "schema": SCHEMA, "vocab_punctuation_share": args.punctuation, "setup_seconds": setup_s, "async_scheduling": eng.config.async_scheduling,
-              "records": records}
+    result = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "git_sha": sha,
+        "gpu": torch.cuda.get_device_name(),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "model": "NVIDIA-Nemotron-Nano-9B-v2 architecture, random weights, bf16; synthetic 131072-token vocab",
+        "schema": SCHEMA,
+        "vocab_punctuation_share": args.punctuation,
+        "setup_seconds": setup_s,
+        "async_scheduling": eng.config.async_scheduling,
+        "records": records,
+    }
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"structured_{dt.date.today().isoformat()}_{sha}.json"

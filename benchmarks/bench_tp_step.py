@@ -42,10 +42,19 @@ ROWS = (1, 64, 256)
 def decode_batch(rows: int, context: int, tokens_per_block: int = 64) -> ScheduledBatch:
     nb = -(-context // tokens_per_block)
     seqs = [
-        ScheduledSeq(request_id=f"req-{i}", token_ids=[0], start_pos=context - 1,
-                     block_ids=list(range(i * nb, (i + 1) * nb)), state_src=None, state_dst=i, sample=True,
-                     snapshots=[], params=SamplingParams(max_tokens=512, temperature=0.7, top_p=0.95, seed=i),
-                     num_output_tokens=17, feed_row=i)
+        ScheduledSeq(
+            request_id=f"req-{i}",
+            token_ids=[0],
+            start_pos=context - 1,
+            block_ids=list(range(i * nb, (i + 1) * nb)),
+            state_src=None,
+            state_dst=i,
+            sample=True,
+            snapshots=[],
+            params=SamplingParams(max_tokens=512, temperature=0.7, top_p=0.95, seed=i),
+            num_output_tokens=17,
+            feed_row=i,
+        )
         for i in range(rows)
     ]
     return ScheduledBatch(seqs=seqs, num_decodes=rows)
@@ -66,13 +75,16 @@ def encode_costs(context: int, n: int) -> list[dict]:
     for rows in ROWS:
         b = decode_batch(rows, context)
         wire = pickle.dumps((STEP, encode_seqs(b), rows, rows, False))
-        out.append({
-            "rows": rows, "wire_bytes": len(wire),
-            "encode_pickle_us": _median_us(lambda b=b: pickle.dumps(encode_seqs(b)), n),
-            "unpickle_us": _median_us(lambda w=wire: pickle.loads(w), n),
-            "dataclass_pickle_us": _median_us(lambda b=b: pickle.dumps(b), n),
-            "dataclass_bytes": len(pickle.dumps(b)),
-        })
+        out.append(
+            {
+                "rows": rows,
+                "wire_bytes": len(wire),
+                "encode_pickle_us": _median_us(lambda b=b: pickle.dumps(encode_seqs(b)), n),
+                "unpickle_us": _median_us(lambda w=wire: pickle.loads(w), n),
+                "dataclass_pickle_us": _median_us(lambda b=b: pickle.dumps(b), n),
+                "dataclass_bytes": len(pickle.dumps(b)),
+            }
+        )
     return out
 
 
@@ -86,8 +98,10 @@ def _rank(rank: int, port: int, context: int, n: int, q: mp.Queue) -> None:  # t
     init_distributed(tp_size=2, device="cpu", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
     ch = StepChannel.open()
     msgs = [("heartbeat", (HEARTBEAT,))]
-    msgs += [(f"decode {rows} rows", (STEP, encode_seqs(decode_batch(rows, context)), rows, rows, False))
-             for rows in ROWS]
+    msgs += [
+        (f"decode {rows} rows", (STEP, encode_seqs(decode_batch(rows, context)), rows, rows, False))
+        for rows in ROWS
+    ]
     res = {}
     for name, msg in msgs:
         ch.gather_ints([0])  # both ranks here: rank 1 is waiting in recv before each timed send
@@ -98,7 +112,9 @@ def _rank(rank: int, port: int, context: int, n: int, q: mp.Queue) -> None:  # t
                 ch.recv()
         ch.gather_ints([0])
         if rank == 0:
-            res[f"{name} (broadcast_object_list)"] = _median_us(lambda msg=msg: broadcast_object(msg, ch.control), n)
+            res[f"{name} (broadcast_object_list)"] = _median_us(
+                lambda msg=msg: broadcast_object(msg, ch.control), n
+            )
         else:
             for _ in range(n):
                 broadcast_object(None, ch.control)
@@ -129,25 +145,43 @@ def main() -> None:
     enc = encode_costs(args.context, args.n)
     send = send_costs(args.context, args.n)
     print(f"context {args.context} tokens; medians of {args.n}")
-    print(f"{'rows':>5} {'wire B':>8} {'encode+pickle us':>17} {'unpickle us':>12} {'dataclass pickle us':>20} "
-          f"{'send us':>9} {'broadcast_object_list us':>25}")
+    print(
+        f"{'rows':>5} {'wire B':>8} {'encode+pickle us':>17} {'unpickle us':>12} {'dataclass pickle us':>20} "
+        f"{'send us':>9} {'broadcast_object_list us':>25}"
+    )
     for e in enc:
         s = send[f"decode {e['rows']} rows"]
         e["send_us"] = s
         e["broadcast_object_list_us"] = b = send[f"decode {e['rows']} rows (broadcast_object_list)"]
-        print(f"{e['rows']:>5} {e['wire_bytes']:>8} {e['encode_pickle_us']:>17.1f} {e['unpickle_us']:>12.1f} "
-              f"{e['dataclass_pickle_us']:>20.1f} {s:>9.1f} {b:>25.1f}")
-    print(f"heartbeat send: {send['heartbeat']:.1f} us "
-          f"(broadcast_object_list {send['heartbeat (broadcast_object_list)']:.1f} us)")
+        print(
+            f"{e['rows']:>5} {e['wire_bytes']:>8} {e['encode_pickle_us']:>17.1f} {e['unpickle_us']:>12.1f} "
+            f"{e['dataclass_pickle_us']:>20.1f} {s:>9.1f} {b:>25.1f}"
+        )
+    print(
+        f"heartbeat send: {send['heartbeat']:.1f} us "
+        f"(broadcast_object_list {send['heartbeat (broadcast_object_list)']:.1f} us)"
+    )
     sha = git_sha()
     date = _dt.date.today().isoformat()
     out = ROOT / "benchmarks" / "results" / f"tp_step_{date}_{sha}.json"
-    out.write_text(json.dumps({
-        "date": date, "git_sha": sha, "gpu": "cpu", "host": platform.processor() or platform.machine(),
-        "command": sys.argv, "context": args.context, "n": args.n, "decode": enc,
-        "heartbeat_send_us": send["heartbeat"],
-        "heartbeat_broadcast_object_list_us": send["heartbeat (broadcast_object_list)"],
-    }, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "date": date,
+                "git_sha": sha,
+                "gpu": "cpu",
+                "host": platform.processor() or platform.machine(),
+                "command": sys.argv,
+                "context": args.context,
+                "n": args.n,
+                "decode": enc,
+                "heartbeat_send_us": send["heartbeat"],
+                "heartbeat_broadcast_object_list_us": send["heartbeat (broadcast_object_list)"],
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
 
 

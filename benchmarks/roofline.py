@@ -56,10 +56,12 @@ class Ceilings:
         return max(self.stream_read_bw, self.gemv_bw)
 
     def summary(self) -> str:
-        return (f"ceilings on {self.device}, this run: streaming read {self.stream_read_bw / 1e12:.3f} TB/s, copy "
-                f"{self.copy_bw / 1e12:.3f} TB/s, best GEMV {self.gemv_bw / 1e12:.3f} TB/s ({self.gemv_best}), bf16 "
-                f"matmul {self.matmul_flops / 1e12:.1f} TFLOP/s ({self.matmul_best}); published H200 peaks "
-                f"{PUBLISHED_BW / 1e12:.1f} TB/s, {PUBLISHED_FLOPS / 1e12:.0f} TFLOP/s")
+        return (
+            f"ceilings on {self.device}, this run: streaming read {self.stream_read_bw / 1e12:.3f} TB/s, copy "
+            f"{self.copy_bw / 1e12:.3f} TB/s, best GEMV {self.gemv_bw / 1e12:.3f} TB/s ({self.gemv_best}), bf16 "
+            f"matmul {self.matmul_flops / 1e12:.1f} TFLOP/s ({self.matmul_best}); published H200 peaks "
+            f"{PUBLISHED_BW / 1e12:.1f} TB/s, {PUBLISHED_FLOPS / 1e12:.0f} TFLOP/s"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "read_bw": self.read_bw}
@@ -98,8 +100,10 @@ def _gemv_candidates(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[],
     """The GEMVs of one token over weight w [N, K]: cuBLAS on w and on its transpose's layout, and
     hyserve's Triton GEMV (the decode path's) where it runs."""
     wt = w.t().contiguous()  # [K, N]
-    out = {"torch F.linear (weight [N, K])": lambda: torch.nn.functional.linear(x, w),
-           "torch x @ W (weight [K, N])": lambda: x @ wt}
+    out = {
+        "torch F.linear (weight [N, K])": lambda: torch.nn.functional.linear(x, w),
+        "torch x @ W (weight [K, N])": lambda: x @ wt,
+    }
     if x.is_cuda:
         try:
             from hyserve.kernels.triton_fused_linear import _gemv
@@ -163,8 +167,16 @@ def measure_ceilings(
     if device.type == "cuda":
         torch.cuda.empty_cache()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return Ceilings(device=name, stream_read_bw=stream, copy_bw=copy, gemv_bw=gemv[gemv_best], gemv_best=gemv_best,
-                    matmul_flops=mm[mm_best], matmul_best=mm_best, detail=detail)
+    return Ceilings(
+        device=name,
+        stream_read_bw=stream,
+        copy_bw=copy,
+        gemv_bw=gemv[gemv_best],
+        gemv_best=gemv_best,
+        matmul_flops=mm[mm_best],
+        matmul_best=mm_best,
+        detail=detail,
+    )
 
 
 # ---- quoting against them -------------------------------------------------------------------------------
@@ -192,8 +204,14 @@ def measured_peaks(c: Ceilings) -> Peaks:
     return Peaks(read_bw=c.read_bw, copy_bw=c.copy_bw, matmul_flops=c.matmul_flops)
 
 
-def ceiling_fields(limit: str, ceilings: Ceilings | None, value: float, reference_at: Callable[[Peaks], float],
-                   *, time_like: bool = False) -> dict[str, Any]:
+def ceiling_fields(
+    limit: str,
+    ceilings: Ceilings | None,
+    value: float,
+    reference_at: Callable[[Peaks], float],
+    *,
+    time_like: bool = False,
+) -> dict[str, Any]:
     """The fields of a record quoted against a roofline: the measured ceiling(s) of its `limit` (read,
     copy, matmul or copy+matmul), the reference there and the ratio, then the reference and ratio at the
     H200's published peaks. reference_at(peaks) is the roofline reference at those limits; time_like: the
@@ -213,10 +231,17 @@ def ceiling_fields(limit: str, ceilings: Ceilings | None, value: float, referenc
         ref = reference_at(peaks)
         measured = getattr(peaks, keys[0]) if len(keys) == 1 else {k: getattr(peaks, k) for k in keys}
     published = reference_at(PUBLISHED)
-    return dict(ceiling=what if ceilings is not None else "none measured", ceiling_value=measured,
-                reference_value=ref, ratio=ratio(ref),
-                published_peak=getattr(PUBLISHED, keys[0]) if len(keys) == 1 else {k: getattr(PUBLISHED, k) for k in keys},
-                published_reference_value=published, ratio_to_published=ratio(published))
+    return dict(
+        ceiling=what if ceilings is not None else "none measured",
+        ceiling_value=measured,
+        reference_value=ref,
+        ratio=ratio(ref),
+        published_peak=getattr(PUBLISHED, keys[0])
+        if len(keys) == 1
+        else {k: getattr(PUBLISHED, k) for k in keys},
+        published_reference_value=published,
+        ratio_to_published=ratio(published),
+    )
 
 
 def load_ceilings(path: Path) -> Ceilings:
@@ -301,8 +326,9 @@ def active_matmul_params(cfg: HybridModelConfig, experts_per_layer: float | None
     return unrouted + n_moe * experts_per_layer * expert_params(cfg)
 
 
-def active_weight_bytes(cfg: HybridModelConfig, experts_per_layer: float | None = None,
-                        bytes_per_param: int = 2) -> float:
+def active_weight_bytes(
+    cfg: HybridModelConfig, experts_per_layer: float | None = None, bytes_per_param: int = 2
+) -> float:
     """Weight bytes of `active_matmul_params`, the float32 router counted at 4 bytes a parameter. With FP8
     weights (cfg.quant) the model's own byte count less the embedding and the experts a step does not read
     (an FP8 expert: 1 byte a weight + a float32 scale per output row of up and down)."""
@@ -351,7 +377,9 @@ def active_prefill_tokens_per_s(cfg: HybridModelConfig, flops: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="measure this GPU's ceilings")
-    ap.add_argument("--out", type=Path, default=None, help="write them as JSON (sweep_roofline.py --ceilings)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="write them as JSON (sweep_roofline.py --ceilings)"
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("roofline.py: needs a CUDA device")

@@ -60,12 +60,20 @@ def point_records(cfg: HybridModelConfig, path: Path, ceilings: Ceilings | None 
     # MoE: the experts a batch of this size touches under uniform routing, not every expert
     step_ms = active_decode_step_ms if num_moe_layers(cfg) else decode_step_ms
     # the ITL is a time: its ratios are roofline / measured, so 1.0 is at the roofline
-    step = {**record(f"{tag}: median ITL (ms)", itl, "ms", f"roofline decode step, batch {batch}"),
-            **ceiling_fields("read", ceilings, itl, lambda p: step_ms(cfg, batch, context, p.read_bw),
-                             time_like=True)}
-    out = {**record(f"{tag}: output throughput (tok/s)", tps, "tok/s", f"roofline decode throughput, batch {batch}"),
-           **ceiling_fields("read", ceilings, tps,
-                            lambda p: batch / step_ms(cfg, batch, context, p.read_bw) * 1e3)}
+    step = {
+        **record(f"{tag}: median ITL (ms)", itl, "ms", f"roofline decode step, batch {batch}"),
+        **ceiling_fields(
+            "read", ceilings, itl, lambda p: step_ms(cfg, batch, context, p.read_bw), time_like=True
+        ),
+    }
+    out = {
+        **record(
+            f"{tag}: output throughput (tok/s)", tps, "tok/s", f"roofline decode throughput, batch {batch}"
+        ),
+        **ceiling_fields(
+            "read", ceilings, tps, lambda p: batch / step_ms(cfg, batch, context, p.read_bw) * 1e3
+        ),
+    }
     return [
         step,
         {**record(f"{tag}: mean TPOT (ms)", run["mean_tpot_ms"], "ms", "none"), "ceiling": None},
@@ -79,12 +87,18 @@ def main() -> None:
     ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--git-sha", default="unknown")
     ap.add_argument("--model-dir", type=Path, default=CFG_DIR, help="the served architecture's config dir")
-    ap.add_argument("--ceilings", type=Path, default=None,
-                    help="the serving GPU's measured ceilings (benchmarks/roofline.py --out, or a benchmark JSON)")
+    ap.add_argument(
+        "--ceilings",
+        type=Path,
+        default=None,
+        help="the serving GPU's measured ceilings (benchmarks/roofline.py --out, or a benchmark JSON)",
+    )
     args = ap.parse_args()
     cfg = HybridModelConfig.from_dict(json.loads((args.model_dir / "config.json").read_text()))
-    files = sorted(args.results.glob("serve_sweep_in*_out*_c*.json"),
-                   key=lambda p: tuple(int(v) for v in NAME.search(p.name).groups()))  # type: ignore[union-attr]
+    files = sorted(
+        args.results.glob("serve_sweep_in*_out*_c*.json"),
+        key=lambda p: tuple(int(v) for v in NAME.search(p.name).groups()),
+    )  # type: ignore[union-attr]
     if not files:
         raise SystemExit(f"no serve_sweep_in*_out*_c*.json under {args.results}")
     if args.ceilings is not None:
@@ -93,22 +107,29 @@ def main() -> None:
         ceilings = measure_ceilings("cuda")
     else:
         ceilings = None
-        print("sweep_roofline: no --ceilings and no GPU to measure them: ratios at the published peak only",
-              file=sys.stderr)
+        print(
+            "sweep_roofline: no --ceilings and no GPU to measure them: ratios at the published peak only",
+            file=sys.stderr,
+        )
     records: list[dict] = []
     gpu = "unknown"
     for f in files:
         records += point_records(cfg, f, ceilings) or []
         gpu = json.loads(f.read_text()).get("gpu", gpu)
-    result = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "git_sha": args.git_sha, "gpu": gpu,
-              "command": " ".join([sys.executable, *sys.argv]),
-              "model": f"{args.model_dir.name} architecture, random weights",
-              "ceilings": ceilings.to_dict() if ceilings is not None else None,
-              "records": records}
+    result = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "git_sha": args.git_sha,
+        "gpu": gpu,
+        "command": " ".join([sys.executable, *sys.argv]),
+        "model": f"{args.model_dir.name} architecture, random weights",
+        "ceilings": ceilings.to_dict() if ceilings is not None else None,
+        "records": records,
+    }
     (args.results / "serve_sweep_roofline.json").write_text(json.dumps(result, indent=2))
     table = records_markdown(records, "point")
-    (args.results / "serve_sweep_roofline.md").write_text(f"# throughput sweep vs roofline ({gpu}, {args.git_sha})\n\n"
-                                                          f"{table}\n")
+    (args.results / "serve_sweep_roofline.md").write_text(
+        f"# throughput sweep vs roofline ({gpu}, {args.git_sha})\n\n{table}\n"
+    )
     print(table)
     try:
         import matplotlib
@@ -127,11 +148,20 @@ def main() -> None:
         c, rows = series(shape, "output throughput")
         line = ax_t.plot(c, [r["value"] for r in rows], marker="o", label=f"{shape}: measured")[0]
         measured = all(r["reference_value"] is not None for r in rows)
-        ax_t.plot(c, [r["reference_value" if measured else "published_reference_value"] for r in rows], ls="--",
-                  color=line.get_color(), label=f"{shape}: decode roofline{'' if measured else ' (published peak)'}")
+        ax_t.plot(
+            c,
+            [r["reference_value" if measured else "published_reference_value"] for r in rows],
+            ls="--",
+            color=line.get_color(),
+            label=f"{shape}: decode roofline{'' if measured else ' (published peak)'}",
+        )
         c, rows = series(shape, "median ITL")
-        ax_r.plot(c, [r["ratio"] if r["ratio"] is not None else r["ratio_to_published"] for r in rows], marker="o",
-                  label=shape)
+        ax_r.plot(
+            c,
+            [r["ratio"] if r["ratio"] is not None else r["ratio_to_published"] for r in rows],
+            marker="o",
+            label=shape,
+        )
     for ax in (ax_t, ax_r):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")

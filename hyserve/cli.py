@@ -49,73 +49,181 @@ def _flag(parser: argparse.ArgumentParser | Any, name: str, **kw: Any) -> None:
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help="model directory (Hugging Face layout); omitted -> the built-in tiny model")
-    _flag(p, "config", metavar="FILE.yml", default=None,
-          help="YAML options (the keys of trtllm-serve's extra-llm-api-config.yml); flags override it")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="model directory (Hugging Face layout); omitted -> the built-in tiny model",
+    )
+    _flag(
+        p,
+        "config",
+        metavar="FILE.yml",
+        default=None,
+        help="YAML options (the keys of trtllm-serve's extra-llm-api-config.yml); flags override it",
+    )
     _flag(p, "dtype", default=None, help="weights/activations dtype: auto, bfloat16, float16, float32")
     _flag(p, "device", default=None, help="auto, cpu or cuda")
     _flag(p, "load_format", default=None, help="auto, safetensors, or dummy (random weights)")
-    _flag(p, "quantization", default=None,
-          help="weight format: fp8 (e4m3 weights, quantised at load from a 16-bit checkpoint); an FP8 "
-               "checkpoint (ModelOpt, block fp8) is detected without it")
+    _flag(
+        p,
+        "quantization",
+        default=None,
+        help="weight format: fp8 (e4m3 weights, quantised at load from a 16-bit checkpoint); an FP8 "
+        "checkpoint (ModelOpt, block fp8) is detected without it",
+    )
     _flag(p, "max_batch_size", type=int, default=None, help="most requests running at once")
     _flag(p, "max_num_tokens", type=int, default=None, help="most tokens in one forward step")
     _flag(p, "max_seq_len", type=int, default=None, help="longest prompt + output (default: the model's)")
-    _flag(p, "scheduling_policy", choices=SCHEDULING_POLICIES, default=None,
-          help="fcfs (default: arrival order) or priority (each request's `priority`, lower first, then arrival)")
-    _flag(p, "tp_size", type=int, default=None,
-          help="tensor parallel size: ranks one model spans (started here, or by torchrun across nodes)")
-    _flag(p, "ep_size", type=int, default=None,
-          help="expert parallel size: MoE experts sharded over this many of the tp_size ranks (divides it)")
-    _flag(p, "kv_cache_free_gpu_memory_fraction", type=float, default=None,
-          help="fraction of free GPU memory for the KV cache and Mamba state pools")
+    _flag(
+        p,
+        "scheduling_policy",
+        choices=SCHEDULING_POLICIES,
+        default=None,
+        help="fcfs (default: arrival order) or priority (each request's `priority`, lower first, then arrival)",
+    )
+    _flag(
+        p,
+        "tp_size",
+        type=int,
+        default=None,
+        help="tensor parallel size: ranks one model spans (started here, or by torchrun across nodes)",
+    )
+    _flag(
+        p,
+        "ep_size",
+        type=int,
+        default=None,
+        help="expert parallel size: MoE experts sharded over this many of the tp_size ranks (divides it)",
+    )
+    _flag(
+        p,
+        "kv_cache_free_gpu_memory_fraction",
+        type=float,
+        default=None,
+        help="fraction of free GPU memory for the KV cache and Mamba state pools",
+    )
     _flag(p, "seed", type=int, default=None, help="engine seed for sampling")
-    _flag(p, "warmup", choices=("auto", "on", "off"), default=None,
-          help="compile every kernel variant before ready: auto (on CUDA), on, off")
-    _flag(p, "strict_warmup", action="store_true", default=None,
-          help="fail any step that makes Triton compile after ready (a warm-up gap)")
-    _flag(p, "async_scheduling", choices=("on", "off"), default=None,
-          help="overlap the host's per-step work with the next step on the GPU (default on)")
-    _flag(p, "cache_dir", default=None, metavar="DIR",
-          help="persistent kernel cache (Triton variants and autotune results; default ~/.cache/hyserve)")
-    _flag(p, "trust_remote_code", action="store_true", default=False,
-          help="accepted for compatibility; hyserve runs no remote code")
+    _flag(
+        p,
+        "warmup",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="compile every kernel variant before ready: auto (on CUDA), on, off",
+    )
+    _flag(
+        p,
+        "strict_warmup",
+        action="store_true",
+        default=None,
+        help="fail any step that makes Triton compile after ready (a warm-up gap)",
+    )
+    _flag(
+        p,
+        "async_scheduling",
+        choices=("on", "off"),
+        default=None,
+        help="overlap the host's per-step work with the next step on the GPU (default on)",
+    )
+    _flag(
+        p,
+        "cache_dir",
+        default=None,
+        metavar="DIR",
+        help="persistent kernel cache (Triton variants and autotune results; default ~/.cache/hyserve)",
+    )
+    _flag(
+        p,
+        "trust_remote_code",
+        action="store_true",
+        default=False,
+        help="accepted for compatibility; hyserve runs no remote code",
+    )
 
 
 def _add_serve_parser(sub: Any) -> None:
-    p = sub.add_parser("serve", help="run the OpenAI-compatible server",
-                       description="Run the OpenAI-compatible HTTP server.")
+    p = sub.add_parser(
+        "serve", help="run the OpenAI-compatible server", description="Run the OpenAI-compatible HTTP server."
+    )
     _add_engine_flags(p)
     _flag(p, "host", default=None, help="bind address (default 127.0.0.1; 0.0.0.0 for all interfaces)")
     _flag(p, "port", type=int, default=None, help="port (default 8000)")
     _flag(p, "served_model_name", default=None, help="name clients use in `model` (default: the dir name)")
-    _flag(p, "api_key", default=None,
-          help="require 'Authorization: Bearer KEY' on /v1 routes (an empty key is refused: see --no_auth)")
-    _flag(p, "no_auth", action="store_true", default=None,
-          help="serve without authentication even if an (empty) --api_key is given")
-    _flag(p, "reasoning_parser", default=None,
-          help="split <think> output into reasoning_content: nemotron-v3 (aliases: deepseek-r1, qwen3)")
+    _flag(
+        p,
+        "api_key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 routes (an empty key is refused: see --no_auth)",
+    )
+    _flag(
+        p,
+        "no_auth",
+        action="store_true",
+        default=None,
+        help="serve without authentication even if an (empty) --api_key is given",
+    )
+    _flag(
+        p,
+        "reasoning_parser",
+        default=None,
+        help="split <think> output into reasoning_content: nemotron-v3 (aliases: deepseek-r1, qwen3)",
+    )
     _flag(p, "tool_parser", default=None, help="parse tool calls: qwen3_coder")
-    _flag(p, "default_max_tokens", type=int, default=None,
-          help="max_tokens for requests that omit it: the room left in max_seq_len, capped at this (8192)")
-    _flag(p, "log_level", default=None, help="uvicorn log level: critical, error, warning, info (default), debug, trace")
-    _flag(p, "max_request_body_bytes", type=int, default=None,
-          help="largest request body (default 32 MiB: a 1M-token prompt as token ids, with room); larger is a 413")
-    _flag(p, "shutdown_timeout", type=float, default=None,
-          help="on SIGTERM, seconds in-flight requests get to finish before they are aborted (default 30)")
+    _flag(
+        p,
+        "default_max_tokens",
+        type=int,
+        default=None,
+        help="max_tokens for requests that omit it: the room left in max_seq_len, capped at this (8192)",
+    )
+    _flag(
+        p,
+        "log_level",
+        default=None,
+        help="uvicorn log level: critical, error, warning, info (default), debug, trace",
+    )
+    _flag(
+        p,
+        "max_request_body_bytes",
+        type=int,
+        default=None,
+        help="largest request body (default 32 MiB: a 1M-token prompt as token ids, with room); larger is a 413",
+    )
+    _flag(
+        p,
+        "shutdown_timeout",
+        type=float,
+        default=None,
+        help="on SIGTERM, seconds in-flight requests get to finish before they are aborted (default 30)",
+    )
     _flag(p, "disable_log_requests", action="store_true", default=False, help="no per-request access log")
     p.set_defaults(func=cmd_serve)
 
 
 def _add_generate_parser(sub: Any) -> None:
-    p = sub.add_parser("generate", help="generate text offline (no server)",
-                       description="Generate from a prompt with the offline LLM API.")
+    p = sub.add_parser(
+        "generate",
+        help="generate text offline (no server)",
+        description="Generate from a prompt with the offline LLM API.",
+    )
     _add_engine_flags(p)
-    p.add_argument("-p", "--prompt", action="append", default=None, metavar="TEXT",
-                   help="prompt text (repeat for several prompts)")
-    _flag(p, "prompt_ids", action="append", default=None, metavar="1,2,3",
-          help="a prompt as comma-separated token ids (repeatable)")
+    p.add_argument(
+        "-p",
+        "--prompt",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="prompt text (repeat for several prompts)",
+    )
+    _flag(
+        p,
+        "prompt_ids",
+        action="append",
+        default=None,
+        metavar="1,2,3",
+        help="a prompt as comma-separated token ids (repeatable)",
+    )
     _flag(p, "max_tokens", type=int, default=32, help="tokens to generate (default 32)")
     _flag(p, "temperature", type=float, default=0.0, help="0 = greedy (default)")
     _flag(p, "top_p", type=float, default=1.0)
@@ -129,13 +237,19 @@ def _add_generate_parser(sub: Any) -> None:
 
 
 def _add_make_tiny_parser(sub: Any) -> None:
-    p = sub.add_parser("make-tiny", help="write a deterministic tiny checkpoint",
-                       description="Write a tiny NemotronH checkpoint (config, safetensors, tokenizer).")
+    p = sub.add_parser(
+        "make-tiny",
+        help="write a deterministic tiny checkpoint",
+        description="Write a tiny NemotronH checkpoint (config, safetensors, tokenizer).",
+    )
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--variant", choices=("dense", "moe", "latent-moe"), default="dense")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fp8", action="store_true",
-                   help="write the projections and experts as FP8 (ModelOpt's layout, per-tensor scales)")
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="write the projections and experts as FP8 (ModelOpt's layout, per-tensor scales)",
+    )
     p.set_defaults(func=cmd_make_tiny)
 
 
@@ -155,7 +269,9 @@ def _register_optional_subcommands(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hyserve", description="Serving engine for hybrid Mamba2 + attention LLMs")
+    parser = argparse.ArgumentParser(
+        prog="hyserve", description="Serving engine for hybrid Mamba2 + attention LLMs"
+    )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve_parser(sub)
@@ -183,9 +299,24 @@ def engine_options_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], 
     server_yaml = {k: opts.pop(k) for k in SERVER_YAML_KEYS if k in opts}
     if args.model is not None:
         opts["model"] = args.model
-    for name in ("dtype", "device", "load_format", "quantization", "max_batch_size", "max_num_tokens", "max_seq_len",
-                 "scheduling_policy", "tp_size", "ep_size", "seed", "served_model_name", "warmup", "strict_warmup",
-                 "cache_dir", "async_scheduling"):
+    for name in (
+        "dtype",
+        "device",
+        "load_format",
+        "quantization",
+        "max_batch_size",
+        "max_num_tokens",
+        "max_seq_len",
+        "scheduling_policy",
+        "tp_size",
+        "ep_size",
+        "seed",
+        "served_model_name",
+        "warmup",
+        "strict_warmup",
+        "cache_dir",
+        "async_scheduling",
+    ):
         v = getattr(args, name, None)
         if v is not None:
             opts[name] = (v == "on") if name == "async_scheduling" else v
@@ -260,7 +391,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         return run_server(config, server_options, log=_stdout)
-    except (ValueError, FileNotFoundError) as e:  # engine start-up: bad model dir, inconsistent capacity settings
+    except (
+        ValueError,
+        FileNotFoundError,
+    ) as e:  # engine start-up: bad model dir, inconsistent capacity settings
         raise ConfigError(str(e)) from None
 
 
@@ -280,10 +414,15 @@ def build_server_options(pick: Callable[[str, Any], Any], config: Any) -> Any:
     aliases = tuple(a for a in (config.model, (config.model or "").rstrip("/").rsplit("/", 1)[-1]) if a)
     try:
         return ServerOptions(
-            host=pick("host", "127.0.0.1"), port=pick("port", 8000), api_key=api_key,
-            reasoning_parser=pick("reasoning_parser", None), tool_parser=pick("tool_parser", None),
-            model_aliases=aliases, default_max_tokens=pick("default_max_tokens", 8192),
-            log_level=pick("log_level", "info"), access_log=not pick("disable_log_requests", False),
+            host=pick("host", "127.0.0.1"),
+            port=pick("port", 8000),
+            api_key=api_key,
+            reasoning_parser=pick("reasoning_parser", None),
+            tool_parser=pick("tool_parser", None),
+            model_aliases=aliases,
+            default_max_tokens=pick("default_max_tokens", 8192),
+            log_level=pick("log_level", "info"),
+            access_log=not pick("disable_log_requests", False),
             max_request_body_bytes=pick("max_request_body_bytes", ServerOptions.max_request_body_bytes),
             shutdown_timeout=pick("shutdown_timeout", ServerOptions.shutdown_timeout),
         )
@@ -304,7 +443,12 @@ def _parse_ids(s: str) -> list[int]:
 def cmd_generate(args: argparse.Namespace) -> int:
     opts, _server_yaml, ignored = engine_options_from_args(args)
     model_arg = opts.get("model")
-    if model_arg and not args.prompt and not args.prompt_ids and not Path(str(model_arg)).expanduser().exists():
+    if (
+        model_arg
+        and not args.prompt
+        and not args.prompt_ids
+        and not Path(str(model_arg)).expanduser().exists()
+    ):
         raise ConfigError(  # `hyserve generate "Hello"`: the text went to MODEL
             f"{model_arg!r} is not a local directory: the first argument of `hyserve generate` is MODEL (a "
             f"checkpoint directory; leave it out for the built-in tiny model); give the prompt with -p, as in "
@@ -312,7 +456,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
     config = _build_config(opts)  # validate everything before loading anything
     _run_if_headless_rank(config)
-    prompts: list[str | list[int]] = list(args.prompt or []) + [_parse_ids(s) for s in (args.prompt_ids or [])]
+    prompts: list[str | list[int]] = list(args.prompt or []) + [
+        _parse_ids(s) for s in (args.prompt_ids or [])
+    ]
     if not prompts:
         prompts = ["Hello, my name is"]
     _warn_ignored(config, ignored, _stderr)
@@ -322,8 +468,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     try:
         params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            min_p=args.min_p, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            stop=tuple(args.stop or ()),
+            ignore_eos=args.ignore_eos,
+            logprobs=args.logprobs,
             seed=opts.get("seed"),
         )
     except ValueError as e:
@@ -354,7 +506,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             }
             if out.logprobs is not None:
                 rec["logprobs"] = [
-                    {"token_id": lp.token_id, "logprob": lp.logprob, "top": {str(k): v for k, v in lp.top.items()}}
+                    {
+                        "token_id": lp.token_id,
+                        "logprob": lp.logprob,
+                        "top": {str(k): v for k, v in lp.top.items()},
+                    }
                     for lp in out.logprobs
                 ]
             print(json.dumps(rec), flush=True)

@@ -41,8 +41,18 @@ MAX_PHILOX_ROUNDS = 32  # kv_cache_config.mamba_ssm_philox_rounds: each round is
 WARMUP_MODES = ("auto", "on", "off")
 # Keys of a serve YAML that configure the HTTP server rather than the engine (vLLM's --config takes any
 # flag); whoever builds an engine from such a YAML drops them first.
-SERVER_YAML_KEYS = ("host", "port", "reasoning_parser", "tool_parser", "api_key", "no_auth", "log_level",
-                    "default_max_tokens", "max_request_body_bytes", "shutdown_timeout")
+SERVER_YAML_KEYS = (
+    "host",
+    "port",
+    "reasoning_parser",
+    "tool_parser",
+    "api_key",
+    "no_auth",
+    "log_level",
+    "default_max_tokens",
+    "max_request_body_bytes",
+    "shutdown_timeout",
+)
 # engine seeds are int64 (as the API's per-request seeds)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -147,7 +157,9 @@ class IntList:
         if v is None and self.none_ok:
             return None
         if not isinstance(v, list | tuple) or (self.non_empty and not v):
-            raise ValueError(f"{path}: expected a {'non-empty ' if self.non_empty else ''}list of integers >= {self.lo}")
+            raise ValueError(
+                f"{path}: expected a {'non-empty ' if self.non_empty else ''}list of integers >= {self.lo}"
+            )
         items = [Int(lo=self.lo).integer(x, f"{path}[]") for x in v]
         return tuple(sorted(set(items))) if self.sorted_set else tuple(items)
 
@@ -166,8 +178,10 @@ def quantization(v: Any, path: str) -> str | None:
     if v is None or (isinstance(v, str) and v.lower() in ("none", "")):
         return None
     if not isinstance(v, str) or v.lower() not in QUANTIZATIONS:
-        raise ValueError(f"{path}: {v!r} is not supported; use one of {list(QUANTIZATIONS)} or null "
-                         "(the checkpoint's own format)")
+        raise ValueError(
+            f"{path}: {v!r} is not supported; use one of {list(QUANTIZATIONS)} or null "
+            "(the checkpoint's own format)"
+        )
     return v.lower()
 
 
@@ -225,8 +239,10 @@ def check_token_budget(max_num_tokens: int, max_batch_size: int) -> None:
 def expert_split_problem(tp_size: int, ep_size: int) -> str | None:
     """Why ep_size cannot split tp_size's ranks, or None (also checked against the world at start-up)."""
     if tp_size % ep_size:
-        return (f"ep_size ({ep_size}) must divide tp_size ({tp_size}): experts are sharded over the "
-                "tensor-parallel ranks, each expert tensor-parallel over tp_size / ep_size of them")
+        return (
+            f"ep_size ({ep_size}) must divide tp_size ({tp_size}): experts are sharded over the "
+            "tensor-parallel ranks, each expert tensor-parallel over tp_size / ep_size of them"
+        )
     return None
 
 
@@ -279,7 +295,9 @@ class CacheConfig:
 class SchedulerConfig:
     max_batch_size: int = option(64, Int(lo=1))
     max_num_tokens: int = option(8192, Int(lo=1))
-    max_seq_len: int | None = option(None, Int(lo=2, none_ok=True))  # None -> the model's max_position_embeddings
+    max_seq_len: int | None = option(
+        None, Int(lo=2, none_ok=True)
+    )  # None -> the model's max_position_embeddings
     enable_chunked_prefill: bool = option(True, boolean)
     # step composition (docs/architecture.md): continuing prefills that share a step's budget, the most a
     # long prompt's chunk takes when other prefills share the step (None: max_num_tokens /
@@ -301,7 +319,9 @@ class CudaGraphConfig:
     enabled: bool = option(True, boolean)
     enable_padding: bool = option(True, boolean)
     max_batch_size: int | None = option(None, Int(lo=1, none_ok=True))  # None -> scheduler.max_batch_size
-    batch_sizes: tuple[int, ...] | None = option(None, IntList(lo=1, non_empty=True, sorted_set=True, none_ok=True))
+    batch_sizes: tuple[int, ...] | None = option(
+        None, IntList(lo=1, non_empty=True, sorted_set=True, none_ok=True)
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -335,7 +355,9 @@ class EngineConfig:
     warmup: str = option("auto", Choice(WARMUP_MODES))
     # a Triton compilation after ready fails the step that caused it
     strict_warmup: bool = option(False, boolean)
-    cache_dir: str | None = option(None, path_str)  # persistent kernel cache root (default: envs.HYSERVE_CACHE_DIR)
+    cache_dir: str | None = option(
+        None, path_str
+    )  # persistent kernel cache root (default: envs.HYSERVE_CACHE_DIR)
     # launch the next decode step before the host has read this one's tokens (they are fed to it on the
     # device), so the host's per-step work overlaps the GPU's (LLMEngine docstring)
     async_scheduling: bool = option(True, boolean)
@@ -377,7 +399,9 @@ def _check_keys(d: dict[str, Any], allowed: set[str], path: str, ignored: list[s
         if full in COMPAT_IGNORED_KEYS:
             ignored.append(full)
             continue
-        raise ValueError(f"unknown option {full!r}; allowed keys{' in ' + path if path else ''}: {sorted(allowed)}")
+        raise ValueError(
+            f"unknown option {full!r}; allowed keys{' in ' + path if path else ''}: {sorted(allowed)}"
+        )
 
 
 def _build(cls: type, d: dict[str, Any], path: str, ignored: list[str], *, keys_checked: bool = False) -> Any:

@@ -1,6 +1,6 @@
 """Summarise a `py-spy record -f raw` file: samples per thread and the inclusive share of each function.
 
-    python3 scripts/pyspy_summary.py /tmp/pyspy_all.txt [--top 40]
+python3 scripts/pyspy_summary.py /tmp/pyspy_all.txt [--top 40]
 """
 
 from __future__ import annotations

@@ -147,7 +147,10 @@ def chat_ids_batch(tok: Tokenizer, user_texts: list[str]) -> list[list[int]]:
     """`chat_ids` of many messages at once (the tokenizer encodes them in parallel; same ids)."""
     chat_ids(tok, "")  # fills the template cache
     pre, post = _TEMPLATE_PARTS[id(tok)]
-    return [e.ids for e in tok.backend.encode_batch([pre + t + post for t in user_texts], add_special_tokens=False)]
+    return [
+        e.ids
+        for e in tok.backend.encode_batch([pre + t + post for t in user_texts], add_special_tokens=False)
+    ]
 
 
 # ---- synthetic documents -------------------------------------------------------------------------------------
@@ -172,8 +175,10 @@ def random_code(rng: random.Random, level: float) -> str:
     the distribution from one short part to the full one (the code-length curriculum)."""
     max_parts = 1 + round(2 * level)
     max_chars = 3 + round(5 * level)
-    parts = ["".join(rng.choice(UPPER) for _ in range(rng.randint(2, max_chars)))
-             for _ in range(rng.randint(1, max_parts))]
+    parts = [
+        "".join(rng.choice(UPPER) for _ in range(rng.randint(2, max_chars)))
+        for _ in range(rng.randint(1, max_parts))
+    ]
     if rng.random() < 0.3 + 0.5 * level:
         parts.append("".join(rng.choice(DIGITS) for _ in range(rng.randint(1, 1 + round(3 * level)))))
     return "-".join(parts)
@@ -234,19 +239,45 @@ def _document(pieces: list[str], depth: float, code: str, end_question: bool, he
     return before, rest
 
 
-def make_example(tok: Tokenizer, rng: random.Random, *, target_len: int, depth: float, code: str,
-                 style: str, end_question: bool = False, instruction: bool = True) -> Example:
+def make_example(
+    tok: Tokenizer,
+    rng: random.Random,
+    *,
+    target_len: int,
+    depth: float,
+    code: str,
+    style: str,
+    end_question: bool = False,
+    instruction: bool = True,
+) -> Example:
     """One training / evaluation sequence of about `target_len` prompt tokens (within a few tokens:
     filler pieces are counted one by one, and only a merge across two pieces, such as two line breaks,
     makes the whole differ from the sum). `instruction`: the bench's instruction heads the document;
     without it the message is "DOCUMENT:" and the document alone."""
-    text = example_text(tok, rng, target_len=target_len, depth=depth, code=code, style=style,
-                        end_question=end_question, instruction=instruction)
+    text = example_text(
+        tok,
+        rng,
+        target_len=target_len,
+        depth=depth,
+        code=code,
+        style=style,
+        end_question=end_question,
+        instruction=instruction,
+    )
     return finish_example(tok, chat_ids(tok, text), code, depth)
 
 
-def example_text(tok: Tokenizer, rng: random.Random, *, target_len: int, depth: float, code: str, style: str,
-                 end_question: bool, instruction: bool) -> str:
+def example_text(
+    tok: Tokenizer,
+    rng: random.Random,
+    *,
+    target_len: int,
+    depth: float,
+    code: str,
+    style: str,
+    end_question: bool,
+    instruction: bool,
+) -> str:
     """The user message of `make_example` (the part that draws from `rng`)."""
     header = QUESTION if instruction else BARE_HEADER
     base = _base_len(tok, header, end_question) + len(tok.encode(code))
@@ -257,8 +288,13 @@ def example_text(tok: Tokenizer, rng: random.Random, *, target_len: int, depth: 
 
 def finish_example(tok: Tokenizer, prompt: list[int], code: str, depth: float) -> Example:
     answer = tok.encode(code, add_special_tokens=False) + [tok.token_to_id(IM_END)]
-    return Example(ids=prompt + answer, answer_start=len(prompt), code=code, depth=depth,
-                   needle_token_pos=_find_needle(tok, prompt))
+    return Example(
+        ids=prompt + answer,
+        answer_start=len(prompt),
+        code=code,
+        depth=depth,
+        needle_token_pos=_find_needle(tok, prompt),
+    )
 
 
 _BASE_LEN: dict[tuple[int, str, bool], int] = {}
@@ -268,7 +304,9 @@ def _base_len(tok: Tokenizer, header: str, end_question: bool) -> int:
     """Tokens of the request with no filler and an empty code."""
     key = (id(tok), header, end_question)
     if key not in _BASE_LEN:
-        _BASE_LEN[key] = len(chat_ids(tok, header + NEEDLE_PREFIX + "." + (END_QUESTION if end_question else "")))
+        _BASE_LEN[key] = len(
+            chat_ids(tok, header + NEEDLE_PREFIX + "." + (END_QUESTION if end_question else ""))
+        )
     return _BASE_LEN[key]
 
 
@@ -338,8 +376,9 @@ class Curriculum:
         return round(self.min_bare_len * (self.max_len / self.min_bare_len) ** lv)
 
 
-def sample_batch(tok: Tokenizer, rng: random.Random, cur: Curriculum, progress: float,
-                 tokens_per_batch: int) -> list[Example]:
+def sample_batch(
+    tok: Tokenizer, rng: random.Random, cur: Curriculum, progress: float, tokens_per_batch: int
+) -> list[Example]:
     """Examples of one step, all of one format and about one length: the bench's instruction format with
     probability 0.8 x the curriculum level (else the short document-only format: cheap steps that teach the
     same copy, and the only format until copying has emerged), a length drawn log-uniformly in [shortest for the format, the curriculum's cap], as many rows
@@ -352,8 +391,19 @@ def sample_batch(tok: Tokenizer, rng: random.Random, cur: Curriculum, progress: 
     rows = max(1, tokens_per_batch // length)
     codes = [random_code(rng, level) for _ in range(rows)]
     depths = [rng.random() for _ in range(rows)]
-    texts = [example_text(tok, rng, target_len=length, depth=d, code=c, style=rng.choice(FILLER_STYLES),
-                          end_question=rng.random() < 0.25, instruction=instruction) for c, d in zip(codes, depths)]
+    texts = [
+        example_text(
+            tok,
+            rng,
+            target_len=length,
+            depth=d,
+            code=c,
+            style=rng.choice(FILLER_STYLES),
+            end_question=rng.random() < 0.25,
+            instruction=instruction,
+        )
+        for c, d in zip(codes, depths)
+    ]
     return [finish_example(tok, ids, c, d) for ids, c, d in zip(chat_ids_batch(tok, texts), codes, depths)]
 
 
@@ -371,7 +421,9 @@ def collate(examples: list[Example], pad_id: int = 0) -> tuple[torch.Tensor, tor
 
 
 def answer_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE)
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE
+    )
 
 
 # ---- model and training --------------------------------------------------------------------------------------
@@ -423,8 +475,13 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
-def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, labels: torch.Tensor,
-               clip: float = 1.0) -> torch.Tensor:
+def train_step(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    clip: float = 1.0,
+) -> torch.Tensor:
     """One update; returns the loss as a (detached) tensor, so on CUDA nothing waits for the device here
     and the next batch is built while this step runs."""
     model.train()
@@ -440,8 +497,12 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Te
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.05) -> torch.optim.Optimizer:
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
 
 
 # ---- evaluation ----------------------------------------------------------------------------------------------
@@ -461,7 +522,9 @@ def exact_greedy_hits(model: torch.nn.Module, examples: list[Example], device: s
 
 
 @torch.no_grad()
-def greedy_decode(model: torch.nn.Module, prompt: list[int], stop: int, max_new: int, device: str) -> list[int]:
+def greedy_decode(
+    model: torch.nn.Module, prompt: list[int], stop: int, max_new: int, device: str
+) -> list[int]:
     """Plain greedy decoding (a full forward per token, no cache API), for the report's sample answers."""
     model.eval()
     ids = list(prompt)
@@ -500,24 +563,43 @@ def evaluate(model: torch.nn.Module, tok: Tokenizer, spec: EvalSpec, device: str
     cells: list[dict[str, Any]] = []
     for length in spec.lengths:
         for depth in spec.depths:
-            exs = [make_example(tok, rng, target_len=length, depth=depth, code=random_code(rng, 1.0),
-                                style="mixed") for _ in range(spec.per_cell)]
+            exs = [
+                make_example(
+                    tok, rng, target_len=length, depth=depth, code=random_code(rng, 1.0), style="mixed"
+                )
+                for _ in range(spec.per_cell)
+            ]
             hits: list[bool] = []
             step = max(1, spec.max_batch_tokens // (length + 32))
             for i in range(0, len(exs), step):
                 hits += exact_greedy_hits(model, exs[i : i + step], device)
             bench = bench_prompt_ids(tok, length, depth)
             code = DEFAULT_NEEDLE.rstrip(".").split()[-1]
-            bench_ex = Example(ids=bench + tok.encode(code) + [im_end], answer_start=len(bench), code=code,
-                               depth=depth, needle_token_pos=-1)
+            bench_ex = Example(
+                ids=bench + tok.encode(code) + [im_end],
+                answer_start=len(bench),
+                code=code,
+                depth=depth,
+                needle_token_pos=-1,
+            )
             bench_hit = exact_greedy_hits(model, [bench_ex], device)[0]
-            cells.append({"length": length, "depth": depth, "n": len(hits), "accuracy": sum(hits) / len(hits),
-                          "mean_prompt_tokens": sum(e.answer_start for e in exs) / len(exs),
-                          "bench_prompt_tokens": len(bench), "bench_hit": bench_hit})
+            cells.append(
+                {
+                    "length": length,
+                    "depth": depth,
+                    "n": len(hits),
+                    "accuracy": sum(hits) / len(hits),
+                    "mean_prompt_tokens": sum(e.answer_start for e in exs) / len(exs),
+                    "bench_prompt_tokens": len(bench),
+                    "bench_hit": bench_hit,
+                }
+            )
     return {"cells": cells, "method": "exact greedy match (teacher-forced argmax over the answer)"}
 
 
-def sample_answers(model: torch.nn.Module, tok: Tokenizer, lengths: tuple[int, ...], device: str) -> list[dict]:
+def sample_answers(
+    model: torch.nn.Module, tok: Tokenizer, lengths: tuple[int, ...], device: str
+) -> list[dict]:
     """Greedy-decoded text of the bench prompt at each length (depth 0.5), as hyserve would answer."""
     out = []
     im_end = tok.token_to_id(IM_END)
@@ -535,16 +617,20 @@ def accuracy_markdown(result: dict[str, Any]) -> str:
     lengths = sorted({c["length"] for c in ev["cells"]})
     by = {(c["length"], c["depth"]): c for c in ev["cells"]}
     a = result["args"]
-    lines = [f"# Needle retrieval after training ({result['tag']})", "",
-             f"preset `{a['preset']}`, {result['parameters']:,} parameters, {result['steps_done']} steps in "
-             f"{result['train_seconds']:.0f} s on {a['device']}, trained at {a['min_len']}..{a['max_len']} "
-             f"tokens, seed {a['seed']}, final answer loss {result['final_loss']:.4f}; curriculum reached "
-             f"{result['curriculum_progress']:.2f} (held back by the loss gate for {result['gated_steps']} steps).",
-             "",
-             f"Accuracy: {ev['method']}, {ev['cells'][0]['n']} fresh random codes in mixed filler per cell; "
-             "`bench` is the `hyserve bench needle` prompt (ORANGE-MANGO-42 in 'alphabet ' filler): HIT / MISS.",
-             "", "| prompt tokens | " + " | ".join(f"depth {d:g}" for d in depths) + " | bench HIT/MISS by depth |",
-             "|---|" + "---|" * len(depths) + "---|"]
+    lines = [
+        f"# Needle retrieval after training ({result['tag']})",
+        "",
+        f"preset `{a['preset']}`, {result['parameters']:,} parameters, {result['steps_done']} steps in "
+        f"{result['train_seconds']:.0f} s on {a['device']}, trained at {a['min_len']}..{a['max_len']} "
+        f"tokens, seed {a['seed']}, final answer loss {result['final_loss']:.4f}; curriculum reached "
+        f"{result['curriculum_progress']:.2f} (held back by the loss gate for {result['gated_steps']} steps).",
+        "",
+        f"Accuracy: {ev['method']}, {ev['cells'][0]['n']} fresh random codes in mixed filler per cell; "
+        "`bench` is the `hyserve bench needle` prompt (ORANGE-MANGO-42 in 'alphabet ' filler): HIT / MISS.",
+        "",
+        "| prompt tokens | " + " | ".join(f"depth {d:g}" for d in depths) + " | bench HIT/MISS by depth |",
+        "|---|" + "---|" * len(depths) + "---|",
+    ]
     for L in lengths:
         row = [f"{by[L, d]['accuracy']:.2f}" for d in depths]
         bench = " ".join("HIT" if by[L, d]["bench_hit"] else "MISS" for d in depths)
@@ -562,8 +648,11 @@ def save_checkpoint_dir(model: torch.nn.Module, config: dict[str, Any], out: Pat
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tok = write_tiny_tokenizer(out, model_max_length=config["max_position_embeddings"])
-    gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": [config["eos_token_id"], tok.token_to_id(IM_END)],
-           "pad_token_id": config["pad_token_id"]}
+    gen = {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": [config["eos_token_id"], tok.token_to_id(IM_END)],
+        "pad_token_id": config["pad_token_id"],
+    }
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -606,13 +695,19 @@ def _auto_steps(args: argparse.Namespace, elapsed: float, per_step: float) -> in
     return max(CALIBRATION_STEPS + 1, min(args.max_steps, CALIBRATION_STEPS + more))
 
 
-def _record(st: RunState, args: argparse.Namespace, step: int, loss: torch.Tensor, info: dict[str, Any],
-            t0: float) -> None:
+def _record(
+    st: RunState, args: argparse.Namespace, step: int, loss: torch.Tensor, info: dict[str, Any], t0: float
+) -> None:
     value = float(loss)  # waits for that step (the next batch was built meanwhile)
     st.recent = (st.recent + [value])[-50:]
     if step % args.log_every == 0 or step == st.steps - 1:
-        rec = {"step": step, "seconds": round(time.perf_counter() - t0, 2), "loss": value,
-               "loss_avg50": sum(st.recent) / len(st.recent), **info}
+        rec = {
+            "step": step,
+            "seconds": round(time.perf_counter() - t0, 2),
+            "loss": value,
+            "loss_avg50": sum(st.recent) / len(st.recent),
+            **info,
+        }
         st.log.append(rec)
         print(json.dumps(rec), flush=True)
 
@@ -632,7 +727,9 @@ def train(model: torch.nn.Module, tok: Tokenizer, args: argparse.Namespace) -> R
     while step < st.steps:
         if args.time_budget_s and time.perf_counter() - t0 > args.time_budget_s:
             st.cut_by_time = True
-            print(f"train_needle: time budget {args.time_budget_s:.0f} s reached at step {step} of {st.steps}")
+            print(
+                f"train_needle: time budget {args.time_budget_s:.0f} s reached at step {step} of {st.steps}"
+            )
             break
         if step >= CALIBRATION_STEPS and st.recent and _gate_open(st, args):
             st.progress = min(1.0, st.progress + 1.0 / (st.steps - CALIBRATION_STEPS))
@@ -644,8 +741,16 @@ def train(model: torch.nn.Module, tok: Tokenizer, args: argparse.Namespace) -> R
         loss = train_step(model, opt, ids.to(args.device), labels.to(args.device))
         if pending is not None:
             _record(st, args, *pending, t0)
-        pending = (step, loss, {"lr": lr, "length": int(ids.shape[1]), "rows": int(ids.shape[0]),
-                                "progress": round(progress, 4)})
+        pending = (
+            step,
+            loss,
+            {
+                "lr": lr,
+                "length": int(ids.shape[1]),
+                "rows": int(ids.shape[0]),
+                "progress": round(progress, 4),
+            },
+        )
         if step == _TIMED_FROM:
             t_timed = time.perf_counter()
         if args.steps == "auto" and step == CALIBRATION_STEPS - 1:
@@ -675,23 +780,56 @@ def _steps(s: str) -> int | str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model size (default: h200 on "
-                   "cuda, cpu on the CPU)")
-    p.add_argument("--steps", type=_steps, default=None, help="optimizer steps, or 'auto': as many as fit "
-                   "--time-budget-s at the pace of the first steps (default auto on cuda, 1600 on cpu)")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="model size (default: h200 on cuda, cpu on the CPU)",
+    )
+    p.add_argument(
+        "--steps",
+        type=_steps,
+        default=None,
+        help="optimizer steps, or 'auto': as many as fit "
+        "--time-budget-s at the pace of the first steps (default auto on cuda, 1600 on cpu)",
+    )
     p.add_argument("--max-steps", type=int, default=20000, help="most steps --steps auto may choose")
-    p.add_argument("--min-len", type=int, default=160, help="shortest training prompt of the instruction "
-                   "format (tokens; the request without filler is ~125 tokens of the tiny tokenizer)")
+    p.add_argument(
+        "--min-len",
+        type=int,
+        default=160,
+        help="shortest training prompt of the instruction "
+        "format (tokens; the request without filler is ~125 tokens of the tiny tokenizer)",
+    )
     p.add_argument("--max-len", type=int, default=None, help="longest training prompt (default 2048 / 320)")
-    p.add_argument("--tokens-per-batch", type=int, default=None, help="tokens per step (default 16384 / 2048; 65536 ran out of the H200's memory in the torch Mamba2 path)")
-    p.add_argument("--lr", type=float, default=None, help="peak LR (default 3e-3 for the cpu preset, 1e-3 for h200)")
+    p.add_argument(
+        "--tokens-per-batch",
+        type=int,
+        default=None,
+        help="tokens per step (default 16384 / 2048; 65536 ran out of the H200's memory in the torch Mamba2 path)",
+    )
+    p.add_argument(
+        "--lr", type=float, default=None, help="peak LR (default 3e-3 for the cpu preset, 1e-3 for h200)"
+    )
     p.add_argument("--warmup-steps", type=int, default=80)
-    p.add_argument("--gate-loss", type=float, default=0.6, help="the curriculum advances only while the mean "
-                   "answer loss of the last 20 steps is below this (default 0.6; a large value: never gated)")
+    p.add_argument(
+        "--gate-loss",
+        type=float,
+        default=0.6,
+        help="the curriculum advances only while the mean "
+        "answer loss of the last 20 steps is below this (default 0.6; a large value: never gated)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-budget-s", type=float, default=None, help="stop training after this many seconds "
-                   "(default 420 on cuda, so training + evaluation + saving stay under 10 minutes; none on cpu)")
-    p.add_argument("--eval-lengths", default=None, help="comma-separated prompt lengths for the accuracy table")
+    p.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=None,
+        help="stop training after this many seconds "
+        "(default 420 on cuda, so training + evaluation + saving stay under 10 minutes; none on cpu)",
+    )
+    p.add_argument(
+        "--eval-lengths", default=None, help="comma-separated prompt lengths for the accuracy table"
+    )
     p.add_argument("--eval-per-cell", type=int, default=None)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--log-every", type=int, default=50)
@@ -731,8 +869,10 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.min_len < 128 or args.max_len < args.min_len:
-        p.error(f"need 128 <= --min-len <= --max-len (the chat request alone is ~125 tokens), got "
-                f"{args.min_len}, {args.max_len}")
+        p.error(
+            f"need 128 <= --min-len <= --max-len (the chat request alone is ~125 tokens), got "
+            f"{args.min_len}, {args.max_len}"
+        )
     if not args.gate_loss > 0:
         p.error(f"--gate-loss must be > 0, got {args.gate_loss}")
     if not 0 < args.lr < 1:
@@ -740,8 +880,10 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     if args.time_budget_s < 0 or (args.steps == "auto" and not args.time_budget_s):
         p.error(f"--time-budget-s must be >= 0, and > 0 with --steps auto; got {args.time_budget_s}")
     if args.steps == "auto" and args.warmup_steps < CALIBRATION_STEPS:
-        p.error(f"--steps auto needs --warmup-steps >= {CALIBRATION_STEPS} (the timed steps' LR must not "
-                f"depend on the step count chosen after them), got {args.warmup_steps}")
+        p.error(
+            f"--steps auto needs --warmup-steps >= {CALIBRATION_STEPS} (the timed steps' LR must not "
+            f"depend on the step count chosen after them), got {args.warmup_steps}"
+        )
     try:
         lens = [int(x) for x in args.eval_lengths.split(",")]
     except ValueError:
@@ -770,12 +912,24 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     save_checkpoint_dir(model, config, out)
     (out / "training_log.json").write_text(json.dumps(st.log, indent=1) + "\n")
-    result = {"tag": args.tag, "args": vars(args), "parameters": n_params, "steps_done": st.steps_done,
-              "steps_planned": st.steps, "cut_by_time": st.cut_by_time, "curriculum_progress": st.progress,
-              "gated_steps": st.gated_steps,
-              "train_seconds": st.train_seconds, "eval_seconds": time.perf_counter() - t_eval,
-              "final_loss": st.final_loss, "eval": ev, "samples": samples, "log": st.log,
-              "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+    result = {
+        "tag": args.tag,
+        "args": vars(args),
+        "parameters": n_params,
+        "steps_done": st.steps_done,
+        "steps_planned": st.steps,
+        "cut_by_time": st.cut_by_time,
+        "curriculum_progress": st.progress,
+        "gated_steps": st.gated_steps,
+        "train_seconds": st.train_seconds,
+        "eval_seconds": time.perf_counter() - t_eval,
+        "final_loss": st.final_loss,
+        "eval": ev,
+        "samples": samples,
+        "log": st.log,
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+    }
     res = Path(args.results_dir)
     res.mkdir(parents=True, exist_ok=True)
     (res / f"{args.tag}.json").write_text(json.dumps(result, indent=1) + "\n")

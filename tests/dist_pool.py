@@ -33,8 +33,13 @@ def _worker(rank: int, world: int, port: int, tp: int, ep: int, timeout_s: float
 
     try:
         init_distributed(
-            tp_size=tp, ep_size=ep, device="cpu", rank=rank, world_size=world,
-            init_method=f"tcp://127.0.0.1:{port}", timeout_s=timeout_s,
+            tp_size=tp,
+            ep_size=ep,
+            device="cpu",
+            rank=rank,
+            world_size=world,
+            init_method=f"tcp://127.0.0.1:{port}",
+            timeout_s=timeout_s,
         )
     except BaseException:
         conn.send(("err", traceback.format_exc()))
@@ -64,8 +69,15 @@ class Outcome:
 
 
 class RankPool:
-    def __init__(self, world: int = 2, *, tp_size: int | None = None, ep_size: int = 1, timeout_s: float = 10.0,
-                 start_deadline_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        world: int = 2,
+        *,
+        tp_size: int | None = None,
+        ep_size: int = 1,
+        timeout_s: float = 10.0,
+        start_deadline_s: float = 60.0,
+    ) -> None:
         ctx = mp.get_context("spawn")
         port = free_port()
         self.world = world
@@ -75,7 +87,9 @@ class RankPool:
         for r in range(world):
             parent, child = ctx.Pipe()
             p = ctx.Process(
-                target=_worker, args=(r, world, port, tp_size or world, ep_size, timeout_s, child), daemon=True
+                target=_worker,
+                args=(r, world, port, tp_size or world, ep_size, timeout_s, child),
+                daemon=True,
             )
             p.start()
             child.close()

@@ -17,8 +17,15 @@ from hyserve.model.weights import init_random_weights
 class Harness:
     """Each sequence id owns state slot `sid` and blocks [sid*bps, (sid+1)*bps)."""
 
-    def __init__(self, model: NemotronHForCausalLM, *, max_seqs: int = 8, max_len: int = 256, bs: int = 4,
-                 extra_slots: int = 8) -> None:
+    def __init__(
+        self,
+        model: NemotronHForCausalLM,
+        *,
+        max_seqs: int = 8,
+        max_len: int = 256,
+        bs: int = 4,
+        extra_slots: int = 8,
+    ) -> None:
         self.model = model
         self.cfg: HybridModelConfig = model.config
         self.bs = bs
@@ -26,15 +33,24 @@ class Harness:
         dev = next(model.parameters()).device
         self.device = dev
         self.cache = CacheTensors.allocate(
-            self.cfg, num_blocks=max_seqs * self.bps, tokens_per_block=bs, num_slots=max_seqs + extra_slots,
+            self.cfg,
+            num_blocks=max_seqs * self.bps,
+            tokens_per_block=bs,
+            num_slots=max_seqs + extra_slots,
             device=dev,
         )
         self.max_seqs = max_seqs
         self.lens: dict[int, int] = {}
 
-    def step(self, items: list[tuple[int, list[int]]], *, snapshots: list[SnapshotWrite] | None = None,
-             src_override: dict[int, int] | None = None, decode_first: bool = True,
-             all_logits: bool = False) -> torch.Tensor:
+    def step(
+        self,
+        items: list[tuple[int, list[int]]],
+        *,
+        snapshots: list[SnapshotWrite] | None = None,
+        src_override: dict[int, int] | None = None,
+        decode_first: bool = True,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
         """items: [(seq id, new tokens)]. Returns logits of each item's last token ([S, V]), or of
         every token with all_logits."""
         caller_order = list(items)

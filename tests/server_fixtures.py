@@ -117,8 +117,17 @@ class ServerProcess:
         fd, name = tempfile.mkstemp(prefix="hyserve-serve-", suffix=".log")
         os.close(fd)
         self.log_path = Path(name)
-        cmd = [sys.executable, "-m", "hyserve.cli", "serve", *self.args, "--host", "127.0.0.1",
-               "--port", str(self.port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "hyserve.cli",
+            "serve",
+            *self.args,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         env = dict(os.environ)
@@ -198,21 +207,28 @@ class FakeEngine:
     finished: list[str] = field(default_factory=list)
     cached_tokens: int = 0
     logprob_ids: tuple[int, ...] = (7, 8, 9)  # the token of each output logprob, then its top alternatives
-    priorities: dict[str, int] = field(default_factory=dict)  # the `priority` each request id was generated with
+    priorities: dict[str, int] = field(
+        default_factory=dict
+    )  # the `priority` each request id was generated with
 
     FAIL = "\x00FAIL"
     HANG = "\x00HANG"
 
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+    def validate_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> None:
         if not prompt_token_ids:
             raise RequestRejected("the prompt is empty", param="prompt", code="empty_prompt")
         if any(t >= self.vocab_size for t in prompt_token_ids):
-            raise RequestRejected(f"token ids must be < {self.vocab_size}", param="prompt", code="invalid_token_id")
+            raise RequestRejected(
+                f"token ids must be < {self.vocab_size}", param="prompt", code="invalid_token_id"
+            )
         n = len(prompt_token_ids) + params.max_tokens
         if n > self.max_seq_len:
             raise RequestRejected(
                 f"this request needs {n} tokens, more than max_seq_len = {self.max_seq_len}",
-                param="prompt", code="context_length_exceeded",
+                param="prompt",
+                code="context_length_exceeded",
             )
 
     def abort(self, request_id: str) -> None:
@@ -222,19 +238,45 @@ class FakeEngine:
             ev.set()
 
     def stats(self) -> dict[str, float]:
-        return {"num_running": len(self.running), "num_waiting": 0, "kv_blocks_total": 10,
-                "kv_blocks_free": 10 - len(self.running), "healthy": int(self.healthy),
-                "jit_compiles_after_ready": 0, "cuda_alloc_retries": 0}
+        return {
+            "num_running": len(self.running),
+            "num_waiting": 0,
+            "kv_blocks_total": 10,
+            "kv_blocks_free": 10 - len(self.running),
+            "healthy": int(self.healthy),
+            "jit_compiles_after_ready": 0,
+            "cuda_alloc_retries": 0,
+        }
 
-    def _delta(self, rid: str, n_prompt: int, toks: list[int], text: str, n_out: int, *, finished: bool = False,
-               reason: str | None = None, error: str | None = None, logprobs: list[TokenLogprob] | None = None,
-               ) -> StreamDelta:
-        return StreamDelta(request_id=rid, token_ids=toks, text=text, logprobs=logprobs, finished=finished,
-                           finish_reason=reason, num_prompt_tokens=n_prompt, num_cached_tokens=self.cached_tokens,
-                           num_output_tokens=n_out, error=error)
+    def _delta(
+        self,
+        rid: str,
+        n_prompt: int,
+        toks: list[int],
+        text: str,
+        n_out: int,
+        *,
+        finished: bool = False,
+        reason: str | None = None,
+        error: str | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> StreamDelta:
+        return StreamDelta(
+            request_id=rid,
+            token_ids=toks,
+            text=text,
+            logprobs=logprobs,
+            finished=finished,
+            finish_reason=reason,
+            num_prompt_tokens=n_prompt,
+            num_cached_tokens=self.cached_tokens,
+            num_output_tokens=n_out,
+            error=error,
+        )
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       priority: int = 0) -> AsyncIterator[StreamDelta]:
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0
+    ) -> AsyncIterator[StreamDelta]:
         self.validate_request(prompt_token_ids, params, priority)
         self.priorities[request_id] = priority
         pieces = self.script(list(prompt_token_ids), params)
@@ -252,8 +294,16 @@ class FakeEngine:
                     break
                 if piece == self.FAIL:
                     done = True
-                    yield self._delta(request_id, n, [], "", out, finished=True, reason="error",
-                                      error="RuntimeError: injected failure")
+                    yield self._delta(
+                        request_id,
+                        n,
+                        [],
+                        "",
+                        out,
+                        finished=True,
+                        reason="error",
+                        error="RuntimeError: injected failure",
+                    )
                     return
                 if piece == self.HANG:
                     await ev.wait()

@@ -98,7 +98,9 @@ def _attention_fp8(dt: torch.dtype) -> None:
     tables = torch.arange(4, dtype=torch.int32).view(1, 4).repeat(3, 1)
     q = torch.randn(3, HQ, HEAD_DIM).to(dt)
     scales = dict(k_scale=torch.tensor(0.03), v_scale=torch.tensor(0.02))
-    paged_attention_triton(q[:2], kc, vc, tables[:2], [10, 200], [0, 1, 2], HEAD_DIM**-0.5, **scales)  # decode
+    paged_attention_triton(
+        q[:2], kc, vc, tables[:2], [10, 200], [0, 1, 2], HEAD_DIM**-0.5, **scales
+    )  # decode
     paged_attention_triton(q, kc, vc, tables[:1], [200], [0, 3], HEAD_DIM**-0.5, **scales)  # prefill / extend
 
 
@@ -108,8 +110,18 @@ def _ssd(dt: torch.dtype) -> None:
     T = 5
     x, B, C = torch.randn(T, H, P).to(dt), torch.randn(T, G, N).to(dt), torch.randn(T, G, N).to(dt)
     f = torch.randn(H).to(dt)
-    ssd_triton(x, torch.randn(T, H).to(dt), -torch.rand(H), B, C, CHUNK, [0, T], D=f, dt_bias=f,
-               initial_states=torch.zeros(1, H, P, N))
+    ssd_triton(
+        x,
+        torch.randn(T, H).to(dt),
+        -torch.rand(H),
+        B,
+        C,
+        CHUNK,
+        [0, T],
+        D=f,
+        dt_bias=f,
+        initial_states=torch.zeros(1, H, P, N),
+    )
 
 
 def _ssm_update(dt: torch.dtype) -> None:
@@ -118,17 +130,27 @@ def _ssm_update(dt: torch.dtype) -> None:
     pool = torch.zeros(3, H, P, N)  # the float32 SSM state (mamba_ssm_cache_dtype's default)
     f = torch.randn(H).to(dt)
     slots = torch.tensor([0, 1], dtype=torch.int32)
-    selective_state_update_triton(pool, torch.randn(2, H, P).to(dt), torch.randn(2, H).to(dt), -torch.rand(H),
-                                  torch.randn(2, G, N).to(dt), torch.randn(2, G, N).to(dt), slots, slots + 1,
-                                  D=f, dt_bias=f)
+    selective_state_update_triton(
+        pool,
+        torch.randn(2, H, P).to(dt),
+        torch.randn(2, H).to(dt),
+        -torch.rand(H),
+        torch.randn(2, G, N).to(dt),
+        torch.randn(2, G, N).to(dt),
+        slots,
+        slots + 1,
+        D=f,
+        dt_bias=f,
+    )
 
 
 def _conv1d(dt: torch.dtype) -> None:
     from hyserve.kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
 
     w, b = torch.randn(CONV_DIM, K).to(dt), torch.randn(CONV_DIM).to(dt)
-    causal_conv1d_varlen_triton(torch.randn(5, CONV_DIM).to(dt), w, b, [0, 5],
-                                initial_states=torch.zeros(1, CONV_DIM, K - 1).to(dt))
+    causal_conv1d_varlen_triton(
+        torch.randn(5, CONV_DIM).to(dt), w, b, [0, 5], initial_states=torch.zeros(1, CONV_DIM, K - 1).to(dt)
+    )
     pool = torch.zeros(10, CONV_DIM, K - 1).to(dt)
     for batch in (1, 8):  # the launcher's two tile widths
         slots = torch.arange(batch, dtype=torch.int32)
@@ -162,7 +184,9 @@ def _moe(dt: torch.dtype) -> None:
     for T in (1, 2, 64):
         x = torch.randn(T, d).to(dt)
         tm.moe_route_triton(tm.router_logits_triton(x, gate), torch.zeros(E), top_k, 1, 1, True, 2.5)
-        ids = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)]).to(torch.int32)  # compile-only: unrun
+        ids = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)]).to(
+            torch.int32
+        )  # compile-only: unrun
         cfg = tuned.get(str(tm.token_bucket(T))) or tm.heuristic_config(E, inter, d, T, top_k)
         tm.moe_experts_triton(x, w_up, w_down, torch.rand(T, top_k), ids, su, sd, config=cfg)
         if cfg["variant"] == "gemv" and T == 1:  # both forms of the decode GEMVs (EARLY: see triton_moe.py)
@@ -196,7 +220,10 @@ def _fp8(dt: torch.dtype) -> None:
         q, s = quantize_weight_ref(w, scheme)
         for m in (1, 16, 64, 65):
             fp8_linear_triton(torch.randn(m, k).to(act), q, s, None)
-        for m in (1, 65):  # the MLP's down_proj: relu^2 in the decode tiles and in the activation quantisation
+        for m in (
+            1,
+            65,
+        ):  # the MLP's down_proj: relu^2 in the decode tiles and in the activation quantisation
             fp8_linear_triton(torch.randn(m, k).to(act), q, s, None, relu2=True)
 
 
@@ -208,22 +235,45 @@ def _moe_fp8(dt: torch.dtype) -> None:
 
     act = dt if dt in (torch.bfloat16, torch.float16) else torch.bfloat16
     E, k, d, inter = 128, 6, 2688, 1856
-    up, down = torch.zeros(E, inter, d, dtype=torch.float8_e4m3fn), torch.zeros(E, d, inter, dtype=torch.float8_e4m3fn)
+    up, down = (
+        torch.zeros(E, inter, d, dtype=torch.float8_e4m3fn),
+        torch.zeros(E, d, inter, dtype=torch.float8_e4m3fn),
+    )
     su, sd = torch.ones(E, inter), torch.ones(E, d)
     for T in (1, 64, 8192):
         ids = (torch.arange(T * k, dtype=torch.int32) % E).view(T, k)
         cfg = heuristic_config(E, inter, d, T, k)
         forms = [cfg]
-        if cfg["variant"] == "gemv":  # and the EARLY form of the decode GEMVs, and the down GEMV split by slot
+        if (
+            cfg["variant"] == "gemv"
+        ):  # and the EARLY form of the decode GEMVs, and the down GEMV split by slot
             forms.append(dict(cfg, up=dict(cfg["up"], EARLY=1), down=dict(cfg["down"], FLAT=1, EARLY=1)))
             forms.append(dict(cfg, down=dict(BLOCK_N=4, BLOCK_K=128, num_warps=2, num_stages=8, SPLIT=1)))
         for c in forms:
-            moe_experts_triton(torch.randn(T, d).to(act), up, down, torch.rand(T, k), ids, up_scale=su,
-                               down_scale=sd, config=c)
+            moe_experts_triton(
+                torch.randn(T, d).to(act),
+                up,
+                down,
+                torch.rand(T, k),
+                ids,
+                up_scale=su,
+                down_scale=sd,
+                config=c,
+            )
 
 
-OPS = {"attention": _attention, "attention_fp8": _attention_fp8, "ssd": _ssd, "ssm_update": _ssm_update, "conv1d": _conv1d, "norm": _norm,
-       "moe": _moe, "sampling": _sampling, "fp8": _fp8, "moe_fp8": _moe_fp8}
+OPS = {
+    "attention": _attention,
+    "attention_fp8": _attention_fp8,
+    "ssd": _ssd,
+    "ssm_update": _ssm_update,
+    "conv1d": _conv1d,
+    "norm": _norm,
+    "moe": _moe,
+    "sampling": _sampling,
+    "fp8": _fp8,
+    "moe_fp8": _moe_fp8,
+}
 
 
 def main(argv: list[str]) -> None:

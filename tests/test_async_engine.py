@@ -13,10 +13,12 @@ def test_one_wakeup_per_event_loop_per_step() -> None:
     eng = AsyncEngine(EngineConfig(warmup="off"), log=lambda s: None)
     eng.start()
     try:
+
         async def collect(rid: str) -> list[int]:
             toks: list[int] = []
-            async for d in eng.generate(rid, [1, 5, 9, 13], SamplingParams(max_tokens=6, temperature=0,
-                                                                            ignore_eos=True)):
+            async for d in eng.generate(
+                rid, [1, 5, 9, 13], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+            ):
                 toks += d.token_ids
             return toks
 

@@ -84,28 +84,36 @@ def test_async_equals_sync(sync_outputs) -> None:
 def test_async_equals_sync_on_graph_buffers(monkeypatch) -> None:
     # both on the CPU: seeded sampling draws from a device's own generator, so a CUDA reference differs
     sync_outputs = _outs(make_llm(device="cpu", async_scheduling=False))
-    monkeypatch.setattr(assembly, "graph_batch_sizes", lambda config, lm, log: [1, 2, 4, 8])  # decode graphs' buffers, eager
+    monkeypatch.setattr(
+        assembly, "graph_batch_sizes", lambda config, lm, log: [1, 2, 4, 8]
+    )  # decode graphs' buffers, eager
     llm = make_llm(device="cpu", async_scheduling=True)
     used: list[int] = []
     g = llm.engine.runner.graphs
     assert g is not None
     orig = g.execute
-    g.execute = lambda seqs, feed=None: (used.append(len(seqs)) if feed is not None else None) or orig(seqs, feed)  # type: ignore[method-assign]
+    g.execute = lambda seqs, feed=None: (
+        (used.append(len(seqs)) if feed is not None else None) or orig(seqs, feed)
+    )  # type: ignore[method-assign]
     assert _outs(llm) == sync_outputs
     assert used, "no graph step was fed from the device"
 
 
 def test_logprobs_rows_are_deferred_with_their_table() -> None:
-    p = [SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True),
-         SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
-         SamplingParams(max_tokens=9, temperature=0.8, seed=1, logprobs=0, ignore_eos=True)] * 3
+    p = [
+        SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0.8, seed=1, logprobs=0, ignore_eos=True),
+    ] * 3
     p = p[: len(prompts())]
 
     def run(async_on: bool):
         llm = make_llm(async_scheduling=async_on)
         fed = _spy_feeds(llm)
         outs = llm.generate(prompts(), p)
-        return [(o.token_ids, [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs or []]) for o in outs], fed
+        return [
+            (o.token_ids, [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs or []]) for o in outs
+        ], fed
 
     sync, _ = run(False)
     overlapped, fed = run(True)
@@ -117,12 +125,24 @@ def test_logprobs_rows_are_deferred_with_their_table() -> None:
 def test_penalty_rows_are_deferred_with_the_in_flight_token_counted() -> None:
     # the tiny random model never repeats a token by itself: a bias makes token 7 repeat until its
     # frequency penalty (which must count the in-flight copy) outweighs the bias
-    ps = [SamplingParams(max_tokens=14, temperature=0.0, frequency_penalty=1.0, logit_bias={7: 6.0}, ignore_eos=True),
-          SamplingParams(max_tokens=14, temperature=0.0, frequency_penalty=0.7, logit_bias={7: 4.0}, ignore_eos=True),
-          SamplingParams(max_tokens=14, temperature=0.0, repetition_penalty=3.0, ignore_eos=True),
-          SamplingParams(max_tokens=14, temperature=0.0, presence_penalty=1.5, ignore_eos=True),
-          SamplingParams(max_tokens=14, temperature=0.7, seed=2, frequency_penalty=1.3, ignore_eos=True,
-                         logit_bias={7: 8.0})]
+    ps = [
+        SamplingParams(
+            max_tokens=14, temperature=0.0, frequency_penalty=1.0, logit_bias={7: 6.0}, ignore_eos=True
+        ),
+        SamplingParams(
+            max_tokens=14, temperature=0.0, frequency_penalty=0.7, logit_bias={7: 4.0}, ignore_eos=True
+        ),
+        SamplingParams(max_tokens=14, temperature=0.0, repetition_penalty=3.0, ignore_eos=True),
+        SamplingParams(max_tokens=14, temperature=0.0, presence_penalty=1.5, ignore_eos=True),
+        SamplingParams(
+            max_tokens=14,
+            temperature=0.7,
+            seed=2,
+            frequency_penalty=1.3,
+            ignore_eos=True,
+            logit_bias={7: 8.0},
+        ),
+    ]
     ps = (ps * 2)[: len(prompts())]
     llm = make_llm()
     fed = _spy_feeds(llm)
@@ -216,11 +236,18 @@ def test_stop_token_in_flight_drops_the_extra_row() -> None:
 def test_full_kv_pool_falls_back_to_the_scheduler() -> None:
     # the pool of test_engine_invariance's preemption case: decode must preempt, which only the
     # scheduler does; the overlapped path steps aside
-    kv = {"tokens_per_block": 8, "enable_block_reuse": False, "max_tokens": 112, "max_gpu_total_bytes": 64 * 2**20}
+    kv = {
+        "tokens_per_block": 8,
+        "enable_block_reuse": False,
+        "max_tokens": 112,
+        "max_gpu_total_bytes": 64 * 2**20,
+    }
     kv["mamba_state_config"] = {"periodic_snapshot_interval": None}
     p = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    sync = [o.token_ids for o in make_llm(kv_cache_config=kv, max_seq_len=112, async_scheduling=False
-                                          ).generate(prompts(), p)]
+    sync = [
+        o.token_ids
+        for o in make_llm(kv_cache_config=kv, max_seq_len=112, async_scheduling=False).generate(prompts(), p)
+    ]
     llm = make_llm(kv_cache_config=kv, max_seq_len=112)
     assert [o.token_ids for o in llm.generate(prompts(), p)] == sync
     assert llm.stats()["num_preemptions"] > 0
@@ -233,8 +260,10 @@ def test_async_scheduling_option() -> None:
         build_engine_config({"async_scheduling": "sometimes"})
 
 
-@pytest.mark.parametrize("seed,small_pool,reuse", [(0, False, False), (1, False, False), (10, True, False),
-                                                   (13, True, False), (3, False, True)])
+@pytest.mark.parametrize(
+    "seed,small_pool,reuse",
+    [(0, False, False), (1, False, False), (10, True, False), (13, True, False), (3, False, True)],
+)
 def test_random_traffic_matches_requests_run_alone(seed: int, small_pool: bool, reuse: bool) -> None:
     """Arrivals between steps, aborts, early stops, (small pool) preemptions and (reuse) prefix-cache
     publishing and snapshots around in-flight steps: every request that was not aborted gets the tokens
@@ -242,8 +271,12 @@ def test_random_traffic_matches_requests_run_alone(seed: int, small_pool: bool, 
     import random
 
     rng = random.Random(seed)
-    kv = {"tokens_per_block": 8, "enable_block_reuse": reuse, "max_gpu_total_bytes": 64 * 2**20,
-          "mamba_state_config": {"periodic_snapshot_interval": 16 if reuse else None}}
+    kv = {
+        "tokens_per_block": 8,
+        "enable_block_reuse": reuse,
+        "max_gpu_total_bytes": 64 * 2**20,
+        "mamba_state_config": {"periodic_snapshot_interval": 16 if reuse else None},
+    }
     extra = {}
     if small_pool:
         kv["max_tokens"] = 112
@@ -263,11 +296,16 @@ def test_random_traffic_matches_requests_run_alone(seed: int, small_pool: bool, 
             if kind < 0.5:
                 p = SamplingParams(max_tokens=rng.randint(1, 20), temperature=0.0, ignore_eos=True)
             elif kind < 0.8:
-                p = SamplingParams(max_tokens=rng.randint(1, 20), temperature=0.8, seed=rng.randint(0, 99),
-                                   ignore_eos=True)
+                p = SamplingParams(
+                    max_tokens=rng.randint(1, 20), temperature=0.8, seed=rng.randint(0, 99), ignore_eos=True
+                )
             else:
-                p = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
-                                   stop_token_ids=[rng.randrange(3, 300) for _ in range(8)])
+                p = SamplingParams(
+                    max_tokens=20,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    stop_token_ids=[rng.randrange(3, 300) for _ in range(8)],
+                )
             rid = f"r{n}"
             n += 1
             jobs[rid] = (prompt, p)
@@ -316,7 +354,8 @@ def test_reused_id_does_not_get_the_dropped_row() -> None:
         ds = eng.step()
         if any(d.request_id == "x" and d.finished for d in ds):
             finished_with_row_in_flight = eng._inflight is not None and any(
-                s.request_id == "x" for s in eng._inflight.batch.seqs)
+                s.request_id == "x" for s in eng._inflight.batch.seqs
+            )
             break
     assert finished_with_row_in_flight, "the stop did not land on an in-flight token"
     eng.add_request("x", prompts()[0], greedy)  # the id is free again
@@ -334,8 +373,9 @@ def test_stop_string_completing_on_the_in_flight_token() -> None:
     stop = text[6:10]
     p = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
     outs = [make_llm(async_scheduling=a).generate([prompts()[3]], p)[0] for a in (False, True)]
-    assert [(o.text, o.token_ids, o.finish_reason) for o in outs[1:]] == \
-        [(outs[0].text, outs[0].token_ids, outs[0].finish_reason)]
+    assert [(o.text, o.token_ids, o.finish_reason) for o in outs[1:]] == [
+        (outs[0].text, outs[0].token_ids, outs[0].finish_reason)
+    ]
     assert outs[1].finish_reason == "stop" and stop not in outs[1].text
 
 
@@ -365,11 +405,15 @@ def test_mixed_steps_overlap_with_chunked_prompts_and_prompt_logprobs() -> None:
 
     rng = random.Random(7)
     long_prompt = [1] + [rng.randrange(3, 300) for _ in range(700)]  # 3 chunks of max_num_tokens 256
-    reqs = [(prompts()[0], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)),
-            (long_prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)),
-            (prompts()[4], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=2,
-                                          logprobs=1)),
-            (long_prompt[:400], SamplingParams(max_tokens=5, temperature=0.8, seed=4, ignore_eos=True))]
+    reqs = [
+        (prompts()[0], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)),
+        (long_prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)),
+        (
+            prompts()[4],
+            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=2, logprobs=1),
+        ),
+        (long_prompt[:400], SamplingParams(max_tokens=5, temperature=0.8, seed=4, ignore_eos=True)),
+    ]
 
     def run(async_on: bool):
         eng = _engine(async_scheduling=async_on)
@@ -418,10 +462,13 @@ def test_mixed_overlapped_outputs_carry_prompt_logprobs() -> None:
                 if d.request_id == "lp":
                     finals.setdefault("tokens", []).extend(d.token_ids)
                     if d.prompt_logprobs is not None:
-                        finals["prompt"] = [(lp.token_id, round(lp.logprob, 5)) if lp else None
-                                            for lp in d.prompt_logprobs]
+                        finals["prompt"] = [
+                            (lp.token_id, round(lp.logprob, 5)) if lp else None for lp in d.prompt_logprobs
+                        ]
                     if d.logprobs:
-                        finals.setdefault("lps", []).extend((lp.token_id, round(lp.logprob, 5)) for lp in d.logprobs)
+                        finals.setdefault("lps", []).extend(
+                            (lp.token_id, round(lp.logprob, 5)) for lp in d.logprobs
+                        )
             if not eng.has_unfinished():
                 break
         return finals, seen
@@ -443,10 +490,19 @@ def test_dropped_overlapped_plan_pins_no_snapshot(seed: int) -> None:
 
     rng = random.Random(seed)
     budget, pool, interval = rng.randint(17, 70), rng.choice([96, 128, 160, 200]), rng.choice([8, 16, 32])
-    kv = {"tokens_per_block": 8, "enable_block_reuse": True, "max_gpu_total_bytes": 64 * 2**20, "max_tokens": pool,
-          "mamba_state_config": {"periodic_snapshot_interval": interval,
-                                 "additional_snapshot_offsets_from_end": rng.choice([[0], [0, 5], []])}}
-    opts = dict(max_num_tokens=budget, max_seq_len=pool, max_batch_size=rng.choice([3, 4, 8]), kv_cache_config=kv)
+    kv = {
+        "tokens_per_block": 8,
+        "enable_block_reuse": True,
+        "max_gpu_total_bytes": 64 * 2**20,
+        "max_tokens": pool,
+        "mamba_state_config": {
+            "periodic_snapshot_interval": interval,
+            "additional_snapshot_offsets_from_end": rng.choice([[0], [0, 5], []]),
+        },
+    }
+    opts = dict(
+        max_num_tokens=budget, max_seq_len=pool, max_batch_size=rng.choice([3, 4, 8]), kv_cache_config=kv
+    )
     jobs = []
     for _ in range(rng.randint(3, 6)):
         n = rng.randint(5, pool - 30)
@@ -464,7 +520,9 @@ def test_dropped_overlapped_plan_pins_no_snapshot(seed: int) -> None:
             break
     assert not eng.has_unfinished()
     # every prompt again, alone: prefix-cache hits must give the tokens of an engine without reuse
-    cold = make_llm(async_scheduling=False, **{**opts, "kv_cache_config": {**kv, "enable_block_reuse": False}})
+    cold = make_llm(
+        async_scheduling=False, **{**opts, "kv_cache_config": {**kv, "enable_block_reuse": False}}
+    )
     g = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     for _, prompt, _ in jobs:
         assert llm.generate([prompt], g)[0].token_ids == cold.generate([prompt], g)[0].token_ids
@@ -475,8 +533,12 @@ def test_dropped_overlapped_plan_pins_no_snapshot(seed: int) -> None:
 def test_sampling_failure_in_a_mixed_overlapped_step_fails_only_its_requests() -> None:
     """The step was taken in by the scheduler (its snapshot pins released) before sampling failed: the
     batch's requests end with an error, the engine keeps serving, and nothing stays pinned."""
-    kv = {"tokens_per_block": 8, "enable_block_reuse": True, "max_gpu_total_bytes": 64 * 2**20,
-          "mamba_state_config": {"periodic_snapshot_interval": 16, "additional_snapshot_offsets_from_end": [0]}}
+    kv = {
+        "tokens_per_block": 8,
+        "enable_block_reuse": True,
+        "max_gpu_total_bytes": 64 * 2**20,
+        "mamba_state_config": {"periodic_snapshot_interval": 16, "additional_snapshot_offsets_from_end": [0]},
+    }
     eng = _engine(kv_cache_config=kv)
     g = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     eng.add_request("a", prompts()[0], g)
@@ -503,7 +565,11 @@ def test_sampling_failure_in_a_mixed_overlapped_step_fails_only_its_requests() -
     assert out["c"] == make_llm(async_scheduling=False).generate([prompts()[2]], g)[0].token_ids
     eng.reset_prefix_cache()
     u = eng.cache_usage()
-    assert u["snapshot_slots_used"] == 0 and u["live_slots_used"] == 0 and u["kv_blocks_free"] == u["kv_blocks_total"]
+    assert (
+        u["snapshot_slots_used"] == 0
+        and u["live_slots_used"] == 0
+        and u["kv_blocks_free"] == u["kv_blocks_total"]
+    )
 
 
 @pytest.mark.parametrize("async_on", [False, True])

@@ -63,11 +63,25 @@ def test_summarize_has_mean_median_population_std_and_requested_percentiles() ->
 
 def _synthetic_results() -> list[RequestResult]:
     # request 1: 4 chunks (ttft 100 ms, gaps 20/30/50 ms), ends at 200 ms, usage says 4 tokens
-    r1 = RequestResult(ok=True, prompt_len=10, max_tokens=4, ttft_s=0.1, itl_s=[0.02, 0.03, 0.05], e2el_s=0.2,
-                       output_tokens=4, output_tokens_from_usage=True, usage_prompt_tokens=10, cached_tokens=0)
+    r1 = RequestResult(
+        ok=True,
+        prompt_len=10,
+        max_tokens=4,
+        ttft_s=0.1,
+        itl_s=[0.02, 0.03, 0.05],
+        e2el_s=0.2,
+        output_tokens=4,
+        output_tokens_from_usage=True,
+        usage_prompt_tokens=10,
+        cached_tokens=0,
+    )
     # request 2: no usage, 2 chunks counted (ttft 300 ms, one 100 ms gap), ends at 500 ms
-    r2 = RequestResult(ok=True, prompt_len=20, max_tokens=2, ttft_s=0.3, itl_s=[0.1], e2el_s=0.5, output_tokens=2)
-    r3 = RequestResult(ok=False, prompt_len=99, max_tokens=4, e2el_s=0.01, status=400, error="HTTP 400: too long")
+    r2 = RequestResult(
+        ok=True, prompt_len=20, max_tokens=2, ttft_s=0.3, itl_s=[0.1], e2el_s=0.5, output_tokens=2
+    )
+    r3 = RequestResult(
+        ok=False, prompt_len=99, max_tokens=4, e2el_s=0.01, status=400, error="HTTP 400: too long"
+    )
     return [r1, r2, r3]
 
 
@@ -116,11 +130,19 @@ def test_metrics_of_a_run_where_everything_failed() -> None:
 
 
 def test_run_to_run_spread_and_run2_over_run1() -> None:
-    reps = [{"output_throughput": 100.0, "mean_ttft_ms": 10.0, "p99_tpot_ms": None},
-            {"output_throughput": 125.0, "mean_ttft_ms": 30.0, "p99_tpot_ms": 5.0}]
+    reps = [
+        {"output_throughput": 100.0, "mean_ttft_ms": 10.0, "p99_tpot_ms": None},
+        {"output_throughput": 125.0, "mean_ttft_ms": 30.0, "p99_tpot_ms": 5.0},
+    ]
     s = run_to_run_spread(reps)
-    assert s["output_throughput"] == {"values": [100.0, 125.0], "mean": 112.5, "min": 100.0, "max": 125.0,
-                                      "std": 12.5, "spread_pct": pytest.approx(25 / 112.5 * 100)}
+    assert s["output_throughput"] == {
+        "values": [100.0, 125.0],
+        "mean": 112.5,
+        "min": 100.0,
+        "max": 125.0,
+        "std": 12.5,
+        "spread_pct": pytest.approx(25 / 112.5 * 100),
+    }
     assert s["mean_ttft_ms"]["spread_pct"] == pytest.approx(100.0)
     assert "p99_tpot_ms" not in s  # missing in one run
     assert "duration_s" not in s  # missing everywhere
@@ -132,15 +154,20 @@ def test_run_to_run_spread_and_run2_over_run1() -> None:
 
 
 def test_random_dataset_lengths_range_and_determinism() -> None:
-    a = random_dataset(num_prompts=20, input_len=50, output_len=7, prefix_len=16, vocab_size=300, low=3, seed=1)
+    a = random_dataset(
+        num_prompts=20, input_len=50, output_len=7, prefix_len=16, vocab_size=300, low=3, seed=1
+    )
     assert len(a) == 20
     assert all(r.prompt_len == len(r.prompt) == 66 and r.output_len == 7 for r in a)
     assert all(3 <= t < 300 for r in a for t in r.prompt)
     assert len({tuple(r.prompt[:16]) for r in a}) == 1  # the common prefix
     assert len({tuple(r.prompt[16:]) for r in a}) == 20
-    assert a == random_dataset(num_prompts=20, input_len=50, output_len=7, prefix_len=16, vocab_size=300, low=3,
-                               seed=1)
-    b = random_dataset(num_prompts=20, input_len=50, output_len=7, prefix_len=16, vocab_size=300, low=3, seed=2)
+    assert a == random_dataset(
+        num_prompts=20, input_len=50, output_len=7, prefix_len=16, vocab_size=300, low=3, seed=1
+    )
+    b = random_dataset(
+        num_prompts=20, input_len=50, output_len=7, prefix_len=16, vocab_size=300, low=3, seed=2
+    )
     assert [r.prompt for r in a] != [r.prompt for r in b]
 
     c = random_dataset(num_prompts=400, input_len=100, output_len=10, range_ratio=0.5, vocab_size=300, seed=0)
@@ -154,8 +181,16 @@ def test_random_dataset_lengths_range_and_determinism() -> None:
 
 
 def test_shared_prefix_dataset_really_shares_prefixes() -> None:
-    reqs = shared_prefix_dataset(num_prompts=10, num_prefixes=3, prefix_len=32, input_len=8, output_len=4,
-                                 vocab_size=1000, low=3, seed=5)
+    reqs = shared_prefix_dataset(
+        num_prompts=10,
+        num_prefixes=3,
+        prefix_len=32,
+        input_len=8,
+        output_len=4,
+        vocab_size=1000,
+        low=3,
+        seed=5,
+    )
     groups: dict[int, list[list[int]]] = {}
     for r in reqs:
         assert r.prefix_index is not None and r.prompt_len == 40 and isinstance(r.prompt, list)
@@ -165,8 +200,16 @@ def test_shared_prefix_dataset_really_shares_prefixes() -> None:
     assert all(len(s) == 1 for s in prefixes.values())  # shared within a group
     assert len({next(iter(s)) for s in prefixes.values()}) == 3  # distinct across groups
     assert len({tuple(r.prompt[32:]) for r in reqs}) == 10  # own suffixes
-    assert reqs == shared_prefix_dataset(num_prompts=10, num_prefixes=3, prefix_len=32, input_len=8,
-                                         output_len=4, vocab_size=1000, low=3, seed=5)
+    assert reqs == shared_prefix_dataset(
+        num_prompts=10,
+        num_prefixes=3,
+        prefix_len=32,
+        input_len=8,
+        output_len=4,
+        vocab_size=1000,
+        low=3,
+        seed=5,
+    )
 
     text = as_text(reqs)
     assert all(isinstance(r.prompt, str) and len(r.prompt.split()) == r.prompt_len for r in text)
@@ -207,16 +250,29 @@ def _ticks() -> Iterator[float]:
 async def _send(body: bytes, kind: str, status: int = 200) -> RequestResult:
     clock = _ticks()
     async with _client(body, status) as c:
-        payload = build_payload(kind, "m", [1, 2, 3] if kind == COMPLETIONS else "hi", 3, ignore_eos=True,
-                                temperature=0.0)
-        return await send_streaming(c, "http://x/v1/completions", payload, kind=kind, prompt_len=3,
-                                    clock=lambda: next(clock))
+        payload = build_payload(
+            kind, "m", [1, 2, 3] if kind == COMPLETIONS else "hi", 3, ignore_eos=True, temperature=0.0
+        )
+        return await send_streaming(
+            c, "http://x/v1/completions", payload, kind=kind, prompt_len=3, clock=lambda: next(clock)
+        )
 
 
 def test_client_times_chunks_and_reads_usage() -> None:
-    body = _sse({"choices": [{"text": "a"}]}, {"choices": [{"text": ""}]}, {"choices": [{"text": "b"}]},
-                {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3,
-                                          "prompt_tokens_details": {"cached_tokens": 2}}}, "[DONE]")
+    body = _sse(
+        {"choices": [{"text": "a"}]},
+        {"choices": [{"text": ""}]},
+        {"choices": [{"text": "b"}]},
+        {
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 3,
+                "completion_tokens": 3,
+                "prompt_tokens_details": {"cached_tokens": 2},
+            },
+        },
+        "[DONE]",
+    )
     r = asyncio.run(_send(body, COMPLETIONS))
     # clock: 0 send, 1 "a", 2 "" (a token that detokenizes to nothing yet: still a step), 3 "b", 4 usage, 5 end
     assert r.ok and r.status == 200
@@ -229,34 +285,60 @@ def test_client_times_chunks_and_reads_usage() -> None:
 def test_client_times_token_chunks_without_text() -> None:
     """A server without a tokenizer streams token-id completions as chunks with empty text: each chunk is
     still a step (TTFT at the first, one ITL per later one); a bare finish chunk is not a token."""
-    body = _sse({"choices": [{"text": ""}]}, {"choices": [{"text": ""}]}, {"choices": [{"text": ""}]},
-                {"choices": [{"text": "", "finish_reason": "length"}]},
-                {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}}, "[DONE]")
+    body = _sse(
+        {"choices": [{"text": ""}]},
+        {"choices": [{"text": ""}]},
+        {"choices": [{"text": ""}]},
+        {"choices": [{"text": "", "finish_reason": "length"}]},
+        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}},
+        "[DONE]",
+    )
     r = asyncio.run(_send(body, COMPLETIONS))
     assert r.ok and r.ttft_s == 1.0 and r.itl_s == [1.0, 1.0] and r.output_tokens == 3
 
 
 def test_client_counts_chunks_without_usage_chat() -> None:
-    body = _sse({"choices": [{"delta": {"role": "assistant", "content": ""}}]},
-                {"choices": [{"delta": {"content": "Hi"}}]}, {"choices": [{"delta": {"reasoning_content": "x"}}]},
-                {"choices": [{"delta": {}, "finish_reason": "length"}]}, "[DONE]")
+    body = _sse(
+        {"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"delta": {"content": "Hi"}}]},
+        {"choices": [{"delta": {"reasoning_content": "x"}}]},
+        {"choices": [{"delta": {}, "finish_reason": "length"}]},
+        "[DONE]",
+    )
     r = asyncio.run(_send(body, CHAT))
     assert r.ok and r.ttft_s == 2.0 and r.itl_s == [1.0]
     assert (r.output_tokens, r.output_tokens_from_usage, r.usage_prompt_tokens) == (2, False, None)
 
 
 def test_client_failures() -> None:
-    r = asyncio.run(_send(_sse({"choices": [{"text": "a"}]}, {"error": {"message": "boom", "code": 500}}, "[DONE]"),
-                          COMPLETIONS))
+    r = asyncio.run(
+        _send(
+            _sse({"choices": [{"text": "a"}]}, {"error": {"message": "boom", "code": 500}}, "[DONE]"),
+            COMPLETIONS,
+        )
+    )
     assert not r.ok and r.error == "stream error: boom"
-    r = asyncio.run(_send(json.dumps({"error": {"message": "prompt is too long", "type": "x"}}).encode(),
-                          COMPLETIONS, status=400))
+    r = asyncio.run(
+        _send(
+            json.dumps({"error": {"message": "prompt is too long", "type": "x"}}).encode(),
+            COMPLETIONS,
+            status=400,
+        )
+    )
     assert not r.ok and r.status == 400 and r.error == "HTTP 400: prompt is too long"
     r = asyncio.run(_send(_sse("[DONE]"), COMPLETIONS))
     assert not r.ok and "without any output" in (r.error or "")
     # finished with nothing visible (bytes held back by the detokenizer): served, TTFT at the finish chunk
-    r = asyncio.run(_send(_sse({"choices": [{"text": "", "finish_reason": "length"}]},
-                               {"choices": [], "usage": {"completion_tokens": 3}}, "[DONE]"), COMPLETIONS))
+    r = asyncio.run(
+        _send(
+            _sse(
+                {"choices": [{"text": "", "finish_reason": "length"}]},
+                {"choices": [], "usage": {"completion_tokens": 3}},
+                "[DONE]",
+            ),
+            COMPLETIONS,
+        )
+    )
     assert r.ok and r.ttft_s == 1.0 and r.output_tokens == 3
 
 
@@ -265,8 +347,16 @@ def test_urls_and_payloads() -> None:
     assert join_url("http://h:1", "/v1/chat/completions") == "http://h:1/v1/chat/completions"
     assert server_root("http://h:1/v1") == "http://h:1"
     p = build_payload(COMPLETIONS, "m", [5, 6], 8, ignore_eos=True, temperature=0.0, extra_body={"top_k": 1})
-    assert p == {"model": "m", "max_tokens": 8, "temperature": 0.0, "prompt": [5, 6], "stream": True,
-                 "stream_options": {"include_usage": True}, "ignore_eos": True, "top_k": 1}
+    assert p == {
+        "model": "m",
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "prompt": [5, 6],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "top_k": 1,
+    }
     q = build_payload(CHAT, "m", "hi", 2, ignore_eos=False, temperature=0.5)
     assert q["messages"] == [{"role": "user", "content": "hi"}] and "ignore_eos" not in q
 
@@ -276,7 +366,13 @@ def test_urls_and_payloads() -> None:
 
 def test_needle_sizes_and_prompt() -> None:
     assert [parse_size(s) for s in ("1k", "8K", "1.5k", "1M", "4096", "256_000")] == [
-        1000, 8000, 1500, 1_000_000, 4096, 256_000]
+        1000,
+        8000,
+        1500,
+        1_000_000,
+        4096,
+        256_000,
+    ]
     for bad in ("abc", "0", "-1k", ""):
         with pytest.raises(ValueError):
             parse_size(bad)
@@ -293,18 +389,27 @@ def test_needle_depths_and_hit_miss_grid() -> None:
     assert needle_depths(NeedleOptions(base_url="u", depths=(0.0, 1.0))) == (0.0, 1.0)
     with pytest.raises(ValueError, match=r"fractions in \[0, 1\], got \[-0.5\]"):
         needle_depths(NeedleOptions(base_url="u", depths=(0.5, -0.5)))
-    rows = [{"target_tokens": t, "depth": d, "status": st, "needle_found": f}
-            for t, d, st, f in [(1000, 0.0, 200, True), (1000, 1.0, 200, False), (8000, 0.0, 400, False),
-                                (8000, 1.0, None, False)]]
+    rows = [
+        {"target_tokens": t, "depth": d, "status": st, "needle_found": f}
+        for t, d, st, f in [
+            (1000, 0.0, 200, True),
+            (1000, 1.0, 200, False),
+            (8000, 0.0, 400, False),
+            (8000, 1.0, None, False),
+        ]
+    ]
     assert [hit_or_miss(r) for r in rows] == ["HIT", "MISS", "HTTP 400", "no answer"]
     for r in rows:
         r["outcome"] = hit_or_miss(r)
     grid = report.needle_grid_text(rows)
     assert "(1 of 4 HIT)" in grid and "depth 0" in grid and "depth 1" in grid
     assert [ln.split()[:3] for ln in grid.splitlines() if ln.startswith(("1,000", "8,000"))] == [
-        ["1,000", "HIT", "MISS"], ["8,000", "HTTP", "400"]]
-    labels = [r["name"] for r in report.needle_records(
-        [dict(r, prompt_tokens=None, latency_s=0.1) for r in rows])]
+        ["1,000", "HIT", "MISS"],
+        ["8,000", "HTTP", "400"],
+    ]
+    labels = [
+        r["name"] for r in report.needle_records([dict(r, prompt_tokens=None, latency_s=0.1) for r in rows])
+    ]
     assert "needle 1,000 tokens at depth 1: needle found" in labels
 
 
@@ -316,18 +421,31 @@ def test_records_table_and_json(tmp_path: Path) -> None:
     m2 = dict(m1, output_throughput=12.0)
     for i, m in enumerate((m1, m2)):
         m["rep"] = i + 1
-    point = {"max_concurrency": 4, "reps": [m1, m2], "spread": run_to_run_spread([m1, m2]),
-             "run2_run1_output_throughput_ratio": rep_ratio([m1, m2])}
+    point = {
+        "max_concurrency": 4,
+        "reps": [m1, m2],
+        "spread": run_to_run_spread([m1, m2]),
+        "run2_run1_output_throughput_ratio": rep_ratio([m1, m2]),
+    }
     recs = report.serve_records([point])
     assert all(set(r) == {"name", "value", "unit", "reference", "reference_value", "ratio"} for r in recs)
     r2 = next(r for r in recs if r["name"] == "concurrency 4, rep 2: output throughput")
-    assert (r2["value"], r2["reference"], r2["reference_value"], r2["ratio"]) == (12.0, "concurrency 4, rep 1",
-                                                                                  6.0, 2.0)
+    assert (r2["value"], r2["reference"], r2["reference_value"], r2["ratio"]) == (
+        12.0,
+        "concurrency 4, rep 1",
+        6.0,
+        2.0,
+    )
     text = report.serve_point_table(point, (50, 99))
     assert "Output token throughput (tok/s)" in text and "run2/run1 output throughput: 2.000" in text
     assert "error (1x): HTTP 400: too long" in text
-    res = {**report.stamp("serve", ["hyserve", "bench", "serve"], "abc123"), "model": "org/My Model",
-           "points": [point], "records": recs, "x": float("nan")}
+    res = {
+        **report.stamp("serve", ["hyserve", "bench", "serve"], "abc123"),
+        "model": "org/My Model",
+        "points": [point],
+        "records": recs,
+        "x": float("nan"),
+    }
     path = report.write_json(report.sanitize(res), tmp_path / "out", None, "serve")
     assert path.name.startswith("serve-My-Model-") and path.suffix == ".json"
     d = json.loads(path.read_text())
@@ -336,8 +454,9 @@ def test_records_table_and_json(tmp_path: Path) -> None:
     assert report.git_sha() != ""
 
 
-def test_plot_without_matplotlib_says_how_to_get_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_plot_without_matplotlib_says_how_to_get_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     f = tmp_path / "r.json"
     f.write_text(json.dumps({"kind": "needle", "model": "m", "results": []}))
     monkeypatch.setattr(plots, "matplotlib_available", lambda: False)
@@ -356,39 +475,56 @@ def test_plots_render_pngs(tmp_path: Path) -> None:
     m = {**compute_metrics(_synthetic_results(), 1.0), "rep": 1, "requests": reqs}
     res = {"kind": "serve", "model": "m", "points": [{"max_concurrency": c, "reps": [m]} for c in (1, 8)]}
     pngs = plots.render(res, tmp_path / "serve")
-    assert sorted(p.name for p in pngs) == ["serve_e2el_cdf.png", "serve_throughput_vs_concurrency.png",
-                                            "serve_ttft_cdf.png"]
+    assert sorted(p.name for p in pngs) == [
+        "serve_e2el_cdf.png",
+        "serve_throughput_vs_concurrency.png",
+        "serve_ttft_cdf.png",
+    ]
     assert all(p.stat().st_size > 1000 for p in pngs)
-    needle = {"kind": "needle", "model": "m", "results": [
-        {"target_tokens": 1000, "prompt_tokens": 999, "status": 200, "latency_s": 0.5},
-        {"target_tokens": 9000, "prompt_tokens": None, "status": 400, "latency_s": 0.01}]}
+    needle = {
+        "kind": "needle",
+        "model": "m",
+        "results": [
+            {"target_tokens": 1000, "prompt_tokens": 999, "status": 200, "latency_s": 0.5},
+            {"target_tokens": 9000, "prompt_tokens": None, "status": 400, "latency_s": 0.01},
+        ],
+    }
     assert [p.name for p in plots.render(needle, tmp_path / "n")] == ["n_latency.png"]
-    offline = {"kind": "offline", "model": "m", "reps": [{"output_throughput": 5.0, "total_token_throughput": 9.0}]}
+    offline = {
+        "kind": "offline",
+        "model": "m",
+        "reps": [{"output_throughput": 5.0, "total_token_throughput": 9.0}],
+    }
     assert [p.name for p in plots.render(offline, tmp_path / "o")] == ["o_throughput.png"]
 
 
 # ---- flags -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["serve", "--request-rate", "0"], "--request-rate"),
-    (["serve", "--num-prompts", "0"], "--num-prompts"),
-    (["serve", "--random-range-ratio", "1"], "--random-range-ratio"),
-    (["serve", "--metric-percentiles", "50,0"], "--metric-percentiles"),
-    (["serve", "--sweep-concurrency", "1,x"], "--sweep-concurrency"),
-    (["serve", "--endpoint", "/v1/embeddings"], "--endpoint"),
-    (["serve", "--dataset-name", "sharegpt"], "--dataset-name"),
-    (["serve", "--extra-body", "[1]"], "--extra-body"),
-    (["serve", "--max-concurrency", "2", "--sweep-concurrency", "1,2"], "not both"),
-    (["serve", "--min-token-id", "400"], "--min-token-id"),
-    (["serve", "--dataset-name", "shared-prefix", "--random-prefix-len", "8"], "--shared-prefix-len"),
-    (["needle", "--sizes", "1k,lots"], "--sizes"),
-    (["needle", "--needle-position", "2"], "--needle-position"),
-    (["needle", "--needle-depths", "0,1.5"], "--needle-depths"),
-    (["needle", "--needle-depths", ","], "--needle-depths"),
-    (["offline", "--output-len", "-1"], "--output-len"),
-])
-def test_bad_flag_values_are_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve", "--request-rate", "0"], "--request-rate"),
+        (["serve", "--num-prompts", "0"], "--num-prompts"),
+        (["serve", "--random-range-ratio", "1"], "--random-range-ratio"),
+        (["serve", "--metric-percentiles", "50,0"], "--metric-percentiles"),
+        (["serve", "--sweep-concurrency", "1,x"], "--sweep-concurrency"),
+        (["serve", "--endpoint", "/v1/embeddings"], "--endpoint"),
+        (["serve", "--dataset-name", "sharegpt"], "--dataset-name"),
+        (["serve", "--extra-body", "[1]"], "--extra-body"),
+        (["serve", "--max-concurrency", "2", "--sweep-concurrency", "1,2"], "not both"),
+        (["serve", "--min-token-id", "400"], "--min-token-id"),
+        (["serve", "--dataset-name", "shared-prefix", "--random-prefix-len", "8"], "--shared-prefix-len"),
+        (["needle", "--sizes", "1k,lots"], "--sizes"),
+        (["needle", "--needle-position", "2"], "--needle-position"),
+        (["needle", "--needle-depths", "0,1.5"], "--needle-depths"),
+        (["needle", "--needle-depths", ","], "--needle-depths"),
+        (["offline", "--output-len", "-1"], "--output-len"),
+    ],
+)
+def test_bad_flag_values_are_usage_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
     assert e.value.code == 2
@@ -419,19 +555,39 @@ def _no_usage_app() -> Any:
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
-    return Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])])
+    return Starlette(
+        routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])]
+    )
 
 
-def test_serve_bench_counts_chunks_when_the_server_reports_no_usage(tmp_path: Path,
-                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_bench_counts_chunks_when_the_server_reports_no_usage(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     pytest.importorskip("starlette")
     pytest.importorskip("uvicorn")
     from server_fixtures import serve_app_in_thread
 
     with serve_app_in_thread(_no_usage_app()) as url:
-        rc = cli.main(["serve", "--base-url", url + "/v1", "--num-prompts", "5", "--random-input-len", "8",
-                       "--random-output-len", "6", "--max-concurrency", "2", "--save-result",
-                       "--result-dir", str(tmp_path), "--result-filename", "r.json"])
+        rc = cli.main(
+            [
+                "serve",
+                "--base-url",
+                url + "/v1",
+                "--num-prompts",
+                "5",
+                "--random-input-len",
+                "8",
+                "--random-output-len",
+                "6",
+                "--max-concurrency",
+                "2",
+                "--save-result",
+                "--result-dir",
+                str(tmp_path),
+                "--result-filename",
+                "r.json",
+            ]
+        )
     out = capsys.readouterr().out
     assert rc == 0, out
     d = json.loads((tmp_path / "r.json").read_text())
@@ -447,15 +603,21 @@ def test_serve_bench_counts_chunks_when_the_server_reports_no_usage(tmp_path: Pa
 def test_parse_counters_reads_hyserve_counters_only() -> None:
     from hyserve.bench.http_client import parse_counters
 
-    text = ("# HELP hyserve_num_preemptions_total Requests preempted\n"
-            "# TYPE hyserve_num_preemptions_total counter\n"
-            "hyserve_num_preemptions_total 3.0\n"
-            "hyserve_prefix_cache_hits_total 128.0\n"
-            "hyserve_jit_compiles_after_ready_total 0.0\n"
-            "hyserve_cuda_alloc_retries_total 2.0\n"
-            "hyserve_kv_cache_usage_ratio 0.5\n"
-            "vllm:num_preemptions_total 9.0\n"
-            "hyserve_generation_tokens_total not-a-number\n")
-    assert parse_counters(text) == {"num_preemptions": 3.0, "prefix_cache_hits": 128.0,
-                                    "jit_compiles_after_ready": 0.0, "cuda_alloc_retries": 2.0}
+    text = (
+        "# HELP hyserve_num_preemptions_total Requests preempted\n"
+        "# TYPE hyserve_num_preemptions_total counter\n"
+        "hyserve_num_preemptions_total 3.0\n"
+        "hyserve_prefix_cache_hits_total 128.0\n"
+        "hyserve_jit_compiles_after_ready_total 0.0\n"
+        "hyserve_cuda_alloc_retries_total 2.0\n"
+        "hyserve_kv_cache_usage_ratio 0.5\n"
+        "vllm:num_preemptions_total 9.0\n"
+        "hyserve_generation_tokens_total not-a-number\n"
+    )
+    assert parse_counters(text) == {
+        "num_preemptions": 3.0,
+        "prefix_cache_hits": 128.0,
+        "jit_compiles_after_ready": 0.0,
+        "cuda_alloc_retries": 2.0,
+    }
     assert parse_counters("") == {}

@@ -31,16 +31,48 @@ def _load(path: Path) -> dict[str, Any]:
     return d
 
 
-def test_bench_serve_sweep_with_reps(server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["serve", "--base-url", server.url, "--num-prompts", "6", "--random-input-len", "24",
-            "--random-output-len", "5", "--ignore-eos", "--reps", "2", "--sweep-concurrency", "1,3",
-            "--metric-percentiles", "50,90", "--save-result", "--result-dir", str(tmp_path),
-            "--result-filename", "serve.json", "--git-sha", "deadbeef"]
+def test_bench_serve_sweep_with_reps(
+    server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "serve",
+        "--base-url",
+        server.url,
+        "--num-prompts",
+        "6",
+        "--random-input-len",
+        "24",
+        "--random-output-len",
+        "5",
+        "--ignore-eos",
+        "--reps",
+        "2",
+        "--sweep-concurrency",
+        "1,3",
+        "--metric-percentiles",
+        "50,90",
+        "--save-result",
+        "--result-dir",
+        str(tmp_path),
+        "--result-filename",
+        "serve.json",
+        "--git-sha",
+        "deadbeef",
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    for row in ("Successful requests", "Output token throughput (tok/s)", "P90 TTFT (ms)", "Mean TPOT (ms)",
-                "P99 ITL (ms)", "Median E2EL (ms)", "per-user output (tok/s)", "Prompt tokens seen (usage)",
-                "run2/run1 output throughput", "throughput vs concurrency"):
+    for row in (
+        "Successful requests",
+        "Output token throughput (tok/s)",
+        "P90 TTFT (ms)",
+        "Mean TPOT (ms)",
+        "P99 ITL (ms)",
+        "Median E2EL (ms)",
+        "per-user output (tok/s)",
+        "Prompt tokens seen (usage)",
+        "run2/run1 output throughput",
+        "throughput vs concurrency",
+    ):
         assert row in out
     d = _load(tmp_path / "serve.json")
     assert d["kind"] == "serve" and d["git_sha"] == "deadbeef" and d["command"] == ["hyserve", "bench", *argv]
@@ -64,12 +96,33 @@ def test_bench_serve_sweep_with_reps(server: ServerProcess, tmp_path: Path, caps
     assert server.idle()
 
 
-def test_bench_serve_chat_shared_prefix_hits_the_prefix_cache(server: ServerProcess,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["serve", "--base-url", server.url + "/v1", "--endpoint", "/v1/chat/completions",
-            "--dataset-name", "shared-prefix", "--shared-prefix-len", "160", "--num-prefixes", "1",
-            "--num-prompts", "3", "--random-input-len", "4", "--random-output-len", "3", "--ignore-eos",
-            "--max-concurrency", "1", "--chat-template-kwargs", '{"enable_thinking": false}']
+def test_bench_serve_chat_shared_prefix_hits_the_prefix_cache(
+    server: ServerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "serve",
+        "--base-url",
+        server.url + "/v1",
+        "--endpoint",
+        "/v1/chat/completions",
+        "--dataset-name",
+        "shared-prefix",
+        "--shared-prefix-len",
+        "160",
+        "--num-prefixes",
+        "1",
+        "--num-prompts",
+        "3",
+        "--random-input-len",
+        "4",
+        "--random-output-len",
+        "3",
+        "--ignore-eos",
+        "--max-concurrency",
+        "1",
+        "--chat-template-kwargs",
+        '{"enable_thinking": false}',
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("Cached prompt tokens (usage)"))
@@ -77,34 +130,83 @@ def test_bench_serve_chat_shared_prefix_hits_the_prefix_cache(server: ServerProc
 
 
 def test_bench_offline_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["offline", "--num-prompts", "4", "--input-len", "16", "--output-len", "4", "--reps", "2",
-            "--max-batch-size", "4", "--max-num-tokens", "256", "--max-seq-len", "512", "--device", "cpu",
-            "--save-result", "--result-dir", str(tmp_path), "--result-filename", "offline.json"]
+    argv = [
+        "offline",
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "16",
+        "--output-len",
+        "4",
+        "--reps",
+        "2",
+        "--max-batch-size",
+        "4",
+        "--max-num-tokens",
+        "256",
+        "--max-seq-len",
+        "512",
+        "--device",
+        "cpu",
+        "--save-result",
+        "--result-dir",
+        str(tmp_path),
+        "--result-filename",
+        "offline.json",
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "Output tok/s" in out and "Requests/s" in out and "run2/run1 output throughput" in out
     d = _load(tmp_path / "offline.json")
     assert d["kind"] == "offline" and d["config"]["resolved_engine_options"] == {
-        "max_batch_size": 4, "max_num_tokens": 256, "max_seq_len": 512}
+        "max_batch_size": 4,
+        "max_num_tokens": 256,
+        "max_seq_len": 512,
+    }
     assert len(d["reps"]) == 2
     for m in d["reps"]:
         assert (m["num_requests"], m["total_input_tokens"], m["total_output_tokens"]) == (4, 64, 16)
         assert m["output_throughput"] > 0 and m["total_token_throughput"] > m["output_throughput"]
-    assert any(r["name"] == "offline rep 2: output throughput" and r["reference"] == "offline rep 1"
-               for r in d["records"])
+    assert any(
+        r["name"] == "offline rep 2: output throughput" and r["reference"] == "offline rep 1"
+        for r in d["records"]
+    )
 
 
 def test_bench_offline_refused_prompt_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["offline", "--num-prompts", "1", "--input-len", "100", "--output-len", "50", "--max-seq-len", "64",
-            "--device", "cpu"]
+    argv = [
+        "offline",
+        "--num-prompts",
+        "1",
+        "--input-len",
+        "100",
+        "--output-len",
+        "50",
+        "--max-seq-len",
+        "64",
+        "--device",
+        "cpu",
+    ]
     assert cli.main(argv) == 1
     err = capsys.readouterr().err
     assert "hyserve bench offline: error: the engine refused a prompt" in err and "64" in err
 
 
-def test_bench_needle_small_sizes(server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["needle", "--port", str(server.port), "--sizes", "200,400,6k", "--save-result",
-            "--result-dir", str(tmp_path), "--result-filename", "needle.json"]
+def test_bench_needle_small_sizes(
+    server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "needle",
+        "--port",
+        str(server.port),
+        "--sizes",
+        "200,400,6k",
+        "--save-result",
+        "--result-dir",
+        str(tmp_path),
+        "--result-filename",
+        "needle.json",
+    ]
     assert cli.main(argv) == 0  # the 400 for the 6k prompt is a served outcome
     out = capsys.readouterr().out
     assert "needle found" in out and "max_seq_len" in out
@@ -124,8 +226,12 @@ def test_bench_needle_small_sizes(server: ServerProcess, tmp_path: Path, capsys:
 def test_unreachable_server_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     for sub in ("serve", "needle"):
-        assert cli.main([sub, "--base-url", url, "--num-prompts", "1"] if sub == "serve"
-                        else [sub, "--base-url", url]) == 1
+        assert (
+            cli.main(
+                [sub, "--base-url", url, "--num-prompts", "1"] if sub == "serve" else [sub, "--base-url", url]
+            )
+            == 1
+        )
         err = capsys.readouterr().err
         assert f"hyserve bench {sub}: error: cannot reach the server at {url}/v1/models" in err
         assert "Traceback" not in err

@@ -18,26 +18,72 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import bench_fairness as bf  # noqa: E402
 from hyserve.bench.metrics import RequestResult  # noqa: E402
 
-SMOKE = ["--model", "", "--long-len", "3000", "--max-seq-len", "4096", "--max-num-tokens", "128",
-         "--max-batch-size", "8", "--streams", "2", "--stream-input-len", "32", "--stream-output-len", "24",
-         "--short-interval-s", "0.2", "--lead-in-s", "0.3", "--min-token-id", "3", "--kv-cache-dtype", "auto",
-         "--git-sha", "smoke"]
+SMOKE = [
+    "--model",
+    "",
+    "--long-len",
+    "3000",
+    "--max-seq-len",
+    "4096",
+    "--max-num-tokens",
+    "128",
+    "--max-batch-size",
+    "8",
+    "--streams",
+    "2",
+    "--stream-input-len",
+    "32",
+    "--stream-output-len",
+    "24",
+    "--short-interval-s",
+    "0.2",
+    "--lead-in-s",
+    "0.3",
+    "--min-token-id",
+    "3",
+    "--kv-cache-dtype",
+    "auto",
+    "--git-sha",
+    "smoke",
+]
 
 
 def test_smoke_run_through_hyserve_serve(tmp_path: Path) -> None:
     # two settings, a budget that lets only the first start: one server, and the cut is recorded
-    argv = [*SMOKE, "--max-step-ms", "100,off", "--time-budget-s", "1", "--result-dir", str(tmp_path),
-            "--result-filename", "f.json"]
-    r = subprocess.run([sys.executable, "benchmarks/bench_fairness.py", *argv], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+    argv = [
+        *SMOKE,
+        "--max-step-ms",
+        "100,off",
+        "--time-budget-s",
+        "1",
+        "--result-dir",
+        str(tmp_path),
+        "--result-filename",
+        "f.json",
+    ]
+    r = subprocess.run(
+        [sys.executable, "benchmarks/bench_fairness.py", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "short TTFT p50 ms" in r.stdout and "not run: max_step_ms off" in r.stdout
     d = json.loads((tmp_path / "f.json").read_text())
     assert {"date", "git_sha", "gpu", "command", "config", "settings", "records"} <= set(d)
-    assert d["git_sha"] == "smoke" and d["gpu"] == "cpu" and d["command"][1:] == ["benchmarks/bench_fairness.py", *argv]
+    assert (
+        d["git_sha"] == "smoke"
+        and d["gpu"] == "cpu"
+        and d["command"][1:] == ["benchmarks/bench_fairness.py", *argv]
+    )
     assert d["not_run"] == ["off"] and d["config"]["step_ms"] == [100.0, None]
     (s,) = d["settings"]
-    assert s["max_step_ms"] == 100.0 and "max_step_ms: 100" in s["yaml"] and "mamba_ssm_philox_rounds: 5" in s["yaml"]
+    assert (
+        s["max_step_ms"] == 100.0
+        and "max_step_ms: 100" in s["yaml"]
+        and "mamba_ssm_philox_rounds: 5" in s["yaml"]
+    )
     assert s["server_exit"] == 0 and any("capacity plan" in ln for ln in s["server_log"])
     assert s["alone"]["ok"] and s["alone"]["prompt_tokens"] == 3000 and s["alone"]["cached_tokens"] == 0
     c = s["contended"]
@@ -59,12 +105,16 @@ def test_smoke_run_through_hyserve_serve(tmp_path: Path) -> None:
     assert c["server_counters"]["prefill_tokens_scheduled"] >= 3000
     assert c["server_counters"]["engine_steps"] > c["server_counters"]["engine_prefill_steps"]
     assert s["checks"]["all_ok"] is True
-    assert {r["name"] for r in d["records"]} >= {"max_step_ms 100: long prompt alone",
-                                                 "max_step_ms 100: short-request TTFT p99"}
+    assert {r["name"] for r in d["records"]} >= {
+        "max_step_ms 100: long prompt alone",
+        "max_step_ms 100: short-request TTFT p99",
+    }
 
 
 def _stream(start: float, ttft: float, gaps: list[float]) -> RequestResult:
-    return RequestResult(ok=True, prompt_len=1, max_tokens=len(gaps) + 1, start_s=start, ttft_s=ttft, itl_s=gaps)
+    return RequestResult(
+        ok=True, prompt_len=1, max_tokens=len(gaps) + 1, start_s=start, ttft_s=ttft, itl_s=gaps
+    )
 
 
 def test_window_gaps_keep_the_gaps_that_end_inside_the_long_prompts_lifetime() -> None:
@@ -77,9 +127,16 @@ def test_window_gaps_keep_the_gaps_that_end_inside_the_long_prompts_lifetime() -
 
 
 def _setting(ms: float | None, alone: float, ttft99: float, itl99: float, ratio: float) -> dict:
-    s = {"max_step_ms": ms, "alone": {"e2el_s": alone}, "ratio": ratio, "contended": {
-        "long": {"ok": True, "e2el_s": alone * ratio}, "shorts": {"sent": 3, "ok": 3, "ttft_s": {"p99": ttft99}},
-        "streams": {"requests": 2, "ok": 2, "itl_ms_during_long": {"p99": itl99}}}}
+    s = {
+        "max_step_ms": ms,
+        "alone": {"e2el_s": alone},
+        "ratio": ratio,
+        "contended": {
+            "long": {"ok": True, "e2el_s": alone * ratio},
+            "shorts": {"sent": 3, "ok": 3, "ttft_s": {"p99": ttft99}},
+            "streams": {"requests": 2, "ok": 2, "itl_ms_during_long": {"p99": itl99}},
+        },
+    }
     s["checks"] = bf.checks(s, bf.FairnessOptions())
     return s
 
@@ -101,9 +158,11 @@ def test_bad_settings_are_refused_with_the_value_and_the_limit(capsys: pytest.Ca
         with pytest.raises(argparse.ArgumentTypeError, match=msg):
             bf.parse_step_ms(bad)
     ap = bf.build_parser()
-    for argv, msg in ((["--max-batch-size", "8"], "must be >= 10"),
-                      (["--long-len", "1048576"], "exceeds --max-seq-len 1048576"),
-                      (["--short-interval-s", "0"], "--short-interval-s must be > 0")):
+    for argv, msg in (
+        (["--max-batch-size", "8"], "must be >= 10"),
+        (["--long-len", "1048576"], "exceeds --max-seq-len 1048576"),
+        (["--short-interval-s", "0"], "--short-interval-s must be > 0"),
+    ):
         with pytest.raises(SystemExit):
             bf.options_from(ap.parse_args(argv), ap)
         assert msg in capsys.readouterr().err

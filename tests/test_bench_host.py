@@ -27,14 +27,31 @@ def test_freeze_startup_heap_takes_live_objects_out_of_collections() -> None:
 
 def test_bench_host_writes_records(tmp_path: Path) -> None:
     out = tmp_path / "host.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_host.py"), "--batches", "4", "--steps", "3",
-                        "--out", str(out), "--git-sha", "test"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_host.py"),
+            "--batches",
+            "4",
+            "--steps",
+            "3",
+            "--out",
+            str(out),
+            "--git-sha",
+            "test",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert {"date", "git_sha", "gpu", "command", "records"} <= set(doc)
     names = [rec["name"] for rec in doc["records"]]
-    assert names == ["host work per decode step, batch 4, GC start-up heap frozen (as served)",
-                     "host work per decode step, batch 4, GC default"]
+    assert names == [
+        "host work per decode step, batch 4, GC start-up heap frozen (as served)",
+        "host work per decode step, batch 4, GC default",
+    ]
     for rec in doc["records"]:
         assert rec["unit"] == "ms" and rec["value"] > 0 and rec["reference_value"] > 0
         assert abs(rec["ratio"] - rec["value"] / rec["reference_value"]) < 1e-9
@@ -47,9 +64,27 @@ def test_bench_serve_host_serves_every_request_through_the_stub_model(tmp_path: 
     by the bench client; every request completes with its full output, and the record quotes the rate
     against the published vLLM figure with both processes' CPU shares."""
     out = tmp_path / "sh.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serve_host.py"), "--concurrency", "8",
-                        "--input-len", "40", "--output-len", "6", "--prompts-per-stream", "2", "--out", str(out),
-                        "--git-sha", "test"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_serve_host.py"),
+            "--concurrency",
+            "8",
+            "--input-len",
+            "40",
+            "--output-len",
+            "6",
+            "--prompts-per-stream",
+            "2",
+            "--out",
+            str(out),
+            "--git-sha",
+            "test",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     doc = json.loads(out.read_text())
     (rec,) = doc["records"]

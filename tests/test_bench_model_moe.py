@@ -42,7 +42,9 @@ SUPER = CONFIGS / "NVIDIA-Nemotron-3-Super-120B-A12B-BF16"
 
 # ---- Nano 30B-A3B by hand: h 2688, 23 Mamba + 23 MoE + 6 attention layers, vocab 131072 ------------------
 # Mamba: 64 heads x 64 = 4096 inner; conv_dim 4096 + 2 x 8 groups x 128 = 6144; in_proj 4096 + 6144 + 64
-MAMBA = 2688 * 10304 + 6144 * 4 + 6144 + 3 * 64 + 4096 + 4096 * 2688 + 2688  # in, conv w+b, dt/A/D, norm, out, prenorm
+MAMBA = (
+    2688 * 10304 + 6144 * 4 + 6144 + 3 * 64 + 4096 + 4096 * 2688 + 2688
+)  # in, conv w+b, dt/A/D, norm, out, prenorm
 ATTN = 2688 * 4096 * 2 + 2688 * 256 * 2 + 2688  # q + o (32 x 128), k + v (2 x 128), prenorm
 EXPERT = 2 * 2688 * 1856  # up [1856, 2688] + down [2688, 1856]
 ROUTER = 128 * 2688 + 128  # weight + score-correction bias (float32)
@@ -62,7 +64,9 @@ def test_expected_distinct_experts() -> None:
     assert expected_distinct_experts(128, 6, 0) == 0.0
     assert expected_distinct_experts(128, 6, 1) == pytest.approx(6.0)
     assert expected_distinct_experts(128, 6, 64) == pytest.approx(128 * (1 - (122 / 128) ** 64))
-    assert expected_distinct_experts(128, 6, 64) == pytest.approx(122.07, abs=0.01)  # "the ~121 experts" (issue 23)
+    assert expected_distinct_experts(128, 6, 64) == pytest.approx(
+        122.07, abs=0.01
+    )  # "the ~121 experts" (issue 23)
     assert expected_distinct_experts(128, 6, 256) == pytest.approx(128 - 128 * (122 / 128) ** 256)
     assert 127.99 < expected_distinct_experts(128, 6, 256) < 128
     assert expected_distinct_experts(512, 22, 64) == pytest.approx(512 * (1 - (490 / 512) ** 64))
@@ -129,13 +133,32 @@ def test_dense_model_keeps_its_rooflines() -> None:
 
 
 def test_plans(tmp_path: Path) -> None:
-    nine = bm.make_plan(bm.CFG_DIR, num_layers=None, weight_budget=104 * GIB, work=tmp_path, skip_transformers=False)
-    assert (nine.slug, nine.batches, nine.prefill_8k, nine.prefix_cache, nine.transformers) == ("", (64,), True, True, True)
+    nine = bm.make_plan(
+        bm.CFG_DIR, num_layers=None, weight_budget=104 * GIB, work=tmp_path, skip_transformers=False
+    )
+    assert (nine.slug, nine.batches, nine.prefill_8k, nine.prefix_cache, nine.transformers) == (
+        "",
+        (64,),
+        True,
+        True,
+        True,
+    )
     assert nine.label == "NVIDIA-Nemotron-Nano-9B-v2 architecture, random weights, bf16"
-    nano = bm.make_plan(NANO, num_layers=None, weight_budget=104 * GIB, work=tmp_path, skip_transformers=False)
-    assert (nano.batches, nano.prefill_8k, nano.transformers, nano.model_dir) == ((64, 256), True, False, NANO)
+    nano = bm.make_plan(
+        NANO, num_layers=None, weight_budget=104 * GIB, work=tmp_path, skip_transformers=False
+    )
+    assert (nano.batches, nano.prefill_8k, nano.transformers, nano.model_dir) == (
+        (64, 256),
+        True,
+        False,
+        NANO,
+    )
     sup = bm.make_plan(SUPER, num_layers=None, weight_budget=104 * GIB, work=tmp_path, skip_transformers=True)
-    assert sup.slug == "NVIDIA-Nemotron-3-Super-120B-A12B-BF16-38L" and sup.batches == (64,) and not sup.prefill_8k
+    assert (
+        sup.slug == "NVIDIA-Nemotron-3-Super-120B-A12B-BF16-38L"
+        and sup.batches == (64,)
+        and not sup.prefill_8k
+    )
     assert HybridModelConfig.from_hf(sup.model_dir).num_layers == 38 and "first 38 of 88 layers" in sup.label
     few = bm.make_plan(SUPER, num_layers=5, weight_budget=None, work=tmp_path, skip_transformers=True)
     assert few.raw["hybrid_override_pattern"] == "MEMEM" and few.raw["num_hidden_layers"] == 5
@@ -144,7 +167,9 @@ def test_plans(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("variant", ["latent-moe", "dense"])
-def test_bench_hyserve_runs_a_plan_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
+def test_bench_hyserve_runs_a_plan_on_the_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str
+) -> None:
     """The benchmark's engine loop end to end on a tiny model (CPU, no graphs): a MoE plan gives the 9B's
     record names plus batch 256, start-up and init timings, each MoE figure against its active roofline."""
     from hyserve.model.tiny import tiny_config
@@ -154,8 +179,15 @@ def test_bench_hyserve_runs_a_plan_on_the_cpu(tmp_path: Path, monkeypatch: pytes
     plan = bm.make_plan(tmp_path, num_layers=None, weight_budget=None, work=tmp_path, skip_transformers=True)
     plan = dataclasses.replace(plan, device="cpu")
     cfg = HybridModelConfig.from_dict(plan.raw)
-    c = Ceilings(device="gpu", stream_read_bw=4.0e12, copy_bw=4.2e12, gemv_bw=4.1e12, gemv_best="g",
-                 matmul_flops=800e12, matmul_best="m")
+    c = Ceilings(
+        device="gpu",
+        stream_read_bw=4.0e12,
+        copy_bw=4.2e12,
+        gemv_bw=4.1e12,
+        gemv_best="g",
+        matmul_flops=800e12,
+        matmul_best="m",
+    )
     records: list = []
     notes: list = []
     try:
@@ -169,20 +201,30 @@ def test_bench_hyserve_runs_a_plan_on_the_cpu(tmp_path: Path, monkeypatch: pytes
     spread = [n for n in notes if n.startswith("decode steps at batch ")]
     assert [n.split(":")[0] for n in spread] == [f"decode steps at batch {b}" for b in plan.batches], notes
     assert all("median" in n and "slowest #" in n and "first" in n for n in spread)
-    nine = ["hyserve decode batch 1 (tok/s)", "hyserve prefill 8k tokens (tok/s)", "hyserve decode step batch 64 (ms)"]
+    nine = [
+        "hyserve decode batch 1 (tok/s)",
+        "hyserve prefill 8k tokens (tok/s)",
+        "hyserve decode step batch 64 (ms)",
+    ]
     by = {r["name"]: r for r in records}
     if variant == "dense":  # a dense model: the 9B's figures and rooflines
         assert names == nine
         assert by[nine[0]]["reference_value"] == pytest.approx(c.read_bw / weight_bytes(cfg))
         return
-    assert names == ["hyserve start-up with dummy weights, to ready (s)", *nine, "hyserve decode step batch 256 (ms)",
-                     "dummy-weight init, drawn on the host (the engine's path) (s)",
-                     "dummy-weight init, drawn on the device (s)"]
+    assert names == [
+        "hyserve start-up with dummy weights, to ready (s)",
+        *nine,
+        "hyserve decode step batch 256 (ms)",
+        "dummy-weight init, drawn on the host (the engine's path) (s)",
+        "dummy-weight init, drawn on the device (s)",
+    ]
     assert by[nine[0]]["reference_value"] == pytest.approx(active_decode_tokens_per_s(cfg, c.read_bw))
     assert by[nine[1]]["reference_value"] == pytest.approx(active_prefill_tokens_per_s(cfg, c.matmul_flops))
     for b in (64, 256):
         r = by[f"hyserve decode step batch {b} (ms)"]
-        assert r["reference_value"] == pytest.approx(active_decode_step_ms(cfg, b, bm.STEP_SHAPES[b] + 16, c.read_bw))
+        assert r["reference_value"] == pytest.approx(
+            active_decode_step_ms(cfg, b, bm.STEP_SHAPES[b] + 16, c.read_bw)
+        )
         assert r["ratio"] == pytest.approx(r["reference_value"] / r["value"]) and "steps of" in r["note"]
 
 
@@ -200,8 +242,10 @@ def test_on_device_init_on_cuda_is_deterministic_and_dtype_independent() -> None
     cfg = HybridModelConfig.from_dict(_tiny_latent())
     host = random_state_dict(cfg, seed=0, dtype=torch.float32)
     a = {n: torch.empty_like(t, device="cuda") for n, t in host.items()}
-    b = {n: torch.empty_like(t, device="cuda", dtype=torch.bfloat16 if t.dtype == torch.float32 else t.dtype)
-         for n, t in host.items()}
+    b = {
+        n: torch.empty_like(t, device="cuda", dtype=torch.bfloat16 if t.dtype == torch.float32 else t.dtype)
+        for n, t in host.items()
+    }
     init_random_tensors(a, cfg, seed=0, on_device=True)
     init_random_tensors(b, cfg, seed=0, on_device=True)
     again = {n: torch.empty_like(t) for n, t in a.items()}
@@ -231,19 +275,36 @@ def test_fp8_run_ratios_and_greedy_agreement_on_cpu(tmp_path: Path) -> None:
     bf16 = [bm.rec("decode (tok/s)", 100.0, "tok/s", "r", 1.0), bm.rec("step (ms)", 10.0, "ms", "r", 1.0)]
     fp8 = [bm.rec("decode (tok/s)", 150.0, "tok/s", "r", 1.0), bm.rec("step (ms)", 8.0, "ms", "r", 1.0)]
     out = bm.fp8_ratios(bf16, fp8)
-    assert [r["name"] for r in out] == ["[fp8] decode (tok/s)", "[fp8] decode (tok/s): FP8 vs bf16, same run (x)",
-                                        "[fp8] step (ms)", "[fp8] step (ms): FP8 vs bf16, same run (x)"]
+    assert [r["name"] for r in out] == [
+        "[fp8] decode (tok/s)",
+        "[fp8] decode (tok/s): FP8 vs bf16, same run (x)",
+        "[fp8] step (ms)",
+        "[fp8] step (ms): FP8 vs bf16, same run (x)",
+    ]
     assert out[1]["value"] == pytest.approx(1.5) and out[3]["value"] == pytest.approx(1.25)
     d = make_tiny(tmp_path / "tiny")
-    plan = bm.ModelPlan(model_dir=d, raw={}, label="tiny", slug="tiny", prefill_8k=False, batches=(64,),
-                        prefix_cache=False, transformers=False, device="cpu")
+    plan = bm.ModelPlan(
+        model_dir=d,
+        raw={},
+        label="tiny",
+        slug="tiny",
+        prefill_8k=False,
+        batches=(64,),
+        prefix_cache=False,
+        transformers=False,
+        device="cpu",
+    )
     cfg = HybridModelConfig.from_hf(d)
     records: list = []
     bm.greedy_agreement(plan, cfg, records)
     assert records[0]["unit"] == "fraction" and 0.0 < records[0]["value"] <= 1.0
     assert records[1]["value"] >= 0.0
     # the FP8 rooflines count 1 byte a projection weight: a little over half the bf16 bytes here
-    assert 0.5 < weight_bytes(cfg.with_quant(QuantConfig(method="online", scheme="channel"))) / weight_bytes(cfg) < 0.8
+    assert (
+        0.5
+        < weight_bytes(cfg.with_quant(QuantConfig(method="online", scheme="channel"))) / weight_bytes(cfg)
+        < 0.8
+    )
 
 
 def test_fp8_active_bytes_are_the_fp8_model_less_the_idle_experts() -> None:

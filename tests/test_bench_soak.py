@@ -40,9 +40,18 @@ def test_fault_spec_targets_its_share_of_ids_as_the_engine_does() -> None:
 
 
 def test_plans_are_deterministic_and_within_the_options() -> None:
-    cfg = soak.SoakConfig(min_input=10, max_input=500, min_output=8, max_output=64, disconnect_every=4,
-                          shared_prefixes=2, shared_prefix_len=50, shared_fraction=0.5, vocab_size=320,
-                          min_token_id=10)
+    cfg = soak.SoakConfig(
+        min_input=10,
+        max_input=500,
+        min_output=8,
+        max_output=64,
+        disconnect_every=4,
+        shared_prefixes=2,
+        shared_prefix_len=50,
+        shared_fraction=0.5,
+        vocab_size=320,
+        min_token_id=10,
+    )
     a, b = soak.Planner(cfg), soak.Planner(cfg)
     plans = [a.plan(i) for i in range(400)]
     assert plans == [b.plan(i) for i in range(400)]
@@ -58,12 +67,21 @@ def test_plans_are_deterministic_and_within_the_options() -> None:
 
 
 def _metrics(**kw: float) -> dict[str, float]:
-    m = {"hyserve_healthy": 1.0, "hyserve_num_requests_running": 0.0, "hyserve_num_requests_waiting": 0.0,
-         "hyserve_kv_cache_blocks_free": 100.0, "hyserve_kv_cache_blocks_total": 100.0,
-         "hyserve_state_slots_used": 0.0, "hyserve_state_slots_total": 8.0, "hyserve_snapshot_slots_used": 3.0,
-         "hyserve_snapshot_slots_total": 16.0, "hyserve_engine_restarts_total": 0.0,
-         "hyserve_request_failures_total": 2.0, "hyserve_step_failures_total": 1.0,
-         'hyserve_requests_total{route="/v1/completions",status="200"}': 50.0}
+    m = {
+        "hyserve_healthy": 1.0,
+        "hyserve_num_requests_running": 0.0,
+        "hyserve_num_requests_waiting": 0.0,
+        "hyserve_kv_cache_blocks_free": 100.0,
+        "hyserve_kv_cache_blocks_total": 100.0,
+        "hyserve_state_slots_used": 0.0,
+        "hyserve_state_slots_total": 8.0,
+        "hyserve_snapshot_slots_used": 3.0,
+        "hyserve_snapshot_slots_total": 16.0,
+        "hyserve_engine_restarts_total": 0.0,
+        "hyserve_request_failures_total": 2.0,
+        "hyserve_step_failures_total": 1.0,
+        'hyserve_requests_total{route="/v1/completions",status="200"}': 50.0,
+    }
     m.update(kw)
     return m
 
@@ -75,18 +93,31 @@ def _failed(checks: list[tuple[str, bool, str]]) -> set[str]:
 def test_end_state_checks_pass_on_free_pools_and_name_each_problem() -> None:
     counts, sites = Counter({soak.INJECTED: 2}), Counter({"forward": 1, "host": 1})
     assert _failed(soak.pool_checks({}, _metrics(), counts, sites)) == set()
-    bad = _metrics(hyserve_kv_cache_blocks_free=99.0, hyserve_state_slots_used=1.0,
-                   hyserve_request_failures_total=3.0, hyserve_engine_restarts_total=1.0,
-                   hyserve_snapshot_slots_pinned=1.0, hyserve_num_requests_running=1.0,
-                   **{'hyserve_requests_total{route="/v1/completions",status="500"}': 1.0})
+    bad = _metrics(
+        hyserve_kv_cache_blocks_free=99.0,
+        hyserve_state_slots_used=1.0,
+        hyserve_request_failures_total=3.0,
+        hyserve_engine_restarts_total=1.0,
+        hyserve_snapshot_slots_pinned=1.0,
+        hyserve_num_requests_running=1.0,
+        **{'hyserve_requests_total{route="/v1/completions",status="500"}': 1.0},
+    )
     assert _failed(soak.pool_checks({}, bad, counts, sites)) == {
-        "every KV block free", "every live state slot free", "request failures = injected failures",
-        "no engine restart", "no snapshot pinned", "no request running", "no 5xx status"}
+        "every KV block free",
+        "every live state slot free",
+        "request failures = injected failures",
+        "no engine restart",
+        "no snapshot pinned",
+        "no request running",
+        "no 5xx status",
+    }
     # step failures: at least one when a forward / sample fault fired, never more than those faults
     assert _failed(soak.pool_checks({}, _metrics(hyserve_step_failures_total=0.0), counts, sites)) == {
-        "step failures counted"}
+        "step failures counted"
+    }
     assert _failed(soak.pool_checks({}, _metrics(hyserve_step_failures_total=2.0), counts, sites)) == {
-        "step failures counted"}
+        "step failures counted"
+    }
     # counters are taken relative to the scrape before the load
     before = {"hyserve_request_failures_total": 5.0, "hyserve_step_failures_total": 4.0}
     after = _metrics(hyserve_request_failures_total=7.0, hyserve_step_failures_total=5.0)
@@ -95,8 +126,10 @@ def test_end_state_checks_pass_on_free_pools_and_name_each_problem() -> None:
 
 def test_an_injected_failure_must_be_logged_as_the_injected_fault() -> None:
     o = soak.Outcome(index=0, kind=soak.INJECTED, request_id="cmpl-00abc", site="forward", error_id="err-1")
-    log = ("ERROR error id err-1: the engine failed while running this request: internal error while running "
-           "this request: InjectedFault: injected fault (forward:cmpl-00@0) for request 'cmpl-00abc'\n")
+    log = (
+        "ERROR error id err-1: the engine failed while running this request: internal error while running "
+        "this request: InjectedFault: injected fault (forward:cmpl-00@0) for request 'cmpl-00abc'\n"
+    )
     assert soak.verify_in_log(log, [o]) == []
     other = log.replace("InjectedFault: injected fault (forward:cmpl-00@0)", "RuntimeError: CUDA error")
     assert len(soak.verify_in_log(other, [o])) == 1
@@ -114,16 +147,43 @@ def test_bad_options_are_refused_and_the_h200_defaults_are_valid() -> None:
 
 def test_soak_smoke_on_the_tiny_model(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
-    rc = soak.main(["--model", "", "--concurrency", "4", "--duration", "5", "--min-input", "8", "--max-input", "300",
-                    "--min-output", "8", "--max-output", "40", "--fault-every", "4", "--disconnect-every", "5",
-                    "--shared-prefix-len", "64", "--serve-args", "--max_seq_len 1024 --warmup off",
-                    "--out", str(out)])
+    rc = soak.main(
+        [
+            "--model",
+            "",
+            "--concurrency",
+            "4",
+            "--duration",
+            "5",
+            "--min-input",
+            "8",
+            "--max-input",
+            "300",
+            "--min-output",
+            "8",
+            "--max-output",
+            "40",
+            "--fault-every",
+            "4",
+            "--disconnect-every",
+            "5",
+            "--shared-prefix-len",
+            "64",
+            "--serve-args",
+            "--max_seq_len 1024 --warmup off",
+            "--out",
+            str(out),
+        ]
+    )
     r = json.loads(out.read_text())
     assert rc == 0 and r["ok"], [c for c in r["checks"] if not c["ok"]]
     c = r["counts"]
     assert c["unexpected"] == 0 and c["completed"] > 10 and c["disconnected"] > 0
     assert set(r["injected_by_site"]) == set(soak.FAULT_SITES)  # ~1 in 4 of ~100 requests: each site fires
     assert c["injected_failure"] == r["targeted"]
-    assert r["metrics_after"]["hyserve_kv_cache_blocks_free"] == r["metrics_after"]["hyserve_kv_cache_blocks_total"]
+    assert (
+        r["metrics_after"]["hyserve_kv_cache_blocks_free"]
+        == r["metrics_after"]["hyserve_kv_cache_blocks_total"]
+    )
     assert r["command"].startswith("python benchmarks/bench_soak.py --model ''")
     assert out.with_suffix(".log").exists()

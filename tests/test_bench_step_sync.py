@@ -37,14 +37,31 @@ def test_sync_recorder_counts_warnings_by_call_site(monkeypatch) -> None:
 
 
 def test_bench_step_sync_writes_phases_and_syncs(tmp_path: Path, capsys) -> None:
-    assert bss.main(["--model-dir", "", "--batch", "4", "--steps", "3", "--git-sha", "test",
-                     "--result-dir", str(tmp_path)]) == 0
+    assert (
+        bss.main(
+            [
+                "--model-dir",
+                "",
+                "--batch",
+                "4",
+                "--steps",
+                "3",
+                "--git-sha",
+                "test",
+                "--result-dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     [path] = tmp_path.glob("step_sync_*_test.json")
     doc = json.loads(path.read_text())
     assert {"date", "git_sha", "gpu", "command"} <= set(doc)
     assert doc["batch"] == 4 and doc["decode_steps"] >= 3 and doc["step_ms"] > 0
     assert doc["graph_replay_ms"] is None  # no decode graphs on the CPU
-    assert {"scheduler.schedule", "runner.execute", "scheduler.update", "engine._read"} == set(doc["phases_ms"])
+    assert {"scheduler.schedule", "runner.execute", "scheduler.update", "engine._read"} == set(
+        doc["phases_ms"]
+    )
     assert doc["syncs"] == []  # nothing on the CPU synchronises with a device
     assert "synchronising calls: 0" in capsys.readouterr().out
 

@@ -97,8 +97,14 @@ def test_kv_for_the_batch_at_avg_seq_len_comes_before_snapshots() -> None:
     """Nano 9B v2 serving 128 requests (the H200 run that prompted this): snapshots wanted 4,224 slots
     of 137 MiB and used to squeeze KV to the floor (44k tokens: 5.4 requests at avg_seq_len). KV for
     max_batch_size requests of avg_seq_len is now reserved first; snapshots get what is left."""
-    inp = dataclasses.replace(SEED, budget_bytes=106 * GiB, max_batch_size=128, max_seq_len=32_768,
-                              max_num_tokens=8192, num_pad_slots=1)
+    inp = dataclasses.replace(
+        SEED,
+        budget_bytes=106 * GiB,
+        max_batch_size=128,
+        max_seq_len=32_768,
+        max_num_tokens=8192,
+        num_pad_slots=1,
+    )
     plan = plan_capacity(inp)
     _check_plan(plan)
     assert plan.avg_seq_len == 8192 and plan.concurrency_at_avg == 128.0

@@ -54,20 +54,34 @@ def test_the_user_report_yaml_parses(tmp_path) -> None:
         ({"kv_cache_config": {"dtype": "int4"}}, "kv_cache_config.dtype"),
         ({"kv_cache_config": {"free_gpu_memory_fraction": 1.5}}, "free_gpu_memory_fraction"),
         ({"kv_cache_config": {"mamba_ssm_cache_dtype": "fp8"}}, "mamba_ssm_cache_dtype"),
-        ({"kv_cache_config": {"tokens_per_block": 64, "mamba_state_config": {"periodic_snapshot_interval": 100}}},
-         "multiple of"),
+        (
+            {
+                "kv_cache_config": {
+                    "tokens_per_block": 64,
+                    "mamba_state_config": {"periodic_snapshot_interval": 100},
+                }
+            },
+            "multiple of",
+        ),
         ({"max_batch_size": 0}, "max_batch_size"),
         ({"max_batch_size": 64, "max_num_tokens": 8}, "max_num_tokens"),
         ({"cuda_graph_config": {"batch_sizes": []}}, "cuda_graph_config.batch_sizes"),
         ({"tp_size": 4, "ep_size": 3}, r"ep_size \(3\) must divide tp_size \(4\)"),
         ({"dtype": "int8"}, "dtype"),
         ({"kv_cache_config": {"mamba_ssm_stochastic_rounding": True}}, "float16"),
-        ({"kv_cache_config": {"dtype": "fp8", "kv_scales": "dynamic"}},
-         r"kv_cache_config\.kv_scales: 'dynamic' is not one of \['auto', 'checkpoint', 'calibrate', 'unit'\]"),
-        ({"kv_cache_config": {"kv_scales": "calibrate"}},
-         r"kv_cache_config\.kv_scales: 'calibrate' chooses the k_scale / v_scale of an fp8 KV cache, but "
-         r"kv_cache_config\.dtype is 'auto'.*set kv_cache_config\.dtype: fp8, or leave kv_scales at 'auto'"),
-        ({"kv_cache_config": {"dtype": "bfloat16", "kv_scales": "unit"}}, "kv_cache_config.dtype is 'bfloat16'"),
+        (
+            {"kv_cache_config": {"dtype": "fp8", "kv_scales": "dynamic"}},
+            r"kv_cache_config\.kv_scales: 'dynamic' is not one of \['auto', 'checkpoint', 'calibrate', 'unit'\]",
+        ),
+        (
+            {"kv_cache_config": {"kv_scales": "calibrate"}},
+            r"kv_cache_config\.kv_scales: 'calibrate' chooses the k_scale / v_scale of an fp8 KV cache, but "
+            r"kv_cache_config\.dtype is 'auto'.*set kv_cache_config\.dtype: fp8, or leave kv_scales at 'auto'",
+        ),
+        (
+            {"kv_cache_config": {"dtype": "bfloat16", "kv_scales": "unit"}},
+            "kv_cache_config.dtype is 'bfloat16'",
+        ),
         ({"enable_chunked_prefill": "yes"}, "enable_chunked_prefill"),
     ],
 )
@@ -89,8 +103,9 @@ def test_bad_yaml_file(tmp_path) -> None:
 
 
 def test_options_without_effect_yet_are_reported() -> None:
-    cfg = build_engine_config({"cuda_graph_config": {"max_batch_size": 8},
-                               "kv_cache_config": {"mamba_ssm_philox_rounds": 5}})
+    cfg = build_engine_config(
+        {"cuda_graph_config": {"max_batch_size": 8}, "kv_cache_config": {"mamba_ssm_philox_rounds": 5}}
+    )
     assert not [k for k in cfg.ignored_keys if k.startswith("cuda_graph_config")]
     assert "kv_cache_config.mamba_ssm_philox_rounds" not in cfg.ignored_keys
     assert build_engine_config({}).ignored_keys == ()
@@ -115,7 +130,10 @@ def test_accepted_keys_come_from_the_fields() -> None:
         "max_gpu_total_bytes", "dtype", "mamba_ssm_cache_dtype", "mamba_ssm_stochastic_rounding",
         "mamba_ssm_philox_rounds", "mamba_state_config", "allow_oversized_max_seq_len", "kv_scales",
     }  # fmt: skip
-    assert accepted_keys(MambaStateConfig) == {"periodic_snapshot_interval", "additional_snapshot_offsets_from_end"}
+    assert accepted_keys(MambaStateConfig) == {
+        "periodic_snapshot_interval",
+        "additional_snapshot_offsets_from_end",
+    }
     assert accepted_keys(CudaGraphConfig) == {"enable_padding", "max_batch_size", "batch_sizes", "enabled"}
 
 
@@ -170,14 +188,27 @@ def test_every_option_is_checked_and_named_by_its_path() -> None:
         ({"tp_size": 0}, "tp_size: must be >= 1, got 0"),
         ({"ep_size": -1}, "ep_size: must be >= 1, got -1"),
         # the aliases reach the same fields and check
-        ({"tensor_parallel_size": 2, "moe_expert_parallel_size": 4}, r"ep_size \(4\) must divide tp_size \(2\)"),
+        (
+            {"tensor_parallel_size": 2, "moe_expert_parallel_size": 4},
+            r"ep_size \(4\) must divide tp_size \(2\)",
+        ),
         ({"cuda_graph_config": 5}, "cuda_graph_config: expected a mapping, got 5"),
-        ({"kv_cache_config": {"mamba_state_config": []}}, "kv_cache_config.mamba_state_config: expected a mapping"),
-        ({"kv_cache_config": {"mamba_state_config": {"interval": 64}}},
-         "unknown option 'kv_cache_config.mamba_state_config.interval'"),
-        ({"kv_cache_config": {"mamba_state_config": {"additional_snapshot_offsets_from_end": [0, -1]}}},
-         r"additional_snapshot_offsets_from_end\[\]: must be >= 0"),
-        ({"kv_cache_config": {"mamba_ssm_philox_rounds": 33}}, r"must be <= 32, got 33 \(10 is Philox's usual count\)"),
+        (
+            {"kv_cache_config": {"mamba_state_config": []}},
+            "kv_cache_config.mamba_state_config: expected a mapping",
+        ),
+        (
+            {"kv_cache_config": {"mamba_state_config": {"interval": 64}}},
+            "unknown option 'kv_cache_config.mamba_state_config.interval'",
+        ),
+        (
+            {"kv_cache_config": {"mamba_state_config": {"additional_snapshot_offsets_from_end": [0, -1]}}},
+            r"additional_snapshot_offsets_from_end\[\]: must be >= 0",
+        ),
+        (
+            {"kv_cache_config": {"mamba_ssm_philox_rounds": 33}},
+            r"must be <= 32, got 33 \(10 is Philox's usual count\)",
+        ),
         ({"served_model_name": 3}, "served_model_name: expected a string"),
         ({"ignored_keys": ["x"]}, "unknown option 'ignored_keys'"),  # a field, but not an option
     ],
@@ -209,9 +240,20 @@ def test_cross_field_checks_live_in_one_place() -> None:
 
     from hyserve.cache.capacity import CapacityInputs, plan_capacity
 
-    inp = CapacityInputs(budget_bytes=2**30, kv_bytes_per_token=8, state_bytes_per_slot=100, max_batch_size=4,
-                         max_seq_len=256, max_num_tokens=64, tokens_per_block=64, enable_block_reuse=True,
-                         periodic_snapshot_interval=256, num_snapshot_offsets=1, avg_seq_len=None, num_pad_slots=0)
+    inp = CapacityInputs(
+        budget_bytes=2**30,
+        kv_bytes_per_token=8,
+        state_bytes_per_slot=100,
+        max_batch_size=4,
+        max_seq_len=256,
+        max_num_tokens=64,
+        tokens_per_block=64,
+        enable_block_reuse=True,
+        periodic_snapshot_interval=256,
+        num_snapshot_offsets=1,
+        avg_seq_len=None,
+        num_pad_slots=0,
+    )
     plan_capacity(inp)
     for opts, change in (
         ({"kv_cache_config": {"mamba_state_config": {"periodic_snapshot_interval": 100}}},
@@ -234,11 +276,16 @@ def test_kv_scales_sources_with_fp8(source: str) -> None:
 def test_kv_scales_default_is_auto_with_any_kv_dtype() -> None:
     for dtype in ("auto", "bfloat16", "float16", "float32", "fp8"):
         assert build_engine_config({"kv_cache_config": {"dtype": dtype}}).cache.kv_scales == "auto"
-    assert build_engine_config({"kv_cache_config": {"dtype": "float16", "kv_scales": "auto"}}).cache.kv_scales == "auto"
+    assert (
+        build_engine_config({"kv_cache_config": {"dtype": "float16", "kv_scales": "auto"}}).cache.kv_scales
+        == "auto"
+    )
 
 
-@pytest.mark.parametrize("value,want", [(None, True), ("", True), ("1", True), ("on", True), ("0", False),
-                                        ("off", False), ("False", False)])
+@pytest.mark.parametrize(
+    "value,want",
+    [(None, True), ("", True), ("1", True), ("on", True), ("0", False), ("off", False), ("False", False)],
+)
 def test_env_flags_parse_on_and_off(monkeypatch: pytest.MonkeyPatch, value: str | None, want: bool) -> None:
     from hyserve import envs
 

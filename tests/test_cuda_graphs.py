@@ -24,8 +24,18 @@ def test_default_capture_sizes() -> None:
 
 
 def _seq(tok: int, pos: int, blocks: list[int], slot: int) -> ScheduledSeq:
-    return ScheduledSeq(request_id="r", token_ids=[tok], start_pos=pos, block_ids=blocks, state_src=slot,
-                        state_dst=slot, sample=True, snapshots=[], params=SamplingParams(), num_output_tokens=0)
+    return ScheduledSeq(
+        request_id="r",
+        token_ids=[tok],
+        start_pos=pos,
+        block_ids=blocks,
+        state_src=slot,
+        state_dst=slot,
+        sample=True,
+        snapshots=[],
+        params=SamplingParams(),
+        num_output_tokens=0,
+    )
 
 
 def test_pack_decode_rows_pads_with_harmless_rows() -> None:
@@ -36,16 +46,19 @@ def test_pack_decode_rows_pads_with_harmless_rows() -> None:
     assert src == dst == [2, 0, 11, 11]
     assert lens == [10, 1, 1, 1]
     assert feed == [0, 0, 0, 0]  # ids known on the host: no device feed
-    rows = pack_decode_rows([_seq(7, 9, [3, 5], 2), _seq(8, 0, [4], 0)], 4, tokens_per_block=8, pad_slot=11,
-                            feed_rows=[3, 1])
+    rows = pack_decode_rows(
+        [_seq(7, 9, [3, 5], 2), _seq(8, 0, [4], 0)], 4, tokens_per_block=8, pad_slot=11, feed_rows=[3, 1]
+    )
     assert rows[20:24] == [3, 1, 0, 0]
 
 
 @pytest.fixture()
 def graphs_on_cpu(monkeypatch: pytest.MonkeyPatch):
     """Make the engine build its decode-graph buffers on the CPU too (run eagerly, not captured)."""
+
     def use(sizes: list[int]) -> None:
         monkeypatch.setattr(assembly, "graph_batch_sizes", lambda config, lm, log: list(sizes))
+
     return use
 
 

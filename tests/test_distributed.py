@@ -63,7 +63,14 @@ def test_world_of_one_has_no_process_group_and_identity_collectives() -> None:
             ["4 ranks on this host need 4 visible GPUs, but 2 are visible", "CUDA_VISIBLE_DEVICES"],
         ),
         (
-            {"tp_size": 8, "ep_size": 1, "world_size": 8, "device": "cuda", "local_world_size": 4, "visible_gpus": 2},
+            {
+                "tp_size": 8,
+                "ep_size": 1,
+                "world_size": 8,
+                "device": "cuda",
+                "local_world_size": 4,
+                "visible_gpus": 2,
+            },
             ["4 ranks on this host need 4 visible GPUs, but 2"],
         ),
         ({"tp_size": 0, "ep_size": 1, "world_size": 1}, ["tp_size must be an integer >= 1, got 0"]),
@@ -107,7 +114,18 @@ def test_expert_layout_partitions_the_world(tp: int, ep: int) -> None:
 # ---- two gloo ranks -----------------------------------------------------------------------------------
 def _layout() -> tuple:
     i, t, e, m = parallel_info(), tp_group(), ep_group(), moe_tp_group()
-    return (i.rank, i.world_size, i.backend, i.tp_rank, t.size, t.ranks, e.size, m.size, m.ranks, dist.is_initialized())
+    return (
+        i.rank,
+        i.world_size,
+        i.backend,
+        i.tp_rank,
+        t.size,
+        t.ranks,
+        e.size,
+        m.size,
+        m.ranks,
+        dist.is_initialized(),
+    )
 
 
 def _collectives() -> dict[str, float]:
@@ -116,8 +134,10 @@ def _collectives() -> dict[str, float]:
     errs: dict[str, float] = {}
     gen = torch.Generator().manual_seed(100 + r)
     mine = torch.randn(4, 6, generator=gen, dtype=torch.float64)
-    others = [torch.randn(4, 6, generator=torch.Generator().manual_seed(100 + k), dtype=torch.float64)
-              for k in range(g.size)]
+    others = [
+        torch.randn(4, 6, generator=torch.Generator().manual_seed(100 + k), dtype=torch.float64)
+        for k in range(g.size)
+    ]
     total = sum(others)
 
     x = mine.clone()
@@ -130,13 +150,17 @@ def _collectives() -> dict[str, float]:
     # equal all_to_all: rank r receives chunk r of every rank's rows, in rank order
     want = torch.cat([o.chunk(g.size, 0)[r] for o in others], 0)
     errs["all_to_all"] = (all_to_all(mine, g) - want).abs().max().item()
+
     # uneven: rank k sends (k + j + 1) rows to rank j
     def counts(k: int) -> list[int]:
         return [k + j + 1 for j in range(g.size)]
+
     rows = [torch.arange(sum(counts(k)), dtype=torch.float32)[:, None] * 10 + k for k in range(g.size)]
     got = all_to_all(rows[r], g, send_counts=counts(r), recv_counts=[counts(k)[r] for k in range(g.size)])
     want_u = torch.cat([rows[k].split(counts(k))[r] for k in range(g.size)], 0)
-    errs["all_to_all_uneven"] = (got - want_u).abs().max().item() if got.shape == want_u.shape else float("inf")
+    errs["all_to_all_uneven"] = (
+        (got - want_u).abs().max().item() if got.shape == want_u.shape else float("inf")
+    )
     # broadcast: a plain-data object made on rank 0 only
     obj = {"step": 7, "ids": [1, 2, 3], "meta": ("a", 1.5)} if r == 0 else None
     got_obj = broadcast_object(obj, g, src=0)

@@ -27,7 +27,10 @@ def make_llm(**kw) -> LLM:
             "tokens_per_block": 8,
             "enable_block_reuse": False,
             "max_gpu_total_bytes": 64 * 2**20,
-            "mamba_state_config": {"periodic_snapshot_interval": 16, "additional_snapshot_offsets_from_end": [0]},
+            "mamba_state_config": {
+                "periodic_snapshot_interval": 16,
+                "additional_snapshot_offsets_from_end": [0],
+            },
         },
     )
     opts.update(kw)
@@ -56,7 +59,10 @@ def test_prefix_cache_hits_give_the_same_tokens(reference: list[list[int]]) -> N
         "tokens_per_block": 8,
         "enable_block_reuse": True,
         "max_gpu_total_bytes": 64 * 2**20,
-        "mamba_state_config": {"periodic_snapshot_interval": 16, "additional_snapshot_offsets_from_end": [0, 5]},
+        "mamba_state_config": {
+            "periodic_snapshot_interval": 16,
+            "additional_snapshot_offsets_from_end": [0, 5],
+        },
     }
     llm = make_llm(kv_cache_config=kv)
     first = llm.generate(prompts(), GREEDY)
@@ -96,8 +102,15 @@ def test_no_prefix_hit_on_a_snapshot_written_in_the_same_step(async_on: bool) ->
     fuzzing async against synchronous scheduling: C's tokens were those of a stale state.)"""
     rng = random.Random(99)
     prompt = [1] + [rng.randrange(3, 300) for _ in range(64)]  # 65 tokens: snapshots at 56 and 64
-    kv = {"tokens_per_block": 8, "enable_block_reuse": True, "max_gpu_total_bytes": 64 * 2**20,
-          "mamba_state_config": {"periodic_snapshot_interval": None, "additional_snapshot_offsets_from_end": [0, 5]}}
+    kv = {
+        "tokens_per_block": 8,
+        "enable_block_reuse": True,
+        "max_gpu_total_bytes": 64 * 2**20,
+        "mamba_state_config": {
+            "periodic_snapshot_interval": None,
+            "additional_snapshot_offsets_from_end": [0, 5],
+        },
+    }
     g = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     alone = make_llm(kv_cache_config={**kv, "enable_block_reuse": False}).generate([prompt], g)[0].token_ids
     llm = make_llm(kv_cache_config=kv, max_num_tokens=70, async_scheduling=async_on)
@@ -116,8 +129,15 @@ def test_end_of_prompt_snapshot_taken_when_a_budget_cut_leaves_the_last_token(as
     rng = random.Random(7)
     prompt = [1] + [rng.randrange(3, 300) for _ in range(63)]
     longer = prompt + [rng.randrange(3, 300) for _ in range(10)]
-    kv = {"tokens_per_block": 8, "enable_block_reuse": True, "max_gpu_total_bytes": 64 * 2**20,
-          "mamba_state_config": {"periodic_snapshot_interval": None, "additional_snapshot_offsets_from_end": [0]}}
+    kv = {
+        "tokens_per_block": 8,
+        "enable_block_reuse": True,
+        "max_gpu_total_bytes": 64 * 2**20,
+        "mamba_state_config": {
+            "periodic_snapshot_interval": None,
+            "additional_snapshot_offsets_from_end": [0],
+        },
+    }
     g = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     alone = make_llm(kv_cache_config={**kv, "enable_block_reuse": False}).generate([longer], g)[0]
     llm = make_llm(kv_cache_config=kv, max_num_tokens=63, async_scheduling=async_on)
@@ -137,17 +157,28 @@ def test_random_prefix_reuse_traffic_matches_each_request_alone(seed: int, async
     shared = [1] + [rng.randrange(3, 300) for _ in range(40)]
     bases = [shared + [rng.randrange(3, 300) for _ in range(n)] for n in (3, 24, 31)]
     bases += [[1] + [rng.randrange(3, 300) for _ in range(n)] for n in (20, 64, 100)]
-    kv = {"tokens_per_block": 8, "enable_block_reuse": True, "max_gpu_total_bytes": 64 * 2**20,
-          "mamba_state_config": {"periodic_snapshot_interval": rng.choice([16, None]),
-                                 "additional_snapshot_offsets_from_end": [0, 5]}}
+    kv = {
+        "tokens_per_block": 8,
+        "enable_block_reuse": True,
+        "max_gpu_total_bytes": 64 * 2**20,
+        "mamba_state_config": {
+            "periodic_snapshot_interval": rng.choice([16, None]),
+            "additional_snapshot_offsets_from_end": [0, 5],
+        },
+    }
     opts = dict(max_batch_size=rng.choice([2, 3, 4]), max_num_tokens=rng.choice([17, 40, 64, 70]))
     jobs = []
     for _ in range(10):
         prompt = list(rng.choice(bases))
         if rng.random() < 0.3:
             prompt += [rng.randrange(3, 300) for _ in range(rng.randint(1, 12))]
-        p = (SamplingParams(max_tokens=rng.randint(1, 6), temperature=0.0, ignore_eos=True) if rng.random() < 0.7
-             else SamplingParams(max_tokens=rng.randint(1, 6), temperature=0.8, seed=rng.randint(0, 9), ignore_eos=True))
+        p = (
+            SamplingParams(max_tokens=rng.randint(1, 6), temperature=0.0, ignore_eos=True)
+            if rng.random() < 0.7
+            else SamplingParams(
+                max_tokens=rng.randint(1, 6), temperature=0.8, seed=rng.randint(0, 9), ignore_eos=True
+            )
+        )
         jobs.append((rng.randint(0, 30), prompt, p))
     eng = make_llm(kv_cache_config=kv, async_scheduling=async_on, **opts).engine
     out: dict[str, list[int]] = {}

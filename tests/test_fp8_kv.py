@@ -44,7 +44,9 @@ try:
     _TRITON = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
 except ImportError:  # pragma: no cover - depends on the install
     _TRITON = False
-needs_triton = pytest.mark.skipif(not _TRITON, reason="needs triton (compiled on CUDA or TRITON_INTERPRET=1 before import)")
+needs_triton = pytest.mark.skipif(
+    not _TRITON, reason="needs triton (compiled on CUDA or TRITON_INTERPRET=1 before import)"
+)
 # the interpreter converts 1-element arrays to loop bounds, which numpy >= 1.25 warns about
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
@@ -183,7 +185,9 @@ def _fp8_pool(lens, new, Hkv, D, bs, k_scale, v_scale, in_dtype=F32):
     ks, vs = scalar(k_scale), scalar(v_scale)
     ctx = torch.cat(ctx_slots)
     if len(ctx):
-        write_kv_ref(rnd(len(ctx), Hkv, D), rnd(len(ctx), Hkv, D), k_cache, v_cache, ctx, k_scale=ks, v_scale=vs)
+        write_kv_ref(
+            rnd(len(ctx), Hkv, D), rnd(len(ctx), Hkv, D), k_cache, v_cache, ctx, k_scale=ks, v_scale=vs
+        )
     slot_mapping = torch.cat([*slots, torch.full((2,), -1, device=DEV)]).long()  # + 2 pad tokens
     # unit-scale K/V (as the tolerances assume); the scales decide which e4m3 codes they land on
     k = rnd(len(slot_mapping), Hkv, D, dtype=in_dtype)
@@ -199,7 +203,9 @@ def test_ref_attention_on_fp8_cache_matches_float64(new, lens):
     write_kv_ref(k, v, k_cache, v_cache, slots, k_scale=ks, v_scale=vs)
     q = rnd(cu[-1], Hq, D)
     out = paged_attention_ref(q, k_cache, v_cache, tables, lens, cu, scale, k_scale=ks, v_scale=vs)
-    oracle = _dense_attention_f64(q, k_cache.double() * 0.04, v_cache.double() * 2.5, tables, lens, cu, bs, scale)
+    oracle = _dense_attention_f64(
+        q, k_cache.double() * 0.04, v_cache.double() * 2.5, tables, lens, cu, bs, scale
+    )
     assert out.dtype == F32 and torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), oracle, rtol=1e-5, atol=1e-5)
     # the scales are really applied: reading the raw codes gives something else
@@ -216,20 +222,32 @@ def test_scale_arguments_are_checked():
     with pytest.raises(ValueError, match="v_scale"):
         write_kv_ref(k, k, c, c.clone(), slots, k_scale=scalar(1.0), v_scale=torch.ones(2, device=DEV))
     with pytest.raises(ValueError, match="k_scale"):
-        paged_attention_ref(k, c, c, torch.zeros(1, 1, dtype=torch.int32), [2], [0, 2], 1.0,
-                            k_scale=torch.tensor(1, device=DEV), v_scale=scalar(1.0))
+        paged_attention_ref(
+            k,
+            c,
+            c,
+            torch.zeros(1, 1, dtype=torch.int32),
+            [2],
+            [0, 2],
+            1.0,
+            k_scale=torch.tensor(1, device=DEV),
+            v_scale=scalar(1.0),
+        )
 
 
 # --------------------------------------------------------------------------- Triton kernels
 
 
-def _triton_case(poison, *, new, lens, Hq, Hkv, D, bs, dtype, k_scale, v_scale, tensors=False, cuda_op=False,
-                 q_ref=None):
+def _triton_case(
+    poison, *, new, lens, Hq, Hkv, D, bs, dtype, k_scale, v_scale, tensors=False, cuda_op=False, q_ref=None
+):
     """cuda_op: attention through the CUDA op (`cuda_attention`: on Hopper the Gluon prefill where it fits);
     otherwise the Triton kernels alone. q_ref: the values the reference takes for q (default q itself)."""
     from hyserve.kernels.triton_attention import paged_attention_triton, write_kv_triton
 
-    k_cache, v_cache, tables, k, v, slots, cu, ks, vs = _fp8_pool(lens, new, Hkv, D, bs, k_scale, v_scale, dtype)
+    k_cache, v_cache, tables, k, v, slots, cu, ks, vs = _fp8_pool(
+        lens, new, Hkv, D, bs, k_scale, v_scale, dtype
+    )
     kr, vr = k_cache.clone(), v_cache.clone()
     write_kv_ref(k, v, kr, vr, slots, k_scale=ks, v_scale=vs)
     with poison:
@@ -242,8 +260,9 @@ def _triton_case(poison, *, new, lens, Hq, Hkv, D, bs, dtype, k_scale, v_scale, 
     if q_ref is None:
         ref = paged_attention_ref(q, k_cache, v_cache, tables, lens, cu, scale, k_scale=ks, v_scale=vs)
     else:  # in float64, rounded to the output's dtype once
-        ref = paged_attention_ref(q_ref(q).double(), k_cache, v_cache, tables, lens, cu, scale, k_scale=ks,
-                                  v_scale=vs).to(dtype)
+        ref = paged_attention_ref(
+            q_ref(q).double(), k_cache, v_cache, tables, lens, cu, scale, k_scale=ks, v_scale=vs
+        ).to(dtype)
     args = (
         (torch.tensor(lens, dtype=torch.int32, device=DEV), torch.tensor(cu, dtype=torch.int32, device=DEV))
         if tensors
@@ -280,8 +299,19 @@ def test_triton_fp8_small(poison, exact_fp8_downcast, dtype, new, lens):
 @needs_triton
 def test_triton_fp8_small_decode_tensors_other_scales(poison, exact_fp8_downcast):
     """Pure decode with device seq_lens / cu_q (the graph-capturable path), MHA, odd head dim."""
-    _triton_case(poison, new=[1, 1, 1], lens=[4, 9, 70], Hq=3, Hkv=3, D=24, bs=16, dtype=F32,
-                 k_scale=7.5, v_scale=0.002, tensors=True)
+    _triton_case(
+        poison,
+        new=[1, 1, 1],
+        lens=[4, 9, 70],
+        Hq=3,
+        Hkv=3,
+        D=24,
+        bs=16,
+        dtype=F32,
+        k_scale=7.5,
+        v_scale=0.002,
+        tensors=True,
+    )
 
 
 @needs_triton
@@ -308,7 +338,9 @@ ATTN_NANO = tk.ATTN_NANO  # the bf16 kernel tests' Nano 9B v2 step mixes
 @needs_cuda
 @pytest.mark.parametrize("new,lens", ATTN_NANO)
 def test_triton_fp8_nano9b(poison, new, lens):
-    _triton_case(poison, new=new, lens=lens, Hq=40, Hkv=8, D=128, bs=64, dtype=BF16, k_scale=0.03, v_scale=0.02)
+    _triton_case(
+        poison, new=new, lens=lens, Hq=40, Hkv=8, D=128, bs=64, dtype=BF16, k_scale=0.03, v_scale=0.02
+    )
 
 
 GLUON_FP8_CASES = [  # (new, lens, Hq, Hkv, D, bs, dtype)
@@ -317,7 +349,15 @@ GLUON_FP8_CASES = [  # (new, lens, Hq, Hkv, D, bs, dtype)
     ([300, 1, 1000, 77], [5000, 9, 1000, 333], 40, 8, 128, 16, BF16),  # 16-token blocks: 8 boxes per tile
     ([2000, 129], [2600, 129], 8, 8, 128, 256, F16),  # 256-token blocks: one 128-row box per tile
     ([1500, 40], [1500, 2100], 16, 2, 64, 64, BF16),  # head dim 64
-    ([100, 3, 333], [100, 40, 700], 32, 2, 128, 32, BF16),  # 32-token blocks; 16 q heads per KV head (30B-A3B)
+    (
+        [100, 3, 333],
+        [100, 40, 700],
+        32,
+        2,
+        128,
+        32,
+        BF16,
+    ),  # 32-token blocks; 16 q heads per KV head (30B-A3B)
     ([2048], [20000], 40, 8, 128, 64, BF16),  # one chunk of a long prompt over 18k cached tokens
 ]
 
@@ -335,10 +375,24 @@ def test_gluon_fp8_prefill_matches_reference(poison, monkeypatch, new, lens, Hq,
     ga = tk._gluon_or_skip()
     calls: list[tuple[int, int]] = []
     real = ga.prefill_attention_sm90
-    monkeypatch.setattr(ga, "prefill_attention_sm90",
-                        lambda *a, **kw: calls.append((kw["box"], kw["STAGES8"])) or real(*a, **kw))
-    _triton_case(poison, new=new, lens=lens, Hq=Hq, Hkv=Hkv, D=D, bs=bs, dtype=dtype, k_scale=0.03, v_scale=0.02,
-                 cuda_op=True)
+    monkeypatch.setattr(
+        ga,
+        "prefill_attention_sm90",
+        lambda *a, **kw: calls.append((kw["box"], kw["STAGES8"])) or real(*a, **kw),
+    )
+    _triton_case(
+        poison,
+        new=new,
+        lens=lens,
+        Hq=Hq,
+        Hkv=Hkv,
+        D=D,
+        bs=bs,
+        dtype=dtype,
+        k_scale=0.03,
+        v_scale=0.02,
+        cuda_op=True,
+    )
     assert calls == [(min(bs, 128), ga._PREFILL_SM90_FP8["STAGES8"])]
 
 
@@ -354,8 +408,19 @@ def test_gluon_fp8_prefill_alternative_settings(poison, monkeypatch, settings, c
     ga = tk._gluon_or_skip()
     monkeypatch.setattr(ga, "_PREFILL_SM90_FP8", {**ga._PREFILL_SM90_FP8, **settings})
     new, lens, Hq, Hkv, D, bs, dtype = case
-    _triton_case(poison, new=new, lens=lens, Hq=Hq, Hkv=Hkv, D=D, bs=bs, dtype=dtype, k_scale=0.05, v_scale=3.0,
-                 cuda_op=True)
+    _triton_case(
+        poison,
+        new=new,
+        lens=lens,
+        Hq=Hq,
+        Hkv=Hkv,
+        D=D,
+        bs=bs,
+        dtype=dtype,
+        k_scale=0.05,
+        v_scale=3.0,
+        cuda_op=True,
+    )
 
 
 @gpu
@@ -374,7 +439,9 @@ def test_gluon_fp8_prefill_qk8_form_matches_its_reference(poison, monkeypatch, c
     monkeypatch.setattr(ga, "_PREFILL_SM90_FP8", dict(ga._PREFILL_SM90_QK8))
     calls: list[bool] = []
     real = ga.prefill_attention_sm90
-    monkeypatch.setattr(ga, "prefill_attention_sm90", lambda *a, **kw: calls.append(kw["QK8"]) or real(*a, **kw))
+    monkeypatch.setattr(
+        ga, "prefill_attention_sm90", lambda *a, **kw: calls.append(kw["QK8"]) or real(*a, **kw)
+    )
     new, lens, Hq, Hkv, D, bs, dtype = case
     # the step's leading one-token sequences are decodes (the Gluon decode kernel, exact queries): only the
     # prefill rows after them take the e4m3 queries
@@ -386,8 +453,20 @@ def test_gluon_fp8_prefill_qk8_form_matches_its_reference(poison, monkeypatch, c
         out[start:] = e4m3_query_rows_ref(q[start:]).double()
         return out
 
-    _triton_case(poison, new=new, lens=lens, Hq=Hq, Hkv=Hkv, D=D, bs=bs, dtype=dtype, k_scale=0.03, v_scale=0.02,
-                 cuda_op=True, q_ref=q_ref)
+    _triton_case(
+        poison,
+        new=new,
+        lens=lens,
+        Hq=Hq,
+        Hkv=Hkv,
+        D=D,
+        bs=bs,
+        dtype=dtype,
+        k_scale=0.03,
+        v_scale=0.02,
+        cuda_op=True,
+        q_ref=q_ref,
+    )
     assert calls == [True]
 
 
@@ -398,7 +477,10 @@ def test_e4m3_query_rows_ref_quantises_each_row_by_its_own_amax():
     from hyserve.kernels.attention import e4m3_query_rows_ref
 
     g = torch.Generator().manual_seed(5)
-    q = torch.randn(7, 3, 64, generator=g, dtype=torch.float64) * torch.logspace(-3, 3, 7, dtype=torch.float64)[:, None, None]
+    q = (
+        torch.randn(7, 3, 64, generator=g, dtype=torch.float64)
+        * torch.logspace(-3, 3, 7, dtype=torch.float64)[:, None, None]
+    )
     q[2, 1] = 0
     got = e4m3_query_rows_ref(q.to(torch.bfloat16))
     qf = q.to(torch.bfloat16).double()
@@ -452,15 +534,18 @@ def test_gluon_fp8_decode_matches_float64(poison, monkeypatch, new, lens, Hq, Hk
 
     calls = _gluon_decode_calls(monkeypatch)
     k_scale, v_scale = (0.03, 0.02) if scaled else (1.0, 1.0)
-    k_cache, v_cache, tables, k, v, slots, cu, ks, vs = _fp8_pool(lens, new, Hkv, D, bs, k_scale, v_scale, dtype)
+    k_cache, v_cache, tables, k, v, slots, cu, ks, vs = _fp8_pool(
+        lens, new, Hkv, D, bs, k_scale, v_scale, dtype
+    )
     write_kv_ref(k, v, k_cache, v_cache, slots, k_scale=ks, v_scale=vs)
     q = rnd(cu[-1], Hq, D, dtype=dtype)
     scale = D**-0.5
     kw = dict(k_scale=ks, v_scale=vs) if scaled else {}
     with poison:
         out = paged_attention_cuda(q, k_cache, v_cache, tables, lens, cu, scale, **kw)
-    oracle = _dense_attention_f64(q, k_cache.double() * k_scale, v_cache.double() * v_scale, tables, lens, cu, bs,
-                                  scale)
+    oracle = _dense_attention_f64(
+        q, k_cache.double() * k_scale, v_cache.double() * v_scale, tables, lens, cu, bs, scale
+    )
     close(out, oracle.to(dtype), dtype, f"gluon fp8 decode lens={lens}")
     assert len(calls) == 1
 
@@ -474,8 +559,19 @@ def test_gluon_fp8_decode_alternative_settings(poison, monkeypatch, settings):
 
     calls = _gluon_decode_calls(monkeypatch)
     monkeypatch.setattr(gd, "_DECODE_FP8", {**gd._DECODE_FP8, **settings})
-    _triton_case(poison, new=[1] * 5, lens=[33, 700, 4097, 12000, 1], Hq=40, Hkv=8, D=128, bs=64, dtype=BF16,
-                 k_scale=0.05, v_scale=3.0, cuda_op=True)
+    _triton_case(
+        poison,
+        new=[1] * 5,
+        lens=[33, 700, 4097, 12000, 1],
+        Hq=40,
+        Hkv=8,
+        D=128,
+        bs=64,
+        dtype=BF16,
+        k_scale=0.05,
+        v_scale=3.0,
+        cuda_op=True,
+    )
     assert len(calls) == 1
 
 
@@ -512,7 +608,9 @@ def test_gluon_fp8_decode_declines_what_it_cannot_take(poison, monkeypatch):
     calls = _gluon_decode_calls(monkeypatch)
     lens, cu = [40, 900], [0, 1, 2]
     for Hq, Hkv, D, dtype in ((8, 2, 256, BF16), (40, 2, 128, BF16), (8, 2, 128, F32)):
-        k_cache, v_cache, tables, k, v, slots, cu, ks, vs = _fp8_pool(lens, [1, 1], Hkv, D, 16, 0.03, 0.02, dtype)
+        k_cache, v_cache, tables, k, v, slots, cu, ks, vs = _fp8_pool(
+            lens, [1, 1], Hkv, D, 16, 0.03, 0.02, dtype
+        )
         write_kv_ref(k, v, k_cache, v_cache, slots, k_scale=ks, v_scale=vs)
         q = rnd(2, Hq, D, dtype=dtype)
         assert not gd.decode_fp8_fits(q, k_cache, v_cache)
@@ -558,14 +656,21 @@ def test_triton_fp8_decode_graph_reads_scales_from_device(op):
     vs.fill_(2.0)
     g.replay()
     torch.cuda.synchronize()
-    ref = paged_attention_ref(q, k_cache, v_cache, tables, lens.tolist(), cu.tolist(), D**-0.5, k_scale=ks, v_scale=vs)
+    ref = paged_attention_ref(
+        q, k_cache, v_cache, tables, lens.tolist(), cu.tolist(), D**-0.5, k_scale=ks, v_scale=vs
+    )
     assert torch.isfinite(out).all()
     # the kernel rounds the probabilities to bf16 before P @ V (flash-attention style): each output may be
     # off by up to 2^-9 of the largest dequantised value (here |v| * 2.0 reaches ~40); a stale scale
     # (0.5 instead of 2.0) would be off by 3/4 of every output
     v_max = float(v_cache.float().abs().max()) * 2.0
-    torch.testing.assert_close(out.float(), ref.float(), rtol=1.6e-2, atol=v_max * 2**-9,
-                               msg=lambda m: f"graph replay with new scales: {m}")
+    torch.testing.assert_close(
+        out.float(),
+        ref.float(),
+        rtol=1.6e-2,
+        atol=v_max * 2**-9,
+        msg=lambda m: f"graph replay with new scales: {m}",
+    )
     assert (out.float() - ref.float()).abs().mean() < 1e-3 * v_max
 
 
@@ -631,7 +736,9 @@ def test_fp8_kv_dtype_resolves_on_cpu_and_halves_bytes_per_token():
     bf16 = cfg.with_cache_dtypes(kv_cache_dtype=BF16)
     fp8 = cfg.with_cache_dtypes(kv_cache_dtype=FP8)
     assert fp8.attention_cache_spec().dtype == FP8
-    assert 2 * fp8.kv_bytes_per_token == bf16.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2  # layers*K+V*heads*dim*2B
+    assert (
+        2 * fp8.kv_bytes_per_token == bf16.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2
+    )  # layers*K+V*heads*dim*2B
 
 
 def test_capacity_fp8_gives_twice_the_kv_tokens(tmp_path):
@@ -640,8 +747,13 @@ def test_capacity_fp8_gives_twice_the_kv_tokens(tmp_path):
     d = _tiny_dir(tmp_path)
     plans = {}
     for kv in ("bfloat16", "fp8"):
-        llm = LLM(str(d), device="cpu", max_seq_len=256, log=lambda s: None,
-                  kv_cache_config={"dtype": kv, "max_gpu_total_bytes": 16 << 20})
+        llm = LLM(
+            str(d),
+            device="cpu",
+            max_seq_len=256,
+            log=lambda s: None,
+            kv_cache_config={"dtype": kv, "max_gpu_total_bytes": 16 << 20},
+        )
         plans[kv] = llm.engine.plan
     b, f = plans["bfloat16"], plans["fp8"]
     assert f.inputs.kv_bytes_per_token * 2 == b.inputs.kv_bytes_per_token
@@ -675,12 +787,15 @@ def test_kv_scales_load_from_checkpoint_in_common_spellings(tmp_path, caplog):
     from hyserve import LLM
 
     # tiny dense: attention layers 1 and 5
-    d = _checkpoint_with_scales(tmp_path, {
-        "model.layers.1.mixer.k_proj.k_scale": torch.tensor(0.02),  # ModelOpt spelling, model. prefix
-        "backbone.layers.1.mixer.v_proj.v_scale": torch.tensor([0.5]),  # shape [1]
-        "backbone.layers.5.mixer.kv_scale": torch.tensor(0.25),  # deprecated: one for K and V
-        "backbone.layers.5.mixer.q_scale": torch.tensor(0.1),  # ignored
-    })
+    d = _checkpoint_with_scales(
+        tmp_path,
+        {
+            "model.layers.1.mixer.k_proj.k_scale": torch.tensor(0.02),  # ModelOpt spelling, model. prefix
+            "backbone.layers.1.mixer.v_proj.v_scale": torch.tensor([0.5]),  # shape [1]
+            "backbone.layers.5.mixer.kv_scale": torch.tensor(0.25),  # deprecated: one for K and V
+            "backbone.layers.5.mixer.q_scale": torch.tensor(0.1),  # ignored
+        },
+    )
     with caplog.at_level(logging.INFO, logger="hyserve"):
         llm = LLM(str(d), device="cpu", max_seq_len=128, kv_cache_config={"dtype": "fp8"}, log=lambda s: None)
     assert _layer_scales(llm) == {1: (float(torch.tensor(0.02)), 0.5), 5: (0.25, 0.25)}  # float32 0.02
@@ -698,15 +813,23 @@ def test_kv_scales_load_from_compressed_tensors_output_scales(tmp_path):
     output quantiser scales; the q one is ignored like q_scale."""
     from hyserve import LLM
 
-    d = _checkpoint_with_scales(tmp_path, {
-        "model.layers.1.mixer.k_proj.output_scale": torch.tensor([0.5]),
-        "model.layers.1.mixer.v_proj.output_scale": torch.tensor([0.25]),
-        "model.layers.5.mixer.k_proj.output_scale": torch.tensor(2.0),
-        "model.layers.5.mixer.v_proj.output_scale": torch.tensor(4.0),
-        "model.layers.5.mixer.q_proj.output_scale": torch.tensor(8.0),
-    })
-    llm = LLM(str(d), device="cpu", max_seq_len=128, kv_cache_config={"dtype": "fp8", "kv_scales": "checkpoint"},
-              log=lambda s: None)
+    d = _checkpoint_with_scales(
+        tmp_path,
+        {
+            "model.layers.1.mixer.k_proj.output_scale": torch.tensor([0.5]),
+            "model.layers.1.mixer.v_proj.output_scale": torch.tensor([0.25]),
+            "model.layers.5.mixer.k_proj.output_scale": torch.tensor(2.0),
+            "model.layers.5.mixer.v_proj.output_scale": torch.tensor(4.0),
+            "model.layers.5.mixer.q_proj.output_scale": torch.tensor(8.0),
+        },
+    )
+    llm = LLM(
+        str(d),
+        device="cpu",
+        max_seq_len=128,
+        kv_cache_config={"dtype": "fp8", "kv_scales": "checkpoint"},
+        log=lambda s: None,
+    )
     assert _layer_scales(llm) == {1: (0.5, 0.25), 5: (2.0, 4.0)}
 
 
@@ -715,10 +838,13 @@ def test_kv_scales_vllm_spelling_partial_layers_calibrate_the_rest(tmp_path, cap
     at start-up (tests/test_kv_calibration.py); no warning about saturation any more."""
     from hyserve import LLM
 
-    d = _checkpoint_with_scales(tmp_path, {
-        "backbone.layers.5.mixer.k_scale": torch.tensor(0.125),
-        "backbone.layers.5.mixer.attn.v_scale": torch.tensor(4.0),
-    })
+    d = _checkpoint_with_scales(
+        tmp_path,
+        {
+            "backbone.layers.5.mixer.k_scale": torch.tensor(0.125),
+            "backbone.layers.5.mixer.attn.v_scale": torch.tensor(4.0),
+        },
+    )
     lines: list[str] = []
     with caplog.at_level(logging.INFO, logger="hyserve"):
         llm = LLM(str(d), device="cpu", max_seq_len=128, kv_cache_config={"dtype": "fp8"}, log=lines.append)
@@ -734,8 +860,13 @@ def test_kv_scales_vllm_spelling_partial_layers_calibrate_the_rest(tmp_path, cap
         ({"backbone.layers.0.mixer.k_scale": torch.tensor(1.0)}, "layer 0 is not an attention layer"),
         ({"backbone.layers.1.mixer.k_scale": torch.ones(2)}, "per-tensor"),
         ({"backbone.layers.1.mixer.v_scale": torch.tensor(-1.0)}, "positive and finite"),
-        ({"backbone.layers.1.mixer.kv_scale": torch.tensor(1.0), "backbone.layers.1.mixer.k_scale": torch.tensor(2.0)},
-         "k_scale is given more than once"),
+        (
+            {
+                "backbone.layers.1.mixer.kv_scale": torch.tensor(1.0),
+                "backbone.layers.1.mixer.k_scale": torch.tensor(2.0),
+            },
+            "k_scale is given more than once",
+        ),
     ],
 )
 def test_bad_kv_scales_are_refused(tmp_path, extra, needle):
@@ -752,8 +883,14 @@ def test_dummy_weights_with_unit_scales(tmp_path, caplog):
 
     (tmp_path / "config.json").write_text(json.dumps(tiny_config("dense")))
     with caplog.at_level(logging.INFO, logger="hyserve"):
-        llm = LLM(str(tmp_path), load_format="dummy", device="cpu", max_seq_len=128,
-                  kv_cache_config={"dtype": "fp8", "kv_scales": "unit"}, log=lambda s: None)
+        llm = LLM(
+            str(tmp_path),
+            load_format="dummy",
+            device="cpu",
+            max_seq_len=128,
+            kv_cache_config={"dtype": "fp8", "kv_scales": "unit"},
+            log=lambda s: None,
+        )
     assert _layer_scales(llm) == {1: (1.0, 1.0), 5: (1.0, 1.0)}
     assert caplog.text.count("kv_scales unit, k_scale = v_scale = 1.0 in all 2 attention layers") == 1
 
@@ -769,9 +906,20 @@ def test_fp8_attention_kernels_upcast_e4m3_tiles_to_float16_for_bf16_queries():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[1]
     kernels = "_prefill_kernel,_decode_kernel"
-    run = subprocess.run([sys.executable, str(root / "tests" / "sm90_compile_check.py"), "bfloat16", "attention_fp8",
-                          "--only", kernels], capture_output=True, text=True, env={**env, "PYTHONPATH": str(root)},
-                         timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(root / "tests" / "sm90_compile_check.py"),
+            "bfloat16",
+            "attention_fp8",
+            "--only",
+            kernels,
+        ],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": str(root)},
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     doc = json.loads(run.stdout.strip().splitlines()[-1])
     assert set(doc["kernels"]) == set(kernels.split(","))

@@ -73,7 +73,11 @@ def _within(out: torch.Tensor, want: torch.Tensor, mag: torch.Tensor, rel: float
 @pytest.mark.parametrize("group", [None, 128])
 def test_row_quantisation_is_torchs_rounding_bit_for_bit(group: int | None, poison) -> None:
     x = torch.randn(6, 300, device=DEV) * torch.tensor([1e-4, 1.0, 30.0, 0.0, 5.0, 1e3], device=DEV)[:, None]
-    x[1, :8] = torch.tensor([124.78, -124.73, 7.9714, 31.649, 0.0087, -0.0003, 447.9, 1.0], device=DEV) / 448.0 * x[1].abs().max()
+    x[1, :8] = (
+        torch.tensor([124.78, -124.73, 7.9714, 31.649, 0.0087, -0.0003, 447.9, 1.0], device=DEV)
+        / 448.0
+        * x[1].abs().max()
+    )
     xs = torch.cat([x, x], 1)[:, :300]  # a row stride of 600
     with poison:
         q, s = t8.quantize_rows_triton(xs.to(torch.float32), group)
@@ -245,7 +249,9 @@ def test_scaled_mm_takes_only_what_it_supports() -> None:
         assert not t8._scaled_mm_takes(xc, qc, True)  # block scales
         assert not t8._scaled_mm_takes(xc.to(F16), qc, False)
         q40, _ = _weight(48, 40, "channel")  # K not a multiple of 16
-        assert not t8._scaled_mm_takes(torch.randn(t8.SCALED_MM_MIN_ROWS, 40, device=DEV).to(BF16), q40, False)
+        assert not t8._scaled_mm_takes(
+            torch.randn(t8.SCALED_MM_MIN_ROWS, 40, device=DEV).to(BF16), q40, False
+        )
         assert not t8._scaled_mm_takes(xc[: t8.SCALED_MM_MIN_ROWS - 1], qc, False)  # a decode step's rows
 
 
@@ -260,8 +266,13 @@ def test_kernels_compile_for_hopper_with_e4m3_warp_group_mma():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[1]
-    run = subprocess.run([sys.executable, str(root / "tests" / "sm90_compile_check.py"), "bfloat16", "fp8", "moe_fp8"],
-                         capture_output=True, text=True, env={**env, "PYTHONPATH": str(root)}, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(root / "tests" / "sm90_compile_check.py"), "bfloat16", "fp8", "moe_fp8"],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": str(root)},
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     fp8 = {"_gemv_kernel", "_w8a16_kernel", "_splitk_reduce_kernel", "_quant_rows_kernel", "_fp8_gemm_kernel"}
@@ -276,10 +287,15 @@ def test_kernels_compile_for_hopper_with_e4m3_warp_group_mma():
     # grouped GEMMs then run 16-bit warp-group MMAs
     for name in ("_gemv_kernel", "_w8a16_kernel", *moe):  # the one-row GEMV too (at its GPU settings)
         assert "e4m3" in out["ptx"][name], name
-    assert "wgmma.mma_async" in out["ptx"]["_up_gemm_kernel"] and "wgmma.mma_async" in out["ptx"]["_down_gemm_kernel"]
+    assert (
+        "wgmma.mma_async" in out["ptx"]["_up_gemm_kernel"]
+        and "wgmma.mma_async" in out["ptx"]["_down_gemm_kernel"]
+    )
 
 
-@pytest.mark.skipif(CUDA, reason="the interpreter's form of test_gpu_fp8_model_kernels_against_the_reference_path")
+@pytest.mark.skipif(
+    CUDA, reason="the interpreter's form of test_gpu_fp8_model_kernels_against_the_reference_path"
+)
 def test_model_runs_the_kernels_in_place_of_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny model in bfloat16 with FP8 projections, once on the reference op and once with the Triton
     kernels put in its place (the interpreter on CPU): a 24-token prefill (w8a8) and decode steps (w8a16)
@@ -316,9 +332,12 @@ def test_model_runs_the_kernels_in_place_of_the_reference(monkeypatch: pytest.Mo
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.8
 
 
-@pytest.mark.skipif(CUDA, reason="the dry run is the CPU form (the Triton interpreter); on a GPU "
-                    "scripts/gpu_fp8_check.sh runs the real suite, and the GPU image's numpy 2.5 breaks the interpreter's "
-                    "scalar loop bounds")
+@pytest.mark.skipif(
+    CUDA,
+    reason="the dry run is the CPU form (the Triton interpreter); on a GPU "
+    "scripts/gpu_fp8_check.sh runs the real suite, and the GPU image's numpy 2.5 breaks the interpreter's "
+    "scalar loop bounds",
+)
 def test_bench_kernels_fp8_suite_runs_and_checks_first(tmp_path) -> None:
     """`bench_kernels.py --only fp8_linear` (dry run: interpreter, tiny shapes): every case passes its check
     against float64 before it is timed, and each record carries the bf16 time of the same run."""
@@ -328,8 +347,20 @@ def test_bench_kernels_fp8_suite_runs_and_checks_first(tmp_path) -> None:
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "k.json"
-    r = subprocess.run([sys.executable, str(root / "benchmarks/bench_kernels.py"), "--dry-run", "--only", "fp8_linear",
-                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(root / "benchmarks/bench_kernels.py"),
+            "--dry-run",
+            "--only",
+            "fp8_linear",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert not doc["failures"] and len(doc["records"]) == 8
@@ -339,7 +370,9 @@ def test_bench_kernels_fp8_suite_runs_and_checks_first(tmp_path) -> None:
 
 @gpu
 @pytest.mark.parametrize("variant", ["dense", "latent-moe"])
-def test_gpu_fp8_model_kernels_against_the_reference_path(monkeypatch: pytest.MonkeyPatch, tmp_path, variant) -> None:
+def test_gpu_fp8_model_kernels_against_the_reference_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, variant
+) -> None:
     """On the GPU, a bf16 tiny model with FP8 projections (and FP8 experts): the Triton FP8 linear and MoE
     kernels against the same model on the reference ops (dequantise + matmul, the per-expert loop)."""
     from model_harness import Harness
@@ -350,8 +383,9 @@ def test_gpu_fp8_model_kernels_against_the_reference_path(monkeypatch: pytest.Mo
     from hyserve.model.tiny import make_tiny
 
     d = make_tiny(tmp_path / variant, variant=variant)
-    lm = load_model(build_engine_config({"model": str(d), "device": "cuda", "dtype": "bfloat16",
-                                         "quantization": "fp8"}))
+    lm = load_model(
+        build_engine_config({"model": str(d), "device": "cuda", "dtype": "bfloat16", "quantization": "fp8"})
+    )
     prompt = list(range(4, 40))
 
     def run() -> torch.Tensor:
@@ -375,7 +409,9 @@ def test_one_row_takes_the_fma_gemv_and_more_rows_the_dot_forms(monkeypatch):
     taken: list[tuple[str, int]] = []
     for name in ("gemv_fp8", "_w8a16", "_w8a8"):
         real = getattr(t8, name)
-        monkeypatch.setattr(t8, name, lambda x, *a, _n=name, _r=real, **k: taken.append((_n, x.shape[0])) or _r(x, *a, **k))
+        monkeypatch.setattr(
+            t8, name, lambda x, *a, _n=name, _r=real, **k: taken.append((_n, x.shape[0])) or _r(x, *a, **k)
+        )
     q, s = _weight(40, 64, "channel")
     for m in (1, 2, t8.SMALL_M, t8.SMALL_M + 1):
         t8.fp8_linear_triton(_x(m, 64, BF16), q, s, None)

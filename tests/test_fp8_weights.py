@@ -71,9 +71,16 @@ def test_quantization_option_and_flag() -> None:
 
 
 def test_detects_modelopt_in_config_json_and_hf_quant_config(tmp_path: Path) -> None:
-    d = _write_config(tmp_path / "a", quantization_config={
-        "quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
-        "exclude_modules": ["lm_head", "model.layers.0.mixer.in_proj"], "ignore": ["*.mixer.o_proj"]})
+    d = _write_config(
+        tmp_path / "a",
+        quantization_config={
+            "quant_method": "modelopt",
+            "quant_algo": "FP8",
+            "kv_cache_quant_algo": "FP8",
+            "exclude_modules": ["lm_head", "model.layers.0.mixer.in_proj"],
+            "ignore": ["*.mixer.o_proj"],
+        },
+    )
     q = checkpoint_quant(d)
     assert (q.method, q.scheme, q.kv_cache_fp8, q.from_checkpoint) == ("modelopt", "tensor", True, True)
     assert q.exclude == ("lm_head", "model.layers.0.mixer.in_proj", "*.mixer.o_proj")
@@ -81,58 +88,124 @@ def test_detects_modelopt_in_config_json_and_hf_quant_config(tmp_path: Path) -> 
     assert q.quantizes("backbone.layers.2.mixer.in_proj")
     assert not q.quantizes("backbone.layers.5.mixer.o_proj")
     assert q.quantizes("backbone.layers.5.mixer.q_proj")
-    for never in ("backbone.layers.3.mixer.gate", "backbone.layers.0.mixer.conv1d", "lm_head", "backbone.embeddings"):
+    for never in (
+        "backbone.layers.3.mixer.gate",
+        "backbone.layers.0.mixer.conv1d",
+        "lm_head",
+        "backbone.embeddings",
+    ):
         assert not q.quantizes(never)
     e = _write_config(tmp_path / "b")
-    (e / "hf_quant_config.json").write_text(json.dumps({
-        "producer": {"name": "modelopt", "version": "0.31"},
-        "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}}))
+    (e / "hf_quant_config.json").write_text(
+        json.dumps(
+            {
+                "producer": {"name": "modelopt", "version": "0.31"},
+                "quantization": {
+                    "quant_algo": "FP8",
+                    "kv_cache_quant_algo": None,
+                    "exclude_modules": ["lm_head"],
+                },
+            }
+        )
+    )
     q = checkpoint_quant(e)
     assert (q.method, q.scheme, q.kv_cache_fp8, q.exclude) == ("modelopt", "tensor", False, ("lm_head",))
     assert checkpoint_quant(_write_config(tmp_path / "c")) is None
 
 
 def test_detects_block_and_per_tensor_fp8(tmp_path: Path) -> None:
-    d = _write_config(tmp_path / "a", quantization_config={
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-        "modules_to_not_convert": ["backbone.layers.1.mixer.q_proj"]})
+    d = _write_config(
+        tmp_path / "a",
+        quantization_config={
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+            "modules_to_not_convert": ["backbone.layers.1.mixer.q_proj"],
+        },
+    )
     q = checkpoint_quant(d)
     assert (q.method, q.scheme, q.block_size) == ("fp8", "block", (128, 128))
     assert not q.quantizes("backbone.layers.1.mixer.q_proj")
-    d = _write_config(tmp_path / "b", quantization_config={"quant_method": "fp8", "activation_scheme": "static"})
+    d = _write_config(
+        tmp_path / "b", quantization_config={"quant_method": "fp8", "activation_scheme": "static"}
+    )
     assert checkpoint_quant(d).scheme == "tensor"
 
 
-@pytest.mark.parametrize(("algo", "scheme"), [("FP8", "tensor"), ("FP8_PER_CHANNEL_PER_TOKEN", "channel"),
-                                             ("FP8_PB_WO", "block"), ("fp8_pb_wo", "block")])
+@pytest.mark.parametrize(
+    ("algo", "scheme"),
+    [
+        ("FP8", "tensor"),
+        ("FP8_PER_CHANNEL_PER_TOKEN", "channel"),
+        ("FP8_PB_WO", "block"),
+        ("fp8_pb_wo", "block"),
+    ],
+)
 def test_detects_each_modelopt_fp8_algorithm(tmp_path: Path, algo: str, scheme: str) -> None:
     """ModelOpt's three FP8 layouts, from either file and in config.json's own form (quant_method beside
     quant_algo, `ignore` and `kv_cache_scheme`) or with hf_quant_config.json's nesting inside it."""
-    flat = _write_config(tmp_path / "flat", quantization_config={
-        "quant_method": "modelopt", "quant_algo": algo, "ignore": ["lm_head", "model.layers.1*"],
-        "kv_cache_scheme": {"type": "float", "num_bits": 8, "dynamic": False}})
-    nested = _write_config(tmp_path / "nested", quantization_config={
-        "quant_method": "modelopt", "quantization": {"quant_algo": algo, "kv_cache_quant_algo": "FP8",
-                                                     "exclude_modules": ["lm_head", "model.layers.1*"]}})
+    flat = _write_config(
+        tmp_path / "flat",
+        quantization_config={
+            "quant_method": "modelopt",
+            "quant_algo": algo,
+            "ignore": ["lm_head", "model.layers.1*"],
+            "kv_cache_scheme": {"type": "float", "num_bits": 8, "dynamic": False},
+        },
+    )
+    nested = _write_config(
+        tmp_path / "nested",
+        quantization_config={
+            "quant_method": "modelopt",
+            "quantization": {
+                "quant_algo": algo,
+                "kv_cache_quant_algo": "FP8",
+                "exclude_modules": ["lm_head", "model.layers.1*"],
+            },
+        },
+    )
     hf = _write_config(tmp_path / "hf")
-    (hf / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": {
-        "quant_algo": algo, "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head", "model.layers.1*"]}}))
+    (hf / "hf_quant_config.json").write_text(
+        json.dumps(
+            {
+                "producer": {"name": "modelopt"},
+                "quantization": {
+                    "quant_algo": algo,
+                    "kv_cache_quant_algo": "FP8",
+                    "exclude_modules": ["lm_head", "model.layers.1*"],
+                },
+            }
+        )
+    )
     for d in (flat, nested, hf):
         q = checkpoint_quant(d)
         assert (q.method, q.scheme, q.kv_cache_fp8, q.include) == ("modelopt", scheme, True, None), d
-        assert q.quantizes("backbone.layers.0.mixer.in_proj") and q.quantizes("backbone.layers.2.mixer.o_proj")
+        assert q.quantizes("backbone.layers.0.mixer.in_proj") and q.quantizes(
+            "backbone.layers.2.mixer.o_proj"
+        )
         assert not q.quantizes("backbone.layers.1.mixer.in_proj")  # ModelOpt's "a whole subtree" pattern
-    no_kv = _write_config(tmp_path / "no-kv", quantization_config={
-        "quant_method": "modelopt", "quant_algo": algo, "kv_cache_scheme": None})
+    no_kv = _write_config(
+        tmp_path / "no-kv",
+        quantization_config={"quant_method": "modelopt", "quant_algo": algo, "kv_cache_scheme": None},
+    )
     assert not checkpoint_quant(no_kv).kv_cache_fp8
 
 
 def test_mixed_precision_fp8_loads_only_the_listed_modules(tmp_path: Path) -> None:
-    listed = {"model.layers.0.mixer.in_proj": {"quant_algo": "FP8"},
-              "backbone.layers.3.mixer.experts.0.up_proj": {"quant_algo": "FP8"}}
-    d = _write_config(tmp_path, quantization_config={
-        "quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": "FP8",
-        "quantized_layers": listed})
+    listed = {
+        "model.layers.0.mixer.in_proj": {"quant_algo": "FP8"},
+        "backbone.layers.3.mixer.experts.0.up_proj": {"quant_algo": "FP8"},
+    }
+    d = _write_config(
+        tmp_path,
+        quantization_config={
+            "quant_method": "modelopt",
+            "quant_algo": "MIXED_PRECISION",
+            "kv_cache_quant_algo": "FP8",
+            "quantized_layers": listed,
+        },
+    )
     q = checkpoint_quant(d)
     assert (q.scheme, q.kv_cache_fp8) == ("tensor", True)
     assert q.include == {"backbone.layers.0.mixer.in_proj", "backbone.layers.3.mixer.experts.0.up_proj"}
@@ -140,7 +213,9 @@ def test_mixed_precision_fp8_loads_only_the_listed_modules(tmp_path: Path) -> No
     assert q.quantizes("backbone.layers.3.mixer.experts.0.up_proj")
     assert not q.quantizes("backbone.layers.2.mixer.in_proj")  # not listed: 16-bit
     assert "2 FP8 modules listed" in q.describe()
-    parent = QuantConfig(method="modelopt", scheme="tensor", include=frozenset({"backbone.layers.5.mixer.experts"}))
+    parent = QuantConfig(
+        method="modelopt", scheme="tensor", include=frozenset({"backbone.layers.5.mixer.experts"})
+    )
     assert parent.quantizes_experts("backbone.layers.5.mixer.experts")  # an entry for the experts' module
     assert not parent.quantizes("backbone.layers.50.mixer.experts.0.up_proj")
 
@@ -154,102 +229,278 @@ def test_module_patterns_read_as_modelopt_and_compressed_tensors_mean_them() -> 
     assert not r.quantizes("backbone.layers.2.mixer.in_proj")  # in the checkpoint's model. spelling too
 
 
-def _ct_config(strategy: str = "channel", *, targets: list[str] | None = None, ignore: list[str] | None = None,
-               static_act: bool = False, **extra: Any) -> dict[str, Any]:
+def _ct_config(
+    strategy: str = "channel",
+    *,
+    targets: list[str] | None = None,
+    ignore: list[str] | None = None,
+    static_act: bool = False,
+    **extra: Any,
+) -> dict[str, Any]:
     """A compressed-tensors (llm-compressor) FP8 quantization_config, as its FP8-dynamic / FP8-block recipes
     write them."""
-    w = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy,
-         "block_structure": [128, 128] if strategy == "block" else None, "group_size": None}
-    act = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not static_act,
-           "strategy": "tensor" if static_act else "group" if strategy == "block" else "token",
-           "group_size": 128 if strategy == "block" else None}
-    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": targets or ["Linear"], "weights": w, "input_activations": act}},
-            "ignore": ignore if ignore is not None else ["lm_head"], "kv_cache_scheme": None, **extra}
+    w = {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "dynamic": False,
+        "strategy": strategy,
+        "block_structure": [128, 128] if strategy == "block" else None,
+        "group_size": None,
+    }
+    act = {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "dynamic": not static_act,
+        "strategy": "tensor" if static_act else "group" if strategy == "block" else "token",
+        "group_size": 128 if strategy == "block" else None,
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {"targets": targets or ["Linear"], "weights": w, "input_activations": act}
+        },
+        "ignore": ignore if ignore is not None else ["lm_head"],
+        "kv_cache_scheme": None,
+        **extra,
+    }
 
 
 @pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
 def test_detects_compressed_tensors_fp8(tmp_path: Path, strategy: str) -> None:
-    d = _write_config(tmp_path / "a", quantization_config=_ct_config(
-        strategy, ignore=["lm_head", "re:.*mixer\\.o_proj$", "model.layers.0.mixer.in_proj"]))
+    d = _write_config(
+        tmp_path / "a",
+        quantization_config=_ct_config(
+            strategy, ignore=["lm_head", "re:.*mixer\\.o_proj$", "model.layers.0.mixer.in_proj"]
+        ),
+    )
     q = checkpoint_quant(d)
     assert (q.method, q.scheme, q.targets, q.kv_cache_fp8) == ("compressed-tensors", strategy, (), False)
-    assert q.quantizes("backbone.layers.2.mixer.in_proj") and q.quantizes("backbone.layers.3.mixer.experts.0.up_proj")
+    assert q.quantizes("backbone.layers.2.mixer.in_proj") and q.quantizes(
+        "backbone.layers.3.mixer.experts.0.up_proj"
+    )
     assert not q.quantizes("backbone.layers.0.mixer.in_proj")  # ignored by name (model. read as backbone.)
     assert not q.quantizes("backbone.layers.5.mixer.o_proj")  # ignored by a re: pattern
     assert q.quantizes("backbone.layers.5.mixer.q_proj")
-    t = _write_config(tmp_path / "b", quantization_config=_ct_config(
-        strategy, targets=["re:.*mixer\\.(in|out)_proj$", "model.layers.4.mixer.down_proj"],
-        kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}))
+    t = _write_config(
+        tmp_path / "b",
+        quantization_config=_ct_config(
+            strategy,
+            targets=["re:.*mixer\\.(in|out)_proj$", "model.layers.4.mixer.down_proj"],
+            kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False},
+        ),
+    )
     q = checkpoint_quant(t)
     assert q.kv_cache_fp8 and q.quantizes("backbone.layers.0.mixer.out_proj")
-    assert q.quantizes("backbone.layers.4.mixer.down_proj") and not q.quantizes("backbone.layers.3.mixer.down_proj")
+    assert q.quantizes("backbone.layers.4.mixer.down_proj") and not q.quantizes(
+        "backbone.layers.3.mixer.down_proj"
+    )
     assert not q.quantizes("backbone.layers.5.mixer.q_proj")  # no target names it
 
 
-@pytest.mark.parametrize(("qc", "needle"), [
-    ({"quant_method": "awq", "bits": 4}, r"quant_method 'awq' is not supported; hyserve loads quant_method modelopt"),
-    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, r"ModelOpt quant_algo 'NVFP4' is not supported"),
-    ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "INT8"},
-     r"kv_cache_quant_algo 'INT8' is not supported"),
-    ({"quant_method": "fp8", "weight_block_size": [64, 64]},
-     r"weight_block_size \[64, 64\] is not supported; the FP8 kernels take \[128, 128\] blocks"),
-    ({"quant_method": "fp8", "weight_block_size": 128}, r"weight_block_size 128 is not supported"),
-    ({"quant_method": "fp8", "fmt": "e5m2"}, r"fmt 'e5m2' is not supported; hyserve's FP8 weights are e4m3"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
-     r"activation_scheme 'static' with block scales is not supported"),
-    ({"quant_method": "fp8", "activation_scheme": "weird"}, r"activation_scheme 'weird' is not one of"),
-    ({"quant_method": "modelopt", "quant_algo": "FP8", "exclude_modules": "lm_head"},
-     r"exclude_modules must be a list of module names"),
-    ("fp8", r"quantization_config: expected a mapping"),
-    ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_scheme": {"type": "int", "num_bits": 8}},
-     r"kv_cache_scheme \{'type': 'int', 'num_bits': 8\} is not supported \(type float, num_bits 8, or null\)"),
-    ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"},
-     r"quant_algo MIXED_PRECISION needs a non-empty 'quantized_layers' mapping"),
-    ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "quantized_layers": {
-        "model.layers.0.mixer.in_proj": {"quant_algo": "FP8"},
-        "model.layers.1.mixer.experts.0.up_proj": {"quant_algo": "NVFP4", "group_size": 16}}},
-     r"MIXED_PRECISION checkpoint with layers in NVFP4 \(e.g. model.layers.1.mixer.experts.0.up_proj\): "
-     r"not supported; hyserve loads FP8 / FP8_PER_CHANNEL_PER_TOKEN / FP8_PB_WO layers"),
-    ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "quantized_layers": {
-        "model.layers.0.mixer.in_proj": {"quant_algo": "FP8"},
-        "model.layers.1.mixer.in_proj": {"quant_algo": "FP8_PB_WO"}}},
-     r"mixes FP8 scale layouts \['FP8', 'FP8_PB_WO'\]: not supported"),
-    ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "quantized_layers": {"x.in_proj": "FP8"}},
-     r"quantized_layers\['x.in_proj'\] has no quant_algo"),
-    ({**_ct_config(), "format": "pack-quantized"}, r"compressed-tensors format 'pack-quantized' is not supported"),
-    ({**_ct_config(), "config_groups": {}}, r"compressed-tensors needs a non-empty 'config_groups' mapping"),
-    ({**_ct_config(), "config_groups": {"g": {"targets": ["Linear"], "weights": {
-        "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}},
-     r"config_groups.g has 4-bit int weights: not supported; hyserve loads"),
-    ({**_ct_config(), "config_groups": {"g": {"targets": ["Linear"], "weights": {
-        "num_bits": 8, "type": "float", "strategy": "group", "group_size": 128}}}},
-     r"config_groups.g: weight strategy 'group' is not supported \(tensor, channel or block\)"),
-    ({**_ct_config(), "config_groups": {"g": {"targets": ["Linear"], "weights": {
-        "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": False}}}},
-     r"config_groups.g: asymmetric or dynamic weight scales are not supported"),
-    ({**_ct_config(), "config_groups": {"g": {"targets": ["Linear"], "weights": {
-        "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [64, 64]}}}},
-     r"block_structure \[64, 64\] is not supported; the FP8 kernels take \[128, 128\] blocks"),
-    ({**_ct_config(), "config_groups": {
-        "a": {"targets": ["re:.*in_proj"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}},
-        "b": {"targets": ["re:.*out_proj"], "weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}}},
-     r"config_groups mix weight strategies \{'a': 'channel', 'b': 'tensor'\}"),
-    ({**_ct_config(), "config_groups": {"g": {"targets": [], "weights": {"num_bits": 8, "type": "float",
-                                                                         "strategy": "channel"}}}},
-     r"config_groups.g.targets must be a non-empty list of names"),
-    (_ct_config("block", static_act=True), r"static activation scales with block-scaled weights are not supported"),
-    (_ct_config(targets=["QKVParallelLinear"]),
-     r"targets entry 'QKVParallelLinear' is not supported \(Linear, module names or re: patterns\)"),
-    (_ct_config(ignore=["re:(unclosed"]), r"ignore entry 're:\(unclosed' is not a regular expression"),
-    (_ct_config(sparsity_config={"format": "sparse-24-bitmask"}),
-     r"compressed-tensors with a sparsity_config is not supported \(dense FP8 weights only\)"),
-    (_ct_config(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "attn_head"}),
-     r"kv_cache_scheme strategy 'attn_head' is not supported"),
-    ({**_ct_config(), "config_groups": {"g": {"targets": ["Linear"], "weights": None,
-                                              "input_activations": {"num_bits": 8, "type": "float"}}}},
-     r"no config_groups entry quantises weights \(only activations\)"),
-])
+@pytest.mark.parametrize(
+    ("qc", "needle"),
+    [
+        (
+            {"quant_method": "awq", "bits": 4},
+            r"quant_method 'awq' is not supported; hyserve loads quant_method modelopt",
+        ),
+        (
+            {"quant_method": "modelopt", "quant_algo": "NVFP4"},
+            r"ModelOpt quant_algo 'NVFP4' is not supported",
+        ),
+        (
+            {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "INT8"},
+            r"kv_cache_quant_algo 'INT8' is not supported",
+        ),
+        (
+            {"quant_method": "fp8", "weight_block_size": [64, 64]},
+            r"weight_block_size \[64, 64\] is not supported; the FP8 kernels take \[128, 128\] blocks",
+        ),
+        ({"quant_method": "fp8", "weight_block_size": 128}, r"weight_block_size 128 is not supported"),
+        (
+            {"quant_method": "fp8", "fmt": "e5m2"},
+            r"fmt 'e5m2' is not supported; hyserve's FP8 weights are e4m3",
+        ),
+        (
+            {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+            r"activation_scheme 'static' with block scales is not supported",
+        ),
+        ({"quant_method": "fp8", "activation_scheme": "weird"}, r"activation_scheme 'weird' is not one of"),
+        (
+            {"quant_method": "modelopt", "quant_algo": "FP8", "exclude_modules": "lm_head"},
+            r"exclude_modules must be a list of module names",
+        ),
+        ("fp8", r"quantization_config: expected a mapping"),
+        (
+            {
+                "quant_method": "modelopt",
+                "quant_algo": "FP8",
+                "kv_cache_scheme": {"type": "int", "num_bits": 8},
+            },
+            r"kv_cache_scheme \{'type': 'int', 'num_bits': 8\} is not supported \(type float, num_bits 8, or null\)",
+        ),
+        (
+            {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"},
+            r"quant_algo MIXED_PRECISION needs a non-empty 'quantized_layers' mapping",
+        ),
+        (
+            {
+                "quant_method": "modelopt",
+                "quant_algo": "MIXED_PRECISION",
+                "quantized_layers": {
+                    "model.layers.0.mixer.in_proj": {"quant_algo": "FP8"},
+                    "model.layers.1.mixer.experts.0.up_proj": {"quant_algo": "NVFP4", "group_size": 16},
+                },
+            },
+            r"MIXED_PRECISION checkpoint with layers in NVFP4 \(e.g. model.layers.1.mixer.experts.0.up_proj\): "
+            r"not supported; hyserve loads FP8 / FP8_PER_CHANNEL_PER_TOKEN / FP8_PB_WO layers",
+        ),
+        (
+            {
+                "quant_method": "modelopt",
+                "quant_algo": "MIXED_PRECISION",
+                "quantized_layers": {
+                    "model.layers.0.mixer.in_proj": {"quant_algo": "FP8"},
+                    "model.layers.1.mixer.in_proj": {"quant_algo": "FP8_PB_WO"},
+                },
+            },
+            r"mixes FP8 scale layouts \['FP8', 'FP8_PB_WO'\]: not supported",
+        ),
+        (
+            {
+                "quant_method": "modelopt",
+                "quant_algo": "MIXED_PRECISION",
+                "quantized_layers": {"x.in_proj": "FP8"},
+            },
+            r"quantized_layers\['x.in_proj'\] has no quant_algo",
+        ),
+        (
+            {**_ct_config(), "format": "pack-quantized"},
+            r"compressed-tensors format 'pack-quantized' is not supported",
+        ),
+        (
+            {**_ct_config(), "config_groups": {}},
+            r"compressed-tensors needs a non-empty 'config_groups' mapping",
+        ),
+        (
+            {
+                **_ct_config(),
+                "config_groups": {
+                    "g": {
+                        "targets": ["Linear"],
+                        "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128},
+                    }
+                },
+            },
+            r"config_groups.g has 4-bit int weights: not supported; hyserve loads",
+        ),
+        (
+            {
+                **_ct_config(),
+                "config_groups": {
+                    "g": {
+                        "targets": ["Linear"],
+                        "weights": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128},
+                    }
+                },
+            },
+            r"config_groups.g: weight strategy 'group' is not supported \(tensor, channel or block\)",
+        ),
+        (
+            {
+                **_ct_config(),
+                "config_groups": {
+                    "g": {
+                        "targets": ["Linear"],
+                        "weights": {
+                            "num_bits": 8,
+                            "type": "float",
+                            "strategy": "channel",
+                            "symmetric": False,
+                        },
+                    }
+                },
+            },
+            r"config_groups.g: asymmetric or dynamic weight scales are not supported",
+        ),
+        (
+            {
+                **_ct_config(),
+                "config_groups": {
+                    "g": {
+                        "targets": ["Linear"],
+                        "weights": {
+                            "num_bits": 8,
+                            "type": "float",
+                            "strategy": "block",
+                            "block_structure": [64, 64],
+                        },
+                    }
+                },
+            },
+            r"block_structure \[64, 64\] is not supported; the FP8 kernels take \[128, 128\] blocks",
+        ),
+        (
+            {
+                **_ct_config(),
+                "config_groups": {
+                    "a": {
+                        "targets": ["re:.*in_proj"],
+                        "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                    },
+                    "b": {
+                        "targets": ["re:.*out_proj"],
+                        "weights": {"num_bits": 8, "type": "float", "strategy": "tensor"},
+                    },
+                },
+            },
+            r"config_groups mix weight strategies \{'a': 'channel', 'b': 'tensor'\}",
+        ),
+        (
+            {
+                **_ct_config(),
+                "config_groups": {
+                    "g": {"targets": [], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}
+                },
+            },
+            r"config_groups.g.targets must be a non-empty list of names",
+        ),
+        (
+            _ct_config("block", static_act=True),
+            r"static activation scales with block-scaled weights are not supported",
+        ),
+        (
+            _ct_config(targets=["QKVParallelLinear"]),
+            r"targets entry 'QKVParallelLinear' is not supported \(Linear, module names or re: patterns\)",
+        ),
+        (_ct_config(ignore=["re:(unclosed"]), r"ignore entry 're:\(unclosed' is not a regular expression"),
+        (
+            _ct_config(sparsity_config={"format": "sparse-24-bitmask"}),
+            r"compressed-tensors with a sparsity_config is not supported \(dense FP8 weights only\)",
+        ),
+        (
+            _ct_config(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "attn_head"}),
+            r"kv_cache_scheme strategy 'attn_head' is not supported",
+        ),
+        (
+            {
+                **_ct_config(),
+                "config_groups": {
+                    "g": {
+                        "targets": ["Linear"],
+                        "weights": None,
+                        "input_activations": {"num_bits": 8, "type": "float"},
+                    }
+                },
+            },
+            r"no config_groups entry quantises weights \(only activations\)",
+        ),
+    ],
+)
 def test_unsupported_quantization_configs_are_refused(tmp_path: Path, qc: Any, needle: str) -> None:
     d = _write_config(tmp_path, quantization_config=qc)
     with pytest.raises(ValueError, match=needle):
@@ -278,7 +529,9 @@ def test_resolve_quant(tmp_path: Path) -> None:
     assert resolve_quant(None, plain) is None
     q = resolve_quant("fp8", plain)
     assert (q.method, q.scheme, q.from_checkpoint) == ("online", "channel", False)
-    fp8 = _write_config(tmp_path / "fp8", quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    fp8 = _write_config(
+        tmp_path / "fp8", quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}
+    )
     assert resolve_quant(None, fp8).scheme == resolve_quant("fp8", fp8).scheme == "block"  # the checkpoint's
     with pytest.raises(ValueError, match=r"quantization: 'int8' is not one of \[None, 'fp8'\]"):
         resolve_quant("int8", plain)
@@ -289,7 +542,9 @@ def test_resolve_quant(tmp_path: Path) -> None:
 # ---- quantisation and the reference path ---------------------------------------------------------------
 def _scaled_error_ok(w: torch.Tensor, deq: torch.Tensor, scale_full: torch.Tensor) -> bool:
     """Every element within e4m3's rounding: half an ulp of |w| (normals) or of the subnormal spacing."""
-    bound = scale_full * torch.maximum(E4M3_REL * (w.double() / scale_full).abs(), torch.tensor(E4M3_SUB, dtype=F64))
+    bound = scale_full * torch.maximum(
+        E4M3_REL * (w.double() / scale_full).abs(), torch.tensor(E4M3_SUB, dtype=F64)
+    )
     return bool(((deq.double() - w.double()).abs() <= bound * (1 + 1e-6)).all())
 
 
@@ -329,8 +584,11 @@ def test_reference_linear_against_float64_dequantised_product(dtype: torch.dtype
     want = x.double() @ dequantize_weight_ref(q, s).double().T + bias.double()
     # the dequantised weight is rounded once to x.dtype, then one matmul in x.dtype
     eps = torch.finfo(dtype).eps
-    bound = 2 * eps * (x.double().abs() @ dequantize_weight_ref(q, s).double().abs().T + bias.double().abs()) + 1e-30
-    assert ((out.double() - want).abs() <= bound * (k ** 0.5 + 2)).all()
+    bound = (
+        2 * eps * (x.double().abs() @ dequantize_weight_ref(q, s).double().abs().T + bias.double().abs())
+        + 1e-30
+    )
+    assert ((out.double() - want).abs() <= bound * (k**0.5 + 2)).all()
 
 
 def test_reference_linear_refuses_bad_operands() -> None:
@@ -373,9 +631,16 @@ _LAYOUTS = {
 }
 
 
-def _quantize_checkpoint(src: Path, dst: Path, qc: dict[str, Any], *, skip: tuple[str, ...] = (),
-                         layout: str | None = None, only: set[str] | None = None,
-                         block_experts: bool = True) -> dict[str, Any]:
+def _quantize_checkpoint(
+    src: Path,
+    dst: Path,
+    qc: dict[str, Any],
+    *,
+    skip: tuple[str, ...] = (),
+    layout: str | None = None,
+    only: set[str] | None = None,
+    block_experts: bool = True,
+) -> dict[str, Any]:
     """dst: src's checkpoint with every projection weight (not in `skip`; in `only` where given) as e4m3 plus
     its scales in `layout` (by default the format `qc` names: block for weight_block_size, else tensor);
     block_experts False keeps the routed experts 16-bit in a block-scaled checkpoint. Returns the tensors
@@ -392,8 +657,13 @@ def _quantize_checkpoint(src: Path, dst: Path, qc: dict[str, Any], *, skip: tupl
             t = f.get_tensor(name)
             stem = name.removesuffix(".weight")
             routed = ".experts." in name
-            if name.endswith(".weight") and stem.rsplit(".", 1)[-1] in QUANTIZABLE_LINEARS and stem not in skip \
-                    and (only is None or stem in only) and not (routed and block and not block_experts):
+            if (
+                name.endswith(".weight")
+                and stem.rsplit(".", 1)[-1] in QUANTIZABLE_LINEARS
+                and stem not in skip
+                and (only is None or stem in only)
+                and not (routed and block and not block_experts)
+            ):
                 q, s = quantize_weight_ref(t, scheme)
                 out[name] = q
                 out[stem + suffix] = stored(s)
@@ -431,14 +701,21 @@ def _close_logits(lm: Any, ref: Any) -> None:
 def test_modelopt_checkpoint_loads_e4m3_weights_and_scales(tmp_path: Path, variant: str) -> None:
     src = _tiny_dir(tmp_path, variant)
     skip = ("backbone.layers.0.mixer.in_proj",)
-    qc = {"quant_method": "modelopt", "quant_algo": "FP8", "exclude_modules": ["model.layers.0.mixer.in_proj"]}
+    qc = {
+        "quant_method": "modelopt",
+        "quant_algo": "FP8",
+        "exclude_modules": ["model.layers.0.mixer.in_proj"],
+    }
     written = _quantize_checkpoint(src, tmp_path / "fp8", qc, skip=skip)
     lm = _load(tmp_path / "fp8")
     layers = dict(fp8_layers(lm.model))
     assert "backbone.layers.0.mixer.in_proj" not in layers  # excluded: 16-bit as the checkpoint holds it
     assert lm.model.get_submodule("backbone.layers.0.mixer.in_proj").weight.dtype == torch.float32
-    want = {n.removesuffix(".weight") for n in written
-            if n.endswith(".weight") and written[n].dtype == E4M3 and ".experts." not in n}
+    want = {
+        n.removesuffix(".weight")
+        for n in written
+        if n.endswith(".weight") and written[n].dtype == E4M3 and ".experts." not in n
+    }
     assert set(layers) == want and len(want) > 8
     for name, layer in layers.items():
         assert torch.equal(layer.weight.view(torch.uint8), written[name + ".weight"].view(torch.uint8))
@@ -458,7 +735,9 @@ def test_modelopt_checkpoint_loads_e4m3_weights_and_scales(tmp_path: Path, varia
 
 def test_block_scaled_checkpoint_loads(tmp_path: Path) -> None:
     src = _tiny_dir(tmp_path)
-    written = _quantize_checkpoint(src, tmp_path / "blk", {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    written = _quantize_checkpoint(
+        src, tmp_path / "blk", {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    )
     lm = _load(tmp_path / "blk")
     assert lm.config.quant.scheme == "block"
     layers = dict(fp8_layers(lm.model))
@@ -469,9 +748,13 @@ def test_block_scaled_checkpoint_loads(tmp_path: Path) -> None:
         assert layer.weight_scale.shape == (math.ceil(n / 128), math.ceil(k / 128))
 
 
-@pytest.mark.parametrize(("algo", "layout"), [("FP8_PER_CHANNEL_PER_TOKEN", "channel"), ("FP8_PB_WO", "pb_wo")])
+@pytest.mark.parametrize(
+    ("algo", "layout"), [("FP8_PER_CHANNEL_PER_TOKEN", "channel"), ("FP8_PB_WO", "pb_wo")]
+)
 @pytest.mark.parametrize("variant", ["dense", "latent-moe"])
-def test_modelopt_channel_and_block_checkpoints_load(tmp_path: Path, algo: str, layout: str, variant: str) -> None:
+def test_modelopt_channel_and_block_checkpoints_load(
+    tmp_path: Path, algo: str, layout: str, variant: str
+) -> None:
     """ModelOpt's per-channel ([N, 1] scales) and block-scaled ([N/128, 1, K/128, 1]) checkpoints: e4m3 bytes
     and scales as written; routed experts carry per-channel scales (block-scaled ones re-quantised)."""
     src = _tiny_dir(tmp_path, variant)
@@ -480,21 +763,28 @@ def test_modelopt_channel_and_block_checkpoints_load(tmp_path: Path, algo: str, 
     lm = _load(tmp_path / "fp8")
     assert lm.config.quant.scheme == _LAYOUTS[layout][0]
     layers = dict(fp8_layers(lm.model))
-    assert len(layers) > 8 and len(layers) == sum(1 for n in written if n.endswith(".weight_scale")
-                                                   and ".experts." not in n)
+    assert len(layers) > 8 and len(layers) == sum(
+        1 for n in written if n.endswith(".weight_scale") and ".experts." not in n
+    )
     for name, layer in layers.items():
         assert torch.equal(layer.weight.view(torch.uint8), written[name + ".weight"].view(torch.uint8))
-        assert torch.equal(layer.weight_scale, written[name + ".weight_scale"].reshape(layer.weight_scale.shape))
+        assert torch.equal(
+            layer.weight_scale, written[name + ".weight_scale"].reshape(layer.weight_scale.shape)
+        )
     for name, m in lm.model.named_modules():
         if name.endswith(".experts"):
             assert m.quant is not None
             if layout == "channel":
                 for e in range(m.num_experts):
-                    assert torch.equal(m.down_proj_scale[e], written[f"{name}.{e}.down_proj.weight_scale"].reshape(-1))
+                    assert torch.equal(
+                        m.down_proj_scale[e], written[f"{name}.{e}.down_proj.weight_scale"].reshape(-1)
+                    )
     _close_logits(lm, _load(src))
 
 
-@pytest.mark.parametrize(("strategy", "layout"), [("tensor", "tensor_1"), ("channel", "channel"), ("block", "block")])
+@pytest.mark.parametrize(
+    ("strategy", "layout"), [("tensor", "tensor_1"), ("channel", "channel"), ("block", "block")]
+)
 def test_compressed_tensors_checkpoint_loads(tmp_path: Path, strategy: str, layout: str) -> None:
     """An llm-compressor FP8 checkpoint (weight_scale [1], [N, 1] or [N/128, K/128]; the per-tensor one with
     static input_scales, read past) loads byte for byte, its experts FP8 (block-scaled ones re-quantised)."""
@@ -511,8 +801,12 @@ def test_compressed_tensors_checkpoint_loads(tmp_path: Path, strategy: str, layo
     for name, layer in layers.items():
         assert torch.equal(layer.weight.view(torch.uint8), written[name + ".weight"].view(torch.uint8))
         sc = written[name + ".weight_scale"]
-        assert torch.equal(layer.weight_scale, sc.reshape(()).expand(layer.weight.shape[0]) if strategy == "tensor"
-                           else sc.reshape(layer.weight_scale.shape))
+        assert torch.equal(
+            layer.weight_scale,
+            sc.reshape(()).expand(layer.weight.shape[0])
+            if strategy == "tensor"
+            else sc.reshape(layer.weight_scale.shape),
+        )
     assert all(m.quant is not None for n, m in lm.model.named_modules() if n.endswith(".experts"))
     _close_logits(lm, _load(src))
 
@@ -522,14 +816,22 @@ def test_mixed_precision_checkpoint_loads_listed_modules_as_fp8(tmp_path: Path) 
     the rest as the 16-bit tensors the checkpoint holds."""
     src = _tiny_dir(tmp_path, "latent-moe")
     ref = _load(src)
-    names = [n for n, m in ref.model.named_modules()
-             if n.rsplit(".", 1)[-1] in QUANTIZABLE_LINEARS and ".experts" not in n]
+    names = [
+        n
+        for n, m in ref.model.named_modules()
+        if n.rsplit(".", 1)[-1] in QUANTIZABLE_LINEARS and ".experts" not in n
+    ]
     only = set(names[::2])
     experts = next(n for n, _ in ref.model.named_modules() if n.endswith(".experts"))
     n_exp = ref.model.get_submodule(experts).num_experts
     only |= {f"{experts}.{e}.{w}" for e in range(n_exp) for w in ("up_proj", "down_proj")}
-    qc = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION",
-          "quantized_layers": {n.replace("backbone.", "model.", 1): {"quant_algo": "FP8"} for n in sorted(only)}}
+    qc = {
+        "quant_method": "modelopt",
+        "quant_algo": "MIXED_PRECISION",
+        "quantized_layers": {
+            n.replace("backbone.", "model.", 1): {"quant_algo": "FP8"} for n in sorted(only)
+        },
+    }
     written = _quantize_checkpoint(src, tmp_path / "mixed", qc, only=only)
     lm = _load(tmp_path / "mixed")
     assert set(dict(fp8_layers(lm.model))) == {n for n in only if ".experts." not in n}
@@ -538,9 +840,13 @@ def test_mixed_precision_checkpoint_loads_listed_modules_as_fp8(tmp_path: Path) 
     fp8_experts = {n for n, m in lm.model.named_modules() if n.endswith(".experts") and m.quant is not None}
     assert fp8_experts == {experts}
     m = lm.model.get_submodule(experts)
-    assert torch.equal(m.up_proj[0].view(torch.uint8), written[f"{experts}.0.up_proj.weight"].view(torch.uint8))
+    assert torch.equal(
+        m.up_proj[0].view(torch.uint8), written[f"{experts}.0.up_proj.weight"].view(torch.uint8)
+    )
     buffers = sum(b.numel() * b.element_size() for b in lm.model.buffers())
-    assert weight_bytes(lm.config, torch.float32) == tensor_bytes(lm.model)[0] - buffers  # the planner's count
+    assert (
+        weight_bytes(lm.config, torch.float32) == tensor_bytes(lm.model)[0] - buffers
+    )  # the planner's count
     _close_logits(lm, ref)
 
 
@@ -552,14 +858,18 @@ def test_checkpoint_errors_name_the_fp8_tensors(tmp_path: Path) -> None:
     cfg = json.loads((tmp_path / "fp8" / "config.json").read_text())
     cfg.pop("quantization_config")
     (tmp_path / "fp8" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"float8 tensors for 16-bit parameters .*\n.*in_proj.weight \(F8_E4M3"):
+    with pytest.raises(
+        ValueError, match=r"float8 tensors for 16-bit parameters .*\n.*in_proj.weight \(F8_E4M3"
+    ):
         _load(tmp_path / "fp8")
     # an e4m3 weight without its scale
     cfg["quantization_config"] = qc
     (tmp_path / "fp8" / "config.json").write_text(json.dumps(cfg))
     dropped = {k: v for k, v in written.items() if k != "backbone.layers.1.mixer.q_proj.weight_scale"}
     save_file(dropped, str(tmp_path / "fp8" / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"missing tensors \(1\):\n    backbone.layers.1.mixer.q_proj.weight_scale"):
+    with pytest.raises(
+        ValueError, match=r"missing tensors \(1\):\n    backbone.layers.1.mixer.q_proj.weight_scale"
+    ):
         _load(tmp_path / "fp8")
     bad = dict(written)
     bad["backbone.layers.1.mixer.q_proj.weight_scale"] = torch.tensor(-1.0)
@@ -614,12 +924,14 @@ def test_online_quantisation_of_a_16_bit_checkpoint(tmp_path: Path, variant: str
 
 def test_online_quantisation_of_dummy_weights(tmp_path: Path) -> None:
     src = _tiny_dir(tmp_path)
-    _check_online(_load(src, quantization="fp8", load_format="dummy", seed=5),
-                  _load(src, load_format="dummy", seed=5))
+    _check_online(
+        _load(src, quantization="fp8", load_format="dummy", seed=5), _load(src, load_format="dummy", seed=5)
+    )
 
 
-def test_dummy_fp8_experts_are_drawn_and_quantised_one_expert_at_a_time(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dummy_fp8_experts_are_drawn_and_quantised_one_expert_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Random FP8 experts stream: each expert's matrix reaches its loader alone (`loads_by_row`), never the
     whole stacked float32 tensor (5.6 GB an expert tensor in Nemotron 3 Super), with the values of the whole
     draw (test_online_quantisation_of_dummy_weights checks those)."""
@@ -645,13 +957,16 @@ def test_dummy_weights_with_a_block_fp8_config(tmp_path: Path) -> None:
     d = tmp_path / "cfg-only"
     d.mkdir()
     cfg = json.loads((src / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": {
-        "quant_method": "fp8", "weight_block_size": [128, 128]}}))
+    (d / "config.json").write_text(
+        json.dumps({**cfg, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
+    )
     lm, ref = _load(d, load_format="dummy", seed=2), _load(src, load_format="dummy", seed=2)
     refp = dict(ref.model.named_parameters())
     for name, layer in fp8_layers(lm.model):
         q, s = quantize_weight_ref(refp[name + ".weight"].detach(), "block")
-        assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(layer.weight_scale, s)
+        assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(
+            layer.weight_scale, s
+        )
 
 
 # ---- tensor-parallel shards: simulated ranks in this process ---------------------------------------------
@@ -661,9 +976,13 @@ def _group(rank: int, size: int) -> Group:
 
 def _parts(unit: int) -> list[ShardedPart]:
     # Mamba-like in_proj [z | x | B | C | dt] with units of `unit` rows
-    return [ShardedPart(name="z", units=4, unit_size=unit), ShardedPart(name="x", units=4, unit_size=unit),
-            ShardedPart(name="B", units=2, unit_size=unit), ShardedPart(name="C", units=2, unit_size=unit),
-            ShardedPart(name="dt", units=4, unit_size=unit)]
+    return [
+        ShardedPart(name="z", units=4, unit_size=unit),
+        ShardedPart(name="x", units=4, unit_size=unit),
+        ShardedPart(name="B", units=2, unit_size=unit),
+        ShardedPart(name="C", units=2, unit_size=unit),
+        ShardedPart(name="dt", units=4, unit_size=unit),
+    ]
 
 
 def _local_rows(parts: list[ShardedPart], rank: int, tp: int, full: torch.Tensor) -> torch.Tensor:
@@ -678,7 +997,9 @@ def _local_rows(parts: list[ShardedPart], rank: int, tp: int, full: torch.Tensor
 @pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_column_parallel_fp8_shards(scheme: str, tp: int) -> None:
-    parts = _parts(128)  # every rank's share of every part is whole 128-row blocks (B and C replicated at tp 4)
+    parts = _parts(
+        128
+    )  # every rank's share of every part is whole 128-row blocks (B and C replicated at tp 4)
     n, k = sum(p.size for p in parts), 256
     w = torch.randn(n, k)
     q, s = quantize_weight_ref(w, scheme)
@@ -698,8 +1019,9 @@ def test_column_parallel_fp8_shards(scheme: str, tp: int) -> None:
             assert torch.equal(layer.weight_scale, _local_rows(parts, r, tp, full_s))
         # the rank's product is its rows of the whole layer's
         x = torch.randn(3, k)
-        assert torch.allclose(layer(x), _local_rows(parts, r, tp, fp8_linear_ref(x, q, s if s.dim() else
-                                                                                 s.expand(n), None).T).T)
+        assert torch.allclose(
+            layer(x), _local_rows(parts, r, tp, fp8_linear_ref(x, q, s if s.dim() else s.expand(n), None).T).T
+        )
 
 
 @pytest.mark.parametrize("scheme", ["channel", "block"])
@@ -745,7 +1067,9 @@ def test_online_column_parallel_quantises_its_own_rows_and_parts() -> None:
         convert_linear(layer, ONLINE)
         layer.weight.weight_loader(layer.weight, wq, "q")
         layer.weight.weight_loader(layer.weight, wk.to(torch.bfloat16), "k")
-        q, s = quantize_weight_ref(torch.cat([wq[r * 16 : (r + 1) * 16], wk.to(torch.bfloat16).float()]), "channel")
+        q, s = quantize_weight_ref(
+            torch.cat([wq[r * 16 : (r + 1) * 16], wk.to(torch.bfloat16).float()]), "channel"
+        )
         assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8))
         assert torch.equal(layer.weight_scale, s)
 
@@ -754,8 +1078,11 @@ def test_block_split_off_a_block_boundary_is_refused() -> None:
     parts = [ShardedPart(name="z", units=4, unit_size=80), ShardedPart(name="dt", units=4)]
     quant = QuantConfig(method="fp8", scheme="block")
     layer = MergedColumnParallelLinear(256, parts, group=_group(0, 2))
-    with pytest.raises(ValueError, match=r"rank 0's share of part 'z' is rows \[0, 160\) of 324, which does "
-                                         r"not fall on 128-rows block boundaries.*tp_size 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"rank 0's share of part 'z' is rows \[0, 160\) of 324, which does "
+        r"not fall on 128-rows block boundaries.*tp_size 2",
+    ):
         convert_linear(layer, quant, "in_proj")
     row = RowParallelLinear(320, 64, unit_size=32, group=_group(1, 2))
     with pytest.raises(ValueError, match=r"rank 0's share of part 'in' is columns \[0, 160\) of 320"):
@@ -810,7 +1137,9 @@ def _case_fp8_tp2(path: str) -> dict[str, float]:
             convert_linear(col, quant)
             col.weight.weight_loader(col.weight, f.get_slice(f"{scheme}.col.weight"))
             col.weight_scale.weight_loader(col.weight_scale, f.get_slice(f"{scheme}.col.scale"))
-            want = fp8_linear_ref(x, full[f"{scheme}.col.weight"], _s(full[f"{scheme}.col.scale"], 2048), None)
+            want = fp8_linear_ref(
+                x, full[f"{scheme}.col.weight"], _s(full[f"{scheme}.col.scale"], 2048), None
+            )
             errs[f"{scheme} column"] = (col(x) - _local_rows(parts, r, tp, want.T).T).abs().max().item()
             row = RowParallelLinear(1024, 256, bias=True, unit_size=128)
             convert_linear(row, quant)
@@ -818,7 +1147,9 @@ def _case_fp8_tp2(path: str) -> dict[str, float]:
             row.weight_scale.weight_loader(row.weight_scale, f.get_slice(f"{scheme}.row.scale"))
             row.bias.weight_loader(row.bias, f.get_slice("row.bias"))  # type: ignore[union-attr]
             h = full["h"]
-            want = fp8_linear_ref(h, full[f"{scheme}.row.weight"], _s(full[f"{scheme}.row.scale"], 256), full["row.bias"])
+            want = fp8_linear_ref(
+                h, full[f"{scheme}.row.weight"], _s(full[f"{scheme}.row.scale"], 256), full["row.bias"]
+            )
             errs[f"{scheme} row"] = (row(h.chunk(tp, -1)[r]) - want).abs().max().item()
     return errs
 
@@ -835,8 +1166,11 @@ def pool():
 
 
 def test_fp8_layers_at_tp2_match_the_unsharded_layer(pool: RankPool, tmp_path: Path) -> None:
-    tensors: dict[str, torch.Tensor] = {"x": torch.randn(5, 256), "h": torch.randn(5, 1024),
-                                        "row.bias": torch.randn(256)}
+    tensors: dict[str, torch.Tensor] = {
+        "x": torch.randn(5, 256),
+        "h": torch.randn(5, 1024),
+        "row.bias": torch.randn(256),
+    }
     n_col = sum(p.size for p in _parts(128))
     for scheme in ("tensor", "block"):
         q, s = quantize_weight_ref(torch.randn(n_col, 256), scheme)
@@ -856,9 +1190,14 @@ def test_weight_bytes_match_the_built_model(tmp_path: Path) -> None:
     src = _tiny_dir(tmp_path, "latent-moe")
     blk = tmp_path / "blk"  # a block-scaled config: block scales for projections, channel scales for experts
     blk.mkdir()
-    (blk / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()),
-                                                 "quantization_config": {"quant_method": "fp8",
-                                                                         "weight_block_size": [128, 128]}}))
+    (blk / "config.json").write_text(
+        json.dumps(
+            {
+                **json.loads((src / "config.json").read_text()),
+                "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+            }
+        )
+    )
     for d, opts in ((src, {}), (src, {"quantization": "fp8"}), (blk, {})):
         lm = _load(d, load_format="dummy", **opts)
         total, _ = tensor_bytes(lm.model)
@@ -875,11 +1214,24 @@ def _plan_on_device(cfg: Any, free: int) -> Any:
     from hyserve.cache.capacity import CapacityInputs, device_cache_budget, plan_capacity
 
     budget = device_cache_budget(free, 0.9, reserved_bytes=3 * 2**30)
-    return plan_capacity(CapacityInputs(
-        budget_bytes=budget, kv_bytes_per_token=cfg.kv_bytes_per_token, state_bytes_per_slot=cfg.state_bytes_per_sequence,
-        max_batch_size=64, max_seq_len=131072, max_num_tokens=8192, tokens_per_block=64, enable_block_reuse=True,
-        periodic_snapshot_interval=256, num_snapshot_offsets=1, avg_seq_len=None, num_pad_slots=1,
-        weight_bytes=weight_bytes(cfg), weight_format=cfg.quant.describe() if cfg.quant else "16-bit"))
+    return plan_capacity(
+        CapacityInputs(
+            budget_bytes=budget,
+            kv_bytes_per_token=cfg.kv_bytes_per_token,
+            state_bytes_per_slot=cfg.state_bytes_per_sequence,
+            max_batch_size=64,
+            max_seq_len=131072,
+            max_num_tokens=8192,
+            tokens_per_block=64,
+            enable_block_reuse=True,
+            periodic_snapshot_interval=256,
+            num_snapshot_offsets=1,
+            avg_seq_len=None,
+            num_pad_slots=1,
+            weight_bytes=weight_bytes(cfg),
+            weight_format=cfg.quant.describe() if cfg.quant else "16-bit",
+        )
+    )
 
 
 def test_fp8_weights_give_the_cache_the_memory_they_free() -> None:
@@ -894,7 +1246,9 @@ def test_fp8_weights_give_the_cache_the_memory_they_free() -> None:
     assert wb == 2 * bf16.num_parameters()
     assert 0.5 * wb < wq < 0.6 * wb  # embeddings and lm_head stay bf16
     a, b = _plan_on_device(bf16, H200_BYTES - wb), _plan_on_device(fp8, H200_BYTES - wq)
-    assert b.inputs.budget_bytes - a.inputs.budget_bytes == int((H200_BYTES - wq) * 0.9) - int((H200_BYTES - wb) * 0.9)
+    assert b.inputs.budget_bytes - a.inputs.budget_bytes == int((H200_BYTES - wq) * 0.9) - int(
+        (H200_BYTES - wb) * 0.9
+    )
     # the pools take what they can use of fraction x the freed bytes (whole blocks and slots)
     assert b.total_bytes - a.total_bytes > 0.99 * 0.9 * (wb - wq) > 6 * 2**30
     assert b.num_kv_blocks >= a.num_kv_blocks and b.num_snapshot_slots >= a.num_snapshot_slots
@@ -909,8 +1263,11 @@ def test_weights_that_cannot_fit_are_refused_before_loading(monkeypatch: pytest.
 
     cfg = HybridModelConfig.from_hf(CONFIGS / "NVIDIA-Nemotron-3-Super-120B-A12B-BF16")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (H200_BYTES - 2**30, H200_BYTES))
-    with pytest.raises(ValueError, match=r"the weights need 2\d\d\.\d GiB on each of 1 rank\(s\) \(FP8 weights, "
-                                         r"`quantization: fp8`, hold about half of that\) but cuda:0 has 132\.9 GiB"):
+    with pytest.raises(
+        ValueError,
+        match=r"the weights need 2\d\d\.\d GiB on each of 1 rank\(s\) \(FP8 weights, "
+        r"`quantization: fp8`, hold about half of that\) but cuda:0 has 132\.9 GiB",
+    ):
         model_loader.check_weights_fit(weight_bytes(cfg), None, torch.device("cuda:0"))
     small = HybridModelConfig.from_hf(CONFIGS / "NVIDIA-Nemotron-Nano-9B-v2")
     model_loader.check_weights_fit(weight_bytes(small), None, torch.device("cuda:0"))  # fits: no error
@@ -930,8 +1287,13 @@ def _experts(rank_ep: int, ep: int, rank_tp: int, mtp: int, quant: QuantConfig, 
     from hyserve.model.fp8_weights import convert_experts
     from hyserve.model.moe import Experts
 
-    m = Experts(num, dim, inter, ep=Group(name="ep", rank=rank_ep, size=ep, ranks=tuple(range(ep)), timeout_s=1.0),
-                moe_tp=Group(name="moe_tp", rank=rank_tp, size=mtp, ranks=tuple(range(mtp)), timeout_s=1.0))
+    m = Experts(
+        num,
+        dim,
+        inter,
+        ep=Group(name="ep", rank=rank_ep, size=ep, ranks=tuple(range(ep)), timeout_s=1.0),
+        moe_tp=Group(name="moe_tp", rank=rank_tp, size=mtp, ranks=tuple(range(mtp)), timeout_s=1.0),
+    )
     assert convert_experts(m, quant, "backbone.layers.1.mixer.experts")
     return m
 
@@ -941,7 +1303,9 @@ def test_online_fp8_experts_shard_over_ep_and_moe_tp(per_expert: bool) -> None:
     """Each rank holds its experts' rows (up) / columns (down) of the intermediate dimension, quantised from
     each expert's whole matrix: every (ep, tp) split holds the same e4m3 values and channel scales."""
     up, down = torch.randn(4, 16, 32), torch.randn(4, 32, 16)
-    qs = {w: [quantize_weight_ref(m[e], "channel") for e in range(4)] for w, m in (("up", up), ("down", down))}
+    qs = {
+        w: [quantize_weight_ref(m[e], "channel") for e in range(4)] for w, m in (("up", up), ("down", down))
+    }
     for r_ep, r_tp in ((0, 0), (0, 1), (1, 0), (1, 1)):
         m = _experts(r_ep, 2, r_tp, 2, ONLINE)
         for e in range(4) if per_expert else (None,):
@@ -953,7 +1317,9 @@ def test_online_fp8_experts_shard_over_ep_and_moe_tp(per_expert: bool) -> None:
             assert torch.equal(m.up_proj[i].view(torch.uint8), qs["up"][e][0].view(torch.uint8)[rows])
             assert torch.equal(m.up_proj_scale[i], qs["up"][e][1][rows])
             assert torch.equal(m.down_proj[i].view(torch.uint8), qs["down"][e][0].view(torch.uint8)[:, rows])
-            assert torch.equal(m.down_proj_scale[i], qs["down"][e][1])  # whole rows of down: every rank the same
+            assert torch.equal(
+                m.down_proj_scale[i], qs["down"][e][1]
+            )  # whole rows of down: every rank the same
 
 
 def test_checkpoint_fp8_experts_load_per_tensor_scales_per_expert() -> None:
@@ -987,8 +1353,11 @@ def test_block_scaled_experts_are_requantised_per_channel(tmp_path: Path, layout
 
     src = _tiny_dir(tmp_path, "moe")
     d = tmp_path / "blk"
-    qc = ({"quant_method": "fp8", "weight_block_size": [128, 128]} if layout == "block"
-          else {"quant_method": "modelopt", "quant_algo": "FP8_PB_WO"})
+    qc = (
+        {"quant_method": "fp8", "weight_block_size": [128, 128]}
+        if layout == "block"
+        else {"quant_method": "modelopt", "quant_algo": "FP8_PB_WO"}
+    )
     written = _quantize_checkpoint(src, d, qc, layout=layout)
     lm = _load(d)
     suffix = _LAYOUTS[layout][1]
@@ -1000,7 +1369,9 @@ def test_block_scaled_experts_are_requantised_per_channel(tmp_path: Path, layout
         for e in range(m.num_experts):
             for which in ("up", "down"):
                 w = written[f"{name}.{e}.{which}_proj.weight"]
-                sc = written[f"{name}.{e}.{which}_proj{suffix}"].reshape(-(-w.shape[0] // 128), -(-w.shape[1] // 128))
+                sc = written[f"{name}.{e}.{which}_proj{suffix}"].reshape(
+                    -(-w.shape[0] // 128), -(-w.shape[1] // 128)
+                )
                 q, s = quantize_weight_ref(dequantize_weight_ref(w, sc), "channel")
                 assert torch.equal(getattr(m, f"{which}_proj")[e].view(torch.uint8), q.view(torch.uint8))
                 assert torch.equal(getattr(m, f"{which}_proj_scale")[e], s)
@@ -1012,8 +1383,14 @@ def test_block_scaled_experts_are_requantised_per_channel(tmp_path: Path, layout
     qs = [quantize_weight_ref(up[e], "block") for e in range(4)]
     quant = QuantConfig(method="fp8", scheme="block")
     for ep_rank in (0, 1):
-        m = Experts(4, 136, 160, ep=Group(name="ep", rank=ep_rank, size=2, ranks=(0, 1), timeout_s=1.0),
-                    device="cpu", dtype=torch.float32)
+        m = Experts(
+            4,
+            136,
+            160,
+            ep=Group(name="ep", rank=ep_rank, size=2, ranks=(0, 1), timeout_s=1.0),
+            device="cpu",
+            dtype=torch.float32,
+        )
         assert convert_experts(m, quant, "x.experts") and m.up_proj_scale.checkpoint_shape == (4, 2, 2)
         for e in range(4):
             m.up_proj_scale.weight_loader(m.up_proj_scale, qs[e][1], e)
@@ -1023,8 +1400,11 @@ def test_block_scaled_experts_are_requantised_per_channel(tmp_path: Path, layout
             assert torch.equal(m.up_proj[i].view(torch.uint8), q.view(torch.uint8))
             assert torch.equal(m.up_proj_scale[i], s)
         assert not m._fp8_up.pending
-    with pytest.raises(ValueError, match=r"x.experts.up_proj \(FP8\): a block-scaled expert's scales have shape "
-                                         r"\[3, 2\], expected \[2, 2\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"x.experts.up_proj \(FP8\): a block-scaled expert's scales have shape "
+        r"\[3, 2\], expected \[2, 2\]",
+    ):
         m.up_proj_scale.weight_loader(m.up_proj_scale, torch.ones(3, 2), 2)
     m.up_proj_scale.weight_loader(m.up_proj_scale, qs[2][1], 2)
     with pytest.raises(ValueError, match="expert 2's block scales given twice"):
@@ -1051,8 +1431,14 @@ def test_block_scaled_experts_stacked_and_split_over_moe_tp() -> None:
     qd = [quantize_weight_ref(down[e], "block") for e in range(3)]
     quant = QuantConfig(method="fp8", scheme="block")
     for rank in (0, 1):
-        m = Experts(3, 136, 256, moe_tp=Group(name="moe_tp", rank=rank, size=2, ranks=(0, 1), timeout_s=1.0),
-                    device="cpu", dtype=torch.float32)
+        m = Experts(
+            3,
+            136,
+            256,
+            moe_tp=Group(name="moe_tp", rank=rank, size=2, ranks=(0, 1), timeout_s=1.0),
+            device="cpu",
+            dtype=torch.float32,
+        )
         assert convert_experts(m, quant, "y.experts")
         m.up_proj.weight_loader(m.up_proj, torch.stack([q for q, _ in qu]))
         m.down_proj_scale.weight_loader(m.down_proj_scale, torch.stack([s for _, s in qd]))
@@ -1072,14 +1458,26 @@ def test_block_scaled_experts_stacked_and_split_over_moe_tp() -> None:
 def test_experts_take_one_format_for_up_and_down(tmp_path: Path) -> None:
     """A config that would quantise the routed experts' up_proj but not their down_proj (or the reverse) is
     refused naming the module, at build and in the capacity planner alike."""
-    q = QuantConfig(method="compressed-tensors", scheme="channel", exclude=("re:.*experts\\.\\d+\\.down_proj$",),
-                    source="cfg")
-    with pytest.raises(ValueError, match=r"cfg: the routed experts backbone.layers.1.mixer.experts would have an FP8 "
-                                         r"up_proj and a 16-bit down_proj; .* must quantise or exclude both"):
+    q = QuantConfig(
+        method="compressed-tensors",
+        scheme="channel",
+        exclude=("re:.*experts\\.\\d+\\.down_proj$",),
+        source="cfg",
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"cfg: the routed experts backbone.layers.1.mixer.experts would have an FP8 "
+        r"up_proj and a 16-bit down_proj; .* must quantise or exclude both",
+    ):
         q.quantizes_experts("backbone.layers.1.mixer.experts")
     src = _tiny_dir(tmp_path, "latent-moe")
-    d = _write_config(tmp_path / "split", **{**json.loads((src / "config.json").read_text()),
-                                            "quantization_config": _ct_config(ignore=["re:.*experts.*up_proj$"])})
+    d = _write_config(
+        tmp_path / "split",
+        **{
+            **json.loads((src / "config.json").read_text()),
+            "quantization_config": _ct_config(ignore=["re:.*experts.*up_proj$"]),
+        },
+    )
     with pytest.raises(ValueError, match="would have an FP8 down_proj and a 16-bit up_proj"):
         _load(d, load_format="dummy")
 
@@ -1158,13 +1556,16 @@ def test_start_up_refuses_an_unsupported_checkpoint_format(tmp_path: Path) -> No
     cfg = json.loads((src / "config.json").read_text())
     d = tmp_path / "awq"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "fp8",
-                                                                               "weight_block_size": [64, 64]}}))
+    (d / "config.json").write_text(
+        json.dumps({**cfg, "quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}})
+    )
     with pytest.raises(ValueError, match=r"weight_block_size \[64, 64\] is not supported"):
         _load(d, load_format="dummy")
 
 
-def test_fp8_moe_keeps_the_shared_expert_as_its_fp8_mlp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fp8_moe_keeps_the_shared_expert_as_its_fp8_mlp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The 16-bit MoE layer folds its shared expert into the experts op; with FP8 weights the experts and the
     shared MLP are FP8 and the shared expert runs as the MLP (the folded kernels take 16-bit weights)."""
     src = _tiny_dir(tmp_path, "moe")

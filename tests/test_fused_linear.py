@@ -71,7 +71,9 @@ def test_gated_norm_linear(poison, dtype, rows, bias):
     b = rnd(N, dtype=dtype) if bias else None
     with poison:
         out = tfl.gated_norm_linear_triton(x, z, nw, 1e-5, group, w, b)
-    exact = torch.nn.functional.linear(_gated64(x, z, nw, 1e-5, group), w.double(), None if b is None else b.double())
+    exact = torch.nn.functional.linear(
+        _gated64(x, z, nw, 1e-5, group), w.double(), None if b is None else b.double()
+    )
     # both paths round the normed activations once (the norm is its own kernel)
     _close64(out, exact, dtype, "gated_norm_linear vs float64", rounded_input=True)
     ref = gated_norm_linear_ref(x, z, nw, 1e-5, group, w, b)
@@ -91,7 +93,9 @@ def test_relu2_linear(poison, dtype, rows, bias, weight_view):
     b = rnd(N, dtype=dtype) if bias else None
     with poison:
         out = tfl.relu2_linear_triton(x, w, b)
-    exact = torch.nn.functional.linear(torch.relu(x.double()) ** 2, w.double(), None if b is None else b.double())
+    exact = torch.nn.functional.linear(
+        torch.relu(x.double()) ** 2, w.double(), None if b is None else b.double()
+    )
     _close64(out, exact, dtype, "relu2_linear vs float64", rounded_input=rows > 1)
     ref = relu2_linear_ref(x, w, b)
     tol = 3e-2 if dtype == BF16 else 4e-3
@@ -136,11 +140,13 @@ def test_linear_keeps_leading_dims_and_falls_back_for_what_it_does_not_take(monk
     assert out.shape == (1, 1, 24)
     torch.testing.assert_close(out.float(), linear_ref(x, w, None).float(), rtol=2e-2, atol=2e-2)
     monkeypatch.setattr(tfl, "_gemv", lambda *a, **k: pytest.fail("the GEMV took a call it does not handle"))
-    for xx, ww, bb in ((rnd(2, 3, 64, dtype=BF16), w, None),  # six rows
-                       (rnd(1, 64), _weight(24, 64, F32), None),  # float32
-                       (rnd(1, 128, dtype=BF16)[:, ::2], w, None),  # a stride along K
-                       (rnd(1, 48, dtype=BF16), _weight(64, 48, BF16).t().contiguous().t()[:24], None),
-                       (rnd(1, 64, dtype=BF16), w, rnd(24, dtype=F16))):  # a bias of another dtype
+    for xx, ww, bb in (
+        (rnd(2, 3, 64, dtype=BF16), w, None),  # six rows
+        (rnd(1, 64), _weight(24, 64, F32), None),  # float32
+        (rnd(1, 128, dtype=BF16)[:, ::2], w, None),  # a stride along K
+        (rnd(1, 48, dtype=BF16), _weight(64, 48, BF16).t().contiguous().t()[:24], None),
+        (rnd(1, 64, dtype=BF16), w, rnd(24, dtype=F16)),
+    ):  # a bias of another dtype
         try:
             want = linear_ref(xx, ww, bb)
         except RuntimeError:
@@ -180,8 +186,9 @@ def test_fused_path_is_taken_for_one_row(monkeypatch):
     w = _weight(16, 64, BF16)
     for rows in (1, 2, 3):
         tfl.relu2_linear_triton(rnd(rows, 64, dtype=BF16), w, None)
-        tfl.gated_norm_linear_triton(rnd(rows, 64, dtype=BF16), rnd(rows, 64, dtype=BF16), rnd(64, dtype=BF16),
-                                     1e-5, 32, w, None)
+        tfl.gated_norm_linear_triton(
+            rnd(rows, 64, dtype=BF16), rnd(rows, 64, dtype=BF16), rnd(64, dtype=BF16), 1e-5, 32, w, None
+        )
         tfl.linear_triton(rnd(rows, 64, dtype=BF16), w, None)
     assert launched == [1, 1, 1]
 
@@ -194,7 +201,12 @@ def test_fused_linear_nano9b(poison):
     wb, bb, ub = _weight(4483, 15680, BF16), rnd(4483, dtype=BF16), rnd(1, 15680, dtype=BF16)
     with poison:
         out = tfl.relu2_linear_triton(ub, wb, bb)
-    _close64(out, torch.nn.functional.linear(torch.relu(ub.double()) ** 2, wb.double(), bb.double()), BF16, "N 4483")
+    _close64(
+        out,
+        torch.nn.functional.linear(torch.relu(ub.double()) ** 2, wb.double(), bb.double()),
+        BF16,
+        "N 4483",
+    )
     for rows in (1, 2):
         zxbcdt = rnd(rows, 22912 + 17, dtype=BF16)
         y, z = rnd(rows, 10240, dtype=BF16), zxbcdt[:, :10240]
@@ -212,7 +224,9 @@ def test_fused_linear_nano9b(poison):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("n,k", [(22912, 4480), (10304, 2688), (4608, 2688), (2688, 4096), (131072 // 8, 2688)])
+@pytest.mark.parametrize(
+    "n,k", [(22912, 4480), (10304, 2688), (4608, 2688), (2688, 4096), (131072 // 8, 2688)]
+)
 def test_linear_gemv_at_the_nemotron_shapes(poison, n, k):
     # Nano 9B in_proj; Nano 30B-A3B in_proj, QKV, O; a wide N: one row against float64, compiled
     x, w = rnd(1, k, dtype=BF16), _weight(n, k, BF16)
@@ -221,9 +235,12 @@ def test_linear_gemv_at_the_nemotron_shapes(poison, n, k):
     _close64(out, torch.nn.functional.linear(x.double(), w.double()), BF16, f"linear {k}->{n}")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU form (the Triton interpreter); on a "
-                    "GPU `bench_kernels.py --only linear_sweep` runs the real sweep, and the GPU image's numpy 2.5 breaks "
-                    "the interpreter's scalar loop bounds")
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="the dry run is the CPU form (the Triton interpreter); on a "
+    "GPU `bench_kernels.py --only linear_sweep` runs the real sweep, and the GPU image's numpy 2.5 breaks "
+    "the interpreter's scalar loop bounds",
+)
 def test_bench_kernels_linear_sweep_dry_run_checks_every_form_first(tmp_path):
     """`bench_kernels.py --only linear_sweep` (the launch settings of these GEMVs and of the FP8 one-row GEMV)
     runs on the CPU at tiny shapes and records each form only after its float64 check."""
@@ -236,13 +253,27 @@ def test_bench_kernels_linear_sweep_dry_run_checks_every_form_first(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "ls.json"
-    r = subprocess.run([sys.executable, str(root / "benchmarks/bench_kernels.py"), "--dry-run", "--only", "linear_sweep",
-                        "--out", str(out)], capture_output=True, text=True, env={**env, "PYTHONPATH": str(root)},
-                       timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(root / "benchmarks/bench_kernels.py"),
+            "--dry-run",
+            "--only",
+            "linear_sweep",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": str(root)},
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     names = [x["name"] for x in json.loads(out.read_text())["records"]]
     assert "in_proj 48->96, 1 row: GEMV" in names and "in_proj 48->96, 1 row: cuBLAS" in names
-    assert any(n.startswith("fp8 channel GEMV") for n in names) and any(n.startswith("fp8 block GEMV") for n in names)
+    assert any(n.startswith("fp8 channel GEMV") for n in names) and any(
+        n.startswith("fp8 block GEMV") for n in names
+    )
     assert not any(line.startswith("FAIL") for line in r.stdout.splitlines())
     # three 16-bit GEMV forms; per FP8 scale layout the current setting and one alternative
     assert r.stdout.count("matches its reference") == 7
@@ -308,18 +339,29 @@ def test_a_gpu_file_entry_sets_its_shape_on_that_gpu_alone(gpu_file):
 _GOOD = dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4)
 
 
-@pytest.mark.parametrize("key, entry, what", [
-    ("0,2688,4608", {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4}, r"\[0,2688,4608\]: .*exactly the keys"),
-    ("0,2688,4608", dict(_GOOD, BLOCK_N=6), "BLOCK_N must be a power of two"),
-    ("0,2688,4608", dict(_GOOD, BLOCK_K=8), "BLOCK_K must be a power of two >= 16"),
-    ("0,2688,4608", dict(_GOOD, num_warps=3), "num_warps must be 1, 2, 4 or 8"),
-    ("0,2688,4608", dict(_GOOD, num_stages=0), "num_stages must be in 1..8"),
-    ("0,2688,4608", dict(_GOOD, BLOCK_N=8.0), "BLOCK_N must be an integer"),
-    # a block-scaled weight's K tile takes the one scale of its 128-wide block
-    ("2,4480,22912", dict(_GOOD, BLOCK_K=256), r"\[2,4480,22912\]: a block-scaled weight needs BLOCK_K dividing 128, "
-                                               "got 256"),
-    ("2688x4608", _GOOD, r"key '2688x4608' is not '<w_scale 0\|1\|2>,<K>,<N>'"),
-])
+@pytest.mark.parametrize(
+    "key, entry, what",
+    [
+        (
+            "0,2688,4608",
+            {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4},
+            r"\[0,2688,4608\]: .*exactly the keys",
+        ),
+        ("0,2688,4608", dict(_GOOD, BLOCK_N=6), "BLOCK_N must be a power of two"),
+        ("0,2688,4608", dict(_GOOD, BLOCK_K=8), "BLOCK_K must be a power of two >= 16"),
+        ("0,2688,4608", dict(_GOOD, num_warps=3), "num_warps must be 1, 2, 4 or 8"),
+        ("0,2688,4608", dict(_GOOD, num_stages=0), "num_stages must be in 1..8"),
+        ("0,2688,4608", dict(_GOOD, BLOCK_N=8.0), "BLOCK_N must be an integer"),
+        # a block-scaled weight's K tile takes the one scale of its 128-wide block
+        (
+            "2,4480,22912",
+            dict(_GOOD, BLOCK_K=256),
+            r"\[2,4480,22912\]: a block-scaled weight needs BLOCK_K dividing 128, "
+            "got 256",
+        ),
+        ("2688x4608", _GOOD, r"key '2688x4608' is not '<w_scale 0\|1\|2>,<K>,<N>'"),
+    ],
+)
 def test_a_bad_gpu_file_entry_is_refused_with_what_is_wrong(gpu_file, key, entry, what):
     gpu_file("Bad_GPU", {key: entry})
     w_scale, k, n = (int(v) for v in key.split(",")) if "," in key else (0, 2688, 4608)
@@ -356,13 +398,21 @@ def test_the_fp8_gemv_sweep_writes_only_clear_winners_into_the_gpu_file(tmp_path
     finally:
         sys.path.remove(str(root / "benchmarks"))
     old = dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4)
-    (tmp_path / "Some_GPU.json").write_text(json.dumps({"device": "Some GPU", "source": {"0,2688,4608": "x"},
-                                                        "configs": {"0,2688,4608": old}}))
+    (tmp_path / "Some_GPU.json").write_text(
+        json.dumps({"device": "Some GPU", "source": {"0,2688,4608": "x"}, "configs": {"0,2688,4608": old}})
+    )
     b = bk.Bench(dry=True)
     b.gemv_best = {
-        (1, 8192, 4096): {"label": "fp8 channel GEMV Super 8192->4096",
-                          "current": (0.020, (16, 512, 4, 3)), "best": (0.012, (4, 1024, 2, 4))},
-        (1, 4096, 4096): {"label": "close", "current": (0.010, (16, 512, 4, 3)), "best": (0.0098, (8, 512, 4, 4))},
+        (1, 8192, 4096): {
+            "label": "fp8 channel GEMV Super 8192->4096",
+            "current": (0.020, (16, 512, 4, 3)),
+            "best": (0.012, (4, 1024, 2, 4)),
+        },
+        (1, 4096, 4096): {
+            "label": "close",
+            "current": (0.010, (16, 512, 4, 3)),
+            "best": (0.0098, (8, 512, 4, 4)),
+        },
         (1, 4096, 256): {"label": "no current", "best": (0.001, (1, 1024, 1, 4))},
     }
     assert bk.write_linear_configs(b, tmp_path, "Some GPU", "kernels_x.md") == ["1,8192,4096"]

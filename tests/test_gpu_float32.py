@@ -38,7 +38,9 @@ def test_nano9b_width_float32_starts_and_generates_on_cuda(tmp_path: Path) -> No
     out = gpu.generate(prompts, p)
     for o in out:
         assert len(o.token_ids) == 5 and all(math.isfinite(lp.logprob) for lp in o.logprobs or [])
-    cpu = LLM(d, device="cpu", kv_cache_config={"max_gpu_total_bytes": 2 * 2**30}, **opts).generate(prompts, p)
+    cpu = LLM(d, device="cpu", kv_cache_config={"max_gpu_total_bytes": 2 * 2**30}, **opts).generate(
+        prompts, p
+    )
     for g, c in zip(out, cpu):
         assert g.prompt_logprobs is not None and c.prompt_logprobs is not None
         got = [lp.logprob for lp in g.prompt_logprobs[1:]]

@@ -71,6 +71,7 @@ def test_nano9b_matches_transformers_bf16() -> None:
     torch.cuda.empty_cache()
 
     import sys
+
     sys.path.insert(0, str(Path(__file__).parent))
     from model_harness import Harness
 
@@ -101,8 +102,9 @@ def test_tiny_graph_decode_matches_eager(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("variant", ["dense", "moe"])
-def test_pdl_gives_the_results_of_ordinary_launches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                     variant: str) -> None:
+def test_pdl_gives_the_results_of_ordinary_launches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str
+) -> None:
     """bf16 on the GPU, decode from graphs and eager prefills: the kernels launched as programmatic dependent
     launches (the default on sm_90+) give bit-identical greedy tokens and logprobs to ordinary launches. PDL
     only changes when a kernel's blocks are scheduled; a kernel reading before its wait would race here."""
@@ -116,8 +118,10 @@ def test_pdl_gives_the_results_of_ordinary_launches(tmp_path: Path, monkeypatch:
         monkeypatch.setattr(envs, "HYSERVE_PDL", flag)
         llm = LLM(str(d), device="cuda", dtype="bfloat16", max_seq_len=512)
         assert llm.engine.runner.graphs is not None
-        out[flag] = [(o.token_ids, [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs])
-                     for o in llm.generate(prompts, p)]
+        out[flag] = [
+            (o.token_ids, [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs])
+            for o in llm.generate(prompts, p)
+        ]
         del llm
         gc.collect()
         torch.cuda.empty_cache()
@@ -130,25 +134,29 @@ def test_tiny_async_scheduling_on_cuda_graphs_matches_sync(tmp_path: Path) -> No
     for real (the host reads a step's tokens while the next one runs)."""
     d = make_tiny(tmp_path / "dense", variant="dense")
     prompts = [[1, 5, 9, 13, 200, 17, 4], [1, 77] * 20, [1, 3], [1] + list(range(4, 90)), [1, 8, 8]]
-    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=20, temperature=0.8, seed=4, ignore_eos=True),
-              SamplingParams(max_tokens=11, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=24, temperature=1.0, top_k=5, seed=9, ignore_eos=True, logprobs=3)]
+    params = [
+        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.8, seed=4, ignore_eos=True),
+        SamplingParams(max_tokens=11, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=1.0, top_k=5, seed=9, ignore_eos=True, logprobs=3),
+    ]
     opts = dict(device="cuda", dtype="float32", max_seq_len=256)
     sync = LLM(str(d), async_scheduling=False, **opts)
     overlapped = LLM(str(d), **opts)
     fed = []
     orig = overlapped.engine.runner.graphs.execute
     overlapped.engine.runner.graphs.execute = (  # type: ignore[method-assign]
-        lambda seqs, feed=None: (fed.append(len(seqs)) if feed is not None else None) or orig(seqs, feed))
+        lambda seqs, feed=None: (fed.append(len(seqs)) if feed is not None else None) or orig(seqs, feed)
+    )
     a = sync.generate(prompts, params)
     b = overlapped.generate(prompts, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert fed, "no graph step was fed from the device"
     # the logprob rows' table travels with the tokens (pinned, non-blocking) and reads back the same
-    assert [(lp.token_id, lp.logprob, lp.top) for lp in a[4].logprobs] == \
-        [(lp.token_id, lp.logprob, lp.top) for lp in b[4].logprobs]
+    assert [(lp.token_id, lp.logprob, lp.top) for lp in a[4].logprobs] == [
+        (lp.token_id, lp.logprob, lp.top) for lp in b[4].logprobs
+    ]
     assert len(b[4].logprobs) == 24
 
 
@@ -160,8 +168,12 @@ def test_nano9b_graph_decode_matches_eager_bf16() -> None:
     prompts = [[1] + torch.randint(3, 100_000, (n,), generator=g).tolist() for n in (17, 300, 64, 1000)]
     p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     # no prefix cache: the second run must recompute, not resume from the first run's snapshots
-    opts = dict(load_format="dummy", max_seq_len=4096, max_batch_size=8,
-                kv_cache_config={"free_gpu_memory_fraction": 0.3, "enable_block_reuse": False})
+    opts = dict(
+        load_format="dummy",
+        max_seq_len=4096,
+        max_batch_size=8,
+        kv_cache_config={"free_gpu_memory_fraction": 0.3, "enable_block_reuse": False},
+    )
     llm = LLM(d, cuda_graph_config={"batch_sizes": [4], "enable_padding": False}, **opts)
     with_graphs = [o.token_ids for o in llm.generate(prompts, p)]
     with llm.engine.runner.eager_decode():
@@ -183,9 +195,18 @@ def test_tiny_prefix_cache_hits_on_cuda_give_the_same_tokens(tmp_path: Path) -> 
     p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
     def llm(reuse: bool) -> LLM:
-        kv = {"tokens_per_block": 8, "enable_block_reuse": reuse, "free_gpu_memory_fraction": 0.1,
-              "mamba_state_config": {"periodic_snapshot_interval": 16, "additional_snapshot_offsets_from_end": [0, 5]}}
-        return LLM(str(d), device="cuda", dtype="float32", max_seq_len=512, max_num_tokens=64, kv_cache_config=kv)
+        kv = {
+            "tokens_per_block": 8,
+            "enable_block_reuse": reuse,
+            "free_gpu_memory_fraction": 0.1,
+            "mamba_state_config": {
+                "periodic_snapshot_interval": 16,
+                "additional_snapshot_offsets_from_end": [0, 5],
+            },
+        }
+        return LLM(
+            str(d), device="cuda", dtype="float32", max_seq_len=512, max_num_tokens=64, kv_cache_config=kv
+        )
 
     want = [o.token_ids for o in llm(False).generate(prompts, p)]
     cached = llm(True)

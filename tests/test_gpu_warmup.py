@@ -38,7 +38,9 @@ def mixed_workload(llm: LLM, vocab: int, *, n: int = 48, seed: int = 0) -> None:
         if kind == 0:
             prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 400))]
         elif kind == 1:
-            prompt = shared[: rng.randrange(100, 300)] + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 50))]
+            prompt = shared[: rng.randrange(100, 300)] + [
+                rng.randrange(3, vocab) for _ in range(rng.randrange(1, 50))
+            ]
         elif kind == 2:
             prompt = [rng.randrange(3, vocab) for _ in range(budget + rng.randrange(1, 200))]
         else:
@@ -60,18 +62,28 @@ def late_variants(llm: LLM) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("variant, extra, kv", [
-    ("dense", {}, {}),
-    # MoE decode from CUDA graphs, every token bucket warmed; the step cost model calibrated and sizing chunks
-    ("moe", {"max_step_ms": 20.0}, {}),
-    # an fp8 KV cache: the start-up scale calibration (16-bit scratch cache) and the fp8 attention variants
-    ("dense", {}, {"dtype": "fp8"}),
-])
+@pytest.mark.parametrize(
+    "variant, extra, kv",
+    [
+        ("dense", {}, {}),
+        # MoE decode from CUDA graphs, every token bucket warmed; the step cost model calibrated and sizing chunks
+        ("moe", {"max_step_ms": 20.0}, {}),
+        # an fp8 KV cache: the start-up scale calibration (16-bit scratch cache) and the fp8 attention variants
+        ("dense", {}, {"dtype": "fp8"}),
+    ],
+)
 def test_no_jit_after_warmup_tiny(tmp_path: Path, variant: str, extra: dict, kv: dict) -> None:
     d = make_tiny(tmp_path / "tiny", variant=variant)
-    opts = dict(device="cuda", dtype="bfloat16", max_seq_len=4096, max_batch_size=40, max_num_tokens=512,
-                cache_dir=str(tmp_path / "cache"),
-                kv_cache_config={"tokens_per_block": 16, "free_gpu_memory_fraction": 0.2, **kv}, **extra)
+    opts = dict(
+        device="cuda",
+        dtype="bfloat16",
+        max_seq_len=4096,
+        max_batch_size=40,
+        max_num_tokens=512,
+        cache_dir=str(tmp_path / "cache"),
+        kv_cache_config={"tokens_per_block": 16, "free_gpu_memory_fraction": 0.2, **kv},
+        **extra,
+    )
     llm = LLM(str(d), **opts)
     rep = llm.engine.warmup_report
     assert rep is not None and not rep.failed
@@ -91,17 +103,28 @@ def _warmup_in_fresh_process(model_dir: Path, opts: dict) -> dict:
         "r = llm.engine.warmup_report\n"
         "print(json.dumps({'compiled': r.compiled, 'loaded': r.loaded, 'failed': r.failed, 's': r.seconds}))\n"
     )
-    res = subprocess.run([sys.executable, "-c", script, str(model_dir), json.dumps(opts)], capture_output=True,
-                         text=True, timeout=600, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, "-c", script, str(model_dir), json.dumps(opts)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def test_restart_loads_every_variant_from_the_cache_dir(tmp_path: Path) -> None:
     d = make_tiny(tmp_path / "tiny", variant="dense")
-    opts = dict(device="cuda", dtype="bfloat16", max_seq_len=4096, max_batch_size=40, max_num_tokens=512,
-                cache_dir=str(tmp_path / "cache"),
-                kv_cache_config={"tokens_per_block": 16, "free_gpu_memory_fraction": 0.2})
+    opts = dict(
+        device="cuda",
+        dtype="bfloat16",
+        max_seq_len=4096,
+        max_batch_size=40,
+        max_num_tokens=512,
+        cache_dir=str(tmp_path / "cache"),
+        kv_cache_config={"tokens_per_block": 16, "free_gpu_memory_fraction": 0.2},
+    )
     cold = _warmup_in_fresh_process(d, opts)
     assert cold["compiled"] > 0 and not cold["failed"], cold
     warm = _warmup_in_fresh_process(d, opts)
@@ -115,12 +138,26 @@ def test_structured_outputs_compile_nothing_after_ready(tmp_path: Path) -> None:
     from hyserve.engine.sampling_params import StructuredOutputsParams
 
     d = make_tiny(tmp_path / "tiny", variant="dense")
-    llm = LLM(str(d), device="cuda", dtype="bfloat16", max_seq_len=2048, max_batch_size=8, max_num_tokens=512,
-              cache_dir=str(tmp_path / "cache"), kv_cache_config={"free_gpu_memory_fraction": 0.2})
+    llm = LLM(
+        str(d),
+        device="cuda",
+        dtype="bfloat16",
+        max_seq_len=2048,
+        max_batch_size=8,
+        max_num_tokens=512,
+        cache_dir=str(tmp_path / "cache"),
+        kv_cache_config={"free_gpu_memory_fraction": 0.2},
+    )
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-    params = [SamplingParams(max_tokens=24, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema)),
-              SamplingParams(max_tokens=8, temperature=0.8, structured_outputs=StructuredOutputsParams(choice=["a", "b"])),
-              SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)]
+    params = [
+        SamplingParams(
+            max_tokens=24, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema)
+        ),
+        SamplingParams(
+            max_tokens=8, temperature=0.8, structured_outputs=StructuredOutputsParams(choice=["a", "b"])
+        ),
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+    ]
     llm.generate(["x"], params[:1])
     llm.generate(["x", "y", "z"], params)
     assert not late_variants(llm), late_variants(llm)

@@ -23,8 +23,12 @@ from hyserve.model.config import LAYER_MOE, HybridModelConfig
 transformers = pytest.importorskip("transformers")
 torch.set_num_threads(1)
 
-_MOE_FIELDS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
-               "moe_shared_expert_intermediate_size")
+_MOE_FIELDS = (
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "moe_shared_expert_intermediate_size",
+)
 
 
 def _comparable(cfg: HybridModelConfig) -> dict:
@@ -48,15 +52,18 @@ def test_default_config_saved_by_transformers_parses(tmp_path: Path) -> None:
 def test_shipped_config_round_trips_through_save_pretrained(name: str, tmp_path: Path) -> None:
     d = json.loads((config_dir(name) / "config.json").read_text())
     transformers.NemotronHConfig(**d).save_pretrained(tmp_path)
-    assert _comparable(HybridModelConfig.from_hf(tmp_path)) == _comparable(HybridModelConfig.from_hf(config_dir(name)))
+    assert _comparable(HybridModelConfig.from_hf(tmp_path)) == _comparable(
+        HybridModelConfig.from_hf(config_dir(name))
+    )
 
 
 @pytest.mark.parametrize("bound", [{"__float__": "Infinity"}, "inf", 1e9, 7])
 def test_time_step_limit_spellings(bound: object) -> None:
     d = json.loads((config_dir("tiny-nemotron-h-dense") / "config.json").read_text())
     d["time_step_limit"] = [0.0, bound]
-    assert HybridModelConfig.from_dict(d).time_step_limit[1] == float(bound["__float__"] if isinstance(bound, dict)
-                                                                      else bound)
+    assert HybridModelConfig.from_dict(d).time_step_limit[1] == float(
+        bound["__float__"] if isinstance(bound, dict) else bound
+    )
 
 
 @pytest.mark.parametrize("bound", [{"__float__": "lots"}, {"x": 1}, [1.0], True])
@@ -79,7 +86,9 @@ def test_model_saved_by_transformers_serves(tmp_path: Path) -> None:
     hf_cfg = transformers.NemotronHConfig(**d)
     hf = transformers.NemotronHForCausalLM(hf_cfg).float().eval()
     hf.save_pretrained(tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())["time_step_limit"][1] == {"__float__": "Infinity"}
+    assert json.loads((tmp_path / "config.json").read_text())["time_step_limit"][1] == {
+        "__float__": "Infinity"
+    }
     prompt = [5, 17, 33, 2, 9, 41, 8]
     # transformers' torch path clamps dt at time_step_min in prefill; hyserve (like the kernels) clamps at
     # time_step_limit (tests/test_model_parity.py): give transformers the same limit

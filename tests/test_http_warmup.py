@@ -25,7 +25,9 @@ def test_warmup_requests_succeed_and_leave_no_trace(engine: AsyncEngine) -> None
     logs: list[str] = []
     seconds = warm_http_path(engine, ServerOptions(), log=logs.append)
     assert seconds > 0
-    assert len(logs) == 1 and logs[0].startswith("hyserve: HTTP path warmed (4 requests"), logs  # tokenizer: chat too
+    assert len(logs) == 1 and logs[0].startswith("hyserve: HTTP path warmed (4 requests"), (
+        logs
+    )  # tokenizer: chat too
     s = engine.stats()
     assert s["prompt_tokens_total"] == 0 and s["generation_tokens_total"] == 0
     assert s["requests_finished_total"] == 0 and s["prefix_cache_queries"] == 0
@@ -34,8 +36,9 @@ def test_warmup_requests_succeed_and_leave_no_trace(engine: AsyncEngine) -> None
         m = parse_metrics(httpx.get(f"{u}/metrics").text)
         assert m.get("hyserve_prompt_tokens_total", 0.0) == 0.0
         assert not any(k.startswith('hyserve_requests_total{route="/v1/') for k in m), m
-        r = httpx.post(f"{u}/v1/completions", json={"prompt": [1, 5, 9], "max_tokens": 3, "temperature": 0},
-                       timeout=30)
+        r = httpx.post(
+            f"{u}/v1/completions", json={"prompt": [1, 5, 9], "max_tokens": 3, "temperature": 0}, timeout=30
+        )
         assert r.status_code == 200, r.text
         assert engine.stats()["prompt_tokens_total"] == 3
 

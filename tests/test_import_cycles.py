@@ -143,7 +143,9 @@ def cycles_in(pkg_root: Path) -> tuple[list[list[str]], str]:
     comps = strongly_connected(edges)
     lines = []
     for comp in comps:
-        lines.append(f"cycle among {len(comp)} modules: " + " -> ".join(shortest_cycle(edges, comp[0], set(comp))))
+        lines.append(
+            f"cycle among {len(comp)} modules: " + " -> ".join(shortest_cycle(edges, comp[0], set(comp)))
+        )
         for m in comp:
             for t, line in sorted(edges[m].items()):
                 if t in comp:

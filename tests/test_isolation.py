@@ -18,8 +18,12 @@ from hyserve.engine.faults import FaultInjector
 from tests.test_engine_invariance import make_llm, prompts
 
 G = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-REUSE_KV = {"tokens_per_block": 8, "enable_block_reuse": True, "max_gpu_total_bytes": 64 * 2**20,
-            "mamba_state_config": {"periodic_snapshot_interval": 16, "additional_snapshot_offsets_from_end": [0]}}
+REUSE_KV = {
+    "tokens_per_block": 8,
+    "enable_block_reuse": True,
+    "max_gpu_total_bytes": 64 * 2**20,
+    "mamba_state_config": {"periodic_snapshot_interval": 16, "additional_snapshot_offsets_from_end": [0]},
+}
 
 
 def _drive(eng: LLMEngine, spec: str | None = None) -> tuple[dict[str, list[int]], dict[str, str], list[str]]:
@@ -82,7 +86,9 @@ CASES = [  # (fault, options): the site, the request, from which output token on
 
 
 @pytest.mark.parametrize("async_on", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("spec,opts", CASES, ids=[c[0] + ("+" + "+".join(c[1]) if c[1] else "") for c in CASES])
+@pytest.mark.parametrize(
+    "spec,opts", CASES, ids=[c[0] + ("+" + "+".join(c[1]) if c[1] else "") for c in CASES]
+)
 def test_only_the_faulty_request_fails(spec: str, opts: dict, async_on: bool) -> None:
     ref = _reference(**opts)  # a run without the fault (async scheduling does not change greedy tokens)
     eng = make_llm(async_scheduling=async_on, **opts).engine
@@ -177,16 +183,20 @@ def test_prompt_logprobs_survive_a_neighbour_fault() -> None:
     assert final["bad"].finish_reason == "error" and final["good"].finish_reason == "length"
     assert toks == ref.token_ids and plps is not None and len(plps) == len(prompts()[3])
     assert [lp.logprob if lp else None for lp in plps] == pytest.approx(
-        [lp.logprob if lp else None for lp in ref.prompt_logprobs])
+        [lp.logprob if lp else None for lp in ref.prompt_logprobs]
+    )
     _assert_pools_free(eng)
 
 
-@pytest.mark.parametrize("spec,msg", [
-    ("forwrd:r1", "not site:request-id-substring"),
-    ("forward:", "not site:request-id-substring"),
-    ("sample", "not site:request-id-substring"),
-    ("host:r1@x", "must be an integer"),
-])
+@pytest.mark.parametrize(
+    "spec,msg",
+    [
+        ("forwrd:r1", "not site:request-id-substring"),
+        ("forward:", "not site:request-id-substring"),
+        ("sample", "not site:request-id-substring"),
+        ("host:r1@x", "must be an integer"),
+    ],
+)
 def test_bad_fault_spec_is_refused(spec: str, msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
         FaultInjector.parse(spec)
@@ -196,11 +206,20 @@ def test_fault_spec_parses_and_is_read_from_the_environment() -> None:
     assert FaultInjector.parse("") is None and FaultInjector.parse(" , ") is None
     f = FaultInjector.parse("forward:a, sample:b@3,host:c,engine:d")
     assert f is not None and [(x.site, x.match, x.after) for x in f.faults] == [
-        ("forward", "a", 0), ("sample", "b", 3), ("host", "c", 0), ("engine", "d", 0)]
+        ("forward", "a", 0),
+        ("sample", "b", 3),
+        ("host", "c", 0),
+        ("engine", "d", 0),
+    ]
     f.check("sample", "xbx", 2)  # too few outputs yet: no fault
     with pytest.raises(RuntimeError, match="injected fault"):
         f.check("sample", "xbx", 3)
     env = {**os.environ, "HYSERVE_FAULT_INJECT": "host:req-7"}
-    r = subprocess.run([sys.executable, "-c", "from hyserve import envs; print(envs.HYSERVE_FAULT_INJECT)"],
-                       env=env, capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [sys.executable, "-c", "from hyserve import envs; print(envs.HYSERVE_FAULT_INJECT)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert r.stdout.strip() == "host:req-7"

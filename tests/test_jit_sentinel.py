@@ -8,7 +8,9 @@ from hyserve.engine.jit_sentinel import JitSentinel
 
 
 def fake_event(s: JitSentinel, name: str, cache_hit: bool = False) -> None:
-    src = SimpleNamespace(fn=SimpleNamespace(__name__=name), constants={"BLOCK": 64}, signature={"x": "*fp32"})
+    src = SimpleNamespace(
+        fn=SimpleNamespace(__name__=name), constants={"BLOCK": 64}, signature={"x": "*fp32"}
+    )
     s.on_compile(src=src, metadata={"name": name}, metadata_group={}, times=None, cache_hit=cache_hit)
 
 

@@ -35,7 +35,9 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def randn(g: torch.Generator, *shape: int, dtype: torch.dtype = torch.float64, scale: float = 1.0) -> torch.Tensor:
+def randn(
+    g: torch.Generator, *shape: int, dtype: torch.dtype = torch.float64, scale: float = 1.0
+) -> torch.Tensor:
     return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
 
 
@@ -240,7 +242,7 @@ def test_ssd_dt_limit_is_applied_after_softplus(dtype):
     lens, chunk, lim = [14, 5], 4, (0.3, 0.9)
     inp = ssd_inputs(lens, dtype, seed=9, with_init=True)
     d = F.softplus(inp["dt"].to(torch.float64) + inp["dt_bias"].to(torch.float64))
-    assert ((d < lim[0]).any() and (d > lim[1]).any()), "inputs must exercise both sides of the clamp"
+    assert (d < lim[0]).any() and (d > lim[1]).any(), "inputs must exercise both sides of the clamp"
     got = run_ssd(ssd_chunked_ref, inp, lens, chunk, dt_limit=lim)
     pre = dict(as64(inp), dt=d.clamp(*lim), dt_bias=None)
     ref = ssd_naive_ref(
@@ -256,10 +258,20 @@ def test_ssd_dt_limit_is_applied_after_softplus(dtype):
 def test_ssd_without_chunk_states_and_without_D():
     lens, chunk = [10, 3], 4
     inp = ssd_inputs(lens, torch.float64, seed=13, with_init=False)
-    got = ssd_chunked_ref(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk, torch.tensor(cu_of(lens)),
-                          dt_bias=inp["dt_bias"], return_chunk_states=False)
-    ref = ssd_naive_ref(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk, cu_of(lens),
-                        dt_bias=inp["dt_bias"])
+    got = ssd_chunked_ref(
+        inp["x"],
+        inp["dt"],
+        inp["A"],
+        inp["B"],
+        inp["C"],
+        chunk,
+        torch.tensor(cu_of(lens)),
+        dt_bias=inp["dt_bias"],
+        return_chunk_states=False,
+    )
+    ref = ssd_naive_ref(
+        inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk, cu_of(lens), dt_bias=inp["dt_bias"]
+    )
     assert got.chunk_states is None
     close(got.y, ref.y, torch.float64)
     close(got.final_states, ref.final_states, torch.float64)
@@ -432,13 +444,27 @@ def test_ssm_update_stores_in_pool_dtype():
     x, dt = randn(g, 2, H, P, dtype=torch.float32), randn(g, 2, H, dtype=torch.float32)
     Bm, Cm = randn(g, 2, G, N, dtype=torch.float32), randn(g, 2, G, N, dtype=torch.float32)
     A = -torch.rand(H, generator=g)
-    y = selective_state_update_ref(pool, x, dt, A, Bm, Cm, torch.tensor([0, 1]), torch.tensor([2, 3]),
-                                   dt_bias=torch.zeros(H))
-    ref = ssd_naive_ref(x.double(), dt.double(), A, Bm.double(), Cm.double(), 4, [0, 1, 2],
-                        dt_bias=torch.zeros(H), initial_states=before[:2].double())
+    y = selective_state_update_ref(
+        pool, x, dt, A, Bm, Cm, torch.tensor([0, 1]), torch.tensor([2, 3]), dt_bias=torch.zeros(H)
+    )
+    ref = ssd_naive_ref(
+        x.double(),
+        dt.double(),
+        A,
+        Bm.double(),
+        Cm.double(),
+        4,
+        [0, 1, 2],
+        dt_bias=torch.zeros(H),
+        initial_states=before[:2].double(),
+    )
     assert pool.dtype == torch.bfloat16
-    torch.testing.assert_close(pool[2:].double(), ref.final_states.to(torch.bfloat16).double(), atol=1e-2, rtol=1e-2)
-    torch.testing.assert_close(y.double(), ref.y, atol=1e-2, rtol=1e-2)  # state read from bf16, y from fp32 math
+    torch.testing.assert_close(
+        pool[2:].double(), ref.final_states.to(torch.bfloat16).double(), atol=1e-2, rtol=1e-2
+    )
+    torch.testing.assert_close(
+        y.double(), ref.y, atol=1e-2, rtol=1e-2
+    )  # state read from bf16, y from fp32 math
     assert torch.equal(pool[:2], before[:2])
 
 
@@ -519,7 +545,9 @@ def test_paged_attention_matches_dense_causal(specs, bs, hq, hkv, dtype):
     kc, vc = sc.k_cache.clone(), sc.v_cache.clone()
     q = randn(sc.g, cu[-1], hq, hd, dtype=dtype)
     scale = hd**-0.5
-    out = paged_attention_ref(q, sc.k_cache, sc.v_cache, sc.tables, torch.tensor(lens), torch.tensor(cu), scale)
+    out = paged_attention_ref(
+        q, sc.k_cache, sc.v_cache, sc.tables, torch.tensor(lens), torch.tensor(cu), scale
+    )
     assert out.shape == q.shape and out.dtype == dtype
     assert torch.isfinite(out).all(), "read a NaN row: an unwritten position or a padding block"
     for s, (c, n) in enumerate(specs):
@@ -556,7 +584,10 @@ def test_write_kv_writes_exactly_the_mapped_slots(dtype):
         assert torch.equal(v_cache[sl // bs, sl % bs], v[i].to(dtype))
     for sl in range(nb * bs):
         if sl not in written:
-            assert torch.isnan(k_cache[sl // bs, sl % bs]).all() and torch.isnan(v_cache[sl // bs, sl % bs]).all()
+            assert (
+                torch.isnan(k_cache[sl // bs, sl % bs]).all()
+                and torch.isnan(v_cache[sl // bs, sl % bs]).all()
+            )
 
 
 # ================================================================================================

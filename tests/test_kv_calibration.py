@@ -24,8 +24,13 @@ ATTN = (1, 5)  # the tiny dense model's attention layers
 PROMPTS = [[1, 5, 9, 13, 200, 17, 4, 88, 31], [1, 77] * 20, [1, 3, 250, 251, 7]]
 
 
-def _tiny(tmp_path: Path, *, kv_gain: float = 1.0, extra: dict[str, torch.Tensor] | None = None,
-          poison_k: bool = False) -> Path:
+def _tiny(
+    tmp_path: Path,
+    *,
+    kv_gain: float = 1.0,
+    extra: dict[str, torch.Tensor] | None = None,
+    poison_k: bool = False,
+) -> Path:
     """The tiny dense checkpoint with O(1) activations (strong random weights). kv_gain c scales k_proj and
     v_proj by c and q_proj and o_proj by 1/c: in exact arithmetic the same model, with |K| and |V| c times
     larger. `extra` tensors (KV scales) are added under their checkpoint names; poison_k puts an inf in
@@ -63,8 +68,10 @@ def _llm(d: Path, lines: list[str] | None = None, **kv):
 
 def _scales(llm) -> dict[int, tuple[float, float]]:
     model = llm.engine.loaded.model
-    return {i: (float(model.backbone.layers[i].mixer.k_scale), float(model.backbone.layers[i].mixer.v_scale))
-            for i in ATTN}
+    return {
+        i: (float(model.backbone.layers[i].mixer.k_scale), float(model.backbone.layers[i].mixer.v_scale))
+        for i in ATTN
+    }
 
 
 def _greedy(llm, n: int = 16):
@@ -101,21 +108,32 @@ def test_auto_without_checkpoint_scales_calibrates_every_layer(tmp_path, caplog)
 
 def test_auto_takes_the_checkpoint_where_it_has_scales_and_calibrates_the_rest(tmp_path):
     lines: list[str] = []
-    d = _tiny(tmp_path, extra={
-        "backbone.layers.5.mixer.k_scale": torch.tensor(0.125),
-        "backbone.layers.5.mixer.attn.v_scale": torch.tensor(4.0),
-        "backbone.layers.1.mixer.k_proj.k_scale": torch.tensor(0.5),  # layer 1: K only, V is calibrated
-    })
+    d = _tiny(
+        tmp_path,
+        extra={
+            "backbone.layers.5.mixer.k_scale": torch.tensor(0.125),
+            "backbone.layers.5.mixer.attn.v_scale": torch.tensor(4.0),
+            "backbone.layers.1.mixer.k_proj.k_scale": torch.tensor(0.5),  # layer 1: K only, V is calibrated
+        },
+    )
     got = _scales(_llm(d, lines, dtype="fp8"))
     assert got[5] == (0.125, 4.0) and got[1][0] == 0.5 and 0 < got[1][1] < 1.0 and got[1][1] != 1.0
     (line,) = _calibration_line(lines)
-    assert "1 of 2 attention layers; the other 1 from the checkpoint" in line and "k_scale from the checkpoint" in line
+    assert (
+        "1 of 2 attention layers; the other 1 from the checkpoint" in line
+        and "k_scale from the checkpoint" in line
+    )
 
 
 def test_auto_with_full_checkpoint_scales_calibrates_nothing(tmp_path, caplog):
     lines: list[str] = []
-    d = _tiny(tmp_path, extra={"backbone.layers.1.mixer.kv_scale": torch.tensor(0.25),
-                               "backbone.layers.5.mixer.kv_scale": torch.tensor(0.5)})
+    d = _tiny(
+        tmp_path,
+        extra={
+            "backbone.layers.1.mixer.kv_scale": torch.tensor(0.25),
+            "backbone.layers.5.mixer.kv_scale": torch.tensor(0.5),
+        },
+    )
     with caplog.at_level(logging.INFO, logger="hyserve"):
         got = _scales(_llm(d, lines, dtype="fp8"))
     assert got == {1: (0.25, 0.25), 5: (0.5, 0.5)}
@@ -124,17 +142,33 @@ def test_auto_with_full_checkpoint_scales_calibrates_nothing(tmp_path, caplog):
 
 
 def test_checkpoint_uses_the_checkpoint_scales(tmp_path):
-    d = _tiny(tmp_path, extra={"backbone.layers.1.mixer.kv_scale": torch.tensor(0.25),
-                               "backbone.layers.5.mixer.kv_scale": torch.tensor(0.5)})
+    d = _tiny(
+        tmp_path,
+        extra={
+            "backbone.layers.1.mixer.kv_scale": torch.tensor(0.25),
+            "backbone.layers.5.mixer.kv_scale": torch.tensor(0.5),
+        },
+    )
     assert _scales(_llm(d, dtype="fp8", kv_scales="checkpoint")) == {1: (0.25, 0.25), 5: (0.5, 0.5)}
 
 
-@pytest.mark.parametrize("extra, needle", [
-    ({}, r"the checkpoint has none for 2 of 2 attention layers: layer 1 \(k_scale / v_scale\), layer 5 "
-         r"\(k_scale / v_scale\)"),
-    ({"backbone.layers.5.mixer.kv_scale": torch.tensor(0.5), "backbone.layers.1.mixer.k_scale": torch.tensor(0.5)},
-     r"the checkpoint has none for 1 of 2 attention layers: layer 1 \(v_scale\);"),
-])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (
+            {},
+            r"the checkpoint has none for 2 of 2 attention layers: layer 1 \(k_scale / v_scale\), layer 5 "
+            r"\(k_scale / v_scale\)",
+        ),
+        (
+            {
+                "backbone.layers.5.mixer.kv_scale": torch.tensor(0.5),
+                "backbone.layers.1.mixer.k_scale": torch.tensor(0.5),
+            },
+            r"the checkpoint has none for 1 of 2 attention layers: layer 1 \(v_scale\);",
+        ),
+    ],
+)
 def test_checkpoint_without_scales_fails_at_start_up_naming_the_layers(tmp_path, extra, needle):
     d = _tiny(tmp_path, extra=extra)
     with pytest.raises(ValueError, match=r"kv_cache_config\.kv_scales: 'checkpoint', but " + needle) as e:
@@ -151,14 +185,21 @@ def test_unit_is_one_everywhere_without_a_warning(tmp_path, caplog):
     assert not _calibration_line(lines)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     infos = [r.getMessage() for r in caplog.records if "kv_scales unit" in r.getMessage()]
-    assert infos == ["fp8 KV cache: kv_scales unit, k_scale = v_scale = 1.0 in all 2 attention layers; "
-                     "the checkpoint's scales for 1 layers are not used"]
+    assert infos == [
+        "fp8 KV cache: kv_scales unit, k_scale = v_scale = 1.0 in all 2 attention layers; "
+        "the checkpoint's scales for 1 layers are not used"
+    ]
 
 
 def test_calibrate_replaces_the_checkpoint_scales(tmp_path):
     lines: list[str] = []
-    d = _tiny(tmp_path, extra={"backbone.layers.1.mixer.kv_scale": torch.tensor(0.25),
-                               "backbone.layers.5.mixer.kv_scale": torch.tensor(0.5)})
+    d = _tiny(
+        tmp_path,
+        extra={
+            "backbone.layers.1.mixer.kv_scale": torch.tensor(0.25),
+            "backbone.layers.5.mixer.kv_scale": torch.tensor(0.5),
+        },
+    )
     calibrated = _scales(_llm(d, lines, dtype="fp8", kv_scales="calibrate"))
     assert all(s not in (0.25, 0.5, 1.0) for pair in calibrated.values() for s in pair)
     assert "2 of 2 attention layers" in _calibration_line(lines)[0]
@@ -189,8 +230,11 @@ def test_a_16_bit_cache_calibrates_nothing(tmp_path):
 
 
 def test_a_non_finite_calibration_stops_start_up(tmp_path):
-    with pytest.raises(ValueError, match=r"attention layer 1's K is not finite over the calibration prefill.*"
-                                         r"'checkpoint'.*'unit'"):
+    with pytest.raises(
+        ValueError,
+        match=r"attention layer 1's K is not finite over the calibration prefill.*"
+        r"'checkpoint'.*'unit'",
+    ):
         _llm(_tiny(tmp_path, poison_k=True), dtype="fp8")
 
 
@@ -285,8 +329,12 @@ def test_record_kv_amax_matches_the_projections_and_changes_no_output():
     want = Harness(model).step(items, all_logits=True)
 
     seen: dict[int, torch.Tensor] = {}  # the test's own oracle: each attention layer's input, projected here
-    handles = [model.backbone.layers[i].mixer.register_forward_pre_hook(
-        lambda _m, args, i=i: seen.__setitem__(i, args[0].detach().clone())) for i in ATTN]
+    handles = [
+        model.backbone.layers[i].mixer.register_forward_pre_hook(
+            lambda _m, args, i=i: seen.__setitem__(i, args[0].detach().clone())
+        )
+        for i in ATTN
+    ]
     with record_kv_amax(model) as amax:
         got = Harness(model).step(items, all_logits=True)
     for h in handles:

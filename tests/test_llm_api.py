@@ -36,7 +36,9 @@ def test_logprobs_top_k(llm: LLM) -> None:
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(llm: LLM) -> None:
-    p = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, seed=7, ignore_eos=True)
+    p = SamplingParams(
+        max_tokens=8, temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, seed=7, ignore_eos=True
+    )
     alone = llm.generate([[1, 9, 9, 9]], p)[0].token_ids
     together = llm.generate([[1, 9, 9, 9], [1, 4, 4], [1, 2, 3, 4, 5]], p)[0].token_ids
     assert alone == together
@@ -48,8 +50,9 @@ def test_max_tokens_and_stop_token_ids(llm: LLM) -> None:
     assert len(ref.token_ids) == 6 and ref.finish_reason == "length"
     stop_tok = ref.token_ids[2]
     first = ref.token_ids.index(stop_tok)
-    o = llm.generate([[1, 30, 31]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
-                                                     stop_token_ids=[stop_tok]))[0]
+    o = llm.generate(
+        [[1, 30, 31]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, stop_token_ids=[stop_tok])
+    )[0]
     assert o.finish_reason == "stop" and o.stop_reason == stop_tok
     assert o.token_ids == ref.token_ids[: first + 1]
 
@@ -97,8 +100,15 @@ def test_rejections_name_the_limit(llm: LLM) -> None:
 
 def test_cache_usage_keys(llm: LLM) -> None:
     u = llm.cache_usage()
-    for k in ("kv_blocks_total", "kv_blocks_free", "live_slots_total", "live_slots_used",
-              "snapshot_slots_total", "snapshot_slots_used", "prefix_cache_entries"):
+    for k in (
+        "kv_blocks_total",
+        "kv_blocks_free",
+        "live_slots_total",
+        "live_slots_used",
+        "snapshot_slots_total",
+        "snapshot_slots_used",
+        "prefix_cache_entries",
+    ):
         assert k in u
 
 
@@ -107,6 +117,7 @@ def test_dummy_config_only_model(tmp_path) -> None:
     import shutil
 
     from hyserve.model.tiny import tiny_config
+
     (tmp_path / "config.json").write_text(json.dumps(tiny_config("moe")))
     with pytest.raises(ValueError, match="dummy"):
         LLM(str(tmp_path))

@@ -16,9 +16,11 @@ from server_fixtures import ServerProcess
 
 lm_eval = pytest.importorskip("lm_eval", reason="the lm-eval test needs lm-eval (pip install lm-eval)")
 
-MC = [{"question": "The sky is", "choices": [" blue", " green", " made of cheese"], "answer": 0},
-      {"question": "Two plus two is", "choices": [" four", " five"], "answer": 0},
-      {"question": "Paris is in", "choices": [" France", " Peru", " space"], "answer": 0}]
+MC = [
+    {"question": "The sky is", "choices": [" blue", " green", " made of cheese"], "answer": 0},
+    {"question": "Two plus two is", "choices": [" four", " five"], "answer": 0},
+    {"question": "Paris is in", "choices": [" France", " Peru", " space"], "answer": 0},
+]
 GEN = [{"question": "Say hi", "answer": "hi"}, {"question": "Count to three", "answer": "1 2 3"}]
 
 
@@ -44,7 +46,7 @@ def _tasks(d: Path) -> Path:
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {d / 'mc.jsonl'}
+    test: {d / "mc.jsonl"}
 test_split: test
 output_type: multiple_choice
 target_delimiter: ""
@@ -58,7 +60,7 @@ metric_list:
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {d / 'gen.jsonl'}
+    test: {d / "gen.jsonl"}
 test_split: test
 output_type: generate_until
 doc_to_text: "Q: {{{{question}}}}\\nA:"
@@ -73,8 +75,9 @@ metric_list:
     return d
 
 
-def test_local_completions_loglikelihood_and_generate_until(server: ServerProcess, tiny: Path, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_local_completions_loglikelihood_and_generate_until(
+    server: ServerProcess, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
@@ -85,9 +88,11 @@ def test_local_completions_loglikelihood_and_generate_until(server: ServerProces
     out = simple_evaluate(
         model="local-completions",
         model_args=f"base_url={server.url}/v1/completions,model={tiny.name},tokenizer={tiny},"
-                   "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1,timeout=60",
-        tasks=["hyserve_mc", "hyserve_gen"], task_manager=TaskManager(include_path=str(tasks)),
-        log_samples=True, limit=None,
+        "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1,timeout=60",
+        tasks=["hyserve_mc", "hyserve_gen"],
+        task_manager=TaskManager(include_path=str(tasks)),
+        log_samples=True,
+        limit=None,
     )
     assert out is not None
     res = out["results"]
@@ -107,9 +112,18 @@ def test_local_completions_loglikelihood_and_generate_until(server: ServerProces
             ll = resp[0][0]
             # lm-eval's API models add no BOS unless model_args say add_bos_token=True
             ctx = tok(doc["question"], add_special_tokens=False)["input_ids"]
-            cont = tok(doc["question"] + choice, add_special_tokens=False)["input_ids"][len(ctx):]
-            r = httpx.post(f"{server.url}/v1/completions", timeout=30, json={
-                "model": tiny.name, "prompt": ctx + cont, "max_tokens": 0, "echo": True, "logprobs": 0,
-                "temperature": 0})
+            cont = tok(doc["question"] + choice, add_special_tokens=False)["input_ids"][len(ctx) :]
+            r = httpx.post(
+                f"{server.url}/v1/completions",
+                timeout=30,
+                json={
+                    "model": tiny.name,
+                    "prompt": ctx + cont,
+                    "max_tokens": 0,
+                    "echo": True,
+                    "logprobs": 0,
+                    "temperature": 0,
+                },
+            )
             lps = r.json()["choices"][0]["logprobs"]["token_logprobs"]
-            assert math.isclose(ll, sum(lps[len(ctx):]), rel_tol=1e-6, abs_tol=1e-6), (choice, ll)
+            assert math.isclose(ll, sum(lps[len(ctx) :]), rel_tol=1e-6, abs_tol=1e-6), (choice, ll)

@@ -46,8 +46,12 @@ def test_matches_the_reference_on_random_rows() -> None:
                 logit_bias={rng.randrange(V): rng.uniform(-100, 100) for _ in range(rng.randint(0, 3))},
             )
             params.append(p)
-            hist.append(([rng.randrange(V) for _ in range(rng.randint(0, 8))],
-                         [rng.randrange(V) for _ in range(rng.randint(0, 12))]))
+            hist.append(
+                (
+                    [rng.randrange(V) for _ in range(rng.randint(0, 8))],
+                    [rng.randrange(V) for _ in range(rng.randint(0, 12))],
+                )
+            )
         got = process_logits(logits, params, hist)
         want = reference(logits, params, hist)
         torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-5)
@@ -69,9 +73,11 @@ def test_nothing_to_do_returns_the_input_and_missing_history_is_an_error() -> No
 def test_sampler_uses_the_edited_logits_and_reports_raw_logprobs() -> None:
     logits = torch.tensor([[5.0, 1.0, 0.0, -1.0]] * 3)
     s = Sampler(0)
-    params = [SamplingParams(temperature=0, logit_bias={2: 100.0}, logprobs=0),
-              SamplingParams(temperature=0, frequency_penalty=2.0, presence_penalty=2.0),
-              SamplingParams(temperature=0.7, seed=1, logit_bias={0: -100.0, 1: -100.0, 2: -100.0})]
+    params = [
+        SamplingParams(temperature=0, logit_bias={2: 100.0}, logprobs=0),
+        SamplingParams(temperature=0, frequency_penalty=2.0, presence_penalty=2.0),
+        SamplingParams(temperature=0.7, seed=1, logit_bias={0: -100.0, 1: -100.0, 2: -100.0}),
+    ]
     hist = [None, ([], [0, 0]), None]
     toks, lps = s.sample(logits, params, [0, 2, 0], hist)
     assert toks == [2, 1, 3]  # biased up; penalised 5 - 4 - 2 = -1 < 1; everything else banned
@@ -84,15 +90,29 @@ def test_engine_feeds_the_output_history() -> None:
     greedy choice alternate between them instead of repeating one."""
     llm = LLM(warmup="off", log=lambda s: None)
     a, b = 65, 66
-    plain = llm.generate([[1, 70, 71]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
-                                                        logit_bias={a: 100, b: 100}))[0].token_ids
+    plain = llm.generate(
+        [[1, 70, 71]],
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logit_bias={a: 100, b: 100}),
+    )[0].token_ids
     assert set(plain) <= {a, b}
-    pen = llm.generate([[1, 70, 71]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
-                                                      logit_bias={a: 100, b: 100}, frequency_penalty=2.0,
-                                                      presence_penalty=2.0))[0].token_ids
+    pen = llm.generate(
+        [[1, 70, 71]],
+        SamplingParams(
+            max_tokens=12,
+            temperature=0,
+            ignore_eos=True,
+            logit_bias={a: 100, b: 100},
+            frequency_penalty=2.0,
+            presence_penalty=2.0,
+        ),
+    )[0].token_ids
     assert set(pen) == {a, b} and abs(pen.count(a) - pen.count(b)) <= 2, pen
-    rep = llm.generate([[1, 70, 71]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
-                                                      logit_bias={a: 100}, repetition_penalty=10.0))[0].token_ids
+    rep = llm.generate(
+        [[1, 70, 71]],
+        SamplingParams(
+            max_tokens=6, temperature=0, ignore_eos=True, logit_bias={a: 100}, repetition_penalty=10.0
+        ),
+    )[0].token_ids
     assert rep[0] == a  # 100+ / 10 is still far above the rest
 
 
@@ -115,13 +135,19 @@ def test_pending_token_counts_like_a_history_entry() -> None:
 
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(4, 50, generator=g)
-    params = [SamplingParams(repetition_penalty=1.7), SamplingParams(frequency_penalty=0.8, presence_penalty=0.3),
-              SamplingParams(), SamplingParams(frequency_penalty=1.1, repetition_penalty=1.2)]
+    params = [
+        SamplingParams(repetition_penalty=1.7),
+        SamplingParams(frequency_penalty=0.8, presence_penalty=0.3),
+        SamplingParams(),
+        SamplingParams(frequency_penalty=1.1, repetition_penalty=1.2),
+    ]
     hist = [([1, 2], [5, 9]), ([3], [9, 9]), None, ([4], [])]
     pending = torch.tensor([9, 9, 17, 33])
     full = [([1, 2], [5, 9, 9]), ([3], [9, 9, 9]), None, ([4], [33])]
-    torch.testing.assert_close(process_logits(logits, params, hist, pending), process_logits(logits, params, full),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        process_logits(logits, params, hist, pending), process_logits(logits, params, full), rtol=0, atol=0
+    )
     none = torch.tensor([-1, -1, -1, -1])
-    torch.testing.assert_close(process_logits(logits, params, hist, none), process_logits(logits, params, hist),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        process_logits(logits, params, hist, none), process_logits(logits, params, hist), rtol=0, atol=0
+    )

@@ -100,7 +100,9 @@ def test_nano_9b_v2_figures_from_design():
     assert fp32 == pytest.approx(137.5, rel=0.01)
     assert cfg.state_bytes_per_sequence == 27 * (12288 * 3 * 2 + 128 * 80 * 128 * 4)
     for half in ("bfloat16", "float16"):
-        assert cfg.with_cache_dtypes(ssm_cache_dtype=half).state_bytes_per_sequence / MIB == pytest.approx(69, rel=0.01)
+        assert cfg.with_cache_dtypes(ssm_cache_dtype=half).state_bytes_per_sequence / MIB == pytest.approx(
+            69, rel=0.01
+        )
     assert cfg.kv_bytes_per_token == 4 * 2 * 8 * 128 * 2
     # the same through the config key instead of the engine option
     d = raw("NVIDIA-Nemotron-Nano-9B-v2")
@@ -162,7 +164,10 @@ def test_nemotron_h_8b_uses_legacy_names():
 def test_mamba_heads_derived_from_expand_when_absent():
     d = raw("tiny-nemotron-3-moe")
     d.pop("mamba_num_heads")
-    assert HybridModelConfig.from_dict(d).mamba_num_heads == d["expand"] * d["hidden_size"] // d["mamba_head_dim"]
+    assert (
+        HybridModelConfig.from_dict(d).mamba_num_heads
+        == d["expand"] * d["hidden_size"] // d["mamba_head_dim"]
+    )
 
 
 @pytest.mark.parametrize("name", [n for n in ALL if "hybrid_override_pattern" in raw(n)])
@@ -177,7 +182,14 @@ def test_pattern_and_layers_block_type_agree(name):
 @pytest.mark.parametrize("name", [n for n in ALL if "layers_block_type" in raw(n)])
 def test_layers_block_type_and_pattern_agree(name):
     d = raw(name)
-    inv = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "mlp": "-", "moe": "E"}
+    inv = {
+        "mamba": "M",
+        "linear_attention": "M",
+        "attention": "*",
+        "full_attention": "*",
+        "mlp": "-",
+        "moe": "E",
+    }
     alt = copy.deepcopy(d)
     alt["hybrid_override_pattern"] = "".join(inv[t] for t in alt.pop("layers_block_type"))
     assert HybridModelConfig.from_dict(alt) == HybridModelConfig.from_dict(d)

@@ -78,14 +78,26 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 class Driver:
     """Packed steps over scattered blocks and slots; results in the caller's order."""
 
-    def __init__(self, model: NemotronHForCausalLM, *, num_blocks: int = 128, bs: int = 4, num_slots: int = 24,
-                 seed: int = 0, poison_kv: bool = False, poison_state: bool = False) -> None:
+    def __init__(
+        self,
+        model: NemotronHForCausalLM,
+        *,
+        num_blocks: int = 128,
+        bs: int = 4,
+        num_slots: int = 24,
+        seed: int = 0,
+        poison_kv: bool = False,
+        poison_state: bool = False,
+    ) -> None:
         self.model = model
         self.bs = bs
         self.cache = CacheTensors.allocate(
             model.config, num_blocks=num_blocks, tokens_per_block=bs, num_slots=num_slots, device="cpu"
         )
-        for flag, pools in ((poison_kv, (self.cache.k, self.cache.v)), (poison_state, (self.cache.conv, self.cache.ssm))):
+        for flag, pools in (
+            (poison_kv, (self.cache.k, self.cache.v)),
+            (poison_state, (self.cache.conv, self.cache.ssm)),
+        ):
             if flag:
                 for d in pools:
                     for t in d.values():
@@ -100,8 +112,13 @@ class Driver:
     def take_slot(self) -> int:
         return self.free_slots.pop()
 
-    def step(self, items: list[tuple[int, list[int]]], *, snapshots: list[tuple[int, int, int]] = (),
-             src_override: dict[int, int] | None = None) -> list[torch.Tensor]:
+    def step(
+        self,
+        items: list[tuple[int, list[int]]],
+        *,
+        snapshots: list[tuple[int, int, int]] = (),
+        src_override: dict[int, int] | None = None,
+    ) -> list[torch.Tensor]:
         """items: [(sid, new tokens)]; snapshots: [(sid, num_tokens, slot)]. Returns each item's logits for
         all its new tokens ([n_i, V]), in the order of `items`."""
         src_override = src_override or {}
@@ -241,7 +258,9 @@ def snapshot_run(dense):
 
 def test_snapshot_states_equal_states_of_shorter_prefills(dense, snapshot_run):
     h, toks, logits = snapshot_run
-    torch.testing.assert_close(logits, full_logits(dense, toks), atol=ATOL, rtol=0)  # snapshots change nothing
+    torch.testing.assert_close(
+        logits, full_logits(dense, toks), atol=ATOL, rtol=0
+    )  # snapshots change nothing
     for n, slot in ((8, SNAP_A), (16, SNAP_B), (21, SNAP_END)):
         ref = Harness(dense, max_seqs=1, max_len=64)
         ref.step([(0, toks[:n])])
@@ -330,7 +349,9 @@ def test_fresh_sequence_ignores_its_src_slot_contents(dense):
     drv = Driver(dense, seed=5, poison_state=True)
     out = drv.step([(0, seqs[0]), (1, seqs[1])])
     for sid in (0, 1):
-        assert torch.isfinite(out[sid]).all(), f"seq {sid}: NaN from an ignored state slot leaked into the output"
+        assert torch.isfinite(out[sid]).all(), (
+            f"seq {sid}: NaN from an ignored state slot leaked into the output"
+        )
         torch.testing.assert_close(out[sid], full_logits(dense, seqs[sid]), atol=ATOL, rtol=0)
 
 
@@ -356,5 +377,9 @@ def test_a_model_built_under_inference_mode_still_runs() -> None:
     with torch.inference_mode():
         model = build_model("dense")
         assert next(model.parameters()).is_inference()
-    torch.testing.assert_close(full_logits(model, tokens(9, seed=2)), full_logits(build_model("dense"), tokens(9, seed=2)),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        full_logits(model, tokens(9, seed=2)),
+        full_logits(build_model("dense"), tokens(9, seed=2)),
+        rtol=0,
+        atol=0,
+    )

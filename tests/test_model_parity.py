@@ -80,7 +80,9 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 def load_hf(d: Path, *, kernel_semantics: bool):
-    hf, info = transformers.NemotronHForCausalLM.from_pretrained(d, dtype=torch.float32, output_loading_info=True)
+    hf, info = transformers.NemotronHForCausalLM.from_pretrained(
+        d, dtype=torch.float32, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     hf.eval()
     if kernel_semantics:
@@ -164,8 +166,10 @@ def _prefill_dts(hf, ids: torch.Tensor) -> torch.Tensor:
     handles = []
     for mod in hf.modules():
         if isinstance(mod, mixer_cls):
+
             def hook(_m, _inp, out, mix=mod):
                 seen.append(F.softplus(out[..., -mix.num_heads :] + mix.dt_bias).reshape(-1))
+
             handles.append(mod.in_proj.register_forward_hook(hook))
     with torch.no_grad():
         hf(ids)
@@ -192,7 +196,9 @@ def test_hf_clamp_is_the_only_difference(checkpoints, case):
             hf_logits = hf(ids).logits[0].float()
         ours = Harness(model, max_seqs=1, max_len=64).step([(0, ids[0].tolist())], all_logits=True)
         diff = (ours - hf_logits).abs().max().item()
-        assert diff <= ATOL, f"transformers {transformers.__version__} without a dt clamp: logits differ by {diff}"
+        assert diff <= ATOL, (
+            f"transformers {transformers.__version__} without a dt clamp: logits differ by {diff}"
+        )
         return
     assert limits == {(tmin, float("inf"))}, f"transformers' clamp changed: {limits}; revisit this test"
 
@@ -233,8 +239,20 @@ def test_ssd_dt_clamp_changes_only_positions_after_a_clamped_dt(chunk):
     cu = [0, 19, 26, 38]
 
     def run(fn, limit):
-        return fn(x, dt, A, B, C, chunk, cu, D=D, dt_bias=dt_bias, dt_softplus=True, dt_limit=limit,
-                  initial_states=h0)
+        return fn(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            chunk,
+            cu,
+            D=D,
+            dt_bias=dt_bias,
+            dt_softplus=True,
+            dt_limit=limit,
+            initial_states=h0,
+        )
 
     free = run(ssd_chunked_ref, (0.0, float("inf")))
     hf_like = run(ssd_chunked_ref, (tmin, float("inf")))

@@ -34,7 +34,9 @@ def test_family_by_model_type_and_by_architectures():
 def test_unknown_family_is_refused_with_the_supported_list(change):
     raw = {k: v for k, v in _raw().items() if k not in ("model_type", "architectures")}
     raw.update(change)
-    with pytest.raises(ValueError, match=r"not supported; hyserve serves: nemotron_h \(NemotronHForCausalLM\)"):
+    with pytest.raises(
+        ValueError, match=r"not supported; hyserve serves: nemotron_h \(NemotronHForCausalLM\)"
+    ):
         registry.family_for(raw)
 
 
@@ -52,10 +54,18 @@ def test_read_config_parses_through_the_family(tmp_path):
 def test_register_refuses_a_clashing_family():
     nem = registry.family_for(_raw())
     clash = registry.ModelFamily(
-        name="other", model_types=("nemotron_h",), architectures=("X",), parse_config=nem.parse_config,
-        build=nem.build, init_random=nem.init_random, load_weights=nem.load_weights,
-        set_kv_scales=nem.set_kv_scales, update_kv_scales=nem.update_kv_scales, record_kv_amax=nem.record_kv_amax,
-        with_cache_dtypes=nem.with_cache_dtypes, with_quant=nem.with_quant,
+        name="other",
+        model_types=("nemotron_h",),
+        architectures=("X",),
+        parse_config=nem.parse_config,
+        build=nem.build,
+        init_random=nem.init_random,
+        load_weights=nem.load_weights,
+        set_kv_scales=nem.set_kv_scales,
+        update_kv_scales=nem.update_kv_scales,
+        record_kv_amax=nem.record_kv_amax,
+        with_cache_dtypes=nem.with_cache_dtypes,
+        with_quant=nem.with_quant,
         weight_bytes=nem.weight_bytes,
     )
     with pytest.raises(ValueError, match="already belong to 'nemotron_h'"):

@@ -43,14 +43,24 @@ def _moe_configs() -> dict[str, dict]:
 
 MOE_CONFIGS = _moe_configs()
 # (E, top_k, n_group, topk_group, norm, scale): the shipped ones, then group-limited ones
-ROUTE_SETTINGS = sorted({
-    (c["n_routed_experts"], c["num_experts_per_tok"], c.get("n_group", 1), c.get("topk_group", 1),
-     bool(c.get("norm_topk_prob", True)), float(c.get("routed_scaling_factor", 1.0)))
-    for c in MOE_CONFIGS.values()
-}) + [(64, 4, 8, 3, True, 2.5), (16, 3, 4, 2, False, 1.0), (256, 8, 8, 4, True, 2.5)]
+ROUTE_SETTINGS = sorted(
+    {
+        (
+            c["n_routed_experts"],
+            c["num_experts_per_tok"],
+            c.get("n_group", 1),
+            c.get("topk_group", 1),
+            bool(c.get("norm_topk_prob", True)),
+            float(c.get("routed_scaling_factor", 1.0)),
+        )
+        for c in MOE_CONFIGS.values()
+    }
+) + [(64, 4, 8, 3, True, 2.5), (16, 3, 4, 2, False, 1.0), (256, 8, 8, 4, True, 2.5)]
 
 
-def _ids_with(T: int, k: int, E: int, experts: list[int] | None = None, always: int | None = None) -> torch.Tensor:
+def _ids_with(
+    T: int, k: int, E: int, experts: list[int] | None = None, always: int | None = None
+) -> torch.Tensor:
     """[T, k] distinct ids per token drawn from `experts` (default all); `always` in every token's set."""
     pool = torch.tensor(experts if experts is not None else list(range(E)))
     rows = []
@@ -84,7 +94,9 @@ def _variant_config(variant: str, E: int, inter: int, d: int, k: int) -> dict:
     if variant == "gemv-early":
         cfg = dict(cfg, up=dict(cfg["up"], EARLY=1), down=dict(cfg["down"], EARLY=1))
     if variant == "gemv-split":  # the down GEMV per slot, then the combine kernel
-        cfg = dict(cfg, down={k: v for k, v in cfg["down"].items() if k not in ("FLAT", "EARLY")} | {"SPLIT": 1})
+        cfg = dict(
+            cfg, down={k: v for k, v in cfg["down"].items() if k not in ("FLAT", "EARLY")} | {"SPLIT": 1}
+        )
     return cfg
 
 
@@ -140,10 +152,15 @@ def test_route_bias_selects_but_does_not_weigh():
     assert w[0, 0].item() == pytest.approx(2.0 * 0.5)  # sigmoid(0) x scale, without the bias
 
 
-@pytest.mark.parametrize("bad, what", [
-    (dict(top_k=9), "top_k"), (dict(n_group=3), "n_group"), (dict(topk_group=5), "topk_group"),
-    (dict(n_group=4, topk_group=1, top_k=3), "top_k"),
-])
+@pytest.mark.parametrize(
+    "bad, what",
+    [
+        (dict(top_k=9), "top_k"),
+        (dict(n_group=3), "n_group"),
+        (dict(topk_group=5), "topk_group"),
+        (dict(n_group=4, topk_group=1, top_k=3), "top_k"),
+    ],
+)
 def test_route_rejects_bad_settings(bad, what):
     args = dict(top_k=2, n_group=1, topk_group=1)
     args.update(bad)
@@ -302,10 +319,18 @@ def test_experts_zero_tokens():
     assert tm.moe_experts_triton(x, w_up, w_down, w, ids).shape == (0, 32)
 
 
-@pytest.mark.parametrize("bad, what", [
-    ("x3d", "x must be"), ("up", "up_proj"), ("down", "down_proj"), ("ids", "topk ids"), ("dtype", "dtypes differ"),
-    ("float_ids", "integer ids"), ("topk", "top_k"),
-])
+@pytest.mark.parametrize(
+    "bad, what",
+    [
+        ("x3d", "x must be"),
+        ("up", "up_proj"),
+        ("down", "down_proj"),
+        ("ids", "topk ids"),
+        ("dtype", "dtypes differ"),
+        ("float_ids", "integer ids"),
+        ("topk", "top_k"),
+    ],
+)
 def test_experts_reject_bad_inputs(bad, what):
     x, w_up, w_down, w, ids = _experts_inputs(3, 4, 32, 16, 2, F32)
     if bad == "x3d":
@@ -349,7 +374,9 @@ def test_experts_with_the_shared_expert_match_float64(poison, variant, S, case):
     cfg = _variant_config(variant, E, inter, d, k)
     with poison:
         out = tm.moe_experts_triton(x, w_up, w_down, w, ids, su, sd, config=cfg)
-    exact = ref.moe_experts_ref(x.double(), w_up.double(), w_down.double(), w.double(), ids, su.double(), sd.double())
+    exact = ref.moe_experts_ref(
+        x.double(), w_up.double(), w_down.double(), w.double(), ids, su.double(), sd.double()
+    )
     # the shared expert's part is there: without it the result is far off
     assert _rel_err(_exact(x, w_up, w_down, w, ids), exact) > 1e-2
     assert _rel_err(out, exact) < 2e-5, f"{variant} S={S} {case}: relative error {_rel_err(out, exact):.2e}"
@@ -357,10 +384,16 @@ def test_experts_with_the_shared_expert_match_float64(poison, variant, S, case):
     assert err_ref < 2e-5
 
 
-@pytest.mark.parametrize("bad, what", [
-    ("only_up", "needs both"), ("not_multiple", "multiple of the routed"), ("down_shape", "shared_down must be"),
-    ("dtype", "shared expert dtypes"), ("empty", "multiple of the routed"),
-])
+@pytest.mark.parametrize(
+    "bad, what",
+    [
+        ("only_up", "needs both"),
+        ("not_multiple", "multiple of the routed"),
+        ("down_shape", "shared_down must be"),
+        ("dtype", "shared expert dtypes"),
+        ("empty", "multiple of the routed"),
+    ],
+)
 def test_experts_reject_bad_shared_weights(bad, what):
     x, w_up, w_down, w, ids = _experts_inputs(3, 4, 32, 16, 2, F32)
     su, sd = _shared_weights(32, 16, 2, F32)
@@ -424,15 +457,20 @@ def test_config_depends_on_the_bucket_only():
         E, inter, k = raw["n_routed_experts"], raw["moe_intermediate_size"], raw["num_experts_per_tok"]
         d = raw.get("moe_latent_size") or raw["hidden_size"]
         for T in range(1, 600, 13):
-            assert tm.moe_config(E, inter, d, T, k, dev) == tm.moe_config(E, inter, d, tm.token_bucket(T), k, dev)
+            assert tm.moe_config(E, inter, d, T, k, dev) == tm.moe_config(
+                E, inter, d, tm.token_bucket(T), k, dev
+            )
 
 
 def test_a_bucket_the_tuned_file_lacks_takes_the_heuristic(monkeypatch: pytest.MonkeyPatch):
     """A device file with only the 1-token entry (bench_moe_decode.py --write on a GPU never fully tuned) sets
     that bucket alone: larger token counts keep the heuristic (the grouped GEMMs from 3 tokens), never the
     one-token GEMV settings of the nearest tuned bucket."""
-    one = {"variant": "gemv", "up": dict(BLOCK_N=4, BLOCK_K=128, num_warps=2, num_stages=6),
-           "down": dict(BLOCK_N=1, BLOCK_K=512, num_warps=1, num_stages=6, FLAT=1)}
+    one = {
+        "variant": "gemv",
+        "up": dict(BLOCK_N=4, BLOCK_K=128, num_warps=2, num_stages=6),
+        "down": dict(BLOCK_N=1, BLOCK_K=512, num_warps=1, num_stages=6, FLAT=1),
+    }
     key = tm.shape_key(128, 1856, 2688)
     monkeypatch.setattr(tm, "device_name", lambda index: "Some GPU")
     monkeypatch.setattr(tm, "_tuned_table", lambda name: {key: {"1": one}})
@@ -450,10 +488,16 @@ def test_a_bucket_the_tuned_file_lacks_takes_the_heuristic(monkeypatch: pytest.M
 def test_fp8_experts_take_their_own_entry_else_the_16_bit_one(monkeypatch: pytest.MonkeyPatch):
     """e4m3 experts look up the shape's ",w=fp8" entry first and fall back to the 16-bit entry of the bucket
     (then the heuristic); 16-bit experts never take an FP8 entry."""
-    bf16 = {"variant": "gemv", "up": dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=3),
-            "down": dict(BLOCK_N=1, BLOCK_K=1024, num_warps=2, num_stages=4, FLAT=1)}
-    fp8 = {"variant": "gemv", "up": dict(BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=8),
-           "down": dict(BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=8, SPLIT=1)}
+    bf16 = {
+        "variant": "gemv",
+        "up": dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=3),
+        "down": dict(BLOCK_N=1, BLOCK_K=1024, num_warps=2, num_stages=4, FLAT=1),
+    }
+    fp8 = {
+        "variant": "gemv",
+        "up": dict(BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=8),
+        "down": dict(BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=8, SPLIT=1),
+    }
     key, key8 = tm.shape_key(512, 2688, 1024), tm.shape_key(512, 2688, 1024, fp8=True)
     assert key8 == key + ",w=fp8"
     monkeypatch.setattr(tm, "device_name", lambda index: "Some GPU")
@@ -463,8 +507,9 @@ def test_fp8_experts_take_their_own_entry_else_the_16_bit_one(monkeypatch: pytes
         assert tm._bucket_config(512, 2688, 1024, 1, 22, "cuda", 0, True) == fp8
         assert tm._bucket_config(512, 2688, 1024, 1, 22, "cuda", 0, False) == bf16
         assert tm._bucket_config(512, 2688, 1024, 2, 22, "cuda", 0, True) == bf16  # no FP8 entry for 2 tokens
-        assert tm._bucket_config(512, 2688, 1024, 64, 22, "cuda", 0, True) == tm.heuristic_config(512, 2688, 1024,
-                                                                                                 64, 22)
+        assert tm._bucket_config(512, 2688, 1024, 64, 22, "cuda", 0, True) == tm.heuristic_config(
+            512, 2688, 1024, 64, 22
+        )
     finally:
         tm._bucket_config.cache_clear()
 
@@ -477,24 +522,74 @@ def test_heuristic_configs_are_valid():
             tm.validate_config(tm.heuristic_config(E, inter, d, T, raw["num_experts_per_tok"]))
 
 
-@pytest.mark.parametrize("cfg, what", [
-    ({"variant": "x"}, "variant"), ({"variant": "gemm", "BLOCK_M": 24}, "BLOCK_M"),
-    ({"variant": "gemv", "up": {"BLOCK_N": 4}}, "up.BLOCK_K"),
-    ({"variant": "gemv", "up": {"BLOCK_N": 3, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1}}, "power of two"),
-    ({"variant": "gemv", "up": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1},
-      "down": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1, "FLAT": 2}}, "FLAT"),
-    ({"variant": "gemv", "up": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1, "EARLY": -1},
-      "down": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1}}, "up.EARLY"),
-    ({"variant": "gemv", "up": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1},
-      "down": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1, "EARLY": 1}}, "FLAT = 1"),
-    ({"variant": "gemv", "up": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1},
-      "down": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1, "SPLIT": 1, "FLAT": 1}}, "FLAT = 0"),
-    ({"variant": "gemv", "up": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1, "SPLIT": 1},
-      "down": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1}}, "up.SPLIT applies"),
-    ({"variant": "gemm", "BLOCK_M": 16, "up": {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 1,
-                                                "num_stages": 1, "EARLY": 1},
-      "down": {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 1, "num_stages": 1}}, "gemv variant only"),
-])
+@pytest.mark.parametrize(
+    "cfg, what",
+    [
+        ({"variant": "x"}, "variant"),
+        ({"variant": "gemm", "BLOCK_M": 24}, "BLOCK_M"),
+        ({"variant": "gemv", "up": {"BLOCK_N": 4}}, "up.BLOCK_K"),
+        (
+            {"variant": "gemv", "up": {"BLOCK_N": 3, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1}},
+            "power of two",
+        ),
+        (
+            {
+                "variant": "gemv",
+                "up": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1},
+                "down": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1, "FLAT": 2},
+            },
+            "FLAT",
+        ),
+        (
+            {
+                "variant": "gemv",
+                "up": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1, "EARLY": -1},
+                "down": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1},
+            },
+            "up.EARLY",
+        ),
+        (
+            {
+                "variant": "gemv",
+                "up": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1},
+                "down": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1, "EARLY": 1},
+            },
+            "FLAT = 1",
+        ),
+        (
+            {
+                "variant": "gemv",
+                "up": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1},
+                "down": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1, "SPLIT": 1, "FLAT": 1},
+            },
+            "FLAT = 0",
+        ),
+        (
+            {
+                "variant": "gemv",
+                "up": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1, "SPLIT": 1},
+                "down": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1},
+            },
+            "up.SPLIT applies",
+        ),
+        (
+            {
+                "variant": "gemm",
+                "BLOCK_M": 16,
+                "up": {
+                    "BLOCK_N": 16,
+                    "BLOCK_K": 16,
+                    "GROUP_M": 1,
+                    "num_warps": 1,
+                    "num_stages": 1,
+                    "EARLY": 1,
+                },
+                "down": {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 1, "num_stages": 1},
+            },
+            "gemv variant only",
+        ),
+    ],
+)
 def test_bad_configs_are_named(cfg, what):
     with pytest.raises(ValueError, match=what):
         tm.validate_config(cfg)
@@ -532,8 +627,11 @@ def test_moe_layer_kernels_match_reference_path(monkeypatch, name):
         monkeypatch.setattr(ops, "get", lambda name, on_cuda: ops._REF[name])
         want = layer(x)
         monkeypatch.undo()
-    impls = {"moe_route": tm.moe_route_triton, "moe_experts": tm.moe_experts_triton,
-             "router_logits": tm.router_logits_triton}
+    impls = {
+        "moe_route": tm.moe_route_triton,
+        "moe_experts": tm.moe_experts_triton,
+        "router_logits": tm.router_logits_triton,
+    }
     real_get = ops.get
     monkeypatch.setattr(ops, "get", lambda n, on_cuda: impls.get(n) or real_get(n, on_cuda))
     for rows in (x, x[:1]):  # the grouped GEMMs, and the decode GEMVs with the router GEMV
@@ -548,7 +646,9 @@ def test_shared_expert_folded_into_the_experts_gives_the_layer_output(name):
 
     cfg = HybridModelConfig.from_dict(MOE_CONFIGS[name])
     layer = MoE(cfg, device=DEV, dtype=F32)
-    assert layer.fold_shared == (cfg.moe_latent_size is None)  # latent MoE: the shared expert reads x, not the latent
+    assert layer.fold_shared == (
+        cfg.moe_latent_size is None
+    )  # latent MoE: the shared expert reads x, not the latent
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
@@ -586,8 +686,11 @@ def test_experts_bf16_real_shapes(poison, name, T):
     assert torch.isfinite(out).all()
     assert _rel_err(out, exact) < 1e-2, f"{name} T={T}: relative error {_rel_err(out, exact):.2e}"
     gemv = tm.heuristic_config(E, inter, d, 1, k)
-    for cfg in (gemv, dict(gemv, down=dict(gemv["down"], FLAT=1 - gemv["down"].get("FLAT", 0))),
-                tm.heuristic_config(E, inter, d, 256, k)):  # every variant at this T
+    for cfg in (
+        gemv,
+        dict(gemv, down=dict(gemv["down"], FLAT=1 - gemv["down"].get("FLAT", 0))),
+        tm.heuristic_config(E, inter, d, 256, k),
+    ):  # every variant at this T
         with poison:
             out = tm.moe_experts_triton(x, w_up, w_down, w, ids, config=cfg)
         assert _rel_err(out, exact) < 1e-2, f"{name} T={T} {cfg['variant']}: {_rel_err(out, exact):.2e}"
@@ -601,7 +704,9 @@ def test_experts_bf16_real_shapes_with_the_shared_expert(poison, name, T):
     shared = MOE_CONFIGS[name]["moe_shared_expert_intermediate_size"]
     x, w_up, w_down, w, ids = _experts_inputs(T, E, d, inter, k, BF16)
     su, sd = _shared_weights(d, inter, shared // inter, BF16)
-    exact = ref.moe_experts_ref(x.double(), w_up.double(), w_down.double(), w.double(), ids, su.double(), sd.double())
+    exact = ref.moe_experts_ref(
+        x.double(), w_up.double(), w_down.double(), w.double(), ids, su.double(), sd.double()
+    )
     gemv = tm.heuristic_config(E, inter, d, 1, k)
     early = dict(gemv, up=dict(gemv["up"], EARLY=1), down=dict(gemv["down"], FLAT=1, EARLY=1))
     for cfg in (None, gemv, dict(gemv, down=dict(gemv["down"], FLAT=1 - gemv["down"].get("FLAT", 0))), early):
@@ -625,7 +730,9 @@ def test_router_logits_bf16_real_shapes(T):
 def test_experts_bf16_skewed_routing(poison, name):
     E, k, d, inter = REAL[name]
     T = 512
-    ids = _ids_with(T, k, E, experts=list(range(0, E, 7))[: max(k, 8)], always=0)  # one hot expert, many empty
+    ids = _ids_with(
+        T, k, E, experts=list(range(0, E, 7))[: max(k, 8)], always=0
+    )  # one hot expert, many empty
     x, w_up, w_down, w, ids = _experts_inputs(T, E, d, inter, k, BF16, ids)
     with poison:
         out = tm.moe_experts_triton(x, w_up, w_down, w, ids)
@@ -636,8 +743,11 @@ def test_experts_bf16_skewed_routing(poison, name):
 @pytest.mark.parametrize("T", [1, 4096, 8192])
 def test_align_real_sizes(T):
     for E, k, _, _ in REAL.values():
-        ids = torch.stack([torch.randperm(E, device=DEV)[:k] for _ in range(T)]).int() if T < 64 else \
-            torch.argsort(torch.rand(T, E, device=DEV), dim=1)[:, :k].int()
+        ids = (
+            torch.stack([torch.randperm(E, device=DEV)[:k] for _ in range(T)]).int()
+            if T < 64
+            else torch.argsort(torch.rand(T, E, device=DEV), dim=1)[:, :k].int()
+        )
         for bm in (16, 64, 128):
             got = tm.moe_align_triton(ids, E, bm)
             for g, w in zip(got, ref.moe_align_ref(ids, E, bm)):
@@ -721,8 +831,10 @@ def test_early_decode_gemvs_replay_bit_identical_under_pdl():
     args = (k, raw["n_group"], raw["topk_group"], raw["norm_topk_prob"], raw["routed_scaling_factor"])
     base = tm.moe_config(E, inter, d, 1, k, DEV)
     assert base["variant"] == "gemv"
-    forms = {early: dict(base, up=dict(base["up"], EARLY=early), down=dict(base["down"], FLAT=1, EARLY=early))
-             for early in (0, 1)}
+    forms = {
+        early: dict(base, up=dict(base["up"], EARLY=early), down=dict(base["down"], FLAT=1, EARLY=early))
+        for early in (0, 1)
+    }
 
     def chain(inp, cfg):
         h = inp
@@ -761,14 +873,29 @@ def test_moe_kernels_compile_for_sm90_at_the_tuned_configs():
 
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(root / "tests" / "sm90_compile_check.py"), "bfloat16", "moe"],
-                         capture_output=True, text=True, env={**env, "PYTHONPATH": str(root)}, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(root / "tests" / "sm90_compile_check.py"), "bfloat16", "moe"],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": str(root)},
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     doc = json.loads(run.stdout.strip().splitlines()[-1])
     shared = doc["kernels"]
-    want = {"_router_gemv_kernel", "_route_kernel", "_up_gemv_kernel", "_down_gemv_kernel", "_up_gemm_kernel",
-            "_down_gemm_kernel", "_combine_kernel", "_align_count_kernel", "_align_offsets_kernel",
-            "_align_scatter_kernel", "_down_split_kernel"}
+    want = {
+        "_router_gemv_kernel",
+        "_route_kernel",
+        "_up_gemv_kernel",
+        "_down_gemv_kernel",
+        "_up_gemm_kernel",
+        "_down_gemm_kernel",
+        "_combine_kernel",
+        "_align_count_kernel",
+        "_align_offsets_kernel",
+        "_align_scatter_kernel",
+        "_down_split_kernel",
+    }
     assert want <= set(shared), sorted(shared)
     assert all(0 <= b <= 232448 for b in shared.values()), shared
     # every MoE kernel of a decode step is a programmatic dependent launch that waits for its predecessor

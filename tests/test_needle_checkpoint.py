@@ -42,14 +42,17 @@ def tok():
     return T.tiny_tokenizer()
 
 
-def _prompt_set(tok, bench_lengths: tuple[int, int], seed: int, lengths: list[int]) -> list[tuple[list[int], str]]:
+def _prompt_set(
+    tok, bench_lengths: tuple[int, int], seed: int, lengths: list[int]
+) -> list[tuple[list[int], str]]:
     """(chat prompt ids, the code): the bench's own prompt at 2 lengths x 3 depths, then a random code in mixed
     filler per length of `lengths`, at depths spread from 0 to 1."""
     out = [(T.bench_prompt_ids(tok, n, d), BENCH_CODE) for n in bench_lengths for d in (0.0, 0.5, 1.0)]
     rng = random.Random(seed)
     for i, n in enumerate(lengths):
-        ex = T.make_example(tok, rng, target_len=n, depth=i / (len(lengths) - 1), code=T.random_code(rng, 1.0),
-                            style="mixed")
+        ex = T.make_example(
+            tok, rng, target_len=n, depth=i / (len(lengths) - 1), code=T.random_code(rng, 1.0), style="mixed"
+        )
         out.append((ex.ids[: ex.answer_start], ex.code))
     return out
 
@@ -62,10 +65,19 @@ def prompts(tok) -> list[tuple[list[int], str]]:
 @pytest.fixture(scope="module")
 def llm():
     # the report's cache settings, scaled to these prompts: block reuse, a Mamba snapshot every block
-    return LLM(str(CKPT), max_seq_len=4096, max_num_tokens=1024,
-               kv_cache_config={"enable_block_reuse": True, "tokens_per_block": 64,
-                                "mamba_state_config": {"periodic_snapshot_interval": 64,
-                                                       "additional_snapshot_offsets_from_end": [0]}})
+    return LLM(
+        str(CKPT),
+        max_seq_len=4096,
+        max_num_tokens=1024,
+        kv_cache_config={
+            "enable_block_reuse": True,
+            "tokens_per_block": 64,
+            "mamba_state_config": {
+                "periodic_snapshot_interval": 64,
+                "additional_snapshot_offsets_from_end": [0],
+            },
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +89,14 @@ def hyserve_answers(llm, prompts) -> list[list[int]]:
 
 def test_checkpoint_layout_and_size():
     names = {p.name for p in CKPT.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "generation_config.json", "training_log.json"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "training_log.json",
+    } <= names
     assert "chat_template" in json.loads((CKPT / "tokenizer_config.json").read_text())
     assert (CKPT / "model.safetensors").stat().st_size < 3_000_000
     cfg = json.loads((CKPT / "config.json").read_text())
@@ -86,7 +104,9 @@ def test_checkpoint_layout_and_size():
 
 
 def test_transformers_gives_the_same_greedy_answers(tok, prompts, hyserve_answers):
-    hf, info = transformers.NemotronHForCausalLM.from_pretrained(CKPT, dtype=torch.float32, output_loading_info=True)
+    hf, info = transformers.NemotronHForCausalLM.from_pretrained(
+        CKPT, dtype=torch.float32, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     T._patch_dt_limit(hf, tuple(json.loads((CKPT / "config.json").read_text())["time_step_limit"]))
     im_end = tok.token_to_id(T.IM_END)
@@ -100,7 +120,9 @@ def test_answers_are_codes_that_retrieve_the_needle(tok, prompts, hyserve_answer
     bench_hits = sum(t == code for (_, code), t in zip(prompts[:6], texts[:6]))
     random_hits = sum(t == code for (_, code), t in zip(prompts[6:], texts[6:]))
     assert bench_hits >= MIN_BENCH_HITS, texts[:6]
-    assert random_hits >= MIN_RANDOM_HITS * len(prompts[6:]), list(zip([c for _, c in prompts[6:]], texts[6:]))
+    assert random_hits >= MIN_RANDOM_HITS * len(prompts[6:]), list(
+        zip([c for _, c in prompts[6:]], texts[6:])
+    )
 
 
 def test_batch_chunking_and_prefix_hits_do_not_change_answers(llm, prompts, hyserve_answers):
@@ -110,8 +132,13 @@ def test_batch_chunking_and_prefix_hits_do_not_change_answers(llm, prompts, hyse
         out = llm.generate(p, greedy)[0]
         assert out.token_ids == want and out.num_cached_tokens > 0
     # small prefill chunks: prompts run over several steps, each chunk continuing the Mamba state
-    small = LLM(str(CKPT), max_seq_len=4096, max_num_tokens=96, max_batch_size=4,
-                kv_cache_config={"enable_block_reuse": False})
+    small = LLM(
+        str(CKPT),
+        max_seq_len=4096,
+        max_num_tokens=96,
+        max_batch_size=4,
+        kv_cache_config={"enable_block_reuse": False},
+    )
     outs = small.generate([p for p, _ in prompts], greedy)
     assert [o.token_ids for o in outs] == hyserve_answers
 
@@ -121,15 +148,31 @@ def test_bench_needle_scores_it_through_the_server(tmp_path, capsys):
 
     s = ServerProcess(args=[str(CKPT), "--max-seq-len", "4096", "--disable-log-requests"]).start()
     try:
-        argv = ["needle", "--port", str(s.port), "--sizes", "200,300", "--needle-depths", "0,0.5,1",
-                "--max-tokens", "40", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "n.json"]
+        argv = [
+            "needle",
+            "--port",
+            str(s.port),
+            "--sizes",
+            "200,300",
+            "--needle-depths",
+            "0,0.5,1",
+            "--max-tokens",
+            "40",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+            "--result-filename",
+            "n.json",
+        ]
         assert bench_cli.main(argv) == 0
     finally:
         assert s.stop() == 0, s.log()
     out = capsys.readouterr().out
     assert "HIT / MISS by size and depth" in out
     rows = json.loads((tmp_path / "n.json").read_text())["results"]
-    assert [(r["target_tokens"], r["depth"]) for r in rows] == [(n, d) for n in (200, 300) for d in (0, 0.5, 1)]
+    assert [(r["target_tokens"], r["depth"]) for r in rows] == [
+        (n, d) for n in (200, 300) for d in (0, 0.5, 1)
+    ]
     assert all(r["status"] == 200 and r["outcome"] in ("HIT", "MISS") for r in rows)
     assert all(CODE_RE.fullmatch(r["content"]) for r in rows), [r["content"] for r in rows]
     assert sum(r["outcome"] == "HIT" for r in rows) >= MIN_BENCH_HITS, [r["content"] for r in rows]
@@ -156,15 +199,20 @@ def test_h200_checkpoint_retrieves_and_matches_transformers(tok, h200_prompts):
     transformers' on the same prompts, codes in the right format, and they retrieve the needle."""
     names = {p.name for p in CKPT_H200.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
-    llm = LLM(str(CKPT_H200), max_seq_len=4096, max_num_tokens=1024,
-              kv_cache_config={"enable_block_reuse": True, "tokens_per_block": 64})
+    llm = LLM(
+        str(CKPT_H200),
+        max_seq_len=4096,
+        max_num_tokens=1024,
+        kv_cache_config={"enable_block_reuse": True, "tokens_per_block": 64},
+    )
     outs = llm.generate([p for p, _ in h200_prompts], SamplingParams(max_tokens=MAX_NEW, temperature=0))
     answers = [o.token_ids for o in outs]
     texts = [tok.decode(a) for a in answers]
     assert all(CODE_RE.fullmatch(t) for t in texts), texts
     assert sum(t == c for (_, c), t in zip(h200_prompts[:6], texts[:6])) >= H200_MIN_BENCH_HITS, texts[:6]
-    assert sum(t == c for (_, c), t in zip(h200_prompts[6:], texts[6:])) >= H200_MIN_RANDOM_HITS, \
-        list(zip([c for _, c in h200_prompts[6:]], texts[6:]))
+    assert sum(t == c for (_, c), t in zip(h200_prompts[6:], texts[6:])) >= H200_MIN_RANDOM_HITS, list(
+        zip([c for _, c in h200_prompts[6:]], texts[6:])
+    )
     hf = transformers.NemotronHForCausalLM.from_pretrained(CKPT_H200, dtype=torch.float32)
     T._patch_dt_limit(hf, tuple(json.loads((CKPT_H200 / "config.json").read_text())["time_step_limit"]))
     im_end = tok.token_to_id(T.IM_END)

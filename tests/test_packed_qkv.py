@@ -46,8 +46,11 @@ def test_loaded_layers_are_packed_and_their_modules_are_views(tiny: Path) -> Non
         assert m.v_proj.weight.data_ptr() == w.data_ptr() + (nq + nk) * rows
     names = set(llm.engine.loaded.model.state_dict())
     assert not any("packed" in n for n in names)
-    assert {"backbone.layers.1.mixer.q_proj.weight", "backbone.layers.1.mixer.k_proj.weight",
-            "backbone.layers.1.mixer.v_proj.weight"} <= names
+    assert {
+        "backbone.layers.1.mixer.q_proj.weight",
+        "backbone.layers.1.mixer.k_proj.weight",
+        "backbone.layers.1.mixer.v_proj.weight",
+    } <= names
 
 
 def test_packed_layers_give_the_unpacked_results(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -49,14 +49,22 @@ def _tensors() -> dict[str, torch.Tensor]:
     in_proj = sum(p.size for p in _mamba_parts(G))
     in_proj1 = sum(p.size for p in _mamba_parts(1))
     return {
-        "col.weight": r(6, D_IN), "col.bias": r(6),
-        "in_proj.weight": r(in_proj, D_IN), "in_proj.bias": r(in_proj),
+        "col.weight": r(6, D_IN),
+        "col.bias": r(6),
+        "in_proj.weight": r(in_proj, D_IN),
+        "in_proj.bias": r(in_proj),
         "in_proj1.weight": r(in_proj1, D_IN),
-        "q.weight": r(4 * P, D_IN), "k.weight": r(1 * P, D_IN), "v.weight": r(1 * P, D_IN),
-        "row.weight": r(5, 4 * P), "row.bias": r(5),
-        "rep.weight": r(3, D_IN), "rep.bias": r(3),
-        "embed.weight": r(VOCAB, D_IN), "head.weight": r(VOCAB, D_IN),
-        "x": r(7, D_IN), "x_row": r(7, 4 * P),
+        "q.weight": r(4 * P, D_IN),
+        "k.weight": r(1 * P, D_IN),
+        "v.weight": r(1 * P, D_IN),
+        "row.weight": r(5, 4 * P),
+        "row.bias": r(5),
+        "rep.weight": r(3, D_IN),
+        "rep.bias": r(3),
+        "embed.weight": r(VOCAB, D_IN),
+        "head.weight": r(VOCAB, D_IN),
+        "x": r(7, D_IN),
+        "x_row": r(7, 4 * P),
     }
 
 
@@ -75,8 +83,13 @@ class RecordingSlice:
         return t
 
 
-def _load(f: Any, module: torch.nn.Module, names: dict[str, str], reads: dict[str, int],
-          shard_ids: dict[str, str] | None = None) -> None:
+def _load(
+    f: Any,
+    module: torch.nn.Module,
+    names: dict[str, str],
+    reads: dict[str, int],
+    shard_ids: dict[str, str] | None = None,
+) -> None:
     """names: param attribute -> checkpoint name; loads through each param's weight_loader."""
     for attr, ck in names.items():
         param = getattr(module, attr)
@@ -127,8 +140,11 @@ def _case_layers(path: str) -> dict[str, Any]:
                 errs[f"{name}.{p.name}"] = _err(got, expect)
 
         # attention q | k | v from three checkpoint tensors, one KV head replicated on both ranks
-        qkv_parts = [ShardedPart(name="q", units=4, unit_size=P), ShardedPart(name="k", units=1, unit_size=P),
-                     ShardedPart(name="v", units=1, unit_size=P)]
+        qkv_parts = [
+            ShardedPart(name="q", units=4, unit_size=P),
+            ShardedPart(name="k", units=1, unit_size=P),
+            ShardedPart(name="v", units=1, unit_size=P),
+        ]
         qkv = MergedColumnParallelLinear(D_IN, qkv_parts)
         for sid in ("q", "k", "v"):
             log: list[int] = []
@@ -155,7 +171,9 @@ def _case_layers(path: str) -> dict[str, Any]:
         numels["embed.weight"] = (emb.vocab_end - emb.vocab_start) * D_IN
         ids = torch.tensor([0, 10, 5, 6, 3, 10, 1, 9])  # both blocks, the last real id of the padded one
         errs["embedding"] = _err(emb(ids), F.embedding(ids, full["embed.weight"]))
-        errs["embedding padding rows are zero"] = emb.weight[emb.vocab_end - emb.vocab_start :].abs().sum().item()
+        errs["embedding padding rows are zero"] = (
+            emb.weight[emb.vocab_end - emb.vocab_start :].abs().sum().item()
+        )
 
         head = ParallelLMHead(VOCAB, D_IN)
         _load(f, head, {"weight": "head.weight"}, reads)
@@ -181,7 +199,9 @@ def test_parallel_layers_match_unsharded_torch_at_tp2(pool: RankPool, tmp_path: 
         assert not bad, f"rank {rank}: {bad}"
         assert len(res["errs"]) == 20
         # each loader read exactly its shard's elements from the file, never the whole tensor
-        assert res["reads"] == res["numels"], f"rank {rank}: read {res['reads']} vs shard sizes {res['numels']}"
+        assert res["reads"] == res["numels"], (
+            f"rank {rank}: read {res['reads']} vs shard sizes {res['numels']}"
+        )
 
 
 # ---- in one process: shard arithmetic and refusals -----------------------------------------------------
@@ -189,12 +209,15 @@ def _group(rank: int, size: int) -> Group:
     return Group(name="tp", rank=rank, size=size, ranks=tuple(range(size)), timeout_s=1.0)
 
 
-@pytest.mark.parametrize(("units", "tp", "want"), [
-    (8, 4, [(0, 2), (2, 2), (4, 2), (6, 2)]),  # split
-    (2, 4, [(0, 1), (0, 1), (1, 1), (1, 1)]),  # 2 KV heads / groups over 4 ranks: replicated pairs
-    (1, 8, [(0, 1)] * 8),  # one Mamba group everywhere
-    (8, 1, [(0, 8)]),
-])
+@pytest.mark.parametrize(
+    ("units", "tp", "want"),
+    [
+        (8, 4, [(0, 2), (2, 2), (4, 2), (6, 2)]),  # split
+        (2, 4, [(0, 1), (0, 1), (1, 1), (1, 1)]),  # 2 KV heads / groups over 4 ranks: replicated pairs
+        (1, 8, [(0, 1)] * 8),  # one Mamba group everywhere
+        (8, 1, [(0, 8)]),
+    ],
+)
 def test_sharded_part_rows(units: int, tp: int, want: list[tuple[int, int]]) -> None:
     p = ShardedPart(name="k", units=units, unit_size=16)
     got = [(p.first_unit(r, tp), p.local_units(tp)) for r in range(tp)]
@@ -218,8 +241,11 @@ def test_replicated_kv_heads_follow_their_query_heads() -> None:
 
 def test_loader_shards_for_four_simulated_ranks() -> None:
     w = torch.randn(4 * P + 2 * P + 2 * P, D_IN, dtype=torch.float64)  # q 4 heads, k/v 2 heads
-    parts = [ShardedPart(name="q", units=4, unit_size=P), ShardedPart(name="k", units=2, unit_size=P),
-             ShardedPart(name="v", units=2, unit_size=P)]
+    parts = [
+        ShardedPart(name="q", units=4, unit_size=P),
+        ShardedPart(name="k", units=2, unit_size=P),
+        ShardedPart(name="v", units=2, unit_size=P),
+    ]
     q, k, v = w.split([4 * P, 2 * P, 2 * P])
     for r in range(4):
         m = MergedColumnParallelLinear(D_IN, parts, group=_group(r, 4), dtype=torch.float64)
@@ -235,8 +261,11 @@ def test_one_rank_layers_are_the_plain_torch_layers() -> None:
     g1 = _group(0, 1)
     x = torch.randn(5, D_IN)
     w, b = torch.randn(6, D_IN), torch.randn(6)
-    for layer in (ColumnParallelLinear(D_IN, 6, bias=True, gather_output=True, group=g1),
-                  RowParallelLinear(D_IN, 6, bias=True, group=g1), ReplicatedLinear(D_IN, 6, bias=True)):
+    for layer in (
+        ColumnParallelLinear(D_IN, 6, bias=True, gather_output=True, group=g1),
+        RowParallelLinear(D_IN, 6, bias=True, group=g1),
+        ReplicatedLinear(D_IN, 6, bias=True),
+    ):
         layer.weight.weight_loader(layer.weight, w)
         layer.bias.weight_loader(layer.bias, b)
         assert torch.equal(layer(x), F.linear(x, w, b))  # bit-exact: the same call
@@ -257,15 +286,30 @@ def test_vocab_blocks_cover_the_vocabulary() -> None:
         assert [i for s, e, _ in blocks for i in range(s, e)] == list(range(v))
 
 
-@pytest.mark.parametrize(("make", "needle"), [
-    (lambda g: ColumnParallelLinear(8, 6, gather_output=True, group=g), "6 units do not split over tp_size 4"),
-    (lambda g: ColumnParallelLinear(8, 6, unit_size=4, group=g), "not a multiple of unit_size 4"),
-    (lambda g: RowParallelLinear(6, 8, group=g), "in: 6 units do not split over tp_size 4; need a multiple of 4"),
-    (lambda g: MergedColumnParallelLinear(8, [ShardedPart(name="q", units=6, unit_size=2)], group=g),
-     "q: 6 units do not split over tp_size 4; need a multiple of 4 (or a divisor of it, replicated"),
-    (lambda g: MergedColumnParallelLinear(8, [ShardedPart(name="q", units=4), ShardedPart(name="q", units=4)],
-                                          group=g), "distinct names"),
-])
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (
+            lambda g: ColumnParallelLinear(8, 6, gather_output=True, group=g),
+            "6 units do not split over tp_size 4",
+        ),
+        (lambda g: ColumnParallelLinear(8, 6, unit_size=4, group=g), "not a multiple of unit_size 4"),
+        (
+            lambda g: RowParallelLinear(6, 8, group=g),
+            "in: 6 units do not split over tp_size 4; need a multiple of 4",
+        ),
+        (
+            lambda g: MergedColumnParallelLinear(8, [ShardedPart(name="q", units=6, unit_size=2)], group=g),
+            "q: 6 units do not split over tp_size 4; need a multiple of 4 (or a divisor of it, replicated",
+        ),
+        (
+            lambda g: MergedColumnParallelLinear(
+                8, [ShardedPart(name="q", units=4), ShardedPart(name="q", units=4)], group=g
+            ),
+            "distinct names",
+        ),
+    ],
+)
 def test_layers_refuse_shapes_that_do_not_split(make: Any, needle: str) -> None:
     with pytest.raises(ValueError) as e:
         make(_group(0, 4))
@@ -292,8 +336,11 @@ def test_loaders_survive_meta_build_to_empty_and_casts() -> None:
     afterwards, and must still carry their loader and checkpoint shape."""
     g = _group(1, 2)
     with torch.device("meta"):
-        layers = [MergedColumnParallelLinear(D_IN, _mamba_parts(G), bias=True, group=g),
-                  RowParallelLinear(4 * P, 5, bias=True, unit_size=P, group=g), ParallelLMHead(VOCAB, D_IN, group=g)]
+        layers = [
+            MergedColumnParallelLinear(D_IN, _mamba_parts(G), bias=True, group=g),
+            RowParallelLinear(4 * P, 5, bias=True, unit_size=P, group=g),
+            ParallelLMHead(VOCAB, D_IN, group=g),
+        ]
     for layer in layers:
         before = {n: p.checkpoint_shape for n, p in layer.named_parameters()}
         moved = layer.to_empty(device="cpu").to(torch.float64)

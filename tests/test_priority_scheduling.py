@@ -35,9 +35,18 @@ NOT_ENABLED = "priority scheduling is not enabled"
 
 
 def _sched(policy: str = "priority", *, blocks: int = 400, max_batch: int = 6, budget: int = 64) -> Scheduler:
-    _, cache, _ = make(num_blocks=blocks, max_batch=max_batch, budget_tokens=budget, snapshots=4, max_seq_len=4096)
-    return Scheduler(cache, max_batch_size=max_batch, max_num_tokens=budget, enable_chunked_prefill=True,
-                     chunk_size=CHUNK, max_seq_len=1 << 30, scheduling_policy=policy)
+    _, cache, _ = make(
+        num_blocks=blocks, max_batch=max_batch, budget_tokens=budget, snapshots=4, max_seq_len=4096
+    )
+    return Scheduler(
+        cache,
+        max_batch_size=max_batch,
+        max_num_tokens=budget,
+        enable_chunked_prefill=True,
+        chunk_size=CHUNK,
+        max_seq_len=1 << 30,
+        scheduling_policy=policy,
+    )
 
 
 def _req(rid: str, priority: int = 0, n: int = 4, params: SamplingParams = DECODE) -> Request:
@@ -189,8 +198,12 @@ class PriorityMachine(EngineMachine):
     """The scheduler state machine (arrivals, cancellations, finishes, memory pressure) under "priority", with
     random priorities: the bookkeeping stays consistent, both queues stay in key order, and everything drains."""
 
-    @initialize(num_blocks=st.integers(6, 24), max_batch=st.integers(1, 6), budget=st.integers(6, 24),
-                seed=st.integers(0, 2**16))
+    @initialize(
+        num_blocks=st.integers(6, 24),
+        max_batch=st.integers(1, 6),
+        budget=st.integers(6, 24),
+        seed=st.integers(0, 2**16),
+    )
     def setup(self, num_blocks: int, max_batch: int, budget: int, seed: int) -> None:
         super().setup(num_blocks, max_batch, budget, seed)
         self.sched.by_priority = True  # before any request: as if built with scheduling_policy="priority"
@@ -219,8 +232,13 @@ def test_priority_machine_keeps_bookkeeping_consistent_and_drains() -> None:
     run_state_machine_as_test(
         PriorityMachine,
         # derandomized: the same examples every run, so the preemption check below cannot flake
-        settings=settings(max_examples=60, stateful_step_count=40, deadline=None, derandomize=True,
-                          suppress_health_check=list(HealthCheck)),
+        settings=settings(
+            max_examples=60,
+            stateful_step_count=40,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        ),
     )
     assert EngineMachine.preemptions_seen > 0
 
@@ -235,18 +253,26 @@ def reference() -> list[list[int]]:
 
 
 PREEMPTING_KV = {  # as test_engine_invariance's preemption test: one long request fits, not all at once
-    "tokens_per_block": 8, "enable_block_reuse": False, "max_tokens": 112, "max_gpu_total_bytes": 64 * 2**20,
+    "tokens_per_block": 8,
+    "enable_block_reuse": False,
+    "max_tokens": 112,
+    "max_gpu_total_bytes": 64 * 2**20,
     "mamba_state_config": {"periodic_snapshot_interval": None},
 }
 
 
 @pytest.mark.parametrize("async_on", [False, True])
-@pytest.mark.parametrize("opts", [
-    dict(),
-    dict(max_batch_size=2, max_num_tokens=40),
-    dict(kv_cache_config=PREEMPTING_KV, max_seq_len=112),
-])
-def test_greedy_outputs_do_not_depend_on_priorities(reference: list[list[int]], opts: dict, async_on: bool) -> None:
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(),
+        dict(max_batch_size=2, max_num_tokens=40),
+        dict(kv_cache_config=PREEMPTING_KV, max_seq_len=112),
+    ],
+)
+def test_greedy_outputs_do_not_depend_on_priorities(
+    reference: list[list[int]], opts: dict, async_on: bool
+) -> None:
     llm = make_llm(scheduling_policy="priority", async_scheduling=async_on, **opts)
     prios = [(i * 7) % 4 - 1 for i in range(len(prompts()))]  # -1..2, mixed against arrival order
     outs = llm.generate(prompts(), GREEDY, priority=prios)
@@ -262,8 +288,9 @@ def test_the_engine_serves_in_priority_order(policy: str, order: list[str]) -> N
     eng = make_llm(max_batch_size=1, scheduling_policy=policy).engine
     prios = {"a": 2, "b": 0, "c": 1} if policy == "priority" else {"a": 0, "b": 0, "c": 0}
     for rid, prio in prios.items():
-        eng.add_request(rid, prompts()[0], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
-                        priority=prio)
+        eng.add_request(
+            rid, prompts()[0], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), priority=prio
+        )
     finished = []
     while eng.has_unfinished():
         finished += [d.request_id for d in eng.step() if d.finished]
@@ -283,7 +310,9 @@ def test_fcfs_refuses_a_nonzero_priority(fcfs_llm) -> None:
         fcfs_llm.engine.add_request("x", p[0], GREEDY, priority=-1)
     assert not fcfs_llm.engine.has_unfinished()  # refused before anything ran
     # zeros are fcfs's own priority: accepted, with the same tokens as without
-    assert [o.token_ids for o in fcfs_llm.generate(p, GREEDY, priority=[0, 0])] ==         [o.token_ids for o in fcfs_llm.generate(p, GREEDY)]
+    assert [o.token_ids for o in fcfs_llm.generate(p, GREEDY, priority=[0, 0])] == [
+        o.token_ids for o in fcfs_llm.generate(p, GREEDY)
+    ]
 
 
 def test_priority_list_must_match_the_prompts(fcfs_llm) -> None:
@@ -324,13 +353,19 @@ def test_scheduling_policy_flag(flag: str) -> None:
 SMALL_CACHE = {"max_gpu_total_bytes": 64 * 2**20}
 BODIES = {
     "/v1/completions": {"prompt": [1, 5, 9], "max_tokens": 2, "temperature": 0},
-    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0},
+    "/v1/chat/completions": {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "temperature": 0,
+    },
     "/v1/responses": {"input": "hi", "max_output_tokens": 2, "temperature": 0},
 }
 
 
 def _server(policy: str) -> Iterator[str]:
-    config = build_engine_config({"warmup": "off", "scheduling_policy": policy, "kv_cache_config": SMALL_CACHE})
+    config = build_engine_config(
+        {"warmup": "off", "scheduling_policy": policy, "kv_cache_config": SMALL_CACHE}
+    )
     engine = AsyncEngine(config, log=lambda s: None)
     engine.start()
     try:
@@ -382,8 +417,11 @@ def test_a_priority_that_is_not_an_integer_is_a_400(priority_url: str, route: st
 
 @pytest.fixture(scope="module")
 def fake() -> Iterator[tuple[FakeEngine, str]]:
-    tok = Tokenizer(build_tiny_tokenizer(), config={"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"},
-                    chat_template=TINY_CHAT_TEMPLATE)
+    tok = Tokenizer(
+        build_tiny_tokenizer(),
+        config={"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"},
+        chat_template=TINY_CHAT_TEMPLATE,
+    )
     engine = FakeEngine(tokenizer=tok, max_seq_len=1024)
     with serve_app_in_thread(build_app(engine, ServerOptions())) as url:
         yield engine, url
@@ -391,7 +429,9 @@ def fake() -> Iterator[tuple[FakeEngine, str]]:
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("route", list(BODIES))
-def test_the_body_priority_reaches_every_choice(fake: tuple[FakeEngine, str], route: str, stream: bool) -> None:
+def test_the_body_priority_reaches_every_choice(
+    fake: tuple[FakeEngine, str], route: str, stream: bool
+) -> None:
     engine, url = fake
     engine.priorities.clear()
     n = {} if route == "/v1/responses" else {"n": 2}

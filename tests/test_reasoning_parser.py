@@ -63,8 +63,10 @@ def test_streaming_start_tag_split() -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(
-    st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "th", "ink>", "\n", "a", "b c", "</th", "<t"]),
-             max_size=12),
+    st.lists(
+        st.sampled_from(["<think>", "</think>", "<", "</", "th", "ink>", "\n", "a", "b c", "</th", "<t"]),
+        max_size=12,
+    ),
     st.lists(st.integers(min_value=0, max_value=60), max_size=6),
     st.booleans(),
 )

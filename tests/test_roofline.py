@@ -24,8 +24,13 @@ from benchmarks.roofline import (  # noqa: E402
     measure_ceilings,
 )
 
-SMALL = dict(stream_read_bytes=1 << 20, copy_bytes=1 << 20, gemv_bytes=1 << 18, matmul_shapes=((32, 48, 64), (64, 64, 64)),
-             reps=3)
+SMALL = dict(
+    stream_read_bytes=1 << 20,
+    copy_bytes=1 << 20,
+    gemv_bytes=1 << 18,
+    matmul_shapes=((32, 48, 64), (64, 64, 64)),
+    reps=3,
+)
 
 
 def test_measure_ceilings_on_the_cpu(tmp_path: Path) -> None:
@@ -34,7 +39,10 @@ def test_measure_ceilings_on_the_cpu(tmp_path: Path) -> None:
         assert math.isfinite(v) and v > 0
     assert c.read_bw == max(c.stream_read_bw, c.gemv_bw) and c.device == "cpu"
     gemvs = {k for k in c.detail if k.startswith("gemv ")}
-    assert gemvs == {"gemv torch F.linear (weight [N, K])", "gemv torch x @ W (weight [K, N])"}  # no Triton on a CPU
+    assert gemvs == {
+        "gemv torch F.linear (weight [N, K])",
+        "gemv torch x @ W (weight [K, N])",
+    }  # no Triton on a CPU
     assert f"gemv {c.gemv_best}" in gemvs
     assert c.matmul_best in ("bf16 32x48x64", "bf16 64x64x64")
     assert c.detail["stream_read"]["bytes"] == 1 << 20 and c.detail["copy"]["bytes_each_way"] == 1 << 20
@@ -44,8 +52,15 @@ def test_measure_ceilings_on_the_cpu(tmp_path: Path) -> None:
     assert load_ceilings(tmp_path / "bench.json") == c
 
 
-C = Ceilings(device="gpu", stream_read_bw=4.0e12, copy_bw=4.2e12, gemv_bw=4.1e12, gemv_best="g", matmul_flops=800e12,
-             matmul_best="m")
+C = Ceilings(
+    device="gpu",
+    stream_read_bw=4.0e12,
+    copy_bw=4.2e12,
+    gemv_bw=4.1e12,
+    gemv_best="g",
+    matmul_flops=800e12,
+    matmul_best="m",
+)
 
 
 def test_ceiling_fields_rate_time_and_published() -> None:
@@ -69,14 +84,29 @@ def test_ceiling_fields_rate_time_and_published() -> None:
 
 def test_bench_kernels_records_carry_the_measured_ceiling(tmp_path: Path) -> None:
     out = tmp_path / "k.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_kernels.py"), "--dry-run", "--only", "norm",
-                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/bench_kernels.py"),
+            "--dry-run",
+            "--only",
+            "norm",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert doc["ceilings"]["device"] == "cpu" and doc["ceilings"]["copy_bw"] > 0
     assert doc["records"]
     for rec in doc["records"]:
-        assert rec["ceiling_value"] == doc["ceilings"]["copy_bw"] and rec["reference_value"] == rec["ceiling_value"]
+        assert (
+            rec["ceiling_value"] == doc["ceilings"]["copy_bw"]
+            and rec["reference_value"] == rec["ceiling_value"]
+        )
         assert rec["ratio"] == pytest.approx(rec["value"] / rec["ceiling_value"])
         assert rec["ratio_to_published"] == pytest.approx(rec["value"] / PUBLISHED_BW)
     assert "| rms_norm 5 tokens |" in r.stdout  # the table as before

@@ -72,8 +72,12 @@ def test_temperatures_too_small_to_sample_are_greedy(temperature: float) -> None
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 2.0, 100.0])
 def test_top_k_1_is_greedy(temperature: float) -> None:
     x = _logits(16, 500, seed=2)
-    ps = [SamplingParams(temperature=temperature, top_k=1, top_p=0.9 if i % 2 else 1.0, seed=i if i % 3 else None)
-          for i in range(16)]
+    ps = [
+        SamplingParams(
+            temperature=temperature, top_k=1, top_p=0.9 if i % 2 else 1.0, seed=i if i % 3 else None
+        )
+        for i in range(16)
+    ]
     tokens, _ = Sampler(5).sample(x, ps, [0] * 16)
     assert tokens == x.argmax(-1).tolist()
 
@@ -183,8 +187,12 @@ def test_seeded_rows_do_not_depend_on_the_batch() -> None:
     assert len(set(alone)) > 10  # the output index moves the stream
     for i in range(20):
         # other rows (greedy, unseeded, other seeds), in different positions, with another engine seed
-        others = [SamplingParams(temperature=0), SamplingParams(temperature=0.7),
-                  SamplingParams(temperature=1.0, seed=43), SamplingParams(temperature=1.0, top_p=0.5)]
+        others = [
+            SamplingParams(temperature=0),
+            SamplingParams(temperature=0.7),
+            SamplingParams(temperature=1.0, seed=43),
+            SamplingParams(temperature=1.0, top_p=0.5),
+        ]
         for pos in (0, 2, 4):
             ps = others[:pos] + [seeded] + others[pos:]
             batch = torch.cat([x[1 : 1 + pos], x[:1], x[1 + pos : 5]])
@@ -205,9 +213,11 @@ def test_same_seed_same_tokens_and_unseeded_stream_follows_engine_seed() -> None
 
 def test_logprobs_are_the_raw_distribution_with_sorted_alternatives() -> None:
     x = _logits(3, 400, seed=19)
-    ps = [SamplingParams(temperature=0.5, top_k=3, logprobs=5),
-          SamplingParams(temperature=0, logprobs=0),
-          SamplingParams(temperature=1.0, top_p=0.5, seed=1, logprobs=20)]
+    ps = [
+        SamplingParams(temperature=0.5, top_k=3, logprobs=5),
+        SamplingParams(temperature=0, logprobs=0),
+        SamplingParams(temperature=1.0, top_p=0.5, seed=1, logprobs=20),
+    ]
     tokens, lps = Sampler().sample(x, ps, [0, 0, 0])
     ref = torch.log_softmax(x.double(), dim=-1)
     for i, (p, lp) in enumerate(zip(ps, lps)):

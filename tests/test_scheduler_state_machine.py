@@ -51,8 +51,12 @@ def make(num_blocks: int, max_batch: int, budget_tokens: int, snapshots: int, ma
         plan, has_mamba=True, enable_block_reuse=True, snapshot_interval=8, snapshot_offsets_from_end=(0, 3)
     )
     sched = Scheduler(
-        cache, max_batch_size=max_batch, max_num_tokens=budget_tokens, enable_chunked_prefill=True,
-        chunk_size=CHUNK, max_seq_len=1 << 30,
+        cache,
+        max_batch_size=max_batch,
+        max_num_tokens=budget_tokens,
+        enable_chunked_prefill=True,
+        chunk_size=CHUNK,
+        max_seq_len=1 << 30,
     )
     return plan, cache, sched
 
@@ -76,8 +80,12 @@ class EngineMachine(RuleBasedStateMachine):
         self.n = 0
         self.prefixes = [[self.rng.randrange(50) for _ in range(12)] for _ in range(3)]
 
-    @rule(plen=st.integers(1, 30), max_tokens=st.integers(1, 12), shared=st.integers(-1, 2),
-          burst=st.integers(1, 4))
+    @rule(
+        plen=st.integers(1, 30),
+        max_tokens=st.integers(1, 12),
+        shared=st.integers(-1, 2),
+        burst=st.integers(1, 4),
+    )
     def arrive(self, plen: int, max_tokens: int, shared: int, burst: int) -> None:
         for _ in range(burst):
             self._arrive(plen, max_tokens, shared)
@@ -176,7 +184,10 @@ def test_engine_machine_keeps_bookkeeping_consistent_and_exercises_preemption() 
     run_state_machine_as_test(
         EngineMachine,
         settings=settings(  # derandomized: the same examples every run, so the preemption check cannot flake
-            max_examples=150, stateful_step_count=50, deadline=None, derandomize=True,
+            max_examples=150,
+            stateful_step_count=50,
+            deadline=None,
+            derandomize=True,
             suppress_health_check=list(HealthCheck),
         ),
     )
@@ -245,7 +256,9 @@ def test_last_prompt_token_at_a_snapshot_boundary_runs_as_a_chunk_with_its_snaps
     (8: the 8-token interval and offset 0), that token runs as a one-token prefill chunk that takes the
     end-of-prompt snapshot (a decode row takes none); otherwise (9 tokens) it runs as a decode row."""
     for plen, boundary_at_end in ((8, True), (9, False)):
-        _, cache, sched = make(num_blocks=16, max_batch=2, budget_tokens=plen - 1, snapshots=6, max_seq_len=64)
+        _, cache, sched = make(
+            num_blocks=16, max_batch=2, budget_tokens=plen - 1, snapshots=6, max_seq_len=64
+        )
         req = Request("a", list(range(1, plen + 1)), SamplingParams(max_tokens=3))
         sched.add(req)
         first, _ = sched.schedule()

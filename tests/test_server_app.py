@@ -33,8 +33,15 @@ def engine() -> FakeEngine:
 
 @pytest.fixture(scope="module")
 def url(engine: FakeEngine) -> Iterator[str]:
-    app = build_app(engine, ServerOptions(reasoning_parser="nemotron-v3", tool_parser="qwen3_coder",
-                                          model_aliases=("nvidia/Some-Model",), default_max_tokens=100))
+    app = build_app(
+        engine,
+        ServerOptions(
+            reasoning_parser="nemotron-v3",
+            tool_parser="qwen3_coder",
+            model_aliases=("nvidia/Some-Model",),
+            default_max_tokens=100,
+        ),
+    )
     with serve_app_in_thread(app) as u:
         yield u
 
@@ -56,7 +63,7 @@ def sse_events(resp: httpx.Response) -> list[Any]:
     out = []
     for line in resp.text.splitlines():
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
 
@@ -76,12 +83,22 @@ def assert_error(resp: httpx.Response, status: int, param: str | None = None, *w
 
 WEATHER_TOOL = {
     "type": "function",
-    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "days": {"type": "integer"}}}},
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        },
+    },
 }
-TOOL_OUTPUT = ["I should call", " the tool.</th", "ink>\n\n", "<tool_call>\n<function=get_weather>\n",
-               "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n",
-               "</function>\n</tool_call>"]
+TOOL_OUTPUT = [
+    "I should call",
+    " the tool.</th",
+    "ink>\n\n",
+    "<tool_call>\n<function=get_weather>\n",
+    "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n",
+    "</function>\n</tool_call>",
+]
 
 
 def test_reasoning_and_tool_call_non_streaming(url: str, engine: FakeEngine) -> None:
@@ -107,7 +124,9 @@ def test_reasoning_and_tool_call_streaming(url: str, engine: FakeEngine) -> None
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    reasoning = "".join(c["choices"][0]["delta"].get("reasoning_content") or "" for c in chunks if c["choices"])
+    reasoning = "".join(
+        c["choices"][0]["delta"].get("reasoning_content") or "" for c in chunks if c["choices"]
+    )
     content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     calls = [tc for c in chunks if c["choices"] for tc in c["choices"][0]["delta"].get("tool_calls") or []]
     assert reasoning == "I should call the tool."
@@ -140,21 +159,55 @@ def test_tool_choice_none_does_not_parse(url: str, engine: FakeEngine) -> None:
 def test_sampling_params_mapping_and_default_max_tokens(url: str, engine: FakeEngine) -> None:
     got: list[tuple[list[int], SamplingParams]] = []
     engine.script = lambda ids, p: got.append((ids, p)) or ["x"]
-    r = chat(url, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=7, stop="END", ignore_eos=True,
-             max_completion_tokens=9, logprobs=True, top_logprobs=2)
+    r = chat(
+        url,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.1,
+        seed=7,
+        stop="END",
+        ignore_eos=True,
+        max_completion_tokens=9,
+        logprobs=True,
+        top_logprobs=2,
+    )
     assert r.status_code == 200, r.text
     p = got[-1][1]
-    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.stop, p.ignore_eos, p.max_tokens, p.logprobs) == (
-        0.5, 0.9, 5, 0.1, 7, ("END",), True, 9, 2)
+    assert (
+        p.temperature,
+        p.top_p,
+        p.top_k,
+        p.min_p,
+        p.seed,
+        p.stop,
+        p.ignore_eos,
+        p.max_tokens,
+        p.logprobs,
+    ) == (0.5, 0.9, 5, 0.1, 7, ("END",), True, 9, 2)
     lp = r.json()["choices"][0]["logprobs"]["content"][0]
     assert lp["logprob"] == -0.5 and len(lp["top_logprobs"]) == 2
-    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias) == (0.0, 0.0, 1.0, ())
-    r = chat(url, presence_penalty=0.5, frequency_penalty=-1.5, repetition_penalty=1.2,
-             logit_bias={"7": 5, "3": -100})
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias) == (
+        0.0,
+        0.0,
+        1.0,
+        (),
+    )
+    r = chat(
+        url,
+        presence_penalty=0.5,
+        frequency_penalty=-1.5,
+        repetition_penalty=1.2,
+        logit_bias={"7": 5, "3": -100},
+    )
     assert r.status_code == 200, r.text
     p = got[-1][1]
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias) == (
-        0.5, -1.5, 1.2, ((3, -100), (7, 5)))
+        0.5,
+        -1.5,
+        1.2,
+        ((3, -100), (7, 5)),
+    )
     # max_tokens omitted: the room left in max_seq_len (1024), capped at default_max_tokens (100)
     chat(url)
     assert got[-1][1].max_tokens == 100
@@ -174,14 +227,23 @@ def test_logprobs_minus_inf_is_valid_json(url: str, engine: FakeEngine) -> None:
 
 def test_completions_batch_and_echo(url: str, engine: FakeEngine) -> None:
     engine.script = lambda ids, p: ["A", "B"]
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": ["one", "two"], "max_tokens": 5, "echo": True},
-                   timeout=10)
+    r = httpx.post(
+        f"{url}/v1/completions", json={"prompt": ["one", "two"], "max_tokens": 5, "echo": True}, timeout=10
+    )
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1]
     assert [c["text"] for c in body["choices"]] == ["oneAB", "twoAB"]
     assert body["usage"]["completion_tokens"] == 4
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": [[5, 6], [7]], "max_tokens": 5, "stream": True,
-                                                 "stream_options": {"include_usage": True}}, timeout=10)
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={
+            "prompt": [[5, 6], [7]],
+            "max_tokens": 5,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        timeout=10,
+    )
     events = sse_events(r)
     assert events[-1] == "[DONE]"
     usage = events[-2]["usage"]
@@ -217,17 +279,30 @@ def test_model_alias_and_models_routes(url: str) -> None:
         ({"max_tokens": 5000}, "messages", ["max_seq_len = 1024"]),
         ({"messages": []}, "messages", []),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", []),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type",
-         ["image_url"]),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0].type",
+            ["image_url"],
+        ),
         ({"top_logprobs": 3}, "top_logprobs", ["logprobs"]),
         ({"logprobs": True, "top_logprobs": 99}, "top_logprobs", []),
         ({"tool_choice": "required"}, "tool_choice", ["needs `tools`"]),
-        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER_TOOL]},
-         "tool_choice", ["'nope'", "get_weather"]),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER_TOOL]},
+            "tool_choice",
+            ["'nope'", "get_weather"],
+        ),
         ({"response_format": {"type": "xml"}}, "response_format.type", ["'xml'"]),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.schema", []),
-        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",
-         ["send one"]),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.schema",
+            [],
+        ),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            "structured_outputs",
+            ["send one"],
+        ),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", ["exactly one"]),
         ({"presence_penalty": 2.5}, "presence_penalty", ["[-2, 2]"]),
         ({"frequency_penalty": -3}, "frequency_penalty", ["[-2, 2]"]),
@@ -252,15 +327,25 @@ def test_lone_surrogates_are_400_on_every_text_route(url: str) -> None:
     tokenizer's TypeError as a 500; and the server keeps serving."""
     bad = "ok \ud800 ok"
 
-    def post(route: str, body: dict[str, Any]) -> httpx.Response:  # json.dumps escapes the surrogate as \\ud800
-        return httpx.post(f"{url}{route}", content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    def post(
+        route: str, body: dict[str, Any]
+    ) -> httpx.Response:  # json.dumps escapes the surrogate as \\ud800
+        return httpx.post(
+            f"{url}{route}", content=json.dumps(body).encode(), headers={"content-type": "application/json"}
+        )
 
     assert_error(post("/v1/completions", {"prompt": bad}), 400, "prompt", "U+D800", "character 3")
     assert_error(post("/v1/completions", {"prompt": ["fine", bad]}), 400, "prompt[1]", "surrogate")
-    assert_error(post("/v1/chat/completions", {"messages": [{"role": "user", "content": bad}]}), 400, "messages",
-                 "lone UTF-16 surrogate")
+    assert_error(
+        post("/v1/chat/completions", {"messages": [{"role": "user", "content": bad}]}),
+        400,
+        "messages",
+        "lone UTF-16 surrogate",
+    )
     assert_error(post("/tokenize", {"prompt": bad}), 400, "prompt", "surrogate")
-    assert_error(post("/tokenize", {"messages": [{"role": "user", "content": bad}]}), 400, "messages", "surrogate")
+    assert_error(
+        post("/tokenize", {"messages": [{"role": "user", "content": bad}]}), 400, "messages", "surrogate"
+    )
     assert post("/v1/completions", {"prompt": "ok \U0001f600 ok", "max_tokens": 2}).status_code == 200
 
 
@@ -269,8 +354,14 @@ def test_prompt_no_tokenization_can_fit_is_refused_before_tokenizing(url: str, e
     over) is refused at once, without tokenizing it (seconds for tens of MB), naming the limit."""
     longest = engine.tokenizer.max_token_chars
     n = 2 * longest * 1024 + 1  # the fake engine's max_seq_len is 1024
-    err = assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": "x" * n}), 400, "prompt",
-                       f"{n} characters", "max_seq_len = 1024", f"{longest} characters")
+    err = assert_error(
+        httpx.post(f"{url}/v1/completions", json={"prompt": "x" * n}),
+        400,
+        "prompt",
+        f"{n} characters",
+        "max_seq_len = 1024",
+        f"{longest} characters",
+    )
     assert err["code"] == "context_length_exceeded"
     assert_error(chat(url, messages=[{"role": "user", "content": "x" * n}]), 400, "messages", "characters")
     assert_error(httpx.post(f"{url}/tokenize", json={"prompt": "x" * n}), 400, "prompt", "characters")
@@ -285,7 +376,9 @@ def test_unknown_model_is_404(url: str) -> None:
 
 
 def test_malformed_and_missing_bodies(url: str) -> None:
-    r = httpx.post(f"{url}/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{url}/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"}
+    )
     assert_error(r, 400, None, "JSON")
     r = httpx.post(f"{url}/v1/completions", content=b"", headers={"content-type": "application/json"})
     assert r.status_code == 400
@@ -294,7 +387,9 @@ def test_malformed_and_missing_bodies(url: str) -> None:
     assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": []}), 400, "prompt")
     assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": [1, 999]}), 400, "prompt", "320")
     assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": [-1]}), 400)
-    assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": [True, False]}), 400)  # JSON bools: not ids
+    assert_error(
+        httpx.post(f"{url}/v1/completions", json={"prompt": [True, False]}), 400
+    )  # JSON bools: not ids
     assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "stop_token_ids": [True]}), 400)
     assert_error(httpx.get(f"{url}/no/such/route"), 404)
     assert_error(httpx.get(f"{url}/v1/chat/completions"), 405)
@@ -319,7 +414,9 @@ def test_engine_failure_streaming_sends_error_event_then_done(url: str, engine: 
     events = sse_events(r)
     assert events[-1] == "[DONE]"
     err = events[-2]["error"]
-    assert err["status_code"] == 500 and err["error_id"] in err["message"] and "injected" not in err["message"]
+    assert (
+        err["status_code"] == 500 and err["error_id"] in err["message"] and "injected" not in err["message"]
+    )
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "stream": True}, timeout=10)
     events = sse_events(r)
     assert events[-1] == "[DONE]" and "error" in events[-2]
@@ -328,8 +425,11 @@ def test_engine_failure_streaming_sends_error_event_then_done(url: str, engine: 
 def test_disconnect_mid_stream_aborts(url: str, engine: FakeEngine) -> None:
     engine.script = lambda ids, p: ["first", FakeEngine.HANG]
     with httpx.Client(timeout=10) as client:
-        with client.stream("POST", f"{url}/v1/chat/completions",
-                           json={"messages": [{"role": "user", "content": "x"}], "stream": True}) as r:
+        with client.stream(
+            "POST",
+            f"{url}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "x"}], "stream": True},
+        ) as r:
             lines = r.iter_lines()
             for line in lines:
                 if "first" in line:
@@ -395,7 +495,9 @@ def test_api_key() -> None:
         body = {"messages": [{"role": "user", "content": "x"}]}
         err = assert_error(httpx.post(f"{u}/v1/chat/completions", json=body), 401)
         assert err["code"] == "invalid_api_key"
-        assert_error(httpx.post(f"{u}/v1/chat/completions", json=body, headers={"Authorization": "Bearer no"}), 401)
+        assert_error(
+            httpx.post(f"{u}/v1/chat/completions", json=body, headers={"Authorization": "Bearer no"}), 401
+        )
         assert_error(httpx.get(f"{u}/v1/models"), 401)
         ok = httpx.post(f"{u}/v1/chat/completions", json=body, headers={"Authorization": "Bearer sekret"})
         assert ok.status_code == 200
@@ -410,7 +512,10 @@ def test_api_key_with_non_ascii_characters() -> None:
     """A key with non-ASCII characters works (compared as UTF-8 bytes) instead of failing every request."""
     eng = FakeEngine(tokenizer=tiny_tokenizer())
     with serve_app_in_thread(build_app(eng, ServerOptions(api_key="sécret"))) as u:
-        assert httpx.get(f"{u}/v1/models", headers={"Authorization": "Bearer sécret".encode()}).status_code == 200
+        assert (
+            httpx.get(f"{u}/v1/models", headers={"Authorization": "Bearer sécret".encode()}).status_code
+            == 200
+        )
         assert httpx.get(f"{u}/v1/models", headers={"x-api-key": "sécret".encode()}).status_code == 200
         assert_error(httpx.get(f"{u}/v1/models", headers={"x-api-key": b"secret"}), 401)
 
@@ -422,8 +527,12 @@ def test_no_tokenizer_model_needs_token_ids() -> None:
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["logprobs"]["tokens"] == ["token_id:7", "token_id:7"]
         assert_error(httpx.post(f"{u}/v1/completions", json={"prompt": "text"}), 400, "prompt", "token ids")
-        assert_error(httpx.post(f"{u}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}),
-                     400, "messages", "tokenizer")
+        assert_error(
+            httpx.post(f"{u}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}),
+            400,
+            "messages",
+            "tokenizer",
+        )
 
 
 def test_completion_stream_sends_a_chunk_per_step_without_text() -> None:
@@ -431,8 +540,16 @@ def test_completion_stream_sends_a_chunk_per_step_without_text() -> None:
     chunk per engine step, as vLLM does: benchmark clients time tokens by chunks (TTFT, ITL, TPOT)."""
     eng = FakeEngine(tokenizer=None, script=lambda ids, p: ["", "", ""])
     with serve_app_in_thread(build_app(eng)) as u:
-        r = httpx.post(f"{u}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3, "stream": True,
-                                                   "stream_options": {"include_usage": True}}, timeout=10)
+        r = httpx.post(
+            f"{u}/v1/completions",
+            json={
+                "prompt": [1, 2, 3],
+                "max_tokens": 3,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+            timeout=10,
+        )
         assert r.status_code == 200, r.text
         events = sse_events(r)
         assert events[-1] == "[DONE]"
@@ -465,9 +582,21 @@ def test_completion_token_chunks_have_the_full_shape(include_usage: bool) -> Non
     ids = {c["id"] for c in chunks}
     assert len(ids) == 1 and next(iter(ids)).startswith("cmpl-")
     for c in chunks[:3]:
-        want = {"id": c["id"], "object": "text_completion", "created": chunks[0]["created"], "model": "fake-model",
-                "choices": [{"index": 0, "text": c["choices"][0]["text"], "logprobs": None, "finish_reason": None,
-                             "stop_reason": None}]}
+        want = {
+            "id": c["id"],
+            "object": "text_completion",
+            "created": chunks[0]["created"],
+            "model": "fake-model",
+            "choices": [
+                {
+                    "index": 0,
+                    "text": c["choices"][0]["text"],
+                    "logprobs": None,
+                    "finish_reason": None,
+                    "stop_reason": None,
+                }
+            ],
+        }
         if include_usage:
             want["usage"] = None
         assert c == want
@@ -490,10 +619,21 @@ def test_chat_token_chunks_have_the_full_shape(url: str, engine: FakeEngine, inc
     assert "".join(d.get("reasoning_content", "") for d in deltas) == 'why "x"'
     assert "".join(d.get("content", "") for d in deltas) == "Hi\n\u00e9"
     for c in chunks[1:-1]:
-        want = {"id": chunks[0]["id"], "object": "chat.completion.chunk", "created": chunks[0]["created"],
-                "model": chunks[0]["model"], "choices": [{"index": 0, "delta": c["choices"][0]["delta"],
-                                                          "logprobs": None, "finish_reason": None,
-                                                          "stop_reason": None}]}
+        want = {
+            "id": chunks[0]["id"],
+            "object": "chat.completion.chunk",
+            "created": chunks[0]["created"],
+            "model": chunks[0]["model"],
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": c["choices"][0]["delta"],
+                    "logprobs": None,
+                    "finish_reason": None,
+                    "stop_reason": None,
+                }
+            ],
+        }
         if include_usage:
             want["usage"] = None
         assert c == want
@@ -534,8 +674,9 @@ def test_chat_n_choices_streaming_and_not(url: str, engine: FakeEngine) -> None:
     assert events[-2]["usage"]["prompt_tokens"] == prompt and events[-2]["usage"]["completion_tokens"] == 8
 
 
-def test_large_replies_are_built_off_the_event_loop(url: str, engine: FakeEngine,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_large_replies_are_built_off_the_event_loop(
+    url: str, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A non-streaming reply over the size threshold (output tokens x (1 + top logprobs)) is built and
     serialised on a worker thread, with the same content as one built on the loop."""
     import asyncio
@@ -567,16 +708,34 @@ def test_large_replies_are_built_off_the_event_loop(url: str, engine: FakeEngine
 def test_completion_n_choices(url: str, engine: FakeEngine) -> None:
     """Two prompts x n=2: choices ordered prompt-major (index = prompt * n + k); usage counts each prompt once."""
     engine.script = lambda ids, p: [f"p{len(ids)}s{p.seed}"]
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": [[5, 6], [7, 8, 9]], "n": 2, "seed": 3,
-                                                  "max_tokens": 4}, timeout=10)
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": [[5, 6], [7, 8, 9]], "n": 2, "seed": 3, "max_tokens": 4},
+        timeout=10,
+    )
     assert r.status_code == 200, r.text
     body = r.json()
-    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "p2s3"), (1, "p2s4"), (2, "p3s3"),
-                                                                  (3, "p3s4")]
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [
+        (0, "p2s3"),
+        (1, "p2s4"),
+        (2, "p3s3"),
+        (3, "p3s4"),
+    ]
     assert body["usage"]["prompt_tokens"] == 5 and body["usage"]["completion_tokens"] == 4
-    events = sse_events(httpx.post(f"{url}/v1/completions", json={
-        "prompt": [[5, 6], [7, 8, 9]], "n": 2, "seed": 3, "max_tokens": 4, "stream": True,
-        "stream_options": {"include_usage": True}}, timeout=10))
+    events = sse_events(
+        httpx.post(
+            f"{url}/v1/completions",
+            json={
+                "prompt": [[5, 6], [7, 8, 9]],
+                "n": 2,
+                "seed": 3,
+                "max_tokens": 4,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+            timeout=10,
+        )
+    )
     texts: dict[int, str] = {}
     for e in events[:-1]:
         for c in e["choices"]:
@@ -601,8 +760,11 @@ def test_staggered_choices_start_after_the_first_token_and_never_hang() -> None:
 
     order: list[tuple[int, int]] = []  # (call number, prompt length) as the engine saw them
 
-    eng = FakeEngine(tokenizer=None, max_seq_len=1024,
-                     script=lambda ids, p: order.append((len(order), len(ids))) or ["a", "b"])
+    eng = FakeEngine(
+        tokenizer=None,
+        max_seq_len=1024,
+        script=lambda ids, p: order.append((len(order), len(ids))) or ["a", "b"],
+    )
     eng.config = EngineConfig()  # prefix cache on: stagger prompts of >= 256 tokens
     prompt = list(range(3, 303))
     with serve_app_in_thread(build_app(eng)) as u:
@@ -610,7 +772,9 @@ def test_staggered_choices_start_after_the_first_token_and_never_hang() -> None:
         assert r.status_code == 200, r.text
         assert [c["text"] for c in r.json()["choices"]] == ["ab", "ab", "ab"]
         assert len(order) == 3
-        short = httpx.post(f"{u}/v1/completions", json={"prompt": [5, 6], "n": 2, "max_tokens": 2}, timeout=10)
+        short = httpx.post(
+            f"{u}/v1/completions", json={"prompt": [5, 6], "n": 2, "max_tokens": 2}, timeout=10
+        )
         assert short.status_code == 200
         calls = {"n": 0}
 
@@ -621,6 +785,11 @@ def test_staggered_choices_start_after_the_first_token_and_never_hang() -> None:
         eng.script = failing_leader
         r = httpx.post(f"{u}/v1/completions", json={"prompt": prompt, "n": 3, "max_tokens": 2}, timeout=10)
         assert r.status_code == 500 and calls["n"] >= 1
-        events = sse_events(httpx.post(f"{u}/v1/completions", json={"prompt": prompt, "n": 3, "max_tokens": 2,
-                                                                   "stream": True}, timeout=10))
+        events = sse_events(
+            httpx.post(
+                f"{u}/v1/completions",
+                json={"prompt": prompt, "n": 3, "max_tokens": 2, "stream": True},
+                timeout=10,
+            )
+        )
         assert events[-1] == "[DONE]"

@@ -13,7 +13,9 @@ import httpx
 from tests.server_fixtures import ServerProcess
 
 
-def _stream(server: ServerProcess, max_tokens: int, events: list[str], started: threading.Event) -> threading.Thread:
+def _stream(
+    server: ServerProcess, max_tokens: int, events: list[str], started: threading.Event
+) -> threading.Thread:
     body = {"prompt": "Go:", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
 
     def reader() -> None:
@@ -30,7 +32,9 @@ def _stream(server: ServerProcess, max_tokens: int, events: list[str], started: 
 
 
 def _drain_case(max_tokens: int, timeout_s: str) -> tuple[int | None, list[str], int, str]:
-    server = ServerProcess(args=["--max_seq_len", "1024", "--warmup", "off", "--shutdown_timeout", timeout_s]).start()
+    server = ServerProcess(
+        args=["--max_seq_len", "1024", "--warmup", "off", "--shutdown_timeout", timeout_s]
+    ).start()
     events: list[str] = []
     started = threading.Event()
     try:

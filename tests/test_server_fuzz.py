@@ -12,7 +12,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-schemathesis = pytest.importorskip("schemathesis", reason="the fuzz test needs schemathesis (pip install schemathesis)")
+schemathesis = pytest.importorskip(
+    "schemathesis", reason="the fuzz test needs schemathesis (pip install schemathesis)"
+)
 from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from server_fixtures import FakeEngine, ServerProcess  # noqa: E402
@@ -24,9 +26,21 @@ EXAMPLES_PER_OPERATION = 15
 
 @pytest.fixture(scope="module")
 def fuzz_server() -> Iterator[ServerProcess]:
-    s = ServerProcess(args=["--max_seq_len", "256", "--default-max-tokens", "16", "--max_batch_size", "8",
-                            "--disable-log-requests", "--reasoning_parser", "nemotron-v3",
-                            "--tool_parser", "qwen3_coder"]).start()
+    s = ServerProcess(
+        args=[
+            "--max_seq_len",
+            "256",
+            "--default-max-tokens",
+            "16",
+            "--max_batch_size",
+            "8",
+            "--disable-log-requests",
+            "--reasoning_parser",
+            "nemotron-v3",
+            "--tool_parser",
+            "qwen3_coder",
+        ]
+    ).start()
     yield s
     assert httpx.get(f"{s.url}/health", timeout=10).status_code == 200, s.log()
     assert s.stop() == 0, s.log()

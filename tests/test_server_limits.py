@@ -59,8 +59,10 @@ def _raw_post(port: int, head: bytes, chunks: Iterator[bytes]) -> tuple[bytes, i
 
 def test_declared_oversized_body_is_413_before_reading(server: ServerProcess) -> None:
     limit = DEFAULT_MAX_REQUEST_BODY_BYTES
-    head = (f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            f"content-length: {10 * limit}\r\n\r\n").encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {10 * limit}\r\n\r\n"
+    ).encode()
     reply, sent = _raw_post(server.port, head, iter([b"[" * 65536] * 10))
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
     assert str(limit).encode() in reply and sent < limit  # answered on the headers: the 320 MB never sent
@@ -68,8 +70,10 @@ def test_declared_oversized_body_is_413_before_reading(server: ServerProcess) ->
 
 def test_chunked_oversized_body_is_refused_while_streaming(server: ServerProcess) -> None:
     limit = DEFAULT_MAX_REQUEST_BODY_BYTES
-    head = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            b"transfer-encoding: chunked\r\n\r\n")
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"transfer-encoding: chunked\r\n\r\n"
+    )
     piece = b"1," * 32768
     chunk = f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
     reply, sent = _raw_post(server.port, head, iter([chunk] * (4 * limit // len(piece))))
@@ -98,8 +102,12 @@ def test_health_answers_while_the_largest_body_is_parsed(server: ServerProcess) 
     t.start()
     time.sleep(0.3)
     t0 = time.perf_counter()
-    r = httpx.post(f"{server.base_url}/completions", content=body, headers={"content-type": "application/json"},
-                   timeout=120)
+    r = httpx.post(
+        f"{server.base_url}/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=120,
+    )
     took = time.perf_counter() - t0
     done.set()
     t.join()
@@ -108,13 +116,17 @@ def test_health_answers_while_the_largest_body_is_parsed(server: ServerProcess) 
     assert took > 0.3 and len(gaps) > 10
     print(f"\nbody parse {took:.2f} s, worst /health gap {max(gaps) * 1000:.1f} ms over {len(gaps)} polls")
     bound = min(0.5, took / 3)
-    assert max(gaps) < bound, (f"worst /health gap {max(gaps) * 1000:.0f} ms (bound {bound * 1000:.0f} ms) while a "
-                               f"{took:.1f} s body was parsed")
+    assert max(gaps) < bound, (
+        f"worst /health gap {max(gaps) * 1000:.0f} ms (bound {bound * 1000:.0f} ms) while a "
+        f"{took:.1f} s body was parsed"
+    )
 
 
 def test_big_chat_body_and_token_ids_still_served(server: ServerProcess) -> None:
     msgs = [{"role": "user", "content": "hi"}] * 3000  # over the slice size: validated in slices
-    r = httpx.post(f"{server.base_url}/chat/completions", json={"messages": msgs, "max_tokens": 2}, timeout=60)
+    r = httpx.post(
+        f"{server.base_url}/chat/completions", json={"messages": msgs, "max_tokens": 2}, timeout=60
+    )
     assert r.status_code == 400 and "max_seq_len" in r.text  # parsed and validated, then too long
     bad = msgs[:2500] + [{"role": "nobody", "content": "x"}]
     r = httpx.post(f"{server.base_url}/chat/completions", json={"messages": bad, "max_tokens": 2}, timeout=60)
@@ -129,17 +141,34 @@ def test_metrics_export_failure_counters(server: ServerProcess) -> None:
     assert m["hyserve_step_failures_total"] == 0
 
 
-@pytest.mark.parametrize("text", [
-    '{"prompt": [1, 2, 3], "x": {"a": [1, [2]]}, "s": "[1,2]"}',
-    '{"prompt": [[1, 2], [3]], "n": 1}', '{"prompt": [1.5, 2]}', '{"prompt": [-1, 2]}', '{"a": []}', '{}',
-    '{"prompt": [' + ", ".join(str(i) for i in range(60_000)) + "]}",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"prompt": [1, 2, 3], "x": {"a": [1, [2]]}, "s": "[1,2]"}',
+        '{"prompt": [[1, 2], [3]], "n": 1}',
+        '{"prompt": [1.5, 2]}',
+        '{"prompt": [-1, 2]}',
+        '{"a": []}',
+        "{}",
+        '{"prompt": [' + ", ".join(str(i) for i in range(60_000)) + "]}",
+    ],
+)
 def test_loads_in_pieces_equals_json(text: str) -> None:
     assert loads_in_pieces(text) == json.loads(text)
 
 
-@pytest.mark.parametrize("text", ['{"prompt": [1,,2]}', '{"prompt": [1, 2,]}', '{"prompt": [01]}',
-                                  '{"prompt": [1 2]}', '{"a": 1,}', '{"a": 1} x', '{"prompt": [' + "1," * 70_000 + "]}"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"prompt": [1,,2]}',
+        '{"prompt": [1, 2,]}',
+        '{"prompt": [01]}',
+        '{"prompt": [1 2]}',
+        '{"a": 1,}',
+        '{"a": 1} x',
+        '{"prompt": [' + "1," * 70_000 + "]}",
+    ],
+)
 def test_loads_in_pieces_refuses_what_json_refuses(text: str) -> None:
     with pytest.raises(json.JSONDecodeError):
         json.loads(text)
@@ -148,8 +177,8 @@ def test_loads_in_pieces_refuses_what_json_refuses(text: str) -> None:
 
 
 def test_token_ids_skip_the_union() -> None:
-    big = b'{"prompt": [' + b"7, " * 40_000 + b'8]}'
+    big = b'{"prompt": [' + b"7, " * 40_000 + b"8]}"
     req = parse_body_sync(big, CompletionRequest)
     assert isinstance(req.prompt, TokenIds) and req.prompt.checked and len(req.prompt) == 40_001
     with pytest.raises(Exception, match="greater than or equal to 0"):
-        parse_body_sync(b'{"prompt": [' + b"7, " * 40_000 + b'-8]}', CompletionRequest)
+        parse_body_sync(b'{"prompt": [' + b"7, " * 40_000 + b"-8]}", CompletionRequest)

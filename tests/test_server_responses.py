@@ -17,17 +17,29 @@ from server_fixtures import FakeEngine, serve_app_in_thread
 from hyserve.model.tokenizer import TINY_CHAT_TEMPLATE, Tokenizer, build_tiny_tokenizer
 from hyserve.server.app import ServerOptions, build_app
 
-WEATHER = {"type": "function", "name": "get_weather", "description": "Weather for a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                          "required": ["city"]}}
-CALL_TEXT = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n" \
-            "</parameter>\n</function>\n</tool_call>"
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather for a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"],
+    },
+}
+CALL_TEXT = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+    "</parameter>\n</function>\n</tool_call>"
+)
 
 
 @pytest.fixture(scope="module")
 def engine() -> FakeEngine:
-    tok = Tokenizer(build_tiny_tokenizer(), config={"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"},
-                    chat_template=TINY_CHAT_TEMPLATE)
+    tok = Tokenizer(
+        build_tiny_tokenizer(),
+        config={"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"},
+        chat_template=TINY_CHAT_TEMPLATE,
+    )
     return FakeEngine(tokenizer=tok, max_seq_len=2048)
 
 
@@ -63,7 +75,9 @@ def prompt_of(engine: FakeEngine) -> list[str]:
 
 def test_text_input_reasoning_and_message(client: openai.OpenAI, engine: FakeEngine) -> None:
     seen = prompt_of(engine)
-    r = client.responses.create(model="fake-model", input="Hi there", instructions="Be brief.", max_output_tokens=10)
+    r = client.responses.create(
+        model="fake-model", input="Hi there", instructions="Be brief.", max_output_tokens=10
+    )
     assert seen[0].startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there")
     assert r.status == "completed" and r.object == "response" and r.id.startswith("resp_")
     assert [o.type for o in r.output] == ["reasoning", "message"]
@@ -83,16 +97,24 @@ def test_max_output_tokens_is_incomplete(client: openai.OpenAI) -> None:
 def test_message_list_input_and_effort_none(client: openai.OpenAI, engine: FakeEngine) -> None:
     engine.script = lambda ids, p: ["Sure."]
     seen = prompt_of(engine)
-    r = client.responses.create(model="fake-model", reasoning={"effort": "none"}, input=[
-        {"role": "developer", "content": "Rules."},
-        {"role": "user", "content": [{"type": "input_text", "text": "One"}]},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Two"}]},
-        {"role": "user", "content": "Three"},
-    ])
+    r = client.responses.create(
+        model="fake-model",
+        reasoning={"effort": "none"},
+        input=[
+            {"role": "developer", "content": "Rules."},
+            {"role": "user", "content": [{"type": "input_text", "text": "One"}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Two"}]},
+            {"role": "user", "content": "Three"},
+        ],
+    )
     assert r.output_text == "Sure." and [o.type for o in r.output] == ["message"]  # thinking off: all content
     p = seen[0]
-    assert p.index("system\nRules.") < p.index("user\nOne") < p.index("assistant\n<think></think>Two") < \
-        p.index("user\nThree")
+    assert (
+        p.index("system\nRules.")
+        < p.index("user\nOne")
+        < p.index("assistant\n<think></think>Two")
+        < p.index("user\nThree")
+    )
     assert p.endswith("<|im_start|>assistant\n<think></think>")
 
 
@@ -104,11 +126,20 @@ def test_function_call_round_trip(client: openai.OpenAI, engine: FakeEngine) -> 
     assert call.call_id.startswith("call_") and r.output_text == ""
     engine.script = lambda ids, p: ["</think>", "It is sunny."]
     seen = prompt_of(engine)
-    r2 = client.responses.create(model="fake-model", tools=[WEATHER], input=[
-        {"role": "user", "content": "Weather in Paris?"},
-        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
-        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21C"},
-    ])
+    r2 = client.responses.create(
+        model="fake-model",
+        tools=[WEATHER],
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "type": "function_call",
+                "call_id": call.call_id,
+                "name": call.name,
+                "arguments": call.arguments,
+            },
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21C"},
+        ],
+    )
     assert r2.output_text == "It is sunny."
     assert '"name": "get_weather"' in seen[0] and "<tool_response>\nsunny, 21C\n</tool_response>" in seen[0]
     assert r2.tools[0].name == "get_weather"
@@ -130,7 +161,9 @@ def test_streaming_events(client: openai.OpenAI, engine: FakeEngine) -> None:
     assert [o.type for o in final.output] == added and final.output_text == "Hello"
     # the whole reply is the same response
     whole = client.responses.create(model="fake-model", input="Hi", tools=[WEATHER])
-    strip = lambda items: [{k: v for k, v in o.model_dump().items() if k not in ("id", "call_id")} for o in items]
+    strip = lambda items: [
+        {k: v for k, v in o.model_dump().items() if k not in ("id", "call_id")} for o in items
+    ]
     assert strip(whole.output) == strip(final.output)
     assert whole.usage == final.usage
 
@@ -142,23 +175,28 @@ def test_stream_failure_is_response_failed(client: openai.OpenAI, engine: FakeEn
     assert "error id" in events[-1].response.error.message  # the detail (the injected failure) is only logged
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"background": True}, "background"),
-    ({"store": True}, "store"),
-    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "input[0].content[0].type"),
-    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
-    ({"input": []}, "input"),
-    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
-    ({"input": [{"type": "function_call", "name": "f"}]}, "input[0].call_id"),
-    ({"include": ["reasoning.encrypted_content"]}, "include"),
-    ({"truncation": "auto"}, "truncation"),
-    ({"top_logprobs": 2}, "top_logprobs"),
-    ({"n": 2}, "n"),
-    ({"max_output_tokens": 0}, "max_output_tokens"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"background": True}, "background"),
+        ({"store": True}, "store"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0].type",
+        ),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+        ({"input": []}, "input"),
+        ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+        ({"input": [{"type": "function_call", "name": "f"}]}, "input[0].call_id"),
+        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"n": 2}, "n"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+    ],
+)
 def test_unsupported_is_a_400_naming_it(url: str, body: dict[str, Any], param: str) -> None:
     r = httpx.post(f"{url}/v1/responses", json={"input": "Hi", **body}, timeout=10)
     assert r.status_code == 400, r.text

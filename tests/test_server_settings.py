@@ -30,8 +30,9 @@ _BAD_YAML = [
 
 
 @pytest.mark.parametrize(("yaml_text", "message"), _BAD_YAML, ids=[y.split(":")[0] for y, _ in _BAD_YAML])
-def test_bad_yaml_setting_fails_at_startup(yaml_text: str, message: str, tmp_path: Path,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_yaml_setting_fails_at_startup(
+    yaml_text: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     cfg = tmp_path / "serve.yml"
     cfg.write_text(yaml_text)
     assert main(["serve", "--config", str(cfg)]) == 2
@@ -40,20 +41,25 @@ def test_bad_yaml_setting_fails_at_startup(yaml_text: str, message: str, tmp_pat
     assert "starting" not in err
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--api_key", ""], "api_key: the key is empty"),
-    (["--api_key", " k3y"], "api_key: must not start or end with whitespace"),
-    (["--port", "-1"], "port: must be >= 0, got -1"),
-    (["--port", "65536"], "port: must be <= 65535"),
-    (["--log_level", "LOUD"], "log_level: 'LOUD' is not one of"),
-    (["--seed", str(2**64)], "seed: must be <= 9223372036854775807"),
-    (["--seed", str(-(2**63) - 1)], "seed: must be >= -9223372036854775808"),
-    (["--host", ""], "host: must not be empty"),
-    (["--shutdown_timeout", "inf"], "shutdown_timeout: expected a number of seconds"),
-    (["--no_auth", "--api_key", "k3y"], "--no_auth and a non-empty api_key"),
-    (["--reasoning_parser", "nope"], "reasoning_parser: 'nope' is not one of"),
-])
-def test_bad_flag_fails_at_startup(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--api_key", ""], "api_key: the key is empty"),
+        (["--api_key", " k3y"], "api_key: must not start or end with whitespace"),
+        (["--port", "-1"], "port: must be >= 0, got -1"),
+        (["--port", "65536"], "port: must be <= 65535"),
+        (["--log_level", "LOUD"], "log_level: 'LOUD' is not one of"),
+        (["--seed", str(2**64)], "seed: must be <= 9223372036854775807"),
+        (["--seed", str(-(2**63) - 1)], "seed: must be >= -9223372036854775808"),
+        (["--host", ""], "host: must not be empty"),
+        (["--shutdown_timeout", "inf"], "shutdown_timeout: expected a number of seconds"),
+        (["--no_auth", "--api_key", "k3y"], "--no_auth and a non-empty api_key"),
+        (["--reasoning_parser", "nope"], "reasoning_parser: 'nope' is not one of"),
+    ],
+)
+def test_bad_flag_fails_at_startup(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["serve", *flags]) == 2
     err = capsys.readouterr().err
     assert message in err, err
@@ -70,12 +76,18 @@ def test_explicit_no_auth_and_null_key_are_accepted(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr("hyserve.server.serve.run_server", fake_run)
     assert main(["serve", "--no_auth", "--api_key", ""]) == 0
     cfg = tmp_path / "serve.yml"
-    cfg.write_text("api_key: null\nport: 0\nlog_level: WARNING\nmax_request_body_bytes: 4096\nshutdown_timeout: 2\n")
+    cfg.write_text(
+        "api_key: null\nport: 0\nlog_level: WARNING\nmax_request_body_bytes: 4096\nshutdown_timeout: 2\n"
+    )
     assert main(["serve", "--config", str(cfg)]) == 0
     assert main(["serve", "--api_key", "k3y", "--port", "9001", "--shutdown_timeout", "0"]) == 0
     assert [o.api_key for o in seen] == [None, None, "k3y"]
-    assert (seen[1].port, seen[1].log_level, seen[1].max_request_body_bytes, seen[1].shutdown_timeout) == \
-        (0, "warning", 4096, 2.0)
+    assert (seen[1].port, seen[1].log_level, seen[1].max_request_body_bytes, seen[1].shutdown_timeout) == (
+        0,
+        "warning",
+        4096,
+        2.0,
+    )
     assert (seen[2].port, seen[2].shutdown_timeout) == (9001, 0.0)
 
 

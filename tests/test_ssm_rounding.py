@@ -81,8 +81,11 @@ def test_philox_known_answers() -> None:
     cases = [
         ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
         ((U32 - 1,) * 4, (U32 - 1, U32 - 1), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-        ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-         (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+        (
+            (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+            (0xA4093822, 0x299F31D0),
+            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+        ),
     ]
     for ctr, (k0, k1), want in cases:
         got = philox4x32(*(torch.tensor([c]) for c in ctr), key=k0 | (k1 << 32), rounds=10)
@@ -123,7 +126,9 @@ def test_stream_depends_on_seed_layer_position_rounds_only() -> None:
     r = state_random_bits(shape, pos, base)
     assert r.shape == shape and r.dtype == torch.int64
     assert int(r.min()) >= 0 and int(r.max()) < U32
-    assert torch.equal(r, state_random_bits(shape, pos.clone(), StochasticRounding(seed=5, layer=2, rounds=10)))
+    assert torch.equal(
+        r, state_random_bits(shape, pos.clone(), StochasticRounding(seed=5, layer=2, rounds=10))
+    )
     # the key is the seed mod 2**64 (negative seeds are fine)
     assert torch.equal(r, state_random_bits(shape, pos, StochasticRounding(seed=5 + 2**64, layer=2)))
     assert StochasticRounding(seed=-1).key == 2**64 - 1
@@ -153,16 +158,27 @@ def test_rounding_config_is_validated() -> None:
     assert sr_mod.MAX_PHILOX_ROUNDS == MAX_PHILOX_ROUNDS
     for rounds in (0, MAX_PHILOX_ROUNDS + 1):
         with pytest.raises(ValueError, match="mamba_ssm_philox_rounds"):
-            build_engine_config(kv_cache_config={"mamba_ssm_cache_dtype": "float16",
-                                                 "mamba_ssm_stochastic_rounding": True,
-                                                 "mamba_ssm_philox_rounds": rounds})
-    cfg = build_engine_config(kv_cache_config={"mamba_ssm_cache_dtype": "float16",
-                                               "mamba_ssm_stochastic_rounding": True, "mamba_ssm_philox_rounds": 4})
+            build_engine_config(
+                kv_cache_config={
+                    "mamba_ssm_cache_dtype": "float16",
+                    "mamba_ssm_stochastic_rounding": True,
+                    "mamba_ssm_philox_rounds": rounds,
+                }
+            )
+    cfg = build_engine_config(
+        kv_cache_config={
+            "mamba_ssm_cache_dtype": "float16",
+            "mamba_ssm_stochastic_rounding": True,
+            "mamba_ssm_philox_rounds": 4,
+        }
+    )
     assert cfg.cache.mamba_ssm_philox_rounds == 4 and cfg.ignored_keys == ()
     model_cfg = HybridModelConfig.from_hf(builtin_model_dir())
     with pytest.raises(ValueError, match="float16"):
         model_cfg.with_cache_dtypes(ssm_cache_dtype="bfloat16", ssm_stochastic_rounding=True)
-    on = model_cfg.with_cache_dtypes(ssm_cache_dtype="float16", ssm_stochastic_rounding=True, ssm_rounding_seed=3)
+    on = model_cfg.with_cache_dtypes(
+        ssm_cache_dtype="float16", ssm_stochastic_rounding=True, ssm_rounding_seed=3
+    )
     assert on.mamba_cache_spec().ssm_stochastic_rounding and on.ssm_rounding_seed == 3
     assert on.mamba_cache_spec().ssm_bytes * 2 == model_cfg.mamba_cache_spec().ssm_bytes
 
@@ -194,8 +210,25 @@ def test_threshold_is_exact() -> None:
 
 def test_special_values() -> None:
     nan = float("nan")
-    x = torch.tensor([nan, -nan, float("inf"), -float("inf"), 65504.0, 65519.0, 65520.0, 1e5, 3e38, -3e38, -65535.9,
-                      0.0, -0.0, 1e-45, -1e-45])
+    x = torch.tensor(
+        [
+            nan,
+            -nan,
+            float("inf"),
+            -float("inf"),
+            65504.0,
+            65519.0,
+            65520.0,
+            1e5,
+            3e38,
+            -3e38,
+            -65535.9,
+            0.0,
+            -0.0,
+            1e-45,
+            -1e-45,
+        ]
+    )
     for r in (torch.zeros(x.numel(), dtype=torch.int64), torch.full((x.numel(),), U32 - 1), draws(x.numel())):
         out = stochastic_round_fp16(x, r)
         b = bits(out).tolist()
@@ -255,8 +288,11 @@ def _decode_inputs(Bt: int, H: int, P: int, N: int, G: int, device=DEV, dtype=to
     A = -torch.rand(H, device=device) * 4 - 0.1
     B = torch.randn(Bt, G, N, device=device).to(dtype)
     C = torch.randn(Bt, G, N, device=device).to(dtype)
-    kw = dict(D=torch.randn(H, device=device).to(dtype), dt_bias=torch.randn(H, device=device).to(dtype),
-              dt_softplus=True)
+    kw = dict(
+        D=torch.randn(H, device=device).to(dtype),
+        dt_bias=torch.randn(H, device=device).to(dtype),
+        dt_softplus=True,
+    )
     return x, dt, A, B, C, kw
 
 
@@ -283,7 +319,11 @@ def test_state_update_reference_rounds_its_fp32_state() -> None:
     Bt, H, P, N, G = 3, 4, 6, 8, 2
     x, dt, A, B, C, kw = _decode_inputs(Bt, H, P, N, G, device="cpu")
     pool = torch.randn(5, H, P, N).half()
-    src, dst, pos = torch.tensor([0, 1, 2]), torch.tensor([0, 3, 4]), torch.tensor([9, 40, 2], dtype=torch.int32)
+    src, dst, pos = (
+        torch.tensor([0, 1, 2]),
+        torch.tensor([0, 3, 4]),
+        torch.tensor([9, 40, 2], dtype=torch.int32),
+    )
     sr = StochasticRounding(seed=2, layer=1, rounds=6)
     f32 = pool.float()
     y32 = selective_state_update_ref(f32, x, dt, A, B, C, src, dst, **kw)
@@ -307,10 +347,26 @@ def tri():
 
 def _special_states(R: int, H: int, P: int, N: int, device=DEV) -> torch.Tensor:
     """Random states over many magnitudes, with NaN/inf/overflow/subnormal/zero entries mixed in."""
-    states = torch.randn(R, H, P, N, device=device) * torch.exp2(torch.randint(-30, 17, (R, H, P, N), device=device))
+    states = torch.randn(R, H, P, N, device=device) * torch.exp2(
+        torch.randint(-30, 17, (R, H, P, N), device=device)
+    )
     flat = states.view(-1)
-    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e9, -70000.0, 65519.0, 0.0, -0.0, 1e-40,
-                             3e-8, -2.0**-14], device=device)
+    specials = torch.tensor(
+        [
+            float("nan"),
+            float("inf"),
+            -float("inf"),
+            1e9,
+            -70000.0,
+            65519.0,
+            0.0,
+            -0.0,
+            1e-40,
+            3e-8,
+            -(2.0**-14),
+        ],
+        device=device,
+    )
     idx = torch.randperm(flat.numel(), device=device)[: specials.numel()]
     flat[idx] = specials
     return states
@@ -333,7 +389,12 @@ def _store_case(tri, *, R, H, P, N, seed, layer, rounds, pos_dtype=torch.int32, 
 
 @pytest.mark.parametrize(
     "R,H,P,N,seed,layer,rounds",
-    [(3, 2, 5, 16, 0, 0, 10), (2, 3, 4, 7, 2**40 + 5, 17, 7), (1, 1, 3, 2, -3, 1, 1), (2, 2, 3, 12, 2**64 - 1, 5, 10)],
+    [
+        (3, 2, 5, 16, 0, 0, 10),
+        (2, 3, 4, 7, 2**40 + 5, 17, 7),
+        (1, 1, 3, 2, -3, 1, 1),
+        (2, 2, 3, 12, 2**64 - 1, 5, 10),
+    ],
 )
 def test_triton_store_matches_reference(tri, R, H, P, N, seed, layer, rounds) -> None:
     _store_case(tri, R=R, H=H, P=P, N=N, seed=seed, layer=layer, rounds=rounds)
@@ -440,15 +501,18 @@ def test_triton_state_update_sr_is_graph_capturable(tri) -> None:
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = tsu.selective_state_update_triton(work, x, dt, A, B, C, slots, slots, **kw, rounding=sr, positions=pos)
+        y = tsu.selective_state_update_triton(
+            work, x, dt, A, B, C, slots, slots, **kw, rounding=sr, positions=pos
+        )
     for step in range(3):
         pos.add_(1)
         before = work.clone()
         g.replay()
         torch.cuda.synchronize()
         eager = before.clone()
-        y_e = tsu.selective_state_update_triton(eager, x, dt, A, B, C, slots, slots, **kw, rounding=sr,
-                                                positions=pos.clone())
+        y_e = tsu.selective_state_update_triton(
+            eager, x, dt, A, B, C, slots, slots, **kw, rounding=sr, positions=pos.clone()
+        )
         assert torch.equal(bits(work), bits(eager)), f"replay {step}"
         assert torch.equal(y, y_e)
 
@@ -490,8 +554,9 @@ def test_stochastic_rounding_tracks_the_fp32_state_better() -> None:
 @needs_cuda
 def test_stochastic_rounding_tracks_better_nano9b(tri) -> None:
     tsu, _ = tri
-    err = _accumulated_errors(tsu.selective_state_update_triton, steps=1000, Bt=2, H=128, P=80, N=128, G=8,
-                              device=DEV)
+    err = _accumulated_errors(
+        tsu.selective_state_update_triton, steps=1000, Bt=2, H=128, P=80, N=128, G=8, device=DEV
+    )
     assert err["sr"] < err["rne"] / 2, err
 
 
@@ -515,8 +580,13 @@ def test_model_snapshot_and_slot_invariance_with_rounding() -> None:
     toks = [1, 40, 41, 42, 7, 8, 9, 10, 11, 12, 13]
     snap_slot, mid_slot, mid = 6, 7, cfg.chunk_size
     assert mid < len(toks)
-    h.step([(0, toks), (2, toks)], snapshots=[SnapshotWrite(seq=0, num_tokens=len(toks), slot=snap_slot),
-                                              SnapshotWrite(seq=1, num_tokens=mid, slot=mid_slot)])
+    h.step(
+        [(0, toks), (2, toks)],
+        snapshots=[
+            SnapshotWrite(seq=0, num_tokens=len(toks), slot=snap_slot),
+            SnapshotWrite(seq=1, num_tokens=mid, slot=mid_slot),
+        ],
+    )
     for i in cfg.mamba_layer_ids:  # the end-of-prefill snapshot holds the live state's bits
         assert torch.equal(bits(h.cache.ssm[i][snap_slot]), bits(h.cache.ssm[i][0]))
     h.step([(0, [50]), (2, [50])])  # a decode step
@@ -547,7 +617,9 @@ def test_model_snapshot_and_slot_invariance_with_rounding() -> None:
     # and it really is stochastic rounding: round-to-nearest stores other bits
     rne = Harness(_tiny_model(ssm_cache_dtype="float16"), max_seqs=4, max_len=64, bs=4)
     rne.step([(1, toks)])
-    assert any(not torch.equal(bits(rne.cache.ssm[i][1]), bits(h2.cache.ssm[i][1])) for i in cfg.mamba_layer_ids)
+    assert any(
+        not torch.equal(bits(rne.cache.ssm[i][1]), bits(h2.cache.ssm[i][1])) for i in cfg.mamba_layer_ids
+    )
 
 
 SR_KV = {
@@ -588,5 +660,7 @@ def test_llm_with_fp16_stochastic_rounding_is_deterministic(monkeypatch) -> None
 
 def test_each_mamba_layer_has_its_own_stream() -> None:
     model = _tiny_model(ssm_cache_dtype="float16", ssm_stochastic_rounding=True)
-    pairs = [(blk.layer_id, blk.mixer.ssm_rounding.layer) for blk in model.backbone.layers if blk.kind == "mamba"]
+    pairs = [
+        (blk.layer_id, blk.mixer.ssm_rounding.layer) for blk in model.backbone.layers if blk.kind == "mamba"
+    ]
     assert len(pairs) > 1 and all(i == layer for i, layer in pairs), pairs

@@ -27,15 +27,23 @@ torch.set_num_threads(1)
 
 V = 320  # the tiny tokenizer's vocabulary
 EOS = 2
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
-                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
-          "required": ["name", "age", "tags"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer(build_tiny_tokenizer(), config={"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"})
+    return Tokenizer(
+        build_tiny_tokenizer(), config={"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +64,21 @@ def test_bitmask_matches_xgrammar_kernel_on_random_logits() -> None:
         assert torch.equal(got, ref)
         assert torch.equal(got[0], logits[0])
         # float64 oracle of the bit rule
-        allowed = torch.tensor([[(int(mask[r, t // 32]) >> (t % 32)) & 1 for t in range(vocab)] for r in range(n)])
+        allowed = torch.tensor(
+            [[(int(mask[r, t // 32]) >> (t % 32)) & 1 for t in range(vocab)] for r in range(n)]
+        )
         want = torch.where(allowed.bool(), logits.double(), float("-inf"))
         assert torch.equal(got.double(), want)
 
 
-def _draw(sampler: Sampler, states: StructuredOutputs, rids: list[str], params: list[SamplingParams],
-          logits: torch.Tensor, outs: list[list[int]]) -> list[int]:
+def _draw(
+    sampler: Sampler,
+    states: StructuredOutputs,
+    rids: list[str],
+    params: list[SamplingParams],
+    logits: torch.Tensor,
+    outs: list[list[int]],
+) -> list[int]:
     mask = states.fill_bitmask(rids)
     histories = [([], o) for o in outs]  # penalties: the output so far
     tokens = sampler.sample_tokens(logits, params, [len(o) for o in outs], histories, bitmask=mask).tolist()
@@ -87,8 +103,14 @@ def _run(tok: Tokenizer, params: list[SamplingParams], steps: int = 80, seed: in
             break
         logits = torch.randn(len(live), V, generator=g) * 3
         logits[:, EOS] -= 2.0  # random weights: do not let EOS dominate where it is allowed
-        toks = _draw(sampler, states, [rids[i] for i in live], [params[i] for i in live], logits,
-                     [outs[i] for i in live])
+        toks = _draw(
+            sampler,
+            states,
+            [rids[i] for i in live],
+            [params[i] for i in live],
+            logits,
+            [outs[i] for i in live],
+        )
         live = [i for i, t in zip(live, toks) if t != EOS]
     assert not live, "a constrained row never finished"
     return [tok.decode([t for t in o if t != EOS]) for o in outs]
@@ -98,10 +120,13 @@ def test_json_schema_outputs_validate(tok: Tokenizer) -> None:
     import jsonschema_rs
 
     so = StructuredOutputsParams(json=SCHEMA)
-    params = [SamplingParams(max_tokens=200, temperature=1.0, structured_outputs=so),
-              SamplingParams(max_tokens=200, temperature=0.0, structured_outputs=so),
-              SamplingParams(max_tokens=200, temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.3,
-                             structured_outputs=so)]
+    params = [
+        SamplingParams(max_tokens=200, temperature=1.0, structured_outputs=so),
+        SamplingParams(max_tokens=200, temperature=0.0, structured_outputs=so),
+        SamplingParams(
+            max_tokens=200, temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.3, structured_outputs=so
+        ),
+    ]
     validator = jsonschema_rs.validator_for(SCHEMA)
     for seed in range(6):
         for text in _run(tok, params, seed=seed):
@@ -109,13 +134,21 @@ def test_json_schema_outputs_validate(tok: Tokenizer) -> None:
             validator.validate(json.loads(text))
 
 
-@pytest.mark.parametrize(("so", "check"), [
-    (StructuredOutputsParams(json_object=True), lambda s: isinstance(json.loads(s), dict)),
-    (StructuredOutputsParams(regex=r"[a-c]{2,4}-[0-9]"), lambda s: __import__("re").fullmatch(r"[a-c]{2,4}-[0-9]", s)),
-    (StructuredOutputsParams(choice=("yes", "no", "maybe so")), lambda s: s in ("yes", "no", "maybe so")),
-    (StructuredOutputsParams(grammar='root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'),
-     lambda s: __import__("re").fullmatch(r"\([0-9]+(\+[0-9]+)*\)", s)),
-])
+@pytest.mark.parametrize(
+    ("so", "check"),
+    [
+        (StructuredOutputsParams(json_object=True), lambda s: isinstance(json.loads(s), dict)),
+        (
+            StructuredOutputsParams(regex=r"[a-c]{2,4}-[0-9]"),
+            lambda s: __import__("re").fullmatch(r"[a-c]{2,4}-[0-9]", s),
+        ),
+        (StructuredOutputsParams(choice=("yes", "no", "maybe so")), lambda s: s in ("yes", "no", "maybe so")),
+        (
+            StructuredOutputsParams(grammar='root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'),
+            lambda s: __import__("re").fullmatch(r"\([0-9]+(\+[0-9]+)*\)", s),
+        ),
+    ],
+)
 def test_other_constraints(tok: Tokenizer, so: StructuredOutputsParams, check) -> None:  # noqa: ANN001
     for text in _run(tok, [SamplingParams(max_tokens=100, structured_outputs=so)] * 3, steps=300):
         assert check(text), text
@@ -137,8 +170,10 @@ def test_thinking_section_is_unconstrained(tok: Tokenizer) -> None:
     mask = states.fill_bitmask(["r"])
     assert mask is not None
     allowed = [t for t in range(V) if (int(mask[0, t // 32]) >> (t % 32)) & 1]
-    assert allowed and all(tok.decode([t]) and "yes".startswith(tok.decode([t])) or "no".startswith(tok.decode([t]))
-                           for t in allowed)
+    assert allowed and all(
+        tok.decode([t]) and "yes".startswith(tok.decode([t])) or "no".startswith(tok.decode([t]))
+        for t in allowed
+    )
     # text right behind the marker goes to the grammar
     states.add("s", SamplingParams(structured_outputs=so))
     for t in tok.encode("ok</think>y"):
@@ -180,10 +215,12 @@ def test_compile_cache_and_errors(compiler: GrammarCompiler, tok: Tokenizer) -> 
     a = compiler.compile(StructuredOutputsParams(json=SCHEMA))
     assert compiler.compile(StructuredOutputsParams(json=json.dumps(SCHEMA, sort_keys=True))) is a
     assert compiler_for(tok, V) is compiler
-    for so, words in ((StructuredOutputsParams(json={"type": "objectx"}), "Unsupported type"),
-                      (StructuredOutputsParams(json="{not json"), "not valid JSON"),
-                      (StructuredOutputsParams(regex="([a-z"), "Unclosed"),
-                      (StructuredOutputsParams(grammar='root ::= "a" |'), "EBNF")):
+    for so, words in (
+        (StructuredOutputsParams(json={"type": "objectx"}), "Unsupported type"),
+        (StructuredOutputsParams(json="{not json"), "not valid JSON"),
+        (StructuredOutputsParams(regex="([a-z"), "Unclosed"),
+        (StructuredOutputsParams(grammar='root ::= "a" |'), "EBNF"),
+    ):
         with pytest.raises(GrammarError, match=words) as e:
             compiler.compile(so)
         assert ".cc:" not in str(e.value)  # xgrammar's source location is not for users
@@ -213,7 +250,9 @@ def test_llm_json_schema_outputs_validate(async_scheduling: bool) -> None:
     so = StructuredOutputsParams(json=SCHEMA)
     free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = ["Hello", "Tell me", [5, 6, 7], "Name:"]
-    params = [SamplingParams(max_tokens=120, temperature=1.0, seed=i, structured_outputs=so) for i in range(3)]
+    params = [
+        SamplingParams(max_tokens=120, temperature=1.0, seed=i, structured_outputs=so) for i in range(3)
+    ]
     params += [SamplingParams(max_tokens=120, temperature=0.0, structured_outputs=so)]
     outs = llm.generate(prompts + ["free"], params + [free])
     validator = jsonschema_rs.validator_for(SCHEMA)

@@ -27,7 +27,9 @@ def _engine(**opts) -> AsyncEngine:
     return eng
 
 
-async def _collect(eng: AsyncEngine, rid: str, params: SamplingParams) -> tuple[list[int], str | None, str | None]:
+async def _collect(
+    eng: AsyncEngine, rid: str, params: SamplingParams
+) -> tuple[list[int], str | None, str | None]:
     toks: list[int] = []
     reason = error = None
     async for d in eng.generate(rid, PROMPT, params):
@@ -58,6 +60,7 @@ def test_a_host_side_failure_is_survived_and_serving_goes_on() -> None:
     fatal: list[str] = []
     eng.on_fatal = fatal.append
     try:
+
         async def main():  # type: ignore[no-untyped-def]
             ref = await _collect(eng, "before", SHORT)
             inflight = [asyncio.create_task(_collect(eng, f"long{i}", LONG)) for i in range(3)]
@@ -84,6 +87,7 @@ def test_failures_beyond_the_bound_stop_the_engine() -> None:
     fatal: list[str] = []
     eng.on_fatal = fatal.append
     try:
+
         async def main():  # type: ignore[no-untyped-def]
             res = []
             for i in range(3):

@@ -20,7 +20,13 @@ from hyserve.model.weights import StateDictModule, canonical_shapes, load_checkp
 
 torch.set_num_threads(1)
 
-FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+FILES = [
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+]
 
 
 def digests(d: Path) -> dict[str, str]:
@@ -86,7 +92,9 @@ def test_unknown_variant(tmp_path):
 @pytest.mark.parametrize("variant", ["dense", "latent-moe"])
 def test_transformers_loads_tiny(tiny_dirs, variant):
     transformers = pytest.importorskip("transformers")
-    model, info = transformers.NemotronHForCausalLM.from_pretrained(tiny_dirs[variant], output_loading_info=True)
+    model, info = transformers.NemotronHForCausalLM.from_pretrained(
+        tiny_dirs[variant], output_loading_info=True
+    )
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     with torch.no_grad():
         logits = model(torch.tensor([[1, 40, 41, 42]])).logits

@@ -24,7 +24,9 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 @pytest.mark.parametrize("n, vocab", [(1, 320), (5, 1000), (3, 32 * 7), (2, 131)])
 # the sampler's logits are float32; the interpreter has no bfloat16 constants, so bf16 runs on a GPU only
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+)
 def test_mask_matches_the_reference_and_the_bit_rule(n, vocab, dtype):
     g = torch.Generator().manual_seed(n * vocab)
     logits = torch.randn(n, vocab, generator=g).to(dtype).to(DEV)
@@ -39,14 +41,23 @@ def test_mask_matches_the_reference_and_the_bit_rule(n, vocab, dtype):
     assert torch.equal(logits, before), "the input was written"
     assert torch.equal(got, apply_token_bitmask_ref(logits, mask))
     m = mask.cpu()
-    allowed = torch.tensor([[(int(m[r, t // 32]) >> (t % 32)) & 1 for t in range(vocab)] for r in range(n)]).bool()
+    allowed = torch.tensor(
+        [[(int(m[r, t // 32]) >> (t % 32)) & 1 for t in range(vocab)] for r in range(n)]
+    ).bool()
     want = torch.where(allowed, logits.cpu().double(), float("-inf"))
     assert torch.equal(got.cpu().double(), want)
     assert torch.equal(got[0], logits[0])
 
 
-@pytest.mark.parametrize("bad, what", [("width", "bitmask must be"), ("dtype", "bitmask must be"),
-                                       ("logits", "logits must be"), ("rows", "bitmask must be")])
+@pytest.mark.parametrize(
+    "bad, what",
+    [
+        ("width", "bitmask must be"),
+        ("dtype", "bitmask must be"),
+        ("logits", "logits must be"),
+        ("rows", "bitmask must be"),
+    ],
+)
 def test_bad_masks_are_refused_with_the_expected_shape(bad, what):
     logits, mask = torch.zeros(2, 100, device=DEV), torch.full((2, 4), -1, dtype=torch.int32, device=DEV)
     if bad == "width":
@@ -65,7 +76,12 @@ def test_bad_masks_are_refused_with_the_expected_shape(bad, what):
 def test_the_mask_kernel_compiles_for_sm90():
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(root / "tests" / "sm90_compile_check.py"), "float32", "sampling"],
-                         capture_output=True, text=True, env={**env, "PYTHONPATH": str(root)}, timeout=300)
+    run = subprocess.run(
+        [sys.executable, str(root / "tests" / "sm90_compile_check.py"), "float32", "sampling"],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": str(root)},
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "_apply_bitmask_kernel" in json.loads(run.stdout.strip().splitlines()[-1])["kernels"]

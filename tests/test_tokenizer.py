@@ -70,7 +70,10 @@ def test_special_tokens(tok):
     ids = tok.encode("<|im_start|>a<think>b</think><tool_call>c</tool_call></s>")
     # control tokens are dropped, markup tokens stay visible for the reasoning / tool parsers
     assert tok.decode(ids) == "a<think>b</think><tool_call>c</tool_call>"
-    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>a<think>b</think><tool_call>c</tool_call></s>"
+    assert (
+        tok.decode(ids, skip_special_tokens=False)
+        == "<|im_start|>a<think>b</think><tool_call>c</tool_call></s>"
+    )
     assert tok.is_special(313) and not tok.is_special(314)
 
 
@@ -220,7 +223,9 @@ def test_chat_template_sources(tiny_dir, tmp_path):
     assert t.eos_token_ids == (313,)
     assert t.apply_chat_template([{"role": "user", "content": "hi"}]) == "D<s>hi"
     assert t.apply_chat_template([], tools=[{}]) == 'T1"<x>"'  # tojson does not HTML-escape
-    (tmp_path / "chat_template.jinja").write_text("{% generation %}J{{ raise_exception('boom') }}{% endgeneration %}")
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% generation %}J{{ raise_exception('boom') }}{% endgeneration %}"
+    )
     with pytest.raises(ValueError, match="boom"):
         Tokenizer.from_dir(tmp_path).apply_chat_template([])
 

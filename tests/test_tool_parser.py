@@ -34,7 +34,7 @@ TOOLS = [
 ONE_CALL = (
     "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
     "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n<parameter=temp>\n21.5\n"
-    "</parameter>\n<parameter=opts>\n{\"a\": 1}\n</parameter>\n<parameter=tags>\n[\"x\"]\n</parameter>\n"
+    '</parameter>\n<parameter=opts>\n{"a": 1}\n</parameter>\n<parameter=tags>\n["x"]\n</parameter>\n'
     "<parameter=zip>\n00123\n</parameter>\n</function>\n</tool_call>"
 )
 
@@ -45,7 +45,13 @@ def test_one_call_typed_by_schema() -> None:
     assert len(calls) == 1
     assert calls[0].name == "get_weather"
     assert json.loads(calls[0].arguments) == {
-        "city": "Paris", "days": 3, "metric": True, "temp": 21.5, "opts": {"a": 1}, "tags": ["x"], "zip": "00123",
+        "city": "Paris",
+        "days": 3,
+        "metric": True,
+        "temp": 21.5,
+        "opts": {"a": 1},
+        "tags": ["x"],
+        "zip": "00123",
     }
     assert calls[0].id.startswith("call_")
 
@@ -74,8 +80,15 @@ def test_bare_function_and_missing_closing_tags() -> None:
 
 
 def test_multiline_string_value_keeps_inner_newlines() -> None:
-    text = "<tool_call>\n<function=f>\n<parameter=code>\nline1\n\nline2\n</parameter>\n</function>\n</tool_call>"
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"code": {"type": "string"}}}}}]
+    text = (
+        "<tool_call>\n<function=f>\n<parameter=code>\nline1\n\nline2\n</parameter>\n</function>\n</tool_call>"
+    )
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "f", "parameters": {"properties": {"code": {"type": "string"}}}},
+        }
+    ]
     _, calls = ToolCallParser(tools).parse(text)
     assert json.loads(calls[0].arguments) == {"code": "line1\n\nline2"}
 

@@ -22,10 +22,34 @@ from hyserve import LLM, SamplingParams
 
 
 def _agent(rdzv_port: int, http_port: int, ckpt: Path, yml: Path, log: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}", "--max-restarts", "0",
-           "-m", "hyserve.cli", "serve", str(ckpt), "--tp_size", "2", "--config", str(yml), *FLAGS,
-           "--host", "127.0.0.1", "--port", str(http_port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{rdzv_port}",
+        "--max-restarts",
+        "0",
+        "-m",
+        "hyserve.cli",
+        "serve",
+        str(ckpt),
+        "--tp_size",
+        "2",
+        "--config",
+        str(yml),
+        *FLAGS,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(http_port),
+    ]
     env = {**os.environ, "HYSERVE_DIST_TIMEOUT_S": "20", "PYTHONUNBUFFERED": "1"}
     with open(log, "wb") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
@@ -42,8 +66,11 @@ def test_two_node_torchrun_serves_a_request(tmp_path: Path) -> None:
     ckpt = tiny_checkpoint(tmp_path)
     yml = tmp_path / "cfg.yml"
     yml.write_text(YAML)
-    want = LLM(str(ckpt), device="cpu", max_seq_len=2048, kv_cache_config={"max_gpu_total_bytes": 16777216}).generate(
-        "Hello there, general", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].text
+    want = (
+        LLM(str(ckpt), device="cpu", max_seq_len=2048, kv_cache_config={"max_gpu_total_bytes": 16777216})
+        .generate("Hello there, general", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+        .text
+    )
     rdzv, http = free_port(), free_port()
     url = f"http://127.0.0.1:{http}"
     logs = [tmp_path / f"node{i}.log" for i in range(2)]
@@ -59,8 +86,13 @@ def test_two_node_torchrun_serves_a_request(tmp_path: Path) -> None:
             assert all(a.poll() is None for a in agents), "an agent exited\n" + output()
             time.sleep(0.3)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-        r = client.completions.create(model=client.models.list().data[0].id, prompt="Hello there, general",
-                                      max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt="Hello there, general",
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         assert r.choices[0].text == want and r.usage is not None and r.usage.completion_tokens == 12
         text = output()
         assert text.count("rank 0 of 2 (torchrun; gloo), tp_size 2") == 1, text  # one node serves ...

@@ -33,8 +33,16 @@ TIMEOUT_S = 20.0  # every collective of these tests (both ranks); a hang fails i
 # small pools and budgets, the same at tp 1 and tp 2: prompts longer than max_num_tokens prefill in chunks,
 # 24 KV blocks of 8 tokens cannot hold the batch below at once (preemption), snapshots every 16 tokens
 OPTIONS = dict(
-    device="cpu", max_batch_size=4, max_num_tokens=32, max_seq_len=128, seed=7,
-    kv_cache_config={"max_tokens": 192, "tokens_per_block": 8, "mamba_state_config": {"periodic_snapshot_interval": 16}},
+    device="cpu",
+    max_batch_size=4,
+    max_num_tokens=32,
+    max_seq_len=128,
+    seed=7,
+    kv_cache_config={
+        "max_tokens": 192,
+        "tokens_per_block": 8,
+        "mamba_state_config": {"periodic_snapshot_interval": 16},
+    },
 )
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True)
 
@@ -69,8 +77,10 @@ def _short_timeouts() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tp-ckpts")
-    return {v: _checkpoint(root, v) for v in ("tiny-nemotron-h-dense", "tiny-nemotron-3-moe",
-                                             "tiny-nemotron-3-latent-moe")}
+    return {
+        v: _checkpoint(root, v)
+        for v in ("tiny-nemotron-h-dense", "tiny-nemotron-3-moe", "tiny-nemotron-3-latent-moe")
+    }
 
 
 def _same(a: list, b: list, what: str) -> None:
@@ -101,8 +111,15 @@ def _run_all(llm: LLM) -> dict[str, list]:
     return out
 
 
-@pytest.mark.parametrize(("variant", "ep"), [("tiny-nemotron-3-moe", 1), ("tiny-nemotron-3-moe", 2),
-                                             ("tiny-nemotron-3-latent-moe", 1), ("tiny-nemotron-3-latent-moe", 2)])
+@pytest.mark.parametrize(
+    ("variant", "ep"),
+    [
+        ("tiny-nemotron-3-moe", 1),
+        ("tiny-nemotron-3-moe", 2),
+        ("tiny-nemotron-3-latent-moe", 1),
+        ("tiny-nemotron-3-latent-moe", 2),
+    ],
+)
 def test_moe_tp2_matches_tp1(ckpts: dict[str, str], variant: str, ep: int) -> None:
     prompts = _prompts(6, seed=6)
     ref = LLM(ckpts[variant], **OPTIONS).generate(prompts, GREEDY)
@@ -116,8 +133,10 @@ def test_moe_tp2_matches_tp1(ckpts: dict[str, str], variant: str, ep: int) -> No
 
 def _kv_scales(llm: LLM) -> dict[int, tuple[float, float]]:
     model = llm.engine.loaded.model
-    return {i: (float(model.backbone.layers[i].mixer.k_scale), float(model.backbone.layers[i].mixer.v_scale))
-            for i in model.config.attention_layer_ids}
+    return {
+        i: (float(model.backbone.layers[i].mixer.k_scale), float(model.backbone.layers[i].mixer.v_scale))
+        for i in model.config.attention_layer_ids
+    }
 
 
 def test_fp8_kv_calibration_tp2_matches_tp1(ckpts: dict[str, str]) -> None:
@@ -143,12 +162,23 @@ def test_one_rank_has_no_group_and_the_plain_runner(ckpts: dict[str, str]) -> No
     assert not launch.spans_ranks(llm.config)
 
 
-@pytest.mark.parametrize(("opts", "needles"), [
-    ({"tp_size": 3}, ["does not split over tp_size 3", "num_attention_heads (4) is not divisible by tp_size (3)",
-                      "mamba_num_heads (8) is not divisible by tp_size (3)"]),
-    ({"tp_size": 2, "ep_size": 4}, ["ep_size (4) must divide tp_size (2)"]),
-])
-def test_bad_layouts_fail_before_any_rank_starts(ckpts: dict[str, str], opts: dict, needles: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("opts", "needles"),
+    [
+        (
+            {"tp_size": 3},
+            [
+                "does not split over tp_size 3",
+                "num_attention_heads (4) is not divisible by tp_size (3)",
+                "mamba_num_heads (8) is not divisible by tp_size (3)",
+            ],
+        ),
+        ({"tp_size": 2, "ep_size": 4}, ["ep_size (4) must divide tp_size (2)"]),
+    ],
+)
+def test_bad_layouts_fail_before_any_rank_starts(
+    ckpts: dict[str, str], opts: dict, needles: list[str]
+) -> None:
     t0 = time.monotonic()
     with pytest.raises(ValueError) as e:
         LLM(ckpts["tiny-nemotron-h-dense"], **{**OPTIONS, **opts})
@@ -171,11 +201,20 @@ def test_fewer_gpus_than_ranks_is_refused(ckpts: dict[str, str]) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL, one per rank)")
 @pytest.mark.parametrize(("variant", "ep"), [("tiny-nemotron-h-dense", 1), ("tiny-nemotron-3-latent-moe", 2)])
-def test_two_gpus_match_one(ckpts: dict[str, str], capfd: pytest.CaptureFixture[str], variant: str, ep: int) -> None:
+def test_two_gpus_match_one(
+    ckpts: dict[str, str], capfd: pytest.CaptureFixture[str], variant: str, ep: int
+) -> None:
     """NCCL with one GPU per rank, float32: the warm-up on both ranks (0 compilations after ready on either),
     decode graphs captured on both (dense), every step broadcast; tokens equal tp 1 on one GPU."""
-    opts = dict(device="cuda", dtype="float32", warmup="on", max_batch_size=8, max_num_tokens=128, max_seq_len=256,
-                kv_cache_config={"max_gpu_total_bytes": 256 * 2**20, "tokens_per_block": 16})
+    opts = dict(
+        device="cuda",
+        dtype="float32",
+        warmup="on",
+        max_batch_size=8,
+        max_num_tokens=128,
+        max_seq_len=256,
+        kv_cache_config={"max_gpu_total_bytes": 256 * 2**20, "tokens_per_block": 16},
+    )
     prompts = _prompts(8, seed=12, hi=200)
     ref_llm = LLM(ckpts[variant], **opts)
     ref = ref_llm.generate(prompts, GREEDY)
@@ -236,7 +275,9 @@ def test_a_dead_rank_fails_the_next_step_at_once(dense: tuple[LLM, dict[str, lis
     with pytest.raises(RankLost):  # and every step after it
         llm.generate(_prompts(1, seed=9), GREEDY)
     llm.close()
-    assert parallel_info().world_size == 1  # the broken group is left too: this process can build another engine
+    assert (
+        parallel_info().world_size == 1
+    )  # the broken group is left too: this process can build another engine
 
 
 def runner_procs(llm: LLM) -> list:

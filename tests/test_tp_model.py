@@ -24,9 +24,20 @@ from hyserve.model.weights import init_random_weights, save_checkpoint
 
 TINY_DENSE = {
     "layers_block_type": ["linear_attention", "full_attention", "linear_attention", "mlp"],
-    "vocab_size": 256, "hidden_size": 64, "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16,
-    "n_groups": 2, "conv_kernel": 4, "chunk_size": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 16, "intermediate_size": 128, "dtype": "float32", "eos_token_id": 2,
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "mamba_num_heads": 8,
+    "mamba_head_dim": 16,
+    "ssm_state_size": 16,
+    "n_groups": 2,
+    "conv_kernel": 4,
+    "chunk_size": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "dtype": "float32",
+    "eos_token_id": 2,
 }
 
 
@@ -37,10 +48,20 @@ def _cfg(**changes) -> HybridModelConfig:
 def _super() -> HybridModelConfig:
     """Nemotron 3 Super's shape (32 query / 2 KV heads, 128 Mamba heads in 8 groups, 512 experts)."""
     return _cfg(
-        hidden_size=4096, num_attention_heads=32, num_key_value_heads=2, head_dim=128, mamba_num_heads=128,
-        mamba_head_dim=64, ssm_state_size=128, n_groups=8,
-        layers_block_type=["mamba", "moe", "attention", "mamba"], n_routed_experts=512, num_experts_per_tok=22,
-        moe_intermediate_size=2688, moe_shared_expert_intermediate_size=5376, moe_latent_size=1024,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=2,
+        head_dim=128,
+        mamba_num_heads=128,
+        mamba_head_dim=64,
+        ssm_state_size=128,
+        n_groups=8,
+        layers_block_type=["mamba", "moe", "attention", "mamba"],
+        n_routed_experts=512,
+        num_experts_per_tok=22,
+        moe_intermediate_size=2688,
+        moe_shared_expert_intermediate_size=5376,
+        moe_latent_size=1024,
     )
 
 
@@ -50,23 +71,58 @@ def test_super_splits_where_it_should(tp: int, ep: int) -> None:
     check_parallel(_super(), tp_size=tp, ep_size=ep, world_size=tp, device="cpu")
 
 
-@pytest.mark.parametrize(("cfg", "tp", "ep", "needles"), [
-    (_cfg(), 16, 1, ["num_attention_heads (4) is not divisible by tp_size (16)",
-                     "mamba_num_heads (8) is not divisible by tp_size (16)"]),
-    (_cfg(num_attention_heads=9, num_key_value_heads=3), 2, 1,
-     ["num_attention_heads (9) is not divisible by tp_size (2)", "num_key_value_heads (3) and tp_size (2) do not fit"]),
-    (_cfg(mamba_num_heads=12, n_groups=3), 2, 1, ["n_groups (3) and tp_size (2) do not fit"]),
-    (_cfg(intermediate_size=130), 4, 1, ["intermediate_size (130) is not divisible by tp_size (4)"]),
-    (dataclasses.replace(_super(), n_routed_experts=100), 8, 8,
-     ["n_routed_experts (100) is not divisible by ep_size (8)"]),
-    (dataclasses.replace(_super(), moe_intermediate_size=2690), 8, 2,
-     ["moe_intermediate_size (2690) is not divisible by tp_size / ep_size (4)"]),
-    (dataclasses.replace(_super(), n_routed_experts=64), 8, 8,
-     ["n_routed_experts / ep_size (64 / 8) is fewer than num_experts_per_tok (22)"]),
-    (dataclasses.replace(_super(), moe_shared_expert_intermediate_size=5378), 4, 4,
-     ["moe_shared_expert_intermediate_size (5378) is not divisible by tp_size (4)"]),
-])
-def test_sharding_problems_name_the_numbers(cfg: HybridModelConfig, tp: int, ep: int, needles: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("cfg", "tp", "ep", "needles"),
+    [
+        (
+            _cfg(),
+            16,
+            1,
+            [
+                "num_attention_heads (4) is not divisible by tp_size (16)",
+                "mamba_num_heads (8) is not divisible by tp_size (16)",
+            ],
+        ),
+        (
+            _cfg(num_attention_heads=9, num_key_value_heads=3),
+            2,
+            1,
+            [
+                "num_attention_heads (9) is not divisible by tp_size (2)",
+                "num_key_value_heads (3) and tp_size (2) do not fit",
+            ],
+        ),
+        (_cfg(mamba_num_heads=12, n_groups=3), 2, 1, ["n_groups (3) and tp_size (2) do not fit"]),
+        (_cfg(intermediate_size=130), 4, 1, ["intermediate_size (130) is not divisible by tp_size (4)"]),
+        (
+            dataclasses.replace(_super(), n_routed_experts=100),
+            8,
+            8,
+            ["n_routed_experts (100) is not divisible by ep_size (8)"],
+        ),
+        (
+            dataclasses.replace(_super(), moe_intermediate_size=2690),
+            8,
+            2,
+            ["moe_intermediate_size (2690) is not divisible by tp_size / ep_size (4)"],
+        ),
+        (
+            dataclasses.replace(_super(), n_routed_experts=64),
+            8,
+            8,
+            ["n_routed_experts / ep_size (64 / 8) is fewer than num_experts_per_tok (22)"],
+        ),
+        (
+            dataclasses.replace(_super(), moe_shared_expert_intermediate_size=5378),
+            4,
+            4,
+            ["moe_shared_expert_intermediate_size (5378) is not divisible by tp_size (4)"],
+        ),
+    ],
+)
+def test_sharding_problems_name_the_numbers(
+    cfg: HybridModelConfig, tp: int, ep: int, needles: list[str]
+) -> None:
     with pytest.raises(ValueError) as e:
         check_parallel(cfg, tp_size=tp, ep_size=ep, world_size=tp, device="cpu")
     msg = str(e.value)
@@ -84,7 +140,9 @@ def test_world_problems_come_first() -> None:
 
 def test_shipped_configs_at_their_reported_settings() -> None:
     ultra_like = HybridModelConfig.from_hf(config_dir("NVIDIA-Nemotron-3-Super-120B-A12B-BF16"))
-    check_parallel(ultra_like, tp_size=4, ep_size=4, world_size=4, device="cpu")  # the warm-up report's layout
+    check_parallel(
+        ultra_like, tp_size=4, ep_size=4, world_size=4, device="cpu"
+    )  # the warm-up report's layout
     nano = HybridModelConfig.from_hf(config_dir("NVIDIA-Nemotron-Nano-9B-v2"))  # 40 heads, 8 KV heads
     check_parallel(nano, tp_size=8, ep_size=1, world_size=8, device="cpu")
     with pytest.raises(ValueError, match=r"num_attention_heads \(40\) is not divisible by tp_size \(16\)"):
@@ -114,7 +172,10 @@ def _steps() -> list[list[tuple[int, list[int]]]]:
     def toks(n: int) -> list[int]:
         return torch.randint(0, 250, (n,), generator=g).tolist()
 
-    steps = [[(0, toks(11)), (1, toks(5)), (2, toks(8))], [(0, toks(1)), (1, toks(1)), (2, toks(9)), (3, toks(3))]]
+    steps = [
+        [(0, toks(11)), (1, toks(5)), (2, toks(8))],
+        [(0, toks(1)), (1, toks(1)), (2, toks(9)), (3, toks(3))],
+    ]
     steps += [[(s, toks(1)) for s in range(4)] for _ in range(3)]
     return steps
 
@@ -138,12 +199,19 @@ def _case_tp(cfg: HybridModelConfig, ckpt: str | None, seed: int) -> dict:
     moe = [m.mixer.experts for m in model.backbone.layers if hasattr(m.mixer, "experts")]
     cache = model.allocate_cache(num_blocks=1, tokens_per_block=4, num_slots=1, device="cpu")
     shapes = {
-        "k": tuple(next(iter(cache.k.values())).shape), "conv": tuple(next(iter(cache.conv.values())).shape),
+        "k": tuple(next(iter(cache.k.values())).shape),
+        "conv": tuple(next(iter(cache.conv.values())).shape),
         "ssm": tuple(next(iter(cache.ssm.values())).shape),
     }
     experts = (moe[0].first_expert, moe[0].num_local) if moe else None
-    return {"tp": info.tp_size, "ep": info.ep_size, "logits": _run(model), "cache": shapes, "experts": experts,
-            "kv_scales": scales if ckpt is not None else None}
+    return {
+        "tp": info.tp_size,
+        "ep": info.ep_size,
+        "logits": _run(model),
+        "cache": shapes,
+        "experts": experts,
+        "kv_scales": scales if ckpt is not None else None,
+    }
 
 
 def _variant(name: str) -> HybridModelConfig:
@@ -153,7 +221,9 @@ def _variant(name: str) -> HybridModelConfig:
         return _cfg()
     # one Mamba group and one KV head (both replicated: the gated norm's group spans the ranks), an odd
     # vocabulary (the lm_head's last block is padded) and every bias on
-    return _cfg(n_groups=1, num_key_value_heads=1, vocab_size=251, use_bias=True, attention_bias=True, mlp_bias=True)
+    return _cfg(
+        n_groups=1, num_key_value_heads=1, vocab_size=251, use_bias=True, attention_bias=True, mlp_bias=True
+    )
 
 
 @pytest.fixture(scope="module")
@@ -174,8 +244,11 @@ def _check_tp2(cfg: HybridModelConfig, got: list[dict], want: list[torch.Tensor]
     heads_kv, groups = 1, 1  # per rank: 2 KV heads / 2 groups split, or 1 replicated
     for rank, res in enumerate(got):
         assert (res["tp"], res["ep"]) == (2, ep)
-        assert res["cache"] == {"k": (1, 4, heads_kv, 16), "conv": (1, 4 * 16 + 2 * groups * 16, 3),
-                                "ssm": (1, 4, 16, 16)}, res["cache"]
+        assert res["cache"] == {
+            "k": (1, 4, heads_kv, 16),
+            "conv": (1, 4 * 16 + 2 * groups * 16, 3),
+            "ssm": (1, 4, 16, 16),
+        }, res["cache"]
         for step, (a, b) in enumerate(zip(res["logits"], want)):
             assert a.shape == b.shape == (b.shape[0], cfg.vocab_size)
             err = (a - b).abs().max().item()
@@ -193,7 +266,9 @@ def _reference(cfg: HybridModelConfig, ckpt: Path, *, kv_scales: bool = False) -
     ref_model = NemotronHForCausalLM(cfg)
     strong_random_weights(ref_model, cfg, seed=5)
     save_checkpoint(ref_model, ckpt)
-    if kv_scales:  # an fp8-KV export's per-layer scales beside the weights (loaded through the shards' loaders)
+    if (
+        kv_scales
+    ):  # an fp8-KV export's per-layer scales beside the weights (loaded through the shards' loaders)
         f = ckpt / "model.safetensors"
         tensors = load_file(str(f)) | {k: torch.tensor(v) for k, v in KV_SCALES.items()}
         save_file(tensors, str(f), metadata={"format": "pt"})

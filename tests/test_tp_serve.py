@@ -25,11 +25,23 @@ from hyserve.model.nemotron_h import NemotronHForCausalLM
 from hyserve.model.tiny import make_tiny
 from hyserve.model.weights import save_checkpoint
 
-FLAGS = ["--device", "cpu", "--max_batch_size", "4", "--max_num_tokens", "32", "--max_seq_len", "2048",
-         "--disable-log-requests"]
+FLAGS = [
+    "--device",
+    "cpu",
+    "--max_batch_size",
+    "4",
+    "--max_num_tokens",
+    "32",
+    "--max_seq_len",
+    "2048",
+    "--disable-log-requests",
+]
 YAML = "kv_cache_config:\n  max_gpu_total_bytes: 16777216\n  tokens_per_block: 16\n"
-PROMPTS = ["Hello there, general", "The quick brown fox jumps over the lazy dog, then over the fence and away",
-           "a b c d e f g"]
+PROMPTS = [
+    "Hello there, general",
+    "The quick brown fox jumps over the lazy dog, then over the fence and away",
+    "a b c d e f g",
+]
 
 
 def tiny_checkpoint(root: Path) -> Path:
@@ -60,11 +72,19 @@ def worker_pid(server: ServerProcess) -> int:
     return int(m.group(1))
 
 
-def test_openai_client_through_a_tp2_server(setup: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_openai_client_through_a_tp2_server(
+    setup: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     ckpt, yml = setup
     greedy = SamplingParams(max_tokens=16, temperature=0.0, logprobs=0, ignore_eos=True)
-    want = LLM(str(ckpt), device="cpu", max_batch_size=4, max_num_tokens=32, max_seq_len=2048,
-               kv_cache_config={"max_gpu_total_bytes": 16777216, "tokens_per_block": 16}).generate(PROMPTS, greedy)
+    want = LLM(
+        str(ckpt),
+        device="cpu",
+        max_batch_size=4,
+        max_num_tokens=32,
+        max_seq_len=2048,
+        kv_cache_config={"max_gpu_total_bytes": 16777216, "tokens_per_block": 16},
+    ).generate(PROMPTS, greedy)
     server = start(ckpt, yml, monkeypatch)
     try:
         assert "2 ranks on this host (gloo), tp_size 2" in server.log()
@@ -73,14 +93,26 @@ def test_openai_client_through_a_tp2_server(setup: tuple[Path, Path], monkeypatc
         model = client.models.list().data[0].id
 
         def whole(prompt: str) -> tuple[str, list[float]]:
-            r = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, logprobs=0,
-                                          extra_body={"ignore_eos": True})
+            r = client.completions.create(
+                model=model,
+                prompt=prompt,
+                max_tokens=16,
+                temperature=0,
+                logprobs=0,
+                extra_body={"ignore_eos": True},
+            )
             assert r.choices[0].logprobs is not None and r.choices[0].logprobs.token_logprobs is not None
             return r.choices[0].text, [float(x) for x in r.choices[0].logprobs.token_logprobs]
 
         def streamed(prompt: str) -> str:
-            chunks = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0,
-                                               stream=True, extra_body={"ignore_eos": True})
+            chunks = client.completions.create(
+                model=model,
+                prompt=prompt,
+                max_tokens=16,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             return "".join(c.choices[0].text for c in chunks if c.choices)
 
         with ThreadPoolExecutor(4) as pool:  # concurrent: the steps batch them
@@ -97,8 +129,9 @@ def test_openai_client_through_a_tp2_server(setup: tuple[Path, Path], monkeypatc
     assert "Traceback" not in server.log(), server.log()  # rank 1 too (its output is in the same log)
 
 
-def test_a_killed_rank_stops_the_server_and_no_request_hangs(setup: tuple[Path, Path],
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_killed_rank_stops_the_server_and_no_request_hangs(
+    setup: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     ckpt, yml = setup
     server = start(ckpt, yml, monkeypatch)
     assert server.proc is not None
@@ -107,8 +140,14 @@ def test_a_killed_rank_stops_the_server_and_no_request_hangs(setup: tuple[Path, 
         first = threading.Event()
 
         def long_stream() -> None:
-            body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0,
-                    "ignore_eos": True, "stream": True}
+            body = {
+                "model": "tiny",
+                "prompt": "Once upon a time",
+                "max_tokens": 1500,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
             try:
                 with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=60) as r:
                     for line in r.iter_lines():
@@ -141,8 +180,11 @@ def test_a_killed_rank_stops_the_server_and_no_request_hangs(setup: tuple[Path, 
             assert err["error_id"] in log and "lost contact with the other ranks" in log, log[-3000:]
         # a request arriving now is refused (unhealthy) or finds the port closed, at once
         try:
-            r = httpx.post(f"{server.base_url}/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
-                           timeout=10)
+            r = httpx.post(
+                f"{server.base_url}/completions",
+                json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                timeout=10,
+            )
             assert r.status_code >= 500, r.text
         except httpx.HTTPError:
             pass

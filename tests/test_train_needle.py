@@ -38,8 +38,16 @@ def test_needle_once_at_its_depth_in_the_servers_ids(tok, style, instruction):
     for i in range(12):
         depth = i / 11
         code = T.random_code(rng, 1.0)
-        ex = T.make_example(tok, rng, target_len=400, depth=depth, code=code, style=style,
-                            end_question=i % 3 == 0, instruction=instruction)
+        ex = T.make_example(
+            tok,
+            rng,
+            target_len=400,
+            depth=depth,
+            code=code,
+            style=style,
+            end_question=i % 3 == 0,
+            instruction=instruction,
+        )
         text = _prompt_text(tok, ex)
         # the ids are exactly what /v1/chat/completions builds from the message text
         user = text.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
@@ -64,8 +72,10 @@ def test_needle_once_at_its_depth_in_the_servers_ids(tok, style, instruction):
 
 def test_answer_tokens_alone_carry_the_loss(tok):
     rng = random.Random(3)
-    exs = [T.make_example(tok, rng, target_len=n, depth=0.5, code=T.random_code(rng, 1.0), style="mixed")
-           for n in (150, 180, 230)]
+    exs = [
+        T.make_example(tok, rng, target_len=n, depth=0.5, code=T.random_code(rng, 1.0), style="mixed")
+        for n in (150, 180, 230)
+    ]
     ids, labels = T.collate(exs)
     assert ids.shape == (3, max(len(e.ids) for e in exs))
     im_end = tok.token_to_id(T.IM_END)
@@ -108,8 +118,18 @@ def test_a_few_steps_on_a_fixed_batch_lower_the_loss(tok):
     model = T.build_model(cfg, seed=0, device="cpu")
     opt = T.make_optimizer(model, 3e-3)
     rng = random.Random(11)
-    exs = [T.make_example(tok, rng, target_len=60, depth=rng.random(), code=T.random_code(rng, 0.3),
-                          style="mixed", instruction=False) for _ in range(8)]
+    exs = [
+        T.make_example(
+            tok,
+            rng,
+            target_len=60,
+            depth=rng.random(),
+            code=T.random_code(rng, 0.3),
+            style="mixed",
+            instruction=False,
+        )
+        for _ in range(8)
+    ]
     ids, labels = T.collate(exs)
     losses = [float(T.train_step(model, opt, ids, labels)) for _ in range(6)]
     assert all(torch.isfinite(torch.tensor(losses)))
@@ -123,13 +143,20 @@ def test_a_few_steps_on_a_fixed_batch_lower_the_loss(tok):
 def test_exact_greedy_hits_agree_with_greedy_decoding(tok):
     model = T.build_model(T.model_config("cpu"), seed=1, device="cpu")
     rng = random.Random(2)
-    exs = [T.make_example(tok, rng, target_len=50, depth=0.5, code="AB", style="mixed", instruction=False)
-           for _ in range(3)]
+    exs = [
+        T.make_example(tok, rng, target_len=50, depth=0.5, code="AB", style="mixed", instruction=False)
+        for _ in range(3)
+    ]
     # make one answer what the (untrained) model greedily says, so both outcomes are exercised
     im_end = tok.token_to_id(T.IM_END)
     gen = T.greedy_decode(model, exs[0].ids[: exs[0].answer_start], im_end, 4, "cpu")
-    forced = T.Example(ids=exs[0].ids[: exs[0].answer_start] + gen, answer_start=exs[0].answer_start,
-                       code="?", depth=0.5, needle_token_pos=exs[0].needle_token_pos)
+    forced = T.Example(
+        ids=exs[0].ids[: exs[0].answer_start] + gen,
+        answer_start=exs[0].answer_start,
+        code="?",
+        depth=0.5,
+        needle_token_pos=exs[0].needle_token_pos,
+    )
     hits = T.exact_greedy_hits(model, [forced, *exs], "cpu")
     assert hits[0] is True
     for e, h in zip(exs, hits[1:]):
@@ -166,9 +193,14 @@ def test_defaults_and_auto_steps():
     assert g.eval_lengths.split(",")[-1] == "16384"
     # 20 calibration steps in 5 s, then 0.1 s a step: 85% of 420 s -> 20 + 3520 steps, capped by --max-steps
     assert T._auto_steps(g, 5.0, 0.1) == 3540
-    assert T._auto_steps(T.parse_args(["--out", "x", "--device", "cuda", "--max-steps", "1000"]), 5.0, 0.1) == 1000
+    assert (
+        T._auto_steps(T.parse_args(["--out", "x", "--device", "cuda", "--max-steps", "1000"]), 5.0, 0.1)
+        == 1000
+    )
     assert T._auto_steps(g, 400.0, 0.1) == T.CALIBRATION_STEPS + 1  # the budget is gone: one more step
-    assert T.lr_at(0, 100, 1e-3, 10) == pytest.approx(1e-4) and T.lr_at(100, 100, 1e-3, 10) == pytest.approx(1e-4)
+    assert T.lr_at(0, 100, 1e-3, 10) == pytest.approx(1e-4) and T.lr_at(100, 100, 1e-3, 10) == pytest.approx(
+        1e-4
+    )
     assert T.lr_at(10, 100, 1e-3, 10) == pytest.approx(1e-3)
 
 
@@ -184,12 +216,41 @@ def test_a_short_run_writes_a_checkpoint_hyserve_loads(tmp_path):
     from hyserve.model.tokenizer import Tokenizer
 
     out, res = tmp_path / "ckpt", tmp_path / "res"
-    argv = ["--device", "cpu", "--steps", "auto", "--time-budget-s", "30", "--max-steps", "22",
-            "--tokens-per-batch", "400", "--max-len", "200", "--eval-lengths", "160", "--eval-per-cell", "2",
-            "--out", str(out), "--results-dir", str(res), "--tag", "t", "--log-every", "5"]
+    argv = [
+        "--device",
+        "cpu",
+        "--steps",
+        "auto",
+        "--time-budget-s",
+        "30",
+        "--max-steps",
+        "22",
+        "--tokens-per-batch",
+        "400",
+        "--max-len",
+        "200",
+        "--eval-lengths",
+        "160",
+        "--eval-per-cell",
+        "2",
+        "--out",
+        str(out),
+        "--results-dir",
+        str(res),
+        "--tag",
+        "t",
+        "--log-every",
+        "5",
+    ]
     assert T.main(argv) == 0
-    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-              "generation_config.json", "training_log.json"):
+    for f in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "training_log.json",
+    ):
         assert (out / f).is_file(), f
     cfg = HybridModelConfig.from_hf(out)
     assert cfg.vocab_size == T.VOCAB_SIZE and cfg.time_step_limit[0] == 0.001
@@ -198,7 +259,9 @@ def test_a_short_run_writes_a_checkpoint_hyserve_loads(tmp_path):
 
     r = json.loads((res / "t.json").read_text())
     assert r["steps_planned"] == 22 and r["steps_done"] == 22 and not r["cut_by_time"]
-    assert [(c["length"], c["depth"]) for c in r["eval"]["cells"]] == [(160, d) for d in (0, 0.25, 0.5, 0.75, 1)]
+    assert [(c["length"], c["depth"]) for c in r["eval"]["cells"]] == [
+        (160, d) for d in (0, 0.25, 0.5, 0.75, 1)
+    ]
     assert [rec["step"] for rec in r["log"]] == [0, 5, 10, 15, 20, 21]
     md = (res / "t.md").read_text()
     assert "| 160 |" in md and "bench HIT/MISS" in md

@@ -67,8 +67,22 @@ def close(actual, expected, dtype, what):
 # --------------------------------------------------------------------------- ssm_update
 
 
-def _ssm_case(poison, *, Bt, H, P, N, G, state_dtype, x_dtype, n_pad=0, shared_src=False, limit=(0.0, float("inf")),
-              use_d=True, use_bias=True):
+def _ssm_case(
+    poison,
+    *,
+    Bt,
+    H,
+    P,
+    N,
+    G,
+    state_dtype,
+    x_dtype,
+    n_pad=0,
+    shared_src=False,
+    limit=(0.0, float("inf")),
+    use_d=True,
+    use_bias=True,
+):
     n_real = Bt - n_pad
     slots = 2 * Bt + 3
     pool = rnd(slots, H, P, N, dtype=state_dtype)
@@ -110,8 +124,18 @@ def _ssm_case(poison, *, Bt, H, P, N, G, state_dtype, x_dtype, n_pad=0, shared_s
 @pytest.mark.parametrize("state_dtype", [F32, BF16, F16])
 @pytest.mark.parametrize("Bt,n_pad", [(1, 0), (5, 2)])
 def test_ssm_update_small(poison, state_dtype, Bt, n_pad):
-    _ssm_case(poison, Bt=Bt, H=4, P=12, N=16, G=2, state_dtype=state_dtype, x_dtype=F32, n_pad=n_pad,
-              shared_src=True)
+    _ssm_case(
+        poison,
+        Bt=Bt,
+        H=4,
+        P=12,
+        N=16,
+        G=2,
+        state_dtype=state_dtype,
+        x_dtype=F32,
+        n_pad=n_pad,
+        shared_src=True,
+    )
 
 
 @pytest.mark.parametrize("x_dtype", [F16, BF16])
@@ -128,8 +152,18 @@ def test_ssm_update_small_no_d_no_bias(poison):
 @pytest.mark.parametrize("state_dtype", [F32, BF16, F16])
 @pytest.mark.parametrize("Bt,n_pad", [(1, 0), (64, 3)])
 def test_ssm_update_nano9b(poison, state_dtype, Bt, n_pad):
-    _ssm_case(poison, Bt=Bt, H=128, P=80, N=128, G=8, state_dtype=state_dtype, x_dtype=BF16, n_pad=n_pad,
-              shared_src=True)
+    _ssm_case(
+        poison,
+        Bt=Bt,
+        H=128,
+        P=80,
+        N=128,
+        G=8,
+        state_dtype=state_dtype,
+        x_dtype=BF16,
+        n_pad=n_pad,
+        shared_src=True,
+    )
 
 
 # --------------------------------------------------------------------------- conv1d
@@ -267,7 +301,11 @@ def test_add_rms_norm_small(poison, dtype, shape, copied):
     """copied: a residual with a non-unit last stride, which the launcher copies into rows (then read after
     the PDL wait: the copy is the kernel just before)."""
     x, w = rnd(*shape, dtype=dtype), rnd(shape[-1], dtype=dtype)
-    r = rnd(*shape[:-1], 2 * shape[-1], dtype=dtype, scale=4.0)[..., ::2] if copied else rnd(*shape, dtype=dtype, scale=4.0)
+    r = (
+        rnd(*shape[:-1], 2 * shape[-1], dtype=dtype, scale=4.0)[..., ::2]
+        if copied
+        else rnd(*shape, dtype=dtype, scale=4.0)
+    )
     with poison:
         out, total = add_rms_norm_triton(x, r, w, 1e-5)
     ref_out, ref_total = add_rms_norm_ref(x, r, w, 1e-5)
@@ -396,11 +434,16 @@ def test_paged_attention_small(poison, dtype, new, lens):
     _attn_case(poison, new=new, lens=lens, Hq=6, Hkv=2, D=32, bs=8, dtype=dtype)
 
 
-@pytest.mark.parametrize("case", [
-    dict(new=[1, 1], lens=[300, 1000], Hq=6, Hkv=2, D=32, bs=8),  # several splits, one mostly empty
-    dict(new=[1, 1, 1], lens=[4, 9, 70], Hq=3, Hkv=3, D=24, bs=16, tensors=True),  # odd head dim: masked block
-    dict(new=[1, 20, 7], lens=[9, 20, 30], Hq=6, Hkv=2, D=32, bs=8),  # decode beside prefills
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(new=[1, 1], lens=[300, 1000], Hq=6, Hkv=2, D=32, bs=8),  # several splits, one mostly empty
+        dict(
+            new=[1, 1, 1], lens=[4, 9, 70], Hq=3, Hkv=3, D=24, bs=16, tensors=True
+        ),  # odd head dim: masked block
+        dict(new=[1, 20, 7], lens=[9, 20, 30], Hq=6, Hkv=2, D=32, bs=8),  # decode beside prefills
+    ],
+)
 def test_paged_attention_one_shot_merge(poison, monkeypatch, case):
     """`_combine_once_kernel` (every split's partials in one load, by head-dim blocks) merges the decode
     partials as `_combine_kernel` does: over NaN-filled pools, with empty splits and a head dim that is not a
@@ -428,8 +471,9 @@ def test_paged_attention_small_mha_odd_head_dim_tensors(poison, tensors):
 
 
 def test_paged_attention_small_prefill_tensors(poison):
-    _attn_case(poison, new=[5, 1, 12], lens=[5, 3, 40], Hq=4, Hkv=1, D=16, bs=4, dtype=F16, tensors=True,
-               scale=0.3)
+    _attn_case(
+        poison, new=[5, 1, 12], lens=[5, 3, 40], Hq=4, Hkv=1, D=16, bs=4, dtype=F16, tensors=True, scale=0.3
+    )
 
 
 @pytest.mark.parametrize("variant", [dict(TMA=True), dict(TMA=True, BLOCK_N=32), dict(TMA=False)])
@@ -449,8 +493,12 @@ def test_paged_attention_small_prefill_variants(poison, monkeypatch, dtype, vari
         monkeypatch.setattr(ta, "_PREFILL_CPU", {**ta._PREFILL_CPU, **variant})
     boxes: list[list[int]] = []
     real = ta._pool_descriptor
-    monkeypatch.setattr(ta, "_pool_descriptor", lambda c, n: boxes.append(list(real(c, n).block_shape)) or real(c, n))
-    _attn_case(poison, new=[1, 40, 9, 17], lens=[30, 40, 57, 80], Hq=4, Hkv=2, D=32, bs=16, dtype=dtype, gluon=False)
+    monkeypatch.setattr(
+        ta, "_pool_descriptor", lambda c, n: boxes.append(list(real(c, n).block_shape)) or real(c, n)
+    )
+    _attn_case(
+        poison, new=[1, 40, 9, 17], lens=[30, 40, 57, 80], Hq=4, Hkv=2, D=32, bs=16, dtype=dtype, gluon=False
+    )
     # the path taken: descriptors (K and V) of one 16-row box per tile, for 16-bit queries only
     assert boxes == ([[16, 32]] * 2 if variant["TMA"] and dtype != F32 else [])
 
@@ -461,7 +509,9 @@ def test_paged_attention_rejects_a_scale_that_is_not_positive(scale):
     pool = torch.zeros(2, 16, 1, 16, dtype=F16, device=DEV)
     q = torch.zeros(3, 2, 16, dtype=F16, device=DEV)
     with pytest.raises(ValueError, match="softmax scale must be positive"):
-        paged_attention_triton(q, pool, pool, torch.zeros(1, 2, dtype=torch.int32, device=DEV), [3], [0, 3], scale)
+        paged_attention_triton(
+            q, pool, pool, torch.zeros(1, 2, dtype=torch.int32, device=DEV), [3], [0, 3], scale
+        )
 
 
 @pytest.mark.parametrize("S", [1, 2, 3, 4, 5, 8, 13])
@@ -531,7 +581,9 @@ def test_paged_attention_nano9b(poison, dtype, new, lens):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("variant", [dict(TMA=True), dict(BLOCK_N=64, TMA=True), dict(TMA=False)])
-@pytest.mark.parametrize("new,lens", [([4096], [4096]), ([1, 1, 3000, 517, 129, 1], [77, 12000, 3000, 1517, 129, 2])])
+@pytest.mark.parametrize(
+    "new,lens", [([4096], [4096]), ([1, 1, 3000, 517, 129, 1], [77, 12000, 3000, 1517, 129, 2])]
+)
 def test_paged_attention_nano9b_prefill_variants(poison, monkeypatch, new, lens, variant):
     import hyserve.kernels.triton_attention as ta
 
@@ -544,7 +596,9 @@ def test_paged_attention_nano9b_prefill_variants(poison, monkeypatch, new, lens,
 def test_paged_attention_nano9b_float32(poison):
     """float32 at Nano 9B v2 shapes through the float32 launch settings (`_PREFILL_GPU_F32`: the 16-bit
     tiles do not fit shared memory): decodes, a long prefill and an extend over cached tokens in one step."""
-    _attn_case(poison, new=[1, 1, 3000, 517], lens=[77, 12000, 3000, 1517], Hq=40, Hkv=8, D=128, bs=64, dtype=F32)
+    _attn_case(
+        poison, new=[1, 1, 3000, 517], lens=[77, 12000, 3000, 1517], Hq=40, Hkv=8, D=128, bs=64, dtype=F32
+    )
 
 
 def _gluon_or_skip():
@@ -564,15 +618,30 @@ def test_gluon_prefill_compiles_for_hopper():
     _gluon_or_skip()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[1]
-    run = subprocess.run([sys.executable, str(root / "tests" / "gluon_compile_check.py")], capture_output=True,
-                         text=True, env={**env, "PYTHONPATH": str(root)}, timeout=300)
+    run = subprocess.run(
+        [sys.executable, str(root / "tests" / "gluon_compile_check.py")],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": str(root)},
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     cases = json.loads(run.stdout.strip().splitlines()[-1])
     decode = {name: cases.pop(name) for name in list(cases) if name.startswith("decode")}
-    assert set(cases) == {"D128 bs64", "D64 bs16", "D128 bs64 fp8", "D64 bs16 fp8", "D128 bs64 fp8 qk8",
-                          "D64 bs16 fp8 qk8"}
-    assert set(decode) == {"decode D128 bs64 rep5", "decode D64 bs16 rep16", "decode D128 bs16 rep1",
-                           "decode D32 bs16 rep1"}
+    assert set(cases) == {
+        "D128 bs64",
+        "D64 bs16",
+        "D128 bs64 fp8",
+        "D64 bs16 fp8",
+        "D128 bs64 fp8 qk8",
+        "D64 bs16 fp8 qk8",
+    }
+    assert set(decode) == {
+        "decode D128 bs64 rep5",
+        "decode D64 bs16 rep16",
+        "decode D128 bs16 rep1",
+        "decode D32 bs16 rep1",
+    }
     for name, c in decode.items():
         D = int(name.split()[1][1:])
         steps = 2  # the prefetched loop compiles the step's loads twice (before the loop and inside it)
@@ -602,8 +671,10 @@ def test_gluon_prefill_compiles_for_hopper():
             assert (c["QGMMA"] > 0) == qk8 and c["HGMMA"] > 0, (name, c)
 
 
-DECODE_KERNELS = ("_rms_norm_kernel,_add_rms_norm_kernel,_rmsnorm_gated_kernel,_relu2_kernel,_conv1d_update_kernel,"
-                  "_ssm_update_kernel,_write_kv_kernel,_decode_kernel,_combine_kernel")
+DECODE_KERNELS = (
+    "_rms_norm_kernel,_add_rms_norm_kernel,_rmsnorm_gated_kernel,_relu2_kernel,_conv1d_update_kernel,"
+    "_ssm_update_kernel,_write_kv_kernel,_decode_kernel,_combine_kernel"
+)
 
 
 @pytest.mark.parametrize("pdl", [True, False])
@@ -618,9 +689,20 @@ def test_decode_kernels_wait_for_their_predecessor_under_pdl(pdl: bool):
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[1]
-    args = [sys.executable, str(root / "tests" / "sm90_compile_check.py"), "bfloat16", "norm", "conv1d", "ssm_update",
-            "attention", "--only", DECODE_KERNELS] + ([] if pdl else ["--no-pdl"])
-    run = subprocess.run(args, capture_output=True, text=True, env={**env, "PYTHONPATH": str(root)}, timeout=300)
+    args = [
+        sys.executable,
+        str(root / "tests" / "sm90_compile_check.py"),
+        "bfloat16",
+        "norm",
+        "conv1d",
+        "ssm_update",
+        "attention",
+        "--only",
+        DECODE_KERNELS,
+    ] + ([] if pdl else ["--no-pdl"])
+    run = subprocess.run(
+        args, capture_output=True, text=True, env={**env, "PYTHONPATH": str(root)}, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     ptx = json.loads(run.stdout.strip().splitlines()[-1])["ptx"]
     assert set(ptx) == set(DECODE_KERNELS.split(","))
@@ -660,9 +742,21 @@ def test_float32_kernels_fit_hopper_shared_memory():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[1]
     kernels = "_prefill_kernel,_decode_kernel,_ssd_state_kernel"
-    run = subprocess.run([sys.executable, str(root / "tests" / "sm90_compile_check.py"), "float32", "attention", "ssd",
-                          "--only", kernels], capture_output=True, text=True, env={**env, "PYTHONPATH": str(root)},
-                         timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(root / "tests" / "sm90_compile_check.py"),
+            "float32",
+            "attention",
+            "ssd",
+            "--only",
+            kernels,
+        ],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": str(root)},
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     shared = json.loads(run.stdout.strip().splitlines()[-1])["kernels"]
     assert set(shared) == set(kernels.split(","))
@@ -716,7 +810,9 @@ def test_gluon_prefill_matches_reference(poison, monkeypatch, new, lens, Hq, Hkv
     ga = _gluon_or_skip()
     calls: list[int] = []
     real = ga.prefill_attention_sm90
-    monkeypatch.setattr(ga, "prefill_attention_sm90", lambda *a, **kw: calls.append(kw["box"]) or real(*a, **kw))
+    monkeypatch.setattr(
+        ga, "prefill_attention_sm90", lambda *a, **kw: calls.append(kw["box"]) or real(*a, **kw)
+    )
     _attn_case(poison, new=new, lens=lens, Hq=Hq, Hkv=Hkv, D=D, bs=bs, dtype=dtype)
     assert calls == [min(bs, 128)]
 
@@ -758,7 +854,9 @@ def test_gluon_prefill_declines_what_it_cannot_take():
     one = torch.ones((), dtype=torch.float32, device=DEV)
     idx = torch.zeros(2, dtype=torch.int32, device=DEV)
     out = torch.full_like(q, float("nan"))
-    assert not ga.prefill_sm90(q, pool, pool, idx.view(1, 2), idx, idx, out, 0, 1, 8, 1.0, k_scale=one, v_scale=one)
+    assert not ga.prefill_sm90(
+        q, pool, pool, idx.view(1, 2), idx, idx, out, 0, 1, 8, 1.0, k_scale=one, v_scale=one
+    )
     assert out.isnan().all()
 
 
@@ -828,8 +926,19 @@ def test_registry_registers_only_with_cuda():
     if not CUDA:
         assert names == []
         return
-    assert set(names) >= {"rms_norm", "add_rms_norm", "relu2", "rmsnorm_gated", "conv1d_update", "ssm_update",
-                          "write_kv", "paged_attention", "linear", "gated_norm_linear", "relu2_linear"}
+    assert set(names) >= {
+        "rms_norm",
+        "add_rms_norm",
+        "relu2",
+        "rmsnorm_gated",
+        "conv1d_update",
+        "ssm_update",
+        "write_kv",
+        "paged_attention",
+        "linear",
+        "gated_norm_linear",
+        "relu2_linear",
+    }
     for n in names:
         assert ops.get(n, on_cuda=True) is not ops.get(n, on_cuda=False)
     assert ops.get("paged_attention", on_cuda=True) is paged_attention_cuda

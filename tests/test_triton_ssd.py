@@ -57,15 +57,22 @@ def _inputs(lens, *, H, P, N, G, dtype, with_init, dt_dtype=F32, param_dtype=F32
         init = rnd(S, H, P, N)
         if init_mask is not None:
             init = torch.where(torch.tensor(init_mask, device=DEV)[:, None, None, None], init, 0.0)
-    return dict(x=x, dt=dt, A=A, B=B, C=C, D=rnd(H, dtype=param_dtype),
-                dt_bias=rnd(H, dtype=param_dtype, scale=0.5), init=init)
+    return dict(
+        x=x,
+        dt=dt,
+        A=A,
+        B=B,
+        C=C,
+        D=rnd(H, dtype=param_dtype),
+        dt_bias=rnd(H, dtype=param_dtype, scale=0.5),
+        init=init,
+    )
 
 
 def _run(fn, inp, cu, chunk, **kw):
     kw.setdefault("D", inp["D"])
     kw.setdefault("dt_bias", inp["dt_bias"])
-    return fn(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk, cu,
-              initial_states=inp["init"], **kw)
+    return fn(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk, cu, initial_states=inp["init"], **kw)
 
 
 def _as64(inp):
@@ -75,17 +82,40 @@ def _as64(inp):
 def _close(actual, expected, tol, what):
     assert torch.isfinite(actual).all(), f"{what}: non-finite values (a missed write or a bad read)"
     scale = max(1.0, float(expected.abs().max())) if expected.numel() else 1.0
-    torch.testing.assert_close(actual.double(), expected.double(), rtol=tol, atol=tol * scale,
-                               msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        actual.double(), expected.double(), rtol=tol, atol=tol * scale, msg=lambda m: f"{what}: {m}"
+    )
 
 
-def _check(poison, lens, *, chunk, dtype, with_init, H=4, P=24, N=32, G=2, chunk_states=True,
-           oracle=ssd_naive_ref, **kw):
+def _check(
+    poison,
+    lens,
+    *,
+    chunk,
+    dtype,
+    with_init,
+    H=4,
+    P=24,
+    N=32,
+    G=2,
+    chunk_states=True,
+    oracle=ssd_naive_ref,
+    **kw,
+):
     cu = _cu(lens)
     T, S = cu[-1], len(lens)
-    inp = _inputs(lens, H=H, P=P, N=N, G=G, dtype=dtype, with_init=with_init,
-                  init_mask=kw.pop("init_mask", None), dt_dtype=kw.pop("dt_dtype", F32),
-                  param_dtype=kw.pop("param_dtype", F32))
+    inp = _inputs(
+        lens,
+        H=H,
+        P=P,
+        N=N,
+        G=G,
+        dtype=dtype,
+        with_init=with_init,
+        init_mask=kw.pop("init_mask", None),
+        dt_dtype=kw.pop("dt_dtype", F32),
+        param_dtype=kw.pop("param_dtype", F32),
+    )
     with poison:
         got = _run(ssd_triton, inp, cu, chunk, return_chunk_states=chunk_states, **kw)
     kw64 = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
@@ -136,8 +166,16 @@ def test_ssd_small_f32(poison, lens, chunk, with_init):
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != F32])
 def test_ssd_small_16bit(poison, dtype):
     # the model's dtypes: x/B/C, dt, D and dt_bias in the activation dtype, A in float32
-    _check(poison, [1, 37, 0, 16], chunk=16, dtype=dtype, with_init=True, init_mask=[True, False, True, True],
-           dt_dtype=dtype, param_dtype=dtype)
+    _check(
+        poison,
+        [1, 37, 0, 16],
+        chunk=16,
+        dtype=dtype,
+        with_init=True,
+        init_mask=[True, False, True, True],
+        dt_dtype=dtype,
+        param_dtype=dtype,
+    )
 
 
 def test_ssd_small_without_chunk_states_or_d_or_bias(poison):
@@ -146,8 +184,19 @@ def test_ssd_small_without_chunk_states_or_d_or_bias(poison):
 
 def test_ssd_small_dt_limit_no_softplus_odd_shapes(poison):
     # P not a multiple of 16, N not a power of 2, one head per group; dt clamped without softplus
-    _check(poison, [19, 40], chunk=16, dtype=F32, with_init=True, H=3, P=10, N=20, G=3,
-           dt_softplus=False, dt_limit=(0.02, 0.2))
+    _check(
+        poison,
+        [19, 40],
+        chunk=16,
+        dtype=F32,
+        with_init=True,
+        H=3,
+        P=10,
+        N=20,
+        G=3,
+        dt_softplus=False,
+        dt_limit=(0.02, 0.2),
+    )
 
 
 def test_ssd_small_matches_chunked_reference_in_its_dtype(poison):
@@ -185,14 +234,26 @@ NANO = dict(H=128, P=80, N=128, G=8)
     [
         pytest.param([8192], False, None, id="1x8192"),
         pytest.param([2048], True, None, id="1x2048-init"),
-        pytest.param([1, 3000, 517, 129, 0, 1, 2048, 300], True, [1, 1, 0, 1, 1, 0, 1, 1], id="8seq-mixed-init"),
+        pytest.param(
+            [1, 3000, 517, 129, 0, 1, 2048, 300], True, [1, 1, 0, 1, 1, 0, 1, 1], id="8seq-mixed-init"
+        ),
     ],
 )
 def test_ssd_nano9b_bf16(poison, lens, with_init, init_mask):
     mask = None if init_mask is None else [bool(v) for v in init_mask]
     # the oracle is the chunked reference in float64 (itself checked against the token-by-token one)
-    _check(poison, lens, chunk=128, dtype=BF16, with_init=with_init, init_mask=mask, oracle=ssd_chunked_ref,
-           dt_dtype=BF16, param_dtype=BF16, **NANO)
+    _check(
+        poison,
+        lens,
+        chunk=128,
+        dtype=BF16,
+        with_init=with_init,
+        init_mask=mask,
+        oracle=ssd_chunked_ref,
+        dt_dtype=BF16,
+        param_dtype=BF16,
+        **NANO,
+    )
 
 
 @gpu
@@ -224,10 +285,17 @@ def test_ssd_new_token_and_sequence_counts_compile_nothing():
     knobs = triton.knobs.compilation
     previous = knobs.listener
     knobs.listener = lambda *, src, **_: events.append(
-        f"{getattr(getattr(src, 'fn', None), '__name__', src)} for {case[0]}")
+        f"{getattr(getattr(src, 'fn', None), '__name__', src)} for {case[0]}"
+    )
     try:
-        for lens, cs in (([1], False), ([16], True), ([17, 32, 0, 1], False), ([4096, 129, 1, 1, 1], True),
-                         ([128] * 16, True), ([1] * 64, False)):
+        for lens, cs in (
+            ([1], False),
+            ([16], True),
+            ([17, 32, 0, 1], False),
+            ([4096, 129, 1, 1, 1], True),
+            ([128] * 16, True),
+            ([1] * 64, False),
+        ):
             case[0] = (lens, cs)
             call(lens, cs)
         torch.cuda.synchronize()

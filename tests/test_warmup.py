@@ -12,8 +12,11 @@ from hyserve.engine.jit_sentinel import use_kernel_cache_dir
 from hyserve.engine.warmup import SAMPLING_CASES, Warmup
 from tests.test_jit_sentinel import fake_event
 
-KV = {"tokens_per_block": 8, "max_gpu_total_bytes": 64 * 2**20,
-      "mamba_state_config": {"periodic_snapshot_interval": 16, "additional_snapshot_offsets_from_end": [0]}}
+KV = {
+    "tokens_per_block": 8,
+    "max_gpu_total_bytes": 64 * 2**20,
+    "mamba_state_config": {"periodic_snapshot_interval": 16, "additional_snapshot_offsets_from_end": [0]},
+}
 OPTS = dict(device="cpu", max_batch_size=32, max_num_tokens=96, kv_cache_config=KV)
 PROMPTS = [[1, 5, 9, 13, 200, 17, 4], [1, 77] * 20]
 
@@ -53,11 +56,14 @@ def test_warmup_runs_every_case_and_leaves_no_trace(warm: LLM) -> None:
     assert _outputs(warm) == _outputs(LLM(warmup="off", **OPTS))
 
 
-@pytest.mark.parametrize("opts", [
-    dict(enable_chunked_prefill=False, max_num_tokens=12, max_batch_size=4),  # prompts must fit one step
-    dict(max_batch_size=1, max_num_tokens=24),
-    dict(kv_cache_config={"enable_block_reuse": False, "max_gpu_total_bytes": 64 * 2**20}),
-])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(enable_chunked_prefill=False, max_num_tokens=12, max_batch_size=4),  # prompts must fit one step
+        dict(max_batch_size=1, max_num_tokens=24),
+        dict(kv_cache_config={"enable_block_reuse": False, "max_gpu_total_bytes": 64 * 2**20}),
+    ],
+)
 def test_warmup_adapts_to_tight_configs(opts: dict) -> None:
     llm = LLM(device="cpu", warmup="on", **opts)
     rep = llm.engine.warmup_report
@@ -117,8 +123,9 @@ def test_kernel_cache_dir(tmp_path) -> None:
         triton.knobs.cache.dir, triton.knobs.autotuning.cache = before
 
 
-@pytest.mark.parametrize("opts, match", [({"warmup": "sometimes"}, "warmup"),
-                                         ({"strict_warmup": "yes please"}, "strict_warmup")])
+@pytest.mark.parametrize(
+    "opts, match", [({"warmup": "sometimes"}, "warmup"), ({"strict_warmup": "yes please"}, "strict_warmup")]
+)
 def test_bad_warmup_options(opts: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         LLM(**opts)

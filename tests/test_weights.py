@@ -27,7 +27,6 @@ from hyserve.model.weights import (
 torch.set_num_threads(1)
 
 
-
 def cfg_of(name: str) -> HybridModelConfig:
     return HybridModelConfig.from_hf(config_dir(name))
 
@@ -37,7 +36,9 @@ def tiny_cfg(variant: str) -> HybridModelConfig:
     return HybridModelConfig.from_dict(tiny_config(variant))
 
 
-def empty_module(cfg: HybridModelConfig, dtype: torch.dtype = torch.float32, device: str = "cpu") -> StateDictModule:
+def empty_module(
+    cfg: HybridModelConfig, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> StateDictModule:
     """Stand-in with canonical names, filled with a sentinel so unloaded tensors are visible."""
     tensors = {
         n: torch.full(s, -7.0, dtype=torch.float32 if W.keeps_fp32(n) else dtype, device=device)
@@ -80,14 +81,20 @@ def hf_checkpoints(tmp_path_factory) -> dict[str, tuple[Path, dict[str, torch.Te
 
 # ---- names and shapes ----------------------------------------------------------------------------------------
 def test_canonical_name_mapping():
-    assert W.canonical_name("model.layers.3.mixer.in_proj.weight") == ("backbone.layers.3.mixer.in_proj.weight", None)
+    assert W.canonical_name("model.layers.3.mixer.in_proj.weight") == (
+        "backbone.layers.3.mixer.in_proj.weight",
+        None,
+    )
     assert W.canonical_name("backbone.norm_f.weight") == ("backbone.norm_f.weight", None)
     assert W.canonical_name("lm_head.weight") == ("lm_head.weight", None)
     assert W.canonical_name("backbone.layers.1.mixer.experts.17.down_proj.weight") == (
         "backbone.layers.1.mixer.experts.down_proj",
         17,
     )
-    assert W.canonical_name("model.layers.1.mixer.experts.up_proj") == ("backbone.layers.1.mixer.experts.up_proj", None)
+    assert W.canonical_name("model.layers.1.mixer.experts.up_proj") == (
+        "backbone.layers.1.mixer.experts.up_proj",
+        None,
+    )
     assert W.canonical_name("mtp.layers.0.mixer.q_proj.weight") is None
     assert W.canonical_name("model.mtp.layers.0.norm.weight") is None
 
@@ -198,7 +205,9 @@ def test_round_trip_sharded(tmp_path):
 def test_model_prefix_mtp_and_tied_lm_head(tmp_path):
     cfg = tiny_cfg("dense")
     sd = random_state_dict(cfg, seed=4, dtype=torch.float32)
-    ondisk = {("model." + k[len("backbone.") :] if k.startswith("backbone.") else k): v for k, v in sd.items()}
+    ondisk = {
+        ("model." + k[len("backbone.") :] if k.startswith("backbone.") else k): v for k, v in sd.items()
+    }
     ondisk["mtp.layers.0.mixer.q_proj.weight"] = torch.zeros(4, 4)
     save_file(ondisk, str(tmp_path / "model.safetensors"))
     module = empty_module(cfg)
@@ -280,7 +289,9 @@ def test_error_missing_expert_indices(tmp_path, moe_sd):
     d = tmp_path / "ck"
     save_checkpoint(StateDictModule(sd), d)  # per-expert layout
     with safe_open(str(d / "model.safetensors"), "pt") as f:
-        kept = {k: f.get_tensor(k) for k in f.keys() if not k.startswith("backbone.layers.3.mixer.experts.1.")}
+        kept = {
+            k: f.get_tensor(k) for k in f.keys() if not k.startswith("backbone.layers.3.mixer.experts.1.")
+        }
     kept = {k: v for k, v in kept.items() if k != "backbone.layers.3.mixer.experts.2.up_proj.weight"}
     kept["backbone.layers.1.mixer.experts.9.up_proj.weight"] = torch.zeros(32, 64)  # out of range
     msg = _load_error(empty_module(cfg), _write(tmp_path / "bad", kept))
@@ -294,7 +305,9 @@ def test_error_duplicates(tmp_path, moe_sd):
     cfg, sd = moe_sd
     d = tmp_path / "dup"
     both = {**sd, "model.norm_f.weight": sd["backbone.norm_f.weight"]}
-    both["backbone.layers.1.mixer.experts.0.up_proj.weight"] = sd["backbone.layers.1.mixer.experts.up_proj"][0]
+    both["backbone.layers.1.mixer.experts.0.up_proj.weight"] = sd["backbone.layers.1.mixer.experts.up_proj"][
+        0
+    ]
     msg = _load_error(empty_module(cfg), _write(d, both))
     assert "tensors given more than once (2)" in msg
 
@@ -369,7 +382,9 @@ def test_init_statistics():
     assert abs(sd["backbone.layers.1.mixer.experts.down_proj"].std().item() - 0.02 / math.sqrt(2 * L)) < 0.001
     conv = sd["backbone.layers.0.mixer.conv1d.weight"]
     assert abs(conv.std().item() - 1 / math.sqrt(cfg.conv_kernel)) < 0.05
-    assert torch.all(sd["backbone.layers.0.norm.weight"] == 1) and torch.all(sd["backbone.norm_f.weight"] == 1)
+    assert torch.all(sd["backbone.layers.0.norm.weight"] == 1) and torch.all(
+        sd["backbone.norm_f.weight"] == 1
+    )
     assert torch.all(sd["backbone.layers.0.mixer.norm.weight"] == 1)
     assert torch.all(sd["backbone.layers.0.mixer.D"] == 1)
     a = sd["backbone.layers.0.mixer.A_log"].exp()

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 # the interpreter converts 1-element arrays to loop bounds, which numpy >= 1.25 warns about
-IGNORE_INTERPRETER_WARNING = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+IGNORE_INTERPRETER_WARNING = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim > 0:DeprecationWarning"
+)
 
 
 def interpret_without_cuda() -> None:

@@ -161,96 +161,204 @@ ENDPOINT = _type(_endpoint, "endpoint")
 
 def _add_server_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
-    g.add_argument("--base-url", default=None,
-                   help="server URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine); overrides --host/--port")
+    g.add_argument(
+        "--base-url",
+        default=None,
+        help="server URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine); overrides --host/--port",
+    )
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=POS_INT, default=8000)
-    g.add_argument("--model", default=None, help="model name to send (default: the first id of GET /v1/models)")
+    g.add_argument(
+        "--model", default=None, help="model name to send (default: the first id of GET /v1/models)"
+    )
     g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
 
 
 def _add_result_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("results")
-    g.add_argument("--save-result", action="store_true", help="write the result JSON (and PNGs with matplotlib)")
+    g.add_argument(
+        "--save-result", action="store_true", help="write the result JSON (and PNGs with matplotlib)"
+    )
     g.add_argument("--result-dir", default=".", help="directory for the JSON and PNGs (default: .)")
-    g.add_argument("--result-filename", default=None, help="JSON file name (default: <bench>-<model>-<time>.json)")
-    g.add_argument("--git-sha", default=None, help="commit to record (default: git rev-parse of this checkout)")
-    g.add_argument("--metric-percentiles", type=PERCENTILES, default=(50.0, 99.0),
-                   help="comma-separated percentiles to report (default: 50,99; P99 is always reported)")
+    g.add_argument(
+        "--result-filename", default=None, help="JSON file name (default: <bench>-<model>-<time>.json)"
+    )
+    g.add_argument(
+        "--git-sha", default=None, help="commit to record (default: git rev-parse of this checkout)"
+    )
+    g.add_argument(
+        "--metric-percentiles",
+        type=PERCENTILES,
+        default=(50.0, 99.0),
+        help="comma-separated percentiles to report (default: 50,99; P99 is always reported)",
+    )
 
 
 def _add_serve_parser(sub: Any) -> None:
     p = sub.add_parser(
-        "serve", help="benchmark an OpenAI-compatible server (like vllm bench serve)",
+        "serve",
+        help="benchmark an OpenAI-compatible server (like vllm bench serve)",
         description="Send synthetic streaming requests to an OpenAI-compatible server and report throughput "
-                    "and latency (TTFT, TPOT, ITL, E2EL). Token-id prompts on /v1/completions; text prompts "
-                    "(one common word per token) on /v1/chat/completions.")
+        "and latency (TTFT, TPOT, ITL, E2EL). Token-id prompts on /v1/completions; text prompts "
+        "(one common word per token) on /v1/chat/completions.",
+    )
     _add_server_flags(p)
-    p.add_argument("--endpoint", type=ENDPOINT, default="/v1/completions",
-                   help="/v1/completions (default) or /v1/chat/completions")
+    p.add_argument(
+        "--endpoint",
+        type=ENDPOINT,
+        default="/v1/completions",
+        help="/v1/completions (default) or /v1/chat/completions",
+    )
     d = p.add_argument_group("dataset")
-    d.add_argument("--dataset-name", choices=DATASETS, default="random",
-                   help="random: --random-prefix-len common ids + random ids; shared-prefix: --num-prefixes "
-                        "prefixes of --shared-prefix-len ids, each shared by a group of prompts, + random ids")
+    d.add_argument(
+        "--dataset-name",
+        choices=DATASETS,
+        default="random",
+        help="random: --random-prefix-len common ids + random ids; shared-prefix: --num-prefixes "
+        "prefixes of --shared-prefix-len ids, each shared by a group of prompts, + random ids",
+    )
     d.add_argument("--num-prompts", type=POS_INT, default=1000, help="requests per run (default 1000)")
-    d.add_argument("--random-input-len", type=POS_INT, default=1024,
-                   help="random ids per prompt after the prefix (default 1024)")
-    d.add_argument("--random-output-len", type=POS_INT, default=128, help="max_tokens per request (default 128)")
-    d.add_argument("--random-range-ratio", type=RANGE_RATIO, default=0.0,
-                   help="input/output lengths drawn uniformly from len*(1-r) .. len*(1+r) (default 0)")
-    d.add_argument("--random-prefix-len", type=NONNEG_INT, default=0,
-                   help="random dataset: ids shared by every prompt, before the random part (default 0)")
-    d.add_argument("--shared-prefix-len", type=POS_INT, default=512,
-                   help="shared-prefix dataset: ids in each shared prefix (default 512)")
-    d.add_argument("--num-prefixes", "--shared-prefix-num-prefixes", dest="num_prefixes", type=POS_INT, default=4,
-                   help="shared-prefix dataset: distinct prefixes, prompts spread evenly over them (default 4)")
-    d.add_argument("--vocab-size", type=POS_INT, default=320,
-                   help="token ids are drawn below this (default 320, valid for every NemotronH vocabulary; "
-                        "e.g. 131072 for the real models)")
-    d.add_argument("--min-token-id", type=NONNEG_INT, default=3,
-                   help="token ids are drawn from at least this (default 3: skips pad/bos/eos)")
-    d.add_argument("--seed", type=int, default=0, help="dataset and arrival seed; run i uses seed + i (default 0)")
+    d.add_argument(
+        "--random-input-len",
+        type=POS_INT,
+        default=1024,
+        help="random ids per prompt after the prefix (default 1024)",
+    )
+    d.add_argument(
+        "--random-output-len", type=POS_INT, default=128, help="max_tokens per request (default 128)"
+    )
+    d.add_argument(
+        "--random-range-ratio",
+        type=RANGE_RATIO,
+        default=0.0,
+        help="input/output lengths drawn uniformly from len*(1-r) .. len*(1+r) (default 0)",
+    )
+    d.add_argument(
+        "--random-prefix-len",
+        type=NONNEG_INT,
+        default=0,
+        help="random dataset: ids shared by every prompt, before the random part (default 0)",
+    )
+    d.add_argument(
+        "--shared-prefix-len",
+        type=POS_INT,
+        default=512,
+        help="shared-prefix dataset: ids in each shared prefix (default 512)",
+    )
+    d.add_argument(
+        "--num-prefixes",
+        "--shared-prefix-num-prefixes",
+        dest="num_prefixes",
+        type=POS_INT,
+        default=4,
+        help="shared-prefix dataset: distinct prefixes, prompts spread evenly over them (default 4)",
+    )
+    d.add_argument(
+        "--vocab-size",
+        type=POS_INT,
+        default=320,
+        help="token ids are drawn below this (default 320, valid for every NemotronH vocabulary; "
+        "e.g. 131072 for the real models)",
+    )
+    d.add_argument(
+        "--min-token-id",
+        type=NONNEG_INT,
+        default=3,
+        help="token ids are drawn from at least this (default 3: skips pad/bos/eos)",
+    )
+    d.add_argument(
+        "--seed", type=int, default=0, help="dataset and arrival seed; run i uses seed + i (default 0)"
+    )
     t = p.add_argument_group("traffic")
-    t.add_argument("--max-concurrency", type=POS_INT, default=None, help="most requests in flight (default: all)")
-    t.add_argument("--request-rate", type=RATE, default=float("inf"),
-                   help="requests/s with Poisson arrivals; inf (default) sends everything at once")
-    t.add_argument("--sweep-concurrency", type=POS_INT_LIST, default=None, metavar="1,8,32",
-                   help="run once per max concurrency in the list (throughput vs concurrency)")
-    t.add_argument("--reps", type=POS_INT, default=1,
-                   help="back-to-back runs per point against the same server; reports run-to-run spread and "
-                        "the run2/run1 output-throughput ratio (default 1)")
+    t.add_argument(
+        "--max-concurrency", type=POS_INT, default=None, help="most requests in flight (default: all)"
+    )
+    t.add_argument(
+        "--request-rate",
+        type=RATE,
+        default=float("inf"),
+        help="requests/s with Poisson arrivals; inf (default) sends everything at once",
+    )
+    t.add_argument(
+        "--sweep-concurrency",
+        type=POS_INT_LIST,
+        default=None,
+        metavar="1,8,32",
+        help="run once per max concurrency in the list (throughput vs concurrency)",
+    )
+    t.add_argument(
+        "--reps",
+        type=POS_INT,
+        default=1,
+        help="back-to-back runs per point against the same server; reports run-to-run spread and "
+        "the run2/run1 output-throughput ratio (default 1)",
+    )
     r = p.add_argument_group("request")
-    r.add_argument("--ignore-eos", action="store_true",
-                   help="send ignore_eos: true so every request generates exactly max_tokens")
+    r.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="send ignore_eos: true so every request generates exactly max_tokens",
+    )
     r.add_argument("--temperature", type=NONNEG_FLOAT, default=0.0, help="default 0 (greedy)")
-    r.add_argument("--chat-template-kwargs", type=JSON_OBJECT, default=None, metavar="JSON",
-                   help="chat endpoints: e.g. '{\"enable_thinking\": false}'")
-    r.add_argument("--extra-body", type=JSON_OBJECT, default=None, metavar="JSON",
-                   help="extra fields merged into every request body")
-    r.add_argument("--request-timeout", type=POS_FLOAT, default=6 * 3600.0, help="seconds a request may wait for its next bytes (default 21600)")
+    r.add_argument(
+        "--chat-template-kwargs",
+        type=JSON_OBJECT,
+        default=None,
+        metavar="JSON",
+        help="chat endpoints: e.g. '{\"enable_thinking\": false}'",
+    )
+    r.add_argument(
+        "--extra-body",
+        type=JSON_OBJECT,
+        default=None,
+        metavar="JSON",
+        help="extra fields merged into every request body",
+    )
+    r.add_argument(
+        "--request-timeout",
+        type=POS_FLOAT,
+        default=6 * 3600.0,
+        help="seconds a request may wait for its next bytes (default 21600)",
+    )
     _add_result_flags(p)
-    p.add_argument("--save-detailed", action="store_true",
-                   help="also store every request's inter-token latencies and generated text in the JSON")
+    p.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="also store every request's inter-token latencies and generated text in the JSON",
+    )
     p.set_defaults(func=cmd_serve, _parser=p)
 
 
 def _add_offline_parser(sub: Any) -> None:
     p = sub.add_parser(
-        "offline", help="engine throughput through hyserve.LLM, no HTTP",
+        "offline",
+        help="engine throughput through hyserve.LLM, no HTTP",
         description="Run random token-id prompts with fixed output lengths (ignore_eos) through hyserve.LLM "
-                    "and report requests/s and input/output/total tok/s.")
-    p.add_argument("--model", default=None,
-                   help="model directory (a config.json alone works with --load-format dummy); "
-                        "default: the built-in tiny model")
+        "and report requests/s and input/output/total tok/s.",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model directory (a config.json alone works with --load-format dummy); "
+        "default: the built-in tiny model",
+    )
     p.add_argument("--load-format", default="auto", help="auto, safetensors or dummy (random weights)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--config", default=None, metavar="FILE.yml",
-                   help="engine options (trtllm-serve's extra-llm-api-config.yml keys); flags override it")
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE.yml",
+        help="engine options (trtllm-serve's extra-llm-api-config.yml keys); flags override it",
+    )
     p.add_argument("--input-len", type=POS_INT, default=1024, help="prompt tokens (default 1024)")
     p.add_argument("--output-len", type=POS_INT, default=128, help="generated tokens, exactly (default 128)")
-    p.add_argument("--random-range-ratio", type=RANGE_RATIO, default=0.0,
-                   help="lengths drawn from len*(1-r) .. len*(1+r) (default 0)")
+    p.add_argument(
+        "--random-range-ratio",
+        type=RANGE_RATIO,
+        default=0.0,
+        help="lengths drawn from len*(1-r) .. len*(1+r) (default 0)",
+    )
     p.add_argument("--num-prompts", type=POS_INT, default=1000, help="default 1000")
     p.add_argument("--max-batch-size", type=POS_INT, default=None)
     p.add_argument("--max-num-tokens", type=POS_INT, default=None)
@@ -268,34 +376,57 @@ def _add_needle_parser(sub: Any) -> None:
     from hyserve.bench.needle import DEFAULT_FILLER, DEFAULT_NEEDLE
 
     p = sub.add_parser(
-        "needle", help="needle-in-a-haystack requests at chosen prompt sizes (the long-prompt report's client)",
+        "needle",
+        help="needle-in-a-haystack requests at chosen prompt sizes (the long-prompt report's client)",
         description="Send the long-prompt report's needle request (/v1/chat/completions, needle mid-document) "
-                    "at each size and report prompt tokens, latency, HTTP status or error, whether the needle "
-                    "came back, and whether the server is still healthy. Exit 1 if a request got no HTTP "
-                    "response, a 5xx, or left the server unhealthy.")
+        "at each size and report prompt tokens, latency, HTTP status or error, whether the needle "
+        "came back, and whether the server is still healthy. Exit 1 if a request got no HTTP "
+        "response, a 5xx, or left the server unhealthy.",
+    )
     _add_server_flags(p)
-    p.add_argument("--sizes", type=SIZES, default=(1000, 8000, 32000), metavar="1k,8k,...,1M",
-                   help="target prompt tokens (k = 1000, M = 1000000; default 1k,8k,32k)")
+    p.add_argument(
+        "--sizes",
+        type=SIZES,
+        default=(1000, 8000, 32000),
+        metavar="1k,8k,...,1M",
+        help="target prompt tokens (k = 1000, M = 1000000; default 1k,8k,32k)",
+    )
     p.add_argument("--needle", default=DEFAULT_NEEDLE, help=f"default {DEFAULT_NEEDLE!r}")
-    p.add_argument("--needle-answer", default=None, help="string the answer must contain (default: the needle's "
-                                                         "last word)")
+    p.add_argument(
+        "--needle-answer",
+        default=None,
+        help="string the answer must contain (default: the needle's last word)",
+    )
     p.add_argument("--filler", default=DEFAULT_FILLER, help=f"repeated filler (default {DEFAULT_FILLER!r})")
     p.add_argument("--needle-position", type=FRACTION, default=0.5, help="depth of the needle (default 0.5)")
-    p.add_argument("--needle-depths", type=FRACTIONS, default=(), metavar="0,0.25,...,1",
-                   help="ask every size at each of these depths (one request each; HIT / MISS per size and "
-                        "depth); overrides --needle-position")
+    p.add_argument(
+        "--needle-depths",
+        type=FRACTIONS,
+        default=(),
+        metavar="0,0.25,...,1",
+        help="ask every size at each of these depths (one request each; HIT / MISS per size and "
+        "depth); overrides --needle-position",
+    )
     p.add_argument("--max-tokens", type=POS_INT, default=64)
     p.add_argument("--temperature", type=NONNEG_FLOAT, default=0.0)
-    p.add_argument("--chat-template-kwargs", type=JSON_OBJECT, default={"enable_thinking": False}, metavar="JSON",
-                   help="default '{\"enable_thinking\": false}' as in the report; 'null' sends none")
+    p.add_argument(
+        "--chat-template-kwargs",
+        type=JSON_OBJECT,
+        default={"enable_thinking": False},
+        metavar="JSON",
+        help="default '{\"enable_thinking\": false}' as in the report; 'null' sends none",
+    )
     p.add_argument("--timeout", type=POS_FLOAT, default=1800.0, help="seconds per request (default 1800)")
     _add_result_flags(p)
     p.set_defaults(func=cmd_needle, _parser=p)
 
 
 def _add_plot_parser(sub: Any) -> None:
-    p = sub.add_parser("plot", help="render the PNGs of a saved result JSON (needs matplotlib)",
-                       description="Render the PNG plots of a result JSON written by --save-result.")
+    p = sub.add_parser(
+        "plot",
+        help="render the PNGs of a saved result JSON (needs matplotlib)",
+        description="Render the PNG plots of a result JSON written by --save-result.",
+    )
     p.add_argument("result", metavar="RESULT.json")
     p.add_argument("--output-dir", default=None, help="where to write the PNGs (default: next to the JSON)")
     p.set_defaults(func=cmd_plot, _parser=p)
@@ -303,9 +434,12 @@ def _add_plot_parser(sub: Any) -> None:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `bench` and its subcommands on hyserve's top-level subparsers."""
-    p = subparsers.add_parser("bench", help="benchmarks: serve, offline, needle, plot",
-                              description="Benchmarks: serving (any OpenAI-compatible server), offline engine "
-                                          "throughput, the needle test; tables, JSON and PNG plots.")
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmarks: serve, offline, needle, plot",
+        description="Benchmarks: serving (any OpenAI-compatible server), offline engine "
+        "throughput, the needle test; tables, JSON and PNG plots.",
+    )
     _fill(p)
     return p
 
@@ -374,23 +508,42 @@ def _serve(args: argparse.Namespace) -> int:
     if args.sweep_concurrency and args.max_concurrency:
         parser.error("use either --max-concurrency or --sweep-concurrency, not both")
     if args.dataset_name == "shared-prefix" and args.random_prefix_len:
-        parser.error("--random-prefix-len is for --dataset-name random; shared-prefix uses --shared-prefix-len")
+        parser.error(
+            "--random-prefix-len is for --dataset-name random; shared-prefix uses --shared-prefix-len"
+        )
     if args.min_token_id >= args.vocab_size:
         parser.error(f"--min-token-id ({args.min_token_id}) must be below --vocab-size ({args.vocab_size})")
     extra = dict(args.extra_body or {})
     if args.chat_template_kwargs is not None:
         extra["chat_template_kwargs"] = args.chat_template_kwargs
     opts = ServeBenchOptions(
-        base_url=_base_url(args), endpoint=args.endpoint, model=args.model, api_key=args.api_key,
+        base_url=_base_url(args),
+        endpoint=args.endpoint,
+        model=args.model,
+        api_key=args.api_key,
         dataset=DatasetOptions(
-            name=args.dataset_name, num_prompts=args.num_prompts, input_len=args.random_input_len,
-            output_len=args.random_output_len, range_ratio=args.random_range_ratio,
-            prefix_len=args.random_prefix_len, shared_prefix_len=args.shared_prefix_len,
-            num_prefixes=args.num_prefixes, vocab_size=args.vocab_size, token_low=args.min_token_id),
-        max_concurrency=args.max_concurrency, request_rate=args.request_rate, seed=args.seed,
-        ignore_eos=args.ignore_eos, temperature=args.temperature, extra_body=extra, reps=args.reps,
-        sweep_concurrency=args.sweep_concurrency, percentiles=args.metric_percentiles,
-        request_timeout_s=args.request_timeout, save_detailed=args.save_detailed,
+            name=args.dataset_name,
+            num_prompts=args.num_prompts,
+            input_len=args.random_input_len,
+            output_len=args.random_output_len,
+            range_ratio=args.random_range_ratio,
+            prefix_len=args.random_prefix_len,
+            shared_prefix_len=args.shared_prefix_len,
+            num_prefixes=args.num_prefixes,
+            vocab_size=args.vocab_size,
+            token_low=args.min_token_id,
+        ),
+        max_concurrency=args.max_concurrency,
+        request_rate=args.request_rate,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        extra_body=extra,
+        reps=args.reps,
+        sweep_concurrency=args.sweep_concurrency,
+        percentiles=args.metric_percentiles,
+        request_timeout_s=args.request_timeout,
+        save_detailed=args.save_detailed,
     )
     result = report.stamp("serve", _command(args), args.git_sha)
     result.update(run_serve_bench(opts, log=_err))
@@ -409,15 +562,29 @@ def _offline(args: argparse.Namespace) -> int:
     from hyserve.bench import report
     from hyserve.bench.offline import OfflineOptions, run_offline_bench
 
-    engine_opts: dict[str, Any] = {"max_batch_size": args.max_batch_size, "max_num_tokens": args.max_num_tokens,
-                                   "max_seq_len": args.max_seq_len}
+    engine_opts: dict[str, Any] = {
+        "max_batch_size": args.max_batch_size,
+        "max_num_tokens": args.max_num_tokens,
+        "max_seq_len": args.max_seq_len,
+    }
     if args.kv_cache_free_gpu_memory_fraction is not None:
         engine_opts["kv_cache_config"] = {"free_gpu_memory_fraction": args.kv_cache_free_gpu_memory_fraction}
     opts = OfflineOptions(
-        model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
-        config_file=args.config, engine_options=engine_opts, input_len=args.input_len, output_len=args.output_len,
-        range_ratio=args.random_range_ratio, num_prompts=args.num_prompts, reps=args.reps, seed=args.seed,
-        temperature=args.temperature, token_low=args.min_token_id, percentiles=args.metric_percentiles,
+        model=args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        device=args.device,
+        config_file=args.config,
+        engine_options=engine_opts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.random_range_ratio,
+        num_prompts=args.num_prompts,
+        reps=args.reps,
+        seed=args.seed,
+        temperature=args.temperature,
+        token_low=args.min_token_id,
+        percentiles=args.metric_percentiles,
     )
     result = report.stamp("offline", _command(args), args.git_sha)
     if result["gpu"] == "cpu":
@@ -441,10 +608,19 @@ def _needle(args: argparse.Namespace) -> int:
     from hyserve.bench.needle import NeedleOptions, run_needle_bench, served_cleanly
 
     opts = NeedleOptions(
-        base_url=_base_url(args), model=args.model, api_key=args.api_key, sizes=args.sizes, needle=args.needle,
-        answer=args.needle_answer, filler=args.filler, position=args.needle_position, depths=args.needle_depths,
+        base_url=_base_url(args),
+        model=args.model,
+        api_key=args.api_key,
+        sizes=args.sizes,
+        needle=args.needle,
+        answer=args.needle_answer,
+        filler=args.filler,
+        position=args.needle_position,
+        depths=args.needle_depths,
         max_tokens=args.max_tokens,
-        temperature=args.temperature, chat_template_kwargs=args.chat_template_kwargs, timeout_s=args.timeout,
+        temperature=args.temperature,
+        chat_template_kwargs=args.chat_template_kwargs,
+        timeout_s=args.timeout,
     )
     result = report.stamp("needle", _command(args), args.git_sha)
     result.update(run_needle_bench(opts, log=_err))
@@ -454,8 +630,10 @@ def _needle(args: argparse.Namespace) -> int:
         _save(result, args, "needle")
     bad = [r["target_tokens"] for r in result["results"] if not served_cleanly(r)]
     if bad:
-        _err(f"hyserve bench needle: error: not served cleanly at {', '.join(f'{t:,}' for t in bad)} tokens "
-             "(no response, a 5xx, or the server unhealthy afterwards)")
+        _err(
+            f"hyserve bench needle: error: not served cleanly at {', '.join(f'{t:,}' for t in bad)} tokens "
+            "(no response, a 5xx, or the server unhealthy afterwards)"
+        )
         return EXIT_FAILED
     return 0
 

@@ -51,8 +51,17 @@ def random_ids(rng: random.Random, n: int, low: int, vocab_size: int) -> list[in
     return rng.choices(range(low, vocab_size), k=n)
 
 
-def random_dataset(*, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                   prefix_len: int = 0, vocab_size: int, low: int = 0, seed: int = 0) -> list[SampleRequest]:
+def random_dataset(
+    *,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    prefix_len: int = 0,
+    vocab_size: int,
+    low: int = 0,
+    seed: int = 0,
+) -> list[SampleRequest]:
     """`num_prompts` prompts: one common random prefix of `prefix_len` ids, then `input_len` (+- range)
     random ids each; output lengths `output_len` (+- range)."""
     rng = random.Random(seed)
@@ -66,9 +75,18 @@ def random_dataset(*, num_prompts: int, input_len: int, output_len: int, range_r
     return out
 
 
-def shared_prefix_dataset(*, num_prompts: int, num_prefixes: int, prefix_len: int, input_len: int,
-                          output_len: int, range_ratio: float = 0.0, vocab_size: int, low: int = 0,
-                          seed: int = 0) -> list[SampleRequest]:
+def shared_prefix_dataset(
+    *,
+    num_prompts: int,
+    num_prefixes: int,
+    prefix_len: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    vocab_size: int,
+    low: int = 0,
+    seed: int = 0,
+) -> list[SampleRequest]:
     """`num_prefixes` random prefixes of `prefix_len` ids, each shared by about num_prompts/num_prefixes
     prompts (assigned round-robin, then shuffled), each followed by its own `input_len` (+- range) ids."""
     if num_prefixes < 1:

@@ -53,9 +53,17 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def build_payload(kind: str, model: str, prompt: list[int] | str, max_tokens: int, *, ignore_eos: bool,
-                  temperature: float, stream: bool = True, extra_body: dict[str, Any] | None = None
-                  ) -> dict[str, Any]:
+def build_payload(
+    kind: str,
+    model: str,
+    prompt: list[int] | str,
+    max_tokens: int,
+    *,
+    ignore_eos: bool,
+    temperature: float,
+    stream: bool = True,
+    extra_body: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": temperature}
     if kind == CHAT:
         if not isinstance(prompt, str):
@@ -122,9 +130,17 @@ async def sse_data(resp: httpx.Response) -> AsyncIterator[str]:
         yield data
 
 
-async def send_streaming(client: httpx.AsyncClient, url: str, payload: dict[str, Any], *, kind: str,
-                         prompt_len: int, headers: dict[str, str] | None = None, run_start: float = 0.0,
-                         clock: Callable[[], float] = time.perf_counter) -> RequestResult:
+async def send_streaming(
+    client: httpx.AsyncClient,
+    url: str,
+    payload: dict[str, Any],
+    *,
+    kind: str,
+    prompt_len: int,
+    headers: dict[str, str] | None = None,
+    run_start: float = 0.0,
+    clock: Callable[[], float] = time.perf_counter,
+) -> RequestResult:
     """POST one streaming request and time it; never raises for server or network failures."""
     res = RequestResult(ok=False, prompt_len=prompt_len, max_tokens=int(payload.get("max_tokens") or 0))
     n_chunks = 0
@@ -197,15 +213,18 @@ async def send_streaming(client: httpx.AsyncClient, url: str, payload: dict[str,
     return res
 
 
-async def get_json(client: httpx.AsyncClient, url: str, *, headers: dict[str, str] | None = None,
-                   timeout: float = 30.0) -> tuple[int, Any]:
+async def get_json(
+    client: httpx.AsyncClient, url: str, *, headers: dict[str, str] | None = None, timeout: float = 30.0
+) -> tuple[int, Any]:
     """(status, parsed JSON or None). Raises BenchError when the server cannot be reached at all."""
     try:
         r = await client.get(url, headers=headers or {}, timeout=timeout)
     except httpx.HTTPError as e:
         detail = f"{type(e).__name__}: {e}".rstrip(": ")
-        raise BenchError(f"cannot reach the server at {url} ({detail}); is it running? "
-                         "(set --base-url, or --host and --port)") from None
+        raise BenchError(
+            f"cannot reach the server at {url} ({detail}); is it running? "
+            "(set --base-url, or --host and --port)"
+        ) from None
     try:
         return r.status_code, r.json()
     except ValueError:
@@ -222,9 +241,17 @@ async def first_model_id(client: httpx.AsyncClient, base_url: str, headers: dict
 
 
 # hyserve's engine counters worth reporting per run (other servers simply do not export them)
-SERVER_COUNTERS = ("num_preemptions", "prefix_cache_hits", "prefix_cache_queries", "jit_compiles_after_ready",
-                   "generation_tokens", "cuda_alloc_retries", "engine_steps", "engine_prefill_steps",
-                   "prefill_tokens_scheduled")
+SERVER_COUNTERS = (
+    "num_preemptions",
+    "prefix_cache_hits",
+    "prefix_cache_queries",
+    "jit_compiles_after_ready",
+    "generation_tokens",
+    "cuda_alloc_retries",
+    "engine_steps",
+    "engine_prefill_steps",
+    "prefill_tokens_scheduled",
+)
 
 
 def parse_counters(text: str) -> dict[str, float]:
@@ -243,7 +270,9 @@ def parse_counters(text: str) -> dict[str, float]:
     return out
 
 
-async def scrape_counters(client: httpx.AsyncClient, base_url: str, headers: dict[str, str]) -> dict[str, float]:
+async def scrape_counters(
+    client: httpx.AsyncClient, base_url: str, headers: dict[str, str]
+) -> dict[str, float]:
     """The server's engine counters from GET /metrics; empty when it has none (any server but hyserve)."""
     try:
         resp = await client.get(server_root(base_url) + "/metrics", headers=headers, timeout=10.0)

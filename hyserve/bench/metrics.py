@@ -32,9 +32,19 @@ from typing import Any
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 # Keys whose run-to-run spread is reported when a benchmark runs more than once.
 SPREAD_KEYS = (
-    "duration_s", "request_throughput", "input_throughput", "output_throughput", "total_token_throughput",
-    "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms",
-    "mean_e2el_ms", "p99_e2el_ms", "mean_per_user_output_tps",
+    "duration_s",
+    "request_throughput",
+    "input_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "mean_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "p99_tpot_ms",
+    "mean_itl_ms",
+    "mean_e2el_ms",
+    "p99_e2el_ms",
+    "mean_per_user_output_tps",
 )
 
 
@@ -59,11 +69,19 @@ class RequestResult:
 
     def to_json(self, *, with_itl: bool, with_text: bool) -> dict[str, Any]:
         d: dict[str, Any] = {
-            "ok": self.ok, "prompt_len": self.prompt_len, "max_tokens": self.max_tokens,
-            "start_s": self.start_s, "ttft_s": self.ttft_s, "e2el_s": self.e2el_s,
-            "output_tokens": self.output_tokens, "output_tokens_from_usage": self.output_tokens_from_usage,
-            "usage_prompt_tokens": self.usage_prompt_tokens, "cached_tokens": self.cached_tokens,
-            "num_chunks": len(self.itl_s) + (self.ttft_s is not None), "status": self.status, "error": self.error,
+            "ok": self.ok,
+            "prompt_len": self.prompt_len,
+            "max_tokens": self.max_tokens,
+            "start_s": self.start_s,
+            "ttft_s": self.ttft_s,
+            "e2el_s": self.e2el_s,
+            "output_tokens": self.output_tokens,
+            "output_tokens_from_usage": self.output_tokens_from_usage,
+            "usage_prompt_tokens": self.usage_prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "num_chunks": len(self.itl_s) + (self.ttft_s is not None),
+            "status": self.status,
+            "error": self.error,
         }
         if with_itl:
             d["itl_s"] = list(self.itl_s)
@@ -122,8 +140,9 @@ def per_user_tps(r: RequestResult) -> float | None:
     return (r.output_tokens - 1) / (r.e2el_s - r.ttft_s)
 
 
-def compute_metrics(results: Sequence[RequestResult], duration_s: float,
-                    percentiles: Sequence[float] = (50, 99)) -> dict[str, Any]:
+def compute_metrics(
+    results: Sequence[RequestResult], duration_s: float, percentiles: Sequence[float] = (50, 99)
+) -> dict[str, Any]:
     """One run's metrics, as a flat dict with vLLM's key names (`mean_ttft_ms`, `p99_e2el_ms`, ...)."""
     done = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
@@ -142,8 +161,9 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float,
         "prompt_tokens_sent": sum(r.prompt_len for r in done),
         "prompt_tokens_usage": sum(usage_prompts) if usage_prompts else None,
         "cached_tokens": sum(cached) if cached else None,
-        "output_tokens_source": "none" if not done else (
-            "usage" if from_usage == len(done) else "chunks" if from_usage == 0 else "mixed"),
+        "output_tokens_source": "none"
+        if not done
+        else ("usage" if from_usage == len(done) else "chunks" if from_usage == 0 else "mixed"),
         "request_throughput": len(done) / dur,
         "input_throughput": n_in / dur,
         "output_throughput": n_out / dur,
@@ -171,7 +191,9 @@ def error_summary(failed: Iterable[RequestResult], limit: int = 10) -> list[dict
     return [{"error": e, "count": c} for e, c in counts.most_common(limit)]
 
 
-def run_to_run_spread(reps: Sequence[dict[str, Any]], keys: Sequence[str] = SPREAD_KEYS) -> dict[str, dict[str, Any]]:
+def run_to_run_spread(
+    reps: Sequence[dict[str, Any]], keys: Sequence[str] = SPREAD_KEYS
+) -> dict[str, dict[str, Any]]:
     """Per key, over repetitions of the same benchmark: values, mean, min, max, std (population) and
     spread_pct = (max - min) / mean * 100. Keys missing (None) in any repetition are left out."""
     out: dict[str, dict[str, Any]] = {}

@@ -36,7 +36,9 @@ from hyserve.bench.http_client import (
 
 DEFAULT_NEEDLE = "The secret code is ORANGE-MANGO-42."
 DEFAULT_FILLER = "alphabet "
-QUESTION = "Find the secret code in the document. Reply with ONLY the code string, nothing else.\n\nDOCUMENT:\n"
+QUESTION = (
+    "Find the secret code in the document. Reply with ONLY the code string, nothing else.\n\nDOCUMENT:\n"
+)
 _FIT_WORDS = 256  # filler words in the second /tokenize call
 _APPROX_OVERHEAD = 48  # tokens for the question, needle and chat template when /tokenize is missing
 
@@ -102,17 +104,30 @@ def haystack_prompt(n_words: int, *, needle: str, filler: str, position: float) 
 
 
 def request_body(model: str, prompt: str, opts: NeedleOptions) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt}],
-                            "max_tokens": opts.max_tokens, "temperature": opts.temperature}
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": opts.max_tokens,
+        "temperature": opts.temperature,
+    }
     if opts.chat_template_kwargs is not None:
         body["chat_template_kwargs"] = opts.chat_template_kwargs
     return body
 
 
-async def _count_tokens(client: httpx.AsyncClient, root: str, model: str, prompt: str, opts: NeedleOptions,
-                        headers: dict[str, str]) -> int | None:
-    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt}],
-                            "add_generation_prompt": True}
+async def _count_tokens(
+    client: httpx.AsyncClient,
+    root: str,
+    model: str,
+    prompt: str,
+    opts: NeedleOptions,
+    headers: dict[str, str],
+) -> int | None:
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "add_generation_prompt": True,
+    }
     if opts.chat_template_kwargs is not None:
         body["chat_template_kwargs"] = opts.chat_template_kwargs
     try:
@@ -127,9 +142,11 @@ async def _count_tokens(client: httpx.AsyncClient, root: str, model: str, prompt
         return None
 
 
-async def token_model(client: httpx.AsyncClient, root: str, model: str, opts: NeedleOptions,
-                      headers: dict[str, str]) -> tuple[float, float, str]:
+async def token_model(
+    client: httpx.AsyncClient, root: str, model: str, opts: NeedleOptions, headers: dict[str, str]
+) -> tuple[float, float, str]:
     """(tokens with no filler, tokens per filler word, method) for this server's tokenizer and template."""
+
     def p(n: int) -> str:
         return haystack_prompt(n, needle=opts.needle, filler=opts.filler, position=opts.position)
 
@@ -155,10 +172,22 @@ async def _health(client: httpx.AsyncClient, root: str, headers: dict[str, str])
     return r.status_code == 200
 
 
-async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
-               answer: str, timeout_s: float) -> dict[str, Any]:
-    row: dict[str, Any] = {"status": None, "error": None, "prompt_tokens": None, "completion_tokens": None,
-                           "content": None, "needle_found": False}
+async def _one(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    answer: str,
+    timeout_s: float,
+) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "status": None,
+        "error": None,
+        "prompt_tokens": None,
+        "completion_tokens": None,
+        "content": None,
+        "needle_found": False,
+    }
     t0 = time.perf_counter()
     try:
         r = await client.post(url, json=body, headers=headers, timeout=httpx.Timeout(timeout_s, connect=30))
@@ -171,8 +200,12 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], header
             content = msg.get("content") or ""
             reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
             usage = d.get("usage") or {}
-            row.update(prompt_tokens=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"),
-                       content=content[:500], needle_found=answer in content or answer in reasoning)
+            row.update(
+                prompt_tokens=usage.get("prompt_tokens"),
+                completion_tokens=usage.get("completion_tokens"),
+                content=content[:500],
+                needle_found=answer in content or answer in reasoning,
+            )
     except httpx.HTTPError as e:
         row["error"] = f"{type(e).__name__}: {e}".rstrip(": ")
     except ValueError as e:  # a 200 whose body is not JSON
@@ -199,19 +232,38 @@ async def _run(opts: NeedleOptions, log: Callable[[str], None]) -> dict[str, Any
             n_words = words_for(target, base, per_word)
             for depth in needle_depths(opts):
                 prompt = haystack_prompt(n_words, needle=opts.needle, filler=opts.filler, position=depth)
-                row: dict[str, Any] = {"target_tokens": target, "depth": depth, "filler_words": n_words,
-                                       "estimated_prompt_tokens": round(base + per_word * n_words)}
-                row.update(await _one(client, url, request_body(model, prompt, opts), headers, answer,
-                                      opts.timeout_s))
+                row: dict[str, Any] = {
+                    "target_tokens": target,
+                    "depth": depth,
+                    "filler_words": n_words,
+                    "estimated_prompt_tokens": round(base + per_word * n_words),
+                }
+                row.update(
+                    await _one(
+                        client, url, request_body(model, prompt, opts), headers, answer, opts.timeout_s
+                    )
+                )
                 row["healthy_after"] = await _health(client, root, headers)
                 row["outcome"] = hit_or_miss(row)
                 rows.append(row)
-                what = (f"prompt_tokens={row['prompt_tokens']} {row['outcome']}" if row["status"] == 200
-                        else f"{row['error']}")
-                log(f"needle {target:,} tokens at depth {depth:g}: status {row['status']} in "
-                    f"{row['latency_s']:.1f} s, {what}, healthy after: {row['healthy_after']}")
-    return {"model": model, "api_url": url, "answer": answer, "token_count_method": method,
-            "tokens_without_filler": base, "tokens_per_filler_word": per_word, "results": rows}
+                what = (
+                    f"prompt_tokens={row['prompt_tokens']} {row['outcome']}"
+                    if row["status"] == 200
+                    else f"{row['error']}"
+                )
+                log(
+                    f"needle {target:,} tokens at depth {depth:g}: status {row['status']} in "
+                    f"{row['latency_s']:.1f} s, {what}, healthy after: {row['healthy_after']}"
+                )
+    return {
+        "model": model,
+        "api_url": url,
+        "answer": answer,
+        "token_count_method": method,
+        "tokens_without_filler": base,
+        "tokens_per_filler_word": per_word,
+        "results": rows,
+    }
 
 
 def run_needle_bench(opts: NeedleOptions, log: Callable[[str], None] = print) -> dict[str, Any]:

@@ -17,8 +17,13 @@ from hyserve.bench.datasets import random_dataset
 from hyserve.bench.http_client import BenchError
 from hyserve.bench.metrics import rep_ratio, run_to_run_spread, summarize
 
-OFFLINE_SPREAD_KEYS = ("elapsed_s", "request_throughput", "input_throughput", "output_throughput",
-                       "total_token_throughput")
+OFFLINE_SPREAD_KEYS = (
+    "elapsed_s",
+    "request_throughput",
+    "input_throughput",
+    "output_throughput",
+    "total_token_throughput",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +69,9 @@ def run_offline_bench(opts: OfflineOptions, log: Callable[[str], None] = print) 
     eo = engine_options(opts)
     t0 = time.perf_counter()
     try:
-        llm = LLM(opts.model, dtype=opts.dtype, device=opts.device, load_format=opts.load_format, log=log, **eo)
+        llm = LLM(
+            opts.model, dtype=opts.dtype, device=opts.device, load_format=opts.load_format, log=log, **eo
+        )
     except (ValueError, FileNotFoundError) as e:
         raise BenchError(str(e)) from None
     load_s = time.perf_counter() - t0
@@ -73,11 +80,20 @@ def run_offline_bench(opts: OfflineOptions, log: Callable[[str], None] = print) 
     reps: list[dict[str, Any]] = []
     for rep in range(opts.reps):
         seed = opts.seed + rep
-        data = random_dataset(num_prompts=opts.num_prompts, input_len=opts.input_len, output_len=opts.output_len,
-                              range_ratio=opts.range_ratio, vocab_size=vocab, low=low, seed=seed)
+        data = random_dataset(
+            num_prompts=opts.num_prompts,
+            input_len=opts.input_len,
+            output_len=opts.output_len,
+            range_ratio=opts.range_ratio,
+            vocab_size=vocab,
+            low=low,
+            seed=seed,
+        )
         prompts = [r.prompt for r in data]
-        params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=opts.temperature)
-                  for r in data]
+        params = [
+            SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=opts.temperature)
+            for r in data
+        ]
         start = time.perf_counter()
         try:
             outs = llm.generate(prompts, params)
@@ -87,17 +103,25 @@ def run_offline_bench(opts: OfflineOptions, log: Callable[[str], None] = print) 
         n_in = sum(len(o.prompt_token_ids) for o in outs)
         n_out = sum(len(o.token_ids) for o in outs)
         m: dict[str, Any] = {
-            "rep": rep + 1, "seed": seed, "num_requests": len(outs), "elapsed_s": elapsed,
-            "total_input_tokens": n_in, "total_output_tokens": n_out,
-            "request_throughput": len(outs) / elapsed, "input_throughput": n_in / elapsed,
-            "output_throughput": n_out / elapsed, "total_token_throughput": (n_in + n_out) / elapsed,
+            "rep": rep + 1,
+            "seed": seed,
+            "num_requests": len(outs),
+            "elapsed_s": elapsed,
+            "total_input_tokens": n_in,
+            "total_output_tokens": n_out,
+            "request_throughput": len(outs) / elapsed,
+            "input_throughput": n_in / elapsed,
+            "output_throughput": n_out / elapsed,
+            "total_token_throughput": (n_in + n_out) / elapsed,
         }
         for name, key in (("ttft", "time_to_first_token_s"), ("e2el", "e2e_latency_s")):
             for stat, v in summarize([o.metrics[key] * 1000 for o in outs], opts.percentiles).items():
                 m[f"{stat}_{name}_ms"] = v
         reps.append(m)
-        log(f"offline rep {rep + 1}/{opts.reps}: {len(outs)} requests in {elapsed:.2f} s, "
-            f"{m['output_throughput']:.1f} output tok/s, {m['total_token_throughput']:.1f} total tok/s")
+        log(
+            f"offline rep {rep + 1}/{opts.reps}: {len(outs)} requests in {elapsed:.2f} s, "
+            f"{m['output_throughput']:.1f} output tok/s, {m['total_token_throughput']:.1f} total tok/s"
+        )
     cfg = asdict(opts)
     cfg["resolved_engine_options"] = eo
     return {

@@ -54,7 +54,9 @@ def _serve_plots(result: dict[str, Any], prefix: Path) -> list[Path]:
         drawn = False
         for p in points:
             for m in p["reps"]:
-                vals = [r[key] * 1000 for r in m.get("requests", []) if r.get("ok") and r.get(key) is not None]
+                vals = [
+                    r[key] * 1000 for r in m.get("requests", []) if r.get("ok") and r.get(key) is not None
+                ]
                 if not vals:
                     continue
                 xs, ys = _cdf(vals)
@@ -83,8 +85,13 @@ def _serve_plots(result: dict[str, Any], prefix: Path) -> list[Path]:
         ax.set_xlabel("max concurrency")
         ax.set_ylabel("output tok/s")
         ax2 = ax.twinx()
-        ax2.plot(conc, [m.get("mean_per_user_output_tps") or 0.0 for m in last], "s--", color="tab:orange",
-                 label="per-user output tok/s")
+        ax2.plot(
+            conc,
+            [m.get("mean_per_user_output_tps") or 0.0 for m in last],
+            "s--",
+            color="tab:orange",
+            label="per-user output tok/s",
+        )
         ax2.set_ylabel("per-user output tok/s")
         lines = ax.get_lines() + ax2.get_lines()
         ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8, loc="best")
@@ -124,11 +131,20 @@ def _needle_plots(result: dict[str, Any], prefix: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ok = [r for r in rows if r.get("status") == 200]
     bad = [r for r in rows if r.get("status") != 200]
-    ax.plot([r.get("prompt_tokens") or r["target_tokens"] for r in ok], [r["latency_s"] for r in ok], "o-",
-            label="HTTP 200")
+    ax.plot(
+        [r.get("prompt_tokens") or r["target_tokens"] for r in ok],
+        [r["latency_s"] for r in ok],
+        "o-",
+        label="HTTP 200",
+    )
     if bad:
-        ax.plot([r["target_tokens"] for r in bad], [r["latency_s"] for r in bad], "x", color="tab:red",
-                label="not served (status or error)")
+        ax.plot(
+            [r["target_tokens"] for r in bad],
+            [r["latency_s"] for r in bad],
+            "x",
+            color="tab:red",
+            label="not served (status or error)",
+        )
     ax.set_xscale("log")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("latency (s)")

@@ -29,8 +29,12 @@ def git_sha(override: str | None = None) -> str:
     if shutil.which("git") is None:
         return "unknown"
     try:
-        r = subprocess.run(["git", "-C", str(_REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                           text=True, timeout=10)
+        r = subprocess.run(
+            ["git", "-C", str(_REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else "unknown"
@@ -41,8 +45,12 @@ def gpu_name() -> str:
     if shutil.which("nvidia-smi") is None:
         return "cpu"
     try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                           text=True, timeout=20)
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
     except (OSError, subprocess.SubprocessError):
         return "cpu"
     names = [n.strip() for n in r.stdout.splitlines() if n.strip()] if r.returncode == 0 else []
@@ -66,16 +74,30 @@ def stamp(kind: str, command: Sequence[str], sha_override: str | None = None) ->
 # ---- records ---------------------------------------------------------------------------------------------
 
 
-def record(name: str, value: float | None, unit: str, reference: str | None = None,
-           reference_value: float | None = None) -> dict[str, Any]:
+def record(
+    name: str,
+    value: float | None,
+    unit: str,
+    reference: str | None = None,
+    reference_value: float | None = None,
+) -> dict[str, Any]:
     ratio = value / reference_value if (value is not None and reference_value) else None
-    return {"name": name, "value": value, "unit": unit, "reference": reference,
-            "reference_value": reference_value, "ratio": ratio}
+    return {
+        "name": name,
+        "value": value,
+        "unit": unit,
+        "reference": reference,
+        "reference_value": reference_value,
+        "ratio": ratio,
+    }
 
 
 def records_markdown(records: Sequence[dict[str, Any]], first_column: str = "name") -> str:
     """A markdown table of `records` (value and reference to 2 decimals, ratio to 3)."""
-    lines = [f"| {first_column} | value | unit | reference | reference value | ratio |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"| {first_column} | value | unit | reference | reference value | ratio |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in records:
         ref = "" if r["reference_value"] is None else f"{r['reference_value']:.2f}"
         ratio = "" if r["ratio"] is None else f"{r['ratio']:.3f}"
@@ -116,8 +138,15 @@ def serve_records(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 if m["rep"] > 1:
                     out.append(record(name, m.get(key), unit, f"{label}, rep 1", rep1.get(key)))
                 elif i > 0 and first is not None and key in ("output_throughput", "request_throughput"):
-                    out.append(record(name, m.get(key), unit, f"{concurrency_label(points[0]['max_concurrency'])}"
-                                      ", rep 1", first.get(key)))
+                    out.append(
+                        record(
+                            name,
+                            m.get(key),
+                            unit,
+                            f"{concurrency_label(points[0]['max_concurrency'])}, rep 1",
+                            first.get(key),
+                        )
+                    )
                 else:
                     out.append(record(name, m.get(key), unit))
     return out
@@ -146,7 +175,9 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
 
     def line(r: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+        ).rstrip()
 
     sep = "  ".join("-" * w for w in widths)
     return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
@@ -170,7 +201,9 @@ def serve_metric_rows(percentiles: Sequence[float]) -> list[tuple[str, str]]:
     ]
     ps = sorted({99.0, *map(float, percentiles)})
     # P50 is the median row (the JSON keeps both keys)
-    stats = [("Mean", "mean"), ("Median", "median")] + [(pct_label(p).upper(), pct_label(p)) for p in ps if p != 50]
+    stats = [("Mean", "mean"), ("Median", "median")] + [
+        (pct_label(p).upper(), pct_label(p)) for p in ps if p != 50
+    ]
     for m in LATENCY_METRICS:
         rows += [(f"{label} {_LATENCY_NAMES[m]} (ms)", f"{stat}_{m}_ms") for label, stat in stats]
     rows += [(f"{label} per-user output (tok/s)", f"{stat}_per_user_output_tps") for label, stat in stats]
@@ -201,14 +234,33 @@ def serve_point_table(point: dict[str, Any], percentiles: Sequence[float]) -> st
 
 
 def sweep_table(points: Sequence[dict[str, Any]]) -> str:
-    headers = ["concurrency", "req/s", "output tok/s", "per-user tok/s", "mean TTFT ms", "P99 TTFT ms",
-               "mean TPOT ms", "mean E2EL ms", "failed"]
+    headers = [
+        "concurrency",
+        "req/s",
+        "output tok/s",
+        "per-user tok/s",
+        "mean TTFT ms",
+        "P99 TTFT ms",
+        "mean TPOT ms",
+        "mean E2EL ms",
+        "failed",
+    ]
     rows = []
     for p in points:
         m = p["reps"][-1]  # the last repetition: the warmest server
-        rows.append([p["max_concurrency"] if p["max_concurrency"] is not None else "unlimited",
-                     m["request_throughput"], m["output_throughput"], m["mean_per_user_output_tps"],
-                     m["mean_ttft_ms"], m["p99_ttft_ms"], m["mean_tpot_ms"], m["mean_e2el_ms"], m["failed"]])
+        rows.append(
+            [
+                p["max_concurrency"] if p["max_concurrency"] is not None else "unlimited",
+                m["request_throughput"],
+                m["output_throughput"],
+                m["mean_per_user_output_tps"],
+                m["mean_ttft_ms"],
+                m["p99_ttft_ms"],
+                m["mean_tpot_ms"],
+                m["mean_e2el_ms"],
+                m["failed"],
+            ]
+        )
     return format_table(headers, rows)
 
 
@@ -216,22 +268,28 @@ def serve_report_text(result: dict[str, Any]) -> str:
     cfg = result.get("config", {})
     pcts = cfg.get("percentiles") or (50.0, 99.0)
     ds = cfg.get("dataset", {})
-    head = (f"hyserve bench serve: {result.get('model')} at {result.get('api_url')} | dataset {ds.get('name')}, "
-            f"{ds.get('num_prompts')} prompts, input {ds.get('input_len')}, output {ds.get('output_len')}, "
-            f"request rate {cfg.get('request_rate')}, ignore_eos {fmt(cfg.get('ignore_eos'))}")
+    head = (
+        f"hyserve bench serve: {result.get('model')} at {result.get('api_url')} | dataset {ds.get('name')}, "
+        f"{ds.get('num_prompts')} prompts, input {ds.get('input_len')}, output {ds.get('output_len')}, "
+        f"request rate {cfg.get('request_rate')}, ignore_eos {fmt(cfg.get('ignore_eos'))}"
+    )
     parts = [head] + [serve_point_table(p, pcts) for p in result["points"]]
     if len(result["points"]) > 1:
-        parts.append("=== throughput vs concurrency (last run of each point) ===\n" + sweep_table(result["points"]))
+        parts.append(
+            "=== throughput vs concurrency (last run of each point) ===\n" + sweep_table(result["points"])
+        )
     return "\n\n".join(parts)
 
 
 def offline_records(reps: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for m in reps:
-        for key, short, unit in (("request_throughput", "requests", "req/s"),
-                                 ("input_throughput", "input throughput", "tok/s"),
-                                 ("output_throughput", "output throughput", "tok/s"),
-                                 ("total_token_throughput", "total token throughput", "tok/s")):
+        for key, short, unit in (
+            ("request_throughput", "requests", "req/s"),
+            ("input_throughput", "input throughput", "tok/s"),
+            ("output_throughput", "output throughput", "tok/s"),
+            ("total_token_throughput", "total token throughput", "tok/s"),
+        ):
             name = f"offline rep {m['rep']}: {short}"
             if m["rep"] > 1:
                 out.append(record(name, m[key], unit, "offline rep 1", reps[0][key]))
@@ -243,15 +301,25 @@ def offline_records(reps: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 def offline_report_text(result: dict[str, Any]) -> str:
     cfg = result["config"]
     reps = result["reps"]
-    head = (f"hyserve bench offline: {result['model']} (load_format {cfg['load_format']}) | {cfg['num_prompts']} "
-            f"prompts, input {cfg['input_len']}, output {cfg['output_len']}, engine options "
-            f"{cfg['resolved_engine_options']}, load {result['load_s']:.1f} s")
-    rows_spec = [("Requests", "num_requests"), ("Elapsed (s)", "elapsed_s"),
-                 ("Input tokens", "total_input_tokens"), ("Output tokens", "total_output_tokens"),
-                 ("Requests/s", "request_throughput"), ("Input tok/s", "input_throughput"),
-                 ("Output tok/s", "output_throughput"), ("Total tok/s", "total_token_throughput"),
-                 ("Mean TTFT (ms)", "mean_ttft_ms"), ("P99 TTFT (ms)", "p99_ttft_ms"),
-                 ("Mean E2EL (ms)", "mean_e2el_ms"), ("P99 E2EL (ms)", "p99_e2el_ms")]
+    head = (
+        f"hyserve bench offline: {result['model']} (load_format {cfg['load_format']}) | {cfg['num_prompts']} "
+        f"prompts, input {cfg['input_len']}, output {cfg['output_len']}, engine options "
+        f"{cfg['resolved_engine_options']}, load {result['load_s']:.1f} s"
+    )
+    rows_spec = [
+        ("Requests", "num_requests"),
+        ("Elapsed (s)", "elapsed_s"),
+        ("Input tokens", "total_input_tokens"),
+        ("Output tokens", "total_output_tokens"),
+        ("Requests/s", "request_throughput"),
+        ("Input tok/s", "input_throughput"),
+        ("Output tok/s", "output_throughput"),
+        ("Total tok/s", "total_token_throughput"),
+        ("Mean TTFT (ms)", "mean_ttft_ms"),
+        ("P99 TTFT (ms)", "p99_ttft_ms"),
+        ("Mean E2EL (ms)", "mean_e2el_ms"),
+        ("P99 E2EL (ms)", "p99_e2el_ms"),
+    ]
     headers = ["metric"] + ([f"run {m['rep']}" for m in reps] if len(reps) > 1 else ["value"])
     spread = result.get("spread") or {}
     if len(reps) > 1:
@@ -284,8 +352,11 @@ def needle_records(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in rows:
         label = _needle_label(r, several)
         out.append(record(f"{label}: HTTP status", r["status"], "status"))
-        out.append(record(f"{label}: prompt tokens (usage)", r["prompt_tokens"], "tokens", "target",
-                          r["target_tokens"]))
+        out.append(
+            record(
+                f"{label}: prompt tokens (usage)", r["prompt_tokens"], "tokens", "target", r["target_tokens"]
+            )
+        )
         out.append(record(f"{label}: latency", r["latency_s"], "s"))
         out.append(record(f"{label}: needle found", int(bool(r["needle_found"])), "bool"))
     return out
@@ -295,23 +366,46 @@ def needle_grid_text(rows: Sequence[dict[str, Any]]) -> str:
     """HIT / MISS (or the HTTP outcome) by target size (rows) and needle depth (columns)."""
     depths = sorted({r.get("depth", 0.5) for r in rows})
     sizes = list(dict.fromkeys(r["target_tokens"] for r in rows))
-    cell = {(r["target_tokens"], r.get("depth", 0.5)): r.get("outcome") or
-            ("HIT" if r.get("needle_found") else "MISS") for r in rows}
+    cell = {
+        (r["target_tokens"], r.get("depth", 0.5)): r.get("outcome")
+        or ("HIT" if r.get("needle_found") else "MISS")
+        for r in rows
+    }
     table = [[f"{t:,}", *(cell.get((t, d), "-") for d in depths)] for t in sizes]
     hits = sum(v == "HIT" for v in cell.values())
-    return (f"HIT / MISS by size and depth ({hits} of {len(cell)} HIT)\n"
-            + format_table(["target tokens", *(f"depth {d:g}" for d in depths)], table))
+    return f"HIT / MISS by size and depth ({hits} of {len(cell)} HIT)\n" + format_table(
+        ["target tokens", *(f"depth {d:g}" for d in depths)], table
+    )
 
 
 def needle_report_text(result: dict[str, Any]) -> str:
-    head = (f"hyserve bench needle: {result['model']} at {result['api_url']} | answer {result['answer']!r}, "
-            f"filler sized by {result['token_count_method']} ({result['tokens_per_filler_word']:.2f} tokens/word)")
-    headers = ["target tokens", "depth", "prompt tokens", "status", "latency s", "needle found", "healthy after",
-               "error"]
-    rows = [[r["target_tokens"], r.get("depth", "-"), r["prompt_tokens"] if r["prompt_tokens"] is not None else
-             f"~{r['estimated_prompt_tokens']:,}", r["status"] if r["status"] is not None else "no response",
-             r["latency_s"], r["needle_found"], r["healthy_after"], (r["error"] or "")[:160]]
-            for r in result["results"]]
+    head = (
+        f"hyserve bench needle: {result['model']} at {result['api_url']} | answer {result['answer']!r}, "
+        f"filler sized by {result['token_count_method']} ({result['tokens_per_filler_word']:.2f} tokens/word)"
+    )
+    headers = [
+        "target tokens",
+        "depth",
+        "prompt tokens",
+        "status",
+        "latency s",
+        "needle found",
+        "healthy after",
+        "error",
+    ]
+    rows = [
+        [
+            r["target_tokens"],
+            r.get("depth", "-"),
+            r["prompt_tokens"] if r["prompt_tokens"] is not None else f"~{r['estimated_prompt_tokens']:,}",
+            r["status"] if r["status"] is not None else "no response",
+            r["latency_s"],
+            r["needle_found"],
+            r["healthy_after"],
+            (r["error"] or "")[:160],
+        ]
+        for r in result["results"]
+    ]
     return head + "\n" + format_table(headers, rows) + "\n\n" + needle_grid_text(result["results"])
 
 

@@ -71,14 +71,28 @@ class ServeBenchOptions:
 
 def build_requests(d: DatasetOptions, *, seed: int, text: bool) -> list[SampleRequest]:
     if d.name == "random":
-        reqs = random_dataset(num_prompts=d.num_prompts, input_len=d.input_len, output_len=d.output_len,
-                              range_ratio=d.range_ratio, prefix_len=d.prefix_len, vocab_size=d.vocab_size,
-                              low=d.token_low, seed=seed)
+        reqs = random_dataset(
+            num_prompts=d.num_prompts,
+            input_len=d.input_len,
+            output_len=d.output_len,
+            range_ratio=d.range_ratio,
+            prefix_len=d.prefix_len,
+            vocab_size=d.vocab_size,
+            low=d.token_low,
+            seed=seed,
+        )
     elif d.name == "shared-prefix":
-        reqs = shared_prefix_dataset(num_prompts=d.num_prompts, num_prefixes=d.num_prefixes,
-                                     prefix_len=d.shared_prefix_len, input_len=d.input_len,
-                                     output_len=d.output_len, range_ratio=d.range_ratio,
-                                     vocab_size=d.vocab_size, low=d.token_low, seed=seed)
+        reqs = shared_prefix_dataset(
+            num_prompts=d.num_prompts,
+            num_prefixes=d.num_prefixes,
+            prefix_len=d.shared_prefix_len,
+            input_len=d.input_len,
+            output_len=d.output_len,
+            range_ratio=d.range_ratio,
+            vocab_size=d.vocab_size,
+            low=d.token_low,
+            seed=seed,
+        )
     else:
         raise BenchError(f"unknown dataset {d.name!r}")
     return as_text(reqs) if text else reqs
@@ -98,9 +112,18 @@ def arrival_offsets(n: int, request_rate: float, seed: int) -> list[float]:
     return out
 
 
-async def run_once(client: httpx.AsyncClient, url: str, kind: str, model: str, requests: Sequence[SampleRequest],
-                   *, opts: ServeBenchOptions, max_concurrency: int | None, seed: int,
-                   headers: dict[str, str]) -> tuple[list[RequestResult], float]:
+async def run_once(
+    client: httpx.AsyncClient,
+    url: str,
+    kind: str,
+    model: str,
+    requests: Sequence[SampleRequest],
+    *,
+    opts: ServeBenchOptions,
+    max_concurrency: int | None,
+    seed: int,
+    headers: dict[str, str],
+) -> tuple[list[RequestResult], float]:
     """Send every request; returns per-request results (in dataset order) and the run's wall time."""
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     offsets = arrival_offsets(len(requests), opts.request_rate, seed)
@@ -110,14 +133,23 @@ async def run_once(client: httpx.AsyncClient, url: str, kind: str, model: str, r
         delay = offsets[i] - (time.perf_counter() - start)
         if delay > 0:
             await asyncio.sleep(delay)
-        payload = build_payload(kind, model, r.prompt, r.output_len, ignore_eos=opts.ignore_eos,
-                                temperature=opts.temperature, extra_body=opts.extra_body)
+        payload = build_payload(
+            kind,
+            model,
+            r.prompt,
+            r.output_len,
+            ignore_eos=opts.ignore_eos,
+            temperature=opts.temperature,
+            extra_body=opts.extra_body,
+        )
         if sem is None:
-            return await send_streaming(client, url, payload, kind=kind, prompt_len=r.prompt_len,
-                                        headers=headers, run_start=start)
+            return await send_streaming(
+                client, url, payload, kind=kind, prompt_len=r.prompt_len, headers=headers, run_start=start
+            )
         async with sem:
-            return await send_streaming(client, url, payload, kind=kind, prompt_len=r.prompt_len,
-                                        headers=headers, run_start=start)
+            return await send_streaming(
+                client, url, payload, kind=kind, prompt_len=r.prompt_len, headers=headers, run_start=start
+            )
 
     results = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
     return list(results), time.perf_counter() - start
@@ -147,29 +179,45 @@ async def _run(opts: ServeBenchOptions, log: Callable[[str], None]) -> dict[str,
                 seed = opts.seed + rep
                 requests = build_requests(opts.dataset, seed=seed, text=kind == CHAT)
                 before = await scrape_counters(client, opts.base_url, headers)
-                results, duration = await run_once(client, url, kind, model, requests, opts=opts,
-                                                   max_concurrency=conc, seed=seed, headers=headers)
+                results, duration = await run_once(
+                    client,
+                    url,
+                    kind,
+                    model,
+                    requests,
+                    opts=opts,
+                    max_concurrency=conc,
+                    seed=seed,
+                    headers=headers,
+                )
                 after = await scrape_counters(client, opts.base_url, headers)
                 m = compute_metrics(results, duration, opts.percentiles)
                 m["rep"] = rep + 1
                 m["seed"] = seed
                 # the server's own counters over the run (hyserve: preemptions, prefix hits, late JIT)
                 m["server_counters"] = {k: after[k] - before.get(k, 0.0) for k in after}
-                m["requests"] = [r.to_json(with_itl=opts.save_detailed, with_text=opts.save_detailed)
-                                 for r in results]
+                m["requests"] = [
+                    r.to_json(with_itl=opts.save_detailed, with_text=opts.save_detailed) for r in results
+                ]
                 reps.append(m)
                 sc = m["server_counters"]
-                extra = "".join(f", {k} {sc[k]:.0f}" for k in ("num_preemptions", "jit_compiles_after_ready",
-                                                                    "cuda_alloc_retries")
-                                if k in sc)
-                log(f"concurrency {conc or 'unlimited'}, rep {rep + 1}/{opts.reps}: {m['completed']} ok, "
-                    f"{m['failed']} failed in {duration:.2f} s, {m['output_throughput']:.1f} output tok/s{extra}")
-            points.append({
-                "max_concurrency": conc,
-                "reps": reps,
-                "spread": run_to_run_spread(reps) if len(reps) > 1 else {},
-                "run2_run1_output_throughput_ratio": rep_ratio(reps),
-            })
+                extra = "".join(
+                    f", {k} {sc[k]:.0f}"
+                    for k in ("num_preemptions", "jit_compiles_after_ready", "cuda_alloc_retries")
+                    if k in sc
+                )
+                log(
+                    f"concurrency {conc or 'unlimited'}, rep {rep + 1}/{opts.reps}: {m['completed']} ok, "
+                    f"{m['failed']} failed in {duration:.2f} s, {m['output_throughput']:.1f} output tok/s{extra}"
+                )
+            points.append(
+                {
+                    "max_concurrency": conc,
+                    "reps": reps,
+                    "spread": run_to_run_spread(reps) if len(reps) > 1 else {},
+                    "run2_run1_output_throughput_ratio": rep_ratio(reps),
+                }
+            )
     return {"model": model, "endpoint": opts.endpoint, "api_url": url, "points": points}
 
 

@@ -283,7 +283,9 @@ def _fixed_state(inp: CapacityInputs, block_bytes: int) -> tuple[int, int]:
     return fixed, inp.budget_bytes - fixed
 
 
-def _kv_floor(inp: CapacityInputs, fixed: int, avail: int, block_bytes: int, warnings: list[str]) -> tuple[int, int]:
+def _kv_floor(
+    inp: CapacityInputs, fixed: int, avail: int, block_bytes: int, warnings: list[str]
+) -> tuple[int, int]:
     """3. the KV floor: the longest legal request must fit next to max_batch_size-1 small ones. Returns
     (the floor in blocks, the ideal floor)."""
     bsz, tpb, msl = inp.max_batch_size, inp.tokens_per_block, inp.max_seq_len
@@ -296,7 +298,9 @@ def _kv_floor(inp: CapacityInputs, fixed: int, avail: int, block_bytes: int, war
     single = max(0, fit - (bsz - 1)) * tpb
     if not inp.allow_oversized_max_seq_len:
         need = fixed + ideal_floor * block_bytes
-        hint = f"lower {KNOB_MAX_SEQ_LEN} (to at most {single:,})" if single > 0 else f"lower {KNOB_MAX_SEQ_LEN}"
+        hint = (
+            f"lower {KNOB_MAX_SEQ_LEN} (to at most {single:,})" if single > 0 else f"lower {KNOB_MAX_SEQ_LEN}"
+        )
         raise ValueError(
             f"{KNOB_MAX_SEQ_LEN}={msl:,} does not fit in the KV cache: after the Mamba state "
             f"({_fmt_bytes(fixed)}) the budget leaves {avail:,} bytes ({_fmt_bytes(avail)}) = "
@@ -316,7 +320,9 @@ def _kv_floor(inp: CapacityInputs, fixed: int, avail: int, block_bytes: int, war
     return fit, ideal_floor
 
 
-def _kv_cap_blocks(inp: CapacityInputs, ideal_floor: int, block_bytes: int, warnings: list[str]) -> int | None:
+def _kv_cap_blocks(
+    inp: CapacityInputs, ideal_floor: int, block_bytes: int, warnings: list[str]
+) -> int | None:
     """kv_cache_config.max_tokens as blocks (None: no cap)."""
     if inp.max_kv_tokens is None:
         return None
@@ -344,7 +350,12 @@ def _avg_seq_len(inp: CapacityInputs) -> tuple[int, str]:
 
 
 def _split(
-    inp: CapacityInputs, avail: int, floor: int, cap_blocks: int | None, avg: int, block_bytes: int,
+    inp: CapacityInputs,
+    avail: int,
+    floor: int,
+    cap_blocks: int | None,
+    avg: int,
+    block_bytes: int,
     warnings: list[str],
 ) -> tuple[int, int, int]:
     """4.-6. snapshot slots out of what is left after the floor, KV takes everything else. Returns

@@ -20,7 +20,9 @@ import torch.distributed as dist
 from hyserve.distributed.state import Group
 
 # torch 2.10 renamed the tensor forms (all_gather_into_tensor / reduce_scatter_tensor -> *_single)
-_all_gather_single: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_all_gather_single: Callable[..., Any] = (
+    getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+)
 _reduce_scatter_single: Callable[..., Any] = (
     getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 )
@@ -86,7 +88,10 @@ def reduce_scatter(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
 
 
 def all_to_all(
-    x: torch.Tensor, group: Group, *, send_counts: Sequence[int] | None = None,
+    x: torch.Tensor,
+    group: Group,
+    *,
+    send_counts: Sequence[int] | None = None,
     recv_counts: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Exchange rows of `x` (dim 0): `send_counts[j]` consecutive rows go to group rank j, and the result
@@ -113,7 +118,8 @@ def all_to_all(
         raise ValueError(f"all_to_all: send_counts sum to {sum(send_counts)} but x has {src.shape[0]} rows")
     out = src.new_empty((sum(recv_counts), *src.shape[1:]))
     _run(
-        "all_to_all", group,
+        "all_to_all",
+        group,
         lambda: dist.all_to_all_single(out, src, list(recv_counts), list(send_counts), group=group.pg),
     )
     return out
@@ -125,9 +131,15 @@ def broadcast_object(obj: Any, group: Group, src: int = 0) -> Any:
     if group.size == 1:
         return obj
     if not 0 <= src < group.size:
-        raise ValueError(f"broadcast_object: src {src} is not a rank of the {group.name} group of {group.size}")
+        raise ValueError(
+            f"broadcast_object: src {src} is not a rank of the {group.name} group of {group.size}"
+        )
     box = [obj if group.rank == src else None]
-    _run("broadcast_object", group, lambda: dist.broadcast_object_list(box, src=group.ranks[src], group=group.pg))
+    _run(
+        "broadcast_object",
+        group,
+        lambda: dist.broadcast_object_list(box, src=group.ranks[src], group=group.pg),
+    )
     return box[0]
 
 

@@ -81,10 +81,24 @@ class _State:
 
 def _single_state(timeout_s: float) -> _State:
     info = ParallelInfo(
-        world_size=1, rank=0, local_rank=0, tp_size=1, tp_rank=0, ep_size=1, ep_rank=0, moe_tp_size=1,
-        moe_tp_rank=0, backend=None, timeout_s=timeout_s,
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        tp_size=1,
+        tp_rank=0,
+        ep_size=1,
+        ep_rank=0,
+        moe_tp_size=1,
+        moe_tp_rank=0,
+        backend=None,
+        timeout_s=timeout_s,
     )
-    return _State(info=info, tp=_single("tp", timeout_s), ep=_single("ep", timeout_s), moe_tp=_single("moe_tp", timeout_s))
+    return _State(
+        info=info,
+        tp=_single("tp", timeout_s),
+        ep=_single("ep", timeout_s),
+        moe_tp=_single("moe_tp", timeout_s),
+    )
 
 
 _STATE: _State = _single_state(envs.HYSERVE_DIST_TIMEOUT_S)
@@ -163,7 +177,9 @@ def init_distributed(
     """
     global _STATE
     if _STATE.info.world_size > 1 or (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("init_distributed: a process group is already set up (call destroy_distributed first)")
+        raise RuntimeError(
+            "init_distributed: a process group is already set up (call destroy_distributed first)"
+        )
     timeout = float(envs.HYSERVE_DIST_TIMEOUT_S if timeout_s is None else timeout_s)
     if not 0.0 < timeout < float("inf"):
         raise ValueError(f"timeout_s must be positive and finite, got {timeout_s}")
@@ -171,7 +187,9 @@ def init_distributed(
     me = rank if rank is not None else (envs.RANK or 0)
     local_world = local_world_size if local_world_size is not None else (envs.LOCAL_WORLD_SIZE or world)
     local = local_rank if local_rank is not None else (envs.LOCAL_RANK if envs.LOCAL_RANK is not None else me)
-    check_world(tp_size=tp_size, ep_size=ep_size, world_size=world, device=device, local_world_size=local_world)
+    check_world(
+        tp_size=tp_size, ep_size=ep_size, world_size=world, device=device, local_world_size=local_world
+    )
     if not 0 <= me < world:
         raise ValueError(f"rank {me} is outside the world of {world} ranks")
     if world == 1:
@@ -196,7 +214,9 @@ def init_distributed(
         ep_ranks, moe_tp_ranks = expert_layout(r, tp_size, ep_size)
         for ranks, pgs in ((ep_ranks, ep_pgs), (moe_tp_ranks, moe_tp_pgs)):
             if len(ranks) > 1 and ranks not in pgs:
-                pgs[ranks] = dist.group.WORLD if list(ranks) == all_ranks else dist.new_group(list(ranks), timeout=td)
+                pgs[ranks] = (
+                    dist.group.WORLD if list(ranks) == all_ranks else dist.new_group(list(ranks), timeout=td)
+                )
     my_ep, my_moe_tp = expert_layout(me, tp_size, ep_size)
 
     def group(name: str, ranks: tuple[int, ...], pg: Any) -> Group:
@@ -205,10 +225,21 @@ def init_distributed(
     ep = group("ep", my_ep, ep_pgs.get(my_ep))
     moe_tp = group("moe_tp", my_moe_tp, moe_tp_pgs.get(my_moe_tp))
     info = ParallelInfo(
-        world_size=world, rank=me, local_rank=local, tp_size=tp_size, tp_rank=me, ep_size=ep_size,
-        ep_rank=ep.rank, moe_tp_size=moe_tp.size, moe_tp_rank=moe_tp.rank, backend=backend, timeout_s=timeout,
+        world_size=world,
+        rank=me,
+        local_rank=local,
+        tp_size=tp_size,
+        tp_rank=me,
+        ep_size=ep_size,
+        ep_rank=ep.rank,
+        moe_tp_size=moe_tp.size,
+        moe_tp_rank=moe_tp.rank,
+        backend=backend,
+        timeout_s=timeout,
     )
-    _STATE = _State(info=info, tp=group("tp", tuple(all_ranks), dist.group.WORLD), ep=ep, moe_tp=moe_tp, owns_pg=True)
+    _STATE = _State(
+        info=info, tp=group("tp", tuple(all_ranks), dist.group.WORLD), ep=ep, moe_tp=moe_tp, owns_pg=True
+    )
     return info
 
 

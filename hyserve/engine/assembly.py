@@ -67,12 +67,16 @@ def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
         d = use_kernel_cache_dir(Path(config.cache_dir) if config.cache_dir else envs.HYSERVE_CACHE_DIR)
         log(f"hyserve: kernel cache: {d}")
         pdl_on = pdl_active(lm.device)
-        log(f"hyserve: decode-path kernels launch {'as programmatic dependent launches' if pdl_on else 'in order'}"
-            f"{'' if pdl_on or envs.HYSERVE_PDL else ' (HYSERVE_PDL=0)'}")
+        log(
+            f"hyserve: decode-path kernels launch {'as programmatic dependent launches' if pdl_on else 'in order'}"
+            f"{'' if pdl_on or envs.HYSERVE_PDL else ' (HYSERVE_PDL=0)'}"
+        )
     if lm.device.type == "cpu" and torch.get_num_threads() <= 2:
         torch.set_num_threads(1)  # 2 threads on 2-core machines were 2-50x slower (docs/architecture.md)
-    log(f"hyserve: {lm.name}: {lm.config.describe()}, {str(lm.dtype).removeprefix('torch.')} on {lm.device} "
-        f"({time.monotonic() - t0:.1f}s); weights on this rank {lm.weight_bytes / 2**30:,.2f} GiB ({lm.weight_format})")
+    log(
+        f"hyserve: {lm.name}: {lm.config.describe()}, {str(lm.dtype).removeprefix('torch.')} on {lm.device} "
+        f"({time.monotonic() - t0:.1f}s); weights on this rank {lm.weight_bytes / 2**30:,.2f} GiB ({lm.weight_format})"
+    )
     sc = config.scheduler
     max_seq_len = sc.max_seq_len or lm.config.max_position_embeddings
     # before anything else runs the model: the profile, the decode graphs and the warm-up see the final scales
@@ -84,42 +88,63 @@ def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
     activations = None
     if lm.device.type == "cuda":
         activations = profile_activations(
-            lm.model, lm.device, max_num_tokens=sc.max_num_tokens, max_batch_size=sc.max_batch_size,
+            lm.model,
+            lm.device,
+            max_num_tokens=sc.max_num_tokens,
+            max_batch_size=sc.max_batch_size,
             graph_batch_size=max(graph_sizes, default=0) or sc.max_batch_size,
             tokens_per_block=config.cache.tokens_per_block,
         )
-        log(f"hyserve: activation peak (profiled): {activations.prefill_peak_bytes / 2**20:,.0f} MiB for a "
-            f"{sc.max_num_tokens}-token step, {activations.decode_peak_bytes / 2**20:,.0f} MiB for a decode step")
+        log(
+            f"hyserve: activation peak (profiled): {activations.prefill_peak_bytes / 2**20:,.0f} MiB for a "
+            f"{sc.max_num_tokens}-token step, {activations.decode_peak_bytes / 2**20:,.0f} MiB for a decode step"
+        )
     budget = cache_budget_bytes(config, lm, activations, graph_sizes)
     if channel is not None:
         budget = smallest_budget(channel, lm, budget, log)
     plan = plan_capacity(capacity_inputs(config, lm, budget, max_seq_len, graph_sizes))
     tensors = lm.model.allocate_cache(
-        num_blocks=plan.num_kv_blocks, tokens_per_block=config.cache.tokens_per_block,
-        num_slots=plan.num_live_slots + plan.num_pad_slots + plan.num_snapshot_slots, device=lm.device,
+        num_blocks=plan.num_kv_blocks,
+        tokens_per_block=config.cache.tokens_per_block,
+        num_slots=plan.num_live_slots + plan.num_pad_slots + plan.num_snapshot_slots,
+        device=lm.device,
     )
     ms = config.cache.mamba_state_config
     cache = HybridCacheManager(
-        plan, has_mamba=lm.config.has_recurrent_state, enable_block_reuse=config.cache.enable_block_reuse,
-        snapshot_interval=ms.periodic_snapshot_interval, snapshot_offsets_from_end=ms.additional_snapshot_offsets_from_end,
+        plan,
+        has_mamba=lm.config.has_recurrent_state,
+        enable_block_reuse=config.cache.enable_block_reuse,
+        snapshot_interval=ms.periodic_snapshot_interval,
+        snapshot_offsets_from_end=ms.additional_snapshot_offsets_from_end,
     )
     scheduler = Scheduler(
-        cache, max_batch_size=sc.max_batch_size, max_num_tokens=sc.max_num_tokens,
-        enable_chunked_prefill=sc.enable_chunked_prefill, chunk_size=lm.config.chunk_size, max_seq_len=max_seq_len,
-        max_num_partial_prefills=sc.max_num_partial_prefills, long_prefill_token_threshold=sc.long_prefill_token_threshold,
+        cache,
+        max_batch_size=sc.max_batch_size,
+        max_num_tokens=sc.max_num_tokens,
+        enable_chunked_prefill=sc.enable_chunked_prefill,
+        chunk_size=lm.config.chunk_size,
+        max_seq_len=max_seq_len,
+        max_num_partial_prefills=sc.max_num_partial_prefills,
+        long_prefill_token_threshold=sc.long_prefill_token_threshold,
         scheduling_policy=sc.scheduling_policy,
     )
     runner = ModelRunner(lm.model, tensors, lm.device)
     if graph_sizes:
         g = runner.capture_graphs(
-            graph_sizes, pad_slot=cache.states.pad_slots[0], enable_padding=config.cuda_graph.enable_padding,
+            graph_sizes,
+            pad_slot=cache.states.pad_slots[0],
+            enable_padding=config.cuda_graph.enable_padding,
             max_blocks_per_seq=min(plan.num_kv_blocks, -(-max_seq_len // config.cache.tokens_per_block)),
         )
-        log(f"hyserve: captured {len(g.sizes)} decode CUDA graphs (batch sizes {g.sizes[0]}..{g.sizes[-1]}) in "
-            f"{g.capture_seconds:.1f}s, {g.graph_bytes / 2**20:,.0f} MiB")
+        log(
+            f"hyserve: captured {len(g.sizes)} decode CUDA graphs (batch sizes {g.sizes[0]}..{g.sizes[-1]}) in "
+            f"{g.capture_seconds:.1f}s, {g.graph_bytes / 2**20:,.0f} MiB"
+        )
     if channel is not None and channel.is_driver:
         runner = DriverRunner(runner, channel)
-    return EngineParts(lm, max_seq_len, graph_sizes, activations, plan, tensors, cache, scheduler, runner, channel)
+    return EngineParts(
+        lm, max_seq_len, graph_sizes, activations, plan, tensors, cache, scheduler, runner, channel
+    )
 
 
 def smallest_budget(channel: StepChannel, lm: LoadedModel, budget: int, log: Callable[[str], None]) -> int:
@@ -132,7 +157,9 @@ def smallest_budget(channel: StepChannel, lm: LoadedModel, budget: int, log: Cal
         f"rank {r} {b / 2**30:,.2f} GiB" + (f" of {f / 2**30:,.2f} GiB free" if f >= 0 else "")
         for r, (b, f) in enumerate(rows)
     )
-    log(f"hyserve: cache budget per rank: {per_rank}; every rank plans from the smallest, {least / 2**30:,.2f} GiB")
+    log(
+        f"hyserve: cache budget per rank: {per_rank}; every rank plans from the smallest, {least / 2**30:,.2f} GiB"
+    )
     return least
 
 
@@ -187,8 +214,12 @@ def cache_budget_bytes(
     # each captured graph keeps its float32 logits alive in the shared graph pool, and the 16-bit logits
     # they were cast from fragment it: 6 bytes per logit (matched on the H200 to within 2%)
     graph_logits = sum(graph_sizes) * lm.config.vocab_size * 6
-    return device_cache_budget(free, c.free_gpu_memory_fraction, activations.total_bytes + graph_logits + slack,
-                               c.max_gpu_total_bytes)
+    return device_cache_budget(
+        free,
+        c.free_gpu_memory_fraction,
+        activations.total_bytes + graph_logits + slack,
+        c.max_gpu_total_bytes,
+    )
 
 
 def graph_batch_sizes(config: EngineConfig, lm: LoadedModel, log: Callable[[str], None]) -> list[int]:

@@ -35,9 +35,18 @@ logger = logging.getLogger("hyserve")
 
 
 def _error_delta(request_id: str, error: str, *, num_prompt_tokens: int = 0) -> StreamDelta:
-    return StreamDelta(request_id=request_id, token_ids=[], text="", logprobs=None, finished=True,
-                       finish_reason="error", num_prompt_tokens=num_prompt_tokens, num_cached_tokens=0,
-                       num_output_tokens=0, error=error)
+    return StreamDelta(
+        request_id=request_id,
+        token_ids=[],
+        text="",
+        logprobs=None,
+        finished=True,
+        finish_reason="error",
+        num_prompt_tokens=num_prompt_tokens,
+        num_cached_tokens=0,
+        num_output_tokens=0,
+        error=error,
+    )
 
 
 def _put_all(items: list[tuple[asyncio.Queue[StreamDelta], StreamDelta]]) -> None:
@@ -97,7 +106,9 @@ class AsyncEngine:
     def capacity_report(self) -> str:
         return self.engine.capacity_report()
 
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+    def validate_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> None:
         self.engine.validate_request(prompt_token_ids, params, priority)
 
     def stats(self) -> dict[str, float]:
@@ -122,7 +133,12 @@ class AsyncEngine:
             raise TimeoutError(f"the engine did not reset within {timeout:.0f}s")
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prompt: str | None = None,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[StreamDelta]:
         """Stream a request's deltas. Raises RequestRejected / ValueError before the first yield. `priority`:
@@ -233,8 +249,10 @@ class AsyncEngine:
         while now - self._failures[0] > self.config.engine_failure_window_s:
             self._failures.popleft()
         if len(self._failures) >= self.config.engine_failure_limit:
-            self._die(f"{reason} ({len(self._failures)} engine failures within "
-                      f"{self.config.engine_failure_window_s:g}s)")
+            self._die(
+                f"{reason} ({len(self._failures)} engine failures within "
+                f"{self.config.engine_failure_window_s:g}s)"
+            )
             return False
         try:
             deltas = self.engine.reset_after_failure(f"engine failure, the engine was reset: {reason}")
@@ -246,10 +264,16 @@ class AsyncEngine:
         # a stream whose final delta was lost with the failed step: neither in the engine nor on its way in
         with self._lock:
             orphans = [rid for rid in self._streams if rid not in self._adding]
-        self._deliver_all([_error_delta(rid, f"engine failure, the engine was reset: {reason}") for rid in orphans])
+        self._deliver_all(
+            [_error_delta(rid, f"engine failure, the engine was reset: {reason}") for rid in orphans]
+        )
         self._publish_stats()
-        logger.warning("engine reset after a failure (%d within %gs; the limit is %d)", len(self._failures),
-                       self.config.engine_failure_window_s, self.config.engine_failure_limit)
+        logger.warning(
+            "engine reset after a failure (%d within %gs; the limit is %d)",
+            len(self._failures),
+            self.config.engine_failure_window_s,
+            self.config.engine_failure_limit,
+        )
         return True
 
     def _die(self, reason: str) -> None:

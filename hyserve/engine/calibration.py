@@ -35,8 +35,9 @@ def calibrate_step_cost(engine: LLMEngine, target_ms: float) -> StepCostModel | 
     long = (long_n, _time_prefill(engine, long_n)) if long_n > short_n else short
     attn, kv_read = _time_attention(engine)
     engine.reset_after_warmup()
-    return fit_step_cost(short=short, long=long, attention=attn, kv_read_ms=kv_read, target_ms=target_ms,
-                         floor=floor)
+    return fit_step_cost(
+        short=short, long=long, attention=attn, kv_read_ms=kv_read, target_ms=target_ms, floor=floor
+    )
 
 
 def calibration_sizes(engine: LLMEngine) -> tuple[int, int, int]:
@@ -86,8 +87,12 @@ def _time_prefill(engine: LLMEngine, n: int) -> float:
     ms = _median_ms(run, reps=3)
     per_run = (engine.counters["prefill_steps_total"] - steps) / count[0]
     if per_run != 1:
-        logger.warning("step cost calibration: a %d-token prompt took %.1f prefill steps, not one; the model's "
-                       "per-token terms are less certain", n, per_run)
+        logger.warning(
+            "step cost calibration: a %d-token prompt took %.1f prefill steps, not one; the model's "
+            "per-token terms are less certain",
+            n,
+            per_run,
+        )
     return ms
 
 
@@ -112,7 +117,9 @@ def _time_attention(engine: LLMEngine) -> tuple[tuple[int, int, float], float]:
         scales = {"k_scale": one, "v_scale": one}
     attend = ops.get("paged_attention", True)
     q = torch.randn(q_n, heads, head_dim, device=dev, dtype=dtype)
-    prefill_ms = _median_ms(lambda: attend(q, k, v, table, [ctx], [0, q_n], head_dim**-0.5, **scales)) * layers
+    prefill_ms = (
+        _median_ms(lambda: attend(q, k, v, table, [ctx], [0, q_n], head_dim**-0.5, **scales)) * layers
+    )
     rows = 8
     qd = torch.randn(rows, heads, head_dim, device=dev, dtype=dtype)
     lens = torch.full((rows,), ctx, dtype=torch.int32, device=dev)

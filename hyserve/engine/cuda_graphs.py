@@ -47,7 +47,10 @@ def default_capture_sizes(max_batch_size: int) -> list[int]:
 
 
 def pack_decode_rows(
-    seqs: Sequence[ScheduledSeq], padded: int, tokens_per_block: int, pad_slot: int,
+    seqs: Sequence[ScheduledSeq],
+    padded: int,
+    tokens_per_block: int,
+    pad_slot: int,
     feed_rows: Sequence[int] | None = None,
 ) -> list[int]:
     """The [_ROWS, padded] int64 staging rows of one decode step, flattened row-major (see the
@@ -188,8 +191,9 @@ class DecodeGraphs:
         B = self.size_for(b)
         if B is None:
             return None
-        packed = pack_decode_rows(seqs, B, self.tokens_per_block, self.pad_slot,
-                                  feed[1] if feed is not None else None)
+        packed = pack_decode_rows(
+            seqs, B, self.tokens_per_block, self.pad_slot, feed[1] if feed is not None else None
+        )
         n = _ROWS * B
         turn, self._turn = self._turn, 1 - self._turn
         host, done = self._hosts[turn], self._host_done[turn]
@@ -213,11 +217,15 @@ class DecodeGraphs:
             if min(feed[1]) >= 0:
                 self._ids[:b].copy_(feed[0].index_select(0, r))
             else:  # a row of -1 keeps the token the host knows
-                self._ids[:b].copy_(torch.where(r >= 0, feed[0].index_select(0, r.clamp(min=0)), self._ids[:b]))
+                self._ids[:b].copy_(
+                    torch.where(r >= 0, feed[0].index_select(0, r.clamp(min=0)), self._ids[:b])
+                )
         width = max(len(s.block_ids) for s in seqs)
         if width > self._tables.shape[1]:
-            raise ValueError(f"decode graph: a block table of {width} blocks exceeds the captured width "
-                             f"{self._tables.shape[1]}")
+            raise ValueError(
+                f"decode graph: a block table of {width} blocks exceeds the captured width "
+                f"{self._tables.shape[1]}"
+            )
         tables = torch.zeros(b, width, dtype=torch.int32)
         for i, s in enumerate(seqs):
             tables[i, : len(s.block_ids)] = torch.as_tensor(s.block_ids, dtype=torch.int32)

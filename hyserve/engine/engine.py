@@ -69,20 +69,41 @@ class LLMEngine:
         self.cache = parts.cache
         self.scheduler = parts.scheduler
         self.runner = parts.runner
-        self.inputs = InputProcessor(vocab_size=self.model_config.vocab_size, max_seq_len=self.max_seq_len,
-                                     plan=self.plan, scheduler=config.scheduler)
-        self.outputs = OutputProcessor(tokenizer=self.tokenizer, eos_token_ids=self.model_config.eos_token_ids,
-                                       max_seq_len=self.max_seq_len)
+        self.inputs = InputProcessor(
+            vocab_size=self.model_config.vocab_size,
+            max_seq_len=self.max_seq_len,
+            plan=self.plan,
+            scheduler=config.scheduler,
+        )
+        self.outputs = OutputProcessor(
+            tokenizer=self.tokenizer,
+            eos_token_ids=self.model_config.eos_token_ids,
+            max_seq_len=self.max_seq_len,
+        )
         self.sampler = Sampler(config.seed)
-        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)  # grammar per request
+        self.structured = StructuredOutputs(
+            self.tokenizer, self.model_config.vocab_size
+        )  # grammar per request
         self._inflight: PendingStep | None = None
         self.requests: dict[str, Request] = {}
         self._alloc_retries_base = 0
         self._allocator: tuple[float, int] = (0.0, 0)  # (when read, num_alloc_retries)
-        self.counters = dict.fromkeys(("prompt_tokens_total", "generation_tokens_total", "requests_finished_total",
-                                       "step_failures_total", "request_failures_total", "isolation_probes_total",
-                                       "engine_restarts_total", "overlapped_steps_total", "steps_total",
-                                       "prefill_steps_total", "prefill_tokens_scheduled_total"), 0)
+        self.counters = dict.fromkeys(
+            (
+                "prompt_tokens_total",
+                "generation_tokens_total",
+                "requests_finished_total",
+                "step_failures_total",
+                "request_failures_total",
+                "isolation_probes_total",
+                "engine_restarts_total",
+                "overlapped_steps_total",
+                "steps_total",
+                "prefill_steps_total",
+                "prefill_tokens_scheduled_total",
+            ),
+            0,
+        )
         self.faults = FaultInjector.parse(envs.HYSERVE_FAULT_INJECT)  # None unless set (engine/faults.py)
         self.warmup_report: WarmupReport | None = None
         self._log(self.plan.report())
@@ -95,14 +116,21 @@ class LLMEngine:
         return self.plan.report()
 
     # ---- requests ---------------------------------------------------------------------------------
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+    def validate_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> None:
         """Raise RequestRejected for a request that must not enter the engine (GrammarError, a ValueError, for
         a structured-outputs spec that cannot compile)."""
         self.inputs.validate(prompt_token_ids, params, priority)
         self.structured.validate(params)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prompt: str | None = None,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
         priority: int = 0,
     ) -> Request:
         """`priority`: lower is served earlier under scheduling_policy "priority" (0 only under "fcfs")."""
@@ -110,8 +138,13 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.inputs.validate(prompt_token_ids, params, priority)
         self.structured.add(request_id, params)
-        req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params, prompt=prompt,
-                      priority=priority)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            prompt=prompt,
+            priority=priority,
+        )
         self.requests[request_id] = req
         self.outputs.add(req)
         self.scheduler.add(req)
@@ -143,7 +176,9 @@ class LLMEngine:
                 logits = self.execute_rows(batch, prev, self.requests)
                 self.scheduler.update(batch, self.requests)
                 updated = True
-                if prev is not None and self.structured.constrains([s.request_id for s in batch.seqs if s.sample]):
+                if prev is not None and self.structured.constrains(
+                    [s.request_id for s in batch.seqs if s.sample]
+                ):
                     # a grammar's next mask needs its previous token: read the in-flight step first
                     deltas += self._read(prev)
                     prev = None
@@ -174,8 +209,9 @@ class LLMEngine:
             self.counters["prefill_steps_total"] += 1
             self.counters["prefill_tokens_scheduled_total"] += prefill
 
-    def execute_rows(self, batch: ScheduledBatch, prev: PendingStep | None, requests: dict[str, Request]
-                     ) -> torch.Tensor:
+    def execute_rows(
+        self, batch: ScheduledBatch, prev: PendingStep | None, requests: dict[str, Request]
+    ) -> torch.Tensor:
         """Run `batch` on the model and record its prompt logprobs into `requests` (copies for an isolation
         probe). Returns the sampling rows' logits."""
         fed = prev is not None and any(s.feed_row is not None for s in batch.seqs[: batch.num_decodes])
@@ -189,8 +225,14 @@ class LLMEngine:
             record_prompt_logprobs(self.runner, batch, requests)
         return logits
 
-    def sample_rows(self, batch: ScheduledBatch, logits: torch.Tensor, prev: PendingStep | None,
-                    sampler: Sampler, requests: dict[str, Request]) -> PendingStep:
+    def sample_rows(
+        self,
+        batch: ScheduledBatch,
+        logits: torch.Tensor,
+        prev: PendingStep | None,
+        sampler: Sampler,
+        requests: dict[str, Request],
+    ) -> PendingStep:
         """Sample `batch`'s sampling rows with `sampler` (a throwaway one for an isolation probe)."""
         sampling = [s for s in batch.seqs if s.sample]
         if self.faults is not None:
@@ -214,8 +256,11 @@ class LLMEngine:
         out: list[History | None] = []
         for s in sampling:
             req = self.requests.get(s.request_id)
-            out.append((req.prompt_token_ids, req.output_token_ids)
-                       if req is not None and s.params.needs_history else None)
+            out.append(
+                (req.prompt_token_ids, req.output_token_ids)
+                if req is not None and s.params.needs_history
+                else None
+            )
         return out
 
     def _read(self, step: PendingStep) -> list[StreamDelta]:
@@ -232,8 +277,11 @@ class LLMEngine:
                 deltas.append(self._append_token(req, tok, lp))
             except Exception as e:  # token append, stop strings, detokenizer, grammar: this request alone
                 logger.exception("request %s failed on the host", req.request_id)
-                deltas.append(self.fail_request(req, f"internal error while processing this request's output: "
-                                                     f"{type(e).__name__}: {e}"))
+                deltas.append(
+                    self.fail_request(
+                        req, f"internal error while processing this request's output: {type(e).__name__}: {e}"
+                    )
+                )
         return deltas
 
     def drain(self) -> list[StreamDelta]:
@@ -321,6 +369,9 @@ class LLMEngine:
             "num_preemptions": s.num_preemptions,
             "jit_compiles_after_ready": self.jit.compiles_after_ready,
             **self.counters,
-            **({"cuda_alloc_retries": self._alloc_retries() - self._alloc_retries_base}
-               if self.device.type == "cuda" else {}),
+            **(
+                {"cuda_alloc_retries": self._alloc_retries() - self._alloc_retries_base}
+                if self.device.type == "cuda"
+                else {}
+            ),
         }

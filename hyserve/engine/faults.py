@@ -39,10 +39,13 @@ class FaultInjector:
             site, sep, rest = item.partition(":")
             match, at, n = rest.partition("@")
             if not sep or site not in SITES or not match:
-                raise ValueError(f"{source}: {item!r} is not site:request-id-substring[@n] with site one of "
-                                 f"{list(SITES)}")
+                raise ValueError(
+                    f"{source}: {item!r} is not site:request-id-substring[@n] with site one of {list(SITES)}"
+                )
             if at and not (n.isdigit()):
-                raise ValueError(f"{source}: {item!r}: the count after '@' must be an integer >= 0, got {n!r}")
+                raise ValueError(
+                    f"{source}: {item!r}: the count after '@' must be an integer >= 0, got {n!r}"
+                )
             faults.append(Fault(site=site, match=match, after=int(n) if at else 0))
         return cls(faults) if faults else None
 

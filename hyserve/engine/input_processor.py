@@ -12,7 +12,9 @@ from hyserve.engine.sampling_params import SamplingParams
 
 
 class InputProcessor:
-    def __init__(self, *, vocab_size: int, max_seq_len: int, plan: CapacityPlan, scheduler: SchedulerConfig) -> None:
+    def __init__(
+        self, *, vocab_size: int, max_seq_len: int, plan: CapacityPlan, scheduler: SchedulerConfig
+    ) -> None:
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
         self.plan = plan
@@ -23,7 +25,9 @@ class InputProcessor:
         self._check_priority(priority)
         n = len(prompt_token_ids)
         if n == 0:
-            raise RequestRejected("the prompt is empty; send at least one token", param="prompt", code="empty_prompt")
+            raise RequestRejected(
+                "the prompt is empty; send at least one token", param="prompt", code="empty_prompt"
+            )
         self._check_token_ids(prompt_token_ids)
         vocab = self.vocab_size
         bias_bad = [t for t, _ in params.logit_bias if t >= vocab]
@@ -63,8 +67,9 @@ class InputProcessor:
         """An integer; under "fcfs" only 0, as vLLM: a priority the queue would silently ignore is a mistake
         worth stopping for."""
         if isinstance(priority, bool) or not isinstance(priority, int):
-            raise RequestRejected(f"priority must be an integer, got {priority!r}", param="priority",
-                                  code="invalid_priority")
+            raise RequestRejected(
+                f"priority must be an integer, got {priority!r}", param="priority", code="invalid_priority"
+            )
         if priority != 0 and self.scheduler.scheduling_policy == "fcfs":
             raise RequestRejected(
                 f"got priority {priority}, but priority scheduling is not enabled (scheduling_policy is fcfs); "

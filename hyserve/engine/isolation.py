@@ -43,8 +43,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("hyserve")
 
 
-def isolate_failure(eng: LLMEngine, batch: ScheduledBatch, feed: PendingStep | None, err: Exception, *,
-                    updated: bool) -> list[StreamDelta]:
+def isolate_failure(
+    eng: LLMEngine, batch: ScheduledBatch, feed: PendingStep | None, err: Exception, *, updated: bool
+) -> list[StreamDelta]:
     """`batch` raised `err`; `feed`: the step its device-fed decode rows read from; `updated`: the scheduler
     had taken the step in (its snapshots committed). Fails the culprit, restores the others; returns the
     failed requests' final deltas."""
@@ -54,16 +55,25 @@ def isolate_failure(eng: LLMEngine, batch: ScheduledBatch, feed: PendingStep | N
     alive = [s for s in batch.seqs if (r := eng.requests.get(s.request_id)) is not None and not r.finished]
     decodes = {s.request_id for s in batch.seqs[: batch.num_decodes]}
     # strict_warmup's late compilation is the step's, not a request's: no probe (it could compile again)
-    culprit, cause = (None, err) if isinstance(err, JitAfterReadyError) else _find_culprit(eng, alive, decodes, feed, err)
+    culprit, cause = (
+        (None, err) if isinstance(err, JitAfterReadyError) else _find_culprit(eng, alive, decodes, feed, err)
+    )
     # the culprit's own failure: with two faulty requests in one step, the step's error may be the other's
     msg = f"internal error while running this request: {type(cause).__name__}: {cause}"
     if culprit is None:
-        logger.error("step failed (%s) and no single request of its %d fails it alone: failing them all",
-                     err, len(alive))
+        logger.error(
+            "step failed (%s) and no single request of its %d fails it alone: failing them all",
+            err,
+            len(alive),
+        )
         failed = alive
     else:
-        logger.error("step failed (%s); request %s fails it alone: failing it, %d others continue",
-                     err, culprit.request_id, len(alive) - 1)
+        logger.error(
+            "step failed (%s); request %s fails it alone: failing it, %d others continue",
+            err,
+            culprit.request_id,
+            len(alive) - 1,
+        )
         failed = [culprit]
     out = [eng.fail_request(eng.requests[s.request_id], msg) for s in failed]
     bad = {s.request_id for s in failed}
@@ -74,8 +84,9 @@ def isolate_failure(eng: LLMEngine, batch: ScheduledBatch, feed: PendingStep | N
     return out
 
 
-def _find_culprit(eng: LLMEngine, seqs: list[ScheduledSeq], decodes: set[str], feed: PendingStep | None,
-                  err: Exception) -> tuple[ScheduledSeq | None, Exception]:
+def _find_culprit(
+    eng: LLMEngine, seqs: list[ScheduledSeq], decodes: set[str], feed: PendingStep | None, err: Exception
+) -> tuple[ScheduledSeq | None, Exception]:
     """The row of `seqs` (a failed step, in batch order, that raised `err`) that fails alone, or None, and the
     error of the last step that failed with it in."""
     suspects, cause = seqs, err  # the failed step confirms the whole batch
@@ -95,14 +106,18 @@ def _find_culprit(eng: LLMEngine, seqs: list[ScheduledSeq], decodes: set[str], f
     return (suspects[0], cause) if suspects else (None, err)
 
 
-def _fails(eng: LLMEngine, seqs: list[ScheduledSeq], decodes: set[str], feed: PendingStep | None
-           ) -> Exception | None:
+def _fails(
+    eng: LLMEngine, seqs: list[ScheduledSeq], decodes: set[str], feed: PendingStep | None
+) -> Exception | None:
     """Rerun `seqs` as a step of their own, keeping nothing; the exception if it raises."""
     eng.counters["isolation_probes_total"] += 1
     rows = [dataclasses.replace(s, snapshots=[], snapshot_keys=[], snapshot_positions=[]) for s in seqs]
     probe = ScheduledBatch(seqs=rows, num_decodes=sum(s.request_id in decodes for s in rows))
-    shadow = {s.request_id: dataclasses.replace(r, prompt_logprobs=list(r.prompt_logprobs))
-              for s in rows if (r := eng.requests.get(s.request_id)) is not None}
+    shadow = {
+        s.request_id: dataclasses.replace(r, prompt_logprobs=list(r.prompt_logprobs))
+        for s in rows
+        if (r := eng.requests.get(s.request_id)) is not None
+    }
     try:
         logits = eng.execute_rows(probe, feed, shadow)
         if any(s.sample for s in rows):
@@ -123,16 +138,31 @@ def reset_engine(eng: LLMEngine, reason: str) -> list[StreamDelta]:
         try:
             out.append(eng.outputs.delta(req, finished=True))
         except Exception:  # its output state is what failed: a bare final delta
-            out.append(StreamDelta(request_id=req.request_id, token_ids=[], text="", logprobs=None, finished=True,
-                                   finish_reason="error", num_prompt_tokens=req.num_prompt_tokens,
-                                   num_cached_tokens=req.num_cached_tokens,
-                                   num_output_tokens=len(req.output_token_ids), error=reason))
+            out.append(
+                StreamDelta(
+                    request_id=req.request_id,
+                    token_ids=[],
+                    text="",
+                    logprobs=None,
+                    finished=True,
+                    finish_reason="error",
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_cached_tokens=req.num_cached_tokens,
+                    num_output_tokens=len(req.output_token_ids),
+                    error=reason,
+                )
+            )
         eng.outputs.drop(req.request_id)
         eng.structured.remove(req.request_id)
     eng.requests.clear()
     old = eng.cache
-    fresh = HybridCacheManager(old.plan, has_mamba=old.has_mamba, enable_block_reuse=old.reuse,
-                               snapshot_interval=old.snapshot_interval, snapshot_offsets_from_end=old.snapshot_offsets)
+    fresh = HybridCacheManager(
+        old.plan,
+        has_mamba=old.has_mamba,
+        enable_block_reuse=old.reuse,
+        snapshot_interval=old.snapshot_interval,
+        snapshot_offsets_from_end=old.snapshot_offsets,
+    )
     fresh.prefix_queries, fresh.prefix_hits = old.prefix_queries, old.prefix_hits
     eng.cache = fresh
     eng.scheduler.reset(fresh)

@@ -65,12 +65,15 @@ class JitSentinel:
     def mark_ready(self) -> None:
         self.ready = True
 
-    def on_compile(self, *, src: Any, metadata: dict[str, Any], metadata_group: Any, times: Any,
-                   cache_hit: bool) -> None:
+    def on_compile(
+        self, *, src: Any, metadata: dict[str, Any], metadata_group: Any, times: Any, cache_hit: bool
+    ) -> None:
         name = str(getattr(getattr(src, "fn", None), "__name__", None) or metadata.get("name", "?"))
         # constants (incl. ints specialised to 1), argument types, and attrs (16-divisible ints/pointers)
         spec = " ".join(str(getattr(src, a, "")) for a in ("constants", "signature", "attrs"))
-        ev = CompileEvent(kernel=name, specialization=spec.strip(), cache_hit=cache_hit, after_ready=self.ready)
+        ev = CompileEvent(
+            kernel=name, specialization=spec.strip(), cache_hit=cache_hit, after_ready=self.ready
+        )
         with self._lock:
             self.events.append(ev)
             if self.ready:
@@ -78,8 +81,11 @@ class JitSentinel:
         if self.ready:
             logger.warning(
                 "JIT after ready: Triton %s kernel %s (%s); warm-up did not cover this variant",
-                "loaded" if cache_hit else "compiled", name, ev.specialization,
+                "loaded" if cache_hit else "compiled",
+                name,
+                ev.specialization,
             )
         if self._previous is not None:
-            self._previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
-                           cache_hit=cache_hit)
+            self._previous(
+                src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit
+            )

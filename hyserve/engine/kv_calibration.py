@@ -98,10 +98,16 @@ class KvCalibration:
             return f"{kind}_scale {lo:.4g}" + (f"..{hi:.4g}" if hi != lo else "")
 
         n = len(self.scales)
-        rest = "" if n == self.num_attention_layers else f"; the other {self.num_attention_layers - n} from the checkpoint"
-        return (f"fp8 KV cache: k_scale / v_scale calibrated in {n} of {self.num_attention_layers} attention layers"
-                f"{rest} (amax / {FP8_E4M3_MAX:g} x {HEADROOM:g} headroom, per tensor; a {self.num_tokens:,}-token "
-                f"prefill of {self.batch}): {span('k')}, {span('v')} ({self.seconds:.1f}s)")
+        rest = (
+            ""
+            if n == self.num_attention_layers
+            else f"; the other {self.num_attention_layers - n} from the checkpoint"
+        )
+        return (
+            f"fp8 KV cache: k_scale / v_scale calibrated in {n} of {self.num_attention_layers} attention layers"
+            f"{rest} (amax / {FP8_E4M3_MAX:g} x {HEADROOM:g} headroom, per tensor; a {self.num_tokens:,}-token "
+            f"prefill of {self.batch}): {span('k')}, {span('v')} ({self.seconds:.1f}s)"
+        )
 
 
 def calibration_batch(lm: LoadedModel, max_seq_len: int) -> tuple[list[list[int]], str]:
@@ -120,24 +126,39 @@ def calibration_batch(lm: LoadedModel, max_seq_len: int) -> tuple[list[list[int]
 def _scratch_cache(lm: LoadedModel, lengths: list[int], tokens_per_block: int) -> CacheTensors:
     """Blocks for the sequences and a state slot each, in this rank's shapes, with KV in the model's dtype."""
     blocks = sum(-(-n // tokens_per_block) for n in lengths)
-    shapes = lm.model.allocate_cache(num_blocks=blocks, tokens_per_block=tokens_per_block, num_slots=len(lengths),
-                                     device="meta")
+    shapes = lm.model.allocate_cache(
+        num_blocks=blocks, tokens_per_block=tokens_per_block, num_slots=len(lengths), device="meta"
+    )
 
     def zeros(d: dict[int, torch.Tensor], dtype: torch.dtype | None = None) -> dict[int, torch.Tensor]:
         return {i: torch.zeros(t.shape, dtype=dtype or t.dtype, device=lm.device) for i, t in d.items()}
 
-    return CacheTensors(k=zeros(shapes.k, lm.dtype), v=zeros(shapes.v, lm.dtype), conv=zeros(shapes.conv),
-                        ssm=zeros(shapes.ssm), tokens_per_block=tokens_per_block)
+    return CacheTensors(
+        k=zeros(shapes.k, lm.dtype),
+        v=zeros(shapes.v, lm.dtype),
+        conv=zeros(shapes.conv),
+        ssm=zeros(shapes.ssm),
+        tokens_per_block=tokens_per_block,
+    )
 
 
-def measure_kv_amax(lm: LoadedModel, prompts: list[list[int]], tokens_per_block: int) -> dict[int, tuple[float, float]]:
+def measure_kv_amax(
+    lm: LoadedModel, prompts: list[list[int]], tokens_per_block: int
+) -> dict[int, tuple[float, float]]:
     """{attention layer: (max |K|, max |V|)} over one eager prefill of `prompts` and every rank's heads (one
     host read at the end). The model's outputs are unused."""
     cache = _scratch_cache(lm, [len(p) for p in prompts], tokens_per_block)
     runner = ModelRunner(lm.model, cache, lm.device)
     with lm.family.record_kv_amax(lm.model) as amax:
-        runner.execute(standalone_prefill(prompts, tokens_per_block=tokens_per_block, request_id="kv-calibration",
-                                          slots=list(range(len(prompts))), params=_ONE))
+        runner.execute(
+            standalone_prefill(
+                prompts,
+                tokens_per_block=tokens_per_block,
+                request_id="kv-calibration",
+                slots=list(range(len(prompts))),
+                params=_ONE,
+            )
+        )
     layers = sorted(amax)
     per_layer = torch.stack([amax[i] for i in layers])  # [layers, 2]
     if parallel_info().tp_size > 1:
@@ -167,5 +188,10 @@ def calibrate_kv_scales(lm: LoadedModel, *, tokens_per_block: int, max_seq_len: 
             # a float32 scale: at least float32's smallest normal, so the buffer never holds 0
             scales.setdefault(i, {})[kind] = max(a * HEADROOM / FP8_E4M3_MAX, _F32_TINY) if a > 0 else 1.0
     lm.family.update_kv_scales(lm.model, scales)
-    return KvCalibration(scales=scales, num_attention_layers=len(amax), num_tokens=sum(map(len, prompts)),
-                         batch=what, seconds=time.monotonic() - t0)
+    return KvCalibration(
+        scales=scales,
+        num_attention_layers=len(amax),
+        num_tokens=sum(map(len, prompts)),
+        batch=what,
+        seconds=time.monotonic() - t0,
+    )

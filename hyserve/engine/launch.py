@@ -64,12 +64,22 @@ def check_layout(config: EngineConfig, *, world_size: int, local_world_size: int
         return
     _family, spec = read_config(d)
     p = config.parallel
-    check_parallel(spec, tp_size=p.tp_size, ep_size=p.ep_size, world_size=world_size,  # type: ignore[arg-type]
-                   device=device, local_world_size=local_world_size)
+    check_parallel(
+        spec,
+        tp_size=p.tp_size,
+        ep_size=p.ep_size,
+        world_size=world_size,  # type: ignore[arg-type]
+        device=device,
+        local_world_size=local_world_size,
+    )
 
 
 def join_group(
-    config: EngineConfig, *, rank: int | None = None, world_size: int | None = None, init_method: str | None = None
+    config: EngineConfig,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str | None = None,
 ) -> ParallelInfo:
     """Check the layout and join the process group: as `rank` of a local launch over `init_method`, or as
     torchrun placed this process (both None)."""
@@ -85,8 +95,14 @@ def join_group(
         local_world = envs.LOCAL_WORLD_SIZE or world
     check_layout(config, world_size=world, local_world_size=local_world, device=device)
     info = init_distributed(
-        tp_size=p.tp_size, ep_size=p.ep_size, device=device, rank=rank, world_size=world if local else None,
-        local_rank=rank if local else None, local_world_size=local_world if local else None, init_method=init_method,
+        tp_size=p.tp_size,
+        ep_size=p.ep_size,
+        device=device,
+        rank=rank,
+        world_size=world if local else None,
+        local_rank=rank if local else None,
+        local_world_size=local_world if local else None,
+        init_method=init_method,
     )
     if device == "cpu" and torch.get_num_threads() > 1:
         torch.set_num_threads(max(1, torch.get_num_threads() // info.world_size))  # the ranks share the cores
@@ -150,8 +166,10 @@ def start_ranks(config: EngineConfig, log: Callable[[str], None]) -> Ranks | Non
                 "(hyserve.engine.worker.run_worker; `hyserve serve` does this itself), only rank 0 builds the engine"
             )
         info = join_group(config)
-        log(f"hyserve: rank 0 of {info.world_size} (torchrun; {info.backend}), tp_size {info.tp_size}, "
-            f"ep_size {info.ep_size}")
+        log(
+            f"hyserve: rank 0 of {info.world_size} (torchrun; {info.backend}), tp_size {info.tp_size}, "
+            f"ep_size {info.ep_size}"
+        )
         return Ranks([])
     tp = config.parallel.tp_size
     device = resolve_device(config.device).type
@@ -163,7 +181,17 @@ def start_ranks(config: EngineConfig, log: Callable[[str], None]) -> Ranks | Non
     payload = pickle.dumps(config)
     procs: list[subprocess.Popen[bytes]] = []
     for r in range(1, tp):
-        cmd = [sys.executable, "-m", WORKER_MODULE, "--rank", str(r), "--world-size", str(tp), "--init-method", init]
+        cmd = [
+            sys.executable,
+            "-m",
+            WORKER_MODULE,
+            "--rank",
+            str(r),
+            "--world-size",
+            str(tp),
+            "--init-method",
+            init,
+        ]
         p = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
         assert p.stdin is not None
         p.stdin.write(payload)
@@ -188,8 +216,15 @@ class RankWatch:
     `on_fatal(reason)` (mark unhealthy, stop serving) and, should the process still be alive
     `exit_after_s` later (an engine thread stuck in a collective), exits it with status 1."""
 
-    def __init__(self, probe: Callable[[], str | None], on_fatal: Callable[[str], None], *,
-                 poll_s: float = 0.2, exit_after_s: float = 25.0, log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        probe: Callable[[], str | None],
+        on_fatal: Callable[[str], None],
+        *,
+        poll_s: float = 0.2,
+        exit_after_s: float = 25.0,
+        log: Callable[[str], None] = print,
+    ) -> None:
         self.probe = probe
         self.on_fatal = on_fatal
         self.poll_s = poll_s
@@ -220,7 +255,9 @@ class RankWatch:
         self._stop.set()
 
 
-def watch_server(async_engine: Any, stop_server: Callable[[], None], log: Callable[[str], None]) -> RankWatch | None:
+def watch_server(
+    async_engine: Any, stop_server: Callable[[], None], log: Callable[[str], None]
+) -> RankWatch | None:
     """`hyserve serve`: a RankWatch over an AsyncEngine whose engine spans ranks (None otherwise). A lost
     rank, a broken group or a dead engine loop marks the engine unhealthy and stops the server."""
     runner = async_engine.engine.runner

@@ -1,10 +1,10 @@
 """`LLM`: the offline API. All prompts of one `generate` call run concurrently through the engine loop.
 
-    llm = LLM()                                  # built-in tiny model
-    outs = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
+llm = LLM()                                  # built-in tiny model
+outs = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
 
-    with LLM(model_dir, tp_size=2) as llm:       # one model over 2 ranks of this host (GPUs, or CPU gloo)
-        ...                                      # leaving the block stops the other ranks
+with LLM(model_dir, tp_size=2) as llm:       # one model over 2 ranks of this host (GPUs, or CPU gloo)
+    ...                                      # leaving the block stops the other ranks
 """
 
 from __future__ import annotations

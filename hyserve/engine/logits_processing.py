@@ -34,15 +34,18 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def _index(rows_tokens: list[tuple[int, Sequence[int]]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _index(
+    rows_tokens: list[tuple[int, Sequence[int]]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, token) index tensors for every token of every listed row."""
     rows = [torch.full((len(toks),), r, dtype=torch.long) for r, toks in rows_tokens]
     toks = [torch.as_tensor(list(toks), dtype=torch.long) for _, toks in rows_tokens]
     return to_device(torch.cat(rows), device), to_device(torch.cat(toks), device)
 
 
-def _pending_index(pending: torch.Tensor | None, rows: list[int], device: torch.device
-                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _pending_index(
+    pending: torch.Tensor | None, rows: list[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(row j, token) device indices of the pending tokens of `rows` (row j = position in `rows`);
     rows without one (-1) point at a scratch column V (callers allocate V + 1 columns)."""
     if pending is None:
@@ -51,8 +54,12 @@ def _pending_index(pending: torch.Tensor | None, rows: list[int], device: torch.
     return torch.arange(len(rows), device=device), sel
 
 
-def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
-                   histories: Sequence[History | None] | None, pending: torch.Tensor | None = None) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[History | None] | None,
+    pending: torch.Tensor | None = None,
+) -> torch.Tensor:
     """logits [n, V] -> the logits to sample from: a new float32 tensor with the penalised rows edited,
     or `logits` itself when no row asks for anything. `histories[i]` is needed for a row with a
     repetition, frequency or presence penalty; `pending` [n] (long, on the logits' device, -1 = none): each
@@ -79,7 +86,9 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
         if pend is not None:
             seen[pend[0], torch.where(pend[1] < 0, vocab, pend[1])] = True
         seen = seen[:, :vocab]
-        pen = to_device(torch.tensor([params[i].repetition_penalty for i in rep], dtype=torch.float32), dev)[:, None]
+        pen = to_device(torch.tensor([params[i].repetition_penalty for i in rep], dtype=torch.float32), dev)[
+            :, None
+        ]
         rows_t = to_device(torch.tensor(rep, dtype=torch.long), dev)
         sub = x[rows_t]
         x[rows_t] = torch.where(seen, torch.where(sub > 0, sub / pen, sub * pen), sub)
@@ -90,13 +99,23 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
             counts = torch.zeros(len(occ), vocab + 1, dtype=torch.float32, device=dev)  # column V: scratch
             if outs:
                 r_idx, t_idx = _index(outs, dev)
-                counts.index_put_((r_idx, t_idx), torch.ones_like(r_idx, dtype=torch.float32), accumulate=True)
+                counts.index_put_(
+                    (r_idx, t_idx), torch.ones_like(r_idx, dtype=torch.float32), accumulate=True
+                )
             if pend is not None:
-                counts.index_put_((pend[0], torch.where(pend[1] < 0, vocab, pend[1])),
-                                  torch.ones_like(pend[0], dtype=torch.float32), accumulate=True)
+                counts.index_put_(
+                    (pend[0], torch.where(pend[1] < 0, vocab, pend[1])),
+                    torch.ones_like(pend[0], dtype=torch.float32),
+                    accumulate=True,
+                )
             counts = counts[:, :vocab]
-            coef = to_device(torch.tensor([[params[i].frequency_penalty, params[i].presence_penalty] for i in occ],
-                                          dtype=torch.float32), dev)
+            coef = to_device(
+                torch.tensor(
+                    [[params[i].frequency_penalty, params[i].presence_penalty] for i in occ],
+                    dtype=torch.float32,
+                ),
+                dev,
+            )
             rows_t = to_device(torch.tensor(occ, dtype=torch.long), dev)
             x[rows_t] = x[rows_t] - coef[:, :1] * counts - coef[:, 1:] * (counts > 0).float()
     bias = [(i, params[i].logit_bias) for i in rows if params[i].logit_bias]
@@ -104,9 +123,14 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
         r_list = [i for i, b in bias for _ in b]
         t_list = [t for _, b in bias for t, _ in b]
         v_list = [v for _, b in bias for _, v in b]
-        x.index_put_((to_device(torch.tensor(r_list, dtype=torch.long), dev),
-                      to_device(torch.tensor(t_list, dtype=torch.long), dev)),
-                     to_device(torch.tensor(v_list, dtype=torch.float32), dev), accumulate=True)
+        x.index_put_(
+            (
+                to_device(torch.tensor(r_list, dtype=torch.long), dev),
+                to_device(torch.tensor(t_list, dtype=torch.long), dev),
+            ),
+            to_device(torch.tensor(v_list, dtype=torch.float32), dev),
+            accumulate=True,
+        )
     assert x.shape == (n, vocab)
     return x
 

@@ -32,11 +32,20 @@ class ActivationProfile:
         return self.prefill_peak_bytes + self.decode_peak_bytes
 
 
-def _seq(tokens: list[int], blocks: list[int], slot: int, snapshots: list[tuple[int, int]] | None = None
-         ) -> ScheduledSeq:
+def _seq(
+    tokens: list[int], blocks: list[int], slot: int, snapshots: list[tuple[int, int]] | None = None
+) -> ScheduledSeq:
     return ScheduledSeq(
-        request_id="profile", token_ids=tokens, start_pos=0, block_ids=blocks, state_src=None, state_dst=slot,
-        sample=True, snapshots=snapshots or [], params=SamplingParams(), num_output_tokens=0,
+        request_id="profile",
+        token_ids=tokens,
+        start_pos=0,
+        block_ids=blocks,
+        state_src=None,
+        state_dst=slot,
+        sample=True,
+        snapshots=snapshots or [],
+        params=SamplingParams(),
+        num_output_tokens=0,
     )
 
 
@@ -71,9 +80,13 @@ def profile_activations(
         del logits
         return torch.cuda.max_memory_allocated(device) - base
 
-    prefill_batches, decode_batch = profile_batches(cfg.chunk_size, max_num_tokens=max_num_tokens,
-                                                    max_batch_size=max_batch_size,
-                                                    graph_batch_size=graph_batch_size, tokens_per_block=bs)
+    prefill_batches, decode_batch = profile_batches(
+        cfg.chunk_size,
+        max_num_tokens=max_num_tokens,
+        max_batch_size=max_batch_size,
+        graph_batch_size=graph_batch_size,
+        tokens_per_block=bs,
+    )
     prefill = max(peak(runner, b) for b in prefill_batches)
     decode = peak(runner, decode_batch)
     del runner, cache
@@ -81,8 +94,9 @@ def profile_activations(
     return ActivationProfile(prefill_peak_bytes=prefill, decode_peak_bytes=decode)
 
 
-def profile_batches(chunk_size: int, *, max_num_tokens: int, max_batch_size: int, graph_batch_size: int,
-                    tokens_per_block: int) -> tuple[list[ScheduledBatch], ScheduledBatch]:
+def profile_batches(
+    chunk_size: int, *, max_num_tokens: int, max_batch_size: int, graph_batch_size: int, tokens_per_block: int
+) -> tuple[list[ScheduledBatch], ScheduledBatch]:
     """The steps to profile, on a cache of 3 state slots (1 live, 0 and 2 for snapshots): one sequence of
     `max_num_tokens` that also writes prefix-cache snapshots (at its last chunk boundary and at its end,
     so the scan keeps its per-chunk states, as a step with snapshots does), `max_batch_size` sequences
@@ -94,9 +108,17 @@ def profile_batches(chunk_size: int, *, max_num_tokens: int, max_batch_size: int
         if parts == 1:
             boundary = (lengths[0] - 1) // chunk_size * chunk_size
             snaps = [([(boundary, 0)] if boundary > 0 else []) + [(lengths[0], 2)]]
-        batches.append(standalone_prefill([[1] * n for n in lengths], tokens_per_block=tokens_per_block,
-                                          request_id="profile", slots=[1] * len(lengths), params=SamplingParams(),
-                                          snapshots=snaps))
-    decode = ScheduledBatch(seqs=[_seq([1], [0], slot=1) for _ in range(graph_batch_size)],
-                            num_decodes=graph_batch_size)
+        batches.append(
+            standalone_prefill(
+                [[1] * n for n in lengths],
+                tokens_per_block=tokens_per_block,
+                request_id="profile",
+                slots=[1] * len(lengths),
+                params=SamplingParams(),
+                snapshots=snaps,
+            )
+        )
+    decode = ScheduledBatch(
+        seqs=[_seq([1], [0], slot=1) for _ in range(graph_batch_size)], num_decodes=graph_batch_size
+    )
     return batches, decode

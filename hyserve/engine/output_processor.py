@@ -33,7 +33,9 @@ class Finish:
 
 
 class OutputProcessor:
-    def __init__(self, *, tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...], max_seq_len: int) -> None:
+    def __init__(
+        self, *, tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...], max_seq_len: int
+    ) -> None:
         self.tokenizer = tokenizer
         self.eos = tokenizer.eos_token_ids if tokenizer is not None else eos_token_ids
         self.max_seq_len = max_seq_len
@@ -42,7 +44,9 @@ class OutputProcessor:
     def add(self, req: Request) -> None:
         p = req.params
         detok = (
-            self.tokenizer.incremental_detokenizer(prompt_ids=req.prompt_token_ids, skip_special_tokens=p.skip_special_tokens)
+            self.tokenizer.incremental_detokenizer(
+                prompt_ids=req.prompt_token_ids, skip_special_tokens=p.skip_special_tokens
+            )
             if self.tokenizer is not None
             else None
         )
@@ -68,7 +72,9 @@ class OutputProcessor:
                 idx, s = hit
                 st.text = st.text[: idx + (len(s) if p.include_stop_str_in_output else 0)]
                 finish = Finish("stop", s)
-        if finish is None and (len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_seq_len):
+        if finish is None and (
+            len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_seq_len
+        ):
             finish = Finish("length")
         if finish is not None and not isinstance(finish.stop_reason, str) and st.detok is not None:
             st.text += st.detok.flush()  # a held-back partial character
@@ -102,8 +108,11 @@ class OutputProcessor:
             lps = req.output_logprobs[st.logprobs_emitted :]
             st.logprobs_emitted = len(req.output_logprobs)
         plps = None
-        if (p.prompt_logprobs is not None and not st.prompt_logprobs_emitted
-                and len(req.prompt_logprobs) == req.num_prompt_tokens):
+        if (
+            p.prompt_logprobs is not None
+            and not st.prompt_logprobs_emitted
+            and len(req.prompt_logprobs) == req.num_prompt_tokens
+        ):
             plps = list(req.prompt_logprobs)
             st.prompt_logprobs_emitted = True
         if finished:
@@ -143,4 +152,6 @@ def record_prompt_logprobs(runner: ModelRunner, batch: ScheduledBatch, requests:
         if last < first:
             continue
         targets = req.prompt_token_ids[first : last + 1]
-        rec.extend(runner.prompt_logprobs(row, first - 1 - seq.start_pos, targets, seq.params.prompt_logprobs))
+        rec.extend(
+            runner.prompt_logprobs(row, first - 1 - seq.start_pos, targets, seq.params.prompt_logprobs)
+        )

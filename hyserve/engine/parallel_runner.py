@@ -79,8 +79,10 @@ class DriverRunner(ModelRunner):
         if isinstance(err, CollectiveError):
             self.failure = f"lost contact with the other ranks: {err}"
         else:
-            self.failure = (f"rank 0's step failed ({type(err).__name__}: {err}); under tensor parallelism "
-                            "the ranks are then out of step")
+            self.failure = (
+                f"rank 0's step failed ({type(err).__name__}: {err}); under tensor parallelism "
+                "the ranks are then out of step"
+            )
         return RankLost(self.failure)
 
     def _tell(self, msg: tuple[Any, ...]) -> None:
@@ -115,8 +117,9 @@ class DriverRunner(ModelRunner):
 
         return self._with_the_others(step)
 
-    def prompt_logprobs(self, row: int, offset: int, targets: list[int], k: int,
-                        rows_per_pass: int = 256) -> list[TokenLogprob]:
+    def prompt_logprobs(
+        self, row: int, offset: int, targets: list[int], k: int, rows_per_pass: int = 256
+    ) -> list[TokenLogprob]:
         self._tell((PROMPT_LOGITS, row, offset, len(targets), rows_per_pass))
         run = super().prompt_logprobs
         return self._with_the_others(lambda: run(row, offset, targets, k, rows_per_pass))
@@ -126,8 +129,11 @@ class DriverRunner(ModelRunner):
     ) -> DecodeGraphs:
         self._tell((CAPTURE, list(sizes), max_blocks_per_seq, pad_slot, enable_padding))
         run = super().capture_graphs
-        return self._with_the_others(lambda: run(sizes, max_blocks_per_seq=max_blocks_per_seq, pad_slot=pad_slot,
-                                                 enable_padding=enable_padding))
+        return self._with_the_others(
+            lambda: run(
+                sizes, max_blocks_per_seq=max_blocks_per_seq, pad_slot=pad_slot, enable_padding=enable_padding
+            )
+        )
 
     @contextmanager
     def eager_decode(self) -> Iterator[None]:

@@ -37,20 +37,28 @@ class PendingStep:
 
 
 def sample_step(
-    sampler: Sampler, batch: ScheduledBatch, logits: torch.Tensor, requests: dict[str, Request],
-    histories: list[History | None] | None, pending: torch.Tensor | None, bitmask: torch.Tensor | None = None,
+    sampler: Sampler,
+    batch: ScheduledBatch,
+    logits: torch.Tensor,
+    requests: dict[str, Request],
+    histories: list[History | None] | None,
+    pending: torch.Tensor | None,
+    bitmask: torch.Tensor | None = None,
 ) -> PendingStep:
     """Sample `batch`'s sampling rows (and their logprobs) on the device and start the copies to the host;
     nothing here waits for the device. `histories` / `pending`: the penalty rows' host history and the
     token of each row still on the device; `bitmask`: the structured-outputs mask (`Sampler.sample_tokens`)."""
     sampling = [s for s in batch.seqs if s.sample]
     params = [s.params for s in sampling]
-    tokens = sampler.sample_tokens(logits, params, [s.num_output_tokens for s in sampling], histories, pending,
-                                   bitmask)
+    tokens = sampler.sample_tokens(
+        logits, params, [s.num_output_tokens for s in sampling], histories, pending, bitmask
+    )
     lp = sampler.pending_logprobs(logits, tokens, params)
     reqs = [requests.get(s.request_id) for s in sampling]
     if not tokens.is_cuda:
-        return PendingStep(batch, sampling, reqs, tokens, tokens, lp, lp.table if lp is not None else None, None)
+        return PendingStep(
+            batch, sampling, reqs, tokens, tokens, lp, lp.table if lp is not None else None, None
+        )
     host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
     host.copy_(tokens, non_blocking=True)
     lp_host = None

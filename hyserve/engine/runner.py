@@ -49,8 +49,14 @@ class ModelRunner:
     ) -> DecodeGraphs:
         """Capture a decode graph per batch size (on the CPU the same static-buffer steps run eagerly)."""
         self._graphs = DecodeGraphs(
-            self.model, self.cache, self.device, sizes=sizes, max_blocks_per_seq=max_blocks_per_seq,
-            pad_slot=pad_slot, enable_padding=enable_padding, capture=self.device.type == "cuda",
+            self.model,
+            self.cache,
+            self.device,
+            sizes=sizes,
+            max_blocks_per_seq=max_blocks_per_seq,
+            pad_slot=pad_slot,
+            enable_padding=enable_padding,
+            capture=self.device.type == "cuda",
         )
         return self._graphs
 
@@ -134,7 +140,9 @@ class ModelRunner:
             self._kept = (hidden, meta.cu_seqlens)
         return self.model.compute_logits(hidden[meta.logits_indices])
 
-    def _prompt_logit_passes(self, row: int, offset: int, n: int, rows_per_pass: int) -> Iterator[torch.Tensor]:
+    def _prompt_logit_passes(
+        self, row: int, offset: int, n: int, rows_per_pass: int
+    ) -> Iterator[torch.Tensor]:
         """Vocabulary-wide logits of the kept step's sequence `row`, new-token positions offset ..
         offset + n - 1, `rows_per_pass` positions at a time ([<= rows_per_pass, vocab] float32 each)."""
         assert self._kept is not None, "no kept hidden states (the step had no prompt-logprobs sequence)"
@@ -145,8 +153,9 @@ class ModelRunner:
             yield self.model.compute_logits(hidden[start + a : start + min(a + rows_per_pass, n)])
 
     @torch.inference_mode()
-    def prompt_logprobs(self, row: int, offset: int, targets: list[int], k: int,
-                        rows_per_pass: int = 256) -> list[TokenLogprob]:
+    def prompt_logprobs(
+        self, row: int, offset: int, targets: list[int], k: int, rows_per_pass: int = 256
+    ) -> list[TokenLogprob]:
         """Logprobs of `targets` (the prompt tokens that follow) at the kept step's sequence `row`, from
         its new-token position `offset` on, with the top-k alternatives; vocabulary-wide logits are
         formed `rows_per_pass` positions at a time."""

@@ -73,7 +73,9 @@ def logprob_table(logits: torch.Tensor, chosen: torch.Tensor, kmax: int) -> torc
     return torch.cat(cols, dim=1)
 
 
-def table_logprobs(table: list[list[float]], chosen_ids: list[int], ks: list[int], kmax: int) -> list[TokenLogprob]:
+def table_logprobs(
+    table: list[list[float]], chosen_ids: list[int], ks: list[int], kmax: int
+) -> list[TokenLogprob]:
     """`logprob_table`'s rows (read to the host) -> one TokenLogprob per row with its top `ks[r]`."""
     out = []
     for row, tok, k in zip(table, chosen_ids, ks):
@@ -82,8 +84,9 @@ def table_logprobs(table: list[list[float]], chosen_ids: list[int], ks: list[int
     return out
 
 
-def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, chosen_ids: list[int], ks: list[int]
-                   ) -> list[TokenLogprob]:
+def token_logprobs(
+    logits: torch.Tensor, chosen: torch.Tensor, chosen_ids: list[int], ks: list[int]
+) -> list[TokenLogprob]:
     """log_softmax of `logits` [w, V]: row r's logprob of `chosen[r]` (ids `chosen_ids[r]`) and its top
     `ks[r]` alternatives, in one device->host copy."""
     kmax = min(max(ks, default=0), logits.shape[1])
@@ -103,7 +106,9 @@ class PendingLogprobs:
         """Per batch row (of `token_list`): its TokenLogprob from `table` (this table read to the host),
         None for rows that did not ask."""
         out: list[TokenLogprob | None] = [None] * len(token_list)
-        for i, e in zip(self.want, table_logprobs(table, [token_list[i] for i in self.want], self.ks, self.kmax)):
+        for i, e in zip(
+            self.want, table_logprobs(table, [token_list[i] for i in self.want], self.ks, self.kmax)
+        ):
             out[i] = e
         return out
 
@@ -130,8 +135,12 @@ class Sampler:
         return g
 
     def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int],
-        histories: Sequence[History | None] | None = None, bitmask: torch.Tensor | None = None,
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        output_index: list[int],
+        histories: Sequence[History | None] | None = None,
+        bitmask: torch.Tensor | None = None,
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits: [n, V] float32 (any device) -> n token ids and, where requested, their logprobs.
 
@@ -150,8 +159,12 @@ class Sampler:
         return token_list, pending.entries(token_list, pending.table.tolist())
 
     def sample_tokens(
-        self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int],
-        histories: Sequence[History | None] | None = None, pending: torch.Tensor | None = None,
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        output_index: list[int],
+        histories: Sequence[History | None] | None = None,
+        pending: torch.Tensor | None = None,
         bitmask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The token ids [n] (long, on the logits' device) of `sample`, without reading them to the host:
@@ -161,7 +174,9 @@ class Sampler:
         device after the penalties, so every filter and the draw see only allowed tokens."""
         x = process_logits(logits, params, histories, pending)
         if bitmask is not None:
-            x = apply_token_bitmask(x, bitmask if bitmask.device == x.device else to_device(bitmask, x.device))
+            x = apply_token_bitmask(
+                x, bitmask if bitmask.device == x.device else to_device(bitmask, x.device)
+            )
         rest = [i for i, p in enumerate(params) if not p.greedy]
         if not rest:
             return x.argmax(dim=-1)  # [n]
@@ -261,8 +276,9 @@ class Sampler:
                 q[j].exponential_(generator=g)  # a contiguous [V] row: same values as a fresh tensor
         return q.clamp_min_(_MIN_NOISE)
 
-    def pending_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
-                         ) -> PendingLogprobs | None:
+    def pending_logprobs(
+        self, logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+    ) -> PendingLogprobs | None:
         """The logprob table of the rows that want logprobs, left on the device (no host read): for a step
         whose tokens are read later. None when no row wants logprobs."""
         want = [i for i, p in enumerate(params) if p.logprobs is not None]

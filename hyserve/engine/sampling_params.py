@@ -40,22 +40,30 @@ class StructuredOutputsParams:
         if self.json_object:
             set_.append("json_object")
         if len(set_) != 1:
-            raise ValueError(f"structured_outputs must set exactly one of json, json_object, regex, choice, grammar; "
-                             f"got {set_ or 'none'}")
+            raise ValueError(
+                f"structured_outputs must set exactly one of json, json_object, regex, choice, grammar; "
+                f"got {set_ or 'none'}"
+            )
         if self.json is not None and not isinstance(self.json, str | dict):
-            raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {type(self.json).__name__}")
+            raise ValueError(
+                f"structured_outputs.json must be a JSON schema (an object), got {type(self.json).__name__}"
+            )
         if isinstance(self.json, dict):  # kept as text: the params stay hashable, and it is the cache key
             object.__setattr__(self, "json", _json.dumps(self.json, sort_keys=True))
         for k in ("regex", "grammar", "start_after"):
             v = getattr(self, k)
             if v is not None and (not isinstance(v, str) or not v):
                 raise ValueError(f"structured_outputs.{k} must be a non-empty string, got {v!r}")
-        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
             raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
         size = len(self.json) if isinstance(self.json, str) else 0
         size += len(self.regex or "") + len(self.grammar or "") + sum(len(c) for c in self.choice or ())
         if size > MAX_GRAMMAR_CHARS:
-            raise ValueError(f"structured_outputs: at most {MAX_GRAMMAR_CHARS} characters of constraint, got {size}")
+            raise ValueError(
+                f"structured_outputs: at most {MAX_GRAMMAR_CHARS} characters of constraint, got {size}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +78,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; k >= 0 -> chosen token + top-k alternatives
-    prompt_logprobs: int | None = None  # the same for every prompt token after the first (no prefix-cache hit)
+    prompt_logprobs: int | None = (
+        None  # the same for every prompt token after the first (no prefix-cache hit)
+    )
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     presence_penalty: float = 0.0  # [-2, 2]; see hyserve/engine/logits_processing.py
@@ -111,12 +121,14 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise bad("seed", "an integer", self.seed)
         if self.logprobs is not None and (
-            isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
             or not (0 <= self.logprobs <= MAX_LOGPROBS)
         ):
             raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
         if self.prompt_logprobs is not None and (
-            isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
+            isinstance(self.prompt_logprobs, bool)
+            or not isinstance(self.prompt_logprobs, int)
             or not (0 <= self.prompt_logprobs <= MAX_LOGPROBS)
         ):
             raise bad("prompt_logprobs", f"an integer in [0, {MAX_LOGPROBS}]", self.prompt_logprobs)
@@ -139,11 +151,18 @@ class SamplingParams:
             raise bad("repetition_penalty", "in (0, 10] (1 = off)", r)
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries", f"{len(self.logit_bias)} entries")
-        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
             raise bad("structured_outputs", "a StructuredOutputsParams", self.structured_outputs)
         for kv in self.logit_bias:
             ok = len(kv) == 2 and isinstance(kv[0], int) and not isinstance(kv[0], bool) and kv[0] >= 0
-            if not ok or isinstance(kv[1], bool) or not isinstance(kv[1], int | float) or not (-100 <= kv[1] <= 100):
+            if (
+                not ok
+                or isinstance(kv[1], bool)
+                or not isinstance(kv[1], int | float)
+                or not (-100 <= kv[1] <= 100)
+            ):
                 raise bad("logit_bias", "token id >= 0 -> bias in [-100, 100]", kv)
 
     @property
@@ -153,8 +172,12 @@ class SamplingParams:
     @property
     def edits_logits(self) -> bool:
         """Penalties or a logit bias: the logits are edited before sampling (logits_processing.py)."""
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or bool(self.logit_bias))
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or bool(self.logit_bias)
+        )
 
     @property
     def needs_history(self) -> bool:

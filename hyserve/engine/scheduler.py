@@ -87,7 +87,12 @@ class ScheduledBatch:
 
 
 def standalone_prefill(
-    prompts: list[list[int]], *, tokens_per_block: int, request_id: str, slots: list[int], params: SamplingParams,
+    prompts: list[list[int]],
+    *,
+    tokens_per_block: int,
+    request_id: str,
+    slots: list[int],
+    params: SamplingParams,
     snapshots: list[list[tuple[int, int]]] | None = None,
 ) -> ScheduledBatch:
     """Whole prompts as one prefill step outside the cache manager, for start-up's runs on scratch caches (the
@@ -96,11 +101,20 @@ def standalone_prefill(
     seqs, next_block = [], 0
     for i, ids in enumerate(prompts):
         nb = -(-len(ids) // tokens_per_block)
-        seqs.append(ScheduledSeq(
-            request_id=f"{request_id}-{i}", token_ids=ids, start_pos=0, block_ids=list(range(next_block, next_block + nb)),
-            state_src=None, state_dst=slots[i], sample=True, snapshots=snapshots[i] if snapshots else [],
-            params=params, num_output_tokens=0,
-        ))
+        seqs.append(
+            ScheduledSeq(
+                request_id=f"{request_id}-{i}",
+                token_ids=ids,
+                start_pos=0,
+                block_ids=list(range(next_block, next_block + nb)),
+                state_src=None,
+                state_dst=slots[i],
+                sample=True,
+                snapshots=snapshots[i] if snapshots else [],
+                params=params,
+                num_output_tokens=0,
+            )
+        )
         next_block += nb
     return ScheduledBatch(seqs=seqs, num_decodes=0)
 
@@ -139,7 +153,8 @@ class Scheduler:
         # long prompt's chunk takes when others share it, and the step-time target (None: tokens only)
         self.max_num_partial_prefills = max_num_partial_prefills
         self.long_prefill_token_threshold = long_prefill_token_threshold or max(
-            chunk_size, max_num_tokens // max_num_partial_prefills)
+            chunk_size, max_num_tokens // max_num_partial_prefills
+        )
         self.cost = cost
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
@@ -252,7 +267,9 @@ class Scheduler:
                 return r
         return None
 
-    def _grow_or_preempt(self, req: Request, num_tokens: int, scheduled: set[str], batch: ScheduledBatch) -> bool:
+    def _grow_or_preempt(
+        self, req: Request, num_tokens: int, scheduled: set[str], batch: ScheduledBatch
+    ) -> bool:
         """Cover `num_tokens` tokens for a running request, preempting younger ones if needed. False:
         the request itself was preempted."""
         while not self.cache.grow(req.block_ids, num_tokens):
@@ -286,12 +303,16 @@ class Scheduler:
         batch.num_decodes = len(batch.seqs)
 
         # 2. continuing prefills share what the arrivals' first chunks leave; 3. admissions
-        conts = [r for r in self.running if r.status is RequestStatus.RUNNING and r.request_id not in scheduled
-                 and self._feeds_chunk(r)]
+        conts = [
+            r
+            for r in self.running
+            if r.status is RequestStatus.RUNNING and r.request_id not in scheduled and self._feeds_chunk(r)
+        ]
         ms = self._ms_after_decodes(batch)
         claim_tokens, claim_ms = self._arrival_claim(budget, ms, bool(conts))
-        prefills = self._continue(conts, budget - claim_tokens, None if ms is None else ms - claim_ms,
-                                  scheduled, batch)
+        prefills = self._continue(
+            conts, budget - claim_tokens, None if ms is None else ms - claim_ms, scheduled, batch
+        )
         budget -= sum(len(p.token_ids) for p in prefills)
         if ms is not None:
             ms -= sum(self._chunk_ms(p) for p in prefills)
@@ -305,7 +326,11 @@ class Scheduler:
         """The step-time budget left for prefill chunks after the decode rows (None: no time target)."""
         if self.cost is None:
             return None
-        return self.cost.target_ms - self.cost.overhead_ms - sum(self.cost.decode_ms(s.start_pos) for s in batch.seqs)
+        return (
+            self.cost.target_ms
+            - self.cost.overhead_ms
+            - sum(self.cost.decode_ms(s.start_pos) for s in batch.seqs)
+        )
 
     def _chunk_ms(self, seq: ScheduledSeq) -> float:
         """A planned chunk's predicted milliseconds (a time budget exists only with a cost model)."""
@@ -332,8 +357,9 @@ class Scheduler:
             tokens += want
         return tokens, spent
 
-    def _continue(self, conts: list[Request], budget: int, ms: float | None, scheduled: set[str],
-                  batch: ScheduledBatch) -> list[ScheduledSeq]:
+    def _continue(
+        self, conts: list[Request], budget: int, ms: float | None, scheduled: set[str], batch: ScheduledBatch
+    ) -> list[ScheduledSeq]:
         """The next chunks of up to max_num_partial_prefills continuing prefills (admission order), each
         taking an equal share of what is left (one alone takes it all)."""
         out: list[ScheduledSeq] = []
@@ -380,8 +406,10 @@ class Scheduler:
         needs no further row."""
         if not req.num_inflight:
             return False
-        return (len(req.output_token_ids) + req.num_inflight >= req.params.max_tokens
-                or req.num_tokens + req.num_inflight >= self.max_seq_len)
+        return (
+            len(req.output_token_ids) + req.num_inflight >= req.params.max_tokens
+            or req.num_tokens + req.num_inflight >= self.max_seq_len
+        )
 
     def _feeds_chunk(self, req: Request) -> bool:
         """Whether the request's next row is a prefill chunk rather than a decode row: it still feeds known
@@ -418,7 +446,9 @@ class Scheduler:
                 ms -= self._chunk_ms(seq)
         return seqs
 
-    def _place(self, seq: deque[Request] | list[Request], req: Request, fcfs_put: Callable[[Request], None]) -> None:
+    def _place(
+        self, seq: deque[Request] | list[Request], req: Request, fcfs_put: Callable[[Request], None]
+    ) -> None:
         """Put `req` into the waiting queue or the running list: at its key under "priority", else where
         `fcfs_put` (that sequence's append or appendleft) puts it."""
         if self.by_priority:

@@ -32,7 +32,14 @@ from hyserve.distributed import CollectiveError, Group, all_gather, parallel_inf
 from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.scheduler import ScheduledBatch, ScheduledSeq
 
-STEP, PROMPT_LOGITS, CAPTURE, READY, HEARTBEAT, SHUTDOWN = "step", "prompt_logits", "capture", "ready", "hb", "stop"
+STEP, PROMPT_LOGITS, CAPTURE, READY, HEARTBEAT, SHUTDOWN = (
+    "step",
+    "prompt_logits",
+    "capture",
+    "ready",
+    "hb",
+    "stop",
+)
 # A message is one broadcast of a fixed buffer ([8-byte length | pickle]) and, past it, one more of the rest:
 # ~95 us for a small message on a loaded 2-core host against ~400 us through torch's broadcast_object_list
 # (two broadcasts and a receiver turnaround between them), ~390 against ~830 us for a 64-row decode step at
@@ -53,8 +60,17 @@ WireSeq = tuple[list[int], int, list[int], int | None, int, bool, list[tuple[int
 def encode_seqs(batch: ScheduledBatch) -> tuple[WireSeq, ...]:
     """The part of `batch` every rank's runner reads (no request ids, sampling settings or prefix keys)."""
     return tuple(
-        (s.token_ids, s.start_pos, s.block_ids, s.state_src, s.state_dst, s.sample, s.snapshots, s.feed_row,
-         s.params.prompt_logprobs is not None)
+        (
+            s.token_ids,
+            s.start_pos,
+            s.block_ids,
+            s.state_src,
+            s.state_dst,
+            s.sample,
+            s.snapshots,
+            s.feed_row,
+            s.params.prompt_logprobs is not None,
+        )
         for s in batch.seqs
     )
 
@@ -63,8 +79,16 @@ def decode_seqs(seqs: tuple[WireSeq, ...], num_decodes: int) -> ScheduledBatch:
     return ScheduledBatch(
         seqs=[
             ScheduledSeq(
-                request_id="", token_ids=tok, start_pos=start, block_ids=blocks, state_src=src, state_dst=dst,
-                sample=sample, snapshots=snaps, params=_KEEPS_HIDDEN if plp else _PLAIN, num_output_tokens=0,
+                request_id="",
+                token_ids=tok,
+                start_pos=start,
+                block_ids=blocks,
+                state_src=src,
+                state_dst=dst,
+                sample=sample,
+                snapshots=snaps,
+                params=_KEEPS_HIDDEN if plp else _PLAIN,
+                num_output_tokens=0,
                 feed_row=feed,
             )
             for tok, start, blocks, src, dst, sample, snaps, feed, plp in seqs
@@ -97,8 +121,14 @@ class StepChannel:
             raise RuntimeError("StepChannel.open: a world of one rank has nobody to talk to")
         ranks = list(range(info.world_size))
         pg = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=info.timeout_s))
-        control = Group(name="control", rank=info.rank, size=info.world_size, ranks=tuple(ranks),
-                        timeout_s=info.timeout_s, pg=pg)
+        control = Group(
+            name="control",
+            rank=info.rank,
+            size=info.world_size,
+            ranks=tuple(ranks),
+            timeout_s=info.timeout_s,
+            pg=pg,
+        )
         return cls(control, tp_group())
 
     @property

@@ -21,7 +21,9 @@ class StepCostModel:
     per_context_ms: float  # per new prefill token per context token
     per_kv_read_ms: float  # per decode row per context token
     target_ms: float  # chunks are sized so a step stays under this
-    host_floor_ms: float = 0.0  # the smallest prefill step's time: the host's share, which overlaps the device's
+    host_floor_ms: float = (
+        0.0  # the smallest prefill step's time: the host's share, which overlaps the device's
+    )
 
     def chunk_ms(self, start: int, n: int) -> float:
         """A prefill chunk of n tokens after `start` cached ones."""
@@ -46,13 +48,15 @@ class StepCostModel:
 
     def describe(self) -> str:
         floor = f" (host floor {self.host_floor_ms:.1f} ms a step)" if self.host_floor_ms else ""
-        return (f"step cost model{floor}: {self.overhead_ms:.2f} ms per step + {self.per_token_ms * 1e3:.3f} us per token "
-                f"+ {self.per_context_ms * 1e9:.3f} ps per (token x context) in prefill attention + "
-                f"{self.per_kv_read_ms * 1e9:.3f} ps per context token of a decode row; chunks sized for steps "
-                f"under {self.target_ms:.0f} ms (a chunk at 0 / 128k / 1M tokens of context: "
-                f"{self.max_chunk(0, self.target_ms - self.overhead_ms)} / "
-                f"{self.max_chunk(131072, self.target_ms - self.overhead_ms)} / "
-                f"{self.max_chunk(1 << 20, self.target_ms - self.overhead_ms)} tokens)")
+        return (
+            f"step cost model{floor}: {self.overhead_ms:.2f} ms per step + {self.per_token_ms * 1e3:.3f} us per token "
+            f"+ {self.per_context_ms * 1e9:.3f} ps per (token x context) in prefill attention + "
+            f"{self.per_kv_read_ms * 1e9:.3f} ps per context token of a decode row; chunks sized for steps "
+            f"under {self.target_ms:.0f} ms (a chunk at 0 / 128k / 1M tokens of context: "
+            f"{self.max_chunk(0, self.target_ms - self.overhead_ms)} / "
+            f"{self.max_chunk(131072, self.target_ms - self.overhead_ms)} / "
+            f"{self.max_chunk(1 << 20, self.target_ms - self.overhead_ms)} tokens)"
+        )
 
 
 # a calibration step at most this many times the host floor is taken as host-bound (its time says little of
@@ -61,8 +65,13 @@ HOST_BOUND = 1.5
 
 
 def fit_step_cost(
-    *, short: tuple[int, float], long: tuple[int, float], attention: tuple[int, int, float], kv_read_ms: float,
-    target_ms: float, floor: tuple[int, float] | None = None,
+    *,
+    short: tuple[int, float],
+    long: tuple[int, float],
+    attention: tuple[int, int, float],
+    kv_read_ms: float,
+    target_ms: float,
+    floor: tuple[int, float] | None = None,
 ) -> StepCostModel:
     """Calibrate from timings of this device: prefill steps of `short` = (n, ms) and `long` = (n, ms) tokens
     from an empty cache, and `attention` = (queries, context, ms) of the model's attention (all layers) for
@@ -89,5 +98,11 @@ def fit_step_cost(
     r2 = t2 - per_context * n2 * (n2 + 1) / 2
     per_token = max((r2 - r1) / (n2 - n1), 0.0) if n2 != n1 else 0.0
     overhead = max(r1 - per_token * n1, 0.0)
-    return StepCostModel(overhead_ms=overhead, per_token_ms=per_token, per_context_ms=per_context,
-                         per_kv_read_ms=max(kv_read_ms, 0.0), target_ms=target_ms, host_floor_ms=host)
+    return StepCostModel(
+        overhead_ms=overhead,
+        per_token_ms=per_token,
+        per_context_ms=per_context,
+        per_kv_read_ms=max(kv_read_ms, 0.0),
+        target_ms=target_ms,
+        host_floor_ms=host,
+    )

@@ -46,8 +46,8 @@ _FILL_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
 # turn them into U+FFFD) and, in strings with a length bound, raw control characters (refused by strict JSON
 # parsers): both are replaced by the class of what JSON allows unescaped, kept negated (an explicit class of
 # ranges measured 12x slower to fill a mask over a 131k vocabulary)
-_LOOSE_STRING_CHARS = (r'[^\0-\x1f\"\\\r\n]', r'[^\"\\\r\n]')
-_STRICT_STRING_CHAR = r'[^\0-\x1f\"\\\ud800-\udfff]'
+_LOOSE_STRING_CHARS = (r"[^\0-\x1f\"\\\r\n]", r"[^\"\\\r\n]")
+_STRICT_STRING_CHAR = r"[^\0-\x1f\"\\\ud800-\udfff]"
 _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] [^ ]+\.cc:[0-9]+: ")  # "[21:25:21] /project/cpp/x.cc:94: "
 
 
@@ -107,8 +107,9 @@ class GrammarCompiler:
         # grammar (their text, e.g. "<|im_end|>", is not output text); the stop tokens end a complete one
         encoded = [b"" if tokenizer.is_special(i) else tokenizer.token_bytes(i) for i in range(n)]
         self.stop_token_ids = [int(t) for t in tokenizer.eos_token_ids if int(t) < vocab_size]
-        info = xgr.TokenizerInfo(encoded, xgr.VocabType.RAW, vocab_size=vocab_size,
-                                 stop_token_ids=self.stop_token_ids or None)
+        info = xgr.TokenizerInfo(
+            encoded, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids or None
+        )
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=True)
         self._token_bytes = tokenizer.token_bytes
         self._cache: OrderedDict[_Key, Any] = OrderedDict()
@@ -184,7 +185,9 @@ class GrammarState:
     def __init__(self, compiler: GrammarCompiler, so: StructuredOutputsParams) -> None:
         xgr = _xgrammar()
         self._compiler = compiler
-        self.matcher = xgr.GrammarMatcher(compiler.compile(so), override_stop_tokens=compiler.stop_token_ids or None)
+        self.matcher = xgr.GrammarMatcher(
+            compiler.compile(so), override_stop_tokens=compiler.stop_token_ids or None
+        )
         self._wait = so.start_after.encode("utf-8") if so.start_after else None
         self._seen = b""  # output bytes while waiting (only the tail that may still hold the marker)
         self.failed = False  # a token the grammar refused reached the host (cannot happen under the mask)
@@ -202,9 +205,9 @@ class GrammarState:
             buf = self._seen + self._compiler.token_bytes(token_id)
             k = buf.find(self._wait)
             if k < 0:
-                self._seen = buf[-(len(self._wait) - 1):] if len(self._wait) > 1 else b""
+                self._seen = buf[-(len(self._wait) - 1) :] if len(self._wait) > 1 else b""
                 return
-            rest = buf[k + len(self._wait):]
+            rest = buf[k + len(self._wait) :]
             self._wait, self._seen = None, b""
             # whitespace right after the marker is the template's framing, not output the grammar sees
             rest = rest.lstrip()
@@ -278,7 +281,11 @@ class StructuredOutputs:
         unconstrained rows), or None when no row is constrained now."""
         if not self._states:
             return None
-        rows = [(i, st) for i, r in enumerate(request_ids) if (st := self._states.get(r)) is not None and st.active]
+        rows = [
+            (i, st)
+            for i, r in enumerate(request_ids)
+            if (st := self._states.get(r)) is not None and st.active
+        ]
         if not rows:
             return None
         mask = torch.full((len(request_ids), bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
@@ -287,8 +294,9 @@ class StructuredOutputs:
         else:  # xgrammar fills the rows on its own threads, without the GIL
             if self._batch is None:
                 self._batch = _xgrammar().BatchGrammarMatcher(max_threads=_FILL_THREADS)
-            self._batch.batch_fill_next_token_bitmask([st.matcher for _, st in rows], mask,
-                                                      indices=[i for i, _ in rows])
+            self._batch.batch_fill_next_token_bitmask(
+                [st.matcher for _, st in rows], mask, indices=[i for i, _ in rows]
+            )
         return mask
 
 

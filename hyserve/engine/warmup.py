@@ -61,8 +61,10 @@ class WarmupReport:
     loaded: int = 0  # variants served from the persistent cache
 
     def summary(self) -> str:
-        s = (f"hyserve: warm-up: {len(self.cases)} cases in {self.seconds:.1f}s; Triton variants before ready: "
-             f"{self.compiled} compiled, {self.loaded} loaded from the cache")
+        s = (
+            f"hyserve: warm-up: {len(self.cases)} cases in {self.seconds:.1f}s; Triton variants before ready: "
+            f"{self.compiled} compiled, {self.loaded} loaded from the cache"
+        )
         if self.failed:
             s += "; failed: " + "; ".join(f"{c} ({why})" for c, why in self.failed)
         return s
@@ -133,8 +135,10 @@ class Warmup:
             why = self._guarded(fn)
             new = len(jit.events) - before
             status = "ok" if why is None else f"FAILED: {why}"
-            self._log(f"hyserve: warm-up [{i}/{len(cases)}] {name}: {status} ({time.monotonic() - t:.2f}s, "
-                      f"{new} kernel variants)")
+            self._log(
+                f"hyserve: warm-up [{i}/{len(cases)}] {name}: {status} ({time.monotonic() - t:.2f}s, "
+                f"{new} kernel variants)"
+            )
             if why is None:
                 rep.cases.append(name)
             else:

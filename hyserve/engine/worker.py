@@ -67,8 +67,9 @@ class WorkerLoop:
                 continue
             elif kind == CAPTURE:
                 _, sizes, max_blocks, pad_slot, padding = msg
-                runner.capture_graphs(sizes, max_blocks_per_seq=max_blocks, pad_slot=pad_slot,
-                                      enable_padding=padding)
+                runner.capture_graphs(
+                    sizes, max_blocks_per_seq=max_blocks, pad_slot=pad_slot, enable_padding=padding
+                )
             elif kind == READY:
                 self.jit.mark_ready()
             elif kind == SHUTDOWN:
@@ -127,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = pickle.load(sys.stdin.buffer)
     if not isinstance(config, EngineConfig):
-        raise SystemExit(f"hyserve-worker: expected a pickled EngineConfig on stdin, got {type(config).__name__}")
+        raise SystemExit(
+            f"hyserve-worker: expected a pickled EngineConfig on stdin, got {type(config).__name__}"
+        )
     rc = run_worker(config, rank=args.rank, world_size=args.world_size, init_method=args.init_method)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -36,7 +36,16 @@ def paged_attention_cuda(
     """`attention.paged_attention_ref`'s contract on a GPU (or the Triton interpreter): q [T, q_heads,
     head_dim] -> out [T, q_heads, head_dim]; see `triton_attention.paged_attention_triton`."""
     return paged_attention_triton(
-        q, k_cache, v_cache, block_tables, seq_lens, cu_q, scale, k_scale=k_scale, v_scale=v_scale, prefill=_PREFILL,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        cu_q,
+        scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        prefill=_PREFILL,
         decode=_DECODE,
     )
 

@@ -54,11 +54,15 @@ def expand_block_scale(scale: torch.Tensor, n: int, k: int, block: int = BLOCK) 
     """[ceil(n/B), ceil(k/B)] -> [n, k], each block's scale over its elements."""
     nb, kb = -(-n // block), -(-k // block)
     if tuple(scale.shape) != (nb, kb):
-        raise ValueError(f"block scale has shape {list(scale.shape)}, expected {[nb, kb]} for a [{n}, {k}] weight")
+        raise ValueError(
+            f"block scale has shape {list(scale.shape)}, expected {[nb, kb]} for a [{n}, {k}] weight"
+        )
     return scale.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
 
 
-def quantize_weight_ref(w: torch.Tensor, scheme: str, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight_ref(
+    w: torch.Tensor, scheme: str, block: int = BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] (any float dtype) -> (q e4m3 [N, K], scale float32): scheme tensor -> scale [] (0-d),
     channel -> [N], block -> [ceil(N/B), ceil(K/B)]."""
     if w.dim() != 2:
@@ -101,8 +105,10 @@ def fp8_linear_ref(
     if weight.dtype != E4M3:
         raise ValueError(f"fp8_linear: weight must be float8_e4m3fn, got {weight.dtype}")
     if weight_scale.dtype != torch.float32 or weight_scale.dim() not in (1, 2):
-        raise ValueError(f"fp8_linear: weight_scale must be float32 [N] or [N/128, K/128], got "
-                         f"{weight_scale.dtype} {list(weight_scale.shape)}")
+        raise ValueError(
+            f"fp8_linear: weight_scale must be float32 [N] or [N/128, K/128], got "
+            f"{weight_scale.dtype} {list(weight_scale.shape)}"
+        )
     w = dequantize_weight_ref(weight, weight_scale).to(x.dtype)
     return F.linear(x, w, bias)
 

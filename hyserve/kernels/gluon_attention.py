@@ -45,8 +45,9 @@ _PREFILL_SM90 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, num_warps=4, maxnreg=16
 # more rows a step and a group per pool are what made it keep up). Q (32 KiB) + 2 x 64 + 2 x 32 KiB fill the
 # 227 a block may have; `bench_kernels.py --only attn_sweep` times the alternatives (benchmarks/README.md).
 # 4 warp groups of 128 threads: maxnreg 128.
-_PREFILL_SM90_FP8 = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, STAGES8=2, CONVERT_ROWS=32, num_warps=4, maxnreg=128,
-                         QK8=False)
+_PREFILL_SM90_FP8 = dict(
+    BLOCK_M=128, BLOCK_N=128, STAGES=2, STAGES8=2, CONVERT_ROWS=32, num_warps=4, maxnreg=128, QK8=False
+)
 # QK8 (not the default until a GPU run has checked and timed it: benchmarks/README.md): S = Q K^T as an e4m3
 # warp-group MMA straight from the TMA-loaded 8-bit K tiles, with each query row quantised to e4m3 by its own
 # scale (amax / 448) as it loads, the row scales folded into the softmax scale, as FlashAttention-3 does; only V
@@ -73,8 +74,19 @@ def _convert_layout(head_dim, num_warps):
 
 
 @gluon.jit
-def _issue_boxes(desc, bufs, bar, slot, start, bt_row, col, limit, BS: gl.constexpr, BLOCK_N: gl.constexpr,
-                 BOX: gl.constexpr):
+def _issue_boxes(
+    desc,
+    bufs,
+    bar,
+    slot,
+    start,
+    bt_row,
+    col,
+    limit,
+    BS: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BOX: gl.constexpr,
+):
     """TMA loads of the key tile at position `start` of one pool into ring slot `slot`, as BLOCK_N / BOX boxes,
     all signalling `bar` (the caller expects their bytes). A box at or past `limit` (whose block-table entry
     may not exist) loads the tile's first box again, so the byte count stays whole: its rows are masked by the
@@ -87,8 +99,21 @@ def _issue_boxes(desc, bufs, bar, slot, start, bt_row, col, limit, BS: gl.conste
 
 
 @gluon.jit
-def _issue_tile(kd, vd, k_bufs, v_bufs, ready, bt_row, t, kvh, limit,
-                BS: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr):
+def _issue_tile(
+    kd,
+    vd,
+    k_bufs,
+    v_bufs,
+    ready,
+    bt_row,
+    t,
+    kvh,
+    limit,
+    BS: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BOX: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """Key tile t (positions t * BLOCK_N ..., starting below `limit`) of both pools into ring slot t % STAGES,
     both signalling the slot's barrier."""
     slot = t % STAGES
@@ -100,8 +125,19 @@ def _issue_tile(kd, vd, k_bufs, v_bufs, ready, bt_row, t, kvh, limit,
 
 
 @gluon.jit
-def _issue_one(desc, bufs8, ready8, bt_row, t, kvh, limit,
-               BS: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES8: gl.constexpr):
+def _issue_one(
+    desc,
+    bufs8,
+    ready8,
+    bt_row,
+    t,
+    kvh,
+    limit,
+    BS: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BOX: gl.constexpr,
+    STAGES8: gl.constexpr,
+):
     """Key tile t of one 8-bit pool into staging slot t % STAGES8 (the converter form: one pool per group)."""
     slot = t % STAGES8
     bar = ready8.index(slot)
@@ -151,8 +187,22 @@ def _softmax(s, m_i, l_i, qk_scale, DT: gl.constexpr, p_layout: gl.constexpr, o_
 
 
 @gluon.jit
-def _ws_loader(kd, vd, k_bufs, v_bufs, ready, empty, bt_row, kvh, ntiles, kv_end,
-               BS: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr):
+def _ws_loader(
+    kd,
+    vd,
+    k_bufs,
+    v_bufs,
+    ready,
+    empty,
+    bt_row,
+    kvh,
+    ntiles,
+    kv_end,
+    BS: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BOX: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """Producer warp: key tiles 0 .. ntiles-1 into the ring, each once both consumers have released its
     slot (empty barriers start released: the first pass waits on the phase before)."""
     for t in range(ntiles):
@@ -162,8 +212,20 @@ def _ws_loader(kd, vd, k_bufs, v_bufs, ready, empty, bt_row, kvh, ntiles, kv_end
 
 
 @gluon.jit
-def _ws_k8_loader(kd, k_bufs, ready, empty, bt_row, kvh, ntiles, kv_end,
-                  BS: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr):
+def _ws_k8_loader(
+    kd,
+    k_bufs,
+    ready,
+    empty,
+    bt_row,
+    kvh,
+    ntiles,
+    kv_end,
+    BS: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BOX: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """Producer warp of the QK8 form: the 8-bit K tiles straight into the ring the consumers' e4m3 MMAs read,
     each slot once both consumers released it. Its expect is one of the slot's two `ready` arrivals (V's
     converter gives the other) and the TMA bytes complete it."""
@@ -191,10 +253,39 @@ def _ws_band(s, v_smem, t, nfull, kv_end, qpos, offs_sn, offs_vn, BLOCK_N: gl.co
 
 
 @gluon.jit
-def _ws_consumer(q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n, m0, ctx, h, nfull,
-                 ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h,
-                 HALF: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, DT: gl.constexpr, KV_SCALED: gl.constexpr, QK8: gl.constexpr):
+def _ws_consumer(
+    q_ptr,
+    out_ptr,
+    ks_ptr,
+    vs_ptr,
+    q_bufs,
+    k_bufs,
+    v_bufs,
+    ready,
+    empty,
+    turn,
+    q0,
+    n,
+    m0,
+    ctx,
+    h,
+    nfull,
+    ntiles,
+    kv_end,
+    qk_scale,
+    s_q_t,
+    s_q_h,
+    s_o_t,
+    s_o_h,
+    HALF: gl.constexpr,
+    ROWS: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    DT: gl.constexpr,
+    KV_SCALED: gl.constexpr,
+    QK8: gl.constexpr,
+):
     """One warp group: query rows m0 + HALF * ROWS .. + ROWS of the block against every key tile the
     producer loads (the first nfull unmasked, the rest masked on position), releasing each slot after its
     PV product; products issued in this group's turns (`turn`: one mbarrier per group), so one group's
@@ -205,10 +296,12 @@ def _ws_consumer(q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, 
     and the row scales fold into the softmax scale."""
     WARPS: gl.constexpr = 4
     KS: gl.constexpr = 32 if QK8 else 16  # the MMA's K step: 32 bytes of 8-bit operands, 16 of 16-bit
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, KS])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, KS]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -220,13 +313,18 @@ def _ws_consumer(q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, 
     q_smem = q_bufs.index(HALF)
     offs_m = r0 + gl.arange(0, ROWS, layout=ld_rows)
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
-    q = gl.load(q_ptr + (q0 + offs_m)[:, None] * s_q_t + h * s_q_h + offs_d[None, :],
-                mask=(offs_m < n)[:, None], other=0.0)
+    q = gl.load(
+        q_ptr + (q0 + offs_m)[:, None] * s_q_t + h * s_q_h + offs_d[None, :],
+        mask=(offs_m < n)[:, None],
+        other=0.0,
+    )
     if QK8:
         qf = q.to(gl.float32)
         amax = gl.max(gl.abs(qf), axis=1)
         q_rs = gl.where(amax > 0, gl.div_rn(amax, 448.0), 1.0)  # |q / q_rs| <= 448: no e4m3 overflow
-        q_smem.store(gl.div_rn(qf, q_rs[:, None]).to(q_smem.dtype))  # correctly rounded: the reference's codes
+        q_smem.store(
+            gl.div_rn(qf, q_rs[:, None]).to(q_smem.dtype)
+        )  # correctly rounded: the reference's codes
     else:
         if q.dtype != DT:  # bf16 queries over a float8 cache's float16 tiles
             q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0)
@@ -252,8 +350,13 @@ def _ws_consumer(q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, 
     other = turn.index(1 - HALF)
     mbarrier.wait(ready.index(0), 0)
     mbarrier.wait(mine, 1 - HALF)
-    s_tok = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)),
-                          gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+    s_tok = warpgroup_mma(
+        q_smem,
+        k_bufs.index(0).permute((1, 0)),
+        gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
+        use_acc=False,
+        is_async=True,
+    )
     mbarrier.arrive(other, count=1)
     s = warpgroup_mma_wait(0, deps=[s_tok])
     for t in range(ntiles - 1):
@@ -268,8 +371,13 @@ def _ws_consumer(q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, 
         mbarrier.wait(ready.index(nxt), ((t + 1) // STAGES) & 1)
         mbarrier.wait(mine, ((t + 1) & 1) ^ (1 - HALF))
         o_tok = warpgroup_mma(p, v_bufs.index(slot), acc, is_async=True)
-        s_tok = warpgroup_mma(q_smem, k_bufs.index(nxt).permute((1, 0)),
-                              gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+        s_tok = warpgroup_mma(
+            q_smem,
+            k_bufs.index(nxt).permute((1, 0)),
+            gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
+            use_acc=False,
+            is_async=True,
+        )
         mbarrier.arrive(other, count=1)
         acc, s, p = warpgroup_mma_wait(0, deps=[o_tok, s_tok, p])
         gl.thread_barrier()  # every warp of this group is done with the slot
@@ -294,14 +402,33 @@ def _ws_consumer(q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, 
         out = out * gl.load(vs_ptr).to(gl.float32)
     offs_om = r0 + gl.arange(0, ROWS, layout=o_rows)
     offs_od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    gl.store(out_ptr + (q0 + offs_om)[:, None] * s_o_t + h * s_o_h + offs_od[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=(offs_om < n)[:, None])
+    gl.store(
+        out_ptr + (q0 + offs_om)[:, None] * s_o_t + h * s_o_h + offs_od[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=(offs_om < n)[:, None],
+    )
 
 
 @gluon.jit
-def _ws_converter(desc, bufs8, bufs, ready8, ready, empty, bt_row, kvh, ntiles, kv_end,
-                  BS: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  STAGES: gl.constexpr, STAGES8: gl.constexpr, ROWS: gl.constexpr):
+def _ws_converter(
+    desc,
+    bufs8,
+    bufs,
+    ready8,
+    ready,
+    empty,
+    bt_row,
+    kvh,
+    ntiles,
+    kv_end,
+    BS: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BOX: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    STAGES: gl.constexpr,
+    STAGES8: gl.constexpr,
+    ROWS: gl.constexpr,
+):
     """Producer and converter warp group of one pool, K's or V's (float8 caches): key tile t lands by TMA in
     this group's staging slot t % STAGES8; once it has, and both consumers have released 16-bit slot
     t % STAGES, it is upcast into that slot ROWS rows at a time, the staging slot is refilled with tile
@@ -346,14 +473,41 @@ def _free_barriers(bars, count: gl.constexpr):
 
 @gluon.jit(do_not_specialize=["seq_offset", "s_bt_s"])
 def _prefill_kernel_sm90(
-    q_ptr, kc_ptr, vc_ptr, kd, vd, bt_ptr, lens_ptr, cu_ptr, out_ptr, ks_ptr, vs_ptr,
-    seq_offset, qk_scale,
-    s_q_t, s_q_h,
-    s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h,
-    s_bt_s, s_o_t, s_o_h,
-    BS: gl.constexpr, REP: gl.constexpr, HEAD_DIM: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr,
-    STAGES8: gl.constexpr, KV_SCALED: gl.constexpr, CONVERT_ROWS: gl.constexpr, QK8: gl.constexpr,
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    kd,
+    vd,
+    bt_ptr,
+    lens_ptr,
+    cu_ptr,
+    out_ptr,
+    ks_ptr,
+    vs_ptr,
+    seq_offset,
+    qk_scale,
+    s_q_t,
+    s_q_h,
+    s_kc_b,
+    s_kc_r,
+    s_kc_h,
+    s_vc_b,
+    s_vc_r,
+    s_vc_h,
+    s_bt_s,
+    s_o_t,
+    s_o_h,
+    BS: gl.constexpr,
+    REP: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BOX: gl.constexpr,
+    STAGES: gl.constexpr,
+    STAGES8: gl.constexpr,
+    KV_SCALED: gl.constexpr,
+    CONVERT_ROWS: gl.constexpr,
+    QK8: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """A producer warp streams the key tiles (band included) through the ring, two consumer warp groups take
@@ -390,16 +544,103 @@ def _prefill_kernel_sm90(
             q_bufs = gl.allocate_shared_memory(DT, [2, ROWS, HEAD_DIM], kd.layout)
             k_bufs = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, HEAD_DIM], kd.layout)
             v_bufs = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, HEAD_DIM], vd.layout)
-            gl.warp_specialize([
-                (_ws_consumer, (q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n,
-                                m0, ctx, h, nfull, ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 0, ROWS,
-                                HEAD_DIM, BLOCK_N, STAGES, DT, KV_SCALED, False)),
-                (_ws_consumer, (q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n,
-                                m0, ctx, h, nfull, ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 1, ROWS,
-                                HEAD_DIM, BLOCK_N, STAGES, DT, KV_SCALED, False)),
-                (_ws_loader, (kd, vd, k_bufs, v_bufs, ready, empty, bt_row, kvh, ntiles, kv_end, BS, BLOCK_N, BOX,
-                              STAGES)),
-            ], [4, 1], [240, 24])
+            gl.warp_specialize(
+                [
+                    (
+                        _ws_consumer,
+                        (
+                            q_ptr,
+                            out_ptr,
+                            ks_ptr,
+                            vs_ptr,
+                            q_bufs,
+                            k_bufs,
+                            v_bufs,
+                            ready,
+                            empty,
+                            turn,
+                            q0,
+                            n,
+                            m0,
+                            ctx,
+                            h,
+                            nfull,
+                            ntiles,
+                            kv_end,
+                            qk_scale,
+                            s_q_t,
+                            s_q_h,
+                            s_o_t,
+                            s_o_h,
+                            0,
+                            ROWS,
+                            HEAD_DIM,
+                            BLOCK_N,
+                            STAGES,
+                            DT,
+                            KV_SCALED,
+                            False,
+                        ),
+                    ),
+                    (
+                        _ws_consumer,
+                        (
+                            q_ptr,
+                            out_ptr,
+                            ks_ptr,
+                            vs_ptr,
+                            q_bufs,
+                            k_bufs,
+                            v_bufs,
+                            ready,
+                            empty,
+                            turn,
+                            q0,
+                            n,
+                            m0,
+                            ctx,
+                            h,
+                            nfull,
+                            ntiles,
+                            kv_end,
+                            qk_scale,
+                            s_q_t,
+                            s_q_h,
+                            s_o_t,
+                            s_o_h,
+                            1,
+                            ROWS,
+                            HEAD_DIM,
+                            BLOCK_N,
+                            STAGES,
+                            DT,
+                            KV_SCALED,
+                            False,
+                        ),
+                    ),
+                    (
+                        _ws_loader,
+                        (
+                            kd,
+                            vd,
+                            k_bufs,
+                            v_bufs,
+                            ready,
+                            empty,
+                            bt_row,
+                            kvh,
+                            ntiles,
+                            kv_end,
+                            BS,
+                            BLOCK_N,
+                            BOX,
+                            STAGES,
+                        ),
+                    ),
+                ],
+                [4, 1],
+                [240, 24],
+            )
         elif QK8:
             F16: gl.constexpr = gl.float16
             ring: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], F16)
@@ -410,17 +651,110 @@ def _prefill_kernel_sm90(
             v8_bufs = gl.allocate_shared_memory(vd.dtype, [STAGES8, BLOCK_N, HEAD_DIM], vd.layout)
             v_ready8 = _alloc_barriers(STAGES8, 1)
             # K's producer warp (its expect is one of `ready`'s two arrivals) and V's producer + converter group
-            gl.warp_specialize([
-                (_ws_consumer, (q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n,
-                                m0, ctx, h, nfull, ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 0, ROWS,
-                                HEAD_DIM, BLOCK_N, STAGES, F16, KV_SCALED, True)),
-                (_ws_consumer, (q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n,
-                                m0, ctx, h, nfull, ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 1, ROWS,
-                                HEAD_DIM, BLOCK_N, STAGES, F16, KV_SCALED, True)),
-                (_ws_k8_loader, (kd, k_bufs, ready, empty, bt_row, kvh, ntiles, kv_end, BS, BLOCK_N, BOX, STAGES)),
-                (_ws_converter, (vd, v8_bufs, v_bufs, v_ready8, ready, empty, bt_row, kvh, ntiles, kv_end, BS,
-                                 BLOCK_N, BOX, HEAD_DIM, STAGES, STAGES8, CONVERT_ROWS)),
-            ], [4, 1, 4], [232, 24, 24])
+            gl.warp_specialize(
+                [
+                    (
+                        _ws_consumer,
+                        (
+                            q_ptr,
+                            out_ptr,
+                            ks_ptr,
+                            vs_ptr,
+                            q_bufs,
+                            k_bufs,
+                            v_bufs,
+                            ready,
+                            empty,
+                            turn,
+                            q0,
+                            n,
+                            m0,
+                            ctx,
+                            h,
+                            nfull,
+                            ntiles,
+                            kv_end,
+                            qk_scale,
+                            s_q_t,
+                            s_q_h,
+                            s_o_t,
+                            s_o_h,
+                            0,
+                            ROWS,
+                            HEAD_DIM,
+                            BLOCK_N,
+                            STAGES,
+                            F16,
+                            KV_SCALED,
+                            True,
+                        ),
+                    ),
+                    (
+                        _ws_consumer,
+                        (
+                            q_ptr,
+                            out_ptr,
+                            ks_ptr,
+                            vs_ptr,
+                            q_bufs,
+                            k_bufs,
+                            v_bufs,
+                            ready,
+                            empty,
+                            turn,
+                            q0,
+                            n,
+                            m0,
+                            ctx,
+                            h,
+                            nfull,
+                            ntiles,
+                            kv_end,
+                            qk_scale,
+                            s_q_t,
+                            s_q_h,
+                            s_o_t,
+                            s_o_h,
+                            1,
+                            ROWS,
+                            HEAD_DIM,
+                            BLOCK_N,
+                            STAGES,
+                            F16,
+                            KV_SCALED,
+                            True,
+                        ),
+                    ),
+                    (
+                        _ws_k8_loader,
+                        (kd, k_bufs, ready, empty, bt_row, kvh, ntiles, kv_end, BS, BLOCK_N, BOX, STAGES),
+                    ),
+                    (
+                        _ws_converter,
+                        (
+                            vd,
+                            v8_bufs,
+                            v_bufs,
+                            v_ready8,
+                            ready,
+                            empty,
+                            bt_row,
+                            kvh,
+                            ntiles,
+                            kv_end,
+                            BS,
+                            BLOCK_N,
+                            BOX,
+                            HEAD_DIM,
+                            STAGES,
+                            STAGES8,
+                            CONVERT_ROWS,
+                        ),
+                    ),
+                ],
+                [4, 1, 4],
+                [232, 24, 24],
+            )
             _free_barriers(v_ready8, STAGES8)
         else:
             F16: gl.constexpr = gl.float16
@@ -434,18 +768,128 @@ def _prefill_kernel_sm90(
             v_ready8 = _alloc_barriers(STAGES8, 1)
             # one producer + converter warp group per pool, each with the 24 registers a thread that 232 for
             # each consumer group leave (registers are re-divided per warp group)
-            gl.warp_specialize([
-                (_ws_consumer, (q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n,
-                                m0, ctx, h, nfull, ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 0, ROWS,
-                                HEAD_DIM, BLOCK_N, STAGES, F16, KV_SCALED, False)),
-                (_ws_consumer, (q_ptr, out_ptr, ks_ptr, vs_ptr, q_bufs, k_bufs, v_bufs, ready, empty, turn, q0, n,
-                                m0, ctx, h, nfull, ntiles, kv_end, qk_scale, s_q_t, s_q_h, s_o_t, s_o_h, 1, ROWS,
-                                HEAD_DIM, BLOCK_N, STAGES, F16, KV_SCALED, False)),
-                (_ws_converter, (kd, k8_bufs, k_bufs, k_ready8, ready, empty, bt_row, kvh, ntiles, kv_end, BS,
-                                 BLOCK_N, BOX, HEAD_DIM, STAGES, STAGES8, CONVERT_ROWS)),
-                (_ws_converter, (vd, v8_bufs, v_bufs, v_ready8, ready, empty, bt_row, kvh, ntiles, kv_end, BS,
-                                 BLOCK_N, BOX, HEAD_DIM, STAGES, STAGES8, CONVERT_ROWS)),
-            ], [4, 4, 4], [232, 24, 24])
+            gl.warp_specialize(
+                [
+                    (
+                        _ws_consumer,
+                        (
+                            q_ptr,
+                            out_ptr,
+                            ks_ptr,
+                            vs_ptr,
+                            q_bufs,
+                            k_bufs,
+                            v_bufs,
+                            ready,
+                            empty,
+                            turn,
+                            q0,
+                            n,
+                            m0,
+                            ctx,
+                            h,
+                            nfull,
+                            ntiles,
+                            kv_end,
+                            qk_scale,
+                            s_q_t,
+                            s_q_h,
+                            s_o_t,
+                            s_o_h,
+                            0,
+                            ROWS,
+                            HEAD_DIM,
+                            BLOCK_N,
+                            STAGES,
+                            F16,
+                            KV_SCALED,
+                            False,
+                        ),
+                    ),
+                    (
+                        _ws_consumer,
+                        (
+                            q_ptr,
+                            out_ptr,
+                            ks_ptr,
+                            vs_ptr,
+                            q_bufs,
+                            k_bufs,
+                            v_bufs,
+                            ready,
+                            empty,
+                            turn,
+                            q0,
+                            n,
+                            m0,
+                            ctx,
+                            h,
+                            nfull,
+                            ntiles,
+                            kv_end,
+                            qk_scale,
+                            s_q_t,
+                            s_q_h,
+                            s_o_t,
+                            s_o_h,
+                            1,
+                            ROWS,
+                            HEAD_DIM,
+                            BLOCK_N,
+                            STAGES,
+                            F16,
+                            KV_SCALED,
+                            False,
+                        ),
+                    ),
+                    (
+                        _ws_converter,
+                        (
+                            kd,
+                            k8_bufs,
+                            k_bufs,
+                            k_ready8,
+                            ready,
+                            empty,
+                            bt_row,
+                            kvh,
+                            ntiles,
+                            kv_end,
+                            BS,
+                            BLOCK_N,
+                            BOX,
+                            HEAD_DIM,
+                            STAGES,
+                            STAGES8,
+                            CONVERT_ROWS,
+                        ),
+                    ),
+                    (
+                        _ws_converter,
+                        (
+                            vd,
+                            v8_bufs,
+                            v_bufs,
+                            v_ready8,
+                            ready,
+                            empty,
+                            bt_row,
+                            kvh,
+                            ntiles,
+                            kv_end,
+                            BS,
+                            BLOCK_N,
+                            BOX,
+                            HEAD_DIM,
+                            STAGES,
+                            STAGES8,
+                            CONVERT_ROWS,
+                        ),
+                    ),
+                ],
+                [4, 4, 4],
+                [232, 24, 24],
+            )
             _free_barriers(k_ready8, STAGES8)
             _free_barriers(v_ready8, STAGES8)
         _free_barriers(ready, STAGES)
@@ -460,9 +904,15 @@ def sm90_prefill_box(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Rows per TMA box when this kernel can take the step's prefill part, else 0: a Hopper GPU, 16-bit
     queries over caches of the same dtype or of float8 e4m3 with a head dim of 64 or 128, and key tiles that
     load as boxes of min(block size, block_n) rows (`launch_util.tma_tiles_fit`'s rules)."""
-    if not q.is_cuda or not _is_hopper(q.device.index if q.device.index is not None else torch.cuda.current_device()):
+    if not q.is_cuda or not _is_hopper(
+        q.device.index if q.device.index is not None else torch.cuda.current_device()
+    ):
         return 0
-    if q.dtype not in _GL_DTYPES or v_cache.dtype != k_cache.dtype or k_cache.dtype not in (q.dtype, *_GL_FP8):
+    if (
+        q.dtype not in _GL_DTYPES
+        or v_cache.dtype != k_cache.dtype
+        or k_cache.dtype not in (q.dtype, *_GL_FP8)
+    ):
         return 0
     NB, BS, Hkv, Dh = k_cache.shape
     box = min(BS, block_n)
@@ -485,14 +935,34 @@ def _box_layout(box: int, head_dim: int, dtype: torch.dtype) -> gl.NVMMASharedLa
 
 def _pool_descriptor(cache: torch.Tensor, box: int) -> TensorDescriptor:
     NB, BS, Hkv, Dh = cache.shape
-    return TensorDescriptor(cache, [NB * BS, Hkv * Dh], [Hkv * Dh, 1], [box, Dh], _box_layout(box, Dh, cache.dtype))
+    return TensorDescriptor(
+        cache, [NB * BS, Hkv * Dh], [Hkv * Dh, 1], [box, Dh], _box_layout(box, Dh, cache.dtype)
+    )
 
 
 def prefill_attention_sm90(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    lens_t: torch.Tensor, cu_t: torch.Tensor, out: torch.Tensor, seq_offset: int, num_seqs: int, max_new: int,
-    qk_scale: float, *, box: int, BLOCK_M: int, BLOCK_N: int, STAGES: int, num_warps: int, maxnreg: int,
-    STAGES8: int = 0, CONVERT_ROWS: int = 32, QK8: bool = False, k_scale: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens_t: torch.Tensor,
+    cu_t: torch.Tensor,
+    out: torch.Tensor,
+    seq_offset: int,
+    num_seqs: int,
+    max_new: int,
+    qk_scale: float,
+    *,
+    box: int,
+    BLOCK_M: int,
+    BLOCK_N: int,
+    STAGES: int,
+    num_warps: int,
+    maxnreg: int,
+    STAGES8: int = 0,
+    CONVERT_ROWS: int = 32,
+    QK8: bool = False,
+    k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """out[rows of sequences seq_offset .. seq_offset + num_seqs) = attention of those prefill/extend
@@ -511,21 +981,61 @@ def prefill_attention_sm90(
     scaled = k_scale is not None
     assert (v_scale is not None) == scaled
     _prefill_kernel_sm90[(Hq, triton.cdiv(max_new, BLOCK_M), num_seqs)](
-        q, k_cache, v_cache, _pool_descriptor(k_cache, box), _pool_descriptor(v_cache, box), block_tables,
-        lens_t, cu_t, out, k_scale if scaled else q, v_scale if scaled else q, seq_offset, qk_scale,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        BS=k_cache.shape[1], REP=Hq // Hkv, HEAD_DIM=Dh, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BOX=box, STAGES=STAGES,
-        STAGES8=STAGES8, KV_SCALED=scaled, CONVERT_ROWS=CONVERT_ROWS, QK8=QK8, num_warps=num_warps,
+        q,
+        k_cache,
+        v_cache,
+        _pool_descriptor(k_cache, box),
+        _pool_descriptor(v_cache, box),
+        block_tables,
+        lens_t,
+        cu_t,
+        out,
+        k_scale if scaled else q,
+        v_scale if scaled else q,
+        seq_offset,
+        qk_scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        BS=k_cache.shape[1],
+        REP=Hq // Hkv,
+        HEAD_DIM=Dh,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BOX=box,
+        STAGES=STAGES,
+        STAGES8=STAGES8,
+        KV_SCALED=scaled,
+        CONVERT_ROWS=CONVERT_ROWS,
+        QK8=QK8,
+        num_warps=num_warps,
         maxnreg=maxnreg,
     )
 
 
 def prefill_sm90(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    lens_t: torch.Tensor, cu_t: torch.Tensor, out: torch.Tensor, seq_offset: int, num_seqs: int, max_new: int,
-    qk_scale: float, *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens_t: torch.Tensor,
+    cu_t: torch.Tensor,
+    out: torch.Tensor,
+    seq_offset: int,
+    num_seqs: int,
+    max_new: int,
+    qk_scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> bool:
     """The prefill part of a step on this kernel at `_PREFILL_SM90`'s settings (`_PREFILL_SM90_FP8`'s over a
     float8 cache) when it can take it (`sm90_prefill_box`; scales only with a float8 cache, the one the engine
@@ -535,8 +1045,23 @@ def prefill_sm90(
     box = sm90_prefill_box(q, k_cache, v_cache, cfg["BLOCK_N"])
     if not box or (k_scale is not None and not fp8):
         return False
-    prefill_attention_sm90(q, k_cache, v_cache, block_tables, lens_t, cu_t, out, seq_offset, num_seqs, max_new,
-                           qk_scale, box=box, k_scale=k_scale, v_scale=v_scale, **cfg)
+    prefill_attention_sm90(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        lens_t,
+        cu_t,
+        out,
+        seq_offset,
+        num_seqs,
+        max_new,
+        qk_scale,
+        box=box,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        **cfg,
+    )
     return True
 
 

@@ -75,7 +75,9 @@ def _k_load_layout(sub, d):
     lane // 4 + 8 i and, of each, the D / 4 contiguous bytes from c D / 4 (registers first along the row:
     16-byte loads)."""
     w = d // 4
-    regs = [[0, 1 << i] for i in range((w // 4).bit_length() - 1)] + [[8 << i, 0] for i in range((sub // 8).bit_length() - 1)]
+    regs = [[0, 1 << i] for i in range((w // 4).bit_length() - 1)] + [
+        [8 << i, 0] for i in range((sub // 8).bit_length() - 1)
+    ]
     lanes = [[0, w // 4], [0, w // 2], [1, 0], [2, 0], [4, 0]]
     return gl.DistributedLinearLayout(regs, lanes, [], [], [sub, w])
 
@@ -85,7 +87,11 @@ def _v_load_layout(sub, d):
     """[SUB keys, D / 4 words] of V: thread (r = lane // 4, c = lane % 4) holds keys 2 c + {0, 1} + 8 i and, of
     each, the D / 8 contiguous bytes from r D / 8."""
     w = d // 4
-    regs = [[0, 1 << i] for i in range((w // 8).bit_length() - 1)] + [[1, 0]] + [[8 << i, 0] for i in range((sub // 8).bit_length() - 1)]
+    regs = (
+        [[0, 1 << i] for i in range((w // 8).bit_length() - 1)]
+        + [[1, 0]]
+        + [[8 << i, 0] for i in range((sub // 8).bit_length() - 1)]
+    )
     lanes = [[2, 0], [4, 0], [0, w // 8], [0, w // 4], [0, w // 2]]
     return gl.DistributedLinearLayout(regs, lanes, [], [], [sub, w])
 
@@ -95,10 +101,12 @@ def _pdl_enter(PDL: gl.constexpr):
     """`triton_common.pdl_enter` for a Gluon kernel: with PDL, wait for the previous kernel on the stream and
     let the next one's blocks be scheduled."""
     if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+        gl.inline_asm_elementwise(
+            "griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+        gl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
 
 
 @gluon.jit
@@ -109,7 +117,12 @@ def _to_f16(x, SUB: gl.constexpr, D: gl.constexpr):
     b0, b1, b2, b3 = gl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 a, lo; "
         "cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
-        "=h,=h,=h,=h,r", [x], dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=1)
+        "=h,=h,=h,=h,r",
+        [x],
+        dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+        is_pure=True,
+        pack=1,
+    )
     # join stacks on a new last axis: [..., a, b] of join(join(b0, b2), join(b1, b3)) is byte 2 a + b
     return gl.reshape(gl.join(gl.join(b0, b2), gl.join(b1, b3)), [SUB, D])
 
@@ -134,8 +147,20 @@ def _as_v(v, SUB: gl.constexpr, D: gl.constexpr):
 
 
 @gluon.jit
-def _tile_ptrs(c_ptr, bt_row, start, hi, kvh, s_b, s_r, s_h, layout: gl.constexpr, BS: gl.constexpr,
-               SUB: gl.constexpr, D: gl.constexpr):
+def _tile_ptrs(
+    c_ptr,
+    bt_row,
+    start,
+    hi,
+    kvh,
+    s_b,
+    s_r,
+    s_h,
+    layout: gl.constexpr,
+    BS: gl.constexpr,
+    SUB: gl.constexpr,
+    D: gl.constexpr,
+):
     """Word pointers to the [SUB, D] bytes of one head at positions start.. (through the block table; the
     strides in bytes, multiples of 4) in `layout`, and the mask of the positions below `hi`."""
     pos = start + gl.arange(0, SUB, layout=gl.SliceLayout(1, layout))
@@ -147,8 +172,23 @@ def _tile_ptrs(c_ptr, bt_row, start, hi, kvh, s_b, s_r, s_h, layout: gl.constexp
 
 
 @gluon.jit
-def _load_tiles(kc_ptr, vc_ptr, bt_row, start, hi, kvh, s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h,
-                BS: gl.constexpr, SUB: gl.constexpr, D: gl.constexpr):
+def _load_tiles(
+    kc_ptr,
+    vc_ptr,
+    bt_row,
+    start,
+    hi,
+    kvh,
+    s_kc_b,
+    s_kc_r,
+    s_kc_h,
+    s_vc_b,
+    s_vc_r,
+    s_vc_h,
+    BS: gl.constexpr,
+    SUB: gl.constexpr,
+    D: gl.constexpr,
+):
     kl: gl.constexpr = _k_load_layout(SUB, D)
     vl: gl.constexpr = _v_load_layout(SUB, D)
     kp, km = _tile_ptrs(kc_ptr, bt_row, start, hi, kvh, s_kc_b, s_kc_r, s_kc_h, kl, BS, SUB, D)
@@ -179,15 +219,41 @@ def _step(q_a, k8, v8, start, hi, m_i, l_i, acc, qk_scale, SUB: gl.constexpr, D:
 
 @gluon.jit(do_not_specialize=["seq_offset", "num_splits", "s_bt_s", "s_po_sp", "s_pl_sp"])
 def _decode_fp8_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, cu_ptr, po_ptr, plse_ptr, ks_ptr, vs_ptr,
-    seq_offset, num_splits, qk_scale,
-    s_q_t, s_q_h,
-    s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h,
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    bt_ptr,
+    lens_ptr,
+    cu_ptr,
+    po_ptr,
+    plse_ptr,
+    ks_ptr,
+    vs_ptr,
+    seq_offset,
+    num_splits,
+    qk_scale,
+    s_q_t,
+    s_q_h,
+    s_kc_b,
+    s_kc_r,
+    s_kc_h,
+    s_vc_b,
+    s_vc_r,
+    s_vc_h,
     s_bt_s,
-    s_po_sp, s_po_s, s_po_h,  # partial out [splits, nd, Hq, D] fp32, last stride 1
-    s_pl_sp, s_pl_s,  # partial lse [splits, nd, Hq] fp32, last stride 1
-    BS: gl.constexpr, REP: gl.constexpr, D: gl.constexpr, SUB: gl.constexpr, MIN_SPLIT: gl.constexpr,
-    KV_SCALED: gl.constexpr, PREFETCH: gl.constexpr, PDL: gl.constexpr,
+    s_po_sp,
+    s_po_s,
+    s_po_h,  # partial out [splits, nd, Hq, D] fp32, last stride 1
+    s_pl_sp,
+    s_pl_s,  # partial lse [splits, nd, Hq] fp32, last stride 1
+    BS: gl.constexpr,
+    REP: gl.constexpr,
+    D: gl.constexpr,
+    SUB: gl.constexpr,
+    MIN_SPLIT: gl.constexpr,
+    KV_SCALED: gl.constexpr,
+    PREFETCH: gl.constexpr,
+    PDL: gl.constexpr,
 ):
     _pdl_enter(PDL)
     mma: gl.constexpr = _mma_layout()
@@ -208,7 +274,9 @@ def _decode_fp8_kernel(
     d_a = gl.arange(0, D, layout=gl.SliceLayout(0, a_op))
     m_a = (d_a % 2) + (D // 4) * ((d_a // 2) % 4) + 2 * (d_a // 8)
     heads_a = kvh * REP + r_a
-    q = gl.load(q_ptr + row * s_q_t + heads_a[:, None] * s_q_h + m_a[None, :], mask=(r_a < REP)[:, None], other=0.0)
+    q = gl.load(
+        q_ptr + row * s_q_t + heads_a[:, None] * s_q_h + m_a[None, :], mask=(r_a < REP)[:, None], other=0.0
+    )
     q_a = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
     if KV_SCALED:
         qk_scale = qk_scale * gl.load(ks_ptr).to(gl.float32)
@@ -218,18 +286,49 @@ def _decode_fp8_kernel(
     acc = gl.zeros([_ROWS, D], gl.float32, layout=mma)
     bt_row = bt_ptr + seq * s_bt_s
     if PREFETCH:
-        k8, v8 = _load_tiles(kc_ptr, vc_ptr, bt_row, lo, hi, kvh, s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h,
-                             BS, SUB, D)
+        k8, v8 = _load_tiles(
+            kc_ptr, vc_ptr, bt_row, lo, hi, kvh, s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, SUB, D
+        )
         for start in range(lo, hi, SUB):
-            k8n, v8n = _load_tiles(kc_ptr, vc_ptr, bt_row, start + SUB, hi, kvh, s_kc_b, s_kc_r, s_kc_h,
-                                   s_vc_b, s_vc_r, s_vc_h, BS, SUB, D)
+            k8n, v8n = _load_tiles(
+                kc_ptr,
+                vc_ptr,
+                bt_row,
+                start + SUB,
+                hi,
+                kvh,
+                s_kc_b,
+                s_kc_r,
+                s_kc_h,
+                s_vc_b,
+                s_vc_r,
+                s_vc_h,
+                BS,
+                SUB,
+                D,
+            )
             m_i, l_i, acc = _step(q_a, k8, v8, start, hi, m_i, l_i, acc, qk_scale, SUB, D)
             k8 = k8n
             v8 = v8n
     else:
         for start in range(lo, hi, SUB):
-            k8, v8 = _load_tiles(kc_ptr, vc_ptr, bt_row, start, hi, kvh, s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r,
-                                 s_vc_h, BS, SUB, D)
+            k8, v8 = _load_tiles(
+                kc_ptr,
+                vc_ptr,
+                bt_row,
+                start,
+                hi,
+                kvh,
+                s_kc_b,
+                s_kc_r,
+                s_kc_h,
+                s_vc_b,
+                s_vc_r,
+                s_vc_h,
+                BS,
+                SUB,
+                D,
+            )
             m_i, l_i, acc = _step(q_a, k8, v8, start, hi, m_i, l_i, acc, qk_scale, SUB, D)
 
     has = l_i > 0.0  # an empty split (lo >= L) contributes weight 0
@@ -242,16 +341,22 @@ def _decode_fp8_kernel(
     n_o = gl.arange(0, D, layout=gl.SliceLayout(0, mma))
     m_o = (D // 8) * (n_o % 8) + n_o // 8
     heads_o = kvh * REP + r_o
-    gl.store(po_ptr + sp * s_po_sp + s * s_po_s + heads_o[:, None] * s_po_h + m_o[None, :], out,
-             mask=(r_o < REP)[:, None])
+    gl.store(
+        po_ptr + sp * s_po_sp + s * s_po_s + heads_o[:, None] * s_po_h + m_o[None, :],
+        out,
+        mask=(r_o < REP)[:, None],
+    )
     gl.store(plse_ptr + sp * s_pl_sp + s * s_pl_s + heads_o, lse, mask=r_o < REP)
 
 
 def decode_fp8_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether this kernel takes a decode step: an e4m3 cache read by 16-bit queries (`decode_fp8_shape_fits`)
     on a GPU of compute capability 8.9+ (the e4m3 converts)."""
-    return (decode_fp8_shape_fits(q, k_cache, v_cache) and q.is_cuda
-            and torch.cuda.get_device_capability(q.device) >= (8, 9))
+    return (
+        decode_fp8_shape_fits(q, k_cache, v_cache)
+        and q.is_cuda
+        and torch.cuda.get_device_capability(q.device) >= (8, 9)
+    )
 
 
 def decode_fp8_shape_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -260,22 +365,45 @@ def decode_fp8_shape_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     at most 16 q heads per kv head, and K / V rows that start on 4-byte words (the tiles load as 32-bit words)."""
     D = q.shape[-1]
     rep = q.shape[1] // k_cache.shape[2]
-    words = all(c.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in c.stride()[:3]) for c in (k_cache, v_cache))
-    return (k_cache.dtype in _GL_FP8 and v_cache.dtype == k_cache.dtype and q.dtype in _Q_DTYPES
-            and D in (32, 64, 128) and rep <= _ROWS and words)
+    words = all(
+        c.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in c.stride()[:3]) for c in (k_cache, v_cache)
+    )
+    return (
+        k_cache.dtype in _GL_FP8
+        and v_cache.dtype == k_cache.dtype
+        and q.dtype in _Q_DTYPES
+        and D in (32, 64, 128)
+        and rep <= _ROWS
+        and words
+    )
 
 
 def decode_splits(num_seqs: int, kv_heads: int, max_len: int | None = None) -> int:
     """Splits per sequence for this kernel's one-warp programs (`launch_util.split_kv_count` at this kernel's
     program target)."""
-    return split_kv_count(num_seqs, kv_heads, max_len, target_programs=_TARGET_PROGRAMS, max_splits=_MAX_SPLITS,
-                          min_split_tokens=_MIN_SPLIT_TOKENS)
+    return split_kv_count(
+        num_seqs,
+        kv_heads,
+        max_len,
+        target_programs=_TARGET_PROGRAMS,
+        max_splits=_MAX_SPLITS,
+        min_split_tokens=_MIN_SPLIT_TOKENS,
+    )
 
 
 def decode_fp8(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    lens_t: torch.Tensor, cu_t: torch.Tensor, nd: int, max_len: int | None, qk_scale: float, *,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens_t: torch.Tensor,
+    cu_t: torch.Tensor,
+    nd: int,
+    max_len: int | None,
+    qk_scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The partial outputs [splits, nd, Hq, D] and log-sum-exps [splits, nd, Hq] (float32) of the decode
     sequences [0, nd) of a step, for `_combine_kernel`; None, with nothing launched, when this kernel does
@@ -295,8 +423,15 @@ def decode_fp8(
     ks, vs = (k_scale, v_scale) if scaled else (q, q)  # unread when unscaled
     _decode_fp8_kernel[(nd, Hkv, splits)](
         *split_kv_args(q, k_cache, v_cache, block_tables, lens_t, cu_t, po, plse, ks, vs, splits, qk_scale),
-        BS=BS, REP=Hq // Hkv, D=D, SUB=SUB, MIN_SPLIT=triton.cdiv(_MIN_SPLIT_TOKENS, SUB) * SUB,
-        KV_SCALED=scaled, num_warps=1, **cfg, **pdl(q),
+        BS=BS,
+        REP=Hq // Hkv,
+        D=D,
+        SUB=SUB,
+        MIN_SPLIT=triton.cdiv(_MIN_SPLIT_TOKENS, SUB) * SUB,
+        KV_SCALED=scaled,
+        num_warps=1,
+        **cfg,
+        **pdl(q),
     )
     return po, plse
 

@@ -87,11 +87,20 @@ def tma_tiles_fit(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) ->
     if Dh * k_cache.element_size() < 16 or block_n < 16:
         return False
     # (a power-of-two head dim of >= 16 bytes makes the row stride a multiple of 16 bytes)
-    return all(c.stride() == (BS * Hkv * Dh, Hkv * Dh, Dh, 1) and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache))
+    return all(
+        c.stride() == (BS * Hkv * Dh, Hkv * Dh, Dh, 1) and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache)
+    )
 
 
-def split_kv_count(num_seqs: int, kv_heads: int, max_len: int | None, *, target_programs: int, max_splits: int,
-                   min_split_tokens: int) -> int:
+def split_kv_count(
+    num_seqs: int,
+    kv_heads: int,
+    max_len: int | None,
+    *,
+    target_programs: int,
+    max_splits: int,
+    min_split_tokens: int,
+) -> int:
     """Splits per sequence of a split-KV decode kernel (grid: sequences x kv heads x splits): enough programs
     to reach `target_programs`, at most `max_splits`; when the longest context is known (eager steps), no
     more splits than it has `min_split_tokens` pieces."""
@@ -101,21 +110,52 @@ def split_kv_count(num_seqs: int, kv_heads: int, max_len: int | None, *, target_
     return splits
 
 
-def split_kv_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                  lens_t: torch.Tensor, cu_t: torch.Tensor, po: torch.Tensor, plse: torch.Tensor,
-                  ks: torch.Tensor, vs: torch.Tensor, splits: int, qk_scale: float) -> tuple:
+def split_kv_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens_t: torch.Tensor,
+    cu_t: torch.Tensor,
+    po: torch.Tensor,
+    plse: torch.Tensor,
+    ks: torch.Tensor,
+    vs: torch.Tensor,
+    splits: int,
+    qk_scale: float,
+) -> tuple:
     """The positional arguments of a split-KV decode kernel over the decode sequences [0, nd) of a step, in
     the parameter order the decode kernels share (`triton_attention._decode_kernel`,
     `gluon_decode._decode_fp8_kernel`): pointers, then the sequence offset, split count and softmax scale, then
     the strides of q, the caches, the block table and the partial outputs / log-sum-exps."""
     return (
-        q, k_cache, v_cache, block_tables, lens_t, cu_t, po, plse, ks, vs,
-        0, splits, qk_scale,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        lens_t,
+        cu_t,
+        po,
+        plse,
+        ks,
+        vs,
+        0,
+        splits,
+        qk_scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        po.stride(0), po.stride(1), po.stride(2), plse.stride(0), plse.stride(1),
+        po.stride(0),
+        po.stride(1),
+        po.stride(2),
+        plse.stride(0),
+        plse.stride(1),
     )
 
 
@@ -131,5 +171,16 @@ def device_file(config_dir: Path, name: str) -> Path:
     return config_dir / (re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") + ".json")
 
 
-__all__ = ["device_file", "device_index", "device_name", "hopper_or_newer", "pdl", "pdl_active", "pdl_enabled",
-           "set_pdl", "split_kv_args", "split_kv_count", "tma_tiles_fit"]
+__all__ = [
+    "device_file",
+    "device_index",
+    "device_name",
+    "hopper_or_newer",
+    "pdl",
+    "pdl_active",
+    "pdl_enabled",
+    "set_pdl",
+    "split_kv_args",
+    "split_kv_count",
+    "tma_tiles_fit",
+]

@@ -30,8 +30,10 @@ def router_logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x: [T, d]; weight: [E, d] (float32, as the checkpoints store the gate) -> logits [T, E] in float32
     (float64 for a float64 oracle)."""
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
-        raise ValueError(f"router_logits: x [T, d] and gate weight [E, d] expected, got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(
+            f"router_logits: x [T, d] and gate weight [E, d] expected, got {tuple(x.shape)} and "
+            f"{tuple(weight.shape)}"
+        )
     ftype = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
     return F.linear(x.to(ftype), weight.to(ftype))
 
@@ -42,7 +44,9 @@ def moe_max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return num_pairs // block_m + min(num_experts, num_pairs)
 
 
-def _check_route_args(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int) -> None:
+def _check_route_args(
+    logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int
+) -> None:
     if logits.dim() != 2:
         raise ValueError(f"moe_route: logits must be [T, E], got shape {tuple(logits.shape)}")
     E = logits.shape[1]
@@ -54,10 +58,14 @@ def _check_route_args(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_gr
         raise ValueError(f"moe_route: topk_group ({topk_group}) must be in [1, n_group={n_group}]")
     grouped = n_group > 1 and topk_group < n_group
     if grouped and E // n_group < 2:
-        raise ValueError(f"moe_route: each of the {n_group} groups needs at least 2 experts (top-2 group score)")
+        raise ValueError(
+            f"moe_route: each of the {n_group} groups needs at least 2 experts (top-2 group score)"
+        )
     eligible = topk_group * (E // n_group) if grouped else E
     if not 1 <= top_k <= eligible:
-        raise ValueError(f"moe_route: top_k ({top_k}) must be in [1, {eligible}] (experts in the kept groups)")
+        raise ValueError(
+            f"moe_route: top_k ({top_k}) must be in [1, {eligible}] (experts in the kept groups)"
+        )
 
 
 def moe_route_ref(
@@ -159,21 +167,30 @@ def moe_combine_ref(y: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 def _check_fp8_experts(
-    x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, up_scale: torch.Tensor | None,
+    x: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    up_scale: torch.Tensor | None,
     down_scale: torch.Tensor | None,
 ) -> None:
     if (up_scale is None) != (down_scale is None):
         raise ValueError("moe_experts: FP8 experts need both up_scale and down_scale")
     if w_up.dtype != torch.float8_e4m3fn or w_down.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"moe_experts: scales are given, so the expert weights must be float8_e4m3fn, got "
-                         f"{w_up.dtype}, {w_down.dtype}")
+        raise ValueError(
+            f"moe_experts: scales are given, so the expert weights must be float8_e4m3fn, got "
+            f"{w_up.dtype}, {w_down.dtype}"
+        )
     E, inter, d = w_up.shape
     for name, sc, want in (("up_scale", up_scale, (E, inter)), ("down_scale", down_scale, (E, d))):
         if sc.dtype != torch.float32 or tuple(sc.shape) != want:  # type: ignore[union-attr]
-            raise ValueError(f"moe_experts: {name} must be float32 {list(want)} (per expert and output channel), "
-                             f"got {sc.dtype} {list(sc.shape)}")  # type: ignore[union-attr]
+            raise ValueError(
+                f"moe_experts: {name} must be float32 {list(want)} (per expert and output channel), "
+                f"got {sc.dtype} {list(sc.shape)}"
+            )  # type: ignore[union-attr]
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"moe_experts: FP8 experts take float32, float16 or bfloat16 activations, got {x.dtype}")
+        raise ValueError(
+            f"moe_experts: FP8 experts take float32, float16 or bfloat16 activations, got {x.dtype}"
+        )
 
 
 def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -181,7 +198,9 @@ def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
     return (w.float() * scale[:, :, None]).to(dtype)
 
 
-def check_shared_args(w_up: torch.Tensor, shared_up: torch.Tensor | None, shared_down: torch.Tensor | None) -> int:
+def check_shared_args(
+    w_up: torch.Tensor, shared_up: torch.Tensor | None, shared_down: torch.Tensor | None
+) -> int:
     """The shared expert folded into the routed ones: up [S*I, d], down [d, S*I] with I the routed experts'
     intermediate size, so it runs as S more experts of weight 1 per token. Returns S (0 without one)."""
     if shared_up is None and shared_down is None:
@@ -191,19 +210,28 @@ def check_shared_args(w_up: torch.Tensor, shared_up: torch.Tensor | None, shared
     _, inter, d = w_up.shape
     si = shared_up.shape[0] if shared_up.dim() == 2 else -1
     if shared_up.dim() != 2 or shared_up.shape[1] != d or si % inter or si == 0:
-        raise ValueError(f"moe_experts: shared_up must be [S * {inter}, {d}] (a multiple of the routed "
-                         f"intermediate size), got {tuple(shared_up.shape)}")
+        raise ValueError(
+            f"moe_experts: shared_up must be [S * {inter}, {d}] (a multiple of the routed "
+            f"intermediate size), got {tuple(shared_up.shape)}"
+        )
     if shared_down.shape != (d, si):
         raise ValueError(f"moe_experts: shared_down must be [{d}, {si}], got {tuple(shared_down.shape)}")
     if not (shared_up.dtype == shared_down.dtype == w_up.dtype):
-        raise ValueError(f"moe_experts: shared expert dtypes {shared_up.dtype}, {shared_down.dtype} differ from the "
-                         f"experts' {w_up.dtype}")
+        raise ValueError(
+            f"moe_experts: shared expert dtypes {shared_up.dtype}, {shared_down.dtype} differ from the "
+            f"experts' {w_up.dtype}"
+        )
     return si // inter
 
 
 def _check_experts_args(
-    x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tensor,
-    up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+    x: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_w: torch.Tensor,
+    topk_ids: torch.Tensor,
+    up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
 ) -> None:
     if x.dim() != 2:
         raise ValueError(f"moe_experts: x must be [T, d], got shape {tuple(x.shape)}")
@@ -219,19 +247,29 @@ def _check_experts_args(
             f"{tuple(topk_w.shape)}"
         )
     if topk_ids.dtype.is_floating_point or not topk_w.dtype.is_floating_point:
-        raise ValueError(f"moe_experts: integer ids and float weights expected, got {topk_ids.dtype}, {topk_w.dtype}")
+        raise ValueError(
+            f"moe_experts: integer ids and float weights expected, got {topk_ids.dtype}, {topk_w.dtype}"
+        )
     if topk_ids.shape[1] > E:
         raise ValueError(f"moe_experts: top_k ({topk_ids.shape[1]}) exceeds the {E} experts")
     if up_scale is not None or down_scale is not None:
         _check_fp8_experts(x, w_up, w_down, up_scale, down_scale)
     elif not (x.dtype == w_up.dtype == w_down.dtype):
-        raise ValueError(f"moe_experts: x, up_proj, down_proj dtypes differ: {x.dtype}, {w_up.dtype}, {w_down.dtype}")
+        raise ValueError(
+            f"moe_experts: x, up_proj, down_proj dtypes differ: {x.dtype}, {w_up.dtype}, {w_down.dtype}"
+        )
 
 
 def moe_experts_ref(
-    x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tensor,
-    shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
-    up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+    x: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_w: torch.Tensor,
+    topk_ids: torch.Tensor,
+    shared_up: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
+    up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [T, d]; w_up: [E, I, d]; w_down: [E, d, I]; topk_w: [T, k] float32; topk_ids: [T, k] -> [T, d] in
     x.dtype. transformers' NemotronH order of rounding: each expert's GEMMs in x.dtype, weighted and summed
@@ -241,7 +279,9 @@ def moe_experts_ref(
     _check_experts_args(x, w_up, w_down, topk_w, topk_ids, up_scale, down_scale)
     fp8 = up_scale is not None
     if fp8 and (shared_up is not None or shared_down is not None):
-        raise ValueError("moe_experts: FP8 experts take no folded shared expert (an FP8 model runs it as its MLP)")
+        raise ValueError(
+            "moe_experts: FP8 experts take no folded shared expert (an FP8 model runs it as its MLP)"
+        )
     with_shared = check_shared_args(w_up, shared_up, shared_down) > 0
     T, k = topk_ids.shape
     acc = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 as an oracle

@@ -178,9 +178,11 @@ def ssd_chunked_ref(
     start_states = torch.stack(starts, dim=1)  # [S, c, H, P, N]
 
     # 4. the carried-in state's contribution: y[l] += exp(cs_l) * C_l . h_start
-    y = y + torch.einsum("sclhn,schpn->sclhp", Cc, start_states) * torch.exp(dA_cs).permute(0, 1, 3, 2)[
-        ..., None
-    ]
+    y = (
+        y
+        + torch.einsum("sclhn,schpn->sclhp", Cc, start_states)
+        * torch.exp(dA_cs).permute(0, 1, 3, 2)[..., None]
+    )
     y = y.reshape(S, cmax * L, H, P)
     if D is not None:
         y = y + xp * D.to(cd)[:, None]
@@ -247,5 +249,9 @@ def ssd_naive_ref(
         chunk_states = (
             torch.stack(chunk_list) if chunk_list else torch.zeros(0, H, P, N, dtype=cd, device=x.device)
         )
-    return SSDOutput(y=out, final_states=final_states, chunk_states=chunk_states,
-                     chunk_offsets=chunk_offsets_for(cu, chunk_size))
+    return SSDOutput(
+        y=out,
+        final_states=final_states,
+        chunk_states=chunk_states,
+        chunk_offsets=chunk_offsets_for(cu, chunk_size),
+    )

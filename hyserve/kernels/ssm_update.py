@@ -52,7 +52,9 @@ def selective_state_update_ref(
     if rounding is None:
         ssm_pool[dst_slots] = h.to(ssm_pool.dtype)
     else:
-        assert ssm_pool.dtype == torch.float16, f"stochastic rounding needs a float16 pool, got {ssm_pool.dtype}"
+        assert ssm_pool.dtype == torch.float16, (
+            f"stochastic rounding needs a float16 pool, got {ssm_pool.dtype}"
+        )
         assert positions is not None and positions.shape == src_slots.shape, "one position per row"
         ssm_pool[dst_slots] = stochastic_round_state(h, positions, rounding)
     y = torch.einsum("bhpn,bhn->bhp", h, Ch)

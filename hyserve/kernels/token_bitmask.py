@@ -16,12 +16,16 @@ def bitmask_width(vocab_size: int) -> int:
 
 def check_bitmask_args(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     if logits.dim() != 2 or not logits.dtype.is_floating_point:
-        raise ValueError(f"apply_token_bitmask: logits must be a float [n, V] tensor, got {tuple(logits.shape)} "
-                         f"{logits.dtype}")
+        raise ValueError(
+            f"apply_token_bitmask: logits must be a float [n, V] tensor, got {tuple(logits.shape)} "
+            f"{logits.dtype}"
+        )
     n, vocab = logits.shape
     if bitmask.shape != (n, bitmask_width(vocab)) or bitmask.dtype != torch.int32:
-        raise ValueError(f"apply_token_bitmask: bitmask must be int32 [{n}, {bitmask_width(vocab)}] for {vocab} "
-                         f"tokens, got {bitmask.dtype} {tuple(bitmask.shape)}")
+        raise ValueError(
+            f"apply_token_bitmask: bitmask must be int32 [{n}, {bitmask_width(vocab)}] for {vocab} "
+            f"tokens, got {bitmask.dtype} {tuple(bitmask.shape)}"
+        )
     if bitmask.device != logits.device:
         raise ValueError(f"apply_token_bitmask: bitmask on {bitmask.device}, logits on {logits.device}")
 

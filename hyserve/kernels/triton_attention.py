@@ -36,11 +36,32 @@ def _quantize(x, scale_ptr, SCALED: tl.constexpr, FP8: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _write_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, num_tokens,
-    s_k_t, s_k_h, s_v_t, s_v_h,
-    s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h,
-    BS: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-    KV_SCALED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    ks_ptr,
+    vs_ptr,
+    num_tokens,
+    s_k_t,
+    s_k_h,
+    s_v_t,
+    s_v_h,
+    s_kc_b,
+    s_kc_r,
+    s_kc_h,
+    s_vc_b,
+    s_vc_r,
+    s_vc_h,
+    BS: tl.constexpr,
+    HKV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    H_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+    KV_SCALED: tl.constexpr,
+    FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -58,11 +79,13 @@ def _write_kv_kernel(
     v = _quantize(v, vs_ptr, KV_SCALED, FP8)
     tl.store(
         kc_ptr + blk * s_kc_b + row * s_kc_r + offs_h[:, None] * s_kc_h + offs_d[None, :],
-        k.to(kc_ptr.dtype.element_ty), mask=m,
+        k.to(kc_ptr.dtype.element_ty),
+        mask=m,
     )
     tl.store(
         vc_ptr + blk * s_vc_b + row * s_vc_r + offs_h[:, None] * s_vc_h + offs_d[None, :],
-        v.to(vc_ptr.dtype.element_ty), mask=m,
+        v.to(vc_ptr.dtype.element_ty),
+        mask=m,
     )
 
 
@@ -89,16 +112,33 @@ def write_kv_triton(
     if T == 0:
         return
     _write_kv_kernel[(T,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k_scale if scaled else slot_mapping, v_scale if scaled else slot_mapping,  # unread when unscaled
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k_scale if scaled else slot_mapping,
+        v_scale if scaled else slot_mapping,  # unread when unscaled
         T,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        BS=k_cache.shape[1], HKV=Hkv, HEAD_DIM=Dh,
-        H_PAD=triton.next_power_of_2(Hkv), D_PAD=triton.next_power_of_2(Dh),
-        KV_SCALED=scaled, FP8=k_cache.dtype in FP8_KV_DTYPES,
-        num_warps=4, **pdl(k),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        BS=k_cache.shape[1],
+        HKV=Hkv,
+        HEAD_DIM=Dh,
+        H_PAD=triton.next_power_of_2(Hkv),
+        D_PAD=triton.next_power_of_2(Dh),
+        KV_SCALED=scaled,
+        FP8=k_cache.dtype in FP8_KV_DTYPES,
+        num_warps=4,
+        **pdl(k),
     )
 
 
@@ -130,9 +170,27 @@ def _v_tile(v, q, PIN: tl.constexpr):
 
 
 @triton.jit
-def _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, mn, offs_d, md, kvh, q,
-                  s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS: tl.constexpr,
-                  MASK_N: tl.constexpr, MASK_D: tl.constexpr, PIN_V: tl.constexpr):
+def _load_kv_tile(
+    kc_ptr,
+    vc_ptr,
+    bt_row,
+    pos,
+    mn,
+    offs_d,
+    md,
+    kvh,
+    q,
+    s_kc_b,
+    s_kc_r,
+    s_kc_h,
+    s_vc_b,
+    s_vc_r,
+    s_vc_h,
+    BS: tl.constexpr,
+    MASK_N: tl.constexpr,
+    MASK_D: tl.constexpr,
+    PIN_V: tl.constexpr,
+):
     """K and V rows of one head for token positions `pos` (masked by `mn` when MASK_N), found through
     the block table: position p lives in block bt_row[p // BS], row p % BS. Cast to q's dtype (a float8
     tile exactly; its scales are applied by the caller to the scores and the output). Full tiles of an
@@ -222,16 +280,45 @@ def _load_kv_box(kd, vd, bt_row, start, kvh, BS: tl.constexpr, HEAD_DIM: tl.cons
 # block-table width and the partial buffers' split stride change from step to step: not specialised
 @triton.jit(do_not_specialize=["seq_offset", "num_splits", "s_bt_s", "s_po_sp", "s_pl_sp"])
 def _decode_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, cu_ptr, po_ptr, plse_ptr, ks_ptr, vs_ptr,
-    seq_offset, num_splits, qk_scale,
-    s_q_t, s_q_h,
-    s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h,
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    bt_ptr,
+    lens_ptr,
+    cu_ptr,
+    po_ptr,
+    plse_ptr,
+    ks_ptr,
+    vs_ptr,
+    seq_offset,
+    num_splits,
+    qk_scale,
+    s_q_t,
+    s_q_h,
+    s_kc_b,
+    s_kc_r,
+    s_kc_h,
+    s_vc_b,
+    s_vc_r,
+    s_vc_h,
     s_bt_s,
-    s_po_sp, s_po_s, s_po_h,  # partial out [splits, nd, Hq, D] fp32, last stride 1
-    s_pl_sp, s_pl_s,  # partial lse [splits, nd, Hq] fp32, last stride 1
-    BS: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-    IEEE: tl.constexpr, KV_SCALED: tl.constexpr, F16_TILES: tl.constexpr, PIN_V: tl.constexpr, PDL: tl.constexpr,
+    s_po_sp,
+    s_po_s,
+    s_po_h,  # partial out [splits, nd, Hq, D] fp32, last stride 1
+    s_pl_sp,
+    s_pl_s,  # partial lse [splits, nd, Hq] fp32, last stride 1
+    BS: tl.constexpr,
+    REP: tl.constexpr,
+    REP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
+    KV_SCALED: tl.constexpr,
+    F16_TILES: tl.constexpr,
+    PIN_V: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     s = tl.program_id(0).to(tl.int64)  # index among the decode sequences
@@ -252,8 +339,11 @@ def _decode_kernel(
     mr = offs_r < REP
     md = offs_d < HEAD_DIM
     heads = kvh * REP + offs_r
-    q = tl.load(q_ptr + row * s_q_t + heads[:, None] * s_q_h + offs_d[None, :], mask=mr[:, None] & md[None, :],
-                other=0.0)
+    q = tl.load(
+        q_ptr + row * s_q_t + heads[:, None] * s_q_h + offs_d[None, :],
+        mask=mr[:, None] & md[None, :],
+        other=0.0,
+    )
     q = _f16_queries(q, F16_TILES)
 
     if KV_SCALED:
@@ -269,15 +359,53 @@ def _decode_kernel(
     full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
     for start in range(lo, full_hi, BLOCK_N):
         pos = start + offs_n
-        k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, pos < hi, offs_d, md, kvh, q,
-                             s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, False, HEAD_DIM != D_PAD, PIN_V)
+        k, v = _load_kv_tile(
+            kc_ptr,
+            vc_ptr,
+            bt_row,
+            pos,
+            pos < hi,
+            offs_d,
+            md,
+            kvh,
+            q,
+            s_kc_b,
+            s_kc_r,
+            s_kc_h,
+            s_vc_b,
+            s_vc_r,
+            s_vc_h,
+            BS,
+            False,
+            HEAD_DIM != D_PAD,
+            PIN_V,
+        )
         qk = dot(q, tl.trans(k), IEEE) * qk_scale
         m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
     for start in range(full_hi, hi, BLOCK_N):
         pos = start + offs_n
         mn = pos < hi
-        k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, mn, offs_d, md, kvh, q,
-                             s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, True, True, PIN_V)
+        k, v = _load_kv_tile(
+            kc_ptr,
+            vc_ptr,
+            bt_row,
+            pos,
+            mn,
+            offs_d,
+            md,
+            kvh,
+            q,
+            s_kc_b,
+            s_kc_r,
+            s_kc_h,
+            s_vc_b,
+            s_vc_r,
+            s_vc_h,
+            BS,
+            True,
+            True,
+            PIN_V,
+        )
         qk = tl.where(mn[None, :], dot(q, tl.trans(k), IEEE) * qk_scale, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
 
@@ -286,16 +414,33 @@ def _decode_kernel(
     if KV_SCALED:
         out = out * tl.load(vs_ptr).to(tl.float32)  # the combine is linear in the partial outputs
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    tl.store(po_ptr + sp * s_po_sp + s * s_po_s + heads[:, None] * s_po_h + offs_d[None, :], out,
-             mask=mr[:, None] & md[None, :])
+    tl.store(
+        po_ptr + sp * s_po_sp + s * s_po_s + heads[:, None] * s_po_h + offs_d[None, :],
+        out,
+        mask=mr[:, None] & md[None, :],
+    )
     tl.store(plse_ptr + sp * s_pl_sp + s * s_pl_s + heads, lse, mask=mr)
 
 
 @triton.jit(do_not_specialize=["seq_offset", "num_splits", "s_po_sp", "s_pl_sp"])
 def _combine_kernel(
-    po_ptr, plse_ptr, cu_ptr, out_ptr, seq_offset, num_splits,
-    s_po_sp, s_po_s, s_po_h, s_pl_sp, s_pl_s, s_o_t, s_o_h,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SP: tl.constexpr, PDL: tl.constexpr,
+    po_ptr,
+    plse_ptr,
+    cu_ptr,
+    out_ptr,
+    seq_offset,
+    num_splits,
+    s_po_sp,
+    s_po_s,
+    s_po_h,
+    s_pl_sp,
+    s_pl_s,
+    s_o_t,
+    s_o_h,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out = sum_sp w_sp o_sp / sum_sp w_sp with w_sp = 2^(lse_sp - max lse), BLOCK_SP splits per
     vector load (no per-split branch or dependent scalar load: most splits of a short context are empty
@@ -317,8 +462,11 @@ def _combine_kernel(
         m_new = tl.maximum(m, tl.max(lse, axis=0))
         if m_new > float("-inf"):
             w = tl.where(live, tl.exp2(lse - m_new), 0.0)
-            o = tl.load(po_ptr + sp[:, None] * s_po_sp + s * s_po_s + h * s_po_h + offs_d[None, :],
-                        mask=live[:, None] & md[None, :], other=0.0)
+            o = tl.load(
+                po_ptr + sp[:, None] * s_po_sp + s * s_po_s + h * s_po_h + offs_d[None, :],
+                mask=live[:, None] & md[None, :],
+                other=0.0,
+            )
             alpha = tl.exp2(m - m_new)
             acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
             den = den * alpha + tl.sum(w, axis=0)
@@ -328,9 +476,23 @@ def _combine_kernel(
 
 @triton.jit(do_not_specialize=["seq_offset", "num_splits", "s_po_sp", "s_pl_sp"])
 def _combine_once_kernel(
-    po_ptr, plse_ptr, cu_ptr, out_ptr, seq_offset, num_splits,
-    s_po_sp, s_po_s, s_po_h, s_pl_sp, s_pl_s, s_o_t, s_o_h,
-    HEAD_DIM: tl.constexpr, SP_ALL: tl.constexpr, D_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    po_ptr,
+    plse_ptr,
+    cu_ptr,
+    out_ptr,
+    seq_offset,
+    num_splits,
+    s_po_sp,
+    s_po_s,
+    s_po_h,
+    s_pl_sp,
+    s_pl_s,
+    s_o_t,
+    s_o_h,
+    HEAD_DIM: tl.constexpr,
+    SP_ALL: tl.constexpr,
+    D_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """`_combine_kernel`'s merge with every split in one load: grid (sequences, q heads, head-dim blocks of
     D_BLOCK), each program loads the log-sum-exps of all splits (up to SP_ALL, a fixed bound, so the split
@@ -345,8 +507,11 @@ def _combine_once_kernel(
     sp = tl.arange(0, SP_ALL)
     lse = tl.load(plse_ptr + sp * s_pl_sp + s * s_pl_s + h, mask=sp < num_splits, other=float("-inf"))
     live = lse > float("-inf")  # an empty split wrote -inf and no output
-    o = tl.load(po_ptr + sp[:, None] * s_po_sp + s * s_po_s + h * s_po_h + offs_d[None, :],
-                mask=live[:, None] & md[None, :], other=0.0)
+    o = tl.load(
+        po_ptr + sp[:, None] * s_po_sp + s * s_po_s + h * s_po_h + offs_d[None, :],
+        mask=live[:, None] & md[None, :],
+        other=0.0,
+    )
     m = tl.max(lse, axis=0)  # a decode sequence has at least one key, so one split is live
     w = tl.where(live, tl.exp2(lse - m), 0.0)
     out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
@@ -358,14 +523,40 @@ def _combine_once_kernel(
 
 @triton.jit(do_not_specialize=["seq_offset", "s_bt_s"])
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, kd, vd, bt_ptr, lens_ptr, cu_ptr, out_ptr, ks_ptr, vs_ptr,
-    seq_offset, qk_scale,
-    s_q_t, s_q_h,
-    s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h,
-    s_bt_s, s_o_t, s_o_h,
-    BS: tl.constexpr, REP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, KV_SCALED: tl.constexpr,
-    F16_TILES: tl.constexpr, PIN_V: tl.constexpr,
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    kd,
+    vd,
+    bt_ptr,
+    lens_ptr,
+    cu_ptr,
+    out_ptr,
+    ks_ptr,
+    vs_ptr,
+    seq_offset,
+    qk_scale,
+    s_q_t,
+    s_q_h,
+    s_kc_b,
+    s_kc_r,
+    s_kc_h,
+    s_vc_b,
+    s_vc_r,
+    s_vc_h,
+    s_bt_s,
+    s_o_t,
+    s_o_h,
+    BS: tl.constexpr,
+    REP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+    KV_SCALED: tl.constexpr,
+    F16_TILES: tl.constexpr,
+    PIN_V: tl.constexpr,
     TMA: tl.constexpr,
 ):
     # TMA 1 / 2: kd / vd are tensor descriptors over the pools as [blocks * BS, kv_heads * HEAD_DIM] and
@@ -391,8 +582,11 @@ def _prefill_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     mm = offs_m < n
     md = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + (q0 + offs_m)[:, None] * s_q_t + h * s_q_h + offs_d[None, :],
-                mask=mm[:, None] & md[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + (q0 + offs_m)[:, None] * s_q_t + h * s_q_h + offs_d[None, :],
+        mask=mm[:, None] & md[None, :],
+        other=0.0,
+    )
     q = _f16_queries(q, F16_TILES)
     qpos = ctx + offs_m
     if KV_SCALED:
@@ -412,24 +606,64 @@ def _prefill_kernel(
             ka, va = _load_kv_box(kd, vd, bt_row, start, kvh, BS, HEAD_DIM)
             kb, vb = _load_kv_box(kd, vd, bt_row, start + BLOCK_N // 2, kvh, BS, HEAD_DIM)
             ka, va, kb, vb = ka.to(q.dtype), _v_tile(va, q, PIN_V), kb.to(q.dtype), _v_tile(vb, q, PIN_V)
-            m_i, l_i, acc = _two_box_step(dot(q, tl.trans(ka), IEEE), dot(q, tl.trans(kb), IEEE), va, vb,
-                                          m_i, l_i, acc, qk_scale, IEEE)
+            m_i, l_i, acc = _two_box_step(
+                dot(q, tl.trans(ka), IEEE), dot(q, tl.trans(kb), IEEE), va, vb, m_i, l_i, acc, qk_scale, IEEE
+            )
         elif TMA == 1:
             k, v = _load_kv_box(kd, vd, bt_row, start, kvh, BS, HEAD_DIM)
-            m_i, l_i, acc = _online_softmax_step_fold(dot(q, tl.trans(k.to(q.dtype)), IEEE), _v_tile(v, q, PIN_V),
-                                                      m_i, l_i, acc, qk_scale, IEEE)
+            m_i, l_i, acc = _online_softmax_step_fold(
+                dot(q, tl.trans(k.to(q.dtype)), IEEE), _v_tile(v, q, PIN_V), m_i, l_i, acc, qk_scale, IEEE
+            )
         else:
             pos = start + offs_n
-            k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, pos < full_end, offs_d, md, kvh, q,
-                                 s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, False, HEAD_DIM != D_PAD, PIN_V)
+            k, v = _load_kv_tile(
+                kc_ptr,
+                vc_ptr,
+                bt_row,
+                pos,
+                pos < full_end,
+                offs_d,
+                md,
+                kvh,
+                q,
+                s_kc_b,
+                s_kc_r,
+                s_kc_h,
+                s_vc_b,
+                s_vc_r,
+                s_vc_h,
+                BS,
+                False,
+                HEAD_DIM != D_PAD,
+                PIN_V,
+            )
             qk = dot(q, tl.trans(k), IEEE) * qk_scale
             m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, IEEE)
     kv_end = tl.minimum(L, ctx + m0 + BLOCK_M)  # causal: nothing past this block's last query
     for start in range(full_end, kv_end, BLOCK_N):
         pos = start + offs_n
         mn = pos < kv_end
-        k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, mn, offs_d, md, kvh, q,
-                             s_kc_b, s_kc_r, s_kc_h, s_vc_b, s_vc_r, s_vc_h, BS, True, True, PIN_V)
+        k, v = _load_kv_tile(
+            kc_ptr,
+            vc_ptr,
+            bt_row,
+            pos,
+            mn,
+            offs_d,
+            md,
+            kvh,
+            q,
+            s_kc_b,
+            s_kc_r,
+            s_kc_h,
+            s_vc_b,
+            s_vc_r,
+            s_vc_h,
+            BS,
+            True,
+            True,
+            PIN_V,
+        )
         # Position 0 is visible to every query, so m_i is finite after the first tile and a row
         # whose tile is fully masked later just gets p = 0.
         ok = mn[None, :] & (pos[None, :] <= qpos[:, None])
@@ -443,8 +677,11 @@ def _prefill_kernel(
     out = acc / l_i[:, None]
     if KV_SCALED:
         out = out * tl.load(vs_ptr).to(tl.float32)
-    tl.store(out_ptr + (q0 + offs_m)[:, None] * s_o_t + h * s_o_h + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mm[:, None] & md[None, :])
+    tl.store(
+        out_ptr + (q0 + offs_m)[:, None] * s_o_t + h * s_o_h + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mm[:, None] & md[None, :],
+    )
 
 
 # --------------------------------------------------------------------------- launcher
@@ -461,13 +698,17 @@ _MAX_SPLITS = 128
 _DECODE_GPU = dict(BLOCK_N=128, num_warps=4, num_stages=3)
 # Prefill on a GPU: key tiles through tensor descriptors where the pool allows (TMA, with the folded-scale
 # softmax; faster than pointer loads, benchmarks/README.md).
-_PREFILL_GPU = {128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, TMA=True),  # D_PAD <= 128
-                256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
+_PREFILL_GPU = {
+    128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, TMA=True),  # D_PAD <= 128
+    256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+}
 # float32 queries (IEEE products on the CUDA cores, their operands staged through shared memory): on sm_90
 # the 128 x 128 tile asks 262,656 bytes of shared memory, over the 232,448 a block may have; 64 x 64 asks
 # 114,944 (tests/sm90_compile_check.py compiles them). Decode key tiles of 256-wide heads halve for float32.
-_PREFILL_GPU_F32 = {128: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-                    256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
+_PREFILL_GPU_F32 = {
+    128: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+    256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+}
 _DECODE_CPU = dict(BLOCK_N=16, num_warps=4, num_stages=1)
 # The merge of the split partials: `_combine_kernel`'s loop over BLOCK_SP splits at a time, or, from ONCE_MIN_SPLITS
 # splits up (0: never), `_combine_once_kernel`: all splits (at most _COMBINE_SPLITS, which covers every split rule
@@ -503,7 +744,9 @@ def _launch_settings(on_gpu: bool, ieee: bool, d_pad: int) -> tuple[dict, dict]:
     decode = dict(_DECODE_GPU, PIN_V=not ieee)
     if ieee and d_pad > 128:  # 128 float32 keys of 256 asked 287,296 bytes of shared memory on sm_90
         decode["BLOCK_N"] = min(decode["BLOCK_N"], 64)
-    return decode, dict((_PREFILL_GPU_F32 if ieee else _PREFILL_GPU)[128 if d_pad <= 128 else 256], PIN_V=not ieee)
+    return decode, dict(
+        (_PREFILL_GPU_F32 if ieee else _PREFILL_GPU)[128 if d_pad <= 128 else 256], PIN_V=not ieee
+    )
 
 
 def _host_list(v: torch.Tensor | list[int]) -> list[int]:
@@ -521,8 +764,14 @@ def step_index(cu: list[int], lens: list[int], device: torch.device) -> tuple[to
 
 def num_decode_splits(num_seqs: int, kv_heads: int, max_len: int | None = None) -> int:
     """Splits per decode sequence: enough programs to fill the GPU (`launch_util.split_kv_count`)."""
-    return split_kv_count(num_seqs, kv_heads, max_len, target_programs=_TARGET_PROGRAMS, max_splits=_MAX_SPLITS,
-                          min_split_tokens=_MIN_SPLIT_TOKENS)
+    return split_kv_count(
+        num_seqs,
+        kv_heads,
+        max_len,
+        target_programs=_TARGET_PROGRAMS,
+        max_splits=_MAX_SPLITS,
+        min_split_tokens=_MIN_SPLIT_TOKENS,
+    )
 
 
 def paged_attention_triton(
@@ -604,8 +853,12 @@ def paged_attention_triton(
         cu_t, lens_t = device_index(cu_q, dev), device_index(seq_lens, dev)
     ks, vs = (k_scale, v_scale) if scaled else (q, q)  # unread when unscaled
     strides_kv = (
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
     )
     dcfg, pcfg = _launch_settings(on_gpu, ieee, D_PAD)
     for cfg in (dcfg, pcfg):
@@ -614,44 +867,101 @@ def paged_attention_triton(
     if nd > 0:
         parts = None
         if decode is not None and on_gpu:
-            parts = decode(q, k_cache, v_cache, block_tables, lens_t, cu_t, nd, max_len, qk_scale,
-                           k_scale=k_scale if scaled else None, v_scale=v_scale if scaled else None)
+            parts = decode(
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                lens_t,
+                cu_t,
+                nd,
+                max_len,
+                qk_scale,
+                k_scale=k_scale if scaled else None,
+                v_scale=v_scale if scaled else None,
+            )
         if parts is None:
             BLOCK_N = dcfg.pop("BLOCK_N")
             splits = num_decode_splits(nd, Hkv, max_len)
             po = torch.empty(splits, nd, Hq, Dh, dtype=torch.float32, device=dev)
             plse = torch.empty(splits, nd, Hq, dtype=torch.float32, device=dev)
             _decode_kernel[(nd, Hkv, splits)](
-                *split_kv_args(q, k_cache, v_cache, block_tables, lens_t, cu_t, po, plse, ks, vs, splits, qk_scale),
-                BS=BS, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)),
-                HEAD_DIM=Dh, D_PAD=D_PAD, BLOCK_N=BLOCK_N,
+                *split_kv_args(
+                    q, k_cache, v_cache, block_tables, lens_t, cu_t, po, plse, ks, vs, splits, qk_scale
+                ),
+                BS=BS,
+                REP=rep,
+                REP_PAD=max(16, triton.next_power_of_2(rep)),
+                HEAD_DIM=Dh,
+                D_PAD=D_PAD,
+                BLOCK_N=BLOCK_N,
                 MIN_SPLIT=triton.cdiv(_MIN_SPLIT_TOKENS, BLOCK_N) * BLOCK_N,
-                IEEE=ieee, KV_SCALED=scaled, F16_TILES=f16_tiles, **dcfg, **pdl(q),
+                IEEE=ieee,
+                KV_SCALED=scaled,
+                F16_TILES=f16_tiles,
+                **dcfg,
+                **pdl(q),
             )
         else:
             po, plse = parts
             splits = po.shape[0]
         ccfg = dict(_COMBINE_GPU if on_gpu else _COMBINE_CPU)
-        merge_args = (po, plse, cu_t, out, 0, splits,
-                      po.stride(0), po.stride(1), po.stride(2), plse.stride(0), plse.stride(1),
-                      out.stride(0), out.stride(1))
+        merge_args = (
+            po,
+            plse,
+            cu_t,
+            out,
+            0,
+            splits,
+            po.stride(0),
+            po.stride(1),
+            po.stride(2),
+            plse.stride(0),
+            plse.stride(1),
+            out.stride(0),
+            out.stride(1),
+        )
         once_from = ccfg.pop("ONCE_MIN_SPLITS")
         if 0 < once_from <= splits <= _COMBINE_SPLITS:
             d_block = min(ccfg["D_BLOCK"], D_PAD)
             _combine_once_kernel[(nd, Hq, triton.cdiv(Dh, d_block))](
-                *merge_args, HEAD_DIM=Dh, SP_ALL=_COMBINE_SPLITS, D_BLOCK=d_block, num_warps=ccfg["num_warps"],
+                *merge_args,
+                HEAD_DIM=Dh,
+                SP_ALL=_COMBINE_SPLITS,
+                D_BLOCK=d_block,
+                num_warps=ccfg["num_warps"],
                 **pdl(q),
             )
         else:
             _combine_kernel[(nd, Hq)](
-                *merge_args, HEAD_DIM=Dh, D_PAD=D_PAD, BLOCK_SP=ccfg["BLOCK_SP"], num_warps=ccfg["num_warps"],
+                *merge_args,
+                HEAD_DIM=Dh,
+                D_PAD=D_PAD,
+                BLOCK_SP=ccfg["BLOCK_SP"],
+                num_warps=ccfg["num_warps"],
                 **pdl(q),
             )
 
     if nd < S and max_new > 0:
-        if (prefill is not None and on_gpu
-                and prefill(q, k_cache, v_cache, block_tables, lens_t, cu_t, out, nd, S - nd, max_new, qk_scale,
-                            k_scale=k_scale if scaled else None, v_scale=v_scale if scaled else None)):
+        if (
+            prefill is not None
+            and on_gpu
+            and prefill(
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                lens_t,
+                cu_t,
+                out,
+                nd,
+                S - nd,
+                max_new,
+                qk_scale,
+                k_scale=k_scale if scaled else None,
+                v_scale=v_scale if scaled else None,
+            )
+        ):
             return out
         # tensor-descriptor key tiles as one box or two, whichever lies within a block, for 16-bit queries
         # (the setting measured; float32 operands would not fit shared memory); else pointer loads
@@ -659,12 +969,37 @@ def paged_attention_triton(
         if pcfg.pop("TMA", False) and not ieee:
             tma = next((n for n in (1, 2) if tma_tiles_fit(k_cache, v_cache, pcfg["BLOCK_N"] // n)), 0)
         box = pcfg["BLOCK_N"] // max(tma, 1)
-        kd, vd = (_pool_descriptor(k_cache, box), _pool_descriptor(v_cache, box)) if tma else (k_cache, v_cache)
+        kd, vd = (
+            (_pool_descriptor(k_cache, box), _pool_descriptor(v_cache, box)) if tma else (k_cache, v_cache)
+        )
         _prefill_kernel[(Hq, triton.cdiv(max_new, pcfg["BLOCK_M"]), S - nd)](
-            q, k_cache, v_cache, kd, vd, block_tables, lens_t, cu_t, out, ks, vs,
-            nd, qk_scale,
-            q.stride(0), q.stride(1), *strides_kv, block_tables.stride(0), out.stride(0), out.stride(1),
-            BS=BS, REP=rep, HEAD_DIM=Dh, D_PAD=D_PAD, IEEE=ieee, KV_SCALED=scaled, F16_TILES=f16_tiles, TMA=tma,
+            q,
+            k_cache,
+            v_cache,
+            kd,
+            vd,
+            block_tables,
+            lens_t,
+            cu_t,
+            out,
+            ks,
+            vs,
+            nd,
+            qk_scale,
+            q.stride(0),
+            q.stride(1),
+            *strides_kv,
+            block_tables.stride(0),
+            out.stride(0),
+            out.stride(1),
+            BS=BS,
+            REP=rep,
+            HEAD_DIM=Dh,
+            D_PAD=D_PAD,
+            IEEE=ieee,
+            KV_SCALED=scaled,
+            F16_TILES=f16_tiles,
+            TMA=tma,
             **pcfg,
         )
     return out
@@ -685,5 +1020,12 @@ def attention_flops(new_tokens: list[int], seq_lens: list[int], q_heads: int, he
     return 4.0 * total * q_heads * head_dim
 
 
-__all__ = ["DecodeKernel", "PrefillKernel", "write_kv_triton", "paged_attention_triton", "num_decode_splits",
-           "attention_flops", "step_index"]
+__all__ = [
+    "DecodeKernel",
+    "PrefillKernel",
+    "write_kv_triton",
+    "paged_attention_triton",
+    "num_decode_splits",
+    "attention_flops",
+    "step_index",
+]

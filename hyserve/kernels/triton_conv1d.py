@@ -31,13 +31,26 @@ def _silu(v):
 
 @triton.jit(do_not_specialize=["batch"])
 def _conv1d_update_kernel(
-    x_ptr, pool_ptr, w_ptr, bias_ptr, src_ptr, dst_ptr, out_ptr,
-    batch, dim,
+    x_ptr,
+    pool_ptr,
+    w_ptr,
+    bias_ptr,
+    src_ptr,
+    dst_ptr,
+    out_ptr,
+    batch,
+    dim,
     s_x_b,  # x stride along D is 1
-    s_pool_slot, s_pool_d, s_pool_k,
+    s_pool_slot,
+    s_pool_d,
+    s_pool_k,
     s_w_d,  # weight stride along K is 1
     s_out_b,
-    K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_d = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -87,7 +100,9 @@ def causal_conv1d_update_triton(
     Bt, Dm = x.shape
     K = weight.shape[1]
     assert K >= 2 and weight.shape == (Dm, K), f"weight {tuple(weight.shape)} vs x {tuple(x.shape)}"
-    assert conv_pool.shape[1:] == (Dm, K - 1), f"conv_pool {tuple(conv_pool.shape)} vs weight {tuple(weight.shape)}"
+    assert conv_pool.shape[1:] == (Dm, K - 1), (
+        f"conv_pool {tuple(conv_pool.shape)} vs weight {tuple(weight.shape)}"
+    )
     assert bias is None or (bias.shape == (Dm,) and bias.is_contiguous())
     assert src_slots.shape == (Bt,) and dst_slots.shape == (Bt,)
     assert src_slots.is_contiguous() and dst_slots.is_contiguous()
@@ -101,14 +116,27 @@ def causal_conv1d_update_triton(
     BLOCK_D = min(1024 if Bt >= 8 else 128, triton.next_power_of_2(Dm))
     grid = (triton.cdiv(Dm, BLOCK_D), Bt)
     _conv1d_update_kernel[grid](
-        x, conv_pool, weight, bias if bias is not None else weight, src_slots, dst_slots, out,
-        Bt, Dm,
+        x,
+        conv_pool,
+        weight,
+        bias if bias is not None else weight,
+        src_slots,
+        dst_slots,
+        out,
+        Bt,
+        Dm,
         x.stride(0),
-        conv_pool.stride(0), conv_pool.stride(1), conv_pool.stride(2),
+        conv_pool.stride(0),
+        conv_pool.stride(1),
+        conv_pool.stride(2),
         weight.stride(0),
         out.stride(0),
-        K=K, BLOCK_D=BLOCK_D, HAS_BIAS=bias is not None, SILU=silu,
-        num_warps=4, **pdl(x),
+        K=K,
+        BLOCK_D=BLOCK_D,
+        HAS_BIAS=bias is not None,
+        SILU=silu,
+        num_warps=4,
+        **pdl(x),
     )
     return out
 
@@ -118,15 +146,29 @@ def causal_conv1d_update_triton(
 
 @triton.jit
 def _conv1d_varlen_kernel(
-    x_ptr, w_ptr, bias_ptr, cu_ptr, init_ptr, out_ptr, final_ptr,
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    cu_ptr,
+    init_ptr,
+    out_ptr,
+    final_ptr,
     dim,
     s_x_t,  # x stride along D is 1
     s_w_d,
-    s_init_s, s_init_d, s_init_k,
+    s_init_s,
+    s_init_d,
+    s_init_k,
     s_out_t,
-    s_fin_s, s_fin_d, s_fin_k,
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, SILU: tl.constexpr,
+    s_fin_s,
+    s_fin_d,
+    s_fin_k,
+    K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    SILU: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -150,12 +192,14 @@ def _conv1d_varlen_kernel(
         from_x = i >= K - 1
         xv = tl.load(
             x_ptr + (start + i - (K - 1))[:, None] * s_x_t + offs_d[None, :],
-            mask=(mj & from_x)[:, None] & md[None, :], other=0.0,
+            mask=(mj & from_x)[:, None] & md[None, :],
+            other=0.0,
         ).to(tl.float32)
         if HAS_INIT:
             sv = tl.load(
                 init_ptr + s * s_init_s + offs_d[None, :] * s_init_d + i[:, None] * s_init_k,
-                mask=(mj & (i < K - 1))[:, None] & md[None, :], other=0.0,
+                mask=(mj & (i < K - 1))[:, None] & md[None, :],
+                other=0.0,
             ).to(tl.float32)
             xv += sv
         acc += xv * w[None, :]
@@ -172,7 +216,9 @@ def _conv1d_varlen_kernel(
         for c in tl.static_range(K - 1):
             xi = n + c  # a fresh name: `i` above is a block tensor of another type
             if xi >= K - 1:
-                fv = tl.load(x_ptr + (start + xi - (K - 1)) * s_x_t + offs_d, mask=md, other=0.0).to(tl.float32)
+                fv = tl.load(x_ptr + (start + xi - (K - 1)) * s_x_t + offs_d, mask=md, other=0.0).to(
+                    tl.float32
+                )
             else:
                 if HAS_INIT:
                     fv = tl.load(
@@ -228,15 +274,29 @@ def causal_conv1d_varlen_triton(
         for s in empty:
             finals[s] = 0 if initial_states is None else initial_states[s].to(x.dtype)
     _conv1d_varlen_kernel[grid](
-        x, weight, bias if bias is not None else weight, cu, init, out, finals,
+        x,
+        weight,
+        bias if bias is not None else weight,
+        cu,
+        init,
+        out,
+        finals,
         Dm,
         x.stride(0),
         weight.stride(0),
-        init.stride(0), init.stride(1), init.stride(2),
+        init.stride(0),
+        init.stride(1),
+        init.stride(2),
         out.stride(0),
-        finals.stride(0), finals.stride(1), finals.stride(2),
-        K=K, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
-        HAS_BIAS=bias is not None, HAS_INIT=initial_states is not None, SILU=silu,
+        finals.stride(0),
+        finals.stride(1),
+        finals.stride(2),
+        K=K,
+        BLOCK_T=BLOCK_T,
+        BLOCK_D=BLOCK_D,
+        HAS_BIAS=bias is not None,
+        HAS_INIT=initial_states is not None,
+        SILU=silu,
         num_warps=4,
     )
     return out, finals

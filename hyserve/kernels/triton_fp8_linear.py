@@ -84,8 +84,18 @@ def _load_act(ptrs, mask, RELU2: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _quant_rows_kernel(
-    x_ptr, q_ptr, s_ptr, M, K, s_xm, s_qm, s_sm,
-    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, RELU2: tl.constexpr, PDL: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    K,
+    s_xm,
+    s_qm,
+    s_sm,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    RELU2: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (row, g): with GROUP > 0 the 128 columns of group g of one row; with GROUP == 0 the whole
     row (two passes over it: amax, then the codes). scale = amax / 448 (1 for an all-zero group); both
@@ -123,10 +133,28 @@ def _quant_rows_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, s_am, s_asm, s_wn, s_wsn, s_om,
-    BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    a_ptr,
+    as_ptr,
+    w_ptr,
+    ws_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    s_am,
+    s_asm,
+    s_wn,
+    s_wsn,
+    s_om,
+    BLOCK_SCALED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[M, N] = (a * a_scale) @ (w * w_scale)^T (+ bias); a, w e4m3; grouped tile order for L2 reuse."""
     pdl_enter(PDL)
@@ -147,8 +175,12 @@ def _fp8_gemm_kernel(
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         kk = k0 + offs_k
         mask_k = kk < K
-        a = tl.load(a_ptr + offs_m[:, None] * s_am + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptr + offs_n[None, :] * s_wn + kk[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        a = tl.load(
+            a_ptr + offs_m[:, None] * s_am + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
+        )
+        w = tl.load(
+            w_ptr + offs_n[None, :] * s_wn + kk[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0
+        )
         if BLOCK_SCALED:
             kb = k0 // 128
             xs = tl.load(as_ptr + offs_m * s_asm + kb, mask=mask_m, other=0.0)
@@ -170,9 +202,25 @@ def _fp8_gemm_kernel(
 
 @triton.jit(do_not_specialize=["M", "k_split"])
 def _w8a16_kernel(
-    x_ptr, w_ptr, ws_ptr, part_ptr, M, N, K, k_split, s_xm, s_wn, s_wsn,
-    BLOCK_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr, RELU2: tl.constexpr, PDL: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    ws_ptr,
+    part_ptr,
+    M,
+    N,
+    K,
+    k_split,
+    s_xm,
+    s_wn,
+    s_wsn,
+    BLOCK_SCALED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    RELU2: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (n tile, K split): the fp32 partial x[:, ks] @ (w[:, ks] (* block scales))^T of its split into
     part[split, M, N]; channel scales are applied after the splits are summed. DOT_F32 (the interpreter,
@@ -193,8 +241,12 @@ def _w8a16_kernel(
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         kk = k0 + offs_k
         mask_k = kk < k_hi
-        x = tl.load(x_ptr + offs_m[:, None] * s_xm + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptr + offs_n[None, :] * s_wn + kk[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + offs_m[:, None] * s_xm + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
+        )
+        w = tl.load(
+            w_ptr + offs_n[None, :] * s_wn + kk[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0
+        )
         if RELU2:
             xr = tl.maximum(x.to(tl.float32), 0.0)
             x = xr * xr if DOT_F32 else (xr * xr).to(x.dtype)
@@ -212,8 +264,18 @@ def _w8a16_kernel(
 
 @triton.jit(do_not_specialize=["M", "splits"])
 def _splitk_reduce_kernel(
-    part_ptr, ws_ptr, b_ptr, out_ptr, M, N, splits, s_om,
-    CHANNEL_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    part_ptr,
+    ws_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    splits,
+    s_om,
+    CHANNEL_SCALED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[m, n] = (sum over splits, in order, of part[s, m, n]) (* w_scale[n]) (+ bias[n])."""
     pdl_enter(PDL)
@@ -242,7 +304,9 @@ def _gpu(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def _check(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> bool:
     """Shape checks (AssertionError with the shapes); returns True for block-scaled weights."""
     assert weight.dtype == E4M3 and weight.dim() == 2 and weight.stride(1) == 1, (weight.dtype, weight.shape)
     n, k = weight.shape
@@ -250,7 +314,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bi
     assert weight_scale.dtype == torch.float32 and weight_scale.is_contiguous(), weight_scale.dtype
     block = weight_scale.dim() == 2
     want = (triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)) if block else (n,)
-    assert tuple(weight_scale.shape) == want, f"weight_scale {list(weight_scale.shape)}, expected {list(want)}"
+    assert tuple(weight_scale.shape) == want, (
+        f"weight_scale {list(weight_scale.shape)}, expected {list(want)}"
+    )
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), None if bias is None else bias.shape
     assert n * weight.stride(0) < 2**31, "weight offsets must fit int32"
     return block
@@ -270,14 +336,31 @@ def quantize_rows_triton(
     if m > 0:
         gpu = _gpu(x)
         _quant_rows_kernel[(m, groups)](
-            x, q.view(torch.uint8), scale, m, k, x.stride(0), q.stride(0), scale.stride(0),
-            GROUP=group or 0, BLOCK_K=1024 if gpu else 64, RELU2=relu2, num_warps=4 if gpu else 1, **pdl(x),
+            x,
+            q.view(torch.uint8),
+            scale,
+            m,
+            k,
+            x.stride(0),
+            q.stride(0),
+            scale.stride(0),
+            GROUP=group or 0,
+            BLOCK_K=1024 if gpu else 64,
+            RELU2=relu2,
+            num_warps=4 if gpu else 1,
+            **pdl(x),
         )
     return q, (scale.view(m) if group is None else scale)
 
 
-def _w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-           block: bool, relu2: bool) -> torch.Tensor:
+def _w8a16(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    block: bool,
+    relu2: bool,
+) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
     gpu = _gpu(x)
@@ -292,15 +375,43 @@ def _w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bi
     splits = triton.cdiv(k, k_split)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     _w8a16_kernel[(n_tiles, splits)](
-        x, weight, weight_scale, part, m, n, k, k_split, x.stride(0), weight.stride(0),
-        weight_scale.stride(0), BLOCK_SCALED=block, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages,
-        DOT_F32=not gpu, RELU2=relu2, num_warps=warps, **pdl(x),
+        x,
+        weight,
+        weight_scale,
+        part,
+        m,
+        n,
+        k,
+        k_split,
+        x.stride(0),
+        weight.stride(0),
+        weight_scale.stride(0),
+        BLOCK_SCALED=block,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        NUM_STAGES=stages,
+        DOT_F32=not gpu,
+        RELU2=relu2,
+        num_warps=warps,
+        **pdl(x),
     )
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     rblock = 1024 if gpu else 64
     _splitk_reduce_kernel[(triton.cdiv(m * n, rblock),)](
-        part, weight_scale, bias if bias is not None else part, out, m, n, splits, out.stride(0),
-        CHANNEL_SCALED=not block, HAS_BIAS=bias is not None, BLOCK=rblock, num_warps=4 if gpu else 1, **pdl(x),
+        part,
+        weight_scale,
+        bias if bias is not None else part,
+        out,
+        m,
+        n,
+        splits,
+        out.stride(0),
+        CHANNEL_SCALED=not block,
+        HAS_BIAS=bias is not None,
+        BLOCK=rblock,
+        num_warps=4 if gpu else 1,
+        **pdl(x),
     )
     return out
 
@@ -322,13 +433,27 @@ def _scaled_mm_takes(x: torch.Tensor, weight: torch.Tensor, block: bool) -> bool
     weight, at least SCALED_MM_MIN_ROWS rows; block-scaled weights and float16 activations stay on the Triton
     GEMM."""
     n, k = weight.shape
-    return (PREFILL_GEMM["form"] == "auto" and not block and x.dtype == torch.bfloat16
-            and x.shape[0] >= SCALED_MM_MIN_ROWS and n % 16 == 0 and k % 16 == 0 and weight.stride(0) == k
-            and hasattr(torch, "_scaled_mm") and hopper_or_newer(x.device))
+    return (
+        PREFILL_GEMM["form"] == "auto"
+        and not block
+        and x.dtype == torch.bfloat16
+        and x.shape[0] >= SCALED_MM_MIN_ROWS
+        and n % 16 == 0
+        and k % 16 == 0
+        and weight.stride(0) == k
+        and hasattr(torch, "_scaled_mm")
+        and hopper_or_newer(x.device)
+    )
 
 
-def _w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-          block: bool, relu2: bool) -> torch.Tensor:
+def _w8a8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    block: bool,
+    relu2: bool,
+) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
     a, a_scale = quantize_rows_triton(x, ACT_GROUP if block else None, relu2)
@@ -336,8 +461,14 @@ def _w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bia
         # [M, K] row-major x [K, N] column-major (the weight's transpose view), float32 scales [M, 1] and [1, N];
         # use_fast_accum=False: the e4m3 products are promoted to float32 as they accumulate (the contract the
         # Triton GEMM keeps with max_num_imprecise_acc)
-        return torch._scaled_mm(a, weight.t(), scale_a=a_scale.view(m, 1), scale_b=weight_scale.view(1, n),
-                                out_dtype=torch.bfloat16, use_fast_accum=False)
+        return torch._scaled_mm(
+            a,
+            weight.t(),
+            scale_a=a_scale.view(m, 1),
+            scale_b=weight_scale.view(1, n),
+            out_dtype=torch.bfloat16,
+            use_fast_accum=False,
+        )
     if _gpu(x):
         bm, bn, bk, warps, stages = _GPU_MID if m <= 64 else _GPU_LARGE
     else:
@@ -346,16 +477,38 @@ def _w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bia
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _fp8_gemm_kernel[grid](
-        a, a_scale, weight, weight_scale, bias if bias is not None else out, out, m, n, k,
-        a.stride(0), a_scale.stride(0) if block else 1, weight.stride(0), weight_scale.stride(0), out.stride(0),
-        BLOCK_SCALED=block, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-        NUM_STAGES=stages, num_warps=warps, **pdl(x),
+        a,
+        a_scale,
+        weight,
+        weight_scale,
+        bias if bias is not None else out,
+        out,
+        m,
+        n,
+        k,
+        a.stride(0),
+        a_scale.stride(0) if block else 1,
+        weight.stride(0),
+        weight_scale.stride(0),
+        out.stride(0),
+        BLOCK_SCALED=block,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=8,
+        NUM_STAGES=stages,
+        num_warps=warps,
+        **pdl(x),
     )
     return out
 
 
 def fp8_linear_triton(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
     relu2: bool = False,
 ) -> torch.Tensor:
     """x [..., K] bf16 / fp16; weight e4m3 [N, K]; weight_scale float32 [N] or [ceil(N/128), ceil(K/128)]
@@ -391,4 +544,10 @@ def fp8_token_buckets(max_num_tokens: int) -> list[int]:
     return [m for m in (1, 2, SMALL_M + 1, 65) if m <= max_num_tokens]
 
 
-__all__ = ["SMALL_M", "fp8_linear_triton", "fp8_relu2_linear_triton", "fp8_token_buckets", "quantize_rows_triton"]
+__all__ = [
+    "SMALL_M",
+    "fp8_linear_triton",
+    "fp8_relu2_linear_triton",
+    "fp8_token_buckets",
+    "quantize_rows_triton",
+]

@@ -40,12 +40,17 @@ from hyserve.kernels.triton_rmsnorm import rmsnorm_gated_triton
 # 16-bit, rows of 4096 and longer: Nano 9B v2 in_proj / out_proj / down_proj at 0.99 / 0.91 / 0.91 of the H100's
 # read ceiling with 4 x 512 (linear_sweep_fdb35a5_h100); Nemotron 3 Nano 30B-A3B's out_proj and o_proj (4096 ->
 # 2688, 672 such programs) at 0.67 with it against 0.83 with 2 x 512 on 2 warps
-_GPU = (dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=3), dict(BLOCK_N=2, BLOCK_K=512, num_warps=2, num_stages=4))
+_GPU = (
+    dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=3),
+    dict(BLOCK_N=2, BLOCK_K=512, num_warps=2, num_stages=4),
+)
 # short rows (K < 4096: the 30B-A3B hidden 2688): its in_proj (2688 -> 10304) at 0.94 with 8 x 256 (0.94 against
 # 0.83 for 4 x 512 on the H200, kernels_fp8_eecf32e.md); narrower outputs (q, k, v) one column a program on one
 # warp (a 2688 -> 4608 projection 0.86 against 0.81 with 8 x 256, linear_sweep_fdb35a5_h100)
-_GPU_SHORT_K = (dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=3),
-                dict(BLOCK_N=1, BLOCK_K=512, num_warps=1, num_stages=6))
+_GPU_SHORT_K = (
+    dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=3),
+    dict(BLOCK_N=1, BLOCK_K=512, num_warps=1, num_stages=6),
+)
 _MIN_PROGRAMS = 1024
 # e4m3 weights (one byte a weight). Channel scales: 16 rows x 512 up to K = 8192 (Nano 9B v2 in_proj at 0.86 of
 # the ceiling against 0.73 for 4 x 1024 on the H200; 0.92 on the H100); longer rows 2 x 2048 (its down_proj
@@ -108,8 +113,9 @@ def device_table(name: str) -> dict[str, dict[str, int]]:
         validate_setting(cfg, f"{path.name} [{key}]")
         if int(parts[0]) == 2 and 128 % cfg["BLOCK_K"]:
             # a block-scaled weight's K tile takes the one scale of its 128-wide block (see _gemv_tile)
-            raise ValueError(f"{path.name} [{key}]: a block-scaled weight needs BLOCK_K dividing 128, "
-                             f"got {cfg['BLOCK_K']}")
+            raise ValueError(
+                f"{path.name} [{key}]: a block-scaled weight needs BLOCK_K dividing 128, got {cfg['BLOCK_K']}"
+            )
     return table
 
 
@@ -130,7 +136,9 @@ def gpu_settings(w_scale: int, k: int, n: int, device: str = "") -> dict[str, in
 
 
 @triton.jit
-def _gemv_tile(x_ptr, w, ws_ptr, s_ws, offs_n, mask_n, kk, mask_k, k0, RELU2: tl.constexpr, W_SCALE: tl.constexpr):
+def _gemv_tile(
+    x_ptr, w, ws_ptr, s_ws, offs_n, mask_n, kk, mask_k, k0, RELU2: tl.constexpr, W_SCALE: tl.constexpr
+):
     """One K tile's [BLOCK_N, BLOCK_K] float32 products p(x[kk]) * w (w: the tile's weight, already loaded)."""
     h = tl.load(x_ptr + kk, mask=mask_k, other=0.0).to(tl.float32)
     if RELU2:
@@ -144,9 +152,22 @@ def _gemv_tile(x_ptr, w, ws_ptr, s_ws, offs_n, mask_n, kk, mask_k, k0, RELU2: tl
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, N, K, s_w, ws_ptr, s_ws,
-    RELU2: tl.constexpr, HAS_BIAS: tl.constexpr, W_SCALE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    N,
+    K,
+    s_w,
+    ws_ptr,
+    s_ws,
+    RELU2: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    W_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """W_SCALE 0: a 16-bit weight. FP8 weights (triton_fp8_linear.py, one row): 1, e4m3 rows times their
@@ -169,8 +190,9 @@ def _gemv_kernel(
     # reduced over K once, after the loop
     part = _gemv_tile(x_ptr, w0, ws_ptr, s_ws, offs_n, mask_n, offs_k, mask_k0, 0, RELU2, W_SCALE)
     if PREFETCH >= 2:  # (a second tile past K reads no block scale: its column would lie past the last)
-        part += _gemv_tile(x_ptr, w1, ws_ptr, s_ws, offs_n, mask_n & (BLOCK_K < K), kk1, mask_k1, BLOCK_K, RELU2,
-                           W_SCALE)
+        part += _gemv_tile(
+            x_ptr, w1, ws_ptr, s_ws, offs_n, mask_n & (BLOCK_K < K), kk1, mask_k1, BLOCK_K, RELU2, W_SCALE
+        )
     for k0 in tl.range(PREFETCH * BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
         kk = k0 + offs_k
         mask_k = kk < K
@@ -193,16 +215,29 @@ def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
     """Whether the fused kernel takes this call: one row, unit strides along K, 16-bit weights and bias of
     x's dtype (F.linear refuses mixed dtypes), weight offsets within int32 (the kernel's index type)."""
     return (
-        x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
-        and weight.dim() == 2 and weight.stride(1) == 1 and weight.shape[1] == x.shape[1]
+        x.dim() == 2
+        and x.shape[0] == 1
+        and x.stride(1) == 1
+        and weight.dim() == 2
+        and weight.stride(1) == 1
+        and weight.shape[1] == x.shape[1]
         and weight.shape[0] * weight.stride(0) < 2**31
-        and weight.dtype == x.dtype and x.dtype in (torch.float16, torch.bfloat16)
-        and (bias is None or (bias.shape == (weight.shape[0],) and bias.is_contiguous() and bias.dtype == x.dtype))
+        and weight.dtype == x.dtype
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and (
+            bias is None
+            or (bias.shape == (weight.shape[0],) and bias.is_contiguous() and bias.dtype == x.dtype)
+        )
     )
 
 
-def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu2: bool,
-          weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+def _gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    relu2: bool,
+    weight_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One row: x [1, K] (unit stride) @ weight [N, K]^T -> [1, N] in x.dtype. weight_scale: an e4m3
     weight's float32 channel [N] or block [ceil(N/128), ceil(K/128)] scales (`gemv_fp8`)."""
     K = x.shape[1]
@@ -214,16 +249,29 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu
     stages = cfg.pop("num_stages")
     ws = weight_scale if weight_scale is not None else weight
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
-        x, weight, bias if bias is not None else weight, out, N, K, weight.stride(0), ws,
+        x,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        N,
+        K,
+        weight.stride(0),
+        ws,
         ws.stride(0) if w_scale == 2 else 0,
-        RELU2=relu2, HAS_BIAS=bias is not None, W_SCALE=w_scale, NUM_STAGES=stages,
-        PREFETCH=PREFETCH_TILES, **cfg, **pdl(x),
+        RELU2=relu2,
+        HAS_BIAS=bias is not None,
+        W_SCALE=w_scale,
+        NUM_STAGES=stages,
+        PREFETCH=PREFETCH_TILES,
+        **cfg,
+        **pdl(x),
     )
     return out
 
 
-def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-             relu2: bool) -> torch.Tensor:
+def gemv_fp8(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, relu2: bool
+) -> torch.Tensor:
     """The FP8 linear's one-row form (`triton_fp8_linear.py`): x [1, K] 16-bit with a unit stride, e4m3
     weight [N, K], channel or block scales; the weight streams 1 byte a weight through the FMA GEMV."""
     return _gemv(x, weight, bias, relu2, weight_scale)

@@ -64,8 +64,18 @@ _GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 
 @triton.jit
 def _router_gemv_kernel(
-    x_ptr, w_ptr, out_ptr, E, K, s_xt, s_we, s_ot,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    E,
+    K,
+    s_xt,
+    s_we,
+    s_ot,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """logits[t, e] = sum_k x[t, k] * gate[e, k] in float32 for BLOCK_E experts e of token t. The gate's first
     K tile loads before the PDL wait (no kernel writes it)."""
@@ -102,24 +112,53 @@ def router_settings(on_gpu: bool) -> dict[str, int]:
 def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x: [T, d] (16 or 32 bit); weight: [E, d] float32 -> logits [T, E] float32 (router_logits_ref)."""
     T = x.shape[0] if x.dim() == 2 else -1
-    if (T < 1 or T > ROUTER_GEMV_MAX_TOKENS or weight.dtype != torch.float32 or weight.dim() != 2
-            or weight.shape[1] != x.shape[1] or x.stride(1) != 1 or weight.stride(1) != 1):
+    if (
+        T < 1
+        or T > ROUTER_GEMV_MAX_TOKENS
+        or weight.dtype != torch.float32
+        or weight.dim() != 2
+        or weight.shape[1] != x.shape[1]
+        or x.stride(1) != 1
+        or weight.stride(1) != 1
+    ):
         return router_logits_ref(x, weight)
     E, K = weight.shape
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
     cfg = router_settings(x.is_cuda)
     stages = cfg.pop("num_stages")
     _router_gemv_kernel[(T, triton.cdiv(E, cfg["BLOCK_E"]))](
-        x, weight, out, E, K, x.stride(0), weight.stride(0), out.stride(0), NUM_STAGES=stages, **cfg, **pdl(x),
+        x,
+        weight,
+        out,
+        E,
+        K,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        NUM_STAGES=stages,
+        **cfg,
+        **pdl(x),
     )
     return out
 
 
 @triton.jit
 def _route_kernel(
-    logit_ptr, bias_ptr, w_ptr, id_ptr, s_lt, scale,
-    PER: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    NORM: tl.constexpr, G_PAD: tl.constexpr, PER_PAD: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr,
+    logit_ptr,
+    bias_ptr,
+    w_ptr,
+    id_ptr,
+    s_lt,
+    scale,
+    PER: tl.constexpr,
+    TOP_K: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    NORM: tl.constexpr,
+    G_PAD: tl.constexpr,
+    PER_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -183,11 +222,22 @@ def moe_route_triton(
     ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
     if T:
         _route_kernel[(T,)](
-            lg, bias.float().contiguous(), w, ids, lg.stride(0), float(routed_scaling_factor),
-            PER=E // G, TOP_K=top_k, N_GROUP=G, TOPK_GROUP=topk_group if grouped else 1,
-            NORM=bool(norm_topk_prob), G_PAD=triton.next_power_of_2(G),
-            PER_PAD=triton.next_power_of_2(E // G), K_PAD=triton.next_power_of_2(top_k),
-            num_warps=4 if E >= 256 else 1, **pdl(lg),
+            lg,
+            bias.float().contiguous(),
+            w,
+            ids,
+            lg.stride(0),
+            float(routed_scaling_factor),
+            PER=E // G,
+            TOP_K=top_k,
+            N_GROUP=G,
+            TOPK_GROUP=topk_group if grouped else 1,
+            NORM=bool(norm_topk_prob),
+            G_PAD=triton.next_power_of_2(G),
+            PER_PAD=triton.next_power_of_2(E // G),
+            K_PAD=triton.next_power_of_2(top_k),
+            num_warps=4 if E >= 256 else 1,
+            **pdl(lg),
         )
     return w, ids
 
@@ -197,8 +247,16 @@ def moe_route_triton(
 
 @triton.jit(do_not_specialize=["n", "P", "fill_per"])
 def _align_count_kernel(
-    ids_ptr, cnt_ptr, sorted_ptr, n, P, fill_per,
-    E_PAD: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr,
+    ids_ptr,
+    cnt_ptr,
+    sorted_ptr,
+    n,
+    P,
+    fill_per,
+    E_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+    FILL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Histogram of chunk pid's pairs -> cnt[pid, :]; fills its share of sorted_ids with the pad value n."""
     pdl_enter(PDL)
@@ -218,8 +276,18 @@ def _align_count_kernel(
 
 @triton.jit(do_not_specialize=["nprog", "nb"])
 def _align_offsets_kernel(
-    cnt_ptr, starts_ptr, eid_ptr, npad_ptr, nprog, nb,
-    E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BB: tl.constexpr, PDL: tl.constexpr,
+    cnt_ptr,
+    starts_ptr,
+    eid_ptr,
+    npad_ptr,
+    nprog,
+    nb,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    ROWS: tl.constexpr,
+    BB: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: cnt[p, e] becomes the count of expert e in chunks before p; starts[e] = padded start
     of expert e's run; num_tokens_post_pad; expert id of every block (-1 past the end)."""
@@ -250,8 +318,15 @@ def _align_offsets_kernel(
 
 @triton.jit(do_not_specialize=["n"])
 def _align_scatter_kernel(
-    ids_ptr, pre_ptr, starts_ptr, sorted_ptr, n,
-    E_PAD: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr,
+    ids_ptr,
+    pre_ptr,
+    starts_ptr,
+    sorted_ptr,
+    n,
+    E_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SUB: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Chunk pid's pairs to their slots, in order: slot = start of the expert's run + pairs of that
     expert in earlier chunks + rank inside this chunk (a cumsum over the one-hot [SUB, E_PAD] tile)."""
@@ -299,13 +374,37 @@ def moe_align_triton(
     cnt = torch.empty(nprog, E_PAD, dtype=torch.int32, device=dev)
     starts = torch.empty(E_PAD, dtype=torch.int32, device=dev)
     fill_per = triton.cdiv(P, nprog)
-    _align_count_kernel[(nprog,)](flat, cnt, sorted_ids, n, P, fill_per, E_PAD=E_PAD, CHUNK=CHUNK,
-                                  FILL=1024 if gpu else 64, num_warps=4, **pdl(flat))
-    _align_offsets_kernel[(1,)](cnt, starts, expert_ids, npad, nprog, nb, E=num_experts, E_PAD=E_PAD,
-                                BLOCK_M=block_m, ROWS=max(1, min(16, 16384 // E_PAD)),
-                                BB=max(1, min(64, 16384 // E_PAD)), num_warps=8 if gpu else 1, **pdl(flat))
-    _align_scatter_kernel[(nprog,)](flat, cnt, starts, sorted_ids, n, E_PAD=E_PAD, CHUNK=CHUNK, SUB=SUB,
-                                    num_warps=4, **pdl(flat))
+    _align_count_kernel[(nprog,)](
+        flat,
+        cnt,
+        sorted_ids,
+        n,
+        P,
+        fill_per,
+        E_PAD=E_PAD,
+        CHUNK=CHUNK,
+        FILL=1024 if gpu else 64,
+        num_warps=4,
+        **pdl(flat),
+    )
+    _align_offsets_kernel[(1,)](
+        cnt,
+        starts,
+        expert_ids,
+        npad,
+        nprog,
+        nb,
+        E=num_experts,
+        E_PAD=E_PAD,
+        BLOCK_M=block_m,
+        ROWS=max(1, min(16, 16384 // E_PAD)),
+        BB=max(1, min(64, 16384 // E_PAD)),
+        num_warps=8 if gpu else 1,
+        **pdl(flat),
+    )
+    _align_scatter_kernel[(nprog,)](
+        flat, cnt, starts, sorted_ids, n, E_PAD=E_PAD, CHUNK=CHUNK, SUB=SUB, num_warps=4, **pdl(flat)
+    )
     return sorted_ids, expert_ids, npad
 
 
@@ -325,10 +424,30 @@ def _tile(pid, num_m, num_n, group_m):
 
 @triton.jit(do_not_specialize=["num_pairs", "nb", "group_m"])
 def _up_gemm_kernel(
-    x_ptr, w_ptr, h_ptr, sorted_ptr, eid_ptr, npad_ptr, num_pairs, nb, N, K, group_m,
-    s_xt, s_we, s_wn, s_hm, sc_ptr,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, IEEE: tl.constexpr, W_FP8: tl.constexpr, PDL: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    h_ptr,
+    sorted_ptr,
+    eid_ptr,
+    npad_ptr,
+    num_pairs,
+    nb,
+    N,
+    K,
+    group_m,
+    s_xt,
+    s_we,
+    s_wn,
+    s_hm,
+    sc_ptr,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    W_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """h[r, n] = relu(x[sorted_ids[r] // k] @ w_up[e]^T)^2 for the rows r of block pid_m (0 for padding).
     W_FP8: e4m3 weight tiles converted to x's dtype for the dot (exact), the expert's channel scales
@@ -371,10 +490,30 @@ def _up_gemm_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs", "nb", "group_m"])
 def _down_gemm_kernel(
-    h_ptr, w_ptr, y_ptr, tw_ptr, sorted_ptr, eid_ptr, npad_ptr, num_pairs, nb, N, K, group_m,
-    s_hm, s_we, s_wn, s_ym, sc_ptr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    IEEE: tl.constexpr, W_FP8: tl.constexpr, PDL: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    y_ptr,
+    tw_ptr,
+    sorted_ptr,
+    eid_ptr,
+    npad_ptr,
+    num_pairs,
+    nb,
+    N,
+    K,
+    group_m,
+    s_hm,
+    s_we,
+    s_wn,
+    s_ym,
+    sc_ptr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    W_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """y[p, n] = topk_w.flat[p] * (h[r] @ w_down[e]^T) for the real rows r (pair p) of block pid_m (W_FP8:
     as in the up GEMM, the channel scales before the routing weight)."""
@@ -413,8 +552,19 @@ def _down_gemm_kernel(
 
 
 @triton.jit
-def _combine_kernel(y_ptr, extra_ptr, out_ptr, N, s_ym, s_et, s_ot, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HAS_EXTRA: tl.constexpr, PDL: tl.constexpr):
+def _combine_kernel(
+    y_ptr,
+    extra_ptr,
+    out_ptr,
+    N,
+    s_ym,
+    s_et,
+    s_ot,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """out[t] = sum over the token's k rows of y (+ its row of extra: the shared expert), in float32, in slot
     order, rounded once."""
     pdl_enter(PDL)
@@ -448,8 +598,15 @@ def _gemv_tile(v_row, w_rows, kk, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _rows_dot(v_row, w_rows, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-              NUM_STAGES: tl.constexpr):
+def _rows_dot(
+    v_row,
+    w_rows,
+    K,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
     """float32 [BLOCK_N]: the weight rows `w_rows` ([BLOCK_N, 1] pointers) times the vector row `v_row`
     over K, one pipelined loop of BLOCK_K tiles, reduced over K once after it."""
     offs_k = tl.arange(0, BLOCK_K)
@@ -472,9 +629,28 @@ def _slot_part(w, hv, ws, sc_ptr, e, N, offs_n, W_FP8: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n_routed"])
 def _up_gemv_kernel(
-    x_ptr, w_ptr, ids_ptr, h_ptr, su_ptr, N, K, n_routed, s_xt, s_we, s_wn, s_hm, sc_ptr,
-    TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, W_FP8: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    ids_ptr,
+    h_ptr,
+    su_ptr,
+    N,
+    K,
+    n_routed,
+    s_xt,
+    s_we,
+    s_wn,
+    s_hm,
+    sc_ptr,
+    TOP_K: tl.constexpr,
+    SHARED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    W_FP8: tl.constexpr,
+    EARLY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """h[p, n] = relu(w_up[ids[p]] @ x[p // k])^2 for BLOCK_N columns n: the pair's expert only. Rows
     p >= n_routed (= T*k) are the shared expert's: chunk j = q % S of token q // S, q = p - n_routed,
@@ -512,7 +688,9 @@ def _up_gemv_kernel(
     offs_n = tl.minimum(cn, N - 1)  # clamped rows: loads need no mask
     if shared_row:
         if EARLY:
-            pdl_release(PDL)  # the routed rows release after their wait, so the down GEMV still follows the route
+            pdl_release(
+                PDL
+            )  # the routed rows release after their wait, so the down GEMV still follows the route
         else:
             pdl_enter(PDL)
         q = p - n_routed
@@ -530,17 +708,40 @@ def _up_gemv_kernel(
         acc = acc * tl.load(sc_row + offs_n)
     acc = tl.maximum(acc, 0.0)
     if EARLY:
-        if shared_row:  # only now: h may lie in memory the allocator took back from what the route still reads
+        if (
+            shared_row
+        ):  # only now: h may lie in memory the allocator took back from what the route still reads
             pdl_wait(PDL)
     tl.store(h_ptr + p * s_hm + cn, (acc * acc).to(h_ptr.dtype.element_ty), mask=cn < N)
 
 
 @triton.jit(do_not_specialize=["n_routed"])
 def _down_gemv_kernel(
-    h_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, sd_ptr, N, K, n_routed, s_hm, s_we, s_wn, s_ot, s_sdn, sc_ptr,
-    TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, FLAT: tl.constexpr, W_FP8: tl.constexpr,
-    EARLY: tl.constexpr, PDL: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    ids_ptr,
+    tw_ptr,
+    out_ptr,
+    sd_ptr,
+    N,
+    K,
+    n_routed,
+    s_hm,
+    s_we,
+    s_wn,
+    s_ot,
+    s_sdn,
+    sc_ptr,
+    TOP_K: tl.constexpr,
+    SHARED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    FLAT: tl.constexpr,
+    W_FP8: tl.constexpr,
+    EARLY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[t, n] = sum_s topk_w[t, s] * (w_down[ids[t, s]] @ h[t*k + s])[n]: the combine in registers.
     FLAT walks the token's (slot, K tile) pairs as one pipelined loop (h pre-scaled by the slot's weight),
@@ -566,8 +767,9 @@ def _down_gemv_kernel(
             w0 = _k_load(w_ptr + e0 * s_we + offs_n[:, None] * s_wn + offs_k[None, :], offs_k, K, EVEN_K)
             ws0 = tl.load(tw_ptr + p0).to(tl.float32)
             pdl_enter(PDL)
-            part += _slot_part(w0, _k_load(h_ptr + p0 * s_hm + offs_k, offs_k, K, EVEN_K), ws0, sc_ptr, e0, N,
-                               offs_n, W_FP8)
+            part += _slot_part(
+                w0, _k_load(h_ptr + p0 * s_hm + offs_k, offs_k, K, EVEN_K), ws0, sc_ptr, e0, N, offs_n, W_FP8
+            )
         else:
             pdl_enter(PDL)
         for it in tl.range(1 if EARLY else 0, (TOP_K + SHARED) * kt, num_stages=NUM_STAGES):
@@ -579,8 +781,9 @@ def _down_gemv_kernel(
             ws = tl.where(routed, tl.load(tw_ptr + p).to(tl.float32), 1.0)
             j = tl.maximum(s - TOP_K, 0)
             h_row = tl.where(routed, h_ptr + p * s_hm, h_ptr + (n_routed + t * SHARED + j) * s_hm)
-            w_rows = tl.where(routed, w_ptr + e * s_we + offs_n[:, None] * s_wn,
-                              sd_ptr + offs_n[:, None] * s_sdn + j * K)
+            w_rows = tl.where(
+                routed, w_ptr + e * s_we + offs_n[:, None] * s_wn, sd_ptr + offs_n[:, None] * s_sdn + j * K
+            )
             hv, w = _gemv_tile(h_row, w_rows, kk, K, EVEN_K)
             part += _slot_part(w, hv, ws, sc_ptr, e, N, offs_n, W_FP8)
         out = tl.sum(part, axis=1)
@@ -591,7 +794,9 @@ def _down_gemv_kernel(
             p = t * TOP_K + s
             e = tl.load(ids_ptr + p).to(tl.int64)
             h_row = h_ptr + p * s_hm
-            r = _rows_dot(h_row, w_ptr + e * s_we + offs_n[:, None] * s_wn, K, BLOCK_N, BLOCK_K, EVEN_K, NUM_STAGES)
+            r = _rows_dot(
+                h_row, w_ptr + e * s_we + offs_n[:, None] * s_wn, K, BLOCK_N, BLOCK_K, EVEN_K, NUM_STAGES
+            )
             if W_FP8:
                 r = r * tl.load(sc_ptr + e * N + offs_n)
             out += tl.load(tw_ptr + p).to(tl.float32) * r
@@ -610,9 +815,29 @@ def _down_gemv_kernel(
 
 @triton.jit(do_not_specialize=["n_routed"])
 def _down_split_kernel(
-    h_ptr, w_ptr, ids_ptr, tw_ptr, y_ptr, sd_ptr, N, K, n_routed, s_hm, s_we, s_wn, s_ym, s_sdn, sc_ptr,
-    TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, W_FP8: tl.constexpr, PDL: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    ids_ptr,
+    tw_ptr,
+    y_ptr,
+    sd_ptr,
+    N,
+    K,
+    n_routed,
+    s_hm,
+    s_we,
+    s_wn,
+    s_ym,
+    s_sdn,
+    sc_ptr,
+    TOP_K: tl.constexpr,
+    SHARED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    W_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The down GEMV split by slot (config down.SPLIT): y[r, n] = ws * (W_s @ h_s)[n] in float32 for row
     r = t * (TOP_K + SHARED) + s, slot s of token t: a routed slot's expert w_down[ids[t, s]] on h row t*k + s,
@@ -688,13 +913,16 @@ def validate_config(cfg: dict[str, Any], where: str = "config") -> dict[str, Any
             if sub.get(flag, 0) not in (0, 1):
                 raise ValueError(f"{where}: {part}.{flag} must be 0 or 1, got {sub[flag]!r}")
         if sub.get("EARLY", 0) and (variant != "gemv" or (part == "down" and not sub.get("FLAT", 0))):
-            raise ValueError(f"{where}: {part}.EARLY applies to the gemv variant only, and to its down GEMV with "
-                             "FLAT = 1")
+            raise ValueError(
+                f"{where}: {part}.EARLY applies to the gemv variant only, and to its down GEMV with FLAT = 1"
+            )
         if sub.get("SPLIT", 0) not in (0, 1):
             raise ValueError(f"{where}: {part}.SPLIT must be 0 or 1, got {sub['SPLIT']!r}")
         if sub.get("SPLIT", 0) and (variant != "gemv" or part != "down" or sub.get("FLAT", 0)):
-            raise ValueError(f"{where}: {part}.SPLIT applies to the gemv variant's down GEMV only, with FLAT = 0 "
-                             "(the split form has no flat loop)")
+            raise ValueError(
+                f"{where}: {part}.SPLIT applies to the gemv variant's down GEMV only, with FLAT = 0 "
+                "(the split form has no flat loop)"
+            )
     return cfg
 
 
@@ -735,15 +963,20 @@ def moe_token_buckets(max_num_tokens: int) -> list[int]:
     return out
 
 
-def heuristic_config(num_experts: int, inter: int, hidden: int, num_tokens: int, top_k: int) -> dict[str, Any]:
+def heuristic_config(
+    num_experts: int, inter: int, hidden: int, num_tokens: int, top_k: int
+) -> dict[str, Any]:
     """Settings for a shape or GPU without tuned entries: the gemv path for up to 2 tokens, else the grouped
     GEMMs with BLOCK_M sized to the mean pairs per expert."""
     if num_tokens <= 2:
         # the fastest batch-1 settings of the Nano 30B-A3B chain on an untuned GPU (H100, 1303d9a,
         # moe_decode_1303d9a_h100.md): short up tiles on 2 warps; the down GEMV one output row a warp, so
         # 2688 programs keep the loads in flight (4 rows on 4 warps: 0.74 of the read ceiling against 0.83)
-        return {"variant": "gemv", "up": dict(BLOCK_N=4, BLOCK_K=128, num_warps=2, num_stages=6),
-                "down": dict(BLOCK_N=1, BLOCK_K=512, num_warps=1, num_stages=6, FLAT=1)}
+        return {
+            "variant": "gemv",
+            "up": dict(BLOCK_N=4, BLOCK_K=128, num_warps=2, num_stages=6),
+            "down": dict(BLOCK_N=1, BLOCK_K=512, num_warps=1, num_stages=6, FLAT=1),
+        }
     per_expert = num_tokens * top_k / num_experts
     bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 128 else 128
     if bm <= 32:
@@ -755,15 +988,28 @@ def heuristic_config(num_experts: int, inter: int, hidden: int, num_tokens: int,
     return {"variant": "gemm", "BLOCK_M": bm, "up": dict(g), "down": dict(g)}
 
 
-_INTERPRETER_GEMM = {"variant": "gemm", "BLOCK_M": 16,
-                     "up": dict(BLOCK_N=16, BLOCK_K=32, GROUP_M=2, num_warps=1, num_stages=1),
-                     "down": dict(BLOCK_N=32, BLOCK_K=16, GROUP_M=1, num_warps=1, num_stages=1)}
-_INTERPRETER_GEMV = {"variant": "gemv", "up": dict(BLOCK_N=32, BLOCK_K=32, num_warps=1, num_stages=1),
-                     "down": dict(BLOCK_N=32, BLOCK_K=16, num_warps=1, num_stages=1, FLAT=1)}
+_INTERPRETER_GEMM = {
+    "variant": "gemm",
+    "BLOCK_M": 16,
+    "up": dict(BLOCK_N=16, BLOCK_K=32, GROUP_M=2, num_warps=1, num_stages=1),
+    "down": dict(BLOCK_N=32, BLOCK_K=16, GROUP_M=1, num_warps=1, num_stages=1),
+}
+_INTERPRETER_GEMV = {
+    "variant": "gemv",
+    "up": dict(BLOCK_N=32, BLOCK_K=32, num_warps=1, num_stages=1),
+    "down": dict(BLOCK_N=32, BLOCK_K=16, num_warps=1, num_stages=1, FLAT=1),
+}
 
 
-def moe_config(num_experts: int, inter: int, hidden: int, num_tokens: int, top_k: int,
-               device: torch.device, fp8: bool = False) -> dict[str, Any]:
+def moe_config(
+    num_experts: int,
+    inter: int,
+    hidden: int,
+    num_tokens: int,
+    top_k: int,
+    device: torch.device,
+    fp8: bool = False,
+) -> dict[str, Any]:
     """The tile config for this layer and token count: the tuned file's entry for this token bucket and
     shape on this GPU, else `heuristic_config` of the bucket (the interpreter: small tiles). A bucket the file
     lacks never borrows a neighbour's entry: a file holding only the 1-token entry (`bench_moe_decode.py
@@ -771,13 +1017,22 @@ def moe_config(num_experts: int, inter: int, hidden: int, num_tokens: int, top_k
     function of the token bucket only, so warming one count per bucket compiles every variant. fp8: e4m3
     experts take their own entry (`bench_moe_decode.py --fp8 --write`) where the file has one for the bucket,
     else the 16-bit shape's (the same tiles read half the bytes; no FP8 tuning has run yet)."""
-    return _bucket_config(num_experts, inter, hidden, token_bucket(num_tokens), top_k, device.type, device.index,
-                          fp8)
+    return _bucket_config(
+        num_experts, inter, hidden, token_bucket(num_tokens), top_k, device.type, device.index, fp8
+    )
 
 
 @functools.lru_cache(maxsize=1024)
-def _bucket_config(num_experts: int, inter: int, hidden: int, bucket: int, top_k: int, dev_type: str,
-                   dev_index: int | None, fp8: bool = False) -> dict[str, Any]:
+def _bucket_config(
+    num_experts: int,
+    inter: int,
+    hidden: int,
+    bucket: int,
+    top_k: int,
+    dev_type: str,
+    dev_index: int | None,
+    fp8: bool = False,
+) -> dict[str, Any]:
     if dev_type != "cuda":
         return _INTERPRETER_GEMV if bucket <= 2 else _INTERPRETER_GEMM
     tables = _tuned_table(device_name(dev_index))
@@ -797,8 +1052,15 @@ def _launch(sub: dict[str, Any]) -> dict[str, int]:
     return dict(num_warps=sub["num_warps"], num_stages=sub["num_stages"])
 
 
-def launch_up_gemv(x, w_up, ids, h, up: dict[str, Any], shared_up: torch.Tensor | None = None,
-                   scale: torch.Tensor | None = None) -> None:
+def launch_up_gemv(
+    x,
+    w_up,
+    ids,
+    h,
+    up: dict[str, Any],
+    shared_up: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> None:
     """h [T*k (+ T*S), I] = relu(x[p // k] @ w_up[ids[p]]^T)^2, then the shared expert's S chunks per token
     (scale: FP8 experts' [E, I] channel scales). With up["EARLY"] under PDL, x must have been written before
     the kernel launched right before this one (see _up_gemv_kernel)."""
@@ -807,15 +1069,35 @@ def launch_up_gemv(x, w_up, ids, h, up: dict[str, Any], shared_up: torch.Tensor 
     n_routed = ids.numel()
     n_rows = n_routed + ids.shape[0] * S
     _up_gemv_kernel[(n_rows * triton.cdiv(inter, up["BLOCK_N"]),)](
-        x, w_up, ids, h, w_up if shared_up is None else shared_up, inter, d, n_routed,
-        x.stride(0), w_up.stride(0), w_up.stride(1), h.stride(0), scale if scale is not None else h,
-        TOP_K=ids.shape[1], SHARED=max(S, 1), BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"],
-        EVEN_K=d % up["BLOCK_K"] == 0, NUM_STAGES=up["num_stages"], W_FP8=scale is not None,
-        EARLY=bool(up.get("EARLY", 0)), num_warps=up["num_warps"], **pdl(x),
+        x,
+        w_up,
+        ids,
+        h,
+        w_up if shared_up is None else shared_up,
+        inter,
+        d,
+        n_routed,
+        x.stride(0),
+        w_up.stride(0),
+        w_up.stride(1),
+        h.stride(0),
+        scale if scale is not None else h,
+        TOP_K=ids.shape[1],
+        SHARED=max(S, 1),
+        BLOCK_N=up["BLOCK_N"],
+        BLOCK_K=up["BLOCK_K"],
+        EVEN_K=d % up["BLOCK_K"] == 0,
+        NUM_STAGES=up["num_stages"],
+        W_FP8=scale is not None,
+        EARLY=bool(up.get("EARLY", 0)),
+        num_warps=up["num_warps"],
+        **pdl(x),
     )
 
 
-def _down_operands(w_down: torch.Tensor, shared_down: torch.Tensor | None) -> tuple[int, int, int, torch.Tensor]:
+def _down_operands(
+    w_down: torch.Tensor, shared_down: torch.Tensor | None
+) -> tuple[int, int, int, torch.Tensor]:
     """(d, I, S, the shared expert's down weight or a stand-in) of a decode down projection: S chunks of the
     routed intermediate size in the shared expert, 0 without one (then w_down stands in, never read)."""
     d, inter = w_down.shape[1], w_down.shape[2]
@@ -824,22 +1106,59 @@ def _down_operands(w_down: torch.Tensor, shared_down: torch.Tensor | None) -> tu
     return d, inter, shared_down.shape[1] // inter, shared_down
 
 
-def launch_down_gemv(h, w_down, ids, tw, out, dn: dict[str, Any], shared_down: torch.Tensor | None = None,
-                     scale: torch.Tensor | None = None) -> None:
+def launch_down_gemv(
+    h,
+    w_down,
+    ids,
+    tw,
+    out,
+    dn: dict[str, Any],
+    shared_down: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> None:
     """out [T, d] = sum_s tw[t, s] * w_down[ids[t, s]] @ h[t*k + s] (+ the shared expert's chunks of h;
     scale: FP8 experts' [E, d] channel scales)."""
     d, inter, S, sd = _down_operands(w_down, shared_down)
     _down_gemv_kernel[(out.shape[0], triton.cdiv(d, dn["BLOCK_N"]))](
-        h, w_down, ids, tw, out, sd, d, inter, ids.numel(), h.stride(0), w_down.stride(0), w_down.stride(1),
-        out.stride(0), sd.stride(0), scale if scale is not None else tw,
-        TOP_K=ids.shape[1], SHARED=S, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"],
-        EVEN_K=inter % dn["BLOCK_K"] == 0, NUM_STAGES=dn["num_stages"], FLAT=bool(dn.get("FLAT", 0)),
-        W_FP8=scale is not None, EARLY=bool(dn.get("EARLY", 0)), num_warps=dn["num_warps"], **pdl(h),
+        h,
+        w_down,
+        ids,
+        tw,
+        out,
+        sd,
+        d,
+        inter,
+        ids.numel(),
+        h.stride(0),
+        w_down.stride(0),
+        w_down.stride(1),
+        out.stride(0),
+        sd.stride(0),
+        scale if scale is not None else tw,
+        TOP_K=ids.shape[1],
+        SHARED=S,
+        BLOCK_N=dn["BLOCK_N"],
+        BLOCK_K=dn["BLOCK_K"],
+        EVEN_K=inter % dn["BLOCK_K"] == 0,
+        NUM_STAGES=dn["num_stages"],
+        FLAT=bool(dn.get("FLAT", 0)),
+        W_FP8=scale is not None,
+        EARLY=bool(dn.get("EARLY", 0)),
+        num_warps=dn["num_warps"],
+        **pdl(h),
     )
 
 
-def launch_down(h, w_down, ids, tw, out, dn: dict[str, Any], shared_down: torch.Tensor | None = None,
-                scale: torch.Tensor | None = None) -> None:
+def launch_down(
+    h,
+    w_down,
+    ids,
+    tw,
+    out,
+    dn: dict[str, Any],
+    shared_down: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> None:
     """The decode path's down projection and combine into out [T, d]: the down GEMV, or with dn["SPLIT"] the
     per-slot partials (`_down_split_kernel`, float32 [T * (k + S), d]) and the combine kernel."""
     if not dn.get("SPLIT", 0):
@@ -849,38 +1168,120 @@ def launch_down(h, w_down, ids, tw, out, dn: dict[str, Any], shared_down: torch.
     T, k = ids.shape
     y = torch.empty(T * (k + S), d, dtype=torch.float32, device=h.device)
     _down_split_kernel[(T * (k + S) * triton.cdiv(d, dn["BLOCK_N"]),)](
-        h, w_down, ids, tw, y, sd, d, inter, ids.numel(), h.stride(0), w_down.stride(0), w_down.stride(1),
-        y.stride(0), sd.stride(0), scale if scale is not None else tw,
-        TOP_K=k, SHARED=S, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0,
-        NUM_STAGES=dn["num_stages"], W_FP8=scale is not None, num_warps=dn["num_warps"], **pdl(h),
+        h,
+        w_down,
+        ids,
+        tw,
+        y,
+        sd,
+        d,
+        inter,
+        ids.numel(),
+        h.stride(0),
+        w_down.stride(0),
+        w_down.stride(1),
+        y.stride(0),
+        sd.stride(0),
+        scale if scale is not None else tw,
+        TOP_K=k,
+        SHARED=S,
+        BLOCK_N=dn["BLOCK_N"],
+        BLOCK_K=dn["BLOCK_K"],
+        EVEN_K=inter % dn["BLOCK_K"] == 0,
+        NUM_STAGES=dn["num_stages"],
+        W_FP8=scale is not None,
+        num_warps=dn["num_warps"],
+        **pdl(h),
     )
     launch_combine(y, out, k + S)
 
 
-def launch_up_gemm(x, w_up, h, sorted_ids, expert_ids, npad, num_pairs: int, top_k: int, block_m: int,
-                   up: dict[str, Any], scale: torch.Tensor | None = None) -> None:
+def launch_up_gemm(
+    x,
+    w_up,
+    h,
+    sorted_ids,
+    expert_ids,
+    npad,
+    num_pairs: int,
+    top_k: int,
+    block_m: int,
+    up: dict[str, Any],
+    scale: torch.Tensor | None = None,
+) -> None:
     """h [P, I] over the align layout (moe_up_ref)."""
     inter, d = w_up.shape[1], w_up.shape[2]
     nb = expert_ids.numel()
     _up_gemm_kernel[(nb * triton.cdiv(inter, up["BLOCK_N"]),)](
-        x, w_up, h, sorted_ids, expert_ids, npad, num_pairs, nb, inter, d, up["GROUP_M"],
-        x.stride(0), w_up.stride(0), w_up.stride(1), h.stride(0), scale if scale is not None else h,
-        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"],
-        EVEN_K=d % up["BLOCK_K"] == 0, IEEE=x.dtype == torch.float32, W_FP8=scale is not None, **_launch(up),
+        x,
+        w_up,
+        h,
+        sorted_ids,
+        expert_ids,
+        npad,
+        num_pairs,
+        nb,
+        inter,
+        d,
+        up["GROUP_M"],
+        x.stride(0),
+        w_up.stride(0),
+        w_up.stride(1),
+        h.stride(0),
+        scale if scale is not None else h,
+        TOP_K=top_k,
+        BLOCK_M=block_m,
+        BLOCK_N=up["BLOCK_N"],
+        BLOCK_K=up["BLOCK_K"],
+        EVEN_K=d % up["BLOCK_K"] == 0,
+        IEEE=x.dtype == torch.float32,
+        W_FP8=scale is not None,
+        **_launch(up),
         **pdl(x),
     )
 
 
-def launch_down_gemm(h, w_down, y, tw, sorted_ids, expert_ids, npad, block_m: int, dn: dict[str, Any],
-                     scale: torch.Tensor | None = None) -> None:
+def launch_down_gemm(
+    h,
+    w_down,
+    y,
+    tw,
+    sorted_ids,
+    expert_ids,
+    npad,
+    block_m: int,
+    dn: dict[str, Any],
+    scale: torch.Tensor | None = None,
+) -> None:
     """y [T*k, d], each pair's row weighted (moe_down_ref)."""
     d, inter = w_down.shape[1], w_down.shape[2]
     nb = expert_ids.numel()
     _down_gemm_kernel[(nb * triton.cdiv(d, dn["BLOCK_N"]),)](
-        h, w_down, y, tw, sorted_ids, expert_ids, npad, y.shape[0], nb, d, inter, dn["GROUP_M"],
-        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), scale if scale is not None else tw,
-        BLOCK_M=block_m, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0,
-        IEEE=h.dtype == torch.float32, W_FP8=scale is not None, **_launch(dn), **pdl(h),
+        h,
+        w_down,
+        y,
+        tw,
+        sorted_ids,
+        expert_ids,
+        npad,
+        y.shape[0],
+        nb,
+        d,
+        inter,
+        dn["GROUP_M"],
+        h.stride(0),
+        w_down.stride(0),
+        w_down.stride(1),
+        y.stride(0),
+        scale if scale is not None else tw,
+        BLOCK_M=block_m,
+        BLOCK_N=dn["BLOCK_N"],
+        BLOCK_K=dn["BLOCK_K"],
+        EVEN_K=inter % dn["BLOCK_K"] == 0,
+        IEEE=h.dtype == torch.float32,
+        W_FP8=scale is not None,
+        **_launch(dn),
+        **pdl(h),
     )
 
 
@@ -889,8 +1290,20 @@ def launch_combine(y, out, top_k: int, extra: torch.Tensor | None = None) -> Non
     T, d = out.shape
     bc = 1024 if y.is_cuda else 64
     ex = y if extra is None else extra
-    _combine_kernel[(T, triton.cdiv(d, bc))](y, ex, out, d, y.stride(0), ex.stride(0), out.stride(0), TOP_K=top_k,
-                                             BLOCK_N=bc, HAS_EXTRA=extra is not None, num_warps=4, **pdl(y))
+    _combine_kernel[(T, triton.cdiv(d, bc))](
+        y,
+        ex,
+        out,
+        d,
+        y.stride(0),
+        ex.stride(0),
+        out.stride(0),
+        TOP_K=top_k,
+        BLOCK_N=bc,
+        HAS_EXTRA=extra is not None,
+        num_warps=4,
+        **pdl(y),
+    )
 
 
 def moe_experts_triton(
@@ -911,7 +1324,9 @@ def moe_experts_triton(
     overrides the tuned / heuristic tile config (tests, tuning)."""
     _check_experts_args(x, w_up, w_down, topk_w, topk_ids, up_scale, down_scale)
     if up_scale is not None and (shared_up is not None or shared_down is not None):
-        raise ValueError("moe_experts: FP8 experts take no folded shared expert (an FP8 model runs it as its MLP)")
+        raise ValueError(
+            "moe_experts: FP8 experts take no folded shared expert (an FP8 model runs it as its MLP)"
+        )
     S = check_shared_args(w_up, shared_up, shared_down)
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"moe_experts: float32, float16 or bfloat16 expected, got {x.dtype}")
@@ -923,10 +1338,15 @@ def moe_experts_triton(
         return out
     if w_up.stride(2) != 1 or w_down.stride(2) != 1:
         raise ValueError("moe_experts: expert weights need a unit stride along their last dimension")
-    if S and (not shared_up.is_contiguous() or shared_down.stride(1) != 1 or shared_up.stride(0) != w_up.stride(1)):
+    if S and (
+        not shared_up.is_contiguous() or shared_down.stride(1) != 1 or shared_up.stride(0) != w_up.stride(1)
+    ):
         raise ValueError("moe_experts: the shared expert's weights must be contiguous rows like the experts'")
-    cfg = validate_config(config) if config is not None else moe_config(E, inter, d, T, k, x.device,
-                                                                        fp8=up_scale is not None)
+    cfg = (
+        validate_config(config)
+        if config is not None
+        else moe_config(E, inter, d, T, k, x.device, fp8=up_scale is not None)
+    )
     xc = x if x.stride(1) == 1 else x.contiguous()
     ids = topk_ids.contiguous()
     tw = topk_w.float().contiguous()

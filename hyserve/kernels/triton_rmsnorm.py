@@ -25,8 +25,16 @@ from hyserve.kernels.triton_common import pdl_enter
 
 @triton.jit(do_not_specialize=["rows"])
 def _rms_norm_kernel(
-    x_ptr, w_ptr, out_ptr, rows, dim, eps, s_x_r, s_out_r,
-    BLOCK: tl.constexpr, PDL: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    rows,
+    dim,
+    eps,
+    s_x_r,
+    s_out_r,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
@@ -40,8 +48,21 @@ def _rms_norm_kernel(
 
 @triton.jit(do_not_specialize=["rows"])
 def _add_rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, rows, dim, eps, s_x_r, s_res_r, s_out_r, s_sum_r,
-    BLOCK: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    rows,
+    dim,
+    eps,
+    s_x_r,
+    s_res_r,
+    s_out_r,
+    s_sum_r,
+    BLOCK: tl.constexpr,
+    EARLY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -64,8 +85,20 @@ def _add_rms_norm_kernel(
 
 @triton.jit(do_not_specialize=["rows"])
 def _rmsnorm_gated_kernel(
-    x_ptr, z_ptr, w_ptr, out_ptr, rows, eps, s_x_r, s_z_r, s_out_r,
-    GROUP: tl.constexpr, BLOCK: tl.constexpr, HAS_Z: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+    x_ptr,
+    z_ptr,
+    w_ptr,
+    out_ptr,
+    rows,
+    eps,
+    s_x_r,
+    s_z_r,
+    s_out_r,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    EARLY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -100,7 +133,9 @@ def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., D], weight: [D] -> [..., D] in x.dtype."""
     d = x.shape[-1]
-    assert weight.shape == (d,) and weight.is_contiguous(), f"weight {tuple(weight.shape)} vs x {tuple(x.shape)}"
+    assert weight.shape == (d,) and weight.is_contiguous(), (
+        f"weight {tuple(weight.shape)} vs x {tuple(x.shape)}"
+    )
     assert x.dtype in _FLOATS, "float64 runs on the reference path"
     assert d <= 65536
     x2 = _rows(x, d)
@@ -109,8 +144,17 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     if rows > 0:
         BLOCK = triton.next_power_of_2(d)
         _rms_norm_kernel[(rows,)](
-            x2, weight, out, rows, d, float(eps), x2.stride(0), out.stride(0),
-            BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256)), **pdl(x2),
+            x2,
+            weight,
+            out,
+            rows,
+            d,
+            float(eps),
+            x2.stride(0),
+            out.stride(0),
+            BLOCK=BLOCK,
+            num_warps=min(16, max(1, BLOCK // 256)),
+            **pdl(x2),
         )
     return out.view(x.shape)
 
@@ -125,9 +169,12 @@ def add_rms_norm_triton(
     add_rms_norm returned a whole mixer (at least one kernel) earlier (`nemotron_h.py`). A residual this
     launcher has to copy into rows is read after the wait (the copy is that kernel)."""
     d = x.shape[-1]
-    assert weight.shape == (d,) and weight.is_contiguous(), f"weight {tuple(weight.shape)} vs x {tuple(x.shape)}"
+    assert weight.shape == (d,) and weight.is_contiguous(), (
+        f"weight {tuple(weight.shape)} vs x {tuple(x.shape)}"
+    )
     assert residual.shape == x.shape and residual.dtype == x.dtype, (
-        f"residual {tuple(residual.shape)} {residual.dtype} vs x {tuple(x.shape)} {x.dtype}")
+        f"residual {tuple(residual.shape)} {residual.dtype} vs x {tuple(x.shape)} {x.dtype}"
+    )
     assert x.dtype in _FLOATS, "float64 runs on the reference path"
     assert d <= 65536
     x2, r2 = _rows(x, d), _rows(residual, d)
@@ -137,9 +184,22 @@ def add_rms_norm_triton(
     if rows > 0:
         BLOCK = triton.next_power_of_2(d)
         _add_rms_norm_kernel[(rows,)](
-            x2, r2, weight, out, total, rows, d, float(eps), x2.stride(0), r2.stride(0), out.stride(0),
-            total.stride(0), BLOCK=BLOCK, EARLY=r2.data_ptr() == residual.data_ptr(),
-            num_warps=min(16, max(1, BLOCK // 256)), **pdl(x2),
+            x2,
+            r2,
+            weight,
+            out,
+            total,
+            rows,
+            d,
+            float(eps),
+            x2.stride(0),
+            r2.stride(0),
+            out.stride(0),
+            total.stride(0),
+            BLOCK=BLOCK,
+            EARLY=r2.data_ptr() == residual.data_ptr(),
+            num_warps=min(16, max(1, BLOCK // 256)),
+            **pdl(x2),
         )
     return out.view(x.shape), total.view(x.shape)
 
@@ -156,7 +216,9 @@ def rmsnorm_gated_triton(
     d = x.shape[-1]
     if d % group_size:
         raise ValueError(f"rmsnorm_gated: last dim {d} is not a multiple of group_size {group_size}")
-    assert weight.shape == (d,) and weight.is_contiguous(), f"weight {tuple(weight.shape)} vs x {tuple(x.shape)}"
+    assert weight.shape == (d,) and weight.is_contiguous(), (
+        f"weight {tuple(weight.shape)} vs x {tuple(x.shape)}"
+    )
     assert x.dtype in _FLOATS and weight.dtype in _FLOATS, "float64 runs on the reference path"
     assert z is None or z.shape == x.shape, f"z {None if z is None else tuple(z.shape)} vs x {tuple(x.shape)}"
     assert group_size <= 16384
@@ -168,8 +230,20 @@ def rmsnorm_gated_triton(
     if rows > 0:
         BLOCK = triton.next_power_of_2(group_size)
         _rmsnorm_gated_kernel[(rows, d // group_size)](
-            x2, z2, weight, out, rows, float(eps), x2.stride(0), z2.stride(0), out.stride(0),
-            GROUP=group_size, BLOCK=BLOCK, HAS_Z=z is not None, EARLY=z is None or z2.data_ptr() == z.data_ptr(),
-            num_warps=min(16, max(1, BLOCK // 256)), **pdl(x2),
+            x2,
+            z2,
+            weight,
+            out,
+            rows,
+            float(eps),
+            x2.stride(0),
+            z2.stride(0),
+            out.stride(0),
+            GROUP=group_size,
+            BLOCK=BLOCK,
+            HAS_Z=z is not None,
+            EARLY=z is None or z2.data_ptr() == z.data_ptr(),
+            num_warps=min(16, max(1, BLOCK // 256)),
+            **pdl(x2),
         )
     return out.view(x.shape)

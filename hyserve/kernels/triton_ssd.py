@@ -43,15 +43,41 @@ def _chunk_of(meta_ptr, c, num_seqs, L: tl.constexpr):
     do_not_specialize_on_alignment=["dt_ptr", "A_ptr", "dt_bias_ptr", "meta_ptr"],
 )
 def _ssd_prep_kernel(
-    dt_ptr, A_ptr, dt_bias_ptr, B_ptr, C_ptr, meta_ptr, dtc_ptr, cs_ptr, cb_ptr,
-    num_seqs, dt_lo, dt_hi,
-    s_dt_t, s_dt_h,
-    s_B_t, s_B_g, s_C_t, s_C_g,  # B/C stride along N is 1
-    s_w_c, s_w_h,  # dtc and cs: [chunks, H, LP], last stride 1
-    s_cb_c, s_cb_g, s_cb_m,  # cb: [chunks, G, LP, LP], last stride 1
-    G: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, N: tl.constexpr,
-    BLOCK_CB: tl.constexpr, BLOCK_KN: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE: tl.constexpr,
+    dt_ptr,
+    A_ptr,
+    dt_bias_ptr,
+    B_ptr,
+    C_ptr,
+    meta_ptr,
+    dtc_ptr,
+    cs_ptr,
+    cb_ptr,
+    num_seqs,
+    dt_lo,
+    dt_hi,
+    s_dt_t,
+    s_dt_h,
+    s_B_t,
+    s_B_g,
+    s_C_t,
+    s_C_g,  # B/C stride along N is 1
+    s_w_c,
+    s_w_h,  # dtc and cs: [chunks, H, LP], last stride 1
+    s_cb_c,
+    s_cb_g,
+    s_cb_m,  # cb: [chunks, G, LP, LP], last stride 1
+    G: tl.constexpr,
+    REP: tl.constexpr,
+    REP_PAD: tl.constexpr,
+    L: tl.constexpr,
+    LP: tl.constexpr,
+    N: tl.constexpr,
+    BLOCK_CB: tl.constexpr,
+    BLOCK_KN: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SOFTPLUS: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     g = pid % G
@@ -92,10 +118,16 @@ def _ssd_prep_kernel(
         for k in tl.static_range(0, N, BLOCK_KN):
             offs_k = k + tl.arange(0, BLOCK_KN)
             mk = offs_k < N
-            ct = tl.load(C_ptr + (t0 + offs_i)[:, None] * s_C_t + g * s_C_g + offs_k[None, :],
-                         mask=mi[:, None] & mk[None, :], other=0.0)
-            bt = tl.load(B_ptr + (t0 + offs_j)[:, None] * s_B_t + g * s_B_g + offs_k[None, :],
-                         mask=mj[:, None] & mk[None, :], other=0.0)
+            ct = tl.load(
+                C_ptr + (t0 + offs_i)[:, None] * s_C_t + g * s_C_g + offs_k[None, :],
+                mask=mi[:, None] & mk[None, :],
+                other=0.0,
+            )
+            bt = tl.load(
+                B_ptr + (t0 + offs_j)[:, None] * s_B_t + g * s_B_g + offs_k[None, :],
+                mask=mj[:, None] & mk[None, :],
+                other=0.0,
+            )
             acc += dot(ct, tl.trans(bt), IEEE)
         tl.store(cb_base + offs_i[:, None] * s_cb_m + offs_j[None, :], acc)
 
@@ -109,17 +141,40 @@ def _ssd_prep_kernel(
 
 @triton.jit(do_not_specialize=["num_seqs"], do_not_specialize_on_alignment=["meta_ptr"])
 def _ssd_state_kernel(
-    x_ptr, B_ptr, dtc_ptr, cs_ptr, init_ptr, meta_ptr, st_ptr, fin_ptr,
+    x_ptr,
+    B_ptr,
+    dtc_ptr,
+    cs_ptr,
+    init_ptr,
+    meta_ptr,
+    st_ptr,
+    fin_ptr,
     num_seqs,
-    s_x_t, s_x_h,  # x stride along P is 1
-    s_B_t, s_B_g,
-    s_w_c, s_w_h,
-    s_init_s, s_init_h, s_init_p,  # initial_states stride along N is 1
-    s_st_c, s_st_h, s_st_p,  # chunk states [chunks, H, P, N], last stride 1
-    s_fin_s, s_fin_h, s_fin_p,
-    REP: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NUM_NB: tl.constexpr,
-    HAS_INIT: tl.constexpr, IEEE: tl.constexpr,
+    s_x_t,
+    s_x_h,  # x stride along P is 1
+    s_B_t,
+    s_B_g,
+    s_w_c,
+    s_w_h,
+    s_init_s,
+    s_init_h,
+    s_init_p,  # initial_states stride along N is 1
+    s_st_c,
+    s_st_h,
+    s_st_p,  # chunk states [chunks, H, P, N], last stride 1
+    s_fin_s,
+    s_fin_h,
+    s_fin_p,
+    REP: tl.constexpr,
+    L: tl.constexpr,
+    LP: tl.constexpr,
+    P: tl.constexpr,
+    N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_NB: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     pid0 = tl.program_id(0)
     h = tl.program_id(1)
@@ -141,8 +196,15 @@ def _ssd_state_kernel(
     tile = offs_p[:, None] * s_st_p + offs_n[None, :]
 
     if HAS_INIT:
-        hs = tl.load(init_ptr + s.to(tl.int64) * s_init_s + h * s_init_h + offs_p[:, None] * s_init_p
-                     + offs_n[None, :], mask=m_pn, other=0.0).to(tl.float32)
+        hs = tl.load(
+            init_ptr
+            + s.to(tl.int64) * s_init_s
+            + h * s_init_h
+            + offs_p[:, None] * s_init_p
+            + offs_n[None, :],
+            mask=m_pn,
+            other=0.0,
+        ).to(tl.float32)
     else:
         hs = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
 
@@ -164,8 +226,11 @@ def _ssd_state_kernel(
         hs = hs * tl.exp(cs_last) + dot(tl.trans(xt), bs, IEEE)  # [BLOCK_P, BLOCK_N]
         tl.store(st_ptr + c64 * s_st_c + h * s_st_h + tile, hs, mask=m_pn)
 
-    tl.store(fin_ptr + s.to(tl.int64) * s_fin_s + h * s_fin_h + offs_p[:, None] * s_fin_p + offs_n[None, :],
-             hs, mask=m_pn)
+    tl.store(
+        fin_ptr + s.to(tl.int64) * s_fin_s + h * s_fin_h + offs_p[:, None] * s_fin_p + offs_n[None, :],
+        hs,
+        mask=m_pn,
+    )
 
 
 # --------------------------------------------------------------------------- 3. output
@@ -177,33 +242,68 @@ def _ssd_state_kernel(
 
 
 @triton.jit
-def _add_carried_state(acc, c_rows, mm, src, s_src_p, offs_p, mp,
-                       N: tl.constexpr, BLOCK_KN: tl.constexpr, IEEE: tl.constexpr):
+def _add_carried_state(
+    acc, c_rows, mm, src, s_src_p, offs_p, mp, N: tl.constexpr, BLOCK_KN: tl.constexpr, IEEE: tl.constexpr
+):
     """acc [BLOCK_M, BLOCK_P] += C[rows] @ h_in^T, h_in: [P, N] fp32 at src (stride along N is 1)."""
     for k in tl.static_range(0, N, BLOCK_KN):
         offs_k = k + tl.arange(0, BLOCK_KN)
         mk = offs_k < N
-        ct = tl.load(c_rows + offs_k[None, :], mask=mm[:, None] & mk[None, :], other=0.0)  # [BLOCK_M, BLOCK_KN]
-        hs = tl.load(src + offs_p[None, :] * s_src_p + offs_k[:, None], mask=mk[:, None] & mp[None, :],
-                     other=0.0)  # [BLOCK_KN, BLOCK_P]
+        ct = tl.load(
+            c_rows + offs_k[None, :], mask=mm[:, None] & mk[None, :], other=0.0
+        )  # [BLOCK_M, BLOCK_KN]
+        hs = tl.load(
+            src + offs_p[None, :] * s_src_p + offs_k[:, None], mask=mk[:, None] & mp[None, :], other=0.0
+        )  # [BLOCK_KN, BLOCK_P]
         acc += dot(ct, hs.to(ct.dtype), IEEE)
     return acc
 
 
 @triton.jit(do_not_specialize=["num_seqs"], do_not_specialize_on_alignment=["D_ptr", "meta_ptr"])
 def _ssd_out_kernel(
-    x_ptr, C_ptr, D_ptr, dtc_ptr, cs_ptr, cb_ptr, init_ptr, st_ptr, meta_ptr, y_ptr,
+    x_ptr,
+    C_ptr,
+    D_ptr,
+    dtc_ptr,
+    cs_ptr,
+    cb_ptr,
+    init_ptr,
+    st_ptr,
+    meta_ptr,
+    y_ptr,
     num_seqs,
-    s_x_t, s_x_h, s_C_t, s_C_g,
-    s_w_c, s_w_h,
-    s_cb_c, s_cb_g, s_cb_m,
-    s_init_s, s_init_h, s_init_p,
-    s_st_c, s_st_h, s_st_p,
-    s_y_t, s_y_h,  # y stride along P is 1
-    H: tl.constexpr, REP: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_KN: tl.constexpr,
-    NUM_MB: tl.constexpr, NUM_PB: tl.constexpr,
-    HAS_INIT: tl.constexpr, HAS_D: tl.constexpr, IEEE: tl.constexpr,
+    s_x_t,
+    s_x_h,
+    s_C_t,
+    s_C_g,
+    s_w_c,
+    s_w_h,
+    s_cb_c,
+    s_cb_g,
+    s_cb_m,
+    s_init_s,
+    s_init_h,
+    s_init_p,
+    s_st_c,
+    s_st_h,
+    s_st_p,
+    s_y_t,
+    s_y_h,  # y stride along P is 1
+    H: tl.constexpr,
+    REP: tl.constexpr,
+    L: tl.constexpr,
+    LP: tl.constexpr,
+    P: tl.constexpr,
+    N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_KN: tl.constexpr,
+    NUM_MB: tl.constexpr,
+    NUM_PB: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    HAS_D: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     # row block fastest, then P block, head, chunk: the programs of one chunk run together and share
     # its CB, C and dt/cs from L2
@@ -233,11 +333,22 @@ def _ssd_out_kernel(
     c_rows = C_ptr + (t0 + offs_m)[:, None] * s_C_t + g * s_C_g
     if c == c_first:
         if HAS_INIT:
-            acc = _add_carried_state(acc, c_rows, mm, init_ptr + s.to(tl.int64) * s_init_s + h * s_init_h,
-                                     s_init_p, offs_p, mp, N, BLOCK_KN, IEEE)
+            acc = _add_carried_state(
+                acc,
+                c_rows,
+                mm,
+                init_ptr + s.to(tl.int64) * s_init_s + h * s_init_h,
+                s_init_p,
+                offs_p,
+                mp,
+                N,
+                BLOCK_KN,
+                IEEE,
+            )
     else:
-        acc = _add_carried_state(acc, c_rows, mm, st_ptr + (c64 - 1) * s_st_c + h * s_st_h,
-                                 s_st_p, offs_p, mp, N, BLOCK_KN, IEEE)
+        acc = _add_carried_state(
+            acc, c_rows, mm, st_ptr + (c64 - 1) * s_st_c + h * s_st_h, s_st_p, offs_p, mp, N, BLOCK_KN, IEEE
+        )
     acc = acc * tl.exp(cs_m)[:, None]
 
     # within the chunk, causal: key blocks up to this row block's diagonal
@@ -261,8 +372,11 @@ def _ssd_out_kernel(
     if HAS_D:
         xm = tl.load(x_head + (t0 + offs_m)[:, None] * s_x_t, mask=m_out, other=0.0).to(tl.float32)
         acc += tl.load(D_ptr + h).to(tl.float32) * xm
-    tl.store(y_ptr + (t0 + offs_m)[:, None] * s_y_t + h * s_y_h + offs_p[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=m_out)
+    tl.store(
+        y_ptr + (t0 + offs_m)[:, None] * s_y_t + h * s_y_h + offs_p[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=m_out,
+    )
 
 
 # --------------------------------------------------------------------------- launcher
@@ -276,14 +390,22 @@ def _gpu_config(LP: int, P: int, N: int) -> dict[str, dict[str, int]]:
     """Fixed block sizes and launch settings on a GPU, from the model shape only (LP: the chunk's tile
     length, chunk_size padded to a power of 2 >= 16)."""
     return dict(
-        prep=dict(BLOCK_CB=min(LP, 64), BLOCK_KN=min(_pad(N), 64), num_warps=4 if LP <= 128 else 8, num_stages=2),
+        prep=dict(
+            BLOCK_CB=min(LP, 64), BLOCK_KN=min(_pad(N), 64), num_warps=4 if LP <= 128 else 8, num_stages=2
+        ),
         # a whole (padded) head dim per program: B is re-read once per P block, x once per N block; a
         # 3-stage pipeline over the chunk walk hides the sequential chain's load latency, and 32-wide key
         # steps with 64-wide state steps in 3 stages speed the output kernel (`--only ssd_sweep`,
         # benchmarks/README.md)
         state=dict(BLOCK_P=min(_pad(P), 128), BLOCK_N=min(_pad(N), 64), num_warps=8, num_stages=3),
-        out=dict(BLOCK_M=min(LP, 64), BLOCK_K=min(LP, 32), BLOCK_P=min(_pad(P), 128), BLOCK_KN=min(_pad(N), 64),
-                 num_warps=4, num_stages=3),
+        out=dict(
+            BLOCK_M=min(LP, 64),
+            BLOCK_K=min(LP, 32),
+            BLOCK_P=min(_pad(P), 128),
+            BLOCK_KN=min(_pad(N), 64),
+            num_warps=4,
+            num_stages=3,
+        ),
     )
 
 
@@ -347,10 +469,14 @@ def ssd_triton(
     assert S >= 0 and cu[0] == 0 and cu[-1] == T, f"cu_seqlens {cu} vs {T} tokens"
     assert all(cu[s] <= cu[s + 1] for s in range(S)), f"cu_seqlens {cu} must not decrease"
     assert H % G == 0, f"{H} heads not divisible into {G} groups"
-    assert dt.shape == (T, H) and A.shape == (H,), f"dt {tuple(dt.shape)}, A {tuple(A.shape)} vs x {tuple(x.shape)}"
+    assert dt.shape == (T, H) and A.shape == (H,), (
+        f"dt {tuple(dt.shape)}, A {tuple(A.shape)} vs x {tuple(x.shape)}"
+    )
     assert B.shape == (T, G, N) and C.shape == (T, G, N), f"B {tuple(B.shape)}, C {tuple(C.shape)}"
     assert L >= 1, f"chunk_size {L}"
-    assert x.dtype in _FLOATS and B.dtype == x.dtype and C.dtype == x.dtype, "float64 runs on the reference path"
+    assert x.dtype in _FLOATS and B.dtype == x.dtype and C.dtype == x.dtype, (
+        "float64 runs on the reference path"
+    )
     assert dt.dtype in _FLOATS and A.dtype in _FLOATS
     assert x.stride(2) == 1 and B.stride(2) == 1 and C.stride(2) == 1
     for t in (D, dt_bias):
@@ -375,8 +501,12 @@ def ssd_triton(
             final.zero_()
         else:
             final.copy_(initial_states)
-        return SSDOutput(y=y, final_states=final, chunk_states=states if return_chunk_states else None,
-                         chunk_offsets=offsets)
+        return SSDOutput(
+            y=y,
+            final_states=final,
+            chunk_states=states if return_chunk_states else None,
+            chunk_offsets=offsets,
+        )
 
     rep = H // G
     ieee = x.dtype == torch.float32
@@ -390,14 +520,39 @@ def ssd_triton(
     cb = torch.empty(num_chunks, G, LP, LP, dtype=f32, device=dev)
 
     _ssd_prep_kernel[(num_chunks * G,)](
-        dt, A, dt_bias if dt_bias is not None else A, B, C, meta, dtc, cs, cb,
-        S, lo, hi if hi != float("inf") else 3.0e38,
-        dt.stride(0), dt.stride(1),
-        B.stride(0), B.stride(1), C.stride(0), C.stride(1),
-        dtc.stride(0), dtc.stride(1),
-        cb.stride(0), cb.stride(1), cb.stride(2),
-        G=G, REP=rep, REP_PAD=max(2, triton.next_power_of_2(rep)), L=L, LP=LP, N=N,
-        HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), HAS_LIMIT=has_limit, IEEE=ieee,
+        dt,
+        A,
+        dt_bias if dt_bias is not None else A,
+        B,
+        C,
+        meta,
+        dtc,
+        cs,
+        cb,
+        S,
+        lo,
+        hi if hi != float("inf") else 3.0e38,
+        dt.stride(0),
+        dt.stride(1),
+        B.stride(0),
+        B.stride(1),
+        C.stride(0),
+        C.stride(1),
+        dtc.stride(0),
+        dtc.stride(1),
+        cb.stride(0),
+        cb.stride(1),
+        cb.stride(2),
+        G=G,
+        REP=rep,
+        REP_PAD=max(2, triton.next_power_of_2(rep)),
+        L=L,
+        LP=LP,
+        N=N,
+        HAS_BIAS=dt_bias is not None,
+        SOFTPLUS=bool(dt_softplus),
+        HAS_LIMIT=has_limit,
+        IEEE=ieee,
         **cfg["prep"],
     )
 
@@ -405,14 +560,38 @@ def ssd_triton(
     st = cfg["state"]
     num_pb, num_nb = triton.cdiv(P, st["BLOCK_P"]), triton.cdiv(N, st["BLOCK_N"])
     _ssd_state_kernel[(num_pb * num_nb, H, S)](
-        x, B, dtc, cs, init, meta, states, final,
+        x,
+        B,
+        dtc,
+        cs,
+        init,
+        meta,
+        states,
+        final,
         S,
-        x.stride(0), x.stride(1), B.stride(0), B.stride(1),
-        dtc.stride(0), dtc.stride(1),
-        init.stride(0), init.stride(1), init.stride(2),
-        states.stride(0), states.stride(1), states.stride(2),
-        final.stride(0), final.stride(1), final.stride(2),
-        REP=rep, L=L, LP=LP, P=P, N=N, NUM_NB=num_nb, HAS_INIT=initial_states is not None, IEEE=ieee,
+        x.stride(0),
+        x.stride(1),
+        B.stride(0),
+        B.stride(1),
+        dtc.stride(0),
+        dtc.stride(1),
+        init.stride(0),
+        init.stride(1),
+        init.stride(2),
+        states.stride(0),
+        states.stride(1),
+        states.stride(2),
+        final.stride(0),
+        final.stride(1),
+        final.stride(2),
+        REP=rep,
+        L=L,
+        LP=LP,
+        P=P,
+        N=N,
+        NUM_NB=num_nb,
+        HAS_INIT=initial_states is not None,
+        IEEE=ieee,
         **st,
     )
 
@@ -420,20 +599,50 @@ def ssd_triton(
     assert LP % oc["BLOCK_M"] == 0 and oc["BLOCK_M"] % oc["BLOCK_K"] == 0
     num_mb, num_pb = LP // oc["BLOCK_M"], triton.cdiv(P, oc["BLOCK_P"])
     _ssd_out_kernel[(num_chunks * H * num_mb * num_pb,)](
-        x, C, D if D is not None else A, dtc, cs, cb, init, states, meta, y,
+        x,
+        C,
+        D if D is not None else A,
+        dtc,
+        cs,
+        cb,
+        init,
+        states,
+        meta,
+        y,
         S,
-        x.stride(0), x.stride(1), C.stride(0), C.stride(1),
-        dtc.stride(0), dtc.stride(1),
-        cb.stride(0), cb.stride(1), cb.stride(2),
-        init.stride(0), init.stride(1), init.stride(2),
-        states.stride(0), states.stride(1), states.stride(2),
-        y.stride(0), y.stride(1),
-        H=H, REP=rep, L=L, LP=LP, P=P, N=N, NUM_MB=num_mb, NUM_PB=num_pb,
-        HAS_INIT=initial_states is not None, HAS_D=D is not None, IEEE=ieee,
+        x.stride(0),
+        x.stride(1),
+        C.stride(0),
+        C.stride(1),
+        dtc.stride(0),
+        dtc.stride(1),
+        cb.stride(0),
+        cb.stride(1),
+        cb.stride(2),
+        init.stride(0),
+        init.stride(1),
+        init.stride(2),
+        states.stride(0),
+        states.stride(1),
+        states.stride(2),
+        y.stride(0),
+        y.stride(1),
+        H=H,
+        REP=rep,
+        L=L,
+        LP=LP,
+        P=P,
+        N=N,
+        NUM_MB=num_mb,
+        NUM_PB=num_pb,
+        HAS_INIT=initial_states is not None,
+        HAS_D=D is not None,
+        IEEE=ieee,
         **oc,
     )
-    return SSDOutput(y=y, final_states=final, chunk_states=states if return_chunk_states else None,
-                     chunk_offsets=offsets)
+    return SSDOutput(
+        y=y, final_states=final, chunk_states=states if return_chunk_states else None, chunk_offsets=offsets
+    )
 
 
 __all__ = ["ssd_triton"]

@@ -32,18 +32,48 @@ from hyserve.kernels.triton_stochastic_rounding import sr_block_sizes, stochasti
 
 @triton.jit(do_not_specialize=["batch", "sr_seed", "sr_layer"], do_not_specialize_on_alignment=["pos_ptr"])
 def _ssm_update_kernel(
-    pool_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, src_ptr, dst_ptr, y_ptr, pos_ptr,
-    batch, dt_lo, dt_hi, sr_seed, sr_layer,
-    s_pool_slot, s_pool_h, s_pool_p,  # pool stride along N is 1
-    s_x_b, s_x_h,  # x stride along P is 1
-    s_dt_b, s_dt_h,
-    s_B_b, s_B_g,  # B/C stride along N is 1
-    s_C_b, s_C_g,
-    s_y_b, s_y_h,
-    P: tl.constexpr, N: tl.constexpr, HEADS_PER_GROUP: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    STOCHASTIC_ROUNDING: tl.constexpr, PHILOX_ROUNDS: tl.constexpr, PDL: tl.constexpr,
+    pool_ptr,
+    x_ptr,
+    dt_ptr,
+    A_ptr,
+    B_ptr,
+    C_ptr,
+    D_ptr,
+    dt_bias_ptr,
+    src_ptr,
+    dst_ptr,
+    y_ptr,
+    pos_ptr,
+    batch,
+    dt_lo,
+    dt_hi,
+    sr_seed,
+    sr_layer,
+    s_pool_slot,
+    s_pool_h,
+    s_pool_p,  # pool stride along N is 1
+    s_x_b,
+    s_x_h,  # x stride along P is 1
+    s_dt_b,
+    s_dt_h,
+    s_B_b,
+    s_B_g,  # B/C stride along N is 1
+    s_C_b,
+    s_C_g,
+    s_y_b,
+    s_y_h,
+    P: tl.constexpr,
+    N: tl.constexpr,
+    HEADS_PER_GROUP: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_D: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    STOCHASTIC_ROUNDING: tl.constexpr,
+    PHILOX_ROUNDS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
@@ -137,7 +167,9 @@ def selective_state_update_triton(
     assert all(t.device == dev for t in (ssm_pool, dt, A, B, C, src_slots, dst_slots))
     sr = rounding is not None
     if sr:
-        assert ssm_pool.dtype == torch.float16, f"stochastic rounding needs a float16 pool, got {ssm_pool.dtype}"
+        assert ssm_pool.dtype == torch.float16, (
+            f"stochastic rounding needs a float16 pool, got {ssm_pool.dtype}"
+        )
         assert positions is not None and positions.shape == (Bt,) and not positions.dtype.is_floating_point
         assert positions.is_contiguous() and positions.device == dev
 
@@ -154,20 +186,48 @@ def selective_state_update_triton(
         BLOCK_P = max(1, min(triton.next_power_of_2(P), 2048 // BLOCK_N))
     grid = (triton.cdiv(P, BLOCK_P), H, Bt)
     _ssm_update_kernel[grid](
-        ssm_pool, x, dt, A, B, C,
-        D if D is not None else A, dt_bias if dt_bias is not None else A,
-        src_slots, dst_slots, y, positions if sr else dst_slots,
-        Bt, lo, hi if hi != float("inf") else 3.0e38,
-        0 if rounding is None else rounding.key, 0 if rounding is None else rounding.layer,
-        ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2),
-        x.stride(0), x.stride(1),
-        dt.stride(0), dt.stride(1),
-        B.stride(0), B.stride(1),
-        C.stride(0), C.stride(1),
-        y.stride(0), y.stride(1),
-        P=P, N=N, HEADS_PER_GROUP=H // G, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
-        HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
-        HAS_LIMIT=has_limit, STOCHASTIC_ROUNDING=sr, PHILOX_ROUNDS=0 if rounding is None else rounding.rounds,
-        num_warps=4, **pdl(x),
+        ssm_pool,
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D if D is not None else A,
+        dt_bias if dt_bias is not None else A,
+        src_slots,
+        dst_slots,
+        y,
+        positions if sr else dst_slots,
+        Bt,
+        lo,
+        hi if hi != float("inf") else 3.0e38,
+        0 if rounding is None else rounding.key,
+        0 if rounding is None else rounding.layer,
+        ssm_pool.stride(0),
+        ssm_pool.stride(1),
+        ssm_pool.stride(2),
+        x.stride(0),
+        x.stride(1),
+        dt.stride(0),
+        dt.stride(1),
+        B.stride(0),
+        B.stride(1),
+        C.stride(0),
+        C.stride(1),
+        y.stride(0),
+        y.stride(1),
+        P=P,
+        N=N,
+        HEADS_PER_GROUP=H // G,
+        BLOCK_P=BLOCK_P,
+        BLOCK_N=BLOCK_N,
+        HAS_D=D is not None,
+        HAS_DT_BIAS=dt_bias is not None,
+        DT_SOFTPLUS=bool(dt_softplus),
+        HAS_LIMIT=has_limit,
+        STOCHASTIC_ROUNDING=sr,
+        PHILOX_ROUNDS=0 if rounding is None else rounding.rounds,
+        num_warps=4,
+        **pdl(x),
     )
     return y

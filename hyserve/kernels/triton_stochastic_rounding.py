@@ -48,8 +48,9 @@ def _round_fp16_bits(x, r):
 
 
 @triton.jit
-def stochastic_round_tile(x, rows, pos, layer, seed, N: tl.constexpr, BLOCK_N: tl.constexpr,
-                          ROUNDS: tl.constexpr):
+def stochastic_round_tile(
+    x, rows, pos, layer, seed, N: tl.constexpr, BLOCK_N: tl.constexpr, ROUNDS: tl.constexpr
+):
     """x: [BLOCK_R, BLOCK_N] float32 holding columns 0..BLOCK_N-1 of state rows `rows` ([BLOCK_R],
     row = h * P + p); pos, layer: integer scalars; seed: the 64-bit Philox key. -> float16 tile."""
     GROUPS: tl.constexpr = (N + 3) // 4
@@ -68,11 +69,23 @@ def stochastic_round_tile(x, rows, pos, layer, seed, N: tl.constexpr, BLOCK_N: t
     do_not_specialize_on_alignment=["slots_ptr", "pos_ptr"],
 )
 def _store_sr_kernel(
-    pool_ptr, states_ptr, slots_ptr, pos_ptr,
-    seed, layer,
-    s_pool_slot, s_pool_h, s_pool_p,  # pool stride along N is 1
-    s_st_r, s_st_h, s_st_p,  # states stride along N is 1
-    P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, ROUNDS: tl.constexpr,
+    pool_ptr,
+    states_ptr,
+    slots_ptr,
+    pos_ptr,
+    seed,
+    layer,
+    s_pool_slot,
+    s_pool_h,
+    s_pool_p,  # pool stride along N is 1
+    s_st_r,
+    s_st_h,
+    s_st_p,  # states stride along N is 1
+    P: tl.constexpr,
+    N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROUNDS: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     h = tl.program_id(1)
@@ -82,11 +95,17 @@ def _store_sr_kernel(
     mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
     slot = tl.load(slots_ptr + r).to(tl.int64)
     pos = tl.load(pos_ptr + r)
-    x = tl.load(states_ptr + r * s_st_r + h * s_st_h + offs_p[:, None] * s_st_p + offs_n[None, :], mask=mask,
-                other=0.0).to(tl.float32)
+    x = tl.load(
+        states_ptr + r * s_st_r + h * s_st_h + offs_p[:, None] * s_st_p + offs_n[None, :],
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
     out = stochastic_round_tile(x, h * P + offs_p, pos, layer, seed, N, BLOCK_N, ROUNDS)
-    tl.store(pool_ptr + slot * s_pool_slot + h * s_pool_h + offs_p[:, None] * s_pool_p + offs_n[None, :], out,
-             mask=mask)
+    tl.store(
+        pool_ptr + slot * s_pool_slot + h * s_pool_h + offs_p[:, None] * s_pool_p + offs_n[None, :],
+        out,
+        mask=mask,
+    )
 
 
 def sr_block_sizes(P: int, N: int) -> tuple[int, int]:
@@ -125,10 +144,22 @@ def store_ssm_state_triton(
     block_p, block_n = sr_block_sizes(P, N)
     grid = (triton.cdiv(P, block_p), H, R)
     _store_sr_kernel[grid](
-        ssm_pool, states, slots, positions,
-        rounding.key, rounding.layer,
-        ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2),
-        states.stride(0), states.stride(1), states.stride(2),
-        P=P, N=N, BLOCK_P=block_p, BLOCK_N=block_n, ROUNDS=rounding.rounds,
+        ssm_pool,
+        states,
+        slots,
+        positions,
+        rounding.key,
+        rounding.layer,
+        ssm_pool.stride(0),
+        ssm_pool.stride(1),
+        ssm_pool.stride(2),
+        states.stride(0),
+        states.stride(1),
+        states.stride(2),
+        P=P,
+        N=N,
+        BLOCK_P=block_p,
+        BLOCK_N=block_n,
+        ROUNDS=rounding.rounds,
         num_warps=4,
     )

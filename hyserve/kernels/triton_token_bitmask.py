@@ -39,7 +39,15 @@ def apply_token_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor) -> t
     m = bitmask if bitmask.stride(1) == 1 else bitmask.contiguous()
     block = 4096 if logits.is_cuda else 64
     _apply_bitmask_kernel[(n, triton.cdiv(vocab, block))](
-        x, m, out, vocab, x.stride(0), m.stride(0), out.stride(0), BLOCK=block, num_warps=8 if logits.is_cuda else 1,
+        x,
+        m,
+        out,
+        vocab,
+        x.stride(0),
+        m.stride(0),
+        out.stride(0),
+        BLOCK=block,
+        num_warps=8 if logits.is_cuda else 1,
     )
     return out
 

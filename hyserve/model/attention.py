@@ -43,7 +43,9 @@ from hyserve.model.parallel_linear import ColumnParallelLinear, RowParallelLinea
 #                                                         projection's output quantiser)
 #   backbone.layers.N.mixer.kv_scale                     (deprecated: one scale for K and V)
 #   ...q_scale, q_proj.output_scale                      (query quantisation: hyserve keeps q 16-bit, ignored)
-_KV_SCALE_RE = re.compile(r"^backbone\.layers\.(\d+)\.mixer\.(?:(?:attn|k_proj|v_proj|qkv_proj)\.)?(k|v|kv|q)_scale$")
+_KV_SCALE_RE = re.compile(
+    r"^backbone\.layers\.(\d+)\.mixer\.(?:(?:attn|k_proj|v_proj|qkv_proj)\.)?(k|v|kv|q)_scale$"
+)
 _OUTPUT_SCALE_RE = re.compile(r"^backbone\.layers\.(\d+)\.mixer\.(k|v|q)_proj\.output_scale$")
 
 
@@ -58,7 +60,13 @@ class Attention(nn.Module):
     v_scale: torch.Tensor
 
     def __init__(
-        self, cfg: HybridModelConfig, *, layer_id: int = 0, group: Group | None = None, device=None, dtype=None
+        self,
+        cfg: HybridModelConfig,
+        *,
+        layer_id: int = 0,
+        group: Group | None = None,
+        device=None,
+        dtype=None,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -102,7 +110,9 @@ class Attention(nn.Module):
         weights stay three projections. Returns whether the layer is packed."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         w0 = self.q_proj.weight
-        if any(p.quant is not None or p.weight.dtype != w0.dtype or p.weight.device != w0.device for p in projs):
+        if any(
+            p.quant is not None or p.weight.dtype != w0.dtype or p.weight.device != w0.device for p in projs
+        ):
             return False
         if len({p.bias is None for p in projs}) != 1:
             return False
@@ -132,11 +142,16 @@ class Attention(nn.Module):
         if self.packed_qkv is not None and self.use_packed_qkv:
             w, b = self.packed_qkv
             qkv = ops.get("linear", x.is_cuda)(x, w, b)
-            q, k, v = qkv.split([self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], -1)
+            q, k, v = qkv.split(
+                [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], -1
+            )
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return (q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim),
-                v.view(T, self.num_kv_heads, self.head_dim))
+        return (
+            q.view(T, self.num_heads, self.head_dim),
+            k.view(T, self.num_kv_heads, self.head_dim),
+            v.view(T, self.num_kv_heads, self.head_dim),
+        )
 
     def forward(self, x: torch.Tensor, meta: ForwardMeta, cache: CacheTensors) -> torch.Tensor:
         k_cache, v_cache = cache.k[self.layer_id], cache.v[self.layer_id]
@@ -144,13 +159,18 @@ class Attention(nn.Module):
         q, k, v = self._project_qkv(x)
         cuda = x.is_cuda
         # the scales only mean something for a quantised pool; 16/32-bit pools hold K/V as they are
-        kv_scales = {"k_scale": self.k_scale, "v_scale": self.v_scale} if k_cache.dtype in FP8_KV_DTYPES else {}
+        kv_scales = (
+            {"k_scale": self.k_scale, "v_scale": self.v_scale} if k_cache.dtype in FP8_KV_DTYPES else {}
+        )
         ops.get("write_kv", cuda)(k, v, k_cache, v_cache, meta.slot_mapping, **kv_scales)
         # A pure decode step hands the kernels device tensors only (graph-capturable, no host reads);
         # other steps pass the host lists the launcher sizes its grid from.
         decode_only = meta.num_decodes == T
         o = ops.get("paged_attention", cuda)(
-            q, k_cache, v_cache, meta.block_tables,
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
             meta.seq_lens_t if decode_only else meta.seq_lens,
             meta.cu_seqlens_t if decode_only else meta.cu_seqlens,
             self.scale,

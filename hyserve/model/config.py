@@ -70,7 +70,9 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def parse_dtype(name: str | torch.dtype, *, field: str, allowed: tuple[str, ...] | None = None) -> torch.dtype:
+def parse_dtype(
+    name: str | torch.dtype, *, field: str, allowed: tuple[str, ...] | None = None
+) -> torch.dtype:
     """Map a dtype name to torch; `field` names the config knob in the error."""
     if isinstance(name, torch.dtype):
         name = dtype_name(name)
@@ -261,8 +263,10 @@ class HybridModelConfig:
     def describe(self) -> str:
         """One line for the start-up log."""
         fmt = f", {self.quant.describe()}" if self.quant is not None else ""
-        return (f"{self.num_layers} layers ({len(self.mamba_layer_ids)} Mamba2, {len(self.attention_layer_ids)} "
-                f"attention), {self.num_parameters() / 1e6:.1f}M params{fmt}")
+        return (
+            f"{self.num_layers} layers ({len(self.mamba_layer_ids)} Mamba2, {len(self.attention_layer_ids)} "
+            f"attention), {self.num_parameters() / 1e6:.1f}M params{fmt}"
+        )
 
     def mamba_spec(self) -> MambaSpec:
         return MambaSpec(
@@ -393,7 +397,9 @@ class HybridModelConfig:
                 d[new] = d[old]
         model_type = d.get("model_type")
         if model_type not in (None, "nemotron_h"):
-            raise ValueError(f"model_type: {model_type!r} is not supported; hyserve serves 'nemotron_h' models")
+            raise ValueError(
+                f"model_type: {model_type!r} is not supported; hyserve serves 'nemotron_h' models"
+            )
 
         layer_types = _parse_layer_types(d)
 
@@ -403,7 +409,9 @@ class HybridModelConfig:
             try:
                 return kind(v)
             except (TypeError, ValueError):
-                raise ValueError(f"{key}: expected {'an integer' if kind is int else 'a number'}, got {v!r}") from None
+                raise ValueError(
+                    f"{key}: expected {'an integer' if kind is int else 'a number'}, got {v!r}"
+                ) from None
 
         def req(key: str, kind: type = int) -> Any:
             if key not in d or d[key] is None:
@@ -428,7 +436,9 @@ class HybridModelConfig:
             mamba_heads = get("mamba_num_heads", 0, int)
 
         eos = d.get("eos_token_id")
-        eos_ids = tuple(int(x) for x in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos_ids = (
+            tuple(int(x) for x in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        )
         limit = get("time_step_limit", (0.0, float("inf")))
         if not (isinstance(limit, list | tuple) and len(limit) == 2):
             raise ValueError(f"time_step_limit: expected [min, max], got {limit!r}")
@@ -474,7 +484,9 @@ class HybridModelConfig:
             norm_topk_prob=bool(get("norm_topk_prob", True)),
             routed_scaling_factor=get("routed_scaling_factor", 1.0, float),
             ssm_cache_dtype=parse_dtype(
-                get("mamba_ssm_cache_dtype", "float32"), field="mamba_ssm_cache_dtype", allowed=SSM_CACHE_DTYPES
+                get("mamba_ssm_cache_dtype", "float32"),
+                field="mamba_ssm_cache_dtype",
+                allowed=SSM_CACHE_DTYPES,
             ),
             name=name,
         )
@@ -521,7 +533,9 @@ class HybridModelConfig:
         for act_field in ("mlp_hidden_act",):
             if LAYER_MLP in kinds or LAYER_MOE in kinds:
                 if getattr(self, act_field) != "relu2":
-                    raise ValueError(f"{act_field}: only 'relu2' is supported, got {getattr(self, act_field)!r}")
+                    raise ValueError(
+                        f"{act_field}: only 'relu2' is supported, got {getattr(self, act_field)!r}"
+                    )
         if LAYER_MOE in kinds:
             positive("n_routed_experts", self.n_routed_experts)
             positive("num_experts_per_tok", self.num_experts_per_tok)

@@ -58,5 +58,7 @@ def write_modelopt_fp8(model_dir: str | Path) -> int:
     quant = {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": EXCLUDE}
     config["quantization_config"] = {"quant_method": "modelopt", **quant}
     cfg_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    (d / HF_QUANT_FILE).write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": quant}, indent=2) + "\n")
+    (d / HF_QUANT_FILE).write_text(
+        json.dumps({"producer": {"name": "modelopt"}, "quantization": quant}, indent=2) + "\n"
+    )
     return n

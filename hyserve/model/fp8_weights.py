@@ -112,18 +112,26 @@ def _block_problem(parts: tuple[ShardedPart, ...], tp: int, what: str, axis: str
             s = src_off + start
             at_end = s + n == total and dst_off + n == local_total
             if s % BLOCK or dst_off % BLOCK or (n % BLOCK and not at_end):
-                return (f"{what}: rank {rank}'s share of part {p.name!r} is {axis} [{s}, {s + n}) of {total}, "
-                        f"which does not fall on {BLOCK}-{axis} block boundaries: block-scaled FP8 weights split "
-                        f"over tp_size {tp} only along whole blocks (use a tp_size that gives each part a "
-                        f"multiple of {BLOCK} {axis}, or a per-channel FP8 / 16-bit checkpoint)")
+                return (
+                    f"{what}: rank {rank}'s share of part {p.name!r} is {axis} [{s}, {s + n}) of {total}, "
+                    f"which does not fall on {BLOCK}-{axis} block boundaries: block-scaled FP8 weights split "
+                    f"over tp_size {tp} only along whole blocks (use a tp_size that gives each part a "
+                    f"multiple of {BLOCK} {axis}, or a per-channel FP8 / 16-bit checkpoint)"
+                )
             src_off += p.size
             dst_off += p.local_size(tp)
     return None
 
 
 def _load_block_parts(
-    param: torch.Tensor, loaded: torch.Tensor | SliceLike, parts: tuple[ShardedPart, ...], tp: int, rank: int,
-    dim: int, shard_id: str | None, what: str,
+    param: torch.Tensor,
+    loaded: torch.Tensor | SliceLike,
+    parts: tuple[ShardedPart, ...],
+    tp: int,
+    rank: int,
+    dim: int,
+    shard_id: str | None,
+    what: str,
 ) -> None:
     """Block scales: the blocks of this rank's rows (dim 0) or columns (dim 1) of each part, whole blocks only
     (`_block_problem` checked the split when the layer was converted)."""
@@ -136,8 +144,10 @@ def _load_block_parts(
         if p in selected:
             start, n = p.rows(rank, tp)
             if (src_off + start) % BLOCK or dst_off % BLOCK:
-                raise ValueError(f"{what}: part {p.name!r} starts at row {src_off + start} (this rank's row "
-                                 f"{dst_off}), not on a {BLOCK}-row block: its block scales cannot load on their own")
+                raise ValueError(
+                    f"{what}: part {p.name!r} starts at row {src_off + start} (this rank's row "
+                    f"{dst_off}), not on a {BLOCK}-row block: its block scales cannot load on their own"
+                )
             b0, nb = (src_off + start) // BLOCK, -(-n // BLOCK)
             param.narrow(dim, dst_off // BLOCK, nb).copy_(full.narrow(dim, b0, nb))
             src_off += p.size
@@ -154,7 +164,9 @@ class Fp8Loaders:
 
     # ---- weight -------------------------------------------------------------------------------
     @torch.no_grad()
-    def load_weight(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None) -> None:
+    def load_weight(
+        self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None
+    ) -> None:
         if is_fp8_source(loaded):
             self.loader_16(param, loaded, shard_id)  # the layer's own shard copy, byte for byte
             return
@@ -163,7 +175,9 @@ class Fp8Loaders:
             # each row's scale is its own: quantise this rank's rows only
             tmp = torch.empty(param.shape, dtype=torch.float32, device=param.device)
             self.loader_16(tmp, loaded, shard_id)
-            q, scale = quantize_weight_ref(tmp if shard_id is None else self._part_rows(tmp, shard_id), "channel")
+            q, scale = quantize_weight_ref(
+                tmp if shard_id is None else self._part_rows(tmp, shard_id), "channel"
+            )
             self._put_rows(param, q, shard_id)
             self._put_rows(layer.weight_scale, scale, shard_id)
             return
@@ -179,7 +193,9 @@ class Fp8Loaders:
             if p.name == shard_id:
                 return off, p.local_size(tp)
             off += p.local_size(tp)
-        raise ValueError(f"{self.what}: unknown shard_id {shard_id!r}; parts are {[p.name for p in self.parts]}")
+        raise ValueError(
+            f"{self.what}: unknown shard_id {shard_id!r}; parts are {[p.name for p in self.parts]}"
+        )
 
     def _part_rows(self, t: torch.Tensor, shard_id: str) -> torch.Tensor:
         off, n = self._part_slice(shard_id)
@@ -190,19 +206,24 @@ class Fp8Loaders:
 
     # ---- scale --------------------------------------------------------------------------------
     @torch.no_grad()
-    def load_scale(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None) -> None:
+    def load_scale(
+        self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None
+    ) -> None:
         scheme = self.quant.scheme
         src = _read_all(loaded).to(torch.float32)
         if not torch.isfinite(src).all() or (src <= 0).any():
-            raise ValueError(f"{self.what}: weight scales must be positive and finite (got min "
-                             f"{src.min().item():g}, max {src.max().item():g})")
+            raise ValueError(
+                f"{self.what}: weight scales must be positive and finite (got min "
+                f"{src.min().item():g}, max {src.max().item():g})"
+            )
         if scheme == "block":
             self._load_block(param, src, shard_id)
             return
         if scheme == "tensor":
             if src.numel() != 1:
-                raise ValueError(f"{self.what}: a per-tensor weight_scale has one element, got shape "
-                                 f"{list(src.shape)}")
+                raise ValueError(
+                    f"{self.what}: a per-tensor weight_scale has one element, got shape {list(src.shape)}"
+                )
             rows = self._full_rows(shard_id)
             src = src.reshape(()).expand(rows)
         src = src.reshape(-1)
@@ -223,7 +244,9 @@ class Fp8Loaders:
             part = next((p for p in self.parts if p.name == shard_id), None)
             want = (-(-part.size // BLOCK), want[1]) if part is not None else want
         if tuple(src.shape) != want:
-            raise ValueError(f"{self.what}: block weight_scale has shape {list(src.shape)}, expected {list(want)}")
+            raise ValueError(
+                f"{self.what}: block weight_scale has shape {list(src.shape)}, expected {list(want)}"
+            )
         g = getattr(self.layer, "group", None)
         if self.kind == "replicated" or (g.size == 1 and shard_id is None):  # type: ignore[union-attr]
             load_whole(param, src, self.what)
@@ -262,7 +285,9 @@ def convert_linear(layer: LinearBase, quant: QuantConfig, name: str = "") -> Non
     loaders = Fp8Loaders(layer, quant, layer.weight_loader)  # type: ignore[attr-defined]
     layer.weight = nn.Parameter(torch.empty(old.shape, dtype=E4M3, device=old.device), requires_grad=False)
     local, ckpt = _scale_shapes(tuple(old.shape), ckpt_shape, quant.scheme)
-    layer.weight_scale = nn.Parameter(torch.ones(local, dtype=torch.float32, device=old.device), requires_grad=False)
+    layer.weight_scale = nn.Parameter(
+        torch.ones(local, dtype=torch.float32, device=old.device), requires_grad=False
+    )
     layer.register_shard("weight", loaders.load_weight, ckpt_shape)
     layer.register_shard("weight_scale", loaders.load_scale, ckpt)
     layer._fp8_loaders = loaders  # keeps the bound loaders alive beside the layer
@@ -305,7 +330,9 @@ class Fp8ExpertLoaders:
     intermediate dimension is the matrix's rows, dim 0) or "down" (its columns, dim 1). A checkpoint's
     scale is per expert ([] each, [E] stacked: per-tensor) or per expert and channel ([N] each, [E, N])."""
 
-    def __init__(self, experts: Any, quant: QuantConfig, which: str, loader_16: Any, name: str = "experts") -> None:
+    def __init__(
+        self, experts: Any, quant: QuantConfig, which: str, loader_16: Any, name: str = "experts"
+    ) -> None:
         self.m, self.quant, self.which, self.loader_16 = experts, quant, which, loader_16
         self.inter_dim = 0 if which == "up" else 1
         self.what = f"{name}.{which}_proj (FP8)"
@@ -328,7 +355,9 @@ class Fp8ExpertLoaders:
         return getattr(self.m, f"{self.which}_proj_scale")
 
     @torch.no_grad()
-    def load_weight(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, expert: int | None = None) -> None:
+    def load_weight(
+        self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, expert: int | None = None
+    ) -> None:
         block = self.quant.scheme == "block"
         if is_fp8_source(loaded) and not block:
             self.loader_16(param, loaded, expert)
@@ -336,7 +365,9 @@ class Fp8ExpertLoaders:
         full = param.checkpoint_shape  # type: ignore[attr-defined]
         want = full if expert is None else full[1:]
         if loaded_shape(loaded) != tuple(want):
-            raise ValueError(f"experts: checkpoint tensor has shape {list(loaded_shape(loaded))}, expected {list(want)}")
+            raise ValueError(
+                f"experts: checkpoint tensor has shape {list(loaded_shape(loaded))}, expected {list(want)}"
+            )
         for e, i in self._local(expert):
             # one expert's whole matrix (all of its K): its channel scales are the same at every tp_size
             mat = read_block(loaded, {0: (e, 1)})[0] if expert is None else _read_all(loaded)
@@ -345,7 +376,9 @@ class Fp8ExpertLoaders:
                 continue
             if block:
                 if e in self.pending:  # its block scales came first
-                    raise ValueError(f"{self.what}: expert {e} has block scales but a 16-bit weight in the checkpoint")
+                    raise ValueError(
+                        f"{self.what}: expert {e} has block scales but a 16-bit weight in the checkpoint"
+                    )
                 self.from_16_bit.add(e)
             self._put(i, *quantize_weight_ref(mat.to(device=param.device), "channel"))
 
@@ -366,14 +399,18 @@ class Fp8ExpertLoaders:
         want = (-(-n // BLOCK), -(-k // BLOCK))
         v = _block_grid(v)
         if tuple(v.shape) != want:
-            raise ValueError(f"{self.what}: a block-scaled expert's scales have shape {list(v.shape)}, expected "
-                             f"{list(want)}")
+            raise ValueError(
+                f"{self.what}: a block-scaled expert's scales have shape {list(v.shape)}, expected "
+                f"{list(want)}"
+            )
         return v
 
     def _arrive(self, e: int, i: int, part: str, t: torch.Tensor) -> None:
         """A block-scaled expert's "weight" or "block scales"; with both, re-quantise it per channel."""
         if part == "block scales" and e in self.from_16_bit:
-            raise ValueError(f"{self.what}: expert {e} has block scales but a 16-bit weight in the checkpoint")
+            raise ValueError(
+                f"{self.what}: expert {e} has block scales but a 16-bit weight in the checkpoint"
+            )
         got = self.pending.setdefault(e, {})
         if part in got:
             raise ValueError(f"{self.what}: expert {e}'s {part} given twice")
@@ -386,11 +423,17 @@ class Fp8ExpertLoaders:
     def check_complete(self) -> None:
         """After the checkpoint is read: no block-scaled expert may still wait for its weight or its scales."""
         if self.pending:
-            waiting = ", ".join(f"expert {e} has only its {next(iter(got))}" for e, got in sorted(self.pending.items()))
-            raise ValueError(f"{self.what}: the checkpoint ended with block-scaled experts incomplete: {waiting}")
+            waiting = ", ".join(
+                f"expert {e} has only its {next(iter(got))}" for e, got in sorted(self.pending.items())
+            )
+            raise ValueError(
+                f"{self.what}: the checkpoint ended with block-scaled experts incomplete: {waiting}"
+            )
 
     @torch.no_grad()
-    def load_scale(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, expert: int | None = None) -> None:
+    def load_scale(
+        self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, expert: int | None = None
+    ) -> None:
         src = _read_all(loaded).to(torch.float32)
         if not torch.isfinite(src).all() or (src <= 0).any():
             raise ValueError(f"{self.what}: weight scales must be positive and finite")
@@ -401,7 +444,9 @@ class Fp8ExpertLoaders:
                 continue
             if self.quant.scheme == "tensor":
                 if v.numel() != 1:
-                    raise ValueError(f"{self.what}: a per-tensor expert scale has one element, got {list(v.shape)}")
+                    raise ValueError(
+                        f"{self.what}: a per-tensor expert scale has one element, got {list(v.shape)}"
+                    )
                 param[i].fill_(float(v.reshape(())))
                 continue
             v = v.reshape(-1)
@@ -421,16 +466,30 @@ def convert_experts(experts: Any, quant: QuantConfig, name: str = "") -> bool:
         attr = f"{which}_proj"
         old = getattr(experts, attr)
         ckpt = tuple(old.checkpoint_shape)  # type: ignore[attr-defined]
-        loaders = Fp8ExpertLoaders(experts, quant, which, getattr(experts, f"_load_{which}"), name or "experts")
-        setattr(experts, attr, nn.Parameter(torch.empty(old.shape, dtype=E4M3, device=old.device), requires_grad=False))
+        loaders = Fp8ExpertLoaders(
+            experts, quant, which, getattr(experts, f"_load_{which}"), name or "experts"
+        )
+        setattr(
+            experts,
+            attr,
+            nn.Parameter(torch.empty(old.shape, dtype=E4M3, device=old.device), requires_grad=False),
+        )
         e_local, n_local = old.shape[0], old.shape[1]
-        scale = nn.Parameter(torch.ones(e_local, n_local, dtype=torch.float32, device=old.device), requires_grad=False)
+        scale = nn.Parameter(
+            torch.ones(e_local, n_local, dtype=torch.float32, device=old.device), requires_grad=False
+        )
         setattr(experts, f"{attr}_scale", scale)
         experts.register_shard(attr, loaders.load_weight, ckpt, by_row=True)
-        scale_ckpt = {"tensor": (ckpt[0],), "channel": (ckpt[0], ckpt[1]),
-                      "block": (ckpt[0], -(-ckpt[1] // BLOCK), -(-ckpt[2] // BLOCK))}[quant.scheme]
+        scale_ckpt = {
+            "tensor": (ckpt[0],),
+            "channel": (ckpt[0], ckpt[1]),
+            "block": (ckpt[0], -(-ckpt[1] // BLOCK), -(-ckpt[2] // BLOCK)),
+        }[quant.scheme]
         experts.register_shard(f"{attr}_scale", loaders.load_scale, scale_ckpt)
         setattr(experts, f"_fp8_{which}", loaders)
     experts.quant = quant
-    experts.after_checkpoint_load = lambda: (experts._fp8_up.check_complete(), experts._fp8_down.check_complete())
+    experts.after_checkpoint_load = lambda: (
+        experts._fp8_up.check_complete(),
+        experts._fp8_down.check_complete(),
+    )
     return True

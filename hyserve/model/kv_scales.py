@@ -46,7 +46,9 @@ def _is_kv_scale(ckpt_name: str) -> bool:
     return mapped is not None and mapped[1] is None and parse_kv_scale_name(mapped[0]) is not None
 
 
-def load_checkpoint_with_kv_scales(model: NemotronHForCausalLM, model_dir: Path) -> dict[int, dict[str, float]]:
+def load_checkpoint_with_kv_scales(
+    model: NemotronHForCausalLM, model_dir: Path
+) -> dict[int, dict[str, float]]:
     """`load_checkpoint`, plus the checkpoint's KV scales: {layer: {"k": s, "v": s}} (empty without any).
 
     The scales are not weights (the model keeps them as non-persistent buffers), and load_checkpoint
@@ -76,16 +78,24 @@ def load_checkpoint_with_kv_scales(model: NemotronHForCausalLM, model_dir: Path)
             )
         value = float(t.reshape(()))
         if not (0.0 < value < float("inf")):
-            raise ValueError(f"checkpoint {model_dir}: {name}: a KV scale must be positive and finite, got {value}")
+            raise ValueError(
+                f"checkpoint {model_dir}: {name}: a KV scale must be positive and finite, got {value}"
+            )
         for key in ("k", "v") if kind == "kv" else (kind,):
             if key in scales.setdefault(layer, {}):
-                raise ValueError(f"checkpoint {model_dir}: layer {layer}: {key}_scale is given more than once")
+                raise ValueError(
+                    f"checkpoint {model_dir}: layer {layer}: {key}_scale is given more than once"
+                )
             scales[layer][key] = value
     return scales
 
 
 def apply_kv_scales(
-    model: NemotronHForCausalLM, scales: dict[int, dict[str, float]], *, fp8: bool, dummy: bool = False,
+    model: NemotronHForCausalLM,
+    scales: dict[int, dict[str, float]],
+    *,
+    fp8: bool,
+    dummy: bool = False,
     source: str = "auto",
 ) -> dict[int, tuple[str, ...]]:
     """Set every attention layer's k_scale / v_scale from `scales` (the checkpoint's) as `source` says, 1.0
@@ -106,7 +116,9 @@ def apply_kv_scales(
         _mixer(model, i).set_kv_scales(got.get("k", 1.0), got.get("v", 1.0))
     if not fp8:
         if scales:
-            logger.info("the checkpoint's KV scales (%d layers) are unused: the KV cache is not fp8", len(scales))
+            logger.info(
+                "the checkpoint's KV scales (%d layers) are unused: the KV cache is not fp8", len(scales)
+            )
         return {}
     n = len(ids)
     if source == "checkpoint" and missing:
@@ -117,9 +129,15 @@ def apply_kv_scales(
             + "; use kv_scales 'auto' or 'calibrate' (computed at start-up) or 'unit' (1.0, values beyond +-448 "
             "saturate)"
         )
-    unused = f"; the checkpoint's scales for {len(scales)} layers are not used" if scales and use is not scales else ""
+    unused = (
+        f"; the checkpoint's scales for {len(scales)} layers are not used"
+        if scales and use is not scales
+        else ""
+    )
     if source == "unit":
-        logger.info("fp8 KV cache: kv_scales unit, k_scale = v_scale = 1.0 in all %d attention layers%s", n, unused)
+        logger.info(
+            "fp8 KV cache: kv_scales unit, k_scale = v_scale = 1.0 in all %d attention layers%s", n, unused
+        )
         return {}
     if not missing:
         logger.info("fp8 KV cache: k_scale / v_scale from the checkpoint for all %d attention layers", n)

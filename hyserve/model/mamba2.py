@@ -75,7 +75,10 @@ class Mamba2Mixer(ShardLoading):
         heads = ShardedPart(name="heads", units=H, unit_size=P)
         heads.check(tp, knob="tp_size", replicate=False)
         # B/C groups: split when tp divides them, else one group per rank, replicated (tp % G == 0)
-        b_part, c_part = ShardedPart(name="B", units=G, unit_size=N), ShardedPart(name="C", units=G, unit_size=N)
+        b_part, c_part = (
+            ShardedPart(name="B", units=G, unit_size=N),
+            ShardedPart(name="C", units=G, unit_size=N),
+        )
         b_part.check(tp, knob="tp_size")
         # this rank's sizes
         self.num_heads = H // tp
@@ -96,24 +99,41 @@ class Mamba2Mixer(ShardLoading):
         h = spec.hidden_size
         x_part, dt_part = ShardedPart(name="x", units=H, unit_size=P), ShardedPart(name="dt", units=H)
         self.in_proj = MergedColumnParallelLinear(
-            h, [ShardedPart(name="z", units=H, unit_size=P), x_part, b_part, c_part, dt_part],
-            bias=spec.proj_bias, group=self.group, device=device, dtype=dtype,
+            h,
+            [ShardedPart(name="z", units=H, unit_size=P), x_part, b_part, c_part, dt_part],
+            bias=spec.proj_bias,
+            group=self.group,
+            device=device,
+            dtype=dtype,
         )
         # [conv_dim, 1, K] to match checkpoints (nn.Conv1d layout); used as [conv_dim, K]; channels [x | B | C]
         self.conv1d = nn.Conv1d(
-            self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim,
-            bias=spec.use_conv_bias, device=device, dtype=dtype,
+            self.conv_dim,
+            self.conv_dim,
+            self.conv_kernel,
+            groups=self.conv_dim,
+            bias=spec.use_conv_bias,
+            device=device,
+            dtype=dtype,
         )
         self.dt_bias = nn.Parameter(torch.ones(self.num_heads, device=device, dtype=dtype))
         self.A_log = nn.Parameter(torch.zeros(self.num_heads, device=device, dtype=dtype))
         self.D = nn.Parameter(torch.ones(self.num_heads, device=device, dtype=dtype))
         self.norm = GatedRMSNorm(
-            self.d_inner, min(self.norm_group_size_full, self.d_inner), spec.norm_eps, device=device, dtype=dtype
+            self.d_inner,
+            min(self.norm_group_size_full, self.d_inner),
+            spec.norm_eps,
+            device=device,
+            dtype=dtype,
         )
         self.out_proj = RowParallelLinear(
             spec.d_inner, h, bias=spec.proj_bias, unit_size=P, group=self.group, device=device, dtype=dtype
         )
-        self._conv_parts, self._head_parts, self._inner_parts = (x_part, b_part, c_part), (dt_part,), (x_part,)
+        self._conv_parts, self._head_parts, self._inner_parts = (
+            (x_part, b_part, c_part),
+            (dt_part,),
+            (x_part,),
+        )
         self.register_shard("conv1d.weight", self._load_conv, (spec.conv_dim, 1, spec.conv_kernel))
         if spec.use_conv_bias:
             self.register_shard("conv1d.bias", self._load_conv, (spec.conv_dim,))
@@ -124,15 +144,21 @@ class Mamba2Mixer(ShardLoading):
         self._A_version: tuple | None = None
 
     @torch.no_grad()
-    def _load_conv(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None) -> None:
+    def _load_conv(
+        self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None
+    ) -> None:
         load_parts(param, loaded, self._conv_parts, self.group, what="conv1d")
 
     @torch.no_grad()
-    def _load_per_head(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None) -> None:
+    def _load_per_head(
+        self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None
+    ) -> None:
         load_parts(param, loaded, self._head_parts, self.group, what="per-head Mamba parameter")
 
     @torch.no_grad()
-    def _load_inner(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None) -> None:
+    def _load_inner(
+        self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None
+    ) -> None:
         load_parts(param, loaded, self._inner_parts, self.group, what="norm")
 
     def _A(self) -> torch.Tensor:
@@ -174,8 +200,18 @@ class Mamba2Mixer(ShardLoading):
             xbc_d = ops.get("conv1d_update", cuda)(xbc[:nd], conv_pool, w, bias, src, dst)
             x, b, c = self._split_xbc(xbc_d)
             y_d = ops.get("ssm_update", cuda)(
-                ssm_pool, x, dt[:nd], A, b, c, src, dst,
-                D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit,
+                ssm_pool,
+                x,
+                dt[:nd],
+                A,
+                b,
+                c,
+                src,
+                dst,
+                D=self.D,
+                dt_bias=self.dt_bias,
+                dt_softplus=True,
+                dt_limit=self.dt_limit,
                 rounding=self.ssm_rounding,
                 positions=None if self.ssm_rounding is None else meta.seq_lens_t[:nd],
             )
@@ -193,7 +229,9 @@ class Mamba2Mixer(ShardLoading):
         # parallelism each rank's partial out_proj product is summed by one all-reduce
         norm, out = self.norm, self.out_proj
         y2 = y.view(T, self.d_inner)
-        if out.quant is not None:  # FP8 out_proj: the gated norm, then the FP8 linear (its reduce when sharded)
+        if (
+            out.quant is not None
+        ):  # FP8 out_proj: the gated norm, then the FP8 linear (its reduce when sharded)
             spans = out.sharded and self.norm_spans_ranks
             normed = self._gated_norm_spanning(y2, z) if spans else norm(y2, z)
             return out(normed)
@@ -244,15 +282,31 @@ class Mamba2Mixer(ShardLoading):
         x, b, c = self._split_xbc(xbc_c)
         snaps = [s for s in meta.snapshots if s.seq >= nd]
         res = ops.get("ssd", cuda)(
-            x, dt, A, b, c, self.chunk_size, cu,
-            D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit,
-            initial_states=init_ssm, return_chunk_states=bool(snaps),
+            x,
+            dt,
+            A,
+            b,
+            c,
+            self.chunk_size,
+            cu,
+            D=self.D,
+            dt_bias=self.dt_bias,
+            dt_softplus=True,
+            dt_limit=self.dt_limit,
+            initial_states=init_ssm,
+            return_chunk_states=bool(snaps),
         )
         y_out.copy_(res.y)
         conv_pool[dst] = conv_final.to(conv_pool.dtype)
         store = ops.get("store_ssm_state", cuda)
         sr = self.ssm_rounding
-        store(ssm_pool, res.final_states, dst, rounding=sr, positions=None if sr is None else meta.seq_lens_t[nd:])
+        store(
+            ssm_pool,
+            res.final_states,
+            dst,
+            rounding=sr,
+            positions=None if sr is None else meta.seq_lens_t[nd:],
+        )
         if not snaps:
             return
         # every snapshot of this layer in one state store and one conv-state write (a prompt of 8k tokens

@@ -21,7 +21,14 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
 
 class MLP(nn.Module):
     def __init__(
-        self, hidden: int, intermediate: int, bias: bool, *, group: Group | None = None, device=None, dtype=None
+        self,
+        hidden: int,
+        intermediate: int,
+        bias: bool,
+        *,
+        group: Group | None = None,
+        device=None,
+        dtype=None,
     ) -> None:
         super().__init__()
         kw = {"bias": bias, "group": group, "device": device, "dtype": dtype}
@@ -38,8 +45,9 @@ class MLP(nn.Module):
     def _down(self, u: torch.Tensor, bias: bool) -> torch.Tensor:
         down = self.down_proj
         if down.quant is not None:  # FP8 down_proj: relu^2 inside the FP8 linear's activation load
-            return ops.get("fp8_relu2_linear", u.is_cuda)(u, down.weight, down.weight_scale,
-                                                           down.bias if bias else None)
+            return ops.get("fp8_relu2_linear", u.is_cuda)(
+                u, down.weight, down.weight_scale, down.bias if bias else None
+            )
         return ops.get("relu2_linear", u.is_cuda)(u, down.weight, down.bias if bias else None)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:

@@ -53,8 +53,13 @@ class TopkRouter(nn.Module):
         """x: [T, H] -> (weights [T, k] float32, expert ids [T, k] int32), on the device (no host sync)."""
         logits = ops.get("router_logits", x.is_cuda)(x, self.weight)  # [T, E] float32
         return ops.get("moe_route", x.is_cuda)(
-            logits, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
-            self.norm_topk_prob, self.scale,
+            logits,
+            self.e_score_correction_bias,
+            self.top_k,
+            self.n_group,
+            self.topk_group,
+            self.norm_topk_prob,
+            self.scale,
         )
 
 
@@ -65,8 +70,15 @@ class Experts(ShardLoading):
     quant: object = None  # a QuantConfig once the experts hold FP8 weights (model/fp8_weights.py)
 
     def __init__(
-        self, num: int, dim: int, inter: int, *, ep: Group | None = None, moe_tp: Group | None = None,
-        device=None, dtype=None,
+        self,
+        num: int,
+        dim: int,
+        inter: int,
+        *,
+        ep: Group | None = None,
+        moe_tp: Group | None = None,
+        device=None,
+        dtype=None,
     ) -> None:
         super().__init__()
         ep, moe_tp = ep or ep_group(), moe_tp or moe_tp_group()
@@ -77,26 +89,38 @@ class Experts(ShardLoading):
         self.first_expert = ep.rank * self.num_local
         self.inter_local = inter // moe_tp.size
         self.inter_start = moe_tp.rank * self.inter_local
-        self.up_proj = nn.Parameter(torch.empty(self.num_local, self.inter_local, dim, device=device, dtype=dtype))
-        self.down_proj = nn.Parameter(torch.empty(self.num_local, dim, self.inter_local, device=device, dtype=dtype))
+        self.up_proj = nn.Parameter(
+            torch.empty(self.num_local, self.inter_local, dim, device=device, dtype=dtype)
+        )
+        self.down_proj = nn.Parameter(
+            torch.empty(self.num_local, dim, self.inter_local, device=device, dtype=dtype)
+        )
         self.register_shard("up_proj", self._load_up, (num, inter, dim), by_row=True)
         self.register_shard("down_proj", self._load_down, (num, dim, inter), by_row=True)
 
     @torch.no_grad()
-    def _load_up(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: int | None = None) -> None:
+    def _load_up(
+        self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: int | None = None
+    ) -> None:
         self._load(param, loaded, shard_id, inter_dim=0)
 
     @torch.no_grad()
-    def _load_down(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: int | None = None) -> None:
+    def _load_down(
+        self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: int | None = None
+    ) -> None:
         self._load(param, loaded, shard_id, inter_dim=1)
 
-    def _load(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, expert: int | None, inter_dim: int) -> None:
+    def _load(
+        self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, expert: int | None, inter_dim: int
+    ) -> None:
         """`loaded`: all experts stacked (expert None) or expert `expert`'s matrix; copies this rank's
         experts and intermediate rows / columns only (another rank's expert is not read at all)."""
         full = param.checkpoint_shape  # type: ignore[attr-defined]
         want = full if expert is None else full[1:]
         if loaded_shape(loaded) != tuple(want):
-            raise ValueError(f"experts: checkpoint tensor has shape {list(loaded_shape(loaded))}, expected {list(want)}")
+            raise ValueError(
+                f"experts: checkpoint tensor has shape {list(loaded_shape(loaded))}, expected {list(want)}"
+            )
         rows = (self.inter_start, self.inter_local)
         if expert is None:
             param.copy_(read_block(loaded, {0: (self.first_expert, self.num_local), 1 + inter_dim: rows}))
@@ -104,7 +128,11 @@ class Experts(ShardLoading):
             param[expert - self.first_expert].copy_(read_block(loaded, {inter_dim: rows}))
 
     def forward(
-        self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        ids: torch.Tensor,
+        shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """x: [T, d]; w, ids: [T, k] -> [T, d]. On CUDA the fused kernels (sort, grouped GEMMs, combine
         on the device; `kernels/triton_moe.py`); on the CPU the per-expert reference loop. Sharded: this
@@ -119,8 +147,15 @@ class Experts(ShardLoading):
         fn = ops.get("moe_experts", x.is_cuda)
         if self.quant is not None:  # FP8 experts (model/fp8_weights.py): e4m3 with per-expert channel scales
             assert shared is None, "FP8 experts run the shared expert as its MLP"
-            return fn(x, self.up_proj, self.down_proj, w, ids, up_scale=self.up_proj_scale,
-                      down_scale=self.down_proj_scale)
+            return fn(
+                x,
+                self.up_proj,
+                self.down_proj,
+                w,
+                ids,
+                up_scale=self.up_proj_scale,
+                down_scale=self.down_proj_scale,
+            )
         su, sd = shared if shared is not None else (None, None)
         return fn(x, self.up_proj, self.down_proj, w, ids, su, sd)
 
@@ -139,10 +174,14 @@ class MoE(nn.Module):
         self.latent = cfg.moe_latent_size is not None
         # the shared expert inside the experts op: it reads what they read (not latent), one rank holds
         # everything (no partial sums), no biases, and its intermediate size is a whole number of experts'
-        self.fold_shared = (cfg.moe_shared_expert_intermediate_size > 0 and not self.latent and self.tp.size == 1
-                            and not cfg.mlp_bias
-                            and self.experts.num_local == self.experts.num_experts
-                            and cfg.moe_shared_expert_intermediate_size % self.experts.inter_local == 0)
+        self.fold_shared = (
+            cfg.moe_shared_expert_intermediate_size > 0
+            and not self.latent
+            and self.tp.size == 1
+            and not cfg.mlp_bias
+            and self.experts.num_local == self.experts.num_experts
+            and cfg.moe_shared_expert_intermediate_size % self.experts.inter_local == 0
+        )
         if self.latent:
             self.fc1_latent_proj = ReplicatedLinear(h, d, bias=cfg.mlp_bias, device=device, dtype=dtype)
             self.fc2_latent_proj = ReplicatedLinear(d, h, bias=cfg.mlp_bias, device=device, dtype=dtype)
@@ -152,7 +191,12 @@ class MoE(nn.Module):
         w, ids = self.gate(x)
         s = self.shared_experts
         # FP8 weights (experts or the shared MLP, converted after __init__) keep the shared expert as the MLP
-        if self.fold_shared and self.experts.quant is None and s.up_proj.quant is None and s.down_proj.quant is None:
+        if (
+            self.fold_shared
+            and self.experts.quant is None
+            and s.up_proj.quant is None
+            and s.down_proj.quant is None
+        ):
             return self.experts(x, w, ids, (s.up_proj.weight, s.down_proj.weight))
         r = self.fc1_latent_proj(x) if self.latent else x
         r = self.experts(r, w, ids)

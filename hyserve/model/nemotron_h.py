@@ -149,8 +149,11 @@ class NemotronHForCausalLM(nn.Module):
     ) -> CacheTensors:
         """This rank's pools: under tensor parallelism they hold only its KV heads and Mamba heads / groups."""
         return CacheTensors.allocate(
-            rank_cache_config(self.config, self.tp.size), num_blocks=num_blocks, tokens_per_block=tokens_per_block,
-            num_slots=num_slots, device=device,
+            rank_cache_config(self.config, self.tp.size),
+            num_blocks=num_blocks,
+            tokens_per_block=tokens_per_block,
+            num_slots=num_slots,
+            device=device,
         )
 
     @torch.inference_mode()

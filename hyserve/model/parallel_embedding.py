@@ -39,11 +39,15 @@ class VocabParallelEmbedding(ShardLoading):
         self.register_shard("weight", self.weight_loader, (num_embeddings, embedding_dim))
 
     @torch.no_grad()
-    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None) -> None:
+    def weight_loader(
+        self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None
+    ) -> None:
         shape = loaded_shape(loaded)
         want = (self.num_embeddings, self.embedding_dim)
         if shape != want:
-            raise ValueError(f"{type(self).__name__}: checkpoint tensor has shape {list(shape)}, expected {list(want)}")
+            raise ValueError(
+                f"{type(self).__name__}: checkpoint tensor has shape {list(shape)}, expected {list(want)}"
+            )
         n = self.vocab_end - self.vocab_start
         if n:
             param[:n].copy_(read_rows(loaded, 0, self.vocab_start, n))
@@ -59,7 +63,9 @@ class VocabParallelEmbedding(ShardLoading):
         return all_reduce(out, self.group)
 
 
-def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, group: Group) -> torch.Tensor:
+def vocab_parallel_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, group: Group
+) -> torch.Tensor:
     """hidden [n, dim] @ this rank's vocab block weight [V_pad/tp, dim] -> full logits [n, vocab_size] on
     every rank (in the weight's dtype)."""
     local = F.linear(hidden, weight)  # [n, V_pad / tp]

@@ -59,7 +59,8 @@ def read_block(loaded: torch.Tensor | SliceLike, ranges: dict[int, tuple[int, in
     """loaded with dim d narrowed to ranges[d] = (start, length) for each given dim; one read of a slice."""
     last = max(ranges) if ranges else -1
     index = tuple(
-        slice(ranges[d][0], ranges[d][0] + ranges[d][1]) if d in ranges else slice(None) for d in range(last + 1)
+        slice(ranges[d][0], ranges[d][0] + ranges[d][1]) if d in ranges else slice(None)
+        for d in range(last + 1)
     )
     out = loaded[index] if index else (loaded if isinstance(loaded, torch.Tensor) else loaded[:])
     return out if isinstance(out, torch.Tensor) else torch.as_tensor(out)
@@ -79,11 +80,15 @@ class ShardedPart:
 
     def check(self, tp: int, *, knob: str = "tp_size", replicate: bool = True) -> None:
         if self.units <= 0 or self.unit_size <= 0:
-            raise ValueError(f"part {self.name}: needs units and unit_size >= 1, got {self.units} x {self.unit_size}")
+            raise ValueError(
+                f"part {self.name}: needs units and unit_size >= 1, got {self.units} x {self.unit_size}"
+            )
         if self.units % tp == 0 or (replicate and tp % self.units == 0):
             return
         extra = f" (or a divisor of it, replicated: {knob} % {self.units} == 0)" if replicate else ""
-        raise ValueError(f"{self.name}: {self.units} units do not split over {knob} {tp}; need a multiple of {tp}{extra}")
+        raise ValueError(
+            f"{self.name}: {self.units} units do not split over {knob} {tp}; need a multiple of {tp}{extra}"
+        )
 
     def replicated(self, tp: int) -> bool:
         return self.units % tp != 0
@@ -106,8 +111,14 @@ class ShardedPart:
 
 
 def load_parts(
-    param: torch.Tensor, loaded: torch.Tensor | SliceLike, parts: Sequence[ShardedPart], group: Group, *,
-    dim: int = 0, shard_id: str | None = None, what: str = "parameter",
+    param: torch.Tensor,
+    loaded: torch.Tensor | SliceLike,
+    parts: Sequence[ShardedPart],
+    group: Group,
+    *,
+    dim: int = 0,
+    shard_id: str | None = None,
+    what: str = "parameter",
 ) -> None:
     """Copy this rank's rows of `parts` (laid out one after the other along `dim` of `loaded`) into
     `param` (the local parts one after the other). With `shard_id`, `loaded` is that one part."""
@@ -139,7 +150,9 @@ def load_whole(param: torch.Tensor, loaded: torch.Tensor | SliceLike, what: str 
     param.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded[:])
 
 
-def set_loader(param: torch.Tensor, loader: Loader, checkpoint_shape: tuple[int, ...], by_row: bool = False) -> None:
+def set_loader(
+    param: torch.Tensor, loader: Loader, checkpoint_shape: tuple[int, ...], by_row: bool = False
+) -> None:
     """Attach the shard loader and the checkpoint shape to a parameter (weights.py reads both). by_row: the
     loader also takes one index of dim 0 alone (`loader(param, tensor[i], i)`, as an expert's matrix), so
     random init streams it row by row instead of drawing the whole checkpoint tensor first."""
@@ -158,7 +171,9 @@ class ShardLoading(nn.Module):
         super().__init__()
         self._shards: dict[str, tuple[Loader, tuple[int, ...], bool]] = {}
 
-    def register_shard(self, path: str, loader: Loader, checkpoint_shape: tuple[int, ...], by_row: bool = False) -> None:
+    def register_shard(
+        self, path: str, loader: Loader, checkpoint_shape: tuple[int, ...], by_row: bool = False
+    ) -> None:
         self._shards[path] = (loader, tuple(checkpoint_shape), by_row)
         set_loader(self.get_parameter(path), loader, tuple(checkpoint_shape), by_row)
 
@@ -193,7 +208,9 @@ class LinearBase(ShardLoading):
 class ReplicatedLinear(LinearBase):
     """nn.Linear whose weight every rank holds whole."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, device=None, dtype=None) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, *, device=None, dtype=None
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
@@ -202,7 +219,9 @@ class ReplicatedLinear(LinearBase):
             self.register_shard(name, self.weight_loader, tuple(getattr(self, name).shape))
 
     @torch.no_grad()
-    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None) -> None:
+    def weight_loader(
+        self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None
+    ) -> None:
         load_whole(param, loaded, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -217,8 +236,14 @@ class MergedColumnParallelLinear(LinearBase):
     """
 
     def __init__(
-        self, in_features: int, parts: Sequence[ShardedPart], bias: bool = False, *, group: Group | None = None,
-        device=None, dtype=None,
+        self,
+        in_features: int,
+        parts: Sequence[ShardedPart],
+        bias: bool = False,
+        *,
+        group: Group | None = None,
+        device=None,
+        dtype=None,
     ) -> None:
         super().__init__()
         self.group = group or tp_group()
@@ -241,7 +266,9 @@ class MergedColumnParallelLinear(LinearBase):
             self.register_shard("bias", self.weight_loader, (out_full,))
 
     @torch.no_grad()
-    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None) -> None:
+    def weight_loader(
+        self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None
+    ) -> None:
         load_parts(param, loaded, self.parts, self.group, dim=0, shard_id=shard_id, what=type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -258,11 +285,22 @@ class ColumnParallelLinear(MergedColumnParallelLinear):
     GEMM so each rank sees the whole output."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, *, gather_output: bool = False,
-        unit_size: int = 1, replicate: bool = True, group: Group | None = None, device=None, dtype=None,
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        gather_output: bool = False,
+        unit_size: int = 1,
+        replicate: bool = True,
+        group: Group | None = None,
+        device=None,
+        dtype=None,
     ) -> None:
         if out_features % unit_size:
-            raise ValueError(f"ColumnParallelLinear: out_features {out_features} is not a multiple of unit_size {unit_size}")
+            raise ValueError(
+                f"ColumnParallelLinear: out_features {out_features} is not a multiple of unit_size {unit_size}"
+            )
         part = ShardedPart(name="out", units=out_features // unit_size, unit_size=unit_size)
         g = group or tp_group()
         if gather_output or not replicate:
@@ -283,14 +321,23 @@ class RowParallelLinear(LinearBase):
     slice; a fused kernel can compute the partial product itself and call `reduce`."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, *, unit_size: int = 1,
-        group: Group | None = None, device=None, dtype=None,
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        unit_size: int = 1,
+        group: Group | None = None,
+        device=None,
+        dtype=None,
     ) -> None:
         super().__init__()
         self.group = group or tp_group()
         tp = self.group.size
         if in_features % unit_size:
-            raise ValueError(f"RowParallelLinear: in_features {in_features} is not a multiple of unit_size {unit_size}")
+            raise ValueError(
+                f"RowParallelLinear: in_features {in_features} is not a multiple of unit_size {unit_size}"
+            )
         self.part = ShardedPart(name="in", units=in_features // unit_size, unit_size=unit_size)
         self.part.check(tp, replicate=False)
         self.in_features, self.out_features = self.part.local_size(tp), out_features
@@ -302,7 +349,9 @@ class RowParallelLinear(LinearBase):
             self.register_shard("bias", self.weight_loader, (out_features,))
 
     @torch.no_grad()
-    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None) -> None:
+    def weight_loader(
+        self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, shard_id: str | None = None
+    ) -> None:
         if param.dim() == 1:  # the bias, whole on every rank
             load_whole(param, loaded, f"{type(self).__name__} bias")
         else:

@@ -37,7 +37,6 @@ class ModelSpec(Protocol):
 
     def num_parameters(self) -> int: ...
 
-
     def describe(self) -> str: ...
 
 

@@ -51,24 +51,36 @@ SCHEMES = ("tensor", "channel", "block")
 HF_QUANT_FILE = "hf_quant_config.json"
 EXCLUDE_KEYS = ("exclude_modules", "ignore", "ignored_layers", "modules_to_not_convert")
 # the projections that can hold FP8 weights (last component of the module name); everything else stays 16-bit
-QUANTIZABLE_LINEARS = frozenset({
-    "in_proj", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj",
-    "fc1_latent_proj", "fc2_latent_proj",
-})
+QUANTIZABLE_LINEARS = frozenset(
+    {
+        "in_proj",
+        "out_proj",
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "up_proj",
+        "down_proj",
+        "fc1_latent_proj",
+        "fc2_latent_proj",
+    }
+)
 # ModelOpt's FP8 algorithms and the scale layout each stores
 MODELOPT_FP8 = {"FP8": "tensor", "FP8_PER_CHANNEL_PER_TOKEN": "channel", "FP8_PB_WO": "block"}
 MIXED = "MIXED_PRECISION"
 COMPRESSED = "compressed-tensors"
-SUPPORTED = (f"quant_method modelopt with quant_algo {' / '.join(MODELOPT_FP8)} (or {MIXED} whose "
-             "quantized_layers all name one of them), quant_method fp8 "
-             f"(weight_block_size [{BLOCK}, {BLOCK}], or per-tensor without one), quant_method {COMPRESSED} "
-             "with 8-bit float weights (tensor, channel or block strategy), or a 16-bit checkpoint "
-             "with quantization: fp8")
+SUPPORTED = (
+    f"quant_method modelopt with quant_algo {' / '.join(MODELOPT_FP8)} (or {MIXED} whose "
+    "quantized_layers all name one of them), quant_method fp8 "
+    f"(weight_block_size [{BLOCK}, {BLOCK}], or per-tensor without one), quant_method {COMPRESSED} "
+    "with 8-bit float weights (tensor, channel or block strategy), or a 16-bit checkpoint "
+    "with quantization: fp8"
+)
 
 
 def _canonical(name: str) -> str:
     """A checkpoint module name as hyserve names it (`model.` read as `backbone.`)."""
-    return "backbone." + name[len("model."):] if name.startswith("model.") else name
+    return "backbone." + name[len("model.") :] if name.startswith("model.") else name
 
 
 def _matches(module_name: str, pattern: str) -> bool:
@@ -83,8 +95,11 @@ def _matches(module_name: str, pattern: str) -> bool:
         return bool(re.match(rx, module_name) or re.match(rx, "model." + short))
     p = _canonical(pattern)
     globs = (p[:-1], p[:-1] + ".*") if len(p) >= 2 and p[-1] == "*" and p[-2] != "." else (p,)
-    return any(n == g or n.startswith(g + ".") or fnmatch.fnmatchcase(n, g) for n in (module_name, short)
-               for g in globs)
+    return any(
+        n == g or n.startswith(g + ".") or fnmatch.fnmatchcase(n, g)
+        for n in (module_name, short)
+        for g in globs
+    )
 
 
 def _ancestors(module_name: str) -> list[str]:
@@ -140,14 +155,19 @@ class QuantConfig:
         up, down = (self.quantizes(f"{experts_name}.0.{w}") for w in ("up_proj", "down_proj"))
         if up != down:
             fp8, other = ("up_proj", "down_proj") if up else ("down_proj", "up_proj")
-            raise ValueError(f"{self.source or 'quantization config'}: the routed experts {experts_name} would have "
-                             f"an FP8 {fp8} and a 16-bit {other}; hyserve's fused MoE takes both in one format, so "
-                             "the config must quantise or exclude both")
+            raise ValueError(
+                f"{self.source or 'quantization config'}: the routed experts {experts_name} would have "
+                f"an FP8 {fp8} and a 16-bit {other}; hyserve's fused MoE takes both in one format, so "
+                "the config must quantise or exclude both"
+            )
         return up
 
     def describe(self) -> str:
-        scales = {"tensor": "per-tensor", "channel": "per-output-channel",
-                  "block": f"per-[{BLOCK}, {BLOCK}]-block"}[self.scheme]
+        scales = {
+            "tensor": "per-tensor",
+            "channel": "per-output-channel",
+            "block": f"per-[{BLOCK}, {BLOCK}]-block",
+        }[self.scheme]
         where = "quantised at load" if self.method == "online" else f"{self.method} checkpoint"
         excl = f", {len(self.exclude)} excluded module patterns" if self.exclude else ""
         if self.include is not None:
@@ -193,9 +213,14 @@ def _kv_fp8(q: dict[str, Any], where: str) -> bool:
     if kv is not None and str(kv).upper() not in ("FP8", "NONE"):
         raise ValueError(f"{where}: kv_cache_quant_algo {kv!r} is not supported (FP8 or none)")
     scheme = q.get("kv_cache_scheme")
-    if scheme is not None and not (isinstance(scheme, dict) and str(scheme.get("type")).lower() == "float"
-                                   and scheme.get("num_bits") == 8):
-        raise ValueError(f"{where}: kv_cache_scheme {scheme!r} is not supported (type float, num_bits 8, or null)")
+    if scheme is not None and not (
+        isinstance(scheme, dict)
+        and str(scheme.get("type")).lower() == "float"
+        and scheme.get("num_bits") == 8
+    ):
+        raise ValueError(
+            f"{where}: kv_cache_scheme {scheme!r} is not supported (type float, num_bits 8, or null)"
+        )
     return (kv is not None and str(kv).upper() == "FP8") or scheme is not None
 
 
@@ -215,11 +240,15 @@ def _mixed(q: dict[str, Any], where: str) -> tuple[str, frozenset[str]]:
     other = {a: n for a, n in algos.items() if a not in MODELOPT_FP8}
     if other:
         found = ", ".join(f"{a} (e.g. {n})" for a, n in sorted(other.items()))
-        raise ValueError(f"{where}: {MIXED} checkpoint with layers in {found}: not supported; hyserve loads "
-                         f"{' / '.join(MODELOPT_FP8)} layers")
+        raise ValueError(
+            f"{where}: {MIXED} checkpoint with layers in {found}: not supported; hyserve loads "
+            f"{' / '.join(MODELOPT_FP8)} layers"
+        )
     if len(algos) > 1:
-        raise ValueError(f"{where}: {MIXED} checkpoint mixes FP8 scale layouts {sorted(algos)}: not supported "
-                         "(one of them a model)")
+        raise ValueError(
+            f"{where}: {MIXED} checkpoint mixes FP8 scale layouts {sorted(algos)}: not supported "
+            "(one of them a model)"
+        )
     return MODELOPT_FP8[next(iter(algos))], frozenset(_canonical(n) for n in layers)
 
 
@@ -232,8 +261,14 @@ def _modelopt(q: dict[str, Any], where: str) -> QuantConfig:
         raise ValueError(f"{where}: ModelOpt quant_algo {algo!r} is not supported; hyserve loads {SUPPORTED}")
     kv = _kv_fp8(q, where)
     scheme, include = _mixed(q, where) if name == MIXED else (MODELOPT_FP8[name], None)
-    return QuantConfig(method="modelopt", scheme=scheme, exclude=_exclude_list(q, where), include=include,
-                       kv_cache_fp8=kv, source=where)
+    return QuantConfig(
+        method="modelopt",
+        scheme=scheme,
+        exclude=_exclude_list(q, where),
+        include=include,
+        kv_cache_fp8=kv,
+        source=where,
+    )
 
 
 def _fp8(q: dict[str, Any], where: str) -> QuantConfig:
@@ -244,10 +279,14 @@ def _fp8(q: dict[str, Any], where: str) -> QuantConfig:
     act = q.get("activation_scheme", "dynamic")
     if block is not None:
         if not isinstance(block, list | tuple) or list(block) != [BLOCK, BLOCK]:
-            raise ValueError(f"{where}: weight_block_size {block!r} is not supported; the FP8 kernels take "
-                             f"[{BLOCK}, {BLOCK}] blocks (or per-tensor scales without weight_block_size)")
+            raise ValueError(
+                f"{where}: weight_block_size {block!r} is not supported; the FP8 kernels take "
+                f"[{BLOCK}, {BLOCK}] blocks (or per-tensor scales without weight_block_size)"
+            )
         if act != "dynamic":
-            raise ValueError(f"{where}: activation_scheme {act!r} with block scales is not supported (dynamic)")
+            raise ValueError(
+                f"{where}: activation_scheme {act!r} with block scales is not supported (dynamic)"
+            )
         return QuantConfig(method="fp8", scheme="block", exclude=_exclude_list(q, where), source=where)
     if act not in ("dynamic", "static"):
         raise ValueError(f"{where}: activation_scheme {act!r} is not one of ['dynamic', 'static']")
@@ -263,33 +302,48 @@ def _ct_scheme(group: str, w: Any, where: str) -> str:
     if not isinstance(w, dict):
         raise ValueError(f"{where}: config_groups.{group}.weights must be a mapping, got {w!r}")
     if w.get("num_bits") != 8 or str(w.get("type")).lower() != "float":
-        raise ValueError(f"{where}: config_groups.{group} has {w.get('num_bits')}-bit {w.get('type')} weights: not "
-                         f"supported; hyserve loads {SUPPORTED}")
+        raise ValueError(
+            f"{where}: config_groups.{group} has {w.get('num_bits')}-bit {w.get('type')} weights: not "
+            f"supported; hyserve loads {SUPPORTED}"
+        )
     if w.get("symmetric") is False or w.get("dynamic"):
-        raise ValueError(f"{where}: config_groups.{group}: asymmetric or dynamic weight scales are not supported")
+        raise ValueError(
+            f"{where}: config_groups.{group}: asymmetric or dynamic weight scales are not supported"
+        )
     strategy = w.get("strategy")
     if strategy == "block":
         if list(w.get("block_structure") or []) != [BLOCK, BLOCK]:
-            raise ValueError(f"{where}: config_groups.{group}: block_structure {w.get('block_structure')!r} is not "
-                             f"supported; the FP8 kernels take [{BLOCK}, {BLOCK}] blocks")
+            raise ValueError(
+                f"{where}: config_groups.{group}: block_structure {w.get('block_structure')!r} is not "
+                f"supported; the FP8 kernels take [{BLOCK}, {BLOCK}] blocks"
+            )
         return "block"
     if strategy in ("tensor", "channel"):
         return str(strategy)
-    raise ValueError(f"{where}: config_groups.{group}: weight strategy {strategy!r} is not supported "
-                     "(tensor, channel or block)")
+    raise ValueError(
+        f"{where}: config_groups.{group}: weight strategy {strategy!r} is not supported "
+        "(tensor, channel or block)"
+    )
 
 
 def _compressed_tensors(q: dict[str, Any], where: str) -> QuantConfig:
     fmt = q.get("format")
     if fmt not in _CT_FORMATS:
-        raise ValueError(f"{where}: {COMPRESSED} format {fmt!r} is not supported ({' or '.join(_CT_FORMATS)})")
-    for key in ("sparsity_config", "transform_config"):  # 2:4 sparse weights, online rotations: other numerics
+        raise ValueError(
+            f"{where}: {COMPRESSED} format {fmt!r} is not supported ({' or '.join(_CT_FORMATS)})"
+        )
+    for key in (
+        "sparsity_config",
+        "transform_config",
+    ):  # 2:4 sparse weights, online rotations: other numerics
         if q.get(key):
             raise ValueError(f"{where}: {COMPRESSED} with a {key} is not supported (dense FP8 weights only)")
     kv = q.get("kv_cache_scheme")
     if isinstance(kv, dict) and kv.get("strategy") not in (None, "tensor"):
-        raise ValueError(f"{where}: kv_cache_scheme strategy {kv.get('strategy')!r} is not supported: the FP8 KV "
-                         "cache takes one k_scale and one v_scale a layer (strategy tensor)")
+        raise ValueError(
+            f"{where}: kv_cache_scheme strategy {kv.get('strategy')!r} is not supported: the FP8 KV "
+            "cache takes one k_scale and one v_scale a layer (strategy tensor)"
+        )
     groups = q.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ValueError(f"{where}: {COMPRESSED} needs a non-empty 'config_groups' mapping")
@@ -303,24 +357,41 @@ def _compressed_tensors(q: dict[str, Any], where: str) -> QuantConfig:
         schemes[name] = _ct_scheme(name, g.get("weights"), where)
         t = g.get("targets")
         if not isinstance(t, list) or not t or not all(isinstance(x, str) for x in t):
-            raise ValueError(f"{where}: config_groups.{name}.targets must be a non-empty list of names, got {t!r}")
+            raise ValueError(
+                f"{where}: config_groups.{name}.targets must be a non-empty list of names, got {t!r}"
+            )
         for x in t:  # a class name other than Linear would silently target nothing here
             if x != "Linear" and not x.startswith("re:") and "." not in x:
-                raise ValueError(f"{where}: config_groups.{name}.targets entry {x!r} is not supported (Linear, "
-                                 "module names or re: patterns)")
+                raise ValueError(
+                    f"{where}: config_groups.{name}.targets entry {x!r} is not supported (Linear, "
+                    "module names or re: patterns)"
+                )
         _check_patterns(t, where, f"config_groups.{name}.targets")
         targets.extend(t)
     if not schemes:
-        raise ValueError(f"{where}: no config_groups entry quantises weights (only activations): not supported")
+        raise ValueError(
+            f"{where}: no config_groups entry quantises weights (only activations): not supported"
+        )
     if len(set(schemes.values())) > 1:
-        raise ValueError(f"{where}: config_groups mix weight strategies {schemes}: not supported (one a model)")
+        raise ValueError(
+            f"{where}: config_groups mix weight strategies {schemes}: not supported (one a model)"
+        )
     scheme = next(iter(schemes.values()))
-    if scheme == "block" and any(isinstance(g.get("input_activations"), dict)
-                                 and g["input_activations"].get("dynamic") is False for g in groups.values()):
-        raise ValueError(f"{where}: static activation scales with block-scaled weights are not supported (dynamic)")
-    return QuantConfig(method=COMPRESSED, scheme=scheme, exclude=_exclude_list(q, where),
-                       targets=() if "Linear" in targets else tuple(targets), kv_cache_fp8=_kv_fp8(q, where),
-                       source=where)
+    if scheme == "block" and any(
+        isinstance(g.get("input_activations"), dict) and g["input_activations"].get("dynamic") is False
+        for g in groups.values()
+    ):
+        raise ValueError(
+            f"{where}: static activation scales with block-scaled weights are not supported (dynamic)"
+        )
+    return QuantConfig(
+        method=COMPRESSED,
+        scheme=scheme,
+        exclude=_exclude_list(q, where),
+        targets=() if "Linear" in targets else tuple(targets),
+        kv_cache_fp8=_kv_fp8(q, where),
+        source=where,
+    )
 
 
 def parse_quant_config(q: Any, where: str) -> QuantConfig:
@@ -351,7 +422,9 @@ def checkpoint_quant(model_dir: str | Path, raw_config: dict[str, Any] | None = 
     if raw_config is None and (d / "config.json").is_file():
         raw_config = _read_json(d / "config.json")
     if isinstance(raw_config, dict) and raw_config.get("quantization_config") is not None:
-        return parse_quant_config(raw_config["quantization_config"], f"{d / 'config.json'}: quantization_config")
+        return parse_quant_config(
+            raw_config["quantization_config"], f"{d / 'config.json'}: quantization_config"
+        )
     hf = d / HF_QUANT_FILE
     if not hf.is_file():
         return None
@@ -366,7 +439,9 @@ def checkpoint_quant(model_dir: str | Path, raw_config: dict[str, Any] | None = 
     return _modelopt(data["quantization"], where)
 
 
-def resolve_quant(option: str | None, model_dir: str | Path, raw_config: dict[str, Any] | None = None) -> QuantConfig | None:
+def resolve_quant(
+    option: str | None, model_dir: str | Path, raw_config: dict[str, Any] | None = None
+) -> QuantConfig | None:
     """The weight format to run: the checkpoint's when it is quantised (the option may say fp8 or nothing),
     else per-channel online quantisation when `option` is "fp8", else None."""
     if option not in QUANT_OPTIONS:

@@ -78,7 +78,9 @@ _FAMILIES: list[ModelFamily] = [
 def register(family: ModelFamily) -> None:
     """Add a family (its model types and architecture names must be new)."""
     for f in _FAMILIES:
-        clash = set(f.model_types) & set(family.model_types) or set(f.architectures) & set(family.architectures)
+        clash = set(f.model_types) & set(family.model_types) or set(f.architectures) & set(
+            family.architectures
+        )
         if clash:
             raise ValueError(f"model family {family.name!r}: {sorted(clash)} already belong to {f.name!r}")
     _FAMILIES.append(family)

@@ -27,7 +27,9 @@ def sharding_problems(cfg: HybridModelConfig, *, tp_size: int, ep_size: int) -> 
 
     def divides(field: str, value: int, knob: str, n: int, what: str) -> None:
         if value % n:
-            out.append(f"{field} ({value}) is not divisible by {knob} ({n}): the {what} are split over the ranks")
+            out.append(
+                f"{field} ({value}) is not divisible by {knob} ({n}): the {what} are split over the ranks"
+            )
 
     def splits_or_replicates(field: str, value: int, what: str) -> None:
         if value % tp and tp % value:
@@ -52,11 +54,17 @@ def sharding_problems(cfg: HybridModelConfig, *, tp_size: int, ep_size: int) -> 
                 f"({cfg.num_experts_per_tok}): each rank's experts must be able to take a token's top-k"
             )
         divides(
-            "moe_intermediate_size", cfg.moe_intermediate_size, "tp_size / ep_size", tp // ep,
+            "moe_intermediate_size",
+            cfg.moe_intermediate_size,
+            "tp_size / ep_size",
+            tp // ep,
             "expert columns (each expert is tensor-parallel over tp_size / ep_size ranks)",
         )
         divides(
-            "moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size, "tp_size", tp,
+            "moe_shared_expert_intermediate_size",
+            cfg.moe_shared_expert_intermediate_size,
+            "tp_size",
+            tp,
             "shared-expert columns",
         )
     return out
@@ -75,14 +83,19 @@ def check_parallel(
     """Start-up check of the parallel settings against the world and the model; raises ValueError listing
     every problem (the world's first: sizes that do not fit the ranks make the model checks moot)."""
     check_world(
-        tp_size=tp_size, ep_size=ep_size, world_size=world_size, device=device,
-        local_world_size=local_world_size, visible_gpus=visible_gpus,
+        tp_size=tp_size,
+        ep_size=ep_size,
+        world_size=world_size,
+        device=device,
+        local_world_size=local_world_size,
+        visible_gpus=visible_gpus,
     )
     problems = sharding_problems(cfg, tp_size=tp_size, ep_size=ep_size)
     if problems:
         name = f"{cfg.name} " if cfg.name else ""
         raise ValueError(
-            f"model {name}does not split over tp_size {tp_size} / ep_size {ep_size}:\n  " + "\n  ".join(problems)
+            f"model {name}does not split over tp_size {tp_size} / ep_size {ep_size}:\n  "
+            + "\n  ".join(problems)
         )
 
 

@@ -166,7 +166,9 @@ def make_tiny(out_dir: str | Path, *, variant: str = "dense", seed: int = 0, fp8
 
 
 def _is_complete(d: Path) -> bool:
-    return all((d / f).is_file() for f in ("config.json", SINGLE_FILE, "tokenizer.json", "tokenizer_config.json"))
+    return all(
+        (d / f).is_file() for f in ("config.json", SINGLE_FILE, "tokenizer.json", "tokenizer_config.json")
+    )
 
 
 def builtin_model_dir() -> Path:

@@ -56,12 +56,21 @@ _PER_EXPERT_RE = re.compile(r"^(backbone\.layers\.\d+\.mixer\.experts)\.(\d+)\.(
 _STACKED_EXPERT_RE = re.compile(r"^(backbone\.layers\.\d+\.mixer\.experts)\.(up_proj|down_proj)$")
 # Router tensors stay float32 whatever the model dtype: top-k routing is sensitive to rounding; so do the
 # dequantisation scales of FP8 weights (model/fp8_weights.py).
-_FP32_SUFFIXES = ("mixer.gate.weight", "mixer.gate.e_score_correction_bias", ".weight_scale", "experts.up_proj_scale",
-                  "experts.down_proj_scale")
+_FP32_SUFFIXES = (
+    "mixer.gate.weight",
+    "mixer.gate.e_score_correction_bias",
+    ".weight_scale",
+    "experts.up_proj_scale",
+    "experts.down_proj_scale",
+)
 _SCALE = ".weight_scale"
 # per-expert scales of FP8 experts: ...experts.{e}.up_proj.weight_scale -> ...experts.up_proj_scale[e]
-_PER_EXPERT_SCALE_RE = re.compile(r"^(backbone\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight_scale$")
-_PER_EXPERT_INPUT_SCALE_RE = re.compile(r"^backbone\.layers\.\d+\.mixer\.experts\.\d+\.(up_proj|down_proj)\.input_scale$")
+_PER_EXPERT_SCALE_RE = re.compile(
+    r"^(backbone\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight_scale$"
+)
+_PER_EXPERT_INPUT_SCALE_RE = re.compile(
+    r"^backbone\.layers\.\d+\.mixer\.experts\.\d+\.(up_proj|down_proj)\.input_scale$"
+)
 # ModelOpt's static activation scales: read past (the FP8 kernels scale activations per token)
 _INPUT_SCALE = ".input_scale"
 _FP8_DTYPES = ("F8_E4M3",)
@@ -222,7 +231,9 @@ def checkpoint_files(model_dir: str | Path) -> dict[Path, list[str] | None]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index}: not a valid safetensors index (needs a 'weight_map' object): {e}") from e
+            raise ValueError(
+                f"{index}: not a valid safetensors index (needs a 'weight_map' object): {e}"
+            ) from e
         by_file: dict[Path, list[str]] = defaultdict(list)
         for name, fname in weight_map.items():
             by_file[d / fname].append(name)
@@ -236,7 +247,11 @@ def checkpoint_files(model_dir: str | Path) -> dict[Path, list[str] | None]:
     if others:
         return {p: None for p in others}
     present = sorted(p.name for p in d.iterdir())
-    has = "only config.json" if present == ["config.json"] else f"{len(present)} file(s): {', '.join(present[:10])}"
+    has = (
+        "only config.json"
+        if present == ["config.json"]
+        else f"{len(present)} file(s): {', '.join(present[:10])}"
+    )
     raise ValueError(
         f"{d} holds no safetensors weights ({has}); to run this architecture with random weights use "
         f'load_format="dummy" (--load-format dummy)'
@@ -291,8 +306,10 @@ class _Plan:
             ("missing expert indices", self.missing_experts),
             ("tensors given more than once", self.duplicates),
             ("index.json entries absent from their shard", self.not_in_shard),
-            ("float8 tensors for 16-bit parameters (not covered by the checkpoint's quantization config)",
-             self.fp8_mismatch),
+            (
+                "float8 tensors for 16-bit parameters (not covered by the checkpoint's quantization config)",
+                self.fp8_mismatch,
+            ),
         ):
             if items:
                 parts.append(f"  {title} ({len(items)}):{_fmt_list(items)}")
@@ -321,8 +338,10 @@ def _plan_load(model_dir: Path, targets: Mapping[str, torch.Tensor], aliases: Ma
                 if name in aliases or (name == "lm_head.weight" and name not in targets):
                     logger.debug("ignoring %s: the model ties it to the input embedding", ck)
                     continue
-                if name.endswith(_INPUT_SCALE) and (name.removesuffix(_INPUT_SCALE) + ".weight" in targets
-                                                    or _PER_EXPERT_INPUT_SCALE_RE.match(name)):
+                if name.endswith(_INPUT_SCALE) and (
+                    name.removesuffix(_INPUT_SCALE) + ".weight" in targets
+                    or _PER_EXPERT_INPUT_SCALE_RE.match(name)
+                ):
                     logger.debug("ignoring %s: activations are scaled per token, dynamically", ck)
                     continue
                 target = targets.get(name)
@@ -374,7 +393,9 @@ def _fp8_fits(plan: _Plan, ck_dtype: str, name: str, ck: str, target: torch.Tens
     if ck_dtype not in _FP8_DTYPES:
         return True
     if target.dtype != torch.float8_e4m3fn:
-        plan.fp8_mismatch.append(f"{ck} ({ck_dtype}; the model holds {str(target.dtype).removeprefix('torch.')})")
+        plan.fp8_mismatch.append(
+            f"{ck} ({ck_dtype}; the model holds {str(target.dtype).removeprefix('torch.')})"
+        )
         return False
     plan.fp8_weights.add(name)
     return True
@@ -413,7 +434,12 @@ def _materialize(
     for name in metas:
         old = targets[name]
         want = old.dtype
-        if dtype is not None and old.dtype.is_floating_point and old.dtype.itemsize > 1 and not keeps_fp32(name):
+        if (
+            dtype is not None
+            and old.dtype.is_floating_point
+            and old.dtype.itemsize > 1
+            and not keeps_fp32(name)
+        ):
             want = dtype
         new = torch.empty(old.shape, device=device, dtype=want)
         targets[name] = _set_tensor(model, name, new)
@@ -473,7 +499,9 @@ def load_checkpoint(
                 dst = targets[name] if expert is None else targets[name][expert]
                 dst.copy_(src)
                 del src
-    for m in model.modules():  # loaders that pair tensors (block-scaled FP8 experts) check nothing is left over
+    for (
+        m
+    ) in model.modules():  # loaders that pair tensors (block-scaled FP8 experts) check nothing is left over
         hook = getattr(m, "after_checkpoint_load", None)
         if hook is not None:
             hook()
@@ -653,9 +681,13 @@ def init_random_tensors(
             jobs = [j for j in jobs if not j[0].is_cuda]
         if not jobs:
             return
-        specs = [(name, c, (r1 - r0, *t.shape[1:]) if t.dim() else (), std, t.dtype, t.is_cuda)
-                 for t, c, r0, r1, name, std in jobs]
-        for (t, _c, r0, r1, _name, _std), chunk in zip(jobs, _host_chunks(specs, seed, max_workers), strict=True):
+        specs = [
+            (name, c, (r1 - r0, *t.shape[1:]) if t.dim() else (), std, t.dtype, t.is_cuda)
+            for t, c, r0, r1, name, std in jobs
+        ]
+        for (t, _c, r0, r1, _name, _std), chunk in zip(
+            jobs, _host_chunks(specs, seed, max_workers), strict=True
+        ):
             if t.dim():
                 t[r0:r1].copy_(chunk, non_blocking=True)
             else:
@@ -697,8 +729,9 @@ def _draw_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float32 if t.dtype == torch.float8_e4m3fn else t.dtype
 
 
-def _stream_rows(name: str, t: torch.Tensor, cfg: HybridModelConfig, seed: int, max_workers: int | None,
-                 on_device: bool) -> None:
+def _stream_rows(
+    name: str, t: torch.Tensor, cfg: HybridModelConfig, seed: int, max_workers: int | None, on_device: bool
+) -> None:
     """Random init of a parameter whose loader takes one dim-0 row at a time (`loads_by_row`: an expert's
     matrix): each chunk of the checkpoint tensor is drawn as `init_random_tensors` draws it (same seeds, so
     the same values) and its rows handed to the loader, instead of drawing the whole tensor on the host first
@@ -706,16 +739,23 @@ def _stream_rows(name: str, t: torch.Tensor, cfg: HybridModelConfig, seed: int, 
     drawn in float32 and quantised by the loader."""
     kind, std = _init_rule(name, cfg)
     if kind != "normal":
-        raise ValueError(f"init_random_weights: {name!r} loads by row but its init rule is {kind!r}, not normal")
+        raise ValueError(
+            f"init_random_weights: {name!r} loads by row but its init rule is {kind!r}, not normal"
+        )
     shape = checkpoint_shape(t)
     draw = _draw_dtype(t)
     chunks = _row_chunks(shape[0], math.prod(shape[1:]))
     if on_device and t.is_cuda:
         drawn: Iterable[torch.Tensor] = (
-            _device_normal_chunk(t, name, c, (r1 - r0, *shape[1:]), std, seed).to(draw) for c, r0, r1 in chunks)
+            _device_normal_chunk(t, name, c, (r1 - r0, *shape[1:]), std, seed).to(draw)
+            for c, r0, r1 in chunks
+        )
     else:
-        drawn = _host_chunks([(name, c, (r1 - r0, *shape[1:]), std, draw, t.is_cuda) for c, r0, r1 in chunks],
-                             seed, max_workers)
+        drawn = _host_chunks(
+            [(name, c, (r1 - r0, *shape[1:]), std, draw, t.is_cuda) for c, r0, r1 in chunks],
+            seed,
+            max_workers,
+        )
     with torch.no_grad():
         for (_c, r0, r1), chunk in zip(chunks, drawn, strict=True):
             for r in range(r0, r1):
@@ -744,12 +784,19 @@ def init_random_weights(
     tensors, _ = _model_tensors(model)
     metas = [n for n, t in tensors.items() if t.is_meta]
     if metas:
-        raise ValueError(f"init_random_weights: {len(metas)} tensors are on the meta device (e.g. {metas[0]})")
+        raise ValueError(
+            f"init_random_weights: {len(metas)} tensors are on the meta device (e.g. {metas[0]})"
+        )
     # an FP8 weight's scales come from its loader, which quantises the float32 draw (model/fp8_weights.py)
     tensors = {n: t for n, t in tensors.items() if not (scale_weight_name(n) and t.dtype == torch.float32)}
     shards = {n: t for n, t in tensors.items() if is_shard(t) or t.dtype == torch.float8_e4m3fn}
-    init_random_tensors({n: t for n, t in tensors.items() if n not in shards}, cfg, seed=seed, max_workers=max_workers,
-                        on_device=on_device)
+    init_random_tensors(
+        {n: t for n, t in tensors.items() if n not in shards},
+        cfg,
+        seed=seed,
+        max_workers=max_workers,
+        on_device=on_device,
+    )
     # a tensor-parallel shard or an FP8 weight: draw the whole tensor (host memory, or the device's with
     # on_device, one at a time) and hand it to its loader, which keeps this rank's rows (quantised, for FP8),
     # so every tp_size runs the same model for a given seed

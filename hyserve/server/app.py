@@ -59,8 +59,9 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
     app.state.metrics = metrics
     app.router.route_class = BodyRoute  # JSON bodies parsed with a bounded cost on the event loop (body.py)
     install_error_handlers(app)
-    app.add_middleware(ApiMiddleware, api_key=opts.api_key, metrics=metrics,
-                       max_body_bytes=opts.max_request_body_bytes)
+    app.add_middleware(
+        ApiMiddleware, api_key=opts.api_key, metrics=metrics, max_body_bytes=opts.max_request_body_bytes
+    )
     state = AppState(engine, opts, metrics, app.state)
     if opts.tool_parser is None:
         logger.info("no --tool_parser: requests with `tools` get the model's raw output as content")

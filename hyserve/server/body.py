@@ -189,9 +189,12 @@ def _validate_in_slices(model: type[BaseModel], obj: dict[str, Any]) -> BaseMode
             try:
                 done.extend(adapter.validate_python(v[a : a + _SLICE_ITEMS]))
             except ValidationError as e:
-                errs = [dict(err, loc=("body", name, err["loc"][0] + a, *err["loc"][1:]))
-                        if err["loc"] and isinstance(err["loc"][0], int) else dict(err, loc=("body", name, *err["loc"]))
-                        for err in e.errors()]
+                errs = [
+                    dict(err, loc=("body", name, err["loc"][0] + a, *err["loc"][1:]))
+                    if err["loc"] and isinstance(err["loc"][0], int)
+                    else dict(err, loc=("body", name, *err["loc"]))
+                    for err in e.errors()
+                ]
                 raise RequestValidationError(errs) from None
         obj[name] = done
     try:
@@ -215,11 +218,28 @@ def parse_body_sync(body: bytes, model: type[BaseModel]) -> BaseModel:
     except RecursionError:
         raise bad_request("request body is nested too deeply") from None
     except json.JSONDecodeError as e:
-        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error",
-                                       "input": {}, "ctx": {"error": e.msg}}]) from None
+        raise RequestValidationError(
+            [
+                {
+                    "type": "json_invalid",
+                    "loc": ("body", e.pos),
+                    "msg": "JSON decode error",
+                    "input": {},
+                    "ctx": {"error": e.msg},
+                }
+            ]
+        ) from None
     if not isinstance(obj, dict):
-        raise RequestValidationError([{"type": "model_attributes_type", "loc": ("body",),
-                                       "msg": "Input should be a JSON object", "input": None}])
+        raise RequestValidationError(
+            [
+                {
+                    "type": "model_attributes_type",
+                    "loc": ("body",),
+                    "msg": "Input should be a JSON object",
+                    "input": None,
+                }
+            ]
+        )
     return _validate_in_slices(model, obj)
 
 
@@ -233,8 +253,14 @@ async def parse_body(body: bytes, model: type[BaseModel]) -> BaseModel:
 def _body_params(endpoint: Any) -> tuple[str, type[BaseModel], str | None] | None:
     """(the request-model parameter, its model, the `Request` parameter or None) of a route endpoint."""
     hints = typing.get_type_hints(endpoint)
-    model = next(((n, t) for n, t in hints.items() if n != "return" and isinstance(t, type)
-                  and issubclass(t, BaseModel)), None)
+    model = next(
+        (
+            (n, t)
+            for n, t in hints.items()
+            if n != "return" and isinstance(t, type) and issubclass(t, BaseModel)
+        ),
+        None,
+    )
     if model is None:
         return None
     raw = next((n for n, t in hints.items() if t is Request), None)

@@ -69,7 +69,10 @@ def messages_to_template_input(messages: list[ChatMessage]) -> list[dict[str, An
                 {
                     "id": tc.id,
                     "type": "function",
-                    "function": {"name": tc.function.name, "arguments": _arguments_for_template(tc.function.arguments)},
+                    "function": {
+                        "name": tc.function.name,
+                        "arguments": _arguments_for_template(tc.function.arguments),
+                    },
                 }
                 for tc in m.tool_calls
             ]
@@ -126,11 +129,14 @@ def render_chat_prompt(
         )
     if continue_final_message and add_generation_prompt:
         raise bad_request(
-            "continue_final_message and add_generation_prompt cannot both be true", param="continue_final_message"
+            "continue_final_message and add_generation_prompt cannot both be true",
+            param="continue_final_message",
         )
     if continue_final_message and messages[-1].role != "assistant":
-        raise bad_request("continue_final_message needs the last message to be an assistant message",
-                          param="continue_final_message")
+        raise bad_request(
+            "continue_final_message needs the last message to be an assistant message",
+            param="continue_final_message",
+        )
     kwargs = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_VARS}
     conv = messages_to_template_input(messages)
     try:
@@ -143,9 +149,13 @@ def render_chat_prompt(
     except APIError:
         raise
     except Exception as e:  # jinja's TemplateError, raise_exception(...) in templates, missing template
-        raise bad_request(f"cannot apply the chat template: {type(e).__name__}: {e}", param="messages") from None
+        raise bad_request(
+            f"cannot apply the chat template: {type(e).__name__}: {e}", param="messages"
+        ) from None
     if not isinstance(text, str):
-        raise internal_error("the chat template did not render to text", f"it returned a {type(text).__name__}")
+        raise internal_error(
+            "the chat template did not render to text", f"it returned a {type(text).__name__}"
+        )
     if continue_final_message:
         # Templates close the last turn; continuing it means cutting everything after its content.
         last = conv[-1].get("content") or ""

@@ -19,7 +19,9 @@ from hyserve.server.tool_parser import ParsedToolCall, ToolCallParser
 class ChatOutput:
     """Reasoning split, then tool-call parsing of the content part, for one chat choice."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None, parallel: bool) -> None:
+    def __init__(
+        self, reasoning: ReasoningParser | None, tools: ToolCallParser | None, parallel: bool
+    ) -> None:
         self.reasoning = reasoning
         self.tools = tools
         self.parallel = parallel
@@ -57,9 +59,16 @@ class ChatOutput:
         return reasoning, content, calls
 
 
-def output_maker(*, reasoning_parser: str | None, tool_parser: str | None, think: bool, tools: list[ChatTool] | None,
-                 tool_choice: Any, parallel: bool, forced: tuple[Any, str | None] | None
-                 ) -> Callable[[], ChatOutput | ForcedToolOutput]:
+def output_maker(
+    *,
+    reasoning_parser: str | None,
+    tool_parser: str | None,
+    think: bool,
+    tools: list[ChatTool] | None,
+    tool_choice: Any,
+    parallel: bool,
+    forced: tuple[Any, str | None] | None,
+) -> Callable[[], ChatOutput | ForcedToolOutput]:
     """A fresh output object per choice: `ForcedToolOutput` when tool_choice forces calls (`forced`, from
     `structured.tool_choice_spec`), else `ChatOutput`, parsing tool calls when the request has tools, does
     not say tool_choice "none" and the server has a tool parser."""

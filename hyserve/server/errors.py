@@ -75,7 +75,11 @@ class APIError(Exception):
 
 
 def error_body(
-    message: str, *, err_type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+    message: str,
+    *,
+    err_type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
@@ -89,8 +93,12 @@ def internal_error(what: str, detail: str | BaseException, *, code: str | None =
         logger.error("error id %s: %s", error_id, what, exc_info=detail)
     else:
         logger.error("error id %s: %s: %s", error_id, what, detail)
-    return APIError(f"{what} (error id {error_id}: the server log has the detail)", status_code=500,
-                    code=code, error_id=error_id)
+    return APIError(
+        f"{what} (error id {error_id}: the server log has the detail)",
+        status_code=500,
+        code=code,
+        error_id=error_id,
+    )
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -87,11 +87,15 @@ def stagger_choices(jobs: list[Job], n: int, min_prompt: int | None) -> None:
 def finish_error(finish_reason: str | None, error: str | None) -> APIError | None:
     """The API error for a request the engine ended abnormally, if it did."""
     if finish_reason == "error":
-        return internal_error("the engine failed while running this request", error or "unknown error",
-                              code="engine_error")
+        return internal_error(
+            "the engine failed while running this request", error or "unknown error", code="engine_error"
+        )
     if finish_reason == "abort":
-        return APIError("the request was aborted (the server is shutting down or the engine stopped it)",
-                        status_code=503, code="request_aborted")
+        return APIError(
+            "the request was aborted (the server is shutting down or the engine stopped it)",
+            status_code=503,
+            code="request_aborted",
+        )
     return None
 
 
@@ -209,7 +213,9 @@ async def run_all(engine: Any, raw: Request, jobs: list[Job], timers: list[Reque
     raise ClientGone
 
 
-async def run_whole(engine: Any, raw: Request, jobs: list[Job], timers: list[RequestTimer]) -> list[Result] | None:
+async def run_whole(
+    engine: Any, raw: Request, jobs: list[Job], timers: list[RequestTimer]
+) -> list[Result] | None:
     """A non-streaming request's jobs run by `run_all`, each choice's timer closed: the results, or None when
     the client went away first (the route answers 499, each choice ends as an abort); raises the API error
     of the first choice the engine ended abnormally."""
@@ -220,8 +226,11 @@ async def run_whole(engine: Any, raw: Request, jobs: list[Job], timers: list[Req
             t.finish(finish_reason="abort", prompt_tokens=len(j.prompt_ids), output_tokens=0)
         return None
     for res, timer in zip(results, timers):
-        timer.finish(finish_reason=res.finish_reason, prompt_tokens=res.num_prompt_tokens,
-                     output_tokens=res.num_output_tokens)
+        timer.finish(
+            finish_reason=res.finish_reason,
+            prompt_tokens=res.num_prompt_tokens,
+            output_tokens=res.num_output_tokens,
+        )
         err = finish_error(res.finish_reason, res.error)
         if err is not None:
             raise err
@@ -277,4 +286,3 @@ def abort_unfinished(engine: Any, jobs: list[Job], finished: set[int]) -> None:
         if i not in finished:
             with contextlib.suppress(Exception):
                 engine.abort(j.request_id)
-

@@ -21,17 +21,30 @@ from typing import Any
 from hyserve.server.app import ServerOptions, build_app
 
 
-async def _call(app: Any, method: str, path: str, body: dict[str, Any] | None, headers: list[tuple[bytes, bytes]]
-                ) -> tuple[int, bytes]:
+async def _call(
+    app: Any, method: str, path: str, body: dict[str, Any] | None, headers: list[tuple[bytes, bytes]]
+) -> tuple[int, bytes]:
     """One ASGI HTTP request to `app`; returns (status, body). The client stays connected until the
     response ends, as a real client would."""
     raw = json.dumps(body).encode() if body is not None else b""
     scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-        "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-        "headers": [(b"host", b"warmup"), (b"content-type", b"application/json"),
-                    (b"content-length", str(len(raw)).encode()), *headers],
-        "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"warmup"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(raw)).encode()),
+            *headers,
+        ],
+        "client": ("127.0.0.1", 0),
+        "server": ("127.0.0.1", 0),
     }
     done = asyncio.Event()
     sent_body = False
@@ -63,8 +76,9 @@ async def _call(app: Any, method: str, path: str, body: dict[str, Any] | None, h
     return status, b"".join(chunks)
 
 
-def warm_http_path(engine: Any, server_options: ServerOptions | None = None,
-                   log: Callable[[str], None] | None = None) -> float:
+def warm_http_path(
+    engine: Any, server_options: ServerOptions | None = None, log: Callable[[str], None] | None = None
+) -> float:
     """Serve a few tiny requests through a throwaway app over `engine` (started); returns the seconds
     taken. A failure here is reported and does not stop the server (the real requests will tell)."""
     t0 = time.perf_counter()
@@ -75,11 +89,18 @@ def warm_http_path(engine: Any, server_options: ServerOptions | None = None,
     bos = 1 if engine.tokenizer is None else (engine.tokenizer.bos_token_id or 1)
     requests: list[tuple[str, dict[str, Any]]] = []
     for stream in (True, False):
-        common: dict[str, Any] = {"model": engine.model_name, "max_tokens": 2, "temperature": 0, "stream": stream,
-                                  **({"stream_options": {"include_usage": True}} if stream else {})}
+        common: dict[str, Any] = {
+            "model": engine.model_name,
+            "max_tokens": 2,
+            "temperature": 0,
+            "stream": stream,
+            **({"stream_options": {"include_usage": True}} if stream else {}),
+        }
         requests.append(("/v1/completions", {**common, "prompt": [bos, bos + 1], "logprobs": 1}))
         if engine.tokenizer is not None and engine.tokenizer.has_chat_template:
-            requests.append(("/v1/chat/completions", {**common, "messages": [{"role": "user", "content": "hi"}]}))
+            requests.append(
+                ("/v1/chat/completions", {**common, "messages": [{"role": "user", "content": "hi"}]})
+            )
 
     async def run() -> list[str]:
         problems = []

@@ -22,14 +22,24 @@ from hyserve.server.metrics import ServerMetrics
 # Routes that need the API key when one is set (health, metrics and version stay open for probes).
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 _COUNTED_ROUTES = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize", "/health",
-     "/version"}
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/health",
+        "/version",
+    }
 )
 
 
 def body_too_large(limit: int) -> str:
-    return (f"the request body is larger than the server's limit of {limit} bytes ({limit / 2**20:.0f} MiB; "
-            "--max_request_body_bytes)")
+    return (
+        f"the request body is larger than the server's limit of {limit} bytes ({limit / 2**20:.0f} MiB; "
+        "--max_request_body_bytes)"
+    )
 
 
 class _BodyTooLarge(HTTPException):
@@ -41,32 +51,51 @@ class ApiMiddleware:
     """Checks the bearer token of protected routes, bounds request bodies, counts requests per route and
     status, and keeps `metrics.inflight`, the API requests (protected routes) not finished yet."""
 
-    def __init__(self, app: Any, *, api_key: str | None, metrics: ServerMetrics,
-                 max_body_bytes: int | None = None) -> None:
+    def __init__(
+        self, app: Any, *, api_key: str | None, metrics: ServerMetrics, max_body_bytes: int | None = None
+    ) -> None:
         self.app = app
         self.api_key = api_key
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
 
-    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Awaitable[Any]], send: Any) -> None:
+    async def __call__(
+        self, scope: dict[str, Any], receive: Callable[..., Awaitable[Any]], send: Any
+    ) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path: str = scope.get("path", "")
-        route = path if path in _COUNTED_ROUTES else ("/v1/models/{model}" if path.startswith("/v1/models/")
-                                                       else "other")
+        route = (
+            path
+            if path in _COUNTED_ROUTES
+            else ("/v1/models/{model}" if path.startswith("/v1/models/") else "other")
+        )
         if self.api_key and path.startswith(_PROTECTED_PREFIXES) and scope.get("method") != "OPTIONS":
             if not self._authorized(scope):
-                await self._send_error(send, 401, error_body(
-                    "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                    err_type="authentication_error", code="invalid_api_key"), route, (b"www-authenticate", b"Bearer"))
+                await self._send_error(
+                    send,
+                    401,
+                    error_body(
+                        "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                        err_type="authentication_error",
+                        code="invalid_api_key",
+                    ),
+                    route,
+                    (b"www-authenticate", b"Bearer"),
+                )
                 return
         limit = self.max_body_bytes
         if limit is not None:
             declared = next((v for k, v in scope.get("headers", []) if k.lower() == b"content-length"), None)
             if declared is not None and declared.strip().isdigit() and int(declared) > limit:
-                await self._send_error(send, 413, error_body(body_too_large(limit), err_type="invalid_request_error"),
-                                       route, (b"connection", b"close"))
+                await self._send_error(
+                    send,
+                    413,
+                    error_body(body_too_large(limit), err_type="invalid_request_error"),
+                    route,
+                    (b"connection", b"close"),
+                )
                 return
             receive = self._bounded(receive, limit)
         status = {"code": 500}
@@ -100,11 +129,17 @@ class ApiMiddleware:
 
         return bounded
 
-    async def _send_error(self, send: Any, status: int, body: dict[str, Any], route: str,
-                          header: tuple[bytes, bytes]) -> None:
+    async def _send_error(
+        self, send: Any, status: int, body: dict[str, Any], route: str, header: tuple[bytes, bytes]
+    ) -> None:
         """An error answered here, before the app (a JSON error body, `header` besides its content type)."""
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), header]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json"), header],
+            }
+        )
         await send({"type": "http.response.body", "body": json.dumps(body).encode()})
         self.metrics.requests.labels(route=route, status=str(status)).inc()
 

@@ -67,8 +67,13 @@ def _make_server_class() -> type:
         """uvicorn.Server whose first signal starts a drain (`on_first_signal`) instead of exiting, and
         whose second exits at once."""
 
-        def __init__(self, config: uvicorn.Config, *, on_first_signal: Callable[[], None],
-                     on_started: Callable[[], None]) -> None:
+        def __init__(
+            self,
+            config: uvicorn.Config,
+            *,
+            on_first_signal: Callable[[], None],
+            on_started: Callable[[], None],
+        ) -> None:
             super().__init__(config)
             self._on_first_signal = on_first_signal
             self._on_started = on_started
@@ -116,7 +121,9 @@ def drain(app: Any, engine: Any, timeout: float, out: Callable[[str], None], *, 
     metrics = app.state.metrics
     app.state.accepting = False
     n = metrics.inflight
-    out(f"hyserve: shutting down: draining: no new requests; {n} in flight get up to {timeout:g}s to finish ...")
+    out(
+        f"hyserve: shutting down: draining: no new requests; {n} in flight get up to {timeout:g}s to finish ..."
+    )
     deadline = time.monotonic() + timeout
     while metrics.inflight > 0 and time.monotonic() < deadline:
         time.sleep(poll)
@@ -160,12 +167,20 @@ def run_server(config: EngineConfig, server_options: Any, *, log: Callable[[str]
         server.should_exit = True
 
     def on_started() -> None:
-        out(f"hyserve: ready: serving {engine.model_name!r} on http://{host}:{port} "
-            f"(OpenAI API under /v1, metrics at /metrics; Ctrl-C to stop)")
+        out(
+            f"hyserve: ready: serving {engine.model_name!r} on http://{host}:{port} "
+            f"(OpenAI API under /v1, metrics at /metrics; Ctrl-C to stop)"
+        )
 
     uv_config = uvicorn.Config(
-        app, host=host, port=port, log_level=opts.log_level, access_log=opts.access_log, lifespan="off",
-        timeout_graceful_shutdown=10, timeout_keep_alive=5,
+        app,
+        host=host,
+        port=port,
+        log_level=opts.log_level,
+        access_log=opts.access_log,
+        lifespan="off",
+        timeout_graceful_shutdown=10,
+        timeout_keep_alive=5,
     )
     server = server_cls(uv_config, on_first_signal=on_signal, on_started=on_started)
     # several ranks: a lost rank marks the engine unhealthy and stops the server (exit status 1)

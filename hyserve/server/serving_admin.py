@@ -21,14 +21,25 @@ def model_card(state: AppState) -> ModelCard:
 def health_response(state: AppState) -> JSONResponse:
     """200 when the server accepts requests and the engine runs; 503 naming why otherwise."""
     if not state.accepting:
-        return JSONResponse(error_body("the server is shutting down (draining the requests in flight)",
-                                       err_type="service_unavailable_error",
-                                       code="shutting_down"), status_code=503)
+        return JSONResponse(
+            error_body(
+                "the server is shutting down (draining the requests in flight)",
+                err_type="service_unavailable_error",
+                code="shutting_down",
+            ),
+            status_code=503,
+        )
     if state.engine.healthy:
         return JSONResponse({"status": "ok"})
     reason = getattr(state.engine, "dead_reason", None) or "unknown"
-    return JSONResponse(error_body(f"the engine is not running: {reason}", err_type="service_unavailable_error",
-                                   code="engine_unavailable"), status_code=503)
+    return JSONResponse(
+        error_body(
+            f"the engine is not running: {reason}",
+            err_type="service_unavailable_error",
+            code="engine_unavailable",
+        ),
+        status_code=503,
+    )
 
 
 def add_routes(app: FastAPI, state: AppState) -> None:

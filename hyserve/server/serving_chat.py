@@ -58,10 +58,13 @@ def chat_logprobs(state: AppState, lps: list[TokenLogprob], top_n: int) -> ChatC
         tops = sorted(lp.top.items(), key=lambda kv: -kv[1])[:top_n]
         content.append(
             ChatLogprobToken(
-                token=s, logprob=max(lp.logprob, LOGPROB_FLOOR), bytes=state.token_bytes(lp.token_id),
+                token=s,
+                logprob=max(lp.logprob, LOGPROB_FLOOR),
+                bytes=state.token_bytes(lp.token_id),
                 top_logprobs=[
-                    ChatLogprobTop(token=state.token_text(t), logprob=max(v, LOGPROB_FLOOR),
-                                   bytes=state.token_bytes(t))
+                    ChatLogprobTop(
+                        token=state.token_text(t), logprob=max(v, LOGPROB_FLOOR), bytes=state.token_bytes(t)
+                    )
                     for t, v in tops
                 ],
             )
@@ -90,17 +93,28 @@ async def create_chat_completion(state: AppState, req: ChatCompletionRequest, ra
     forced = structured.tool_choice_spec(req.tools, tc, parallel, start)
     spec = structured.one_constraint(
         ("response_format", structured.from_response_format(req.response_format, start)),
-        ("structured_outputs", structured.from_extra(req.structured_outputs, start) if req.structured_outputs
-         else None),
+        (
+            "structured_outputs",
+            structured.from_extra(req.structured_outputs, start) if req.structured_outputs else None,
+        ),
         ("tool_choice", forced[0] if forced else None),
     )
-    grammar_param = ("tool_choice" if forced else "response_format" if req.response_format is not None
-                     else "structured_outputs")
+    grammar_param = (
+        "tool_choice"
+        if forced
+        else "response_format"
+        if req.response_format is not None
+        else "structured_outputs"
+    )
 
     def render_and_encode() -> tuple[str, list[int]]:
         text = render_chat_prompt(
-            tok, req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message, chat_template_kwargs=req.chat_template_kwargs,
+            tok,
+            req.messages,
+            tools=req.tools,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template_kwargs=req.chat_template_kwargs,
         )
         return text, encode_text(tok, text, add_special_tokens=False, param="messages")
 
@@ -109,40 +123,74 @@ async def create_chat_completion(state: AppState, req: ChatCompletionRequest, ra
     text, prompt_ids = await state.off_loop(render_and_encode, n_chars >= OFF_LOOP_CHARS)
     top_n = req.top_logprobs or 0
     params = state.sampling_params(
-        req, len(prompt_ids),
+        req,
+        len(prompt_ids),
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
-        top_n if req.logprobs else None, logprobs_param="top_logprobs", structured_outputs=spec,
+        top_n if req.logprobs else None,
+        logprobs_param="top_logprobs",
+        structured_outputs=spec,
     )
     await state.validate_async(prompt_ids, params, "messages", grammar_param, priority=req.priority)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     n = req.n or 1
-    jobs = [Job(request_id if n == 1 else f"{request_id}-{k}", prompt_ids, choice_params(params, k), text,
-                priority=req.priority) for k in range(n)]
+    jobs = [
+        Job(
+            request_id if n == 1 else f"{request_id}-{k}",
+            prompt_ids,
+            choice_params(params, k),
+            text,
+            priority=req.priority,
+        )
+        for k in range(n)
+    ]
     stagger_choices(jobs, n, state.stagger_min)
-    output = output_maker(reasoning_parser=opts.reasoning_parser, tool_parser=opts.tool_parser, think=think,
-                          tools=req.tools, tool_choice=tc, parallel=parallel, forced=forced)
+    output = output_maker(
+        reasoning_parser=opts.reasoning_parser,
+        tool_parser=opts.tool_parser,
+        think=think,
+        tools=req.tools,
+        tool_choice=tc,
+        parallel=parallel,
+        forced=forced,
+    )
 
     model_name = req.model or engine.model_name
     timers = [RequestTimer(state.metrics) for _ in jobs]
     if req.stream:
         so = req.stream_options
         return SSEResponse(
-            chat_stream(state, request_id, jobs, model_name, [output() for _ in jobs], timers, top_n,
-                        include_usage=bool(so and so.include_usage),
-                        continuous=bool(so and so.continuous_usage_stats),
-                        with_logprobs=bool(req.logprobs)),
+            chat_stream(
+                state,
+                request_id,
+                jobs,
+                model_name,
+                [output() for _ in jobs],
+                timers,
+                top_n,
+                include_usage=bool(so and so.include_usage),
+                continuous=bool(so and so.continuous_usage_stats),
+                with_logprobs=bool(req.logprobs),
+            ),
             headers=SSE_HEADERS,
         )
     results = await run_whole(engine, raw, jobs, timers)
     if results is None:
         return Response(status_code=499)
-    return await state.off_loop(lambda: chat_reply(state, req, request_id, model_name, results, top_n, output),
-                                state.large_reply(sum(r.num_output_tokens for r in results), top_n))
+    return await state.off_loop(
+        lambda: chat_reply(state, req, request_id, model_name, results, top_n, output),
+        state.large_reply(sum(r.num_output_tokens for r in results), top_n),
+    )
 
 
-def chat_reply(state: AppState, req: ChatCompletionRequest, request_id: str, model_name: str,
-               results: list[Result], top_n: int, output: Callable[[], ChatOutput | ForcedToolOutput]
-               ) -> JSONResponse:
+def chat_reply(
+    state: AppState,
+    req: ChatCompletionRequest,
+    request_id: str,
+    model_name: str,
+    results: list[Result],
+    top_n: int,
+    output: Callable[[], ChatOutput | ForcedToolOutput],
+) -> JSONResponse:
     choices = []
     for k, res in enumerate(results):
         reasoning, content, calls = output().parse(res.text)
@@ -165,8 +213,9 @@ def chat_reply(state: AppState, req: ChatCompletionRequest, request_id: str, mod
         id=request_id,
         model=model_name,
         choices=choices,
-        usage=usage_info(first.num_prompt_tokens, sum(r.num_output_tokens for r in results),
-                         first.num_cached_tokens),
+        usage=usage_info(
+            first.num_prompt_tokens, sum(r.num_output_tokens for r in results), first.num_cached_tokens
+        ),
     )
     body = resp.model_dump(mode="json")
     for c in body["choices"]:  # OpenAI omits tool_calls from a message that has none
@@ -175,13 +224,19 @@ def chat_reply(state: AppState, req: ChatCompletionRequest, request_id: str, mod
     return JSONResponse(body)
 
 
-def _stream_delta(n_calls: list[int], k: int, r: str, c: str, calls: list[ParsedToolCall]) -> ChatDelta | None:
+def _stream_delta(
+    n_calls: list[int], k: int, r: str, c: str, calls: list[ParsedToolCall]
+) -> ChatDelta | None:
     """Choice k's delta of reasoning, content and new tool calls (numbered on from `n_calls[k]`), or None."""
     tc = None
     if calls:
         tc = [
-            DeltaToolCall(index=n_calls[k] + j, id=call.id, type="function",
-                          function=ResponseFunctionCall(name=call.name, arguments=call.arguments))
+            DeltaToolCall(
+                index=n_calls[k] + j,
+                id=call.id,
+                type="function",
+                function=ResponseFunctionCall(name=call.name, arguments=call.arguments),
+            )
             for j, call in enumerate(calls)
         ]
         n_calls[k] += len(calls)
@@ -191,8 +246,17 @@ def _stream_delta(n_calls: list[int], k: int, r: str, c: str, calls: list[Parsed
 
 
 async def chat_stream(
-    state: AppState, request_id: str, jobs: list[Job], model_name: str, outs: list[ChatOutput | ForcedToolOutput],
-    timers: list[RequestTimer], top_n: int, *, include_usage: bool, continuous: bool, with_logprobs: bool,
+    state: AppState,
+    request_id: str,
+    jobs: list[Job],
+    model_name: str,
+    outs: list[ChatOutput | ForcedToolOutput],
+    timers: list[RequestTimer],
+    top_n: int,
+    *,
+    include_usage: bool,
+    continuous: bool,
+    with_logprobs: bool,
 ) -> AsyncIterator[str]:
     """One SSE stream for the n choices of a chat request (choice k = job k), interleaved as they come."""
     engine = state.engine
@@ -210,27 +274,54 @@ async def chat_stream(
 
     # per-token chunks (text only: no role, tool calls, logprobs, finish or running usage) are formatted
     # directly: the pydantic model + dump costs several microseconds per token per stream on the event loop
-    token_head = json.dumps({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                             "model": model_name})[:-1] + ', "choices": [{"index": '
+    token_head = (
+        json.dumps(
+            {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model_name}
+        )[:-1]
+        + ', "choices": [{"index": '
+    )
     token_tail = ', "usage": null}' if include_usage else "}"
 
-    def chunk(k: int, delta: ChatDelta, *, logprobs: ChatChoiceLogprobs | None = None,
-              finish: str | None = None, stop_reason: int | str | None = None) -> str:
-        if (logprobs is None and finish is None and stop_reason is None and not continuous
-                and delta.role is None and delta.tool_calls is None):
-            fields = {key: val for key, val in (("content", delta.content),
-                                                ("reasoning_content", delta.reasoning_content))
-                      if val is not None}
-            return sse(f'{token_head}{k}, "delta": {json.dumps(fields)}, "logprobs": null, '
-                       f'"finish_reason": null, "stop_reason": null}}]{token_tail}')
+    def chunk(
+        k: int,
+        delta: ChatDelta,
+        *,
+        logprobs: ChatChoiceLogprobs | None = None,
+        finish: str | None = None,
+        stop_reason: int | str | None = None,
+    ) -> str:
+        if (
+            logprobs is None
+            and finish is None
+            and stop_reason is None
+            and not continuous
+            and delta.role is None
+            and delta.tool_calls is None
+        ):
+            fields = {
+                key: val
+                for key, val in (("content", delta.content), ("reasoning_content", delta.reasoning_content))
+                if val is not None
+            }
+            return sse(
+                f'{token_head}{k}, "delta": {json.dumps(fields)}, "logprobs": null, '
+                f'"finish_reason": null, "stop_reason": null}}]{token_tail}'
+            )
         c = ChatCompletionChunk(
-            id=request_id, created=created, model=model_name,
-            choices=[ChatStreamChoice(index=k, delta=delta, logprobs=logprobs, finish_reason=finish,
-                                      stop_reason=stop_reason)],
+            id=request_id,
+            created=created,
+            model=model_name,
+            choices=[
+                ChatStreamChoice(
+                    index=k, delta=delta, logprobs=logprobs, finish_reason=finish, stop_reason=stop_reason
+                )
+            ],
             usage=usage() if continuous else None,
         )
         d = c.model_dump(mode="json")
-        d["choices"][0]["delta"] = {key: val for key, val in d["choices"][0]["delta"].items() if val is not None}
+        d["choices"][0]["delta"] = {
+            key: val for key, val in d["choices"][0]["delta"].items() if val is not None
+        }
         if not (include_usage or continuous):
             d.pop("usage")
         return sse(json.dumps(d))
@@ -265,10 +356,18 @@ async def chat_stream(
                 yield chunk(k, ChatDelta(), finish=reason, stop_reason=d.stop_reason)
         else:
             if include_usage:
-                yield sse(json.dumps({
-                    "id": request_id, "object": "chat.completion.chunk", "created": created,
-                    "model": model_name, "choices": [], "usage": usage().model_dump(mode="json"),
-                }))
+                yield sse(
+                    json.dumps(
+                        {
+                            "id": request_id,
+                            "object": "chat.completion.chunk",
+                            "created": created,
+                            "model": model_name,
+                            "choices": [],
+                            "usage": usage().model_dump(mode="json"),
+                        }
+                    )
+                )
         yield sse("[DONE]")
     except Exception as e:
         yield sse_error_event(state.stream_failure(e))
@@ -276,8 +375,9 @@ async def chat_stream(
     finally:
         abort_unfinished(engine, jobs, finished)
         for k, t in enumerate(timers):
-            t.finish(finish_reason=finish_reasons.get(k) or "abort", prompt_tokens=n_prompt,
-                     output_tokens=n_out[k])
+            t.finish(
+                finish_reason=finish_reasons.get(k) or "abort", prompt_tokens=n_prompt, output_tokens=n_out[k]
+            )
 
 
 def add_routes(app: FastAPI, state: AppState) -> None:

@@ -65,9 +65,12 @@ def completion_prompts(state: AppState, req: CompletionRequest) -> list[tuple[li
             out.append((ids, item))
         else:
             if len(item) > state.engine.max_seq_len:  # before the engine looks at each id
-                raise bad_request(f"{param} has {len(item)} tokens, more than max_seq_len = "
-                                  f"{state.engine.max_seq_len}; shorten the prompt", param=param,
-                                  code="context_length_exceeded")
+                raise bad_request(
+                    f"{param} has {len(item)} tokens, more than max_seq_len = "
+                    f"{state.engine.max_seq_len}; shorten the prompt",
+                    param=param,
+                    code="context_length_exceeded",
+                )
             out.append((item if isinstance(item, TokenIds) else list(item), None))
     return out
 
@@ -107,8 +110,9 @@ def prompt_offsets(state: AppState, ids: list[int], ptext: str) -> list[int]:
     return out
 
 
-def completion_logprobs(state: AppState, lps: list[TokenLogprob], top_n: int, offsets: list[int]
-                        ) -> CompletionLogprobs:
+def completion_logprobs(
+    state: AppState, lps: list[TokenLogprob], top_n: int, offsets: list[int]
+) -> CompletionLogprobs:
     """Generated tokens' logprobs; `offsets[i]` is token i's text_offset."""
     res = CompletionLogprobs()
     for lp, off in zip(lps, offsets):
@@ -116,13 +120,16 @@ def completion_logprobs(state: AppState, lps: list[TokenLogprob], top_n: int, of
         res.tokens.append(s)
         res.token_logprobs.append(max(lp.logprob, LOGPROB_FLOOR))
         tops = sorted(lp.top.items(), key=lambda kv: -kv[1])[:top_n]
-        res.top_logprobs.append({state.token_text(t): max(v, LOGPROB_FLOOR) for t, v in tops} if top_n else None)
+        res.top_logprobs.append(
+            {state.token_text(t): max(v, LOGPROB_FLOOR) for t, v in tops} if top_n else None
+        )
         res.text_offset.append(off)
     return res
 
 
-def echo_logprobs(state: AppState, prompt_ids: list[int], plps: list[TokenLogprob | None] | None, top_n: int,
-                  ptext: str) -> CompletionLogprobs:
+def echo_logprobs(
+    state: AppState, prompt_ids: list[int], plps: list[TokenLogprob | None] | None, top_n: int, ptext: str
+) -> CompletionLogprobs:
     """The echoed prompt's logprobs: null for the first token (nothing predicts it), as OpenAI."""
     res = CompletionLogprobs()
     for i, (t, off) in enumerate(zip(prompt_ids, prompt_offsets(state, prompt_ids, ptext))):
@@ -158,24 +165,41 @@ async def create_completion(state: AppState, req: CompletionRequest, raw: Reques
         raise bad_request(f"best_of must be 1, got {req.best_of}", param="best_of")
     prompt_only = req.max_tokens == 0
     if prompt_only and not req.echo:
-        raise bad_request("max_tokens must be >= 1 (0 is only allowed with echo: the prompt back, with its "
-                          "logprobs, and nothing generated)", param="max_tokens")
+        raise bad_request(
+            "max_tokens must be >= 1 (0 is only allowed with echo: the prompt back, with its "
+            "logprobs, and nothing generated)",
+            param="max_tokens",
+        )
     p0 = req.prompt
-    texts = [p0] if isinstance(p0, str) else [] if not p0 or type(p0[0]) is int else [p for p in p0 if isinstance(p, str)]
+    texts = (
+        [p0]
+        if isinstance(p0, str)
+        else []
+        if not p0 or type(p0[0]) is int
+        else [p for p in p0 if isinstance(p, str)]
+    )
     for i, p in enumerate(texts):
         state.check_prompt_chars(len(p), "prompt" if isinstance(req.prompt, str) else f"prompt[{i}]")
-    prompts = await state.off_loop(lambda: completion_prompts(state, req),
-                                   sum(len(p) for p in texts) >= OFF_LOOP_CHARS)
+    prompts = await state.off_loop(
+        lambda: completion_prompts(state, req), sum(len(p) for p in texts) >= OFF_LOOP_CHARS
+    )
     spec = structured.from_extra(req.structured_outputs, None) if req.structured_outputs else None
     base = f"cmpl-{uuid.uuid4().hex}"
     n = req.n or 1
     jobs: list[Job] = []  # choice index = prompt index * n + k, as OpenAI orders them
     for i, (ids, text) in enumerate(prompts):
         # echo + logprobs: the prompt tokens' own logprobs too (lm-eval style loglikelihood requests)
-        params = state.sampling_params(req, len(ids), 1 if prompt_only else req.max_tokens, req.logprobs,
-                                       req.logprobs if req.echo else None, structured_outputs=spec)
-        await state.validate_async(ids, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]",
-                                   priority=req.priority)
+        params = state.sampling_params(
+            req,
+            len(ids),
+            1 if prompt_only else req.max_tokens,
+            req.logprobs,
+            req.logprobs if req.echo else None,
+            structured_outputs=spec,
+        )
+        await state.validate_async(
+            ids, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]", priority=req.priority
+        )
         for k in range(n):
             rid = base if len(prompts) * n == 1 else f"{base}-{i * n + k}"
             jobs.append(Job(rid, ids, choice_params(params, k), text, priority=req.priority))
@@ -186,9 +210,16 @@ async def create_completion(state: AppState, req: CompletionRequest, raw: Reques
     if req.stream:
         so = req.stream_options
         return SSEResponse(
-            completion_stream(state, base, jobs, model_name, timers, req,
-                              include_usage=bool(so and so.include_usage),
-                              continuous=bool(so and so.continuous_usage_stats)),
+            completion_stream(
+                state,
+                base,
+                jobs,
+                model_name,
+                timers,
+                req,
+                include_usage=bool(so and so.include_usage),
+                continuous=bool(so and so.continuous_usage_stats),
+            ),
             headers=SSE_HEADERS,
         )
     results = await run_whole(engine, raw, jobs, timers)
@@ -211,8 +242,17 @@ def res_offsets(state: AppState, res: Result) -> list[int]:
     return out
 
 
-def completion_reply(state: AppState, req: CompletionRequest, base: str, model_name: str, jobs: list[Job],
-                     results: list[Result], top_n: int, n: int, prompt_only: bool) -> JSONResponse:
+def completion_reply(
+    state: AppState,
+    req: CompletionRequest,
+    base: str,
+    model_name: str,
+    jobs: list[Job],
+    results: list[Result],
+    top_n: int,
+    n: int,
+    prompt_only: bool,
+) -> JSONResponse:
     choices = []
     for i, (job, res) in enumerate(zip(jobs, results)):
         if prompt_only:  # the one token the engine generated is not part of the answer
@@ -225,15 +265,20 @@ def completion_reply(state: AppState, req: CompletionRequest, base: str, model_n
             text = ptext + text
             if req.logprobs is not None:
                 lp = echo_logprobs(state, job.prompt_ids, res.prompt_logprobs, top_n, ptext)
-                gen = completion_logprobs(state, res.logprobs, top_n, [len(ptext) + o for o in res_offsets(state, res)])
+                gen = completion_logprobs(
+                    state, res.logprobs, top_n, [len(ptext) + o for o in res_offsets(state, res)]
+                )
                 lp.tokens += gen.tokens
                 lp.token_logprobs += gen.token_logprobs
                 lp.top_logprobs += gen.top_logprobs
                 lp.text_offset += gen.text_offset
         elif req.logprobs is not None:
             lp = completion_logprobs(state, res.logprobs, top_n, res_offsets(state, res))
-        choices.append(CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=res.finish_reason,
-                                        stop_reason=res.stop_reason))
+        choices.append(
+            CompletionChoice(
+                index=i, text=text, logprobs=lp, finish_reason=res.finish_reason, stop_reason=res.stop_reason
+            )
+        )
     firsts = results[::n]  # the prompt counts once however many choices it has (OpenAI's usage)
     usage = usage_info(
         sum(r.num_prompt_tokens for r in firsts),
@@ -245,8 +290,15 @@ def completion_reply(state: AppState, req: CompletionRequest, base: str, model_n
 
 
 async def completion_stream(
-    state: AppState, base: str, jobs: list[Job], model_name: str, timers: list[RequestTimer],
-    req: CompletionRequest, *, include_usage: bool, continuous: bool,
+    state: AppState,
+    base: str,
+    jobs: list[Job],
+    model_name: str,
+    timers: list[RequestTimer],
+    req: CompletionRequest,
+    *,
+    include_usage: bool,
+    continuous: bool,
 ) -> AsyncIterator[str]:
     engine = state.engine
     created = now()
@@ -266,19 +318,33 @@ async def completion_stream(
 
     # the per-token chunk (no logprobs, not the last, no usage) is formatted directly: the pydantic
     # model + dump costs several microseconds per token per stream on the event loop
-    token_head = json.dumps({"id": base, "object": "text_completion", "created": created, "model": model_name})
+    token_head = json.dumps(
+        {"id": base, "object": "text_completion", "created": created, "model": model_name}
+    )
     token_head = token_head[:-1] + ', "choices": [{"index": '
     token_tail = ', "usage": null}' if include_usage else "}"
 
-    def chunk(i: int, text: str, lp: CompletionLogprobs | None, finish: str | None = None,
-              stop_reason: int | str | None = None) -> str:
+    def chunk(
+        i: int,
+        text: str,
+        lp: CompletionLogprobs | None,
+        finish: str | None = None,
+        stop_reason: int | str | None = None,
+    ) -> str:
         if lp is None and finish is None and stop_reason is None and not continuous:
-            return sse(f'{token_head}{i}, "text": {json.dumps(text)}, "logprobs": null, '
-                       f'"finish_reason": null, "stop_reason": null}}]{token_tail}')
+            return sse(
+                f'{token_head}{i}, "text": {json.dumps(text)}, "logprobs": null, '
+                f'"finish_reason": null, "stop_reason": null}}]{token_tail}'
+            )
         c = CompletionChunk(
-            id=base, created=created, model=model_name,
-            choices=[CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=finish,
-                                      stop_reason=stop_reason)],
+            id=base,
+            created=created,
+            model=model_name,
+            choices=[
+                CompletionChoice(
+                    index=i, text=text, logprobs=lp, finish_reason=finish, stop_reason=stop_reason
+                )
+            ],
             usage=usage() if continuous else None,
         )
         d = c.model_dump(mode="json")
@@ -301,7 +367,9 @@ async def completion_stream(
                 echo_pending.discard(i)
                 ptext = prompt_echo_text(state, jobs[i].prompt_ids, jobs[i].prompt_text)
                 offsets[i] = len(ptext)
-                yield chunk(i, ptext, echo_logprobs(state, jobs[i].prompt_ids, d.prompt_logprobs, top_n, ptext))
+                yield chunk(
+                    i, ptext, echo_logprobs(state, jobs[i].prompt_ids, d.prompt_logprobs, top_n, ptext)
+                )
             if d.token_ids:
                 timers[i].token()
             n_out[i], n_cached[i] = d.num_output_tokens, d.num_cached_tokens
@@ -321,21 +389,35 @@ async def completion_stream(
                 continue
             lp = None
             if req.logprobs is not None and d.logprobs:
-                lp = completion_logprobs(state, d.logprobs, top_n,
-                                         delta_offsets(state, d.token_ids, offsets[i], d.text))
+                lp = completion_logprobs(
+                    state, d.logprobs, top_n, delta_offsets(state, d.token_ids, offsets[i], d.text)
+                )
             offsets[i] += len(d.text)
             # one chunk per engine step that produced tokens, even when they decode to no text yet (a
             # partial UTF-8 sequence, or token ids without a tokenizer), as vLLM streams: clients time
             # tokens by chunks
             if d.text or d.token_ids or lp is not None or d.finished:
-                yield chunk(i, d.text, lp, d.finish_reason if d.finished else None,
-                            d.stop_reason if d.finished else None)
+                yield chunk(
+                    i,
+                    d.text,
+                    lp,
+                    d.finish_reason if d.finished else None,
+                    d.stop_reason if d.finished else None,
+                )
         else:
             if include_usage:
-                yield sse(json.dumps({
-                    "id": base, "object": "text_completion", "created": created, "model": model_name,
-                    "choices": [], "usage": usage().model_dump(mode="json"),
-                }))
+                yield sse(
+                    json.dumps(
+                        {
+                            "id": base,
+                            "object": "text_completion",
+                            "created": created,
+                            "model": model_name,
+                            "choices": [],
+                            "usage": usage().model_dump(mode="json"),
+                        }
+                    )
+                )
         yield sse("[DONE]")
     except Exception as e:
         yield sse_error_event(state.stream_failure(e))
@@ -343,7 +425,9 @@ async def completion_stream(
     finally:
         abort_unfinished(engine, jobs, finished)
         for i, t in enumerate(timers):
-            t.finish(finish_reason=reasons.get(i) or "abort", prompt_tokens=n_prompt[i], output_tokens=n_out[i])
+            t.finish(
+                finish_reason=reasons.get(i) or "abort", prompt_tokens=n_prompt[i], output_tokens=n_out[i]
+            )
 
 
 def add_routes(app: FastAPI, state: AppState) -> None:

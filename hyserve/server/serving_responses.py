@@ -71,8 +71,11 @@ def _part_text(part: Any, where: str) -> str:
         raise bad_request(f"{where} must be a content part object, got {type(part).__name__}", param=where)
     typ = part.get("type")
     if typ not in _TEXT_PART_TYPES and typ != "refusal":
-        raise bad_request(f"{where}.type {typ!r} is not supported: this server serves text models and accepts "
-                          f"{list(_TEXT_PART_TYPES)} parts", param=f"{where}.type")
+        raise bad_request(
+            f"{where}.type {typ!r} is not supported: this server serves text models and accepts "
+            f"{list(_TEXT_PART_TYPES)} parts",
+            param=f"{where}.type",
+        )
     text = part.get("refusal" if typ == "refusal" else "text")
     if not isinstance(text, str):
         raise bad_request(f"{where}.text must be a string", param=f"{where}.text")
@@ -115,8 +118,10 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
         if typ == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise bad_request(f"{where}.role must be one of user, assistant, system, developer; got {role!r}",
-                                  param=f"{where}.role")
+                raise bad_request(
+                    f"{where}.role must be one of user, assistant, system, developer; got {role!r}",
+                    param=f"{where}.role",
+                )
             text = _content_text(item.get("content"), f"{where}.content")
             if role == "assistant":
                 msgs.append(ChatMessage(role="assistant", content=text, reasoning_content=reasoning))
@@ -124,25 +129,39 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
             else:
                 msgs.append(ChatMessage(role=role, content=text))
         elif typ == "function_call":
-            call = ToolCall(id=_str_field(item, "call_id", where),
-                            function=FunctionCall(name=_str_field(item, "name", where),
-                                                  arguments=_str_field(item, "arguments", where)))
+            call = ToolCall(
+                id=_str_field(item, "call_id", where),
+                function=FunctionCall(
+                    name=_str_field(item, "name", where), arguments=_str_field(item, "arguments", where)
+                ),
+            )
             last = msgs[-1] if msgs else None
             if last is not None and last.role == "assistant":
                 last.tool_calls = [*(last.tool_calls or []), call]
             else:
-                msgs.append(ChatMessage(role="assistant", content=None, tool_calls=[call],
-                                        reasoning_content=reasoning))
+                msgs.append(
+                    ChatMessage(
+                        role="assistant", content=None, tool_calls=[call], reasoning_content=reasoning
+                    )
+                )
                 reasoning = None
         elif typ == "function_call_output":
-            msgs.append(ChatMessage(role="tool", tool_call_id=_str_field(item, "call_id", where),
-                                    content=_content_text(item.get("output"), f"{where}.output")))
+            msgs.append(
+                ChatMessage(
+                    role="tool",
+                    tool_call_id=_str_field(item, "call_id", where),
+                    content=_content_text(item.get("output"), f"{where}.output"),
+                )
+            )
         elif typ == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             reasoning = _content_text(parts, f"{where}.content") if parts else None
         else:
-            raise bad_request(f"{where}.type {typ!r} is not supported; input items may be message, function_call, "
-                              "function_call_output or reasoning", param=f"{where}.type")
+            raise bad_request(
+                f"{where}.type {typ!r} is not supported; input items may be message, function_call, "
+                "function_call_output or reasoning",
+                param=f"{where}.type",
+            )
     if not any(m.role != "system" for m in msgs):
         raise bad_request("input has no user, assistant or tool message", param="input")
     return msgs
@@ -154,12 +173,20 @@ def chat_tools(req: ResponsesRequest) -> list[ChatTool] | None:
     out = []
     for i, t in enumerate(req.tools):
         if t.type != "function":
-            raise bad_request(f"tools[{i}].type {t.type!r} is not supported: this server runs no hosted tools; "
-                              "only function tools", param=f"tools[{i}].type")
+            raise bad_request(
+                f"tools[{i}].type {t.type!r} is not supported: this server runs no hosted tools; "
+                "only function tools",
+                param=f"tools[{i}].type",
+            )
         if not t.name:
             raise bad_request(f"tools[{i}].name is required", param=f"tools[{i}].name")
-        out.append(ChatTool(function=FunctionDefinition(name=t.name, description=t.description,
-                                                        parameters=t.parameters, strict=t.strict)))
+        out.append(
+            ChatTool(
+                function=FunctionDefinition(
+                    name=t.name, description=t.description, parameters=t.parameters, strict=t.strict
+                )
+            )
+        )
     return out
 
 
@@ -172,18 +199,26 @@ def check_supported(req: ResponsesRequest) -> None:
         ("prompt", req.prompt, "stored prompt templates are not supported; send `instructions` and `input`"),
         ("background", req.background or None, "background mode is not supported"),
         ("max_tool_calls", req.max_tool_calls, "max_tool_calls is not supported"),
-        ("top_logprobs", req.top_logprobs, "logprobs are not served by /v1/responses; use /v1/chat/completions"),
+        (
+            "top_logprobs",
+            req.top_logprobs,
+            "logprobs are not served by /v1/responses; use /v1/chat/completions",
+        ),
     ):
         if value is not None:
             raise bad_request(f"{name}: {why}", param=name)
     if req.store:
         raise bad_request(f"store: {no_state} (send store: false)", param="store")
     if req.include:
-        raise bad_request(f"include {req.include!r} is not supported (no encrypted reasoning, no logprobs here)",
-                          param="include")
+        raise bad_request(
+            f"include {req.include!r} is not supported (no encrypted reasoning, no logprobs here)",
+            param="include",
+        )
     if req.truncation not in (None, "disabled"):
-        raise bad_request(f"truncation {req.truncation!r} is not supported; a prompt longer than max_seq_len is a "
-                          "400", param="truncation")
+        raise bad_request(
+            f"truncation {req.truncation!r} is not supported; a prompt longer than max_seq_len is a 400",
+            param="truncation",
+        )
     if req.n not in (None, 1):
         raise bad_request("n is not a Responses API field (one response per request)", param="n")
 
@@ -224,57 +259,110 @@ class _Builder:
         part = item["content"][0]
         item["status"] = status
         kind = "reasoning_text" if item["type"] == "reasoning" else "output_text"
-        done: dict[str, Any] = {"type": f"response.{kind}.done", "item_id": item["id"], "output_index": idx,
-                                "content_index": 0, "text": part["text"]}
+        done: dict[str, Any] = {
+            "type": f"response.{kind}.done",
+            "item_id": item["id"],
+            "output_index": idx,
+            "content_index": 0,
+            "text": part["text"],
+        }
         if kind == "output_text":
             done["logprobs"] = []
-        return [done,
-                {"type": "response.content_part.done", "item_id": item["id"], "output_index": idx,
-                 "content_index": 0, "part": dict(part)},
-                {"type": "response.output_item.done", "output_index": idx, "item": _copy(item)}]
+        return [
+            done,
+            {
+                "type": "response.content_part.done",
+                "item_id": item["id"],
+                "output_index": idx,
+                "content_index": 0,
+                "part": dict(part),
+            },
+            {"type": "response.output_item.done", "output_index": idx, "item": _copy(item)},
+        ]
 
     def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         if self._open is None or self._open["type"] != kind:
             events += self._close()
             if kind == "reasoning":
-                item = {"type": "reasoning", "id": _rid("rs"), "summary": [], "status": "in_progress",
-                        "content": [{"type": "reasoning_text", "text": ""}]}
+                item = {
+                    "type": "reasoning",
+                    "id": _rid("rs"),
+                    "summary": [],
+                    "status": "in_progress",
+                    "content": [{"type": "reasoning_text", "text": ""}],
+                }
             else:
-                item = {"type": "message", "id": _rid("msg"), "role": "assistant", "status": "in_progress",
-                        "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
+                item = {
+                    "type": "message",
+                    "id": _rid("msg"),
+                    "role": "assistant",
+                    "status": "in_progress",
+                    "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}],
+                }
             self.items.append(item)
             self._open = item
             added = _copy(item)
             added["content"] = []
             idx = len(self.items) - 1
-            events += [{"type": "response.output_item.added", "output_index": idx, "item": added},
-                       {"type": "response.content_part.added", "item_id": item["id"], "output_index": idx,
-                        "content_index": 0, "part": dict(item["content"][0])}]
+            events += [
+                {"type": "response.output_item.added", "output_index": idx, "item": added},
+                {
+                    "type": "response.content_part.added",
+                    "item_id": item["id"],
+                    "output_index": idx,
+                    "content_index": 0,
+                    "part": dict(item["content"][0]),
+                },
+            ]
         item = self._open
         assert item is not None
         item["content"][0]["text"] += text
-        delta: dict[str, Any] = {"type": f"response.{'reasoning_text' if kind == 'reasoning' else 'output_text'}.delta",
-                                 "item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0,
-                                 "delta": text}
+        delta: dict[str, Any] = {
+            "type": f"response.{'reasoning_text' if kind == 'reasoning' else 'output_text'}.delta",
+            "item_id": item["id"],
+            "output_index": len(self.items) - 1,
+            "content_index": 0,
+            "delta": text,
+        }
         if kind == "message":
             delta["logprobs"] = []
         return [*events, delta]
 
     def _call(self, call: ParsedToolCall) -> list[dict[str, Any]]:
         events = self._close()
-        item = {"type": "function_call", "id": _rid("fc"), "call_id": call.id, "name": call.name,
-                "arguments": call.arguments, "status": "completed"}
+        item = {
+            "type": "function_call",
+            "id": _rid("fc"),
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": call.arguments,
+            "status": "completed",
+        }
         self.items.append(item)
         idx = len(self.items) - 1
-        return [*events,
-                {"type": "response.output_item.added", "output_index": idx,
-                 "item": {**item, "arguments": "", "status": "in_progress"}},
-                {"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": idx,
-                 "delta": call.arguments},
-                {"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": idx,
-                 "name": call.name, "arguments": call.arguments},
-                {"type": "response.output_item.done", "output_index": idx, "item": _copy(item)}]
+        return [
+            *events,
+            {
+                "type": "response.output_item.added",
+                "output_index": idx,
+                "item": {**item, "arguments": "", "status": "in_progress"},
+            },
+            {
+                "type": "response.function_call_arguments.delta",
+                "item_id": item["id"],
+                "output_index": idx,
+                "delta": call.arguments,
+            },
+            {
+                "type": "response.function_call_arguments.done",
+                "item_id": item["id"],
+                "output_index": idx,
+                "name": call.name,
+                "arguments": call.arguments,
+            },
+            {"type": "response.output_item.done", "output_index": idx, "item": _copy(item)},
+        ]
 
     def feed(self, reasoning: str, content: str, calls: list[ParsedToolCall]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
@@ -283,7 +371,7 @@ class _Builder:
         if content:
             text = self._held + content
             body = text.rstrip()
-            self._held = text[len(body):]
+            self._held = text[len(body) :]
             if body:
                 events += self._text("message", body)
         if calls:
@@ -307,8 +395,17 @@ def _copy(item: dict[str, Any]) -> dict[str, Any]:
 class _Run:
     """One response: its parser, builder and counters, shared by the streaming and whole paths."""
 
-    def __init__(self, state: AppState, req: ResponsesRequest, response_id: str, model_name: str,
-                 out: ChatOutput | ForcedToolOutput, think: bool, tools: list[ChatTool] | None, n_prompt: int) -> None:
+    def __init__(
+        self,
+        state: AppState,
+        req: ResponsesRequest,
+        response_id: str,
+        model_name: str,
+        out: ChatOutput | ForcedToolOutput,
+        think: bool,
+        tools: list[ChatTool] | None,
+        n_prompt: int,
+    ) -> None:
         self.state, self.req, self.id, self.model_name = state, req, response_id, model_name
         self.out = out
         self.think = think
@@ -345,20 +442,37 @@ class _Run:
         status = status or self.status
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         tools = [{"type": "function", **t.function.model_dump(exclude_none=True)} for t in self.tools or []]
-        tc = req.tool_choice if isinstance(req.tool_choice, str) or req.tool_choice is None else (
-            req.tool_choice.model_dump())
+        tc = (
+            req.tool_choice
+            if isinstance(req.tool_choice, str) or req.tool_choice is None
+            else (req.tool_choice.model_dump())
+        )
         body = ResponsesResponse(
-            id=self.id, created_at=self.created, status=status, model=self.model_name,
+            id=self.id,
+            created_at=self.created,
+            status=status,
+            model=self.model_name,
             output=self.builder.items if status != "in_progress" else [],
-            usage=None if status == "in_progress" else {
-                "input_tokens": self.n_prompt, "input_tokens_details": {"cached_tokens": self.n_cached},
-                "output_tokens": self.n_out, "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+            usage=None
+            if status == "in_progress"
+            else {
+                "input_tokens": self.n_prompt,
+                "input_tokens_details": {"cached_tokens": self.n_cached},
+                "output_tokens": self.n_out,
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                 "total_tokens": self.n_prompt + self.n_out,
             },
-            error=error, incomplete_details=incomplete, instructions=req.instructions,
-            max_output_tokens=req.max_output_tokens, parallel_tool_calls=req.parallel_tool_calls is not False,
-            temperature=req.temperature, top_p=req.top_p, tool_choice=tc or "auto", tools=tools,
-            text=_text_format(req), reasoning=req.reasoning.model_dump() if req.reasoning else None,
+            error=error,
+            incomplete_details=incomplete,
+            instructions=req.instructions,
+            max_output_tokens=req.max_output_tokens,
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            tool_choice=tc or "auto",
+            tools=tools,
+            text=_text_format(req),
+            reasoning=req.reasoning.model_dump() if req.reasoning else None,
             metadata=req.metadata,
         )
         return body.model_dump(mode="json")
@@ -395,15 +509,18 @@ async def create_response(state: AppState, req: ResponsesRequest, raw: Request) 
     fmt = req.text.format if req.text else None
     spec = structured.one_constraint(
         ("text.format", structured.from_format(fmt.type, fmt.schema_, "text.format", start) if fmt else None),
-        ("structured_outputs", structured.from_extra(req.structured_outputs, start) if req.structured_outputs
-         else None),
+        (
+            "structured_outputs",
+            structured.from_extra(req.structured_outputs, start) if req.structured_outputs else None,
+        ),
         ("tool_choice", forced[0] if forced else None),
     )
     grammar_param = "tool_choice" if forced else "text.format" if fmt is not None else "structured_outputs"
 
     def render_and_encode() -> tuple[str, list[int]]:
-        text = render_chat_prompt(tok, msgs, tools=tools, add_generation_prompt=True,
-                                  chat_template_kwargs=template_kwargs)
+        text = render_chat_prompt(
+            tok, msgs, tools=tools, add_generation_prompt=True, chat_template_kwargs=template_kwargs
+        )
         return text, encode_text(tok, text, add_special_tokens=False, param="input")
 
     n_chars = chat_chars(msgs)
@@ -413,8 +530,15 @@ async def create_response(state: AppState, req: ResponsesRequest, raw: Request) 
     await state.validate_async(prompt_ids, params, "input", grammar_param, priority=req.priority)
     response_id = _rid("resp")
     job = Job(response_id, prompt_ids, params, text, priority=req.priority)
-    out = output_maker(reasoning_parser=opts.reasoning_parser, tool_parser=opts.tool_parser, think=think,
-                       tools=tools, tool_choice=req.tool_choice, parallel=parallel, forced=forced)()
+    out = output_maker(
+        reasoning_parser=opts.reasoning_parser,
+        tool_parser=opts.tool_parser,
+        think=think,
+        tools=tools,
+        tool_choice=req.tool_choice,
+        parallel=parallel,
+        forced=forced,
+    )()
     run = _Run(state, req, response_id, req.model or engine.model_name, out, think, tools, len(prompt_ids))
     timer = RequestTimer(state.metrics)
     if req.stream:
@@ -423,7 +547,11 @@ async def create_response(state: AppState, req: ResponsesRequest, raw: Request) 
     if results is None:
         return Response(status_code=499)
     (res,) = results
-    run.n_prompt, run.n_cached, run.n_out = res.num_prompt_tokens, res.num_cached_tokens, res.num_output_tokens
+    run.n_prompt, run.n_cached, run.n_out = (
+        res.num_prompt_tokens,
+        res.num_cached_tokens,
+        res.num_output_tokens,
+    )
     pos = 0
     for n_tok, n_chars_delta in res.delta_spans:  # the deltas as a stream would have fed them
         run.feed_delta(res.text[pos : pos + n_chars_delta], n_tok)
@@ -452,8 +580,15 @@ async def _stream(run: _Run, job: Job, timer: RequestTimer) -> AsyncIterator[str
                 err = finish_error(d.finish_reason, d.error)
                 if err is not None:
                     run.finish_reason = d.finish_reason
-                    yield _event(seq, {"type": "response.failed", "response": run.response(
-                        "failed", {"code": err.code or "server_error", "message": err.message})})
+                    yield _event(
+                        seq,
+                        {
+                            "type": "response.failed",
+                            "response": run.response(
+                                "failed", {"code": err.code or "server_error", "message": err.message}
+                            ),
+                        },
+                    )
                     return
                 events += run.finish(d.finish_reason)
             for ev in events:
@@ -463,15 +598,23 @@ async def _stream(run: _Run, job: Job, timer: RequestTimer) -> AsyncIterator[str
         yield _event(seq, {"type": kind, "response": final})
     except Exception as e:
         err = run.state.stream_failure(e)
-        yield _event(seq, {"type": "response.failed", "response": run.response(
-            "failed", {"code": err.code or "server_error", "message": err.message})})
+        yield _event(
+            seq,
+            {
+                "type": "response.failed",
+                "response": run.response(
+                    "failed", {"code": err.code or "server_error", "message": err.message}
+                ),
+            },
+        )
     finally:
         abort_unfinished(engine, [job], finished)
-        timer.finish(finish_reason=run.finish_reason or "abort", prompt_tokens=run.n_prompt, output_tokens=run.n_out)
+        timer.finish(
+            finish_reason=run.finish_reason or "abort", prompt_tokens=run.n_prompt, output_tokens=run.n_out
+        )
 
 
 def add_routes(app: FastAPI, state: AppState) -> None:
     @app.post("/v1/responses", response_model=ResponsesResponse, responses=ERROR_RESPONSES)
     async def responses(req: ResponsesRequest, raw: Request) -> Response:
         return await create_response(state, req, raw)
-

@@ -21,9 +21,13 @@ async def tokenize_request(state: AppState, req: TokenizeRequest) -> TokenizeRes
 
     def render_and_encode() -> list[int]:
         if req.messages is not None:
-            text = render_chat_prompt(tok, req.messages, tools=req.tools,
-                                      add_generation_prompt=req.add_generation_prompt,
-                                      chat_template_kwargs=req.chat_template_kwargs)
+            text = render_chat_prompt(
+                tok,
+                req.messages,
+                tools=req.tools,
+                add_generation_prompt=req.add_generation_prompt,
+                chat_template_kwargs=req.chat_template_kwargs,
+            )
             return encode_text(tok, text, add_special_tokens=False, param="messages")
         return encode_text(tok, req.prompt or "", add_special_tokens=req.add_special_tokens)
 
@@ -37,14 +41,16 @@ def detokenize_request(state: AppState, req: DetokenizeRequest) -> DetokenizeRes
     tok = state.tok
     state.check_model(req.model)
     if tok is None:
-        raise bad_request("this model has no tokenizer, so token ids cannot be turned into text",
-                          param="tokens")
+        raise bad_request(
+            "this model has no tokenizer, so token ids cannot be turned into text", param="tokens"
+        )
     vocab = getattr(tok, "vocab_size", None)
     if isinstance(vocab, int):
         bad = [t for t in req.tokens if t >= vocab]
         if bad:
-            raise bad_request(f"token ids must be < the vocabulary size {vocab}; got {bad[:5]}",
-                              param="tokens")
+            raise bad_request(
+                f"token ids must be < the vocabulary size {vocab}; got {bad[:5]}", param="tokens"
+            )
     try:
         text = tok.decode(req.tokens)
     except Exception as e:

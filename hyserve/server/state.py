@@ -40,7 +40,10 @@ OFF_LOOP_REPLY_TOKENS = 20_000
 _INT_KEY = re.compile(r"-?[0-9]+")  # logit_bias keys: ASCII digits (str.isdigit also takes '²' and '٣')
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "Invalid request (the message names the field and the limit)"},
+    400: {
+        "model": ErrorResponse,
+        "description": "Invalid request (the message names the field and the limit)",
+    },
     401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
     404: {"model": ErrorResponse, "description": "Unknown model"},
     500: {"model": ErrorResponse, "description": "The engine failed while running this request"},
@@ -73,12 +76,14 @@ def _check_api_key(v: Any) -> str | None:
         return None
     if key == "":
         raise ValueError(
-            "api_key: the key is empty (an unset variable in --api_key \"$KEY\"?): give a key, or serve without "
+            'api_key: the key is empty (an unset variable in --api_key "$KEY"?): give a key, or serve without '
             "authentication explicitly with --no_auth (YAML: api_key: null)"
         )
     if key != key.strip() or any(ord(c) < 0x20 or ord(c) == 0x7F for c in key):
-        raise ValueError("api_key: must not start or end with whitespace nor hold control characters "
-                         "(clients could never send it in a header)")
+        raise ValueError(
+            "api_key: must not start or end with whitespace nor hold control characters "
+            "(clients could never send it in a header)"
+        )
     return key
 
 
@@ -117,9 +122,14 @@ class ServerOptions:
         _check_str(self.host, "host")
         Int(lo=0, hi=65535)(self.port, "port")
         put("api_key", _check_api_key(self.api_key))
-        for name, check in (("reasoning_parser", check_reasoning_parser_name), ("tool_parser", check_tool_parser_name)):
+        for name, check in (
+            ("reasoning_parser", check_reasoning_parser_name),
+            ("tool_parser", check_tool_parser_name),
+        ):
             put(name, check(_check_str(getattr(self, name), name, none_ok=True, empty_ok=True)))
-        if not isinstance(self.model_aliases, tuple) or not all(isinstance(a, str) for a in self.model_aliases):
+        if not isinstance(self.model_aliases, tuple) or not all(
+            isinstance(a, str) for a in self.model_aliases
+        ):
             raise ValueError(f"model_aliases: expected a tuple of strings, got {self.model_aliases!r}")
         Int(lo=1)(self.default_max_tokens, "default_max_tokens")
         level = _check_str(self.log_level, "log_level")
@@ -182,7 +192,9 @@ class AppState:
             return
         raise APIError(
             f"the model {name!r} does not exist; this server serves {self.engine.model_name!r}",
-            status_code=404, param="model", code="model_not_found",
+            status_code=404,
+            param="model",
+            code="model_not_found",
         )
 
     def check_sampling_fields(self, req: Any) -> None:
@@ -191,15 +203,20 @@ class AppState:
             raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {req.n}", param="n")
         for key in req.logit_bias or {}:
             if not _INT_KEY.fullmatch(key.strip()):
-                raise bad_request(f"logit_bias keys must be token ids (integers as strings), got {key!r}",
-                                  param="logit_bias")
+                raise bad_request(
+                    f"logit_bias keys must be token ids (integers as strings), got {key!r}",
+                    param="logit_bias",
+                )
 
     def check_healthy(self) -> None:
         if not self.accepting:
             raise APIError("the server is shutting down", status_code=503, code="shutting_down")
         if not self.engine.healthy:
-            raise APIError("the engine is not running (see /health and the server log)", status_code=503,
-                           code="engine_unavailable")
+            raise APIError(
+                "the engine is not running (see /health and the server log)",
+                status_code=503,
+                code="engine_unavailable",
+            )
 
     def check_prompt_chars(self, n_chars: int, param: str) -> None:
         """Refuse, before tokenizing it, a prompt that no tokenization fits in max_seq_len: c characters need
@@ -212,11 +229,18 @@ class AppState:
             raise bad_request(
                 f"{param} has {n_chars} characters, far more than max_seq_len = {self.engine.max_seq_len} tokens "
                 f"can hold (this tokenizer's longest token has {longest} characters)",
-                param=param, code="context_length_exceeded",
+                param=param,
+                code="context_length_exceeded",
             )
 
-    async def validate_async(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str,
-                             grammar_param: str = "structured_outputs", priority: int = 0) -> None:
+    async def validate_async(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prompt_param: str,
+        grammar_param: str = "structured_outputs",
+        priority: int = 0,
+    ) -> None:
         """`validate`, on a worker thread when the request has a structured-outputs constraint: the engine's
         validation compiles its grammar (cached after), which can take a while for a large schema."""
         if params.structured_outputs is None:
@@ -224,8 +248,14 @@ class AppState:
         else:
             await asyncio.to_thread(self.validate, prompt_ids, params, prompt_param, grammar_param, priority)
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str,
-                 grammar_param: str = "structured_outputs", priority: int = 0) -> None:
+    def validate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prompt_param: str,
+        grammar_param: str = "structured_outputs",
+        priority: int = 0,
+    ) -> None:
         """The engine's checks of one request (`priority` too: a 400 under fcfs unless 0), as 400s."""
         try:
             self.engine.validate_request(prompt_ids, params, priority)
@@ -272,8 +302,15 @@ class AppState:
         return b
 
     def sampling_params(
-        self, req: Any, n_prompt: int, max_tokens: int | None, logprobs: int | None,
-        prompt_logprobs: int | None = None, *, logprobs_param: str = "logprobs", **extra: Any,
+        self,
+        req: Any,
+        n_prompt: int,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        *,
+        logprobs_param: str = "logprobs",
+        **extra: Any,
     ) -> SamplingParams:
         """The request's sampling fields (`_SamplingFields` of protocol.py) as `SamplingParams`; a value
         SamplingParams refuses is a 400 naming the field (`logprobs_param`: the request's name for it)."""

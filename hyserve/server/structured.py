@@ -33,13 +33,20 @@ def _params(param: str, **kw: Any) -> StructuredOutputsParams:
 
 
 def from_extra(so: StructuredOutputsRequest, start_after: str | None) -> StructuredOutputsParams:
-    return _params("structured_outputs", json=so.json_, json_object=bool(so.json_object), regex=so.regex,
-                   choice=tuple(so.choice) if so.choice is not None else None, grammar=so.grammar,
-                   start_after=start_after)
+    return _params(
+        "structured_outputs",
+        json=so.json_,
+        json_object=bool(so.json_object),
+        regex=so.regex,
+        choice=tuple(so.choice) if so.choice is not None else None,
+        grammar=so.grammar,
+        start_after=start_after,
+    )
 
 
-def from_format(kind: str, schema: dict[str, Any] | None, param: str, start_after: str | None
-                ) -> StructuredOutputsParams | None:
+def from_format(
+    kind: str, schema: dict[str, Any] | None, param: str, start_after: str | None
+) -> StructuredOutputsParams | None:
     """`response_format` / Responses `text.format`: None for "text"."""
     if kind == "text":
         return None
@@ -49,11 +56,14 @@ def from_format(kind: str, schema: dict[str, Any] | None, param: str, start_afte
         if schema is None:
             raise bad_request(f"{param} json_schema needs a `schema`", param=f"{param}.schema")
         return _params(param, json=schema, start_after=start_after)
-    raise bad_request(f"{param} type {kind!r} is not supported; use text, json_object or json_schema",
-                      param=f"{param}.type")
+    raise bad_request(
+        f"{param} type {kind!r} is not supported; use text, json_object or json_schema", param=f"{param}.type"
+    )
 
 
-def from_response_format(rf: ResponseFormat | None, start_after: str | None) -> StructuredOutputsParams | None:
+def from_response_format(
+    rf: ResponseFormat | None, start_after: str | None
+) -> StructuredOutputsParams | None:
     if rf is None:
         return None
     schema = rf.json_schema.schema_ if rf.json_schema is not None else None
@@ -65,8 +75,9 @@ def _parameters(t: ChatTool) -> dict[str, Any]:
     return p if isinstance(p, dict) and p else {"type": "object", "properties": {}}
 
 
-def tool_choice_spec(tools: list[ChatTool] | None, tool_choice: Any, parallel: bool, start_after: str | None
-                     ) -> tuple[StructuredOutputsParams, str | None] | None:
+def tool_choice_spec(
+    tools: list[ChatTool] | None, tool_choice: Any, parallel: bool, start_after: str | None
+) -> tuple[StructuredOutputsParams, str | None] | None:
     """The constraint of tool_choice "required" or a named function, and that function's name (None for
     "required"); None for "auto" / "none"."""
     if tool_choice is None or tool_choice in ("auto", "none"):
@@ -74,9 +85,17 @@ def tool_choice_spec(tools: list[ChatTool] | None, tool_choice: Any, parallel: b
     if not tools:
         raise bad_request("tool_choice 'required' or a named function needs `tools`", param="tool_choice")
     if tool_choice == "required":
-        calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                                               "parameters": _parameters(t)},
-                            "required": ["name", "parameters"], "additionalProperties": False} for t in tools]}
+        calls = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for t in tools
+            ]
+        }
         schema: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1}
         if not parallel:
             schema["maxItems"] = 1
@@ -84,8 +103,11 @@ def tool_choice_spec(tools: list[ChatTool] | None, tool_choice: Any, parallel: b
     name = tool_choice.function.name if hasattr(tool_choice, "function") else tool_choice.name
     match = [t for t in tools if t.function.name == name]
     if not match:
-        raise bad_request(f"tool_choice names the function {name!r}, which is not in `tools` "
-                          f"({[t.function.name for t in tools]})", param="tool_choice")
+        raise bad_request(
+            f"tool_choice names the function {name!r}, which is not in `tools` "
+            f"({[t.function.name for t in tools]})",
+            param="tool_choice",
+        )
     return _params("tool_choice", json=_parameters(match[0]), start_after=start_after), name
 
 
@@ -93,8 +115,9 @@ def one_constraint(*specs: tuple[str, StructuredOutputsParams | None]) -> Struct
     """At most one source of a constraint per request."""
     given = [(name, s) for name, s in specs if s is not None]
     if len(given) > 1:
-        raise bad_request(f"{' and '.join(n for n, _ in given)} both constrain the output; send one",
-                          param=given[1][0])
+        raise bad_request(
+            f"{' and '.join(n for n, _ in given)} both constrain the output; send one", param=given[1][0]
+        )
     return given[0][1] if given else None
 
 
@@ -128,8 +151,11 @@ class ForcedToolOutput:
         if self.name is not None:
             calls = [ParsedToolCall(name=self.name, arguments=json.dumps(value, ensure_ascii=False))]
         else:
-            calls = [ParsedToolCall(name=c["name"], arguments=json.dumps(c["parameters"], ensure_ascii=False))
-                     for c in value if isinstance(c, dict) and "name" in c and "parameters" in c]
+            calls = [
+                ParsedToolCall(name=c["name"], arguments=json.dumps(c["parameters"], ensure_ascii=False))
+                for c in value
+                if isinstance(c, dict) and "name" in c and "parameters" in c
+            ]
         self.calls.extend(calls)
         return r, "", calls
 
