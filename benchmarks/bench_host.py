@@ -62,7 +62,7 @@ def time_batch(batch: int, steps: int, prompt_len: int, *, freeze: bool) -> dict
     model = eng.runner.model
     hidden, vocab = model.config.hidden_size, model.config.vocab_size
     model.forward = lambda ids, meta, cache: torch.zeros(ids.shape[0], hidden)  # type: ignore[method-assign]
-    model.compute_logits = lambda h: torch.zeros(h.shape[0], vocab)  # type: ignore[method-assign]
+    model.compute_logits = lambda h, out=None: torch.zeros(h.shape[0], vocab)  # type: ignore[method-assign]
     rng = random.Random(0)
     greedy = SamplingParams(max_tokens=steps + 50, temperature=0.0, ignore_eos=True)
     for i in range(batch):

@@ -53,7 +53,7 @@ def _stub_model(model, vocab: int) -> None:
     def forward(ids, meta, cache):
         return torch.zeros(ids.shape[0], hidden)
 
-    def logits(h):
+    def logits(h, out=None):
         n = h.shape[0]
         out = torch.zeros(n, vocab)
         out[torch.arange(n), 100 + (calls[0] + torch.arange(n)) % span] = 1.0

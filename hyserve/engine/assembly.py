@@ -211,9 +211,9 @@ def cache_budget_bytes(
     assert activations is not None
     # the allocator's reserve above the profiled peaks (fragmentation, cuBLAS workspaces)
     slack = 256 * 2**20
-    # each captured graph keeps its float32 logits alive in the shared graph pool, and the 16-bit logits
-    # they were cast from fragment it: 6 bytes per logit (matched on the H200 to within 2%)
-    graph_logits = sum(graph_sizes) * lm.config.vocab_size * 6
+    # the decode graphs' shared float32 logits buffer (largest size x vocab) and the 16-bit logits of the
+    # largest graph, cast into it, in the graph pool: 6 bytes per logit of the largest size
+    graph_logits = max(graph_sizes, default=0) * lm.config.vocab_size * 6
     return device_cache_budget(
         free,
         c.free_gpu_memory_fraction,

@@ -112,6 +112,10 @@ class DecodeGraphs:
         self._tables = torch.zeros(bmax, max(1, max_blocks_per_seq), dtype=i32, device=device)
         self._has_init = torch.ones(bmax, dtype=torch.bool, device=device)
         self._rows = torch.arange(bmax, dtype=i64, device=device)
+        # every graph writes its float32 logits into the first rows of this one buffer: a graph's output
+        # would otherwise stay allocated in the graph pool, one [B, vocab] tensor per captured size (27 GB
+        # for the sizes up to 1,024 of a 131k vocabulary)
+        self._logits = torch.empty(bmax, model.config.vocab_size, dtype=torch.float32, device=device)
         self._run: dict[int, Callable[[], torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.graph_bytes = 0
@@ -142,7 +146,8 @@ class DecodeGraphs:
 
         @torch.inference_mode()
         def run() -> torch.Tensor:
-            return self.model.compute_logits(self.model(self._ids[:B], meta, self.cache))
+            hidden = self.model(self._ids[:B], meta, self.cache)
+            return self.model.compute_logits(hidden, out=self._logits[:B])
 
         return run
 

@@ -157,7 +157,9 @@ class NemotronHForCausalLM(nn.Module):
         )
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [n, H] -> logits [n, vocab] in float32 (the whole vocabulary on every rank)."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [n, H] -> logits [n, vocab] in float32 (the whole vocabulary on every rank); written into
+        `out` ([n, vocab] float32) when given, so every decode graph shares one logits buffer."""
         w = self.backbone.embeddings.weight if self.lm_head is None else self.lm_head.weight
-        return vocab_parallel_logits(hidden, w, self.config.vocab_size, self.tp).float()
+        logits = vocab_parallel_logits(hidden, w, self.config.vocab_size, self.tp)
+        return logits.float() if out is None else out.copy_(logits)
