@@ -335,7 +335,8 @@ def chunk_times(r: RequestResult, run_start: float) -> list[float]:
 
 
 def window_gaps_ms(results: Sequence[RequestResult], run_start: float, lo: float, hi: float) -> list[float]:
-    """Inter-token gaps (ms) of the streams that end inside [lo, hi]: the ITL the long prompt's steps cause."""
+    """Inter-token gaps (ms) of the streams that end inside [lo, hi]: the ITL the long prompt's steps
+    cause."""
     out = []
     for r in results:
         ts = chunk_times(r, run_start)
@@ -856,8 +857,8 @@ def options_from(a: argparse.Namespace, ap: argparse.ArgumentParser) -> Fairness
         ap.error("--short-interval-s must be > 0 and --lead-in-s >= 0")
     if opts.max_batch_size < opts.streams + 2:
         ap.error(
-            f"--max-batch-size {opts.max_batch_size} cannot run {opts.streams} streams, the long prompt and a "
-            f"short request at once: it must be >= {opts.streams + 2}"
+            f"--max-batch-size {opts.max_batch_size} cannot run {opts.streams} streams, the long prompt and "
+            f"a short request at once: it must be >= {opts.streams + 2}"
         )
     if opts.long_len + 1 > opts.max_seq_len:
         ap.error(f"--long-len {opts.long_len} + 1 output token exceeds --max-seq-len {opts.max_seq_len}")
@@ -918,8 +919,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if left is not None and settings and settings[-1]["wall_s"] > left:
                     skipped = [step_label(m) for m in opts.step_ms[k:]]
                     print(
-                        f"time budget: {left:.0f} s left, the last setting took {settings[-1]['wall_s']:.0f} s; "
-                        f"not run: max_step_ms {', '.join(skipped)}",
+                        f"time budget: {left:.0f} s left, the last setting took "
+                        f"{settings[-1]['wall_s']:.0f} s; not run: max_step_ms {', '.join(skipped)}",
                         flush=True,
                     )
                     break
@@ -928,10 +929,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 settings.append(s)
                 c = s["contended"]
                 print(
-                    f"   ready in {s['server_ready_s']:.1f} s; alone {s['alone']['e2el_s']:.2f} s; beside the "
-                    f"streams {c['long']['e2el_s']:.2f} s; short TTFT p99 "
-                    f"{(c['shorts']['ttft_s']['p99'] or float('nan')) * 1e3:.0f} ms over {c['shorts']['sent']}; "
-                    f"stream ITL p99 {c['streams']['itl_ms_during_long']['p99'] or float('nan'):.1f} ms",
+                    f"   ready in {s['server_ready_s']:.1f} s; alone {s['alone']['e2el_s']:.2f} s; beside "
+                    f"the streams {c['long']['e2el_s']:.2f} s; short TTFT p99 "
+                    f"{(c['shorts']['ttft_s']['p99'] or float('nan')) * 1e3:.0f} ms over "
+                    f"{c['shorts']['sent']}; stream ITL p99 "
+                    f"{c['streams']['itl_ms_during_long']['p99'] or float('nan'):.1f} ms",
                     flush=True,
                 )
                 for ln in s["server_log"]:

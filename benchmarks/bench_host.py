@@ -115,8 +115,8 @@ def main() -> int:
     cfg = HybridModelConfig.from_dict(json.loads((CFG_DIR / "config.json").read_text()))
     records = []
     head = [
-        "| batch | garbage collector | host ms / step | Nano 9B v2 roofline step ms | ratio | longest GC pause ms "
-        "| phases (ms) |",
+        "| batch | garbage collector | host ms / step | Nano 9B v2 roofline step ms | ratio | longest GC "
+        "pause ms | phases (ms) |",
         "|---|---|---|---|---|---|---|",
     ]
     print(*head, sep="\n")

@@ -5,21 +5,25 @@ ceilings measured in the same run (benchmarks/roofline.py; each record also carr
 H200's published peaks) or a peer measured in the same run (torch SDPA; mamba_ssm's SSD scan when the
 package is installed).
 
-    python benchmarks/bench_kernels.py                       # on the GPU: writes benchmarks/results/kernels_<date>.json
+    python benchmarks/bench_kernels.py                       # on the GPU: writes
+                                                             # benchmarks/results/kernels_<date>.json
     python benchmarks/bench_kernels.py --only ssm,attn       # a subset
-    python benchmarks/bench_kernels.py --only ssd_sweep      # SSD block-size alternatives (not in the default run)
+    python benchmarks/bench_kernels.py --only ssd_sweep      # SSD block-size alternatives (not in the
+                                                             # default run)
     python benchmarks/bench_kernels.py --only attn_sweep     # paged attention launch alternatives (idem)
     python benchmarks/bench_kernels.py --only linear_sweep   # fused small-batch linear alternatives (idem)
-    python benchmarks/bench_kernels.py --only fp8_gemv_sweep # its channel-scaled FP8 GEMV settings alone (idem)
+    python benchmarks/bench_kernels.py --only fp8_gemv_sweep # its channel-scaled FP8 GEMV settings alone
+                                                             # (idem)
     python benchmarks/bench_kernels.py --only fp8_gemv_super_sweep --write-linear-configs
                                        # the same at Nemotron 3 Super's dense projections; the winners (3% or
                                        # more faster than today's setting) enter linear_configs/<GPU>.json
-    python benchmarks/bench_kernels.py --only linear_30b_sweep  # its 16-bit settings at the 30B-A3B shapes alone
+    python benchmarks/bench_kernels.py --only linear_30b_sweep  # its 16-bit settings at the 30B-A3B
+                                                                # shapes alone
     python benchmarks/bench_kernels.py --only fp8_linear     # FP8 GEMM vs bf16 cuBLAS at M = 1, 64, 8192
     python benchmarks/bench_kernels.py --only attn_rounds --rounds 5   # 8k prefill attention settings and
                                                                      # SDPA in turn: the spread in one run
     python benchmarks/bench_kernels.py --dry-run --out /tmp/k.json   # CPU: tiny shapes, Triton interpreter,
-                                                                     # wall-clock timing (checks the script only)
+                                                                     # wall-clock timing: a script check only
 
 Shapes (one layer of Nano 9B v2): Mamba 128 heads x 80, state 128, 8 groups, conv kernel 4 over
 conv_dim 12288, d_inner 10240 (gated norm groups of 1280), hidden 4480; attention 40 q / 8 kv heads,
@@ -349,7 +353,8 @@ def _linear_cases(b: Bench):
         return F.linear(hg.view(1, -1) * nw.double(), w_out.double())
 
     # plain projections (the `linear` op) at the Nano 9B v2 in_proj and the Nemotron 3 Nano 30B-A3B in_proj,
-    # QKV and out_proj / o_proj (one GEMV shape), against cuBLAS (split-K with a reduce at the last ones on the H200)
+    # QKV and out_proj / o_proj (one GEMV shape), against cuBLAS (split-K with a reduce at the last ones on
+    # the H200)
     plain = []
     for pname, n, k in (
         (
@@ -361,8 +366,8 @@ def _linear_cases(b: Bench):
         if not b.dry
         else (("in_proj", in_proj, hidden),)
     ):
-        # a weight L2 could hold is one of several, read in turn (each once per replay), as a decode step reads
-        # its layers' weights: replaying one small weight would time L2, not HBM
+        # a weight L2 could hold is one of several, read in turn (each once per replay), as a decode step
+        # reads its layers' weights: replaying one small weight would time L2, not HBM
         copies = _copies_past_l2(b, n * k * 2)
         ws, xp = [b.rnd(n, k, scale=k**-0.5) for _ in range(copies)], b.rnd(1, k)
         plain.append(
@@ -630,9 +635,9 @@ def write_linear_configs(b: Bench, config_dir: Path, device: str, source: str) -
         else {
             "device": device,
             "triton": __import__("triton").__version__,
-            "note": "one-row GEMV launch settings for shapes where this GPU's sweep disagrees with the row-length "
-            "tables of triton_fused_linear.py; keys '<w_scale>,<K>,<N>' (w_scale 0: 16-bit weight, 1: e4m3 "
-            "channel scales, 2: e4m3 block scales)",
+            "note": "one-row GEMV launch settings for shapes where this GPU's sweep disagrees with the "
+            "row-length tables of triton_fused_linear.py; keys '<w_scale>,<K>,<N>' (w_scale 0: 16-bit "
+            "weight, 1: e4m3 channel scales, 2: e4m3 block scales)",
             "source": {},
             "configs": {},
         }
@@ -872,8 +877,8 @@ def bench_attn(b: Bench) -> None:
 
 
 def _fp8_pool(b: Bench, lens: list[int], Hkv: int, D: int, bs: int, dtype):
-    """An e4m3 pool of shuffled blocks with per-layer scales (unit-variance K/V land on codes of std 64 and 48):
-    (k_cache, v_cache, block tables, k_scale, v_scale)."""
+    """An e4m3 pool of shuffled blocks with per-layer scales (unit-variance K/V land on codes of std 64 and
+    48): (k_cache, v_cache, block tables, k_scale, v_scale)."""
     from hyserve.kernels.attention import quantize_kv
 
     fp8 = torch.float8_e4m3fn
@@ -1144,7 +1149,8 @@ def bench_ssd(b: Bench) -> None:
 
 
 def _bench_mamba_ssm_ssd_peer(b: Bench, name: str, x, dt, A, B, C, L: int, D, dt_bias, our_ms: float) -> None:
-    """mamba_ssm's mamba_chunk_scan_combined (batch 1, no initial state) on the same input, when importable."""
+    """mamba_ssm's mamba_chunk_scan_combined (batch 1, no initial state) on the same input, when
+    importable."""
     try:
         import types
 
@@ -1257,8 +1263,9 @@ _DECODE_SWEEP: list[tuple[str, dict, int, int]] = [
 # Decode over a float8 pool: on Hopper the Gluon one-warp MMA kernel (`gluon_decode._DECODE_FP8`; "programs"
 # changes its `_TARGET_PROGRAMS`), and the Triton kernel alone (GLUON=False, the path before it; its settings
 # are the `_DECODE_GPU` table's, whose own sweep over fp8 found nothing faster: attn_sweep_3c7fa65).
-# "combine" entries (in both decode sweeps) change the merge of the split partials (`triton_attention._COMBINE_GPU`;
-# ONCE_MIN_SPLITS 1: every split in one load, at every split count; 0: the loop merge at every split count).
+# "combine" entries (in both decode sweeps) change the merge of the split partials
+# (`triton_attention._COMBINE_GPU`; ONCE_MIN_SPLITS 1: every split in one load, at every split count; 0: the
+# loop merge at every split count).
 _DECODE_SWEEP_FP8: list[tuple[str, dict]] = [
     ("default", {}),
     ("Gluon SUB 16, no prefetch", dict(gluon=dict(PREFETCH=False))),
@@ -1359,8 +1366,8 @@ def bench_attn_sweep(b: Bench) -> None:
         cu_t = torch.tensor(cu, dtype=torch.int32, device=b.dev)
         base_ms = None
         for label, *cfg in configs:
-            # the QK8 prefill form multiplies per-row e4m3 queries: its reference takes those (a dry run keeps the
-            # interpreter's own kernel whatever the entry says)
+            # the QK8 prefill form multiplies per-row e4m3 queries: its reference takes those (a dry run keeps
+            # the interpreter's own kernel whatever the entry says)
             qk8 = not b.dry and isinstance(cfg[0], dict) and bool(cfg[0].get("sm90", {}).get("QK8"))
             if qk8 not in refs:
                 refs[qk8] = paged_attention_ref(
@@ -1700,7 +1707,8 @@ def main() -> int:
         src = f"benchmarks/results/{out.with_suffix('.md').name} ({doc['git_sha'][:7]}, {date})"
         keys = write_linear_configs(b, cfg_dir, device, src)
         print(
-            f"linear configs for {device}: {', '.join(keys) if keys else 'no shape beats its current setting'}"
+            f"linear configs for {device}: "
+            f"{', '.join(keys) if keys else 'no shape beats its current setting'}"
         )
     table = _table(b.records)
     out.with_suffix(".md").write_text(table + "\n")

@@ -1,17 +1,17 @@
 """Long prompts through `hyserve.LLM`, per KV-cache dtype in one run (issue 24: an fp8 KV cache as fast as it
 is small; issue 22: the 1M-token prompt alone).
 
-For each `--kv-dtypes` entry (default `auto,fp8`: the model's 16-bit dtype, then e4m3; `fp8+qk8`: e4m3 with the
-prefill attention's QK8 form, not yet the default), a fresh process builds
-the engine with the long-prompt report's sizing (`max_seq_len 1048576`, `max_num_tokens 16384`,
-`max_batch_size 8`, 64-token blocks, a float16 Mamba state with stochastic rounding; block reuse off unless
-`--block-reuse`) on random weights of `--model-dir` (default the Nano 9B v2 architecture) and runs, one at a
-time: a `--mid-len` (131,072) token prompt, then a `--long-len` (1,040,000) token prompt, each with
-`--decode-tokens` greedy output tokens. Per prompt: the time to its first token (the prefill, end to end) and
-the decode rate after it, against the bytes roofline of one decode step at that context (weights + the KV of
-the context + the Mamba state read and written) at the streaming-read ceiling measured in the same run.
-Records compare each dtype's prefill with the first dtype's (fp8 no slower than bf16 is the bar) and report
-each later dtype's greedy agreement with the first's output (same prompt, same seeded dummy weights).
+For each `--kv-dtypes` entry (default `auto,fp8`: the model's 16-bit dtype, then e4m3; `fp8+qk8`: e4m3 with
+the prefill attention's QK8 form, not yet the default), a fresh process builds the engine with the long-prompt
+report's sizing (`max_seq_len 1048576`, `max_num_tokens 16384`, `max_batch_size 8`, 64-token blocks, a float16
+Mamba state with stochastic rounding; block reuse off unless `--block-reuse`) on random weights of
+`--model-dir` (default the Nano 9B v2 architecture) and runs, one at a time: a `--mid-len` (131,072) token
+prompt, then a `--long-len` (1,040,000) token prompt, each with `--decode-tokens` greedy output tokens. Per
+prompt: the time to its first token (the prefill, end to end) and the decode rate after it, against the bytes
+roofline of one decode step at that context (weights + the KV of the context + the Mamba state read and
+written) at the streaming-read ceiling measured in the same run. Records compare each dtype's prefill with the
+first dtype's (fp8 no slower than bf16 is the bar) and report each later dtype's greedy agreement with the
+first's output (same prompt, same seeded dummy weights).
 
     python benchmarks/bench_long_prompt.py --git-sha SHA                          # H200: ~3 min per dtype
     python benchmarks/bench_long_prompt.py --model-dir '' --mid-len 300 --long-len 900 --max-seq-len 1024 \
@@ -41,7 +41,8 @@ CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
 
 
 def engine_options(a: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
-    """The long-prompt report's YAML sizing (the issue-24 runs turn block reuse off: random prompts never hit)."""
+    """The long-prompt report's YAML sizing (the issue-24 runs turn block reuse off: random prompts never
+    hit)."""
     return dict(
         max_seq_len=a.max_seq_len,
         max_num_tokens=a.max_num_tokens,

@@ -233,7 +233,8 @@ def make_plan(
         if num_layers is not None
         else (fit_layers(raw, weight_budget, fp8_only) if weight_budget else total)
     )
-    label = f"{model_dir.name} architecture, random weights, {'FP8 (per-channel, quantised at load)' if fp8_only else 'bf16'}"
+    weights = "FP8 (per-channel, quantised at load)" if fp8_only else "bf16"
+    label = f"{model_dir.name} architecture, random weights, {weights}"
     slug = model_dir.name
     if n != total:
         raw = cut_config(raw, n)
@@ -418,9 +419,9 @@ def bench_hyserve(
             "(random weights route near-uniformly)"
         )
     notes.append(
-        f"hyserve on CUDA: Triton kernels for decode conv/SSM updates, varlen conv, RMSNorms, KV write and paged "
-        f"attention; SSD prefill scan: {ssd}; decode CUDA graphs: {'on' if graphs is not None else 'off'} "
-        f"({steps} batch-{plan.batches[-1]} steps timed){moe_note}"
+        "hyserve on CUDA: Triton kernels for decode conv/SSM updates, varlen conv, RMSNorms, KV write and "
+        f"paged attention; SSD prefill scan: {ssd}; decode CUDA graphs: "
+        f"{'on' if graphs is not None else 'off'} ({steps} batch-{plan.batches[-1]} steps timed){moe_note}"
     )
 
 
@@ -478,8 +479,8 @@ def bench_steps(
                     f"hyserve decode step batch {batch} (ms)",
                     step_ms,
                     "ms",
-                    f"roofline step time (the ~{experts:.1f} of {cfg.n_routed_experts} experts per layer a batch of {batch} "
-                    "touches under uniform routing + other weights + state + KV)",
+                    f"roofline step time (the ~{experts:.1f} of {cfg.n_routed_experts} experts per layer a "
+                    f"batch of {batch} touches under uniform routing + other weights + state + KV)",
                     "read",
                     ceilings,
                     lambda peaks, b=batch, c=context: active_decode_step_ms(cfg, b, c, peaks.read_bw),
@@ -638,8 +639,8 @@ def batch1_ab(
 
 
 def packed_qkv_ab(eng, vocab_size: int, records: list, notes: list) -> None:
-    """Attention's q, k and v projected as three calls against one over the packed weight (`Attention.pack_qkv`,
-    the engine's form where the weights allow it)."""
+    """Attention's q, k and v projected as three calls against one over the packed weight
+    (`Attention.pack_qkv`, the engine's form where the weights allow it)."""
     from hyserve.model.attention import Attention
 
     layers = [m for m in eng.runner.model.modules() if isinstance(m, Attention) and m.packed_qkv is not None]

@@ -118,8 +118,8 @@ def parse_run_args(ap: argparse.ArgumentParser, stem: str) -> argparse.Namespace
 
 
 def run_device(dry: bool, script: str) -> tuple[torch.device, torch.dtype] | None:
-    """The device and dtype a run measures in: the GPU in bf16, or for --dry-run the CPU interpreter in float32
-    (its bf16 dot is wrong); None, having said why, without a GPU."""
+    """The device and dtype a run measures in: the GPU in bf16, or for --dry-run the CPU interpreter in
+    float32 (its bf16 dot is wrong); None, having said why, without a GPU."""
     if not dry and not torch.cuda.is_available():
         print(f"{script}: needs a CUDA device (or --dry-run)", file=sys.stderr)
         return None
@@ -422,10 +422,12 @@ def bench_experts(s: dict, sizes: list[int], dev, dtype, timer: Timer, ceil: dic
             rec["speedup_vs_grouped_mm_graph"] = rec["grouped_mm_graph_ms"] / rec["fused_graph_ms"]
         rec["speedup_vs_loop"] = rec["loop_eager_ms"] / rec["fused_eager_ms"]
         print(
-            f"  {s['name'][:24]} T={T:5d}: fused {rec['fused_eager_ms']:.4f} eager / {rec['fused_graph_ms']:.4f} graph ms"
-            f" | grouped_mm {rec.get('grouped_mm_eager_ms', float('nan')):.4f} / {rec.get('grouped_mm_graph_ms', float('nan')):.4f}"
-            f" | loop {rec['loop_eager_ms']:.3f} | roofline {rec['roofline_ms']:.4f} ({rec['bound']}) x{rec['ratio_to_roofline']:.2f}"
-            f" | {rec['achieved_TBps']:.2f} TB/s | err {err:.1e}"
+            f"  {s['name'][:24]} T={T:5d}: fused {rec['fused_eager_ms']:.4f} eager / "
+            f"{rec['fused_graph_ms']:.4f} graph ms | grouped_mm "
+            f"{rec.get('grouped_mm_eager_ms', float('nan')):.4f} / "
+            f"{rec.get('grouped_mm_graph_ms', float('nan')):.4f} | loop {rec['loop_eager_ms']:.3f} | "
+            f"roofline {rec['roofline_ms']:.4f} ({rec['bound']}) x{rec['ratio_to_roofline']:.2f} | "
+            f"{rec['achieved_TBps']:.2f} TB/s | err {err:.1e}"
         )
         recs.append(rec)
     return recs
@@ -496,8 +498,8 @@ def bench_layer(s: dict, sizes: list[int], dev, dtype, timer: Timer, ceil: dict,
                 rec["graph_ms"] = timer.graph(fns)
             rec["ratio_to_roofline"] = min(rec["eager_ms"], rec["graph_ms"]) / roof
             print(
-                f"  {rec['layer'][:40]} T={T:5d}: {rec['eager_ms']:.4f} eager / {rec['graph_ms']:.4f} graph ms | "
-                f"roofline {roof:.4f} x{rec['ratio_to_roofline']:.2f} | err {err:.1e}"
+                f"  {rec['layer'][:40]} T={T:5d}: {rec['eager_ms']:.4f} eager / {rec['graph_ms']:.4f} graph "
+                f"ms | roofline {roof:.4f} x{rec['ratio_to_roofline']:.2f} | err {err:.1e}"
             )
         else:
             print(f"FAIL {rec['layer']} T={T}: relative error {err:.2e}: not timed")
@@ -512,20 +514,23 @@ def _fmt(v, f=".4f") -> str:
 def _table(doc: dict) -> str:
     c = doc["ceilings"]
     lines = [
-        f"ceilings: bytes read {c['read_bw'] / 1e12:.2f} TB/s, bf16 matmul {c['matmul_flops'] / 1e12:.0f} TFLOP/s",
+        f"ceilings: bytes read {c['read_bw'] / 1e12:.2f} TB/s, bf16 matmul {c['matmul_flops'] / 1e12:.0f} "
+        "TFLOP/s",
         "",
-        "| layer | T | fused eager ms | fused graph ms | _grouped_mm eager / graph ms | loop ms | roofline ms "
-        "(bound) | x roofline | TB/s | vs _grouped_mm (eager, graph) | config |",
+        "| layer | T | fused eager ms | fused graph ms | _grouped_mm eager / graph ms | loop ms | roofline "
+        "ms (bound) | x roofline | TB/s | vs _grouped_mm (eager, graph) | config |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["experts"]:
         cfg = r["config"]
         cs = cfg["variant"] + (f" BM{cfg['BLOCK_M']}" if cfg["variant"] == "gemm" else "")
         lines.append(
-            f"| {r['layer'].split('-BF16')[0]} | {r['T']} | {_fmt(r.get('fused_eager_ms'))} | {_fmt(r.get('fused_graph_ms'))} | "
-            f"{_fmt(r.get('grouped_mm_eager_ms'))} / {_fmt(r.get('grouped_mm_graph_ms'))} | {_fmt(r.get('loop_eager_ms'), '.3f')} | "
-            f"{r['roofline_ms']:.4f} ({r['bound']}) | {_fmt(r.get('ratio_to_roofline'), '.2f')} | {_fmt(r.get('achieved_TBps'), '.2f')} | "
-            f"{_fmt(r.get('speedup_vs_grouped_mm_eager'), '.2f')}x, {_fmt(r.get('speedup_vs_grouped_mm_graph'), '.2f')}x | {cs} |"
+            f"| {r['layer'].split('-BF16')[0]} | {r['T']} | {_fmt(r.get('fused_eager_ms'))} | "
+            f"{_fmt(r.get('fused_graph_ms'))} | {_fmt(r.get('grouped_mm_eager_ms'))} / "
+            f"{_fmt(r.get('grouped_mm_graph_ms'))} | {_fmt(r.get('loop_eager_ms'), '.3f')} | "
+            f"{r['roofline_ms']:.4f} ({r['bound']}) | {_fmt(r.get('ratio_to_roofline'), '.2f')} | "
+            f"{_fmt(r.get('achieved_TBps'), '.2f')} | {_fmt(r.get('speedup_vs_grouped_mm_eager'), '.2f')}x, "
+            f"{_fmt(r.get('speedup_vs_grouped_mm_graph'), '.2f')}x | {cs} |"
         )
     if doc.get("layers"):
         lines += [
@@ -535,8 +540,9 @@ def _table(doc: dict) -> str:
         ]
         for r in doc["layers"]:
             lines.append(
-                f"| {r['layer'].split('-BF16')[0]} | {r['T']} | {_fmt(r.get('eager_ms'))} | {_fmt(r.get('graph_ms'))} | "
-                f"{r['roofline_ms']:.4f} | {_fmt(r.get('ratio_to_roofline'), '.2f')} |"
+                f"| {r['layer'].split('-BF16')[0]} | {r['T']} | {_fmt(r.get('eager_ms'))} | "
+                f"{_fmt(r.get('graph_ms'))} | {r['roofline_ms']:.4f} | "
+                f"{_fmt(r.get('ratio_to_roofline'), '.2f')} |"
             )
     return "\n".join(lines)
 

@@ -2,8 +2,8 @@
 """The batch-1 MoE decode GEMVs of Nemotron 3 Nano 30B-A3B as a decode step runs them, and a sweep of their
 launch settings (issue 23's batch-1 bar; docs/architecture.md, "MoE").
 
-Each of the model's MoE layers (23, every one with its own weights, so nothing stays in L2) runs the chain of a
-decode step: router GEMV -> route -> up GEMV (routed experts + the folded shared expert) -> down GEMV. All
+Each of the model's MoE layers (23, every one with its own weights, so nothing stays in L2) runs the chain of
+a decode step: router GEMV -> route -> up GEMV (routed experts + the folded shared expert) -> down GEMV. All
 layers are captured in one CUDA graph, with programmatic dependent launches where the GPU has them, and
 replayed; a setting's time is the replay's per layer. `bench_moe.py --tune` times each GEMV alone and eager,
 without the shared expert and without the kernels around it; this times the form that serving replays,
@@ -14,8 +14,9 @@ is timed, and what its graph replays leave in every layer's output against the l
 ratio is bytes read (the 6 routed experts + the shared expert + the router weight per layer) over the
 streaming-read ceiling measured in the same run.
 
-    python benchmarks/bench_moe_decode.py [--write] [--layers 23]   # --write: the fastest setting becomes
-                                                                    # the 1-token entry of moe_configs/<GPU>.json
+    python benchmarks/bench_moe_decode.py [--write] [--layers 23]   # --write: the fastest setting
+                                                                    # becomes the 1-token entry of
+                                                                    # moe_configs/<GPU>.json
     python benchmarks/bench_moe_decode.py --dry-run                 # CPU, tiny shapes, interpreter
     ncu --clock-control none -k regex:"_(up|down)_gemv" --launch-skip 8 --launch-count 2 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats \
@@ -82,9 +83,9 @@ DOWN = [
     (2, 512, 1, 6),
 ]
 NESTED = [(4, 512, 4, 4), (1, 512, 1, 6), (1, 1024, 2, 4)]  # down forms also tried with a K loop per slot
-# one stage: no cp.async ring through shared memory, the tile loads straight into registers (Nsight Compute on the
-# H100, b54b3d7: the up GEMV stalls a third of its cycles on the MIO queue, the down GEMV on the shared-memory
-# scoreboard; shared memory also caps their occupancy)
+# one stage: no cp.async ring through shared memory, the tile loads straight into registers (Nsight Compute on
+# the H100, b54b3d7: the up GEMV stalls a third of its cycles on the MIO queue, the down GEMV on the
+# shared-memory scoreboard; shared memory also caps their occupancy)
 UP += [(4, 512, 2, 1), (8, 512, 4, 1), (4, 1024, 4, 1), (8, 256, 2, 1), (2, 1024, 2, 1)]
 DOWN += [(2, 1024, 2, 1), (4, 512, 2, 1), (1, 1024, 1, 1), (2, 512, 1, 1), (4, 1024, 4, 1)]
 # the down GEMV split by slot (down.SPLIT; a combine kernel after it): laid out like the up GEMV, whose best
@@ -373,8 +374,9 @@ def main() -> int:
         down_fraction=gd / (t_down * 1e-3) / ceil["read_bw"],
     )
     print(
-        f"best setting's GEMVs alone: up {t_up * 1e3:.2f} us ({alone['up_fraction']:.3f} of the read ceiling), "
-        f"down {t_down * 1e3:.2f} us ({alone['down_fraction']:.3f}), {gu / 1e6:.1f} / {gd / 1e6:.1f} MB a layer"
+        f"best setting's GEMVs alone: up {t_up * 1e3:.2f} us ({alone['up_fraction']:.3f} of the read "
+        f"ceiling), down {t_down * 1e3:.2f} us ({alone['down_fraction']:.3f}), {gu / 1e6:.1f} / "
+        f"{gd / 1e6:.1f} MB a layer"
     )
     gpu = torch.cuda.get_device_name() if not dry else "cpu (interpreter)"
     doc = dict(
@@ -403,8 +405,8 @@ def main() -> int:
         rows=rows,
     )
     print(
-        f"best: {t_best * 1e3:.2f} us a layer ({doc['best']['fraction_of_read_bw']:.3f} of the read ceiling), "
-        f"late form at the tuned settings {t_late * 1e3:.2f} us: {t_late / t_best:.3f}x"
+        f"best: {t_best * 1e3:.2f} us a layer ({doc['best']['fraction_of_read_bw']:.3f} of the read "
+        f"ceiling), late form at the tuned settings {t_late * 1e3:.2f} us: {t_late / t_best:.3f}x"
     )
     if args.write and not dry:
         key = tm.shape_key(s["E"], s["I"], s["d"], fp8=args.fp8)
@@ -433,7 +435,8 @@ def main() -> int:
         f"`{doc['command']}`; read ceiling {ceil['read_bw'] / 1e12:.3f} TB/s (same run); "
         f"{per_layer_bytes / 1e6:.1f} MB a layer; router + route alone {t_route * 1e3:.2f} us a layer",
         "",
-        "| what | up (BLOCK_N, BLOCK_K, warps, stages, EARLY) | down (..., EARLY, FLAT) | us / layer | of read ceiling |",
+        "| what | up (BLOCK_N, BLOCK_K, warps, stages, EARLY) | down (..., EARLY, FLAT) | us / layer | of "
+        "read ceiling |",
         "|---|---|---|---|---|",
     ]
     for r in rows:

@@ -213,8 +213,8 @@ def main() -> int:
         proc.terminate()
         proc.join(10)
     head = [
-        "| concurrency | requests | output tok/s | / vLLM 30B-A3B FP8 H200 c1024 (15,828) | TPOT p50 / p99 ms "
-        "| TTFT p50 / p99 ms | server CPU (cores) | client CPU (cores) |",
+        "| concurrency | requests | output tok/s | / vLLM 30B-A3B FP8 H200 c1024 (15,828) | TPOT p50 / p99 "
+        "ms | TTFT p50 / p99 ms | server CPU (cores) | client CPU (cores) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     lines = [

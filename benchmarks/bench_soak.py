@@ -12,7 +12,8 @@ is a pool not free at the end, a 5xx, an unhealthy `/health`, an engine restart 
 Exit status 1 if anything unexpected happened.
 
     python benchmarks/bench_soak.py                      # H200: Nano 9B v2 architecture, 512 streams, 600 s
-    python benchmarks/bench_soak.py --model "" --concurrency 4 --duration 5 --serve-args "--max_seq_len 1024 --warmup off"
+    python benchmarks/bench_soak.py --model "" --concurrency 4 --duration 5 \
+        --serve-args "--max_seq_len 1024 --warmup off"
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ weights) through `LLMEngine.step()` and reports, over the decode steps:
 
     python benchmarks/bench_step_sync.py --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 \
         --batch 256 --git-sha SHA                                   # H200
-    python benchmarks/bench_step_sync.py --model-dir '' --batch 4 --steps 3   # CPU smoke (nothing syncs there)
+    python benchmarks/bench_step_sync.py --model-dir '' --batch 4 --steps 3   # CPU smoke (nothing syncs
+                                                                              # there)
 
 Writes benchmarks/results/step_sync_<date>_<sha>.json (date, git sha, GPU, exact command).
 """
@@ -170,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     result = {**head, "model": Path(a.model_dir).name if a.model_dir else "hyserve-tiny", **run(a)}
     print(
-        f"batch {result['batch']}: {result['step_ms']:.2f} ms per decode step over {result['decode_steps']} steps; "
-        f"graph replay alone {result['graph_replay_ms'] or float('nan'):.2f} ms"
+        f"batch {result['batch']}: {result['step_ms']:.2f} ms per decode step over {result['decode_steps']} "
+        f"steps; graph replay alone {result['graph_replay_ms'] or float('nan'):.2f} ms"
     )
     for k, v in result["phases_ms"].items():
         print(f"  {k:<22} {v['mean']:8.3f} ms mean  {v['max']:8.3f} max  ({v['calls']} calls)")

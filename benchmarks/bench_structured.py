@@ -53,7 +53,8 @@ SCHEMA = {
 
 
 class SyntheticVocab:
-    """The tokenizer interface StructuredOutputs reads (vocab_size, is_special, token_bytes, eos_token_ids)."""
+    """The tokenizer interface StructuredOutputs reads (vocab_size, is_special, token_bytes,
+    eos_token_ids)."""
 
     def __init__(
         self, vocab_size: int, specials: int = 16, eos: int = 2, seed: int = 0, punctuation: float = 0.05
@@ -186,7 +187,9 @@ def main() -> None:
         "git_sha": sha,
         "gpu": torch.cuda.get_device_name(),
         "command": " ".join([sys.executable, *sys.argv]),
-        "model": "NVIDIA-Nemotron-Nano-9B-v2 architecture, random weights, bf16; synthetic 131072-token vocab",
+        "model": (
+            "NVIDIA-Nemotron-Nano-9B-v2 architecture, random weights, bf16; synthetic 131072-token vocab"
+        ),
         "schema": SCHEMA,
         "vocab_punctuation_share": args.punctuation,
         "setup_seconds": setup_s,

@@ -57,10 +57,10 @@ class Ceilings:
 
     def summary(self) -> str:
         return (
-            f"ceilings on {self.device}, this run: streaming read {self.stream_read_bw / 1e12:.3f} TB/s, copy "
-            f"{self.copy_bw / 1e12:.3f} TB/s, best GEMV {self.gemv_bw / 1e12:.3f} TB/s ({self.gemv_best}), bf16 "
-            f"matmul {self.matmul_flops / 1e12:.1f} TFLOP/s ({self.matmul_best}); published H200 peaks "
-            f"{PUBLISHED_BW / 1e12:.1f} TB/s, {PUBLISHED_FLOPS / 1e12:.0f} TFLOP/s"
+            f"ceilings on {self.device}, this run: streaming read {self.stream_read_bw / 1e12:.3f} TB/s, "
+            f"copy {self.copy_bw / 1e12:.3f} TB/s, best GEMV {self.gemv_bw / 1e12:.3f} TB/s "
+            f"({self.gemv_best}), bf16 matmul {self.matmul_flops / 1e12:.1f} TFLOP/s ({self.matmul_best}); "
+            f"published H200 peaks {PUBLISHED_BW / 1e12:.1f} TB/s, {PUBLISHED_FLOPS / 1e12:.0f} TFLOP/s"
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -81,7 +81,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "scheduling_policy",
         choices=SCHEDULING_POLICIES,
         default=None,
-        help="fcfs (default: arrival order) or priority (each request's `priority`, lower first, then arrival)",
+        help="fcfs (default: arrival order) or priority (each request's `priority`, lower first, then "
+        "arrival)",
     )
     _flag(
         p,
@@ -188,7 +189,8 @@ def _add_serve_parser(sub: Any) -> None:
         "max_request_body_bytes",
         type=int,
         default=None,
-        help="largest request body (default 32 MiB: a 1M-token prompt as token ids, with room); larger is a 413",
+        help="largest request body (default 32 MiB: a 1M-token prompt as token ids, with room); larger is "
+        "a 413",
     )
     _flag(
         p,
@@ -281,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# ---- options: YAML + flags -> engine options dict -----------------------------------------------------------
+# ---- options: YAML + flags -> engine options dict ----------------------------------------------------------
 
 
 def engine_options_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
@@ -354,7 +356,7 @@ def _stdout(msg: str) -> None:
     print(msg, flush=True)
 
 
-# ---- subcommands ---------------------------------------------------------------------------------------------
+# ---- subcommands -------------------------------------------------------------------------------------------
 
 
 def _run_if_headless_rank(config: Any) -> None:
@@ -451,7 +453,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ):
         raise ConfigError(  # `hyserve generate "Hello"`: the text went to MODEL
             f"{model_arg!r} is not a local directory: the first argument of `hyserve generate` is MODEL (a "
-            f"checkpoint directory; leave it out for the built-in tiny model); give the prompt with -p, as in "
+            "checkpoint directory; leave it out for the built-in tiny model); give the prompt with -p, as in "
             f"`hyserve generate -p {json.dumps(str(model_arg))}`"
         )
     config = _build_config(opts)  # validate everything before loading anything

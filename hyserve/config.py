@@ -3,8 +3,8 @@
 The option names are those of the server's YAML (`extra-llm-api-config.yml` style) and of `LLM(...)`:
 
     EngineConfig
-      model, dtype, device, load_format, quantization, served_model_name, seed, warmup, strict_warmup, cache_dir,
-      async_scheduling
+      model, dtype, device, load_format, quantization, served_model_name, seed, warmup, strict_warmup,
+      cache_dir, async_scheduling
       scheduler: SchedulerConfig   max_batch_size, max_num_tokens, max_seq_len, enable_chunked_prefill,
                                    scheduling_policy, ...
       cache:     CacheConfig       kv_cache_config.* (tokens_per_block, enable_block_reuse, avg_seq_len, ...)
@@ -56,7 +56,8 @@ SERVER_YAML_KEYS = (
 # engine seeds are int64 (as the API's per-request seeds)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-# weight formats `quantization` can ask for (None: the checkpoint's own, 16-bit unless it is an FP8 checkpoint)
+# weight formats `quantization` can ask for (None: the checkpoint's own, 16-bit unless it is an FP8
+# checkpoint)
 QUANTIZATIONS = ("fp8",)
 DEVICES = ("auto", "cpu", "cuda")
 # the waiting queue's order (vLLM's --scheduling-policy): "fcfs" arrival order; "priority" each request's
@@ -285,9 +286,10 @@ class CacheConfig:
             # an explicit choice that could do nothing is a mistake worth stopping for (a 16/32-bit pool
             # stores K and V unscaled); "auto" is the default and means nothing without fp8
             raise ValueError(
-                f"kv_cache_config.kv_scales: {self.kv_scales!r} chooses the k_scale / v_scale of an fp8 KV cache, "
-                f"but kv_cache_config.dtype is {self.dtype!r} (K and V are stored unscaled); set "
-                f"kv_cache_config.dtype: fp8, or leave kv_scales at 'auto' (allowed: {list(KV_SCALE_SOURCES)})"
+                f"kv_cache_config.kv_scales: {self.kv_scales!r} chooses the k_scale / v_scale of an fp8 KV "
+                f"cache, but kv_cache_config.dtype is {self.dtype!r} (K and V are stored unscaled); set "
+                "kv_cache_config.dtype: fp8, or leave kv_scales at 'auto' (allowed: "
+                f"{list(KV_SCALE_SOURCES)})"
             )
 
 
@@ -330,7 +332,8 @@ class ParallelConfig:
     ep_size: int = option(1, Int(lo=1), aliases=("moe_expert_parallel_size",))
 
     def check(self) -> None:
-        # the world, the visible GPUs and the model's heads / experts are checked at start-up (engine/launch.py)
+        # the world, the visible GPUs and the model's heads / experts are checked at start-up
+        # (engine/launch.py)
         problem = expert_split_problem(self.tp_size, self.ep_size)
         if problem:
             raise ValueError(problem)
@@ -362,8 +365,8 @@ class EngineConfig:
     # device), so the host's per-step work overlaps the GPU's (LLMEngine docstring)
     async_scheduling: bool = option(True, boolean)
     # supervision (AsyncEngine): a failure outside a step resets the engine and serving goes on; the
-    # engine_failure_limit-th such failure within engine_failure_window_s seconds stops it for good (the server
-    # then exits non-zero, so a supervisor restarts the process)
+    # engine_failure_limit-th such failure within engine_failure_window_s seconds stops it for good (the
+    # server then exits non-zero, so a supervisor restarts the process)
     engine_failure_limit: int = option(5, Int(lo=1))
     engine_failure_window_s: float = option(60.0, positive_seconds)
     ignored_keys: tuple[str, ...] = ()  # filled in by build_engine_config; not an option

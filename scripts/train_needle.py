@@ -73,16 +73,17 @@ END_QUESTION = "\n\nWhat is the secret code?"
 BARE_HEADER = "DOCUMENT:\n"  # the short format: the document alone (no instruction), for cheap early steps
 IGNORE = -100
 
-# ---- model shapes ---------------------------------------------------------------------------------------------
+# ---- model shapes ------------------------------------------------------------------------------------------
 PRESETS: dict[str, dict[str, Any]] = {
     # ~0.33M parameters, 1.3 MB in float32: trains on 1 CPU thread in minutes, small enough to ship
-    "cpu": {"max_position_embeddings": 8192, "hidden_size": 96, "pattern": "M*M*", "mamba_num_heads": 6, "mamba_head_dim": 32,
-            "ssm_state_size": 16, "n_groups": 1, "num_attention_heads": 8, "num_key_value_heads": 8,
-            "head_dim": 24, "chunk_size": 64},
-    # ~2.9M parameters (11.5 MB in float32): the H200 run; max_position_embeddings is hyserve's default max_seq_len (1M)
-    "h200": {"max_position_embeddings": 1 << 20, "hidden_size": 256, "pattern": "M*M*M*M*", "mamba_num_heads": 8, "mamba_head_dim": 64,
-             "ssm_state_size": 32, "n_groups": 1, "num_attention_heads": 8, "num_key_value_heads": 8,
-             "head_dim": 32, "chunk_size": 128},
+    "cpu": {"max_position_embeddings": 8192, "hidden_size": 96, "pattern": "M*M*", "mamba_num_heads": 6,
+            "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 1, "num_attention_heads": 8,
+            "num_key_value_heads": 8, "head_dim": 24, "chunk_size": 64},
+    # ~2.9M parameters (11.5 MB in float32): the H200 run; max_position_embeddings is hyserve's default
+    # max_seq_len (1M)
+    "h200": {"max_position_embeddings": 1 << 20, "hidden_size": 256, "pattern": "M*M*M*M*",
+             "mamba_num_heads": 8, "mamba_head_dim": 64, "ssm_state_size": 32, "n_groups": 1,
+             "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 32, "chunk_size": 128},
 }  # fmt: skip
 
 _LAYER_NAMES = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
@@ -117,7 +118,7 @@ def model_config(preset: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
-# ---- tokenizer ----------------------------------------------------------------------------------------------
+# ---- tokenizer ---------------------------------------------------------------------------------------------
 def tiny_tokenizer() -> Tokenizer:
     """hyserve's tiny tokenizer with its chat template, as the engine will load it from the checkpoint."""
     with tempfile.TemporaryDirectory() as d:
@@ -153,7 +154,7 @@ def chat_ids_batch(tok: Tokenizer, user_texts: list[str]) -> list[list[int]]:
     ]
 
 
-# ---- synthetic documents -------------------------------------------------------------------------------------
+# ---- synthetic documents -----------------------------------------------------------------------------------
 WORDS = tuple(
     "the of and to in is was for on that with as by at from it an be this are or which have had not but "
     "all were when we there can one their has more will if about out up into them some time so these "
@@ -360,7 +361,7 @@ def _template_tail_len(tok: Tokenizer) -> int:
     return len(empty) - head
 
 
-# ---- curriculum and batches ----------------------------------------------------------------------------------
+# ---- curriculum and batches --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Curriculum:
     min_len: int
@@ -381,8 +382,8 @@ def sample_batch(
 ) -> list[Example]:
     """Examples of one step, all of one format and about one length: the bench's instruction format with
     probability 0.8 x the curriculum level (else the short document-only format: cheap steps that teach the
-    same copy, and the only format until copying has emerged), a length drawn log-uniformly in [shortest for the format, the curriculum's cap], as many rows
-    as fit in `tokens_per_batch`."""
+    same copy, and the only format until copying has emerged), a length drawn log-uniformly in [shortest for
+    the format, the curriculum's cap], as many rows as fit in `tokens_per_batch`."""
     level = cur.level(progress)
     instruction = rng.random() < 0.8 * level
     lo = cur.min_len if instruction else cur.min_bare_len
@@ -426,7 +427,7 @@ def answer_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     )
 
 
-# ---- model and training --------------------------------------------------------------------------------------
+# ---- model and training ------------------------------------------------------------------------------------
 def build_model(config: dict[str, Any], seed: int, device: str) -> torch.nn.Module:
     import transformers
 
@@ -505,7 +506,7 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.05
     )
 
 
-# ---- evaluation ----------------------------------------------------------------------------------------------
+# ---- evaluation --------------------------------------------------------------------------------------------
 @torch.no_grad()
 def exact_greedy_hits(model: torch.nn.Module, examples: list[Example], device: str) -> list[bool]:
     """Per example: would greedy decoding produce exactly the answer (code, then <|im_end|>)?
@@ -610,7 +611,7 @@ def sample_answers(
     return out
 
 
-# ---- reports and checkpoint ------------------------------------------------------------------------------------
+# ---- reports and checkpoint --------------------------------------------------------------------------------
 def accuracy_markdown(result: dict[str, Any]) -> str:
     ev = result["eval"]
     depths = sorted({c["depth"] for c in ev["cells"]})
@@ -623,7 +624,8 @@ def accuracy_markdown(result: dict[str, Any]) -> str:
         f"preset `{a['preset']}`, {result['parameters']:,} parameters, {result['steps_done']} steps in "
         f"{result['train_seconds']:.0f} s on {a['device']}, trained at {a['min_len']}..{a['max_len']} "
         f"tokens, seed {a['seed']}, final answer loss {result['final_loss']:.4f}; curriculum reached "
-        f"{result['curriculum_progress']:.2f} (held back by the loss gate for {result['gated_steps']} steps).",
+        f"{result['curriculum_progress']:.2f} (held back by the loss gate for {result['gated_steps']} "
+        "steps).",
         "",
         f"Accuracy: {ev['method']}, {ev['cells'][0]['n']} fresh random codes in mixed filler per cell; "
         "`bench` is the `hyserve bench needle` prompt (ORANGE-MANGO-42 in 'alphabet ' filler): HIT / MISS.",
@@ -659,7 +661,7 @@ def save_checkpoint_dir(model: torch.nn.Module, config: dict[str, Any], out: Pat
     os.chmod(out / "model.safetensors", 0o644)  # safetensors writes it owner-only
 
 
-# ---- main ----------------------------------------------------------------------------------------------------
+# ---- main --------------------------------------------------------------------------------------------------
 CALIBRATION_STEPS = 20  # steps at curriculum progress 0 whose timing sizes an automatic --steps
 _TIMED_FROM = 5  # the first steps pay start-up costs (CUDA context, cuBLAS handles, allocator growth)
 
@@ -715,8 +717,8 @@ def _record(
 def train(model: torch.nn.Module, tok: Tokenizer, args: argparse.Namespace) -> RunState:
     """The training loop. Curriculum progress starts at 0 (kept there for the first CALIBRATION_STEPS) and
     advances by 1 / steps per step while the loss gate is open, so a run is deterministic given --seed and
-    --steps (on the CPU; on CUDA up to the device's float non-determinism); with --steps auto the count is fixed after those steps from
-    their pace and logged, and rerunning with that --steps reproduces the run."""
+    --steps (on the CPU; on CUDA up to the device's float non-determinism); with --steps auto the count is
+    fixed after those steps from their pace and logged, and rerunning with that --steps reproduces the run."""
     rng = random.Random(args.seed)
     cur = Curriculum(args.min_len, args.max_len)
     opt = make_optimizer(model, args.lr)
@@ -806,7 +808,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tokens-per-batch",
         type=int,
         default=None,
-        help="tokens per step (default 16384 / 2048; 65536 ran out of the H200's memory in the torch Mamba2 path)",
+        help="tokens per step (default 16384 / 2048; 65536 ran out of the H200's memory in the torch Mamba2 "
+        "path)",
     )
     p.add_argument(
         "--lr", type=float, default=None, help="peak LR (default 3e-3 for the cpu preset, 1e-3 for h200)"

@@ -378,9 +378,9 @@ def _add_needle_parser(sub: Any) -> None:
     p = sub.add_parser(
         "needle",
         help="needle-in-a-haystack requests at chosen prompt sizes (the long-prompt report's client)",
-        description="Send the long-prompt report's needle request (/v1/chat/completions, needle mid-document) "
-        "at each size and report prompt tokens, latency, HTTP status or error, whether the needle "
-        "came back, and whether the server is still healthy. Exit 1 if a request got no HTTP "
+        description="Send the long-prompt report's needle request (/v1/chat/completions, needle "
+        "mid-document) at each size and report prompt tokens, latency, HTTP status or error, whether the "
+        "needle came back, and whether the server is still healthy. Exit 1 if a request got no HTTP "
         "response, a 5xx, or left the server unhealthy.",
     )
     _add_server_flags(p)

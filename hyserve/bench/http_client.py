@@ -34,7 +34,8 @@ def endpoint_kind(endpoint: str) -> str:
 
 
 def join_url(base_url: str, path: str) -> str:
-    """base + path, without doubling a `/v1` that the user put on the base URL (as the openai client wants)."""
+    """base + path, without doubling a `/v1` that the user put on the base URL (as the openai client
+    wants)."""
     base = base_url.rstrip("/")
     if not path.startswith("/"):
         path = "/" + path

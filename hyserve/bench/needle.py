@@ -11,8 +11,8 @@ trained checkpoint (scripts/train_needle.py) gives a HIT / MISS grid by size and
 
 Outcomes per size and depth: HTTP status (a 400 for a prompt that is too long is a valid outcome), the error
 message, latency, whether the answer contains the needle's code (HIT / MISS; with random weights it
-will not: that is reported as a MISS, not an error, since the point there is that the server serves it), and whether /health still
-answers afterwards (the report's server died on a 256k prompt).
+will not: that is reported as a MISS, not an error, since the point there is that the server serves it), and
+whether /health still answers afterwards (the report's server died on a 256k prompt).
 """
 
 from __future__ import annotations

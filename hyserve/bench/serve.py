@@ -208,7 +208,8 @@ async def _run(opts: ServeBenchOptions, log: Callable[[str], None]) -> dict[str,
                 )
                 log(
                     f"concurrency {conc or 'unlimited'}, rep {rep + 1}/{opts.reps}: {m['completed']} ok, "
-                    f"{m['failed']} failed in {duration:.2f} s, {m['output_throughput']:.1f} output tok/s{extra}"
+                    f"{m['failed']} failed in {duration:.2f} s, {m['output_throughput']:.1f} output "
+                    f"tok/s{extra}"
                 )
             points.append(
                 {

@@ -95,8 +95,8 @@ class CapacityPlan:
         lines = [
             f"capacity plan: budget {_fmt_bytes(inp.budget_bytes)}, "
             f"using {_fmt_bytes(self.total_bytes)} (unused {_fmt_bytes(unused)})",
-            f"  weights      {_fmt_bytes(inp.weight_bytes):>12}  {inp.weight_format} (resident before the budget "
-            "was taken; not part of it)",
+            f"  weights      {_fmt_bytes(inp.weight_bytes):>12}  {inp.weight_format} (resident before the "
+            "budget was taken; not part of it)",
             f"  KV cache     {_fmt_bytes(self.kv_bytes):>12}  {self.num_kv_blocks:,} blocks x "
             f"{inp.tokens_per_block} tokens = {self.kv_tokens:,} tokens "
             f"({_fmt_bytes(inp.kv_bytes_per_token)}/token; floor {self.kv_floor_blocks:,} blocks)",

@@ -79,7 +79,8 @@ def reduce_scatter(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     n = x.shape[d]
     if n % group.size:
         raise ValueError(
-            f"reduce_scatter: dim {dim} has {n} entries, not a multiple of the {group.name} group size {group.size}"
+            f"reduce_scatter: dim {dim} has {n} entries, not a multiple of the {group.name} group size "
+            f"{group.size}"
         )
     src = x.movedim(d, 0).contiguous()  # [n, ...rest]
     out = torch.empty((n // group.size, *src.shape[1:]), dtype=x.dtype, device=x.device)
@@ -104,7 +105,8 @@ def all_to_all(
     if send_counts is None:
         if src.shape[0] % group.size:
             raise ValueError(
-                f"all_to_all: {src.shape[0]} rows do not split evenly over the {group.name} group of {group.size}"
+                f"all_to_all: {src.shape[0]} rows do not split evenly over the {group.name} group of "
+                f"{group.size}"
             )
         out = torch.empty_like(src)
         _run("all_to_all", group, lambda: dist.all_to_all_single(out, src, group=group.pg))
@@ -112,7 +114,8 @@ def all_to_all(
     assert recv_counts is not None
     if len(send_counts) != group.size or len(recv_counts) != group.size:
         raise ValueError(
-            f"all_to_all: need {group.size} send and recv counts, got {len(send_counts)} and {len(recv_counts)}"
+            f"all_to_all: need {group.size} send and recv counts, got {len(send_counts)} and "
+            f"{len(recv_counts)}"
         )
     if sum(send_counts) != src.shape[0]:
         raise ValueError(f"all_to_all: send_counts sum to {sum(send_counts)} but x has {src.shape[0]} rows")

@@ -68,14 +68,16 @@ def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
         log(f"hyserve: kernel cache: {d}")
         pdl_on = pdl_active(lm.device)
         log(
-            f"hyserve: decode-path kernels launch {'as programmatic dependent launches' if pdl_on else 'in order'}"
+            "hyserve: decode-path kernels launch "
+            f"{'as programmatic dependent launches' if pdl_on else 'in order'}"
             f"{'' if pdl_on or envs.HYSERVE_PDL else ' (HYSERVE_PDL=0)'}"
         )
     if lm.device.type == "cpu" and torch.get_num_threads() <= 2:
         torch.set_num_threads(1)  # 2 threads on 2-core machines were 2-50x slower (docs/architecture.md)
     log(
         f"hyserve: {lm.name}: {lm.config.describe()}, {str(lm.dtype).removeprefix('torch.')} on {lm.device} "
-        f"({time.monotonic() - t0:.1f}s); weights on this rank {lm.weight_bytes / 2**30:,.2f} GiB ({lm.weight_format})"
+        f"({time.monotonic() - t0:.1f}s); weights on this rank {lm.weight_bytes / 2**30:,.2f} GiB "
+        f"({lm.weight_format})"
     )
     sc = config.scheduler
     max_seq_len = sc.max_seq_len or lm.config.max_position_embeddings
@@ -97,7 +99,8 @@ def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
         )
         log(
             f"hyserve: activation peak (profiled): {activations.prefill_peak_bytes / 2**20:,.0f} MiB for a "
-            f"{sc.max_num_tokens}-token step, {activations.decode_peak_bytes / 2**20:,.0f} MiB for a decode step"
+            f"{sc.max_num_tokens}-token step, {activations.decode_peak_bytes / 2**20:,.0f} MiB for a decode "
+            "step"
         )
     budget = cache_budget_bytes(config, lm, activations, graph_sizes)
     if channel is not None:
@@ -137,8 +140,8 @@ def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
             max_blocks_per_seq=min(plan.num_kv_blocks, -(-max_seq_len // config.cache.tokens_per_block)),
         )
         log(
-            f"hyserve: captured {len(g.sizes)} decode CUDA graphs (batch sizes {g.sizes[0]}..{g.sizes[-1]}) in "
-            f"{g.capture_seconds:.1f}s, {g.graph_bytes / 2**20:,.0f} MiB"
+            f"hyserve: captured {len(g.sizes)} decode CUDA graphs (batch sizes {g.sizes[0]}..{g.sizes[-1]}) "
+            f"in {g.capture_seconds:.1f}s, {g.graph_bytes / 2**20:,.0f} MiB"
         )
     if channel is not None and channel.is_driver:
         runner = DriverRunner(runner, channel)
@@ -158,7 +161,8 @@ def smallest_budget(channel: StepChannel, lm: LoadedModel, budget: int, log: Cal
         for r, (b, f) in enumerate(rows)
     )
     log(
-        f"hyserve: cache budget per rank: {per_rank}; every rank plans from the smallest, {least / 2**30:,.2f} GiB"
+        f"hyserve: cache budget per rank: {per_rank}; every rank plans from the smallest, "
+        f"{least / 2**30:,.2f} GiB"
     )
     return least
 

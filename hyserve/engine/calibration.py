@@ -44,9 +44,9 @@ def calibration_sizes(engine: LLMEngine) -> tuple[int, int, int]:
     """The prompt lengths timed: the smallest step (one SSD chunk: the host's floor), and two device-bound
     ones for the per-token slope (a quarter of the largest and the largest, `max_num_tokens` or what one
     request may hold), so the host's time in small steps, which overlaps the device's in large ones, stays
-    out of it. The two are whole SSD chunks, blocks and snapshot intervals: a snapshot boundary inside a prompt
-    that is not an SSD chunk boundary cuts its prefill into two steps (the scheduler's `_plan_chunk`), and a
-    timing of two steps is not one step's."""
+    out of it. The two are whole SSD chunks, blocks and snapshot intervals: a snapshot boundary inside a
+    prompt that is not an SSD chunk boundary cuts its prefill into two steps (the scheduler's `_plan_chunk`),
+    and a timing of two steps is not one step's."""
     chunk = engine.model_config.chunk_size
     unit = math.lcm(chunk, engine.cache.tokens_per_block, engine.cache.snapshot_interval or 1)
     long_n = _aligned(min(engine.config.scheduler.max_num_tokens, engine.plan.max_request_tokens - 2), unit)

@@ -191,7 +191,8 @@ class DecodeGraphs:
         self, seqs: Sequence[ScheduledSeq], feed: tuple[torch.Tensor, list[int]] | None = None
     ) -> torch.Tensor | None:
         """Run a decode-only step; float32 logits [len(seqs), vocab], or None when no graph fits.
-        feed = (tokens, rows): sequence i's input token is tokens[rows[i]] on the device (`ModelRunner.execute`)."""
+        feed = (tokens, rows): sequence i's input token is tokens[rows[i]] on the device
+        (`ModelRunner.execute`)."""
         b = len(seqs)
         B = self.size_for(b)
         if B is None:

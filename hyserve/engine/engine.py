@@ -12,8 +12,8 @@ the caller's streaming and the next step's set-up run while the GPU computes:
 Without it the same loop reads each step right after launching it. Only the scheduler composes steps
 (it counts each request's unread tokens); the engine validates (`InputProcessor`), runs (`ModelRunner`)
 and turns tokens into deltas (`OutputProcessor`). A step that raises fails only the request that makes it
-fail, and a host-side failure of one request's output fails it alone (engine/isolation.py). Built by `startup.start_engine`: construct, warm up,
-mark ready (docs/architecture.md).
+fail, and a host-side failure of one request's output fails it alone (engine/isolation.py). Built by
+`startup.start_engine`: construct, warm up, mark ready (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -314,8 +314,8 @@ class LLMEngine:
         return self._finish_delta(req)
 
     def reset_after_failure(self, reason: str) -> list[StreamDelta]:
-        """After an exception outside a step's guards: every request ends with `reason`, the pools' books start
-        afresh (engine/isolation.py). Returns the final deltas."""
+        """After an exception outside a step's guards: every request ends with `reason`, the pools' books
+        start afresh (engine/isolation.py). Returns the final deltas."""
         return reset_engine(self, reason)
 
     def _check_strict_warmup(self) -> None:

@@ -33,7 +33,8 @@ class InputProcessor:
         bias_bad = [t for t, _ in params.logit_bias if t >= vocab]
         if bias_bad:
             raise RequestRejected(
-                f"logit_bias token ids must be in [0, {vocab - 1}] (the model's vocabulary); got {bias_bad[:5]}",
+                f"logit_bias token ids must be in [0, {vocab - 1}] (the model's vocabulary); got "
+                f"{bias_bad[:5]}",
                 param="logit_bias",
                 code="invalid_token_id",
             )
@@ -48,8 +49,8 @@ class InputProcessor:
         fit = self.plan.max_request_tokens
         if total > fit:
             raise RequestRejected(
-                f"this request needs {total} tokens ({n} prompt + {params.max_tokens} max_tokens), but the KV "
-                f"cache holds at most {fit} tokens for one request even when the engine is empty "
+                f"this request needs {total} tokens ({n} prompt + {params.max_tokens} max_tokens), but the "
+                f"KV cache holds at most {fit} tokens for one request even when the engine is empty "
                 f"(max_seq_len = {self.max_seq_len}); shorten it or give the cache more memory",
                 param="prompt",
                 code="request_too_large",
@@ -72,9 +73,9 @@ class InputProcessor:
             )
         if priority != 0 and self.scheduler.scheduling_policy == "fcfs":
             raise RequestRejected(
-                f"got priority {priority}, but priority scheduling is not enabled (scheduling_policy is fcfs); "
-                "start the engine with --scheduling-policy priority (YAML / LLM option scheduling_policy: "
-                "priority) to use it",
+                f"got priority {priority}, but priority scheduling is not enabled (scheduling_policy is "
+                "fcfs); start the engine with --scheduling-policy priority (YAML / LLM option "
+                "scheduling_policy: priority) to use it",
                 param="priority",
                 code="invalid_priority",
             )
@@ -88,7 +89,8 @@ class InputProcessor:
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise RequestRejected(
-                f"prompt token ids must be integers in [0, {vocab - 1}] (the model's vocabulary); got {bad[:5]}",
+                f"prompt token ids must be integers in [0, {vocab - 1}] (the model's vocabulary); got "
+                f"{bad[:5]}",
                 param="prompt",
                 code="invalid_token_id",
             )

@@ -1,7 +1,8 @@
 """Calibrate an fp8 KV cache's per-layer k_scale / v_scale at start-up, where the checkpoint gives none
 (`kv_cache_config.kv_scales: calibrate`, or `auto` for the layers the checkpoint lacks):
 
-    scale = HEADROOM * amax / 448        amax = max |K| (or |V|) the layer projects over the calibration prefill
+    scale = HEADROOM * amax / 448    amax = max |K| (or |V|) the layer projects over the calibration
+                                     prefill
 
 one per tensor (the scale format of the checkpoints, the `Attention` buffers and the kernels; per-head scales
 are not supported). `assembly.assemble` runs it right after the weights load: before the activation profile,
@@ -104,9 +105,10 @@ class KvCalibration:
             else f"; the other {self.num_attention_layers - n} from the checkpoint"
         )
         return (
-            f"fp8 KV cache: k_scale / v_scale calibrated in {n} of {self.num_attention_layers} attention layers"
-            f"{rest} (amax / {FP8_E4M3_MAX:g} x {HEADROOM:g} headroom, per tensor; a {self.num_tokens:,}-token "
-            f"prefill of {self.batch}): {span('k')}, {span('v')} ({self.seconds:.1f}s)"
+            f"fp8 KV cache: k_scale / v_scale calibrated in {n} of {self.num_attention_layers} attention "
+            f"layers{rest} (amax / {FP8_E4M3_MAX:g} x {HEADROOM:g} headroom, per tensor; a "
+            f"{self.num_tokens:,}-token prefill of {self.batch}): {span('k')}, {span('v')} "
+            f"({self.seconds:.1f}s)"
         )
 
 
@@ -180,10 +182,11 @@ def calibrate_kv_scales(lm: LoadedModel, *, tokens_per_block: int, max_seq_len: 
             a = amax[i][0 if kind == "k" else 1]
             if not (a < float("inf")):  # inf or NaN
                 raise ValueError(
-                    f"fp8 KV calibration: attention layer {i}'s {kind.upper()} is not finite over the calibration "
-                    f"prefill (max |{kind.upper()}| = {a}: non-finite weights, or an overflow in "
-                    f"{str(lm.dtype).removeprefix('torch.')}), so no scale can hold it. Set kv_cache_config.kv_scales "
-                    "to 'checkpoint' (with a checkpoint that has KV scales) or 'unit'"
+                    f"fp8 KV calibration: attention layer {i}'s {kind.upper()} is not finite over the "
+                    f"calibration prefill (max |{kind.upper()}| = {a}: non-finite weights, or an overflow in "
+                    f"{str(lm.dtype).removeprefix('torch.')}), so no scale can hold it. Set "
+                    "kv_cache_config.kv_scales to 'checkpoint' (with a checkpoint that has KV scales) or "
+                    "'unit'"
                 )
             # a float32 scale: at least float32's smallest normal, so the buffer never holds 0
             scales.setdefault(i, {})[kind] = max(a * HEADROOM / FP8_E4M3_MAX, _F32_TINY) if a > 0 else 1.0

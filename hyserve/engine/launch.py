@@ -163,7 +163,8 @@ def start_ranks(config: EngineConfig, log: Callable[[str], None]) -> Ranks | Non
         if is_headless_rank():
             raise RuntimeError(
                 f"this is rank {envs.RANK} of a torchrun launch: ranks > 0 run headless "
-                "(hyserve.engine.worker.run_worker; `hyserve serve` does this itself), only rank 0 builds the engine"
+                "(hyserve.engine.worker.run_worker; `hyserve serve` does this itself), only rank 0 builds "
+                "the engine"
             )
         info = join_group(config)
         log(

@@ -10,8 +10,9 @@ vLLM semantics), for the rows whose `SamplingParams` ask for any.
 applied in that order. The histories come from the host each step as plain lists (O(prompt + output)
 per penalised row per step; rows without penalties cost nothing), turned into one index tensor and
 one `index_put_` per kind. With async scheduling a row's newest output token may still be on the device
-(not yet read by the host): `pending` [n] holds it (-1 where none) and it is counted on the device. Logprobs stay those of the raw model distribution (the sampler's choice,
-as vLLM's default), so only the choice of token moves.
+(not yet read by the host): `pending` [n] holds it (-1 where none) and it is counted on the device. Logprobs
+stay those of the raw model distribution (the sampler's choice, as vLLM's default), so only the choice of
+token moves.
 """
 
 from __future__ import annotations

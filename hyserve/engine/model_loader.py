@@ -144,7 +144,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model.eval()  # type: ignore[attr-defined]
     family.finish_load(model)
     if quant is not None and device.type == "cuda":
-        torch.cuda.empty_cache()  # the 16-bit tensors quantised on the device: their blocks back to free memory
+        # the 16-bit tensors quantised on the device: their blocks back to free memory
+        torch.cuda.empty_cache()
     total, fp8 = tensor_bytes(model)  # type: ignore[arg-type]
     fmt_line = "16-bit" if quant is None else f"{quant.describe()}: {fp8 / 2**30:,.2f} GiB e4m3 + scales"
 

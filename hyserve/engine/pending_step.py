@@ -47,7 +47,8 @@ def sample_step(
 ) -> PendingStep:
     """Sample `batch`'s sampling rows (and their logprobs) on the device and start the copies to the host;
     nothing here waits for the device. `histories` / `pending`: the penalty rows' host history and the
-    token of each row still on the device; `bitmask`: the structured-outputs mask (`Sampler.sample_tokens`)."""
+    token of each row still on the device; `bitmask`: the structured-outputs mask
+    (`Sampler.sample_tokens`)."""
     sampling = [s for s in batch.seqs if s.sample]
     params = [s.params for s in sampling]
     tokens = sampler.sample_tokens(

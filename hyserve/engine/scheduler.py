@@ -96,8 +96,9 @@ def standalone_prefill(
     snapshots: list[list[tuple[int, int]]] | None = None,
 ) -> ScheduledBatch:
     """Whole prompts as one prefill step outside the cache manager, for start-up's runs on scratch caches (the
-    activation profile, the fp8 KV calibration): prompt i from a fresh state into state slot slots[i], over the
-    next ceil(len / tokens_per_block) blocks counting from block 0, writing snapshots[i] (none by default)."""
+    activation profile, the fp8 KV calibration): prompt i from a fresh state into state slot slots[i], over
+    the next ceil(len / tokens_per_block) blocks counting from block 0, writing snapshots[i] (none by
+    default)."""
     seqs, next_block = [], 0
     for i, ids in enumerate(prompts):
         nb = -(-len(ids) // tokens_per_block)
@@ -423,9 +424,9 @@ class Scheduler:
     def admit(self, budget: int, *, ms: float | None = None, capped: bool = False) -> list[ScheduledSeq]:
         """Admit waiting requests strictly in queue order within `budget` tokens (and `ms` of predicted step
         time) and the batch-size limit; returns their first chunks. Admission stops at the first that cannot
-        start, so a large request is not overtaken for ever by small ones queued behind it. `capped`: continuing
-        prefills share the step, so a long prompt's first chunk takes at most long_prefill_token_threshold
-        tokens."""
+        start, so a large request is not overtaken for ever by small ones queued behind it. `capped`:
+        continuing prefills share the step, so a long prompt's first chunk takes at most
+        long_prefill_token_threshold tokens."""
         seqs: list[ScheduledSeq] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             req = self.waiting[0]

@@ -55,8 +55,8 @@ def calibrate(engine: LLMEngine, log: Callable[[str], None]) -> None:
     engine.scheduler.cost = calibrate_step_cost(engine, target)
     if engine.scheduler.cost is None:
         log(
-            f"max_step_ms {target:g}: no step cost model on {engine.device.type} for this model (it is timed on "
-            "CUDA over the attention layers); chunks are sized by the token budget alone"
+            f"max_step_ms {target:g}: no step cost model on {engine.device.type} for this model (it is timed "
+            "on CUDA over the attention layers); chunks are sized by the token budget alone"
         )
     else:
         log(f"max_step_ms {target:g}: {engine.scheduler.cost.describe()}")

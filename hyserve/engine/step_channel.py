@@ -5,8 +5,9 @@ so the message never queues behind the GPU and a worker has the next step while 
 one. A decode row fed from the previous step's samples on the device (async scheduling) needs that tensor:
 it follows over the model's group (NCCL on CUDA: device to device, no host round trip). The messages:
 
-    (STEP, seqs, num_decodes, feed_len, eager)         run this batch (feed_len: the feed tensor's rows, -1 none;
-                                                       eager: decode steps skip the captured graphs)
+    (STEP, seqs, num_decodes, feed_len, eager)         run this batch (feed_len: the feed tensor's rows,
+                                                       -1 none; eager: decode steps skip the captured
+                                                       graphs)
     (PROMPT_LOGITS, row, offset, n, rows_per_pass)     the kept step's prompt-logprob passes
     (CAPTURE, sizes, max_blocks_per_seq, pad_slot, enable_padding)
     (READY,)  (HEARTBEAT,)  (SHUTDOWN,)

@@ -49,8 +49,8 @@ class StepCostModel:
     def describe(self) -> str:
         floor = f" (host floor {self.host_floor_ms:.1f} ms a step)" if self.host_floor_ms else ""
         return (
-            f"step cost model{floor}: {self.overhead_ms:.2f} ms per step + {self.per_token_ms * 1e3:.3f} us per token "
-            f"+ {self.per_context_ms * 1e9:.3f} ps per (token x context) in prefill attention + "
+            f"step cost model{floor}: {self.overhead_ms:.2f} ms per step + {self.per_token_ms * 1e3:.3f} us "
+            f"per token + {self.per_context_ms * 1e9:.3f} ps per (token x context) in prefill attention + "
             f"{self.per_kv_read_ms * 1e9:.3f} ps per context token of a decode row; chunks sized for steps "
             f"under {self.target_ms:.0f} ms (a chunk at 0 / 128k / 1M tokens of context: "
             f"{self.max_chunk(0, self.target_ms - self.overhead_ms)} / "
@@ -83,8 +83,8 @@ def fit_step_cost(
     and `long` is the device's cost and its intercept the device's fixed cost per step; the floor is only
     reported. Otherwise (or without a floor) the line runs through `short` and `long` as given, its intercept
     carrying the host's time: larger than the device's, so chunks come out smaller than the target allows,
-    never larger. (The H200 calibration through the 128-token step gave a 38 ms intercept, and steps planned for
-    150 ms ran 82 ms at the median and 118 ms at p99.)"""
+    never larger. (The H200 calibration through the 128-token step gave a 38 ms intercept, and steps planned
+    for 150 ms ran 82 ms at the median and 118 ms at p99.)"""
     q, ctx, attn_ms = attention
     per_context = max(attn_ms, 0.0) / (q * ctx)
     (n1, t1), (n2, t2) = short, long

@@ -62,8 +62,8 @@ class WarmupReport:
 
     def summary(self) -> str:
         s = (
-            f"hyserve: warm-up: {len(self.cases)} cases in {self.seconds:.1f}s; Triton variants before ready: "
-            f"{self.compiled} compiled, {self.loaded} loaded from the cache"
+            f"hyserve: warm-up: {len(self.cases)} cases in {self.seconds:.1f}s; Triton variants before "
+            f"ready: {self.compiled} compiled, {self.loaded} loaded from the cache"
         )
         if self.failed:
             s += "; failed: " + "; ".join(f"{c} ({why})" for c, why in self.failed)

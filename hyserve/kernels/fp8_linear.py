@@ -35,7 +35,8 @@ SCHEMES = ("tensor", "channel", "block")
 def _group_scale(amax: torch.Tensor) -> torch.Tensor:
     """amax (float32) -> scale = amax / 448, 1 where the group is all zeros (q is 0 there either way).
     The divisor is a tensor on amax's device: CUDA torch turns division by a Python number into a product with
-    its rounded reciprocal (one ulp off the quotient for some amax), and the kernels divide correctly rounded."""
+    its rounded reciprocal (one ulp off the quotient for some amax), and the kernels divide correctly
+    rounded."""
     return torch.where(amax > 0, amax / amax.new_tensor(FP8_MAX), torch.ones_like(amax))
 
 

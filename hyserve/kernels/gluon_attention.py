@@ -50,10 +50,10 @@ _PREFILL_SM90_FP8 = dict(
 )
 # QK8 (not the default until a GPU run has checked and timed it: benchmarks/README.md): S = Q K^T as an e4m3
 # warp-group MMA straight from the TMA-loaded 8-bit K tiles, with each query row quantised to e4m3 by its own
-# scale (amax / 448) as it loads, the row scales folded into the softmax scale, as FlashAttention-3 does; only V
-# goes through a converter group into a float16 ring. No K upcast, half the converter work, 2x the tensor-core
-# rate for S. Shared memory: Q 16 KiB, K 3 x 16, V 3 x 32 + 2 x 16 staging: 192 KiB. 4 warp groups (the K
-# producer warp fills one): maxnreg 128, re-divided 232 / 24 / 24 as in the converter form.
+# scale (amax / 448) as it loads, the row scales folded into the softmax scale, as FlashAttention-3 does; only
+# V goes through a converter group into a float16 ring. No K upcast, half the converter work, 2x the
+# tensor-core rate for S. Shared memory: Q 16 KiB, K 3 x 16, V 3 x 32 + 2 x 16 staging: 192 KiB. 4 warp groups
+# (the K producer warp fills one): maxnreg 128, re-divided 232 / 24 / 24 as in the converter form.
 _PREFILL_SM90_QK8 = dict(_PREFILL_SM90_FP8, STAGES=3, QK8=True)
 
 
@@ -87,10 +87,10 @@ def _issue_boxes(
     BLOCK_N: gl.constexpr,
     BOX: gl.constexpr,
 ):
-    """TMA loads of the key tile at position `start` of one pool into ring slot `slot`, as BLOCK_N / BOX boxes,
-    all signalling `bar` (the caller expects their bytes). A box at or past `limit` (whose block-table entry
-    may not exist) loads the tile's first box again, so the byte count stays whole: its rows are masked by the
-    reader."""
+    """TMA loads of the key tile at position `start` of one pool into ring slot `slot`, as BLOCK_N / BOX
+    boxes, all signalling `bar` (the caller expects their bytes). A box at or past `limit` (whose block-table
+    entry may not exist) loads the tile's first box again, so the byte count stays whole: its rows are masked
+    by the reader."""
     for b in gl.static_range(BLOCK_N // BOX):
         pos = start + b * BOX
         pos = gl.where(pos < limit, pos, start)
@@ -291,9 +291,9 @@ def _ws_consumer(
     PV product; products issued in this group's turns (`turn`: one mbarrier per group), so one group's
     softmax overlaps the other's products. DT: the PV product's dtype (the V ring's; float16 over a float8
     cache, whose bf16 queries are clamped into its range). KV_SCALED: the cache's scales, device scalars, fold
-    into the softmax scale (k_scale) and the output (v_scale). QK8: the K ring holds the cache's e4m3 tiles and
-    S is an e4m3 product: each query row is quantised to e4m3 by its own scale (amax / 448, 1 for a zero row)
-    and the row scales fold into the softmax scale."""
+    into the softmax scale (k_scale) and the output (v_scale). QK8: the K ring holds the cache's e4m3 tiles
+    and S is an e4m3 product: each query row is quantised to e4m3 by its own scale (amax / 448, 1 for a zero
+    row) and the row scales fold into the softmax scale."""
     WARPS: gl.constexpr = 4
     KS: gl.constexpr = 32 if QK8 else 16  # the MMA's K step: 32 bytes of 8-bit operands, 16 of 16-bit
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -448,8 +448,8 @@ def _ws_converter(
         for c in gl.static_range(BLOCK_N // ROWS):
             x = bufs8.index(s8).slice(c * ROWS, ROWS).load(ld)
             bufs.index(slot).slice(c * ROWS, ROWS).store(x.to(DT))
-        # the generic-proxy stores (and reads of the staging slot) before the tensor cores read the 16-bit slot
-        # and the copy engine rewrites the staging one
+        # the generic-proxy stores (and reads of the staging slot) before the tensor cores read the 16-bit
+        # slot and the copy engine rewrites the staging one
         fence_async_shared()
         gl.thread_barrier()  # every warp of the group is done with both slots
         if t + STAGES8 < ntiles:
@@ -534,11 +534,11 @@ def _prefill_kernel_sm90(
     if m0 < n:  # (a mixed step's grid has room for its longest prefill: most blocks are empty)
         turn = _alloc_barriers(2, 1)
         empty = _alloc_barriers(STAGES, 2)  # one arrival per consumer warp group
-        # the TMA bytes landing (16-bit caches), or two arrivals (float8): both converter groups', or with QK8 the
-        # K producer's expect (its bytes landing completes it) and V's converter group's
+        # the TMA bytes landing (16-bit caches), or two arrivals (float8): both converter groups', or with QK8
+        # the K producer's expect (its bytes landing completes it) and V's converter group's
         ready = _alloc_barriers(STAGES, 1 if STAGES8 == 0 else 2)
-        # (each branch spells its partitions' argument tuples out: warp_specialize takes literal tuples, a tuple
-        # built from parts does not compile in this Triton)
+        # (each branch spells its partitions' argument tuples out: warp_specialize takes literal tuples, a
+        # tuple built from parts does not compile in this Triton)
         if STAGES8 == 0:
             DT: gl.constexpr = kd.dtype
             q_bufs = gl.allocate_shared_memory(DT, [2, ROWS, HEAD_DIM], kd.layout)
@@ -650,7 +650,8 @@ def _prefill_kernel_sm90(
             v_bufs = gl.allocate_shared_memory(F16, [STAGES, BLOCK_N, HEAD_DIM], ring)
             v8_bufs = gl.allocate_shared_memory(vd.dtype, [STAGES8, BLOCK_N, HEAD_DIM], vd.layout)
             v_ready8 = _alloc_barriers(STAGES8, 1)
-            # K's producer warp (its expect is one of `ready`'s two arrivals) and V's producer + converter group
+            # K's producer warp (its expect is one of `ready`'s two arrivals) and V's producer + converter
+            # group
             gl.warp_specialize(
                 [
                     (

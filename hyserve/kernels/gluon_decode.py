@@ -29,11 +29,11 @@ touches shared memory:
     its loads in flight while it computes.
 
 Measured on the H200 (CUDA-graph replay, Nano 9B v2 attention shapes: 40 q / 8 kv heads of 128, 64-token
-blocks; benchmarks/results/attn_sweep_gluon_decode_*.json): batch 64 x 8k context 0.326 ms against 0.383 ms for
-the Triton kernel (1.17x; 0.76-0.80 of the fp8 bytes roofline), batch 1 x 131k 0.111 ms against 0.112 (no gain:
-0.56 of the roofline; one long sequence is split 198 ways, 42 steps a warp). Slower in the same sweep: SUB 32
-(200 registers, fewer warps a SM: 1.45-1.63x), no prefetch (1.06-1.09x), 4 / 8 / 16 warps a SM in place of 12.
-Launched eagerly (host seq lists) its Python launch costs more host time than the Triton kernel's.
+blocks; benchmarks/results/attn_sweep_gluon_decode_*.json): batch 64 x 8k context 0.326 ms against 0.383 ms
+for the Triton kernel (1.17x; 0.76-0.80 of the fp8 bytes roofline), batch 1 x 131k 0.111 ms against 0.112 (no
+gain: 0.56 of the roofline; one long sequence is split 198 ways, 42 steps a warp). Slower in the same sweep:
+SUB 32 (200 registers, fewer warps a SM: 1.45-1.63x), no prefetch (1.06-1.09x), 4 / 8 / 16 warps a SM in place
+of 12. Launched eagerly (host seq lists) its Python launch costs more host time than the Triton kernel's.
 
 `cuda_attention` offers the decode part of a step over a float8 cache here (`decode_fp8`); the CPU
 interpreter cannot run Gluon, so the CPU tests compile it ahead of time for sm_90
@@ -84,8 +84,8 @@ def _k_load_layout(sub, d):
 
 @gluon.constexpr_function
 def _v_load_layout(sub, d):
-    """[SUB keys, D / 4 words] of V: thread (r = lane // 4, c = lane % 4) holds keys 2 c + {0, 1} + 8 i and, of
-    each, the D / 8 contiguous bytes from r D / 8."""
+    """[SUB keys, D / 4 words] of V: thread (r = lane // 4, c = lane % 4) holds keys 2 c + {0, 1} + 8 i and,
+    of each, the D / 8 contiguous bytes from r D / 8."""
     w = d // 4
     regs = (
         [[0, 1 << i] for i in range((w // 8).bit_length() - 1)]
@@ -129,8 +129,8 @@ def _to_f16(x, SUB: gl.constexpr, D: gl.constexpr):
 
 @gluon.jit
 def _as_kt(k, SUB: gl.constexpr, D: gl.constexpr):
-    """A K tile [SUB, D] in `_k_load_layout` (byte m = (D/4) c + 2 j + e of a row) as K^T [D, SUB] with head-dim
-    index 8 j + 2 c + e: the B operand fragment of S = Q K^T, element for element."""
+    """A K tile [SUB, D] in `_k_load_layout` (byte m = (D/4) c + 2 j + e of a row) as K^T [D, SUB] with
+    head-dim index 8 j + 2 c + e: the B operand fragment of S = Q K^T, element for element."""
     k = gl.reshape(k, [SUB, 4, D // 8, 2])
     k = gl.permute(k, [0, 2, 1, 3])
     k = gl.reshape(k, [SUB, D])
@@ -360,9 +360,10 @@ def decode_fp8_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def decode_fp8_shape_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """The device-independent half of `decode_fp8_fits`: e4m3 K and V, float16 or bf16 queries, head dim 32, 64
-    or 128 (at 256 the [16, 256] float32 accumulator and the tiles in flight spill: 1 KB a thread under ptxas),
-    at most 16 q heads per kv head, and K / V rows that start on 4-byte words (the tiles load as 32-bit words)."""
+    """The device-independent half of `decode_fp8_fits`: e4m3 K and V, float16 or bf16 queries, head dim 32,
+    64 or 128 (at 256 the [16, 256] float32 accumulator and the tiles in flight spill: 1 KB a thread under
+    ptxas), at most 16 q heads per kv head, and K / V rows that start on 4-byte words (the tiles load as
+    32-bit words)."""
     D = q.shape[-1]
     rep = q.shape[1] // k_cache.shape[2]
     words = all(

@@ -11,9 +11,9 @@ import torch
 # Programmatic dependent launch (Hopper and newer): a decode step is a chain of ~300 small kernels, each
 # waiting for the one before it. A kernel launched with `launch_pdl=True` may be scheduled while its
 # predecessor still runs; it waits in `triton_common.pdl_enter` (griddepcontrol.wait) before it reads anything
-# the predecessor wrote or writes anything at all (weights may load earlier), so its launch and block scheduling
-# overlap the predecessor's tail instead of following it. On by
-# default; `set_pdl(False)` (the engine's HYSERVE_PDL=0) turns it off for every launch after it.
+# the predecessor wrote or writes anything at all (weights may load earlier), so its launch and block
+# scheduling overlap the predecessor's tail instead of following it. On by default; `set_pdl(False)` (the
+# engine's HYSERVE_PDL=0) turns it off for every launch after it.
 _PDL = {"enabled": True}
 
 
@@ -126,8 +126,8 @@ def split_kv_args(
 ) -> tuple:
     """The positional arguments of a split-KV decode kernel over the decode sequences [0, nd) of a step, in
     the parameter order the decode kernels share (`triton_attention._decode_kernel`,
-    `gluon_decode._decode_fp8_kernel`): pointers, then the sequence offset, split count and softmax scale, then
-    the strides of q, the caches, the block table and the partial outputs / log-sum-exps."""
+    `gluon_decode._decode_fp8_kernel`): pointers, then the sequence offset, split count and softmax scale,
+    then the strides of q, the caches, the block table and the partial outputs / log-sum-exps."""
     return (
         q,
         k_cache,

@@ -2,7 +2,8 @@
 `triton_token_bitmask.py`).
 
     bitmask  [n, ceil(V / 32)] int32: bit t % 32 of word t // 32 set = token t allowed (xgrammar's layout)
-    apply    out[r, t] = logits[r, t] if allowed else -inf        (a new tensor; a row of all ones is unchanged)
+    apply    out[r, t] = logits[r, t] if allowed else -inf    (a new tensor; a row of all ones is
+                                                               unchanged)
 """
 
 from __future__ import annotations

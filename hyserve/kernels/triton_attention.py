@@ -162,7 +162,8 @@ def _v_tile(v, q, PIN: tl.constexpr):
     inline-asm mov) after the cast, so the compiler keeps the e4m3 -> 16-bit convert before the tile's move to
     the dot-operand layout. Left to itself it moves the convert after that shared-memory round trip, where an
     8-bit V tile (transposed for P @ V) loads a byte at a time (sm_90 PTX of the decode kernel: 256
-    ld.shared.b8); pinned, the 16-bit tile goes through ldmatrix.trans. Never under the interpreter (no PTX)."""
+    ld.shared.b8); pinned, the 16-bit tile goes through ldmatrix.trans. Never under the interpreter (no
+    PTX)."""
     v = v.to(q.dtype)
     if PIN:
         v = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=v.dtype, is_pure=False, pack=2)
@@ -497,7 +498,8 @@ def _combine_once_kernel(
     """`_combine_kernel`'s merge with every split in one load: grid (sequences, q heads, head-dim blocks of
     D_BLOCK), each program loads the log-sum-exps of all splits (up to SP_ALL, a fixed bound, so the split
     count never compiles a variant) and their partial outputs for its D_BLOCK columns at once, instead of a
-    loop whose every step waits on the previous one's loads (a long context split 198 ways took 13 of them)."""
+    loop whose every step waits on the previous one's loads (a long context split 198 ways took 13 of
+    them)."""
     pdl_enter(PDL)
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -694,7 +696,8 @@ _MAX_SPLITS = 128
 # Launch settings on a GPU, fixed per head size (no autotuning: the warm-up enumerates the variants);
 # `benchmarks/bench_kernels.py --only attn_sweep` times alternatives. On the CPU (interpreter) small
 # tiles so the tests cross several tiles and splits.
-# The same settings serve float8 caches: `--only attn_sweep` timed 8 alternatives over fp8 and none was faster.
+# The same settings serve float8 caches: `--only attn_sweep` timed 8 alternatives over fp8 and none was
+# faster.
 _DECODE_GPU = dict(BLOCK_N=128, num_warps=4, num_stages=3)
 # Prefill on a GPU: key tiles through tensor descriptors where the pool allows (TMA, with the folded-scale
 # softmax; faster than pointer loads, benchmarks/README.md).
@@ -710,28 +713,29 @@ _PREFILL_GPU_F32 = {
     256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
 }
 _DECODE_CPU = dict(BLOCK_N=16, num_warps=4, num_stages=1)
-# The merge of the split partials: `_combine_kernel`'s loop over BLOCK_SP splits at a time, or, from ONCE_MIN_SPLITS
-# splits up (0: never), `_combine_once_kernel`: all splits (at most _COMBINE_SPLITS, which covers every split rule
-# here and the sweeps' 256) in one load per head-dim block of D_BLOCK. On the H200 (attn_sweep_c0ad159, graph
-# replay, Nano 9B v2 heads) the one-shot merge took fp8 decode at batch 1 x 131k (the Gluon kernel's 198 splits)
-# from 0.111 to 0.090 ms, and cost more where the splits are few (its masked 256-split tile is read whole):
-# bf16 at 1 x 131k (66 splits) 0.153 -> 0.261 ms, fp8 at 64 x 8k (3 splits) 0.322 -> 0.378 ms.
+# The merge of the split partials: `_combine_kernel`'s loop over BLOCK_SP splits at a time, or, from
+# ONCE_MIN_SPLITS splits up (0: never), `_combine_once_kernel`: all splits (at most _COMBINE_SPLITS, which
+# covers every split rule here and the sweeps' 256) in one load per head-dim block of D_BLOCK. On the H200
+# (attn_sweep_c0ad159, graph replay, Nano 9B v2 heads) the one-shot merge took fp8 decode at batch 1 x 131k
+# (the Gluon kernel's 198 splits) from 0.111 to 0.090 ms, and cost more where the splits are few (its masked
+# 256-split tile is read whole): bf16 at 1 x 131k (66 splits) 0.153 -> 0.261 ms, fp8 at 64 x 8k (3 splits)
+# 0.322 -> 0.378 ms.
 _COMBINE_GPU = dict(ONCE_MIN_SPLITS=128, BLOCK_SP=16, D_BLOCK=32, num_warps=4)
 _COMBINE_CPU = dict(ONCE_MIN_SPLITS=0, BLOCK_SP=2, D_BLOCK=16, num_warps=1)
 _COMBINE_SPLITS = 256
 _PREFILL_CPU = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
 
-# A kernel that may take a step's prefill part in place of `_prefill_kernel`: called with (q, k_cache, v_cache,
-# block_tables, lens_t, cu_t, out, seq_offset, num_seqs, max_new, qk_scale, k_scale=, v_scale=) (the scales:
-# device scalars or None), it writes those sequences' rows of `out` and returns True, or returns False and
-# writes nothing.
+# A kernel that may take a step's prefill part in place of `_prefill_kernel`: called with (q, k_cache,
+# v_cache, block_tables, lens_t, cu_t, out, seq_offset, num_seqs, max_new, qk_scale, k_scale=, v_scale=) (the
+# scales: device scalars or None), it writes those sequences' rows of `out` and returns True, or returns False
+# and writes nothing.
 PrefillKernel = Callable[..., bool]
 # A kernel that may take a step's decode part in place of `_decode_kernel`: called with (q, k_cache, v_cache,
 # block_tables, lens_t, cu_t, num_decode, max_len, qk_scale, k_scale=, v_scale=) (max_len: the longest decode
-# context when the host knows it, None in a captured step), it returns the partial outputs [splits, nd, q_heads,
-# head_dim] and log-sum-exps [splits, nd, q_heads] (float32) that `_combine_kernel` merges, or None having
-# launched nothing.
+# context when the host knows it, None in a captured step), it returns the partial outputs [splits, nd,
+# q_heads, head_dim] and log-sum-exps [splits, nd, q_heads] (float32) that `_combine_kernel` merges, or None
+# having launched nothing.
 DecodeKernel = Callable[..., "tuple[torch.Tensor, torch.Tensor] | None"]
 
 
@@ -840,7 +844,8 @@ def paged_attention_triton(
         for s in range(S):
             if cu_h[s + 1] - cu_h[s] > lens_h[s]:
                 raise ValueError(
-                    f"paged_attention: sequence {s} has {cu_h[s + 1] - cu_h[s]} new tokens but seq_len {lens_h[s]}"
+                    f"paged_attention: sequence {s} has {cu_h[s + 1] - cu_h[s]} new tokens but seq_len "
+                    f"{lens_h[s]}"
                 )
         nd = 0
         while nd < S and cu_h[nd + 1] - cu_h[nd] == 1:

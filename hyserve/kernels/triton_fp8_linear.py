@@ -99,9 +99,8 @@ def _quant_rows_kernel(
 ):
     """Program (row, g): with GROUP > 0 the 128 columns of group g of one row; with GROUP == 0 the whole
     row (two passes over it: amax, then the codes). scale = amax / 448 (1 for an all-zero group); both
-    divisions round to nearest (div_rn: a plain `/` compiles to the approximate division on CUDA, and the codes
-    must match torch's bit for bit). RELU2:
-    the row is relu(x)^2 (in float32, as it loads)."""
+    divisions round to nearest (div_rn: a plain `/` compiles to the approximate division on CUDA, and the
+    codes must match torch's bit for bit). RELU2: the row is relu(x)^2 (in float32, as it loads)."""
     pdl_enter(PDL)
     row = tl.program_id(0)
     g = tl.program_id(1)
@@ -187,8 +186,9 @@ def _fp8_gemm_kernel(
             wsc = tl.load(ws_ptr + (offs_n // 128) * s_wsn + kb, mask=mask_n, other=0.0)
             acc += tl.dot(a, w, out_dtype=tl.float32) * (xs[:, None] * wsc[None, :])
         else:
-            # Hopper's e4m3 warp-group MMA keeps a short accumulator (~14 mantissa bits, the DeepSeek-V3 report):
-            # Triton's sm_90 default accumulates the whole K there; promote to float32 after every K tile.
+            # Hopper's e4m3 warp-group MMA keeps a short accumulator (~14 mantissa bits, the DeepSeek-V3
+            # report): Triton's sm_90 default accumulates the whole K there; promote to float32 after every K
+            # tile.
             acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K, out_dtype=tl.float32)
     if not BLOCK_SCALED:
         xs = tl.load(as_ptr + offs_m * s_asm, mask=mask_m, other=0.0)
@@ -416,15 +416,16 @@ def _w8a16(
     return out
 
 
-# Which GEMM runs the w8a8 form of channel-scaled weights: "auto" takes torch._scaled_mm (cuBLASLt's / CUTLASS's
-# e4m3 GEMM with the activation's row scales and the weight's column scales in its epilogue) where it takes
-# the call (`_scaled_mm_takes`), "triton" always the Triton GEMM below (benchmarks compare the two).
+# Which GEMM runs the w8a8 form of channel-scaled weights: "auto" takes torch._scaled_mm (cuBLASLt's /
+# CUTLASS's e4m3 GEMM with the activation's row scales and the weight's column scales in its epilogue) where
+# it takes the call (`_scaled_mm_takes`), "triton" always the Triton GEMM below (benchmarks compare the two).
 PREFILL_GEMM = {"form": "auto"}
 
 
 # From this many rows up; at 64 rows (a decode step's batch) the Triton GEMM read the Nano 9B v2 in_proj and
 # up_proj faster on the H200 (2.8 / 2.3 against 2.1 / 2.1 TB/s) and torch._scaled_mm the others (within 15%),
-# while at 8192 rows torch._scaled_mm ran 1.35-1.6x the Triton GEMM (benchmarks/results/kernels_fp8_eecf32e.md).
+# while at 8192 rows torch._scaled_mm ran 1.35-1.6x the Triton GEMM
+# (benchmarks/results/kernels_fp8_eecf32e.md).
 SCALED_MM_MIN_ROWS = 65
 
 
@@ -458,9 +459,9 @@ def _w8a8(
     n = weight.shape[0]
     a, a_scale = quantize_rows_triton(x, ACT_GROUP if block else None, relu2)
     if bias is None and _scaled_mm_takes(x, weight, block):
-        # [M, K] row-major x [K, N] column-major (the weight's transpose view), float32 scales [M, 1] and [1, N];
-        # use_fast_accum=False: the e4m3 products are promoted to float32 as they accumulate (the contract the
-        # Triton GEMM keeps with max_num_imprecise_acc)
+        # [M, K] row-major x [K, N] column-major (the weight's transpose view), float32 scales [M, 1] and
+        # [1, N]; use_fast_accum=False: the e4m3 products are promoted to float32 as they accumulate (the
+        # contract the Triton GEMM keeps with max_num_imprecise_acc)
         return torch._scaled_mm(
             a,
             weight.t(),
@@ -539,8 +540,8 @@ def fp8_relu2_linear_triton(
 
 
 def fp8_token_buckets(max_num_tokens: int) -> list[int]:
-    """One row count per launch configuration above (one row, decode form, w8a8 up to 64 rows, above 64), up to
-    max_num_tokens: the warm-up runs a step of each so every FP8 variant compiles before ready."""
+    """One row count per launch configuration above (one row, decode form, w8a8 up to 64 rows, above 64), up
+    to max_num_tokens: the warm-up runs a step of each so every FP8 variant compiles before ready."""
     return [m for m in (1, 2, SMALL_M + 1, 65) if m <= max_num_tokens]
 
 

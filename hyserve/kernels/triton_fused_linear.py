@@ -37,39 +37,41 @@ from hyserve.kernels.triton_rmsnorm import rmsnorm_gated_triton
 # BLOCK_N output columns and walks K in BLOCK_K tiles, num_stages loads in flight. A GEMV is bound by how many
 # loads are in flight, so a projection with few output columns takes narrower programs: each table below is
 # tried in order and the first whose grid has at least _MIN_PROGRAMS programs is taken (the last one else).
-# 16-bit, rows of 4096 and longer: Nano 9B v2 in_proj / out_proj / down_proj at 0.99 / 0.91 / 0.91 of the H100's
-# read ceiling with 4 x 512 (linear_sweep_fdb35a5_h100); Nemotron 3 Nano 30B-A3B's out_proj and o_proj (4096 ->
-# 2688, 672 such programs) at 0.67 with it against 0.83 with 2 x 512 on 2 warps
+# 16-bit, rows of 4096 and longer: Nano 9B v2 in_proj / out_proj / down_proj at 0.99 / 0.91 / 0.91 of the
+# H100's read ceiling with 4 x 512 (linear_sweep_fdb35a5_h100); Nemotron 3 Nano 30B-A3B's out_proj and o_proj
+# (4096 -> 2688, 672 such programs) at 0.67 with it against 0.83 with 2 x 512 on 2 warps
 _GPU = (
     dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=3),
     dict(BLOCK_N=2, BLOCK_K=512, num_warps=2, num_stages=4),
 )
-# short rows (K < 4096: the 30B-A3B hidden 2688): its in_proj (2688 -> 10304) at 0.94 with 8 x 256 (0.94 against
-# 0.83 for 4 x 512 on the H200, kernels_fp8_eecf32e.md); narrower outputs (q, k, v) one column a program on one
-# warp (a 2688 -> 4608 projection 0.86 against 0.81 with 8 x 256, linear_sweep_fdb35a5_h100)
+# short rows (K < 4096: the 30B-A3B hidden 2688): its in_proj (2688 -> 10304) at 0.94 with 8 x 256 (0.94
+# against 0.83 for 4 x 512 on the H200, kernels_fp8_eecf32e.md); narrower outputs (q, k, v) one column a
+# program on one warp (a 2688 -> 4608 projection 0.86 against 0.81 with 8 x 256, linear_sweep_fdb35a5_h100)
 _GPU_SHORT_K = (
     dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=3),
     dict(BLOCK_N=1, BLOCK_K=512, num_warps=1, num_stages=6),
 )
 _MIN_PROGRAMS = 1024
-# e4m3 weights (one byte a weight). Channel scales: 16 rows x 512 up to K = 8192 (Nano 9B v2 in_proj at 0.86 of
-# the ceiling against 0.73 for 4 x 1024 on the H200; 0.92 on the H100); longer rows 2 x 2048 (its down_proj
-# 15680 -> 4480 at 0.81 of the H100's ceiling against 0.70 for 4 x 1024, linear_sweep_fdb35a5_h100). Block scales
-# keep a K tile inside one 128-wide scale block (0.73 / 0.32 at in_proj / down_proj against 0.55 / 0.25 before)
+# e4m3 weights (one byte a weight). Channel scales: 16 rows x 512 up to K = 8192 (Nano 9B v2 in_proj at 0.86
+# of the ceiling against 0.73 for 4 x 1024 on the H200; 0.92 on the H100); longer rows 2 x 2048 (its down_proj
+# 15680 -> 4480 at 0.81 of the H100's ceiling against 0.70 for 4 x 1024, linear_sweep_fdb35a5_h100). Block
+# scales keep a K tile inside one 128-wide scale block (0.73 / 0.32 at in_proj / down_proj against 0.55 / 0.25
+# before)
 _GPU_FP8 = dict(BLOCK_N=2, BLOCK_K=2048, num_warps=4, num_stages=3)
 _GPU_FP8_SHORT_K = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)
 _GPU_FP8_BLOCK = dict(BLOCK_N=32, BLOCK_K=128, num_warps=8, num_stages=4)
 _GPU_FP8_BLOCK_SHORT_K = dict(BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=3)
 _CPU = dict(BLOCK_N=8, BLOCK_K=32, num_warps=1, num_stages=1)  # the interpreter at test sizes
-# K tiles of the weight each program loads before its PDL wait (1 or 2). `bench_model.py` timed both forms of a
-# decode step in one run (up to be8f8c5), on the H100: one tile 2,799 against 2,849 us a Nano 30B-A3B batch-1
-# step, Nano 9B v2 bf16 6,061 against 6,077 us; only Nano 9B v2 FP8 ran faster with two (3,701 against 3,738)
+# K tiles of the weight each program loads before its PDL wait (1 or 2). `bench_model.py` timed both forms of
+# a decode step in one run (up to be8f8c5), on the H100: one tile 2,799 against 2,849 us a Nano 30B-A3B
+# batch-1 step, Nano 9B v2 bf16 6,061 against 6,077 us; only Nano 9B v2 FP8 ran faster with two (3,701 against
+# 3,738)
 PREFETCH_TILES = 1
 
 
-# Where one GPU's sweep disagrees with the tables above, `linear_configs/<GPU>.json` (named as the MoE launcher's
-# `moe_configs/`) sets that shape on that GPU alone: {"configs": {"<w_scale>,<K>,<N>": {BLOCK_N, BLOCK_K,
-# num_warps, num_stages}}}, each entry citing the sweep it came from in the file's "source".
+# Where one GPU's sweep disagrees with the tables above, `linear_configs/<GPU>.json` (named as the MoE
+# launcher's `moe_configs/`) sets that shape on that GPU alone: {"configs": {"<w_scale>,<K>,<N>": {BLOCK_N,
+# BLOCK_K, num_warps, num_stages}}}, each entry citing the sweep it came from in the file's "source".
 CONFIG_DIR = Path(__file__).resolve().parent / "linear_configs"
 _SETTING_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
@@ -139,7 +141,8 @@ def gpu_settings(w_scale: int, k: int, n: int, device: str = "") -> dict[str, in
 def _gemv_tile(
     x_ptr, w, ws_ptr, s_ws, offs_n, mask_n, kk, mask_k, k0, RELU2: tl.constexpr, W_SCALE: tl.constexpr
 ):
-    """One K tile's [BLOCK_N, BLOCK_K] float32 products p(x[kk]) * w (w: the tile's weight, already loaded)."""
+    """One K tile's [BLOCK_N, BLOCK_K] float32 products p(x[kk]) * w (w: the tile's weight, already
+    loaded)."""
     h = tl.load(x_ptr + kk, mask=mask_k, other=0.0).to(tl.float32)
     if RELU2:
         h = tl.maximum(h, 0.0)

@@ -840,12 +840,12 @@ def _down_split_kernel(
     PDL: tl.constexpr,
 ):
     """The down GEMV split by slot (config down.SPLIT): y[r, n] = ws * (W_s @ h_s)[n] in float32 for row
-    r = t * (TOP_K + SHARED) + s, slot s of token t: a routed slot's expert w_down[ids[t, s]] on h row t*k + s,
-    weighted by topk_w[t, s] (an FP8 expert's channel scales on the sum); a shared slot (s = TOP_K + j) the
-    shared expert's columns j*K .. j*K + K on h row n_routed + t*SHARED + j, weight 1. `_combine_kernel`
-    then sums each token's TOP_K + SHARED rows in slot order. Laid out like the up GEMV (program i: row
-    i % n_rows of column block i // n_rows, a K loop over one expert's rows), so many short programs stream
-    the experts instead of one long walk over every slot per output column."""
+    r = t * (TOP_K + SHARED) + s, slot s of token t: a routed slot's expert w_down[ids[t, s]] on h row
+    t*k + s, weighted by topk_w[t, s] (an FP8 expert's channel scales on the sum); a shared slot
+    (s = TOP_K + j) the shared expert's columns j*K .. j*K + K on h row n_routed + t*SHARED + j, weight 1.
+    `_combine_kernel` then sums each token's TOP_K + SHARED rows in slot order. Laid out like the up GEMV
+    (program i: row i % n_rows of column block i // n_rows, a K loop over one expert's rows), so many short
+    programs stream the experts instead of one long walk over every slot per output column."""
     pid = tl.program_id(0)
     n_rows = tl.num_programs(0) // tl.cdiv(N, BLOCK_N)
     r = (pid % n_rows).to(tl.int64)

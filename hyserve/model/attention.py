@@ -6,8 +6,8 @@ With a float8 KV pool the layer quantises K and V with its two float32 scalars `
 back as cache * k_scale. The scales are non-persistent buffers: they are not weights (random init and
 checkpoint saving skip them); the model loader fills them from the checkpoint's k_scale / v_scale
 tensors or with 1.0, and the start-up calibration (engine/kv_calibration.py) those it is asked to
-compute, as `kv_cache_config.kv_scales` says. They reach the kernels as device tensors, never host floats, so a decode step
-stays capturable in a CUDA graph.
+compute, as `kv_cache_config.kv_scales` says. They reach the kernels as device tensors, never host floats, so
+a decode step stays capturable in a CUDA graph.
 
 Under tensor parallelism a rank holds num_attention_heads / tp query heads and the KV heads they read
 (its KV cache holds only those), and o_proj all-reduces the ranks' partial outputs.
@@ -83,8 +83,8 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, h, **kw)
         self.num_heads = self.q_proj.out_features // d  # this rank's
         self.num_kv_heads = self.k_proj.out_features // d
-        # (weight, bias) of q, k and v in one buffer once `pack_qkv` ran; plain attributes, not parameters (the
-        # modules' parameters are views of them). `use_packed_qkv` off: three calls (the KV calibration's
+        # (weight, bias) of q, k and v in one buffer once `pack_qkv` ran; plain attributes, not parameters
+        # (the modules' parameters are views of them). `use_packed_qkv` off: three calls (the KV calibration's
         # hooks on k_proj / v_proj see their outputs; kv_scales.record_kv_amax)
         self.packed_qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.use_packed_qkv = True

@@ -512,7 +512,8 @@ class HybridModelConfig:
                 raise ValueError(f"conv_kernel must be >= 2, got {self.conv_kernel}")
             if self.mamba_num_heads % self.n_groups:
                 raise ValueError(
-                    f"mamba_num_heads ({self.mamba_num_heads}) must be divisible by n_groups ({self.n_groups})"
+                    f"mamba_num_heads ({self.mamba_num_heads}) must be divisible by n_groups "
+                    f"({self.n_groups})"
                 )
             if self.mamba_hidden_act != "silu":
                 raise ValueError(f"mamba_hidden_act: only 'silu' is supported, got {self.mamba_hidden_act!r}")

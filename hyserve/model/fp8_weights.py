@@ -336,9 +336,9 @@ class Fp8ExpertLoaders:
         self.m, self.quant, self.which, self.loader_16 = experts, quant, which, loader_16
         self.inter_dim = 0 if which == "up" else 1
         self.what = f"{name}.{which}_proj (FP8)"
-        # block-scaled checkpoints: checkpoint expert -> {"weight": its whole e4m3 matrix, "block scales": ...},
-        # held until both have arrived (then re-quantised per channel, `_arrive`); experts whose weight came
-        # 16-bit (quantised per channel on arrival: block scales for them are an error)
+        # block-scaled checkpoints: checkpoint expert -> {"weight": its whole e4m3 matrix, "block scales":
+        # ...}, held until both have arrived (then re-quantised per channel, `_arrive`); experts whose weight
+        # came 16-bit (quantised per channel on arrival: block scales for them are an error)
         self.pending: dict[int, dict[str, torch.Tensor]] = {}
         self.from_16_bit: set[int] = set()
 
@@ -421,7 +421,8 @@ class Fp8ExpertLoaders:
             self._put(i, *quantize_weight_ref(w, "channel"))
 
     def check_complete(self) -> None:
-        """After the checkpoint is read: no block-scaled expert may still wait for its weight or its scales."""
+        """After the checkpoint is read: no block-scaled expert may still wait for its weight or its
+        scales."""
         if self.pending:
             waiting = ", ".join(
                 f"expert {e} has only its {next(iter(got))}" for e, got in sorted(self.pending.items())

@@ -124,10 +124,11 @@ def apply_kv_scales(
     if source == "checkpoint" and missing:
         where = "load_format=dummy has no checkpoint" if dummy else "the checkpoint has none"
         raise ValueError(
-            f"kv_cache_config.kv_scales: 'checkpoint', but {where} for {len(missing)} of {n} attention layers: "
+            f"kv_cache_config.kv_scales: 'checkpoint', but {where} for {len(missing)} of {n} attention "
+            "layers: "
             + ", ".join(f"layer {i} ({' / '.join(k + '_scale' for k in m)})" for i, m in missing.items())
-            + "; use kv_scales 'auto' or 'calibrate' (computed at start-up) or 'unit' (1.0, values beyond +-448 "
-            "saturate)"
+            + "; use kv_scales 'auto' or 'calibrate' (computed at start-up) or 'unit' (1.0, values beyond "
+            "+-448 saturate)"
         )
     unused = (
         f"; the checkpoint's scales for {len(scales)} layers are not used"

@@ -106,7 +106,8 @@ class Mamba2Mixer(ShardLoading):
             device=device,
             dtype=dtype,
         )
-        # [conv_dim, 1, K] to match checkpoints (nn.Conv1d layout); used as [conv_dim, K]; channels [x | B | C]
+        # [conv_dim, 1, K] to match checkpoints (nn.Conv1d layout); used as [conv_dim, K];
+        # channels [x | B | C]
         self.conv1d = nn.Conv1d(
             self.conv_dim,
             self.conv_dim,

@@ -139,7 +139,8 @@ class Experts(ShardLoading):
         rank's partial sum (its experts, its intermediate slice); the MoE layer all-reduces it. `shared`:
         the shared expert's (up, down) weights, summed in with weight 1 (unsharded experts only)."""
         if self.num_local != self.num_experts:
-            # another rank's expert: weight 0 on a clamped local id (shapes stay fixed, nothing reads the host)
+            # another rank's expert: weight 0 on a clamped local id (shapes stay fixed, nothing reads the
+            # host)
             local = ids - self.first_expert
             mine = (local >= 0) & (local < self.num_local)
             w = torch.where(mine, w, 0.0)

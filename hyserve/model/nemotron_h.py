@@ -147,7 +147,8 @@ class NemotronHForCausalLM(nn.Module):
     def allocate_cache(
         self, *, num_blocks: int, tokens_per_block: int, num_slots: int, device: torch.device | str
     ) -> CacheTensors:
-        """This rank's pools: under tensor parallelism they hold only its KV heads and Mamba heads / groups."""
+        """This rank's pools: under tensor parallelism they hold only its KV heads and Mamba heads /
+        groups."""
         return CacheTensors.allocate(
             rank_cache_config(self.config, self.tp.size),
             num_blocks=num_blocks,

@@ -12,12 +12,14 @@ group over 4 ranks) each unit is replicated and rank r holds unit r // (tp / uni
 heads / Mamba heads read. Anything else is refused with the numbers.
 
 Every parameter carries `weight_loader(param, loaded, shard_id=None)` and `checkpoint_shape` (its shape
-in the checkpoint), kept across `to()` / `to_empty()` by `ShardLoading`. `loaded` is a tensor or a safetensors slice (`safe_open(...).get_slice(name)`); the
-loader indexes only this rank's rows, so a slice is read from disk shard by shard, never whole. With one
-rank every layer is its unsharded torch equivalent, computed the same way (no collective, same call).
+in the checkpoint), kept across `to()` / `to_empty()` by `ShardLoading`. `loaded` is a tensor or a safetensors
+slice (`safe_open(...).get_slice(name)`); the loader indexes only this rank's rows, so a slice is read from
+disk shard by shard, never whole. With one rank every layer is its unsharded torch equivalent, computed the
+same way (no collective, same call).
 
 Every layer computes through `LinearBase.matmul`: the `linear` op for 16-bit weights (`F.linear`; a one-row
-GEMV kernel on CUDA), the `fp8_linear` op once `model/fp8_weights.py` has given the layer an e4m3 weight and float32 scales (loaded shard-aware too).
+GEMV kernel on CUDA), the `fp8_linear` op once `model/fp8_weights.py` has given the layer an e4m3 weight and
+float32 scales (loaded shard-aware too).
 """
 
 from __future__ import annotations
@@ -299,7 +301,8 @@ class ColumnParallelLinear(MergedColumnParallelLinear):
     ) -> None:
         if out_features % unit_size:
             raise ValueError(
-                f"ColumnParallelLinear: out_features {out_features} is not a multiple of unit_size {unit_size}"
+                f"ColumnParallelLinear: out_features {out_features} is not a multiple of unit_size "
+                f"{unit_size}"
             )
         part = ShardedPart(name="out", units=out_features // unit_size, unit_size=unit_size)
         g = group or tp_group()

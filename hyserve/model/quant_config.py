@@ -13,8 +13,8 @@ Where the format comes from, in order:
                                              dynamically
     modelopt                       e4m3      `weight_scale` one per output channel ([N] or [N, 1])
       FP8_PER_CHANNEL_PER_TOKEN
-    modelopt FP8_PB_WO             e4m3      `weight_scale` per [128, 128] block ([N/128, K/128], or ModelOpt's
-                                             [N/128, 1, K/128, 1])
+    modelopt FP8_PB_WO             e4m3      `weight_scale` per [128, 128] block ([N/128, K/128], or
+                                             ModelOpt's [N/128, 1, K/128, 1])
     modelopt MIXED_PRECISION       e4m3      the one FP8 algorithm above that every `quantized_layers` entry
                                              names; the projections it does not list stay 16-bit
     fp8                            e4m3      `weight_scale_inv` per [128, 128] block (weight_block_size),
@@ -29,10 +29,11 @@ Where the format comes from, in order:
 The KV cache's FP8 scales are announced as `kv_cache_quant_algo: FP8` (hf_quant_config.json) or as
 `kv_cache_scheme: {type: float, num_bits: 8}` (config.json's form). Modules in the checkpoint's exclusion
 list (`exclude_modules`, `ignore`, `ignored_layers`, `modules_to_not_convert`; names, fnmatch patterns or
-compressed-tensors' `re:` regular expressions, `model.` read as `backbone.`) stay 16-bit, as do the embeddings, lm_head, norms, the MoE router and the
-Mamba conv / A / D / dt parameters (never quantised: they are not projections). Anything else (another
-quant method or algorithm, NVFP4 layers in a mixed-precision checkpoint, another block size, static
-activation scales for the block format) is refused with what was found and what is supported.
+compressed-tensors' `re:` regular expressions, `model.` read as `backbone.`) stay 16-bit, as do the
+embeddings, lm_head, norms, the MoE router and the Mamba conv / A / D / dt parameters (never quantised: they
+are not projections). Anything else (another quant method or algorithm, NVFP4 layers in a mixed-precision
+checkpoint, another block size, static activation scales for the block format) is refused with what was found
+and what is supported.
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ class QuantConfig:
     # a mixed-precision checkpoint's FP8 modules (canonical names, `backbone.`...): only these are FP8; None:
     # every projection the exclusion list leaves
     include: frozenset[str] | None = None
-    # compressed-tensors' config_groups targets, names or `re:` patterns; () = all (also for a "Linear" target)
+    # compressed-tensors' config_groups targets, names or `re:` patterns; () = all (also for a "Linear"
+    # target)
     targets: tuple[str, ...] = ()
     kv_cache_fp8: bool = False  # the checkpoint also ships FP8 KV scales (kv_cache_quant_algo FP8)
     source: str = ""  # where it was read, for messages

@@ -34,8 +34,8 @@ def sharding_problems(cfg: HybridModelConfig, *, tp_size: int, ep_size: int) -> 
     def splits_or_replicates(field: str, value: int, what: str) -> None:
         if value % tp and tp % value:
             out.append(
-                f"{field} ({value}) and tp_size ({tp}) do not fit: {what} are split when tp_size divides them "
-                f"and replicated when they divide tp_size"
+                f"{field} ({value}) and tp_size ({tp}) do not fit: {what} are split when tp_size divides "
+                "them and replicated when they divide tp_size"
             )
 
     if LAYER_ATTENTION in kinds:
@@ -50,8 +50,9 @@ def sharding_problems(cfg: HybridModelConfig, *, tp_size: int, ep_size: int) -> 
         divides("n_routed_experts", cfg.n_routed_experts, "ep_size", ep, "routed experts")
         if cfg.n_routed_experts // ep < cfg.num_experts_per_tok:
             out.append(
-                f"n_routed_experts / ep_size ({cfg.n_routed_experts} / {ep}) is fewer than num_experts_per_tok "
-                f"({cfg.num_experts_per_tok}): each rank's experts must be able to take a token's top-k"
+                f"n_routed_experts / ep_size ({cfg.n_routed_experts} / {ep}) is fewer than "
+                f"num_experts_per_tok ({cfg.num_experts_per_tok}): each rank's experts must be able to take "
+                "a token's top-k"
             )
         divides(
             "moe_intermediate_size",

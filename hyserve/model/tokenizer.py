@@ -8,7 +8,8 @@ with checkpoints work unchanged.
 
 The tiny model's tokenizer is built here with no network: byte-level BPE whose ids are
 
-    0 <pad>  1 <s>  2 </s>  |  3 + b for each byte b (256)  |  53 merges  |  8 added tokens (<|im_start|>, ...)
+    0 <pad>  1 <s>  2 </s>  |  3 + b for each byte b (256)  |  53 merges  |
+    8 added tokens (<|im_start|>, ...)
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ TINY_CHAT_TEMPLATE = """\
 the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}
 {%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}
 {{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within \
-<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n\
-</tool_call>' -}}
+<tool_call></tool_call> XML tags:\\n<tool_call>\\n\
+{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>' -}}
 {%- endif -%}
 {{- '<|im_end|>\\n' -}}
 {%- endif -%}
@@ -111,7 +112,8 @@ the user query.\\n\\nYou are provided with function signatures within <tools></t
 {%- endif -%}
 {{- '<|im_end|>\\n' -}}
 {%- elif message.role == 'tool' -%}
-{{- '<|im_start|>tool\\n<tool_response>\\n' + render_content(message.content) + '\\n</tool_response><|im_end|>\\n' -}}
+{{- '<|im_start|>tool\\n<tool_response>\\n' + render_content(message.content) + \
+'\\n</tool_response><|im_end|>\\n' -}}
 {%- else -%}
 {{- raise_exception('Unexpected message role: ' + message.role) -}}
 {%- endif -%}
@@ -124,7 +126,8 @@ the user query.\\n\\nYou are provided with function signatures within <tools></t
 
 @cache
 def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table used by byte-level BPE (printable bytes map to themselves)."""
+    """GPT-2's byte -> printable character table used by byte-level BPE (printable bytes map to
+    themselves)."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     table = {b: chr(b) for b in keep}
     extra = 0
@@ -225,7 +228,7 @@ def _jinja_env() -> ImmutableSandboxedEnvironment:
     return env
 
 
-# ---- Tokenizer -----------------------------------------------------------------------------------------------
+# ---- Tokenizer ---------------------------------------------------------------------------------------------
 _BYTE_FALLBACK_RE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
@@ -287,7 +290,8 @@ class Tokenizer:
     # -- construction --
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
-        """Load `tokenizer.json` (+ `tokenizer_config.json`, `generation_config.json`, `chat_template.jinja`)."""
+        """Load `tokenizer.json` (+ `tokenizer_config.json`, `generation_config.json`,
+        `chat_template.jinja`)."""
         d = Path(model_dir)
         tok_path = d / TOKENIZER_FILE
         if not tok_path.is_file():
@@ -334,7 +338,8 @@ class Tokenizer:
         return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`; add_special_tokens applies the tokenizer's post-processor (e.g. a leading BOS)."""
+        """Token ids of `text`; add_special_tokens applies the tokenizer's post-processor (e.g. a leading
+        BOS)."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -371,7 +376,8 @@ class Tokenizer:
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def token_text(self, token_id: int) -> str:
-        """Text of one token for logprobs; bytes of an incomplete UTF-8 character show as '\\xNN' (as OpenAI)."""
+        """Text of one token for logprobs; bytes of an incomplete UTF-8 character show as '\\xNN' (as
+        OpenAI)."""
         return self.token_bytes(token_id).decode("utf-8", errors="backslashreplace")
 
     def incremental_detokenizer(
@@ -387,8 +393,8 @@ class Tokenizer:
     def _template_for(self, tools: Any) -> str:
         if not self._templates:
             raise ValueError(
-                "this tokenizer has no chat template (tokenizer_config.json 'chat_template' or chat_template.jinja);"
-                " use the completions API with a plain prompt instead"
+                "this tokenizer has no chat template (tokenizer_config.json 'chat_template' or "
+                "chat_template.jinja); use the completions API with a plain prompt instead"
             )
         if tools and "tool_use" in self._templates:
             return self._templates["tool_use"]
@@ -431,7 +437,7 @@ def _compiled(source: str) -> jinja2.Template:
     return _jinja_env().from_string(source)
 
 
-# ---- streaming ----------------------------------------------------------------------------------------------
+# ---- streaming ---------------------------------------------------------------------------------------------
 _REPLACEMENT = "\ufffd"
 _PROMPT_CONTEXT = 5
 

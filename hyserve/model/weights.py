@@ -76,7 +76,7 @@ _INPUT_SCALE = ".input_scale"
 _FP8_DTYPES = ("F8_E4M3",)
 
 
-# ---- names and shapes ----------------------------------------------------------------------------------------
+# ---- names and shapes --------------------------------------------------------------------------------------
 def canonical_name(ckpt_name: str) -> tuple[str, int | None] | None:
     """Map a checkpoint tensor name to (canonical name, expert index or None); None for ignored (MTP) names.
 
@@ -240,7 +240,8 @@ def checkpoint_files(model_dir: str | Path) -> dict[Path, list[str] | None]:
         missing = sorted(str(p.name) for p in by_file if not p.is_file())
         if missing:
             raise ValueError(
-                f"{index} points at {len(missing)} shard file(s) that do not exist in {d}:{_fmt_list(missing)}"
+                f"{index} points at {len(missing)} shard file(s) that do not exist in "
+                f"{d}:{_fmt_list(missing)}"
             )
         return dict(sorted(by_file.items()))
     others = sorted(d.glob("*.safetensors"))
@@ -258,7 +259,7 @@ def checkpoint_files(model_dir: str | Path) -> dict[Path, list[str] | None]:
     )
 
 
-# ---- loading ------------------------------------------------------------------------------------------------
+# ---- loading -----------------------------------------------------------------------------------------------
 # A tensor-parallel parameter (hyserve/model/parallel_linear.py) carries `weight_loader(param, loaded)`,
 # which copies its own rows of a safetensors slice, and `checkpoint_shape`, the full shape the
 # checkpoint holds; any other parameter is copied whole and has its own shape in the checkpoint.
@@ -429,7 +430,8 @@ def _materialize(
         return
     if device is None:
         raise ValueError(
-            f"{len(metas)} model tensors are on the meta device (e.g. {metas[0]}); pass device= to load_checkpoint"
+            f"{len(metas)} model tensors are on the meta device (e.g. {metas[0]}); pass device= to "
+            "load_checkpoint"
         )
     for name in metas:
         old = targets[name]
@@ -508,7 +510,7 @@ def load_checkpoint(
     logger.info("loaded %d tensors from %s", len(plan.copies), model_dir)
 
 
-# ---- saving -------------------------------------------------------------------------------------------------
+# ---- saving ------------------------------------------------------------------------------------------------
 def _hub_tensors(model: nn.Module, per_expert: bool) -> Iterator[tuple[str, Callable[[], torch.Tensor], int]]:
     """(Hub name, thunk producing a contiguous CPU tensor, bytes) in module order; thunks defer the copy."""
     tensors, _ = _model_tensors(model)
@@ -572,7 +574,7 @@ def save_checkpoint(
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
-# ---- random init --------------------------------------------------------------------------------------------
+# ---- random init -------------------------------------------------------------------------------------------
 _CHUNK_ELEMS = 1 << 22  # 4M elements (16 MiB float32) per generated chunk
 _DT_MAX = 0.1
 _DT_FLOOR = 1e-4
@@ -701,8 +703,8 @@ _ChunkSpec = tuple[str, int, tuple[int, ...], float, torch.dtype, bool]  # name,
 
 
 def _host_chunks(specs: list[_ChunkSpec], seed: int, max_workers: int | None) -> Iterator[torch.Tensor]:
-    """`_normal_chunk` of each spec, in order, drawn by a small thread pool at most 2 x workers chunks ahead of
-    the consumer (which copies each chunk where it goes before asking for the next)."""
+    """`_normal_chunk` of each spec, in order, drawn by a small thread pool at most 2 x workers chunks ahead
+    of the consumer (which copies each chunk where it goes before asking for the next)."""
     workers = max_workers or min(16, os.cpu_count() or 1)
     window = 2 * workers
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hyserve-init") as pool:
@@ -828,7 +830,8 @@ def random_state_dict(
 
 
 class StateDictModule(nn.Module):
-    """An `nn.Module` whose state dict is exactly the given canonical tensors (saving without the model class)."""
+    """An `nn.Module` whose state dict is exactly the given canonical tensors (saving without the model
+    class)."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
         super().__init__()

@@ -6,9 +6,9 @@
     GET  /health (and HEAD)     GET  /metrics              GET /version
 
 One module per route family (`serving_chat.py`, `serving_completion.py`, `serving_responses.py`,
-`serving_tokenize.py`, `serving_admin.py`), each a function of (request, `AppState`); `state.py` holds what they share and
-`generation.py` runs their engine requests. A request goes: validate (pydantic, then our own checks,
-then `engine.validate_request`, so every 4xx is decided before anything runs) -> `engine.generate` ->
+`serving_tokenize.py`, `serving_admin.py`), each a function of (request, `AppState`); `state.py` holds what
+they share and `generation.py` runs their engine requests. A request goes: validate (pydantic, then our own
+checks, then `engine.validate_request`, so every 4xx is decided before anything runs) -> `engine.generate` ->
 deltas -> reasoning / tool-call parsing -> response. Three failure rules shape the code:
 
 - a request the engine can never serve is a 400 that names the limit (never a crash, never a hang);

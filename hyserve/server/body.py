@@ -269,7 +269,8 @@ def _body_params(endpoint: Any) -> tuple[str, type[BaseModel], str | None] | Non
 
 class BodyRoute(APIRoute):
     """A route whose JSON body is parsed by `parse_body` (bounded cost on the event loop) rather than by
-    FastAPI in place; the endpoint signature (and so the OpenAPI schema) stays `(req: Model, raw: Request)`."""
+    FastAPI in place; the endpoint signature (and so the OpenAPI schema) stays
+    `(req: Model, raw: Request)`."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         params = _body_params(self.endpoint) if self.body_field is not None else None

@@ -187,7 +187,8 @@ def check_unicode(text: str, param: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise bad_request(
-            f"{param} is not valid Unicode: a lone UTF-16 surrogate (U+{ord(text[e.start]):04X}) at character "
-            f"{e.start}; escape characters outside the basic plane as a surrogate pair, or send UTF-8",
+            f"{param} is not valid Unicode: a lone UTF-16 surrogate (U+{ord(text[e.start]):04X}) at "
+            f"character {e.start}; escape characters outside the basic plane as a surrogate pair, or send "
+            "UTF-8",
             param=param,
         ) from None

@@ -122,7 +122,8 @@ def drain(app: Any, engine: Any, timeout: float, out: Callable[[str], None], *, 
     app.state.accepting = False
     n = metrics.inflight
     out(
-        f"hyserve: shutting down: draining: no new requests; {n} in flight get up to {timeout:g}s to finish ..."
+        f"hyserve: shutting down: draining: no new requests; {n} in flight get up to {timeout:g}s to finish "
+        "..."
     )
     deadline = time.monotonic() + timeout
     while metrics.inflight > 0 and time.monotonic() < deadline:

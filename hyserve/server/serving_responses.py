@@ -233,7 +233,7 @@ def _thinking(req: ResponsesRequest, msgs: list[ChatMessage]) -> tuple[bool, dic
     return thinking_enabled(kwargs, system_texts(msgs)), (kwargs or None)
 
 
-# ---- output items and events ----------------------------------------------------------------------------------
+# ---- output items and events -------------------------------------------------------------------------------
 
 
 def _rid(prefix: str) -> str:
@@ -491,7 +491,7 @@ def _event(seq: list[int], ev: dict[str, Any]) -> str:
     return f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n"
 
 
-# ---- the route ------------------------------------------------------------------------------------------------
+# ---- the route ---------------------------------------------------------------------------------------------
 
 
 async def create_response(state: AppState, req: ResponsesRequest, raw: Request) -> Response:

@@ -76,8 +76,8 @@ def _check_api_key(v: Any) -> str | None:
         return None
     if key == "":
         raise ValueError(
-            'api_key: the key is empty (an unset variable in --api_key "$KEY"?): give a key, or serve without '
-            "authentication explicitly with --no_auth (YAML: api_key: null)"
+            'api_key: the key is empty (an unset variable in --api_key "$KEY"?): give a key, or serve '
+            "without authentication explicitly with --no_auth (YAML: api_key: null)"
         )
     if key != key.strip() or any(ord(c) < 0x20 or ord(c) == 0x7F for c in key):
         raise ValueError(
@@ -227,8 +227,8 @@ class AppState:
         longest = self.tok.max_token_chars
         if n_chars > 2 * longest * self.engine.max_seq_len:
             raise bad_request(
-                f"{param} has {n_chars} characters, far more than max_seq_len = {self.engine.max_seq_len} tokens "
-                f"can hold (this tokenizer's longest token has {longest} characters)",
+                f"{param} has {n_chars} characters, far more than max_seq_len = {self.engine.max_seq_len} "
+                f"tokens can hold (this tokenizer's longest token has {longest} characters)",
                 param=param,
                 code="context_length_exceeded",
             )
