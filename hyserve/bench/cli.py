@@ -194,21 +194,8 @@ def _add_result_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_serve_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "serve",
-        help="benchmark an OpenAI-compatible server (like vllm bench serve)",
-        description="Send synthetic streaming requests to an OpenAI-compatible server and report throughput "
-        "and latency (TTFT, TPOT, ITL, E2EL). Token-id prompts on /v1/completions; text prompts "
-        "(one common word per token) on /v1/chat/completions.",
-    )
-    _add_server_flags(p)
-    p.add_argument(
-        "--endpoint",
-        type=ENDPOINT,
-        default="/v1/completions",
-        help="/v1/completions (default) or /v1/chat/completions",
-    )
+def _add_dataset_flags(p: argparse.ArgumentParser) -> None:
+    """`serve`'s synthetic prompts: which dataset, how many, how long, which token ids."""
     d = p.add_argument_group("dataset")
     d.add_argument(
         "--dataset-name",
@@ -269,6 +256,10 @@ def _add_serve_parser(sub: Any) -> None:
     d.add_argument(
         "--seed", type=int, default=0, help="dataset and arrival seed; run i uses seed + i (default 0)"
     )
+
+
+def _add_traffic_flags(p: argparse.ArgumentParser) -> None:
+    """`serve`'s load: concurrency, arrival rate, sweeps and repetitions."""
     t = p.add_argument_group("traffic")
     t.add_argument(
         "--max-concurrency", type=POS_INT, default=None, help="most requests in flight (default: all)"
@@ -293,6 +284,10 @@ def _add_serve_parser(sub: Any) -> None:
         help="back-to-back runs per point against the same server; reports run-to-run spread and "
         "the run2/run1 output-throughput ratio (default 1)",
     )
+
+
+def _add_request_flags(p: argparse.ArgumentParser) -> None:
+    """`serve`'s per-request body fields and timeout."""
     r = p.add_argument_group("request")
     r.add_argument(
         "--ignore-eos",
@@ -320,6 +315,26 @@ def _add_serve_parser(sub: Any) -> None:
         default=6 * 3600.0,
         help="seconds a request may wait for its next bytes (default 21600)",
     )
+
+
+def _add_serve_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="benchmark an OpenAI-compatible server (like vllm bench serve)",
+        description="Send synthetic streaming requests to an OpenAI-compatible server and report throughput "
+        "and latency (TTFT, TPOT, ITL, E2EL). Token-id prompts on /v1/completions; text prompts "
+        "(one common word per token) on /v1/chat/completions.",
+    )
+    _add_server_flags(p)
+    p.add_argument(
+        "--endpoint",
+        type=ENDPOINT,
+        default="/v1/completions",
+        help="/v1/completions (default) or /v1/chat/completions",
+    )
+    _add_dataset_flags(p)
+    _add_traffic_flags(p)
+    _add_request_flags(p)
     _add_result_flags(p)
     p.add_argument(
         "--save-detailed",
