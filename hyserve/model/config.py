@@ -173,6 +173,38 @@ def _limit_float(v: Any) -> float:
         raise ValueError(f"time_step_limit: expected a number, got {v!r}") from None
 
 
+def _number(key: str, v: Any, kind: type) -> Any:
+    """Field `key`'s value `v` as `kind` (int or float); a bool, a list or a non-numeric string fails."""
+    if isinstance(v, bool) or not isinstance(v, int | float | str):
+        raise ValueError(f"{key}: expected a number, got {v!r}")
+    try:
+        return kind(v)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{key}: expected {'an integer' if kind is int else 'a number'}, got {v!r}"
+        ) from None
+
+
+class _Fields:
+    """Typed reads of a config.json dict, each error naming its field (a null field counts as missing)."""
+
+    def __init__(self, d: dict[str, Any]) -> None:
+        self.d = d
+
+    def req(self, key: str, kind: type = int) -> Any:
+        """A required number."""
+        if key not in self.d or self.d[key] is None:
+            raise ValueError(f"config.json: required field {key!r} is missing")
+        return _number(key, self.d[key], kind)
+
+    def get(self, key: str, default: Any, kind: type | None = None) -> Any:
+        """An optional field: `default` when absent, else the value (a number of `kind` when given)."""
+        v = self.d.get(key)
+        if v is None:
+            return default
+        return _number(key, v, kind) if kind is not None else v
+
+
 @dataclass(frozen=True, kw_only=True)
 class HybridModelConfig:
     """The architecture of one NemotronH checkpoint (immutable; change with `dataclasses.replace`)."""
@@ -402,27 +434,8 @@ class HybridModelConfig:
             )
 
         layer_types = _parse_layer_types(d)
-
-        def num(key: str, v: Any, kind: type) -> Any:
-            if isinstance(v, bool) or not isinstance(v, int | float | str):
-                raise ValueError(f"{key}: expected a number, got {v!r}")
-            try:
-                return kind(v)
-            except (TypeError, ValueError):
-                raise ValueError(
-                    f"{key}: expected {'an integer' if kind is int else 'a number'}, got {v!r}"
-                ) from None
-
-        def req(key: str, kind: type = int) -> Any:
-            if key not in d or d[key] is None:
-                raise ValueError(f"config.json: required field {key!r} is missing")
-            return num(key, d[key], kind)
-
-        def get(key: str, default: Any, kind: type | None = None) -> Any:
-            v = d.get(key)
-            if v is None:
-                return default
-            return num(key, v, kind) if kind is not None else v
+        fields = _Fields(d)
+        req, get = fields.req, fields.get
 
         hidden = req("hidden_size")
         n_heads = get("num_attention_heads", 1, int)
@@ -431,7 +444,7 @@ class HybridModelConfig:
         mamba_head_dim = get("mamba_head_dim", 0, int)
         if d.get("mamba_num_heads") is None and expand is not None and mamba_head_dim > 0:
             # older configs give expand instead of the head count
-            mamba_heads = num("expand", expand, int) * hidden // mamba_head_dim
+            mamba_heads = _number("expand", expand, int) * hidden // mamba_head_dim
         else:
             mamba_heads = get("mamba_num_heads", 0, int)
 
