@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# One device call for a restructure: the model benchmark of the previous code (a copy under .ab/old, made
-# with `git archive OLD hyserve benchmarks/bench_model.py benchmarks/roofline.py benchmarks/configs |
-# tar -x -C .ab/old`, carried) and of this tree in turn, then the GPU tests given (default: the engine-level
-# ones). The log goes to $OUT as it is written, so a call cut short still returns what ran.
+# A/B of a restructure: the model benchmark of the previous code (a copy under .ab/old, made with
+# `git archive OLD hyserve benchmarks/bench_model.py benchmarks/roofline.py benchmarks/configs |
+# tar -x -C .ab/old`) and of this tree in turn, then the GPU tests given (default: the engine-level ones).
 # usage: scripts/gpu_ab_check.sh NEW_SHA OLD_SHA [rounds] [pytest args ...]
+#   OUT_DIR (optional): a folder that gets the log as it is written and each round's result files, so a run
+#   cut short still leaves what ran there (default: the log in benchmarks/results/).
 set -uo pipefail
 new=${1:?new sha}; old=${2:?old sha}; rounds=${3:-1}; shift 3 || shift $#
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-out=${OUT:-benchmarks/results}
+out=${OUT_DIR:-benchmarks/results}
 mkdir -p benchmarks/results "$out"
 log=$out/gpu_ab_${new}.log
 {
@@ -24,7 +25,7 @@ log=$out/gpu_ab_${new}.log
     pairs+=(.ab/old/benchmarks/results/model_*_"${old}_r$r".json benchmarks/results/model_*_"${new}_r$r".json)
     cp "${pairs[@]}" "$out"/ 2>/dev/null
   done
-  echo "== previous code (A) against this tree (B), same call"
+  echo "== previous code (A) against this tree (B), same run"
   python3 scripts/ab_compare.py "${pairs[@]}"
   echo "== GPU tests at $new"
   if [ $# -eq 0 ]; then

@@ -1,38 +1,39 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, then the kernel and model benchmarks. Results land in
-# benchmarks/results/ and, when $OUT is set (the lent-GPU tool), are copied there too.
-# usage: scripts/gpu_check.sh [GIT_SHA [tests|kernels|model|soak ...]]   (the lent GPU gets the tree without .git)
+# GPU tests, then the kernel and model benchmarks (benchmarks/README.md). Results land in benchmarks/results/.
+# usage: scripts/gpu_check.sh [GIT_SHA [tests|kernels|model|soak ...]]   (GIT_SHA names results; for a tree
+#   without .git)
+#   OUT_DIR (optional): a folder that gets the log as it is written and a copy of every result file this run
+#   writes, after each part, so a run cut short still leaves what ran there.
 #   tests: one pytest per GPU test file, each under GPU_TEST_TIMEOUT s (default 240); GPU_TESTS="a b" runs only
 #   tests/a.py and tests/b.py.
 #   soak (not a default part): benchmarks/bench_soak.py, `hyserve serve` of the Nano 9B v2 architecture under
 #   512 streams with disconnects and injected faults for SOAK_DURATION s (default 600; SOAK_ARGS adds options).
-#   It needs the server wheels in .whl (../shared/tools/gpu_wheels.sh) carried with the call.
-#   moe_model (not a default part, issue 23): tests/test_bench_model_moe.py, then benchmarks/bench_model.py on
-#   Nemotron 3 Nano 30B-A3B (with --time-init) and on Super cut to what fits; together they may outlast one
-#   600 s call, so moe_nano and moe_super run one model each.
-#   attn, structured (not default parts): the paged-attention kernel records alone (issue 24); bench_structured.py
-#   (issue 18, xgrammar in .whl).
+#   It needs the server wheels in .whl/ (benchmarks/README.md, "GPU check scripts").
+#   moe_model (not a default part): tests/test_bench_model_moe.py, then benchmarks/bench_model.py on
+#   Nemotron 3 Nano 30B-A3B (with --time-init) and on Super cut to what fits; together they may take over
+#   10 minutes, so moe_nano and moe_super run one model each.
+#   attn, structured (not default parts): the paged-attention kernel records alone; bench_structured.py
+#   (xgrammar in .whl/).
 #   attn_sweep (not a default part): paged-attention launch alternatives, bf16 and fp8 KV decode, prefill.
-#   moe_decode (not a default part, issue 23): benchmarks/bench_moe_decode.py --write, the batch-1 MoE decode
+#   moe_decode (not a default part): benchmarks/bench_moe_decode.py --write, the batch-1 MoE decode
 #   GEMVs chained as a step runs them, settings swept; the fastest becomes the 1-token config entry. Put it
-#   before moe_nano in the same call to measure the model with it.
-#   ncu_moe (not a default part, issue 23): Nsight Compute's view (speed of light, memory, scheduler, warp
+#   before moe_nano in the same run to measure the model with it.
+#   ncu_moe (not a default part): Nsight Compute's view (speed of light, memory, scheduler, warp
 #   stalls, occupancy) of the batch-1 MoE up and down GEMVs at the tuned 1-token settings; put it after
 #   moe_decode to profile what that wrote. Text in ncu_moe_<sha>.txt. MOE_DECODE_ARGS="--shape super --fp8" tunes
 #   Nemotron 3 Super's e4m3 experts instead (their own ",w=fp8" entry; MOE_DECODE_TIMEOUT, default 300 s).
 #   linear_sweep (not a default part): bench_kernels.py --only linear_sweep, the one-row GEMV launch settings at
 #   the Nano 9B v2 and 30B-A3B projections (and the FP8 GEMV's).
-#   fp8_gemv_super (not a default part, issue 19): the FP8 GEMV settings at Nemotron 3 Super's dense projections,
+#   fp8_gemv_super (not a default part): the FP8 GEMV settings at Nemotron 3 Super's dense projections,
 #   each shape's winner (3% or more faster than today's setting) written into linear_configs/<GPU>.json; copy
 #   that file back into the tree. Put it before moe_super / gpu_fp8_check.sh super to measure the model with it.
-#   longprompt (not a default part, issues 24 and 22): benchmarks/bench_long_prompt.py, a 131k and a 1.04M-token
+#   longprompt (not a default part): benchmarks/bench_long_prompt.py, a 131k and a 1.04M-token
 #   prompt through LLM per KV dtype (LONG_PROMPT_ARGS adds options; ~3-4 min a dtype).
-#   stepsync (not a default part, issue 23): benchmarks/bench_step_sync.py, the host syncs and phases of a large
+#   stepsync (not a default part): benchmarks/bench_step_sync.py, the host syncs and phases of a large
 #   decode step (STEP_SYNC_ARGS; default Nano 30B-A3B at batch 256).
-#   fairness (not a default part, issue 22): benchmarks/bench_fairness.py, a 1M-token prompt beside 8 streams
+#   fairness (not a default part): benchmarks/bench_fairness.py, a 1M-token prompt beside 8 streams
 #   and a short chat request every second through `hyserve serve`, per max_step_ms in FAIRNESS_STEP_MS
-#   (default off,150; about 4-5 min each, so two per call at most); FAIRNESS_ARGS adds options. Server wheels
-#   in .whl as for soak.
+#   (default off,150; about 4-5 min each); FAIRNESS_ARGS adds options. Server wheels in .whl/ as for soak.
 set -uo pipefail
 sha=${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 shift || true
@@ -45,15 +46,16 @@ if ls .whl/mamba_ssm-*.whl >/dev/null 2>&1; then
     && export PYTHONPATH="$PYTHONPATH:/tmp/peers"
 fi
 mkdir -p benchmarks/results
-# the server wheels (../shared/tools/gpu_wheels.sh, xgrammar included), when carried: the structured-output GPU
-# tests, fairness and soak need them
+# the server wheels in .whl/ (xgrammar included), when present: the structured-output GPU tests, fairness and
+# soak need them
 if ls .whl/fastapi-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-# the log goes to $OUT as it is written and results are copied after every part, so a call cut short
-# still returns what ran
-log=${OUT:-benchmarks/results}/gpu_check.log
+# the log goes to OUT_DIR as it is written and results are copied after every part, so a run cut short
+# still leaves what ran
+log=${OUT_DIR:-benchmarks/results}/gpu_check.log
+mkdir -p "$(dirname "$log")"
 # the GPU test files of the tests part (GPU_TESTS names a subset; GPU_TEST_TIMEOUT bounds each, default 240 s)
 gpu_tests="test_triton_kernels test_triton_ssd test_fused_linear test_fp8_kv test_ssm_rounding test_gpu_model
   test_gpu_warmup test_async_scheduling test_gpu_float32 test_moe_kernels test_token_bitmask_kernel"
@@ -72,14 +74,14 @@ save() { out_save; }
       echo "-- tests/$t.py"
       timeout "${GPU_TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --show-capture=no \
         --durations=3 "tests/$t.py" 2>&1
-      echo "   exit ${PIPESTATUS[0]} after ${SECONDS}s of the call"
+      echo "   exit ${PIPESTATUS[0]} after ${SECONDS}s of the run"
     done
   fi
   [[ $parts == *" kernels "* ]] && echo "== kernel benchmarks" && python3 benchmarks/bench_kernels.py --git-sha "$sha" 2>&1 | tail -60
   [[ $parts == *" kernels "* ]] && echo "== prefill attention against SDPA over rounds" \
     && python3 benchmarks/bench_kernels.py --only attn_rounds --rounds 5 --git-sha "$sha" \
        --out "benchmarks/results/attn_rounds_$sha.json" 2>&1 | tail -8
-  # attn (not a default part, issue 24): the paged attention records alone (bf16 and fp8 KV decode, prefill)
+  # attn (not a default part): the paged attention records alone (bf16 and fp8 KV decode, prefill)
   [[ $parts == *" attn "* ]] && echo "== paged attention kernel records (bf16 and fp8 KV)" \
     && timeout 300 python3 benchmarks/bench_kernels.py --only attn --git-sha "$sha" \
        --out "benchmarks/results/kernels_attn_$sha.json" 2>&1 | tail -20 && save
@@ -87,19 +89,19 @@ save() { out_save; }
     && timeout 420 python3 benchmarks/bench_kernels.py --only attn_sweep --git-sha "$sha" \
        --out "benchmarks/results/attn_sweep_$sha.json" 2>&1 | grep -v "^ok " | tail -60 && save
   # shellcheck disable=SC2086  # LONG_PROMPT_ARGS / STEP_SYNC_ARGS are lists of options
-  [[ $parts == *" longprompt "* ]] && echo "== long prompts per KV dtype (issues 24, 22)" \
+  [[ $parts == *" longprompt "* ]] && echo "== long prompts per KV dtype" \
     && timeout "${LONG_PROMPT_TIMEOUT:-590}" python3 benchmarks/bench_long_prompt.py --git-sha "$sha" \
        ${LONG_PROMPT_ARGS:-} 2>&1 | grep -v "warm-up \[" | tail -40 && save
   # shellcheck disable=SC2086
-  [[ $parts == *" stepsync "* ]] && echo "== host syncs of a large decode step (issue 23)" \
+  [[ $parts == *" stepsync "* ]] && echo "== host syncs of a large decode step" \
     && timeout 300 python3 benchmarks/bench_step_sync.py --git-sha "$sha" ${STEP_SYNC_ARGS:-} 2>&1 | tail -40 && save
-  # moe_decode (not a default part, issue 23): the batch-1 MoE decode chain in a graph, its settings swept and
-  # the fastest written as the 1-token entry of hyserve/kernels/moe_configs/<GPU>.json (copied to $OUT)
+  # moe_decode (not a default part): the batch-1 MoE decode chain in a graph, its settings swept and
+  # the fastest written as the 1-token entry of hyserve/kernels/moe_configs/<GPU>.json (copied to OUT_DIR)
   # shellcheck disable=SC2086  # MOE_DECODE_ARGS is a list of options
   [[ $parts == *" moe_decode "* ]] && echo "== MoE decode chain at batch 1: settings swept, fastest written" \
     && timeout "${MOE_DECODE_TIMEOUT:-300}" python3 benchmarks/bench_moe_decode.py --write --git-sha "$sha" \
       ${MOE_DECODE_ARGS:-} 2>&1 | tail -60 \
-    && { [ -z "${OUT:-}" ] || cp hyserve/kernels/moe_configs/*.json "$OUT"/; } && save
+    && { [ -z "${OUT_DIR:-}" ] || cp hyserve/kernels/moe_configs/*.json "$OUT_DIR"/; } && save
   if [[ $parts == *" ncu_moe "* ]]; then
     echo "== Nsight Compute: the batch-1 MoE up and down GEMVs at the tuned 1-token settings"
     # shellcheck disable=SC2086  # MOE_DECODE_ARGS is a list of options
@@ -118,20 +120,20 @@ save() { out_save; }
     && timeout 300 python3 benchmarks/bench_kernels.py --only fp8_gemv_super_sweep --write-linear-configs \
        --git-sha "$sha" --out "benchmarks/results/fp8_gemv_super_$sha.json" 2>&1 | grep -E "GEMV|linear configs" \
        | grep -v "^ok " | tail -160 && save && out_save hyserve/kernels/linear_configs/*.json
-  # structured (not a default part, issue 18): JSON-schema-constrained decode against unconstrained, batch 1 / 64
+  # structured (not a default part): JSON-schema-constrained decode against unconstrained, batch 1 / 64
   [[ $parts == *" structured "* ]] && echo "== structured outputs: constrained / free decode (xgrammar in .whl)" \
     && timeout 300 python3 benchmarks/bench_structured.py --rounds 3 --git-sha "$sha" 2>&1 | tail -20 && save
   [[ $parts == *" model "* ]] && echo "== model benchmarks" && python3 benchmarks/bench_model.py --git-sha "$sha" 2>&1 | grep -v "warm-up \[" | tail -40
   if [[ $parts == *" fairness "* ]]; then
-    echo "== fairness: a 1M-token prompt beside 8 streams and a short request every second (issue 22)"
-    # the JSON is written after every setting; the budget and the timeout leave time to copy it to $OUT
+    echo "== fairness: a 1M-token prompt beside 8 streams and a short request every second"
+    # the JSON is written after every setting; the budget and the timeout leave time to copy it to OUT_DIR
     # shellcheck disable=SC2086  # FAIRNESS_ARGS is a list of options
     timeout "${FAIRNESS_TIMEOUT:-560}" python3 benchmarks/bench_fairness.py --max-step-ms "${FAIRNESS_STEP_MS:-off,150}" \
       --time-budget-s "${FAIRNESS_BUDGET:-500}" --git-sha "$sha" ${FAIRNESS_ARGS:-} 2>&1 | tail -30
     save
   fi
   if [[ $parts == *" soak "* ]]; then
-    echo "== soak: ${SOAK_DURATION:-600}s through hyserve serve (issue 17)"
+    echo "== soak: ${SOAK_DURATION:-600}s through hyserve serve"
     # shellcheck disable=SC2086  # SOAK_ARGS is a list of options
     python3 benchmarks/bench_soak.py --git-sha "$sha" --duration "${SOAK_DURATION:-600}" ${SOAK_ARGS:-} 2>&1 | tail -60
     save

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# One device call for FP8 weights (issue 19): the GPU tests of the FP8 kernels and model, then the FP8 GEMM
-# benchmark and the Nano 9B v2 model benchmark (bf16 then FP8 in one process, ratios in the same run).
-# Results land in benchmarks/results/ and, when $OUT is set (the lent-GPU tool), the ones this call wrote are
-# copied there after each part (scripts/device_out.sh).
+# FP8 weights: the GPU tests of the FP8 kernels and model, then the FP8 GEMM benchmark and the Nano 9B v2
+# model benchmark (bf16 then FP8 in one process, ratios in the same run). Results land in benchmarks/results/.
+#   OUT_DIR (optional): a folder that gets the log as it is written and a copy of the result files this run
+#   writes, after each part (scripts/device_out.sh).
 # usage: scripts/gpu_fp8_check.sh [GIT_SHA [tests|kernels|model|super ...]]   (default: tests kernels model)
-#   super (not a default part): Nemotron 3 Super 120B-A12B, every layer, FP8 alone on one H200
+#   super (not a default part): Nemotron 3 Super 120B-A12B, every layer, FP8 alone on one GPU (an H200)
 #   (bench_model.py --quantization fp8 --fp8-only): start-up, capacity report, batch-1 and batch-64 decode.
 set -uo pipefail
 sha=${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -16,7 +16,8 @@ mkdir -p benchmarks/results
 # shellcheck source=scripts/device_out.sh
 . scripts/device_out.sh
 out_mark
-log=${OUT:-benchmarks/results}/gpu_fp8_check.log  # written to $OUT as it goes
+log=${OUT_DIR:-benchmarks/results}/gpu_fp8_check.log  # written to OUT_DIR as it goes
+mkdir -p "$(dirname "$log")"
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'

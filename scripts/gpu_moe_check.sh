@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One device call for the MoE kernels (issue 23): the GPU tests of tests/test_moe_kernels.py and the tiny MoE
-# models on CUDA, then benchmarks/bench_moe.py (with --tune: autotune first and write
-# hyserve/kernels/moe_configs/<GPU>.json). Results land in benchmarks/results/ and, when $OUT is set (the
-# lent-GPU tool), are copied there with the config file and the log.
+# The MoE kernels: the GPU tests of tests/test_moe_kernels.py and the tiny MoE models on CUDA, then
+# benchmarks/bench_moe.py (with --tune: autotune first and write hyserve/kernels/moe_configs/<GPU>.json).
+# Results land in benchmarks/results/.
+#   OUT_DIR (optional): a folder that gets a copy of the results, the config file and the log at the end.
 # usage: scripts/gpu_moe_check.sh [GIT_SHA [tests|ktests] [tune|tune-gemv|bench] ...]   (default: tests tune;
 #        ktests: the kernel tests alone, without the tiny models through the engine; tune-gemv: re-tune the
 #        decode buckets 1-8 only, merged into the config file, then benchmark)
@@ -36,8 +36,9 @@ log=benchmarks/results/moe_gpu_check_$sha.log
     timeout 300 python3 benchmarks/bench_moe.py --git-sha "$sha" --out "benchmarks/results/moe_$sha.json" 2>&1
   fi
 } 2>&1 | tee "$log"
-if [ -n "${OUT:-}" ]; then
-  cp "benchmarks/results/moe_$sha.json" "benchmarks/results/moe_$sha.md" "$log" "$OUT"/ 2>/dev/null
-  cp hyserve/kernels/moe_configs/*.json "$OUT"/ 2>/dev/null
+if [ -n "${OUT_DIR:-}" ]; then
+  mkdir -p "$OUT_DIR"
+  cp "benchmarks/results/moe_$sha.json" "benchmarks/results/moe_$sha.md" "$log" "$OUT_DIR"/ 2>/dev/null
+  cp hyserve/kernels/moe_configs/*.json "$OUT_DIR"/ 2>/dev/null
 fi
 exit 0

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 20 on the H200: train the needle checkpoint, then ask it through `hyserve serve` with the long-prompt
-# report's settings. Each part fits one device call (< 10 min); run `train` first on a machine, then the
-# others on the same warm machine (the checkpoint lives in build/, which git ignores, so it stays there).
+# The needle checkpoint on a GPU: train it, then ask it through `hyserve serve` with the long-prompt YAML's
+# settings. Each part takes under 10 minutes; run `train` first on a machine, then the others on the same
+# machine (the checkpoint lives in build/, which git ignores, so it stays there).
 #
 #   scripts/gpu_needle_check.sh GIT_SHA [train|grid|long|fp8|same]...
 #
@@ -16,7 +16,9 @@
 #          (other chunk sizes): the answers must not change (batch compositions: tests/test_needle_checkpoint.py
 #          on the CPU, and tests/test_engine_invariance.py)
 #
-# Needs the server wheels in .whl (../shared/tools/gpu_wheels.sh) carried with the call, as gpu_serve_check.sh.
+#   OUT_DIR (optional): a folder that gets, after each part, the results and the checkpoint as one archive
+#   each (needle_results_<sha>.tgz, needle_ckpt_<sha>.tgz).
+# Needs the server wheels in .whl/ (benchmarks/README.md, "GPU check scripts"), as gpu_serve_check.sh.
 set -uo pipefail
 sha=${1:-unknown}
 shift || true
@@ -33,7 +35,7 @@ URL=http://127.0.0.1:8000
 PID=
 mkdir -p "$R" build
 
-yaml() {  # $1 = kv dtype (auto or fp8); the report's extra-llm-api-config.yml, minus TRT-only keys
+yaml() {  # $1 = kv dtype (auto or fp8); the long-prompt extra-llm-api-config.yml, minus TRT-only keys
   local f=/tmp/needle_$1.yml
   cat >"$f" <<EOF
 enable_chunked_prefill: true
@@ -68,10 +70,13 @@ start_server() {  # $1 = kv dtype, $2 = log
   done
 }
 stop_server() { [ -n "$PID" ] && kill -INT $PID && wait $PID; PID=; }
-save() {  # one archive per call: the device returns at most 8 files; the checkpoint travels as its own archive
-  if [ -n "${OUT:-}" ]; then
-    tar czf "$OUT/needle_results_$sha.tgz" "$R"/needle_*"$sha"* /tmp/needle_*.log /tmp/needle_*.yml 2>/dev/null
-    [ -f "$CKPT/model.safetensors" ] && tar czf "$OUT/needle_ckpt_$sha.tgz" -C "$(dirname "$CKPT")" "$(basename "$CKPT")"
+save() {  # two archives: the results (with logs and YAMLs) and the checkpoint
+  if [ -n "${OUT_DIR:-}" ]; then
+    mkdir -p "$OUT_DIR"
+    tar czf "$OUT_DIR/needle_results_$sha.tgz" "$R"/needle_*"$sha"* /tmp/needle_*.log /tmp/needle_*.yml \
+      2>/dev/null
+    [ -f "$CKPT/model.safetensors" ] \
+      && tar czf "$OUT_DIR/needle_ckpt_$sha.tgz" -C "$(dirname "$CKPT")" "$(basename "$CKPT")"
   fi
 }
 

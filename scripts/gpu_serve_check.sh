@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call: the serving checks of issue #6 on the Nemotron Nano 9B v2 architecture (random
-# weights, bf16) through the real HTTP server and `hyserve bench`. Results: benchmarks/results/serve_*.
+# Serving checks on the Nemotron Nano 9B v2 architecture (random weights, bf16) through the real HTTP server
+# and `hyserve bench`. Results: benchmarks/results/serve_*.
 #
 #   scripts/gpu_serve_check.sh GIT_SHA [mixed|ttft|sweep|profile|needle]...
 #
@@ -19,9 +19,11 @@
 #
 # Environment: MODEL (a config dir, default Nano 9B v2), SERVE_FLAGS (added to every `hyserve serve`, e.g.
 # "--quantization fp8"), SWEEP_SHAPES, SWEEP_CONCURRENCY (default "1 8 32 64 128 256") and SWEEP_MAX_BATCH
-# (default 256). FP8 (issue 19): MODEL=benchmarks/configs/NVIDIA-Nemotron-3-Super-120B-A12B-BF16
+# (default 256). FP8: MODEL=benchmarks/configs/NVIDIA-Nemotron-3-Super-120B-A12B-BF16
 # SERVE_FLAGS="--quantization fp8" ... needle runs the whole Super in FP8 on one H200.
-# Needs the server wheels in .whl (../shared/tools/gpu_wheels.sh) carried with the call; `profile` also needs
+# OUT_DIR (optional): a folder that gets a copy of the result JSONs and server logs after each part (and of
+# the py-spy samples), so a run cut short still leaves what ran there.
+# Needs the server wheels in .whl/ (benchmarks/README.md, "GPU check scripts"); `profile` also needs
 # py-spy there (pip download --no-deps --only-binary :all: --platform manylinux2014_x86_64 py-spy -d .whl).
 set -uo pipefail
 sha=${1:-unknown}
@@ -55,7 +57,11 @@ start_server() {  # $1 = log file, rest = serve flags; sets PID and READY_S (sec
 }
 
 stop_server() { [ -n "$PID" ] && kill -INT $PID && wait $PID; PID=; save; }
-save() { if [ -n "${OUT:-}" ]; then cp "$R"/serve_*.json /tmp/serve_*.log "$OUT"/ 2>/dev/null; fi; }
+save() {
+  if [ -n "${OUT_DIR:-}" ]; then
+    mkdir -p "$OUT_DIR" && cp "$R"/serve_*.json /tmp/serve_*.log "$OUT_DIR"/ 2>/dev/null
+  fi
+}
 
 jit_after_ready() { curl -s $URL/metrics | awk '/^hyserve_jit_compiles_after_ready_total/ {print $2}'; }
 
@@ -135,7 +141,9 @@ if [[ " $parts " == *" sweep "* ]]; then
   done
   stop_server
   python3 benchmarks/sweep_roofline.py --results "$R" --git-sha "$sha" --model-dir "$MODEL"
-  if [ -n "${OUT:-}" ]; then cp "$R"/serve_sweep_roofline.* "$OUT"/ 2>/dev/null; fi
+  if [ -n "${OUT_DIR:-}" ]; then
+    mkdir -p "$OUT_DIR" && cp "$R"/serve_sweep_roofline.* "$OUT_DIR"/ 2>/dev/null
+  fi
 fi
 
 if [[ " $parts " == *" profile "* ]]; then
@@ -152,7 +160,7 @@ if [[ " $parts " == *" profile "* ]]; then
   done
   wait $bench
   grep -E "Median ITL|Output token thr" /tmp/serve_profile_bench.log
-  [ -n "${OUT:-}" ] && cp /tmp/pyspy_*.txt "$OUT"/
+  [ -n "${OUT_DIR:-}" ] && mkdir -p "$OUT_DIR" && cp /tmp/pyspy_*.txt "$OUT_DIR"/
   stop_server
 fi
 
@@ -175,5 +183,5 @@ for f in ('tokenizer.json', 'tokenizer_config.json'): shutil.copy(b() / f, sys.a
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv
   stop_server
 fi
-if [ -n "${OUT:-}" ]; then cp "$R"/serve_*.json /tmp/serve_*.log "$OUT"/ 2>/dev/null; fi
+save
 exit 0
