@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from hyserve.engine.outputs import TokenLogprob
+from hyserve.engine.sampling_params import StructuredOutputsParams
 from hyserve.server import structured
 from hyserve.server.chat import chat_chars, encode_text, render_chat_prompt, system_texts
 from hyserve.server.chat_output import ChatOutput, output_maker
@@ -43,10 +44,17 @@ from hyserve.server.protocol import (
     ResponseFunctionCall,
     ResponseToolCall,
     UsageInfo,
-    now,
 )
 from hyserve.server.reasoning import thinking_enabled
-from hyserve.server.state import ERROR_RESPONSES, LOGPROB_FLOOR, OFF_LOOP_CHARS, AppState, sse, usage_info
+from hyserve.server.state import (
+    ERROR_RESPONSES,
+    LOGPROB_FLOOR,
+    OFF_LOOP_CHARS,
+    AppState,
+    StreamChunks,
+    sse,
+    usage_info,
+)
 from hyserve.server.structured import ForcedToolOutput
 from hyserve.server.tool_parser import ParsedToolCall
 
@@ -79,18 +87,12 @@ def tool_calls_out(calls: list[ParsedToolCall]) -> list[ResponseToolCall]:
     ]
 
 
-async def create_chat_completion(state: AppState, req: ChatCompletionRequest, raw: Request) -> Response:
-    engine, opts, tok = state.engine, state.opts, state.tok
-    state.check_model(req.model)
-    state.check_sampling_fields(req)
-    state.check_healthy()
-    if req.top_logprobs and not req.logprobs:
-        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
-    tc = req.tool_choice
-    think = thinking_enabled(req.chat_template_kwargs, system_texts(req.messages))
-    start = structured.start_marker(opts.reasoning_parser, think)
-    parallel = req.parallel_tool_calls is not False
-    forced = structured.tool_choice_spec(req.tools, tc, parallel, start)
+def _output_constraint(
+    req: ChatCompletionRequest, start: str | None, parallel: bool
+) -> tuple[tuple[StructuredOutputsParams, str | None] | None, StructuredOutputsParams | None, str]:
+    """The request's tool_choice constraint (`structured.tool_choice_spec`), its one output constraint of
+    response_format, structured_outputs and tool_choice, and the parameter a grammar error names."""
+    forced = structured.tool_choice_spec(req.tools, req.tool_choice, parallel, start)
     spec = structured.one_constraint(
         ("response_format", structured.from_response_format(req.response_format, start)),
         (
@@ -106,6 +108,21 @@ async def create_chat_completion(state: AppState, req: ChatCompletionRequest, ra
         if req.response_format is not None
         else "structured_outputs"
     )
+    return forced, spec, grammar_param
+
+
+async def create_chat_completion(state: AppState, req: ChatCompletionRequest, raw: Request) -> Response:
+    engine, opts, tok = state.engine, state.opts, state.tok
+    state.check_model(req.model)
+    state.check_sampling_fields(req)
+    state.check_healthy()
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    tc = req.tool_choice
+    think = thinking_enabled(req.chat_template_kwargs, system_texts(req.messages))
+    start = structured.start_marker(opts.reasoning_parser, think)
+    parallel = req.parallel_tool_calls is not False
+    forced, spec, grammar_param = _output_constraint(req, start, parallel)
 
     def render_and_encode() -> tuple[str, list[int]]:
         text = render_chat_prompt(
@@ -245,6 +262,58 @@ def _stream_delta(
     return ChatDelta(reasoning_content=r or None, content=c or None, tool_calls=tc)
 
 
+class _ChatChunks(StreamChunks):
+    """The chunks of one chat stream; per-token chunks (text only: no role, tool calls, logprobs, finish or
+    running usage) are formatted directly."""
+
+    object_name = "chat.completion.chunk"
+
+    def chunk(
+        self,
+        k: int,
+        delta: ChatDelta,
+        *,
+        logprobs: ChatChoiceLogprobs | None = None,
+        finish: str | None = None,
+        stop_reason: int | str | None = None,
+    ) -> str:
+        if (
+            logprobs is None
+            and finish is None
+            and stop_reason is None
+            and not self.continuous
+            and delta.role is None
+            and delta.tool_calls is None
+        ):
+            fields = {
+                key: val
+                for key, val in (("content", delta.content), ("reasoning_content", delta.reasoning_content))
+                if val is not None
+            }
+            return sse(
+                f'{self.token_head}{k}, "delta": {json.dumps(fields)}, "logprobs": null, '
+                f'"finish_reason": null, "stop_reason": null}}]{self.token_tail}'
+            )
+        c = ChatCompletionChunk(
+            id=self.request_id,
+            created=self.created,
+            model=self.model_name,
+            choices=[
+                ChatStreamChoice(
+                    index=k, delta=delta, logprobs=logprobs, finish_reason=finish, stop_reason=stop_reason
+                )
+            ],
+            usage=self.usage() if self.continuous else None,
+        )
+        d = c.model_dump(mode="json")
+        d["choices"][0]["delta"] = {
+            key: val for key, val in d["choices"][0]["delta"].items() if val is not None
+        }
+        if not (self.include_usage or self.continuous):
+            d.pop("usage")
+        return sse(json.dumps(d))
+
+
 async def chat_stream(
     state: AppState,
     request_id: str,
@@ -260,7 +329,6 @@ async def chat_stream(
 ) -> AsyncIterator[str]:
     """One SSE stream for the n choices of a chat request (choice k = job k), interleaved as they come."""
     engine = state.engine
-    created = now()
     n_jobs = len(jobs)
     n_prompt = len(jobs[0].prompt_ids)
     n_out = [0] * n_jobs
@@ -272,59 +340,10 @@ async def chat_stream(
     def usage() -> UsageInfo:
         return usage_info(n_prompt, sum(n_out), n_cached)
 
-    # per-token chunks (text only: no role, tool calls, logprobs, finish or running usage) are formatted
-    # directly: the pydantic model + dump costs several microseconds per token per stream on the event loop
-    token_head = (
-        json.dumps(
-            {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model_name}
-        )[:-1]
-        + ', "choices": [{"index": '
+    chunks = _ChatChunks(
+        request_id, model_name, include_usage=include_usage, continuous=continuous, usage=usage
     )
-    token_tail = ', "usage": null}' if include_usage else "}"
-
-    def chunk(
-        k: int,
-        delta: ChatDelta,
-        *,
-        logprobs: ChatChoiceLogprobs | None = None,
-        finish: str | None = None,
-        stop_reason: int | str | None = None,
-    ) -> str:
-        if (
-            logprobs is None
-            and finish is None
-            and stop_reason is None
-            and not continuous
-            and delta.role is None
-            and delta.tool_calls is None
-        ):
-            fields = {
-                key: val
-                for key, val in (("content", delta.content), ("reasoning_content", delta.reasoning_content))
-                if val is not None
-            }
-            return sse(
-                f'{token_head}{k}, "delta": {json.dumps(fields)}, "logprobs": null, '
-                f'"finish_reason": null, "stop_reason": null}}]{token_tail}'
-            )
-        c = ChatCompletionChunk(
-            id=request_id,
-            created=created,
-            model=model_name,
-            choices=[
-                ChatStreamChoice(
-                    index=k, delta=delta, logprobs=logprobs, finish_reason=finish, stop_reason=stop_reason
-                )
-            ],
-            usage=usage() if continuous else None,
-        )
-        d = c.model_dump(mode="json")
-        d["choices"][0]["delta"] = {
-            key: val for key, val in d["choices"][0]["delta"].items() if val is not None
-        }
-        if not (include_usage or continuous):
-            d.pop("usage")
-        return sse(json.dumps(d))
+    chunk = chunks.chunk
 
     try:
         for k in range(n_jobs):
@@ -356,18 +375,7 @@ async def chat_stream(
                 yield chunk(k, ChatDelta(), finish=reason, stop_reason=d.stop_reason)
         else:
             if include_usage:
-                yield sse(
-                    json.dumps(
-                        {
-                            "id": request_id,
-                            "object": "chat.completion.chunk",
-                            "created": created,
-                            "model": model_name,
-                            "choices": [],
-                            "usage": usage().model_dump(mode="json"),
-                        }
-                    )
-                )
+                yield chunks.usage_chunk()
         yield sse("[DONE]")
     except Exception as e:
         yield sse_error_event(state.stream_failure(e))

@@ -35,9 +35,16 @@ from hyserve.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     UsageInfo,
-    now,
 )
-from hyserve.server.state import ERROR_RESPONSES, LOGPROB_FLOOR, OFF_LOOP_CHARS, AppState, sse, usage_info
+from hyserve.server.state import (
+    ERROR_RESPONSES,
+    LOGPROB_FLOOR,
+    OFF_LOOP_CHARS,
+    AppState,
+    StreamChunks,
+    sse,
+    usage_info,
+)
 
 # at most this many prompts in one request
 MAX_PROMPTS = 256
@@ -289,6 +296,42 @@ def completion_reply(
     return JSONResponse(resp.model_dump(mode="json"))
 
 
+class _CompletionChunks(StreamChunks):
+    """The chunks of one completions stream; the per-token chunk (no logprobs, not the last, no usage) is
+    formatted directly."""
+
+    object_name = "text_completion"
+
+    def chunk(
+        self,
+        i: int,
+        text: str,
+        lp: CompletionLogprobs | None,
+        finish: str | None = None,
+        stop_reason: int | str | None = None,
+    ) -> str:
+        if lp is None and finish is None and stop_reason is None and not self.continuous:
+            return sse(
+                f'{self.token_head}{i}, "text": {json.dumps(text)}, "logprobs": null, '
+                f'"finish_reason": null, "stop_reason": null}}]{self.token_tail}'
+            )
+        c = CompletionChunk(
+            id=self.request_id,
+            created=self.created,
+            model=self.model_name,
+            choices=[
+                CompletionChoice(
+                    index=i, text=text, logprobs=lp, finish_reason=finish, stop_reason=stop_reason
+                )
+            ],
+            usage=self.usage() if self.continuous else None,
+        )
+        d = c.model_dump(mode="json")
+        if not (self.include_usage or self.continuous):
+            d.pop("usage")
+        return sse(json.dumps(d))
+
+
 async def completion_stream(
     state: AppState,
     base: str,
@@ -301,7 +344,6 @@ async def completion_stream(
     continuous: bool,
 ) -> AsyncIterator[str]:
     engine = state.engine
-    created = now()
     top_n = req.logprobs or 0
     prompt_only = req.max_tokens == 0
     n_prompt = [len(j.prompt_ids) for j in jobs]
@@ -316,41 +358,10 @@ async def completion_stream(
     def usage() -> UsageInfo:  # a prompt counts once however many choices it has
         return usage_info(sum(n_prompt[::per_prompt]), sum(n_out), sum(n_cached[::per_prompt]))
 
-    # the per-token chunk (no logprobs, not the last, no usage) is formatted directly: the pydantic
-    # model + dump costs several microseconds per token per stream on the event loop
-    token_head = json.dumps(
-        {"id": base, "object": "text_completion", "created": created, "model": model_name}
+    chunks = _CompletionChunks(
+        base, model_name, include_usage=include_usage, continuous=continuous, usage=usage
     )
-    token_head = token_head[:-1] + ', "choices": [{"index": '
-    token_tail = ', "usage": null}' if include_usage else "}"
-
-    def chunk(
-        i: int,
-        text: str,
-        lp: CompletionLogprobs | None,
-        finish: str | None = None,
-        stop_reason: int | str | None = None,
-    ) -> str:
-        if lp is None and finish is None and stop_reason is None and not continuous:
-            return sse(
-                f'{token_head}{i}, "text": {json.dumps(text)}, "logprobs": null, '
-                f'"finish_reason": null, "stop_reason": null}}]{token_tail}'
-            )
-        c = CompletionChunk(
-            id=base,
-            created=created,
-            model=model_name,
-            choices=[
-                CompletionChoice(
-                    index=i, text=text, logprobs=lp, finish_reason=finish, stop_reason=stop_reason
-                )
-            ],
-            usage=usage() if continuous else None,
-        )
-        d = c.model_dump(mode="json")
-        if not (include_usage or continuous):
-            d.pop("usage")
-        return sse(json.dumps(d))
+    chunk = chunks.chunk
 
     try:
         # echoed prompts go first; with logprobs, each waits for its request's first delta, which
@@ -406,18 +417,7 @@ async def completion_stream(
                 )
         else:
             if include_usage:
-                yield sse(
-                    json.dumps(
-                        {
-                            "id": base,
-                            "object": "text_completion",
-                            "created": created,
-                            "model": model_name,
-                            "choices": [],
-                            "usage": usage().model_dump(mode="json"),
-                        }
-                    )
-                )
+                yield chunks.usage_chunk()
         yield sse("[DONE]")
     except Exception as e:
         yield sse_error_event(state.stream_failure(e))

@@ -8,6 +8,7 @@ link to the engine, so each family reads like a function of (request, state) -> 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from hyserve.engine.structured_output import GrammarError
 from hyserve.server.errors import APIError, bad_request, internal_error
 from hyserve.server.generation import engine_api_error
 from hyserve.server.metrics import ServerMetrics
-from hyserve.server.protocol import ErrorResponse, PromptTokensDetails, UsageInfo
+from hyserve.server.protocol import ErrorResponse, PromptTokensDetails, UsageInfo, now
 from hyserve.server.reasoning import check_reasoning_parser_name
 from hyserve.server.tool_parser import check_tool_parser_name
 
@@ -159,6 +160,44 @@ def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
 
 def sse(obj: Any) -> str:
     return f"data: {obj}\n\n"
+
+
+class StreamChunks:
+    """What every chunk of one SSE stream shares (id, object, created, model) and its closing usage chunk.
+    Per-token chunks are formatted straight from `token_head` / `token_tail`: the pydantic model + dump costs
+    several microseconds per token per stream on the event loop. `usage`: the request's usage so far."""
+
+    object_name = ""
+
+    def __init__(
+        self,
+        request_id: str,
+        model_name: str,
+        *,
+        include_usage: bool,
+        continuous: bool,
+        usage: Callable[[], UsageInfo],
+    ) -> None:
+        self.request_id, self.model_name, self.created = request_id, model_name, now()
+        self.include_usage, self.continuous, self.usage = include_usage, continuous, usage
+        ids = {"id": request_id, "object": self.object_name, "created": self.created, "model": model_name}
+        self.token_head = json.dumps(ids)[:-1] + ', "choices": [{"index": '
+        self.token_tail = ', "usage": null}' if include_usage else "}"
+
+    def usage_chunk(self) -> str:
+        """The last chunk of a stream that asked for usage: no choices, the usage of the whole request."""
+        return sse(
+            json.dumps(
+                {
+                    "id": self.request_id,
+                    "object": self.object_name,
+                    "created": self.created,
+                    "model": self.model_name,
+                    "choices": [],
+                    "usage": self.usage().model_dump(mode="json"),
+                }
+            )
+        )
 
 
 class AppState:
