@@ -900,7 +900,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = a.result_filename or f"fairness_{dt.date.today().isoformat()}_{head['git_sha']}_{steps}.json"
     out_path = Path(a.result_dir) / name
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    # a SIGTERM (the device call's `timeout`) unwinds through the finally blocks: the server is stopped
+    # a SIGTERM (e.g. from `timeout`) unwinds through the finally blocks: the server is stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t_start = CLOCK()
     settings: list[dict[str, Any]] = []

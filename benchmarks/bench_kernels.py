@@ -892,7 +892,7 @@ def _fp8_pool(b: Bench, lens: list[int], Hkv: int, D: int, bs: int, dtype):
 
 def _bench_prefill_fp8(b: Bench, Hq: int, Hkv: int, D: int, bs: int, dtype, tol: float, scale: float) -> None:
     """Prefill / extend over a float8 e4m3 pool: the CUDA op (on Hopper the Gluon kernel's converter form)
-    against the 16-bit CUDA op on the same (dequantised) values in the same run (issue 24's bar: no slower),
+    against the 16-bit CUDA op on the same (dequantised) values in the same run (the bar: no slower),
     and the Triton kernel alone over fp8 (the path before the converter form). The 131k case is one late
     chunk of a long prompt; its last 512 queries are checked against the reference (they attend to the same
     keys whatever else the step holds)."""
@@ -1517,7 +1517,7 @@ def bench_attn_sweep(b: Bench) -> None:
 
 def bench_attn_rounds(b: Bench) -> None:
     """8k causal prefill attention: the default kernel and torch SDPA timed in turn for b.rounds rounds, so
-    the spread within one run is on record beside the ratio (lent H200s differ from one another by more
+    the spread within one run is on record beside the ratio (H200s differ from one another by more
     than one run's spread). Ours is checked against the reference first: `ncu -c 1` profiles that call.
     (The Gluon consumers without turns ran here at fd3554c-f73cf84, 4-6% slower in device time, before that
     form was dropped.)"""

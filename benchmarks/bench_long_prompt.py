@@ -1,5 +1,5 @@
-"""Long prompts through `hyserve.LLM`, per KV-cache dtype in one run (issue 24: an fp8 KV cache as fast as it
-is small; issue 22: the 1M-token prompt alone).
+"""Long prompts through `hyserve.LLM`, per KV-cache dtype in one run (is an fp8 KV cache as fast as it is
+small?), and the 1M-token prompt alone.
 
 For each `--kv-dtypes` entry (default `auto,fp8`: the model's 16-bit dtype, then e4m3; `fp8+qk8`: e4m3 with
 the prefill attention's QK8 form, not yet the default), a fresh process builds the engine with the long-prompt
@@ -41,8 +41,7 @@ CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
 
 
 def engine_options(a: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
-    """The long-prompt report's YAML sizing (the issue-24 runs turn block reuse off: random prompts never
-    hit)."""
+    """The long-prompt YAML's sizing (block reuse off unless --block-reuse: random prompts never hit)."""
     return dict(
         max_seq_len=a.max_seq_len,
         max_num_tokens=a.max_num_tokens,

@@ -246,7 +246,7 @@ def make_plan(
         model_dir = work / slug
         model_dir.mkdir(parents=True, exist_ok=True)
         (model_dir / "config.json").write_text(json.dumps(raw, indent=2))
-    # the full Nano 30B-A3B runs every figure of issue 23; a cut model runs decode at batch 1 and 64
+    # the full Nano 30B-A3B runs every figure; a cut model runs decode at batch 1 and 64
     whole = n == total
     return ModelPlan(
         model_dir=model_dir,
@@ -990,7 +990,7 @@ def main() -> None:
         bench_prefill_with_prefix_cache(cfg, records)
     if plan.transformers:
         bench_transformers(raw, records)
-    sha = git_sha(args.git_sha)  # the lent GPU's copy may hold a stale .git: an explicit sha wins
+    sha = git_sha(args.git_sha)  # a copied tree may hold a stale .git: an explicit sha wins
     result = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "git_sha": sha,

@@ -1,6 +1,6 @@
 # ruff: noqa: B023  (the timed lambdas run inside the loop iteration that defines them)
 """The batch-1 MoE decode GEMVs of Nemotron 3 Nano 30B-A3B as a decode step runs them, and a sweep of their
-launch settings (issue 23's batch-1 bar; docs/architecture.md, "MoE").
+launch settings (docs/architecture.md, "MoE").
 
 Each of the model's MoE layers (23, every one with its own weights, so nothing stays in L2) runs the chain of
 a decode step: router GEMV -> route -> up GEMV (routed experts + the folded shared expert) -> down GEMV. All

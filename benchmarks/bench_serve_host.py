@@ -9,8 +9,8 @@ detokenisation with the real tokenizer, stop checks. A load generator in this pr
 client, streaming /v1/completions with token-id prompts) holds `--concurrency` requests in flight.
 
 Whatever rate comes out is the most any GPU could serve through this stack on this host: a GPU run is
-host-bound wherever its own rate approaches it. The reference is the published vLLM figure the FP8 issue
-quotes (Nemotron 3 Nano 30B-A3B, FP8, one H200, 1000 in / 1000 out at concurrency 1024: 15,828 output tok/s):
+host-bound wherever its own rate approaches it. The reference is vLLM's published figure
+(Nemotron 3 Nano 30B-A3B, FP8, one H200, 1000 in / 1000 out at concurrency 1024: 15,828 output tok/s):
 a ratio under 1 at that concurrency means this host could not serve that figure whatever the GPU does.
 The server's and the client's CPU seconds over each run say which side was saturated (each is one process;
 the server's engine thread and its event loop share one interpreter).
@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.host_results import write_host_results  # noqa: E402
 
-VLLM_FP8_30B_C1024 = 15828.0  # output tok/s: the published vLLM figure (issue 19), concurrency 1024
+VLLM_FP8_30B_C1024 = 15828.0  # output tok/s: vLLM's published figure, concurrency 1024
 
 
 def _stub_model(model, vocab: int) -> None:
@@ -173,7 +173,7 @@ def main() -> int:
         "--output-len",
         type=int,
         default=200,
-        help="tokens a request generates (the issue's sweep has 1000; 200 keeps a point near a minute)",
+        help="tokens a request generates (the published figure uses 1000; 200 keeps a point near a minute)",
     )
     ap.add_argument(
         "--prompts-per-stream", type=int, default=2, help="requests per point: this x concurrency"

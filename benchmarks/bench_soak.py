@@ -1,4 +1,4 @@
-"""Soak benchmark (issue 17; docs/architecture.md "Failure isolation"): many concurrent streams of mixed
+"""Soak benchmark (docs/architecture.md, "Failure isolation"): many concurrent streams of mixed
 prompt / output lengths through a real `hyserve serve` process for a fixed time, with client disconnects
 and injected faults (`HYSERVE_FAULT_INJECT`) at fixed rates, then `/metrics` must show every pool free.
 
@@ -558,9 +558,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--read-timeout", type=float, default=d.read_timeout_s)
     ap.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s)
     ap.add_argument("--startup-timeout", type=float, default=1800.0)
-    ap.add_argument(
-        "--git-sha", default=None, help="default: git rev-parse (the lent GPU's tree has no .git)"
-    )
+    ap.add_argument("--git-sha", default=None, help="default: git rev-parse (for a tree without .git)")
     ap.add_argument(
         "--out", default=None, help="result JSON (default benchmarks/results/soak_<date>_<sha>.json)"
     )

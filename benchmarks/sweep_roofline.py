@@ -7,7 +7,7 @@ scripts/gpu_serve_check.sh sweep (serve_sweep_in<I>_out<O>_c<C>.json), and for e
   * output throughput against that batch's roofline decode throughput (this one also pays for prefill).
 
 The rooflines are drawn at the bytes-read ceiling measured on the GPU that served (`--ceilings`: a JSON
-from `benchmarks/roofline.py --out` or a benchmark JSON of the same session; without it, measured here
+from `benchmarks/roofline.py --out` or a benchmark JSON of a run on that GPU; without it, measured here
 when a GPU is present), and every record also carries the ratio at the H200's published 4.8 TB/s.
 Writes benchmarks/results/serve_sweep_roofline.json (+ .md, and a PNG when matplotlib is present).
 

@@ -1,5 +1,5 @@
 """Compare two bench_model.py JSON records (A = the previous code, B = this tree) measured in the same
-device call: per figure, B / A for throughputs and A / B for step times, so > 1 means B is faster.
+run: per figure, B / A for throughputs and A / B for step times, so > 1 means B is faster.
 
     python3 scripts/ab_compare.py A.json B.json [more A.json B.json pairs ...]
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train a small NemotronH-architecture checkpoint that finds the needle (issue 20).
+"""Train a small NemotronH-architecture checkpoint that finds the needle.
 
 The model is a Mamba2 + NoPE-attention hybrid on the tiny byte-level tokenizer (hyserve/model/tokenizer.py)
 with its chat template, trained on synthetic retrieval: a chat request in the long-prompt report's format
