@@ -256,8 +256,8 @@ def _add_make_tiny_parser(sub: Any) -> None:
 
 
 def _register_optional_subcommands(sub: Any) -> None:
-    """Extension point: `hyserve bench` (issue: benchmarks) lives in hyserve/bench/cli.py and registers
-    itself with `add_parser(subparsers)`, setting `func=` on its parser. Not implemented here."""
+    """Extension point: `hyserve bench` lives in hyserve/bench/cli.py and registers itself with
+    `add_parser(subparsers)`, setting `func=` on its parser."""
     import importlib
     import importlib.util
 
