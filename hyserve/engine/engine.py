@@ -19,7 +19,6 @@ fail, and a host-side failure of one request's output fails it alone (engine/iso
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -27,20 +26,20 @@ import torch
 
 from hyserve import envs
 from hyserve.config import EngineConfig
+from hyserve.engine.alloc_retries import AllocRetries
 from hyserve.engine.assembly import assemble
 from hyserve.engine.errors import JitAfterReadyError
 from hyserve.engine.faults import FaultInjector
 from hyserve.engine.input_processor import InputProcessor
 from hyserve.engine.isolation import isolate_failure, reset_engine
 from hyserve.engine.jit_sentinel import JitSentinel
-from hyserve.engine.logits_processing import History, to_device
 from hyserve.engine.output_processor import OutputProcessor, record_prompt_logprobs
 from hyserve.engine.outputs import StreamDelta, TokenLogprob
-from hyserve.engine.pending_step import PendingStep, sample_step
+from hyserve.engine.pending_step import PendingStep, penalty_inputs, sample_step
 from hyserve.engine.request import Request
 from hyserve.engine.sampler import Sampler
 from hyserve.engine.sampling_params import SamplingParams
-from hyserve.engine.scheduler import ScheduledBatch, ScheduledSeq, SchedulerStats
+from hyserve.engine.scheduler import ScheduledBatch, SchedulerStats
 from hyserve.engine.structured_output import StructuredOutputs
 
 if TYPE_CHECKING:  # the warm-up drives the engine from outside (startup.py)
@@ -81,13 +80,10 @@ class LLMEngine:
             max_seq_len=self.max_seq_len,
         )
         self.sampler = Sampler(config.seed)
-        self.structured = StructuredOutputs(
-            self.tokenizer, self.model_config.vocab_size
-        )  # grammar per request
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)  # per request
         self._inflight: PendingStep | None = None
         self.requests: dict[str, Request] = {}
-        self._alloc_retries_base = 0
-        self._allocator: tuple[float, int] = (0.0, 0)  # (when read, num_alloc_retries)
+        self.alloc_retries = AllocRetries(self.device)
         self.counters = dict.fromkeys(
             (
                 "prompt_tokens_total",
@@ -237,31 +233,9 @@ class LLMEngine:
         sampling = [s for s in batch.seqs if s.sample]
         if self.faults is not None:
             self.faults.check_rows("sample", sampling)
-        histories = self._histories(sampling)
-        pending = None  # penalty rows: each row's token still on the device, counted in its history
-        if histories is not None and prev is not None:
-            pending = torch.full((len(sampling),), -1, dtype=torch.long, device=prev.tokens.device)
-            fed = [(i, s.feed_row) for i, s in enumerate(sampling) if s.feed_row is not None]
-            if fed:
-                idx = to_device(torch.tensor([i for i, _ in fed], dtype=torch.long), prev.tokens.device)
-                rows = to_device(torch.tensor([r for _, r in fed], dtype=torch.long), prev.tokens.device)
-                pending[idx] = prev.tokens.index_select(0, rows)
+        histories, pending = penalty_inputs(sampling, self.requests, prev)
         bitmask = self.structured.fill_bitmask([s.request_id for s in sampling])
         return sample_step(sampler, batch, logits, requests, histories, pending, bitmask)
-
-    def _histories(self, sampling: list[ScheduledSeq]) -> list[History | None] | None:
-        """Penalties: the prompt and output ids each sampling row has seen (host lists), or None."""
-        if not any(s.params.needs_history for s in sampling):
-            return None
-        out: list[History | None] = []
-        for s in sampling:
-            req = self.requests.get(s.request_id)
-            out.append(
-                (req.prompt_token_ids, req.output_token_ids)
-                if req is not None and s.params.needs_history
-                else None
-            )
-        return out
 
     def _read(self, step: PendingStep) -> list[StreamDelta]:
         deltas = []
@@ -340,16 +314,7 @@ class LLMEngine:
         self.counters = dict.fromkeys(self.counters, 0)
         self.sampler = Sampler(self.config.seed)
         if self.device.type == "cuda":
-            self._alloc_retries_base = self._alloc_retries(max_age=0.0)
-
-    def _alloc_retries(self, max_age: float = 1.0) -> int:
-        """torch's count of allocations that failed, freed the caching allocator's blocks and retried
-        (each one synchronises the device: a sign the activation headroom is too small). Read at most
-        once per `max_age` seconds: memory_stats() builds a large dict."""
-        now = time.monotonic()
-        if now - self._allocator[0] >= max_age:
-            self._allocator = (now, int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)))
-        return self._allocator[1]
+            self.alloc_retries.reset()
 
     def cache_usage(self) -> dict[str, int]:
         return self.cache.usage()
@@ -370,8 +335,6 @@ class LLMEngine:
             "jit_compiles_after_ready": self.jit.compiles_after_ready,
             **self.counters,
             **(
-                {"cuda_alloc_retries": self._alloc_retries() - self._alloc_retries_base}
-                if self.device.type == "cuda"
-                else {}
+                {"cuda_alloc_retries": self.alloc_retries.since_reset()} if self.device.type == "cuda" else {}
             ),
         }

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyserve.engine.logits_processing import History
+from hyserve.engine.logits_processing import History, to_device
 from hyserve.engine.outputs import TokenLogprob
 from hyserve.engine.request import Request
 from hyserve.engine.sampler import PendingLogprobs, Sampler
@@ -34,6 +34,33 @@ class PendingStep:
         if self.logprobs is not None and self.logprobs_host is not None:
             lps = self.logprobs.entries(tokens, self.logprobs_host.tolist())
         return list(zip(self.reqs, tokens, lps))
+
+
+def penalty_inputs(
+    sampling: list[ScheduledSeq], requests: dict[str, Request], prev: PendingStep | None
+) -> tuple[list[History | None] | None, torch.Tensor | None]:
+    """Penalties: the prompt and output ids each sampling row has seen (host lists, None for a row without
+    penalties), and with a step in flight (`prev`) each row's token still on the device, -1 where none,
+    counted in its history. (None, None) when no row has penalties."""
+    if not any(s.params.needs_history for s in sampling):
+        return None, None
+    histories: list[History | None] = []
+    for s in sampling:
+        req = requests.get(s.request_id)
+        histories.append(
+            (req.prompt_token_ids, req.output_token_ids)
+            if req is not None and s.params.needs_history
+            else None
+        )
+    if prev is None:
+        return histories, None
+    pending = torch.full((len(sampling),), -1, dtype=torch.long, device=prev.tokens.device)
+    fed = [(i, s.feed_row) for i, s in enumerate(sampling) if s.feed_row is not None]
+    if fed:
+        idx = to_device(torch.tensor([i for i, _ in fed], dtype=torch.long), prev.tokens.device)
+        rows = to_device(torch.tensor([r for _, r in fed], dtype=torch.long), prev.tokens.device)
+        pending[idx] = prev.tokens.index_select(0, rows)
+    return histories, pending
 
 
 def sample_step(
