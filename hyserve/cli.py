@@ -36,8 +36,11 @@ class ConfigError(ValueError):
     """A user-fixable configuration problem (exit status 2, one line)."""
 
 
-def _flag(parser: argparse.ArgumentParser | Any, name: str, **kw: Any) -> None:
-    """Add `--name_with_underscores` and its hyphenated spelling as one option."""
+def _flag(
+    parser: argparse.ArgumentParser | Any, name: str, aliases: tuple[str, ...] = (), **kw: Any
+) -> None:
+    """Add `--name_with_underscores` and its hyphenated spelling as one option (and `aliases`, the spellings
+    of other servers: vLLM's --max-num-seqs)."""
     spellings = [f"--{name}"]
     hyphen = f"--{name.replace('_', '-')}"
     if hyphen not in spellings:
@@ -45,6 +48,7 @@ def _flag(parser: argparse.ArgumentParser | Any, name: str, **kw: Any) -> None:
     under = f"--{name.replace('-', '_')}"
     if under not in spellings:
         spellings.append(under)
+    spellings += [f"--{a}" for a in aliases]
     parser.add_argument(*spellings, dest=name.replace("-", "_"), **kw)
 
 
@@ -73,8 +77,29 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="weight format: fp8 (e4m3 weights, quantised at load from a 16-bit checkpoint); an FP8 "
         "checkpoint (ModelOpt, block fp8) is detected without it",
     )
-    _flag(p, "max_batch_size", type=int, default=None, help="most requests running at once")
-    _flag(p, "max_num_tokens", type=int, default=None, help="most tokens in one forward step")
+    _flag(
+        p,
+        "max_batch_size",
+        type=int,
+        default=None,
+        aliases=("max-num-seqs",),
+        help="most requests running at once (default: sized from memory, up to 1024 on a GPU)",
+    )
+    _flag(
+        p,
+        "max_num_tokens",
+        type=int,
+        default=None,
+        aliases=("max-num-batched-tokens",),
+        help="most tokens in one forward step (default: max(8192, max_batch_size))",
+    )
+    _flag(
+        p,
+        "max_step_ms",
+        default=None,
+        help="step-time target for chunked prefill: auto (default: 150 ms on CUDA, calibrated at "
+        "start-up), off, or milliseconds",
+    )
     _flag(p, "max_seq_len", type=int, default=None, help="longest prompt + output (default: the model's)")
     _flag(
         p,
@@ -308,6 +333,7 @@ def engine_options_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], 
         "quantization",
         "max_batch_size",
         "max_num_tokens",
+        "max_step_ms",
         "max_seq_len",
         "scheduling_policy",
         "tp_size",

@@ -138,6 +138,30 @@ def positive_ms_or_none(v: Any, path: str) -> float | None:
     return float(v)
 
 
+# max_step_ms "auto": chunks of long prompts sized so a step stays under this on CUDA (beside a 1M-token
+# prompt on an H200 it kept short requests' TTFT p99 at 386 ms)
+DEFAULT_MAX_STEP_MS = 150.0
+
+
+def step_ms_target(v: Any, path: str) -> float | str | None:
+    """"auto", "off" / None, or a time in milliseconds > 0."""
+    if isinstance(v, str) and v.lower() in ("auto", "off", "none"):
+        return "auto" if v.lower() == "auto" else None
+    if isinstance(v, str):
+        try:
+            v = float(v)
+        except ValueError:
+            raise ValueError(
+                f"{path}: expected a positive number of milliseconds, 'auto' or 'off', got {v!r}"
+            ) from None
+    try:
+        return positive_ms_or_none(v, path)
+    except ValueError:
+        raise ValueError(
+            f"{path}: expected a positive number of milliseconds, 'auto' or 'off', got {v!r}"
+        ) from None
+
+
 def positive_seconds(v: Any, path: str) -> float:
     """A time in seconds > 0."""
     if isinstance(v, bool) or not isinstance(v, int | float) or not (0.0 < float(v) < float("inf")):
@@ -295,8 +319,10 @@ class CacheConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    max_batch_size: int = option(64, Int(lo=1))
-    max_num_tokens: int = option(8192, Int(lo=1))
+    # None: sized at start-up from memory and the model (cache/batch_sizing.py): the most requests whose
+    # Mamba state and KV fit, up to 1,024 on a GPU (256 on the CPU); max_num_tokens None: max(8192, batch)
+    max_batch_size: int | None = option(None, Int(lo=1, none_ok=True), aliases=("max_num_seqs",))
+    max_num_tokens: int | None = option(None, Int(lo=1, none_ok=True), aliases=("max_num_batched_tokens",))
     max_seq_len: int | None = option(
         None, Int(lo=2, none_ok=True)
     )  # None -> the model's max_position_embeddings
@@ -304,16 +330,25 @@ class SchedulerConfig:
     # step composition (docs/architecture.md): continuing prefills that share a step's budget, the most a
     # long prompt's chunk takes when other prefills share the step (None: max_num_tokens /
     # max_num_partial_prefills), and the step-time target chunks are sized for once the warm-up has
-    # calibrated the step cost model (None, the default until a serving benchmark picks one: the token
+    # calibrated the step cost model ("auto", the default: DEFAULT_MAX_STEP_MS on CUDA, calibrated at
+    # start-up; on the CPU the token budget and long_prefill_token_threshold alone; None / "off": the token
     # budget only)
     max_num_partial_prefills: int = option(4, Int(lo=1))
     long_prefill_token_threshold: int | None = option(None, Int(lo=1, none_ok=True))
-    max_step_ms: float | None = option(None, positive_ms_or_none)
+    max_step_ms: float | str | None = option("auto", step_ms_target)
     # admission and preemption order (SCHEDULING_POLICIES); under "fcfs" a request's priority must be 0
     scheduling_policy: str = option("fcfs", Choice(SCHEDULING_POLICIES))
 
     def check(self) -> None:
-        check_token_budget(self.max_num_tokens, self.max_batch_size)
+        if self.max_num_tokens is not None and self.max_batch_size is not None:
+            check_token_budget(self.max_num_tokens, self.max_batch_size)
+
+    def step_target_ms(self, device_type: str) -> float | None:
+        """The step-time target in force on a device: "auto" is DEFAULT_MAX_STEP_MS on CUDA, off elsewhere
+        (the CPU has no calibration of its own)."""
+        if self.max_step_ms == "auto":
+            return DEFAULT_MAX_STEP_MS if device_type == "cuda" else None
+        return None if isinstance(self.max_step_ms, str) else self.max_step_ms
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -85,7 +85,7 @@ def test_async_equals_sync_on_graph_buffers(monkeypatch) -> None:
     # both on the CPU: seeded sampling draws from a device's own generator, so a CUDA reference differs
     sync_outputs = _outs(make_llm(device="cpu", async_scheduling=False))
     monkeypatch.setattr(
-        assembly, "graph_batch_sizes", lambda config, lm, log: [1, 2, 4, 8]
+        assembly, "graph_batch_sizes", lambda config, lm, log, most: [1, 2, 4, 8]
     )  # decode graphs' buffers, eager
     llm = make_llm(device="cpu", async_scheduling=True)
     used: list[int] = []

@@ -124,6 +124,7 @@ def test_accepted_keys_come_from_the_fields() -> None:
         "kv_cache_config", "cuda_graph_config", "tp_size", "ep_size",
         "tensor_parallel_size", "moe_expert_parallel_size", "warmup", "strict_warmup", "cache_dir",
         "async_scheduling", "engine_failure_limit", "engine_failure_window_s",
+        "max_num_seqs", "max_num_batched_tokens",
     }  # fmt: skip
     assert accepted_keys(CacheConfig) == {
         "tokens_per_block", "enable_block_reuse", "avg_seq_len", "free_gpu_memory_fraction", "max_tokens",

@@ -57,7 +57,7 @@ def graphs_on_cpu(monkeypatch: pytest.MonkeyPatch):
     """Make the engine build its decode-graph buffers on the CPU too (run eagerly, not captured)."""
 
     def use(sizes: list[int]) -> None:
-        monkeypatch.setattr(assembly, "graph_batch_sizes", lambda config, lm, log: list(sizes))
+        monkeypatch.setattr(assembly, "graph_batch_sizes", lambda config, lm, log, most: list(sizes))
 
     return use
 

@@ -56,6 +56,10 @@ class CapacityInputs:
     # this rank's weights (already resident when the budget is measured on a GPU; reported, not planned)
     weight_bytes: int = 0
     weight_format: str = "16-bit"
+    # snapshot slots kept even when KV for max_batch_size requests of avg_seq_len would take their memory
+    # (an auto-sized max_batch_size keeps some: cache/batch_sizing.py); never below the KV floor
+    min_snapshot_slots: int = 0
+    batch_size_source: str = "max_batch_size"  # how max_batch_size was chosen (the report says)
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,7 @@ class CapacityPlan:
             f"  Mamba state  {_fmt_bytes(self.state_bytes):>12}  "
             f"{self.num_live_slots + self.num_pad_slots + self.num_snapshot_slots:,} slots x "
             f"{_fmt_bytes(s)}",
-            f"    live slots      {self.num_live_slots:,} (one per running request, max_batch_size)",
+            f"    live slots      {self.num_live_slots:,} (one per running request, {inp.batch_size_source})",
             f"    pad slots       {self.num_pad_slots:,} (CUDA-graph padding rows)",
             f"    snapshot slots  {self.num_snapshot_slots:,} ({_fmt_bytes(self.snapshot_bytes)}; "
             f"prefix-cache Mamba snapshots, wanted {self.desired_snapshot_slots:,})",
@@ -162,6 +166,7 @@ def _validate(inp: CapacityInputs) -> None:
         (KNOB_TOKENS_PER_BLOCK, inp.tokens_per_block, 1),
         (f"num_snapshot_offsets (len of {KNOB_OFFSETS})", inp.num_snapshot_offsets, 0),
         ("num_pad_slots (CUDA-graph padding)", inp.num_pad_slots, 0),
+        ("min_snapshot_slots", inp.min_snapshot_slots, 0),
     ):
         Int(lo=lo).integer(value, knob)
     boolean(inp.enable_block_reuse, KNOB_ENABLE_BLOCK_REUSE)
@@ -207,6 +212,8 @@ def plan_capacity(inp: CapacityInputs) -> CapacityPlan:
                      (KV for max_batch_size requests of avg_seq_len comes before snapshots: a Mamba
                      snapshot of a 9B model costs as much as ~8,000 tokens of KV)
            snapshot_slots = min(desired, (avail - min(kv_want, avail // block_bytes) * block_bytes) // S)
+           snapshot_slots = max(that, min(min_snapshot_slots, desired, what the floor leaves))
+                     (an auto-sized max_batch_size keeps some snapshot slots: cache/batch_sizing.py)
         5. kv_blocks = (avail - snapshot_slots * S) // block_bytes      everything else goes to KV
            if max_kv_tokens: kv_blocks = min(kv_blocks, ceil(max_kv_tokens / tokens_per_block)),
                              then back up to the floor unless oversize is allowed
@@ -375,6 +382,8 @@ def _split(
         if block_bytes:
             kv_want = min(kv_want, avail // block_bytes)
         snap_slots = min(desired, (avail - max(kv_want, floor) * block_bytes) // state)
+        floor_left = (avail - floor * block_bytes) // state  # what the KV floor leaves, in slots
+        snap_slots = max(snap_slots, min(inp.min_snapshot_slots, desired, floor_left))
 
     # 5./6. KV takes everything else (or just the floor when blocks cost nothing).
     if block_bytes == 0:
@@ -392,7 +401,7 @@ def _split(
     if state > 0 and snap_slots < desired:
         spare = avail - snap_slots * state - kv_blocks * block_bytes
         snap_slots = min(desired, snap_slots + spare // state)
-    if desired and snap_slots < desired:
+    if desired and snap_slots < desired and not (0 < inp.min_snapshot_slots <= snap_slots):
         if snap_slots == 0:
             warnings.append(
                 "no memory left for Mamba snapshot slots: prefix caching cannot reuse Mamba state"

@@ -10,6 +10,7 @@ tells the others each step (docs/architecture.md, "Parallelism")."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,12 @@ from pathlib import Path
 import torch
 
 from hyserve import envs
+from hyserve.cache.batch_sizing import (
+    AUTO_MAX_BATCH_SIZE_CPU,
+    AUTO_MAX_BATCH_SIZE_CUDA,
+    DEFAULT_MAX_NUM_TOKENS,
+    size_batch,
+)
 from hyserve.cache.capacity import CapacityInputs, CapacityPlan, device_cache_budget, plan_capacity
 from hyserve.cache.manager import HybridCacheManager
 from hyserve.config import EngineConfig
@@ -43,6 +50,7 @@ LOAD_SKEW_TIMEOUT_S = 1800.0
 
 @dataclass
 class EngineParts:
+    config: EngineConfig  # as given, with an unset max_batch_size / max_num_tokens sized (size_pools)
     loaded: LoadedModel
     max_seq_len: int
     graph_sizes: list[int]
@@ -86,26 +94,8 @@ def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
     kv_cal = calibrate_kv_scales(lm, tokens_per_block=config.cache.tokens_per_block, max_seq_len=max_seq_len)
     if kv_cal is not None:
         log(f"hyserve: {kv_cal.describe()}")
-    graph_sizes = graph_batch_sizes(config, lm, log)
-    activations = None
-    if lm.device.type == "cuda":
-        activations = profile_activations(
-            lm.model,
-            lm.device,
-            max_num_tokens=sc.max_num_tokens,
-            max_batch_size=sc.max_batch_size,
-            graph_batch_size=max(graph_sizes, default=0) or sc.max_batch_size,
-            tokens_per_block=config.cache.tokens_per_block,
-        )
-        log(
-            f"hyserve: activation peak (profiled): {activations.prefill_peak_bytes / 2**20:,.0f} MiB for a "
-            f"{sc.max_num_tokens}-token step, {activations.decode_peak_bytes / 2**20:,.0f} MiB for a decode "
-            "step"
-        )
-    budget = cache_budget_bytes(config, lm, activations, graph_sizes)
-    if channel is not None:
-        budget = smallest_budget(channel, lm, budget, log)
-    plan = plan_capacity(capacity_inputs(config, lm, budget, max_seq_len, graph_sizes))
+    config, plan, graph_sizes, activations = size_pools(config, lm, max_seq_len, channel, log)
+    sc = config.scheduler
     tensors = lm.model.allocate_cache(
         num_blocks=plan.num_kv_blocks,
         tokens_per_block=config.cache.tokens_per_block,
@@ -146,8 +136,72 @@ def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
     if channel is not None and channel.is_driver:
         runner = DriverRunner(runner, channel)
     return EngineParts(
-        lm, max_seq_len, graph_sizes, activations, plan, tensors, cache, scheduler, runner, channel
+        config, lm, max_seq_len, graph_sizes, activations, plan, tensors, cache, scheduler, runner, channel
     )
+
+
+def size_pools(
+    config: EngineConfig,
+    lm: LoadedModel,
+    max_seq_len: int,
+    channel: StepChannel | None,
+    log: Callable[[str], None],
+) -> tuple[EngineConfig, CapacityPlan, list[int], ActivationProfile | None]:
+    """Profile the activations, take the pools' budget (the smallest of the ranks'), size an unset
+    max_batch_size / max_num_tokens from it (cache/batch_sizing.py) and plan the pools. Returns the config
+    with those sizes filled in, the plan, the decode graph sizes and the activation profile."""
+    sc = config.scheduler
+    cap = AUTO_MAX_BATCH_SIZE_CUDA if lm.device.type == "cuda" else AUTO_MAX_BATCH_SIZE_CPU
+    # an unset batch size is profiled (and its graphs' logits reserved) at the most it can become
+    most = sc.max_batch_size or (min(cap, sc.max_num_tokens) if sc.max_num_tokens else cap)
+    most_tokens = sc.max_num_tokens or max(DEFAULT_MAX_NUM_TOKENS, most)
+    graph_sizes = graph_batch_sizes(config, lm, log, most)
+    activations = None
+    if lm.device.type == "cuda":
+        activations = profile_activations(
+            lm.model,
+            lm.device,
+            max_num_tokens=most_tokens,
+            max_batch_size=most,
+            graph_batch_size=max(graph_sizes, default=0) or most,
+            tokens_per_block=config.cache.tokens_per_block,
+        )
+        log(
+            f"hyserve: activation peak (profiled): {activations.prefill_peak_bytes / 2**20:,.0f} MiB for a "
+            f"{most_tokens}-token step, {activations.decode_peak_bytes / 2**20:,.0f} MiB for a decode step"
+        )
+    budget = cache_budget_bytes(config, lm, activations, graph_sizes)
+    if channel is not None:
+        budget = smallest_budget(channel, lm, budget, log)
+    kv_bytes, state_bytes = cache_bytes(lm)
+    sizing = size_batch(
+        budget_bytes=budget,
+        kv_bytes_per_token=kv_bytes,
+        state_bytes_per_slot=state_bytes,
+        max_seq_len=max_seq_len,
+        tokens_per_block=config.cache.tokens_per_block,
+        num_pad_slots=1 if graph_sizes else 0,
+        enable_block_reuse=config.cache.enable_block_reuse,
+        cap=cap,
+        max_batch_size=sc.max_batch_size,
+        max_num_tokens=sc.max_num_tokens,
+    )
+    log(f"hyserve: {sizing.describe()}")
+    config = config.replace(
+        scheduler=dataclasses.replace(
+            sc, max_batch_size=sizing.max_batch_size, max_num_tokens=sizing.max_num_tokens
+        )
+    )
+    if sizing.max_batch_size != most:
+        graph_sizes = graph_batch_sizes(config, lm, log, sizing.max_batch_size)
+    inputs = capacity_inputs(config, lm, budget, max_seq_len, graph_sizes)
+    if sizing.auto_batch:
+        inputs = dataclasses.replace(
+            inputs,
+            min_snapshot_slots=sizing.min_snapshot_slots,
+            batch_size_source=f"max_batch_size sized from memory: {sizing.limit}",
+        )
+    return config, plan_capacity(inputs), graph_sizes, activations
 
 
 def smallest_budget(channel: StepChannel, lm: LoadedModel, budget: int, log: Callable[[str], None]) -> int:
@@ -178,20 +232,27 @@ def rank_cache_bytes(model: CausalLM) -> tuple[int, int]:
     return nbytes(t.k) + nbytes(t.v), nbytes(t.conv) + nbytes(t.ssm)
 
 
+def cache_bytes(lm: LoadedModel) -> tuple[int, int]:
+    """(KV bytes per token, state bytes per slot) of this rank's pools."""
+    if parallel_info().tp_size > 1:  # this rank's heads and groups only
+        return rank_cache_bytes(lm.model)
+    return lm.config.kv_bytes_per_token, lm.config.state_bytes_per_sequence
+
+
 def capacity_inputs(
     config: EngineConfig, lm: LoadedModel, budget: int, max_seq_len: int, graph_sizes: list[int]
 ) -> CapacityInputs:
     c = config.cache
-    kv_bytes, state_bytes = lm.config.kv_bytes_per_token, lm.config.state_bytes_per_sequence
-    if parallel_info().tp_size > 1:  # this rank's heads and groups only
-        kv_bytes, state_bytes = rank_cache_bytes(lm.model)
+    sc = config.scheduler
+    assert sc.max_batch_size is not None and sc.max_num_tokens is not None  # sized by size_pools
+    kv_bytes, state_bytes = cache_bytes(lm)
     return CapacityInputs(
         budget_bytes=budget,
         kv_bytes_per_token=kv_bytes,
         state_bytes_per_slot=state_bytes,
-        max_batch_size=config.scheduler.max_batch_size,
+        max_batch_size=sc.max_batch_size,
         max_seq_len=max_seq_len,
-        max_num_tokens=config.scheduler.max_num_tokens,
+        max_num_tokens=sc.max_num_tokens,
         tokens_per_block=c.tokens_per_block,
         enable_block_reuse=c.enable_block_reuse,
         periodic_snapshot_interval=c.mamba_state_config.periodic_snapshot_interval,
@@ -226,16 +287,17 @@ def cache_budget_bytes(
     )
 
 
-def graph_batch_sizes(config: EngineConfig, lm: LoadedModel, log: Callable[[str], None]) -> list[int]:
+def graph_batch_sizes(
+    config: EngineConfig, lm: LoadedModel, log: Callable[[str], None], max_batch_size: int
+) -> list[int]:
     """Decode batch sizes to capture as CUDA graphs (empty: decode runs eagerly)."""
     cg = config.cuda_graph
-    sc = config.scheduler
     if lm.device.type != "cuda" or not cg.enabled:
         return []
     if not lm.model.graph_capturable:
         log("hyserve: CUDA graphs off: this model's decode step reads host values (MoE expert dispatch)")
         return []
-    limit = min(cg.max_batch_size or sc.max_batch_size, sc.max_batch_size)
+    limit = min(cg.max_batch_size or max_batch_size, max_batch_size)
     if cg.batch_sizes is None:
         return default_capture_sizes(limit)
     sizes = [b for b in cg.batch_sizes if b <= limit]

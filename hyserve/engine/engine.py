@@ -56,6 +56,7 @@ class LLMEngine:
         self.jit.install()
         self._jit_seen = 0  # compilations after ready already reported (strict_warmup)
         parts = assemble(config, self._log)
+        self.config = config = parts.config  # an unset max_batch_size / max_num_tokens is sized now
         self.loaded = parts.loaded
         self.model_config = parts.loaded.config
         self.tokenizer = parts.loaded.tokenizer

@@ -49,7 +49,7 @@ def start_engine(config: EngineConfig, *, log: Callable[[str], None] | None = No
 
 def calibrate(engine: LLMEngine, log: Callable[[str], None]) -> None:
     """Give the scheduler its step cost model when `max_step_ms` asks for one, and say what it is."""
-    target = engine.config.scheduler.max_step_ms
+    target = engine.config.scheduler.step_target_ms(engine.device.type)
     if target is None:
         return
     engine.scheduler.cost = calibrate_step_cost(engine, target)
