@@ -29,9 +29,9 @@ log=$out/gpu_ab_${new}.log
   python3 scripts/ab_compare.py "${pairs[@]}"
   echo "== GPU tests at $new"
   if [ $# -eq 0 ]; then
-    set -- tests/test_gpu_warmup.py::test_no_jit_after_warmup_tiny tests/test_gpu_float32.py \
-      tests/test_async_scheduling.py tests/test_gpu_model.py::test_tiny_cuda_matches_cpu \
-      tests/test_gpu_model.py::test_tiny_async_scheduling_on_cuda_graphs_matches_sync
+    set -- tests/gpu/test_gpu_warmup.py::test_no_jit_after_warmup_tiny tests/gpu/test_gpu_float32.py \
+      tests/engine/test_async_scheduling.py tests/gpu/test_gpu_model.py::test_tiny_cuda_matches_cpu \
+      tests/gpu/test_gpu_model.py::test_tiny_async_scheduling_on_cuda_graphs_matches_sync
   fi
   PYTHONPATH=$PWD timeout 200 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --show-capture=no "$@" 2>&1 | tail -40
 } 2>&1 | tee "$log"

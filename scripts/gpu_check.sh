@@ -5,11 +5,11 @@
 #   OUT_DIR (optional): a folder that gets the log as it is written and a copy of every result file this run
 #   writes, after each part, so a run cut short still leaves what ran there.
 #   tests: one pytest per GPU test file, each under GPU_TEST_TIMEOUT s (default 240); GPU_TESTS="a b" runs only
-#   tests/a.py and tests/b.py.
+#   tests/a.py and tests/b.py (paths under tests/ without .py: GPU_TESTS="unit/test_fp8_kv gpu/test_gpu_model").
 #   soak (not a default part): benchmarks/bench_soak.py, `hyserve serve` of the Nano 9B v2 architecture under
 #   512 streams with disconnects and injected faults for SOAK_DURATION s (default 600; SOAK_ARGS adds options).
 #   It needs the server wheels in .whl/ (benchmarks/README.md, "GPU check scripts").
-#   moe_model (not a default part): tests/test_bench_model_moe.py, then benchmarks/bench_model.py on
+#   moe_model (not a default part): tests/unit/test_bench_model_moe.py, then benchmarks/bench_model.py on
 #   Nemotron 3 Nano 30B-A3B (with --time-init) and on Super cut to what fits; together they may take over
 #   10 minutes, so moe_nano and moe_super run one model each.
 #   attn, structured (not default parts): the paged-attention kernel records alone; bench_structured.py
@@ -57,8 +57,9 @@ fi
 log=${OUT_DIR:-benchmarks/results}/gpu_check.log
 mkdir -p "$(dirname "$log")"
 # the GPU test files of the tests part (GPU_TESTS names a subset; GPU_TEST_TIMEOUT bounds each, default 240 s)
-gpu_tests="test_triton_kernels test_triton_ssd test_fused_linear test_fp8_kv test_ssm_rounding test_gpu_model
-  test_gpu_warmup test_async_scheduling test_gpu_float32 test_moe_kernels test_token_bitmask_kernel"
+gpu_tests="unit/test_triton_kernels unit/test_triton_ssd unit/test_fused_linear unit/test_fp8_kv
+  unit/test_ssm_rounding gpu/test_gpu_model gpu/test_gpu_warmup engine/test_async_scheduling gpu/test_gpu_float32
+  unit/test_moe_kernels unit/test_token_bitmask_kernel"
 # shellcheck source=scripts/device_out.sh
 . scripts/device_out.sh
 out_mark
@@ -140,7 +141,7 @@ save() { out_save; }
   fi
   if [[ $parts == *" moe_model "* || $parts == *" moe_nano "* || $parts == *" moe_super "* ]]; then
     echo "== MoE model benchmarks: roofline arithmetic (CPU) and device-drawn dummy init (GPU) tests"
-    timeout 120 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/test_bench_model_moe.py 2>&1 | tail -15
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/unit/test_bench_model_moe.py 2>&1 | tail -15
   fi
   if [[ $parts == *" moe_model "* || $parts == *" moe_nano "* ]]; then
     echo "== Nemotron 3 Nano 30B-A3B: batch 1, 8k prefill, batch-64/256 steps, dummy init timed"

@@ -23,9 +23,9 @@ mkdir -p "$(dirname "$log")"
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
   if [[ $parts == *" tests "* ]]; then
     echo "== FP8 GPU tests (kernels at the Nano 9B v2 shapes, the FP8 model on the kernels vs the reference ops)"
-    timeout 540 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/test_fp8_linear.py tests/test_fp8_weights.py \
-      2>&1 | tail -30
-    timeout 300 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/test_moe_kernels.py -k fp8 2>&1 | tail -8
+    timeout 540 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/unit/test_fp8_linear.py \
+      tests/engine/test_fp8_weights.py 2>&1 | tail -30
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/unit/test_moe_kernels.py -k fp8 2>&1 | tail -8
     echo "== an FP8 (ModelOpt-layout) checkpoint loaded from disk on the GPU, greedy, beside its 16-bit twin"
     for v in dense latent-moe; do
       python3 -m hyserve.cli make-tiny /tmp/tiny-$v --variant $v >/dev/null

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The MoE kernels: the GPU tests of tests/test_moe_kernels.py and the tiny MoE models on CUDA, then
+# The MoE kernels: the GPU tests of tests/unit/test_moe_kernels.py and the tiny MoE models on CUDA, then
 # benchmarks/bench_moe.py (with --tune: autotune first and write hyserve/kernels/moe_configs/<GPU>.json).
 # Results land in benchmarks/results/.
 #   OUT_DIR (optional): a folder that gets a copy of the results, the config file and the log at the end.
@@ -19,11 +19,11 @@ log=benchmarks/results/moe_gpu_check_$sha.log
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
   if [[ $parts == *" tests "* ]]; then
     echo "== GPU tests"
-    timeout 300 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --durations=10 tests/test_moe_kernels.py \
-      "tests/test_gpu_model.py::test_tiny_cuda_matches_cpu[moe]" "tests/test_gpu_model.py::test_tiny_cuda_matches_cpu[latent-moe]" 2>&1 | tail -60
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --durations=10 tests/unit/test_moe_kernels.py \
+      "tests/gpu/test_gpu_model.py::test_tiny_cuda_matches_cpu[moe]" "tests/gpu/test_gpu_model.py::test_tiny_cuda_matches_cpu[latent-moe]" 2>&1 | tail -60
   elif [[ $parts == *" ktests "* ]]; then
     echo "== GPU kernel tests"
-    timeout 240 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --durations=5 tests/test_moe_kernels.py 2>&1 | tail -40
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --durations=5 tests/unit/test_moe_kernels.py 2>&1 | tail -40
   fi
   if [[ $parts == *" tune "* ]]; then
     echo "== tune + benchmark"

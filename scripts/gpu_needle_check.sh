@@ -13,8 +13,8 @@
 #   long   the same server: 1M tokens at depth 0.5 and 256k at depth 0.1 and 0.9
 #   fp8    the grid again with kv_cache_config.dtype fp8 (the extra column)
 #   same   the same prompts again on one server (prefix-cache hits) and on a server with max_num_tokens 2048
-#          (other chunk sizes): the answers must not change (batch compositions: tests/test_needle_checkpoint.py
-#          on the CPU, and tests/test_engine_invariance.py)
+#          (other chunk sizes): the answers must not change (batch compositions:
+#          tests/e2e/test_needle_checkpoint.py on the CPU, and tests/engine/test_engine_invariance.py)
 #
 #   OUT_DIR (optional): a folder that gets, after each part, the results and the checkpoint as one archive
 #   each (needle_results_<sha>.tgz, needle_ckpt_<sha>.tgz).

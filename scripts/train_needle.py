@@ -8,7 +8,7 @@ a question after the document too), the assistant's answer being <CODE><|im_end|
 
 Trainable model: transformers' `NemotronHForCausalLM` in training mode. hyserve's layers are an inference
 path (paged KV, state slots, no autograd through its kernels' bookkeeping); transformers' torch path is a
-plain differentiable forward, and tests/test_model_parity.py shows hyserve reproduces it to 1e-4 on the
+plain differentiable forward, and tests/engine/test_model_parity.py shows hyserve reproduces it to 1e-4 on the
 same checkpoint, so a model trained here is served by hyserve as trained. The loss is computed here from
 the logits (no reliance on a version's `labels` handling), and evaluation runs plain forwards (no cache
 API), so the script works on transformers 5.17 (the GPU image) and 5.24 (the CPU venv) alike.

@@ -1,0 +1,73 @@
+"""benchmarks/bench_step_sync.py (a large decode step's host phases and host-device syncs) on the CPU, and its
+recorder of torch's synchronisation warnings."""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import benchmarks.bench_step_sync as bss  # noqa: E402
+
+
+def _sync_here() -> None:
+    warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+
+
+def test_sync_recorder_counts_warnings_by_call_site(monkeypatch) -> None:
+    passed_on: list[str] = []
+    monkeypatch.setattr(warnings, "showwarning", lambda message, *a, **kw: passed_on.append(str(message)))
+    with bss.SyncRecorder() as rec:
+        for _ in range(3):
+            _sync_here()
+        _sync_here()
+        warnings.warn("an unrelated warning", UserWarning, stacklevel=1)
+    assert passed_on == ["an unrelated warning"]  # handed to the previous handler, not counted
+    assert sum(rec.sites.values()) == 4
+    sites = sorted(rec.sites.items(), key=lambda kv: -kv[1])
+    assert sites[0][1] == 3 and sites[1][1] == 1  # the loop's call and the single call are two sites
+    assert all("_sync_here" in site for site, _ in sites)
+    assert set(rec.messages.values()) == {"called a synchronizing CUDA operation"}
+
+
+def test_bench_step_sync_writes_phases_and_syncs(tmp_path: Path, capsys) -> None:
+    assert (
+        bss.main(
+            [
+                "--model-dir",
+                "",
+                "--batch",
+                "4",
+                "--steps",
+                "3",
+                "--git-sha",
+                "test",
+                "--result-dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
+    [path] = tmp_path.glob("step_sync_*_test.json")
+    doc = json.loads(path.read_text())
+    assert {"date", "git_sha", "gpu", "command"} <= set(doc)
+    assert doc["batch"] == 4 and doc["decode_steps"] >= 3 and doc["step_ms"] > 0
+    assert doc["graph_replay_ms"] is None  # no decode graphs on the CPU
+    assert {"scheduler.schedule", "runner.execute", "scheduler.update", "engine._read"} == set(
+        doc["phases_ms"]
+    )
+    assert doc["syncs"] == []  # nothing on the CPU synchronises with a device
+    assert "synchronising calls: 0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", [["--batch", "0"], ["--steps", "0"], ["--prompt-len", "0"]])
+def test_bench_step_sync_refuses_empty_workloads(bad, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as e:
+        bss.main(["--model-dir", "", *bad, "--result-dir", str(tmp_path)])
+    assert e.value.code == 2
