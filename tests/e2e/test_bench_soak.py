@@ -1,4 +1,4 @@
-"""benchmarks/bench_soak.py (issue 17's soak, docs/architecture.md "Failure isolation"): its fault targeting,
+"""benchmarks/bench_soak.py (docs/architecture.md, "Failure isolation"): its fault targeting,
 request plans and end-state checks, and a CPU smoke run through `hyserve serve` on the built-in tiny model
 with faults and disconnects (the same code the H200 run takes, smaller)."""
 

@@ -1,4 +1,4 @@
-"""What a new user types first (issue 18, items 7 and 8): `hyserve generate "Hello"` says to use -p, and
+"""What a new user types first: `hyserve generate "Hello"` says to use -p, and
 the directory `hyserve make-tiny DIR` writes (the built-in model's files) is a tokenizer path transformers
 (and so lm-eval's `tokenizer=`) loads, tokenizing exactly as the server does."""
 

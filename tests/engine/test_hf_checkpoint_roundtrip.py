@@ -1,4 +1,4 @@
-"""Checkpoints written by transformers load (issue 18, item 1).
+"""Checkpoints written by transformers load.
 
 transformers 5.x writes a non-finite float as `{"__float__": "Infinity"}` (JSON has no inf), so every
 `NemotronHConfig(...).save_pretrained(dir)` with the default `time_step_limit` (0, inf) used to stop

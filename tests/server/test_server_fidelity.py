@@ -1,4 +1,4 @@
-"""OpenAI-API fidelity fixes of issue 18 over a scripted fake engine (real uvicorn, loopback): logprob
+"""OpenAI-API fidelity over a scripted fake engine (real uvicorn, loopback): logprob
 `bytes` are the token's bytes, the `developer` role, monotonic `text_offset` (echo and streaming), no
 `tool_calls: []` on plain messages."""
 

@@ -64,9 +64,7 @@ def test_expected_distinct_experts() -> None:
     assert expected_distinct_experts(128, 6, 0) == 0.0
     assert expected_distinct_experts(128, 6, 1) == pytest.approx(6.0)
     assert expected_distinct_experts(128, 6, 64) == pytest.approx(128 * (1 - (122 / 128) ** 64))
-    assert expected_distinct_experts(128, 6, 64) == pytest.approx(
-        122.07, abs=0.01
-    )  # "the ~121 experts" (issue 23)
+    assert expected_distinct_experts(128, 6, 64) == pytest.approx(122.07, abs=0.01)  # "the ~121 experts"
     assert expected_distinct_experts(128, 6, 256) == pytest.approx(128 - 128 * (122 / 128) ** 256)
     assert 127.99 < expected_distinct_experts(128, 6, 256) < 128
     assert expected_distinct_experts(512, 22, 64) == pytest.approx(512 * (1 - (490 / 512) ** 64))
@@ -80,14 +78,14 @@ def test_expected_distinct_experts() -> None:
 def test_nano_30b_active_parameters_and_rooflines() -> None:
     cfg = cfg_of(NANO)
     assert matmul_params(cfg) == NANO_ALL == 31_225_618_752
-    assert active_matmul_params(cfg) == NANO_ACTIVE == 3_227_754_816  # "3.23 B active" (issue 23)
+    assert active_matmul_params(cfg) == NANO_ACTIVE == 3_227_754_816  # "3.23 B active"
     assert active_matmul_params(cfg, 128) == NANO_ALL
     # the float32 router at 4 bytes, the rest in bf16
     assert active_weight_bytes(cfg) == 2 * NANO_ACTIVE + 2 * 23 * ROUTER == 6_471_342_464
     assert cfg.state_bytes_per_sequence == STATE and cfg.kv_bytes_per_token == KV
     bw, flops = 4.27e12, 794e12
     assert active_decode_tokens_per_s(cfg, bw) == pytest.approx(bw / 6_471_342_464)
-    assert active_decode_tokens_per_s(cfg, bw) == pytest.approx(659.8, abs=0.1)  # "~661 tok/s" (issue 23)
+    assert active_decode_tokens_per_s(cfg, bw) == pytest.approx(659.8, abs=0.1)  # "~661 tok/s"
     assert active_prefill_tokens_per_s(cfg, flops) == pytest.approx(flops / (2 * NANO_ACTIVE))  # ~123k tok/s
     assert batch_experts(cfg, 1) == pytest.approx(6.0)
     for batch, context in ((1, 544), (64, 136), (256, 46)):
@@ -96,8 +94,8 @@ def test_nano_30b_active_parameters_and_rooflines() -> None:
         want = weights + batch * (2 * STATE + context * KV)
         assert active_decode_step_bytes(cfg, batch, context) == pytest.approx(want, rel=1e-12)
         assert active_decode_step_ms(cfg, batch, context, bw) == pytest.approx(want / bw * 1e3, rel=1e-12)
-    assert active_decode_step_ms(cfg, 64, 136, bw) == pytest.approx(15.48, abs=0.01)  # "~15 ms" (issue 23)
-    assert active_decode_step_ms(cfg, 256, 46, bw) == pytest.approx(20.53, abs=0.01)  # "~20 ms" (issue 23)
+    assert active_decode_step_ms(cfg, 64, 136, bw) == pytest.approx(15.48, abs=0.01)  # "~15 ms"
+    assert active_decode_step_ms(cfg, 256, 46, bw) == pytest.approx(20.53, abs=0.01)  # "~20 ms"
     with pytest.raises(ValueError, match=r"experts_per_layer must be in \[0, 128\], got 129"):
         active_matmul_params(cfg, 129)
 
