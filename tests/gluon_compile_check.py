@@ -1,9 +1,9 @@
 """Compiles the Gluon attention kernels ahead of time for sm_90 (no GPU needed) and prints, as one JSON line:
 per prefill (head dim, block size) case, its shared memory and whether the PTX holds warp-group MMAs and TMA
 copies; per fp8 decode case (head dim, block size, q heads per kv head), its shared memory, its MMA, e4m3
-convert and 16-byte load counts, and the registers and spills ptxas reports. Run by test_triton_kernels.py in a fresh process: a process where TRITON_INTERPRET=1
-was set before triton was imported builds Gluon's library functions as interpreter functions, which the
-compiler refuses."""
+convert and 16-byte load counts, and the registers and spills ptxas reports. Run by test_triton_kernels.py in
+a fresh process: a process where TRITON_INTERPRET=1 was set before triton was imported builds Gluon's library
+functions as interpreter functions, which the compiler refuses."""
 
 from __future__ import annotations
 

@@ -108,9 +108,9 @@ class Harness:
 
 
 def strong_random_weights(model: NemotronHForCausalLM, cfg: HybridModelConfig, seed: int) -> None:
-    """Random weights with O(1) activations and logits (the default 0.02 init gives near-uniform logits, against
-    which a 1e-4 tolerance proves little). A_log and dt_bias keep `init_random_weights`' realistic values
-    (dt spread over [time_step_min, 0.1]), so dt crosses time_step_min and the HF clamp matters."""
+    """Random weights with O(1) activations and logits (the default 0.02 init gives near-uniform logits,
+    against which a 1e-4 tolerance proves little). A_log and dt_bias keep `init_random_weights`' realistic
+    values (dt spread over [time_step_min, 0.1]), so dt crosses time_step_min and the HF clamp matters."""
     init_random_weights(model, cfg, seed=seed)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -18,7 +18,8 @@ ALL = sorted(_names(TINY_DIR) + _names(REAL_DIR))
 
 
 def config_dir(name: str) -> Path:
-    """The directory holding `name`'s config.json (tiny ones in tests/configs, real ones in benchmarks/configs)."""
+    """The directory holding `name`'s config.json (tiny ones in tests/configs, real ones in
+    benchmarks/configs)."""
     for d in (TINY_DIR, REAL_DIR):
         if (d / name / "config.json").is_file():
             return d / name

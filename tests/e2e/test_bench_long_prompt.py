@@ -36,8 +36,8 @@ TINY = [
 def test_bench_long_prompt_runs_each_dtype_in_its_own_process(
     tmp_path: Path, entry: str, resolved: str
 ) -> None:
-    """An fp8 run (`fp8+qk8`: with the prefill's QK8 form selected, which only Hopper runs; the CPU path is the
-    same) in its own process, its records and its token ids."""
+    """An fp8 run (`fp8+qk8`: with the prefill's QK8 form selected, which only Hopper runs; the CPU path is
+    the same) in its own process, its records and its token ids."""
     r = subprocess.run(
         [sys.executable, str(SCRIPT), *TINY, "--kv-dtypes", entry, "--result-dir", str(tmp_path)],
         capture_output=True,

@@ -1,6 +1,6 @@
-"""benchmarks/bench_moe.py end to end on the CPU (`--dry-run`: tiny shapes, the Triton interpreter): the tuning
-pass and both kernel variants (GEMV at 1 token, GEMM at 8) checked against the float64 reference, the whole
-MoE module, and rooflines quoted at the H200's published peaks of benchmarks/roofline.py
+"""benchmarks/bench_moe.py end to end on the CPU (`--dry-run`: tiny shapes, the Triton interpreter): the
+tuning pass and both kernel variants (GEMV at 1 token, GEMM at 8) checked against the float64 reference, the
+whole MoE module, and rooflines quoted at the H200's published peaks of benchmarks/roofline.py
 (docs/architecture.md, MoE)."""
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def test_dry_run_tunes_checks_and_quotes_the_published_peaks(tmp_path: Path) -> 
 
 def test_decode_chain_dry_run_checks_both_forms_against_float64(tmp_path: Path) -> None:
     """benchmarks/bench_moe_decode.py on the CPU: the late and EARLY forms of the decode GEMVs, the nested
-    down GEMV and the down GEMV split by slot, each checked against the float64 reference (with the shared expert) before it is timed, the
-    bytes a layer reads, and the best setting's two GEMVs timed alone."""
+    down GEMV and the down GEMV split by slot, each checked against the float64 reference (with the shared
+    expert) before it is timed, the bytes a layer reads, and the best setting's two GEMVs timed alone."""
     out = tmp_path / "decode.json"
     r = subprocess.run(
         [

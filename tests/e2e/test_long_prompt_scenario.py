@@ -1,6 +1,6 @@
-"""The production crash behind this project (docs/architecture.md: a hybrid cache manager that segfaulted on a 256k-token prompt), scaled to the CPU: a tiny hybrid model served with
-max_seq_len = 1,048,576, avg_seq_len unset, block reuse on with periodic snapshots, and a KV pool
-smaller than the longest allowed prompt."""
+"""The production crash behind this project (docs/architecture.md: a hybrid cache manager that segfaulted on a
+256k-token prompt), scaled to the CPU: a tiny hybrid model served with max_seq_len = 1,048,576, avg_seq_len
+unset, block reuse on with periodic snapshots, and a KV pool smaller than the longest allowed prompt."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""The shipped needle checkpoints (models/hyserve-needle-tiny, trained on the CPU by scripts/train_needle.py; and
-models/hyserve-needle-h200, trained on the H200, at the end):
-hyserve and transformers load it and give the same greedy answers on the same chat prompts; the answers are
-codes in the right format and retrieve the needle at short lengths; batch composition, chunk size and
-prefix-cache hits do not change them; and `hyserve bench needle` scores it HIT / MISS through the server."""
+"""The shipped needle checkpoints (models/hyserve-needle-tiny, trained on the CPU by scripts/train_needle.py;
+and models/hyserve-needle-h200, trained on the H200, at the end): hyserve and transformers load it and give
+the same greedy answers on the same chat prompts; the answers are codes in the right format and retrieve the
+needle at short lengths; batch composition, chunk size and prefix-cache hits do not change them; and
+`hyserve bench needle` scores it HIT / MISS through the server."""
 
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ def tok():
 def _prompt_set(
     tok, bench_lengths: tuple[int, int], seed: int, lengths: list[int]
 ) -> list[tuple[list[int], str]]:
-    """(chat prompt ids, the code): the bench's own prompt at 2 lengths x 3 depths, then a random code in mixed
-    filler per length of `lengths`, at depths spread from 0 to 1."""
+    """(chat prompt ids, the code): the bench's own prompt at 2 lengths x 3 depths, then a random code in
+    mixed filler per length of `lengths`, at depths spread from 0 to 1."""
     out = [(T.bench_prompt_ids(tok, n, d), BENCH_CODE) for n in bench_lengths for d in (0.0, 0.5, 1.0)]
     rng = random.Random(seed)
     for i, n in enumerate(lengths):
@@ -195,8 +195,8 @@ def h200_prompts(tok) -> list[tuple[list[int], str]]:
 
 
 def test_h200_checkpoint_retrieves_and_matches_transformers(tok, h200_prompts):
-    """The shipped H200 checkpoint (2.87M parameters, models/hyserve-needle-h200): hyserve's greedy answers are
-    transformers' on the same prompts, codes in the right format, and they retrieve the needle."""
+    """The shipped H200 checkpoint (2.87M parameters, models/hyserve-needle-h200): hyserve's greedy answers
+    are transformers' on the same prompts, codes in the right format, and they retrieve the needle."""
     names = {p.name for p in CKPT_H200.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
     llm = LLM(

@@ -341,7 +341,8 @@ def test_detects_compressed_tensors_fp8(tmp_path: Path, strategy: str) -> None:
                 "quant_algo": "FP8",
                 "kv_cache_scheme": {"type": "int", "num_bits": 8},
             },
-            r"kv_cache_scheme \{'type': 'int', 'num_bits': 8\} is not supported \(type float, num_bits 8, or null\)",
+            r"kv_cache_scheme \{'type': 'int', 'num_bits': 8\} is not supported \(type float, num_bits 8, "
+            r"or null\)",
         ),
         (
             {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"},
@@ -356,7 +357,8 @@ def test_detects_compressed_tensors_fp8(tmp_path: Path, strategy: str) -> None:
                     "model.layers.1.mixer.experts.0.up_proj": {"quant_algo": "NVFP4", "group_size": 16},
                 },
             },
-            r"MIXED_PRECISION checkpoint with layers in NVFP4 \(e.g. model.layers.1.mixer.experts.0.up_proj\): "
+            r"MIXED_PRECISION checkpoint with layers in NVFP4 "
+            r"\(e.g. model.layers.1.mixer.experts.0.up_proj\): "
             r"not supported; hyserve loads FP8 / FP8_PER_CHANNEL_PER_TOKEN / FP8_PB_WO layers",
         ),
         (

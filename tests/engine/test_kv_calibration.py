@@ -262,7 +262,8 @@ def test_calibrated_scales_stop_saturation_where_unit_saturates(tmp_path):
         assert amax[i][1] / v_scale == pytest.approx(FP8_E4M3_MAX / HEADROOM, rel=1e-5)
 
     def worst(tokens, lps):
-        """(sequences whose greedy tokens differ from the reference, max |logprob diff| over the common prefix)"""
+        """(sequences whose greedy tokens differ from the reference, max |logprob diff| over the common
+        prefix)"""
         differ, diff = 0, 0.0
         for rt, rl, t, lp in zip(ref_tokens, ref_lp, tokens, lps):
             n = next((j for j, (a, b) in enumerate(zip(rt, t)) if a != b), len(rt))

@@ -270,9 +270,9 @@ def test_snapshot_states_equal_states_of_shorter_prefills(dense, snapshot_run):
 
 @pytest.mark.parametrize("prefix,slot", [(8, SNAP_A), (16, SNAP_B)])
 def test_resume_from_snapshot_equals_continuing_without_it(dense, snapshot_run, prefix, slot):
-    """A new sequence shares seq 0's first `prefix` tokens (KV blocks copied, as a prefix-cache hit would give)
-    and starts its Mamba layers from the snapshot slot; a different continuation then gives the same logits as
-    running prefix + continuation in one pass, and so do the decode steps after it."""
+    """A new sequence shares seq 0's first `prefix` tokens (KV blocks copied, as a prefix-cache hit would
+    give) and starts its Mamba layers from the snapshot slot; a different continuation then gives the same
+    logits as running prefix + continuation in one pass, and so do the decode steps after it."""
     h, toks, _ = snapshot_run
     sid = 3
     cont = tokens(9, 41 + prefix)

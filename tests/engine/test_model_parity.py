@@ -3,8 +3,8 @@
 Each case writes ONE checkpoint directory (hyserve's `save_checkpoint`, or `make_tiny`), then loads it with
 `transformers.NemotronHForCausalLM.from_pretrained(dir, dtype=torch.float32)` and with hyserve's
 `load_checkpoint`. Prompt logits and every greedy step's logits must agree within 1e-4 max-abs and the
-greedy tokens must be identical. hyserve runs through the paged-KV / state-slot layout (tests/model_harness.py):
-one prefill, then one-token decode steps.
+greedy tokens must be identical. hyserve runs through the paged-KV / state-slot layout
+(tests/model_harness.py): one prefill, then one-token decode steps.
 
 The dt clamp, honestly accounted for
 ------------------------------------
@@ -135,7 +135,8 @@ def test_parity_with_transformers(checkpoints, case):
         with torch.no_grad():
             ref_prompt = hf(ids).logits[0].float()
             gen = hf.generate(
-                ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                return_dict_in_generate=True,
             )  # fmt: skip
         hf_tokens = gen.sequences[0, len(prompt) :].tolist()
         hf_step_logits = [lg[0].float() for lg in gen.logits]

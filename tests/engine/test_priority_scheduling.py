@@ -196,7 +196,8 @@ def test_priority_scheduler_drains_under_pressure() -> None:
 
 class PriorityMachine(EngineMachine):
     """The scheduler state machine (arrivals, cancellations, finishes, memory pressure) under "priority", with
-    random priorities: the bookkeeping stays consistent, both queues stay in key order, and everything drains."""
+    random priorities: the bookkeeping stays consistent, both queues stay in key order, and everything
+    drains."""
 
     @initialize(
         num_blocks=st.integers(6, 24),

@@ -79,7 +79,7 @@ def hf_checkpoints(tmp_path_factory) -> dict[str, tuple[Path, dict[str, torch.Te
     return out
 
 
-# ---- names and shapes ----------------------------------------------------------------------------------------
+# ---- names and shapes --------------------------------------------------------------------------------------
 def test_canonical_name_mapping():
     assert W.canonical_name("model.layers.3.mixer.in_proj.weight") == (
         "backbone.layers.3.mixer.in_proj.weight",
@@ -125,7 +125,7 @@ def test_shapes_match_hyserve_model_if_present():
         assert got == canonical_shapes(cfg), variant
 
 
-# ---- loading transformers checkpoints ------------------------------------------------------------------------
+# ---- loading transformers checkpoints ----------------------------------------------------------------------
 @pytest.mark.parametrize("name", TINY)
 def test_load_transformers_checkpoint(hf_checkpoints, name):
     ckpt, ref = hf_checkpoints[name]
@@ -167,7 +167,7 @@ def test_transformers_loads_what_we_save(tmp_path):
         assert_same({k: v.float() for k, v in got.items()}, sd)
 
 
-# ---- save / load round trips --------------------------------------------------------------------------------
+# ---- save / load round trips -------------------------------------------------------------------------------
 def test_round_trip_single_file_per_expert_and_stacked(tmp_path):
     cfg = tiny_cfg("moe")
     sd = random_state_dict(cfg, seed=1, dtype=torch.float32)
@@ -235,7 +235,7 @@ def test_load_into_meta_module(tmp_path):
     assert torch.equal(got["lm_head.weight"], sd["lm_head.weight"].to(torch.bfloat16))
 
 
-# ---- errors ----------------------------------------------------------------------------------------------------
+# ---- errors ------------------------------------------------------------------------------------------------
 def _write(d: Path, tensors: dict[str, torch.Tensor]) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     save_file({k: v.clone().contiguous() for k, v in tensors.items()}, str(d / "model.safetensors"))
@@ -344,7 +344,7 @@ def test_error_no_safetensors(tmp_path):
         load_checkpoint(empty_module(cfg), tmp_path / "nope")
 
 
-# ---- random init --------------------------------------------------------------------------------------------
+# ---- random init -------------------------------------------------------------------------------------------
 def test_init_deterministic_and_dtype_independent():
     cfg = tiny_cfg("latent-moe")
     a = random_state_dict(cfg, seed=0, dtype=torch.float32)

@@ -66,9 +66,11 @@ def late_variants(llm: LLM) -> list[str]:
     "variant, extra, kv",
     [
         ("dense", {}, {}),
-        # MoE decode from CUDA graphs, every token bucket warmed; the step cost model calibrated and sizing chunks
+        # MoE decode from CUDA graphs, every token bucket warmed; the step cost model calibrated and sizing
+        # chunks
         ("moe", {"max_step_ms": 20.0}, {}),
-        # an fp8 KV cache: the start-up scale calibration (16-bit scratch cache) and the fp8 attention variants
+        # an fp8 KV cache: the start-up scale calibration (16-bit scratch cache) and the fp8 attention
+        # variants
         ("dense", {}, {"dtype": "fp8"}),
     ],
 )
@@ -101,7 +103,8 @@ def _warmup_in_fresh_process(model_dir: Path, opts: dict) -> dict:
         "import json, sys; from hyserve import LLM\n"
         "llm = LLM(sys.argv[1], **json.loads(sys.argv[2]))\n"
         "r = llm.engine.warmup_report\n"
-        "print(json.dumps({'compiled': r.compiled, 'loaded': r.loaded, 'failed': r.failed, 's': r.seconds}))\n"
+        "print(json.dumps({'compiled': r.compiled, 'loaded': r.loaded, 'failed': r.failed,"
+        " 's': r.seconds}))\n"
     )
     res = subprocess.run(
         [sys.executable, "-c", script, str(model_dir), json.dumps(opts)],

@@ -124,7 +124,7 @@ def test_warmup_flags_reach_the_engine_config(tmp_path: Path) -> None:
         parse("serve", "--warmup", "sometimes")
 
 
-# ---- config errors: exit 2, one line naming the key ----------------------------------------------------------
+# ---- config errors: exit 2, one line naming the key --------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -160,7 +160,8 @@ def test_missing_config_file_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 def test_console_entry_point_no_traceback(tmp_path: Path) -> None:
     cfg = tmp_path / "bad.yml"
     cfg.write_text(
-        "kv_cache_config:\n  tokens_per_block: 64\n  mamba_state_config:\n    periodic_snapshot_interval: 100\n"
+        "kv_cache_config:\n  tokens_per_block: 64\n"
+        "  mamba_state_config:\n    periodic_snapshot_interval: 100\n"
     )
     p = subprocess.run(
         [sys.executable, "-m", "hyserve.cli", "serve", "--config", str(cfg)],

@@ -395,7 +395,7 @@ def test_malformed_and_missing_bodies(url: str) -> None:
     assert_error(httpx.get(f"{url}/v1/chat/completions"), 405)
 
 
-# ---- engine failures, disconnects ---------------------------------------------------------------------------
+# ---- engine failures, disconnects --------------------------------------------------------------------------
 
 
 def test_engine_failure_non_streaming_is_500_and_server_keeps_serving(url: str, engine: FakeEngine) -> None:
@@ -444,7 +444,7 @@ def test_disconnect_non_streaming_aborts(url: str, engine: FakeEngine) -> None:
     assert wait_until(lambda: not engine.running and engine.aborted, 10)
 
 
-# ---- metrics, health, API key ---------------------------------------------------------------------------------
+# ---- metrics, health, API key ------------------------------------------------------------------------------
 
 
 def test_metrics(url: str) -> None:
@@ -706,7 +706,8 @@ def test_large_replies_are_built_off_the_event_loop(
 
 
 def test_completion_n_choices(url: str, engine: FakeEngine) -> None:
-    """Two prompts x n=2: choices ordered prompt-major (index = prompt * n + k); usage counts each prompt once."""
+    """Two prompts x n=2: choices ordered prompt-major (index = prompt * n + k); usage counts each prompt
+    once."""
     engine.script = lambda ids, p: [f"p{len(ids)}s{p.seed}"]
     r = httpx.post(
         f"{url}/v1/completions",

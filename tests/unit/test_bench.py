@@ -274,7 +274,8 @@ def test_client_times_chunks_and_reads_usage() -> None:
         "[DONE]",
     )
     r = asyncio.run(_send(body, COMPLETIONS))
-    # clock: 0 send, 1 "a", 2 "" (a token that detokenizes to nothing yet: still a step), 3 "b", 4 usage, 5 end
+    # clock: 0 send, 1 "a", 2 "" (a token that detokenizes to nothing yet: still a step), 3 "b", 4 usage,
+    # 5 end
     assert r.ok and r.status == 200
     assert r.ttft_s == 1.0 and r.itl_s == [1.0, 1.0] and r.e2el_s == 5.0
     assert (r.output_tokens, r.output_tokens_from_usage) == (3, True)

@@ -191,7 +191,8 @@ def test_bench_hyserve_runs_a_plan_on_the_cpu(
     try:
         bm.bench_hyserve(plan, cfg, c, records, notes, time_init=variant != "dense")
     finally:
-        gc.unfreeze()  # the benchmark freezes the start-up heap as `hyserve serve` does; not the test process's
+        # the benchmark freezes the start-up heap as `hyserve serve` does; not the test process's
+        gc.unfreeze()
     names = [r["name"] for r in records]
     # the start-up heap left the collector's reach before anything was timed, as in `hyserve serve`
     assert any(n.endswith("as `hyserve serve` does") and int(n.split()[0]) > 0 for n in notes), notes

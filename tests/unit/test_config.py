@@ -71,12 +71,14 @@ def test_the_user_report_yaml_parses(tmp_path) -> None:
         ({"kv_cache_config": {"mamba_ssm_stochastic_rounding": True}}, "float16"),
         (
             {"kv_cache_config": {"dtype": "fp8", "kv_scales": "dynamic"}},
-            r"kv_cache_config\.kv_scales: 'dynamic' is not one of \['auto', 'checkpoint', 'calibrate', 'unit'\]",
+            r"kv_cache_config\.kv_scales: 'dynamic' is not one of \['auto', 'checkpoint', 'calibrate', "
+            r"'unit'\]",
         ),
         (
             {"kv_cache_config": {"kv_scales": "calibrate"}},
             r"kv_cache_config\.kv_scales: 'calibrate' chooses the k_scale / v_scale of an fp8 KV cache, but "
-            r"kv_cache_config\.dtype is 'auto'.*set kv_cache_config\.dtype: fp8, or leave kv_scales at 'auto'",
+            r"kv_cache_config\.dtype is 'auto'.*set kv_cache_config\.dtype: fp8, or leave kv_scales at "
+            r"'auto'",
         ),
         (
             {"kv_cache_config": {"dtype": "bfloat16", "kv_scales": "unit"}},

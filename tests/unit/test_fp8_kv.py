@@ -402,8 +402,9 @@ def test_gluon_fp8_prefill_matches_reference(poison, monkeypatch, new, lens, Hq,
 @pytest.mark.parametrize("settings", [dict(CONVERT_ROWS=16), dict(CONVERT_ROWS=8), dict(STAGES8=1)])
 @pytest.mark.parametrize("case", [GLUON_FP8_CASES[1], GLUON_FP8_CASES[2]])
 def test_gluon_fp8_prefill_alternative_settings(poison, monkeypatch, settings, case):
-    """The converter form's settings `bench_kernels.py --only attn_sweep` times beside the default (16 or 8 rows
-    upcast at a time) are correct too, and so is a single staging slot (each refill waits for its conversion)."""
+    """The converter form's settings `bench_kernels.py --only attn_sweep` times beside the default (16 or 8
+    rows upcast at a time) are correct too, and so is a single staging slot (each refill waits for its
+    conversion)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is for Hopper")
     ga = tk._gluon_or_skip()
@@ -577,8 +578,8 @@ def test_gluon_fp8_decode_alternative_settings(poison, monkeypatch, settings):
 
 
 def test_gluon_fp8_decode_shape_rule():
-    """Which decode steps the Gluon fp8 kernel takes, device aside (CPU tensors): e4m3 K and V, 16-bit queries,
-    head dims 32 / 64 / 128, at most 16 q heads per kv head, rows on 4-byte words."""
+    """Which decode steps the Gluon fp8 kernel takes, device aside (CPU tensors): e4m3 K and V, 16-bit
+    queries, head dims 32 / 64 / 128, at most 16 q heads per kv head, rows on 4-byte words."""
     gd = pytest.importorskip("hyserve.kernels.gluon_decode", reason="this triton has no Gluon")
     c = torch.zeros(4, 16, 2, 128, dtype=FP8)
     q = torch.zeros(2, 8, 128, dtype=BF16)
@@ -898,11 +899,11 @@ def test_dummy_weights_with_unit_scales(tmp_path, caplog):
 
 
 def test_fp8_attention_kernels_upcast_e4m3_tiles_to_float16_for_bf16_queries():
-    """Offline, no GPU needed (tests/sm90_compile_check.py): compiled for sm_90 at the GPU launch settings, the
-    decode and prefill kernels over an e4m3 cache with bf16 queries convert the tiles with the paired
-    e4m3 -> f16 instruction and no scalar f16 -> bf16 convert per element (e4m3 -> bf16 took both: 906 converts
-    in the decode kernel's PTX against 256 now), convert V before its shared-memory transpose (no single-byte
-    shared loads: the decode kernel had 256), and fit in shared memory."""
+    """Offline, no GPU needed (tests/sm90_compile_check.py): compiled for sm_90 at the GPU launch settings,
+    the decode and prefill kernels over an e4m3 cache with bf16 queries convert the tiles with the paired
+    e4m3 -> f16 instruction and no scalar f16 -> bf16 convert per element (e4m3 -> bf16 took both: 906
+    converts in the decode kernel's PTX against 256 now), convert V before its shared-memory transpose (no
+    single-byte shared loads: the decode kernel had 256), and fit in shared memory."""
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

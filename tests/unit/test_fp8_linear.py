@@ -238,8 +238,8 @@ def test_gpu_prefill_gemm_forms(form: str, relu2: bool, monkeypatch: pytest.Monk
 
 
 def test_scaled_mm_takes_only_what_it_supports() -> None:
-    """torch._scaled_mm runs only channel-scaled bf16 GEMMs of at least SCALED_MM_MIN_ROWS rows on CUDA sm_90+ with
-    N and K multiples of 16."""
+    """torch._scaled_mm runs only channel-scaled bf16 GEMMs of at least SCALED_MM_MIN_ROWS rows on CUDA sm_90+
+    with N and K multiples of 16."""
     q, _ = _weight(48, 64, "channel")
     x = torch.randn(t8.SCALED_MM_MIN_ROWS, 64).to(BF16)
     assert not t8._scaled_mm_takes(x, q.cpu(), False)  # a CPU tensor

@@ -1,4 +1,5 @@
-"""`HybridModelConfig`: parsing every shipped config, derived cache sizes, key aliases, and validation errors."""
+"""`HybridModelConfig`: parsing every shipped config, derived cache sizes, key aliases, and validation
+errors."""
 
 from __future__ import annotations
 
@@ -95,7 +96,8 @@ def test_nano_9b_v2_figures_from_design():
     assert len(cfg.mamba_layer_ids) == 27 and len(cfg.attention_layer_ids) == 4
     assert cfg.num_layers == 56
     fp32 = cfg.state_bytes_per_sequence / MIB
-    # the project's notes round this to 137.5 MiB; the exact figure is 27 * (12288*3*2 + 128*80*128*4) B = 136.9 MiB
+    # the project's notes round this to 137.5 MiB; the exact figure is
+    # 27 * (12288*3*2 + 128*80*128*4) B = 136.9 MiB
     assert fp32 == pytest.approx(136.9, rel=0.01)
     assert fp32 == pytest.approx(137.5, rel=0.01)
     assert cfg.state_bytes_per_sequence == 27 * (12288 * 3 * 2 + 128 * 80 * 128 * 4)

@@ -65,7 +65,8 @@ def draws(*shape: int, device=None) -> torch.Tensor:
 
 
 def neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Independent oracle: the float16 grid points below and above float32 x (finite, |x| <= 65504), as float32."""
+    """Independent oracle: the float16 grid points below and above float32 x (finite, |x| <= 65504), as
+    float32."""
     _, e = torch.frexp(x)  # x = m * 2**e, 0.5 <= |m| < 1
     ulp = torch.exp2((torch.clamp(e - 1, min=-14) - 10).float())
     lo = torch.floor(x / ulp) * ulp
@@ -267,7 +268,8 @@ def test_only_the_two_neighbours_and_unbiased() -> None:
 
 
 def test_the_philox_stream_is_unbiased_too() -> None:
-    """The mean of a constant state rounded with the real stream (many elements and positions) is the value."""
+    """The mean of a constant state rounded with the real stream (many elements and positions) is the
+    value."""
     for v in (1 + 0.3 * 2.0**-10, -(0.7 + 0.01 * 2.0**-11), 3.3 * 2.0**-24):
         states = torch.full((8, 4, 16, 32), v)
         pos = torch.arange(8) * 1000 + 3

@@ -59,7 +59,7 @@ texts = st.text(
 )
 
 
-# ---- basics ---------------------------------------------------------------------------------------------------
+# ---- basics ------------------------------------------------------------------------------------------------
 def test_special_tokens(tok):
     assert tok.vocab_size == 320
     for text, i in SPECIAL_IDS.items():
@@ -122,7 +122,7 @@ def test_bad_tokenizer_file(tmp_path):
         Tokenizer.from_dir(tmp_path)
 
 
-# ---- chat template ---------------------------------------------------------------------------------------------
+# ---- chat template -----------------------------------------------------------------------------------------
 def test_chat_thinking_on_off(tok):
     msgs = [{"role": "user", "content": "Hi"}]
     assert tok.has_chat_template
@@ -166,7 +166,8 @@ TOOL_BLOCK = (
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
     + json.dumps(TOOLS[0], ensure_ascii=False)
     + "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n'
     "</tool_call>"
 )
 
@@ -236,7 +237,8 @@ def test_chat_template_matches_transformers(tiny_dir, tok):
     hf = transformers.AutoTokenizer.from_pretrained(tiny_dir)
     convs = [
         [{"role": "user", "content": "Hi"}],
-        [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}],
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
+         {"role": "assistant", "content": "A"}],
         [{"role": "user", "content": "Q"}, {"role": "assistant", "content": None,
           "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": [1, "é"]}}}]},
          {"role": "tool", "content": "ok"}],
@@ -249,7 +251,7 @@ def test_chat_template_matches_transformers(tiny_dir, tok):
     assert hf.encode("a the 日", add_special_tokens=False) == tok.encode("a the 日")
 
 
-# ---- incremental detokenizer -----------------------------------------------------------------------------------
+# ---- incremental detokenizer -------------------------------------------------------------------------------
 def _stream(tok: Tokenizer, ids: list[int], **kw) -> tuple[list[str], str]:
     det = IncrementalDetokenizer(tok, **kw)
     deltas = [det.feed(i) for i in ids]
