@@ -36,9 +36,7 @@ class ConfigError(ValueError):
     """A user-fixable configuration problem (exit status 2, one line)."""
 
 
-def _flag(
-    parser: argparse.ArgumentParser | Any, name: str, aliases: tuple[str, ...] = (), **kw: Any
-) -> None:
+def _flag(parser: argparse.ArgumentParser | Any, name: str, aliases: tuple[str, ...] = (), **kw: Any) -> None:
     """Add `--name_with_underscores` and its hyphenated spelling as one option (and `aliases`, the spellings
     of other servers: vLLM's --max-num-seqs)."""
     spellings = [f"--{name}"]
@@ -53,6 +51,14 @@ def _flag(
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The engine options every subcommand that builds an engine takes."""
+    _add_model_flags(p)
+    _add_scheduler_flags(p)
+    _add_runtime_flags(p)
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The model and how its weights load."""
     p.add_argument(
         "model",
         nargs="?",
@@ -77,6 +83,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="weight format: fp8 (e4m3 weights, quantised at load from a 16-bit checkpoint); an FP8 "
         "checkpoint (ModelOpt, block fp8) is detected without it",
     )
+
+
+def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
+    """Batch and step sizes, sequence length and the scheduling policy."""
     _flag(
         p,
         "max_batch_size",
@@ -109,6 +119,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="fcfs (default: arrival order) or priority (each request's `priority`, lower first, then "
         "arrival)",
     )
+
+
+def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
+    """Parallelism, memory, seed, warm-up and the remaining runtime switches."""
     _flag(
         p,
         "tp_size",

@@ -144,7 +144,7 @@ DEFAULT_MAX_STEP_MS = 150.0
 
 
 def step_ms_target(v: Any, path: str) -> float | str | None:
-    """"auto", "off" / None, or a time in milliseconds > 0."""
+    """The step-time target: "auto", "off" / None, or a time in milliseconds > 0."""
     if isinstance(v, str) and v.lower() in ("auto", "off", "none"):
         return "auto" if v.lower() == "auto" else None
     if isinstance(v, str):
