@@ -10,6 +10,7 @@ costs many times an early one (docs/architecture.md, "Step composition").
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -24,6 +25,9 @@ class StepCostModel:
     host_floor_ms: float = (
         0.0  # the smallest prefill step's time: the host's share, which overlaps the device's
     )
+    # "calibrated": timed on this device at start-up; "analytic": counted in GFLOPs from the model's shape
+    # (its "ms" are milliseconds at 1 TFLOP/s), for devices without a calibration
+    source: str = "calibrated"
 
     def chunk_ms(self, start: int, n: int) -> float:
         """A prefill chunk of n tokens after `start` cached ones."""
@@ -47,6 +51,13 @@ class StepCostModel:
         return n
 
     def describe(self) -> str:
+        if self.source == "analytic":
+            return (
+                "step cost model (analytic, from the model's FLOPs): a step may do the work of one "
+                f"{self.max_chunk(0, self.target_ms)}-token chunk from an empty cache (a chunk at 0 / 32k / "
+                f"128k tokens of context: {self.max_chunk(0, self.target_ms)} / "
+                f"{self.max_chunk(32768, self.target_ms)} / {self.max_chunk(131072, self.target_ms)} tokens)"
+            )
         floor = f" (host floor {self.host_floor_ms:.1f} ms a step)" if self.host_floor_ms else ""
         return (
             f"step cost model{floor}: {self.overhead_ms:.2f} ms per step + {self.per_token_ms * 1e3:.3f} us "
@@ -57,6 +68,26 @@ class StepCostModel:
             f"{self.max_chunk(131072, self.target_ms - self.overhead_ms)} / "
             f"{self.max_chunk(1 << 20, self.target_ms - self.overhead_ms)} tokens)"
         )
+
+
+def analytic_step_cost(*, params: int, attention_flops_per_pair: int, max_num_tokens: int) -> StepCostModel:
+    """A cost model counted rather than timed, for a device without a calibration (the CPU): a new token
+    costs 2 FLOPs per parameter, a (query, context) pair of attention `attention_flops_per_pair`, and a step
+    may cost what one `max_num_tokens` chunk from an empty cache costs. So the first chunk of any prompt is
+    as before, and a long prompt's later chunks shrink as their context grows instead of taking ever longer
+    steps that everyone else waits behind. Units: GFLOPs (milliseconds at 1 TFLOP/s)."""
+    per_token = 2 * params / 1e9
+    per_context = attention_flops_per_pair / 1e9
+    free = StepCostModel(
+        overhead_ms=0.0,
+        per_token_ms=per_token,
+        per_context_ms=per_context,
+        per_kv_read_ms=per_context,
+        target_ms=0.0,
+        source="analytic",
+    )
+    # (a hair over, so float rounding never cuts the full first chunk by a token)
+    return dataclasses.replace(free, target_ms=free.chunk_ms(0, max_num_tokens) * (1 + 1e-9))
 
 
 # a calibration step at most this many times the host floor is taken as host-bound (its time says little of

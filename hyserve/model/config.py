@@ -343,6 +343,12 @@ class HybridModelConfig:
         return len(self.attention_layer_ids) * self.attention_cache_spec().bytes_per_token
 
     @property
+    def attention_flops_per_pair(self) -> int:
+        """FLOPs of one query token against one context token across every attention layer (Q K^T and
+        P V, a multiply-add each per head dimension): the context term of a step's cost."""
+        return len(self.attention_layer_ids) * 4 * self.num_attention_heads * self.head_dim
+
+    @property
     def state_bytes_per_sequence(self) -> int:
         """Conv + SSM state bytes for one sequence across every Mamba layer."""
         return len(self.mamba_layer_ids) * self.mamba_cache_spec().bytes_per_sequence

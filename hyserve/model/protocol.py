@@ -15,22 +15,42 @@ from hyserve.model.forward_meta import ForwardMeta
 
 
 class ModelSpec(Protocol):
-    """The architecture facts the engine reads (a family's config dataclass provides them)."""
+    """The architecture facts the engine reads (a family's config dataclass provides them; read-only, so a
+    frozen dataclass's fields satisfy them)."""
 
-    name: str
-    dtype: torch.dtype
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    max_position_embeddings: int
-    # tokens per SSD chunk: snapshot boundaries inside a prefill chunk must fall on multiples of it
-    chunk_size: int
-    num_attention_heads: int  # query heads of an attention layer (the step cost calibration times them)
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def max_position_embeddings(self) -> int: ...
+
+    @property
+    def chunk_size(self) -> int:
+        """Tokens per SSD chunk: snapshot boundaries inside a prefill chunk must fall on multiples of it."""
+        ...
+
+    @property
+    def num_attention_heads(self) -> int:
+        """Query heads of an attention layer (the step cost calibration times them)."""
+        ...
 
     @property
     def kv_bytes_per_token(self) -> int: ...
 
     @property
     def state_bytes_per_sequence(self) -> int: ...
+
+    @property
+    def attention_flops_per_pair(self) -> int: ...
 
     @property
     def has_recurrent_state(self) -> bool: ...
@@ -44,9 +64,14 @@ class ModelSpec(Protocol):
 class CausalLM(Protocol):
     """A model the runner can drive: packed tokens in, final hidden states out, logits on request."""
 
-    config: ModelSpec
-    # whether a pure decode step launches the same kernels every time with no host reads (CUDA graphs)
-    graph_capturable: bool
+    @property
+    def config(self) -> ModelSpec: ...
+
+    @property
+    def graph_capturable(self) -> bool:
+        """Whether a pure decode step launches the same kernels every time with no host reads (CUDA
+        graphs)."""
+        ...
 
     def __call__(self, input_ids: torch.Tensor, meta: ForwardMeta, cache: CacheTensors) -> torch.Tensor: ...
 

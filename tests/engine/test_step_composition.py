@@ -244,7 +244,10 @@ def test_start_up_gives_the_scheduler_the_calibrated_model(monkeypatch) -> None:
 
     monkeypatch.setattr(startup, "calibrate_step_cost", fake)
     assert make_llm(max_num_tokens=64, max_step_ms=7.0).engine.scheduler.cost is model and seen == [7.0]
-    assert make_llm(max_num_tokens=64).engine.scheduler.cost is None and seen == [7.0]  # off: not calibrated
+    off = make_llm(max_num_tokens=64, max_step_ms="off").engine.scheduler.cost
+    assert off is None and seen == [7.0]  # off: not calibrated
+    auto = make_llm(max_num_tokens=64).engine.scheduler.cost  # auto on the CPU: counted, not timed
+    assert auto is not None and auto.source == "analytic" and seen == [7.0]
 
 
 def test_max_step_ms_on_the_cpu_says_there_is_no_model(caplog) -> None:
@@ -261,8 +264,8 @@ def test_max_step_ms_on_the_cpu_says_there_is_no_model(caplog) -> None:
 def test_the_engine_counts_steps_and_the_prefill_tokens_they_carry() -> None:
     """`steps_total`, `prefill_steps_total` and `prefill_tokens_scheduled_total` (exported on /metrics): a
     prompt of 150 tokens at 40 tokens a step is 4 prefill steps of 150 tokens in all, then decode-only steps
-    for the rest of its output."""
-    llm = make_llm(max_num_tokens=40)
+    for the rest of its output (the token budget alone: no step-time target)."""
+    llm = make_llm(max_num_tokens=40, max_step_ms="off")
     before = llm.stats()
     out = llm.generate(
         [[1] + list(range(5, 154))], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
