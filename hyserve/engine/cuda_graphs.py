@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from hyserve.engine.logits_processing import to_device
 from hyserve.engine.scheduler import ScheduledSeq
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.forward_meta import ForwardMeta
@@ -232,10 +233,15 @@ class DecodeGraphs:
                 f"decode graph: a block table of {width} blocks exceeds the captured width "
                 f"{self._tables.shape[1]}"
             )
-        tables = torch.zeros(b, width, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_ids)] = torch.as_tensor(s.block_ids, dtype=torch.int32)
-        self._tables[:b, :width].copy_(tables, non_blocking=True)
+        # one flat list (zeros past each table's end) and one pinned copy: a copy from pageable memory
+        # would wait for every step already queued on the stream, so the host could no longer prepare a
+        # step while the previous one runs
+        flat: list[int] = []
+        for s in seqs:
+            flat += s.block_ids
+            flat += [0] * (width - len(s.block_ids))
+        tables = torch.tensor(flat, dtype=torch.int32).view(b, width)
+        self._tables[:b, :width].copy_(to_device(tables, self.device), non_blocking=True)
         return self.replay(B)[:b]
 
     def replay(self, batch_size: int) -> torch.Tensor:

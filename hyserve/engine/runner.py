@@ -97,8 +97,8 @@ class ModelRunner:
             snaps.extend(SnapshotWrite(seq=i, num_tokens=n, slot=slot) for n, slot in s.snapshots)
         dev = self.device
 
-        def t(x: list[int] | list[bool], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+        def t(x: list[int] | list[bool] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+            return to_device(torch.tensor(x, dtype=dtype), dev)  # pinned: no wait for queued steps
 
         meta = ForwardMeta(
             num_decodes=batch.num_decodes,
@@ -106,7 +106,7 @@ class ModelRunner:
             seq_lens=seq_lens,
             cu_seqlens_t=t(cu, torch.int32),
             seq_lens_t=t(seq_lens, torch.int32),
-            block_tables=torch.tensor(rows, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=t(rows, torch.int32),
             slot_mapping=t(slot_mapping, torch.int64),
             state_src=t(src, torch.int64),
             state_dst=t(dst, torch.int64),
