@@ -165,6 +165,7 @@ def test_serve_flags_reach_the_options():
     assert (opts["max_batch_size"], opts["max_num_tokens"], opts["max_step_ms"]) == (96, 4096, "off")
     assert build_engine_config(opts).scheduler.max_step_ms is None
 
+
 def _chunks(max_step_ms: str, n: int = 9000) -> list[int]:
     """The chunk sizes the tiny CPU engine feeds an n-token prompt, step by step."""
     from hyserve import LLM, SamplingParams
