@@ -1284,7 +1284,7 @@ _DECODE_SWEEP_FP8: list[tuple[str, dict]] = [
 # The default on Hopper is the Gluon kernel (gluon_attention.py; "sm90" entries change its settings,
 # `gluon_attention._PREFILL_SM90`; a lock-step Gluon version measured 1.2x slower, attn_sweep_b308941, and
 # the consumers' own S(j+1) issued before the softmax of S(j) 1.1-1.6x slower, attn_sweep_d90941e/_5b50b28,
-# the consumers without turns 1.05x slower, attn_sweep_dded3dc);
+# the consumers without turns 1.05x slower, attn_sweep_dded3dc: benchmarks/results records in git history);
 # GLUON=False entries time the Triton kernel instead: key tiles through tensor descriptors, one box or two
 # per tile (each box within one of the pool's 64-token blocks; the folded-scale softmax). Earlier sweeps
 # (benchmarks/README.md) also timed pointer loads, 2 stages, 64-key tiles, compiler warp specialisation, a

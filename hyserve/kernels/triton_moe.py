@@ -969,9 +969,10 @@ def heuristic_config(
     """Settings for a shape or GPU without tuned entries: the gemv path for up to 2 tokens, else the grouped
     GEMMs with BLOCK_M sized to the mean pairs per expert."""
     if num_tokens <= 2:
-        # the fastest batch-1 settings of the Nano 30B-A3B chain on an untuned GPU (H100, 1303d9a,
-        # moe_decode_1303d9a_h100.md): short up tiles on 2 warps; the down GEMV one output row a warp, so
-        # 2688 programs keep the loads in flight (4 rows on 4 warps: 0.74 of the read ceiling against 0.83)
+        # the fastest batch-1 settings of the Nano 30B-A3B chain on an untuned GPU (H100, 1303d9a: its
+        # moe_decode_1303d9a_h100.md is in git history): short up tiles on 2 warps; the down GEMV one output
+        # row a warp, so 2688 programs keep the loads in flight (4 rows on 4 warps: 0.74 of the read
+        # ceiling against 0.83)
         return {
             "variant": "gemv",
             "up": dict(BLOCK_N=4, BLOCK_K=128, num_warps=2, num_stages=6),
