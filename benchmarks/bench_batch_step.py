@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import invocation
 from benchmarks.roofline import active_weight_bytes, batch_experts, measure_ceilings
 from hyserve import LLM, SamplingParams
 from hyserve.bench.profiling import device_kernel_times
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     a.batches = [int(x) for x in a.batches.split(",")]
     out: dict[str, Any] = {
-        **stamp("batch_step", [sys.executable, *sys.argv], a.git_sha or None),
+        **stamp("batch_step", invocation(sys.executable), a.git_sha or None),
         "records": [],
         "kernels": [],
         "engines": [],

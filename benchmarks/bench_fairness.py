@@ -13,8 +13,8 @@ The long request is sent from a child process, so encoding its 1M-id body never 
 timing of the streams. A table is printed; the JSON (date, git sha, GPU, exact command, every setting)
 goes to benchmarks/results/ after every setting, with a PNG when matplotlib is installed.
 
-    python benchmarks/bench_fairness.py --max-step-ms off,100,150,250        # the H200 run (9B, 1M tokens)
-    python benchmarks/bench_fairness.py --model '' --long-len 3000 ...      # CPU smoke (the tiny model)
+    python -m benchmarks.bench_fairness --max-step-ms off,100,150,250        # the H200 run (9B, 1M tokens)
+    python -m benchmarks.bench_fairness --model '' --long-len 3000 ...      # CPU smoke (the tiny model)
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
+from benchmarks import invocation  # noqa: E402
 from hyserve.bench.datasets import ids_to_text, random_ids  # noqa: E402
 from hyserve.bench.http_client import (  # noqa: E402
     CHAT,
@@ -891,9 +891,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = options_from(a, ap)
     head = stamp(
         "fairness",
-        [Path(sys.executable).name, *sys.argv]
-        if argv is None
-        else ["python", "benchmarks/bench_fairness.py", *argv],
+        invocation() if argv is None else ["python", "-m", "benchmarks.bench_fairness", *argv],
         a.git_sha,
     )
     steps = "-".join(step_label(m) for m in opts.step_ms)

@@ -8,8 +8,8 @@ tokenizer, real scheduler, sampler and detokenizer), and quotes it against the N
 decode-step roofline at the same batch (weights + Mamba states + `--context` KV tokens per sequence on
 the H200): a ratio below 1 means the host keeps up with the GPU.
 
-    python benchmarks/bench_host.py                         # batches 64, 256, 1024, GC frozen and default
-    python benchmarks/bench_host.py --batches 8 --steps 3   # quick check
+    python -m benchmarks.bench_host                         # batches 64, 256, 1024, GC frozen and default
+    python -m benchmarks.bench_host --batches 8 --steps 3   # quick check
 
 Sampling here runs on the CPU over a [batch, vocab] tensor (on a GPU it is device time); greedy rows
 keep that share small. Writes benchmarks/results/host_<date>_<sha>.json and .md.
@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from benchmarks.host_results import write_host_results  # noqa: E402
 from benchmarks.phase_timing import time_phases  # noqa: E402

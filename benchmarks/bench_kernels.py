@@ -5,24 +5,24 @@ ceilings measured in the same run (benchmarks/roofline.py; each record also carr
 H200's published peaks) or a peer measured in the same run (torch SDPA; mamba_ssm's SSD scan when the
 package is installed).
 
-    python benchmarks/bench_kernels.py                       # on the GPU: writes
+    python -m benchmarks.bench_kernels                       # on the GPU: writes
                                                              # benchmarks/results/kernels_<date>.json
-    python benchmarks/bench_kernels.py --only ssm,attn       # a subset
-    python benchmarks/bench_kernels.py --only ssd_sweep      # SSD block-size alternatives (not in the
+    python -m benchmarks.bench_kernels --only ssm,attn       # a subset
+    python -m benchmarks.bench_kernels --only ssd_sweep      # SSD block-size alternatives (not in the
                                                              # default run)
-    python benchmarks/bench_kernels.py --only attn_sweep     # paged attention launch alternatives (idem)
-    python benchmarks/bench_kernels.py --only linear_sweep   # fused small-batch linear alternatives (idem)
-    python benchmarks/bench_kernels.py --only fp8_gemv_sweep # its channel-scaled FP8 GEMV settings alone
+    python -m benchmarks.bench_kernels --only attn_sweep     # paged attention launch alternatives (idem)
+    python -m benchmarks.bench_kernels --only linear_sweep   # fused small-batch linear alternatives (idem)
+    python -m benchmarks.bench_kernels --only fp8_gemv_sweep # its channel-scaled FP8 GEMV settings alone
                                                              # (idem)
-    python benchmarks/bench_kernels.py --only fp8_gemv_super_sweep --write-linear-configs
+    python -m benchmarks.bench_kernels --only fp8_gemv_super_sweep --write-linear-configs
                                        # the same at Nemotron 3 Super's dense projections; the winners (3% or
                                        # more faster than today's setting) enter linear_configs/<GPU>.json
-    python benchmarks/bench_kernels.py --only linear_30b_sweep  # its 16-bit settings at the 30B-A3B
+    python -m benchmarks.bench_kernels --only linear_30b_sweep  # its 16-bit settings at the 30B-A3B
                                                                 # shapes alone
-    python benchmarks/bench_kernels.py --only fp8_linear     # FP8 GEMM vs bf16 cuBLAS at M = 1, 64, 8192
-    python benchmarks/bench_kernels.py --only attn_rounds --rounds 5   # 8k prefill attention settings and
+    python -m benchmarks.bench_kernels --only fp8_linear     # FP8 GEMM vs bf16 cuBLAS at M = 1, 64, 8192
+    python -m benchmarks.bench_kernels --only attn_rounds --rounds 5   # 8k prefill attention settings and
                                                                      # SDPA in turn: the spread in one run
-    python benchmarks/bench_kernels.py --dry-run --out /tmp/k.json   # CPU: tiny shapes, Triton interpreter,
+    python -m benchmarks.bench_kernels --dry-run --out /tmp/k.json   # CPU: tiny shapes, Triton interpreter,
                                                                      # wall-clock timing: a script check only
 
 Shapes (one layer of Nano 9B v2): Mamba 128 heads x 80, state 128, 8 groups, conv kernel 4 over
@@ -47,8 +47,7 @@ if "--dry-run" in sys.argv:
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from benchmarks import invocation  # noqa: E402
 from benchmarks.roofline import Ceilings, Peaks, ceiling_fields, measure_ceilings, measured_peaks  # noqa: E402
 from hyserve.bench.profiling import device_kernel_times  # noqa: E402
 from hyserve.kernels.attention import (  # noqa: E402
@@ -1691,7 +1690,7 @@ def main() -> int:
         gpu=torch.cuda.get_device_name()
         if torch.cuda.is_available() and not args.dry_run
         else "cpu (interpreter)",
-        command=" ".join([Path(sys.executable).name, *sys.argv]),
+        command=" ".join(invocation()),
         torch=torch.__version__,
         triton=__import__("triton").__version__,
         failures=b.failures,

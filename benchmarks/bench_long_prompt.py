@@ -13,8 +13,8 @@ written) at the streaming-read ceiling measured in the same run. Records compare
 first dtype's (fp8 no slower than bf16 is the bar) and report each later dtype's greedy agreement with the
 first's output (same prompt, same seeded dummy weights).
 
-    python benchmarks/bench_long_prompt.py --git-sha SHA                          # H200: ~3 min per dtype
-    python benchmarks/bench_long_prompt.py --model-dir '' --mid-len 300 --long-len 900 --max-seq-len 1024 \
+    python -m benchmarks.bench_long_prompt --git-sha SHA                          # H200: ~3 min per dtype
+    python -m benchmarks.bench_long_prompt --model-dir '' --mid-len 300 --long-len 900 --max-seq-len 1024 \
         --max-num-tokens 128 --decode-tokens 4                                   # CPU smoke (the tiny model)
 
 Writes benchmarks/results/long_prompt_<date>_<sha>.json (date, git sha, GPU, exact command, every run).
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import subprocess
 import sys
 import time
@@ -32,9 +33,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
+from benchmarks import invocation  # noqa: E402
 from hyserve.bench.report import format_table, record, sanitize, stamp  # noqa: E402
 
 CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
@@ -236,9 +236,7 @@ def main(argv: list[str] | None = None) -> int:
 
     head = stamp(
         "long_prompt",
-        [Path(sys.executable).name, *sys.argv]
-        if argv is None
-        else ["python", "benchmarks/bench_long_prompt.py", *argv],
+        invocation() if argv is None else ["python", "-m", "benchmarks.bench_long_prompt", *argv],
         a.git_sha or None,
     )
     read_bw = None
@@ -251,11 +249,28 @@ def main(argv: list[str] | None = None) -> int:
         print(c.summary(), flush=True)
         torch.cuda.empty_cache()
     results, failures = [], []
+    # the child runs this module by name: the repository root (the parent of benchmarks/) goes on its path
+    child_env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     for kv in [d.strip() for d in a.kv_dtypes.split(",") if d.strip()]:
-        args = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--child", kv]
+        args = [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_long_prompt",
+            *(argv if argv is not None else sys.argv[1:]),
+            "--child",
+            kv,
+        ]
         try:
             p = subprocess.run(
-                args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=a.timeout_s
+                args,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                timeout=a.timeout_s,
+                env=child_env,
             )
             out, status = p.stdout, f"exit status {p.returncode}"
         except subprocess.TimeoutExpired as e:

@@ -10,11 +10,11 @@ under uniform routing) + the shared expert + everything else. A model too big fo
 prefix of its own layer pattern (whole repetitions, `--weight-budget-gib`) or to `--num-layers N`.
 Writes benchmarks/results/model_<date>_<sha>.json (9B) or model-<model>_<date>_<sha>.json, and a table.
 
-    python3 benchmarks/bench_model.py [--skip-transformers]                      # Nano 9B v2
-    python3 benchmarks/bench_model.py --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16
-    python3 benchmarks/bench_model.py --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Super-120B-A12B-BF16
-    python3 benchmarks/bench_model.py --quantization fp8 --skip-transformers   # bf16, then FP8, same process
-    python3 benchmarks/bench_model.py --quantization fp8 --fp8-only \
+    python3 -m benchmarks.bench_model [--skip-transformers]                      # Nano 9B v2
+    python3 -m benchmarks.bench_model --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16
+    python3 -m benchmarks.bench_model --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Super-120B-A12B-BF16
+    python3 -m benchmarks.bench_model --quantization fp8 --skip-transformers   # bf16, then FP8, same process
+    python3 -m benchmarks.bench_model --quantization fp8 --fp8-only \
         --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Super-120B-A12B-BF16     # the whole Super, FP8 alone
 
 With `--quantization fp8` the engine figures run twice in one process, bf16 first and then with FP8 weights
@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
+from benchmarks import invocation  # noqa: E402
 from hyserve import LLM, SamplingParams  # noqa: E402
 from hyserve.bench.profiling import device_kernel_times  # noqa: E402
 from hyserve.bench.report import git_sha, records_markdown  # noqa: E402
@@ -995,7 +995,7 @@ def main() -> None:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "git_sha": sha,
         "gpu": torch.cuda.get_device_name(),
-        "command": " ".join([sys.executable, *sys.argv]),
+        "command": " ".join(invocation(sys.executable)),
         "model": plan.label,
         "notes": notes,
         "ceilings": ceilings.to_dict(),

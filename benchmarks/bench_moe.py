@@ -5,10 +5,10 @@ against the float64 reference; quoted against the bytes roofline (expert weights
 activations, over the bytes-read ceiling measured here by benchmarks/roofline.py: the faster of a 4 GiB
 streaming read and a 1 GiB GEMV) and the FLOP roofline (over a bf16 8192^3 matmul measured here).
 
-    python benchmarks/bench_moe.py                       # Nano 30B-A3B experts + Super latent layer
-    python benchmarks/bench_moe.py --tune                # first autotune every (E, N, K, bucket), write
+    python -m benchmarks.bench_moe                       # Nano 30B-A3B experts + Super latent layer
+    python -m benchmarks.bench_moe --tune                # first autotune every (E, N, K, bucket), write
                                                          # hyserve/kernels/moe_configs/<GPU>.json, then bench
-    python benchmarks/bench_moe.py --dry-run --out /tmp/m.json   # CPU: tiny shapes, Triton interpreter
+    python -m benchmarks.bench_moe --dry-run --out /tmp/m.json   # CPU: tiny shapes, Triton interpreter
 
 Timings: `eager` = do_bench (L2 flushed before each call, the launcher's host time included); `graph` = the
 op captured in one CUDA graph over 8 input sets (new routing and activations each) and replayed, per call:
@@ -33,9 +33,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import hyserve.kernels.triton_moe as tm  # noqa: E402
+from benchmarks import invocation  # noqa: E402
 from benchmarks.roofline import PUBLISHED_BW, PUBLISHED_FLOPS, measure_ceilings  # noqa: E402
 from hyserve.bench.report import git_sha  # noqa: E402
 from hyserve.kernels.moe import moe_experts_ref  # noqa: E402
@@ -579,7 +579,7 @@ def main() -> int:
         gpu=gpu,
         torch=torch.__version__,
         triton=__import__("triton").__version__,
-        command=" ".join([Path(sys.executable).name, *sys.argv]),
+        command=" ".join(invocation()),
     )
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"moe_{sha}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -14,13 +14,13 @@ is timed, and what its graph replays leave in every layer's output against the l
 ratio is bytes read (the 6 routed experts + the shared expert + the router weight per layer) over the
 streaming-read ceiling measured in the same run.
 
-    python benchmarks/bench_moe_decode.py [--write] [--layers 23]   # --write: the fastest setting
+    python -m benchmarks.bench_moe_decode [--write] [--layers 23]   # --write: the fastest setting
                                                                     # becomes the 1-token entry of
                                                                     # moe_configs/<GPU>.json
-    python benchmarks/bench_moe_decode.py --dry-run                 # CPU, tiny shapes, interpreter
+    python -m benchmarks.bench_moe_decode --dry-run                 # CPU, tiny shapes, interpreter
     ncu --clock-control none -k regex:"_(up|down)_gemv" --launch-skip 8 --launch-count 2 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats \
-        --section WarpStateStats --section Occupancy python3 benchmarks/bench_moe_decode.py --profile-once
+        --section WarpStateStats --section Occupancy python3 -m benchmarks.bench_moe_decode --profile-once
                                  # 4 layers' chains twice at the tuned 1-token settings, eager, then exit: the
                                  # profiler's view of the second chain's first up and down GEMV
 """
@@ -40,10 +40,10 @@ if "--dry-run" in sys.argv:
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import benchmarks.bench_moe as bm  # noqa: E402
 import hyserve.kernels.triton_moe as tm  # noqa: E402
+from benchmarks import invocation  # noqa: E402
 from hyserve.bench.report import git_sha  # noqa: E402
 from hyserve.kernels.fp8_linear import quantize_weight_ref  # noqa: E402
 from hyserve.kernels.moe import dequantize_experts, moe_experts_ref  # noqa: E402
@@ -385,7 +385,7 @@ def main() -> int:
         gpu=gpu,
         torch=torch.__version__,
         triton=__import__("triton").__version__,
-        command=" ".join([Path(sys.executable).name, *sys.argv]),
+        command=" ".join(invocation()),
         layer=s["name"],
         fp8=args.fp8,
         layers=n,

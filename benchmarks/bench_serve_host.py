@@ -15,8 +15,8 @@ a ratio under 1 at that concurrency means this host could not serve that figure 
 The server's and the client's CPU seconds over each run say which side was saturated (each is one process;
 the server's engine thread and its event loop share one interpreter).
 
-    python benchmarks/bench_serve_host.py                               # concurrency 64, 256, 1024
-    python benchmarks/bench_serve_host.py --concurrency 64 --output-len 32 --prompts-per-stream 1   # quick
+    python -m benchmarks.bench_serve_host                               # concurrency 64, 256, 1024
+    python -m benchmarks.bench_serve_host --concurrency 64 --output-len 32 --prompts-per-stream 1   # quick
 
 Writes benchmarks/results/serve_host_<date>_<sha>.json and .md.
 """
@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from benchmarks.host_results import write_host_results  # noqa: E402
 

@@ -11,8 +11,8 @@ tokens (`ignore_eos`) or be disconnected by the client as planned; anything else
 is a pool not free at the end, a 5xx, an unhealthy `/health`, an engine restart or a non-zero server exit.
 Exit status 1 if anything unexpected happened.
 
-    python benchmarks/bench_soak.py                      # H200: Nano 9B v2 architecture, 512 streams, 600 s
-    python benchmarks/bench_soak.py --model "" --concurrency 4 --duration 5 \
+    python -m benchmarks.bench_soak                      # H200: Nano 9B v2 architecture, 512 streams, 600 s
+    python -m benchmarks.bench_soak --model "" --concurrency 4 --duration 5 \
         --serve-args "--max_seq_len 1024 --warmup off"
 """
 
@@ -41,8 +41,6 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(ROOT))
 
 from hyserve.bench.http_client import error_message, sse_data  # noqa: E402
 from hyserve.engine.faults import FaultInjector  # noqa: E402
@@ -643,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         exit_code = stop_server(proc)
     log_text = log_path.read_text(errors="replace")
-    a.command = shlex.join(["python", "benchmarks/bench_soak.py", *argv])
+    a.command = shlex.join(["python", "-m", "benchmarks.bench_soak", *argv])
     return report(
         a,
         cfg,

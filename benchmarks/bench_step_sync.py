@@ -10,9 +10,9 @@ weights) through `LLMEngine.step()` and reports, over the decode steps:
   `.tolist()`, `nonzero`, ...), with the Python stack of each site and how often it ran per step;
 - the host time of each `step()` phase (scheduler, metadata, launch, read of the previous step).
 
-    python benchmarks/bench_step_sync.py --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 \
+    python -m benchmarks.bench_step_sync --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 \
         --batch 256 --git-sha SHA                                   # H200
-    python benchmarks/bench_step_sync.py --model-dir '' --batch 4 --steps 3   # CPU smoke (nothing syncs
+    python -m benchmarks.bench_step_sync --model-dir '' --batch 4 --steps 3   # CPU smoke (nothing syncs
                                                                               # there)
 
 Writes benchmarks/results/step_sync_<date>_<sha>.json (date, git sha, GPU, exact command).
@@ -35,9 +35,8 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
+from benchmarks import invocation  # noqa: E402
 from benchmarks.phase_timing import time_phases  # noqa: E402
 from hyserve import LLM, SamplingParams  # noqa: E402
 from hyserve.bench.report import sanitize, stamp  # noqa: E402
@@ -164,9 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--batch, --steps and --prompt-len must be >= 1")
     head = stamp(
         "step_sync",
-        [Path(sys.executable).name, *sys.argv]
-        if argv is None
-        else ["python", "benchmarks/bench_step_sync.py", *argv],
+        invocation() if argv is None else ["python", "-m", "benchmarks.bench_step_sync", *argv],
         a.git_sha or None,
     )
     result = {**head, "model": Path(a.model_dir).name if a.model_dir else "hyserve-tiny", **run(a)}

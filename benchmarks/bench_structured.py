@@ -9,7 +9,7 @@ array of at least 1,000 objects (integer, bounded string, boolean, enum), so it 
 run: every decode step is constrained. Each (batch, constrained) case runs `rounds` times after a warm-up
 run; the median is reported, with the ratio constrained / unconstrained (the target is >= 0.95).
 
-    python benchmarks/bench_structured.py [--tokens 256] [--rounds 3] [--git-sha SHA]
+    python -m benchmarks.bench_structured [--tokens 256] [--rounds 3] [--git-sha SHA]
 Writes benchmarks/results/structured_<date>_<sha>.json.
 """
 
@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
+from benchmarks import invocation  # noqa: E402
 from hyserve.bench.report import git_sha  # noqa: E402
 from hyserve.engine.llm import LLM  # noqa: E402
 from hyserve.engine.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
@@ -186,7 +186,7 @@ def main() -> None:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "git_sha": sha,
         "gpu": torch.cuda.get_device_name(),
-        "command": " ".join([sys.executable, *sys.argv]),
+        "command": " ".join(invocation(sys.executable)),
         "model": (
             "NVIDIA-Nemotron-Nano-9B-v2 architecture, random weights, bf16; synthetic 131072-token vocab"
         ),

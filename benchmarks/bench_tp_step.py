@@ -9,7 +9,7 @@ Under tensor parallelism rank 0 sends every `ScheduledBatch` to the workers befo
                rank 1 decoding it), and a heartbeat for the fixed cost; against torch's broadcast_object_list
                (`hyserve.distributed.broadcast_object`) for the same messages
 
-    python benchmarks/bench_tp_step.py            # writes benchmarks/results/tp_step_<date>_<sha>.json
+    python -m benchmarks.bench_tp_step            # writes benchmarks/results/tp_step_<date>_<sha>.json
 
 On the GPU the send runs while the previous step computes (async scheduling), so it costs nothing as long
 as it stays below the step's GPU time.
@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from hyserve.bench.report import git_sha  # noqa: E402
 from hyserve.engine.sampling_params import SamplingParams  # noqa: E402

@@ -7,9 +7,9 @@ import datetime as _dt
 import json
 import os
 import platform
-import sys
 from pathlib import Path
 
+from benchmarks import invocation
 from hyserve.bench.report import git_sha
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ def write_host_results(
         git_sha=sha,
         gpu=gpu_note,
         cpu=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        command=" ".join([Path(sys.executable).name, *sys.argv]),
+        command=" ".join(invocation()),
         records=records,
     )
     out.write_text(json.dumps(doc, indent=2) + "\n")

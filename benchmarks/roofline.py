@@ -7,7 +7,7 @@ sum over >= 4 GiB), a device copy, the best bf16 GEMV over a 1 GiB weight, and t
 and a larger shape). A kernel is quoted against the measured ceiling of its limit (`ceiling_fields`) and
 against the published peak, so a ratio above 1 of a hard-coded figure can no longer happen unnoticed.
 
-    python3 benchmarks/roofline.py [--out ceilings.json]      # measure and print this GPU's ceilings
+    python3 -m benchmarks.roofline [--out ceilings.json]      # measure and print this GPU's ceilings
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -25,8 +24,6 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from hyserve.model.config import LAYER_MOE, HybridModelConfig  # noqa: E402
 from hyserve.model.weights import weight_bytes as model_weight_bytes  # noqa: E402

@@ -11,7 +11,7 @@ from `benchmarks/roofline.py --out` or a benchmark JSON of a run on that GPU; wi
 when a GPU is present), and every record also carries the ratio at the H200's published 4.8 TB/s.
 Writes benchmarks/results/serve_sweep_roofline.json (+ .md, and a PNG when matplotlib is present).
 
-    python3 benchmarks/sweep_roofline.py [--results benchmarks/results] [--git-sha SHA] [--ceilings FILE]
+    python3 -m benchmarks.sweep_roofline [--results benchmarks/results] [--git-sha SHA] [--ceilings FILE]
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from benchmarks import invocation  # noqa: E402
 from benchmarks.roofline import (  # noqa: E402
     Ceilings,
     active_decode_step_ms,
@@ -120,7 +120,7 @@ def main() -> None:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "git_sha": args.git_sha,
         "gpu": gpu,
-        "command": " ".join([sys.executable, *sys.argv]),
+        "command": " ".join(invocation(sys.executable)),
         "model": f"{args.model_dir.name} architecture, random weights",
         "ceilings": ceilings.to_dict() if ceilings is not None else None,
         "records": records,

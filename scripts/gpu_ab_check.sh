@@ -17,10 +17,10 @@ log=$out/gpu_ab_${new}.log
   pairs=()
   for r in $(seq 1 "$rounds"); do
     echo "== model benchmark, round $r: $old (previous code)"
-    (cd .ab/old && PYTHONPATH=$PWD timeout 150 python3 benchmarks/bench_model.py --skip-transformers \
+    (cd .ab/old && PYTHONPATH=$PWD timeout 150 python3 -m benchmarks.bench_model --skip-transformers \
        --git-sha "${old}_r$r" 2>&1 | grep -v "warm-up \[" | tail -12)
     echo "== model benchmark, round $r: $new (this tree)"
-    PYTHONPATH=$PWD timeout 150 python3 benchmarks/bench_model.py --skip-transformers --git-sha "${new}_r$r" 2>&1 \
+    PYTHONPATH=$PWD timeout 150 python3 -m benchmarks.bench_model --skip-transformers --git-sha "${new}_r$r" 2>&1 \
        | grep -v "warm-up \[" | tail -12
     pairs+=(.ab/old/benchmarks/results/model_*_"${old}_r$r".json benchmarks/results/model_*_"${new}_r$r".json)
     cp "${pairs[@]}" "$out"/ 2>/dev/null

@@ -78,29 +78,29 @@ save() { out_save; }
       echo "   exit ${PIPESTATUS[0]} after ${SECONDS}s of the run"
     done
   fi
-  [[ $parts == *" kernels "* ]] && echo "== kernel benchmarks" && python3 benchmarks/bench_kernels.py --git-sha "$sha" 2>&1 | tail -60
+  [[ $parts == *" kernels "* ]] && echo "== kernel benchmarks" && python3 -m benchmarks.bench_kernels --git-sha "$sha" 2>&1 | tail -60
   [[ $parts == *" kernels "* ]] && echo "== prefill attention against SDPA over rounds" \
-    && python3 benchmarks/bench_kernels.py --only attn_rounds --rounds 5 --git-sha "$sha" \
+    && python3 -m benchmarks.bench_kernels --only attn_rounds --rounds 5 --git-sha "$sha" \
        --out "benchmarks/results/attn_rounds_$sha.json" 2>&1 | tail -8
   # attn (not a default part): the paged attention records alone (bf16 and fp8 KV decode, prefill)
   [[ $parts == *" attn "* ]] && echo "== paged attention kernel records (bf16 and fp8 KV)" \
-    && timeout 300 python3 benchmarks/bench_kernels.py --only attn --git-sha "$sha" \
+    && timeout 300 python3 -m benchmarks.bench_kernels --only attn --git-sha "$sha" \
        --out "benchmarks/results/kernels_attn_$sha.json" 2>&1 | tail -20 && save
   [[ $parts == *" attn_sweep "* ]] && echo "== paged attention launch alternatives (bf16 and fp8 KV)" \
-    && timeout 420 python3 benchmarks/bench_kernels.py --only attn_sweep --git-sha "$sha" \
+    && timeout 420 python3 -m benchmarks.bench_kernels --only attn_sweep --git-sha "$sha" \
        --out "benchmarks/results/attn_sweep_$sha.json" 2>&1 | grep -v "^ok " | tail -60 && save
   # shellcheck disable=SC2086  # LONG_PROMPT_ARGS / STEP_SYNC_ARGS are lists of options
   [[ $parts == *" longprompt "* ]] && echo "== long prompts per KV dtype" \
-    && timeout "${LONG_PROMPT_TIMEOUT:-590}" python3 benchmarks/bench_long_prompt.py --git-sha "$sha" \
+    && timeout "${LONG_PROMPT_TIMEOUT:-590}" python3 -m benchmarks.bench_long_prompt --git-sha "$sha" \
        ${LONG_PROMPT_ARGS:-} 2>&1 | grep -v "warm-up \[" | tail -40 && save
   # shellcheck disable=SC2086
   [[ $parts == *" stepsync "* ]] && echo "== host syncs of a large decode step" \
-    && timeout 300 python3 benchmarks/bench_step_sync.py --git-sha "$sha" ${STEP_SYNC_ARGS:-} 2>&1 | tail -40 && save
+    && timeout 300 python3 -m benchmarks.bench_step_sync --git-sha "$sha" ${STEP_SYNC_ARGS:-} 2>&1 | tail -40 && save
   # moe_decode (not a default part): the batch-1 MoE decode chain in a graph, its settings swept and
   # the fastest written as the 1-token entry of hyserve/kernels/moe_configs/<GPU>.json (copied to OUT_DIR)
   # shellcheck disable=SC2086  # MOE_DECODE_ARGS is a list of options
   [[ $parts == *" moe_decode "* ]] && echo "== MoE decode chain at batch 1: settings swept, fastest written" \
-    && timeout "${MOE_DECODE_TIMEOUT:-300}" python3 benchmarks/bench_moe_decode.py --write --git-sha "$sha" \
+    && timeout "${MOE_DECODE_TIMEOUT:-300}" python3 -m benchmarks.bench_moe_decode --write --git-sha "$sha" \
       ${MOE_DECODE_ARGS:-} 2>&1 | tail -60 \
     && { [ -z "${OUT_DIR:-}" ] || cp hyserve/kernels/moe_configs/*.json "$OUT_DIR"/; } && save
   if [[ $parts == *" ncu_moe "* ]]; then
@@ -108,35 +108,35 @@ save() { out_save; }
     # shellcheck disable=SC2086  # MOE_DECODE_ARGS is a list of options
     timeout 240 ncu --clock-control none -k regex:"_(up|down)_gemv" --launch-skip 8 --launch-count 2 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
-      --section Occupancy python3 benchmarks/bench_moe_decode.py --profile-once ${MOE_DECODE_ARGS:-} \
+      --section Occupancy python3 -m benchmarks.bench_moe_decode --profile-once ${MOE_DECODE_ARGS:-} \
       > "benchmarks/results/ncu_moe_$sha.txt" 2>&1
     echo "   exit $? (ncu_moe_$sha.txt)"; grep -E "Throughput|Busy|Issue|Occupancy|Stall|Duration" \
       "benchmarks/results/ncu_moe_$sha.txt" | head -40; save
   fi
   [[ $parts == *" linear_sweep "* ]] && echo "== one-row GEMV launch settings (bf16 and FP8)" \
-    && timeout 330 python3 benchmarks/bench_kernels.py --only linear_sweep --git-sha "$sha" \
+    && timeout 330 python3 -m benchmarks.bench_kernels --only linear_sweep --git-sha "$sha" \
        --out "benchmarks/results/linear_sweep_$sha.json" 2>&1 | grep -E "us vs|GEMV|cuBLAS" | grep -v "^ok " \
        | tail -120 && save
   [[ $parts == *" fp8_gemv_super "* ]] && echo "== FP8 GEMV settings at Nemotron 3 Super's dense projections" \
-    && timeout 300 python3 benchmarks/bench_kernels.py --only fp8_gemv_super_sweep --write-linear-configs \
+    && timeout 300 python3 -m benchmarks.bench_kernels --only fp8_gemv_super_sweep --write-linear-configs \
        --git-sha "$sha" --out "benchmarks/results/fp8_gemv_super_$sha.json" 2>&1 | grep -E "GEMV|linear configs" \
        | grep -v "^ok " | tail -160 && save && out_save hyserve/kernels/linear_configs/*.json
   # structured (not a default part): JSON-schema-constrained decode against unconstrained, batch 1 / 64
   [[ $parts == *" structured "* ]] && echo "== structured outputs: constrained / free decode (xgrammar in .whl)" \
-    && timeout 300 python3 benchmarks/bench_structured.py --rounds 3 --git-sha "$sha" 2>&1 | tail -20 && save
-  [[ $parts == *" model "* ]] && echo "== model benchmarks" && python3 benchmarks/bench_model.py --git-sha "$sha" 2>&1 | grep -v "warm-up \[" | tail -40
+    && timeout 300 python3 -m benchmarks.bench_structured --rounds 3 --git-sha "$sha" 2>&1 | tail -20 && save
+  [[ $parts == *" model "* ]] && echo "== model benchmarks" && python3 -m benchmarks.bench_model --git-sha "$sha" 2>&1 | grep -v "warm-up \[" | tail -40
   if [[ $parts == *" fairness "* ]]; then
     echo "== fairness: a 1M-token prompt beside 8 streams and a short request every second"
     # the JSON is written after every setting; the budget and the timeout leave time to copy it to OUT_DIR
     # shellcheck disable=SC2086  # FAIRNESS_ARGS is a list of options
-    timeout "${FAIRNESS_TIMEOUT:-560}" python3 benchmarks/bench_fairness.py --max-step-ms "${FAIRNESS_STEP_MS:-off,150}" \
+    timeout "${FAIRNESS_TIMEOUT:-560}" python3 -m benchmarks.bench_fairness --max-step-ms "${FAIRNESS_STEP_MS:-off,150}" \
       --time-budget-s "${FAIRNESS_BUDGET:-500}" --git-sha "$sha" ${FAIRNESS_ARGS:-} 2>&1 | tail -30
     save
   fi
   if [[ $parts == *" soak "* ]]; then
     echo "== soak: ${SOAK_DURATION:-600}s through hyserve serve"
     # shellcheck disable=SC2086  # SOAK_ARGS is a list of options
-    python3 benchmarks/bench_soak.py --git-sha "$sha" --duration "${SOAK_DURATION:-600}" ${SOAK_ARGS:-} 2>&1 | tail -60
+    python3 -m benchmarks.bench_soak --git-sha "$sha" --duration "${SOAK_DURATION:-600}" ${SOAK_ARGS:-} 2>&1 | tail -60
     save
   fi
   if [[ $parts == *" moe_model "* || $parts == *" moe_nano "* || $parts == *" moe_super "* ]]; then
@@ -146,14 +146,14 @@ save() { out_save; }
   if [[ $parts == *" moe_model "* || $parts == *" moe_nano "* ]]; then
     echo "== Nemotron 3 Nano 30B-A3B: batch 1, 8k prefill, batch-64/256 steps, dummy init timed"
     # shellcheck disable=SC2086  # MOE_NANO_ARGS is a list of options (an H100 holds no batch of 256: --batches 64)
-    timeout "${MOE_NANO_TIMEOUT:-400}" python3 benchmarks/bench_model.py \
+    timeout "${MOE_NANO_TIMEOUT:-400}" python3 -m benchmarks.bench_model \
       --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 --time-init --git-sha "$sha" ${MOE_NANO_ARGS:-} 2>&1 \
       | grep -v "warm-up \[" | tail -40
     save
   fi
   if [[ $parts == *" moe_model "* || $parts == *" moe_super "* ]]; then
     echo "== Nemotron 3 Super cut to the repetitions of its pattern that fit (0.75 of the GPU): batch 1, 64"
-    timeout "${MOE_SUPER_TIMEOUT:-360}" python3 benchmarks/bench_model.py \
+    timeout "${MOE_SUPER_TIMEOUT:-360}" python3 -m benchmarks.bench_model \
       --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Super-120B-A12B-BF16 --git-sha "$sha" 2>&1 \
       | grep -v "warm-up \[" | tail -40
     save

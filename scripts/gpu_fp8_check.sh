@@ -39,15 +39,15 @@ mkdir -p "$(dirname "$log")"
   fi
   out_save
   [[ $parts == *" kernels "* ]] && echo "== FP8 GEMM vs bf16 cuBLAS (M = 1, 64, 8192)" \
-    && timeout 540 python3 benchmarks/bench_kernels.py --only fp8_linear --git-sha "$sha" \
+    && timeout 540 python3 -m benchmarks.bench_kernels --only fp8_linear --git-sha "$sha" \
        --out "benchmarks/results/kernels_fp8_$sha.json" 2>&1 | tail -45
   out_save
   [[ $parts == *" model "* ]] && echo "== Nano 9B v2: bf16, then FP8, in one process" \
-    && timeout 560 python3 benchmarks/bench_model.py --quantization fp8 --skip-transformers --git-sha "$sha" 2>&1 \
+    && timeout 560 python3 -m benchmarks.bench_model --quantization fp8 --skip-transformers --git-sha "$sha" 2>&1 \
        | grep -v "warm-up \[" | tail -45
   out_save
   [[ $parts == *" super "* ]] && echo "== Nemotron 3 Super 120B-A12B, every layer, FP8 on one GPU" \
-    && timeout 560 python3 benchmarks/bench_model.py --quantization fp8 --fp8-only --weight-budget-gib 125 \
+    && timeout 560 python3 -m benchmarks.bench_model --quantization fp8 --fp8-only --weight-budget-gib 125 \
        --model-dir benchmarks/configs/NVIDIA-Nemotron-3-Super-120B-A12B-BF16 --git-sha "$sha" 2>&1 \
        | grep -v "warm-up \[" | tail -45
   out_save

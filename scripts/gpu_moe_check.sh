@@ -27,13 +27,13 @@ log=benchmarks/results/moe_gpu_check_$sha.log
   fi
   if [[ $parts == *" tune "* ]]; then
     echo "== tune + benchmark"
-    timeout 420 python3 benchmarks/bench_moe.py --tune --git-sha "$sha" --out "benchmarks/results/moe_$sha.json" 2>&1
+    timeout 420 python3 -m benchmarks.bench_moe --tune --git-sha "$sha" --out "benchmarks/results/moe_$sha.json" 2>&1
   elif [[ $parts == *" tune-gemv "* ]]; then
     echo "== tune the decode buckets + benchmark"
-    timeout 420 python3 benchmarks/bench_moe.py --tune-sizes 1,2,4,8 --git-sha "$sha" --out "benchmarks/results/moe_$sha.json" 2>&1
+    timeout 420 python3 -m benchmarks.bench_moe --tune-sizes 1,2,4,8 --git-sha "$sha" --out "benchmarks/results/moe_$sha.json" 2>&1
   elif [[ $parts == *" bench "* ]]; then
     echo "== benchmark"
-    timeout 300 python3 benchmarks/bench_moe.py --git-sha "$sha" --out "benchmarks/results/moe_$sha.json" 2>&1
+    timeout 300 python3 -m benchmarks.bench_moe --git-sha "$sha" --out "benchmarks/results/moe_$sha.json" 2>&1
   fi
 } 2>&1 | tee "$log"
 if [ -n "${OUT_DIR:-}" ]; then

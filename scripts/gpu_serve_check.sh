@@ -140,7 +140,7 @@ if [[ " $parts " == *" sweep "* ]]; then
     done
   done
   stop_server
-  python3 benchmarks/sweep_roofline.py --results "$R" --git-sha "$sha" --model-dir "$MODEL"
+  python3 -m benchmarks.sweep_roofline --results "$R" --git-sha "$sha" --model-dir "$MODEL"
   if [ -n "${OUT_DIR:-}" ]; then
     mkdir -p "$OUT_DIR" && cp "$R"/serve_sweep_roofline.* "$OUT_DIR"/ 2>/dev/null
   fi

@@ -60,12 +60,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from hyserve.bench.needle import DEFAULT_NEEDLE, QUESTION, haystack_prompt
+from hyserve.model.tokenizer import IM_END, Tokenizer, write_tiny_tokenizer
 
-from hyserve.bench.needle import DEFAULT_NEEDLE, QUESTION, haystack_prompt  # noqa: E402
-from hyserve.model.tokenizer import IM_END, Tokenizer, write_tiny_tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 VOCAB_SIZE = 320  # the tiny tokenizer's size
 NEEDLE_PREFIX = "The secret code is "

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from benchmarks import bench_fairness as bf
+from hyserve.bench.metrics import RequestResult
 
-from benchmarks import bench_fairness as bf  # noqa: E402
-from hyserve.bench.metrics import RequestResult  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+
 
 SMOKE = [
     "--model",
@@ -62,7 +62,7 @@ def test_smoke_run_through_hyserve_serve(tmp_path: Path) -> None:
         "f.json",
     ]
     r = subprocess.run(
-        [sys.executable, "benchmarks/bench_fairness.py", *argv],
+        [sys.executable, "-m", "benchmarks.bench_fairness", *argv],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -75,7 +75,7 @@ def test_smoke_run_through_hyserve_serve(tmp_path: Path) -> None:
     assert (
         d["git_sha"] == "smoke"
         and d["gpu"] == "cpu"
-        and d["command"][1:] == ["benchmarks/bench_fairness.py", *argv]
+        and d["command"][1:] == ["-m", "benchmarks.bench_fairness", *argv]
     )
     assert d["not_run"] == ["off"] and d["config"]["step_ms"] == [100.0, None]
     (s,) = d["settings"]

@@ -30,7 +30,8 @@ def test_bench_host_writes_records(tmp_path: Path) -> None:
     r = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "bench_host.py"),
+            "-m",
+            "benchmarks.bench_host",
             "--batches",
             "4",
             "--steps",
@@ -43,6 +44,7 @@ def test_bench_host_writes_records(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=ROOT,
     )
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(out.read_text())
@@ -67,7 +69,8 @@ def test_bench_serve_host_serves_every_request_through_the_stub_model(tmp_path: 
     r = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "bench_serve_host.py"),
+            "-m",
+            "benchmarks.bench_serve_host",
             "--concurrency",
             "8",
             "--input-len",
@@ -84,6 +87,7 @@ def test_bench_serve_host_serves_every_request_through_the_stub_model(tmp_path: 
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=ROOT,
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     doc = json.loads(out.read_text())

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "bench_long_prompt.py"
+SCRIPT = ["-m", "benchmarks.bench_long_prompt"]  # run from ROOT
 TINY = [
     "--model-dir",
     "",
@@ -39,10 +39,11 @@ def test_bench_long_prompt_runs_each_dtype_in_its_own_process(
     """An fp8 run (`fp8+qk8`: with the prefill's QK8 form selected, which only Hopper runs; the CPU path is
     the same) in its own process, its records and its token ids."""
     r = subprocess.run(
-        [sys.executable, str(SCRIPT), *TINY, "--kv-dtypes", entry, "--result-dir", str(tmp_path)],
+        [sys.executable, *SCRIPT, *TINY, "--kv-dtypes", entry, "--result-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=ROOT,
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     [path] = tmp_path.glob("long_prompt_*_test.json")
@@ -66,24 +67,25 @@ def test_bench_long_prompt_runs_each_dtype_in_its_own_process(
 def test_bench_long_prompt_refuses_prompts_longer_than_max_seq_len(tmp_path: Path) -> None:
     args = [*TINY[:5], "1021", *TINY[6:]]  # --long-len 1021 + 4 output tokens > 1024
     r = subprocess.run(
-        [sys.executable, str(SCRIPT), *args, "--result-dir", str(tmp_path)],
+        [sys.executable, *SCRIPT, *args, "--result-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
+        cwd=ROOT,
     )
     assert r.returncode == 2 and "--long-len 1021 + --decode-tokens 4 exceeds --max-seq-len 1024" in r.stderr
     r = subprocess.run(
-        [sys.executable, str(SCRIPT), *TINY[:-4], "--decode-tokens", "1", "--result-dir", str(tmp_path)],
+        [sys.executable, *SCRIPT, *TINY[:-4], "--decode-tokens", "1", "--result-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
+        cwd=ROOT,
     )
     assert r.returncode == 2 and "--decode-tokens must be >= 2" in r.stderr
     assert not list(tmp_path.iterdir())
 
 
 def test_greedy_agreement_and_its_records() -> None:
-    sys.path.insert(0, str(ROOT))
     from benchmarks.bench_long_prompt import build_records, greedy_agreement
 
     assert greedy_agreement([1, 2, 3, 4], [1, 2, 3, 4]) == dict(prefix=1.0, same=1.0)

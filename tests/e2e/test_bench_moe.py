@@ -6,16 +6,17 @@ whole MoE module, and rooflines quoted at the H200's published peaks of benchmar
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from benchmarks.roofline import PUBLISHED_BW, PUBLISHED_FLOPS
 
-from benchmarks.roofline import PUBLISHED_BW, PUBLISHED_FLOPS  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # the benchmarks run by module name from tmp_path
 
 
 def test_dry_run_tunes_checks_and_quotes_the_published_peaks(tmp_path: Path) -> None:
@@ -24,7 +25,8 @@ def test_dry_run_tunes_checks_and_quotes_the_published_peaks(tmp_path: Path) -> 
     r = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "bench_moe.py"),
+            "-m",
+            "benchmarks.bench_moe",
             "--dry-run",
             "--tune",
             "--tune-sizes",
@@ -39,6 +41,7 @@ def test_dry_run_tunes_checks_and_quotes_the_published_peaks(tmp_path: Path) -> 
         capture_output=True,
         text=True,
         timeout=300,
+        env=ENV,
         cwd=tmp_path,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -75,7 +78,8 @@ def test_decode_chain_dry_run_checks_both_forms_against_float64(tmp_path: Path) 
     r = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "bench_moe_decode.py"),
+            "-m",
+            "benchmarks.bench_moe_decode",
             "--dry-run",
             "--git-sha",
             "test",
@@ -85,6 +89,7 @@ def test_decode_chain_dry_run_checks_both_forms_against_float64(tmp_path: Path) 
         capture_output=True,
         text=True,
         timeout=300,
+        env=ENV,
         cwd=tmp_path,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -116,7 +121,8 @@ def test_decode_chain_dry_run_of_the_super_layout_with_fp8_experts(tmp_path: Pat
     r = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "bench_moe_decode.py"),
+            "-m",
+            "benchmarks.bench_moe_decode",
             "--dry-run",
             "--shape",
             "super",
@@ -129,6 +135,7 @@ def test_decode_chain_dry_run_of_the_super_layout_with_fp8_experts(tmp_path: Pat
         capture_output=True,
         text=True,
         timeout=300,
+        env=ENV,
         cwd=tmp_path,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -148,7 +155,8 @@ def test_decode_chain_profile_once_runs_the_tuned_chain_and_exits(tmp_path: Path
     r = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "bench_moe_decode.py"),
+            "-m",
+            "benchmarks.bench_moe_decode",
             "--dry-run",
             "--profile-once",
             "--git-sha",
@@ -159,6 +167,7 @@ def test_decode_chain_profile_once_runs_the_tuned_chain_and_exits(tmp_path: Path
         capture_output=True,
         text=True,
         timeout=300,
+        env=ENV,
         cwd=tmp_path,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

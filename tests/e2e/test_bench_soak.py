@@ -5,18 +5,15 @@ with faults and disconnects (the same code the H200 run takes, smaller)."""
 from __future__ import annotations
 
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from benchmarks import bench_soak as soak
+from hyserve.engine.faults import FaultInjector, InjectedFault
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import bench_soak as soak  # noqa: E402
-
-from hyserve.engine.faults import FaultInjector, InjectedFault  # noqa: E402
 
 
 def test_fault_spec_targets_its_share_of_ids_as_the_engine_does() -> None:
@@ -185,5 +182,5 @@ def test_soak_smoke_on_the_tiny_model(tmp_path: Path) -> None:
         r["metrics_after"]["hyserve_kv_cache_blocks_free"]
         == r["metrics_after"]["hyserve_kv_cache_blocks_total"]
     )
-    assert r["command"].startswith("python benchmarks/bench_soak.py --model ''")
+    assert r["command"].startswith("python -m benchmarks.bench_soak --model ''")
     assert out.with_suffix(".log").exists()

@@ -9,20 +9,18 @@ from __future__ import annotations
 import json
 import random
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from hyserve import LLM
+from hyserve.bench import cli as bench_cli
+from hyserve.engine.sampling_params import SamplingParams
+from scripts import train_needle as T
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import train_needle as T  # noqa: E402
-
-from hyserve import LLM  # noqa: E402
-from hyserve.bench import cli as bench_cli  # noqa: E402
-from hyserve.engine.sampling_params import SamplingParams  # noqa: E402
 
 torch.set_num_threads(1)
 transformers = pytest.importorskip("transformers")

@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import random
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from hyserve.bench.needle import DEFAULT_NEEDLE, QUESTION
+from scripts import train_needle as T
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import train_needle as T  # noqa: E402
-
-from hyserve.bench.needle import DEFAULT_NEEDLE, QUESTION  # noqa: E402
 
 torch.set_num_threads(1)
 pytest.importorskip("transformers")

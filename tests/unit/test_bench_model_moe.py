@@ -7,17 +7,13 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks import bench_model as bm  # noqa: E402
-from benchmarks.roofline import (  # noqa: E402
+from benchmarks import bench_model as bm
+from benchmarks.roofline import (
     GIB,
     Ceilings,
     active_decode_step_bytes,
@@ -33,8 +29,10 @@ from benchmarks.roofline import (  # noqa: E402
     prefill_tokens_per_s,
     weight_bytes,
 )
-from hyserve.model.config import HybridModelConfig  # noqa: E402
-from hyserve.model.weights import init_random_tensors, random_state_dict  # noqa: E402
+from hyserve.model.config import HybridModelConfig
+from hyserve.model.weights import init_random_tensors, random_state_dict
+
+ROOT = Path(__file__).resolve().parents[2]
 
 CONFIGS = ROOT / "benchmarks" / "configs"
 NANO = CONFIGS / "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"

@@ -4,16 +4,14 @@ recorder of torch's synchronisation warnings."""
 from __future__ import annotations
 
 import json
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+import benchmarks.bench_step_sync as bss
 
-import benchmarks.bench_step_sync as bss  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _sync_here() -> None:

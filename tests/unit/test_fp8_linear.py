@@ -349,7 +349,8 @@ def test_bench_kernels_fp8_suite_runs_and_checks_first(tmp_path) -> None:
     r = subprocess.run(
         [
             sys.executable,
-            str(root / "benchmarks/bench_kernels.py"),
+            "-m",
+            "benchmarks.bench_kernels",
             "--dry-run",
             "--only",
             "fp8_linear",
@@ -359,6 +360,7 @@ def test_bench_kernels_fp8_suite_runs_and_checks_first(tmp_path) -> None:
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=root,  # benchmarks.bench_kernels is found from the repository root
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     doc = json.loads(out.read_text())

@@ -256,7 +256,8 @@ def test_bench_kernels_linear_sweep_dry_run_checks_every_form_first(tmp_path):
     r = subprocess.run(
         [
             sys.executable,
-            str(root / "benchmarks/bench_kernels.py"),
+            "-m",
+            "benchmarks.bench_kernels",
             "--dry-run",
             "--only",
             "linear_sweep",
@@ -385,18 +386,8 @@ def test_the_fp8_gemv_sweep_writes_only_clear_winners_into_the_gpu_file(tmp_path
     """`bench_kernels.py --write-linear-configs`: a swept shape whose fastest setting took at most 97% of the
     current one's time enters the GPU's file, citing both times; a closer race or a shape without a timed
     current setting does not; earlier entries stay; the file is one `gpu_settings` reads back."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from benchmarks import bench_kernels as bk
 
-    root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("bench_kernels_w", root / "benchmarks/bench_kernels.py")
-    bk = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(root / "benchmarks"))
-    try:
-        spec.loader.exec_module(bk)
-    finally:
-        sys.path.remove(str(root / "benchmarks"))
     old = dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4)
     (tmp_path / "Some_GPU.json").write_text(
         json.dumps({"device": "Some GPU", "source": {"0,2688,4608": "x"}, "configs": {"0,2688,4608": old}})

@@ -11,10 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.roofline import (  # noqa: E402
+from benchmarks.roofline import (
     PUBLISHED,
     PUBLISHED_BW,
     PUBLISHED_FLOPS,
@@ -23,6 +20,8 @@ from benchmarks.roofline import (  # noqa: E402
     load_ceilings,
     measure_ceilings,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SMALL = dict(
     stream_read_bytes=1 << 20,
@@ -87,7 +86,8 @@ def test_bench_kernels_records_carry_the_measured_ceiling(tmp_path: Path) -> Non
     r = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks/bench_kernels.py"),
+            "-m",
+            "benchmarks.bench_kernels",
             "--dry-run",
             "--only",
             "norm",
@@ -97,6 +97,7 @@ def test_bench_kernels_records_carry_the_measured_ceiling(tmp_path: Path) -> Non
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=ROOT,  # benchmarks.bench_kernels is found from the repository root
     )
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(out.read_text())

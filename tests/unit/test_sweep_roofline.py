@@ -8,15 +8,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
+
+from benchmarks import sweep_roofline
+from benchmarks.roofline import PUBLISHED_BW, Ceilings, decode_step_ms
+from hyserve.model.config import HybridModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from benchmarks import sweep_roofline  # noqa: E402
-from benchmarks.roofline import PUBLISHED_BW, Ceilings, decode_step_ms  # noqa: E402
-from hyserve.model.config import HybridModelConfig  # noqa: E402
 
 
 @pytest.fixture
