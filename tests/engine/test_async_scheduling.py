@@ -260,6 +260,7 @@ def test_async_scheduling_option() -> None:
         build_engine_config({"async_scheduling": "sometimes"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "seed,small_pool,reuse",
     [(0, False, False), (1, False, False), (10, True, False), (13, True, False), (3, False, True)],

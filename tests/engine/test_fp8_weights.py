@@ -1167,6 +1167,7 @@ def pool():
     p.close()
 
 
+@pytest.mark.slow  # two gloo ranks
 def test_fp8_layers_at_tp2_match_the_unsharded_layer(pool: RankPool, tmp_path: Path) -> None:
     tensors: dict[str, torch.Tensor] = {
         "x": torch.randn(5, 256),

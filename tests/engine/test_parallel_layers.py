@@ -189,6 +189,7 @@ def pool():
     p.close()
 
 
+@pytest.mark.slow
 def test_parallel_layers_match_unsharded_torch_at_tp2(pool: RankPool, tmp_path: Path) -> None:
     path = tmp_path / "layers.safetensors"
     save_file(_tensors(), str(path))

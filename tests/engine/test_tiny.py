@@ -77,6 +77,7 @@ def test_deterministic(tiny_dirs, tmp_path):
     }
 
 
+@pytest.mark.slow  # two interpreter processes
 def test_deterministic_across_processes(tiny_dirs, tmp_path):
     """Another interpreter (fresh hash seeds, fresh tokenizers state) writes the same bytes."""
     code = f"from hyserve.model.tiny import make_tiny; make_tiny({str(tmp_path)!r}, variant='dense')"

@@ -275,6 +275,7 @@ def _reference(cfg: HybridModelConfig, ckpt: Path, *, kv_scales: bool = False) -
     return _run(ref_model)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["dense", "replicated", "moe", "latent-moe"])
 def test_tp2_matches_tp1_from_a_checkpoint(pool: RankPool, tmp_path: Path, variant: str) -> None:
     """tp 2, ep 1: the experts whole on both ranks, their intermediate dimension split; the shared expert
@@ -286,6 +287,7 @@ def test_tp2_matches_tp1_from_a_checkpoint(pool: RankPool, tmp_path: Path, varia
     assert all(r["kv_scales"] == ({1: {"k": 0.5, "v": 0.25}} if variant == "dense" else {}) for r in got)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["moe", "latent-moe"])
 def test_tp2_ep2_matches_tp1_from_a_checkpoint(ep_pool: RankPool, tmp_path: Path, variant: str) -> None:
     """tp 2, ep 2: each rank holds half the experts, whole."""
@@ -296,6 +298,7 @@ def test_tp2_ep2_matches_tp1_from_a_checkpoint(ep_pool: RankPool, tmp_path: Path
     assert [r["experts"] for r in got] == [(0, cfg.n_routed_experts // 2), (cfg.n_routed_experts // 2,) * 2]
 
 
+@pytest.mark.slow
 def test_tp2_dummy_weights_are_the_tp1_model(pool: RankPool) -> None:
     """load_format dummy: each rank keeps its rows of the tensors tp 1 draws, so the model is the same."""
     cfg = _variant("dense")

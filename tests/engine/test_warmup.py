@@ -56,6 +56,7 @@ def test_warmup_runs_every_case_and_leaves_no_trace(warm: LLM) -> None:
     assert _outputs(warm) == _outputs(LLM(warmup="off", **OPTS))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "opts",
     [

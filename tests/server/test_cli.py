@@ -248,6 +248,7 @@ def test_generate_config_only_dir_needs_token_ids(
 # ---- serve: API key and graceful shutdown ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_serve_api_key_and_graceful_sigint() -> None:
     server = ServerProcess(
         args=["--max_seq_len", "4096", "--served-model-name", "my-model", "--shutdown_timeout", "1"],

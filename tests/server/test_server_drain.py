@@ -9,8 +9,11 @@ import signal
 import threading
 
 import httpx
+import pytest
 
 from tests.server_fixtures import ServerProcess
+
+pytestmark = pytest.mark.slow  # two real server processes, seconds each
 
 
 def _stream(

@@ -20,6 +20,8 @@ from hyserve.server.protocol import CompletionRequest
 from hyserve.server.state import DEFAULT_MAX_REQUEST_BODY_BYTES
 from tests.server_fixtures import ServerProcess
 
+pytestmark = pytest.mark.slow  # real server processes
+
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:

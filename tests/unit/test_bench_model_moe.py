@@ -162,6 +162,7 @@ def test_plans(tmp_path: Path) -> None:
         assert batch * prompt <= nano.max_num_tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["latent-moe", "dense"])
 def test_bench_hyserve_runs_a_plan_on_the_cpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.quick import quick_first
 from tests.unit import test_triton_kernels as tk
 
 if not torch.cuda.is_available() and "triton" not in sys.modules:
@@ -291,12 +292,13 @@ FP8_SMALL = [
 @needs_triton
 # bf16 queries over an fp8 cache run float16 products (triton_attention._f16_queries), which the interpreter
 # executes too (its bf16 dots are what keeps BF16 out of ATTN_DTYPES without CUDA)
-@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("dtype", quick_first([F32, F16, BF16]))
 @pytest.mark.parametrize("new,lens", FP8_SMALL)
 def test_triton_fp8_small(poison, exact_fp8_downcast, dtype, new, lens):
     _triton_case(poison, new=new, lens=lens, Hq=6, Hkv=2, D=32, bs=8, dtype=dtype, k_scale=0.05, v_scale=3.0)
 
 
+@pytest.mark.slow
 @needs_triton
 def test_triton_fp8_small_decode_tensors_other_scales(poison, exact_fp8_downcast):
     """Pure decode with device seq_lens / cu_q (the graph-capturable path), MHA, odd head dim."""
@@ -898,6 +900,7 @@ def test_dummy_weights_with_unit_scales(tmp_path, caplog):
     assert caplog.text.count("kv_scales unit, k_scale = v_scale = 1.0 in all 2 attention layers") == 1
 
 
+@pytest.mark.slow
 def test_fp8_attention_kernels_upcast_e4m3_tiles_to_float16_for_bf16_queries():
     """Offline, no GPU needed (tests/sm90_compile_check.py): compiled for sm_90 at the GPU launch settings,
     the decode and prefill kernels over an e4m3 cache with bf16 queries convert the tiles with the paired

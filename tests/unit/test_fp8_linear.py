@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from tests.quick import quick_first
 from tests.triton_interpreter import IGNORE_INTERPRETER_WARNING, interpret_without_cuda
 
 interpret_without_cuda()
@@ -104,7 +105,7 @@ def test_row_quantisation_refuses_bad_input() -> None:
 # ---- the linear --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("scheme", ["channel", "tensor", "block"])
 @pytest.mark.parametrize("dtype", [BF16, F16])
-@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("m", quick_first([1, 5, 16]))
 def test_decode_form_against_float64(scheme: str, dtype: torch.dtype, m: int, poison) -> None:
     n, k = 200, 328  # ragged N and K tiles; K split over programs
     q, s = _weight(n, k, "block" if scheme == "block" else scheme)
@@ -121,7 +122,7 @@ def test_decode_form_against_float64(scheme: str, dtype: torch.dtype, m: int, po
 
 @pytest.mark.parametrize("scheme", ["channel", "block"])
 @pytest.mark.parametrize("dtype", [BF16, F16])
-@pytest.mark.parametrize("m", [17, 40])
+@pytest.mark.parametrize("m", [17, pytest.param(40, marks=pytest.mark.slow)])
 def test_prefill_form_against_float64(scheme: str, dtype: torch.dtype, m: int, poison) -> None:
     n, k = 160, 300
     q, s = _weight(n, k, scheme)
@@ -255,6 +256,7 @@ def test_scaled_mm_takes_only_what_it_supports() -> None:
         assert not t8._scaled_mm_takes(xc[: t8.SCALED_MM_MIN_ROWS - 1], qc, False)  # a decode step's rows
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_hopper_with_e4m3_warp_group_mma():
     """Offline, no GPU needed (tests/sm90_compile_check.py): at the GPU launch settings every FP8 kernel (the
     linear's, and the fused MoE's with FP8 experts at a Nano 30B-A3B layer) compiles for sm_90 within 227 KiB
@@ -293,6 +295,7 @@ def test_kernels_compile_for_hopper_with_e4m3_warp_group_mma():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     CUDA, reason="the interpreter's form of test_gpu_fp8_model_kernels_against_the_reference_path"
 )
@@ -331,6 +334,7 @@ def test_model_runs_the_kernels_in_place_of_the_reference(monkeypatch: pytest.Mo
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.8
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     CUDA,
     reason="the dry run is the CPU form (the Triton interpreter); on a GPU "

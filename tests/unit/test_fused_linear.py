@@ -235,6 +235,7 @@ def test_linear_gemv_at_the_nemotron_shapes(poison, n, k):
     _close64(out, torch.nn.functional.linear(x.double(), w.double()), BF16, f"linear {k}->{n}")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     torch.cuda.is_available(),
     reason="the dry run is the CPU form (the Triton interpreter); on a "

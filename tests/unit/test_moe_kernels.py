@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from tests.quick import quick_first
 from tests.triton_interpreter import IGNORE_INTERPRETER_WARNING, interpret_without_cuda
 
 interpret_without_cuda()
@@ -242,8 +243,8 @@ EXPERT_CASES = {  # T, k, E, d, I, experts, always
 }
 
 
-@pytest.mark.parametrize("variant", ["gemv", "gemv-nested", "gemv-early", "gemv-split", "gemm"])
-@pytest.mark.parametrize("dtype", [F32, F16])
+@pytest.mark.parametrize("variant", quick_first(["gemv", "gemv-nested", "gemv-early", "gemv-split", "gemm"]))
+@pytest.mark.parametrize("dtype", quick_first([F32, F16]))
 @pytest.mark.parametrize("case", EXPERT_CASES)
 def test_experts_match_float64(poison, variant, dtype, case):
     T, k, E, d, inter, experts, always = EXPERT_CASES[case]
@@ -271,8 +272,8 @@ def _fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
 
 
-@pytest.mark.parametrize("variant", ["gemv", "gemv-nested", "gemv-early", "gemv-split", "gemm"])
-@pytest.mark.parametrize("dtype", [F32, F16])
+@pytest.mark.parametrize("variant", quick_first(["gemv", "gemv-nested", "gemv-early", "gemv-split", "gemm"]))
+@pytest.mark.parametrize("dtype", quick_first([F32, F16]))
 @pytest.mark.parametrize("case", ["one-token", "empty-experts", "ragged"])
 def test_fp8_experts_match_float64_of_the_dequantised_experts(poison, variant, dtype, case):
     """FP8 experts (e4m3, per-expert channel scales) in every kernel form against float64 of the
@@ -359,7 +360,7 @@ def _shared_weights(d: int, inter: int, S: int, dtype):
 
 
 @pytest.mark.parametrize("variant", ["gemv", "gemv-nested", "gemv-early", "gemv-split", "gemm"])
-@pytest.mark.parametrize("S", [1, 2])
+@pytest.mark.parametrize("S", [1, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", ["one-token", "empty-experts", "ragged"])
 def test_experts_with_the_shared_expert_match_float64(poison, variant, S, case):
     """The shared expert folded in (S chunks of the routed intermediate size, weight 1 for every token);
@@ -864,6 +865,7 @@ def test_early_decode_gemvs_replay_bit_identical_under_pdl():
             torch.testing.assert_close(got[0], chain(static, forms[0]), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_moe_kernels_compile_for_sm90_at_the_tuned_configs():
     """The MoE kernels a Nano 30B-A3B layer launches (router GEMV, routing, decode GEMVs with the shared
     expert folded in, align + grouped GEMMs + combine with the shared expert) compile ahead of time for

@@ -81,6 +81,7 @@ def test_ceiling_fields_rate_time_and_published() -> None:
     assert none["ratio_to_published"] == pytest.approx(1 / 4.8)
 
 
+@pytest.mark.slow
 def test_bench_kernels_records_carry_the_measured_ceiling(tmp_path: Path) -> None:
     out = tmp_path / "k.json"
     r = subprocess.run(

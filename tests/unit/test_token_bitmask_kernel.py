@@ -73,6 +73,7 @@ def test_bad_masks_are_refused_with_the_expected_shape(bad, what):
             fn(logits, mask)
 
 
+@pytest.mark.slow
 def test_the_mask_kernel_compiles_for_sm90():
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

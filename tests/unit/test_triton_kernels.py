@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 
+from tests.quick import quick_first
 from tests.triton_interpreter import IGNORE_INTERPRETER_WARNING, interpret_without_cuda
 
 interpret_without_cuda()
@@ -121,7 +122,7 @@ def _ssm_case(
     assert torch.equal(p_tri[untouched].nan_to_num(7.0), pool[untouched].nan_to_num(7.0))
 
 
-@pytest.mark.parametrize("state_dtype", [F32, BF16, F16])
+@pytest.mark.parametrize("state_dtype", quick_first([F32, BF16, F16]))
 @pytest.mark.parametrize("Bt,n_pad", [(1, 0), (5, 2)])
 def test_ssm_update_small(poison, state_dtype, Bt, n_pad):
     _ssm_case(
@@ -428,7 +429,7 @@ ATTN_SMALL = [
 ]
 
 
-@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+@pytest.mark.parametrize("dtype", quick_first(ATTN_DTYPES))
 @pytest.mark.parametrize("new,lens", ATTN_SMALL)
 def test_paged_attention_small(poison, dtype, new, lens):
     _attn_case(poison, new=new, lens=lens, Hq=6, Hkv=2, D=32, bs=8, dtype=dtype)
@@ -436,13 +437,15 @@ def test_paged_attention_small(poison, dtype, new, lens):
 
 @pytest.mark.parametrize(
     "case",
-    [
-        dict(new=[1, 1], lens=[300, 1000], Hq=6, Hkv=2, D=32, bs=8),  # several splits, one mostly empty
-        dict(
-            new=[1, 1, 1], lens=[4, 9, 70], Hq=3, Hkv=3, D=24, bs=16, tensors=True
-        ),  # odd head dim: masked block
-        dict(new=[1, 20, 7], lens=[9, 20, 30], Hq=6, Hkv=2, D=32, bs=8),  # decode beside prefills
-    ],
+    quick_first(
+        [
+            dict(new=[1, 1], lens=[300, 1000], Hq=6, Hkv=2, D=32, bs=8),  # several splits, one mostly empty
+            dict(
+                new=[1, 1, 1], lens=[4, 9, 70], Hq=3, Hkv=3, D=24, bs=16, tensors=True
+            ),  # odd head dim: masked block
+            dict(new=[1, 20, 7], lens=[9, 20, 30], Hq=6, Hkv=2, D=32, bs=8),  # decode beside prefills
+        ]
+    ),
 )
 def test_paged_attention_one_shot_merge(poison, monkeypatch, case):
     """`_combine_once_kernel` (every split's partials in one load, by head-dim blocks) merges the decode
@@ -465,7 +468,7 @@ def test_paged_attention_one_shot_merge(poison, monkeypatch, case):
     assert calls and all(g[2] == -(-case["D"] // 16) for g in calls), calls
 
 
-@pytest.mark.parametrize("tensors", [False, True])
+@pytest.mark.parametrize("tensors", quick_first([False, True]))
 def test_paged_attention_small_mha_odd_head_dim_tensors(poison, tensors):
     _attn_case(poison, new=[1, 1, 1], lens=[4, 9, 70], Hq=3, Hkv=3, D=24, bs=16, dtype=F32, tensors=tensors)
 
@@ -476,8 +479,10 @@ def test_paged_attention_small_prefill_tensors(poison):
     )
 
 
-@pytest.mark.parametrize("variant", [dict(TMA=True), dict(TMA=True, BLOCK_N=32), dict(TMA=False)])
-@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+@pytest.mark.parametrize(
+    "variant", quick_first([dict(TMA=True), dict(TMA=True, BLOCK_N=32), dict(TMA=False)])
+)
+@pytest.mark.parametrize("dtype", quick_first(ATTN_DTYPES))
 def test_paged_attention_small_prefill_variants(poison, monkeypatch, dtype, variant):
     """The prefill kernel's alternatives (key tiles through tensor descriptors, one box per tile (BLOCK_N 16)
     or two (BLOCK_N 32); pointer loads, also float32's fallback) on bs-16 blocks
@@ -606,6 +611,7 @@ def _gluon_or_skip():
     return ga
 
 
+@pytest.mark.slow
 def test_gluon_prefill_compiles_for_hopper():
     """The Gluon prefill kernel (which the interpreter cannot run) compiles ahead of time for sm_90 at the
     launcher's settings, head dims 64 and 128, one box per key tile and several, 16-bit and fp8 caches: its
@@ -677,6 +683,7 @@ DECODE_KERNELS = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pdl", [True, False])
 def test_decode_kernels_wait_for_their_predecessor_under_pdl(pdl: bool):
     """Offline for sm_90 (tests/sm90_compile_check.py): the kernels of a decode step are launched as
@@ -730,6 +737,7 @@ def test_pdl_launch_keywords():
         lu.set_pdl(was)
 
 
+@pytest.mark.slow
 def test_float32_kernels_fit_hopper_shared_memory():
     """The kernels whose shared memory grows with float32 operands (attention decode and prefill tiles, the
     SSD state walk) compile for sm_90 at the GPU launch settings the launchers pick for a Nano 9B v2-width

@@ -157,7 +157,9 @@ SMALL = [
 ]
 
 
-@pytest.mark.parametrize("with_init", [False, True], ids=["no-init", "init"])
+@pytest.mark.parametrize(
+    "with_init", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["no-init", "init"]
+)
 @pytest.mark.parametrize("lens,chunk", SMALL)
 def test_ssd_small_f32(poison, lens, chunk, with_init):
     _check(poison, lens, chunk=chunk, dtype=F32, with_init=with_init)
