@@ -96,6 +96,7 @@ def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
         log(f"hyserve: {kv_cal.describe()}")
     config, plan, graph_sizes, activations = size_pools(config, lm, max_seq_len, channel, log)
     sc = config.scheduler
+    assert sc.max_batch_size is not None and sc.max_num_tokens is not None  # sized by size_pools
     tensors = lm.model.allocate_cache(
         num_blocks=plan.num_kv_blocks,
         tokens_per_block=config.cache.tokens_per_block,

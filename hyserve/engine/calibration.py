@@ -49,7 +49,7 @@ def calibration_sizes(engine: LLMEngine) -> tuple[int, int, int]:
     and a timing of two steps is not one step's."""
     chunk = engine.model_config.chunk_size
     unit = math.lcm(chunk, engine.cache.tokens_per_block, engine.cache.snapshot_interval or 1)
-    long_n = _aligned(min(engine.config.scheduler.max_num_tokens, engine.plan.max_request_tokens - 2), unit)
+    long_n = _aligned(min(engine.scheduler.max_num_tokens, engine.plan.max_request_tokens - 2), unit)
     floor_n = min(chunk, long_n)
     return floor_n, max(_aligned(long_n // 4, unit), floor_n), long_n
 

@@ -56,6 +56,7 @@ class InputProcessor:
                 code="request_too_large",
             )
         sc = self.scheduler
+        assert sc.max_num_tokens is not None  # sized at assembly
         if not sc.enable_chunked_prefill and n > sc.max_num_tokens:
             raise RequestRejected(
                 f"the prompt has {n} tokens, more than max_num_tokens = {sc.max_num_tokens} with chunked "

@@ -36,7 +36,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _index(
-    rows_tokens: list[tuple[int, Sequence[int]]], device: torch.device
+    rows_tokens: Sequence[tuple[int, Sequence[int]]], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, token) index tensors for every token of every listed row."""
     rows = [torch.full((len(toks),), r, dtype=torch.long) for r, toks in rows_tokens]

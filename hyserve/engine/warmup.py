@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -85,12 +86,14 @@ class Warmup:
     def cases(self) -> list[tuple[str, Callable[[], None]]]:
         e = self.engine
         sc = e.config.scheduler
+        # the sized limits (the config leaves them None when they are sized from memory)
+        max_tokens, max_batch = e.scheduler.max_num_tokens, e.scheduler.max_batch_size
         C = e.model_config.chunk_size
         fit = e.plan.max_request_tokens - 2  # room for the generated tokens
         if not sc.enable_chunked_prefill:  # a prompt must then fit one step
-            fit = min(fit, sc.max_num_tokens)
+            fit = min(fit, max_tokens)
         self._longest = fit
-        budget = min(sc.max_num_tokens, fit)
+        budget = min(max_tokens, fit)
         out: list[tuple[str, Callable[[], None]]] = []
 
         def add(name: str, fn: Callable[[], None]) -> None:
@@ -101,24 +104,24 @@ class Warmup:
         buckets = e.loaded.model.kernel_token_buckets(budget) if e.device.type == "cuda" else []
         for n in sorted({1, C, C + 3, budget, *buckets}):
             if 1 <= n <= fit:
-                add(f"prefill 1 x {n} tokens", lambda n=n: self._run([n]))
-        if sc.enable_chunked_prefill and sc.max_num_tokens + C + 7 <= fit:
-            n = sc.max_num_tokens + C + 7
-            add(f"chunked prefill of {n} tokens", lambda n=n: self._run([n]))
+                add(f"prefill 1 x {n} tokens", partial(self._run, [n]))
+        if sc.enable_chunked_prefill and max_tokens + C + 7 <= fit:
+            n = max_tokens + C + 7
+            add(f"chunked prefill of {n} tokens", partial(self._run, [n]))
         if e.config.cache.enable_block_reuse:
             add("prefix-cache hit", self._prefix_hit)
         lens = [n for n in (1, C, C + 5, 2 * C + 1) if n <= fit]
-        if sum(lens) <= sc.max_num_tokens and len(lens) <= sc.max_batch_size:
+        if sum(lens) <= max_tokens and len(lens) <= max_batch:
             add(f"prefill {len(lens)} sequences", lambda: self._run(lens))
-        if sc.enable_chunked_prefill and 2 * (sc.max_num_tokens + C + 7) <= fit and sc.max_batch_size >= 2:
-            n = sc.max_num_tokens + C + 7  # two continuing prefills sharing steps
-            add(f"two chunked prefills of {n} tokens together", lambda n=n: self._run([n, n]))
-        for d in range(1, min(MAX_MIXED_DECODES, sc.max_batch_size - 1) + 1):
-            add(f"mixed step: {d} decodes + 1 prefill", lambda d=d: self._mixed(d))
+        if sc.enable_chunked_prefill and 2 * (max_tokens + C + 7) <= fit and max_batch >= 2:
+            n = max_tokens + C + 7  # two continuing prefills sharing steps
+            add(f"two chunked prefills of {n} tokens together", partial(self._run, [n, n]))
+        for d in range(1, min(MAX_MIXED_DECODES, max_batch - 1) + 1):
+            add(f"mixed step: {d} decodes + 1 prefill", partial(self._mixed, d))
         add("eager decode", self._eager_decode)
         for name, p in SAMPLING_CASES:
-            add(f"sampling: {name}", lambda p=p: self._run([8], params=p))
-        mix = [p for _, p in SAMPLING_CASES][: sc.max_batch_size]
+            add(f"sampling: {name}", partial(self._run, [8], params=p))
+        mix = [p for _, p in SAMPLING_CASES][:max_batch]
         add("sampling: mixed batch", lambda: self._run([8] * len(mix), params=mix))
         if e.device.type == "cuda":
             add("structured outputs: token mask", self._token_mask)

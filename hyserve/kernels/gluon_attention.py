@@ -17,6 +17,7 @@ reference.
 from __future__ import annotations
 
 from functools import cache
+from typing import Any
 
 import torch
 import triton
@@ -757,9 +758,9 @@ def _prefill_kernel_sm90(
                 [232, 24, 24],
             )
             _free_barriers(v_ready8, STAGES8)
-        else:
-            F16: gl.constexpr = gl.float16
-            ring: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], F16)
+        else:  # constexpr locals per branch, as Gluon declares them (mypy reads a second definition)
+            F16: gl.constexpr = gl.float16  # type: ignore[no-redef]
+            ring: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], F16)  # type: ignore[no-redef]
             k_bufs = gl.allocate_shared_memory(F16, [STAGES, BLOCK_N, HEAD_DIM], ring)
             v_bufs = gl.allocate_shared_memory(F16, [STAGES, BLOCK_N, HEAD_DIM], ring)
             q_bufs = gl.allocate_shared_memory(F16, [2, ROWS, HEAD_DIM], ring)
@@ -1042,7 +1043,7 @@ def prefill_sm90(
     float8 cache) when it can take it (`sm90_prefill_box`; scales only with a float8 cache, the one the engine
     scales), returning True; False, with nothing written, otherwise (a `triton_attention.PrefillKernel`)."""
     fp8 = k_cache.dtype in _GL_FP8
-    cfg = _PREFILL_SM90_FP8 if fp8 else _PREFILL_SM90
+    cfg: dict[str, Any] = _PREFILL_SM90_FP8 if fp8 else _PREFILL_SM90  # ints and the QK8 flag
     box = sm90_prefill_box(q, k_cache, v_cache, cfg["BLOCK_N"])
     if not box or (k_scale is not None and not fp8):
         return False

@@ -421,7 +421,7 @@ def decode_fp8(
     assert (v_scale is not None) == scaled
     cfg = dict(_DECODE_FP8)
     SUB = cfg.pop("SUB")
-    ks, vs = (k_scale, v_scale) if scaled else (q, q)  # unread when unscaled
+    ks, vs = (k_scale, v_scale) if k_scale is not None and v_scale is not None else (q, q)  # unread unscaled
     _decode_fp8_kernel[(nd, Hkv, splits)](
         *split_kv_args(q, k_cache, v_cache, block_tables, lens_t, cu_t, po, plse, ks, vs, splits, qk_scale),
         BS=BS,

@@ -182,11 +182,12 @@ def _check_fp8_experts(
         )
     E, inter, d = w_up.shape
     for name, sc, want in (("up_scale", up_scale, (E, inter)), ("down_scale", down_scale, (E, d))):
-        if sc.dtype != torch.float32 or tuple(sc.shape) != want:  # type: ignore[union-attr]
+        assert sc is not None  # called with scales, both given (checked above)
+        if sc.dtype != torch.float32 or tuple(sc.shape) != want:
             raise ValueError(
                 f"moe_experts: {name} must be float32 {list(want)} (per expert and output channel), "
                 f"got {sc.dtype} {list(sc.shape)}"
-            )  # type: ignore[union-attr]
+            )
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(
             f"moe_experts: FP8 experts take float32, float16 or bfloat16 activations, got {x.dtype}"
@@ -304,6 +305,7 @@ def moe_experts_ref(
         out.index_add_(0, t, F.linear(h, down).to(acc) * wf[sel, None])
         start += n
     if with_shared:
+        assert shared_up is not None and shared_down is not None  # check_shared_args: both or neither
         out += F.linear(torch.square(F.relu(F.linear(x, shared_up))), shared_down).to(acc)
     return out.to(x.dtype)
 

@@ -856,7 +856,8 @@ def paged_attention_triton(
         cu_t, lens_t = step_index(cu_h, lens_h, dev)
     else:
         cu_t, lens_t = device_index(cu_q, dev), device_index(seq_lens, dev)
-    ks, vs = (k_scale, v_scale) if scaled else (q, q)  # unread when unscaled
+    # unread when unscaled (scaled: both given, check_kv_scales)
+    ks, vs = (k_scale, v_scale) if k_scale is not None and v_scale is not None else (q, q)
     strides_kv = (
         k_cache.stride(0),
         k_cache.stride(1),

@@ -1339,10 +1339,15 @@ def moe_experts_triton(
         return out
     if w_up.stride(2) != 1 or w_down.stride(2) != 1:
         raise ValueError("moe_experts: expert weights need a unit stride along their last dimension")
-    if S and (
-        not shared_up.is_contiguous() or shared_down.stride(1) != 1 or shared_up.stride(0) != w_up.stride(1)
-    ):
-        raise ValueError("moe_experts: the shared expert's weights must be contiguous rows like the experts'")
+    if shared_up is not None and shared_down is not None:  # S > 0
+        if (
+            not shared_up.is_contiguous()
+            or shared_down.stride(1) != 1
+            or shared_up.stride(0) != w_up.stride(1)
+        ):
+            raise ValueError(
+                "moe_experts: the shared expert's weights must be contiguous rows like the experts'"
+            )
     cfg = (
         validate_config(config)
         if config is not None
@@ -1365,7 +1370,9 @@ def moe_experts_triton(
     y = torch.empty(T * k, d, dtype=x.dtype, device=x.device)
     launch_down_gemm(h, w_down, y, tw, sorted_ids, expert_ids, npad, bm, cfg["down"], down_scale)
     # many tokens: the shared expert as two GEMMs (each weight read once for all rows), added in the combine
-    shared = F.linear(relu2_triton(F.linear(xc, shared_up)), shared_down) if S else None
+    shared = None
+    if shared_up is not None and shared_down is not None:  # S > 0
+        shared = F.linear(relu2_triton(F.linear(xc, shared_up)), shared_down)
     launch_combine(y, out, k, shared)
     return out
 

@@ -6,6 +6,9 @@ imports it, and a CPU-only install never needs it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from hyserve.kernels import ops
@@ -40,7 +43,7 @@ def register_triton_kernels() -> list[str]:
     from hyserve.kernels.triton_stochastic_rounding import store_ssm_state_triton
     from hyserve.kernels.triton_token_bitmask import apply_token_bitmask_triton
 
-    impls = {
+    impls: dict[str, Callable[..., Any]] = {
         "rms_norm": rms_norm_triton,
         "add_rms_norm": add_rms_norm_triton,
         "relu2": relu2_triton,

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hyserve.distributed import Group
 from hyserve.kernels.fp8_linear import BLOCK, E4M3, dequantize_weight_ref, quantize_weight_ref
 from hyserve.model.moe import Experts
 from hyserve.model.parallel_linear import (
@@ -75,7 +76,7 @@ def is_fp8_source(loaded: torch.Tensor | SliceLike) -> bool:
         if loaded.dtype in _FLOAT_SOURCES:
             return False
         raise ValueError(f"FP8 linear: cannot load a {loaded.dtype} weight (e4m3 or a 16/32-bit float)")
-    dt = loaded.get_dtype()  # type: ignore[attr-defined]
+    dt = loaded.get_dtype()
     if dt in _SAFETENSORS_FP8:
         return True
     if dt in _SAFETENSORS_FLOATS:
@@ -88,6 +89,12 @@ def _read_all(loaded: torch.Tensor | SliceLike) -> torch.Tensor:
     if isinstance(loaded, torch.Tensor):
         return loaded
     return torch.as_tensor(loaded[()] if len(loaded_shape(loaded)) == 0 else loaded[:])
+
+
+def _group(layer: LinearBase) -> Group:
+    """The tp group of a column- or row-parallel layer (a replicated one has none)."""
+    assert isinstance(layer, MergedColumnParallelLinear | RowParallelLinear), type(layer).__name__
+    return layer.group
 
 
 def _layout(layer: LinearBase) -> tuple[str, tuple[ShardedPart, ...]]:
@@ -188,7 +195,7 @@ class Fp8Loaders:
 
     def _part_slice(self, shard_id: str) -> tuple[int, int]:
         off = 0
-        tp = self.layer.group.size  # type: ignore[attr-defined]
+        tp = _group(self.layer).size
         for p in self.parts:
             if p.name == shard_id:
                 return off, p.local_size(tp)
@@ -228,7 +235,7 @@ class Fp8Loaders:
             src = src.reshape(()).expand(rows)
         src = src.reshape(-1)
         if self.kind == "column":
-            load_parts(param, src, self.parts, self.layer.group, dim=0, shard_id=shard_id, what=self.what)  # type: ignore[attr-defined]
+            load_parts(param, src, self.parts, _group(self.layer), dim=0, shard_id=shard_id, what=self.what)
         else:
             load_whole(param, src, self.what)
 
@@ -247,8 +254,8 @@ class Fp8Loaders:
             raise ValueError(
                 f"{self.what}: block weight_scale has shape {list(src.shape)}, expected {list(want)}"
             )
-        g = getattr(self.layer, "group", None)
-        if self.kind == "replicated" or (g.size == 1 and shard_id is None):  # type: ignore[union-attr]
+        g = None if self.kind == "replicated" else _group(self.layer)
+        if g is None or (g.size == 1 and shard_id is None):  # None: replicated
             load_whole(param, src, self.what)
             return
         dim = 0 if self.kind == "column" else 1
@@ -275,7 +282,7 @@ def convert_linear(layer: LinearBase, quant: QuantConfig, name: str = "") -> Non
     allocates nothing. Raises ValueError when block scales cannot split over this tp group."""
     kind, parts = _layout(layer)
     what = f"{name or type(layer).__name__}"
-    tp = 1 if kind == "replicated" else layer.group.size  # type: ignore[attr-defined]
+    tp = 1 if kind == "replicated" else _group(layer).size
     if quant.scheme == "block" and tp > 1:  # one rank loads the whole tensor: any size
         problem = _block_problem(parts, tp, what, "rows" if kind == "column" else "columns")
         if problem:

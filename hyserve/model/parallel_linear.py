@@ -36,9 +36,13 @@ from hyserve.kernels import ops
 
 
 class SliceLike(Protocol):
-    """What the loaders need from a checkpoint tensor: a torch.Tensor or a safetensors PySafeSlice."""
+    """What the loaders need from a safetensors PySafeSlice (a torch.Tensor is taken beside it)."""
 
     def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+    def get_shape(self) -> list[int]: ...
+
+    def get_dtype(self) -> str: ...
 
 
 Loader = Callable[..., None]  # (param, loaded: torch.Tensor | SliceLike, shard_id: str | None = None)
@@ -47,7 +51,7 @@ Loader = Callable[..., None]  # (param, loaded: torch.Tensor | SliceLike, shard_
 def loaded_shape(loaded: torch.Tensor | SliceLike) -> tuple[int, ...]:
     if isinstance(loaded, torch.Tensor):
         return tuple(loaded.shape)
-    return tuple(loaded.get_shape())  # type: ignore[attr-defined]
+    return tuple(loaded.get_shape())
 
 
 def read_rows(loaded: torch.Tensor | SliceLike, dim: int, start: int, length: int) -> torch.Tensor:
@@ -198,6 +202,10 @@ class LinearBase(ShardLoading):
     quant: Any = None  # a QuantConfig once the layer holds FP8 weights
     weight: nn.Parameter
     bias: nn.Parameter | None
+    in_features: int  # this rank's
+    out_features: int  # this rank's
+    weight_scale: nn.Parameter  # FP8 only (model/fp8_weights.py)
+    _fp8_loaders: object  # FP8 only: fp8_weights.Fp8Loaders, kept alive beside the layer
 
     def matmul(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         """x [..., in_local] -> this rank's x @ W^T (+ bias when `bias`), no collective."""
@@ -278,7 +286,7 @@ class MergedColumnParallelLinear(LinearBase):
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """y [..., out_local] -> this rank's part outputs, in part order."""
-        return torch.split(y, self.local_sizes, dim=-1)
+        return torch.split(y, list(self.local_sizes), dim=-1)
 
 
 class ColumnParallelLinear(MergedColumnParallelLinear):

@@ -14,9 +14,11 @@ numbers and the knob) and the per-rank sizes the cache needs (docs/architecture.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from hyserve.distributed import check_world
 from hyserve.model.config import LAYER_ATTENTION, LAYER_MAMBA, LAYER_MLP, LAYER_MOE, HybridModelConfig
+from hyserve.model.protocol import ModelSpec
 
 
 def sharding_problems(cfg: HybridModelConfig, *, tp_size: int, ep_size: int) -> list[str]:
@@ -72,7 +74,7 @@ def sharding_problems(cfg: HybridModelConfig, *, tp_size: int, ep_size: int) -> 
 
 
 def check_parallel(
-    cfg: HybridModelConfig,
+    cfg: ModelSpec,
     *,
     tp_size: int,
     ep_size: int,
@@ -91,6 +93,8 @@ def check_parallel(
         local_world_size=local_world_size,
         visible_gpus=visible_gpus,
     )
+    # the engine passes the family's spec; these sharding rules are NemotronH's (the one family)
+    assert isinstance(cfg, HybridModelConfig), type(cfg).__name__
     problems = sharding_problems(cfg, tp_size=tp_size, ep_size=ep_size)
     if problems:
         name = f"{cfg.name} " if cfg.name else ""
@@ -115,7 +119,7 @@ def rank_cache_config(cfg: HybridModelConfig, tp_size: int) -> HybridModelConfig
     if problems:
         raise ValueError("rank_cache_config: " + "; ".join(problems))
     kinds = set(cfg.layer_types)
-    changes: dict[str, int] = {}
+    changes: dict[str, Any] = {}  # field -> its per-rank value
     if LAYER_ATTENTION in kinds:
         changes["num_attention_heads"] = cfg.num_attention_heads // tp_size
         changes["num_key_value_heads"] = local_units(cfg.num_key_value_heads, tp_size)

@@ -36,6 +36,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -454,6 +455,7 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> torch.Tenso
     mod = model.get_submodule(mod_name) if mod_name else model
     if attr in mod._parameters:
         old = mod._parameters[attr]
+        assert old is not None  # a registered parameter, not a None placeholder
         p = value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=old.requires_grad)
         _carry_shard_info(old, p)
         mod._parameters[attr] = p
@@ -511,6 +513,10 @@ def load_checkpoint(
 
 
 # ---- saving ------------------------------------------------------------------------------------------------
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
 def _hub_tensors(model: nn.Module, per_expert: bool) -> Iterator[tuple[str, Callable[[], torch.Tensor], int]]:
     """(Hub name, thunk producing a contiguous CPU tensor, bytes) in module order; thunks defer the copy."""
     tensors, _ = _model_tensors(model)
@@ -527,11 +533,11 @@ def _hub_tensors(model: nn.Module, per_expert: bool) -> Iterator[tuple[str, Call
             for e in range(t.shape[0]):
                 yield (
                     f"{m.group(1)}.{e}.{m.group(2)}.weight",
-                    lambda t=t, e=e: t[e].detach().to("cpu", copy=True).contiguous(),
+                    partial(_cpu_copy, t[e]),
                     t[e].numel() * t.element_size(),
                 )
         else:
-            yield name, lambda t=t: t.detach().to("cpu", copy=True).contiguous(), t.numel() * t.element_size()
+            yield name, partial(_cpu_copy, t), t.numel() * t.element_size()
 
 
 def save_checkpoint(

@@ -41,7 +41,8 @@ TOKEN_ID_MAX = 2**31 - 1
 
 _WS = re.compile(r"[ \t\n\r]*")
 _INT_CHARS = re.compile(r"[0-9, \t\n\r-]*")  # what the inside of an array of integers is made of
-_SCAN = json.JSONDecoder().scan_once
+# set by JSONDecoder.__init__ (typeshed does not declare it)
+_SCAN = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
 class TokenIds(list):  # type: ignore[type-arg]

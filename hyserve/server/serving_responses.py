@@ -49,6 +49,7 @@ from hyserve.server.protocol import (
     FunctionDefinition,
     ResponsesRequest,
     ResponsesResponse,
+    ResponsesUsage,
     ToolCall,
     now,
 )
@@ -284,6 +285,7 @@ class _Builder:
         events: list[dict[str, Any]] = []
         if self._open is None or self._open["type"] != kind:
             events += self._close()
+            item: dict[str, Any]
             if kind == "reasoning":
                 item = {
                     "type": "reasoning",
@@ -455,13 +457,13 @@ class _Run:
             output=self.builder.items if status != "in_progress" else [],
             usage=None
             if status == "in_progress"
-            else {
-                "input_tokens": self.n_prompt,
-                "input_tokens_details": {"cached_tokens": self.n_cached},
-                "output_tokens": self.n_out,
-                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
-                "total_tokens": self.n_prompt + self.n_out,
-            },
+            else ResponsesUsage(
+                input_tokens=self.n_prompt,
+                input_tokens_details={"cached_tokens": self.n_cached},
+                output_tokens=self.n_out,
+                output_tokens_details={"reasoning_tokens": self.reasoning_tokens},
+                total_tokens=self.n_prompt + self.n_out,
+            ),
             error=error,
             incomplete_details=incomplete,
             instructions=req.instructions,

@@ -378,7 +378,7 @@ class AppState:
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
+                logit_bias=tuple(sorted((int(k), v) for k, v in (req.logit_bias or {}).items())),
                 prompt_logprobs=prompt_logprobs,
                 **extra,
             )

@@ -1,4 +1,4 @@
-"""ruff over the tree and mypy over the public modules (configured in pyproject.toml) stay clean."""
+"""ruff over the tree and mypy over the whole hyserve package (configured in pyproject.toml) stay clean."""
 
 from __future__ import annotations
 
@@ -27,6 +27,6 @@ def test_ruff_clean() -> None:
     shutil.which("mypy") is None and not (Path(sys.executable).parent / "mypy").exists(),
     reason="mypy not installed",
 )
-def test_mypy_public_modules_clean() -> None:
+def test_mypy_clean() -> None:
     r = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
