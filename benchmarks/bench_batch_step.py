@@ -49,7 +49,10 @@ CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16
 
 # kernel name fragments -> the part of the step they belong to (first match wins)
 GROUPS = (
-    ("moe", ("moe", "expert", "grouped", "route", "topk", "_combine")),
+    (
+        "moe",
+        ("moe", "expert", "grouped", "route", "topk", "_combine", "_up_gemm", "_down_gemm", "align_scatter"),
+    ),
     ("state update", ("ssm_update", "state_update", "selective")),
     ("conv1d", ("conv1d", "conv_")),
     ("attention", ("attn", "attention", "flash", "paged")),
@@ -114,11 +117,15 @@ def run_pair(a: argparse.Namespace, weights: str, state: str, bw: float, out: di
     for _ in range(4):  # settle into decode-only steps
         eng.step()
     torch.cuda.synchronize()
-    t, tokens = time.perf_counter(), 0
+    # requests that were prefilled early may have finished during the long prefill: time steps() while the
+    # whole batch decodes (max_tokens covers the prefill's steps), and count the rows each step carried
+    t, rows = time.perf_counter(), []
     for _ in range(a.timed_steps):
-        tokens += sum(len(d.token_ids) for d in eng.step())
+        rows.append(sum(len(d.token_ids) for d in eng.step()))
     torch.cuda.synchronize()
-    engine_ms = (time.perf_counter() - t) / max(tokens / bmax, 1) * 1e3
+    engine_ms = (time.perf_counter() - t) / a.timed_steps * 1e3
+    if min(rows) < bmax:
+        raise RuntimeError(f"timed steps carried {min(rows)} rows, not {bmax}: raise --decode-steps")
     tag = f"30B-A3B {weights} weights, {state} state" if "30B" in str(a.model_dir) else f"{weights}, {state}"
     recs, tables = out["records"], out["kernels"]
     context = a.prompt_len + a.decode_steps / 2
@@ -222,7 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", default="fp8,bf16", help="comma-separated of fp8, bf16")
     ap.add_argument("--states", default="float32,float16", help="Mamba SSM state dtypes, comma-separated")
     ap.add_argument("--prompt-len", type=int, default=1000)
-    ap.add_argument("--decode-steps", type=int, default=64, help="max_tokens of each request")
+    ap.add_argument(
+        "--decode-steps",
+        type=int,
+        default=512,
+        help="max_tokens of each request (> the prefill's steps)",
+    )
     ap.add_argument("--timed-steps", type=int, default=12)
     ap.add_argument("--max-num-tokens", type=int, default=16384)
     ap.add_argument("--reps", type=int, default=10)
