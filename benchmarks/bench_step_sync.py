@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from benchmarks import invocation  # noqa: E402
 from benchmarks.phase_timing import time_phases  # noqa: E402
 from hyserve import LLM, SamplingParams  # noqa: E402
+from hyserve.bench.profiling import graph_replay_ms  # noqa: E402
 from hyserve.bench.report import sanitize, stamp  # noqa: E402
 
 CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"
@@ -123,17 +124,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     steps = max(1, tokens // a.batch)
-    replay = None
-    graphs = getattr(eng.runner, "graphs", None)
-    if graphs is not None and torch.cuda.is_available() and graphs.size_for(a.batch) is not None:
-        size = graphs.size_for(a.batch)
-        graphs.replay(size)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(10):
-            graphs.replay(size)
-        torch.cuda.synchronize()
-        replay = (time.perf_counter() - t) / 10 * 1e3
+    replay = graph_replay_ms(getattr(eng.runner, "graphs", None), a.batch)
     return dict(
         batch=a.batch,
         decode_steps=steps,

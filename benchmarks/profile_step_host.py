@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from hyserve import LLM, SamplingParams
+from hyserve.bench.profiling import graph_replay_ms
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"
@@ -64,17 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         times.append((time.perf_counter() - t) * 1e3)
     torch.cuda.synchronize()
     prof.disable()
-    graphs = eng.runner.graphs
-    replay_ms = float("nan")
-    if graphs is not None and graphs.size_for(a.batch) is not None:
-        size = graphs.size_for(a.batch)
-        graphs.replay(size)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(5):
-            graphs.replay(size)
-        torch.cuda.synchronize()
-        replay_ms = (time.perf_counter() - t) / 5 * 1e3
+    replay_ms = graph_replay_ms(eng.runner.graphs, a.batch) or float("nan")
     times.sort()
     print(
         f"batch {a.batch}: step() median {times[len(times) // 2]:.2f} ms (profiled), "

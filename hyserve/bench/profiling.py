@@ -3,7 +3,9 @@ kernels of one scan, every kernel of a replayed decode step)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -25,4 +27,21 @@ def device_kernel_times(fn: Callable[[], object], reps: int) -> dict[str, tuple[
     return out
 
 
-__all__ = ["device_kernel_times"]
+def graph_replay_ms(graphs: Any, batch: int, reps: int = 10) -> float | None:
+    """Wall time of one replay of the decode graph a batch of `batch` runs in (ms; one warm replay, then the
+    mean of `reps` back to back), or None without graphs, CUDA or a graph that fits the batch."""
+    if graphs is None or not torch.cuda.is_available():
+        return None
+    size = graphs.size_for(batch)
+    if size is None:
+        return None
+    graphs.replay(size)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        graphs.replay(size)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps * 1e3
+
+
+__all__ = ["device_kernel_times", "graph_replay_ms"]
