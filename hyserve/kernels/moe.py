@@ -25,8 +25,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hyserve.kernels.fp8_linear import quantize_rows_ref
-
 
 def router_logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x: [T, d]; weight: [E, d] (float32, as the checkpoints store the gate) -> logits [T, E] in float32
@@ -312,39 +310,6 @@ def moe_experts_ref(
     return out.to(x.dtype)
 
 
-def moe_experts_w8a8_ref(
-    x: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
-    topk_w: torch.Tensor,
-    topk_ids: torch.Tensor,
-    up_scale: torch.Tensor,
-    down_scale: torch.Tensor,
-) -> torch.Tensor:
-    """The w8a8 form of FP8 experts (`triton_moe.w8a8_experts`): x quantised to e4m3 per token and each
-    expert's relu^2 output (rounded to x.dtype, as the kernels store it) per row, with float32 scales of
-    amax / 448 (`fp8_linear.quantize_rows_ref`); every GEMM over the dequantised values in float64. The
-    contract the GPU kernels are tested against; `moe_experts_ref` is the exact-activation one."""
-    _check_experts_args(x, w_up, w_down, topk_w, topk_ids, up_scale, down_scale)
-    f64 = torch.float64
-    T, k = topk_ids.shape
-    qx, sx = quantize_rows_ref(x)
-    xd = qx.to(f64) * sx.to(f64)[:, None]
-    out = torch.zeros(T, x.shape[1], dtype=f64, device=x.device)
-    flat = topk_ids.reshape(-1).long()
-    wf = topk_w.reshape(-1).to(f64)
-    for e in flat.unique().tolist():
-        sel = (flat == e).nonzero().flatten()
-        t = sel // k
-        up = dequantize_experts(w_up[e][None], up_scale[e][None], f64)[0]
-        down = dequantize_experts(w_down[e][None], down_scale[e][None], f64)[0]
-        h = torch.square(F.relu(F.linear(xd[t], up))).to(x.dtype)
-        qh, sh = quantize_rows_ref(h)
-        hd = qh.to(f64) * sh.to(f64)[:, None]
-        out.index_add_(0, t, F.linear(hd, down) * wf[sel, None])
-    return out.to(x.dtype)
-
-
 __all__ = [
     "check_shared_args",
     "dequantize_experts",
@@ -352,7 +317,6 @@ __all__ = [
     "moe_combine_ref",
     "moe_down_ref",
     "moe_experts_ref",
-    "moe_experts_w8a8_ref",
     "moe_max_blocks",
     "moe_route_ref",
     "moe_up_ref",

@@ -51,7 +51,6 @@ from hyserve.kernels.moe import (
 )
 from hyserve.kernels.triton_activation import relu2_triton
 from hyserve.kernels.triton_common import dot_acc, pdl_enter, pdl_release, pdl_wait
-from hyserve.kernels.triton_fp8_linear import quantize_rows_triton
 
 CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
 # Token-count buckets: T uses the config of the smallest bucket >= T (the last one beyond it).
@@ -441,7 +440,6 @@ def _up_gemm_kernel(
     s_wn,
     s_hm,
     sc_ptr,
-    as_ptr,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -450,12 +448,10 @@ def _up_gemm_kernel(
     IEEE: tl.constexpr,
     W_FP8: tl.constexpr,
     PDL: tl.constexpr,
-    A_FP8: tl.constexpr = False,
 ):
     """h[r, n] = relu(x[sorted_ids[r] // k] @ w_up[e]^T)^2 for the rows r of block pid_m (0 for padding).
     W_FP8: e4m3 weight tiles converted to x's dtype for the dot (exact), the expert's channel scales
-    sc[e, n] applied to the accumulator before relu^2. A_FP8 (with W_FP8): x holds e4m3 codes with one
-    scale per token (as[t]); the dot is e4m3 x e4m3 on the tensor cores (w8a8), both scales applied after."""
+    sc[e, n] applied to the accumulator before relu^2."""
     pdl_enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), nb, tl.cdiv(N, BLOCK_N), group_m)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
@@ -478,15 +474,13 @@ def _up_gemm_kernel(
             km = offs_k < K - k0
             a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=km[:, None], other=0.0)
-        if W_FP8 and not A_FP8:
+        if W_FP8:
             b = b.to(a.dtype)
         acc = dot_acc(a, b, acc, IEEE)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if W_FP8:
         acc = acc * tl.load(sc_ptr + e * N + offs_n)[None, :]
-    if A_FP8:
-        acc = acc * tl.load(as_ptr + tok)[:, None]
     acc = tl.maximum(acc, 0.0)
     acc = acc * acc
     cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -513,7 +507,6 @@ def _down_gemm_kernel(
     s_wn,
     s_ym,
     sc_ptr,
-    as_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -521,11 +514,9 @@ def _down_gemm_kernel(
     IEEE: tl.constexpr,
     W_FP8: tl.constexpr,
     PDL: tl.constexpr,
-    A_FP8: tl.constexpr = False,
 ):
     """y[p, n] = topk_w.flat[p] * (h[r] @ w_down[e]^T) for the real rows r (pair p) of block pid_m (W_FP8:
-    as in the up GEMM, the channel scales before the routing weight; A_FP8: h holds e4m3 codes with one
-    scale per row, as[r])."""
+    as in the up GEMM, the channel scales before the routing weight)."""
     pdl_enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), nb, tl.cdiv(N, BLOCK_N), group_m)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
@@ -547,15 +538,13 @@ def _down_gemm_kernel(
             km = offs_k < K - k0
             a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=km[:, None], other=0.0)
-        if W_FP8 and not A_FP8:
+        if W_FP8:
             b = b.to(a.dtype)
         acc = dot_acc(a, b, acc, IEEE)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if W_FP8:
         acc = acc * tl.load(sc_ptr + e * N + offs_n)[None, :]
-    if A_FP8:
-        acc = acc * tl.load(as_ptr + offs_m)[:, None]
     acc = acc * tl.load(tw_ptr + rows, mask=valid, other=0.0).to(tl.float32)[:, None]
     cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     y_ptrs = y_ptr + tl.where(valid, rows, 0).to(tl.int64)[:, None] * s_ym + cn[None, :]
@@ -1220,10 +1209,8 @@ def launch_up_gemm(
     block_m: int,
     up: dict[str, Any],
     scale: torch.Tensor | None = None,
-    x_scale: torch.Tensor | None = None,
 ) -> None:
-    """h [P, I] over the align layout (moe_up_ref); x_scale: x holds e4m3 codes, one float32 scale a token
-    (w8a8, with the weights' `scale`)."""
+    """h [P, I] over the align layout (moe_up_ref)."""
     inter, d = w_up.shape[1], w_up.shape[2]
     nb = expert_ids.numel()
     _up_gemm_kernel[(nb * triton.cdiv(inter, up["BLOCK_N"]),)](
@@ -1243,7 +1230,6 @@ def launch_up_gemm(
         w_up.stride(1),
         h.stride(0),
         scale if scale is not None else h,
-        x_scale if x_scale is not None else h,
         TOP_K=top_k,
         BLOCK_M=block_m,
         BLOCK_N=up["BLOCK_N"],
@@ -1251,7 +1237,6 @@ def launch_up_gemm(
         EVEN_K=d % up["BLOCK_K"] == 0,
         IEEE=x.dtype == torch.float32,
         W_FP8=scale is not None,
-        A_FP8=x_scale is not None,
         **_launch(up),
         **pdl(x),
     )
@@ -1268,10 +1253,8 @@ def launch_down_gemm(
     block_m: int,
     dn: dict[str, Any],
     scale: torch.Tensor | None = None,
-    h_scale: torch.Tensor | None = None,
 ) -> None:
-    """y [T*k, d], each pair's row weighted (moe_down_ref); h_scale: h holds e4m3 codes, one float32 scale a
-    row (w8a8)."""
+    """y [T*k, d], each pair's row weighted (moe_down_ref)."""
     d, inter = w_down.shape[1], w_down.shape[2]
     nb = expert_ids.numel()
     _down_gemm_kernel[(nb * triton.cdiv(d, dn["BLOCK_N"]),)](
@@ -1292,41 +1275,15 @@ def launch_down_gemm(
         w_down.stride(1),
         y.stride(0),
         scale if scale is not None else tw,
-        h_scale if h_scale is not None else tw,
         BLOCK_M=block_m,
         BLOCK_N=dn["BLOCK_N"],
         BLOCK_K=dn["BLOCK_K"],
         EVEN_K=inter % dn["BLOCK_K"] == 0,
         IEEE=h.dtype == torch.float32,
         W_FP8=scale is not None,
-        A_FP8=h_scale is not None,
         **_launch(dn),
         **pdl(h),
     )
-
-
-W8A8_MIN_BLOCK_M = 64  # a warp-group MMA's rows: smaller tiles keep w8a16
-
-
-@functools.lru_cache(maxsize=16)
-def _e4m3_tensor_cores(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 9)
-
-
-def w8a8_experts(
-    x: torch.Tensor, up_scale: torch.Tensor | None, down_scale: torch.Tensor | None, block_m: int
-) -> bool:
-    """Whether the GEMM form runs e4m3 experts as w8a8 (activations quantised per row, e4m3 x e4m3 on the
-    tensor cores): on a GPU with e4m3 tensor cores (sm_89 and newer) and tiles of at least
-    W8A8_MIN_BLOCK_M rows, where converting every weight tile to 16 bits inside the loop made the FP8
-    experts slower than bf16 ones at 1,024 tokens (20.5 against 18.4 ms a decode step on an H200). The
-    interpreter, older GPUs, float32 activations and small tiles keep w8a16 (`moe_experts_w8a8_ref` is
-    the w8a8 form's contract)."""
-    if up_scale is None or down_scale is None or not x.is_cuda or block_m < W8A8_MIN_BLOCK_M:
-        return False
-    if x.dtype not in (torch.bfloat16, torch.float16):  # a float32 model asks for exact activations
-        return False
-    return _e4m3_tensor_cores(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
 def launch_combine(y, out, top_k: int, extra: torch.Tensor | None = None) -> None:
@@ -1409,16 +1366,9 @@ def moe_experts_triton(
     bm = cfg["BLOCK_M"]
     sorted_ids, expert_ids, npad = moe_align_triton(ids, E, bm)
     h = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
+    launch_up_gemm(xc, w_up, h, sorted_ids, expert_ids, npad, T * k, k, bm, cfg["up"], up_scale)
     y = torch.empty(T * k, d, dtype=x.dtype, device=x.device)
-    if w8a8_experts(x, up_scale, down_scale, bm):
-        # e4m3 experts over many rows: activations quantised per row, e4m3 x e4m3 tensor-core GEMMs
-        xq, xs = quantize_rows_triton(xc)
-        launch_up_gemm(xq, w_up, h, sorted_ids, expert_ids, npad, T * k, k, bm, cfg["up"], up_scale, xs)
-        hq, hs = quantize_rows_triton(h)
-        launch_down_gemm(hq, w_down, y, tw, sorted_ids, expert_ids, npad, bm, cfg["down"], down_scale, hs)
-    else:
-        launch_up_gemm(xc, w_up, h, sorted_ids, expert_ids, npad, T * k, k, bm, cfg["up"], up_scale)
-        launch_down_gemm(h, w_down, y, tw, sorted_ids, expert_ids, npad, bm, cfg["down"], down_scale)
+    launch_down_gemm(h, w_down, y, tw, sorted_ids, expert_ids, npad, bm, cfg["down"], down_scale)
     # many tokens: the shared expert as two GEMMs (each weight read once for all rows), added in the combine
     shared = None
     if shared_up is not None and shared_down is not None:  # S > 0
