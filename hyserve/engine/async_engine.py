@@ -3,7 +3,7 @@
     asyncio side                          engine thread
     generate() --submit--> inbox  ----->  add_request / abort
                                           step()  (schedule -> run -> update -> emit)
-    per-request asyncio.Queue <--------   deltas, via loop.call_soon_threadsafe
+    per-request DeltaCollector <-------   deltas, via loop.call_soon_threadsafe (merged while unread)
 
 A consumer that stops iterating (client disconnected, task cancelled) aborts its request, so its blocks
 and state slot are freed at the next step.
@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from hyserve.config import EngineConfig
+from hyserve.engine.delta_collector import DEFAULT_PENDING_LIMIT_BYTES, DeltaCollector
 from hyserve.engine.outputs import StreamDelta
 from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.startup import start_engine
@@ -49,20 +50,30 @@ def _error_delta(request_id: str, error: str, *, num_prompt_tokens: int = 0) -> 
     )
 
 
-def _put_all(items: list[tuple[asyncio.Queue[StreamDelta], StreamDelta]]) -> None:
-    for q, d in items:
-        q.put_nowait(d)
+def _put_all(items: list[tuple[DeltaCollector, StreamDelta]]) -> None:
+    for c, d in items:
+        c.put(d)
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, *, log: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        log: Callable[[str], None] | None = None,
+        max_pending_stream_bytes: int = DEFAULT_PENDING_LIMIT_BYTES,
+    ) -> None:
+        """`max_pending_stream_bytes`: the output a stream's reader may leave unread (merged into one delta,
+        engine/delta_collector.py) before its request is aborted and counted in `slow_reader_aborts_total`."""
+        self.max_pending_stream_bytes = max_pending_stream_bytes
+        self.slow_reader_aborts = 0
         self.engine = start_engine(config, log=log)
         self.config = config
         self.model_name = self.engine.loaded.name
         self.tokenizer = self.engine.tokenizer
         self.max_seq_len = self.engine.max_seq_len
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[StreamDelta]]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, DeltaCollector]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -115,6 +126,7 @@ class AsyncEngine:
         with self._lock:
             s = dict(self._stats)
         s["healthy"] = 1 if self.healthy else 0
+        s["slow_reader_aborts_total"] = self.slow_reader_aborts
         return s
 
     def abort(self, request_id: str) -> None:
@@ -147,18 +159,23 @@ class AsyncEngine:
             raise RuntimeError(f"the engine is not running: {self.dead_reason}")
         self.engine.validate_request(prompt_token_ids, params, priority)
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue[StreamDelta] = asyncio.Queue()
+        c = DeltaCollector(request_id, self.max_pending_stream_bytes)
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = (loop, q)
+            self._streams[request_id] = (loop, c)
             self._adding.add(request_id)
         self._inbox.put(("add", (request_id, list(prompt_token_ids), params, prompt, priority)))
         self._wake.set()
         finished = False
         try:
             while True:
-                d = await q.get()
+                d = await c.get()  # everything since the last read, merged
+                if c.overflowed:  # the reader fell too far behind: end it here, and in the engine
+                    self.slow_reader_aborts += 1
+                    with self._lock:
+                        self._streams.pop(request_id, None)
+                    self.abort(request_id)
                 if d.finished:
                     finished = True
                 yield d
@@ -175,7 +192,7 @@ class AsyncEngine:
     def _deliver_all(self, deltas: list[StreamDelta]) -> None:
         """Hand one step's deltas to their streams: one wake-up per event loop per step (each
         call_soon_threadsafe writes to the loop's self-pipe), not one per request."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[StreamDelta], StreamDelta]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[DeltaCollector, StreamDelta]]] = {}
         with self._lock:
             for d in deltas:
                 entry = self._streams.get(d.request_id)

@@ -248,7 +248,17 @@ async def merged(engine: Any, jobs: list[Job]) -> AsyncIterator[tuple[int, Strea
         finally:
             await agen.aclose()
         return
-    q: asyncio.Queue[tuple[int, StreamDelta | BaseException | None]] = asyncio.Queue()
+    # each choice hands over one item at a time and waits until it is taken, so what the reader has not read
+    # stays merged in the engine's per-request collector (bounded there), not queued here
+    ready: asyncio.Queue[int] = asyncio.Queue()  # choices with an item in their slot, each at most once
+    slots: list[StreamDelta | BaseException | None] = [None] * len(jobs)  # None in a ready slot: its end
+    taken = [asyncio.Event() for _ in jobs]
+
+    async def hand_over(i: int, item: StreamDelta | BaseException | None) -> None:
+        slots[i] = item
+        ready.put_nowait(i)
+        await taken[i].wait()
+        taken[i].clear()
 
     async def pump(i: int, job: Job) -> None:
         try:
@@ -257,10 +267,10 @@ async def merged(engine: Any, jobs: list[Job]) -> AsyncIterator[tuple[int, Strea
             async for d in engine.generate(job.request_id, job.prompt_ids, job.params, priority=job.priority):
                 if job.first_token is not None:
                     job.first_token.set()
-                q.put_nowait((i, d))
-            q.put_nowait((i, None))
+                await hand_over(i, d)
+            await hand_over(i, None)
         except Exception as e:
-            q.put_nowait((i, e))
+            await hand_over(i, e)
         finally:
             if job.first_token is not None:
                 job.first_token.set()
@@ -269,7 +279,9 @@ async def merged(engine: Any, jobs: list[Job]) -> AsyncIterator[tuple[int, Strea
     try:
         remaining = len(jobs)
         while remaining:
-            i, item = await q.get()
+            i = await ready.get()
+            item, slots[i] = slots[i], None
+            taken[i].set()
             if item is None:
                 remaining -= 1
             elif isinstance(item, BaseException):

@@ -173,6 +173,12 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
         "counter",
     ),
     (
+        "slow_reader_aborts_total",
+        "slow_reader_aborts",
+        "Streams ended because their client left more unread output than the limit.",
+        "counter",
+    ),
+    (
         "step_failures_total",
         "step_failures",
         "Engine steps that raised (each failing its requests, or isolated to the ones that made it fail).",

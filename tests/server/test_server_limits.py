@@ -141,6 +141,7 @@ def test_metrics_export_failure_counters(server: ServerProcess) -> None:
     m = server.metrics()
     assert m["hyserve_healthy"] == 1
     assert m["hyserve_step_failures_total"] == 0
+    assert m["hyserve_slow_reader_aborts_total"] == 0
 
 
 @pytest.mark.parametrize(
