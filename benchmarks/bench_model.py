@@ -410,7 +410,7 @@ def bench_hyserve(
     from hyserve.kernels import ops
     from hyserve.kernels.ssd import ssd_chunked_ref
 
-    ssd = "the plain-torch reference" if ops.get("ssd", True) is ssd_chunked_ref else "Triton"
+    ssd = "the plain-torch reference" if ops.ssd.cuda in (None, ssd_chunked_ref) else "Triton"
     moe_note = ""
     if moe:
         moe_note = (

@@ -458,12 +458,10 @@ def bench_layer(s: dict, sizes: list[int], dev, dtype, timer: Timer, ceil: dict,
         xs = [torch.randn(T, H, device=dev).to(dtype) for _ in range(GRAPH_SETS)]
         with torch.no_grad():
             got = layer(xs[0])
-            saved = dict(ops._CUDA_IMPLS)
-            ops._CUDA_IMPLS.clear()  # the reference path on the same device, in float64
-            layer64 = copy.deepcopy(layer).double()
-            want = layer64(xs[0].double())
-            del layer64
-            ops._CUDA_IMPLS.update(saved)
+            with ops.reference_on_cuda():  # the reference path on the same device, in float64
+                layer64 = copy.deepcopy(layer).double()
+                want = layer64(xs[0].double())
+                del layer64
             _, ids = layer.gate(xs[0])
         err = _rel(got, want)
         touched = int(torch.unique(ids).numel())
@@ -569,9 +567,9 @@ def main() -> int:
     if args.no_super:
         shapes = shapes[:1]
     if not dry:
-        from hyserve.kernels.triton_registry import register_triton_kernels
+        from hyserve.kernels import ops
 
-        register_triton_kernels()
+        ops.load_cuda_kernels()
     gpu = torch.cuda.get_device_name() if not dry else "cpu (interpreter)"
     doc: dict = dict(
         date=_dt.date.today().isoformat(),

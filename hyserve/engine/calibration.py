@@ -115,7 +115,7 @@ def _time_attention(engine: LLMEngine) -> tuple[tuple[int, int, float], float]:
     if k.dtype.itemsize == 1:  # a float8 pool reads through its scales
         one = torch.ones((), dtype=torch.float32, device=dev)
         scales = {"k_scale": one, "v_scale": one}
-    attend = ops.get("paged_attention", True)
+    attend = ops.paged_attention.get(True)
     q = torch.randn(q_n, heads, head_dim, device=dev, dtype=dtype)
     prefill_ms = (
         _median_ms(lambda: attend(q, k, v, table, [ctx], [0, q_n], head_dim**-0.5, **scales)) * layers

@@ -15,13 +15,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from hyserve.config import EngineConfig
 from hyserve.distributed import parallel_info
+from hyserve.kernels import ops
 from hyserve.kernels.attention import FP8_KV_DTYPES
-from hyserve.kernels.triton_registry import register_triton_kernels
 from hyserve.model.config import parse_dtype
 from hyserve.model.fp8_weights import tensor_bytes
 from hyserve.model.protocol import CausalLM, ModelSpec
@@ -31,6 +32,9 @@ from hyserve.model.tiny import BUILTIN_MODEL_NAME, builtin_model_dir
 from hyserve.model.tokenizer import Tokenizer, TokenizerNotFoundError
 
 logger = logging.getLogger("hyserve")
+
+# the kernel ops the engine calls itself: the structured-outputs mask, and the calibration times attention
+ENGINE_OPS: tuple[ops.Op[..., Any], ...] = (ops.apply_token_bitmask, ops.paged_attention)
 
 
 @dataclass
@@ -71,6 +75,15 @@ def resolve_kv_dtype(name: str, run_dtype: torch.dtype, device: torch.device) ->
         # e4m3 + per-layer scales; on CPU the torch reference path runs it (float8 casts work there)
         return torch.float8_e4m3fn
     return parse_dtype(name, field="kv_cache_config.dtype", allowed=("bfloat16", "float16", "float32"))
+
+
+def check_cuda_kernels(family: ModelFamily) -> list[str]:
+    """On CUDA, before the model is built: bind the CUDA kernels and fail, naming the op, when one that the
+    family's model or the engine calls has no CUDA implementation. Returns the op names in use."""
+    ops.load_cuda_kernels()
+    used = (*family.kernel_ops, *ENGINE_OPS)
+    ops.require_cuda(used)
+    return list(dict.fromkeys(op.name for op in used))
 
 
 def check_weights_fit(weight_bytes: int, quant: QuantConfig | None, device: torch.device) -> None:
@@ -116,8 +129,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     )
 
     if device.type == "cuda":
-        names = register_triton_kernels()
-        logger.info("Triton kernels in use on %s: %s", device, ", ".join(names))
+        names = check_cuda_kernels(family)
+        logger.info("CUDA kernels in use on %s: %s", device, ", ".join(names))
 
     if device.type == "cuda":
         check_weights_fit(family.weight_bytes(cfg, dtype), quant, device)

@@ -74,7 +74,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     """logits [n, V] float, bitmask [n, ceil(V / 32)] int32 on the same device (bit t % 32 of word t // 32
     set: token t allowed) -> a new tensor with the disallowed logits at -inf. Rows of all ones are unchanged.
     The `apply_token_bitmask` op: one Triton kernel on CUDA (kernels/triton_token_bitmask.py)."""
-    return ops.get("apply_token_bitmask", logits.is_cuda)(logits, bitmask)
+    return ops.apply_token_bitmask.get(logits.is_cuda)(logits, bitmask)
 
 
 @dataclass(frozen=True)

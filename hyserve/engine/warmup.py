@@ -214,7 +214,7 @@ class Warmup:
         vocab = e.model_config.vocab_size
         logits = torch.zeros(2, vocab, device=e.device)
         mask = torch.full((2, bitmask_width(vocab)), -1, dtype=torch.int32, device=e.device)
-        ops.get("apply_token_bitmask", True)(logits, mask)
+        ops.apply_token_bitmask.get(True)(logits, mask)
 
     def _guarded(self, fn: Callable[[], None]) -> str | None:
         try:

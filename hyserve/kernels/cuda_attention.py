@@ -3,7 +3,7 @@
 `triton_attention` runs decode and prefill; on Hopper the prefill part of a step goes to `gluon_attention`'s
 warp-specialised kernel wherever it can take it (`gluon_attention.sm90_prefill_box`), and the decode part of a
 step over a float8 cache to `gluon_decode`'s one-warp MMA kernel (`gluon_decode.decode_fp8_fits`). No kernel
-module imports another; `triton_registry` registers this function as `paged_attention`.
+module imports another; `ops.load_cuda_kernels` binds this function as the CUDA `paged_attention`.
 """
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ class Attention(nn.Module):
         T = x.shape[0]
         if self.packed_qkv is not None and self.use_packed_qkv:
             w, b = self.packed_qkv
-            qkv = ops.get("linear", x.is_cuda)(x, w, b)
+            qkv = ops.linear.get(x.is_cuda)(x, w, b)
             q, k, v = qkv.split(
                 [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], -1
             )
@@ -162,11 +162,11 @@ class Attention(nn.Module):
         kv_scales = (
             {"k_scale": self.k_scale, "v_scale": self.v_scale} if k_cache.dtype in FP8_KV_DTYPES else {}
         )
-        ops.get("write_kv", cuda)(k, v, k_cache, v_cache, meta.slot_mapping, **kv_scales)
+        ops.write_kv.get(cuda)(k, v, k_cache, v_cache, meta.slot_mapping, **kv_scales)
         # A pure decode step hands the kernels device tensors only (graph-capturable, no host reads);
         # other steps pass the host lists the launcher sizes its grid from.
         decode_only = meta.num_decodes == T
-        o = ops.get("paged_attention", cuda)(
+        o = ops.paged_attention.get(cuda)(
             q,
             k_cache,
             v_cache,

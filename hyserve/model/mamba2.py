@@ -54,7 +54,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return ops.get("rmsnorm_gated", x.is_cuda)(x, z, self.weight, self.eps, self.group_size)
+        return ops.rmsnorm_gated.get(x.is_cuda)(x, z, self.weight, self.eps, self.group_size)
 
 
 class Mamba2Mixer(ShardLoading):
@@ -198,9 +198,9 @@ class Mamba2Mixer(ShardLoading):
 
         if nd > 0:
             src, dst = meta.state_src[:nd], meta.state_dst[:nd]
-            xbc_d = ops.get("conv1d_update", cuda)(xbc[:nd], conv_pool, w, bias, src, dst)
+            xbc_d = ops.conv1d_update.get(cuda)(xbc[:nd], conv_pool, w, bias, src, dst)
             x, b, c = self._split_xbc(xbc_d)
-            y_d = ops.get("ssm_update", cuda)(
+            y_d = ops.ssm_update.get(cuda)(
                 ssm_pool,
                 x,
                 dt[:nd],
@@ -236,7 +236,7 @@ class Mamba2Mixer(ShardLoading):
             spans = out.sharded and self.norm_spans_ranks
             normed = self._gated_norm_spanning(y2, z) if spans else norm(y2, z)
             return out(normed)
-        fused = ops.get("gated_norm_linear", cuda)
+        fused = ops.gated_norm_linear.get(cuda)
         if not out.sharded:
             return fused(y2, z, norm.weight, norm.eps, norm.group_size, out.weight, out.bias)
         if self.norm_spans_ranks:
@@ -279,10 +279,10 @@ class Mamba2Mixer(ShardLoading):
         init_conv = torch.where(has_init[:, None, None], conv_pool[src], 0)
         init_ssm = torch.where(has_init[:, None, None, None], ssm_pool[src].float(), 0)
 
-        xbc_c, conv_final = ops.get("conv1d_varlen", cuda)(xbc, w, bias, cu, init_conv)
+        xbc_c, conv_final = ops.conv1d_varlen.get(cuda)(xbc, w, bias, cu, init_conv)
         x, b, c = self._split_xbc(xbc_c)
         snaps = [s for s in meta.snapshots if s.seq >= nd]
-        res = ops.get("ssd", cuda)(
+        res = ops.ssd.get(cuda)(
             x,
             dt,
             A,
@@ -299,7 +299,7 @@ class Mamba2Mixer(ShardLoading):
         )
         y_out.copy_(res.y)
         conv_pool[dst] = conv_final.to(conv_pool.dtype)
-        store = ops.get("store_ssm_state", cuda)
+        store = ops.store_ssm_state.get(cuda)
         sr = self.ssm_rounding
         store(
             ssm_pool,

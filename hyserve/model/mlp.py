@@ -14,11 +14,6 @@ from hyserve.kernels import ops
 from hyserve.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
 
 
-def relu2(x: torch.Tensor) -> torch.Tensor:
-    """square(relu(x)); one fused kernel on CUDA."""
-    return ops.get("relu2", x.is_cuda)(x)
-
-
 class MLP(nn.Module):
     def __init__(
         self,
@@ -45,10 +40,10 @@ class MLP(nn.Module):
     def _down(self, u: torch.Tensor, bias: bool) -> torch.Tensor:
         down = self.down_proj
         if down.quant is not None:  # FP8 down_proj: relu^2 inside the FP8 linear's activation load
-            return ops.get("fp8_relu2_linear", u.is_cuda)(
+            return ops.fp8_relu2_linear.get(u.is_cuda)(
                 u, down.weight, down.weight_scale, down.bias if bias else None
             )
-        return ops.get("relu2_linear", u.is_cuda)(u, down.weight, down.bias if bias else None)
+        return ops.relu2_linear.get(u.is_cuda)(u, down.weight, down.bias if bias else None)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output, before the all-reduce and without down_proj's bias (the MoE

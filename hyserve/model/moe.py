@@ -51,8 +51,8 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> (weights [T, k] float32, expert ids [T, k] int32), on the device (no host sync)."""
-        logits = ops.get("router_logits", x.is_cuda)(x, self.weight)  # [T, E] float32
-        return ops.get("moe_route", x.is_cuda)(
+        logits = ops.router_logits.get(x.is_cuda)(x, self.weight)  # [T, E] float32
+        return ops.moe_route.get(x.is_cuda)(
             logits,
             self.e_score_correction_bias,
             self.top_k,
@@ -68,6 +68,8 @@ class Experts(ShardLoading):
     E / ep_size experts, each with its I / (tp_size / ep_size) slice of the intermediate dimension."""
 
     quant: object = None  # a QuantConfig once the experts hold FP8 weights (model/fp8_weights.py)
+    up_proj_scale: nn.Parameter  # FP8 only: per expert and channel, float32 [E_local, I_local]
+    down_proj_scale: nn.Parameter  # FP8 only: float32 [E_local, d]
 
     def __init__(
         self,
@@ -145,7 +147,7 @@ class Experts(ShardLoading):
             mine = (local >= 0) & (local < self.num_local)
             w = torch.where(mine, w, 0.0)
             ids = local.clamp(0, self.num_local - 1).to(ids.dtype)
-        fn = ops.get("moe_experts", x.is_cuda)
+        fn = ops.moe_experts.get(x.is_cuda)
         if self.quant is not None:  # FP8 experts (model/fp8_weights.py): e4m3 with per-expert channel scales
             assert shared is None, "FP8 experts run the shared expert as its MLP"
             return fn(

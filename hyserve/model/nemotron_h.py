@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from hyserve.distributed import tp_group
+from hyserve.kernels import ops
 from hyserve.model.attention import Attention
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.config import LAYER_ATTENTION, LAYER_MAMBA, LAYER_MLP, LAYER_MOE, HybridModelConfig
@@ -34,6 +36,29 @@ from hyserve.model.moe import MoE
 from hyserve.model.norm import RMSNorm
 from hyserve.model.parallel_embedding import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_logits
 from hyserve.model.sharding import rank_cache_config
+
+# every kernel op these layers may call (the family's `kernel_ops`): on CUDA, start-up fails naming any of
+# them without a CUDA implementation; a test checks the list against the lookups of the tiny models' forwards
+KERNEL_OPS: tuple[ops.Op[..., Any], ...] = (
+    ops.rms_norm,
+    ops.add_rms_norm,
+    ops.rmsnorm_gated,
+    ops.linear,
+    ops.gated_norm_linear,
+    ops.relu2_linear,
+    ops.fp8_linear,
+    ops.fp8_relu2_linear,
+    ops.ssd,
+    ops.conv1d_varlen,
+    ops.conv1d_update,
+    ops.ssm_update,
+    ops.store_ssm_state,
+    ops.write_kv,
+    ops.paged_attention,
+    ops.router_logits,
+    ops.moe_route,
+    ops.moe_experts,
+)
 
 
 def _mamba(cfg: HybridModelConfig, i: int, **kw) -> nn.Module:

@@ -15,8 +15,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.get("rms_norm", x.is_cuda)(x, self.weight, self.eps)
+        return ops.rms_norm.get(x.is_cuda)(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x): the previous block's residual add fused with this norm."""
-        return ops.get("add_rms_norm", x.is_cuda)(x, residual, self.weight, self.eps)
+        return ops.add_rms_norm.get(x.is_cuda)(x, residual, self.weight, self.eps)

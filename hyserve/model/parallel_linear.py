@@ -211,8 +211,8 @@ class LinearBase(ShardLoading):
         """x [..., in_local] -> this rank's x @ W^T (+ bias when `bias`), no collective."""
         b = self.bias if bias else None
         if self.quant is None:
-            return ops.get("linear", x.is_cuda)(x, self.weight, b)
-        return ops.get("fp8_linear", x.is_cuda)(x, self.weight, self.weight_scale, b)
+            return ops.linear.get(x.is_cuda)(x, self.weight, b)
+        return ops.fp8_linear.get(x.is_cuda)(x, self.weight, self.weight_scale, b)
 
 
 class ReplicatedLinear(LinearBase):

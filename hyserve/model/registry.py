@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from hyserve.kernels.ops import Op
 from hyserve.model.config import HybridModelConfig, read_config_json
 from hyserve.model.kv_scales import (
     apply_kv_scales,
@@ -22,7 +23,7 @@ from hyserve.model.kv_scales import (
     record_kv_amax,
     update_kv_scales,
 )
-from hyserve.model.nemotron_h import NemotronHForCausalLM
+from hyserve.model.nemotron_h import KERNEL_OPS, NemotronHForCausalLM
 from hyserve.model.protocol import CausalLM, ModelSpec
 from hyserve.model.quant_config import QuantConfig
 from hyserve.model.weights import init_random_weights, weight_bytes
@@ -51,6 +52,8 @@ class ModelFamily:
     with_quant: Callable[[Any, QuantConfig | None], ModelSpec]
     # (parsed config, run dtype) -> bytes of the weights at tp_size 1 in that format (the pre-load check)
     weight_bytes: Callable[[Any, torch.dtype], int]
+    # the kernel ops the model may call (kernels/ops.py): on CUDA each must have a CUDA implementation
+    kernel_ops: tuple[Op[..., Any], ...]
     # (model) once its weights are loaded on its device: serving layouts (NemotronH: packed q/k/v weights)
     finish_load: Callable[[Any], None] = lambda model: None
 
@@ -70,6 +73,7 @@ _FAMILIES: list[ModelFamily] = [
         with_cache_dtypes=lambda cfg, **kw: cfg.with_cache_dtypes(**kw),
         with_quant=lambda cfg, quant: cfg.with_quant(quant),
         weight_bytes=lambda cfg, dtype: weight_bytes(cfg, dtype),
+        kernel_ops=KERNEL_OPS,
         finish_load=lambda model: model.pack_weights(),
     ),
 ]

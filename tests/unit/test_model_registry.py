@@ -67,6 +67,7 @@ def test_register_refuses_a_clashing_family():
         with_cache_dtypes=nem.with_cache_dtypes,
         with_quant=nem.with_quant,
         weight_bytes=nem.weight_bytes,
+        kernel_ops=nem.kernel_ops,
     )
     with pytest.raises(ValueError, match="already belong to 'nemotron_h'"):
         registry.register(clash)

@@ -625,16 +625,16 @@ def test_moe_layer_kernels_match_reference_path(monkeypatch, name):
     x = torch.randn(9, cfg.hidden_size, device=DEV)
     want = layer(x) if not CUDA else None
     if CUDA:  # the reference path on the GPU for comparison
-        monkeypatch.setattr(ops, "get", lambda name, on_cuda: ops._REF[name])
-        want = layer(x)
-        monkeypatch.undo()
-    impls = {
-        "moe_route": tm.moe_route_triton,
-        "moe_experts": tm.moe_experts_triton,
-        "router_logits": tm.router_logits_triton,
-    }
-    real_get = ops.get
-    monkeypatch.setattr(ops, "get", lambda n, on_cuda: impls.get(n) or real_get(n, on_cuda))
+        with ops.reference_on_cuda():
+            want = layer(x)
+    impls = (
+        (ops.moe_route, tm.moe_route_triton),
+        (ops.moe_experts, tm.moe_experts_triton),
+        (ops.router_logits, tm.router_logits_triton),
+    )
+    for op, fn in impls:  # the kernels in place of the op on either device (the interpreter on the CPU)
+        monkeypatch.setattr(op, "ref", fn)
+        monkeypatch.setattr(op, "cuda", fn)
     for rows in (x, x[:1]):  # the grouped GEMMs, and the decode GEMVs with the router GEMV
         torch.testing.assert_close(layer(rows), want[: rows.shape[0]], rtol=1e-4, atol=1e-5)
 

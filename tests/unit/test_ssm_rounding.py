@@ -636,7 +636,7 @@ SR_KV = {
 def test_llm_with_fp16_stochastic_rounding_is_deterministic(monkeypatch) -> None:
     calls = {"ssm_update": 0, "store_ssm_state": 0}
     for name in calls:
-        real = ops._REF[name]
+        real = getattr(ops, name).ref
 
         def spy(*a, _real=real, _name=name, **k):
             if k.get("rounding") is not None:
@@ -644,7 +644,7 @@ def test_llm_with_fp16_stochastic_rounding_is_deterministic(monkeypatch) -> None
                 calls[_name] += 1
             return _real(*a, **k)
 
-        monkeypatch.setitem(ops._REF, name, spy)
+        monkeypatch.setattr(getattr(ops, name), "ref", spy)
 
     prompts = [[1] + [(7 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate((5, 23, 40))]
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -928,9 +928,8 @@ def test_paged_attention_fp8_cache(poison):
 
 def test_registry_registers_only_with_cuda():
     from hyserve.kernels import ops
-    from hyserve.kernels.triton_registry import register_triton_kernels
 
-    names = register_triton_kernels()
+    names = ops.load_cuda_kernels()
     if not CUDA:
         assert names == []
         return
@@ -947,6 +946,7 @@ def test_registry_registers_only_with_cuda():
         "gated_norm_linear",
         "relu2_linear",
     }
-    for n in names:
-        assert ops.get(n, on_cuda=True) is not ops.get(n, on_cuda=False)
-    assert ops.get("paged_attention", on_cuda=True) is paged_attention_cuda
+    assert names == [op.name for op in ops.ALL_OPS]  # every op has a CUDA implementation
+    for op in ops.ALL_OPS:
+        assert op.get(on_cuda=True) is not op.get(on_cuda=False)
+    assert ops.paged_attention.get(on_cuda=True) is paged_attention_cuda

@@ -215,13 +215,12 @@ def test_ssd_small_no_tokens(poison, lens, with_init):
 
 def test_ssd_registered_for_cuda():
     from hyserve.kernels import ops
-    from hyserve.kernels.triton_registry import register_triton_kernels
 
-    names = register_triton_kernels()
+    names = ops.load_cuda_kernels()
     if CUDA:
-        assert "ssd" in names and ops.get("ssd", on_cuda=True) is ssd_triton
+        assert "ssd" in names and ops.ssd.get(on_cuda=True) is ssd_triton
     else:
-        assert names == [] and ops.get("ssd", on_cuda=False) is ssd_chunked_ref
+        assert names == [] and ops.ssd.get(on_cuda=False) is ssd_chunked_ref
 
 
 # --------------------------------------------------------------------------- Nemotron Nano 9B v2 shapes (GPU)
