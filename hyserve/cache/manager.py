@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hyserve.cache.alignment import ChunkSpan, chunk_span
 from hyserve.cache.block_pool import BlockPool, NoFreeBlocks
 from hyserve.cache.capacity import CapacityPlan
 from hyserve.cache.state_pool import NoFreeSlots, StatePool
@@ -123,6 +124,14 @@ class HybridCacheManager:
             if p > 0:
                 out.add(p)
         return sorted(out)
+
+    def chunk_span(self, start: int, max_tokens: int, *, prompt_len: int, chunk_size: int) -> ChunkSpan:
+        """Where a prefill chunk of a `prompt_len`-token prompt, from `start` and of at most `max_tokens`
+        tokens, may end for an SSD scan of `chunk_size`-token chunks, and which snapshots it writes
+        (`cache/alignment.py`)."""
+        return chunk_span(
+            start, max_tokens, chunk_size=chunk_size, boundaries=self.snapshot_boundaries(prompt_len)
+        )
 
     def allocate_snapshot(self, hashes: list[int], position: int) -> tuple[int, int] | None:
         """A pinned snapshot slot and its key (the chain hash at block boundary `position`). None when

@@ -30,11 +30,8 @@ under "priority" back into the queue at its key, which it keeps); if there is no
 itself. The oldest request never yields, and admission guarantees that any single request fits an empty
 pool, so a request alone always progresses: no deadlock.
 
-Prefill chunks end early at a snapshot boundary that the SSD scan cannot produce mid-chunk (a boundary
-is producible when it is a multiple of chunk_size tokens into the chunk, or is the chunk's end):
-
-    start=64          boundary 256            boundary 300 (prompt end - offset, unaligned)
-      |--- chunk_size 128 ---|--- 128 ---|-44-|   <- chunk cut here; the next chunk starts at 300
+Where a prefill chunk may end is the cache's rule (`cache/alignment.py`): it ends early at a snapshot
+boundary the SSD scan cannot produce mid-chunk, and a chunk cut for time ends on an SSD chunk boundary.
 """
 
 from __future__ import annotations
@@ -45,6 +42,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from hyserve.cache.alignment import ssd_aligned_length
 from hyserve.cache.manager import HybridCacheManager, PrefixHit, chain_hashes
 from hyserve.config import SCHEDULING_POLICIES, Choice
 from hyserve.engine.request import Request, RequestStatus
@@ -458,9 +456,9 @@ class Scheduler:
             fcfs_put(req)
 
     def _plan_chunk(self, req: Request, budget: int, *, ms: float | None = None) -> ScheduledSeq | None:
-        """The next prefill chunk of `req` within `budget` tokens, cut at a snapshot boundary the scan
-        cannot produce mid-chunk. Snapshot positions are recorded; slots are attached only once the
-        chunk's blocks are secured (`_secure`). None if nothing can be scheduled."""
+        """The next prefill chunk of `req` within `budget` tokens, ending where the cache says a chunk may
+        (`cache/alignment.py`). Snapshot positions are recorded; slots are attached only once the chunk's
+        blocks are secured (`_secure`). None if nothing can be scheduled."""
         start = req.num_computed
         total = req.num_tokens
         n = min(total - start, budget)
@@ -470,20 +468,11 @@ class Scheduler:
             # which the scan cannot produce mid-chunk)
             timed = max(self.cost.max_chunk(start, ms), self.chunk_size)
             if timed < n:
-                aligned = (start + timed) // self.chunk_size * self.chunk_size - start
-                n = aligned if aligned > 0 else timed
+                n = ssd_aligned_length(start, timed, self.chunk_size)
         if n <= 0 or (not self.chunked and n < total - start):
             return None
-        positions: list[int] = []
-        for b in self.cache.snapshot_boundaries(req.num_prompt_tokens):
-            if b <= start:
-                continue
-            if b > start + n:
-                break
-            positions.append(b)
-            if (b - start) % self.chunk_size != 0 and b != start + n:
-                n = b - start
-                break
+        span = self.cache.chunk_span(start, n, prompt_len=req.num_prompt_tokens, chunk_size=self.chunk_size)
+        n, positions = span.num_tokens, span.snapshots
         assert req.live_slot is not None
         if req.init_snapshot_slot is not None:
             src: int | None = req.init_snapshot_slot
