@@ -27,7 +27,9 @@ import datetime as dt
 import gc
 import json
 import random
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -222,6 +224,26 @@ def run_pair(a: argparse.Namespace, weights: str, state: str, bw: float, out: di
     torch.cuda.empty_cache()
 
 
+def run_pair_in_child(argv: list[str], weights: str, state: str, out: dict[str, Any]) -> None:
+    """One (weights, state) pair in a child process of this script; its records, kernel tables and engine
+    figures join `out`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        keep = [x for i, x in enumerate(argv) if not _is_choice(argv, i)]
+        cmd = [sys.executable, "-m", "benchmarks.bench_batch_step", *keep]
+        cmd += ["--weights", weights, "--states", state, "--result-dir", tmp]
+        subprocess.run(cmd, check=True, timeout=1800)
+        (child,) = Path(tmp).glob("batch_step_*.json")
+        got = json.loads(child.read_text())
+    for key in ("records", "kernels", "engines", "failures"):
+        out.setdefault(key, []).extend(got.get(key, []))
+
+
+def _is_choice(argv: list[str], i: int) -> bool:
+    """Whether argv[i] is a --weights / --states / --result-dir flag or its value (the child gets its own)."""
+    flags = ("--weights", "--states", "--result-dir")
+    return argv[i].split("=")[0] in flags or (i > 0 and argv[i - 1] in flags)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", type=Path, default=CFG_DIR)
@@ -252,18 +274,21 @@ def main(argv: list[str] | None = None) -> int:
     c = measure_ceilings("cuda")
     print(c.summary())
     out["ceilings"] = c.to_dict()
-    for w in a.weights.split(","):
-        for s in a.states.split(","):
-            try:
+    pairs = [(w, s) for w in a.weights.split(",") for s in a.states.split(",")]
+    for w, s in pairs:
+        try:
+            if len(pairs) == 1:
                 run_pair(a, w, s, c.read_bw, out)
-            except Exception as e:  # noqa: BLE001 - one configuration failing must not lose the others
-                print(f"{w} weights, {s} state failed: {type(e).__name__}: {e}")
-                out.setdefault("failures", []).append(f"{w}/{s}: {type(e).__name__}: {e}")
-                gc.collect()
-                torch.cuda.empty_cache()
-            path = Path(a.result_dir) / f"batch_step_{dt.date.today()}_{out['git_sha']}.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(sanitize(out), indent=1))
+            else:  # each engine in its own process: one engine's memory is not all returned on close
+                run_pair_in_child(argv if argv is not None else sys.argv[1:], w, s, out)
+        except Exception as e:  # noqa: BLE001 - one configuration failing must not lose the others
+            print(f"{w} weights, {s} state failed: {type(e).__name__}: {e}")
+            out.setdefault("failures", []).append(f"{w}/{s}: {type(e).__name__}: {e}")
+            gc.collect()
+            torch.cuda.empty_cache()
+        path = Path(a.result_dir) / f"batch_step_{dt.date.today()}_{out['git_sha']}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(sanitize(out), indent=1))
     print(records_markdown(out["records"]))
     return 0
 

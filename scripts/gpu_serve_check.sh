@@ -16,6 +16,11 @@
 #   profile py-spy samples of the server (all threads, then only the GIL holder) during 64 streams of
 #           decode, summarised by scripts/pyspy_summary.py: where the step time beyond the engine's goes.
 #   needle  max_seq_len 1,048,576: needle prompts up to 1M tokens, then a normal request.
+#   scale   serving at scale with default sizes (max_batch_size / max_num_tokens sized from memory): time to
+#           ready, SCALE_PROMPTS (default 5120) random 1000/1000 requests at 1,024 concurrency through the
+#           server, then 1,024 of them through LLM.generate (`hyserve bench offline`); serve_scale.json holds
+#           the server's figure against vLLM's published one and against the engine's
+#           (benchmarks/scale_records.py). Use MODEL=...Nano-30B-A3B-BF16 SERVE_FLAGS="--quantization fp8".
 #
 # Environment: MODEL (a config dir, default Nano 9B v2), SERVE_FLAGS (added to every `hyserve serve`, e.g.
 # "--quantization fp8"), SWEEP_SHAPES, SWEEP_CONCURRENCY (default "1 8 32 64 128 256") and SWEEP_MAX_BATCH
@@ -162,6 +167,26 @@ if [[ " $parts " == *" profile "* ]]; then
   grep -E "Median ITL|Output token thr" /tmp/serve_profile_bench.log
   [ -n "${OUT_DIR:-}" ] && mkdir -p "$OUT_DIR" && cp /tmp/pyspy_*.txt "$OUT_DIR"/
   stop_server
+fi
+
+if [[ " $parts " == *" scale "* ]]; then
+  echo "== serving at scale, default sizes"
+  n=${SCALE_PROMPTS:-5120}
+  start_server /tmp/serve_scale.log --max-seq-len 4096 || exit 1
+  ready=$READY_S
+  echo "time to ready: ${ready}s"
+  grep -E "max_batch_size|captured|warm-up:|live slots|snapshot slots|KV cache  " /tmp/serve_scale.log
+  "${BENCH[@]}" --num-prompts "$n" --max-concurrency 1024 --random-input-len 1000 --random-output-len 1000 \
+    --temperature 0 --result-filename serve_scale_c1024.json | tail -16
+  stop_server
+  q=""
+  [[ "${SERVE_FLAGS:-}" == *"--quantization fp8"* ]] && q="quantization: fp8"
+  printf '%s\nmax_seq_len: 4096\n' "$q" > /tmp/scale_engine.yml
+  python3 -m hyserve.cli bench offline --model "$MODEL" --load-format dummy --config /tmp/scale_engine.yml \
+    --input-len 1000 --output-len 1000 --num-prompts 1024 --min-token-id "${MIN_ID:-1000}" --save-result \
+    --result-dir "$R" --git-sha "$sha" --result-filename serve_scale_engine.json | tail -8
+  python3 -m benchmarks.scale_records "$R" "$ready" "$sha"
+  save
 fi
 
 if [[ " $parts " == *" needle "* ]]; then

@@ -1,0 +1,22 @@
+"""benchmarks/scale_records.py: the serving-at-scale records from a serve and an offline result."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import scale_records
+
+
+def test_scale_records_quote_the_server_against_vllm_and_the_engine(tmp_path):
+    serve = {"points": [{"reps": [{"output_throughput": 12000.0, "median_ttft_ms": 900.0}]}]}
+    engine = {"reps": [{"output_throughput": 13000.0}]}
+    (tmp_path / "serve_scale_c1024.json").write_text(json.dumps(serve))
+    (tmp_path / "serve_scale_engine.json").write_text(json.dumps(engine))
+    assert scale_records.main([str(tmp_path), "55.5", "abc1234"]) == 0
+    out = json.loads((tmp_path / "serve_scale.json").read_text())
+    recs = {r["name"]: r for r in out["records"]}
+    assert out["git_sha"] == "abc1234"
+    assert abs(recs["serve 30B-A3B fp8 1k/1k c1024"]["ratio"] - 12000 / 15828) < 1e-9
+    assert abs(recs["serve / engine, same workload"]["ratio"] - 12000 / 13000) < 1e-9
+    assert recs["serve TTFT p50, 1,024 concurrency (ms)"]["value"] == 900.0
+    assert recs["time to ready, default sizes (s)"]["ratio"] == 55.5 / 60
