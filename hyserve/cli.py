@@ -36,10 +36,16 @@ class ConfigError(ValueError):
     """A user-fixable configuration problem (exit status 2, one line)."""
 
 
-def _flag(parser: argparse.ArgumentParser | Any, name: str, aliases: tuple[str, ...] = (), **kw: Any) -> None:
+def _flag(
+    parser: argparse.ArgumentParser | Any,
+    name: str,
+    aliases: tuple[str, ...] = (),
+    short: tuple[str, ...] = (),
+    **kw: Any,
+) -> None:
     """Add `--name_with_underscores` and its hyphenated spelling as one option (and `aliases`, the spellings
-    of other servers: vLLM's --max-num-seqs)."""
-    spellings = [f"--{name}"]
+    of other servers: vLLM's --max-num-seqs; `short`: single-dash ones, vLLM's -tp)."""
+    spellings = [*short, f"--{name}"]
     hyphen = f"--{name.replace('_', '-')}"
     if hyphen not in spellings:
         spellings.append(hyphen)
@@ -55,6 +61,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     _add_model_flags(p)
     _add_scheduler_flags(p)
     _add_runtime_flags(p)
+    _add_cache_flags(p)
+    _add_trtllm_flags(p)
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -66,14 +74,34 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         metavar="MODEL",
         help="model directory (Hugging Face layout); omitted -> the built-in tiny model",
     )
+    p.add_argument(
+        "--model",
+        dest="model_option",
+        default=None,
+        metavar="MODEL",
+        help="the model directory, as vLLM's --model (the same as MODEL)",
+    )
     _flag(
         p,
         "config",
         metavar="FILE.yml",
         default=None,
-        help="YAML options (the keys of trtllm-serve's extra-llm-api-config.yml); flags override it",
+        help="YAML options: the keys of trtllm-serve's extra-llm-api-config.yml, or flag names as in vLLM's "
+        "--config; flags override it",
     )
-    _flag(p, "dtype", default=None, help="weights/activations dtype: auto, bfloat16, float16, float32")
+    _flag(
+        p,
+        "extra_llm_api_options",
+        metavar="FILE.yml",
+        default=None,
+        help="trtllm-serve's name for a YAML of options (read as --config; both may be given)",
+    )
+    _flag(
+        p,
+        "dtype",
+        default=None,
+        help="weights/activations dtype: auto, bfloat16, float16 (half), float32 (float)",
+    )
     _flag(p, "device", default=None, help="auto, cpu or cuda")
     _flag(p, "load_format", default=None, help="auto, safetensors, or dummy (random weights)")
     _flag(
@@ -110,7 +138,21 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         help="step-time target for chunked prefill: auto (default: 150 ms on CUDA, calibrated at "
         "start-up), off, or milliseconds",
     )
-    _flag(p, "max_seq_len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    _flag(
+        p,
+        "max_seq_len",
+        type=int,
+        default=None,
+        aliases=("max-model-len", "max_model_len"),
+        help="longest prompt + output (default: the model's)",
+    )
+    _flag(
+        p,
+        "enable_chunked_prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="split long prompts into chunks that share steps (default on)",
+    )
     _flag(
         p,
         "scheduling_policy",
@@ -128,6 +170,8 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
         "tp_size",
         type=int,
         default=None,
+        aliases=("tensor-parallel-size", "tensor_parallel_size"),
+        short=("-tp",),
         help="tensor parallel size: ranks one model spans (started here, or by torchrun across nodes)",
     )
     _flag(
@@ -135,14 +179,15 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
         "ep_size",
         type=int,
         default=None,
+        aliases=("moe-expert-parallel-size", "moe_expert_parallel_size"),
         help="expert parallel size: MoE experts sharded over this many of the tp_size ranks (divides it)",
     )
     _flag(
         p,
-        "kv_cache_free_gpu_memory_fraction",
-        type=float,
+        "enable_expert_parallel",
+        action="store_true",
         default=None,
-        help="fraction of free GPU memory for the KV cache and Mamba state pools",
+        help="shard the MoE experts over every tensor-parallel rank (ep_size = tp_size), as vLLM's",
     )
     _flag(p, "seed", type=int, default=None, help="engine seed for sampling")
     _flag(
@@ -182,6 +227,58 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_cache_flags(p: argparse.ArgumentParser) -> None:
+    """The cache pools: memory share, dtypes, prefix caching; CUDA graphs."""
+    _flag(
+        p,
+        "kv_cache_free_gpu_memory_fraction",
+        type=float,
+        default=None,
+        help="fraction of the GPU memory free after the weights for the KV cache and Mamba state pools "
+        "(default 0.9)",
+    )
+    _flag(
+        p,
+        "gpu_memory_utilization",
+        type=float,
+        default=None,
+        help="fraction of the GPU's total memory this server may use in all (weights, activations, pools), "
+        "as vLLM's; replaces --kv_cache_free_gpu_memory_fraction",
+    )
+    _flag(
+        p,
+        "kv_cache_dtype",
+        default=None,
+        help="KV cache dtype: auto (the model's), fp8 (fp8_e4m3), bfloat16, float16, float32",
+    )
+    _flag(
+        p,
+        "mamba_ssm_cache_dtype",
+        default=None,
+        help="stored Mamba SSM state: float32 (default; auto), bfloat16, float16",
+    )
+    _flag(
+        p,
+        "enable_prefix_caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="prefix caching of KV blocks and Mamba snapshots (default on)",
+    )
+    _flag(
+        p,
+        "enforce_eager",
+        action="store_true",
+        default=None,
+        help="run decode steps without CUDA graphs",
+    )
+
+
+def _add_trtllm_flags(p: argparse.ArgumentParser) -> None:
+    """trtllm-serve flags whose only value hyserve serves is accepted (any other is refused with why)."""
+    _flag(p, "backend", default=None, help="trtllm-serve's backend: only pytorch (hyserve's own)")
+    _flag(p, "max_beam_width", type=int, default=None, help="only 1: hyserve has no beam search")
+
+
 def _add_serve_parser(sub: Any) -> None:
     p = sub.add_parser(
         "serve", help="run the OpenAI-compatible server", description="Run the OpenAI-compatible HTTP server."
@@ -194,7 +291,8 @@ def _add_serve_parser(sub: Any) -> None:
         p,
         "api_key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1 routes (an empty key is refused: see --no_auth)",
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $HYSERVE_API_KEY, else "
+        "$VLLM_API_KEY; an empty key is refused: see --no_auth)",
     )
     _flag(
         p,
@@ -207,21 +305,64 @@ def _add_serve_parser(sub: Any) -> None:
         p,
         "reasoning_parser",
         default=None,
-        help="split <think> output into reasoning_content: nemotron-v3 (aliases: deepseek-r1, qwen3)",
+        help="split <think> output into reasoning_content: nemotron-v3 (aliases: nemotron_v3, nano_v3, "
+        "super_v3, deepseek-r1, qwen3)",
     )
-    _flag(p, "tool_parser", default=None, help="parse tool calls: qwen3_coder")
+    _flag(
+        p,
+        "tool_parser",
+        default=None,
+        aliases=("tool-call-parser", "tool_call_parser"),
+        help="parse tool calls: qwen3_coder",
+    )
+    _add_chat_flags(p)
+    _add_limit_flags(p)
+    _add_log_flags(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def _add_chat_flags(p: argparse.ArgumentParser) -> None:
+    """Chat template, default sampling from the model's generation config, tool choice."""
+    _flag(
+        p,
+        "enable_auto_tool_choice",
+        action="store_true",
+        default=None,
+        help="as vLLM's: let the model choose tools (needs --tool-call-parser; parsing follows it anyway)",
+    )
+    _flag(
+        p,
+        "chat_template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="a Jinja chat template (a file, or the template itself) in place of the checkpoint's",
+    )
+    _flag(
+        p,
+        "generation_config",
+        default=None,
+        metavar="auto|vllm|DIR",
+        help="default sampling (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) of "
+        "requests that leave it out: auto (the model's generation_config.json, default), vllm (none), or a "
+        "directory holding a generation_config.json",
+    )
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """Per-request limits and shutdown."""
+    _flag(
+        p,
+        "max_logprobs",
+        type=int,
+        default=None,
+        help="most logprobs / top_logprobs a request may ask for (default 20, the most there is; -1: 20)",
+    )
     _flag(
         p,
         "default_max_tokens",
         type=int,
         default=None,
         help="max_tokens for requests that omit it: the room left in max_seq_len, capped at this (8192)",
-    )
-    _flag(
-        p,
-        "log_level",
-        default=None,
-        help="uvicorn log level: critical, error, warning, info (default), debug, trace",
     )
     _flag(
         p,
@@ -238,8 +379,33 @@ def _add_serve_parser(sub: Any) -> None:
         default=None,
         help="on SIGTERM, seconds in-flight requests get to finish before they are aborted (default 30)",
     )
-    _flag(p, "disable_log_requests", action="store_true", default=False, help="no per-request access log")
-    p.set_defaults(func=cmd_serve)
+
+
+def _add_log_flags(p: argparse.ArgumentParser) -> None:
+    """The log: level, format, per-request lines, the periodic stats line."""
+    _flag(
+        p,
+        "log_level",
+        default=None,
+        aliases=("uvicorn-log-level", "uvicorn_log_level"),
+        help="log level of hyserve and uvicorn: critical, error, warning, info (default), debug, trace",
+    )
+    _flag(p, "log_format", choices=("text", "json"), default=None, help="text (default) or json lines")
+    _flag(p, "disable_log_requests", action="store_true", default=None, help="no per-request access log")
+    _flag(
+        p,
+        "enable_log_requests",
+        action="store_true",
+        default=None,
+        help="log each generation request (its id, prompt length and sampling) and how it ended",
+    )
+    _flag(
+        p,
+        "disable_log_stats",
+        action="store_true",
+        default=None,
+        help="no stats line every 10 s (throughput, running / waiting, cache usage, prefix hits)",
+    )
 
 
 def _add_generate_parser(sub: Any) -> None:
@@ -325,52 +491,51 @@ def build_parser() -> argparse.ArgumentParser:
 # ---- options: YAML + flags -> engine options dict ----------------------------------------------------------
 
 
+def _flag_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options given as flags, by their names (a flag left out is not there)."""
+    from hyserve.compat import known_names
+
+    names = known_names()
+    out = {k: v for k, v in vars(args).items() if k in names and v is not None and k not in _IGNORED_FLAGS}
+    if out.get("async_scheduling") in ("on", "off"):
+        out["async_scheduling"] = out["async_scheduling"] == "on"
+    positional, flag = getattr(args, "model", None), getattr(args, "model_option", None)
+    if positional is not None and flag is not None and positional != flag:
+        raise ConfigError(f"MODEL ({positional!r}) and --model ({flag!r}) differ: give the model once")
+    if positional is None and flag is not None:
+        out["model"] = flag
+    return out
+
+
+def _file_options(args: argparse.Namespace) -> Any:
+    """The options of --config and --extra_llm_api_options (one option in both must have one value)."""
+    from hyserve import compat
+    from hyserve.config import load_yaml_options
+
+    opts = compat.Options("the YAML files")
+    for flag in ("config", "extra_llm_api_options"):
+        path = getattr(args, flag, None)
+        if path:
+            opts = compat.combine(
+                opts, compat.translate(load_yaml_options(path, flag=f"--{flag}"), f"{path}")
+            )
+    return opts
+
+
 def engine_options_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
-    """(engine options dict, server options from the YAML, ignored flag names) from parsed arguments.
+    """(engine options dict, server options, ignored flag names) from parsed arguments: the YAML files'
+    options under the flags', in whichever server's spelling (hyserve/compat.py).
 
-    Raises ConfigError for a YAML that can't be read."""
-    from hyserve.config import SERVER_YAML_KEYS, load_yaml_options
+    Raises ConfigError for a YAML that can't be read or an option given twice with different values."""
+    from hyserve import compat
 
-    opts: dict[str, Any] = {}
-    if getattr(args, "config", None):
-        try:
-            opts = dict(load_yaml_options(args.config))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    server_yaml = {k: opts.pop(k) for k in SERVER_YAML_KEYS if k in opts}
-    if args.model is not None:
-        opts["model"] = args.model
-    for name in (
-        "dtype",
-        "device",
-        "load_format",
-        "quantization",
-        "max_batch_size",
-        "max_num_tokens",
-        "max_step_ms",
-        "max_seq_len",
-        "scheduling_policy",
-        "tp_size",
-        "ep_size",
-        "seed",
-        "served_model_name",
-        "warmup",
-        "strict_warmup",
-        "cache_dir",
-        "async_scheduling",
-    ):
-        v = getattr(args, name, None)
-        if v is not None:
-            opts[name] = (v == "on") if name == "async_scheduling" else v
-    if args.kv_cache_free_gpu_memory_fraction is not None:
-        kv = opts.get("kv_cache_config")
-        kv = dict(kv) if isinstance(kv, dict) else ({} if kv is None else kv)
-        if not isinstance(kv, dict):
-            raise ConfigError(f"kv_cache_config: expected a mapping, got {kv!r}")
-        kv["free_gpu_memory_fraction"] = args.kv_cache_free_gpu_memory_fraction
-        opts["kv_cache_config"] = kv
+    try:
+        opts = compat.merge(_file_options(args), compat.translate(_flag_options(args), "the command line"))
+        engine = compat.finish(opts)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     ignored = [f"--{n}" for n in _IGNORED_FLAGS if getattr(args, n, False)]
-    return opts, server_yaml, ignored
+    return engine, opts.server, ignored
 
 
 def _build_config(opts: dict[str, Any]) -> Any:
@@ -382,18 +547,19 @@ def _build_config(opts: dict[str, Any]) -> Any:
         raise ConfigError(str(e)) from None
 
 
-def _warn_ignored(config: Any, ignored_flags: list[str], err: Callable[[str], None]) -> None:
+def _ignored_warning(config: Any, ignored_flags: list[str]) -> str | None:
     keys = list(getattr(config, "ignored_keys", ())) + ignored_flags
-    if keys:
-        err(f"hyserve: warning: accepted for compatibility but without effect in hyserve: {', '.join(keys)}")
+    return f"accepted for compatibility but without effect in hyserve: {', '.join(keys)}" if keys else None
+
+
+def _warn_ignored(config: Any, ignored_flags: list[str], err: Callable[[str], None]) -> None:
+    warning = _ignored_warning(config, ignored_flags)
+    if warning:
+        err(f"hyserve: warning: {warning}")
 
 
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def _stdout(msg: str) -> None:
-    print(msg, flush=True)
 
 
 # ---- subcommands -------------------------------------------------------------------------------------------
@@ -417,27 +583,39 @@ def _run_if_headless_rank(config: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    opts, server_yaml, ignored = engine_options_from_args(args)
+    opts, server, ignored = engine_options_from_args(args)
     config = _build_config(opts)
     _run_if_headless_rank(config)
-
-    def pick(name: str, default: Any) -> Any:
-        v = getattr(args, name, None)
-        if v is not None:
-            return v
-        return server_yaml.get(name, default)
-
-    server_options = build_server_options(pick, config)
-    _warn_ignored(config, ignored, _stdout)
+    server_options = build_server_options(lambda name, default: server.get(name, default), config)
     from hyserve.server.serve import run_server
 
+    warning = _ignored_warning(config, ignored)
     try:
-        return run_server(config, server_options, log=_stdout)
+        return run_server(config, server_options, warnings=[warning] if warning else [])
     except (
         ValueError,
         FileNotFoundError,
-    ) as e:  # engine start-up: bad model dir, inconsistent capacity settings
+    ) as e:  # engine start-up: bad model dir, inconsistent capacity settings, a port in use
         raise ConfigError(str(e)) from None
+
+
+def _strict_bool(pick: Callable[[str, Any], Any], name: str, default: bool) -> bool:
+    v = pick(name, default)
+    if not isinstance(v, bool):
+        raise ConfigError(f"{name}: expected true or false, got {v!r}")
+    return v
+
+
+def _api_key(pick: Callable[[str, Any], Any]) -> str | None:
+    """--api_key, else the YAML's api_key, else $HYSERVE_API_KEY / $VLLM_API_KEY; None with --no_auth."""
+    from hyserve import envs
+
+    given = pick("api_key", None)
+    if _strict_bool(pick, "no_auth", False):
+        if given:
+            raise ConfigError("--no_auth and a non-empty api_key were both given: choose one")
+        return None
+    return envs.HYSERVE_API_KEY if given is None else given
 
 
 def build_server_options(pick: Callable[[str, Any], Any], config: Any) -> Any:
@@ -445,14 +623,7 @@ def build_server_options(pick: Callable[[str, Any], Any], config: Any) -> Any:
     is a ConfigError naming its key, before the model loads."""
     from hyserve.server.state import ServerOptions
 
-    api_key = pick("api_key", None)
-    no_auth = pick("no_auth", False)
-    if not isinstance(no_auth, bool):
-        raise ConfigError(f"no_auth: expected true or false, got {no_auth!r}")
-    if no_auth:
-        if api_key:
-            raise ConfigError("--no_auth and a non-empty api_key were both given: choose one")
-        api_key = None
+    api_key = _api_key(pick)
     aliases = tuple(a for a in (config.model, (config.model or "").rstrip("/").rsplit("/", 1)[-1]) if a)
     try:
         return ServerOptions(
@@ -464,9 +635,16 @@ def build_server_options(pick: Callable[[str, Any], Any], config: Any) -> Any:
             model_aliases=aliases,
             default_max_tokens=pick("default_max_tokens", 8192),
             log_level=pick("log_level", "info"),
-            access_log=not pick("disable_log_requests", False),
+            access_log=not _strict_bool(pick, "disable_log_requests", False),
             max_request_body_bytes=pick("max_request_body_bytes", ServerOptions.max_request_body_bytes),
             shutdown_timeout=pick("shutdown_timeout", ServerOptions.shutdown_timeout),
+            chat_template=pick("chat_template", None),
+            generation_config=pick("generation_config", "auto"),
+            max_logprobs=pick("max_logprobs", ServerOptions.max_logprobs),
+            enable_auto_tool_choice=pick("enable_auto_tool_choice", False),
+            log_requests=_strict_bool(pick, "enable_log_requests", False),
+            log_stats=not _strict_bool(pick, "disable_log_stats", False),
+            log_format=pick("log_format", "text"),
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None

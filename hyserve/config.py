@@ -21,6 +21,7 @@ in `EngineConfig.ignored_keys` so the caller can print one start-up warning.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,15 @@ from typing import Any
 import yaml
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8")
+# other servers' spellings of a value, read as hyserve's (vLLM's --dtype half, --kv-cache-dtype fp8_e4m3);
+# "auto" of the SSM state dtype is hyserve's default, float32 (vLLM's follows the model's dtype)
+DTYPE_SPELLINGS = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}
+KV_DTYPE_SPELLINGS = {"fp8_e4m3": "fp8", "half": "float16", "float": "float32"}
+SSM_DTYPE_SPELLINGS = {"auto": "float32", "half": "float16", "float": "float32"}
+KV_DTYPES_REFUSED = {
+    "fp8_e5m2": "hyserve's fp8 KV cache is e4m3 (fp8 or fp8_e4m3); e5m2 is not implemented",
+    "fp8_inc": "hyserve's fp8 KV cache is e4m3 (fp8 or fp8_e4m3)",
+}
 # kv_cache_config.kv_scales: where an fp8 KV cache's per-layer k_scale / v_scale come from. "checkpoint": its
 # KV-scale tensors (start-up fails naming the attention layers without them); "calibrate": amax / 448 of a
 # start-up prefill (engine/kv_calibration.py); "unit": 1.0; "auto": the checkpoint's where it has them,
@@ -52,6 +62,14 @@ SERVER_YAML_KEYS = (
     "default_max_tokens",
     "max_request_body_bytes",
     "shutdown_timeout",
+    "disable_log_requests",
+    "enable_log_requests",
+    "disable_log_stats",
+    "log_format",
+    "chat_template",
+    "generation_config",
+    "max_logprobs",
+    "enable_auto_tool_choice",
 )
 # engine seeds are int64 (as the API's per-request seeds)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -67,7 +85,6 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # Keys of the TensorRT-LLM YAML that hyserve accepts and ignores (they select that engine's internals).
 COMPAT_IGNORED_KEYS = frozenset(
     {
-        "backend",
         "disable_overlap_scheduler",
         "enable_attention_dp",
         "trust_remote_code",
@@ -79,6 +96,29 @@ COMPAT_IGNORED_KEYS = frozenset(
         "kv_cache_config.copy_on_partial_reuse",
     }
 )
+
+
+def _backend_problem(v: Any) -> str | None:
+    if isinstance(v, str) and v.lower() == "pytorch":
+        return None
+    return (
+        f"{v!r} is not available: hyserve is one engine, in PyTorch (trtllm-serve's 'pytorch' backend is the "
+        "only value it accepts); TensorRT-LLM's other backends build or run that engine's own kernels"
+    )
+
+
+def _beam_width_problem(v: Any) -> str | None:
+    if v == 1 and not isinstance(v, bool):
+        return None
+    return f"{v!r} is not available: hyserve has no beam search, so max_beam_width must be 1"
+
+
+# Keys of the TensorRT-LLM YAML (and trtllm-serve flags) that hyserve accepts without effect when their value
+# is what hyserve does anyway, and refuses otherwise: key -> (value -> why it is refused, or None).
+COMPAT_CHECKED_KEYS: dict[str, Callable[[Any], str | None]] = {
+    "backend": _backend_problem,
+    "max_beam_width": _beam_width_problem,
+}
 
 # ---- value checks: each takes (value, key path) and returns the value to store ---------------------------
 
@@ -114,11 +154,18 @@ def boolean(v: Any, path: str) -> bool:
 @dataclass(frozen=True)
 class Choice:
     allowed: tuple[str, ...]
+    # other accepted spellings -> the allowed value they stand for; refused values -> why
+    spellings: dict[str, str] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
 
     def __call__(self, v: Any, path: str) -> str:
         s = str(v).lower() if v is not None else v
+        if s in self.refused:
+            raise ValueError(f"{path}: {v!r} is not supported: {self.refused[s]}")
+        s = self.spellings.get(s, s) if isinstance(s, str) else s
         if s not in self.allowed:
-            raise ValueError(f"{path}: {v!r} is not one of {list(self.allowed)}")
+            others = f" (or {', '.join(sorted(self.spellings))})" if self.spellings else ""
+            raise ValueError(f"{path}: {v!r} is not one of {list(self.allowed)}{others}")
         return s
 
 
@@ -127,6 +174,10 @@ def fraction(v: Any, path: str) -> float:
     if isinstance(v, bool) or not isinstance(v, int | float) or not (0.0 < float(v) <= 1.0):
         raise ValueError(f"{path}: must be in (0, 1], got {v!r}")
     return float(v)
+
+
+def fraction_or_none(v: Any, path: str) -> float | None:
+    return None if v is None else fraction(v, path)
 
 
 def positive_ms_or_none(v: Any, path: str) -> float | None:
@@ -286,12 +337,17 @@ class CacheConfig:
     enable_block_reuse: bool = option(True, boolean)
     avg_seq_len: int | None = option(None, Int(lo=1, none_ok=True))
     free_gpu_memory_fraction: float = option(0.9, fraction)
+    # vLLM's --gpu-memory-utilization: the share of the GPU's total memory this engine may hold in all
+    # (weights, activations and pools); set, it replaces free_gpu_memory_fraction
+    gpu_memory_utilization: float | None = option(None, fraction_or_none)
     max_tokens: int | None = option(None, Int(lo=1, none_ok=True))  # cap on KV tokens
     # explicit byte budget for KV + state pools (the CPU's budget)
     max_gpu_total_bytes: int | None = option(None, Int(lo=1, none_ok=True))
-    dtype: str = option("auto", Choice(KV_CACHE_DTYPES))  # KV cache dtype
+    dtype: str = option(
+        "auto", Choice(KV_CACHE_DTYPES, KV_DTYPE_SPELLINGS, KV_DTYPES_REFUSED)
+    )  # KV cache dtype
     kv_scales: str = option("auto", Choice(KV_SCALE_SOURCES))  # fp8 only: KV_SCALE_SOURCES
-    mamba_ssm_cache_dtype: str = option("float32", Choice(SSM_CACHE_DTYPES))
+    mamba_ssm_cache_dtype: str = option("float32", Choice(SSM_CACHE_DTYPES, SSM_DTYPE_SPELLINGS))
     mamba_ssm_stochastic_rounding: bool = option(False, boolean)
     mamba_ssm_philox_rounds: int = option(
         10, Int(lo=1, hi=MAX_PHILOX_ROUNDS, hint="10 is Philox's usual count")
@@ -377,7 +433,7 @@ class ParallelConfig:
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     model: str | None = option(None, path_str)  # None -> the built-in tiny model
-    dtype: str = option("auto", Choice(MODEL_DTYPES))
+    dtype: str = option("auto", Choice(MODEL_DTYPES, DTYPE_SPELLINGS))
     device: str = option("auto", Choice(DEVICES))
     load_format: str = option("auto", Choice(LOAD_FORMATS))
     # weight format: None = the checkpoint's (FP8 for a ModelOpt / block-fp8 checkpoint), "fp8" = FP8 weights,
@@ -429,6 +485,27 @@ def accepted_keys(cls: type) -> set[str]:
     return keys
 
 
+def closest_key(key: Any, known: set[str] | frozenset[str]) -> str | None:
+    """The known key most like `key` (a typo's correction), or None when none is close."""
+    if not isinstance(key, str):
+        return None
+    lowered = {k.lower().replace("-", "_"): k for k in known}
+    hit = difflib.get_close_matches(key.lower().replace("-", "_"), list(lowered), n=1, cutoff=0.6)
+    return lowered[hit[0]] if hit else None
+
+
+def unknown_key_error(key: Any, path: str, allowed: set[str]) -> ValueError:
+    """The error of an unknown key at `path` (its parent's key path): its full path, the closest known key
+    (its full path too) and the keys allowed there."""
+    full = f"{path}.{key}" if path else str(key)
+    compat = {p.rpartition(".") for p in COMPAT_IGNORED_KEYS | set(COMPAT_CHECKED_KEYS)}
+    near = closest_key(key, allowed | {name for parent, _, name in compat if parent == path})
+    hint = f" (did you mean {(f'{path}.{near}' if path else near)!r}?)" if near else ""
+    return ValueError(
+        f"unknown option {full!r}{hint}; allowed keys{' in ' + path if path else ''}: {sorted(allowed)}"
+    )
+
+
 def _check_keys(d: dict[str, Any], allowed: set[str], path: str, ignored: list[str]) -> None:
     for k in d:
         full = f"{path}.{k}" if path else k
@@ -437,9 +514,13 @@ def _check_keys(d: dict[str, Any], allowed: set[str], path: str, ignored: list[s
         if full in COMPAT_IGNORED_KEYS:
             ignored.append(full)
             continue
-        raise ValueError(
-            f"unknown option {full!r}; allowed keys{' in ' + path if path else ''}: {sorted(allowed)}"
-        )
+        if full in COMPAT_CHECKED_KEYS:
+            problem = COMPAT_CHECKED_KEYS[full](d[k])
+            if problem:
+                raise ValueError(f"{full}: {problem}")
+            ignored.append(full)
+            continue
+        raise unknown_key_error(k, path, allowed)
 
 
 def _build(cls: type, d: dict[str, Any], path: str, ignored: list[str], *, keys_checked: bool = False) -> Any:
@@ -469,26 +550,59 @@ def _build(cls: type, d: dict[str, Any], path: str, ignored: list[str], *, keys_
     return built
 
 
+def hoist_mamba_state_config(opts: dict[str, Any]) -> dict[str, Any]:
+    """`mamba_state_config` given at the top level (as some TensorRT-LLM YAMLs write it) moved under
+    `kv_cache_config`, where hyserve reads it; given in both places, the two must agree."""
+    if "mamba_state_config" not in opts:
+        return opts
+    out = dict(opts)
+    top = out.pop("mamba_state_config")
+    kv = out.get("kv_cache_config")
+    kv = {} if kv is None else kv
+    if not isinstance(kv, dict):
+        return opts  # _build names the bad kv_cache_config
+    if "mamba_state_config" in kv and kv["mamba_state_config"] != top:
+        raise ValueError(
+            f"mamba_state_config ({top!r}) and kv_cache_config.mamba_state_config "
+            f"({kv['mamba_state_config']!r}) differ: give it once"
+        )
+    out["kv_cache_config"] = {**kv, "mamba_state_config": top}
+    return out
+
+
+def _check_one_memory_share(opts: dict[str, Any]) -> None:
+    kv = opts.get("kv_cache_config")
+    if isinstance(kv, dict) and kv.get("gpu_memory_utilization") is not None:
+        if kv.get("free_gpu_memory_fraction") is not None:
+            raise ValueError(
+                "kv_cache_config.gpu_memory_utilization (a share of the GPU's total memory, vLLM's "
+                "--gpu-memory-utilization) and kv_cache_config.free_gpu_memory_fraction (a share of the "
+                "memory free after the weights) size the same pools: give one of them"
+            )
+
+
 def build_engine_config(options: dict[str, Any] | None = None, **kwargs: Any) -> EngineConfig:
     """Validate an options dict (YAML keys / LLM kwargs; nested dicts for kv_cache_config etc.)."""
     opts: dict[str, Any] = dict(options or {})
     opts.update(kwargs)
+    opts = hoist_mamba_state_config(opts)
+    _check_one_memory_share(opts)
     ignored: list[str] = []
     config = _build(EngineConfig, opts, "", ignored)
     return dataclasses.replace(config, ignored_keys=tuple(ignored))
 
 
-def load_yaml_options(path: str | Path) -> dict[str, Any]:
-    """Read a YAML options file; errors name the file."""
+def load_yaml_options(path: str | Path, *, flag: str = "--config") -> dict[str, Any]:
+    """Read a YAML options file; errors name the file (and `flag`, the option that named it)."""
     p = Path(path)
     try:
         data = yaml.safe_load(p.read_text())
     except FileNotFoundError:
-        raise ValueError(f"--config: file not found: {p}") from None
+        raise ValueError(f"{flag}: file not found: {p}") from None
     except yaml.YAMLError as e:
-        raise ValueError(f"--config {p}: not valid YAML ({e})") from None
+        raise ValueError(f"{flag} {p}: not valid YAML ({e})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ValueError(f"--config {p}: expected a mapping of options at the top level")
+        raise ValueError(f"{flag} {p}: expected a mapping of options at the top level")
     return data

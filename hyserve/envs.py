@@ -74,3 +74,21 @@ def _flag(name: str, default: bool) -> bool:
 # Programmatic dependent launch of the decode-path Triton kernels on Hopper and newer GPUs (on by default;
 # HYSERVE_PDL=0 launches them the ordinary way, e.g. to rule it out when chasing a wrong result).
 HYSERVE_PDL: bool = _flag("HYSERVE_PDL", True)
+
+
+def _secret(*names: str) -> str | None:
+    """The first of `names` that is set and not empty (an empty variable reads as unset)."""
+    for name in names:
+        v = os.environ.get(name)
+        if v:
+            return v
+    return None
+
+
+# The API key `hyserve serve` requires when neither --api_key nor the YAML's api_key gives one (vLLM's
+# VLLM_API_KEY is read too, after HYSERVE_API_KEY); --no_auth serves without one all the same.
+HYSERVE_API_KEY: str | None = _secret("HYSERVE_API_KEY", "VLLM_API_KEY")
+# Seconds between the server's stats lines (vLLM's VLLM_LOG_STATS_INTERVAL is read too).
+HYSERVE_LOG_STATS_INTERVAL: float = _positive_float(
+    "HYSERVE_LOG_STATS_INTERVAL", _positive_float("VLLM_LOG_STATS_INTERVAL", 10.0)
+)

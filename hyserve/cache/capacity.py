@@ -17,7 +17,10 @@ from hyserve.config import Int, boolean, check_snapshot_interval, check_token_bu
 __all__ = ["CapacityInputs", "CapacityPlan", "device_cache_budget", "plan_capacity"]
 
 # User-facing knob names used in error messages.
-KNOB_BUDGET = "kv_cache_config.free_gpu_memory_fraction / kv_cache_config.max_gpu_total_bytes"
+KNOB_BUDGET = (
+    "kv_cache_config.free_gpu_memory_fraction (or gpu_memory_utilization) / "
+    "kv_cache_config.max_gpu_total_bytes"
+)
 KNOB_MAX_BATCH_SIZE = "max_batch_size"
 KNOB_MAX_SEQ_LEN = "max_seq_len"
 KNOB_MAX_NUM_TOKENS = "max_num_tokens"
@@ -128,12 +131,29 @@ class CapacityPlan:
         return d
 
 
-def device_cache_budget(free_bytes: int, fraction: float, reserved_bytes: int, cap: int | None = None) -> int:
+def device_cache_budget(
+    free_bytes: int,
+    fraction: float,
+    reserved_bytes: int,
+    cap: int | None = None,
+    *,
+    total_bytes: int | None = None,
+    utilization: float | None = None,
+) -> int:
     """The pools' budget on a GPU: `fraction` of the memory free once the weights are resident, less what
     the engine reserves beside the pools (profiled activation peaks, graph logits, allocator slack), at
     most `cap` (kv_cache_config.max_gpu_total_bytes); never negative. Smaller weights (FP8: 1 byte a weight
-    plus its scales) leave more free memory, and all of it reaches the pools here."""
-    budget = int(free_bytes * fraction) - reserved_bytes
+    plus its scales) leave more free memory, and all of it reaches the pools here.
+
+    With `utilization` (vLLM's gpu_memory_utilization, a share of the GPU's `total_bytes`) the engine holds
+    at most that share in all: the pools get it less the memory in use now (the weights, the CUDA context,
+    anything else on the GPU) and less the same reserve."""
+    if utilization is not None:
+        if total_bytes is None:
+            raise ValueError("device_cache_budget: utilization needs total_bytes")
+        budget = int(total_bytes * utilization) - (total_bytes - free_bytes) - reserved_bytes
+    else:
+        budget = int(free_bytes * fraction) - reserved_bytes
     if cap is not None:
         budget = min(budget, cap)
     return max(budget, 0)

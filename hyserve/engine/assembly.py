@@ -273,7 +273,7 @@ def cache_budget_bytes(
     c = config.cache
     if lm.device.type == "cpu":
         return c.max_gpu_total_bytes or DEFAULT_CPU_CACHE_BYTES
-    free, _total = torch.cuda.mem_get_info(lm.device)
+    free, total = torch.cuda.mem_get_info(lm.device)
     assert activations is not None
     # the allocator's reserve above the profiled peaks (fragmentation, cuBLAS workspaces)
     slack = 256 * 2**20
@@ -285,6 +285,8 @@ def cache_budget_bytes(
         c.free_gpu_memory_fraction,
         activations.total_bytes + graph_logits + slack,
         c.max_gpu_total_bytes,
+        total_bytes=total,
+        utilization=c.gpu_memory_utilization,
     )
 
 

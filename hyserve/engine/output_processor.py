@@ -130,6 +130,8 @@ class OutputProcessor:
             stop_reason=req.stop_reason if finished else None,
             error=req.error if finished else None,
             prompt_logprobs=plps,
+            arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
         )
 
     def drop(self, request_id: str) -> None:

@@ -29,6 +29,10 @@ class StreamDelta:
     error: str | None = None
     # once, with the first output token: one entry per prompt token (None for the first)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # time.monotonic() when the engine took the request, and when a step first scheduled it (None until
+    # then): the request's queue time for /metrics
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
 
 
 @dataclass

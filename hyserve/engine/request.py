@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from hyserve.engine.outputs import TokenLogprob
@@ -47,6 +48,9 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None
     aborted: bool = False
+    # time.monotonic() at arrival and when a step first scheduled it (a preemption keeps the first)
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -526,6 +527,8 @@ class Scheduler:
             return None
         if req.num_preemptions == 0:
             req.num_cached_tokens = hit.num_tokens
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
         self._secure(req, seq)
         return seq
 

@@ -14,6 +14,7 @@ The tiny model's tokenizer is built here with no network: byte-level BPE whose i
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from collections.abc import Iterable, Sequence
@@ -263,6 +264,7 @@ class Tokenizer:
         self._tok = tokenizer
         self.config = dict(config or {})
         gen = generation_config or {}
+        self.generation_config: dict[str, Any] = dict(gen)  # generation_config.json, as read
         self.bos_token = _token_content(self.config.get("bos_token"))
         self.eos_token = _token_content(self.config.get("eos_token"))
         self.pad_token = _token_content(self.config.get("pad_token"))
@@ -390,6 +392,14 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self._templates)
 
+    def with_chat_template(self, source: str) -> Tokenizer:
+        """This tokenizer with `source` as its only chat template (a server's --chat-template); raises
+        ValueError if the template does not compile."""
+        check_chat_template(source)
+        other = copy.copy(self)
+        other._templates = {"default": source}
+        return other
+
     def _template_for(self, tools: Any) -> str:
         if not self._templates:
             raise ValueError(
@@ -435,6 +445,17 @@ class Tokenizer:
 @cache
 def _compiled(source: str) -> jinja2.Template:
     return _jinja_env().from_string(source)
+
+
+def check_chat_template(source: str) -> None:
+    """Compile a chat template; ValueError with jinja's message (and line) if it cannot."""
+    try:
+        _compiled(source)
+    except jinja2.exceptions.TemplateError as e:
+        line = getattr(e, "lineno", None)
+        raise ValueError(
+            f"the chat template does not compile{f' (line {line})' if line else ''}: {e}"
+        ) from None
 
 
 # ---- streaming ---------------------------------------------------------------------------------------------

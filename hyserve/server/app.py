@@ -48,7 +48,7 @@ __all__ = ["ServerOptions", "build_app", "hyserve_version"]
 def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastAPI:
     """The OpenAI-compatible app over `engine` (an `AsyncEngine`, already started)."""
     opts = server_options or ServerOptions()
-    metrics = ServerMetrics(engine.stats)
+    metrics = ServerMetrics(engine.stats, engine.model_name)
     app = FastAPI(
         title="hyserve",
         version=hyserve_version(),

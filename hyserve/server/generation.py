@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,61 @@ from hyserve.server.errors import APIError, bad_request, internal_error
 from hyserve.server.metrics import RequestTimer
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+logger = logging.getLogger("hyserve.requests")
+
+
+class RequestLogging:
+    """An engine whose generation requests are logged as they start (id, prompt length, sampling) and end
+    (finish reason, tokens): vLLM's --enable-log-requests. Everything else is the engine's."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **kw: Any
+    ) -> AsyncIterator[StreamDelta]:
+        p = params
+        logger.info(
+            "request %s: %d prompt tokens, max_tokens=%d, temperature=%g, top_p=%g, top_k=%d, min_p=%g, "
+            "seed=%s, stop=%r, logprobs=%s, structured=%s, priority=%s",
+            request_id,
+            len(prompt_token_ids),
+            p.max_tokens,
+            p.temperature,
+            p.top_p,
+            p.top_k,
+            p.min_p,
+            p.seed,
+            list(p.stop),
+            p.logprobs,
+            p.structured_outputs is not None,
+            kw.get("priority", 0),
+        )
+        last: StreamDelta | None = None
+        agen = self._engine.generate(request_id, prompt_token_ids, params, **kw)
+        try:
+            async for d in agen:
+                last = d
+                yield d
+        finally:
+            await agen.aclose()
+            if last is not None and last.finished:
+                logger.info(
+                    "request %s finished: %s, %d output tokens, %d prompt tokens from the prefix cache%s",
+                    request_id,
+                    last.finish_reason,
+                    last.num_output_tokens,
+                    last.num_cached_tokens,
+                    f" ({last.error})" if last.error else "",
+                )
+            else:
+                logger.info(
+                    "request %s ended unfinished (the client went away or it was aborted)", request_id
+                )
 
 
 @dataclass
@@ -157,7 +213,7 @@ async def consume(engine: Any, job: Job, timer: RequestTimer | None) -> Result:
             if d.logprobs:
                 res.logprobs.extend(d.logprobs)
             if d.token_ids and timer is not None:
-                timer.token()
+                timer.token(d)
             res.num_cached_tokens = d.num_cached_tokens
             res.num_output_tokens = d.num_output_tokens
             if d.prompt_logprobs is not None:

@@ -13,6 +13,7 @@ engine forgets these requests (`AsyncEngine.reset_stats`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -83,7 +84,8 @@ def warm_http_path(
     taken. A failure here is reported and does not stop the server (the real requests will tell)."""
     t0 = time.perf_counter()
     opts = server_options or ServerOptions()
-    app = build_app(engine, opts)
+    # the log is the real requests' (--enable-log-requests)
+    app = build_app(engine, dataclasses.replace(opts, log_requests=False))
     app.state.accepting = True
     headers = [(b"authorization", f"Bearer {opts.api_key}".encode())] if opts.api_key else []
     bos = 1 if engine.tokenizer is None else (engine.tokenizer.bos_token_id or 1)

@@ -1,4 +1,5 @@
-"""Prometheus metrics for `GET /metrics`, all prefixed `hyserve_`.
+"""Prometheus metrics for `GET /metrics`: hyserve's own, prefixed `hyserve_`, and the series vLLM exports,
+prefixed `vllm:` with a `model_name` label, so dashboards and alerts written for vLLM read this server too.
 
 Two sources:
 - per-request latency histograms (TTFT, TPOT, end-to-end) and request counters, observed by the server
@@ -7,18 +8,28 @@ Two sources:
   preemptions, token totals, JIT compiles after ready) read from `engine.stats()` at scrape time by a
   custom collector, so the numbers are never stale and the engine needs no Prometheus dependency.
 
+The vLLM series: request counts and KV usage, preemptions, token and prefix-cache counters (from the same
+`engine.stats()`), and per-request histograms (TTFT, inter-token latency, end to end, queue / prefill /
+decode / inference time, prompt and generation lengths) with `vllm:request_success_total` by
+`finished_reason`. Queue time is the engine's arrival to its first scheduling of the request; prefill runs
+from there to the first token, decode from the first token to the last. The inter-token latency is observed
+once per engine step a request gets tokens in, into a plain bucket array (a few hundred nanoseconds on the
+event loop per token, not a locked prometheus observation), and exported under both of vLLM's names for it
+(`inter_token_latency_seconds` and the older `time_per_output_token_seconds`).
+
 Each app gets its own `CollectorRegistry` so several apps in one process (tests) don't collide.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 logger = logging.getLogger("hyserve.server")
@@ -98,6 +109,9 @@ _E2E_BUCKETS = (
     7680.0,
 )
 _LEN_BUCKETS = tuple(float(2**i) for i in range(0, 21))
+# vLLM's request phase buckets (queue, prefill, decode, inference time)
+_PHASE_BUCKETS: tuple[float, ...] = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0)
+_PHASE_BUCKETS += (40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 # engine.stats() key -> (metric name without prefix, help, kind)
 _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
@@ -195,9 +209,42 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
 )
 
 
+# engine.stats() key -> vLLM's series (with a model_name label)
+_VLLM_ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("num_running", "vllm:num_requests_running", "Number of requests in model execution batches.", "gauge"),
+    ("num_waiting", "vllm:num_requests_waiting", "Number of requests waiting to be processed.", "gauge"),
+    (
+        "num_preemptions",
+        "vllm:num_preemptions",
+        "Cumulative number of preemption from the engine.",
+        "counter",
+    ),
+    ("prompt_tokens_total", "vllm:prompt_tokens", "Number of prefill tokens processed.", "counter"),
+    (
+        "generation_tokens_total",
+        "vllm:generation_tokens",
+        "Number of generation tokens processed.",
+        "counter",
+    ),
+    (
+        "prefix_cache_queries",
+        "vllm:prefix_cache_queries",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        "counter",
+    ),
+    (
+        "prefix_cache_hits",
+        "vllm:prefix_cache_hits",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        "counter",
+    ),
+)
+
+
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str = "") -> None:
         self._stats = stats
+        self._model_name = model_name
 
     def describe(self) -> list[Metric]:
         return []  # collected lazily at scrape time; nothing to pre-register
@@ -234,12 +281,63 @@ class _EngineCollector(Collector):
             m = GaugeMetricFamily("hyserve_prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens).")
             m.add_metric([], float(h or 0) / float(q) if q else 0.0)
             yield m
+        yield from self._vllm(s)
+
+    def _vllm(self, s: dict[str, Any]) -> Iterator[Metric]:
+        """vLLM's names for the engine's state, labelled with the served model's name."""
+        label = [self._model_name]
+        for key, name, doc, kind in _VLLM_ENGINE_METRICS:
+            fam = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            m = fam(name, doc, labels=["model_name"])
+            m.add_metric(label, float(s.get(key, 0)))
+            yield m
+        tot, free = s.get("kv_blocks_total"), s.get("kv_blocks_free")
+        usage = 1.0 - float(free or 0) / float(tot) if tot else 0.0
+        for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+            m = GaugeMetricFamily(name, "KV-cache usage. 1 means 100 percent usage.", labels=["model_name"])
+            m.add_metric(label, usage)
+            yield m
+
+
+class BucketHistogram:
+    """A histogram kept as a bucket array, for observations on the hot path (one per engine step a request
+    gets tokens in): no lock (every observation is on the event loop) and no label lookup."""
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.bounds = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, v)] += 1
+        self.sum += v
+
+    def family(self, name: str, doc: str, labels: list[str], values: list[str]) -> HistogramMetricFamily:
+        cumulative, total = [], 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts):
+            total += n
+            cumulative.append((str(bound) if bound != float("inf") else "+Inf", float(total)))
+        m = HistogramMetricFamily(name, doc, labels=labels)
+        m.add_metric(values, cumulative, sum_value=self.sum)
+        return m
+
+
+class _BucketCollector(Collector):
+    def __init__(self, hist: BucketHistogram, names: tuple[str, ...], doc: str, model_name: str) -> None:
+        self._hist, self._names, self._doc, self._model_name = hist, names, doc, model_name
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        for name in self._names:
+            yield self._hist.family(name, self._doc, ["model_name"], [self._model_name])
 
 
 class ServerMetrics:
     """The app's metrics registry: request-level histograms + the engine collector."""
 
-    def __init__(self, engine_stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, engine_stats: Callable[[], dict[str, Any]], model_name: str = "") -> None:
         r = self.registry = CollectorRegistry()
         self.inflight = 0  # API requests not finished yet (kept by the middleware; a drain waits for 0)
         self.requests = Counter(
@@ -284,34 +382,108 @@ class ServerMetrics:
             buckets=_LEN_BUCKETS,
             registry=r,
         )
-        r.register(_EngineCollector(engine_stats))
+        r.register(_EngineCollector(engine_stats, model_name))
+        self.vllm = VllmRequestMetrics(r, model_name)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
+class VllmRequestMetrics:
+    """vLLM's per-request series (each with the model_name label)."""
+
+    def __init__(self, r: CollectorRegistry, model_name: str) -> None:
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=r).labels(model_name)
+
+        self.ttft = hist(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token.", _TTFT_BUCKETS
+        )
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency.", _E2E_BUCKETS)
+        self.queue = hist(
+            "vllm:request_queue_time_seconds", "Time spent in the WAITING phase.", _PHASE_BUCKETS
+        )
+        self.prefill = hist(
+            "vllm:request_prefill_time_seconds", "Time spent in the PREFILL phase.", _PHASE_BUCKETS
+        )
+        self.decode = hist(
+            "vllm:request_decode_time_seconds", "Time spent in the DECODE phase.", _PHASE_BUCKETS
+        )
+        self.inference = hist(
+            "vllm:request_inference_time_seconds", "Time spent in the RUNNING phase.", _PHASE_BUCKETS
+        )
+        self.prompt_len = hist(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", _LEN_BUCKETS
+        )
+        self.gen_len = hist(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", _LEN_BUCKETS
+        )
+        self.success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.model_name = model_name
+        self.itl = BucketHistogram(_TPOT_BUCKETS)
+        r.register(
+            _BucketCollector(
+                self.itl,
+                ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+                "Histogram of inter-token latency in seconds.",
+                model_name,
+            )
+        )
+
+
 class RequestTimer:
-    """Per-request clock: call `token()` when output arrives and `finish()` once at the end."""
+    """Per-request clock: call `token(delta)` when output arrives and `finish()` once at the end."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self._m = metrics
-        self.t0 = time.perf_counter()
+        self.t0 = time.monotonic()
         self.t_first: float | None = None
+        self.t_last: float | None = None
+        # the engine's clock of this request (time.monotonic): arrival, first scheduled
+        self.arrival: float | None = None
+        self.scheduled: float | None = None
         self._done = False
 
-    def token(self) -> None:
+    def token(self, delta: Any = None) -> None:
+        t = time.monotonic()
+        if delta is not None and self.scheduled is None:
+            self.arrival = getattr(delta, "arrival_time", None)
+            self.scheduled = getattr(delta, "first_scheduled_time", None)
         if self.t_first is None:
-            self.t_first = time.perf_counter()
-            self._m.ttft.observe(self.t_first - self.t0)
+            self.t_first = t
+            self._m.ttft.observe(t - self.t0)
+            self._m.vllm.ttft.observe(t - self.t0)
+        elif self.t_last is not None:
+            # a delta a slow reader found merged holds several steps' tokens: each gets its share of the gap
+            k = max(1, len(getattr(delta, "token_ids", ()) or ()))
+            for _ in range(k):
+                self._m.vllm.itl.observe((t - self.t_last) / k)
+        self.t_last = t
 
     def finish(self, *, finish_reason: str | None, prompt_tokens: int, output_tokens: int) -> None:
         if self._done:
             return
         self._done = True
-        t = time.perf_counter()
-        self._m.e2e.observe(t - self.t0)
-        self._m.request_success.labels(finish_reason=finish_reason or "unknown").inc()
-        self._m.prompt_len.observe(prompt_tokens)
-        self._m.gen_len.observe(output_tokens)
+        t = time.monotonic()
+        m, v = self._m, self._m.vllm
+        m.e2e.observe(t - self.t0)
+        m.request_success.labels(finish_reason=finish_reason or "unknown").inc()
+        m.prompt_len.observe(prompt_tokens)
+        m.gen_len.observe(output_tokens)
         if self.t_first is not None and output_tokens > 1:
-            self._m.tpot.observe((t - self.t_first) / (output_tokens - 1))
+            m.tpot.observe((t - self.t_first) / (output_tokens - 1))
+        v.e2e.observe(t - self.t0)
+        v.success.labels(v.model_name, finish_reason or "unknown").inc()
+        v.prompt_len.observe(prompt_tokens)
+        v.gen_len.observe(output_tokens)
+        if self.scheduled is not None and self.arrival is not None:
+            v.queue.observe(max(self.scheduled - self.arrival, 0.0))
+            if self.t_first is not None and self.t_last is not None:
+                v.prefill.observe(max(self.t_first - self.scheduled, 0.0))
+                v.decode.observe(self.t_last - self.t_first)
+                v.inference.observe(max(self.t_last - self.scheduled, 0.0))

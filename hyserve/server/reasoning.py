@@ -22,8 +22,18 @@ from typing import Any
 THINK_START = "<think>"
 THINK_END = "</think>"
 
-# Names accepted for `--reasoning_parser` (the spellings trtllm-serve / vLLM / SGLang users type).
-REASONING_PARSER_NAMES = ("nemotron-v3", "nemotron_v3", "nemotron", "deepseek-r1", "deepseek_r1", "qwen3")
+# Names accepted for `--reasoning_parser` (the spellings trtllm-serve / vLLM / SGLang users type: vLLM's
+# Nemotron 3 recipes say nano_v3 or super_v3, trtllm-serve's nemotron-v3); all are one parser.
+REASONING_PARSER_NAMES = (
+    "nemotron-v3",
+    "nemotron_v3",
+    "nano_v3",
+    "super_v3",
+    "nemotron",
+    "deepseek-r1",
+    "deepseek_r1",
+    "qwen3",
+)
 
 
 def check_reasoning_parser_name(name: str | None) -> str | None:

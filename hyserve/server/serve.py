@@ -21,17 +21,22 @@ process exits 1, so systemd or Kubernetes restarts it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
+import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from types import FrameType
 from typing import Any
 
+from hyserve import envs
 from hyserve.config import EngineConfig
+from hyserve.server.logs import StatsLogger, log_line, setup_logging
 
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -107,6 +112,29 @@ def _make_server_class() -> type:
     return _Server
 
 
+def bind_port(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before the model loads, so a port in use fails start-up at
+    once (naming it) instead of after minutes of loading; uvicorn serves on it once the engine is ready."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"host: cannot resolve {host!r} to bind port {port} ({e.strerror})") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        why = (
+            "it is already in use (another server on it? pick another with --port)"
+            if e.errno == errno.EADDRINUSE
+            else e.strerror or str(e)
+        )
+        raise ValueError(f"port {port} on {host}: cannot listen there: {why}") from None
+    return sock
+
+
 def engine_stopped_for_good(engine: Any) -> str | None:
     """Why the engine will serve no more (None while it serves or may still recover): its supervision set
     `fatal` (too many failures in the window, or a BaseException); the reason is `dead_reason`."""
@@ -139,19 +167,56 @@ def drain(app: Any, engine: Any, timeout: float, out: Callable[[str], None], *, 
     return False
 
 
-def run_server(config: EngineConfig, server_options: Any, *, log: Callable[[str], None] | None = None) -> int:
-    """Load the engine, serve until a signal (drain, exit 0) or until the engine stops for good (exit 1)."""
-    require_server_deps()
+def _start_log(
+    opts: Any, log: Callable[[str], None] | None, warnings: Sequence[str]
+) -> Callable[[str], None]:
+    """Where the server's progress goes: `log`, else the loggers `setup_logging` sets up; `warnings` first."""
+    if log is None:
+        setup_logging(opts.log_level, opts.log_format)
+    out = log or log_line
+    for w in warnings:
+        out(f"hyserve: warning: {w}")
+    return out
+
+
+def _uvicorn_config(app: Any, host: str, port: int, opts: Any) -> Any:
     import uvicorn
 
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=opts.log_level,
+        log_config=None,  # hyserve.server.logs set up hyserve's and uvicorn's loggers
+        access_log=opts.access_log,
+        lifespan="off",
+        timeout_graceful_shutdown=10,
+        timeout_keep_alive=5,
+    )
+
+
+def run_server(
+    config: EngineConfig,
+    server_options: Any,
+    *,
+    log: Callable[[str], None] | None = None,
+    warnings: Sequence[str] = (),
+) -> int:
+    """Load the engine, serve until a signal (drain, exit 0) or until the engine stops for good (exit 1).
+
+    Without `log`, hyserve's and uvicorn's loggers are set up (`logs.setup_logging`) and the progress goes
+    there; `warnings` are logged first."""
+    require_server_deps()
     from hyserve.engine.async_engine import AsyncEngine
     from hyserve.engine.launch import watch_server
     from hyserve.server.app import build_app, hyserve_version
     from hyserve.server.http_warmup import warm_http_path
 
     opts = server_options
-    host, port = opts.host, opts.port
-    out = log or (lambda s: print(s, flush=True))
+    host = opts.host
+    out = _start_log(opts, log, warnings)
+    sock = bind_port(host, opts.port)
+    port = sock.getsockname()[1]
     out(f"hyserve {hyserve_version()}: starting (model: {config.model or 'built-in tiny model'})")
     engine = AsyncEngine(config, log=out)
     engine.start()
@@ -173,17 +238,9 @@ def run_server(config: EngineConfig, server_options: Any, *, log: Callable[[str]
             f"(OpenAI API under /v1, metrics at /metrics; Ctrl-C to stop)"
         )
 
-    uv_config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level=opts.log_level,
-        access_log=opts.access_log,
-        lifespan="off",
-        timeout_graceful_shutdown=10,
-        timeout_keep_alive=5,
+    server = server_cls(
+        _uvicorn_config(app, host, port, opts), on_first_signal=on_signal, on_started=on_started
     )
-    server = server_cls(uv_config, on_first_signal=on_signal, on_started=on_started)
     # several ranks: a lost rank marks the engine unhealthy and stops the server (exit status 1)
     watch = watch_server(engine, lambda: setattr(server, "should_exit", True), log=out)
     gave_up: list[str] = []
@@ -200,9 +257,16 @@ def run_server(config: EngineConfig, server_options: Any, *, log: Callable[[str]
             time.sleep(0.2)
 
     threading.Thread(target=watch_engine, name="hyserve-engine-watch", daemon=True).start()
+    stats = StatsLogger(
+        engine.stats, logging.getLogger("hyserve.stats").info, envs.HYSERVE_LOG_STATS_INTERVAL
+    )
+    if opts.log_stats:
+        stats.start()
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
+        stats.stop()
+        sock.close()
         if watch is not None:
             watch.stop()
         if server.signals > 1:

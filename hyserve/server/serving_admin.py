@@ -1,12 +1,18 @@
-"""The routes around generation: `GET /v1/models` (and one model), `GET|HEAD /health`, `GET /metrics`
-(Prometheus) and `GET /version`. Health, metrics and version stay open without the API key, for probes."""
+"""The routes around generation: `GET /v1/models` (and one model), `GET|HEAD /health` (and `/ping`, its
+name on SageMaker and in vLLM), `GET /metrics` (Prometheus) and `GET /version`. Health, ping, metrics and
+version stay open without the API key, for probes.
+
+The OpenAI routes of other kinds of model (`/v1/embeddings`, `/v1/audio/...`, `/v1/images/...`) answer a
+404 that says what this server serves instead, so a client pointed at the wrong server learns why."""
 
 from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from hyserve.server.errors import error_body
+from hyserve.server.errors import APIError, error_body
 from hyserve.server.metrics import CONTENT_TYPE
 from hyserve.server.protocol import ErrorResponse, ModelCard, ModelList, VersionResponse
 from hyserve.server.state import ERROR_RESPONSES, AppState, hyserve_version
@@ -42,6 +48,39 @@ def health_response(state: AppState) -> JSONResponse:
     )
 
 
+# route prefix -> what its clients wanted (the OpenAI API's own names)
+NOT_SERVED = {
+    "/v1/embeddings": "embeddings",
+    "/v1/audio": "audio (speech, transcriptions, translations)",
+    "/v1/images": "images (generations, edits, variations)",
+}
+SERVED_ROUTES = "POST /v1/chat/completions, /v1/completions and /v1/responses, GET /v1/models"
+
+
+def not_served(state: AppState, prefix: str) -> APIError:
+    return APIError(
+        f"this server does not serve {NOT_SERVED[prefix]} ({prefix}): it generates text with "
+        f"{state.engine.model_name!r}, a hybrid Mamba2 + attention language model, through {SERVED_ROUTES}",
+        status_code=404,
+        code="unsupported_endpoint",
+    )
+
+
+def _add_not_served_routes(app: FastAPI, state: AppState) -> None:
+    methods = ["GET", "POST", "PUT", "DELETE"]
+
+    def refusal(prefix: str) -> Callable[[], Awaitable[Response]]:
+        async def refuse() -> Response:
+            raise not_served(state, prefix)
+
+        return refuse
+
+    for prefix in NOT_SERVED:
+        refuse = refusal(prefix)
+        app.add_api_route(prefix, refuse, methods=methods, include_in_schema=False)
+        app.add_api_route(prefix + "/{rest:path}", refuse, methods=methods, include_in_schema=False)
+
+
 def add_routes(app: FastAPI, state: AppState) -> None:
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def list_models() -> ModelList:
@@ -54,8 +93,13 @@ def add_routes(app: FastAPI, state: AppState) -> None:
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     @app.head("/health", include_in_schema=False)  # load-balancer probes that send HEAD
+    @app.get("/ping", include_in_schema=False)  # SageMaker's and vLLM's name for it
+    @app.post("/ping", include_in_schema=False)
+    @app.head("/ping", include_in_schema=False)
     async def health() -> JSONResponse:
         return health_response(state)
+
+    _add_not_served_routes(app, state)
 
     @app.get("/metrics", response_class=Response)
     async def metrics_route() -> Response:

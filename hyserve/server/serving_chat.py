@@ -350,7 +350,7 @@ async def chat_stream(
             yield chunk(k, ChatDelta(role="assistant", content=""))
         async for k, d in merged(engine, jobs):
             if d.token_ids:
-                timers[k].token()
+                timers[k].token(d)
             n_out[k] = d.num_output_tokens
             if k == 0:
                 n_cached = d.num_cached_tokens

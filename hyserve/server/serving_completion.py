@@ -382,7 +382,7 @@ async def completion_stream(
                     i, ptext, echo_logprobs(state, jobs[i].prompt_ids, d.prompt_logprobs, top_n, ptext)
                 )
             if d.token_ids:
-                timers[i].token()
+                timers[i].token(d)
             n_out[i], n_cached[i] = d.num_output_tokens, d.num_cached_tokens
             n_prompt[i] = d.num_prompt_tokens or n_prompt[i]
             if d.finished:

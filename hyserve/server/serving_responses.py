@@ -573,7 +573,7 @@ async def _stream(run: _Run, job: Job, timer: RequestTimer) -> AsyncIterator[str
         yield _event(seq, {"type": "response.in_progress", "response": run.response("in_progress")})
         async for _, d in merged(engine, [job]):
             if d.token_ids:
-                timer.token()
+                timer.token(d)
             run.n_out, run.n_cached = d.num_output_tokens, d.num_cached_tokens
             run.n_prompt = d.num_prompt_tokens or run.n_prompt
             events = run.feed_delta(d.text, len(d.token_ids))

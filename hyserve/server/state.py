@@ -14,13 +14,16 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from hyserve.engine.errors import RequestRejected
-from hyserve.engine.sampling_params import SamplingParams
+from hyserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from hyserve.engine.structured_output import GrammarError
+from hyserve.model.tokenizer import GENERATION_CONFIG_FILE, check_chat_template
 from hyserve.server.errors import APIError, bad_request, internal_error
-from hyserve.server.generation import engine_api_error
+from hyserve.server.generation import RequestLogging, engine_api_error
+from hyserve.server.logs import LOG_FORMATS
 from hyserve.server.metrics import ServerMetrics
 from hyserve.server.protocol import ErrorResponse, PromptTokensDetails, UsageInfo, now
 from hyserve.server.reasoning import check_reasoning_parser_name
@@ -88,6 +91,67 @@ def _check_api_key(v: Any) -> str | None:
     return key
 
 
+def _chat_template_text(v: Any) -> str | None:
+    """--chat-template: a file's text, or the template itself (vLLM takes both), compiled once here."""
+    source = _check_str(v, "chat_template", none_ok=True)
+    if source is None:
+        return None
+    if "{{" not in source and "{%" not in source:
+        try:
+            source = Path(source).expanduser().read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(
+                f"chat_template: {v!r} is neither a readable file ({e.strerror or e}) nor a Jinja template"
+            ) from None
+    try:
+        check_chat_template(source)
+    except ValueError as e:
+        raise ValueError(f"chat_template: {e}") from None
+    return source
+
+
+# generation_config.json keys -> the request field each gives a default for, and the values that are
+# transformers' own defaults rather than the model's recommendation (left out, as vLLM's --generation-config
+# auto leaves them)
+_GENERATION_DEFAULTS = {
+    "temperature": ("temperature", 1.0),
+    "top_p": ("top_p", 1.0),
+    "top_k": ("top_k", 50),
+    "min_p": ("min_p", None),
+    "repetition_penalty": ("repetition_penalty", 1.0),
+    "max_new_tokens": ("max_tokens", None),
+}
+
+
+def sampling_defaults(generation_config: dict[str, Any]) -> dict[str, float | int]:
+    """The request defaults a generation_config.json recommends (request field -> value)."""
+    out: dict[str, float | int] = {}
+    for key, (name, hf_default) in _GENERATION_DEFAULTS.items():
+        v = generation_config.get(key)
+        if isinstance(v, int | float) and not isinstance(v, bool) and v != hf_default:
+            out[name] = v
+    return out
+
+
+def read_generation_config(where: str) -> dict[str, Any]:
+    """--generation-config DIR: its generation_config.json (or the file itself), read at start-up."""
+    p = Path(where).expanduser()
+    if p.is_dir():
+        p = p / GENERATION_CONFIG_FILE
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ValueError(
+            f"generation_config: {where!r} is not 'auto', 'vllm' nor a directory with a readable "
+            f"{GENERATION_CONFIG_FILE} ({e.strerror or e})"
+        ) from None
+    except ValueError as e:
+        raise ValueError(f"generation_config: {p} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"generation_config: {p} holds no JSON object")
+    return data
+
+
 def _check_seconds(v: Any, path: str) -> float:
     if isinstance(v, bool) or not isinstance(v, int | float) or not 0.0 <= float(v) < float("inf"):
         raise ValueError(f"{path}: expected a number of seconds >= 0, got {v!r}")
@@ -115,6 +179,18 @@ class ServerOptions:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     # SIGTERM: in-flight requests get this long to finish before they are aborted (then exit 0)
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    # the chat template in place of the checkpoint's (a file or the template; stored as its text)
+    chat_template: str | None = None
+    # default sampling of requests that leave it out: "auto" (the model's generation_config.json), "vllm"
+    # (none), or a directory with a generation_config.json
+    generation_config: str = "auto"
+    # most logprobs / top_logprobs a request may ask for (-1: MAX_LOGPROBS)
+    max_logprobs: int = MAX_LOGPROBS
+    # vLLM's --enable-auto-tool-choice: accepted with a tool parser (which parses tool calls either way)
+    enable_auto_tool_choice: bool = False
+    log_requests: bool = False  # a log line as each generation request starts and ends
+    log_stats: bool = True  # the stats line every HYSERVE_LOG_STATS_INTERVAL seconds
+    log_format: str = "text"  # "text" or "json" lines
 
     def __post_init__(self) -> None:
         from hyserve.config import Int, boolean
@@ -140,6 +216,29 @@ class ServerOptions:
         boolean(self.access_log, "access_log")
         Int(lo=1024, hint="bytes")(self.max_request_body_bytes, "max_request_body_bytes")
         put("shutdown_timeout", _check_seconds(self.shutdown_timeout, "shutdown_timeout"))
+        self._check_compat_options(put)
+
+    def _check_compat_options(self, put: Callable[[str, Any], None]) -> None:
+        """The options vLLM users bring: chat template, generation config, logprobs, tools, logs."""
+        from hyserve.config import Int, boolean
+
+        put("chat_template", _chat_template_text(self.chat_template))
+        gen = _check_str(self.generation_config, "generation_config")
+        if gen not in ("auto", "vllm"):
+            read_generation_config(str(gen))
+        Int(lo=-1, hi=MAX_LOGPROBS, hint=f"{MAX_LOGPROBS} is the most the engine returns")(
+            self.max_logprobs, "max_logprobs"
+        )
+        put("max_logprobs", MAX_LOGPROBS if self.max_logprobs == -1 else self.max_logprobs)
+        for name in ("enable_auto_tool_choice", "log_requests", "log_stats"):
+            boolean(getattr(self, name), name)
+        if self.enable_auto_tool_choice and self.tool_parser is None:
+            raise ValueError(
+                "enable_auto_tool_choice: needs a tool parser to read the model's tool calls: add "
+                "--tool-call-parser qwen3_coder (or tool_parser in the YAML)"
+            )
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format: {self.log_format!r} is not one of {list(LOG_FORMATS)}")
 
 
 def hyserve_version() -> str:
@@ -204,11 +303,16 @@ class AppState:
     """The engine of one app and the request checks shared by its routes."""
 
     def __init__(self, engine: Any, opts: ServerOptions, metrics: ServerMetrics, app_state: Any) -> None:
-        self.engine = engine
+        self.engine = RequestLogging(engine) if opts.log_requests else engine
         self.opts = opts
         self.metrics = metrics
         self._app_state = app_state  # Starlette's app.state: `accepting` is set there by serve.py
         self.tok = engine.tokenizer
+        if opts.chat_template is not None and self.tok is not None:
+            self.tok = self.tok.with_chat_template(opts.chat_template)
+        elif opts.chat_template is not None:
+            logger.warning("--chat-template is unused: this model has no tokenizer (token-id prompts only)")
+        self.defaults = self._sampling_defaults()
         self.served_names = {engine.model_name, *(a for a in opts.model_aliases if a)}
         # n > 1: a prompt this long has its other choices wait for choice 0's first token and hit the prefix
         # cache (None: the engine has no prefix cache, every choice prefills on its own)
@@ -219,6 +323,27 @@ class AppState:
             self.stagger_min = max(2 * cache_cfg.tokens_per_block, interval)
         self._token_text: dict[int, str] = {}
         self._token_bytes: dict[int, list[int]] = {}
+
+    def _sampling_defaults(self) -> dict[str, float | int]:
+        """What requests that leave out temperature, top_p, top_k, min_p, repetition_penalty or max_tokens
+        get (--generation-config), logged once."""
+        mode = self.opts.generation_config
+        if mode == "vllm":
+            return {}
+        if mode == "auto":
+            gen = getattr(self.engine.tokenizer, "generation_config", None) or {}
+        else:
+            gen = read_generation_config(mode)
+        defaults = sampling_defaults(gen)
+        if defaults:
+            fields = ", ".join(f"{k}={v}" for k, v in defaults.items())
+            logger.info(
+                "requests that leave them out get the sampling defaults of %s: %s (--generation-config vllm "
+                "turns them off)",
+                "the model's generation_config.json" if mode == "auto" else mode,
+                fields,
+            )
+        return defaults
 
     # -- checks --
 
@@ -355,7 +480,16 @@ class AppState:
         SamplingParams refuses is a 400 naming the field (`logprobs_param`: the request's name for it)."""
         if max_tokens is None:
             room = self.engine.max_seq_len - n_prompt
-            max_tokens = max(1, min(room, self.opts.default_max_tokens))
+            cap = min(self.opts.default_max_tokens, int(self.defaults.get("max_tokens", 2**62)))
+            max_tokens = max(1, min(room, cap))
+        for asked, name in ((logprobs, logprobs_param), (prompt_logprobs, "prompt_logprobs")):
+            if asked is not None and asked > self.opts.max_logprobs:
+                raise bad_request(
+                    f"{name}: {asked} is more than this server's limit of {self.opts.max_logprobs} "
+                    "(--max-logprobs)",
+                    param=name,
+                )
+        d = self.defaults
         stop: tuple[str, ...] = ()
         if isinstance(req.stop, str):
             stop = (req.stop,) if req.stop else ()
@@ -364,10 +498,10 @@ class AppState:
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=0 if req.top_k is None else req.top_k,
-                min_p=0.0 if req.min_p is None else req.min_p,
+                temperature=d.get("temperature", 1.0) if req.temperature is None else req.temperature,
+                top_p=d.get("top_p", 1.0) if req.top_p is None else req.top_p,
+                top_k=int(d.get("top_k", 0)) if req.top_k is None else req.top_k,
+                min_p=d.get("min_p", 0.0) if req.min_p is None else req.min_p,
                 seed=req.seed,
                 stop=stop,
                 stop_token_ids=tuple(req.stop_token_ids or ()),
@@ -377,7 +511,11 @@ class AppState:
                 skip_special_tokens=req.skip_special_tokens,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                repetition_penalty=(
+                    d.get("repetition_penalty", 1.0)
+                    if req.repetition_penalty is None
+                    else req.repetition_penalty
+                ),
                 logit_bias=tuple(sorted((int(k), v) for k, v in (req.logit_bias or {}).items())),
                 prompt_logprobs=prompt_logprobs,
                 **extra,

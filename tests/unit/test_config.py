@@ -132,6 +132,7 @@ def test_accepted_keys_come_from_the_fields() -> None:
         "tokens_per_block", "enable_block_reuse", "avg_seq_len", "free_gpu_memory_fraction", "max_tokens",
         "max_gpu_total_bytes", "dtype", "mamba_ssm_cache_dtype", "mamba_ssm_stochastic_rounding",
         "mamba_ssm_philox_rounds", "mamba_state_config", "allow_oversized_max_seq_len", "kv_scales",
+        "gpu_memory_utilization",
     }  # fmt: skip
     assert accepted_keys(MambaStateConfig) == {
         "periodic_snapshot_interval",
@@ -179,7 +180,7 @@ def test_every_option_is_checked_and_named_by_its_path() -> None:
     from hyserve.config import EngineConfig
 
     paths = _option_paths(EngineConfig)
-    assert len(paths) == 41 and "kv_cache_config.mamba_state_config.periodic_snapshot_interval" in paths
+    assert len(paths) == 42 and "kv_cache_config.mamba_state_config.periodic_snapshot_interval" in paths
     for path in paths:
         with pytest.raises(ValueError, match=path.replace(".", r"\.")):
             build_engine_config(_nested(path, object()))

@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[2] / "hyserve"
 ALLOWED = {
     "config": set(),
     "envs": set(),
+    "compat": {"config"},
     "kernels": set(),
     "cache": {"config"},
     "distributed": {"config", "envs"},
@@ -18,7 +19,18 @@ ALLOWED = {
     "engine": {"config", "envs", "kernels", "cache", "distributed", "model"},
     "server": {"config", "envs", "engine", "model.tokenizer"},
     "bench": {"config", "envs", "engine", "server"},
-    "cli": {"config", "envs", "kernels", "cache", "distributed", "model", "engine", "server", "bench"},
+    "cli": {
+        "config",
+        "compat",
+        "envs",
+        "kernels",
+        "cache",
+        "distributed",
+        "model",
+        "engine",
+        "server",
+        "bench",
+    },
     "__init__": {"engine"},
 }
 
