@@ -208,8 +208,11 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
         p,
         "async_scheduling",
         choices=("on", "off"),
+        nargs="?",
+        const="on",
         default=None,
-        help="overlap the host's per-step work with the next step on the GPU (default on)",
+        help="overlap the host's per-step work with the next step on the GPU (default on; alone, as vLLM's "
+        "flag: on)",
     )
     _flag(
         p,
@@ -391,7 +394,14 @@ def _add_log_flags(p: argparse.ArgumentParser) -> None:
         help="log level of hyserve and uvicorn: critical, error, warning, info (default), debug, trace",
     )
     _flag(p, "log_format", choices=("text", "json"), default=None, help="text (default) or json lines")
-    _flag(p, "disable_log_requests", action="store_true", default=None, help="no per-request access log")
+    _flag(
+        p,
+        "disable_log_requests",
+        action="store_true",
+        default=None,
+        aliases=("disable-uvicorn-access-log", "disable_uvicorn_access_log"),
+        help="no per-request access log",
+    )
     _flag(
         p,
         "enable_log_requests",

@@ -78,7 +78,11 @@ ENGINE_SPELLINGS: dict[str, Spelling] = {
     "enable_expert_parallel": Spelling("enable_expert_parallel", _boolean("enable_expert_parallel")),
 }
 # other servers' names of server options -> hyserve's
-SERVER_SPELLINGS: dict[str, str] = {"tool_call_parser": "tool_parser", "uvicorn_log_level": "log_level"}
+SERVER_SPELLINGS: dict[str, str] = {
+    "tool_call_parser": "tool_parser",
+    "uvicorn_log_level": "log_level",
+    "disable_uvicorn_access_log": "disable_log_requests",
+}
 # every server option's name (ServerOptions is built from these in hyserve/cli.py)
 SERVER_KEYS = frozenset(SERVER_YAML_KEYS)
 # engine options that take a mapping, read key by key so a flag can set one of their keys

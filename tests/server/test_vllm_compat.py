@@ -71,6 +71,8 @@ ENGINE_FLAGS = [
     (["--dtype", "half"], "dtype", "float16"),
     (["--max-num-seqs", "8", "--max-num-batched-tokens", "1024"], "scheduler.max_batch_size", 8),
     (["--backend", "pytorch", "--max_beam_width", "1"], "ignored_keys", ("backend", "max_beam_width")),
+    (["--async-scheduling"], "async_scheduling", True),
+    (["--async-scheduling", "off"], "async_scheduling", False),
     (["--kv_cache_free_gpu_memory_fraction", "0.5"], "cache.free_gpu_memory_fraction", 0.5),
 ]
 
@@ -103,6 +105,7 @@ SERVER_FLAGS = [
     ([], "generation_config", "auto"),
     (["--chat-template", "{{ messages[0].content }}"], "chat_template", "{{ messages[0].content }}"),
     (["--disable-log-requests"], "access_log", False),
+    (["--disable-uvicorn-access-log"], "access_log", False),
 ]
 
 
