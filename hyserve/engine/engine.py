@@ -269,7 +269,7 @@ class LLMEngine:
             self.faults.check("host", req.request_id, len(req.output_token_ids))
         self.counters["generation_tokens_total"] += 1
         self.structured.accept(req.request_id, tok)
-        finish = self.outputs.append_token(req, tok, lp)
+        finish = self.outputs.append_token(req, tok, lp, grammar_done=self.structured.done(req.request_id))
         if finish is None:
             return self.outputs.delta(req, finished=False)
         self.scheduler.finish(req, finish.reason, finish.stop_reason)

@@ -54,15 +54,19 @@ class OutputProcessor:
         if p.prompt_logprobs is not None:
             req.prompt_logprobs = [None]  # the first prompt token has no context to be predicted from
 
-    def append_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> Finish | None:
-        """Record one output token; returns why the request finishes with it, or None."""
+    def append_token(
+        self, req: Request, tok: int, lp: TokenLogprob | None, *, grammar_done: bool = False
+    ) -> Finish | None:
+        """Record one output token; returns why the request finishes with it, or None. `grammar_done`: the
+        request's structured-outputs grammar ended with this (stop) token, which then stops the request
+        whatever `ignore_eos` says (nothing after it could satisfy the grammar)."""
         p = req.params
         st = self._states[req.request_id]
         req.output_token_ids.append(tok)
         if lp is not None:
             req.output_logprobs.append(lp)
         finish: Finish | None = None
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos):
+        if grammar_done or tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos):
             finish = Finish("stop", tok)
         else:
             if st.detok is not None:

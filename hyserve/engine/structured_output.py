@@ -198,6 +198,11 @@ class GrammarState:
         """The next token is constrained."""
         return self._wait is None and not self.failed and not self.matcher.is_terminated()
 
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and has taken its stop token."""
+        return not self.failed and self.matcher.is_terminated()
+
     def accept(self, token_id: int) -> None:
         if self.failed or self.matcher.is_terminated():
             return
@@ -275,6 +280,12 @@ class StructuredOutputs:
         st = self._states.get(request_id)
         if st is not None:
             st.accept(token_id)
+
+    def done(self, request_id: str) -> bool:
+        """Whether the request's grammar has ended (its matcher took a stop token): the request must stop
+        there, `ignore_eos` or not, since no further token is constrained."""
+        st = self._states.get(request_id)
+        return st is not None and st.done
 
     def fill_bitmask(self, request_ids: list[str]) -> torch.Tensor | None:
         """[len(request_ids), ceil(V / 32)] int32 host tensor for the rows about to be sampled (all ones for

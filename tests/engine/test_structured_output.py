@@ -261,3 +261,33 @@ def test_llm_json_schema_outputs_validate(async_scheduling: bool) -> None:
         validator.validate(json.loads(o.text))
     alone = llm.generate(["free"], free)[0]
     assert outs[4].token_ids == alone.token_ids
+
+
+def test_completed_grammar_stops_the_request_despite_ignore_eos() -> None:
+    """`ignore_eos` lets a free row run past EOS, but a grammar that took its stop token is complete: the
+    request stops there with finish_reason "stop" (it used to run on unconstrained: "yes\\x12..." or
+    '{"a": 8775}in</tool_response>...')."""
+    from hyserve.engine.llm import LLM
+
+    llm = LLM(device="cpu", max_seq_len=512, max_batch_size=8)
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    specs = [StructuredOutputsParams(choice=("yes", "no")), StructuredOutputsParams(json=schema)]
+    params = [
+        SamplingParams(max_tokens=40, temperature=1.0, seed=seed, ignore_eos=True, structured_outputs=so)
+        for so in specs
+        for seed in range(3)
+    ]
+    outs = llm.generate(["Hello"] * len(params), params)
+    for o, p in zip(outs, params):
+        assert o.finish_reason == "stop", o.text
+        if p.structured_outputs is specs[0]:
+            assert o.text in ("yes", "no")
+        else:
+            assert set(json.loads(o.text)) == {"a"}
+    free = llm.generate(["Hello"], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 40
