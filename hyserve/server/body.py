@@ -6,19 +6,29 @@ worker thread only helps if no single call holds the GIL for long: `json.loads` 
 validation of a 16M-element list, is one C call of a second or more during which the event loop (every
 stream, `/health`) cannot run. So (docs/architecture.md, "Request bodies"):
 
-- the JSON is walked one top-level value at a time, arrays one element at a time, and an array of
-  integers is parsed a slice of characters at a time; one that holds only token ids (0 <= id <= 2^31-1)
-  becomes a `TokenIds`, which the prompt fields of protocol.py take without looking at each element
-  (the union `str | list[str] | list[int] | ...` used to try `list[str]` first and build one error per
-  element: 25M ids froze the loop ~20 s);
+- a body that is not a JSON object is refused before it is parsed;
+- the JSON is walked one value at a time: a value whose text fits in a window of `_WINDOW_CHARS` is parsed
+  by one C call on that window (~1-3 ms); a larger object or array is walked member by member, at any
+  depth; only a long string is one C call over its whole text (~0.1 s for 28 MB of escapes at worst);
+- an array of integers is parsed a slice of characters at a time; one that holds only token ids
+  (0 <= id <= 2^31-1) becomes a `TokenIds`, which the prompt fields of protocol.py take without looking at
+  each element (the union `str | list[str] | list[int] | ...` used to try `list[str]` first and build one
+  error per element: 25M ids froze the loop ~20 s);
 - a long list field (chat `messages`, responses `input`) is validated a slice of elements at a time.
+
+Whatever the body, bad input is a 400 naming the field: an integer of more digits than Python converts
+(4,300), nesting deeper than `MAX_BODY_DEPTH` (deeper values could not be serialised back), or more than
+`MAX_BODY_CONTAINERS` objects and arrays (each a Python object the garbage collector walks while the request
+runs, in passes that hold the GIL).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import re
+import sys
 import typing
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -29,26 +39,101 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.requests import Request
 
-from hyserve.server.errors import bad_request
+from hyserve.server.errors import APIError, bad_request
 
 # Bodies up to this many bytes are parsed and validated in place (well under a millisecond).
 INLINE_BODY_BYTES = 64 * 1024
 # An integer array is parsed this many characters at a time (~1 ms a slice).
 _SLICE_CHARS = 128 * 1024
+# A value whose text fits in this many characters is parsed by one C call (~1-3 ms).
+_WINDOW_CHARS = 256 * 1024
 # A list field longer than this is validated this many elements at a time.
 _SLICE_ITEMS = 2_000
 TOKEN_ID_MAX = 2**31 - 1
+# The deepest nesting of objects and arrays a body may have (the body itself is level 1); JSON schemas and
+# tool parameters need a few levels, and a reply that echoes a deeper value cannot be serialised.
+MAX_BODY_DEPTH = 128
+# The most objects and arrays a (large) body may hold: every one lives as a Python object the garbage
+# collector walks, in one pass that holds the GIL (~0.15 s a million), while the request runs.
+MAX_BODY_CONTAINERS = 200_000
 
 _WS = re.compile(r"[ \t\n\r]*")
 _INT_CHARS = re.compile(r"[0-9, \t\n\r-]*")  # what the inside of an array of integers is made of
 # set by JSONDecoder.__init__ (typeshed does not declare it)
 _SCAN = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+_NUMBER_START = frozenset("-0123456789")
+
+Path = tuple[str | int, ...]
+# the size of the body the current request arrived with (set by `BodyRoute`): a request whose body was large
+# has its other large work (rendering its tools and template variables) done off the event loop too
+_BODY_BYTES: contextvars.ContextVar[int] = contextvars.ContextVar("body_bytes", default=0)
+
+
+def large_body() -> bool:
+    """Whether the current request's body was larger than `INLINE_BODY_BYTES`."""
+    return _BODY_BYTES.get() > INLINE_BODY_BYTES
 
 
 class TokenIds(list):  # type: ignore[type-arg]
     """A list of ints from the body parser; `checked` when every one is a token id (0 <= id <= 2^31 - 1)."""
 
     checked: bool = False
+
+
+class BodyValueError(ValueError):
+    """A value JSON allows but a request may not hold; `param` is its field path (`messages[0].content`)."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def field_path(path: Path) -> str | None:
+    """('messages', 0, 'content') -> 'messages[0].content'."""
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or None
+
+
+def _too_deep(path: Path) -> BodyValueError:
+    where = field_path(path)
+    return BodyValueError(
+        f"request body is nested too deeply{f' at {where}' if where else ''} (at most {MAX_BODY_DEPTH} "
+        "levels of objects and arrays)",
+        where,
+    )
+
+
+def _huge_int(path: Path) -> BodyValueError:
+    where = field_path(path)
+    return BodyValueError(
+        f"{where or 'request body'}: an integer has more than {sys.get_int_max_str_digits()} digits", where
+    )
+
+
+def _shape(value: Any, depth_limit: int) -> tuple[int, bool]:
+    """(the objects and arrays in `value`, parsed JSON; whether they nest more than `depth_limit` levels)."""
+    if not isinstance(value, dict | list):
+        return 0, False
+    count = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        count += 1
+        if depth > depth_limit:
+            return count, True
+        if isinstance(node, TokenIds):
+            continue
+        for v in node.values() if isinstance(node, dict) else node:
+            if isinstance(v, dict | list):
+                stack.append((v, depth + 1))
+    return count, False
+
+
+def nesting_exceeds(value: Any, limit: int) -> bool:
+    """Whether `value` (parsed JSON) nests objects and arrays more than `limit` levels deep."""
+    return _shape(value, limit)[1]
 
 
 def _ws(s: str, i: int) -> int:
@@ -94,69 +179,137 @@ def _int_array(s: str, i: int) -> tuple[list[int], int] | None:
         pos = cut + 1
 
 
-def _array(s: str, i: int, depth: int) -> tuple[list[Any], int]:
-    j = _ws(s, i + 1)
-    if s.startswith("]", j):
-        return [], j + 1
-    if s[j : j + 1] in ("-", "0", "1", "2", "3", "4", "5", "6", "7", "8", "9"):
-        fast = _int_array(s, j)
-        if fast is not None:
-            return fast
-    items: list[Any] = []
-    while True:
-        j = _ws(s, j)
-        if s.startswith("[", j) and depth < 8:
-            v, j = _array(s, j, depth + 1)
-        else:
-            v, j = _scan(s, j)
-        items.append(v)
-        j = _ws(s, j)
-        if s.startswith(",", j):
-            j += 1
-        elif s.startswith("]", j):
-            return items, j + 1
-        else:
-            raise json.JSONDecodeError("Expecting ',' delimiter", s, j)
+class _Walker:
+    """`loads_in_pieces`' parser: values walked one at a time (see the module docstring), each C call on at
+    most a window of the text or one string."""
 
+    def __init__(self, s: str) -> None:
+        self.s = s
+        self.base = 0  # the window is s[base : base + _WINDOW_CHARS]
+        self.window = ""
+        self.containers = 0  # objects and arrays parsed so far
 
-def _scan(s: str, i: int) -> tuple[Any, int]:
-    try:
-        return _SCAN(s, i)  # type: ignore[no-any-return]
-    except StopIteration as e:
-        raise json.JSONDecodeError("Expecting value", s, e.value) from None
+    def _count(self, n: int) -> None:
+        self.containers += n
+        if self.containers > MAX_BODY_CONTAINERS:
+            raise BodyValueError(
+                f"request body has more than {MAX_BODY_CONTAINERS} JSON objects and arrays (send long "
+                "prompts as text or token ids)",
+                None,
+            )
 
+    def _slide(self, i: int) -> None:
+        self.base, self.window = i, self.s[i : i + _WINDOW_CHARS]
 
-def loads_in_pieces(s: str) -> Any:
-    """`json.loads(s)`, with no single C call over much more than a slice of the input (see the module
-    docstring); arrays of token ids come back as `TokenIds`."""
-    i = _ws(s, 0)
-    if not s.startswith("{", i):
-        return json.loads(s)  # not an object: no request model accepts it; let json / pydantic say why
-    out: dict[str, Any] = {}
-    i = _ws(s, i + 1)
-    if s.startswith("}", i):
-        i += 1
-    else:
+    def _in_window(self, i: int) -> tuple[Any, int] | None:
+        """The value at `i` parsed within the window (slid to start at `i` when it does not fit after the
+        current start), or None when it does not parse there (too long, or bad: the walk finds where)."""
+        truncated = self.base + len(self.window) < len(self.s)
+        for attempt in (0, 1):
+            if attempt or not self.base <= i < self.base + len(self.window):
+                if attempt and self.base == i:
+                    return None
+                self._slide(i)
+                truncated = self.base + len(self.window) < len(self.s)
+            try:
+                v, end = _SCAN(self.window, i - self.base)
+            except (StopIteration, ValueError):
+                if not truncated:
+                    return None
+                continue
+            if truncated and end == len(self.window):  # a number may go on past the window
+                continue
+            return v, self.base + end
+        return None
+
+    def scalar(self, i: int, path: Path) -> tuple[Any, int]:
+        try:
+            return _SCAN(self.s, i)  # type: ignore[no-any-return]
+        except StopIteration as e:
+            raise json.JSONDecodeError("Expecting value", self.s, e.value) from None
+        except json.JSONDecodeError:
+            raise
+        except ValueError:  # int(): more digits than sys.get_int_max_str_digits()
+            raise _huge_int(path) from None
+
+    def value(self, i: int, path: Path, depth: int) -> tuple[Any, int]:
+        """The value at `i` of nesting level `depth` (the body object is level 1)."""
+        c = self.s[i : i + 1]
+        if c not in ("[", "{"):
+            return self.scalar(i, path)
+        if depth > MAX_BODY_DEPTH:
+            raise _too_deep(path)
+        self._count(1)
+        if c == "[":
+            j = _ws(self.s, i + 1)
+            if self.s[j : j + 1] in _NUMBER_START:
+                try:
+                    fast = _int_array(self.s, j)
+                except json.JSONDecodeError:
+                    raise
+                except ValueError:
+                    raise _huge_int(path) from None
+                if fast is not None:
+                    return fast
+        if depth > 1:
+            hit = self._in_window(i)
+            if hit is not None:
+                count, deep = _shape(hit[0], MAX_BODY_DEPTH - depth + 1)
+                if deep:
+                    raise _too_deep(path)
+                self._count(count - 1)
+                return hit
+        return self.array(i, path, depth) if c == "[" else self.object(i, path, depth)
+
+    def array(self, i: int, path: Path, depth: int) -> tuple[list[Any], int]:
+        s = self.s
+        j = _ws(s, i + 1)
+        if s.startswith("]", j):
+            return [], j + 1
+        items: list[Any] = []
+        while True:
+            j = _ws(s, j)
+            v, j = self.value(j, (*path, len(items)), depth + 1)
+            items.append(v)
+            j = _ws(s, j)
+            if s.startswith(",", j):
+                j += 1
+            elif s.startswith("]", j):
+                return items, j + 1
+            else:
+                raise json.JSONDecodeError("Expecting ',' delimiter", s, j)
+
+    def object(self, i: int, path: Path, depth: int) -> tuple[dict[str, Any], int]:
+        s = self.s
+        out: dict[str, Any] = {}
+        i = _ws(s, i + 1)
+        if s.startswith("}", i):
+            return out, i + 1
         while True:
             if not s.startswith('"', i):
                 raise json.JSONDecodeError("Expecting property name enclosed in double quotes", s, i)
-            key, i = _scan(s, i)
+            key, i = self.scalar(i, path)
             i = _ws(s, i)
             if not s.startswith(":", i):
                 raise json.JSONDecodeError("Expecting ':' delimiter", s, i)
-            i = _ws(s, i + 1)
-            if s.startswith("[", i):
-                out[key], i = _array(s, i, 0)
-            else:
-                out[key], i = _scan(s, i)
+            out[key], i = self.value(_ws(s, i + 1), (*path, key), depth + 1)
             i = _ws(s, i)
             if s.startswith(",", i):
                 i = _ws(s, i + 1)
             elif s.startswith("}", i):
-                i += 1
-                break
+                return out, i + 1
             else:
                 raise json.JSONDecodeError("Expecting ',' delimiter", s, i)
+
+
+def loads_in_pieces(s: str) -> Any:
+    """`json.loads(s)` of a JSON object, with no single C call over much more than a window of the input
+    or one string (see the module docstring); arrays of token ids come back as `TokenIds`. Raises
+    `BodyValueError` for what a request may not hold (naming its field), and for anything but an object."""
+    i = _ws(s, 0)
+    if not s.startswith("{", i):
+        raise BodyValueError("request body must be a JSON object", None)
+    out, i = _Walker(s).object(i, (), 1)
     if _ws(s, i) != len(s):
         raise json.JSONDecodeError("Extra data", s, i)
     return out
@@ -204,6 +357,37 @@ def _validate_in_slices(model: type[BaseModel], obj: dict[str, Any]) -> BaseMode
         raise RequestValidationError([dict(err, loc=("body", *err["loc"])) for err in e.errors()]) from None
 
 
+def _not_an_object() -> Exception:
+    from fastapi.exceptions import RequestValidationError
+
+    return RequestValidationError(
+        [
+            {
+                "type": "model_attributes_type",
+                "loc": ("body",),
+                "msg": "Input should be a JSON object",
+                "input": None,
+            }
+        ]
+    )
+
+
+def _loads(text: str, large: bool) -> Any:
+    """The body's JSON object: `json.loads` when small (then checked for depth and, on a value JSON allows
+    but Python refuses, walked again to name the field), `loads_in_pieces` when large."""
+    if large:
+        return loads_in_pieces(text)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except ValueError:  # an integer of too many digits: the walk names its field
+        return loads_in_pieces(text)
+    if text.count("{") + text.count("[") > MAX_BODY_DEPTH and nesting_exceeds(obj, MAX_BODY_DEPTH):
+        return loads_in_pieces(text)  # names where
+    return obj
+
+
 def parse_body_sync(body: bytes, model: type[BaseModel]) -> BaseModel:
     """The request model from a JSON body (any size; see `parse_body`)."""
     from fastapi.exceptions import RequestValidationError
@@ -214,10 +398,14 @@ def parse_body_sync(body: bytes, model: type[BaseModel]) -> BaseModel:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
         raise bad_request(f"request body is not valid UTF-8 (byte {e.start})") from None
+    if not text[_ws(text, 0) :].startswith("{"):  # refused before it is parsed, whatever its size
+        raise _not_an_object()
     try:
-        obj = json.loads(text) if len(body) <= INLINE_BODY_BYTES else loads_in_pieces(text)
+        obj = _loads(text, len(body) > INLINE_BODY_BYTES)
     except RecursionError:
-        raise bad_request("request body is nested too deeply") from None
+        raise _api_error(_too_deep(())) from None
+    except BodyValueError as e:
+        raise _api_error(e) from None
     except json.JSONDecodeError as e:
         raise RequestValidationError(
             [
@@ -231,17 +419,12 @@ def parse_body_sync(body: bytes, model: type[BaseModel]) -> BaseModel:
             ]
         ) from None
     if not isinstance(obj, dict):
-        raise RequestValidationError(
-            [
-                {
-                    "type": "model_attributes_type",
-                    "loc": ("body",),
-                    "msg": "Input should be a JSON object",
-                    "input": None,
-                }
-            ]
-        )
+        raise _not_an_object()
     return _validate_in_slices(model, obj)
+
+
+def _api_error(e: BodyValueError) -> APIError:
+    return bad_request(str(e), param=e.param)
 
 
 async def parse_body(body: bytes, model: type[BaseModel]) -> BaseModel:
@@ -281,7 +464,9 @@ class BodyRoute(APIRoute):
         endpoint = self.endpoint
 
         async def handler(request: Request) -> Response:
-            req = await parse_body(await request.body(), model)
+            body = await request.body()
+            _BODY_BYTES.set(len(body))
+            req = await parse_body(body, model)
             kwargs: dict[str, Any] = {name: req}
             if raw_name is not None:
                 kwargs[raw_name] = request

@@ -83,7 +83,13 @@ def messages_to_template_input(messages: list[ChatMessage]) -> list[dict[str, An
 def tools_to_template_input(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
     if not tools:
         return None
-    return [t.model_dump(exclude_none=True) for t in tools]
+    out = []
+    for t in tools:  # the parameters as they came (a dump would copy them in one long C call)
+        d = t.model_dump(exclude_none=True, exclude={"function": {"parameters"}})
+        if t.function.parameters is not None:
+            d["function"]["parameters"] = t.function.parameters
+        out.append(d)
+    return out
 
 
 # Template text per chat message, counted with the contents (so a request of many tiny messages renders

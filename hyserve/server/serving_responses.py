@@ -523,6 +523,7 @@ async def create_response(state: AppState, req: ResponsesRequest, raw: Request) 
         text = render_chat_prompt(
             tok, msgs, tools=tools, add_generation_prompt=True, chat_template_kwargs=template_kwargs
         )
+        state.check_prompt_chars(len(text), "input")  # the tools and template count too
         return text, encode_text(tok, text, add_special_tokens=False, param="input")
 
     n_chars = chat_chars(msgs)

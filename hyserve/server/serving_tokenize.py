@@ -28,6 +28,7 @@ async def tokenize_request(state: AppState, req: TokenizeRequest) -> TokenizeRes
                 add_generation_prompt=req.add_generation_prompt,
                 chat_template_kwargs=req.chat_template_kwargs,
             )
+            state.check_prompt_chars(len(text), "messages")  # the tools and template count too
             return encode_text(tok, text, add_special_tokens=False, param="messages")
         return encode_text(tok, req.prompt or "", add_special_tokens=req.add_special_tokens)
 

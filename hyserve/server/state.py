@@ -21,6 +21,7 @@ from hyserve.engine.errors import RequestRejected
 from hyserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from hyserve.engine.structured_output import GrammarError
 from hyserve.model.tokenizer import GENERATION_CONFIG_FILE, check_chat_template
+from hyserve.server.body import large_body
 from hyserve.server.errors import APIError, bad_request, internal_error
 from hyserve.server.generation import RequestLogging, engine_api_error
 from hyserve.server.logs import LOG_FORMATS
@@ -41,7 +42,8 @@ OFF_LOOP_CHARS = 50_000
 # built and serialised off the event loop: n=64 x 2,000 tokens x 20 top logprobs is a 177 MB reply that
 # took ~1 min to build, during which the loop served no one.
 OFF_LOOP_REPLY_TOKENS = 20_000
-_INT_KEY = re.compile(r"-?[0-9]+")  # logit_bias keys: ASCII digits (str.isdigit also takes '²' and '٣')
+# logit_bias keys: ASCII digits (str.isdigit also takes '²' and '٣'), few enough for int() (4,300 at most)
+_INT_KEY = re.compile(r"-?[0-9]{1,19}")
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {
@@ -368,7 +370,7 @@ class AppState:
         for key in req.logit_bias or {}:
             if not _INT_KEY.fullmatch(key.strip()):
                 raise bad_request(
-                    f"logit_bias keys must be token ids (integers as strings), got {key!r}",
+                    f"logit_bias keys must be token ids (integers as strings), got {key[:40]!r}",
                     param="logit_bias",
                 )
 
@@ -532,9 +534,10 @@ class AppState:
     @staticmethod
     async def off_loop(fn: Callable[[], Any], large: bool) -> Any:
         """Run `fn` on a worker thread when its work is large (rendering + tokenising a long prompt: an
-        800k-token document takes seconds; building a large reply), so the event loop keeps streaming to
-        everyone else; small work runs in place."""
-        return await asyncio.to_thread(fn) if large else fn()
+        800k-token document takes seconds; building a large reply), or when the request's body was large
+        (its tools or template variables may be), so the event loop keeps streaming to everyone else; small
+        work runs in place."""
+        return await asyncio.to_thread(fn) if large or large_body() else fn()
 
     @staticmethod
     def large_reply(num_output_tokens: int, top_n: int) -> bool:
