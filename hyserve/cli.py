@@ -320,8 +320,26 @@ def _add_serve_parser(sub: Any) -> None:
     )
     _add_chat_flags(p)
     _add_limit_flags(p)
+    _add_cors_flags(p)
     _add_log_flags(p)
     p.set_defaults(func=cmd_serve)
+
+
+def _add_cors_flags(p: argparse.ArgumentParser) -> None:
+    """CORS, as vLLM's flags (lists as JSON, or comma-separated); without origins, no CORS."""
+    _flag(
+        p,
+        "allowed_origins",
+        default=None,
+        metavar="JSON_LIST",
+        help="origins whose browser pages may call the API, e.g. '[\"https://app.example\"]' (default none: "
+        "no CORS headers)",
+    )
+    _flag(p, "allowed_methods", default=None, metavar="JSON_LIST", help='CORS methods (default ["*"])')
+    _flag(
+        p, "allowed_headers", default=None, metavar="JSON_LIST", help='CORS request headers (default ["*"])'
+    )
+    _flag(p, "allow_credentials", action="store_true", default=None, help="CORS: allow credentials")
 
 
 def _add_chat_flags(p: argparse.ArgumentParser) -> None:
@@ -381,6 +399,13 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="on SIGTERM, seconds in-flight requests get to finish before they are aborted (default 30)",
+    )
+    _flag(
+        p,
+        "max_sequences_per_request",
+        type=int,
+        default=None,
+        help="most sequences (prompts x n) one request may ask for (default 1024); more is a 400",
     )
 
 
@@ -655,6 +680,13 @@ def build_server_options(pick: Callable[[str, Any], Any], config: Any) -> Any:
             log_requests=_strict_bool(pick, "enable_log_requests", False),
             log_stats=not _strict_bool(pick, "disable_log_stats", False),
             log_format=pick("log_format", "text"),
+            allowed_origins=pick("allowed_origins", ServerOptions.allowed_origins),
+            allowed_methods=pick("allowed_methods", ServerOptions.allowed_methods),
+            allowed_headers=pick("allowed_headers", ServerOptions.allowed_headers),
+            allow_credentials=pick("allow_credentials", False),
+            max_sequences_per_request=pick(
+                "max_sequences_per_request", ServerOptions.max_sequences_per_request
+            ),
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None

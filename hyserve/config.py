@@ -70,6 +70,11 @@ SERVER_YAML_KEYS = (
     "generation_config",
     "max_logprobs",
     "enable_auto_tool_choice",
+    "allowed_origins",
+    "allowed_methods",
+    "allowed_headers",
+    "allow_credentials",
+    "max_sequences_per_request",
 )
 # engine seeds are int64 (as the API's per-request seeds)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1

@@ -72,6 +72,7 @@ class AsyncEngine:
         self.model_name = self.engine.loaded.name
         self.tokenizer = self.engine.tokenizer
         self.max_seq_len = self.engine.max_seq_len
+        self.max_batch_size: int = self.engine.scheduler.max_batch_size  # as sized at start-up
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, DeltaCollector]] = {}
         self._lock = threading.Lock()

@@ -62,6 +62,16 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
     app.add_middleware(
         ApiMiddleware, api_key=opts.api_key, metrics=metrics, max_body_bytes=opts.max_request_body_bytes
     )
+    if opts.allowed_origins:  # outermost, so that its headers are on every answer (401s, 413s too)
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(opts.allowed_origins),
+            allow_methods=list(opts.allowed_methods),
+            allow_headers=list(opts.allowed_headers),
+            allow_credentials=opts.allow_credentials,
+        )
     state = AppState(engine, opts, metrics, app.state)
     if opts.tool_parser is None:
         logger.info("no --tool_parser: requests with `tools` get the model's raw output as content")

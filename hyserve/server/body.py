@@ -434,6 +434,26 @@ async def parse_body(body: bytes, model: type[BaseModel]) -> BaseModel:
     return await asyncio.to_thread(parse_body_sync, body, model)
 
 
+def check_content_type(value: str | None) -> None:
+    """A JSON body must say so: `Content-Type: application/json` (a charset, if given, UTF-8). Anything else
+    is a 415, before the body is read: a browser page may post `text/plain`, a form or a typeless body to
+    another origin without asking first (no CORS preflight), and curl's `-d` sends a form."""
+    media, *params = (value or "").split(";")
+    charset = "utf-8"
+    for p in params:
+        k, _, v = p.partition("=")
+        if k.strip().lower() == "charset":
+            charset = v.strip().strip('"').lower()
+    if media.strip().lower() == "application/json" and charset in ("utf-8", "utf8"):
+        return
+    got = f"Content-Type {value!r}" if value else "no Content-Type"
+    raise APIError(
+        f"request bodies are JSON: send Content-Type: application/json (UTF-8); got {got[:100]}",
+        status_code=415,
+        code="unsupported_media_type",
+    )
+
+
 def _body_params(endpoint: Any) -> tuple[str, type[BaseModel], str | None] | None:
     """(the request-model parameter, its model, the `Request` parameter or None) of a route endpoint."""
     hints = typing.get_type_hints(endpoint)
@@ -464,6 +484,7 @@ class BodyRoute(APIRoute):
         endpoint = self.endpoint
 
         async def handler(request: Request) -> Response:
+            check_content_type(request.headers.get("content-type"))
             body = await request.body()
             _BODY_BYTES.set(len(body))
             req = await parse_body(body, model)

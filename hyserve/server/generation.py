@@ -114,6 +114,8 @@ class Job:
     after: asyncio.Event | None = None  # wait for this before entering the engine
     first_token: asyncio.Event | None = None  # set at this job's first delta (or its end)
     priority: int = 0  # the request body's `priority` (every choice of it)
+    # the request's sequences in the engine at once (`pace_jobs`): held while this job's engine request runs
+    gate: asyncio.Semaphore | None = None
 
 
 def choice_params(params: SamplingParams, k: int) -> SamplingParams:
@@ -138,6 +140,21 @@ def stagger_choices(jobs: list[Job], n: int, min_prompt: int | None) -> None:
         jobs[lead].first_token = ev
         for j in jobs[lead + 1 : lead + n]:
             j.after = ev
+
+
+def pace_jobs(jobs: list[Job], window: int | None) -> None:
+    """Let at most `window` of one request's jobs be in the engine at once, the next entering as one
+    finishes: a request of many sequences (prompts x n) then never fills the batch and the waiting queue
+    ahead of another client's request, which enters beside it at once (FCFS admission would otherwise run
+    all 16,384 sequences of 256 prompts x n = 64 first)."""
+    if window is not None and len(jobs) > window:
+        gate = asyncio.Semaphore(window)
+        for j in jobs:
+            j.gate = gate
+
+
+def _gate(job: Job) -> contextlib.AbstractAsyncContextManager[Any]:
+    return job.gate if job.gate is not None else contextlib.nullcontext()
 
 
 def finish_error(finish_reason: str | None, error: str | None) -> APIError | None:
@@ -201,6 +218,14 @@ async def consume(engine: Any, job: Job, timer: RequestTimer | None) -> Result:
     res = Result(num_prompt_tokens=len(job.prompt_ids))
     if job.after is not None:
         await job.after.wait()
+    async with _gate(job):
+        await _consume(engine, job, timer, res)
+    if res.finish_reason is None:  # the stream ended without a final delta: treat as an engine failure
+        res.finish_reason, res.error = "error", "the engine ended the request without a result"
+    return res
+
+
+async def _consume(engine: Any, job: Job, timer: RequestTimer | None, res: Result) -> None:
     agen = engine.generate(job.request_id, job.prompt_ids, job.params, priority=job.priority)
     try:
         async for d in agen:
@@ -228,9 +253,6 @@ async def consume(engine: Any, job: Job, timer: RequestTimer | None) -> Result:
         if job.first_token is not None:  # the followers must not wait for a leader that failed
             job.first_token.set()
         await agen.aclose()
-    if res.finish_reason is None:  # the stream ended without a final delta: treat as an engine failure
-        res.finish_reason, res.error = "error", "the engine ended the request without a result"
-    return res
 
 
 def abort_all(engine: Any, jobs: list[Job]) -> None:
@@ -320,10 +342,12 @@ async def merged(engine: Any, jobs: list[Job]) -> AsyncIterator[tuple[int, Strea
         try:
             if job.after is not None:
                 await job.after.wait()
-            async for d in engine.generate(job.request_id, job.prompt_ids, job.params, priority=job.priority):
-                if job.first_token is not None:
-                    job.first_token.set()
-                await hand_over(i, d)
+            async with _gate(job):
+                agen = engine.generate(job.request_id, job.prompt_ids, job.params, priority=job.priority)
+                async for d in agen:
+                    if job.first_token is not None:
+                        job.first_token.set()
+                    await hand_over(i, d)
             await hand_over(i, None)
         except Exception as e:
             await hand_over(i, e)

@@ -25,6 +25,7 @@ from hyserve.server.generation import (
     choice_params,
     finish_error,
     merged,
+    pace_jobs,
     run_whole,
     stagger_choices,
 )
@@ -162,6 +163,7 @@ async def create_chat_completion(state: AppState, req: ChatCompletionRequest, ra
         for k in range(n)
     ]
     stagger_choices(jobs, n, state.stagger_min)
+    pace_jobs(jobs, state.fanout_window)
     output = output_maker(
         reasoning_parser=opts.reasoning_parser,
         tool_parser=opts.tool_parser,

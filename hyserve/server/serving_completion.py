@@ -24,6 +24,7 @@ from hyserve.server.generation import (
     choice_params,
     finish_error,
     merged,
+    pace_jobs,
     run_whole,
     stagger_choices,
 )
@@ -48,6 +49,14 @@ from hyserve.server.state import (
 
 # at most this many prompts in one request
 MAX_PROMPTS = 256
+
+
+def prompt_count(req: CompletionRequest) -> int:
+    """How many prompts the request holds (before tokenizing any)."""
+    p = req.prompt
+    if isinstance(p, str | TokenIds) or not p or type(p[0]) is int:
+        return 1
+    return len(p)
 
 
 def completion_prompts(state: AppState, req: CompletionRequest) -> list[tuple[list[int], str | None]]:
@@ -164,7 +173,7 @@ def prompt_echo_text(state: AppState, ids: list[int], text: str | None) -> str:
 async def create_completion(state: AppState, req: CompletionRequest, raw: Request) -> Response:
     engine = state.engine
     state.check_model(req.model)
-    state.check_sampling_fields(req)
+    state.check_sampling_fields(req, prompt_count(req))
     state.check_healthy()
     if req.suffix:
         raise bad_request("suffix is not supported by this server", param="suffix")
@@ -211,6 +220,7 @@ async def create_completion(state: AppState, req: CompletionRequest, raw: Reques
             rid = base if len(prompts) * n == 1 else f"{base}-{i * n + k}"
             jobs.append(Job(rid, ids, choice_params(params, k), text, priority=req.priority))
     stagger_choices(jobs, n, state.stagger_min)
+    pace_jobs(jobs, state.fanout_window)
     model_name = req.model or engine.model_name
     timers = [RequestTimer(state.metrics) for _ in jobs]
     top_n = req.logprobs or 0

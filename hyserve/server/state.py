@@ -64,6 +64,9 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # and refuses, while it streams in, the 75 MB bodies that used to freeze the server (docs/architecture.md).
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+# A request's sequences (prompts x n) run as that many engine requests; 256 prompts x n = 64 (16,384) once
+# kept another client's 1-token request waiting 31 s on a CPU server.
+DEFAULT_MAX_SEQUENCES_PER_REQUEST = 1024
 
 
 def _check_str(v: Any, path: str, *, none_ok: bool = False, empty_ok: bool = False) -> str | None:
@@ -154,6 +157,23 @@ def read_generation_config(where: str) -> dict[str, Any]:
     return data
 
 
+def _str_list(v: Any, path: str) -> tuple[str, ...]:
+    """A list of strings, from YAML (a list, or one string) or a flag (a JSON list, as vLLM's
+    --allowed-origins '["https://a.example"]', or comma-separated)."""
+    if isinstance(v, str):
+        text = v.strip()
+        if text.startswith("["):
+            try:
+                v = json.loads(text)
+            except ValueError as e:
+                raise ValueError(f"{path}: {text!r} is not a JSON list of strings ({e})") from None
+        else:
+            v = [p.strip() for p in text.split(",") if p.strip()]
+    if not isinstance(v, list | tuple) or not all(isinstance(x, str) and x for x in v):
+        raise ValueError(f"{path}: expected a list of non-empty strings, got {v!r}")
+    return tuple(v)
+
+
 def _check_seconds(v: Any, path: str) -> float:
     if isinstance(v, bool) or not isinstance(v, int | float) or not 0.0 <= float(v) < float("inf"):
         raise ValueError(f"{path}: expected a number of seconds >= 0, got {v!r}")
@@ -193,6 +213,14 @@ class ServerOptions:
     log_requests: bool = False  # a log line as each generation request starts and ends
     log_stats: bool = True  # the stats line every HYSERVE_LOG_STATS_INTERVAL seconds
     log_format: str = "text"  # "text" or "json" lines
+    # CORS, as vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials; no
+    # origin: no CORS headers at all (browsers keep other origins' pages out)
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    # the most sequences (prompts x n) one request may ask for; more is a 400
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
 
     def __post_init__(self) -> None:
         from hyserve.config import Int, boolean
@@ -241,6 +269,16 @@ class ServerOptions:
             )
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format: {self.log_format!r} is not one of {list(LOG_FORMATS)}")
+        self._check_http_options(put)
+
+    def _check_http_options(self, put: Callable[[str, Any], None]) -> None:
+        """CORS and the per-request fan-out."""
+        from hyserve.config import Int, boolean
+
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            put(name, _str_list(getattr(self, name), name))
+        boolean(self.allow_credentials, "allow_credentials")
+        Int(lo=1)(self.max_sequences_per_request, "max_sequences_per_request")
 
 
 def hyserve_version() -> str:
@@ -325,6 +363,10 @@ class AppState:
             self.stagger_min = max(2 * cache_cfg.tokens_per_block, interval)
         self._token_text: dict[int, str] = {}
         self._token_bytes: dict[int, list[int]] = {}
+        # one request's sequences in the engine at once: 7/8 of the batch, so another client's request always
+        # finds a place in it (generation.pace_jobs)
+        batch = getattr(engine, "max_batch_size", None)
+        self.fanout_window: int | None = None if batch is None else max(1, batch - max(1, batch // 8))
 
     def _sampling_defaults(self) -> dict[str, float | int]:
         """What requests that leave out temperature, top_p, top_k, min_p, repetition_penalty or max_tokens
@@ -363,10 +405,21 @@ class AppState:
             code="model_not_found",
         )
 
-    def check_sampling_fields(self, req: Any) -> None:
-        """`n` and `logit_bias` keys (the checks pydantic cannot make)."""
+    def check_sampling_fields(self, req: Any, prompts: int = 1) -> None:
+        """`n`, the request's sequences (`prompts` x n) and `logit_bias` keys (the checks pydantic cannot
+        make)."""
         if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
             raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {req.n}", param="n")
+        n = req.n or 1
+        limit = self.opts.max_sequences_per_request
+        if prompts * n > limit:
+            what = f"{prompts} prompts x n = {n}" if prompts > 1 else f"n = {n}"
+            raise bad_request(
+                f"this request asks for {prompts * n} sequences ({what}), more than this server's limit of "
+                f"{limit} per request (--max-sequences-per-request): split it into several requests",
+                param="n" if prompts == 1 else "prompt",
+                code="too_many_sequences",
+            )
         for key in req.logit_bias or {}:
             if not _INT_KEY.fullmatch(key.strip()):
                 raise bad_request(
