@@ -407,6 +407,28 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="most sequences (prompts x n) one request may ask for (default 1024); more is a 400",
     )
+    _flag(
+        p,
+        "request_read_timeout",
+        type=float,
+        default=None,
+        help="seconds a request's headers, then its body, may take to arrive (default 30; 0: no limit); "
+        "later is a 408",
+    )
+    _flag(
+        p,
+        "max_connections",
+        type=int,
+        default=None,
+        help="open connections past which requests are answered 503 (default 8192)",
+    )
+    _flag(
+        p,
+        "max_inflight_body_bytes",
+        type=int,
+        default=None,
+        help="bytes of request bodies held at once across requests (default 512 MiB); more is a 503",
+    )
 
 
 def _add_log_flags(p: argparse.ArgumentParser) -> None:
@@ -687,6 +709,9 @@ def build_server_options(pick: Callable[[str, Any], Any], config: Any) -> Any:
             max_sequences_per_request=pick(
                 "max_sequences_per_request", ServerOptions.max_sequences_per_request
             ),
+            request_read_timeout=pick("request_read_timeout", ServerOptions.request_read_timeout),
+            max_connections=pick("max_connections", ServerOptions.max_connections),
+            max_inflight_body_bytes=pick("max_inflight_body_bytes", ServerOptions.max_inflight_body_bytes),
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None

@@ -75,6 +75,9 @@ SERVER_YAML_KEYS = (
     "allowed_headers",
     "allow_credentials",
     "max_sequences_per_request",
+    "request_read_timeout",
+    "max_connections",
+    "max_inflight_body_bytes",
 )
 # engine seeds are int64 (as the API's per-request seeds)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1

@@ -60,7 +60,12 @@ def build_app(engine: Any, server_options: ServerOptions | None = None) -> FastA
     app.router.route_class = BodyRoute  # JSON bodies parsed with a bounded cost on the event loop (body.py)
     install_error_handlers(app)
     app.add_middleware(
-        ApiMiddleware, api_key=opts.api_key, metrics=metrics, max_body_bytes=opts.max_request_body_bytes
+        ApiMiddleware,
+        api_key=opts.api_key,
+        metrics=metrics,
+        max_body_bytes=opts.max_request_body_bytes,
+        read_timeout=opts.request_read_timeout,
+        max_inflight_body_bytes=opts.max_inflight_body_bytes,
     )
     if opts.allowed_origins:  # outermost, so that its headers are on every answer (401s, 413s too)
         from starlette.middleware.cors import CORSMiddleware

@@ -179,9 +179,14 @@ def _start_log(
     return out
 
 
-def _uvicorn_config(app: Any, host: str, port: int, opts: Any) -> Any:
+def uvicorn_config(app: Any, host: str, port: int, opts: Any) -> Any:
+    """uvicorn's settings for the app: hyserve's logs, the headers' deadline (`request_read_timeout`, a 408;
+    connections.py) and the connection cap (`max_connections`: past it, requests get a 503)."""
     import uvicorn
 
+    from hyserve.server.connections import header_deadline_protocol
+
+    timeout = opts.request_read_timeout
     return uvicorn.Config(
         app,
         host=host,
@@ -192,6 +197,8 @@ def _uvicorn_config(app: Any, host: str, port: int, opts: Any) -> Any:
         lifespan="off",
         timeout_graceful_shutdown=10,
         timeout_keep_alive=5,
+        http=header_deadline_protocol(timeout) if timeout else "auto",
+        limit_concurrency=opts.max_connections,
     )
 
 
@@ -239,7 +246,7 @@ def run_server(
         )
 
     server = server_cls(
-        _uvicorn_config(app, host, port, opts), on_first_signal=on_signal, on_started=on_started
+        uvicorn_config(app, host, port, opts), on_first_signal=on_signal, on_started=on_started
     )
     # several ranks: a lost rank marks the engine unhealthy and stops the server (exit status 1)
     watch = watch_server(engine, lambda: setattr(server, "should_exit", True), log=out)

@@ -64,6 +64,12 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # and refuses, while it streams in, the 75 MB bodies that used to freeze the server (docs/architecture.md).
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+# Slow clients: a request's headers, then its body, each get this long to arrive (a 408 after; uvicorn sets no
+# bound on headers), open connections are capped (503 past it: far above the 1,024 concurrent streams a
+# default GPU server runs), and so are the bytes of all bodies being received or served at once (503)
+DEFAULT_REQUEST_READ_TIMEOUT_S = 30.0
+DEFAULT_MAX_CONNECTIONS = 8192
+DEFAULT_MAX_INFLIGHT_BODY_BYTES = 512 * 1024 * 1024
 # A request's sequences (prompts x n) run as that many engine requests; 256 prompts x n = 64 (16,384) once
 # kept another client's 1-token request waiting 31 s on a CPU server.
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 1024
@@ -221,6 +227,13 @@ class ServerOptions:
     allow_credentials: bool = False
     # the most sequences (prompts x n) one request may ask for; more is a 400
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
+    # seconds a request's headers may take (from the connection's start or its previous response) and then its
+    # body (from the headers); later is a 408 (0: no deadline)
+    request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT_S
+    # open connections (and requests in progress) past which a request is answered 503
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    # the bytes of the bodies of all requests in progress; a body that would pass it is a 503
+    max_inflight_body_bytes: int = DEFAULT_MAX_INFLIGHT_BODY_BYTES
 
     def __post_init__(self) -> None:
         from hyserve.config import Int, boolean
@@ -272,13 +285,18 @@ class ServerOptions:
         self._check_http_options(put)
 
     def _check_http_options(self, put: Callable[[str, Any], None]) -> None:
-        """CORS and the per-request fan-out."""
+        """CORS, the per-request fan-out, slow clients and the bytes in flight."""
         from hyserve.config import Int, boolean
 
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
             put(name, _str_list(getattr(self, name), name))
         boolean(self.allow_credentials, "allow_credentials")
         Int(lo=1)(self.max_sequences_per_request, "max_sequences_per_request")
+        put("request_read_timeout", _check_seconds(self.request_read_timeout, "request_read_timeout"))
+        Int(lo=1)(self.max_connections, "max_connections")
+        Int(lo=self.max_request_body_bytes, hint="bytes")(
+            self.max_inflight_body_bytes, "max_inflight_body_bytes"
+        )
 
 
 def hyserve_version() -> str:
