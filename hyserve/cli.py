@@ -72,14 +72,29 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         nargs="?",
         default=None,
         metavar="MODEL",
-        help="model directory (Hugging Face layout); omitted -> the built-in tiny model",
+        help="a model directory (Hugging Face layout) or a Hugging Face Hub id (org/name; downloaded to the "
+        "Hub cache); omitted -> the built-in tiny model",
     )
     p.add_argument(
         "--model",
         dest="model_option",
         default=None,
         metavar="MODEL",
-        help="the model directory, as vLLM's --model (the same as MODEL)",
+        help="the model directory or Hub id, as vLLM's --model (the same as MODEL)",
+    )
+    _flag(
+        p,
+        "revision",
+        default=None,
+        metavar="REV",
+        help="a Hub model's branch, tag or commit (default: main)",
+    )
+    _flag(
+        p,
+        "download_dir",
+        default=None,
+        metavar="DIR",
+        help="where a Hub model is downloaded (default: the Hub cache, $HF_HUB_CACHE or $HF_HOME/hub)",
     )
     _flag(
         p,
@@ -289,7 +304,15 @@ def _add_serve_parser(sub: Any) -> None:
     _add_engine_flags(p)
     _flag(p, "host", default=None, help="bind address (default 127.0.0.1; 0.0.0.0 for all interfaces)")
     _flag(p, "port", type=int, default=None, help="port (default 8000)")
-    _flag(p, "served_model_name", default=None, help="name clients use in `model` (default: the dir name)")
+    _flag(
+        p,
+        "served_model_name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="names clients may use in `model`; the first is the one responses and metrics report (default: "
+        "the directory's name, or the Hub id)",
+    )
     _flag(
         p,
         "api_key",
@@ -681,7 +704,8 @@ def build_server_options(pick: Callable[[str, Any], Any], config: Any) -> Any:
     from hyserve.server.state import ServerOptions
 
     api_key = _api_key(pick)
-    aliases = tuple(a for a in (config.model, (config.model or "").rstrip("/").rsplit("/", 1)[-1]) if a)
+    given = (config.model, (config.model or "").rstrip("/").rsplit("/", 1)[-1])
+    aliases = tuple(a for a in (*config.served_names, *given) if a)
     try:
         return ServerOptions(
             host=pick("host", "127.0.0.1"),
@@ -690,6 +714,7 @@ def build_server_options(pick: Callable[[str, Any], Any], config: Any) -> Any:
             reasoning_parser=pick("reasoning_parser", None),
             tool_parser=pick("tool_parser", None),
             model_aliases=aliases,
+            served_model_names=config.served_names,
             default_max_tokens=pick("default_max_tokens", 8192),
             log_level=pick("log_level", "info"),
             access_log=not _strict_bool(pick, "disable_log_requests", False),
@@ -735,6 +760,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         and not args.prompt
         and not args.prompt_ids
         and not Path(str(model_arg)).expanduser().exists()
+        and "/" not in str(model_arg)
     ):
         raise ConfigError(  # `hyserve generate "Hello"`: the text went to MODEL
             f"{model_arg!r} is not a local directory: the first argument of `hyserve generate` is MODEL (a "

@@ -47,6 +47,7 @@ KV_DTYPES_REFUSED = {
 KV_SCALE_SOURCES = ("auto", "checkpoint", "calibrate", "unit")
 SSM_CACHE_DTYPES = ("float32", "bfloat16", "float16")
 MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
+MAX_MODEL_NAME_CHARS = 256  # served_model_name: each name
 MAX_PHILOX_ROUNDS = 32  # kv_cache_config.mamba_ssm_philox_rounds: each round is unrolled in the kernels
 WARMUP_MODES = ("auto", "on", "off")
 # Keys of a serve YAML that configure the HTTP server rather than the engine (vLLM's --config takes any
@@ -275,6 +276,39 @@ def optional_str(v: Any, path: str) -> str | None:
     return v
 
 
+def nonempty_str_or_none(v: Any, path: str) -> str | None:
+    """None, or a string with something in it (a Hub revision: a branch, tag or commit)."""
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v.strip():
+        raise ValueError(f"{path}: expected a non-empty string, got {v!r}")
+    return v.strip()
+
+
+def model_names(v: Any, path: str) -> tuple[str, ...] | None:
+    """None, a name, or a list of names (vLLM's --served-model-name takes several): the first is the one
+    responses and metrics report, clients may send any."""
+    if v is None:
+        return None
+    if not isinstance(v, str | list | tuple):
+        raise ValueError(f"{path}: expected a string, got {v!r}")
+    items = [v] if isinstance(v, str) else list(v)
+    if not items:
+        raise ValueError(f"{path}: expected at least one name, got an empty list")
+    names: list[str] = []
+    for i, name in enumerate(items):
+        where = path if isinstance(v, str) else f"{path}[{i}]"
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"{where}: expected a non-empty string, got {name!r}")
+        if len(name) > MAX_MODEL_NAME_CHARS:
+            raise ValueError(
+                f"{where}: {len(name)} characters; a model name has at most {MAX_MODEL_NAME_CHARS}"
+            )
+        if name.strip() not in names:
+            names.append(name.strip())
+    return tuple(names)
+
+
 # ---- field metadata -------------------------------------------------------------------------------------
 
 
@@ -447,7 +481,14 @@ class EngineConfig:
     # weight format: None = the checkpoint's (FP8 for a ModelOpt / block-fp8 checkpoint), "fp8" = FP8 weights,
     # quantised per output channel at load from a 16-bit checkpoint (or from dummy weights)
     quantization: str | None = option(None, quantization)
-    served_model_name: str | None = option(None, optional_str)
+    # the names clients may send in `model`; the first is the one responses and metrics report (None: the
+    # directory's name, or the Hub id)
+    served_model_name: tuple[str, ...] | str | None = option(None, model_names)
+    # a model given as a Hugging Face Hub id: its revision (branch, tag or commit; None: main) and where its
+    # snapshot is kept (None: the Hub cache, $HF_HUB_CACHE or $HF_HOME/hub), as vLLM's --revision and
+    # --download-dir (hyserve/hub.py)
+    revision: str | None = option(None, nonempty_str_or_none)
+    download_dir: str | None = option(None, path_str)
     seed: int = option(0, Int(lo=SEED_MIN, hi=SEED_MAX, hint="seeds are 64-bit signed integers"))
     scheduler: SchedulerConfig = section(SchedulerConfig)
     cache: CacheConfig = section(CacheConfig, "kv_cache_config")
@@ -472,6 +513,12 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """`served_model_name` as a tuple (empty: the default name)."""
+        v = self.served_model_name
+        return (v,) if isinstance(v, str) else tuple(v or ())
 
 
 # ---- building from options -----------------------------------------------------------------------

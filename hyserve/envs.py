@@ -92,3 +92,17 @@ HYSERVE_API_KEY: str | None = _secret("HYSERVE_API_KEY", "VLLM_API_KEY")
 HYSERVE_LOG_STATS_INTERVAL: float = _positive_float(
     "HYSERVE_LOG_STATS_INTERVAL", _positive_float("VLLM_LOG_STATS_INTERVAL", 10.0)
 )
+
+
+def _hf_home() -> Path:
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return _path("HF_HOME", (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "huggingface")
+
+
+# The Hugging Face Hub, as huggingface_hub reads it: models given as Hub ids (`org/name`) are kept in
+# HF_HUB_CACHE (default $HF_HOME/hub) unless --download-dir names another place; HF_HUB_OFFLINE=1 takes them
+# from that cache only; HF_TOKEN opens private and gated repositories.
+HF_HOME: Path = _hf_home()
+HF_HUB_CACHE: Path = _path("HF_HUB_CACHE", HF_HOME / "hub")
+HF_HUB_OFFLINE: bool = _flag("HF_HUB_OFFLINE", False)
+HF_TOKEN: str | None = _secret("HF_TOKEN")

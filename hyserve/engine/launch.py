@@ -32,10 +32,9 @@ import torch
 from hyserve import envs
 from hyserve.config import EngineConfig
 from hyserve.distributed import ParallelInfo, destroy_distributed, init_distributed, parallel_info
-from hyserve.engine.model_loader import resolve_device
+from hyserve.engine.model_loader import model_source, resolve_device
 from hyserve.model.registry import read_config
 from hyserve.model.sharding import check_parallel
-from hyserve.model.tiny import builtin_model_dir
 
 WORKER_MODULE = "hyserve.engine.worker"
 
@@ -59,7 +58,7 @@ def check_layout(config: EngineConfig, *, world_size: int, local_world_size: int
     """Raise ValueError unless tp_size / ep_size fit the world, the visible GPUs and the model's heads,
     groups and experts (`model.sharding.check_parallel`). A model directory that is not there is left to
     the loader's error."""
-    d = builtin_model_dir() if config.model is None else Path(config.model).expanduser()
+    d = model_source(config).path
     if not (d / "config.json").is_file():
         return
     _family, spec = read_config(d)

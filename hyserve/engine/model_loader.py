@@ -21,6 +21,7 @@ import torch
 
 from hyserve.config import EngineConfig
 from hyserve.distributed import parallel_info
+from hyserve.hub import ModelSource, hub_options, resolve_model
 from hyserve.kernels import ops
 from hyserve.kernels.attention import FP8_KV_DTYPES
 from hyserve.model.config import parse_dtype
@@ -101,18 +102,17 @@ def check_weights_fit(weight_bytes: int, quant: QuantConfig | None, device: torc
     )
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
+def model_source(config: EngineConfig) -> ModelSource:
+    """Where the model's files are and its default served name: the built-in tiny model, a local directory,
+    or a Hugging Face Hub id's snapshot, downloaded or from the cache (hyserve/hub.py)."""
     if config.model is None:
-        model_dir = builtin_model_dir()
-        name = BUILTIN_MODEL_NAME
-    else:
-        model_dir = Path(config.model).expanduser()
-        if not model_dir.exists():
-            raise ValueError(
-                f"model: {config.model!r} is not a local directory (hyserve loads checkpoints from disk; "
-                "download the model first, or omit MODEL to use the built-in tiny model)"
-            )
-        name = model_dir.name
+        return ModelSource(path=builtin_model_dir(), name=BUILTIN_MODEL_NAME)
+    return resolve_model(config.model, **hub_options(config))
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    source = model_source(config)
+    model_dir, name = source.path, source.name
     family, cfg = read_config(model_dir)
     quant = resolve_quant(config.quantization, model_dir)
     cfg = family.with_quant(cfg, quant)
@@ -175,7 +175,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         device=device,
         dtype=dtype,
         model_dir=model_dir,
-        name=config.served_model_name or name,
+        name=config.served_names[0] if config.served_names else name,
         weight_bytes=total,
         weight_format=fmt_line,
         kv_scales_to_calibrate=to_calibrate,

@@ -18,10 +18,11 @@ from hyserve.server.protocol import ErrorResponse, ModelCard, ModelList, Version
 from hyserve.server.state import ERROR_RESPONSES, AppState, hyserve_version
 
 
-def model_card(state: AppState) -> ModelCard:
+def model_card(state: AppState, name: str | None = None) -> ModelCard:
+    """The card of one served name (default: the reported one, the first)."""
     engine = state.engine
     root = getattr(getattr(engine, "config", None), "model", None)
-    return ModelCard(id=engine.model_name, root=root, max_model_len=engine.max_seq_len)
+    return ModelCard(id=name or engine.model_name, root=root, max_model_len=engine.max_seq_len)
 
 
 def health_response(state: AppState) -> JSONResponse:
@@ -84,12 +85,12 @@ def _add_not_served_routes(app: FastAPI, state: AppState) -> None:
 def add_routes(app: FastAPI, state: AppState) -> None:
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card(state)])
+        return ModelList(data=[model_card(state, name) for name in state.listed_names])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERROR_RESPONSES)
     async def get_model(model_id: str) -> ModelCard:
         state.check_model(model_id or "\0")
-        return model_card(state)
+        return model_card(state, model_id if model_id in state.listed_names else None)
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     @app.head("/health", include_in_schema=False)  # load-balancer probes that send HEAD

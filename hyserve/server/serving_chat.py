@@ -174,7 +174,7 @@ async def create_chat_completion(state: AppState, req: ChatCompletionRequest, ra
         forced=forced,
     )
 
-    model_name = req.model or engine.model_name
+    model_name = engine.model_name  # the first served name, whichever the request used (as vLLM)
     timers = [RequestTimer(state.metrics) for _ in jobs]
     if req.stream:
         so = req.stream_options

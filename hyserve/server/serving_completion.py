@@ -221,7 +221,7 @@ async def create_completion(state: AppState, req: CompletionRequest, raw: Reques
             jobs.append(Job(rid, ids, choice_params(params, k), text, priority=req.priority))
     stagger_choices(jobs, n, state.stagger_min)
     pace_jobs(jobs, state.fanout_window)
-    model_name = req.model or engine.model_name
+    model_name = engine.model_name  # the first served name, whichever the request used (as vLLM)
     timers = [RequestTimer(state.metrics) for _ in jobs]
     top_n = req.logprobs or 0
     if req.stream:

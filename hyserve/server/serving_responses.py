@@ -542,7 +542,7 @@ async def create_response(state: AppState, req: ResponsesRequest, raw: Request) 
         parallel=parallel,
         forced=forced,
     )()
-    run = _Run(state, req, response_id, req.model or engine.model_name, out, think, tools, len(prompt_ids))
+    run = _Run(state, req, response_id, engine.model_name, out, think, tools, len(prompt_ids))
     timer = RequestTimer(state.metrics)
     if req.stream:
         return SSEResponse(_stream(run, job, timer), headers=SSE_HEADERS)

@@ -199,6 +199,8 @@ class ServerOptions:
     tool_parser: str | None = None
     # Other names clients may put in `model` (e.g. the path/Hub id given on the command line).
     model_aliases: tuple[str, ...] = ()
+    # --served-model-name's names: /v1/models lists each (the engine's model_name, the first, reported)
+    served_model_names: tuple[str, ...] = ()
     # max_tokens when a request leaves it out: the room left in max_seq_len, but at most this.
     default_max_tokens: int = 8192
     log_level: str = "info"
@@ -247,10 +249,10 @@ class ServerOptions:
             ("tool_parser", check_tool_parser_name),
         ):
             put(name, check(_check_str(getattr(self, name), name, none_ok=True, empty_ok=True)))
-        if not isinstance(self.model_aliases, tuple) or not all(
-            isinstance(a, str) for a in self.model_aliases
-        ):
-            raise ValueError(f"model_aliases: expected a tuple of strings, got {self.model_aliases!r}")
+        for name in ("model_aliases", "served_model_names"):
+            names = getattr(self, name)
+            if not isinstance(names, tuple) or not all(isinstance(a, str) for a in names):
+                raise ValueError(f"{name}: expected a tuple of strings, got {names!r}")
         Int(lo=1)(self.default_max_tokens, "default_max_tokens")
         level = _check_str(self.log_level, "log_level")
         if level is None or level.lower() not in LOG_LEVELS:
@@ -371,7 +373,9 @@ class AppState:
         elif opts.chat_template is not None:
             logger.warning("--chat-template is unused: this model has no tokenizer (token-id prompts only)")
         self.defaults = self._sampling_defaults()
-        self.served_names = {engine.model_name, *(a for a in opts.model_aliases if a)}
+        # /v1/models: the reported name first, then the other --served-model-name names
+        self.listed_names = tuple(dict.fromkeys((engine.model_name, *opts.served_model_names)))
+        self.served_names = {*self.listed_names, *(a for a in opts.model_aliases if a)}
         # n > 1: a prompt this long has its other choices wait for choice 0's first token and hit the prefix
         # cache (None: the engine has no prefix cache, every choice prefills on its own)
         cache_cfg = getattr(getattr(engine, "config", None), "cache", None)

@@ -84,7 +84,7 @@ def test_report_launch_command_parses() -> None:
         args.api_key,
         args.load_format,
         args.kv_cache_free_gpu_memory_fraction,
-    ) == ("m", "k", "dummy", 0.5)
+    ) == (["m"], "k", "dummy", 0.5)
 
 
 def test_flags_override_yaml_and_nested_merge(tmp_path: Path) -> None:
