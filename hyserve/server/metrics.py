@@ -418,6 +418,12 @@ class VllmRequestMetrics:
         self.gen_len = hist(
             "vllm:request_generation_tokens", "Number of generation tokens processed.", _LEN_BUCKETS
         )
+        # the max_tokens each request asked for (vLLM's dashboard plots its rate beside the lengths)
+        self.max_gen = hist(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            _LEN_BUCKETS,
+        )
         self.success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -439,8 +445,9 @@ class VllmRequestMetrics:
 class RequestTimer:
     """Per-request clock: call `token(delta)` when output arrives and `finish()` once at the end."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, max_tokens: int | None = None) -> None:
         self._m = metrics
+        self.max_tokens = max_tokens  # what the request asked for (None: not known here)
         self.t0 = time.monotonic()
         self.t_first: float | None = None
         self.t_last: float | None = None
@@ -481,6 +488,8 @@ class RequestTimer:
         v.success.labels(v.model_name, finish_reason or "unknown").inc()
         v.prompt_len.observe(prompt_tokens)
         v.gen_len.observe(output_tokens)
+        if self.max_tokens is not None:
+            v.max_gen.observe(self.max_tokens)
         if self.scheduled is not None and self.arrival is not None:
             v.queue.observe(max(self.scheduled - self.arrival, 0.0))
             if self.t_first is not None and self.t_last is not None:

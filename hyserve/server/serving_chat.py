@@ -175,7 +175,7 @@ async def create_chat_completion(state: AppState, req: ChatCompletionRequest, ra
     )
 
     model_name = engine.model_name  # the first served name, whichever the request used (as vLLM)
-    timers = [RequestTimer(state.metrics) for _ in jobs]
+    timers = [RequestTimer(state.metrics, j.params.max_tokens) for j in jobs]
     if req.stream:
         so = req.stream_options
         return SSEResponse(

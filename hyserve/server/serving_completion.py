@@ -222,7 +222,7 @@ async def create_completion(state: AppState, req: CompletionRequest, raw: Reques
     stagger_choices(jobs, n, state.stagger_min)
     pace_jobs(jobs, state.fanout_window)
     model_name = engine.model_name  # the first served name, whichever the request used (as vLLM)
-    timers = [RequestTimer(state.metrics) for _ in jobs]
+    timers = [RequestTimer(state.metrics, j.params.max_tokens) for j in jobs]
     top_n = req.logprobs or 0
     if req.stream:
         so = req.stream_options

@@ -543,7 +543,7 @@ async def create_response(state: AppState, req: ResponsesRequest, raw: Request) 
         forced=forced,
     )()
     run = _Run(state, req, response_id, engine.model_name, out, think, tools, len(prompt_ids))
-    timer = RequestTimer(state.metrics)
+    timer = RequestTimer(state.metrics, job.params.max_tokens)
     if req.stream:
         return SSEResponse(_stream(run, job, timer), headers=SSE_HEADERS)
     results = await run_whole(engine, raw, [job], [timer])
