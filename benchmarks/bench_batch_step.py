@@ -43,7 +43,7 @@ from hyserve.bench.profiling import device_kernel_times
 from hyserve.bench.report import record, records_markdown, sanitize, stamp
 from hyserve.engine.assembly import rank_cache_bytes
 from hyserve.kernels.launch_util import pdl_enabled, set_pdl
-from hyserve.model.config import HybridModelConfig
+from hyserve.model.nemotron_h.config import HybridModelConfig
 from hyserve.model.quant_config import QuantConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -34,7 +34,7 @@ from benchmarks.host_results import write_host_results  # noqa: E402
 from benchmarks.phase_timing import time_phases  # noqa: E402
 from benchmarks.roofline import PUBLISHED_BW, decode_step_ms  # noqa: E402
 from hyserve import LLM, SamplingParams  # noqa: E402
-from hyserve.model.config import HybridModelConfig  # noqa: E402
+from hyserve.model.nemotron_h.config import HybridModelConfig  # noqa: E402
 from hyserve.server.serve import freeze_startup_heap  # noqa: E402
 
 CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"

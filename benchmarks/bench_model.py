@@ -45,9 +45,9 @@ from benchmarks import invocation  # noqa: E402
 from hyserve import LLM, SamplingParams  # noqa: E402
 from hyserve.bench.profiling import device_kernel_times  # noqa: E402
 from hyserve.bench.report import git_sha, records_markdown  # noqa: E402
-from hyserve.model.config import HybridModelConfig  # noqa: E402
+from hyserve.model.nemotron_h.checkpoint import weight_bytes as hyserve_weight_bytes  # noqa: E402
+from hyserve.model.nemotron_h.config import HybridModelConfig  # noqa: E402
 from hyserve.model.quant_config import QuantConfig  # noqa: E402
-from hyserve.model.weights import weight_bytes as hyserve_weight_bytes  # noqa: E402
 from hyserve.server.serve import freeze_startup_heap  # noqa: E402
 
 CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
@@ -707,7 +707,7 @@ def gemv_settings_ab(eng, vocab_size: int, records: list, notes: list) -> None:
 def init_times(model: torch.nn.Module, cfg: HybridModelConfig, records: list) -> None:
     """Dummy-weight init of the loaded model again, timed: drawn on the host and copied (the engine's
     load_format="dummy" path) and drawn on the device (`init_random_weights(..., on_device=True)`)."""
-    from hyserve.model.weights import init_random_weights
+    from hyserve.model.random_init import init_random_weights
 
     n = sum(p.numel() for p in model.parameters())
     for on_device in (False, True):

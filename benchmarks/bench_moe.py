@@ -436,8 +436,8 @@ def bench_experts(s: dict, sizes: list[int], dev, dtype, timer: Timer, ceil: dic
 def bench_layer(s: dict, sizes: list[int], dev, dtype, timer: Timer, ceil: dict, dry: bool) -> list[dict]:
     """The whole MoE module (router, latent projections, routed experts, shared expert) via the model code."""
     from hyserve.kernels import ops
-    from hyserve.model.config import HybridModelConfig
     from hyserve.model.moe import MoE
+    from hyserve.model.nemotron_h.config import HybridModelConfig
 
     if s["raw"] is None:
         raw = json.loads(
@@ -447,7 +447,7 @@ def bench_layer(s: dict, sizes: list[int], dev, dtype, timer: Timer, ceil: dict,
         raw = dict(s["raw"])
     raw.pop("auto_map", None)
     cfg = HybridModelConfig.from_dict(raw)
-    layer = MoE(cfg, device=dev, dtype=dtype)
+    layer = MoE(cfg.moe_spec(), device=dev, dtype=dtype)
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_((torch.randn(p.shape, device=dev) * p.shape[-1] ** -0.5).to(p.dtype))

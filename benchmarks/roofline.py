@@ -25,8 +25,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from hyserve.model.config import LAYER_MOE, HybridModelConfig  # noqa: E402
-from hyserve.model.weights import weight_bytes as model_weight_bytes  # noqa: E402
+from hyserve.model.config import LAYER_MOE  # noqa: E402
+from hyserve.model.nemotron_h.checkpoint import weight_bytes as model_weight_bytes  # noqa: E402
+from hyserve.model.nemotron_h.config import HybridModelConfig  # noqa: E402
 
 # NVIDIA's published H200 SXM figures: HBM3e bandwidth and dense (no sparsity) bf16 tensor-core throughput
 PUBLISHED_BW = 4.8e12  # B/s

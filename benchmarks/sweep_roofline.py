@@ -38,7 +38,7 @@ from benchmarks.roofline import (  # noqa: E402
     num_moe_layers,
 )
 from hyserve.bench.report import record, records_markdown  # noqa: E402
-from hyserve.model.config import HybridModelConfig  # noqa: E402
+from hyserve.model.nemotron_h.config import HybridModelConfig  # noqa: E402
 
 CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
 NAME = re.compile(r"serve_sweep_in(\d+)_out(\d+)_c(\d+)\.json$")

@@ -8,10 +8,10 @@ import math
 import torch
 
 from hyserve.model.cache_tensors import CacheTensors
-from hyserve.model.config import HybridModelConfig
 from hyserve.model.forward_meta import ForwardMeta, SnapshotWrite
-from hyserve.model.nemotron_h import NemotronHForCausalLM
-from hyserve.model.weights import init_random_weights
+from hyserve.model.nemotron_h.config import HybridModelConfig
+from hyserve.model.nemotron_h.model import NemotronHForCausalLM
+from hyserve.model.random_init import init_random_weights
 
 
 class Harness:
@@ -33,7 +33,7 @@ class Harness:
         dev = next(model.parameters()).device
         self.device = dev
         self.cache = CacheTensors.allocate(
-            self.cfg,
+            self.cfg.cache_layout(),
             num_blocks=max_seqs * self.bps,
             tokens_per_block=bs,
             num_slots=max_seqs + extra_slots,

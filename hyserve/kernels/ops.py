@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, Generic, ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar
 
 import torch
 
@@ -39,6 +39,17 @@ class MissingCudaKernelError(RuntimeError):
     """An op is needed on CUDA and has no CUDA implementation."""
 
 
+class KernelOp(Protocol):
+    """What start-up asks of an op a model family declares it calls: its name and whether it has a CUDA
+    implementation."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def has_cuda(self) -> bool: ...
+
+
 class Op(Generic[P, R]):
     """One op: its name, its torch reference and, once bound, its CUDA implementation (same signature)."""
 
@@ -49,6 +60,10 @@ class Op(Generic[P, R]):
 
     def bind_cuda(self, fn: Callable[P, R]) -> None:
         self.cuda = fn
+
+    @property
+    def has_cuda(self) -> bool:
+        return self.cuda is not None
 
     def get(self, on_cuda: bool) -> Callable[P, R]:
         """The implementation for tensors on CUDA (`on_cuda`) or on the CPU. The first CUDA lookup loads the
@@ -162,10 +177,10 @@ def load_cuda_kernels() -> list[str]:
     return [op.name for op in ALL_OPS if op.cuda is not None]
 
 
-def require_cuda(used: Iterable[Op[..., Any]]) -> None:
+def require_cuda(used: Iterable[KernelOp]) -> None:
     """Start-up on CUDA: every op in `used` must have a CUDA implementation, else an error naming those
     that have none (rather than a slow reference kernel found mid-traffic, or a failure there)."""
-    missing = sorted({op.name for op in used if op.cuda is None})
+    missing = sorted({op.name for op in used if not op.has_cuda})
     if missing:
         raise MissingCudaKernelError(
             f"no CUDA implementation of op(s) {', '.join(missing)}: the model runs them on CUDA; bind one in "

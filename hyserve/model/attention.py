@@ -1,11 +1,12 @@
-"""GQA self-attention of NemotronH over the paged KV pool. No positional encoding (the Mamba layers
-carry position), so a token's K/V never depends on where its block sits.
+"""GQA self-attention over the paged KV pool, built from an `AttentionSpec`. NoPE (NemotronH, Granite-4.0-H:
+the Mamba layers carry position, so a token's K/V never depends on where its block sits) or RoPE (Bamba):
+queries and keys rotate by their token's position before K is written (`rope.py`).
 
 With a float8 KV pool the layer quantises K and V with its two float32 scalars `k_scale` / `v_scale`
 (vLLM's per-tensor scheme; see kernels/attention.py): cache = clamp(k / k_scale, +-448) as e4m3, read
 back as cache * k_scale. The scales are non-persistent buffers: they are not weights (random init and
 checkpoint saving skip them); the model loader fills them from the checkpoint's k_scale / v_scale
-tensors or with 1.0, and the start-up calibration (engine/kv_calibration.py) those it is asked to
+tensors or with 1.0, and the start-up calibration (engine/assembly/kv_calibration.py) those it is asked to
 compute, as `kv_cache_config.kv_scales` says. They reach the kernels as device tensors, never host floats, so
 a decode step stays capturable in a CUDA graph.
 
@@ -21,8 +22,6 @@ QKV").
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
@@ -30,29 +29,10 @@ from hyserve.distributed import Group
 from hyserve.kernels import ops
 from hyserve.kernels.attention import FP8_KV_DTYPES
 from hyserve.model.cache_tensors import CacheTensors
-from hyserve.model.config import HybridModelConfig
 from hyserve.model.forward_meta import ForwardMeta
+from hyserve.model.layer_specs import AttentionSpec
 from hyserve.model.parallel_linear import ColumnParallelLinear, RowParallelLinear
-
-# KV-scale tensor names in FP8-KV checkpoints, after weights.canonical_name (model. -> backbone.):
-#   backbone.layers.N.mixer.k_scale / .v_scale          (vLLM's layout)
-#   backbone.layers.N.mixer.attn.k_scale                 (vLLM's module path)
-#   backbone.layers.N.mixer.k_proj.k_scale / v_proj...   (ModelOpt, llm-compressor)
-#   backbone.layers.N.mixer.qkv_proj.k_scale             (fused-QKV exporters)
-#   backbone.layers.N.mixer.k_proj.output_scale / v_...  (compressed-tensors' and Quark's older exports: the
-#                                                         projection's output quantiser)
-#   backbone.layers.N.mixer.kv_scale                     (deprecated: one scale for K and V)
-#   ...q_scale, q_proj.output_scale                      (query quantisation: hyserve keeps q 16-bit, ignored)
-_KV_SCALE_RE = re.compile(
-    r"^backbone\.layers\.(\d+)\.mixer\.(?:(?:attn|k_proj|v_proj|qkv_proj)\.)?(k|v|kv|q)_scale$"
-)
-_OUTPUT_SCALE_RE = re.compile(r"^backbone\.layers\.(\d+)\.mixer\.(k|v|q)_proj\.output_scale$")
-
-
-def parse_kv_scale_name(name: str) -> tuple[int, str] | None:
-    """(layer index, 'k' | 'v' | 'kv' | 'q') for a canonical KV-scale tensor name, else None."""
-    m = _KV_SCALE_RE.match(name) or _OUTPUT_SCALE_RE.match(name)
-    return (int(m.group(1)), m.group(2)) if m else None
+from hyserve.model.rope import apply_rope, rope_cos_sin
 
 
 class Attention(nn.Module):
@@ -61,7 +41,7 @@ class Attention(nn.Module):
 
     def __init__(
         self,
-        cfg: HybridModelConfig,
+        spec: AttentionSpec,
         *,
         layer_id: int = 0,
         group: Group | None = None,
@@ -70,17 +50,18 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
-        h, d = cfg.hidden_size, cfg.head_dim
+        h, d = spec.hidden_size, spec.head_dim
         self.head_dim = d
-        self.scale = d**-0.5
-        b = cfg.attention_bias
-        kw = {"bias": b, "unit_size": d, "group": group, "device": device, "dtype": dtype}
+        self.scale = spec.softmax_scale
+        self.rope = spec.rope
+        kw = {"bias": spec.bias, "unit_size": d, "group": group, "device": device, "dtype": dtype}
         # tensor parallel: this rank's query heads, and the KV heads they read (replicated when the KV heads
         # are fewer than the ranks); o_proj sums the ranks' partial outputs
-        self.q_proj = ColumnParallelLinear(h, cfg.num_attention_heads * d, replicate=False, **kw)
-        self.k_proj = ColumnParallelLinear(h, cfg.num_key_value_heads * d, **kw)
-        self.v_proj = ColumnParallelLinear(h, cfg.num_key_value_heads * d, **kw)
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, h, **kw)
+        self.q_proj = ColumnParallelLinear(h, spec.num_heads * d, replicate=False, **kw)
+        self.k_proj = ColumnParallelLinear(h, spec.num_kv_heads * d, **kw)
+        self.v_proj = ColumnParallelLinear(h, spec.num_kv_heads * d, **kw)
+        kw["bias"] = spec.bias if spec.out_bias is None else spec.out_bias
+        self.o_proj = RowParallelLinear(spec.num_heads * d, h, **kw)
         self.num_heads = self.q_proj.out_features // d  # this rank's
         self.num_kv_heads = self.k_proj.out_features // d
         # (weight, bias) of q, k and v in one buffer once `pack_qkv` ran; plain attributes, not parameters
@@ -153,10 +134,21 @@ class Attention(nn.Module):
             v.view(T, self.num_kv_heads, self.head_dim),
         )
 
-    def forward(self, x: torch.Tensor, meta: ForwardMeta, cache: CacheTensors) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        meta: ForwardMeta,
+        cache: CacheTensors,
+        rope_cos_sin_t: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """x: [T, hidden]. A RoPE layer rotates q and k by `rope_cos_sin_t` (`rope.rope_cos_sin` of the step's
+        positions, computed once per forward by the model), or computes it here when not given."""
         k_cache, v_cache = cache.k[self.layer_id], cache.v[self.layer_id]
         T = x.shape[0]
         q, k, v = self._project_qkv(x)
+        if self.rope is not None:
+            cos, sin = rope_cos_sin_t if rope_cos_sin_t is not None else rope_cos_sin(self.rope, meta, x)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cuda = x.is_cuda
         # the scales only mean something for a quantised pool; 16/32-bit pools hold K/V as they are
         kv_scales = (

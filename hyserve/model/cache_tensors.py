@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyserve.model.config import HybridModelConfig
+from hyserve.model.layer_specs import CacheLayout
 
 
 @dataclass
@@ -27,21 +27,19 @@ class CacheTensors:
     @classmethod
     def allocate(
         cls,
-        cfg: HybridModelConfig,
+        layout: CacheLayout,
         *,
         num_blocks: int,
         tokens_per_block: int,
         num_slots: int,
         device: torch.device | str,
     ) -> CacheTensors:
-        a = cfg.attention_cache_spec()
-        m = cfg.mamba_cache_spec()
         k, v, conv, ssm = {}, {}, {}, {}
-        for i in cfg.attention_layer_ids:
+        for i, a in layout.attention.items():
             shape = (num_blocks, tokens_per_block, a.num_kv_heads, a.head_dim)
             k[i] = torch.zeros(shape, dtype=a.dtype, device=device)
             v[i] = torch.zeros(shape, dtype=a.dtype, device=device)
-        for i in cfg.mamba_layer_ids:
+        for i, m in layout.mamba.items():
             conv[i] = torch.zeros((num_slots, m.conv_dim, m.conv_width), dtype=m.conv_dtype, device=device)
             ssm[i] = torch.zeros(
                 (num_slots, m.num_heads, m.head_dim, m.state_size), dtype=m.ssm_dtype, device=device

@@ -1,25 +1,26 @@
-"""Float8 KV scales of a NemotronH model: read them beside the weights, set them on the attention layers
+"""Float8 KV scales of a model of any family: read them beside the weights, set them on the attention layers
 as `kv_cache_config.kv_scales` says (checkpoint / calibrate / unit / auto, config.KV_SCALE_SOURCES), and
 record the K / V magnitudes a calibration prefill produces (`record_kv_amax`; the prefill itself and the
-scales it gives are engine/kv_calibration.py's)."""
+scales it gives are engine/assembly/kv_calibration.py's)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
-from hyserve.model.attention import Attention, parse_kv_scale_name
-from hyserve.model.config import LAYER_ATTENTION
-from hyserve.model.nemotron_h import NemotronHForCausalLM
+from hyserve.model.attention import Attention
 from hyserve.model.weights import (
+    CheckpointNames,
     StateDictModule,
     _model_tensors,
-    canonical_name,
     checkpoint_files,
     load_checkpoint,
 )
@@ -27,46 +28,84 @@ from hyserve.model.weights import (
 logger = logging.getLogger("hyserve")
 
 
-def _kv_scale_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+class KVScaledModel(Protocol):
+    """A model whose attention layers hold float8 KV scales (every family's model)."""
+
+    @property
+    def checkpoint_names(self) -> CheckpointNames: ...
+
+    def attention_layers(self) -> Mapping[int, Attention]: ...
+
+
+# KV-scale tensor names in FP8-KV checkpoints, after the family's renaming, P its attention module path:
+#   P.k_scale / .v_scale                       (vLLM's layout)
+#   P.attn.k_scale                             (vLLM's module path)
+#   P.k_proj.k_scale / v_proj...               (ModelOpt, llm-compressor)
+#   P.qkv_proj.k_scale                         (fused-QKV exporters)
+#   P.k_proj.output_scale / v_...              (compressed-tensors' and Quark's older exports: the
+#                                               projection's output quantiser)
+#   P.kv_scale                                 (deprecated: one scale for K and V)
+#   ...q_scale, q_proj.output_scale            (query quantisation: hyserve keeps q 16-bit, ignored)
+def parse_kv_scale_name(name: str, names: CheckpointNames) -> tuple[int, str] | None:
+    """(layer index, 'k' | 'v' | 'kv' | 'q') for a canonical KV-scale tensor name, else None."""
+    p = names.attention_prefix
+    m = re.match(rf"^{p}\.(?:(?:attn|k_proj|v_proj|qkv_proj)\.)?(k|v|kv|q)_scale$", name) or re.match(
+        rf"^{p}\.(k|v|q)_proj\.output_scale$", name
+    )
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def _module(model: KVScaledModel) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{type(model).__name__} is not a torch module")
+    return model
+
+
+def _kv_scale_shapes(model_dir: Path, names: CheckpointNames) -> dict[str, tuple[int, ...]]:
     """Canonical name -> shape of each KV-scale tensor in the checkpoint (from the file headers only)."""
     found: dict[str, tuple[int, ...]] = {}
-    for path, names in checkpoint_files(model_dir).items():
-        if names is not None and not any(_is_kv_scale(n) for n in names):
+    for path, tensors in checkpoint_files(model_dir).items():
+        if tensors is not None and not any(_kv_scale_name(n, names) for n in tensors):
             continue  # an indexed shard without scales: no need to open it
-        wanted = None if names is None else set(names)
+        wanted = None if tensors is None else set(tensors)
         with safe_open(str(path), framework="pt") as f:
             for ck in f.keys():
-                if (wanted is None or ck in wanted) and _is_kv_scale(ck):
-                    found[canonical_name(ck)[0]] = tuple(f.get_slice(ck).get_shape())  # type: ignore[index]
+                canon = _kv_scale_name(ck, names) if wanted is None or ck in wanted else None
+                if canon is not None:
+                    found[canon] = tuple(f.get_slice(ck).get_shape())
     return found
 
 
-def _is_kv_scale(ckpt_name: str) -> bool:
-    mapped = canonical_name(ckpt_name)
-    return mapped is not None and mapped[1] is None and parse_kv_scale_name(mapped[0]) is not None
+def _kv_scale_name(ckpt_name: str, names: CheckpointNames) -> str | None:
+    """The canonical name of a checkpoint's KV-scale tensor (None: not one)."""
+    mapped = names.canonical(ckpt_name)
+    if mapped is None or mapped[1] is not None or parse_kv_scale_name(mapped[0], names) is None:
+        return None
+    return mapped[0]
 
 
-def load_checkpoint_with_kv_scales(
-    model: NemotronHForCausalLM, model_dir: Path
-) -> dict[int, dict[str, float]]:
+def load_checkpoint_with_kv_scales(model: KVScaledModel, model_dir: Path) -> dict[int, dict[str, float]]:
     """`load_checkpoint`, plus the checkpoint's KV scales: {layer: {"k": s, "v": s}} (empty without any).
 
     The scales are not weights (the model keeps them as non-persistent buffers), and load_checkpoint
     refuses tensors the module lacks, so it loads into a module holding the model's tensors plus one
     float32 holder per scale tensor; everything else (validation, streaming) is load_checkpoint's own."""
-    shapes = _kv_scale_shapes(model_dir)
+    names = model.checkpoint_names
+    shapes = _kv_scale_shapes(model_dir, names)
     if not shapes:
-        load_checkpoint(model, model_dir)
+        load_checkpoint(_module(model), model_dir, names=names)
         return {}
-    tensors, _ = _model_tensors(model)  # tied weights once
+    tensors, _ = _model_tensors(_module(model))  # tied weights once
     holders = {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items()}
-    load_checkpoint(StateDictModule({**tensors, **holders}), model_dir)
+    load_checkpoint(StateDictModule({**tensors, **holders}), model_dir, names=names)
 
-    cfg = model.config
+    attention = model.attention_layers()
     scales: dict[int, dict[str, float]] = {}
     for name, t in holders.items():
-        layer, kind = parse_kv_scale_name(name)  # type: ignore[misc]
-        if layer >= cfg.num_layers or cfg.layer_types[layer] != LAYER_ATTENTION:
+        parsed = parse_kv_scale_name(name, names)
+        assert parsed is not None  # holders hold KV-scale names only
+        layer, kind = parsed
+        if layer not in attention:
             raise ValueError(f"checkpoint {model_dir}: {name}: layer {layer} is not an attention layer")
         if kind == "q":
             logger.debug("ignoring %s: hyserve does not quantise queries", name)
@@ -91,7 +130,7 @@ def load_checkpoint_with_kv_scales(
 
 
 def apply_kv_scales(
-    model: NemotronHForCausalLM,
+    model: KVScaledModel,
     scales: dict[int, dict[str, float]],
     *,
     fp8: bool,
@@ -106,14 +145,14 @@ def apply_kv_scales(
     unit: 1.0 everywhere, the checkpoint's unused; calibrate: every layer calibrated; auto: the checkpoint's
     where it has them, the rest calibrated. With a 16/32-bit pool the scales are set (unused) and nothing is
     calibrated (config.CacheConfig refuses a source other than auto there)."""
-    cfg = model.config
-    ids = list(cfg.attention_layer_ids)
+    layers = model.attention_layers()
+    ids = sorted(layers)
     use = {} if fp8 and source in ("unit", "calibrate") else scales
     missing = {i: tuple(k for k in ("k", "v") if k not in use.get(i, {})) for i in ids}
     missing = {i: m for i, m in missing.items() if m}
     for i in ids:
         got = use.get(i, {})
-        _mixer(model, i).set_kv_scales(got.get("k", 1.0), got.get("v", 1.0))
+        layers[i].set_kv_scales(got.get("k", 1.0), got.get("v", 1.0))
     if not fp8:
         if scales:
             logger.info(
@@ -147,21 +186,16 @@ def apply_kv_scales(
     return missing
 
 
-def _mixer(model: NemotronHForCausalLM, layer: int) -> Attention:
-    mixer = model.backbone.layers[layer].mixer
-    assert isinstance(mixer, Attention)
-    return mixer
-
-
-def update_kv_scales(model: NemotronHForCausalLM, scales: dict[int, dict[str, float]]) -> None:
+def update_kv_scales(model: KVScaledModel, scales: dict[int, dict[str, float]]) -> None:
     """Set the given layers' k_scale and / or v_scale (each positive and finite), keeping the others."""
+    layers = model.attention_layers()
     for i, got in scales.items():
-        mixer = _mixer(model, i)
+        mixer = layers[i]
         mixer.set_kv_scales(got.get("k", float(mixer.k_scale)), got.get("v", float(mixer.v_scale)))
 
 
 @contextmanager
-def record_kv_amax(model: NemotronHForCausalLM) -> Iterator[dict[int, torch.Tensor]]:
+def record_kv_amax(model: KVScaledModel) -> Iterator[dict[int, torch.Tensor]]:
     """Within, every attention layer's forward records max |K| and max |V| over the tokens it projects
     (what it writes to the KV cache, before any quantisation), per tensor: the yielded dict maps each
     attention layer to a float32 [2] device tensor (K, V), a running max kept on the device (no host sync
@@ -169,9 +203,10 @@ def record_kv_amax(model: NemotronHForCausalLM) -> Iterator[dict[int, torch.Tens
     nothing, so the forward's results are unchanged; they are removed on exit, also after an error."""
     amax: dict[int, torch.Tensor] = {}
     handles = []
-    mixers = [_mixer(model, i) for i in model.config.attention_layer_ids]
+    layers = model.attention_layers()
+    mixers = list(layers.values())
     try:
-        for i, mixer in zip(model.config.attention_layer_ids, mixers):
+        for i, mixer in layers.items():
             amax[i] = torch.zeros(2, dtype=torch.float32, device=mixer.k_scale.device)
             mixer.use_packed_qkv = False  # the three projections called as modules, so the hooks run
             for j, proj in enumerate((mixer.k_proj, mixer.v_proj)):

@@ -34,8 +34,8 @@ from hyserve.kernels import ops
 from hyserve.kernels.conv1d import conv_state_at
 from hyserve.kernels.stochastic_rounding import StochasticRounding
 from hyserve.model.cache_tensors import CacheTensors
-from hyserve.model.config import MambaSpec
 from hyserve.model.forward_meta import ForwardMeta
+from hyserve.model.layer_specs import MambaSpec
 from hyserve.model.parallel_linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,

@@ -30,7 +30,7 @@ from torch import nn
 
 from hyserve.distributed import Group, all_reduce, ep_group, moe_tp_group, tp_group
 from hyserve.kernels import ops
-from hyserve.model.config import HybridModelConfig
+from hyserve.model.layer_specs import MoESpec
 from hyserve.model.mlp import MLP
 from hyserve.model.parallel_linear import ReplicatedLinear, ShardLoading, SliceLike, loaded_shape, read_block
 
@@ -38,16 +38,16 @@ from hyserve.model.parallel_linear import ReplicatedLinear, ShardLoading, SliceL
 class TopkRouter(nn.Module):
     """Router weights stay float32 (as the checkpoints store them): routing decisions are sensitive."""
 
-    def __init__(self, cfg: HybridModelConfig, *, device=None) -> None:
+    def __init__(self, spec: MoESpec, *, device=None) -> None:
         super().__init__()
-        e = cfg.n_routed_experts
-        self.weight = nn.Parameter(torch.zeros(e, cfg.hidden_size, device=device, dtype=torch.float32))
+        e = spec.num_experts
+        self.weight = nn.Parameter(torch.zeros(e, spec.hidden_size, device=device, dtype=torch.float32))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(e, device=device, dtype=torch.float32))
-        self.top_k = cfg.num_experts_per_tok
-        self.n_group = cfg.n_group
-        self.topk_group = cfg.topk_group
-        self.norm_topk_prob = cfg.norm_topk_prob
-        self.scale = cfg.routed_scaling_factor
+        self.top_k = spec.top_k
+        self.n_group = spec.n_group
+        self.topk_group = spec.topk_group
+        self.norm_topk_prob = spec.norm_topk_prob
+        self.scale = spec.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> (weights [T, k] float32, expert ids [T, k] int32), on the device (no host sync)."""
@@ -164,30 +164,28 @@ class Experts(ShardLoading):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: HybridModelConfig, *, device=None, dtype=None) -> None:
+    def __init__(self, spec: MoESpec, *, device=None, dtype=None) -> None:
         super().__init__()
-        h = cfg.hidden_size
-        d = cfg.moe_latent_size or h
-        self.gate = TopkRouter(cfg, device=device)
-        self.experts = Experts(cfg.n_routed_experts, d, cfg.moe_intermediate_size, device=device, dtype=dtype)
+        h = spec.hidden_size
+        d = spec.latent_size or h
+        self.gate = TopkRouter(spec, device=device)
+        self.experts = Experts(spec.num_experts, d, spec.intermediate_size, device=device, dtype=dtype)
         self.tp = tp_group()
-        self.shared_experts = MLP(
-            h, cfg.moe_shared_expert_intermediate_size, cfg.mlp_bias, device=device, dtype=dtype
-        )
-        self.latent = cfg.moe_latent_size is not None
+        self.shared_experts = MLP(h, spec.shared_intermediate_size, spec.bias, device=device, dtype=dtype)
+        self.latent = spec.latent_size is not None
         # the shared expert inside the experts op: it reads what they read (not latent), one rank holds
         # everything (no partial sums), no biases, and its intermediate size is a whole number of experts'
         self.fold_shared = (
-            cfg.moe_shared_expert_intermediate_size > 0
+            spec.shared_intermediate_size > 0
             and not self.latent
             and self.tp.size == 1
-            and not cfg.mlp_bias
+            and not spec.bias
             and self.experts.num_local == self.experts.num_experts
-            and cfg.moe_shared_expert_intermediate_size % self.experts.inter_local == 0
+            and spec.shared_intermediate_size % self.experts.inter_local == 0
         )
         if self.latent:
-            self.fc1_latent_proj = ReplicatedLinear(h, d, bias=cfg.mlp_bias, device=device, dtype=dtype)
-            self.fc2_latent_proj = ReplicatedLinear(d, h, bias=cfg.mlp_bias, device=device, dtype=dtype)
+            self.fc1_latent_proj = ReplicatedLinear(h, d, bias=spec.bias, device=device, dtype=dtype)
+            self.fc2_latent_proj = ReplicatedLinear(d, h, bias=spec.bias, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, meta: object = None, cache: object = None) -> torch.Tensor:
         """x: [T, hidden]. `meta` / `cache` are unused (the mixer signature; MoE keeps no state)."""

@@ -10,7 +10,6 @@ the tiny tokenizer.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import shutil
@@ -19,16 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from hyserve import envs
-from hyserve.model.config import HybridModelConfig
 from hyserve.model.fp8_export import write_modelopt_fp8
+from hyserve.model.nemotron_h.checkpoint import NAMES
+from hyserve.model.nemotron_h.config import HybridModelConfig
+from hyserve.model.nemotron_h.model import NemotronHForCausalLM
+from hyserve.model.random_init import init_random_weights
 from hyserve.model.tokenizer import IM_END, write_tiny_tokenizer
-from hyserve.model.weights import (
-    SINGLE_FILE,
-    StateDictModule,
-    init_random_weights,
-    random_state_dict,
-    save_checkpoint,
-)
+from hyserve.model.weights import SINGLE_FILE, save_checkpoint
 
 BUILTIN_MODEL_NAME = "hyserve-tiny"
 # Bump the suffix whenever the tiny model's files change, so cached copies are rebuilt.
@@ -130,16 +126,10 @@ def _dump(path: Path, data: dict[str, Any]) -> None:
 
 
 def _write_weights(out: Path, cfg: HybridModelConfig, seed: int) -> None:
-    # Prefer the real model class so the file holds exactly the parameters the engine will load; both paths
-    # produce the same bytes because init is by name and shape.
-    if importlib.util.find_spec("hyserve.model.nemotron_h") is not None:
-        from hyserve.model.nemotron_h import NemotronHForCausalLM
-
-        model = NemotronHForCausalLM(cfg)
-        init_random_weights(model, cfg, seed=seed)
-        save_checkpoint(model, out)
-    else:
-        save_checkpoint(StateDictModule(random_state_dict(cfg, seed=seed)), out)
+    # the real model class, so the file holds exactly the parameters the engine will load
+    model = NemotronHForCausalLM(cfg)
+    init_random_weights(model, cfg, seed=seed)
+    save_checkpoint(model, out, names=NAMES)
 
 
 def make_tiny(out_dir: str | Path, *, variant: str = "dense", seed: int = 0, fp8: bool = False) -> Path:

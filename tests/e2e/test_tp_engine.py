@@ -16,14 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from hyserve.engine.parallel_runner import DriverRunner, RankLost
 
 from hyserve import LLM, SamplingParams
 from hyserve.distributed import parallel_info
 from hyserve.engine import launch
-from hyserve.engine.parallel_runner import DriverRunner, RankLost
 from hyserve.engine.runner import ModelRunner
-from hyserve.model.config import HybridModelConfig
-from hyserve.model.nemotron_h import NemotronHForCausalLM
+from hyserve.model.nemotron_h.checkpoint import NAMES
+from hyserve.model.nemotron_h.config import HybridModelConfig
+from hyserve.model.nemotron_h.model import NemotronHForCausalLM
 from hyserve.model.weights import save_checkpoint
 from tests.model_harness import strong_random_weights
 
@@ -62,7 +63,7 @@ def _checkpoint(root: Path, variant: str, seed: int = 5) -> str:
     cfg = HybridModelConfig.from_hf(d)
     model = NemotronHForCausalLM(cfg, dtype=torch.float32)
     strong_random_weights(model, cfg, seed=seed)
-    save_checkpoint(model, d)
+    save_checkpoint(model, d, names=NAMES)
     return str(d)
 
 

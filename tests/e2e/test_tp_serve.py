@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from hyserve import LLM, SamplingParams
-from hyserve.model.config import HybridModelConfig
-from hyserve.model.nemotron_h import NemotronHForCausalLM
+from hyserve.model.nemotron_h.checkpoint import NAMES
+from hyserve.model.nemotron_h.config import HybridModelConfig
+from hyserve.model.nemotron_h.model import NemotronHForCausalLM
 from hyserve.model.tiny import make_tiny
 from hyserve.model.weights import save_checkpoint
 from tests.model_harness import strong_random_weights
@@ -50,7 +51,7 @@ def tiny_checkpoint(root: Path) -> Path:
     cfg = HybridModelConfig.from_hf(d)
     model = NemotronHForCausalLM(cfg, dtype=torch.float32)
     strong_random_weights(model, cfg, seed=3)
-    save_checkpoint(model, d)
+    save_checkpoint(model, d, names=NAMES)
     return d
 
 

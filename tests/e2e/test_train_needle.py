@@ -210,7 +210,7 @@ def test_bad_names_are_refused(tok):
 
 
 def test_a_short_run_writes_a_checkpoint_hyserve_loads(tmp_path):
-    from hyserve.model.config import HybridModelConfig
+    from hyserve.model.nemotron_h.config import HybridModelConfig
     from hyserve.model.tokenizer import Tokenizer
 
     out, res = tmp_path / "ckpt", tmp_path / "res"

@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 import torch
+from hyserve.engine.model_loader import load_model
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hyserve.cli import build_parser, engine_options_from_args
 from hyserve.config import build_engine_config
 from hyserve.distributed import Group, tp_group
-from hyserve.engine.model_loader import load_model
 from hyserve.kernels.fp8_linear import (
     E4M3,
     FP8_MAX,
@@ -30,6 +30,7 @@ from hyserve.kernels.fp8_linear import (
     quantize_weight_ref,
 )
 from hyserve.model.fp8_weights import convert_linear, fp8_layers, tensor_bytes
+from hyserve.model.nemotron_h.checkpoint import NAMES, weight_bytes
 from hyserve.model.parallel_linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -39,7 +40,6 @@ from hyserve.model.parallel_linear import (
 )
 from hyserve.model.quant_config import QUANTIZABLE_LINEARS, QuantConfig, checkpoint_quant, resolve_quant
 from hyserve.model.tiny import make_tiny
-from hyserve.model.weights import weight_bytes
 from tests.dist_pool import RankPool
 from tests.model_harness import Harness
 
@@ -1241,7 +1241,7 @@ def test_fp8_weights_give_the_cache_the_memory_they_free() -> None:
     """Nano 9B v2 on an H200: the pools' budget is taken from the memory free once the weights are resident;
     FP8 projections (1 byte + scales) leave ~7 GiB more, and the planner gives fraction (0.9) of it to the
     KV blocks and snapshot slots: a bigger cache than bf16 for the same model and settings."""
-    from hyserve.model.config import HybridModelConfig
+    from hyserve.model.nemotron_h.config import HybridModelConfig
 
     bf16 = HybridModelConfig.from_hf(CONFIGS / "NVIDIA-Nemotron-Nano-9B-v2")
     fp8 = bf16.with_quant(ONLINE)
@@ -1262,7 +1262,7 @@ def test_fp8_weights_give_the_cache_the_memory_they_free() -> None:
 
 def test_weights_that_cannot_fit_are_refused_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     from hyserve.engine import model_loader
-    from hyserve.model.config import HybridModelConfig
+    from hyserve.model.nemotron_h.config import HybridModelConfig
 
     cfg = HybridModelConfig.from_hf(CONFIGS / "NVIDIA-Nemotron-3-Super-120B-A12B-BF16")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (H200_BYTES - 2**30, H200_BYTES))
@@ -1487,7 +1487,7 @@ def test_experts_take_one_format_for_up_and_down(tmp_path: Path) -> None:
 
 # ---- a whole FP8 model at tp 2 over two gloo ranks against tp 1 ----------------------------------------
 def _tp_cfg(variant: str) -> Any:
-    from hyserve.model.config import HybridModelConfig
+    from hyserve.model.nemotron_h.config import HybridModelConfig
     from hyserve.model.tiny import tiny_config
 
     raw = {**tiny_config("dense" if variant == "spanning" else variant), "dtype": "float32"}
@@ -1499,7 +1499,7 @@ def _tp_cfg(variant: str) -> Any:
 def _tp_logits(cfg: Any, ckpt: str) -> tuple[int, int, list[torch.Tensor]]:
     """(tp size, FP8 modules, logits of a prefill step and three decode steps of two sequences)."""
     from hyserve.model.kv_scales import load_checkpoint_with_kv_scales
-    from hyserve.model.nemotron_h import NemotronHForCausalLM
+    from hyserve.model.nemotron_h.model import NemotronHForCausalLM
 
     model = NemotronHForCausalLM(cfg)
     load_checkpoint_with_kv_scales(model, Path(ckpt))  # 16-bit checkpoint, quantised as it loads
@@ -1518,13 +1518,14 @@ def test_fp8_model_at_tp2_is_the_tp1_model(pool: RankPool, tmp_path: Path, varia
     """Online FP8 quantisation is the same at every tp_size (whole-row scales), so the tp 2 model's logits are
     the tp 1 model's up to float32 summation order, prefill and decode, through the FP8 projections, the
     sharded gated norm before an FP8 out_proj, and FP8 experts with their intermediate dimension split."""
-    from hyserve.model.nemotron_h import NemotronHForCausalLM
-    from hyserve.model.weights import init_random_weights, save_checkpoint
+    from hyserve.model.nemotron_h.model import NemotronHForCausalLM
+    from hyserve.model.random_init import init_random_weights
+    from hyserve.model.weights import save_checkpoint
 
     cfg = _tp_cfg(variant)
     plain = NemotronHForCausalLM(cfg.with_quant(None))
     init_random_weights(plain, cfg, seed=9)
-    save_checkpoint(plain, tmp_path)
+    save_checkpoint(plain, tmp_path, names=NAMES)
     tp1, n_fp8, want = _tp_logits(cfg, str(tmp_path))
     assert tp1 == 1 and n_fp8 >= 8
     for rank, (tp, n, got) in enumerate(pool.run(_tp_logits, cfg, str(tmp_path))):

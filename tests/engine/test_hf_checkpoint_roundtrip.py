@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hyserve.model.config import LAYER_MOE, HybridModelConfig
+from hyserve.model.config import LAYER_MOE
+from hyserve.model.nemotron_h.config import HybridModelConfig
 from tests.shipped_configs import ALL, config_dir
 
 transformers = pytest.importorskip("transformers")

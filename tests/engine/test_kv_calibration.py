@@ -35,8 +35,9 @@ def _tiny(
     v_proj by c and q_proj and o_proj by 1/c: in exact arithmetic the same model, with |K| and |V| c times
     larger. `extra` tensors (KV scales) are added under their checkpoint names; poison_k puts an inf in
     layer 1's k_proj."""
-    from hyserve.model.config import HybridModelConfig
-    from hyserve.model.nemotron_h import NemotronHForCausalLM
+    from hyserve.model.nemotron_h.checkpoint import NAMES
+    from hyserve.model.nemotron_h.config import HybridModelConfig
+    from hyserve.model.nemotron_h.model import NemotronHForCausalLM
     from hyserve.model.tiny import make_tiny
     from hyserve.model.weights import StateDictModule, save_checkpoint
 
@@ -55,7 +56,7 @@ def _tiny(
             model.backbone.layers[1].mixer.k_proj.weight[0, 0] = float("inf")
     sd = dict(model.state_dict())
     sd.update(extra or {})
-    save_checkpoint(StateDictModule(sd), d)
+    save_checkpoint(StateDictModule(sd), d, names=NAMES)
     return d
 
 
@@ -310,8 +311,8 @@ def test_calibration_changes_nothing_but_the_scales(tmp_path):
 
 
 def _harness_model():
-    from hyserve.model.config import HybridModelConfig
-    from hyserve.model.nemotron_h import NemotronHForCausalLM
+    from hyserve.model.nemotron_h.config import HybridModelConfig
+    from hyserve.model.nemotron_h.model import NemotronHForCausalLM
     from hyserve.model.tiny import tiny_config
 
     cfg = HybridModelConfig.from_dict(tiny_config("dense"))

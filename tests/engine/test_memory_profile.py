@@ -5,12 +5,12 @@ its peak includes the scan's per-chunk states that a real step with snapshots ke
 from __future__ import annotations
 
 import torch
-
 from hyserve.engine.memory_profile import profile_batches
+
 from hyserve.engine.runner import ModelRunner
 from hyserve.model.cache_tensors import CacheTensors
-from hyserve.model.config import HybridModelConfig
-from hyserve.model.nemotron_h import NemotronHForCausalLM
+from hyserve.model.nemotron_h.config import HybridModelConfig
+from hyserve.model.nemotron_h.model import NemotronHForCausalLM
 from hyserve.model.tiny import builtin_model_dir
 from tests.model_harness import strong_random_weights
 
@@ -29,7 +29,11 @@ def test_profile_batches_run_and_snapshot() -> None:
     assert prefills[0].seqs[0].snapshots == [(3 * L, 0), (n, 2)]
     assert decode.num_decodes == 3 and len(decode.seqs) == 3
     cache = CacheTensors.allocate(
-        cfg, num_blocks=-(-n // bs) + 4, tokens_per_block=bs, num_slots=3, device=torch.device("cpu")
+        cfg.cache_layout(),
+        num_blocks=-(-n // bs) + 4,
+        tokens_per_block=bs,
+        num_slots=3,
+        device=torch.device("cpu"),
     )
     runner = ModelRunner(model, cache, torch.device("cpu"))
     for batch in (*prefills, decode):

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from hyserve.model.cache_tensors import CacheTensors
-from hyserve.model.config import HybridModelConfig
 from hyserve.model.forward_meta import ForwardMeta, SnapshotWrite
-from hyserve.model.nemotron_h import NemotronHForCausalLM
+from hyserve.model.nemotron_h.config import HybridModelConfig
+from hyserve.model.nemotron_h.model import NemotronHForCausalLM
 from hyserve.model.tiny import tiny_config
 from tests.model_harness import Harness, strong_random_weights
 
@@ -92,7 +92,11 @@ class Driver:
         self.model = model
         self.bs = bs
         self.cache = CacheTensors.allocate(
-            model.config, num_blocks=num_blocks, tokens_per_block=bs, num_slots=num_slots, device="cpu"
+            model.config.cache_layout(),
+            num_blocks=num_blocks,
+            tokens_per_block=bs,
+            num_slots=num_slots,
+            device="cpu",
         )
         for flag, pools in (
             (poison_kv, (self.cache.k, self.cache.v)),

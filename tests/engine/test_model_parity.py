@@ -32,8 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from hyserve.kernels.ssd import ssd_chunked_ref, ssd_naive_ref
-from hyserve.model.config import LAYER_ATTENTION, HybridModelConfig
-from hyserve.model.nemotron_h import NemotronHForCausalLM
+from hyserve.model.config import LAYER_ATTENTION
+from hyserve.model.nemotron_h.checkpoint import NAMES
+from hyserve.model.nemotron_h.config import HybridModelConfig
+from hyserve.model.nemotron_h.model import NemotronHForCausalLM
 from hyserve.model.tiny import make_tiny
 from hyserve.model.weights import load_checkpoint, save_checkpoint
 from tests.model_harness import Harness, strong_random_weights
@@ -59,7 +61,7 @@ def build_checkpoint(case: str, out: Path) -> Path:
     model = NemotronHForCausalLM(cfg, dtype=torch.float32)
     strong_random_weights(model, cfg, seed=len(case))
     # the latent-MoE case goes through a sharded checkpoint (index.json + several files)
-    save_checkpoint(model, out, max_shard_bytes=100_000 if "latent" in case else None)
+    save_checkpoint(model, out, max_shard_bytes=100_000 if "latent" in case else None, names=NAMES)
     if "latent" in case:
         assert (out / "model.safetensors.index.json").is_file()
     return out
@@ -102,7 +104,7 @@ def load_hf(d: Path, *, kernel_semantics: bool):
 def load_hyserve(d: Path) -> NemotronHForCausalLM:
     cfg = HybridModelConfig.from_hf(d)
     model = NemotronHForCausalLM(cfg, dtype=torch.float32)
-    load_checkpoint(model, d)
+    load_checkpoint(model, d, names=NAMES)
     return model.eval()
 
 

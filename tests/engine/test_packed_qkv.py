@@ -11,7 +11,7 @@ import torch
 
 from hyserve import LLM, SamplingParams
 from hyserve.model.attention import Attention
-from hyserve.model.nemotron_h import NemotronHForCausalLM
+from hyserve.model.nemotron_h.model import NemotronHForCausalLM
 from hyserve.model.tiny import make_tiny
 
 PROMPTS = [[1, 5, 9, 13, 200, 17, 4], [1, 77] * 20, [1, 3]]

@@ -14,9 +14,10 @@ import torch
 
 from hyserve import envs
 from hyserve.model import tiny
-from hyserve.model.config import HybridModelConfig
+from hyserve.model.nemotron_h.checkpoint import NAMES, canonical_shapes, random_state_dict
+from hyserve.model.nemotron_h.config import HybridModelConfig
 from hyserve.model.tokenizer import Tokenizer
-from hyserve.model.weights import StateDictModule, canonical_shapes, load_checkpoint, random_state_dict
+from hyserve.model.weights import StateDictModule, load_checkpoint
 
 torch.set_num_threads(1)
 
@@ -49,7 +50,7 @@ def test_make_tiny_layout(tiny_dirs, variant):
     assert tok.has_chat_template and tok.eos_token_ids == (2, tok.token_to_id("<|im_end|>"))
     assert tok.bos_token_id == 1 and tok.pad_token_id == 0
     module = StateDictModule({n: torch.zeros(s) for n, s in canonical_shapes(cfg).items()})
-    load_checkpoint(module, d)  # complete and consistent with the config
+    load_checkpoint(module, d, names=NAMES)  # complete and consistent with the config
     expected = random_state_dict(cfg, seed=0)
     for k, v in module.state_dict().items():
         assert torch.equal(v, expected[k]), k

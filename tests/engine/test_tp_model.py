@@ -12,12 +12,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hyserve.distributed import parallel_info
-from hyserve.model.config import HybridModelConfig
 from hyserve.model.kv_scales import load_checkpoint_with_kv_scales
-from hyserve.model.nemotron_h import NemotronHForCausalLM
-from hyserve.model.sharding import check_parallel, rank_cache_config, sharding_problems
+from hyserve.model.nemotron_h.checkpoint import NAMES
+from hyserve.model.nemotron_h.config import HybridModelConfig
+from hyserve.model.nemotron_h.model import NemotronHForCausalLM
+from hyserve.model.nemotron_h.sharding import sharding_problems
+from hyserve.model.random_init import init_random_weights
+from hyserve.model.sharding import check_parallel
 from hyserve.model.tiny import tiny_config
-from hyserve.model.weights import init_random_weights, save_checkpoint
+from hyserve.model.weights import save_checkpoint
 from tests.dist_pool import RankPool
 from tests.model_harness import Harness, strong_random_weights
 from tests.shipped_configs import config_dir
@@ -149,18 +152,21 @@ def test_shipped_configs_at_their_reported_settings() -> None:
         check_parallel(nano, tp_size=16, ep_size=1, world_size=16, device="cpu")
 
 
-def test_rank_cache_config_holds_one_ranks_heads() -> None:
+def test_rank_cache_layout_holds_one_ranks_heads() -> None:
     cfg = _super()
+    full = cfg.cache_layout()
     for tp in (2, 4, 8, 16):
-        r = rank_cache_config(cfg, tp)
-        a, m = r.attention_cache_spec(), r.mamba_cache_spec()
+        r = full.for_rank(tp)
+        a, m = r.attention[cfg.attention_layer_ids[0]], r.mamba[cfg.mamba_layer_ids[0]]
         assert a.num_kv_heads == max(1, 2 // tp)  # 2 KV heads: split at tp 2, replicated beyond
         assert m.num_heads == 128 // tp
         groups = 8 // tp if tp <= 8 else 1
         assert m.conv_dim == (128 // tp) * 64 + 2 * groups * 128
         assert r.state_bytes_per_sequence * tp >= cfg.state_bytes_per_sequence  # replication only adds
-    assert rank_cache_config(cfg, 1) is cfg
-    assert rank_cache_config(cfg, 2).kv_bytes_per_token * 2 == cfg.kv_bytes_per_token
+    assert full.for_rank(1) is full
+    assert full.kv_bytes_per_token == cfg.kv_bytes_per_token
+    assert full.state_bytes_per_sequence == cfg.state_bytes_per_sequence
+    assert full.for_rank(2).kv_bytes_per_token * 2 == cfg.kv_bytes_per_token
 
 
 # ---- tp 2 over two gloo ranks against tp 1 ---------------------------------------------------------------
@@ -265,7 +271,7 @@ KV_SCALES = {"backbone.layers.1.mixer.k_scale": 0.5, "backbone.layers.1.mixer.v_
 def _reference(cfg: HybridModelConfig, ckpt: Path, *, kv_scales: bool = False) -> list[torch.Tensor]:
     ref_model = NemotronHForCausalLM(cfg)
     strong_random_weights(ref_model, cfg, seed=5)
-    save_checkpoint(ref_model, ckpt)
+    save_checkpoint(ref_model, ckpt, names=NAMES)
     if (
         kv_scales
     ):  # an fp8-KV export's per-layer scales beside the weights (loaded through the shards' loaders)

@@ -11,17 +11,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hyserve.model import weights as W
-from hyserve.model.config import HybridModelConfig
-from hyserve.model.tiny import tiny_config
-from hyserve.model.weights import (
-    StateDictModule,
+from hyserve.model import random_init
+from hyserve.model.nemotron_h.checkpoint import (
+    NAMES,
+    canonical_name,
     canonical_shapes,
-    init_random_weights,
-    load_checkpoint,
+    keeps_fp32,
     random_state_dict,
-    save_checkpoint,
 )
+from hyserve.model.nemotron_h.config import HybridModelConfig
+from hyserve.model.random_init import init_random_tensors, init_random_weights
+from hyserve.model.tiny import tiny_config
+from hyserve.model.weights import StateDictModule, load_checkpoint, save_checkpoint
 from tests.shipped_configs import ALL, TINY, config_dir
 
 torch.set_num_threads(1)
@@ -41,7 +42,7 @@ def empty_module(
 ) -> StateDictModule:
     """Stand-in with canonical names, filled with a sentinel so unloaded tensors are visible."""
     tensors = {
-        n: torch.full(s, -7.0, dtype=torch.float32 if W.keeps_fp32(n) else dtype, device=device)
+        n: torch.full(s, -7.0, dtype=torch.float32 if keeps_fp32(n) else dtype, device=device)
         for n, s in canonical_shapes(cfg).items()
     }
     return StateDictModule(tensors)
@@ -81,22 +82,22 @@ def hf_checkpoints(tmp_path_factory) -> dict[str, tuple[Path, dict[str, torch.Te
 
 # ---- names and shapes --------------------------------------------------------------------------------------
 def test_canonical_name_mapping():
-    assert W.canonical_name("model.layers.3.mixer.in_proj.weight") == (
+    assert canonical_name("model.layers.3.mixer.in_proj.weight") == (
         "backbone.layers.3.mixer.in_proj.weight",
         None,
     )
-    assert W.canonical_name("backbone.norm_f.weight") == ("backbone.norm_f.weight", None)
-    assert W.canonical_name("lm_head.weight") == ("lm_head.weight", None)
-    assert W.canonical_name("backbone.layers.1.mixer.experts.17.down_proj.weight") == (
+    assert canonical_name("backbone.norm_f.weight") == ("backbone.norm_f.weight", None)
+    assert canonical_name("lm_head.weight") == ("lm_head.weight", None)
+    assert canonical_name("backbone.layers.1.mixer.experts.17.down_proj.weight") == (
         "backbone.layers.1.mixer.experts.down_proj",
         17,
     )
-    assert W.canonical_name("model.layers.1.mixer.experts.up_proj") == (
+    assert canonical_name("model.layers.1.mixer.experts.up_proj") == (
         "backbone.layers.1.mixer.experts.up_proj",
         None,
     )
-    assert W.canonical_name("mtp.layers.0.mixer.q_proj.weight") is None
-    assert W.canonical_name("model.mtp.layers.0.norm.weight") is None
+    assert canonical_name("mtp.layers.0.mixer.q_proj.weight") is None
+    assert canonical_name("model.mtp.layers.0.norm.weight") is None
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -116,7 +117,7 @@ def test_canonical_shapes_match_transformers(name):
 
 
 def test_shapes_match_hyserve_model_if_present():
-    nemotron_h = pytest.importorskip("hyserve.model.nemotron_h")
+    nemotron_h = pytest.importorskip("hyserve.model.nemotron_h.model")
     for variant in ("dense", "moe", "latent-moe"):
         cfg = tiny_cfg(variant)
         with torch.device("meta"):
@@ -135,14 +136,14 @@ def test_load_transformers_checkpoint(hf_checkpoints, name):
     if "moe" in name:
         assert any(".experts.0.up_proj.weight" in k for k in keys)  # per-expert on disk
     module = empty_module(cfg_of(name))
-    load_checkpoint(module, ckpt)
+    load_checkpoint(module, ckpt, names=NAMES)
     assert_same(state(module), ref)
 
 
 def test_load_casts_but_keeps_router_fp32(hf_checkpoints):
     ckpt, ref = hf_checkpoints["tiny-nemotron-3-moe"]
     module = empty_module(cfg_of("tiny-nemotron-3-moe"), dtype=torch.bfloat16)
-    load_checkpoint(module, ckpt)
+    load_checkpoint(module, ckpt, names=NAMES)
     got = state(module)
     gate = "backbone.layers.1.mixer.gate.weight"
     bias = "backbone.layers.1.mixer.gate.e_score_correction_bias"
@@ -158,7 +159,7 @@ def test_transformers_loads_what_we_save(tmp_path):
     sd = random_state_dict(cfg, seed=3, dtype=torch.float32)
     for per_expert in (True, False):
         d = tmp_path / f"pe{per_expert}"
-        save_checkpoint(StateDictModule(sd), d, per_expert=per_expert)
+        save_checkpoint(StateDictModule(sd), d, per_expert=per_expert, names=NAMES)
         (d / "config.json").write_text(json.dumps(tiny_config("latent-moe")))
         model, info = transformers.NemotronHForCausalLM.from_pretrained(d, output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
@@ -173,7 +174,7 @@ def test_round_trip_single_file_per_expert_and_stacked(tmp_path):
     sd = random_state_dict(cfg, seed=1, dtype=torch.float32)
     for per_expert in (True, False):
         d = tmp_path / str(per_expert)
-        save_checkpoint(StateDictModule(sd), d, per_expert=per_expert)
+        save_checkpoint(StateDictModule(sd), d, per_expert=per_expert, names=NAMES)
         with safe_open(str(d / "model.safetensors"), "pt") as f:
             keys = set(f.keys())
             assert f.metadata() == {"format": "pt"}
@@ -181,24 +182,24 @@ def test_round_trip_single_file_per_expert_and_stacked(tmp_path):
         per = "backbone.layers.1.mixer.experts.3.up_proj.weight"
         assert (per in keys, stacked in keys) == (per_expert, not per_expert)
         module = empty_module(cfg)
-        load_checkpoint(module, d)
+        load_checkpoint(module, d, names=NAMES)
         assert_same(state(module), sd)
 
 
 def test_round_trip_sharded(tmp_path):
     cfg = tiny_cfg("latent-moe")
     sd = random_state_dict(cfg, seed=2, dtype=torch.float32)
-    save_checkpoint(StateDictModule(sd), tmp_path, max_shard_bytes=40_000)
+    save_checkpoint(StateDictModule(sd), tmp_path, max_shard_bytes=40_000, names=NAMES)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     shards = sorted({*index["weight_map"].values()})
     assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     assert not (tmp_path / "model.safetensors").exists()
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in sd.values())
     module = empty_module(cfg)
-    load_checkpoint(module, tmp_path)
+    load_checkpoint(module, tmp_path, names=NAMES)
     assert_same(state(module), sd)
     # re-saving as one file removes the shards so the loader cannot pick up a stale layout
-    save_checkpoint(StateDictModule(sd), tmp_path)
+    save_checkpoint(StateDictModule(sd), tmp_path, names=NAMES)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
 
 
@@ -211,23 +212,23 @@ def test_model_prefix_mtp_and_tied_lm_head(tmp_path):
     ondisk["mtp.layers.0.mixer.q_proj.weight"] = torch.zeros(4, 4)
     save_file(ondisk, str(tmp_path / "model.safetensors"))
     module = empty_module(cfg)
-    load_checkpoint(module, tmp_path)
+    load_checkpoint(module, tmp_path, names=NAMES)
     assert_same(state(module), sd)
     # a tied model (no lm_head parameter) ignores the checkpoint's lm_head
     tied = {k: v for k, v in sd.items() if k != "lm_head.weight"}
     module = StateDictModule({k: torch.zeros_like(v) for k, v in tied.items()})
-    load_checkpoint(module, tmp_path)
+    load_checkpoint(module, tmp_path, names=NAMES)
     assert_same(state(module), tied)
 
 
 def test_load_into_meta_module(tmp_path):
     cfg = tiny_cfg("moe")
     sd = random_state_dict(cfg, seed=5, dtype=torch.float32)
-    save_checkpoint(StateDictModule(sd), tmp_path)
+    save_checkpoint(StateDictModule(sd), tmp_path, names=NAMES)
     module = empty_module(cfg, device="meta")
     with pytest.raises(ValueError, match="meta device"):
-        load_checkpoint(module, tmp_path)
-    load_checkpoint(module, tmp_path, device="cpu", dtype=torch.bfloat16)
+        load_checkpoint(module, tmp_path, names=NAMES)
+    load_checkpoint(module, tmp_path, device="cpu", dtype=torch.bfloat16, names=NAMES)
     got = state(module)
     assert got["backbone.layers.1.mixer.gate.weight"].dtype == torch.float32
     assert torch.equal(got["backbone.layers.1.mixer.gate.weight"], sd["backbone.layers.1.mixer.gate.weight"])
@@ -245,7 +246,7 @@ def _write(d: Path, tensors: dict[str, torch.Tensor]) -> Path:
 def _load_error(module: torch.nn.Module, d: Path) -> str:
     before = {k: v.clone() for k, v in state(module).items()}
     with pytest.raises(ValueError) as e:
-        load_checkpoint(module, d)
+        load_checkpoint(module, d, names=NAMES)
     assert_same(state(module), before)  # nothing touched on failure
     return str(e.value)
 
@@ -287,7 +288,7 @@ def test_error_shape_mismatch(tmp_path, moe_sd):
 def test_error_missing_expert_indices(tmp_path, moe_sd):
     cfg, sd = moe_sd
     d = tmp_path / "ck"
-    save_checkpoint(StateDictModule(sd), d)  # per-expert layout
+    save_checkpoint(StateDictModule(sd), d, names=NAMES)  # per-expert layout
     with safe_open(str(d / "model.safetensors"), "pt") as f:
         kept = {
             k: f.get_tensor(k) for k in f.keys() if not k.startswith("backbone.layers.3.mixer.experts.1.")
@@ -314,7 +315,7 @@ def test_error_duplicates(tmp_path, moe_sd):
 
 def test_error_index_points_at_missing_shard(tmp_path, moe_sd):
     cfg, sd = moe_sd
-    save_checkpoint(StateDictModule(sd), tmp_path, max_shard_bytes=60_000)
+    save_checkpoint(StateDictModule(sd), tmp_path, max_shard_bytes=60_000, names=NAMES)
     shards = sorted(tmp_path.glob("model-*.safetensors"))
     shards[1].unlink()
     msg = _load_error(empty_module(cfg), tmp_path)
@@ -323,7 +324,7 @@ def test_error_index_points_at_missing_shard(tmp_path, moe_sd):
 
 def test_error_index_entry_absent_from_shard(tmp_path, moe_sd):
     cfg, sd = moe_sd
-    save_checkpoint(StateDictModule(sd), tmp_path, max_shard_bytes=60_000)
+    save_checkpoint(StateDictModule(sd), tmp_path, max_shard_bytes=60_000, names=NAMES)
     index_path = tmp_path / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
     home = index["weight_map"]["backbone.norm_f.weight"]
@@ -338,10 +339,10 @@ def test_error_no_safetensors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(tiny_config("dense")))
     cfg = HybridModelConfig.from_hf(tmp_path)
     with pytest.raises(ValueError) as e:
-        load_checkpoint(empty_module(cfg), tmp_path)
+        load_checkpoint(empty_module(cfg), tmp_path, names=NAMES)
     assert "only config.json" in str(e.value) and 'load_format="dummy"' in str(e.value)
     with pytest.raises(ValueError, match="does not exist"):
-        load_checkpoint(empty_module(cfg), tmp_path / "nope")
+        load_checkpoint(empty_module(cfg), tmp_path / "nope", names=NAMES)
 
 
 # ---- random init -------------------------------------------------------------------------------------------
@@ -363,12 +364,12 @@ def test_init_deterministic_and_dtype_independent():
 
 def test_init_independent_of_workers_and_order(monkeypatch):
     cfg = tiny_cfg("dense")
-    monkeypatch.setattr(W, "_CHUNK_ELEMS", 1000)  # many chunks per tensor
+    monkeypatch.setattr(random_init, "_CHUNK_ELEMS", 1000)  # many chunks per tensor
     shapes = canonical_shapes(cfg)
     one = {n: torch.empty(s) for n, s in shapes.items()}
-    W.init_random_tensors(one, cfg, seed=9, max_workers=1)
+    init_random_tensors(one, cfg, seed=9, max_workers=1)
     rev = {n: torch.empty(s) for n, s in reversed(shapes.items())}
-    W.init_random_tensors(rev, cfg, seed=9, max_workers=3)
+    init_random_tensors(rev, cfg, seed=9, max_workers=3)
     assert_same(one, rev)
 
 

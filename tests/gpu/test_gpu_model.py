@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from hyserve import LLM, SamplingParams
-from hyserve.model.config import HybridModelConfig
-from hyserve.model.nemotron_h import NemotronHForCausalLM
+from hyserve.model.nemotron_h.config import HybridModelConfig
+from hyserve.model.nemotron_h.model import NemotronHForCausalLM
+from hyserve.model.random_init import init_random_weights
 from hyserve.model.tiny import make_tiny
-from hyserve.model.weights import init_random_weights
 
 pytestmark = pytest.mark.gpu
 SHARED = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"  # the real architectures

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench_batch_step as b
-from hyserve.model.config import HybridModelConfig
+from hyserve.model.nemotron_h.config import HybridModelConfig
 
 CFG = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"
 

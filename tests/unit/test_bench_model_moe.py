@@ -29,8 +29,9 @@ from benchmarks.roofline import (
     prefill_tokens_per_s,
     weight_bytes,
 )
-from hyserve.model.config import HybridModelConfig
-from hyserve.model.weights import init_random_tensors, random_state_dict
+from hyserve.model.nemotron_h.checkpoint import random_state_dict
+from hyserve.model.nemotron_h.config import HybridModelConfig
+from hyserve.model.random_init import init_random_tensors
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -315,7 +316,7 @@ def test_fp8_active_bytes_are_the_fp8_model_less_the_idle_experts() -> None:
     assert 0.45 < active_weight_bytes(fp8) / active_weight_bytes(cfg) < 0.6
     # the whole FP8 Super (embedding included: 113.9 GiB) fits one H200 (133.9 GiB) with ~20 GiB for its cache
     # and activations; bf16 (224.9 GiB) does not
-    from hyserve.model.weights import weight_bytes as model_bytes
+    from hyserve.model.nemotron_h.checkpoint import weight_bytes as model_bytes
 
     h200 = 143_771_533_312
     assert model_bytes(cfg) > h200 and h200 - model_bytes(fp8) > 19 * 2**30

@@ -732,7 +732,8 @@ def test_tiny_model_fp8_kv_cuda_matches_bf16_kv(tmp_path):
 
 def test_fp8_kv_dtype_resolves_on_cpu_and_halves_bytes_per_token():
     from hyserve.engine.model_loader import resolve_kv_dtype
-    from hyserve.model.config import HybridModelConfig
+
+    from hyserve.model.nemotron_h.config import HybridModelConfig
     from hyserve.model.tiny import tiny_config
 
     assert resolve_kv_dtype("fp8", F32, torch.device("cpu")) == FP8
@@ -769,14 +770,15 @@ def test_capacity_fp8_gives_twice_the_kv_tokens(tmp_path):
 def _checkpoint_with_scales(tmp_path: Path, extra: dict[str, torch.Tensor]) -> Path:
     """The tiny dense model's directory with its weights rewritten by hyserve's save helpers, plus `extra`
     tensors (KV scales) under their checkpoint names."""
-    from hyserve.model.config import HybridModelConfig
-    from hyserve.model.weights import StateDictModule, random_state_dict, save_checkpoint
+    from hyserve.model.nemotron_h.checkpoint import NAMES, random_state_dict
+    from hyserve.model.nemotron_h.config import HybridModelConfig
+    from hyserve.model.weights import StateDictModule, save_checkpoint
 
     d = _tiny_dir(tmp_path)
     cfg = HybridModelConfig.from_hf(d)
     sd = random_state_dict(cfg, seed=3)
     sd.update(extra)
-    save_checkpoint(StateDictModule(sd), d)
+    save_checkpoint(StateDictModule(sd), d, names=NAMES)
     return d
 
 

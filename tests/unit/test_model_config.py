@@ -9,13 +9,8 @@ import json
 import pytest
 import torch
 
-from hyserve.model.config import (
-    LAYER_ATTENTION,
-    LAYER_MAMBA,
-    LAYER_MLP,
-    LAYER_MOE,
-    HybridModelConfig,
-)
+from hyserve.model.config import LAYER_ATTENTION, LAYER_MAMBA, LAYER_MLP, LAYER_MOE
+from hyserve.model.nemotron_h.config import HybridModelConfig
 from tests.shipped_configs import ALL, config_dir
 
 torch.set_num_threads(1)

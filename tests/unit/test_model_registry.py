@@ -4,13 +4,16 @@ the supported list, and nothing outside hyserve/model/ names a family's classes 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from hyserve.model import registry
-from hyserve.model.config import HybridModelConfig
+from hyserve.model.nemotron_h.config import HybridModelConfig
+from hyserve.model.nemotron_h.family import NEMOTRON_H
 from hyserve.model.tiny import builtin_model_dir
 
 PKG = Path(__file__).resolve().parents[2] / "hyserve"
@@ -52,25 +55,31 @@ def test_read_config_parses_through_the_family(tmp_path):
 
 
 def test_register_refuses_a_clashing_family():
-    nem = registry.family_for(_raw())
-    clash = registry.ModelFamily(
-        name="other",
-        model_types=("nemotron_h",),
-        architectures=("X",),
-        parse_config=nem.parse_config,
-        build=nem.build,
-        init_random=nem.init_random,
-        load_weights=nem.load_weights,
-        set_kv_scales=nem.set_kv_scales,
-        update_kv_scales=nem.update_kv_scales,
-        record_kv_amax=nem.record_kv_amax,
-        with_cache_dtypes=nem.with_cache_dtypes,
-        with_quant=nem.with_quant,
-        weight_bytes=nem.weight_bytes,
-        kernel_ops=nem.kernel_ops,
-    )
+    nem = NEMOTRON_H
+    clash = dataclasses.replace(nem, name="other", architectures=("X",))
     with pytest.raises(ValueError, match="already belong to 'nemotron_h'"):
         registry.register(clash)
+
+
+def test_family_entries_name_no_any():
+    """The registry's types say what each family gives: no `Any` in the family modules' annotations."""
+    for path in [PKG / "model" / "registry.py", PKG / "model" / "family.py"]:
+        tree = ast.parse(path.read_text())
+        hits = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == "Any"]
+        assert not hits, f"{path.name}: Any at lines {hits}"
+
+
+def test_family_checks_its_config_and_model():
+    fam, cfg = registry.read_config(builtin_model_dir())
+
+    class Other:
+        pass
+
+    with pytest.raises(TypeError, match="is not its config"):
+        fam.build(Other(), torch.float32)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="is not its model"):
+        fam.finish_load(Other())  # type: ignore[arg-type]
+    assert fam.weight_bytes(cfg, torch.float32) > 0
 
 
 def _names(tree: ast.AST) -> set[str]:

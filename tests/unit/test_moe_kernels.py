@@ -614,11 +614,11 @@ def test_shipped_config_files_parse():
 @pytest.mark.parametrize("name", [n for n in MOE_CONFIGS if n.startswith("tiny")])
 def test_moe_layer_kernels_match_reference_path(monkeypatch, name):
     from hyserve.kernels import ops
-    from hyserve.model.config import HybridModelConfig
     from hyserve.model.moe import MoE
+    from hyserve.model.nemotron_h.config import HybridModelConfig
 
     cfg = HybridModelConfig.from_dict(MOE_CONFIGS[name])
-    layer = MoE(cfg, device=DEV, dtype=F32)
+    layer = MoE(cfg.moe_spec(), device=DEV, dtype=F32)
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
@@ -642,11 +642,11 @@ def test_moe_layer_kernels_match_reference_path(monkeypatch, name):
 @pytest.mark.parametrize("name", [n for n in MOE_CONFIGS if n.startswith("tiny")])
 def test_shared_expert_folded_into_the_experts_gives_the_layer_output(name):
     """The MoE layer with its shared expert inside the experts op equals the routed experts + the MLP."""
-    from hyserve.model.config import HybridModelConfig
     from hyserve.model.moe import MoE
+    from hyserve.model.nemotron_h.config import HybridModelConfig
 
     cfg = HybridModelConfig.from_dict(MOE_CONFIGS[name])
-    layer = MoE(cfg, device=DEV, dtype=F32)
+    layer = MoE(cfg.moe_spec(), device=DEV, dtype=F32)
     assert layer.fold_shared == (
         cfg.moe_latent_size is None
     )  # latent MoE: the shared expert reads x, not the latent

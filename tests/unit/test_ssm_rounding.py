@@ -36,9 +36,9 @@ from hyserve.kernels.stochastic_rounding import (  # noqa: E402
     stochastic_round_state,
     store_ssm_state_ref,
 )
-from hyserve.model.config import HybridModelConfig  # noqa: E402
 from hyserve.model.forward_meta import SnapshotWrite  # noqa: E402
-from hyserve.model.nemotron_h import NemotronHForCausalLM  # noqa: E402
+from hyserve.model.nemotron_h.config import HybridModelConfig  # noqa: E402
+from hyserve.model.nemotron_h.model import NemotronHForCausalLM  # noqa: E402
 from hyserve.model.tiny import builtin_model_dir  # noqa: E402
 from tests.model_harness import Harness, strong_random_weights  # noqa: E402
 

@@ -12,7 +12,7 @@ import torch
 
 from benchmarks import sweep_roofline
 from benchmarks.roofline import PUBLISHED_BW, Ceilings, decode_step_ms
-from hyserve.model.config import HybridModelConfig
+from hyserve.model.nemotron_h.config import HybridModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

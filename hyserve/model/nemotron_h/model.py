@@ -17,7 +17,7 @@ and `allocate_cache` gives this rank's share of the pools.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -27,15 +27,16 @@ from hyserve.distributed import tp_group
 from hyserve.kernels import ops
 from hyserve.model.attention import Attention
 from hyserve.model.cache_tensors import CacheTensors
-from hyserve.model.config import LAYER_ATTENTION, LAYER_MAMBA, LAYER_MLP, LAYER_MOE, HybridModelConfig
+from hyserve.model.config import LAYER_ATTENTION, LAYER_MAMBA, LAYER_MLP, LAYER_MOE
 from hyserve.model.forward_meta import ForwardMeta
 from hyserve.model.fp8_weights import convert_linears
 from hyserve.model.mamba2 import Mamba2Mixer
 from hyserve.model.mlp import MLP
 from hyserve.model.moe import MoE
+from hyserve.model.nemotron_h.checkpoint import NAMES, NemotronHNames
+from hyserve.model.nemotron_h.config import HybridModelConfig
 from hyserve.model.norm import RMSNorm
 from hyserve.model.parallel_embedding import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_logits
-from hyserve.model.sharding import rank_cache_config
 
 # every kernel op these layers may call (the family's `kernel_ops`): on CUDA, start-up fails naming any of
 # them without a CUDA implementation; a test checks the list against the lookups of the tiny models' forwards
@@ -66,7 +67,7 @@ def _mamba(cfg: HybridModelConfig, i: int, **kw) -> nn.Module:
 
 
 def _attention(cfg: HybridModelConfig, i: int, **kw) -> nn.Module:
-    return Attention(cfg, layer_id=i, **kw)
+    return Attention(cfg.attention_spec(), layer_id=i, **kw)
 
 
 def _mlp(cfg: HybridModelConfig, i: int, **kw) -> nn.Module:
@@ -74,7 +75,7 @@ def _mlp(cfg: HybridModelConfig, i: int, **kw) -> nn.Module:
 
 
 def _moe(cfg: HybridModelConfig, i: int, **kw) -> nn.Module:
-    return MoE(cfg, **kw)
+    return MoE(cfg.moe_spec(), **kw)
 
 
 # layer kind -> mixer builder; every mixer is called as mixer(x, meta, cache)
@@ -144,6 +145,16 @@ class NemotronHForCausalLM(nn.Module):
             return self.backbone.norm_f(x)
         return self.backbone.norm_f.add_forward(x, residual)[0]
 
+    @property
+    def checkpoint_names(self) -> NemotronHNames:
+        return NAMES
+
+    def attention_layers(self) -> Mapping[int, Attention]:
+        return {i: m.mixer for i, m in enumerate(self.backbone.layers) if isinstance(m.mixer, Attention)}
+
+    def finish_load(self) -> None:
+        self.pack_weights()
+
     def pack_weights(self) -> int:
         """Layouts for serving, once the weights are in place on their device: each attention layer's q, k and
         v weights in one buffer (`Attention.pack_qkv`). Returns how many layers were packed."""
@@ -175,7 +186,7 @@ class NemotronHForCausalLM(nn.Module):
         """This rank's pools: under tensor parallelism they hold only its KV heads and Mamba heads /
         groups."""
         return CacheTensors.allocate(
-            rank_cache_config(self.config, self.tp.size),
+            self.config.cache_layout().for_rank(self.tp.size),
             num_blocks=num_blocks,
             tokens_per_block=tokens_per_block,
             num_slots=num_slots,
