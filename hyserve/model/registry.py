@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hyserve.model.bamba.family import BAMBA
 from hyserve.model.config import read_config_json
 from hyserve.model.family import ModelFamily
 from hyserve.model.nemotron_h.family import NEMOTRON_H
 from hyserve.model.protocol import ModelSpec
 
-_FAMILIES: list[ModelFamily] = [NEMOTRON_H]
+_FAMILIES: list[ModelFamily] = [NEMOTRON_H, BAMBA]
 
 
 def register(family: ModelFamily) -> None:

@@ -505,3 +505,27 @@ class StateDictModule(nn.Module):
             p = nn.Parameter(t, requires_grad=False)
             _carry_shard_info(t, p)  # a tensor-parallel shard still loads its own rows
             mod.register_parameter(leaf, p)
+
+
+class HubNames:
+    """`CheckpointNames` of a family whose module tree spells the Hub's names (Bamba, Granite-4.0-H): every
+    name maps to itself except the `aliases` (other spellings of the same tensor, e.g. a newer exporter's);
+    nothing is stored per expert."""
+
+    def __init__(self, attention_prefix: str, aliases: Mapping[str, str] | None = None) -> None:
+        self.attention_prefix = attention_prefix
+        self._aliases = dict(aliases or {})
+
+    def canonical(self, ckpt_name: str) -> tuple[str, int | None] | None:
+        if ckpt_name.endswith(".weight_scale_inv"):
+            ckpt_name = ckpt_name.removesuffix("_inv")
+        for old, new in self._aliases.items():
+            if ckpt_name.endswith(old):
+                return ckpt_name.removesuffix(old) + new, None
+        return ckpt_name, None
+
+    def per_expert_name(self, name: str, expert: int) -> str | None:
+        return None
+
+    def keeps_fp32(self, name: str) -> bool:
+        return keeps_fp32_scale(name)
