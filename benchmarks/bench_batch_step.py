@@ -41,7 +41,7 @@ from benchmarks.roofline import active_weight_bytes, batch_experts, measure_ceil
 from hyserve import LLM, SamplingParams
 from hyserve.bench.profiling import device_kernel_times
 from hyserve.bench.report import record, records_markdown, sanitize, stamp
-from hyserve.engine.assembly import rank_cache_bytes
+from hyserve.engine.assembly.assemble import rank_cache_bytes
 from hyserve.kernels.launch_util import pdl_enabled, set_pdl
 from hyserve.model.nemotron_h.config import HybridModelConfig
 from hyserve.model.quant_config import QuantConfig

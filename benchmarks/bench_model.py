@@ -542,7 +542,7 @@ def graph_ab(eng, batch: int, vocab_size: int, set_form, labels: tuple = (False,
     the same random token ids in both, so a MoE batch routes to many experts); the engine's form is put back
     after. Replayed in turn (a, b, a, b) and timed. Returns {label: (min replay ms, the graph)}, or None
     where the engine has no graph of this batch."""
-    from hyserve.engine.cuda_graphs import DecodeGraphs
+    from hyserve.engine.runner.cuda_graphs import DecodeGraphs
 
     g = eng.runner.graphs
     if g is None or g.size_for(batch) is None:

@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 from benchmarks import invocation  # noqa: E402
 from hyserve.bench.report import git_sha  # noqa: E402
 from hyserve.engine.llm import LLM  # noqa: E402
+from hyserve.engine.sampling.structured_output import StructuredOutputs  # noqa: E402
 from hyserve.engine.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
-from hyserve.engine.structured_output import StructuredOutputs  # noqa: E402
 
 CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
 SCHEMA = {

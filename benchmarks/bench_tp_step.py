@@ -1,8 +1,8 @@
 """What rank 0 pays per step to tell the other ranks the step (CPU, two gloo ranks; no GPU needed).
 
 Under tensor parallelism rank 0 sends every `ScheduledBatch` to the workers before running it
-(`hyserve/engine/step_channel.py`). This measures, for decode steps of 1 / 64 / 256 rows at a context of
-`--context` tokens (block tables of context / 64 entries):
+(`hyserve/engine/parallel/step_channel.py`). This measures, for decode steps of 1 / 64 / 256 rows at a
+context of `--context` tokens (block tables of context / 64 entries):
 
     encode     encode_seqs + pickle (what goes on the wire), against pickling the ScheduledBatch itself
     send       StepChannel.send on rank 0, back to back with rank 1's recv (so a row count's figure includes
@@ -31,9 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 from hyserve.bench.report import git_sha  # noqa: E402
+from hyserve.engine.parallel.step_channel import HEARTBEAT, STEP, encode_seqs  # noqa: E402
 from hyserve.engine.sampling_params import SamplingParams  # noqa: E402
-from hyserve.engine.scheduler import ScheduledBatch, ScheduledSeq  # noqa: E402
-from hyserve.engine.step_channel import HEARTBEAT, STEP, encode_seqs  # noqa: E402
+from hyserve.engine.scheduler.scheduler import ScheduledBatch, ScheduledSeq  # noqa: E402
 
 ROWS = (1, 64, 256)
 
@@ -92,7 +92,7 @@ def _rank(rank: int, port: int, context: int, n: int, q: mp.Queue) -> None:  # t
 
     torch.set_num_threads(1)
     from hyserve.distributed import broadcast_object, init_distributed
-    from hyserve.engine.step_channel import StepChannel
+    from hyserve.engine.parallel.step_channel import StepChannel
 
     init_distributed(tp_size=2, device="cpu", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
     ch = StepChannel.open()

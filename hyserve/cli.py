@@ -648,13 +648,13 @@ def _stderr(msg: str) -> None:
 def _run_if_headless_rank(config: Any) -> None:
     """Under torchrun, ranks > 0 serve nothing and take no prompts: such a rank follows rank 0 here until
     it shuts down, then the process exits with the rank's status. A no-op on rank 0 and without torchrun."""
-    from hyserve.engine.launch import is_headless_rank
+    from hyserve.engine.parallel.launch import is_headless_rank
 
     if not is_headless_rank():
         return
     import os
 
-    from hyserve.engine.worker import run_worker
+    from hyserve.engine.lifecycle.worker import run_worker
 
     rc = run_worker(config, log=_stderr)
     sys.stdout.flush()

@@ -42,8 +42,8 @@ KV_DTYPES_REFUSED = {
 }
 # kv_cache_config.kv_scales: where an fp8 KV cache's per-layer k_scale / v_scale come from. "checkpoint": its
 # KV-scale tensors (start-up fails naming the attention layers without them); "calibrate": amax / 448 of a
-# start-up prefill (engine/kv_calibration.py); "unit": 1.0; "auto": the checkpoint's where it has them,
-# calibrated elsewhere
+# start-up prefill (engine/assembly/kv_calibration.py); "unit": 1.0; "auto": the checkpoint's where it
+# has them, calibrated elsewhere
 KV_SCALE_SOURCES = ("auto", "checkpoint", "calibrate", "unit")
 SSM_CACHE_DTYPES = ("float32", "bfloat16", "float16")
 MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -466,7 +466,7 @@ class ParallelConfig:
 
     def check(self) -> None:
         # the world, the visible GPUs and the model's heads / experts are checked at start-up
-        # (engine/launch.py)
+        # (engine/parallel/launch.py)
         problem = expert_split_problem(self.tp_size, self.ep_size)
         if problem:
             raise ValueError(problem)

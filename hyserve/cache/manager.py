@@ -74,6 +74,19 @@ class HybridCacheManager:
         self.prefix_hits = 0  # prompt tokens served from cache
         self.blocks.add_evict_listener(self._on_block_evicted)
 
+    def fresh(self) -> HybridCacheManager:
+        """A manager over the same plan with every block and slot free and the prefix cache empty (after a
+        failure that may have left the books inconsistent); the prefix-cache counters carry over."""
+        out = HybridCacheManager(
+            self.plan,
+            has_mamba=self.has_mamba,
+            enable_block_reuse=self.reuse,
+            snapshot_interval=self.snapshot_interval,
+            snapshot_offsets_from_end=self.snapshot_offsets,
+        )
+        out.prefix_queries, out.prefix_hits = self.prefix_queries, self.prefix_hits
+        return out
+
     # ---- capacity ---------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.tokens_per_block - 1) // self.tokens_per_block

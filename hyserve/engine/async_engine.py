@@ -28,9 +28,9 @@ from typing import Any
 
 from hyserve.config import EngineConfig
 from hyserve.engine.delta_collector import DEFAULT_PENDING_LIMIT_BYTES, DeltaCollector
+from hyserve.engine.lifecycle.startup import start_engine
 from hyserve.engine.outputs import StreamDelta
 from hyserve.engine.sampling_params import SamplingParams
-from hyserve.engine.startup import start_engine
 
 logger = logging.getLogger("hyserve")
 

@@ -12,7 +12,7 @@ the caller's streaming and the next step's set-up run while the GPU computes:
 Without it the same loop reads each step right after launching it. Only the scheduler composes steps
 (it counts each request's unread tokens); the engine validates (`InputProcessor`), runs (`ModelRunner`)
 and turns tokens into deltas (`OutputProcessor`). A step that raises fails only the request that makes it
-fail, and a host-side failure of one request's output fails it alone (engine/isolation.py). Built by
+fail, and a host-side failure of one request's output fails it alone (`FailureIsolation`). Built by
 `startup.start_engine`: construct, warm up, mark ready (docs/architecture.md).
 """
 
@@ -20,32 +20,35 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from hyserve import envs
 from hyserve.config import EngineConfig
-from hyserve.engine.alloc_retries import AllocRetries
-from hyserve.engine.assembly import assemble
+from hyserve.engine.assembly.assemble import assemble
 from hyserve.engine.errors import JitAfterReadyError
 from hyserve.engine.faults import FaultInjector
 from hyserve.engine.input_processor import InputProcessor
-from hyserve.engine.isolation import isolate_failure, reset_engine
-from hyserve.engine.jit_sentinel import JitSentinel
+from hyserve.engine.isolation import FailureIsolation
 from hyserve.engine.output_processor import OutputProcessor, record_prompt_logprobs
 from hyserve.engine.outputs import StreamDelta, TokenLogprob
 from hyserve.engine.pending_step import PendingStep, penalty_inputs, sample_step
 from hyserve.engine.request import Request
-from hyserve.engine.sampler import Sampler
+from hyserve.engine.runner.alloc_retries import AllocRetries
+from hyserve.engine.runner.jit_sentinel import JitSentinel
+from hyserve.engine.sampling.sampler import Sampler
+from hyserve.engine.sampling.structured_output import StructuredOutputs
 from hyserve.engine.sampling_params import SamplingParams
-from hyserve.engine.scheduler import ScheduledBatch, SchedulerStats
-from hyserve.engine.structured_output import StructuredOutputs
-
-if TYPE_CHECKING:  # the warm-up drives the engine from outside (startup.py)
-    from hyserve.engine.warmup import WarmupReport
+from hyserve.engine.scheduler.scheduler import ScheduledBatch, SchedulerStats
+from hyserve.engine.scheduler.step_cost import StepCostModel
+from hyserve.engine.warmup_report import WarmupReport
 
 logger = logging.getLogger("hyserve")
+# the engine's own counters (stats(), /metrics); isolation keeps its own (`FailureIsolation.counters`)
+COUNTERS = (
+    "prompt_tokens_total generation_tokens_total requests_finished_total request_failures_total "
+    "overlapped_steps_total steps_total prefill_steps_total prefill_tokens_scheduled_total"
+).split()
 
 
 class LLMEngine:
@@ -85,25 +88,19 @@ class LLMEngine:
         self._inflight: PendingStep | None = None
         self.requests: dict[str, Request] = {}
         self.alloc_retries = AllocRetries(self.device)
-        self.counters = dict.fromkeys(
-            (
-                "prompt_tokens_total",
-                "generation_tokens_total",
-                "requests_finished_total",
-                "step_failures_total",
-                "request_failures_total",
-                "isolation_probes_total",
-                "engine_restarts_total",
-                "overlapped_steps_total",
-                "steps_total",
-                "prefill_steps_total",
-                "prefill_tokens_scheduled_total",
-            ),
-            0,
-        )
+        self.counters = dict.fromkeys(COUNTERS, 0)
         self.faults = FaultInjector.parse(envs.HYSERVE_FAULT_INJECT)  # None unless set (engine/faults.py)
-        self.warmup_report: WarmupReport | None = None
+        self.isolation = FailureIsolation(self)  # a step that raises fails only its culprit
+        self.warmup_report: WarmupReport | None = None  # set by the start-up (lifecycle/startup.py)
         self._log(self.plan.report())
+
+    def record_warmup(self, report: WarmupReport) -> None:
+        self.warmup_report = report
+
+    def use_step_cost(self, cost: StepCostModel | None) -> None:
+        """The scheduler's step cost model (calibrated or counted at start-up; None: chunks by tokens
+        alone)."""
+        self.scheduler.cost = cost
 
     def mark_ready(self) -> None:
         """From here on, any Triton compilation is a variant the warm-up did not cover."""
@@ -187,7 +184,7 @@ class LLMEngine:
                             req.inflight_row = i
             except Exception as e:  # model, prompt logprobs or sampling: fail only the request that causes it
                 logger.exception("model step of %d requests failed; isolating the request", len(batch.seqs))
-                deltas += isolate_failure(self, batch, feed, e, updated=updated)
+                deltas += self.isolation.isolate(batch, feed, e, updated=updated)
         if prev is not None:
             deltas += self._read(prev)  # the previous step's tokens, while this one runs
         if launched is not None:
@@ -290,8 +287,14 @@ class LLMEngine:
 
     def reset_after_failure(self, reason: str) -> list[StreamDelta]:
         """After an exception outside a step's guards: every request ends with `reason`, the pools' books
-        start afresh (engine/isolation.py). Returns the final deltas."""
-        return reset_engine(self, reason)
+        start afresh (the in-flight step is dropped: whatever reuses its slots is queued behind it on the
+        device). Returns the final deltas."""
+        self._inflight = None
+        out = self.isolation.end_all(reason)
+        self.requests.clear()
+        self.cache = self.cache.fresh()
+        self.scheduler.reset(self.cache)
+        return out
 
     def _check_strict_warmup(self) -> None:
         n = self.jit.compiles_after_ready
@@ -313,6 +316,7 @@ class LLMEngine:
         self.cache.prefix_queries = self.cache.prefix_hits = 0
         self.scheduler.stats = SchedulerStats()
         self.counters = dict.fromkeys(self.counters, 0)
+        self.isolation.reset_counters()
         self.sampler = Sampler(self.config.seed)
         if self.device.type == "cuda":
             self.alloc_retries.reset()
@@ -335,6 +339,7 @@ class LLMEngine:
             "num_preemptions": s.num_preemptions,
             "jit_compiles_after_ready": self.jit.compiles_after_ready,
             **self.counters,
+            **self.isolation.counters(),
             **(
                 {"cuda_alloc_retries": self.alloc_retries.since_reset()} if self.device.type == "cuda" else {}
             ),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hyserve.engine.scheduler import ScheduledSeq
+from hyserve.engine.scheduler.scheduler import ScheduledSeq
 
 SITES = ("forward", "sample", "host", "engine")
 

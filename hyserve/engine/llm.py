@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from hyserve.config import build_engine_config
+from hyserve.engine.lifecycle.startup import start_engine
 from hyserve.engine.outputs import RequestOutput, TokenLogprob
 from hyserve.engine.sampling_params import SamplingParams
-from hyserve.engine.startup import start_engine
 
 Prompt = str | Sequence[int]
 

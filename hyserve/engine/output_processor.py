@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 from hyserve.engine.outputs import StreamDelta, TokenLogprob
 from hyserve.engine.request import Request
-from hyserve.engine.runner import ModelRunner
+from hyserve.engine.runner.runner import ModelRunner
 from hyserve.engine.sampling_params import SamplingParams
-from hyserve.engine.scheduler import ScheduledBatch
+from hyserve.engine.scheduler.scheduler import ScheduledBatch
 from hyserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from hyserve.engine.logits_processing import History, to_device
 from hyserve.engine.outputs import TokenLogprob
 from hyserve.engine.request import Request
-from hyserve.engine.sampler import PendingLogprobs, Sampler
-from hyserve.engine.scheduler import ScheduledBatch, ScheduledSeq
+from hyserve.engine.sampling.logits_processing import History, to_device
+from hyserve.engine.sampling.sampler import PendingLogprobs, Sampler
+from hyserve.engine.scheduler.scheduler import ScheduledBatch, ScheduledSeq
 
 
 @dataclass

@@ -21,8 +21,8 @@ MAX_GRAMMAR_CHARS = 200_000  # a json schema, regex or grammar; all choices toge
 
 @dataclass(frozen=True, kw_only=True)
 class StructuredOutputsParams:
-    """One constraint on the output (hyserve/engine/structured_output.py): a JSON schema (`json`, a dict or
-    its JSON text), any JSON object (`json_object`), a regular expression, one of `choice`, or an EBNF
+    """One constraint on the output (hyserve/engine/sampling/structured_output.py): a JSON schema (`json`, a
+    dict or its JSON text), any JSON object (`json_object`), a regular expression, one of `choice`, or an EBNF
     `grammar`. `start_after`: the constraint starts once this string has been generated (the end of the
     thinking section, "</think>", when a reasoning parser is on)."""
 
@@ -83,7 +83,7 @@ class SamplingParams:
     )
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    presence_penalty: float = 0.0  # [-2, 2]; see hyserve/engine/logits_processing.py
+    presence_penalty: float = 0.0  # [-2, 2]; see hyserve/engine/sampling/logits_processing.py
     frequency_penalty: float = 0.0  # [-2, 2]
     repetition_penalty: float = 1.0  # (0, 10]; 1 = off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); a dict is accepted

@@ -1,6 +1,6 @@
 """Warm the HTTP path before the port opens.
 
-The engine's warm-up (hyserve/engine/warmup.py) compiles every kernel variant, but the first request
+The engine's warm-up (hyserve/engine/lifecycle/warmup.py) compiles every kernel variant, but the first request
 through the server still paid for Python's first calls in the request path (FastAPI's request parsing
 and dependency solving, pydantic serialisers of the response chunks, the SSE generator, the async
 engine's hand-off): measured 20-70 ms on the first request's TTFT, on CPU and on the H200. Here a

@@ -215,7 +215,7 @@ def run_server(
     there; `warnings` are logged first."""
     require_server_deps()
     from hyserve.engine.async_engine import AsyncEngine
-    from hyserve.engine.launch import watch_server
+    from hyserve.engine.parallel.launch import watch_server
     from hyserve.server.app import build_app, hyserve_version
     from hyserve.server.http_warmup import warm_http_path
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from hyserve.engine.errors import RequestRejected
+from hyserve.engine.sampling.structured_output import GrammarError
 from hyserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from hyserve.engine.structured_output import GrammarError
 from hyserve.model.tokenizer import GENERATION_CONFIG_FILE, check_chat_template
 from hyserve.server.body import large_body
 from hyserve.server.errors import APIError, bad_request, internal_error

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hyserve.engine.parallel_runner import DriverRunner, RankLost
 
 from hyserve import LLM, SamplingParams
 from hyserve.distributed import parallel_info
-from hyserve.engine import launch
-from hyserve.engine.runner import ModelRunner
+from hyserve.engine.parallel import launch
+from hyserve.engine.parallel.parallel_runner import DriverRunner, RankLost
+from hyserve.engine.runner.runner import ModelRunner
 from hyserve.model.nemotron_h.checkpoint import NAMES
 from hyserve.model.nemotron_h.config import HybridModelConfig
 from hyserve.model.nemotron_h.model import NemotronHForCausalLM

@@ -8,7 +8,7 @@ import pytest
 
 from hyserve import SamplingParams
 from hyserve.config import build_engine_config
-from hyserve.engine import assembly
+from hyserve.engine.assembly import assemble as assembly
 from hyserve.engine.engine import LLMEngine
 from tests.engine.test_engine_invariance import make_llm, prompts
 

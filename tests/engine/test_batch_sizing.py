@@ -193,7 +193,7 @@ def test_on_the_cpu_auto_counts_a_step_cost_so_late_chunks_of_a_long_prompt_shri
 
 
 def test_the_analytic_cost_model_bounds_a_step_by_one_full_first_chunk():
-    from hyserve.engine.step_cost import analytic_step_cost
+    from hyserve.engine.scheduler.step_cost import analytic_step_cost
 
     m = analytic_step_cost(params=10**9, attention_flops_per_pair=4 * 32 * 128 * 8, max_num_tokens=8192)
     assert m.source == "analytic" and m.max_chunk(0, m.target_ms) == 8192

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from hyserve import LLM, SamplingParams
-from hyserve.engine import assembly
-from hyserve.engine.cuda_graphs import default_capture_sizes, pack_decode_rows
-from hyserve.engine.scheduler import ScheduledSeq
+from hyserve.engine.assembly import assemble as assembly
+from hyserve.engine.runner.cuda_graphs import default_capture_sizes, pack_decode_rows
+from hyserve.engine.scheduler.scheduler import ScheduledSeq
 from tests.engine.test_engine_invariance import make_llm, prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 import torch
-from hyserve.engine.model_loader import load_model
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hyserve.cli import build_parser, engine_options_from_args
 from hyserve.config import build_engine_config
 from hyserve.distributed import Group, tp_group
+from hyserve.engine.runner.model_loader import load_model
 from hyserve.kernels.fp8_linear import (
     E4M3,
     FP8_MAX,
@@ -1261,7 +1261,7 @@ def test_fp8_weights_give_the_cache_the_memory_they_free() -> None:
 
 
 def test_weights_that_cannot_fit_are_refused_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hyserve.engine import model_loader
+    from hyserve.engine.runner import model_loader
     from hyserve.model.nemotron_h.config import HybridModelConfig
 
     cfg = HybridModelConfig.from_hf(CONFIGS / "NVIDIA-Nemotron-3-Super-120B-A12B-BF16")

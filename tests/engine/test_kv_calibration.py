@@ -1,6 +1,6 @@
 """`kv_cache_config.kv_scales` (where an fp8 KV cache's k_scale / v_scale come from) and the start-up
-calibration of engine/kv_calibration.py, on the CPU reference path with the tiny dense model (attention
-layers 1 and 5).
+calibration of engine/assembly/kv_calibration.py, on the CPU reference path with the tiny dense model
+(attention layers 1 and 5).
 
     checkpoint: the checkpoint's, all layers or a start-up error naming the layers without
     calibrate:  HEADROOM * amax / 448 of a fixed start-up prefill, in every layer
@@ -247,7 +247,7 @@ def test_calibrated_scales_stop_saturation_where_unit_saturates(tmp_path):
     arithmetic). A float32 KV cache is the reference. With unit scales nearly every K/V saturates at 448 and
     greedy decoding goes elsewhere; calibrated scales put the batch's amax at 448 / 2 and the fp8 engine
     follows the reference within e4m3 rounding."""
-    from hyserve.engine.kv_calibration import HEADROOM, calibration_batch, measure_kv_amax
+    from hyserve.engine.assembly.kv_calibration import HEADROOM, calibration_batch, measure_kv_amax
 
     d = _tiny(tmp_path, kv_gain=1000.0)
     ref_tokens, ref_lp = _greedy(_llm(d, dtype="float32"))

@@ -1,13 +1,13 @@
-"""The steps the activation profiler runs (hyserve/engine/memory_profile.py) are steps the engine can
+"""The steps the activation profiler runs (hyserve/engine/assembly/memory_profile.py) are steps the engine can
 execute: here on the CPU with the tiny model. The long one writes prefix-cache snapshots, so on a GPU
 its peak includes the scan's per-chunk states that a real step with snapshots keeps."""
 
 from __future__ import annotations
 
 import torch
-from hyserve.engine.memory_profile import profile_batches
 
-from hyserve.engine.runner import ModelRunner
+from hyserve.engine.assembly.memory_profile import profile_batches
+from hyserve.engine.runner.runner import ModelRunner
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.nemotron_h.config import HybridModelConfig
 from hyserve.model.nemotron_h.model import NemotronHForCausalLM

@@ -20,7 +20,7 @@ from hyserve.config import build_engine_config
 from hyserve.engine.async_engine import AsyncEngine
 from hyserve.engine.request import Request, RequestStatus
 from hyserve.engine.sampling_params import SamplingParams
-from hyserve.engine.scheduler import Scheduler, priority_key
+from hyserve.engine.scheduler.scheduler import Scheduler, priority_key
 from hyserve.model.tokenizer import TINY_CHAT_TEMPLATE, Tokenizer, build_tiny_tokenizer
 from hyserve.server.app import ServerOptions, build_app
 from tests.engine.test_engine_invariance import GREEDY, make_llm, prompts

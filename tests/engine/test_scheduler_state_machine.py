@@ -24,7 +24,7 @@ from hyserve.cache.capacity import CapacityInputs, plan_capacity
 from hyserve.cache.manager import HybridCacheManager
 from hyserve.engine.request import Request, RequestStatus
 from hyserve.engine.sampling_params import SamplingParams
-from hyserve.engine.scheduler import Scheduler
+from hyserve.engine.scheduler.scheduler import Scheduler
 
 BS = 4  # tokens per block
 CHUNK = 4

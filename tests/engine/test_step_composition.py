@@ -10,8 +10,8 @@ import pytest
 
 from hyserve.engine.request import Request
 from hyserve.engine.sampling_params import SamplingParams
-from hyserve.engine.scheduler import Scheduler
-from hyserve.engine.step_cost import StepCostModel, fit_step_cost
+from hyserve.engine.scheduler.scheduler import Scheduler
+from hyserve.engine.scheduler.step_cost import StepCostModel, fit_step_cost
 from tests.engine.test_engine_invariance import GREEDY, make_llm, prompts
 from tests.engine.test_scheduler_state_machine import _run, make
 
@@ -231,18 +231,18 @@ def test_greedy_outputs_do_not_depend_on_the_cost_model(reference) -> None:
 def test_start_up_gives_the_scheduler_the_calibrated_model(monkeypatch) -> None:
     """max_step_ms at start-up reaches the scheduler: the calibration's model is the one chunks are sized by
     (on the CPU calibration has nothing to time and says so; here it is replaced by a fixed model)."""
-    from hyserve.engine import startup
+    from hyserve.engine.lifecycle.calibration import StepCostCalibration
 
     model = StepCostModel(
         overhead_ms=0.5, per_token_ms=0.05, per_context_ms=2e-3, per_kv_read_ms=1e-4, target_ms=7.0
     )
     seen: list[float] = []
 
-    def fake(engine, target_ms: float) -> StepCostModel:
+    def fake(self: StepCostCalibration, target_ms: float) -> StepCostModel:
         seen.append(target_ms)
         return model
 
-    monkeypatch.setattr(startup, "calibrate_step_cost", fake)
+    monkeypatch.setattr(StepCostCalibration, "timed", fake)
     assert make_llm(max_num_tokens=64, max_step_ms=7.0).engine.scheduler.cost is model and seen == [7.0]
     off = make_llm(max_num_tokens=64, max_step_ms="off").engine.scheduler.cost
     assert off is None and seen == [7.0]  # off: not calibrated
@@ -284,7 +284,7 @@ def test_calibration_prompts_each_run_in_one_prefill_step(max_num_tokens: int) -
     """The step cost calibration times prompts of `calibration_sizes`: each must be one prefill step, which a
     snapshot boundary off an SSD chunk boundary would break (block reuse on, 12-token blocks, snapshots
     every 24 tokens and at the prompt's end, 8-token SSD chunks: 254 -> 252 would be cut at 240 + 12)."""
-    from hyserve.engine.calibration import calibration_sizes
+    from hyserve.engine.lifecycle.calibration import StepCostCalibration
 
     llm = make_llm(
         max_num_tokens=max_num_tokens,
@@ -299,7 +299,7 @@ def test_calibration_prompts_each_run_in_one_prefill_step(max_num_tokens: int) -
         },
     )
     eng = llm.engine
-    sizes = calibration_sizes(eng)
+    sizes = StepCostCalibration(eng).sizes()
     floor_n, short_n, long_n = sizes
     assert floor_n == eng.model_config.chunk_size <= short_n <= long_n <= max_num_tokens
     assert long_n % 24 == 0 and (short_n == floor_n or short_n % 24 == 0)

@@ -1,4 +1,4 @@
-"""Structured outputs at the engine level (hyserve/engine/structured_output.py): the bitmask against
+"""Structured outputs at the engine level (hyserve/engine/sampling/structured_output.py): the bitmask against
 xgrammar's own kernel on fresh random logits, the sampler under a mask (greedy and sampled rows, penalties
 first), grammar states driven token by token to outputs that parse and validate, the thinking section
 left unconstrained, n independent states, the compile cache, and errors that name the problem."""
@@ -10,9 +10,8 @@ import json
 import pytest
 import torch
 
-from hyserve.engine.sampler import Sampler
-from hyserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from hyserve.engine.structured_output import (
+from hyserve.engine.sampling.sampler import Sampler
+from hyserve.engine.sampling.structured_output import (
     GrammarCompiler,
     GrammarError,
     StructuredOutputs,
@@ -20,6 +19,7 @@ from hyserve.engine.structured_output import (
     bitmask_width,
     compiler_for,
 )
+from hyserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from hyserve.model.tokenizer import Tokenizer, build_tiny_tokenizer
 
 xgr = pytest.importorskip("xgrammar")

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from hyserve import LLM, SamplingParams
-from hyserve.engine.jit_sentinel import use_kernel_cache_dir
-from hyserve.engine.warmup import SAMPLING_CASES, Warmup
+from hyserve.engine.lifecycle.warmup import SAMPLING_CASES, Warmup
+from hyserve.engine.runner.jit_sentinel import use_kernel_cache_dir
 from tests.unit.test_jit_sentinel import fake_event
 
 KV = {

@@ -178,7 +178,7 @@ def test_serve_a_hub_id_under_several_names(hub_server: ServerProcess) -> None:
 
 def test_served_model_name_defaults_to_the_hub_id(offline_cache: Path) -> None:
     from hyserve.config import build_engine_config
-    from hyserve.engine.model_loader import model_source
+    from hyserve.engine.runner.model_loader import model_source
 
     assert model_source(build_engine_config(model=REPO)).name == REPO
     assert (

@@ -197,8 +197,8 @@ def test_gpu_memory_utilization_is_a_share_of_the_total() -> None:
 
 
 def test_the_planner_takes_gpu_memory_utilization(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine's budget on a GPU (engine/assembly.py) from torch's free / total figures."""
-    from hyserve.engine import assembly
+    """The engine's budget on a GPU (engine/assembly/assemble.py) from torch's free / total figures."""
+    from hyserve.engine.assembly import assemble as assembly
 
     monkeypatch.setattr(assembly.torch.cuda, "mem_get_info", lambda device: (60 * GiB, 80 * GiB))
     lm = SimpleNamespace(device=SimpleNamespace(type="cuda"), config=SimpleNamespace(vocab_size=1000))

@@ -731,8 +731,7 @@ def test_tiny_model_fp8_kv_cuda_matches_bf16_kv(tmp_path):
 
 
 def test_fp8_kv_dtype_resolves_on_cpu_and_halves_bytes_per_token():
-    from hyserve.engine.model_loader import resolve_kv_dtype
-
+    from hyserve.engine.runner.model_loader import resolve_kv_dtype
     from hyserve.model.nemotron_h.config import HybridModelConfig
     from hyserve.model.tiny import tiny_config
 

@@ -304,7 +304,7 @@ def test_model_runs_the_kernels_in_place_of_the_reference(monkeypatch: pytest.Mo
     kernels put in its place (the interpreter on CPU): a 24-token prefill (w8a8) and decode steps (w8a16)
     give the same logits within FP8 activation rounding, and the same greedy tokens."""
     from hyserve.config import build_engine_config
-    from hyserve.engine.model_loader import load_model
+    from hyserve.engine.runner.model_loader import load_model
     from hyserve.kernels import ops
     from tests.model_harness import Harness
 
@@ -381,7 +381,7 @@ def test_gpu_fp8_model_kernels_against_the_reference_path(
     """On the GPU, a bf16 tiny model with FP8 projections (and FP8 experts): the Triton FP8 linear and MoE
     kernels against the same model on the reference ops (dequantise + matmul, the per-expert loop)."""
     from hyserve.config import build_engine_config
-    from hyserve.engine.model_loader import load_model
+    from hyserve.engine.runner.model_loader import load_model
     from hyserve.kernels import ops
     from hyserve.model.tiny import make_tiny
     from tests.model_harness import Harness

@@ -1,8 +1,9 @@
 """No import cycles among hyserve's modules (beside test_layering.py, which keeps imports pointing downwards).
 
 Only imports that run when a module is imported count: module-level statements, also inside module-level
-`if` / `try` / `with` blocks and class bodies. Imports under `if TYPE_CHECKING:` and inside functions do
-not (they run later, when the cycle is no longer half-initialised). An import names the module it loads:
+`if` / `try` / `with` blocks and class bodies. Imports inside functions do not (they run later, when the
+cycle is no longer half-initialised). Imports under `if TYPE_CHECKING:` do not run, but a type-level cycle
+still ties two modules together, so a second check counts them too. An import names the module it loads:
 `import a.b`, `from a.b import c` (a.b.c when that is a module, else a.b), relative imports resolved.
 """
 
@@ -32,33 +33,34 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _import_time_imports(body: list[ast.stmt]):
-    """The import statements in `body` that run when the module is imported."""
+def _import_time_imports(body: list[ast.stmt], typing_too: bool = False):
+    """The import statements in `body` that run when the module is imported (`typing_too`: and those under
+    `if TYPE_CHECKING:`)."""
     for node in body:
         if isinstance(node, ast.Import | ast.ImportFrom):
             yield node
         elif isinstance(node, ast.If):
-            if not _is_type_checking(node.test):
-                yield from _import_time_imports(node.body)
-            yield from _import_time_imports(node.orelse)
+            if typing_too or not _is_type_checking(node.test):
+                yield from _import_time_imports(node.body, typing_too)
+            yield from _import_time_imports(node.orelse, typing_too)
         elif isinstance(node, ast.Try | ast.TryStar):
             for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
-                yield from _import_time_imports(block)
+                yield from _import_time_imports(block, typing_too)
         elif isinstance(node, ast.With | ast.AsyncWith | ast.For | ast.AsyncFor | ast.While):
-            yield from _import_time_imports(node.body)
-            yield from _import_time_imports(getattr(node, "orelse", []))
+            yield from _import_time_imports(node.body, typing_too)
+            yield from _import_time_imports(getattr(node, "orelse", []), typing_too)
         elif isinstance(node, ast.ClassDef):
-            yield from _import_time_imports(node.body)
+            yield from _import_time_imports(node.body, typing_too)
         # FunctionDef / AsyncFunctionDef / Lambda bodies run later: not import-time edges
 
 
-def import_edges(modules: dict[str, Path]) -> dict[str, dict[str, int]]:
+def import_edges(modules: dict[str, Path], typing_too: bool = False) -> dict[str, dict[str, int]]:
     """module -> {imported module inside the package: line of the first such import}."""
     top = next(iter(modules)).split(".")[0]
     edges: dict[str, dict[str, int]] = {m: {} for m in modules}
     for mod, path in modules.items():
         is_pkg = path.name == "__init__.py"
-        for node in _import_time_imports(ast.parse(path.read_text(), str(path)).body):
+        for node in _import_time_imports(ast.parse(path.read_text(), str(path)).body, typing_too):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -135,11 +137,11 @@ def shortest_cycle(edges: dict[str, dict[str, int]], start: str, within: set[str
     raise AssertionError(f"{start} is on no cycle inside {sorted(within)}")
 
 
-def cycles_in(pkg_root: Path) -> tuple[list[list[str]], str]:
+def cycles_in(pkg_root: Path, typing_too: bool = False) -> tuple[list[list[str]], str]:
     """(the components holding cycles, a report of each: a shortest cycle through its first module, then
     every import edge inside it with the file and line of the import)."""
     modules = module_names(pkg_root)
-    edges = import_edges(modules)
+    edges = import_edges(modules, typing_too)
     comps = strongly_connected(edges)
     lines = []
     for comp in comps:
@@ -157,6 +159,13 @@ def test_no_import_cycles() -> None:
     assert len(module_names(PKG_ROOT)) > 20
     comps, report = cycles_in(PKG_ROOT)
     assert not comps, "import cycles inside hyserve/ (module-level imports):\n" + report
+
+
+def test_no_import_cycles_counting_type_checking_imports() -> None:
+    """No type-level cycle either: a helper that drives the engine (warm-up, calibration, isolation) takes
+    a Protocol or sits above the engine, never imports it from below under TYPE_CHECKING."""
+    comps, report = cycles_in(PKG_ROOT, typing_too=True)
+    assert not comps, "import cycles inside hyserve/ (TYPE_CHECKING imports counted):\n" + report
 
 
 def _write(root: Path, files: dict[str, str]) -> Path:
@@ -197,3 +206,5 @@ def test_checker_ignores_type_checking_and_function_imports(tmp_path: Path) -> N
     assert comps == [] and report == ""
     edges = import_edges(module_names(pkg))
     assert edges["pkg.a"] == {"pkg.b": 1} and edges["pkg.b"] == {} and edges["pkg.d"] == {"pkg.c": 1}
+    typed, _ = cycles_in(pkg, typing_too=True)  # the type-level cycles: a <-> b and c <-> d
+    assert typed == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]

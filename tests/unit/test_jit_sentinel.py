@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from hyserve.engine.jit_sentinel import JitSentinel
+from hyserve.engine.runner.jit_sentinel import JitSentinel
 
 
 def fake_event(s: JitSentinel, name: str, cache_hit: bool = False) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hyserve.config import build_engine_config
-from hyserve.engine import model_loader
+from hyserve.engine.runner import model_loader
 from hyserve.kernels import ops
 from hyserve.model import registry
 from hyserve.model.tiny import builtin_model_dir, make_tiny

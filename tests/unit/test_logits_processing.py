@@ -1,4 +1,4 @@
-"""Penalties and logit bias (hyserve/engine/logits_processing.py) against a float64 loop written from
+"""Penalties and logit bias (hyserve/engine/sampling/logits_processing.py) against a float64 loop written from
 the OpenAI / vLLM definitions, then through the sampler and the engine."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hyserve import LLM, SamplingParams
-from hyserve.engine.logits_processing import process_logits
-from hyserve.engine.sampler import Sampler
+from hyserve.engine.sampling.logits_processing import process_logits
+from hyserve.engine.sampling.sampler import Sampler
 
 TORCH_SEED = 77
 
@@ -130,7 +130,7 @@ def test_pending_token_counts_like_a_history_entry() -> None:
     as the same token at the end of its host history; -1 means none."""
     import torch
 
-    from hyserve.engine.logits_processing import process_logits
+    from hyserve.engine.sampling.logits_processing import process_logits
     from hyserve.engine.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(3)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from hyserve.engine.sampler import Sampler
+from hyserve.engine.sampling.sampler import Sampler
 from hyserve.engine.sampling_params import SamplingParams
 
 

@@ -40,10 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hyserve.engine.logits_processing import History, process_logits, to_device
 from hyserve.engine.outputs import TokenLogprob
+from hyserve.engine.sampling.logits_processing import History, process_logits, to_device
+from hyserve.engine.sampling.structured_output import apply_token_bitmask
 from hyserve.engine.sampling_params import SamplingParams
-from hyserve.engine.structured_output import apply_token_bitmask
 
 _SEED_MULT = 1_000_003
 _SEED_MASK = 0x7FFF_FFFF_FFFF_FFFF

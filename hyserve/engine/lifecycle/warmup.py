@@ -25,18 +25,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 
+from hyserve.engine.engine import LLMEngine
 from hyserve.engine.sampling_params import SamplingParams
+from hyserve.engine.warmup_report import WarmupReport
 from hyserve.kernels import ops
 from hyserve.kernels.token_bitmask import bitmask_width
-
-if TYPE_CHECKING:  # startup.py runs the warm-up on a constructed engine; this module only drives it
-    from hyserve.engine.engine import LLMEngine
 
 logger = logging.getLogger("hyserve")
 
@@ -51,24 +48,6 @@ SAMPLING_CASES: tuple[tuple[str, SamplingParams], ...] = (
     ("logprobs", SamplingParams(max_tokens=2, temperature=0.0, logprobs=5, ignore_eos=True)),
 )
 MAX_MIXED_DECODES = 16
-
-
-@dataclass
-class WarmupReport:
-    seconds: float = 0.0
-    cases: list[str] = field(default_factory=list)
-    failed: list[tuple[str, str]] = field(default_factory=list)  # (case, why)
-    compiled: int = 0  # Triton compilations during the warm-up
-    loaded: int = 0  # variants served from the persistent cache
-
-    def summary(self) -> str:
-        s = (
-            f"hyserve: warm-up: {len(self.cases)} cases in {self.seconds:.1f}s; Triton variants before "
-            f"ready: {self.compiled} compiled, {self.loaded} loaded from the cache"
-        )
-        if self.failed:
-            s += "; failed: " + "; ".join(f"{c} ({why})" for c, why in self.failed)
-        return s
 
 
 class Warmup:

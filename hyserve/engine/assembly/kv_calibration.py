@@ -39,10 +39,10 @@ from dataclasses import dataclass
 import torch
 
 from hyserve.distributed import all_gather, parallel_info, tp_group
-from hyserve.engine.model_loader import LoadedModel
-from hyserve.engine.runner import ModelRunner
+from hyserve.engine.runner.model_loader import LoadedModel
+from hyserve.engine.runner.runner import ModelRunner
 from hyserve.engine.sampling_params import SamplingParams
-from hyserve.engine.scheduler import standalone_prefill
+from hyserve.engine.scheduler.scheduler import standalone_prefill
 from hyserve.kernels.attention import FP8_E4M3_MAX
 from hyserve.model.cache_tensors import CacheTensors
 

@@ -14,11 +14,11 @@ from contextlib import contextmanager
 
 import torch
 
-from hyserve.engine.cuda_graphs import DecodeGraphs
-from hyserve.engine.logits_processing import to_device
 from hyserve.engine.outputs import TokenLogprob
-from hyserve.engine.sampler import token_logprobs
-from hyserve.engine.scheduler import ScheduledBatch
+from hyserve.engine.runner.cuda_graphs import DecodeGraphs
+from hyserve.engine.sampling.logits_processing import to_device
+from hyserve.engine.sampling.sampler import token_logprobs
+from hyserve.engine.scheduler.scheduler import ScheduledBatch
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.forward_meta import ForwardMeta, SnapshotWrite
 from hyserve.model.protocol import CausalLM
@@ -34,7 +34,7 @@ class ModelRunner:
         self.cache = cache
         self.device = device
         self.tokens_per_block = cache.tokens_per_block
-        # decode-only steps replay captured graphs when set (hyserve.engine.cuda_graphs.DecodeGraphs)
+        # decode-only steps replay captured graphs when set (hyserve.engine.runner.cuda_graphs.DecodeGraphs)
         self._graphs: DecodeGraphs | None = None
         # the last eager step's hidden states and cu_seqlens, kept only when a sequence of it wants prompt
         # logprobs (`prompt_logprobs`), until the next step

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hyserve.engine.runner import ModelRunner
+from hyserve.engine.runner.runner import ModelRunner
 from hyserve.engine.sampling_params import SamplingParams
-from hyserve.engine.scheduler import ScheduledBatch, ScheduledSeq, standalone_prefill
+from hyserve.engine.scheduler.scheduler import ScheduledBatch, ScheduledSeq, standalone_prefill
 from hyserve.model.protocol import CausalLM
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from hyserve.distributed import CollectiveError, Group, all_gather, parallel_info, tp_group
 from hyserve.engine.sampling_params import SamplingParams
-from hyserve.engine.scheduler import ScheduledBatch, ScheduledSeq
+from hyserve.engine.scheduler.scheduler import ScheduledBatch, ScheduledSeq
 
 STEP, PROMPT_LOGITS, CAPTURE, READY, HEARTBEAT, SHUTDOWN = (
     "step",

@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hyserve.engine.logits_processing import to_device
-from hyserve.engine.scheduler import ScheduledSeq
+from hyserve.engine.sampling.logits_processing import to_device
+from hyserve.engine.scheduler.scheduler import ScheduledSeq
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.forward_meta import ForwardMeta
 from hyserve.model.protocol import CausalLM

@@ -29,15 +29,15 @@ from hyserve.cache.capacity import CapacityInputs, CapacityPlan, device_cache_bu
 from hyserve.cache.manager import HybridCacheManager
 from hyserve.config import EngineConfig
 from hyserve.distributed import parallel_info
-from hyserve.engine.cuda_graphs import default_capture_sizes
-from hyserve.engine.jit_sentinel import use_kernel_cache_dir
-from hyserve.engine.kv_calibration import calibrate_kv_scales
-from hyserve.engine.memory_profile import ActivationProfile, profile_activations
-from hyserve.engine.model_loader import LoadedModel, load_model
-from hyserve.engine.parallel_runner import DriverRunner
-from hyserve.engine.runner import ModelRunner
-from hyserve.engine.scheduler import Scheduler
-from hyserve.engine.step_channel import StepChannel
+from hyserve.engine.assembly.kv_calibration import calibrate_kv_scales
+from hyserve.engine.assembly.memory_profile import ActivationProfile, profile_activations
+from hyserve.engine.parallel.parallel_runner import DriverRunner
+from hyserve.engine.parallel.step_channel import StepChannel
+from hyserve.engine.runner.cuda_graphs import default_capture_sizes
+from hyserve.engine.runner.jit_sentinel import use_kernel_cache_dir
+from hyserve.engine.runner.model_loader import LoadedModel, load_model
+from hyserve.engine.runner.runner import ModelRunner
+from hyserve.engine.scheduler.scheduler import Scheduler
 from hyserve.kernels.launch_util import pdl_active, set_pdl
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.protocol import CausalLM

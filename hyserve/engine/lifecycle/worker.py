@@ -5,8 +5,9 @@ the cache plan, allocate, capture graphs: `assembly.assemble`), then follows ran
 run it on this rank's shard, repeat, until rank 0 says shutdown. Any failure exits non-zero: the other
 ranks then see the group break and stop too.
 
-Started by `hyserve serve` / `LLM(tp_size=...)` for the local ranks (`python -m hyserve.engine.worker`,
-the config pickled on stdin) or, under torchrun, by `hyserve serve` itself on every rank but 0.
+Started by `hyserve serve` / `LLM(tp_size=...)` for the local ranks
+(`python -m hyserve.engine.lifecycle.worker`, the config pickled on stdin) or, under torchrun, by
+`hyserve serve` itself on every rank but 0.
 """
 
 from __future__ import annotations
@@ -23,11 +24,9 @@ from collections.abc import Callable
 
 from hyserve.config import EngineConfig
 from hyserve.distributed import CollectiveError, destroy_distributed, parallel_info
-from hyserve.engine.assembly import assemble
-from hyserve.engine.jit_sentinel import JitSentinel
-from hyserve.engine.launch import join_group
-from hyserve.engine.runner import ModelRunner
-from hyserve.engine.step_channel import (
+from hyserve.engine.assembly.assemble import assemble
+from hyserve.engine.parallel.launch import join_group
+from hyserve.engine.parallel.step_channel import (
     CAPTURE,
     HEARTBEAT,
     PROMPT_LOGITS,
@@ -37,6 +36,8 @@ from hyserve.engine.step_channel import (
     StepChannel,
     decode_seqs,
 )
+from hyserve.engine.runner.jit_sentinel import JitSentinel
+from hyserve.engine.runner.runner import ModelRunner
 
 logger = logging.getLogger("hyserve")
 
@@ -118,7 +119,8 @@ def run_worker(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m hyserve.engine.worker --rank R --world-size W --init-method tcp://...` (config on stdin)."""
+    """`python -m hyserve.engine.lifecycle.worker --rank R --world-size W --init-method tcp://...`
+    (config on stdin)."""
     p = argparse.ArgumentParser(prog="hyserve-worker")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)

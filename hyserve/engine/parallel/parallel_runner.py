@@ -16,11 +16,8 @@ from typing import Any, TypeVar
 import torch
 
 from hyserve.distributed import CollectiveError
-from hyserve.engine.cuda_graphs import DecodeGraphs
 from hyserve.engine.outputs import TokenLogprob
-from hyserve.engine.runner import ModelRunner
-from hyserve.engine.scheduler import ScheduledBatch
-from hyserve.engine.step_channel import (
+from hyserve.engine.parallel.step_channel import (
     CAPTURE,
     PROMPT_LOGITS,
     READY,
@@ -29,6 +26,9 @@ from hyserve.engine.step_channel import (
     StepChannel,
     encode_seqs,
 )
+from hyserve.engine.runner.cuda_graphs import DecodeGraphs
+from hyserve.engine.runner.runner import ModelRunner
+from hyserve.engine.scheduler.scheduler import ScheduledBatch
 
 T = TypeVar("T")
 

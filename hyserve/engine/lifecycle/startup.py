@@ -13,12 +13,11 @@ import logging
 from collections.abc import Callable
 
 from hyserve.config import EngineConfig
-from hyserve.engine.calibration import calibrate_step_cost
 from hyserve.engine.engine import LLMEngine
-from hyserve.engine.launch import start_ranks
-from hyserve.engine.parallel_runner import DriverRunner
-from hyserve.engine.step_cost import analytic_step_cost
-from hyserve.engine.warmup import Warmup
+from hyserve.engine.lifecycle.calibration import StepCostCalibration
+from hyserve.engine.lifecycle.warmup import Warmup
+from hyserve.engine.parallel.launch import start_ranks
+from hyserve.engine.parallel.parallel_runner import DriverRunner
 
 
 def start_engine(config: EngineConfig, *, log: Callable[[str], None] | None = None) -> LLMEngine:
@@ -33,9 +32,10 @@ def start_engine(config: EngineConfig, *, log: Callable[[str], None] | None = No
             runner.on_close(lambda told: ranks.close(timeout_s=10.0 if told else 0.0))
             atexit.register(runner.close)  # an LLM never closed still tells its ranks to exit
         if config.warmup == "on" or (config.warmup == "auto" and engine.device.type == "cuda"):
-            engine.warmup_report = Warmup(engine, log=log).run()
-            log(engine.warmup_report.summary())
-        calibrate(engine, log)
+            report = Warmup(engine, log=log).run()
+            engine.record_warmup(report)
+            log(report.summary())
+        engine.use_step_cost(StepCostCalibration(engine, log=log).choose())
         engine.mark_ready()
         if isinstance(runner, DriverRunner):
             runner.mark_ready()
@@ -46,29 +46,3 @@ def start_engine(config: EngineConfig, *, log: Callable[[str], None] | None = No
             ranks.close(timeout_s=5.0)
         raise
     return engine
-
-
-def calibrate(engine: LLMEngine, log: Callable[[str], None]) -> None:
-    """Give the scheduler its step cost model, and say what it is: timed on the device where `max_step_ms`
-    sets a target (by default on CUDA), counted from the model's FLOPs where it is "auto" and the device
-    has no calibration (the CPU), none where it is off."""
-    sc = engine.config.scheduler
-    target = sc.step_target_ms(engine.device.type)
-    if target is not None:
-        engine.scheduler.cost = calibrate_step_cost(engine, target)
-    if engine.scheduler.cost is None and sc.max_step_ms == "auto":
-        assert sc.max_num_tokens is not None  # sized at assembly
-        mc = engine.model_config
-        engine.scheduler.cost = analytic_step_cost(
-            params=mc.num_parameters(),
-            attention_flops_per_pair=mc.attention_flops_per_pair,
-            max_num_tokens=sc.max_num_tokens,
-        )
-    if engine.scheduler.cost is not None:
-        label = f"max_step_ms {target:g}" if target is not None else "max_step_ms auto"
-        log(f"{label}: {engine.scheduler.cost.describe()}")
-    elif target is not None:
-        log(
-            f"max_step_ms {target:g}: no step cost model on {engine.device.type} for this model (it is timed "
-            "on CUDA over the attention layers); chunks are sized by the token budget alone"
-        )

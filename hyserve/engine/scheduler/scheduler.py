@@ -48,7 +48,7 @@ from hyserve.cache.manager import HybridCacheManager, PrefixHit, chain_hashes
 from hyserve.config import SCHEDULING_POLICIES, Choice
 from hyserve.engine.request import Request, RequestStatus
 from hyserve.engine.sampling_params import SamplingParams
-from hyserve.engine.step_cost import StepCostModel
+from hyserve.engine.scheduler.step_cost import StepCostModel
 
 
 @dataclass

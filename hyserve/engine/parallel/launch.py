@@ -2,8 +2,8 @@
 "Parallelism").
 
     one host   `hyserve serve MODEL --tp_size N` / `LLM(model, tp_size=N)`: rank 0 is this process; ranks
-               1 .. N-1 are `python -m hyserve.engine.worker` children (the config pickled on their stdin),
-               joined over a loopback TCP rendezvous; on CUDA rank r drives GPU r
+               1 .. N-1 are `python -m hyserve.engine.lifecycle.worker` children (the config pickled on
+               their stdin), joined over a loopback TCP rendezvous; on CUDA rank r drives GPU r
     torchrun   `torchrun --nnodes ... -m hyserve.cli serve MODEL --tp_size N` on each node: torchrun's RANK,
                WORLD_SIZE, LOCAL_RANK (hyserve.envs) place each process; rank 0 serves, the others run
                `worker.run_worker` headless; LOCAL_RANK picks the GPU
@@ -32,11 +32,11 @@ import torch
 from hyserve import envs
 from hyserve.config import EngineConfig
 from hyserve.distributed import ParallelInfo, destroy_distributed, init_distributed, parallel_info
-from hyserve.engine.model_loader import model_source, resolve_device
+from hyserve.engine.runner.model_loader import model_source, resolve_device
 from hyserve.model.registry import read_config
 from hyserve.model.sharding import check_parallel
 
-WORKER_MODULE = "hyserve.engine.worker"
+WORKER_MODULE = "hyserve.engine.lifecycle.worker"
 
 
 def launched_by_torchrun() -> bool:
@@ -162,8 +162,8 @@ def start_ranks(config: EngineConfig, log: Callable[[str], None]) -> Ranks | Non
         if is_headless_rank():
             raise RuntimeError(
                 f"this is rank {envs.RANK} of a torchrun launch: ranks > 0 run headless "
-                "(hyserve.engine.worker.run_worker; `hyserve serve` does this itself), only rank 0 builds "
-                "the engine"
+                "(hyserve.engine.lifecycle.worker.run_worker; `hyserve serve` does this itself), only rank 0 "
+                "builds the engine"
             )
         info = join_group(config)
         log(
