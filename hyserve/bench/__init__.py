@@ -2,9 +2,12 @@
 test of the long-prompt report, tables, JSON results and PNG plots.
 
     datasets.py     synthetic prompts (random, shared-prefix)
+    sharegpt.py     the ShareGPT dataset from a local JSON file
     http_client.py  one streamed request, timed per chunk
     metrics.py      TTFT / TPOT / ITL / E2EL, throughputs, percentiles, run-to-run spread
-    serve.py        `bench serve`: arrivals, concurrency, repetitions, concurrency sweeps
+    arrivals.py     send times: request rate, burstiness (gamma gaps), linear / exponential ramp-ups
+    goodput.py      service-level objectives (--goodput) and the rate of requests meeting them
+    serve.py        `bench serve`: warm-ups, concurrency, repetitions, concurrency sweeps
     offline.py      `bench offline`: hyserve.LLM throughput
     needle.py       `bench needle`: the report's needle client at chosen prompt sizes
     report.py       environment stamp, records, tables, JSON files

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from hyserve.bench.arrivals import RAMP_UP_STRATEGIES, RampUp
 from hyserve.bench.datasets import DATASETS
 from hyserve.bench.http_client import BenchError, endpoint_kind
 
@@ -141,6 +142,22 @@ def _endpoint(s: str) -> str:
     return s if s.startswith("/") else "/" + s
 
 
+def _burstiness(s: str) -> float:
+    from hyserve.bench.arrivals import check_burstiness
+
+    return check_burstiness(float(s))
+
+
+def _latency_metrics(s: str) -> tuple[str, ...]:
+    from hyserve.bench.metrics import LATENCY_METRICS
+
+    vals = tuple(x.strip().lower() for x in s.split(",") if x.strip())
+    bad = [v for v in vals if v not in LATENCY_METRICS]
+    if bad or not vals:
+        raise ValueError(f"expected a comma-separated subset of {','.join(LATENCY_METRICS)}, got {s!r}")
+    return tuple(dict.fromkeys(vals))
+
+
 POS_INT = _type(_pos_int, "positive integer")
 NONNEG_INT = _type(_nonneg_int, "non-negative integer")
 NONNEG_FLOAT = _type(_nonneg_float, "non-negative number")
@@ -154,6 +171,8 @@ SIZES = _type(_sizes, "size list")
 FRACTIONS = _type(_fraction_list, "fraction list")
 JSON_OBJECT = _type(_json_object, "JSON object")
 ENDPOINT = _type(_endpoint, "endpoint")
+LATENCY_LIST = _type(_latency_metrics, "metric list")
+BURSTINESS = _type(_burstiness, "burstiness")
 
 
 # ---- parsers ---------------------------------------------------------------------------------------------
@@ -202,7 +221,24 @@ def _add_dataset_flags(p: argparse.ArgumentParser) -> None:
         choices=DATASETS,
         default="random",
         help="random: --random-prefix-len common ids + random ids; shared-prefix: --num-prefixes "
-        "prefixes of --shared-prefix-len ids, each shared by a group of prompts, + random ids",
+        "prefixes of --shared-prefix-len ids, each shared by a group of prompts, + random ids; sharegpt: "
+        "the first turns of a local ShareGPT JSON (--dataset-path)",
+    )
+    d.add_argument(
+        "--dataset-path", default=None, metavar="FILE", help="sharegpt: the ShareGPT JSON file (a local path)"
+    )
+    d.add_argument(
+        "--sharegpt-output-len",
+        type=POS_INT,
+        default=None,
+        help="sharegpt: max_tokens of every request (default: the length of the conversation's reply)",
+    )
+    d.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="sharegpt: count prompt and reply lengths with this model directory's tokenizer.json "
+        "(default: words)",
     )
     d.add_argument("--num-prompts", type=POS_INT, default=1000, help="requests per run (default 1000)")
     d.add_argument(
@@ -268,7 +304,29 @@ def _add_traffic_flags(p: argparse.ArgumentParser) -> None:
         "--request-rate",
         type=RATE,
         default=float("inf"),
-        help="requests/s with Poisson arrivals; inf (default) sends everything at once",
+        help="requests/s, arrivals spaced by --burstiness; inf (default) sends everything at once",
+    )
+    t.add_argument(
+        "--burstiness",
+        type=BURSTINESS,
+        default=1.0,
+        help="with a request rate or a ramp-up: the gamma shape of the gaps between arrivals (1, the "
+        "default: Poisson; below 1 burstier, above 1 more even, inf evenly spaced)",
+    )
+    t.add_argument(
+        "--ramp-up-strategy",
+        choices=RAMP_UP_STRATEGIES,
+        default=None,
+        help="raise the request rate over the run from --ramp-up-start-rps to --ramp-up-end-rps, linearly "
+        "or exponentially (in place of --request-rate)",
+    )
+    t.add_argument("--ramp-up-start-rps", type=NONNEG_FLOAT, default=None, help="ramp-up: first rate")
+    t.add_argument("--ramp-up-end-rps", type=NONNEG_FLOAT, default=None, help="ramp-up: last rate")
+    t.add_argument(
+        "--num-warmups",
+        type=NONNEG_INT,
+        default=0,
+        help="requests sent before the benchmark and not measured (default 0)",
     )
     t.add_argument(
         "--sweep-concurrency",
@@ -341,6 +399,22 @@ def _add_serve_parser(sub: Any) -> None:
         action="store_true",
         help="also store every request's inter-token latencies and generated text in the JSON",
     )
+    p.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="METRIC:MS",
+        help="service-level objectives in milliseconds, e.g. ttft:500 tpot:50 (ttft, tpot, e2el): also "
+        "report the rate of requests that met all of them",
+    )
+    p.add_argument(
+        "--percentile-metrics",
+        type=LATENCY_LIST,
+        default=("ttft", "tpot", "itl", "e2el"),
+        metavar="ttft,tpot,itl,e2el",
+        help="the latencies whose statistics the table reports (default: all four; the JSON keeps all)",
+    )
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_serve, _parser=p)
 
 
@@ -515,11 +589,63 @@ def _guard(name: str, fn: Callable[[argparse.Namespace], int]) -> Callable[[argp
     return run
 
 
+def _ramp_up(args: argparse.Namespace) -> RampUp | None:
+    """The ramp-up of `serve`'s flags (None without --ramp-up-strategy); a usage error names the flag."""
+    parser: argparse.ArgumentParser = args._parser
+    start, end = args.ramp_up_start_rps, args.ramp_up_end_rps
+    choices = "|".join(RAMP_UP_STRATEGIES)
+    if args.ramp_up_strategy is None:
+        if start is not None or end is not None:
+            parser.error(f"--ramp-up-start-rps and --ramp-up-end-rps need --ramp-up-strategy {choices}")
+        return None
+    if start is None or end is None:
+        parser.error(
+            f"--ramp-up-strategy {args.ramp_up_strategy} needs both --ramp-up-start-rps and "
+            "--ramp-up-end-rps (requests/s)"
+        )
+    if args.request_rate != float("inf"):
+        parser.error(
+            "--ramp-up-strategy sets the request rate from --ramp-up-start-rps to --ramp-up-end-rps: "
+            "leave out --request-rate"
+        )
+    if end <= 0:
+        parser.error(f"argument --ramp-up-end-rps: must be a number > 0, got {end:g}")
+    if start > end:
+        parser.error(f"--ramp-up-start-rps ({start:g}) must be at most --ramp-up-end-rps ({end:g})")
+    if args.ramp_up_strategy == "exponential" and start == 0:
+        parser.error("--ramp-up-strategy exponential multiplies the rate: --ramp-up-start-rps must be > 0")
+    return RampUp(strategy=args.ramp_up_strategy, start_rps=start, end_rps=end)
+
+
+def _arrival_and_slos(args: argparse.Namespace) -> tuple[RampUp | None, dict[str, float]]:
+    """The ramp-up (or None) and the goodput objectives of `serve`'s flags, each checked (a usage error
+    naming the flag otherwise)."""
+    from hyserve.bench.goodput import parse_goodput
+
+    parser: argparse.ArgumentParser = args._parser
+    ramp_up = _ramp_up(args)
+    if ramp_up is None and args.burstiness != 1.0 and args.request_rate == float("inf"):
+        _err(
+            "hyserve bench serve: note: --burstiness shapes the gaps between arrivals; with --request-rate "
+            "inf every request goes at once and it has no effect"
+        )
+    try:
+        slos = parse_goodput(args.goodput or ())
+    except ValueError as e:
+        parser.error(f"argument --goodput: {e}")
+    if (args.dataset_name == "sharegpt") != (args.dataset_path is not None):
+        parser.error("--dataset-path FILE goes with --dataset-name sharegpt, and sharegpt needs it")
+    if args.dataset_name != "sharegpt" and (args.sharegpt_output_len or args.tokenizer):
+        parser.error("--sharegpt-output-len and --tokenizer go with --dataset-name sharegpt")
+    return ramp_up, slos
+
+
 def _serve(args: argparse.Namespace) -> int:
     from hyserve.bench import report
     from hyserve.bench.serve import DatasetOptions, ServeBenchOptions, run_serve_bench
 
     parser: argparse.ArgumentParser = args._parser
+    ramp_up, slos = _arrival_and_slos(args)
     if args.sweep_concurrency and args.max_concurrency:
         parser.error("use either --max-concurrency or --sweep-concurrency, not both")
     if args.dataset_name == "shared-prefix" and args.random_prefix_len:
@@ -547,9 +673,18 @@ def _serve(args: argparse.Namespace) -> int:
             num_prefixes=args.num_prefixes,
             vocab_size=args.vocab_size,
             token_low=args.min_token_id,
+            path=args.dataset_path,
+            sharegpt_output_len=args.sharegpt_output_len,
+            tokenizer=args.tokenizer,
         ),
         max_concurrency=args.max_concurrency,
         request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        ramp_up=ramp_up,
+        num_warmups=args.num_warmups,
+        goodput=slos,
+        percentile_metrics=args.percentile_metrics,
+        progress=not args.disable_tqdm,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,

@@ -18,7 +18,7 @@ import math
 import random
 from dataclasses import dataclass, replace
 
-DATASETS = ("random", "shared-prefix")
+DATASETS = ("random", "shared-prefix", "sharegpt")  # sharegpt: hyserve/bench/sharegpt.py
 
 # Short words that are single tokens for common BPE vocabularies (with the leading space).
 WORDS = (

@@ -120,6 +120,13 @@ _RUN_RECORDS = (
 )
 
 
+def _run_records(m: dict[str, Any]) -> tuple[tuple[str, str, str], ...]:
+    """_RUN_RECORDS, with the goodput when the run had objectives."""
+    if m.get("request_goodput") is None:
+        return _RUN_RECORDS
+    return (*_RUN_RECORDS[:2], ("request_goodput", "request goodput", "req/s"), *_RUN_RECORDS[2:])
+
+
 def concurrency_label(c: int | None) -> str:
     return "unlimited concurrency" if c is None else f"concurrency {c}"
 
@@ -133,7 +140,7 @@ def serve_records(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         label = concurrency_label(p["max_concurrency"])
         rep1 = p["reps"][0]
         for m in p["reps"]:
-            for key, short, unit in _RUN_RECORDS:
+            for key, short, unit in _run_records(m):
                 name = f"{label}, rep {m['rep']}: {short}"
                 if m["rep"] > 1:
                     out.append(record(name, m.get(key), unit, f"{label}, rep 1", rep1.get(key)))
@@ -183,13 +190,23 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
 
 
-def serve_metric_rows(percentiles: Sequence[float]) -> list[tuple[str, str]]:
-    """(row label, metric key) in table order."""
+def serve_metric_rows(
+    percentiles: Sequence[float], metrics: Sequence[str] = LATENCY_METRICS, goodput: bool = False
+) -> list[tuple[str, str]]:
+    """(row label, metric key) in table order: the latency percentiles of `metrics` only (vLLM's
+    --percentile-metrics), and the goodput rows when the run had objectives."""
     rows = [
         ("Successful requests", "completed"),
         ("Failed requests", "failed"),
         ("Duration (s)", "duration_s"),
         ("Request throughput (req/s)", "request_throughput"),
+    ]
+    if goodput:
+        rows += [
+            ("Requests within the SLOs", "good_requests"),
+            ("Request goodput (req/s)", "request_goodput"),
+        ]
+    rows += [
         ("Input token throughput (tok/s)", "input_throughput"),
         ("Output token throughput (tok/s)", "output_throughput"),
         ("Total token throughput (tok/s)", "total_token_throughput"),
@@ -205,19 +222,23 @@ def serve_metric_rows(percentiles: Sequence[float]) -> list[tuple[str, str]]:
         (pct_label(p).upper(), pct_label(p)) for p in ps if p != 50
     ]
     for m in LATENCY_METRICS:
-        rows += [(f"{label} {_LATENCY_NAMES[m]} (ms)", f"{stat}_{m}_ms") for label, stat in stats]
+        if m in metrics:
+            rows += [(f"{label} {_LATENCY_NAMES[m]} (ms)", f"{stat}_{m}_ms") for label, stat in stats]
     rows += [(f"{label} per-user output (tok/s)", f"{stat}_per_user_output_tps") for label, stat in stats]
     return rows
 
 
-def serve_point_table(point: dict[str, Any], percentiles: Sequence[float]) -> str:
+def serve_point_table(
+    point: dict[str, Any], percentiles: Sequence[float], metrics: Sequence[str] = LATENCY_METRICS
+) -> str:
     reps = point["reps"]
     headers = ["metric"] + ([f"run {m['rep']}" for m in reps] if len(reps) > 1 else ["value"])
     spread = point.get("spread") or {}
     if len(reps) > 1:
         headers.append("spread %")
     rows = []
-    for label, key in serve_metric_rows(percentiles):
+    with_goodput = reps[0].get("request_goodput") is not None
+    for label, key in serve_metric_rows(percentiles, metrics, goodput=with_goodput):
         row: list[Any] = [label] + [m.get(key) for m in reps]
         if len(reps) > 1:
             row.append(spread[key]["spread_pct"] if key in spread else None)
@@ -264,16 +285,42 @@ def sweep_table(points: Sequence[dict[str, Any]]) -> str:
     return format_table(headers, rows)
 
 
+def _dataset_text(ds: dict[str, Any]) -> str:
+    if ds.get("name") == "sharegpt":
+        out = ds.get("sharegpt_output_len")
+        lengths = f"output {out}" if out is not None else "outputs as long as the replies"
+        return f"dataset sharegpt ({ds.get('path')}), {ds.get('num_prompts')} prompts, {lengths}"
+    return (
+        f"dataset {ds.get('name')}, {ds.get('num_prompts')} prompts, input {ds.get('input_len')}, "
+        f"output {ds.get('output_len')}"
+    )
+
+
+def _traffic_text(cfg: dict[str, Any]) -> str:
+    ramp = cfg.get("ramp_up")
+    if ramp:
+        text = f"ramp-up {ramp['strategy']} {ramp['start_rps']:g} -> {ramp['end_rps']:g} req/s"
+    else:
+        text = f"request rate {cfg.get('request_rate')}"
+    if ramp or cfg.get("request_rate") not in (None, "inf"):
+        text += f", burstiness {cfg.get('burstiness', 1.0)}"
+    if cfg.get("num_warmups"):
+        text += f", {cfg['num_warmups']} warm-up requests"
+    return text
+
+
 def serve_report_text(result: dict[str, Any]) -> str:
     cfg = result.get("config", {})
     pcts = cfg.get("percentiles") or (50.0, 99.0)
-    ds = cfg.get("dataset", {})
     head = (
-        f"hyserve bench serve: {result.get('model')} at {result.get('api_url')} | dataset {ds.get('name')}, "
-        f"{ds.get('num_prompts')} prompts, input {ds.get('input_len')}, output {ds.get('output_len')}, "
-        f"request rate {cfg.get('request_rate')}, ignore_eos {fmt(cfg.get('ignore_eos'))}"
+        f"hyserve bench serve: {result.get('model')} at {result.get('api_url')} | "
+        f"{_dataset_text(cfg.get('dataset', {}))}, {_traffic_text(cfg)}, "
+        f"ignore_eos {fmt(cfg.get('ignore_eos'))}"
     )
-    parts = [head] + [serve_point_table(p, pcts) for p in result["points"]]
+    metrics = cfg.get("percentile_metrics") or LATENCY_METRICS
+    if cfg.get("goodput"):
+        head += " | SLOs " + " ".join(f"{k}:{v:g} ms" for k, v in cfg["goodput"].items())
+    parts = [head] + [serve_point_table(p, pcts, metrics) for p in result["points"]]
     if len(result["points"]) > 1:
         parts.append(
             "=== throughput vs concurrency (last run of each point) ===\n" + sweep_table(result["points"])

@@ -129,6 +129,68 @@ def test_bench_serve_chat_shared_prefix_hits_the_prefix_cache(
     assert int(row.split()[-1].replace(",", "")) > 0  # requests 2 and 3 reuse request 1's prefix
 
 
+def _generated(server: ServerProcess) -> float:
+    import httpx
+
+    from hyserve.bench.http_client import parse_counters
+
+    return parse_counters(httpx.get(f"{server.url}/metrics", timeout=10).text)["generation_tokens"]
+
+
+def test_bench_serve_sharegpt_with_vllm_traffic_options(
+    server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ShareGPT prompts at a bursty request rate, after warm-ups that are not counted, with goodput
+    objectives and vLLM's percentile flags."""
+    from hyserve.model.tiny import make_tiny
+
+    turns = [
+        ("tell me about the weather in spring please", "it is mild and often rainy in spring"),
+        ("what should I cook for dinner tonight", "a warm soup with fresh bread would be nice"),
+        ("name three colours of the rainbow for me", "red orange and yellow are three of them"),
+    ]
+    sg = tmp_path / "sg.json"
+    conversations = [[{"from": "human", "value": q}, {"from": "gpt", "value": a}] for q, a in turns]
+    sg.write_text(json.dumps([{"id": str(i), "conversations": c} for i, c in enumerate(conversations)]))
+    tokenizer = make_tiny(tmp_path / "tiny")  # the served tiny model's tokenizer
+    argv = ["serve", "--base-url", server.url, "--dataset-name", "sharegpt", "--dataset-path", str(sg)]
+    argv += [
+        "--tokenizer",
+        str(tokenizer),
+        "--sharegpt-output-len",
+        "3",
+        "--num-prompts",
+        "5",
+        "--ignore-eos",
+    ]
+    argv += ["--request-rate", "40", "--burstiness", "0.5", "--num-warmups", "2", "--goodput", "ttft:60000"]
+    argv += ["e2el:60000", "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,90,99"]
+    argv += ["--save-result", "--result-dir", str(tmp_path), "--result-filename", "sg-result.json"]
+    before = _generated(server)
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert _generated(server) - before == (5 + 2) * 3  # the server saw the warm-ups too
+    for row in (
+        "Request goodput (req/s)",
+        "P90 TTFT (ms)",
+        "P99 E2EL (ms)",
+        "dataset sharegpt",
+        "burstiness 0.5",
+    ):
+        assert row in out
+    assert "TPOT (ms)" not in out and "ITL (ms)" not in out
+    d = _load(tmp_path / "sg-result.json")
+    assert (d["request_rate"], d["burstiness"], d["num_prompts"]) == (40.0, 0.5, 5)
+    (m,) = d["points"][0]["reps"]
+    assert (m["completed"], m["failed"], m["total_output_tokens"]) == (5, 0, 15)  # warm-ups not counted
+    assert m["server_counters"]["generation_tokens"] == 15
+    assert m["good_requests"] == 5 and m["request_goodput"] == pytest.approx(5 / m["duration_s"])
+    assert m["p90_ttft_ms"] is not None and m["p90_e2el_ms"] >= m["p50_e2el_ms"]
+    assert m["prompt_tokens_usage"] == m["prompt_tokens_sent"]  # lengths counted as the server counts them
+    assert any(r["name"] == "unlimited concurrency, rep 1: request goodput" for r in d["records"])
+    assert server.idle()
+
+
 def test_bench_offline_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = [
         "offline",
