@@ -22,6 +22,8 @@ reads each expert's token count on the host, which on CUDA would be a device syn
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -233,13 +235,17 @@ def _check_experts_args(
     topk_ids: torch.Tensor,
     up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
+    *,
+    gated: bool = False,
 ) -> None:
+    """The experts ops' inputs (`gated`: w_up holds [gate | up] rows, [E, 2I, d])."""
     if x.dim() != 2:
         raise ValueError(f"moe_experts: x must be [T, d], got shape {tuple(x.shape)}")
     T, d = x.shape
-    if w_up.dim() != 3 or w_up.shape[2] != d:
-        raise ValueError(f"moe_experts: up_proj must be [E, I, {d}], got {tuple(w_up.shape)}")
-    E, inter, _ = w_up.shape
+    rows = "2I" if gated else "I"
+    if w_up.dim() != 3 or w_up.shape[2] != d or (gated and w_up.shape[1] % 2):
+        raise ValueError(f"moe_experts: up_proj must be [E, {rows}, {d}], got {tuple(w_up.shape)}")
+    E, inter = w_up.shape[0], w_up.shape[1] // (2 if gated else 1)
     if w_down.shape != (E, d, inter):
         raise ValueError(f"moe_experts: down_proj must be [{E}, {d}, {inter}], got {tuple(w_down.shape)}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_w.shape != topk_ids.shape:
@@ -284,12 +290,38 @@ def moe_experts_ref(
             "moe_experts: FP8 experts take no folded shared expert (an FP8 model runs it as its MLP)"
         )
     with_shared = check_shared_args(w_up, shared_up, shared_down) > 0
+
+    def expert(e: int, xt: torch.Tensor) -> torch.Tensor:
+        up, down = w_up[e], w_down[e]
+        if fp8:
+            up = dequantize_experts(up[None], up_scale[e][None], x.dtype)[0]  # type: ignore[index]
+            down = dequantize_experts(down[None], down_scale[e][None], x.dtype)[0]  # type: ignore[index]
+        return F.linear(torch.square(F.relu(F.linear(xt, up))), down)
+
+    out = weighted_expert_sum(x, topk_w, topk_ids, w_up.shape[0], expert)
+    if with_shared:
+        assert shared_up is not None and shared_down is not None  # check_shared_args: both or neither
+        out += F.linear(torch.square(F.relu(F.linear(x, shared_up))), shared_down).to(out.dtype)
+    return out.to(x.dtype)
+
+
+def weighted_expert_sum(
+    x: torch.Tensor,
+    topk_w: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The experts references' per-expert loop: out[t] = sum_s topk_w[t, s] * expert(e, x[t]) with
+    e = topk_ids[t, s], each expert called once on all its tokens (in x.dtype), the weighted outputs summed in
+    float32 (float64 for a float64 oracle) -> [T, d] in that accumulation dtype. Reads each expert's token
+    count on the host: the CPU path."""
     T, k = topk_ids.shape
-    acc = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 as an oracle
+    acc = torch.promote_types(x.dtype, torch.float32)
     out = torch.zeros(T, x.shape[1], dtype=acc, device=x.device)
     flat = topk_ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w_up.shape[0]).tolist()  # host counts: the CPU path
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
     tok = order // k
     wf = topk_w.reshape(-1).to(acc)
     start = 0
@@ -297,17 +329,9 @@ def moe_experts_ref(
         if n == 0:
             continue
         sel, t = order[start : start + n], tok[start : start + n]
-        up, down = w_up[e], w_down[e]
-        if fp8:
-            up = dequantize_experts(up[None], up_scale[e][None], x.dtype)[0]  # type: ignore[index]
-            down = dequantize_experts(down[None], down_scale[e][None], x.dtype)[0]  # type: ignore[index]
-        h = torch.square(F.relu(F.linear(x[t], up)))
-        out.index_add_(0, t, F.linear(h, down).to(acc) * wf[sel, None])
+        out.index_add_(0, t, expert(e, x[t]).to(acc) * wf[sel, None])
         start += n
-    if with_shared:
-        assert shared_up is not None and shared_down is not None  # check_shared_args: both or neither
-        out += F.linear(torch.square(F.relu(F.linear(x, shared_up))), shared_down).to(acc)
-    return out.to(x.dtype)
+    return out
 
 
 __all__ = [
@@ -321,4 +345,5 @@ __all__ = [
     "moe_route_ref",
     "moe_up_ref",
     "router_logits_ref",
+    "weighted_expert_sum",
 ]

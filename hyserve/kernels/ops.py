@@ -25,6 +25,7 @@ from hyserve.kernels.conv1d import causal_conv1d_update_ref, causal_conv1d_varle
 from hyserve.kernels.fp8_linear import fp8_linear_ref, fp8_relu2_linear_ref
 from hyserve.kernels.fused_linear import gated_norm_linear_ref, linear_ref, relu2_linear_ref
 from hyserve.kernels.moe import moe_experts_ref, moe_route_ref, router_logits_ref
+from hyserve.kernels.moe_silu import moe_experts_silu_ref
 from hyserve.kernels.rmsnorm import add_rms_norm_ref, rms_norm_ref, rmsnorm_gated_ref
 from hyserve.kernels.ssd import ssd_chunked_ref
 from hyserve.kernels.ssm_update import selective_state_update_ref
@@ -99,6 +100,7 @@ paged_attention = Op("paged_attention", paged_attention_ref)
 router_logits = Op("router_logits", router_logits_ref)
 moe_route = Op("moe_route", moe_route_ref)
 moe_experts = Op("moe_experts", moe_experts_ref)
+moe_experts_silu = Op("moe_experts_silu", moe_experts_silu_ref)
 apply_token_bitmask = Op("apply_token_bitmask", apply_token_bitmask_ref)
 
 ALL_OPS: tuple[Op[..., Any], ...] = (
@@ -121,6 +123,7 @@ ALL_OPS: tuple[Op[..., Any], ...] = (
     router_logits,
     moe_route,
     moe_experts,
+    moe_experts_silu,
     apply_token_bitmask,
 )
 
