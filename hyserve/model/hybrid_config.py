@@ -46,6 +46,14 @@ def parse_layer_names(names: object, field: str) -> tuple[str, ...]:
     return tuple(_LAYER_NAMES[x] for x in names)
 
 
+def listed_layer_types(f: Fields) -> tuple[str, ...] | None:
+    """The layer kinds that `layers_block_type` or `layer_types` lists; None when neither does."""
+    for key in ("layers_block_type", "layer_types"):
+        if f.d.get(key) is not None:
+            return parse_layer_names(f.d[key], key)
+    return None
+
+
 def parse_mamba(f: Fields, hidden: int, eps: float) -> MambaSpec:
     """The Mamba2 mixer of the `mamba_*` keys (mamba_d_head "auto": expand * hidden / heads)."""
     heads = f.req("mamba_n_heads")

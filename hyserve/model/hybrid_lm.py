@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from hyserve.distributed import tp_group
+from hyserve.kernels import ops
+from hyserve.kernels.ops import KernelOp
 from hyserve.model.attention import Attention
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.forward_meta import ForwardMeta
@@ -26,6 +28,22 @@ from hyserve.model.parallel_embedding import ParallelLMHead, VocabParallelEmbedd
 from hyserve.model.rope import rope_cos_sin
 
 RopeTables = tuple[torch.Tensor, torch.Tensor] | None
+
+# the kernel ops that the norms, the Mamba2 and attention mixers and the 16-bit projections of every family
+# built on this base call; a family adds those of its feed-forward block
+DECODER_KERNEL_OPS: tuple[KernelOp, ...] = (
+    ops.rms_norm,
+    ops.add_rms_norm,
+    ops.linear,
+    ops.gated_norm_linear,
+    ops.ssd,
+    ops.conv1d_varlen,
+    ops.conv1d_update,
+    ops.ssm_update,
+    ops.store_ssm_state,
+    ops.write_kv,
+    ops.paged_attention,
+)
 
 
 class DecoderLayer(nn.Module):

@@ -11,7 +11,7 @@ from hyserve.model.config import LAYER_ATTENTION, LAYER_MAMBA, Fields, checkpoin
 from hyserve.model.hybrid_config import (
     HybridDecoderConfig,
     check_rope_type,
-    parse_layer_names,
+    listed_layer_types,
     parse_mamba,
     rope_theta,
 )
@@ -19,9 +19,9 @@ from hyserve.model.layer_specs import AttentionSpec, RopeSpec, divides
 
 
 def _layer_types(f: Fields) -> tuple[str, ...]:
-    for key in ("layers_block_type", "layer_types"):
-        if f.d.get(key) is not None:
-            return parse_layer_names(f.d[key], key)
+    listed = listed_layer_types(f)
+    if listed is not None:
+        return listed
     n = f.req("num_hidden_layers")
     attn = f.d.get("attn_layer_indices") or []
     if not isinstance(attn, list) or not all(isinstance(i, int) and 0 <= i < n for i in attn):

@@ -10,33 +10,19 @@ import dataclasses
 
 import torch
 
-from hyserve.kernels import ops
 from hyserve.kernels.ops import KernelOp
 from hyserve.model.attention import Attention
 from hyserve.model.bamba.config import BambaConfig
 from hyserve.model.config import LAYER_MAMBA
 from hyserve.model.gated_mlp import GatedMLP
-from hyserve.model.hybrid_lm import DecoderLayer, HybridDecoderLM
+from hyserve.model.hybrid_lm import DECODER_KERNEL_OPS, DecoderLayer, HybridDecoderLM
 from hyserve.model.mamba2 import Mamba2Mixer
 from hyserve.model.norm import RMSNorm
 from hyserve.model.weights import HubNames
 
 NAMES = HubNames(r"model\.layers\.(\d+)\.self_attn")
 
-KERNEL_OPS: tuple[KernelOp, ...] = (
-    ops.rms_norm,
-    ops.add_rms_norm,
-    ops.linear,
-    ops.gated_norm_linear,
-    ops.rmsnorm_gated,
-    ops.ssd,
-    ops.conv1d_varlen,
-    ops.conv1d_update,
-    ops.ssm_update,
-    ops.store_ssm_state,
-    ops.write_kv,
-    ops.paged_attention,
-)
+KERNEL_OPS: tuple[KernelOp, ...] = DECODER_KERNEL_OPS
 
 
 class BambaDecoderLayer(DecoderLayer):
