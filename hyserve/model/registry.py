@@ -12,10 +12,11 @@ from pathlib import Path
 from hyserve.model.bamba.family import BAMBA
 from hyserve.model.config import read_config_json
 from hyserve.model.family import ModelFamily
+from hyserve.model.granitemoehybrid.family import GRANITE_MOE_HYBRID
 from hyserve.model.nemotron_h.family import NEMOTRON_H
 from hyserve.model.protocol import ModelSpec
 
-_FAMILIES: list[ModelFamily] = [NEMOTRON_H, BAMBA]
+_FAMILIES: list[ModelFamily] = [NEMOTRON_H, BAMBA, GRANITE_MOE_HYBRID]
 
 
 def register(family: ModelFamily) -> None:

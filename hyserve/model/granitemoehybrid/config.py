@@ -1,0 +1,109 @@
+"""`GraniteMoeHybridConfig`: a GraniteMoeHybridForCausalLM config.json (Granite-4.0-H Micro / Tiny / Small) as
+hyserve needs it: Mamba2 and attention layers (`layer_types`), NoPE attention unless
+`position_embedding_type` is "rope", a shared SiLU-gated MLP in every layer plus, with `num_local_experts` >
+0, a softmax top-k MoE, and the µP multipliers: embeddings times `embedding_multiplier`, each residual branch
+times `residual_multiplier`, attention scores times `attention_multiplier` (in place of head_dim^-0.5),
+logits divided by `logits_scaling`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hyserve.model.config import LAYER_MAMBA, Fields, checkpoint_dtype, eos_token_ids
+from hyserve.model.hybrid_config import (
+    HybridDecoderConfig,
+    check_rope_type,
+    listed_layer_types,
+    parse_mamba,
+    rope_theta,
+)
+from hyserve.model.layer_specs import AttentionSpec, RopeSpec, divides
+
+
+def _layer_types(f: Fields) -> tuple[str, ...]:
+    """The listed layer kinds; none listed: every layer Mamba, as transformers reads it."""
+    return listed_layer_types(f) or (LAYER_MAMBA,) * f.req("num_hidden_layers")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GraniteMoeHybridConfig(HybridDecoderConfig):
+    shared_intermediate_size: int
+    num_local_experts: int = 0
+    num_experts_per_tok: int = 0
+    intermediate_size: int = 0  # each routed expert's
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+
+    def ffn_parameters(self) -> int:
+        h, e = self.hidden_size, self.num_local_experts
+        return 3 * h * self.shared_intermediate_size + e * (h + 3 * h * self.intermediate_size)
+
+    def ffn_sharding_problems(self, tp_size: int, ep_size: int) -> list[str]:
+        out = divides("shared_intermediate_size", self.shared_intermediate_size, tp_size)
+        if self.num_local_experts and (tp_size > 1 or ep_size > 1):
+            out.append(
+                "the softmax-routed MoE layers run on one rank: serve this model at tp_size 1 and ep_size 1"
+            )
+        return out
+
+    def describe(self) -> str:
+        moe = (
+            f", {self.num_local_experts} experts top-{self.num_experts_per_tok}"
+            if self.num_local_experts
+            else ""
+        )
+        return super().describe() + moe
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], *, name: str = "") -> GraniteMoeHybridConfig:
+        f = Fields(raw)
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act: only 'silu' is supported, got {act!r}")
+        hidden = f.req("hidden_size")
+        eps = f.get("rms_norm_eps", 1e-6, float)
+        heads = f.req("num_attention_heads")
+        head_dim = f.get("head_dim", hidden // heads, int)
+        pos = raw.get("position_embedding_type")
+        if pos not in (None, "nope", "rope"):
+            raise ValueError(f"position_embedding_type: expected 'nope' or 'rope', got {pos!r}")
+        rope = None
+        if pos == "rope":
+            check_rope_type(f)
+            rope = RopeSpec(theta=rope_theta(f), rotary_dim=head_dim)
+        attention = AttentionSpec(
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=f.get("num_key_value_heads", heads, int),
+            head_dim=head_dim,
+            bias=bool(f.get("attention_bias", False)),
+            scale=f.get("attention_multiplier", 1.0, float),
+            rope=rope,
+        )
+        experts = f.get("num_local_experts", 8, int)  # transformers' defaults when the keys are absent
+        cfg = cls(
+            layer_types=_layer_types(f),
+            vocab_size=f.req("vocab_size"),
+            hidden_size=hidden,
+            rms_norm_eps=eps,
+            tie_word_embeddings=bool(f.get("tie_word_embeddings", False)),
+            eos_token_ids=eos_token_ids(raw),
+            max_position_embeddings=f.get("max_position_embeddings", 2048, int),
+            dtype=checkpoint_dtype(raw),
+            mamba=parse_mamba(f, hidden, eps),
+            attention=attention,
+            shared_intermediate_size=f.req("shared_intermediate_size"),
+            num_local_experts=experts,
+            num_experts_per_tok=f.get("num_experts_per_tok", 2, int) if experts else 0,
+            intermediate_size=f.req("intermediate_size") if experts else 0,
+            embedding_multiplier=f.get("embedding_multiplier", 1.0, float),
+            residual_multiplier=f.get("residual_multiplier", 1.0, float),
+            logits_scaling=f.get("logits_scaling", 1.0, float),
+            name=name,
+        )
+        cfg.validate()
+        if experts and not 0 < cfg.num_experts_per_tok <= experts:
+            raise ValueError(f"num_experts_per_tok ({cfg.num_experts_per_tok}) must be in [1, {experts}]")
+        return cfg
