@@ -5,16 +5,20 @@ config defaults, logprob limit, request log, /ping, 404s naming what is served).
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import yaml
 
-from hyserve.cli import main
+from hyserve.cli import build_parser, main
+from hyserve.compat import canonical_name, finish, known_names, translate
 from hyserve.engine.sampling_params import SamplingParams
 from hyserve.model.tokenizer import TINY_CHAT_TEMPLATE, Tokenizer, build_tiny_tokenizer
 from hyserve.server.app import ServerOptions, build_app
@@ -247,6 +251,108 @@ def test_config_and_extra_options_must_agree(
     b.write_text("max_batch_size: 4\n")
     config, _ = serve(served, "--config", str(a), "--extra_llm_api_options", str(b))
     assert (config.scheduler.max_seq_len, config.scheduler.max_batch_size) == (4096, 4)
+
+
+# ---- the table of docs/configuration.md --------------------------------------------------------------------
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+# a value for each YAML key of the table that sets an option (an ignored key is given `true`)
+YAML_SAMPLES: dict[str, Any] = {
+    "moe_expert_parallel_size": 1,
+    "mamba_state_config": {"periodic_snapshot_interval": 128},
+}
+
+
+def table_rows() -> list[tuple[list[str], list[str], str]]:
+    """(flags, YAML key paths, hyserve option cell) of each row of the table "Flags of vllm serve and
+    trtllm-serve": the flag cell's code spans, those before the word YAML read as flags, those after as
+    keys."""
+    text = DOCS.read_text().split("## Flags of vllm serve and trtllm-serve", 1)[1]
+    table = text[text.index("\n| flag |") :].split("\n\n", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ")][2:]
+    out = []
+    for row in rows:
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]]
+        flag_cell, yaml_cell = (cells[0].split("YAML", 1) + [""])[:2]
+        flags = [s.split()[0] for s in re.findall(r"`([^`]+)`", flag_cell) if s.startswith("-")]
+        keys = [s.split(":")[0] for s in re.findall(r"`([^`]+)`", yaml_cell)]
+        out.append((flags, keys, cells[1]))
+    return out
+
+
+def test_the_table_is_read() -> None:
+    rows = table_rows()
+    assert len(rows) >= 30 and (["--max-model-len"], [], "`max_seq_len`") in rows
+    assert any("kv_cache_config.copy_on_partial_reuse" in keys for _, keys, _ in rows)
+
+
+def test_every_flag_of_the_table_is_a_serve_flag_and_a_config_key() -> None:
+    serve_parser = next(
+        a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    ).choices["serve"]
+    known = known_names()
+    flags = [f for row_flags, _, _ in table_rows() for f in row_flags]
+    assert not [f for f in flags if f not in serve_parser._option_string_actions]
+    # vLLM's --config takes a flag's name as a key; a negation (--no-X) is written `X: false`
+    keys = [f.lstrip("-") for f in flags if f.startswith("--") and not f.startswith("--no-")]
+    assert not [k for k in keys if canonical_name(k, known) not in known and k != "extra_llm_api_options"]
+
+
+def nested(path: str, value: Any) -> dict[str, Any]:
+    head, _, rest = path.partition(".")
+    return {head: nested(rest, value) if rest else value}
+
+
+@pytest.mark.parametrize(
+    ("key", "option"), [(k, cell) for _, keys, cell in table_rows() for k in keys], ids=lambda v: v[:40]
+)
+def test_every_yaml_key_of_the_table_is_accepted_as_documented(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, key: str, option: str
+) -> None:
+    seen: list[tuple[Any, list[str]]] = []
+
+    def fake_run(config: Any, opts: ServerOptions, warnings: list[str], **_: Any) -> int:
+        seen.append((config, warnings))
+        return 0
+
+    monkeypatch.setattr("hyserve.server.serve.run_server", fake_run)
+    ignored = "ignored" in option or "without effect" in option
+    assert ignored or key in YAML_SAMPLES, f"{key}: give it a sample value in YAML_SAMPLES"
+    value = True if ignored else YAML_SAMPLES[key]
+    cfg = tmp_path / "extra-llm-api-config.yml"
+    cfg.write_text(yaml.safe_dump(nested(key, value)))
+    assert main(["serve", "--extra_llm_api_options", str(cfg)]) == 0
+    ((config, warnings),) = seen
+    if ignored:
+        assert key in config.ignored_keys and any(key in w for w in warnings), warnings
+    else:  # the value reaches the option the table names
+        target = re.findall(r"`([^`]+)`", option)[0]
+        node: Any = finish(translate(nested(key, value), "yaml"))
+        for part in target.split("."):
+            node = node[part]
+        assert node == value and not config.ignored_keys
+
+
+def test_mamba_state_config_at_the_top_level_and_under_kv_cache_config_must_agree(
+    served: list, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    cfg = tmp_path / "c.yml"
+    both = "mamba_state_config:\n  periodic_snapshot_interval: {}\nkv_cache_config:\n  mamba_state_config:\n"
+    cfg.write_text(both.format(128) + "    periodic_snapshot_interval: 128\n")
+    assert serve(served, "--config", str(cfg))[0].cache.mamba_state_config.periodic_snapshot_interval == 128
+    cfg.write_text(both.format(64) + "    periodic_snapshot_interval: 128\n")
+    assert main(["serve", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "(kv_cache_config.mamba_state_config) to different values" in err, err
+
+
+def test_moe_expert_parallel_size_is_ep_size(served: list, tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yml"
+    cfg.write_text("tp_size: 2\nmoe_expert_parallel_size: 2\n")
+    assert serve(served, "--config", str(cfg))[0].parallel.ep_size == 2
+    assert serve(served, "-tp", "2", "--moe-expert-parallel-size", "2")[0].parallel.ep_size == 2
+    assert serve(served, "-tp", "2", "--ep_size", "2")[0].parallel.ep_size == 2
 
 
 # ---- the API key from the environment ----------------------------------------------------------------------
