@@ -166,11 +166,11 @@ def test_serve_flags_reach_the_options():
     assert build_engine_config(opts).scheduler.max_step_ms is None
 
 
-def _chunks(max_step_ms: str, n: int = 9000) -> list[int]:
-    """The chunk sizes the tiny CPU engine feeds an n-token prompt, step by step."""
+def _chunks(max_step_ms: str, n: int = 2250) -> list[int]:
+    """The chunk sizes the tiny CPU engine feeds an n-token prompt, step by step, with a 512-token budget."""
     from hyserve import LLM, SamplingParams
 
-    llm = LLM(max_seq_len=16384, max_num_tokens=2048, max_step_ms=max_step_ms)
+    llm = LLM(max_seq_len=4096, max_num_tokens=512, max_step_ms=max_step_ms)
     eng = llm.engine
     eng.add_request("long", [7 + i % 200 for i in range(n)], SamplingParams(max_tokens=1, ignore_eos=True))
     sizes = []
@@ -185,11 +185,11 @@ def _chunks(max_step_ms: str, n: int = 9000) -> list[int]:
 
 def test_on_the_cpu_auto_counts_a_step_cost_so_late_chunks_of_a_long_prompt_shrink():
     auto, off = _chunks("auto"), _chunks("off")
-    assert sum(auto) == sum(off) == 9000
-    assert off[:4] == [2048] * 4  # the token budget alone: every chunk as large as it may be
-    assert auto[0] == 2048  # the first chunk costs what the target allows
+    assert sum(auto) == sum(off) == 2250
+    assert off[:4] == [512] * 4  # the token budget alone: every chunk as large as it may be
+    assert auto[0] == 512  # the first chunk costs what the target allows
     assert all(b <= a for a, b in zip(auto, auto[1:]))  # later chunks pay attention over more context
-    assert auto[-2] < 1024 and len(auto) > len(off)
+    assert auto[-2] < 256 and len(auto) > len(off)
 
 
 def test_the_analytic_cost_model_bounds_a_step_by_one_full_first_chunk():
