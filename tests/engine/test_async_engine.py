@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from hyserve import SamplingParams
 from hyserve.config import EngineConfig
@@ -59,7 +60,8 @@ def test_a_slow_reader_gets_merged_deltas_and_one_too_slow_is_aborted_and_counte
             out = []
             async for d in eng.generate(rid, [1, 5, 9, 13], params):
                 out.append(d)
-                await asyncio.sleep(pause)
+                if d.finish_reason is None:  # nothing to wait for after the last delta
+                    await asyncio.sleep(pause)
             return out
 
         async def main() -> tuple[list, list, list, list]:
@@ -67,6 +69,11 @@ def test_a_slow_reader_gets_merged_deltas_and_one_too_slow_is_aborted_and_counte
             slow = await read("slow", 0.05, greedy)
             long = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True, logprobs=5)
             cut, other = await asyncio.gather(read("cut", 2.0, long), read("other", 0.0, greedy))
+            deadline = time.monotonic() + 10
+            while (
+                eng.engine.has_unfinished() and time.monotonic() < deadline
+            ):  # the abort reaching the engine
+                await asyncio.sleep(0.01)
             return fast, slow, cut, other
 
         fast, slow, cut, other = asyncio.run(main())
