@@ -54,6 +54,7 @@ class Attention(nn.Module):
         self.head_dim = d
         self.scale = spec.softmax_scale
         self.rope = spec.rope
+        self.key_multiplier = spec.key_multiplier
         kw = {"bias": spec.bias, "unit_size": d, "group": group, "device": device, "dtype": dtype}
         # tensor parallel: this rank's query heads, and the KV heads they read (replicated when the KV heads
         # are fewer than the ranks); o_proj sums the ranks' partial outputs
@@ -128,6 +129,8 @@ class Attention(nn.Module):
             )
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.key_multiplier != 1.0:
+            k = k * self.key_multiplier
         return (
             q.view(T, self.num_heads, self.head_dim),
             k.view(T, self.num_kv_heads, self.head_dim),

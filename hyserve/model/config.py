@@ -14,6 +14,7 @@ LAYER_MAMBA = "mamba"
 LAYER_ATTENTION = "attention"
 LAYER_MLP = "mlp"
 LAYER_MOE = "moe"
+LAYER_HYBRID = "hybrid"  # attention and Mamba2 side by side (Falcon-H1): a KV cache and a state slot
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

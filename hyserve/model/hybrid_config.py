@@ -18,6 +18,7 @@ import torch
 from hyserve.config import MAX_PHILOX_ROUNDS, SSM_CACHE_DTYPES
 from hyserve.model.config import (
     LAYER_ATTENTION,
+    LAYER_HYBRID,
     LAYER_MAMBA,
     Fields,
     dtype_name,
@@ -94,7 +95,7 @@ def check_rope_type(f: Fields) -> None:
 class HybridDecoderConfig(ABC):
     """The architecture facts of a (mixer + feed-forward) hybrid; immutable, change with `replace`."""
 
-    layer_types: tuple[str, ...]  # LAYER_MAMBA / LAYER_ATTENTION per layer
+    layer_types: tuple[str, ...]  # LAYER_MAMBA / LAYER_ATTENTION / LAYER_HYBRID (both) per layer
     vocab_size: int
     hidden_size: int
     rms_norm_eps: float
@@ -125,11 +126,11 @@ class HybridDecoderConfig(ABC):
 
     @property
     def mamba_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == LAYER_MAMBA)
+        return tuple(i for i, t in enumerate(self.layer_types) if t in (LAYER_MAMBA, LAYER_HYBRID))
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == LAYER_ATTENTION)
+        return tuple(i for i, t in enumerate(self.layer_types) if t in (LAYER_ATTENTION, LAYER_HYBRID))
 
     @property
     def has_recurrent_state(self) -> bool:

@@ -3,10 +3,11 @@ its module tree (names as its checkpoints spell them) from `DecoderLayer`s and h
 
     h = embed(ids) * embedding_multiplier
     for layer:  h = h + m * mixer(norm1(h));  h = h + m * ffn(norm2(h))        (m: residual multiplier)
-    logits = lm_head(final_norm(h)) / logits_scaling
+    logits = lm_head(final_norm(h)) * logits_multiplier / logits_scaling
 
 Residual adds run fused with the next norm (`add_rms_norm`), as in NemotronH. A RoPE model computes the
-step's (cos, sin) once per forward and hands them to every attention layer.
+step's (cos, sin) once per forward and hands them to every attention layer. A family whose layers run
+attention and Mamba2 side by side (Falcon-H1) overrides the layer's `forward` and `attention`.
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ class DecoderLayer(nn.Module):
     def run_ffn(self, ffn: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return ffn(x)
 
+    def attention(self) -> Attention | None:
+        """This layer's attention mixer, if it has one."""
+        mixer = self.parts()[1]
+        return mixer if isinstance(mixer, Attention) else None
+
     def forward(
         self,
         x: torch.Tensor,
@@ -106,6 +112,7 @@ class HybridDecoderLM(nn.Module):
         cfg: HybridDecoderConfig,
         *,
         embedding_multiplier: float = 1.0,
+        logits_multiplier: float = 1.0,
         logits_scaling: float = 1.0,
         device=None,
         dtype: torch.dtype | None = None,
@@ -113,6 +120,7 @@ class HybridDecoderLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embedding_multiplier = embedding_multiplier
+        self.logits_multiplier = logits_multiplier
         self.logits_scaling = logits_scaling
         self.model = DecoderStack(
             VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
@@ -150,9 +158,9 @@ class HybridDecoderLM(nn.Module):
     def attention_layers(self) -> Mapping[int, Attention]:
         out: dict[int, Attention] = {}
         for i, layer in enumerate(self._layers()):
-            mixer = layer.parts()[1]
-            if isinstance(mixer, Attention):
-                out[i] = mixer
+            attention = layer.attention()
+            if attention is not None:
+                out[i] = attention
         return out
 
     def finish_load(self) -> None:
@@ -179,9 +187,12 @@ class HybridDecoderLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden: [n, H] -> logits [n, vocab] float32 (divided by logits_scaling), into `out` when given."""
+        """hidden: [n, H] -> logits [n, vocab] float32 (times logits_multiplier, divided by logits_scaling),
+        into `out` when given."""
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = vocab_parallel_logits(hidden, w, self.config.vocab_size, self.tp)
+        if self.logits_multiplier != 1.0:
+            logits = logits * self.logits_multiplier
         if self.logits_scaling != 1.0:
             logits = logits / self.logits_scaling
         return logits.float() if out is None else out.copy_(logits)

@@ -210,7 +210,8 @@ def record_kv_amax(model: KVScaledModel) -> Iterator[dict[int, torch.Tensor]]:
             amax[i] = torch.zeros(2, dtype=torch.float32, device=mixer.k_scale.device)
             mixer.use_packed_qkv = False  # the three projections called as modules, so the hooks run
             for j, proj in enumerate((mixer.k_proj, mixer.v_proj)):
-                handles.append(proj.register_forward_hook(_amax_hook(amax[i], j)))
+                scale = mixer.key_multiplier if j == 0 else 1.0  # the keys written are k_proj's times it
+                handles.append(proj.register_forward_hook(_amax_hook(amax[i], j, scale)))
         yield amax
     finally:
         for h in handles:
@@ -219,9 +220,10 @@ def record_kv_amax(model: KVScaledModel) -> Iterator[dict[int, torch.Tensor]]:
             mixer.use_packed_qkv = True
 
 
-def _amax_hook(acc: torch.Tensor, j: int):
+def _amax_hook(acc: torch.Tensor, j: int, scale: float = 1.0):
     def hook(_module: torch.nn.Module, _inputs: tuple, out: torch.Tensor) -> None:
         if out.numel():
-            acc[j] = torch.maximum(acc[j], out.detach().abs().amax().float())  # max() would drop NaN
+            amax = out.detach().abs().amax().float() * abs(scale)
+            acc[j] = torch.maximum(acc[j], amax)  # max() would drop NaN
 
     return hook

@@ -90,6 +90,12 @@ class MambaSpec:
     proj_bias: bool
     time_step_limit: tuple[float, float]
     norm_eps: float
+    # the output: a grouped RMSNorm of y gated by z (`norm_before_gate` off: norm(y * silu(z)), on:
+    # norm(y) * silu(z)), or with `rms_norm` off y * silu(z) and no norm weight; out_proj's bias when it
+    # differs from in_proj's
+    rms_norm: bool = True
+    norm_before_gate: bool = False
+    out_bias: bool | None = None
     # stochastic rounding of a float16 SSM pool: on/off, Philox rounds, the stream's seed
     ssm_stochastic_rounding: bool = False
     ssm_philox_rounds: int = 10
@@ -124,7 +130,16 @@ class MambaSpec:
     def sharding_problems(self, tp: int) -> list[str]:
         """Why this mixer cannot split over tp ranks (empty when it can)."""
         out = divides("mamba heads", self.num_heads, tp)
+        if self.rms_norm and self.norm_before_gate and self.n_groups % tp:
+            out.append(
+                f"the Mamba norm before the gate runs per B/C group: mamba_n_groups ({self.n_groups}) "
+                f"must be divisible by tp_size ({tp})"
+            )
         return out + splits_or_replicates("Mamba B/C groups (n_groups)", self.n_groups, tp)
+
+    @property
+    def has_out_bias(self) -> bool:
+        return self.proj_bias if self.out_bias is None else self.out_bias
 
     def num_parameters(self) -> int:
         h, inner, heads = self.hidden_size, self.d_inner, self.num_heads
@@ -133,8 +148,8 @@ class MambaSpec:
             + self.conv_dim * self.conv_kernel
             + (self.conv_dim if self.use_conv_bias else 0)
         )
-        n += 3 * heads + inner + inner * h
-        return n + ((self.in_proj_size + h) if self.proj_bias else 0)
+        n += 3 * heads + (inner if self.rms_norm else 0) + inner * h
+        return n + (self.in_proj_size if self.proj_bias else 0) + (h if self.has_out_bias else 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,7 +169,8 @@ class RopeSpec:
 @dataclass(frozen=True, kw_only=True)
 class AttentionSpec:
     """What one GQA attention layer needs to know. `scale` multiplies q.k (head_dim^-0.5 unless the family
-    sets it: Granite's attention_multiplier); `rope` None is NoPE (positions come from the Mamba layers)."""
+    sets it: Granite's attention_multiplier); `rope` None is NoPE (positions come from the Mamba layers);
+    `key_multiplier` scales the projected keys (Falcon-H1)."""
 
     hidden_size: int
     num_heads: int
@@ -164,6 +180,7 @@ class AttentionSpec:
     out_bias: bool | None = None  # o_proj's bias when it differs from q/k/v's
     scale: float | None = None
     rope: RopeSpec | None = None
+    key_multiplier: float = 1.0
 
     @property
     def softmax_scale(self) -> float:

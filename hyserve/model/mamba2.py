@@ -5,6 +5,9 @@
     (x, dt, B, C) --SSD scan (dt bias, softplus, dt limit, D skip)--> y
     y --grouped RMSNorm gated by z--> --out_proj--> out      (norm + out_proj: `gated_norm_linear`)
 
+Falcon-H1's variants of the output (`MambaSpec.rms_norm` / `norm_before_gate`): norm(y) * silu(z), or
+y * silu(z) with no norm; a family may scale zxbcdt by overriding `project`.
+
 Decode sequences (the first `meta.num_decodes`, one token each) use the single-step conv and state
 update kernels; prefill/extend sequences use the packed varlen conv and the chunked SSD scan. Both
 read their starting state from `state_src` slots and write the final state to `state_dst` slots.
@@ -120,15 +123,18 @@ class Mamba2Mixer(ShardLoading):
         self.dt_bias = nn.Parameter(torch.ones(self.num_heads, device=device, dtype=dtype))
         self.A_log = nn.Parameter(torch.zeros(self.num_heads, device=device, dtype=dtype))
         self.D = nn.Parameter(torch.ones(self.num_heads, device=device, dtype=dtype))
-        self.norm = GatedRMSNorm(
-            self.d_inner,
-            min(self.norm_group_size_full, self.d_inner),
-            spec.norm_eps,
-            device=device,
-            dtype=dtype,
-        )
+        self.norm: GatedRMSNorm | None = None
+        if spec.rms_norm:
+            self.norm = GatedRMSNorm(
+                self.d_inner,
+                min(self.norm_group_size_full, self.d_inner),
+                spec.norm_eps,
+                device=device,
+                dtype=dtype,
+            )
+        self.norm_before_gate = spec.norm_before_gate
         self.out_proj = RowParallelLinear(
-            spec.d_inner, h, bias=spec.proj_bias, unit_size=P, group=self.group, device=device, dtype=dtype
+            spec.d_inner, h, bias=spec.has_out_bias, unit_size=P, group=self.group, device=device, dtype=dtype
         )
         self._conv_parts, self._head_parts, self._inner_parts = (
             (x_part, b_part, c_part),
@@ -140,7 +146,8 @@ class Mamba2Mixer(ShardLoading):
             self.register_shard("conv1d.bias", self._load_conv, (spec.conv_dim,))
         for name in ("dt_bias", "A_log", "D"):
             self.register_shard(name, self._load_per_head, (H,))
-        self.register_shard("norm.weight", self._load_inner, (spec.d_inner,))
+        if spec.rms_norm:
+            self.register_shard("norm.weight", self._load_inner, (spec.d_inner,))
         self._A_cache: torch.Tensor | None = None
         self._A_version: tuple | None = None
 
@@ -184,11 +191,15 @@ class Mamba2Mixer(ShardLoading):
             c.reshape(n, self.n_groups, self.state_size),
         )
 
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden] -> zxbcdt [T, in_proj rows of this rank]."""
+        return self.in_proj(hidden)
+
     def forward(self, hidden: torch.Tensor, meta: ForwardMeta, cache: CacheTensors) -> torch.Tensor:
         conv_pool, ssm_pool = cache.conv[self.layer_id], cache.ssm[self.layer_id]
         T = hidden.shape[0]
         cuda = hidden.is_cuda
-        zxbcdt = self.in_proj(hidden)
+        zxbcdt = self.project(hidden)
         z, xbc, dt = torch.split(zxbcdt, [self.d_inner, self.conv_dim, self.num_heads], dim=-1)
         A = self._A()
         w = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
@@ -230,6 +241,8 @@ class Mamba2Mixer(ShardLoading):
         # parallelism each rank's partial out_proj product is summed by one all-reduce
         norm, out = self.norm, self.out_proj
         y2 = y.view(T, self.d_inner)
+        if norm is None or self.norm_before_gate:
+            return out(self._gate_output(y2, z))
         if (
             out.quant is not None
         ):  # FP8 out_proj: the gated norm, then the FP8 linear (its reduce when sharded)
@@ -243,19 +256,30 @@ class Mamba2Mixer(ShardLoading):
             return out.reduce(F.linear(self._gated_norm_spanning(y2, z), out.weight))
         return out.reduce(fused(y2, z, norm.weight, norm.eps, norm.group_size, out.weight, None))
 
+    def _gate_output(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """y * silu(z) (no norm), or the grouped norm of y times silu(z) (norm before the gate), the gate
+        in float32."""
+        norm = self.norm
+        if norm is not None:
+            y = ops.rmsnorm_gated.get(y.is_cuda)(y, None, norm.weight, norm.eps, norm.group_size)
+        cd = torch.float64 if y.dtype == torch.float64 else torch.float32
+        return (y.to(cd) * F.silu(z.to(cd))).to(y.dtype)
+
     def _gated_norm_spanning(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y, z: [T, d_inner / tp], this rank's slice of a norm group that spans tp / n_groups ranks ->
         the grouped gated RMSNorm of the slice (as `rmsnorm_gated_ref`), with the group's sum of squares
         added up over its ranks: each rank puts its slice's sum in its group's column of a [T, n_groups]
         buffer and one all-reduce completes every column."""
+        norm = self.norm
+        assert norm is not None  # a model whose Mamba output has a norm
         cd = torch.float64 if y.dtype == torch.float64 else torch.float32
         h = y.to(cd) * F.silu(z.to(cd))
         sums = torch.zeros(y.shape[0], self.n_groups_full, dtype=cd, device=y.device)
         g = self.group_of_rank
         sums[:, g] = h.pow(2).sum(-1)
         all_reduce(sums, self.group)
-        h = h * torch.rsqrt(sums[:, g : g + 1] / self.norm_group_size_full + self.norm.eps)
-        w = self.norm.weight
+        h = h * torch.rsqrt(sums[:, g : g + 1] / self.norm_group_size_full + norm.eps)
+        w = norm.weight
         return (w.to(cd) * h).to(y.dtype) if y.dtype == torch.float64 else w * h.to(y.dtype)
 
     def _prefill(
