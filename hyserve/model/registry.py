@@ -11,12 +11,13 @@ from pathlib import Path
 
 from hyserve.model.bamba.family import BAMBA
 from hyserve.model.config import read_config_json
+from hyserve.model.falcon_h1.family import FALCON_H1
 from hyserve.model.family import ModelFamily
 from hyserve.model.granitemoehybrid.family import GRANITE_MOE_HYBRID
 from hyserve.model.nemotron_h.family import NEMOTRON_H
 from hyserve.model.protocol import ModelSpec
 
-_FAMILIES: list[ModelFamily] = [NEMOTRON_H, BAMBA, GRANITE_MOE_HYBRID]
+_FAMILIES: list[ModelFamily] = [NEMOTRON_H, BAMBA, GRANITE_MOE_HYBRID, FALCON_H1]
 
 
 def register(family: ModelFamily) -> None:
