@@ -2,8 +2,8 @@
 layer runs attention and Mamba2 side by side, with the µP multipliers (embedding, lm_head, key, attention and
 SSM in / out, the zxbcdt and MLP multipliers), in the Mamba output variants (gated without a norm, the norm
 after or before the gate), with and without projector, attention and MLP biases, tied and untied embeddings;
-the family declares the kernel ops its forwards look up; the config parses as transformers reads it, and the
-options it cannot run are refused naming the key."""
+the family declares the kernel ops its forwards look up; tp_size 2 gives tp_size 1's tokens; the config parses
+as transformers reads it, and the options it cannot run are refused naming the key."""
 
 from __future__ import annotations
 
@@ -118,6 +118,28 @@ def test_falcon_h1_greedy_matches_transformers(
     declared = {op.name for op in family.kernel_ops}
     assert looked_up <= declared, looked_up - declared
     assert declared - looked_up == UNUSED_OPS[variant]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_falcon_h1_tp2_matches_tp1(tmp_path: Path, variant: str) -> None:
+    """Over two gloo ranks: each rank's rows of the ssm_multipliers, its B/C groups' norm, its KV heads."""
+    from hyserve import LLM, SamplingParams
+
+    _hf_model(variant).save_pretrained(tmp_path)
+    prompts = [[5, 17, 33, 2, 9, 41, 8, 100, 7, 3, 250, 11], [7, 8, 9, 10, 11, 12, 13, 14, 15]]
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=1, ignore_eos=True)
+    kw: dict[str, Any] = {"dtype": "float32", "device": "cpu", "max_seq_len": 64, "max_batch_size": 2}
+    outs = []
+    for tp in (1, 2):
+        with LLM(str(tmp_path), tp_size=tp, **kw) as llm:
+            outs.append(llm.generate(prompts, params))
+    one, two = outs
+    assert [list(o.token_ids) for o in two] == [list(o.token_ids) for o in one]
+    for a, b in zip(one, two):
+        assert a.logprobs is not None and b.logprobs is not None
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert abs(x.logprob - y.logprob) < 1e-4
 
 
 def _raw(**over: object) -> dict[str, object]:
