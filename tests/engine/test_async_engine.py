@@ -69,10 +69,8 @@ def test_a_slow_reader_gets_merged_deltas_and_one_too_slow_is_aborted_and_counte
             slow = await read("slow", 0.05, greedy)
             long = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True, logprobs=5)
             cut, other = await asyncio.gather(read("cut", 2.0, long), read("other", 0.0, greedy))
-            deadline = time.monotonic() + 10
-            while (
-                eng.engine.has_unfinished() and time.monotonic() < deadline
-            ):  # the abort reaching the engine
+            deadline = time.monotonic() + 10  # the abort reaching the engine
+            while eng.engine.has_unfinished() and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             return fast, slow, cut, other
 
