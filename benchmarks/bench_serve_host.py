@@ -42,22 +42,32 @@ VLLM_FP8_30B_C1024 = 15828.0  # output tok/s: vLLM's published figure, concurren
 
 def _stub_model(model, vocab: int) -> None:
     """Forward and logits at ~no cost: hidden states of zeros, and logits that make row r of call c pick
-    token 100 + (c + r) % span, span = min(2000, vocab - 100) (ordinary tokens of the built-in tokenizer)."""
+    token 100 + (c + r) % span, span = min(2000, vocab - 100) (ordinary tokens of the built-in tokenizer).
+
+    The logits of n rows live in one buffer per n, kept between calls (a fresh [n, vocab] tensor per step
+    would cost the host a large allocation that a GPU's logits never do); only the ones set by the
+    previous call are cleared. Greedy sampling without penalties leaves the logits as they are."""
     import torch
 
     hidden = model.config.hidden_size
     calls = [0]
     span = min(2000, vocab - 100)
+    buffers: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def forward(ids, meta, cache):
         return torch.zeros(ids.shape[0], hidden)
 
     def logits(h, out=None):
         n = h.shape[0]
-        out = torch.zeros(n, vocab)
-        out[torch.arange(n), 100 + (calls[0] + torch.arange(n)) % span] = 1.0
+        buf, hot = buffers.get(n) or (torch.zeros(n, vocab), None)
+        rows = torch.arange(n)
+        if hot is not None:
+            buf[rows, hot] = 0.0
+        hot = 100 + (calls[0] + rows) % span
+        buf[rows, hot] = 1.0
+        buffers[n] = (buf, hot)
         calls[0] += 1
-        return out
+        return buf
 
     model.forward = forward
     model.compute_logits = logits

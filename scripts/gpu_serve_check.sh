@@ -21,6 +21,8 @@
 #           server, then 1,024 of them through LLM.generate (`hyserve bench offline`); serve_scale.json holds
 #           the server's figure against vLLM's published one and against the engine's
 #           (benchmarks/scale_records.py). Use MODEL=...Nano-30B-A3B-BF16 SERVE_FLAGS="--quantization fp8".
+#           SCALE_PROFILE=S: S seconds into the run, py-spy samples the server for 8 s (every thread with
+#           idle time, then only the GIL holder), summarised by scripts/pyspy_summary.py.
 #
 # Environment: MODEL (a config dir, default Nano 9B v2), SERVE_FLAGS (added to every `hyserve serve`, e.g.
 # "--quantization fp8"), SWEEP_SHAPES, SWEEP_CONCURRENCY (default "1 8 32 64 128 256") and SWEEP_MAX_BATCH
@@ -177,7 +179,20 @@ if [[ " $parts " == *" scale "* ]]; then
   echo "time to ready: ${ready}s"
   grep -E "max_batch_size|captured|warm-up:|live slots|snapshot slots|KV cache  " /tmp/serve_scale.log
   "${BENCH[@]}" --num-prompts "$n" --max-concurrency 1024 --random-input-len 1000 --random-output-len 1000 \
-    --temperature 0 --result-filename serve_scale_c1024.json | tail -16
+    --temperature 0 --result-filename serve_scale_c1024.json > /tmp/serve_scale_bench.log 2>&1 &
+  bench=$!
+  if [ -n "${SCALE_PROFILE:-}" ]; then  # py-spy of the server in steady state: all threads, then the GIL holder
+    sleep "$SCALE_PROFILE"
+    for mode in idle gil; do
+      extra=(--idle); [ $mode = gil ] && extra=(--gil)
+      /tmp/site/bin/py-spy record -p $PID -d 8 -r 200 -f raw --threads --nonblocking "${extra[@]}" \
+        -o /tmp/pyspy_scale_$mode.txt >/dev/null 2>&1
+      python3 scripts/pyspy_summary.py /tmp/pyspy_scale_$mode.txt --top 60 | cut -c1-150 | sed "s/^/[$mode] /"
+    done
+    [ -n "${OUT_DIR:-}" ] && mkdir -p "$OUT_DIR" && cp /tmp/pyspy_scale_*.txt "$OUT_DIR"/
+  fi
+  wait $bench
+  tail -16 /tmp/serve_scale_bench.log
   stop_server
   q=""
   [[ "${SERVE_FLAGS:-}" == *"--quantization fp8"* ]] && q="quantization: fp8"

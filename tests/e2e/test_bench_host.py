@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hyserve.server.serve import freeze_startup_heap
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,3 +97,32 @@ def test_bench_serve_host_serves_every_request_through_the_stub_model(tmp_path: 
     assert rec["completed"] == 16 and rec["failed"] == 0 and rec["output_tok_s"] > 0
     assert rec["reference_value"] == 15828.0 and abs(rec["ratio"] - rec["value"] / 15828.0) < 1e-9
     assert 0 < rec["server_cpu_share"] and 0 < rec["client_cpu_share"]
+
+
+@pytest.mark.slow
+def test_bench_server_cost_compares_serve_with_the_engine(tmp_path: Path) -> None:
+    """benchmarks/bench_server_cost.py: the same requests through LLM.generate and through `hyserve serve`
+    (a child process) on the emulated device; every request completes, the record is their ratio, and
+    each side took at least the device time of its steps (one prefill step, then one per further token)."""
+    out = tmp_path / "sc.json"
+    cmd = [sys.executable, "-m", "benchmarks.bench_server_cost", "--concurrency", "4", "--input-len", "30"]
+    cmd += [
+        "--output-len",
+        "4",
+        "--step-ms",
+        "50",
+        "--token-us",
+        "100",
+        "--out",
+        str(out),
+        "--git-sha",
+        "test",
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (rec,) = json.loads(out.read_text())["records"]
+    assert rec["server"]["completed"] == 4 and rec["server"]["failed"] == 0
+    assert rec["engine"]["output_tokens"] == 16
+    assert abs(rec["value"] - rec["server"]["output_tok_s"] / rec["engine"]["output_tok_s"]) < 1e-9
+    floor_s = (0.050 + 120 * 100e-6) + 3 * (0.050 + 4 * 100e-6)
+    assert rec["engine"]["duration_s"] >= floor_s and rec["server"]["duration_s"] >= floor_s

@@ -1,0 +1,218 @@
+"""What the HTTP server costs the engine: output tok/s of `hyserve serve` against `LLM.generate` on the
+same workload, with a model that behaves like a GPU (CPU; no GPU needed).
+
+The model's forward and logits are the stubs of `bench_serve_host.py` (ordinary tokens, ~no host cost),
+and each step occupies an emulated device for `--step-ms` plus `--token-us` per token it runs: a step's
+samples can be read only once every step launched before it and itself has had its time, and the host
+waits for that with the interpreter lock released, as it waits for a CUDA event. Host work that overlaps
+the emulated device is free, as it is on a GPU; host work that delays a launch shows up as lost
+throughput. The defaults (35 ms + 16 us a token) follow Nemotron 3 Nano 30B-A3B FP8 on an H200: a
+1,024-row decode step of ~51 ms (its measured graph replay at 1,000-token contexts) and prefill at ~60k
+tok/s (its 8k prefill ratio).
+
+Both sides run the same requests: `--concurrency` random-token prompts of `--input-len` tokens, each
+generating `--output-len` tokens with ignore_eos. The engine side is `LLM.generate` over all of them at
+once; the server side streams /v1/completions from `hyserve bench serve`'s client in another process,
+`--concurrency` in flight. Their ratio is the share of the engine's throughput the server keeps.
+
+    python -m benchmarks.bench_server_cost                       # concurrency 1024, 1000 in / 300 out
+    python -m benchmarks.bench_server_cost --concurrency 256 --output-len 64   # quick
+
+Writes benchmarks/results/server_cost_<date>_<sha>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench_serve_host import _free_port, _stub_model, _wait_healthy, run_point
+from benchmarks.host_results import write_host_results
+
+
+@dataclass(frozen=True)
+class Device:
+    """The emulated device: a step takes `step_ms` plus `token_us` for each token it runs."""
+
+    step_ms: float
+    token_us: float
+
+    def step_s(self, tokens: int) -> float:
+        return self.step_ms / 1e3 + self.token_us / 1e6 * tokens
+
+
+def emulate_device(model: Any, device: Device) -> None:
+    """Stub `model` (bench_serve_host._stub_model) and give every step its time on `device`: a forward
+    queues its step behind the ones in flight; reading a step's samples sleeps until the device has
+    finished it (time.sleep releases the interpreter lock, as waiting on a CUDA event does)."""
+    from hyserve.engine import engine as engine_mod
+    from hyserve.engine.pending_step import PendingStep
+
+    _stub_model(model, model.config.vocab_size)
+    device_free = [0.0]
+    stub_forward = model.forward
+
+    def forward(ids, meta, cache):
+        device_free[0] = max(time.perf_counter(), device_free[0]) + device.step_s(ids.shape[0])
+        return stub_forward(ids, meta, cache)
+
+    model.forward = forward
+    done_at: dict[int, float] = {}
+    sample_step = engine_mod.sample_step
+
+    def timed_sample_step(*args: Any, **kwargs: Any) -> PendingStep:
+        p = sample_step(*args, **kwargs)
+        done_at[id(p)] = device_free[0]
+        return p
+
+    read = PendingStep.read
+
+    def timed_read(self: PendingStep) -> Any:
+        wait = done_at.pop(id(self), 0.0) - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return read(self)
+
+    engine_mod.sample_step = timed_sample_step
+    PendingStep.read = timed_read  # type: ignore[method-assign]
+
+
+def engine_options(concurrency: int, max_seq_len: int) -> dict[str, Any]:
+    return {
+        "device": "cpu",
+        "max_batch_size": concurrency,
+        "max_num_tokens": 16384,
+        "max_seq_len": max_seq_len,
+        "warmup": "off",
+        "kv_cache_config": {"tokens_per_block": 64, "max_gpu_total_bytes": 8 * 2**30},
+    }
+
+
+def serve_emulated(port: int, concurrency: int, max_seq_len: int, device: Device, ready: Any) -> None:
+    """The server process: `hyserve serve`'s app and uvicorn settings over the built-in tiny model on the
+    emulated device."""
+    import uvicorn
+
+    from hyserve.config import build_engine_config
+    from hyserve.engine.async_engine import AsyncEngine
+    from hyserve.server.app import build_app
+    from hyserve.server.serve import freeze_startup_heap, uvicorn_config
+    from hyserve.server.state import ServerOptions
+
+    logging.disable(logging.WARNING)
+    engine = AsyncEngine(build_engine_config(engine_options(concurrency, max_seq_len)), log=lambda s: None)
+    emulate_device(engine.engine.runner.model, device)
+    engine.start()
+    opts = ServerOptions(port=port, access_log=False, log_level="warning")
+    app = build_app(engine, opts)
+    app.state.accepting = True
+    freeze_startup_heap()
+    cfg = uvicorn_config(app, "127.0.0.1", port, opts)
+    ready.set()
+    uvicorn.Server(cfg).run()
+
+
+def engine_point(concurrency: int, input_len: int, output_len: int, device: Device, seed: int) -> dict:
+    """`LLM.generate` over `concurrency` random prompts at once on the emulated device."""
+    import random
+
+    from hyserve.engine.llm import LLM
+    from hyserve.engine.sampling_params import SamplingParams
+
+    llm = LLM(**engine_options(concurrency, input_len + output_len + 64))
+    model = llm.engine.runner.model
+    emulate_device(model, device)
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    prompts = [[rng.randrange(10, vocab) for _ in range(input_len)] for _ in range(concurrency)]
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"output_tok_s": tokens / wall, "duration_s": wall, "output_tokens": tokens}
+
+
+def server_point(concurrency: int, input_len: int, output_len: int, device: Device, seed: int) -> dict:
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    port = _free_port()
+    proc = ctx.Process(
+        target=serve_emulated,
+        args=(port, concurrency, input_len + output_len + 64, device, ready),
+        daemon=True,
+    )
+    proc.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(base, proc)
+        return run_point(base, proc.pid, concurrency, concurrency, input_len, output_len, seed)
+    finally:
+        proc.terminate()
+        proc.join(10)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1024])
+    ap.add_argument("--input-len", type=int, default=1000)
+    ap.add_argument("--output-len", type=int, default=300)
+    ap.add_argument("--step-ms", type=float, default=35.0, help="emulated device time of every step")
+    ap.add_argument("--token-us", type=float, default=16.0, help="emulated device time of each token")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--git-sha", default="")
+    args = ap.parse_args()
+    logging.disable(logging.WARNING)
+    device = Device(args.step_ms, args.token_us)
+    rows = []
+    for i, c in enumerate(args.concurrency):
+        eng = engine_point(c, args.input_len, args.output_len, device, seed=i)
+        print(f"concurrency {c}: LLM.generate {eng['output_tok_s']:.0f} output tok/s", flush=True)
+        srv = server_point(c, args.input_len, args.output_len, device, seed=i)
+        ratio = srv["output_tok_s"] / eng["output_tok_s"]
+        print(
+            f"    hyserve serve {srv['output_tok_s']:.0f} output tok/s: {ratio:.3f} of the engine", flush=True
+        )
+        rows.append({"concurrency": c, "engine": eng, "server": srv, "ratio": ratio})
+    head = [
+        "| concurrency | LLM.generate tok/s | hyserve serve tok/s | server / engine | TPOT p50 / p99 ms "
+        "| server CPU (cores) |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines = [
+        f"| {r['concurrency']} | {r['engine']['output_tok_s']:.0f} | {r['server']['output_tok_s']:.0f} "
+        f"| {r['ratio']:.3f} | {r['server']['p50_tpot_ms']:.1f} / {r['server']['p99_tpot_ms']:.1f} "
+        f"| {r['server']['server_cpu_share']:.2f} |"
+        for r in rows
+    ]
+    print(*head, *lines, sep="\n")
+    records = [
+        dict(
+            name=f"server / engine, concurrency {r['concurrency']}, {args.input_len} in / {args.output_len} "
+            f"out, emulated steps of {args.step_ms:g} ms + {args.token_us:g} us a token",
+            value=r["ratio"],
+            unit="hyserve serve tok/s / LLM.generate tok/s",
+            **r,
+        )
+        for r in rows
+    ]
+    out = None if args.out is None else Path(args.out)
+    write_host_results(
+        "server_cost",
+        out,
+        args.git_sha,
+        "none (CPU, stub model on an emulated device)",
+        records,
+        [*head, *lines],
+    )
+    return 0 if all(r["server"]["failed"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
