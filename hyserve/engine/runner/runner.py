@@ -95,26 +95,37 @@ class ModelRunner:
             if s.sample:
                 logits_idx.append(cu[-1] - 1)
             snaps.extend(SnapshotWrite(seq=i, num_tokens=n, slot=slot) for n, slot in s.snapshots)
-        dev = self.device
-
-        def t(x: list[int] | list[bool] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-            return to_device(torch.tensor(x, dtype=dtype), dev)  # pinned: no wait for queued steps
-
+        # one host tensor, one pinned copy to the device, then views and casts there: a copy per array
+        # costs the host a pinned staging buffer each
+        parts: list[tuple[list[int] | list[bool], torch.dtype]] = [
+            (ids, torch.long),
+            (cu, torch.int32),
+            (seq_lens, torch.int32),
+            ([b for r in rows for b in r], torch.int32),
+            (slot_mapping, torch.int64),
+            (src, torch.int64),
+            (dst, torch.int64),
+            (has_init, torch.bool),
+            (logits_idx, torch.int64),
+        ]
+        flat = to_device(torch.tensor([v for x, _ in parts for v in x], dtype=torch.int64), self.device)
+        on_dev = [v.to(dtype) for v, (_, dtype) in zip(flat.split([len(x) for x, _ in parts]), parts)]
+        input_ids, cu_t, seq_lens_t, tables, slots, src_t, dst_t, init_t, logits_t = on_dev
         meta = ForwardMeta(
             num_decodes=batch.num_decodes,
             cu_seqlens=cu,
             seq_lens=seq_lens,
-            cu_seqlens_t=t(cu, torch.int32),
-            seq_lens_t=t(seq_lens, torch.int32),
-            block_tables=t(rows, torch.int32),
-            slot_mapping=t(slot_mapping, torch.int64),
-            state_src=t(src, torch.int64),
-            state_dst=t(dst, torch.int64),
-            has_initial_state=t(has_init, torch.bool),
-            logits_indices=t(logits_idx, torch.int64),
+            cu_seqlens_t=cu_t,
+            seq_lens_t=seq_lens_t,
+            block_tables=tables.view(len(rows), max_blocks),
+            slot_mapping=slots,
+            state_src=src_t,
+            state_dst=dst_t,
+            has_initial_state=init_t,
+            logits_indices=logits_t,
             snapshots=snaps,
         )
-        return t(ids, torch.long), meta
+        return input_ids, meta
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, feed: torch.Tensor | None = None) -> torch.Tensor:
