@@ -55,12 +55,24 @@ def listed_layer_types(f: Fields) -> tuple[str, ...] | None:
     return None
 
 
-def parse_mamba(f: Fields, hidden: int, eps: float) -> MambaSpec:
-    """The Mamba2 mixer of the `mamba_*` keys (mamba_d_head "auto": expand * hidden / heads)."""
-    heads = f.req("mamba_n_heads")
-    expand = f.get("mamba_expand", 2, int)
-    d_head = f.d.get("mamba_d_head")
-    head_dim = expand * hidden // heads if d_head in (None, "auto") else f.req("mamba_d_head")
+def parse_mamba(
+    f: Fields,
+    hidden: int,
+    eps: float,
+    *,
+    heads: int | None = None,
+    head_dim: int | None = None,
+    **options: bool,
+) -> MambaSpec:
+    """The Mamba2 mixer of the `mamba_*` keys (mamba_d_head "auto": expand * hidden / heads). A family that
+    reads the heads or their width its own way passes `heads` / `head_dim`; `options` are MambaSpec's
+    output choices (out_bias, rms_norm, norm_before_gate)."""
+    if heads is None:
+        heads = f.req("mamba_n_heads")
+    if head_dim is None:
+        expand = f.get("mamba_expand", 2, int)
+        d_head = f.d.get("mamba_d_head")
+        head_dim = expand * hidden // heads if d_head in (None, "auto") else f.req("mamba_d_head")
     return MambaSpec(
         hidden_size=hidden,
         num_heads=heads,
@@ -73,6 +85,7 @@ def parse_mamba(f: Fields, hidden: int, eps: float) -> MambaSpec:
         proj_bias=bool(f.get("mamba_proj_bias", False)),
         time_step_limit=time_step_limit(f),
         norm_eps=eps,
+        **options,
     )
 
 

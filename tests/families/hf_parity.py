@@ -4,9 +4,13 @@ within 1e-3 of transformers'. Again with prefix caching and small prefill chunks
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 
 from hyserve import LLM, SamplingParams
+from hyserve.kernels import ops
 
 PROMPTS = [
     [5, 17, 33, 2, 9, 41, 8, 100, 7, 3, 250, 11],
@@ -64,3 +68,16 @@ def check_parity(model_dir: str, hf_model: torch.nn.Module) -> float:
     again = cached.generate(PROMPTS, params)
     assert [list(o.token_ids) for o in again] == [t for t, _ in hf]
     return worst
+
+
+def record_op_lookups(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """The names of the kernel ops looked up from now on (the returned set fills as they are)."""
+    looked_up: set[str] = set()
+    real_get = ops.Op.get
+
+    def recording_get(self: ops.Op[..., Any], on_cuda: bool) -> Any:
+        looked_up.add(self.name)
+        return real_get(self, on_cuda)
+
+    monkeypatch.setattr(ops.Op, "get", recording_get)
+    return looked_up

@@ -13,11 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hyserve.kernels import ops
 from hyserve.model import registry
 from hyserve.model.config import LAYER_ATTENTION, LAYER_MAMBA
 from hyserve.model.granitemoehybrid.config import GraniteMoeHybridConfig
-from tests.families.hf_parity import check_parity
+from tests.families.hf_parity import check_parity, record_op_lookups
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,14 +71,7 @@ def test_granite_greedy_matches_transformers(
 ) -> None:
     hf = _hf_model(variant)
     hf.save_pretrained(tmp_path)
-    looked_up: set[str] = set()
-    real_get = ops.Op.get
-
-    def recording_get(self: ops.Op[..., Any], on_cuda: bool) -> Any:
-        looked_up.add(self.name)
-        return real_get(self, on_cuda)
-
-    monkeypatch.setattr(ops.Op, "get", recording_get)
+    looked_up = record_op_lookups(monkeypatch)
     worst = check_parity(str(tmp_path), hf)
     print(f"granitemoehybrid ({variant}) max |dlogprob| {worst:.2e}")
     family, cfg = registry.read_config(tmp_path)

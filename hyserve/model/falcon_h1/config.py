@@ -24,9 +24,8 @@ from hyserve.model.config import (
     checkpoint_dtype,
     eos_token_ids,
     number,
-    time_step_limit,
 )
-from hyserve.model.hybrid_config import HybridDecoderConfig, check_rope_type, rope_theta
+from hyserve.model.hybrid_config import HybridDecoderConfig, check_rope_type, parse_mamba, rope_theta
 from hyserve.model.layer_specs import AttentionSpec, MambaSpec, RopeSpec, divides
 
 # transformers' FalconH1Config defaults for keys a config.json leaves out
@@ -59,19 +58,13 @@ def _parse_mamba(f: Fields, hidden: int, eps: float) -> MambaSpec:
         raise ValueError(
             f"mamba_d_head ({head_dim}) * mamba_n_heads ({heads}) must equal mamba_d_ssm ({d_ssm})"
         )
-    return MambaSpec(
-        hidden_size=hidden,
-        num_heads=heads,
+    return parse_mamba(
+        f,
+        hidden,
+        eps,
+        heads=heads,
         head_dim=head_dim,
-        state_size=f.get("mamba_d_state", 256, int),
-        n_groups=f.get("mamba_n_groups", 1, int),
-        conv_kernel=f.get("mamba_d_conv", 4, int),
-        chunk_size=f.get("mamba_chunk_size", 256, int),
-        use_conv_bias=bool(f.get("mamba_conv_bias", True)),
-        proj_bias=bool(f.get("mamba_proj_bias", False)),
         out_bias=bool(f.get("projectors_bias", False)),
-        time_step_limit=time_step_limit(f),
-        norm_eps=eps,
         rms_norm=bool(f.get("mamba_rms_norm", False)),
         norm_before_gate=bool(f.get("mamba_norm_before_gate", True)),
     )
