@@ -32,6 +32,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,6 +74,22 @@ def _stub_model(model, vocab: int) -> None:
     model.compute_logits = logits
 
 
+def stub_engine_options(max_batch_size: int, max_seq_len: int) -> dict[str, Any]:
+    """Engine options of the stub-model benchmarks: the built-in tiny model on the CPU, its KV cache sized
+    for `max_batch_size` requests of `max_seq_len` tokens (the tiny model keeps 512 bytes a token; twice that
+    leaves room for the prefix cache's Mamba snapshots), at least 256 MiB. A fixed large budget would have
+    every run zero gigabytes of host memory it never touches."""
+    cache_bytes = max(256 * 2**20, max_batch_size * max_seq_len * 1024)
+    return {
+        "device": "cpu",
+        "max_batch_size": max_batch_size,
+        "max_num_tokens": 16384,
+        "max_seq_len": max_seq_len,
+        "warmup": "off",
+        "kv_cache_config": {"tokens_per_block": 64, "max_gpu_total_bytes": cache_bytes},
+    }
+
+
 def serve_stub(port: int, max_batch_size: int, max_seq_len: int, ready: mp.Event) -> None:
     """The child process: `hyserve serve`'s app over the built-in tiny model with the stub model."""
     import uvicorn
@@ -84,16 +101,7 @@ def serve_stub(port: int, max_batch_size: int, max_seq_len: int, ready: mp.Event
     from hyserve.server.state import ServerOptions
 
     logging.disable(logging.WARNING)
-    config = build_engine_config(
-        {
-            "device": "cpu",
-            "max_batch_size": max_batch_size,
-            "max_num_tokens": 16384,
-            "max_seq_len": max_seq_len,
-            "warmup": "off",
-            "kv_cache_config": {"tokens_per_block": 64, "max_gpu_total_bytes": 8 * 2**30},
-        }
-    )
+    config = build_engine_config(stub_engine_options(max_batch_size, max_seq_len))
     engine = AsyncEngine(config, log=lambda s: None)
     model = engine.engine.runner.model
     _stub_model(model, model.config.vocab_size)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_serve_host import _free_port, _stub_model, _wait_healthy, run_point
+from benchmarks.bench_serve_host import _free_port, _stub_model, _wait_healthy, run_point, stub_engine_options
 from benchmarks.host_results import write_host_results
 
 
@@ -83,17 +83,6 @@ def emulate_device(model: Any, device: Device) -> None:
     PendingStep.read = timed_read  # type: ignore[method-assign]
 
 
-def engine_options(concurrency: int, max_seq_len: int) -> dict[str, Any]:
-    return {
-        "device": "cpu",
-        "max_batch_size": concurrency,
-        "max_num_tokens": 16384,
-        "max_seq_len": max_seq_len,
-        "warmup": "off",
-        "kv_cache_config": {"tokens_per_block": 64, "max_gpu_total_bytes": 8 * 2**30},
-    }
-
-
 def serve_emulated(port: int, concurrency: int, max_seq_len: int, device: Device, ready: Any) -> None:
     """The server process: `hyserve serve`'s app and uvicorn settings over the built-in tiny model on the
     emulated device."""
@@ -106,7 +95,9 @@ def serve_emulated(port: int, concurrency: int, max_seq_len: int, device: Device
     from hyserve.server.state import ServerOptions
 
     logging.disable(logging.WARNING)
-    engine = AsyncEngine(build_engine_config(engine_options(concurrency, max_seq_len)), log=lambda s: None)
+    engine = AsyncEngine(
+        build_engine_config(stub_engine_options(concurrency, max_seq_len)), log=lambda s: None
+    )
     emulate_device(engine.engine.runner.model, device)
     engine.start()
     opts = ServerOptions(port=port, access_log=False, log_level="warning")
@@ -125,7 +116,7 @@ def engine_point(concurrency: int, input_len: int, output_len: int, device: Devi
     from hyserve.engine.llm import LLM
     from hyserve.engine.sampling_params import SamplingParams
 
-    llm = LLM(**engine_options(concurrency, input_len + output_len + 64))
+    llm = LLM(**stub_engine_options(concurrency, input_len + output_len + 64))
     model = llm.engine.runner.model
     emulate_device(model, device)
     rng = random.Random(seed)
