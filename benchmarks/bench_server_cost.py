@@ -42,9 +42,17 @@ class Device:
 
     step_ms: float
     token_us: float
+    eager_ms: float = 0.0  # host time of a step that runs the model eagerly (one with a prefill row)
 
     def step_s(self, tokens: int) -> float:
         return self.step_ms / 1e3 + self.token_us / 1e6 * tokens
+
+
+def _hold_host(ms: float) -> None:
+    """Keep the interpreter busy for `ms` (the lock held, as launching an eager forward's kernels does)."""
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
 
 
 def emulate_device(model: Any, device: Device) -> None:
@@ -59,6 +67,8 @@ def emulate_device(model: Any, device: Device) -> None:
     stub_forward = model.forward
 
     def forward(ids, meta, cache):
+        if device.eager_ms and len(meta.cu_seqlens) - 1 > meta.num_decodes:
+            _hold_host(device.eager_ms)  # a step with a prefill row replays no CUDA graph
         device_free[0] = max(time.perf_counter(), device_free[0]) + device.step_s(ids.shape[0])
         return stub_forward(ids, meta, cache)
 
@@ -83,7 +93,37 @@ def emulate_device(model: Any, device: Device) -> None:
     PendingStep.read = timed_read  # type: ignore[method-assign]
 
 
-def serve_emulated(port: int, concurrency: int, max_seq_len: int, device: Device, ready: Any) -> None:
+@dataclass(frozen=True)
+class Workload:
+    """One point: `prompts` random prompts of `input_len` tokens generating `output_len` each, `concurrency`
+    in flight at the server, under the engine options `engine` (stub_engine_options plus overrides)."""
+
+    concurrency: int
+    prompts: int
+    input_len: int
+    output_len: int
+    engine: tuple[tuple[str, Any], ...]
+
+    def options(self) -> dict[str, Any]:
+        return dict(self.engine)
+
+
+def workload(args: argparse.Namespace, concurrency: int) -> Workload:
+    batch = args.max_batch_size or concurrency
+    opts = stub_engine_options(batch, args.input_len + args.output_len + 64)
+    for key in ("batch_wait_timeout_iters", "batch_wait_max_tokens_ratio"):
+        if getattr(args, key) is not None:
+            opts[key] = getattr(args, key)
+    return Workload(
+        concurrency=concurrency,
+        prompts=args.num_prompts or concurrency,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        engine=tuple(opts.items()),
+    )
+
+
+def serve_emulated(port: int, work: Workload, device: Device, ready: Any) -> None:
     """The server process: `hyserve serve`'s app and uvicorn settings over the built-in tiny model on the
     emulated device."""
     import uvicorn
@@ -95,9 +135,7 @@ def serve_emulated(port: int, concurrency: int, max_seq_len: int, device: Device
     from hyserve.server.state import ServerOptions
 
     logging.disable(logging.WARNING)
-    engine = AsyncEngine(
-        build_engine_config(stub_engine_options(concurrency, max_seq_len)), log=lambda s: None
-    )
+    engine = AsyncEngine(build_engine_config(work.options()), log=lambda s: None)
     emulate_device(engine.engine.runner.model, device)
     engine.start()
     opts = ServerOptions(port=port, access_log=False, log_level="warning")
@@ -109,20 +147,20 @@ def serve_emulated(port: int, concurrency: int, max_seq_len: int, device: Device
     uvicorn.Server(cfg).run()
 
 
-def engine_point(concurrency: int, input_len: int, output_len: int, device: Device, seed: int) -> dict:
-    """`LLM.generate` over `concurrency` random prompts at once on the emulated device."""
+def engine_point(work: Workload, device: Device, seed: int) -> dict:
+    """`LLM.generate` over the workload's prompts at once on the emulated device."""
     import random
 
     from hyserve.engine.llm import LLM
     from hyserve.engine.sampling_params import SamplingParams
 
-    llm = LLM(**stub_engine_options(concurrency, input_len + output_len + 64))
+    llm = LLM(**work.options())
     model = llm.engine.runner.model
     emulate_device(model, device)
     rng = random.Random(seed)
     vocab = model.config.vocab_size
-    prompts = [[rng.randrange(10, vocab) for _ in range(input_len)] for _ in range(concurrency)]
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    prompts = [[rng.randrange(10, vocab) for _ in range(work.input_len)] for _ in range(work.prompts)]
+    params = SamplingParams(max_tokens=work.output_len, ignore_eos=True, temperature=0.0)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
@@ -130,20 +168,18 @@ def engine_point(concurrency: int, input_len: int, output_len: int, device: Devi
     return {"output_tok_s": tokens / wall, "duration_s": wall, "output_tokens": tokens}
 
 
-def server_point(concurrency: int, input_len: int, output_len: int, device: Device, seed: int) -> dict:
+def server_point(work: Workload, device: Device, seed: int) -> dict:
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     port = _free_port()
-    proc = ctx.Process(
-        target=serve_emulated,
-        args=(port, concurrency, input_len + output_len + 64, device, ready),
-        daemon=True,
-    )
+    proc = ctx.Process(target=serve_emulated, args=(port, work, device, ready), daemon=True)
     proc.start()
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(base, proc)
-        return run_point(base, proc.pid, concurrency, concurrency, input_len, output_len, seed)
+        return run_point(
+            base, proc.pid, work.concurrency, work.prompts, work.input_len, work.output_len, seed
+        )
     finally:
         proc.terminate()
         proc.join(10)
@@ -156,16 +192,27 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=300)
     ap.add_argument("--step-ms", type=float, default=35.0, help="emulated device time of every step")
     ap.add_argument("--token-us", type=float, default=16.0, help="emulated device time of each token")
+    ap.add_argument(
+        "--eager-ms",
+        type=float,
+        default=0.0,
+        help="host time (interpreter held) of a step with a prefill row",
+    )
+    ap.add_argument("--num-prompts", type=int, default=None, help="requests per point (default: concurrency)")
+    ap.add_argument("--max-batch-size", type=int, default=None, help="engine batch (default: concurrency)")
+    ap.add_argument("--batch-wait-timeout-iters", type=int, default=None)
+    ap.add_argument("--batch-wait-max-tokens-ratio", type=float, default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--git-sha", default="")
     args = ap.parse_args()
     logging.disable(logging.WARNING)
-    device = Device(args.step_ms, args.token_us)
+    device = Device(args.step_ms, args.token_us, args.eager_ms)
     rows = []
     for i, c in enumerate(args.concurrency):
-        eng = engine_point(c, args.input_len, args.output_len, device, seed=i)
+        work = workload(args, c)
+        eng = engine_point(work, device, seed=i)
         print(f"concurrency {c}: LLM.generate {eng['output_tok_s']:.0f} output tok/s", flush=True)
-        srv = server_point(c, args.input_len, args.output_len, device, seed=i)
+        srv = server_point(work, device, seed=i)
         ratio = srv["output_tok_s"] / eng["output_tok_s"]
         print(
             f"    hyserve serve {srv['output_tok_s']:.0f} output tok/s: {ratio:.3f} of the engine", flush=True
@@ -183,10 +230,21 @@ def main() -> int:
         for r in rows
     ]
     print(*head, *lines, sep="\n")
+    setting = "".join(
+        f", {k.replace('_', ' ')} {v:g}"
+        for k, v in (
+            ("eager_ms", args.eager_ms),
+            ("num_prompts", args.num_prompts),
+            ("max_batch_size", args.max_batch_size),
+            ("batch_wait_timeout_iters", args.batch_wait_timeout_iters),
+            ("batch_wait_max_tokens_ratio", args.batch_wait_max_tokens_ratio),
+        )
+        if v
+    )
     records = [
         dict(
             name=f"server / engine, concurrency {r['concurrency']}, {args.input_len} in / {args.output_len} "
-            f"out, emulated steps of {args.step_ms:g} ms + {args.token_us:g} us a token",
+            f"out, emulated steps of {args.step_ms:g} ms + {args.token_us:g} us a token{setting}",
             value=r["ratio"],
             unit="hyserve serve tok/s / LLM.generate tok/s",
             **r,

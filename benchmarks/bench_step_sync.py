@@ -88,23 +88,65 @@ class SyncRecorder:
         self._ctx.__exit__(*exc)
 
 
+def mixed_steps(eng, a: argparse.Namespace, rng: random.Random) -> list[dict[str, Any]]:  # noqa: ANN001
+    """Host time of steps that carry new prompts beside the decode batch (they run the model eagerly): for
+    each count in --mixed-prompts, `--mixed-reps` times, that many prompts of --mixed-len tokens are added
+    and the step that prefills them is timed (step() and its runner.execute), then decode steps run until
+    the prompts are in; each count is set beside the decode-only steps' mean."""
+    vocab = eng.model_config.vocab_size
+    out = []
+    for k in a.mixed_prompts:
+        step_ms, exec_ms = [], []
+        for rep in range(a.mixed_reps):
+            for j in range(k):
+                eng.add_request(
+                    f"m{k}-{rep}-{j}",
+                    [rng.randrange(3, vocab) for _ in range(a.mixed_len)],
+                    SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                )
+            phases = time_phases(eng, (("runner", "execute"),))
+            t = time.perf_counter()
+            eng.step()
+            step_ms.append((time.perf_counter() - t) * 1e3)
+            exec_ms.append(phases["runner.execute"][0])
+            del eng.runner.execute  # the timer was set on the instance: back to the class's method
+            while any(r.request_id.startswith("m") for r in eng.requests.values()):
+                eng.step()
+        out.append(
+            dict(
+                prompts=k,
+                prompt_len=a.mixed_len,
+                step_ms=sum(step_ms) / len(step_ms),
+                execute_ms=sum(exec_ms) / len(exec_ms),
+                reps=len(step_ms),
+            )
+        )
+    return out
+
+
 def run(a: argparse.Namespace) -> dict[str, Any]:
     model = a.model_dir or None
+    mixed = sum(a.mixed_prompts)
     llm = LLM(
         model,
         load_format="dummy" if model else "auto",
-        max_batch_size=a.batch,
-        max_num_tokens=max(8192, a.batch * a.prompt_len),
+        quantization=a.quantization,
+        max_batch_size=a.batch + max(a.mixed_prompts, default=0),
+        max_num_tokens=max(
+            8192, a.batch * a.prompt_len, a.batch + max(a.mixed_prompts, default=0) * a.mixed_len
+        ),
         log=lambda s: None,
     )
     eng = llm.engine
     vocab = eng.model_config.vocab_size
     rng = random.Random(0)
+    # the decode batch lasts through the mixed steps too (each takes a prefill step, then a few decodes)
+    lasting = a.steps + 2 + (a.mixed_reps * len(a.mixed_prompts) * 4 if mixed else 0)
     for i in range(a.batch):
         eng.add_request(
             f"s{i}",
             [rng.randrange(3, vocab) for _ in range(a.prompt_len)],
-            SamplingParams(max_tokens=a.steps + 2, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=lasting, temperature=0.0, ignore_eos=True),
         )
     while any(r.num_computed < r.num_prompt_tokens for r in eng.requests.values()):
         eng.step()
@@ -116,13 +158,21 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     tokens = 0
     with SyncRecorder() as rec:
         t0 = time.perf_counter()
-        while eng.has_unfinished():
+        for _ in range(a.steps):
             t = time.perf_counter()
             tokens += sum(len(d.token_ids) for d in eng.step())
             step_ms.append((time.perf_counter() - t) * 1e3)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+    for name in ("schedule", "update"):
+        eng.scheduler.__dict__.pop(name, None)  # the phase timers off again
+    eng.runner.__dict__.pop("execute", None)
+    eng.__dict__.pop("_read", None)
+    with SyncRecorder() as mixed_rec:
+        mixed_rows = mixed_steps(eng, a, rng) if mixed else []
+    while eng.has_unfinished():
+        eng.step()
     steps = max(1, tokens // a.batch)
     replay = graph_replay_ms(getattr(eng.runner, "graphs", None), a.batch)
     return dict(
@@ -136,6 +186,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             dict(site=s, count=c, per_step=c / steps, message=rec.messages[s])
             for s, c in rec.sites.most_common()
         ],
+        mixed=mixed_rows,
+        mixed_syncs=[
+            dict(site=s, count=c, message=mixed_rec.messages[s]) for s, c in mixed_rec.sites.most_common()
+        ],
     )
 
 
@@ -147,6 +201,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--prompt-len", type=int, default=30)
+    ap.add_argument(
+        "--quantization", default=None, help="fp8: FP8 weights, as `hyserve serve --quantization`"
+    )
+    ap.add_argument(
+        "--mixed-prompts",
+        type=int,
+        nargs="*",
+        default=[],
+        help="then time steps that prefill this many new prompts beside the decode batch, per count",
+    )
+    ap.add_argument("--mixed-len", type=int, default=1000, help="tokens of each new prompt of a mixed step")
+    ap.add_argument("--mixed-reps", type=int, default=3)
     ap.add_argument("--git-sha", default="")
     ap.add_argument("--result-dir", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args(argv)
@@ -164,6 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     for k, v in result["phases_ms"].items():
         print(f"  {k:<22} {v['mean']:8.3f} ms mean  {v['max']:8.3f} max  ({v['calls']} calls)")
+    for m in result["mixed"]:
+        print(
+            f"  step with {m['prompts']} new prompt(s) of {m['prompt_len']} tokens: {m['step_ms']:.2f} ms, "
+            f"runner.execute {m['execute_ms']:.2f} ms (mean of {m['reps']})"
+        )
+    for s in result["mixed_syncs"]:
+        print(f"    mixed steps: {s['count']} x {s['site']}\n        {s['message']}")
     print(f"  synchronising calls: {sum(s['count'] for s in result['syncs'])}")
     for s in result["syncs"]:
         print(f"    {s['per_step']:6.2f} per step  {s['site']}\n        {s['message']}")

@@ -155,6 +155,23 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(
         p,
+        "batch_wait_timeout_iters",
+        type=int,
+        default=None,
+        help="batch waiting, as TensorRT-LLM's: while a full batch decodes and requests queue, admissions "
+        "wait up to this many steps for their prompts to fill --batch-wait-max-tokens-ratio of the token "
+        "budget, so fewer steps run eagerly (0: off)",
+    )
+    _flag(
+        p,
+        "batch_wait_max_tokens_ratio",
+        type=float,
+        default=None,
+        help="batch waiting stops once decode rows and waiting prompts fill this share of max_num_tokens "
+        "(default 0.75)",
+    )
+    _flag(
+        p,
         "max_seq_len",
         type=int,
         default=None,

@@ -185,6 +185,13 @@ def fraction(v: Any, path: str) -> float:
     return float(v)
 
 
+def unit_share(v: Any, path: str) -> float:
+    """A number in [0, 1]."""
+    if isinstance(v, bool) or not isinstance(v, int | float) or not (0.0 <= float(v) <= 1.0):
+        raise ValueError(f"{path}: must be in [0, 1], got {v!r}")
+    return float(v)
+
+
 def fraction_or_none(v: Any, path: str) -> float | None:
     return None if v is None else fraction(v, path)
 
@@ -201,6 +208,9 @@ def positive_ms_or_none(v: Any, path: str) -> float | None:
 # max_step_ms "auto": chunks of long prompts sized so a step stays under this on CUDA (beside a 1M-token
 # prompt on an H200 it kept short requests' TTFT p99 at 386 ms)
 DEFAULT_MAX_STEP_MS = 150.0
+# batch waiting (SchedulerConfig): the most steps admissions wait; the share of max_num_tokens they fill
+DEFAULT_BATCH_WAIT_ITERS = 0
+DEFAULT_BATCH_WAIT_RATIO = 0.75
 
 
 def step_ms_target(v: Any, path: str) -> float | str | None:
@@ -434,6 +444,12 @@ class SchedulerConfig:
     max_num_partial_prefills: int = option(4, Int(lo=1))
     long_prefill_token_threshold: int | None = option(None, Int(lo=1, none_ok=True))
     max_step_ms: float | str | None = option("auto", step_ms_target)
+    # batch waiting, as TensorRT-LLM's: while a full batch decodes and more requests wait than slots are
+    # free, admissions wait (at most batch_wait_timeout_iters steps; 0: never) until their first chunks and
+    # the decode rows fill batch_wait_max_tokens_ratio of max_num_tokens, so fewer steps run eagerly
+    # (Scheduler._hold_admissions)
+    batch_wait_timeout_iters: int = option(DEFAULT_BATCH_WAIT_ITERS, Int(lo=0))
+    batch_wait_max_tokens_ratio: float = option(DEFAULT_BATCH_WAIT_RATIO, unit_share)
     # admission and preemption order (SCHEDULING_POLICIES); under "fcfs" a request's priority must be 0
     scheduling_policy: str = option("fcfs", Choice(SCHEDULING_POLICIES))
 

@@ -123,7 +123,7 @@ def test_accepted_keys_come_from_the_fields() -> None:
         "model", "dtype", "device", "load_format", "quantization", "served_model_name", "seed",
         "max_batch_size", "max_num_tokens", "max_seq_len", "enable_chunked_prefill",
         "max_num_partial_prefills", "long_prefill_token_threshold", "max_step_ms", "scheduling_policy",
-        "kv_cache_config", "cuda_graph_config", "tp_size", "ep_size",
+        "batch_wait_timeout_iters", "batch_wait_max_tokens_ratio", "kv_cache_config", "cuda_graph_config", "tp_size", "ep_size",
         "tensor_parallel_size", "moe_expert_parallel_size", "warmup", "strict_warmup", "cache_dir",
         "async_scheduling", "engine_failure_limit", "engine_failure_window_s",
         "max_num_seqs", "max_num_batched_tokens", "revision", "download_dir",
@@ -180,7 +180,7 @@ def test_every_option_is_checked_and_named_by_its_path() -> None:
     from hyserve.config import EngineConfig
 
     paths = _option_paths(EngineConfig)
-    assert len(paths) == 44 and "kv_cache_config.mamba_state_config.periodic_snapshot_interval" in paths
+    assert len(paths) == 46 and "kv_cache_config.mamba_state_config.periodic_snapshot_interval" in paths
     for path in paths:
         with pytest.raises(ValueError, match=path.replace(".", r"\.")):
             build_engine_config(_nested(path, object()))

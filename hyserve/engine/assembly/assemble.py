@@ -121,6 +121,8 @@ def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
         max_num_partial_prefills=sc.max_num_partial_prefills,
         long_prefill_token_threshold=sc.long_prefill_token_threshold,
         scheduling_policy=sc.scheduling_policy,
+        batch_wait_timeout_iters=sc.batch_wait_timeout_iters,
+        batch_wait_max_tokens_ratio=sc.batch_wait_max_tokens_ratio,
     )
     runner = ModelRunner(lm.model, tensors, lm.device)
     if graph_sizes:

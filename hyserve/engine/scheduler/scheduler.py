@@ -50,6 +50,9 @@ from hyserve.engine.request import Request, RequestStatus
 from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.scheduler.step_cost import StepCostModel
 
+# batch waiting stops once the admissible first chunks would take this share of the step-time budget
+BATCH_WAIT_MS_SHARE = 0.9
+
 
 @dataclass
 class ScheduledSeq:
@@ -144,6 +147,8 @@ class Scheduler:
         long_prefill_token_threshold: int | None = None,
         cost: StepCostModel | None = None,
         scheduling_policy: str = "fcfs",
+        batch_wait_timeout_iters: int = 0,
+        batch_wait_max_tokens_ratio: float = 0.0,
     ) -> None:
         self.cache = cache
         # "priority": the waiting queue and the running list are kept sorted by `priority_key`
@@ -165,6 +170,11 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._pending_aborts: set[str] = set()
         self._arrivals = itertools.count()  # Request.arrival_seq
+        # batch waiting (`_hold_admissions`): the most steps in a row admissions wait, the share of the
+        # token budget they wait for, and the steps waited so far
+        self.batch_wait_iters = batch_wait_timeout_iters
+        self.batch_wait_tokens = batch_wait_max_tokens_ratio * max_num_tokens
+        self._held_iters = 0
 
     # ---- queue management -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -316,11 +326,42 @@ class Scheduler:
         budget -= sum(len(p.token_ids) for p in prefills)
         if ms is not None:
             ms -= sum(self._chunk_ms(p) for p in prefills)
-        prefills += self.admit(budget, ms=ms, capped=bool(conts))
+        if not self._hold_admissions(batch.num_decodes, claim_tokens, bool(prefills), claim_ms, ms):
+            prefills += self.admit(budget, ms=ms, capped=bool(conts))
 
         batch.seqs.extend(prefills)
         self.stats.tokens_scheduled = batch.num_tokens
         return batch, aborted
+
+    def _hold_admissions(
+        self, decodes: int, claim_tokens: int, eager: bool, claim_ms: float, ms: float | None
+    ) -> bool:
+        """Batch waiting (TensorRT-LLM's batch_wait_timeout_iters / batch_wait_max_tokens_ratio). A step of
+        decode rows alone replays a CUDA graph; one with a prefill chunk runs the model eagerly, and the
+        host's launch work for that does not grow with the chunk. So while decodes run, no other prefill
+        makes the step eager anyway and more requests wait than slots are free (admission is bound by
+        slots, which finishing requests free), admissions wait: until the decode rows and the admissible
+        first chunks (`claim_tokens`) reach batch_wait_max_tokens_ratio of max_num_tokens, the first chunks
+        fill most of the step-time budget (BATCH_WAIT_MS_SHARE), or batch_wait_timeout_iters steps have
+        passed. Requests wait only when the
+        queue is longer than the free slots, so a lightly loaded server never holds one back. A step with
+        nothing admissible (no free slot) neither holds nor counts toward the timeout."""
+        if claim_tokens == 0:
+            return False
+        hold = (
+            self._held_iters < self.batch_wait_iters
+            and decodes > 0
+            and not eager
+            and len(self.waiting) > self._room()
+            and decodes + claim_tokens < self.batch_wait_tokens
+            and (ms is None or claim_ms < BATCH_WAIT_MS_SHARE * ms)
+        )
+        self._held_iters = self._held_iters + 1 if hold else 0
+        return bool(hold)
+
+    def _room(self) -> int:
+        """Requests that can start now: free batch places that have a free live state slot."""
+        return max(0, min(self.max_batch_size - len(self.running), self.cache.states.num_free_live()))
 
     def _ms_after_decodes(self, batch: ScheduledBatch) -> float | None:
         """The step-time budget left for prefill chunks after the decode rows (None: no time target)."""
@@ -343,7 +384,7 @@ class Scheduler:
         one SSD chunk of the budget, so it progresses every step."""
         reserve = min(budget, self.chunk_size) if conts else 0
         avail = budget - reserve
-        room = min(self.max_batch_size - len(self.running), self.cache.states.num_free_live())
+        room = self._room()
         tokens, spent = 0, 0.0
         for i, req in enumerate(self.waiting):
             if i >= room or tokens >= avail or req.num_inflight:
