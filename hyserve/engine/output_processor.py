@@ -11,14 +11,15 @@ from hyserve.engine.request import Request
 from hyserve.engine.runner.runner import ModelRunner
 from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.scheduler.scheduler import ScheduledBatch
-from hyserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from hyserve.model.detokenizer import Detokenizer
+from hyserve.model.tokenizer import Tokenizer
 
 
 @dataclass
 class _OutputState:
     """Per-request text state: incremental detokenizer and the stop-string hold-back."""
 
-    detok: IncrementalDetokenizer | None
+    detok: Detokenizer | None
     text: str = ""  # all text so far (stop strings trimmed at finish)
     emitted: int = 0  # characters of `text` already handed out
     tokens_emitted: int = 0
@@ -37,6 +38,8 @@ class OutputProcessor:
         self, *, tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...], max_seq_len: int
     ) -> None:
         self.tokenizer = tokenizer
+        if tokenizer is not None:
+            tokenizer.stream_bytes  # noqa: B018 - the byte table is built now, not on the first request
         self.eos = tokenizer.eos_token_ids if tokenizer is not None else eos_token_ids
         self.max_seq_len = max_seq_len
         self._states: dict[str, _OutputState] = {}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from functools import cache, cached_property
 from pathlib import Path
@@ -29,6 +29,8 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
+
+from hyserve.model.detokenizer import ByteLevelDetokenizer, Detokenizer, IncrementalDetokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -389,8 +391,40 @@ class Tokenizer:
 
     def incremental_detokenizer(
         self, *, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
-    ) -> IncrementalDetokenizer:
+    ) -> Detokenizer:
+        """A stream's detokenizer: a byte-level tokenizer's concatenates each token's bytes (no decode call
+        per token), any other's decodes a sliding window (detokenizer.py)."""
+        table = self.stream_bytes
+        if table is not None:
+            return ByteLevelDetokenizer(table, self.special_ids, skip_special_tokens=skip_special_tokens)
         return IncrementalDetokenizer(self, prompt_ids=prompt_ids, skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self._added.items() if t.special)
+
+    @cached_property
+    def stream_bytes(self) -> tuple[bytes, ...] | None:
+        """The bytes each token id decodes to, when decoding is the UTF-8 of their concatenation: a plain
+        ByteLevel decoder, every vocabulary entry made of byte-level characters, every added token whole
+        characters. None otherwise (a sentencepiece-style decoder, say)."""
+        if not self._byte_level:
+            return None
+        table = _unicode_to_bytes()
+        out: list[bytes] = []
+        for i in range(self.vocab_size):
+            added = self._added.get(i)
+            if added is not None:
+                out.append(self.decode([i], skip_special_tokens=False).encode("utf-8"))
+                continue
+            raw = self._tok.id_to_token(i)
+            if raw is None:
+                out.append(b"")
+            elif all(c in table for c in raw):
+                out.append(bytes(table[c] for c in raw))
+            else:
+                return None
+        return tuple(out)
 
     # -- chat --
     @property
@@ -461,65 +495,3 @@ def check_chat_template(source: str) -> None:
         raise ValueError(
             f"the chat template does not compile{f' (line {line})' if line else ''}: {e}"
         ) from None
-
-
-# ---- streaming ---------------------------------------------------------------------------------------------
-_REPLACEMENT = "\ufffd"
-_PROMPT_CONTEXT = 5
-
-
-class IncrementalDetokenizer:
-    """Turn a stream of token ids into text deltas without ever emitting half a UTF-8 character.
-
-    It decodes a short window of ids and emits the text past what the window's older part decodes to, only
-    when that text does not end in U+FFFD (an incomplete multi-byte character). The window keeps the previous
-    emission as context, which also gets sentencepiece-style leading spaces right:
-
-        ids:   ... | prefix (already emitted) | read (pending) |
-                     ^prefix_offset            ^read_offset
-        delta = decode(prefix + pending)[len(decode(prefix)):]
-
-    Invariant: "".join(feed(i) for i in ids) + flush() == tokenizer.decode(ids).
-    """
-
-    def __init__(
-        self, tokenizer: Tokenizer, *, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
-    ) -> None:
-        self._tok = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:]) if prompt_ids else []
-        self._prefix = 0
-        self._read = len(self._ids)
-        self.text = ""  # everything emitted so far
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=self._skip)
-
-    def feed(self, token_id: int) -> str:
-        """Add one token; return the newly completed text ('' while a character is incomplete)."""
-        self._ids.append(int(token_id))
-        return self._emit(final=False)
-
-    def feed_many(self, token_ids: Iterable[int]) -> str:
-        return "".join(self.feed(t) for t in token_ids)
-
-    def flush(self) -> str:
-        """End of stream: return held-back text (an incomplete character decodes as U+FFFD)."""
-        return self._emit(final=True)
-
-    def _emit(self, *, final: bool) -> str:
-        if self._read >= len(self._ids):
-            return ""
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        new_text = self._decode(self._ids[self._prefix :])
-        if len(new_text) <= len(prefix_text) and not final:
-            return ""
-        if new_text.endswith(_REPLACEMENT) and not final:
-            return ""
-        delta = new_text[len(prefix_text) :]
-        # keep the tokens just emitted as context for the next window; drop older ones
-        del self._ids[: self._read]
-        self._prefix = 0
-        self._read = len(self._ids)
-        self.text += delta
-        return delta

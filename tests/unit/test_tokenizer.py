@@ -9,12 +9,12 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from hyserve.model.detokenizer import ByteLevelDetokenizer, IncrementalDetokenizer
 from hyserve.model.tokenizer import (
     BOS,
     EOS,
     PAD,
     TINY_SPECIAL_TOKENS,
-    IncrementalDetokenizer,
     Tokenizer,
     TokenizerNotFoundError,
     write_tiny_tokenizer,
@@ -252,8 +252,20 @@ def test_chat_template_matches_transformers(tiny_dir, tok):
 
 
 # ---- incremental detokenizer -------------------------------------------------------------------------------
-def _stream(tok: Tokenizer, ids: list[int], **kw) -> tuple[list[str], str]:
-    det = IncrementalDetokenizer(tok, **kw)
+KINDS = ("bytes", "window")
+
+
+def _det(tok: Tokenizer, kind: str, **kw):
+    """The byte-level detokenizer (what the tiny byte-level tokenizer streams with) or the windowed one."""
+    if kind == "bytes":
+        det = tok.incremental_detokenizer(**kw)
+        assert isinstance(det, ByteLevelDetokenizer)
+        return det
+    return IncrementalDetokenizer(tok, **kw)
+
+
+def _stream(tok: Tokenizer, ids: list[int], kind: str, **kw) -> tuple[list[str], str]:
+    det = _det(tok, kind, **kw)
     deltas = [det.feed(i) for i in ids]
     tail = det.flush()
     assert det.text == "".join(deltas) + tail
@@ -266,26 +278,50 @@ def test_detokenizer_never_splits_characters(tok, text):
     # a special token's spelling in the text ("<s>") encodes to that token, which decoding skips
     assume(not any(sp in text for sp in (PAD, BOS, EOS, *TINY_SPECIAL_TOKENS)))
     ids = tok.encode(text)
-    deltas, tail = _stream(tok, ids)
-    assert "".join(deltas) == text and tail == ""
-    assert not any("\ufffd" in d for d in deltas)
+    for kind in KINDS:
+        deltas, tail = _stream(tok, ids, kind)
+        assert "".join(deltas) == text and tail == ""
+        assert not any("\ufffd" in d for d in deltas)
 
 
 @FAST
 @given(st.lists(st.integers(0, 319), max_size=40), st.booleans())
 def test_detokenizer_random_ids_match_full_decode(tok, ids, skip):
     """Arbitrary ids (invalid UTF-8, specials): deltas + flush == one-shot decode."""
-    deltas, tail = _stream(tok, ids, skip_special_tokens=skip)
-    assert "".join(deltas) + tail == tok.decode(ids, skip_special_tokens=skip)
+    for kind in KINDS:
+        deltas, tail = _stream(tok, ids, kind, skip_special_tokens=skip)
+        assert "".join(deltas) + tail == tok.decode(ids, skip_special_tokens=skip), kind
 
 
-def test_detokenizer_holds_multibyte_until_complete(tok):
+@pytest.mark.parametrize("kind", KINDS)
+def test_detokenizer_holds_multibyte_until_complete(tok, kind):
     ids = tok.encode("a🙂b")  # 🙂 is 4 byte tokens
     assert len(ids) == 6
-    det = tok.incremental_detokenizer()
+    det = _det(tok, kind)
     assert [det.feed(i) for i in ids] == ["a", "", "", "", "🙂", "b"]
-    det = tok.incremental_detokenizer()
+    det = _det(tok, kind)
     assert det.feed_many(ids[:3]) == "a" and det.flush() == "\ufffd"  # stream ended mid-character
+
+
+def test_a_sentencepiece_tokenizer_streams_through_the_window(tmp_path):
+    """A tokenizer whose decoder is not plain ByteLevel (Metaspace: '▁' is a space, dropped at the start) has
+    no byte table, so its streams decode a window; deltas + flush still equal the one-shot decode."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "▁the": 1, "▁world": 2, "▁": 3, "h": 4, "i": 5, "é": 6}
+    hf = HFTokenizer(models.WordPiece(vocab, unk_token="<unk>", max_input_chars_per_word=100))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf.decoder = decoders.Metaspace()
+    tok = Tokenizer(hf)
+    assert tok.stream_bytes is None
+    ids = [1, 2, 4, 5, 3, 6, 1]
+    det = tok.incremental_detokenizer()
+    assert isinstance(det, IncrementalDetokenizer)
+    assert det.feed_many(ids) + det.flush() == tok.decode(ids) == "the worldhi é the"
+    # after a prompt, the first output token's word boundary is a space
+    det = tok.incremental_detokenizer(prompt_ids=[2])
+    assert det.feed_many(ids) + det.flush() == " the worldhi é the"
 
 
 def test_detokenizer_prompt_context(tok):
