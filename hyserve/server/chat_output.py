@@ -13,7 +13,7 @@ from typing import Any
 from hyserve.server.protocol import ChatTool
 from hyserve.server.reasoning import ReasoningParser
 from hyserve.server.structured import ForcedToolOutput
-from hyserve.server.tool_parser import ParsedToolCall, ToolCallParser
+from hyserve.server.tool_parser import TOOL_PARSERS, ParsedToolCall, ToolCallParser
 
 
 class ChatOutput:
@@ -79,6 +79,8 @@ def output_maker(
         reasoning = ReasoningParser(enabled=think) if reasoning_parser else None
         if forced is not None:
             return ForcedToolOutput(reasoning, forced[1])
-        return ChatOutput(reasoning, ToolCallParser(tools_dump) if parse_tools else None, parallel)
+        if not parse_tools or tool_parser is None:
+            return ChatOutput(reasoning, None, parallel)
+        return ChatOutput(reasoning, ToolCallParser(tools_dump, TOOL_PARSERS[tool_parser]), parallel)
 
     return make

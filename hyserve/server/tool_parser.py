@@ -21,6 +21,16 @@ Streaming: plain text before a call is emitted as content as it arrives (text th
 of a tag is held back); each call is emitted whole, as one `tool_calls` delta, once its closing tag
 arrives. That is valid OpenAI streaming (clients concatenate `arguments` pieces; one piece is fine)
 and it never emits arguments that later turn out to be wrong.
+
+The Hermes format (`hermes`, `granite4`: Granite 4.0's chat templates) wraps one JSON object per call,
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}
+    </tool_call>
+
+read by the same streaming machinery (`ToolCallFormat`). Arguments given as a JSON string holding an
+object (Granite 4.0 writes them so at times) are read as that object. A block that parses to no call is
+passed through as content, tags included, so nothing the model wrote is lost.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,19 +47,9 @@ TOOL_CALL_END = "</tool_call>"
 FUNCTION_START = "<function="
 FUNCTION_END = "</function>"
 
-TOOL_PARSER_NAMES = ("qwen3_coder", "qwen3-coder", "nemotron_v3", "nemotron-v3")
 
 _FUNCTION_RE = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|\Z)", re.DOTALL)
 _PARAM_RE = re.compile(r"<parameter=([^>\n]*)>(.*?)(?=</parameter>|<parameter=|</function>|\Z)", re.DOTALL)
-
-
-def check_tool_parser_name(name: str | None) -> str | None:
-    """Validate a `--tool_parser` value at start-up (ValueError names the allowed values)."""
-    if name is None or name == "" or name.lower() == "none":
-        return None
-    if name.lower() not in TOOL_PARSER_NAMES:
-        raise ValueError(f"tool_parser: {name!r} is not one of {list(TOOL_PARSER_NAMES)}")
-    return name.lower()
 
 
 @dataclass
@@ -158,6 +159,78 @@ def parse_function_blocks(block: str, schemas: dict[str, dict[str, Any]]) -> lis
     return calls
 
 
+def _json_arguments(raw: Any) -> str | None:
+    """A Hermes call's `arguments` as a JSON object's text: an object, or a string holding one (None
+    otherwise)."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            return None
+    return json.dumps(raw, ensure_ascii=False) if isinstance(raw, dict) else None
+
+
+def parse_json_blocks(block: str, schemas: dict[str, dict[str, Any]]) -> list[ParsedToolCall]:
+    """A Hermes `<tool_call>` body: a JSON object {"name", "arguments" (or "parameters")}, or a list of them
+    -> calls; a body that is not one yields none."""
+    try:
+        data = json.loads(block)
+    except ValueError:
+        return []
+    calls = []
+    for item in data if isinstance(data, list) else [data]:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"].strip():
+            return []
+        args = _json_arguments(item.get("arguments", item.get("parameters", {})))
+        if args is None:
+            return []
+        calls.append(ParsedToolCall(name=item["name"].strip(), arguments=args))
+    return calls
+
+
+@dataclass(frozen=True)
+class Opening:
+    """A tag that opens a call, the tag that closes it, and whether both belong to the parsed block (a
+    bare `<function=...>...</function>` is its own block; `<tool_call>` only wraps one)."""
+
+    tag: str
+    end: str
+    in_block: bool = False
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    openings: tuple[Opening, ...]
+    parse: Callable[[str, dict[str, dict[str, Any]]], list[ParsedToolCall]]
+
+
+QWEN3_CODER = ToolCallFormat(
+    openings=(Opening(TOOL_CALL_START, TOOL_CALL_END), Opening(FUNCTION_START, FUNCTION_END, in_block=True)),
+    parse=parse_function_blocks,
+)
+HERMES = ToolCallFormat(openings=(Opening(TOOL_CALL_START, TOOL_CALL_END),), parse=parse_json_blocks)
+# --tool_parser names (vLLM's spellings) -> formats
+TOOL_PARSERS: dict[str, ToolCallFormat] = {
+    "qwen3_coder": QWEN3_CODER,
+    "qwen3-coder": QWEN3_CODER,
+    "qwen3coder": QWEN3_CODER,
+    "nemotron_v3": QWEN3_CODER,
+    "nemotron-v3": QWEN3_CODER,
+    "hermes": HERMES,
+    "granite4": HERMES,
+}
+TOOL_PARSER_NAMES = tuple(TOOL_PARSERS)
+
+
+def check_tool_parser_name(name: str | None) -> str | None:
+    """Validate a `--tool_parser` value at start-up (ValueError names the allowed values)."""
+    if name is None or name == "" or name.lower() == "none":
+        return None
+    if name.lower() not in TOOL_PARSERS:
+        raise ValueError(f"tool_parser: {name!r} is not one of {list(TOOL_PARSER_NAMES)}")
+    return name.lower()
+
+
 def _held_suffix(text: str, tags: tuple[str, ...]) -> int:
     best = 0
     for tag in tags:
@@ -169,13 +242,15 @@ def _held_suffix(text: str, tags: tuple[str, ...]) -> int:
 
 
 class ToolCallParser:
-    """Incremental qwen3_coder parser for one response. Feed content deltas, then call `finish()`."""
+    """Incremental parser of one response in a `ToolCallFormat` (default qwen3_coder). Feed content deltas,
+    then call `finish()`."""
 
-    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+    def __init__(self, tools: list[dict[str, Any]] | None = None, fmt: ToolCallFormat = QWEN3_CODER) -> None:
         self._schemas = _schema_types(tools)
+        self._fmt = fmt
+        self._tags = tuple(o.tag for o in fmt.openings)
         self._buf = ""
-        self._in_call = False
-        self._wrapped = False  # the current call opened with <tool_call> (vs a bare <function=)
+        self._open: Opening | None = None  # the opening of the call being read
         self.calls: list[ParsedToolCall] = []
 
     def feed(self, delta: str) -> tuple[str, list[ParsedToolCall]]:
@@ -184,33 +259,38 @@ class ToolCallParser:
         content = ""
         new: list[ParsedToolCall] = []
         while self._buf:
-            if not self._in_call:
-                i_wrap = self._buf.find(TOOL_CALL_START)
-                i_fn = self._buf.find(FUNCTION_START)
-                starts = [i for i in (i_wrap, i_fn) if i >= 0]
-                if not starts:
-                    hold = _held_suffix(self._buf, (TOOL_CALL_START, FUNCTION_START))
+            if self._open is None:
+                found = [(i, o) for o in self._fmt.openings if (i := self._buf.find(o.tag)) >= 0]
+                if not found:
+                    hold = _held_suffix(self._buf, self._tags)
                     out = self._buf[: len(self._buf) - hold]
                     self._buf = self._buf[len(self._buf) - hold :]
                     content += self._content_piece(out)
                     break
-                i = min(starts)
+                i, opening = min(found, key=lambda f: f[0])
                 content += self._content_piece(self._buf[:i])
-                self._wrapped = i == i_wrap
-                self._buf = self._buf[i + (len(TOOL_CALL_START) if self._wrapped else 0) :]
-                self._in_call = True
+                self._buf = self._buf[i + (0 if opening.in_block else len(opening.tag)) :]
+                self._open = opening
                 continue
-            end_tag = TOOL_CALL_END if self._wrapped else FUNCTION_END
-            j = self._buf.find(end_tag)
+            opening = self._open
+            j = self._buf.find(opening.end)
             if j < 0:
                 break
-            block = self._buf[: j + (0 if self._wrapped else len(FUNCTION_END))]
-            self._buf = self._buf[j + len(end_tag) :]
-            self._in_call = False
-            calls = parse_function_blocks(block, self._schemas)
+            block = self._buf[: j + (len(opening.end) if opening.in_block else 0)]
+            self._buf = self._buf[j + len(opening.end) :]
+            self._open = None
+            calls = self._fmt.parse(block, self._schemas)
+            if not calls:  # not a call after all: the model's text, as written
+                content += self._unparsed(opening, block, closed=True)
             new.extend(calls)
             self.calls.extend(calls)
         return content, new
+
+    @staticmethod
+    def _unparsed(opening: Opening, block: str, *, closed: bool) -> str:
+        if opening.in_block:
+            return block
+        return opening.tag + block + (opening.end if closed else "")
 
     def _content_piece(self, text: str) -> str:
         # Whitespace between/after calls is framing, not an answer.
@@ -223,13 +303,13 @@ class ToolCallParser:
         buf, self._buf = self._buf, ""
         if not buf:
             return "", []
-        if self._in_call:
-            self._in_call = False
-            calls = parse_function_blocks(buf, self._schemas)
+        if self._open is not None:
+            opening, self._open = self._open, None
+            calls = self._fmt.parse(buf, self._schemas)
             if calls:
                 self.calls.extend(calls)
                 return "", calls
-            return (TOOL_CALL_START if self._wrapped else "") + buf, []
+            return self._unparsed(opening, buf, closed=False), []
         return self._content_piece(buf), []
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:

@@ -135,7 +135,7 @@ def test_warmup_flags_reach_the_engine_config(tmp_path: Path) -> None:
         ("max_batch_size: lots\n", [], ["max_batch_size"]),
         ("", ["--tp_size", "4", "--ep_size", "3"], ["ep_size (3) must divide tp_size (4)"]),
         ("", ["--reasoning_parser", "bogus"], ["reasoning_parser", "nemotron-v3"]),
-        ("", ["--tool_parser", "hermes"], ["tool_parser", "qwen3_coder"]),
+        ("", ["--tool_parser", "mistral"], ["tool_parser", "qwen3_coder", "hermes"]),
         (": not yaml: [", [], ["not valid YAML"]),
     ],
 )

@@ -136,6 +136,36 @@ def test_reasoning_and_tool_call_streaming(url: str, engine: FakeEngine) -> None
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+HERMES_OUTPUT = [
+    "Checking.\n<tool_",
+    'call>\n{"name": "get_weather", "arguments": ',
+    '{"city": "Paris", "days": 3}}\n</tool_call>',
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_hermes_server_parses_json_tool_calls(engine: FakeEngine, stream: bool) -> None:
+    """`--tool-call-parser hermes` (Granite 4.0's format): a JSON call in <tool_call> tags becomes tool_calls,
+    whole and streamed, with the text before it as content."""
+    engine.script = lambda ids, p: HERMES_OUTPUT
+    app = build_app(engine, ServerOptions(tool_parser="hermes", default_max_tokens=100))
+    with serve_app_in_thread(app) as u:
+        r = chat(u, tools=[WEATHER_TOOL], max_tokens=50, stream=stream)
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [c for c in sse_events(r)[:-1] if c["choices"]]
+        content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls") or []]
+        finish = chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        ch = r.json()["choices"][0]
+        content, calls, finish = ch["message"]["content"], ch["message"]["tool_calls"], ch["finish_reason"]
+    assert content.strip() == "Checking." and finish == "tool_calls"
+    (call,) = calls
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}
+
+
 def test_enable_thinking_false_gives_plain_content(url: str, engine: FakeEngine) -> None:
     seen: list[list[int]] = []
     engine.script = lambda ids, p: seen.append(ids) or ["ORANGE-", "MANGO-42"]

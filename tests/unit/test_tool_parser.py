@@ -1,4 +1,5 @@
-"""qwen3_coder XML tool calls -> OpenAI tool_calls, typed by the request's schema, whole and streamed."""
+"""Tool calls -> OpenAI tool_calls: qwen3_coder XML, typed by the request's schema, and Hermes JSON (Granite
+4.0); whole and streamed."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hyserve.server.tool_parser import ToolCallParser, check_tool_parser_name, convert_value
+from hyserve.server.tool_parser import HERMES, ToolCallParser, check_tool_parser_name, convert_value
 
 TOOLS = [
     {
@@ -135,5 +136,69 @@ def test_streaming_equals_whole(cuts: list[int]) -> None:
 
 def test_parser_names() -> None:
     assert check_tool_parser_name("qwen3_coder") == "qwen3_coder"
-    with pytest.raises(ValueError, match="tool_parser"):
-        check_tool_parser_name("hermes")
+    assert check_tool_parser_name("Hermes") == "hermes" and check_tool_parser_name("granite4") == "granite4"
+    with pytest.raises(ValueError, match="tool_parser: 'mistral' is not one of"):
+        check_tool_parser_name("mistral")
+
+
+# ---- Hermes (Granite 4.0) ----------------------------------------------------------------------------------
+HERMES_TWO = (
+    "I'll look both up.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+    "</tool_call>\n<tool_call>\n"
+    '{"name": "get_time", "arguments": "{\\"zone\\": \\"CET\\"}"}\n'  # arguments as an escaped string
+    "</tool_call>"
+)
+
+
+def _hermes(text: str) -> tuple[str | None, list[tuple[str, dict]]]:
+    content, calls = ToolCallParser(TOOLS, HERMES).parse(text)
+    return content, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_hermes_calls_whole() -> None:
+    content, calls = _hermes(HERMES_TWO)
+    assert content == "I'll look both up."
+    assert calls == [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": "CET"})]
+    # "parameters" for "arguments", and a list of calls in one block
+    _, calls = _hermes(
+        '<tool_call>[{"name": "a", "parameters": {}}, {"name": "b", "arguments": {"x": 1}}]</tool_call>'
+    )
+    assert calls == [("a", {}), ("b", {"x": 1})]
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        "<tool_call>not json</tool_call>",
+        '<tool_call>{"arguments": {}}</tool_call>',  # no name
+        '<tool_call>{"name": "a", "arguments": "not an object"}</tool_call>',
+        '<tool_call>{"name": "a", "arguments": [1, 2]}</tool_call>',
+    ],
+)
+def test_a_hermes_block_that_is_no_call_stays_content(block: str) -> None:
+    content, calls = _hermes("before " + block + " after")
+    assert calls == [] and content == "before " + block + " after"
+
+
+def test_an_unterminated_hermes_call_is_read_at_the_end_or_kept_as_text() -> None:
+    assert _hermes('<tool_call>{"name": "a", "arguments": {"x": 1}}') == (None, [("a", {"x": 1})])
+    assert _hermes('<tool_call>{"name": ') == ('<tool_call>{"name": ', [])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=60))
+def test_hermes_streaming_matches_whole_for_any_split(sizes: list[int]) -> None:
+    parser = ToolCallParser(TOOLS, HERMES)
+    content, calls, i = "", [], 0
+    for n in sizes:
+        piece = HERMES_TWO[i : i + n]
+        i += n
+        c, new = parser.feed(piece)
+        content, calls = content + c, calls + new
+        assert "<tool" not in content  # a tag's start is held back, never streamed as content
+    c, new = parser.feed(HERMES_TWO[i:])
+    c2, new2 = parser.finish()
+    content, calls = content + c + c2, calls + new + new2
+    assert content.strip() == "I'll look both up."
+    assert [(x.name, json.loads(x.arguments)) for x in calls] == _hermes(HERMES_TWO)[1]
