@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
+from hyserve.engine.host_tensors import to_device
 from hyserve.engine.outputs import TokenLogprob
 from hyserve.engine.request import Request
-from hyserve.engine.sampling.logits_processing import History, to_device
+from hyserve.engine.sampling.logits_processing import History
 from hyserve.engine.sampling.sampler import PendingLogprobs, Sampler
 from hyserve.engine.scheduler.scheduler import ScheduledBatch, ScheduledSeq
 

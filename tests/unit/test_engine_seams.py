@@ -19,6 +19,7 @@ FLOORS = {
     "request": 0,
     "sampling_params": 0,
     "warmup_report": 0,
+    "host_tensors": 0,
     "scheduler": 1,
     "sampling": 1,
     "runner": 2,

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hyserve.engine.sampling.logits_processing import to_device
+from hyserve.engine.host_tensors import int_tensor, to_device
 from hyserve.engine.scheduler.scheduler import ScheduledSeq
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.forward_meta import ForwardMeta
@@ -206,7 +206,7 @@ class DecodeGraphs:
         host, done = self._hosts[turn], self._host_done[turn]
         if done is not None:
             done.synchronize()  # that buffer's previous copy has run (long ago, in practice)
-        host[:n] = torch.as_tensor(packed, dtype=torch.int64)
+        host[:n] = int_tensor(packed)
         stage = self._stage[:n]
         stage.copy_(host[:n], non_blocking=True)
         if host.is_pinned():
@@ -237,10 +237,11 @@ class DecodeGraphs:
         # would wait for every step already queued on the stream, so the host could no longer prepare a
         # step while the previous one runs
         flat: list[int] = []
+        zeros = [0] * width
         for s in seqs:
             flat += s.block_ids
-            flat += [0] * (width - len(s.block_ids))
-        tables = torch.tensor(flat, dtype=torch.int32).view(b, width)
+            flat += zeros[: width - len(s.block_ids)]
+        tables = int_tensor(flat, torch.int32).view(b, width)
         self._tables[:b, :width].copy_(to_device(tables, self.device), non_blocking=True)
         return self.replay(B)[:b]
 

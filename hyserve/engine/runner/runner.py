@@ -14,9 +14,9 @@ from contextlib import contextmanager
 
 import torch
 
+from hyserve.engine.host_tensors import int_tensor, to_device
 from hyserve.engine.outputs import TokenLogprob
 from hyserve.engine.runner.cuda_graphs import DecodeGraphs
-from hyserve.engine.sampling.logits_processing import to_device
 from hyserve.engine.sampling.sampler import token_logprobs
 from hyserve.engine.scheduler.scheduler import ScheduledBatch
 from hyserve.model.cache_tensors import CacheTensors
@@ -108,7 +108,7 @@ class ModelRunner:
             (has_init, torch.bool),
             (logits_idx, torch.int64),
         ]
-        flat = to_device(torch.tensor([v for x, _ in parts for v in x], dtype=torch.int64), self.device)
+        flat = to_device(int_tensor([v for x, _ in parts for v in x]), self.device)
         on_dev = [v.to(dtype) for v, (_, dtype) in zip(flat.split([len(x) for x, _ in parts]), parts)]
         input_ids, cu_t, seq_lens_t, tables, slots, src_t, dst_t, init_t, logits_t = on_dev
         meta = ForwardMeta(

@@ -21,18 +21,10 @@ from collections.abc import Sequence
 
 import torch
 
+from hyserve.engine.host_tensors import to_device
 from hyserve.engine.sampling_params import SamplingParams
 
 History = tuple[Sequence[int], Sequence[int]]  # (prompt token ids, output token ids)
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor -> `device` without waiting for the device (pinned + non-blocking on CUDA):
-    a plain copy from pageable memory would wait for every step already queued (async scheduling
-    launches the next step before the sampler's copies)."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def _index(

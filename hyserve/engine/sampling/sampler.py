@@ -40,8 +40,9 @@ from dataclasses import dataclass
 
 import torch
 
+from hyserve.engine.host_tensors import to_device
 from hyserve.engine.outputs import TokenLogprob
-from hyserve.engine.sampling.logits_processing import History, process_logits, to_device
+from hyserve.engine.sampling.logits_processing import History, process_logits
 from hyserve.engine.sampling.structured_output import apply_token_bitmask
 from hyserve.engine.sampling_params import SamplingParams
 
