@@ -30,7 +30,8 @@
 #   longprompt (not a default part): benchmarks/bench_long_prompt.py, a 131k and a 1.04M-token
 #   prompt through LLM per KV dtype (LONG_PROMPT_ARGS adds options; ~3-4 min a dtype).
 #   stepsync (not a default part): benchmarks/bench_step_sync.py, the host syncs and phases of a large
-#   decode step (STEP_SYNC_ARGS; default Nano 30B-A3B at batch 256).
+#   decode step, then the host time of steps that prefill 1 or 8 new 1,000-token prompts beside it (they
+#   run eagerly; what batch waiting saves) (STEP_SYNC_ARGS; default Nano 30B-A3B FP8 at batch 256).
 #   fairness (not a default part): benchmarks/bench_fairness.py, a 1M-token prompt beside 8 streams
 #   and a short chat request every second through `hyserve serve`, per max_step_ms in FAIRNESS_STEP_MS
 #   (default off,150; about 4-5 min each); FAIRNESS_ARGS adds options. Server wheels in .whl/ as for soak.
@@ -95,7 +96,7 @@ save() { out_save; }
        ${LONG_PROMPT_ARGS:-} 2>&1 | grep -v "warm-up \[" | tail -40 && save
   # shellcheck disable=SC2086
   [[ $parts == *" stepsync "* ]] && echo "== host syncs of a large decode step" \
-    && timeout 300 python3 -m benchmarks.bench_step_sync --git-sha "$sha" ${STEP_SYNC_ARGS:-} 2>&1 | tail -40 && save
+    && timeout 300 python3 -m benchmarks.bench_step_sync --git-sha "$sha" ${STEP_SYNC_ARGS:---quantization fp8 --mixed-prompts 1 8} 2>&1 | tail -40 && save
   # moe_decode (not a default part): the batch-1 MoE decode chain in a graph, its settings swept and
   # the fastest written as the 1-token entry of hyserve/kernels/moe_configs/<GPU>.json (copied to OUT_DIR)
   # shellcheck disable=SC2086  # MOE_DECODE_ARGS is a list of options
