@@ -126,3 +126,33 @@ def test_bench_server_cost_compares_serve_with_the_engine(tmp_path: Path) -> Non
     assert abs(rec["value"] - rec["server"]["output_tok_s"] / rec["engine"]["output_tok_s"]) < 1e-9
     floor_s = (0.050 + 120 * 100e-6) + 3 * (0.050 + 4 * 100e-6)
     assert rec["engine"]["duration_s"] >= floor_s and rec["server"]["duration_s"] >= floor_s
+
+
+def test_bench_server_cost_engine_side_holds_the_host_for_eager_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """bench_server_cost's engine side with more prompts than the batch (--num-prompts, --max-batch-size) and
+    an eager step's host time (--eager-ms): every request completes, and the run took at least the host time
+    of the steps that prefilled (6 prompts through 2 slots: 3 at least)."""
+    import argparse
+
+    from benchmarks import bench_server_cost as bsc
+    from hyserve.engine import engine as engine_mod
+    from hyserve.engine.pending_step import PendingStep
+
+    # the emulated device replaces these two for the process: put them back after the test
+    monkeypatch.setattr(engine_mod, "sample_step", engine_mod.sample_step)
+    monkeypatch.setattr(PendingStep, "read", PendingStep.read)
+    ns = argparse.Namespace(
+        max_batch_size=2,
+        num_prompts=6,
+        input_len=20,
+        output_len=3,
+        batch_wait_timeout_iters=4,
+        batch_wait_max_tokens_ratio=0.5,
+    )
+    work = bsc.workload(ns, concurrency=2)
+    assert work.options()["batch_wait_timeout_iters"] == 4 and work.prompts == 6
+    got = bsc.engine_point(work, bsc.Device(step_ms=1.0, token_us=0.0, eager_ms=30.0), seed=0)
+    assert got["output_tokens"] == 18
+    assert got["duration_s"] >= 3 * 0.030

@@ -64,6 +64,19 @@ def test_bench_step_sync_writes_phases_and_syncs(tmp_path: Path, capsys) -> None
     assert "synchronising calls: 0" in capsys.readouterr().out
 
 
+def test_bench_step_sync_times_steps_that_prefill_new_prompts(tmp_path: Path, capsys) -> None:
+    """--mixed-prompts: per count, the steps that prefill that many new prompts beside the decode batch,
+    timed, and every request still finishes."""
+    argv = ["--model-dir", "", "--batch", "4", "--steps", "2", "--mixed-prompts", "1", "3"]
+    argv += ["--mixed-len", "40", "--mixed-reps", "2", "--git-sha", "test", "--result-dir", str(tmp_path)]
+    assert bss.main(argv) == 0
+    [path] = tmp_path.glob("step_sync_*_test.json")
+    mixed = json.loads(path.read_text())["mixed"]
+    assert [(m["prompts"], m["prompt_len"], m["reps"]) for m in mixed] == [(1, 40, 2), (3, 40, 2)]
+    assert all(m["step_ms"] >= m["execute_ms"] > 0 for m in mixed)
+    assert "step with 3 new prompt(s) of 40 tokens" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("bad", [["--batch", "0"], ["--steps", "0"], ["--prompt-len", "0"]])
 def test_bench_step_sync_refuses_empty_workloads(bad, tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as e:
