@@ -126,6 +126,7 @@ def standalone_prefill(
 class SchedulerStats:
     num_preemptions: int = 0
     tokens_scheduled: int = 0
+    batch_wait_steps: int = 0  # steps whose admissions batch waiting held back
 
 
 def priority_key(req: Request) -> tuple[int, int]:
@@ -357,6 +358,7 @@ class Scheduler:
             and (ms is None or claim_ms < BATCH_WAIT_MS_SHARE * ms)
         )
         self._held_iters = self._held_iters + 1 if hold else 0
+        self.stats.batch_wait_steps += bool(hold)
         return bool(hold)
 
     def _room(self) -> int:
