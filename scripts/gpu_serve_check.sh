@@ -23,6 +23,11 @@
 #           (benchmarks/scale_records.py). Use MODEL=...Nano-30B-A3B-BF16 SERVE_FLAGS="--quantization fp8".
 #           SCALE_PROFILE=S: S seconds into the run, py-spy samples the server for 8 s (every thread with
 #           idle time, then only the GIL holder), summarised by scripts/pyspy_summary.py.
+#   batchwait `hyserve bench offline` (the engine alone) over BATCHWAIT_PROMPTS (default 1024) random requests of
+#           1000 in / 500 out with lengths varied +-50%, with batch waiting off and then with
+#           batch_wait_timeout_iters ${BATCHWAIT_ITERS:-32}: whether holding admissions back for fewer eager
+#           prefill steps pays (serve_batchwait_off.json, serve_batchwait_on.json). Use the scale part's MODEL
+#           and SERVE_FLAGS (only --quantization fp8 is read).
 #
 # Environment: MODEL (a config dir, default Nano 9B v2), SERVE_FLAGS (added to every `hyserve serve`, e.g.
 # "--quantization fp8"), SWEEP_SHAPES, SWEEP_CONCURRENCY (default "1 8 32 64 128 256") and SWEEP_MAX_BATCH
@@ -201,6 +206,21 @@ if [[ " $parts " == *" scale "* ]]; then
     --input-len 1000 --output-len 1000 --num-prompts 1024 --min-token-id "${MIN_ID:-1000}" --save-result \
     --result-dir "$R" --git-sha "$sha" --result-filename serve_scale_engine.json | tail -8
   python3 -m benchmarks.scale_records "$R" "$ready" "$sha"
+  save
+fi
+
+if [[ " $parts " == *" batchwait "* ]]; then
+  echo "== batch waiting off / on, the engine alone"
+  q=""
+  [[ "${SERVE_FLAGS:-}" == *"--quantization fp8"* ]] && q="quantization: fp8"
+  for mode in off on; do
+    iters=0; [ $mode = on ] && iters=${BATCHWAIT_ITERS:-32}
+    printf '%s\nmax_seq_len: 4096\nbatch_wait_timeout_iters: %s\n' "$q" "$iters" > /tmp/batchwait_$mode.yml
+    python3 -m hyserve.cli bench offline --model "$MODEL" --load-format dummy --config /tmp/batchwait_$mode.yml \
+      --input-len 1000 --output-len 500 --random-range-ratio 0.5 --num-prompts "${BATCHWAIT_PROMPTS:-1024}" \
+      --min-token-id "${MIN_ID:-1000}" --save-result --result-dir "$R" --git-sha "$sha" \
+      --result-filename serve_batchwait_$mode.json | tail -6 | sed "s/^/[$mode] /"
+  done
   save
 fi
 
