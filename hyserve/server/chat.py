@@ -13,11 +13,11 @@ templates expect and turns template failures into 400s:
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from hyserve.server.errors import APIError, bad_request, internal_error
 from hyserve.server.protocol import ChatMessage, ChatTool
+from hyserve.server.tool_parser import parse_json
 
 # Names the template call sets itself; a client must not override them through chat_template_kwargs.
 _RESERVED_TEMPLATE_VARS = frozenset(
@@ -45,7 +45,7 @@ def _arguments_for_template(arguments: str | dict[str, Any]) -> Any:
     if isinstance(arguments, dict):
         return arguments
     try:
-        parsed = json.loads(arguments) if arguments.strip() else {}
+        parsed = parse_json(arguments) if arguments.strip() else {}
     except ValueError:
         return arguments
     return parsed if isinstance(parsed, dict) else arguments

@@ -22,7 +22,7 @@ from hyserve.engine.sampling_params import StructuredOutputsParams
 from hyserve.server.errors import bad_request
 from hyserve.server.protocol import ChatTool, ResponseFormat, StructuredOutputsRequest
 from hyserve.server.reasoning import THINK_END
-from hyserve.server.tool_parser import ParsedToolCall
+from hyserve.server.tool_parser import ParsedToolCall, parse_json
 
 
 def _params(param: str, **kw: Any) -> StructuredOutputsParams:
@@ -145,7 +145,7 @@ class ForcedToolOutput:
         self._content += c
         text, self._content = self._content.strip(), ""
         try:
-            value = json.loads(text)
+            value = parse_json(text)
         except ValueError:  # cut by max_tokens: the text as it is, no calls
             return r, text, []
         if self.name is not None:

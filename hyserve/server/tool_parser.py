@@ -59,6 +59,15 @@ class ParsedToolCall:
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
 
+def parse_json(text: str) -> Any:
+    """`json.loads` of text from a model or a client, with every failure a ValueError: nesting deeper than
+    the interpreter's stack (RecursionError) and integers past the digit limit included."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
 def _schema_types(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
     """function name -> {parameter name -> its JSON-schema}."""
     out: dict[str, dict[str, Any]] = {}
@@ -96,7 +105,7 @@ def convert_value(raw: str, schema: Any) -> Any:
         return None
     if not types:
         try:
-            return json.loads(text)
+            return parse_json(text)
         except ValueError:
             return text
     for t in types:
@@ -120,7 +129,7 @@ def convert_value(raw: str, schema: Any) -> Any:
                 return s.lower() == "true"
         elif t in ("object", "array", "dict", "list"):
             try:
-                return json.loads(s)
+                return parse_json(s)
             except ValueError:
                 pass
     return text
@@ -162,11 +171,11 @@ def parse_function_blocks(block: str, schemas: dict[str, dict[str, Any]]) -> lis
 def _json_arguments(raw: Any) -> str | None:
     """A Hermes call's `arguments` as a JSON object's text: an object, or a string holding one (None
     otherwise)."""
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except ValueError:
-            return None
+    try:
+        if isinstance(raw, str):
+            raw = parse_json(raw)
+    except ValueError:
+        return None
     return json.dumps(raw, ensure_ascii=False) if isinstance(raw, dict) else None
 
 
@@ -174,7 +183,7 @@ def parse_json_blocks(block: str, schemas: dict[str, dict[str, Any]]) -> list[Pa
     """A Hermes `<tool_call>` body: a JSON object {"name", "arguments" (or "parameters")}, or a list of them
     -> calls; a body that is not one yields none."""
     try:
-        data = json.loads(block)
+        data = parse_json(block)
     except ValueError:
         return []
     calls = []

@@ -824,3 +824,19 @@ def test_staggered_choices_start_after_the_first_token_and_never_hang() -> None:
             )
         )
         assert events[-1] == "[DONE]"
+
+
+def test_deeply_nested_tool_call_arguments_from_the_client_are_no_500() -> None:
+    """A past assistant turn whose tool-call `arguments` string nests 3,000 deep (json.loads raises
+    RecursionError): the template gets the string as it is and the request is served."""
+    deep = "[" * 3_000 + "]" * 3_000
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": deep}}
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    big = FakeEngine(tokenizer=tiny_tokenizer(), max_seq_len=65_536)
+    with serve_app_in_thread(build_app(big, ServerOptions(tool_parser="qwen3_coder"))) as u:
+        r = chat(u, messages=messages, tools=[WEATHER_TOOL], max_tokens=5)
+    assert r.status_code == 200, r.text

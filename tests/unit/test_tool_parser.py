@@ -174,6 +174,14 @@ def test_hermes_calls_whole() -> None:
         '<tool_call>{"arguments": {}}</tool_call>',  # no name
         '<tool_call>{"name": "a", "arguments": "not an object"}</tool_call>',
         '<tool_call>{"name": "a", "arguments": [1, 2]}</tool_call>',
+        '<tool_call>{"name": "a", "arguments": {"n": '
+        + "9" * 5000
+        + "}}</tool_call>",  # past the digit limit
+        '<tool_call>{"name": "a", "arguments": '
+        + "[" * 100_000
+        + "]" * 100_000
+        + "}</tool_call>",  # too deep
+        '<tool_call>{"name": "a", "arguments": "' + "[" * 100_000 + '"}</tool_call>',
     ],
 )
 def test_a_hermes_block_that_is_no_call_stays_content(block: str) -> None:
@@ -202,3 +210,8 @@ def test_hermes_streaming_matches_whole_for_any_split(sizes: list[int]) -> None:
     content, calls = content + c + c2, calls + new + new2
     assert content.strip() == "I'll look both up."
     assert [(x.name, json.loads(x.arguments)) for x in calls] == _hermes(HERMES_TWO)[1]
+
+
+def test_a_qwen3_parameter_nested_past_the_stack_stays_text() -> None:
+    deep = "[" * 100_000 + "]" * 100_000
+    assert convert_value(deep, {"type": "array"}) == deep and convert_value(deep, None) == deep
