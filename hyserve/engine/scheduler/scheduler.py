@@ -338,15 +338,15 @@ class Scheduler:
         self, decodes: int, claim_tokens: int, eager: bool, claim_ms: float, ms: float | None
     ) -> bool:
         """Batch waiting (TensorRT-LLM's batch_wait_timeout_iters / batch_wait_max_tokens_ratio). A step of
-        decode rows alone replays a CUDA graph; one with a prefill chunk runs the model eagerly, and the
-        host's launch work for that does not grow with the chunk. So while decodes run, no other prefill
-        makes the step eager anyway and more requests wait than slots are free (admission is bound by
-        slots, which finishing requests free), admissions wait: until the decode rows and the admissible
-        first chunks (`claim_tokens`) reach batch_wait_max_tokens_ratio of max_num_tokens, the first chunks
-        fill most of the step-time budget (BATCH_WAIT_MS_SHARE), or batch_wait_timeout_iters steps have
-        passed. Requests wait only when the
-        queue is longer than the free slots, so a lightly loaded server never holds one back. A step with
-        nothing admissible (no free slot) neither holds nor counts toward the timeout."""
+        decode rows alone replays a CUDA graph; one with a prefill chunk runs the model eagerly, launching
+        every layer's kernels from the host, once per step however many prompts it holds. So while decodes
+        run, no other prefill makes the step eager anyway and more requests wait than slots are free
+        (admission is bound by slots, which finishing requests free), admissions wait: until the decode
+        rows and the admissible first chunks (`claim_tokens`) reach batch_wait_max_tokens_ratio of
+        max_num_tokens, the first chunks fill most of the step-time budget (BATCH_WAIT_MS_SHARE), or
+        batch_wait_timeout_iters steps have passed. Requests wait only when the queue is longer than the
+        free slots, so a lightly loaded server never holds one back. A step with nothing admissible (no
+        free slot) neither holds nor counts toward the timeout."""
         if claim_tokens == 0:
             return False
         hold = (
