@@ -147,7 +147,15 @@ def _wait_healthy(url: str, proc: mp.Process, timeout_s: float = 300.0) -> None:
 
 
 def run_point(
-    base_url: str, pid: int, concurrency: int, prompts: int, input_len: int, output_len: int, seed: int
+    base_url: str,
+    pid: int,
+    concurrency: int,
+    prompts: int,
+    input_len: int,
+    output_len: int,
+    seed: int,
+    *,
+    range_ratio: float = 0.0,
 ) -> dict:
     from hyserve.bench.serve import DatasetOptions, ServeBenchOptions, run_serve_bench
 
@@ -157,7 +165,9 @@ def run_point(
         max_concurrency=concurrency,
         ignore_eos=True,
         seed=seed,
-        dataset=DatasetOptions(num_prompts=prompts, input_len=input_len, output_len=output_len),
+        dataset=DatasetOptions(
+            num_prompts=prompts, input_len=input_len, output_len=output_len, range_ratio=range_ratio
+        ),
     )
     srv0, cli0 = _cpu_seconds(pid), resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()

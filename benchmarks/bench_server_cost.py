@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import multiprocessing as mp
 import sys
 import time
@@ -34,6 +35,7 @@ from typing import Any
 
 from benchmarks.bench_serve_host import _free_port, _stub_model, _wait_healthy, run_point, stub_engine_options
 from benchmarks.host_results import write_host_results
+from hyserve.bench.datasets import sample_lengths
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,7 @@ class Workload:
     input_len: int
     output_len: int
     engine: tuple[tuple[str, Any], ...]
+    range_ratio: float = 0.0  # lengths drawn from [len * (1 - r), len * (1 + r)], as `hyserve bench`'s
 
     def options(self) -> dict[str, Any]:
         return dict(self.engine)
@@ -110,7 +113,8 @@ class Workload:
 
 def workload(args: argparse.Namespace, concurrency: int) -> Workload:
     batch = args.max_batch_size or concurrency
-    opts = stub_engine_options(batch, args.input_len + args.output_len + 64)
+    longest = math.ceil((args.input_len + args.output_len) * (1 + args.range_ratio))
+    opts = stub_engine_options(batch, longest + 64)
     for key in ("batch_wait_timeout_iters", "batch_wait_max_tokens_ratio"):
         if getattr(args, key) is not None:
             opts[key] = getattr(args, key)
@@ -120,6 +124,7 @@ def workload(args: argparse.Namespace, concurrency: int) -> Workload:
         input_len=args.input_len,
         output_len=args.output_len,
         engine=tuple(opts.items()),
+        range_ratio=args.range_ratio,
     )
 
 
@@ -159,8 +164,10 @@ def engine_point(work: Workload, device: Device, seed: int) -> dict:
     emulate_device(model, device)
     rng = random.Random(seed)
     vocab = model.config.vocab_size
-    prompts = [[rng.randrange(10, vocab) for _ in range(work.input_len)] for _ in range(work.prompts)]
-    params = SamplingParams(max_tokens=work.output_len, ignore_eos=True, temperature=0.0)
+    ins = sample_lengths(rng, work.input_len, work.range_ratio, work.prompts)
+    outs_len = sample_lengths(rng, work.output_len, work.range_ratio, work.prompts)
+    prompts = [[rng.randrange(10, vocab) for _ in range(n)] for n in ins]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in outs_len]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
@@ -178,7 +185,14 @@ def server_point(work: Workload, device: Device, seed: int) -> dict:
     try:
         _wait_healthy(base, proc)
         return run_point(
-            base, proc.pid, work.concurrency, work.prompts, work.input_len, work.output_len, seed
+            base,
+            proc.pid,
+            work.concurrency,
+            work.prompts,
+            work.input_len,
+            work.output_len,
+            seed,
+            range_ratio=work.range_ratio,
         )
     finally:
         proc.terminate()
@@ -200,6 +214,7 @@ def main() -> int:
     )
     ap.add_argument("--num-prompts", type=int, default=None, help="requests per point (default: concurrency)")
     ap.add_argument("--max-batch-size", type=int, default=None, help="engine batch (default: concurrency)")
+    ap.add_argument("--range-ratio", type=float, default=0.0, help="lengths vary by +- this share")
     ap.add_argument("--batch-wait-timeout-iters", type=int, default=None)
     ap.add_argument("--batch-wait-max-tokens-ratio", type=float, default=None)
     ap.add_argument("--out", default=None)
@@ -234,6 +249,7 @@ def main() -> int:
         f", {k.replace('_', ' ')} {v:g}"
         for k, v in (
             ("eager_ms", args.eager_ms),
+            ("range_ratio", args.range_ratio),
             ("num_prompts", args.num_prompts),
             ("max_batch_size", args.max_batch_size),
             ("batch_wait_timeout_iters", args.batch_wait_timeout_iters),

@@ -150,6 +150,7 @@ def test_bench_server_cost_engine_side_holds_the_host_for_eager_steps(
         output_len=3,
         batch_wait_timeout_iters=4,
         batch_wait_max_tokens_ratio=0.5,
+        range_ratio=0.0,
     )
     work = bsc.workload(ns, concurrency=2)
     assert work.options()["batch_wait_timeout_iters"] == 4 and work.prompts == 6
