@@ -337,6 +337,7 @@ class LLMEngine:
             "prefix_cache_hits": self.cache.prefix_hits,
             "tokens_scheduled_last_step": s.tokens_scheduled,
             "num_preemptions": s.num_preemptions,
+            "batch_wait_steps": s.batch_wait_steps,
             "jit_compiles_after_ready": self.jit.compiles_after_ready,
             **self.counters,
             **self.isolation.counters(),

@@ -147,6 +147,12 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
         "Requests preempted (recomputed) because the pools ran out.",
         "counter",
     ),
+    (
+        "batch_wait_steps",
+        "batch_wait_steps",
+        "Steps whose admissions batch waiting held back (batch_wait_timeout_iters).",
+        "counter",
+    ),
     ("prompt_tokens_total", "prompt_tokens", "Prompt tokens processed.", "counter"),
     ("generation_tokens_total", "generation_tokens", "Tokens generated.", "counter"),
     (

@@ -434,6 +434,7 @@ def test_metrics_exposed(server: ServerProcess) -> None:
         "hyserve_engine_steps_total",
         "hyserve_engine_prefill_steps_total",
         "hyserve_prefill_tokens_scheduled_total",
+        "hyserve_batch_wait_steps_total",
     ):
         assert name in m, name
     assert m["hyserve_jit_compiles_after_ready_total"] == 0

@@ -161,5 +161,5 @@ def test_greedy_outputs_do_not_depend_on_batch_waiting() -> None:
         llm = make_llm(max_batch_size=3, batch_wait_timeout_iters=iters, batch_wait_max_tokens_ratio=0.9)
         assert llm.engine.scheduler.batch_wait_iters == iters
         outs.append([o.token_ids for o in llm.generate(ps, params)])
-        assert (llm.engine.scheduler.stats.batch_wait_steps > 0) == (iters > 0)
+        assert (llm.engine.stats()["batch_wait_steps"] > 0) == (iters > 0)  # /metrics: batch_wait_steps
     assert outs[0] == outs[1]
