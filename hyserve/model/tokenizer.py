@@ -146,6 +146,14 @@ def _unicode_to_bytes() -> dict[str, int]:
     return {c: b for b, c in bytes_to_unicode().items()}
 
 
+def _byte_level_bytes(raw: str) -> bytes | None:
+    """The bytes a byte-level vocabulary entry ('Ġthe') stands for; None if it is not one."""
+    table = _unicode_to_bytes()
+    if all(c in table for c in raw):
+        return bytes(table[c] for c in raw)
+    return None
+
+
 def build_tiny_tokenizer() -> HFTokenizer:
     """The tiny model's tokenizer (deterministic, offline): 320 tokens."""
     vocab: dict[str, int] = {PAD: 0, BOS: 1, EOS: 2}
@@ -373,10 +381,8 @@ class Tokenizer:
         raw = self._tok.id_to_token(token_id)
         if raw is None:
             return b""
-        if self._byte_level:
-            table = _unicode_to_bytes()
-            if all(c in table for c in raw):
-                return bytes(table[c] for c in raw)
+        if self._byte_level and (b := _byte_level_bytes(raw)) is not None:
+            return b
         m = _BYTE_FALLBACK_RE.match(raw)
         if m:
             return bytes([int(m.group(1), 16)])
@@ -410,20 +416,14 @@ class Tokenizer:
         characters. None otherwise (a sentencepiece-style decoder, say)."""
         if not self._byte_level:
             return None
-        table = _unicode_to_bytes()
-        out: list[bytes] = []
-        for i in range(self.vocab_size):
-            added = self._added.get(i)
-            if added is not None:
-                out.append(self.decode([i], skip_special_tokens=False).encode("utf-8"))
-                continue
-            raw = self._tok.id_to_token(i)
-            if raw is None:
-                out.append(b"")
-            elif all(c in table for c in raw):
-                out.append(bytes(table[c] for c in raw))
-            else:
+        out = [b""] * self.vocab_size  # ids the vocabulary skips decode to nothing
+        for raw, i in self._tok.get_vocab(with_added_tokens=False).items():
+            b = _byte_level_bytes(raw)
+            if b is None:
                 return None
+            out[i] = b
+        for i in self._added:  # as decode writes them, whole
+            out[i] = self.decode([i], skip_special_tokens=False).encode("utf-8")
         return tuple(out)
 
     # -- chat --

@@ -73,14 +73,13 @@ def output_maker(
     `structured.tool_choice_spec`), else `ChatOutput`, parsing tool calls when the request has tools, does
     not say tool_choice "none" and the server has a tool parser."""
     parse_tools = bool(tools) and tool_choice != "none" and tool_parser is not None and forced is None
+    fmt = TOOL_PARSERS[tool_parser] if parse_tools and tool_parser is not None else None
     tools_dump = [t.model_dump() for t in tools] if tools else None
 
     def make() -> ChatOutput | ForcedToolOutput:
         reasoning = ReasoningParser(enabled=think) if reasoning_parser else None
         if forced is not None:
             return ForcedToolOutput(reasoning, forced[1])
-        if not parse_tools or tool_parser is None:
-            return ChatOutput(reasoning, None, parallel)
-        return ChatOutput(reasoning, ToolCallParser(tools_dump, TOOL_PARSERS[tool_parser]), parallel)
+        return ChatOutput(reasoning, ToolCallParser(tools_dump, fmt) if fmt else None, parallel)
 
     return make
