@@ -81,10 +81,7 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's (scaled) output, or the embeddings when residual is None. Returns (this
         layer's scaled feed-forward output, the residual stream before its add)."""
         norm1, mixer, norm2, ffn = self.parts()
-        if residual is None:
-            h, y = x, norm1(x)
-        else:
-            y, h = norm1.add_forward(x, residual)
+        y, h = norm1.residual_forward(x, residual)
         y = mixer(y, meta, cache, rope) if isinstance(mixer, Attention) else mixer(y, meta, cache)
         m = self.residual_multiplier
         y, h = norm2.add_forward(y * m if m != 1.0 else y, h)

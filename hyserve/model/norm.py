@@ -20,3 +20,12 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x): the previous block's residual add fused with this norm."""
         return ops.add_rms_norm.get(x.is_cuda)(x, residual, self.weight, self.eps)
+
+    def residual_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's first norm: (norm(residual + x), residual + x), or (norm(x), x) for the first layer,
+        whose input is the embeddings (residual None)."""
+        if residual is None:
+            return self(x), x
+        return self.add_forward(x, residual)

@@ -107,10 +107,7 @@ class FalconH1DecoderLayer(DecoderLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Mamba2 and attention on the same normed input, their scaled outputs summed into the residual;
         then the MLP. Returns (the MLP's output, the residual stream before its add)."""
-        if residual is None:
-            h, y = x, self.input_layernorm(x)
-        else:
-            y, h = self.input_layernorm.add_forward(x, residual)
+        y, h = self.input_layernorm.residual_forward(x, residual)
         ssm_in, ssm_out, attn_in, attn_out = self.multipliers
         m = _scaled(self.mamba(_scaled(y, ssm_in), meta, cache), ssm_out)
         a = _scaled(self.self_attn(_scaled(y, attn_in), meta, cache, rope), attn_out)

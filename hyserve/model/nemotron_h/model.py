@@ -102,12 +102,8 @@ class HybridBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous block's mixer output (or the embeddings when residual is None), residual: the
         stream before that block's add. Returns (this block's mixer output, its residual stream)."""
-        if residual is None:
-            h = x
-            x = self.norm(h)
-        else:
-            x, h = self.norm.add_forward(x, residual)
-        return self.mixer(x, meta, cache), h
+        y, h = self.norm.residual_forward(x, residual)
+        return self.mixer(y, meta, cache), h
 
 
 class Backbone(nn.Module):
