@@ -11,7 +11,7 @@ import dataclasses
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Self
+from typing import Any, Self
 
 import torch
 
@@ -21,7 +21,9 @@ from hyserve.model.config import (
     LAYER_HYBRID,
     LAYER_MAMBA,
     Fields,
+    checkpoint_dtype,
     dtype_name,
+    eos_token_ids,
     parse_dtype,
     time_step_limit,
 )
@@ -86,6 +88,26 @@ def parse_mamba(
         time_step_limit=time_step_limit(f),
         norm_eps=eps,
         **options,
+    )
+
+
+def check_silu(f: Fields) -> None:
+    act = f.d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act: only 'silu' is supported, got {act!r}")
+
+
+def decoder_fields(f: Fields, hidden: int, eps: float, max_position_embeddings: int) -> dict[str, Any]:
+    """The `HybridDecoderConfig` fields every family reads alike from config.json (`max_position_embeddings`:
+    the family's default)."""
+    return dict(
+        vocab_size=f.req("vocab_size"),
+        hidden_size=hidden,
+        rms_norm_eps=eps,
+        tie_word_embeddings=bool(f.get("tie_word_embeddings", False)),
+        eos_token_ids=eos_token_ids(f.d),
+        max_position_embeddings=f.get("max_position_embeddings", max_position_embeddings, int),
+        dtype=checkpoint_dtype(f.d),
     )
 
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hyserve.model.config import LAYER_ATTENTION, LAYER_MAMBA, Fields, checkpoint_dtype, eos_token_ids
+from hyserve.model.config import LAYER_ATTENTION, LAYER_MAMBA, Fields
 from hyserve.model.hybrid_config import (
     HybridDecoderConfig,
     check_rope_type,
+    check_silu,
+    decoder_fields,
     listed_layer_types,
     parse_mamba,
     rope_theta,
@@ -46,9 +48,7 @@ class BambaConfig(HybridDecoderConfig):
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, name: str = "") -> BambaConfig:
         f = Fields(raw)
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act: only 'silu' is supported, got {act!r}")
+        check_silu(f)
         check_rope_type(f)
         hidden = f.req("hidden_size")
         eps = f.get("rms_norm_eps", 1e-5, float)
@@ -66,13 +66,7 @@ class BambaConfig(HybridDecoderConfig):
         )
         cfg = cls(
             layer_types=_layer_types(f),
-            vocab_size=f.req("vocab_size"),
-            hidden_size=hidden,
-            rms_norm_eps=eps,
-            tie_word_embeddings=bool(f.get("tie_word_embeddings", False)),
-            eos_token_ids=eos_token_ids(raw),
-            max_position_embeddings=f.get("max_position_embeddings", 262144, int),
-            dtype=checkpoint_dtype(raw),
+            **decoder_fields(f, hidden, eps, 262144),
             mamba=parse_mamba(f, hidden, eps),
             attention=attention,
             intermediate_size=f.req("intermediate_size"),

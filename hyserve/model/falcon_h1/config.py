@@ -21,11 +21,16 @@ from typing import Any
 from hyserve.model.config import (
     LAYER_HYBRID,
     Fields,
-    checkpoint_dtype,
-    eos_token_ids,
     number,
 )
-from hyserve.model.hybrid_config import HybridDecoderConfig, check_rope_type, parse_mamba, rope_theta
+from hyserve.model.hybrid_config import (
+    HybridDecoderConfig,
+    check_rope_type,
+    check_silu,
+    decoder_fields,
+    parse_mamba,
+    rope_theta,
+)
 from hyserve.model.layer_specs import AttentionSpec, MambaSpec, RopeSpec, divides
 
 # transformers' FalconH1Config defaults for keys a config.json leaves out
@@ -115,21 +120,13 @@ class FalconH1Config(HybridDecoderConfig):
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, name: str = "") -> FalconH1Config:
         f = Fields(raw)
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act: only 'silu' is supported, got {act!r}")
+        check_silu(f)
         hidden = f.req("hidden_size")
         eps = f.get("rms_norm_eps", 1e-5, float)
         gate, down = _multipliers(f, "mlp_multipliers", 2)
         cfg = cls(
             layer_types=(LAYER_HYBRID,) * f.req("num_hidden_layers"),
-            vocab_size=f.req("vocab_size"),
-            hidden_size=hidden,
-            rms_norm_eps=eps,
-            tie_word_embeddings=bool(f.get("tie_word_embeddings", False)),
-            eos_token_ids=eos_token_ids(raw),
-            max_position_embeddings=f.get("max_position_embeddings", 8192, int),
-            dtype=checkpoint_dtype(raw),
+            **decoder_fields(f, hidden, eps, 8192),
             mamba=_parse_mamba(f, hidden, eps),
             attention=_parse_attention(f, hidden),
             intermediate_size=f.req("intermediate_size"),

@@ -10,10 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hyserve.model.config import LAYER_MAMBA, Fields, checkpoint_dtype, eos_token_ids
+from hyserve.model.config import LAYER_MAMBA, Fields
 from hyserve.model.hybrid_config import (
     HybridDecoderConfig,
     check_rope_type,
+    check_silu,
+    decoder_fields,
     listed_layer_types,
     parse_mamba,
     rope_theta,
@@ -59,9 +61,7 @@ class GraniteMoeHybridConfig(HybridDecoderConfig):
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, name: str = "") -> GraniteMoeHybridConfig:
         f = Fields(raw)
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act: only 'silu' is supported, got {act!r}")
+        check_silu(f)
         hidden = f.req("hidden_size")
         eps = f.get("rms_norm_eps", 1e-6, float)
         heads = f.req("num_attention_heads")
@@ -85,13 +85,7 @@ class GraniteMoeHybridConfig(HybridDecoderConfig):
         experts = f.get("num_local_experts", 8, int)  # transformers' defaults when the keys are absent
         cfg = cls(
             layer_types=_layer_types(f),
-            vocab_size=f.req("vocab_size"),
-            hidden_size=hidden,
-            rms_norm_eps=eps,
-            tie_word_embeddings=bool(f.get("tie_word_embeddings", False)),
-            eos_token_ids=eos_token_ids(raw),
-            max_position_embeddings=f.get("max_position_embeddings", 2048, int),
-            dtype=checkpoint_dtype(raw),
+            **decoder_fields(f, hidden, eps, 2048),
             mamba=parse_mamba(f, hidden, eps),
             attention=attention,
             shared_intermediate_size=f.req("shared_intermediate_size"),
