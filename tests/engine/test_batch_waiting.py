@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 
 from hyserve.config import build_engine_config
-from hyserve.engine.request import Request, RequestStatus
+from hyserve.engine.request import Request
 from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.scheduler.scheduler import Scheduler
 from hyserve.engine.scheduler.step_cost import StepCostModel
-from tests.engine.test_scheduler_state_machine import make
+from tests.engine.test_scheduler_state_machine import fake_step, make
 
 PROMPT = 8
 
@@ -32,17 +32,17 @@ def _params(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
+def _add(sched: Scheduler, reqs: dict[str, Request], *, queued: int) -> None:
+    """Add `reqs`, then `queued` more long requests (q0, q1, ...) that queue behind them."""
+    reqs.update({f"q{i}": _req(f"q{i}", 100) for i in range(queued)})
+    for r in reqs.values():
+        sched.add(r)
+
+
 def _step(sched: Scheduler, reqs: dict[str, Request]) -> list[str]:
     """One step with a fake model (a sampling row emits token 7); returns the requests admitted in it."""
     before = {r.request_id for r in sched.running}
-    batch, _ = sched.schedule()
-    sched.update(batch, reqs)
-    for s in batch.seqs:
-        r = reqs[s.request_id]
-        if s.sample and r.status is RequestStatus.RUNNING:
-            r.output_token_ids.append(7)
-            if len(r.output_token_ids) >= r.params.max_tokens:
-                sched.finish(r, "length")
+    batch = fake_step(sched, reqs)
     return [s.request_id for s in batch.seqs[batch.num_decodes :] if s.request_id not in before]
 
 
@@ -87,11 +87,7 @@ def test_no_wait_while_the_queue_fits_the_free_slots() -> None:
 def test_waiting_stops_after_the_timeout() -> None:
     sched = _sched(iters=2)
     reqs = {f"r{i}": _req(f"r{i}", 100 if i else 2) for i in range(8)}  # r0 finishes first
-    for r in reqs.values():
-        sched.add(r)
-    for i in range(4):
-        reqs[f"q{i}"] = _req(f"q{i}", 100)
-        sched.add(reqs[f"q{i}"])
+    _add(sched, reqs, queued=4)
     admitted = [_step(sched, reqs) for _ in range(6)]
     assert len(admitted[0]) == 8  # the first wave: no decodes yet, nothing to wait for
     # r0 ends at step 2, freeing one slot; admissions wait two steps, then q0 starts
@@ -103,11 +99,7 @@ def test_no_wait_beside_a_continuing_prefill() -> None:
     reqs = {"long": _req("long", 100, n=400)}
     reqs.update({f"r{i}": _req(f"r{i}", 100 if i else 2) for i in range(1, 7)})
     reqs["r0"] = _req("r0", 1)
-    for r in reqs.values():
-        sched.add(r)
-    for i in range(4):
-        reqs[f"q{i}"] = _req(f"q{i}", 100)
-        sched.add(reqs[f"q{i}"])
+    _add(sched, reqs, queued=4)
     steps = [_step(sched, reqs) for _ in range(4)]
     assert reqs["long"].num_computed < 400  # still feeding its prompt in chunks: every step is eager
     assert any("q0" in a for a in steps[1:])  # so the slot r0 freed is taken at once
@@ -116,11 +108,7 @@ def test_no_wait_beside_a_continuing_prefill() -> None:
 def test_no_wait_once_the_first_chunks_fill_the_step_time_budget() -> None:
     sched = _sched(iters=50)
     reqs = {f"r{i}": _req(f"r{i}", 100 if i else 1) for i in range(8)}
-    for r in reqs.values():
-        sched.add(r)
-    for i in range(4):
-        reqs[f"q{i}"] = _req(f"q{i}", 100)
-        sched.add(reqs[f"q{i}"])
+    _add(sched, reqs, queued=4)
     _step(sched, reqs)  # the first wave; r0 is done
     # 1 ms a token: 7 decode rows and 1 ms of overhead leave 4 ms of the 12 ms target, which one first
     # chunk (4 tokens, an SSD chunk) fills

@@ -215,17 +215,24 @@ def drain(sched, reqs: dict, max_steps: int, after_schedule=None) -> None:
     for _ in range(max_steps):
         if not sched.has_work():
             break
-        batch, _ = sched.schedule()
-        if after_schedule is not None:
-            after_schedule(sched)
-        sched.update(batch, reqs)
-        for s in batch.seqs:
-            r = reqs[s.request_id]
-            if s.sample and r.status is RequestStatus.RUNNING:
-                r.output_token_ids.append(7)
-                if len(r.output_token_ids) >= r.params.max_tokens:
-                    sched.finish(r, "length")
+        fake_step(sched, reqs, after_schedule)
     assert all(r.finished for r in reqs.values())
+
+
+def fake_step(sched, reqs: dict, after_schedule=None):
+    """One step with the fake model: every sampled row emits token 7, and a request finishes at max_tokens;
+    `after_schedule(sched)` runs between planning and taking in the step. Returns the planned batch."""
+    batch, _ = sched.schedule()
+    if after_schedule is not None:
+        after_schedule(sched)
+    sched.update(batch, reqs)
+    for s in batch.seqs:
+        r = reqs[s.request_id]
+        if s.sample and r.status is RequestStatus.RUNNING:
+            r.output_token_ids.append(7)
+            if len(r.output_token_ids) >= r.params.max_tokens:
+                sched.finish(r, "length")
+    return batch
 
 
 def test_token_slice_equals_all_token_ids_slice() -> None:
