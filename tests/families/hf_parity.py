@@ -4,6 +4,7 @@ within 1e-3 of transformers'. Again with prefix caching and small prefill chunks
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from hyserve import LLM, SamplingParams
 from hyserve.kernels import ops
+from hyserve.model import registry
 
 PROMPTS = [
     [5, 17, 33, 2, 9, 41, 8, 100, 7, 3, 250, 11],
@@ -81,3 +83,20 @@ def record_op_lookups(monkeypatch: pytest.MonkeyPatch) -> set[str]:
 
     monkeypatch.setattr(ops.Op, "get", recording_get)
     return looked_up
+
+
+def check_family_parity(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hf: torch.nn.Module, family_name: str, config_type: type
+) -> tuple[Any, set[str], set[str]]:
+    """`hf` saved to `tmp_path` and served through `check_parity`; the directory must read as `family_name`
+    with a `config_type` config, and every kernel op the forwards looked up must be one the family declares.
+    Returns (the config, the ops declared, the ops looked up)."""
+    hf.save_pretrained(tmp_path)
+    looked_up = record_op_lookups(monkeypatch)
+    worst = check_parity(str(tmp_path), hf)
+    family, cfg = registry.read_config(tmp_path)
+    print(f"{family_name} ({type(hf).__name__}) max |dlogprob| {worst:.2e}")
+    assert family.name == family_name and isinstance(cfg, config_type)
+    declared = {op.name for op in family.kernel_ops}
+    assert looked_up <= declared, looked_up - declared
+    return cfg, declared, looked_up

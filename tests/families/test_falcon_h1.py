@@ -15,7 +15,7 @@ import torch
 
 from hyserve.model import registry
 from hyserve.model.falcon_h1.config import FalconH1Config
-from tests.families.hf_parity import check_parity, record_op_lookups
+from tests.families.hf_parity import check_family_parity
 
 transformers = pytest.importorskip("transformers")
 
@@ -100,15 +100,9 @@ def _hf_model(variant: str) -> Any:
 def test_falcon_h1_greedy_matches_transformers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str
 ) -> None:
-    hf = _hf_model(variant)
-    hf.save_pretrained(tmp_path)
-    looked_up = record_op_lookups(monkeypatch)
-    worst = check_parity(str(tmp_path), hf)
-    print(f"falcon_h1 ({variant}) max |dlogprob| {worst:.2e}")
-    family, cfg = registry.read_config(tmp_path)
-    assert family.name == "falcon_h1" and isinstance(cfg, FalconH1Config)
-    declared = {op.name for op in family.kernel_ops}
-    assert looked_up <= declared, looked_up - declared
+    _, declared, looked_up = check_family_parity(
+        tmp_path, monkeypatch, _hf_model(variant), "falcon_h1", FalconH1Config
+    )
     assert declared - looked_up == UNUSED_OPS[variant]
 
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from hyserve.model import registry
 from hyserve.model.config import LAYER_ATTENTION, LAYER_MAMBA
 from hyserve.model.granitemoehybrid.config import GraniteMoeHybridConfig
-from tests.families.hf_parity import check_parity, record_op_lookups
+from tests.families.hf_parity import check_family_parity
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,15 +69,9 @@ def _hf_model(variant: str) -> Any:
 def test_granite_greedy_matches_transformers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str
 ) -> None:
-    hf = _hf_model(variant)
-    hf.save_pretrained(tmp_path)
-    looked_up = record_op_lookups(monkeypatch)
-    worst = check_parity(str(tmp_path), hf)
-    print(f"granitemoehybrid ({variant}) max |dlogprob| {worst:.2e}")
-    family, cfg = registry.read_config(tmp_path)
-    assert family.name == "granitemoehybrid" and isinstance(cfg, GraniteMoeHybridConfig)
-    declared = {op.name for op in family.kernel_ops}
-    assert looked_up <= declared, looked_up - declared
+    cfg, declared, looked_up = check_family_parity(
+        tmp_path, monkeypatch, _hf_model(variant), "granitemoehybrid", GraniteMoeHybridConfig
+    )
     if cfg.num_local_experts:
         assert declared <= looked_up, declared - looked_up
     else:
