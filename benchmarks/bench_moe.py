@@ -188,6 +188,13 @@ def _weights(s: dict, dev, dtype):
     return w_up, w_down
 
 
+def _fp8_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> e4m3 [E, N, K] and float32 [E, N] scales, one per expert and output channel (how
+    `model/fp8_weights.py` holds FP8 experts)."""
+    scale = (w.abs().amax(-1).float() / torch.finfo(torch.float8_e4m3fn).max).clamp_min(1e-12)
+    return (w.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
@@ -243,10 +250,27 @@ _LARGE_M = [
     dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
     dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
 ]
+# the tile formed transposed (SWAP, triton_moe._expert_tile): BLOCK_N weight rows are the warp-group MMA's M
+# (64 a warp group), BLOCK_M token rows its N; e4m3 weights go from registers into the MMA
+_SWAP_SMALL_M = [
+    dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SWAP=1),
+    dict(BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=3, SWAP=1),
+    dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SWAP=1),
+    dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=8, num_stages=4, SWAP=1),
+    dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=6, SWAP=1),
+]
+_SWAP_LARGE_M = [
+    dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, SWAP=1),
+    dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4, SWAP=1),
+    dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4, SWAP=1),
+    dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=5, SWAP=1),
+    dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, SWAP=1),
+]
 _DRY_GEMM = [
     dict(BLOCK_N=16, BLOCK_K=32, GROUP_M=1, num_warps=1, num_stages=1),
     dict(BLOCK_N=32, BLOCK_K=16, GROUP_M=2, num_warps=1, num_stages=1),
 ]
+_DRY_SWAP = [dict(BLOCK_N=16, BLOCK_K=32, GROUP_M=1, num_warps=1, num_stages=1, SWAP=1)]
 _DRY_GEMV = [dict(BLOCK_N=32, BLOCK_K=32, num_warps=1, num_stages=1)]
 _DRY_GEMV_DOWN = [dict(c, FLAT=f) for c in _DRY_GEMV for f in (0, 1)]
 
@@ -276,10 +300,22 @@ def _best(timer: Timer, cands: list[dict], run) -> tuple[dict, float]:
     return best, best_ms
 
 
-def tune_shape(s: dict, sizes: list[int], dev, dtype, timer: Timer, dry: bool) -> dict[str, dict]:
+def _gemm_cands(bm: int, dry: bool) -> list[dict]:
+    """The grouped GEMMs' candidates at BLOCK_M = bm: both tile forms."""
+    if dry:
+        return _DRY_GEMM + _DRY_SWAP
+    return (_SMALL_M + _SWAP_SMALL_M) if bm <= 32 else (_LARGE_M + _SWAP_LARGE_M)
+
+
+def tune_shape(
+    s: dict, sizes: list[int], dev, dtype, timer: Timer, dry: bool, fp8: bool = False
+) -> dict[str, dict]:
     """Per token bucket: time each stage's candidates on its own, keep the fastest sum, then check the
-    winner end to end against a float32 reference."""
+    winner end to end against a float32 reference. fp8: e4m3 experts with channel scales (_fp8_weights)."""
     w_up, w_down = _weights(s, dev, dtype)
+    su = sd = None
+    if fp8:
+        (w_up, su), (w_down, sd) = _fp8_weights(w_up), _fp8_weights(w_down)
     E, k, d, inter = s["E"], s["k"], s["d"], s["I"]
     table: dict[str, dict] = {}
     for T in sizes:
@@ -290,8 +326,8 @@ def tune_shape(s: dict, sizes: list[int], dev, dtype, timer: Timer, dry: bool) -
             h = torch.empty(T * k, inter, dtype=dtype, device=dev)
             out = torch.empty(T, d, dtype=dtype, device=dev)
             gc, gd = (_DRY_GEMV, _DRY_GEMV_DOWN) if dry else (_GEMV_CANDS, _GEMV_DOWN)
-            up, t_up = _best(timer, gc, lambda c: tm.launch_up_gemv(x, w_up, ids, h, c))
-            dn, t_dn = _best(timer, gd, lambda c: tm.launch_down_gemv(h, w_down, ids, tw, out, c))
+            up, t_up = _best(timer, gc, lambda c: tm.launch_up_gemv(x, w_up, ids, h, c, scale=su))
+            dn, t_dn = _best(timer, gd, lambda c: tm.launch_down_gemv(h, w_down, ids, tw, out, c, scale=sd))
             options.append((t_up + t_dn, {"variant": "gemv", "up": up, "down": dn}))
             print(f"    T={T} gemv: up {t_up:.4f} ms ({up}), down {t_dn:.4f} ms ({dn})")
         for bm in [16] if dry else _bm_cands(T * k / E):
@@ -300,28 +336,32 @@ def tune_shape(s: dict, sizes: list[int], dev, dtype, timer: Timer, dry: bool) -
             h = torch.empty(sid.numel(), inter, dtype=dtype, device=dev)
             y = torch.empty(T * k, d, dtype=dtype, device=dev)
             out = torch.empty(T, d, dtype=dtype, device=dev)
-            cands = _DRY_GEMM if dry else (_SMALL_M if bm <= 32 else _LARGE_M)
+            cands = _gemm_cands(bm, dry)
             up, t_up = _best(
-                timer, cands, lambda c: tm.launch_up_gemm(x, w_up, h, sid, eid, npad, T * k, k, bm, c)
+                timer, cands, lambda c: tm.launch_up_gemm(x, w_up, h, sid, eid, npad, T * k, k, bm, c, su)
             )
             dn, t_dn = _best(
-                timer, cands, lambda c: tm.launch_down_gemm(h, w_down, y, tw, sid, eid, npad, bm, c)
+                timer, cands, lambda c: tm.launch_down_gemm(h, w_down, y, tw, sid, eid, npad, bm, c, sd)
             )
             t_cb = timer.eager([lambda: tm.launch_combine(y, out, k)], rep=25)
             options.append(
                 (t_al + t_up + t_dn + t_cb, {"variant": "gemm", "BLOCK_M": bm, "up": up, "down": dn})
             )
         ms, cfg = min(options, key=lambda o: o[0])
-        got = tm.moe_experts_triton(x, w_up, w_down, w, ids, config=cfg)
-        want = moe_experts_ref(x.float(), w_up.float(), w_down.float(), w, ids)
+        scales = dict(up_scale=su, down_scale=sd)
+        got = tm.moe_experts_triton(x, w_up, w_down, w, ids, config=cfg, **scales)
+        wu, wd = (w_up, w_down) if fp8 else (w_up.float(), w_down.float())
+        want = moe_experts_ref(x.float(), wu, wd, w, ids, **scales)
         err = _rel(got, want)
         if not err < 1e-2:
             raise AssertionError(f"tuned config {cfg} for T={T} disagrees with the reference: {err:.2e}")
-        e2e = timer.eager([lambda: tm.moe_experts_triton(x, w_up, w_down, w, ids, config=cfg)], rep=40)
+        e2e = timer.eager(
+            [lambda: tm.moe_experts_triton(x, w_up, w_down, w, ids, config=cfg, **scales)], rep=40
+        )
         table[str(T)] = dict(cfg, stage_ms=round(ms, 5), ms=round(e2e, 5))
         print(
-            f"  tune {s['name']} T={T}: {cfg['variant']} BM={cfg.get('BLOCK_M', '-')} up={cfg['up']} "
-            f"down={cfg['down']} stages {ms:.4f} ms, end to end {e2e:.4f} ms (err {err:.1e})"
+            f"  tune {s['name']}{' fp8' if fp8 else ''} T={T}: {cfg['variant']} BM={cfg.get('BLOCK_M', '-')} "
+            f"up={cfg['up']} down={cfg['down']} stages {ms:.4f} ms, end to end {e2e:.4f} ms (err {err:.1e})"
         )
     return table
 
@@ -428,6 +468,44 @@ def bench_experts(s: dict, sizes: list[int], dev, dtype, timer: Timer, ceil: dic
             f"{rec.get('grouped_mm_graph_ms', float('nan')):.4f} | loop {rec['loop_eager_ms']:.3f} | "
             f"roofline {rec['roofline_ms']:.4f} ({rec['bound']}) x{rec['ratio_to_roofline']:.2f} | "
             f"{rec['achieved_TBps']:.2f} TB/s | err {err:.1e}"
+        )
+        recs.append(rec)
+    return recs
+
+
+def bench_fp8_experts(s: dict, sizes: list[int], dev, dtype, timer: Timer, ceil: dict) -> list[dict]:
+    """e4m3 experts at each token count, replayed from a graph: the shape's 16-bit tile entry (what FP8
+    experts run without an entry of their own) against the FP8 entry, each checked against the float32
+    reference first, quoted against the bytes roofline of one-byte weights."""
+    (w_up, su), (w_down, sd) = (_fp8_weights(w) for w in _weights(s, dev, dtype))
+    scales = dict(up_scale=su, down_scale=sd)
+    recs = []
+    for T in sizes:
+        sets = _inputs(s, T, dev, dtype, GRAPH_SETS)
+        x, w, ids = sets[0]
+        want = moe_experts_ref(x.float(), w_up, w_down, w, ids, **scales)
+        rec = dict(layer=s["name"], T=T, weights="fp8", **_roofline(s, ids, T, ceil, elt=1))
+        for tag, fp8_key in (("bf16_entry", False), ("fp8_entry", True)):
+            cfg = tm.moe_config(s["E"], s["I"], s["d"], T, s["k"], dev, fp8=fp8_key)
+            err = _rel(tm.moe_experts_triton(x, w_up, w_down, w, ids, config=cfg, **scales), want)
+            rec[f"{tag}_config"], rec[f"{tag}_rel_err"] = cfg, err
+            if err < 1e-2:
+                fns = [
+                    lambda a=a, c=cfg: tm.moe_experts_triton(
+                        a[0], w_up, w_down, a[1], a[2], config=c, **scales
+                    )
+                    for a in sets
+                ]
+                rec[f"{tag}_graph_ms"] = timer.graph(fns)
+        rec["correct"] = all(rec[f"{t}_rel_err"] < 1e-2 for t in ("bf16_entry", "fp8_entry"))
+        if rec["correct"]:
+            rec["speedup"] = rec["bf16_entry_graph_ms"] / rec["fp8_entry_graph_ms"]
+            rec["fraction_of_bytes_roofline"] = rec["bytes_ms"] / rec["fp8_entry_graph_ms"]
+        nan = float("nan")
+        print(
+            f"  {s['name'][:24]} fp8 T={T:5d}: 16-bit entry {rec.get('bf16_entry_graph_ms', nan):.4f} ms, "
+            f"fp8 entry {rec.get('fp8_entry_graph_ms', nan):.4f} ms, bytes roofline {rec['bytes_ms']:.4f} ms "
+            f"(errors {rec['bf16_entry_rel_err']:.1e} / {rec['fp8_entry_rel_err']:.1e})"
         )
         recs.append(rec)
     return recs
@@ -554,6 +632,12 @@ def main() -> int:
     ap.add_argument("--tune-sizes", default="", help="tune only these buckets and merge them into the file")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--no-super", action="store_true", help="skip the Super latent layer")
+    ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="e4m3 experts: tune their own entries (merged into the file under the ',w=fp8' key) and "
+        "time them against the 16-bit entries",
+    )
     args = parse_run_args(ap, "moe")
     dry = args.dry_run
     if (run := run_device(dry, "bench_moe")) is None:
@@ -587,10 +671,13 @@ def main() -> int:
         if args.tune_sizes:
             buckets = [int(t) for t in args.tune_sizes.split(",")]
         tables = {
-            tm.shape_key(s["E"], s["I"], s["d"]): tune_shape(s, buckets, dev, dtype, timer, dry)
+            tm.shape_key(s["E"], s["I"], s["d"], args.fp8): tune_shape(
+                s, buckets, dev, dtype, timer, dry, args.fp8
+            )
             for s in shapes
         }
-        path = write_tuned(tables, gpu, sha, merge=bool(args.tune_sizes)) if not dry else None
+        merge = bool(args.tune_sizes) or args.fp8
+        path = write_tuned(tables, gpu, sha, merge=merge) if not dry else None
         print(
             f"tuned in {time.time() - t0:.0f} s" + (f": wrote {path}" if path else " (dry-run: not written)")
         )
@@ -601,6 +688,16 @@ def main() -> int:
     doc["ceilings"] = moe_ceilings(dev, dry)
     doc["experts"] = []
     doc["layers"] = []
+    if args.fp8:
+        if dry:
+            print("--fp8 times the GPU kernels only: nothing to time under --dry-run")
+            return 0
+        doc["fp8_experts"] = [
+            r for s in shapes for r in bench_fp8_experts(s, sizes, dev, dtype, timer, doc["ceilings"])
+        ]
+        out.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {out}")
+        return 0 if all(r["correct"] for r in doc["fp8_experts"]) else 1
     for s in shapes:
         doc["experts"] += bench_experts(s, sizes, dev, dtype, timer, doc["ceilings"], dry)
         out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -422,6 +422,98 @@ def _tile(pid, num_m, num_n, group_m):
     return pid_m, pid_n
 
 
+@triton.jit
+def _expert_tile(
+    a_ptr,
+    s_am,
+    a_rows,
+    a_valid,
+    w_ptr,
+    s_wn,
+    offs_n,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    W_FP8: tl.constexpr,
+    SWAP: tl.constexpr,
+    MASK_ROWS: tl.constexpr,
+):
+    """float32 a[a_rows] @ w[offs_n]^T for one expert (w_ptr at its first row): [BLOCK_M, BLOCK_N], or its
+    transpose [BLOCK_N, BLOCK_M] with SWAP. SWAP computes w @ a^T: the weight tile is the dot's first operand,
+    which a warp-group MMA reads from registers, so an e4m3 tile converted there (W_FP8) goes straight in;
+    unswapped, the converted tile is written back to shared memory for the MMA each step. MASK_ROWS: the
+    rows where a_valid is false read zeros (else every row is read)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    if SWAP:
+        a_ptrs = a_ptr + a_rows[None, :] * s_am + offs_k[:, None]
+        w_ptrs = w_ptr + offs_n[:, None] * s_wn + offs_k[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        a_ptrs = a_ptr + a_rows[:, None] * s_am + offs_k[None, :]
+        w_ptrs = w_ptr + offs_n[None, :] * s_wn + offs_k[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        km = offs_k < K - k0
+        if SWAP:
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                if MASK_ROWS:
+                    a = tl.load(a_ptrs, mask=a_valid[None, :], other=0.0)
+                else:
+                    a = tl.load(a_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=km[None, :], other=0.0)
+                if MASK_ROWS:
+                    a = tl.load(a_ptrs, mask=a_valid[None, :] & km[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=km[:, None], other=0.0)
+            if W_FP8:
+                w = w.to(a.dtype)
+            acc = dot_acc(w, a, acc, IEEE)
+        else:
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                if MASK_ROWS:
+                    a = tl.load(a_ptrs, mask=a_valid[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=km[:, None], other=0.0)
+                if MASK_ROWS:
+                    a = tl.load(a_ptrs, mask=a_valid[:, None] & km[None, :], other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
+            if W_FP8:
+                w = w.to(a.dtype)
+            acc = dot_acc(a, w, acc, IEEE)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _tile_out(v, SWAP: tl.constexpr):
+    """A tile's per-row (SWAP: per-column) values broadcast over its other axis."""
+    if SWAP:
+        r = v[None, :]
+    else:
+        r = v[:, None]
+    return r
+
+
+@triton.jit
+def _tile_col(v, SWAP: tl.constexpr):
+    """A tile's per-output-channel values broadcast over its rows."""
+    if SWAP:
+        r = v[:, None]
+    else:
+        r = v[None, :]
+    return r
+
+
 @triton.jit(do_not_specialize=["num_pairs", "nb", "group_m"])
 def _up_gemm_kernel(
     x_ptr,
@@ -447,11 +539,12 @@ def _up_gemm_kernel(
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
     W_FP8: tl.constexpr,
+    SWAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """h[r, n] = relu(x[sorted_ids[r] // k] @ w_up[e]^T)^2 for the rows r of block pid_m (0 for padding).
     W_FP8: e4m3 weight tiles converted to x's dtype for the dot (exact), the expert's channel scales
-    sc[e, n] applied to the accumulator before relu^2."""
+    sc[e, n] applied to the accumulator before relu^2. SWAP: the tile is formed transposed (_expert_tile)."""
     pdl_enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), nb, tl.cdiv(N, BLOCK_N), group_m)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
@@ -462,30 +555,31 @@ def _up_gemm_kernel(
     valid = rows < num_pairs
     tok = tl.where(valid, rows // TOP_K, 0).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N  # wrapped columns: loads need no mask
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + tok[:, None] * s_xt + offs_k[None, :]
-    b_ptrs = w_ptr + e * s_we + offs_n[None, :] * s_wn + offs_k[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-            b = tl.load(b_ptrs)
-        else:
-            km = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=km[:, None], other=0.0)
-        if W_FP8:
-            b = b.to(a.dtype)
-        acc = dot_acc(a, b, acc, IEEE)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+    acc = _expert_tile(
+        x_ptr,
+        s_xt,
+        tok,
+        valid,
+        w_ptr + e * s_we,
+        s_wn,
+        offs_n,
+        K,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        EVEN_K,
+        IEEE,
+        W_FP8,
+        SWAP,
+        True,
+    )
     if W_FP8:
-        acc = acc * tl.load(sc_ptr + e * N + offs_n)[None, :]
+        acc = acc * _tile_col(tl.load(sc_ptr + e * N + offs_n), SWAP)
     acc = tl.maximum(acc, 0.0)
     acc = acc * acc
     cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    h_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * s_hm + cn[None, :]
-    tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=cn[None, :] < N)
+    h_ptrs = h_ptr + _tile_out(offs_m.to(tl.int64) * s_hm, SWAP) + _tile_col(cn, SWAP)
+    tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=_tile_col(cn < N, SWAP))
 
 
 @triton.jit(do_not_specialize=["num_pairs", "nb", "group_m"])
@@ -513,10 +607,11 @@ def _down_gemm_kernel(
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
     W_FP8: tl.constexpr,
+    SWAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """y[p, n] = topk_w.flat[p] * (h[r] @ w_down[e]^T) for the real rows r (pair p) of block pid_m (W_FP8:
-    as in the up GEMM, the channel scales before the routing weight)."""
+    as in the up GEMM, the channel scales before the routing weight; SWAP: as in the up GEMM)."""
     pdl_enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), nb, tl.cdiv(N, BLOCK_N), group_m)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
@@ -526,29 +621,31 @@ def _down_gemm_kernel(
     rows = tl.load(sorted_ptr + offs_m)
     valid = rows < num_pairs
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * s_hm + offs_k[None, :]
-    b_ptrs = w_ptr + e * s_we + offs_n[None, :] * s_wn + offs_k[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            km = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=km[:, None], other=0.0)
-        if W_FP8:
-            b = b.to(a.dtype)
-        acc = dot_acc(a, b, acc, IEEE)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+    # every row of h is read: the up GEMM wrote the padded ones too
+    acc = _expert_tile(
+        h_ptr,
+        s_hm,
+        offs_m.to(tl.int64),
+        valid,
+        w_ptr + e * s_we,
+        s_wn,
+        offs_n,
+        K,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        EVEN_K,
+        IEEE,
+        W_FP8,
+        SWAP,
+        False,
+    )
     if W_FP8:
-        acc = acc * tl.load(sc_ptr + e * N + offs_n)[None, :]
-    acc = acc * tl.load(tw_ptr + rows, mask=valid, other=0.0).to(tl.float32)[:, None]
+        acc = acc * _tile_col(tl.load(sc_ptr + e * N + offs_n), SWAP)
+    acc = acc * _tile_out(tl.load(tw_ptr + rows, mask=valid, other=0.0).to(tl.float32), SWAP)
     cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    y_ptrs = y_ptr + tl.where(valid, rows, 0).to(tl.int64)[:, None] * s_ym + cn[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (cn[None, :] < N))
+    y_ptrs = y_ptr + _tile_out(tl.where(valid, rows, 0).to(tl.int64) * s_ym, SWAP) + _tile_col(cn, SWAP)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=_tile_out(valid, SWAP) & _tile_col(cn < N, SWAP))
 
 
 @triton.jit
@@ -888,7 +985,8 @@ def validate_config(cfg: dict[str, Any], where: str = "config") -> dict[str, Any
     """A tile config is {"variant": "gemv", "up": {...}, "down": {...}} or {"variant": "gemm", "BLOCK_M":
     16..256, "up": {...}, "down": {...}} (gemv's down may add FLAT: 0/1 or SPLIT: 0/1, and gemv's up and down
     EARLY: 0/1, default 0, which `benchmarks/bench_moe_decode.py --write` sets where it measured faster: see
-    _up_gemv_kernel / _down_gemv_kernel / _down_split_kernel); raises
+    _up_gemv_kernel / _down_gemv_kernel / _down_split_kernel; gemm's up and down may add SWAP: 0/1, default
+    0: the tile formed transposed, see _expert_tile); raises
     ValueError naming the missing or bad field."""
     variant = cfg.get("variant")
     if variant not in ("gemv", "gemm"):
@@ -916,6 +1014,10 @@ def validate_config(cfg: dict[str, Any], where: str = "config") -> dict[str, Any
             raise ValueError(
                 f"{where}: {part}.EARLY applies to the gemv variant only, and to its down GEMV with FLAT = 1"
             )
+        if sub.get("SWAP", 0) not in (0, 1):
+            raise ValueError(f"{where}: {part}.SWAP must be 0 or 1, got {sub['SWAP']!r}")
+        if sub.get("SWAP", 0) and variant != "gemm":
+            raise ValueError(f"{where}: {part}.SWAP applies to the gemm variant only")
         if sub.get("SPLIT", 0) not in (0, 1):
             raise ValueError(f"{where}: {part}.SPLIT must be 0 or 1, got {sub['SPLIT']!r}")
         if sub.get("SPLIT", 0) and (variant != "gemv" or part != "down" or sub.get("FLAT", 0)):
@@ -1237,6 +1339,7 @@ def launch_up_gemm(
         EVEN_K=d % up["BLOCK_K"] == 0,
         IEEE=x.dtype == torch.float32,
         W_FP8=scale is not None,
+        SWAP=up.get("SWAP", 0),
         **_launch(up),
         **pdl(x),
     )
@@ -1281,6 +1384,7 @@ def launch_down_gemm(
         EVEN_K=inter % dn["BLOCK_K"] == 0,
         IEEE=h.dtype == torch.float32,
         W_FP8=scale is not None,
+        SWAP=dn.get("SWAP", 0),
         **_launch(dn),
         **pdl(h),
     )

@@ -84,12 +84,15 @@ def _experts_inputs(T: int, E: int, d: int, inter: int, k: int, dtype, ids: torc
 
 
 def _variant_config(variant: str, E: int, inter: int, d: int, k: int) -> dict:
-    """The tile config of a kernel form: "gemm", or the decode GEMVs with the down GEMV's flat ("gemv") or
-    nested ("gemv-nested") loop, EARLY ("gemv-early") or split by slot ("gemv-split"); the GPU's heuristic
-    settings on CUDA, small tiles under the interpreter."""
-    cfg = tm._INTERPRETER_GEMM if variant == "gemm" else tm._INTERPRETER_GEMV
+    """The tile config of a kernel form: "gemm", its tiles formed transposed ("gemm-swap"), or the decode
+    GEMVs with the down GEMV's flat ("gemv") or nested ("gemv-nested") loop, EARLY ("gemv-early") or split by
+    slot ("gemv-split"); the GPU's heuristic settings on CUDA, small tiles under the interpreter."""
+    gemm = variant.startswith("gemm")
+    cfg = tm._INTERPRETER_GEMM if gemm else tm._INTERPRETER_GEMV
     if CUDA:
-        cfg = tm.heuristic_config(E, inter, d, 64 if variant == "gemm" else 1, k)
+        cfg = tm.heuristic_config(E, inter, d, 64 if gemm else 1, k)
+    if variant == "gemm-swap":
+        cfg = dict(cfg, up=dict(cfg["up"], SWAP=1), down=dict(cfg["down"], SWAP=1))
     if variant.startswith("gemv"):
         cfg = dict(cfg, down=dict(cfg["down"], FLAT=int(variant != "gemv-nested")))
     if variant == "gemv-early":
@@ -235,6 +238,7 @@ def test_max_blocks_bound_is_tight():
 # --------------------------------------------------------------------------- experts
 
 
+VARIANTS = ("gemv", "gemv-nested", "gemv-early", "gemv-split", "gemm", "gemm-swap")
 EXPERT_CASES = {  # T, k, E, d, I, experts, always
     "one-token": (1, 2, 8, 64, 32, None, None),
     "many-to-one-expert": (24, 2, 8, 64, 48, None, 5),
@@ -243,7 +247,7 @@ EXPERT_CASES = {  # T, k, E, d, I, experts, always
 }
 
 
-@pytest.mark.parametrize("variant", quick_first(["gemv", "gemv-nested", "gemv-early", "gemv-split", "gemm"]))
+@pytest.mark.parametrize("variant", quick_first([*VARIANTS]))
 @pytest.mark.parametrize("dtype", quick_first([F32, F16]))
 @pytest.mark.parametrize("case", EXPERT_CASES)
 def test_experts_match_float64(poison, variant, dtype, case):
@@ -272,7 +276,7 @@ def _fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
 
 
-@pytest.mark.parametrize("variant", quick_first(["gemv", "gemv-nested", "gemv-early", "gemv-split", "gemm"]))
+@pytest.mark.parametrize("variant", quick_first([*VARIANTS]))
 @pytest.mark.parametrize("dtype", quick_first([F32, F16]))
 @pytest.mark.parametrize("case", ["one-token", "empty-experts", "ragged"])
 def test_fp8_experts_match_float64_of_the_dequantised_experts(poison, variant, dtype, case):
@@ -588,6 +592,30 @@ def test_heuristic_configs_are_valid():
                 "down": {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 1, "num_stages": 1},
             },
             "gemv variant only",
+        ),
+        (
+            {
+                "variant": "gemm",
+                "BLOCK_M": 16,
+                "up": {
+                    "BLOCK_N": 16,
+                    "BLOCK_K": 16,
+                    "GROUP_M": 1,
+                    "num_warps": 1,
+                    "num_stages": 1,
+                    "SWAP": 2,
+                },
+                "down": {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 1, "num_warps": 1, "num_stages": 1},
+            },
+            "up.SWAP must be 0 or 1",
+        ),
+        (
+            {
+                "variant": "gemv",
+                "up": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1},
+                "down": {"BLOCK_N": 4, "BLOCK_K": 8, "num_warps": 1, "num_stages": 1, "SWAP": 1},
+            },
+            "down.SWAP applies to the gemm variant only",
         ),
     ],
 )
