@@ -8,7 +8,7 @@ ahead of that wait).
 
     python tests/sm90_compile_check.py float32 [op ...] [--only kernel,...] [--no-pdl]
                                             # ops: attention attention_fp8 ssd ssm_update conv1d norm
-                                            #      moe sampling fp8 moe_fp8 (default: all)
+                                            #      moe sampling fp8 moe_fp8 moe_forms (default: all)
 
 The launchers run on CPU tensors with a stand-in driver that reports an sm_90 device, and every launch
 compiles (as `warmup=True`) instead of running, so the shared memory is what the compiler asks for on an
@@ -262,6 +262,29 @@ def _moe_fp8(dt: torch.dtype) -> None:
             )
 
 
+def _moe_forms(dt: torch.dtype) -> None:
+    """The grouped GEMMs' other forms at a Nemotron 3 Nano 30B-A3B layer, 1,024 tokens: the SWAP tiles over
+    e4m3 experts (w @ x^T, the weight the MMA's register operand), and the SiLU-gated form (Granite-4.0-H's
+    experts, [gate | up] rows) in both tile forms."""
+    from hyserve.kernels.triton_moe import moe_experts_silu_triton, moe_experts_triton
+
+    act = dt if dt in (torch.bfloat16, torch.float16) else torch.bfloat16
+    E, k, d, inter, T = 128, 6, 2688, 1856, 1024
+    ids = (torch.arange(T * k, dtype=torch.int32) % E).view(T, k)
+    x, w = torch.randn(T, d).to(act), torch.rand(T, k)
+    tiles = dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+    for swap in (0, 1):
+        cfg = {"variant": "gemm", "BLOCK_M": 64, "up": dict(tiles, SWAP=swap), "down": dict(tiles, SWAP=swap)}
+        if swap:
+            up8 = torch.zeros(E, inter, d, dtype=torch.float8_e4m3fn)
+            down8 = torch.zeros(E, d, inter, dtype=torch.float8_e4m3fn)
+            moe_experts_triton(
+                x, up8, down8, w, ids, up_scale=torch.ones(E, inter), down_scale=torch.ones(E, d), config=cfg
+            )
+        gate_up, down = torch.randn(E, 2 * inter, d).to(act), torch.randn(E, d, inter).to(act)
+        moe_experts_silu_triton(x, gate_up, down, w, ids, config=cfg)
+
+
 OPS = {
     "attention": _attention,
     "attention_fp8": _attention_fp8,
@@ -273,6 +296,7 @@ OPS = {
     "sampling": _sampling,
     "fp8": _fp8,
     "moe_fp8": _moe_fp8,
+    "moe_forms": _moe_forms,
 }
 
 

@@ -1,5 +1,6 @@
 """Routed experts with SiLU-gated MLPs (Granite-4.0-H Tiny / Small): the plain-torch reference, the CPU path.
-It has no CUDA kernel, so a family whose model calls it lists it in its kernel ops and CUDA start-up names it.
+On CUDA the op runs `triton_moe.moe_experts_silu_triton` (the grouped GEMMs' gated form, 16- or 32-bit
+experts).
 
     out[t] = sum_s w[t, s] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])),   e = ids[t, s]
 

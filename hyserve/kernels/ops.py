@@ -150,7 +150,12 @@ def load_cuda_kernels() -> list[str]:
         linear_triton,
         relu2_linear_triton,
     )
-    from hyserve.kernels.triton_moe import moe_experts_triton, moe_route_triton, router_logits_triton
+    from hyserve.kernels.triton_moe import (
+        moe_experts_silu_triton,
+        moe_experts_triton,
+        moe_route_triton,
+        router_logits_triton,
+    )
     from hyserve.kernels.triton_rmsnorm import add_rms_norm_triton, rms_norm_triton, rmsnorm_gated_triton
     from hyserve.kernels.triton_ssd import ssd_triton
     from hyserve.kernels.triton_ssm_update import selective_state_update_triton
@@ -174,6 +179,7 @@ def load_cuda_kernels() -> list[str]:
     router_logits.bind_cuda(router_logits_triton)
     moe_route.bind_cuda(moe_route_triton)
     moe_experts.bind_cuda(moe_experts_triton)
+    moe_experts_silu.bind_cuda(moe_experts_silu_triton)
     apply_token_bitmask.bind_cuda(apply_token_bitmask_triton)
     write_kv.bind_cuda(write_kv_triton)
     paged_attention.bind_cuda(paged_attention_cuda)  # Triton, or on Hopper Gluon (cuda_attention.py)

@@ -540,11 +540,13 @@ def _up_gemm_kernel(
     IEEE: tl.constexpr,
     W_FP8: tl.constexpr,
     SWAP: tl.constexpr,
+    GATED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """h[r, n] = relu(x[sorted_ids[r] // k] @ w_up[e]^T)^2 for the rows r of block pid_m (0 for padding).
     W_FP8: e4m3 weight tiles converted to x's dtype for the dot (exact), the expert's channel scales
-    sc[e, n] applied to the accumulator before relu^2. SWAP: the tile is formed transposed (_expert_tile)."""
+    sc[e, n] applied to the accumulator before relu^2. SWAP: the tile is formed transposed (_expert_tile).
+    GATED (SiLU-gated experts, w_up [E, 2N, K] of [gate | up] rows): h = silu(x @ gate^T) * (x @ up^T)."""
     pdl_enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), nb, tl.cdiv(N, BLOCK_N), group_m)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
@@ -573,10 +575,17 @@ def _up_gemm_kernel(
         SWAP,
         True,
     )
-    if W_FP8:
-        acc = acc * _tile_col(tl.load(sc_ptr + e * N + offs_n), SWAP)
-    acc = tl.maximum(acc, 0.0)
-    acc = acc * acc
+    if GATED:  # the up rows follow the N gate rows
+        up = _expert_tile(
+            x_ptr, s_xt, tok, valid, w_ptr + e * s_we + N * s_wn, s_wn, offs_n, K, BLOCK_M, BLOCK_N, BLOCK_K,
+            EVEN_K, IEEE, W_FP8, SWAP, True,
+        )  # fmt: skip
+        acc = acc * tl.sigmoid(acc) * up
+    else:
+        if W_FP8:
+            acc = acc * _tile_col(tl.load(sc_ptr + e * N + offs_n), SWAP)
+        acc = tl.maximum(acc, 0.0)
+        acc = acc * acc
     cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     h_ptrs = h_ptr + _tile_out(offs_m.to(tl.int64) * s_hm, SWAP) + _tile_col(cn, SWAP)
     tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=_tile_col(cn < N, SWAP))
@@ -1311,9 +1320,13 @@ def launch_up_gemm(
     block_m: int,
     up: dict[str, Any],
     scale: torch.Tensor | None = None,
+    gated: bool = False,
 ) -> None:
-    """h [P, I] over the align layout (moe_up_ref)."""
-    inter, d = w_up.shape[1], w_up.shape[2]
+    """h [P, I] over the align layout (moe_up_ref; gated: w_up holds [gate | up] rows, [E, 2I, d], and h is
+    silu(gate) * up)."""
+    inter, d = w_up.shape[1] // (2 if gated else 1), w_up.shape[2]
+    if gated and scale is not None:
+        raise ValueError("moe_experts: SiLU-gated experts run in 16 or 32 bits (no FP8 form)")
     nb = expert_ids.numel()
     _up_gemm_kernel[(nb * triton.cdiv(inter, up["BLOCK_N"]),)](
         x,
@@ -1340,6 +1353,7 @@ def launch_up_gemm(
         IEEE=x.dtype == torch.float32,
         W_FP8=scale is not None,
         SWAP=up.get("SWAP", 0),
+        GATED=gated,
         **_launch(up),
         **pdl(x),
     )
@@ -1481,11 +1495,54 @@ def moe_experts_triton(
     return out
 
 
+def moe_experts_silu_triton(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_w: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    """SiLU-gated experts (kernels/moe_silu.py's contract): x [T, d]; gate_up [E, 2I, d] ([gate | up] rows);
+    down [E, d, I]; topk_w [T, k] float; topk_ids [T, k] int -> [T, d] in x.dtype. The grouped GEMMs at every
+    token count (the decode GEMVs have no gated form): the bucket's tuned or heuristic GEMM settings; a
+    bucket whose settings are GEMVs takes the heuristic GEMM settings of 3 tokens."""
+    _check_experts_args(x, gate_up, down, topk_w, topk_ids, gated=True)
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"moe_experts: float32, float16 or bfloat16 expected, got {x.dtype}")
+    if gate_up.stride(2) != 1 or down.stride(2) != 1:
+        raise ValueError("moe_experts: expert weights need a unit stride along their last dimension")
+    T, d = x.shape
+    E, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    k = topk_ids.shape[1]
+    out = torch.empty(T, d, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    if config is not None:
+        cfg = validate_config(config)
+    else:
+        cfg = moe_config(E, inter, d, T, k, x.device)
+        if cfg["variant"] == "gemv":
+            cfg = _INTERPRETER_GEMM if x.device.type != "cuda" else heuristic_config(E, inter, d, 3, k)
+    if cfg["variant"] != "gemm":
+        raise ValueError("moe_experts: SiLU-gated experts run the grouped GEMMs (variant 'gemm') only")
+    xc = x if x.stride(1) == 1 else x.contiguous()
+    bm = cfg["BLOCK_M"]
+    sorted_ids, expert_ids, npad = moe_align_triton(topk_ids.contiguous(), E, bm)
+    h = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
+    launch_up_gemm(xc, gate_up, h, sorted_ids, expert_ids, npad, T * k, k, bm, cfg["up"], gated=True)
+    y = torch.empty(T * k, d, dtype=x.dtype, device=x.device)
+    launch_down_gemm(h, down, y, topk_w.float().contiguous(), sorted_ids, expert_ids, npad, bm, cfg["down"])
+    launch_combine(y, out, k)
+    return out
+
+
 __all__ = [
     "TOKEN_BUCKETS",
     "heuristic_config",
     "moe_align_triton",
     "moe_config",
+    "moe_experts_silu_triton",
     "moe_experts_triton",
     "moe_route_triton",
     "moe_token_buckets",

@@ -932,3 +932,26 @@ def test_moe_kernels_compile_for_sm90_at_the_tuned_configs():
     assert all("griddepcontrol.wait" in doc["ptx"][name] for name in want), doc["ptx"]
     # the EARLY form of the down GEMV issues its first expert tile's loads before it waits
     assert "ld.global before the wait" in doc["ptx"]["_down_gemv_kernel"], doc["ptx"]["_down_gemv_kernel"]
+
+
+@pytest.mark.slow
+def test_swap_and_gated_gemms_compile_for_sm90():
+    """The grouped GEMMs' SWAP form over e4m3 experts and the SiLU-gated form (both tile forms) compile for
+    sm_90 to warp-group MMAs within its shared memory (tests/sm90_compile_check.py moe_forms: no GPU)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, str(root / "tests" / "sm90_compile_check.py"), "bfloat16", "moe_forms"],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": str(root)},
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    doc = json.loads(run.stdout.strip().splitlines()[-1])
+    for name in ("_up_gemm_kernel", "_down_gemm_kernel"):
+        assert 0 < doc["kernels"][name] <= 232448, doc["kernels"]
+        assert "wgmma.mma_async" in doc["ptx"][name], doc["ptx"][name]
