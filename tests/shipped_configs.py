@@ -3,6 +3,7 @@ real architectures' config.json files in `benchmarks/configs/`. Nothing outside 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 TINY_DIR = Path(__file__).resolve().parent / "configs"
@@ -10,11 +11,18 @@ REAL_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
 TINY = ("tiny-nemotron-h-dense", "tiny-nemotron-3-moe", "tiny-nemotron-3-latent-moe")
 
 
-def _names(d: Path) -> list[str]:
-    return sorted(p.name for p in d.iterdir() if (p / "config.json").is_file())
+def _names(d: Path, nemotron_h: bool = True) -> list[str]:
+    """The config dirs under d of NemotronH models (nemotron_h=True) or of the other families."""
+    return sorted(
+        p.name
+        for p in d.iterdir()
+        if (p / "config.json").is_file()
+        and (json.loads((p / "config.json").read_text()).get("model_type") == "nemotron_h") == nemotron_h
+    )
 
 
-ALL = sorted(_names(TINY_DIR) + _names(REAL_DIR))
+ALL = sorted(_names(TINY_DIR) + _names(REAL_DIR))  # the NemotronH configs
+OTHER_FAMILIES = _names(REAL_DIR, nemotron_h=False)  # published configs of the other hybrid families
 
 
 def config_dir(name: str) -> Path:
