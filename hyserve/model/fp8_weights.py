@@ -61,7 +61,7 @@ from hyserve.model.parallel_linear import (
     loaded_shape,
     read_block,
 )
-from hyserve.model.quant_config import QuantConfig
+from hyserve.model.quant_config import QuantConfig, canonical_module_name
 
 _SAFETENSORS_FP8 = ("F8_E4M3",)
 _FLOAT_SOURCES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -307,7 +307,7 @@ def convert_linears(model: nn.Module, quant: QuantConfig | None) -> int:
         return 0
     n = 0
     for name, mod in model.named_modules():
-        if isinstance(mod, LinearBase) and quant.quantizes(name):
+        if isinstance(mod, LinearBase) and quant.quantizes(canonical_module_name(name)):
             convert_linear(mod, quant, name)
             n += 1
         elif isinstance(mod, Experts) and convert_experts(mod, quant, name):

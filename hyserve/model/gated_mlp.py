@@ -14,19 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyserve.distributed import Group
-from hyserve.kernels import ops
 from hyserve.model.parallel_linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     RowParallelLinear,
     ShardedPart,
 )
-
-
-def down_projection(down: RowParallelLinear, h: torch.Tensor) -> torch.Tensor:
-    if not down.sharded:
-        return down(h)
-    return down.reduce(ops.linear.get(h.is_cuda)(h, down.weight, None))
 
 
 class GatedMLP(nn.Module):
@@ -48,7 +41,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: object = None, cache: object = None) -> torch.Tensor:
         """x: [T, hidden]. `meta` / `cache` are unused (the mixer signature; an MLP keeps no state)."""
-        return down_projection(self.down_proj, F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MergedGatedMLP(nn.Module):
@@ -71,4 +64,4 @@ class MergedGatedMLP(nn.Module):
     def forward(self, x: torch.Tensor, meta: object = None, cache: object = None) -> torch.Tensor:
         """x: [T, hidden]. `meta` / `cache` are unused."""
         gate, up = self.input_linear.split(self.input_linear(x))
-        return down_projection(self.output_linear, F.silu(gate) * up)
+        return self.output_linear(F.silu(gate) * up)

@@ -143,7 +143,7 @@ class HybridDecoderConfig(ABC):
     time_step_min: float = 0.001  # the smallest dt of random init
     ssm_cache_dtype: torch.dtype = torch.float32
     kv_cache_dtype: torch.dtype | None = None  # None -> model dtype
-    quant: QuantConfig | None = None  # these families run 16-bit weights (with_quant refuses FP8)
+    quant: QuantConfig | None = None  # the projections' weight format: None = 16-bit (`with_quant`)
     name: str = ""
 
     # ---- ModelSpec -----------------------------------------------------------------------------------
@@ -205,11 +205,13 @@ class HybridDecoderConfig(ABC):
         n += len(self.attention_layer_ids) * self.attention.num_parameters()
         return n + self.num_layers * (2 * h + self.ffn_parameters())
 
+    def layer_summary(self) -> str:
+        return f"{len(self.mamba_layer_ids)} Mamba2, {len(self.attention_layer_ids)} attention"
+
     def describe(self) -> str:
-        return (
-            f"{self.num_layers} layers ({len(self.mamba_layer_ids)} Mamba2, {len(self.attention_layer_ids)} "
-            f"attention), {self.num_parameters() / 1e6:.1f}M params"
-        )
+        fmt = f", {self.quant.describe()}" if self.quant is not None else ""
+        params = f"{self.num_parameters() / 1e6:.1f}M params"
+        return f"{self.num_layers} layers ({self.layer_summary()}), {params}{fmt}"
 
     # ---- what the shared machinery asks ----------------------------------------------------------------
     @abstractmethod
@@ -242,12 +244,16 @@ class HybridDecoderConfig(ABC):
         raise ValueError(f"init_random_weights: no init rule for parameter {name!r}")
 
     def with_quant(self, quant: QuantConfig | None) -> Self:
-        if quant is not None:
-            raise ValueError(
-                f"quantization: {quant.describe()} weights are not supported for this model family; "
-                "serve its 16-bit weights"
-            )
-        return self
+        """The same architecture with its projections (Mamba in / out, attention q / k / v / o, the MLPs'
+        gate / up / down) in `quant`'s format (None: 16-bit); the family may refuse a format
+        (`quant_problem`)."""
+        if quant is not None and (problem := self.quant_problem(quant)):
+            raise ValueError(f"quantization: {quant.describe()}: {problem}")
+        return dataclasses.replace(self, quant=quant)
+
+    def quant_problem(self, quant: QuantConfig) -> str | None:
+        """Why this architecture cannot run `quant`'s format, or None (every projection can be FP8)."""
+        return None
 
     def with_cache_dtypes(
         self,

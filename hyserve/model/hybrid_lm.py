@@ -23,7 +23,9 @@ from hyserve.kernels.ops import KernelOp
 from hyserve.model.attention import Attention
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.forward_meta import ForwardMeta
+from hyserve.model.fp8_weights import convert_linears
 from hyserve.model.hybrid_config import HybridDecoderConfig
+from hyserve.model.kernel_buckets import kernel_token_buckets
 from hyserve.model.norm import RMSNorm
 from hyserve.model.parallel_embedding import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_logits
 from hyserve.model.rope import rope_cos_sin
@@ -44,6 +46,7 @@ DECODER_KERNEL_OPS: tuple[KernelOp, ...] = (
     ops.store_ssm_state,
     ops.write_kv,
     ops.paged_attention,
+    ops.fp8_linear,  # projections with FP8 weights (`quantization: fp8` or an FP8 checkpoint)
 )
 
 
@@ -134,6 +137,8 @@ class HybridDecoderLM(nn.Module):
         norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
         self.model.add_module(final_norm, norm)
         self._final_norm = (norm,)
+        # FP8 projections (cfg.quant): e4m3 weights + float32 scales in place of the 16-bit weights
+        convert_linears(self, cfg.quant)
 
     def _layers(self) -> list[DecoderLayer]:
         return [m for m in self.model.layers if isinstance(m, DecoderLayer)]
@@ -169,7 +174,16 @@ class HybridDecoderLM(nn.Module):
         return True
 
     def kernel_token_buckets(self, max_num_tokens: int) -> list[int]:
-        return []
+        """Step token counts whose kernel variants differ (routed experts' tile configs, the FP8 linears'
+        launch forms): the warm-up runs a step of each."""
+        return kernel_token_buckets(
+            max_num_tokens, moe=self.has_routed_experts, fp8=self.config.quant is not None
+        )
+
+    @property
+    def has_routed_experts(self) -> bool:
+        """Whether a layer runs routed experts (the grouped-GEMM kernels, by token bucket)."""
+        return False
 
     def allocate_cache(
         self, *, num_blocks: int, tokens_per_block: int, num_slots: int, device: torch.device | str

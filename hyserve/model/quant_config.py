@@ -62,6 +62,9 @@ QUANTIZABLE_LINEARS = frozenset(
         "o_proj",
         "up_proj",
         "down_proj",
+        "gate_proj",
+        "input_linear",
+        "output_linear",
         "fc1_latent_proj",
         "fc2_latent_proj",
     }
@@ -79,8 +82,9 @@ SUPPORTED = (
 )
 
 
-def _canonical(name: str) -> str:
-    """A checkpoint module name as hyserve names it (`model.` read as `backbone.`)."""
+def canonical_module_name(name: str) -> str:
+    """A module name as the quantisation rules read it (`model.` read as `backbone.`): NemotronH's own
+    names, and the checkpoint names of the families whose modules sit under `model.`."""
     return "backbone." + name[len("model.") :] if name.startswith("model.") else name
 
 
@@ -94,7 +98,7 @@ def _matches(module_name: str, pattern: str) -> bool:
     if pattern.startswith("re:"):
         rx = pattern[3:]
         return bool(re.match(rx, module_name) or re.match(rx, "model." + short))
-    p = _canonical(pattern)
+    p = canonical_module_name(pattern)
     globs = (p[:-1], p[:-1] + ".*") if len(p) >= 2 and p[-1] == "*" and p[-2] != "." else (p,)
     return any(
         n == g or n.startswith(g + ".") or fnmatch.fnmatchcase(n, g)
@@ -251,7 +255,7 @@ def _mixed(q: dict[str, Any], where: str) -> tuple[str, frozenset[str]]:
             f"{where}: {MIXED} checkpoint mixes FP8 scale layouts {sorted(algos)}: not supported "
             "(one of them a model)"
         )
-    return MODELOPT_FP8[next(iter(algos))], frozenset(_canonical(n) for n in layers)
+    return MODELOPT_FP8[next(iter(algos))], frozenset(canonical_module_name(n) for n in layers)
 
 
 def _modelopt(q: dict[str, Any], where: str) -> QuantConfig:

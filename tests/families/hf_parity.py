@@ -34,11 +34,12 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], lis
     return ids[len(prompt) :], lps
 
 
-def check_parity(model_dir: str, hf_model: torch.nn.Module) -> float:
-    """Returns the largest |logprob difference| seen (asserts it is below 1e-3)."""
+def check_parity(model_dir: str, hf_model: torch.nn.Module, **options: Any) -> float:
+    """Returns the largest |logprob difference| seen (asserts it is below 1e-3). `options` go to both `LLM`s
+    (e.g. `quantization="fp8"`)."""
     hf = [hf_greedy(hf_model, p) for p in PROMPTS]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, logprobs=1, ignore_eos=True)
-    llm = LLM(model=model_dir, dtype="float32", device="cpu", max_seq_len=128, max_batch_size=2)
+    llm = LLM(model=model_dir, dtype="float32", device="cpu", max_seq_len=128, max_batch_size=2, **options)
     outs = llm.generate(PROMPTS, params)
     worst = 0.0
     for out, (toks, lps) in zip(outs, hf):
@@ -61,6 +62,7 @@ def check_parity(model_dir: str, hf_model: torch.nn.Module) -> float:
             "enable_block_reuse": True,
             "mamba_state_config": {"periodic_snapshot_interval": 8},
         },
+        **options,
     )
     shared = [PROMPTS[0], PROMPTS[0][:8] + PROMPTS[1][:6]]  # the second reuses the first's 8-token prefix
     first = cached.generate([shared[0]], params)[0]

@@ -10,7 +10,7 @@ from tests.families.hf_parity import check_parity
 transformers = pytest.importorskip("transformers")
 
 
-def test_bamba_greedy_matches_transformers(tmp_path):
+def _hf_model():
     torch.manual_seed(0)
     cfg = transformers.BambaConfig(
         vocab_size=320,
@@ -36,6 +36,11 @@ def test_bamba_greedy_matches_transformers(tmp_path):
                 m.dt_bias.normal_(0.0, 0.5)
                 m.D.normal_(1.0, 0.2)
                 m.norm.weight.normal_(1.0, 0.1)
+    return hf
+
+
+def test_bamba_greedy_matches_transformers(tmp_path):
+    hf = _hf_model()
     hf.save_pretrained(tmp_path)
     worst = check_parity(str(tmp_path), hf)
     print(f"bamba max |dlogprob| {worst:.2e}")

@@ -103,7 +103,7 @@ def test_falcon_h1_greedy_matches_transformers(
     _, declared, looked_up = check_family_parity(
         tmp_path, monkeypatch, _hf_model(variant), "falcon_h1", FalconH1Config
     )
-    assert declared - looked_up == UNUSED_OPS[variant]
+    assert declared - looked_up == UNUSED_OPS[variant] | {"fp8_linear"}  # 16-bit weights here
 
 
 @pytest.mark.slow

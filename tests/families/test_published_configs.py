@@ -40,6 +40,4 @@ def test_published_config_reads_as_transformers_builds_it(name: str) -> None:
     conv = conv_dim * (raw["mamba_d_conv"] - 1) * spec.dtype.itemsize
     assert spec.state_bytes_per_sequence == n_mamba * (ssm + conv)
     head_dim = raw.get("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
-    assert (
-        spec.kv_bytes_per_token == n_attn * 2 * raw["num_key_value_heads"] * head_dim * spec.dtype.itemsize
-    )
+    assert spec.kv_bytes_per_token == n_attn * 2 * raw["num_key_value_heads"] * head_dim * spec.dtype.itemsize

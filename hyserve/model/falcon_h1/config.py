@@ -111,11 +111,8 @@ class FalconH1Config(HybridDecoderConfig):
     def ffn_sharding_problems(self, tp_size: int, ep_size: int) -> list[str]:
         return divides("intermediate_size", self.intermediate_size, tp_size)
 
-    def describe(self) -> str:
-        return (
-            f"{self.num_layers} layers (attention and Mamba2 side by side), "
-            f"{self.num_parameters() / 1e6:.1f}M params"
-        )
+    def layer_summary(self) -> str:
+        return "attention and Mamba2 side by side"
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, name: str = "") -> FalconH1Config:

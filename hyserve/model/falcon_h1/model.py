@@ -19,7 +19,7 @@ from hyserve.model.attention import Attention
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.falcon_h1.config import FalconH1Config
 from hyserve.model.forward_meta import ForwardMeta
-from hyserve.model.gated_mlp import GatedMLP, down_projection
+from hyserve.model.gated_mlp import GatedMLP
 from hyserve.model.hybrid_lm import DECODER_KERNEL_OPS, DecoderLayer, HybridDecoderLM, RopeTables
 from hyserve.model.layer_specs import MambaSpec
 from hyserve.model.mamba2 import Mamba2Mixer
@@ -69,7 +69,7 @@ class FalconH1MLP(GatedMLP):
         gate = self.gate_proj(x)
         if self.gate_multiplier != 1.0:
             gate = gate * self.gate_multiplier
-        y = down_projection(self.down_proj, self.up_proj(x) * F.silu(gate))
+        y = self.down_proj(self.up_proj(x) * F.silu(gate))
         return y * self.down_multiplier if self.down_multiplier != 1.0 else y
 
 

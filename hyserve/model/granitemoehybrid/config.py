@@ -21,6 +21,7 @@ from hyserve.model.hybrid_config import (
     rope_theta,
 )
 from hyserve.model.layer_specs import AttentionSpec, RopeSpec, divides
+from hyserve.model.quant_config import QuantConfig, canonical_module_name
 
 
 def _layer_types(f: Fields) -> tuple[str, ...]:
@@ -41,6 +42,24 @@ class GraniteMoeHybridConfig(HybridDecoderConfig):
     def ffn_parameters(self) -> int:
         h, e = self.hidden_size, self.num_local_experts
         return 3 * h * self.shared_intermediate_size + e * (h + 3 * h * self.intermediate_size)
+
+    def quant_problem(self, quant: QuantConfig) -> str | None:
+        """The routed experts stay 16-bit (their kernels take no FP8 form): a checkpoint whose experts are
+        e4m3 is refused; quantised at load, only the projections turn FP8."""
+        if not (self.num_local_experts and quant.from_checkpoint):
+            return None
+        names = (
+            canonical_module_name(f"model.layers.{i}.block_sparse_moe.{w}")
+            for i in range(self.num_layers)
+            for w in ("input_linear", "output_linear")
+        )
+        if any(quant.quantizes(n) for n in names):
+            return (
+                "the checkpoint's routed experts are FP8, and Granite-4.0-H's routed experts run in 16 bits "
+                "only; serve the 16-bit checkpoint with quantization: fp8 (its projections FP8, the experts "
+                "16-bit)"
+            )
+        return None
 
     def ffn_sharding_problems(self, tp_size: int, ep_size: int) -> list[str]:
         out = divides("shared_intermediate_size", self.shared_intermediate_size, tp_size)

@@ -82,5 +82,9 @@ class GraniteMoeHybridForCausalLM(HybridDecoderLM):
         self.set_layers(list(layers), "norm", device=device, dtype=dtype)
 
     @property
+    def has_routed_experts(self) -> bool:
+        return self.config.num_local_experts > 0
+
+    @property
     def checkpoint_names(self) -> HubNames:
         return NAMES

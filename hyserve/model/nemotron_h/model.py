@@ -30,6 +30,7 @@ from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.config import LAYER_ATTENTION, LAYER_MAMBA, LAYER_MLP, LAYER_MOE
 from hyserve.model.forward_meta import ForwardMeta
 from hyserve.model.fp8_weights import convert_linears
+from hyserve.model.kernel_buckets import kernel_token_buckets
 from hyserve.model.mamba2 import Mamba2Mixer
 from hyserve.model.mlp import MLP
 from hyserve.model.moe import MoE
@@ -165,16 +166,9 @@ class NemotronHForCausalLM(nn.Module):
     def kernel_token_buckets(self, max_num_tokens: int) -> list[int]:
         """Step token counts whose kernel variants differ (MoE tile configs per token bucket, the FP8
         linears' launch forms): the warm-up runs a step of each."""
-        buckets: set[int] = set()
-        if LAYER_MOE in self.config.layer_types:
-            from hyserve.kernels.triton_moe import moe_token_buckets
-
-            buckets.update(moe_token_buckets(max_num_tokens))
-        if self.config.quant is not None:
-            from hyserve.kernels.triton_fp8_linear import fp8_token_buckets
-
-            buckets.update(fp8_token_buckets(max_num_tokens))
-        return sorted(buckets)
+        return kernel_token_buckets(
+            max_num_tokens, moe=LAYER_MOE in self.config.layer_types, fp8=self.config.quant is not None
+        )
 
     def allocate_cache(
         self, *, num_blocks: int, tokens_per_block: int, num_slots: int, device: torch.device | str
