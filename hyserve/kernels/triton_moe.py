@@ -546,7 +546,8 @@ def _up_gemm_kernel(
     """h[r, n] = relu(x[sorted_ids[r] // k] @ w_up[e]^T)^2 for the rows r of block pid_m (0 for padding).
     W_FP8: e4m3 weight tiles converted to x's dtype for the dot (exact), the expert's channel scales
     sc[e, n] applied to the accumulator before relu^2. SWAP: the tile is formed transposed (_expert_tile).
-    GATED (SiLU-gated experts, w_up [E, 2N, K] of [gate | up] rows): h = silu(x @ gate^T) * (x @ up^T)."""
+    GATED (SiLU-gated experts, w_up [E, 2N, K] of [gate | up] rows, W_FP8 scales [E, 2N]): h = silu(x @
+    gate^T) * (x @ up^T)."""
     pdl_enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), nb, tl.cdiv(N, BLOCK_N), group_m)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
@@ -575,11 +576,14 @@ def _up_gemm_kernel(
         SWAP,
         True,
     )
-    if GATED:  # the up rows follow the N gate rows
+    if GATED:  # the up rows follow the N gate rows (and their scales the gate rows' scales)
         up = _expert_tile(
             x_ptr, s_xt, tok, valid, w_ptr + e * s_we + N * s_wn, s_wn, offs_n, K, BLOCK_M, BLOCK_N, BLOCK_K,
             EVEN_K, IEEE, W_FP8, SWAP, True,
         )  # fmt: skip
+        if W_FP8:
+            acc = acc * _tile_col(tl.load(sc_ptr + e * 2 * N + offs_n), SWAP)
+            up = up * _tile_col(tl.load(sc_ptr + e * 2 * N + N + offs_n), SWAP)
         acc = acc * tl.sigmoid(acc) * up
     else:
         if W_FP8:
@@ -1323,10 +1327,8 @@ def launch_up_gemm(
     gated: bool = False,
 ) -> None:
     """h [P, I] over the align layout (moe_up_ref; gated: w_up holds [gate | up] rows, [E, 2I, d], and h is
-    silu(gate) * up)."""
+    silu(gate) * up; scale: FP8 experts' [E, I] channel scales, [E, 2I] gated)."""
     inter, d = w_up.shape[1] // (2 if gated else 1), w_up.shape[2]
-    if gated and scale is not None:
-        raise ValueError("moe_experts: SiLU-gated experts run in 16 or 32 bits (no FP8 form)")
     nb = expert_ids.numel()
     _up_gemm_kernel[(nb * triton.cdiv(inter, up["BLOCK_N"]),)](
         x,
@@ -1501,13 +1503,16 @@ def moe_experts_silu_triton(
     down: torch.Tensor,
     topk_w: torch.Tensor,
     topk_ids: torch.Tensor,
+    up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
     config: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """SiLU-gated experts (kernels/moe_silu.py's contract): x [T, d]; gate_up [E, 2I, d] ([gate | up] rows);
-    down [E, d, I]; topk_w [T, k] float; topk_ids [T, k] int -> [T, d] in x.dtype. The grouped GEMMs at every
-    token count (the decode GEMVs have no gated form): the bucket's tuned or heuristic GEMM settings; a
-    bucket whose settings are GEMVs takes the heuristic GEMM settings of 3 tokens."""
-    _check_experts_args(x, gate_up, down, topk_w, topk_ids, gated=True)
+    down [E, d, I]; topk_w [T, k] float; topk_ids [T, k] int -> [T, d] in x.dtype; FP8 experts: e4m3 weights
+    with up_scale [E, 2I] and down_scale [E, d] float32. The grouped GEMMs at every token count (the decode
+    GEMVs have no gated form): the bucket's tuned or heuristic GEMM settings; a bucket whose settings are
+    GEMVs takes the heuristic GEMM settings of 3 tokens."""
+    _check_experts_args(x, gate_up, down, topk_w, topk_ids, up_scale, down_scale, gated=True)
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"moe_experts: float32, float16 or bfloat16 expected, got {x.dtype}")
     if gate_up.stride(2) != 1 or down.stride(2) != 1:
@@ -1521,7 +1526,7 @@ def moe_experts_silu_triton(
     if config is not None:
         cfg = validate_config(config)
     else:
-        cfg = moe_config(E, inter, d, T, k, x.device)
+        cfg = moe_config(E, inter, d, T, k, x.device, fp8=up_scale is not None)
         if cfg["variant"] == "gemv":
             cfg = _INTERPRETER_GEMM if x.device.type != "cuda" else heuristic_config(E, inter, d, 3, k)
     if cfg["variant"] != "gemm":
@@ -1530,9 +1535,12 @@ def moe_experts_silu_triton(
     bm = cfg["BLOCK_M"]
     sorted_ids, expert_ids, npad = moe_align_triton(topk_ids.contiguous(), E, bm)
     h = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
-    launch_up_gemm(xc, gate_up, h, sorted_ids, expert_ids, npad, T * k, k, bm, cfg["up"], gated=True)
+    launch_up_gemm(
+        xc, gate_up, h, sorted_ids, expert_ids, npad, T * k, k, bm, cfg["up"], up_scale, gated=True
+    )
     y = torch.empty(T * k, d, dtype=x.dtype, device=x.device)
-    launch_down_gemm(h, down, y, topk_w.float().contiguous(), sorted_ids, expert_ids, npad, bm, cfg["down"])
+    tw = topk_w.float().contiguous()
+    launch_down_gemm(h, down, y, tw, sorted_ids, expert_ids, npad, bm, cfg["down"], down_scale)
     launch_combine(y, out, k)
     return out
 

@@ -3,7 +3,8 @@
 quantises replaced by its dequantised e4m3 values (per output channel, as `model/fp8_weights.py` quantises
 at load; quantising those values again gives the same codes and scales), so greedy decoding must match it
 token for token with logprobs within 1e-3, also with prefix caching and chunked prefill
-(`check_parity`). Granite's routed experts stay 16-bit; a checkpoint with FP8 experts is refused."""
+(`check_parity`). Granite's routed experts are quantised too, per expert and output channel; an FP8
+checkpoint whose experts are e4m3 is refused."""
 
 from __future__ import annotations
 
@@ -39,23 +40,33 @@ def _model(family: str) -> Any:
     return granite(family.removeprefix("granite-"))
 
 
-def _dequantise_projections(hf: torch.nn.Module) -> list[str]:
-    """Every projection hyserve quantises replaced by its e4m3 round trip; returns their names."""
-    names = []
+def _round_trip(w: torch.Tensor) -> torch.Tensor:
+    q, s = quantize_weight_ref(w.float(), "channel")
+    return dequantize_weight_ref(q, s).to(w.dtype)
+
+
+def _dequantise_projections(hf: torch.nn.Module) -> tuple[list[str], int]:
+    """Every projection hyserve quantises replaced by its e4m3 round trip, and every routed expert's matrix
+    (per expert and output channel); returns the projections' names and the number of stacked expert
+    tensors."""
+    names, experts = [], 0
     with torch.no_grad():
         for name, m in hf.named_modules():
             if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in QUANTIZABLE_LINEARS:
-                q, s = quantize_weight_ref(m.weight.float(), "channel")
-                m.weight.copy_(dequantize_weight_ref(q, s).to(m.weight.dtype))
+                m.weight.copy_(_round_trip(m.weight))
                 names.append(name)
-    return names
+        for name, p in hf.named_parameters():
+            if "block_sparse_moe" in name and p.dim() == 3:
+                p.copy_(torch.stack([_round_trip(w) for w in p]))
+                experts += 1
+    return names, experts
 
 
 @pytest.mark.parametrize("family", ["bamba", "falcon_h1", "granite-dense", "granite-moe"])
 def test_fp8_projections_match_transformers_on_the_dequantised_weights(tmp_path: Path, family: str) -> None:
     hf = _model(family)
-    projections = _dequantise_projections(hf)
-    assert projections
+    projections, n_experts = _dequantise_projections(hf)
+    assert projections and (n_experts > 0) == (family == "granite-moe")
     hf.save_pretrained(tmp_path)
     worst = check_parity(str(tmp_path), hf, quantization="fp8")
     print(f"{family} fp8 max |dlogprob| {worst:.2e}")
@@ -69,8 +80,8 @@ def test_fp8_projections_match_transformers_on_the_dequantised_weights(tmp_path:
     assert len(layers) == len(projections)  # every projection, nothing else
     assert all(layer.weight.dtype == E4M3 for layer in layers.values())
     assert "fp8 e4m3 weights (quantised at load" in lm.config.describe()
-    experts = [p for n, p in model.named_parameters() if "block_sparse_moe" in n and "router" not in n]
-    assert all(p.dtype == torch.float32 for p in experts)  # Granite's routed experts stay 16/32-bit
+    experts = [p for n, p in model.named_parameters() if n.endswith("_linear.weight") and "block_sparse" in n]
+    assert len(experts) == n_experts and all(p.dtype == E4M3 for p in experts)
 
 
 def test_granite_checkpoint_with_fp8_experts_is_refused() -> None:
@@ -85,3 +96,21 @@ def test_granite_checkpoint_with_fp8_experts_is_refused() -> None:
     assert cfg.with_quant(excluded).quant == excluded  # experts excluded: the projections alone are FP8
     online = QuantConfig(method="online", scheme="channel")
     assert cfg.with_quant(online).quant == online
+
+
+def test_random_fp8_granite_experts_are_drawn_and_quantised(tmp_path: Path) -> None:
+    """`load_format: dummy` with `quantization: fp8`: each expert's random matrix is drawn in float32 and
+    quantised as it loads, the same values as the 16-bit model's draw."""
+    _model("granite-moe").config.save_pretrained(tmp_path)
+    opts = {"model": str(tmp_path), "device": "cpu", "dtype": "float32", "load_format": "dummy", "seed": 3}
+    fp8 = load_model(build_engine_config({**opts, "quantization": "fp8"})).model
+    ref = dict(load_model(build_engine_config(opts)).model.named_parameters())
+    n = 0
+    for name, m in fp8.named_modules():
+        if name.endswith(("block_sparse_moe.input_linear", "block_sparse_moe.output_linear")):
+            for e in range(m.weight.shape[0]):
+                q, s = quantize_weight_ref(ref[f"{name}.weight"][e].detach(), "channel")
+                assert torch.equal(m.weight[e].view(torch.uint8), q.view(torch.uint8)), (name, e)
+                assert torch.equal(m.weight_scale[e], s), (name, e)
+            n += 1
+    assert n == 2 * 3  # input and output experts of every layer

@@ -62,7 +62,12 @@ def test_triton_experts_default_settings_and_zero_tokens():
 
 @pytest.mark.parametrize(
     "bad, what",
-    [("odd", "up_proj must be"), ("gemv", "grouped GEMMs"), ("fp8", "no FP8 form"), ("int", "float32")],
+    [
+        ("odd", "up_proj must be"),
+        ("gemv", "grouped GEMMs"),
+        ("scales", "must be float8_e4m3fn"),
+        ("int", "float32"),
+    ],
 )
 def test_triton_experts_reject_bad_inputs(bad: str, what: str) -> None:
     x, gate_up, down, w, ids = _inputs(3, 4, 32, 16, 2, torch.float32)
@@ -71,11 +76,38 @@ def test_triton_experts_reject_bad_inputs(bad: str, what: str) -> None:
             tm.moe_experts_silu_triton(x, gate_up[:, :-1], down, w, ids)
         elif bad == "gemv":
             tm.moe_experts_silu_triton(x, gate_up, down, w, ids, config=tm._INTERPRETER_GEMV)
-        elif bad == "fp8":
-            sid, eid, npad = tm.moe_align_triton(ids, 4, 16)
-            h = torch.empty(sid.numel(), 16)
-            tm.launch_up_gemm(
-                x, gate_up, h, sid, eid, npad, 6, 2, 16, tm._INTERPRETER_GEMM["up"], w, gated=True
-            )
+        elif bad == "scales":  # scales beside 32-bit weights
+            tm.moe_experts_silu_triton(x, gate_up, down, w, ids, torch.ones(4, 32), torch.ones(4, 32))
         else:
             tm.moe_experts_silu_triton(x.int(), gate_up, down, w, ids)
+
+
+def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> e4m3 and float32 [E, N] scales, per expert and output channel."""
+    scale = (w.abs().amax(-1).float() / 448.0).clamp_min(1e-12)
+    return (w.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("swap", [0, 1])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.float16, 4e-3)])
+@pytest.mark.parametrize("case", ["one-token", "ragged"])
+def test_triton_fp8_experts_match_float64_of_the_dequantised_experts(
+    poison, case: str, dtype: torch.dtype, tol: float, swap: int
+):
+    """e4m3 experts with [E, 2I] / [E, d] channel scales in both tile forms, against float64 of the
+    dequantised experts and against the reference in the same dtype."""
+    from hyserve.kernels.moe import dequantize_experts
+
+    T, E, d, inter, k = SILU_CASES[case]
+    x, gate_up, down, w, ids = _inputs(T, E, d, inter, k, torch.float32)
+    (qgu, sgu), (qd, sd) = _fp8(gate_up), _fp8(down)
+    dev = [t.to(DEV) for t in (x.to(dtype), qgu, qd, w, ids, sgu, sd)]
+    with poison:
+        out = tm.moe_experts_silu_triton(*dev[:5], dev[5], dev[6], config=_silu_config(swap))
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    f64 = torch.float64
+    want = _per_token(x.to(dtype), dequantize_experts(qgu, sgu, f64), dequantize_experts(qd, sd, f64), w, ids)
+    err = ((out.cpu().double() - want).norm() / want.norm()).item()
+    assert err < tol, f"{case} swap={swap}: relative error {err:.2e}"
+    same = moe_experts_silu_ref(x.to(dtype), qgu, qd, w, ids, sgu, sd).double()
+    assert ((out.cpu().double() - same).norm() / same.norm()).item() < 3 * tol

@@ -44,8 +44,9 @@ class GraniteMoeHybridConfig(HybridDecoderConfig):
         return 3 * h * self.shared_intermediate_size + e * (h + 3 * h * self.intermediate_size)
 
     def quant_problem(self, quant: QuantConfig) -> str | None:
-        """The routed experts stay 16-bit (their kernels take no FP8 form): a checkpoint whose experts are
-        e4m3 is refused; quantised at load, only the projections turn FP8."""
+        """An FP8 checkpoint's routed experts must be 16-bit (excluded from its FP8 modules): its e4m3
+        expert tensors are refused. `quantization: fp8` on a 16-bit checkpoint quantises the experts as they
+        load, per expert and output channel (`softmax_moe.StackedExperts.to_fp8`)."""
         if not (self.num_local_experts and quant.from_checkpoint):
             return None
         names = (
@@ -55,9 +56,9 @@ class GraniteMoeHybridConfig(HybridDecoderConfig):
         )
         if any(quant.quantizes(n) for n in names):
             return (
-                "the checkpoint's routed experts are FP8, and Granite-4.0-H's routed experts run in 16 bits "
-                "only; serve the 16-bit checkpoint with quantization: fp8 (its projections FP8, the experts "
-                "16-bit)"
+                "the checkpoint's routed experts are FP8, and Granite-4.0-H's routed experts load from "
+                "16-bit tensors only; serve the 16-bit checkpoint with quantization: fp8 (every projection "
+                "and expert quantised as it loads)"
             )
         return None
 

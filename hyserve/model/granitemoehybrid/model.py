@@ -80,6 +80,10 @@ class GraniteMoeHybridForCausalLM(HybridDecoderLM):
             GraniteMoeHybridDecoderLayer(cfg, i, device=device, dtype=dtype) for i in range(cfg.num_layers)
         ]
         self.set_layers(list(layers), "norm", device=device, dtype=dtype)
+        if cfg.quant is not None and not cfg.quant.from_checkpoint:  # FP8 at load: the routed experts too
+            for layer in layers:
+                if layer.block_sparse_moe is not None:
+                    layer.block_sparse_moe.to_fp8()
 
     @property
     def has_routed_experts(self) -> bool:
