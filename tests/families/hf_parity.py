@@ -102,3 +102,19 @@ def check_family_parity(
     declared = {op.name for op in family.kernel_ops}
     assert looked_up <= declared, looked_up - declared
     return cfg, declared, looked_up
+
+
+def check_tp2_matches_tp1(model_dir: str) -> None:
+    """The model at `model_dir` over two gloo ranks gives tp_size 1's greedy tokens, logprobs within 1e-4."""
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=1, ignore_eos=True)
+    kw: dict[str, Any] = {"dtype": "float32", "device": "cpu", "max_seq_len": 64, "max_batch_size": 2}
+    outs = []
+    for tp in (1, 2):
+        with LLM(model_dir, tp_size=tp, **kw) as llm:
+            outs.append(llm.generate(PROMPTS, params))
+    one, two = outs
+    assert [list(o.token_ids) for o in two] == [list(o.token_ids) for o in one]
+    for a, b in zip(one, two):
+        assert a.logprobs is not None and b.logprobs is not None
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert abs(x.logprob - y.logprob) < 1e-4

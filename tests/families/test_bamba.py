@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.families.hf_parity import check_parity
+from tests.families.hf_parity import check_parity, check_tp2_matches_tp1
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,3 +44,10 @@ def test_bamba_greedy_matches_transformers(tmp_path):
     hf.save_pretrained(tmp_path)
     worst = check_parity(str(tmp_path), hf)
     print(f"bamba max |dlogprob| {worst:.2e}")
+
+
+@pytest.mark.slow
+def test_bamba_tp2_matches_tp1(tmp_path):
+    """Over two gloo ranks: each rank's Mamba heads, KV heads and MLP columns."""
+    _hf_model().save_pretrained(tmp_path)
+    check_tp2_matches_tp1(str(tmp_path))

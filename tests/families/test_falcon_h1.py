@@ -15,7 +15,7 @@ import torch
 
 from hyserve.model import registry
 from hyserve.model.falcon_h1.config import FalconH1Config
-from tests.families.hf_parity import check_family_parity
+from tests.families.hf_parity import check_family_parity, check_tp2_matches_tp1
 
 transformers = pytest.importorskip("transformers")
 
@@ -110,22 +110,8 @@ def test_falcon_h1_greedy_matches_transformers(
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_falcon_h1_tp2_matches_tp1(tmp_path: Path, variant: str) -> None:
     """Over two gloo ranks: each rank's rows of the ssm_multipliers, its B/C groups' norm, its KV heads."""
-    from hyserve import LLM, SamplingParams
-
     _hf_model(variant).save_pretrained(tmp_path)
-    prompts = [[5, 17, 33, 2, 9, 41, 8, 100, 7, 3, 250, 11], [7, 8, 9, 10, 11, 12, 13, 14, 15]]
-    params = SamplingParams(max_tokens=8, temperature=0, logprobs=1, ignore_eos=True)
-    kw: dict[str, Any] = {"dtype": "float32", "device": "cpu", "max_seq_len": 64, "max_batch_size": 2}
-    outs = []
-    for tp in (1, 2):
-        with LLM(str(tmp_path), tp_size=tp, **kw) as llm:
-            outs.append(llm.generate(prompts, params))
-    one, two = outs
-    assert [list(o.token_ids) for o in two] == [list(o.token_ids) for o in one]
-    for a, b in zip(one, two):
-        assert a.logprobs is not None and b.logprobs is not None
-        for x, y in zip(a.logprobs, b.logprobs):
-            assert abs(x.logprob - y.logprob) < 1e-4
+    check_tp2_matches_tp1(str(tmp_path))
 
 
 def _raw(**over: object) -> dict[str, object]:

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from hyserve.model import registry
 from hyserve.model.config import LAYER_ATTENTION, LAYER_MAMBA
 from hyserve.model.granitemoehybrid.config import GraniteMoeHybridConfig
-from tests.families.hf_parity import check_family_parity
+from tests.families.hf_parity import check_family_parity, check_tp2_matches_tp1
 
 transformers = pytest.importorskip("transformers")
 
@@ -162,3 +162,10 @@ def test_config_reads_as_transformers_does() -> None:
         fam.parse_config(_raw(num_experts_per_tok=9), "tiny")
     assert any("tp_size 1" in p for p in cfg.sharding_problems(tp_size=2, ep_size=1))
     assert not dense.sharding_problems(tp_size=2, ep_size=1)
+
+
+@pytest.mark.slow
+def test_granite_dense_tp2_matches_tp1(tmp_path: Path) -> None:
+    """Over two gloo ranks (Micro's shape): each rank's Mamba heads, KV heads and shared-MLP columns."""
+    _hf_model("dense").save_pretrained(tmp_path)
+    check_tp2_matches_tp1(str(tmp_path))
