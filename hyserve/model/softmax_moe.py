@@ -7,7 +7,12 @@ layer's own MLP, added by the layer):
 The logits come from the `router_logits` op (NemotronH's router GEMV), the top-k and softmax are torch ops on
 the device (no host sync), the experts run through the `moe_experts_silu` op (kernels/moe_silu.py). Expert
 weights are stacked as the checkpoints store them: input_linear [E, 2I, d] ([gate | up] rows),
-output_linear [E, d, I]. One rank holds every expert (the family's sharding rules refuse tp_size > 1).
+output_linear [E, d, I].
+
+Several ranks, as NemotronH's experts: the `ep` group splits the experts (rank r holds E / ep of them), the
+`moe_tp` group each expert's intermediate dimension (the matching gate and up rows, the down columns).
+Every rank routes every token; a token's slot on another rank's expert gets weight 0 on a clamped local
+id, and the layer all-reduces the ranks' partial sums over the tensor-parallel group.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hyserve.distributed import Group, all_reduce, ep_group, moe_tp_group, tp_group
 from hyserve.kernels import ops
 from hyserve.kernels.fp8_linear import quantize_weight_ref
 from hyserve.model.fp8_weights import is_fp8_source
@@ -22,47 +28,93 @@ from hyserve.model.parallel_linear import ShardLoading, SliceLike, loaded_shape,
 
 
 class StackedExperts(ShardLoading):
-    """One stacked weight of all experts, [E, rows, cols]; after `to_fp8`, e4m3 with float32 `weight_scale`
-    [E, rows] (per expert and output channel), quantised from the checkpoint's 16-bit experts one expert at
-    a time as they load."""
+    """This rank's experts of one stacked weight: `gate_up` [E_local, 2 I_local, d] (each expert's rows of
+    the gate half, then the same rows of the up half) or `down` [E_local, d, I_local]. After `to_fp8`, e4m3
+    with float32 `weight_scale` [E_local, rows] per expert and output channel, quantised from each expert's
+    whole 16-bit matrix as it loads (so the scales are the same at every tp_size)."""
 
-    def __init__(self, *shape: int, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        num: int,
+        hidden: int,
+        inter: int,
+        *,
+        ep: Group,
+        moe_tp: Group,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
+        for what, n, g in (("num_local_experts", num, ep), ("intermediate_size", inter, moe_tp)):
+            if n % g.size:
+                raise ValueError(f"{what} ({n}) is not divisible by the {g.name} group size ({g.size})")
+        self.kind, self.inter = kind, inter
+        self.num_local = num // ep.size
+        self.first_expert = ep.rank * self.num_local
+        self.inter_local = inter // moe_tp.size
+        self.inter_start = moe_tp.rank * self.inter_local
+        full = (num, 2 * inter, hidden) if kind == "gate_up" else (num, hidden, inter)
+        local = (
+            (self.num_local, 2 * self.inter_local, hidden)
+            if kind == "gate_up"
+            else (self.num_local, hidden, self.inter_local)
+        )
+        self.weight = nn.Parameter(torch.empty(local, device=device, dtype=dtype))
         self.weight_scale: nn.Parameter | None = None
+        self.register_shard("weight", self._load, full, by_row=True)
+
+    def _slice(self, mat: torch.Tensor) -> torch.Tensor:
+        """One expert's whole matrix -> this rank's rows (gate_up) or columns (down)."""
+        a, n = self.inter_start, self.inter_local
+        if self.kind == "gate_up":
+            return torch.cat([mat[a : a + n], mat[self.inter + a : self.inter + a + n]])
+        return mat[:, a : a + n]
+
+    def _experts(self, expert: int | None) -> list[tuple[int, int]]:
+        """(checkpoint expert, local index) pairs a call fills (another rank's expert: none)."""
+        if expert is None:
+            return [(self.first_expert + i, i) for i in range(self.num_local)]
+        if self.first_expert <= expert < self.first_expert + self.num_local:
+            return [(expert, expert - self.first_expert)]
+        return []
+
+    @torch.no_grad()
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, expert: int | None = None) -> None:
+        """All experts stacked (expert None) or expert `expert`'s matrix: this rank's experts and slice of
+        them, quantised per output row from the whole matrix when the weight is e4m3."""
+        full = param.checkpoint_shape  # type: ignore[attr-defined]
+        want = tuple(full) if expert is None else tuple(full[1:])
+        if loaded_shape(loaded) != want:
+            raise ValueError(
+                f"experts: checkpoint tensor has shape {list(loaded_shape(loaded))}, expected {list(want)}"
+            )
+        fp8 = self.weight_scale is not None
+        if fp8 and is_fp8_source(loaded):
+            raise ValueError(
+                "experts: the checkpoint's routed experts are e4m3; these experts take 16-bit weights "
+                "and quantise them as they load"
+            )
+        for e, i in self._experts(expert):
+            mat = read_block(loaded, {0: (e, 1)})[0] if expert is None else torch.as_tensor(loaded)
+            mat = mat.to(device=param.device)
+            if not fp8:
+                param[i].copy_(self._slice(mat))
+                continue
+            assert self.weight_scale is not None
+            q, sc = quantize_weight_ref(mat, "channel")
+            param[i].copy_(self._slice(q.view(torch.uint8)).view(torch.float8_e4m3fn))
+            self.weight_scale[i].copy_(self._slice(sc[:, None])[:, 0] if self.kind == "gate_up" else sc)
 
     def to_fp8(self) -> None:
-        shape = tuple(self.weight.shape)
-        dev = self.weight.device
+        shape, dev = tuple(self.weight.shape), self.weight.device
         self.weight = nn.Parameter(
             torch.empty(shape, dtype=torch.float8_e4m3fn, device=dev), requires_grad=False
         )
         self.weight_scale = nn.Parameter(
             torch.ones(shape[:2], dtype=torch.float32, device=dev), requires_grad=False
         )
-        self.register_shard("weight", self._load_quantised, shape, by_row=True)
-
-    @torch.no_grad()
-    def _load_quantised(
-        self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, expert: int | None = None
-    ) -> None:
-        """A 16-bit checkpoint tensor (all experts, or expert `expert`'s matrix) quantised per output row."""
-        if is_fp8_source(loaded):
-            raise ValueError(
-                "experts: the checkpoint's routed experts are e4m3; these experts take 16-bit weights "
-                "and quantise them as they load"
-            )
-        want = tuple(param.shape) if expert is None else tuple(param.shape[1:])
-        if loaded_shape(loaded) != want:
-            raise ValueError(
-                f"experts: checkpoint tensor has shape {list(loaded_shape(loaded))}, expected {list(want)}"
-            )
-        assert self.weight_scale is not None  # set by to_fp8, with this loader
-        for e in range(param.shape[0]) if expert is None else [expert]:
-            mat = read_block(loaded, {0: (e, 1)})[0] if expert is None else torch.as_tensor(loaded)
-            q, sc = quantize_weight_ref(mat.to(device=param.device), "channel")
-            param[e].copy_(q)
-            self.weight_scale[e].copy_(sc)
+        self._attach_shards()  # the loader onto the new parameter
 
 
 class Router(nn.Module):
@@ -80,8 +132,10 @@ class SoftmaxTopkMoE(nn.Module):
         super().__init__()
         self.top_k = top_k
         self.router = Router(hidden, num_experts, device=device, dtype=dtype)
-        self.input_linear = StackedExperts(num_experts, 2 * intermediate, hidden, device=device, dtype=dtype)
-        self.output_linear = StackedExperts(num_experts, hidden, intermediate, device=device, dtype=dtype)
+        kw = {"ep": ep_group(), "moe_tp": moe_tp_group(), "device": device, "dtype": dtype}
+        self.input_linear = StackedExperts("gate_up", num_experts, hidden, intermediate, **kw)
+        self.output_linear = StackedExperts("down", num_experts, hidden, intermediate, **kw)
+        self.tp = tp_group()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (weights [T, k] float32, expert ids [T, k] int64)."""
@@ -98,6 +152,12 @@ class SoftmaxTopkMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> the routed experts' weighted sum [T, hidden]."""
         w, ids = self.route(x)
-        experts = ops.moe_experts_silu.get(x.is_cuda)
         gate_up, down = self.input_linear, self.output_linear
-        return experts(x, gate_up.weight, down.weight, w, ids, gate_up.weight_scale, down.weight_scale)
+        if gate_up.num_local != self.router.layer.out_features:  # this rank's experts only
+            local = ids - gate_up.first_expert
+            mine = (local >= 0) & (local < gate_up.num_local)
+            w = torch.where(mine, w, 0.0)
+            ids = local.clamp(0, gate_up.num_local - 1)
+        experts = ops.moe_experts_silu.get(x.is_cuda)
+        out = experts(x, gate_up.weight, down.weight, w, ids, gate_up.weight_scale, down.weight_scale)
+        return all_reduce(out, self.tp) if self.tp.size > 1 else out

@@ -104,13 +104,20 @@ def check_family_parity(
     return cfg, declared, looked_up
 
 
-def check_tp2_matches_tp1(model_dir: str) -> None:
-    """The model at `model_dir` over two gloo ranks gives tp_size 1's greedy tokens, logprobs within 1e-4."""
+def check_tp2_matches_tp1(model_dir: str, ep_size: int = 1, **options: Any) -> None:
+    """The model at `model_dir` over two gloo ranks (experts split over `ep_size` of them) gives tp_size 1's
+    greedy tokens, logprobs within 1e-4; `options` go to both `LLM`s."""
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=1, ignore_eos=True)
-    kw: dict[str, Any] = {"dtype": "float32", "device": "cpu", "max_seq_len": 64, "max_batch_size": 2}
+    kw: dict[str, Any] = {
+        "dtype": "float32",
+        "device": "cpu",
+        "max_seq_len": 64,
+        "max_batch_size": 2,
+        **options,
+    }
     outs = []
     for tp in (1, 2):
-        with LLM(model_dir, tp_size=tp, **kw) as llm:
+        with LLM(model_dir, tp_size=tp, ep_size=ep_size if tp > 1 else 1, **kw) as llm:
             outs.append(llm.generate(PROMPTS, params))
     one, two = outs
     assert [list(o.token_ids) for o in two] == [list(o.token_ids) for o in one]

@@ -160,12 +160,22 @@ def test_config_reads_as_transformers_does() -> None:
         fam.parse_config(_raw(position_embedding_type="alibi"), "tiny")
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         fam.parse_config(_raw(num_experts_per_tok=9), "tiny")
-    assert any("tp_size 1" in p for p in cfg.sharding_problems(tp_size=2, ep_size=1))
-    assert not dense.sharding_problems(tp_size=2, ep_size=1)
+    assert not cfg.sharding_problems(tp_size=2, ep_size=2) and not dense.sharding_problems(
+        tp_size=2, ep_size=1
+    )
+    odd = fam.parse_config(_raw(num_local_experts=3, num_experts_per_tok=2, intermediate_size=33), "tiny")
+    problems = odd.sharding_problems(tp_size=2, ep_size=1) + odd.sharding_problems(tp_size=2, ep_size=2)
+    assert any("intermediate_size (33)" in p and "tp_size / ep_size" in p for p in problems), problems
+    assert any("num_local_experts (3)" in p and "ep_size" in p for p in problems), problems
 
 
 @pytest.mark.slow
-def test_granite_dense_tp2_matches_tp1(tmp_path: Path) -> None:
-    """Over two gloo ranks (Micro's shape): each rank's Mamba heads, KV heads and shared-MLP columns."""
-    _hf_model("dense").save_pretrained(tmp_path)
-    check_tp2_matches_tp1(str(tmp_path))
+@pytest.mark.parametrize(
+    "variant, ep, quantization", [("dense", 1, None), ("moe", 1, None), ("moe", 2, None), ("moe", 1, "fp8")]
+)
+def test_granite_tp2_matches_tp1(tmp_path: Path, variant: str, ep: int, quantization: str | None) -> None:
+    """Over two gloo ranks: each rank's Mamba heads, KV heads and shared-MLP columns; the routed experts
+    split by their intermediate rows (ep_size 1) or by expert (ep_size 2); FP8 experts quantised from each
+    expert's whole matrix, so every rank holds tp_size 1's codes and scales."""
+    _hf_model(variant).save_pretrained(tmp_path)
+    check_tp2_matches_tp1(str(tmp_path), ep_size=ep, quantization=quantization)

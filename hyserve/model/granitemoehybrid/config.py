@@ -64,10 +64,10 @@ class GraniteMoeHybridConfig(HybridDecoderConfig):
 
     def ffn_sharding_problems(self, tp_size: int, ep_size: int) -> list[str]:
         out = divides("shared_intermediate_size", self.shared_intermediate_size, tp_size)
-        if self.num_local_experts and (tp_size > 1 or ep_size > 1):
-            out.append(
-                "the softmax-routed MoE layers run on one rank: serve this model at tp_size 1 and ep_size 1"
-            )
+        if self.num_local_experts:
+            out += divides("num_local_experts", self.num_local_experts, ep_size, "ep_size")
+            moe_tp = max(tp_size // ep_size, 1)
+            out += divides("intermediate_size", self.intermediate_size, moe_tp, "tp_size / ep_size")
         return out
 
     def describe(self) -> str:
