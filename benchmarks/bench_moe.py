@@ -45,6 +45,8 @@ NANO = "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"
 SUPER = "NVIDIA-Nemotron-3-Super-120B-A12B-BF16"
 SIZES = (1, 8, 64, 256, 1024, 8192)
 GRAPH_SETS = 8  # input sets per captured graph (rotating routing keeps the weights out of L2)
+# per shape key and token bucket, the fastest stage time of each grouped-GEMM tile form seen while tuning
+TILE_FORMS: dict[str, dict[str, dict[str, float]]] = {}
 
 
 def _shape(name: str) -> dict:
@@ -285,7 +287,8 @@ def _bm_cands(per_expert: float) -> list[int]:
     return [64, 128]
 
 
-def _best(timer: Timer, cands: list[dict], run) -> tuple[dict, float]:
+def _best(timer: Timer, cands: list[dict], run, forms: dict[str, float] | None = None) -> tuple[dict, float]:
+    """The fastest candidate and its ms; `forms` gets the fastest ms of each tile form ("swap" / "plain")."""
     best, best_ms = None, float("inf")
     for c in cands:
         try:
@@ -293,6 +296,9 @@ def _best(timer: Timer, cands: list[dict], run) -> tuple[dict, float]:
         except Exception as e:  # noqa: BLE001 - a tile that does not fit (shared memory) is skipped
             print(f"      skip {c}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
             continue
+        if forms is not None:
+            form = "swap" if c.get("SWAP", 0) else "plain"
+            forms[form] = min(forms.get(form, float("inf")), ms)
         if ms < best_ms:
             best, best_ms = c, ms
     if best is None:
@@ -318,10 +324,12 @@ def tune_shape(
         (w_up, su), (w_down, sd) = _fp8_weights(w_up), _fp8_weights(w_down)
     E, k, d, inter = s["E"], s["k"], s["d"], s["I"]
     table: dict[str, dict] = {}
+    forms_seen = TILE_FORMS.setdefault(tm.shape_key(E, inter, d, fp8), {})
     for T in sizes:
         ((x, w, ids),) = _inputs(s, T, dev, dtype, 1)
         tw = w.float().contiguous()
         options = []
+        form_ms: dict[str, float] = {}
         if T <= 8:
             h = torch.empty(T * k, inter, dtype=dtype, device=dev)
             out = torch.empty(T, d, dtype=dtype, device=dev)
@@ -337,12 +345,24 @@ def tune_shape(
             y = torch.empty(T * k, d, dtype=dtype, device=dev)
             out = torch.empty(T, d, dtype=dtype, device=dev)
             cands = _gemm_cands(bm, dry)
+            f_up: dict[str, float] = {}
+            f_dn: dict[str, float] = {}
             up, t_up = _best(
-                timer, cands, lambda c: tm.launch_up_gemm(x, w_up, h, sid, eid, npad, T * k, k, bm, c, su)
+                timer,
+                cands,
+                lambda c: tm.launch_up_gemm(x, w_up, h, sid, eid, npad, T * k, k, bm, c, su),
+                f_up,
             )
             dn, t_dn = _best(
-                timer, cands, lambda c: tm.launch_down_gemm(h, w_down, y, tw, sid, eid, npad, bm, c, sd)
+                timer, cands, lambda c: tm.launch_down_gemm(h, w_down, y, tw, sid, eid, npad, bm, c, sd), f_dn
             )
+            forms = {
+                f"BM{bm} {stage} {form}": round(ms, 5)
+                for stage, d in (("up", f_up), ("down", f_dn))
+                for form, ms in d.items()
+            }
+            print(f"    T={T} BM={bm} fastest of each tile form (ms): {forms}")
+            form_ms.update(forms)
             t_cb = timer.eager([lambda: tm.launch_combine(y, out, k)], rep=25)
             options.append(
                 (t_al + t_up + t_dn + t_cb, {"variant": "gemm", "BLOCK_M": bm, "up": up, "down": dn})
@@ -359,6 +379,8 @@ def tune_shape(
             [lambda: tm.moe_experts_triton(x, w_up, w_down, w, ids, config=cfg, **scales)], rep=40
         )
         table[str(T)] = dict(cfg, stage_ms=round(ms, 5), ms=round(e2e, 5))
+        if form_ms:
+            forms_seen[str(T)] = form_ms
         print(
             f"  tune {s['name']}{' fp8' if fp8 else ''} T={T}: {cfg['variant']} BM={cfg.get('BLOCK_M', '-')} "
             f"up={cfg['up']} down={cfg['down']} stages {ms:.4f} ms, end to end {e2e:.4f} ms (err {err:.1e})"
@@ -682,6 +704,7 @@ def main() -> int:
             f"tuned in {time.time() - t0:.0f} s" + (f": wrote {path}" if path else " (dry-run: not written)")
         )
         doc["tuned"] = tables
+        doc["tile_forms_ms"] = TILE_FORMS
         if args.tune_only:
             out.write_text(json.dumps(doc, indent=1) + "\n")
             return 0
