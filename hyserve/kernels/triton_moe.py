@@ -559,23 +559,9 @@ def _up_gemm_kernel(
     tok = tl.where(valid, rows // TOP_K, 0).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N  # wrapped columns: loads need no mask
     acc = _expert_tile(
-        x_ptr,
-        s_xt,
-        tok,
-        valid,
-        w_ptr + e * s_we,
-        s_wn,
-        offs_n,
-        K,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-        EVEN_K,
-        IEEE,
-        W_FP8,
-        SWAP,
-        True,
-    )
+        x_ptr, s_xt, tok, valid, w_ptr + e * s_we, s_wn, offs_n, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE,
+        W_FP8, SWAP, True,
+    )  # fmt: skip
     if GATED:  # the up rows follow the N gate rows (and their scales the gate rows' scales)
         up = _expert_tile(
             x_ptr, s_xt, tok, valid, w_ptr + e * s_we + N * s_wn, s_wn, offs_n, K, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -636,23 +622,9 @@ def _down_gemm_kernel(
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     # every row of h is read: the up GEMM wrote the padded ones too
     acc = _expert_tile(
-        h_ptr,
-        s_hm,
-        offs_m.to(tl.int64),
-        valid,
-        w_ptr + e * s_we,
-        s_wn,
-        offs_n,
-        K,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-        EVEN_K,
-        IEEE,
-        W_FP8,
-        SWAP,
-        False,
-    )
+        h_ptr, s_hm, offs_m.to(tl.int64), valid, w_ptr + e * s_we, s_wn, offs_n, K, BLOCK_M, BLOCK_N, BLOCK_K,
+        EVEN_K, IEEE, W_FP8, SWAP, False,
+    )  # fmt: skip
     if W_FP8:
         acc = acc * _tile_col(tl.load(sc_ptr + e * N + offs_n), SWAP)
     acc = acc * _tile_out(tl.load(tw_ptr + rows, mask=valid, other=0.0).to(tl.float32), SWAP)

@@ -908,29 +908,12 @@ def test_fp8_attention_kernels_upcast_e4m3_tiles_to_float16_for_bf16_queries():
     e4m3 -> f16 instruction and no scalar f16 -> bf16 convert per element (e4m3 -> bf16 took both: 906
     converts in the decode kernel's PTX against 256 now), convert V before its shared-memory transpose (no
     single-byte shared loads: the decode kernel had 256), and fit in shared memory."""
-    import subprocess
+    from tests.sm90 import HOPPER_SHARED_BYTES, compile_for_sm90
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
     kernels = "_prefill_kernel,_decode_kernel"
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(root / "tests" / "sm90_compile_check.py"),
-            "bfloat16",
-            "attention_fp8",
-            "--only",
-            kernels,
-        ],
-        capture_output=True,
-        text=True,
-        env={**env, "PYTHONPATH": str(root)},
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    doc = json.loads(run.stdout.strip().splitlines()[-1])
+    doc = compile_for_sm90("bfloat16", "attention_fp8", "--only", kernels)
     assert set(doc["kernels"]) == set(kernels.split(","))
     for name in kernels.split(","):
-        assert 0 < doc["kernels"][name] <= 232448, (name, doc["kernels"][name])
+        assert 0 < doc["kernels"][name] <= HOPPER_SHARED_BYTES, (name, doc["kernels"][name])
         ptx = doc["ptx"][name]
         assert "e4m3" in ptx and "cvt.bf16.f16" not in ptx and "ld.shared.b8" not in ptx, (name, ptx)

@@ -8,7 +8,6 @@ rows, w8a8 above); the `gpu` cases run the Nemotron Nano 9B v2 shapes compiled f
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -262,26 +261,14 @@ def test_kernels_compile_for_hopper_with_e4m3_warp_group_mma():
     linear's, and the fused MoE's with FP8 experts at a Nano 30B-A3B layer) compiles for sm_90 within 227 KiB
     of shared memory a block, and the prefill GEMM's PTX multiplies e4m3 operands with Hopper's warp-group
     MMA (wgmma), not a 16-bit fallback."""
-    import json
-    import subprocess
-    from pathlib import Path
+    from tests.sm90 import HOPPER_SHARED_BYTES, compile_for_sm90
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    run = subprocess.run(
-        [sys.executable, str(root / "tests" / "sm90_compile_check.py"), "bfloat16", "fp8", "moe_fp8"],
-        capture_output=True,
-        text=True,
-        env={**env, "PYTHONPATH": str(root)},
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out = compile_for_sm90("bfloat16", "fp8", "moe_fp8")
     fp8 = {"_gemv_kernel", "_w8a16_kernel", "_splitk_reduce_kernel", "_quant_rows_kernel", "_fp8_gemm_kernel"}
     moe = {"_up_gemv_kernel", "_down_gemv_kernel", "_up_gemm_kernel", "_down_gemm_kernel"}
     assert fp8 | moe <= set(out["kernels"])
     for name, nbytes in out["kernels"].items():
-        assert nbytes <= 232448, (name, nbytes)
+        assert nbytes <= HOPPER_SHARED_BYTES, (name, nbytes)
     assert out["ptx"]["_fp8_gemm_kernel"] == ["e4m3", "griddepcontrol.wait", "wgmma.mma_async"]
     for name in fp8 | moe:  # each waits for its predecessor when launched as a programmatic dependent launch
         assert "griddepcontrol.wait" in out["ptx"][name], name

@@ -10,8 +10,6 @@ shipped MoE configs is routed, plus group-limited settings none of them uses yet
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 import torch
@@ -25,6 +23,7 @@ pytestmark = IGNORE_INTERPRETER_WARNING
 import hyserve.kernels.triton_moe as tm  # noqa: E402
 from hyserve.kernels import moe as ref  # noqa: E402
 from tests.shipped_configs import ALL, config_dir  # noqa: E402
+from tests.sm90 import HOPPER_SHARED_BYTES, compile_for_sm90  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -898,20 +897,7 @@ def test_moe_kernels_compile_for_sm90_at_the_tuned_configs():
     """The MoE kernels a Nano 30B-A3B layer launches (router GEMV, routing, decode GEMVs with the shared
     expert folded in, align + grouped GEMMs + combine with the shared expert) compile ahead of time for
     sm_90 at the H200's tuned settings, within its shared memory (tests/sm90_compile_check.py: no GPU)."""
-    import subprocess
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, str(root / "tests" / "sm90_compile_check.py"), "bfloat16", "moe"],
-        capture_output=True,
-        text=True,
-        env={**env, "PYTHONPATH": str(root)},
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    doc = json.loads(run.stdout.strip().splitlines()[-1])
+    doc = compile_for_sm90("bfloat16", "moe")
     shared = doc["kernels"]
     want = {
         "_router_gemv_kernel",
@@ -927,7 +913,7 @@ def test_moe_kernels_compile_for_sm90_at_the_tuned_configs():
         "_down_split_kernel",
     }
     assert want <= set(shared), sorted(shared)
-    assert all(0 <= b <= 232448 for b in shared.values()), shared
+    assert all(0 <= b <= HOPPER_SHARED_BYTES for b in shared.values()), shared
     # every MoE kernel of a decode step is a programmatic dependent launch that waits for its predecessor
     assert all("griddepcontrol.wait" in doc["ptx"][name] for name in want), doc["ptx"]
     # the EARLY form of the down GEMV issues its first expert tile's loads before it waits
@@ -938,20 +924,7 @@ def test_moe_kernels_compile_for_sm90_at_the_tuned_configs():
 def test_swap_and_gated_gemms_compile_for_sm90():
     """The grouped GEMMs' SWAP form over e4m3 experts and the SiLU-gated form (both tile forms) compile for
     sm_90 to warp-group MMAs within its shared memory (tests/sm90_compile_check.py moe_forms: no GPU)."""
-    import subprocess
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, str(root / "tests" / "sm90_compile_check.py"), "bfloat16", "moe_forms"],
-        capture_output=True,
-        text=True,
-        env={**env, "PYTHONPATH": str(root)},
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    doc = json.loads(run.stdout.strip().splitlines()[-1])
+    doc = compile_for_sm90("bfloat16", "moe_forms")
     for name in ("_up_gemm_kernel", "_down_gemm_kernel"):
-        assert 0 < doc["kernels"][name] <= 232448, doc["kernels"]
+        assert 0 < doc["kernels"][name] <= HOPPER_SHARED_BYTES, doc["kernels"]
         assert "wgmma.mma_async" in doc["ptx"][name], doc["ptx"][name]

@@ -3,15 +3,10 @@ bit rule in float64. Without CUDA it runs under the Triton interpreter; it also 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from tests.sm90 import compile_for_sm90
 from tests.triton_interpreter import interpret_without_cuda
 
 interpret_without_cuda()
@@ -75,14 +70,4 @@ def test_bad_masks_are_refused_with_the_expected_shape(bad, what):
 
 @pytest.mark.slow
 def test_the_mask_kernel_compiles_for_sm90():
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, str(root / "tests" / "sm90_compile_check.py"), "float32", "sampling"],
-        capture_output=True,
-        text=True,
-        env={**env, "PYTHONPATH": str(root)},
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "_apply_bitmask_kernel" in json.loads(run.stdout.strip().splitlines()[-1])["kernels"]
+    assert "_apply_bitmask_kernel" in compile_for_sm90("float32", "sampling", timeout=300)["kernels"]

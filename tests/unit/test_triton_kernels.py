@@ -690,28 +690,12 @@ def test_decode_kernels_wait_for_their_predecessor_under_pdl(pdl: bool):
     programmatic dependent launches, so each must wait (griddepcontrol.wait) before it touches memory; with
     HYSERVE_PDL=0 (`--no-pdl`) they compile without the wait. (The one-row GEMV, the MoE and the FP8 kernels:
     test_fp8_linear and test_moe_kernels.)"""
-    import json
-    import subprocess
-    from pathlib import Path
+    from tests.sm90 import compile_for_sm90
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    args = [
-        sys.executable,
-        str(root / "tests" / "sm90_compile_check.py"),
-        "bfloat16",
-        "norm",
-        "conv1d",
-        "ssm_update",
-        "attention",
-        "--only",
-        DECODE_KERNELS,
-    ] + ([] if pdl else ["--no-pdl"])
-    run = subprocess.run(
-        args, capture_output=True, text=True, env={**env, "PYTHONPATH": str(root)}, timeout=300
+    args = ["norm", "conv1d", "ssm_update", "attention", "--only", DECODE_KERNELS] + (
+        [] if pdl else ["--no-pdl"]
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    ptx = json.loads(run.stdout.strip().splitlines()[-1])["ptx"]
+    ptx = compile_for_sm90("bfloat16", *args, timeout=300)["ptx"]
     assert set(ptx) == set(DECODE_KERNELS.split(","))
     for name, markers in ptx.items():
         assert ("griddepcontrol.wait" in markers) == pdl, (name, markers)
@@ -743,33 +727,13 @@ def test_float32_kernels_fit_hopper_shared_memory():
     SSD state walk) compile for sm_90 at the GPU launch settings the launchers pick for a Nano 9B v2-width
     float32 model within 227 KiB a block (tests/sm90_compile_check.py; the prefill's 16-bit 128 x 128 tile
     asked 262,656 bytes in float32)."""
-    import json
-    import subprocess
-    from pathlib import Path
+    from tests.sm90 import HOPPER_SHARED_BYTES, compile_for_sm90
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
     kernels = "_prefill_kernel,_decode_kernel,_ssd_state_kernel"
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(root / "tests" / "sm90_compile_check.py"),
-            "float32",
-            "attention",
-            "ssd",
-            "--only",
-            kernels,
-        ],
-        capture_output=True,
-        text=True,
-        env={**env, "PYTHONPATH": str(root)},
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    shared = json.loads(run.stdout.strip().splitlines()[-1])["kernels"]
+    shared = compile_for_sm90("float32", "attention", "ssd", "--only", kernels)["kernels"]
     assert set(shared) == set(kernels.split(","))
     for name, nbytes in shared.items():
-        assert 0 < nbytes <= 232448, (name, nbytes)
+        assert 0 < nbytes <= HOPPER_SHARED_BYTES, (name, nbytes)
 
 
 def test_gluon_prefill_box_rules():
