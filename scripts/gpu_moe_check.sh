@@ -3,9 +3,13 @@
 # benchmarks/bench_moe.py (with --tune: autotune first and write hyserve/kernels/moe_configs/<GPU>.json).
 # Results land in benchmarks/results/.
 #   OUT_DIR (optional): a folder that gets a copy of the results, the config file and the log at the end.
-# usage: scripts/gpu_moe_check.sh [GIT_SHA [tests|ktests] [tune|tune-gemv|bench] ...]   (default: tests tune;
-#        ktests: the kernel tests alone, without the tiny models through the engine; tune-gemv: re-tune the
-#        decode buckets 1-8 only, merged into the config file, then benchmark)
+# usage: scripts/gpu_moe_check.sh [GIT_SHA [tests|ktests] [tune|tune-gemv|tune-fp8|bench] [step] ...]
+#        (default: tests tune; ktests: the kernel tests alone (the SiLU-gated experts' too), without the tiny
+#        models through the engine; tune-gemv: re-tune the decode buckets 1-8 only, merged into the config
+#        file, then benchmark; tune-fp8: the Nano 30B-A3B FP8 experts' own entries for the grouped-GEMM
+#        buckets (FP8_SIZES, default 256-8192; both tile forms, plain and SWAP), merged under ",w=fp8", then
+#        timed against the 16-bit entries from graphs; step: benchmarks/bench_batch_step.py, a batch-1,024
+#        decode step of Nano 30B-A3B with FP8 weights and float32 state, per kernel group)
 set -uo pipefail
 sha=${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 shift || true
@@ -23,7 +27,8 @@ log=benchmarks/results/moe_gpu_check_$sha.log
       "tests/gpu/test_gpu_model.py::test_tiny_cuda_matches_cpu[moe]" "tests/gpu/test_gpu_model.py::test_tiny_cuda_matches_cpu[latent-moe]" 2>&1 | tail -60
   elif [[ $parts == *" ktests "* ]]; then
     echo "== GPU kernel tests"
-    timeout 240 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --durations=5 tests/unit/test_moe_kernels.py 2>&1 | tail -40
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --durations=5 tests/unit/test_moe_kernels.py \
+      tests/unit/test_moe_silu_triton.py 2>&1 | tail -40
   fi
   if [[ $parts == *" tune "* ]]; then
     echo "== tune + benchmark"
@@ -31,14 +36,25 @@ log=benchmarks/results/moe_gpu_check_$sha.log
   elif [[ $parts == *" tune-gemv "* ]]; then
     echo "== tune the decode buckets + benchmark"
     timeout 420 python3 -m benchmarks.bench_moe --tune-sizes 1,2,4,8 --git-sha "$sha" --out "benchmarks/results/moe_$sha.json" 2>&1
+  elif [[ $parts == *" tune-fp8 "* ]]; then
+    echo "== tune the FP8 experts' grouped GEMMs + time them against the 16-bit entries"
+    sizes=${FP8_SIZES:-256,512,1024,2048,4096,8192}
+    timeout 420 python3 -m benchmarks.bench_moe --tune --fp8 --no-super --tune-sizes "$sizes" --sizes "$sizes" \
+      --git-sha "$sha" --out "benchmarks/results/moe_$sha.json" 2>&1 | grep -v "^      skip"
   elif [[ $parts == *" bench "* ]]; then
     echo "== benchmark"
     timeout 300 python3 -m benchmarks.bench_moe --git-sha "$sha" --out "benchmarks/results/moe_$sha.json" 2>&1
+  fi
+  if [[ $parts == *" step "* ]]; then
+    echo "== a batch-1,024 decode step, per kernel group"
+    timeout 240 python3 -m benchmarks.bench_batch_step --weights fp8 --states float32 --batches 1024 --git-sha "$sha" 2>&1 \
+      | tail -30
   fi
 } 2>&1 | tee "$log"
 if [ -n "${OUT_DIR:-}" ]; then
   mkdir -p "$OUT_DIR"
   cp "benchmarks/results/moe_$sha.json" "benchmarks/results/moe_$sha.md" "$log" "$OUT_DIR"/ 2>/dev/null
   cp hyserve/kernels/moe_configs/*.json "$OUT_DIR"/ 2>/dev/null
+  cp benchmarks/results/batch_step_*"$sha"* "$OUT_DIR"/ 2>/dev/null
 fi
 exit 0
