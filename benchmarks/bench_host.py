@@ -34,8 +34,8 @@ from benchmarks.host_results import write_host_results  # noqa: E402
 from benchmarks.phase_timing import time_phases  # noqa: E402
 from benchmarks.roofline import PUBLISHED_BW, decode_step_ms  # noqa: E402
 from hyserve import LLM, SamplingParams  # noqa: E402
+from hyserve.engine.gc_tuning import settle_for_serving  # noqa: E402
 from hyserve.model.nemotron_h.config import HybridModelConfig  # noqa: E402
-from hyserve.server.serve import freeze_startup_heap  # noqa: E402
 
 CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
 PHASES = (
@@ -49,8 +49,8 @@ PHASES = (
 
 def time_batch(batch: int, steps: int, prompt_len: int, *, freeze: bool) -> dict[str, float]:
     """Mean host ms per decode step with `batch` requests decoding, per phase, and the garbage collector's
-    pauses during those steps. `freeze`: the start-up heap moved out of the collector's reach first, as
-    `hyserve serve` does (`freeze_startup_heap`)."""
+    pauses during those steps. `freeze`: the start-up heap moved out of the collector's reach and the serving
+    thresholds set first, as `hyserve serve` does (`settle_for_serving`)."""
     llm = LLM(
         max_batch_size=batch,
         max_num_tokens=max(2048, batch),
@@ -73,8 +73,9 @@ def time_batch(batch: int, steps: int, prompt_len: int, *, freeze: bool) -> dict
     eng.step()
     eng.step()
     spent = time_phases(eng, PHASES)
+    thresholds = gc.get_threshold()
     if freeze:
-        freeze_startup_heap()
+        settle_for_serving()
     pauses: list[float] = []
     started = [0.0]
 
@@ -93,6 +94,7 @@ def time_batch(batch: int, steps: int, prompt_len: int, *, freeze: bool) -> dict
     finally:
         gc.callbacks.remove(on_gc)
         gc.unfreeze()
+        gc.set_threshold(*thresholds)
     assert len(eng.scheduler.running) == batch, "the batch shrank while timing"
     return {
         "step_ms": total,

@@ -45,10 +45,10 @@ from benchmarks import invocation  # noqa: E402
 from hyserve import LLM, SamplingParams  # noqa: E402
 from hyserve.bench.profiling import device_kernel_times  # noqa: E402
 from hyserve.bench.report import git_sha, records_markdown  # noqa: E402
+from hyserve.engine.gc_tuning import freeze_startup_heap  # noqa: E402
 from hyserve.model.nemotron_h.checkpoint import weight_bytes as hyserve_weight_bytes  # noqa: E402
 from hyserve.model.nemotron_h.config import HybridModelConfig  # noqa: E402
 from hyserve.model.quant_config import QuantConfig  # noqa: E402
-from hyserve.server.serve import freeze_startup_heap  # noqa: E402
 
 CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
 from benchmarks.roofline import (  # noqa: E402

@@ -96,8 +96,8 @@ def serve_stub(port: int, max_batch_size: int, max_seq_len: int, ready: mp.Event
 
     from hyserve.config import build_engine_config
     from hyserve.engine.async_engine import AsyncEngine
+    from hyserve.engine.gc_tuning import settle_for_serving
     from hyserve.server.app import build_app
-    from hyserve.server.serve import freeze_startup_heap
     from hyserve.server.state import ServerOptions
 
     logging.disable(logging.WARNING)
@@ -108,7 +108,7 @@ def serve_stub(port: int, max_batch_size: int, max_seq_len: int, ready: mp.Event
     engine.start()
     app = build_app(engine, ServerOptions(port=port, access_log=False, log_level="warning"))
     app.state.accepting = True
-    freeze_startup_heap()
+    settle_for_serving()  # as `hyserve serve` does
     server = uvicorn.Server(
         uvicorn.Config(
             app, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="off"

@@ -135,8 +135,9 @@ def serve_emulated(port: int, work: Workload, device: Device, ready: Any) -> Non
 
     from hyserve.config import build_engine_config
     from hyserve.engine.async_engine import AsyncEngine
+    from hyserve.engine.gc_tuning import settle_for_serving
     from hyserve.server.app import build_app
-    from hyserve.server.serve import freeze_startup_heap, uvicorn_config
+    from hyserve.server.serve import uvicorn_config
     from hyserve.server.state import ServerOptions
 
     logging.disable(logging.WARNING)
@@ -146,7 +147,7 @@ def serve_emulated(port: int, work: Workload, device: Device, ready: Any) -> Non
     opts = ServerOptions(port=port, access_log=False, log_level="warning")
     app = build_app(engine, opts)
     app.state.accepting = True
-    freeze_startup_heap()
+    settle_for_serving()  # as `hyserve serve` does
     cfg = uvicorn_config(app, "127.0.0.1", port, opts)
     ready.set()
     uvicorn.Server(cfg).run()

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hyserve.config import build_engine_config
+from hyserve.engine.gc_tuning import serving_gc
 from hyserve.engine.lifecycle.startup import start_engine
 from hyserve.engine.outputs import RequestOutput, TokenLogprob
 from hyserve.engine.sampling_params import SamplingParams
@@ -99,22 +100,23 @@ class LLM:
             order.append(rid)
             texts[rid], tokens[rid], lps[rid] = [], [], []
         pending = set(order)
-        while pending:
-            for d in eng.step():
-                if d.request_id not in pending:
-                    continue
-                texts[d.request_id].append(d.text)
-                tokens[d.request_id].extend(d.token_ids)
-                if d.logprobs:
-                    lps[d.request_id].extend(d.logprobs)
-                if d.prompt_logprobs is not None:
-                    plps[d.request_id] = d.prompt_logprobs
-                if d.token_ids and d.request_id not in first_token:
-                    first_token[d.request_id] = time.monotonic()
-                if d.finished:
-                    finished_at[d.request_id] = time.monotonic()
-                    final[d.request_id] = d
-                    pending.discard(d.request_id)
+        with serving_gc():  # the collector's serving thresholds while the steps run (engine/gc_tuning.py)
+            while pending:
+                for d in eng.step():
+                    if d.request_id not in pending:
+                        continue
+                    texts[d.request_id].append(d.text)
+                    tokens[d.request_id].extend(d.token_ids)
+                    if d.logprobs:
+                        lps[d.request_id].extend(d.logprobs)
+                    if d.prompt_logprobs is not None:
+                        plps[d.request_id] = d.prompt_logprobs
+                    if d.token_ids and d.request_id not in first_token:
+                        first_token[d.request_id] = time.monotonic()
+                    if d.finished:
+                        finished_at[d.request_id] = time.monotonic()
+                        final[d.request_id] = d
+                        pending.discard(d.request_id)
         outs = []
         for rid, (ids, text), sp in zip(order, encoded, plist_params):
             d = final[rid]

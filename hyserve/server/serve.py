@@ -3,8 +3,9 @@
 Start-up order matters for users: the config is validated before anything heavy happens (a typo in
 the YAML fails in a second, not after loading weights), the engine loads and warms up *before* the
 port opens (so `/health` answering means ready), and the capacity report is on screen before the first
-request. Just before the port opens, everything alive is moved out of the garbage collector's reach
-(`freeze_startup_heap`), so a full collection no longer stalls the engine loop for ~250 ms.
+request. Just before the port opens, everything alive is moved out of the garbage collector's reach and the
+collector's first threshold is raised (`engine/gc_tuning.py`), so collections no longer stall the engine
+loop.
 
 Shutdown on SIGTERM or SIGINT is a graceful drain (Kubernetes' terminationGracePeriod pattern): new API
 requests get 503 and `/health` says "draining" (the port stays open so probes see it), in-flight requests
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import gc
 import logging
 import os
 import signal
@@ -36,6 +36,7 @@ from typing import Any
 
 from hyserve import envs
 from hyserve.config import EngineConfig
+from hyserve.engine.gc_tuning import settle_for_serving
 from hyserve.server.logs import StatsLogger, log_line, setup_logging
 
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -53,16 +54,6 @@ def require_server_deps() -> None:
         raise SystemExit(
             f"hyserve serve needs {', '.join(missing)}: install them with  pip install 'hyserve[server]'"
         )
-
-
-def freeze_startup_heap() -> int:
-    """Move every object alive now (torch, the model, tokenizer tables, the warm-up's leftovers: ~300k
-    objects before any CUDA library loads) out of the cyclic garbage collector's reach. They live as long
-    as the server; left in, every full collection walks them all, which stalled the engine loop, and so
-    every stream, for ~200 ms every few hundred steps (`benchmarks/bench_host.py`). Returns the count."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
 
 
 def _make_server_class() -> type:
@@ -231,7 +222,7 @@ def run_server(
         warm_http_path(engine, server_options, log=out)
     app = build_app(engine, server_options)
     app.state.accepting = True
-    freeze_startup_heap()
+    settle_for_serving()
     server_cls = _make_server_class()
     server: Any = None
 

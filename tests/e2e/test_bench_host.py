@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hyserve.server.serve import freeze_startup_heap
+from hyserve.engine.gc_tuning import freeze_startup_heap
 
 ROOT = Path(__file__).resolve().parents[2]
 

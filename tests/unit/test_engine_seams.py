@@ -20,6 +20,7 @@ FLOORS = {
     "sampling_params": 0,
     "warmup_report": 0,
     "host_tensors": 0,
+    "gc_tuning": 0,
     "scheduler": 1,
     "sampling": 1,
     "runner": 2,
