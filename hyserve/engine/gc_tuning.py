@@ -13,7 +13,9 @@ thresholds the server process spent 18.8 s in collections over the run (59 full 
 runs, no full one) and 1.028.
 
 So serving raises the first threshold to `SERVING_GEN0_THRESHOLD` (cyclic garbage is still collected, at
-most that many young objects late), after moving the start-up heap out of the collector's reach.
+most that many young objects late), after moving the start-up heap out of the collector's reach: `hyserve
+serve` before the port opens, a tensor-parallel worker rank when rank 0 says ready, `LLM.generate` while its
+steps run.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from hyserve.config import EngineConfig
 from hyserve.distributed import CollectiveError, destroy_distributed, parallel_info
 from hyserve.engine.assembly.assemble import assemble
+from hyserve.engine.gc_tuning import settle_for_serving
 from hyserve.engine.parallel.launch import join_group
 from hyserve.engine.parallel.step_channel import (
     CAPTURE,
@@ -73,6 +74,7 @@ class WorkerLoop:
                 )
             elif kind == READY:
                 self.jit.mark_ready()
+                settle_for_serving()  # this process serves from now on (engine/gc_tuning.py)
             elif kind == SHUTDOWN:
                 return
             else:
