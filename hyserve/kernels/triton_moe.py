@@ -1421,16 +1421,12 @@ def moe_experts_triton(
             "moe_experts: FP8 experts take no folded shared expert (an FP8 model runs it as its MLP)"
         )
     S = check_shared_args(w_up, shared_up, shared_down)
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"moe_experts: float32, float16 or bfloat16 expected, got {x.dtype}")
+    out = _output(x, w_up, w_down)
     T, d = x.shape
     E, inter, _ = w_up.shape
     k = topk_ids.shape[1]
-    out = torch.empty(T, d, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    if w_up.stride(2) != 1 or w_down.stride(2) != 1:
-        raise ValueError("moe_experts: expert weights need a unit stride along their last dimension")
     if shared_up is not None and shared_down is not None:  # S > 0
         if (
             not shared_up.is_contiguous()
@@ -1455,17 +1451,47 @@ def moe_experts_triton(
         launch_up_gemv(xc, w_up, ids, h, up, shared_up if S else None, up_scale)
         launch_down(h, w_down, ids, tw, out, cfg["down"], shared_down if S else None, down_scale)
         return out
-    bm = cfg["BLOCK_M"]
-    sorted_ids, expert_ids, npad = moe_align_triton(ids, E, bm)
-    h = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
-    launch_up_gemm(xc, w_up, h, sorted_ids, expert_ids, npad, T * k, k, bm, cfg["up"], up_scale)
-    y = torch.empty(T * k, d, dtype=x.dtype, device=x.device)
-    launch_down_gemm(h, w_down, y, tw, sorted_ids, expert_ids, npad, bm, cfg["down"], down_scale)
     # many tokens: the shared expert as two GEMMs (each weight read once for all rows), added in the combine
     shared = None
     if shared_up is not None and shared_down is not None:  # S > 0
         shared = F.linear(relu2_triton(F.linear(xc, shared_up)), shared_down)
-    launch_combine(y, out, k, shared)
+    return _grouped_gemms(xc, w_up, w_down, tw, ids, cfg, out, up_scale, down_scale, extra=shared)
+
+
+def _output(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """The experts' output buffer [T, d] in x.dtype, after the kernels' own input checks."""
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"moe_experts: float32, float16 or bfloat16 expected, got {x.dtype}")
+    if w_up.stride(2) != 1 or w_down.stride(2) != 1:
+        raise ValueError("moe_experts: expert weights need a unit stride along their last dimension")
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _grouped_gemms(
+    xc: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    tw: torch.Tensor,
+    ids: torch.Tensor,
+    cfg: dict[str, Any],
+    out: torch.Tensor,
+    up_scale: torch.Tensor | None,
+    down_scale: torch.Tensor | None,
+    *,
+    gated: bool = False,
+    extra: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The gemm variant into `out`: align the (token, slot) pairs by expert, the up and down GEMMs, the
+    combine (plus `extra` [T, d] when given). gated: w_up holds [gate | up] rows."""
+    T, k = ids.shape
+    E, inter = w_up.shape[0], w_down.shape[2]
+    bm = cfg["BLOCK_M"]
+    sorted_ids, expert_ids, npad = moe_align_triton(ids, E, bm)
+    h = torch.empty(sorted_ids.numel(), inter, dtype=xc.dtype, device=xc.device)
+    launch_up_gemm(xc, w_up, h, sorted_ids, expert_ids, npad, T * k, k, bm, cfg["up"], up_scale, gated=gated)
+    y = torch.empty(T * k, out.shape[1], dtype=xc.dtype, device=xc.device)
+    launch_down_gemm(h, w_down, y, tw, sorted_ids, expert_ids, npad, bm, cfg["down"], down_scale)
+    launch_combine(y, out, k, extra)
     return out
 
 
@@ -1485,14 +1511,10 @@ def moe_experts_silu_triton(
     GEMVs have no gated form): the bucket's tuned or heuristic GEMM settings; a bucket whose settings are
     GEMVs takes the heuristic GEMM settings of 3 tokens."""
     _check_experts_args(x, gate_up, down, topk_w, topk_ids, up_scale, down_scale, gated=True)
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"moe_experts: float32, float16 or bfloat16 expected, got {x.dtype}")
-    if gate_up.stride(2) != 1 or down.stride(2) != 1:
-        raise ValueError("moe_experts: expert weights need a unit stride along their last dimension")
+    out = _output(x, gate_up, down)
     T, d = x.shape
     E, inter = gate_up.shape[0], gate_up.shape[1] // 2
     k = topk_ids.shape[1]
-    out = torch.empty(T, d, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
     if config is not None:
@@ -1504,17 +1526,8 @@ def moe_experts_silu_triton(
     if cfg["variant"] != "gemm":
         raise ValueError("moe_experts: SiLU-gated experts run the grouped GEMMs (variant 'gemm') only")
     xc = x if x.stride(1) == 1 else x.contiguous()
-    bm = cfg["BLOCK_M"]
-    sorted_ids, expert_ids, npad = moe_align_triton(topk_ids.contiguous(), E, bm)
-    h = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
-    launch_up_gemm(
-        xc, gate_up, h, sorted_ids, expert_ids, npad, T * k, k, bm, cfg["up"], up_scale, gated=True
-    )
-    y = torch.empty(T * k, d, dtype=x.dtype, device=x.device)
-    tw = topk_w.float().contiguous()
-    launch_down_gemm(h, down, y, tw, sorted_ids, expert_ids, npad, bm, cfg["down"], down_scale)
-    launch_combine(y, out, k)
-    return out
+    tw, ids = topk_w.float().contiguous(), topk_ids.contiguous()
+    return _grouped_gemms(xc, gate_up, down, tw, ids, cfg, out, up_scale, down_scale, gated=True)
 
 
 __all__ = [
