@@ -349,15 +349,6 @@ class Fp8ExpertLoaders:
         self.pending: dict[int, dict[str, torch.Tensor]] = {}
         self.from_16_bit: set[int] = set()
 
-    def _local(self, expert: int | None) -> list[tuple[int, int]]:
-        """(checkpoint expert, local index) pairs this call fills."""
-        m = self.m
-        if expert is None:
-            return [(m.first_expert + i, i) for i in range(m.num_local)]
-        if m.first_expert <= expert < m.first_expert + m.num_local:
-            return [(expert, expert - m.first_expert)]
-        return []  # another rank's expert: nothing is read
-
     def _scale_param(self) -> torch.Tensor:
         return getattr(self.m, f"{self.which}_proj_scale")
 
@@ -375,7 +366,7 @@ class Fp8ExpertLoaders:
             raise ValueError(
                 f"experts: checkpoint tensor has shape {list(loaded_shape(loaded))}, expected {list(want)}"
             )
-        for e, i in self._local(expert):
+        for e, i in self.m.shard.local(expert):
             # one expert's whole matrix (all of its K): its channel scales are the same at every tp_size
             mat = read_block(loaded, {0: (e, 1)})[0] if expert is None else _read_all(loaded)
             if is_fp8_source(loaded):  # block-scaled e4m3: waits for its scales
@@ -391,7 +382,7 @@ class Fp8ExpertLoaders:
 
     def _put(self, i: int, q: torch.Tensor, s: torch.Tensor) -> None:
         """Local expert i's whole-matrix e4m3 codes and channel scales, cut to this rank's rows."""
-        rows = (self.m.inter_start, self.m.inter_local)
+        rows = (self.m.shard.inter_start, self.m.shard.inter_local)
         param = getattr(self.m, f"{self.which}_proj")
         if self.inter_dim == 0:
             param[i].copy_(q.narrow(0, *rows))
@@ -445,7 +436,7 @@ class Fp8ExpertLoaders:
         src = _read_all(loaded).to(torch.float32)
         if not torch.isfinite(src).all() or (src <= 0).any():
             raise ValueError(f"{self.what}: weight scales must be positive and finite")
-        for e, i in self._local(expert):
+        for e, i in self.m.shard.local(expert):
             v = src[e] if expert is None else src
             if self.quant.scheme == "block":
                 self._arrive(e, i, "block scales", self._block_scales(v))
@@ -459,7 +450,7 @@ class Fp8ExpertLoaders:
                 continue
             v = v.reshape(-1)
             if self.inter_dim == 0:
-                param[i].copy_(v.narrow(0, self.m.inter_start, self.m.inter_local))
+                param[i].copy_(v.narrow(0, self.m.shard.inter_start, self.m.shard.inter_local))
             else:
                 param[i].copy_(v)
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from hyserve.distributed import Group, all_reduce, ep_group, moe_tp_group, tp_group
 from hyserve.kernels import ops
+from hyserve.model.expert_shard import ExpertShard
 from hyserve.model.layer_specs import MoESpec
 from hyserve.model.mlp import MLP
 from hyserve.model.parallel_linear import ReplicatedLinear, ShardLoading, SliceLike, loaded_shape, read_block
@@ -84,18 +85,14 @@ class Experts(ShardLoading):
     ) -> None:
         super().__init__()
         ep, moe_tp = ep or ep_group(), moe_tp or moe_tp_group()
-        for what, n, g in (("n_routed_experts", num, ep), ("moe_intermediate_size", inter, moe_tp)):
-            if n % g.size:
-                raise ValueError(f"{what} ({n}) is not divisible by the {g.name} group size ({g.size})")
-        self.num_experts, self.num_local = num, num // ep.size
-        self.first_expert = ep.rank * self.num_local
-        self.inter_local = inter // moe_tp.size
-        self.inter_start = moe_tp.rank * self.inter_local
+        self.shard = sh = ExpertShard.of(
+            num, inter, ep, moe_tp, ("n_routed_experts", "moe_intermediate_size")
+        )
         self.up_proj = nn.Parameter(
-            torch.empty(self.num_local, self.inter_local, dim, device=device, dtype=dtype)
+            torch.empty(sh.num_local, sh.inter_local, dim, device=device, dtype=dtype)
         )
         self.down_proj = nn.Parameter(
-            torch.empty(self.num_local, dim, self.inter_local, device=device, dtype=dtype)
+            torch.empty(sh.num_local, dim, sh.inter_local, device=device, dtype=dtype)
         )
         self.register_shard("up_proj", self._load_up, (num, inter, dim), by_row=True)
         self.register_shard("down_proj", self._load_down, (num, dim, inter), by_row=True)
@@ -123,11 +120,13 @@ class Experts(ShardLoading):
             raise ValueError(
                 f"experts: checkpoint tensor has shape {list(loaded_shape(loaded))}, expected {list(want)}"
             )
-        rows = (self.inter_start, self.inter_local)
-        if expert is None:
-            param.copy_(read_block(loaded, {0: (self.first_expert, self.num_local), 1 + inter_dim: rows}))
-        elif self.first_expert <= expert < self.first_expert + self.num_local:
-            param[expert - self.first_expert].copy_(read_block(loaded, {inter_dim: rows}))
+        sh = self.shard
+        rows = (sh.inter_start, sh.inter_local)
+        if expert is None:  # stacked: this rank's experts in one read
+            param.copy_(read_block(loaded, {0: (sh.first_expert, sh.num_local), 1 + inter_dim: rows}))
+            return
+        for _, i in sh.local(expert):  # another rank's expert is not read at all
+            param[i].copy_(read_block(loaded, {inter_dim: rows}))
 
     def forward(
         self,
@@ -140,13 +139,7 @@ class Experts(ShardLoading):
         on the device; `kernels/triton_moe.py`); on the CPU the per-expert reference loop. Sharded: this
         rank's partial sum (its experts, its intermediate slice); the MoE layer all-reduces it. `shared`:
         the shared expert's (up, down) weights, summed in with weight 1 (unsharded experts only)."""
-        if self.num_local != self.num_experts:
-            # another rank's expert: weight 0 on a clamped local id (shapes stay fixed, nothing reads the
-            # host)
-            local = ids - self.first_expert
-            mine = (local >= 0) & (local < self.num_local)
-            w = torch.where(mine, w, 0.0)
-            ids = local.clamp(0, self.num_local - 1).to(ids.dtype)
+        w, ids = self.shard.to_local(w, ids)
         fn = ops.moe_experts.get(x.is_cuda)
         if self.quant is not None:  # FP8 experts (model/fp8_weights.py): e4m3 with per-expert channel scales
             assert shared is None, "FP8 experts run the shared expert as its MLP"
@@ -180,8 +173,8 @@ class MoE(nn.Module):
             and not self.latent
             and self.tp.size == 1
             and not spec.bias
-            and self.experts.num_local == self.experts.num_experts
-            and spec.shared_intermediate_size % self.experts.inter_local == 0
+            and self.experts.shard.whole
+            and spec.shared_intermediate_size % self.experts.shard.inter_local == 0
         )
         if self.latent:
             self.fc1_latent_proj = ReplicatedLinear(h, d, bias=spec.bias, device=device, dtype=dtype)

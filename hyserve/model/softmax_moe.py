@@ -9,10 +9,9 @@ the device (no host sync), the experts run through the `moe_experts_silu` op (ke
 weights are stacked as the checkpoints store them: input_linear [E, 2I, d] ([gate | up] rows),
 output_linear [E, d, I].
 
-Several ranks, as NemotronH's experts: the `ep` group splits the experts (rank r holds E / ep of them), the
-`moe_tp` group each expert's intermediate dimension (the matching gate and up rows, the down columns).
-Every rank routes every token; a token's slot on another rank's expert gets weight 0 on a clamped local
-id, and the layer all-reduces the ranks' partial sums over the tensor-parallel group.
+Several ranks split the experts as NemotronH's do (`expert_shard.py`: the gate_up rows of an expert's slice
+are the matching gate and up rows, the down slice its columns); the layer all-reduces the ranks' partial
+sums over the tensor-parallel group.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from torch import nn
 from hyserve.distributed import Group, all_reduce, ep_group, moe_tp_group, tp_group
 from hyserve.kernels import ops
 from hyserve.kernels.fp8_linear import quantize_weight_ref
+from hyserve.model.expert_shard import ExpertShard
 from hyserve.model.fp8_weights import is_fp8_source
 from hyserve.model.parallel_linear import ShardLoading, SliceLike, loaded_shape, read_block
 
@@ -46,19 +46,13 @@ class StackedExperts(ShardLoading):
         dtype=None,
     ) -> None:
         super().__init__()
-        for what, n, g in (("num_local_experts", num, ep), ("intermediate_size", inter, moe_tp)):
-            if n % g.size:
-                raise ValueError(f"{what} ({n}) is not divisible by the {g.name} group size ({g.size})")
         self.kind, self.inter = kind, inter
-        self.num_local = num // ep.size
-        self.first_expert = ep.rank * self.num_local
-        self.inter_local = inter // moe_tp.size
-        self.inter_start = moe_tp.rank * self.inter_local
+        self.shard = sh = ExpertShard.of(num, inter, ep, moe_tp, ("num_local_experts", "intermediate_size"))
         full = (num, 2 * inter, hidden) if kind == "gate_up" else (num, hidden, inter)
         local = (
-            (self.num_local, 2 * self.inter_local, hidden)
+            (sh.num_local, 2 * sh.inter_local, hidden)
             if kind == "gate_up"
-            else (self.num_local, hidden, self.inter_local)
+            else (sh.num_local, hidden, sh.inter_local)
         )
         self.weight = nn.Parameter(torch.empty(local, device=device, dtype=dtype))
         self.weight_scale: nn.Parameter | None = None
@@ -66,18 +60,10 @@ class StackedExperts(ShardLoading):
 
     def _slice(self, mat: torch.Tensor) -> torch.Tensor:
         """One expert's whole matrix -> this rank's rows (gate_up) or columns (down)."""
-        a, n = self.inter_start, self.inter_local
+        a, n = self.shard.inter_start, self.shard.inter_local
         if self.kind == "gate_up":
             return torch.cat([mat[a : a + n], mat[self.inter + a : self.inter + a + n]])
         return mat[:, a : a + n]
-
-    def _experts(self, expert: int | None) -> list[tuple[int, int]]:
-        """(checkpoint expert, local index) pairs a call fills (another rank's expert: none)."""
-        if expert is None:
-            return [(self.first_expert + i, i) for i in range(self.num_local)]
-        if self.first_expert <= expert < self.first_expert + self.num_local:
-            return [(expert, expert - self.first_expert)]
-        return []
 
     @torch.no_grad()
     def _load(self, param: torch.Tensor, loaded: torch.Tensor | SliceLike, expert: int | None = None) -> None:
@@ -95,7 +81,7 @@ class StackedExperts(ShardLoading):
                 "experts: the checkpoint's routed experts are e4m3; these experts take 16-bit weights "
                 "and quantise them as they load"
             )
-        for e, i in self._experts(expert):
+        for e, i in self.shard.local(expert):
             mat = read_block(loaded, {0: (e, 1)})[0] if expert is None else torch.as_tensor(loaded)
             mat = mat.to(device=param.device)
             if not fp8:
@@ -153,11 +139,7 @@ class SoftmaxTopkMoE(nn.Module):
         """x: [T, hidden] -> the routed experts' weighted sum [T, hidden]."""
         w, ids = self.route(x)
         gate_up, down = self.input_linear, self.output_linear
-        if gate_up.num_local != self.router.layer.out_features:  # this rank's experts only
-            local = ids - gate_up.first_expert
-            mine = (local >= 0) & (local < gate_up.num_local)
-            w = torch.where(mine, w, 0.0)
-            ids = local.clamp(0, gate_up.num_local - 1)
+        w, ids = gate_up.shard.to_local(w, ids)
         experts = ops.moe_experts_silu.get(x.is_cuda)
         out = experts(x, gate_up.weight, down.weight, w, ids, gate_up.weight_scale, down.weight_scale)
         return all_reduce(out, self.tp) if self.tp.size > 1 else out

@@ -726,7 +726,7 @@ def test_modelopt_checkpoint_loads_e4m3_weights_and_scales(tmp_path: Path, varia
     assert bool(experts) == (variant != "dense")
     for name, m in experts:  # routed experts: e4m3 per expert, the per-tensor scale held per channel
         assert m.quant is not None and m.up_proj.dtype == m.down_proj.dtype == E4M3
-        for e in range(m.num_experts):
+        for e in range(m.shard.num_experts):
             for which in ("up", "down"):
                 w = written[f"{name}.{e}.{which}_proj.weight"]
                 assert torch.equal(getattr(m, f"{which}_proj")[e].view(torch.uint8), w.view(torch.uint8))
@@ -777,7 +777,7 @@ def test_modelopt_channel_and_block_checkpoints_load(
         if name.endswith(".experts"):
             assert m.quant is not None
             if layout == "channel":
-                for e in range(m.num_experts):
+                for e in range(m.shard.num_experts):
                     assert torch.equal(
                         m.down_proj_scale[e], written[f"{name}.{e}.down_proj.weight_scale"].reshape(-1)
                     )
@@ -825,7 +825,7 @@ def test_mixed_precision_checkpoint_loads_listed_modules_as_fp8(tmp_path: Path) 
     ]
     only = set(names[::2])
     experts = next(n for n, _ in ref.model.named_modules() if n.endswith(".experts"))
-    n_exp = ref.model.get_submodule(experts).num_experts
+    n_exp = ref.model.get_submodule(experts).shard.num_experts
     only |= {f"{experts}.{e}.{w}" for e in range(n_exp) for w in ("up_proj", "down_proj")}
     qc = {
         "quant_method": "modelopt",
@@ -1369,7 +1369,7 @@ def test_block_scaled_experts_are_requantised_per_channel(tmp_path: Path, layout
         if not name.endswith(".experts"):
             continue
         assert m.quant is not None and m.up_proj.dtype == E4M3
-        for e in range(m.num_experts):
+        for e in range(m.shard.num_experts):
             for which in ("up", "down"):
                 w = written[f"{name}.{e}.{which}_proj.weight"]
                 sc = written[f"{name}.{e}.{which}_proj{suffix}"].reshape(

@@ -209,7 +209,7 @@ def _case_tp(cfg: HybridModelConfig, ckpt: str | None, seed: int) -> dict:
         "conv": tuple(next(iter(cache.conv.values())).shape),
         "ssm": tuple(next(iter(cache.ssm.values())).shape),
     }
-    experts = (moe[0].first_expert, moe[0].num_local) if moe else None
+    experts = (moe[0].shard.first_expert, moe[0].shard.num_local) if moe else None
     return {
         "tp": info.tp_size,
         "ep": info.ep_size,
