@@ -38,7 +38,7 @@ import hyserve.kernels.triton_moe as tm  # noqa: E402
 from benchmarks import invocation  # noqa: E402
 from benchmarks.roofline import PUBLISHED_BW, PUBLISHED_FLOPS, measure_ceilings  # noqa: E402
 from hyserve.bench.report import git_sha  # noqa: E402
-from hyserve.kernels.moe import moe_experts_ref  # noqa: E402
+from hyserve.kernels.moe import moe_experts_ref, quantize_experts_ref  # noqa: E402
 
 CONFIGS = ROOT / "benchmarks" / "configs"
 NANO = "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"
@@ -190,13 +190,6 @@ def _weights(s: dict, dev, dtype):
     return w_up, w_down
 
 
-def _fp8_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, N, K] -> e4m3 [E, N, K] and float32 [E, N] scales, one per expert and output channel (how
-    `model/fp8_weights.py` holds FP8 experts)."""
-    scale = (w.abs().amax(-1).float() / torch.finfo(torch.float8_e4m3fn).max).clamp_min(1e-12)
-    return (w.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
@@ -317,11 +310,12 @@ def tune_shape(
     s: dict, sizes: list[int], dev, dtype, timer: Timer, dry: bool, fp8: bool = False
 ) -> dict[str, dict]:
     """Per token bucket: time each stage's candidates on its own, keep the fastest sum, then check the
-    winner end to end against a float32 reference. fp8: e4m3 experts with channel scales (_fp8_weights)."""
+    winner end to end against a float32 reference. fp8: e4m3 experts with channel scales
+    (quantize_experts_ref)."""
     w_up, w_down = _weights(s, dev, dtype)
     su = sd = None
     if fp8:
-        (w_up, su), (w_down, sd) = _fp8_weights(w_up), _fp8_weights(w_down)
+        (w_up, su), (w_down, sd) = quantize_experts_ref(w_up), quantize_experts_ref(w_down)
     E, k, d, inter = s["E"], s["k"], s["d"], s["I"]
     table: dict[str, dict] = {}
     forms_seen = TILE_FORMS.setdefault(tm.shape_key(E, inter, d, fp8), {})
@@ -499,7 +493,7 @@ def bench_fp8_experts(s: dict, sizes: list[int], dev, dtype, timer: Timer, ceil:
     """e4m3 experts at each token count, replayed from a graph: the shape's 16-bit tile entry (what FP8
     experts run without an entry of their own) against the FP8 entry, each checked against the float32
     reference first, quoted against the bytes roofline of one-byte weights."""
-    (w_up, su), (w_down, sd) = (_fp8_weights(w) for w in _weights(s, dev, dtype))
+    (w_up, su), (w_down, sd) = (quantize_experts_ref(w) for w in _weights(s, dev, dtype))
     scales = dict(up_scale=su, down_scale=sd)
     recs = []
     for T in sizes:

@@ -27,6 +27,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from hyserve.kernels.fp8_linear import quantize_weight_ref
+
 
 def router_logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x: [T, d]; weight: [E, d] (float32, as the checkpoints store the gate) -> logits [T, E] in float32
@@ -194,6 +196,13 @@ def _check_fp8_experts(
         raise ValueError(
             f"moe_experts: FP8 experts take float32, float16 or bfloat16 activations, got {x.dtype}"
         )
+
+
+def quantize_experts_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] (any float dtype) -> e4m3 [E, N, K] and float32 [E, N] scales: each expert's matrix quantised
+    per output channel on its own (`quantize_weight_ref`), as FP8 experts are held."""
+    qs = [quantize_weight_ref(w[e], "channel") for e in range(w.shape[0])]
+    return torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
 
 
 def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -267,14 +267,6 @@ def test_experts_match_float64(poison, variant, dtype, case):
     assert err_ref < (2e-5 if dtype == F32 else 6e-3)
 
 
-def _fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, N, K] -> e4m3 [E, N, K] and float32 [E, N] channel scales, each expert quantised on its own."""
-    from hyserve.kernels.fp8_linear import quantize_weight_ref
-
-    qs = [quantize_weight_ref(w[e].float(), "channel") for e in range(w.shape[0])]
-    return torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
-
-
 @pytest.mark.parametrize("variant", quick_first([*VARIANTS]))
 @pytest.mark.parametrize("dtype", quick_first([F32, F16]))
 @pytest.mark.parametrize("case", ["one-token", "empty-experts", "ragged"])
@@ -287,7 +279,7 @@ def test_fp8_experts_match_float64_of_the_dequantised_experts(poison, variant, d
     ids = _ids_with(T, k, E, experts, always)
     x, w_up, w_down, w, ids = _experts_inputs(T, E, d, inter, k, F32, ids)
     x = x.to(dtype)
-    (qu, su), (qd, sd) = _fp8_experts(w_up), _fp8_experts(w_down)
+    (qu, su), (qd, sd) = ref.quantize_experts_ref(w_up), ref.quantize_experts_ref(w_down)
     cfg = _variant_config(variant, E, inter, d, k)
     with poison:
         out = tm.moe_experts_triton(x, qu, qd, w, ids, up_scale=su, down_scale=sd, config=cfg)
@@ -301,7 +293,7 @@ def test_fp8_experts_match_float64_of_the_dequantised_experts(poison, variant, d
 
 def test_fp8_experts_refuse_bad_scales():
     x, w_up, w_down, w, ids = _experts_inputs(3, 4, 32, 16, 2, F32)
-    (qu, su), (qd, sd) = _fp8_experts(w_up), _fp8_experts(w_down)
+    (qu, su), (qd, sd) = ref.quantize_experts_ref(w_up), ref.quantize_experts_ref(w_down)
     for fn in (ref.moe_experts_ref, tm.moe_experts_triton):
         with pytest.raises(ValueError, match="need both up_scale and down_scale"):
             fn(x, qu, qd, w, ids, up_scale=su)

@@ -13,6 +13,7 @@ interpret_without_cuda()
 pytestmark = IGNORE_INTERPRETER_WARNING
 
 import hyserve.kernels.triton_moe as tm  # noqa: E402
+from hyserve.kernels.moe import dequantize_experts, quantize_experts_ref  # noqa: E402
 from hyserve.kernels.moe_silu import moe_experts_silu_ref  # noqa: E402
 from tests.unit.test_moe_silu import _inputs, _per_token  # noqa: E402
 
@@ -82,12 +83,6 @@ def test_triton_experts_reject_bad_inputs(bad: str, what: str) -> None:
             tm.moe_experts_silu_triton(x.int(), gate_up, down, w, ids)
 
 
-def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, N, K] -> e4m3 and float32 [E, N] scales, per expert and output channel."""
-    scale = (w.abs().amax(-1).float() / 448.0).clamp_min(1e-12)
-    return (w.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
-
-
 @pytest.mark.parametrize("swap", [0, 1])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.float16, 4e-3)])
 @pytest.mark.parametrize("case", ["one-token", "ragged"])
@@ -96,11 +91,9 @@ def test_triton_fp8_experts_match_float64_of_the_dequantised_experts(
 ):
     """e4m3 experts with [E, 2I] / [E, d] channel scales in both tile forms, against float64 of the
     dequantised experts and against the reference in the same dtype."""
-    from hyserve.kernels.moe import dequantize_experts
-
     T, E, d, inter, k = SILU_CASES[case]
     x, gate_up, down, w, ids = _inputs(T, E, d, inter, k, torch.float32)
-    (qgu, sgu), (qd, sd) = _fp8(gate_up), _fp8(down)
+    (qgu, sgu), (qd, sd) = quantize_experts_ref(gate_up), quantize_experts_ref(down)
     dev = [t.to(DEV) for t in (x.to(dtype), qgu, qd, w, ids, sgu, sd)]
     with poison:
         out = tm.moe_experts_silu_triton(*dev[:5], dev[5], dev[6], config=_silu_config(swap))
