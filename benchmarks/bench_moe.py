@@ -45,8 +45,6 @@ NANO = "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"
 SUPER = "NVIDIA-Nemotron-3-Super-120B-A12B-BF16"
 SIZES = (1, 8, 64, 256, 1024, 8192)
 GRAPH_SETS = 8  # input sets per captured graph (rotating routing keeps the weights out of L2)
-# per shape key and token bucket, the fastest stage time of each grouped-GEMM tile form seen while tuning
-TILE_FORMS: dict[str, dict[str, dict[str, float]]] = {}
 
 
 def _shape(name: str) -> dict:
@@ -308,17 +306,18 @@ def _gemm_cands(bm: int, dry: bool) -> list[dict]:
 
 def tune_shape(
     s: dict, sizes: list[int], dev, dtype, timer: Timer, dry: bool, fp8: bool = False
-) -> dict[str, dict]:
+) -> tuple[dict[str, dict], dict[str, dict[str, float]]]:
     """Per token bucket: time each stage's candidates on its own, keep the fastest sum, then check the
     winner end to end against a float32 reference. fp8: e4m3 experts with channel scales
-    (quantize_experts_ref)."""
+    (quantize_experts_ref). Returns the tuned table and, per bucket, the fastest stage time of each
+    grouped-GEMM tile form (plain, SWAP)."""
     w_up, w_down = _weights(s, dev, dtype)
     su = sd = None
     if fp8:
         (w_up, su), (w_down, sd) = quantize_experts_ref(w_up), quantize_experts_ref(w_down)
     E, k, d, inter = s["E"], s["k"], s["d"], s["I"]
     table: dict[str, dict] = {}
-    forms_seen = TILE_FORMS.setdefault(tm.shape_key(E, inter, d, fp8), {})
+    forms_seen: dict[str, dict[str, float]] = {}
     for T in sizes:
         ((x, w, ids),) = _inputs(s, T, dev, dtype, 1)
         tw = w.float().contiguous()
@@ -379,7 +378,7 @@ def tune_shape(
             f"  tune {s['name']}{' fp8' if fp8 else ''} T={T}: {cfg['variant']} BM={cfg.get('BLOCK_M', '-')} "
             f"up={cfg['up']} down={cfg['down']} stages {ms:.4f} ms, end to end {e2e:.4f} ms (err {err:.1e})"
         )
-    return table
+    return table, forms_seen
 
 
 def write_tuned(tables: dict[str, dict], device_name: str, sha: str, merge: bool = False) -> Path:
@@ -686,19 +685,20 @@ def main() -> int:
         buckets = [1, 2, 4, 8] if dry else list(tm.TOKEN_BUCKETS)
         if args.tune_sizes:
             buckets = [int(t) for t in args.tune_sizes.split(",")]
-        tables = {
+        tuned = {
             tm.shape_key(s["E"], s["I"], s["d"], args.fp8): tune_shape(
                 s, buckets, dev, dtype, timer, dry, args.fp8
             )
             for s in shapes
         }
+        tables = {key: table for key, (table, _) in tuned.items()}
         merge = bool(args.tune_sizes) or args.fp8
         path = write_tuned(tables, gpu, sha, merge=merge) if not dry else None
         print(
             f"tuned in {time.time() - t0:.0f} s" + (f": wrote {path}" if path else " (dry-run: not written)")
         )
         doc["tuned"] = tables
-        doc["tile_forms_ms"] = TILE_FORMS
+        doc["tile_forms_ms"] = {key: forms for key, (_, forms) in tuned.items()}
         if args.tune_only:
             out.write_text(json.dumps(doc, indent=1) + "\n")
             return 0
