@@ -2,7 +2,7 @@
 # The MoE kernels: the GPU tests of tests/unit/test_moe_kernels.py and the tiny MoE models on CUDA, then
 # benchmarks/bench_moe.py (with --tune: autotune first and write hyserve/kernels/moe_configs/<GPU>.json).
 # Results land in benchmarks/results/.
-#   OUT_DIR (optional): a folder that gets a copy of the results, the config file and the log at the end.
+#   OUT_DIR (optional): a folder that gets a copy of the new results, the config file and the log after each part.
 # usage: scripts/gpu_moe_check.sh [GIT_SHA [tests|ktests] [tune|tune-gemv|tune-fp8|bench] [step] ...]
 #        (default: tests tune; ktests: the kernel tests alone (the SiLU-gated experts' too), without the tiny
 #        models through the engine; tune-gemv: re-tune the decode buckets 1-8 only, merged into the config
@@ -15,6 +15,8 @@ sha=${1:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 shift || true
 parts=" ${*:-tests tune} "
 cd "$(dirname "$0")/.."
+source scripts/device_out.sh
+out_mark
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p benchmarks/results
 log=benchmarks/results/moe_gpu_check_$sha.log
@@ -30,6 +32,7 @@ log=benchmarks/results/moe_gpu_check_$sha.log
     timeout 240 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --durations=5 tests/unit/test_moe_kernels.py \
       tests/unit/test_moe_silu_triton.py 2>&1 | tail -40
   fi
+  out_save "$log"
   if [[ $parts == *" tune "* ]]; then
     echo "== tune + benchmark"
     timeout 420 python3 -m benchmarks.bench_moe --tune --git-sha "$sha" --out "benchmarks/results/moe_$sha.json" 2>&1
@@ -41,6 +44,7 @@ log=benchmarks/results/moe_gpu_check_$sha.log
     sizes=${FP8_SIZES:-256,512,1024,2048,4096,8192}
     timeout 420 python3 -m benchmarks.bench_moe --tune --fp8 --no-super --tune-sizes "$sizes" --sizes "$sizes" \
       --git-sha "$sha" --out "benchmarks/results/moe_$sha.json" 2>&1 | grep -v "^      skip"
+    out_save "$log" hyserve/kernels/moe_configs/*.json
   elif [[ $parts == *" bench "* ]]; then
     echo "== benchmark"
     timeout 300 python3 -m benchmarks.bench_moe --git-sha "$sha" --out "benchmarks/results/moe_$sha.json" 2>&1
@@ -51,10 +55,5 @@ log=benchmarks/results/moe_gpu_check_$sha.log
       | tail -30
   fi
 } 2>&1 | tee "$log"
-if [ -n "${OUT_DIR:-}" ]; then
-  mkdir -p "$OUT_DIR"
-  cp "benchmarks/results/moe_$sha.json" "benchmarks/results/moe_$sha.md" "$log" "$OUT_DIR"/ 2>/dev/null
-  cp hyserve/kernels/moe_configs/*.json "$OUT_DIR"/ 2>/dev/null
-  cp benchmarks/results/batch_step_*"$sha"* "$OUT_DIR"/ 2>/dev/null
-fi
+out_save "$log" hyserve/kernels/moe_configs/*.json
 exit 0
