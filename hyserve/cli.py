@@ -56,6 +56,21 @@ def _flag(
     parser.add_argument(*spellings, dest=name.replace("-", "_"), **kw)
 
 
+def _json_object(flag: str) -> Callable[[str], dict[str, Any]]:
+    """An argparse type: a JSON object given on the command line (vLLM's --speculative-config)."""
+
+    def parse(text: str) -> dict[str, Any]:
+        try:
+            v = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{flag}: not valid JSON ({e}): {text!r}") from None
+        if not isinstance(v, dict):
+            raise argparse.ArgumentTypeError(f"{flag}: expected a JSON object, got {text!r}")
+        return v
+
+    return parse
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     """The engine options every subcommand that builds an engine takes."""
     _add_model_flags(p)
@@ -222,6 +237,16 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
         help="shard the MoE experts over every tensor-parallel rank (ep_size = tp_size), as vLLM's",
     )
     _flag(p, "seed", type=int, default=None, help="engine seed for sampling")
+    _flag(
+        p,
+        "speculative_config",
+        type=_json_object("--speculative-config"),
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+        "(prompt_lookup_min / prompt_lookup_max: the n-gram lengths looked up; disable_by_batch_size: no "
+        "drafting above this many running requests); TensorRT-LLM's decoding_type form too",
+    )
     _flag(
         p,
         "warmup",

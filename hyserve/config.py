@@ -91,6 +91,13 @@ DEVICES = ("auto", "cpu", "cuda")
 # `priority` (lower first), ties by arrival
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
+# speculative decoding (`speculative_config`): the drafting methods, other servers' names for them, the most
+# tokens a step drafts per request, and n-gram drafting's match lengths when none are given (vLLM's)
+SPEC_METHODS = ("ngram", "mtp")
+SPEC_METHOD_SPELLINGS = {"nemotron_h_mtp": "mtp", "[ngram]": "ngram", "ngram_gpu": "ngram"}
+MAX_SPEC_TOKENS = 15
+DEFAULT_PROMPT_LOOKUP = 5
+
 # Keys of the TensorRT-LLM YAML that hyserve accepts and ignores (they select that engine's internals).
 COMPAT_IGNORED_KEYS = frozenset(
     {
@@ -488,6 +495,99 @@ class ParallelConfig:
             raise ValueError(problem)
 
 
+def spec_method(v: Any, path: str) -> str | None:
+    """None (off) or a drafting method of SPEC_METHODS (or another server's name for one)."""
+    return None if v is None else Choice(SPEC_METHODS, SPEC_METHOD_SPELLINGS)(v, path)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's form (`{"method": "ngram", "num_speculative_tokens": 3}`;
+    TensorRT-LLM's `decoding_type` form is read by `normalize_speculative_config`). Off when `method` is
+    None. A step drafts up to `num_speculative_tokens` tokens per decoding request and verifies them all in
+    one forward (engine/speculative/)."""
+
+    method: str | None = option(None, spec_method)
+    num_speculative_tokens: int | None = option(None, Int(lo=1, hi=MAX_SPEC_TOKENS, none_ok=True))
+    # n-gram drafting: the shortest and longest suffix of the context looked up in it (one given: both)
+    prompt_lookup_min: int | None = option(None, Int(lo=1, none_ok=True))
+    prompt_lookup_max: int | None = option(None, Int(lo=1, none_ok=True))
+    # no drafting in a step with more decoding requests than this (None: the engine's measured default)
+    disable_by_batch_size: int | None = option(None, Int(lo=1, none_ok=True))
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    def lookup_range(self) -> tuple[int, int]:
+        """(shortest, longest) n-gram matched, vLLM's defaults filling what is unset."""
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            return DEFAULT_PROMPT_LOOKUP, DEFAULT_PROMPT_LOOKUP
+        return (lo or hi or 1), (hi or lo or 1)
+
+    def check(self) -> None:
+        set_keys = [f.name for f in dataclasses.fields(self) if f.name != "method" and getattr(self, f.name)]
+        if self.method is None:
+            if set_keys:
+                raise ValueError(
+                    f"speculative_config: {', '.join(set_keys)} given without a method; set "
+                    f"speculative_config.method to one of {list(SPEC_METHODS)}"
+                )
+            return
+        if self.num_speculative_tokens is None:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens: method {self.method!r} needs the number of "
+                f"tokens to draft per step (1 to {MAX_SPEC_TOKENS})"
+            )
+        lo, hi = self.lookup_range()
+        if self.method != "ngram" and (self.prompt_lookup_min or self.prompt_lookup_max):
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min / prompt_lookup_max belong to method 'ngram', "
+                f"not {self.method!r}"
+            )
+        if lo > hi:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
+            )
+
+
+# TensorRT-LLM's speculative_config: decoding_type -> hyserve's method, and its keys -> hyserve's
+_TRT_DECODING_TYPES = {"mtp": "mtp", "ngram": "ngram"}
+_TRT_SPEC_KEYS = {
+    "num_nextn_predict_layers": "num_speculative_tokens",
+    "max_draft_len": "num_speculative_tokens",
+    "max_matching_ngram_size": "prompt_lookup_max",
+}
+
+
+def normalize_speculative_config(opts: dict[str, Any]) -> dict[str, Any]:
+    """`speculative_config` in TensorRT-LLM's form (`decoding_type: MTP`, `num_nextn_predict_layers: 3`;
+    `decoding_type: NGram`, `max_draft_len`, `max_matching_ngram_size`) rewritten in vLLM's, which
+    `SpeculativeConfig` reads. Other forms pass through unchanged (and are checked there)."""
+    spec = opts.get("speculative_config")
+    if not isinstance(spec, dict) or "decoding_type" not in spec:
+        return opts
+    if "method" in spec:
+        raise ValueError(
+            "speculative_config: give method (vLLM's form) or decoding_type (TensorRT-LLM's), not both"
+        )
+    rest = dict(spec)
+    kind = rest.pop("decoding_type")
+    method = _TRT_DECODING_TYPES.get(str(kind).lower())
+    if method is None:
+        raise ValueError(
+            f"speculative_config.decoding_type: {kind!r} is not supported; use one of ['MTP', 'NGram']"
+        )
+    out: dict[str, Any] = {"method": method}
+    for k, v in rest.items():
+        key = _TRT_SPEC_KEYS.get(k, k)
+        if key in out and out[key] != v:
+            raise ValueError(f"speculative_config: {k} ({v!r}) disagrees with {out[key]!r} given for {key}")
+        out[key] = v
+    return {**opts, "speculative_config": out}
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     model: str | None = option(None, path_str)  # None -> the built-in tiny model
@@ -510,6 +610,7 @@ class EngineConfig:
     cache: CacheConfig = section(CacheConfig, "kv_cache_config")
     cuda_graph: CudaGraphConfig = section(CudaGraphConfig, "cuda_graph_config")
     parallel: ParallelConfig = section(ParallelConfig)
+    speculative: SpeculativeConfig = section(SpeculativeConfig, "speculative_config")
     # warm-up before ready: "auto" = on CUDA (the CPU path has nothing to compile), "on", "off"
     warmup: str = option("auto", Choice(WARMUP_MODES))
     # a Triton compilation after ready fails the step that caused it
@@ -657,6 +758,7 @@ def build_engine_config(options: dict[str, Any] | None = None, **kwargs: Any) ->
     opts: dict[str, Any] = dict(options or {})
     opts.update(kwargs)
     opts = hoist_mamba_state_config(opts)
+    opts = normalize_speculative_config(opts)
     _check_one_memory_share(opts)
     ignored: list[str] = []
     config = _build(EngineConfig, opts, "", ignored)

@@ -26,12 +26,13 @@ import torch
 from hyserve import envs
 from hyserve.config import EngineConfig
 from hyserve.engine.assembly.assemble import assemble
+from hyserve.engine.engine_stats import engine_stats
 from hyserve.engine.errors import JitAfterReadyError
 from hyserve.engine.faults import FaultInjector
 from hyserve.engine.input_processor import InputProcessor
 from hyserve.engine.isolation import FailureIsolation
 from hyserve.engine.output_processor import OutputProcessor, record_prompt_logprobs
-from hyserve.engine.outputs import StreamDelta, TokenLogprob
+from hyserve.engine.outputs import StreamDelta
 from hyserve.engine.pending_step import PendingStep, penalty_inputs, sample_step
 from hyserve.engine.request import Request
 from hyserve.engine.runner.alloc_retries import AllocRetries
@@ -41,6 +42,7 @@ from hyserve.engine.sampling.structured_output import StructuredOutputs
 from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.scheduler.scheduler import ScheduledBatch, SchedulerStats
 from hyserve.engine.scheduler.step_cost import StepCostModel
+from hyserve.engine.speculative.verify import SampledRun, sampling_rows
 from hyserve.engine.warmup_report import WarmupReport
 
 logger = logging.getLogger("hyserve")
@@ -57,7 +59,6 @@ class LLMEngine:
         self._log = log or logger.info
         self.jit = JitSentinel()
         self.jit.install()
-        self._jit_seen = 0  # compilations after ready already reported (strict_warmup)
         parts = assemble(config, self._log)
         self.config = config = parts.config  # an unset max_batch_size / max_num_tokens is sized now
         self.loaded = parts.loaded
@@ -92,6 +93,7 @@ class LLMEngine:
         self.faults = FaultInjector.parse(envs.HYSERVE_FAULT_INJECT)  # None unless set (engine/faults.py)
         self.isolation = FailureIsolation(self)  # a step that raises fails only its culprit
         self.warmup_report: WarmupReport | None = None  # set by the start-up (lifecycle/startup.py)
+        self.spec = parts.speculation  # speculative decoding (engine/speculative/), None when off
         self._log(self.plan.report())
 
     def record_warmup(self, report: WarmupReport) -> None:
@@ -156,8 +158,11 @@ class LLMEngine:
     def step(self) -> list[StreamDelta]:
         """schedule -> launch -> read the previous step -> emit. Returns the deltas of every request that
         progressed (with async scheduling a step's tokens come out of the next call)."""
-        batch, aborted = self.scheduler.schedule()
-        deltas = [self._finish_delta(r) for r in aborted]
+        # drafting needs every decoding request's newest token on the host: no step stays in flight
+        drafting = self.spec is not None and self.spec.drafting(len(self.scheduler.running))
+        deltas = self.drain() if drafting else []
+        batch, aborted = self.scheduler.schedule(draft=drafting)
+        deltas += [self._finish_delta(r) for r in aborted]
         if self.faults is not None:  # a failure outside any request's guard (AsyncEngine supervises it)
             self.faults.check_rows("engine", batch.seqs)
         prev, self._inflight = self._inflight, None
@@ -188,7 +193,7 @@ class LLMEngine:
         if prev is not None:
             deltas += self._read(prev)  # the previous step's tokens, while this one runs
         if launched is not None:
-            if self.config.async_scheduling:
+            if self.config.async_scheduling and not drafting:
                 self._inflight = launched
             else:
                 deltas += self._read(launched)
@@ -198,7 +203,7 @@ class LLMEngine:
         """Steps, and the prefill tokens they carried: over an interval, how many steps a long prompt took and
         how large its chunks were (`bench_fairness.py` reads them from /metrics)."""
         self.counters["steps_total"] += 1
-        prefill = batch.num_tokens - batch.num_decodes
+        prefill = batch.num_prefill_tokens
         if prefill:
             self.counters["prefill_steps_total"] += 1
             self.counters["prefill_tokens_scheduled_total"] += prefill
@@ -228,16 +233,22 @@ class LLMEngine:
         requests: dict[str, Request],
     ) -> PendingStep:
         """Sample `batch`'s sampling rows with `sampler` (a throwaway one for an isolation probe)."""
-        sampling = [s for s in batch.seqs if s.sample]
+        sampling, rows = sampling_rows(batch)  # a speculative step: a row per verified position
         if self.faults is not None:
             self.faults.check_rows("sample", sampling)
-        histories, pending = penalty_inputs(sampling, self.requests, prev)
-        bitmask = self.structured.fill_bitmask([s.request_id for s in sampling])
+        histories, pending = penalty_inputs(rows, self.requests, prev)
+        bitmask = self.structured.fill_bitmask([s.request_id for s, _ in rows])
         return sample_step(sampler, batch, logits, requests, histories, pending, bitmask)
 
     def _read(self, step: PendingStep) -> list[StreamDelta]:
         deltas = []
-        for req, tok, lp in step.read():
+        runs = step.read()
+        if step.widths is not None and self.spec is not None:  # accepted drafts: their Mamba state
+            copies = self.spec.settle(step.batch, runs, self.requests, self.runner.spec_scratch)
+            if copies:
+                self.runner.copy_states(copies)
+        for run in runs:
+            req = run.req
             if req is None:
                 continue
             req.num_inflight -= 1
@@ -246,7 +257,7 @@ class LLMEngine:
             if req.finished or self.requests.get(req.request_id) is not req:
                 continue
             try:
-                deltas.append(self._append_token(req, tok, lp))
+                deltas.append(self._append_tokens(req, run))
             except Exception as e:  # token append, stop strings, detokenizer, grammar: this request alone
                 logger.exception("request %s failed on the host", req.request_id)
                 deltas.append(
@@ -261,21 +272,27 @@ class LLMEngine:
         step, self._inflight = self._inflight, None
         return self._read(step) if step is not None else []
 
-    def _append_token(self, req: Request, tok: int, lp: TokenLogprob | None) -> StreamDelta:
-        if self.faults is not None:
-            self.faults.check("host", req.request_id, len(req.output_token_ids))
-        self.counters["generation_tokens_total"] += 1
-        self.structured.accept(req.request_id, tok)
-        finish = self.outputs.append_token(req, tok, lp, grammar_done=self.structured.done(req.request_id))
-        if finish is None:
-            return self.outputs.delta(req, finished=False)
-        self.scheduler.finish(req, finish.reason, finish.stop_reason)
-        return self._finish_delta(req)
+    def _append_tokens(self, req: Request, run: SampledRun) -> StreamDelta:
+        """Append a step's tokens of one request (several after accepted draft tokens) until one ends it."""
+        for tok, lp in zip(run.tokens, run.logprobs):
+            if self.faults is not None:
+                self.faults.check("host", req.request_id, len(req.output_token_ids))
+            self.counters["generation_tokens_total"] += 1
+            self.structured.accept(req.request_id, tok)
+            finish = self.outputs.append_token(
+                req, tok, lp, grammar_done=self.structured.done(req.request_id)
+            )
+            if finish is not None:
+                self.scheduler.finish(req, finish.reason, finish.stop_reason)
+                return self._finish_delta(req)
+        return self.outputs.delta(req, finished=False)
 
     def _finish_delta(self, req: Request) -> StreamDelta:
         self.counters["requests_finished_total"] += 1
         self.requests.pop(req.request_id, None)
         self.structured.remove(req.request_id)
+        if self.spec is not None:
+            self.spec.forget(req.request_id)
         return self.outputs.delta(req, finished=True)
 
     def fail_request(self, req: Request, error: str) -> StreamDelta:
@@ -297,15 +314,12 @@ class LLMEngine:
         return out
 
     def _check_strict_warmup(self) -> None:
-        n = self.jit.compiles_after_ready
-        if n > self._jit_seen:
-            new = [ev.kernel for ev in self.jit.events if ev.after_ready][self._jit_seen :]
-            self._jit_seen = n
-            if self.config.strict_warmup:
-                raise JitAfterReadyError(
-                    f"strict_warmup: Triton compiled {', '.join(new)} after ready (a kernel variant the "
-                    "warm-up did not cover)"
-                )
+        new = self.jit.unreported_after_ready()
+        if new and self.config.strict_warmup:
+            raise JitAfterReadyError(
+                f"strict_warmup: Triton compiled {', '.join(new)} after ready (a kernel variant the warm-up "
+                "did not cover)"
+            )
 
     # ---- after the warm-up, introspection ----------------------------------------------------------
     def reset_after_warmup(self) -> None:
@@ -317,6 +331,8 @@ class LLMEngine:
         self.scheduler.stats = SchedulerStats()
         self.counters = dict.fromkeys(self.counters, 0)
         self.isolation.reset_counters()
+        if self.spec is not None:
+            self.spec.reset_counters()
         self.sampler = Sampler(self.config.seed)
         if self.device.type == "cuda":
             self.alloc_retries.reset()
@@ -328,20 +344,6 @@ class LLMEngine:
         return self.cache.reset_prefix_cache()
 
     def stats(self) -> dict[str, float]:
-        s = self.scheduler.stats
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            **self.cache.usage(),
-            "prefix_cache_queries": self.cache.prefix_queries,
-            "prefix_cache_hits": self.cache.prefix_hits,
-            "tokens_scheduled_last_step": s.tokens_scheduled,
-            "num_preemptions": s.num_preemptions,
-            "batch_wait_steps": s.batch_wait_steps,
-            "jit_compiles_after_ready": self.jit.compiles_after_ready,
-            **self.counters,
-            **self.isolation.counters(),
-            **(
-                {"cuda_alloc_retries": self.alloc_retries.since_reset()} if self.device.type == "cuda" else {}
-            ),
-        }
+        return engine_stats(
+            self.scheduler, self.cache, self.jit, self.counters, self.isolation, self.spec, self.alloc_retries
+        )

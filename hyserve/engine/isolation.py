@@ -161,7 +161,10 @@ class FailureIsolation:
         eng = self.engine
         self.probes += 1
         rows = [dataclasses.replace(s, snapshots=[], snapshot_keys=[], snapshot_positions=[]) for s in seqs]
-        probe = ScheduledBatch(seqs=rows, num_decodes=sum(s.request_id in decodes for s in rows))
+        nd = sum(s.request_id in decodes for s in rows)
+        # a speculative step's decode rows keep their drafts: the probe verifies them the same way
+        width = max((1 + len(s.draft) for s in rows[:nd]), default=1)
+        probe = ScheduledBatch(seqs=rows, num_decodes=nd, spec_width=width)
         shadow = {
             s.request_id: dataclasses.replace(r, prompt_logprobs=list(r.prompt_logprobs))
             for s in rows

@@ -13,54 +13,69 @@ from hyserve.engine.request import Request
 from hyserve.engine.sampling.logits_processing import History
 from hyserve.engine.sampling.sampler import PendingLogprobs, Sampler
 from hyserve.engine.scheduler.scheduler import ScheduledBatch, ScheduledSeq
+from hyserve.engine.speculative.verify import SampledRun, sampling_rows, verified_run
 
 
 @dataclass
 class PendingStep:
     batch: ScheduledBatch
     sampling: list[ScheduledSeq]  # the batch's sequences that sample, in logits-row order
-    reqs: list[Request | None]  # each row's request when launched (an id may be reused once it finished)
+    reqs: list[Request | None]  # each sequence's request when launched (an id may be reused once it finished)
     tokens: torch.Tensor  # [rows] long, on the device
     host: torch.Tensor  # their host copy (pinned on CUDA, filled without waiting)
     logprobs: PendingLogprobs | None  # the rows that want logprobs: their table, copied likewise
     logprobs_host: torch.Tensor | None
     done: torch.cuda.Event | None  # recorded after the copies (CUDA)
+    # rows per sampling sequence: 1, or a speculative step's decode width for its decoding sequences
+    widths: list[int] | None = None
 
-    def read(self) -> list[tuple[Request | None, int, TokenLogprob | None]]:
-        """Wait for the copies; (request, token, logprob entry) per sampling row."""
+    def first_row(self, i: int) -> int:
+        """The first logits row of sampling sequence i."""
+        return i if self.widths is None else sum(self.widths[:i])
+
+    def read(self) -> list[SampledRun]:
+        """Wait for the copies; what each sampling sequence produced, in order."""
         if self.done is not None:
             self.done.synchronize()
         tokens = [int(t) for t in self.host.tolist()]
         lps: list[TokenLogprob | None] = [None] * len(tokens)
         if self.logprobs is not None and self.logprobs_host is not None:
             lps = self.logprobs.entries(tokens, self.logprobs_host.tolist())
-        return list(zip(self.reqs, tokens, lps))
+        if self.widths is None:
+            return [SampledRun(r, [t], [lp]) for r, t, lp in zip(self.reqs, tokens, lps)]
+        out, row = [], 0
+        for req, seq, w in zip(self.reqs, self.sampling, self.widths):
+            out.append(verified_run(req, seq.draft, tokens[row : row + w], lps[row : row + w]))
+            row += w
+        return out
 
 
 def penalty_inputs(
-    sampling: list[ScheduledSeq], requests: dict[str, Request], prev: PendingStep | None
+    rows: list[tuple[ScheduledSeq, int]], requests: dict[str, Request], prev: PendingStep | None
 ) -> tuple[list[History | None] | None, torch.Tensor | None]:
-    """Penalties: the prompt and output ids each sampling row has seen (host lists, None for a row without
-    penalties), and with a step in flight (`prev`) each row's token still on the device, -1 where none,
+    """Penalties, per sampling row (`sampling_rows`): the prompt and output ids the row has seen (host
+    lists, None for a row without penalties; a speculative row at position j has also seen the first j
+    draft tokens), and with a step in flight (`prev`) each row's token still on the device, -1 where none,
     counted in its history. (None, None) when no row has penalties."""
-    if not any(s.params.needs_history for s in sampling):
+    if not any(s.params.needs_history for s, _ in rows):
         return None, None
     histories: list[History | None] = []
-    for s in sampling:
+    for s, j in rows:
         req = requests.get(s.request_id)
-        histories.append(
-            (req.prompt_token_ids, req.output_token_ids)
-            if req is not None and s.params.needs_history
-            else None
-        )
+        if req is None or not s.params.needs_history:
+            histories.append(None)
+        else:
+            histories.append(
+                (req.prompt_token_ids, req.output_token_ids + s.draft[:j] if j else req.output_token_ids)
+            )
     if prev is None:
         return histories, None
-    pending = torch.full((len(sampling),), -1, dtype=torch.long, device=prev.tokens.device)
-    fed = [(i, s.feed_row) for i, s in enumerate(sampling) if s.feed_row is not None]
+    pending = torch.full((len(rows),), -1, dtype=torch.long, device=prev.tokens.device)
+    fed = [(i, s.feed_row) for i, (s, _) in enumerate(rows) if s.feed_row is not None]
     if fed:
         idx = to_device(torch.tensor([i for i, _ in fed], dtype=torch.long), prev.tokens.device)
-        rows = to_device(torch.tensor([r for _, r in fed], dtype=torch.long), prev.tokens.device)
-        pending[idx] = prev.tokens.index_select(0, rows)
+        src = to_device(torch.tensor([r for _, r in fed], dtype=torch.long), prev.tokens.device)
+        pending[idx] = prev.tokens.index_select(0, src)
     return histories, pending
 
 
@@ -76,17 +91,22 @@ def sample_step(
     """Sample `batch`'s sampling rows (and their logprobs) on the device and start the copies to the host;
     nothing here waits for the device. `histories` / `pending`: the penalty rows' host history and the
     token of each row still on the device; `bitmask`: the structured-outputs mask
-    (`Sampler.sample_tokens`)."""
-    sampling = [s for s in batch.seqs if s.sample]
-    params = [s.params for s in sampling]
+    (`Sampler.sample_tokens`). A speculative step samples every verified position (`sampling_rows`)."""
+    sampling, rows = sampling_rows(batch)
+    params = [s.params for s, _ in rows]
     tokens = sampler.sample_tokens(
-        logits, params, [s.num_output_tokens for s in sampling], histories, pending, bitmask
+        logits, params, [s.num_output_tokens + j for s, j in rows], histories, pending, bitmask
     )
     lp = sampler.pending_logprobs(logits, tokens, params)
     reqs = [requests.get(s.request_id) for s in sampling]
+    widths = None
+    if batch.spec_width > 1:
+        widths = [
+            batch.spec_width if i < batch.num_decodes else 1 for i, s in enumerate(batch.seqs) if s.sample
+        ]
     if not tokens.is_cuda:
         return PendingStep(
-            batch, sampling, reqs, tokens, tokens, lp, lp.table if lp is not None else None, None
+            batch, sampling, reqs, tokens, tokens, lp, lp.table if lp is not None else None, None, widths
         )
     host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
     host.copy_(tokens, non_blocking=True)
@@ -96,4 +116,4 @@ def sample_step(
         lp_host.copy_(lp.table, non_blocking=True)
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(tokens.device))
-    return PendingStep(batch, sampling, reqs, tokens, host, lp, lp_host, done)
+    return PendingStep(batch, sampling, reqs, tokens, host, lp, lp_host, done, widths)

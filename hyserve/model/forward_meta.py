@@ -6,6 +6,14 @@ single-token decode sequences first, then prefill/extend sequences.
 
     input_ids  | d0 | d1 | p0 p0 p0 p0 p0 | p1 p1 p1 |
     cu_seqlens   0    1    2              7          10
+
+A speculative step verifies `decode_width` tokens of each decoding sequence (its last token and its draft):
+each becomes that many consecutive one-token rows, sequence-major, every row with its own seq_len and
+state slots. Row j reads the state row j - 1 wrote, so a Mamba layer runs the rows position by position
+(the first reads the live slot, the others scratch slots, the last writes the live slot), and attention
+sees each row as an ordinary decode row:
+
+    input_ids  | a0 a1 a2 | b0 b1 b2 | p0 p0 ... |     decode_width 3, num_decodes 6
 """
 
 from __future__ import annotations
@@ -41,3 +49,4 @@ class ForwardMeta:
     has_initial_state: torch.Tensor  # [S] bool, device; False -> start from zeros (src is ignored)
     logits_indices: torch.Tensor  # [n] int64: tokens whose logits the caller wants
     snapshots: list[SnapshotWrite] = field(default_factory=list)
+    decode_width: int = 1  # consecutive decode rows per decoding sequence (speculative verification)

@@ -207,26 +207,17 @@ class Mamba2Mixer(ShardLoading):
         nd = meta.num_decodes
         y_d: torch.Tensor | None = None
 
-        if nd > 0:
-            src, dst = meta.state_src[:nd], meta.state_dst[:nd]
-            xbc_d = ops.conv1d_update.get(cuda)(xbc[:nd], conv_pool, w, bias, src, dst)
-            x, b, c = self._split_xbc(xbc_d)
-            y_d = ops.ssm_update.get(cuda)(
-                ssm_pool,
-                x,
-                dt[:nd],
-                A,
-                b,
-                c,
-                src,
-                dst,
-                D=self.D,
-                dt_bias=self.dt_bias,
-                dt_softplus=True,
-                dt_limit=self.dt_limit,
-                rounding=self.ssm_rounding,
-                positions=None if self.ssm_rounding is None else meta.seq_lens_t[:nd],
-            )
+        if nd > 0 and meta.decode_width == 1:
+            y_d = self._decode(xbc[:nd], dt[:nd], A, w, bias, meta, slice(0, nd), conv_pool, ssm_pool)
+        elif nd > 0:
+            # speculative verification: position j of every sequence reads the state position j - 1 wrote
+            q = meta.decode_width
+            y_d = torch.empty(nd, self.num_heads, self.head_dim, dtype=hidden.dtype, device=hidden.device)
+            for j in range(q):
+                rows = slice(j, nd, q)
+                y_d[rows] = self._decode(
+                    xbc[rows].contiguous(), dt[rows], A, w, bias, meta, rows, conv_pool, ssm_pool
+                )
         if y_d is not None and T == nd:
             y = y_d  # a pure decode step: no packing copy
         else:
@@ -255,6 +246,41 @@ class Mamba2Mixer(ShardLoading):
         if self.norm_spans_ranks:
             return out.reduce(F.linear(self._gated_norm_spanning(y2, z), out.weight))
         return out.reduce(fused(y2, z, norm.weight, norm.eps, norm.group_size, out.weight, None))
+
+    def _decode(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        w: torch.Tensor,
+        bias: torch.Tensor | None,
+        meta: ForwardMeta,
+        rows: slice,
+        conv_pool: torch.Tensor,
+        ssm_pool: torch.Tensor,
+    ) -> torch.Tensor:
+        """One token of each of the decode rows `rows`: the conv and state updates from their `state_src`
+        slots into their `state_dst` slots; returns y [rows, heads, head_dim]."""
+        cuda = xbc.is_cuda
+        src, dst = meta.state_src[rows], meta.state_dst[rows]
+        xbc_d = ops.conv1d_update.get(cuda)(xbc, conv_pool, w, bias, src, dst)
+        x, b, c = self._split_xbc(xbc_d)
+        return ops.ssm_update.get(cuda)(
+            ssm_pool,
+            x,
+            dt,
+            A,
+            b,
+            c,
+            src,
+            dst,
+            D=self.D,
+            dt_bias=self.dt_bias,
+            dt_softplus=True,
+            dt_limit=self.dt_limit,
+            rounding=self.ssm_rounding,
+            positions=None if self.ssm_rounding is None else meta.seq_lens_t[rows],
+        )
 
     def _gate_output(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y * silu(z) (no norm), or the grouped norm of y times silu(z) (norm before the gate), the gate

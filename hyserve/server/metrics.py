@@ -212,7 +212,27 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
         "counter",
     ),
     ("healthy", "healthy", "1 when the engine loop is alive and serving.", "gauge"),
+    (
+        "spec_decode_num_drafts",
+        "spec_decode_num_drafts",
+        "Speculative decoding: sequences that carried draft tokens into a step.",
+        "counter",
+    ),
+    (
+        "spec_decode_num_draft_tokens",
+        "spec_decode_num_draft_tokens",
+        "Speculative decoding: draft tokens verified.",
+        "counter",
+    ),
+    (
+        "spec_decode_num_accepted_tokens",
+        "spec_decode_num_accepted_tokens",
+        "Speculative decoding: draft tokens accepted.",
+        "counter",
+    ),
 )
+# engine.stats() keys of the accepted draft tokens per position: "<prefix><position>"
+_ACCEPTED_AT = "spec_decode_num_accepted_tokens_pos_"
 
 
 # engine.stats() key -> vLLM's series (with a model_name label)
@@ -242,6 +262,19 @@ _VLLM_ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
         "prefix_cache_hits",
         "vllm:prefix_cache_hits",
         "Prefix cache hits, in terms of number of cached tokens.",
+        "counter",
+    ),
+    ("spec_decode_num_drafts", "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "counter"),
+    (
+        "spec_decode_num_draft_tokens",
+        "vllm:spec_decode_num_draft_tokens",
+        "Number of draft tokens.",
+        "counter",
+    ),
+    (
+        "spec_decode_num_accepted_tokens",
+        "vllm:spec_decode_num_accepted_tokens",
+        "Number of accepted tokens.",
         "counter",
     ),
 )
@@ -287,12 +320,35 @@ class _EngineCollector(Collector):
             m = GaugeMetricFamily("hyserve_prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens).")
             m.add_metric([], float(h or 0) / float(q) if q else 0.0)
             yield m
+        yield from self._accepted_per_position(s)
         yield from self._vllm(s)
+
+    def _accepted_per_position(self, s: dict[str, Any]) -> Iterator[Metric]:
+        """Accepted draft tokens per draft position (0 = the first drafted token), hyserve's and vLLM's."""
+        per = sorted(
+            (int(k.removeprefix(_ACCEPTED_AT)), v) for k, v in s.items() if k.startswith(_ACCEPTED_AT)
+        )
+        if not per:
+            return
+        doc = "Speculative decoding: accepted draft tokens per draft position."
+        mine = CounterMetricFamily(
+            "hyserve_spec_decode_num_accepted_tokens_per_pos", doc, labels=["position"]
+        )
+        vllm = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", doc, labels=["model_name", "position"]
+        )
+        for pos, n in per:
+            mine.add_metric([str(pos)], float(n))
+            vllm.add_metric([self._model_name, str(pos)], float(n))
+        yield mine
+        yield vllm
 
     def _vllm(self, s: dict[str, Any]) -> Iterator[Metric]:
         """vLLM's names for the engine's state, labelled with the served model's name."""
         label = [self._model_name]
         for key, name, doc, kind in _VLLM_ENGINE_METRICS:
+            if key.startswith("spec_decode") and key not in s:
+                continue  # speculative decoding is off
             fam = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             m = fam(name, doc, labels=["model_name"])
             m.add_metric(label, float(s.get(key, 0)))

@@ -154,6 +154,21 @@ def test_batch_chunking_and_prefix_hits_do_not_change_answers(llm, prompts, hyse
     assert [o.token_ids for o in outs] == hyserve_answers
 
 
+@pytest.mark.parametrize("ckpt", [CKPT, ROOT / "models" / "hyserve-needle-h200"], ids=["tiny", "h200"])
+def test_ngram_drafting_gives_the_same_answers_with_accepted_drafts(ckpt, prompts):
+    """A needle answer copies a code from the prompt, which is what n-gram drafting finds: speculative
+    decoding accepts drafts and every answer is plain decoding's."""
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    ps = [p for p, _ in prompts]
+    want = LLM(str(ckpt), max_seq_len=4096, max_num_tokens=1024).generate(ps, greedy)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    llm = LLM(str(ckpt), max_seq_len=4096, max_num_tokens=1024, speculative_config=spec)
+    got = llm.generate(ps, greedy)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    s = llm.stats()
+    assert s["spec_decode_num_accepted_tokens"] > 0.2 * s["spec_decode_num_draft_tokens"] > 0, s
+
+
 def test_bench_needle_scores_it_through_the_server(tmp_path, capsys):
     from tests.server_fixtures import ServerProcess
 

@@ -127,7 +127,7 @@ def test_accepted_keys_come_from_the_fields() -> None:
         "kv_cache_config", "cuda_graph_config", "tp_size", "ep_size",
         "tensor_parallel_size", "moe_expert_parallel_size", "warmup", "strict_warmup", "cache_dir",
         "async_scheduling", "engine_failure_limit", "engine_failure_window_s",
-        "max_num_seqs", "max_num_batched_tokens", "revision", "download_dir",
+        "max_num_seqs", "max_num_batched_tokens", "revision", "download_dir", "speculative_config",
     }  # fmt: skip
     assert accepted_keys(CacheConfig) == {
         "tokens_per_block", "enable_block_reuse", "avg_seq_len", "free_gpu_memory_fraction", "max_tokens",
@@ -181,7 +181,7 @@ def test_every_option_is_checked_and_named_by_its_path() -> None:
     from hyserve.config import EngineConfig
 
     paths = _option_paths(EngineConfig)
-    assert len(paths) == 46 and "kv_cache_config.mamba_state_config.periodic_snapshot_interval" in paths
+    assert len(paths) == 51 and "kv_cache_config.mamba_state_config.periodic_snapshot_interval" in paths
     for path in paths:
         with pytest.raises(ValueError, match=path.replace(".", r"\.")):
             build_engine_config(_nested(path, object()))

@@ -38,6 +38,7 @@ from hyserve.engine.runner.jit_sentinel import use_kernel_cache_dir
 from hyserve.engine.runner.model_loader import LoadedModel, load_model
 from hyserve.engine.runner.runner import ModelRunner
 from hyserve.engine.scheduler.scheduler import Scheduler
+from hyserve.engine.speculative.speculation import Speculation, spec_scratch_slots
 from hyserve.kernels.launch_util import pdl_active, set_pdl
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.protocol import CausalLM
@@ -61,6 +62,7 @@ class EngineParts:
     scheduler: Scheduler
     runner: ModelRunner  # rank 0 of several: a DriverRunner
     channel: StepChannel | None = None  # several ranks: rank 0 -> the others
+    speculation: Speculation | None = None  # speculative decoding, when configured
 
 
 def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
@@ -125,6 +127,12 @@ def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
         batch_wait_max_tokens_ratio=sc.batch_wait_max_tokens_ratio,
     )
     runner = ModelRunner(lm.model, tensors, lm.device)
+    speculation = Speculation.build(config.speculative, sc.max_batch_size)
+    if speculation is not None:
+        scheduler.drafter, scheduler.num_spec_tokens = speculation.propose, speculation.k
+        graph_pads = cache.states.pad_slots[: 1 if graph_sizes else 0]
+        runner.spec_scratch = cache.states.pad_slots[len(graph_pads) :]
+        log(f"hyserve: {speculation.describe()}")
     if graph_sizes:
         g = runner.capture_graphs(
             graph_sizes,
@@ -139,7 +147,18 @@ def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
     if channel is not None and channel.is_driver:
         runner = DriverRunner(runner, channel)
     return EngineParts(
-        config, lm, max_seq_len, graph_sizes, activations, plan, tensors, cache, scheduler, runner, channel
+        config,
+        lm,
+        max_seq_len,
+        graph_sizes,
+        activations,
+        plan,
+        tensors,
+        cache,
+        scheduler,
+        runner,
+        channel,
+        speculation,
     )
 
 
@@ -183,7 +202,7 @@ def size_pools(
         state_bytes_per_slot=state_bytes,
         max_seq_len=max_seq_len,
         tokens_per_block=config.cache.tokens_per_block,
-        num_pad_slots=1 if graph_sizes else 0,
+        num_pad_slots=pad_slots(config, graph_sizes, sc.max_batch_size),
         enable_block_reuse=config.cache.enable_block_reuse,
         cap=cap,
         max_batch_size=sc.max_batch_size,
@@ -205,6 +224,12 @@ def size_pools(
             batch_size_source=f"max_batch_size sized from memory: {sizing.limit}",
         )
     return config, plan_capacity(inputs), graph_sizes, activations
+
+
+def pad_slots(config: EngineConfig, graph_sizes: list[int], max_batch_size: int | None) -> int:
+    """State slots never allocated to a request: the CUDA graphs' padding rows' target (one, when graphs are
+    captured), then the scratch slots speculative steps chain their verified positions through."""
+    return (1 if graph_sizes else 0) + spec_scratch_slots(config.speculative, max_batch_size)
 
 
 def smallest_budget(channel: StepChannel, lm: LoadedModel, budget: int, log: Callable[[str], None]) -> int:
@@ -261,7 +286,7 @@ def capacity_inputs(
         periodic_snapshot_interval=c.mamba_state_config.periodic_snapshot_interval,
         num_snapshot_offsets=len(c.mamba_state_config.additional_snapshot_offsets_from_end),
         avg_seq_len=c.avg_seq_len,
-        num_pad_slots=1 if graph_sizes else 0,
+        num_pad_slots=pad_slots(config, graph_sizes, sc.max_batch_size),
         max_kv_tokens=c.max_tokens,
         allow_oversized_max_seq_len=c.allow_oversized_max_seq_len,
         weight_bytes=lm.weight_bytes,

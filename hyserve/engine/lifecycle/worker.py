@@ -29,6 +29,7 @@ from hyserve.engine.gc_tuning import settle_for_serving
 from hyserve.engine.parallel.launch import join_group
 from hyserve.engine.parallel.step_channel import (
     CAPTURE,
+    COPY_STATES,
     HEARTBEAT,
     PROMPT_LOGITS,
     READY,
@@ -58,13 +59,15 @@ class WorkerLoop:
             msg = self.channel.recv()
             kind = msg[0]
             if kind == STEP:
-                _, seqs, num_decodes, feed_len, eager = msg
+                _, seqs, num_decodes, feed_len, eager, spec_width = msg
                 feed = self.channel.broadcast_feed(None, feed_len, runner.device) if feed_len >= 0 else None
                 with runner.eager_decode() if eager else contextlib.nullcontext():
-                    runner.execute(decode_seqs(seqs, num_decodes), feed)
+                    runner.execute(decode_seqs(seqs, num_decodes, spec_width), feed)
                 self.steps += 1
             elif kind == PROMPT_LOGITS:
                 runner.follow_prompt_logprobs(*msg[1:])
+            elif kind == COPY_STATES:
+                runner.copy_states(msg[1])
             elif kind == HEARTBEAT:
                 continue
             elif kind == CAPTURE:

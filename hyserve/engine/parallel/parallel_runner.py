@@ -19,6 +19,7 @@ from hyserve.distributed import CollectiveError
 from hyserve.engine.outputs import TokenLogprob
 from hyserve.engine.parallel.step_channel import (
     CAPTURE,
+    COPY_STATES,
     PROMPT_LOGITS,
     READY,
     SHUTDOWN,
@@ -47,6 +48,7 @@ class DriverRunner(ModelRunner):
     def __init__(self, runner: ModelRunner, channel: StepChannel) -> None:
         super().__init__(runner.model, runner.cache, runner.device)
         self._graphs = runner.graphs
+        self.spec_scratch = runner.spec_scratch
         self.channel = channel
         self.failure: str | None = None
         self._eager = False
@@ -107,7 +109,7 @@ class DriverRunner(ModelRunner):
 
     def execute(self, batch: ScheduledBatch, feed: torch.Tensor | None = None) -> torch.Tensor:
         n = -1 if feed is None else int(feed.shape[0])
-        self._tell((STEP, encode_seqs(batch), batch.num_decodes, n, self._eager))
+        self._tell((STEP, encode_seqs(batch), batch.num_decodes, n, self._eager, batch.spec_width))
         run = super().execute
 
         def step() -> torch.Tensor:
@@ -123,6 +125,11 @@ class DriverRunner(ModelRunner):
         self._tell((PROMPT_LOGITS, row, offset, len(targets), rows_per_pass))
         run = super().prompt_logprobs
         return self._with_the_others(lambda: run(row, offset, targets, k, rows_per_pass))
+
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        self._tell((COPY_STATES, copies))
+        run = super().copy_states
+        self._with_the_others(lambda: run(copies))
 
     def capture_graphs(
         self, sizes: Sequence[int], *, max_blocks_per_seq: int, pad_slot: int, enable_padding: bool

@@ -5,9 +5,12 @@ so the message never queues behind the GPU and a worker has the next step while 
 one. A decode row fed from the previous step's samples on the device (async scheduling) needs that tensor:
 it follows over the model's group (NCCL on CUDA: device to device, no host round trip). The messages:
 
-    (STEP, seqs, num_decodes, feed_len, eager)         run this batch (feed_len: the feed tensor's rows,
+    (STEP, seqs, num_decodes, feed_len, eager, spec_width)
+                                                       run this batch (feed_len: the feed tensor's rows,
                                                        -1 none; eager: decode steps skip the captured
-                                                       graphs)
+                                                       graphs; spec_width: rows per decoding sequence)
+    (COPY_STATES, copies)                              copy Mamba state slots (dst, src) after a
+                                                       speculative step's drafts were verified
     (PROMPT_LOGITS, row, offset, n, rows_per_pass)     the kept step's prompt-logprob passes
     (CAPTURE, sizes, max_blocks_per_seq, pad_slot, enable_padding)
     (READY,)  (HEARTBEAT,)  (SHUTDOWN,)
@@ -33,10 +36,11 @@ from hyserve.distributed import CollectiveError, Group, all_gather, parallel_inf
 from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.scheduler.scheduler import ScheduledBatch, ScheduledSeq
 
-STEP, PROMPT_LOGITS, CAPTURE, READY, HEARTBEAT, SHUTDOWN = (
+STEP, PROMPT_LOGITS, CAPTURE, COPY_STATES, READY, HEARTBEAT, SHUTDOWN = (
     "step",
     "prompt_logits",
     "capture",
+    "copy_states",
     "ready",
     "hb",
     "stop",
@@ -53,9 +57,11 @@ _PLAIN = SamplingParams()
 _KEEPS_HIDDEN = SamplingParams(prompt_logprobs=0)
 
 # One seq on the wire: (token_ids, start_pos, block_ids, state_src, state_dst, sample, snapshots, feed_row,
-# wants prompt logprobs): plain tuples pickle in ~1.4 us a decode row at 8k tokens of context, against
+# wants prompt logprobs, draft): plain tuples pickle in ~1.4 us a decode row at 8k tokens of context, against
 # ~3.1 us for the dataclasses with their SamplingParams (benchmarks/bench_tp_step.py).
-WireSeq = tuple[list[int], int, list[int], int | None, int, bool, list[tuple[int, int]], int | None, bool]
+WireSeq = tuple[
+    list[int], int, list[int], int | None, int, bool, list[tuple[int, int]], int | None, bool, list[int]
+]
 
 
 def encode_seqs(batch: ScheduledBatch) -> tuple[WireSeq, ...]:
@@ -71,12 +77,13 @@ def encode_seqs(batch: ScheduledBatch) -> tuple[WireSeq, ...]:
             s.snapshots,
             s.feed_row,
             s.params.prompt_logprobs is not None,
+            s.draft,
         )
         for s in batch.seqs
     )
 
 
-def decode_seqs(seqs: tuple[WireSeq, ...], num_decodes: int) -> ScheduledBatch:
+def decode_seqs(seqs: tuple[WireSeq, ...], num_decodes: int, spec_width: int = 1) -> ScheduledBatch:
     return ScheduledBatch(
         seqs=[
             ScheduledSeq(
@@ -91,10 +98,12 @@ def decode_seqs(seqs: tuple[WireSeq, ...], num_decodes: int) -> ScheduledBatch:
                 params=_KEEPS_HIDDEN if plp else _PLAIN,
                 num_output_tokens=0,
                 feed_row=feed,
+                draft=draft,
             )
-            for tok, start, blocks, src, dst, sample, snaps, feed, plp in seqs
+            for tok, start, blocks, src, dst, sample, snaps, feed, plp, draft in seqs
         ],
         num_decodes=num_decodes,
+        spec_width=spec_width,
     )
 
 

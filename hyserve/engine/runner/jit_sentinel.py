@@ -42,6 +42,7 @@ class JitSentinel:
         self.ready = False
         self.events: list[CompileEvent] = []
         self.compiles_after_ready = 0
+        self._reported = 0  # compilations after ready that `unreported_after_ready` already returned
         self._lock = threading.Lock()
         self._previous: Any = None
 
@@ -64,6 +65,15 @@ class JitSentinel:
 
     def mark_ready(self) -> None:
         self.ready = True
+
+    def unreported_after_ready(self) -> list[str]:
+        """The kernels compiled after ready since the last call (strict_warmup fails the step on them)."""
+        with self._lock:
+            if self.compiles_after_ready <= self._reported:
+                return []
+            new = [ev.kernel for ev in self.events if ev.after_ready][self._reported :]
+            self._reported = self.compiles_after_ready
+        return new
 
     def on_compile(
         self, *, src: Any, metadata: dict[str, Any], metadata_group: Any, times: Any, cache_hit: bool

@@ -18,7 +18,7 @@ from hyserve.engine.host_tensors import int_tensor, to_device
 from hyserve.engine.outputs import TokenLogprob
 from hyserve.engine.runner.cuda_graphs import DecodeGraphs
 from hyserve.engine.sampling.sampler import token_logprobs
-from hyserve.engine.scheduler.scheduler import ScheduledBatch
+from hyserve.engine.scheduler.scheduler import ScheduledBatch, ScheduledSeq
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.forward_meta import ForwardMeta, SnapshotWrite
 from hyserve.model.protocol import CausalLM
@@ -39,6 +39,9 @@ class ModelRunner:
         # the last eager step's hidden states and cu_seqlens, kept only when a sequence of it wants prompt
         # logprobs (`prompt_logprobs`), until the next step
         self._kept: tuple[torch.Tensor, list[int]] | None = None
+        # state slots a speculative step chains its verified positions through (never allocated to a
+        # request): decoding sequence i of the step uses spec_scratch[i * (width - 1) : (i + 1) * (width - 1)]
+        self.spec_scratch: list[int] = []
 
     @property
     def graphs(self) -> DecodeGraphs | None:
@@ -76,25 +79,52 @@ class ModelRunner:
 
     def build_meta(self, batch: ScheduledBatch) -> tuple[torch.Tensor, ForwardMeta]:
         bs = self.tokens_per_block
+        q = batch.spec_width
         ids: list[int] = []
         cu = [0]
         seq_lens, slot_mapping, src, dst, has_init, logits_idx = [], [], [], [], [], []
         snaps: list[SnapshotWrite] = []
         max_blocks = max((len(s.block_ids) for s in batch.seqs), default=1) or 1
         rows: list[list[int]] = []  # block tables, zero-padded: one tensor built from them (not one per row)
-        for i, s in enumerate(batch.seqs):
-            ids.extend(s.token_ids)
+
+        def row(
+            tokens: list[int], start: int, s: ScheduledSeq, slots: tuple[int, int], *, write_kv: bool = True
+        ) -> None:
+            ids.extend(tokens)
             cu.append(len(ids))
-            for p in range(s.start_pos, s.start_pos + len(s.token_ids)):
-                slot_mapping.append(s.block_ids[p // bs] * bs + p % bs)
-            seq_lens.append(s.start_pos + len(s.token_ids))
+            for p in range(start, start + len(tokens)):
+                slot_mapping.append(s.block_ids[p // bs] * bs + p % bs if write_kv else -1)
+            seq_lens.append(start + len(tokens))
             rows.append(s.block_ids + [0] * (max_blocks - len(s.block_ids)))
-            src.append(s.state_dst if s.state_src is None else s.state_src)
-            dst.append(s.state_dst)
-            has_init.append(s.state_src is not None)
+            src.append(slots[0])
+            dst.append(slots[1])
             if s.sample:
                 logits_idx.append(cu[-1] - 1)
-            snaps.extend(SnapshotWrite(seq=i, num_tokens=n, slot=slot) for n, slot in s.snapshots)
+
+        for i, s in enumerate(batch.seqs):
+            if i < batch.num_decodes and q > 1:
+                # a verified sequence: one row per position, chained through scratch state slots; rows past
+                # its draft repeat its last position and write no KV (their samples are never used)
+                scratch = self.spec_scratch[i * (q - 1) : (i + 1) * (q - 1)]
+                if len(scratch) < q - 1:
+                    raise RuntimeError(
+                        f"a speculative step of {batch.num_decodes} sequences x {q} positions needs "
+                        f"{batch.num_decodes * (q - 1)} scratch state slots; {len(self.spec_scratch)} exist"
+                    )
+                chain = [s.state_src if s.state_src is not None else s.state_dst, *scratch, s.state_dst]
+                for j in range(q):
+                    k = min(j, len(s.draft))
+                    row([s.token_ids[k]], s.start_pos + k, s, (chain[j], chain[j + 1]), write_kv=j == k)
+                    has_init.append(True)
+                continue
+            row(
+                s.token_ids,
+                s.start_pos,
+                s,
+                (s.state_dst if s.state_src is None else s.state_src, s.state_dst),
+            )
+            has_init.append(s.state_src is not None)
+            snaps.extend(SnapshotWrite(seq=len(cu) - 2, num_tokens=n, slot=slot) for n, slot in s.snapshots)
         # one host tensor, one pinned copy to the device, then views and casts there: a copy per array
         # costs the host a pinned staging buffer each
         parts: list[tuple[list[int] | list[bool], torch.dtype]] = [
@@ -112,7 +142,7 @@ class ModelRunner:
         on_dev = [v.to(dtype) for v, (_, dtype) in zip(flat.split([len(x) for x, _ in parts]), parts)]
         input_ids, cu_t, seq_lens_t, tables, slots, src_t, dst_t, init_t, logits_t = on_dev
         meta = ForwardMeta(
-            num_decodes=batch.num_decodes,
+            num_decodes=batch.num_decodes * q,
             cu_seqlens=cu,
             seq_lens=seq_lens,
             cu_seqlens_t=cu_t,
@@ -124,6 +154,7 @@ class ModelRunner:
             has_initial_state=init_t,
             logits_indices=logits_t,
             snapshots=snaps,
+            decode_width=q,
         )
         return input_ids, meta
 
@@ -137,19 +168,29 @@ class ModelRunner:
         self._kept = None
         decodes = batch.seqs[: batch.num_decodes]
         rows = [-1 if s.feed_row is None else s.feed_row for s in decodes] if feed is not None else None
-        if self._graphs is not None and batch.num_decodes == len(batch.seqs):
+        q = batch.spec_width
+        if self._graphs is not None and batch.num_decodes == len(batch.seqs) and q == 1:
             logits = self._graphs.execute(batch.seqs, None if feed is None else (feed, rows or []))
             if logits is not None:  # every decode sequence samples
                 return logits
         input_ids, meta = self.build_meta(batch)
-        if feed is not None and rows:  # decodes come first, one token each
-            r = to_device(torch.tensor(rows, dtype=torch.long), self.device)
-            head = input_ids[: batch.num_decodes]
-            head.copy_(torch.where(r >= 0, feed.index_select(0, r.clamp(min=0)), head))
+        if feed is not None and rows:  # decodes come first, `q` rows each (a fed one has no draft)
+            r = to_device(torch.tensor(rows, dtype=torch.long), self.device)[:, None]
+            head = input_ids[: batch.num_decodes * q].view(-1, q)
+            head.copy_(torch.where(r >= 0, feed.index_select(0, r[:, 0].clamp(min=0))[:, None], head))
         hidden = self.model(input_ids, meta, self.cache)
         if any(s.params.prompt_logprobs is not None for s in batch.seqs[batch.num_decodes :]):
             self._kept = (hidden, meta.cu_seqlens)
         return self.model.compute_logits(hidden[meta.logits_indices])
+
+    @torch.inference_mode()
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """For each (dst, src): state slot dst takes slot src's Mamba state, every layer's conv and SSM
+        state (after a speculative step, the live slot takes the state of the last accepted token)."""
+        idx = to_device(torch.tensor(copies, dtype=torch.long), self.device)
+        dst, src = idx[:, 0], idx[:, 1]
+        for pool in (*self.cache.conv.values(), *self.cache.ssm.values()):
+            pool.index_copy_(0, dst, pool.index_select(0, src))
 
     def _prompt_logit_passes(
         self, row: int, offset: int, n: int, rows_per_pass: int

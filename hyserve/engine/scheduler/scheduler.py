@@ -71,6 +71,9 @@ class ScheduledSeq:
     # decode rows only: the input token is row `feed_row` of the previous step's device samples (async
     # scheduling; `token_ids` then holds a placeholder), None when the host knows it
     feed_row: int | None = None
+    # decode rows of a speculative step: the draft tokens fed after the input token (`token_ids` ends with
+    # them), to be verified in this step
+    draft: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -78,10 +81,17 @@ class ScheduledBatch:
     seqs: list[ScheduledSeq]  # decodes first, then prefills
     num_decodes: int
     preempted: list[str] = field(default_factory=list)
+    # rows per decoding sequence: 1, or in a speculative step 1 + its longest draft (shorter drafts padded)
+    spec_width: int = 1
 
     @property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens of the prefill chunks (decode rows' drafts are not prefill)."""
+        return sum(len(s.token_ids) for s in self.seqs[self.num_decodes :])
 
     @property
     def empty(self) -> bool:
@@ -176,6 +186,9 @@ class Scheduler:
         self.batch_wait_iters = batch_wait_timeout_iters
         self.batch_wait_tokens = batch_wait_max_tokens_ratio * max_num_tokens
         self._held_iters = 0
+        # speculative decoding: (request, most tokens) -> draft tokens for its next positions; None: off
+        self.drafter: Callable[[Request, int], list[int]] | None = None
+        self.num_spec_tokens = 0
 
     # ---- queue management -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -292,8 +305,9 @@ class Scheduler:
         return True
 
     # ---- the step ---------------------------------------------------------------------------------
-    def schedule(self) -> tuple[ScheduledBatch, list[Request]]:
-        """Plan one step. Returns the batch and the requests aborted since the last step."""
+    def schedule(self, *, draft: bool = False) -> tuple[ScheduledBatch, list[Request]]:
+        """Plan one step. Returns the batch and the requests aborted since the last step. `draft`: decoding
+        requests whose tokens are all on the host carry draft tokens to verify (speculative decoding)."""
         aborted = self._apply_aborts()
         batch = ScheduledBatch(seqs=[], num_decodes=0)
         budget = self.max_num_tokens
@@ -306,11 +320,17 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING or self._feeds_chunk(req) or self._ends_in_flight(req):
                 continue
-            if not self._grow_or_preempt(req, req.num_computed + 1, scheduled, batch):
+            drafted = self._draft(req, budget) if draft else []
+            if not self._grow_or_preempt(req, req.num_computed + 1 + len(drafted), scheduled, batch):
                 continue
-            batch.seqs.append(self._decode_row(req))
+            row = self._decode_row(req)
+            if drafted:
+                row.token_ids = row.token_ids + drafted
+                row.draft = drafted
+                batch.spec_width = max(batch.spec_width, 1 + len(drafted))
+            batch.seqs.append(row)
             scheduled.add(req.request_id)
-            budget -= 1
+            budget -= len(row.token_ids)
         batch.num_decodes = len(batch.seqs)
 
         # 2. continuing prefills share what the arrivals' first chunks leave; 3. admissions
@@ -443,6 +463,19 @@ class Scheduler:
             num_output_tokens=len(req.output_token_ids) + req.num_inflight,
             feed_row=req.inflight_row if fed else None,
         )
+
+    def _draft(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens for a decoding request: none while its newest token is on the device, for a grammar-
+        constrained request, or where nothing could be emitted after them (max_tokens, max_seq_len)."""
+        if self.drafter is None or req.num_inflight or req.params.structured_outputs is not None:
+            return []
+        room = min(
+            self.num_spec_tokens,
+            budget - 1,
+            req.params.max_tokens - len(req.output_token_ids) - 1,
+            self.max_seq_len - req.num_tokens - 1,
+        )
+        return self.drafter(req, room) if room > 0 else []
 
     def _ends_in_flight(self, req: Request) -> bool:
         """Whether the request's unread tokens finish it for certain (max_tokens, max_seq_len): it then
@@ -583,7 +616,8 @@ class Scheduler:
                 self.cache.commit_snapshot(slot)  # written by this step: visible to later lookups
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue
-            req.num_computed = seq.start_pos + len(seq.token_ids)
+            # a speculative row's input token is computed; its accepted draft tokens are added once read
+            req.num_computed = seq.start_pos + len(seq.token_ids) - len(seq.draft)
             if req.init_snapshot_slot is not None and seq.state_src == req.init_snapshot_slot:
                 self.cache.release_snapshot(req.init_snapshot_slot)
                 req.init_snapshot_slot = None

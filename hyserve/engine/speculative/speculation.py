@@ -1,0 +1,131 @@
+"""`Speculation`: the engine's speculative decoding, as configured (`speculative_config`). It drafts for the
+scheduler, decides per step whether to speculate, and counts drafts and acceptances for `stats()` and
+/metrics.
+
+A step speculates when at most `max_batch` requests run: drafting needs every decoding request's newest
+token on the host, so such steps are read as soon as they are sampled (no step in flight behind them), and
+above that batch size the verify rows cost more than the accepted tokens save.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from hyserve.config import SpeculativeConfig
+from hyserve.engine.request import Request
+from hyserve.engine.scheduler.scheduler import ScheduledBatch
+from hyserve.engine.speculative.ngram import NgramProposer
+from hyserve.engine.speculative.verify import SampledRun
+
+# stats() keys of the accepted tokens per draft position: this prefix, then the position (0 = first)
+ACCEPTED_AT = "spec_decode_num_accepted_tokens_pos_"
+# the most running requests a step speculates at when speculative_config.disable_by_batch_size is unset
+DEFAULT_SPEC_MAX_BATCH = 16
+
+
+def spec_max_batch(spec: SpeculativeConfig, max_batch_size: int | None = None) -> int:
+    """How many running requests a step may speculate at (0: speculation off)."""
+    if not spec.enabled:
+        return 0
+    most = spec.disable_by_batch_size or DEFAULT_SPEC_MAX_BATCH
+    return most if max_batch_size is None else min(most, max_batch_size)
+
+
+def spec_scratch_slots(spec: SpeculativeConfig, max_batch_size: int | None = None) -> int:
+    """State slots a speculative step chains its positions through: (width - 1) per decoding sequence."""
+    return spec_max_batch(spec, max_batch_size) * (spec.num_speculative_tokens or 0)
+
+
+class Drafter(Protocol):
+    def propose(self, req: Request, k: int) -> list[int]:
+        """Up to k draft tokens for the request's next positions."""
+        ...
+
+    def remove(self, request_id: str) -> None:
+        """Forget what is kept for a request that ended."""
+        ...
+
+
+class Speculation:
+    def __init__(self, spec: SpeculativeConfig, max_batch: int, drafter: Drafter) -> None:
+        assert spec.num_speculative_tokens is not None
+        self.spec = spec
+        self.k = spec.num_speculative_tokens
+        self.max_batch = max_batch
+        self.drafter = drafter
+        self.num_drafts = 0  # sequences that carried a draft
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * self.k  # drafts whose token at position i was accepted
+
+    @classmethod
+    def build(cls, spec: SpeculativeConfig, max_batch_size: int) -> Speculation | None:
+        """The engine's speculation, or None when off. Raises ValueError for a method it cannot draft with."""
+        if not spec.enabled:
+            return None
+        if spec.method == "mtp":
+            raise ValueError(
+                "speculative_config.method 'mtp' is not available: hyserve does not load multi-token-"
+                "prediction layers yet; use method 'ngram'"
+            )
+        lo, hi = spec.lookup_range()
+        return cls(spec, spec_max_batch(spec, max_batch_size), NgramProposer(lo, hi))
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        return self.drafter.propose(req, k)
+
+    def describe(self) -> str:
+        lo, hi = self.spec.lookup_range()
+        return (
+            f"speculative decoding: {self.spec.method}, up to {self.k} draft tokens a step (n-grams of "
+            f"{lo}-{hi} tokens), while at most {self.max_batch} requests run"
+        )
+
+    def drafting(self, num_running: int) -> bool:
+        """Whether the next step drafts."""
+        return 0 < num_running <= self.max_batch
+
+    def record(self, run: SampledRun) -> None:
+        if not run.draft_len:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += run.draft_len
+        self.num_accepted_tokens += run.accepted
+        for i in range(run.accepted):
+            self.accepted_per_position[i] += 1
+
+    def settle(
+        self, batch: ScheduledBatch, runs: list[SampledRun], requests: dict[str, Request], scratch: list[int]
+    ) -> list[tuple[int, int]]:
+        """A speculative step was read (`runs` in batch order, decoding sequences first): each running
+        request's accepted draft tokens count as computed, and the state copies (live slot, scratch slot)
+        that make its live Mamba state the one after its last accepted token. None is needed when the whole
+        width was accepted: the last position wrote the live slot."""
+        q, copies = batch.spec_width, []
+        for i, run in enumerate(runs[: batch.num_decodes]):
+            self.record(run)
+            req = run.req
+            if req is None or req.finished or requests.get(req.request_id) is not req:
+                continue
+            req.num_computed += run.accepted
+            if run.accepted < q - 1 and req.live_slot is not None:
+                copies.append((req.live_slot, scratch[i * (q - 1) + run.accepted]))
+        return copies
+
+    def forget(self, request_id: str) -> None:
+        """A request ended: drop what the drafter keeps for it."""
+        self.drafter.remove(request_id)
+
+    def counters(self) -> dict[str, float]:
+        """Drafts, draft tokens and accepted tokens so far, and per draft position (`..._pos_<i>`) how many
+        drafts had their token there accepted."""
+        return {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            **{f"{ACCEPTED_AT}{i}": n for i, n in enumerate(self.accepted_per_position)},
+        }
+
+    def reset_counters(self) -> None:
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * self.k

@@ -1,0 +1,239 @@
+"""Speculative decoding is exact: with drafts verified in the step, every request gets the tokens (and
+logprobs) plain decoding gives it, whatever else the engine does. Random weights accept almost no n-gram
+draft, so most tests draft with an oracle that knows plain decoding's answer and corrupts some of it:
+that drives every acceptance length (none, some, all) through the Mamba state bookkeeping."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hyserve import LLM, SamplingParams
+from hyserve.engine.request import Request
+from tests.engine.test_engine_invariance import make_llm, prompts
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+class OracleDrafter:
+    """Drafts plain decoding's own continuation of each prompt, with a wrong token at some positions
+    (seeded by the request's prompt and output count, so every run drafts the same)."""
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]], wrong: float = 0.3) -> None:
+        self.answers = answers
+        self.wrong = wrong
+        self.proposed = 0
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        want = self.answers.get(tuple(req.prompt_token_ids), [])
+        n = len(req.output_token_ids)
+        draft = list(want[n : n + k])
+        rng = random.Random(hash((tuple(req.prompt_token_ids[-8:]), n)))
+        for i in range(len(draft)):
+            if rng.random() < self.wrong:
+                draft[i] = 3 + (draft[i] + 1) % 300  # a token other than the answer's
+        self.proposed += len(draft)
+        return draft
+
+    def remove(self, request_id: str) -> None:
+        pass
+
+
+def spec_llm(answers: dict, *, wrong: float = 0.3, k: int = 3, **kw) -> tuple[LLM, OracleDrafter]:
+    spec = {"method": "ngram", "num_speculative_tokens": k, **kw.pop("spec", {})}
+    llm = make_llm(speculative_config=spec, **kw)
+    oracle = OracleDrafter(answers, wrong)
+    assert llm.engine.spec is not None
+    llm.engine.spec.drafter = oracle
+    return llm, oracle
+
+
+def answers_of(outs, ps) -> dict[tuple[int, ...], list[int]]:
+    return {tuple(p): o.token_ids for p, o in zip(ps, outs)}
+
+
+@pytest.fixture(scope="module")
+def plain() -> list[list[int]]:
+    return [o.token_ids for o in make_llm().generate(prompts(), GREEDY)]
+
+
+def accepted_share(llm: LLM) -> float:
+    s = llm.stats()
+    return s["spec_decode_num_accepted_tokens"] / max(1, s["spec_decode_num_draft_tokens"])
+
+
+@pytest.mark.parametrize("wrong", [0.0, 0.3, 1.0])
+def test_greedy_tokens_are_plain_decodings(plain: list[list[int]], wrong: float) -> None:
+    ps = prompts()
+    llm, oracle = spec_llm(answers_of_lists(plain, ps), wrong=wrong)
+    outs = llm.generate(ps, GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    assert oracle.proposed > 0
+    share = accepted_share(llm)
+    if wrong == 0.0:
+        assert share == 1.0
+    elif wrong == 1.0:
+        assert share == 0.0
+    else:
+        assert 0.2 < share < 0.9
+    u = llm.cache_usage()
+    assert u["kv_blocks_free"] == u["kv_blocks_total"] and u["live_slots_used"] == 0
+
+
+def answers_of_lists(tokens: list[list[int]], ps: list[list[int]]) -> dict[tuple[int, ...], list[int]]:
+    return {tuple(p): t for p, t in zip(ps, tokens)}
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        pytest.param({"max_num_tokens": 13}, id="small-chunks"),
+        pytest.param({"async_scheduling": False}, id="sync"),
+        pytest.param({"k": 1}, id="k1"),
+        pytest.param({"k": 7}, id="k7"),
+        pytest.param({"scheduling_policy": "priority"}, id="priority"),
+    ],
+)
+def test_with_engine_settings(plain: list[list[int]], opts: dict) -> None:
+    ps = prompts()
+    opts = dict(opts)
+    llm, _ = spec_llm(answers_of_lists(plain, ps), k=opts.pop("k", 3), **opts)
+    assert [o.token_ids for o in llm.generate(ps, GREEDY)] == plain
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_speculation_switches_on_as_the_batch_shrinks(plain: list[list[int]]) -> None:
+    """Above disable_by_batch_size running requests the engine decodes plainly (async steps in flight);
+    as requests finish it starts drafting, and back."""
+    ps = prompts()
+    llm, _ = spec_llm(answers_of_lists(plain, ps), spec={"disable_by_batch_size": 3})
+    params = [SamplingParams(max_tokens=3 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(len(ps))]
+    outs = llm.generate(ps, params)
+    assert [o.token_ids for o in outs] == [t[: p.max_tokens] for t, p in zip(plain, params)]
+    s = llm.stats()
+    assert s["spec_decode_num_accepted_tokens"] > 0 and s["overlapped_steps_total"] > 0
+
+
+def test_prefix_cache_hits(plain: list[list[int]]) -> None:
+    kv = {
+        "tokens_per_block": 8,
+        "enable_block_reuse": True,
+        "max_gpu_total_bytes": 64 * 2**20,
+        "mamba_state_config": {
+            "periodic_snapshot_interval": 16,
+            "additional_snapshot_offsets_from_end": [0, 5],
+        },
+    }
+    ps = prompts()
+    llm, _ = spec_llm(answers_of_lists(plain, ps), kv_cache_config=kv)
+    assert [o.token_ids for o in llm.generate(ps, GREEDY)] == plain
+    second = llm.generate(ps, GREEDY)
+    assert [o.token_ids for o in second] == plain
+    assert sum(o.num_cached_tokens for o in second) > 0
+
+
+def test_preemption(plain: list[list[int]]) -> None:
+    kv = {
+        "tokens_per_block": 8,
+        "enable_block_reuse": False,
+        "max_tokens": 120,
+        "max_gpu_total_bytes": 64 * 2**20,
+        "mamba_state_config": {"periodic_snapshot_interval": None},
+    }
+    ps = prompts()
+    llm, _ = spec_llm(answers_of_lists(plain, ps), kv_cache_config=kv, max_seq_len=120)
+    assert [o.token_ids for o in llm.generate(ps, GREEDY)] == plain
+    assert llm.stats()["num_preemptions"] > 0
+
+
+def test_float16_state_with_stochastic_rounding() -> None:
+    kv = {
+        "tokens_per_block": 8,
+        "enable_block_reuse": False,
+        "max_gpu_total_bytes": 64 * 2**20,
+        "mamba_ssm_cache_dtype": "float16",
+        "mamba_ssm_stochastic_rounding": True,
+    }
+    ps = prompts()
+    want = [o.token_ids for o in make_llm(kv_cache_config=kv).generate(ps, GREEDY)]
+    llm, _ = spec_llm(answers_of_lists(want, ps), kv_cache_config=kv)
+    assert [o.token_ids for o in llm.generate(ps, GREEDY)] == want
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        pytest.param(SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=11), id="seeded"),
+        pytest.param(
+            SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5),
+            id="penalties",
+        ),
+        pytest.param(SamplingParams(max_tokens=20, temperature=0.0, logprobs=3), id="logprobs"),
+        pytest.param(SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), id="max-tokens"),
+    ],
+)
+def test_sampling_settings(params: SamplingParams) -> None:
+    """Seeded sampling draws each output index's noise from its own key, so its tokens are plain decoding's;
+    penalties see the draft tokens before each verified position; logprobs are the target's."""
+    ps = prompts()
+    want = make_llm().generate(ps, params)
+    llm, _ = spec_llm(answers_of(want, ps))
+    got = llm.generate(ps, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    if params.logprobs:
+        for a, b in zip(got, want):
+            assert [e.token_id for e in a.logprobs] == [e.token_id for e in b.logprobs]
+            assert [e.logprob for e in a.logprobs] == pytest.approx([e.logprob for e in b.logprobs], abs=1e-5)
+            assert [list(e.top) for e in a.logprobs] == [list(e.top) for e in b.logprobs]
+    if params.max_tokens > 5:
+        assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_stop_strings_trim_an_accepted_run() -> None:
+    """A stop string met inside an accepted run ends the request there: the tokens after it are dropped."""
+    ps = prompts()
+    free = make_llm().generate(ps, GREEDY)
+    stops = [o.text[6:9] for o in free if len(o.text) > 12]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=stops)
+    want = make_llm().generate(ps, params)
+    llm, _ = spec_llm(answers_of(free, ps), wrong=0.0, k=7)
+    got = llm.generate(ps, params)
+    assert [(o.token_ids, o.text, o.finish_reason) for o in got] == [
+        (o.token_ids, o.text, o.finish_reason) for o in want
+    ]
+    assert any(o.finish_reason == "stop" for o in got)
+
+
+def test_ngram_drafting_on_the_builtin_model(plain: list[list[int]]) -> None:
+    llm = make_llm(speculative_config=NGRAM)
+    assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == plain
+    s = llm.stats()
+    assert s["spec_decode_num_drafts"] > 0 and s["spec_decode_num_draft_tokens"] > 0
+
+
+def test_repeating_text_is_drafted_and_accepted() -> None:
+    """A prompt that repeats one phrase: a random model's greedy continuation of such a loop tends to loop,
+    and n-gram drafting then accepts runs of it."""
+    phrase = [11, 42, 97, 5, 230, 18]
+    ps = [[1] + phrase * 12]
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    want = make_llm().generate(ps, params)
+    llm = make_llm(speculative_config=NGRAM)
+    assert llm.generate(ps, params)[0].token_ids == want[0].token_ids
+
+
+def test_counters_and_per_position_acceptance(plain: list[list[int]]) -> None:
+    ps = prompts()
+    llm, _ = spec_llm(answers_of_lists(plain, ps), wrong=0.0)
+    llm.generate(ps, GREEDY)
+    spec = llm.engine.spec
+    assert spec is not None
+    s = llm.stats()
+    assert s["spec_decode_num_accepted_tokens"] == s["spec_decode_num_draft_tokens"] > 0
+    assert spec.accepted_per_position[0] == s["spec_decode_num_drafts"]
+    assert sum(spec.accepted_per_position) == s["spec_decode_num_accepted_tokens"]
+    # every verified step emits its accepted tokens and one more: fewer steps than tokens
+    assert s["steps_total"] < s["generation_tokens_total"]
