@@ -5,7 +5,9 @@ that drives every acceptance length (none, some, all) through the Mamba state bo
 
 from __future__ import annotations
 
+import math
 import random
+from collections import Counter
 
 import pytest
 
@@ -237,3 +239,67 @@ def test_counters_and_per_position_acceptance(plain: list[list[int]]) -> None:
     assert sum(spec.accepted_per_position) == s["spec_decode_num_accepted_tokens"]
     # every verified step emits its accepted tokens and one more: fewer steps than tokens
     assert s["steps_total"] < s["generation_tokens_total"]
+
+
+class GreedyAfterFirst:
+    """Drafts, once a request has its first token x, the greedy continuation of prompt + [x]."""
+
+    def __init__(self, greedy: dict[int, list[int]]) -> None:
+        self.greedy = greedy
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        out = req.output_token_ids
+        return self.greedy.get(out[0], [])[:k] if len(out) == 1 else []
+
+    def remove(self, request_id: str) -> None:
+        pass
+
+
+@pytest.mark.slow
+def test_sampled_tokens_keep_the_target_distribution() -> None:
+    """Temperature sampling with drafts: 20,000 requests of 3 tokens (top-k 2, so each position has two
+    outcomes and the laws below at most 16, few enough for 20,000 samples to pin them within 0.02). The first comes from the prompt's prefill; the second and third are verified in one step
+    against the greedy continuation as a draft. The empirical laws of the second token, the third, and the
+    pair are within 0.02 total variation of the model's own (from its logprobs, mixed over what came
+    before)."""
+    n, k = 20_000, 2
+    prompt = [1, 17, 92, 5, 240, 33, 8, 71]
+    ref = LLM(seed=0, warmup="off")
+    lp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, ignore_eos=True)
+
+    def law(p: list[int]) -> dict[int, float]:
+        top = ref.generate([p], lp)[0].logprobs[0].top  # raw logprobs of the k likeliest tokens
+        z = sum(math.exp(v) for v in top.values())
+        return {t: math.exp(v) / z for t, v in top.items()}
+
+    def mode(d: dict[int, float]) -> int:
+        return max(d, key=d.__getitem__)
+
+    first = law(prompt)
+    second = {x: law(prompt + [x]) for x in first}
+    pair: dict[tuple[int, int], float] = {}  # law of (second, third), mixed over the first
+    for x, px in first.items():
+        for y, py in second[x].items():
+            for z, pz in law(prompt + [x, y]).items():
+                pair[(y, z)] = pair.get((y, z), 0.0) + px * py * pz
+    greedy = {x: [mode(second[x]), mode(law(prompt + [x, mode(second[x])]))] for x in first}
+
+    spec = {**NGRAM, "disable_by_batch_size": 256}  # every step drafts
+    llm = LLM(seed=1, warmup="off", max_batch_size=256, max_num_tokens=4096, speculative_config=spec)
+    assert llm.engine.spec is not None
+    llm.engine.spec.drafter = GreedyAfterFirst(greedy)
+    outs = llm.generate([prompt] * n, SamplingParams(max_tokens=3, temperature=1.0, top_k=k, ignore_eos=True))
+    got = Counter(tuple(o.token_ids[1:]) for o in outs)
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0.3 * n
+
+    def tv(emp: Counter, exact: dict) -> float:
+        return 0.5 * sum(abs(emp[t] / n - exact.get(t, 0.0)) for t in set(emp) | set(exact))
+
+    def marginal(d, i):
+        out = Counter() if isinstance(d, Counter) else {}
+        for key, v in d.items():
+            out[key[i]] = out.get(key[i], 0) + v
+        return out
+
+    tvs = [tv(marginal(got, i), marginal(pair, i)) for i in (0, 1)] + [tv(got, pair)]
+    assert max(tvs) <= 0.02, tvs

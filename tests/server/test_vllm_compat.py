@@ -78,6 +78,16 @@ ENGINE_FLAGS = [
     (["--async-scheduling"], "async_scheduling", True),
     (["--async-scheduling", "off"], "async_scheduling", False),
     (["--kv_cache_free_gpu_memory_fraction", "0.5"], "cache.free_gpu_memory_fraction", 0.5),
+    (
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'],
+        "speculative.lookup_range",
+        (4, 4),
+    ),
+    (
+        ["--speculative_config", '{"method": "[ngram]", "num_speculative_tokens": 2}'],
+        "speculative.method",
+        "ngram",
+    ),
 ]
 
 
@@ -86,7 +96,43 @@ ENGINE_FLAGS = [
 )
 def test_engine_flags(served: list, argv: list[str], path: str, want: Any) -> None:
     config, _ = serve(served, *argv)
-    assert attr(config, path) == want
+    got = attr(config, path)
+    assert (got() if callable(got) else got) == want
+
+
+def test_speculative_config_in_tensorrt_llms_yaml_form(served: list, tmp_path: Path) -> None:
+    cfg = tmp_path / "extra.yml"
+    cfg.write_text(
+        "speculative_config:\n  decoding_type: NGram\n  max_draft_len: 4\n  max_matching_ngram_size: 3\n"
+    )
+    config, _ = serve(served, "--extra_llm_api_options", str(cfg))
+    assert (config.speculative.method, config.speculative.num_speculative_tokens) == ("ngram", 4)
+    assert config.speculative.lookup_range() == (3, 3)
+
+
+@pytest.mark.parametrize(
+    ("value", "needle"),
+    [
+        ('{"method": "ngram"', "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"method": "ngram"}', "num_speculative_tokens: method 'ngram' needs the number of tokens"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens: must be >= 1, got 0"),
+        (
+            '{"method": "eagle3", "num_speculative_tokens": 2}',
+            "speculative_config.method: 'eagle3' is not one",
+        ),
+        ('{"num_speculative_tokens": 2}', "given without a method"),
+    ],
+)
+def test_bad_speculative_config_names_the_problem(
+    served: list, capsys: pytest.CaptureFixture[str], value: str, needle: str
+) -> None:
+    try:
+        rc = main(["serve", "--speculative-config", value])
+    except SystemExit as e:  # argparse's own errors (not JSON, not an object)
+        rc = e.code
+    assert rc == 2
+    assert needle in capsys.readouterr().err
 
 
 SERVER_FLAGS = [
