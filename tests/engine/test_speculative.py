@@ -257,11 +257,11 @@ class GreedyAfterFirst:
 
 @pytest.mark.slow
 def test_sampled_tokens_keep_the_target_distribution() -> None:
-    """Temperature sampling with drafts: 20,000 requests of 3 tokens (top-k 2, so each position has two
-    outcomes and the laws below at most 16, few enough for 20,000 samples to pin them within 0.02). The first comes from the prompt's prefill; the second and third are verified in one step
-    against the greedy continuation as a draft. The empirical laws of the second token, the third, and the
-    pair are within 0.02 total variation of the model's own (from its logprobs, mixed over what came
-    before)."""
+    """Temperature sampling with drafts: 20,000 requests of 3 tokens, top-k 2, so each position has two
+    outcomes and the laws below at most 16, few enough for 20,000 samples to pin them within 0.02. The first
+    token comes from the prompt's prefill; the second and third are verified in one step against the greedy
+    continuation as a draft. The empirical laws of the second token, the third, and the pair are within
+    0.02 total variation of the model's own (from its logprobs, mixed over what came before)."""
     n, k = 20_000, 2
     prompt = [1, 17, 92, 5, 240, 33, 8, 71]
     ref = LLM(seed=0, warmup="off")
