@@ -32,6 +32,9 @@
 #   stepsync (not a default part): benchmarks/bench_step_sync.py, the host syncs and phases of a large
 #   decode step, then the host time of steps that prefill 1 or 8 new 1,000-token prompts beside it (they
 #   run eagerly; what batch waiting saves) (STEP_SYNC_ARGS; default Nano 30B-A3B FP8 at batch 256).
+#   spec (not a default part): benchmarks/bench_spec_decode.py, verify-step cost against a plain decode step
+#   for k = 1, 2, 3, 5, 7 at batch 1 and 16 (Nano 30B-A3B, FP8 weights), batch 64 with speculation allowed vs off,
+#   and n-gram drafting on the needle checkpoint at batch 1 (SPEC_ARGS adds options).
 #   fairness (not a default part): benchmarks/bench_fairness.py, a 1M-token prompt beside 8 streams
 #   and a short chat request every second through `hyserve serve`, per max_step_ms in FAIRNESS_STEP_MS
 #   (default off,150; about 4-5 min each); FAIRNESS_ARGS adds options. Server wheels in .whl/ as for soak.
@@ -123,6 +126,9 @@ save() { out_save; }
        --git-sha "$sha" --out "benchmarks/results/fp8_gemv_super_$sha.json" 2>&1 | grep -E "GEMV|linear configs" \
        | grep -v "^ok " | tail -160 && save && out_save hyserve/kernels/linear_configs/*.json
   # structured (not a default part): JSON-schema-constrained decode against unconstrained, batch 1 / 64
+  [[ $parts == *" spec "* ]] && echo "== speculative decoding: verify-step cost, end to end" \
+    && timeout "${SPEC_TIMEOUT:-540}" python3 -m benchmarks.bench_spec_decode --git-sha "$sha" ${SPEC_ARGS:-} \
+    2>&1 | grep -v "warm-up \[" | tail -40 && save
   [[ $parts == *" structured "* ]] && echo "== structured outputs: constrained / free decode (xgrammar in .whl)" \
     && timeout 300 python3 -m benchmarks.bench_structured --rounds 3 --git-sha "$sha" 2>&1 | tail -20 && save
   [[ $parts == *" model "* ]] && echo "== model benchmarks" && python3 -m benchmarks.bench_model --git-sha "$sha" 2>&1 | grep -v "warm-up \[" | tail -40

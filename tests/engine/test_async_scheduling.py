@@ -92,8 +92,8 @@ def test_async_equals_sync_on_graph_buffers(monkeypatch) -> None:
     g = llm.engine.runner.graphs
     assert g is not None
     orig = g.execute
-    g.execute = lambda seqs, feed=None: (
-        (used.append(len(seqs)) if feed is not None else None) or orig(seqs, feed)
+    g.execute = lambda seqs, feed=None, width=1: (
+        (used.append(len(seqs)) if feed is not None else None) or orig(seqs, feed, width)
     )  # type: ignore[method-assign]
     assert _outs(llm) == sync_outputs
     assert used, "no graph step was fed from the device"

@@ -74,7 +74,7 @@ def test_graph_decode_equals_eager_with_padding(graphs_on_cpu) -> None:
     assert runner.graphs is not None and llm.engine.plan.num_pad_slots == 1
     used: list[int] = []
     orig = runner.graphs.execute
-    runner.graphs.execute = lambda seqs, feed=None: used.append(len(seqs)) or orig(seqs, feed)  # type: ignore[method-assign]
+    runner.graphs.execute = lambda seqs, feed=None, width=1: used.append(len(seqs)) or orig(seqs, feed, width)  # type: ignore[method-assign]
     assert _run(llm) == eager
     # the 8 requests decode together, then fewer as they finish: padded sizes (3 -> 4, 5 -> 8) ran
     assert used and any(b not in (1, 2, 4, 8) for b in used)

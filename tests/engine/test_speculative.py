@@ -23,9 +23,12 @@ class OracleDrafter:
     """Drafts plain decoding's own continuation of each prompt, with a wrong token at some positions
     (seeded by the request's prompt and output count, so every run drafts the same)."""
 
-    def __init__(self, answers: dict[tuple[int, ...], list[int]], wrong: float = 0.3) -> None:
+    def __init__(
+        self, answers: dict[tuple[int, ...], list[int]], wrong: float = 0.3, *, ragged: bool = False
+    ) -> None:
         self.answers = answers
         self.wrong = wrong
+        self.ragged = ragged  # drafts of random lengths up to k (a step pads the shorter ones)
         self.proposed = 0
 
     def propose(self, req: Request, k: int) -> list[int]:
@@ -36,6 +39,8 @@ class OracleDrafter:
         for i in range(len(draft)):
             if rng.random() < self.wrong:
                 draft[i] = 3 + (draft[i] + 1) % 300  # a token other than the answer's
+        if self.ragged:
+            draft = draft[: rng.randint(0, k)]
         self.proposed += len(draft)
         return draft
 
@@ -43,10 +48,12 @@ class OracleDrafter:
         pass
 
 
-def spec_llm(answers: dict, *, wrong: float = 0.3, k: int = 3, **kw) -> tuple[LLM, OracleDrafter]:
+def spec_llm(
+    answers: dict, *, wrong: float = 0.3, k: int = 3, ragged: bool = False, **kw
+) -> tuple[LLM, OracleDrafter]:
     spec = {"method": "ngram", "num_speculative_tokens": k, **kw.pop("spec", {})}
     llm = make_llm(speculative_config=spec, **kw)
-    oracle = OracleDrafter(answers, wrong)
+    oracle = OracleDrafter(answers, wrong, ragged=ragged)
     assert llm.engine.spec is not None
     llm.engine.spec.drafter = oracle
     return llm, oracle
@@ -95,13 +102,16 @@ def answers_of_lists(tokens: list[list[int]], ps: list[list[int]]) -> dict[tuple
         pytest.param({"async_scheduling": False}, id="sync"),
         pytest.param({"k": 1}, id="k1"),
         pytest.param({"k": 7}, id="k7"),
+        pytest.param({"ragged": True}, id="ragged-drafts"),
         pytest.param({"scheduling_policy": "priority"}, id="priority"),
     ],
 )
 def test_with_engine_settings(plain: list[list[int]], opts: dict) -> None:
     ps = prompts()
     opts = dict(opts)
-    llm, _ = spec_llm(answers_of_lists(plain, ps), k=opts.pop("k", 3), **opts)
+    llm, _ = spec_llm(
+        answers_of_lists(plain, ps), k=opts.pop("k", 3), ragged=opts.pop("ragged", False), **opts
+    )
     assert [o.token_ids for o in llm.generate(ps, GREEDY)] == plain
     assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
 
@@ -303,3 +313,28 @@ def test_sampled_tokens_keep_the_target_distribution() -> None:
 
     tvs = [tv(marginal(got, i), marginal(pair, i)) for i in (0, 1)] + [tv(got, pair)]
     assert max(tvs) <= 0.02, tvs
+
+
+def test_verify_steps_replay_the_decode_graphs(plain: list[list[int]]) -> None:
+    """Verify steps run from the decode graphs' static buffers (captured on CUDA, run eagerly here) for each
+    width up to k + 1, padded drafts included, with the tokens of plain decoding."""
+    ps = prompts()
+    llm, _ = spec_llm(answers_of_lists(plain, ps), wrong=0.4, k=3, ragged=True)
+    runner = llm.engine.runner
+    g = runner.capture_graphs(
+        list(range(1, 9)), max_blocks_per_seq=16, pad_slot=0, enable_padding=False, spec_widths=range(2, 5),
+        spec_max_batch=16,
+    )  # fmt: skip
+    assert {q for _, q in g.keys} == {1, 2, 3, 4}
+    widths: list[int] = []
+    execute = g.execute
+
+    def counted(seqs, feed=None, width=1):
+        out = execute(seqs, feed, width)
+        if out is not None:
+            widths.append(width)
+        return out
+
+    g.execute = counted  # type: ignore[method-assign]
+    assert [o.token_ids for o in llm.generate(ps, GREEDY)] == plain
+    assert {2, 3, 4} <= set(widths) and 1 in widths

@@ -212,3 +212,30 @@ def test_tiny_prefix_cache_hits_on_cuda_give_the_same_tokens(tmp_path: Path) -> 
     assert [o.token_ids for o in first] == want
     assert [o.token_ids for o in second] == want
     assert sum(o.num_cached_tokens for o in second) > 0
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_speculative_verify_graphs_match_plain_decoding(tmp_path: Path, variant: str) -> None:
+    """On CUDA, verify steps replay their captured graphs (and the warm-up covers them): speculative decoding
+    with drafts of plain decoding's own tokens, some corrupted, gives plain decoding's greedy tokens, with no
+    compilation after ready."""
+    from tests.engine.test_speculative import OracleDrafter
+
+    d = make_tiny(tmp_path / variant, variant=variant)
+    p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = [[1, 5, 9, 13, 200, 17, 4], [1, 77] * 20, [1, 3], [1, 8, 8, 8, 2]]
+    opts = dict(device="cuda", dtype="float32", max_seq_len=256, strict_warmup=True)
+    want = LLM(str(d), **opts).generate(prompts, p)
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = LLM(str(d), speculative_config=spec, **opts)
+    assert llm.engine.runner.graphs is not None and len(llm.engine.runner.graphs.keys) > len(
+        llm.engine.runner.graphs.sizes
+    )
+    assert llm.engine.spec is not None
+    llm.engine.spec.drafter = OracleDrafter(
+        {tuple(q): o.token_ids for q, o in zip(prompts, want)}, 0.3, ragged=True
+    )
+    got = llm.generate(prompts, p)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    s = llm.stats()
+    assert s["spec_decode_num_accepted_tokens"] > 0 and s["jit_compiles_after_ready"] == 0

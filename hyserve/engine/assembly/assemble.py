@@ -139,10 +139,14 @@ def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
             pad_slot=cache.states.pad_slots[0],
             enable_padding=config.cuda_graph.enable_padding,
             max_blocks_per_seq=min(plan.num_kv_blocks, -(-max_seq_len // config.cache.tokens_per_block)),
+            spec_widths=range(2, speculation.k + 2) if speculation is not None else (),
+            spec_max_batch=speculation.max_batch if speculation is not None else 0,
         )
+        verify = len(g.keys) - len(g.sizes)
         log(
-            f"hyserve: captured {len(g.sizes)} decode CUDA graphs (batch sizes {g.sizes[0]}..{g.sizes[-1]}) "
-            f"in {g.capture_seconds:.1f}s, {g.graph_bytes / 2**20:,.0f} MiB"
+            f"hyserve: captured {len(g.sizes)} decode CUDA graphs (batch sizes {g.sizes[0]}..{g.sizes[-1]})"
+            + (f" and {verify} speculative verify graphs" if verify else "")
+            + f" in {g.capture_seconds:.1f}s, {g.graph_bytes / 2**20:,.0f} MiB"
         )
     if channel is not None and channel.is_driver:
         runner = DriverRunner(runner, channel)

@@ -12,6 +12,8 @@ after the `num_decodes` decode rows, so its alignment depends on num_decodes mod
     multi-sequence prefill  several lengths in one step, with and without initial states
     mixed steps             d decodes + 1 prefill for d = 1 .. 16 (every alignment residue)
     decode                  eager decode (graphs cover their own sizes at capture)
+    speculative verify      (speculative decoding on) steps whose decode rows carry full drafts: 1 and 8
+                            sequences, and beside a prefill
     sampling                greedy, temperature, top-k, top-p, min-p, seeded, logprobs, and all mixed
 
 Each case runs through the real scheduler and runner with throwaway requests, so it exercises exactly
@@ -30,6 +32,7 @@ from functools import partial
 import torch
 
 from hyserve.engine.engine import LLMEngine
+from hyserve.engine.request import Request
 from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.warmup_report import WarmupReport
 from hyserve.kernels import ops
@@ -98,6 +101,10 @@ class Warmup:
         for d in range(1, min(MAX_MIXED_DECODES, max_batch - 1) + 1):
             add(f"mixed step: {d} decodes + 1 prefill", partial(self._mixed, d))
         add("eager decode", self._eager_decode)
+        if e.spec is not None:
+            for n in sorted({1, min(8, max_batch, e.spec.max_batch)}):
+                add(f"speculative verify: {n} x {e.spec.k} draft tokens", partial(self._verify, n))
+            add("speculative verify beside a prefill", partial(self._verify, 1, prefill=True))
         for name, p in SAMPLING_CASES:
             add(f"sampling: {name}", partial(self._run, [8], params=p))
         mix = [p for _, p in SAMPLING_CASES][:max_batch]
@@ -185,6 +192,25 @@ class Warmup:
             n = min(8, self.engine.scheduler.max_batch_size)
             self._run([4] * n, params=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
 
+    def _verify(self, n: int, *, prefill: bool = False) -> None:
+        """`n` requests decoding with a full random draft every step (rejected, as good as any for the
+        kernels); with `prefill`, a prompt arrives while they verify."""
+        spec = self.engine.spec
+        assert spec is not None
+        drafter = spec.drafter
+        spec.drafter = _RandomDrafts(self)
+        try:
+            p = SamplingParams(max_tokens=spec.k + 3, temperature=0.0, ignore_eos=True)
+            running = {self._add(self._ids(4), p) for _ in range(n)}
+            if prefill:
+                self.engine.step()  # their prefill; the prompt below arrives beside their verify rows
+                running.add(
+                    self._add(self._ids(min(self.engine.model_config.chunk_size + 3, self._longest)), GREEDY)
+                )
+            self._drain(running)
+        finally:
+            spec.drafter = drafter
+
     def _token_mask(self) -> None:
         """The structured-outputs mask kernel over the sampler's float32 logits: its variant depends on the
         vocabulary alone (rows are its grid), and the bitmask fill itself is host work, so one call covers
@@ -211,3 +237,16 @@ class Warmup:
             e.abort(rid)
         while e.has_unfinished():
             e.step()
+
+
+class _RandomDrafts:
+    """A drafter of k random tokens, for the warm-up's verify steps."""
+
+    def __init__(self, warmup: Warmup) -> None:
+        self.warmup = warmup
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        return self.warmup._ids(k)
+
+    def remove(self, request_id: str) -> None:
+        pass

@@ -71,9 +71,14 @@ class WorkerLoop:
             elif kind == HEARTBEAT:
                 continue
             elif kind == CAPTURE:
-                _, sizes, max_blocks, pad_slot, padding = msg
+                _, sizes, max_blocks, pad_slot, padding, spec_widths, spec_max_batch = msg
                 runner.capture_graphs(
-                    sizes, max_blocks_per_seq=max_blocks, pad_slot=pad_slot, enable_padding=padding
+                    sizes,
+                    max_blocks_per_seq=max_blocks,
+                    pad_slot=pad_slot,
+                    enable_padding=padding,
+                    spec_widths=spec_widths,
+                    spec_max_batch=spec_max_batch,
                 )
             elif kind == READY:
                 self.jit.mark_ready()

@@ -132,13 +132,35 @@ class DriverRunner(ModelRunner):
         self._with_the_others(lambda: run(copies))
 
     def capture_graphs(
-        self, sizes: Sequence[int], *, max_blocks_per_seq: int, pad_slot: int, enable_padding: bool
+        self,
+        sizes: Sequence[int],
+        *,
+        max_blocks_per_seq: int,
+        pad_slot: int,
+        enable_padding: bool,
+        spec_widths: Sequence[int] = (),
+        spec_max_batch: int = 0,
     ) -> DecodeGraphs:
-        self._tell((CAPTURE, list(sizes), max_blocks_per_seq, pad_slot, enable_padding))
+        self._tell(
+            (
+                CAPTURE,
+                list(sizes),
+                max_blocks_per_seq,
+                pad_slot,
+                enable_padding,
+                list(spec_widths),
+                spec_max_batch,
+            )
+        )
         run = super().capture_graphs
         return self._with_the_others(
             lambda: run(
-                sizes, max_blocks_per_seq=max_blocks_per_seq, pad_slot=pad_slot, enable_padding=enable_padding
+                sizes,
+                max_blocks_per_seq=max_blocks_per_seq,
+                pad_slot=pad_slot,
+                enable_padding=enable_padding,
+                spec_widths=spec_widths,
+                spec_max_batch=spec_max_batch,
             )
         )
 

@@ -12,7 +12,7 @@ it follows over the model's group (NCCL on CUDA: device to device, no host round
     (COPY_STATES, copies)                              copy Mamba state slots (dst, src) after a
                                                        speculative step's drafts were verified
     (PROMPT_LOGITS, row, offset, n, rows_per_pass)     the kept step's prompt-logprob passes
-    (CAPTURE, sizes, max_blocks_per_seq, pad_slot, enable_padding)
+    (CAPTURE, sizes, max_blocks_per_seq, pad_slot, enable_padding, spec_widths, spec_max_batch)
     (READY,)  (HEARTBEAT,)  (SHUTDOWN,)
 
 A gloo receive waits at most the group timeout, so while rank 0 has nothing to send (and is not in a step

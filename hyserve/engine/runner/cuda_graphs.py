@@ -18,9 +18,11 @@ where each sequence's token sits in the previous step's samples, gathered on the
 Nothing the kernels launch depends on host values (the attention launcher takes the device tensors on
 pure decode steps), so one recording serves every replay.
 
-Graphs are used only for decode-only steps up to the largest captured size; prefill and mixed steps
-run eagerly. On the CPU `DecodeGraphs` runs the same static-buffer step eagerly (`capture=False`),
-which is what the tests exercise without a GPU.
+With speculative decoding, verify steps are captured too, per (batch size, width) for the sizes up to the
+speculating batch: each sequence is `width` consecutive rows (runner/verify_rows.py), padding sequences
+`width` padding rows. Graphs are used only for decode-only steps up to the largest captured size; prefill
+and mixed steps run eagerly. On the CPU `DecodeGraphs` runs the same static-buffer step eagerly
+(`capture=False`), which is what the tests exercise without a GPU.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from hyserve.engine.host_tensors import int_tensor, to_device
+from hyserve.engine.runner.verify_rows import scratch_of, verify_rows
 from hyserve.engine.scheduler.scheduler import ScheduledSeq
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.forward_meta import ForwardMeta
@@ -53,21 +56,46 @@ def pack_decode_rows(
     tokens_per_block: int,
     pad_slot: int,
     feed_rows: Sequence[int] | None = None,
+    width: int = 1,
+    scratch: Sequence[int] = (),
 ) -> list[int]:
-    """The [_ROWS, padded] int64 staging rows of one decode step, flattened row-major (see the
+    """The [_ROWS, padded * width] int64 staging rows of one decode step, flattened row-major (see the
     module docstring for what padding rows hold). The last row holds `feed_rows` (where each sequence's
-    input token sits in the previous step's device samples), zeros when the ids are known here."""
+    input token sits in the previous step's device samples), zeros when the ids are known here. A verify
+    step (`width` > 1) lays each sequence out as `width` rows chained through its `scratch` slots."""
     b = len(seqs)
     assert b <= padded
     bs = tokens_per_block
-    pad = padded - b
-    ids = [s.token_ids[0] for s in seqs] + [0] * pad
-    slots = [s.block_ids[s.start_pos // bs] * bs + s.start_pos % bs for s in seqs] + [-1] * pad
-    src = [s.state_dst if s.state_src is None else s.state_src for s in seqs] + [pad_slot] * pad
-    dst = [s.state_dst for s in seqs] + [pad_slot] * pad
-    lens = [s.start_pos + 1 for s in seqs] + [1] * pad
-    feed = (list(feed_rows) if feed_rows is not None else [0] * b) + [0] * pad
-    return ids + slots + src + dst + lens + feed
+    pad = (padded - b) * width
+    feed = [f for f in (feed_rows if feed_rows is not None else [0] * b) for _ in range(width)] + [0] * pad
+    if width == 1:
+        ids = [s.token_ids[0] for s in seqs]
+        slots = [s.block_ids[s.start_pos // bs] * bs + s.start_pos % bs for s in seqs]
+        src = [s.state_dst if s.state_src is None else s.state_src for s in seqs]
+        dst = [s.state_dst for s in seqs]
+        lens = [s.start_pos + 1 for s in seqs]
+    else:
+        rows = [
+            (s, v) for i, s in enumerate(seqs) for v in verify_rows(s, width, scratch_of(scratch, i, width))
+        ]
+        ids = [v.token for _, v in rows]
+        slots = [s.block_ids[v.position // bs] * bs + v.position % bs if v.writes_kv else -1 for s, v in rows]
+        src = [v.src for _, v in rows]
+        dst = [v.dst for _, v in rows]
+        lens = [v.position + 1 for _, v in rows]
+    return (
+        ids
+        + [0] * pad
+        + slots
+        + [-1] * pad
+        + src
+        + [pad_slot] * pad
+        + dst
+        + [pad_slot] * pad
+        + lens
+        + [1] * pad
+        + feed
+    )
 
 
 class DecodeGraphs:
@@ -84,6 +112,9 @@ class DecodeGraphs:
         pad_slot: int,
         enable_padding: bool = True,
         capture: bool = True,
+        spec_widths: Sequence[int] = (),
+        spec_max_batch: int = 0,
+        spec_scratch: Sequence[int] = (),
     ) -> None:
         if not sizes:
             raise ValueError("cuda_graph_config: no batch sizes to capture")
@@ -94,61 +125,72 @@ class DecodeGraphs:
         self.enable_padding = enable_padding
         self.pad_slot = pad_slot
         self.tokens_per_block = cache.tokens_per_block
-        bmax = self.sizes[-1]
+        self.spec_scratch = list(spec_scratch)
+        # (batch size, width) of every graph: plain decode at each size; verify steps at each width for the
+        # sizes up to the first that holds spec_max_batch sequences
+        verify_sizes = [B for B in self.sizes if B < spec_max_batch]
+        verify_sizes += [B for B in self.sizes if B >= spec_max_batch][:1]
+        self.keys = [(B, 1) for B in self.sizes] + [
+            (B, q) for q in sorted(set(spec_widths) - {1}) for B in verify_sizes
+        ]
+        rmax = max(B * q for B, q in self.keys)
         i32, i64 = torch.int32, torch.int64
-        self._stage = torch.zeros(_ROWS * bmax, dtype=i64, device=device)
+        self._stage = torch.zeros(_ROWS * rmax, dtype=i64, device=device)
         # Two pinned staging buffers used in turn, each reused only after the event recorded behind its
         # last copy: with async scheduling the host fills the next step's rows while the previous
         # copy may still be queued on the stream.
         pin = device.type == "cuda"
-        self._hosts = [torch.zeros(_ROWS * bmax, dtype=i64, pin_memory=pin) for _ in range(2)]
+        self._hosts = [torch.zeros(_ROWS * rmax, dtype=i64, pin_memory=pin) for _ in range(2)]
         self._host_done: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
-        self._ids = torch.zeros(bmax, dtype=i64, device=device)
-        self._slots = torch.full((bmax,), -1, dtype=i64, device=device)
-        self._src = torch.full((bmax,), pad_slot, dtype=i64, device=device)
-        self._dst = torch.full((bmax,), pad_slot, dtype=i64, device=device)
-        self._lens = torch.ones(bmax, dtype=i32, device=device)
-        self._cu = torch.arange(bmax + 1, dtype=i32, device=device)
-        self._tables = torch.zeros(bmax, max(1, max_blocks_per_seq), dtype=i32, device=device)
-        self._has_init = torch.ones(bmax, dtype=torch.bool, device=device)
-        self._rows = torch.arange(bmax, dtype=i64, device=device)
+        self._ids = torch.zeros(rmax, dtype=i64, device=device)
+        self._slots = torch.full((rmax,), -1, dtype=i64, device=device)
+        self._src = torch.full((rmax,), pad_slot, dtype=i64, device=device)
+        self._dst = torch.full((rmax,), pad_slot, dtype=i64, device=device)
+        self._lens = torch.ones(rmax, dtype=i32, device=device)
+        self._cu = torch.arange(rmax + 1, dtype=i32, device=device)
+        self._tables = torch.zeros(rmax, max(1, max_blocks_per_seq), dtype=i32, device=device)
+        self._has_init = torch.ones(rmax, dtype=torch.bool, device=device)
+        self._rows = torch.arange(rmax, dtype=i64, device=device)
         # every graph writes its float32 logits into the first rows of this one buffer: a graph's output
         # would otherwise stay allocated in the graph pool, one [B, vocab] tensor per captured size (27 GB
         # for the sizes up to 1,024 of a 131k vocabulary)
-        self._logits = torch.empty(bmax, model.config.vocab_size, dtype=torch.float32, device=device)
-        self._run: dict[int, Callable[[], torch.Tensor]] = {}
+        self._logits = torch.empty(rmax, model.config.vocab_size, dtype=torch.float32, device=device)
+        self._run: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.graph_bytes = 0
         if capture:
             self._capture_all()
         else:
-            for B in self.sizes:
-                self._run[B] = self._eager_fn(B)
+            for key in self.keys:
+                self._run[key] = self._eager_fn(*key)
 
     # ---- capture ----------------------------------------------------------------------------------
-    def _meta(self, B: int) -> ForwardMeta:
+    def _meta(self, B: int, q: int = 1) -> ForwardMeta:
+        n = B * q  # rows
         return ForwardMeta(
-            num_decodes=B,
-            cu_seqlens=list(range(B + 1)),
-            seq_lens=[1] * B,
-            cu_seqlens_t=self._cu[: B + 1],
-            seq_lens_t=self._lens[:B],
-            block_tables=self._tables[:B],
-            slot_mapping=self._slots[:B],
-            state_src=self._src[:B],
-            state_dst=self._dst[:B],
-            has_initial_state=self._has_init[:B],
-            logits_indices=self._rows[:B],
+            num_decodes=n,
+            cu_seqlens=list(range(n + 1)),
+            seq_lens=[1] * n,
+            cu_seqlens_t=self._cu[: n + 1],
+            seq_lens_t=self._lens[:n],
+            block_tables=self._tables[:n],
+            slot_mapping=self._slots[:n],
+            state_src=self._src[:n],
+            state_dst=self._dst[:n],
+            has_initial_state=self._has_init[:n],
+            logits_indices=self._rows[:n],
+            decode_width=q,
         )
 
-    def _eager_fn(self, B: int) -> Callable[[], torch.Tensor]:
-        meta = self._meta(B)
+    def _eager_fn(self, B: int, q: int = 1) -> Callable[[], torch.Tensor]:
+        meta = self._meta(B, q)
+        n = B * q
 
         @torch.inference_mode()
         def run() -> torch.Tensor:
-            hidden = self.model(self._ids[:B], meta, self.cache)
-            return self.model.compute_logits(hidden, out=self._logits[:B])
+            hidden = self.model(self._ids[:n], meta, self.cache)
+            return self.model.compute_logits(hidden, out=self._logits[:n])
 
         return run
 
@@ -156,8 +198,9 @@ class DecodeGraphs:
         t0 = time.monotonic()
         before = torch.cuda.memory_allocated(self.device)
         pool = torch.cuda.graph_pool_handle()
-        for B in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool memory
-            fn = self._eager_fn(B)
+        # most rows first: the smaller graphs reuse its pool memory
+        for key in sorted(self.keys, key=lambda k: k[0] * k[1], reverse=True):
+            fn = self._eager_fn(*key)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
@@ -167,7 +210,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
                 out = fn()
-            self._run[B] = self._replay_fn(graph, out)
+            self._run[key] = self._replay_fn(graph, out)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.monotonic() - t0
         self.graph_bytes = torch.cuda.memory_allocated(self.device) - before
@@ -181,27 +224,35 @@ class DecodeGraphs:
         return run
 
     # ---- replay -----------------------------------------------------------------------------------
-    def size_for(self, batch_size: int) -> int | None:
-        """The captured size a decode batch of `batch_size` runs in, or None (run it eagerly)."""
+    def size_for(self, batch_size: int, width: int = 1) -> int | None:
+        """The captured size a decode batch of `batch_size` (verified over `width` positions) runs in, or
+        None (run it eagerly)."""
         for B in self.sizes:
-            if B == batch_size or (self.enable_padding and B > batch_size):
+            if (B, width) in self._run and (B == batch_size or (self.enable_padding and B > batch_size)):
                 return B
         return None
 
     def execute(
-        self, seqs: Sequence[ScheduledSeq], feed: tuple[torch.Tensor, list[int]] | None = None
+        self, seqs: Sequence[ScheduledSeq], feed: tuple[torch.Tensor, list[int]] | None = None, width: int = 1
     ) -> torch.Tensor | None:
-        """Run a decode-only step; float32 logits [len(seqs), vocab], or None when no graph fits.
+        """Run a decode-only step; float32 logits [len(seqs) * width, vocab], or None when no graph fits.
         feed = (tokens, rows): sequence i's input token is tokens[rows[i]] on the device
         (`ModelRunner.execute`)."""
         b = len(seqs)
-        B = self.size_for(b)
+        B = self.size_for(b, width)
         if B is None:
             return None
         packed = pack_decode_rows(
-            seqs, B, self.tokens_per_block, self.pad_slot, feed[1] if feed is not None else None
+            seqs,
+            B,
+            self.tokens_per_block,
+            self.pad_slot,
+            feed[1] if feed is not None else None,
+            width,
+            self.spec_scratch,
         )
-        n = _ROWS * B
+        R, real = B * width, b * width  # rows, and the real sequences' rows
+        n = _ROWS * R
         turn, self._turn = self._turn, 1 - self._turn
         host, done = self._hosts[turn], self._host_done[turn]
         if done is not None:
@@ -213,38 +264,37 @@ class DecodeGraphs:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.device))  # the stream the copy was queued on
             self._host_done[turn] = ev
-        rows = stage.view(_ROWS, B)
-        self._ids[:B].copy_(rows[0])
-        self._slots[:B].copy_(rows[1])
-        self._src[:B].copy_(rows[2])
-        self._dst[:B].copy_(rows[3])
-        self._lens[:B].copy_(rows[4])
+        rows = stage.view(_ROWS, R)
+        self._ids[:R].copy_(rows[0])
+        self._slots[:R].copy_(rows[1])
+        self._src[:R].copy_(rows[2])
+        self._dst[:R].copy_(rows[3])
+        self._lens[:R].copy_(rows[4])
         if feed is not None:  # the previous step's samples, gathered on the device (no host round trip);
-            r = rows[5, :b]
+            r = rows[5, :real]
             if min(feed[1]) >= 0:
-                self._ids[:b].copy_(feed[0].index_select(0, r))
+                self._ids[:real].copy_(feed[0].index_select(0, r))
             else:  # a row of -1 keeps the token the host knows
-                self._ids[:b].copy_(
-                    torch.where(r >= 0, feed[0].index_select(0, r.clamp(min=0)), self._ids[:b])
+                self._ids[:real].copy_(
+                    torch.where(r >= 0, feed[0].index_select(0, r.clamp(min=0)), self._ids[:real])
                 )
-        width = max(len(s.block_ids) for s in seqs)
-        if width > self._tables.shape[1]:
+        cols = max(len(s.block_ids) for s in seqs)
+        if cols > self._tables.shape[1]:
             raise ValueError(
-                f"decode graph: a block table of {width} blocks exceeds the captured width "
+                f"decode graph: a block table of {cols} blocks exceeds the captured width "
                 f"{self._tables.shape[1]}"
             )
         # one flat list (zeros past each table's end) and one pinned copy: a copy from pageable memory
         # would wait for every step already queued on the stream, so the host could no longer prepare a
         # step while the previous one runs
         flat: list[int] = []
-        zeros = [0] * width
+        zeros = [0] * cols
         for s in seqs:
-            flat += s.block_ids
-            flat += zeros[: width - len(s.block_ids)]
-        tables = int_tensor(flat, torch.int32).view(b, width)
-        self._tables[:b, :width].copy_(to_device(tables, self.device), non_blocking=True)
-        return self.replay(B)[:b]
+            flat += (s.block_ids + zeros[: cols - len(s.block_ids)]) * width
+        tables = int_tensor(flat, torch.int32).view(real, cols)
+        self._tables[:real, :cols].copy_(to_device(tables, self.device), non_blocking=True)
+        return self.replay(B, width)[:real]
 
-    def replay(self, batch_size: int) -> torch.Tensor:
-        """Replay the graph of a captured size on whatever the buffers hold; its logits [B, vocab]."""
-        return self._run[batch_size]()
+    def replay(self, batch_size: int, width: int = 1) -> torch.Tensor:
+        """Replay the graph of a captured size on whatever the buffers hold; its logits [rows, vocab]."""
+        return self._run[(batch_size, width)]()

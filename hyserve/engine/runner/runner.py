@@ -17,6 +17,7 @@ import torch
 from hyserve.engine.host_tensors import int_tensor, to_device
 from hyserve.engine.outputs import TokenLogprob
 from hyserve.engine.runner.cuda_graphs import DecodeGraphs
+from hyserve.engine.runner.verify_rows import scratch_of, verify_rows
 from hyserve.engine.sampling.sampler import token_logprobs
 from hyserve.engine.scheduler.scheduler import ScheduledBatch, ScheduledSeq
 from hyserve.model.cache_tensors import CacheTensors
@@ -48,9 +49,18 @@ class ModelRunner:
         return self._graphs
 
     def capture_graphs(
-        self, sizes: Sequence[int], *, max_blocks_per_seq: int, pad_slot: int, enable_padding: bool
+        self,
+        sizes: Sequence[int],
+        *,
+        max_blocks_per_seq: int,
+        pad_slot: int,
+        enable_padding: bool,
+        spec_widths: Sequence[int] = (),
+        spec_max_batch: int = 0,
     ) -> DecodeGraphs:
-        """Capture a decode graph per batch size (on the CPU the same static-buffer steps run eagerly)."""
+        """Capture a decode graph per batch size, and with speculative decoding a verify graph per (batch size
+        up to `spec_max_batch`, width in `spec_widths`); on the CPU the same static-buffer steps run
+        eagerly."""
         self._graphs = DecodeGraphs(
             self.model,
             self.cache,
@@ -60,6 +70,9 @@ class ModelRunner:
             pad_slot=pad_slot,
             enable_padding=enable_padding,
             capture=self.device.type == "cuda",
+            spec_widths=spec_widths,
+            spec_max_batch=spec_max_batch,
+            spec_scratch=self.spec_scratch,
         )
         return self._graphs
 
@@ -103,18 +116,9 @@ class ModelRunner:
 
         for i, s in enumerate(batch.seqs):
             if i < batch.num_decodes and q > 1:
-                # a verified sequence: one row per position, chained through scratch state slots; rows past
-                # its draft repeat its last position and write no KV (their samples are never used)
-                scratch = self.spec_scratch[i * (q - 1) : (i + 1) * (q - 1)]
-                if len(scratch) < q - 1:
-                    raise RuntimeError(
-                        f"a speculative step of {batch.num_decodes} sequences x {q} positions needs "
-                        f"{batch.num_decodes * (q - 1)} scratch state slots; {len(self.spec_scratch)} exist"
-                    )
-                chain = [s.state_src if s.state_src is not None else s.state_dst, *scratch, s.state_dst]
-                for j in range(q):
-                    k = min(j, len(s.draft))
-                    row([s.token_ids[k]], s.start_pos + k, s, (chain[j], chain[j + 1]), write_kv=j == k)
+                # a verified sequence: one row per position (runner/verify_rows.py)
+                for v in verify_rows(s, q, scratch_of(self.spec_scratch, i, q)):
+                    row([v.token], v.position, s, (v.src, v.dst), write_kv=v.writes_kv)
                     has_init.append(True)
                 continue
             row(
@@ -169,8 +173,8 @@ class ModelRunner:
         decodes = batch.seqs[: batch.num_decodes]
         rows = [-1 if s.feed_row is None else s.feed_row for s in decodes] if feed is not None else None
         q = batch.spec_width
-        if self._graphs is not None and batch.num_decodes == len(batch.seqs) and q == 1:
-            logits = self._graphs.execute(batch.seqs, None if feed is None else (feed, rows or []))
+        if self._graphs is not None and batch.num_decodes == len(batch.seqs):
+            logits = self._graphs.execute(batch.seqs, None if feed is None else (feed, rows or []), q)
             if logits is not None:  # every decode sequence samples
                 return logits
         input_ids, meta = self.build_meta(batch)
