@@ -33,7 +33,7 @@ from hyserve.engine.input_processor import InputProcessor
 from hyserve.engine.isolation import FailureIsolation
 from hyserve.engine.output_processor import OutputProcessor, record_prompt_logprobs
 from hyserve.engine.outputs import StreamDelta
-from hyserve.engine.pending_step import PendingStep, penalty_inputs, sample_step
+from hyserve.engine.pending_step import PendingStep, grammar_masks, penalty_inputs, sample_step
 from hyserve.engine.request import Request
 from hyserve.engine.runner.alloc_retries import AllocRetries
 from hyserve.engine.runner.jit_sentinel import JitSentinel
@@ -94,7 +94,7 @@ class LLMEngine:
         self.isolation = FailureIsolation(self)  # a step that raises fails only its culprit
         self.warmup_report: WarmupReport | None = None  # set by the start-up (lifecycle/startup.py)
         self.spec = parts.speculation  # speculative decoding (engine/speculative/), None when off
-        self._log(self.plan.report())
+        self._log(self.capacity_report())
 
     def record_warmup(self, report: WarmupReport) -> None:
         self.warmup_report = report
@@ -237,7 +237,7 @@ class LLMEngine:
         if self.faults is not None:
             self.faults.check_rows("sample", sampling)
         histories, pending = penalty_inputs(rows, self.requests, prev)
-        bitmask = self.structured.fill_bitmask([s.request_id for s, _ in rows])
+        bitmask = grammar_masks(self.structured, rows)
         return sample_step(sampler, batch, logits, requests, histories, pending, bitmask)
 
     def _read(self, step: PendingStep) -> list[StreamDelta]:

@@ -12,6 +12,7 @@ from hyserve.engine.outputs import TokenLogprob
 from hyserve.engine.request import Request
 from hyserve.engine.sampling.logits_processing import History
 from hyserve.engine.sampling.sampler import PendingLogprobs, Sampler
+from hyserve.engine.sampling.structured_output import StructuredOutputs
 from hyserve.engine.scheduler.scheduler import ScheduledBatch, ScheduledSeq
 from hyserve.engine.speculative.verify import SampledRun, sampling_rows, verified_run
 
@@ -77,6 +78,12 @@ def penalty_inputs(
         src = to_device(torch.tensor([r for _, r in fed], dtype=torch.long), prev.tokens.device)
         pending[idx] = prev.tokens.index_select(0, src)
     return histories, pending
+
+
+def grammar_masks(structured: StructuredOutputs, rows: list[tuple[ScheduledSeq, int]]) -> torch.Tensor | None:
+    """The structured-outputs bitmask of the sampling rows (`sampling_rows`); a speculative row at position j
+    is masked as its grammar stands after the first j draft tokens."""
+    return structured.fill_bitmask([s.request_id for s, _ in rows], [s.draft[:j] for s, j in rows])
 
 
 def sample_step(

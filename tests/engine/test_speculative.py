@@ -338,3 +338,39 @@ def test_verify_steps_replay_the_decode_graphs(plain: list[list[int]]) -> None:
     g.execute = counted  # type: ignore[method-assign]
     assert [o.token_ids for o in llm.generate(ps, GREEDY)] == plain
     assert {2, 3, 4} <= set(widths) and 1 in widths
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_structured_outputs_with_drafts(async_scheduling: bool) -> None:
+    """Grammar-constrained requests draft too: each verified position is masked as the grammar stands after
+    the draft tokens before it (taken in and rolled back), so greedy and seeded outputs are plain decoding's,
+    and valid; a draft token the grammar refuses ends the accepted run."""
+    pytest.importorskip("xgrammar")
+    import json
+
+    from hyserve.engine.sampling_params import StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    specs = [StructuredOutputsParams(json=schema), StructuredOutputsParams(regex=r"[a-c]{2,6}-[0-9]{1,3}")]
+    params = [
+        SamplingParams(max_tokens=60, temperature=t, seed=7, structured_outputs=so)
+        for so in specs
+        for t in (0.0, 0.9)
+    ]
+    prompts = ["Hello", "Tell me", [5, 6, 7], "Name:"]
+    opts = dict(device="cpu", max_seq_len=512, max_batch_size=8, async_scheduling=async_scheduling)
+    want = LLM(**opts).generate(prompts, params)
+    llm = LLM(**opts, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert llm.engine.spec is not None
+    oracle = OracleDrafter({tuple(o.prompt_token_ids): o.token_ids for o in want}, wrong=0.3)
+    llm.engine.spec.drafter = oracle
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.finish_reason for o in got] == ["stop"] * 4
+    json.loads(got[0].text), json.loads(got[1].text)
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0

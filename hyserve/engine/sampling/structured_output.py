@@ -234,6 +234,25 @@ class GrammarState:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
+    def fill_after(self, bitmask: torch.Tensor, row: int, draft: list[int]) -> None:
+        """Fill `row` with the mask of the position after `draft` (a speculative step's draft tokens), then
+        undo them: the matcher and the thinking-section watch end as they began. A draft token the grammar
+        refuses leaves the row all ones: the row before it cannot sample that token, so this row's sample
+        is never used."""
+        saved = (self._wait, self._seen, self.failed, self.num_accepted)
+        try:
+            for t in draft:
+                self.accept(t)
+                if self.failed:
+                    return
+            if self.active:
+                self.fill(bitmask, row)
+        finally:
+            taken = self.num_accepted - saved[3]
+            if taken:
+                self.matcher.rollback(taken)
+            self._wait, self._seen, self.failed, self.num_accepted = saved
+
 
 class StructuredOutputs:
     """The engine's grammar states, by request id (see the module docstring)."""
@@ -287,19 +306,29 @@ class StructuredOutputs:
         st = self._states.get(request_id)
         return st is not None and st.done
 
-    def fill_bitmask(self, request_ids: list[str]) -> torch.Tensor | None:
+    def fill_bitmask(
+        self, request_ids: list[str], drafts: list[list[int]] | None = None
+    ) -> torch.Tensor | None:
         """[len(request_ids), ceil(V / 32)] int32 host tensor for the rows about to be sampled (all ones for
-        unconstrained rows), or None when no row is constrained now."""
+        unconstrained rows), or None when no row is constrained now. `drafts[i]`: the draft tokens row i
+        follows (a speculative step's later positions), taken into its grammar for its mask and undone."""
         if not self._states:
             return None
+        mask = torch.full((len(request_ids), bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+        later = [] if drafts is None else [i for i, d in enumerate(drafts) if d]
+        for i in later:
+            st = self._states.get(request_ids[i])
+            if st is not None:
+                assert drafts is not None
+                st.fill_after(mask, i, drafts[i])
+        skip = set(later)
         rows = [
             (i, st)
             for i, r in enumerate(request_ids)
-            if (st := self._states.get(r)) is not None and st.active
+            if i not in skip and (st := self._states.get(r)) is not None and st.active
         ]
         if not rows:
-            return None
-        mask = torch.full((len(request_ids), bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+            return mask if any(self._states.get(request_ids[i]) is not None for i in later) else None
         if len(rows) == 1:
             rows[0][1].fill(mask, rows[0][0])
         else:  # xgrammar fills the rows on its own threads, without the GIL

@@ -465,9 +465,9 @@ class Scheduler:
         )
 
     def _draft(self, req: Request, budget: int) -> list[int]:
-        """Draft tokens for a decoding request: none while its newest token is on the device, for a grammar-
-        constrained request, or where nothing could be emitted after them (max_tokens, max_seq_len)."""
-        if self.drafter is None or req.num_inflight or req.params.structured_outputs is not None:
+        """Draft tokens for a decoding request: none while its newest token is on the device, or where
+        nothing could be emitted after them (max_tokens, max_seq_len)."""
+        if self.drafter is None or req.num_inflight:
             return []
         room = min(
             self.num_spec_tokens,
