@@ -160,6 +160,20 @@ def test_preemption(plain: list[list[int]]) -> None:
     assert llm.stats()["num_preemptions"] > 0
 
 
+def test_fp8_kv_cache() -> None:
+    kv = {
+        "tokens_per_block": 8,
+        "enable_block_reuse": False,
+        "max_gpu_total_bytes": 64 * 2**20,
+        "dtype": "fp8",
+    }
+    ps = prompts()
+    want = [o.token_ids for o in make_llm(kv_cache_config=kv).generate(ps, GREEDY)]
+    llm, _ = spec_llm(answers_of_lists(want, ps), kv_cache_config=kv)
+    assert [o.token_ids for o in llm.generate(ps, GREEDY)] == want
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
 def test_float16_state_with_stochastic_rounding() -> None:
     kv = {
         "tokens_per_block": 8,

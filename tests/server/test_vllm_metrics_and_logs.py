@@ -107,27 +107,35 @@ def test_every_vllm_series_is_exported_with_the_model_name(url: str) -> None:
     assert "hyserve_time_to_first_token_seconds_count" in m and "hyserve_num_requests_running" in m
 
 
-def test_speculative_decoding_counters() -> None:
-    """With speculative_config set, /metrics counts drafts, draft tokens, accepted tokens and accepted
-    tokens per draft position, under hyserve's names and vLLM's; a server without it exports none."""
-    from hyserve.config import build_engine_config
+SPEC_BODY = {"model": "tiny-s", "prompt": [7, 8, 9] * 10, "max_tokens": 24, "ignore_eos": True, "n": 2}
 
-    cfg = build_engine_config(
-        warmup="off",
-        served_model_name="tiny-s",
-        speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1},
-    )
+
+def _serve_one(cfg: EngineConfig) -> tuple[list[str], dict[str, float]]:
+    """The choices' texts of SPEC_BODY (greedy, n = 2) and the /metrics that follow, from a fresh server."""
     eng = AsyncEngine(cfg, log=lambda s: None)
     eng.start()
     try:
         with serve_app_in_thread(build_app(eng, ServerOptions())) as u:
-            body = {"model": "tiny-s", "prompt": [7, 8, 9] * 10, "max_tokens": 24, "ignore_eos": True}
-            r = httpx.post(f"{u}/v1/completions", json=body, timeout=60)
+            r = httpx.post(f"{u}/v1/completions", json={**SPEC_BODY, "temperature": 0}, timeout=60)
             assert r.status_code == 200, r.text
-            text = httpx.get(f"{u}/metrics", timeout=10).text
+            texts = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+            return texts, parse_metrics(httpx.get(f"{u}/metrics", timeout=10).text)
     finally:
         eng.shutdown()
-    m = parse_metrics(text)
+
+
+def test_speculative_decoding_counters() -> None:
+    """With speculative_config set, /metrics counts drafts, draft tokens, accepted tokens and accepted
+    tokens per draft position, under hyserve's names and vLLM's; a server without it exports none. Both
+    choices of an n = 2 greedy request are the plain server's text."""
+    from hyserve.config import build_engine_config
+
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+    texts, m = _serve_one(
+        build_engine_config(warmup="off", served_model_name="tiny-s", speculative_config=spec)
+    )
+    plain_texts, plain = _serve_one(build_engine_config(warmup="off", served_model_name="tiny-s"))
+    assert texts == plain_texts and texts[0] == texts[1]
     drafts, tokens = (
         m["hyserve_spec_decode_num_drafts_total"],
         m["hyserve_spec_decode_num_draft_tokens_total"],
@@ -141,17 +149,7 @@ def test_speculative_decoding_counters() -> None:
         m['vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny-s",position="0"}']
         == per_pos[0]
     )
-    assert not any("spec_decode" in k for k in parse_metrics_of_plain_server())
-
-
-def parse_metrics_of_plain_server() -> dict[str, float]:
-    eng = AsyncEngine(EngineConfig(warmup="off"), log=lambda s: None)
-    eng.start()
-    try:
-        with serve_app_in_thread(build_app(eng, ServerOptions())) as u:
-            return parse_metrics(httpx.get(f"{u}/metrics", timeout=10).text)
-    finally:
-        eng.shutdown()
+    assert not any("spec_decode" in k for k in plain)
 
 
 # ---- the log -------------------------------------------------------------------------------------------
