@@ -2,7 +2,7 @@
 
     hyserve serve [MODEL] [--config extra-llm-api-config.yml] [--host H] [--port P] [--max_seq_len N] ...
     hyserve generate [MODEL] (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N] [--json] ...
-    hyserve make-tiny DIR [--variant dense|moe|latent-moe] [--seed N] [--fp8]
+    hyserve make-tiny DIR [--variant dense|moe|latent-moe] [--seed N] [--fp8] [--mtp]
     hyserve bench ...        (registered by hyserve.bench.cli when that module exists)
 
 The serve flags are the ones `trtllm-serve` users already type (`--max_batch_size`, `--tp_size`,
@@ -579,6 +579,12 @@ def _add_make_tiny_parser(sub: Any) -> None:
         action="store_true",
         help="write the projections and experts as FP8 (ModelOpt's layout, per-tensor scales)",
     )
+    p.add_argument(
+        "--mtp",
+        action="store_true",
+        help="with a multi-token-prediction block (mtp.* tensors, num_nextn_predict_layers 1), as Nemotron 3 "
+        "ships it",
+    )
     p.set_defaults(func=cmd_make_tiny)
 
 
@@ -878,7 +884,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     from hyserve.model.tiny import make_tiny
 
     try:
-        path = make_tiny(args.dir, variant=args.variant, seed=args.seed, fp8=args.fp8)
+        path = make_tiny(args.dir, variant=args.variant, seed=args.seed, fp8=args.fp8, mtp=args.mtp)
     except (ValueError, OSError) as e:
         raise ConfigError(str(e)) from None
     print(path, flush=True)

@@ -23,14 +23,14 @@ from hyserve.kernels.fp8_linear import quantize_weight_ref
 from hyserve.model.quant_config import HF_QUANT_FILE, QUANTIZABLE_LINEARS
 from hyserve.model.weights import SINGLE_FILE
 
-EXCLUDE = ["lm_head"]
+EXCLUDE = ["lm_head", "mtp*"]  # the MTP block stays 16-bit, as NVIDIA's FP8 checkpoints ship it
 
 
 def _is_projection(name: str) -> bool:
     if not name.endswith(".weight"):
         return False
     leaf = name.removesuffix(".weight").rsplit(".", 1)[-1]
-    return leaf in QUANTIZABLE_LINEARS and not name.startswith("lm_head")
+    return leaf in QUANTIZABLE_LINEARS and not name.startswith(("lm_head", "mtp."))
 
 
 def write_modelopt_fp8(model_dir: str | Path) -> int:

@@ -126,16 +126,24 @@ def _dump(path: Path, data: dict[str, Any]) -> None:
 
 
 def _write_weights(out: Path, cfg: HybridModelConfig, seed: int) -> None:
-    # the real model class, so the file holds exactly the parameters the engine will load
-    model = NemotronHForCausalLM(cfg)
+    # the real model class, so the file holds exactly the parameters the engine will load (the MTP block's
+    # too, when the config has one)
+    model = NemotronHForCausalLM(cfg.with_mtp(bool(cfg.mtp_layer_types)))
     init_random_weights(model, cfg, seed=seed)
     save_checkpoint(model, out, names=NAMES)
 
 
-def make_tiny(out_dir: str | Path, *, variant: str = "dense", seed: int = 0, fp8: bool = False) -> Path:
+def make_tiny(
+    out_dir: str | Path, *, variant: str = "dense", seed: int = 0, fp8: bool = False, mtp: bool = False
+) -> Path:
     """Write a deterministic tiny checkpoint (same variant and seed -> byte-identical files); returns the dir.
-    fp8: its projections (and routed experts) as FP8 in ModelOpt's layout (`model/fp8_export.py`)."""
+    fp8: its projections (and routed experts) as FP8 in ModelOpt's layout (`model/fp8_export.py`); mtp: with
+    a multi-token-prediction block as Nemotron 3 ships it (attention then the variant's MLP or MoE, `mtp.*`
+    tensors, 16-bit)."""
     config = tiny_config(variant)
+    if mtp:
+        config["num_nextn_predict_layers"] = 1
+        config["mtp_hybrid_override_pattern"] = "*-" if variant == "dense" else "*E"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _dump(out / "config.json", config)

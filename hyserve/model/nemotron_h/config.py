@@ -134,6 +134,11 @@ class HybridModelConfig:
     ssm_rounding_seed: int = 0
     # the projections' weight format (model/quant_config.py): None = 16-bit; folded in by `with_quant`
     quant: QuantConfig | None = None
+    # the multi-token-prediction block the checkpoint ships (num_nextn_predict_layers 1): its sublayers' kinds
+    # (mtp_hybrid_override_pattern "*E" / mtp_layers_block_type), empty without one; `use_mtp` (folded in by
+    # `with_mtp` when speculative decoding drafts with it) builds and loads it, its attention with KV blocks
+    mtp_layer_types: tuple[str, ...] = ()
+    use_mtp: bool = False
     name: str = ""
 
     # ---- derived -------------------------------------------------------------------------------
@@ -160,6 +165,19 @@ class HybridModelConfig:
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == LAYER_ATTENTION)
+
+    @property
+    def mtp_layer_ids(self) -> tuple[int, ...]:
+        """The cache layer ids of the MTP block's sublayers when it is built (after the backbone's layers)."""
+        return (
+            tuple(range(self.num_layers, self.num_layers + len(self.mtp_layer_types))) if self.use_mtp else ()
+        )
+
+    @property
+    def kv_layer_ids(self) -> tuple[int, ...]:
+        """Every layer with KV in the cache: the backbone's attention layers, then the MTP block's."""
+        mtp = [i for i, t in zip(self.mtp_layer_ids, self.mtp_layer_types) if t == LAYER_ATTENTION]
+        return (*self.attention_layer_ids, *mtp)
 
     @property
     def has_recurrent_state(self) -> bool:
@@ -234,7 +252,7 @@ class HybridModelConfig:
         """What each attention and Mamba layer stores (the tensors `allocate_cache` creates)."""
         a, m = self.attention_cache_spec(), self.mamba_cache_spec()
         return CacheLayout(
-            attention=dict.fromkeys(self.attention_layer_ids, a), mamba=dict.fromkeys(self.mamba_layer_ids, m)
+            attention=dict.fromkeys(self.kv_layer_ids, a), mamba=dict.fromkeys(self.mamba_layer_ids, m)
         )
 
     def sharding_problems(self, *, tp_size: int, ep_size: int) -> list[str]:
@@ -248,7 +266,7 @@ class HybridModelConfig:
     @property
     def kv_bytes_per_token(self) -> int:
         """K+V bytes for one token across every attention layer."""
-        return len(self.attention_layer_ids) * self.attention_cache_spec().bytes_per_token
+        return len(self.kv_layer_ids) * self.attention_cache_spec().bytes_per_token
 
     @property
     def attention_flops_per_pair(self) -> int:
@@ -287,6 +305,15 @@ class HybridModelConfig:
         cfg = dataclasses.replace(self, **changes)
         cfg._validate_ssm_rounding()
         return cfg
+
+    def with_mtp(self, use: bool = True) -> HybridModelConfig:
+        """The same model with its MTP block built and loaded (`use`), for speculative decoding."""
+        if use and not self.mtp_layer_types:
+            raise ValueError(
+                "speculative_config.method 'mtp': this checkpoint has no multi-token-prediction layer "
+                "(num_nextn_predict_layers is 0); use method 'ngram'"
+            )
+        return dataclasses.replace(self, use_mtp=use)
 
     def with_quant(self, quant: QuantConfig | None) -> HybridModelConfig:
         """The same architecture with the projections in `quant`'s format (None: 16-bit)."""
@@ -348,6 +375,7 @@ class HybridModelConfig:
             )
 
         layer_types = _parse_layer_types(d)
+        mtp_layer_types = _parse_mtp_layer_types(d)
         fields = Fields(d)
         req, get = fields.req, fields.get
 
@@ -407,6 +435,7 @@ class HybridModelConfig:
                 field="mamba_ssm_cache_dtype",
                 allowed=SSM_CACHE_DTYPES,
             ),
+            mtp_layer_types=mtp_layer_types,
             name=name,
         )
         cfg.validate()
@@ -423,7 +452,7 @@ class HybridModelConfig:
         positive("vocab_size", self.vocab_size)
         if not self.layer_types:
             raise ValueError("layers_block_type / hybrid_override_pattern: the model has no layers")
-        kinds = set(self.layer_types)
+        kinds = set(self.layer_types) | set(self.mtp_layer_types)
         if LAYER_MAMBA in kinds:
             for f in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "chunk_size"):
                 positive(f, getattr(self, f))
@@ -508,4 +537,33 @@ def _parse_layer_types(d: dict[str, Any]) -> tuple[str, ...]:
         raise ValueError(
             f"num_hidden_layers ({n}) does not match hybrid_override_pattern length ({len(types)})"
         )
+    return types
+
+
+def _parse_mtp_layer_types(d: dict[str, Any]) -> tuple[str, ...]:
+    """The MTP block's sublayer kinds: none when num_nextn_predict_layers is 0 (or absent); one block of
+    mtp_layers_block_type (or the legacy mtp_hybrid_override_pattern string) otherwise."""
+    n = d.get("num_nextn_predict_layers") or 0
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"num_nextn_predict_layers: expected an integer >= 0, got {n!r}")
+    if n == 0:
+        return ()
+    if n > 1:
+        raise ValueError(f"num_nextn_predict_layers: hyserve runs one MTP layer, the config has {n}")
+    lbt, pattern = d.get("mtp_layers_block_type"), d.get("mtp_hybrid_override_pattern")
+    if lbt is not None:
+        if not isinstance(lbt, list) or any(x not in _BLOCK_TYPE_NAMES for x in lbt):
+            raise ValueError(
+                f"mtp_layers_block_type: expected a list of {sorted(_BLOCK_TYPE_NAMES)}, got {lbt!r}"
+            )
+        types = tuple(_BLOCK_TYPE_NAMES[x] for x in lbt)
+    elif isinstance(pattern, str) and pattern and all(c in _PATTERN_CHARS for c in pattern):
+        types = tuple(_PATTERN_CHARS[c] for c in pattern)
+    else:
+        raise ValueError(
+            "num_nextn_predict_layers is 1 but the MTP block's layers are not given: set "
+            f"mtp_hybrid_override_pattern (e.g. '*E') or mtp_layers_block_type, got {pattern!r}"
+        )
+    if LAYER_MAMBA in types:
+        raise ValueError("mtp_hybrid_override_pattern: an MTP block of Mamba layers ('M') is not supported")
     return types

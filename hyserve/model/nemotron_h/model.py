@@ -34,8 +34,9 @@ from hyserve.model.kernel_buckets import kernel_token_buckets
 from hyserve.model.mamba2 import Mamba2Mixer
 from hyserve.model.mlp import MLP
 from hyserve.model.moe import MoE
-from hyserve.model.nemotron_h.checkpoint import NAMES, NemotronHNames
+from hyserve.model.nemotron_h.checkpoint import NAMES, NAMES_MTP, NemotronHNames
 from hyserve.model.nemotron_h.config import HybridModelConfig
+from hyserve.model.nemotron_h.mtp import NemotronHMTP
 from hyserve.model.norm import RMSNorm
 from hyserve.model.parallel_embedding import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_logits
 
@@ -130,6 +131,11 @@ class NemotronHForCausalLM(nn.Module):
         self.tp = tp_group()
         # FP8 projections (cfg.quant): e4m3 weights + float32 scales in place of the 16-bit weights
         convert_linears(self, cfg.quant)
+        # the MTP block, when speculative decoding drafts with it: built after the conversion above, so it
+        # stays 16-bit (as NVIDIA's FP8 checkpoints ship it)
+        self.mtp: NemotronHMTP | None = None
+        if cfg.use_mtp:
+            self.mtp = NemotronHMTP(self.config, MIXERS, device=device, dtype=dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: ForwardMeta, cache: CacheTensors) -> torch.Tensor:
@@ -142,12 +148,30 @@ class NemotronHForCausalLM(nn.Module):
             return self.backbone.norm_f(x)
         return self.backbone.norm_f.add_forward(x, residual)[0]
 
+    @torch.inference_mode()
+    def mtp_forward(
+        self, next_ids: torch.Tensor, hidden: torch.Tensor, meta: ForwardMeta, cache: CacheTensors
+    ) -> torch.Tensor:
+        """One pass of the MTP block (nemotron_h/mtp.py): next_ids [T] the token after each position, hidden
+        [T, d] the final-normed hidden states at those positions -> the block's output [T, d], whose logits
+        (`compute_logits`) predict the token after next."""
+        if self.mtp is None:
+            raise RuntimeError("this model was built without its MTP block (config.use_mtp is off)")
+        return self.mtp(self.backbone.embeddings(next_ids), hidden, meta, cache)
+
     @property
     def checkpoint_names(self) -> NemotronHNames:
-        return NAMES
+        return NAMES_MTP if self.mtp is not None else NAMES
 
     def attention_layers(self) -> Mapping[int, Attention]:
-        return {i: m.mixer for i, m in enumerate(self.backbone.layers) if isinstance(m.mixer, Attention)}
+        """Every attention layer by its cache layer id: the backbone's, then the MTP block's."""
+        out = {i: m.mixer for i, m in enumerate(self.backbone.layers) if isinstance(m.mixer, Attention)}
+        if self.mtp is not None:
+            ids = self.config.mtp_layer_ids
+            out.update(
+                {ids[j]: m.mixer for j, m in enumerate(self.mtp.layers) if isinstance(m.mixer, Attention)}
+            )
+        return out
 
     def finish_load(self) -> None:
         self.pack_weights()
