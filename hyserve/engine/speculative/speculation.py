@@ -65,8 +65,8 @@ class Speculation:
             return None
         if spec.method == "mtp":
             raise ValueError(
-                "speculative_config.method 'mtp' is not available: hyserve does not load multi-token-"
-                "prediction layers yet; use method 'ngram'"
+                "speculative_config.method 'mtp' is not available: hyserve does not draft with the "
+                "checkpoint's multi-token-prediction layer yet; use method 'ngram'"
             )
         lo, hi = spec.lookup_range()
         return cls(spec, spec_max_batch(spec, max_batch_size), NgramProposer(lo, hi))
