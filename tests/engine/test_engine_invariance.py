@@ -54,17 +54,20 @@ def test_chunk_budget_does_not_matter(reference: list[list[int]], budget: int) -
     assert [o.token_ids for o in outs] == reference
 
 
+# block reuse with a Mamba snapshot every 16 tokens and 5 before a prompt's end
+PREFIX_CACHE_KV = {
+    "tokens_per_block": 8,
+    "enable_block_reuse": True,
+    "max_gpu_total_bytes": 64 * 2**20,
+    "mamba_state_config": {
+        "periodic_snapshot_interval": 16,
+        "additional_snapshot_offsets_from_end": [0, 5],
+    },
+}
+
+
 def test_prefix_cache_hits_give_the_same_tokens(reference: list[list[int]]) -> None:
-    kv = {
-        "tokens_per_block": 8,
-        "enable_block_reuse": True,
-        "max_gpu_total_bytes": 64 * 2**20,
-        "mamba_state_config": {
-            "periodic_snapshot_interval": 16,
-            "additional_snapshot_offsets_from_end": [0, 5],
-        },
-    }
-    llm = make_llm(kv_cache_config=kv)
+    llm = make_llm(kv_cache_config=PREFIX_CACHE_KV)
     first = llm.generate(prompts(), GREEDY)
     assert [o.token_ids for o in first] == reference
     second = llm.generate(prompts(), GREEDY)

@@ -13,7 +13,7 @@ import pytest
 
 from hyserve import LLM, SamplingParams
 from hyserve.engine.request import Request
-from tests.engine.test_engine_invariance import make_llm, prompts
+from tests.engine.test_engine_invariance import PREFIX_CACHE_KV, make_llm, prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -129,17 +129,8 @@ def test_speculation_switches_on_as_the_batch_shrinks(plain: list[list[int]]) ->
 
 
 def test_prefix_cache_hits(plain: list[list[int]]) -> None:
-    kv = {
-        "tokens_per_block": 8,
-        "enable_block_reuse": True,
-        "max_gpu_total_bytes": 64 * 2**20,
-        "mamba_state_config": {
-            "periodic_snapshot_interval": 16,
-            "additional_snapshot_offsets_from_end": [0, 5],
-        },
-    }
     ps = prompts()
-    llm, _ = spec_llm(answers_of_lists(plain, ps), kv_cache_config=kv)
+    llm, _ = spec_llm(answers_of_lists(plain, ps), kv_cache_config=PREFIX_CACHE_KV)
     assert [o.token_ids for o in llm.generate(ps, GREEDY)] == plain
     second = llm.generate(ps, GREEDY)
     assert [o.token_ids for o in second] == plain
