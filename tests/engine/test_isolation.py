@@ -223,3 +223,23 @@ def test_fault_spec_parses_and_is_read_from_the_environment() -> None:
         check=True,
     )
     assert r.stdout.strip() == "host:req-7"
+
+
+@pytest.mark.parametrize("spec", ["forward:r1@3", "sample:r2@4", "host:r3@2", "forward:r5"])
+def test_only_the_faulty_request_fails_in_speculative_steps(spec: str) -> None:
+    """With drafts verified in the failing step: the probes rerun its rows with their drafts, the culprit
+    fails, and every other request gets its plain greedy tokens."""
+    from tests.engine.test_speculative import OracleDrafter
+
+    ref = _reference()
+    eng = make_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 3}).engine
+    assert eng.spec is not None
+    eng.spec.drafter = OracleDrafter(
+        {tuple(p): ref[f"r{i}"] for i, p in enumerate(prompts()) if f"r{i}" in ref}
+    )
+    out, errors, _ = _drive(eng, spec)
+    bad = spec.split(":")[1].split("@")[0]
+    assert set(errors) == {bad}, errors
+    assert all(out[r] == ref[r] for r in ref if r != bad)
+    assert eng.stats()["spec_decode_num_accepted_tokens"] > 0
+    _assert_pools_free(eng)
