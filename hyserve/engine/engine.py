@@ -159,8 +159,8 @@ class LLMEngine:
         """schedule -> launch -> read the previous step -> emit. Returns the deltas of every request that
         progressed (with async scheduling a step's tokens come out of the next call)."""
         # drafting needs every decoding request's newest token on the host: no step stays in flight
-        drafting = self.spec is not None and self.spec.drafting(len(self.scheduler.running))
-        deltas = self.drain() if drafting else []
+        drafting, sync = self.spec.step_mode(len(self.scheduler.running)) if self.spec else (False, False)
+        deltas = self.drain() if sync else []
         batch, aborted = self.scheduler.schedule(draft=drafting)
         deltas += [self._finish_delta(r) for r in aborted]
         if self.faults is not None:  # a failure outside any request's guard (AsyncEngine supervises it)
@@ -187,13 +187,15 @@ class LLMEngine:
                         if req is not None:
                             req.num_inflight += 1
                             req.inflight_row = i
+                elif self.spec is not None:  # no row samples: MTP drafting still sees the chunks
+                    self.spec.on_read(batch, [], self.requests, self.runner)
             except Exception as e:  # model, prompt logprobs or sampling: fail only the request that causes it
                 logger.exception("model step of %d requests failed; isolating the request", len(batch.seqs))
                 deltas += self.isolation.isolate(batch, feed, e, updated=updated)
         if prev is not None:
             deltas += self._read(prev)  # the previous step's tokens, while this one runs
         if launched is not None:
-            if self.config.async_scheduling and not drafting:
+            if self.config.async_scheduling and not sync:
                 self._inflight = launched
             else:
                 deltas += self._read(launched)
@@ -243,10 +245,8 @@ class LLMEngine:
     def _read(self, step: PendingStep) -> list[StreamDelta]:
         deltas = []
         runs = step.read()
-        if step.widths is not None and self.spec is not None:  # accepted drafts: their Mamba state
-            copies = self.spec.settle(step.batch, runs, self.requests, self.runner.spec_scratch)
-            if copies:
-                self.runner.copy_states(copies)
+        if self.spec is not None:  # accepted drafts (their Mamba state), the next drafts
+            self.spec.on_read(step.batch, runs, self.requests, self.runner)
         for run in runs:
             req = run.req
             if req is None:

@@ -103,6 +103,8 @@ class ModelFamily(Protocol):
 
     def with_quant(self, cfg: ModelSpec, quant: QuantConfig | None) -> ModelSpec: ...
 
+    def with_mtp(self, cfg: ModelSpec) -> ModelSpec: ...
+
     def with_cache_dtypes(
         self,
         cfg: ModelSpec,
@@ -171,6 +173,18 @@ class Family(Generic[C, M]):
 
     def with_quant(self, cfg: ModelSpec, quant: QuantConfig | None) -> C:
         return self.config(cfg).with_quant(quant)
+
+    def with_mtp(self, cfg: ModelSpec) -> C:
+        """The config with its multi-token-prediction block built (speculative_config.method 'mtp');
+        ValueError where the family or the checkpoint has none."""
+        c = self.config(cfg)
+        fold = getattr(c, "with_mtp", None)
+        if fold is None:
+            raise ValueError(
+                f"speculative_config.method 'mtp': {self.name} models have no multi-token-prediction layer; "
+                "use method 'ngram'"
+            )
+        return fold()
 
     def with_cache_dtypes(
         self,

@@ -23,6 +23,7 @@ from hyserve.model.tiny import make_tiny
 from hyserve.model.weights import load_checkpoint
 
 torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
@@ -144,3 +145,74 @@ def test_forward_matches_the_reference(ckpt: Path) -> None:
     got = torch.cat([step(0, T, False), step(T, 1, True)])  # the prompt's pass, then one chained position
     want = _reference(model, next_ids, hidden)
     assert (got - want).abs().max().item() < 1e-9
+
+
+def _reference_drafts(model: NemotronHForCausalLM, context: list[int], k: int) -> list[int]:
+    """Drafts recomputed from scratch: one target prefill over the context, one MTP pass over every position
+    but the last (each with the token after it), then k - 1 chained passes."""
+    cache = model.allocate_cache(num_blocks=64, tokens_per_block=8, num_slots=2, device="cpu")
+    runner = ModelRunner(model, cache, torch.device("cpu"))
+    blocks = list(range(64))
+
+    def run(ids: list[int], start: int, decode: bool) -> tuple[torch.Tensor, object]:
+        seq = ScheduledSeq(
+            request_id="r", token_ids=ids, start_pos=start, block_ids=blocks, state_src=None, state_dst=0,
+            sample=True, snapshots=[], params=SamplingParams(), num_output_tokens=0,
+        )  # fmt: skip
+        return runner.build_meta(ScheduledBatch(seqs=[seq], num_decodes=int(decode)))
+
+    ids, meta = run(context, 0, False)
+    hidden = model(ids, meta, cache)
+    ids, meta = run(context[1:], 0, False)
+    out = model.mtp_forward(ids, hidden[:-1], meta, cache)[-1:]
+    drafts = [int(model.compute_logits(out).argmax(-1))]
+    for j in range(1, k):
+        ids, meta = run([drafts[-1]], len(context) - 2 + j, True)
+        out = model.mtp_forward(ids, out, meta, cache)
+        drafts.append(int(model.compute_logits(out).argmax(-1)))
+    return drafts
+
+
+def test_engine_drafts_are_the_blocks_own_predictions(ckpt: Path) -> None:
+    """MTP drafting through the engine (`speculative_config.method: mtp`): outputs are plain decoding's, and
+    the drafts it holds after each step are those a from-scratch recomputation of the block over the
+    request's context gives (its catch-up passes saw every position once, with the right token after it),
+    through chunked prefill and verify steps."""
+    from hyserve import LLM
+
+    opts = dict(dtype="float32", max_seq_len=256, max_num_tokens=16, kv_cache_config={"tokens_per_block": 8})
+    prompt = [1, 5, 9, 13, 200, 17, 4, 88, 21, 90, 33, 7, 150, 61, 2, 19, 44, 8, 8, 30]  # 2 prefill chunks
+    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = LLM(str(ckpt), **opts).generate([prompt], p)[0].token_ids
+    llm = LLM(str(ckpt), speculative_config={"method": "mtp", "num_speculative_tokens": 3}, **opts)
+    eng = llm.engine
+    drafter = eng.spec.drafter  # type: ignore[union-attr]
+    eng.add_request("r", prompt, p)
+    got: list[int] = []
+    checked = 0
+    while eng.has_unfinished():
+        for d in eng.step():
+            got += d.token_ids
+        req = eng.requests.get("r")
+        held = drafter._drafts.get("r")
+        if req is not None and held is not None and held[0] == req.num_tokens:
+            context = req.prompt_token_ids + req.output_token_ids
+            assert held[1] == _reference_drafts(eng.loaded.model, context, len(held[1])), len(context)
+            checked += 1
+    assert got == want and checked >= 3
+    assert llm.stats()["spec_decode_num_drafts"] > 0
+
+
+def test_mtp_drafting_without_a_block_is_refused_at_start_up(tmp_path: Path) -> None:
+    from hyserve import LLM
+
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="has no multi-token-prediction layer"):
+        LLM(str(make_tiny(tmp_path / "plain")), speculative_config=spec)
+    bamba = tmp_path / "bamba"
+    bamba.mkdir()
+    (bamba / "config.json").write_text(
+        (ROOT / "benchmarks" / "configs" / "Bamba-9B" / "config.json").read_text()
+    )
+    with pytest.raises(ValueError, match="bamba models have no multi-token-prediction layer"):
+        LLM(str(bamba), load_format="dummy", speculative_config=spec)

@@ -127,7 +127,7 @@ def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
         batch_wait_max_tokens_ratio=sc.batch_wait_max_tokens_ratio,
     )
     runner = ModelRunner(lm.model, tensors, lm.device)
-    speculation = Speculation.build(config.speculative, sc.max_batch_size)
+    speculation = Speculation.build(config.speculative, sc.max_batch_size, runner)
     if speculation is not None:
         scheduler.drafter, scheduler.num_spec_tokens = speculation.propose, speculation.k
         graph_pads = cache.states.pad_slots[: 1 if graph_sizes else 0]

@@ -116,6 +116,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     family, cfg = read_config(model_dir)
     quant = resolve_quant(config.quantization, model_dir)
     cfg = family.with_quant(cfg, quant)
+    if config.speculative.method == "mtp":  # its MTP block built and loaded: it drafts
+        cfg = family.with_mtp(cfg)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, cfg, device)
     kv_dtype = resolve_kv_dtype(config.cache.dtype, dtype, device)

@@ -43,6 +43,10 @@ class ModelRunner:
         # state slots a speculative step chains its verified positions through (never allocated to a
         # request): decoding sequence i of the step uses spec_scratch[i * (width - 1) : (i + 1) * (width - 1)]
         self.spec_scratch: list[int] = []
+        # MTP drafting reads every step's final hidden states (and its rows' cu_seqlens): kept until the next
+        # step when set (such steps run eagerly)
+        self.keep_step_hidden = False
+        self.step_hidden: tuple[torch.Tensor, list[int]] | None = None
 
     @property
     def graphs(self) -> DecodeGraphs | None:
@@ -173,7 +177,7 @@ class ModelRunner:
         decodes = batch.seqs[: batch.num_decodes]
         rows = [-1 if s.feed_row is None else s.feed_row for s in decodes] if feed is not None else None
         q = batch.spec_width
-        if self._graphs is not None and batch.num_decodes == len(batch.seqs):
+        if self._graphs is not None and batch.num_decodes == len(batch.seqs) and not self.keep_step_hidden:
             logits = self._graphs.execute(batch.seqs, None if feed is None else (feed, rows or []), q)
             if logits is not None:  # every decode sequence samples
                 return logits
@@ -185,6 +189,8 @@ class ModelRunner:
         hidden = self.model(input_ids, meta, self.cache)
         if any(s.params.prompt_logprobs is not None for s in batch.seqs[batch.num_decodes :]):
             self._kept = (hidden, meta.cu_seqlens)
+        if self.keep_step_hidden:
+            self.step_hidden = (hidden, meta.cu_seqlens)
         return self.model.compute_logits(hidden[meta.logits_indices])
 
     @torch.inference_mode()

@@ -9,11 +9,13 @@ above that batch size the verify rows cost more than the accepted tokens save.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from hyserve.config import SpeculativeConfig
+from hyserve.distributed import parallel_info
 from hyserve.engine.request import Request
 from hyserve.engine.scheduler.scheduler import ScheduledBatch
+from hyserve.engine.speculative.mtp import MTPDrafter
 from hyserve.engine.speculative.ngram import NgramProposer
 from hyserve.engine.speculative.verify import SampledRun
 
@@ -59,31 +61,58 @@ class Speculation:
         self.accepted_per_position = [0] * self.k  # drafts whose token at position i was accepted
 
     @classmethod
-    def build(cls, spec: SpeculativeConfig, max_batch_size: int) -> Speculation | None:
-        """The engine's speculation, or None when off. Raises ValueError for a method it cannot draft with."""
+    def build(cls, spec: SpeculativeConfig, max_batch_size: int, runner: Any) -> Speculation | None:
+        """The engine's speculation over `runner` (the model runner: MTP drafts from its kept hidden states),
+        or None when off. Raises ValueError for a method it cannot draft with here."""
         if not spec.enabled:
             return None
+        assert spec.num_speculative_tokens is not None
+        drafter: Drafter
         if spec.method == "mtp":
-            raise ValueError(
-                "speculative_config.method 'mtp' is not available: hyserve does not draft with the "
-                "checkpoint's multi-token-prediction layer yet; use method 'ngram'"
-            )
-        lo, hi = spec.lookup_range()
-        return cls(spec, spec_max_batch(spec, max_batch_size), NgramProposer(lo, hi))
+            if parallel_info().world_size > 1:
+                raise ValueError(
+                    "speculative_config.method 'mtp' runs on one rank for now (tp_size 1); use method "
+                    "'ngram' with tensor parallelism"
+                )
+            runner.keep_step_hidden = True
+            drafter = MTPDrafter(runner, spec.num_speculative_tokens)
+        else:
+            lo, hi = spec.lookup_range()
+            drafter = NgramProposer(lo, hi)
+        return cls(spec, spec_max_batch(spec, max_batch_size), drafter)
 
     def propose(self, req: Request, k: int) -> list[int]:
         return self.drafter.propose(req, k)
 
     def describe(self) -> str:
         lo, hi = self.spec.lookup_range()
+        how = f"n-grams of {lo}-{hi} tokens" if self.spec.method == "ngram" else "the checkpoint's MTP block"
         return (
-            f"speculative decoding: {self.spec.method}, up to {self.k} draft tokens a step (n-grams of "
-            f"{lo}-{hi} tokens), while at most {self.max_batch} requests run"
+            f"speculative decoding: {self.spec.method}, up to {self.k} draft tokens a step ({how}), while at "
+            f"most {self.max_batch} requests run"
         )
 
     def drafting(self, num_running: int) -> bool:
         """Whether the next step drafts."""
         return 0 < num_running <= self.max_batch
+
+    def step_mode(self, num_running: int) -> tuple[bool, bool]:
+        """(whether the next step drafts, whether it is read as soon as it is sampled): drafting needs every
+        decoding request's newest token on the host, and MTP drafting reads every step's hidden states."""
+        draft = self.drafting(num_running)
+        return draft, draft or isinstance(self.drafter, MTPDrafter)
+
+    def on_read(
+        self, batch: ScheduledBatch, runs: list[SampledRun], requests: dict[str, Request], runner: Any
+    ) -> None:
+        """A step was read: a speculative step's accepted drafts (their Mamba state, `settle`), then the MTP
+        block's passes over its positions and the next drafts."""
+        if batch.spec_width > 1:
+            copies = self.settle(batch, runs, requests, runner.spec_scratch)
+            if copies:
+                runner.copy_states(copies)
+        if isinstance(self.drafter, MTPDrafter):
+            self.drafter.after_step(batch, runs, requests)
 
     def record(self, run: SampledRun) -> None:
         if not run.draft_len:
