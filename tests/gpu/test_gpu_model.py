@@ -239,3 +239,18 @@ def test_speculative_verify_graphs_match_plain_decoding(tmp_path: Path, variant:
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     s = llm.stats()
     assert s["spec_decode_num_accepted_tokens"] > 0 and s["jit_compiles_after_ready"] == 0
+
+
+def test_mtp_drafting_on_cuda_matches_plain_decoding(tmp_path: Path) -> None:
+    """MTP drafting on CUDA (the tiny MoE checkpoint with an MTP block): plain decoding's greedy tokens, drafts
+    proposed, and no compilation after ready (the warm-up's steps run the block's passes too)."""
+    d = make_tiny(tmp_path / "moe-mtp", variant="moe", mtp=True)
+    p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = [[1, 5, 9, 13, 200, 17, 4], [1, 77] * 20, [1, 3]]
+    opts = dict(device="cuda", dtype="float32", max_seq_len=256, strict_warmup=True)
+    want = LLM(str(d), **opts).generate(prompts, p)
+    llm = LLM(str(d), speculative_config={"method": "mtp", "num_speculative_tokens": 3}, **opts)
+    got = llm.generate(prompts, p)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    s = llm.stats()
+    assert s["spec_decode_num_drafts"] > 0 and s["jit_compiles_after_ready"] == 0
