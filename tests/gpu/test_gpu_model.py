@@ -242,8 +242,8 @@ def test_speculative_verify_graphs_match_plain_decoding(tmp_path: Path, variant:
 
 
 def test_mtp_drafting_on_cuda_matches_plain_decoding(tmp_path: Path) -> None:
-    """MTP drafting on CUDA (the tiny MoE checkpoint with an MTP block): plain decoding's greedy tokens, drafts
-    proposed, and no compilation after ready (the warm-up's steps run the block's passes too)."""
+    """MTP drafting on CUDA (the tiny MoE checkpoint with an MTP block): plain decoding's greedy tokens,
+    drafts proposed, and no compilation after ready (the warm-up's steps run the block's passes too)."""
     d = make_tiny(tmp_path / "moe-mtp", variant="moe", mtp=True)
     p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = [[1, 5, 9, 13, 200, 17, 4], [1, 77] * 20, [1, 3]]
