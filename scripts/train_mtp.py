@@ -19,6 +19,7 @@ import json
 import math
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hyserve import LLM, SamplingParams
+from hyserve.bench.report import stamp
 from hyserve.engine.runner.runner import ModelRunner
 from hyserve.engine.sampling_params import SamplingParams as SP
 from hyserve.engine.scheduler.scheduler import ScheduledBatch, ScheduledSeq
@@ -166,7 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         if step % 50 == 0 or step == a.steps - 1:
             print(f"step {step}: loss {loss.item():.3f} ({time.monotonic() - t0:.0f}s)", flush=True)
     write_checkpoint(a.target, a.out, mtp.state())
-    result = measure(a.out)
+    result = {
+        **stamp(
+            "mtp_train", ["python", "-m", "scripts.train_mtp", *(argv if argv is not None else sys.argv[1:])]
+        )
+    }
+    result.update(measure(a.out))
     result.update(steps=a.steps, batch=a.batch, lr=a.lr, seed=a.seed, train_seconds=time.monotonic() - t0)
     path = a.result_dir / f"mtp_train_{a.out.name}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
