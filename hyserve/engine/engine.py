@@ -158,7 +158,7 @@ class LLMEngine:
     def step(self) -> list[StreamDelta]:
         """schedule -> launch -> read the previous step -> emit. Returns the deltas of every request that
         progressed (with async scheduling a step's tokens come out of the next call)."""
-        # drafting needs every decoding request's newest token on the host: no step stays in flight
+        # drafting needs every decoding request's newest token on the host (MTP: every step's hidden states)
         drafting, sync = self.spec.step_mode(len(self.scheduler.running)) if self.spec else (False, False)
         deltas = self.drain() if sync else []
         batch, aborted = self.scheduler.schedule(draft=drafting)
