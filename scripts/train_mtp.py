@@ -72,7 +72,8 @@ class PlainMTP(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.w[key.replace(".", "/")]
 
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """emb, hidden: [B, T, h] -> the block's output [B, T, h] (causal over T)."""
+        """emb: [B, T, h] the embeddings of tokens 1..T (the token after each position), hidden: [B, T, h] the
+        target's hidden states at positions 0..T-1 -> the block's output [B, T, h] (causal over T)."""
         x = self.eh_proj(torch.cat([self._rms(emb, "0.enorm"), self._rms(hidden, "0.hnorm")], -1))
         y = self._rms(x, "0.norm")
         B, L, _ = y.shape
@@ -157,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         ids, hid, tgt, wts = batch(tok, rng, model, a.batch, 160, 320)
         for g in opt.param_groups:
             g["lr"] = a.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / a.steps))
-        out = mtp(emb[ids], hid)
+        nxt = F.pad(ids[:, 1:], (0, 1))  # position t's input is token t + 1
+        out = mtp(emb[nxt], hid)
         loss = F.cross_entropy(
             (out @ head.T).flatten(0, 1), tgt.flatten(), ignore_index=-100, reduction="none"
         )
