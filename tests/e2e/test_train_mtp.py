@@ -22,3 +22,40 @@ def test_a_few_steps_write_a_checkpoint_that_drafts(tmp_path: Path) -> None:
     assert {"mtp.layers.0.eh_proj.weight", "mtp.layers.1.final_layernorm.weight"} <= names
     res = json.loads((tmp_path / "mtp_train_needle-mtp.json").read_text())
     assert res["same_answers"] == res["prompts"] == 16 and res["acceptance_length"] >= 1.0
+
+
+def test_the_trained_module_is_hyserves_block(tmp_path: Path) -> None:
+    """The plain-torch block the script trains computes what hyserve's MTP block computes with its tensors:
+    the same output over a sequence, from the embeddings of the tokens after each position and the target's
+    hidden states at those positions."""
+    import torch
+
+    from hyserve.engine.runner.runner import ModelRunner
+    from hyserve.engine.sampling_params import SamplingParams
+    from hyserve.engine.scheduler.scheduler import ScheduledBatch, ScheduledSeq
+    from hyserve.model.nemotron_h.config import HybridModelConfig
+    from hyserve.model.nemotron_h.model import NemotronHForCausalLM
+    from hyserve.model.weights import load_checkpoint
+
+    target = train_mtp.ROOT / "models" / "hyserve-needle-tiny"
+    torch.manual_seed(0)
+    plain = train_mtp.PlainMTP(HybridModelConfig.from_hf(target))
+    out = tmp_path / "ckpt"
+    train_mtp.write_checkpoint(target, out, plain.state())
+    cfg = HybridModelConfig.from_hf(out).with_mtp()
+    model = NemotronHForCausalLM(cfg, dtype=torch.float32)
+    load_checkpoint(model, out, names=model.checkpoint_names)
+    ids = [1, 5, 40, 41, 42, 7, 9, 100, 101, 3, 4, 60, 61, 62, 5, 40, 41, 2]
+    h = train_mtp.target_hidden(model, ids)
+    cache = model.allocate_cache(num_blocks=4, tokens_per_block=8, num_slots=1, device="cpu")
+    seq = ScheduledSeq(
+        request_id="r", token_ids=ids[1:], start_pos=0, block_ids=[0, 1, 2, 3], state_src=None, state_dst=0,
+        sample=True, snapshots=[], params=SamplingParams(), num_output_tokens=0,
+    )  # fmt: skip
+    x, meta = ModelRunner(model, cache, torch.device("cpu")).build_meta(
+        ScheduledBatch(seqs=[seq], num_decodes=0)
+    )
+    with torch.no_grad():
+        got = model.mtp_forward(x, h[:-1], meta, cache)
+        want = plain(model.backbone.embeddings.weight[torch.tensor(ids[1:])][None], h[:-1][None])[0]
+    assert (got - want).abs().max().item() < 1e-4
