@@ -314,21 +314,17 @@ class StructuredOutputs:
         follows (a speculative step's later positions), taken into its grammar for its mask and undone."""
         if not self._states:
             return None
+        drafted = drafts or [[]] * len(request_ids)
+        states = [(i, d, self._states.get(r)) for i, (r, d) in enumerate(zip(request_ids, drafted))]
+        later = [(i, d, st) for i, d, st in states if d and st is not None]
+        rows = [(i, st) for i, d, st in states if not d and st is not None and st.active]
+        if not later and not rows:
+            return None
         mask = torch.full((len(request_ids), bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
-        later = [] if drafts is None else [i for i, d in enumerate(drafts) if d]
-        for i in later:
-            st = self._states.get(request_ids[i])
-            if st is not None:
-                assert drafts is not None
-                st.fill_after(mask, i, drafts[i])
-        skip = set(later)
-        rows = [
-            (i, st)
-            for i, r in enumerate(request_ids)
-            if i not in skip and (st := self._states.get(r)) is not None and st.active
-        ]
+        for i, d, st in later:
+            st.fill_after(mask, i, d)
         if not rows:
-            return mask if any(self._states.get(request_ids[i]) is not None for i in later) else None
+            return mask
         if len(rows) == 1:
             rows[0][1].fill(mask, rows[0][0])
         else:  # xgrammar fills the rows on its own threads, without the GIL
