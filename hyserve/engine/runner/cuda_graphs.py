@@ -19,7 +19,7 @@ Nothing the kernels launch depends on host values (the attention launcher takes 
 pure decode steps), so one recording serves every replay.
 
 With speculative decoding, verify steps are captured too, per (batch size, width) for the sizes up to the
-speculating batch: each sequence is `width` consecutive rows (runner/verify_rows.py), padding sequences
+speculating batch: each sequence is `width` consecutive rows (scheduler/verify_rows.py), padding sequences
 `width` padding rows. Graphs are used only for decode-only steps up to the largest captured size; prefill
 and mixed steps run eagerly. On the CPU `DecodeGraphs` runs the same static-buffer step eagerly
 (`capture=False`), which is what the tests exercise without a GPU.
@@ -33,8 +33,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from hyserve.engine.host_tensors import int_tensor, to_device
-from hyserve.engine.runner.verify_rows import scratch_of, verify_rows
 from hyserve.engine.scheduler.scheduler import ScheduledSeq
+from hyserve.engine.scheduler.verify_rows import scratch_of, verify_rows
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.forward_meta import ForwardMeta
 from hyserve.model.protocol import CausalLM

@@ -17,9 +17,9 @@ import torch
 from hyserve.engine.host_tensors import int_tensor, to_device
 from hyserve.engine.outputs import TokenLogprob
 from hyserve.engine.runner.cuda_graphs import DecodeGraphs
-from hyserve.engine.runner.verify_rows import scratch_of, verify_rows
 from hyserve.engine.sampling.sampler import token_logprobs
 from hyserve.engine.scheduler.scheduler import ScheduledBatch, ScheduledSeq
+from hyserve.engine.scheduler.verify_rows import scratch_of, verify_rows
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.forward_meta import ForwardMeta, SnapshotWrite
 from hyserve.model.protocol import CausalLM
@@ -120,7 +120,7 @@ class ModelRunner:
 
         for i, s in enumerate(batch.seqs):
             if i < batch.num_decodes and q > 1:
-                # a verified sequence: one row per position (runner/verify_rows.py)
+                # a verified sequence: one row per position (scheduler/verify_rows.py)
                 for v in verify_rows(s, q, scratch_of(self.spec_scratch, i, q)):
                     row([v.token], v.position, s, (v.src, v.dst), write_kv=v.writes_kv)
                     has_init.append(True)

@@ -15,6 +15,7 @@ from hyserve.config import SpeculativeConfig
 from hyserve.distributed import parallel_info
 from hyserve.engine.request import Request
 from hyserve.engine.scheduler.scheduler import ScheduledBatch
+from hyserve.engine.scheduler.verify_rows import scratch_of
 from hyserve.engine.speculative.mtp import MTPDrafter
 from hyserve.engine.speculative.ngram import NgramProposer
 from hyserve.engine.speculative.verify import SampledRun
@@ -92,14 +93,10 @@ class Speculation:
             f"most {self.max_batch} requests run"
         )
 
-    def drafting(self, num_running: int) -> bool:
-        """Whether the next step drafts."""
-        return 0 < num_running <= self.max_batch
-
     def step_mode(self, num_running: int) -> tuple[bool, bool]:
         """(whether the next step drafts, whether it is read as soon as it is sampled): drafting needs every
         decoding request's newest token on the host, and MTP drafting reads every step's hidden states."""
-        draft = self.drafting(num_running)
+        draft = 0 < num_running <= self.max_batch
         return draft, draft or isinstance(self.drafter, MTPDrafter)
 
     def on_read(
@@ -138,7 +135,7 @@ class Speculation:
                 continue
             req.num_computed += run.accepted
             if run.accepted < q - 1 and req.live_slot is not None:
-                copies.append((req.live_slot, scratch[i * (q - 1) + run.accepted]))
+                copies.append((req.live_slot, scratch_of(scratch, i, q)[run.accepted]))
         return copies
 
     def forget(self, request_id: str) -> None:
