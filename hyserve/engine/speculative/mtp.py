@@ -110,54 +110,46 @@ class MTPDrafter:
             else:
                 return None
             nxt = list(s.token_ids[1:]) + tail
-        mtp_seq = ScheduledSeq(
-            request_id=s.request_id,
-            token_ids=nxt,
-            start_pos=s.start_pos,
-            block_ids=list(req.block_ids),
-            state_src=req.live_slot,
-            state_dst=req.live_slot if req.live_slot is not None else 0,
-            sample=True,
-            snapshots=[],
-            params=_PARAMS,
-            num_output_tokens=0,
-        )
         # the context length once this step's tokens are appended (its draft's first token goes there)
         context = s.start_pos + len(nxt) + 1 if run is not None else None
-        return mtp_seq, first, context
+        return _mtp_seq(req, nxt, s.start_pos), first, context
 
     def _chain(
         self, owners: list[tuple[Request, int | None]], hidden: torch.Tensor, drafts: list[list[int]]
     ) -> None:
         """k - 1 more one-row passes for the sequences that keep a draft; store the drafts."""
-        live = [j for j, (_, ctx) in enumerate(owners) if ctx is not None]
+        keep = [(j, req, ctx) for j, (req, ctx) in enumerate(owners) if ctx is not None]
         bs = self.runner.tokens_per_block
+        live = keep
         for step in range(1, self.k):
-            # the next position of each: covered by the request's blocks, or its draft stops here
-            live = [j for j in live if (owners[j][1] or 0) + step - 2 < len(owners[j][0].block_ids) * bs]
+            # pass `step` runs at position ctx - 2 + step: covered by the request's blocks, or the draft stops
+            live = [(j, req, ctx) for j, req, ctx in live if ctx + step - 2 < len(req.block_ids) * bs]
             if not live:
                 break
-            seqs = [
-                ScheduledSeq(
-                    request_id=owners[j][0].request_id,
-                    token_ids=[drafts[j][-1]],
-                    start_pos=(owners[j][1] or 0) + step - 2,
-                    block_ids=list(owners[j][0].block_ids),
-                    state_src=owners[j][0].live_slot,
-                    state_dst=owners[j][0].live_slot or 0,
-                    sample=True,
-                    snapshots=[],
-                    params=_PARAMS,
-                    num_output_tokens=0,
-                )
-                for j in live
-            ]
+            seqs = [_mtp_seq(req, [drafts[j][-1]], ctx + step - 2) for j, req, ctx in live]
             ids, meta = self.runner.build_meta(ScheduledBatch(seqs=seqs, num_decodes=len(seqs)))
-            idx = torch.tensor(live, device=hidden.device)
+            idx = torch.tensor([j for j, _, _ in live], device=hidden.device)
             out = self.runner.model.mtp_forward(ids, hidden.index_select(0, idx), meta, self.runner.cache)
             hidden = hidden.index_copy(0, idx, out)
-            for j, t in zip(live, self.runner.model.compute_logits(out).argmax(-1).tolist()):
+            for (j, _, _), t in zip(live, self.runner.model.compute_logits(out).argmax(-1).tolist()):
                 drafts[j].append(t)
-        for j, (req, ctx) in enumerate(owners):
-            if ctx is not None:
-                self._drafts[req.request_id] = (ctx, drafts[j])
+        for j, req, ctx in keep:
+            self._drafts[req.request_id] = (ctx, drafts[j])
+
+
+def _mtp_seq(req: Request, tokens: list[int], start: int) -> ScheduledSeq:
+    """An MTP pass over `tokens` (each the token after its position) from position `start` of `req`, in the
+    request's blocks; the block has no Mamba layer, so the state slots are never read."""
+    slot = req.live_slot if req.live_slot is not None else 0
+    return ScheduledSeq(
+        request_id=req.request_id,
+        token_ids=tokens,
+        start_pos=start,
+        block_ids=list(req.block_ids),
+        state_src=slot,
+        state_dst=slot,
+        sample=True,
+        snapshots=[],
+        params=_PARAMS,
+        num_output_tokens=0,
+    )
