@@ -239,7 +239,7 @@ class LLMEngine:
         if self.faults is not None:
             self.faults.check_rows("sample", sampling)
         histories, pending = penalty_inputs(rows, self.requests, prev)
-        bitmask = grammar_masks(self.structured, rows)
+        bitmask = grammar_masks(self.structured, rows, batch.spec_width > 1)
         return sample_step(sampler, batch, logits, requests, histories, pending, bitmask)
 
     def _read(self, step: PendingStep) -> list[StreamDelta]:

@@ -43,7 +43,7 @@ class PendingStep:
         if self.logprobs is not None and self.logprobs_host is not None:
             lps = self.logprobs.entries(tokens, self.logprobs_host.tolist())
         if self.widths is None:
-            return [SampledRun(r, [t], [lp]) for r, t, lp in zip(self.reqs, tokens, lps)]
+            return [SampledRun(r, (t,), (lp,)) for r, t, lp in zip(self.reqs, tokens, lps)]
         out, row = [], 0
         for req, seq, w in zip(self.reqs, self.sampling, self.widths):
             out.append(verified_run(req, seq.draft, tokens[row : row + w], lps[row : row + w]))
@@ -80,10 +80,13 @@ def penalty_inputs(
     return histories, pending
 
 
-def grammar_masks(structured: StructuredOutputs, rows: list[tuple[ScheduledSeq, int]]) -> torch.Tensor | None:
-    """The structured-outputs bitmask of the sampling rows (`sampling_rows`); a speculative row at position j
-    is masked as its grammar stands after the first j draft tokens."""
-    return structured.fill_bitmask([s.request_id for s, _ in rows], [s.draft[:j] for s, j in rows])
+def grammar_masks(
+    structured: StructuredOutputs, rows: list[tuple[ScheduledSeq, int]], speculative: bool
+) -> torch.Tensor | None:
+    """The structured-outputs bitmask of the sampling rows (`sampling_rows`); in a `speculative` step a row
+    at position j is masked as its grammar stands after the first j draft tokens."""
+    drafts = [s.draft[:j] for s, j in rows] if speculative else None
+    return structured.fill_bitmask([s.request_id for s, _ in rows], drafts)
 
 
 def sample_step(

@@ -99,12 +99,12 @@ class MTPDrafter:
             if run is None:
                 return None
             first = i * q
-            nxt = run.tokens[: run.accepted + 1]
+            nxt = list(run.tokens[: run.accepted + 1])
         else:  # a prefill chunk: its positions; the token after its last, from the prompt or its sample
             first = cu[i + (q - 1) * batch.num_decodes]
             after = s.start_pos + len(s.token_ids)
             if run is not None:
-                tail = run.tokens[:1]
+                tail = list(run.tokens[:1])
             elif after < req.num_tokens:
                 tail = req.token_slice(after, after + 1)
             else:

@@ -19,15 +19,16 @@ from hyserve.engine.request import Request
 from hyserve.engine.scheduler.scheduler import ScheduledBatch, ScheduledSeq
 
 
-@dataclass
+@dataclass(slots=True)
 class SampledRun:
     """What one sequence produced in a step: its request when launched, the tokens to append in order
     (and their logprob entries), and for a speculative row how many draft tokens it carried and how many
-    of them were accepted."""
+    of them were accepted. Tuples, not lists: one of these is made per sequence every step, and the
+    collector need not track tuples of ints."""
 
     req: Request | None
-    tokens: list[int]
-    logprobs: list[TokenLogprob | None]
+    tokens: tuple[int, ...]
+    logprobs: tuple[TokenLogprob | None, ...]
     draft_len: int = 0
     accepted: int = 0
 
@@ -40,7 +41,7 @@ def verified_run(
     a = 0
     while a < len(draft) and sampled[a] == draft[a]:
         a += 1
-    return SampledRun(req, sampled[: a + 1], lps[: a + 1], len(draft), a)
+    return SampledRun(req, tuple(sampled[: a + 1]), tuple(lps[: a + 1]), len(draft), a)
 
 
 def sampling_rows(batch: ScheduledBatch) -> tuple[list[ScheduledSeq], list[tuple[ScheduledSeq, int]]]:
