@@ -67,7 +67,8 @@ def pack_decode_rows(
     assert b <= padded
     bs = tokens_per_block
     pad = (padded - b) * width
-    feed = [f for f in (feed_rows if feed_rows is not None else [0] * b) for _ in range(width)] + [0] * pad
+    fed = list(feed_rows) if feed_rows is not None else [0] * b
+    feed = (fed if width == 1 else [f for f in fed for _ in range(width)]) + [0] * pad
     if width == 1:
         ids = [s.token_ids[0] for s in seqs]
         slots = [s.block_ids[s.start_pos // bs] * bs + s.start_pos % bs for s in seqs]
