@@ -244,21 +244,25 @@ def _bench_mamba_ssm_peer(b, pool, x, dt, A, B, C, D, dt_bias, idx, nbytes, our_
 def bench_conv(b: Bench) -> None:
     from hyserve.kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
 
-    Dm, K = (12288, 4) if not b.dry else (64, 4)
-    batch = 64 if not b.dry else 4
-    pool = b.rnd(batch + 4, Dm, K - 1)
-    x, w, bias = b.rnd(batch, Dm), b.rnd(Dm, K, scale=0.5), b.rnd(Dm)
-    idx = torch.randperm(batch + 4, device=b.dev)[:batch]
-    p_ref, p_tri = pool.clone(), pool.clone()
-    o_ref = causal_conv1d_update_ref(x, p_ref, w, bias, idx, idx)
-    o_tri = causal_conv1d_update_triton(x, p_tri, w, bias, idx, idx)
-    name = f"conv1d_update batch {batch}"
-    if b.check(name, o_tri, o_ref, 2e-2, 2e-2) and b.check(name + " (states)", p_tri[idx], p_ref[idx], 0, 0):
-        ms = b.time_ms(lambda: causal_conv1d_update_triton(x, pool, w, bias, idx, idx))
-        nbytes = (2 * batch * Dm * (K - 1) + 2 * batch * Dm + Dm * K) * 2
-        b.roof(name, nbytes / (ms * 1e-3), "B/s", "copy", "device copy ceiling", time_ms=ms)
+    K = 4
+    # Nano 9B v2's width at batch 64; Nano 30B-A3B's at batch 1,024 (a large decode step)
+    for batch, Dm in ((64, 12288), (1024, 6144)) if not b.dry else ((4, 64),):
+        pool = b.rnd(batch + 4, Dm, K - 1)
+        x, w, bias = b.rnd(batch, Dm), b.rnd(Dm, K, scale=0.5), b.rnd(Dm)
+        idx = torch.randperm(batch + 4, device=b.dev)[:batch]
+        p_ref, p_tri = pool.clone(), pool.clone()
+        o_ref = causal_conv1d_update_ref(x, p_ref, w, bias, idx, idx)
+        o_tri = causal_conv1d_update_triton(x, p_tri, w, bias, idx, idx)
+        name = f"conv1d_update batch {batch}" + (f" width {Dm}" if batch != 64 else "")
+        states_ok = b.check(name + " (states)", p_tri[idx], p_ref[idx], 0, 0)
+        if b.check(name, o_tri, o_ref, 2e-2, 2e-2) and states_ok:
+            ms = b.time_ms(lambda: causal_conv1d_update_triton(x, pool, w, bias, idx, idx))
+            nbytes = (2 * batch * Dm * (K - 1) + 2 * batch * Dm + Dm * K) * 2
+            b.roof(name, nbytes / (ms * 1e-3), "B/s", "copy", "device copy ceiling", time_ms=ms)
 
     T = 8192 if not b.dry else 70
+    Dm = 12288 if not b.dry else 64
+    w, bias = b.rnd(Dm, K, scale=0.5), b.rnd(Dm)
     cu = [0, T // 4 + 3, T] if not b.dry else [0, 1, 33, T]
     S = len(cu) - 1
     xv = b.rnd(T, Dm)

@@ -170,11 +170,15 @@ def test_ssm_update_nano9b(poison, state_dtype, Bt, n_pad):
 # --------------------------------------------------------------------------- conv1d
 
 
-def _conv_update_case(poison, *, Bt, Dm, K, dtype, pool_dtype, n_pad=0, bias=True, activation="silu"):
+def _conv_update_case(
+    poison, *, Bt, Dm, K, dtype, pool_dtype, n_pad=0, bias=True, activation="silu", wide_pool=False
+):
     n_real = Bt - n_pad
     slots = 2 * Bt + 2
     pad_slot = slots - 1
     pool = rnd(slots, Dm, K - 1, dtype=pool_dtype)
+    if wide_pool:  # a view whose rows are K + 1 apart: the kernel takes the pool's strides as given
+        pool = torch.cat([pool, rnd(slots, Dm, 2, dtype=pool_dtype)], dim=2)[:, :, : K - 1]
     perm = torch.randperm(slots - 1, device=DEV)
     src, dst = perm[:Bt].clone(), perm[Bt : 2 * Bt].clone()
     dst[: n_real // 2] = src[: n_real // 2]
@@ -206,9 +210,13 @@ def test_conv1d_update_small(poison, dtype, Bt, n_pad):
     _conv_update_case(poison, Bt=Bt, Dm=40, K=4, dtype=dtype, pool_dtype=dtype, n_pad=n_pad)
 
 
-@pytest.mark.parametrize("K", [2, 3])
+@pytest.mark.parametrize("K", [2, 3, 5])
 def test_conv1d_update_small_kernel_sizes_no_bias_no_act(poison, K):
     _conv_update_case(poison, Bt=3, Dm=24, K=K, dtype=F32, pool_dtype=F32, bias=False, activation=None)
+
+
+def test_conv1d_update_strided_pool_view(poison):
+    _conv_update_case(poison, Bt=4, Dm=40, K=4, dtype=BF16, pool_dtype=BF16, wide_pool=True)
 
 
 def test_conv1d_update_pool_dtype_differs(poison):
