@@ -1,7 +1,7 @@
-"""The other hybrid families' published config.json files in `benchmarks/configs/` (Bamba-9B) read through
-the model registry as transformers reads them: the family, the layer kinds, the parameter count of
-transformers' own model built on the meta device, and the per-sequence Mamba state and per-token KV sizes
-from first principles."""
+"""The other hybrid families' published config.json files in `benchmarks/configs/` (Bamba-9B,
+granite-4.0-h-small) read through the model registry as transformers reads them: the family, the layer
+kinds, the parameter count of transformers' own model built on the meta device, and the per-sequence Mamba
+state and per-token KV sizes from first principles."""
 
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ from tests.shipped_configs import OTHER_FAMILIES, config_dir
 
 transformers = pytest.importorskip("transformers")
 
-HF_CLASSES = {"bamba": ("BambaConfig", "BambaForCausalLM")}
+HF_CLASSES = {
+    "bamba": ("BambaConfig", "BambaForCausalLM"),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
+}
 
 
 @pytest.mark.parametrize("name", OTHER_FAMILIES)
@@ -26,7 +29,12 @@ def test_published_config_reads_as_transformers_builds_it(name: str) -> None:
     assert raw["model_type"] in family.model_types
     cfg_cls, model_cls = (getattr(transformers, c) for c in HF_CLASSES[raw["model_type"]])
     hf_cfg = cfg_cls(**raw)
-    attn = set(hf_cfg.attn_layer_indices)
+    if raw["model_type"] == "bamba":
+        attn = set(hf_cfg.attn_layer_indices)
+    else:
+        attn = {
+            i for i, kind in enumerate(hf_cfg.layer_types) if "attention" in kind and "linear" not in kind
+        }
     want_kinds = [LAYER_ATTENTION if i in attn else LAYER_MAMBA for i in range(hf_cfg.num_hidden_layers)]
     assert list(spec.layer_types) == want_kinds
     with torch.device("meta"):
