@@ -8,7 +8,9 @@ templates expect and turns template failures into 400s:
 - content given as a list of parts -> the concatenated text (only text parts: these are text models);
 - assistant `tool_calls[].function.arguments` given as a JSON string (as OpenAI clients send it) ->
   a dict, because templates iterate it (`arguments|items` in the qwen3_coder style templates);
-- `chat_template_kwargs` are passed to the template as variables (e.g. `enable_thinking`).
+- `chat_template_kwargs` are passed to the template as variables (e.g. `enable_thinking`);
+- `documents` (vLLM's retrieval field: a list of string-valued objects) reach the template as `documents`
+  (Granite 4.0's templates list them in the system turn).
 """
 
 from __future__ import annotations
@@ -21,7 +23,15 @@ from hyserve.server.tool_parser import parse_json
 
 # Names the template call sets itself; a client must not override them through chat_template_kwargs.
 _RESERVED_TEMPLATE_VARS = frozenset(
-    {"messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize", "conversation"}
+    {
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "conversation",
+    }
 )
 
 
@@ -125,6 +135,7 @@ def render_chat_prompt(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
+    documents: list[dict[str, str]] | None = None,
 ) -> str:
     """Render the conversation with the model's chat template (raises APIError 400 on failure)."""
     if tokenizer is None:
@@ -145,6 +156,8 @@ def render_chat_prompt(
         )
     kwargs = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_VARS}
     conv = messages_to_template_input(messages)
+    if documents is not None:
+        kwargs["documents"] = documents
     try:
         text = tokenizer.apply_chat_template(
             conv,

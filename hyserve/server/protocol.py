@@ -188,6 +188,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = True
     response_format: ResponseFormat | None = None
     chat_template_kwargs: JsonObject | None = None
+    documents: list[dict[str, str]] | None = None  # retrieval documents, for templates that take them
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
@@ -380,6 +381,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     chat_template_kwargs: JsonObject | None = None
     tools: list[ChatTool] | None = None
+    documents: list[dict[str, str]] | None = None
 
 
 class TokenizeResponse(_Response):

@@ -133,6 +133,7 @@ async def create_chat_completion(state: AppState, req: ChatCompletionRequest, ra
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             chat_template_kwargs=req.chat_template_kwargs,
+            documents=req.documents,
         )
         state.check_prompt_chars(len(text), "messages")  # the tools and template count too
         return text, encode_text(tok, text, add_special_tokens=False, param="messages")

@@ -27,6 +27,7 @@ async def tokenize_request(state: AppState, req: TokenizeRequest) -> TokenizeRes
                 tools=req.tools,
                 add_generation_prompt=req.add_generation_prompt,
                 chat_template_kwargs=req.chat_template_kwargs,
+                documents=req.documents,
             )
             state.check_prompt_chars(len(text), "messages")  # the tools and template count too
             return encode_text(tok, text, add_special_tokens=False, param="messages")
