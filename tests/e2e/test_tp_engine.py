@@ -9,7 +9,7 @@ module's shared tp-2 dense engine, whose last test kills its worker."""
 
 from __future__ import annotations
 
-import shutil
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +22,8 @@ from hyserve.distributed import parallel_info
 from hyserve.engine.parallel import launch
 from hyserve.engine.parallel.parallel_runner import DriverRunner, RankLost
 from hyserve.engine.runner.runner import ModelRunner
-from hyserve.model.nemotron_h.checkpoint import NAMES
+from hyserve.engine.speculative.mtp import MTPDrafter
+from hyserve.model.nemotron_h.checkpoint import NAMES, NAMES_MTP
 from hyserve.model.nemotron_h.config import HybridModelConfig
 from hyserve.model.nemotron_h.model import NemotronHForCausalLM
 from hyserve.model.weights import save_checkpoint
@@ -54,16 +55,20 @@ def _prompts(n: int, seed: int, lo: int = 3, hi: int = 70) -> list[list[int]]:
     return [[1, *torch.randint(3, 250, (k,), generator=g).tolist()] for k in lens]
 
 
-def _checkpoint(root: Path, variant: str, seed: int = 5) -> str:
+def _checkpoint(root: Path, variant: str, seed: int = 5, mtp: bool = False) -> str:
     """tests/configs/<variant> with O(1)-logit random weights (a 1e-4 bound on near-uniform logits proves
-    little), saved as a checkpoint every rank loads its shard from."""
-    d = root / variant
+    little), saved as a checkpoint every rank loads its shard from; mtp: with an MTP block (attention, then
+    the variant's MoE), as Nemotron 3 ships it."""
+    d = root / (variant + ("-mtp" if mtp else ""))
     d.mkdir()
-    shutil.copy(CONFIGS / variant / "config.json", d / "config.json")
-    cfg = HybridModelConfig.from_hf(d)
+    raw = json.loads((CONFIGS / variant / "config.json").read_text())
+    if mtp:
+        raw.update(num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*E")
+    (d / "config.json").write_text(json.dumps(raw))
+    cfg = HybridModelConfig.from_hf(d).with_mtp(mtp)
     model = NemotronHForCausalLM(cfg, dtype=torch.float32)
     strong_random_weights(model, cfg, seed=seed)
-    save_checkpoint(model, d, names=NAMES)
+    save_checkpoint(model, d, names=NAMES_MTP if mtp else NAMES)
     return str(d)
 
 
@@ -148,6 +153,40 @@ def test_speculative_tp2_matches_tp1(ckpts: dict[str, str]) -> None:
         s = llm.stats()
     _same(ref, got, "speculative, tp 2")
     assert s["spec_decode_num_accepted_tokens"] > 0
+
+
+def _mtp_drafts(llm: LLM, prompts: list[list[int]]) -> tuple[list, list[tuple[int, list[int]]]]:
+    """Greedy outputs, and every draft the MTP drafter kept (context length, tokens), in order."""
+    assert llm.engine.spec is not None and isinstance(llm.engine.spec.drafter, MTPDrafter)
+    drafter = llm.engine.spec.drafter
+    seen: list[tuple[int, list[int]]] = []
+    after = drafter.after_step
+
+    def record(*args: object) -> None:
+        before = dict(drafter._drafts)
+        after(*args)  # type: ignore[arg-type]
+        seen.extend(v for k, v in sorted(drafter._drafts.items()) if before.get(k) != v)
+
+    drafter.after_step = record  # type: ignore[method-assign]
+    return llm.generate(prompts, GREEDY), seen
+
+
+def test_mtp_tp2_drafts_as_tp1(tmp_path: Path) -> None:
+    """MTP drafting over two ranks: rank 0 plans each step's MTP passes and the worker runs the same passes
+    on its shard (the block's attention and MoE are collectives), so tp 2 drafts tp 1's tokens and gives
+    plain decoding's greedy tokens, through chunked prefill and preemption."""
+    ckpt = _checkpoint(tmp_path, "tiny-nemotron-3-moe", mtp=True)
+    prompts = _prompts(6, seed=13)
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    ref = LLM(ckpt, **OPTIONS).generate(prompts, GREEDY)
+    with LLM(ckpt, speculative_config=spec, **OPTIONS) as llm:
+        one, drafts_one = _mtp_drafts(llm, prompts)
+    with LLM(ckpt, tp_size=2, speculative_config=spec, **OPTIONS) as llm:
+        two, drafts_two = _mtp_drafts(llm, prompts)
+        assert llm.stats()["num_preemptions"] > 0 and llm.stats()["spec_decode_num_drafts"] > 0
+    _same(ref, one, "MTP, tp 1")
+    _same(ref, two, "MTP, tp 2")
+    assert len(drafts_one) > 20 and drafts_two == drafts_one
 
 
 def _kv_scales(llm: LLM) -> dict[int, tuple[float, float]]:

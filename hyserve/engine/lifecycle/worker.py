@@ -31,6 +31,7 @@ from hyserve.engine.parallel.step_channel import (
     CAPTURE,
     COPY_STATES,
     HEARTBEAT,
+    MTP_DRAFT,
     PROMPT_LOGITS,
     READY,
     SHUTDOWN,
@@ -68,6 +69,9 @@ class WorkerLoop:
                 runner.follow_prompt_logprobs(*msg[1:])
             elif kind == COPY_STATES:
                 runner.copy_states(msg[1])
+            elif kind == MTP_DRAFT:
+                _, seqs, firsts, chain = msg
+                runner.mtp_draft(decode_seqs(seqs, 0), firsts, chain)
             elif kind == HEARTBEAT:
                 continue
             elif kind == CAPTURE:

@@ -20,6 +20,7 @@ from hyserve.engine.outputs import TokenLogprob
 from hyserve.engine.parallel.step_channel import (
     CAPTURE,
     COPY_STATES,
+    MTP_DRAFT,
     PROMPT_LOGITS,
     READY,
     SHUTDOWN,
@@ -28,6 +29,7 @@ from hyserve.engine.parallel.step_channel import (
     encode_seqs,
 )
 from hyserve.engine.runner.cuda_graphs import DecodeGraphs
+from hyserve.engine.runner.mtp_passes import MTPChain
 from hyserve.engine.runner.runner import ModelRunner
 from hyserve.engine.scheduler.scheduler import ScheduledBatch
 
@@ -49,6 +51,7 @@ class DriverRunner(ModelRunner):
         super().__init__(runner.model, runner.cache, runner.device)
         self._graphs = runner.graphs
         self.spec_scratch = runner.spec_scratch
+        self.keep_step_hidden = runner.keep_step_hidden
         self.channel = channel
         self.failure: str | None = None
         self._eager = False
@@ -130,6 +133,11 @@ class DriverRunner(ModelRunner):
         self._tell((COPY_STATES, copies))
         run = super().copy_states
         self._with_the_others(lambda: run(copies))
+
+    def mtp_draft(self, batch: ScheduledBatch, firsts: list[int], chain: MTPChain) -> list[list[int]]:
+        self._tell((MTP_DRAFT, encode_seqs(batch), firsts, chain))
+        run = super().mtp_draft
+        return self._with_the_others(lambda: run(batch, firsts, chain))
 
     def capture_graphs(
         self,

@@ -11,6 +11,8 @@ it follows over the model's group (NCCL on CUDA: device to device, no host round
                                                        graphs; spec_width: rows per decoding sequence)
     (COPY_STATES, copies)                              copy Mamba state slots (dst, src) after a
                                                        speculative step's drafts were verified
+    (MTP_DRAFT, seqs, firsts, chain)                   the MTP block's passes over the step just run
+                                                       (runner/mtp_passes.py)
     (PROMPT_LOGITS, row, offset, n, rows_per_pass)     the kept step's prompt-logprob passes
     (CAPTURE, sizes, max_blocks_per_seq, pad_slot, enable_padding, spec_widths, spec_max_batch)
     (READY,)  (HEARTBEAT,)  (SHUTDOWN,)
@@ -36,11 +38,12 @@ from hyserve.distributed import CollectiveError, Group, all_gather, parallel_inf
 from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.scheduler.scheduler import ScheduledBatch, ScheduledSeq
 
-STEP, PROMPT_LOGITS, CAPTURE, COPY_STATES, READY, HEARTBEAT, SHUTDOWN = (
+STEP, PROMPT_LOGITS, CAPTURE, COPY_STATES, MTP_DRAFT, READY, HEARTBEAT, SHUTDOWN = (
     "step",
     "prompt_logits",
     "capture",
     "copy_states",
+    "mtp_draft",
     "ready",
     "hb",
     "stop",
@@ -172,7 +175,7 @@ class StepChannel:
             if n > head:
                 self._broadcast(torch.from_numpy(np.frombuffer(data, dtype=np.uint8, offset=head).copy()))
             self._last_send = time.monotonic()
-            self.in_step = msg[0] in (STEP, PROMPT_LOGITS, CAPTURE)
+            self.in_step = msg[0] in (STEP, PROMPT_LOGITS, CAPTURE, MTP_DRAFT)
 
     def step_done(self) -> None:
         """Rank 0 finished its part of a step: the others are about to wait on the channel again."""

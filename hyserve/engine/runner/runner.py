@@ -17,6 +17,7 @@ import torch
 from hyserve.engine.host_tensors import int_tensor, to_device
 from hyserve.engine.outputs import TokenLogprob
 from hyserve.engine.runner.cuda_graphs import DecodeGraphs
+from hyserve.engine.runner.mtp_passes import MTPChain, mtp_passes
 from hyserve.engine.sampling.sampler import token_logprobs
 from hyserve.engine.scheduler.scheduler import ScheduledBatch, ScheduledSeq
 from hyserve.engine.scheduler.verify_rows import scratch_of, verify_rows
@@ -201,6 +202,15 @@ class ModelRunner:
         dst, src = idx[:, 0], idx[:, 1]
         for pool in (*self.cache.conv.values(), *self.cache.ssm.values()):
             pool.index_copy_(0, dst, pool.index_select(0, src))
+
+    @torch.inference_mode()
+    def mtp_draft(self, batch: ScheduledBatch, firsts: list[int], chain: MTPChain) -> list[list[int]]:
+        """The MTP block's passes over the step just run (runner/mtp_passes.py), from its kept hidden states
+        (consumed): the drafts of the `chain` entries."""
+        assert self.step_hidden is not None, "no kept hidden states (keep_step_hidden is off)"
+        hidden = self.step_hidden[0]
+        self.step_hidden = None
+        return mtp_passes(self, hidden, batch, firsts, chain)
 
     def _prompt_logit_passes(
         self, row: int, offset: int, n: int, rows_per_pass: int

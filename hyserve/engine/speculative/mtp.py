@@ -11,6 +11,8 @@ the true token after it. After each step is read (every step is read at once whe
 2. **Chain.** k - 1 one-row passes, each from the previous pass's output and the token it drafted, at the
    next position (their KV is rewritten by the next catch-up).
 
+This module plans the passes on rank 0 (which positions, which rows of the kept hidden states, how far each
+chain may run); `runner.mtp_draft` runs them (runner/mtp_passes.py), on every rank under tensor parallelism.
 Drafts are argmax tokens (one-hot drafts: verification keeps the target's distribution) and are kept for the
 context length they continue; `propose` hands them out only while that length is the request's. Draft
 quality never changes outputs, only how many drafts are accepted.
@@ -18,7 +20,7 @@ quality never changes outputs, only how many drafts are accepted.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -27,23 +29,25 @@ from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.scheduler.scheduler import ScheduledBatch, ScheduledSeq
 from hyserve.engine.speculative.verify import SampledRun
 
+# (catch-up sequence j, the context length its draft continues, how many chain passes it runs): the plan
+# runner/mtp_passes.py carries out (the same type; the runner's floor is this package's, so it is spelt here)
+MTPChain = list[tuple[int, int, int]]
+
 _PARAMS = SamplingParams()
 
 
 class MTPRunner(Protocol):
-    """What the drafter needs of the model runner."""
+    """What the drafter needs of the model runner (under tensor parallelism rank 0's, which has the other
+    ranks run the same passes)."""
 
-    model: Any
-    cache: Any
     tokens_per_block: int
     step_hidden: tuple[torch.Tensor, list[int]] | None
 
-    def build_meta(self, batch: ScheduledBatch) -> tuple[torch.Tensor, Any]: ...
+    def mtp_draft(self, batch: ScheduledBatch, firsts: list[int], chain: MTPChain) -> list[list[int]]: ...
 
 
 class MTPDrafter:
-    def __init__(self, runner: MTPRunner, k: int) -> None:
-        self.runner = runner
+    def __init__(self, k: int) -> None:
         self.k = k
         self._drafts: dict[str, tuple[int, list[int]]] = {}  # request id -> (context length, draft)
 
@@ -54,34 +58,41 @@ class MTPDrafter:
     def remove(self, request_id: str) -> None:
         self._drafts.pop(request_id, None)
 
-    @torch.inference_mode()
-    def after_step(self, batch: ScheduledBatch, runs: list[SampledRun], requests: dict[str, Request]) -> None:
+    def after_step(
+        self,
+        batch: ScheduledBatch,
+        runs: list[SampledRun],
+        requests: dict[str, Request],
+        runner: MTPRunner,
+    ) -> None:
         """The MTP passes of a step just read (`runs`: its sampling sequences' results, in batch order)."""
-        kept = self.runner.step_hidden
+        kept = runner.step_hidden
         if kept is None:
             return
-        hidden, cu = kept
-        self.runner.step_hidden = None
+        cu = kept[1]
         by_seq = {id(s): r for s, r in zip([s for s in batch.seqs if s.sample], runs)}
-        seqs, rows, owners = [], [], []
+        seqs: list[ScheduledSeq] = []
+        firsts: list[int] = []
+        chain: MTPChain = []
+        cap = runner.tokens_per_block
         for i, s in enumerate(batch.seqs):
             req = requests.get(s.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue
             got = self._catch_up(s, i, batch, by_seq.get(id(s)), req, cu)
-            if got is not None:
-                seq, first, ctx = got
-                seqs.append(seq)
-                rows.append(torch.arange(first, first + len(seq.token_ids), device=hidden.device))
-                owners.append((req, ctx))
+            if got is None:
+                continue
+            seq, first, ctx = got
+            if ctx is not None:  # chain pass p runs at position ctx - 2 + p, inside the request's blocks
+                chain.append((len(seqs), ctx, max(0, min(self.k - 1, len(req.block_ids) * cap - ctx + 1))))
+            seqs.append(seq)
+            firsts.append(first)
         if not seqs:
+            runner.step_hidden = None
             return
-        model = self.runner.model
-        ids, meta = self.runner.build_meta(ScheduledBatch(seqs=seqs, num_decodes=0))
-        out = model.mtp_forward(ids, hidden[torch.cat(rows)], meta, self.runner.cache)
-        last = out[meta.logits_indices]
-        drafts = [[t] for t in model.compute_logits(last).argmax(-1).tolist()]
-        self._chain(owners, last, drafts)
+        drafts = runner.mtp_draft(ScheduledBatch(seqs=seqs, num_decodes=0), firsts, chain)
+        for (j, ctx, _), draft in zip(chain, drafts):
+            self._drafts[seqs[j].request_id] = (ctx, draft)
 
     def _catch_up(
         self,
@@ -113,28 +124,6 @@ class MTPDrafter:
         # the context length once this step's tokens are appended (its draft's first token goes there)
         context = s.start_pos + len(nxt) + 1 if run is not None else None
         return _mtp_seq(req, nxt, s.start_pos), first, context
-
-    def _chain(
-        self, owners: list[tuple[Request, int | None]], hidden: torch.Tensor, drafts: list[list[int]]
-    ) -> None:
-        """k - 1 more one-row passes for the sequences that keep a draft; store the drafts."""
-        keep = [(j, req, ctx) for j, (req, ctx) in enumerate(owners) if ctx is not None]
-        bs = self.runner.tokens_per_block
-        live = keep
-        for step in range(1, self.k):
-            # pass `step` runs at position ctx - 2 + step: covered by the request's blocks, or the draft stops
-            live = [(j, req, ctx) for j, req, ctx in live if ctx + step - 2 < len(req.block_ids) * bs]
-            if not live:
-                break
-            seqs = [_mtp_seq(req, [drafts[j][-1]], ctx + step - 2) for j, req, ctx in live]
-            ids, meta = self.runner.build_meta(ScheduledBatch(seqs=seqs, num_decodes=len(seqs)))
-            idx = torch.tensor([j for j, _, _ in live], device=hidden.device)
-            out = self.runner.model.mtp_forward(ids, hidden.index_select(0, idx), meta, self.runner.cache)
-            hidden = hidden.index_copy(0, idx, out)
-            for (j, _, _), t in zip(live, self.runner.model.compute_logits(out).argmax(-1).tolist()):
-                drafts[j].append(t)
-        for j, req, ctx in keep:
-            self._drafts[req.request_id] = (ctx, drafts[j])
 
 
 def _mtp_seq(req: Request, tokens: list[int], start: int) -> ScheduledSeq:

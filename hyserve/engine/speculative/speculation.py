@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from hyserve.config import SpeculativeConfig
-from hyserve.distributed import parallel_info
 from hyserve.engine.request import Request
 from hyserve.engine.scheduler.scheduler import ScheduledBatch
 from hyserve.engine.scheduler.verify_rows import scratch_of
@@ -70,13 +69,8 @@ class Speculation:
         assert spec.num_speculative_tokens is not None
         drafter: Drafter
         if spec.method == "mtp":
-            if parallel_info().world_size > 1:
-                raise ValueError(
-                    "speculative_config.method 'mtp' runs on one rank for now (tp_size 1); use method "
-                    "'ngram' with tensor parallelism"
-                )
-            runner.keep_step_hidden = True
-            drafter = MTPDrafter(runner, spec.num_speculative_tokens)
+            runner.keep_step_hidden = True  # on every rank: each runs the MTP passes (runner.mtp_draft)
+            drafter = MTPDrafter(spec.num_speculative_tokens)
         else:
             lo, hi = spec.lookup_range()
             drafter = NgramProposer(lo, hi)
@@ -109,7 +103,7 @@ class Speculation:
             if copies:
                 runner.copy_states(copies)
         if isinstance(self.drafter, MTPDrafter):
-            self.drafter.after_step(batch, runs, requests)
+            self.drafter.after_step(batch, runs, requests, runner)
 
     def record(self, run: SampledRun) -> None:
         if not run.draft_len:

@@ -1,0 +1,51 @@
+"""The MTP block's passes over one step's positions, as every rank runs them (`ModelRunner.mtp_draft`;
+`speculative/mtp.py` plans them on rank 0, and under tensor parallelism the other ranks get the same plan).
+
+1. **Catch-up**: one pass over `batch` (a sequence per drafting request: its newly computed positions, each
+   with the token after it), reading the step's kept hidden states from row `firsts[j]` on for sequence j.
+   The last row of each sequence gives its first draft token.
+2. **Chain**: for each `chain` entry (j, ctx, n), n more one-row passes at positions ctx - 1, ctx, ..., each
+   from the previous pass's output and the token it drafted, in sequence j's blocks.
+
+Every pass is the same collectives on every rank (the block's attention and MoE, and the vocabulary-parallel
+lm_head), and the drafts are argmax tokens of logits every rank holds whole, so every rank drafts the same
+tokens and writes the same MTP KV.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from hyserve.engine.scheduler.scheduler import ScheduledBatch
+
+# (catch-up sequence j, the context length its draft continues, how many chain passes it runs)
+MTPChain = list[tuple[int, int, int]]
+
+
+def mtp_passes(
+    runner: Any, hidden: torch.Tensor, batch: ScheduledBatch, firsts: list[int], chain: MTPChain
+) -> list[list[int]]:
+    """The drafts of the `chain` entries, in their order (`runner`: the model, cache and build_meta)."""
+    model = runner.model
+    rows = [torch.arange(f, f + len(s.token_ids)) for f, s in zip(firsts, batch.seqs)]
+    ids, meta = runner.build_meta(batch)
+    out = model.mtp_forward(ids, hidden[torch.cat(rows).to(hidden.device)], meta, runner.cache)
+    last = out[meta.logits_indices]
+    drafts = [[t] for t in model.compute_logits(last).argmax(-1).tolist()]
+    live = list(chain)
+    for step in range(1, max((n for _, _, n in chain), default=0) + 1):
+        live = [(j, ctx, n) for j, ctx, n in live if n >= step]
+        seqs = [
+            dataclasses.replace(batch.seqs[j], token_ids=[drafts[j][-1]], start_pos=ctx + step - 2)
+            for j, ctx, _ in live
+        ]
+        ids, meta = runner.build_meta(ScheduledBatch(seqs=seqs, num_decodes=len(seqs)))
+        idx = torch.tensor([j for j, _, _ in live], device=last.device)
+        step_out = model.mtp_forward(ids, last.index_select(0, idx), meta, runner.cache)
+        last = last.index_copy(0, idx, step_out)
+        for (j, _, _), t in zip(live, model.compute_logits(step_out).argmax(-1).tolist()):
+            drafts[j].append(t)
+    return [drafts[j] for j, _, _ in chain]
