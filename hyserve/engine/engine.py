@@ -183,12 +183,10 @@ class LLMEngine:
                     prev = None
                 if any(s.sample for s in batch.seqs):
                     launched = self.sample_rows(batch, logits, prev, self.sampler, self.requests)
-                    for i, req in enumerate(launched.reqs):
-                        if req is not None:
-                            req.num_inflight += 1
-                            req.inflight_row = i
-                elif self.spec is not None:  # no row samples: MTP drafting still sees the chunks
-                    self.spec.on_read(batch, [], self.requests, self.runner)
+                    launched.hold()
+                if self.spec is not None:  # MTP: the block's passes over this step's positions
+                    samples = launched.tokens if launched is not None else None
+                    self.spec.on_launch(batch, samples, self.requests, self.runner, drafting)
             except Exception as e:  # model, prompt logprobs or sampling: fail only the request that causes it
                 logger.exception("model step of %d requests failed; isolating the request", len(batch.seqs))
                 deltas += self.isolation.isolate(batch, feed, e, updated=updated)

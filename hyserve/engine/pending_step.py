@@ -30,6 +30,13 @@ class PendingStep:
     # rows per sampling sequence: 1, or a speculative step's decode width for its decoding sequences
     widths: list[int] | None = None
 
+    def hold(self) -> None:
+        """Each request of the step has one more step in flight, at its row here."""
+        for i, req in enumerate(self.reqs):
+            if req is not None:
+                req.num_inflight += 1
+                req.inflight_row = i
+
     def first_row(self, i: int) -> int:
         """The first logits row of sampling sequence i."""
         return i if self.widths is None else sum(self.widths[:i])

@@ -174,19 +174,22 @@ def _mtp_drafts(llm: LLM, prompts: list[list[int]]) -> tuple[list, list[tuple[in
 def test_mtp_tp2_drafts_as_tp1(tmp_path: Path) -> None:
     """MTP drafting over two ranks: rank 0 plans each step's MTP passes and the worker runs the same passes
     on its shard (the block's attention and MoE are collectives), so tp 2 drafts tp 1's tokens and gives
-    plain decoding's greedy tokens, through chunked prefill and preemption."""
+    plain decoding's greedy tokens, through chunked prefill and preemption. Above 2 running requests a step
+    drafts nothing and its catch-up pass follows it at once, the samples broadcast to the worker."""
     ckpt = _checkpoint(tmp_path, "tiny-nemotron-3-moe", mtp=True)
     prompts = _prompts(6, seed=13)
-    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "disable_by_batch_size": 2}
     ref = LLM(ckpt, **OPTIONS).generate(prompts, GREEDY)
     with LLM(ckpt, speculative_config=spec, **OPTIONS) as llm:
         one, drafts_one = _mtp_drafts(llm, prompts)
     with LLM(ckpt, tp_size=2, speculative_config=spec, **OPTIONS) as llm:
         two, drafts_two = _mtp_drafts(llm, prompts)
-        assert llm.stats()["num_preemptions"] > 0 and llm.stats()["spec_decode_num_drafts"] > 0
+        stats = llm.stats()
+        assert stats["num_preemptions"] > 0 and stats["spec_decode_num_drafts"] > 0
+        assert stats["overlapped_steps_total"] > 0
     _same(ref, one, "MTP, tp 1")
     _same(ref, two, "MTP, tp 2")
-    assert len(drafts_one) > 20 and drafts_two == drafts_one
+    assert len(drafts_one) >= 10 and drafts_two == drafts_one
 
 
 def _kv_scales(llm: LLM) -> dict[int, tuple[float, float]]:

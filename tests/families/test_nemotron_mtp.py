@@ -203,6 +203,50 @@ def test_engine_drafts_are_the_blocks_own_predictions(ckpt: Path) -> None:
     assert llm.stats()["spec_decode_num_drafts"] > 0
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_drafts_stay_exact_across_steps_that_do_not_draft(ckpt: Path, graphs: bool) -> None:
+    """Above `disable_by_batch_size` a step drafts nothing: the block's catch-up pass follows it as soon as it
+    is sampled (its tokens read on the device), and the step is read a step later as any other. Three
+    requests at a threshold of 1: while two or more run nothing drafts; once one is left it drafts again,
+    and its drafts are still the block's own predictions over the whole context. With `graphs`, decode steps
+    run through the decode graphs' static buffers (eagerly on the CPU), which keep the hidden states."""
+    from hyserve import LLM
+
+    opts = dict(dtype="float32", max_seq_len=256, max_num_tokens=16, kv_cache_config={"tokens_per_block": 8})
+    prompts = [
+        [1, 5, 9, 13, 200, 17, 4, 88, 21, 90, 33, 7, 150, 61, 2, 19, 44, 8, 8, 30],
+        [1, 7, 7, 3],
+        [1, 2],
+    ]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (16, 6, 9)]
+    want = [o.token_ids for o in LLM(str(ckpt), **opts).generate(prompts, params)]
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "disable_by_batch_size": 1}
+    llm = LLM(str(ckpt), speculative_config=spec, **opts)
+    eng = llm.engine
+    if graphs:
+        pad = eng.cache.states.pad_slots[0]
+        eng.runner.capture_graphs([1, 2, 4], max_blocks_per_seq=32, pad_slot=pad, enable_padding=True)
+    drafter = eng.spec.drafter  # type: ignore[union-attr]
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        eng.add_request(str(i), prompt, p)
+    got: dict[str, list[int]] = {str(i): [] for i in range(3)}
+    checked = crowded = 0
+    while eng.has_unfinished():
+        crowded += len(eng.scheduler.running) > 1
+        for d in eng.step():
+            got[d.request_id] += d.token_ids
+        for rid, req in list(eng.requests.items()):
+            held = drafter._drafts.get(rid)
+            if held is not None and held[0] == req.num_tokens:
+                context = req.prompt_token_ids + req.output_token_ids
+                assert held[1] == _reference_drafts(eng.loaded.model, context, len(held[1])), len(context)
+                checked += 1
+    assert [got[str(i)] for i in range(3)] == want
+    stats = llm.stats()
+    assert crowded >= 5 and checked >= 3 and stats["spec_decode_num_drafts"] > 0
+    assert stats["overlapped_steps_total"] > 0  # the steps that drafted nothing were read a step later
+
+
 def test_mtp_drafting_without_a_block_is_refused_at_start_up(tmp_path: Path) -> None:
     from hyserve import LLM
 

@@ -241,16 +241,23 @@ def test_speculative_verify_graphs_match_plain_decoding(tmp_path: Path, variant:
     assert s["spec_decode_num_accepted_tokens"] > 0 and s["jit_compiles_after_ready"] == 0
 
 
-def test_mtp_drafting_on_cuda_matches_plain_decoding(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threshold", [None, 1])
+def test_mtp_drafting_on_cuda_matches_plain_decoding(tmp_path: Path, threshold: int | None) -> None:
     """MTP drafting on CUDA (the tiny MoE checkpoint with an MTP block): plain decoding's greedy tokens,
-    drafts proposed, and no compilation after ready (the warm-up's steps run the block's passes too)."""
+    drafts proposed, and no compilation after ready (the warm-up's steps run the block's passes too). At a
+    threshold of 1, steps of several requests draft nothing: they replay decode graphs that keep their
+    hidden states, the block's catch-up pass follows on the device, and they are read a step later."""
     d = make_tiny(tmp_path / "moe-mtp", variant="moe", mtp=True)
     p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = [[1, 5, 9, 13, 200, 17, 4], [1, 77] * 20, [1, 3]]
     opts = dict(device="cuda", dtype="float32", max_seq_len=256, strict_warmup=True)
     want = LLM(str(d), **opts).generate(prompts, p)
-    llm = LLM(str(d), speculative_config={"method": "mtp", "num_speculative_tokens": 3}, **opts)
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "disable_by_batch_size": threshold}
+    llm = LLM(str(d), speculative_config=spec, **opts)
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.keep_hidden
     got = llm.generate(prompts, p)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     s = llm.stats()
     assert s["spec_decode_num_drafts"] > 0 and s["jit_compiles_after_ready"] == 0
+    if threshold is not None:
+        assert s["overlapped_steps_total"] > 0

@@ -331,9 +331,6 @@ def graph_batch_sizes(
     if not lm.model.graph_capturable:
         log("hyserve: CUDA graphs off: this model's decode step reads host values (MoE expert dispatch)")
         return []
-    if config.speculative.method == "mtp":
-        log("hyserve: CUDA graphs off: MTP drafting reads every step's hidden states (steps run eagerly)")
-        return []
     limit = min(cg.max_batch_size or max_batch_size, max_batch_size)
     if cg.batch_sizes is None:
         return default_capture_sizes(limit)

@@ -31,6 +31,7 @@ from hyserve.engine.parallel.step_channel import (
     CAPTURE,
     COPY_STATES,
     HEARTBEAT,
+    MTP_CATCH_UP,
     MTP_DRAFT,
     PROMPT_LOGITS,
     READY,
@@ -72,6 +73,10 @@ class WorkerLoop:
             elif kind == MTP_DRAFT:
                 _, seqs, firsts, chain = msg
                 runner.mtp_draft(decode_seqs(seqs, 0), firsts, chain)
+            elif kind == MTP_CATCH_UP:
+                _, seqs, num_decodes, firsts, from_samples, n = msg
+                samples = self.channel.broadcast_feed(None, n, runner.device) if n >= 0 else None
+                runner.mtp_catch_up(decode_seqs(seqs, num_decodes), firsts, from_samples, samples)
             elif kind == HEARTBEAT:
                 continue
             elif kind == CAPTURE:

@@ -20,6 +20,7 @@ from hyserve.engine.outputs import TokenLogprob
 from hyserve.engine.parallel.step_channel import (
     CAPTURE,
     COPY_STATES,
+    MTP_CATCH_UP,
     MTP_DRAFT,
     PROMPT_LOGITS,
     READY,
@@ -138,6 +139,20 @@ class DriverRunner(ModelRunner):
         self._tell((MTP_DRAFT, encode_seqs(batch), firsts, chain))
         run = super().mtp_draft
         return self._with_the_others(lambda: run(batch, firsts, chain))
+
+    def mtp_catch_up(
+        self, batch: ScheduledBatch, firsts: list[int], from_samples: list[int], samples: torch.Tensor | None
+    ) -> None:
+        n = -1 if samples is None else int(samples.shape[0])
+        self._tell((MTP_CATCH_UP, encode_seqs(batch), batch.num_decodes, firsts, from_samples, n))
+        run = super().mtp_catch_up
+
+        def passes() -> None:
+            if samples is not None:
+                self.channel.broadcast_feed(samples, n, self.device)
+            run(batch, firsts, from_samples, samples)
+
+        self._with_the_others(passes)
 
     def capture_graphs(
         self,

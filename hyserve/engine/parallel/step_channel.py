@@ -13,6 +13,9 @@ it follows over the model's group (NCCL on CUDA: device to device, no host round
                                                        speculative step's drafts were verified
     (MTP_DRAFT, seqs, firsts, chain)                   the MTP block's passes over the step just run
                                                        (runner/mtp_passes.py)
+    (MTP_CATCH_UP, seqs, num_decodes, firsts, from_samples, samples_len)
+                                                       its catch-up pass alone over the step just
+                                                       launched (the samples follow as the feed does)
     (PROMPT_LOGITS, row, offset, n, rows_per_pass)     the kept step's prompt-logprob passes
     (CAPTURE, sizes, max_blocks_per_seq, pad_slot, enable_padding, spec_widths, spec_max_batch)
     (READY,)  (HEARTBEAT,)  (SHUTDOWN,)
@@ -38,12 +41,13 @@ from hyserve.distributed import CollectiveError, Group, all_gather, parallel_inf
 from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.scheduler.scheduler import ScheduledBatch, ScheduledSeq
 
-STEP, PROMPT_LOGITS, CAPTURE, COPY_STATES, MTP_DRAFT, READY, HEARTBEAT, SHUTDOWN = (
+STEP, PROMPT_LOGITS, CAPTURE, COPY_STATES, MTP_DRAFT, MTP_CATCH_UP, READY, HEARTBEAT, SHUTDOWN = (
     "step",
     "prompt_logits",
     "capture",
     "copy_states",
     "mtp_draft",
+    "mtp_catch_up",
     "ready",
     "hb",
     "stop",
@@ -175,7 +179,7 @@ class StepChannel:
             if n > head:
                 self._broadcast(torch.from_numpy(np.frombuffer(data, dtype=np.uint8, offset=head).copy()))
             self._last_send = time.monotonic()
-            self.in_step = msg[0] in (STEP, PROMPT_LOGITS, CAPTURE, MTP_DRAFT)
+            self.in_step = msg[0] in (STEP, PROMPT_LOGITS, CAPTURE, MTP_DRAFT, MTP_CATCH_UP)
 
     def step_done(self) -> None:
         """Rank 0 finished its part of a step: the others are about to wait on the channel again."""

@@ -13,7 +13,8 @@ sequences writes its rows into the buffers, pads rows b..B-1, and replays the gr
     blocks     the block table (first columns)       stale ids: a valid block, read for 1 position
 
 Padding rows compute garbage in a pad state slot and a valid-but-unrelated KV position; their logits
-are never read. With async scheduling the ids are not known on the host yet: a sixth staging row says
+are never read. With MTP drafting (`keep_hidden`) each graph also copies its final hidden states into one
+static buffer. With async scheduling the ids are not known on the host yet: a sixth staging row says
 where each sequence's token sits in the previous step's samples, gathered on the device before replay.
 Nothing the kernels launch depends on host values (the attention launcher takes the device tensors on
 pure decode steps), so one recording serves every replay.
@@ -116,6 +117,7 @@ class DecodeGraphs:
         spec_widths: Sequence[int] = (),
         spec_max_batch: int = 0,
         spec_scratch: Sequence[int] = (),
+        keep_hidden: bool = False,
     ) -> None:
         if not sizes:
             raise ValueError("cuda_graph_config: no batch sizes to capture")
@@ -157,6 +159,11 @@ class DecodeGraphs:
         # would otherwise stay allocated in the graph pool, one [B, vocab] tensor per captured size (27 GB
         # for the sizes up to 1,024 of a 131k vocabulary)
         self._logits = torch.empty(rmax, model.config.vocab_size, dtype=torch.float32, device=device)
+        # keep_hidden (MTP drafting reads each step's final hidden states): every graph also copies them into
+        # the first rows of one buffer, allocated by the first (largest) graph's warm-up run, off the graph
+        self.keep_hidden = keep_hidden
+        self._hidden: torch.Tensor | None = None
+        self._rmax = rmax
         self._run: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.graph_bytes = 0
@@ -191,6 +198,10 @@ class DecodeGraphs:
         @torch.inference_mode()
         def run() -> torch.Tensor:
             hidden = self.model(self._ids[:n], meta, self.cache)
+            if self.keep_hidden:
+                if self._hidden is None:
+                    self._hidden = hidden.new_empty(self._rmax, hidden.shape[-1])
+                self._hidden[:n].copy_(hidden)
             return self.model.compute_logits(hidden, out=self._logits[:n])
 
         return run
@@ -295,6 +306,11 @@ class DecodeGraphs:
         tables = int_tensor(flat, torch.int32).view(real, cols)
         self._tables[:real, :cols].copy_(to_device(tables, self.device), non_blocking=True)
         return self.replay(B, width)[:real]
+
+    def hidden(self, rows: int) -> torch.Tensor:
+        """The final hidden states of the last step's first `rows` rows (keep_hidden)."""
+        assert self._hidden is not None, "these graphs keep no hidden states (keep_hidden is off)"
+        return self._hidden[:rows]
 
     def replay(self, batch_size: int, width: int = 1) -> torch.Tensor:
         """Replay the graph of a captured size on whatever the buffers hold; its logits [rows, vocab]."""

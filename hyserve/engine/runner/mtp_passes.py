@@ -3,7 +3,9 @@
 
 1. **Catch-up**: one pass over `batch` (a sequence per drafting request: its newly computed positions, each
    with the token after it), reading the step's kept hidden states from row `firsts[j]` on for sequence j.
-   The last row of each sequence gives its first draft token.
+   The last row of each sequence gives its first draft token. A step that drafts nothing runs this pass
+   alone (`mtp_catch_up`) as soon as it is sampled: the tokens after its positions that are its own samples
+   are taken from the device samples, so the step need not be read first.
 2. **Chain**: for each `chain` entry (j, ctx, n), n more one-row passes at positions ctx - 1, ctx, ..., each
    from the previous pass's output and the token it drafted, in sequence j's blocks.
 
@@ -25,15 +27,37 @@ from hyserve.engine.scheduler.scheduler import ScheduledBatch
 MTPChain = list[tuple[int, int, int]]
 
 
+def _catch_up(
+    runner: Any, hidden: torch.Tensor, batch: ScheduledBatch, firsts: list[int], ids: torch.Tensor, meta: Any
+) -> torch.Tensor:
+    rows = [torch.arange(f, f + len(s.token_ids)) for f, s in zip(firsts, batch.seqs)]
+    return runner.model.mtp_forward(ids, hidden[torch.cat(rows).to(hidden.device)], meta, runner.cache)
+
+
+def mtp_catch_up(
+    runner: Any,
+    hidden: torch.Tensor,
+    batch: ScheduledBatch,
+    firsts: list[int],
+    from_samples: list[int],
+    samples: torch.Tensor | None,
+) -> None:
+    """The catch-up pass alone (its KV writes are what it is for); row r's token is
+    samples[from_samples[r]] where that is >= 0, the batch's token otherwise."""
+    ids, meta = runner.build_meta(batch)
+    if samples is not None and any(r >= 0 for r in from_samples):
+        r = torch.tensor(from_samples, dtype=torch.long).to(ids.device)
+        ids = torch.where(r >= 0, samples.index_select(0, r.clamp(min=0)), ids)
+    _catch_up(runner, hidden, batch, firsts, ids, meta)
+
+
 def mtp_passes(
     runner: Any, hidden: torch.Tensor, batch: ScheduledBatch, firsts: list[int], chain: MTPChain
 ) -> list[list[int]]:
     """The drafts of the `chain` entries, in their order (`runner`: the model, cache and build_meta)."""
     model = runner.model
-    rows = [torch.arange(f, f + len(s.token_ids)) for f, s in zip(firsts, batch.seqs)]
     ids, meta = runner.build_meta(batch)
-    out = model.mtp_forward(ids, hidden[torch.cat(rows).to(hidden.device)], meta, runner.cache)
-    last = out[meta.logits_indices]
+    last = _catch_up(runner, hidden, batch, firsts, ids, meta)[meta.logits_indices]
     drafts = [[t] for t in model.compute_logits(last).argmax(-1).tolist()]
     live = list(chain)
     for step in range(1, max((n for _, _, n in chain), default=0) + 1):

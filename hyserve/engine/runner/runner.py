@@ -17,7 +17,7 @@ import torch
 from hyserve.engine.host_tensors import int_tensor, to_device
 from hyserve.engine.outputs import TokenLogprob
 from hyserve.engine.runner.cuda_graphs import DecodeGraphs
-from hyserve.engine.runner.mtp_passes import MTPChain, mtp_passes
+from hyserve.engine.runner.mtp_passes import MTPChain, mtp_catch_up, mtp_passes
 from hyserve.engine.sampling.sampler import token_logprobs
 from hyserve.engine.scheduler.scheduler import ScheduledBatch, ScheduledSeq
 from hyserve.engine.scheduler.verify_rows import scratch_of, verify_rows
@@ -45,7 +45,7 @@ class ModelRunner:
         # request): decoding sequence i of the step uses spec_scratch[i * (width - 1) : (i + 1) * (width - 1)]
         self.spec_scratch: list[int] = []
         # MTP drafting reads every step's final hidden states (and its rows' cu_seqlens): kept until the next
-        # step when set (such steps run eagerly)
+        # step when set (decode graphs then copy them out, `DecodeGraphs(keep_hidden=True)`)
         self.keep_step_hidden = False
         self.step_hidden: tuple[torch.Tensor, list[int]] | None = None
 
@@ -78,6 +78,7 @@ class ModelRunner:
             spec_widths=spec_widths,
             spec_max_batch=spec_max_batch,
             spec_scratch=self.spec_scratch,
+            keep_hidden=self.keep_step_hidden,
         )
         return self._graphs
 
@@ -178,9 +179,14 @@ class ModelRunner:
         decodes = batch.seqs[: batch.num_decodes]
         rows = [-1 if s.feed_row is None else s.feed_row for s in decodes] if feed is not None else None
         q = batch.spec_width
-        if self._graphs is not None and batch.num_decodes == len(batch.seqs) and not self.keep_step_hidden:
-            logits = self._graphs.execute(batch.seqs, None if feed is None else (feed, rows or []), q)
+        graphs = self._graphs
+        graph_ok = graphs is not None and (graphs.keep_hidden or not self.keep_step_hidden)
+        if graphs is not None and graph_ok and batch.num_decodes == len(batch.seqs):
+            logits = graphs.execute(batch.seqs, None if feed is None else (feed, rows or []), q)
             if logits is not None:  # every decode sequence samples
+                if self.keep_step_hidden:
+                    n = len(batch.seqs) * q
+                    self.step_hidden = (graphs.hidden(n), list(range(n + 1)))
                 return logits
         input_ids, meta = self.build_meta(batch)
         if feed is not None and rows:  # decodes come first, `q` rows each (a fed one has no draft)
@@ -211,6 +217,17 @@ class ModelRunner:
         hidden = self.step_hidden[0]
         self.step_hidden = None
         return mtp_passes(self, hidden, batch, firsts, chain)
+
+    @torch.inference_mode()
+    def mtp_catch_up(
+        self, batch: ScheduledBatch, firsts: list[int], from_samples: list[int], samples: torch.Tensor | None
+    ) -> None:
+        """The MTP block's catch-up pass alone over the step just launched (runner/mtp_passes.py), from its
+        kept hidden states (consumed); a row's token is samples[from_samples[row]] where that is >= 0."""
+        assert self.step_hidden is not None, "no kept hidden states (keep_step_hidden is off)"
+        hidden = self.step_hidden[0]
+        self.step_hidden = None
+        mtp_catch_up(self, hidden, batch, firsts, from_samples, samples)
 
     def _prompt_logit_passes(
         self, row: int, offset: int, n: int, rows_per_pass: int

@@ -2,7 +2,7 @@
 
 The block at position t takes the target's final hidden state h_t and token t + 1 and predicts token t + 2;
 its attention keeps its own KV (a cache layer after the backbone's), so it must see every position once, with
-the true token after it. After each step is read (every step is read at once when MTP drafts):
+the true token after it. After each drafting step is read (drafting steps are read at once):
 
 1. **Catch-up.** One MTP pass over each sequence's newly computed positions, from the step's kept hidden
    states: a prefill chunk's positions (next tokens: the prompt's, then the token sampled after it), a
@@ -10,6 +10,10 @@ the true token after it. After each step is read (every step is read at once whe
    accepted draft tokens and the target's own token after them). The last row's logits give the first draft.
 2. **Chain.** k - 1 one-row passes, each from the previous pass's output and the token it drafted, at the
    next position (their KV is rewritten by the next catch-up).
+
+A step that drafts nothing (more requests run than `disable_by_batch_size`) has its catch-up pass alone
+launched right after it is sampled (`catch_up_launched`), its samples read on the device: it keeps async
+scheduling and its decode graph (which copies out its hidden states), and no draft is kept.
 
 This module plans the passes on rank 0 (which positions, which rows of the kept hidden states, how far each
 chain may run); `runner.mtp_draft` runs them (runner/mtp_passes.py), on every rank under tensor parallelism.
@@ -44,6 +48,10 @@ class MTPRunner(Protocol):
     step_hidden: tuple[torch.Tensor, list[int]] | None
 
     def mtp_draft(self, batch: ScheduledBatch, firsts: list[int], chain: MTPChain) -> list[list[int]]: ...
+
+    def mtp_catch_up(
+        self, batch: ScheduledBatch, firsts: list[int], from_samples: list[int], samples: torch.Tensor | None
+    ) -> None: ...
 
 
 class MTPDrafter:
@@ -93,6 +101,49 @@ class MTPDrafter:
         drafts = runner.mtp_draft(ScheduledBatch(seqs=seqs, num_decodes=0), firsts, chain)
         for (j, ctx, _), draft in zip(chain, drafts):
             self._drafts[seqs[j].request_id] = (ctx, draft)
+
+    def catch_up_launched(
+        self,
+        batch: ScheduledBatch,
+        samples: torch.Tensor | None,
+        requests: dict[str, Request],
+        runner: MTPRunner,
+    ) -> None:
+        """The catch-up pass of a step that drafts nothing, as soon as it is launched: a position whose next
+        token is the step's own sample reads it from `samples` (the device samples, one per sampling
+        sequence in batch order), so the step is read later, as any other. No draft is kept."""
+        kept = runner.step_hidden
+        if kept is None:
+            return
+        assert batch.spec_width == 1
+        cu = kept[1]
+        seqs: list[ScheduledSeq] = []
+        firsts: list[int] = []
+        from_samples: list[int] = []
+        num_decodes = 0
+        row = -1  # the sample row of the sequence at hand
+        for i, s in enumerate(batch.seqs):
+            row += s.sample
+            req = requests.get(s.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            after = s.start_pos + len(s.token_ids)  # the position after this step's last
+            if s.sample:
+                tail, src = [0], row
+            elif after < req.num_tokens:
+                tail, src = req.token_slice(after, after + 1), -1
+            else:
+                continue
+            nxt = [*s.token_ids[1:], *tail]
+            num_decodes += i < batch.num_decodes
+            seqs.append(_mtp_seq(req, nxt, s.start_pos))
+            firsts.append(cu[i])
+            from_samples += [-1] * (len(nxt) - 1) + [src]
+        if not seqs:
+            runner.step_hidden = None
+            return
+        catch_up = ScheduledBatch(seqs=seqs, num_decodes=num_decodes)
+        runner.mtp_catch_up(catch_up, firsts, from_samples, samples)
 
     def _catch_up(
         self,

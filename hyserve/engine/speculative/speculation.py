@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import torch
+
 from hyserve.config import SpeculativeConfig
 from hyserve.engine.request import Request
 from hyserve.engine.scheduler.scheduler import ScheduledBatch
@@ -59,6 +61,7 @@ class Speculation:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * self.k  # drafts whose token at position i was accepted
+        self._caught_up: set[int] = set()  # id() of the launched batches whose MTP catch-up already ran
 
     @classmethod
     def build(cls, spec: SpeculativeConfig, max_batch_size: int, runner: Any) -> Speculation | None:
@@ -89,21 +92,48 @@ class Speculation:
 
     def step_mode(self, num_running: int) -> tuple[bool, bool]:
         """(whether the next step drafts, whether it is read as soon as it is sampled): drafting needs every
-        decoding request's newest token on the host, and MTP drafting reads every step's hidden states."""
+        decoding request's newest token on the host."""
         draft = 0 < num_running <= self.max_batch
-        return draft, draft or isinstance(self.drafter, MTPDrafter)
+        return draft, draft
+
+    def on_launch(
+        self,
+        batch: ScheduledBatch,
+        samples: torch.Tensor | None,
+        requests: dict[str, Request],
+        runner: Any,
+        drafting: bool,
+    ) -> None:
+        """A step was launched and sampled (`samples`: its device samples, None when no row samples). MTP:
+        a step that drafts nothing has the block's catch-up pass run now, from its samples on the device,
+        so it is read when the next step has been launched; a drafting step's passes run when it is read."""
+        if not isinstance(self.drafter, MTPDrafter):
+            return
+        if not drafting:
+            self.drafter.catch_up_launched(batch, samples, requests, runner)
+            if samples is not None:
+                self._caught_up.add(id(batch))
+        elif samples is None:  # nothing to read: its chunks' positions now
+            self.drafter.after_step(batch, [], requests, runner)
 
     def on_read(
         self, batch: ScheduledBatch, runs: list[SampledRun], requests: dict[str, Request], runner: Any
     ) -> None:
-        """A step was read: a speculative step's accepted drafts (their Mamba state, `settle`), then the MTP
-        block's passes over its positions and the next drafts."""
+        """A step was read: a speculative step's accepted drafts (their Mamba state, `settle`), then, unless
+        they ran at launch, the MTP block's passes over its positions and the next drafts."""
         if batch.spec_width > 1:
             copies = self.settle(batch, runs, requests, runner.spec_scratch)
             if copies:
                 runner.copy_states(copies)
-        if isinstance(self.drafter, MTPDrafter):
+        if isinstance(self.drafter, MTPDrafter) and not self._took(batch):
             self.drafter.after_step(batch, runs, requests, runner)
+
+    def _took(self, batch: ScheduledBatch) -> bool:
+        """Whether `batch`'s MTP catch-up ran at launch (forgotten once asked)."""
+        if id(batch) in self._caught_up:
+            self._caught_up.discard(id(batch))
+            return True
+        return False
 
     def record(self, run: SampledRun) -> None:
         if not run.draft_len:
