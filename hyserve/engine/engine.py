@@ -158,8 +158,8 @@ class LLMEngine:
     def step(self) -> list[StreamDelta]:
         """schedule -> launch -> read the previous step -> emit. Returns the deltas of every request that
         progressed (with async scheduling a step's tokens come out of the next call)."""
-        # drafting needs every decoding request's newest token on the host (MTP: every step's hidden states)
-        drafting, sync = self.spec.step_mode(len(self.scheduler.running)) if self.spec else (False, False)
+        # drafting needs every decoding request's newest token on the host: such steps are read at once
+        drafting, sync = self.spec.step_mode(self.scheduler.running) if self.spec else (False, False)
         deltas = self.drain() if sync else []
         batch, aborted = self.scheduler.schedule(draft=drafting)
         deltas += [self._finish_delta(r) for r in aborted]
@@ -181,12 +181,14 @@ class LLMEngine:
                     # a grammar's next mask needs its previous token: read the in-flight step first
                     deltas += self._read(prev)
                     prev = None
+                sampled = None
                 if any(s.sample for s in batch.seqs):
-                    launched = self.sample_rows(batch, logits, prev, self.sampler, self.requests)
-                    launched.hold()
+                    sampled = self.sample_rows(batch, logits, prev, self.sampler, self.requests)
                 if self.spec is not None:  # MTP: the block's passes over this step's positions
-                    samples = launched.tokens if launched is not None else None
-                    self.spec.on_launch(batch, samples, self.requests, self.runner, drafting)
+                    self.spec.on_launch(batch, sampled, self.requests, self.runner, drafting)
+                if sampled is not None:
+                    launched = sampled
+                    launched.hold()
             except Exception as e:  # model, prompt logprobs or sampling: fail only the request that causes it
                 logger.exception("model step of %d requests failed; isolating the request", len(batch.seqs))
                 deltas += self.isolation.isolate(batch, feed, e, updated=updated)
@@ -244,7 +246,7 @@ class LLMEngine:
         deltas = []
         runs = step.read()
         if self.spec is not None:  # accepted drafts (their Mamba state), the next drafts
-            self.spec.on_read(step.batch, runs, self.requests, self.runner)
+            self.spec.on_read(step, runs, self.requests, self.runner)
         for run in runs:
             req = run.req
             if req is None:

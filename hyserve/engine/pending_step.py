@@ -29,6 +29,8 @@ class PendingStep:
     done: torch.cuda.Event | None  # recorded after the copies (CUDA)
     # rows per sampling sequence: 1, or a speculative step's decode width for its decoding sequences
     widths: list[int] | None = None
+    # MTP: the block's catch-up pass over this step already ran when it was launched (speculation.on_launch)
+    mtp_caught_up: bool = False
 
     def hold(self) -> None:
         """Each request of the step has one more step in flight, at its row here."""

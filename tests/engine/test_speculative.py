@@ -128,6 +128,39 @@ def test_speculation_switches_on_as_the_batch_shrinks(plain: list[list[int]]) ->
     assert s["spec_decode_num_accepted_tokens"] > 0 and s["overlapped_steps_total"] > 0
 
 
+class MissingDrafter:
+    """Finds no draft for the first `misses` calls, then drafts like `then`."""
+
+    def __init__(self, misses: int, then: OracleDrafter) -> None:
+        self.misses, self.then, self.calls = misses, then, 0
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        self.calls += 1
+        return [] if self.calls <= self.misses else self.then.propose(req, k)
+
+    def remove(self, request_id: str) -> None:
+        pass
+
+
+def test_a_request_without_drafts_rests_and_keeps_async_steps() -> None:
+    """Four drafting steps in a row without a draft and a request rests 8 steps, then each fruitless probe
+    doubles its rest (16, 32): those steps draft nothing, so they run with a step in flight (async). Once a
+    probe finds a draft, it drafts every step again."""
+    from hyserve.engine.speculative.speculation import FIRST_REST, MISSES_TO_REST
+
+    ps = prompts()[:1]
+    p = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    want = make_llm().generate(ps, p)[0].token_ids
+    llm, oracle = spec_llm(answers_of_lists([want], ps), wrong=0.0)
+    missing = MissingDrafter(MISSES_TO_REST + 2, oracle)  # 4 misses, rest 8, miss, rest 16, miss, rest 32
+    llm.engine.spec.drafter = missing  # type: ignore[union-attr]
+    out = llm.generate(ps, p)[0]
+    assert out.token_ids == want
+    s = llm.stats()
+    assert s["overlapped_steps_total"] >= FIRST_REST + 2 * FIRST_REST + 4 * FIRST_REST - 3
+    assert missing.calls > MISSES_TO_REST + 2 and s["spec_decode_num_accepted_tokens"] > 0
+
+
 def test_prefix_cache_hits(plain: list[list[int]]) -> None:
     ps = prompts()
     llm, _ = spec_llm(answers_of_lists(plain, ps), kv_cache_config=PREFIX_CACHE_KV)

@@ -247,6 +247,35 @@ def test_drafts_stay_exact_across_steps_that_do_not_draft(ckpt: Path, graphs: bo
     assert stats["overlapped_steps_total"] > 0  # the steps that drafted nothing were read a step later
 
 
+def test_drafts_stay_exact_after_a_step_in_flight_is_dropped(ckpt: Path) -> None:
+    """A failure reset drops the step in flight unread (its catch-up ran at launch): a request added after
+    it still gets every catch-up pass, so its drafts are the block's own predictions."""
+    from hyserve import LLM
+
+    opts = dict(dtype="float32", max_seq_len=256, max_num_tokens=16, kv_cache_config={"tokens_per_block": 8})
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "disable_by_batch_size": 1}
+    llm = LLM(str(ckpt), speculative_config=spec, **opts)
+    eng = llm.engine
+    p = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    for i in range(3):
+        eng.add_request(str(i), [1, 2, 3, 4 + i], p)
+    for _ in range(4):
+        eng.step()
+    assert eng._inflight is not None  # a step that drafted nothing, in flight
+    eng.reset_after_failure("a test")
+    drafter = eng.spec.drafter  # type: ignore[union-attr]
+    eng.add_request("new", [1, 9, 9, 9, 9], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    checked = 0
+    while eng.has_unfinished():
+        eng.step()
+        req, held = eng.requests.get("new"), drafter._drafts.get("new")
+        if req is not None and held is not None and held[0] == req.num_tokens:
+            context = req.prompt_token_ids + req.output_token_ids
+            assert held[1] == _reference_drafts(eng.loaded.model, context, len(held[1])), len(context)
+            checked += 1
+    assert checked >= 2
+
+
 def test_mtp_drafting_without_a_block_is_refused_at_start_up(tmp_path: Path) -> None:
     from hyserve import LLM
 

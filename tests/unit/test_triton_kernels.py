@@ -176,9 +176,10 @@ def _conv_update_case(
     n_real = Bt - n_pad
     slots = 2 * Bt + 2
     pad_slot = slots - 1
-    pool = rnd(slots, Dm, K - 1, dtype=pool_dtype)
-    if wide_pool:  # a view whose rows are K + 1 apart: the kernel takes the pool's strides as given
-        pool = torch.cat([pool, rnd(slots, Dm, 2, dtype=pool_dtype)], dim=2)[:, :, : K - 1]
+    # wide_pool: the pool is a view whose rows are K + 1 apart (the kernel takes its strides as given), and
+    # the two columns past it must stay untouched
+    wide = rnd(slots, Dm, K - 1 + (2 if wide_pool else 0), dtype=pool_dtype)
+    pool = wide[:, :, : K - 1]
     perm = torch.randperm(slots - 1, device=DEV)
     src, dst = perm[:Bt].clone(), perm[Bt : 2 * Bt].clone()
     dst[: n_real // 2] = src[: n_real // 2]
@@ -188,10 +189,13 @@ def _conv_update_case(
     x = rnd(Bt, Dm + 9, dtype=dtype)[:, :Dm]  # a row-strided view, as after the in_proj split
     w = rnd(Dm, K, dtype=dtype, scale=0.5)
     b = rnd(Dm, dtype=dtype) if bias else None
-    p_ref, p_tri = pool.clone(), pool.clone()
+    wide_tri = wide.clone()
+    p_ref, p_tri = pool.clone(), wide_tri[:, :, : K - 1]
+    assert p_tri.stride() == pool.stride()
     o_ref = causal_conv1d_update_ref(x, p_ref, w, b, src, dst, activation)
     with poison:
         o_tri = causal_conv1d_update_triton(x, p_tri, w, b, src, dst, activation)
+    assert torch.equal(wide_tri[:, :, K - 1 :], wide[:, :, K - 1 :])
     close(o_tri[:n_real], o_ref[:n_real], dtype, "out")
     real_dst = dst[:n_real]
     if pool_dtype == dtype:

@@ -57,14 +57,16 @@ class WorkerLoop:
 
     def run(self) -> None:
         runner = self.runner
+        step = decode_seqs((), 0)  # the last step run (an MTP catch-up pass follows it)
         while True:
             msg = self.channel.recv()
             kind = msg[0]
             if kind == STEP:
                 _, seqs, num_decodes, feed_len, eager, spec_width = msg
                 feed = self.channel.broadcast_feed(None, feed_len, runner.device) if feed_len >= 0 else None
+                step = decode_seqs(seqs, num_decodes, spec_width)
                 with runner.eager_decode() if eager else contextlib.nullcontext():
-                    runner.execute(decode_seqs(seqs, num_decodes, spec_width), feed)
+                    runner.execute(step, feed)
                 self.steps += 1
             elif kind == PROMPT_LOGITS:
                 runner.follow_prompt_logprobs(*msg[1:])
@@ -73,10 +75,10 @@ class WorkerLoop:
             elif kind == MTP_DRAFT:
                 _, seqs, firsts, chain = msg
                 runner.mtp_draft(decode_seqs(seqs, 0), firsts, chain)
-            elif kind == MTP_CATCH_UP:
-                _, seqs, num_decodes, firsts, from_samples, n = msg
+            elif kind == MTP_CATCH_UP:  # over the step just run
+                _, plan, n = msg
                 samples = self.channel.broadcast_feed(None, n, runner.device) if n >= 0 else None
-                runner.mtp_catch_up(decode_seqs(seqs, num_decodes), firsts, from_samples, samples)
+                runner.mtp_catch_up(step, plan, samples)
             elif kind == HEARTBEAT:
                 continue
             elif kind == CAPTURE:

@@ -30,7 +30,7 @@ from hyserve.engine.parallel.step_channel import (
     encode_seqs,
 )
 from hyserve.engine.runner.cuda_graphs import DecodeGraphs
-from hyserve.engine.runner.mtp_passes import MTPChain
+from hyserve.engine.runner.mtp_passes import MTPCatchUp, MTPChain
 from hyserve.engine.runner.runner import ModelRunner
 from hyserve.engine.scheduler.scheduler import ScheduledBatch
 
@@ -140,17 +140,16 @@ class DriverRunner(ModelRunner):
         run = super().mtp_draft
         return self._with_the_others(lambda: run(batch, firsts, chain))
 
-    def mtp_catch_up(
-        self, batch: ScheduledBatch, firsts: list[int], from_samples: list[int], samples: torch.Tensor | None
-    ) -> None:
+    def mtp_catch_up(self, step: ScheduledBatch, plan: MTPCatchUp, samples: torch.Tensor | None) -> None:
+        # the others rebuild the pass from the step they just ran: only the plan travels
         n = -1 if samples is None else int(samples.shape[0])
-        self._tell((MTP_CATCH_UP, encode_seqs(batch), batch.num_decodes, firsts, from_samples, n))
+        self._tell((MTP_CATCH_UP, plan, n))
         run = super().mtp_catch_up
 
         def passes() -> None:
             if samples is not None:
                 self.channel.broadcast_feed(samples, n, self.device)
-            run(batch, firsts, from_samples, samples)
+            run(step, plan, samples)
 
         self._with_the_others(passes)
 

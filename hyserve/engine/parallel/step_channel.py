@@ -13,9 +13,8 @@ it follows over the model's group (NCCL on CUDA: device to device, no host round
                                                        speculative step's drafts were verified
     (MTP_DRAFT, seqs, firsts, chain)                   the MTP block's passes over the step just run
                                                        (runner/mtp_passes.py)
-    (MTP_CATCH_UP, seqs, num_decodes, firsts, from_samples, samples_len)
-                                                       its catch-up pass alone over the step just
-                                                       launched (the samples follow as the feed does)
+    (MTP_CATCH_UP, plan, samples_len)                  its catch-up pass alone over the step just
+                                                       run (the samples follow as the feed does)
     (PROMPT_LOGITS, row, offset, n, rows_per_pass)     the kept step's prompt-logprob passes
     (CAPTURE, sizes, max_blocks_per_seq, pad_slot, enable_padding, spec_widths, spec_max_batch)
     (READY,)  (HEARTBEAT,)  (SHUTDOWN,)

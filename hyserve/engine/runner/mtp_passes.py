@@ -21,32 +21,51 @@ from typing import Any
 
 import torch
 
+from hyserve.engine.host_tensors import int_tensor, to_device
 from hyserve.engine.scheduler.scheduler import ScheduledBatch
 
 # (catch-up sequence j, the context length its draft continues, how many chain passes it runs)
 MTPChain = list[tuple[int, int, int]]
 
 
+# a catch-up at launch: (the step's sequence i, the token after its last position, or -1 where that token is
+# the step's own sample, with the sample row)
+MTPCatchUp = list[tuple[int, int, int]]
+
+
 def _catch_up(
     runner: Any, hidden: torch.Tensor, batch: ScheduledBatch, firsts: list[int], ids: torch.Tensor, meta: Any
 ) -> torch.Tensor:
-    rows = [torch.arange(f, f + len(s.token_ids)) for f, s in zip(firsts, batch.seqs)]
-    return runner.model.mtp_forward(ids, hidden[torch.cat(rows).to(hidden.device)], meta, runner.cache)
+    rows = [i for f, s in zip(firsts, batch.seqs) for i in range(f, f + len(s.token_ids))]
+    return runner.model.mtp_forward(
+        ids, hidden[to_device(int_tensor(rows), hidden.device)], meta, runner.cache
+    )
 
 
 def mtp_catch_up(
     runner: Any,
     hidden: torch.Tensor,
-    batch: ScheduledBatch,
-    firsts: list[int],
-    from_samples: list[int],
+    cu: list[int],
+    step: ScheduledBatch,
+    plan: MTPCatchUp,
     samples: torch.Tensor | None,
 ) -> None:
-    """The catch-up pass alone (its KV writes are what it is for); row r's token is
-    samples[from_samples[r]] where that is >= 0, the batch's token otherwise."""
+    """The catch-up pass alone over the step just launched (`step`, whose hidden states and cu_seqlens these
+    are): its KV writes are what it is for. Each planned sequence's positions take the tokens after them,
+    its own next tokens then the planned last one, read from `samples` where that is the step's sample."""
+    seqs, firsts, from_samples = [], [], []
+    for i, tail, row in plan:
+        s = step.seqs[i]
+        nxt = [*s.token_ids[1:], max(tail, 0)]
+        seqs.append(
+            dataclasses.replace(s, token_ids=nxt, sample=False, snapshots=[], draft=[], feed_row=None)
+        )
+        firsts.append(cu[i])
+        from_samples += [-1] * (len(nxt) - 1) + [row if tail < 0 else -1]
+    batch = ScheduledBatch(seqs=seqs, num_decodes=sum(i < step.num_decodes for i, _, _ in plan))
     ids, meta = runner.build_meta(batch)
-    if samples is not None and any(r >= 0 for r in from_samples):
-        r = torch.tensor(from_samples, dtype=torch.long).to(ids.device)
+    if samples is not None and max(from_samples) >= 0:
+        r = to_device(int_tensor(from_samples), ids.device)
         ids = torch.where(r >= 0, samples.index_select(0, r.clamp(min=0)), ids)
     _catch_up(runner, hidden, batch, firsts, ids, meta)
 
@@ -67,7 +86,7 @@ def mtp_passes(
             for j, ctx, _ in live
         ]
         ids, meta = runner.build_meta(ScheduledBatch(seqs=seqs, num_decodes=len(seqs)))
-        idx = torch.tensor([j for j, _, _ in live], device=last.device)
+        idx = to_device(int_tensor([j for j, _, _ in live]), last.device)
         step_out = model.mtp_forward(ids, last.index_select(0, idx), meta, runner.cache)
         last = last.index_copy(0, idx, step_out)
         for (j, _, _), t in zip(live, model.compute_logits(step_out).argmax(-1).tolist()):

@@ -17,7 +17,7 @@ import torch
 from hyserve.engine.host_tensors import int_tensor, to_device
 from hyserve.engine.outputs import TokenLogprob
 from hyserve.engine.runner.cuda_graphs import DecodeGraphs
-from hyserve.engine.runner.mtp_passes import MTPChain, mtp_catch_up, mtp_passes
+from hyserve.engine.runner.mtp_passes import MTPCatchUp, MTPChain, mtp_catch_up, mtp_passes
 from hyserve.engine.sampling.sampler import token_logprobs
 from hyserve.engine.scheduler.scheduler import ScheduledBatch, ScheduledSeq
 from hyserve.engine.scheduler.verify_rows import scratch_of, verify_rows
@@ -219,15 +219,13 @@ class ModelRunner:
         return mtp_passes(self, hidden, batch, firsts, chain)
 
     @torch.inference_mode()
-    def mtp_catch_up(
-        self, batch: ScheduledBatch, firsts: list[int], from_samples: list[int], samples: torch.Tensor | None
-    ) -> None:
-        """The MTP block's catch-up pass alone over the step just launched (runner/mtp_passes.py), from its
-        kept hidden states (consumed); a row's token is samples[from_samples[row]] where that is >= 0."""
+    def mtp_catch_up(self, step: ScheduledBatch, plan: MTPCatchUp, samples: torch.Tensor | None) -> None:
+        """The MTP block's catch-up pass alone over `step`, just launched (runner/mtp_passes.py), from its
+        kept hidden states (consumed); `samples`: its samples on the device."""
         assert self.step_hidden is not None, "no kept hidden states (keep_step_hidden is off)"
-        hidden = self.step_hidden[0]
+        hidden, cu = self.step_hidden
         self.step_hidden = None
-        mtp_catch_up(self, hidden, batch, firsts, from_samples, samples)
+        mtp_catch_up(self, hidden, cu, step, plan, samples)
 
     def _prompt_logit_passes(
         self, row: int, offset: int, n: int, rows_per_pass: int

@@ -36,6 +36,8 @@ from hyserve.engine.speculative.verify import SampledRun
 # (catch-up sequence j, the context length its draft continues, how many chain passes it runs): the plan
 # runner/mtp_passes.py carries out (the same type; the runner's floor is this package's, so it is spelt here)
 MTPChain = list[tuple[int, int, int]]
+# (the step's sequence i, the token after its last position or -1 for the step's own sample, the sample row)
+MTPCatchUp = list[tuple[int, int, int]]
 
 _PARAMS = SamplingParams()
 
@@ -49,9 +51,7 @@ class MTPRunner(Protocol):
 
     def mtp_draft(self, batch: ScheduledBatch, firsts: list[int], chain: MTPChain) -> list[list[int]]: ...
 
-    def mtp_catch_up(
-        self, batch: ScheduledBatch, firsts: list[int], from_samples: list[int], samples: torch.Tensor | None
-    ) -> None: ...
+    def mtp_catch_up(self, step: ScheduledBatch, plan: MTPCatchUp, samples: torch.Tensor | None) -> None: ...
 
 
 class MTPDrafter:
@@ -112,15 +112,10 @@ class MTPDrafter:
         """The catch-up pass of a step that drafts nothing, as soon as it is launched: a position whose next
         token is the step's own sample reads it from `samples` (the device samples, one per sampling
         sequence in batch order), so the step is read later, as any other. No draft is kept."""
-        kept = runner.step_hidden
-        if kept is None:
+        if runner.step_hidden is None:
             return
         assert batch.spec_width == 1
-        cu = kept[1]
-        seqs: list[ScheduledSeq] = []
-        firsts: list[int] = []
-        from_samples: list[int] = []
-        num_decodes = 0
+        plan: MTPCatchUp = []
         row = -1  # the sample row of the sequence at hand
         for i, s in enumerate(batch.seqs):
             row += s.sample
@@ -129,21 +124,13 @@ class MTPDrafter:
                 continue
             after = s.start_pos + len(s.token_ids)  # the position after this step's last
             if s.sample:
-                tail, src = [0], row
+                plan.append((i, -1, row))
             elif after < req.num_tokens:
-                tail, src = req.token_slice(after, after + 1), -1
-            else:
-                continue
-            nxt = [*s.token_ids[1:], *tail]
-            num_decodes += i < batch.num_decodes
-            seqs.append(_mtp_seq(req, nxt, s.start_pos))
-            firsts.append(cu[i])
-            from_samples += [-1] * (len(nxt) - 1) + [src]
-        if not seqs:
+                plan.append((i, req.token_slice(after, after + 1)[0], -1))
+        if not plan:
             runner.step_hidden = None
             return
-        catch_up = ScheduledBatch(seqs=seqs, num_decodes=num_decodes)
-        runner.mtp_catch_up(catch_up, firsts, from_samples, samples)
+        runner.mtp_catch_up(batch, plan, samples)
 
     def _catch_up(
         self,

@@ -5,6 +5,11 @@ scheduler, decides per step whether to speculate, and counts drafts and acceptan
 A step speculates when at most `max_batch` requests run: drafting needs every decoding request's newest
 token on the host, so such steps are read as soon as they are sampled (no step in flight behind them), and
 above that batch size the verify rows cost more than the accepted tokens save.
+
+A request whose last `MISSES_TO_REST` drafting steps found no draft (an n-gram lookup in text that does not
+repeat itself) rests: nothing is drafted for it for `FIRST_REST` steps, then one step probes again; each
+fruitless probe doubles the rest, up to `LONGEST_REST`, and a draft ends it. A step in which every running
+request rests drafts nothing, so it keeps async scheduling: speculation costs such text only the probes.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ from hyserve.engine.speculative.verify import SampledRun
 ACCEPTED_AT = "spec_decode_num_accepted_tokens_pos_"
 # the most running requests a step speculates at when speculative_config.disable_by_batch_size is unset
 DEFAULT_SPEC_MAX_BATCH = 16
+# drafting steps in a row without a draft after which a request rests; its first and longest rest, in steps
+MISSES_TO_REST = 4
+FIRST_REST = 8
+LONGEST_REST = 64
 
 
 def spec_max_batch(spec: SpeculativeConfig, max_batch_size: int | None = None) -> int:
@@ -38,6 +47,14 @@ def spec_max_batch(spec: SpeculativeConfig, max_batch_size: int | None = None) -
 def spec_scratch_slots(spec: SpeculativeConfig, max_batch_size: int | None = None) -> int:
     """State slots a speculative step chains its positions through: (width - 1) per decoding sequence."""
     return spec_max_batch(spec, max_batch_size) * (spec.num_speculative_tokens or 0)
+
+
+class LaunchedStep(Protocol):
+    """A sampled step, as the engine holds it until it is read (engine/pending_step.py)."""
+
+    batch: ScheduledBatch
+    tokens: torch.Tensor  # its samples, on the device
+    mtp_caught_up: bool
 
 
 class Drafter(Protocol):
@@ -61,7 +78,10 @@ class Speculation:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * self.k  # drafts whose token at position i was accepted
-        self._caught_up: set[int] = set()  # id() of the launched batches whose MTP catch-up already ran
+        self._step = 0  # steps asked about (step_mode)
+        self._misses: dict[str, int] = {}  # request id -> drafting steps in a row without a draft
+        # request id -> (the step up to which nothing is drafted for it, its next rest's length)
+        self._rest: dict[str, tuple[int, int]] = {}
 
     @classmethod
     def build(cls, spec: SpeculativeConfig, max_batch_size: int, runner: Any) -> Speculation | None:
@@ -80,7 +100,25 @@ class Speculation:
         return cls(spec, spec_max_batch(spec, max_batch_size), drafter)
 
     def propose(self, req: Request, k: int) -> list[int]:
-        return self.drafter.propose(req, k)
+        """The scheduler's drafter: up to k tokens, none while the request rests."""
+        rid = req.request_id
+        if self.resting(rid):
+            return []
+        draft = self.drafter.propose(req, k)
+        if draft:
+            self._misses.pop(rid, None)
+            self._rest.pop(rid, None)
+            return draft
+        misses = self._misses.get(rid, 0) + 1
+        if rid in self._rest or misses >= MISSES_TO_REST:  # a fruitless probe, or the misses' limit
+            length = self._rest.get(rid, (0, FIRST_REST))[1]
+            self._rest[rid] = (self._step + length, min(2 * length, LONGEST_REST))
+            misses = 0
+        self._misses[rid] = misses
+        return draft
+
+    def resting(self, request_id: str) -> bool:
+        return self._rest.get(request_id, (0, 0))[0] >= self._step
 
     def describe(self) -> str:
         lo, hi = self.spec.lookup_range()
@@ -90,50 +128,47 @@ class Speculation:
             f"most {self.max_batch} requests run"
         )
 
-    def step_mode(self, num_running: int) -> tuple[bool, bool]:
+    def step_mode(self, running: list[Request]) -> tuple[bool, bool]:
         """(whether the next step drafts, whether it is read as soon as it is sampled): drafting needs every
-        decoding request's newest token on the host."""
-        draft = 0 < num_running <= self.max_batch
+        decoding request's newest token on the host. A step drafts while at most `max_batch` requests run and
+        one of them does not rest."""
+        self._step += 1
+        draft = 0 < len(running) <= self.max_batch and not all(self.resting(r.request_id) for r in running)
         return draft, draft
 
     def on_launch(
         self,
         batch: ScheduledBatch,
-        samples: torch.Tensor | None,
+        sampled: LaunchedStep | None,
         requests: dict[str, Request],
         runner: Any,
         drafting: bool,
     ) -> None:
-        """A step was launched and sampled (`samples`: its device samples, None when no row samples). MTP:
-        a step that drafts nothing has the block's catch-up pass run now, from its samples on the device,
-        so it is read when the next step has been launched; a drafting step's passes run when it is read."""
+        """A step was launched and sampled (`sampled`: None when no row samples). MTP: a step that drafts
+        nothing has the block's catch-up pass run now, from its samples on the device, so it is read when
+        the next step has been launched; a drafting step's passes run when it is read."""
         if not isinstance(self.drafter, MTPDrafter):
             return
         if not drafting:
+            samples = sampled.tokens if sampled is not None else None
             self.drafter.catch_up_launched(batch, samples, requests, runner)
-            if samples is not None:
-                self._caught_up.add(id(batch))
-        elif samples is None:  # nothing to read: its chunks' positions now
+            if sampled is not None:
+                sampled.mtp_caught_up = True
+        elif sampled is None:  # nothing to read: its chunks' positions now
             self.drafter.after_step(batch, [], requests, runner)
 
     def on_read(
-        self, batch: ScheduledBatch, runs: list[SampledRun], requests: dict[str, Request], runner: Any
+        self, step: LaunchedStep, runs: list[SampledRun], requests: dict[str, Request], runner: Any
     ) -> None:
         """A step was read: a speculative step's accepted drafts (their Mamba state, `settle`), then, unless
         they ran at launch, the MTP block's passes over its positions and the next drafts."""
+        batch = step.batch
         if batch.spec_width > 1:
             copies = self.settle(batch, runs, requests, runner.spec_scratch)
             if copies:
                 runner.copy_states(copies)
-        if isinstance(self.drafter, MTPDrafter) and not self._took(batch):
+        if isinstance(self.drafter, MTPDrafter) and not step.mtp_caught_up:
             self.drafter.after_step(batch, runs, requests, runner)
-
-    def _took(self, batch: ScheduledBatch) -> bool:
-        """Whether `batch`'s MTP catch-up ran at launch (forgotten once asked)."""
-        if id(batch) in self._caught_up:
-            self._caught_up.discard(id(batch))
-            return True
-        return False
 
     def record(self, run: SampledRun) -> None:
         if not run.draft_len:
@@ -165,6 +200,8 @@ class Speculation:
     def forget(self, request_id: str) -> None:
         """A request ended: drop what the drafter keeps for it."""
         self.drafter.remove(request_id)
+        self._misses.pop(request_id, None)
+        self._rest.pop(request_id, None)
 
     def counters(self) -> dict[str, float]:
         """Drafts, draft tokens and accepted tokens so far, and per draft position (`..._pos_<i>`) how many
