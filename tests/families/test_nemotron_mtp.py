@@ -209,7 +209,8 @@ def test_drafts_stay_exact_across_steps_that_do_not_draft(ckpt: Path, graphs: bo
     is sampled (its tokens read on the device), and the step is read a step later as any other. Three
     requests at a threshold of 1: while two or more run nothing drafts; once one is left it drafts again,
     and its drafts are still the block's own predictions over the whole context. With `graphs`, decode steps
-    run through the decode graphs' static buffers (eagerly on the CPU), which keep the hidden states."""
+    and verify steps run through the decode graphs' static buffers (eagerly on the CPU), which keep the hidden
+    states."""
     from hyserve import LLM
 
     opts = dict(dtype="float32", max_seq_len=256, max_num_tokens=16, kv_cache_config={"tokens_per_block": 8})
@@ -224,8 +225,11 @@ def test_drafts_stay_exact_across_steps_that_do_not_draft(ckpt: Path, graphs: bo
     llm = LLM(str(ckpt), speculative_config=spec, **opts)
     eng = llm.engine
     if graphs:
+        # the padding rows' slot is a scratch slot: a verify step (1 sequence here) has no padding row
         pad = eng.cache.states.pad_slots[0]
-        eng.runner.capture_graphs([1, 2, 4], max_blocks_per_seq=32, pad_slot=pad, enable_padding=True)
+        eng.runner.capture_graphs(
+            [1, 2, 4], max_blocks_per_seq=32, pad_slot=pad, enable_padding=True, spec_widths=range(2, 5)
+        )
     drafter = eng.spec.drafter  # type: ignore[union-attr]
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         eng.add_request(str(i), prompt, p)
