@@ -71,19 +71,52 @@ class PlainMTP(nn.Module):
     def _rms(self, x: torch.Tensor, key: str) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.w[key.replace(".", "/")]
 
-    def forward(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """emb: [B, T, h] the embeddings of tokens 1..T (the token after each position), hidden: [B, T, h] the
-        target's hidden states at positions 0..T-1 -> the block's output [B, T, h] (causal over T)."""
+    def _level(self, emb: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A pass's residual input and its attention's q, k, v ([B, heads, T, d]; k and v repeated to the
+        query heads)."""
         x = self.eh_proj(torch.cat([self._rms(emb, "0.enorm"), self._rms(hidden, "0.hnorm")], -1))
         y = self._rms(x, "0.norm")
         B, L, _ = y.shape
         q = self.q(y).view(B, L, self.heads, self.d).transpose(1, 2)
-        k = self.k(y).view(B, L, self.kv_heads, self.d).transpose(1, 2)
-        v = self.v(y).view(B, L, self.kv_heads, self.d).transpose(1, 2)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
-        r = self.o(a.transpose(1, 2).reshape(B, L, -1)) + x
+        rep = self.heads // self.kv_heads
+        k = self.k(y).view(B, L, self.kv_heads, self.d).transpose(1, 2).repeat_interleave(rep, 1)
+        v = self.v(y).view(B, L, self.kv_heads, self.d).transpose(1, 2).repeat_interleave(rep, 1)
+        return x, q, k, v
+
+    def _finish(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        r = self.o(a.transpose(1, 2).reshape(*x.shape[:2], -1)) + x
         m = self.down(F.relu(self.up(self._rms(r, "1.norm"))).pow(2))
         return self._rms(m + r, "1.final_layernorm")
+
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, levels: int = 1) -> list[torch.Tensor]:
+        """emb: [B, T, h] the embeddings of tokens 1..T (the token after each position), hidden: [B, T, h] the
+        target's hidden states at positions 0..T-1 -> each level's output [B, T, h].
+
+        Level 0 is the catch-up pass (causal over its own keys). Level c at position t is the c-th chained
+        pass as the engine runs it: its inputs are level c - 1's output at t - 1 and token t + 1, and it
+        attends to level 0's keys up to t - c, then level l's key at t - c + l for l = 1..c (the chain's own
+        earlier passes, the last at t). It predicts token t + 2 like level 0; positions t < c have no such
+        pass (their outputs are not meaningful)."""
+        outs: list[torch.Tensor] = []
+        keys: list[tuple[torch.Tensor, torch.Tensor]] = []
+        L = emb.shape[1]
+        pos = torch.arange(L)
+        for c in range(levels):
+            h_in = hidden if c == 0 else F.pad(outs[-1][:, :-1], (0, 0, 1, 0))  # level c - 1 at t - 1
+            x, q, k, v = self._level(emb, h_in)
+            keys.append((k, v))
+            scale = self.d**-0.5
+            s0 = (q @ keys[0][0].transpose(-1, -2)) * scale  # [B, H, T, T] against level 0's keys
+            s0 = s0.masked_fill(pos[None, :] > pos[:, None] - c, float("-inf"))
+            chain_k = [F.pad(keys[lv][0], (0, 0, c - lv, 0))[:, :, :L] for lv in range(1, c + 1)]
+            chain_v = [F.pad(keys[lv][1], (0, 0, c - lv, 0))[:, :, :L] for lv in range(1, c + 1)]
+            sl = [((q * kl).sum(-1, keepdim=True)) * scale for kl in chain_k]
+            p = torch.cat([s0, *sl], -1).softmax(-1)
+            a = p[..., :L] @ keys[0][1]
+            for i, vl in enumerate(chain_v):
+                a = a + p[..., L + i : L + i + 1] * vl
+            outs.append(self._finish(x, a))
+        return outs
 
     def state(self) -> dict[str, torch.Tensor]:
         """The block's tensors under their checkpoint names."""
@@ -141,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--levels",
+        type=int,
+        default=1,
+        help="train the catch-up pass and levels - 1 chained passes, as the engine runs them (k = levels)",
+    )
     ap.add_argument("--result-dir", type=Path, default=ROOT / "benchmarks" / "results")
     a = ap.parse_args(argv)
     torch.manual_seed(a.seed)
@@ -159,11 +198,14 @@ def main(argv: list[str] | None = None) -> int:
         for g in opt.param_groups:
             g["lr"] = a.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / a.steps))
         nxt = F.pad(ids[:, 1:], (0, 1))  # position t's input is token t + 1
-        out = mtp(emb[nxt], hid)
-        loss = F.cross_entropy(
-            (out @ head.T).flatten(0, 1), tgt.flatten(), ignore_index=-100, reduction="none"
-        )
-        loss = (loss * wts.flatten()).sum() / wts.sum()
+        loss = torch.zeros(())
+        for c, out in enumerate(mtp(emb[nxt], hid, a.levels)):
+            w = wts.clone()
+            w[:, :c] = 0  # level c starts at position c
+            ce = F.cross_entropy(
+                (out @ head.T).flatten(0, 1), tgt.flatten(), ignore_index=-100, reduction="none"
+            )
+            loss = loss + (ce * w.flatten()).sum() / w.sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -176,7 +218,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     }
     result.update(measure(a.out))
-    result.update(steps=a.steps, batch=a.batch, lr=a.lr, seed=a.seed, train_seconds=time.monotonic() - t0)
+    result.update(
+        steps=a.steps,
+        batch=a.batch,
+        lr=a.lr,
+        seed=a.seed,
+        levels=a.levels,
+        train_seconds=time.monotonic() - t0,
+    )
     path = a.result_dir / f"mtp_train_{a.out.name}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))

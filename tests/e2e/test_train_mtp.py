@@ -27,7 +27,7 @@ def test_a_few_steps_write_a_checkpoint_that_drafts(tmp_path: Path) -> None:
 def test_the_trained_module_is_hyserves_block(tmp_path: Path) -> None:
     """The plain-torch block the script trains computes what hyserve's MTP block computes with its tensors:
     the same output over a sequence, from the embeddings of the tokens after each position and the target's
-    hidden states at those positions."""
+    hidden states at those positions; and its chained levels are what the engine's chain passes compute."""
     import torch
 
     from hyserve.engine.runner.runner import ModelRunner
@@ -57,5 +57,26 @@ def test_the_trained_module_is_hyserves_block(tmp_path: Path) -> None:
     )
     with torch.no_grad():
         got = model.mtp_forward(x, h[:-1], meta, cache)
-        want = plain(model.backbone.embeddings.weight[torch.tensor(ids[1:])][None], h[:-1][None])[0]
-    assert (got - want).abs().max().item() < 1e-4
+        emb = model.backbone.embeddings.weight[torch.tensor(ids[1:])][None]
+        levels = plain(emb, h[:-1][None], levels=3)
+    assert (got - levels[0][0]).abs().max().item() < 1e-4
+    # the chained levels are the engine's chain passes: level c at position t follows a catch-up over
+    # positions 0 .. t - c, then c one-row passes, each from the previous output and the true next token
+    runner = ModelRunner(model, cache, torch.device("cpu"))
+
+    def meta_of(tokens: list[int], start: int, decode: bool):  # noqa: ANN202
+        s = ScheduledSeq(
+            request_id="r", token_ids=tokens, start_pos=start, block_ids=[0, 1, 2, 3], state_src=None,
+            state_dst=0, sample=True, snapshots=[], params=SamplingParams(), num_output_tokens=0,
+        )  # fmt: skip
+        return runner.build_meta(ScheduledBatch(seqs=[s], num_decodes=int(decode)))
+
+    for c in (1, 2):
+        for t in (c + 2, 9, len(ids) - 2):
+            with torch.no_grad():
+                x, meta = meta_of(ids[1 : t - c + 2], 0, False)
+                out = model.mtp_forward(x, h[: t - c + 1], meta, cache)[-1:]
+                for j in range(1, c + 1):
+                    x, meta = meta_of([ids[t - c + j + 1]], t - c + j, True)
+                    out = model.mtp_forward(x, out, meta, cache)
+            assert (out[0] - levels[c][0, t]).abs().max().item() < 1e-4, (c, t)
