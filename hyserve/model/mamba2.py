@@ -262,7 +262,8 @@ class Mamba2Mixer(ShardLoading):
         """One token of each of the decode rows `rows`: the conv and state updates from their `state_src`
         slots into their `state_dst` slots; returns y [rows, heads, head_dim]."""
         cuda = xbc.is_cuda
-        src, dst = meta.state_src[rows], meta.state_dst[rows]
+        # a verify step's rows are every q-th: the kernels take contiguous slot lists
+        src, dst = meta.state_src[rows].contiguous(), meta.state_dst[rows].contiguous()
         xbc_d = ops.conv1d_update.get(cuda)(xbc, conv_pool, w, bias, src, dst)
         x, b, c = self._split_xbc(xbc_d)
         return ops.ssm_update.get(cuda)(
@@ -279,7 +280,7 @@ class Mamba2Mixer(ShardLoading):
             dt_softplus=True,
             dt_limit=self.dt_limit,
             rounding=self.ssm_rounding,
-            positions=None if self.ssm_rounding is None else meta.seq_lens_t[rows],
+            positions=None if self.ssm_rounding is None else meta.seq_lens_t[rows].contiguous(),
         )
 
     def _gate_output(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

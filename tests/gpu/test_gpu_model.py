@@ -248,7 +248,8 @@ def test_mtp_drafting_on_cuda_matches_plain_decoding(tmp_path: Path, threshold: 
     threshold of 1, steps of several requests draft nothing: they replay decode graphs that keep their
     hidden states, the block's catch-up pass follows on the device, and they are read a step later."""
     d = make_tiny(tmp_path / "moe-mtp", variant="moe", mtp=True)
-    p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    # different lengths: the batch shrinks to one request, which drafts at a threshold of 1
+    p = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (8, 16, 40)]
     prompts = [[1, 5, 9, 13, 200, 17, 4], [1, 77] * 20, [1, 3]]
     opts = dict(device="cuda", dtype="float32", max_seq_len=256, strict_warmup=True)
     want = LLM(str(d), **opts).generate(prompts, p)
