@@ -259,6 +259,9 @@ def bench_conv(b: Bench) -> None:
             ms = b.time_ms(lambda: causal_conv1d_update_triton(x, pool, w, bias, idx, idx))
             nbytes = (2 * batch * Dm * (K - 1) + 2 * batch * Dm + Dm * K) * 2
             b.roof(name, nbytes / (ms * 1e-3), "B/s", "copy", "device copy ceiling", time_ms=ms)
+            # the column-at-a-time form, in the same run: its time over the tiled form's
+            cols = b.time_ms(lambda: causal_conv1d_update_triton(x, pool, w, bias, idx, idx, tiled=False))
+            b.record(f"{name}: column form / tiled form", cols, "ms", "tiled form", ms)
 
     T = 8192 if not b.dry else 70
     Dm = 12288 if not b.dry else 64

@@ -48,42 +48,59 @@ def _conv1d_update_kernel(
     S_POOL_K: tl.constexpr,
     K: tl.constexpr,
     KP: tl.constexpr,  # K-1 rounded up to a power of two: the state tile's width
+    TILED: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """The state is read and written as [BLOCK_D, KP] tiles whose rows are a channel's K-1 taps: in the
-    contiguous [D, K-1] slot layout a warp's lanes cover consecutive channels, so each access is one
-    contiguous run (a column-at-a-time access strides K-1 elements between lanes)."""
+    """TILED: the state is read and written as [BLOCK_D, KP] tiles whose rows are a channel's K-1 taps: in
+    the contiguous [D, K-1] slot layout a warp's lanes cover consecutive channels, so each access is one
+    contiguous run. Otherwise a column (tap) at a time, lanes K-1 elements apart (the form before; kept so a
+    benchmark can time both in one run)."""
     pid_d = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m = offs < dim
-    kk = tl.arange(0, KP)
-    tile_m = m[:, None] & (kk < K - 1)[None, :]
     # Before the PDL wait: the slot indices, the taps, the bias and the state (only this kernel writes the
     # conv pool in a decode step, and the previous step has finished), so those DRAM round trips overlap
     # the kernel before (in_proj); only x is that kernel's output. Column k of the state is tap k.
     src = tl.load(src_ptr + b).to(tl.int64)
     dst = tl.load(dst_ptr + b).to(tl.int64)
-    cell = offs[:, None] * S_POOL_D + kk[None, :] * S_POOL_K
-    src_tile = pool_ptr + src * s_pool_slot + cell
-    state = tl.load(src_tile, mask=tile_m, other=0.0)
-    taps = tl.load(w_ptr + offs[:, None] * s_w_d + kk[None, :], mask=tile_m, other=0.0)
-    acc = tl.sum(state.to(tl.float32) * taps.to(tl.float32), axis=1)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs, mask=m, other=0.0).to(tl.float32)
     w_last = tl.load(w_ptr + offs * s_w_d + (K - 1), mask=m, other=0.0).to(tl.float32)
-    # the new state is columns 1..K-2 followed by x: the shifted tile is read before anything is written,
-    # so src == dst (the ordinary decode case) is safe (its sectors were just read: a cache hit)
-    shifted = tl.load(src_tile + S_POOL_K, mask=m[:, None] & (kk + 1 < K - 1)[None, :], other=0.0)
-    pdl_enter(PDL)
-    x = tl.load(x_ptr + b * s_x_b + offs, mask=m, other=0.0)
+    if TILED:
+        kk = tl.arange(0, KP)
+        tile_m = m[:, None] & (kk < K - 1)[None, :]
+        cell = offs[:, None] * S_POOL_D + kk[None, :] * S_POOL_K
+        src_tile = pool_ptr + src * s_pool_slot + cell
+        state = tl.load(src_tile, mask=tile_m, other=0.0)
+        taps = tl.load(w_ptr + offs[:, None] * s_w_d + kk[None, :], mask=tile_m, other=0.0)
+        acc += tl.sum(state.to(tl.float32) * taps.to(tl.float32), axis=1)
+        # the new state is columns 1..K-2 followed by x: the shifted tile is read before anything is
+        # written, so src == dst (the ordinary decode case) is safe (its sectors were just read: a cache hit)
+        shifted = tl.load(src_tile + S_POOL_K, mask=m[:, None] & (kk + 1 < K - 1)[None, :], other=0.0)
+        pdl_enter(PDL)
+        x = tl.load(x_ptr + b * s_x_b + offs, mask=m, other=0.0)
+        x_col = x.to(pool_ptr.dtype.element_ty)[:, None]
+        new = tl.where((kk == K - 2)[None, :], x_col, shifted)
+        tl.store(pool_ptr + dst * s_pool_slot + cell, new, mask=tile_m)
+    else:
+        src_base = pool_ptr + src * s_pool_slot + offs * S_POOL_D
+        dst_base = pool_ptr + dst * s_pool_slot + offs * S_POOL_D
+        for k in tl.static_range(0, K - 1):
+            col = tl.load(src_base + k * S_POOL_K, mask=m, other=0.0).to(tl.float32)
+            acc += col * tl.load(w_ptr + offs * s_w_d + k, mask=m, other=0.0).to(tl.float32)
+        pdl_enter(PDL)
+        x = tl.load(x_ptr + b * s_x_b + offs, mask=m, other=0.0)
+        # every column was read above, so src == dst is safe (the second read of a column hits the cache)
+        for k in tl.static_range(1, K - 1):
+            col = tl.load(src_base + k * S_POOL_K, mask=m, other=0.0)
+            tl.store(dst_base + (k - 1) * S_POOL_K, col, mask=m)
+        tl.store(dst_base + (K - 2) * S_POOL_K, x.to(pool_ptr.dtype.element_ty), mask=m)
     acc += x.to(tl.float32) * w_last
-    x_col = x.to(pool_ptr.dtype.element_ty)[:, None]
-    new = tl.where((kk == K - 2)[None, :], x_col, shifted)
-    tl.store(pool_ptr + dst * s_pool_slot + cell, new, mask=tile_m)
     if SILU:
         acc = _silu(acc)
     tl.store(out_ptr + b * s_out_b + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
@@ -97,9 +114,12 @@ def causal_conv1d_update_triton(
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
     activation: str | None = "silu",
+    *,
+    tiled: bool = True,
 ) -> torch.Tensor:
     """x: [B, D]; conv_pool: [num_slots, D, K-1] (conv_pool[dst] = shifted conv_pool[src]);
-    weight: [D, K]; bias: [D]; src/dst_slots: [B]. Returns out [B, D] in x.dtype."""
+    weight: [D, K]; bias: [D]; src/dst_slots: [B]. Returns out [B, D] in x.dtype. tiled=False: the
+    column-at-a-time form (benchmarks time it against the tiled one)."""
     silu = uses_silu(activation)
     assert x.dim() == 2 and conv_pool.dim() == 3 and weight.dim() == 2
     Bt, Dm = x.shape
@@ -138,6 +158,7 @@ def causal_conv1d_update_triton(
         S_POOL_K=conv_pool.stride(2),
         K=K,
         KP=triton.next_power_of_2(K - 1),
+        TILED=tiled,
         BLOCK_D=BLOCK_D,
         HAS_BIAS=bias is not None,
         SILU=silu,

@@ -171,7 +171,18 @@ def test_ssm_update_nano9b(poison, state_dtype, Bt, n_pad):
 
 
 def _conv_update_case(
-    poison, *, Bt, Dm, K, dtype, pool_dtype, n_pad=0, bias=True, activation="silu", wide_pool=False
+    poison,
+    *,
+    Bt,
+    Dm,
+    K,
+    dtype,
+    pool_dtype,
+    n_pad=0,
+    bias=True,
+    activation="silu",
+    wide_pool=False,
+    tiled=True,
 ):
     n_real = Bt - n_pad
     slots = 2 * Bt + 2
@@ -194,7 +205,7 @@ def _conv_update_case(
     assert p_tri.stride() == pool.stride()
     o_ref = causal_conv1d_update_ref(x, p_ref, w, b, src, dst, activation)
     with poison:
-        o_tri = causal_conv1d_update_triton(x, p_tri, w, b, src, dst, activation)
+        o_tri = causal_conv1d_update_triton(x, p_tri, w, b, src, dst, activation, tiled=tiled)
     assert torch.equal(wide_tri[:, :, K - 1 :], wide[:, :, K - 1 :])
     close(o_tri[:n_real], o_ref[:n_real], dtype, "out")
     real_dst = dst[:n_real]
@@ -212,15 +223,20 @@ def _conv_update_case(
 @pytest.mark.parametrize("Bt,n_pad", [(1, 0), (6, 2)])
 def test_conv1d_update_small(poison, dtype, Bt, n_pad):
     _conv_update_case(poison, Bt=Bt, Dm=40, K=4, dtype=dtype, pool_dtype=dtype, n_pad=n_pad)
+    _conv_update_case(poison, Bt=Bt, Dm=40, K=4, dtype=dtype, pool_dtype=dtype, n_pad=n_pad, tiled=False)
 
 
+@pytest.mark.parametrize("tiled", [True, False])
 @pytest.mark.parametrize("K", [2, 3, 5])
-def test_conv1d_update_small_kernel_sizes_no_bias_no_act(poison, K):
-    _conv_update_case(poison, Bt=3, Dm=24, K=K, dtype=F32, pool_dtype=F32, bias=False, activation=None)
+def test_conv1d_update_small_kernel_sizes_no_bias_no_act(poison, K, tiled):
+    _conv_update_case(
+        poison, Bt=3, Dm=24, K=K, dtype=F32, pool_dtype=F32, bias=False, activation=None, tiled=tiled
+    )
 
 
-def test_conv1d_update_strided_pool_view(poison):
-    _conv_update_case(poison, Bt=4, Dm=40, K=4, dtype=BF16, pool_dtype=BF16, wide_pool=True)
+@pytest.mark.parametrize("tiled", [True, False])
+def test_conv1d_update_strided_pool_view(poison, tiled):
+    _conv_update_case(poison, Bt=4, Dm=40, K=4, dtype=BF16, pool_dtype=BF16, wide_pool=True, tiled=tiled)
 
 
 def test_conv1d_update_pool_dtype_differs(poison):
@@ -231,7 +247,8 @@ def test_conv1d_update_pool_dtype_differs(poison):
 @needs_cuda
 @pytest.mark.parametrize("Bt,n_pad", [(1, 0), (64, 3)])
 def test_conv1d_update_nano9b(poison, Bt, n_pad):
-    _conv_update_case(poison, Bt=Bt, Dm=12288, K=4, dtype=BF16, pool_dtype=BF16, n_pad=n_pad)
+    for tiled in (True, False):
+        _conv_update_case(poison, Bt=Bt, Dm=12288, K=4, dtype=BF16, pool_dtype=BF16, n_pad=n_pad, tiled=tiled)
 
 
 def _conv_varlen_case(poison, *, lens, Dm, K, dtype, with_init, bias=True):
