@@ -39,10 +39,6 @@ class PendingStep:
                 req.num_inflight += 1
                 req.inflight_row = i
 
-    def first_row(self, i: int) -> int:
-        """The first logits row of sampling sequence i."""
-        return i if self.widths is None else sum(self.widths[:i])
-
     def read(self) -> list[SampledRun]:
         """Wait for the copies; what each sampling sequence produced, in order."""
         if self.done is not None:

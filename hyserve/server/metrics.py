@@ -32,6 +32,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hyserve.engine.speculative.speculation import ACCEPTED_AT  # stats() keys "<prefix><position>"
+
 logger = logging.getLogger("hyserve.server")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -231,8 +233,6 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
         "counter",
     ),
 )
-# engine.stats() keys of the accepted draft tokens per position: "<prefix><position>"
-_ACCEPTED_AT = "spec_decode_num_accepted_tokens_pos_"
 
 
 # engine.stats() key -> vLLM's series (with a model_name label)
@@ -325,9 +325,7 @@ class _EngineCollector(Collector):
 
     def _accepted_per_position(self, s: dict[str, Any]) -> Iterator[Metric]:
         """Accepted draft tokens per draft position (0 = the first drafted token), hyserve's and vLLM's."""
-        per = sorted(
-            (int(k.removeprefix(_ACCEPTED_AT)), v) for k, v in s.items() if k.startswith(_ACCEPTED_AT)
-        )
+        per = sorted((int(k.removeprefix(ACCEPTED_AT)), v) for k, v in s.items() if k.startswith(ACCEPTED_AT))
         if not per:
             return
         doc = "Speculative decoding: accepted draft tokens per draft position."

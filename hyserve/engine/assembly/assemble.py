@@ -130,8 +130,8 @@ def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
     speculation = Speculation.build(config.speculative, sc.max_batch_size, runner)
     if speculation is not None:
         scheduler.drafter, scheduler.num_spec_tokens = speculation.propose, speculation.k
-        graph_pads = cache.states.pad_slots[: 1 if graph_sizes else 0]
-        runner.spec_scratch = cache.states.pad_slots[len(graph_pads) :]
+        # the pad slots after the graphs' padding target (`pad_slots`)
+        runner.spec_scratch = cache.states.pad_slots[1 if graph_sizes else 0 :]
         log(f"hyserve: {speculation.describe()}")
     if graph_sizes:
         g = runner.capture_graphs(

@@ -179,9 +179,12 @@ class ModelRunner:
         decodes = batch.seqs[: batch.num_decodes]
         rows = [-1 if s.feed_row is None else s.feed_row for s in decodes] if feed is not None else None
         q = batch.spec_width
-        graphs = self._graphs
-        graph_ok = graphs is not None and (graphs.keep_hidden or not self.keep_step_hidden)
-        if graphs is not None and graph_ok and batch.num_decodes == len(batch.seqs):
+        graphs = self._graphs  # usable when they keep the hidden states MTP drafting reads
+        if (
+            graphs is not None
+            and (graphs.keep_hidden or not self.keep_step_hidden)
+            and batch.num_decodes == len(batch.seqs)
+        ):
             logits = graphs.execute(batch.seqs, None if feed is None else (feed, rows or []), q)
             if logits is not None:  # every decode sequence samples
                 if self.keep_step_hidden:
@@ -213,19 +216,21 @@ class ModelRunner:
     def mtp_draft(self, batch: ScheduledBatch, firsts: list[int], chain: MTPChain) -> list[list[int]]:
         """The MTP block's passes over the step just run (runner/mtp_passes.py), from its kept hidden states
         (consumed): the drafts of the `chain` entries."""
-        assert self.step_hidden is not None, "no kept hidden states (keep_step_hidden is off)"
-        hidden = self.step_hidden[0]
-        self.step_hidden = None
+        hidden, _ = self._take_step_hidden()
         return mtp_passes(self, hidden, batch, firsts, chain)
 
     @torch.inference_mode()
     def mtp_catch_up(self, step: ScheduledBatch, plan: MTPCatchUp, samples: torch.Tensor | None) -> None:
         """The MTP block's catch-up pass alone over `step`, just launched (runner/mtp_passes.py), from its
         kept hidden states (consumed); `samples`: its samples on the device."""
-        assert self.step_hidden is not None, "no kept hidden states (keep_step_hidden is off)"
-        hidden, cu = self.step_hidden
-        self.step_hidden = None
+        hidden, cu = self._take_step_hidden()
         mtp_catch_up(self, hidden, cu, step, plan, samples)
+
+    def _take_step_hidden(self) -> tuple[torch.Tensor, list[int]]:
+        """The last step's kept hidden states and cu_seqlens, handed over once."""
+        kept, self.step_hidden = self.step_hidden, None
+        assert kept is not None, "no kept hidden states (keep_step_hidden is off)"
+        return kept
 
     def _prompt_logit_passes(
         self, row: int, offset: int, n: int, rows_per_pass: int

@@ -86,7 +86,7 @@ class Speculation:
     @classmethod
     def build(cls, spec: SpeculativeConfig, max_batch_size: int, runner: Any) -> Speculation | None:
         """The engine's speculation over `runner` (the model runner: MTP drafts from its kept hidden states),
-        or None when off. Raises ValueError for a method it cannot draft with here."""
+        or None when off."""
         if not spec.enabled:
             return None
         assert spec.num_speculative_tokens is not None
