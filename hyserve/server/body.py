@@ -14,7 +14,9 @@ stream, `/health`) cannot run. So (docs/architecture.md, "Request bodies"):
   (0 <= id <= 2^31-1) becomes a `TokenIds`, which the prompt fields of protocol.py take without looking at
   each element (the union `str | list[str] | list[int] | ...` used to try `list[str]` first and build one
   error per element: 25M ids froze the loop ~20 s);
-- a long list field (chat `messages`, responses `input`) is validated a slice of elements at a time.
+- a long list field (chat `messages`, responses `input`) is validated a slice of elements at a time;
+- the walk on a worker thread sleeps briefly after every few milliseconds of work, so the event loop gets the
+  interpreter lock when it asks rather than after a switch interval each time.
 
 Whatever the body, bad input is a 400 naming the field: an integer of more digits than Python converts
 (4,300), nesting deeper than `MAX_BODY_DEPTH` (deeper values could not be serialised back), or more than
@@ -29,6 +31,7 @@ import contextvars
 import json
 import re
 import sys
+import time
 import typing
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -49,6 +52,13 @@ _SLICE_CHARS = 128 * 1024
 _WINDOW_CHARS = 256 * 1024
 # A list field longer than this is validated this many elements at a time.
 _SLICE_ITEMS = 2_000
+# A walk on a worker thread sleeps `_YIELD_S` after each `_HOLD_S` of work: with the interpreter lock in
+# turns every 5 ms (sys.getswitchinterval), each of the event loop's lock takes waited up to that long
+# behind it, and a `/health` takes several, so it took 50 ms at rest and 321 ms on a loaded 2-CPU machine.
+_HOLD_S = 0.002
+_YIELD_S = 0.0005
+# the walk checks the clock once every this many members
+_CHECK_EVERY = 64
 TOKEN_ID_MAX = 2**31 - 1
 # The deepest nesting of objects and arrays a body may have (the body itself is level 1); JSON schemas and
 # tool parameters need a few levels, and a reply that echoes a deeper value cannot be serialised.
@@ -179,6 +189,14 @@ def _int_array(s: str, i: int) -> tuple[list[int], int] | None:
         pos = cut + 1
 
 
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 class _Walker:
     """`loads_in_pieces`' parser: values walked one at a time (see the module docstring), each C call on at
     most a window of the text or one string."""
@@ -188,6 +206,21 @@ class _Walker:
         self.base = 0  # the window is s[base : base + _WINDOW_CHARS]
         self.window = ""
         self.containers = 0  # objects and arrays parsed so far
+        # off the event loop's thread, the walk leaves the interpreter lock to it now and then (`_breathe`)
+        self.courteous = not _on_event_loop()
+        self.countdown = _CHECK_EVERY
+        self.since = time.perf_counter()
+
+    def _breathe(self) -> None:
+        """Called once a member: on a worker thread, sleep `_YIELD_S` once `_HOLD_S` of work has passed."""
+        self.countdown -= 1
+        if self.countdown or not self.courteous:
+            return
+        self.countdown = _CHECK_EVERY
+        now = time.perf_counter()
+        if now - self.since >= _HOLD_S:
+            time.sleep(_YIELD_S)
+            self.since = time.perf_counter()
 
     def _count(self, n: int) -> None:
         self.containers += n
@@ -268,6 +301,7 @@ class _Walker:
             return [], j + 1
         items: list[Any] = []
         while True:
+            self._breathe()
             j = _ws(s, j)
             v, j = self.value(j, (*path, len(items)), depth + 1)
             items.append(v)
@@ -286,6 +320,7 @@ class _Walker:
         if s.startswith("}", i):
             return out, i + 1
         while True:
+            self._breathe()
             if not s.startswith('"', i):
                 raise json.JSONDecodeError("Expecting property name enclosed in double quotes", s, i)
             key, i = self.scalar(i, path)
