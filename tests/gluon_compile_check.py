@@ -11,7 +11,6 @@ import json
 import re
 import subprocess
 import tempfile
-from pathlib import Path
 
 import torch
 from triton import compile as triton_compile
@@ -21,6 +20,7 @@ from triton.runtime.jit import mangle_type
 
 import hyserve.kernels.gluon_attention as ga
 import hyserve.kernels.gluon_decode as gd
+from tests.sass import sass_counts
 
 
 def _signature(kernel, ptrs: dict, const: dict) -> dict:
@@ -108,21 +108,6 @@ def decode_cases() -> dict:
     return result
 
 
-def _sass_counts(cubin: bytes, names: tuple[str, ...]) -> dict[str, int]:
-    """How many of each SASS opcode prefix (e.g. QGMMA: Hopper's e4m3 warp-group MMA) the cubin holds
-    (cuobjdump, shipped beside triton's ptxas): what the tensor cores run, which PTX alone does not say (an
-    e4m3 `mma.sync` compiles for sm_90 but is emulated with f16 MMAs)."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    cuobjdump = str(Path(get_ptxas(90).path).with_name("cuobjdump"))
-    with tempfile.TemporaryDirectory() as d:
-        Path(f"{d}/k.cubin").write_bytes(cubin)
-        sass = subprocess.run(
-            [cuobjdump, "-sass", f"{d}/k.cubin"], capture_output=True, text=True, check=True
-        ).stdout
-    return {n: len(re.findall(rf"\b{n}\b", sass)) for n in names}
-
-
 def main() -> None:
     result = decode_cases()
     for D, bs, fp8, qk8 in (
@@ -185,7 +170,7 @@ def main() -> None:
             wgmma_e4m3=len(re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
             to_e4m3="cvt.rn.satfinite.e4m3x2.f32" in ptx,
             cvt_e4m3_lines=len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)),
-            **(_sass_counts(k.asm["cubin"], ("QGMMA", "HGMMA")) if fp8 else {}),
+            **(sass_counts(k.asm["cubin"], ("QGMMA", "HGMMA")) if fp8 else {}),
         )
     print(json.dumps(result))
 

@@ -4,11 +4,11 @@ memory as one JSON line: {"dtype": ..., "kernels": {name: bytes}, "ptx": {name: 
 (the second: which of those its PTX holds; "cvt.bf16.f16": a scalar float16 -> bf16 convert,
 "ld.shared.b8": shared-memory loads of single bytes, "griddepcontrol.wait": the kernel waits for its
 predecessor as a programmatic dependent launch; "ld.global before the wait": it loads from global memory
-ahead of that wait).
+ahead of that wait; with --sass, "QGMMA" / "HGMMA": its SASS runs e4m3 / 16-bit warp-group MMAs).
 
-    python tests/sm90_compile_check.py float32 [op ...] [--only kernel,...] [--no-pdl]
+    python tests/sm90_compile_check.py float32 [op ...] [--only kernel,...] [--no-pdl] [--sass]
                                             # ops: attention attention_fp8 ssd ssm_update conv1d norm
-                                            #      moe sampling fp8 moe_fp8 moe_forms (default: all)
+                                            #      moe sampling fp8 moe_fp8 moe_forms moe_a8 (default: all)
 
 The launchers run on CPU tensors with a stand-in driver that reports an sm_90 device, and every launch
 compiles (as `warmup=True`) instead of running, so the shared memory is what the compiler asks for on an
@@ -25,6 +25,8 @@ import torch
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
+
+from tests.sass import sass_counts
 
 # Nano 9B v2 widths: Mamba 128 heads x 80, state 128, 8 groups, conv 4 over 12288 channels, chunk 128;
 # attention 40 / 8 heads of 128 in 64-token blocks; hidden 4480, gated-norm groups of 1280
@@ -285,6 +287,25 @@ def _moe_forms(dt: torch.dtype) -> None:
         moe_experts_silu_triton(x, gate_up, down, w, ids, config=cfg)
 
 
+def _moe_a8(dt: torch.dtype) -> None:
+    """The grouped GEMMs' w8a8 form (A8) over e4m3 experts at a Nemotron 3 Nano 30B-A3B layer, 1,024
+    tokens, relu^2 and SiLU-gated: the activation quantisation, then e4m3 x e4m3 products."""
+    from hyserve.kernels.triton_moe import moe_experts_silu_triton, moe_experts_triton
+
+    act = dt if dt in (torch.bfloat16, torch.float16) else torch.bfloat16
+    E, k, d, inter, T = 128, 6, 2688, 1856, 1024
+    ids = (torch.arange(T * k, dtype=torch.int32) % E).view(T, k)
+    x, w = torch.randn(T, d).to(act), torch.rand(T, k)
+    tiles = dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+    cfg = {"variant": "gemm", "BLOCK_M": 64, "A8": 1, "up": tiles, "down": tiles}
+    down8 = torch.zeros(E, d, inter, dtype=torch.float8_e4m3fn)
+    for gated in (False, True):
+        up8 = torch.zeros(E, (1 + gated) * inter, d, dtype=torch.float8_e4m3fn)
+        fn = moe_experts_silu_triton if gated else moe_experts_triton
+        scales = dict(up_scale=torch.ones(E, (1 + gated) * inter), down_scale=torch.ones(E, d))
+        fn(x, up8, down8, w, ids, **scales, config=cfg)
+
+
 OPS = {
     "attention": _attention,
     "attention_fp8": _attention_fp8,
@@ -297,6 +318,7 @@ OPS = {
     "fp8": _fp8,
     "moe_fp8": _moe_fp8,
     "moe_forms": _moe_forms,
+    "moe_a8": _moe_a8,
 }
 
 
@@ -307,6 +329,8 @@ def main(argv: list[str]) -> None:
 
         set_pdl(False)
         argv = [a for a in argv if a != "--no-pdl"]
+    sass = "--sass" in argv  # and SASS opcode counts (cuobjdump)
+    argv = [a for a in argv if a != "--sass"]
     if "--only" in argv:  # compile just these kernels (the launchers' other launches are skipped)
         i = argv.index("--only")
         only = set(argv[i + 1].split(","))
@@ -325,6 +349,10 @@ def main(argv: list[str]) -> None:
         shared[name] = max(shared.get(name, 0), kernel.metadata.shared)
         ptx = kernel.asm.get("ptx", "")
         mma.setdefault(name, set()).update(k for k in MARKERS if k in ptx)
+        if sass:  # which tensor-core instructions the kernel runs (SASS: QGMMA is Hopper's e4m3 one)
+            for op, n in sass_counts(kernel.asm["cubin"], ("QGMMA", "HGMMA")).items():
+                if n:
+                    mma[name].add(op)
         wait = ptx.find("griddepcontrol.wait")
         if wait > 0 and "ld.global" in ptx[:wait]:
             mma[name].add("ld.global before the wait")

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from hyserve.kernels.fp8_linear import quantize_weight_ref
+from hyserve.kernels.fp8_linear import ACT_GROUP, quantize_rows_ref, quantize_weight_ref
 
 
 def router_logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -314,6 +314,46 @@ def moe_experts_ref(
     return out.to(x.dtype)
 
 
+def _dequantize_rows(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x quantised by `quantize_rows_ref(x, group)` and read back in float64."""
+    q, scale = quantize_rows_ref(x, group)
+    full = scale.to(torch.float64).repeat_interleave(group, 1)[:, : x.shape[1]]
+    return q.to(torch.float64) * full
+
+
+def moe_experts_w8a8_ref(
+    x: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_w: torch.Tensor,
+    topk_ids: torch.Tensor,
+    up_scale: torch.Tensor,
+    down_scale: torch.Tensor,
+    gated: bool = False,
+) -> torch.Tensor:
+    """The w8a8 form of FP8 experts (the A8 tile configs of `triton_moe`): x quantised to e4m3 with one
+    scale per token and 128 columns (`quantize_rows_ref`), each expert's activation (relu(x @ up^T)^2, or
+    gated: silu(gate) * up of w_up's [gate | up] rows) quantised the same way from its float32 value, every
+    GEMM over the dequantised values in float64, the weighted sum in float64, rounded once to x.dtype. The
+    contract the kernels are tested against; `moe_experts_ref` (and `moe_silu`'s) keep exact activations."""
+    _check_experts_args(x, w_up, w_down, topk_w, topk_ids, up_scale, down_scale, gated=gated)
+    f64 = torch.float64
+
+    def expert(e: int, xt: torch.Tensor) -> torch.Tensor:
+        up = dequantize_experts(w_up[e][None], up_scale[e][None], f64)[0]
+        down = dequantize_experts(w_down[e][None], down_scale[e][None], f64)[0]
+        a = F.linear(xt, up)
+        if gated:
+            gate, u = a.chunk(2, dim=-1)
+            h = F.silu(gate) * u
+        else:
+            h = torch.square(F.relu(a))
+        return F.linear(_dequantize_rows(h.float(), ACT_GROUP), down)
+
+    xd = _dequantize_rows(x, ACT_GROUP)
+    return weighted_expert_sum(xd, topk_w, topk_ids, w_up.shape[0], expert).to(x.dtype)
+
+
 def weighted_expert_sum(
     x: torch.Tensor,
     topk_w: torch.Tensor,
@@ -350,6 +390,7 @@ __all__ = [
     "moe_combine_ref",
     "moe_down_ref",
     "moe_experts_ref",
+    "moe_experts_w8a8_ref",
     "moe_max_blocks",
     "moe_route_ref",
     "moe_up_ref",

@@ -22,6 +22,11 @@ routing, so a decode step replays from a CUDA graph (contracts: `moe.py`; layout
                N tiles): block b multiplies the rows of sorted_ids[b] (gathered tokens, or h's rows) by
                expert expert_ids[b]; relu^2 in the up epilogue, the routing weight in the down one;
                blocks past num_tokens_post_pad return at once; _combine_kernel sums each token's k rows
+    w8a8       (FP8 experts, a tuned entry with A8 = 1) x quantised to e4m3 per row and 128 columns, e4m3 x
+               e4m3 warp-group MMAs a K tile at a time (each tile's product scaled into the float32
+               accumulator: Hopper's e4m3 accumulator is short), h quantised the same way in the up GEMM's
+               epilogue; contract `moe.moe_experts_w8a8_ref` (vLLM's FP8 MoE is w8a8 too). Chosen per
+               bucket by `bench_moe.py --tune --fp8` where it is faster; otherwise FP8 experts are w8a16
 
 Tile settings per (experts E, intermediate N, hidden K, token bucket) come from `moe_configs/<GPU>.json`
 (autotuned offline by `benchmarks/bench_moe.py --tune`; serving never autotunes) and otherwise from a
@@ -41,6 +46,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hyserve.kernels.fp8_linear import ACT_GROUP
 from hyserve.kernels.launch_util import device_file, device_name, pdl
 from hyserve.kernels.moe import (
     _check_experts_args,
@@ -51,12 +57,15 @@ from hyserve.kernels.moe import (
 )
 from hyserve.kernels.triton_activation import relu2_triton
 from hyserve.kernels.triton_common import dot_acc, pdl_enter, pdl_release, pdl_wait
+from hyserve.kernels.triton_fp8_linear import _e4m3_bits, quantize_rows_triton
 
 CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
 # Token-count buckets: T uses the config of the smallest bucket >= T (the last one beyond it).
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _GEMV_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 _GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+# The A8 (w8a8) form's activation scales: one per row and this many columns (DeepSeek-V3's 1 x 128 tiles)
+A8_GROUP = ACT_GROUP
 
 
 # --------------------------------------------------------------------------- routing
@@ -495,6 +504,78 @@ def _expert_tile(
 
 
 @triton.jit
+def _a8_tile(
+    a_ptr,
+    s_am,
+    a_rows,
+    a_valid,
+    w_ptr,
+    s_wn,
+    offs_n,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    MASK_ROWS: tl.constexpr,
+    as_ptr,
+    s_as,
+):
+    """_expert_tile's w8a8 form (A8): a holds e4m3 codes with one float32 scale per row and 128 columns,
+    as[a_rows, k // 128], and w e4m3 codes; each K tile (BLOCK_K divides 128) is an e4m3 x e4m3 dot of its
+    own, scaled by its rows' group scales and added to the float32 accumulator, so Hopper's short e4m3
+    accumulator never sums more than one tile. [BLOCK_M, BLOCK_N] float32; the weights' channel scales are
+    the caller's."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * s_am + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[None, :] * s_wn + offs_k[:, None]
+    s_ptrs = as_ptr + a_rows * s_as
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        km = offs_k < K - k0
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            if MASK_ROWS:
+                a = tl.load(a_ptrs, mask=a_valid[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=km[:, None], other=0.0)
+            if MASK_ROWS:
+                a = tl.load(a_ptrs, mask=a_valid[:, None] & km[None, :], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
+        if MASK_ROWS:
+            sa = tl.load(s_ptrs + k0 // 128, mask=a_valid, other=0.0)
+        else:
+            sa = tl.load(s_ptrs + k0 // 128)
+        acc += tl.dot(a, w, out_dtype=tl.float32) * sa[:, None]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _store_a8(h_ptr, hs_ptr, v, offs_m, n0, N, s_hm, s_hsm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store the float32 tile v [BLOCK_M, BLOCK_N] (columns n0.., n0 a multiple of 128) as
+    e4m3 codes (h_ptr: bytes) with one scale per row and 128 columns, amax / 448 (1 for an all-zero group),
+    into hs [rows, ceil(N / 128)]: `fp8_linear.quantize_rows_ref(v, 128)` bit for bit. Columns past N are
+    left out of the groups' amax and not stored."""
+    G: tl.constexpr = BLOCK_N // 128
+    cn = n0 + tl.arange(0, BLOCK_N)
+    live = cn < N
+    v = tl.where(live[None, :], v, 0.0)
+    amax = tl.max(tl.reshape(tl.abs(v), (BLOCK_M, G, 128)), axis=2)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+    q = tl.math.div_rn(tl.reshape(v, (BLOCK_M, G, 128)), scale[:, :, None])
+    q = tl.reshape(tl.minimum(tl.maximum(q, -448.0), 448.0), (BLOCK_M, BLOCK_N))
+    rows = offs_m.to(tl.int64)
+    tl.store(h_ptr + rows[:, None] * s_hm + cn[None, :], _e4m3_bits(q), mask=live[None, :])
+    g = n0 // 128 + tl.arange(0, G)
+    tl.store(hs_ptr + rows[:, None] * s_hsm + g[None, :], scale, mask=(g * 128 < N)[None, :])
+
+
+@triton.jit
 def _tile_out(v, SWAP: tl.constexpr):
     """A tile's per-row (SWAP: per-column) values broadcast over its other axis."""
     if SWAP:
@@ -532,6 +613,10 @@ def _up_gemm_kernel(
     s_wn,
     s_hm,
     sc_ptr,
+    xs_ptr,
+    s_xs,
+    hs_ptr,
+    s_hs,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -541,13 +626,15 @@ def _up_gemm_kernel(
     W_FP8: tl.constexpr,
     SWAP: tl.constexpr,
     GATED: tl.constexpr,
+    A8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """h[r, n] = relu(x[sorted_ids[r] // k] @ w_up[e]^T)^2 for the rows r of block pid_m (0 for padding).
     W_FP8: e4m3 weight tiles converted to x's dtype for the dot (exact), the expert's channel scales
     sc[e, n] applied to the accumulator before relu^2. SWAP: the tile is formed transposed (_expert_tile).
     GATED (SiLU-gated experts, w_up [E, 2N, K] of [gate | up] rows, W_FP8 scales [E, 2N]): h = silu(x @
-    gate^T) * (x @ up^T)."""
+    gate^T) * (x @ up^T). A8 (w8a8): x holds e4m3 codes with scales xs [T, K / 128] (_a8_tile), and h is
+    stored as e4m3 codes (h_ptr: bytes) with scales hs [rows, N / 128] (_store_a8) for the down GEMM."""
     pdl_enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), nb, tl.cdiv(N, BLOCK_N), group_m)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
@@ -558,15 +645,27 @@ def _up_gemm_kernel(
     valid = rows < num_pairs
     tok = tl.where(valid, rows // TOP_K, 0).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N  # wrapped columns: loads need no mask
-    acc = _expert_tile(
-        x_ptr, s_xt, tok, valid, w_ptr + e * s_we, s_wn, offs_n, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE,
-        W_FP8, SWAP, True,
-    )  # fmt: skip
-    if GATED:  # the up rows follow the N gate rows (and their scales the gate rows' scales)
-        up = _expert_tile(
-            x_ptr, s_xt, tok, valid, w_ptr + e * s_we + N * s_wn, s_wn, offs_n, K, BLOCK_M, BLOCK_N, BLOCK_K,
-            EVEN_K, IEEE, W_FP8, SWAP, True,
+    if A8:
+        acc = _a8_tile(
+            x_ptr, s_xt, tok, valid, w_ptr + e * s_we, s_wn, offs_n, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+            True, xs_ptr, s_xs,
         )  # fmt: skip
+    else:
+        acc = _expert_tile(
+            x_ptr, s_xt, tok, valid, w_ptr + e * s_we, s_wn, offs_n, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+            IEEE, W_FP8, SWAP, True,
+        )  # fmt: skip
+    if GATED:  # the up rows follow the N gate rows (and their scales the gate rows' scales)
+        if A8:
+            up = _a8_tile(
+                x_ptr, s_xt, tok, valid, w_ptr + e * s_we + N * s_wn, s_wn, offs_n, K, BLOCK_M, BLOCK_N,
+                BLOCK_K, EVEN_K, True, xs_ptr, s_xs,
+            )  # fmt: skip
+        else:
+            up = _expert_tile(
+                x_ptr, s_xt, tok, valid, w_ptr + e * s_we + N * s_wn, s_wn, offs_n, K, BLOCK_M, BLOCK_N,
+                BLOCK_K, EVEN_K, IEEE, W_FP8, SWAP, True,
+            )  # fmt: skip
         if W_FP8:
             acc = acc * _tile_col(tl.load(sc_ptr + e * 2 * N + offs_n), SWAP)
             up = up * _tile_col(tl.load(sc_ptr + e * 2 * N + N + offs_n), SWAP)
@@ -576,9 +675,12 @@ def _up_gemm_kernel(
             acc = acc * _tile_col(tl.load(sc_ptr + e * N + offs_n), SWAP)
         acc = tl.maximum(acc, 0.0)
         acc = acc * acc
-    cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    h_ptrs = h_ptr + _tile_out(offs_m.to(tl.int64) * s_hm, SWAP) + _tile_col(cn, SWAP)
-    tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=_tile_col(cn < N, SWAP))
+    if A8:
+        _store_a8(h_ptr, hs_ptr, acc, offs_m, pid_n * BLOCK_N, N, s_hm, s_hs, BLOCK_M, BLOCK_N)
+    else:
+        cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        h_ptrs = h_ptr + _tile_out(offs_m.to(tl.int64) * s_hm, SWAP) + _tile_col(cn, SWAP)
+        tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=_tile_col(cn < N, SWAP))
 
 
 @triton.jit(do_not_specialize=["num_pairs", "nb", "group_m"])
@@ -600,6 +702,8 @@ def _down_gemm_kernel(
     s_wn,
     s_ym,
     sc_ptr,
+    hs_ptr,
+    s_hs,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -607,10 +711,12 @@ def _down_gemm_kernel(
     IEEE: tl.constexpr,
     W_FP8: tl.constexpr,
     SWAP: tl.constexpr,
+    A8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """y[p, n] = topk_w.flat[p] * (h[r] @ w_down[e]^T) for the real rows r (pair p) of block pid_m (W_FP8:
-    as in the up GEMM, the channel scales before the routing weight; SWAP: as in the up GEMM)."""
+    as in the up GEMM, the channel scales before the routing weight; SWAP: as in the up GEMM; A8: h holds
+    e4m3 codes with scales hs [rows, K / 128], as the up GEMM's A8 form stores them)."""
     pdl_enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), nb, tl.cdiv(N, BLOCK_N), group_m)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
@@ -621,10 +727,16 @@ def _down_gemm_kernel(
     valid = rows < num_pairs
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     # every row of h is read: the up GEMM wrote the padded ones too
-    acc = _expert_tile(
-        h_ptr, s_hm, offs_m.to(tl.int64), valid, w_ptr + e * s_we, s_wn, offs_n, K, BLOCK_M, BLOCK_N, BLOCK_K,
-        EVEN_K, IEEE, W_FP8, SWAP, False,
-    )  # fmt: skip
+    if A8:
+        acc = _a8_tile(
+            h_ptr, s_hm, offs_m.to(tl.int64), valid, w_ptr + e * s_we, s_wn, offs_n, K, BLOCK_M, BLOCK_N,
+            BLOCK_K, EVEN_K, False, hs_ptr, s_hs,
+        )  # fmt: skip
+    else:
+        acc = _expert_tile(
+            h_ptr, s_hm, offs_m.to(tl.int64), valid, w_ptr + e * s_we, s_wn, offs_n, K, BLOCK_M, BLOCK_N,
+            BLOCK_K, EVEN_K, IEEE, W_FP8, SWAP, False,
+        )  # fmt: skip
     if W_FP8:
         acc = acc * _tile_col(tl.load(sc_ptr + e * N + offs_n), SWAP)
     acc = acc * _tile_out(tl.load(tw_ptr + rows, mask=valid, other=0.0).to(tl.float32), SWAP)
@@ -971,11 +1083,13 @@ def validate_config(cfg: dict[str, Any], where: str = "config") -> dict[str, Any
     16..256, "up": {...}, "down": {...}} (gemv's down may add FLAT: 0/1 or SPLIT: 0/1, and gemv's up and down
     EARLY: 0/1, default 0, which `benchmarks/bench_moe_decode.py --write` sets where it measured faster: see
     _up_gemv_kernel / _down_gemv_kernel / _down_split_kernel; gemm's up and down may add SWAP: 0/1, default
-    0: the tile formed transposed, see _expert_tile); raises
+    0: the tile formed transposed, see _expert_tile; gemm may add A8: 0/1, default 0, FP8 experts' w8a8 form,
+    whose up BLOCK_N is a multiple of 128 and whose BLOCK_Ks divide 128, with no SWAP); raises
     ValueError naming the missing or bad field."""
     variant = cfg.get("variant")
     if variant not in ("gemv", "gemm"):
         raise ValueError(f"{where}: variant must be 'gemv' or 'gemm', got {variant!r}")
+    _validate_a8(cfg, where)
     keys = _GEMV_KEYS if variant == "gemv" else _GEMM_KEYS
     if variant == "gemm":
         bm = cfg.get("BLOCK_M")
@@ -1011,6 +1125,24 @@ def validate_config(cfg: dict[str, Any], where: str = "config") -> dict[str, Any
                 "(the split form has no flat loop)"
             )
     return cfg
+
+
+def _validate_a8(cfg: dict[str, Any], where: str) -> None:
+    a8 = cfg.get("A8", 0)
+    if a8 not in (0, 1):
+        raise ValueError(f"{where}: A8 must be 0 or 1, got {a8!r}")
+    if not a8:
+        return
+    up, dn = cfg.get("up") or {}, cfg.get("down") or {}
+    bad = (
+        "the gemm variant" if cfg.get("variant") != "gemm"
+        else "an up BLOCK_N that is a multiple of 128" if up.get("BLOCK_N", 0) % A8_GROUP
+        else "BLOCK_Ks that divide 128" if A8_GROUP % up.get("BLOCK_K", 1) or A8_GROUP % dn.get("BLOCK_K", 1)
+        else "SWAP = 0" if up.get("SWAP", 0) or dn.get("SWAP", 0)
+        else None
+    )  # fmt: skip
+    if bad is not None:
+        raise ValueError(f"{where}: A8 = 1 (the w8a8 expert form) needs {bad}")
 
 
 @functools.lru_cache(maxsize=8)
@@ -1297,15 +1429,18 @@ def launch_up_gemm(
     up: dict[str, Any],
     scale: torch.Tensor | None = None,
     gated: bool = False,
+    a8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """h [P, I] over the align layout (moe_up_ref; gated: w_up holds [gate | up] rows, [E, 2I, d], and h is
-    silu(gate) * up; scale: FP8 experts' [E, I] channel scales, [E, 2I] gated)."""
+    silu(gate) * up; scale: FP8 experts' [E, I] channel scales, [E, 2I] gated). a8 (w8a8, with `scale`):
+    (x's scales [T, d / 128], h's scales [P, I / 128] to fill); x holds e4m3 codes and h is e4m3."""
     inter, d = w_up.shape[1] // (2 if gated else 1), w_up.shape[2]
     nb = expert_ids.numel()
+    xs, hs = a8 if a8 is not None else (h, h)
     _up_gemm_kernel[(nb * triton.cdiv(inter, up["BLOCK_N"]),)](
         x,
         w_up,
-        h,
+        h.view(torch.uint8) if a8 is not None else h,
         sorted_ids,
         expert_ids,
         npad,
@@ -1319,6 +1454,10 @@ def launch_up_gemm(
         w_up.stride(1),
         h.stride(0),
         scale if scale is not None else h,
+        xs,
+        xs.stride(0),
+        hs,
+        hs.stride(0),
         TOP_K=top_k,
         BLOCK_M=block_m,
         BLOCK_N=up["BLOCK_N"],
@@ -1328,6 +1467,7 @@ def launch_up_gemm(
         W_FP8=scale is not None,
         SWAP=up.get("SWAP", 0),
         GATED=gated,
+        A8=a8 is not None,
         **_launch(up),
         **pdl(x),
     )
@@ -1344,8 +1484,10 @@ def launch_down_gemm(
     block_m: int,
     dn: dict[str, Any],
     scale: torch.Tensor | None = None,
+    h_scale: torch.Tensor | None = None,
 ) -> None:
-    """y [T*k, d], each pair's row weighted (moe_down_ref)."""
+    """y [T*k, d], each pair's row weighted (moe_down_ref); h_scale (w8a8, with `scale`): h holds e4m3
+    codes with these scales [P, I / 128]."""
     d, inter = w_down.shape[1], w_down.shape[2]
     nb = expert_ids.numel()
     _down_gemm_kernel[(nb * triton.cdiv(d, dn["BLOCK_N"]),)](
@@ -1366,6 +1508,8 @@ def launch_down_gemm(
         w_down.stride(1),
         y.stride(0),
         scale if scale is not None else tw,
+        h_scale if h_scale is not None else tw,
+        h_scale.stride(0) if h_scale is not None else 0,
         BLOCK_M=block_m,
         BLOCK_N=dn["BLOCK_N"],
         BLOCK_K=dn["BLOCK_K"],
@@ -1373,6 +1517,7 @@ def launch_down_gemm(
         IEEE=h.dtype == torch.float32,
         W_FP8=scale is not None,
         SWAP=dn.get("SWAP", 0),
+        A8=h_scale is not None,
         **_launch(dn),
         **pdl(h),
     )
@@ -1487,10 +1632,23 @@ def _grouped_gemms(
     E, inter = w_up.shape[0], w_down.shape[2]
     bm = cfg["BLOCK_M"]
     sorted_ids, expert_ids, npad = moe_align_triton(ids, E, bm)
-    h = torch.empty(sorted_ids.numel(), inter, dtype=xc.dtype, device=xc.device)
-    launch_up_gemm(xc, w_up, h, sorted_ids, expert_ids, npad, T * k, k, bm, cfg["up"], up_scale, gated=gated)
+    P = sorted_ids.numel()
     y = torch.empty(T * k, out.shape[1], dtype=xc.dtype, device=xc.device)
-    launch_down_gemm(h, w_down, y, tw, sorted_ids, expert_ids, npad, bm, cfg["down"], down_scale)
+    if cfg.get("A8", 0):
+        if up_scale is None or down_scale is None:
+            raise ValueError("moe_experts: the A8 (w8a8) form is for FP8 experts (e4m3 weights with scales)")
+        # activations as e4m3 codes, one scale per row and 128 columns: x here, h in the up GEMM's epilogue
+        xq, xs = quantize_rows_triton(xc, group=A8_GROUP)
+        h = torch.empty(P, inter, dtype=torch.float8_e4m3fn, device=xc.device)
+        hs = torch.empty(P, triton.cdiv(inter, A8_GROUP), dtype=torch.float32, device=xc.device)
+        up, dn = cfg["up"], cfg["down"]
+        launch_up_gemm(xq, w_up, h, sorted_ids, expert_ids, npad, T * k, k, bm, up, up_scale, gated, (xs, hs))
+        launch_down_gemm(h, w_down, y, tw, sorted_ids, expert_ids, npad, bm, dn, down_scale, hs)
+    else:
+        h = torch.empty(P, inter, dtype=xc.dtype, device=xc.device)
+        up, dn = cfg["up"], cfg["down"]
+        launch_up_gemm(xc, w_up, h, sorted_ids, expert_ids, npad, T * k, k, bm, up, up_scale, gated=gated)
+        launch_down_gemm(h, w_down, y, tw, sorted_ids, expert_ids, npad, bm, dn, down_scale)
     launch_combine(y, out, k, extra)
     return out
 

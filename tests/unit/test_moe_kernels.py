@@ -22,6 +22,7 @@ pytestmark = IGNORE_INTERPRETER_WARNING
 
 import hyserve.kernels.triton_moe as tm  # noqa: E402
 from hyserve.kernels import moe as ref  # noqa: E402
+from hyserve.kernels.moe_silu import moe_experts_silu_ref  # noqa: E402
 from tests.shipped_configs import ALL, config_dir  # noqa: E402
 from tests.sm90 import HOPPER_SHARED_BYTES, compile_for_sm90  # noqa: E402
 
@@ -289,6 +290,72 @@ def test_fp8_experts_match_float64_of_the_dequantised_experts(poison, variant, d
     assert err < (2e-5 if dtype == F32 else 4e-3), f"{variant} {case}: relative error {err:.2e}"
     err_ref = _rel_err(out, ref.moe_experts_ref(x, qu, qd, w, ids, up_scale=su, down_scale=sd).double())
     assert err_ref < (2e-5 if dtype == F32 else 6e-3)
+
+
+# the A8 (w8a8) form: T, k, E, d, I, experts, always; d and I not multiples of 128 (a short last scale group),
+# of the K tile (a masked last K step) or of the up N tile (wrapped columns left out of the group amax)
+A8_CASES = {
+    "ragged": (37, 2, 4, 176, 192, None, None),
+    "empty-experts": (12, 3, 16, 128, 136, [0, 2, 9, 15], None),
+    "many-to-one-expert": (24, 2, 8, 96, 256, None, 5),
+}
+
+
+def _a8_config(gpu: bool) -> dict:
+    """An A8 tile config: the up N tile a multiple of 128, both K tiles dividing 128."""
+    if gpu:
+        up = dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+        return {"variant": "gemm", "BLOCK_M": 64, "A8": 1, "up": up, "down": dict(up)}
+    up = dict(BLOCK_N=128, BLOCK_K=32, GROUP_M=2, num_warps=1, num_stages=1)
+    down = dict(BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=1, num_stages=1)
+    return {"variant": "gemm", "BLOCK_M": 16, "A8": 1, "up": up, "down": down}
+
+
+def _fp8_experts(w_up, w_down):
+    (qu, su), (qd, sd) = ref.quantize_experts_ref(w_up), ref.quantize_experts_ref(w_down)
+    return qu, qd, su, sd
+
+
+@pytest.mark.parametrize("gated", quick_first([False, True]))
+@pytest.mark.parametrize("case", A8_CASES)
+def test_a8_experts_match_their_w8a8_contract(poison, gated, case):
+    """The w8a8 form (activations quantised per row and 128 columns, e4m3 x e4m3 dots, h quantised in the
+    up GEMM's epilogue) against `moe_experts_w8a8_ref`: the same quantisation in float64, so what is left
+    is float32 accumulation (and, rarely, an activation code on the other side of a rounding tie). Against
+    exact activations it is off by about what e4m3 rounding of x and h costs."""
+    T, k, E, d, inter, experts, always = A8_CASES[case]
+    ids = _ids_with(T, k, E, experts, always)
+    x, w_up, w_down, w, ids = _experts_inputs(T, E, d, inter, k, F32, ids)
+    if gated:
+        w_up = torch.cat([w_up, torch.randn_like(w_up) * d**-0.5], dim=1)
+    qu, qd, su, sd = _fp8_experts(w_up, w_down)
+    fn = tm.moe_experts_silu_triton if gated else tm.moe_experts_triton
+    with poison:
+        out = fn(x, qu, qd, w, ids, up_scale=su, down_scale=sd, config=_a8_config(False))
+    assert out.dtype == F32 and torch.isfinite(out).all(), "unwritten output"
+    contract = ref.moe_experts_w8a8_ref(x, qu, qd, w, ids, su, sd, gated=gated).double()
+    err = _rel_err(out, contract)
+    assert err < 1e-5, f"{case}: relative error {err:.2e} against the w8a8 contract"
+    exact_fn = moe_experts_silu_ref if gated else ref.moe_experts_ref
+    deq_up, deq_down = ref.dequantize_experts(qu, su, F64), ref.dequantize_experts(qd, sd, F64)
+    exact = exact_fn(x.double(), deq_up, deq_down, w.double(), ids)
+    assert 5e-3 < _rel_err(out, exact) < 0.08, _rel_err(out, exact)  # e4m3 activations: ~2-4%
+
+
+def test_a8_needs_fp8_experts_and_its_own_tiles():
+    x, w_up, w_down, w, ids = _experts_inputs(5, 4, 64, 128, 2, F32)
+    with pytest.raises(ValueError, match="for FP8 experts"):
+        tm.moe_experts_triton(x, w_up, w_down, w, ids, config=_a8_config(False))
+    base = _a8_config(False)
+    for cfg, what in (
+        (dict(base, A8=2), "A8 must be 0 or 1"),
+        (dict(base, up=dict(base["up"], BLOCK_N=64)), "up BLOCK_N that is a multiple of 128"),
+        (dict(base, down=dict(base["down"], BLOCK_K=256)), "BLOCK_Ks that divide 128"),
+        (dict(base, up=dict(base["up"], SWAP=1)), "SWAP = 0"),
+        ({**tm._INTERPRETER_GEMV, "A8": 1}, "the gemm variant"),
+    ):
+        with pytest.raises(ValueError, match=what):
+            tm.validate_config(cfg)
 
 
 def test_fp8_experts_refuse_bad_scales():
@@ -736,6 +803,22 @@ def test_experts_bf16_real_shapes_with_the_shared_expert(poison, name, T):
 
 
 @gpu
+@pytest.mark.parametrize("name", sorted(REAL))
+@pytest.mark.parametrize("T", [64, 300, 1024])
+def test_a8_experts_bf16_real_shapes(poison, name, T):
+    """The w8a8 form at the real shapes: within 1e-2 of its float64 contract, where the form before it (one
+    e4m3 dot over all of K: Hopper's short accumulator) missed by 1.2-1.6%."""
+    E, k, d, inter = REAL[name]
+    x, w_up, w_down, w, ids = _experts_inputs(T, E, d, inter, k, BF16)
+    qu, qd, su, sd = _fp8_experts(w_up, w_down)
+    with poison:
+        out = tm.moe_experts_triton(x, qu, qd, w, ids, up_scale=su, down_scale=sd, config=_a8_config(True))
+    assert torch.isfinite(out).all()
+    err = _rel_err(out, ref.moe_experts_w8a8_ref(x, qu, qd, w, ids, su, sd).double())
+    assert err < 1e-2, f"{name} T={T}: relative error {err:.2e} against the w8a8 contract"
+
+
+@gpu
 @pytest.mark.parametrize("T", [1, 2, 4, 5, 64])
 def test_router_logits_bf16_real_shapes(T):
     raw = next(c for n, c in sorted(MOE_CONFIGS.items()) if not n.startswith("tiny"))
@@ -921,3 +1004,13 @@ def test_swap_and_gated_gemms_compile_for_sm90():
     for name in ("_up_gemm_kernel", "_down_gemm_kernel"):
         assert 0 < doc["kernels"][name] <= HOPPER_SHARED_BYTES, doc["kernels"]
         assert "wgmma.mma_async" in doc["ptx"][name], doc["ptx"][name]
+
+
+@pytest.mark.slow
+def test_a8_gemms_run_e4m3_tensor_cores_on_sm90():
+    """The w8a8 form's grouped GEMMs compile for sm_90 to Hopper's e4m3 warp-group MMAs (QGMMA in the
+    SASS) and no 16-bit ones, within its shared memory (tests/sm90_compile_check.py moe_a8: no GPU)."""
+    doc = compile_for_sm90("bfloat16", "moe_a8", "--sass")
+    for name in ("_up_gemm_kernel", "_down_gemm_kernel"):
+        assert 0 < doc["kernels"][name] <= HOPPER_SHARED_BYTES, doc["kernels"]
+        assert "QGMMA" in doc["ptx"][name] and "HGMMA" not in doc["ptx"][name], doc["ptx"][name]
