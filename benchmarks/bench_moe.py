@@ -38,7 +38,8 @@ import hyserve.kernels.triton_moe as tm  # noqa: E402
 from benchmarks import invocation  # noqa: E402
 from benchmarks.roofline import PUBLISHED_BW, PUBLISHED_FLOPS, measure_ceilings  # noqa: E402
 from hyserve.bench.report import git_sha  # noqa: E402
-from hyserve.kernels.moe import moe_experts_ref, quantize_experts_ref  # noqa: E402
+from hyserve.kernels.moe import moe_experts_ref, moe_experts_w8a8_ref, quantize_experts_ref  # noqa: E402
+from hyserve.kernels.triton_fp8_linear import quantize_rows_triton  # noqa: E402
 
 CONFIGS = ROOT / "benchmarks" / "configs"
 NANO = "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"
@@ -259,6 +260,18 @@ _SWAP_LARGE_M = [
     dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=5, SWAP=1),
     dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, SWAP=1),
 ]
+# the w8a8 form (A8, FP8 experts at BLOCK_M >= 64: e4m3 x e4m3 warp-group MMAs): the up N tile a multiple of
+# 128 (its epilogue quantises h per 128 columns), every K tile dividing 128 (one activation scale a K step)
+_A8 = [
+    dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=5),
+    dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+    dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=5),
+]
+_DRY_A8 = [dict(BLOCK_N=128, BLOCK_K=32, GROUP_M=1, num_warps=1, num_stages=1)]
+A8_MIN_BLOCK_M = 64  # below a warp group's 64 rows an e4m3 product has no tensor-core instruction on Hopper
 _DRY_GEMM = [
     dict(BLOCK_N=16, BLOCK_K=32, GROUP_M=1, num_warps=1, num_stages=1),
     dict(BLOCK_N=32, BLOCK_K=16, GROUP_M=2, num_warps=1, num_stages=1),
@@ -302,6 +315,32 @@ def _gemm_cands(bm: int, dry: bool) -> list[dict]:
     if dry:
         return _DRY_GEMM + _DRY_SWAP
     return (_SMALL_M + _SWAP_SMALL_M) if bm <= 32 else (_LARGE_M + _SWAP_LARGE_M)
+
+
+def _tune_a8(timer: Timer, x, w_up, w_down, su, sd, tw, ids, align, bm: int, dry: bool) -> tuple[float, dict]:
+    """The w8a8 form's fastest tiles at BLOCK_M = bm: the ms of x's quantisation + up + down, and its
+    config (A8 = 1)."""
+    sid, eid, npad = align
+    T, k = ids.shape
+    inter, d = w_down.shape[2], w_down.shape[1]
+    xq, xs = quantize_rows_triton(x, group=tm.A8_GROUP)
+    t_q = timer.eager([lambda: quantize_rows_triton(x, group=tm.A8_GROUP)], rep=25)
+    h = torch.empty(sid.numel(), inter, dtype=torch.float8_e4m3fn, device=x.device)
+    hs = torch.empty(sid.numel(), -(-inter // tm.A8_GROUP), dtype=torch.float32, device=x.device)
+    y = torch.empty(T * k, d, dtype=x.dtype, device=x.device)
+    cands = _DRY_A8 if dry else _A8
+    up, t_up = _best(
+        timer,
+        [c for c in cands if c["BLOCK_N"] % tm.A8_GROUP == 0],
+        lambda c: tm.launch_up_gemm(xq, w_up, h, sid, eid, npad, T * k, k, bm, c, su, False, (xs, hs)),
+    )
+    dn, t_dn = _best(
+        timer, cands, lambda c: tm.launch_down_gemm(h, w_down, y, tw, sid, eid, npad, bm, c, sd, hs)
+    )
+    print(
+        f"    T={T} BM={bm} a8: quantise x {t_q:.4f} ms, up {t_up:.4f} ms ({up}), down {t_dn:.4f} ms ({dn})"
+    )
+    return t_q + t_up + t_dn, {"variant": "gemm", "BLOCK_M": bm, "A8": 1, "up": up, "down": dn}
 
 
 def tune_shape(
@@ -360,11 +399,18 @@ def tune_shape(
             options.append(
                 (t_al + t_up + t_dn + t_cb, {"variant": "gemm", "BLOCK_M": bm, "up": up, "down": dn})
             )
+            if fp8 and (dry or bm >= A8_MIN_BLOCK_M):
+                a8_ms, a8_cfg = _tune_a8(timer, x, w_up, w_down, su, sd, tw, ids, (sid, eid, npad), bm, dry)
+                form_ms[f"BM{bm} a8 (up + down + quantise x)"] = round(a8_ms, 5)
+                options.append((t_al + a8_ms + t_cb, a8_cfg))
         ms, cfg = min(options, key=lambda o: o[0])
         scales = dict(up_scale=su, down_scale=sd)
         got = tm.moe_experts_triton(x, w_up, w_down, w, ids, config=cfg, **scales)
         wu, wd = (w_up, w_down) if fp8 else (w_up.float(), w_down.float())
-        want = moe_experts_ref(x.float(), wu, wd, w, ids, **scales)
+        if cfg.get("A8", 0):  # against its own contract: e4m3 activations
+            want = moe_experts_w8a8_ref(x.float(), w_up, w_down, w, ids, su, sd)
+        else:
+            want = moe_experts_ref(x.float(), wu, wd, w, ids, **scales)
         err = _rel(got, want)
         if not err < 1e-2:
             raise AssertionError(f"tuned config {cfg} for T={T} disagrees with the reference: {err:.2e}")

@@ -7,7 +7,8 @@
 #        (default: tests tune; ktests: the kernel tests alone (the SiLU-gated experts' too), without the tiny
 #        models through the engine; tune-gemv: re-tune the decode buckets 1-8 only, merged into the config
 #        file, then benchmark; tune-fp8: the Nano 30B-A3B FP8 experts' own entries for the grouped-GEMM
-#        buckets (FP8_SIZES, default 256-8192; both tile forms, plain and SWAP), merged under ",w=fp8", then
+#        buckets (FP8_SIZES, default 256-8192; the plain and SWAP tile forms, and from 64-row tiles the w8a8
+#        form A8: e4m3 activations), merged under ",w=fp8", then
 #        timed against the 16-bit entries from graphs; step: benchmarks/bench_batch_step.py, a batch-1,024
 #        decode step of Nano 30B-A3B with FP8 weights and float32 state (float16 on a card under 100 GB;
 #        STEP_STATES overrides), per kernel group)
