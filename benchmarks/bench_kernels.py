@@ -243,14 +243,19 @@ def _bench_mamba_ssm_peer(b, pool, x, dt, A, B, C, D, dt_bias, idx, nbytes, our_
 
 def bench_conv(b: Bench) -> None:
     from hyserve.kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
+    from hyserve.model.cache_tensors import conv_state_pool
 
     K = 4
     # Nano 9B v2's width at batch 64; Nano 30B-A3B's at batch 1,024 (a large decode step)
     for batch, Dm in ((64, 12288), (1024, 6144)) if not b.dry else ((4, 64),):
-        pool = b.rnd(batch + 4, Dm, K - 1)
+        # the cache's tap-major pool (cache_tensors.conv_state_pool); the same states channel-major
+        pool = conv_state_pool(batch + 4, Dm, K - 1, BF16, b.dev)
+        pool.copy_(b.rnd(batch + 4, Dm, K - 1))
+        rows = pool.contiguous()
         x, w, bias = b.rnd(batch, Dm), b.rnd(Dm, K, scale=0.5), b.rnd(Dm)
         idx = torch.randperm(batch + 4, device=b.dev)[:batch]
         p_ref, p_tri = pool.clone(), pool.clone()
+        assert p_tri.stride() == pool.stride()
         o_ref = causal_conv1d_update_ref(x, p_ref, w, bias, idx, idx)
         o_tri = causal_conv1d_update_triton(x, p_tri, w, bias, idx, idx)
         name = f"conv1d_update batch {batch}" + (f" width {Dm}" if batch != 64 else "")
@@ -259,9 +264,13 @@ def bench_conv(b: Bench) -> None:
             ms = b.time_ms(lambda: causal_conv1d_update_triton(x, pool, w, bias, idx, idx))
             nbytes = (2 * batch * Dm * (K - 1) + 2 * batch * Dm + Dm * K) * 2
             b.roof(name, nbytes / (ms * 1e-3), "B/s", "copy", "device copy ceiling", time_ms=ms)
-            # the column-at-a-time form, in the same run: its time over the tiled form's
-            cols = b.time_ms(lambda: causal_conv1d_update_triton(x, pool, w, bias, idx, idx, tiled=False))
-            b.record(f"{name}: column form / tiled form", cols, "ms", "tiled form", ms)
+            # in the same run: a channel-major pool (the layout before), tiled and a column at a time, each
+            # over the tap-major pool's time
+            for form, tiled in (("tiled", True), ("column", False)):
+                other = b.time_ms(
+                    lambda: causal_conv1d_update_triton(x, rows, w, bias, idx, idx, tiled=tiled)
+                )
+                b.record(f"{name}: channel-major pool, {form} form / tap-major", other, "ms", "tap-major", ms)
 
     T = 8192 if not b.dry else 70
     Dm = 12288 if not b.dry else 64

@@ -54,10 +54,10 @@ def _conv1d_update_kernel(
     SILU: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """TILED: the state is read and written as [BLOCK_D, KP] tiles whose rows are a channel's K-1 taps: in
-    the contiguous [D, K-1] slot layout a warp's lanes cover consecutive channels, so each access is one
-    contiguous run. Otherwise a column (tap) at a time, lanes K-1 elements apart (the form before; kept so a
-    benchmark can time both in one run)."""
+    """Two forms, one per pool layout. Column (TILED = 0, the cache's tap-major pool, S_POOL_D = 1): a tap
+    at a time, each load and store one contiguous run of BLOCK_D channels. TILED (a channel-major pool,
+    S_POOL_K = 1): the state as [BLOCK_D, KP] tiles whose rows are a channel's K-1 taps, so a warp's lanes
+    cover consecutive channels and each access is one contiguous run of channels x taps."""
     pid_d = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -115,11 +115,12 @@ def causal_conv1d_update_triton(
     dst_slots: torch.Tensor,
     activation: str | None = "silu",
     *,
-    tiled: bool = True,
+    tiled: bool | None = None,
 ) -> torch.Tensor:
-    """x: [B, D]; conv_pool: [num_slots, D, K-1] (conv_pool[dst] = shifted conv_pool[src]);
-    weight: [D, K]; bias: [D]; src/dst_slots: [B]. Returns out [B, D] in x.dtype. tiled=False: the
-    column-at-a-time form (benchmarks time it against the tiled one)."""
+    """x: [B, D]; conv_pool: [num_slots, D, K-1], any strides (conv_pool[dst] = shifted conv_pool[src]);
+    weight: [D, K]; bias: [D]; src/dst_slots: [B]. Returns out [B, D] in x.dtype. tiled: the kernel's
+    form; None picks the pool's own (the column form over a tap-major pool, the tiled one otherwise), and
+    benchmarks force either to time both."""
     silu = uses_silu(activation)
     assert x.dim() == 2 and conv_pool.dim() == 3 and weight.dim() == 2
     Bt, Dm = x.shape
@@ -136,6 +137,8 @@ def causal_conv1d_update_triton(
     out = torch.empty(Bt, Dm, dtype=x.dtype, device=x.device)
     if Bt == 0:
         return out
+    if tiled is None:
+        tiled = conv_pool.stride(1) != 1
     # small batches: narrow tiles, so a batch-1 step spreads over ~100 programs instead of 12 (its four
     # dependent column loads are latency, not bandwidth); two variants, both met by the warm-up's decodes
     BLOCK_D = min(1024 if Bt >= 8 else 128, triton.next_power_of_2(Dm))

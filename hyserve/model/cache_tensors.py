@@ -3,7 +3,7 @@ slots per Mamba layer. The bookkeeping (which block or slot belongs to whom) liv
 this file only owns the memory layout.
 
     k[layer], v[layer]: [num_blocks, tokens_per_block, kv_heads, head_dim]   (KV cache dtype)
-    conv[layer]:        [num_slots, conv_dim, conv_kernel - 1]               (model dtype)
+    conv[layer]:        [num_slots, conv_dim, conv_kernel - 1]               (model dtype; tap-major memory)
     ssm[layer]:         [num_slots, mamba_heads, mamba_head_dim, state_size] (SSM cache dtype)
 """
 
@@ -14,6 +14,16 @@ from dataclasses import dataclass
 import torch
 
 from hyserve.model.layer_specs import CacheLayout
+
+
+def conv_state_pool(
+    num_slots: int, conv_dim: int, width: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """Zeroed conv state slots, [num_slots, conv_dim, width] (a channel's last `width` inputs along the
+    last dimension) held tap-major in memory: each tap of a slot is one contiguous run of conv_dim
+    elements. A decode step reads and shifts every running sequence's taps, so this way each of its loads
+    and stores is a whole aligned row rather than `width` elements out of every channel."""
+    return torch.zeros((num_slots, width, conv_dim), dtype=dtype, device=device).transpose(1, 2)
 
 
 @dataclass
@@ -40,7 +50,7 @@ class CacheTensors:
             k[i] = torch.zeros(shape, dtype=a.dtype, device=device)
             v[i] = torch.zeros(shape, dtype=a.dtype, device=device)
         for i, m in layout.mamba.items():
-            conv[i] = torch.zeros((num_slots, m.conv_dim, m.conv_width), dtype=m.conv_dtype, device=device)
+            conv[i] = conv_state_pool(num_slots, m.conv_dim, m.conv_width, m.conv_dtype, device)
             ssm[i] = torch.zeros(
                 (num_slots, m.num_heads, m.head_dim, m.state_size), dtype=m.ssm_dtype, device=device
             )

@@ -182,14 +182,20 @@ def _conv_update_case(
     bias=True,
     activation="silu",
     wide_pool=False,
-    tiled=True,
+    tiled=None,
+    tap_major=False,
 ):
     n_real = Bt - n_pad
     slots = 2 * Bt + 2
     pad_slot = slots - 1
     # wide_pool: the pool is a view whose rows are K + 1 apart (the kernel takes its strides as given), and
-    # the two columns past it must stay untouched
-    wide = rnd(slots, Dm, K - 1 + (2 if wide_pool else 0), dtype=pool_dtype)
+    # the two columns past it must stay untouched; tap_major: each tap a contiguous run of channels, as the
+    # cache allocates its conv pools (cache_tensors.conv_state_pool)
+    width = K - 1 + (2 if wide_pool else 0)
+    if tap_major:
+        wide = rnd(slots, width, Dm, dtype=pool_dtype).transpose(1, 2)
+    else:
+        wide = rnd(slots, Dm, width, dtype=pool_dtype)
     pool = wide[:, :, : K - 1]
     perm = torch.randperm(slots - 1, device=DEV)
     src, dst = perm[:Bt].clone(), perm[Bt : 2 * Bt].clone()
@@ -219,36 +225,90 @@ def _conv_update_case(
     assert torch.equal(p_tri[untouched].nan_to_num(7.0), pool[untouched].nan_to_num(7.0))
 
 
+@pytest.mark.parametrize("tap_major", [True, False])
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
 @pytest.mark.parametrize("Bt,n_pad", [(1, 0), (6, 2)])
-def test_conv1d_update_small(poison, dtype, Bt, n_pad):
-    _conv_update_case(poison, Bt=Bt, Dm=40, K=4, dtype=dtype, pool_dtype=dtype, n_pad=n_pad)
-    _conv_update_case(poison, Bt=Bt, Dm=40, K=4, dtype=dtype, pool_dtype=dtype, n_pad=n_pad, tiled=False)
+def test_conv1d_update_small(poison, dtype, Bt, n_pad, tap_major):
+    for tiled in (None, True, False):
+        _conv_update_case(
+            poison,
+            Bt=Bt,
+            Dm=40,
+            K=4,
+            dtype=dtype,
+            pool_dtype=dtype,
+            n_pad=n_pad,
+            tiled=tiled,
+            tap_major=tap_major,
+        )
 
 
+@pytest.mark.parametrize("tap_major", [True, False])
 @pytest.mark.parametrize("tiled", [True, False])
 @pytest.mark.parametrize("K", [2, 3, 5])
-def test_conv1d_update_small_kernel_sizes_no_bias_no_act(poison, K, tiled):
+def test_conv1d_update_small_kernel_sizes_no_bias_no_act(poison, K, tiled, tap_major):
     _conv_update_case(
-        poison, Bt=3, Dm=24, K=K, dtype=F32, pool_dtype=F32, bias=False, activation=None, tiled=tiled
+        poison,
+        Bt=3,
+        Dm=24,
+        K=K,
+        dtype=F32,
+        pool_dtype=F32,
+        bias=False,
+        activation=None,
+        tiled=tiled,
+        tap_major=tap_major,
     )
 
 
+@pytest.mark.parametrize("tap_major", [True, False])
 @pytest.mark.parametrize("tiled", [True, False])
-def test_conv1d_update_strided_pool_view(poison, tiled):
-    _conv_update_case(poison, Bt=4, Dm=40, K=4, dtype=BF16, pool_dtype=BF16, wide_pool=True, tiled=tiled)
+def test_conv1d_update_strided_pool_view(poison, tiled, tap_major):
+    _conv_update_case(
+        poison,
+        Bt=4,
+        Dm=40,
+        K=4,
+        dtype=BF16,
+        pool_dtype=BF16,
+        wide_pool=True,
+        tiled=tiled,
+        tap_major=tap_major,
+    )
 
 
-def test_conv1d_update_pool_dtype_differs(poison):
-    _conv_update_case(poison, Bt=3, Dm=24, K=4, dtype=F32, pool_dtype=BF16)
+@pytest.mark.parametrize("tap_major", [True, False])
+def test_conv1d_update_pool_dtype_differs(poison, tap_major):
+    _conv_update_case(poison, Bt=3, Dm=24, K=4, dtype=F32, pool_dtype=BF16, tap_major=tap_major)
+
+
+def test_the_cache_holds_conv_states_tap_major():
+    """What the decode update's column form is picked for: every tap of a slot one contiguous run."""
+    from hyserve.model.cache_tensors import conv_state_pool
+
+    pool = conv_state_pool(5, 40, 3, BF16, "cpu")
+    assert pool.shape == (5, 40, 3) and pool.stride() == (120, 1, 40)
+    assert not pool.any()
 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("Bt,n_pad", [(1, 0), (64, 3)])
-def test_conv1d_update_nano9b(poison, Bt, n_pad):
-    for tiled in (True, False):
-        _conv_update_case(poison, Bt=Bt, Dm=12288, K=4, dtype=BF16, pool_dtype=BF16, n_pad=n_pad, tiled=tiled)
+@pytest.mark.parametrize("Bt,n_pad,Dm", [(1, 0, 12288), (64, 3, 12288), (1024, 5, 6144)])
+def test_conv1d_update_real_widths(poison, Bt, n_pad, Dm):
+    """Nano 9B v2's width at batch 1 and 64, Nano 30B-A3B's at batch 1,024; both pool layouts, both forms."""
+    for tap_major in (True, False):
+        for tiled in (True, False):
+            _conv_update_case(
+                poison,
+                Bt=Bt,
+                Dm=Dm,
+                K=4,
+                dtype=BF16,
+                pool_dtype=BF16,
+                n_pad=n_pad,
+                tiled=tiled,
+                tap_major=tap_major,
+            )
 
 
 def _conv_varlen_case(poison, *, lens, Dm, K, dtype, with_init, bias=True):

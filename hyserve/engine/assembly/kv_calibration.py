@@ -133,7 +133,11 @@ def _scratch_cache(lm: LoadedModel, lengths: list[int], tokens_per_block: int) -
     )
 
     def zeros(d: dict[int, torch.Tensor], dtype: torch.dtype | None = None) -> dict[int, torch.Tensor]:
-        return {i: torch.zeros(t.shape, dtype=dtype or t.dtype, device=lm.device) for i, t in d.items()}
+        # the serving cache's strides too (its conv pools are tap-major), so the kernels run as they serve
+        return {
+            i: torch.empty_strided(t.shape, t.stride(), dtype=dtype or t.dtype, device=lm.device).zero_()
+            for i, t in d.items()
+        }
 
     return CacheTensors(
         k=zeros(shapes.k, lm.dtype),
