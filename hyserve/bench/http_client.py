@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from hyserve.bench.metrics import RequestResult
+from hyserve.bench.sse_client import LeanClient, serves
 
 COMPLETIONS = "completions"
 CHAT = "chat"
@@ -131,8 +132,88 @@ async def sse_data(resp: httpx.Response) -> AsyncIterator[str]:
         yield data
 
 
+class _Tally:
+    """One streamed response's events added up into its RequestResult (an EventSink of sse_client)."""
+
+    def __init__(self, kind: str, res: RequestResult, st: float) -> None:
+        self.kind, self.res, self.st = kind, res, st
+        self.last = st
+        self.n_chunks = 0
+        self.parts: list[str] = []
+        self.usage: dict[str, Any] | None = None
+        self.finish_seen_at: float | None = None
+
+    def status(self, code: int) -> None:
+        self.res.status = code
+
+    def refused(self, code: int, body: bytes) -> None:
+        self.res.status = code
+        self.res.error = error_message(code, body)
+
+    def error(self, message: str) -> None:
+        self.res.error = message
+
+    def event(self, data: str, now: float) -> bool:
+        """One event's data; False ends the stream (an in-band error or a malformed event)."""
+        res = self.res
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            res.error = f"bad SSE event: {data[:200]!r}"
+            return False
+        if not isinstance(obj, dict):
+            return True
+        if "error" in obj:
+            err = obj["error"]
+            msg = err.get("message") if isinstance(err, dict) else err
+            res.error = f"stream error: {' '.join(str(msg).split())[:400]}"
+            return False
+        if obj.get("usage"):
+            self.usage = obj["usage"]
+        choices = obj.get("choices") or []
+        if not choices or not isinstance(choices[0], dict):
+            return True
+        out = _chunk_output(self.kind, choices[0])
+        if out is not None:
+            if self.n_chunks == 0:
+                res.ttft_s = now - self.st
+            else:
+                res.itl_s.append(now - self.last)
+            self.last = now
+            self.n_chunks += 1
+            self.parts.append(out)
+        if choices[0].get("finish_reason") and self.finish_seen_at is None:
+            self.finish_seen_at = now
+        return True
+
+    def result(self, end: float) -> RequestResult:
+        res, usage = self.res, self.usage
+        res.e2el_s = end - self.st
+        res.text = "".join(self.parts)
+        if usage:
+            if isinstance(usage.get("completion_tokens"), int):
+                res.output_tokens = usage["completion_tokens"]
+                res.output_tokens_from_usage = True
+            if isinstance(usage.get("prompt_tokens"), int):
+                res.usage_prompt_tokens = usage["prompt_tokens"]
+            details = usage.get("prompt_tokens_details") or {}
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                res.cached_tokens = details["cached_tokens"]
+        if not res.output_tokens_from_usage:
+            res.output_tokens = self.n_chunks
+        if res.error is None and res.status == 200:
+            if res.ttft_s is None and self.finish_seen_at is not None:
+                # finished without a visible output chunk (e.g. bytes held back by the detokenizer)
+                res.ttft_s = self.finish_seen_at - self.st
+            if res.ttft_s is None:
+                res.error = "the stream ended without any output chunk"
+            else:
+                res.ok = True
+        return res
+
+
 async def send_streaming(
-    client: httpx.AsyncClient,
+    client: httpx.AsyncClient | LeanClient,
     url: str,
     payload: dict[str, Any],
     *,
@@ -142,76 +223,33 @@ async def send_streaming(
     run_start: float = 0.0,
     clock: Callable[[], float] = time.perf_counter,
 ) -> RequestResult:
-    """POST one streaming request and time it; never raises for server or network failures."""
+    """POST one streaming request and time it; never raises for server or network failures. `client`:
+    httpx, or the lean client of sse_client (plain http; the benchmark's streams)."""
     res = RequestResult(ok=False, prompt_len=prompt_len, max_tokens=int(payload.get("max_tokens") or 0))
-    n_chunks = 0
-    parts: list[str] = []
-    usage: dict[str, Any] | None = None
     st = clock()
     res.start_s = st - run_start if run_start else 0.0
-    last = st
-    finish_seen_at: float | None = None
+    tally = _Tally(kind, res, st)
+    if isinstance(client, LeanClient):
+        await client.post_sse(url, payload, headers or {}, tally, clock)
+        return tally.result(clock())
     try:
         async with client.stream("POST", url, json=payload, headers=headers or {}) as resp:
-            res.status = resp.status_code
+            tally.status(resp.status_code)
             if resp.status_code != 200:
-                res.error = error_message(resp.status_code, await resp.aread())
-                res.e2el_s = clock() - st
-                return res
+                tally.refused(resp.status_code, await resp.aread())
+                return tally.result(clock())
             async for data in sse_data(resp):
-                now = clock()
-                try:
-                    obj = json.loads(data)
-                except ValueError:
-                    res.error = f"bad SSE event: {data[:200]!r}"
+                if not tally.event(data, clock()):
                     break
-                if not isinstance(obj, dict):
-                    continue
-                if "error" in obj:
-                    err = obj["error"]
-                    msg = err.get("message") if isinstance(err, dict) else err
-                    res.error = f"stream error: {' '.join(str(msg).split())[:400]}"
-                    break
-                if obj.get("usage"):
-                    usage = obj["usage"]
-                choices = obj.get("choices") or []
-                if not choices or not isinstance(choices[0], dict):
-                    continue
-                out = _chunk_output(kind, choices[0])
-                if out is not None:
-                    if n_chunks == 0:
-                        res.ttft_s = now - st
-                    else:
-                        res.itl_s.append(now - last)
-                    last = now
-                    n_chunks += 1
-                    parts.append(out)
-                if choices[0].get("finish_reason") and finish_seen_at is None:
-                    finish_seen_at = now
     except httpx.HTTPError as e:
-        res.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    res.e2el_s = clock() - st
-    res.text = "".join(parts)
-    if usage:
-        if isinstance(usage.get("completion_tokens"), int):
-            res.output_tokens = usage["completion_tokens"]
-            res.output_tokens_from_usage = True
-        if isinstance(usage.get("prompt_tokens"), int):
-            res.usage_prompt_tokens = usage["prompt_tokens"]
-        details = usage.get("prompt_tokens_details") or {}
-        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-            res.cached_tokens = details["cached_tokens"]
-    if not res.output_tokens_from_usage:
-        res.output_tokens = n_chunks
-    if res.error is None:
-        if res.ttft_s is None and finish_seen_at is not None:
-            # finished without a visible output chunk (e.g. bytes held back by the detokenizer)
-            res.ttft_s = finish_seen_at - st
-        if res.ttft_s is None:
-            res.error = "the stream ended without any output chunk"
-        else:
-            res.ok = True
-    return res
+        tally.error(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+    return tally.result(clock())
+
+
+def stream_client(url: str, http: httpx.AsyncClient, read_timeout_s: float) -> httpx.AsyncClient | LeanClient:
+    """The client for a benchmark's streams to `url`: the lean one where it serves (plain http, no
+    proxy), else `http`."""
+    return LeanClient(read_timeout_s) if serves(url) else http
 
 
 async def get_json(

@@ -40,6 +40,7 @@ from hyserve.bench.http_client import (
     join_url,
     scrape_counters,
     send_streaming,
+    stream_client,
 )
 from hyserve.bench.metrics import (
     LATENCY_METRICS,
@@ -49,6 +50,7 @@ from hyserve.bench.metrics import (
     run_to_run_spread,
 )
 from hyserve.bench.sharegpt import sharegpt_dataset, tokenizer_counter, word_count
+from hyserve.bench.sse_client import LeanClient
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,7 +136,7 @@ def build_requests(d: DatasetOptions, *, seed: int, text: bool) -> list[SampleRe
 
 
 async def run_once(
-    client: httpx.AsyncClient,
+    client: httpx.AsyncClient | LeanClient,
     url: str,
     kind: str,
     model: str,
@@ -197,7 +199,8 @@ def _points(opts: ServeBenchOptions) -> list[int | None]:
 class _Target:
     """Where and how one benchmark sends its requests."""
 
-    client: httpx.AsyncClient
+    client: httpx.AsyncClient  # models, metrics
+    streams: httpx.AsyncClient | LeanClient  # the measured requests (http_client.stream_client)
     url: str
     kind: str
     model: str
@@ -215,7 +218,7 @@ async def warm_up(t: _Target, opts: ServeBenchOptions, log: Callable[[str], None
     first = build_requests(opts.dataset, seed=opts.seed - 1, text=t.kind == CHAT)[0]
     warm = replace(opts, request_rate=float("inf"), ramp_up=None, burstiness=1.0)
     results, took = await run_once(
-        t.client,
+        t.streams,
         t.url,
         t.kind,
         t.model,
@@ -238,7 +241,7 @@ async def _one_rep(
     requests = build_requests(opts.dataset, seed=seed, text=t.kind == CHAT)
     before = await scrape_counters(t.client, opts.base_url, t.headers)
     results, duration = await run_once(
-        t.client,
+        t.streams,
         t.url,
         t.kind,
         t.model,
@@ -289,7 +292,7 @@ async def _run(opts: ServeBenchOptions, log: Callable[[str], None]) -> dict[str,
         else:
             model = opts.model
             await get_json(client, join_url(opts.base_url, "/v1/models"), headers=headers)  # reachable?
-        t = _Target(client, url, kind, model, headers)
+        t = _Target(client, stream_client(url, client, opts.request_timeout_s), url, kind, model, headers)
         await warm_up(t, opts, log)
         points: list[dict[str, Any]] = []
         for conc in _points(opts):
