@@ -162,3 +162,25 @@ def test_slow_client_options() -> None:
     )
     with pytest.raises(ValueError, match="max_inflight_body_bytes"):
         _server_options("--max-inflight-body-bytes", "1024")  # below one largest body
+
+
+def test_the_server_runs_on_uvloop_and_httptools_where_installed() -> None:
+    """The server extra installs both; uvicorn's "auto" then picks them (the headers' deadline protocol
+    too): a streamed event costs the event loop less than on asyncio's own loop and h11."""
+    pytest.importorskip("uvloop")
+    pytest.importorskip("httptools")
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    for timeout in (30.0, 0.0):  # with the headers' deadline and without
+        options = ServerOptions(log_level="warning", request_read_timeout=timeout)
+        app = build_app(FakeEngine(tokenizer=tiny_tokenizer(), max_seq_len=1024), options)
+        cfg = uvicorn_config(app, "127.0.0.1", free_port(), options)
+        cfg.load()
+        assert issubclass(cfg.http_protocol_class, HttpToolsProtocol)
+        factory = cfg.get_loop_factory()
+        assert factory is not None
+        loop = factory()
+        try:
+            assert type(loop).__module__.startswith("uvloop")
+        finally:
+            loop.close()
