@@ -57,6 +57,7 @@ from hyserve.bench.http_client import (  # noqa: E402
     join_url,
     scrape_counters,
     send_streaming,
+    stream_client,
 )
 from hyserve.bench.metrics import RequestResult, percentile  # noqa: E402
 from hyserve.bench.needle import parse_size  # noqa: E402
@@ -288,7 +289,13 @@ def _long_request_child(
     async def go() -> RequestResult:
         async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0)) as client:
             return await send_streaming(
-                client, url, payload, kind=COMPLETIONS, prompt_len=n, run_start=run_start, clock=CLOCK
+                stream_client(url, client, timeout_s),
+                url,
+                payload,
+                kind=COMPLETIONS,
+                prompt_len=n,
+                run_start=run_start,
+                clock=CLOCK,
             )
 
     return asyncio.run(go())
@@ -368,6 +375,7 @@ async def contended(
     """Streams decoding, then the long prompt, with a short chat request every interval until it ends."""
     comp_url = join_url(srv.url, "/v1/completions")
     chat_url = join_url(srv.url, "/v1/chat/completions")
+    streams = stream_client(comp_url, client, opts.request_timeout_s)  # the measured requests' client
     rng = random.Random(seed)
     stop = asyncio.Event()
     stream_results: list[RequestResult] = []
@@ -381,7 +389,7 @@ async def contended(
                 COMPLETIONS, model, ids, opts.stream_output_len, ignore_eos=True, temperature=0.0
             )
             r = await send_streaming(
-                client,
+                streams,
                 comp_url,
                 payload,
                 kind=COMPLETIONS,
@@ -398,7 +406,7 @@ async def contended(
         payload = build_payload(CHAT, model, text, opts.short_output_len, ignore_eos=True, temperature=0.0)
         short_results.append(
             await send_streaming(
-                client,
+                streams,
                 chat_url,
                 payload,
                 kind=CHAT,
