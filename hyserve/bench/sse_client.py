@@ -42,11 +42,11 @@ class EventSink(Protocol):
 
 
 def serves(url: str) -> bool:
-    """Whether this client takes `url`: plain http with no proxy configured for it (the standard
-    library's proxy settings, which httpx honours too)."""
+    """Whether this client takes `url`: plain http without credentials in it, and no proxy configured for
+    it (the standard library's proxy settings, which httpx honours too)."""
     parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        return False
+    if parts.scheme != "http" or not parts.hostname or parts.username is not None:
+        return False  # https, or credentials in the URL (httpx sends them as basic auth)
     proxies = urllib.request.getproxies()
     if not (proxies.get("http") or proxies.get("all")):
         return True

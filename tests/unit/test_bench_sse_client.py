@@ -189,6 +189,8 @@ def test_streams_go_lean_only_over_plain_http_without_a_proxy(monkeypatch: pytes
     assert serves("http://127.0.0.1:8000/v1/completions")
     assert isinstance(stream_client("http://localhost:8000/v1/completions", http, 60.0), LeanClient)
     assert not serves("https://api.example.com/v1/completions")
+    assert not serves("http://user:secret@gpu-box:8000/v1/completions")
+    assert serves("http://[::1]:8000/v1/completions")
     assert stream_client("https://api.example.com/v1/completions", http, 60.0) is http
     monkeypatch.setenv("http_proxy", "http://proxy.internal:3128")
     assert not serves("http://gpu-box:8000/v1/completions")
