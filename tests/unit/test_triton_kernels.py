@@ -225,61 +225,31 @@ def _conv_update_case(
     assert torch.equal(p_tri[untouched].nan_to_num(7.0), pool[untouched].nan_to_num(7.0))
 
 
-@pytest.mark.parametrize("tap_major", [True, False])
+def _each_layout(poison, forms=(True, False), **case):
+    """`case` over both pool layouts (tap-major, as the cache holds them, and channel-major), in each of the
+    kernel forms `forms` (None: the one the pool's layout picks)."""
+    for tap_major in (True, False):
+        for tiled in forms:
+            _conv_update_case(poison, tiled=tiled, tap_major=tap_major, **case)
+
+
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
 @pytest.mark.parametrize("Bt,n_pad", [(1, 0), (6, 2)])
-def test_conv1d_update_small(poison, dtype, Bt, n_pad, tap_major):
-    for tiled in (None, True, False):
-        _conv_update_case(
-            poison,
-            Bt=Bt,
-            Dm=40,
-            K=4,
-            dtype=dtype,
-            pool_dtype=dtype,
-            n_pad=n_pad,
-            tiled=tiled,
-            tap_major=tap_major,
-        )
+def test_conv1d_update_small(poison, dtype, Bt, n_pad):
+    _each_layout(poison, (None, True, False), Bt=Bt, Dm=40, K=4, dtype=dtype, pool_dtype=dtype, n_pad=n_pad)
 
 
-@pytest.mark.parametrize("tap_major", [True, False])
-@pytest.mark.parametrize("tiled", [True, False])
 @pytest.mark.parametrize("K", [2, 3, 5])
-def test_conv1d_update_small_kernel_sizes_no_bias_no_act(poison, K, tiled, tap_major):
-    _conv_update_case(
-        poison,
-        Bt=3,
-        Dm=24,
-        K=K,
-        dtype=F32,
-        pool_dtype=F32,
-        bias=False,
-        activation=None,
-        tiled=tiled,
-        tap_major=tap_major,
-    )
+def test_conv1d_update_small_kernel_sizes_no_bias_no_act(poison, K):
+    _each_layout(poison, Bt=3, Dm=24, K=K, dtype=F32, pool_dtype=F32, bias=False, activation=None)
 
 
-@pytest.mark.parametrize("tap_major", [True, False])
-@pytest.mark.parametrize("tiled", [True, False])
-def test_conv1d_update_strided_pool_view(poison, tiled, tap_major):
-    _conv_update_case(
-        poison,
-        Bt=4,
-        Dm=40,
-        K=4,
-        dtype=BF16,
-        pool_dtype=BF16,
-        wide_pool=True,
-        tiled=tiled,
-        tap_major=tap_major,
-    )
+def test_conv1d_update_strided_pool_view(poison):
+    _each_layout(poison, Bt=4, Dm=40, K=4, dtype=BF16, pool_dtype=BF16, wide_pool=True)
 
 
-@pytest.mark.parametrize("tap_major", [True, False])
-def test_conv1d_update_pool_dtype_differs(poison, tap_major):
-    _conv_update_case(poison, Bt=3, Dm=24, K=4, dtype=F32, pool_dtype=BF16, tap_major=tap_major)
+def test_conv1d_update_pool_dtype_differs(poison):
+    _each_layout(poison, (None,), Bt=3, Dm=24, K=4, dtype=F32, pool_dtype=BF16)
 
 
 def test_the_cache_holds_conv_states_tap_major():
@@ -296,19 +266,7 @@ def test_the_cache_holds_conv_states_tap_major():
 @pytest.mark.parametrize("Bt,n_pad,Dm", [(1, 0, 12288), (64, 3, 12288), (1024, 5, 6144)])
 def test_conv1d_update_real_widths(poison, Bt, n_pad, Dm):
     """Nano 9B v2's width at batch 1 and 64, Nano 30B-A3B's at batch 1,024; both pool layouts, both forms."""
-    for tap_major in (True, False):
-        for tiled in (True, False):
-            _conv_update_case(
-                poison,
-                Bt=Bt,
-                Dm=Dm,
-                K=4,
-                dtype=BF16,
-                pool_dtype=BF16,
-                n_pad=n_pad,
-                tiled=tiled,
-                tap_major=tap_major,
-            )
+    _each_layout(poison, Bt=Bt, Dm=Dm, K=4, dtype=BF16, pool_dtype=BF16, n_pad=n_pad)
 
 
 def _conv_varlen_case(poison, *, lens, Dm, K, dtype, with_init, bias=True):
