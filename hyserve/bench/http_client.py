@@ -147,8 +147,7 @@ class _Tally:
         self.res.status = code
 
     def refused(self, code: int, body: bytes) -> None:
-        self.res.status = code
-        self.res.error = error_message(code, body)
+        self.res.error = error_message(code, body)  # the status came first, through status()
 
     def error(self, message: str) -> None:
         self.res.error = message

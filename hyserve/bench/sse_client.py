@@ -58,6 +58,7 @@ class _Stream(asyncio.Protocol):
 
     def __init__(self, sink: EventSink, clock: Callable[[], float], done: asyncio.Future[None]) -> None:
         self.sink, self.clock, self.done = sink, clock, done
+        self.loop = done.get_loop()
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()  # unparsed response bytes
         self.sse = bytearray()  # body bytes not yet split into events
@@ -80,7 +81,7 @@ class _Stream(asyncio.Protocol):
         if self.done.done():
             return
         now = self.clock()
-        self.last_read = asyncio.get_running_loop().time()
+        self.last_read = self.loop.time()
         self.buf += data
         try:
             if self.head and not self._read_head():
@@ -269,9 +270,8 @@ class LeanClient:
         """The read timeout: re-armed for the time left since the latest read, or the request fails."""
         if proto.done.done():
             return
-        loop = asyncio.get_running_loop()
-        idle = loop.time() - proto.last_read
+        idle = proto.loop.time() - proto.last_read
         if idle >= self.read_timeout_s:
             proto._fail("ReadTimeout")
             return
-        proto.timer = loop.call_later(self.read_timeout_s - idle, self._watch, proto)
+        proto.timer = proto.loop.call_later(self.read_timeout_s - idle, self._watch, proto)
