@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from hyserve.engine.host_tensors import int_tensor, to_device
+from hyserve.engine.runner.block_index import fill_block_tables
 from hyserve.engine.scheduler.scheduler import ScheduledSeq
 from hyserve.engine.scheduler.verify_rows import scratch_of, verify_rows
 from hyserve.model.cache_tensors import CacheTensors
@@ -296,15 +297,16 @@ class DecodeGraphs:
                 f"decode graph: a block table of {cols} blocks exceeds the captured width "
                 f"{self._tables.shape[1]}"
             )
-        # one flat list (zeros past each table's end) and one pinned copy: a copy from pageable memory
+        # each table's ids end to end and a count per row, in one pinned copy (a copy from pageable memory
         # would wait for every step already queued on the stream, so the host could no longer prepare a
-        # step while the previous one runs
+        # step while the previous one runs); the rows are filled on the device (block_index.py), so one
+        # long sequence does not pad every other row's table on the host
         flat: list[int] = []
-        zeros = [0] * cols
         for s in seqs:
-            flat += (s.block_ids + zeros[: cols - len(s.block_ids)]) * width
-        tables = int_tensor(flat, torch.int32).view(real, cols)
-        self._tables[:real, :cols].copy_(to_device(tables, self.device), non_blocking=True)
+            flat += s.block_ids * width
+        counts = [len(s.block_ids) for s in seqs for _ in range(width)]
+        staged = to_device(int_tensor(flat + counts), self.device)
+        fill_block_tables(self._tables, staged[: len(flat)], staged[len(flat) :])
         return self.replay(B, width)[:real]
 
     def hidden(self, rows: int) -> torch.Tensor:

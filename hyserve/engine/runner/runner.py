@@ -4,7 +4,7 @@ logits of the sequences that sample this step.
 Index arithmetic for the KV writes (bs = tokens_per_block):
 
     new token j of a sequence sits at position p = start_pos + j
-    slot_mapping = block_ids[p // bs] * bs + p % bs
+    slot_mapping = block_ids[p // bs] * bs + p % bs     (computed on the device: runner/block_index.py)
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from contextlib import contextmanager
 
 import torch
 
-from hyserve.engine.host_tensors import int_tensor, to_device
+from hyserve.engine.host_tensors import concat_ints, to_device
 from hyserve.engine.outputs import TokenLogprob
+from hyserve.engine.runner.block_index import fill_block_tables, slot_mapping
 from hyserve.engine.runner.cuda_graphs import DecodeGraphs
 from hyserve.engine.runner.mtp_passes import MTPCatchUp, MTPChain, mtp_catch_up, mtp_passes
 from hyserve.engine.sampling.sampler import token_logprobs
@@ -97,24 +98,25 @@ class ModelRunner:
         return self._kept is not None
 
     def build_meta(self, batch: ScheduledBatch) -> tuple[torch.Tensor, ForwardMeta]:
-        bs = self.tokens_per_block
         q = batch.spec_width
         ids: list[int] = []
+        tables: list[int] = []  # every row's block ids end to end, `counts` per row
+        counts: list[int] = []
         cu = [0]
-        seq_lens, slot_mapping, src, dst, has_init, logits_idx = [], [], [], [], [], []
+        seq_lens, starts, writes, src, dst, has_init, logits_idx = [], [], [], [], [], [], []
         snaps: list[SnapshotWrite] = []
         max_blocks = max((len(s.block_ids) for s in batch.seqs), default=1) or 1
-        rows: list[list[int]] = []  # block tables, zero-padded: one tensor built from them (not one per row)
 
         def row(
             tokens: list[int], start: int, s: ScheduledSeq, slots: tuple[int, int], *, write_kv: bool = True
         ) -> None:
             ids.extend(tokens)
             cu.append(len(ids))
-            for p in range(start, start + len(tokens)):
-                slot_mapping.append(s.block_ids[p // bs] * bs + p % bs if write_kv else -1)
+            starts.append(start)
+            writes.append(write_kv)
             seq_lens.append(start + len(tokens))
-            rows.append(s.block_ids + [0] * (max_blocks - len(s.block_ids)))
+            tables.extend(s.block_ids)
+            counts.append(len(s.block_ids))
             src.append(slots[0])
             dst.append(slots[1])
             if s.sample:
@@ -141,28 +143,32 @@ class ModelRunner:
             (ids, torch.long),
             (cu, torch.int32),
             (seq_lens, torch.int32),
-            ([b for r in rows for b in r], torch.int32),
-            (slot_mapping, torch.int64),
+            (tables, torch.int32),
+            (counts, torch.int64),
+            (starts, torch.int64),
+            (writes, torch.bool),
             (src, torch.int64),
             (dst, torch.int64),
             (has_init, torch.bool),
             (logits_idx, torch.int64),
         ]
-        flat = to_device(int_tensor([v for x, _ in parts for v in x]), self.device)
+        flat = to_device(concat_ints([x for x, _ in parts]), self.device)
         on_dev = [v.to(dtype) for v, (_, dtype) in zip(flat.split([len(x) for x, _ in parts]), parts)]
-        input_ids, cu_t, seq_lens_t, tables, slots, src_t, dst_t, init_t, logits_t = on_dev
+        input_ids, cu_t, lens_t, blocks_t, counts_t, starts_t, writes_t, src_t, dst_t, init, logits = on_dev
+        tables_t = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32, device=self.device)
+        fill_block_tables(tables_t, blocks_t, counts_t)
         meta = ForwardMeta(
             num_decodes=batch.num_decodes * q,
             cu_seqlens=cu,
             seq_lens=seq_lens,
             cu_seqlens_t=cu_t,
-            seq_lens_t=seq_lens_t,
-            block_tables=tables.view(len(rows), max_blocks),
-            slot_mapping=slots,
+            seq_lens_t=lens_t,
+            block_tables=tables_t,
+            slot_mapping=slot_mapping(tables_t, cu_t, starts_t, writes_t, self.tokens_per_block, len(ids)),
             state_src=src_t,
             state_dst=dst_t,
-            has_initial_state=init_t,
-            logits_indices=logits_t,
+            has_initial_state=init,
+            logits_indices=logits,
             snapshots=snaps,
             decode_width=q,
         )
