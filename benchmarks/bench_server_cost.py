@@ -45,16 +45,25 @@ class Device:
     step_ms: float
     token_us: float
     eager_ms: float = 0.0  # host time of a step that runs the model eagerly (one with a prefill row)
+    # kernel launches of that step: each releases the interpreter lock, as Triton's launcher does around
+    # cuLaunchKernel (0: the step's host time is one held stretch)
+    eager_launches: int = 0
 
     def step_s(self, tokens: int) -> float:
         return self.step_ms / 1e3 + self.token_us / 1e6 * tokens
 
 
-def _hold_host(ms: float) -> None:
-    """Keep the interpreter busy for `ms` (the lock held, as launching an eager forward's kernels does)."""
-    end = time.perf_counter() + ms / 1e3
-    while time.perf_counter() < end:
-        pass
+def _hold_host(ms: float, launches: int = 0) -> None:
+    """Keep the interpreter busy for `ms` (the lock held, as launching an eager forward's kernels does),
+    releasing it `launches` times spread over that stretch: a thread that gives up the lock waits to get it
+    back while another thread holds it, up to the switch interval (sys.getswitchinterval) each time."""
+    pieces = max(1, launches)
+    for _ in range(pieces):
+        end = time.perf_counter() + ms / 1e3 / pieces
+        while time.perf_counter() < end:
+            pass
+        if launches:
+            time.sleep(0)  # releases the lock and takes it back
 
 
 def emulate_device(model: Any, device: Device) -> None:
@@ -70,7 +79,7 @@ def emulate_device(model: Any, device: Device) -> None:
 
     def forward(ids, meta, cache):
         if device.eager_ms and len(meta.cu_seqlens) - 1 > meta.num_decodes:
-            _hold_host(device.eager_ms)  # a step with a prefill row replays no CUDA graph
+            _hold_host(device.eager_ms, device.eager_launches)  # a step with a prefill row replays no graph
         device_free[0] = max(time.perf_counter(), device_free[0]) + device.step_s(ids.shape[0])
         return stub_forward(ids, meta, cache)
 
@@ -213,6 +222,12 @@ def main() -> int:
         default=0.0,
         help="host time (interpreter held) of a step with a prefill row",
     )
+    ap.add_argument(
+        "--eager-launches",
+        type=int,
+        default=0,
+        help="kernel launches of such a step, each releasing the interpreter lock (0: one held stretch)",
+    )
     ap.add_argument("--num-prompts", type=int, default=None, help="requests per point (default: concurrency)")
     ap.add_argument("--max-batch-size", type=int, default=None, help="engine batch (default: concurrency)")
     ap.add_argument("--range-ratio", type=float, default=0.0, help="lengths vary by +- this share")
@@ -222,7 +237,7 @@ def main() -> int:
     ap.add_argument("--git-sha", default="")
     args = ap.parse_args()
     logging.disable(logging.WARNING)
-    device = Device(args.step_ms, args.token_us, args.eager_ms)
+    device = Device(args.step_ms, args.token_us, args.eager_ms, args.eager_launches)
     rows = []
     for i, c in enumerate(args.concurrency):
         work = workload(args, c)
@@ -250,6 +265,7 @@ def main() -> int:
         f", {k.replace('_', ' ')} {v:g}"
         for k, v in (
             ("eager_ms", args.eager_ms),
+            ("eager_launches", args.eager_launches),
             ("range_ratio", args.range_ratio),
             ("num_prompts", args.num_prompts),
             ("max_batch_size", args.max_batch_size),

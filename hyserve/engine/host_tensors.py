@@ -19,13 +19,15 @@ def int_tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Ten
     return torch.frombuffer(array(_ARRAY_CODES[dtype], values), dtype=dtype)
 
 
-def concat_ints(parts: Iterable[list[int] | list[bool]]) -> torch.Tensor:
-    """One int64 host tensor of `parts` (lists of ints or bools) end to end: the lists joined first (a
-    list's extend by a list copies pointers; an array's extend converts int by int, 2-3x slower), then
-    converted once."""
+def concat_ints(parts: Iterable[list[int] | list[bool]], align: int = 1) -> torch.Tensor:
+    """One int64 host tensor of `parts` (lists of ints or bools) end to end, each zero-padded to a multiple
+    of `align` elements: the lists joined first (a list's extend by a list copies pointers; an array's
+    extend converts int by int, 2-3x slower), then converted once."""
     flat: list[int] = []
     for p in parts:
         flat += p
+        if len(p) % align:
+            flat += [0] * (align - len(p) % align)
     return int_tensor(flat)
 
 

@@ -157,3 +157,33 @@ def test_bench_server_cost_engine_side_holds_the_host_for_eager_steps(
     got = bsc.engine_point(work, bsc.Device(step_ms=1.0, token_us=0.0, eager_ms=30.0), seed=0)
     assert got["output_tokens"] == 18
     assert got["duration_s"] >= 3 * 0.030
+
+
+def test_emulated_launches_give_up_the_interpreter_lock() -> None:
+    """bench_server_cost's --eager-launches: an eager step's host stretch releases the lock at each launch,
+    so another thread runs inside it; held in one stretch, the other thread waits for the switch interval."""
+    import threading
+    import time
+
+    from benchmarks.bench_server_cost import _hold_host
+
+    def progress(launches: int) -> int:
+        ticks = [0]
+        stop = threading.Event()
+
+        def spin() -> None:
+            while not stop.is_set():
+                ticks[0] += 1
+                time.sleep(0)
+
+        t = threading.Thread(target=spin)
+        t.start()
+        time.sleep(0.01)
+        before = ticks[0]
+        _hold_host(40.0, launches)
+        during = ticks[0] - before
+        stop.set()
+        t.join()
+        return during
+
+    assert progress(400) > 4 * max(1, progress(0))

@@ -8,6 +8,7 @@ import pytest
 
 from hyserve import LLM, SamplingParams
 from hyserve.engine.assembly import assemble as assembly
+from hyserve.engine.runner import cuda_graphs
 from hyserve.engine.runner.cuda_graphs import default_capture_sizes, pack_decode_rows
 from hyserve.engine.scheduler.scheduler import ScheduledSeq
 from tests.engine.test_engine_invariance import make_llm, prompts
@@ -90,8 +91,11 @@ def test_without_padding_other_sizes_run_eagerly(graphs_on_cpu) -> None:
     assert _run(llm) == eager
 
 
-def test_graph_decode_with_long_block_tables(graphs_on_cpu) -> None:
-    """Sequences whose tables are wider than others' leave stale columns behind in the buffer."""
+@pytest.mark.parametrize("ragged_above", [1, 10**9], ids=["ragged", "padded"])
+def test_graph_decode_with_long_block_tables(graphs_on_cpu, monkeypatch, ragged_above: int) -> None:
+    """Sequences whose tables are wider than others' leave stale columns behind in the buffer; the tables
+    go either ragged and are filled on the device, or zero-padded to the longest."""
+    monkeypatch.setattr(cuda_graphs, "RAGGED_TABLES_ABOVE", ragged_above)
     graphs_on_cpu([4])
     long_p = [1] + [5 + i % 200 for i in range(150)]
     short_p = [1, 9, 9, 9]

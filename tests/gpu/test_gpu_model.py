@@ -144,7 +144,9 @@ def test_tiny_async_scheduling_on_cuda_graphs_matches_sync(tmp_path: Path) -> No
     fed = []
     orig = overlapped.engine.runner.graphs.execute
     overlapped.engine.runner.graphs.execute = (  # type: ignore[method-assign]
-        lambda seqs, feed=None: (fed.append(len(seqs)) if feed is not None else None) or orig(seqs, feed)
+        lambda seqs, feed=None, width=1: (
+            (fed.append(len(seqs)) if feed is not None else None) or orig(seqs, feed, width)
+        )
     )
     a = sync.generate(prompts, params)
     b = overlapped.generate(prompts, params)

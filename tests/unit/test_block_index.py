@@ -65,3 +65,37 @@ def test_empty_steps() -> None:
     assert out.abs().sum() == 0
     got = slot_mapping(out, torch.zeros(1, dtype=torch.int32), torch.empty(0), torch.empty(0), 16, 0)
     assert got.shape == (0,) and got.dtype == torch.int64
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_step_metadata_is_aligned_and_matches_the_host_loops(seed: int) -> None:
+    """`ModelRunner.build_meta` over random decodes and prefill chunks: each per-row tensor starts 16 bytes
+    into its buffer (Triton specialises kernels on pointer alignment, so an odd offset would be another
+    variant to compile after warm-up), and the tables and slots equal the host loops."""
+    from types import SimpleNamespace
+
+    from hyserve.engine.runner.runner import ModelRunner
+    from hyserve.engine.sampling_params import SamplingParams
+    from hyserve.engine.scheduler.scheduler import ScheduledBatch, ScheduledSeq
+
+    rng = random.Random(seed)
+    bs = 16
+    cache = SimpleNamespace(tokens_per_block=bs)
+    runner = ModelRunner(None, cache, torch.device("cpu"))  # type: ignore[arg-type]
+    seqs = []
+    decodes = rng.randrange(0, 7)
+    for i in range(decodes + rng.randrange(1, 4)):
+        start = rng.randrange(0, 200)
+        new = 1 if i < decodes else rng.randrange(1, 90)
+        nb = -(-(start + new) // bs)
+        blocks = rng.sample(range(1000), nb)
+        seqs.append(ScheduledSeq(f"r{i}", [5] * new, start, blocks, i, i, True, [], SamplingParams(), 0))
+    ids, meta = runner.build_meta(ScheduledBatch(seqs, decodes))
+    tensors = [ids, meta.cu_seqlens_t, meta.seq_lens_t, meta.block_tables, meta.slot_mapping]
+    tensors += [meta.state_src, meta.state_dst, meta.has_initial_state, meta.logits_indices]
+    assert all(t.data_ptr() % 16 == 0 for t in tensors)
+    blocks = [s.block_ids for s in seqs]
+    lens = [len(s.token_ids) for s in seqs]
+    starts = [s.start_pos for s in seqs]
+    assert meta.block_tables.tolist() == block_tables_ref(blocks, max(len(b) for b in blocks))
+    assert meta.slot_mapping.tolist() == slot_mapping_ref(blocks, lens, starts, [True] * len(seqs), bs)

@@ -41,6 +41,9 @@ from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.forward_meta import ForwardMeta
 from hyserve.model.protocol import CausalLM
 
+# a decode step sends its block tables ragged (filled on the device) once zero-padding them to the longest
+# would send this many times the ids themselves
+RAGGED_TABLES_ABOVE = 4
 _ROWS = 6  # ids, slot_mapping, state_src, state_dst, seq_lens, feed rows (async scheduling)
 
 
@@ -297,16 +300,25 @@ class DecodeGraphs:
                 f"decode graph: a block table of {cols} blocks exceeds the captured width "
                 f"{self._tables.shape[1]}"
             )
-        # each table's ids end to end and a count per row, in one pinned copy (a copy from pageable memory
-        # would wait for every step already queued on the stream, so the host could no longer prepare a
-        # step while the previous one runs); the rows are filled on the device (block_index.py), so one
-        # long sequence does not pad every other row's table on the host
+        # one pinned copy (a copy from pageable memory would wait for every step already queued on the
+        # stream, so the host could no longer prepare a step while the previous one runs). Tables of similar
+        # lengths go zero-padded to the longest, one copy into the buffer; when one long sequence would pad
+        # every other row (an 800k-token context beside short ones), each table's ids go end to end with a
+        # count per row and the rows are filled on the device (block_index.py): a few more device ops
         flat: list[int] = []
-        for s in seqs:
-            flat += s.block_ids * width
-        counts = [len(s.block_ids) for s in seqs for _ in range(width)]
-        staged = to_device(int_tensor(flat + counts), self.device)
-        fill_block_tables(self._tables, staged[: len(flat)], staged[len(flat) :])
+        ids = sum(len(s.block_ids) for s in seqs)
+        if real * cols <= RAGGED_TABLES_ABOVE * ids:
+            zeros = [0] * cols
+            for s in seqs:
+                flat += (s.block_ids + zeros[: cols - len(s.block_ids)]) * width
+            tables = int_tensor(flat, torch.int32).view(real, cols)
+            self._tables[:real, :cols].copy_(to_device(tables, self.device), non_blocking=True)
+        else:
+            for s in seqs:
+                flat += s.block_ids * width
+            counts = [len(s.block_ids) for s in seqs for _ in range(width)]
+            staged = to_device(int_tensor(flat + counts), self.device)
+            fill_block_tables(self._tables, staged[: len(flat)], staged[len(flat) :])
         return self.replay(B, width)[:real]
 
     def hidden(self, rows: int) -> torch.Tensor:

@@ -152,8 +152,12 @@ class ModelRunner:
             (has_init, torch.bool),
             (logits_idx, torch.int64),
         ]
-        flat = to_device(concat_ints([x for x, _ in parts]), self.device)
-        on_dev = [v.to(dtype) for v, (_, dtype) in zip(flat.split([len(x) for x, _ in parts]), parts)]
+        # each part starts 16 bytes into the buffer: Triton specialises a kernel on whether its pointers are
+        # 16-byte aligned, so a view at an odd int64 offset would compile (and warm up) another variant
+        sizes = [len(x) for x, _ in parts]
+        flat = to_device(concat_ints([x for x, _ in parts], align=2), self.device)
+        views = flat.split([n + n % 2 for n in sizes])
+        on_dev = [v[:n].to(dtype) for v, n, (_, dtype) in zip(views, sizes, parts)]
         input_ids, cu_t, lens_t, blocks_t, counts_t, starts_t, writes_t, src_t, dst_t, init, logits = on_dev
         tables_t = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32, device=self.device)
         fill_block_tables(tables_t, blocks_t, counts_t)
