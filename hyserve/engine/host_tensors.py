@@ -5,7 +5,7 @@ and copied without waiting for the device."""
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import torch
 
@@ -19,18 +19,6 @@ def int_tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Ten
     return torch.frombuffer(array(_ARRAY_CODES[dtype], values), dtype=dtype)
 
 
-def concat_ints(parts: Iterable[list[int] | list[bool]], align: int = 1) -> torch.Tensor:
-    """One int64 host tensor of `parts` (lists of ints or bools) end to end, each zero-padded to a multiple
-    of `align` elements: the lists joined first (a list's extend by a list copies pointers; an array's
-    extend converts int by int, 2-3x slower), then converted once."""
-    flat: list[int] = []
-    for p in parts:
-        flat += p
-        if len(p) % align:
-            flat += [0] * (align - len(p) % align)
-    return int_tensor(flat)
-
-
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A small host tensor -> `device` without waiting for the device (pinned + non-blocking on CUDA):
     a plain copy from pageable memory would wait for every step already queued (async scheduling
@@ -38,3 +26,21 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def parts_to_device(
+    parts: Sequence[tuple[list[int] | list[bool], torch.dtype]], device: torch.device
+) -> list[torch.Tensor]:
+    """Several small int (or bool) lists -> `device` as tensors of their dtypes, in one pinned copy: one
+    int64 buffer (a copy per array costs the host a pinned staging buffer each), split and cast there.
+    Each part starts 16 bytes into the buffer: Triton specialises a kernel on whether its pointers are
+    16-byte aligned, so a view at an odd int64 offset would be another variant to compile (and warm up).
+    The lists are joined before the one conversion (a list's extend by a list copies pointers; an array's
+    extend converts int by int, 2-3x slower)."""
+    flat: list[int] = []
+    for values, _ in parts:
+        flat += values
+        flat += [0] * (len(values) % 2)
+    sizes = [len(values) for values, _ in parts]
+    views = to_device(int_tensor(flat), device).split([n + n % 2 for n in sizes])
+    return [v[:n].to(dtype) for v, n, (_, dtype) in zip(views, sizes, parts)]

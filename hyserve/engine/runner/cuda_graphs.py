@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hyserve.engine.host_tensors import int_tensor, to_device
+from hyserve.engine.host_tensors import int_tensor, parts_to_device, to_device
 from hyserve.engine.runner.block_index import fill_block_tables
 from hyserve.engine.scheduler.scheduler import ScheduledSeq
 from hyserve.engine.scheduler.verify_rows import scratch_of, verify_rows
@@ -317,8 +317,8 @@ class DecodeGraphs:
             for s in seqs:
                 flat += s.block_ids * width
             counts = [len(s.block_ids) for s in seqs for _ in range(width)]
-            staged = to_device(int_tensor(flat + counts), self.device)
-            fill_block_tables(self._tables, staged[: len(flat)], staged[len(flat) :])
+            blocks_t, counts_t = parts_to_device([(flat, torch.int64), (counts, torch.int64)], self.device)
+            fill_block_tables(self._tables, blocks_t, counts_t)
         return self.replay(B, width)[:real]
 
     def hidden(self, rows: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
-from hyserve.engine.host_tensors import concat_ints, to_device
+from hyserve.engine.host_tensors import parts_to_device, to_device
 from hyserve.engine.outputs import TokenLogprob
 from hyserve.engine.runner.block_index import fill_block_tables, slot_mapping
 from hyserve.engine.runner.cuda_graphs import DecodeGraphs
@@ -137,8 +137,6 @@ class ModelRunner:
             )
             has_init.append(s.state_src is not None)
             snaps.extend(SnapshotWrite(seq=len(cu) - 2, num_tokens=n, slot=slot) for n, slot in s.snapshots)
-        # one host tensor, one pinned copy to the device, then views and casts there: a copy per array
-        # costs the host a pinned staging buffer each
         parts: list[tuple[list[int] | list[bool], torch.dtype]] = [
             (ids, torch.long),
             (cu, torch.int32),
@@ -152,12 +150,7 @@ class ModelRunner:
             (has_init, torch.bool),
             (logits_idx, torch.int64),
         ]
-        # each part starts 16 bytes into the buffer: Triton specialises a kernel on whether its pointers are
-        # 16-byte aligned, so a view at an odd int64 offset would compile (and warm up) another variant
-        sizes = [len(x) for x, _ in parts]
-        flat = to_device(concat_ints([x for x, _ in parts], align=2), self.device)
-        views = flat.split([n + n % 2 for n in sizes])
-        on_dev = [v[:n].to(dtype) for v, n, (_, dtype) in zip(views, sizes, parts)]
+        on_dev = parts_to_device(parts, self.device)  # one pinned copy
         input_ids, cu_t, lens_t, blocks_t, counts_t, starts_t, writes_t, src_t, dst_t, init, logits = on_dev
         tables_t = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32, device=self.device)
         fill_block_tables(tables_t, blocks_t, counts_t)
