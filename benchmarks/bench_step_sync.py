@@ -88,6 +88,89 @@ class SyncRecorder:
         self._ctx.__exit__(*exc)
 
 
+class ModuleHostTimer:
+    """Host time spent inside each part (child module) of every decoder layer while active, summed by module
+    class (the launch cost of each layer kind: nothing here waits for the device)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.ms: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+        stacks = [
+            m for n, m in model.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList)
+        ]
+        self._mods = [part for layer in (stacks[0] if stacks else []) for part in layer.children()]
+        self._handles: list[Any] = []
+        self._t0: dict[int, float] = {}
+
+    def __enter__(self) -> ModuleHostTimer:
+        def pre(mod, args):  # noqa: ANN001, ANN202
+            self._t0[id(mod)] = time.perf_counter()
+
+        def post(mod, args, out):  # noqa: ANN001, ANN202
+            name = type(mod).__name__
+            self.ms[name] += (time.perf_counter() - self._t0.pop(id(mod))) * 1e3
+            self.calls[name] += 1
+
+        for m in self._mods:
+            self._handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def _add_prompts(eng, tag: str, k: int, n: int, rng: random.Random) -> None:  # noqa: ANN001
+    vocab = eng.model_config.vocab_size
+    for j in range(k):
+        eng.add_request(
+            f"{tag}-{j}",
+            [rng.randrange(3, vocab) for _ in range(n)],
+            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+        )
+
+
+def _finish_prompts(eng) -> None:  # noqa: ANN001
+    while any(r.request_id.startswith("m") for r in eng.requests.values()):
+        eng.step()
+
+
+def mixed_breakdown(eng, a: argparse.Namespace, rng: random.Random, k: int) -> dict[str, Any]:  # noqa: ANN001
+    """One step that prefills `k` new prompts beside the decode batch, twice: once with the host time of each
+    layer kind recorded (module hooks), once under the profiler for its device time per kernel. Set beside the
+    step's host time, this says whether a mixed step is bound by its launches or by the device."""
+    _add_prompts(eng, f"mh{k}", k, a.mixed_len, rng)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    with ModuleHostTimer(eng.runner.model) as timer:
+        t = time.perf_counter()
+        eng.step()
+        host_ms = (time.perf_counter() - t) * 1e3
+    _finish_prompts(eng)
+    out: dict[str, Any] = dict(
+        prompts=k,
+        step_host_ms=host_ms,
+        layer_host_ms={n: dict(ms=v, calls=timer.calls[n]) for n, v in timer.ms.most_common()},
+    )
+    if torch.cuda.is_available():
+        from hyserve.bench.profiling import device_kernel_times
+
+        torch.cuda.synchronize()
+        _add_prompts(eng, f"mp{k}", k, a.mixed_len, rng)
+        # the step that launches the prompts' prefill, then the next one, which waits for it
+        kern = device_kernel_times(eng.step, 1)
+        _finish_prompts(eng)
+        total = sum(us for us, _ in kern.values()) / 1e3
+        top = sorted(kern.items(), key=lambda kv: -kv[1][0])[: a.top_kernels]
+        out.update(
+            device_ms=total,
+            launches=sum(n for _, n in kern.values()),
+            kernels=[dict(name=n[:120], ms=us / 1e3, count=c) for n, (us, c) in top],
+        )
+    return out
+
+
 def mixed_steps(eng, a: argparse.Namespace, rng: random.Random) -> list[dict[str, Any]]:  # noqa: ANN001
     """Host time of steps that carry new prompts beside the decode batch (they run the model eagerly): for
     each count in --mixed-prompts, `--mixed-reps` times, that many prompts of --mixed-len tokens are added
@@ -141,7 +224,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     vocab = eng.model_config.vocab_size
     rng = random.Random(0)
     # the decode batch lasts through the mixed steps too (each takes a prefill step, then a few decodes)
-    lasting = a.steps + 2 + (a.mixed_reps * len(a.mixed_prompts) * 4 if mixed else 0)
+    lasting = a.steps + 2 + ((a.mixed_reps + 2 * a.breakdown) * len(a.mixed_prompts) * 4 if mixed else 0)
     for i in range(a.batch):
         eng.add_request(
             f"s{i}",
@@ -171,6 +254,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     eng.__dict__.pop("_read", None)
     with SyncRecorder() as mixed_rec:
         mixed_rows = mixed_steps(eng, a, rng) if mixed else []
+    breakdown = [mixed_breakdown(eng, a, rng, k) for k in a.mixed_prompts] if a.breakdown else []
     while eng.has_unfinished():
         eng.step()
     steps = max(1, tokens // a.batch)
@@ -187,6 +271,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             for s, c in rec.sites.most_common()
         ],
         mixed=mixed_rows,
+        mixed_breakdown=breakdown,
         mixed_syncs=[
             dict(site=s, count=c, message=mixed_rec.messages[s]) for s, c in mixed_rec.sites.most_common()
         ],
@@ -213,6 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--mixed-len", type=int, default=1000, help="tokens of each new prompt of a mixed step")
     ap.add_argument("--mixed-reps", type=int, default=3)
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="per mixed-prompt count, the host time of each layer kind and the device time per kernel",
+    )
+    ap.add_argument("--top-kernels", type=int, default=15)
     ap.add_argument("--git-sha", default="")
     ap.add_argument("--result-dir", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args(argv)
@@ -235,6 +326,13 @@ def main(argv: list[str] | None = None) -> int:
             f"  step with {m['prompts']} new prompt(s) of {m['prompt_len']} tokens: {m['step_ms']:.2f} ms, "
             f"runner.execute {m['execute_ms']:.2f} ms (mean of {m['reps']})"
         )
+    for b in result["mixed_breakdown"]:
+        dev = f"{b['device_ms']:.2f} ms on the device ({b['launches']} kernels)" if "device_ms" in b else ""
+        print(f"  breakdown, {b['prompts']} new prompt(s): step host {b['step_host_ms']:.2f} ms; {dev}")
+        for n, v in b["layer_host_ms"].items():
+            print(f"      host {n:<28} {v['ms']:8.2f} ms  ({v['calls']} calls)")
+        for kr in b.get("kernels", []):
+            print(f"      dev  {kr['ms']:8.3f} ms  x{kr['count']:<4} {kr['name'][:90]}")
     for s in result["mixed_syncs"]:
         print(f"    mixed steps: {s['count']} x {s['site']}\n        {s['message']}")
     print(f"  synchronising calls: {sum(s['count'] for s in result['syncs'])}")
