@@ -119,9 +119,26 @@ def serve_stub(port: int, max_batch_size: int, max_seq_len: int, ready: mp.Event
 
 
 def _cpu_seconds(pid: int) -> float:
-    """user + system CPU seconds of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """user + system CPU seconds of a process and its live children so far (Linux /proc): the server and,
+    when it has its own, the engine process."""
+    total = 0.0
+    for p in (pid, *_children(pid)):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it exited
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
 
 
 def _free_port() -> int:

@@ -24,6 +24,7 @@ Writes benchmarks/results/server_cost_<date>_<sha>.json and .md.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import multiprocessing as mp
@@ -137,21 +138,32 @@ def workload(args: argparse.Namespace, concurrency: int) -> Workload:
     )
 
 
-def serve_emulated(port: int, work: Workload, device: Device, ready: Any) -> None:
+def _emulate_engine(device: Device, engine: Any) -> None:
+    """`emulate_device` over a started engine's model (in the engine's process when it has its own)."""
+    emulate_device(engine.runner.model, device)
+
+
+def serve_emulated(port: int, work: Workload, device: Device, ready: Any, engine_process: bool) -> None:
     """The server process: `hyserve serve`'s app and uvicorn settings over the built-in tiny model on the
-    emulated device."""
+    emulated device, the engine loop in its own process or on a thread of the server's."""
     import uvicorn
 
     from hyserve.config import build_engine_config
     from hyserve.engine.async_engine import AsyncEngine
+    from hyserve.engine.engine_process import ProcessEngine
     from hyserve.engine.gc_tuning import settle_for_serving
     from hyserve.server.app import build_app
     from hyserve.server.serve import uvicorn_config
     from hyserve.server.state import ServerOptions
 
     logging.disable(logging.WARNING)
-    engine = AsyncEngine(build_engine_config(work.options()), log=lambda s: None)
-    emulate_device(engine.engine.runner.model, device)
+    config = build_engine_config(work.options())
+    engine: Any
+    if engine_process:
+        engine = ProcessEngine(config, log=lambda s: None, prepare=functools.partial(_emulate_engine, device))
+    else:
+        engine = AsyncEngine(config, log=lambda s: None)
+        _emulate_engine(device, engine.engine)
     engine.start()
     opts = ServerOptions(port=port, access_log=False, log_level="warning")
     app = build_app(engine, opts)
@@ -185,11 +197,11 @@ def engine_point(work: Workload, device: Device, seed: int) -> dict:
     return {"output_tok_s": tokens / wall, "duration_s": wall, "output_tokens": tokens}
 
 
-def server_point(work: Workload, device: Device, seed: int) -> dict:
+def server_point(work: Workload, device: Device, seed: int, engine_process: bool = True) -> dict:
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     port = _free_port()
-    proc = ctx.Process(target=serve_emulated, args=(port, work, device, ready), daemon=True)
+    proc = ctx.Process(target=serve_emulated, args=(port, work, device, ready, engine_process))
     proc.start()
     base = f"http://127.0.0.1:{port}"
     try:
@@ -233,6 +245,12 @@ def main() -> int:
     ap.add_argument("--range-ratio", type=float, default=0.0, help="lengths vary by +- this share")
     ap.add_argument("--batch-wait-timeout-iters", type=int, default=None)
     ap.add_argument("--batch-wait-max-tokens-ratio", type=float, default=None)
+    ap.add_argument(
+        "--engine-process",
+        choices=("on", "off"),
+        default="on",
+        help="the server's engine loop in its own process (on, the default on CUDA) or on a thread (off)",
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--git-sha", default="")
     args = ap.parse_args()
@@ -243,7 +261,7 @@ def main() -> int:
         work = workload(args, c)
         eng = engine_point(work, device, seed=i)
         print(f"concurrency {c}: LLM.generate {eng['output_tok_s']:.0f} output tok/s", flush=True)
-        srv = server_point(work, device, seed=i)
+        srv = server_point(work, device, seed=i, engine_process=args.engine_process == "on")
         ratio = srv["output_tok_s"] / eng["output_tok_s"]
         print(
             f"    hyserve serve {srv['output_tok_s']:.0f} output tok/s: {ratio:.3f} of the engine", flush=True
@@ -271,6 +289,7 @@ def main() -> int:
             ("max_batch_size", args.max_batch_size),
             ("batch_wait_timeout_iters", args.batch_wait_timeout_iters),
             ("batch_wait_max_tokens_ratio", args.batch_wait_max_tokens_ratio),
+            ("engine thread in the server", args.engine_process == "off"),
         )
         if v
     )

@@ -494,6 +494,14 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="bytes of request bodies held at once across requests (default 512 MiB); more is a 503",
     )
+    _flag(
+        p,
+        "engine_process",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="run the engine loop in its own process (on), on a thread of the server's (off), or in its own "
+        "process when it runs on CUDA (auto, the default)",
+    )
 
 
 def _add_log_flags(p: argparse.ArgumentParser) -> None:
@@ -785,6 +793,7 @@ def build_server_options(pick: Callable[[str, Any], Any], config: Any) -> Any:
             request_read_timeout=pick("request_read_timeout", ServerOptions.request_read_timeout),
             max_connections=pick("max_connections", ServerOptions.max_connections),
             max_inflight_body_bytes=pick("max_inflight_body_bytes", ServerOptions.max_inflight_body_bytes),
+            engine_process=pick("engine_process", ServerOptions.engine_process),
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None

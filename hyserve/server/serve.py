@@ -38,6 +38,7 @@ from hyserve import envs
 from hyserve.config import EngineConfig
 from hyserve.engine.gc_tuning import settle_for_serving
 from hyserve.server.logs import StatsLogger, log_line, setup_logging
+from hyserve.server.state import engine_in_own_process
 
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -206,6 +207,7 @@ def run_server(
     there; `warnings` are logged first."""
     require_server_deps()
     from hyserve.engine.async_engine import AsyncEngine
+    from hyserve.engine.engine_process import ProcessEngine
     from hyserve.engine.parallel.launch import watch_server
     from hyserve.server.app import build_app, hyserve_version
     from hyserve.server.http_warmup import warm_http_path
@@ -216,7 +218,11 @@ def run_server(
     sock = bind_port(host, opts.port)
     port = sock.getsockname()[1]
     out(f"hyserve {hyserve_version()}: starting (model: {config.model or 'built-in tiny model'})")
-    engine = AsyncEngine(config, log=out)
+    engine: Any
+    if engine_in_own_process(opts.engine_process, config.device):
+        engine = ProcessEngine(config, log=out)
+    else:
+        engine = AsyncEngine(config, log=out)
     engine.start()
     if config.warmup != "off":
         warm_http_path(engine, server_options, log=out)
@@ -272,7 +278,7 @@ def run_server(
             sys.stdout.flush()
             os._exit(130)
         engine.shutdown(abort_inflight=True)
-        engine.engine.runner.close()  # the other ranks exit (nothing for one rank)
+        engine.close()  # the other ranks (or the engine process) exit
     if watch is not None and watch.reason is not None:
         out(f"hyserve: stopped after losing a rank: {watch.reason}")
         return 1

@@ -186,6 +186,21 @@ def _check_seconds(v: Any, path: str) -> float:
     return float(v)
 
 
+ENGINE_PROCESS_MODES = ("auto", "on", "off")
+
+
+def engine_in_own_process(mode: str, device: str) -> bool:
+    """Whether `hyserve serve` runs the engine loop in its own process: `mode` "on" / "off", or "auto": when
+    the engine runs on CUDA (`device` as the config names it; "auto" is CUDA when one is available)."""
+    if mode != "auto":
+        return mode == "on"
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device == "cuda"
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServerOptions:
     """Server-side settings (the engine's are in `EngineConfig`), each checked at construction with its
@@ -236,6 +251,9 @@ class ServerOptions:
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     # the bytes of the bodies of all requests in progress; a body that would pass it is a 503
     max_inflight_body_bytes: int = DEFAULT_MAX_INFLIGHT_BODY_BYTES
+    # where the engine loop runs (ENGINE_PROCESS_MODES): "on" its own process (engine/engine_process.py),
+    # "off" a thread of the server's, "auto" its own process when it runs on CUDA
+    engine_process: str = "auto"
 
     def __post_init__(self) -> None:
         from hyserve.config import Int, boolean
@@ -296,6 +314,10 @@ class ServerOptions:
         Int(lo=1)(self.max_sequences_per_request, "max_sequences_per_request")
         put("request_read_timeout", _check_seconds(self.request_read_timeout, "request_read_timeout"))
         Int(lo=1)(self.max_connections, "max_connections")
+        if self.engine_process not in ENGINE_PROCESS_MODES:
+            raise ValueError(
+                f"engine_process: {self.engine_process!r} is not one of {list(ENGINE_PROCESS_MODES)}"
+            )
         Int(lo=self.max_request_body_bytes, hint="bytes")(
             self.max_inflight_body_bytes, "max_inflight_body_bytes"
         )

@@ -3,8 +3,9 @@ official `openai` client, plain HTTP for error cases, and the user report's need
 
 One server for the module, started the way the report's user starts trtllm-serve: a YAML in the
 report's shape (TRT-LLM-only keys included) plus `--reasoning_parser nemotron-v3 --tool_parser
-qwen3_coder --trust_remote_code`. The tiny model has random weights, so tests check protocol behaviour
-(shapes, token counts, finish reasons, resource accounting), never the meaning of the text.
+qwen3_coder --trust_remote_code`, with the engine in its own process as on a GPU (`--engine-process on`;
+the tests over an in-thread engine cover the other form). The tiny model has random weights, so tests check
+protocol behaviour (shapes, token counts, finish reasons, resource accounting), never the meaning of the text.
 """
 
 from __future__ import annotations
@@ -44,11 +45,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
             "qwen3_coder",
             "--trust_remote_code",
             "--disable-log-requests",
+            "--engine-process",
+            "on",
         ]
     ).start()
     yield s
     rc = s.stop()
     assert rc == 0, s.log()
+    assert "hyserve: stopped" in s.log()
 
 
 @pytest.fixture(scope="module")

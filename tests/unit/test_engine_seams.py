@@ -35,9 +35,12 @@ FLOORS = {
     "engine": 5,
     "engine_stats": 5,
     "lifecycle": 6,
+    "engine_loop": 6,
     "delta_collector": 7,
+    "engine_front": 7,
     "llm": 7,
-    "async_engine": 7,
+    "async_engine": 8,
+    "engine_process": 8,
 }
 
 

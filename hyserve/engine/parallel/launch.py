@@ -260,8 +260,8 @@ def watch_server(
 ) -> RankWatch | None:
     """`hyserve serve`: a RankWatch over an AsyncEngine whose engine spans ranks (None otherwise). A lost
     rank, a broken group or a dead engine loop marks the engine unhealthy and stops the server."""
-    runner = async_engine.engine.runner
-    health = getattr(runner, "health", None)
+    engine = getattr(async_engine, "engine", None)  # None: the engine runs in its own process, watched there
+    health = getattr(getattr(engine, "runner", None), "health", None)
     if health is None:
         return None
 

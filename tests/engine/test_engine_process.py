@@ -1,0 +1,173 @@
+"""`ProcessEngine` (engine/engine_process.py): the engine loop in its own process behind the `AsyncEngine`
+interface. It gives the tokens the in-thread engine gives, refuses bad requests in the server's process with
+the engine's messages, survives a failure outside a step as the thread does, and when the engine process
+dies every stream ends with an error and the engine is marked dead (so the server exits non-zero)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from hyserve import SamplingParams
+from hyserve.config import EngineConfig
+from hyserve.engine.async_engine import AsyncEngine
+from hyserve.engine.engine_process import ProcessEngine
+from hyserve.engine.errors import RequestRejected
+from hyserve.engine.faults import FaultInjector
+
+PROMPT = [1, 5, 9, 13, 17, 21]
+SHORT = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
+CONFIG = EngineConfig(warmup="off")
+
+
+def _inject_faults(engine) -> None:  # type: ignore[no-untyped-def]  # runs in the engine process
+    engine.faults = FaultInjector.parse("engine:bad")  # escapes step() once "bad..." is scheduled
+
+
+def _fail_start(engine) -> None:  # type: ignore[no-untyped-def]
+    raise ValueError("kv_cache_config: this engine was made to fail its start")
+
+
+async def _collect(eng, rid: str, params: SamplingParams) -> tuple[list[int], str | None, str | None]:  # type: ignore[no-untyped-def]
+    toks: list[int] = []
+    reason = error = None
+    async for d in eng.generate(rid, PROMPT, params):
+        toks += d.token_ids
+        if d.finished:
+            reason, error = d.finish_reason, d.error
+    return toks, reason, error
+
+
+@pytest.fixture(scope="module")
+def engine():  # type: ignore[no-untyped-def]
+    eng = ProcessEngine(CONFIG, log=lambda s: None)
+    eng.start()
+    yield eng
+    eng.shutdown()
+    eng.close()
+    assert eng.pid is not None and not _alive(eng.pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_same_tokens_as_the_engine_thread_and_stats_follow(engine: ProcessEngine) -> None:
+    thread = AsyncEngine(CONFIG, log=lambda s: None)
+    thread.start()
+    try:
+
+        async def run(eng):  # type: ignore[no-untyped-def]
+            return await asyncio.gather(*(_collect(eng, f"r{i}", SHORT) for i in range(5)))
+
+        ref = asyncio.run(run(thread))
+        got = asyncio.run(run(engine))
+    finally:
+        thread.shutdown()
+    assert got == ref and all(r == "length" and len(t) == 6 for t, r, _ in got)
+    assert engine.model_name == thread.model_name and engine.max_seq_len == thread.max_seq_len
+    assert engine.max_batch_size == thread.max_batch_size
+    assert engine.capacity_report() == thread.capacity_report()
+    assert engine.tokenizer.decode(got[0][0]) == thread.tokenizer.decode(ref[0][0])
+    assert engine.stats()["generation_tokens_total"] >= 30
+    engine.reset_stats()
+    assert engine.stats()["generation_tokens_total"] == 0
+
+
+def test_bad_requests_are_refused_with_the_engines_messages(engine: ProcessEngine) -> None:
+    too_long = [1] * (engine.max_seq_len + 1)
+    with pytest.raises(RequestRejected, match="max_seq_len") as got:
+        engine.validate_request(too_long, SHORT)
+    thread = AsyncEngine(CONFIG, log=lambda s: None)
+    with pytest.raises(RequestRejected) as want:
+        thread.validate_request(too_long, SHORT)
+    assert str(got.value) == str(want.value)
+    with pytest.raises(RequestRejected, match="vocabulary"):
+        asyncio.run(_collect_ids(engine, [10**9]))
+    assert asyncio.run(_collect(engine, "after-bad", SHORT))[1] == "length"  # it serves on
+
+
+async def _collect_ids(eng: ProcessEngine, ids: list[int]) -> None:
+    async for _ in eng.generate("bad-ids", ids, SHORT):
+        pass
+
+
+def test_an_aborted_stream_frees_its_request_in_the_engine_process(engine: ProcessEngine) -> None:
+    async def cut() -> int:
+        n = 0
+        async for d in engine.generate("cut", PROMPT, LONG):
+            n += len(d.token_ids)
+            if n >= 3:
+                break  # the reader stops: the request is aborted
+        return n
+
+    assert asyncio.run(cut()) >= 3
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and engine.stats()["num_running"]:
+        time.sleep(0.05)
+    assert engine.stats()["num_running"] == 0 and engine.open_stream_ids() == []
+
+
+def test_a_failure_outside_a_step_is_survived_in_the_engine_process() -> None:
+    eng = ProcessEngine(CONFIG.replace(engine_failure_limit=3), log=lambda s: None, prepare=_inject_faults)
+    eng.start()
+    try:
+
+        async def main():  # type: ignore[no-untyped-def]
+            inflight = [asyncio.create_task(_collect(eng, f"long{i}", LONG)) for i in range(2)]
+            await asyncio.sleep(0.2)
+            bad = await _collect(eng, "bad", SHORT)
+            lost = await asyncio.gather(*inflight)
+            after = await _collect(eng, "after", SHORT)
+            return bad, lost, after
+
+        bad, lost, after = asyncio.run(main())
+        assert bad[1] == "error" and "injected fault" in (bad[2] or "")
+        assert all(r == "error" and "engine was reset" in (e or "") for _, r, e in lost)
+        assert after[1] == "length" and eng.healthy and not eng.fatal
+        assert eng.stats()["engine_restarts_total"] == 1
+    finally:
+        eng.shutdown()
+        eng.close()
+
+
+def test_a_dead_engine_process_ends_every_stream_and_marks_the_engine_dead() -> None:
+    eng = ProcessEngine(CONFIG, log=lambda s: None)
+    fatal: list[str] = []
+    eng.on_fatal = fatal.append
+    eng.start()
+    try:
+
+        async def main():  # type: ignore[no-untyped-def]
+            task = asyncio.create_task(_collect(eng, "doomed", LONG))
+            await asyncio.sleep(0.3)
+            assert eng.pid is not None
+            os.kill(eng.pid, signal.SIGKILL)  # the out-of-memory killer, a segfault
+            return await asyncio.wait_for(task, 20)
+
+        toks, reason, error = asyncio.run(main())
+        assert reason == "error" and "engine process exited" in (error or "")
+        assert not eng.healthy and eng.fatal and len(fatal) == 1 and "exit code -9" in fatal[0]
+        with pytest.raises(RuntimeError, match="not running"):
+            asyncio.run(_collect(eng, "late", SHORT))
+    finally:
+        eng.shutdown()
+        eng.close()
+
+
+def test_a_start_up_failure_is_raised_with_the_engines_message() -> None:
+    t = time.monotonic()
+    with pytest.raises(
+        RuntimeError, match="the engine failed to start: ValueError: kv_cache_config: this engine"
+    ):
+        ProcessEngine(CONFIG, log=lambda s: None, prepare=_fail_start)
+    assert time.monotonic() - t < 120
