@@ -1,6 +1,9 @@
 """Soak benchmark (docs/architecture.md, "Failure isolation"): many concurrent streams of mixed
-prompt / output lengths through a real `hyserve serve` process for a fixed time, with client disconnects
-and injected faults (`HYSERVE_FAULT_INJECT`) at fixed rates, then `/metrics` must show every pool free.
+prompt / output lengths through a real `hyserve serve` process for a fixed time, with client disconnects,
+slow readers and injected faults (`HYSERVE_FAULT_INJECT`) at fixed rates, then `/metrics` must show every
+pool free. From two windows of load (`--window`, 60 s) the server's RSS (its engine process included) must
+stay within 5% of its first sample after the first window, and from three the last full window's
+inter-token p99 within 10% of the second window's.
 
 Request ids are the server's (`cmpl-<uuid hex>`), so faults target a fixed set of 3-hex-digit id prefixes
 (`site:cmpl-abc@n`, sites forward / sample / host): each request is targeted with probability
@@ -33,6 +36,7 @@ import socket
 import subprocess
 import sys
 import time
+from array import array
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -63,6 +67,11 @@ class SoakConfig:
     max_output: int = 1024
     fault_every: int = 200  # about 1 in this many requests gets a fault
     disconnect_every: int = 20  # every this-many-th request is planned to disconnect (unless targeted)
+    slow_every: int = 25  # every this-many-th other request reads slowly (0: none)
+    slow_read_s: float = 0.05  # a slow reader's pause after each event it reads
+    window_s: float = (
+        60.0  # the RSS and inter-token windows: RSS flat after the first, ITL p99 last vs second
+    )
     shared_prefixes: int = 4  # this many shared prompt prefixes (prefix cache, snapshot pins)
     shared_prefix_len: int = 1024
     shared_fraction: float = 0.25  # of prompts start with a shared prefix
@@ -95,6 +104,9 @@ class SoakConfig:
             self.disconnect_every >= 0,
             f"--disconnect-every must be >= 0 (0: none), got {self.disconnect_every}",
         )
+        need(self.slow_every >= 0, f"--slow-every must be >= 0 (0: none), got {self.slow_every}")
+        need(self.slow_read_s >= 0, f"--slow-read must be >= 0 seconds, got {self.slow_read_s}")
+        need(self.window_s > 0, f"--window must be > 0 seconds, got {self.window_s}")
         need(
             0 <= self.min_token_id < self.vocab_size,
             f"need 0 <= --min-token-id < --vocab-size, got {self.min_token_id}, {self.vocab_size}",
@@ -139,6 +151,7 @@ class Plan:
     max_tokens: int
     temperature: float
     disconnect_after: int | None  # token chunks to read before closing the stream; None: read to the end
+    slow: bool = False  # pause slow_read_s after each event (the server merges what waits for it)
 
 
 def log_uniform(rng: random.Random, lo: int, hi: int) -> int:
@@ -167,8 +180,14 @@ class Planner:
         cut = None
         if c.disconnect_every and i % c.disconnect_every == c.disconnect_every - 1:
             cut = rng.randrange(0, n_out)  # 0: right after the echo chunk, before any token
+        slow = cut is None and bool(c.slow_every) and i % c.slow_every == c.slow_every // 2
         return Plan(
-            index=i, prompt=prompt, max_tokens=n_out, temperature=rng.choice((0.0, 0.8)), disconnect_after=cut
+            index=i,
+            prompt=prompt,
+            max_tokens=n_out,
+            temperature=rng.choice((0.0, 0.8)),
+            disconnect_after=cut,
+            slow=slow,
         )
 
 
@@ -187,12 +206,41 @@ class Outcome:
     tokens: int = 0
     error_id: str | None = None
     detail: str = ""
+    slow: bool = False  # a slow reader
+
+
+class GapWindows:
+    """Inter-token gaps (seconds between a stream's consecutive token events) by the window of the run they
+    end in: window k covers [k * window_s, (k + 1) * window_s) from the start of the load."""
+
+    def __init__(self, t0: float, window_s: float) -> None:
+        self.t0, self.window_s = t0, window_s
+        self.gaps: dict[int, array[float]] = {}
+
+    def add(self, now: float, gap: float) -> None:
+        k = int((now - self.t0) // self.window_s)
+        self.gaps.setdefault(k, array("d")).append(gap)
+
+    def p99_ms(self) -> dict[int, float]:
+        return {k: _quantile(sorted(v), 0.99) * 1e3 for k, v in sorted(self.gaps.items()) if v}
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 async def run_one(
-    client: httpx.AsyncClient, url: str, plan: Plan, injector: FaultInjector, model: str
+    client: httpx.AsyncClient,
+    url: str,
+    plan: Plan,
+    injector: FaultInjector,
+    model: str,
+    *,
+    slow_read_s: float = 0.0,
+    gaps: GapWindows | None = None,
 ) -> Outcome:
-    """Send one streamed completion and classify how it ended; never raises for server or network trouble."""
+    """Send one streamed completion and classify how it ended; never raises for server or network trouble.
+    A slow plan pauses `slow_read_s` after each event; the others' inter-token gaps go to `gaps`."""
     body = {
         "model": model,
         "prompt": plan.prompt,
@@ -205,8 +253,9 @@ async def run_one(
     }
     if plan.temperature > 0:
         body.update(top_p=0.95, seed=plan.index)
-    out = Outcome(index=plan.index, kind=UNEXPECTED)
+    out = Outcome(index=plan.index, kind=UNEXPECTED, slow=plan.slow)
     chunks, finish, usage_tokens = -1, None, None  # the echo chunk comes first: token chunks count from 0
+    last: float | None = None  # when the previous token event arrived
     try:
         async with client.stream("POST", url, json=body) as resp:
             out.status = resp.status_code
@@ -228,6 +277,13 @@ async def run_one(
                 if obj.get("choices"):
                     chunks += 1
                     finish = obj["choices"][0].get("finish_reason") or finish
+                    if gaps is not None and not plan.slow and chunks >= 1:
+                        now = time.monotonic()
+                        if last is not None:
+                            gaps.add(now, now - last)
+                        last = now
+                if plan.slow:
+                    await asyncio.sleep(slow_read_s)
                 if (
                     plan.disconnect_after is not None
                     and out.site is None
@@ -269,11 +325,37 @@ class Monitor:
     peak_running: float = 0.0
     peak_waiting: float = 0.0
     worst_health_ms: float = 0.0
+    rss: list[tuple[float, int]] = field(default_factory=list)  # (seconds into the load, bytes)
 
 
-async def monitor(client: httpx.AsyncClient, root: str, mon: Monitor, stop: asyncio.Event) -> None:
-    """Every 2 s: /health must answer 200; the peak running / waiting from /metrics."""
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process and its live children (the server and its engine process; Linux)."""
+    total = 0
+    pids = [pid]
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            pids += [int(c) for c in (task / "children").read_text().split()]
+    for p in pids:
+        with contextlib.suppress(OSError, ValueError):
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+    return total
+
+
+async def monitor(
+    client: httpx.AsyncClient,
+    root: str,
+    mon: Monitor,
+    stop: asyncio.Event,
+    pid: int | None = None,
+    t0: float = 0.0,
+) -> None:
+    """Every 2 s: /health must answer 200; the peak running / waiting from /metrics; the server's RSS (with
+    its engine process) when `pid` is given."""
     while not stop.is_set():
+        if pid is not None:
+            mon.rss.append((time.monotonic() - t0, rss_bytes(pid)))
         t0 = time.perf_counter()
         try:
             r = await client.get(f"{root}/health", timeout=30.0)
@@ -290,14 +372,16 @@ async def monitor(client: httpx.AsyncClient, root: str, mon: Monitor, stop: asyn
 
 
 async def run_load(
-    cfg: SoakConfig, root: str, model: str, injector: FaultInjector
-) -> tuple[list[Outcome], Monitor, float, bool]:
+    cfg: SoakConfig, root: str, model: str, injector: FaultInjector, pid: int | None = None
+) -> tuple[list[Outcome], Monitor, float, bool, GapWindows]:
     """`concurrency` workers send requests back to back until the duration is up, then finish theirs.
-    Returns (outcomes, monitor, seconds, whether the in-flight requests finished within drain_timeout_s)."""
+    Returns (outcomes, monitor, seconds, whether the in-flight requests finished within drain_timeout_s,
+    the inter-token gaps by window)."""
     planner = Planner(cfg)
     outcomes: list[Outcome] = []
     next_index = 0
     t0 = time.monotonic()
+    gaps = GapWindows(t0, cfg.window_s)
     deadline = t0 + cfg.duration_s
     timeout = httpx.Timeout(connect=60.0, read=cfg.read_timeout_s, write=60.0, pool=None)
     limits = httpx.Limits(max_connections=cfg.concurrency + 4, max_keepalive_connections=cfg.concurrency + 4)
@@ -308,13 +392,21 @@ async def run_load(
             while time.monotonic() < deadline:
                 i, next_index = next_index, next_index + 1
                 try:
-                    o = await run_one(client, f"{root}/v1/completions", planner.plan(i), injector, model)
+                    o = await run_one(
+                        client,
+                        f"{root}/v1/completions",
+                        planner.plan(i),
+                        injector,
+                        model,
+                        slow_read_s=cfg.slow_read_s,
+                        gaps=gaps,
+                    )
                 except Exception as e:  # a bug here must count, not end a worker silently
                     o = Outcome(index=i, kind=UNEXPECTED, detail=f"client: {type(e).__name__}: {e}")
                 outcomes.append(o)
 
         mon, stop = Monitor(), asyncio.Event()
-        mon_task = asyncio.create_task(monitor(client, root, mon, stop))
+        mon_task = asyncio.create_task(monitor(client, root, mon, stop, pid, t0))
         tasks = [asyncio.create_task(worker()) for _ in range(cfg.concurrency)]
         _, pending = await asyncio.wait(tasks, timeout=cfg.duration_s + cfg.drain_timeout_s)
         for t in pending:
@@ -322,7 +414,44 @@ async def run_load(
         await asyncio.gather(*pending, return_exceptions=True)
         stop.set()
         await mon_task
-    return outcomes, mon, time.monotonic() - t0, not pending
+    return outcomes, mon, time.monotonic() - t0, not pending, gaps
+
+
+def _rss_span(mon: Monitor) -> str:
+    if not mon.rss:
+        return "n/a"
+    return f"{mon.rss[0][1] / 2**30:.2f} / {mon.rss[-1][1] / 2**30:.2f}"
+
+
+def steady_checks(cfg: SoakConfig, mon: Monitor, gaps: GapWindows) -> list[tuple[str, bool, str]]:
+    """The steady-state bars, where the run is long enough to have them: the RSS after the first window
+    stays within 5% of its first sample there (needs two windows of load), and the last full window's
+    inter-token p99 is within 10% of the second window's (needs three)."""
+    out: list[tuple[str, bool, str]] = []
+    w = cfg.window_s
+    later = [(t, b) for t, b in mon.rss if w <= t <= cfg.duration_s]
+    if cfg.duration_s >= 2 * w and later:
+        base, top = later[0][1], max(b for _, b in later)
+        growth = top / base - 1 if base else float("inf")
+        out.append(
+            (
+                f"server RSS flat within 5% after the first {w:g}s",
+                growth <= 0.05,
+                f"{base / 2**30:.2f} -> at most {top / 2**30:.2f} GiB ({growth:+.1%})",
+            )
+        )
+    last = int(cfg.duration_s // w) - 1  # the last window the load fills (the drain after it is not steady)
+    p99 = gaps.p99_ms()
+    if last >= 2 and 1 in p99 and last in p99:
+        ratio = p99[last] / p99[1]
+        out.append(
+            (
+                "last window's inter-token p99 within 10% of the second's",
+                ratio <= 1.10,
+                f"{p99[1]:.0f} -> {p99[last]:.0f} ms ({ratio:.2f}x)",
+            )
+        )
+    return out
 
 
 # ---- /metrics and the server log -----------------------------------------------------------------------
@@ -547,6 +676,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--fault-every", type=int, default=d.fault_every, help="about 1 in N requests gets a fault"
     )
     ap.add_argument("--disconnect-every", type=int, default=d.disconnect_every, help="0: no disconnects")
+    ap.add_argument("--slow-every", type=int, default=d.slow_every, help="0: no slow readers")
+    ap.add_argument(
+        "--slow-read", type=float, default=d.slow_read_s, help="a slow reader's pause after each event (s)"
+    )
+    ap.add_argument(
+        "--window", type=float, default=d.window_s, help="seconds of the RSS and inter-token windows"
+    )
     ap.add_argument("--shared-prefixes", type=int, default=d.shared_prefixes)
     ap.add_argument("--shared-prefix-len", type=int, default=d.shared_prefix_len)
     ap.add_argument("--shared-fraction", type=float, default=d.shared_fraction)
@@ -579,6 +715,9 @@ def config_from(a: argparse.Namespace) -> SoakConfig:
         max_output=a.max_output,
         fault_every=a.fault_every,
         disconnect_every=a.disconnect_every,
+        slow_every=a.slow_every,
+        slow_read_s=a.slow_read,
+        window_s=a.window,
         shared_prefixes=a.shared_prefixes,
         shared_prefix_len=a.shared_prefix_len,
         shared_fraction=a.shared_fraction,
@@ -636,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
             f"bench_soak: ready in {ready_s:.1f}s; {cfg.concurrency} streams for {cfg.duration_s:.0f}s",
             flush=True,
         )
-        outcomes, mon, load_s, drained = asyncio.run(run_load(cfg, root, model, injector))
+        outcomes, mon, load_s, drained, gaps = asyncio.run(run_load(cfg, root, model, injector, proc.pid))
         after = settled_metrics(root, cfg.settle_timeout_s)
     finally:
         exit_code = stop_server(proc)
@@ -660,6 +799,7 @@ def main(argv: list[str] | None = None) -> int:
         after,
         exit_code,
         log_text,
+        gaps,
     )
 
 
@@ -681,6 +821,7 @@ def report(
     after: dict[str, float],
     exit_code: int,
     log_text: str,
+    gaps: GapWindows | None = None,
 ) -> int:
     counts = Counter(o.kind for o in outcomes)
     injected = [o for o in outcomes if o.kind == INJECTED]
@@ -699,6 +840,7 @@ def report(
         ("in-flight requests finished after the duration", drained, f"within {cfg.drain_timeout_s:.0f}s"),
         ("server exit 0 on SIGTERM", exit_code == 0, f"{exit_code}"),
     ]
+    checks += steady_checks(cfg, mon, gaps or GapWindows(0.0, cfg.window_s))
     ok = all(c[1] for c in checks)
     tokens = sum(o.tokens for o in outcomes)
     rows = [
@@ -713,6 +855,12 @@ def report(
             f"{counts[INJECTED]} ({', '.join(f'{k} {v}' for k, v in sorted(by_site.items()))})",
         ),
         ("disconnects", f"{counts[DISCONNECTED]}"),
+        ("slow readers", f"{sum(1 for o in outcomes if o.slow)} (a pause of {cfg.slow_read_s:g}s per event)"),
+        (
+            "inter-token p99 by window (ms)",
+            ", ".join(f"{v:.0f}" for v in (gaps.p99_ms().values() if gaps else [])) or "n/a",
+        ),
+        ("server RSS (GiB, first / last sample)", _rss_span(mon)),
         ("unexpected errors", f"{len(unexpected)} ({five_xx} with 5xx)"),
         ("peak running / waiting", f"{mon.peak_running:.0f} / {mon.peak_waiting:.0f}"),
         ("worst /health", f"{mon.worst_health_ms:.0f} ms"),
@@ -751,6 +899,8 @@ def report(
         "peak_running": mon.peak_running,
         "peak_waiting": mon.peak_waiting,
         "worst_health_ms": round(mon.worst_health_ms, 1),
+        "rss_bytes": mon.rss,
+        "itl_p99_ms_by_window": {} if gaps is None else gaps.p99_ms(),
         "checks": [{"check": c[0], "ok": c[1], "detail": c[2]} for c in checks],
         "metrics_before": {
             k: v for k, v in before.items() if k.startswith("hyserve_") and "_bucket" not in k

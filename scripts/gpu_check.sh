@@ -7,8 +7,11 @@
 #   tests: one pytest per GPU test file, each under GPU_TEST_TIMEOUT s (default 240); GPU_TESTS="a b" runs only
 #   tests/a.py and tests/b.py (paths under tests/ without .py: GPU_TESTS="unit/test_fp8_kv gpu/test_gpu_model").
 #   soak (not a default part): benchmarks/bench_soak.py, `hyserve serve` of the Nano 9B v2 architecture under
-#   512 streams with disconnects and injected faults for SOAK_DURATION s (default 600; SOAK_ARGS adds options).
-#   It needs the server wheels in .whl/ (benchmarks/README.md, "GPU check scripts").
+#   512 streams with disconnects, slow readers and injected faults for SOAK_DURATION s (default 600; SOAK_ARGS
+#   adds options); from two minutes on it also holds the server's RSS flat and the inter-token p99 steady.
+#   Nano 30B-A3B in FP8 at 1,024 streams inside one 10-minute call: SOAK_DURATION=420 SOAK_ARGS="--model
+#   benchmarks/configs/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 --concurrency 1024 --serve-args '--quantization fp8
+#   --max-seq-len 8192'". It needs the server wheels in .whl/ (benchmarks/README.md, "GPU check scripts").
 #   moe_model (not a default part): tests/unit/test_bench_model_moe.py, then benchmarks/bench_model.py on
 #   Nemotron 3 Nano 30B-A3B (with --time-init) and on Super cut to what fits; together they may take over
 #   10 minutes, so moe_nano and moe_super run one model each.

@@ -166,6 +166,10 @@ def test_soak_smoke_on_the_tiny_model(tmp_path: Path) -> None:
             "5",
             "--shared-prefix-len",
             "64",
+            "--slow-every",
+            "3",
+            "--slow-read",
+            "0.01",
             "--serve-args",
             "--max_seq_len 1024 --warmup off",
             "--out",
@@ -183,4 +187,28 @@ def test_soak_smoke_on_the_tiny_model(tmp_path: Path) -> None:
         == r["metrics_after"]["hyserve_kv_cache_blocks_total"]
     )
     assert r["command"].startswith("python -m benchmarks.bench_soak --model ''")
+    assert r["rss_bytes"] and all(b > 50 * 2**20 for _, b in r["rss_bytes"])  # the server's, sampled
+    assert r["itl_p99_ms_by_window"]  # 5 s of load: one window, too short for the steady-state bars
+    assert not any("RSS flat" in c["check"] or "inter-token" in c["check"] for c in r["checks"])
     assert out.with_suffix(".log").exists()
+
+
+def test_steady_state_bars_hold_flat_memory_and_latency_and_name_each_drift() -> None:
+    cfg = soak.SoakConfig(duration_s=300.0, window_s=60.0)
+    flat = soak.Monitor(rss=[(t, 2**30 + (2**20 if t > 100 else 0)) for t in range(0, 300, 2)])
+    gaps = soak.GapWindows(0.0, 60.0)
+    for k in range(5):
+        for i in range(200):
+            gaps.add(k * 60 + 1 + i * 0.2, 0.05 + (0.001 if k == 4 else 0.0))
+    checks = {c[0]: c for c in soak.steady_checks(cfg, flat, gaps)}
+    assert len(checks) == 2 and all(c[1] for c in checks.values()), checks
+    growing = soak.Monitor(rss=[(t, 2**30 + t * 2**21) for t in range(0, 300, 2)])  # +2 MiB a second
+    slower = soak.GapWindows(0.0, 60.0)
+    for k in range(5):
+        for i in range(200):
+            slower.add(k * 60 + 1 + i * 0.2, 0.05 * (1.5 if k == 4 else 1.0))
+    bad = soak.steady_checks(cfg, growing, slower)
+    assert [c[1] for c in bad] == [False, False]
+    assert "+" in bad[0][2] and "1.50x" in bad[1][2]
+    short = soak.SoakConfig(duration_s=100.0, window_s=60.0)  # under two windows: no bar to hold
+    assert soak.steady_checks(short, growing, slower) == []
