@@ -155,7 +155,9 @@ class EngineFront:
         self._deliver_all([error_delta(rid, reason) for rid in orphans])
 
     def _die(self, reason: str) -> None:
-        """Stopped for good: unhealthy, `on_fatal` told, then every stream ended with an error."""
+        """Stopped for good: unhealthy, `on_fatal` told (once), then every stream ended with an error."""
+        if self.fatal:
+            return
         self.dead_reason = reason
         self.healthy = False
         self.fatal = True

@@ -18,8 +18,8 @@ from hyserve.engine.async_engine import AsyncEngine
 from hyserve.engine.engine_process import ProcessEngine
 from hyserve.engine.errors import RequestRejected
 from hyserve.engine.faults import FaultInjector
+from tests.engine.test_supervision import PROMPT, _collect
 
-PROMPT = [1, 5, 9, 13, 17, 21]
 SHORT = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
 CONFIG = EngineConfig(warmup="off")
@@ -31,16 +31,6 @@ def _inject_faults(engine) -> None:  # type: ignore[no-untyped-def]  # runs in t
 
 def _fail_start(engine) -> None:  # type: ignore[no-untyped-def]
     raise ValueError("kv_cache_config: this engine was made to fail its start")
-
-
-async def _collect(eng, rid: str, params: SamplingParams) -> tuple[list[int], str | None, str | None]:  # type: ignore[no-untyped-def]
-    toks: list[int] = []
-    reason = error = None
-    async for d in eng.generate(rid, PROMPT, params):
-        toks += d.token_ids
-        if d.finished:
-            reason, error = d.finish_reason, d.error
-    return toks, reason, error
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import pytest
 from hyserve import SamplingParams
 from hyserve.config import EngineConfig, build_engine_config
 from hyserve.engine.async_engine import AsyncEngine
+from hyserve.engine.engine_front import EngineFront
 from hyserve.engine.faults import FaultInjector
 
 PROMPT = [1, 5, 9, 13, 17, 21]
@@ -28,7 +29,7 @@ def _engine(**opts) -> AsyncEngine:
 
 
 async def _collect(
-    eng: AsyncEngine, rid: str, params: SamplingParams
+    eng: EngineFront, rid: str, params: SamplingParams
 ) -> tuple[list[int], str | None, str | None]:
     toks: list[int] = []
     reason = error = None
