@@ -13,7 +13,7 @@ import time
 import pytest
 
 from hyserve import SamplingParams
-from hyserve.config import EngineConfig
+from hyserve.config import build_engine_config
 from hyserve.engine.async_engine import AsyncEngine
 from hyserve.engine.engine_process import ProcessEngine
 from hyserve.engine.errors import RequestRejected
@@ -22,7 +22,8 @@ from tests.engine.test_supervision import PROMPT, _collect
 
 SHORT = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
-CONFIG = EngineConfig(warmup="off")
+# on a GPU each engine of these tests (two run at once) takes a tenth of the free memory, not nine tenths
+CONFIG = build_engine_config({"warmup": "off", "kv_cache_config": {"free_gpu_memory_fraction": 0.1}})
 
 
 def _inject_faults(engine) -> None:  # type: ignore[no-untyped-def]  # runs in the engine process
