@@ -79,6 +79,7 @@ SERVER_YAML_KEYS = (
     "request_read_timeout",
     "max_connections",
     "max_inflight_body_bytes",
+    "engine_process",
 )
 # engine seeds are int64 (as the API's per-request seeds)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1

@@ -87,6 +87,18 @@ def test_startup_log(server: ServerProcess) -> None:
     assert "ready" in log
 
 
+def test_the_engine_runs_in_a_process_of_its_own(server: ServerProcess) -> None:
+    assert server.proc is not None
+    pid = server.proc.pid
+    children = [
+        int(c)
+        for task in Path(f"/proc/{pid}/task").glob("*")
+        for c in (task / "children").read_text().split()
+    ]
+    cmdlines = [Path(f"/proc/{c}/cmdline").read_bytes().replace(b"\0", b" ").decode() for c in children]
+    assert any("multiprocessing" in c and "spawn" in c for c in cmdlines), cmdlines
+
+
 def test_models_health_version(client: openai.OpenAI, server: ServerProcess, model: str) -> None:
     assert model == "hyserve-tiny"
     assert httpx.get(f"{server.url}/health").status_code == 200

@@ -30,6 +30,28 @@ def test_underscore_and_hyphen_spellings(spelling: str) -> None:
     assert parse("serve", spelling, "4").max_batch_size == 4
 
 
+def test_every_serve_flag_reaches_an_option() -> None:
+    """A flag the parser takes but no option reads would be dropped without a word: each one is an engine
+    or server option (in some server's spelling), a flag accepted and ignored, or one the CLI reads itself."""
+    import argparse
+
+    from hyserve.cli import _IGNORED_FLAGS
+    from hyserve.compat import known_names
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    dests = {a.dest for a in sub.choices["serve"]._actions if a.dest != "help"}
+    cli_only = {"config", "extra_llm_api_options", "model_option"}
+    assert dests - known_names() - set(_IGNORED_FLAGS) - cli_only == set()
+
+
+@pytest.mark.parametrize("mode", ["on", "off", "auto"])
+def test_engine_process_flag_reaches_the_server_options(mode: str) -> None:
+    from hyserve.cli import _build_config, build_server_options
+
+    opts, server, _ = engine_options_from_args(parse("serve", "--engine-process", mode))
+    assert build_server_options(lambda n, d: server.get(n, d), _build_config(opts)).engine_process == mode
+
+
 def test_report_launch_command_parses() -> None:
     args = parse(
         "serve",
