@@ -706,7 +706,7 @@ def gemv_settings_ab(eng, vocab_size: int, records: list, notes: list) -> None:
 
 def init_times(model: torch.nn.Module, cfg: HybridModelConfig, records: list) -> None:
     """Dummy-weight init of the loaded model again, timed: drawn on the host and copied (the engine's
-    load_format="dummy" path) and drawn on the device (`init_random_weights(..., on_device=True)`)."""
+    `dummy_init: host`) and drawn on the device (`init_random_weights(..., on_device=True)`, its default)."""
     from hyserve.model.random_init import init_random_weights
 
     n = sum(p.numel() for p in model.parameters())
@@ -716,7 +716,7 @@ def init_times(model: torch.nn.Module, cfg: HybridModelConfig, records: list) ->
         init_random_weights(model, cfg, seed=0, on_device=on_device)
         sync()
         s = time.perf_counter() - t
-        where = "device" if on_device else "host (the engine's path)"
+        where = "device" if on_device else "host (dummy_init: host)"
         records.append(rec(f"dummy-weight init, drawn on the {where} (s)", s, "s", "none", None))
         records[-1]["note"] = f"{n / 1e9:.2f}B parameters, {n / s / 1e9:.2f}G parameters/s"
 

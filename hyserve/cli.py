@@ -136,6 +136,14 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "load_format", default=None, help="auto, safetensors, or dummy (random weights)")
     _flag(
         p,
+        "dummy_init",
+        choices=("auto", "host"),
+        default=None,
+        help="where dummy weights are drawn: auto (the model's device; fast), host (the same values on "
+        "every device)",
+    )
+    _flag(
+        p,
         "quantization",
         default=None,
         help="weight format: fp8 (e4m3 weights, quantised at load from a 16-bit checkpoint); an FP8 "

@@ -84,6 +84,7 @@ SERVER_YAML_KEYS = (
 # engine seeds are int64 (as the API's per-request seeds)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DUMMY_INIT = ("auto", "host")
 # weight formats `quantization` can ask for (None: the checkpoint's own, 16-bit unless it is an FP8
 # checkpoint)
 QUANTIZATIONS = ("fp8",)
@@ -595,6 +596,10 @@ class EngineConfig:
     dtype: str = option("auto", Choice(MODEL_DTYPES, DTYPE_SPELLINGS))
     device: str = option("auto", Choice(DEVICES))
     load_format: str = option("auto", Choice(LOAD_FORMATS))
+    # where load_format "dummy" draws its random weights (DUMMY_INIT): "auto" on the model's device (a GPU
+    # draws a 30B model in a fraction of a second; its values depend on the kind of GPU), "host" on the CPU
+    # (the same values on every device, many seconds for a large model)
+    dummy_init: str = option("auto", Choice(DUMMY_INIT))
     # weight format: None = the checkpoint's (FP8 for a ModelOpt / block-fp8 checkpoint), "fp8" = FP8 weights,
     # quantised per output channel at load from a 16-bit checkpoint (or from dummy weights)
     quantization: str | None = option(None, quantization)

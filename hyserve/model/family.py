@@ -118,7 +118,7 @@ class ModelFamily(Protocol):
 
     def weight_bytes(self, cfg: ModelSpec, dtype: torch.dtype) -> int: ...
 
-    def init_random(self, model: CausalLM, cfg: ModelSpec, seed: int) -> None: ...
+    def init_random(self, model: CausalLM, cfg: ModelSpec, seed: int, *, on_device: bool = False) -> None: ...
 
     def load_weights(self, model: CausalLM, model_dir: Path) -> dict[int, dict[str, float]]: ...
 
@@ -207,11 +207,12 @@ class Family(Generic[C, M]):
     def weight_bytes(self, cfg: ModelSpec, dtype: torch.dtype) -> int:
         return self.weight_bytes_of(self.config(cfg), dtype)
 
-    def init_random(self, model: CausalLM, cfg: ModelSpec, seed: int) -> None:
+    def init_random(self, model: CausalLM, cfg: ModelSpec, seed: int, *, on_device: bool = False) -> None:
+        """on_device: a CUDA model's normal weights drawn by its GPU (random_init.init_random_weights)."""
         m = self.model(model)
         if not isinstance(m, nn.Module):
             raise TypeError(f"{type(m).__name__} is not a torch module")
-        init_random_weights(m, self.config(cfg), seed=seed)
+        init_random_weights(m, self.config(cfg), seed=seed, on_device=on_device)
 
     def load_weights(self, model: CausalLM, model_dir: Path) -> dict[int, dict[str, float]]:
         return load_checkpoint_with_kv_scales(self.model(model), model_dir)

@@ -205,8 +205,9 @@ def init_random_weights(
     on_device: bool = False,
 ) -> None:
     """Deterministic random weights for `load_format="dummy"`, the same on every device for a given seed
-    (on_device=False, the engine's path: drawn on the host; on_device=True draws a CUDA model's normal
-    weights on its GPU, many times faster but other values, the same only on the same kind of GPU).
+    (on_device=False, the engine's `dummy_init: host`: drawn on the host; on_device=True, its default, draws
+    a CUDA model's normal weights on its GPU, many times faster but other values, the same only on the same
+    kind of GPU).
 
     By name: linear/embedding/expert weights N(0, 0.02), with out_proj/o_proj/down_proj scaled by
     1/sqrt(2 * num_layers) (NemotronH's rescale_prenorm_residual); norms and D ones; A_log = log(U[1, 16]);

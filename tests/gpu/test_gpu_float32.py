@@ -32,7 +32,14 @@ def test_nano9b_width_float32_starts_and_generates_on_cuda(tmp_path: Path) -> No
     # an initial state; then decodes (from CUDA graphs) beside a short prompt's prefill
     prompts = [[1] + [(7 * i) % 100_000 + 3 for i in range(199)], [1, 5, 9, 13, 200, 17, 4]]
     p = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
-    opts = dict(load_format="dummy", dtype="float32", max_seq_len=1024, max_batch_size=2, max_num_tokens=128)
+    opts = dict(
+        load_format="dummy",
+        dummy_init="host",  # the same weights on the GPU and the CPU
+        dtype="float32",
+        max_seq_len=1024,
+        max_batch_size=2,
+        max_num_tokens=128,
+    )
     gpu = LLM(d, device="cuda", kv_cache_config={"free_gpu_memory_fraction": 0.3}, **opts)
     assert gpu.config.dtype == "float32"
     out = gpu.generate(prompts, p)

@@ -214,7 +214,7 @@ def test_bench_hyserve_runs_a_plan_on_the_cpu(
         "hyserve start-up with dummy weights, to ready (s)",
         *nine,
         "hyserve decode step batch 256 (ms)",
-        "dummy-weight init, drawn on the host (the engine's path) (s)",
+        "dummy-weight init, drawn on the host (dummy_init: host) (s)",
         "dummy-weight init, drawn on the device (s)",
     ]
     assert by[nine[0]]["reference_value"] == pytest.approx(active_decode_tokens_per_s(cfg, c.read_bw))

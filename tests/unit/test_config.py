@@ -120,7 +120,7 @@ def test_accepted_keys_come_from_the_fields() -> None:
     from hyserve.config import CacheConfig, CudaGraphConfig, EngineConfig, MambaStateConfig, accepted_keys
 
     assert accepted_keys(EngineConfig) == {
-        "model", "dtype", "device", "load_format", "quantization", "served_model_name", "seed",
+        "model", "dtype", "device", "load_format", "dummy_init", "quantization", "served_model_name", "seed",
         "max_batch_size", "max_num_tokens", "max_seq_len", "enable_chunked_prefill",
         "max_num_partial_prefills", "long_prefill_token_threshold", "max_step_ms", "scheduling_policy",
         "batch_wait_timeout_iters", "batch_wait_max_tokens_ratio",
@@ -181,7 +181,7 @@ def test_every_option_is_checked_and_named_by_its_path() -> None:
     from hyserve.config import EngineConfig
 
     paths = _option_paths(EngineConfig)
-    assert len(paths) == 51 and "kv_cache_config.mamba_state_config.periodic_snapshot_interval" in paths
+    assert len(paths) == 52 and "kv_cache_config.mamba_state_config.periodic_snapshot_interval" in paths
     for path in paths:
         with pytest.raises(ValueError, match=path.replace(".", r"\.")):
             build_engine_config(_nested(path, object()))

@@ -149,7 +149,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
             )
         fmt = "safetensors"
     if fmt == "dummy":
-        family.init_random(model, cfg, config.seed)
+        family.init_random(model, cfg, config.seed, on_device=config.dummy_init == "auto")
         kv_scales: dict[int, dict[str, float]] = {}
     else:
         kv_scales = family.load_weights(model, model_dir)
