@@ -20,6 +20,7 @@ stream ends with an error and `on_fatal` is called, so the server exits non-zero
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -235,6 +236,9 @@ class ProcessEngine(EngineFront):
         )
         self._proc.start()
         theirs.close()
+        # a server that exits without `shutdown` still ends the engine process first: multiprocessing joins
+        # its children at exit, and this one would wait for a pipe the exiting process still holds open
+        atexit.register(self._at_exit)
         self._pipe = _Pipe(mine)
         self._resets: dict[str, threading.Event] = {}
         self._closing = False
@@ -337,6 +341,17 @@ class ProcessEngine(EngineFront):
         self._proc.join(timeout=30)
         self._kill()
         self._pipe.conn.close()
+        atexit.unregister(self._at_exit)
+
+    def _at_exit(self) -> None:
+        if self._proc.is_alive():
+            self._closing = True
+            try:
+                self._pipe.send(("stop",))
+            except OSError:
+                pass
+            self._proc.join(timeout=10)
+            self._kill()
 
     def _kill(self) -> None:
         if self._proc.is_alive():

@@ -162,3 +162,23 @@ def test_a_start_up_failure_is_raised_with_the_engines_message() -> None:
     ):
         ProcessEngine(CONFIG, log=lambda s: None, prepare=_fail_start)
     assert time.monotonic() - t < 120
+
+
+def test_a_process_that_exits_without_shutdown_ends_its_engine_process(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    script = tmp_path / "leave.py"
+    script.write_text(
+        "from hyserve.config import EngineConfig\n"
+        "from hyserve.engine.engine_process import ProcessEngine\n"
+        "if __name__ == '__main__':\n"
+        "    eng = ProcessEngine(EngineConfig(warmup='off'), log=lambda s: None)\n"
+        "    eng.start()\n"
+        "    print(eng.pid, flush=True)\n"  # then exit without shutdown()
+    )
+    t = time.monotonic()
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert time.monotonic() - t < 60
+    assert not _alive(int(out.stdout.split()[0]))
