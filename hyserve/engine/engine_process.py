@@ -114,7 +114,8 @@ def serve_engine_process(
     config: EngineConfig, conn: Connection, log_level: int, prepare: Callable[[Any], None] | None = None
 ) -> None:
     """The engine process's main: start the engine (then `prepare(engine)`, if given), say "ready", run the
-    loop until "stop" or the pipe closes; a start-up failure is sent as ("failed", message, traceback)."""
+    loop until "stop" or the pipe closes; a start-up failure is sent as ("failed", the exception if it
+    pickles, its text, the traceback)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     pipe = _Pipe(conn)
@@ -128,7 +129,7 @@ def serve_engine_process(
         if prepare is not None:
             prepare(engine)
     except BaseException as e:
-        pipe.send(("failed", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        pipe.send(("failed", _picklable(e), f"{type(e).__name__}: {e}", traceback.format_exc()))
         return
     sent: list[dict[str, float] | None] = [None]  # the stats the server has
 
@@ -181,6 +182,15 @@ def serve_engine_process(
             pass
 
 
+def _picklable(e: BaseException) -> BaseException | None:
+    """`e` if it survives pickling (the server re-raises it as it is), else None."""
+    try:
+        pickle.loads(pickle.dumps(e, protocol=_PICKLE))
+    except Exception:
+        return None
+    return e
+
+
 def _read_server(pipe: _Pipe, loop: EngineLoop, engine: Any) -> None:
     """The engine process's reader: the server's messages into the loop's inbox, until "stop" or the pipe
     closes. An "add"'s grammar is compiled here first (the server compiled it to validate the request; this
@@ -212,7 +222,8 @@ def _read_server(pipe: _Pipe, loop: EngineLoop, engine: Any) -> None:
 # ---- the server's side ----------------------------------------------------------------------------------
 class ProcessEngine(EngineFront):
     """The `AsyncEngine` interface over an engine in its own (spawned) process. The constructor returns once
-    the engine is ready (or raises RuntimeError with the engine's start-up error)."""
+    the engine is ready, or raises the exception the engine's start-up raised (a RuntimeError naming it if
+    it cannot cross the pipe)."""
 
     def __init__(
         self,
@@ -272,10 +283,12 @@ class ProcessEngine(EngineFront):
                 ) from None
             if msg[0] == "ready":
                 return msg[1]
-            if msg[0] == "failed":
+            if msg[0] == "failed":  # the engine's own exception: a bad setting is the ValueError it names
                 self._proc.join(timeout=10)
-                logger.debug("engine process start-up failure:\n%s", msg[2])
-                raise RuntimeError(f"the engine failed to start: {msg[1]}")
+                logger.debug("engine process start-up failure:\n%s", msg[3])
+                if isinstance(msg[1], Exception):
+                    raise msg[1]
+                raise RuntimeError(f"the engine failed to start: {msg[2]}")
             self._handle_log(msg)
 
     def _handle_log(self, msg: tuple[Any, ...]) -> None:

@@ -159,6 +159,12 @@ def test_warmup_flags_reach_the_engine_config(tmp_path: Path) -> None:
         ("", ["--reasoning_parser", "bogus"], ["reasoning_parser", "nemotron-v3"]),
         ("", ["--tool_parser", "mistral"], ["tool_parser", "qwen3_coder", "hermes"]),
         (": not yaml: [", [], ["not valid YAML"]),
+        # refused by the engine as it starts, in its own process: the same one line
+        (
+            "kv_cache_config:\n  max_gpu_total_bytes: 4194304\nmax_seq_len: 1000000\n",
+            ["--engine-process", "on", "--port", "0"],
+            ["max_seq_len=1,000,000 does not fit in the KV cache", "lower max_seq_len (to at most"],
+        ),
     ],
 )
 def test_bad_config_exits_2_with_one_line(
