@@ -254,7 +254,11 @@ class ProcessEngine(EngineFront):
         self._resets: dict[str, threading.Event] = {}
         self._closing = False
         self._reader: threading.Thread | None = None
-        info = self._wait_ready()
+        try:
+            info = self._wait_ready()
+        except BaseException:  # a failed start, or Ctrl-C while the model loads: nothing is left running
+            self._kill()
+            raise
         self.model_name = info.model_name
         self.tokenizer = info.tokenizer
         self.max_seq_len = info.max_seq_len
@@ -367,9 +371,8 @@ class ProcessEngine(EngineFront):
             self._kill()
 
     def _kill(self) -> None:
-        if self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join(timeout=10)
+        """End the engine process now (it ignores SIGTERM: a signal to the whole process group must let the
+        server drain first)."""
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(timeout=10)

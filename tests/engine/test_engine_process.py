@@ -180,3 +180,27 @@ def test_a_process_that_exits_without_shutdown_ends_its_engine_process(tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert time.monotonic() - t < 60
     assert not _alive(int(out.stdout.split()[0]))
+
+
+def test_ctrl_c_while_the_engine_starts_ends_both_processes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    script = tmp_path / "interrupt.py"
+    script.write_text(
+        "import os, time\n"
+        "from hyserve.config import EngineConfig\n"
+        "from hyserve.engine.engine_process import ProcessEngine\n"
+        "def slow(engine):\n"
+        "    print(os.getpid(), flush=True)\n"
+        "    time.sleep(120)\n"
+        "if __name__ == '__main__':\n"
+        "    ProcessEngine(EngineConfig(warmup='off'), log=lambda s: None, prepare=slow)\n"
+    )
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    assert p.stdout is not None
+    child = int(p.stdout.readline())  # the engine process is up and loading
+    t = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    p.wait(timeout=30)
+    assert time.monotonic() - t < 15 and not _alive(child)
