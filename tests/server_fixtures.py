@@ -91,6 +91,10 @@ def parse_metrics(text: str) -> dict[str, float]:
 # ---- a real `hyserve serve` process ----------------------------------------------------------------------
 
 
+class PortTaken(RuntimeError):
+    """The server's port was taken between `free_port` and the server's bind."""
+
+
 @dataclass
 class ServerProcess:
     """`python -m hyserve.cli serve ...` on a free loopback port, with its output in a log file."""
@@ -114,6 +118,16 @@ class ServerProcess:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def start(self, timeout: float = 180.0) -> ServerProcess:
+        """Start and wait for /health. `free_port` only finds a port free a moment ago: if another process
+        took it before the server bound it, the server exits naming the port and starts again on another."""
+        for _ in range(3):
+            try:
+                return self._start(timeout)
+            except PortTaken:
+                self.port = free_port()
+        return self._start(timeout)
+
+    def _start(self, timeout: float) -> ServerProcess:
         fd, name = tempfile.mkstemp(prefix="hyserve-serve-", suffix=".log")
         os.close(fd)
         self.log_path = Path(name)
@@ -137,7 +151,11 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"hyserve serve exited with {self.proc.returncode}:\n{self.log()}")
+                log = self.log()
+                if "cannot listen there: it is already in use" in log:
+                    self.log_path.unlink()
+                    raise PortTaken(self.port)
+                raise RuntimeError(f"hyserve serve exited with {self.proc.returncode}:\n{log}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
                     return self

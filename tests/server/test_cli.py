@@ -310,3 +310,18 @@ def test_serve_api_key_and_graceful_sigint() -> None:
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "request_aborted"
     assert "shutting down" in server.log()
+
+
+def test_the_server_fixture_moves_off_a_port_taken_before_the_server_binds_it() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        server = ServerProcess(args=["--max_seq_len", "512", "--warmup", "off"], port=taken).start()
+        try:
+            assert server.port != taken
+            assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        finally:
+            assert server.stop() == 0
