@@ -34,7 +34,8 @@
 #   prompt through LLM per KV dtype (LONG_PROMPT_ARGS adds options; ~3-4 min a dtype).
 #   stepsync (not a default part): benchmarks/bench_step_sync.py, the host syncs and phases of a large
 #   decode step, then the host time of steps that prefill 1 or 8 new 1,000-token prompts beside it (they
-#   run eagerly; what batch waiting saves) (STEP_SYNC_ARGS; default Nano 30B-A3B FP8 at batch 256).
+#   run eagerly; what batch waiting saves), each with its host time per layer kind and device time per kernel
+#   (STEP_SYNC_ARGS; default Nano 30B-A3B FP8 at batch 256).
 #   spec (not a default part): benchmarks/bench_spec_decode.py, verify-step cost against a plain decode step
 #   for k = 1, 2, 3, 5, 7 at batch 1 and 16 (Nano 30B-A3B, FP8 weights), batch 64 with speculation allowed vs off,
 #   and n-gram drafting on the needle checkpoint at batch 1 (SPEC_ARGS adds options).
@@ -102,7 +103,7 @@ save() { out_save; }
        ${LONG_PROMPT_ARGS:-} 2>&1 | grep -v "warm-up \[" | tail -40 && save
   # shellcheck disable=SC2086
   [[ $parts == *" stepsync "* ]] && echo "== host syncs of a large decode step" \
-    && timeout 300 python3 -m benchmarks.bench_step_sync --git-sha "$sha" ${STEP_SYNC_ARGS:---quantization fp8 --mixed-prompts 1 8} 2>&1 | tail -40 && save
+    && timeout 300 python3 -m benchmarks.bench_step_sync --git-sha "$sha" ${STEP_SYNC_ARGS:---quantization fp8 --mixed-prompts 1 8 --breakdown} 2>&1 | tail -40 && save
   # moe_decode (not a default part): the batch-1 MoE decode chain in a graph, its settings swept and
   # the fastest written as the 1-token entry of hyserve/kernels/moe_configs/<GPU>.json (copied to OUT_DIR)
   # shellcheck disable=SC2086  # MOE_DECODE_ARGS is a list of options
