@@ -197,7 +197,14 @@ def test_ctrl_c_while_the_engine_starts_ends_both_processes(tmp_path) -> None:  
         "if __name__ == '__main__':\n"
         "    ProcessEngine(EngineConfig(warmup='off'), log=lambda s: None, prepare=slow)\n"
     )
-    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    # a test worker may ignore SIGINT, and an ignored SIGINT stays ignored in its children: restore it
+    p = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     assert p.stdout is not None
     child = int(p.stdout.readline())  # the engine process is up and loading
     t = time.monotonic()
