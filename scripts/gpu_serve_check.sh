@@ -167,7 +167,7 @@ if [[ " $parts " == *" profile "* ]]; then
   sleep 12  # past the prefills: decode steps only
   for mode in all gil; do
     extra=(); [ $mode = gil ] && extra=(--gil)
-    /tmp/site/bin/py-spy record -p $PID -d 8 -r 250 -f raw --nonblocking "${extra[@]}" -o /tmp/pyspy_$mode.txt >/dev/null 2>&1
+    /tmp/site/bin/py-spy record -p $PID -d 8 -r 250 -f raw --subprocesses --nonblocking "${extra[@]}" -o /tmp/pyspy_$mode.txt >/dev/null 2>&1
     python3 scripts/pyspy_summary.py /tmp/pyspy_$mode.txt | head -45 | sed "s/^/[$mode] /"
   done
   wait $bench
@@ -190,7 +190,7 @@ if [[ " $parts " == *" scale "* ]]; then
     sleep "$SCALE_PROFILE"
     for mode in idle gil; do
       extra=(--idle); [ $mode = gil ] && extra=(--gil)
-      /tmp/site/bin/py-spy record -p $PID -d 8 -r 200 -f raw --threads --nonblocking "${extra[@]}" \
+      /tmp/site/bin/py-spy record -p $PID -d 8 -r 200 -f raw --threads --subprocesses --nonblocking "${extra[@]}" \
         -o /tmp/pyspy_scale_$mode.txt >/dev/null 2>&1
       python3 scripts/pyspy_summary.py /tmp/pyspy_scale_$mode.txt --top 60 | cut -c1-150 | sed "s/^/[$mode] /"
     done

@@ -1,4 +1,6 @@
-"""Summarise a `py-spy record -f raw` file: samples per thread and the inclusive share of each function.
+"""Summarise a `py-spy record -f raw` file: samples per root and the inclusive share of each function.
+
+A root is the thread, or with --subprocesses the process (the server and its engine process).
 
 python3 scripts/pyspy_summary.py /tmp/pyspy_all.txt [--top 40]
 """
