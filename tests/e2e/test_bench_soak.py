@@ -142,7 +142,10 @@ def test_bad_options_are_refused_and_the_h200_defaults_are_valid() -> None:
         soak.config_from(soak.parse_args(["--fault-every", "1"]))
 
 
-def test_soak_smoke_on_the_tiny_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine_process", ["off", "on"])
+def test_soak_smoke_on_the_tiny_model(tmp_path: Path, engine_process: str) -> None:
+    """The soak through the engine on a thread of the server, and in its own process (the default on CUDA:
+    the faults' environment, the injected failures' log lines and the pools all cross to it)."""
     out = tmp_path / "soak.json"
     rc = soak.main(
         [
@@ -171,7 +174,7 @@ def test_soak_smoke_on_the_tiny_model(tmp_path: Path) -> None:
             "--slow-read",
             "0.01",
             "--serve-args",
-            "--max_seq_len 1024 --warmup off",
+            f"--max_seq_len 1024 --warmup off --engine-process {engine_process}",
             "--out",
             str(out),
         ]
