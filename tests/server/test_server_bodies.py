@@ -162,8 +162,8 @@ def test_health_answers_while_a_big_nested_object_is_parsed(url: str, where: str
         assert r.status_code == 200, r.text
     # the stalls guarded against were one C call of >= 1 s; what is left is turn-taking on the interpreter
     # lock with the walk (which sleeps a little every 2 ms of work), 20-60 ms here, more on a loaded 2-CPU
-    # host
-    assert worst < 0.5, f"/health took {worst * 1000:.0f} ms while a {len(data) >> 20} MiB body was served"
+    # host (663 ms once, beside the other worker's server and engine processes): under the 1 s stall
+    assert worst < 0.9, f"/health took {worst * 1000:.0f} ms while a {len(data) >> 20} MiB body was served"
 
 
 def test_a_large_walk_leaves_the_lock_to_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
