@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing as mp
-import os
 import resource
 import socket
 import sys
@@ -37,6 +36,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 from benchmarks.host_results import write_host_results  # noqa: E402
+from benchmarks.procfs import cpu_seconds  # noqa: E402
 
 VLLM_FP8_30B_C1024 = 15828.0  # output tok/s: vLLM's published figure, concurrency 1024
 
@@ -118,29 +118,6 @@ def serve_stub(port: int, max_batch_size: int, max_seq_len: int, ready: mp.Event
     server.run()
 
 
-def _cpu_seconds(pid: int) -> float:
-    """user + system CPU seconds of a process and its live children so far (Linux /proc): the server and,
-    when it has its own, the engine process."""
-    total = 0.0
-    for p in (pid, *_children(pid)):
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # it exited
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return out
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -186,7 +163,7 @@ def run_point(
             num_prompts=prompts, input_len=input_len, output_len=output_len, range_ratio=range_ratio
         ),
     )
-    srv0, cli0 = _cpu_seconds(pid), resource.getrusage(resource.RUSAGE_SELF)
+    srv0, cli0 = cpu_seconds(pid), resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     out = run_serve_bench(opts, log=lambda s: print("   ", s, flush=True))
     wall = time.perf_counter() - t0
@@ -204,7 +181,7 @@ def run_point(
         "p50_ttft_ms": m["p50_ttft_ms"],
         "p99_ttft_ms": m["p99_ttft_ms"],
         "duration_s": m["duration_s"],
-        "server_cpu_share": (_cpu_seconds(pid) - srv0) / wall,
+        "server_cpu_share": (cpu_seconds(pid) - srv0) / wall,
         "client_cpu_share": ((cli1.ru_utime + cli1.ru_stime) - (cli0.ru_utime + cli0.ru_stime)) / wall,
     }
 

@@ -46,6 +46,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from benchmarks.procfs import rss_bytes  # noqa: E402
 from hyserve.bench.http_client import error_message, sse_data  # noqa: E402
 from hyserve.engine.faults import FaultInjector  # noqa: E402
 
@@ -326,21 +327,6 @@ class Monitor:
     peak_waiting: float = 0.0
     worst_health_ms: float = 0.0
     rss: list[tuple[float, int]] = field(default_factory=list)  # (seconds into the load, bytes)
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident memory of a process and its live children (the server and its engine process; Linux)."""
-    total = 0
-    pids = [pid]
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError, ValueError):
-            pids += [int(c) for c in (task / "children").read_text().split()]
-    for p in pids:
-        with contextlib.suppress(OSError, ValueError):
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-    return total
 
 
 async def monitor(

@@ -122,6 +122,7 @@ class ModuleHostTimer:
 
 
 def _add_prompts(eng, tag: str, k: int, n: int, rng: random.Random) -> None:  # noqa: ANN001
+    """`k` random prompts of `n` tokens, one output token each, ids "<tag>-<j>" (tags start with "m")."""
     vocab = eng.model_config.vocab_size
     for j in range(k):
         eng.add_request(
@@ -132,6 +133,7 @@ def _add_prompts(eng, tag: str, k: int, n: int, rng: random.Random) -> None:  # 
 
 
 def _finish_prompts(eng) -> None:  # noqa: ANN001
+    """Step until the added prompts ("m..." ids) are done; the decode batch goes on."""
     while any(r.request_id.startswith("m") for r in eng.requests.values()):
         eng.step()
 
@@ -176,25 +178,18 @@ def mixed_steps(eng, a: argparse.Namespace, rng: random.Random) -> list[dict[str
     each count in --mixed-prompts, `--mixed-reps` times, that many prompts of --mixed-len tokens are added
     and the step that prefills them is timed (step() and its runner.execute), then decode steps run until
     the prompts are in; each count is set beside the decode-only steps' mean."""
-    vocab = eng.model_config.vocab_size
     out = []
     for k in a.mixed_prompts:
         step_ms, exec_ms = [], []
         for rep in range(a.mixed_reps):
-            for j in range(k):
-                eng.add_request(
-                    f"m{k}-{rep}-{j}",
-                    [rng.randrange(3, vocab) for _ in range(a.mixed_len)],
-                    SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
-                )
+            _add_prompts(eng, f"m{k}-{rep}", k, a.mixed_len, rng)
             phases = time_phases(eng, (("runner", "execute"),))
             t = time.perf_counter()
             eng.step()
             step_ms.append((time.perf_counter() - t) * 1e3)
             exec_ms.append(phases["runner.execute"][0])
             del eng.runner.execute  # the timer was set on the instance: back to the class's method
-            while any(r.request_id.startswith("m") for r in eng.requests.values()):
-                eng.step()
+            _finish_prompts(eng)
         out.append(
             dict(
                 prompts=k,

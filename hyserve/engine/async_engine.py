@@ -5,7 +5,6 @@ asyncio streaming API of `EngineFront` (engine/engine_front.py) for the server. 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -51,14 +50,7 @@ class AsyncEngine(EngineFront):
 
     def shutdown(self, *, abort_inflight: bool = True) -> None:
         if abort_inflight:
-            for rid in self.open_stream_ids():
-                self.abort(rid)
-            # let the loop process the aborts so clients get their final delta
-            if self._thread is not None:
-                for _ in range(50):
-                    if not self.open_stream_ids():
-                        break
-                    time.sleep(0.02)
+            self._abort_open_streams(wait=self._thread is not None)
         self.loop.stop()
         if self._thread is not None:
             self._thread.join(timeout=10)

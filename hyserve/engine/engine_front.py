@@ -14,7 +14,9 @@ good; `on_fatal(reason)` is then called once, so the server can exit non-zero.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -22,6 +24,8 @@ from hyserve.engine.delta_collector import DEFAULT_PENDING_LIMIT_BYTES, DeltaCol
 from hyserve.engine.engine_loop import AddRequest, error_delta
 from hyserve.engine.outputs import StreamDelta
 from hyserve.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("hyserve")
 
 
 def _put_all(items: list[tuple[DeltaCollector, StreamDelta]]) -> None:
@@ -78,6 +82,16 @@ class EngineFront:
     def open_stream_ids(self) -> list[str]:
         with self._lock:
             return list(self._streams)
+
+    def _abort_open_streams(self, *, wait: bool) -> None:
+        """Shutting down: abort every open stream and, with `wait`, give the loop up to a second to send
+        their final deltas to the clients."""
+        for rid in self.open_stream_ids():
+            self.abort(rid)
+        for _ in range(50 if wait else 0):
+            if not self.open_stream_ids():
+                break
+            time.sleep(0.02)
 
     async def generate(
         self,
@@ -165,9 +179,7 @@ class EngineFront:
             try:
                 self.on_fatal(reason)
             except Exception:
-                import logging
-
-                logging.getLogger("hyserve").exception("on_fatal callback failed")
+                logger.exception("on_fatal callback failed")
         self._deliver_all([error_delta(rid, f"engine failure: {reason}") for rid in self.open_stream_ids()])
 
 

@@ -273,10 +273,10 @@ class ProcessEngine(EngineFront):
         return self._proc.pid
 
     def _wait_ready(self) -> EngineInfo:
+        """The engine's "ready", its start-up log relayed meanwhile (a raise: the caller ends the process)."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if not self._pipe.conn.poll(max(0.0, deadline - time.monotonic())):
-                self._kill()
                 raise RuntimeError(f"the engine process was not ready within {START_TIMEOUT_S:.0f}s")
             try:
                 msg = self._pipe.recv()
@@ -337,17 +337,9 @@ class ProcessEngine(EngineFront):
 
     def shutdown(self, *, abort_inflight: bool = True) -> None:
         if abort_inflight and self.healthy:
-            for rid in self.open_stream_ids():
-                self.abort(rid)
-            for _ in range(50):  # the aborts' final deltas reach their clients
-                if not self.open_stream_ids():
-                    break
-                time.sleep(0.02)
+            self._abort_open_streams(wait=True)
         self._closing = True
-        try:
-            self._pipe.send(("stop",))
-        except OSError:
-            pass
+        self._submit("stop", None)
         if self._reader is not None:
             self._reader.join(timeout=30)
             self._reader = None
@@ -363,10 +355,7 @@ class ProcessEngine(EngineFront):
     def _at_exit(self) -> None:
         if self._proc.is_alive():
             self._closing = True
-            try:
-                self._pipe.send(("stop",))
-            except OSError:
-                pass
+            self._submit("stop", None)
             self._proc.join(timeout=10)
             self._kill()
 

@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 
+from benchmarks.procfs import child_pids
 from tests.server_fixtures import KV_TOKEN_CAP, REPORT_STYLE_YAML, ServerProcess, wait_until
 
 MAX_SEQ_LEN = 4096
@@ -89,12 +90,7 @@ def test_startup_log(server: ServerProcess) -> None:
 
 def test_the_engine_runs_in_a_process_of_its_own(server: ServerProcess) -> None:
     assert server.proc is not None
-    pid = server.proc.pid
-    children = [
-        int(c)
-        for task in Path(f"/proc/{pid}/task").glob("*")
-        for c in (task / "children").read_text().split()
-    ]
+    children = child_pids(server.proc.pid)
     cmdlines = [Path(f"/proc/{c}/cmdline").read_bytes().replace(b"\0", b" ").decode() for c in children]
     assert any("multiprocessing" in c and "spawn" in c for c in cmdlines), cmdlines
 
