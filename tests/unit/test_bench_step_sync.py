@@ -77,6 +77,21 @@ def test_bench_step_sync_times_steps_that_prefill_new_prompts(tmp_path: Path, ca
     assert "step with 3 new prompt(s) of 40 tokens" in capsys.readouterr().out
 
 
+def test_breakdown_times_each_layer_kind_of_a_mixed_step(tmp_path: Path, capsys) -> None:
+    """--breakdown: per count, the host time inside each layer kind's modules, every layer called once (the
+    device's kernels only on CUDA)."""
+    argv = ["--model-dir", "", "--batch", "4", "--steps", "2", "--mixed-prompts", "2", "--breakdown"]
+    argv += ["--mixed-len", "40", "--mixed-reps", "1", "--git-sha", "test", "--result-dir", str(tmp_path)]
+    assert bss.main(argv) == 0
+    [path] = tmp_path.glob("step_sync_*_test.json")
+    [b] = json.loads(path.read_text())["mixed_breakdown"]
+    layers = b["layer_host_ms"]
+    assert b["prompts"] == 2 and {"Mamba2Mixer", "Attention"} <= set(layers)
+    assert layers["Mamba2Mixer"]["calls"] == 3 and layers["Attention"]["calls"] == 2  # the tiny model's
+    assert 0 < sum(v["ms"] for v in layers.values()) <= b["step_host_ms"]
+    assert "breakdown, 2 new prompt(s)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("bad", [["--batch", "0"], ["--steps", "0"], ["--prompt-len", "0"]])
 def test_bench_step_sync_refuses_empty_workloads(bad, tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as e:
