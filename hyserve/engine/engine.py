@@ -243,8 +243,8 @@ class LLMEngine:
         return sample_step(sampler, batch, logits, requests, histories, pending, bitmask)
 
     def _read(self, step: PendingStep) -> list[StreamDelta]:
-        deltas = []
-        runs = step.read()
+        deltas, runs = [], step.read()
+        self.scheduler.on_read(step.batch)  # how long the step took, against its predicted time
         if self.spec is not None:  # accepted drafts (their Mamba state), the next drafts
             self.spec.on_read(step, runs, self.requests, self.runner)
         for run in runs:

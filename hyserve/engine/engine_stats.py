@@ -29,6 +29,7 @@ def engine_stats(
         "tokens_scheduled_last_step": s.tokens_scheduled,
         "num_preemptions": s.num_preemptions,
         "batch_wait_steps": s.batch_wait_steps,
+        "step_time_scale": scheduler.feedback.scale,
         "jit_compiles_after_ready": jit.compiles_after_ready,
         **counters,
         **isolation.counters(),

@@ -155,6 +155,12 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
         "Steps whose admissions batch waiting held back (batch_wait_timeout_iters).",
         "counter",
     ),
+    (
+        "step_time_scale",
+        "step_time_scale",
+        "Measured / predicted time of the steps the step-time target sized (1 before any; max_step_ms).",
+        "gauge",
+    ),
     ("prompt_tokens_total", "prompt_tokens", "Prompt tokens processed.", "counter"),
     ("generation_tokens_total", "generation_tokens", "Tokens generated.", "counter"),
     (

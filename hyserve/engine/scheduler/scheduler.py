@@ -49,6 +49,7 @@ from hyserve.config import SCHEDULING_POLICIES, Choice
 from hyserve.engine.request import Request, RequestStatus
 from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.scheduler.step_cost import StepCostModel
+from hyserve.engine.scheduler.step_feedback import StepTimeFeedback
 
 # batch waiting stops once the admissible first chunks would take this share of the step-time budget
 BATCH_WAIT_MS_SHARE = 0.9
@@ -83,6 +84,10 @@ class ScheduledBatch:
     preempted: list[str] = field(default_factory=list)
     # rows per decoding sequence: 1, or in a speculative step 1 + its longest draft (shorter drafts padded)
     spec_width: int = 1
+    # when the step was planned (StepTimeFeedback's clock) and, for a step whose prefill chunks the
+    # calibrated step-time target sized, the model's figure for it in ms (else None)
+    planned_at: float | None = None
+    predicted_ms: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -172,6 +177,8 @@ class Scheduler:
             chunk_size, max_num_tokens // max_num_partial_prefills
         )
         self.cost = cost
+        # a calibrated model's error on the steps it sizes, measured as they run (step_feedback.py)
+        self.feedback = StepTimeFeedback()
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.chunked = enable_chunked_prefill
@@ -309,7 +316,7 @@ class Scheduler:
         """Plan one step. Returns the batch and the requests aborted since the last step. `draft`: decoding
         requests whose tokens are all on the host carry draft tokens to verify (speculative decoding)."""
         aborted = self._apply_aborts()
-        batch = ScheduledBatch(seqs=[], num_decodes=0)
+        batch = ScheduledBatch(seqs=[], num_decodes=0, planned_at=self.feedback.clock())
         budget = self.max_num_tokens
         scheduled: set[str] = set()
         prefills: list[ScheduledSeq] = []
@@ -351,8 +358,37 @@ class Scheduler:
             prefills += self.admit(budget, ms=ms, capped=bool(conts))
 
         batch.seqs.extend(prefills)
+        if prefills and self._calibrated():
+            batch.predicted_ms = self._predicted_ms(batch)
         self.stats.tokens_scheduled = batch.num_tokens
         return batch, aborted
+
+    def _calibrated(self) -> bool:
+        """Whether the step cost model is in milliseconds of this device (timed at start-up), so measured
+        step times can correct it."""
+        return self.cost is not None and self.cost.source == "calibrated"
+
+    def _target_ms(self) -> float:
+        """The step-time target in the model's milliseconds: a calibrated model's is corrected by what the
+        steps it sized really took."""
+        assert self.cost is not None
+        if not self._calibrated():
+            return self.cost.target_ms
+        return self.feedback.target_ms(self.cost.target_ms)
+
+    def _predicted_ms(self, batch: ScheduledBatch) -> float:
+        """The model's time for a planned step: its fixed cost, the decode rows and the prefill chunks."""
+        assert self.cost is not None
+        cost = self.cost
+        dec = sum(cost.decode_ms(s.start_pos) for s in batch.seqs[: batch.num_decodes])
+        return cost.overhead_ms + dec + sum(self._chunk_ms(s) for s in batch.seqs[batch.num_decodes :])
+
+    def on_read(self, batch: ScheduledBatch) -> None:
+        """A step's tokens reached the host: with a calibrated model, how long the step took against the
+        model's figure feeds the target's correction."""
+        if self._calibrated():
+            assert self.cost is not None
+            self.feedback.on_read(batch.planned_at, batch.predicted_ms, self.cost.target_ms)
 
     def _hold_admissions(
         self, decodes: int, claim_tokens: int, eager: bool, claim_ms: float, ms: float | None
@@ -390,7 +426,7 @@ class Scheduler:
         if self.cost is None:
             return None
         return (
-            self.cost.target_ms
+            self._target_ms()
             - self.cost.overhead_ms
             - sum(self.cost.decode_ms(s.start_pos) for s in batch.seqs)
         )

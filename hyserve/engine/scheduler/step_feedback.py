@@ -1,0 +1,62 @@
+"""`StepTimeFeedback`: how far the calibrated step cost model is off on the steps it actually sizes, measured
+as the engine runs, so the step-time target holds the real step time rather than the model's figure.
+
+The model (`step_cost.py`) is a line fitted to prefill-only steps at start-up. A served step is different: it
+runs beside hundreds of decode rows, and its host work (eager launches) overlaps its device work, which a sum
+of terms cannot say. On an H100 the 30B-A3B model's calibrated intercept carried ~38 ms of host time, so a
+step of 512 decode rows and new 1,000-token prompts planned for 150 ms ran in ~89 ms: prefill was held to
+~3 prompts a step where 8 fit the target.
+
+So each step that carries prefill chunks records the time the model predicted for it, and when its tokens
+are read, the time it took (from when it was planned, or from the previous step's read if that came later:
+with async scheduling the steps overlap, and the interval between reads is what every stream sees between
+tokens). The ratio measured / predicted of the last WINDOW such steps, at its largest, scales the target:
+the scheduler plans steps to target / scale in the model's units. Taking the largest ratio keeps the slow
+tail of steps under the target (the inter-token p99 a fairness target is about) while a systematic
+overestimate is given back; one slow step lowers the budget at once and recovers as it leaves the window.
+Steps predicted well under the target (a small chunk beside decodes) are not the ones the budget shapes and
+are left out, as are ratios outside [MIN_SCALE, MAX_SCALE] (clamped)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+# ratios of the last this many observed steps
+WINDOW = 32
+# only steps predicted at this share of the (scaled) target or more are observed
+MIN_SHARE = 0.5
+# the scale stays within these bounds (a model at most 5x too pessimistic or too optimistic)
+MIN_SCALE, MAX_SCALE = 0.2, 5.0
+
+
+class StepTimeFeedback:
+    def __init__(self, *, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self._ratios: deque[float] = deque(maxlen=WINDOW)
+        self._last_read: float | None = None
+        self.observed = 0  # steps observed so far
+
+    @property
+    def scale(self) -> float:
+        """Measured / predicted step time, the largest over the window (1.0 before any observation)."""
+        return max(self._ratios) if self._ratios else 1.0
+
+    def target_ms(self, target_ms: float) -> float:
+        """The target in the model's milliseconds: what the model may predict for a step that should
+        really take `target_ms`."""
+        return target_ms / self.scale
+
+    def on_read(self, planned_at: float | None, predicted_ms: float | None, target_ms: float) -> None:
+        """A step's tokens were read now. `planned_at`: when the step was planned (the clock's seconds);
+        `predicted_ms`: the model's figure for it, None for a step the target did not size."""
+        now = self.clock()
+        last, self._last_read = self._last_read, now
+        if planned_at is None or predicted_ms is None or predicted_ms <= 0:
+            return
+        if predicted_ms < MIN_SHARE * self.target_ms(target_ms):
+            return
+        took_ms = (now - max(planned_at, last if last is not None else planned_at)) * 1e3
+        self._ratios.append(min(max(took_ms / predicted_ms, MIN_SCALE), MAX_SCALE))
+        self.observed += 1

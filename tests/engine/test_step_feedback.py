@@ -1,0 +1,118 @@
+"""The step-time target corrected by measured step times (engine/scheduler/step_feedback.py): a calibrated
+model that overestimates its steps gives the time back to prefill, one that underestimates them takes it,
+and neither the analytic model nor the outputs change."""
+
+from __future__ import annotations
+
+import pytest
+
+from hyserve.engine.scheduler.step_cost import StepCostModel, analytic_step_cost
+from hyserve.engine.scheduler.step_feedback import MAX_SCALE, MIN_SCALE, WINDOW, StepTimeFeedback
+from tests.engine.test_engine_invariance import GREEDY, make_llm, prompts
+from tests.engine.test_scheduler_state_machine import _run
+from tests.engine.test_step_composition import _req, _sched
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _feedback() -> tuple[StepTimeFeedback, Clock]:
+    clock = Clock()
+    return StepTimeFeedback(clock=clock), clock
+
+
+def test_scale_is_the_largest_measured_over_predicted_ratio_of_the_window() -> None:
+    fb, clock = _feedback()
+    assert fb.scale == 1.0 and fb.target_ms(150.0) == 150.0  # nothing measured: the model as calibrated
+    clock.t = 100.09  # planned at 100.0, read 90 ms later; predicted 150 ms
+    fb.on_read(100.0, 150.0, 150.0)
+    assert fb.scale == pytest.approx(0.6) and fb.target_ms(150.0) == pytest.approx(250.0)
+    clock.t += 0.120  # a slower step (planned before the previous read: the interval between reads counts)
+    fb.on_read(100.05, 150.0, 150.0)
+    assert fb.scale == pytest.approx(0.8)
+    for _ in range(WINDOW):  # the slow step leaves the window after WINDOW faster ones
+        clock.t += 0.075
+        fb.on_read(clock.t - 0.2, 150.0, 150.0)
+    assert fb.scale == pytest.approx(0.5) and fb.observed == WINDOW + 2
+
+
+def test_a_step_planned_after_the_previous_read_is_timed_from_its_plan() -> None:
+    fb, clock = _feedback()
+    fb.on_read(None, None, 150.0)  # a read with nothing to measure still marks the time
+    clock.t = 130.0  # idle 30 s, then a step planned at 129.9 and read at 130.0: 100 ms, not 30 s
+    fb.on_read(129.9, 200.0, 150.0)
+    assert fb.scale == pytest.approx(0.5)
+
+
+def test_small_steps_and_wild_ratios_do_not_move_the_target() -> None:
+    fb, clock = _feedback()
+    clock.t = 101.0
+    fb.on_read(100.0, 70.0, 150.0)  # predicted under half the target: the budget did not shape it
+    assert fb.scale == 1.0 and fb.observed == 0
+    clock.t = 200.0
+    fb.on_read(199.0, 100.0, 150.0)  # 1 s for a 100 ms prediction: clamped
+    assert fb.scale == MAX_SCALE
+    fb2, clock2 = _feedback()
+    clock2.t = 100.001
+    fb2.on_read(100.0, 150.0, 150.0)
+    assert fb2.scale == MIN_SCALE
+
+
+CAL = StepCostModel(overhead_ms=1.0, per_token_ms=0.1, per_context_ms=0.0, per_kv_read_ms=0.0, target_ms=9.0)
+
+
+def _chunk_sizes(cost: StepCostModel, ratio: float) -> tuple[int, int, float]:
+    """A long prompt prefilled under `cost`: its first chunk, and its chunk after 8 steps that each took
+    `ratio` x their predicted time; and the scheduler's scale then."""
+    sched = _sched(budget=512, blocks=1000, cost=cost)
+    clock = Clock()
+    sched.feedback.clock = clock
+    sched.add(_req("long", 3000))
+    sizes = []
+    for _ in range(9):
+        batch, _ = sched.schedule()
+        assert batch.planned_at == clock.t
+        sizes.append(batch.num_prefill_tokens)
+        if batch.predicted_ms is not None:
+            clock.t += ratio * batch.predicted_ms / 1e3
+        sched.on_read(batch)
+        _run(sched, batch)
+    return sizes[0], sizes[-1], sched.feedback.scale
+
+
+def test_an_overestimating_model_gives_the_time_back_to_prefill() -> None:
+    first, later, scale = _chunk_sizes(CAL, 0.5)
+    assert first == 80  # (9 - 1) ms / 0.1 ms a token, as calibrated
+    assert scale == pytest.approx(0.5) and later == 168  # steps took half: 17 ms of tokens, whole SSD chunks
+
+
+def test_an_underestimating_model_takes_the_time_from_prefill() -> None:
+    first, later, scale = _chunk_sizes(CAL, 2.0)
+    assert first == 80 and scale == pytest.approx(2.0) and later == 32  # (4.5 - 1) ms: 35 tokens, aligned
+
+
+def test_the_analytic_model_is_not_corrected() -> None:
+    """The CPU's model counts GFLOPs, not milliseconds: measured times say nothing of its error."""
+    analytic = analytic_step_cost(params=10_000_000, attention_flops_per_pair=0, max_num_tokens=80)
+    first, later, scale = _chunk_sizes(analytic, 0.5)
+    assert scale == 1.0 and later == first == 80
+
+
+def test_the_engine_times_the_steps_a_calibrated_target_sizes() -> None:
+    """Through LLM.generate: every step with prefill chunks carries its predicted time and is observed when
+    read; the scale is exported (step_time_scale, on /metrics); greedy outputs stay the same."""
+    ref = make_llm(max_num_tokens=64).generate(prompts(), GREEDY)
+    llm = make_llm(max_num_tokens=64)
+    llm.engine.scheduler.cost = StepCostModel(
+        overhead_ms=0.5, per_token_ms=0.05, per_context_ms=2e-3, per_kv_read_ms=1e-4, target_ms=4.0
+    )
+    outs = llm.generate(prompts(), GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    fb = llm.engine.scheduler.feedback
+    assert fb.observed > 0
+    assert llm.stats()["step_time_scale"] == fb.scale != 1.0
