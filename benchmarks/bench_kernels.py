@@ -288,6 +288,33 @@ def bench_conv(b: Bench) -> None:
         b.roof(name, nbytes / (ms * 1e-3), "B/s", "copy", "device copy ceiling", time_ms=ms)
 
 
+def bench_quant(b: Bench) -> None:
+    """FP8 activation quantisation (per token, and per token and 128 columns) at Nano 30B-A3B's hidden width:
+    a decode step's 512 and 1,024 rows and a refill step's 8,512, one-pass tiles against the two-pass row
+    kernel in the same run, each checked bit for bit against `quantize_rows_ref` first."""
+    from hyserve.kernels.fp8_linear import quantize_rows_ref
+    from hyserve.kernels.triton_fp8_linear import quantize_rows_triton
+
+    K = 2688 if not b.dry else 300
+    for M in (512, 1024, 8512) if not b.dry else (5,):
+        x = b.rnd(M, K, scale=3.0)
+        for group in (None, 128):
+            name = f"quantize_rows {M} x {K}" + (" per 128 columns" if group else " per token")
+            rq, rs = quantize_rows_ref(x, group)
+            ok = True
+            for tile in (True, False):
+                q, sc = quantize_rows_triton(x, group, tile=tile)
+                same = torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(sc, rs)
+                ok = b.check(f"{name} ({'one' if tile else 'two'}-pass)", sc, rs, 0, 0) and same and ok
+            if not ok:
+                continue
+            ms = b.graph_ms(lambda: quantize_rows_triton(x, group))
+            nbytes = M * K * 3 + M * (K // 128 + 1) * 4  # bf16 in, e4m3 out, scales
+            b.roof(name, nbytes / (ms * 1e-3), "B/s", "copy", "device copy ceiling", time_ms=ms)
+            two = b.graph_ms(lambda: quantize_rows_triton(x, group, tile=False))
+            b.record(f"{name}: two-pass row kernel / one-pass tiles", two, "ms", "one-pass", ms)
+
+
 def bench_norms(b: Bench) -> None:
     from hyserve.kernels.triton_rmsnorm import rms_norm_triton, rmsnorm_gated_triton
 
@@ -1627,6 +1654,7 @@ SUITES = {
     "ssm": bench_ssm,
     "conv": bench_conv,
     "norm": bench_norms,
+    "quant": bench_quant,
     "linear": bench_linear,
     "attn": bench_attn,
     "ssd": bench_ssd,
@@ -1680,7 +1708,7 @@ def main() -> int:
         "--write-linear-configs",
         action="store_true",
         help="after the FP8 GEMV sweeps: enter each shape's fastest setting, where it beats the current "
-        f"one by {1 - _WRITE_MARGIN:.0%} or more, into this GPU's linear_configs file",
+        f"one by {1 - _WRITE_MARGIN:.0%}% or more, into this GPU's linear_configs file",
     )
     ap.add_argument(
         "--linear-configs-dir",

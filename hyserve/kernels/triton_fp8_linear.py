@@ -14,7 +14,7 @@ Two forms, by row count M (tokens):
                            streams the weight (1 byte a weight) at HBM speed; the fp32 partials are summed in
                            a fixed order by a second small kernel, which also applies the channel scales and
                            the bias (deterministic, no atomics).
-    M > SMALL_M (prefill)  w8a8: `_quant_rows_kernel` quantises the activation per token (per token and 128
+    M > SMALL_M (prefill)  w8a8: `_quant_tile_kernel` quantises the activation per token (per token and 128
                            columns for block weights: DeepSeek-V3's scheme), then an e4m3 x e4m3 tensor-core
                            GEMM accumulates in fp32: channel scales once in the epilogue, block scales per
                            128-wide K step (BLOCK_K divides 128, so every K tile lies in one scale block).
@@ -128,6 +128,40 @@ def _quant_rows_kernel(
             v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
             tl.store(q_ptr + row * s_qm + kk, _e4m3_bits(v), mask=kk < K)
         tl.store(s_ptr + row * s_sm, scale)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _quant_tile_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    K,
+    s_xm,
+    s_qm,
+    s_sm,
+    NG: tl.constexpr,
+    GW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    RELU2: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """`_quant_rows_kernel` in one pass: BLOCK_M whole rows a program, held as [BLOCK_M, NG, GW] tiles (NG
+    groups of GW columns: 128-column groups, or one group of the row padded to a power of two), so every
+    load of the rows is in flight at once and each byte is read once. Same codes and scales."""
+    pdl_enter(PDL)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = tl.arange(0, NG)
+    cols = g[:, None] * GW + tl.arange(0, GW)[None, :]  # [NG, GW]
+    mask = (rows < M)[:, None, None] & (cols < K)[None, :, :]
+    r64 = rows.to(tl.int64)[:, None, None]
+    x = _load_act(x_ptr + r64 * s_xm + cols[None, :, :], mask, RELU2)
+    amax = tl.max(tl.abs(x), axis=2)  # [BLOCK_M, NG]
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, :, None]), -448.0), 448.0)
+    tl.store(q_ptr + r64 * s_qm + cols[None, :, :], _e4m3_bits(v), mask=mask)
+    s_mask = (rows < M)[:, None] & (g * GW < K)[None, :]
+    tl.store(s_ptr + rows.to(tl.int64)[:, None] * s_sm + g[None, :], scale, mask=s_mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -322,18 +356,47 @@ def _check(
     return block
 
 
+# rows of up to this many columns (a power of two at least K) are quantised by the one-pass tile kernel,
+# TILE_ELEMS values a program (32 a thread on 8 warps); wider ones by the two-pass row kernel
+TILE_MAX_K = 16384
+TILE_ELEMS = 8192
+
+
 def quantize_rows_triton(
-    x: torch.Tensor, group: int | None = None, relu2: bool = False
+    x: torch.Tensor, group: int | None = None, relu2: bool = False, *, tile: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (unit stride along K) -> (e4m3 codes [M, K], float32 scales [M] or [M, ceil(K/group)]), as
-    `fp8_linear.quantize_rows_ref`; group is None or 128. relu2: the codes of relu(x)^2 (float32)."""
+    `fp8_linear.quantize_rows_ref`; group is None or 128. relu2: the codes of relu(x)^2 (float32). tile:
+    the one-pass kernel where the row fits it (False: the two-pass row kernel, which tests and benchmarks
+    compare)."""
     assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
     assert group in (None, ACT_GROUP), f"group must be None or {ACT_GROUP}, got {group}"
     m, k = x.shape
     q = torch.empty(m, k, dtype=E4M3, device=x.device)
     groups = 1 if group is None else triton.cdiv(k, group)
     scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
-    if m > 0:
+    kp = triton.next_power_of_2(k)
+    if m > 0 and tile and kp <= TILE_MAX_K:
+        gpu = _gpu(x)
+        gw = min(group, kp) if group else kp
+        bm = max(1, min(TILE_ELEMS // kp, 16)) if gpu else 2
+        _quant_tile_kernel[(triton.cdiv(m, bm),)](
+            x,
+            q.view(torch.uint8),
+            scale,
+            m,
+            k,
+            x.stride(0),
+            q.stride(0),
+            scale.stride(0),
+            NG=kp // gw,
+            GW=gw,
+            BLOCK_M=bm,
+            RELU2=relu2,
+            num_warps=8 if gpu else 1,
+            **pdl(x),
+        )
+    elif m > 0:
         gpu = _gpu(x)
         _quant_rows_kernel[(m, groups)](
             x,

@@ -70,8 +70,9 @@ def _within(out: torch.Tensor, want: torch.Tensor, mag: torch.Tensor, rel: float
 
 
 # ---- activation quantisation ---------------------------------------------------------------------------
+@pytest.mark.parametrize("tile", [True, False], ids=["one-pass", "two-pass"])
 @pytest.mark.parametrize("group", [None, 128])
-def test_row_quantisation_is_torchs_rounding_bit_for_bit(group: int | None, poison) -> None:
+def test_row_quantisation_is_torchs_rounding_bit_for_bit(group: int | None, tile: bool, poison) -> None:
     x = torch.randn(6, 300, device=DEV) * torch.tensor([1e-4, 1.0, 30.0, 0.0, 5.0, 1e3], device=DEV)[:, None]
     x[1, :8] = (
         torch.tensor([124.78, -124.73, 7.9714, 31.649, 0.0087, -0.0003, 447.9, 1.0], device=DEV)
@@ -80,17 +81,28 @@ def test_row_quantisation_is_torchs_rounding_bit_for_bit(group: int | None, pois
     )
     xs = torch.cat([x, x], 1)[:, :300]  # a row stride of 600
     with poison:
-        q, s = t8.quantize_rows_triton(xs.to(torch.float32), group)
+        q, s = t8.quantize_rows_triton(xs.to(torch.float32), group, tile=tile)
     rq, rs = quantize_rows_ref(xs, group)
     assert torch.equal(s, rs)
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
 
 
+@pytest.mark.parametrize("tile", [True, False], ids=["one-pass", "two-pass"])
 @pytest.mark.parametrize("group", [None, 128])
-def test_row_quantisation_with_relu2_quantises_relu2_in_float32(group: int | None) -> None:
+def test_row_quantisation_with_relu2_quantises_relu2_in_float32(group: int | None, tile: bool) -> None:
     x = (torch.randn(5, 260, device=DEV) * 3).to(BF16)
-    q, s = t8.quantize_rows_triton(x, group, relu2=True)
+    q, s = t8.quantize_rows_triton(x, group, relu2=True, tile=tile)
     rq, rs = quantize_rows_ref(torch.relu(x.float()) ** 2, group)
+    assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+
+
+@pytest.mark.parametrize("rows, cols", [(3, 100), (33, 64), (1, 2688)])
+@pytest.mark.parametrize("group", [None, 128])
+def test_one_pass_quantisation_at_row_counts_and_widths_off_its_tiles(rows: int, cols: int, group) -> None:
+    """Fewer columns than a group, a row count that is no multiple of the program's rows, a model width."""
+    x = torch.randn(rows, cols, device=DEV).to(BF16) * 7
+    q, s = t8.quantize_rows_triton(x, group)
+    rq, rs = quantize_rows_ref(x, group)
     assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
 
 
@@ -264,7 +276,7 @@ def test_kernels_compile_for_hopper_with_e4m3_warp_group_mma():
     from tests.sm90 import HOPPER_SHARED_BYTES, compile_for_sm90
 
     out = compile_for_sm90("bfloat16", "fp8", "moe_fp8")
-    fp8 = {"_gemv_kernel", "_w8a16_kernel", "_splitk_reduce_kernel", "_quant_rows_kernel", "_fp8_gemm_kernel"}
+    fp8 = {"_gemv_kernel", "_w8a16_kernel", "_splitk_reduce_kernel", "_quant_tile_kernel", "_fp8_gemm_kernel"}
     moe = {"_up_gemv_kernel", "_down_gemv_kernel", "_up_gemm_kernel", "_down_gemm_kernel"}
     assert fp8 | moe <= set(out["kernels"])
     for name, nbytes in out["kernels"].items():
