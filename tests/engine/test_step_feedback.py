@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.scheduler.step_cost import StepCostModel, analytic_step_cost
 from hyserve.engine.scheduler.step_feedback import MAX_SCALE, MIN_SCALE, WINDOW, StepTimeFeedback
 from tests.engine.test_engine_invariance import GREEDY, make_llm, prompts
@@ -116,3 +117,42 @@ def test_the_engine_times_the_steps_a_calibrated_target_sizes() -> None:
     fb = llm.engine.scheduler.feedback
     assert fb.observed > 0
     assert llm.stats()["step_time_scale"] == fb.scale != 1.0
+
+
+def _serve(feedback: bool) -> tuple[float, float]:
+    """48 requests of 400 prompt tokens and 8 output tokens through 16 slots, a step-time target the
+    calibrated model sizes chunks to, and steps shaped as on a GPU: a fixed 20 ms (the decode rows' weight
+    and state reads) plus 0.03 ms a prompt token, and at least 30 ms of host launches for a step with
+    prefill, where the model's line through prefill-only steps says 10 ms + 0.1 ms a token. Returns the
+    simulated seconds to finish them all and the most prompt tokens a step carried."""
+    cost = StepCostModel(
+        overhead_ms=10.0, per_token_ms=0.1, per_context_ms=0.0, per_kv_read_ms=0.0, target_ms=40.0
+    )
+    sched = _sched(budget=512, max_batch=16, blocks=4000, cost=cost)
+    clock = Clock()
+    sched.feedback.clock = clock
+    reqs = [_req(f"r{i}", 400, SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(48)]
+    for r in reqs:
+        sched.add(r)
+    start, prefill = clock.t, []
+    while sched.has_work():
+        batch, _ = sched.schedule()
+        if batch.num_prefill_tokens:
+            prefill.append(batch.num_prefill_tokens)
+        n = batch.num_prefill_tokens
+        clock.t += (max(30.0, 20.0 + 0.03 * n) if n else 20.0) / 1e3
+        if feedback:
+            sched.on_read(batch)
+        _run(sched, batch)
+        for r in [r for r in sched.running if len(r.output_token_ids) >= 8]:
+            sched.finish(r, "length")
+    return clock.t - start, max(prefill)
+
+
+def test_a_refill_under_an_overestimating_model_runs_in_fewer_fuller_steps() -> None:
+    """What the correction is for: a server refilling its batch with new prompts, whose steps run faster
+    than the calibrated model says, prefills more of them a step and so finishes the same work sooner."""
+    took, most = _serve(feedback=True)
+    took_off, most_off = _serve(feedback=False)
+    assert most > 450 and most_off <= 360  # the token budget (512) binds, not the model's pessimism
+    assert took < 0.85 * took_off  # 1.08 against 1.34 simulated seconds
