@@ -447,9 +447,11 @@ def test_metrics_exposed(server: ServerProcess) -> None:
         "hyserve_engine_prefill_steps_total",
         "hyserve_prefill_tokens_scheduled_total",
         "hyserve_batch_wait_steps_total",
+        "hyserve_step_time_scale",
     ):
         assert name in m, name
     assert m["hyserve_jit_compiles_after_ready_total"] == 0
+    assert m["hyserve_step_time_scale"] == 1.0  # the CPU's analytic model is not corrected
     assert m["hyserve_kv_cache_blocks_total"] == KV_TOKEN_CAP // 64
 
 
