@@ -21,8 +21,9 @@
 #           server, then 1,024 of them through LLM.generate (`hyserve bench offline`); serve_scale.json holds
 #           the server's figure against vLLM's published one and against the engine's
 #           (benchmarks/scale_records.py). Use MODEL=...Nano-30B-A3B-BF16 SERVE_FLAGS="--quantization fp8".
-#           SCALE_PROFILE=S: S seconds into the run, py-spy samples the server for 8 s (every thread with
-#           idle time, then only the GIL holder), summarised by scripts/pyspy_summary.py.
+#           SCALE_ENGINE=0 leaves out the LLM.generate part. SCALE_PROFILE=S: S seconds into the run,
+#           py-spy samples the server for 8 s (every thread with idle time, then only the GIL holder),
+#           summarised by scripts/pyspy_summary.py.
 #   batchwait `hyserve bench offline` (the engine alone) over BATCHWAIT_PROMPTS (default 1024) random requests of
 #           1000 in / 500 out with lengths varied +-50%, with batch waiting off and then with
 #           batch_wait_timeout_iters ${BATCHWAIT_ITERS:-32}: whether holding admissions back for fewer eager
@@ -182,7 +183,7 @@ if [[ " $parts " == *" scale "* ]]; then
   start_server /tmp/serve_scale.log --max-seq-len 4096 || exit 1
   ready=$READY_S
   echo "time to ready: ${ready}s"
-  grep -E "max_batch_size|captured|warm-up:|live slots|snapshot slots|KV cache  " /tmp/serve_scale.log
+  grep -E "max_batch_size|captured|warm-up:|live slots|snapshot slots|KV cache  |max_step_ms" /tmp/serve_scale.log
   "${BENCH[@]}" --num-prompts "$n" --max-concurrency 1024 --random-input-len 1000 --random-output-len 1000 \
     --temperature 0 --result-filename serve_scale_c1024.json > /tmp/serve_scale_bench.log 2>&1 &
   bench=$!
@@ -198,7 +199,12 @@ if [[ " $parts " == *" scale "* ]]; then
   fi
   wait $bench
   tail -16 /tmp/serve_scale_bench.log
+  # how the step-time target was corrected, and how many steps carried prefill
+  curl -s $URL/metrics | grep -E "^hyserve_(step_time_scale|engine_steps_total|engine_prefill_steps_total|prefill_tokens_scheduled_total)"
   stop_server
+  if [ "${SCALE_ENGINE:-1}" = 0 ]; then save; fi
+fi
+if [[ " $parts " == *" scale "* && "${SCALE_ENGINE:-1}" != 0 ]]; then
   q=""
   [[ "${SERVE_FLAGS:-}" == *"--quantization fp8"* ]] && q="quantization: fp8"
   printf '%s\nmax_seq_len: 4096\n' "$q" > /tmp/scale_engine.yml
