@@ -25,7 +25,9 @@ from collections.abc import Callable
 
 # ratios of the last this many observed steps
 WINDOW = 32
-# only steps predicted at this share of the (scaled) target or more are observed
+# only steps predicted at this share of the (scaled) target or more are observed: the steps its budget
+# shaped. Smaller ones are no guide to them: a step of a few prompt tokens is bound by its host's launches,
+# so it runs over the model's line however well the line fits the large steps
 MIN_SHARE = 0.5
 # the scale stays within these bounds (a model at most 5x too pessimistic or too optimistic)
 MIN_SCALE, MAX_SCALE = 0.2, 5.0
