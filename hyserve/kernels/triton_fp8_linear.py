@@ -357,8 +357,9 @@ def _check(
 
 
 # rows of up to this many columns (a power of two at least K) are quantised by the one-pass tile kernel,
-# TILE_ELEMS values a program (32 a thread on 8 warps); wider ones by the two-pass row kernel
-TILE_MAX_K = 16384
+# TILE_ELEMS values a program (32 a thread on 8 warps), so a program never holds more; wider rows (Nano 9B
+# v2's 15,680-wide MLP activations) by the two-pass row kernel
+TILE_MAX_K = 8192
 TILE_ELEMS = 8192
 
 

@@ -96,10 +96,11 @@ def test_row_quantisation_with_relu2_quantises_relu2_in_float32(group: int | Non
     assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
 
 
-@pytest.mark.parametrize("rows, cols", [(3, 100), (33, 64), (1, 2688)])
+@pytest.mark.parametrize("rows, cols", [(3, 100), (33, 64), (1, 2688), (2, 9000)])
 @pytest.mark.parametrize("group", [None, 128])
 def test_one_pass_quantisation_at_row_counts_and_widths_off_its_tiles(rows: int, cols: int, group) -> None:
-    """Fewer columns than a group, a row count that is no multiple of the program's rows, a model width."""
+    """Fewer columns than a group, a row count that is no multiple of the program's rows, a model width, and
+    a row too wide for the one-pass tiles (the two-pass kernel takes it)."""
     x = torch.randn(rows, cols, device=DEV).to(BF16) * 7
     q, s = t8.quantize_rows_triton(x, group)
     rq, rs = quantize_rows_ref(x, group)
