@@ -20,6 +20,7 @@ package is installed).
     python -m benchmarks.bench_kernels --only linear_30b_sweep  # its 16-bit settings at the 30B-A3B
                                                                 # shapes alone
     python -m benchmarks.bench_kernels --only fp8_linear     # FP8 GEMM vs bf16 cuBLAS at M = 1, 64, 8192
+    python -m benchmarks.bench_kernels --only quant          # FP8 activation quantisation, one pass vs two
     python -m benchmarks.bench_kernels --only attn_rounds --rounds 5   # 8k prefill attention settings and
                                                                      # SDPA in turn: the spread in one run
     python -m benchmarks.bench_kernels --dry-run --out /tmp/k.json   # CPU: tiny shapes, Triton interpreter,
