@@ -377,8 +377,8 @@ def quantize_rows_triton(
     groups = 1 if group is None else triton.cdiv(k, group)
     scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
     kp = triton.next_power_of_2(k)
+    gpu = _gpu(x)
     if m > 0 and tile and kp <= TILE_MAX_K:
-        gpu = _gpu(x)
         gw = min(group, kp) if group else kp
         bm = max(1, min(TILE_ELEMS // kp, 16)) if gpu else 2
         _quant_tile_kernel[(triton.cdiv(m, bm),)](
@@ -398,7 +398,6 @@ def quantize_rows_triton(
             **pdl(x),
         )
     elif m > 0:
-        gpu = _gpu(x)
         _quant_rows_kernel[(m, groups)](
             x,
             q.view(torch.uint8),

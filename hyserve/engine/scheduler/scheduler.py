@@ -346,7 +346,8 @@ class Scheduler:
             for r in self.running
             if r.status is RequestStatus.RUNNING and r.request_id not in scheduled and self._feeds_chunk(r)
         ]
-        ms = self._ms_after_decodes(batch)
+        decodes_ms = self._decodes_ms(batch)
+        ms = self._ms_after_decodes(decodes_ms)
         claim_tokens, claim_ms = self._arrival_claim(budget, ms, bool(conts))
         prefills = self._continue(
             conts, budget - claim_tokens, None if ms is None else ms - claim_ms, scheduled, batch
@@ -359,7 +360,8 @@ class Scheduler:
 
         batch.seqs.extend(prefills)
         if prefills and self._calibrated():
-            batch.predicted_ms = self._predicted_ms(batch)
+            assert self.cost is not None
+            batch.predicted_ms = self.cost.overhead_ms + decodes_ms + sum(self._chunk_ms(p) for p in prefills)
         self.stats.tokens_scheduled = batch.num_tokens
         return batch, aborted
 
@@ -375,13 +377,6 @@ class Scheduler:
         if not self._calibrated():
             return self.cost.target_ms
         return self.feedback.target_ms(self.cost.target_ms)
-
-    def _predicted_ms(self, batch: ScheduledBatch) -> float:
-        """The model's time for a planned step: its fixed cost, the decode rows and the prefill chunks."""
-        assert self.cost is not None
-        cost = self.cost
-        dec = sum(cost.decode_ms(s.start_pos) for s in batch.seqs[: batch.num_decodes])
-        return cost.overhead_ms + dec + sum(self._chunk_ms(s) for s in batch.seqs[batch.num_decodes :])
 
     def on_read(self, batch: ScheduledBatch) -> None:
         """A step's tokens reached the host: with a calibrated model, how long the step took against the
@@ -421,15 +416,17 @@ class Scheduler:
         """Requests that can start now: free batch places that have a free live state slot."""
         return max(0, min(self.max_batch_size - len(self.running), self.cache.states.num_free_live()))
 
-    def _ms_after_decodes(self, batch: ScheduledBatch) -> float | None:
+    def _decodes_ms(self, batch: ScheduledBatch) -> float:
+        """The model's milliseconds for the decode rows planned so far (0 without a cost model)."""
+        if self.cost is None:
+            return 0.0
+        return sum(self.cost.decode_ms(s.start_pos) for s in batch.seqs)
+
+    def _ms_after_decodes(self, decodes_ms: float) -> float | None:
         """The step-time budget left for prefill chunks after the decode rows (None: no time target)."""
         if self.cost is None:
             return None
-        return (
-            self._target_ms()
-            - self.cost.overhead_ms
-            - sum(self.cost.decode_ms(s.start_pos) for s in batch.seqs)
-        )
+        return self._target_ms() - self.cost.overhead_ms - decodes_ms
 
     def _chunk_ms(self, seq: ScheduledSeq) -> float:
         """A planned chunk's predicted milliseconds (a time budget exists only with a cost model)."""

@@ -59,6 +59,7 @@ class StepTimeFeedback:
             return
         if predicted_ms < MIN_SHARE * self.target_ms(target_ms):
             return
-        took_ms = (now - max(planned_at, last if last is not None else planned_at)) * 1e3
+        start = planned_at if last is None else max(planned_at, last)
+        took_ms = (now - start) * 1e3
         self._ratios.append(min(max(took_ms / predicted_ms, MIN_SCALE), MAX_SCALE))
         self.observed += 1
