@@ -38,6 +38,7 @@ import hyserve.kernels.triton_moe as tm  # noqa: E402
 from benchmarks import invocation  # noqa: E402
 from benchmarks.roofline import PUBLISHED_BW, PUBLISHED_FLOPS, measure_ceilings  # noqa: E402
 from hyserve.bench.report import git_sha  # noqa: E402
+from hyserve.kernels.launch_util import device_arch  # noqa: E402
 from hyserve.kernels.moe import moe_experts_ref, moe_experts_w8a8_ref, quantize_experts_ref  # noqa: E402
 from hyserve.kernels.triton_fp8_linear import quantize_rows_triton  # noqa: E402
 
@@ -427,11 +428,16 @@ def tune_shape(
     return table, forms_seen
 
 
-def write_tuned(tables: dict[str, dict], device_name: str, sha: str, merge: bool = False) -> Path:
-    """Write the config file; with merge, the tuned buckets replace theirs in the existing file."""
+def write_tuned(
+    tables: dict[str, dict], device_name: str, sha: str, merge: bool = False, arch: str = ""
+) -> Path:
+    """Write the config file; with merge, the tuned buckets replace theirs in the existing file. arch: the
+    chip (`launch_util.device_arch`), by which a GPU of the same chip without its own entry finds these; ""
+    keeps the file's."""
     path = tm._device_file(device_name)
     path.parent.mkdir(parents=True, exist_ok=True)
     history = []
+    arch = arch or (json.loads(path.read_text()).get("arch", "") if path.exists() else "")
     if merge and path.exists():
         prev = json.loads(path.read_text())
         history = prev.get("history", []) + [prev.get("tuned_at", "?")]
@@ -447,6 +453,7 @@ def write_tuned(tables: dict[str, dict], device_name: str, sha: str, merge: bool
         tables = {**{k: v for k, v in prev.items() if k.endswith(",w=fp8") and k not in tables}, **tables}
     doc = dict(
         device=device_name,
+        arch=arch,
         triton=__import__("triton").__version__,
         torch=torch.__version__,
         tuned_at=sha,
@@ -454,11 +461,13 @@ def write_tuned(tables: dict[str, dict], device_name: str, sha: str, merge: bool
         history=history,
         note="written by benchmarks/bench_moe.py --tune; keys E (experts), N (intermediate), K (hidden "
         "or latent), token bucket; ms = end to end eager at that token count; history = earlier "
-        "tunings whose buckets a --tune-sizes run kept",
+        "tunings whose buckets a --tune-sizes run kept; arch = the chip, whose other GPUs take these "
+        "entries where their own file has none",
         configs=tables,
     )
     path.write_text(json.dumps(doc, indent=1) + "\n")
     tm._tuned_table.cache_clear()
+    tm._chip_tables.cache_clear()
     tm._bucket_config.cache_clear()
     return path
 
@@ -739,7 +748,7 @@ def main() -> int:
         }
         tables = {key: table for key, (table, _) in tuned.items()}
         merge = bool(args.tune_sizes) or args.fp8
-        path = write_tuned(tables, gpu, sha, merge=merge) if not dry else None
+        path = write_tuned(tables, gpu, sha, merge=merge, arch=device_arch(None)) if not dry else None
         print(
             f"tuned in {time.time() - t0:.0f} s" + (f": wrote {path}" if path else " (dry-run: not written)")
         )

@@ -46,6 +46,7 @@ import hyserve.kernels.triton_moe as tm  # noqa: E402
 from benchmarks import invocation  # noqa: E402
 from hyserve.bench.report import git_sha  # noqa: E402
 from hyserve.kernels.fp8_linear import quantize_weight_ref  # noqa: E402
+from hyserve.kernels.launch_util import device_arch  # noqa: E402
 from hyserve.kernels.moe import dequantize_experts, moe_experts_ref  # noqa: E402
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); the first of each list is the 1-token entry tuned at 1a89c47
@@ -421,7 +422,7 @@ def main() -> int:
                 }
             }
         }
-        path = bm.write_tuned(table, gpu, sha, merge=True)
+        path = bm.write_tuned(table, gpu, sha, merge=True, arch=device_arch(None))
         doc["wrote"] = str(path.relative_to(ROOT))
         print(f"wrote the 1-token entry of {key} into {path}")
     tag = ("" if args.shape == "nano" else "_super") + ("_fp8" if args.fp8 else "")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import re
 from pathlib import Path
 
@@ -165,6 +166,30 @@ def device_name(index: int | None) -> str:
     return torch.cuda.get_device_name(index)
 
 
+@functools.lru_cache(maxsize=8)
+def device_arch(index: int | None) -> str:
+    """The chip a tuned-settings file was measured on, as "sm_<major><minor>x<SMs>" ("sm_90x132" for the
+    H100 SXM, the H200 and the GH200). GPUs with the same string run the same tiles at the same occupancy;
+    they differ in memory bandwidth and size only."""
+    props = torch.cuda.get_device_properties(index)
+    return f"sm_{props.major}{props.minor}x{props.multi_processor_count}"
+
+
+def same_arch_names(config_dir: Path, name: str, arch: str) -> tuple[str, ...]:
+    """The device names of the other tuned-settings files in config_dir that were measured on a chip of
+    this `arch` (their "arch" field), in file-name order: where a GPU's own file lacks an entry, a sibling
+    chip's tuned entry is the nearest measured setting."""
+    own = device_file(config_dir, name)
+    names = []
+    for path in sorted(config_dir.glob("*.json")):
+        if path == own:
+            continue
+        doc = json.loads(path.read_text())
+        if doc.get("arch") == arch and isinstance(doc.get("device"), str):
+            names.append(doc["device"])
+    return tuple(names)
+
+
 def device_file(config_dir: Path, name: str) -> Path:
     """The per-device tuned-settings file for a GPU called `name` in config_dir ("NVIDIA H200" ->
     NVIDIA_H200.json), as the MoE and the GEMV launchers keep them."""
@@ -172,6 +197,7 @@ def device_file(config_dir: Path, name: str) -> Path:
 
 
 __all__ = [
+    "device_arch",
     "device_file",
     "device_index",
     "device_name",
@@ -179,6 +205,7 @@ __all__ = [
     "pdl",
     "pdl_active",
     "pdl_enabled",
+    "same_arch_names",
     "set_pdl",
     "split_kv_args",
     "split_kv_count",

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from hyserve.kernels.fp8_linear import ACT_GROUP
-from hyserve.kernels.launch_util import device_file, device_name, pdl
+from hyserve.kernels.launch_util import device_arch, device_file, device_name, pdl, same_arch_names
 from hyserve.kernels.moe import (
     _check_experts_args,
     _check_route_args,
@@ -1230,16 +1230,24 @@ def moe_config(
     device: torch.device,
     fp8: bool = False,
 ) -> dict[str, Any]:
-    """The tile config for this layer and token count: the tuned file's entry for this token bucket and
-    shape on this GPU, else `heuristic_config` of the bucket (the interpreter: small tiles). A bucket the file
-    lacks never borrows a neighbour's entry: a file holding only the 1-token entry (`bench_moe_decode.py
-    --write` on a GPU without a full tuning) must not send 8192-token prefills down the one-token GEMVs. A
-    function of the token bucket only, so warming one count per bucket compiles every variant. fp8: e4m3
-    experts take their own entry (`bench_moe_decode.py --fp8 --write`) where the file has one for the bucket,
-    else the 16-bit shape's (the same tiles read half the bytes; no FP8 tuning has run yet)."""
+    """The tile config for this layer and token count: the tuned entry for this token bucket and shape on
+    this GPU, else on a GPU of the same chip (`_chip_tables`: its own file first), else `heuristic_config`
+    of the bucket (the interpreter: small tiles). A bucket the files lack never borrows a neighbour's
+    entry: a file holding only the 1-token entry (`bench_moe_decode.py --write` on a GPU without a full
+    tuning) must not send 8192-token prefills down the one-token GEMVs. A function of the token bucket
+    only, so warming one count per bucket compiles every variant. fp8: e4m3 experts take an FP8 entry
+    (`bench_moe.py --tune --fp8`, which may pick the w8a8 form) where a file of the chip has one for the
+    bucket, else the 16-bit shape's (the same tiles read half the bytes)."""
     return _bucket_config(
         num_experts, inter, hidden, token_bucket(num_tokens), top_k, device.type, device.index, fp8
     )
+
+
+@functools.lru_cache(maxsize=8)
+def _chip_tables(name: str, arch: str) -> tuple[dict[str, dict[str, dict[str, Any]]], ...]:
+    """This GPU's tuned table, then those of the other files measured on the same chip (`same_arch_names`:
+    an H200 without an entry takes the H100 SXM's, the same 132 SMs)."""
+    return tuple(_tuned_table(n) for n in (name, *same_arch_names(CONFIG_DIR, name, arch)))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -1255,12 +1263,13 @@ def _bucket_config(
 ) -> dict[str, Any]:
     if dev_type != "cuda":
         return _INTERPRETER_GEMV if bucket <= 2 else _INTERPRETER_GEMM
-    tables = _tuned_table(device_name(dev_index))
+    tables = _chip_tables(device_name(dev_index), device_arch(dev_index))
     keys = [shape_key(num_experts, inter, hidden, True)] if fp8 else []
     for key in [*keys, shape_key(num_experts, inter, hidden)]:
-        tuned = tables.get(key, {}).get(str(bucket))
-        if tuned is not None:
-            return tuned
+        for table in tables:
+            tuned = table.get(key, {}).get(str(bucket))
+            if tuned is not None:
+                return tuned
     return heuristic_config(num_experts, inter, hidden, bucket, top_k)
 
 

@@ -198,6 +198,11 @@ def test_a_whole_tuning_keeps_the_fp8_entries_it_never_tunes(
         )  # other: not re-tuned, gone
         path = bm.write_tuned({key8: {"2": gemv}}, "Some GPU", "c", merge=True)
         assert json.loads(path.read_text())["configs"][key8] == {"1": gemv, "2": gemv}
+        assert json.loads(path.read_text())["arch"] == ""  # never measured on a named chip
+        path = bm.write_tuned({key8: {"2": gemv}}, "Some GPU", "d", merge=True, arch="sm_90x132")
+        path = bm.write_tuned({key8: {"4": gemv}}, "Some GPU", "e", merge=True)  # "" keeps the file's chip
+        assert json.loads(path.read_text())["arch"] == "sm_90x132"
     finally:
         tm._tuned_table.cache_clear()
+        tm._chip_tables.cache_clear()
         tm._bucket_config.cache_clear()

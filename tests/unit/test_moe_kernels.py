@@ -10,6 +10,7 @@ shipped MoE configs is routed, plus group-limited settings none of them uses yet
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ pytestmark = IGNORE_INTERPRETER_WARNING
 
 import hyserve.kernels.triton_moe as tm  # noqa: E402
 from hyserve.kernels import moe as ref  # noqa: E402
+from hyserve.kernels.launch_util import same_arch_names  # noqa: E402
 from hyserve.kernels.moe_silu import moe_experts_silu_ref  # noqa: E402
 from tests.shipped_configs import ALL, config_dir  # noqa: E402
 from tests.sm90 import HOPPER_SHARED_BYTES, compile_for_sm90  # noqa: E402
@@ -536,8 +538,9 @@ def test_a_bucket_the_tuned_file_lacks_takes_the_heuristic(monkeypatch: pytest.M
     }
     key = tm.shape_key(128, 1856, 2688)
     monkeypatch.setattr(tm, "device_name", lambda index: "Some GPU")
+    monkeypatch.setattr(tm, "device_arch", lambda index: "sm_test")
     monkeypatch.setattr(tm, "_tuned_table", lambda name: {key: {"1": one}})
-    tm._bucket_config.cache_clear()
+    _clear_lookup_caches()
     try:
         assert tm._bucket_config(128, 1856, 2688, 1, 6, "cuda", 0) == one
         for bucket in (2, 4, 64, 8192):
@@ -545,7 +548,7 @@ def test_a_bucket_the_tuned_file_lacks_takes_the_heuristic(monkeypatch: pytest.M
             assert got == tm.heuristic_config(128, 1856, 2688, bucket, 6), bucket
         assert tm._bucket_config(128, 1856, 2688, 8192, 6, "cuda", 0)["variant"] == "gemm"
     finally:
-        tm._bucket_config.cache_clear()
+        _clear_lookup_caches()
 
 
 def test_fp8_experts_take_their_own_entry_else_the_16_bit_one(monkeypatch: pytest.MonkeyPatch):
@@ -564,8 +567,9 @@ def test_fp8_experts_take_their_own_entry_else_the_16_bit_one(monkeypatch: pytes
     key, key8 = tm.shape_key(512, 2688, 1024), tm.shape_key(512, 2688, 1024, fp8=True)
     assert key8 == key + ",w=fp8"
     monkeypatch.setattr(tm, "device_name", lambda index: "Some GPU")
+    monkeypatch.setattr(tm, "device_arch", lambda index: "sm_test")
     monkeypatch.setattr(tm, "_tuned_table", lambda name: {key: {"1": bf16, "2": bf16}, key8: {"1": fp8}})
-    tm._bucket_config.cache_clear()
+    _clear_lookup_caches()
     try:
         assert tm._bucket_config(512, 2688, 1024, 1, 22, "cuda", 0, True) == fp8
         assert tm._bucket_config(512, 2688, 1024, 1, 22, "cuda", 0, False) == bf16
@@ -574,7 +578,81 @@ def test_fp8_experts_take_their_own_entry_else_the_16_bit_one(monkeypatch: pytes
             512, 2688, 1024, 64, 22
         )
     finally:
-        tm._bucket_config.cache_clear()
+        _clear_lookup_caches()
+
+
+def _clear_lookup_caches() -> None:
+    getattr(tm._tuned_table, "cache_clear", lambda: None)()  # a test may have replaced it
+    tm._chip_tables.cache_clear()
+    tm._bucket_config.cache_clear()
+
+
+_GEMM_A = {
+    "variant": "gemm",
+    "BLOCK_M": 64,
+    "up": dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    "down": dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+}
+_GEMM_B = dict(_GEMM_A, BLOCK_M=128)
+_GEMM_W8A8 = {
+    "variant": "gemm",
+    "BLOCK_M": 64,
+    "A8": 1,
+    "up": dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+    "down": dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
+}
+
+
+def _config_file(folder: Path, device: str, arch: str | None, configs: dict) -> None:
+    doc = {"device": device, **({"arch": arch} if arch is not None else {}), "configs": configs}
+    (folder / (device.replace(" ", "_") + ".json")).write_text(json.dumps(doc))
+
+
+def test_a_gpu_without_an_entry_takes_one_tuned_on_the_same_chip(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    """Where a GPU's own file lacks a bucket, the entry of another file measured on the same chip (its
+    "arch") serves before the heuristic: an FP8 entry of the chip before the 16-bit one of the GPU's own file,
+    and never an entry of another chip or of a file that names no chip."""
+    key, key8 = tm.shape_key(128, 1856, 2688), tm.shape_key(128, 1856, 2688, fp8=True)
+    _config_file(tmp_path, "GPU A", "sm_90x132", {key8: {"1024": _GEMM_W8A8}, key: {"16": _GEMM_A}})
+    _config_file(tmp_path, "GPU B", "sm_90x132", {key: {"1024": _GEMM_A, "8192": _GEMM_B}})
+    _config_file(tmp_path, "GPU C", "sm_100x148", {key: {"4096": _GEMM_B, "16": _GEMM_B}})
+    _config_file(tmp_path, "GPU D", None, {key: {"2048": _GEMM_B}})
+    monkeypatch.setattr(tm, "CONFIG_DIR", tmp_path)
+    names = {0: "GPU A", 1: "GPU B", 2: "GPU C"}
+    monkeypatch.setattr(tm, "device_name", lambda index: names[index])
+    monkeypatch.setattr(tm, "device_arch", lambda index: "sm_100x148" if index == 2 else "sm_90x132")
+    _clear_lookup_caches()
+    try:
+
+        def cfg(bucket: int, dev: int, fp8: bool = False) -> dict:
+            return tm._bucket_config(128, 1856, 2688, bucket, 6, "cuda", dev, fp8)
+
+        assert cfg(1024, 1, fp8=True) == _GEMM_W8A8  # the chip's FP8 entry before B's own 16-bit one
+        assert cfg(1024, 1) == _GEMM_A  # B's own
+        assert cfg(16, 1) == _GEMM_A  # A's, B has none
+        assert cfg(8192, 0, fp8=True) == _GEMM_B  # B's 16-bit entry, the chip has no FP8 one
+        assert cfg(4096, 1) == tm.heuristic_config(128, 1856, 2688, 4096, 6)  # C is another chip
+        assert cfg(2048, 1) == tm.heuristic_config(128, 1856, 2688, 2048, 6)  # D names no chip
+        assert cfg(16, 2) == _GEMM_B and cfg(1024, 2) == tm.heuristic_config(128, 1856, 2688, 1024, 6)
+    finally:
+        _clear_lookup_caches()
+
+
+def test_the_shipped_h100_and_h200_files_are_one_chip():
+    """The H100 SXM and the H200 are the same chip (sm_90, 132 SMs): each file says so, and each GPU finds
+    the other's entries, e.g. the H100's tuned w8a8 FP8 entry serves the H200's 1,024-token bucket."""
+    docs = {p.stem: json.loads(p.read_text()) for p in tm.CONFIG_DIR.glob("*.json")}
+    assert docs["NVIDIA_H100_80GB_HBM3"]["arch"] == docs["NVIDIA_H200"]["arch"] == "sm_90x132"
+    assert same_arch_names(tm.CONFIG_DIR, "NVIDIA H200", "sm_90x132") == ("NVIDIA H100 80GB HBM3",)
+    h100 = docs["NVIDIA_H100_80GB_HBM3"]["configs"][tm.shape_key(128, 1856, 2688, fp8=True)]["1024"]
+    _clear_lookup_caches()
+    try:
+        tables = tm._chip_tables("NVIDIA H200", "sm_90x132")
+        assert tables[1][tm.shape_key(128, 1856, 2688, fp8=True)]["1024"] == h100
+    finally:
+        _clear_lookup_caches()
 
 
 def test_heuristic_configs_are_valid():
