@@ -8,7 +8,7 @@ import pytest
 
 from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.scheduler.step_cost import StepCostModel, analytic_step_cost
-from hyserve.engine.scheduler.step_feedback import MAX_SCALE, MIN_SCALE, WINDOW, StepTimeFeedback
+from hyserve.engine.scheduler.step_feedback import HEADROOM, MAX_SCALE, MIN_SCALE, WINDOW, StepTimeFeedback
 from tests.engine.test_engine_invariance import GREEDY, make_llm, prompts
 from tests.engine.test_scheduler_state_machine import _run
 from tests.engine.test_step_composition import _req, _sched
@@ -32,7 +32,7 @@ def test_scale_is_the_largest_measured_over_predicted_ratio_of_the_window() -> N
     assert fb.scale == 1.0 and fb.target_ms(150.0) == 150.0  # nothing measured: the model as calibrated
     clock.t = 100.09  # planned at 100.0, read 90 ms later; predicted 150 ms
     fb.on_read(100.0, 150.0, 150.0)
-    assert fb.scale == pytest.approx(0.6) and fb.target_ms(150.0) == pytest.approx(250.0)
+    assert fb.scale == pytest.approx(0.6) and fb.target_ms(150.0) == pytest.approx(HEADROOM * 250.0)
     clock.t += 0.120  # a slower step (planned before the previous read: the interval between reads counts)
     fb.on_read(100.05, 150.0, 150.0)
     assert fb.scale == pytest.approx(0.8)
@@ -89,12 +89,14 @@ def _chunk_sizes(cost: StepCostModel, ratio: float) -> tuple[int, int, float]:
 def test_an_overestimating_model_gives_the_time_back_to_prefill() -> None:
     first, later, scale = _chunk_sizes(CAL, 0.5)
     assert first == 80  # (9 - 1) ms / 0.1 ms a token, as calibrated
-    assert scale == pytest.approx(0.5) and later == 168  # steps took half: 17 ms of tokens, whole SSD chunks
+    # steps took half: planned to HEADROOM x 9 / 0.5 = 16.2 ms, 15.2 ms of tokens
+    assert scale == pytest.approx(0.5) and later == 152
 
 
 def test_an_underestimating_model_takes_the_time_from_prefill() -> None:
     first, later, scale = _chunk_sizes(CAL, 2.0)
-    assert first == 80 and scale == pytest.approx(2.0) and later == 32  # (4.5 - 1) ms: 35 tokens, aligned
+    # (HEADROOM x 9 / 2 - 1) ms: 30 tokens, 28 on an SSD chunk boundary
+    assert first == 80 and scale == pytest.approx(2.0) and later == 28
 
 
 def test_the_analytic_model_is_not_corrected() -> None:
@@ -154,5 +156,5 @@ def test_a_refill_under_an_overestimating_model_runs_in_fewer_fuller_steps() -> 
     than the calibrated model says, prefills more of them a step and so finishes the same work sooner."""
     took, most = _serve(feedback=True)
     took_off, most_off = _serve(feedback=False)
-    assert most > 450 and most_off <= 360  # the token budget (512) binds, not the model's pessimism
-    assert took < 0.85 * took_off  # 1.08 against 1.34 simulated seconds
+    assert most > 420 and most_off <= 360  # 436 against 360 prompt tokens a step
+    assert took < 0.85 * took_off  # 1.11 against 1.34 simulated seconds

@@ -11,9 +11,12 @@ So each step that carries prefill chunks records the time the model predicted fo
 are read, the time it took (from when it was planned, or from the previous step's read if that came later:
 with async scheduling the steps overlap, and the interval between reads is what every stream sees between
 tokens). The ratio measured / predicted of the last WINDOW such steps, at its largest, scales the target:
-the scheduler plans steps to target / scale in the model's units. Taking the largest ratio keeps the slow
-tail of steps under the target (the inter-token p99 a fairness target is about) while a systematic
+the scheduler plans steps to HEADROOM x target / scale in the model's units. Taking the largest ratio keeps
+the slow tail of steps under the target (the inter-token p99 a fairness target is about) while a systematic
 overestimate is given back; one slow step lowers the budget at once and recovers as it leaves the window.
+The headroom is there because the target is a most, not a mean: with the plan at the target itself, a
+step slower than every one in the window (one in WINDOW + 1 of steps with the same spread) or a cost that
+grows step by step (a long prompt's attention) would put the tail just over it.
 Steps predicted well under the target (a small chunk beside decodes) are not the ones the budget shapes and
 are left out, as are ratios outside [MIN_SCALE, MAX_SCALE] (clamped)."""
 
@@ -29,6 +32,8 @@ WINDOW = 32
 # shaped. Smaller ones are no guide to them: a step of a few prompt tokens is bound by its host's launches,
 # so it runs over the model's line however well the line fits the large steps
 MIN_SHARE = 0.5
+# once steps are measured, they are planned to this share of the target (see above)
+HEADROOM = 0.9
 # the scale stays within these bounds (a model at most 5x too pessimistic or too optimistic)
 MIN_SCALE, MAX_SCALE = 0.2, 5.0
 
@@ -47,8 +52,10 @@ class StepTimeFeedback:
 
     def target_ms(self, target_ms: float) -> float:
         """The target in the model's milliseconds: what the model may predict for a step that should
-        really take `target_ms`."""
-        return target_ms / self.scale
+        really take at most `target_ms` (the model's own figure until a step is measured)."""
+        if not self._ratios:
+            return target_ms
+        return HEADROOM * target_ms / self.scale
 
     def on_read(self, planned_at: float | None, predicted_ms: float | None, target_ms: float) -> None:
         """A step's tokens were read now. `planned_at`: when the step was planned (the clock's seconds);
