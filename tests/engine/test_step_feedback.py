@@ -31,36 +31,36 @@ def test_scale_is_the_largest_measured_over_predicted_ratio_of_the_window() -> N
     fb, clock = _feedback()
     assert fb.scale == 1.0 and fb.target_ms(150.0) == 150.0  # nothing measured: the model as calibrated
     clock.t = 100.09  # planned at 100.0, read 90 ms later; predicted 150 ms
-    fb.on_read(100.0, 150.0, 150.0)
+    fb.on_read(100.0, 150.0, 1.0)
     assert fb.scale == pytest.approx(0.6) and fb.target_ms(150.0) == pytest.approx(HEADROOM * 250.0)
     clock.t += 0.120  # a slower step (planned before the previous read: the interval between reads counts)
-    fb.on_read(100.05, 150.0, 150.0)
+    fb.on_read(100.05, 150.0, 1.0)
     assert fb.scale == pytest.approx(0.8)
     for _ in range(WINDOW):  # the slow step leaves the window after WINDOW faster ones
         clock.t += 0.075
-        fb.on_read(clock.t - 0.2, 150.0, 150.0)
+        fb.on_read(clock.t - 0.2, 150.0, 0.8)
     assert fb.scale == pytest.approx(0.5) and fb.observed == WINDOW + 2
 
 
 def test_a_step_planned_after_the_previous_read_is_timed_from_its_plan() -> None:
     fb, clock = _feedback()
-    fb.on_read(None, None, 150.0)  # a read with nothing to measure still marks the time
+    fb.on_read(None, None, 0.0)  # a read with nothing to measure still marks the time
     clock.t = 130.0  # idle 30 s, then a step planned at 129.9 and read at 130.0: 100 ms, not 30 s
-    fb.on_read(129.9, 200.0, 150.0)
+    fb.on_read(129.9, 200.0, 1.0)
     assert fb.scale == pytest.approx(0.5)
 
 
 def test_small_steps_and_wild_ratios_do_not_move_the_target() -> None:
     fb, clock = _feedback()
     clock.t = 101.0
-    fb.on_read(100.0, 70.0, 150.0)  # predicted under half the target: the budget did not shape it
+    fb.on_read(100.0, 70.0, 0.3)  # its chunks took 0.3 of the prefill budget: the budget did not shape it
     assert fb.scale == 1.0 and fb.observed == 0
     clock.t = 200.0
-    fb.on_read(199.0, 100.0, 150.0)  # 1 s for a 100 ms prediction: clamped
+    fb.on_read(199.0, 100.0, 1.0)  # 1 s for a 100 ms prediction: clamped
     assert fb.scale == MAX_SCALE
     fb2, clock2 = _feedback()
     clock2.t = 100.001
-    fb2.on_read(100.0, 150.0, 150.0)
+    fb2.on_read(100.0, 150.0, 1.0)
     assert fb2.scale == MIN_SCALE
 
 
@@ -89,14 +89,41 @@ def _chunk_sizes(cost: StepCostModel, ratio: float) -> tuple[int, int, float]:
 def test_an_overestimating_model_gives_the_time_back_to_prefill() -> None:
     first, later, scale = _chunk_sizes(CAL, 0.5)
     assert first == 80  # (9 - 1) ms / 0.1 ms a token, as calibrated
-    # steps took half: planned to HEADROOM x 9 / 0.5 = 16.2 ms, 15.2 ms of tokens
-    assert scale == pytest.approx(0.5) and later == 152
+    # steps took half: planned to HEADROOM x 9 / 0.5 = 17.1 ms, 16.1 ms of tokens, 160 on an SSD chunk
+    # boundary
+    assert scale == pytest.approx(0.5) and later == 160
 
 
 def test_an_underestimating_model_takes_the_time_from_prefill() -> None:
     first, later, scale = _chunk_sizes(CAL, 2.0)
-    # (HEADROOM x 9 / 2 - 1) ms: 30 tokens, 28 on an SSD chunk boundary
-    assert first == 80 and scale == pytest.approx(2.0) and later == 28
+    # (HEADROOM x 9 / 2 - 1) ms: 32 tokens
+    assert first == 80 and scale == pytest.approx(2.0) and later == 32
+
+
+def test_steps_of_a_few_prompt_tokens_do_not_set_the_scale() -> None:
+    """A step whose chunks took a small share of the prefill time the plan had is mostly the fixed cost,
+    which the calibration of prefill-only steps gets least right. On an H100 whose host was slow such steps
+    ran 1.34x their figure; letting them set the scale held the refill steps of 1,000-token prompts to a
+    fraction of the token budget. Here short arrivals run 3x their figure unobserved, and the long prompt
+    after them starts at the calibrated chunk; its own slow step is observed."""
+    sched = _sched(budget=512, max_batch=16, blocks=1000, cost=CAL)
+    clock = Clock()
+    sched.feedback.clock = clock
+    for i in range(6):
+        sched.add(_req(f"short{i}", 4))
+        batch, _ = sched.schedule()
+        assert batch.predicted_ms is not None and batch.prefill_share < 0.06  # 0.4 ms of the ~8 left
+        clock.t += 3 * batch.predicted_ms / 1e3
+        sched.on_read(batch)
+        _run(sched, batch)
+    assert sched.feedback.observed == 0 and sched.feedback.scale == 1.0
+    sched.add(_req("long", 3000))
+    batch, _ = sched.schedule()
+    # (9 - 1 - 6 decode rows x 0.1) ms: 74 tokens, 72 on an SSD chunk boundary, as calibrated
+    assert batch.num_prefill_tokens == 72 and batch.prefill_share > 0.9
+    clock.t += 2 * batch.predicted_ms / 1e3
+    sched.on_read(batch)
+    assert sched.feedback.observed == 1 and sched.feedback.scale == pytest.approx(2.0)
 
 
 def test_the_analytic_model_is_not_corrected() -> None:
@@ -156,5 +183,5 @@ def test_a_refill_under_an_overestimating_model_runs_in_fewer_fuller_steps() -> 
     than the calibrated model says, prefills more of them a step and so finishes the same work sooner."""
     took, most = _serve(feedback=True)
     took_off, most_off = _serve(feedback=False)
-    assert most > 420 and most_off <= 360  # 436 against 360 prompt tokens a step
-    assert took < 0.85 * took_off  # 1.11 against 1.34 simulated seconds
+    assert most > 450 and most_off <= 360  # 464 against 360 prompt tokens a step
+    assert took < 0.85 * took_off  # 1.08 against 1.34 simulated seconds

@@ -85,9 +85,11 @@ class ScheduledBatch:
     # rows per decoding sequence: 1, or in a speculative step 1 + its longest draft (shorter drafts padded)
     spec_width: int = 1
     # when the step was planned (StepTimeFeedback's clock) and, for a step whose prefill chunks the
-    # calibrated step-time target sized, the model's figure for it in ms (else None)
+    # calibrated step-time target sized, the model's figure for it in ms (else None) and its chunks' share
+    # of the prefill time the plan had
     planned_at: float | None = None
     predicted_ms: float | None = None
+    prefill_share: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -347,7 +349,7 @@ class Scheduler:
             if r.status is RequestStatus.RUNNING and r.request_id not in scheduled and self._feeds_chunk(r)
         ]
         decodes_ms = self._decodes_ms(batch)
-        ms = self._ms_after_decodes(decodes_ms)
+        ms = prefill_ms_left = self._ms_after_decodes(decodes_ms)
         claim_tokens, claim_ms = self._arrival_claim(budget, ms, bool(conts))
         prefills = self._continue(
             conts, budget - claim_tokens, None if ms is None else ms - claim_ms, scheduled, batch
@@ -361,7 +363,10 @@ class Scheduler:
         batch.seqs.extend(prefills)
         if prefills and self._calibrated():
             assert self.cost is not None
-            batch.predicted_ms = self.cost.overhead_ms + decodes_ms + sum(self._chunk_ms(p) for p in prefills)
+            prefill_ms = sum(self._chunk_ms(p) for p in prefills)
+            batch.predicted_ms = self.cost.overhead_ms + decodes_ms + prefill_ms
+            left = prefill_ms_left or 0.0
+            batch.prefill_share = prefill_ms / left if left > 0 else 1.0
         self.stats.tokens_scheduled = batch.num_tokens
         return batch, aborted
 
@@ -382,8 +387,7 @@ class Scheduler:
         """A step's tokens reached the host: with a calibrated model, how long the step took against the
         model's figure feeds the target's correction."""
         if self._calibrated():
-            assert self.cost is not None
-            self.feedback.on_read(batch.planned_at, batch.predicted_ms, self.cost.target_ms)
+            self.feedback.on_read(batch.planned_at, batch.predicted_ms, batch.prefill_share)
 
     def _hold_admissions(
         self, decodes: int, claim_tokens: int, eager: bool, claim_ms: float, ms: float | None

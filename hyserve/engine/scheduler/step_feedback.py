@@ -3,9 +3,9 @@ as the engine runs, so the step-time target holds the real step time rather than
 
 The model (`step_cost.py`) is a line fitted to prefill-only steps at start-up. A served step is different: it
 runs beside hundreds of decode rows, and its host work (eager launches) overlaps its device work, which a sum
-of terms cannot say. On an H100 the 30B-A3B model's calibrated intercept carried ~38 ms of host time, so a
-step of 512 decode rows and new 1,000-token prompts planned for 150 ms ran in ~89 ms: prefill was held to
-~3 prompts a step where 8 fit the target.
+of terms cannot say. On one H100 the 30B-A3B model's calibrated line (38 ms + 27 us a token) said 150 ms for
+refill steps of 512 decode rows and ~3,300 prompt tokens that ran in ~89 ms; on another, whose host was
+slower, the line (92 ms + 1.7 us a token) said ~95 ms for steps beside 512 decode rows that ran ~125 ms.
 
 So each step that carries prefill chunks records the time the model predicted for it, and when its tokens
 are read, the time it took (from when it was planned, or from the previous step's read if that came later:
@@ -14,11 +14,14 @@ tokens). The ratio measured / predicted of the last WINDOW such steps, at its la
 the scheduler plans steps to HEADROOM x target / scale in the model's units. Taking the largest ratio keeps
 the slow tail of steps under the target (the inter-token p99 a fairness target is about) while a systematic
 overestimate is given back; one slow step lowers the budget at once and recovers as it leaves the window.
-The headroom is there because the target is a most, not a mean: with the plan at the target itself, a
-step slower than every one in the window (one in WINDOW + 1 of steps with the same spread) or a cost that
-grows step by step (a long prompt's attention) would put the tail just over it.
-Steps predicted well under the target (a small chunk beside decodes) are not the ones the budget shapes and
-are left out, as are ratios outside [MIN_SCALE, MAX_SCALE] (clamped)."""
+The headroom is there because the target is a most, not a mean: a step slower than every one in the window
+(one in WINDOW + 1 of steps with the same spread) would otherwise land just over it.
+
+Only the steps whose prefill took at least MIN_SHARE of the prefill time the budget left (after the fixed
+cost and the decode rows) are observed: the steps the budget shapes. A step of a few prompt tokens is
+mostly the fixed cost, which the calibration of prefill-only steps gets least right (the slower host above:
+its small steps ran 1.34x their figure, its full ones ~1.25x); letting those set the scale held every refill
+step to a fraction of the token budget. Ratios outside [MIN_SCALE, MAX_SCALE] are clamped."""
 
 from __future__ import annotations
 
@@ -28,12 +31,10 @@ from collections.abc import Callable
 
 # ratios of the last this many observed steps
 WINDOW = 32
-# only steps predicted at this share of the (scaled) target or more are observed: the steps its budget
-# shaped. Smaller ones are no guide to them: a step of a few prompt tokens is bound by its host's launches,
-# so it runs over the model's line however well the line fits the large steps
+# only steps whose prefill chunks took this share of the prefill time budget or more are observed (above)
 MIN_SHARE = 0.5
-# once steps are measured, they are planned to this share of the target (see above)
-HEADROOM = 0.9
+# once steps are measured, they are planned to this share of the target (above)
+HEADROOM = 0.95
 # the scale stays within these bounds (a model at most 5x too pessimistic or too optimistic)
 MIN_SCALE, MAX_SCALE = 0.2, 5.0
 
@@ -57,14 +58,14 @@ class StepTimeFeedback:
             return target_ms
         return HEADROOM * target_ms / self.scale
 
-    def on_read(self, planned_at: float | None, predicted_ms: float | None, target_ms: float) -> None:
+    def on_read(self, planned_at: float | None, predicted_ms: float | None, prefill_share: float) -> None:
         """A step's tokens were read now. `planned_at`: when the step was planned (the clock's seconds);
-        `predicted_ms`: the model's figure for it, None for a step the target did not size."""
+        `predicted_ms`: the model's figure for it, None for a step the target did not size;
+        `prefill_share`: its prefill chunks' predicted ms over the prefill budget the plan had (1 where the
+        decode rows left none)."""
         now = self.clock()
         last, self._last_read = self._last_read, now
-        if planned_at is None or predicted_ms is None or predicted_ms <= 0:
-            return
-        if predicted_ms < MIN_SHARE * self.target_ms(target_ms):
+        if planned_at is None or predicted_ms is None or predicted_ms <= 0 or prefill_share < MIN_SHARE:
             return
         start = planned_at if last is None else max(planned_at, last)
         took_ms = (now - start) * 1e3
