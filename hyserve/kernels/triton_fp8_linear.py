@@ -364,12 +364,14 @@ TILE_ELEMS = 8192
 
 
 def quantize_rows_triton(
-    x: torch.Tensor, group: int | None = None, relu2: bool = False, *, tile: bool = True
+    x: torch.Tensor, group: int | None = None, relu2: bool = False, *, tile: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (unit stride along K) -> (e4m3 codes [M, K], float32 scales [M] or [M, ceil(K/group)]), as
     `fp8_linear.quantize_rows_ref`; group is None or 128. relu2: the codes of relu(x)^2 (float32). tile:
-    the one-pass kernel where the row fits it (False: the two-pass row kernel, which tests and benchmarks
-    compare)."""
+    the one-pass kernel where the row fits it, True / False forcing it or the two-pass row kernel (tests and
+    benchmarks compare them); None: the faster as measured (`bench_kernels --only quant`, H100, 2,688-wide
+    rows of 512 to 8,512): one-pass per 128 columns (2.2-3.4x), two-pass per token (the one-pass took
+    1.1-1.6x as long: a whole row padded to a power of two, two rows a program)."""
     assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
     assert group in (None, ACT_GROUP), f"group must be None or {ACT_GROUP}, got {group}"
     m, k = x.shape
@@ -378,6 +380,8 @@ def quantize_rows_triton(
     scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
     kp = triton.next_power_of_2(k)
     gpu = _gpu(x)
+    if tile is None:
+        tile = group is not None
     if m > 0 and tile and kp <= TILE_MAX_K:
         gw = min(group, kp) if group else kp
         bm = max(1, min(TILE_ELEMS // kp, 16)) if gpu else 2

@@ -102,9 +102,32 @@ def test_one_pass_quantisation_at_row_counts_and_widths_off_its_tiles(rows: int,
     """Fewer columns than a group, a row count that is no multiple of the program's rows, a model width, and
     a row too wide for the one-pass tiles (the two-pass kernel takes it)."""
     x = torch.randn(rows, cols, device=DEV).to(BF16) * 7
-    q, s = t8.quantize_rows_triton(x, group)
+    q, s = t8.quantize_rows_triton(x, group, tile=True)
     rq, rs = quantize_rows_ref(x, group)
     assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+
+
+def test_quantisation_takes_the_kernel_measured_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default rows quantised per 128 columns take the one-pass tiles, rows quantised per token the
+    two-pass kernel (bench_kernels --only quant on an H100: the one-pass per-token form was the slower)."""
+    launched: list[str] = []
+
+    class Spy:
+        def __init__(self, name: str, kernel) -> None:
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(t8, "_quant_tile_kernel", Spy("one-pass", t8._quant_tile_kernel))
+    monkeypatch.setattr(t8, "_quant_rows_kernel", Spy("two-pass", t8._quant_rows_kernel))
+    x = torch.randn(4, 256, device=DEV).to(BF16)
+    for group, kernel in ((128, "one-pass"), (None, "two-pass")):
+        launched.clear()
+        q, s = t8.quantize_rows_triton(x, group)
+        rq, rs = quantize_rows_ref(x, group)
+        assert launched == [kernel] and torch.equal(s, rs)
 
 
 def test_row_quantisation_refuses_bad_input() -> None:
