@@ -48,6 +48,7 @@ export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 MODEL=${MODEL:-benchmarks/configs/NVIDIA-Nemotron-Nano-9B-v2}
 R=benchmarks/results
 mkdir -p "$R"
+touch /tmp/gpu_serve_check.start  # save() copies what is newer
 URL=http://127.0.0.1:8000
 VOCAB=${VOCAB:-131072}
 BENCH=(python3 -m hyserve.cli bench serve --base-url $URL --vocab-size $VOCAB --min-token-id ${MIN_ID:-1000} --ignore-eos
@@ -70,9 +71,10 @@ start_server() {  # $1 = log file, rest = serve flags; sets PID and READY_S (sec
 }
 
 stop_server() { [ -n "$PID" ] && kill -INT $PID && wait $PID; PID=; save; }
-save() {
+save() {  # only what this run wrote: a copy of every stored result would crowd out the new ones
   if [ -n "${OUT_DIR:-}" ]; then
-    mkdir -p "$OUT_DIR" && cp "$R"/serve_*.json /tmp/serve_*.log "$OUT_DIR"/ 2>/dev/null
+    mkdir -p "$OUT_DIR" && find "$R" /tmp -maxdepth 1 -name 'serve_*' -newer /tmp/gpu_serve_check.start \
+      \( -name '*.json' -o -name '*.log' -o -name '*.png' \) -exec cp {} "$OUT_DIR"/ \; 2>/dev/null
   fi
 }
 
@@ -198,7 +200,7 @@ if [[ " $parts " == *" scale "* ]]; then
     [ -n "${OUT_DIR:-}" ] && mkdir -p "$OUT_DIR" && cp /tmp/pyspy_scale_*.txt "$OUT_DIR"/
   fi
   wait $bench
-  tail -16 /tmp/serve_scale_bench.log
+  grep -E "requests|Duration|Output token throughput|TTFT|TPOT|ITL" /tmp/serve_scale_bench.log
   # how the step-time target was corrected, and how many steps carried prefill
   curl -s $URL/metrics | grep -E "^hyserve_(step_time_scale|engine_steps_total|engine_prefill_steps_total|prefill_tokens_scheduled_total)"
   stop_server
