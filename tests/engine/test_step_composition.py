@@ -67,14 +67,25 @@ def test_a_long_prefill_progresses_every_step_under_a_stream_of_arrivals() -> No
 
 
 def test_continuing_long_prefills_share_the_budget() -> None:
+    """Two long prompts part-way split the budget; a third does not start (no slot held, no first chunk)
+    until one of them finishes, since max_num_partial_prefills (2) prompts are already part-way."""
     sched = _sched(budget=60, max_num_partial_prefills=2)
     for rid in ("a", "b", "c"):
         sched.add(_req(rid, 500))
-    while sched.waiting:  # until all three are admitted
-        _run(sched, sched.schedule()[0])
+    _run(sched, sched.schedule()[0])  # a starts with the whole budget
     got = _chunks(sched.schedule()[0])
-    # with nobody waiting, the first two continuing prefills split the budget; the third waits its turn
-    assert set(got) == {"a", "b"} and abs(got["a"] - got["b"]) <= 1 and got["a"] + got["b"] == 60
+    assert set(got) == {"a", "b"} and got["b"] <= sched.long_prefill_token_threshold
+    _run(sched, sched.schedule()[0])
+    batch = sched.schedule()[0]
+    assert _chunks(batch) == {"a": 30, "b": 30}  # nobody waits that could start: the two split the budget
+    _run(sched, batch)
+    steps = 0
+    while {r.request_id for r in sched.waiting} == {"c"}:
+        _run(sched, sched.schedule()[0])
+        steps += 1
+        assert steps < 40
+    assert min(sched.running, key=lambda r: r.num_computed).request_id == "c"
+    assert any(r.num_computed >= 500 for r in sched.running if r.request_id in ("a", "b"))
 
 
 def test_an_arrival_beside_a_continuing_prefill_is_capped() -> None:
@@ -311,3 +322,36 @@ def test_calibration_prompts_each_run_in_one_prefill_step(max_num_tokens: int) -
         while eng.has_unfinished():
             eng.step()
         assert eng.counters["prefill_steps_total"] - before == 1, (n, sizes)
+
+
+def _burst(n: int, plen: int, cost: StepCostModel) -> tuple[Scheduler, list]:
+    """n distinct prompts of plen tokens arriving at once into n slots; returns the scheduler and the
+    steps until every prompt is prefilled (each step as {request: chunk tokens}, predicted ms)."""
+    sched = _sched(budget=512, max_batch=n, blocks=4000, cost=cost)
+    for i in range(n):
+        sched.add(Request(f"b{i}", [1 + (i * 131 + j * 17) % 199 for j in range(plen)], LONG))
+    steps = []
+    while any(r.num_computed < r.num_prompt_tokens for r in [*sched.waiting, *sched.running]):
+        batch, _ = sched.schedule()
+        steps.append((_chunks(batch), batch.predicted_ms))
+        _run(sched, batch)
+        assert len(steps) < 200
+    return sched, steps
+
+
+def test_a_burst_of_arrivals_starts_what_the_step_time_allows_not_one_chunk_each() -> None:
+    """Many prompts arriving at once under a step-time target: a step admits the first chunks the target
+    leaves time for, and one more at most; it does not give every waiting prompt one SSD chunk, which ran
+    steps at 3x the target and left dozens of prompts started, each holding a slot and waiting for a share
+    of a later step. Arrivals claim at most ARRIVAL_MS_SHARE of the prefill time while prompts already
+    started continue, so those finish first."""
+    cost = StepCostModel(
+        overhead_ms=1.0, per_token_ms=0.1, per_context_ms=0.0, per_kv_read_ms=0.0, target_ms=9.0
+    )
+    _, steps = _burst(48, 100, cost)
+    first, ms = steps[0]
+    assert len(first) <= 2 and ms is not None and ms <= 9.0 + 0.4  # (9 - 1) ms of tokens, then one SSD chunk
+    worst = max(ms for _, ms in steps if ms is not None)
+    assert worst <= 9.0 + 0.4 + 48 * 0.1  # the target, one SSD chunk past it, the decode rows' tokens
+    for chunks, _ in steps:  # never more than a few prompts in flight beside the decodes
+        assert sum(1 for n in chunks.values() if n > 1) <= 4, chunks

@@ -8,7 +8,9 @@ Each step, under a budget of `max_num_tokens` tokens and `max_batch_size` runnin
   3. prefill continuations: up to max_num_partial_prefills running requests still feeding known tokens
      share what is left equally (one alone takes it all; at least one SSD chunk, so none starves);
   4. admissions: waiting requests, strictly in queue order, get a prefix-cache lookup, a live state slot and
-     their first chunk, while budget, slots and blocks last.
+     their first chunk, while budget, slots and blocks last. Once max_num_partial_prefills prompts are
+     part-way, a request starts only if its whole prompt fits the step, so started prompts never wait
+     unserved while holding a slot.
 
 The queue order is the scheduling policy's (`scheduling_policy`, as vLLM's): "fcfs" arrival order; "priority"
 each request's (priority, arrival) key, lower first. Under "priority" the running list is kept in that order
@@ -16,7 +18,9 @@ too, so decodes, continuing prefills and preemption (below) all favour the bette
 "sorts later", and the request with the best key running is never preempted, as the oldest under "fcfs".
 
 With a step cost model (`step_cost.py`, calibrated at warm-up) every chunk also fits a share of the
-step-time target after the decodes' cost, so a long prompt's chunks shrink as its context grows.
+step-time target after the decodes' cost, so a long prompt's chunks shrink as its context grows. Beside
+continuing prefills, arrivals set aside at most ARRIVAL_MS_SHARE of that time; once it is spent, no more
+requests start (with nothing else prefilling, one first chunk still does, so arrivals never starve).
 
 Async scheduling lives here too: a step may be planned while the previous one is in flight. A request
 whose newest token was sampled on the device and not yet read (`Request.num_inflight`) gets a decode row
@@ -53,6 +57,9 @@ from hyserve.engine.scheduler.step_feedback import StepTimeFeedback
 
 # batch waiting stops once the admissible first chunks would take this share of the step-time budget
 BATCH_WAIT_MS_SHARE = 0.9
+# with continuing prefills in the step, arrivals' first chunks claim at most this share of the step-time
+# budget left for prefill (beyond one SSD chunk), so prompts already started finish rather than crawl
+ARRIVAL_MS_SHARE = 0.5
 
 
 @dataclass
@@ -350,7 +357,7 @@ class Scheduler:
         ]
         decodes_ms = self._decodes_ms(batch)
         ms = prefill_ms_left = self._ms_after_decodes(decodes_ms)
-        claim_tokens, claim_ms = self._arrival_claim(budget, ms, bool(conts))
+        claim_tokens, claim_ms = self._arrival_claim(budget, ms, len(conts))
         prefills = self._continue(
             conts, budget - claim_tokens, None if ms is None else ms - claim_ms, scheduled, batch
         )
@@ -358,7 +365,7 @@ class Scheduler:
         if ms is not None:
             ms -= sum(self._chunk_ms(p) for p in prefills)
         if not self._hold_admissions(batch.num_decodes, claim_tokens, bool(prefills), claim_ms, ms):
-            prefills += self.admit(budget, ms=ms, capped=bool(conts))
+            prefills += self.admit(budget, ms=ms, capped=bool(conts), partials=len(conts))
 
         batch.seqs.extend(prefills)
         if prefills and self._calibrated():
@@ -437,22 +444,33 @@ class Scheduler:
         assert self.cost is not None
         return self.cost.chunk_ms(seq.start_pos, len(seq.token_ids))
 
-    def _arrival_claim(self, budget: int, ms: float | None, conts: bool) -> tuple[int, float]:
+    def _arrival_claim(self, budget: int, ms: float | None, conts: int) -> tuple[int, float]:
         """Tokens (and milliseconds) set aside for the first chunks of the requests that can be admitted
-        this step: a short prompt whole, a long one its capped share; a continuing prefill keeps at least
-        one SSD chunk of the budget, so it progresses every step."""
+        this step: a short prompt whole, a long one its capped share; a continuing prefill (`conts` of
+        them) keeps at least one SSD chunk of the budget, so it progresses every step. As in `admit`, a
+        first chunk that leaves its prompt unfinished is set aside only while fewer than
+        max_num_partial_prefills prompts are part-way."""
         reserve = min(budget, self.chunk_size) if conts else 0
         avail = budget - reserve
         room = self._room()
-        tokens, spent = 0, 0.0
+        tokens, spent, partials = 0, 0.0, conts
+        if ms is not None and conts:
+            ms *= ARRIVAL_MS_SHARE
         for i, req in enumerate(self.waiting):
             if i >= room or tokens >= avail or req.num_inflight:
+                break
+            if ms is not None and i and spent >= ms:  # as admit: one first chunk past the time budget at most
                 break
             want = min(req.num_tokens, avail - tokens)
             if conts:
                 want = min(want, self.long_prefill_token_threshold)
             if ms is not None and self.cost is not None:
                 want = max(min(want, self.cost.max_chunk(0, ms - spent)), min(want, self.chunk_size))
+            if want < req.num_tokens:
+                if partials >= self.max_num_partial_prefills:
+                    break
+                partials += 1
+            if ms is not None and self.cost is not None:
                 spent += self.cost.chunk_ms(0, want)
             tokens += want
         return tokens, spent
@@ -533,22 +551,31 @@ class Scheduler:
         n = req.num_prompt_tokens
         return req.num_computed + 1 == n == req.num_tokens and n in self.cache.snapshot_boundaries(n)
 
-    def admit(self, budget: int, *, ms: float | None = None, capped: bool = False) -> list[ScheduledSeq]:
+    def admit(
+        self, budget: int, *, ms: float | None = None, capped: bool = False, partials: int = 0
+    ) -> list[ScheduledSeq]:
         """Admit waiting requests strictly in queue order within `budget` tokens (and `ms` of predicted step
         time) and the batch-size limit; returns their first chunks. Admission stops at the first that cannot
         start, so a large request is not overtaken for ever by small ones queued behind it. `capped`:
         continuing prefills share the step, so a long prompt's first chunk takes at most
-        long_prefill_token_threshold tokens."""
+        long_prefill_token_threshold tokens. `partials`: prompts part-way through their prefill; once
+        max_num_partial_prefills are, a request starts only if its whole prompt fits this step (a prompt
+        started with one chunk would hold its slot waiting for a share of a later step). Once the step's
+        time is spent, at most one more first chunk starts, and none beside continuing prefills."""
         seqs: list[ScheduledSeq] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            if ms is not None and ms <= 0 and (seqs or capped):
+                break  # the step's time is spent (the first chunk past it keeps arrivals from starving)
             req = self.waiting[0]
             if req.num_inflight:  # preempted with a token still on the device: readmit once it is read
                 break
             cap = self.long_prefill_token_threshold if capped else budget
             share_ms = None if ms is None else max(ms, 0.0)
-            seq = self._admit(req, min(budget, cap), share_ms)
+            whole = partials >= self.max_num_partial_prefills
+            seq = self._admit(req, min(budget, cap), share_ms, whole=whole)
             if seq is None:
                 break
+            partials += not seq.sample
             self.waiting.popleft()
             # under "priority" at its key, so decodes and continuing prefills serve the best key first and
             # preemption spares it
@@ -569,7 +596,9 @@ class Scheduler:
         else:
             fcfs_put(req)
 
-    def _plan_chunk(self, req: Request, budget: int, *, ms: float | None = None) -> ScheduledSeq | None:
+    def _plan_chunk(
+        self, req: Request, budget: int, *, ms: float | None = None, whole: bool = False
+    ) -> ScheduledSeq | None:
         """The next prefill chunk of `req` within `budget` tokens, ending where the cache says a chunk may
         (`cache/alignment.py`). Snapshot positions are recorded; slots are attached only once the chunk's
         blocks are secured (`_secure`). None if nothing can be scheduled."""
@@ -583,10 +612,12 @@ class Scheduler:
             timed = max(self.cost.max_chunk(start, ms), self.chunk_size)
             if timed < n:
                 n = ssd_aligned_length(start, timed, self.chunk_size)
-        if n <= 0 or (not self.chunked and n < total - start):
+        if n <= 0 or ((whole or not self.chunked) and n < total - start):
             return None
         span = self.cache.chunk_span(start, n, prompt_len=req.num_prompt_tokens, chunk_size=self.chunk_size)
         n, positions = span.num_tokens, span.snapshots
+        if whole and start + n < total:  # a snapshot boundary cut it
+            return None
         assert req.live_slot is not None
         if req.init_snapshot_slot is not None:
             src: int | None = req.init_snapshot_slot
@@ -616,7 +647,9 @@ class Scheduler:
                 seq.snapshot_keys.append(key)
         seq.block_ids = list(req.block_ids)
 
-    def _admit(self, req: Request, budget: int, ms: float | None = None) -> ScheduledSeq | None:
+    def _admit(
+        self, req: Request, budget: int, ms: float | None = None, *, whole: bool = False
+    ) -> ScheduledSeq | None:
         slot = self.cache.allocate_live_slot()
         if slot is None:
             return None
@@ -631,7 +664,7 @@ class Scheduler:
         req.num_published_blocks = len(hit.blocks)
         req.init_snapshot_slot = hit.snapshot_slot
         req.status = RequestStatus.RUNNING
-        seq = self._plan_chunk(req, budget, ms=ms)
+        seq = self._plan_chunk(req, budget, ms=ms, whole=whole)
         if seq is None or not self.cache.grow(req.block_ids, seq.start_pos + len(seq.token_ids)):
             # undo: nothing of this attempt stays allocated
             self._release(req, publish=False)
