@@ -355,3 +355,24 @@ def test_a_burst_of_arrivals_starts_what_the_step_time_allows_not_one_chunk_each
     assert worst <= 9.0 + 0.4 + 48 * 0.1  # the target, one SSD chunk past it, the decode rows' tokens
     for chunks, _ in steps:  # never more than a few prompts in flight beside the decodes
         assert sum(1 for n in chunks.values() if n > 1) <= 4, chunks
+
+
+def test_a_short_arrival_starts_beside_a_prefill_whose_smallest_chunk_overruns_the_target() -> None:
+    """Deep in a long prompt one SSD chunk alone costs more than the step-time target leaves for prefill. A
+    short request arriving then still starts next step: the time its first chunk was set aside is its own,
+    whatever the continuing chunk overran."""
+    cost = StepCostModel(
+        overhead_ms=1.0, per_token_ms=0.1, per_context_ms=6e-4, per_kv_read_ms=0.0, target_ms=9.0
+    )
+    sched = _sched(budget=512, blocks=4000, cost=cost)
+    sched.add(_req("long", 4000))
+    long = None
+    for _ in range(3000):
+        _run(sched, sched.schedule()[0])
+        long = sched.running[0]
+        if cost.chunk_ms(long.num_computed, sched.chunk_size) > 9.0 - 1.0:
+            break
+    assert long is not None and long.num_computed < 4000
+    sched.add(_req("short", 6, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
+    got = _chunks(sched.schedule()[0])
+    assert got.get("short") == 6 and got["long"] >= 1, got

@@ -365,6 +365,8 @@ class Scheduler:
         if ms is not None:
             ms -= sum(self._chunk_ms(p) for p in prefills)
         if not self._hold_admissions(batch.num_decodes, claim_tokens, bool(prefills), claim_ms, ms):
+            # the arrivals' set-aside time is theirs, even where a continuing chunk of one SSD chunk overran
+            ms = None if ms is None else max(ms, claim_ms)
             prefills += self.admit(budget, ms=ms, capped=bool(conts), partials=len(conts))
 
         batch.seqs.extend(prefills)
