@@ -4,8 +4,9 @@ against vLLM's published figure for the same model, precision, GPU and workload,
 
     python3 -m benchmarks.scale_records RESULT_DIR READY_S GIT_SHA
 
-Reads RESULT_DIR/serve_scale_c1024.json (`hyserve bench serve`) and serve_scale_engine.json (`hyserve bench
-offline`); writes RESULT_DIR/serve_scale.json and prints its records.
+Reads RESULT_DIR/serve_scale_c1024.json (`hyserve bench serve`) and, where the run had it,
+serve_scale_engine.json (`hyserve bench offline`; without it, no server / engine record); writes
+RESULT_DIR/serve_scale.json and prints its records.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ def first_rep(result: dict[str, Any]) -> dict[str, Any]:
     return result["reps"][0]
 
 
-def scale_records(serve: dict[str, Any], engine: dict[str, Any], ready_s: float) -> list[dict[str, Any]]:
-    s, e = first_rep(serve), first_rep(engine)
-    return [
+def scale_records(
+    serve: dict[str, Any], engine: dict[str, Any] | None, ready_s: float
+) -> list[dict[str, Any]]:
+    s = first_rep(serve)
+    recs = [
         record(
             "serve 30B-A3B fp8 1k/1k c1024",
             s["output_throughput"],
@@ -40,23 +43,30 @@ def scale_records(serve: dict[str, Any], engine: dict[str, Any], ready_s: float)
             "vLLM published, same model, precision, GPU and workload",
             VLLM_PUBLISHED_TOK_S,
         ),
-        record(
-            "serve / engine, same workload",
-            s["output_throughput"],
-            "tok/s",
-            "LLM.generate",
-            e["output_throughput"],
-        ),
         record("serve TTFT p50, 1,024 concurrency (ms)", s["median_ttft_ms"], "ms", "bar", TTFT_P50_BAR_MS),
         record("time to ready, default sizes (s)", ready_s, "s", "bar", READY_BAR_S),
     ]
+    if engine is not None:
+        e = first_rep(engine)
+        recs.insert(
+            1,
+            record(
+                "serve / engine, same workload",
+                s["output_throughput"],
+                "tok/s",
+                "LLM.generate",
+                e["output_throughput"],
+            ),
+        )
+    return recs
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     r, ready, sha = Path(args[0]), float(args[1]), args[2]
     serve = json.loads((r / "serve_scale_c1024.json").read_text())
-    engine = json.loads((r / "serve_scale_engine.json").read_text())
+    engine_file = r / "serve_scale_engine.json"
+    engine = json.loads(engine_file.read_text()) if engine_file.exists() else None
     out = {**stamp("serve_scale", ["scripts/gpu_serve_check.sh", "scale"], sha)}
     out["records"] = scale_records(serve, engine, ready)
     (r / "serve_scale.json").write_text(json.dumps(out, indent=2))

@@ -204,7 +204,11 @@ if [[ " $parts " == *" scale "* ]]; then
   # how the step-time target was corrected, and how many steps carried prefill
   curl -s $URL/metrics | grep -E "^hyserve_(step_time_scale|engine_steps_total|engine_prefill_steps_total|prefill_tokens_scheduled_total)"
   stop_server
-  if [ "${SCALE_ENGINE:-1}" = 0 ]; then save; fi
+  if [ "${SCALE_ENGINE:-1}" = 0 ]; then
+    rm -f "$R"/serve_scale_engine.json  # the records of this run only
+    python3 -m benchmarks.scale_records "$R" "$ready" "$sha"
+    save
+  fi
 fi
 if [[ " $parts " == *" scale "* && "${SCALE_ENGINE:-1}" != 0 ]]; then
   q=""

@@ -20,3 +20,17 @@ def test_scale_records_quote_the_server_against_vllm_and_the_engine(tmp_path):
     assert abs(recs["serve / engine, same workload"]["ratio"] - 12000 / 13000) < 1e-9
     assert recs["serve TTFT p50, 1,024 concurrency (ms)"]["value"] == 900.0
     assert recs["time to ready, default sizes (s)"]["ratio"] == 55.5 / 60
+
+
+def test_without_an_engine_result_the_server_records_stand_alone(tmp_path):
+    """`gpu_serve_check.sh scale` with SCALE_ENGINE=0 runs no LLM.generate: the records leave out the
+    server / engine ratio and keep the rest."""
+    serve = {"points": [{"reps": [{"output_throughput": 7845.0, "median_ttft_ms": 66362.0}]}]}
+    (tmp_path / "serve_scale_c1024.json").write_text(json.dumps(serve))
+    assert scale_records.main([str(tmp_path), "76.2", "abc1234"]) == 0
+    names = [r["name"] for r in json.loads((tmp_path / "serve_scale.json").read_text())["records"]]
+    assert names == [
+        "serve 30B-A3B fp8 1k/1k c1024",
+        "serve TTFT p50, 1,024 concurrency (ms)",
+        "time to ready, default sizes (s)",
+    ]
