@@ -437,9 +437,9 @@ def write_tuned(
     path = tm._device_file(device_name)
     path.parent.mkdir(parents=True, exist_ok=True)
     history = []
-    arch = arch or (json.loads(path.read_text()).get("arch", "") if path.exists() else "")
-    if merge and path.exists():
-        prev = json.loads(path.read_text())
+    prev = json.loads(path.read_text()) if path.exists() else None
+    arch = arch or (prev or {}).get("arch", "")
+    if merge and prev is not None:
         history = prev.get("history", []) + [prev.get("tuned_at", "?")]
         old = prev.get("configs", {})
         for shape, buckets in tables.items():
@@ -447,10 +447,10 @@ def write_tuned(
             old[shape] = dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
         tables = old
     elif (
-        path.exists()
+        prev is not None
     ):  # a whole tuning replaces the 16-bit shapes; the e4m3 experts' entries it never tunes stay
-        prev = json.loads(path.read_text()).get("configs", {})
-        tables = {**{k: v for k, v in prev.items() if k.endswith(",w=fp8") and k not in tables}, **tables}
+        kept = prev.get("configs", {})
+        tables = {**{k: v for k, v in kept.items() if k.endswith(",w=fp8") and k not in tables}, **tables}
     doc = dict(
         device=device_name,
         arch=arch,

@@ -456,6 +456,7 @@ class Scheduler:
         avail = budget - reserve
         room = self._room()
         tokens, spent, partials = 0, 0.0, conts
+        cost = self.cost if ms is not None else None  # the time budget, where there is one
         if ms is not None and conts:
             ms *= ARRIVAL_MS_SHARE
         for i, req in enumerate(self.waiting):
@@ -466,14 +467,13 @@ class Scheduler:
             want = min(req.num_tokens, avail - tokens)
             if conts:
                 want = min(want, self.long_prefill_token_threshold)
-            if ms is not None and self.cost is not None:
-                want = max(min(want, self.cost.max_chunk(0, ms - spent)), min(want, self.chunk_size))
+            if cost is not None and ms is not None:
+                want = max(min(want, cost.max_chunk(0, ms - spent)), min(want, self.chunk_size))
             if want < req.num_tokens:
                 if partials >= self.max_num_partial_prefills:
                     break
                 partials += 1
-            if ms is not None and self.cost is not None:
-                spent += self.cost.chunk_ms(0, want)
+            spent += cost.chunk_ms(0, want) if cost is not None else 0.0
             tokens += want
         return tokens, spent
 
