@@ -190,12 +190,30 @@ def mixed_steps(eng, a: argparse.Namespace, rng: random.Random) -> list[dict[str
             exec_ms.append(phases["runner.execute"][0])
             del eng.runner.execute  # the timer was set on the instance: back to the class's method
             _finish_prompts(eng)
+        # the whole round, device included: the prompts added, every step until they are in (their prefill
+        # step and the decode steps behind it), synchronised at both ends
+        rounds, steps = [], []
+        for rep in range(a.mixed_reps):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            _add_prompts(eng, f"mr{k}-{rep}", k, a.mixed_len, rng)
+            n = 0
+            while any(r.request_id.startswith("m") for r in eng.requests.values()):
+                eng.step()
+                n += 1
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            rounds.append((time.perf_counter() - t) * 1e3)
+            steps.append(n)
         out.append(
             dict(
                 prompts=k,
                 prompt_len=a.mixed_len,
                 step_ms=sum(step_ms) / len(step_ms),
                 execute_ms=sum(exec_ms) / len(exec_ms),
+                round_ms=sum(rounds) / len(rounds),
+                round_steps=sum(steps) / len(steps),
                 reps=len(step_ms),
             )
         )
@@ -213,6 +231,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         max_num_tokens=max(
             8192, a.batch * a.prompt_len, a.batch + max(a.mixed_prompts, default=0) * a.mixed_len
         ),
+        cuda_graph_config={"piecewise": not a.no_piecewise},
         log=lambda s: None,
     )
     eng = llm.engine
@@ -298,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="per mixed-prompt count, the host time of each layer kind and the device time per kernel",
     )
+    ap.add_argument(
+        "--no-piecewise", action="store_true", help="prefill and mixed steps eagerly (no piecewise graphs)"
+    )
     ap.add_argument("--top-kernels", type=int, default=15)
     ap.add_argument("--git-sha", default="")
     ap.add_argument("--result-dir", default=str(ROOT / "benchmarks" / "results"))
@@ -309,7 +331,12 @@ def main(argv: list[str] | None = None) -> int:
         invocation() if argv is None else ["python", "-m", "benchmarks.bench_step_sync", *argv],
         a.git_sha or None,
     )
-    result = {**head, "model": Path(a.model_dir).name if a.model_dir else "hyserve-tiny", **run(a)}
+    result = {
+        **head,
+        "model": Path(a.model_dir).name if a.model_dir else "hyserve-tiny",
+        "piecewise": not a.no_piecewise,
+        **run(a),
+    }
     print(
         f"batch {result['batch']}: {result['step_ms']:.2f} ms per decode step over {result['decode_steps']} "
         f"steps; graph replay alone {result['graph_replay_ms'] or float('nan'):.2f} ms"
@@ -319,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     for m in result["mixed"]:
         print(
             f"  step with {m['prompts']} new prompt(s) of {m['prompt_len']} tokens: {m['step_ms']:.2f} ms, "
-            f"runner.execute {m['execute_ms']:.2f} ms (mean of {m['reps']})"
+            f"runner.execute {m['execute_ms']:.2f} ms (mean of {m['reps']}); their round "
+            f"{m['round_ms']:.1f} ms over {m['round_steps']:.1f} steps"
         )
     for b in result["mixed_breakdown"]:
         dev = f"{b['device_ms']:.2f} ms on the device ({b['launches']} kernels)" if "device_ms" in b else ""
@@ -335,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"    {s['per_step']:6.2f} per step  {s['site']}\n        {s['message']}")
     out = Path(a.result_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"step_sync_{dt.date.today().isoformat()}_{head['git_sha']}.json"
+    tag = "_eager-mixed" if a.no_piecewise else ""
+    path = out / f"step_sync_{dt.date.today().isoformat()}_{head['git_sha']}{tag}.json"
     path.write_text(json.dumps(sanitize(result), indent=2) + "\n")
     print(f"wrote {path}")
     return 0

@@ -8,7 +8,8 @@ The option names are those of the server's YAML (`extra-llm-api-config.yml` styl
       scheduler: SchedulerConfig   max_batch_size, max_num_tokens, max_seq_len, enable_chunked_prefill,
                                    scheduling_policy, ...
       cache:     CacheConfig       kv_cache_config.* (tokens_per_block, enable_block_reuse, avg_seq_len, ...)
-      cuda_graph: CudaGraphConfig  cuda_graph_config.* (enable_padding, max_batch_size, batch_sizes)
+      cuda_graph: CudaGraphConfig  cuda_graph_config.* (enable_padding, max_batch_size, batch_sizes,
+                                   piecewise, piecewise_token_sizes)
       parallel:  ParallelConfig    tp_size, ep_size
 
 The dataclass fields are the one source of truth: each field's metadata says how its option is read and
@@ -480,6 +481,12 @@ class CudaGraphConfig:
     enable_padding: bool = option(True, boolean)
     max_batch_size: int | None = option(None, Int(lo=1, none_ok=True))  # None -> scheduler.max_batch_size
     batch_sizes: tuple[int, ...] | None = option(
+        None, IntList(lo=1, non_empty=True, sorted_set=True, none_ok=True)
+    )
+    # prefill and mixed steps through piecewise graphs (engine/runner/mixed_graphs.py), one per padded
+    # token count: `piecewise_token_sizes`, or None for the defaults up to max_num_tokens
+    piecewise: bool = option(True, boolean)
+    piecewise_token_sizes: tuple[int, ...] | None = option(
         None, IntList(lo=1, non_empty=True, sorted_set=True, none_ok=True)
     )
 

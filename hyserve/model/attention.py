@@ -145,14 +145,30 @@ class Attention(nn.Module):
         rope_cos_sin_t: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """x: [T, hidden]. A RoPE layer rotates q and k by `rope_cos_sin_t` (`rope.rope_cos_sin` of the step's
-        positions, computed once per forward by the model), or computes it here when not given."""
-        k_cache, v_cache = cache.k[self.layer_id], cache.v[self.layer_id]
+        positions, computed once per forward by the model), or computes it in its core when not given."""
         T = x.shape[0]
         q, k, v = self._project_qkv(x)
+        o = meta.run_core(self.core, cache, q, k, v, *(rope_cos_sin_t or ()))
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+    def core(
+        self,
+        meta: ForwardMeta,
+        cache: CacheTensors,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *rope_tables: torch.Tensor,
+    ) -> torch.Tensor:
+        """The part that reads the step's sequences (`ForwardMeta.run_core`): RoPE by position, the KV write
+        and the attention kernel. q [T, heads, head_dim], k / v [T, kv heads, head_dim], optionally the
+        step's (cos, sin) -> o [T, heads, head_dim]."""
+        k_cache, v_cache = cache.k[self.layer_id], cache.v[self.layer_id]
+        T = q.shape[0]
         if self.rope is not None:
-            cos, sin = rope_cos_sin_t if rope_cos_sin_t is not None else rope_cos_sin(self.rope, meta, x)
+            cos, sin = rope_tables if rope_tables else rope_cos_sin(self.rope, meta, q)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cuda = x.is_cuda
+        cuda = q.is_cuda
         # the scales only mean something for a quantised pool; 16/32-bit pools hold K/V as they are
         kv_scales = (
             {"k_scale": self.k_scale, "v_scale": self.v_scale} if k_cache.dtype in FP8_KV_DTYPES else {}
@@ -161,7 +177,7 @@ class Attention(nn.Module):
         # A pure decode step hands the kernels device tensors only (graph-capturable, no host reads);
         # other steps pass the host lists the launcher sizes its grid from.
         decode_only = meta.num_decodes == T
-        o = ops.paged_attention.get(cuda)(
+        return ops.paged_attention.get(cuda)(
             q,
             k_cache,
             v_cache,
@@ -171,4 +187,3 @@ class Attention(nn.Module):
             self.scale,
             **kv_scales,
         )
-        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))

@@ -14,13 +14,24 @@ state slots. Row j reads the state row j - 1 wrote, so a Mamba layer runs the ro
 sees each row as an ordinary decode row:
 
     input_ids  | a0 a1 a2 | b0 b1 b2 | p0 p0 ... |     decode_width 3, num_decodes 6
+
+Mixer cores. The parts of a layer that read the step's sequences (a Mamba2 mixer's conv and scan, attention's
+KV write and kernel) run through `meta.run_core(fn, cache, *inputs)`; everything else (projections, norms,
+MoE) depends only on the token count. Without `cores` that is a plain call. The engine's piecewise CUDA
+graphs (engine/runner/mixed_graphs.py) set `cores` to run each core eagerly between captured pieces: a core
+must read the step only through its `meta` argument and its tensor inputs (token rows first), and return
+one tensor with a row per token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+
+from hyserve.model.cache_tensors import CacheTensors
 
 
 @dataclass(frozen=True)
@@ -50,3 +61,22 @@ class ForwardMeta:
     logits_indices: torch.Tensor  # [n] int64: tokens whose logits the caller wants
     snapshots: list[SnapshotWrite] = field(default_factory=list)
     decode_width: int = 1  # consecutive decode rows per decoding sequence (speculative verification)
+    cores: CoreCalls | None = None  # None: mixer cores are plain calls (see the module docstring)
+
+    def run_core(self, fn: CoreFn, cache: CacheTensors, *inputs: torch.Tensor) -> torch.Tensor:
+        """fn(self, cache, *inputs): a mixer core (module docstring), called directly or through `cores`."""
+        if self.cores is None:
+            return fn(self, cache, *inputs)
+        return self.cores(fn, self, cache, inputs)
+
+
+# a mixer core: (meta, cache, *token-row tensors) -> a tensor with a row per token
+CoreFn = Callable[..., torch.Tensor]
+
+
+class CoreCalls(Protocol):
+    """How a forward runs its mixer cores (engine/runner/mixed_graphs.py)."""
+
+    def __call__(
+        self, fn: CoreFn, meta: ForwardMeta, cache: CacheTensors, inputs: tuple[torch.Tensor, ...]
+    ) -> torch.Tensor: ...

@@ -150,7 +150,10 @@ class HybridDecoderLM(nn.Module):
         if self.embedding_multiplier != 1.0:
             x = x * self.embedding_multiplier
         spec = self.config.attention.rope
-        rope = rope_cos_sin(spec, meta, x) if spec is not None and self.config.attention_layer_ids else None
+        # (cos, sin) once per forward, unless the mixer cores run apart (piecewise graphs): then each
+        # attention core computes its own from the step it is given
+        once = self.config.attention_layer_ids and meta.cores is None
+        rope = rope_cos_sin(spec, meta, x) if spec is not None and once else None
         residual: torch.Tensor | None = None
         for layer in self._layers():
             x, residual = layer(x, residual, meta, cache, rope)

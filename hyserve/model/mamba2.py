@@ -196,37 +196,11 @@ class Mamba2Mixer(ShardLoading):
         return self.in_proj(hidden)
 
     def forward(self, hidden: torch.Tensor, meta: ForwardMeta, cache: CacheTensors) -> torch.Tensor:
-        conv_pool, ssm_pool = cache.conv[self.layer_id], cache.ssm[self.layer_id]
         T = hidden.shape[0]
         cuda = hidden.is_cuda
         zxbcdt = self.project(hidden)
         z, xbc, dt = torch.split(zxbcdt, [self.d_inner, self.conv_dim, self.num_heads], dim=-1)
-        A = self._A()
-        w = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
-        bias = self.conv1d.bias
-        nd = meta.num_decodes
-        y_d: torch.Tensor | None = None
-
-        if nd > 0 and meta.decode_width == 1:
-            y_d = self._decode(xbc[:nd], dt[:nd], A, w, bias, meta, slice(0, nd), conv_pool, ssm_pool)
-        elif nd > 0:
-            # speculative verification: position j of every sequence reads the state position j - 1 wrote
-            q = meta.decode_width
-            y_d = torch.empty(nd, self.num_heads, self.head_dim, dtype=hidden.dtype, device=hidden.device)
-            for j in range(q):
-                rows = slice(j, nd, q)
-                y_d[rows] = self._decode(
-                    xbc[rows].contiguous(), dt[rows], A, w, bias, meta, rows, conv_pool, ssm_pool
-                )
-        if y_d is not None and T == nd:
-            y = y_d  # a pure decode step: no packing copy
-        else:
-            y = torch.empty(T, self.num_heads, self.head_dim, dtype=hidden.dtype, device=hidden.device)
-            if y_d is not None:
-                y[:nd] = y_d
-
-        if T > nd:
-            self._prefill(xbc[nd:], dt[nd:], A, w, bias, meta, conv_pool, ssm_pool, y[nd:])
+        y = meta.run_core(self.core, cache, xbc, dt)
 
         # gated norm + out_proj (on CUDA a one-row step runs the norm kernel and a Triton GEMV); under tensor
         # parallelism each rank's partial out_proj product is summed by one all-reduce
@@ -246,6 +220,42 @@ class Mamba2Mixer(ShardLoading):
         if self.norm_spans_ranks:
             return out.reduce(F.linear(self._gated_norm_spanning(y2, z), out.weight))
         return out.reduce(fused(y2, z, norm.weight, norm.eps, norm.group_size, out.weight, None))
+
+    def core(
+        self, meta: ForwardMeta, cache: CacheTensors, xbc: torch.Tensor, dt: torch.Tensor
+    ) -> torch.Tensor:
+        """The part that reads the step's sequences (`ForwardMeta.run_core`): the conv and the scan of every
+        row from its state slots, the states written back. xbc [T, conv_dim], dt [T, heads] -> y [T, heads,
+        head_dim]."""
+        conv_pool, ssm_pool = cache.conv[self.layer_id], cache.ssm[self.layer_id]
+        T = xbc.shape[0]
+        A = self._A()
+        w = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
+        bias = self.conv1d.bias
+        nd = meta.num_decodes
+        y_d: torch.Tensor | None = None
+
+        if nd > 0 and meta.decode_width == 1:
+            y_d = self._decode(xbc[:nd], dt[:nd], A, w, bias, meta, slice(0, nd), conv_pool, ssm_pool)
+        elif nd > 0:
+            # speculative verification: position j of every sequence reads the state position j - 1 wrote
+            q = meta.decode_width
+            y_d = torch.empty(nd, self.num_heads, self.head_dim, dtype=xbc.dtype, device=xbc.device)
+            for j in range(q):
+                rows = slice(j, nd, q)
+                y_d[rows] = self._decode(
+                    xbc[rows].contiguous(), dt[rows], A, w, bias, meta, rows, conv_pool, ssm_pool
+                )
+        if y_d is not None and T == nd:
+            y = y_d  # a pure decode step: no packing copy
+        else:
+            y = torch.empty(T, self.num_heads, self.head_dim, dtype=xbc.dtype, device=xbc.device)
+            if y_d is not None:
+                y[:nd] = y_d
+
+        if T > nd:
+            self._prefill(xbc[nd:], dt[nd:], A, w, bias, meta, conv_pool, ssm_pool, y[nd:])
+        return y
 
     def _decode(
         self,

@@ -110,8 +110,10 @@ def _run_all(llm: LLM) -> dict[str, list]:
     out["prompt_logprobs"] = llm.generate(_prompts(2, seed=3, lo=40, hi=60), plp)
     seeded = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
     out["seeded"] = llm.generate(_prompts(3, seed=4), seeded)
-    # the decode-graph path (static buffers, run eagerly on the CPU), told to every rank
-    llm.engine.runner.capture_graphs([1, 2, 3, 4], max_blocks_per_seq=16, pad_slot=0, enable_padding=False)
+    # the decode-graph and piecewise-graph paths (static buffers, run eagerly on the CPU), told to every rank
+    llm.engine.runner.capture_graphs(
+        [1, 2, 3, 4], max_blocks_per_seq=16, pad_slot=0, enable_padding=False, mixed_sizes=[16, 64, 256]
+    )
     out["graphs"] = llm.generate(_prompts(4, seed=5), GREEDY)
     out["stats"] = [llm.stats()]
     return out

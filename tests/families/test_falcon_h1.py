@@ -67,7 +67,7 @@ UNUSED_OPS = {
 }
 
 
-def _hf_model(variant: str) -> Any:
+def _hf_model(variant: str, **over: Any) -> Any:
     torch.manual_seed(0)
     kw: dict[str, Any] = {
         "vocab_size": 320,
@@ -86,6 +86,7 @@ def _hf_model(variant: str) -> Any:
         "initializer_range": 0.1,
     }
     kw.update(VARIANTS[variant])
+    kw.update(over)
     hf = transformers.FalconH1ForCausalLM(transformers.FalconH1Config(**kw)).float().eval()
     with torch.no_grad():  # visible SSM, norm and bias parameters (init leaves them at 1, log(1..H), 0)
         for name, p in hf.named_parameters():

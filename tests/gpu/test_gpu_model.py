@@ -99,6 +99,30 @@ def test_tiny_graph_decode_matches_eager(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_tiny_piecewise_graphs_match_eager(tmp_path: Path, variant: str) -> None:
+    """Prefill and mixed steps replayed from piecewise graphs (padded token counts, prompts arriving while
+    others decode, chunked prefill) give the tokens of eager steps."""
+    d = make_tiny(tmp_path / variant, variant=variant)
+    p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = [[1, 5, 9, 13, 200, 17, 4], [1, 77] * 20, [1, 3], [1] + list(range(4, 90)), [1, 8, 8]]
+    opts = dict(device="cuda", dtype="float32", max_seq_len=256, max_num_tokens=64)
+    eager = LLM(str(d), cuda_graph_config={"piecewise": False}, **opts)
+    assert eager.engine.runner.mixed_graphs is None
+    llm = LLM(str(d), cuda_graph_config={"piecewise_token_sizes": [16, 32, 64]}, **opts)
+    g = llm.engine.runner.mixed_graphs
+    assert g is not None and g.captured and g.num_pieces > 3
+    used: list[int] = []
+    execute = g.execute
+    g.execute = lambda ids, meta: used.append(ids.shape[0]) or execute(ids, meta)  # type: ignore[method-assign]
+    want = [o.token_ids for o in eager.generate(prompts, p)]
+    # one at a time, then all at once: prompts finish prefilling beside decoding ones
+    assert [llm.generate([q], p)[0].token_ids for q in prompts] == want
+    assert [o.token_ids for o in llm.generate(prompts, p)] == want
+    assert used and any(n not in (16, 32, 64) for n in used)
+    assert llm.stats()["jit_compiles_after_ready"] == 0
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
 def test_pdl_gives_the_results_of_ordinary_launches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str
 ) -> None:

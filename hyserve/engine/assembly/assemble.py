@@ -33,8 +33,9 @@ from hyserve.engine.assembly.kv_calibration import calibrate_kv_scales
 from hyserve.engine.assembly.memory_profile import ActivationProfile, profile_activations
 from hyserve.engine.parallel.parallel_runner import DriverRunner
 from hyserve.engine.parallel.step_channel import StepChannel
-from hyserve.engine.runner.cuda_graphs import default_capture_sizes
+from hyserve.engine.runner.cuda_graphs import DecodeGraphs, default_capture_sizes
 from hyserve.engine.runner.jit_sentinel import use_kernel_cache_dir
+from hyserve.engine.runner.mixed_graphs import MixedGraphs, default_token_sizes
 from hyserve.engine.runner.model_loader import LoadedModel, load_model
 from hyserve.engine.runner.runner import ModelRunner
 from hyserve.engine.scheduler.scheduler import Scheduler
@@ -141,13 +142,9 @@ def assemble(config: EngineConfig, log: Callable[[str], None]) -> EngineParts:
             max_blocks_per_seq=min(plan.num_kv_blocks, -(-max_seq_len // config.cache.tokens_per_block)),
             spec_widths=range(2, speculation.k + 2) if speculation is not None else (),
             spec_max_batch=speculation.max_batch if speculation is not None else 0,
+            mixed_sizes=piecewise_sizes(config, graph_sizes, sc.max_num_tokens),
         )
-        verify = len(g.keys) - len(g.sizes)
-        log(
-            f"hyserve: captured {len(g.sizes)} decode CUDA graphs (batch sizes {g.sizes[0]}..{g.sizes[-1]})"
-            + (f" and {verify} speculative verify graphs" if verify else "")
-            + f" in {g.capture_seconds:.1f}s, {g.graph_bytes / 2**20:,.0f} MiB"
-        )
+        log_graphs(g, runner.mixed_graphs, log)
     if channel is not None and channel.is_driver:
         runner = DriverRunner(runner, channel)
     return EngineParts(
@@ -191,10 +188,13 @@ def size_pools(
             max_batch_size=most,
             graph_batch_size=max(graph_sizes, default=0) or most,
             tokens_per_block=config.cache.tokens_per_block,
+            mixed_tokens=max(piecewise_sizes(config, graph_sizes, most_tokens), default=0),
         )
+        mixed = activations.mixed_peak_bytes
         log(
             f"hyserve: activation peak (profiled): {activations.prefill_peak_bytes / 2**20:,.0f} MiB for a "
             f"{most_tokens}-token step, {activations.decode_peak_bytes / 2**20:,.0f} MiB for a decode step"
+            + (f", {mixed / 2**20:,.0f} MiB for a piecewise-graph step with its buffers" if mixed else "")
         )
     budget = cache_budget_bytes(config, lm, activations, graph_sizes)
     if channel is not None:
@@ -228,6 +228,33 @@ def size_pools(
             batch_size_source=f"max_batch_size sized from memory: {sizing.limit}",
         )
     return config, plan_capacity(inputs), graph_sizes, activations
+
+
+def log_graphs(g: DecodeGraphs, mixed: MixedGraphs | None, log: Callable[[str], None]) -> None:
+    verify = len(g.keys) - len(g.sizes)
+    if mixed is not None:
+        sizes = mixed.sizes
+        log(
+            f"hyserve: captured piecewise CUDA graphs of prefill and mixed steps for {len(sizes)} token "
+            f"counts ({sizes[0]}..{sizes[-1]}, {mixed.num_pieces} pieces) in {mixed.capture_seconds:.1f}s, "
+            f"{mixed.graph_bytes / 2**20:,.0f} MiB (buffers {mixed.buffer_bytes / 2**20:,.0f} MiB)"
+        )
+    log(
+        f"hyserve: captured {len(g.sizes)} decode CUDA graphs (batch sizes {g.sizes[0]}..{g.sizes[-1]})"
+        + (f" and {verify} speculative verify graphs" if verify else "")
+        + f" in {g.capture_seconds:.1f}s, {g.graph_bytes / 2**20:,.0f} MiB"
+    )
+
+
+def piecewise_sizes(config: EngineConfig, graph_sizes: list[int], max_num_tokens: int) -> list[int]:
+    """Token counts to capture piecewise graphs of prefill and mixed steps for (empty: those steps run
+    eagerly): only where decode graphs are captured, and none above max_num_tokens."""
+    cg = config.cuda_graph
+    if not graph_sizes or not cg.piecewise:
+        return []
+    if cg.piecewise_token_sizes is None:
+        return default_token_sizes(max_num_tokens)
+    return [n for n in cg.piecewise_token_sizes if n <= max_num_tokens]
 
 
 def pad_slots(config: EngineConfig, graph_sizes: list[int], max_batch_size: int | None) -> int:

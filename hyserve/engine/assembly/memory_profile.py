@@ -7,15 +7,20 @@ The prefill peak is the larger of two `max_num_tokens` steps: one long sequence 
 and attention rows; it also writes prefix-cache snapshots, so the scan's per-chunk states are counted)
 and `max_batch_size` sequences sharing the tokens (the most logits rows). The
 decode peak is one decode step of `graph_batch_size` sequences, which is what a captured CUDA graph
-keeps in its private memory pool.
+keeps in its private memory pool. With piecewise graphs (`mixed_tokens`) the pool also holds a padded
+forward of that many tokens, and their static buffers sit beside it: the mixed peak is building them (one
+such forward) on the throwaway cache. The pool holds the larger of the two graph peaks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from hyserve.engine.runner.mixed_graphs import MixedGraphs
 from hyserve.engine.runner.runner import ModelRunner
 from hyserve.engine.sampling_params import SamplingParams
 from hyserve.engine.scheduler.scheduler import ScheduledBatch, ScheduledSeq, standalone_prefill
@@ -26,10 +31,11 @@ from hyserve.model.protocol import CausalLM
 class ActivationProfile:
     prefill_peak_bytes: int
     decode_peak_bytes: int
+    mixed_peak_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.prefill_peak_bytes + self.decode_peak_bytes
+        return self.prefill_peak_bytes + max(self.decode_peak_bytes, self.mixed_peak_bytes)
 
 
 def _seq(
@@ -62,22 +68,24 @@ def profile_activations(
     max_batch_size: int,
     graph_batch_size: int,
     tokens_per_block: int,
+    mixed_tokens: int = 0,
 ) -> ActivationProfile:
-    """Peak bytes allocated above the baseline by the largest prefill and decode steps (CUDA only)."""
+    """Peak bytes allocated above the baseline by the largest prefill and decode steps, and by building
+    piecewise graph buffers for `mixed_tokens` tokens (0: none) (CUDA only)."""
     cfg = model.config
     bs = tokens_per_block
     blocks_needed = -(-max_num_tokens // bs) + max_batch_size
     cache = model.allocate_cache(num_blocks=blocks_needed, tokens_per_block=bs, num_slots=3, device=device)
     runner = ModelRunner(model, cache, device)
 
-    def peak(runner: ModelRunner, batch: ScheduledBatch) -> int:
+    def peak(fn: Callable[[], object]) -> int:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        logits = runner.execute(batch)
+        out = fn()
         torch.cuda.synchronize(device)
-        del logits
+        del out
         return torch.cuda.max_memory_allocated(device) - base
 
     prefill_batches, decode_batch = profile_batches(
@@ -87,11 +95,15 @@ def profile_activations(
         graph_batch_size=graph_batch_size,
         tokens_per_block=bs,
     )
-    prefill = max(peak(runner, b) for b in prefill_batches)
-    decode = peak(runner, decode_batch)
+    prefill = max(peak(partial(runner.execute, b)) for b in prefill_batches)
+    decode = peak(partial(runner.execute, decode_batch))
+    mixed = 0
+    if mixed_tokens:
+        build = partial(MixedGraphs, model, cache, device, sizes=[mixed_tokens], pad_slot=2, capture=False)
+        mixed = peak(build)
     del runner, cache
     torch.cuda.empty_cache()
-    return ActivationProfile(prefill_peak_bytes=prefill, decode_peak_bytes=decode)
+    return ActivationProfile(prefill_peak_bytes=prefill, decode_peak_bytes=decode, mixed_peak_bytes=mixed)
 
 
 def profile_batches(

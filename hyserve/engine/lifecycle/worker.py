@@ -82,7 +82,7 @@ class WorkerLoop:
             elif kind == HEARTBEAT:
                 continue
             elif kind == CAPTURE:
-                _, sizes, max_blocks, pad_slot, padding, spec_widths, spec_max_batch = msg
+                _, sizes, max_blocks, pad_slot, padding, spec_widths, spec_max_batch, mixed_sizes = msg
                 runner.capture_graphs(
                     sizes,
                     max_blocks_per_seq=max_blocks,
@@ -90,6 +90,7 @@ class WorkerLoop:
                     enable_padding=padding,
                     spec_widths=spec_widths,
                     spec_max_batch=spec_max_batch,
+                    mixed_sizes=mixed_sizes,
                 )
             elif kind == READY:
                 self.jit.mark_ready()

@@ -162,6 +162,7 @@ class DriverRunner(ModelRunner):
         enable_padding: bool,
         spec_widths: Sequence[int] = (),
         spec_max_batch: int = 0,
+        mixed_sizes: Sequence[int] = (),
     ) -> DecodeGraphs:
         self._tell(
             (
@@ -172,6 +173,7 @@ class DriverRunner(ModelRunner):
                 enable_padding,
                 list(spec_widths),
                 spec_max_batch,
+                list(mixed_sizes),
             )
         )
         run = super().capture_graphs
@@ -183,6 +185,7 @@ class DriverRunner(ModelRunner):
                 enable_padding=enable_padding,
                 spec_widths=spec_widths,
                 spec_max_batch=spec_max_batch,
+                mixed_sizes=mixed_sizes,
             )
         )
 

@@ -16,7 +16,8 @@ it follows over the model's group (NCCL on CUDA: device to device, no host round
     (MTP_CATCH_UP, plan, samples_len)                  its catch-up pass alone over the step just
                                                        run (the samples follow as the feed does)
     (PROMPT_LOGITS, row, offset, n, rows_per_pass)     the kept step's prompt-logprob passes
-    (CAPTURE, sizes, max_blocks_per_seq, pad_slot, enable_padding, spec_widths, spec_max_batch)
+    (CAPTURE, sizes, max_blocks_per_seq, pad_slot, enable_padding, spec_widths, spec_max_batch,
+     mixed_sizes)
     (READY,)  (HEARTBEAT,)  (SHUTDOWN,)
 
 A gloo receive waits at most the group timeout, so while rank 0 has nothing to send (and is not in a step

@@ -22,14 +22,16 @@ pure decode steps), so one recording serves every replay.
 With speculative decoding, verify steps are captured too, per (batch size, width) for the sizes up to the
 speculating batch: each sequence is `width` consecutive rows (scheduler/verify_rows.py), padding sequences
 `width` padding rows. Graphs are used only for decode-only steps up to the largest captured size; prefill
-and mixed steps run eagerly. On the CPU `DecodeGraphs` runs the same static-buffer step eagerly
-(`capture=False`), which is what the tests exercise without a GPU.
+and mixed steps replay piecewise graphs (mixed_graphs.py, in the same memory pool) or run eagerly. On the
+CPU `DecodeGraphs` runs the same static-buffer step eagerly (`capture=False`), which is what the tests
+exercise without a GPU.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -122,6 +124,7 @@ class DecodeGraphs:
         spec_max_batch: int = 0,
         spec_scratch: Sequence[int] = (),
         keep_hidden: bool = False,
+        pool: Any = None,
     ) -> None:
         if not sizes:
             raise ValueError("cuda_graph_config: no batch sizes to capture")
@@ -172,7 +175,7 @@ class DecodeGraphs:
         self.capture_seconds = 0.0
         self.graph_bytes = 0
         if capture:
-            self._capture_all()
+            self._capture_all(pool)
         else:
             for key in self.keys:
                 self._run[key] = self._eager_fn(*key)
@@ -210,10 +213,10 @@ class DecodeGraphs:
 
         return run
 
-    def _capture_all(self) -> None:
+    def _capture_all(self, pool: Any = None) -> None:
         t0 = time.monotonic()
         before = torch.cuda.memory_allocated(self.device)
-        pool = torch.cuda.graph_pool_handle()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         # most rows first: the smaller graphs reuse its pool memory
         for key in sorted(self.keys, key=lambda k: k[0] * k[1], reverse=True):
             fn = self._eager_fn(*key)

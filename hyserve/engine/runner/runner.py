@@ -18,6 +18,7 @@ from hyserve.engine.host_tensors import parts_to_device, to_device
 from hyserve.engine.outputs import TokenLogprob
 from hyserve.engine.runner.block_index import fill_block_tables, slot_mapping
 from hyserve.engine.runner.cuda_graphs import DecodeGraphs
+from hyserve.engine.runner.mixed_graphs import MixedGraphs
 from hyserve.engine.runner.mtp_passes import MTPCatchUp, MTPChain, mtp_catch_up, mtp_passes
 from hyserve.engine.sampling.sampler import token_logprobs
 from hyserve.engine.scheduler.scheduler import ScheduledBatch, ScheduledSeq
@@ -39,6 +40,8 @@ class ModelRunner:
         self.tokens_per_block = cache.tokens_per_block
         # decode-only steps replay captured graphs when set (hyserve.engine.runner.cuda_graphs.DecodeGraphs)
         self._graphs: DecodeGraphs | None = None
+        # prefill and mixed steps replay piecewise graphs when set (runner/mixed_graphs.py)
+        self._mixed: MixedGraphs | None = None
         # the last eager step's hidden states and cu_seqlens, kept only when a sequence of it wants prompt
         # logprobs (`prompt_logprobs`), until the next step
         self._kept: tuple[torch.Tensor, list[int]] | None = None
@@ -54,6 +57,10 @@ class ModelRunner:
     def graphs(self) -> DecodeGraphs | None:
         return self._graphs
 
+    @property
+    def mixed_graphs(self) -> MixedGraphs | None:
+        return self._mixed
+
     def capture_graphs(
         self,
         sizes: Sequence[int],
@@ -63,10 +70,24 @@ class ModelRunner:
         enable_padding: bool,
         spec_widths: Sequence[int] = (),
         spec_max_batch: int = 0,
+        mixed_sizes: Sequence[int] = (),
     ) -> DecodeGraphs:
         """Capture a decode graph per batch size, and with speculative decoding a verify graph per (batch size
-        up to `spec_max_batch`, width in `spec_widths`); on the CPU the same static-buffer steps run
-        eagerly."""
+        up to `spec_max_batch`, width in `spec_widths`); with `mixed_sizes`, first the piecewise graphs of
+        prefill and mixed steps per padded token count, in the same memory pool. On the CPU the same
+        static-buffer steps run eagerly."""
+        capture = self.device.type == "cuda"
+        pool = torch.cuda.graph_pool_handle() if capture else None
+        if mixed_sizes:
+            self._mixed = MixedGraphs(
+                self.model,
+                self.cache,
+                self.device,
+                sizes=mixed_sizes,
+                pad_slot=pad_slot,
+                capture=capture,
+                pool=pool,
+            )
         self._graphs = DecodeGraphs(
             self.model,
             self.cache,
@@ -75,22 +96,24 @@ class ModelRunner:
             max_blocks_per_seq=max_blocks_per_seq,
             pad_slot=pad_slot,
             enable_padding=enable_padding,
-            capture=self.device.type == "cuda",
+            capture=capture,
             spec_widths=spec_widths,
             spec_max_batch=spec_max_batch,
             spec_scratch=self.spec_scratch,
             keep_hidden=self.keep_step_hidden,
+            pool=pool,
         )
         return self._graphs
 
     @contextmanager
     def eager_decode(self) -> Iterator[None]:
-        """Within: decode steps run eagerly (the warm-up compiles the eager decode kernels)."""
+        """Within: every step runs eagerly (the warm-up compiles the eager decode kernels)."""
         graphs, self._graphs = self._graphs, None
+        mixed, self._mixed = self._mixed, None
         try:
             yield
         finally:
-            self._graphs = graphs
+            self._graphs, self._mixed = graphs, mixed
 
     @property
     def keeps_hidden(self) -> bool:
@@ -199,8 +222,13 @@ class ModelRunner:
             r = to_device(torch.tensor(rows, dtype=torch.long), self.device)[:, None]
             head = input_ids[: batch.num_decodes * q].view(-1, q)
             head.copy_(torch.where(r >= 0, feed.index_select(0, r[:, 0].clamp(min=0))[:, None], head))
-        hidden = self.model(input_ids, meta, self.cache)
-        if any(s.params.prompt_logprobs is not None for s in batch.seqs[batch.num_decodes :]):
+        prompt_logprobs = any(s.params.prompt_logprobs is not None for s in batch.seqs[batch.num_decodes :])
+        hidden = self._mixed.execute(input_ids, meta) if self._mixed is not None else None
+        if hidden is None:
+            hidden = self.model(input_ids, meta, self.cache)
+        elif prompt_logprobs or self.keep_step_hidden:  # read after the step: out of the graphs' memory
+            hidden = hidden.clone()
+        if prompt_logprobs:
             self._kept = (hidden, meta.cu_seqlens)
         if self.keep_step_hidden:
             self.step_hidden = (hidden, meta.cu_seqlens)
