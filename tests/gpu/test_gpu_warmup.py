@@ -89,8 +89,8 @@ def test_no_jit_after_warmup_tiny(tmp_path: Path, variant: str, extra: dict, kv:
     llm = LLM(str(d), **opts)
     rep = llm.engine.warmup_report
     assert rep is not None and not rep.failed
-    assert llm.engine.runner.graphs is not None
-    assert (llm.engine.scheduler.cost is not None) == ("max_step_ms" in extra)
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.mixed_graphs is not None
+    assert llm.engine.scheduler.cost is not None  # the step-time target is on by default on CUDA
     mixed_workload(llm, llm.engine.model_config.vocab_size)
     assert not late_variants(llm), late_variants(llm)
     # the profiled activation headroom held: no allocation had to free the allocator's cache and retry

@@ -66,6 +66,11 @@ def test_the_user_report_yaml_parses(tmp_path) -> None:
         ({"max_batch_size": 0}, "max_batch_size"),
         ({"max_batch_size": 64, "max_num_tokens": 8}, "max_num_tokens"),
         ({"cuda_graph_config": {"batch_sizes": []}}, "cuda_graph_config.batch_sizes"),
+        (
+            {"cuda_graph_config": {"piecewise_token_sizes": [0, 64]}},
+            "cuda_graph_config.piecewise_token_sizes",
+        ),
+        ({"cuda_graph_config": {"piecewise": "yes"}}, "cuda_graph_config.piecewise"),
         ({"tp_size": 4, "ep_size": 3}, r"ep_size \(3\) must divide tp_size \(4\)"),
         ({"dtype": "int8"}, "dtype"),
         ({"kv_cache_config": {"mamba_ssm_stochastic_rounding": True}}, "float16"),
@@ -139,7 +144,9 @@ def test_accepted_keys_come_from_the_fields() -> None:
         "periodic_snapshot_interval",
         "additional_snapshot_offsets_from_end",
     }
-    assert accepted_keys(CudaGraphConfig) == {"enable_padding", "max_batch_size", "batch_sizes", "enabled"}
+    assert accepted_keys(CudaGraphConfig) == {
+        "enable_padding", "max_batch_size", "batch_sizes", "enabled", "piecewise", "piecewise_token_sizes"
+    }  # fmt: skip
 
 
 def test_defaults_are_the_dataclass_defaults() -> None:
@@ -181,7 +188,7 @@ def test_every_option_is_checked_and_named_by_its_path() -> None:
     from hyserve.config import EngineConfig
 
     paths = _option_paths(EngineConfig)
-    assert len(paths) == 52 and "kv_cache_config.mamba_state_config.periodic_snapshot_interval" in paths
+    assert len(paths) == 54 and "kv_cache_config.mamba_state_config.periodic_snapshot_interval" in paths
     for path in paths:
         with pytest.raises(ValueError, match=path.replace(".", r"\.")):
             build_engine_config(_nested(path, object()))

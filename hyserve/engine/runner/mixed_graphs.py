@@ -82,6 +82,7 @@ class _Buffers:
             self._bufs[full] = buf
         return buf
 
+    @torch.inference_mode()
     def clear_outputs(self) -> None:
         """Zero the output buffers: rows a capture left behind are never read as padding."""
         for key, buf in self._bufs.items():
