@@ -121,6 +121,42 @@ class ModuleHostTimer:
         self._handles.clear()
 
 
+class PieceHostTimer:
+    """With piecewise graphs (engine/runner/mixed_graphs.py) the layers' modules are not called: host time of
+    each mixer core kind (launched eagerly) and of the graph replays, by wrapping `_Core.run` and
+    `CUDAGraph.replay` while active, and of the step's metadata (`build_meta`)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.ms: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.runner = runner
+
+    def _timed(self, name: str, fn: Any) -> Any:
+        def run(*args: Any) -> Any:
+            t = time.perf_counter()
+            out = fn(*args)
+            self.ms[name(*args) if callable(name) else name] += (time.perf_counter() - t) * 1e3
+            self.calls[name(*args) if callable(name) else name] += 1
+            return out
+
+        return run
+
+    def __enter__(self) -> PieceHostTimer:
+        from hyserve.engine.runner import mixed_graphs
+
+        self._run, self._replay = mixed_graphs._Core.run, torch.cuda.CUDAGraph.replay
+        mixed_graphs._Core.run = self._timed(lambda core, *a: f"core {core.fn.__qualname__}", self._run)
+        torch.cuda.CUDAGraph.replay = self._timed("graph replays", self._replay)
+        self.runner.build_meta = self._timed("build_meta", self.runner.build_meta)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from hyserve.engine.runner import mixed_graphs
+
+        mixed_graphs._Core.run, torch.cuda.CUDAGraph.replay = self._run, self._replay
+        del self.runner.build_meta  # back to the class's method
+
+
 def _add_prompts(eng, tag: str, k: int, n: int, rng: random.Random) -> None:  # noqa: ANN001
     """`k` random prompts of `n` tokens, one output token each, ids "<tag>-<j>" (tags start with "m")."""
     vocab = eng.model_config.vocab_size
@@ -145,11 +181,13 @@ def mixed_breakdown(eng, a: argparse.Namespace, rng: random.Random, k: int) -> d
     _add_prompts(eng, f"mh{k}", k, a.mixed_len, rng)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    with ModuleHostTimer(eng.runner.model) as timer:
+    with ModuleHostTimer(eng.runner.model) as timer, PieceHostTimer(eng.runner) as pieces:
         t = time.perf_counter()
         eng.step()
         host_ms = (time.perf_counter() - t) * 1e3
     _finish_prompts(eng)
+    timer.ms.update(pieces.ms)
+    timer.calls.update(pieces.calls)
     out: dict[str, Any] = dict(
         prompts=k,
         step_host_ms=host_ms,
