@@ -337,7 +337,17 @@ def _add_cache_flags(p: argparse.ArgumentParser) -> None:
         "enforce_eager",
         action="store_true",
         default=None,
-        help="run decode steps without CUDA graphs",
+        help="run every step without CUDA graphs",
+    )
+    _flag(
+        p,
+        "compilation_config",
+        short=("-O",),
+        default=None,
+        metavar="JSON|LEVEL",
+        help="vLLM's: cudagraph_mode (NONE, FULL_DECODE_ONLY: no piecewise graphs, FULL_AND_PIECEWISE), "
+        "cudagraph_capture_sizes, max_cudagraph_capture_size, or a level (-O0: no CUDA graphs); its "
+        "torch.compile keys are accepted without effect",
     )
 
 
@@ -678,7 +688,7 @@ def engine_options_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], 
         engine = compat.finish(opts)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    ignored = [f"--{n}" for n in _IGNORED_FLAGS if getattr(args, n, False)]
+    ignored = [f"--{n}" for n in _IGNORED_FLAGS if getattr(args, n, False)] + opts.ignored
     return engine, opts.server, ignored
 
 

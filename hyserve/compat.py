@@ -14,6 +14,12 @@ name is in:
     mamba_ssm_cache_dtype         kv_cache_config.mamba_ssm_cache_dtype
     enable_prefix_caching         kv_cache_config.enable_block_reuse
     enforce_eager                 cuda_graph_config.enabled: false
+    compilation_config (-O)       cudagraph_mode NONE: cuda_graph_config.enabled false; FULL_DECODE_ONLY:
+                                  piecewise false; FULL_AND_PIECEWISE, PIECEWISE, FULL: both (decode
+                                  steps replay whole-step graphs, the others piecewise ones);
+                                  cudagraph_capture_sizes: batch_sizes; max_cudagraph_capture_size:
+                                  max_batch_size; a level (-O0 .. -O3): 0 is no graphs. Its torch.compile
+                                  keys are accepted without effect
     tool_call_parser              tool_parser
     uvicorn_log_level             log_level
 
@@ -24,6 +30,7 @@ refused naming both; between sources the later wins (`merge`: YAML < command lin
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,19 +102,25 @@ def known_names() -> frozenset[str]:
     """Every top-level name `translate` accepts."""
     compat = {k for k in COMPAT_IGNORED_KEYS | set(COMPAT_CHECKED_KEYS) if "." not in k}
     return frozenset(
-        accepted_keys(EngineConfig) | compat | set(ENGINE_SPELLINGS) | SERVER_KEYS | set(SERVER_SPELLINGS)
+        accepted_keys(EngineConfig)
+        | compat
+        | set(ENGINE_SPELLINGS)
+        | SERVER_KEYS
+        | set(SERVER_SPELLINGS)
+        | {"compilation_config"}
     )
 
 
 @dataclass
 class Options:
     """Engine options (nested, as build_engine_config takes them) and server options, with the name each
-    option was given under (for the messages)."""
+    option was given under (for the messages), and the names accepted without effect."""
 
     source: str
     engine: dict[str, Any] = field(default_factory=dict)
     server: dict[str, Any] = field(default_factory=dict)
     given_as: dict[str, str] = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)
 
     def set(self, path: str, value: Any, name: str) -> None:
         """Set the option at `path` ("server.NAME" for a server option); the same option given before under
@@ -154,6 +167,14 @@ def translate(raw: Mapping[Any, Any], source: str) -> Options:
             except ValueError as e:
                 raise ValueError(f"{source}: {e}") from None
             out.set(sp.target, converted, str(key))
+        elif name == "compilation_config":
+            try:
+                effective, ignored = compilation_options(value)
+            except ValueError as e:
+                raise ValueError(f"{source}: {e}") from None
+            for path, v in effective:
+                out.set(path, v, f"{key}.{path.rsplit('.', 1)[1]}")
+            out.ignored += ignored
         elif name in _SECTIONS and (value is None or isinstance(value, dict)):
             for sub, v in (value or {}).items():
                 out.set(f"{name}.{sub}", v, f"{name}.{sub}")
@@ -172,7 +193,8 @@ def translate(raw: Mapping[Any, Any], source: str) -> Options:
 def merge(base: Options, over: Options) -> Options:
     """`over`'s options on top of `base`'s (nested mappings merged key by key); a pool share given in
     `over` replaces the other share in `base`."""
-    out = Options(over.source, _deep_copy(base.engine), dict(base.server), dict(base.given_as))
+    ignored = [*base.ignored, *(n for n in over.ignored if n not in base.ignored)]
+    out = Options(over.source, _deep_copy(base.engine), dict(base.server), dict(base.given_as), ignored)
     kv = out.engine.get("kv_cache_config")
     for share, other in (_MEMORY_SHARES, _MEMORY_SHARES[::-1]):
         if share in over.given_as and isinstance(kv, dict):
@@ -186,6 +208,7 @@ def merge(base: Options, over: Options) -> Options:
 def combine(a: Options, b: Options) -> Options:
     """The options of two sources of equal rank (two YAML files): together, each option with one value."""
     out = Options(f"{a.source} and {b.source}" if a.given_as else b.source)
+    out.ignored = [*a.ignored, *(n for n in b.ignored if n not in a.ignored)]
     for src in (a, b):
         for path, name in src.given_as.items():
             node: Any = src.server if path.startswith("server.") else src.engine
@@ -193,6 +216,58 @@ def combine(a: Options, b: Options) -> Options:
                 node = node[part]
             out.set(path, node, f"{name} ({src.source})" if a.given_as else name)
     return out
+
+
+# vLLM's CUDA-graph modes -> (cuda_graph_config.enabled, .piecewise). With graphs on, hyserve replays
+# whole-step graphs for decode steps and piecewise ones for the rest: the nearest it has to PIECEWISE and FULL
+CUDAGRAPH_MODES = {
+    "NONE": (False, False),
+    "FULL_DECODE_ONLY": (True, False),
+    "FULL_AND_PIECEWISE": (True, True),
+    "PIECEWISE": (True, True),
+    "FULL": (True, True),
+}
+# the optimisation levels (-O0 .. -O3): 0 has no CUDA graphs, the others vLLM's default graphs
+_LEVELS = range(4)
+
+
+def compilation_options(value: Any) -> tuple[list[tuple[str, Any]], list[str]]:
+    """vLLM's compilation_config (a mapping, a JSON object's text, or an optimisation level 0-3) as
+    ([(hyserve key path, value)], [names accepted without effect])."""
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            value = json.loads(text) if text.startswith("{") else int(text)
+        except ValueError:
+            raise ValueError(
+                f"compilation_config: {value!r} is neither a JSON object nor an optimisation level 0-3"
+            ) from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value not in _LEVELS:
+            raise ValueError(f"compilation_config: optimisation level {value} is not one of 0, 1, 2, 3")
+        return ([("cuda_graph_config.enabled", False)] if value == 0 else []), []
+    if not isinstance(value, dict):
+        raise ValueError(f"compilation_config: expected a mapping or a level 0-3, got {value!r}")
+    out: list[tuple[str, Any]] = []
+    ignored: list[str] = []
+    for k, v in value.items():
+        if k == "cudagraph_mode":
+            mode = v.upper() if isinstance(v, str) else v
+            if mode not in CUDAGRAPH_MODES:
+                raise ValueError(
+                    f"compilation_config.cudagraph_mode: {v!r} is not one of {', '.join(CUDAGRAPH_MODES)}"
+                )
+            enabled, piecewise = CUDAGRAPH_MODES[mode]
+            out.append(("cuda_graph_config.enabled", enabled))
+            if enabled:
+                out.append(("cuda_graph_config.piecewise", piecewise))
+        elif k == "cudagraph_capture_sizes":
+            out.append(("cuda_graph_config.batch_sizes", v))
+        elif k == "max_cudagraph_capture_size":
+            out.append(("cuda_graph_config.max_batch_size", v))
+        else:  # torch.compile's settings (level, mode, backend, custom_ops, ...): hyserve does not compile
+            ignored.append(f"compilation_config.{k}")
+    return out, ignored
 
 
 def finish(opts: Options) -> dict[str, Any]:

@@ -208,3 +208,65 @@ def test_the_planner_takes_gpu_memory_utilization(monkeypatch: pytest.MonkeyPatc
     assert assembly.cache_budget_bytes(frac, lm, acts, []) == 30 * GiB - GiB - slack
     util = build_engine_config({"kv_cache_config": {"gpu_memory_utilization": 0.5}})
     assert assembly.cache_budget_bytes(util, lm, acts, []) == 40 * GiB - 20 * GiB - GiB - slack
+
+
+@pytest.mark.parametrize(
+    ("value", "graphs"),
+    [
+        ({"cudagraph_mode": "FULL_DECODE_ONLY"}, {"enabled": True, "piecewise": False}),
+        ({"cudagraph_mode": "full_and_piecewise"}, {"enabled": True, "piecewise": True}),
+        ({"cudagraph_mode": "PIECEWISE"}, {"enabled": True, "piecewise": True}),
+        ({"cudagraph_mode": "NONE"}, {"enabled": False}),
+        (
+            {"cudagraph_capture_sizes": [1, 2, 4, 8], "max_cudagraph_capture_size": 8},
+            {"batch_sizes": [1, 2, 4, 8], "max_batch_size": 8},
+        ),
+        ('{"cudagraph_mode": "FULL_DECODE_ONLY"}', {"enabled": True, "piecewise": False}),
+        ("0", {"enabled": False}),
+        (3, None),
+    ],
+)
+def test_vllm_compilation_config_sets_the_cuda_graphs(value: object, graphs: dict | None) -> None:
+    opts = compat.translate({"compilation-config": value}, "vllm.yml")
+    assert opts.engine.get("cuda_graph_config") == graphs and not opts.ignored
+    build_engine_config(compat.finish(opts))
+
+
+def test_compilation_config_torch_compile_keys_are_accepted_without_effect() -> None:
+    opts = compat.translate(
+        {"compilation_config": {"level": 3, "use_inductor": False, "cudagraph_mode": "NONE"}}, "vllm.yml"
+    )
+    assert opts.engine == {"cuda_graph_config": {"enabled": False}}
+    assert opts.ignored == ["compilation_config.level", "compilation_config.use_inductor"]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"cudagraph_mode": "SOMETIMES"}, "cudagraph_mode: 'SOMETIMES' is not one of NONE, FULL_DECODE_ONLY"),
+        (7, "optimisation level 7 is not one of 0, 1, 2, 3"),
+        ("fast", "'fast' is neither a JSON object nor an optimisation level 0-3"),
+        ([1], "expected a mapping or a level 0-3"),
+    ],
+)
+def test_bad_compilation_config_is_refused_naming_it(value: object, message: str) -> None:
+    with pytest.raises(ValueError, match="^vllm.yml: compilation_config") as e:
+        compat.translate({"compilation_config": value}, "vllm.yml")
+    assert message in str(e.value)
+
+
+def test_compilation_config_on_the_command_line() -> None:
+    """vLLM's -O level and --compilation-config JSON; a torch.compile key lands in the ignored names, and the
+    same option given through cudagraph_mode and --enforce-eager must agree."""
+    from hyserve.cli import ConfigError, build_parser, engine_options_from_args
+
+    def options(*argv: str) -> tuple[dict, list[str]]:
+        engine, _, ignored = engine_options_from_args(build_parser().parse_args(["serve", "m", *argv]))
+        return engine, ignored
+
+    assert options("-O0")[0]["cuda_graph_config"] == {"enabled": False}
+    engine, ignored = options("--compilation-config", '{"cudagraph_mode": "FULL_DECODE_ONLY", "level": 3}')
+    assert engine["cuda_graph_config"] == {"enabled": True, "piecewise": False}
+    assert ignored == ["compilation_config.level"]
+    with pytest.raises(ConfigError, match="set the same option"):
+        options("--enforce-eager", "--compilation-config", '{"cudagraph_mode": "FULL_AND_PIECEWISE"}')
