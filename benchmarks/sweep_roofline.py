@@ -10,8 +10,11 @@ The rooflines are drawn at the bytes-read ceiling measured on the GPU that serve
 from `benchmarks/roofline.py --out` or a benchmark JSON of a run on that GPU; without it, measured here
 when a GPU is present), and every record also carries the ratio at the H200's published 4.8 TB/s.
 Writes benchmarks/results/serve_sweep_roofline.json (+ .md, and a PNG when matplotlib is present).
+`--quantization fp8` counts FP8 weight bytes (a server run with `--quantization fp8`); each `--published
+C:TOK_S:LABEL` adds another engine's published throughput at concurrency C to the plot and the JSON.
 
     python3 -m benchmarks.sweep_roofline [--results benchmarks/results] [--git-sha SHA] [--ceilings FILE]
+        [--model-dir DIR] [--quantization fp8] [--published "1024:15828:vLLM, H200"]
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from benchmarks.roofline import (  # noqa: E402
 )
 from hyserve.bench.report import record, records_markdown  # noqa: E402
 from hyserve.model.nemotron_h.config import HybridModelConfig  # noqa: E402
+from hyserve.model.quant_config import QuantConfig  # noqa: E402
 
 CFG_DIR = ROOT / "benchmarks" / "configs" / "NVIDIA-Nemotron-Nano-9B-v2"
 NAME = re.compile(r"serve_sweep_in(\d+)_out(\d+)_c(\d+)\.json$")
@@ -82,6 +86,18 @@ def point_records(cfg: HybridModelConfig, path: Path, ceilings: Ceilings | None 
     ]
 
 
+def published_point(text: str) -> dict:
+    """ "C:TOK_S:LABEL" (an argparse type) -> {"concurrency", "output_tok_s", "label"}."""
+    parts = text.split(":", 2)
+    try:
+        c, tps = int(parts[0]), float(parts[1])
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"--published: {text!r} is not CONCURRENCY:TOK_S[:LABEL]") from None
+    if c < 1 or tps <= 0:
+        raise argparse.ArgumentTypeError(f"--published: {text!r} needs a concurrency >= 1 and tok/s > 0")
+    return {"concurrency": c, "output_tok_s": tps, "label": parts[2] if len(parts) > 2 else "published"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
@@ -93,8 +109,19 @@ def main() -> None:
         default=None,
         help="the serving GPU's measured ceilings (benchmarks/roofline.py --out, or a benchmark JSON)",
     )
+    ap.add_argument("--quantization", choices=("fp8",), default=None, help="the rooflines count FP8 weights")
+    ap.add_argument(
+        "--published",
+        type=published_point,
+        action="append",
+        default=[],
+        metavar="C:TOK_S:LABEL",
+        help="another engine's published output throughput at concurrency C, plotted beside the sweep",
+    )
     args = ap.parse_args()
     cfg = HybridModelConfig.from_dict(json.loads((args.model_dir / "config.json").read_text()))
+    if args.quantization == "fp8":  # per-channel FP8, as `--quantization fp8` loads it
+        cfg = cfg.with_quant(QuantConfig(method="online", scheme="channel"))
     files = sorted(
         args.results.glob("serve_sweep_in*_out*_c*.json"),
         key=lambda p: tuple(int(v) for v in NAME.search(p.name).groups()),
@@ -122,8 +149,10 @@ def main() -> None:
         "gpu": gpu,
         "command": " ".join(invocation(sys.executable)),
         "model": f"{args.model_dir.name} architecture, random weights",
+        "weights": args.quantization or "bf16",
         "ceilings": ceilings.to_dict() if ceilings is not None else None,
         "records": records,
+        "published": args.published,
     }
     (args.results / "serve_sweep_roofline.json").write_text(json.dumps(result, indent=2))
     table = records_markdown(records, "point")
@@ -162,6 +191,8 @@ def main() -> None:
             marker="o",
             label=shape,
         )
+    for p in args.published:
+        ax_t.plot([p["concurrency"]], [p["output_tok_s"]], marker="*", ms=12, ls="none", label=p["label"])
     for ax in (ax_t, ax_r):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
@@ -172,7 +203,8 @@ def main() -> None:
     ax_r.set_ylabel("roofline step / median ITL")
     ax_r.set_ylim(0, 1.05)
     ax_r.set_title("decode step vs its roofline")
-    fig.suptitle(f"Nemotron Nano 9B v2 arch, bf16, {gpu} ({args.git_sha})", fontsize=9)
+    weights = "FP8 weights" if args.quantization else "bf16"
+    fig.suptitle(f"{args.model_dir.name} arch, {weights}, {gpu} ({args.git_sha})", fontsize=9)
     fig.tight_layout()
     fig.savefig(args.results / "serve_sweep_roofline.png", dpi=120)
 

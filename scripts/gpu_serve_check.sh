@@ -12,7 +12,10 @@
 #           requests run twice back to back (run2/run1).
 #   sweep   throughput vs concurrency (1 8 32 64 128 256) for in/out 1000/1000 and 8000/1000, each point
 #           quoted against its decode-step roofline (benchmarks/sweep_roofline.py); SWEEP_SHAPES="1000 1000"
-#           runs one shape.
+#           runs one shape; SWEEP_PUBLISHED="C:TOK_S:LABEL" plots another engine's published point beside
+#           it. 30B-A3B FP8 against vLLM's H200 figure: MODEL=...Nano-30B-A3B-BF16 SERVE_FLAGS="--quantization
+#           fp8" SWEEP_SHAPES="1000 1000" SWEEP_CONCURRENCY="1 8 64 256 512 1024" SWEEP_MAX_BATCH=1024
+#           SWEEP_PUBLISHED="1024:15828:vLLM published, H200".
 #   profile py-spy samples of the server (all threads, then only the GIL holder) during 64 streams of
 #           decode, summarised by scripts/pyspy_summary.py: where the step time beyond the engine's goes.
 #   needle  max_seq_len 1,048,576: needle prompts up to 1M tokens, then a normal request.
@@ -155,7 +158,10 @@ if [[ " $parts " == *" sweep "* ]]; then
     done
   done
   stop_server
-  python3 -m benchmarks.sweep_roofline --results "$R" --git-sha "$sha" --model-dir "$MODEL"
+  sweep_args=()
+  [[ " ${SERVE_FLAGS:-} " == *" --quantization fp8 "* ]] && sweep_args+=(--quantization fp8)
+  [ -n "${SWEEP_PUBLISHED:-}" ] && sweep_args+=(--published "$SWEEP_PUBLISHED")
+  python3 -m benchmarks.sweep_roofline --results "$R" --git-sha "$sha" --model-dir "$MODEL" "${sweep_args[@]}"
   if [ -n "${OUT_DIR:-}" ]; then
     mkdir -p "$OUT_DIR" && cp "$R"/serve_sweep_roofline.* "$OUT_DIR"/ 2>/dev/null
   fi

@@ -147,3 +147,27 @@ def test_sweep_roofline_quotes_an_moe_architecture_against_the_experts_a_batch_t
     want = active_decode_step_ms(cfg, 8, 1500, BW)
     assert abs(t8["reference_value"] - want) < 1e-9
     assert want < decode_step_ms(cfg, 8, 1500, BW) / 2  # 8 tokens x top-6 touch ~40 of the 128 experts
+
+
+def test_sweep_roofline_fp8_weights_and_a_published_point(tmp_path: Path, run_script) -> None:
+    """--quantization fp8 quotes FP8 weight bytes (a smaller roofline step than bf16's); --published points go
+    to the JSON (and the plot); a malformed one is refused naming the form."""
+    from benchmarks.roofline import active_decode_step_ms
+    from hyserve.model.quant_config import QuantConfig
+
+    d = ROOT / "benchmarks/configs/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"
+    cfg = HybridModelConfig.from_dict(json.loads((d / "config.json").read_text()))
+    fp8 = cfg.with_quant(QuantConfig(method="online", scheme="channel"))
+    _point(tmp_path / "serve_sweep_in1000_out1000_c1024.json", prompts=1024, tpot=50.0, out_tps=12000.0)
+    (tmp_path / "ceilings.json").write_text(json.dumps(CEILINGS.to_dict()))
+    args = ["--results", str(tmp_path), "--ceilings", str(tmp_path / "ceilings.json"), "--model-dir", str(d)]
+    r = run_script(*args, "--quantization", "fp8", "--published", "1024:15828:vLLM, H200")
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "serve_sweep_roofline.json").read_text())
+    assert res["weights"] == "fp8"
+    assert res["published"] == [{"concurrency": 1024, "output_tok_s": 15828.0, "label": "vLLM, H200"}]
+    step = next(x for x in res["records"] if x["name"].endswith("median ITL (ms)"))
+    want = active_decode_step_ms(fp8, 1024, 1500, BW)
+    assert abs(step["reference_value"] - want) < 1e-9 and want < active_decode_step_ms(cfg, 1024, 1500, BW)
+    r = run_script(*args, "--published", "lots")
+    assert r.returncode == 2 and "is not CONCURRENCY:TOK_S[:LABEL]" in r.stderr

@@ -228,9 +228,16 @@ class MixedGraphs:
                 meta = self._capture_meta(n)
                 self._forward(n, meta, n)  # this size's kernel variants and lazy state, off the graphs
                 pieces = _Pieces(self._bufs, n, n, pool=pool, capture=True)
-                pieces.begin()
-                self._forward(n, meta, n, pieces)
-                pieces.end()
+                try:
+                    pieces.begin()
+                    self._forward(n, meta, n, pieces)
+                    pieces.end()
+                except RuntimeError as err:
+                    raise RuntimeError(
+                        f"piecewise CUDA graphs: capturing a step of {n} tokens failed ({err}); start with "
+                        "cuda_graph_config.piecewise: false (vLLM's --compilation-config "
+                        '\'{"cudagraph_mode": "FULL_DECODE_ONLY"}\') to run prefill and mixed steps eagerly'
+                    ) from err
                 self._plans[n] = pieces.plan
                 self.num_pieces += sum(isinstance(p, torch.cuda.CUDAGraph) for p in pieces.plan)
         current.wait_stream(side)
