@@ -186,22 +186,25 @@ class MixedGraphs:
 
     # ---- capture ----------------------------------------------------------------------------------
     def _capture_meta(self, n: int) -> ForwardMeta:
-        """n decode rows that write no KV and read and write only the pad state slot: what the cores of a
-        warm-up or capture forward run on (their results are discarded)."""
+        """One fresh sequence of n tokens that writes no KV and only the pad state slot: what the cores of a
+        warm-up or capture forward run on (their results are discarded). Its block table points every
+        position at block 0 (zero-initialised, or a real block: finite either way). One sequence, not n
+        decode rows: n decode rows would each read and write a whole state per Mamba layer."""
         dev = self.device
         i32, i64 = torch.int32, torch.int64
+        blocks = -(-n // self.cache.tokens_per_block)
         return ForwardMeta(
-            num_decodes=n,
-            cu_seqlens=list(range(n + 1)),
-            seq_lens=[1] * n,
-            cu_seqlens_t=torch.arange(n + 1, dtype=i32, device=dev),
-            seq_lens_t=torch.ones(n, dtype=i32, device=dev),
-            block_tables=torch.zeros(n, 1, dtype=i32, device=dev),
+            num_decodes=0,
+            cu_seqlens=[0, n],
+            seq_lens=[n],
+            cu_seqlens_t=torch.tensor([0, n], dtype=i32, device=dev),
+            seq_lens_t=torch.tensor([n], dtype=i32, device=dev),
+            block_tables=torch.zeros(1, blocks, dtype=i32, device=dev),
             slot_mapping=torch.full((n,), -1, dtype=i64, device=dev),
-            state_src=torch.full((n,), self.pad_slot, dtype=i64, device=dev),
-            state_dst=torch.full((n,), self.pad_slot, dtype=i64, device=dev),
-            has_initial_state=torch.ones(n, dtype=torch.bool, device=dev),
-            logits_indices=torch.arange(n, dtype=i64, device=dev),
+            state_src=torch.full((1,), self.pad_slot, dtype=i64, device=dev),
+            state_dst=torch.full((1,), self.pad_slot, dtype=i64, device=dev),
+            has_initial_state=torch.zeros(1, dtype=torch.bool, device=dev),
+            logits_indices=torch.tensor([n - 1], dtype=i64, device=dev),
         )
 
     @torch.inference_mode()
