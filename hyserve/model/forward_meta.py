@@ -61,6 +61,9 @@ class ForwardMeta:
     logits_indices: torch.Tensor  # [n] int64: tokens whose logits the caller wants
     snapshots: list[SnapshotWrite] = field(default_factory=list)
     decode_width: int = 1  # consecutive decode rows per decoding sequence (speculative verification)
+    # whether any prefill sequence starts from a stored state (host knowledge: when none does, a Mamba layer
+    # skips gathering initial states and its kernels start from zeros)
+    prefill_initial_states: bool = True
     cores: CoreCalls | None = None  # None: mixer cores are plain calls (see the module docstring)
 
     def run_core(self, fn: CoreFn, cache: CacheTensors, *inputs: torch.Tensor) -> torch.Tensor:

@@ -335,10 +335,14 @@ class Mamba2Mixer(ShardLoading):
         cuda = xbc.is_cuda
         cu = [v - meta.cu_seqlens[nd] for v in meta.cu_seqlens[nd:]]
         src, dst = meta.state_src[nd:], meta.state_dst[nd:]
-        has_init = meta.has_initial_state[nd:]
-        # where() rather than a multiply: a reused slot may hold NaN/Inf, and 0 * NaN is NaN
-        init_conv = torch.where(has_init[:, None, None], conv_pool[src], 0)
-        init_ssm = torch.where(has_init[:, None, None, None], ssm_pool[src].float(), 0)
+        if meta.prefill_initial_states:
+            has_init = meta.has_initial_state[nd:]
+            # where() rather than a multiply: a reused slot may hold NaN/Inf, and 0 * NaN is NaN
+            init_conv = torch.where(has_init[:, None, None], conv_pool[src], 0)
+            init_ssm = torch.where(has_init[:, None, None, None], ssm_pool[src].float(), 0)
+        else:  # every sequence starts fresh: zeros in the layout the gathers give (the same kernel variants)
+            init_conv = torch.zeros_like(conv_pool[: len(cu) - 1])
+            init_ssm = ssm_pool.new_zeros(len(cu) - 1, *ssm_pool.shape[1:], dtype=torch.float32)
 
         xbc_c, conv_final = ops.conv1d_varlen.get(cuda)(xbc, w, bias, cu, init_conv)
         x, b, c = self._split_xbc(xbc_c)

@@ -191,6 +191,7 @@ class ModelRunner:
             logits_indices=logits,
             snapshots=snaps,
             decode_width=q,
+            prefill_initial_states=any(has_init[batch.num_decodes * q :]),
         )
         return input_ids, meta
 
