@@ -6,6 +6,9 @@
 #   writes, after each part, so a run cut short still leaves what ran there.
 #   tests: one pytest per GPU test file, each under GPU_TEST_TIMEOUT s (default 240); GPU_TESTS="a b" runs only
 #   tests/a.py and tests/b.py (paths under tests/ without .py: GPU_TESTS="unit/test_fp8_kv gpu/test_gpu_model").
+#   soak_start, soak_wait (not default parts): the soak in a session of its own, so one longer than a command
+#   can run (SOAK_DURATION 600 with the 30B-A3B: start it, then call soak_wait at once, in the next command,
+#   while the machine is held; each waits at most SOAK_WAIT_S and copies the log and JSON when it is done).
 #   soak (not a default part): benchmarks/bench_soak.py, `hyserve serve` of the Nano 9B v2 architecture under
 #   512 streams with disconnects, slow readers and injected faults for SOAK_DURATION s (default 600; SOAK_ARGS
 #   adds options); from two minutes on it also holds the server's RSS flat and the inter-token p99 steady.
@@ -72,6 +75,23 @@ gpu_tests="unit/test_triton_kernels unit/test_triton_ssd unit/test_fused_linear 
 . scripts/device_out.sh
 out_mark
 save() { out_save; }
+soak_wait() {  # $1 = seconds at most: wait for the detached soak (soak_start), then show and copy what it wrote
+  local pid end
+  if ! pid=$(cat /tmp/soak_detached.pid 2>/dev/null); then
+    echo "no detached soak on this machine (soak_start runs one)"
+    return 0
+  fi
+  end=$((SECONDS + $1))
+  while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$end" ]; do sleep 5; done
+  if kill -0 "$pid" 2>/dev/null; then
+    echo "the soak is still running (pid $pid): run the soak_wait part next, before the machine goes back"
+    tail -5 /tmp/soak_detached.log
+  else
+    echo "the soak finished"
+    tail -60 /tmp/soak_detached.log
+  fi
+  out_save /tmp/soak_detached.log /tmp/soak_detached.json
+}
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
@@ -143,6 +163,22 @@ save() { out_save; }
     timeout "${FAIRNESS_TIMEOUT:-560}" python3 -m benchmarks.bench_fairness --max-step-ms "${FAIRNESS_STEP_MS:-off,150}" \
       --time-budget-s "${FAIRNESS_BUDGET:-500}" --git-sha "$sha" ${FAIRNESS_ARGS:-} 2>&1 | tail -30
     save
+  fi
+  if [[ $parts == *" soak_start "* ]]; then
+    # a soak longer than one command: started in a session of its own, so it runs on after this command
+    # returns, for as long as the machine is held; `soak_wait` (the next command, before the machine goes
+    # back) waits for it and copies what it wrote
+    echo "== soak, detached: ${SOAK_DURATION:-600}s through hyserve serve"
+    rm -f /tmp/soak_detached.*
+    # shellcheck disable=SC2086  # SOAK_ARGS is a list of options
+    setsid bash -c 'echo $$ > /tmp/soak_detached.pid; exec "$@"' soak python3 -m benchmarks.bench_soak \
+      --git-sha "$sha" --duration "${SOAK_DURATION:-600}" --out /tmp/soak_detached.json ${SOAK_ARGS:-} \
+      > /tmp/soak_detached.log 2>&1 < /dev/null &
+    sleep 2
+    soak_wait "${SOAK_WAIT_S:-540}"
+  fi
+  if [[ $parts == *" soak_wait "* ]]; then
+    soak_wait "${SOAK_WAIT_S:-560}"
   fi
   if [[ $parts == *" soak "* ]]; then
     echo "== soak: ${SOAK_DURATION:-600}s through hyserve serve"
