@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from hyserve.kernels.conv1d import uses_silu
+from hyserve.kernels.host_index import HostIndex, cached_on_device
 from hyserve.kernels.launch_util import device_index, pdl
 from hyserve.kernels.triton_common import pdl_enter
 
@@ -282,7 +283,12 @@ def causal_conv1d_varlen_triton(
     assert bias is None or (bias.shape == (Dm,) and bias.is_contiguous())
     assert x.stride(1) == 1 and weight.stride(1) == 1
     assert x.dtype != torch.float64, "float64 runs on the reference path"
-    cu_host = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else [int(v) for v in cu_seqlens]
+    if isinstance(cu_seqlens, HostIndex):  # a step's offsets, shared by its layers
+        cu_host: list[int] = cu_seqlens
+    else:
+        cu_host = (
+            cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else [int(v) for v in cu_seqlens]
+        )
     S = len(cu_host) - 1
     assert S >= 0 and cu_host[0] == 0 and cu_host[-1] == T, f"cu_seqlens {cu_host} vs {T} tokens"
     if initial_states is not None:
@@ -296,7 +302,7 @@ def causal_conv1d_varlen_triton(
     BLOCK_D = min(128, triton.next_power_of_2(Dm))
     # Empty sequences still need their final state (= the initial state): one program each.
     grid = (max(1, triton.cdiv(max_n, BLOCK_T)), triton.cdiv(Dm, BLOCK_D), S)
-    cu = device_index(cu_host, x.device)
+    cu = cached_on_device(cu_host, "cu", x.device, lambda: device_index(cu_host, x.device))
     init = initial_states if initial_states is not None else finals
     if max_n == 0 or any(cu_host[s + 1] == cu_host[s] for s in range(S)):
         # Rare: sequences with no new tokens keep their initial state (or zeros).

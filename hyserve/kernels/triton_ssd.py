@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hyserve.kernels.host_index import HostIndex, cached_on_device
 from hyserve.kernels.launch_util import device_index
 from hyserve.kernels.ssd import SSDOutput, chunk_offsets_for
 from hyserve.kernels.triton_common import dot, softplus
@@ -464,7 +465,10 @@ def ssd_triton(
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     L = int(chunk_size)
-    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else [int(v) for v in cu_seqlens]
+    if isinstance(cu_seqlens, HostIndex):  # a step's offsets, shared by its layers
+        cu: list[int] = cu_seqlens
+    else:
+        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else [int(v) for v in cu_seqlens]
     S = len(cu) - 1
     assert S >= 0 and cu[0] == 0 and cu[-1] == T, f"cu_seqlens {cu} vs {T} tokens"
     assert all(cu[s] <= cu[s + 1] for s in range(S)), f"cu_seqlens {cu} must not decrease"
@@ -514,7 +518,7 @@ def ssd_triton(
     has_limit = lo > 0.0 or hi != float("inf")
     LP = _pad(L)  # positions in a chunk's tiles; those past chunk_size are masked
     cfg = _gpu_config(LP, P, N) if x.is_cuda else _cpu_config(LP, P, N)
-    meta = _chunk_table(cu, offsets, dev)
+    meta = cached_on_device(cu, ("ssd chunks", L), dev, lambda: _chunk_table(cu, offsets, dev))
     dtc = torch.empty(num_chunks, H, LP, dtype=f32, device=dev)
     cs = torch.empty(num_chunks, H, LP, dtype=f32, device=dev)
     cb = torch.empty(num_chunks, G, LP, LP, dtype=f32, device=dev)

@@ -25,12 +25,14 @@ one tensor with a row per token.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from hyserve.kernels.host_index import HostIndex
 from hyserve.model.cache_tensors import CacheTensors
 
 
@@ -65,6 +67,13 @@ class ForwardMeta:
     # skips gathering initial states and its kernels start from zeros)
     prefill_initial_states: bool = True
     cores: CoreCalls | None = None  # None: mixer cores are plain calls (see the module docstring)
+
+    @functools.cached_property
+    def prefill_cu(self) -> HostIndex:
+        """The prefill sequences' offsets from the first prefill token ([S - num_decodes + 1]), one object per
+        step: the launchers keep the device tensors they derive from it, so a step's layers share them."""
+        first = self.cu_seqlens[self.num_decodes]
+        return HostIndex(v - first for v in self.cu_seqlens[self.num_decodes :])
 
     def run_core(self, fn: CoreFn, cache: CacheTensors, *inputs: torch.Tensor) -> torch.Tensor:
         """fn(self, cache, *inputs): a mixer core (module docstring), called directly or through `cores`."""

@@ -333,7 +333,7 @@ class Mamba2Mixer(ShardLoading):
     ) -> None:
         nd = meta.num_decodes
         cuda = xbc.is_cuda
-        cu = [v - meta.cu_seqlens[nd] for v in meta.cu_seqlens[nd:]]
+        cu = meta.prefill_cu
         src, dst = meta.state_src[nd:], meta.state_dst[nd:]
         if meta.prefill_initial_states:
             has_init = meta.has_initial_state[nd:]

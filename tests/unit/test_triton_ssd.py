@@ -303,3 +303,30 @@ def test_ssd_new_token_and_sequence_counts_compile_nothing():
     finally:
         knobs.listener = previous
     assert events == [], f"recompiled for new counts: {events}"
+
+
+def test_a_steps_host_index_is_copied_once_for_its_layers() -> None:
+    """A step's offsets as one `HostIndex` (ForwardMeta.prefill_cu): the scan (and the varlen conv) build
+    their device tables at the first layer's launch and reuse them at the next; the results are those of a
+    plain list."""
+    from hyserve.kernels.host_index import HostIndex
+    from hyserve.kernels.triton_conv1d import causal_conv1d_varlen_triton
+
+    lens = [5, 17, 9]
+    inp = _inputs(lens, H=4, P=24, N=32, G=2, dtype=F32, with_init=True)
+    plain = _run(ssd_triton, inp, _cu(lens), 8)
+    cu = HostIndex(_cu(lens))
+    first = _run(ssd_triton, inp, cu, 8)
+    table = cu.on_device(("ssd chunks", 8), torch.device(DEV), lambda: pytest.fail("not kept"))
+    second = _run(ssd_triton, inp, cu, 8)
+    assert cu.on_device(("ssd chunks", 8), torch.device(DEV), lambda: pytest.fail("rebuilt")) is table
+    for got in (first, second):
+        torch.testing.assert_close(got.y, plain.y, rtol=0, atol=0)
+        torch.testing.assert_close(got.final_states, plain.final_states, rtol=0, atol=0)
+    x = rnd(sum(lens), 40)
+    w, b = rnd(40, 4), rnd(40)
+    want = causal_conv1d_varlen_triton(x, w, b, _cu(lens))
+    got = causal_conv1d_varlen_triton(x, w, b, cu)
+    assert cu.on_device("cu", torch.device(DEV), lambda: pytest.fail("not kept")).tolist() == _cu(lens)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)

@@ -1,0 +1,36 @@
+"""`HostIndex`: a step's host list of packed-sequence offsets (cu_seqlens) that keeps the device tensors the
+launchers derive from it. Every Mamba2 layer of a step launches the varlen conv and the SSD scan over the same
+sequences; each launcher needs the offsets (and the scan its chunk table) on the device. Built from a plain
+list, each layer would copy them again; from one `HostIndex` per step (`ForwardMeta.prefill_cu`) the first
+layer builds them and the others reuse them. A `HostIndex` is a list of ints, so the plain-torch references
+read it as any list."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable
+
+import torch
+
+
+class HostIndex(list[int]):
+    def __init__(self, values: Iterable[int] = ()) -> None:
+        super().__init__(values)
+        self._on_device: dict[tuple[Hashable, torch.device], torch.Tensor] = {}
+
+    def on_device(
+        self, key: Hashable, device: torch.device, build: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        """The tensor `build()` gives for `key` on `device`, built at the first call (the list must not change
+        after: the tensors are derived from its values then)."""
+        k = (key, device)
+        t = self._on_device.get(k)
+        if t is None:
+            t = self._on_device[k] = build()
+        return t
+
+
+def cached_on_device(
+    cu: list[int] | HostIndex, key: Hashable, device: torch.device, build: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """`cu.on_device(key, device, build)` for a `HostIndex`, else `build()`."""
+    return cu.on_device(key, device, build) if isinstance(cu, HostIndex) else build()
