@@ -246,16 +246,12 @@ class Mamba2Mixer(ShardLoading):
                 y_d[rows] = self._decode(
                     xbc[rows].contiguous(), dt[rows], A, w, bias, meta, rows, conv_pool, ssm_pool
                 )
-        if y_d is not None and T == nd:
-            y = y_d  # a pure decode step: no packing copy
-        else:
-            y = torch.empty(T, self.num_heads, self.head_dim, dtype=xbc.dtype, device=xbc.device)
-            if y_d is not None:
-                y[:nd] = y_d
-
-        if T > nd:
-            self._prefill(xbc[nd:], dt[nd:], A, w, bias, meta, conv_pool, ssm_pool, y[nd:])
-        return y
+        y_p = self._prefill(xbc[nd:], dt[nd:], A, w, bias, meta, conv_pool, ssm_pool) if T > nd else None
+        if y_d is None or y_p is None:  # decodes or prefills alone: no packing copy
+            y = y_d if y_p is None else y_p
+            assert y is not None
+            return y
+        return torch.cat([y_d, y_p])
 
     def _decode(
         self,
@@ -329,8 +325,9 @@ class Mamba2Mixer(ShardLoading):
         meta: ForwardMeta,
         conv_pool: torch.Tensor,
         ssm_pool: torch.Tensor,
-        y_out: torch.Tensor,
-    ) -> None:
+    ) -> torch.Tensor:
+        """The prefill sequences (after the decode rows): conv and scan from their initial states, final
+        states and snapshots stored; returns their y [T - num_decodes, heads, head_dim]."""
         nd = meta.num_decodes
         cuda = xbc.is_cuda
         cu = meta.prefill_cu
@@ -362,7 +359,6 @@ class Mamba2Mixer(ShardLoading):
             initial_states=init_ssm,
             return_chunk_states=bool(snaps),
         )
-        y_out.copy_(res.y)
         conv_pool[dst] = conv_final.to(conv_pool.dtype)
         store = ops.store_ssm_state.get(cuda)
         sr = self.ssm_rounding
@@ -374,7 +370,7 @@ class Mamba2Mixer(ShardLoading):
             positions=None if sr is None else meta.seq_lens_t[nd:],
         )
         if not snaps:
-            return
+            return res.y
         # every snapshot of this layer in one state store and one conv-state write (a prompt of 8k tokens
         # with the default 256-token interval has 32 of them)
         snap_states: list[torch.Tensor] = []
@@ -406,3 +402,4 @@ class Mamba2Mixer(ShardLoading):
             pos_t = torch.tensor(snap_pos, dtype=meta.seq_lens_t.dtype).to(dev, non_blocking=True)
         store(ssm_pool, torch.stack(snap_states), slots_t, rounding=sr, positions=pos_t)
         conv_pool[slots_t] = torch.stack(snap_convs).to(conv_pool.dtype)
+        return res.y
