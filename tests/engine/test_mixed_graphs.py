@@ -27,10 +27,10 @@ def test_default_token_sizes() -> None:
     sizes = default_token_sizes(8192)
     assert sizes[:4] == [64, 128, 256, 512] and sizes[-3:] == [6144, 7168, 8192]
     assert 2560 in sizes and 2304 not in sizes
-    big = default_token_sizes(16384)
-    assert big[-2:] == [14336, 16384] and 9216 not in big
+    assert default_token_sizes(16384) == sizes  # larger steps run eagerly (bound by their device work)
+    big = sizes
     # padding adds fewer than 256 rows up to 2,048 tokens, and at most a quarter above 1,024
-    for n in range(129, 16385, 37):
+    for n in range(129, 8193, 37):
         s = next(s for s in big if s >= n)
         assert (s - n < 256) if n <= 2048 else (s <= 1.25 * n), (n, s)
 
