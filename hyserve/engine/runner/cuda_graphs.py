@@ -30,7 +30,9 @@ exercise without a GPU.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,6 +49,22 @@ from hyserve.model.protocol import CausalLM
 # would send this many times the ids themselves
 RAGGED_TABLES_ABOVE = 4
 _ROWS = 6  # ids, slot_mapping, state_src, state_dst, seq_lens, feed rows (async scheduling)
+
+
+@dataclass
+class CaptureCost:
+    seconds: float = 0.0
+    bytes: int = 0  # device memory the captured graphs keep
+
+
+@contextmanager
+def capture_cost(device: torch.device) -> Iterator[CaptureCost]:
+    """Times the captures inside and counts the device memory they kept (synchronised at the end)."""
+    cost = CaptureCost()
+    t0, before = time.monotonic(), torch.cuda.memory_allocated(device)
+    yield cost
+    torch.cuda.synchronize(device)
+    cost.seconds, cost.bytes = time.monotonic() - t0, torch.cuda.memory_allocated(device) - before
 
 
 def default_capture_sizes(max_batch_size: int) -> list[int]:
@@ -214,25 +232,22 @@ class DecodeGraphs:
         return run
 
     def _capture_all(self, pool: Any = None) -> None:
-        t0 = time.monotonic()
-        before = torch.cuda.memory_allocated(self.device)
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        # most rows first: the smaller graphs reuse its pool memory
-        for key in sorted(self.keys, key=lambda k: k[0] * k[1], reverse=True):
-            fn = self._eager_fn(*key)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):  # lazy initialisation (cuBLAS workspaces, Triton loads) off the graph
-                    fn()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
-                out = fn()
-            self._run[key] = self._replay_fn(graph, out)
-        torch.cuda.synchronize(self.device)
-        self.capture_seconds = time.monotonic() - t0
-        self.graph_bytes = torch.cuda.memory_allocated(self.device) - before
+        with capture_cost(self.device) as cost:
+            # most rows first: the smaller graphs reuse its pool memory
+            for key in sorted(self.keys, key=lambda k: k[0] * k[1], reverse=True):
+                fn = self._eager_fn(*key)
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):  # lazy initialisation (cuBLAS workspaces, Triton loads) off the graph
+                        fn()
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+                    out = fn()
+                self._run[key] = self._replay_fn(graph, out)
+        self.capture_seconds, self.graph_bytes = cost.seconds, cost.bytes
 
     @staticmethod
     def _replay_fn(graph: torch.cuda.CUDAGraph, out: torch.Tensor) -> Callable[[], torch.Tensor]:

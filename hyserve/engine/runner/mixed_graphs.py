@@ -30,7 +30,6 @@ the tests exercise without a GPU.
 from __future__ import annotations
 
 import dataclasses
-import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from typing import Any
 
 import torch
 
+from hyserve.engine.runner.cuda_graphs import capture_cost
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.forward_meta import CoreFn, ForwardMeta
 from hyserve.model.protocol import CausalLM
@@ -225,13 +225,11 @@ class MixedGraphs:
         return self._hidden[:rows].copy_(hidden)
 
     def _capture_all(self, pool: Any) -> None:
-        t0 = time.monotonic()
-        before = torch.cuda.memory_allocated(self.device)
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
-        with torch.cuda.stream(side):
+        with capture_cost(self.device) as cost, torch.cuda.stream(side):
             for n in reversed(self.sizes):  # most rows first: the smaller sizes reuse its pool memory
                 meta = self._capture_meta(n)
                 self._forward(n, meta, n)  # this size's kernel variants and lazy state, off the graphs
@@ -248,11 +246,9 @@ class MixedGraphs:
                     ) from err
                 self._plans[n] = pieces.plan
                 self.num_pieces += sum(isinstance(p, torch.cuda.CUDAGraph) for p in pieces.plan)
-        current.wait_stream(side)
-        torch.cuda.synchronize(self.device)
+            current.wait_stream(side)
         self._bufs.clear_outputs()
-        self.capture_seconds = time.monotonic() - t0
-        self.graph_bytes = torch.cuda.memory_allocated(self.device) - before
+        self.capture_seconds, self.graph_bytes = cost.seconds, cost.bytes
 
     # ---- replay -----------------------------------------------------------------------------------
     def execute(self, input_ids: torch.Tensor, meta: ForwardMeta) -> torch.Tensor | None:
