@@ -6,8 +6,8 @@
 #   writes, after each part, so a run cut short still leaves what ran there.
 #   tests: one pytest per GPU test file, each under GPU_TEST_TIMEOUT s (default 240); GPU_TESTS="a b" runs only
 #   tests/a.py and tests/b.py (paths under tests/ without .py: GPU_TESTS="unit/test_fp8_kv gpu/test_gpu_model").
-#   soak_start, soak_wait (not default parts): the soak in a session of its own, so one longer than a command
-#   can run (SOAK_DURATION 600 with the 30B-A3B: start it, then call soak_wait at once, in the next command,
+#   soak_start, soak_wait (not default parts): the soak started with setsid, so one longer than a command can
+#   run (SOAK_DURATION 600 with the 30B-A3B: start it, then call soak_wait at once, in the next command,
 #   while the machine is held; each waits at most SOAK_WAIT_S and copies the log and JSON when it is done).
 #   soak (not a default part): benchmarks/bench_soak.py, `hyserve serve` of the Nano 9B v2 architecture under
 #   512 streams with disconnects, slow readers and injected faults for SOAK_DURATION s (default 600; SOAK_ARGS
@@ -165,8 +165,8 @@ soak_wait() {  # $1 = seconds at most: wait for the detached soak (soak_start), 
     save
   fi
   if [[ $parts == *" soak_start "* ]]; then
-    # a soak longer than one command: started in a session of its own, so it runs on after this command
-    # returns, for as long as the machine is held; `soak_wait` (the next command, before the machine goes
+    # a soak longer than one command: started with setsid, so it runs on after this command returns, for as
+    # long as the machine is held; `soak_wait` (the next command, before the machine goes
     # back) waits for it and copies what it wrote
     echo "== soak, detached: ${SOAK_DURATION:-600}s through hyserve serve"
     rm -f /tmp/soak_detached.*

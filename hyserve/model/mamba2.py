@@ -338,7 +338,8 @@ class Mamba2Mixer(ShardLoading):
             init_conv = torch.where(has_init[:, None, None], conv_pool[src], 0)
             init_ssm = torch.where(has_init[:, None, None, None], ssm_pool[src].float(), 0)
         else:  # every sequence starts fresh: zeros in the layout the gathers give (the same kernel variants)
-            init_conv = torch.zeros_like(conv_pool[: len(cu) - 1])
+            shape = (len(cu) - 1, *conv_pool.shape[1:])
+            init_conv = conv_pool.new_empty_strided(shape, conv_pool.stride()).zero_()
             init_ssm = ssm_pool.new_zeros(len(cu) - 1, *ssm_pool.shape[1:], dtype=torch.float32)
 
         xbc_c, conv_final = ops.conv1d_varlen.get(cuda)(xbc, w, bias, cu, init_conv)
