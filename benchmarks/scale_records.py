@@ -1,6 +1,8 @@
 """The records of `scripts/gpu_serve_check.sh scale`: the server's output throughput at 1,024 concurrency
 against vLLM's published figure for the same model, precision, GPU and workload, against the engine's own
-(`LLM.generate`) on the same workload, its TTFT p50 against the 1.5 s bar, and the time to ready.
+(`LLM.generate`) on the same workload, its TTFT p50 against the 1.5 s bar, the time to ready, and, when the
+run had objectives (`--goodput ttft:2000 tpot:100`), the goodput against the request throughput (the share of
+requests that met them).
 
     python3 -m benchmarks.scale_records RESULT_DIR READY_S GIT_SHA
 
@@ -46,6 +48,16 @@ def scale_records(
         record("serve TTFT p50, 1,024 concurrency (ms)", s["median_ttft_ms"], "ms", "bar", TTFT_P50_BAR_MS),
         record("time to ready, default sizes (s)", ready_s, "s", "bar", READY_BAR_S),
     ]
+    if s.get("request_goodput") is not None:
+        recs.append(
+            record(
+                "serve goodput, TTFT <= 2 s and TPOT <= 100 ms (req/s)",
+                s["request_goodput"],
+                "req/s",
+                "request throughput",
+                s["request_throughput"],
+            )
+        )
     if engine is not None:
         e = first_rep(engine)
         recs.insert(

@@ -193,7 +193,8 @@ if [[ " $parts " == *" scale "* ]]; then
   echo "time to ready: ${ready}s"
   grep -E "max_batch_size|captured|warm-up:|live slots|snapshot slots|KV cache  |max_step_ms" /tmp/serve_scale.log
   "${BENCH[@]}" --num-prompts "$n" --max-concurrency 1024 --random-input-len 1000 --random-output-len 1000 \
-    --temperature 0 --result-filename serve_scale_c1024.json > /tmp/serve_scale_bench.log 2>&1 &
+    --temperature 0 --goodput ttft:2000 tpot:100 --result-filename serve_scale_c1024.json \
+    > /tmp/serve_scale_bench.log 2>&1 &
   bench=$!
   if [ -n "${SCALE_PROFILE:-}" ]; then  # py-spy of the server in steady state: all threads, then the GIL holder
     sleep "$SCALE_PROFILE"
@@ -206,7 +207,7 @@ if [[ " $parts " == *" scale "* ]]; then
     [ -n "${OUT_DIR:-}" ] && mkdir -p "$OUT_DIR" && cp /tmp/pyspy_scale_*.txt "$OUT_DIR"/
   fi
   wait $bench
-  grep -E "requests|Duration|Output token throughput|TTFT|TPOT|ITL" /tmp/serve_scale_bench.log
+  grep -E "requests|Duration|Output token throughput|goodput|TTFT|TPOT|ITL" /tmp/serve_scale_bench.log
   # how the step-time target was corrected, and how many steps carried prefill
   curl -s $URL/metrics | grep -E "^hyserve_(step_time_scale|engine_steps_total|engine_prefill_steps_total|prefill_tokens_scheduled_total)"
   stop_server

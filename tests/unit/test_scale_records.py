@@ -34,3 +34,16 @@ def test_without_an_engine_result_the_server_records_stand_alone(tmp_path):
         "serve TTFT p50, 1,024 concurrency (ms)",
         "time to ready, default sizes (s)",
     ]
+
+
+def test_goodput_is_quoted_against_the_request_throughput(tmp_path):
+    """With `--goodput ttft:2000 tpot:100` the run carries its goodput: the record's ratio is the share of
+    requests that met both objectives."""
+    rep = {"output_throughput": 12000.0, "median_ttft_ms": 900.0, "request_throughput": 10.0}
+    (tmp_path / "serve_scale_c1024.json").write_text(
+        json.dumps({"points": [{"reps": [{**rep, "request_goodput": 7.5}]}]})
+    )
+    assert scale_records.main([str(tmp_path), "40", "abc1234"]) == 0
+    recs = {r["name"]: r for r in json.loads((tmp_path / "serve_scale.json").read_text())["records"]}
+    good = recs["serve goodput, TTFT <= 2 s and TPOT <= 100 ms (req/s)"]
+    assert good["value"] == 7.5 and good["ratio"] == 0.75
