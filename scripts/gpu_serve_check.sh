@@ -27,6 +27,10 @@
 #           SCALE_ENGINE=0 leaves out the LLM.generate part. SCALE_PROFILE=S: S seconds into the run,
 #           py-spy samples the server for 8 s (every thread with idle time, then only the GIL holder),
 #           summarised by scripts/pyspy_summary.py.
+#   grid    output throughput at 1,024 streams (random 1k/1k, GRID_PROMPTS, default 1024) with default flags and
+#           with each max_batch_size x max_num_tokens of GRID_SETTINGS (default: default, 256/512/1024 x
+#           8192/16384), a server each; benchmarks/grid_records.py sets the default against the best
+#           (serve_grid.json; the bar is 0.95). Seven settings take two commands: split GRID_SETTINGS.
 #   batchwait `hyserve bench offline` (the engine alone) over BATCHWAIT_PROMPTS (default 1024) random requests of
 #           1000 in / 500 out with lengths varied +-50%, with batch waiting off and then with
 #           batch_wait_timeout_iters ${BATCHWAIT_ITERS:-32}: whether holding admissions back for fewer eager
@@ -183,6 +187,23 @@ if [[ " $parts " == *" profile "* ]]; then
   grep -E "Median ITL|Output token thr" /tmp/serve_profile_bench.log
   [ -n "${OUT_DIR:-}" ] && mkdir -p "$OUT_DIR" && cp /tmp/pyspy_*.txt "$OUT_DIR"/
   stop_server
+fi
+
+if [[ " $parts " == *" grid "* ]]; then
+  echo "== default flags against explicit max_batch_size x max_num_tokens, 1,024 streams"
+  for setting in ${GRID_SETTINGS:-default 256x8192 512x8192 1024x8192 256x16384 512x16384 1024x16384}; do
+    flags=()
+    if [ "$setting" != default ]; then
+      flags=(--max-batch-size "${setting%x*}" --max-num-tokens "${setting#*x}")
+    fi
+    start_server "/tmp/serve_grid_$setting.log" --max-seq-len 4096 "${flags[@]}" || continue
+    "${BENCH[@]}" --num-prompts "${GRID_PROMPTS:-1024}" --max-concurrency 1024 --random-input-len 1000 \
+      --random-output-len 1000 --temperature 0 --result-filename "serve_grid_$setting.json" \
+      | grep -E "Output token throughput" | sed "s/^/$setting: /"
+    stop_server
+  done
+  python3 -m benchmarks.grid_records "$R" "$sha"
+  save
 fi
 
 if [[ " $parts " == *" scale "* ]]; then
