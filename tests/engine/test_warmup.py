@@ -130,3 +130,25 @@ def test_kernel_cache_dir(tmp_path) -> None:
 def test_bad_warmup_options(opts: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         LLM(**opts)
+
+
+def test_mixed_steps_are_warmed_eagerly_too_where_steps_outgrow_the_piecewise_graphs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With piecewise graphs up to 64 tokens and a budget of 96, steps of 65..96 tokens run eagerly: the
+    warm-up also runs its mixed steps eagerly (the cores' inputs are then views, not the graphs' buffers);
+    with the graphs covering the budget it does not."""
+    from hyserve.engine.assembly import assemble as assembly
+
+    monkeypatch.setattr(assembly, "graph_batch_sizes", lambda config, lm, log, most: [1, 2, 4, 8])
+    sizes = [16, 64]
+    monkeypatch.setattr(assembly, "piecewise_sizes", lambda config, graph_sizes, n: list(sizes))
+    llm = LLM(warmup="on", **OPTS)
+    rep = llm.engine.warmup_report
+    assert rep is not None and not rep.failed
+    eager = [n for n in rep.cases if n.startswith("eager mixed step")]
+    assert eager == [f"eager mixed step: {d} decodes + 1 prefill" for d in range(1, 17)]
+    assert _outputs(llm) == _outputs(LLM(warmup="off", **OPTS))
+    sizes = [16, 96]
+    names = [n for n, _ in Warmup(LLM(warmup="off", **OPTS).engine).cases()]
+    assert not [n for n in names if n.startswith("eager mixed step")]

@@ -10,7 +10,9 @@ after the `num_decodes` decode rows, so its alignment depends on num_decodes mod
     chunked continuation    a prompt longer than max_num_tokens (second chunk starts from a state)
     prefix-cache hits       a repeated prompt (initial state from a snapshot, snapshot writes)
     multi-sequence prefill  several lengths in one step, with and without initial states
-    mixed steps             d decodes + 1 prefill for d = 1 .. 16 (every alignment residue)
+    mixed steps             d decodes + 1 prefill for d = 1 .. 16 (every alignment residue); through the
+                            piecewise graphs' buffers, and eagerly too when steps above their largest size
+                            run eagerly (max_num_tokens beyond it)
     decode                  eager decode (graphs cover their own sizes at capture)
     speculative verify      (speculative decoding on) steps whose decode rows carry full drafts: 1 and 8
                             sequences, and beside a prefill
@@ -100,6 +102,12 @@ class Warmup:
             add(f"two chunked prefills of {n} tokens together", partial(self._run, [n, n]))
         for d in range(1, min(MAX_MIXED_DECODES, max_batch - 1) + 1):
             add(f"mixed step: {d} decodes + 1 prefill", partial(self._mixed, d))
+        mixed_graphs = e.runner.mixed_graphs
+        if mixed_graphs is not None and mixed_graphs.sizes[-1] < max_tokens:
+            # steps above the largest piecewise size run eagerly, their cores on views of the projections'
+            # outputs rather than the graphs' buffers: that layout's alignments too
+            for d in range(1, min(MAX_MIXED_DECODES, max_batch - 1) + 1):
+                add(f"eager mixed step: {d} decodes + 1 prefill", partial(self._eager_mixed, d))
         add("eager decode", self._eager_decode)
         if e.spec is not None:
             for n in sorted({1, min(8, max_batch, e.spec.max_batch)}):
@@ -185,6 +193,10 @@ class Warmup:
         e.step()  # their prefill; from the next step on they decode
         new = self._add(self._ids(min(e.model_config.chunk_size + 3, self._longest)), GREEDY)
         self._drain(running | {new})
+
+    def _eager_mixed(self, decodes: int) -> None:
+        with self.engine.runner.eager_decode():
+            self._mixed(decodes)
 
     def _eager_decode(self) -> None:
         with self.engine.runner.eager_decode():
