@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from hyserve.kernels.host_index import host_list
+
 _MAX_SCORE_ELEMENTS = 1 << 25  # 128 MiB of float32 scores per tile
 
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
@@ -119,8 +121,7 @@ def paged_attention_ref(
     h // (q_heads // kv_heads). Softmax in float32 (float64 for float64 q). With k_scale / v_scale the
     cache is dequantised in float32 (cache.float() * scale) before anything else."""
     check_kv_scales(k_scale, v_scale, q.device)
-    lens = [int(v) for v in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
-    cu = [int(v) for v in (cu_q.tolist() if isinstance(cu_q, torch.Tensor) else cu_q)]
+    lens, cu = host_list(seq_lens), host_list(cu_q)
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
     Hq = q.shape[1]
     Hkv = k_cache.shape[2]

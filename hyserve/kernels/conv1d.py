@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hyserve.kernels.host_index import host_list
+
 
 def _cd(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -43,7 +45,7 @@ def causal_conv1d_varlen_ref(
 
     Returns (out [T, D] in x.dtype, final_states [S, D, K-1] in x.dtype).
     """
-    cu = [int(v) for v in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    cu = host_list(cu_seqlens)
     T, Dm = x.shape
     K = weight.shape[1]
     S = len(cu) - 1

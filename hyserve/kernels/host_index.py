@@ -3,7 +3,8 @@ launchers derive from it. Every Mamba2 layer of a step launches the varlen conv 
 sequences; each launcher needs the offsets (and the scan its chunk table) on the device. Built from a plain
 list, each layer would copy them again; from one `HostIndex` per step (`ForwardMeta.prefill_cu`) the first
 layer builds them and the others reuse them. A `HostIndex` is a list of ints, so the plain-torch references
-read it as any list."""
+read it as any list. `host_list` is how every launcher and reference reads its offsets and lengths (a list, a
+tensor, or a `HostIndex`)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,14 @@ class HostIndex(list[int]):
         if t is None:
             t = self._on_device[k] = build()
         return t
+
+
+def host_list(values: torch.Tensor | list[int] | HostIndex) -> list[int]:
+    """Offsets or lengths as a host list of ints: a `HostIndex` as it is (its device tensors stay with it), a
+    list copied as ints, a tensor read to the host."""
+    if isinstance(values, HostIndex):
+        return values
+    return [int(v) for v in (values.tolist() if isinstance(values, torch.Tensor) else values)]
 
 
 def cached_on_device(

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hyserve.kernels.host_index import host_list
+
 
 @dataclass(frozen=True)
 class SSDOutput:
@@ -38,10 +40,6 @@ class SSDOutput:
 
 def _cd(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _as_list(cu: torch.Tensor | list[int]) -> list[int]:
-    return [int(v) for v in (cu.tolist() if isinstance(cu, torch.Tensor) else cu)]
 
 
 def process_dt(
@@ -107,7 +105,7 @@ def ssd_chunked_ref(
     x: [T, H, P]; dt: [T, H] (raw); A: [H] (negative); B, C: [T, G, N]; D, dt_bias: [H];
     initial_states: [S, H, P, N] or None (zeros). Sequences of length 0 pass their state through.
     """
-    cu = _as_list(cu_seqlens)
+    cu = host_list(cu_seqlens)
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     S = len(cu) - 1
@@ -214,7 +212,7 @@ def ssd_naive_ref(
     return_chunk_states: bool = True,
 ) -> SSDOutput:
     """Token-by-token recurrence; the oracle. Same arguments and outputs as `ssd_chunked_ref`."""
-    cu = _as_list(cu_seqlens)
+    cu = host_list(cu_seqlens)
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     S = len(cu) - 1

@@ -15,6 +15,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hyserve.kernels.attention import FP8_KV_DTYPES, check_kv_scales
+from hyserve.kernels.host_index import host_list
 from hyserve.kernels.launch_util import device_index, pdl, split_kv_args, split_kv_count, tma_tiles_fit
 from hyserve.kernels.triton_common import dot, dot_acc, pdl_enter
 
@@ -753,10 +754,6 @@ def _launch_settings(on_gpu: bool, ieee: bool, d_pad: int) -> tuple[dict, dict]:
     )
 
 
-def _host_list(v: torch.Tensor | list[int]) -> list[int]:
-    return v.tolist() if isinstance(v, torch.Tensor) else [int(t) for t in v]
-
-
 def step_index(cu: list[int], lens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """A step's cumulative new-token offsets and sequence lengths on `device` in one asynchronous copy,
     each starting 16-byte aligned: Triton specialises pointer arguments on their alignment, so an offset
@@ -839,7 +836,7 @@ def paged_attention_triton(
     if isinstance(cu_q, torch.Tensor) and isinstance(seq_lens, torch.Tensor) and T == S:
         nd, max_len = S, None  # graph-safe: no host values needed
     else:
-        cu_h, lens_h = _host_list(cu_q), _host_list(seq_lens)
+        cu_h, lens_h = host_list(cu_q), host_list(seq_lens)
         assert len(lens_h) == S and cu_h[0] == 0 and cu_h[-1] == T, f"cu_q {cu_h} vs {T} tokens"
         for s in range(S):
             if cu_h[s + 1] - cu_h[s] > lens_h[s]:

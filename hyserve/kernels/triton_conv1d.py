@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from hyserve.kernels.conv1d import uses_silu
-from hyserve.kernels.host_index import HostIndex, cached_on_device
+from hyserve.kernels.host_index import cached_on_device, host_list
 from hyserve.kernels.launch_util import device_index, pdl
 from hyserve.kernels.triton_common import pdl_enter
 
@@ -283,12 +283,7 @@ def causal_conv1d_varlen_triton(
     assert bias is None or (bias.shape == (Dm,) and bias.is_contiguous())
     assert x.stride(1) == 1 and weight.stride(1) == 1
     assert x.dtype != torch.float64, "float64 runs on the reference path"
-    if isinstance(cu_seqlens, HostIndex):  # a step's offsets, shared by its layers
-        cu_host: list[int] = cu_seqlens
-    else:
-        cu_host = (
-            cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else [int(v) for v in cu_seqlens]
-        )
+    cu_host = host_list(cu_seqlens)
     S = len(cu_host) - 1
     assert S >= 0 and cu_host[0] == 0 and cu_host[-1] == T, f"cu_seqlens {cu_host} vs {T} tokens"
     if initial_states is not None:

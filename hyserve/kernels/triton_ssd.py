@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hyserve.kernels.host_index import HostIndex, cached_on_device
+from hyserve.kernels.host_index import cached_on_device, host_list
 from hyserve.kernels.launch_util import device_index
 from hyserve.kernels.ssd import SSDOutput, chunk_offsets_for
 from hyserve.kernels.triton_common import dot, softplus
@@ -465,10 +465,7 @@ def ssd_triton(
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     L = int(chunk_size)
-    if isinstance(cu_seqlens, HostIndex):  # a step's offsets, shared by its layers
-        cu: list[int] = cu_seqlens
-    else:
-        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else [int(v) for v in cu_seqlens]
+    cu = host_list(cu_seqlens)
     S = len(cu) - 1
     assert S >= 0 and cu[0] == 0 and cu[-1] == T, f"cu_seqlens {cu} vs {T} tokens"
     assert all(cu[s] <= cu[s + 1] for s in range(S)), f"cu_seqlens {cu} must not decrease"
