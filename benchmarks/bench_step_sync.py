@@ -135,8 +135,9 @@ class PieceHostTimer:
         def run(*args: Any) -> Any:
             t = time.perf_counter()
             out = fn(*args)
-            self.ms[name(*args) if callable(name) else name] += (time.perf_counter() - t) * 1e3
-            self.calls[name(*args) if callable(name) else name] += 1
+            key = name(*args) if callable(name) else name
+            self.ms[key] += (time.perf_counter() - t) * 1e3
+            self.calls[key] += 1
             return out
 
         return run
@@ -168,10 +169,13 @@ def _add_prompts(eng, tag: str, k: int, n: int, rng: random.Random) -> None:  # 
         )
 
 
-def _finish_prompts(eng) -> None:  # noqa: ANN001
-    """Step until the added prompts ("m..." ids) are done; the decode batch goes on."""
+def _finish_prompts(eng) -> int:  # noqa: ANN001
+    """Step until the added prompts ("m..." ids) are done; the decode batch goes on. Returns the steps."""
+    n = 0
     while any(r.request_id.startswith("m") for r in eng.requests.values()):
         eng.step()
+        n += 1
+    return n
 
 
 def mixed_breakdown(eng, a: argparse.Namespace, rng: random.Random, k: int) -> dict[str, Any]:  # noqa: ANN001
@@ -236,10 +240,7 @@ def mixed_steps(eng, a: argparse.Namespace, rng: random.Random) -> list[dict[str
                 torch.cuda.synchronize()
             t = time.perf_counter()
             _add_prompts(eng, f"mr{k}-{rep}", k, a.mixed_len, rng)
-            n = 0
-            while any(r.request_id.startswith("m") for r in eng.requests.values()):
-                eng.step()
-                n += 1
+            n = _finish_prompts(eng)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             rounds.append((time.perf_counter() - t) * 1e3)

@@ -193,7 +193,7 @@ def translate(raw: Mapping[Any, Any], source: str) -> Options:
 def merge(base: Options, over: Options) -> Options:
     """`over`'s options on top of `base`'s (nested mappings merged key by key); a pool share given in
     `over` replaces the other share in `base`."""
-    ignored = [*base.ignored, *(n for n in over.ignored if n not in base.ignored)]
+    ignored = _union(base.ignored, over.ignored)
     out = Options(over.source, _deep_copy(base.engine), dict(base.server), dict(base.given_as), ignored)
     kv = out.engine.get("kv_cache_config")
     for share, other in (_MEMORY_SHARES, _MEMORY_SHARES[::-1]):
@@ -208,7 +208,7 @@ def merge(base: Options, over: Options) -> Options:
 def combine(a: Options, b: Options) -> Options:
     """The options of two sources of equal rank (two YAML files): together, each option with one value."""
     out = Options(f"{a.source} and {b.source}" if a.given_as else b.source)
-    out.ignored = [*a.ignored, *(n for n in b.ignored if n not in a.ignored)]
+    out.ignored = _union(a.ignored, b.ignored)
     for src in (a, b):
         for path, name in src.given_as.items():
             node: Any = src.server if path.startswith("server.") else src.engine
@@ -284,6 +284,11 @@ def finish(opts: Options) -> dict[str, Any]:
             )
         engine["ep_size"] = tp
     return engine
+
+
+def _union(a: list[str], b: list[str]) -> list[str]:
+    """a's names, then b's that a lacks."""
+    return list(dict.fromkeys([*a, *b]))
 
 
 def _deep_copy(d: dict[str, Any]) -> dict[str, Any]:

@@ -246,12 +246,11 @@ class Mamba2Mixer(ShardLoading):
                 y_d[rows] = self._decode(
                     xbc[rows].contiguous(), dt[rows], A, w, bias, meta, rows, conv_pool, ssm_pool
                 )
-        y_p = self._prefill(xbc[nd:], dt[nd:], A, w, bias, meta, conv_pool, ssm_pool) if T > nd else None
-        if y_d is None or y_p is None:  # decodes or prefills alone: no packing copy
-            y = y_d if y_p is None else y_p
-            assert y is not None
-            return y
-        return torch.cat([y_d, y_p])
+        if T > nd:
+            y_p = self._prefill(xbc[nd:], dt[nd:], A, w, bias, meta, conv_pool, ssm_pool)
+            return y_p if y_d is None else torch.cat([y_d, y_p])
+        assert y_d is not None
+        return y_d  # a pure decode step: no packing copy
 
     def _decode(
         self,
