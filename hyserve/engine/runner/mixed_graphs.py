@@ -232,7 +232,10 @@ class MixedGraphs:
         with capture_cost(self.device) as cost, torch.cuda.stream(side):
             for n in reversed(self.sizes):  # most rows first: the smaller sizes reuse its pool memory
                 meta = self._capture_meta(n)
-                self._forward(n, meta, n)  # this size's kernel variants and lazy state, off the graphs
+                # this size's kernel variants and lazy state off the graphs, on the capture stream (the
+                # largest size ran once already, on the default stream, to allocate the buffers; cuBLAS
+                # keeps a workspace per stream)
+                self._forward(n, meta, n)
                 pieces = _Pieces(self._bufs, n, n, pool=pool, capture=True)
                 try:
                     pieces.begin()
