@@ -50,6 +50,29 @@ def test_a_step_planned_after_the_previous_read_is_timed_from_its_plan() -> None
     assert fb.scale == pytest.approx(0.5)
 
 
+def test_a_step_that_follows_a_read_counts_the_host_time_since_that_read() -> None:
+    """Without async scheduling the host appends and emits a step's tokens before it plans the next one:
+    streams wait for that too, so a step planned while requests ran is timed from the previous read."""
+    fb, clock = _feedback()
+    fb.on_read(None, None, 0.0)  # read at 100.0
+    clock.t = 100.12  # planned at 100.02 after 20 ms of host work, read 100 ms later; predicted 100 ms
+    fb.on_read(100.02, 100.0, 1.0, follows=True)
+    assert fb.scale == pytest.approx(1.2)
+    clock.t = 100.34  # the same step planned when nothing ran: timed from its plan
+    fb.on_read(100.24, 100.0, 1.0, follows=False)
+    assert list(fb._ratios) == pytest.approx([1.2, 1.0])
+
+
+def test_the_scheduler_marks_steps_planned_while_requests_run() -> None:
+    sched = _sched(budget=64, blocks=100, cost=CAL)
+    sched.add(_req("a", 100))
+    first, _ = sched.schedule()
+    assert not first.follows  # nothing ran before it: the engine may have idled
+    _run(sched, first)
+    second, _ = sched.schedule()
+    assert second.follows
+
+
 def test_small_steps_and_wild_ratios_do_not_move_the_target() -> None:
     fb, clock = _feedback()
     clock.t = 101.0

@@ -97,6 +97,8 @@ class ScheduledBatch:
     planned_at: float | None = None
     predicted_ms: float | None = None
     prefill_share: float = 0.0
+    # requests were running when it was planned (the engine came to it from the previous step's read)
+    follows: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -325,7 +327,9 @@ class Scheduler:
         """Plan one step. Returns the batch and the requests aborted since the last step. `draft`: decoding
         requests whose tokens are all on the host carry draft tokens to verify (speculative decoding)."""
         aborted = self._apply_aborts()
-        batch = ScheduledBatch(seqs=[], num_decodes=0, planned_at=self.feedback.clock())
+        batch = ScheduledBatch(
+            seqs=[], num_decodes=0, planned_at=self.feedback.clock(), follows=bool(self.running)
+        )
         budget = self.max_num_tokens
         scheduled: set[str] = set()
         prefills: list[ScheduledSeq] = []
@@ -396,7 +400,7 @@ class Scheduler:
         """A step's tokens reached the host: with a calibrated model, how long the step took against the
         model's figure feeds the target's correction."""
         if self._calibrated():
-            self.feedback.on_read(batch.planned_at, batch.predicted_ms, batch.prefill_share)
+            self.feedback.on_read(batch.planned_at, batch.predicted_ms, batch.prefill_share, batch.follows)
 
     def _hold_admissions(
         self, decodes: int, claim_tokens: int, eager: bool, claim_ms: float, ms: float | None

@@ -8,9 +8,14 @@ refill steps of 512 decode rows and ~3,300 prompt tokens that ran in ~89 ms; on 
 slower, the line (92 ms + 1.7 us a token) said ~95 ms for steps beside 512 decode rows that ran ~125 ms.
 
 So each step that carries prefill chunks records the time the model predicted for it, and when its tokens
-are read, the time it took (from when it was planned, or from the previous step's read if that came later:
-with async scheduling the steps overlap, and the interval between reads is what every stream sees between
-tokens). The ratio measured / predicted of the last WINDOW such steps, at its largest, scales the target:
+are read, the time it took: the interval since the previous step's read, which is what every stream sees
+between tokens. With async scheduling the steps overlap and that read comes after the plan; without it, the
+host's work between the read and the next plan (appending tokens, emitting them) is part of the interval
+too, and timing from the plan alone leaves it out (a fairness run with the report's synchronous YAML, timed
+that way, had its streams' inter-token p99 6.5% over the target). Only a step planned while nothing was
+running is timed from its plan: the engine may have idled before it.
+
+The ratio measured / predicted of the last WINDOW such steps, at its largest, scales the target:
 the scheduler plans steps to HEADROOM x target / scale in the model's units. Taking the largest ratio keeps
 the slow tail of steps under the target (the inter-token p99 a fairness target is about) while a systematic
 overestimate is given back; one slow step lowers the budget at once and recovers as it leaves the window.
@@ -58,16 +63,26 @@ class StepTimeFeedback:
             return target_ms
         return HEADROOM * target_ms / self.scale
 
-    def on_read(self, planned_at: float | None, predicted_ms: float | None, prefill_share: float) -> None:
+    def on_read(
+        self,
+        planned_at: float | None,
+        predicted_ms: float | None,
+        prefill_share: float,
+        follows: bool = False,
+    ) -> None:
         """A step's tokens were read now. `planned_at`: when the step was planned (the clock's seconds);
         `predicted_ms`: the model's figure for it, None for a step the target did not size;
         `prefill_share`: its prefill chunks' predicted ms over the prefill budget the plan had (1 where the
-        decode rows left none)."""
+        decode rows left none); `follows`: requests were running when it was planned, so the engine went
+        from the previous read straight on to it (it did not idle)."""
         now = self.clock()
         last, self._last_read = self._last_read, now
         if planned_at is None or predicted_ms is None or predicted_ms <= 0 or prefill_share < MIN_SHARE:
             return
-        start = planned_at if last is None else max(planned_at, last)
+        if last is None:
+            start = planned_at
+        else:
+            start = last if follows else max(planned_at, last)
         took_ms = (now - start) * 1e3
         self._ratios.append(min(max(took_ms / predicted_ms, MIN_SCALE), MAX_SCALE))
         self.observed += 1
