@@ -9,25 +9,26 @@ tensor, or a `HostIndex`)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable
+from typing import TypeVar, cast
 
 import torch
+
+T = TypeVar("T")
 
 
 class HostIndex(list[int]):
     def __init__(self, values: Iterable[int] = ()) -> None:
         super().__init__(values)
-        self._on_device: dict[tuple[Hashable, torch.device], torch.Tensor] = {}
+        self._on_device: dict[tuple[Hashable, torch.device], object] = {}
 
-    def on_device(
-        self, key: Hashable, device: torch.device, build: Callable[[], torch.Tensor]
-    ) -> torch.Tensor:
-        """The tensor `build()` gives for `key` on `device`, built at the first call (the list must not change
-        after: the tensors are derived from its values then)."""
+    def on_device(self, key: Hashable, device: torch.device, build: Callable[[], T]) -> T:
+        """What `build()` gives for `key` on `device` (a tensor, or a step's plan of several), built at the
+        first call (the list must not change after: the tensors are derived from its values then)."""
         k = (key, device)
         t = self._on_device.get(k)
         if t is None:
             t = self._on_device[k] = build()
-        return t
+        return cast(T, t)
 
 
 def host_list(values: torch.Tensor | list[int] | HostIndex) -> list[int]:

@@ -34,11 +34,11 @@ from torch import nn
 
 from hyserve.distributed import Group, all_reduce, tp_group
 from hyserve.kernels import ops
-from hyserve.kernels.conv1d import conv_state_at
 from hyserve.kernels.stochastic_rounding import StochasticRounding
 from hyserve.model.cache_tensors import CacheTensors
 from hyserve.model.forward_meta import ForwardMeta
 from hyserve.model.layer_specs import MambaSpec
+from hyserve.model.mamba_snapshots import snapshot_plan
 from hyserve.model.parallel_linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
@@ -371,35 +371,14 @@ class Mamba2Mixer(ShardLoading):
         )
         if not snaps:
             return res.y
-        # every snapshot of this layer in one state store and one conv-state write (a prompt of 8k tokens
-        # with the default 256-token interval has 32 of them)
-        snap_states: list[torch.Tensor] = []
-        snap_convs: list[torch.Tensor] = []
-        snap_slots: list[int] = []
-        snap_pos: list[int] = []
-        for sw in snaps:
-            s = sw.seq - nd
-            n_new = cu[s + 1] - cu[s]
-            if sw.num_tokens == n_new:
-                state = res.final_states[s]
-            elif sw.num_tokens % self.chunk_size == 0 and 0 < sw.num_tokens < n_new:
-                assert res.chunk_states is not None
-                state = res.chunk_states[res.chunk_offsets[s] + sw.num_tokens // self.chunk_size - 1]
-            else:
-                raise ValueError(
-                    f"snapshot after {sw.num_tokens} of {n_new} new tokens is not at a chunk boundary "
-                    f"(chunk_size {self.chunk_size})"
-                )
-            snap_states.append(state)
-            snap_convs.append(conv_state_at(xbc, cu[s], sw.num_tokens, init_conv[s], self.conv_kernel - 1))
-            snap_slots.append(sw.slot)
-            snap_pos.append(meta.seq_lens[sw.seq] - n_new + sw.num_tokens)  # tokens the snapshot covers
-        dev = ssm_pool.device
-        # the same index dtypes as the final-state store above, so both use one kernel variant
-        slots_t = torch.tensor(snap_slots, dtype=dst.dtype).to(dev, non_blocking=True)
-        pos_t = None
-        if sr is not None:
-            pos_t = torch.tensor(snap_pos, dtype=meta.seq_lens_t.dtype).to(dev, non_blocking=True)
-        store(ssm_pool, torch.stack(snap_states), slots_t, rounding=sr, positions=pos_t)
-        conv_pool[slots_t] = torch.stack(snap_convs).to(conv_pool.dtype)
+        # every snapshot of this layer in one state store and one conv-window gather (the plan is the step's)
+        plan = snapshot_plan(meta, self.chunk_size, self.conv_kernel - 1, ssm_pool.device, dst.dtype)
+        store(
+            ssm_pool,
+            plan.states(res),
+            plan.slots,
+            rounding=sr,
+            positions=None if sr is None else plan.positions,
+        )
+        plan.write_convs(conv_pool, xbc, cu, init_conv)
         return res.y

@@ -312,6 +312,25 @@ def test_snapshot_in_packed_step_behind_a_decode(dense):
         assert_states_close(mamba_state(drv.cache, slot), mamba_state(ref.cache, 0))
 
 
+def test_snapshots_of_every_kind_in_one_step(dense):
+    """One step's snapshots at a chunk boundary, at a sequence's end, and at the end of a chunk shorter than
+    the conv window (its window reaches into the initial conv state), over three prefill sequences: each
+    equals the state of a shorter prefill (a layer writes them all from one plan of the step)."""
+    a, b, c = tokens(12, 53), tokens(6 + 2, 54), tokens(17, 55)
+    drv = Driver(dense, seed=5)
+    drv.step([(0, a[:11]), (1, b[:6])])
+    slots = [drv.take_slot() for _ in range(5)]
+    drv.step(
+        [(2, c), (0, a[11:12]), (1, b[6:]), (3, a[:1])],  # b: 6 cached + 2 new; 3: a one-token prompt
+        snapshots=[(2, 8, slots[0]), (1, 2, slots[1]), (2, 16, slots[2]), (2, 17, slots[3]), (3, 1, slots[4])],
+    )
+    for toks, n, slot in ((c, 8, slots[0]), (b, 8, slots[1]), (c, 16, slots[2]), (c, 17, slots[3]),
+                          (a, 1, slots[4])):  # fmt: skip
+        ref = Harness(dense, max_seqs=1, max_len=64)
+        ref.step([(0, toks[:n])])
+        assert_states_close(mamba_state(drv.cache, slot), mamba_state(ref.cache, 0))
+
+
 def test_snapshot_off_chunk_boundary_is_rejected(dense):
     h = Harness(dense, max_seqs=2, max_len=64)
     with pytest.raises(ValueError, match="chunk"):
