@@ -40,7 +40,7 @@ def host_list(values: torch.Tensor | list[int] | HostIndex) -> list[int]:
 
 
 def cached_on_device(
-    cu: list[int] | HostIndex, key: Hashable, device: torch.device, build: Callable[[], torch.Tensor]
-) -> torch.Tensor:
+    cu: list[int] | HostIndex, key: Hashable, device: torch.device, build: Callable[[], T]
+) -> T:
     """`cu.on_device(key, device, build)` for a `HostIndex`, else `build()`."""
     return cu.on_device(key, device, build) if isinstance(cu, HostIndex) else build()

@@ -8,6 +8,7 @@ shapes are runtime values, so serving compiles nothing after the warm-up. `cuda_
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -15,7 +16,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hyserve.kernels.attention import FP8_KV_DTYPES, check_kv_scales
-from hyserve.kernels.host_index import host_list
+from hyserve.kernels.host_index import HostIndex, cached_on_device, host_list
 from hyserve.kernels.launch_util import device_index, pdl, split_kv_args, split_kv_count, tma_tiles_fit
 from hyserve.kernels.triton_common import dot, dot_acc, pdl_enter
 
@@ -763,6 +764,43 @@ def step_index(cu: list[int], lens: list[int], device: torch.device) -> tuple[to
     return both[: len(cu)], both[lens_at:]
 
 
+class StepShape(NamedTuple):
+    """What a step's launches need from its offsets: decode sequences first (`nd` of them), the longest
+    decode context (None: a graph-safe decode step sizes its splits without it), the most new tokens of a
+    prefill sequence, and the offsets and lengths on the device."""
+
+    nd: int
+    max_len: int | None
+    max_new: int
+    cu_t: torch.Tensor
+    lens_t: torch.Tensor
+
+
+def step_shape(
+    cu_q: torch.Tensor | list[int], seq_lens: torch.Tensor | list[int], T: int, device: torch.device
+) -> StepShape:
+    """`StepShape` from host offsets and lengths (tensors are read to the host once), checked."""
+    cu_h, lens_h = host_list(cu_q), host_list(seq_lens)
+    S = len(cu_h) - 1
+    assert len(lens_h) == S and cu_h[0] == 0 and cu_h[-1] == T, f"cu_q {cu_h} vs {T} tokens"
+    for s in range(S):
+        if cu_h[s + 1] - cu_h[s] > lens_h[s]:
+            raise ValueError(
+                f"paged_attention: sequence {s} has {cu_h[s + 1] - cu_h[s]} new tokens but seq_len "
+                f"{lens_h[s]}"
+            )
+    nd = 0
+    while nd < S and cu_h[nd + 1] - cu_h[nd] == 1:
+        nd += 1
+    max_len = max(lens_h[:nd], default=0)
+    max_new = max((cu_h[s + 1] - cu_h[s] for s in range(nd, S)), default=0)
+    if not isinstance(cu_q, torch.Tensor) and not isinstance(seq_lens, torch.Tensor):
+        cu_t, lens_t = step_index(cu_h, lens_h, device)
+    else:
+        cu_t, lens_t = device_index(cu_q, device), device_index(seq_lens, device)
+    return StepShape(nd, max_len, max_new, cu_t, lens_t)
+
+
 def num_decode_splits(num_seqs: int, kv_heads: int, max_len: int | None = None) -> int:
     """Splits per decode sequence: enough programs to fill the GPU (`launch_util.split_kv_count`)."""
     return split_kv_count(
@@ -832,27 +870,19 @@ def paged_attention_triton(
     D_PAD = triton.next_power_of_2(Dh)
     on_gpu = q.is_cuda
 
-    max_len: int | None
     if isinstance(cu_q, torch.Tensor) and isinstance(seq_lens, torch.Tensor) and T == S:
-        nd, max_len = S, None  # graph-safe: no host values needed
+        # graph-safe: no host values needed
+        shape = StepShape(S, None, 0, device_index(cu_q, dev), device_index(seq_lens, dev))
     else:
-        cu_h, lens_h = host_list(cu_q), host_list(seq_lens)
-        assert len(lens_h) == S and cu_h[0] == 0 and cu_h[-1] == T, f"cu_q {cu_h} vs {T} tokens"
-        for s in range(S):
-            if cu_h[s + 1] - cu_h[s] > lens_h[s]:
-                raise ValueError(
-                    f"paged_attention: sequence {s} has {cu_h[s + 1] - cu_h[s]} new tokens but seq_len "
-                    f"{lens_h[s]}"
-                )
-        nd = 0
-        while nd < S and cu_h[nd + 1] - cu_h[nd] == 1:
-            nd += 1
-        max_len = max(lens_h[:nd], default=0)
-        max_new = max((cu_h[s + 1] - cu_h[s] for s in range(nd, S)), default=0)
-    if not isinstance(cu_q, torch.Tensor) and not isinstance(seq_lens, torch.Tensor):
-        cu_t, lens_t = step_index(cu_h, lens_h, dev)
-    else:
-        cu_t, lens_t = device_index(cu_q, dev), device_index(seq_lens, dev)
+        # one analysis per step where the offsets come as the step's HostIndex (every attention layer of a
+        # step shares it: ForwardMeta.step_cu)
+        shape = cached_on_device(
+            cu_q if isinstance(cu_q, HostIndex) else [],
+            ("attention-shape", id(seq_lens)),
+            dev,
+            lambda: step_shape(cu_q, seq_lens, T, dev),
+        )
+    nd, max_len, max_new, cu_t, lens_t = shape
     # unread when unscaled (scaled: both given, check_kv_scales)
     ks, vs = (k_scale, v_scale) if k_scale is not None and v_scale is not None else (q, q)
     strides_kv = (

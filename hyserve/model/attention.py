@@ -183,7 +183,7 @@ class Attention(nn.Module):
             v_cache,
             meta.block_tables,
             meta.seq_lens_t if decode_only else meta.seq_lens,
-            meta.cu_seqlens_t if decode_only else meta.cu_seqlens,
+            meta.cu_seqlens_t if decode_only else meta.step_cu,
             self.scale,
             **kv_scales,
         )

@@ -75,6 +75,12 @@ class ForwardMeta:
         first = self.cu_seqlens[self.num_decodes]
         return HostIndex(v - first for v in self.cu_seqlens[self.num_decodes :])
 
+    @functools.cached_property
+    def step_cu(self) -> HostIndex:
+        """`cu_seqlens` as one object per step, for the attention launchers' per-step analysis and device
+        copies (every attention layer of the step shares them)."""
+        return HostIndex(self.cu_seqlens)
+
     def run_core(self, fn: CoreFn, cache: CacheTensors, *inputs: torch.Tensor) -> torch.Tensor:
         """fn(self, cache, *inputs): a mixer core (module docstring), called directly or through `cores`."""
         if self.cores is None:

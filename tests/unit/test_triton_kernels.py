@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 
+from hyserve.kernels.host_index import HostIndex
 from tests.quick import quick_first
 from tests.triton_interpreter import IGNORE_INTERPRETER_WARNING, interpret_without_cuda
 
@@ -408,11 +409,14 @@ def test_norms_nano9b(poison, rows):
 # --------------------------------------------------------------------------- attention
 
 
-def _attn_case(poison, *, new, lens, Hq, Hkv, D, bs, dtype, tensors=False, scale=None, gluon=True):
+def _attn_case(
+    poison, *, new, lens, Hq, Hkv, D, bs, dtype, tensors=False, scale=None, gluon=True, step_cu=False
+):
     """Builds a pool whose blocks are shuffled, rows past each sequence's length NaN, writes the
     step's new K/V (with -1 pad slots) and compares write_kv and paged_attention with the refs.
     gluon: through the CUDA op (`cuda_attention`, the Gluon prefill on Hopper where it fits); False: the
-    Triton kernels alone."""
+    Triton kernels alone. step_cu: the offsets as a step's HostIndex, read by two calls (two layers of one
+    step), which share one analysis of the step."""
     S = len(new)
     cu = [0]
     for n in new:
@@ -460,9 +464,17 @@ def _attn_case(poison, *, new, lens, Hq, Hkv, D, bs, dtype, tensors=False, scale
         else (lens, cu)
     )
     attention = paged_attention_cuda if gluon else paged_attention_triton
+    if step_cu:
+        args = (lens, HostIndex(cu))
     with poison:
         out = attention(q, k_cache, v_cache, tables, *args, scale)
     close(out, ref, dtype, f"paged_attention new={new} lens={lens}")
+    if step_cu:
+        shared = dict(args[1]._on_device)
+        assert len(shared) == 1  # the step's analysis and device offsets, built by the first call
+        with poison:
+            again = attention(q, k_cache, v_cache, tables, *args, scale)
+        assert torch.equal(again, out) and args[1]._on_device == shared  # the second layer reused it
 
 
 ATTN_SMALL = [
@@ -480,6 +492,11 @@ ATTN_SMALL = [
 @pytest.mark.parametrize("new,lens", ATTN_SMALL)
 def test_paged_attention_small(poison, dtype, new, lens):
     _attn_case(poison, new=new, lens=lens, Hq=6, Hkv=2, D=32, bs=8, dtype=dtype)
+
+
+@pytest.mark.parametrize("new,lens", [([1, 20, 7], [9, 20, 30]), ([1, 1], [300, 1000]), ([37], [37])])
+def test_paged_attention_step_offsets_shared_by_layers(poison, new, lens):
+    _attn_case(poison, new=new, lens=lens, Hq=6, Hkv=2, D=32, bs=8, dtype=torch.float16, step_cu=True)
 
 
 @pytest.mark.parametrize(
