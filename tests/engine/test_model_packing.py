@@ -322,8 +322,9 @@ def test_snapshots_of_every_kind_in_one_step(dense):
     slots = [drv.take_slot() for _ in range(5)]
     drv.step(
         [(2, c), (0, a[11:12]), (1, b[6:]), (3, a[:1])],  # b: 6 cached + 2 new; 3: a one-token prompt
-        snapshots=[(2, 8, slots[0]), (1, 2, slots[1]), (2, 16, slots[2]), (2, 17, slots[3]), (3, 1, slots[4])],
-    )
+        snapshots=[(2, 8, slots[0]), (1, 2, slots[1]), (2, 16, slots[2]), (2, 17, slots[3]),
+                   (3, 1, slots[4])],
+    )  # fmt: skip
     for toks, n, slot in ((c, 8, slots[0]), (b, 8, slots[1]), (c, 16, slots[2]), (c, 17, slots[3]),
                           (a, 1, slots[4])):  # fmt: skip
         ref = Harness(dense, max_seqs=1, max_len=64)
