@@ -83,3 +83,11 @@ def test_summary_and_files(tmp_path, capsys) -> None:
     assert [r["setting"][-3:] for r in doc["records"]] == ["off", "150"]
     assert "simulated device h200-30b-fp8" in doc["gpu"]
     assert "| batch 4, tokens 128, max_step_ms 150 |" in out.with_suffix(".md").read_text()
+
+
+def test_what_if_sets_the_decode_step_and_the_prompt_token_cost() -> None:
+    base = DEVICES["h200-30b-fp8"]
+    dev = sim_serving.what_if(base, "1024:38", 10.0)
+    assert dev.step_ms(1024, 0) == pytest.approx(38.0)
+    assert dev.step_ms(0, 1000) == pytest.approx(base.overhead_ms + 10.0)
+    assert sim_serving.what_if(base, None, None) == base
