@@ -1,10 +1,12 @@
-"""The device tensors behind the cache pools: paged KV blocks per attention layer and conv/SSM state
-slots per Mamba layer. The bookkeeping (which block or slot belongs to whom) lives in hyserve.cache;
-this file only owns the memory layout.
+"""The device tensors behind the cache pools: paged KV blocks per attention layer and conv / state slots
+per recurrent layer. The bookkeeping (which block or slot belongs to whom) lives in hyserve.cache; this file
+only owns the memory layout.
 
     k[layer], v[layer]: [num_blocks, tokens_per_block, kv_heads, head_dim]   (KV cache dtype)
-    conv[layer]:        [num_slots, conv_dim, conv_kernel - 1]               (model dtype; tap-major memory)
-    ssm[layer]:         [num_slots, mamba_heads, mamba_head_dim, state_size] (SSM cache dtype)
+    conv[layer]:        [num_slots, conv_dim, conv_width]                    (model dtype; tap-major memory)
+    ssm[layer]:         [num_slots, *state_shape]                            (state cache dtype; a Mamba2
+                                                                              layer's [heads, head_dim,
+                                                                              state_size])
 """
 
 from __future__ import annotations
@@ -49,9 +51,7 @@ class CacheTensors:
             shape = (num_blocks, tokens_per_block, a.num_kv_heads, a.head_dim)
             k[i] = torch.zeros(shape, dtype=a.dtype, device=device)
             v[i] = torch.zeros(shape, dtype=a.dtype, device=device)
-        for i, m in layout.mamba.items():
+        for i, m in layout.recurrent.items():
             conv[i] = conv_state_pool(num_slots, m.conv_dim, m.conv_width, m.conv_dtype, device)
-            ssm[i] = torch.zeros(
-                (num_slots, m.num_heads, m.head_dim, m.state_size), dtype=m.ssm_dtype, device=device
-            )
+            ssm[i] = torch.zeros((num_slots, *m.state_shape), dtype=m.ssm_dtype, device=device)
         return cls(k=k, v=v, conv=conv, ssm=ssm, tokens_per_block=tokens_per_block)

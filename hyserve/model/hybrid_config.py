@@ -179,7 +179,8 @@ class HybridDecoderConfig(ABC):
             stochastic_rounding=self.mamba.ssm_stochastic_rounding,
         )
         return CacheLayout(
-            attention=dict.fromkeys(self.attention_layer_ids, a), mamba=dict.fromkeys(self.mamba_layer_ids, m)
+            attention=dict.fromkeys(self.attention_layer_ids, a),
+            recurrent=dict.fromkeys(self.mamba_layer_ids, m),
         )
 
     @property

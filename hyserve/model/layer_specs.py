@@ -2,8 +2,13 @@
 cache. A family's config turns its `config.json` into these; the layers never see a family's config.
 
     attention layer -> K + V bytes per token  = 2 * num_kv_heads * head_dim * kv_dtype_bytes
-    mamba layer     -> bytes per sequence     = conv state  (conv_dim * (conv_kernel - 1) * dtype)
-                                              + ssm state   (num_heads * head_dim * state_size * ssm_dtype)
+    recurrent layer -> bytes per sequence     = conv state  (conv_dim * conv_width * dtype)
+                                              + state       (prod(state_shape) * ssm_dtype)
+
+A recurrent layer is any mixer whose memory of a sequence has a fixed size (`RecurrentCacheSpec`): a Mamba2
+layer's state is [heads, head_dim, state_size] (`MambaCacheSpec`); another mixer (a gated-DeltaNet layer's
+[heads, key_dim, value_dim]) describes its own, and the cache pools, the capacity plan, prefix-cache snapshots
+and the engine's state copies treat every slot alike.
 
 Under tensor parallelism a rank's cache holds only its KV heads and Mamba heads / groups (`for_rank`): heads
 split over the ranks, KV heads and B/C groups split when the ranks divide them, else one replicated per rank.
@@ -12,7 +17,9 @@ split over the ranks, KV heads and B/C groups split when the ranks divide them, 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -36,6 +43,34 @@ class AttentionCacheSpec:
 
     def for_rank(self, tp: int) -> AttentionCacheSpec:
         return dataclasses.replace(self, num_kv_heads=local_units(self.num_kv_heads, tp))
+
+
+class RecurrentCacheSpec(Protocol):
+    """What one recurrent layer stores per sequence, whatever its mixer: a short conv's last `conv_width`
+    inputs of `conv_dim` channels, and a state of `state_shape`, in a pool slot each
+    (`cache_tensors.py`)."""
+
+    @property
+    def conv_dim(self) -> int: ...
+
+    @property
+    def conv_width(self) -> int: ...
+
+    @property
+    def conv_dtype(self) -> torch.dtype: ...
+
+    @property
+    def state_shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def ssm_dtype(self) -> torch.dtype: ...
+
+    @property
+    def bytes_per_sequence(self) -> int: ...
+
+    def for_rank(self, tp: int) -> RecurrentCacheSpec:
+        """One rank's share under tensor parallelism."""
+        ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +100,10 @@ class MambaCacheSpec:
     @property
     def conv_bytes(self) -> int:
         return self.conv_dim * self.conv_width * self.conv_dtype.itemsize
+
+    @property
+    def state_shape(self) -> tuple[int, ...]:
+        return (self.num_heads, self.head_dim, self.state_size)
 
     @property
     def ssm_bytes(self) -> int:
@@ -229,7 +268,7 @@ class CacheLayout:
     (`cache_tensors.py`) and the byte counts the capacity plan sizes from."""
 
     attention: dict[int, AttentionCacheSpec] = field(default_factory=dict)
-    mamba: dict[int, MambaCacheSpec] = field(default_factory=dict)
+    recurrent: Mapping[int, RecurrentCacheSpec] = field(default_factory=dict)
 
     def for_rank(self, tp: int) -> CacheLayout:
         """One rank's share under tensor parallelism (tp 1: this layout)."""
@@ -237,7 +276,7 @@ class CacheLayout:
             return self
         return CacheLayout(
             attention={i: s.for_rank(tp) for i, s in self.attention.items()},
-            mamba={i: s.for_rank(tp) for i, s in self.mamba.items()},
+            recurrent={i: s.for_rank(tp) for i, s in self.recurrent.items()},
         )
 
     @property
@@ -246,7 +285,7 @@ class CacheLayout:
 
     @property
     def state_bytes_per_sequence(self) -> int:
-        return sum(s.bytes_per_sequence for s in self.mamba.values())
+        return sum(s.bytes_per_sequence for s in self.recurrent.values())
 
 
 def divides(what: str, value: int, tp: int, knob: str = "tp_size") -> list[str]:

@@ -144,7 +144,7 @@ def test_config_reads_as_transformers_does() -> None:
     # every layer holds a KV cache and a Mamba state
     assert cfg.attention_layer_ids == cfg.mamba_layer_ids == (0, 1, 2)
     layout = cfg.cache_layout()
-    assert set(layout.attention) == set(layout.mamba) == {0, 1, 2}
+    assert set(layout.attention) == set(layout.recurrent) == {0, 1, 2}
     assert cfg.kv_bytes_per_token == 3 * 2 * 2 * 32 * 2
     assert cfg.attention.head_dim == 32 and cfg.attention.rope is not None
     assert (cfg.attention.rope.theta, cfg.attention.rope.rotary_dim) == (1e11, 32)

@@ -252,7 +252,7 @@ class HybridModelConfig:
         """What each attention and Mamba layer stores (the tensors `allocate_cache` creates)."""
         a, m = self.attention_cache_spec(), self.mamba_cache_spec()
         return CacheLayout(
-            attention=dict.fromkeys(self.kv_layer_ids, a), mamba=dict.fromkeys(self.mamba_layer_ids, m)
+            attention=dict.fromkeys(self.kv_layer_ids, a), recurrent=dict.fromkeys(self.mamba_layer_ids, m)
         )
 
     def sharding_problems(self, *, tp_size: int, ep_size: int) -> list[str]:
