@@ -19,6 +19,16 @@ PROMPTS = [
     [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
 ]
 NEW_TOKENS = 8
+# prefix caching + chunked prefill: 8-token blocks, snapshots every 8 tokens, prefill chunks of 8
+PREFIX_CACHING: dict[str, Any] = {
+    "max_num_tokens": 8,
+    "enable_chunked_prefill": True,
+    "kv_cache_config": {
+        "tokens_per_block": 8,
+        "enable_block_reuse": True,
+        "mamba_state_config": {"periodic_snapshot_interval": 8},
+    },
+}
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], list[float]]:
@@ -48,20 +58,13 @@ def check_parity(model_dir: str, hf_model: torch.nn.Module, **options: Any) -> f
         for got, want in zip(out.logprobs, lps):
             worst = max(worst, abs(got.logprob - want))
     assert worst < 1e-3, worst
-    # prefix caching + chunked prefill: 8-token blocks, snapshots every 8 tokens, prefill chunks of 8
     cached = LLM(
         model=model_dir,
         dtype="float32",
         device="cpu",
         max_seq_len=128,
         max_batch_size=2,
-        max_num_tokens=8,
-        enable_chunked_prefill=True,
-        kv_cache_config={
-            "tokens_per_block": 8,
-            "enable_block_reuse": True,
-            "mamba_state_config": {"periodic_snapshot_interval": 8},
-        },
+        **PREFIX_CACHING,
         **options,
     )
     shared = [PROMPTS[0], PROMPTS[0][:8] + PROMPTS[1][:6]]  # the second reuses the first's 8-token prefix

@@ -16,6 +16,7 @@ import torch
 
 from hyserve import LLM, SamplingParams
 from hyserve.model import registry
+from tests.families.hf_parity import PREFIX_CACHING
 from tests.families.toy_recurrent import TOY_RECURRENT, ToyRecurrentForCausalLM
 
 CONFIG = {
@@ -86,16 +87,7 @@ def test_the_toy_family_decodes_as_its_reference(toy_dir: Path) -> None:
 def test_the_toy_family_with_prefix_caching_and_chunked_prefill(toy_dir: Path) -> None:
     """8-token blocks and snapshots, 8-token prefill chunks: the second prompt starts from the first's
     snapshot after 16 tokens (its toy state and conv window), and every answer is the reference's."""
-    llm = _llm(
-        toy_dir,
-        max_num_tokens=8,
-        enable_chunked_prefill=True,
-        kv_cache_config={
-            "tokens_per_block": 8,
-            "enable_block_reuse": True,
-            "mamba_state_config": {"periodic_snapshot_interval": 8},
-        },
-    )
+    llm = _llm(toy_dir, **PREFIX_CACHING)
     model = llm.engine.runner.model
     first = PROMPTS[0]
     shared = first[:16] + [90, 91, 92, 93, 94]
