@@ -157,7 +157,7 @@ def test_rank_cache_layout_holds_one_ranks_heads() -> None:
     full = cfg.cache_layout()
     for tp in (2, 4, 8, 16):
         r = full.for_rank(tp)
-        a, m = r.attention[cfg.attention_layer_ids[0]], r.mamba[cfg.mamba_layer_ids[0]]
+        a, m = r.attention[cfg.attention_layer_ids[0]], r.recurrent[cfg.mamba_layer_ids[0]]
         assert a.num_kv_heads == max(1, 2 // tp)  # 2 KV heads: split at tp 2, replicated beyond
         assert m.num_heads == 128 // tp
         groups = 8 // tp if tp <= 8 else 1
