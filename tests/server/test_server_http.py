@@ -245,6 +245,8 @@ def test_another_clients_short_request_is_not_queued_behind_a_large_fan_out() ->
             th.join()
         assert r.status_code == 200, r.text
         print(f"\nshort request {small * 1000:.0f} ms beside a {took['big']:.2f} s fan-out of 512 sequences")
-        assert small < 0.25 * took["big"], (small, took)
+        # unloaded ~0.05 of the fan-out's time; on a loaded 2-CPU host one run took 0.27 (0.96 s of 3.61 s).
+        # Queued in arrival order it took 0.75: half still tells the two apart
+        assert small < 0.5 * took["big"], (small, took)
     finally:
         eng.shutdown()
