@@ -3,10 +3,17 @@
 The engine asks the registry for a checkpoint directory's family and builds through it, so a new hybrid
 family is its own folder under `model/` plus one entry in the list here (docs/architecture.md, "Adding a
 model family").
+
+A family can also come from another installed package, as vLLM's model plugins do: each entry point of the
+`hyserve.model_families` group names a family entry (a `Family`, or a callable returning one), registered at
+the registry's first lookup in every process (the server's and the engine's). A plugin that fails to load is
+logged and named in the "not supported" error; it never stops the built-in families from serving.
 """
 
 from __future__ import annotations
 
+import logging
+from importlib import metadata
 from pathlib import Path
 
 from hyserve.model.bamba.family import BAMBA
@@ -18,6 +25,10 @@ from hyserve.model.nemotron_h.family import NEMOTRON_H
 from hyserve.model.protocol import ModelSpec
 
 _FAMILIES: list[ModelFamily] = [NEMOTRON_H, BAMBA, GRANITE_MOE_HYBRID, FALCON_H1]
+PLUGIN_GROUP = "hyserve.model_families"
+_plugins: dict[str, str] | None = None  # entry point -> "" when registered, else why it failed
+
+logger = logging.getLogger(__name__)
 
 
 def register(family: ModelFamily) -> None:
@@ -31,13 +42,39 @@ def register(family: ModelFamily) -> None:
     _FAMILIES.append(family)
 
 
+def load_plugins() -> dict[str, str]:
+    """Register the families of the `hyserve.model_families` entry points (once per process). Returns each
+    entry point's outcome: "" when registered, else what went wrong."""
+    global _plugins
+    if _plugins is not None:
+        return _plugins
+    _plugins = {}
+    for ep in metadata.entry_points(group=PLUGIN_GROUP):
+        what = f"{ep.name} = {ep.value}"
+        try:
+            entry = ep.load()
+            family = entry() if callable(entry) and not hasattr(entry, "model_types") else entry
+            if not all(hasattr(family, a) for a in ("name", "model_types", "architectures", "parse_config")):
+                raise TypeError(f"{type(family).__name__} is not a model family entry (model/family.py)")
+            register(family)
+            _plugins[what] = ""
+        except Exception as e:  # a broken plugin must not stop the built-in families
+            _plugins[what] = f"{type(e).__name__}: {e}"
+            logger.warning("hyserve: model family plugin %s did not load: %s", what, _plugins[what])
+    return _plugins
+
+
 def supported() -> str:
-    return ", ".join(f"{f.name} ({'/'.join(f.architectures)})" for f in _FAMILIES)
+    load_plugins()
+    failed = "; ".join(f"{k} ({v})" for k, v in (_plugins or {}).items() if v)
+    listed = ", ".join(f"{f.name} ({'/'.join(f.architectures)})" for f in _FAMILIES)
+    return listed + (f"; plugins that failed to load: {failed}" if failed else "")
 
 
 def family_for(raw: dict[str, object]) -> ModelFamily:
     """The family of a config.json dict: by model_type, else by architectures; a config that names
     neither is taken as the first family (older NemotronH exports omit both)."""
+    load_plugins()
     model_type = raw.get("model_type")
     listed = raw.get("architectures")
     archs = listed if isinstance(listed, list) else []

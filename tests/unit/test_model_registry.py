@@ -105,3 +105,27 @@ def test_only_the_model_package_names_the_nemotron_h_family():
         if hit:
             offenders.append(f"{path.relative_to(PKG.parent)}: {sorted(hit)}")
     assert not offenders, "outside hyserve/model/: " + "; ".join(offenders)
+
+
+def test_plugins_that_fail_to_load_are_named_and_the_built_in_families_still_serve(tmp_path, monkeypatch):
+    """Entry points of the `hyserve.model_families` group: one naming a missing module, one naming
+    something that is not a family entry. Both are reported (also in the "not supported" error); NemotronH
+    still reads."""
+    dist = tmp_path / "broken_plugins-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugins\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        f"[{registry.PLUGIN_GROUP}]\nmissing = no_such_module_here:FAMILY\nnot_a_family = json:JSONDecoder\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_plugins", None)
+    monkeypatch.setattr(registry, "_FAMILIES", list(registry._FAMILIES))
+    got = registry.load_plugins()
+    assert got["missing = no_such_module_here:FAMILY"].startswith("ModuleNotFoundError")
+    assert got["not_a_family = json:JSONDecoder"].startswith("TypeError: JSONDecoder is not a model family")
+    assert registry.load_plugins() is got  # once per process
+    assert registry.family_for(_raw()).name == "nemotron_h"
+    with pytest.raises(
+        ValueError, match=r"plugins that failed to load: missing = no_such_module_here:FAMILY"
+    ):
+        registry.family_for({"model_type": "llama"})
