@@ -11,18 +11,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
 from hyserve import LLM, SamplingParams
 from hyserve.model import registry
+from hyserve.model.tokenizer import write_tiny_tokenizer
 from tests.families.hf_parity import PREFIX_CACHING
 from tests.families.toy_recurrent import TOY_RECURRENT, ToyRecurrentForCausalLM
+from tests.server_fixtures import REPO_ROOT, ServerProcess
 
 CONFIG = {
     "model_type": "toy_recurrent",
     "architectures": ["ToyRecurrentForCausalLM"],
-    "vocab_size": 300,
+    "vocab_size": 320,  # the tiny tokenizer's
     "hidden_size": 32,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
@@ -45,6 +48,7 @@ def toy_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     registry.register(TOY_RECURRENT)
     d = tmp_path_factory.mktemp("toy_recurrent")
     (d / "config.json").write_text(json.dumps(CONFIG))
+    write_tiny_tokenizer(d)
     yield d
     registry._FAMILIES[:] = families
 
@@ -101,3 +105,34 @@ def test_the_toy_family_with_prefix_caching_and_chunked_prefill(toy_dir: Path) -
     assert math.isfinite(
         float(torch.stack([p.float().sum() for p in llm.engine.runner.cache.ssm.values()]).sum())
     )
+
+
+def test_the_toy_family_is_served_over_http_from_a_plugin(
+    toy_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`hyserve serve` in its own process, where nothing registers the toy family but a package's entry
+    point in the `hyserve.model_families` group (as another installed package would ship it): its
+    completion is LLM.generate's, greedy."""
+    dist = tmp_path / "site" / "toy_family_plugin-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-family-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        f"[{registry.PLUGIN_GROUP}]\ntoy = tests.families.toy_recurrent:TOY_RECURRENT\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", f"{dist.parent}:{REPO_ROOT}")
+    prompt = PROMPTS[0]
+    want = _llm(toy_dir).generate([prompt], GREEDY)[0]
+    assert want.text and len(want.token_ids) == NEW
+    args = [str(toy_dir), "--load-format", "dummy", "--dtype", "float32", "--max-seq-len", "128"]
+    server = ServerProcess(args + ["--max-batch-size", "2", "--warmup", "off"]).start()
+    try:
+        body = {"model": server_model(server), "prompt": prompt, "max_tokens": NEW, "temperature": 0}
+        r = httpx.post(f"{server.base_url}/completions", json={**body, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want.text
+    finally:
+        server.stop()
+
+
+def server_model(server: ServerProcess) -> str:
+    return httpx.get(f"{server.base_url}/models", timeout=10).json()["data"][0]["id"]
