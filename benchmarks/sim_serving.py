@@ -191,6 +191,11 @@ def simulate(setting: Setting, work: Workload, device: DeviceModel) -> tuple[Tim
     return line, steps, clock.t
 
 
+def _pct(values: list[float], p: float) -> float:
+    """The percentile, 0 where there is nothing to rank (one-token outputs have no inter-token gaps)."""
+    return round(percentile(values, p), 2) if values else 0.0
+
+
 def summarize(
     setting: Setting, work: Workload, device_name: str, run: tuple[Timeline, list[float], float]
 ) -> dict:
@@ -203,11 +208,11 @@ def summarize(
         name=f"sim {device_name} c{work.concurrency} n{work.num_prompts} {work.input_len}/{work.output_len}",
         setting=setting.label(),
         output_tok_s=round(out_tokens / total, 1),
-        ttft_ms_p50=round(percentile(ttft, 50), 1),
-        ttft_ms_p99=round(percentile(ttft, 99), 1),
-        tpot_ms_p50=round(percentile(tpot, 50), 2),
-        itl_ms_p50=round(percentile(itl, 50), 2),
-        itl_ms_p99=round(percentile(itl, 99), 2),
+        ttft_ms_p50=_pct(ttft, 50),
+        ttft_ms_p99=_pct(ttft, 99),
+        tpot_ms_p50=_pct(tpot, 50),
+        itl_ms_p50=_pct(itl, 50),
+        itl_ms_p99=_pct(itl, 99),
         steps=len(steps),
         step_ms_max=round(max(steps), 1),
         simulated_s=round(total, 2),

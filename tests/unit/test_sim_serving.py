@@ -106,3 +106,10 @@ def test_steady_state_refills_start_within_a_few_steps() -> None:
     step = device.step_ms(64, 0)  # a decode step of every stream
     assert rec["ttft_ms_p50"] < 4 * step  # 54 ms: ~2.5 steps
     assert rec["tpot_ms_p50"] < 1.25 * step  # 22.9 ms against 21.1
+
+
+def test_one_token_outputs_have_no_gaps_to_rank() -> None:
+    work = Workload(concurrency=2, num_prompts=3, input_len=16, output_len=1)
+    setting = Setting(4, 64, None)
+    rec = summarize(setting, work, "h100-30b-fp8", simulate(setting, work, DEVICES["h100-30b-fp8"]))
+    assert rec["ttft_ms_p50"] > 0 and rec["tpot_ms_p50"] == rec["itl_ms_p99"] == 0.0
