@@ -16,7 +16,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hyserve.kernels.attention import FP8_KV_DTYPES, check_kv_scales
-from hyserve.kernels.host_index import HostIndex, cached_on_device, host_list
+from hyserve.kernels.host_index import HostIndex, host_list
 from hyserve.kernels.launch_util import device_index, pdl, split_kv_args, split_kv_count, tma_tiles_fit
 from hyserve.kernels.triton_common import dot, dot_acc, pdl_enter
 
@@ -876,12 +876,11 @@ def paged_attention_triton(
     else:
         # one analysis per step where the offsets come as the step's HostIndex (every attention layer of a
         # step shares it: ForwardMeta.step_cu)
-        shape = cached_on_device(
-            cu_q if isinstance(cu_q, HostIndex) else [],
-            ("attention-shape", id(seq_lens)),
-            dev,
-            lambda: step_shape(cu_q, seq_lens, T, dev),
-        )
+        def build() -> StepShape:
+            return step_shape(cu_q, seq_lens, T, dev)
+
+        key = ("attention-shape", id(seq_lens))
+        shape = cu_q.on_device(key, dev, build) if isinstance(cu_q, HostIndex) else build()
     nd, max_len, max_new, cu_t, lens_t = shape
     # unread when unscaled (scaled: both given, check_kv_scales)
     ks, vs = (k_scale, v_scale) if k_scale is not None and v_scale is not None else (q, q)

@@ -343,7 +343,7 @@ class Mamba2Mixer(ShardLoading):
 
         xbc_c, conv_final = ops.conv1d_varlen.get(cuda)(xbc, w, bias, cu, init_conv)
         x, b, c = self._split_xbc(xbc_c)
-        snaps = [s for s in meta.snapshots if s.seq >= nd]
+        snaps = any(sw.seq >= nd for sw in meta.snapshots)
         res = ops.ssd.get(cuda)(
             x,
             dt,
@@ -357,7 +357,7 @@ class Mamba2Mixer(ShardLoading):
             dt_softplus=True,
             dt_limit=self.dt_limit,
             initial_states=init_ssm,
-            return_chunk_states=bool(snaps),
+            return_chunk_states=snaps,
         )
         conv_pool[dst] = conv_final.to(conv_pool.dtype)
         store = ops.store_ssm_state.get(cuda)

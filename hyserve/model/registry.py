@@ -53,7 +53,7 @@ def load_plugins() -> dict[str, str]:
         what = f"{ep.name} = {ep.value}"
         try:
             entry = ep.load()
-            family = entry() if callable(entry) and not hasattr(entry, "model_types") else entry
+            family = entry() if callable(entry) else entry  # a family entry is a frozen dataclass
             if not all(hasattr(family, a) for a in ("name", "model_types", "architectures", "parse_config")):
                 raise TypeError(f"{type(family).__name__} is not a model family entry (model/family.py)")
             register(family)
@@ -65,8 +65,7 @@ def load_plugins() -> dict[str, str]:
 
 
 def supported() -> str:
-    load_plugins()
-    failed = "; ".join(f"{k} ({v})" for k, v in (_plugins or {}).items() if v)
+    failed = "; ".join(f"{k} ({v})" for k, v in load_plugins().items() if v)
     listed = ", ".join(f"{f.name} ({'/'.join(f.architectures)})" for f in _FAMILIES)
     return listed + (f"; plugins that failed to load: {failed}" if failed else "")
 
